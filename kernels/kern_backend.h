@@ -1,0 +1,263 @@
+/* kern_backend.h - the compute backend interface: buffers and the ops the models need.
+ * Owns: dtypes, kern_buf, the op argument structs, the ops table and the checked wrappers.
+ * Not here: any model knowledge (layer order, weights names) - that is common/pd_qwen3.c and
+ *   common/pd_dspark.c; shape rules live in kern_ops.c; math lives in cpu/ and cuda/.
+ * Conventions:
+ *   - Every pointer inside an args struct is backend memory (host memory for the CPU backend,
+ *     device memory for CUDA), index arrays (ids, positions, page tables) included, so a
+ *     CUDA graph can capture a step without host round trips.
+ *   - Activations are always F32. Weights carry their own dtype (F32 on the CPU backend, BF16 on
+ *     CUDA); the KV cache dtype is the backend's kv_dtype.
+ *   - Matrices are row-major. A weight W of a linear layer is [out, in] as in Hugging Face.
+ * Threading: a backend (and its stream) is used by one thread at a time. */
+#ifndef KERN_BACKEND_H
+#define KERN_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "pd_status.h"
+
+typedef enum { KERN_DTYPE_F32 = 0, KERN_DTYPE_BF16, KERN_DTYPE_F16, KERN_DTYPE_I32 } kern_dtype;
+
+size_t kern_dtype_size(kern_dtype dt);
+const char *kern_dtype_name(kern_dtype dt);
+
+typedef struct kern_backend kern_backend;
+typedef struct kern_backend_ops kern_backend_ops;
+
+/* A block of backend memory. ptr is a host pointer (cpu) or a device pointer (cuda). */
+typedef struct kern_buf {
+    kern_backend *be;
+    void *ptr;
+    size_t bytes;
+} kern_buf;
+
+/* A weight matrix or vector in backend memory; data is borrowed from a kern_buf. */
+typedef struct {
+    const void *data;
+    kern_dtype dtype;
+    int64_t rows;   /* [rows, cols]; vectors have rows = 1 */
+    int64_t cols;
+} kern_weight;
+
+/* ---- op arguments ------------------------------------------------------------------------ */
+
+/* out[i, :] = table[ids[i], :] converted to F32. */
+typedef struct {
+    kern_weight table;       /* [vocab, dim] */
+    const int32_t *ids;      /* [n] */
+    int n;
+    float *out;              /* [n, ld_out] */
+    int ld_out;              /* row stride of out in elements (>= dim) */
+} kern_embed_args;
+
+/* y = rmsnorm(x (+ residual)) * w over rows of length dim.
+ * If residual != NULL: s = x + residual is formed first and, if sum_out != NULL, written there
+ * (the fused residual add of a pre-norm block). out may alias x; sum_out may alias residual. */
+typedef struct {
+    const float *x;          /* [rows, ld_x] */
+    const float *residual;   /* nullable, [rows, ld_x] */
+    float *sum_out;          /* nullable, [rows, ld_x] */
+    float *out;              /* [rows, ld_out] */
+    kern_weight w;           /* [dim] */
+    int rows;
+    int dim;
+    int ld_x;
+    int ld_out;
+    float eps;
+} kern_rmsnorm_args;
+
+/* y[M, N] = x[M, K] @ w[N, K]^T (+ y if accumulate) (+ bias[N] if bias.data). */
+typedef struct {
+    const float *x;
+    int ld_x;
+    kern_weight w;           /* [N, K] */
+    kern_weight bias;        /* nullable data, [N] */
+    float *y;
+    int ld_y;
+    int m;
+    int n;
+    int k;
+    int accumulate;
+} kern_matmul_args;
+
+/* Rotate-half RoPE in place on x viewed as [n_tok, n_heads, head_dim] with row stride ld
+ * (elements between tokens). pos[t] is the absolute position of token t. */
+typedef struct {
+    float *x;
+    int n_tok;
+    int n_heads;
+    int head_dim;
+    int ld;
+    const int32_t *pos;
+    float theta;
+} kern_rope_args;
+
+typedef enum { KERN_UNARY_SIGMOID = 0, KERN_UNARY_TANH, KERN_UNARY_SILU } kern_unary_op;
+typedef enum { KERN_BINARY_ADD = 0, KERN_BINARY_SUB, KERN_BINARY_MUL,
+               KERN_BINARY_SWIGLU /* out = silu(a) * b */ } kern_binary_op;
+
+/* out = op(x), elementwise over a [rows, cols] view; out may alias x. */
+typedef struct {
+    kern_unary_op op;
+    const float *x;
+    int ld_x;
+    float *out;
+    int ld_out;
+    int rows;
+    int cols;
+} kern_unary_args;
+
+/* out = a op b, elementwise over a [rows, cols] view; out may alias a or b. */
+typedef struct {
+    kern_binary_op op;
+    const float *a;
+    int ld_a;
+    const float *b;
+    int ld_b;
+    float *out;
+    int ld_out;
+    int rows;
+    int cols;
+} kern_binary_args;
+
+/* dst[r, 0:cols] = src[idx ? idx[r] : r, 0:cols] (F32 rows; gather, concat and views). */
+typedef struct {
+    const float *src;
+    int ld_src;
+    const int32_t *idx;      /* nullable, [rows] */
+    float *dst;
+    int ld_dst;
+    int rows;
+    int cols;
+} kern_copy_rows_args;
+
+/* A paged KV layer: pages of page_size token slots, each slot n_kv_heads * head_dim values. */
+typedef struct {
+    void *k;                 /* [n_pages, page_size, n_kv_heads, head_dim] */
+    void *v;
+    kern_dtype dtype;
+    int page_size;
+    int n_kv_heads;
+    int head_dim;
+} kern_kv_layer;
+
+/* Write k/v rows of n_tok tokens into their slots: slot = page * page_size + offset. */
+typedef struct {
+    kern_kv_layer kv;
+    const float *k;          /* [n_tok, ld] with n_kv_heads * head_dim values per row */
+    const float *v;
+    int ld;
+    const int32_t *slot;     /* [n_tok] */
+    int n_tok;
+} kern_kv_store_args;
+
+/* Paged attention for a ragged batch of queries (prefill chunks, verify blocks, draft blocks).
+ * Query t belongs to sequence tok_seq[t] and attends keys at positions 0..tok_kv_len[t]-1 of
+ * that sequence, fetched through its page table row. Causal prefill sets kv_len = pos + 1;
+ * a non-causal draft block gives every query the same kv_len (context + whole block).
+ * GQA: query head h reads kv head h / (n_heads / n_kv_heads). */
+typedef struct {
+    kern_kv_layer kv;
+    const float *q;          /* [n_tok, ld_q], n_heads * head_dim values */
+    int ld_q;
+    float *out;              /* [n_tok, ld_out] */
+    int ld_out;
+    int n_tok;
+    int n_heads;
+    const int32_t *tok_seq;      /* [n_tok] */
+    const int32_t *tok_kv_len;   /* [n_tok] */
+    const int32_t *page_table;   /* [n_seq, pt_stride] page ids */
+    int pt_stride;
+    int n_seq;
+    int max_kv_len;              /* upper bound of tok_kv_len (host-known; sizes scratch) */
+    float scale;
+} kern_attn_args;
+
+/* out[r] = argmax over x[r, 0:n] (lowest index wins a tie). */
+typedef struct {
+    const float *x;
+    int ld_x;
+    int rows;
+    int n;
+    int32_t *out;
+} kern_argmax_args;
+
+/* ---- the backend ------------------------------------------------------------------------- */
+
+struct kern_backend_ops {
+    const char *name;
+    pd_status (*buf_alloc)(kern_backend *be, size_t bytes, kern_buf **out, pd_err *err);
+    void (*buf_free)(kern_backend *be, kern_buf *buf);
+    pd_status (*upload)(kern_backend *be, void *dst, const void *src, size_t n, pd_err *err);
+    pd_status (*download)(kern_backend *be, void *dst, const void *src, size_t n, pd_err *err);
+    pd_status (*memset0)(kern_backend *be, void *dst, size_t n, pd_err *err);
+    /* Converts n values of src_dtype (host memory) into dst (backend memory, dst_dtype). */
+    pd_status (*upload_convert)(kern_backend *be, void *dst, kern_dtype dst_dtype,
+                                const void *src, kern_dtype src_dtype, size_t n, pd_err *err);
+    pd_status (*sync)(kern_backend *be, pd_err *err);
+    pd_status (*embed)(kern_backend *be, const kern_embed_args *a, pd_err *err);
+    pd_status (*rmsnorm)(kern_backend *be, const kern_rmsnorm_args *a, pd_err *err);
+    pd_status (*matmul)(kern_backend *be, const kern_matmul_args *a, pd_err *err);
+    pd_status (*rope)(kern_backend *be, const kern_rope_args *a, pd_err *err);
+    pd_status (*unary)(kern_backend *be, const kern_unary_args *a, pd_err *err);
+    pd_status (*binary)(kern_backend *be, const kern_binary_args *a, pd_err *err);
+    pd_status (*copy_rows)(kern_backend *be, const kern_copy_rows_args *a, pd_err *err);
+    pd_status (*kv_store)(kern_backend *be, const kern_kv_store_args *a, pd_err *err);
+    pd_status (*attn)(kern_backend *be, const kern_attn_args *a, pd_err *err);
+    pd_status (*argmax)(kern_backend *be, const kern_argmax_args *a, pd_err *err);
+    void (*destroy)(kern_backend *be);
+};
+
+struct kern_backend {
+    const kern_backend_ops *ops;
+    void *impl;                 /* backend-private state */
+    kern_dtype weight_dtype;    /* dtype weights are stored in */
+    kern_dtype kv_dtype;        /* dtype of KV pages */
+    int is_host;                /* 1 when buffers are plain host memory (cpu) */
+};
+
+typedef struct {
+    const char *name;   /* "cpu" or "cuda" */
+    int device;         /* cuda device ordinal */
+    int threads;        /* cpu: BLAS threads (0 = library default) */
+} kern_backend_config;
+
+/* Creates a backend by name. Refuses an ops table with a NULL entry. Errors: PD_ERR_INVALID
+ * (unknown name), PD_ERR_UNSUPPORTED (cuda not built), PD_ERR_CUDA (no device). */
+pd_status kern_backend_create(const kern_backend_config *cfg, kern_backend **out, pd_err *err);
+void kern_backend_destroy(kern_backend *be);
+/* Checks that every op of a table is set (used by kern_backend_create and tests). */
+pd_status kern_backend_check_ops(const kern_backend_ops *ops, pd_err *err);
+
+/* ---- checked wrappers (kern_ops.c): shape rules in one place, then be->ops->X ------------ */
+pd_status kern_buf_alloc(kern_backend *be, size_t bytes, kern_buf **out, pd_err *err);
+void kern_buf_free(kern_buf *buf);
+pd_status kern_upload(kern_backend *be, void *dst, const void *src, size_t n, pd_err *err);
+pd_status kern_download(kern_backend *be, void *dst, const void *src, size_t n, pd_err *err);
+pd_status kern_memset0(kern_backend *be, void *dst, size_t n, pd_err *err);
+pd_status kern_upload_convert(kern_backend *be, void *dst, kern_dtype dst_dtype, const void *src,
+                              kern_dtype src_dtype, size_t n, pd_err *err);
+pd_status kern_sync(kern_backend *be, pd_err *err);
+pd_status kern_embed(kern_backend *be, const kern_embed_args *a, pd_err *err);
+pd_status kern_rmsnorm(kern_backend *be, const kern_rmsnorm_args *a, pd_err *err);
+pd_status kern_matmul(kern_backend *be, const kern_matmul_args *a, pd_err *err);
+pd_status kern_rope(kern_backend *be, const kern_rope_args *a, pd_err *err);
+pd_status kern_unary(kern_backend *be, const kern_unary_args *a, pd_err *err);
+pd_status kern_binary(kern_backend *be, const kern_binary_args *a, pd_err *err);
+pd_status kern_copy_rows(kern_backend *be, const kern_copy_rows_args *a, pd_err *err);
+pd_status kern_kv_store(kern_backend *be, const kern_kv_store_args *a, pd_err *err);
+pd_status kern_attn(kern_backend *be, const kern_attn_args *a, pd_err *err);
+pd_status kern_argmax(kern_backend *be, const kern_argmax_args *a, pd_err *err);
+
+/* Host helpers for dtype conversion (used by loaders and the CPU backend). */
+float kern_bf16_to_f32(uint16_t h);
+uint16_t kern_f32_to_bf16(float f);   /* round to nearest even */
+float kern_f16_to_f32(uint16_t h);
+uint16_t kern_f32_to_f16(float f);
+/* Converts n values between host buffers; src and dst must not overlap. */
+pd_status kern_convert_host(void *dst, kern_dtype dst_dtype, const void *src, kern_dtype src_dtype,
+                            size_t n, pd_err *err);
+
+#endif

