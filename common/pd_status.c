@@ -36,7 +36,15 @@ pd_status pd_err_prefix(pd_err *err, const char *fmt, ...)
     va_end(ap);
     char old[sizeof(err->msg)];
     memcpy(old, err->msg, sizeof(old));
-    snprintf(err->msg, sizeof(err->msg), "%s: %s", prefix, old);
+    size_t np = strlen(prefix), no = strnlen(old, sizeof(old) - 1), cap = sizeof(err->msg) - 1;
+    size_t o = 0;
+    memcpy(err->msg, prefix, np < cap ? np : cap);
+    o = np < cap ? np : cap;
+    for (const char *sep = ": "; *sep != '\0' && o < cap; sep++)
+        err->msg[o++] = *sep;
+    size_t take = no < cap - o ? no : cap - o;
+    memcpy(err->msg + o, old, take);
+    err->msg[o + take] = '\0';
     return err->code;
 }
 

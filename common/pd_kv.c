@@ -1,0 +1,147 @@
+/* pd_kv.c - paged KV pool: one backend allocation, a LIFO free list of page ids, page tables.
+ * Threading: owner thread only (see pd_kv.h). */
+#include "pd_kv.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+struct pd_kv_pool {
+    pd_kv_layout lay;
+    kern_backend *be;
+    kern_buf *mem;
+    int32_t *free_list;
+    int n_free;
+};
+
+size_t pd_kv_page_bytes(const pd_kv_layout *lay)
+{
+    return (size_t)lay->page_size * lay->n_kv_heads * lay->head_dim * kern_dtype_size(lay->dtype);
+}
+
+pd_status pd_kv_layout_match(const pd_kv_layout *a, const pd_kv_layout *b, pd_err *err)
+{
+#define FIELD(f) \
+    if (a->f != b->f) \
+        return pd_err_set(err, PD_ERR_INVALID, "kv layout mismatch: " #f " %d vs %d", (int)a->f, (int)b->f)
+    FIELD(n_layers);
+    FIELD(n_kv_heads);
+    FIELD(head_dim);
+    FIELD(page_size);
+    FIELD(dtype);
+#undef FIELD
+    return PD_OK;
+}
+
+pd_status pd_kv_pool_create(kern_backend *be, const pd_kv_layout *lay, pd_kv_pool **out, pd_err *err)
+{
+    if (lay->n_layers <= 0 || lay->n_kv_heads <= 0 || lay->head_dim <= 0 || lay->page_size <= 0 ||
+        lay->n_pages <= 0)
+        return pd_err_set(err, PD_ERR_INVALID,
+                          "kv pool: layers %d kv heads %d head dim %d page size %d pages %d",
+                          lay->n_layers, lay->n_kv_heads, lay->head_dim, lay->page_size, lay->n_pages);
+    pd_kv_pool *pool = calloc(1, sizeof(*pool));
+    if (pool == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "kv pool");
+    pd_status st;
+    pool->lay = *lay;
+    pool->be = be;
+    pool->free_list = malloc((size_t)lay->n_pages * sizeof(int32_t));
+    if (pool->free_list == NULL) {
+        st = pd_err_set(err, PD_ERR_NOMEM, "kv free list: %d pages", lay->n_pages);
+        goto err_free_pool;
+    }
+    size_t bytes = pd_kv_page_bytes(lay) * (size_t)lay->n_pages * 2 * (size_t)lay->n_layers;
+    st = kern_buf_alloc(be, bytes, &pool->mem, err);
+    if (st != PD_OK)
+        goto err_free_list;
+    /* zero once so a read of a never-written slot is finite (it is never attended to) */
+    st = kern_memset0(be, pool->mem->ptr, bytes, err);
+    if (st != PD_OK)
+        goto err_free_mem;
+    for (int i = 0; i < lay->n_pages; i++)
+        pool->free_list[i] = lay->n_pages - 1 - i;   /* pop gives page 0 first */
+    pool->n_free = lay->n_pages;
+    *out = pool;
+    return PD_OK;
+err_free_mem:
+    kern_buf_free(pool->mem);
+err_free_list:
+    free(pool->free_list);
+err_free_pool:
+    free(pool);
+    return st;
+}
+
+void pd_kv_pool_destroy(pd_kv_pool *pool)
+{
+    if (pool == NULL)
+        return;
+    kern_buf_free(pool->mem);
+    free(pool->free_list);
+    free(pool);
+}
+
+const pd_kv_layout *pd_kv_pool_layout(const pd_kv_pool *pool) { return &pool->lay; }
+const kern_buf *pd_kv_pool_buf(const pd_kv_pool *pool) { return pool->mem; }
+int pd_kv_pool_free_pages(const pd_kv_pool *pool) { return pool->n_free; }
+
+kern_kv_layer pd_kv_pool_layer(const pd_kv_pool *pool, int layer)
+{
+    size_t half = pd_kv_page_bytes(&pool->lay) * (size_t)pool->lay.n_pages;
+    char *base = (char *)pool->mem->ptr + (size_t)layer * 2 * half;
+    kern_kv_layer kv = {
+        .k = base,
+        .v = base + half,
+        .dtype = pool->lay.dtype,
+        .page_size = pool->lay.page_size,
+        .n_kv_heads = pool->lay.n_kv_heads,
+        .head_dim = pool->lay.head_dim,
+    };
+    return kv;
+}
+
+void pd_kv_seq_init(pd_kv_seq *seq)
+{
+    memset(seq, 0, sizeof(*seq));
+}
+
+pd_status pd_kv_seq_reserve(pd_kv_pool *pool, pd_kv_seq *seq, int n_tokens, pd_err *err)
+{
+    int need = (n_tokens + pool->lay.page_size - 1) / pool->lay.page_size;
+    if (need <= seq->n_pages)
+        return PD_OK;
+    int more = need - seq->n_pages;
+    if (more > pool->n_free)
+        return pd_err_set(err, PD_ERR_BUSY, "kv pool exhausted: need %d pages, %d free", more,
+                          pool->n_free);
+    if (need > seq->cap) {
+        int cap = seq->cap > 0 ? seq->cap : 8;
+        while (cap < need)
+            cap *= 2;
+        int32_t *p = realloc(seq->pages, (size_t)cap * sizeof(int32_t));
+        if (p == NULL)
+            return pd_err_set(err, PD_ERR_NOMEM, "page table: %d entries", cap);
+        seq->pages = p;
+        seq->cap = cap;
+    }
+    for (int i = 0; i < more; i++)
+        seq->pages[seq->n_pages++] = pool->free_list[--pool->n_free];
+    return PD_OK;
+}
+
+void pd_kv_seq_release(pd_kv_pool *pool, pd_kv_seq *seq)
+{
+    if (seq == NULL)
+        return;
+    for (int i = 0; i < seq->n_pages; i++)
+        pool->free_list[pool->n_free++] = seq->pages[i];
+    free(seq->pages);
+    pd_kv_seq_init(seq);
+}
+
+int32_t pd_kv_seq_slot(const pd_kv_pool *pool, const pd_kv_seq *seq, int pos)
+{
+    int ps = pool->lay.page_size;
+    PD_ASSERT(pos >= 0 && pos / ps < seq->n_pages);
+    return seq->pages[pos / ps] * ps + pos % ps;
+}

@@ -1,0 +1,58 @@
+/* pd_kv.h - the paged KV cache: the one layout contract between prefill and decode.
+ * Owns: page size and layout, the pool's free list, per-sequence page tables.
+ * Layout of a pool's memory (one kern_buf): for layer l, K then V, each
+ *   [n_pages, page_size, n_kv_heads, head_dim] of `dtype`; so a page of one layer's K is
+ *   page_size * n_kv_heads * head_dim contiguous values (what pd_xfer puts between nodes).
+ * Not here: moving bytes between nodes (pd_xfer), eviction policy (decode_node).
+ * Threading: a pool and its sequences are used only by the thread that owns the engine. */
+#ifndef PD_KV_H
+#define PD_KV_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kern_backend.h"
+#include "pd_status.h"
+
+typedef struct {
+    int n_layers;
+    int n_kv_heads;
+    int head_dim;
+    int page_size;       /* token slots per page */
+    int n_pages;         /* pages in the pool */
+    kern_dtype dtype;
+} pd_kv_layout;
+
+typedef struct pd_kv_pool pd_kv_pool;
+
+/* A sequence's page table. len is the number of committed token positions. */
+typedef struct {
+    int32_t *pages;
+    int n_pages;
+    int cap;
+    int len;
+} pd_kv_seq;
+
+/* Bytes of one page of one layer's K (equal to V). */
+size_t pd_kv_page_bytes(const pd_kv_layout *lay);
+/* Two layouts can exchange pages iff this returns PD_OK; the message names the first field
+ * that differs. */
+pd_status pd_kv_layout_match(const pd_kv_layout *a, const pd_kv_layout *b, pd_err *err);
+
+pd_status pd_kv_pool_create(kern_backend *be, const pd_kv_layout *lay, pd_kv_pool **out, pd_err *err);
+void pd_kv_pool_destroy(pd_kv_pool *pool);
+const pd_kv_layout *pd_kv_pool_layout(const pd_kv_pool *pool);
+kern_kv_layer pd_kv_pool_layer(const pd_kv_pool *pool, int layer);
+const kern_buf *pd_kv_pool_buf(const pd_kv_pool *pool);
+int pd_kv_pool_free_pages(const pd_kv_pool *pool);
+
+void pd_kv_seq_init(pd_kv_seq *seq);
+/* Makes seq hold pages for at least n_tokens positions. PD_ERR_BUSY when the pool is out of
+ * pages (seq unchanged). */
+pd_status pd_kv_seq_reserve(pd_kv_pool *pool, pd_kv_seq *seq, int n_tokens, pd_err *err);
+/* Returns every page to the pool and empties seq. */
+void pd_kv_seq_release(pd_kv_pool *pool, pd_kv_seq *seq);
+/* Slot index (page * page_size + offset) of position pos; pos must be reserved. */
+int32_t pd_kv_seq_slot(const pd_kv_pool *pool, const pd_kv_seq *seq, int pos);
+
+#endif

@@ -1,0 +1,358 @@
+/* kern_cpu.c - CPU reference implementation of every backend op.
+ * Owns: host buffers (64-byte aligned), the reference math: fp32 values, double accumulators
+ *   for long sums (norms, softmax, attention), OpenBLAS sgemm for matmul.
+ * Not here: shape checks (kern_ops.c runs them before any entry here).
+ * Threading: ops run on the calling thread (OpenBLAS may use its own pool inside sgemm). */
+#include "kern_cpu.h"
+
+#include <cblas.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static float load(const void *p, kern_dtype dt, size_t i)
+{
+    switch (dt) {
+    case KERN_DTYPE_F32: return ((const float *)p)[i];
+    case KERN_DTYPE_BF16: return kern_bf16_to_f32(((const uint16_t *)p)[i]);
+    case KERN_DTYPE_F16: return kern_f16_to_f32(((const uint16_t *)p)[i]);
+    case KERN_DTYPE_I32: return (float)((const int32_t *)p)[i];
+    }
+    return 0.0f;
+}
+
+static void store(void *p, kern_dtype dt, size_t i, float f)
+{
+    switch (dt) {
+    case KERN_DTYPE_F32: ((float *)p)[i] = f; break;
+    case KERN_DTYPE_BF16: ((uint16_t *)p)[i] = kern_f32_to_bf16(f); break;
+    case KERN_DTYPE_F16: ((uint16_t *)p)[i] = kern_f32_to_f16(f); break;
+    case KERN_DTYPE_I32: ((int32_t *)p)[i] = (int32_t)f; break;
+    }
+}
+
+static pd_status cpu_buf_alloc(kern_backend *be, size_t bytes, kern_buf **out, pd_err *err)
+{
+    kern_buf *b = calloc(1, sizeof(*b));
+    if (b == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "cpu buffer header");
+    size_t rounded = (bytes + 63) & ~(size_t)63;
+    b->ptr = aligned_alloc(64, rounded);
+    if (b->ptr == NULL) {
+        free(b);
+        return pd_err_set(err, PD_ERR_NOMEM, "cpu buffer: %zu bytes", bytes);
+    }
+    b->be = be;
+    b->bytes = bytes;
+    *out = b;
+    return PD_OK;
+}
+
+static void cpu_buf_free(kern_backend *be, kern_buf *b)
+{
+    (void)be;
+    if (b == NULL)
+        return;
+    free(b->ptr);
+    free(b);
+}
+
+static pd_status cpu_copy(kern_backend *be, void *dst, const void *src, size_t n, pd_err *err)
+{
+    (void)be;
+    (void)err;
+    memmove(dst, src, n);
+    return PD_OK;
+}
+
+static pd_status cpu_memset0(kern_backend *be, void *dst, size_t n, pd_err *err)
+{
+    (void)be;
+    (void)err;
+    memset(dst, 0, n);
+    return PD_OK;
+}
+
+static pd_status cpu_upload_convert(kern_backend *be, void *dst, kern_dtype dst_dtype, const void *src,
+                                    kern_dtype src_dtype, size_t n, pd_err *err)
+{
+    (void)be;
+    return kern_convert_host(dst, dst_dtype, src, src_dtype, n, err);
+}
+
+static pd_status cpu_sync(kern_backend *be, pd_err *err)
+{
+    (void)be;
+    (void)err;
+    return PD_OK;
+}
+
+static pd_status cpu_embed(kern_backend *be, const kern_embed_args *a, pd_err *err)
+{
+    (void)be;
+    int dim = (int)a->table.cols;
+    for (int i = 0; i < a->n; i++) {
+        int32_t id = a->ids[i];
+        if (id < 0 || id >= a->table.rows)
+            return pd_err_set(err, PD_ERR_INVALID, "embed: token id %d outside vocab %lld", id,
+                              (long long)a->table.rows);
+        for (int c = 0; c < dim; c++)
+            a->out[(size_t)i * a->ld_out + c] = load(a->table.data, a->table.dtype, (size_t)id * dim + c);
+    }
+    return PD_OK;
+}
+
+static pd_status cpu_rmsnorm(kern_backend *be, const kern_rmsnorm_args *a, pd_err *err)
+{
+    (void)be;
+    (void)err;
+    float *row = malloc((size_t)a->dim * sizeof(float));
+    if (row == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "rmsnorm scratch");
+    for (int r = 0; r < a->rows; r++) {
+        const float *x = a->x + (size_t)r * a->ld_x;
+        for (int c = 0; c < a->dim; c++)
+            row[c] = x[c] + (a->residual != NULL ? a->residual[(size_t)r * a->ld_x + c] : 0.0f);
+        if (a->sum_out != NULL)
+            memcpy(a->sum_out + (size_t)r * a->ld_x, row, (size_t)a->dim * sizeof(float));
+        double ss = 0.0;
+        for (int c = 0; c < a->dim; c++)
+            ss += (double)row[c] * row[c];
+        float inv = (float)(1.0 / sqrt(ss / a->dim + (double)a->eps));
+        float *o = a->out + (size_t)r * a->ld_out;
+        for (int c = 0; c < a->dim; c++)
+            o[c] = load(a->w.data, a->w.dtype, (size_t)c) * (row[c] * inv);
+    }
+    free(row);
+    return PD_OK;
+}
+
+static pd_status cpu_matmul(kern_backend *be, const kern_matmul_args *a, pd_err *err)
+{
+    (void)be;
+    const float *w = a->w.data;
+    float *wtmp = NULL;
+    if (a->w.dtype != KERN_DTYPE_F32) {
+        /* reference path for non-F32 weights (parity tests): widen once, then sgemm */
+        size_t n = (size_t)a->n * a->k;
+        wtmp = malloc(n * sizeof(float));
+        if (wtmp == NULL)
+            return pd_err_set(err, PD_ERR_NOMEM, "matmul: widen %zu weights", n);
+        for (size_t i = 0; i < n; i++)
+            wtmp[i] = load(a->w.data, a->w.dtype, i);
+        w = wtmp;
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, a->m, a->n, a->k, 1.0f, a->x, a->ld_x,
+                w, a->k, a->accumulate ? 1.0f : 0.0f, a->y, a->ld_y);
+    if (a->bias.data != NULL)
+        for (int r = 0; r < a->m; r++)
+            for (int c = 0; c < a->n; c++)
+                a->y[(size_t)r * a->ld_y + c] += load(a->bias.data, a->bias.dtype, (size_t)c);
+    free(wtmp);
+    return PD_OK;
+}
+
+static pd_status cpu_rope(kern_backend *be, const kern_rope_args *a, pd_err *err)
+{
+    (void)be;
+    (void)err;
+    int half = a->head_dim / 2;
+    for (int t = 0; t < a->n_tok; t++) {
+        double pos = (double)a->pos[t];
+        for (int i = 0; i < half; i++) {
+            /* inv_freq as Hugging Face computes it: in float32 */
+            float inv_freq = (float)(1.0 / pow((double)a->theta, (double)(2 * i) / a->head_dim));
+            double ang = pos * (double)inv_freq;
+            float c = (float)cos(ang), s = (float)sin(ang);
+            for (int h = 0; h < a->n_heads; h++) {
+                float *x = a->x + (size_t)t * a->ld + (size_t)h * a->head_dim;
+                float x1 = x[i], x2 = x[i + half];
+                x[i] = x1 * c - x2 * s;
+                x[i + half] = x2 * c + x1 * s;
+            }
+        }
+    }
+    return PD_OK;
+}
+
+static float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+static pd_status cpu_unary(kern_backend *be, const kern_unary_args *a, pd_err *err)
+{
+    (void)be;
+    (void)err;
+    for (int r = 0; r < a->rows; r++)
+        for (int c = 0; c < a->cols; c++) {
+            float x = a->x[(size_t)r * a->ld_x + c], y = x;
+            switch (a->op) {
+            case KERN_UNARY_SIGMOID: y = sigmoidf_(x); break;
+            case KERN_UNARY_TANH: y = tanhf(x); break;
+            case KERN_UNARY_SILU: y = x * sigmoidf_(x); break;
+            }
+            a->out[(size_t)r * a->ld_out + c] = y;
+        }
+    return PD_OK;
+}
+
+static pd_status cpu_binary(kern_backend *be, const kern_binary_args *a, pd_err *err)
+{
+    (void)be;
+    (void)err;
+    for (int r = 0; r < a->rows; r++)
+        for (int c = 0; c < a->cols; c++) {
+            float x = a->a[(size_t)r * a->ld_a + c], y = a->b[(size_t)r * a->ld_b + c], z = 0.0f;
+            switch (a->op) {
+            case KERN_BINARY_ADD: z = x + y; break;
+            case KERN_BINARY_SUB: z = x - y; break;
+            case KERN_BINARY_MUL: z = x * y; break;
+            case KERN_BINARY_SWIGLU: z = x * sigmoidf_(x) * y; break;
+            }
+            a->out[(size_t)r * a->ld_out + c] = z;
+        }
+    return PD_OK;
+}
+
+static pd_status cpu_copy_rows(kern_backend *be, const kern_copy_rows_args *a, pd_err *err)
+{
+    (void)be;
+    (void)err;
+    for (int r = 0; r < a->rows; r++) {
+        int s = a->idx != NULL ? a->idx[r] : r;
+        memmove(a->dst + (size_t)r * a->ld_dst, a->src + (size_t)s * a->ld_src,
+                (size_t)a->cols * sizeof(float));
+    }
+    return PD_OK;
+}
+
+static pd_status cpu_kv_store(kern_backend *be, const kern_kv_store_args *a, pd_err *err)
+{
+    (void)be;
+    (void)err;
+    size_t row = (size_t)a->kv.n_kv_heads * a->kv.head_dim;
+    for (int t = 0; t < a->n_tok; t++) {
+        size_t base = (size_t)a->slot[t] * row;
+        for (size_t c = 0; c < row; c++) {
+            store(a->kv.k, a->kv.dtype, base + c, a->k[(size_t)t * a->ld + c]);
+            store(a->kv.v, a->kv.dtype, base + c, a->v[(size_t)t * a->ld + c]);
+        }
+    }
+    return PD_OK;
+}
+
+static pd_status cpu_attn(kern_backend *be, const kern_attn_args *a, pd_err *err)
+{
+    (void)be;
+    const kern_kv_layer *kv = &a->kv;
+    int hd = kv->head_dim;
+    int group = a->n_heads / kv->n_kv_heads;
+    size_t row = (size_t)kv->n_kv_heads * hd;
+    double *score = malloc((size_t)a->max_kv_len * sizeof(double));
+    double *acc = malloc((size_t)hd * sizeof(double));
+    if (score == NULL || acc == NULL) {
+        free(score);
+        free(acc);
+        return pd_err_set(err, PD_ERR_NOMEM, "attn scratch: %d keys", a->max_kv_len);
+    }
+    pd_status st = PD_OK;
+    for (int t = 0; t < a->n_tok && st == PD_OK; t++) {
+        int s = a->tok_seq[t], len = a->tok_kv_len[t];
+        if (s < 0 || s >= a->n_seq || len <= 0 || len > a->max_kv_len) {
+            st = pd_err_set(err, PD_ERR_INVALID, "attn: token %d seq %d kv_len %d (max %d)", t, s,
+                            len, a->max_kv_len);
+            break;
+        }
+        const int32_t *pt = a->page_table + (size_t)s * a->pt_stride;
+        for (int h = 0; h < a->n_heads; h++) {
+            const float *q = a->q + (size_t)t * a->ld_q + (size_t)h * hd;
+            int g = h / group;
+            double mx = -INFINITY;
+            for (int j = 0; j < len; j++) {
+                size_t slot = (size_t)pt[j / kv->page_size] * kv->page_size + j % kv->page_size;
+                size_t base = slot * row + (size_t)g * hd;
+                double d = 0.0;
+                for (int c = 0; c < hd; c++)
+                    d += (double)q[c] * load(kv->k, kv->dtype, base + c);
+                score[j] = d * a->scale;
+                if (score[j] > mx)
+                    mx = score[j];
+            }
+            double sum = 0.0;
+            for (int j = 0; j < len; j++) {
+                score[j] = exp(score[j] - mx);
+                sum += score[j];
+            }
+            for (int c = 0; c < hd; c++)
+                acc[c] = 0.0;
+            for (int j = 0; j < len; j++) {
+                size_t slot = (size_t)pt[j / kv->page_size] * kv->page_size + j % kv->page_size;
+                size_t base = slot * row + (size_t)g * hd;
+                double p = score[j] / sum;
+                for (int c = 0; c < hd; c++)
+                    acc[c] += p * load(kv->v, kv->dtype, base + c);
+            }
+            float *o = a->out + (size_t)t * a->ld_out + (size_t)h * hd;
+            for (int c = 0; c < hd; c++)
+                o[c] = (float)acc[c];
+        }
+    }
+    free(score);
+    free(acc);
+    return st;
+}
+
+static pd_status cpu_argmax(kern_backend *be, const kern_argmax_args *a, pd_err *err)
+{
+    (void)be;
+    (void)err;
+    for (int r = 0; r < a->rows; r++) {
+        const float *x = a->x + (size_t)r * a->ld_x;
+        int best = 0;
+        for (int i = 1; i < a->n; i++)
+            if (x[i] > x[best])
+                best = i;
+        a->out[r] = best;
+    }
+    return PD_OK;
+}
+
+static void cpu_destroy(kern_backend *be)
+{
+    free(be);
+}
+
+static const kern_backend_ops cpu_ops = {
+    .name = "cpu",
+    .buf_alloc = cpu_buf_alloc,
+    .buf_free = cpu_buf_free,
+    .upload = cpu_copy,
+    .download = cpu_copy,
+    .memset0 = cpu_memset0,
+    .upload_convert = cpu_upload_convert,
+    .sync = cpu_sync,
+    .embed = cpu_embed,
+    .rmsnorm = cpu_rmsnorm,
+    .matmul = cpu_matmul,
+    .rope = cpu_rope,
+    .unary = cpu_unary,
+    .binary = cpu_binary,
+    .copy_rows = cpu_copy_rows,
+    .kv_store = cpu_kv_store,
+    .attn = cpu_attn,
+    .argmax = cpu_argmax,
+    .destroy = cpu_destroy,
+};
+
+pd_status kern_cpu_backend_create(const kern_backend_config *cfg, kern_backend **out, pd_err *err)
+{
+    kern_backend *be = calloc(1, sizeof(*be));
+    if (be == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "cpu backend");
+    if (cfg != NULL && cfg->threads > 0)
+        openblas_set_num_threads(cfg->threads);
+    be->ops = &cpu_ops;
+    be->weight_dtype = KERN_DTYPE_F32;
+    be->kv_dtype = KERN_DTYPE_F32;
+    be->is_host = 1;
+    *out = be;
+    return PD_OK;
+}

@@ -1,0 +1,30 @@
+/* kern_cuda.h - the CUDA backend's public entry points (plain C; nothing CUDA-specific here).
+ * Owns: creating the CUDA backend, counting devices.
+ * Not here: the op implementations (kern_cuda_<family>.cu), their private launchers and
+ *   PD_CUDA_TRY (kern_cuda_internal.h, included by .cu files only).
+ * Threading: kern_cuda_device_count is safe from any thread; a backend is used by one thread at
+ *   a time (it owns one stream). */
+#ifndef KERN_CUDA_H
+#define KERN_CUDA_H
+
+#include "kern_backend.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Number of usable CUDA devices; 0 when there is no driver, no GPU, or the runtime fails.
+ * Never fails and never logs an error (tests call it to decide whether to skip). */
+int kern_cuda_device_count(void);
+
+/* Creates a CUDA backend on device cfg->device: a non-blocking stream, a cuBLAS handle bound to
+ * it, and a growable device workspace. weight_dtype and kv_dtype are BF16. The backend and
+ * everything it holds are released by its ops->destroy (kern_backend_destroy).
+ * Errors: PD_ERR_CUDA (no such device, driver or cuBLAS failure), PD_ERR_NOMEM. */
+pd_status kern_cuda_backend_create(const kern_backend_config *cfg, kern_backend **out, pd_err *err);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

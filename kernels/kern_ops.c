@@ -1,0 +1,203 @@
+/* kern_ops.c - the checked wrappers: every shape and dtype rule of the ops, in one place.
+ * Owns: argument validation, then dispatch to be->ops->X.
+ * Not here: math. A failed check is a caller bug or bad input the caller forwarded, so it
+ *   returns PD_ERR_INVALID with the op and the offending value instead of asserting.
+ * Threading: as the backend. */
+#include "kern_backend.h"
+
+#define CHECK(cond, ...) \
+    do { if (!(cond)) return pd_err_set(err, PD_ERR_INVALID, __VA_ARGS__); } while (0)
+
+static int weight_ok(const kern_weight *w)
+{
+    return w->data != NULL && w->rows > 0 && w->cols > 0 &&
+           (w->dtype == KERN_DTYPE_F32 || w->dtype == KERN_DTYPE_BF16 || w->dtype == KERN_DTYPE_F16);
+}
+
+pd_status kern_buf_alloc(kern_backend *be, size_t bytes, kern_buf **out, pd_err *err)
+{
+    CHECK(be != NULL && out != NULL, "buf_alloc: NULL backend or out");
+    return be->ops->buf_alloc(be, bytes == 0 ? 1 : bytes, out, err);
+}
+
+void kern_buf_free(kern_buf *buf)
+{
+    if (buf != NULL)
+        buf->be->ops->buf_free(buf->be, buf);
+}
+
+pd_status kern_upload(kern_backend *be, void *dst, const void *src, size_t n, pd_err *err)
+{
+    if (n == 0)
+        return PD_OK;
+    CHECK(dst != NULL && src != NULL, "upload: NULL pointer");
+    return be->ops->upload(be, dst, src, n, err);
+}
+
+pd_status kern_download(kern_backend *be, void *dst, const void *src, size_t n, pd_err *err)
+{
+    if (n == 0)
+        return PD_OK;
+    CHECK(dst != NULL && src != NULL, "download: NULL pointer");
+    return be->ops->download(be, dst, src, n, err);
+}
+
+pd_status kern_memset0(kern_backend *be, void *dst, size_t n, pd_err *err)
+{
+    if (n == 0)
+        return PD_OK;
+    CHECK(dst != NULL, "memset0: NULL pointer");
+    return be->ops->memset0(be, dst, n, err);
+}
+
+pd_status kern_upload_convert(kern_backend *be, void *dst, kern_dtype dst_dtype, const void *src,
+                              kern_dtype src_dtype, size_t n, pd_err *err)
+{
+    if (n == 0)
+        return PD_OK;
+    CHECK(dst != NULL && src != NULL, "upload_convert: NULL pointer");
+    CHECK((dst_dtype == KERN_DTYPE_I32) == (src_dtype == KERN_DTYPE_I32),
+          "upload_convert: %s -> %s", kern_dtype_name(src_dtype), kern_dtype_name(dst_dtype));
+    return be->ops->upload_convert(be, dst, dst_dtype, src, src_dtype, n, err);
+}
+
+pd_status kern_sync(kern_backend *be, pd_err *err)
+{
+    return be->ops->sync(be, err);
+}
+
+pd_status kern_embed(kern_backend *be, const kern_embed_args *a, pd_err *err)
+{
+    if (a->n == 0)
+        return PD_OK;
+    CHECK(a->n > 0 && a->ids != NULL && a->out != NULL, "embed: n %d", a->n);
+    CHECK(weight_ok(&a->table), "embed: bad table");
+    CHECK(a->ld_out >= a->table.cols, "embed: ld_out %d < dim %lld", a->ld_out,
+          (long long)a->table.cols);
+    return be->ops->embed(be, a, err);
+}
+
+pd_status kern_rmsnorm(kern_backend *be, const kern_rmsnorm_args *a, pd_err *err)
+{
+    if (a->rows == 0)
+        return PD_OK;
+    CHECK(a->rows > 0 && a->dim > 0, "rmsnorm: rows %d dim %d", a->rows, a->dim);
+    CHECK(a->x != NULL && a->out != NULL, "rmsnorm: NULL x/out");
+    CHECK(a->ld_x >= a->dim && a->ld_out >= a->dim, "rmsnorm: ld_x %d ld_out %d < dim %d",
+          a->ld_x, a->ld_out, a->dim);
+    CHECK(weight_ok(&a->w) && a->w.rows * a->w.cols == a->dim, "rmsnorm: weight size %lld != dim %d",
+          (long long)(a->w.rows * a->w.cols), a->dim);
+    CHECK(a->sum_out == NULL || a->residual != NULL, "rmsnorm: sum_out without residual");
+    CHECK(a->eps > 0.0f, "rmsnorm: eps %g", (double)a->eps);
+    return be->ops->rmsnorm(be, a, err);
+}
+
+pd_status kern_matmul(kern_backend *be, const kern_matmul_args *a, pd_err *err)
+{
+    if (a->m == 0)
+        return PD_OK;
+    CHECK(a->m > 0 && a->n > 0 && a->k > 0, "matmul: m %d n %d k %d", a->m, a->n, a->k);
+    CHECK(a->x != NULL && a->y != NULL, "matmul: NULL x/y");
+    CHECK(weight_ok(&a->w), "matmul: bad weight");
+    CHECK(a->w.rows == a->n && a->w.cols == a->k, "matmul: weight [%lld, %lld] != [n %d, k %d]",
+          (long long)a->w.rows, (long long)a->w.cols, a->n, a->k);
+    CHECK(a->ld_x >= a->k && a->ld_y >= a->n, "matmul: ld_x %d (k %d) ld_y %d (n %d)", a->ld_x,
+          a->k, a->ld_y, a->n);
+    CHECK(a->bias.data == NULL || a->bias.rows * a->bias.cols == a->n, "matmul: bias size");
+    return be->ops->matmul(be, a, err);
+}
+
+pd_status kern_rope(kern_backend *be, const kern_rope_args *a, pd_err *err)
+{
+    if (a->n_tok == 0)
+        return PD_OK;
+    CHECK(a->x != NULL && a->pos != NULL, "rope: NULL x/pos");
+    CHECK(a->n_tok > 0 && a->n_heads > 0 && a->head_dim > 0 && a->head_dim % 2 == 0,
+          "rope: n_tok %d n_heads %d head_dim %d", a->n_tok, a->n_heads, a->head_dim);
+    CHECK(a->ld >= a->n_heads * a->head_dim, "rope: ld %d", a->ld);
+    CHECK(a->theta > 0.0f, "rope: theta %g", (double)a->theta);
+    return be->ops->rope(be, a, err);
+}
+
+pd_status kern_unary(kern_backend *be, const kern_unary_args *a, pd_err *err)
+{
+    if (a->rows == 0)
+        return PD_OK;
+    CHECK(a->x != NULL && a->out != NULL && a->rows > 0 && a->cols > 0, "unary: bad view");
+    CHECK(a->ld_x >= a->cols && a->ld_out >= a->cols, "unary: ld < cols");
+    CHECK(a->op >= KERN_UNARY_SIGMOID && a->op <= KERN_UNARY_SILU, "unary: op %d", (int)a->op);
+    return be->ops->unary(be, a, err);
+}
+
+pd_status kern_binary(kern_backend *be, const kern_binary_args *a, pd_err *err)
+{
+    if (a->rows == 0)
+        return PD_OK;
+    CHECK(a->a != NULL && a->b != NULL && a->out != NULL && a->rows > 0 && a->cols > 0,
+          "binary: bad view");
+    CHECK(a->ld_a >= a->cols && a->ld_b >= a->cols && a->ld_out >= a->cols, "binary: ld < cols");
+    CHECK(a->op >= KERN_BINARY_ADD && a->op <= KERN_BINARY_SWIGLU, "binary: op %d", (int)a->op);
+    return be->ops->binary(be, a, err);
+}
+
+pd_status kern_copy_rows(kern_backend *be, const kern_copy_rows_args *a, pd_err *err)
+{
+    if (a->rows == 0)
+        return PD_OK;
+    CHECK(a->src != NULL && a->dst != NULL && a->rows > 0 && a->cols > 0, "copy_rows: bad view");
+    CHECK(a->ld_src >= a->cols && a->ld_dst >= a->cols, "copy_rows: ld < cols");
+    return be->ops->copy_rows(be, a, err);
+}
+
+static pd_status kv_layer_check(const kern_kv_layer *kv, pd_err *err)
+{
+    CHECK(kv->k != NULL && kv->v != NULL, "kv: NULL pages");
+    CHECK(kv->page_size > 0 && kv->n_kv_heads > 0 && kv->head_dim > 0,
+          "kv: page_size %d n_kv_heads %d head_dim %d", kv->page_size, kv->n_kv_heads, kv->head_dim);
+    CHECK(kv->dtype == KERN_DTYPE_F32 || kv->dtype == KERN_DTYPE_BF16 || kv->dtype == KERN_DTYPE_F16,
+          "kv: dtype %s", kern_dtype_name(kv->dtype));
+    return PD_OK;
+}
+
+pd_status kern_kv_store(kern_backend *be, const kern_kv_store_args *a, pd_err *err)
+{
+    if (a->n_tok == 0)
+        return PD_OK;
+    pd_status st = kv_layer_check(&a->kv, err);
+    if (st != PD_OK)
+        return st;
+    CHECK(a->k != NULL && a->v != NULL && a->slot != NULL && a->n_tok > 0, "kv_store: bad args");
+    CHECK(a->ld >= a->kv.n_kv_heads * a->kv.head_dim, "kv_store: ld %d", a->ld);
+    return be->ops->kv_store(be, a, err);
+}
+
+pd_status kern_attn(kern_backend *be, const kern_attn_args *a, pd_err *err)
+{
+    if (a->n_tok == 0)
+        return PD_OK;
+    pd_status st = kv_layer_check(&a->kv, err);
+    if (st != PD_OK)
+        return st;
+    CHECK(a->q != NULL && a->out != NULL && a->tok_seq != NULL && a->tok_kv_len != NULL &&
+              a->page_table != NULL, "attn: NULL pointer");
+    CHECK(a->n_tok > 0 && a->n_heads > 0 && a->n_seq > 0 && a->pt_stride > 0,
+          "attn: n_tok %d n_heads %d n_seq %d pt_stride %d", a->n_tok, a->n_heads, a->n_seq,
+          a->pt_stride);
+    CHECK(a->n_heads % a->kv.n_kv_heads == 0, "attn: n_heads %d not a multiple of n_kv_heads %d",
+          a->n_heads, a->kv.n_kv_heads);
+    CHECK(a->ld_q >= a->n_heads * a->kv.head_dim && a->ld_out >= a->n_heads * a->kv.head_dim,
+          "attn: ld_q %d ld_out %d", a->ld_q, a->ld_out);
+    CHECK(a->max_kv_len > 0 && a->max_kv_len <= a->pt_stride * a->kv.page_size,
+          "attn: max_kv_len %d exceeds page table capacity %d", a->max_kv_len,
+          a->pt_stride * a->kv.page_size);
+    return be->ops->attn(be, a, err);
+}
+
+pd_status kern_argmax(kern_backend *be, const kern_argmax_args *a, pd_err *err)
+{
+    if (a->rows == 0)
+        return PD_OK;
+    CHECK(a->x != NULL && a->out != NULL && a->rows > 0 && a->n > 0 && a->ld_x >= a->n,
+          "argmax: bad view");
+    return be->ops->argmax(be, a, err);
+}
