@@ -547,8 +547,13 @@ pd_status pd_st_open(const char *path, pd_st_set **out, pd_err *err)
     qsort(set->tensors, set->n_tensors, sizeof(*set->tensors), tensor_cmp);
     for (size_t i = 1; i < set->n_tensors; i++) {
         if (strcmp(set->tensors[i - 1].name, set->tensors[i].name) == 0) {
-            st = pd_err_set(err, PD_ERR_INVALID, "%s: tensor %s appears twice (%s and %s)", path,
-                            set->tensors[i].name, set->tensors[i - 1].file, set->tensors[i].file);
+            const char *fa = set->tensors[i - 1].file, *fb = set->tensors[i].file;
+            if (strcmp(fa, fb) == 0)
+                st = pd_err_set(err, PD_ERR_INVALID, "%s: tensor %s appears twice", fa,
+                                set->tensors[i].name);
+            else
+                st = pd_err_set(err, PD_ERR_INVALID, "%s: tensor %s appears in both %s and %s",
+                                path, set->tensors[i].name, fa, fb);
             goto err_close;
         }
     }
