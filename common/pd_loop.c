@@ -1,0 +1,290 @@
+/* pd_loop.c - libevent event loop with a mutex-protected post queue woken by an eventfd.
+ * Owns: event_base lifetime, the post queue, the wake fd, timer/watcher wrappers.
+ * Not here: what runs on the loop.
+ * Threading: see pd_loop.h; the queue mutex is the only state shared across threads. */
+#include "pd_loop.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <event2/event.h>
+
+#include "pd_log.h"
+
+typedef struct post_item {
+    pd_loop_fn fn;
+    void *arg;
+    struct post_item *next;
+} post_item;
+
+struct pd_loop {
+    struct event_base *base;
+    struct event *wake_ev;
+    int wake_fd;
+    pthread_mutex_t mu;
+    post_item *head, *tail;     /* guarded by mu */
+    bool stopping;              /* guarded by mu */
+    bool running;
+    pthread_t owner;
+};
+
+struct pd_loop_timer {
+    pd_loop *loop;
+    struct event *ev;
+    pd_loop_fn fn;
+    void *arg;
+    uint64_t ms;
+    bool repeat;
+};
+
+struct pd_loop_watch {
+    struct event *ev;
+    pd_loop_fd_fn fn;
+    void *arg;
+};
+
+/* Run everything queued now (not what the closures post meanwhile: that waits for the next
+ * wake, so one busy producer cannot starve the loop). */
+static void loop_drain(pd_loop *l)
+{
+    pthread_mutex_lock(&l->mu);
+    post_item *it = l->head;
+    l->head = l->tail = NULL;
+    bool stop = l->stopping;
+    pthread_mutex_unlock(&l->mu);
+    while (it != NULL) {
+        post_item *next = it->next;
+        it->fn(it->arg);
+        free(it);
+        it = next;
+    }
+    if (stop)
+        event_base_loopbreak(l->base);
+}
+
+static void loop_on_wake(evutil_socket_t fd, short what, void *arg)
+{
+    (void)what;
+    uint64_t v;
+    if (read(fd, &v, sizeof(v)) < 0 && errno != EAGAIN)
+        PD_LOG_WARN("loop", "wake read: %s", strerror(errno));
+    loop_drain(arg);
+}
+
+static void loop_wake(pd_loop *l)
+{
+    uint64_t one = 1;
+    if (write(l->wake_fd, &one, sizeof(one)) < 0 && errno != EAGAIN)
+        PD_LOG_WARN("loop", "wake write: %s", strerror(errno));
+}
+
+pd_status pd_loop_create(pd_loop **out, pd_err *err)
+{
+    pd_loop *l = calloc(1, sizeof(*l));
+    if (l == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "loop: %zu bytes", sizeof(*l));
+    pd_status st;
+    pthread_mutex_init(&l->mu, NULL);
+    l->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (l->wake_fd < 0) {
+        st = pd_err_set(err, PD_ERR_IO, "loop: eventfd: %s", strerror(errno));
+        goto err_free;
+    }
+    l->base = event_base_new();
+    if (l->base == NULL) {
+        st = pd_err_set(err, PD_ERR_IO, "loop: event_base_new failed");
+        goto err_close;
+    }
+    l->wake_ev = event_new(l->base, l->wake_fd, EV_READ | EV_PERSIST, loop_on_wake, l);
+    if (l->wake_ev == NULL || event_add(l->wake_ev, NULL) != 0) {
+        st = pd_err_set(err, PD_ERR_IO, "loop: cannot watch the wake fd");
+        goto err_base;
+    }
+    *out = l;
+    return PD_OK;
+err_base:
+    if (l->wake_ev != NULL)
+        event_free(l->wake_ev);
+    event_base_free(l->base);
+err_close:
+    close(l->wake_fd);
+err_free:
+    pthread_mutex_destroy(&l->mu);
+    free(l);
+    return st;
+}
+
+void pd_loop_destroy(pd_loop *l)
+{
+    if (l == NULL)
+        return;
+    PD_ASSERT(!l->running);
+    /* Hand-offs still queued own resources: run them (bounded: each round runs what exists). */
+    for (int round = 0; round < 64; round++) {
+        pthread_mutex_lock(&l->mu);
+        bool empty = l->head == NULL;
+        l->stopping = true;
+        pthread_mutex_unlock(&l->mu);
+        if (empty)
+            break;
+        loop_drain(l);
+    }
+    event_free(l->wake_ev);
+    event_base_free(l->base);
+    close(l->wake_fd);
+    pthread_mutex_destroy(&l->mu);
+    free(l);
+}
+
+pd_status pd_loop_run(pd_loop *l, pd_err *err)
+{
+    pthread_mutex_lock(&l->mu);
+    l->owner = pthread_self();
+    l->running = true;
+    l->stopping = false;
+    pthread_mutex_unlock(&l->mu);
+    int rc = event_base_loop(l->base, 0);
+    pthread_mutex_lock(&l->mu);
+    l->running = false;
+    pthread_mutex_unlock(&l->mu);
+    if (rc < 0)
+        return pd_err_set(err, PD_ERR_INTERNAL, "loop: event_base_loop failed");
+    return PD_OK;
+}
+
+void pd_loop_stop(pd_loop *l)
+{
+    pthread_mutex_lock(&l->mu);
+    l->stopping = true;
+    pthread_mutex_unlock(&l->mu);
+    loop_wake(l);
+}
+
+pd_status pd_loop_post(pd_loop *l, pd_loop_fn fn, void *arg)
+{
+    post_item *it = malloc(sizeof(*it));
+    if (it == NULL)
+        return PD_ERR_NOMEM;
+    it->fn = fn;
+    it->arg = arg;
+    it->next = NULL;
+    pthread_mutex_lock(&l->mu);
+    if (l->stopping && !l->running) {
+        pthread_mutex_unlock(&l->mu);
+        free(it);
+        return PD_ERR_CANCELLED;
+    }
+    bool was_empty = l->head == NULL;
+    if (l->tail != NULL)
+        l->tail->next = it;
+    else
+        l->head = it;
+    l->tail = it;
+    pthread_mutex_unlock(&l->mu);
+    if (was_empty)
+        loop_wake(l);
+    return PD_OK;
+}
+
+bool pd_loop_in_loop_thread(const pd_loop *l)
+{
+    return l->running && pthread_equal(l->owner, pthread_self());
+}
+
+struct event_base *pd_loop_base(pd_loop *l)
+{
+    return l->base;
+}
+
+static void timer_on_fire(evutil_socket_t fd, short what, void *arg)
+{
+    (void)fd;
+    (void)what;
+    pd_loop_timer *t = arg;
+    t->fn(t->arg);
+}
+
+pd_status pd_loop_timer_create(pd_loop *l, pd_loop_fn fn, void *arg, pd_loop_timer **out,
+                               pd_err *err)
+{
+    pd_loop_timer *t = calloc(1, sizeof(*t));
+    if (t == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "loop timer");
+    t->loop = l;
+    t->fn = fn;
+    t->arg = arg;
+    *out = t;
+    return PD_OK;
+}
+
+void pd_loop_timer_start(pd_loop_timer *t, uint64_t ms, bool repeat)
+{
+    if (t->ev != NULL && t->repeat != repeat) {
+        event_free(t->ev);
+        t->ev = NULL;
+    }
+    if (t->ev == NULL) {
+        t->ev = event_new(t->loop->base, -1, repeat ? EV_PERSIST : 0, timer_on_fire, t);
+        if (t->ev == NULL) {
+            PD_LOG_ERROR("loop", "timer: event_new failed");
+            return;
+        }
+    }
+    t->ms = ms;
+    t->repeat = repeat;
+    struct timeval tv = {.tv_sec = (time_t)(ms / 1000), .tv_usec = (suseconds_t)(ms % 1000) * 1000};
+    event_add(t->ev, &tv);
+}
+
+void pd_loop_timer_stop(pd_loop_timer *t)
+{
+    if (t != NULL && t->ev != NULL)
+        event_del(t->ev);
+}
+
+void pd_loop_timer_destroy(pd_loop_timer *t)
+{
+    if (t == NULL)
+        return;
+    if (t->ev != NULL)
+        event_free(t->ev);
+    free(t);
+}
+
+static void watch_on_ready(evutil_socket_t fd, short what, void *arg)
+{
+    (void)what;
+    pd_loop_watch *w = arg;
+    w->fn((int)fd, w->arg);
+}
+
+pd_status pd_loop_watch_fd(pd_loop *l, int fd, pd_loop_fd_fn fn, void *arg, pd_loop_watch **out,
+                           pd_err *err)
+{
+    pd_loop_watch *w = calloc(1, sizeof(*w));
+    if (w == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "loop watch");
+    w->fn = fn;
+    w->arg = arg;
+    w->ev = event_new(l->base, fd, EV_READ | EV_PERSIST, watch_on_ready, w);
+    if (w->ev == NULL || event_add(w->ev, NULL) != 0) {
+        if (w->ev != NULL)
+            event_free(w->ev);
+        free(w);
+        return pd_err_set(err, PD_ERR_IO, "loop: cannot watch fd %d", fd);
+    }
+    *out = w;
+    return PD_OK;
+}
+
+void pd_loop_watch_destroy(pd_loop_watch *w)
+{
+    if (w == NULL)
+        return;
+    event_free(w->ev);
+    free(w);
+}

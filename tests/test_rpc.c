@@ -1,0 +1,487 @@
+/* test_rpc.c - pd_rpc on 127.0.0.1:0: unary and server-streaming calls, deadline, malformed
+ * request, wrong version, unknown method, client cancel seen by the server, handler errors,
+ * shutdown with calls in flight. Nothing here is timed; waits are bounded only to turn a hang
+ * into a failure. */
+#include <pthread.h>
+#include <stdbool.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "pd_proto_version.h"
+#include "pd_rpc.h"
+#include "pdspark.pb-c.h"
+#include "test_util.h"
+
+#define M_HEALTH "/pdspark.Prefill/Health"
+#define M_CANCEL "/pdspark.Prefill/CancelPrefill"
+#define M_PREFILL "/pdspark.Prefill/Prefill"
+#define M_GENERATE "/pdspark.Generate/Generate"
+
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int n_health;
+    int n_done;            /* on-done callbacks seen */
+    int n_done_cancelled;
+    int n_prefill_cancelled;
+    int n_stream_cancel_seen; /* writer saw PD_ERR_CANCELLED or on-done(cancelled) */
+    int n_held;               /* "hold" streams the handler accepted */
+    pthread_t writers[16];
+    int n_writers;
+} server_state;
+
+typedef struct {
+    server_state *s;
+    pd_rpc_call *call;
+    unsigned n_chunks;      /* 0 = until cancelled */
+} writer_args;
+
+static void state_bump(server_state *s, int *field)
+{
+    pthread_mutex_lock(&s->mu);
+    (*field)++;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* Wait until *field >= want; false after 20 s (a hang turned into a failure, not a timing). */
+static bool state_wait(server_state *s, int *field, int want)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += 20;
+    pthread_mutex_lock(&s->mu);
+    int rc = 0;
+    while (*field < want && rc == 0)
+        rc = pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+    bool ok = *field >= want;
+    pthread_mutex_unlock(&s->mu);
+    return ok;
+}
+
+static pd_status on_health(void *ud, const ProtobufCMessage *req, pd_rpc_call *call)
+{
+    (void)req;
+    server_state *s = ud;
+    state_bump(s, &s->n_health);
+    Pdspark__HealthReply r = PDSPARK__HEALTH_REPLY__INIT;
+    r.version = PD_PROTO_VERSION;
+    r.status = PDSPARK__HEALTH_REPLY__SERVING_STATUS__SERVING_STATUS_SERVING;
+    r.node = (char *)"test";
+    return pd_rpc_reply(call, &r.base) == PD_OK ? PD_OK : PD_OK;
+}
+
+static pd_status on_cancel_prefill(void *ud, const ProtobufCMessage *req, pd_rpc_call *call)
+{
+    (void)ud;
+    const Pdspark__CancelPrefillRequest *r = (const Pdspark__CancelPrefillRequest *)req;
+    if (strcmp(r->request_id, "known") != 0)
+        return PD_ERR_NOT_FOUND;    /* pd_rpc finishes the call with NOT_FOUND */
+    Pdspark__CancelPrefillReply rep = PDSPARK__CANCEL_PREFILL_REPLY__INIT;
+    rep.version = PD_PROTO_VERSION;
+    rep.was_running = true;
+    pd_rpc_reply(call, &rep.base);
+    return PD_OK;
+}
+
+static void prefill_done(void *arg, pd_rpc_call *call, bool cancelled)
+{
+    server_state *s = arg;
+    if (cancelled)
+        state_bump(s, &s->n_prefill_cancelled);
+    state_bump(s, &s->n_done);
+    pd_rpc_finish(call, PD_ERR_CANCELLED, "gone");   /* release our reference */
+}
+
+/* Never replies: it only ends when the client's deadline (or shutdown) cancels the call. */
+static pd_status on_prefill(void *ud, const ProtobufCMessage *req, pd_rpc_call *call)
+{
+    (void)req;
+    TEST_CHECK(pd_rpc_call_deadline_ms(call) < INT64_MAX);
+    pd_rpc_call_on_done(call, prefill_done, ud);
+    return PD_OK;
+}
+
+static void stream_done(void *arg, pd_rpc_call *call, bool cancelled)
+{
+    (void)call;
+    server_state *s = arg;
+    if (cancelled)
+        state_bump(s, &s->n_done_cancelled);
+    state_bump(s, &s->n_done);
+}
+
+static void *stream_writer(void *arg)
+{
+    writer_args *w = arg;
+    server_state *s = w->s;
+    pd_status st = PD_OK;
+    for (unsigned i = 0; w->n_chunks == 0 || i < w->n_chunks; i++) {
+        Pdspark__GenerateChunk c = PDSPARK__GENERATE_CHUNK__INIT;
+        c.version = PD_PROTO_VERSION;
+        char text[32];
+        snprintf(text, sizeof(text), "tok%u ", i);
+        c.text_delta = text;
+        uint32_t id = i;
+        c.n_token_ids = 1;
+        c.token_ids = &id;
+        st = pd_rpc_stream_write(w->call, &c.base);
+        if (st == PD_ERR_BUSY) {            /* slow reader: back off */
+            usleep(1000);
+            i--;
+            continue;
+        }
+        if (st != PD_OK)
+            break;
+        if (w->n_chunks == 0)
+            usleep(2000);
+    }
+    if (st == PD_ERR_CANCELLED) {
+        state_bump(s, &s->n_stream_cancel_seen);
+        pd_rpc_finish(w->call, PD_ERR_CANCELLED, NULL);
+    } else if (st == PD_OK) {
+        Pdspark__GenerateChunk fin = PDSPARK__GENERATE_CHUNK__INIT;
+        Pdspark__Usage usage = PDSPARK__USAGE__INIT;
+        Pdspark__DSparkStats stats = PDSPARK__DSPARK_STATS__INIT;
+        uint32_t acc[2] = {3, 4};
+        fin.version = usage.version = stats.version = PD_PROTO_VERSION;
+        fin.final = true;
+        fin.finish_reason = PDSPARK__FINISH_REASON__FINISH_REASON_LENGTH;
+        usage.prompt_tokens = 5;
+        usage.completion_tokens = w->n_chunks;
+        stats.rounds = 2;
+        stats.n_accepted_per_round = 2;
+        stats.accepted_per_round = acc;
+        stats.tau = 4.5f;
+        fin.usage = &usage;
+        fin.stats = &stats;
+        pd_rpc_stream_write(w->call, &fin.base);
+        pd_rpc_finish(w->call, PD_OK, NULL);
+    } else {
+        pd_rpc_finish(w->call, st, NULL);
+    }
+    free(w);
+    return NULL;
+}
+
+static void hold_done(void *arg, pd_rpc_call *call, bool cancelled)
+{
+    server_state *s = arg;
+    if (cancelled)
+        state_bump(s, &s->n_done_cancelled);
+    state_bump(s, &s->n_done);
+    pd_rpc_finish(call, PD_ERR_CANCELLED, NULL);
+}
+
+/* prompt_text "hold": keep the call open without writing until it is cancelled.
+ * otherwise: a writer thread sends max_new_tokens chunks (0 = until cancelled). */
+static pd_status on_generate(void *ud, const ProtobufCMessage *req, pd_rpc_call *call)
+{
+    server_state *s = ud;
+    const Pdspark__GenerateRequest *r = (const Pdspark__GenerateRequest *)req;
+    if (strcmp(r->prompt_text, "hold") == 0) {
+        pd_rpc_call_on_done(call, hold_done, s);
+        state_bump(s, &s->n_held);
+        return PD_OK;
+    }
+    if (r->sampling == NULL)
+        return PD_ERR_INVALID;
+    pd_rpc_call_on_done(call, stream_done, s);
+    writer_args *w = calloc(1, sizeof(*w));
+    w->s = s;
+    w->call = call;
+    w->n_chunks = r->sampling->max_new_tokens;
+    pthread_mutex_lock(&s->mu);
+    PD_ASSERT(s->n_writers < 16);
+    pthread_create(&s->writers[s->n_writers++], NULL, stream_writer, w);
+    pthread_mutex_unlock(&s->mu);
+    return PD_OK;
+}
+
+static const pd_rpc_method methods[] = {
+    {M_HEALTH, PD_RPC_UNARY, &pdspark__health_request__descriptor, on_health},
+    {M_CANCEL, PD_RPC_UNARY, &pdspark__cancel_prefill_request__descriptor, on_cancel_prefill},
+    {M_PREFILL, PD_RPC_UNARY, &pdspark__prefill_request__descriptor, on_prefill},
+    {M_GENERATE, PD_RPC_SERVER_STREAM, &pdspark__generate_request__descriptor, on_generate},
+};
+
+static pd_status count_chunk(void *ud, const ProtobufCMessage *msg)
+{
+    (void)msg;
+    (*(unsigned *)ud)++;
+    return PD_OK;
+}
+
+static pd_status stop_after_two(void *ud, const ProtobufCMessage *msg)
+{
+    (void)msg;
+    return ++(*(unsigned *)ud) == 2 ? PD_ERR_CANCELLED : PD_OK;
+}
+
+static pd_status health_call(pd_rpc_channel *ch, uint32_t version, pd_err *err)
+{
+    Pdspark__HealthRequest req = PDSPARK__HEALTH_REQUEST__INIT;
+    req.version = version;
+    ProtobufCMessage *resp = NULL;
+    pd_status st = pd_rpc_unary(ch, M_HEALTH, &req.base, &pdspark__health_reply__descriptor, 5000,
+                                &resp, err);
+    if (st == PD_OK) {
+        Pdspark__HealthReply *h = (Pdspark__HealthReply *)resp;
+        TEST_CHECK(pd_proto_version_check(resp, NULL) == PD_OK);
+        TEST_CHECK(h->status == PDSPARK__HEALTH_REPLY__SERVING_STATUS__SERVING_STATUS_SERVING);
+        TEST_CHECK(strcmp(h->node, "test") == 0);
+        protobuf_c_message_free_unpacked(resp, NULL);
+    }
+    return st;
+}
+
+static void test_status_mapping(void)
+{
+    TEST_CHECK(pd_rpc_code_from(PD_OK) == PD_RPC_OK);
+    TEST_CHECK(pd_rpc_code_from(PD_ERR_INVALID) == PD_RPC_INVALID_ARGUMENT);
+    TEST_CHECK(pd_rpc_code_from(PD_ERR_NOT_FOUND) == PD_RPC_NOT_FOUND);
+    TEST_CHECK(pd_rpc_code_from(PD_ERR_TIMEOUT) == PD_RPC_DEADLINE_EXCEEDED);
+    TEST_CHECK(pd_rpc_code_from(PD_ERR_PEER) == PD_RPC_UNAVAILABLE);
+    TEST_CHECK(pd_rpc_code_from(PD_ERR_BUSY) == PD_RPC_RESOURCE_EXHAUSTED);
+    TEST_CHECK(pd_rpc_code_from(PD_ERR_CANCELLED) == PD_RPC_CANCELLED);
+    TEST_CHECK(pd_rpc_code_from(PD_ERR_UNSUPPORTED) == PD_RPC_UNIMPLEMENTED);
+    TEST_CHECK(pd_rpc_code_from(PD_ERR_NOMEM) == PD_RPC_INTERNAL);
+    TEST_CHECK(pd_rpc_code_from(PD_ERR_CUDA) == PD_RPC_INTERNAL);
+    pd_status round[] = {PD_OK, PD_ERR_INVALID, PD_ERR_NOT_FOUND, PD_ERR_TIMEOUT, PD_ERR_PEER,
+                         PD_ERR_BUSY, PD_ERR_CANCELLED, PD_ERR_UNSUPPORTED, PD_ERR_INTERNAL};
+    for (size_t i = 0; i < sizeof(round) / sizeof(round[0]); i++)
+        TEST_CHECK(pd_rpc_status_from_code(pd_rpc_code_from(round[i])) == round[i]);
+    TEST_CHECK(pd_rpc_status_from_code(PD_RPC_DATA_LOSS) == PD_ERR_INTERNAL);
+}
+
+int main(void)
+{
+    test_status_mapping();
+
+    server_state s;
+    memset(&s, 0, sizeof(s));
+    pthread_mutex_init(&s.mu, NULL);
+    pthread_cond_init(&s.cv, NULL);
+
+    pd_err err;
+    pd_rpc_server *srv = NULL;
+    pd_status st = pd_rpc_server_create("127.0.0.1:0", methods, 4, &s, &srv, &err);
+    if (st == PD_ERR_IO)
+        TEST_SKIP("cannot listen on 127.0.0.1 (no loopback networking here)");
+    TEST_CHECK_MSG(st == PD_OK, "%s", err.msg);
+    if (st != PD_OK)
+        TEST_DONE();
+    int port = pd_rpc_server_port(srv);
+    TEST_CHECK(port > 0);
+    char target[64];
+    snprintf(target, sizeof(target), "127.0.0.1:%d", port);
+    pd_rpc_channel *ch = NULL;
+    TEST_CHECK(pd_rpc_channel_create(target, &ch, &err) == PD_OK);
+
+    /* bad method table is refused */
+    pd_rpc_method bad = {"noslash", PD_RPC_UNARY, &pdspark__health_request__descriptor, on_health};
+    pd_rpc_server *srv2 = NULL;
+    TEST_CHECK(pd_rpc_server_create("127.0.0.1:0", &bad, 1, &s, &srv2, &err) == PD_ERR_INVALID);
+
+    /* unary */
+    st = health_call(ch, PD_PROTO_VERSION, &err);
+    TEST_CHECK_MSG(st == PD_OK, "%s", err.msg);
+
+    /* wrong version: INVALID_ARGUMENT with a message naming the versions; handler not run */
+    int before = s.n_health;
+    st = health_call(ch, PD_PROTO_VERSION + 6, &err);
+    TEST_CHECK(st == PD_ERR_INVALID);
+    TEST_CHECK_MSG(strstr(err.msg, "protocol version 7, expected 1") != NULL, "%s", err.msg);
+    TEST_CHECK_MSG(strstr(err.msg, "INVALID_ARGUMENT") != NULL, "%s", err.msg);
+    st = health_call(ch, 0, &err);
+    TEST_CHECK(st == PD_ERR_INVALID);
+    TEST_CHECK(s.n_health == before);
+
+    /* malformed bytes through a raw call, then the server keeps serving */
+    static const unsigned char junk[] = {0x0a, 0xff, 0xff, 0xff, 0xff, 0x0f, 0x01};
+    void *out = NULL;
+    size_t out_len = 0;
+    st = pd_rpc_unary_raw(ch, M_HEALTH, junk, sizeof(junk), 5000, &out, &out_len, &err);
+    TEST_CHECK_MSG(st == PD_ERR_INVALID, "%s: %s", pd_status_str(st), err.msg);
+    TEST_CHECK_MSG(strstr(err.msg, "malformed") != NULL, "%s", err.msg);
+    st = health_call(ch, PD_PROTO_VERSION, &err);
+    TEST_CHECK_MSG(st == PD_OK, "after malformed: %s", err.msg);
+
+    /* a valid message by raw bytes, answered by raw bytes */
+    Pdspark__HealthRequest hreq = PDSPARK__HEALTH_REQUEST__INIT;
+    hreq.version = PD_PROTO_VERSION;
+    unsigned char hbuf[16];
+    size_t hlen = pdspark__health_request__pack(&hreq, hbuf);
+    st = pd_rpc_unary_raw(ch, M_HEALTH, hbuf, hlen, 5000, &out, &out_len, &err);
+    TEST_CHECK(st == PD_OK && out_len > 0);
+    if (st == PD_OK) {
+        Pdspark__HealthReply *hr = pdspark__health_reply__unpack(NULL, out_len, out);
+        TEST_CHECK(hr != NULL && hr->version == PD_PROTO_VERSION);
+        if (hr != NULL)
+            pdspark__health_reply__free_unpacked(hr, NULL);
+        free(out);
+    }
+
+    /* unknown method */
+    st = pd_rpc_unary_raw(ch, "/pdspark.Prefill/Nope", hbuf, hlen, 5000, &out, &out_len, &err);
+    TEST_CHECK_MSG(st == PD_ERR_UNSUPPORTED, "%s", err.msg);
+    TEST_CHECK(strstr(err.msg, "UNIMPLEMENTED") != NULL);
+
+    /* handler error status -> NOT_FOUND; the good id gets a reply */
+    Pdspark__CancelPrefillRequest creq = PDSPARK__CANCEL_PREFILL_REQUEST__INIT;
+    creq.version = PD_PROTO_VERSION;
+    creq.request_id = (char *)"nope";
+    ProtobufCMessage *cresp = NULL;
+    st = pd_rpc_unary(ch, M_CANCEL, &creq.base, &pdspark__cancel_prefill_reply__descriptor, 5000,
+                      &cresp, &err);
+    TEST_CHECK_MSG(st == PD_ERR_NOT_FOUND, "%s", err.msg);
+    creq.request_id = (char *)"known";
+    st = pd_rpc_unary(ch, M_CANCEL, &creq.base, &pdspark__cancel_prefill_reply__descriptor, 5000,
+                      &cresp, &err);
+    TEST_CHECK_MSG(st == PD_OK, "%s", err.msg);
+    if (st == PD_OK) {
+        TEST_CHECK(((Pdspark__CancelPrefillReply *)cresp)->was_running);
+        protobuf_c_message_free_unpacked(cresp, NULL);
+    }
+
+    /* deadline exceeded: the server never replies; it sees the cancel */
+    Pdspark__PrefillRequest preq = PDSPARK__PREFILL_REQUEST__INIT;
+    preq.version = PD_PROTO_VERSION;
+    preq.request_id = (char *)"r1";
+    uint32_t toks[3] = {1, 2, 3};
+    preq.n_token_ids = 3;
+    preq.token_ids = toks;
+    ProtobufCMessage *presp = NULL;
+    st = pd_rpc_unary(ch, M_PREFILL, &preq.base, &pdspark__prefill_reply__descriptor, 300, &presp,
+                      &err);
+    TEST_CHECK_MSG(st == PD_ERR_TIMEOUT, "%s: %s", pd_status_str(st), err.msg);
+    TEST_CHECK(strstr(err.msg, "DEADLINE_EXCEEDED") != NULL);
+    TEST_CHECK(state_wait(&s, &s.n_prefill_cancelled, 1));
+
+    /* streaming: 20 chunks + final */
+    Pdspark__GenerateRequest greq = PDSPARK__GENERATE_REQUEST__INIT;
+    Pdspark__SamplingParams sp = PDSPARK__SAMPLING_PARAMS__INIT;
+    greq.version = sp.version = PD_PROTO_VERSION;
+    greq.prompt_text = (char *)"hello";
+    sp.max_new_tokens = 20;
+    greq.sampling = &sp;
+    pd_rpc_stream *rs = NULL;
+    st = pd_rpc_stream_open(ch, M_GENERATE, &greq.base, &pdspark__generate_chunk__descriptor, 10000,
+                            &rs, &err);
+    TEST_CHECK(st == PD_OK);
+    unsigned n_msgs = 0;
+    bool ordered = true, got_final = false;
+    for (;;) {
+        ProtobufCMessage *m = NULL;
+        st = pd_rpc_stream_read(rs, &m, &err);
+        if (st != PD_OK || m == NULL)
+            break;
+        Pdspark__GenerateChunk *c = (Pdspark__GenerateChunk *)m;
+        if (c->final) {
+            got_final = c->usage != NULL && c->usage->completion_tokens == 20 &&
+                        c->stats != NULL && c->stats->n_accepted_per_round == 2 &&
+                        c->stats->accepted_per_round[1] == 4 &&
+                        c->finish_reason == PDSPARK__FINISH_REASON__FINISH_REASON_LENGTH;
+        } else {
+            char want[32];
+            snprintf(want, sizeof(want), "tok%u ", n_msgs);
+            ordered = ordered && strcmp(c->text_delta, want) == 0 && c->n_token_ids == 1 &&
+                      c->token_ids[0] == n_msgs;
+            n_msgs++;
+        }
+        protobuf_c_message_free_unpacked(m, NULL);
+    }
+    TEST_CHECK_MSG(st == PD_OK, "%s", err.msg);
+    TEST_CHECK(n_msgs == 20);
+    TEST_CHECK(ordered);
+    TEST_CHECK(got_final);
+    pd_rpc_stream_close(rs);
+
+    /* handler returning an error on a stream */
+    greq.sampling = NULL;
+    st = pd_rpc_stream_open(ch, M_GENERATE, &greq.base, &pdspark__generate_chunk__descriptor, 5000,
+                            &rs, &err);
+    TEST_CHECK(st == PD_OK);
+    if (st == PD_OK) {
+        ProtobufCMessage *m = NULL;
+        st = pd_rpc_stream_read(rs, &m, &err);
+        TEST_CHECK(st == PD_ERR_INVALID && m == NULL);
+        st = pd_rpc_stream_read(rs, &m, &err);   /* sticky */
+        TEST_CHECK(st == PD_ERR_INVALID && m == NULL);
+        pd_rpc_stream_close(rs);
+    }
+    greq.sampling = &sp;
+
+    /* client cancel mid-stream: the server sees it (writer gets CANCELLED, on-done cancelled) */
+    sp.max_new_tokens = 0;
+    int done_before = s.n_done_cancelled;
+    st = pd_rpc_stream_open(ch, M_GENERATE, &greq.base, &pdspark__generate_chunk__descriptor, 0,
+                            &rs, &err);
+    TEST_CHECK(st == PD_OK);
+    for (int i = 0; i < 3 && st == PD_OK; i++) {
+        ProtobufCMessage *m = NULL;
+        st = pd_rpc_stream_read(rs, &m, &err);
+        TEST_CHECK(st == PD_OK && m != NULL);
+        if (m != NULL)
+            protobuf_c_message_free_unpacked(m, NULL);
+    }
+    pd_rpc_stream_cancel(rs);
+    {
+        ProtobufCMessage *m = NULL;
+        do {   /* messages already in flight may still arrive before the cancel status */
+            if (m != NULL)
+                protobuf_c_message_free_unpacked(m, NULL);
+            st = pd_rpc_stream_read(rs, &m, &err);
+        } while (st == PD_OK && m != NULL);
+        TEST_CHECK_MSG(st == PD_ERR_CANCELLED, "%s", pd_status_str(st));
+    }
+    pd_rpc_stream_close(rs);
+    TEST_CHECK(state_wait(&s, &s.n_done_cancelled, done_before + 1));
+    TEST_CHECK(state_wait(&s, &s.n_stream_cancel_seen, 1));
+
+    /* the callback form */
+    sp.max_new_tokens = 5;
+    unsigned n_cb = 0;
+    st = pd_rpc_stream_call(ch, M_GENERATE, &greq.base, &pdspark__generate_chunk__descriptor,
+                            10000, count_chunk, &n_cb, &err);
+    TEST_CHECK_MSG(st == PD_OK, "%s", err.msg);
+    TEST_CHECK(n_cb == 6);
+    /* a callback error cancels the call and comes back */
+    n_cb = 0;
+    sp.max_new_tokens = 0;
+    st = pd_rpc_stream_call(ch, M_GENERATE, &greq.base, &pdspark__generate_chunk__descriptor,
+                            10000, stop_after_two, &n_cb, &err);
+    TEST_CHECK(st == PD_ERR_CANCELLED && n_cb == 2);
+    TEST_CHECK(state_wait(&s, &s.n_stream_cancel_seen, 2));
+
+    /* shutdown with calls in flight: a held stream and a held unary */
+    pd_rpc_stream *held = NULL;
+    greq.prompt_text = (char *)"hold";
+    st = pd_rpc_stream_open(ch, M_GENERATE, &greq.base, &pdspark__generate_chunk__descriptor, 0,
+                            &held, &err);
+    TEST_CHECK(st == PD_OK);
+    TEST_CHECK(state_wait(&s, &s.n_held, 1));   /* the server holds it */
+    int done_total = s.n_done;
+    pd_rpc_server_destroy(srv);
+    TEST_CHECK(state_wait(&s, &s.n_done, done_total + 1));
+    if (held != NULL) {
+        ProtobufCMessage *m = NULL;
+        st = pd_rpc_stream_read(held, &m, &err);
+        TEST_CHECK(m == NULL);
+        TEST_CHECK_MSG(st == PD_ERR_CANCELLED || st == PD_ERR_PEER, "%s: %s", pd_status_str(st),
+                       err.msg);
+        pd_rpc_stream_close(held);
+    }
+
+    /* the server is gone: a call now fails with a status, not a hang */
+    st = health_call(ch, PD_PROTO_VERSION, &err);
+    TEST_CHECK_MSG(st == PD_ERR_PEER || st == PD_ERR_TIMEOUT, "%s", pd_status_str(st));
+
+    pd_rpc_channel_destroy(ch);
+    for (int i = 0; i < s.n_writers; i++)
+        pthread_join(s.writers[i], NULL);
+    pthread_mutex_destroy(&s.mu);
+    pthread_cond_destroy(&s.cv);
+    TEST_DONE();
+}
