@@ -455,18 +455,18 @@ static pd_status open_index(pd_st_set *set, const char *dir, const char *index_p
                             "shard file name in the checkpoint dir", index_path, e->string);
             goto out_root;
         }
-        int seen = 0;
-        for (const cJSON *o = wm->child; o != e; o = o->next)
-            if (strcmp(o->valuestring, e->valuestring) == 0) {
-                seen = 1;
-                break;
-            }
-        if (seen)
-            continue;
         char *shard = path_join(dir, e->valuestring);
         if (shard == NULL) {
             st = pd_err_set(err, PD_ERR_NOMEM, "safetensors: shard path");
             goto out_root;
+        }
+        /* shards are few (tens); tensors may be thousands, so compare against the opened files */
+        int seen = 0;
+        for (size_t i = 0; i < set->n_files && !seen; i++)
+            seen = strcmp(set->files[i].path, shard) == 0;
+        if (seen) {
+            free(shard);
+            continue;
         }
         if (!exists(shard)) {
             st = pd_err_set(err, PD_ERR_INVALID,

@@ -269,7 +269,12 @@ static void test_st_roundtrip(void)
     t = pd_st_find(set, "c.f16");
     TEST_CHECK(t && t->dtype == KERN_DTYPE_F16 && t->n_dims == 3 && t->n_elems == 3);
     t = pd_st_find(set, "d.i32");
-    TEST_CHECK(t && t->dtype == KERN_DTYPE_I32 && ((const int32_t *)t->data)[1] == 123456);
+    TEST_CHECK(t && t->dtype == KERN_DTYPE_I32);
+    if (t != NULL) {
+        int32_t v;   /* safetensors does not align data; read through memcpy */
+        memcpy(&v, (const char *)t->data + 4, 4);
+        TEST_CHECK(v == 123456);
+    }
     t = pd_st_find(set, "e.empty");
     TEST_CHECK(t && t->n_elems == 0 && t->n_bytes == 0);
     t = pd_st_find(set, "f.scalar");
