@@ -1,0 +1,317 @@
+/* pd_dspark.c - DSpark drafter forward: context KV injection, non-causal draft block, Markov
+ *   head (vanilla / gated / rnn) and confidence head, all on backend ops.
+ * Semantics follow DeepSpec's Qwen3DSparkModel: the context rows are hidden_norm(fc(aux)) and
+ *   enter every draft layer's attention only through that layer's k_proj/v_proj (+ k_norm,
+ *   RoPE at the row's position) - never through input_layernorm; the block tokens see the whole
+ *   context and the whole block (no causal mask inside the block).
+ * Threading: one thread per runner. */
+#include "pd_dspark.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define TRY(expr) \
+    do { pd_status st_ = (expr); if (st_ != PD_OK) return st_; } while (0)
+
+struct pd_draft {
+    const pd_dspark_model *m;
+    pd_kv_pool *pool;
+    pd_act act;
+    int B, H, V, R;
+    /* context features */
+    int cap_ctx;
+    kern_buf *ctx;              /* [cap_ctx, H] */
+    int n_ctx;
+    /* block outputs */
+    int cap_req;
+    int n_req;
+    kern_buf *blk;              /* block hidden [cap_req*B, H] | base logits [cap_req*B, V] */
+    float *block_hidden, *base_logits;
+    kern_buf *step;             /* per-step scratch, see step_layout() */
+    float *step_logits, *w1prev, *feat, *proj, *state, *tmp, *gate, *conf;
+    kern_buf *ibuf;             /* int32: prev [cap_req], row idx [cap_req] */
+    int32_t *prev_dev, *rows_dev;
+};
+
+pd_status pd_draft_create(const pd_dspark_model *m, pd_kv_pool *pool, pd_draft **out, pd_err *err)
+{
+    pd_draft *d = calloc(1, sizeof(*d));
+    if (d == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "draft runner");
+    d->m = m;
+    d->pool = pool;
+    d->B = m->cfg.block_size;
+    d->H = m->cfg.base.hidden_size;
+    d->V = m->cfg.base.vocab_size;
+    d->R = m->cfg.markov_rank;
+    pd_status st = pd_act_init(&d->act, m->be, &m->cfg.base, err);
+    if (st != PD_OK) {
+        free(d);
+        return st;
+    }
+    *out = d;
+    return PD_OK;
+}
+
+void pd_draft_destroy(pd_draft *d)
+{
+    if (d == NULL)
+        return;
+    pd_act_cleanup(&d->act);
+    kern_buf_free(d->ctx);
+    kern_buf_free(d->blk);
+    kern_buf_free(d->step);
+    kern_buf_free(d->ibuf);
+    free(d);
+}
+
+const pd_dspark_model *pd_draft_model(const pd_draft *d) { return d->m; }
+pd_kv_pool *pd_draft_pool(const pd_draft *d) { return d->pool; }
+const float *pd_draft_ctx_feature(const pd_draft *d) { return d->ctx != NULL ? d->ctx->ptr : NULL; }
+const float *pd_draft_block_hidden(const pd_draft *d) { return d->block_hidden; }
+const float *pd_draft_base_logits(const pd_draft *d) { return d->base_logits; }
+const float *pd_draft_step_logits(const pd_draft *d) { return d->step_logits; }
+const float *pd_draft_head_gate(const pd_draft *d) { return d->gate; }
+const float *pd_draft_head_state(const pd_draft *d) { return d->state; }
+
+static pd_status linear(kern_backend *be, const float *x, int ld_x, const kern_weight *w,
+                        const kern_weight *bias, float *y, int ld_y, int m, int accumulate, pd_err *err)
+{
+    kern_matmul_args mm = {
+        .x = x, .ld_x = ld_x, .w = *w, .y = y, .ld_y = ld_y,
+        .m = m, .n = (int)w->rows, .k = (int)w->cols, .accumulate = accumulate,
+    };
+    if (bias != NULL)
+        mm.bias = *bias;
+    return kern_matmul(be, &mm, err);
+}
+
+static pd_status copy_cols(kern_backend *be, const float *src, int ld_src, float *dst, int ld_dst,
+                           int rows, int cols, const int32_t *idx, pd_err *err)
+{
+    kern_copy_rows_args cp = { .src = src, .ld_src = ld_src, .idx = idx, .dst = dst, .ld_dst = ld_dst,
+                               .rows = rows, .cols = cols };
+    return kern_copy_rows(be, &cp, err);
+}
+
+pd_status pd_draft_extend(pd_draft *d, const float *aux, int ld_aux, const pd_tok_batch *b, pd_err *err)
+{
+    const pd_dspark_model *m = d->m;
+    kern_backend *be = m->be;
+    int n = b->n_tok, H = d->H;
+    int K = m->cfg.n_target_layers;
+    if (n <= 0)
+        return PD_OK;
+    if (ld_aux < K * H)
+        return pd_err_set(err, PD_ERR_INVALID, "draft context: aux row of %d values, need %d (%d taps x %d)",
+                          ld_aux, K * H, K, H);
+    if (n > d->cap_ctx) {
+        int cap = d->cap_ctx > 0 ? d->cap_ctx : 64;
+        while (cap < n)
+            cap *= 2;
+        kern_buf *nb = NULL;
+        TRY(kern_buf_alloc(be, (size_t)cap * H * sizeof(float), &nb, err));
+        kern_buf_free(d->ctx);
+        d->ctx = nb;
+        d->cap_ctx = cap;
+    }
+    int pt_stride = 0, max_kv = 0;
+    TRY(pd_act_load_batch(&d->act, d->pool, b, &pt_stride, &max_kv, err));
+    float *ctx = d->ctx->ptr;
+    TRY(linear(be, aux, ld_aux, &m->fc, NULL, d->act.x, H, n, 0, err));
+    kern_rmsnorm_args rn = { .x = d->act.x, .out = ctx, .w = m->hidden_norm, .rows = n, .dim = H,
+                             .ld_x = H, .ld_out = H, .eps = m->cfg.base.rms_norm_eps };
+    TRY(kern_rmsnorm(be, &rn, err));
+    d->n_ctx = n;
+    for (int l = 0; l < m->cfg.base.num_hidden_layers; l++)
+        TRY(pd_layer_store_kv(&d->act, &m->cfg.base, &m->layers[l], pd_kv_pool_layer(d->pool, l), ctx,
+                              n, err));
+    return PD_OK;
+}
+
+static pd_status ensure_req(pd_draft *d, int n_req, pd_err *err)
+{
+    if (n_req <= d->cap_req && d->blk != NULL)
+        return PD_OK;
+    kern_backend *be = d->m->be;
+    int cap = d->cap_req > 0 ? d->cap_req : 8;
+    while (cap < n_req)
+        cap *= 2;
+    int B = d->B, H = d->H, V = d->V, R = d->R > 0 ? d->R : 1;
+    kern_buf *blk = NULL, *step = NULL, *ib = NULL;
+    pd_status st = kern_buf_alloc(be, (size_t)cap * B * (H + V) * sizeof(float), &blk, err);
+    /* step scratch: logits V | w1prev R | feat (H + 2R) | proj 3R | state R | tmp R | gate R | conf 1 */
+    size_t per = (size_t)V + R + (H + 2 * R) + 3 * R + R + R + R + 1;
+    if (st == PD_OK)
+        st = kern_buf_alloc(be, per * cap * sizeof(float), &step, err);
+    if (st == PD_OK)
+        st = kern_buf_alloc(be, (size_t)2 * cap * sizeof(int32_t), &ib, err);
+    if (st != PD_OK) {
+        kern_buf_free(blk);
+        kern_buf_free(step);
+        kern_buf_free(ib);
+        return st;
+    }
+    kern_buf_free(d->blk);
+    kern_buf_free(d->step);
+    kern_buf_free(d->ibuf);
+    d->blk = blk;
+    d->step = step;
+    d->ibuf = ib;
+    d->cap_req = cap;
+    d->block_hidden = blk->ptr;
+    d->base_logits = (float *)blk->ptr + (size_t)cap * B * H;
+    float *p = step->ptr;
+    d->step_logits = p; p += (size_t)cap * V;
+    d->w1prev = p; p += (size_t)cap * R;
+    d->feat = p; p += (size_t)cap * (H + 2 * R);
+    d->proj = p; p += (size_t)cap * 3 * R;
+    d->state = p; p += (size_t)cap * R;
+    d->tmp = p; p += (size_t)cap * R;
+    d->gate = p; p += (size_t)cap * R;
+    d->conf = p;
+    d->prev_dev = ib->ptr;
+    d->rows_dev = (int32_t *)ib->ptr + cap;
+    return PD_OK;
+}
+
+pd_status pd_draft_block(pd_draft *d, int n_req, const int32_t *anchor, const int32_t *start,
+                         pd_kv_seq *const *seqs, pd_err *err)
+{
+    const pd_dspark_model *m = d->m;
+    const pd_qwen3_config *cfg = &m->cfg.base;
+    kern_backend *be = m->be;
+    int B = d->B, H = d->H, n = n_req * B;
+    if (n_req <= 0)
+        return pd_err_set(err, PD_ERR_INVALID, "draft block: no requests");
+    TRY(ensure_req(d, n_req, err));
+    int32_t *meta = malloc((size_t)4 * n * sizeof(int32_t));
+    if (meta == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "draft block metadata");
+    int32_t *ids = meta, *pos = meta + n, *seq = meta + 2 * n, *kv_len = meta + 3 * n;
+    for (int r = 0; r < n_req; r++)
+        for (int k = 0; k < B; k++) {
+            int i = r * B + k;
+            ids[i] = k == 0 ? anchor[r] : m->cfg.mask_token_id;
+            pos[i] = start[r] + k;
+            seq[i] = r;
+            kv_len[i] = start[r] + B;
+        }
+    pd_tok_batch tb = { .n_tok = n, .ids = ids, .pos = pos, .seq = seq, .kv_len = kv_len,
+                        .n_seq = n_req, .seqs = seqs };
+    int pt_stride = 0, max_kv = 0;
+    pd_status st = pd_act_load_batch(&d->act, d->pool, &tb, &pt_stride, &max_kv, err);
+    free(meta);
+    if (st != PD_OK)
+        return st;
+    pd_act *a = &d->act;
+    kern_embed_args em = { .table = m->embed, .ids = a->ids, .n = n, .out = a->x, .ld_out = H };
+    TRY(kern_embed(be, &em, err));
+    for (int l = 0; l < cfg->num_hidden_layers; l++)
+        TRY(pd_layer_forward(a, cfg, &m->layers[l], pd_kv_pool_layer(d->pool, l), n, n_req, pt_stride,
+                             max_kv, err));
+    kern_rmsnorm_args rn = { .x = a->x, .out = d->block_hidden, .w = m->final_norm, .rows = n,
+                             .dim = H, .ld_x = H, .ld_out = H, .eps = cfg->rms_norm_eps };
+    TRY(kern_rmsnorm(be, &rn, err));
+    d->n_req = n_req;
+    return linear(be, d->block_hidden, H, &m->lm_head, NULL, d->base_logits, d->V, n, 0, err);
+}
+
+pd_status pd_draft_markov_step(pd_draft *d, int k, const int32_t *prev, float *conf_out, pd_err *err)
+{
+    const pd_dspark_model *m = d->m;
+    kern_backend *be = m->be;
+    int n = d->n_req, B = d->B, H = d->H, V = d->V, R = d->R;
+    if (k < 0 || k >= B || n <= 0)
+        return pd_err_set(err, PD_ERR_INTERNAL, "markov step %d of block %d (%d requests)", k, B, n);
+    int32_t rows[256];
+    int32_t *rows_h = n <= 256 ? rows : malloc((size_t)n * sizeof(int32_t));
+    if (rows_h == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "markov rows");
+    for (int r = 0; r < n; r++)
+        rows_h[r] = r * B + k;
+    for (int r = 0; r < n; r++)
+        if (prev[r] < 0 || prev[r] >= V) {
+            if (rows_h != rows)
+                free(rows_h);
+            return pd_err_set(err, PD_ERR_INVALID, "markov step: previous token %d outside vocab", prev[r]);
+        }
+    pd_status st = kern_upload(be, d->rows_dev, rows_h, (size_t)n * sizeof(int32_t), err);
+    if (rows_h != rows)
+        free(rows_h);
+    if (st != PD_OK)
+        return st;
+    TRY(kern_upload(be, d->prev_dev, prev, (size_t)n * sizeof(int32_t), err));
+    /* h_k rows of every request, and the base logits row k as the starting point */
+    float *hk = d->feat;  /* feat layout depends on the head; h_k is placed where each needs it */
+    TRY(copy_cols(be, d->base_logits, V, d->step_logits, V, n, V, d->rows_dev, err));
+    if (m->cfg.markov_type != PD_MARKOV_NONE) {
+        kern_embed_args em = { .table = m->markov_w1, .ids = d->prev_dev, .n = n, .out = d->w1prev,
+                               .ld_out = R };
+        TRY(kern_embed(be, &em, err));
+    }
+    switch (m->cfg.markov_type) {
+    case PD_MARKOV_NONE:
+        break;
+    case PD_MARKOV_VANILLA:
+        TRY(linear(be, d->w1prev, R, &m->markov_w2, NULL, d->step_logits, V, n, 1, err));
+        break;
+    case PD_MARKOV_GATED: {
+        /* gate = sigmoid(W_g [h_k ; w1[prev]] + b_g); bias = W2 (gate * w1[prev]) */
+        int ld = H + R;
+        TRY(copy_cols(be, d->block_hidden, H, hk, ld, n, H, d->rows_dev, err));
+        TRY(copy_cols(be, d->w1prev, R, hk + H, ld, n, R, NULL, err));
+        TRY(linear(be, hk, ld, &m->gate_w, &m->gate_b, d->gate, R, n, 0, err));
+        kern_unary_args sg = { .op = KERN_UNARY_SIGMOID, .x = d->gate, .ld_x = R, .out = d->gate,
+                               .ld_out = R, .rows = n, .cols = R };
+        TRY(kern_unary(be, &sg, err));
+        kern_binary_args mul = { .op = KERN_BINARY_MUL, .a = d->gate, .ld_a = R, .b = d->w1prev,
+                                 .ld_b = R, .out = d->tmp, .ld_out = R, .rows = n, .cols = R };
+        TRY(kern_binary(be, &mul, err));
+        TRY(linear(be, d->tmp, R, &m->markov_w2, NULL, d->step_logits, V, n, 1, err));
+        break;
+    }
+    case PD_MARKOV_RNN: {
+        /* [a; c; o] = W_j [s ; w1[prev] ; h_k] + b; s' = c~ + sigmoid(a) (s - c~), c~ = tanh(c);
+         * bias = W2 tanh(o) */
+        int ld = 2 * R + H;
+        if (k == 0)
+            TRY(kern_memset0(be, d->state, (size_t)n * R * sizeof(float), err));
+        TRY(copy_cols(be, d->state, R, hk, ld, n, R, NULL, err));
+        TRY(copy_cols(be, d->w1prev, R, hk + R, ld, n, R, NULL, err));
+        TRY(copy_cols(be, d->block_hidden, H, hk + 2 * R, ld, n, H, d->rows_dev, err));
+        TRY(linear(be, hk, ld, &m->joint_w, &m->joint_b, d->proj, 3 * R, n, 0, err));
+        kern_unary_args ga = { .op = KERN_UNARY_SIGMOID, .x = d->proj, .ld_x = 3 * R, .out = d->gate,
+                               .ld_out = R, .rows = n, .cols = R };
+        TRY(kern_unary(be, &ga, err));
+        kern_unary_args ca = { .op = KERN_UNARY_TANH, .x = d->proj + R, .ld_x = 3 * R, .out = d->tmp,
+                               .ld_out = R, .rows = n, .cols = R };
+        TRY(kern_unary(be, &ca, err));
+        kern_binary_args diff = { .op = KERN_BINARY_SUB, .a = d->state, .ld_a = R, .b = d->tmp,
+                                  .ld_b = R, .out = d->state, .ld_out = R, .rows = n, .cols = R };
+        TRY(kern_binary(be, &diff, err));
+        kern_binary_args scale = { .op = KERN_BINARY_MUL, .a = d->state, .ld_a = R, .b = d->gate,
+                                   .ld_b = R, .out = d->state, .ld_out = R, .rows = n, .cols = R };
+        TRY(kern_binary(be, &scale, err));
+        kern_binary_args add = { .op = KERN_BINARY_ADD, .a = d->state, .ld_a = R, .b = d->tmp,
+                                 .ld_b = R, .out = d->state, .ld_out = R, .rows = n, .cols = R };
+        TRY(kern_binary(be, &add, err));
+        kern_unary_args oa = { .op = KERN_UNARY_TANH, .x = d->proj + 2 * R, .ld_x = 3 * R, .out = d->tmp,
+                               .ld_out = R, .rows = n, .cols = R };
+        TRY(kern_unary(be, &oa, err));
+        TRY(linear(be, d->tmp, R, &m->markov_w2, NULL, d->step_logits, V, n, 1, err));
+        break;
+    }
+    }
+    if (m->cfg.enable_confidence_head && m->conf_w.data != NULL && conf_out != NULL) {
+        int with_markov = m->cfg.confidence_head_with_markov && R > 0;
+        int ld = H + (with_markov ? R : 0);
+        float *cf = d->feat;   /* free again once the head above is done */
+        TRY(copy_cols(be, d->block_hidden, H, cf, ld, n, H, d->rows_dev, err));
+        if (with_markov)
+            TRY(copy_cols(be, d->w1prev, R, cf + H, ld, n, R, NULL, err));
+        TRY(linear(be, cf, ld, &m->conf_w, &m->conf_b, d->conf, 1, n, 0, err));
+        TRY(kern_download(be, conf_out, d->conf, (size_t)n * sizeof(float), err));
+    }
+    return PD_OK;
+}

@@ -1,0 +1,712 @@
+/* pd_engine.c - continuous-batching DSpark engine: chunked ragged prefill, batched draft block
+ *   + Markov loop, one ragged verify forward, lossless acceptance, commit (see pd_engine.h).
+ * Greedy requests never move logits to the host: argmax runs on the backend and only ids come
+ *   back; sampled requests download their rows and sample on the host (pd_sample.c).
+ * Threading: one thread drives an engine. */
+#include "pd_engine.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TRY(expr) \
+    do { pd_status st_ = (expr); if (st_ != PD_OK) return st_; } while (0)
+
+struct pd_engine {
+    pd_engine_config cfg;
+    const pd_qwen3_model *tm;
+    const pd_dspark_model *dm;
+    int B;                      /* drafts per round (0 without a draft) */
+    int V, H, aux_dim;
+    pd_kv_pool *tpool, *dpool;
+    pd_target *target;
+    pd_draft *draft;
+    pd_request **reqs;
+    int n_reqs, cap_reqs;
+    /* host scratch */
+    float *hlogits;             /* [cap_rows, V] */
+    int cap_rows;
+    float *fscratch;            /* [V] */
+    int32_t *iscratch;          /* [V] */
+    float *qprobs;              /* [cap_q, V] draft distributions of sampled requests */
+    int cap_q;
+    /* backend scratch */
+    kern_buf *ids_dev;          /* int32 argmax outputs */
+    int cap_ids;
+    kern_buf *aux_dev;          /* compacted aux rows for draft extension */
+    int cap_aux;
+    kern_buf *idx_dev;
+    int cap_idx;
+};
+
+const char *pd_finish_reason_str(pd_finish_reason r)
+{
+    switch (r) {
+    case PD_FINISH_NONE: return "none";
+    case PD_FINISH_STOP: return "stop";
+    case PD_FINISH_LENGTH: return "length";
+    case PD_FINISH_CANCELLED: return "cancelled";
+    case PD_FINISH_ERROR: return "error";
+    }
+    return "?";
+}
+
+static pd_status grow_host(void **p, int *cap, int need, size_t per, pd_err *err)
+{
+    if (need <= *cap)
+        return PD_OK;
+    int c = *cap > 0 ? *cap : 8;
+    while (c < need)
+        c *= 2;
+    void *n = realloc(*p, per * (size_t)c);
+    if (n == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "engine host scratch: %d x %zu bytes", c, per);
+    *p = n;
+    *cap = c;
+    return PD_OK;
+}
+
+static pd_status grow_dev(kern_backend *be, kern_buf **b, int *cap, int need, size_t per, pd_err *err)
+{
+    if (need <= *cap && *b != NULL)
+        return PD_OK;
+    int c = *cap > 0 ? *cap : 16;
+    while (c < need)
+        c *= 2;
+    kern_buf *nb = NULL;
+    TRY(kern_buf_alloc(be, per * (size_t)c, &nb, err));
+    kern_buf_free(*b);
+    *b = nb;
+    *cap = c;
+    return PD_OK;
+}
+
+pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err *err)
+{
+    if (cfg->target == NULL)
+        return pd_err_set(err, PD_ERR_INVALID, "engine: no target model");
+    const pd_qwen3_config *tc = &cfg->target->cfg;
+    if (cfg->draft != NULL) {
+        pd_status st = pd_dspark_config_check_target(&cfg->draft->cfg, tc, err);
+        if (st != PD_OK)
+            return st;
+    }
+    pd_engine *e = calloc(1, sizeof(*e));
+    if (e == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "engine");
+    pd_status st;
+    e->cfg = *cfg;
+    e->tm = cfg->target;
+    e->dm = cfg->draft;
+    e->V = tc->vocab_size;
+    e->H = tc->hidden_size;
+    if (e->cfg.page_size <= 0)
+        e->cfg.page_size = 16;
+    int pages_per_ctx = (tc->max_position_embeddings + e->cfg.page_size - 1) / e->cfg.page_size;
+    if (e->cfg.n_pages <= 0)
+        e->cfg.n_pages = 2 * pages_per_ctx + 64;
+    if (e->cfg.draft_n_pages <= 0)
+        e->cfg.draft_n_pages = e->cfg.n_pages;
+    if (e->cfg.max_prefill_tokens <= 0)
+        e->cfg.max_prefill_tokens = 2048;
+    if (e->dm != NULL) {
+        int db = e->dm->cfg.block_size;
+        e->B = e->cfg.block_size > 0 ? e->cfg.block_size : db;
+        if (e->B > db || e->B > 31) {
+            st = pd_err_set(err, PD_ERR_INVALID, "block size %d exceeds the draft's block size %d",
+                            e->B, db);
+            goto err_free;
+        }
+    }
+    kern_backend *be = e->tm->be;
+    pd_kv_layout tl = { .n_layers = tc->num_hidden_layers, .n_kv_heads = tc->num_key_value_heads,
+                        .head_dim = tc->head_dim, .page_size = e->cfg.page_size,
+                        .n_pages = e->cfg.n_pages, .dtype = be->kv_dtype };
+    st = pd_kv_pool_create(be, &tl, &e->tpool, err);
+    if (st != PD_OK)
+        goto err_free;
+    const int *taps = NULL;
+    int n_taps = 0;
+    if (e->dm != NULL) {
+        const pd_qwen3_config *dc = &e->dm->cfg.base;
+        pd_kv_layout dl = { .n_layers = dc->num_hidden_layers, .n_kv_heads = dc->num_key_value_heads,
+                            .head_dim = dc->head_dim, .page_size = e->cfg.page_size,
+                            .n_pages = e->cfg.draft_n_pages, .dtype = be->kv_dtype };
+        st = pd_kv_pool_create(be, &dl, &e->dpool, err);
+        if (st != PD_OK)
+            goto err_free;
+        st = pd_draft_create(e->dm, e->dpool, &e->draft, err);
+        if (st != PD_OK)
+            goto err_free;
+        taps = e->dm->cfg.target_layer_ids;
+        n_taps = e->dm->cfg.n_target_layers;
+    }
+    st = pd_target_create(e->tm, e->tpool, taps, n_taps, &e->target, err);
+    if (st != PD_OK)
+        goto err_free;
+    e->aux_dim = pd_target_aux_dim(e->target);
+    e->fscratch = malloc((size_t)e->V * sizeof(float));
+    e->iscratch = malloc((size_t)e->V * sizeof(int32_t));
+    if (e->fscratch == NULL || e->iscratch == NULL) {
+        st = pd_err_set(err, PD_ERR_NOMEM, "engine scratch");
+        goto err_free;
+    }
+    *out = e;
+    return PD_OK;
+err_free:
+    pd_engine_destroy(e);
+    return st;
+}
+
+static void request_free(pd_engine *e, pd_request *r)
+{
+    pd_kv_seq_release(e->tpool, &r->tkv);
+    if (e->dpool != NULL)
+        pd_kv_seq_release(e->dpool, &r->dkv);
+    free(r->prompt);
+    free(r->out);
+    free(r->accepted);
+    free(r);
+}
+
+void pd_engine_destroy(pd_engine *e)
+{
+    if (e == NULL)
+        return;
+    for (int i = 0; i < e->n_reqs; i++)
+        request_free(e, e->reqs[i]);
+    free(e->reqs);
+    pd_target_destroy(e->target);
+    pd_draft_destroy(e->draft);
+    pd_kv_pool_destroy(e->tpool);
+    pd_kv_pool_destroy(e->dpool);
+    free(e->hlogits);
+    free(e->fscratch);
+    free(e->iscratch);
+    free(e->qprobs);
+    kern_buf_free(e->ids_dev);
+    kern_buf_free(e->aux_dev);
+    kern_buf_free(e->idx_dev);
+    free(e);
+}
+
+int pd_engine_kv_free_pages(const pd_engine *e) { return pd_kv_pool_free_pages(e->tpool); }
+int pd_engine_block_size(const pd_engine *e) { return e->B; }
+pd_target *pd_engine_target(pd_engine *e) { return e->target; }
+pd_draft *pd_engine_draft(pd_engine *e) { return e->draft; }
+
+int pd_engine_active(const pd_engine *e)
+{
+    int n = 0;
+    for (int i = 0; i < e->n_reqs; i++)
+        n += e->reqs[i]->finish == PD_FINISH_NONE;
+    return n;
+}
+
+pd_status pd_engine_add(pd_engine *e, uint64_t id, const int32_t *prompt, int n_prompt,
+                        const pd_gen_params *params, pd_request **out, pd_err *err)
+{
+    int max_pos = e->tm->cfg.max_position_embeddings;
+    if (n_prompt <= 0)
+        return pd_err_set(err, PD_ERR_INVALID, "empty prompt");
+    if (n_prompt >= max_pos)
+        return pd_err_set(err, PD_ERR_INVALID,
+                          "prompt of %d tokens leaves no room in the context of %d tokens", n_prompt,
+                          max_pos);
+    for (int i = 0; i < n_prompt; i++)
+        if (prompt[i] < 0 || prompt[i] >= e->V)
+            return pd_err_set(err, PD_ERR_INVALID,
+                              "prompt token %d (index %d) is outside the vocabulary (0..%d)", prompt[i],
+                              i, e->V - 1);
+    if (params->max_new_tokens < 1)
+        return pd_err_set(err, PD_ERR_INVALID, "max_new_tokens %d must be >= 1", params->max_new_tokens);
+    TRY(pd_sample_params_check(&params->sample, err));
+    TRY(grow_host((void **)&e->reqs, &e->cap_reqs, e->n_reqs + 1, sizeof(pd_request *), err));
+    pd_request *r = calloc(1, sizeof(*r));
+    if (r == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "request");
+    pd_status st;
+    r->id = id;
+    r->params = *params;
+    pd_rng_seed(&r->rng, params->sample.seed);
+    pd_kv_seq_init(&r->tkv);
+    pd_kv_seq_init(&r->dkv);
+    r->prompt = malloc((size_t)n_prompt * sizeof(int32_t));
+    if (r->prompt == NULL) {
+        st = pd_err_set(err, PD_ERR_NOMEM, "prompt copy: %d tokens", n_prompt);
+        goto err_free;
+    }
+    memcpy(r->prompt, prompt, (size_t)n_prompt * sizeof(int32_t));
+    r->n_prompt = n_prompt;
+    st = pd_kv_seq_reserve(e->tpool, &r->tkv, n_prompt, err);
+    if (st == PD_OK && e->dpool != NULL)
+        st = pd_kv_seq_reserve(e->dpool, &r->dkv, n_prompt, err);
+    if (st != PD_OK)
+        goto err_free;
+    e->reqs[e->n_reqs++] = r;
+    *out = r;
+    return PD_OK;
+err_free:
+    request_free(e, r);
+    return st;
+}
+
+static int is_eos(const pd_engine *e, int32_t tok)
+{
+    for (int i = 0; i < e->tm->cfg.n_eos; i++)
+        if (e->tm->cfg.eos_ids[i] == tok)
+            return 1;
+    return 0;
+}
+
+static pd_status push_out(pd_request *r, int32_t tok, pd_err *err)
+{
+    TRY(grow_host((void **)&r->out, &r->cap_out, r->n_out + 1, sizeof(int32_t), err));
+    r->out[r->n_out++] = tok;
+    return PD_OK;
+}
+
+static void fail_request(pd_request *r, const pd_err *why)
+{
+    r->finish = PD_FINISH_ERROR;
+    memcpy(r->error, why->msg, sizeof(r->error));
+    r->error[sizeof(r->error) - 1] = '\0';
+}
+
+/* Downloads rows of backend logits [n, V] into e->hlogits. */
+static pd_status fetch_rows(pd_engine *e, const float *dev, int n, pd_err *err)
+{
+    TRY(grow_host((void **)&e->hlogits, &e->cap_rows, n, (size_t)e->V * sizeof(float), err));
+    return kern_download(e->tm->be, e->hlogits, dev, (size_t)n * e->V * sizeof(float), err);
+}
+
+/* Row-wise argmax on the backend, ids to host. */
+static pd_status argmax_rows(pd_engine *e, const float *dev, int n, int32_t *out, pd_err *err)
+{
+    kern_backend *be = e->tm->be;
+    TRY(grow_dev(be, &e->ids_dev, &e->cap_ids, n, sizeof(int32_t), err));
+    kern_argmax_args am = { .x = dev, .ld_x = e->V, .rows = n, .n = e->V, .out = e->ids_dev->ptr };
+    TRY(kern_argmax(be, &am, err));
+    return kern_download(be, out, e->ids_dev->ptr, (size_t)n * sizeof(int32_t), err);
+}
+
+/* Adds aux rows rows[0..n-1] of the last target forward to the draft context of the given
+ * requests at the given positions. */
+static pd_status extend_draft(pd_engine *e, const int32_t *rows, const int32_t *pos,
+                              pd_request *const *owner, int n, pd_err *err)
+{
+    if (e->draft == NULL || n == 0)
+        return PD_OK;
+    kern_backend *be = e->tm->be;
+    TRY(grow_dev(be, &e->aux_dev, &e->cap_aux, n, (size_t)e->aux_dim * sizeof(float), err));
+    TRY(grow_dev(be, &e->idx_dev, &e->cap_idx, n, sizeof(int32_t), err));
+    TRY(kern_upload(be, e->idx_dev->ptr, rows, (size_t)n * sizeof(int32_t), err));
+    kern_copy_rows_args cp = { .src = pd_target_aux(e->target), .ld_src = e->aux_dim,
+                               .idx = e->idx_dev->ptr, .dst = e->aux_dev->ptr, .ld_dst = e->aux_dim,
+                               .rows = n, .cols = e->aux_dim };
+    TRY(kern_copy_rows(be, &cp, err));
+    /* sequences: one slot per distinct owner, in order of first appearance */
+    int32_t *seq = malloc((size_t)n * sizeof(int32_t));
+    pd_kv_seq **seqs = malloc((size_t)n * sizeof(pd_kv_seq *));
+    if (seq == NULL || seqs == NULL) {
+        free(seq);
+        free(seqs);
+        return pd_err_set(err, PD_ERR_NOMEM, "draft extend metadata");
+    }
+    int n_seq = 0;
+    for (int i = 0; i < n; i++) {
+        if (i == 0 || owner[i] != owner[i - 1])
+            seqs[n_seq++] = &owner[i]->dkv;
+        seq[i] = n_seq - 1;
+    }
+    pd_tok_batch b = { .n_tok = n, .pos = pos, .seq = seq, .n_seq = n_seq, .seqs = seqs };
+    pd_status st = pd_draft_extend(e->draft, e->aux_dev->ptr, e->aux_dim, &b, err);
+    free(seq);
+    free(seqs);
+    return st;
+}
+
+/* ---- prefill ----------------------------------------------------------------------------- */
+
+static pd_status prefill_step(pd_engine *e, pd_err *err)
+{
+    int budget = e->cfg.max_prefill_tokens;
+    int n_tok = 0, n_seq = 0;
+    for (int i = 0; i < e->n_reqs && n_tok < budget; i++) {
+        pd_request *r = e->reqs[i];
+        if (r->finish != PD_FINISH_NONE || r->prefilled >= r->n_prompt)
+            continue;
+        int take = r->n_prompt - r->prefilled;
+        n_tok += take < budget - n_tok ? take : budget - n_tok;
+        n_seq++;
+    }
+    if (n_tok == 0)
+        return PD_OK;
+    int32_t *ids = malloc((size_t)n_tok * 4), *pos = malloc((size_t)n_tok * 4),
+            *seq = malloc((size_t)n_tok * 4), *rows = malloc((size_t)n_tok * 4),
+            *lrows = malloc((size_t)n_seq * 4), *first = malloc((size_t)n_seq * 4);
+    pd_kv_seq **seqs = malloc((size_t)n_seq * sizeof(*seqs));
+    pd_request **owner = malloc((size_t)n_tok * sizeof(*owner));
+    pd_request **done = malloc((size_t)n_seq * sizeof(*done));
+    pd_status st = PD_OK;
+    if (!ids || !pos || !seq || !rows || !lrows || !first || !seqs || !owner || !done) {
+        st = pd_err_set(err, PD_ERR_NOMEM, "prefill batch of %d tokens", n_tok);
+        goto out;
+    }
+    int t = 0, s = 0, n_done = 0;
+    for (int i = 0; i < e->n_reqs && t < n_tok; i++) {
+        pd_request *r = e->reqs[i];
+        if (r->finish != PD_FINISH_NONE || r->prefilled >= r->n_prompt)
+            continue;
+        int take = r->n_prompt - r->prefilled;
+        if (take > n_tok - t)
+            take = n_tok - t;
+        seqs[s] = &r->tkv;
+        for (int j = 0; j < take; j++, t++) {
+            ids[t] = r->prompt[r->prefilled + j];
+            pos[t] = r->prefilled + j;
+            seq[t] = s;
+            rows[t] = t;
+            owner[t] = r;
+        }
+        r->prefilled += take;
+        if (r->prefilled == r->n_prompt) {
+            lrows[n_done] = t - 1;
+            done[n_done++] = r;
+        }
+        s++;
+    }
+    pd_tok_batch b = { .n_tok = n_tok, .ids = ids, .pos = pos, .seq = seq, .n_seq = s, .seqs = seqs };
+    st = pd_target_forward(e->target, &b, lrows, n_done, err);
+    if (st != PD_OK)
+        goto out;
+    st = extend_draft(e, rows, pos, owner, n_tok, err);
+    if (st != PD_OK)
+        goto out;
+    /* first tokens: greedy on the backend, sampled on the host */
+    const float *logits = pd_target_logits(e->target);
+    int any_sampled = 0;
+    for (int i = 0; i < n_done; i++)
+        any_sampled |= !pd_sample_is_greedy(&done[i]->params.sample);
+    if (n_done > 0 && (st = argmax_rows(e, logits, n_done, first, err)) != PD_OK)
+        goto out;
+    if (any_sampled && (st = fetch_rows(e, logits, n_done, err)) != PD_OK)
+        goto out;
+    for (int i = 0; i < n_done; i++) {
+        pd_request *r = done[i];
+        int32_t tok = first[i];
+        if (!pd_sample_is_greedy(&r->params.sample))
+            tok = pd_sample_logits(e->hlogits + (size_t)i * e->V, e->V, &r->params.sample, &r->rng,
+                                   e->fscratch, e->iscratch);
+        r->tkv.len = r->n_prompt;
+        r->dkv.len = r->n_prompt;
+        r->anchor_pos = r->n_prompt;
+        if ((st = push_out(r, tok, err)) != PD_OK)
+            goto out;
+        if (!r->params.ignore_eos && is_eos(e, tok))
+            r->finish = PD_FINISH_STOP;
+        else if (r->n_out >= r->params.max_new_tokens)
+            r->finish = PD_FINISH_LENGTH;
+    }
+out:
+    free(ids);
+    free(pos);
+    free(seq);
+    free(rows);
+    free(lrows);
+    free(first);
+    free(seqs);
+    free(owner);
+    free(done);
+    return st;
+}
+
+/* ---- one speculative round over every running request ------------------------------------ */
+
+typedef struct {
+    pd_request *r;
+    int l;            /* drafts verified this round */
+    int base;         /* first row of this request in the verify batch */
+    int32_t d[32];    /* draft tokens */
+} round_slot;
+
+static pd_status decode_round(pd_engine *e, pd_err *err)
+{
+    int max_pos = e->tm->cfg.max_position_embeddings;
+    int n = 0;
+    for (int i = 0; i < e->n_reqs; i++) {
+        pd_request *r = e->reqs[i];
+        n += r->finish == PD_FINISH_NONE && r->prefilled == r->n_prompt && r->n_out > 0;
+    }
+    if (n == 0)
+        return PD_OK;
+    round_slot *slots = calloc((size_t)n, sizeof(*slots));
+    if (slots == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "round slots");
+    pd_status st = PD_OK;
+    int m = 0;
+    for (int i = 0; i < e->n_reqs; i++) {
+        pd_request *r = e->reqs[i];
+        if (!(r->finish == PD_FINISH_NONE && r->prefilled == r->n_prompt && r->n_out > 0))
+            continue;
+        int p = r->anchor_pos;
+        if (p >= max_pos) {
+            r->finish = PD_FINISH_LENGTH;
+            continue;
+        }
+        int l = e->B;
+        if (p + l + 1 > max_pos)
+            l = max_pos - 1 - p;
+        pd_err rerr;
+        pd_status rs = pd_kv_seq_reserve(e->tpool, &r->tkv, p + l + 1, &rerr);
+        if (rs == PD_OK && e->dpool != NULL && l > 0)
+            rs = pd_kv_seq_reserve(e->dpool, &r->dkv, p + e->B, &rerr);
+        if (rs != PD_OK) {
+            fail_request(r, &rerr);
+            continue;
+        }
+        slots[m].r = r;
+        slots[m].l = l;
+        m++;
+    }
+    /* ---- draft: one block forward for every request that drafts, then the Markov loop ---- */
+    int n_draft = 0;
+    for (int i = 0; i < m; i++)
+        n_draft += slots[i].l > 0;
+    int32_t *anchor = malloc((size_t)(n_draft + 1) * 4), *start = malloc((size_t)(n_draft + 1) * 4),
+            *prev = malloc((size_t)(n_draft + 1) * 4), *tok = malloc((size_t)(n_draft + 1) * 4);
+    pd_kv_seq **dseqs = malloc((size_t)(n_draft + 1) * sizeof(*dseqs));
+    round_slot **dslot = malloc((size_t)(n_draft + 1) * sizeof(*dslot));
+    int32_t *vids = NULL, *vpos = NULL, *vseq = NULL, *vrows = NULL, *vargmax = NULL;
+    pd_kv_seq **vseqs = NULL;
+    if (!anchor || !start || !prev || !tok || !dseqs || !dslot) {
+        st = pd_err_set(err, PD_ERR_NOMEM, "draft round metadata");
+        goto out;
+    }
+    int any_sampled = 0, d_i = 0;
+    for (int i = 0; i < m; i++) {
+        any_sampled |= !pd_sample_is_greedy(&slots[i].r->params.sample);
+        if (slots[i].l == 0)
+            continue;
+        anchor[d_i] = slots[i].r->out[slots[i].r->n_out - 1];
+        start[d_i] = slots[i].r->anchor_pos;
+        dseqs[d_i] = &slots[i].r->dkv;
+        dslot[d_i] = &slots[i];
+        d_i++;
+    }
+    if (any_sampled && n_draft > 0) {
+        st = grow_host((void **)&e->qprobs, &e->cap_q, n_draft * e->B, (size_t)e->V * sizeof(float), err);
+        if (st != PD_OK)
+            goto out;
+    }
+    if (n_draft > 0) {
+        st = pd_draft_block(e->draft, n_draft, anchor, start, dseqs, err);
+        if (st != PD_OK)
+            goto out;
+        memcpy(prev, anchor, (size_t)n_draft * 4);
+        for (int k = 0; k < e->B; k++) {
+            st = pd_draft_markov_step(e->draft, k, prev, NULL, err);
+            if (st != PD_OK)
+                goto out;
+            const float *sl = pd_draft_step_logits(e->draft);
+            st = argmax_rows(e, sl, n_draft, tok, err);
+            if (st == PD_OK && any_sampled)
+                st = fetch_rows(e, sl, n_draft, err);
+            if (st != PD_OK)
+                goto out;
+            for (int j = 0; j < n_draft; j++) {
+                pd_request *r = dslot[j]->r;
+                if (!pd_sample_is_greedy(&r->params.sample)) {
+                    float *q = e->qprobs + ((size_t)j * e->B + k) * e->V;
+                    pd_probs_from_logits(e->hlogits + (size_t)j * e->V, e->V, &r->params.sample, q,
+                                         e->iscratch);
+                    tok[j] = pd_sample_from_probs(q, e->V, &r->rng);
+                }
+                dslot[j]->d[k] = tok[j];
+                prev[j] = tok[j];
+            }
+        }
+    }
+    /* ---- verify: [anchor, d_1..d_l] of every request in one ragged target forward ---- */
+    int n_v = 0;
+    for (int i = 0; i < m; i++) {
+        slots[i].base = n_v;
+        n_v += slots[i].l + 1;
+    }
+    vids = malloc((size_t)n_v * 4);
+    vpos = malloc((size_t)n_v * 4);
+    vseq = malloc((size_t)n_v * 4);
+    vrows = malloc((size_t)n_v * 4);
+    vargmax = malloc((size_t)n_v * 4);
+    vseqs = malloc((size_t)(m + 1) * sizeof(*vseqs));
+    if (!vids || !vpos || !vseq || !vrows || !vargmax || !vseqs) {
+        st = pd_err_set(err, PD_ERR_NOMEM, "verify batch of %d tokens", n_v);
+        goto out;
+    }
+    for (int i = 0; i < m; i++) {
+        pd_request *r = slots[i].r;
+        vseqs[i] = &r->tkv;
+        for (int j = 0; j <= slots[i].l; j++) {
+            int t = slots[i].base + j;
+            vids[t] = j == 0 ? r->out[r->n_out - 1] : slots[i].d[j - 1];
+            vpos[t] = r->anchor_pos + j;
+            vseq[t] = i;
+            vrows[t] = t;
+        }
+    }
+    if (m > 0) {
+        pd_tok_batch vb = { .n_tok = n_v, .ids = vids, .pos = vpos, .seq = vseq, .n_seq = m,
+                            .seqs = vseqs };
+        st = pd_target_forward(e->target, &vb, vrows, n_v, err);
+        if (st != PD_OK)
+            goto out;
+        const float *vl = pd_target_logits(e->target);
+        st = argmax_rows(e, vl, n_v, vargmax, err);
+        if (st == PD_OK && any_sampled)
+            st = fetch_rows(e, vl, n_v, err);
+        if (st != PD_OK)
+            goto out;
+    }
+    /* ---- accept and commit ---- */
+    int n_ext = 0;
+    int32_t *ext_rows = vrows, *ext_pos = vpos;   /* reuse: filled in increasing order */
+    pd_request **ext_owner = malloc((size_t)(n_v + 1) * sizeof(*ext_owner));
+    if (ext_owner == NULL) {
+        st = pd_err_set(err, PD_ERR_NOMEM, "commit metadata");
+        goto out;
+    }
+    int dj = 0;
+    for (int i = 0; i < m; i++) {
+        round_slot *sl = &slots[i];
+        pd_request *r = sl->r;
+        int l = sl->l, a = 0;
+        int32_t bonus;
+        if (pd_sample_is_greedy(&r->params.sample)) {
+            while (a < l && sl->d[a] == vargmax[sl->base + a])
+                a++;
+            bonus = vargmax[sl->base + a];
+        } else {
+            /* target distributions of rows base..base+l, draft ones from this round */
+            float *p = malloc((size_t)(l + 1) * e->V * sizeof(float));
+            if (p == NULL) {
+                free(ext_owner);
+                st = pd_err_set(err, PD_ERR_NOMEM, "verify distributions");
+                goto out;
+            }
+            for (int j = 0; j <= l; j++)
+                pd_probs_from_logits(e->hlogits + (size_t)(sl->base + j) * e->V, e->V,
+                                     &r->params.sample, p + (size_t)j * e->V, e->iscratch);
+            const float *q = l > 0 ? e->qprobs + (size_t)dj * e->B * e->V : NULL;
+            a = pd_verify_sampled(sl->d, l, p, q, e->V, &r->rng, e->fscratch, &bonus);
+            free(p);
+        }
+        if (l > 0)
+            dj++;
+        int stop_at = -1;
+        if (!r->params.ignore_eos)
+            for (int j = 0; j < a; j++)
+                if (is_eos(e, sl->d[j])) {
+                    stop_at = j;
+                    break;
+                }
+        for (int k = 0; k < (stop_at >= 0 ? stop_at + 1 : a); k++)
+            r->accepted_at_pos[k]++;
+        int commit = stop_at >= 0 ? stop_at + 1 : a;
+        pd_err rerr;
+        pd_status rs = grow_host((void **)&r->accepted, &r->cap_rounds, r->n_rounds + 1, sizeof(int), &rerr);
+        for (int j = 0; j < commit && rs == PD_OK; j++)
+            rs = push_out(r, sl->d[j], &rerr);
+        if (rs != PD_OK) {
+            fail_request(r, &rerr);
+            continue;
+        }
+        if (stop_at >= 0) {
+            r->accepted[r->n_rounds++] = commit;
+            r->tkv.len = r->anchor_pos + commit;
+            r->finish = PD_FINISH_STOP;
+        } else {
+            r->accepted[r->n_rounds++] = a + 1;
+            if ((rs = push_out(r, bonus, &rerr)) != PD_OK) {
+                fail_request(r, &rerr);
+                continue;
+            }
+            /* context rows of the committed positions p..p+a feed the draft */
+            for (int j = 0; j <= a; j++) {
+                ext_rows[n_ext] = sl->base + j;
+                ext_pos[n_ext] = r->anchor_pos + j;
+                ext_owner[n_ext] = r;
+                n_ext++;
+            }
+            r->tkv.len = r->anchor_pos + a + 1;
+            r->dkv.len = r->tkv.len;
+            r->anchor_pos += a + 1;
+            if (!r->params.ignore_eos && is_eos(e, bonus))
+                r->finish = PD_FINISH_STOP;
+        }
+        if (r->n_out >= r->params.max_new_tokens) {
+            if (r->n_out > r->params.max_new_tokens)
+                r->n_out = r->params.max_new_tokens;
+            if (r->finish == PD_FINISH_NONE)
+                r->finish = PD_FINISH_LENGTH;
+        }
+    }
+    if (n_ext > 0)
+        st = extend_draft(e, ext_rows, ext_pos, ext_owner, n_ext, err);
+    free(ext_owner);
+out:
+    free(slots);
+    free(anchor);
+    free(start);
+    free(prev);
+    free(tok);
+    free(dseqs);
+    free(dslot);
+    free(vids);
+    free(vpos);
+    free(vseq);
+    free(vrows);
+    free(vargmax);
+    free(vseqs);
+    return st;
+}
+
+pd_status pd_engine_step(pd_engine *e, pd_err *err)
+{
+    for (int i = 0; i < e->n_reqs; i++) {
+        pd_request *r = e->reqs[i];
+        if (r->finish != PD_FINISH_NONE) {
+            /* finished requests give their pages back at once */
+            pd_kv_seq_release(e->tpool, &r->tkv);
+            if (e->dpool != NULL)
+                pd_kv_seq_release(e->dpool, &r->dkv);
+        }
+    }
+    TRY(prefill_step(e, err));
+    return decode_round(e, err);
+}
+
+const int32_t *pd_engine_take_new(pd_request *r, int *n)
+{
+    int from = r->n_emitted;
+    *n = r->n_out - from;
+    r->n_emitted = r->n_out;
+    return r->out + from;
+}
+
+void pd_engine_cancel(pd_engine *e, pd_request *r)
+{
+    (void)e;
+    if (r->finish == PD_FINISH_NONE)
+        r->finish = PD_FINISH_CANCELLED;
+}
+
+void pd_engine_release(pd_engine *e, pd_request *r)
+{
+    for (int i = 0; i < e->n_reqs; i++)
+        if (e->reqs[i] == r) {
+            memmove(&e->reqs[i], &e->reqs[i + 1], (size_t)(e->n_reqs - i - 1) * sizeof(*e->reqs));
+            e->n_reqs--;
+            request_free(e, r);
+            return;
+        }
+}

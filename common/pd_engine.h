@@ -1,0 +1,98 @@
+/* pd_engine.h - the DSpark speculative decoding engine over a batch of requests.
+ * Owns: request state (prompt, sampling, RNG, target and draft page tables, committed tokens,
+ *   per-round acceptance), prefill (chunked, ragged), the decode step (draft all active
+ *   requests, verify one ragged batch, accept, commit) and the stop rules.
+ * The stop/round rules follow DeepSpec's decoding loop (generate_decoding_sample), so tau
+ *   (accepted tokens per round incl. the bonus) is comparable with its reference numbers:
+ *   the first token comes from the prefill; a round proposes B drafts for the anchor at
+ *   position p and commits the accepted drafts plus the bonus; a stop token among accepted
+ *   drafts ends the request without a bonus; the request ends once p >= prompt + max_new.
+ * Not here: the network (decode_node/, prefill_node/), tokenization (pd_tokenizer.c).
+ * Threading: an engine is driven by one thread. */
+#ifndef PD_ENGINE_H
+#define PD_ENGINE_H
+
+#include <stdint.h>
+
+#include "pd_dspark.h"
+#include "pd_kv.h"
+#include "pd_model.h"
+#include "pd_qwen3.h"
+#include "pd_sample.h"
+
+typedef struct {
+    const pd_qwen3_model *target;      /* borrowed */
+    const pd_dspark_model *draft;      /* borrowed; NULL = target-only decoding */
+    int page_size;                     /* token slots per KV page (default 16) */
+    int n_pages;                       /* target pool pages (default: 64 requests x context) */
+    int draft_n_pages;                 /* draft pool pages (default = n_pages) */
+    int block_size;                    /* drafts per round, <= the draft's block size (0 = it) */
+    int max_prefill_tokens;            /* tokens per prefill forward (chunking; default 2048) */
+} pd_engine_config;
+
+typedef struct {
+    pd_sample_params sample;
+    int max_new_tokens;
+    int ignore_eos;
+} pd_gen_params;
+
+typedef enum {
+    PD_FINISH_NONE = 0,      /* still running */
+    PD_FINISH_STOP,          /* a stop (eos) token was generated */
+    PD_FINISH_LENGTH,        /* max_new_tokens or the context length reached */
+    PD_FINISH_CANCELLED,
+    PD_FINISH_ERROR
+} pd_finish_reason;
+
+const char *pd_finish_reason_str(pd_finish_reason r);
+
+typedef struct pd_engine pd_engine;
+
+/* One request. Fields are read-only for callers; the engine owns the struct. */
+typedef struct pd_request {
+    uint64_t id;
+    int32_t *prompt;
+    int n_prompt;
+    pd_gen_params params;
+    pd_rng rng;
+    int32_t *out;            /* generated tokens (the first one comes from prefill) */
+    int n_out;
+    int n_emitted;           /* tokens already handed out by pd_engine_take_new */
+    int *accepted;           /* per round: accepted drafts + bonus (DeepSpec acceptance_length) */
+    int n_rounds;
+    int accepted_at_pos[32]; /* rounds whose draft k (0-based) was accepted */
+    pd_finish_reason finish;
+    char error[512];
+    /* engine-private below */
+    int prefilled;           /* prompt tokens prefilled so far */
+    int anchor_pos;          /* position of the last committed token (the anchor) */
+    pd_kv_seq tkv, dkv;
+    int cap_out, cap_rounds;
+} pd_request;
+
+pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err *err);
+void pd_engine_destroy(pd_engine *e);
+
+/* Validates and queues a request (prompt ids copied). PD_ERR_INVALID for an empty prompt,
+ * an id outside the vocabulary, a prompt that leaves no room in the context, bad sampling
+ * params; PD_ERR_BUSY when its prompt cannot get KV pages now. */
+pd_status pd_engine_add(pd_engine *e, uint64_t id, const int32_t *prompt, int n_prompt,
+                        const pd_gen_params *params, pd_request **out, pd_err *err);
+/* One engine step: prefill work for queued requests (up to max_prefill_tokens), then one
+ * speculative round for every running request. A request that fails ends with
+ * PD_FINISH_ERROR and its message; the step itself fails only on an engine-wide error. */
+pd_status pd_engine_step(pd_engine *e, pd_err *err);
+/* Number of requests not yet finished. */
+int pd_engine_active(const pd_engine *e);
+/* Tokens generated since the last call (pointer into r->out; count in *n). */
+const int32_t *pd_engine_take_new(pd_request *r, int *n);
+/* Marks a request cancelled; its pages are freed at the next step or on release. */
+void pd_engine_cancel(pd_engine *e, pd_request *r);
+/* Frees a finished (or cancelled) request. */
+void pd_engine_release(pd_engine *e, pd_request *r);
+int pd_engine_kv_free_pages(const pd_engine *e);
+int pd_engine_block_size(const pd_engine *e);
+pd_target *pd_engine_target(pd_engine *e);
+pd_draft *pd_engine_draft(pd_engine *e);
+
+#endif

@@ -1,0 +1,84 @@
+/* pd_qwen3.h - Qwen3 forward on a backend: the target runner and the decoder layer it shares
+ *   with the DSpark drafter.
+ * Owns: the activation workspace, one ragged-batch forward (prefill chunks, verify blocks and
+ *   single decode tokens are all "n_tok tokens of n_seq sequences"), aux capture at tap layers.
+ * Not here: weights loading (pd_model.c), sampling (pd_sample.c), scheduling (pd_engine.c).
+ * Threading: a runner is used by one thread at a time. */
+#ifndef PD_QWEN3_H
+#define PD_QWEN3_H
+
+#include <stdint.h>
+
+#include "kern_backend.h"
+#include "pd_kv.h"
+#include "pd_model.h"
+#include "pd_status.h"
+
+/* Backend scratch for one forward of up to cap_tok tokens. Grown on demand. */
+typedef struct {
+    kern_backend *be;
+    int cap_tok;
+    int cap_seq_pages;        /* capacity of the page-table buffer in entries */
+    int hidden, q_dim, kv_dim, inter;
+    kern_buf *buf;            /* all float scratch */
+    float *x, *h, *q, *k, *v, *o, *g, *u;
+    kern_buf *ibuf;           /* int32 per-token arrays */
+    int32_t *ids, *pos, *seq, *kv_len, *slot;
+    kern_buf *ptbuf;
+    int32_t *page_table;
+} pd_act;
+
+pd_status pd_act_init(pd_act *a, kern_backend *be, const pd_qwen3_config *cfg, pd_err *err);
+/* Makes room for n_tok tokens and n_pt page-table entries. */
+pd_status pd_act_reserve(pd_act *a, int n_tok, int n_pt, pd_err *err);
+void pd_act_cleanup(pd_act *a);
+
+/* Per-token metadata of a ragged batch, host side. */
+typedef struct {
+    int n_tok;
+    const int32_t *ids;       /* [n_tok] token ids (may be NULL when the caller fills a->x) */
+    const int32_t *pos;       /* [n_tok] absolute positions */
+    const int32_t *seq;       /* [n_tok] index into seqs */
+    const int32_t *kv_len;    /* [n_tok] keys each query sees; NULL = causal (pos + 1) */
+    int n_seq;
+    pd_kv_seq *const *seqs;   /* page tables, reserved to cover every position written */
+} pd_tok_batch;
+
+/* Uploads ids/pos/seq/kv_len/slots and the page table of b into a (slots from pool). */
+pd_status pd_act_load_batch(pd_act *a, const pd_kv_pool *pool, const pd_tok_batch *b,
+                            int *pt_stride_out, int *max_kv_out, pd_err *err);
+
+/* One pre-norm decoder layer on a->x [n_tok, hidden] in place: attention through the paged
+ * layer kv (this batch's K/V are stored at a->slot first), then the SwiGLU MLP. */
+pd_status pd_layer_forward(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
+                           kern_kv_layer kv, int n_tok, int n_seq, int pt_stride, int max_kv,
+                           pd_err *err);
+/* K/V of rows in[n_tok, hidden] (already normalised as the caller wants) through lw's k/v
+ * projections, k_norm and RoPE at a->pos, stored at a->slot. Used by the drafter's context. */
+pd_status pd_layer_store_kv(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
+                            kern_kv_layer kv, const float *in, int n_tok, pd_err *err);
+
+/* ---- the target runner ------------------------------------------------------------------ */
+
+typedef struct pd_target pd_target;
+
+/* taps: layer ids whose raw outputs are captured (-1 = embedding output), n_taps may be 0.
+ * pool: the target KV pool (borrowed). */
+pd_status pd_target_create(const pd_qwen3_model *m, pd_kv_pool *pool, const int *taps, int n_taps,
+                           pd_target **out, pd_err *err);
+void pd_target_destroy(pd_target *t);
+
+/* Runs b through every layer, writing K/V of every token into its sequence's pages.
+ * Logits are produced for rows logit_rows[0..n_logits-1] (indices into the batch); aux rows
+ * [n_tok, n_taps * hidden] are captured when the runner has taps. */
+pd_status pd_target_forward(pd_target *t, const pd_tok_batch *b, const int32_t *logit_rows,
+                            int n_logits, pd_err *err);
+/* Backend pointers valid until the next forward. */
+const float *pd_target_logits(const pd_target *t);      /* [n_logits, vocab] */
+const float *pd_target_aux(const pd_target *t);         /* [n_tok, n_taps * hidden] */
+const float *pd_target_final_hidden(const pd_target *t); /* [n_logits, hidden] after final norm */
+int pd_target_aux_dim(const pd_target *t);
+const pd_qwen3_model *pd_target_model(const pd_target *t);
+pd_kv_pool *pd_target_pool(const pd_target *t);
+
+#endif

@@ -1,0 +1,173 @@
+/* pd_sample.c - sampling and lossless verification (see pd_sample.h).
+ * The RNG is xoshiro256** seeded through splitmix64, so a seed reproduces a run exactly. */
+#define _GNU_SOURCE   /* qsort_r */
+#include "pd_sample.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static uint64_t splitmix64(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+void pd_rng_seed(pd_rng *r, uint64_t seed)
+{
+    uint64_t x = seed;
+    for (int i = 0; i < 4; i++)
+        r->s[i] = splitmix64(&x);
+}
+
+static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+uint64_t pd_rng_next(pd_rng *r)
+{
+    uint64_t *s = r->s;
+    uint64_t out = rotl(s[1] * 5, 7) * 9;
+    uint64_t t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return out;
+}
+
+double pd_rng_uniform(pd_rng *r)
+{
+    return (double)(pd_rng_next(r) >> 11) * (1.0 / 9007199254740992.0);
+}
+
+pd_status pd_sample_params_check(const pd_sample_params *p, pd_err *err)
+{
+    if (!isfinite(p->temperature) || p->temperature < 0.0f)
+        return pd_err_set(err, PD_ERR_INVALID, "temperature %g must be a finite number >= 0",
+                          (double)p->temperature);
+    if (p->top_k < 0)
+        return pd_err_set(err, PD_ERR_INVALID, "top_k %d must be >= 0", p->top_k);
+    if (!(p->top_p > 0.0f && p->top_p <= 1.0f))
+        return pd_err_set(err, PD_ERR_INVALID, "top_p %g must be in (0, 1]", (double)p->top_p);
+    return PD_OK;
+}
+
+int pd_sample_is_greedy(const pd_sample_params *p) { return p->temperature < 1e-5f; }
+
+int32_t pd_argmax(const float *x, int n)
+{
+    int best = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[best])
+            best = i;
+    return best;
+}
+
+static int by_prob_desc(const void *a, const void *b, void *ctx)
+{
+    const float *base = ctx;
+    float pa = base[*(const int32_t *)a], pb = base[*(const int32_t *)b];
+    if (pa != pb)
+        return pa < pb ? 1 : -1;
+    return *(const int32_t *)a - *(const int32_t *)b;
+}
+
+void pd_probs_from_logits(const float *logits, int n, const pd_sample_params *p, float *probs,
+                          int32_t *scratch)
+{
+    if (pd_sample_is_greedy(p)) {
+        memset(probs, 0, (size_t)n * sizeof(float));
+        probs[pd_argmax(logits, n)] = 1.0f;
+        return;
+    }
+    float mx = logits[0];
+    for (int i = 1; i < n; i++)
+        if (logits[i] > mx)
+            mx = logits[i];
+    double sum = 0.0;
+    for (int i = 0; i < n; i++) {
+        double e = exp(((double)logits[i] - mx) / p->temperature);
+        probs[i] = (float)e;
+        sum += e;
+    }
+    for (int i = 0; i < n; i++)
+        probs[i] = (float)(probs[i] / sum);
+    int k = p->top_k > 0 && p->top_k < n ? p->top_k : n;
+    if (k == n && p->top_p >= 1.0f)
+        return;
+    /* keep the k most likely, then the smallest prefix reaching top_p; renormalise */
+    for (int i = 0; i < n; i++)
+        scratch[i] = i;
+    qsort_r(scratch, (size_t)n, sizeof(int32_t), by_prob_desc, probs);
+    double cum = 0.0;
+    int keep = 0;
+    for (; keep < k; keep++) {
+        cum += probs[scratch[keep]];
+        if (cum >= p->top_p) {
+            keep++;
+            break;
+        }
+    }
+    double kept = 0.0;
+    for (int i = 0; i < keep; i++)
+        kept += probs[scratch[i]];
+    for (int i = keep; i < n; i++)
+        probs[scratch[i]] = 0.0f;
+    for (int i = 0; i < keep; i++)
+        probs[scratch[i]] = (float)(probs[scratch[i]] / kept);
+}
+
+int32_t pd_sample_from_probs(const float *probs, int n, pd_rng *rng)
+{
+    double u = pd_rng_uniform(rng), cum = 0.0;
+    int last = 0;
+    for (int i = 0; i < n; i++) {
+        if (probs[i] <= 0.0f)
+            continue;
+        cum += probs[i];
+        last = i;
+        if (u < cum)
+            return i;
+    }
+    return last;   /* rounding left u above the total: the last token with mass */
+}
+
+int32_t pd_sample_logits(const float *logits, int n, const pd_sample_params *p, pd_rng *rng,
+                         float *fscratch, int32_t *iscratch)
+{
+    if (pd_sample_is_greedy(p))
+        return pd_argmax(logits, n);
+    pd_probs_from_logits(logits, n, p, fscratch, iscratch);
+    return pd_sample_from_probs(fscratch, n, rng);
+}
+
+int pd_verify_sampled(const int32_t *d, int l, const float *p_rows, const float *q_rows, int n,
+                      pd_rng *rng, float *residual, int32_t *next_out)
+{
+    for (int i = 0; i < l; i++) {
+        const float *p = p_rows + (size_t)i * n, *q = q_rows + (size_t)i * n;
+        double pq = p[d[i]], qq = q[d[i]] > 1e-8f ? q[d[i]] : 1e-8;
+        double accept = pq / qq < 1.0 ? pq / qq : 1.0;
+        if (pd_rng_uniform(rng) < accept)
+            continue;
+        double mass = 0.0;
+        for (int j = 0; j < n; j++) {
+            float r = p[j] - q[j];
+            residual[j] = r > 0.0f ? r : 0.0f;
+            mass += residual[j];
+        }
+        if (mass <= 1e-8) {
+            memcpy(residual, p, (size_t)n * sizeof(float));
+            mass = 1.0;
+        }
+        for (int j = 0; j < n; j++)
+            residual[j] = (float)(residual[j] / mass);
+        *next_out = pd_sample_from_probs(residual, n, rng);
+        return i;
+    }
+    *next_out = pd_sample_from_probs(p_rows + (size_t)l * n, n, rng);
+    return l;
+}

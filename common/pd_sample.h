@@ -1,0 +1,49 @@
+/* pd_sample.h - sampling and speculative verification on host logits.
+ * Owns: the seeded RNG, temperature / top-k / top-p filtering, greedy argmax (lowest index wins
+ *   ties), and the lossless acceptance rules (greedy prefix match; rejection sampling with
+ *   residual resampling for temperature > 0).
+ * Not here: producing logits (pd_qwen3.c, pd_dspark.c).
+ * Threading: pure functions; an rng belongs to one request. */
+#ifndef PD_SAMPLE_H
+#define PD_SAMPLE_H
+
+#include <stdint.h>
+
+#include "pd_status.h"
+
+typedef struct {
+    float temperature;   /* < 1e-5 means greedy */
+    int top_k;           /* 0 = off */
+    float top_p;         /* >= 1 = off */
+    uint64_t seed;
+} pd_sample_params;
+
+typedef struct { uint64_t s[4]; } pd_rng;
+
+void pd_rng_seed(pd_rng *r, uint64_t seed);
+uint64_t pd_rng_next(pd_rng *r);
+double pd_rng_uniform(pd_rng *r);   /* [0, 1) */
+
+/* PD_ERR_INVALID naming the field when out of range (temperature < 0 or not finite, top_k < 0,
+ * top_p <= 0 or > 1). */
+pd_status pd_sample_params_check(const pd_sample_params *p, pd_err *err);
+int pd_sample_is_greedy(const pd_sample_params *p);
+
+int32_t pd_argmax(const float *x, int n);
+/* probs[n] = the filtered, tempered distribution of logits (greedy: one-hot at the argmax).
+ * scratch must hold n ints. */
+void pd_probs_from_logits(const float *logits, int n, const pd_sample_params *p, float *probs,
+                          int32_t *scratch);
+int32_t pd_sample_from_probs(const float *probs, int n, pd_rng *rng);
+/* One token from logits (argmax when greedy). scratch: n floats + n ints. */
+int32_t pd_sample_logits(const float *logits, int n, const pd_sample_params *p, pd_rng *rng,
+                         float *fscratch, int32_t *iscratch);
+
+/* Rejection-sampling verification of draft tokens d[0..l-1] with target distributions
+ * p_rows[(l+1) * n] and draft distributions q_rows[l * n]. Returns the number accepted and the
+ * token to commit after them (residual resample at the first rejection, else a sample of
+ * p_rows[l]). residual: n floats of scratch. */
+int pd_verify_sampled(const int32_t *d, int l, const float *p_rows, const float *q_rows, int n,
+                      pd_rng *rng, float *residual, int32_t *next_out);
+
+#endif

@@ -1,0 +1,323 @@
+/* generate_main.c - pdspark-generate: offline generation with the full DSpark loop in-process.
+ * Owns: flag parsing, loading the target/draft/tokenizer, driving one pd_engine request to the
+ *   end, and printing the result (text, or one JSON object with --json).
+ * Not here: the engine (common/pd_engine.c).
+ * Threading: single-threaded. */
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <getopt.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "pd_engine.h"
+#include "pd_log.h"
+#include "pd_model.h"
+#include "pd_tokenizer.h"
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: pdspark-generate --model DIR [--draft DIR | --no-draft]\n"
+            "                        (--prompt TEXT | --prompt-ids FILE)\n"
+            "                        [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
+            "                        [--seed S] [--block-size B] [--ignore-eos] [--json]\n"
+            "                        [--device cpu|cuda] [--page-size N] [--kv-pages N] [--stream]\n"
+            "\n"
+            "Runs DSpark speculative decoding (or plain target decoding with --no-draft) on one\n"
+            "prompt. --prompt-ids reads whitespace-separated token ids. --json prints one object:\n"
+            "tokens, text, rounds, accepted_per_round, tau, prompt_tokens, time_ms and more.\n");
+}
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+static int parse_int(const char *flag, const char *s, long lo, long hi, int *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno != 0 || *end != '\0' || end == s || v < lo || v > hi) {
+        fprintf(stderr, "pdspark-generate: %s: '%s' is not an integer in %ld..%ld\n", flag, s, lo, hi);
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+static int parse_float(const char *flag, const char *s, float *out)
+{
+    char *end;
+    errno = 0;
+    float v = strtof(s, &end);
+    if (errno != 0 || *end != '\0' || end == s) {
+        fprintf(stderr, "pdspark-generate: %s: '%s' is not a number\n", flag, s);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static int read_ids(const char *path, int32_t **ids, int *n)
+{
+    FILE *f = strcmp(path, "-") == 0 ? stdin : fopen(path, "r");
+    if (f == NULL) {
+        fprintf(stderr, "pdspark-generate: --prompt-ids %s: %s\n", path, strerror(errno));
+        return -1;
+    }
+    int cap = 256, cnt = 0;
+    int32_t *v = malloc((size_t)cap * sizeof(int32_t));
+    char word[64];
+    int rc = 0;
+    while (v != NULL && fscanf(f, "%63s", word) == 1) {
+        char *end;
+        errno = 0;
+        long x = strtol(word, &end, 10);
+        if (errno != 0 || *end != '\0' || x < INT32_MIN || x > INT32_MAX) {
+            fprintf(stderr, "pdspark-generate: --prompt-ids %s: '%s' is not a token id\n", path, word);
+            rc = -1;
+            break;
+        }
+        if (cnt == cap) {
+            cap *= 2;
+            int32_t *nv = realloc(v, (size_t)cap * sizeof(int32_t));
+            if (nv == NULL) {
+                free(v);
+                v = NULL;
+                break;
+            }
+            v = nv;
+        }
+        v[cnt++] = (int32_t)x;
+    }
+    if (f != stdin)
+        fclose(f);
+    if (v == NULL) {
+        fprintf(stderr, "pdspark-generate: out of memory reading %s\n", path);
+        return -1;
+    }
+    if (rc != 0) {
+        free(v);
+        return rc;
+    }
+    *ids = v;
+    *n = cnt;
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    const char *model_dir = NULL, *draft_dir = NULL, *prompt = NULL, *ids_path = NULL;
+    const char *device = "cpu";
+    int no_draft = 0, json = 0, ignore_eos = 0, stream = 0;
+    int max_new = 128, block = 0, page_size = 16, kv_pages = 0, seed = 0, top_k = 0;
+    float temperature = 0.0f, top_p = 1.0f;
+    enum { O_MODEL = 256, O_DRAFT, O_NO_DRAFT, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP,
+           O_SEED, O_BLOCK, O_JSON, O_IGNORE, O_DEVICE, O_PAGE, O_PAGES, O_STREAM, O_HELP };
+    static const struct option opts[] = {
+        {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
+        {"no-draft", no_argument, 0, O_NO_DRAFT}, {"prompt", required_argument, 0, O_PROMPT},
+        {"prompt-ids", required_argument, 0, O_IDS}, {"max-new-tokens", required_argument, 0, O_MAXNEW},
+        {"temperature", required_argument, 0, O_TEMP}, {"top-k", required_argument, 0, O_TOPK},
+        {"top-p", required_argument, 0, O_TOPP}, {"seed", required_argument, 0, O_SEED},
+        {"block-size", required_argument, 0, O_BLOCK}, {"json", no_argument, 0, O_JSON},
+        {"ignore-eos", no_argument, 0, O_IGNORE}, {"device", required_argument, 0, O_DEVICE},
+        {"page-size", required_argument, 0, O_PAGE}, {"kv-pages", required_argument, 0, O_PAGES},
+        {"stream", no_argument, 0, O_STREAM}, {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0},
+    };
+    opterr = 0;
+    int c;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        int bad = 0;
+        switch (c) {
+        case O_MODEL: model_dir = optarg; break;
+        case O_DRAFT: draft_dir = optarg; break;
+        case O_NO_DRAFT: no_draft = 1; break;
+        case O_PROMPT: prompt = optarg; break;
+        case O_IDS: ids_path = optarg; break;
+        case O_MAXNEW: bad = parse_int("--max-new-tokens", optarg, 1, 1 << 20, &max_new); break;
+        case O_TEMP: bad = parse_float("--temperature", optarg, &temperature); break;
+        case O_TOPK: bad = parse_int("--top-k", optarg, 0, INT_MAX, &top_k); break;
+        case O_TOPP: bad = parse_float("--top-p", optarg, &top_p); break;
+        case O_SEED: bad = parse_int("--seed", optarg, 0, INT_MAX, &seed); break;
+        case O_BLOCK: bad = parse_int("--block-size", optarg, 1, 31, &block); break;
+        case O_JSON: json = 1; break;
+        case O_IGNORE: ignore_eos = 1; break;
+        case O_DEVICE: device = optarg; break;
+        case O_PAGE: bad = parse_int("--page-size", optarg, 1, 4096, &page_size); break;
+        case O_PAGES: bad = parse_int("--kv-pages", optarg, 1, INT_MAX, &kv_pages); break;
+        case O_STREAM: stream = 1; break;
+        case O_HELP: usage(stdout); return 0;
+        default:
+            fprintf(stderr, "pdspark-generate: unknown or incomplete flag '%s'\n", argv[optind - 1]);
+            usage(stderr);
+            return 2;
+        }
+        if (bad)
+            return 2;
+    }
+    if (optind < argc) {
+        fprintf(stderr, "pdspark-generate: unexpected argument '%s'\n", argv[optind]);
+        return 2;
+    }
+    if (model_dir == NULL) {
+        fprintf(stderr, "pdspark-generate: --model DIR is required\n");
+        return 2;
+    }
+    if (no_draft && draft_dir != NULL) {
+        fprintf(stderr, "pdspark-generate: --draft and --no-draft exclude each other\n");
+        return 2;
+    }
+    if ((prompt == NULL) == (ids_path == NULL)) {
+        fprintf(stderr, "pdspark-generate: give exactly one of --prompt TEXT or --prompt-ids FILE\n");
+        return 2;
+    }
+
+    pd_err err = {0};
+    int rc = 1;
+    kern_backend *be = NULL;
+    pd_qwen3_model *tm = NULL;
+    pd_dspark_model *dm = NULL;
+    pd_tokenizer *tok = NULL;
+    pd_engine *eng = NULL;
+    int32_t *ids = NULL;
+    int n_ids = 0;
+    char *text = NULL;
+    size_t text_len = 0;
+    pd_detok *detok = NULL;
+
+    kern_backend_config bc = { .name = device };
+    if (kern_backend_create(&bc, &be, &err) != PD_OK)
+        goto fail;
+    if (pd_qwen3_load(be, model_dir, &tm, &err) != PD_OK)
+        goto fail;
+    if (draft_dir != NULL && pd_dspark_load(be, draft_dir, tm, &dm, &err) != PD_OK)
+        goto fail;
+    if (pd_tokenizer_load(model_dir, &tok, &err) != PD_OK) {
+        if (prompt != NULL)
+            goto fail;
+        PD_LOG_WARN("generate", "no tokenizer (%s); printing ids only", err.msg);
+        tok = NULL;
+    }
+    if (prompt != NULL) {
+        size_t n = 0;
+        if (pd_tokenizer_encode(tok, prompt, strlen(prompt), 1, &ids, &n, &err) != PD_OK)
+            goto fail;
+        n_ids = (int)n;
+    } else if (read_ids(ids_path, &ids, &n_ids) != 0) {
+        goto out;
+    }
+    pd_engine_config ec = { .target = tm, .draft = dm, .page_size = page_size, .n_pages = kv_pages,
+                            .block_size = block };
+    if (pd_engine_create(&ec, &eng, &err) != PD_OK)
+        goto fail;
+    pd_gen_params gp = { .sample = { .temperature = temperature, .top_k = top_k, .top_p = top_p,
+                                     .seed = (uint64_t)seed },
+                         .max_new_tokens = max_new, .ignore_eos = ignore_eos };
+    pd_request *req = NULL;
+    double t0 = now_ms();
+    if (pd_engine_add(eng, 1, ids, n_ids, &gp, &req, &err) != PD_OK)
+        goto fail;
+    if (stream && tok != NULL && pd_detok_create(tok, &detok, &err) != PD_OK)
+        goto fail;
+    double t_first = -1.0;
+    while (req->finish == PD_FINISH_NONE) {
+        if (pd_engine_step(eng, &err) != PD_OK)
+            goto fail;
+        int n_new = 0;
+        const int32_t *nt = pd_engine_take_new(req, &n_new);
+        if (n_new > 0 && t_first < 0)
+            t_first = now_ms();
+        for (int i = 0; detok != NULL && i < n_new; i++) {
+            char *piece = NULL;
+            if (pd_detok_push(detok, nt[i], &piece, &err) != PD_OK)
+                goto fail;
+            fputs(piece, stdout);
+            fflush(stdout);
+            free(piece);
+        }
+    }
+    double t1 = now_ms();
+    if (req->finish == PD_FINISH_ERROR) {
+        fprintf(stderr, "pdspark-generate: %s\n", req->error);
+        goto out;
+    }
+    if (detok != NULL) {
+        char *piece = NULL;
+        if (pd_detok_flush(detok, &piece, &err) != PD_OK)
+            goto fail;
+        fputs(piece, stdout);
+        fputc('\n', stdout);
+        free(piece);
+    }
+    if (tok != NULL && pd_tokenizer_decode(tok, req->out, (size_t)req->n_out, 0, &text, &text_len, &err) != PD_OK)
+        goto fail;
+    long acc_sum = 0;
+    for (int i = 0; i < req->n_rounds; i++)
+        acc_sum += req->accepted[i];
+    double tau = req->n_rounds > 0 ? (double)acc_sum / req->n_rounds : 0.0;
+    double ms = t1 - t0;
+    double tps = ms > 0 ? req->n_out / (ms / 1e3) : 0.0;
+    if (json) {
+        cJSON *o = cJSON_CreateObject();
+        cJSON *toks = cJSON_AddArrayToObject(o, "tokens");
+        for (int i = 0; i < req->n_out; i++)
+            cJSON_AddItemToArray(toks, cJSON_CreateNumber(req->out[i]));
+        cJSON_AddStringToObject(o, "text", text != NULL ? text : "");
+        cJSON_AddNumberToObject(o, "rounds", req->n_rounds);
+        cJSON *apr = cJSON_AddArrayToObject(o, "accepted_per_round");
+        for (int i = 0; i < req->n_rounds; i++)
+            cJSON_AddItemToArray(apr, cJSON_CreateNumber(req->accepted[i]));
+        cJSON_AddNumberToObject(o, "tau", tau);
+        cJSON *pos = cJSON_AddArrayToObject(o, "acceptance_by_position");
+        for (int k = 0; k < pd_engine_block_size(eng); k++)
+            cJSON_AddItemToArray(pos, cJSON_CreateNumber(
+                req->n_rounds > 0 ? (double)req->accepted_at_pos[k] / req->n_rounds : 0.0));
+        cJSON_AddNumberToObject(o, "prompt_tokens", n_ids);
+        cJSON_AddNumberToObject(o, "completion_tokens", req->n_out);
+        cJSON_AddStringToObject(o, "finish_reason", pd_finish_reason_str(req->finish));
+        cJSON_AddNumberToObject(o, "time_ms", ms);
+        cJSON_AddNumberToObject(o, "ttft_ms", t_first >= 0 ? t_first - t0 : ms);
+        cJSON_AddNumberToObject(o, "tokens_per_s", tps);
+        cJSON_AddStringToObject(o, "device", device);
+        cJSON_AddStringToObject(o, "mode", dm != NULL ? "dspark" : "target-only");
+        char *s = cJSON_PrintUnformatted(o);
+        puts(s);
+        free(s);
+        cJSON_Delete(o);
+    } else {
+        if (detok == NULL) {
+            if (text != NULL)
+                printf("%s\n", text);
+            else
+                for (int i = 0; i < req->n_out; i++)
+                    printf("%d%c", req->out[i], i + 1 == req->n_out ? '\n' : ' ');
+        }
+        fprintf(stderr, "pdspark-generate: %d prompt tokens, %d generated (%s) in %.1f ms, %.1f tokens/s",
+                n_ids, req->n_out, pd_finish_reason_str(req->finish), ms, tps);
+        if (dm != NULL)
+            fprintf(stderr, ", %d rounds, tau %.3f", req->n_rounds, tau);
+        fputc('\n', stderr);
+    }
+    rc = 0;
+    goto out;
+fail:
+    fprintf(stderr, "pdspark-generate: %s\n", err.msg[0] ? err.msg : pd_status_str(err.code));
+    rc = 1;
+out:
+    pd_detok_destroy(detok);
+    free(text);
+    free(ids);
+    pd_engine_destroy(eng);
+    pd_tokenizer_free(tok);
+    pd_dspark_free(dm);
+    pd_qwen3_free(tm);
+    kern_backend_destroy(be);
+    return rc;
+}
