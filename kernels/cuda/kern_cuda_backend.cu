@@ -1,0 +1,227 @@
+/* kern_cuda_backend.cu - the CUDA backend object: device, stream, cuBLAS handle, workspace,
+ *   buffers, host<->device copies, dtype conversion on upload, and the ops table.
+ * Owns: kern_cuda_backend_create/destroy, kern_cuda_device_count, kern_cuda_ws_get.
+ * Not here: the math of each op (kern_cuda_<family>.cu); shape checks (kern_ops.c).
+ * Threading: one host thread at a time per backend. upload/download/upload_convert return after
+ *   the copy has completed (the host buffer may be reused at once); ops are asynchronous on the
+ *   backend's stream until sync or download. */
+#include "kern_cuda_internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define KERN_CUDA_CUBLAS_WS_BYTES ((size_t)32 << 20)
+#define KERN_CUDA_CONVERT_CHUNK ((size_t)16 << 20)   /* values per staged chunk */
+
+extern "C" int kern_cuda_device_count(void)
+{
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        (void)cudaGetLastError();   /* clear the non-sticky error so later calls start clean */
+        return 0;
+    }
+    return n;
+}
+
+pd_status kern_cuda_ws_get(kern_cuda_ctx *c, size_t bytes, void **out, pd_err *err)
+{
+    if (bytes <= c->ws_bytes && c->ws != NULL) {
+        *out = c->ws;
+        return PD_OK;
+    }
+    size_t want = bytes + bytes / 4 + ((size_t)1 << 20);
+    /* kernels queued earlier may still read the old scratch */
+    PD_CUDA_TRY(cudaStreamSynchronize(c->stream), err);
+    if (c->ws != NULL) {
+        PD_CUDA_TRY(cudaFree(c->ws), err);
+        c->ws = NULL;
+        c->ws_bytes = 0;
+    }
+    PD_CUDA_TRY(cudaMalloc(&c->ws, want), err);
+    c->ws_bytes = want;
+    *out = c->ws;
+    return PD_OK;
+}
+
+static pd_status cuda_buf_alloc(kern_backend *be, size_t bytes, kern_buf **out, pd_err *err)
+{
+    kern_buf *b = (kern_buf *)calloc(1, sizeof(*b));
+    if (b == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "cuda buffer header");
+    cudaError_t e = cudaMalloc(&b->ptr, bytes > 0 ? bytes : 1);
+    if (e != cudaSuccess) {
+        free(b);
+        (void)cudaGetLastError();
+        return pd_err_set(err, e == cudaErrorMemoryAllocation ? PD_ERR_NOMEM : PD_ERR_CUDA,
+                          "cudaMalloc %zu bytes: %s", bytes, cudaGetErrorString(e));
+    }
+    b->be = be;
+    b->bytes = bytes;
+    *out = b;
+    return PD_OK;
+}
+
+static void cuda_buf_free(kern_backend *be, kern_buf *b)
+{
+    (void)be;
+    if (b == NULL)
+        return;
+    if (b->ptr != NULL)
+        (void)cudaFree(b->ptr);   /* destructors do not fail; a sticky error shows up later */
+    free(b);
+}
+
+static pd_status cuda_upload(kern_backend *be, void *dst, const void *src, size_t n, pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    PD_CUDA_TRY(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, c->stream), err);
+    PD_CUDA_TRY(cudaStreamSynchronize(c->stream), err);
+    return PD_OK;
+}
+
+static pd_status cuda_download(kern_backend *be, void *dst, const void *src, size_t n, pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    PD_CUDA_TRY(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, c->stream), err);
+    PD_CUDA_TRY(cudaStreamSynchronize(c->stream), err);
+    return PD_OK;
+}
+
+static pd_status cuda_memset0(kern_backend *be, void *dst, size_t n, pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    PD_CUDA_TRY(cudaMemsetAsync(dst, 0, n, c->stream), err);
+    return PD_OK;
+}
+
+static int float_dtype(kern_dtype dt)
+{
+    return dt == KERN_DTYPE_F32 || dt == KERN_DTYPE_BF16 || dt == KERN_DTYPE_F16;
+}
+
+static pd_status cuda_upload_convert(kern_backend *be, void *dst, kern_dtype dst_dtype,
+                                     const void *src, kern_dtype src_dtype, size_t n, pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    if (src_dtype == dst_dtype)
+        return cuda_upload(be, dst, src, n * kern_cuda_dtype_size(src_dtype), err);
+    if (!float_dtype(src_dtype) || !float_dtype(dst_dtype))
+        return pd_err_set(err, PD_ERR_UNSUPPORTED, "cuda upload_convert: %s -> %s",
+                          kern_cuda_dtype_name(src_dtype), kern_cuda_dtype_name(dst_dtype));
+    size_t ssz = kern_cuda_dtype_size(src_dtype), dsz = kern_cuda_dtype_size(dst_dtype);
+    size_t chunk = n < KERN_CUDA_CONVERT_CHUNK ? n : KERN_CUDA_CONVERT_CHUNK;
+    void *stage = NULL;
+    pd_status st = kern_cuda_ws_get(c, chunk * ssz, &stage, err);
+    if (st != PD_OK)
+        return st;
+    /* stream order makes each chunk's copy wait for the previous chunk's conversion */
+    for (size_t off = 0; off < n; off += chunk) {
+        size_t m = n - off < chunk ? n - off : chunk;
+        PD_CUDA_TRY(cudaMemcpyAsync(stage, (const char *)src + off * ssz, m * ssz,
+                                    cudaMemcpyHostToDevice, c->stream), err);
+        st = kern_cuda_convert_launch(be, (char *)dst + off * dsz, dst_dtype, stage, src_dtype, m,
+                                      err);
+        if (st != PD_OK)
+            return st;
+    }
+    PD_CUDA_TRY(cudaStreamSynchronize(c->stream), err);
+    return PD_OK;
+}
+
+static pd_status cuda_sync(kern_backend *be, pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    PD_CUDA_TRY(cudaStreamSynchronize(c->stream), err);
+    return PD_OK;
+}
+
+/* Frees whatever part of the context exists; safe on a half-built context. */
+static void ctx_release(kern_cuda_ctx *c)
+{
+    if (c == NULL)
+        return;
+    if (c->stream != NULL)
+        (void)cudaStreamSynchronize(c->stream);
+    if (c->cublas != NULL)
+        (void)cublasDestroy(c->cublas);
+    if (c->cublas_ws != NULL)
+        (void)cudaFree(c->cublas_ws);
+    if (c->ws != NULL)
+        (void)cudaFree(c->ws);
+    if (c->stream != NULL)
+        (void)cudaStreamDestroy(c->stream);
+    free(c);
+}
+
+static void cuda_destroy(kern_backend *be)
+{
+    if (be == NULL)
+        return;
+    ctx_release(kern_cuda_ctx_of(be));
+    free(be);
+}
+
+static const kern_backend_ops cuda_ops = {
+    .name = "cuda",
+    .buf_alloc = cuda_buf_alloc,
+    .buf_free = cuda_buf_free,
+    .upload = cuda_upload,
+    .download = cuda_download,
+    .memset0 = cuda_memset0,
+    .upload_convert = cuda_upload_convert,
+    .sync = cuda_sync,
+    .embed = kern_cuda_embed_launch,
+    .rmsnorm = kern_cuda_rmsnorm_launch,
+    .matmul = kern_cuda_matmul_launch,
+    .rope = kern_cuda_rope_launch,
+    .unary = kern_cuda_unary_launch,
+    .binary = kern_cuda_binary_launch,
+    .copy_rows = kern_cuda_copy_rows_launch,
+    .kv_store = kern_cuda_kv_store_launch,
+    .attn = kern_cuda_attn_launch,
+    .argmax = kern_cuda_argmax_launch,
+    .destroy = cuda_destroy,
+};
+
+static pd_status ctx_init(kern_cuda_ctx *c, int device, pd_err *err)
+{
+    int n = kern_cuda_device_count();
+    if (device < 0 || device >= n)
+        return pd_err_set(err, PD_ERR_CUDA, "cuda device %d: %d device(s) visible", device, n);
+    c->device = device;
+    PD_CUDA_TRY(cudaSetDevice(device), err);
+    PD_CUDA_TRY(cudaDeviceGetAttribute(&c->n_sm, cudaDevAttrMultiProcessorCount, device), err);
+    PD_CUDA_TRY(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), err);
+    PD_CUBLAS_TRY(cublasCreate(&c->cublas), err);
+    PD_CUBLAS_TRY(cublasSetStream(c->cublas, c->stream), err);
+    PD_CUDA_TRY(cudaMalloc(&c->cublas_ws, KERN_CUDA_CUBLAS_WS_BYTES), err);
+    c->cublas_ws_bytes = KERN_CUDA_CUBLAS_WS_BYTES;
+    PD_CUBLAS_TRY(cublasSetWorkspace(c->cublas, c->cublas_ws, c->cublas_ws_bytes), err);
+    return PD_OK;
+}
+
+extern "C" pd_status kern_cuda_backend_create(const kern_backend_config *cfg, kern_backend **out,
+                                              pd_err *err)
+{
+    kern_cuda_ctx *c = (kern_cuda_ctx *)calloc(1, sizeof(*c));
+    if (c == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "cuda backend context");
+    kern_backend *be = (kern_backend *)calloc(1, sizeof(*be));
+    if (be == NULL) {
+        free(c);
+        return pd_err_set(err, PD_ERR_NOMEM, "cuda backend");
+    }
+    pd_status st = ctx_init(c, cfg != NULL ? cfg->device : 0, err);
+    if (st != PD_OK) {
+        ctx_release(c);
+        free(be);
+        return st;
+    }
+    be->ops = &cuda_ops;
+    be->impl = c;
+    be->weight_dtype = KERN_DTYPE_BF16;
+    be->kv_dtype = KERN_DTYPE_BF16;
+    be->is_host = 0;
+    *out = be;
+    return PD_OK;
+}

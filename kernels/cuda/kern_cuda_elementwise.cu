@@ -1,0 +1,130 @@
+/* kern_cuda_elementwise.cu - unary (sigmoid, tanh, silu) and binary (add, sub, mul, swiglu) ops
+ *   over strided [rows, cols] views, and the device-side dtype conversion behind upload_convert.
+ * Owns: kern_cuda_unary_launch, kern_cuda_binary_launch, kern_cuda_convert_launch.
+ *   Grid-stride loops, one element per iteration; each output element is written by the thread
+ *   that read its inputs, so out may alias an input.
+ * Not here: shape checks (kern_ops.c). Threading: enqueues on the backend stream. */
+#include "kern_cuda_internal.h"
+
+#define EW_THREADS 256
+
+static __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+template <int OP>
+__global__ void unary_kernel(const float *x, int ld_x, float *out, int ld_out, int rows, int cols)
+{
+    size_t total = (size_t)rows * cols;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        size_t r = i / cols, c = i % cols;
+        float v = x[r * ld_x + c], y;
+        if (OP == KERN_UNARY_SIGMOID)
+            y = sigmoid_f(v);
+        else if (OP == KERN_UNARY_TANH)
+            y = tanhf(v);
+        else
+            y = v * sigmoid_f(v);
+        out[r * ld_out + c] = y;
+    }
+}
+
+template <int OP>
+__global__ void binary_kernel(const float *a, int ld_a, const float *b, int ld_b, float *out,
+                              int ld_out, int rows, int cols)
+{
+    size_t total = (size_t)rows * cols;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        size_t r = i / cols, c = i % cols;
+        float x = a[r * ld_a + c], y = b[r * ld_b + c], z;
+        if (OP == KERN_BINARY_ADD)
+            z = x + y;
+        else if (OP == KERN_BINARY_SUB)
+            z = x - y;
+        else if (OP == KERN_BINARY_MUL)
+            z = x * y;
+        else
+            z = x * sigmoid_f(x) * y;
+        out[r * ld_out + c] = z;
+    }
+}
+
+__global__ void convert_kernel(void *dst, kern_dtype dt_dst, const void *src, kern_dtype dt_src,
+                               size_t n)
+{
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        kern_cuda_st(dst, dt_dst, i, kern_cuda_ld(src, dt_src, i));
+}
+
+extern "C" pd_status kern_cuda_unary_launch(kern_backend *be, const kern_unary_args *a, pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    size_t total = (size_t)a->rows * a->cols;
+    if (total == 0)
+        return PD_OK;
+    unsigned g = kern_cuda_blocks(total, EW_THREADS);
+    switch (a->op) {
+    case KERN_UNARY_SIGMOID:
+        unary_kernel<KERN_UNARY_SIGMOID><<<g, EW_THREADS, 0, c->stream>>>(
+            a->x, a->ld_x, a->out, a->ld_out, a->rows, a->cols);
+        break;
+    case KERN_UNARY_TANH:
+        unary_kernel<KERN_UNARY_TANH><<<g, EW_THREADS, 0, c->stream>>>(
+            a->x, a->ld_x, a->out, a->ld_out, a->rows, a->cols);
+        break;
+    case KERN_UNARY_SILU:
+        unary_kernel<KERN_UNARY_SILU><<<g, EW_THREADS, 0, c->stream>>>(
+            a->x, a->ld_x, a->out, a->ld_out, a->rows, a->cols);
+        break;
+    default:
+        return pd_err_set(err, PD_ERR_UNSUPPORTED, "cuda unary: op %d", (int)a->op);
+    }
+    KERN_CUDA_LAUNCH_CHECK(err);
+    return PD_OK;
+}
+
+extern "C" pd_status kern_cuda_binary_launch(kern_backend *be, const kern_binary_args *a,
+                                             pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    size_t total = (size_t)a->rows * a->cols;
+    if (total == 0)
+        return PD_OK;
+    unsigned g = kern_cuda_blocks(total, EW_THREADS);
+    switch (a->op) {
+    case KERN_BINARY_ADD:
+        binary_kernel<KERN_BINARY_ADD><<<g, EW_THREADS, 0, c->stream>>>(
+            a->a, a->ld_a, a->b, a->ld_b, a->out, a->ld_out, a->rows, a->cols);
+        break;
+    case KERN_BINARY_SUB:
+        binary_kernel<KERN_BINARY_SUB><<<g, EW_THREADS, 0, c->stream>>>(
+            a->a, a->ld_a, a->b, a->ld_b, a->out, a->ld_out, a->rows, a->cols);
+        break;
+    case KERN_BINARY_MUL:
+        binary_kernel<KERN_BINARY_MUL><<<g, EW_THREADS, 0, c->stream>>>(
+            a->a, a->ld_a, a->b, a->ld_b, a->out, a->ld_out, a->rows, a->cols);
+        break;
+    case KERN_BINARY_SWIGLU:
+        binary_kernel<KERN_BINARY_SWIGLU><<<g, EW_THREADS, 0, c->stream>>>(
+            a->a, a->ld_a, a->b, a->ld_b, a->out, a->ld_out, a->rows, a->cols);
+        break;
+    default:
+        return pd_err_set(err, PD_ERR_UNSUPPORTED, "cuda binary: op %d", (int)a->op);
+    }
+    KERN_CUDA_LAUNCH_CHECK(err);
+    return PD_OK;
+}
+
+extern "C" pd_status kern_cuda_convert_launch(kern_backend *be, void *dst, kern_dtype dst_dtype,
+                                              const void *src, kern_dtype src_dtype, size_t n,
+                                              pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    if (n == 0)
+        return PD_OK;
+    convert_kernel<<<kern_cuda_blocks(n, EW_THREADS), EW_THREADS, 0, c->stream>>>(
+        dst, dst_dtype, src, src_dtype, n);
+    KERN_CUDA_LAUNCH_CHECK(err);
+    return PD_OK;
+}

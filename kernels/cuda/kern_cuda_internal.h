@@ -1,0 +1,149 @@
+/* kern_cuda_internal.h - private to the .cu files of kernels/cuda: the backend state,
+ *   PD_CUDA_TRY and the host launchers behind the ops table.
+ * Owns: struct kern_cuda_ctx (device, stream, cuBLAS handle, workspace), error macros, small
+ *   device helpers shared by several op families (dtype loads, warp reductions).
+ * Not here: shape checks (kern_ops.c runs them before any launcher), public API (kern_cuda.h).
+ * Threading: a context is used by one host thread at a time; all work goes to ctx->stream. */
+#ifndef KERN_CUDA_INTERNAL_H
+#define KERN_CUDA_INTERNAL_H
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <stddef.h>
+#include <stdint.h>
+
+extern "C" {
+#include "kern_backend.h"
+#include "pd_status.h"
+}
+
+#include "kern_cuda.h"
+
+typedef struct kern_cuda_ctx {
+    int device;
+    int n_sm;                  /* multiprocessors, sizes split-K grids */
+    cudaStream_t stream;       /* every op and copy of this backend runs here, in order */
+    cublasHandle_t cublas;     /* bound to stream */
+    void *cublas_ws;           /* fixed cuBLAS workspace (keeps GEMMs graph-capturable) */
+    size_t cublas_ws_bytes;
+    void *ws;                  /* op scratch, grown on demand; one op uses it at a time */
+    size_t ws_bytes;
+} kern_cuda_ctx;
+
+static inline kern_cuda_ctx *kern_cuda_ctx_of(kern_backend *be)
+{
+    return (kern_cuda_ctx *)be->impl;
+}
+
+/* Wraps a CUDA runtime call: on failure sets PD_ERR_CUDA with the call text, file and line and
+ * returns it from the enclosing function (which must return pd_status). */
+#define PD_CUDA_TRY(expr, err) \
+    do { \
+        cudaError_t pd_cuda_e_ = (expr); \
+        if (pd_cuda_e_ != cudaSuccess) \
+            return pd_err_set((err), PD_ERR_CUDA, "%s: %s (%s:%d)", #expr, \
+                              cudaGetErrorString(pd_cuda_e_), __FILE__, __LINE__); \
+    } while (0)
+
+/* The same for cuBLAS status codes. */
+#define PD_CUBLAS_TRY(expr, err) \
+    do { \
+        cublasStatus_t pd_cublas_s_ = (expr); \
+        if (pd_cublas_s_ != CUBLAS_STATUS_SUCCESS) \
+            return pd_err_set((err), PD_ERR_CUDA, "%s: %s (%s:%d)", #expr, \
+                              cublasGetStatusString(pd_cublas_s_), __FILE__, __LINE__); \
+    } while (0)
+
+/* After a kernel launch: reports a bad launch configuration (not asynchronous faults). */
+#define KERN_CUDA_LAUNCH_CHECK(err) PD_CUDA_TRY(cudaGetLastError(), err)
+
+/* Returns scratch of at least bytes on the device (contents undefined), growing ctx->ws. A grow
+ * waits for the stream first, so it must not happen while a graph is being captured. */
+pd_status kern_cuda_ws_get(kern_cuda_ctx *c, size_t bytes, void **out, pd_err *err);
+
+/* Local copies of kern_dtype_size/kern_dtype_name: this library links below pd_kernels and must
+ * not call back into it (static libraries, one link order). */
+static inline size_t kern_cuda_dtype_size(kern_dtype dt)
+{
+    return dt == KERN_DTYPE_BF16 || dt == KERN_DTYPE_F16 ? 2 : 4;
+}
+
+static inline const char *kern_cuda_dtype_name(kern_dtype dt)
+{
+    switch (dt) {
+    case KERN_DTYPE_F32: return "f32";
+    case KERN_DTYPE_BF16: return "bf16";
+    case KERN_DTYPE_F16: return "f16";
+    case KERN_DTYPE_I32: return "i32";
+    }
+    return "?";
+}
+
+/* Grid helper: blocks of `threads` covering n items, capped (kernels use grid-stride loops). */
+static inline unsigned kern_cuda_blocks(size_t n, unsigned threads)
+{
+    size_t b = (n + threads - 1) / threads;
+    if (b < 1)
+        b = 1;
+    if (b > 65535u * 8u)
+        b = 65535u * 8u;
+    return (unsigned)b;
+}
+
+/* ---- device helpers ---------------------------------------------------------------------- */
+
+static __device__ __forceinline__ float kern_cuda_ld(const void *p, kern_dtype dt, size_t i)
+{
+    switch (dt) {
+    case KERN_DTYPE_BF16: return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+    case KERN_DTYPE_F16: return __half2float(((const __half *)p)[i]);
+    case KERN_DTYPE_I32: return (float)((const int32_t *)p)[i];
+    default: return ((const float *)p)[i];
+    }
+}
+
+static __device__ __forceinline__ void kern_cuda_st(void *p, kern_dtype dt, size_t i, float f)
+{
+    switch (dt) {
+    case KERN_DTYPE_BF16: ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn(f); break;
+    case KERN_DTYPE_F16: ((__half *)p)[i] = __float2half_rn(f); break;
+    case KERN_DTYPE_I32: ((int32_t *)p)[i] = (int32_t)f; break;
+    default: ((float *)p)[i] = f; break;
+    }
+}
+
+static __device__ __forceinline__ float kern_cuda_warp_sum(float v)
+{
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+static __device__ __forceinline__ float kern_cuda_warp_max(float v)
+{
+    for (int o = 16; o > 0; o >>= 1)
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+/* ---- host launchers: one per op, each in its family's .cu; all enqueue on ctx->stream ------- */
+extern "C" {
+pd_status kern_cuda_embed_launch(kern_backend *be, const kern_embed_args *a, pd_err *err);
+pd_status kern_cuda_copy_rows_launch(kern_backend *be, const kern_copy_rows_args *a, pd_err *err);
+pd_status kern_cuda_rmsnorm_launch(kern_backend *be, const kern_rmsnorm_args *a, pd_err *err);
+pd_status kern_cuda_rope_launch(kern_backend *be, const kern_rope_args *a, pd_err *err);
+pd_status kern_cuda_unary_launch(kern_backend *be, const kern_unary_args *a, pd_err *err);
+pd_status kern_cuda_binary_launch(kern_backend *be, const kern_binary_args *a, pd_err *err);
+pd_status kern_cuda_kv_store_launch(kern_backend *be, const kern_kv_store_args *a, pd_err *err);
+pd_status kern_cuda_attn_launch(kern_backend *be, const kern_attn_args *a, pd_err *err);
+pd_status kern_cuda_matmul_launch(kern_backend *be, const kern_matmul_args *a, pd_err *err);
+pd_status kern_cuda_argmax_launch(kern_backend *be, const kern_argmax_args *a, pd_err *err);
+/* Converts n values already on the device (src_dtype -> dst_dtype); used by upload_convert. */
+pd_status kern_cuda_convert_launch(kern_backend *be, void *dst, kern_dtype dst_dtype,
+                                   const void *src, kern_dtype src_dtype, size_t n, pd_err *err);
+}
+
+#endif

@@ -1,0 +1,95 @@
+/* kern_cuda_norm.cu - RMSNorm with the fused residual add of a pre-norm block.
+ * Owns: kern_cuda_rmsnorm_launch. One block per row: pass 1 forms s = x (+ residual), writes
+ *   sum_out and reduces sum(s^2) in fp32 per thread then across the block; pass 2 scales.
+ *   Every element is read and written by the same thread in both passes, which is what makes
+ *   the allowed aliasing (out == x, sum_out == residual) safe.
+ * Not here: shape checks (kern_ops.c). Threading: enqueues on the backend stream. */
+#include "kern_cuda_internal.h"
+
+#define NORM_THREADS 256
+
+template <typename W>
+static __device__ __forceinline__ float wload(const W *w, int i);
+template <>
+__device__ __forceinline__ float wload<float>(const float *w, int i) { return w[i]; }
+template <>
+__device__ __forceinline__ float wload<__nv_bfloat16>(const __nv_bfloat16 *w, int i)
+{
+    return __bfloat162float(w[i]);
+}
+template <>
+__device__ __forceinline__ float wload<__half>(const __half *w, int i) { return __half2float(w[i]); }
+
+template <typename W>
+__global__ void __launch_bounds__(NORM_THREADS)
+rmsnorm_kernel(const float *x, const float *res, float *sum_out, float *out, const W *w, int dim,
+               int ld_x, int ld_out, float eps)
+{
+    __shared__ float part[NORM_THREADS / 32];
+    __shared__ float inv_s;
+    size_t r = blockIdx.x;
+    const float *xr = x + r * ld_x;
+    const float *rr = res != NULL ? res + r * ld_x : NULL;
+    float *sr = sum_out != NULL ? sum_out + r * ld_x : NULL;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < dim; c += NORM_THREADS) {
+        float s = xr[c];
+        if (rr != NULL)
+            s += rr[c];
+        if (sr != NULL)
+            sr[c] = s;
+        ss += s * s;
+    }
+    ss = kern_cuda_warp_sum(ss);
+    if ((threadIdx.x & 31) == 0)
+        part[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float v = threadIdx.x < NORM_THREADS / 32 ? part[threadIdx.x] : 0.0f;
+        v = kern_cuda_warp_sum(v);
+        if (threadIdx.x == 0)
+            inv_s = rsqrtf(v / (float)dim + eps);
+    }
+    __syncthreads();
+    float inv = inv_s;
+    float *orow = out + r * ld_out;
+    for (int c = threadIdx.x; c < dim; c += NORM_THREADS) {
+        float s;
+        if (sr != NULL)
+            s = sr[c];
+        else
+            s = rr != NULL ? xr[c] + rr[c] : xr[c];
+        orow[c] = wload<W>(w, c) * (s * inv);
+    }
+}
+
+extern "C" pd_status kern_cuda_rmsnorm_launch(kern_backend *be, const kern_rmsnorm_args *a,
+                                              pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    if (a->rows <= 0)
+        return PD_OK;
+    dim3 grid((unsigned)a->rows), block(NORM_THREADS);
+    switch (a->w.dtype) {
+    case KERN_DTYPE_F32:
+        rmsnorm_kernel<float><<<grid, block, 0, c->stream>>>(
+            a->x, a->residual, a->sum_out, a->out, (const float *)a->w.data, a->dim, a->ld_x,
+            a->ld_out, a->eps);
+        break;
+    case KERN_DTYPE_BF16:
+        rmsnorm_kernel<__nv_bfloat16><<<grid, block, 0, c->stream>>>(
+            a->x, a->residual, a->sum_out, a->out, (const __nv_bfloat16 *)a->w.data, a->dim,
+            a->ld_x, a->ld_out, a->eps);
+        break;
+    case KERN_DTYPE_F16:
+        rmsnorm_kernel<__half><<<grid, block, 0, c->stream>>>(
+            a->x, a->residual, a->sum_out, a->out, (const __half *)a->w.data, a->dim, a->ld_x,
+            a->ld_out, a->eps);
+        break;
+    default:
+        return pd_err_set(err, PD_ERR_UNSUPPORTED, "cuda rmsnorm: weight dtype %s",
+                          kern_cuda_dtype_name(a->w.dtype));
+    }
+    KERN_CUDA_LAUNCH_CHECK(err);
+    return PD_OK;
+}

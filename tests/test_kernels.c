@@ -1,0 +1,1002 @@
+/* test_kernels.c - every backend op: the CPU reference against the CUDA backend.
+ * Each case of the table draws fresh random inputs from its own seed, runs the op on both
+ * backends and compares the outputs by relative L2 error (after ggml's test-backend-ops).
+ * Weights and KV pages are rounded to bf16 on the host first, so the CPU reference sees exactly
+ * the values the CUDA backend stores and the tolerance measures the kernel, not the storage.
+ * Every output buffer is pre-filled with a sentinel and carries guard elements after it: the
+ * parts an op must not touch (row padding, guards, unused KV slots) have to come back bit-equal.
+ * Usage: test_kernels [--op NAME] [--perf] [--seed N]
+ *   --op NAME  run only cases of op NAME (embed, rmsnorm, matmul, rope, unary, binary,
+ *              copy_rows, kv_store, attn, argmax, convert)
+ *   --perf     also run the large perf cases and time every case on CUDA (median of 5 runs of
+ *              20 back-to-back calls), printing GB/s, TFLOP/s and the fraction of the roofline
+ *   --self     compare the CPU backend with itself (checks this harness on a machine without
+ *              a GPU; not a test of anything else)
+ * Without a GPU (or a build without CUDA) it prints why and exits 77 (skipped). */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kern_backend.h"
+#include "test_util.h"
+#ifdef PD_HAVE_CUDA
+#include "kern_cuda.h"
+#endif
+
+#define GUARD 64                       /* guard elements after every output */
+#define SENTINEL (-12345.678f)
+#define ROOF_BW 4.3e12                 /* H200 device copy, bytes/s (measured, KINDS.md) */
+#define ROOF_BF16 790e12               /* H200 bf16 matrix rate, FLOP/s (measured, KINDS.md) */
+#define MAX_BUFS 64
+#define MAX_SEQ 32
+
+/* ---- random numbers ---------------------------------------------------------------------- */
+
+static uint64_t rng_state;
+
+static uint64_t rng_next(void)
+{
+    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static float rng_uniform(float lo, float hi)
+{
+    return lo + (hi - lo) * (float)((rng_next() >> 40) * (1.0 / 16777216.0));
+}
+
+static int rng_int(int n)
+{
+    return (int)(rng_next() % (uint64_t)n);
+}
+
+static float bf16_round(float f)
+{
+    return kern_bf16_to_f32(kern_f32_to_bf16(f));
+}
+
+static float *host_rand(size_t n, float lo, float hi, int round_bf16)
+{
+    float *h = calloc(n > 0 ? n : 1, sizeof(float));
+    if (h == NULL) {
+        fprintf(stderr, "out of host memory (%zu floats)\n", n);
+        exit(1);
+    }
+    for (size_t i = 0; i < n; i++) {
+        float f = rng_uniform(lo, hi);
+        h[i] = round_bf16 ? bf16_round(f) : f;
+    }
+    return h;
+}
+
+/* ---- one backend's view of a case: its buffers, freed together ----------------------------- */
+
+typedef struct {
+    kern_backend *be;
+    kern_buf *bufs[MAX_BUFS];
+    int nbuf;
+} side;
+
+static int fatal_status(pd_status st, const pd_err *err, const char *what)
+{
+    if (st == PD_OK)
+        return 0;
+    fprintf(stderr, "FAIL %s: %s: %s\n", what, pd_status_str(st), err->msg);
+    return 1;
+}
+
+static void side_free(side *s)
+{
+    for (int i = 0; i < s->nbuf; i++)
+        kern_buf_free(s->bufs[i]);
+    s->nbuf = 0;
+}
+
+static void *side_alloc(side *s, size_t bytes)
+{
+    pd_err err;
+    kern_buf *b = NULL;
+    if (s->nbuf == MAX_BUFS || fatal_status(kern_buf_alloc(s->be, bytes, &b, &err), &err, "alloc"))
+        exit(1);
+    s->bufs[s->nbuf++] = b;
+    return b->ptr;
+}
+
+/* Uploads n bytes from host; the buffer is exactly n bytes long. */
+static void *side_bytes(side *s, const void *h, size_t n)
+{
+    pd_err err;
+    void *d = side_alloc(s, n);
+    if (fatal_status(kern_upload(s->be, d, h, n, &err), &err, "upload"))
+        exit(1);
+    return d;
+}
+
+/* Uploads n F32 values converted to dtype (weights: the backend's weight dtype). */
+static void *side_conv(side *s, const float *h, size_t n, kern_dtype dt)
+{
+    pd_err err;
+    void *d = side_alloc(s, n * kern_dtype_size(dt));
+    if (fatal_status(kern_upload_convert(s->be, d, dt, h, KERN_DTYPE_F32, n, &err), &err,
+                     "upload_convert"))
+        exit(1);
+    return d;
+}
+
+static void *side_download(side *s, const void *d, size_t bytes)
+{
+    pd_err err;
+    void *h = malloc(bytes);
+    if (h == NULL || fatal_status(kern_download(s->be, h, d, bytes, &err), &err, "download"))
+        exit(1);
+    return h;
+}
+
+static kern_weight side_weight(side *s, const float *h, int64_t rows, int64_t cols)
+{
+    kern_weight w;
+    w.dtype = s->be->weight_dtype;
+    w.data = side_conv(s, h, (size_t)(rows * cols), w.dtype);
+    w.rows = rows;
+    w.cols = cols;
+    return w;
+}
+
+/* ---- case table ---------------------------------------------------------------------------- */
+
+typedef struct {
+    const char *op;
+    int rows, cols, pad;     /* [rows, cols] views; pad = extra row stride */
+    int m, n, k;             /* matmul */
+    int sub;                 /* unary/binary op; rmsnorm: 1 = residual; matmul: 1 acc, 2 bias,
+                                4 f32 weights; embed: table rows */
+    int n_heads, n_kv, hd, page_size;
+    const char *spec;        /* attn / kv_store: the ragged batch, see parse_spec */
+    double tol;
+    int perf_only;
+} kcase;
+
+typedef struct {
+    int opt_perf;
+    int opt_self;
+    const char *opt_op;
+    uint64_t seed;
+} options;
+
+static options opts;
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+typedef pd_status (*op_fn)(kern_backend *be, const void *args, pd_err *err);
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Times an op on be: 3 warm-up calls, then the median over 5 runs of 20 back-to-back calls. */
+static void perf_report(kern_backend *be, op_fn fn, const void *args, double bytes, double flops)
+{
+    if (!opts.opt_perf)
+        return;
+    pd_err err;
+    for (int i = 0; i < 3; i++)
+        if (fatal_status(fn(be, args, &err), &err, "perf warm-up"))
+            return;
+    kern_sync(be, &err);
+    double t[5];
+    for (int r = 0; r < 5; r++) {
+        double t0 = now_s();
+        for (int i = 0; i < 20; i++)
+            fn(be, args, &err);
+        if (fatal_status(kern_sync(be, &err), &err, "perf sync"))
+            return;
+        t[r] = (now_s() - t0) / 20.0;
+    }
+    qsort(t, 5, sizeof(double), cmp_double);
+    double s = t[2];
+    double floor_s = bytes / ROOF_BW > flops / ROOF_BF16 ? bytes / ROOF_BW : flops / ROOF_BF16;
+    printf("      perf: %9.2f us  %8.1f GB/s  %7.2f TFLOP/s  roofline %5.1f%% (floor %.2f us, %s)\n",
+           s * 1e6, bytes / s * 1e-9, flops / s * 1e-12, 100.0 * floor_s / s, floor_s * 1e6,
+           bytes / ROOF_BW > flops / ROOF_BF16 ? "bytes" : "flops");
+}
+
+/* Compares an F32 output of n_total elements (valid region: rows x cols with stride ld starting
+ * at 0; everything else must still hold init). Returns the relative L2 error, or a huge value
+ * when an untouched element changed or the output has a NaN. */
+static double compare_out(const char *what, const float *init, const float *cpu, const float *gpu,
+                          size_t n_total, int rows, int cols, int ld)
+{
+    double num = 0.0, den = 0.0;
+    size_t bad_cpu = 0, bad_gpu = 0, nan = 0;
+    for (size_t i = 0; i < n_total; i++) {
+        size_t r = i / (size_t)ld, c = i % (size_t)ld;
+        int valid = r < (size_t)rows && c < (size_t)cols;
+        if (valid) {
+            double d = (double)gpu[i] - (double)cpu[i];
+            if (gpu[i] != gpu[i] || cpu[i] != cpu[i])
+                nan++;
+            num += d * d;
+            den += (double)cpu[i] * cpu[i];
+        } else {
+            if (memcmp(&gpu[i], &init[i], sizeof(float)) != 0)
+                bad_gpu++;
+            if (memcmp(&cpu[i], &init[i], sizeof(float)) != 0)
+                bad_cpu++;
+        }
+    }
+    if (bad_gpu || bad_cpu || nan) {
+        printf("      %s: %zu cuda and %zu cpu writes outside the output, %zu NaN\n", what,
+               bad_gpu, bad_cpu, nan);
+        return 1e30;
+    }
+    return sqrt(num) / (den > 1e-30 ? sqrt(den) : 1e-15);
+}
+
+/* An output buffer on both sides, pre-filled with the sentinel (or given contents). */
+typedef struct {
+    float *init;
+    float *cpu, *gpu;
+    size_t n_total;
+} outbuf;
+
+static outbuf out_make(side *sc, side *sg, size_t n_valid_span, const float *contents)
+{
+    outbuf o;
+    o.n_total = n_valid_span + GUARD;
+    o.init = malloc(o.n_total * sizeof(float));
+    if (o.init == NULL)
+        exit(1);
+    for (size_t i = 0; i < o.n_total; i++)
+        o.init[i] = contents != NULL && i < n_valid_span ? contents[i] : SENTINEL;
+    o.cpu = side_bytes(sc, o.init, o.n_total * sizeof(float));
+    o.gpu = side_bytes(sg, o.init, o.n_total * sizeof(float));
+    return o;
+}
+
+static double out_check(side *sc, side *sg, outbuf *o, const char *what, int rows, int cols, int ld)
+{
+    float *hc = side_download(sc, o->cpu, o->n_total * sizeof(float));
+    float *hg = side_download(sg, o->gpu, o->n_total * sizeof(float));
+    double e = compare_out(what, o->init, hc, hg, o->n_total, rows, cols, ld);
+    free(hc);
+    free(hg);
+    free(o->init);
+    o->init = NULL;
+    return e;
+}
+
+/* ---- op runners: each returns the relative error (or 1e30 on failure) ----------------------- */
+
+typedef struct {
+    side *cpu, *gpu;
+    const kcase *c;
+} run_ctx;
+
+static double run_both(run_ctx *x, op_fn fn, const void *a_cpu, const void *a_gpu)
+{
+    pd_err err;
+    if (fatal_status(fn(x->cpu->be, a_cpu, &err), &err, "cpu op") ||
+        fatal_status(fn(x->gpu->be, a_gpu, &err), &err, "cuda op"))
+        return 1e30;
+    if (fatal_status(kern_sync(x->gpu->be, &err), &err, "cuda sync"))
+        return 1e30;
+    return 0.0;
+}
+
+static pd_status fn_embed(kern_backend *be, const void *a, pd_err *e) { return kern_embed(be, a, e); }
+static pd_status fn_rmsnorm(kern_backend *be, const void *a, pd_err *e) { return kern_rmsnorm(be, a, e); }
+static pd_status fn_matmul(kern_backend *be, const void *a, pd_err *e) { return kern_matmul(be, a, e); }
+static pd_status fn_rope(kern_backend *be, const void *a, pd_err *e) { return kern_rope(be, a, e); }
+static pd_status fn_unary(kern_backend *be, const void *a, pd_err *e) { return kern_unary(be, a, e); }
+static pd_status fn_binary(kern_backend *be, const void *a, pd_err *e) { return kern_binary(be, a, e); }
+static pd_status fn_copy_rows(kern_backend *be, const void *a, pd_err *e) { return kern_copy_rows(be, a, e); }
+static pd_status fn_kv_store(kern_backend *be, const void *a, pd_err *e) { return kern_kv_store(be, a, e); }
+static pd_status fn_attn(kern_backend *be, const void *a, pd_err *e) { return kern_attn(be, a, e); }
+static pd_status fn_argmax(kern_backend *be, const void *a, pd_err *e) { return kern_argmax(be, a, e); }
+
+static double run_embed(run_ctx *x)
+{
+    const kcase *c = x->c;
+    int vocab = c->sub, dim = c->cols, n = c->rows, ld = c->cols + c->pad;
+    float *table = host_rand((size_t)vocab * dim, -2.0f, 2.0f, 1);
+    int32_t *ids = malloc((size_t)n * sizeof(int32_t));
+    for (int i = 0; i < n; i++)
+        ids[i] = i == 0 ? vocab - 1 : rng_int(vocab);
+    kern_embed_args ac = {0}, ag;
+    ac.n = n;
+    ac.ld_out = ld;
+    ag = ac;
+    ac.table = side_weight(x->cpu, table, vocab, dim);
+    ag.table = side_weight(x->gpu, table, vocab, dim);
+    ac.ids = side_bytes(x->cpu, ids, (size_t)n * sizeof(int32_t));
+    ag.ids = side_bytes(x->gpu, ids, (size_t)n * sizeof(int32_t));
+    outbuf o = out_make(x->cpu, x->gpu, (size_t)n * ld, NULL);
+    ac.out = o.cpu;
+    ag.out = o.gpu;
+    double e = run_both(x, fn_embed, &ac, &ag);
+    if (e == 0.0)
+        e = out_check(x->cpu, x->gpu, &o, "out", n, dim, ld);
+    perf_report(x->gpu->be, fn_embed, &ag, (double)n * dim * (2 + 4), 0);
+    free(table);
+    free(ids);
+    return e;
+}
+
+static double run_rmsnorm(run_ctx *x)
+{
+    const kcase *c = x->c;
+    int rows = c->rows, dim = c->cols, ld = c->cols + c->pad;
+    int residual = c->sub & 1;
+    size_t span = (size_t)rows * ld;
+    float *xin = host_rand(span, -3.0f, 3.0f, 0);
+    float *res = host_rand(span, -3.0f, 3.0f, 0);
+    float *w = host_rand((size_t)dim, 0.5f, 1.5f, 1);
+    kern_rmsnorm_args ac = {0}, ag;
+    ac.rows = rows;
+    ac.dim = dim;
+    ac.ld_x = ld;
+    ac.ld_out = ld;
+    ac.eps = 1e-6f;
+    ag = ac;
+    ac.w = side_weight(x->cpu, w, 1, dim);
+    ag.w = side_weight(x->gpu, w, 1, dim);
+    /* in-place form of a pre-norm block: out aliases x, sum_out aliases residual */
+    outbuf ox = out_make(x->cpu, x->gpu, span, xin);
+    outbuf orr = out_make(x->cpu, x->gpu, span, res);
+    ac.x = ox.cpu;
+    ag.x = ox.gpu;
+    ac.out = ox.cpu;
+    ag.out = ox.gpu;
+    if (residual) {
+        ac.residual = orr.cpu;
+        ag.residual = orr.gpu;
+        ac.sum_out = orr.cpu;
+        ag.sum_out = orr.gpu;
+    }
+    double e = run_both(x, fn_rmsnorm, &ac, &ag);
+    if (e == 0.0) {
+        double e1 = out_check(x->cpu, x->gpu, &ox, "out", rows, dim, ld);
+        double e2 = out_check(x->cpu, x->gpu, &orr, "sum_out", rows, dim, ld);
+        e = e1 > e2 ? e1 : e2;
+    } else {
+        free(ox.init);
+        free(orr.init);
+    }
+    perf_report(x->gpu->be, fn_rmsnorm, &ag, (double)rows * dim * 4 * (residual ? 4 : 2), 0);
+    free(xin);
+    free(res);
+    free(w);
+    return e;
+}
+
+static double run_matmul(run_ctx *x)
+{
+    const kcase *c = x->c;
+    int m = c->m, n = c->n, k = c->k, ld_x = k + c->pad, ld_y = n + c->pad;
+    int acc = c->sub & 1, bias = c->sub & 2, f32w = c->sub & 4;
+    float *xin = host_rand((size_t)m * ld_x, -1.0f, 1.0f, 0);
+    float *w = host_rand((size_t)n * k, -1.0f, 1.0f, 1);
+    float *b = host_rand((size_t)n, -1.0f, 1.0f, 1);
+    float *y0 = host_rand((size_t)m * ld_y, -1.0f, 1.0f, 0);
+    kern_matmul_args ac = {0}, ag;
+    ac.ld_x = ld_x;
+    ac.ld_y = ld_y;
+    ac.m = m;
+    ac.n = n;
+    ac.k = k;
+    ac.accumulate = acc;
+    ag = ac;
+    ac.x = side_bytes(x->cpu, xin, (size_t)m * ld_x * sizeof(float));
+    ag.x = side_bytes(x->gpu, xin, (size_t)m * ld_x * sizeof(float));
+    ac.w = side_weight(x->cpu, w, n, k);
+    if (f32w) {
+        ag.w = ac.w;
+        ag.w.dtype = KERN_DTYPE_F32;
+        ag.w.data = side_conv(x->gpu, w, (size_t)n * k, KERN_DTYPE_F32);
+    } else {
+        ag.w = side_weight(x->gpu, w, n, k);
+    }
+    if (bias) {
+        ac.bias = side_weight(x->cpu, b, 1, n);
+        ag.bias = side_weight(x->gpu, b, 1, n);
+    }
+    /* with accumulate the padding of y holds data the op must keep; without, the sentinel */
+    outbuf o = out_make(x->cpu, x->gpu, (size_t)m * ld_y, acc ? y0 : NULL);
+    ac.y = o.cpu;
+    ag.y = o.gpu;
+    double e = run_both(x, fn_matmul, &ac, &ag);
+    if (e == 0.0)
+        e = out_check(x->cpu, x->gpu, &o, "y", m, n, ld_y);
+    perf_report(x->gpu->be, fn_matmul, &ag,
+                (double)n * k * (f32w ? 4 : 2) + (double)m * k * 4 + (double)m * n * 4 * (acc ? 2 : 1),
+                2.0 * m * n * k);
+    free(xin);
+    free(w);
+    free(b);
+    free(y0);
+    return e;
+}
+
+static double run_rope(run_ctx *x)
+{
+    const kcase *c = x->c;
+    int n_tok = c->rows, nh = c->n_heads, hd = c->hd, ld = nh * hd + c->pad;
+    size_t span = (size_t)n_tok * ld;
+    float *xin = host_rand(span, -2.0f, 2.0f, 0);
+    int32_t *pos = malloc((size_t)n_tok * sizeof(int32_t));
+    for (int i = 0; i < n_tok; i++)
+        pos[i] = i == n_tok - 1 ? 40000 : rng_int(8192);
+    kern_rope_args ac = {0}, ag;
+    ac.n_tok = n_tok;
+    ac.n_heads = nh;
+    ac.head_dim = hd;
+    ac.ld = ld;
+    ac.theta = 1000000.0f;
+    ag = ac;
+    ac.pos = side_bytes(x->cpu, pos, (size_t)n_tok * sizeof(int32_t));
+    ag.pos = side_bytes(x->gpu, pos, (size_t)n_tok * sizeof(int32_t));
+    outbuf o = out_make(x->cpu, x->gpu, span, xin);
+    ac.x = o.cpu;
+    ag.x = o.gpu;
+    /* padding columns hold input data that must survive: compare the whole row span */
+    double e = run_both(x, fn_rope, &ac, &ag);
+    if (e == 0.0)
+        e = out_check(x->cpu, x->gpu, &o, "x", n_tok, ld, ld);
+    perf_report(x->gpu->be, fn_rope, &ag, (double)n_tok * nh * hd * 8, 0);
+    free(xin);
+    free(pos);
+    return e;
+}
+
+static double run_elementwise(run_ctx *x, int binary)
+{
+    const kcase *c = x->c;
+    int rows = c->rows, cols = c->cols, ld = cols + c->pad;
+    size_t span = (size_t)rows * ld;
+    float *a = host_rand(span, -6.0f, 6.0f, 0);
+    float *b = host_rand(span, -6.0f, 6.0f, 0);
+    float *bc = side_bytes(x->cpu, b, span * sizeof(float));
+    float *bg = side_bytes(x->gpu, b, span * sizeof(float));
+    outbuf o = out_make(x->cpu, x->gpu, span, a);    /* in place: out aliases the input */
+    double e;
+    if (binary) {
+        kern_binary_args ac = {(kern_binary_op)c->sub, o.cpu, ld, bc, ld, o.cpu, ld, rows, cols};
+        kern_binary_args ag = {(kern_binary_op)c->sub, o.gpu, ld, bg, ld, o.gpu, ld, rows, cols};
+        e = run_both(x, fn_binary, &ac, &ag);
+        if (e == 0.0)
+            e = out_check(x->cpu, x->gpu, &o, "out", rows, ld, ld);
+        perf_report(x->gpu->be, fn_binary, &ag, (double)rows * cols * 12, 0);
+    } else {
+        kern_unary_args ac = {(kern_unary_op)c->sub, o.cpu, ld, o.cpu, ld, rows, cols};
+        kern_unary_args ag = {(kern_unary_op)c->sub, o.gpu, ld, o.gpu, ld, rows, cols};
+        e = run_both(x, fn_unary, &ac, &ag);
+        if (e == 0.0)
+            e = out_check(x->cpu, x->gpu, &o, "out", rows, ld, ld);
+        perf_report(x->gpu->be, fn_unary, &ag, (double)rows * cols * 8, 0);
+    }
+    if (o.init != NULL)
+        free(o.init);
+    free(a);
+    free(b);
+    return e;
+}
+
+static double run_unary(run_ctx *x) { return run_elementwise(x, 0); }
+static double run_binary(run_ctx *x) { return run_elementwise(x, 1); }
+
+static double run_copy_rows(run_ctx *x)
+{
+    const kcase *c = x->c;
+    int rows = c->rows, cols = c->cols, ld_src = cols + 3, ld_dst = cols + c->pad;
+    int n_src = rows * 2 + 1;
+    float *src = host_rand((size_t)n_src * ld_src, -1.0f, 1.0f, 0);
+    int32_t *idx = malloc((size_t)rows * sizeof(int32_t));
+    for (int i = 0; i < rows; i++)
+        idx[i] = rng_int(n_src);
+    kern_copy_rows_args ac = {0}, ag;
+    ac.ld_src = ld_src;
+    ac.ld_dst = ld_dst;
+    ac.rows = rows;
+    ac.cols = cols;
+    ag = ac;
+    ac.src = side_bytes(x->cpu, src, (size_t)n_src * ld_src * sizeof(float));
+    ag.src = side_bytes(x->gpu, src, (size_t)n_src * ld_src * sizeof(float));
+    if (c->sub) {
+        ac.idx = side_bytes(x->cpu, idx, (size_t)rows * sizeof(int32_t));
+        ag.idx = side_bytes(x->gpu, idx, (size_t)rows * sizeof(int32_t));
+    }
+    outbuf o = out_make(x->cpu, x->gpu, (size_t)rows * ld_dst, NULL);
+    ac.dst = o.cpu;
+    ag.dst = o.gpu;
+    double e = run_both(x, fn_copy_rows, &ac, &ag);
+    if (e == 0.0)
+        e = out_check(x->cpu, x->gpu, &o, "dst", rows, cols, ld_dst);
+    perf_report(x->gpu->be, fn_copy_rows, &ag, (double)rows * cols * 8, 0);
+    free(src);
+    free(idx);
+    return e;
+}
+
+static double run_argmax(run_ctx *x)
+{
+    const kcase *c = x->c;
+    int rows = c->rows, n = c->cols, ld = n + c->pad;
+    float *v = host_rand((size_t)rows * ld, -4.0f, 4.0f, 0);
+    /* coarse values so that ties are common; row 0 ties at both ends */
+    for (size_t i = 0; i < (size_t)rows * ld; i++)
+        v[i] = (float)(int)(v[i] * 2.0f);
+    v[0] = 100.0f;
+    v[n - 1] = 100.0f;
+    kern_argmax_args ac = {0}, ag;
+    ac.ld_x = ld;
+    ac.rows = rows;
+    ac.n = n;
+    ag = ac;
+    ac.x = side_bytes(x->cpu, v, (size_t)rows * ld * sizeof(float));
+    ag.x = side_bytes(x->gpu, v, (size_t)rows * ld * sizeof(float));
+    ac.out = side_alloc(x->cpu, (size_t)rows * sizeof(int32_t));
+    ag.out = side_alloc(x->gpu, (size_t)rows * sizeof(int32_t));
+    double e = run_both(x, fn_argmax, &ac, &ag);
+    if (e == 0.0) {
+        int32_t *ic = side_download(x->cpu, ac.out, (size_t)rows * sizeof(int32_t));
+        int32_t *ig = side_download(x->gpu, ag.out, (size_t)rows * sizeof(int32_t));
+        int mism = 0;
+        for (int r = 0; r < rows; r++)
+            mism += ic[r] != ig[r];
+        if (mism)
+            printf("      %d of %d rows differ (row 0: cpu %d cuda %d)\n", mism, rows, ic[0], ig[0]);
+        e = mism ? 1.0 : 0.0;
+        free(ic);
+        free(ig);
+    }
+    perf_report(x->gpu->be, fn_argmax, &ag, (double)rows * n * 4, 0);
+    free(v);
+    return e;
+}
+
+/* upload_convert and download: F32/BF16/F16 host sources into BF16 and F32 device buffers. */
+static double run_convert(run_ctx *x)
+{
+    const kcase *c = x->c;
+    size_t n = (size_t)c->cols;
+    float *f = host_rand(n, -70000.0f, 70000.0f, 0);
+    for (size_t i = 0; i < n; i += 7)
+        f[i] *= 1e-6f;
+    uint16_t *hb = malloc(n * 2), *hh = malloc(n * 2);
+    pd_err err;
+    kern_convert_host(hb, KERN_DTYPE_BF16, f, KERN_DTYPE_F32, n, &err);
+    for (size_t i = 0; i < n; i++)
+        f[i] = i % 3 == 0 ? f[i] * 1e-4f : f[i];
+    kern_convert_host(hh, KERN_DTYPE_F16, f, KERN_DTYPE_F32, n, &err);
+    const struct { kern_dtype src, dst; const void *data; } cv[] = {
+        {KERN_DTYPE_F32, KERN_DTYPE_BF16, f}, {KERN_DTYPE_BF16, KERN_DTYPE_BF16, hb},
+        {KERN_DTYPE_F16, KERN_DTYPE_BF16, hh}, {KERN_DTYPE_F32, KERN_DTYPE_F32, f},
+        {KERN_DTYPE_BF16, KERN_DTYPE_F32, hb}, {KERN_DTYPE_F16, KERN_DTYPE_F32, hh},
+        {KERN_DTYPE_F32, KERN_DTYPE_F16, f},
+    };
+    double worst = 0.0;
+    for (size_t i = 0; i < sizeof(cv) / sizeof(cv[0]); i++) {
+        size_t dsz = kern_dtype_size(cv[i].dst);
+        void *d = side_alloc(x->gpu, n * dsz);
+        void *want = malloc(n * dsz);
+        if (fatal_status(kern_upload_convert(x->gpu->be, d, cv[i].dst, cv[i].data, cv[i].src, n,
+                                             &err), &err, "upload_convert"))
+            return 1e30;
+        kern_convert_host(want, cv[i].dst, cv[i].data, cv[i].src, n, &err);
+        void *got = side_download(x->gpu, d, n * dsz);
+        size_t diff = 0;
+        for (size_t j = 0; j < n * dsz; j++)
+            diff += ((unsigned char *)got)[j] != ((unsigned char *)want)[j];
+        if (diff) {
+            printf("      %s -> %s: %zu bytes differ from the host conversion\n",
+                   kern_dtype_name(cv[i].src), kern_dtype_name(cv[i].dst), diff);
+            worst = 1.0;
+        }
+        free(want);
+        free(got);
+    }
+    free(f);
+    free(hb);
+    free(hh);
+    return worst;
+}
+
+/* ---- paged KV: ragged batches -------------------------------------------------------------- */
+
+/* spec: comma-separated sequences "K:CTX+N" (K: d decode, p prefill chunk, v verify block,
+ * x non-causal draft block), optionally prefixed "R*" to repeat. Causal kinds (d, p, v) give
+ * token i kv_len CTX+i+1; x gives every token CTX+N. */
+typedef struct {
+    int n_seq;
+    char kind[MAX_SEQ];
+    int ctx[MAX_SEQ], n[MAX_SEQ];
+} batch_spec;
+
+static int parse_spec(const char *s, batch_spec *b)
+{
+    b->n_seq = 0;
+    while (*s) {
+        int rep = 1, ctx, n, used = 0;
+        char kind;
+        if (sscanf(s, "%d*%n", &rep, &used) == 1 && used > 0)
+            s += used;
+        else
+            rep = 1;
+        if (sscanf(s, "%c:%d+%d%n", &kind, &ctx, &n, &used) != 3)
+            return -1;
+        s += used;
+        for (int r = 0; r < rep; r++) {
+            if (b->n_seq == MAX_SEQ)
+                return -1;
+            b->kind[b->n_seq] = kind;
+            b->ctx[b->n_seq] = ctx;
+            b->n[b->n_seq] = n;
+            b->n_seq++;
+        }
+        if (*s == ',')
+            s++;
+    }
+    return 0;
+}
+
+typedef struct {
+    int n_tok, max_len, n_pages, pt_stride;
+    int32_t *tok_seq, *tok_kv_len, *page_table;
+} batch;
+
+static void batch_build(const batch_spec *b, int page_size, batch *out)
+{
+    memset(out, 0, sizeof(*out));
+    int total_pages = 0;
+    for (int s = 0; s < b->n_seq; s++) {
+        int len = b->ctx[s] + b->n[s];
+        int np = (len + page_size - 1) / page_size;
+        out->n_tok += b->n[s];
+        total_pages += np;
+        if (np + 1 > out->pt_stride)
+            out->pt_stride = np + 1;
+        if (len > out->max_len)
+            out->max_len = len;
+    }
+    out->n_pages = total_pages + 3;    /* spare pages nobody references */
+    int *perm = malloc((size_t)out->n_pages * sizeof(int));
+    for (int i = 0; i < out->n_pages; i++)
+        perm[i] = i;
+    for (int i = out->n_pages - 1; i > 0; i--) {
+        int j = rng_int(i + 1), t = perm[i];
+        perm[i] = perm[j];
+        perm[j] = t;
+    }
+    out->tok_seq = malloc((size_t)out->n_tok * sizeof(int32_t));
+    out->tok_kv_len = malloc((size_t)out->n_tok * sizeof(int32_t));
+    out->page_table = malloc((size_t)b->n_seq * out->pt_stride * sizeof(int32_t));
+    int t = 0, next = 0;
+    for (int s = 0; s < b->n_seq; s++) {
+        int len = b->ctx[s] + b->n[s];
+        int np = (len + page_size - 1) / page_size;
+        for (int p = 0; p < out->pt_stride; p++)
+            out->page_table[s * out->pt_stride + p] = p < np ? perm[next++] : -1;
+        for (int i = 0; i < b->n[s]; i++, t++) {
+            out->tok_seq[t] = s;
+            out->tok_kv_len[t] = b->kind[s] == 'x' ? len : b->ctx[s] + i + 1;
+        }
+    }
+    free(perm);
+}
+
+static void batch_free(batch *b)
+{
+    free(b->tok_seq);
+    free(b->tok_kv_len);
+    free(b->page_table);
+}
+
+static double run_attn(run_ctx *x)
+{
+    const kcase *c = x->c;
+    batch_spec bs;
+    batch b;
+    if (parse_spec(c->spec, &bs) != 0) {
+        printf("      bad spec %s\n", c->spec);
+        return 1e30;
+    }
+    batch_build(&bs, c->page_size, &b);
+    int nh = c->n_heads, nkv = c->n_kv, hd = c->hd;
+    size_t cache_n = (size_t)b.n_pages * c->page_size * nkv * hd;
+    int ld_q = nh * hd + c->pad, ld_out = nh * hd + 2 * c->pad;
+    float *k = host_rand(cache_n, -1.0f, 1.0f, 1);
+    float *v = host_rand(cache_n, -1.0f, 1.0f, 1);
+    /* larger queries make the softmax peaky, so wrong keys show */
+    float *q = host_rand((size_t)b.n_tok * ld_q, -2.5f, 2.5f, 0);
+    kern_attn_args ac = {0}, ag;
+    ac.kv.page_size = c->page_size;
+    ac.kv.n_kv_heads = nkv;
+    ac.kv.head_dim = hd;
+    ac.ld_q = ld_q;
+    ac.ld_out = ld_out;
+    ac.n_tok = b.n_tok;
+    ac.n_heads = nh;
+    ac.pt_stride = b.pt_stride;
+    ac.n_seq = bs.n_seq;
+    ac.max_kv_len = b.max_len;
+    ac.scale = 1.0f / sqrtf((float)hd);
+    ag = ac;
+    ac.kv.dtype = x->cpu->be->kv_dtype;
+    ag.kv.dtype = x->gpu->be->kv_dtype;
+    ac.kv.k = side_conv(x->cpu, k, cache_n, ac.kv.dtype);
+    ac.kv.v = side_conv(x->cpu, v, cache_n, ac.kv.dtype);
+    ag.kv.k = side_conv(x->gpu, k, cache_n, ag.kv.dtype);
+    ag.kv.v = side_conv(x->gpu, v, cache_n, ag.kv.dtype);
+    size_t qb = (size_t)b.n_tok * ld_q * sizeof(float), ib = (size_t)b.n_tok * sizeof(int32_t);
+    size_t pb = (size_t)bs.n_seq * b.pt_stride * sizeof(int32_t);
+    ac.q = side_bytes(x->cpu, q, qb);
+    ag.q = side_bytes(x->gpu, q, qb);
+    ac.tok_seq = side_bytes(x->cpu, b.tok_seq, ib);
+    ag.tok_seq = side_bytes(x->gpu, b.tok_seq, ib);
+    ac.tok_kv_len = side_bytes(x->cpu, b.tok_kv_len, ib);
+    ag.tok_kv_len = side_bytes(x->gpu, b.tok_kv_len, ib);
+    ac.page_table = side_bytes(x->cpu, b.page_table, pb);
+    ag.page_table = side_bytes(x->gpu, b.page_table, pb);
+    outbuf o = out_make(x->cpu, x->gpu, (size_t)b.n_tok * ld_out, NULL);
+    ac.out = o.cpu;
+    ag.out = o.gpu;
+    double e = run_both(x, fn_attn, &ac, &ag);
+    if (e == 0.0)
+        e = out_check(x->cpu, x->gpu, &o, "out", b.n_tok, nh * hd, ld_out);
+    if (opts.opt_perf) {
+        /* bytes: every token's K/V range once per kv head (decode: the whole cache read once) */
+        double kv_bytes = 0.0, flops = 0.0;
+        for (int t = 0; t < b.n_tok; t++) {
+            kv_bytes += 2.0 * b.tok_kv_len[t] * nkv * hd * kern_dtype_size(ag.kv.dtype);
+            flops += 4.0 * b.tok_kv_len[t] * nh * hd;
+        }
+        double io = (double)b.n_tok * nh * hd * 8;
+        printf("      attn: %d tokens, %d sequences, max kv %d, %.1f MB of K/V\n", b.n_tok,
+               bs.n_seq, b.max_len, kv_bytes * 1e-6);
+        perf_report(x->gpu->be, fn_attn, &ag, kv_bytes + io, flops);
+    }
+    free(k);
+    free(v);
+    free(q);
+    batch_free(&b);
+    return e;
+}
+
+/* kv_store: scatter bf16-exact rows into random slots; the whole cache must match exactly. */
+static double run_kv_store(run_ctx *x)
+{
+    const kcase *c = x->c;
+    int nkv = c->n_kv, hd = c->hd, ps = c->page_size, n_tok = c->rows;
+    int row = nkv * hd, ld = row + c->pad;
+    int n_pages = (n_tok + ps - 1) / ps + 2;
+    size_t n_slots = (size_t)n_pages * ps, cache_n = n_slots * row;
+    float *k = host_rand((size_t)n_tok * ld, -3.0f, 3.0f, 1);
+    float *v = host_rand((size_t)n_tok * ld, -3.0f, 3.0f, 1);
+    float *init = host_rand(cache_n + GUARD, -1.0f, 1.0f, 1);
+    int32_t *slot = malloc((size_t)n_tok * sizeof(int32_t));
+    int *perm = malloc(n_slots * sizeof(int));
+    for (size_t i = 0; i < n_slots; i++)
+        perm[i] = (int)i;
+    for (size_t i = n_slots - 1; i > 0; i--) {
+        size_t j = (size_t)rng_int((int)i + 1);
+        int t = perm[i];
+        perm[i] = perm[j];
+        perm[j] = t;
+    }
+    for (int i = 0; i < n_tok; i++)
+        slot[i] = perm[i];
+    kern_kv_store_args ac = {0}, ag;
+    ac.kv.page_size = ps;
+    ac.kv.n_kv_heads = nkv;
+    ac.kv.head_dim = hd;
+    ac.ld = ld;
+    ac.n_tok = n_tok;
+    ag = ac;
+    ac.kv.dtype = x->cpu->be->kv_dtype;
+    ag.kv.dtype = x->gpu->be->kv_dtype;
+    ac.kv.k = side_conv(x->cpu, init, cache_n + GUARD, ac.kv.dtype);
+    ac.kv.v = side_conv(x->cpu, init, cache_n + GUARD, ac.kv.dtype);
+    ag.kv.k = side_conv(x->gpu, init, cache_n + GUARD, ag.kv.dtype);
+    ag.kv.v = side_conv(x->gpu, init, cache_n + GUARD, ag.kv.dtype);
+    size_t rb = (size_t)n_tok * ld * sizeof(float);
+    ac.k = side_bytes(x->cpu, k, rb);
+    ag.k = side_bytes(x->gpu, k, rb);
+    ac.v = side_bytes(x->cpu, v, rb);
+    ag.v = side_bytes(x->gpu, v, rb);
+    ac.slot = side_bytes(x->cpu, slot, (size_t)n_tok * sizeof(int32_t));
+    ag.slot = side_bytes(x->gpu, slot, (size_t)n_tok * sizeof(int32_t));
+    double e = run_both(x, fn_kv_store, &ac, &ag);
+    for (int kvi = 0; kvi < 2 && e == 0.0; kvi++) {
+        size_t n = cache_n + GUARD;
+        void *rc = side_download(x->cpu, kvi ? ac.kv.v : ac.kv.k, n * kern_dtype_size(ac.kv.dtype));
+        void *rg = side_download(x->gpu, kvi ? ag.kv.v : ag.kv.k, n * kern_dtype_size(ag.kv.dtype));
+        float *fc = malloc(n * sizeof(float)), *fg = malloc(n * sizeof(float));
+        pd_err err;
+        kern_convert_host(fc, KERN_DTYPE_F32, rc, ac.kv.dtype, n, &err);
+        kern_convert_host(fg, KERN_DTYPE_F32, rg, ag.kv.dtype, n, &err);
+        size_t diff = 0;
+        for (size_t i = 0; i < n; i++)
+            diff += fc[i] != fg[i];
+        if (diff) {
+            printf("      %s cache: %zu of %zu values differ\n", kvi ? "v" : "k", diff, n);
+            e = 1.0;
+        }
+        free(rc);
+        free(rg);
+        free(fc);
+        free(fg);
+    }
+    perf_report(x->gpu->be, fn_kv_store, &ag,
+                (double)n_tok * row * 2 * (4 + kern_dtype_size(ag.kv.dtype)), 0);
+    free(k);
+    free(v);
+    free(init);
+    free(slot);
+    free(perm);
+    return e;
+}
+
+typedef double (*runner)(run_ctx *x);
+
+static const struct {
+    const char *op;
+    runner fn;
+} runners[] = {
+    {"embed", run_embed}, {"rmsnorm", run_rmsnorm}, {"matmul", run_matmul},
+    {"rope", run_rope}, {"unary", run_unary}, {"binary", run_binary},
+    {"copy_rows", run_copy_rows}, {"kv_store", run_kv_store}, {"attn", run_attn},
+    {"argmax", run_argmax}, {"convert", run_convert},
+};
+
+/* Shapes are odd on purpose; F32 paths are held to ~1e-5, bf16 GEMMs (x rounded to bf16 on the
+ * GPU) to 1e-2; embed, copy_rows, kv_store, argmax and convert must be exact. */
+static const kcase cases[] = {
+    /* op          rows  cols pad  m n k sub  heads kv hd ps spec tol */
+    {"convert", 0, 100003, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
+    {"embed", 37, 257, 5, 0, 0, 0, 1000, 0, 0, 0, 0, NULL, 0, 0},
+    {"embed", 300, 4096, 0, 0, 0, 0, 151, 0, 0, 0, 0, NULL, 0, 0},
+    {"rmsnorm", 1, 4096, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 1e-5, 0},
+    {"rmsnorm", 33, 1000, 7, 0, 0, 0, 1, 0, 0, 0, 0, NULL, 1e-5, 0},
+    {"rmsnorm", 513, 5120, 0, 0, 0, 0, 1, 0, 0, 0, 0, NULL, 1e-5, 0},
+    {"rmsnorm", 64, 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 1e-5, 0},
+    {"matmul", 0, 0, 0, 1, 1000, 257, 0, 0, 0, 0, 0, NULL, 1e-2, 0},
+    {"matmul", 0, 0, 3, 7, 513, 1024, 1, 0, 0, 0, 0, NULL, 1e-2, 0},
+    {"matmul", 0, 0, 0, 16, 4096, 1024, 2, 0, 0, 0, 0, NULL, 1e-2, 0},
+    {"matmul", 0, 0, 5, 129, 300, 333, 3, 0, 0, 0, 0, NULL, 1e-2, 0},
+    {"matmul", 0, 0, 0, 512, 1536, 2048, 0, 0, 0, 0, 0, NULL, 1e-2, 0},
+    {"matmul", 0, 0, 1, 33, 65, 97, 7, 0, 0, 0, 0, NULL, 1e-5, 0},
+    {"rope", 1, 0, 0, 0, 0, 0, 0, 32, 0, 128, 0, NULL, 1e-5, 0},
+    {"rope", 77, 0, 3, 0, 0, 0, 0, 8, 0, 64, 0, NULL, 1e-5, 0},
+    {"rope", 300, 0, 0, 0, 0, 0, 0, 40, 0, 128, 0, NULL, 1e-5, 0},
+    {"unary", 17, 1000, 3, 0, 0, 0, KERN_UNARY_SIGMOID, 0, 0, 0, 0, NULL, 1e-6, 0},
+    {"unary", 5, 4099, 0, 0, 0, 0, KERN_UNARY_TANH, 0, 0, 0, 0, NULL, 1e-6, 0},
+    {"unary", 64, 3000, 1, 0, 0, 0, KERN_UNARY_SILU, 0, 0, 0, 0, NULL, 1e-6, 0},
+    {"binary", 17, 1000, 3, 0, 0, 0, KERN_BINARY_ADD, 0, 0, 0, 0, NULL, 1e-6, 0},
+    {"binary", 3, 777, 0, 0, 0, 0, KERN_BINARY_SUB, 0, 0, 0, 0, NULL, 1e-6, 0},
+    {"binary", 9, 513, 2, 0, 0, 0, KERN_BINARY_MUL, 0, 0, 0, 0, NULL, 1e-6, 0},
+    {"binary", 33, 3072, 0, 0, 0, 0, KERN_BINARY_SWIGLU, 0, 0, 0, 0, NULL, 1e-6, 0},
+    {"copy_rows", 19, 333, 4, 0, 0, 0, 1, 0, 0, 0, 0, NULL, 0, 0},
+    {"copy_rows", 64, 4096, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
+    {"kv_store", 1, 0, 0, 0, 0, 0, 0, 0, 8, 128, 16, NULL, 0, 0},
+    {"kv_store", 77, 0, 5, 0, 0, 0, 0, 0, 4, 64, 64, NULL, 0, 0},
+    {"kv_store", 300, 0, 0, 0, 0, 0, 0, 0, 8, 128, 16, NULL, 0, 0},
+    {"argmax", 1, 151936, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
+    {"argmax", 17, 1001, 3, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
+    /* attention: heads, kv heads, head_dim, page size, ragged batch */
+    {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "d:4095+1", 1e-4, 0},
+    {"attn", 0, 0, 4, 0, 0, 0, 0, 32, 8, 128, 16, "d:0+1,d:15+1,d:998+1,d:2999+1,d:63+1", 1e-4, 0},
+    {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 32, 128, 64, "p:0+100", 1e-4, 0},
+    {"attn", 0, 0, 2, 0, 0, 0, 0, 16, 8, 64, 16, "p:37+90,p:0+33", 1e-4, 0},
+    {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 4, 128, 64, "v:1200+16,v:5+2,v:2999+7", 1e-4, 0},
+    {"attn", 0, 0, 0, 0, 0, 0, 0, 40, 8, 128, 16, "x:500+16,x:0+8", 1e-4, 0},
+    {"attn", 0, 0, 1, 0, 0, 0, 0, 64, 4, 64, 64, "x:2984+16,d:17+1", 1e-4, 0},
+    {"attn", 0, 0, 0, 0, 0, 0, 0, 16, 8, 128, 16,
+     "p:0+300,p:1000+100,v:250+4,x:64+16,d:2999+1,v:0+16", 1e-4, 0},
+    {"attn", 0, 0, 0, 0, 0, 0, 0, 16, 4, 128, 64, "p:1500+128", 1e-4, 0},
+    {"attn", 0, 0, 0, 0, 0, 0, 0, 8, 8, 64, 16, "4*v:100+5,3*x:7+9", 1e-4, 0},
+    /* perf-only shapes (--perf): decode attention and GEMMs at Qwen3-8B-like sizes */
+    {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "16*d:4095+1", 1e-4, 1},
+    {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "32*d:4095+1", 1e-4, 1},
+    {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "4*v:4080+16", 1e-4, 1},
+    {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "p:0+1024", 1e-4, 1},
+    {"matmul", 0, 0, 0, 1, 12288, 4096, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
+    {"matmul", 0, 0, 0, 16, 12288, 4096, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
+    {"matmul", 0, 0, 0, 4096, 4096, 4096, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
+    {"matmul", 0, 0, 0, 8192, 8192, 8192, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
+};
+
+static void case_name(const kcase *c, char *buf, size_t n)
+{
+    if (strcmp(c->op, "attn") == 0)
+        snprintf(buf, n, "heads %d/%d hd %d page %d pad %d [%s]", c->n_heads, c->n_kv, c->hd,
+                 c->page_size, c->pad, c->spec);
+    else if (strcmp(c->op, "kv_store") == 0)
+        snprintf(buf, n, "tok %d kv_heads %d hd %d page %d pad %d", c->rows, c->n_kv, c->hd,
+                 c->page_size, c->pad);
+    else if (strcmp(c->op, "rope") == 0)
+        snprintf(buf, n, "tok %d heads %d hd %d pad %d", c->rows, c->n_heads, c->hd, c->pad);
+    else if (strcmp(c->op, "matmul") == 0)
+        snprintf(buf, n, "m %d n %d k %d pad %d%s%s%s", c->m, c->n, c->k, c->pad,
+                 c->sub & 1 ? " acc" : "", c->sub & 2 ? " bias" : "", c->sub & 4 ? " f32w" : "");
+    else
+        snprintf(buf, n, "%d x %d pad %d sub %d", c->rows, c->cols, c->pad, c->sub);
+}
+
+int main(int argc, char **argv)
+{
+    opts.seed = 1234;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--perf") == 0) {
+            opts.opt_perf = 1;
+        } else if (strcmp(argv[i], "--self") == 0) {
+            opts.opt_self = 1;
+        } else if (strcmp(argv[i], "--op") == 0 && i + 1 < argc) {
+            opts.opt_op = argv[++i];
+        } else if (strcmp(argv[i], "--seed") == 0 && i + 1 < argc) {
+            opts.seed = strtoull(argv[++i], NULL, 10);
+        } else {
+            fprintf(stderr, "usage: %s [--op NAME] [--perf] [--seed N] [--self]\n", argv[0]);
+            return 2;
+        }
+    }
+#ifndef PD_HAVE_CUDA
+    if (!opts.opt_self)
+        TEST_SKIP("built without CUDA (PD_WITH_CUDA=OFF): nothing to compare the CPU backend with");
+#else
+    if (!opts.opt_self && kern_cuda_device_count() == 0)
+        TEST_SKIP("no CUDA device visible");
+#endif
+    pd_err err;
+    kern_backend *cpu = NULL, *gpu = NULL;
+    kern_backend_config cc = {"cpu", 0, 0}, gc = {opts.opt_self ? "cpu" : "cuda", 0, 0};
+    if (fatal_status(kern_backend_create(&cc, &cpu, &err), &err, "cpu backend") ||
+        fatal_status(kern_backend_create(&gc, &gpu, &err), &err, "cuda backend"))
+        return 1;
+    int ran = 0;
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        const kcase *c = &cases[i];
+        if (opts.opt_op != NULL && strcmp(opts.opt_op, c->op) != 0)
+            continue;
+        if (c->perf_only && !opts.opt_perf)
+            continue;
+        runner fn = NULL;
+        for (size_t r = 0; r < sizeof(runners) / sizeof(runners[0]); r++)
+            if (strcmp(runners[r].op, c->op) == 0)
+                fn = runners[r].fn;
+        if (fn == NULL) {
+            TEST_CHECK_MSG(fn != NULL, "no runner for op %s", c->op);
+            continue;
+        }
+        rng_state = opts.seed * 1000003ull + i;
+        side sc = {cpu, {0}, 0}, sg = {gpu, {0}, 0};
+        run_ctx x = {&sc, &sg, c};
+        char name[160];
+        case_name(c, name, sizeof(name));
+        double t0 = now_s();
+        double e = fn(&x);
+        int ok = e <= c->tol && e == e;
+        printf("%s %-9s %-64s rel_l2 %.3e (tol %.0e) %.2fs\n", ok ? "ok  " : "FAIL", c->op, name, e,
+               c->tol, now_s() - t0);
+        fflush(stdout);
+        TEST_CHECK_MSG(ok, "case %zu: %s %s: rel_l2 %.3e > %.0e", i, c->op, name, e, c->tol);
+        side_free(&sc);
+        side_free(&sg);
+        ran++;
+    }
+    if (ran == 0)
+        printf("no case matches --op %s\n", opts.opt_op != NULL ? opts.opt_op : "");
+    kern_backend_destroy(gpu);
+    kern_backend_destroy(cpu);
+    TEST_DONE();
+}
