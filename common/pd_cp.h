@@ -87,7 +87,9 @@ typedef struct pd_cp_plan {
     const int32_t *n_real;      /* [cp_size] real (non-padding) slots of each rank; they come
                                  * first in every strategy, padding fills slots n_real[r].. */
 
-    /* Per slot [n_slots]: what rank r's local row s holds. Padding: -1 in all three. */
+    /* Per slot [n_slots]: what rank r's local row s holds. Padding: -1 in all three; a padding
+     * row attends to nothing, its output is ignored, and it never reaches KV pages, aux or
+     * logits (the gathered maps skip it). */
     const int32_t *slot_global; /* packed global token index */
     const int32_t *slot_seq;    /* sequence id */
     const int32_t *slot_pos;    /* position in its sequence counting the prefix (RoPE, mask) */

@@ -1,6 +1,7 @@
 /* test_comm.c - the local communicator: repeated all-gather / broadcast / barrier over 1..8 rank
  * threads, in-place and zero-byte collectives, a custom copy function, mismatched calls, a rank
- * that never arrives (timeout, not a hang), abort, bad arguments. With PD_TEST_NCCL_GPUS=N set
+ * that never arrives (timeout, not a hang), abort, bad arguments; and the CP round trip the
+ * CP forward performs: shard by a pd_cp plan, all-gather, re-range into global order. With PD_TEST_NCCL_GPUS=N set
  * (and a CUDA build) it also runs the NCCL communicator over N GPUs.
  * Threading: one thread per rank, each with its own handle. */
 #include <pthread.h>
@@ -13,6 +14,7 @@
 #include <unistd.h>
 
 #include "pd_comm.h"
+#include "pd_cp.h"
 #include "test_util.h"
 
 #ifdef PD_HAVE_CUDA
@@ -277,6 +279,83 @@ static void test_comm_local_misc(void)
     pd_comm_local_group_destroy(NULL);
 }
 
+/* ---- CP round trip: pd_cp plan + local all-gather, as the CP forward uses them ------------ */
+
+typedef struct {
+    pd_comm *c;
+    const pd_cp_plan *plan;
+    const float *global;   /* [T, W] */
+    int ok;
+} cp_arg;
+
+enum { CP_W = 64 };
+
+static void *cp_rank_main(void *p)
+{
+    cp_arg *a = p;
+    const pd_cp_plan *plan = a->plan;
+    int me = pd_comm_rank(a->c);
+    size_t row = CP_W * sizeof(float);
+    float *local = malloc((size_t)plan->n_local * row + 1);
+    float *gathered = malloc((size_t)plan->n_slots * row + 1);
+    float *out = malloc((size_t)plan->n_tokens * row);
+    pd_err err;
+    a->ok = pd_cp_shard_rows(plan, me, a->global, local, row, &err) == PD_OK;
+    /* the "layer": every rank transforms its own rows; padding rows stay zero */
+    for (int32_t s = 0; s < plan->n_local; s++)
+        for (int k = 0; k < CP_W; k++)
+            local[(size_t)s * CP_W + k] *= 2.0f;
+    a->ok &= pd_comm_all_gather(a->c, local, gathered, (size_t)plan->n_local * row, &err) ==
+             PD_OK;
+    a->ok &= pd_cp_gather_rows(plan, gathered, out, row, &err) == PD_OK;
+    for (size_t i = 0; i < (size_t)plan->n_tokens * CP_W; i++)
+        a->ok &= out[i] == 2.0f * a->global[i];
+    free(local);
+    free(gathered);
+    free(out);
+    return NULL;
+}
+
+static void test_comm_cp_roundtrip(void)
+{
+    int32_t lens[3] = { 37, 300, 21 };
+    int32_t T = 37 + 300 + 21;
+    float *global = malloc((size_t)T * CP_W * sizeof(float));
+    for (int32_t i = 0; i < T * CP_W; i++)
+        global[i] = (float)(i % 1000) - 500.0f;
+    static const pd_cp_strategy strats[] = { PD_CP_STRATEGY_ROUND_ROBIN,
+                                             PD_CP_STRATEGY_INTERLEAVE, PD_CP_STRATEGY_ZIGZAG };
+    for (int cp = 1; cp <= 8; cp++)
+        for (int si = 0; si < 3; si++) {
+            pd_cp_opts o = { .strategy = strats[si], .cp_size = cp };
+            pd_cp_plan *plan = NULL;
+            pd_comm_local_group *g = NULL;
+            pd_err err;
+            TEST_CHECK(pd_cp_plan_create(lens, NULL, 3, &o, &plan, &err) == PD_OK);
+            TEST_CHECK(pd_comm_local_group_create(cp, NULL, &g, &err) == PD_OK);
+            if (plan == NULL || g == NULL)
+                continue;
+            pthread_t th[8];
+            cp_arg args[8];
+            for (int r = 0; r < cp; r++) {
+                args[r] = (cp_arg){ .plan = plan, .global = global };
+                TEST_CHECK(pd_comm_local_create(g, r, &args[r].c, &err) == PD_OK);
+            }
+            for (int r = 0; r < cp; r++)
+                pthread_create(&th[r], NULL, cp_rank_main, &args[r]);
+            int ok = 1;
+            for (int r = 0; r < cp; r++) {
+                pthread_join(th[r], NULL);
+                ok &= args[r].ok;
+                pd_comm_destroy(args[r].c);
+            }
+            TEST_CHECK_MSG(ok, "cp round trip %s cp %d", pd_cp_strategy_name(o.strategy), cp);
+            pd_comm_local_group_destroy(g);
+            pd_cp_plan_destroy(plan);
+        }
+    free(global);
+}
+
 /* ---- NCCL, opt-in: PD_TEST_NCCL_GPUS=N ---------------------------------------------------- */
 
 #ifdef PD_HAVE_CUDA
@@ -413,6 +492,7 @@ int main(void)
     test_comm_local_mismatch();
     test_comm_local_abort();
     test_comm_local_timeout();
+    test_comm_cp_roundtrip();
     const char *ng = getenv("PD_TEST_NCCL_GPUS");
     if (ng != NULL) {
 #ifdef PD_HAVE_CUDA
