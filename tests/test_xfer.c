@@ -1,0 +1,412 @@
+/* test_xfer.c - pd_xfer on loopback.
+ * 1. Peer death: a forked child registers a pool over tcp and is killed mid-transfer; the
+ *    transfer must end with PD_ERR_PEER or PD_ERR_TIMEOUT, never hang or report success.
+ * 2. Two pd_xfer instances in one process (receiver progressed by its own thread): register a
+ *    4 MiB "KV pool", pack/unpack the rkey, put scattered pages with a small window, flush,
+ *    compare bytes; bad spans are refused; flush-only transfers; cancel.
+ * Transports: part 2 uses the UCX default (or UCX_TLS from the environment); part 1 forces tcp
+ * because only a socket notices a dead process without waiting for keepalive.
+ * Nothing is timed; waits are bounded only to turn a hang into a failure. */
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "pd_xfer.h"
+#include "test_util.h"
+
+#define POOL_BYTES (4u << 20)
+#define PAGE_BYTES (16u << 10)
+#define N_PAGES (POOL_BYTES / PAGE_BYTES)
+#define WAIT_LIMIT_S 120
+
+typedef struct {
+    bool done;
+    pd_status st;
+    char msg[512];
+} done_box;
+
+static void on_done(void *ud, pd_status st, const pd_err *err)
+{
+    done_box *b = ud;
+    b->done = true;
+    b->st = st;
+    snprintf(b->msg, sizeof(b->msg), "%s", err != NULL ? err->msg : "");
+}
+
+static double wall_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Progress until *flag; false after WAIT_LIMIT_S (a hang, reported as a failure). */
+static bool wait_done(pd_xfer *x, const bool *flag)
+{
+    double end = wall_s() + WAIT_LIMIT_S;
+    while (!*flag) {
+        if (wall_s() > end)
+            return false;
+        pd_xfer_wait(x, 50);
+    }
+    return true;
+}
+
+static bool write_full(int fd, const void *p, size_t n)
+{
+    const char *c = p;
+    while (n > 0) {
+        ssize_t w = write(fd, c, n);
+        if (w <= 0)
+            return false;
+        c += w;
+        n -= (size_t)w;
+    }
+    return true;
+}
+
+static bool read_full(int fd, void *p, size_t n)
+{
+    char *c = p;
+    while (n > 0) {
+        ssize_t r = read(fd, c, n);
+        if (r <= 0)
+            return false;
+        c += r;
+        n -= (size_t)r;
+    }
+    return true;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * 1. Peer death (forked receiver) */
+
+#define DEATH_POOL_BYTES (64u << 20)
+
+static void death_child(int wfd)
+{
+    pd_xfer_config cfg;
+    pd_xfer_config_default(&cfg);
+    cfg.name = "child";
+    cfg.transports = "tcp";
+    pd_xfer *x = NULL;
+    pd_err err;
+    uint32_t ok = 0;
+    char *pool = calloc(1, DEATH_POOL_BYTES);
+    pd_xfer_mem *m = NULL;
+    void *rkey = NULL;
+    size_t rkey_len = 0;
+    if (pool != NULL && pd_xfer_create(&cfg, &x, &err) == PD_OK &&
+        pd_xfer_mem_register(x, pool, DEATH_POOL_BYTES, &m, &err) == PD_OK &&
+        pd_xfer_mem_pack(m, &rkey, &rkey_len, &err) == PD_OK)
+        ok = 1;
+    else
+        fprintf(stderr, "child: %s\n", err.msg);
+    write_full(wfd, &ok, sizeof(ok));
+    if (!ok)
+        _exit(1);
+    const void *addr;
+    size_t addr_len;
+    pd_xfer_address(x, &addr, &addr_len);
+    uint64_t base = (uint64_t)(uintptr_t)pool, len = DEATH_POOL_BYTES;
+    uint32_t al = (uint32_t)addr_len, rl = (uint32_t)rkey_len;
+    write_full(wfd, &base, sizeof(base));
+    write_full(wfd, &len, sizeof(len));
+    write_full(wfd, &al, sizeof(al));
+    write_full(wfd, addr, addr_len);
+    write_full(wfd, &rl, sizeof(rl));
+    write_full(wfd, rkey, rkey_len);
+    close(wfd);
+    for (;;)   /* serve (software RMA over tcp needs the target to progress) until killed */
+        pd_xfer_wait(x, 100);
+}
+
+/* stop = false: the peer process is killed (socket reset -> PD_ERR_PEER, or the timeout).
+ * stop = true: the peer hangs (SIGSTOP, connection stays up) -> the transfer timeout fires. */
+static void test_peer_death(bool stop)
+{
+    int fds[2];
+    if (pipe(fds) != 0)
+        TEST_SKIP("pipe failed");
+    pid_t pid = fork();
+    if (pid < 0)
+        TEST_SKIP("fork failed");
+    if (pid == 0) {
+        close(fds[0]);
+        death_child(fds[1]);
+        _exit(0);
+    }
+    close(fds[1]);
+    uint32_t ok = 0;
+    if (!read_full(fds[0], &ok, sizeof(ok)) || !ok) {
+        waitpid(pid, NULL, 0);
+        TEST_SKIP("UCX tcp transport unavailable for the peer-death test");
+    }
+    uint64_t base, len;
+    uint32_t al, rl;
+    TEST_CHECK(read_full(fds[0], &base, sizeof(base)) && read_full(fds[0], &len, sizeof(len)));
+    TEST_CHECK(read_full(fds[0], &al, sizeof(al)));
+    void *addr = malloc(al);
+    TEST_CHECK(read_full(fds[0], addr, al));
+    TEST_CHECK(read_full(fds[0], &rl, sizeof(rl)));
+    void *rkb = malloc(rl);
+    TEST_CHECK(read_full(fds[0], rkb, rl));
+    close(fds[0]);
+
+    pd_xfer_config cfg;
+    pd_xfer_config_default(&cfg);
+    cfg.name = "parent";
+    cfg.transports = "tcp";
+    cfg.max_inflight = 16;
+    cfg.timeout_ms = stop ? 1500 : 20000;   /* the bound if the failure is not detected */
+    pd_xfer *x = NULL;
+    pd_xfer_peer *p = NULL;
+    pd_xfer_rkey *rk = NULL;
+    pd_err err;
+    pd_status st = pd_xfer_create(&cfg, &x, &err);
+    TEST_CHECK_MSG(st == PD_OK, "%s", err.msg);
+    if (st == PD_OK)
+        st = pd_xfer_peer_create(x, addr, al, &p, &err);
+    TEST_CHECK_MSG(st == PD_OK, "%s", err.msg);
+    if (st == PD_OK)
+        st = pd_xfer_rkey_unpack(p, rkb, rl, base, len, &rk, &err);
+    TEST_CHECK_MSG(st == PD_OK, "%s", err.msg);
+
+    /* Far more bytes than can move before the kill lands. */
+    const size_t span = 64u << 10, n = 200000;
+    char *src = malloc(span);
+    pd_xfer_span *spans = malloc(n * sizeof(*spans));
+    memset(src, 0x5a, span);
+    for (size_t i = 0; i < n; i++)
+        spans[i] = (pd_xfer_span){src, base + (i % (len / span)) * span, span};
+    done_box box = {0};
+    if (st == PD_OK) {
+        st = pd_xfer_put(rk, NULL, spans, n, on_done, &box, NULL, &err);
+        TEST_CHECK_MSG(st == PD_OK, "%s", err.msg);
+    }
+    free(spans);
+    if (st == PD_OK) {
+        for (int i = 0; i < 5 && !box.done; i++)
+            pd_xfer_wait(x, 10);
+        TEST_CHECK(!box.done);
+        kill(pid, stop ? SIGSTOP : SIGKILL);
+        if (!stop)
+            waitpid(pid, NULL, 0);
+        TEST_CHECK_MSG(wait_done(x, &box.done), "transfer still pending after the peer died");
+        TEST_CHECK_MSG(box.st == PD_ERR_PEER || box.st == PD_ERR_TIMEOUT, "%s: %s",
+                       pd_status_str(box.st), box.msg);
+        printf("peer %s -> %s (%s)\n", stop ? "hang" : "death", pd_status_str(box.st), box.msg);
+        if (stop) {
+            kill(pid, SIGKILL);
+            waitpid(pid, NULL, 0);
+        }
+        TEST_CHECK(pd_xfer_peer_failed(p));
+        /* a put on the failed peer is refused at once */
+        pd_xfer_span one = {src, base, 64};
+        done_box b2 = {0};
+        TEST_CHECK(pd_xfer_put(rk, NULL, &one, 1, on_done, &b2, NULL, &err) == PD_ERR_PEER);
+        TEST_CHECK(!b2.done);
+    } else {
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+    }
+    pd_xfer_peer_destroy(p);   /* also frees rk */
+    pd_xfer_destroy(x);
+    free(src);
+    free(addr);
+    free(rkb);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * 2. In-process pair */
+
+typedef struct {
+    pd_xfer *x;
+    atomic_bool stop;
+} rx_thread_arg;
+
+static void *rx_thread(void *arg)
+{
+    rx_thread_arg *a = arg;
+    while (!atomic_load(&a->stop))
+        pd_xfer_wait(a->x, 10);
+    return NULL;
+}
+
+static void test_pair(void)
+{
+    pd_err err;
+    pd_xfer_config cfg;
+    pd_xfer_config_default(&cfg);
+    cfg.name = "rx";
+    pd_xfer *rx = NULL, *tx = NULL;
+    pd_status st = pd_xfer_create(&cfg, &rx, &err);
+    if (st == PD_ERR_UNSUPPORTED)
+        TEST_SKIP("UCX has no usable transport here");
+    TEST_CHECK_MSG(st == PD_OK, "%s", err.msg);
+    if (st != PD_OK)
+        return;
+    cfg.name = "tx";
+    cfg.max_inflight = 8;
+    cfg.timeout_ms = 30000;
+    st = pd_xfer_create(&cfg, &tx, &err);
+    TEST_CHECK_MSG(st == PD_OK, "%s", err.msg);
+    if (st != PD_OK) {
+        pd_xfer_destroy(rx);
+        return;
+    }
+    printf("cuda memory support: %s\n", pd_xfer_supports_cuda(tx) ? "yes" : "no");
+    TEST_CHECK(pd_xfer_fd(tx) >= 0 && pd_xfer_fd(rx) >= 0);
+
+    /* receiver: the KV pool and its key */
+    unsigned char *pool = calloc(1, POOL_BYTES);
+    pd_xfer_mem *pool_mem = NULL;
+    TEST_CHECK(pd_xfer_mem_register(rx, pool, POOL_BYTES, &pool_mem, &err) == PD_OK);
+    TEST_CHECK(pd_xfer_mem_base(pool_mem) == pool && pd_xfer_mem_len(pool_mem) == POOL_BYTES);
+    void *rkb = NULL;
+    size_t rkl = 0;
+    TEST_CHECK(pd_xfer_mem_pack(pool_mem, &rkb, &rkl, &err) == PD_OK && rkl > 0);
+    const void *rx_addr;
+    size_t rx_addr_len;
+    pd_xfer_address(rx, &rx_addr, &rx_addr_len);
+    TEST_CHECK(rx_addr_len > 0);
+
+    /* sender: pages with a per-page pattern, registered as the source */
+    unsigned char *src = malloc(POOL_BYTES);
+    for (size_t i = 0; i < POOL_BYTES; i++)
+        src[i] = (unsigned char)((i / PAGE_BYTES) * 7 + i * 13 + 1);
+    pd_xfer_mem *src_mem = NULL;
+    TEST_CHECK(pd_xfer_mem_register(tx, src, POOL_BYTES, &src_mem, &err) == PD_OK);
+
+    rx_thread_arg ta = {.x = rx};
+    atomic_init(&ta.stop, false);
+    pthread_t th;
+    pthread_create(&th, NULL, rx_thread, &ta);
+
+    pd_xfer_peer *p = NULL;
+    pd_xfer_rkey *rk = NULL;
+    done_box b7 = {0};
+    st = pd_xfer_peer_create(tx, rx_addr, rx_addr_len, &p, &err);
+    TEST_CHECK_MSG(st == PD_OK, "%s", err.msg);
+    uint64_t rbase = (uint64_t)(uintptr_t)pool;
+    if (st == PD_OK)
+        st = pd_xfer_rkey_unpack(p, rkb, rkl, rbase, POOL_BYTES, &rk, &err);
+    TEST_CHECK_MSG(st == PD_OK, "%s", err.msg);
+    unsigned char junk[8] = {1, 2, 3};
+    pd_xfer_rkey *bad = NULL;
+    if (p != NULL)
+        TEST_CHECK(pd_xfer_rkey_unpack(p, junk, 0, rbase, 64, &bad, &err) == PD_ERR_INVALID);
+
+    if (st == PD_OK) {
+        /* scattered: source page i -> destination page (i * 37 + 5) mod N, 100 pages */
+        enum { N_PUT = 100 };
+        pd_xfer_span spans[N_PUT];
+        for (unsigned i = 0; i < N_PUT; i++) {
+            unsigned dst = (i * 37u + 5u) % N_PAGES;
+            spans[i] = (pd_xfer_span){src + (size_t)i * PAGE_BYTES,
+                                      rbase + (uint64_t)dst * PAGE_BYTES, PAGE_BYTES};
+        }
+        done_box box = {0};
+        st = pd_xfer_put(rk, src_mem, spans, N_PUT, on_done, &box, NULL, &err);
+        TEST_CHECK_MSG(st == PD_OK, "%s", err.msg);
+        TEST_CHECK(!box.done);   /* never from inside pd_xfer_put */
+        TEST_CHECK(wait_done(tx, &box.done));
+        TEST_CHECK_MSG(box.st == PD_OK, "%s", box.msg);
+        TEST_CHECK(pd_xfer_active(tx) == 0);
+        /* done means remotely complete: the bytes are there now */
+        unsigned bad_pages = 0, untouched_ok = 1;
+        static unsigned char written[N_PAGES];
+        for (unsigned i = 0; i < N_PUT; i++) {
+            unsigned dst = (i * 37u + 5u) % N_PAGES;
+            written[dst] = 1;
+            if (memcmp(pool + (size_t)dst * PAGE_BYTES, src + (size_t)i * PAGE_BYTES,
+                       PAGE_BYTES) != 0)
+                bad_pages++;
+        }
+        for (unsigned d = 0; d < N_PAGES; d++) {
+            if (written[d])
+                continue;
+            for (size_t b = 0; b < PAGE_BYTES; b++)
+                untouched_ok &= pool[(size_t)d * PAGE_BYTES + b] == 0;
+        }
+        TEST_CHECK_MSG(bad_pages == 0, "%u pages differ", bad_pages);
+        TEST_CHECK(untouched_ok);
+
+        /* sub-page spans, unaligned, without a local registration */
+        pd_xfer_span small[3] = {{src + 3, rbase + 1, 1},
+                                 {src + 100, rbase + POOL_BYTES - 77, 77},
+                                 {src + 5000, rbase + 12345, 4321}};
+        done_box b2 = {0};
+        TEST_CHECK(pd_xfer_put(rk, NULL, small, 3, on_done, &b2, NULL, &err) == PD_OK);
+        TEST_CHECK(wait_done(tx, &b2.done) && b2.st == PD_OK);
+        TEST_CHECK(pool[1] == src[3]);
+        TEST_CHECK(memcmp(pool + POOL_BYTES - 77, src + 100, 77) == 0);
+        TEST_CHECK(memcmp(pool + 12345, src + 5000, 4321) == 0);
+
+        /* out of the region: refused, nothing started, done never runs */
+        pd_xfer_span oob[2] = {{src, rbase, 64}, {src, rbase + POOL_BYTES - 8, 16}};
+        done_box b3 = {0};
+        TEST_CHECK(pd_xfer_put(rk, NULL, oob, 2, on_done, &b3, NULL, &err) == PD_ERR_INVALID);
+        TEST_CHECK(strstr(err.msg, "outside the remote region") != NULL);
+        pd_xfer_span below = {src, rbase - 64, 64};
+        TEST_CHECK(pd_xfer_put(rk, NULL, &below, 1, on_done, &b3, NULL, &err) == PD_ERR_INVALID);
+        TEST_CHECK(pd_xfer_active(tx) == 0 && !b3.done);
+
+        /* flush only */
+        done_box b4 = {0};
+        TEST_CHECK(pd_xfer_flush(p, on_done, &b4, NULL, &err) == PD_OK);
+        TEST_CHECK(wait_done(tx, &b4.done) && b4.st == PD_OK);
+
+        /* cancel before progress: issued puts finish, the rest are never issued */
+        enum { N_BIG = N_PAGES * 8 };
+        pd_xfer_span *many = malloc(N_BIG * sizeof(*many));
+        for (unsigned i = 0; i < N_BIG; i++)
+            many[i] = (pd_xfer_span){src + (size_t)(i % N_PAGES) * PAGE_BYTES,
+                                     rbase + (uint64_t)(i % N_PAGES) * PAGE_BYTES, PAGE_BYTES};
+        done_box b5 = {0};
+        pd_xfer_op *op = NULL;
+        TEST_CHECK(pd_xfer_put(rk, NULL, many, N_BIG, on_done, &b5, &op, &err) == PD_OK);
+        free(many);
+        if (!b5.done)
+            pd_xfer_op_cancel(op);
+        TEST_CHECK(wait_done(tx, &b5.done));
+        TEST_CHECK_MSG(b5.st == PD_ERR_CANCELLED || b5.st == PD_OK, "%s", b5.msg);
+
+        /* the peer is still healthy after all that */
+        done_box b6 = {0};
+        TEST_CHECK(pd_xfer_put(rk, src_mem, spans, 10, on_done, &b6, NULL, &err) == PD_OK);
+        TEST_CHECK(wait_done(tx, &b6.done) && b6.st == PD_OK);
+        TEST_CHECK(!pd_xfer_peer_failed(p));
+
+        /* peer destroyed with a transfer in flight: done runs with CANCELLED (or OK if it won) */
+        TEST_CHECK(pd_xfer_put(rk, src_mem, spans, N_PUT, on_done, &b7, NULL, &err) == PD_OK);
+    }
+    pd_xfer_peer_destroy(p);   /* flush-closes; needs the rx thread still progressing */
+    if (st == PD_OK)
+        TEST_CHECK_MSG(b7.done && (b7.st == PD_ERR_CANCELLED || b7.st == PD_OK), "%s", b7.msg);
+
+    atomic_store(&ta.stop, true);
+    pthread_join(th, NULL);
+    pd_xfer_mem_deregister(src_mem);
+    pd_xfer_mem_deregister(pool_mem);
+    pd_xfer_destroy(tx);
+    pd_xfer_destroy(rx);
+    free(rkb);
+    free(src);
+    free(pool);
+}
+
+int main(void)
+{
+    signal(SIGPIPE, SIG_IGN);
+    /* first: they fork before this process initialises UCX */
+    test_peer_death(false);
+    test_peer_death(true);
+    test_pair();
+    TEST_DONE();
+}
