@@ -1,9 +1,11 @@
 /* tokenize_main.c - pdspark-tokenize: the tokenizer as a command-line filter.
  * Owns: flag parsing, stdin/stdout formats (space-separated ids or {"ids": [...]}, text or
- *       {"text": "..."}).
+ *       {"text": "..."}, and --batch: a JSON array of strings in, a JSON array of id arrays out,
+ *       so scripts and tests pay the tokenizer load once for many texts).
  * Not here: the tokenizer itself (common/pd_tokenizer.c).
  * Threading: single-threaded process. Exit codes: 0 ok, 1 bad input or load failure,
  *       2 bad command line. */
+#include <cjson/cJSON.h>
 #include <errno.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -22,6 +24,8 @@ static const char USAGE[] =
     "  --json            print {\"ids\": [...]} or {\"text\": \"...\"} instead of plain output\n"
     "  --no-special      encode: treat special tokens such as <|im_start|> as plain text;\n"
     "                    decode: leave special tokens out\n"
+    "  --batch           encode a JSON array of strings from stdin; print a JSON array with\n"
+    "                    the ids of each (strings must not contain \\u0000)\n"
     "  --help            this message\n";
 
 static int read_stdin(char **data, size_t *len)
@@ -74,6 +78,47 @@ static void print_json_string(const char *s, size_t n)
         }
     }
     putchar('"');
+}
+
+/* --batch: returns 0, or 1 after printing one line on stderr. */
+static int encode_batch(const pd_tokenizer *tok, const char *in, size_t in_len, int parse_special)
+{
+    cJSON *arr = cJSON_ParseWithLength(in, in_len);
+    if (!cJSON_IsArray(arr)) {
+        fprintf(stderr, "pdspark-tokenize: --batch: stdin is not a JSON array of strings\n");
+        cJSON_Delete(arr);
+        return 1;
+    }
+    const cJSON *e;
+    cJSON_ArrayForEach(e, arr) {
+        if (!cJSON_IsString(e)) {
+            fprintf(stderr, "pdspark-tokenize: --batch: stdin is not a JSON array of strings\n");
+            cJSON_Delete(arr);
+            return 1;
+        }
+    }
+    int first = 1;
+    putchar('[');
+    cJSON_ArrayForEach(e, arr) {
+        pd_err err;
+        int32_t *ids;
+        size_t n;
+        if (pd_tokenizer_encode(tok, e->valuestring, strlen(e->valuestring), parse_special, &ids,
+                                &n, &err) != PD_OK) {
+            fprintf(stderr, "pdspark-tokenize: %s\n", err.msg);
+            cJSON_Delete(arr);
+            return 1;
+        }
+        fputs(first ? "[" : ", [", stdout);
+        first = 0;
+        for (size_t i = 0; i < n; i++)
+            printf(i == 0 ? "%d" : ", %d", ids[i]);
+        putchar(']');
+        free(ids);
+    }
+    fputs("]\n", stdout);
+    cJSON_Delete(arr);
+    return 0;
 }
 
 static int is_sep(char c)
@@ -129,7 +174,7 @@ static int parse_ids(const char *s, int32_t **ids_out, size_t *n_out)
 int main(int argc, char **argv)
 {
     const char *path = NULL;
-    int decode = 0, json = 0, no_special = 0;
+    int decode = 0, json = 0, no_special = 0, batch = 0;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--tokenizer") == 0 && i + 1 < argc) {
             path = argv[++i];
@@ -139,6 +184,8 @@ int main(int argc, char **argv)
             decode = 1;
         } else if (strcmp(argv[i], "--json") == 0) {
             json = 1;
+        } else if (strcmp(argv[i], "--batch") == 0) {
+            batch = 1;
         } else if (strcmp(argv[i], "--no-special") == 0) {
             no_special = 1;
         } else if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
@@ -153,6 +200,10 @@ int main(int argc, char **argv)
     }
     if (path == NULL) {
         fprintf(stderr, "pdspark-tokenize: --tokenizer PATH is required (try --help)\n");
+        return 2;
+    }
+    if (batch && decode) {
+        fprintf(stderr, "pdspark-tokenize: --batch only encodes; it cannot go with --decode\n");
         return 2;
     }
 
@@ -171,7 +222,9 @@ int main(int argc, char **argv)
         return 1;
     }
     int rc = 0;
-    if (!decode) {
+    if (batch) {
+        rc = encode_batch(tok, in, in_len, !no_special);
+    } else if (!decode) {
         int32_t *ids;
         size_t n;
         if (pd_tokenizer_encode(tok, in, in_len, !no_special, &ids, &n, &err) != PD_OK) {
