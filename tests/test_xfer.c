@@ -4,6 +4,8 @@
  * 2. Two pd_xfer instances in one process (receiver progressed by its own thread): register a
  *    4 MiB "KV pool", pack/unpack the rkey, put scattered pages with a small window, flush,
  *    compare bytes; bad spans are refused; flush-only transfers; cancel.
+ * 3. The same transfer driven by a pd_loop (fd watcher + periodic timer), with closures posted
+ *    from another thread and a one-shot timer: the way the nodes run it.
  * Transports: part 2 uses the UCX default (or UCX_TLS from the environment); part 1 forces tcp
  * because only a socket notices a dead process without waiting for keepalive.
  * Nothing is timed; waits are bounded only to turn a hang into a failure. */
@@ -16,6 +18,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "pd_loop.h"
 #include "pd_xfer.h"
 #include "test_util.h"
 
@@ -401,6 +404,170 @@ static void test_pair(void)
     free(pool);
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * 3. Loop-driven */
+
+typedef struct {
+    pd_loop *loop;
+    pd_xfer *tx;
+    done_box box;
+    int posted_seen;          /* loop thread only */
+    int posted_order_ok;
+    int oneshot_fired;
+    int ticks;
+    int fd_wakeups;
+} loop_ctx;
+
+static void on_xfer_fd(int fd, void *arg)
+{
+    (void)fd;
+    loop_ctx *c = arg;
+    c->fd_wakeups++;
+    pd_xfer_progress(c->tx);
+}
+
+static void on_tick(void *arg)
+{
+    loop_ctx *c = arg;
+    c->ticks++;
+    pd_xfer_progress(c->tx);   /* transfer timeouts fire without network events */
+}
+
+static void on_oneshot(void *arg)
+{
+    ((loop_ctx *)arg)->oneshot_fired++;
+}
+
+typedef struct {
+    loop_ctx *c;
+    int seq;
+} post_arg;
+
+static void on_posted(void *arg)
+{
+    post_arg *a = arg;
+    loop_ctx *c = a->c;
+    if (!pd_loop_in_loop_thread(c->loop) || a->seq != c->posted_seen)
+        c->posted_order_ok = 0;
+    c->posted_seen++;
+    free(a);
+}
+
+static void *poster(void *arg)
+{
+    loop_ctx *c = arg;
+    for (int i = 0; i < 1000; i++) {
+        post_arg *a = malloc(sizeof(*a));
+        a->c = c;
+        a->seq = i;
+        if (pd_loop_post(c->loop, on_posted, a) != PD_OK)
+            free(a);
+    }
+    return NULL;
+}
+
+static void on_loop_done(void *ud, pd_status st, const pd_err *err)
+{
+    loop_ctx *c = ud;
+    on_done(&c->box, st, err);
+    pd_loop_stop(c->loop);
+}
+
+static void on_give_up(void *arg)
+{
+    pd_loop_stop(((loop_ctx *)arg)->loop);
+}
+
+static void test_loop_driven(void)
+{
+    pd_err err;
+    pd_xfer *rx = NULL, *tx = NULL;
+    pd_xfer_config cfg;
+    pd_xfer_config_default(&cfg);
+    cfg.name = "loop-rx";
+    if (pd_xfer_create(&cfg, &rx, &err) != PD_OK) {
+        TEST_CHECK_MSG(0, "%s", err.msg);
+        return;
+    }
+    cfg.name = "loop-tx";
+    cfg.max_inflight = 4;
+    TEST_CHECK(pd_xfer_create(&cfg, &tx, &err) == PD_OK);
+    unsigned char *pool = calloc(1, POOL_BYTES), *src = malloc(POOL_BYTES);
+    for (size_t i = 0; i < POOL_BYTES; i++)
+        src[i] = (unsigned char)(i * 31 + 7);
+    pd_xfer_mem *pm = NULL;
+    void *rkb = NULL;
+    size_t rkl = 0;
+    const void *addr;
+    size_t addr_len;
+    TEST_CHECK(pd_xfer_mem_register(rx, pool, POOL_BYTES, &pm, &err) == PD_OK);
+    TEST_CHECK(pd_xfer_mem_pack(pm, &rkb, &rkl, &err) == PD_OK);
+    pd_xfer_address(rx, &addr, &addr_len);
+    rx_thread_arg ta = {.x = rx};
+    atomic_init(&ta.stop, false);
+    pthread_t th;
+    pthread_create(&th, NULL, rx_thread, &ta);
+
+    loop_ctx c;
+    memset(&c, 0, sizeof(c));
+    c.tx = tx;
+    c.posted_order_ok = 1;
+    TEST_CHECK(pd_loop_create(&c.loop, &err) == PD_OK);
+    pd_loop_watch *w = NULL;
+    pd_loop_timer *tick = NULL, *oneshot = NULL, *give_up = NULL;
+    TEST_CHECK(pd_loop_watch_fd(c.loop, pd_xfer_fd(tx), on_xfer_fd, &c, &w, &err) == PD_OK);
+    TEST_CHECK(pd_loop_timer_create(c.loop, on_tick, &c, &tick, &err) == PD_OK);
+    TEST_CHECK(pd_loop_timer_create(c.loop, on_oneshot, &c, &oneshot, &err) == PD_OK);
+    TEST_CHECK(pd_loop_timer_create(c.loop, on_give_up, &c, &give_up, &err) == PD_OK);
+    pd_loop_timer_start(tick, 50, true);
+    pd_loop_timer_start(oneshot, 1, false);
+    pd_loop_timer_start(give_up, WAIT_LIMIT_S * 1000, false);
+
+    pd_xfer_peer *p = NULL;
+    pd_xfer_rkey *rk = NULL;
+    uint64_t rbase = (uint64_t)(uintptr_t)pool;
+    TEST_CHECK(pd_xfer_peer_create(tx, addr, addr_len, &p, &err) == PD_OK);
+    TEST_CHECK(p != NULL && pd_xfer_rkey_unpack(p, rkb, rkl, rbase, POOL_BYTES, &rk, &err) == PD_OK);
+    enum { N = 64 };
+    pd_xfer_span spans[N];
+    for (unsigned i = 0; i < N; i++)
+        spans[i] = (pd_xfer_span){src + (size_t)i * PAGE_BYTES,
+                                  rbase + (uint64_t)(N_PAGES - 1 - i) * PAGE_BYTES, PAGE_BYTES};
+    pthread_t pt;
+    pthread_create(&pt, NULL, poster, &c);
+    if (rk != NULL)
+        TEST_CHECK(pd_xfer_put(rk, NULL, spans, N, on_loop_done, &c, NULL, &err) == PD_OK);
+    pd_xfer_progress(tx);   /* arm before the loop sleeps on the fd */
+    TEST_CHECK(pd_loop_run(c.loop, &err) == PD_OK);
+    pthread_join(pt, NULL);
+    TEST_CHECK_MSG(c.box.done && c.box.st == PD_OK, "%s", c.box.msg);
+    printf("loop-driven transfer: %d fd wakeups, %d ticks\n", c.fd_wakeups, c.ticks);
+    unsigned bad = 0;
+    for (unsigned i = 0; i < N; i++)
+        bad += memcmp(pool + (size_t)(N_PAGES - 1 - i) * PAGE_BYTES, src + (size_t)i * PAGE_BYTES,
+                      PAGE_BYTES) != 0;
+    TEST_CHECK_MSG(bad == 0, "%u pages differ", bad);
+
+    pd_loop_timer_destroy(tick);
+    pd_loop_timer_destroy(oneshot);
+    pd_loop_timer_destroy(give_up);
+    pd_loop_watch_destroy(w);
+    pd_loop_destroy(c.loop);   /* runs the posts the stop left queued */
+    TEST_CHECK_MSG(c.posted_seen == 1000, "%d posts ran", c.posted_seen);
+    TEST_CHECK(c.posted_order_ok);
+    TEST_CHECK(c.oneshot_fired == 1);
+
+    pd_xfer_peer_destroy(p);
+    atomic_store(&ta.stop, true);
+    pthread_join(th, NULL);
+    pd_xfer_mem_deregister(pm);
+    pd_xfer_destroy(tx);
+    pd_xfer_destroy(rx);
+    free(rkb);
+    free(pool);
+    free(src);
+}
+
 int main(void)
 {
     signal(SIGPIPE, SIG_IGN);
@@ -408,5 +575,6 @@ int main(void)
     test_peer_death(false);
     test_peer_death(true);
     test_pair();
+    test_loop_driven();
     TEST_DONE();
 }
