@@ -30,7 +30,8 @@
 static const char TOK_GPT2_PATTERN[] =
     "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
 
-enum { TOK_KIND_NONE = 0, TOK_KIND_VOCAB, TOK_KIND_ADDED, TOK_KIND_SPECIAL };
+/* Per-id flags; an added token may also be a vocab entry (GPT-2's <|endoftext|>). */
+enum { TOK_KIND_NONE = 0, TOK_KIND_VOCAB = 1, TOK_KIND_ADDED = 2, TOK_KIND_SPECIAL = 4 };
 
 typedef struct {
     char *content;        /* as matched in the text (NFC'd when normalized) */
@@ -55,7 +56,7 @@ typedef struct {
 struct pd_tokenizer {
     char *path;
     size_t n_ids;                 /* 1 + largest id */
-    uint8_t *kind;                /* TOK_KIND_* per id */
+    uint8_t *kind;                /* TOK_KIND_* flags per id */
     uint32_t *str_off;            /* tokenizer.json form of each id, into strs */
     uint32_t *byte_off;           /* raw bytes of each id, into bytes */
     uint32_t *byte_len;
@@ -66,7 +67,9 @@ struct pd_tokenizer {
     tok_merge *merge_tab;         /* open addressing, key 0 never used (ids pair 0,0 excluded) */
     uint8_t *merge_used;
     size_t merge_mask;
-    int32_t byte_id[256];
+    int32_t byte_id[256];         /* single-byte token of each byte */
+    int32_t b2c[256];             /* GPT-2 bytes_to_unicode */
+    int16_t c2b[TOK_BYTE_CPS];    /* its inverse, -1 where no byte maps */
     int ignore_merges;
     tok_added *added;
     size_t n_added;
@@ -163,13 +166,16 @@ static int is_white_space(int32_t c)
            c == 0x205F || c == 0x3000;
 }
 
+/* Unicode \w as HF's single_word check uses it (Rust regex): letters, marks, decimal digits,
+ * letter numbers, connector punctuation such as '_', and the two join controls. */
 static int is_word_char(int32_t c)
 {
-    if (c == '_')
+    if (c == 0x200C || c == 0x200D)
         return 1;
     utf8proc_category_t cat = utf8proc_category(c);
     return (cat >= UTF8PROC_CATEGORY_LU && cat <= UTF8PROC_CATEGORY_LO) ||
-           (cat >= UTF8PROC_CATEGORY_ND && cat <= UTF8PROC_CATEGORY_NO);
+           (cat >= UTF8PROC_CATEGORY_MN && cat <= UTF8PROC_CATEGORY_ME) ||
+           cat == UTF8PROC_CATEGORY_ND || cat == UTF8PROC_CATEGORY_NL || cat == UTF8PROC_CATEGORY_PC;
 }
 
 /* Decodes the code point that ends at s[end) (s valid UTF-8); returns its start. */
@@ -640,15 +646,14 @@ static pd_status added_set_build(pd_tokenizer *t, tok_added_set *set, int normal
     return PD_OK;
 }
 
-static pd_status load_added(pd_tokenizer *t, const cJSON *list, const int16_t c2b[TOK_BYTE_CPS],
-                            tok_buf *strs, tok_buf *bytes, pd_err *err)
+static pd_status load_added(pd_tokenizer *t, const cJSON *list, tok_buf *strs, tok_buf *bytes,
+                            pd_err *err)
 {
     pd_status st;
     size_t n = (size_t)cJSON_GetArraySize(list);
     t->added = calloc(n ? n : 1, sizeof(*t->added));
     if (t->added == NULL)
         return pd_err_set(err, PD_ERR_NOMEM, "tokenizer %s: out of memory", t->path);
-    (void)c2b;
     const cJSON *e;
     cJSON_ArrayForEach(e, list) {
         const cJSON *content = cJSON_GetObjectItemCaseSensitive(e, "content");
@@ -689,9 +694,11 @@ static pd_status load_added(pd_tokenizer *t, const cJSON *list, const int16_t c2
         }
         if (a->content == NULL)
             return pd_err_set(err, PD_ERR_NOMEM, "tokenizer %s: out of memory", t->path);
-        /* the added token's id overrides a vocab entry with the same id */
-        t->kind[id] = a->special ? TOK_KIND_SPECIAL : TOK_KIND_ADDED;
-        if ((st = set_token(t, id, s, (const uint8_t *)s, len, strs, bytes, err)) != PD_OK)
+        /* An added token may reuse a vocab id (GPT-2's <|endoftext|>): the vocab entry keeps
+         * its bytes, which the vocab table is keyed on and BPE can still produce. */
+        int in_vocab = t->kind[id] & TOK_KIND_VOCAB;
+        t->kind[id] |= TOK_KIND_ADDED | (a->special ? TOK_KIND_SPECIAL : 0);
+        if (!in_vocab && (st = set_token(t, id, s, (const uint8_t *)s, len, strs, bytes, err)) != PD_OK)
             return st;
     }
     if ((st = added_set_build(t, &t->raw_set, 0, err)) != PD_OK)
@@ -725,6 +732,124 @@ static pd_status merge_parts(const pd_tokenizer *t, const cJSON *m, size_t rank,
                       t->path, rank);
 }
 
+/* Sizes the id space from both id sources, then fills the per-id tables and the vocab table. */
+static pd_status load_vocab(pd_tokenizer *t, const cJSON *vocab, const cJSON *added, pd_err *err)
+{
+    pd_status st;
+    int32_t max_id = -1, id;
+    size_t n_vocab = 0, k = 0;
+    char field[64];
+    const cJSON *e;
+    cJSON_ArrayForEach(e, vocab) {
+        snprintf(field, sizeof(field), "model.vocab[%zu]", n_vocab++);
+        if ((st = get_id(t, e, field, &id, err)) != PD_OK)
+            return st;
+        max_id = id > max_id ? id : max_id;
+    }
+    cJSON_ArrayForEach(e, added) {
+        snprintf(field, sizeof(field), "added_tokens[%zu].id", k++);
+        if ((st = get_id(t, cJSON_GetObjectItemCaseSensitive(e, "id"), field, &id, err)) != PD_OK)
+            return st;
+        max_id = id > max_id ? id : max_id;
+    }
+    if (n_vocab == 0)
+        return pd_err_set(err, PD_ERR_INVALID, "tokenizer %s: model.vocab is empty", t->path);
+    t->n_ids = (size_t)max_id + 1;
+    t->kind = calloc(t->n_ids, 1);
+    t->str_off = calloc(t->n_ids, sizeof(*t->str_off));
+    t->byte_off = calloc(t->n_ids, sizeof(*t->byte_off));
+    t->byte_len = calloc(t->n_ids, sizeof(*t->byte_len));
+    size_t vcap = pow2_at_least(n_vocab * 2);
+    t->vocab_tab = malloc(vcap * sizeof(*t->vocab_tab));
+    if (!t->kind || !t->str_off || !t->byte_off || !t->byte_len || !t->vocab_tab)
+        return pd_err_set(err, PD_ERR_NOMEM, "tokenizer %s: out of memory for %zu ids", t->path,
+                          t->n_ids);
+    memset(t->vocab_tab, 0xff, vcap * sizeof(*t->vocab_tab));
+    t->vocab_mask = vcap - 1;
+
+    tok_buf strs = {0}, bytes = {0}, raw = {0};
+    cJSON_ArrayForEach(e, vocab) {
+        id = (int32_t)e->valuedouble;
+        if (t->kind[id] != TOK_KIND_NONE) {
+            st = pd_err_set(err, PD_ERR_INVALID, "tokenizer %s: model.vocab: id %d used twice",
+                            t->path, id);
+            goto err_bufs;
+        }
+        raw.n = 0;
+        if (token_str_to_bytes(e->string, t->c2b, &raw) != 0)
+            goto err_nomem;
+        t->kind[id] = TOK_KIND_VOCAB;
+        if ((st = set_token(t, id, e->string, raw.p, raw.n, &strs, &bytes, err)) != PD_OK)
+            goto err_bufs;
+    }
+    if ((st = load_added(t, added, &strs, &bytes, err)) != PD_OK)
+        goto err_bufs;
+    if (bytes.p == NULL && buf_reserve(&bytes, 1) != 0)
+        goto err_nomem;
+    t->strs = (char *)strs.p;
+    t->bytes = bytes.p;
+    free(raw.p);
+    for (size_t i = 0; i < t->n_ids; i++)
+        if (t->kind[i] & TOK_KIND_VOCAB)
+            vocab_insert(t, (int32_t)i);
+    for (int b = 0; b < 256; b++) {
+        uint8_t byte = (uint8_t)b;
+        if ((t->byte_id[b] = vocab_find(t, &byte, 1)) < 0)
+            return pd_err_set(err, PD_ERR_UNSUPPORTED,
+                              "tokenizer %s: model.vocab lacks the byte-level token for byte 0x%02x "
+                              "(only byte-level BPE is supported)", t->path, b);
+    }
+    return PD_OK;
+err_nomem:
+    st = pd_err_set(err, PD_ERR_NOMEM, "tokenizer %s: out of memory", t->path);
+err_bufs:
+    free(strs.p);
+    free(bytes.p);
+    free(raw.p);
+    return st;
+}
+
+static pd_status load_merges(pd_tokenizer *t, const cJSON *merges, pd_err *err)
+{
+    pd_status st = PD_OK;
+    size_t n_merges = (size_t)cJSON_GetArraySize(merges), rank = 0;
+    size_t mcap = pow2_at_least(n_merges * 2);
+    t->merge_tab = malloc(mcap * sizeof(*t->merge_tab));
+    t->merge_used = calloc(mcap, 1);
+    if (t->merge_tab == NULL || t->merge_used == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "tokenizer %s: out of memory for %zu merges", t->path,
+                          n_merges);
+    t->merge_mask = mcap - 1;
+    tok_buf raw = {0};
+    const cJSON *e;
+    cJSON_ArrayForEach(e, merges) {
+        const char *a = NULL, *b = NULL;
+        char tmp[1024];
+        if ((st = merge_parts(t, e, rank, &a, &b, tmp, sizeof(tmp), err)) != PD_OK)
+            break;
+        raw.n = 0;
+        int bad = token_str_to_bytes(a, t->c2b, &raw);
+        size_t alen = raw.n;
+        if (bad != 0 || token_str_to_bytes(b, t->c2b, &raw) != 0) {
+            st = pd_err_set(err, PD_ERR_NOMEM, "tokenizer %s: out of memory", t->path);
+            break;
+        }
+        int32_t left = vocab_find(t, raw.p, alen);
+        int32_t right = vocab_find(t, raw.p + alen, raw.n - alen);
+        int32_t merged = vocab_find(t, raw.p, raw.n);
+        if (left < 0 || right < 0 || merged < 0) {
+            st = pd_err_set(err, PD_ERR_INVALID,
+                            "tokenizer %s: model.merges[%zu] \"%s %s\": %s not in model.vocab",
+                            t->path, rank, a, b,
+                            left < 0 ? "left part" : right < 0 ? "right part" : "merged token");
+            break;
+        }
+        merge_insert(t, left, right, (int32_t)rank++, merged);
+    }
+    free(raw.p);
+    return st;
+}
+
 static pd_status load_model(pd_tokenizer *t, const cJSON *model, const cJSON *added,
                             pd_err *err)
 {
@@ -750,140 +875,10 @@ static pd_status load_model(pd_tokenizer *t, const cJSON *model, const cJSON *ad
         return pd_err_set(err, PD_ERR_INVALID, "tokenizer %s: model.merges: expected an array", t->path);
     if (added != NULL && !cJSON_IsNull(added) && !cJSON_IsArray(added))
         return pd_err_set(err, PD_ERR_INVALID, "tokenizer %s: added_tokens: expected an array", t->path);
-
-    /* size the id space from both id sources before filling anything */
-    int32_t max_id = -1, id;
-    size_t n_vocab = 0;
-    const cJSON *e;
-    cJSON_ArrayForEach(e, vocab) {
-        char field[64];
-        snprintf(field, sizeof(field), "model.vocab[%zu]", n_vocab);
-        if ((st = get_id(t, e, field, &id, err)) != PD_OK)
-            return st;
-        if (id > max_id)
-            max_id = id;
-        n_vocab++;
-    }
-    if (cJSON_IsArray(added)) {
-        size_t k = 0;
-        cJSON_ArrayForEach(e, added) {
-            char field[64];
-            snprintf(field, sizeof(field), "added_tokens[%zu].id", k++);
-            if ((st = get_id(t, cJSON_GetObjectItemCaseSensitive(e, "id"), field, &id, err)) != PD_OK)
-                return st;
-            if (id > max_id)
-                max_id = id;
-        }
-    }
-    if (n_vocab == 0)
-        return pd_err_set(err, PD_ERR_INVALID, "tokenizer %s: model.vocab is empty", t->path);
-    t->n_ids = (size_t)max_id + 1;
-    t->kind = calloc(t->n_ids, 1);
-    t->str_off = calloc(t->n_ids, sizeof(*t->str_off));
-    t->byte_off = calloc(t->n_ids, sizeof(*t->byte_off));
-    t->byte_len = calloc(t->n_ids, sizeof(*t->byte_len));
-    size_t vcap = pow2_at_least(n_vocab * 2);
-    t->vocab_tab = malloc(vcap * sizeof(*t->vocab_tab));
-    if (!t->kind || !t->str_off || !t->byte_off || !t->byte_len || !t->vocab_tab)
-        return pd_err_set(err, PD_ERR_NOMEM, "tokenizer %s: out of memory for %zu ids", t->path,
-                          t->n_ids);
-    memset(t->vocab_tab, 0xff, vcap * sizeof(*t->vocab_tab));
-    t->vocab_mask = vcap - 1;
-
-    int32_t b2c[256];
-    int16_t c2b[TOK_BYTE_CPS];
-    byte_map_build(b2c, c2b);
-    tok_buf strs = {0}, bytes = {0}, raw = {0};
-    cJSON_ArrayForEach(e, vocab) {
-        id = (int32_t)e->valuedouble;
-        if (t->kind[id] != TOK_KIND_NONE) {
-            st = pd_err_set(err, PD_ERR_INVALID, "tokenizer %s: model.vocab: id %d used twice",
-                            t->path, id);
-            goto err_bufs;
-        }
-        raw.n = 0;
-        if (token_str_to_bytes(e->string, c2b, &raw) != 0) {
-            st = pd_err_set(err, PD_ERR_NOMEM, "tokenizer %s: out of memory", t->path);
-            goto err_bufs;
-        }
-        t->kind[id] = TOK_KIND_VOCAB;
-        if ((st = set_token(t, id, e->string, raw.p, raw.n, &strs, &bytes, err)) != PD_OK)
-            goto err_bufs;
-    }
-    if (cJSON_IsArray(added) && (st = load_added(t, added, c2b, &strs, &bytes, err)) != PD_OK)
-        goto err_bufs;
-    if (!cJSON_IsArray(added) && (st = load_added(t, NULL, c2b, &strs, &bytes, err)) != PD_OK)
-        goto err_bufs;
-    t->strs = (char *)strs.p;
-    t->bytes = bytes.p;
-    strs.p = NULL;
-    bytes.p = NULL;
-    if (t->bytes == NULL && (t->bytes = malloc(1)) == NULL) {
-        st = pd_err_set(err, PD_ERR_NOMEM, "tokenizer %s: out of memory", t->path);
-        goto err_bufs;
-    }
-    for (size_t i = 0; i < t->n_ids; i++)
-        if (t->kind[i] == TOK_KIND_VOCAB)
-            vocab_insert(t, (int32_t)i);
-
-    for (int b = 0; b < 256; b++) {
-        uint8_t byte = (uint8_t)b;
-        t->byte_id[b] = vocab_find(t, &byte, 1);
-        if (t->byte_id[b] < 0) {
-            st = pd_err_set(err, PD_ERR_UNSUPPORTED,
-                            "tokenizer %s: model.vocab lacks the byte-level token for byte 0x%02x "
-                            "(only byte-level BPE is supported)", t->path, b);
-            goto err_bufs;
-        }
-    }
-
-    size_t n_merges = (size_t)cJSON_GetArraySize(merges);
-    size_t mcap = pow2_at_least(n_merges * 2);
-    t->merge_tab = malloc(mcap * sizeof(*t->merge_tab));
-    t->merge_used = calloc(mcap, 1);
-    if (t->merge_tab == NULL || t->merge_used == NULL) {
-        st = pd_err_set(err, PD_ERR_NOMEM, "tokenizer %s: out of memory for %zu merges", t->path,
-                        n_merges);
-        goto err_bufs;
-    }
-    t->merge_mask = mcap - 1;
-    size_t rank = 0;
-    cJSON_ArrayForEach(e, merges) {
-        const char *a = NULL, *b = NULL;
-        char tmp[1024];
-        if ((st = merge_parts(t, e, rank, &a, &b, tmp, sizeof(tmp), err)) != PD_OK)
-            goto err_bufs;
-        int32_t ids[3];
-        raw.n = 0;
-        if (token_str_to_bytes(a, c2b, &raw) != 0) {
-            st = pd_err_set(err, PD_ERR_NOMEM, "tokenizer %s: out of memory", t->path);
-            goto err_bufs;
-        }
-        size_t alen = raw.n;
-        if (token_str_to_bytes(b, c2b, &raw) != 0) {
-            st = pd_err_set(err, PD_ERR_NOMEM, "tokenizer %s: out of memory", t->path);
-            goto err_bufs;
-        }
-        ids[0] = vocab_find(t, raw.p, alen);
-        ids[1] = vocab_find(t, raw.p + alen, raw.n - alen);
-        ids[2] = vocab_find(t, raw.p, raw.n);
-        if (ids[0] < 0 || ids[1] < 0 || ids[2] < 0) {
-            st = pd_err_set(err, PD_ERR_INVALID,
-                            "tokenizer %s: model.merges[%zu] \"%s %s\": %s not in model.vocab",
-                            t->path, rank, a, b,
-                            ids[0] < 0 ? "left part" : ids[1] < 0 ? "right part" : "merged token");
-            goto err_bufs;
-        }
-        merge_insert(t, ids[0], ids[1], (int32_t)rank, ids[2]);
-        rank++;
-    }
-    free(raw.p);
-    return PD_OK;
-err_bufs:
-    free(strs.p);
-    free(bytes.p);
-    free(raw.p);
-    return st;
+    byte_map_build(t->b2c, t->c2b);
+    if ((st = load_vocab(t, vocab, cJSON_IsArray(added) ? added : NULL, err)) != PD_OK)
+        return st;
+    return load_merges(t, merges, err);
 }
 
 static pd_status load_decoder(const pd_tokenizer *t, const cJSON *dec, pd_err *err)
@@ -1413,7 +1408,7 @@ pd_status pd_tokenizer_decode(const pd_tokenizer *t, const int32_t *ids, size_t 
     for (size_t i = 0; i < n; i++) {
         if ((st = id_check(t, ids[i], err)) != PD_OK)
             goto err_free;
-        if (skip_special && t->kind[ids[i]] == TOK_KIND_SPECIAL)
+        if (skip_special && (t->kind[ids[i]] & TOK_KIND_SPECIAL))
             continue;
         size_t blen;
         const uint8_t *b = tok_bytes(t, ids[i], &blen);
@@ -1460,11 +1455,8 @@ int32_t pd_tokenizer_token_to_id(const pd_tokenizer *t, const char *token)
         if (strcmp(s, token) == 0)
             return t->added[i].id;
     }
-    int32_t b2c[256];
-    int16_t c2b[TOK_BYTE_CPS];
-    byte_map_build(b2c, c2b);
     tok_buf raw = {0};
-    if (token_str_to_bytes(token, c2b, &raw) != 0) {
+    if (token_str_to_bytes(token, t->c2b, &raw) != 0) {
         free(raw.p);
         return -1;
     }
@@ -1478,7 +1470,7 @@ int32_t pd_tokenizer_token_to_id(const pd_tokenizer *t, const char *token)
 
 int pd_tokenizer_is_special(const pd_tokenizer *t, int32_t id)
 {
-    return id >= 0 && (size_t)id < t->n_ids && t->kind[id] == TOK_KIND_SPECIAL;
+    return id >= 0 && (size_t)id < t->n_ids && (t->kind[id] & TOK_KIND_SPECIAL) != 0;
 }
 
 /* ---------- streaming detokenizer ---------- */
@@ -1535,7 +1527,7 @@ pd_status pd_detok_push(pd_detok *d, int32_t id, char **text_out, pd_err *err)
         return st;
     size_t blen = 0;
     const uint8_t *b = tok_bytes(d->t, id, &blen);
-    if (d->skip_special && d->t->kind[id] == TOK_KIND_SPECIAL)
+    if (d->skip_special && (d->t->kind[id] & TOK_KIND_SPECIAL))
         blen = 0;
     return detok_emit(d, b, blen, 0, text_out, err);
 }

@@ -532,6 +532,9 @@ static void test_tokenizer_variants(const pd_tokenizer *ref)
                                             "\"lstrip\":false,\"rstrip\":false,\"normalized\":true,\"special\":false}"));
     cJSON_AddItemToArray(added, cJSON_Parse("{\"id\":8196,\"content\":\"<L>x\",\"single_word\":false,"
                                             "\"lstrip\":false,\"rstrip\":false,\"normalized\":false,\"special\":false}"));
+    /* an added token on a vocab id, as GPT-2 does with <|endoftext|>: merges still reach it */
+    cJSON_AddItemToArray(added, cJSON_Parse("{\"id\":321,\"content\":\"def\",\"single_word\":false,"
+                                            "\"lstrip\":false,\"rstrip\":false,\"normalized\":false,\"special\":true}"));
     p = test_write_json("flags.json", j);
     TEST_CHECK(pd_tokenizer_load(p, &t, &err) == PD_OK);
     if (t != NULL) {
@@ -565,6 +568,14 @@ static void test_tokenizer_variants(const pd_tokenizer *ref)
         w = "<L>xy";                                                   /* longest match wins */
         TEST_CHECK(pd_tokenizer_encode(t, w, strlen(w), 1, &ids, &n, &err) == PD_OK);
         TEST_CHECK(n >= 1 && ids[0] == 8196);
+        free(ids);
+        TEST_CHECK(pd_tokenizer_is_special(t, 321) && pd_tokenizer_token_to_id(t, "def") == 321);
+        TEST_CHECK(pd_tokenizer_encode(t, "def", 3, 0, &ids, &n, &err) == PD_OK);
+        TEST_CHECK(n == 1 && ids[0] == 321);   /* BPE (special matching off) still reaches it */
+        char *s = NULL;
+        TEST_CHECK(pd_tokenizer_decode(t, ids, n, 1, &s, NULL, &err) == PD_OK && s != NULL &&
+                   s[0] == '\0');
+        free(s);
         free(ids);
         /* parse_special off: the special <L> is text, the non-special <L>x still matches */
         TEST_CHECK(pd_tokenizer_encode(t, "<L>y <L>x", 9, 0, &ids, &n, &err) == PD_OK);
