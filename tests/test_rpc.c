@@ -27,7 +27,8 @@ typedef struct {
     int n_prefill_cancelled;
     int n_stream_cancel_seen; /* writer saw PD_ERR_CANCELLED or on-done(cancelled) */
     int n_held;               /* "hold" streams the handler accepted */
-    pthread_t writers[16];
+    int n_deadline_seen;      /* on_prefill saw a finite client deadline */
+    pthread_t writers[64];
     int n_writers;
 } server_state;
 
@@ -43,6 +44,14 @@ static void state_bump(server_state *s, int *field)
     (*field)++;
     pthread_cond_broadcast(&s->cv);
     pthread_mutex_unlock(&s->mu);
+}
+
+static int state_get(server_state *s, const int *field)
+{
+    pthread_mutex_lock(&s->mu);
+    int v = *field;
+    pthread_mutex_unlock(&s->mu);
+    return v;
 }
 
 /* Wait until *field >= want; false after 20 s (a hang turned into a failure, not a timing). */
@@ -98,7 +107,9 @@ static void prefill_done(void *arg, pd_rpc_call *call, bool cancelled)
 static pd_status on_prefill(void *ud, const ProtobufCMessage *req, pd_rpc_call *call)
 {
     (void)req;
-    TEST_CHECK(pd_rpc_call_deadline_ms(call) < INT64_MAX);
+    server_state *s = ud;
+    if (pd_rpc_call_deadline_ms(call) < INT64_MAX)   /* checked on the main thread */
+        state_bump(s, &s->n_deadline_seen);
     pd_rpc_call_on_done(call, prefill_done, ud);
     return PD_OK;
 }
@@ -193,7 +204,7 @@ static pd_status on_generate(void *ud, const ProtobufCMessage *req, pd_rpc_call 
     w->call = call;
     w->n_chunks = r->sampling->max_new_tokens;
     pthread_mutex_lock(&s->mu);
-    PD_ASSERT(s->n_writers < 16);
+    PD_ASSERT(s->n_writers < 64);
     pthread_create(&s->writers[s->n_writers++], NULL, stream_writer, w);
     pthread_mutex_unlock(&s->mu);
     return PD_OK;
@@ -234,6 +245,42 @@ static pd_status health_call(pd_rpc_channel *ch, uint32_t version, pd_err *err)
         protobuf_c_message_free_unpacked(resp, NULL);
     }
     return st;
+}
+
+typedef struct {
+    pd_rpc_channel *ch;
+    int ok;                 /* calls that returned what they should */
+} client_thread_arg;
+
+/* Concurrent clients: unary calls and short streams from several threads on one channel. */
+static void *client_thread(void *arg)
+{
+    client_thread_arg *a = arg;
+    for (int i = 0; i < 25; i++) {
+        Pdspark__HealthRequest req = PDSPARK__HEALTH_REQUEST__INIT;
+        req.version = PD_PROTO_VERSION;
+        ProtobufCMessage *resp = NULL;
+        pd_err err;
+        if (pd_rpc_unary(a->ch, M_HEALTH, &req.base, &pdspark__health_reply__descriptor, 10000,
+                         &resp, &err) == PD_OK) {
+            a->ok++;
+            protobuf_c_message_free_unpacked(resp, NULL);
+        }
+        if (i % 5 == 0) {
+            Pdspark__GenerateRequest g = PDSPARK__GENERATE_REQUEST__INIT;
+            Pdspark__SamplingParams sp = PDSPARK__SAMPLING_PARAMS__INIT;
+            g.version = sp.version = PD_PROTO_VERSION;
+            g.prompt_text = (char *)"x";
+            sp.max_new_tokens = 10;
+            g.sampling = &sp;
+            unsigned n = 0;
+            if (pd_rpc_stream_call(a->ch, M_GENERATE, &g.base,
+                                   &pdspark__generate_chunk__descriptor, 10000, count_chunk,
+                                   &n, &err) == PD_OK && n == 11)
+                a->ok++;
+        }
+    }
+    return NULL;
 }
 
 static void test_status_mapping(void)
@@ -289,14 +336,14 @@ int main(void)
     TEST_CHECK_MSG(st == PD_OK, "%s", err.msg);
 
     /* wrong version: INVALID_ARGUMENT with a message naming the versions; handler not run */
-    int before = s.n_health;
+    int before = state_get(&s, &s.n_health);
     st = health_call(ch, PD_PROTO_VERSION + 6, &err);
     TEST_CHECK(st == PD_ERR_INVALID);
     TEST_CHECK_MSG(strstr(err.msg, "protocol version 7, expected 1") != NULL, "%s", err.msg);
     TEST_CHECK_MSG(strstr(err.msg, "INVALID_ARGUMENT") != NULL, "%s", err.msg);
     st = health_call(ch, 0, &err);
     TEST_CHECK(st == PD_ERR_INVALID);
-    TEST_CHECK(s.n_health == before);
+    TEST_CHECK(state_get(&s, &s.n_health) == before);
 
     /* malformed bytes through a raw call, then the server keeps serving */
     static const unsigned char junk[] = {0x0a, 0xff, 0xff, 0xff, 0xff, 0x0f, 0x01};
@@ -358,6 +405,7 @@ int main(void)
     TEST_CHECK_MSG(st == PD_ERR_TIMEOUT, "%s: %s", pd_status_str(st), err.msg);
     TEST_CHECK(strstr(err.msg, "DEADLINE_EXCEEDED") != NULL);
     TEST_CHECK(state_wait(&s, &s.n_prefill_cancelled, 1));
+    TEST_CHECK(state_get(&s, &s.n_deadline_seen) == 1);
 
     /* streaming: 20 chunks + final */
     Pdspark__GenerateRequest greq = PDSPARK__GENERATE_REQUEST__INIT;
@@ -415,7 +463,7 @@ int main(void)
 
     /* client cancel mid-stream: the server sees it (writer gets CANCELLED, on-done cancelled) */
     sp.max_new_tokens = 0;
-    int done_before = s.n_done_cancelled;
+    int done_before = state_get(&s, &s.n_done_cancelled);
     st = pd_rpc_stream_open(ch, M_GENERATE, &greq.base, &pdspark__generate_chunk__descriptor, 0,
                             &rs, &err);
     TEST_CHECK(st == PD_OK);
@@ -455,6 +503,19 @@ int main(void)
     TEST_CHECK(st == PD_ERR_CANCELLED && n_cb == 2);
     TEST_CHECK(state_wait(&s, &s.n_stream_cancel_seen, 2));
 
+    /* concurrent clients */
+    enum { N_CLIENTS = 4 };
+    pthread_t cts[N_CLIENTS];
+    client_thread_arg cas[N_CLIENTS];
+    for (int i = 0; i < N_CLIENTS; i++) {
+        cas[i] = (client_thread_arg){ch, 0};
+        pthread_create(&cts[i], NULL, client_thread, &cas[i]);
+    }
+    for (int i = 0; i < N_CLIENTS; i++) {
+        pthread_join(cts[i], NULL);
+        TEST_CHECK_MSG(cas[i].ok == 30, "client %d: %d of 30 calls ok", i, cas[i].ok);
+    }
+
     /* shutdown with calls in flight: a held stream and a held unary */
     pd_rpc_stream *held = NULL;
     greq.prompt_text = (char *)"hold";
@@ -462,7 +523,7 @@ int main(void)
                             &held, &err);
     TEST_CHECK(st == PD_OK);
     TEST_CHECK(state_wait(&s, &s.n_held, 1));   /* the server holds it */
-    int done_total = s.n_done;
+    int done_total = state_get(&s, &s.n_done);
     pd_rpc_server_destroy(srv);
     TEST_CHECK(state_wait(&s, &s.n_done, done_total + 1));
     if (held != NULL) {
