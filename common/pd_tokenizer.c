@@ -663,7 +663,7 @@ static pd_status load_added(pd_tokenizer *t, const cJSON *list, tok_buf *strs, t
                               t->path, t->n_added);
         char field[64];
         snprintf(field, sizeof(field), "added_tokens[%zu].id", t->n_added);
-        int32_t id;
+        int32_t id = 0;
         if ((st = get_id(t, cJSON_GetObjectItemCaseSensitive(e, "id"), field, &id, err)) != PD_OK)
             return st;
         PD_ASSERT((size_t)id < t->n_ids);
@@ -736,7 +736,7 @@ static pd_status merge_parts(const pd_tokenizer *t, const cJSON *m, size_t rank,
 static pd_status load_vocab(pd_tokenizer *t, const cJSON *vocab, const cJSON *added, pd_err *err)
 {
     pd_status st;
-    int32_t max_id = -1, id;
+    int32_t max_id = -1, id = 0;
     size_t n_vocab = 0, k = 0;
     char field[64];
     const cJSON *e;

@@ -2,8 +2,8 @@
  * decode and streaming detokenization.
  * Owns: loading tokenizer.json (vocab, merges, added tokens, NFC normalizer, Split + ByteLevel
  *       pre-tokenizer), text -> ids, ids -> text, the incremental UTF-8-safe detokenizer.
- * Not here: chat templates, adding BOS/EOS (the post_processor is ignored: encode is HF's
- *       encode(text, add_special_tokens=False)), stop-string matching (decode_node/).
+ * Not here: chat templates, adding BOS/EOS (encode is HF's encode(text,
+ *       add_special_tokens=False)), stop-string matching (decode_node/).
  * Threading: a loaded pd_tokenizer is immutable; any number of threads may call encode, decode
  *       and the lookups on it at once (all scratch state is per call). A pd_detok belongs to
  *       the one thread that pushes into it.
@@ -15,8 +15,11 @@
  *    such as <think> are still matched, as HF does.
  *  - Invalid UTF-8 in the input text is replaced with U+FFFD (one per maximal invalid
  *    subpart, as Python's bytes.decode(errors="replace")) before encoding; it is not an error.
- *  - Decode joins the bytes of the tokens (added tokens contribute their content verbatim) and
- *    replaces invalid UTF-8 with U+FFFD, as HF's decode does. */
+ *  - Decode joins the bytes of the tokens and replaces invalid UTF-8 with U+FFFD, as HF's
+ *    decode does. Added tokens contribute their content verbatim; HF runs it through the
+ *    byte-level map, which gives the same bytes for contents of printable ASCII without
+ *    spaces (every Qwen2/Qwen3 added token) and mangles Latin-1 letters, so we do not copy it.
+ *  - The post_processor is not applied: encode never adds BOS/EOS. */
 #ifndef PD_TOKENIZER_H
 #define PD_TOKENIZER_H
 

@@ -16,7 +16,7 @@
 #include "pd_tokenizer.h"
 
 static const char USAGE[] =
-    "usage: pdspark-tokenize --tokenizer PATH [--decode] [--json] [--no-special]\n"
+    "usage: pdspark-tokenize --tokenizer PATH [--decode | --batch] [--json] [--no-special]\n"
     "  --tokenizer PATH  tokenizer.json, or a checkpoint directory that contains it\n"
     "  (default)         read all of stdin as one text, print its token ids\n"
     "  --decode          read token ids (separated by whitespace, commas or [ ]) from stdin,\n"
