@@ -460,7 +460,8 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         pd_err rerr;
         pd_status rs = pd_kv_seq_reserve(e->tpool, &r->tkv, p + l + 1, &rerr);
         if (rs == PD_OK && e->dpool != NULL && l > 0)
-            rs = pd_kv_seq_reserve(e->dpool, &r->dkv, p + e->B, &rerr);
+            /* block positions p..p+B-1, and after a full accept the context reaches p+B */
+            rs = pd_kv_seq_reserve(e->dpool, &r->dkv, p + e->B + 1, &rerr);
         if (rs != PD_OK) {
             fail_request(r, &rerr);
             continue;

@@ -143,7 +143,8 @@ typedef struct {
     int head_dim;
 } kern_kv_layer;
 
-/* Write k/v rows of n_tok tokens into their slots: slot = page * page_size + offset. */
+/* Write k/v rows of n_tok tokens into their slots: slot = page * page_size + offset.
+ * A negative slot skips its row (padding rows of a context-parallel batch). */
 typedef struct {
     kern_kv_layer kv;
     const float *k;          /* [n_tok, ld] with n_kv_heads * head_dim values per row */

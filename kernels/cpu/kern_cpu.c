@@ -230,6 +230,8 @@ static pd_status cpu_kv_store(kern_backend *be, const kern_kv_store_args *a, pd_
     (void)err;
     size_t row = (size_t)a->kv.n_kv_heads * a->kv.head_dim;
     for (int t = 0; t < a->n_tok; t++) {
+        if (a->slot[t] < 0)
+            continue;
         size_t base = (size_t)a->slot[t] * row;
         for (size_t c = 0; c < row; c++) {
             store(a->kv.k, a->kv.dtype, base + c, a->k[(size_t)t * a->ld + c]);
@@ -270,8 +272,19 @@ static pd_status cpu_attn(kern_backend *be, const kern_attn_args *a, pd_err *err
                 size_t slot = (size_t)pt[j / kv->page_size] * kv->page_size + j % kv->page_size;
                 size_t base = slot * row + (size_t)g * hd;
                 double d = 0.0;
-                for (int c = 0; c < hd; c++)
-                    d += (double)q[c] * load(kv->k, kv->dtype, base + c);
+                if (kv->dtype == KERN_DTYPE_F32 && hd % 8 == 0) {
+                    /* eight independent lanes vectorise without reassociating one sum */
+                    const float *kr = (const float *)kv->k + base;
+                    float lane[8] = {0};
+                    for (int c = 0; c < hd; c += 8)
+                        for (int u = 0; u < 8; u++)
+                            lane[u] += q[c + u] * kr[c + u];
+                    for (int u = 0; u < 8; u++)
+                        d += lane[u];
+                } else {
+                    for (int c = 0; c < hd; c++)
+                        d += (double)q[c] * load(kv->k, kv->dtype, base + c);
+                }
                 score[j] = d * a->scale;
                 if (score[j] > mx)
                     mx = score[j];
@@ -287,8 +300,14 @@ static pd_status cpu_attn(kern_backend *be, const kern_attn_args *a, pd_err *err
                 size_t slot = (size_t)pt[j / kv->page_size] * kv->page_size + j % kv->page_size;
                 size_t base = slot * row + (size_t)g * hd;
                 double p = score[j] / sum;
-                for (int c = 0; c < hd; c++)
-                    acc[c] += p * load(kv->v, kv->dtype, base + c);
+                if (kv->dtype == KERN_DTYPE_F32) {
+                    const float *vr = (const float *)kv->v + base;
+                    for (int c = 0; c < hd; c++)
+                        acc[c] += p * vr[c];
+                } else {
+                    for (int c = 0; c < hd; c++)
+                        acc[c] += p * load(kv->v, kv->dtype, base + c);
+                }
             }
             float *o = a->out + (size_t)t * a->ld_out + (size_t)h * hd;
             for (int c = 0; c < hd; c++)
