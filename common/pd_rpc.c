@@ -72,18 +72,45 @@ const char *pd_rpc_code_str(pd_rpc_code code)
 /* ---------------------------------------------------------------------------------------------
  * Shared helpers */
 
-/* Channel args shared by server and client: raise the 4 MiB default receive limit. */
-static grpc_channel_args *channel_args_make(grpc_arg store[2], grpc_channel_args *args)
+/* Keepalive: a peer host that vanishes without a TCP reset (crash, partition) is noticed in
+ * about PD_RPC_KEEPALIVE_MS + PD_RPC_KEEPALIVE_TIMEOUT_MS even on a call without a deadline. */
+#define PD_RPC_KEEPALIVE_MS 20000
+#define PD_RPC_KEEPALIVE_TIMEOUT_MS 10000
+
+typedef struct {
+    grpc_arg a[6];
+    grpc_channel_args args;
+} rpc_args;
+
+/* Channel args: raise the 4 MiB default message limit; keepalive pings from clients, which
+ * servers must accept at that rate (the default would answer them with GOAWAY). */
+static const grpc_channel_args *channel_args_make(rpc_args *r, bool server)
 {
-    store[0].type = GRPC_ARG_INTEGER;
-    store[0].key = (char *)GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
-    store[0].value.integer = (int)PD_RPC_MAX_MESSAGE_BYTES;
-    store[1].type = GRPC_ARG_INTEGER;
-    store[1].key = (char *)GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
-    store[1].value.integer = (int)PD_RPC_MAX_MESSAGE_BYTES;
-    args->num_args = 2;
-    args->args = store;
-    return args;
+    size_t n = 0;
+    r->a[n].type = GRPC_ARG_INTEGER;
+    r->a[n].key = (char *)GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
+    r->a[n++].value.integer = (int)PD_RPC_MAX_MESSAGE_BYTES;
+    r->a[n].type = GRPC_ARG_INTEGER;
+    r->a[n].key = (char *)GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
+    r->a[n++].value.integer = (int)PD_RPC_MAX_MESSAGE_BYTES;
+    if (server) {
+        r->a[n].type = GRPC_ARG_INTEGER;
+        r->a[n].key = (char *)GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS;
+        r->a[n++].value.integer = PD_RPC_KEEPALIVE_MS / 2;
+        r->a[n].type = GRPC_ARG_INTEGER;
+        r->a[n].key = (char *)GRPC_ARG_HTTP2_MAX_PING_STRIKES;
+        r->a[n++].value.integer = 0;
+    } else {
+        r->a[n].type = GRPC_ARG_INTEGER;
+        r->a[n].key = (char *)GRPC_ARG_KEEPALIVE_TIME_MS;
+        r->a[n++].value.integer = PD_RPC_KEEPALIVE_MS;
+        r->a[n].type = GRPC_ARG_INTEGER;
+        r->a[n].key = (char *)GRPC_ARG_KEEPALIVE_TIMEOUT_MS;
+        r->a[n++].value.integer = PD_RPC_KEEPALIVE_TIMEOUT_MS;
+    }
+    r->args.num_args = n;
+    r->args.args = r->a;
+    return &r->args;
 }
 
 /* Pack msg into a new byte buffer (NULL on allocation failure). */
@@ -571,9 +598,8 @@ pd_status pd_rpc_server_create(const char *addr, const pd_rpc_method *m, size_t 
     srv->ud = ud;
     srv->shutdown_tag = (rpc_tag){TAG_SHUTDOWN, NULL};
 
-    grpc_arg store[2];
-    grpc_channel_args args;
-    srv->server = grpc_server_create(channel_args_make(store, &args), NULL);
+    rpc_args args;
+    srv->server = grpc_server_create(channel_args_make(&args, true), NULL);
     srv->cq = grpc_completion_queue_create_for_next(NULL);
     if (srv->server == NULL || srv->cq == NULL) {
         st = pd_err_set(err, PD_ERR_INTERNAL, "rpc server: grpc_server_create failed");
@@ -823,10 +849,9 @@ pd_status pd_rpc_channel_create(const char *target, pd_rpc_channel **out, pd_err
         return pd_err_set(err, PD_ERR_NOMEM, "rpc channel: target");
     }
     grpc_init();
-    grpc_arg store[2];
-    grpc_channel_args args;
+    rpc_args args;
     grpc_channel_credentials *creds = grpc_insecure_credentials_create();
-    ch->ch = grpc_channel_create(target, creds, channel_args_make(store, &args));
+    ch->ch = grpc_channel_create(target, creds, channel_args_make(&args, false));
     grpc_channel_credentials_release(creds);
     if (ch->ch == NULL) {
         free(ch->target);

@@ -28,6 +28,7 @@ typedef struct {
     int n_stream_cancel_seen; /* writer saw PD_ERR_CANCELLED or on-done(cancelled) */
     int n_held;               /* "hold" streams the handler accepted */
     int n_deadline_seen;      /* on_prefill saw a finite client deadline */
+    int n_prefill_started;
     pthread_t writers[64];
     int n_writers;
 } server_state;
@@ -110,6 +111,7 @@ static pd_status on_prefill(void *ud, const ProtobufCMessage *req, pd_rpc_call *
     server_state *s = ud;
     if (pd_rpc_call_deadline_ms(call) < INT64_MAX)   /* checked on the main thread */
         state_bump(s, &s->n_deadline_seen);
+    state_bump(s, &s->n_prefill_started);
     pd_rpc_call_on_done(call, prefill_done, ud);
     return PD_OK;
 }
@@ -280,6 +282,27 @@ static void *client_thread(void *arg)
                 a->ok++;
         }
     }
+    return NULL;
+}
+
+typedef struct {
+    pd_rpc_channel *ch;
+    pd_status st;
+} held_unary_arg;
+
+/* A Prefill call without a deadline: it ends only when the server shuts down. */
+static void *held_unary(void *arg)
+{
+    held_unary_arg *a = arg;
+    Pdspark__PrefillRequest req = PDSPARK__PREFILL_REQUEST__INIT;
+    req.version = PD_PROTO_VERSION;
+    req.request_id = (char *)"held";
+    ProtobufCMessage *resp = NULL;
+    pd_err err;
+    a->st = pd_rpc_unary(a->ch, M_PREFILL, &req.base, &pdspark__prefill_reply__descriptor, 0,
+                         &resp, &err);
+    if (resp != NULL)
+        protobuf_c_message_free_unpacked(resp, NULL);
     return NULL;
 }
 
@@ -523,9 +546,17 @@ int main(void)
                             &held, &err);
     TEST_CHECK(st == PD_OK);
     TEST_CHECK(state_wait(&s, &s.n_held, 1));   /* the server holds it */
+    held_unary_arg hu = {ch, PD_OK};
+    pthread_t hut;
+    int started = state_get(&s, &s.n_prefill_started);
+    pthread_create(&hut, NULL, held_unary, &hu);
+    TEST_CHECK(state_wait(&s, &s.n_prefill_started, started + 1));
     int done_total = state_get(&s, &s.n_done);
     pd_rpc_server_destroy(srv);
-    TEST_CHECK(state_wait(&s, &s.n_done, done_total + 1));
+    TEST_CHECK(state_wait(&s, &s.n_done, done_total + 2));   /* both saw the cancel */
+    pthread_join(hut, NULL);
+    TEST_CHECK_MSG(hu.st == PD_ERR_CANCELLED || hu.st == PD_ERR_PEER, "%s",
+                   pd_status_str(hu.st));
     if (held != NULL) {
         ProtobufCMessage *m = NULL;
         st = pd_rpc_stream_read(held, &m, &err);
