@@ -356,10 +356,15 @@ static void call_pump_locked(pd_rpc_call *c)
         if (call_start_locked(c, ops, n, &c->tag_send)) {
             c->initial_md_sent = true;
             c->sending = bb;
-        } else {
-            grpc_byte_buffer_destroy(bb);
+            return;
         }
-        return;
+        /* Cannot send (logged): drop the stream's queue and still try to end the call. */
+        grpc_byte_buffer_destroy(bb);
+        for (size_t i = 0; i < c->q_len; i++)
+            grpc_byte_buffer_destroy(c->queue[(c->q_head + i) % c->q_cap]);
+        c->q_len = 0;
+        if (!c->finish_pending)
+            return;
     }
     if (c->finish_pending) {
         c->finish_pending = false;

@@ -35,6 +35,7 @@ struct pd_xfer {
     size_t n_ops;
     pd_xfer_peer *peers;
     pd_xfer_mem *mems;
+    pd_xfer_op *orphans;        /* ops whose requests outlived a force close (freed last) */
     bool signalled;             /* a completion is ready without a network event */
 };
 
@@ -557,7 +558,19 @@ void pd_xfer_peer_destroy(pd_xfer_peer *p)
         }
         if (mine == NULL)
             break;
-        PD_ASSERT(mine->inflight == 0);
+        if (mine->inflight > 0) {
+            /* The close did not finish in time: UCX still owns requests that point at this
+             * op. Report it, and keep the op until the worker is gone. */
+            PD_LOG_ERROR("xfer", "%s: peer %u: %u requests outlived the endpoint close",
+                         x->name, p->id, mine->inflight);
+            op_unlink(mine);
+            pd_err e = mine->err;
+            mine->next_op = x->orphans;
+            x->orphans = mine;
+            if (mine->done != NULL)
+                mine->done(mine->ud, e.code, &e);
+            continue;
+        }
         op_complete(mine);
     }
     while (p->rkeys != NULL) {
@@ -797,6 +810,12 @@ void pd_xfer_destroy(pd_xfer *x)
     ucp_worker_release_address(x->worker, x->addr);
     ucp_worker_destroy(x->worker);
     ucp_cleanup(x->ctx);
+    while (x->orphans != NULL) {
+        pd_xfer_op *op = x->orphans;
+        x->orphans = op->next_op;
+        free(op->spans);
+        free(op);
+    }
     PD_LOG_INFO("xfer", "%s: ucp worker down", x->name);
     free(x);
 }
