@@ -23,7 +23,7 @@
 
 #define TOK_MAX_SPLITS 8          /* regex pre-tokenizer levels we chain */
 #define TOK_CACHE_MAX_WORD 256    /* longer words are not worth caching */
-#define TOK_CACHE_MAX_ENTRIES (1u << 20)
+#define TOK_CACHE_MAX_ENTRIES (1u << 17)   /* bounds the per-call cache to a few MB */
 #define TOK_BYTE_CPS 324          /* bytes_to_unicode maps into U+0000..U+0143 */
 
 /* HF ByteLevel(use_regex=true) splits with the GPT-2 pattern before mapping bytes. */
@@ -376,7 +376,7 @@ static pd_status read_file(const char *path, char **data, size_t *len, pd_err *e
 {
     FILE *f = fopen(path, "rb");
     if (f == NULL)
-        return pd_err_set(err, errno == ENOENT ? PD_ERR_NOT_FOUND : PD_ERR_IO,
+        return pd_err_set(err, errno == ENOENT || errno == ENOTDIR ? PD_ERR_NOT_FOUND : PD_ERR_IO,
                           "tokenizer %s: %s", path, strerror(errno));
     tok_buf b = {0};
     for (;;) {
@@ -897,9 +897,11 @@ pd_status pd_tokenizer_load(const char *path, pd_tokenizer **out, pd_err *err)
 {
     pd_status st;
     struct stat sb;
-    if (path == NULL || stat(path, &sb) != 0)
-        return pd_err_set(err, PD_ERR_NOT_FOUND, "tokenizer %s: %s", path ? path : "(null)",
-                          path ? strerror(errno) : "no path");
+    if (path == NULL)
+        return pd_err_set(err, PD_ERR_INVALID, "tokenizer: no path given");
+    if (stat(path, &sb) != 0)
+        return pd_err_set(err, errno == ENOENT || errno == ENOTDIR ? PD_ERR_NOT_FOUND : PD_ERR_IO,
+                          "tokenizer %s: %s", path, strerror(errno));
     pd_tokenizer *t = calloc(1, sizeof(*t));
     if (t == NULL)
         return pd_err_set(err, PD_ERR_NOMEM, "tokenizer: %zu bytes", sizeof(*t));
