@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# test_cli.sh - pdspark-generate / pdspark-tokenize from the outside: a good run's JSON, and bad
+# input (missing/corrupt/truncated checkpoints, mismatched shapes, a draft that does not fit,
+# bad token ids, empty and oversized prompts, bad flags) -> a clear error and a non-zero exit.
+# Usage: test_cli.sh BIN_DIR MODELS_DIR
+set -u
+bin=$1
+models=$2
+gen=$bin/pdspark-generate
+pass=0
+fail=0
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+ok() { pass=$((pass + 1)); }
+bad() { fail=$((fail + 1)); echo "FAIL: $*"; }
+
+# expect_fail NAME PATTERN CMD...: non-zero exit, no crash (exit < 128), stderr matches PATTERN
+expect_fail() {
+  local name=$1 pat=$2
+  shift 2
+  "$@" >"$tmp/out" 2>"$tmp/err"
+  local rc=$?
+  if [ $rc -eq 0 ]; then bad "$name: exit 0"; return; fi
+  if [ $rc -ge 128 ]; then bad "$name: crashed (exit $rc)"; cat "$tmp/err"; return; fi
+  if ! grep -qiE -- "$pat" "$tmp/err"; then bad "$name: message does not match /$pat/:"; cat "$tmp/err"; return; fi
+  echo "ok   $name: $(head -c 300 "$tmp/err" | tr '\n' ' ')"
+  ok
+}
+
+T=$models/tiny-code-qwen3
+D=$models/tiny-code-dspark
+
+# a good run: JSON with the documented fields
+if $gen --model "$T" --draft "$D" --prompt 'import os
+def main():' --max-new-tokens 24 --json >"$tmp/good.json" 2>"$tmp/err"; then
+  if python3 - "$tmp/good.json" <<'PY'
+import json, sys
+o = json.load(open(sys.argv[1]))
+for k in ("tokens", "text", "rounds", "accepted_per_round", "tau", "prompt_tokens", "time_ms"):
+    assert k in o, k
+assert 1 <= len(o["tokens"]) <= 24
+assert len(o["accepted_per_round"]) == o["rounds"] > 0
+assert abs(sum(o["accepted_per_round"]) / o["rounds"] - o["tau"]) < 1e-9
+PY
+  then ok; echo "ok   good run JSON"; else bad "good run JSON fields"; cat "$tmp/good.json"; fi
+else
+  bad "good run failed"; cat "$tmp/err"
+fi
+# --no-draft and --prompt-ids agree with greedy tokens of the speculative run
+python3 -c "import json;print(' '.join(map(str,json.load(open('$tmp/good.json'))['tokens'])))" >/dev/null
+echo "1069 4873 4088 7158 365" >"$tmp/ids.txt"
+a=$($gen --model "$T" --draft "$D" --prompt-ids "$tmp/ids.txt" --max-new-tokens 20 --json 2>/dev/null | python3 -c "import json,sys;print(json.load(sys.stdin)['tokens'])")
+b=$($gen --model "$T" --no-draft --prompt-ids "$tmp/ids.txt" --max-new-tokens 20 --json 2>/dev/null | python3 -c "import json,sys;print(json.load(sys.stdin)['tokens'])")
+if [ -n "$a" ] && [ "$a" = "$b" ]; then ok; echo "ok   speculative == target-only ($a)"; else bad "speculative $a != target-only $b"; fi
+
+expect_fail "missing model dir" "nope|no such|not found" $gen --model "$tmp/nope" --prompt hi
+mkdir -p "$tmp/noconf" && cp "$T"/*.safetensors "$tmp/noconf/"
+expect_fail "missing config.json" "config.json" $gen --model "$tmp/noconf" --prompt-ids "$tmp/ids.txt"
+cp -r "$T" "$tmp/trunc" && truncate -s 100000 "$tmp/trunc/model-00002-of-00003.safetensors"
+expect_fail "truncated shard" "model-00002-of-00003" $gen --model "$tmp/trunc" --prompt-ids "$tmp/ids.txt"
+cp -r "$T" "$tmp/corrupt" && printf 'garbage!garbage!' | dd of="$tmp/corrupt/model-00001-of-00003.safetensors" conv=notrunc 2>/dev/null
+expect_fail "corrupt header" "model-00001-of-00003" $gen --model "$tmp/corrupt" --prompt-ids "$tmp/ids.txt"
+cp -r "$T" "$tmp/shape" && sed -i 's/"intermediate_size": 768/"intermediate_size": 512/' "$tmp/shape/config.json"
+expect_fail "config/tensor shape mismatch" "mlp|shape|512" $gen --model "$tmp/shape" --prompt-ids "$tmp/ids.txt"
+cp -r "$D" "$tmp/draftvocab" && sed -i 's/"hidden_size": 256/"hidden_size": 128/' "$tmp/draftvocab/config.json"
+expect_fail "draft hidden size does not fit" "hidden" $gen --model "$T" --draft "$tmp/draftvocab" --prompt-ids "$tmp/ids.txt"
+cp -r "$D" "$tmp/drafttap" && python3 - "$tmp/drafttap/config.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1])); c["target_layer_ids"] = [1, 3, 7]; json.dump(c, open(sys.argv[1], "w"))
+PY
+expect_fail "draft taps the final layer" "layer|tap" $gen --model "$T" --draft "$tmp/drafttap" --prompt-ids "$tmp/ids.txt"
+echo "1 2 99999" >"$tmp/badid.txt"
+expect_fail "token id out of range" "99999.*vocab|vocab.*99999" $gen --model "$T" --draft "$D" --prompt-ids "$tmp/badid.txt"
+echo "1 -5" >"$tmp/negid.txt"
+expect_fail "negative token id" "-5" $gen --model "$T" --prompt-ids "$tmp/negid.txt"
+echo "1 two 3" >"$tmp/word.txt"
+expect_fail "non-numeric token id" "two" $gen --model "$T" --prompt-ids "$tmp/word.txt"
+expect_fail "empty prompt" "empty prompt" $gen --model "$T" --draft "$D" --prompt ''
+python3 -c "print(' '.join(['220']*5000))" >"$tmp/long.txt"
+expect_fail "prompt longer than the context" "context" $gen --model "$T" --draft "$D" --prompt-ids "$tmp/long.txt"
+expect_fail "bad flag value" "max-new-tokens" $gen --model "$T" --prompt hi --max-new-tokens abc
+expect_fail "unknown flag" "unknown" $gen --model "$T" --prompt hi --frobnicate
+expect_fail "negative temperature" "temperature" $gen --model "$T" --prompt hi --temperature -1
+expect_fail "unknown device" "backend|device" $gen --model "$T" --prompt hi --device tpu
+expect_fail "block size above the draft's" "block size" $gen --model "$T" --draft "$D" --prompt hi --block-size 9
+expect_fail "tokenize: bad id to decode" "99999" sh -c "echo 99999 | $bin/pdspark-tokenize --tokenizer $T --decode"
+
+echo "$pass passed, $fail failed"
+[ $fail -eq 0 ] && [ $pass -gt 0 ]
