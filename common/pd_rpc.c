@@ -839,6 +839,31 @@ void pd_rpc_finish(pd_rpc_call *call, pd_status st, const char *msg)
 struct pd_rpc_channel {
     grpc_channel *ch;
     char *target;
+    /* Asynchronous calls: one CQ and its poller thread, started by the first async call. */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    grpc_completion_queue *cq;
+    pthread_t poller;
+    bool poller_started;
+    pd_rpc_pending *async_calls;   /* in flight (callback not yet run) */
+    size_t n_async;
+};
+
+struct pd_rpc_pending {
+    pd_rpc_channel *ch;
+    grpc_call *call;
+    char *method;
+    const ProtobufCMessageDescriptor *desc;
+    grpc_byte_buffer *req_buf;
+    grpc_byte_buffer *resp_buf;
+    grpc_metadata_array init_md, trail_md;
+    grpc_status_code code;
+    grpc_slice details;
+    pd_rpc_reply_fn fn;
+    void *ud;
+    int refs;                      /* atomic: the poller until the callback ran, the handle */
+    bool finished;                 /* written under ch->mu; read atomically without it */
+    pd_rpc_pending *prev, *next;
 };
 
 pd_status pd_rpc_channel_create(const char *target, pd_rpc_channel **out, pd_err *err)
@@ -853,12 +878,16 @@ pd_status pd_rpc_channel_create(const char *target, pd_rpc_channel **out, pd_err
         free(ch);
         return pd_err_set(err, PD_ERR_NOMEM, "rpc channel: target");
     }
+    pthread_mutex_init(&ch->mu, NULL);
+    pthread_cond_init(&ch->cv, NULL);
     grpc_init();
     rpc_args args;
     grpc_channel_credentials *creds = grpc_insecure_credentials_create();
     ch->ch = grpc_channel_create(target, creds, channel_args_make(&args, false));
     grpc_channel_credentials_release(creds);
     if (ch->ch == NULL) {
+        pthread_mutex_destroy(&ch->mu);
+        pthread_cond_destroy(&ch->cv);
         free(ch->target);
         free(ch);
         grpc_shutdown();
@@ -869,10 +898,28 @@ pd_status pd_rpc_channel_create(const char *target, pd_rpc_channel **out, pd_err
     return PD_OK;
 }
 
+static void cq_destroy_drained(grpc_completion_queue *cq);
+
 void pd_rpc_channel_destroy(pd_rpc_channel *ch)
 {
     if (ch == NULL)
         return;
+    /* Cancel the async calls still in flight and wait for their callbacks. */
+    pthread_mutex_lock(&ch->mu);
+    for (pd_rpc_pending *p = ch->async_calls; p != NULL; p = p->next) {
+        if (p->call != NULL)   /* NULL: completing, its callback is running */
+            grpc_call_cancel(p->call, NULL);
+    }
+    while (ch->n_async > 0)
+        pthread_cond_wait(&ch->cv, &ch->mu);
+    pthread_mutex_unlock(&ch->mu);
+    if (ch->poller_started) {
+        grpc_completion_queue_shutdown(ch->cq);
+        pthread_join(ch->poller, NULL);
+        grpc_completion_queue_destroy(ch->cq);
+    }
+    pthread_mutex_destroy(&ch->mu);
+    pthread_cond_destroy(&ch->cv);
     grpc_channel_destroy(ch->ch);
     free(ch->target);
     free(ch);
@@ -1021,6 +1068,175 @@ pd_status pd_rpc_unary(pd_rpc_channel *ch, const char *method, const ProtobufCMe
     if (resp != NULL)
         grpc_byte_buffer_destroy(resp);
     return st;
+}
+
+/* Atomic, without the channel: a handle may be released after the channel is gone. */
+static void pending_unref(pd_rpc_pending *p)
+{
+    if (__atomic_sub_fetch(&p->refs, 1, __ATOMIC_ACQ_REL) != 0)
+        return;
+    if (p->req_buf != NULL)
+        grpc_byte_buffer_destroy(p->req_buf);
+    if (p->resp_buf != NULL)
+        grpc_byte_buffer_destroy(p->resp_buf);
+    grpc_metadata_array_destroy(&p->init_md);
+    grpc_metadata_array_destroy(&p->trail_md);
+    grpc_slice_unref(p->details);
+    free(p->method);
+    free(p);
+}
+
+/* The call is over (RECV_STATUS_ON_CLIENT completed): status, reply, callback, release. */
+static void pending_complete(pd_rpc_pending *p)
+{
+    pd_rpc_channel *ch = p->ch;
+    pd_err err;
+    pd_err_clear(&err);
+    ProtobufCMessage *m = NULL;
+    pd_status st = client_status(p->method, p->code, p->details, &err);
+    if (st == PD_OK) {
+        if (p->resp_buf != NULL) {
+            grpc_slice sl = buf_flatten(p->resp_buf);
+            m = protobuf_c_message_unpack(p->desc, NULL, GRPC_SLICE_LENGTH(sl),
+                                          GRPC_SLICE_START_PTR(sl));
+            grpc_slice_unref(sl);
+        }
+        if (m == NULL)
+            st = pd_err_set(&err, PD_ERR_INVALID, "%s: %s reply that does not unpack as %s",
+                            p->method, p->resp_buf == NULL ? "missing" : "malformed",
+                            p->desc->name);
+    }
+    pthread_mutex_lock(&ch->mu);
+    __atomic_store_n(&p->finished, true, __ATOMIC_RELEASE);
+    grpc_call *gc = p->call;
+    p->call = NULL;
+    pthread_mutex_unlock(&ch->mu);
+    grpc_call_unref(gc);
+    p->fn(p->ud, st, m, &err);
+    pthread_mutex_lock(&ch->mu);
+    if (p->prev != NULL)
+        p->prev->next = p->next;
+    else
+        ch->async_calls = p->next;
+    if (p->next != NULL)
+        p->next->prev = p->prev;
+    ch->n_async--;
+    pthread_cond_broadcast(&ch->cv);
+    pthread_mutex_unlock(&ch->mu);
+    pending_unref(p);
+}
+
+static void *channel_poller(void *arg)
+{
+    pd_rpc_channel *ch = arg;
+    for (;;) {
+        grpc_event ev = grpc_completion_queue_next(ch->cq, gpr_inf_future(GPR_CLOCK_REALTIME),
+                                                   NULL);
+        if (ev.type == GRPC_QUEUE_SHUTDOWN)
+            break;
+        if (ev.type == GRPC_OP_COMPLETE)
+            pending_complete(ev.tag);
+    }
+    return NULL;
+}
+
+pd_status pd_rpc_unary_async(pd_rpc_channel *ch, const char *method, const ProtobufCMessage *req,
+                             const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms,
+                             pd_rpc_reply_fn fn, void *ud, pd_rpc_pending **out, pd_err *err)
+{
+    if (fn == NULL)
+        return pd_err_set(err, PD_ERR_INVALID, "%s: async call without a callback", method);
+    pthread_mutex_lock(&ch->mu);
+    if (!ch->poller_started) {
+        ch->cq = grpc_completion_queue_create_for_next(NULL);
+        if (ch->cq == NULL || pthread_create(&ch->poller, NULL, channel_poller, ch) != 0) {
+            if (ch->cq != NULL)
+                cq_destroy_drained(ch->cq);
+            ch->cq = NULL;
+            pthread_mutex_unlock(&ch->mu);
+            return pd_err_set(err, PD_ERR_INTERNAL, "%s: cannot start the channel poller",
+                              method);
+        }
+        ch->poller_started = true;
+    }
+    pthread_mutex_unlock(&ch->mu);
+
+    pd_rpc_pending *p = calloc(1, sizeof(*p));
+    if (p == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "%s: async call", method);
+    p->ch = ch;
+    p->desc = resp_desc;
+    p->fn = fn;
+    p->ud = ud;
+    p->details = grpc_empty_slice();
+    grpc_metadata_array_init(&p->init_md);
+    grpc_metadata_array_init(&p->trail_md);
+    p->method = strdup(method);
+    p->req_buf = buf_from_msg(req);
+    if (p->method == NULL || p->req_buf == NULL) {
+        p->refs = 1;
+        pending_unref(p);
+        return pd_err_set(err, PD_ERR_NOMEM, "%s: async call", method);
+    }
+    p->call = client_call_create(ch, method, ch->cq, timeout_ms);
+    if (p->call == NULL) {
+        p->refs = 1;
+        pending_unref(p);
+        return pd_err_set(err, PD_ERR_INTERNAL, "%s: cannot create the call", method);
+    }
+    grpc_op ops[6];
+    memset(ops, 0, sizeof(ops));
+    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[1].op = GRPC_OP_SEND_MESSAGE;
+    ops[1].data.send_message.send_message = p->req_buf;
+    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[3].data.recv_initial_metadata.recv_initial_metadata = &p->init_md;
+    ops[4].op = GRPC_OP_RECV_MESSAGE;
+    ops[4].data.recv_message.recv_message = &p->resp_buf;
+    ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    ops[5].data.recv_status_on_client.trailing_metadata = &p->trail_md;
+    ops[5].data.recv_status_on_client.status = &p->code;
+    ops[5].data.recv_status_on_client.status_details = &p->details;
+    p->refs = out != NULL ? 2 : 1;
+    pthread_mutex_lock(&ch->mu);
+    /* Under the lock so that a concurrent channel destroy either sees the call or none of it. */
+    grpc_call_error e = grpc_call_start_batch(p->call, ops, 6, p, NULL);
+    if (e == GRPC_CALL_OK) {
+        p->next = ch->async_calls;
+        if (ch->async_calls != NULL)
+            ch->async_calls->prev = p;
+        ch->async_calls = p;
+        ch->n_async++;
+    }
+    pthread_mutex_unlock(&ch->mu);
+    if (e != GRPC_CALL_OK) {
+        grpc_call_unref(p->call);
+        p->refs = 1;
+        pending_unref(p);
+        return pd_err_set(err, PD_ERR_INTERNAL, "%s: start batch: %s", method,
+                          grpc_call_error_to_string(e));
+    }
+    if (out != NULL)
+        *out = p;
+    return PD_OK;
+}
+
+void pd_rpc_pending_cancel(pd_rpc_pending *p)
+{
+    /* Finished calls (all of them once the channel is destroyed) never touch the channel. */
+    if (p == NULL || __atomic_load_n(&p->finished, __ATOMIC_ACQUIRE))
+        return;
+    pthread_mutex_lock(&p->ch->mu);
+    if (!p->finished && p->call != NULL)
+        grpc_call_cancel(p->call, NULL);
+    pthread_mutex_unlock(&p->ch->mu);
+}
+
+void pd_rpc_pending_release(pd_rpc_pending *p)
+{
+    if (p != NULL)
+        pending_unref(p);
 }
 
 typedef enum { CTAG_START, CTAG_RECV, CTAG_STATUS } ctag_kind;

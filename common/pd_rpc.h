@@ -8,8 +8,9 @@
  *   - Server handlers and on-done callbacks run on the server's poller thread and must return
  *     quickly (hand work to a pd_loop / worker). pd_rpc_reply, pd_rpc_stream_write,
  *     pd_rpc_finish and pd_rpc_call_on_done may be called from any thread.
- *   - Client calls are blocking and may run on any thread; each call uses its own completion
- *     queue. pd_rpc_stream_cancel may be called from any thread while another thread reads.
+ *   - Blocking client calls may run on any thread; each uses its own completion queue.
+ *     pd_rpc_stream_cancel may be called from any thread while another thread reads.
+ *     Async unary calls (pd_rpc_unary_async) complete on one poller thread per channel.
  *
  * Server call lifecycle (the contract a node relies on):
  *   1. A request arrives; pd_rpc unpacks it (size limit, protobuf-c, PD_PROTO_VERSION check:
@@ -140,7 +141,9 @@ typedef struct pd_rpc_stream pd_rpc_stream;
 /* An insecure channel to target ("HOST:PORT"). Connects lazily. Errors: PD_ERR_NOMEM,
  * PD_ERR_INTERNAL. */
 pd_status pd_rpc_channel_create(const char *target, pd_rpc_channel **out, pd_err *err);
-/* All calls on the channel must be over. NULL is a no-op. */
+/* Blocking calls and streams on the channel must be over; async calls still in flight are
+ * cancelled and their callbacks run before this returns (so it must not be called from one).
+ * NULL is a no-op. */
 void pd_rpc_channel_destroy(pd_rpc_channel *ch);
 
 /* Blocking unary call. timeout_ms <= 0 means no deadline. On PD_OK *out is a new message of type
@@ -155,6 +158,26 @@ pd_status pd_rpc_unary(pd_rpc_channel *ch, const char *method, const ProtobufCMe
  * when the reply is empty (then *out_len = 0). */
 pd_status pd_rpc_unary_raw(pd_rpc_channel *ch, const char *method, const void *req, size_t len,
                            int64_t timeout_ms, void **out_bytes, size_t *out_len, pd_err *err);
+
+/* Asynchronous unary call, for loop threads that must not block (e.g. the decode node sending
+ * Prefill). Returns at once; fn(ud, st, resp, err) runs exactly once on the channel's poller
+ * thread (keep it short: post to your pd_loop). resp is the callee's on PD_OK (free it with
+ * protobuf_c_message_free_unpacked), NULL otherwise; err is valid during the callback only.
+ * req is borrowed (packed before return). If out is non-NULL it receives a handle the caller
+ * must release with pd_rpc_pending_release (any time, from any thread, also inside fn); with
+ * out == NULL the call cannot be cancelled except by pd_rpc_channel_destroy. On a non-OK
+ * return fn never runs. */
+typedef struct pd_rpc_pending pd_rpc_pending;
+typedef void (*pd_rpc_reply_fn)(void *ud, pd_status st, ProtobufCMessage *resp,
+                                const pd_err *err);
+pd_status pd_rpc_unary_async(pd_rpc_channel *ch, const char *method, const ProtobufCMessage *req,
+                             const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms,
+                             pd_rpc_reply_fn fn, void *ud, pd_rpc_pending **out, pd_err *err);
+/* Cancel (any thread, until released; a no-op once fn has started): fn then runs with
+ * PD_ERR_CANCELLED unless the reply won the race. Cancel and release stay valid after
+ * pd_rpc_channel_destroy. */
+void pd_rpc_pending_cancel(pd_rpc_pending *p);
+void pd_rpc_pending_release(pd_rpc_pending *p);                       /* NULL is a no-op */
 
 /* Open a server-streaming call: sends req (borrowed) and returns immediately. */
 pd_status pd_rpc_stream_open(pd_rpc_channel *ch, const char *method, const ProtobufCMessage *req,

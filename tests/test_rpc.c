@@ -306,6 +306,113 @@ static void *held_unary(void *arg)
     return NULL;
 }
 
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int n;                 /* callbacks run */
+    pd_status st;
+    bool resp_ok;
+    char msg[512];
+} async_box;
+
+static void async_done(void *ud, pd_status st, ProtobufCMessage *resp, const pd_err *err)
+{
+    async_box *b = ud;
+    pthread_mutex_lock(&b->mu);
+    b->st = st;
+    b->resp_ok = (st == PD_OK) == (resp != NULL);
+    snprintf(b->msg, sizeof(b->msg), "%s", err->msg);
+    b->n++;
+    pthread_cond_broadcast(&b->cv);
+    pthread_mutex_unlock(&b->mu);
+    if (resp != NULL)
+        protobuf_c_message_free_unpacked(resp, NULL);
+}
+
+static bool async_wait(async_box *b, int want)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += 20;
+    pthread_mutex_lock(&b->mu);
+    int rc = 0;
+    while (b->n < want && rc == 0)
+        rc = pthread_cond_timedwait(&b->cv, &b->mu, &ts);
+    bool ok = b->n >= want;
+    pthread_mutex_unlock(&b->mu);
+    return ok;
+}
+
+static void async_box_init(async_box *b)
+{
+    memset(b, 0, sizeof(*b));
+    pthread_mutex_init(&b->mu, NULL);
+    pthread_cond_init(&b->cv, NULL);
+}
+
+static void async_box_cleanup(async_box *b)
+{
+    pthread_mutex_destroy(&b->mu);
+    pthread_cond_destroy(&b->cv);
+}
+
+static void test_async(server_state *s, pd_rpc_channel *ch, const char *target)
+{
+    pd_err err;
+    async_box b;
+    async_box_init(&b);
+
+    /* reply */
+    Pdspark__HealthRequest h = PDSPARK__HEALTH_REQUEST__INIT;
+    h.version = PD_PROTO_VERSION;
+    TEST_CHECK(pd_rpc_unary_async(ch, M_HEALTH, &h.base, &pdspark__health_reply__descriptor, 5000,
+                                  async_done, &b, NULL, &err) == PD_OK);
+    TEST_CHECK(async_wait(&b, 1) && b.st == PD_OK && b.resp_ok);
+
+    /* error status */
+    h.version = 99;
+    TEST_CHECK(pd_rpc_unary_async(ch, M_HEALTH, &h.base, &pdspark__health_reply__descriptor, 5000,
+                                  async_done, &b, NULL, &err) == PD_OK);
+    TEST_CHECK(async_wait(&b, 2) && b.st == PD_ERR_INVALID && b.resp_ok);
+    TEST_CHECK_MSG(strstr(b.msg, "protocol version 99") != NULL, "%s", b.msg);
+
+    /* deadline */
+    Pdspark__PrefillRequest pr = PDSPARK__PREFILL_REQUEST__INIT;
+    pr.version = PD_PROTO_VERSION;
+    pr.request_id = (char *)"async";
+    TEST_CHECK(pd_rpc_unary_async(ch, M_PREFILL, &pr.base, &pdspark__prefill_reply__descriptor,
+                                  200, async_done, &b, NULL, &err) == PD_OK);
+    TEST_CHECK(async_wait(&b, 3) && b.st == PD_ERR_TIMEOUT);
+
+    /* cancel by handle: the server sees it */
+    int cancelled = state_get(s, &s->n_prefill_cancelled);
+    int started = state_get(s, &s->n_prefill_started);
+    pd_rpc_pending *pend = NULL;
+    TEST_CHECK(pd_rpc_unary_async(ch, M_PREFILL, &pr.base, &pdspark__prefill_reply__descriptor, 0,
+                                  async_done, &b, &pend, &err) == PD_OK);
+    TEST_CHECK(state_wait(s, &s->n_prefill_started, started + 1));
+    pd_rpc_pending_cancel(pend);
+    TEST_CHECK(async_wait(&b, 4) && b.st == PD_ERR_CANCELLED);
+    TEST_CHECK(state_wait(s, &s->n_prefill_cancelled, cancelled + 1));
+    pd_rpc_pending_cancel(pend);   /* after the callback: a no-op */
+    pd_rpc_pending_release(pend);
+
+    /* channel destroyed with an async call in flight: its callback runs first */
+    pd_rpc_channel *ch2 = NULL;
+    TEST_CHECK(pd_rpc_channel_create(target, &ch2, &err) == PD_OK);
+    started = state_get(s, &s->n_prefill_started);
+    TEST_CHECK(pd_rpc_unary_async(ch2, M_PREFILL, &pr.base, &pdspark__prefill_reply__descriptor, 0,
+                                  async_done, &b, &pend, &err) == PD_OK);
+    TEST_CHECK(state_wait(s, &s->n_prefill_started, started + 1));
+    pd_rpc_channel_destroy(ch2);
+    pthread_mutex_lock(&b.mu);
+    TEST_CHECK(b.n == 5 && b.st == PD_ERR_CANCELLED);
+    pthread_mutex_unlock(&b.mu);
+    pd_rpc_pending_cancel(pend);   /* still valid after the channel is gone */
+    pd_rpc_pending_release(pend);
+    async_box_cleanup(&b);
+}
+
 static void test_status_mapping(void)
 {
     TEST_CHECK(pd_rpc_code_from(PD_OK) == PD_RPC_OK);
@@ -525,6 +632,8 @@ int main(void)
                             10000, stop_after_two, &n_cb, &err);
     TEST_CHECK(st == PD_ERR_CANCELLED && n_cb == 2);
     TEST_CHECK(state_wait(&s, &s.n_stream_cancel_seen, 2));
+
+    test_async(&s, ch, target);
 
     /* concurrent clients */
     enum { N_CLIENTS = 4 };
