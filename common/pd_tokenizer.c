@@ -67,6 +67,7 @@ struct pd_tokenizer {
     tok_merge *merge_tab;         /* open addressing, key 0 never used (ids pair 0,0 excluded) */
     uint8_t *merge_used;
     size_t merge_mask;
+    int32_t *rank_new_id;         /* merged id of each merge rank */
     int32_t byte_id[256];         /* single-byte token of each byte */
     int32_t b2c[256];             /* GPT-2 bytes_to_unicode */
     int16_t c2b[TOK_BYTE_CPS];    /* its inverse, -1 where no byte maps */
@@ -816,7 +817,8 @@ static pd_status load_merges(pd_tokenizer *t, const cJSON *merges, pd_err *err)
     size_t mcap = pow2_at_least(n_merges * 2);
     t->merge_tab = malloc(mcap * sizeof(*t->merge_tab));
     t->merge_used = calloc(mcap, 1);
-    if (t->merge_tab == NULL || t->merge_used == NULL)
+    t->rank_new_id = malloc((n_merges ? n_merges : 1) * sizeof(*t->rank_new_id));
+    if (t->merge_tab == NULL || t->merge_used == NULL || t->rank_new_id == NULL)
         return pd_err_set(err, PD_ERR_NOMEM, "tokenizer %s: out of memory for %zu merges", t->path,
                           n_merges);
     t->merge_mask = mcap - 1;
@@ -844,6 +846,7 @@ static pd_status load_merges(pd_tokenizer *t, const cJSON *merges, pd_err *err)
                             left < 0 ? "left part" : right < 0 ? "right part" : "merged token");
             break;
         }
+        t->rank_new_id[rank] = merged;
         merge_insert(t, left, right, (int32_t)rank++, merged);
     }
     free(raw.p);
@@ -969,6 +972,7 @@ void pd_tokenizer_free(pd_tokenizer *t)
     free(t->norm_set.idx);
     free(t->merge_tab);
     free(t->merge_used);
+    free(t->rank_new_id);
     free(t->vocab_tab);
     free(t->kind);
     free(t->str_off);
@@ -988,11 +992,9 @@ typedef struct {
     int alive;
 } bpe_sym;
 
-typedef struct {
-    int32_t rank;
-    int32_t pos;
-    int32_t new_id;
-} bpe_cand;
+/* A queued merge: (rank << 32) | position, so one integer compare orders by rank, then
+ * leftmost; the merged id comes from pd_tokenizer.rank_new_id. */
+typedef uint64_t bpe_cand;
 
 typedef struct {
     uint64_t h;
@@ -1021,29 +1023,50 @@ static pd_status enc_nomem(enc_ctx *c)
     return pd_err_set(c->err, PD_ERR_NOMEM, "tokenizer encode: out of memory");
 }
 
-static int cand_less(const bpe_cand *a, const bpe_cand *b)
+static int heap_reserve(enc_ctx *c, size_t n)
 {
-    return a->rank != b->rank ? a->rank < b->rank : a->pos < b->pos;
+    if (n <= c->heap_cap)
+        return 0;
+    size_t cap = c->heap_cap ? c->heap_cap : 64;
+    while (cap < n)
+        cap *= 2;
+    bpe_cand *h = realloc(c->heap, cap * sizeof(*h));
+    if (h == NULL)
+        return -1;
+    c->heap = h;
+    c->heap_cap = cap;
+    return 0;
 }
 
-static int heap_push(enc_ctx *c, int32_t rank, int32_t pos, int32_t new_id)
+/* A 4-ary min-heap: half the levels of a binary one, and the four children of a node share
+ * a cache line, which matters for the million-candidate heaps of a huge pre-token. */
+static void heap_sift_down(bpe_cand *h, size_t n, size_t i)
 {
-    if (c->heap_n == c->heap_cap) {
-        size_t cap = c->heap_cap ? c->heap_cap * 2 : 64;
-        bpe_cand *h = realloc(c->heap, cap * sizeof(*h));
-        if (h == NULL)
-            return -1;
-        c->heap = h;
-        c->heap_cap = cap;
-    }
-    size_t i = c->heap_n++;
-    bpe_cand v = {rank, pos, new_id};
-    while (i > 0) {
-        size_t p = (i - 1) / 2;
-        if (!cand_less(&v, &c->heap[p]))
+    bpe_cand v = h[i];
+    for (;;) {
+        size_t first = 4 * i + 1, m = first;
+        if (first >= n)
             break;
-        c->heap[i] = c->heap[p];
-        i = p;
+        size_t end = first + 4 < n ? first + 4 : n;
+        for (size_t k = first + 1; k < end; k++)
+            if (h[k] < h[m])
+                m = k;
+        if (h[m] >= v)
+            break;
+        h[i] = h[m];
+        i = m;
+    }
+    h[i] = v;
+}
+
+static int heap_push(enc_ctx *c, bpe_cand v)
+{
+    if (heap_reserve(c, c->heap_n + 1) != 0)
+        return -1;
+    size_t i = c->heap_n++;
+    while (i > 0 && v < c->heap[(i - 1) / 4]) {
+        c->heap[i] = c->heap[(i - 1) / 4];
+        i = (i - 1) / 4;
     }
     c->heap[i] = v;
     return 0;
@@ -1052,28 +1075,15 @@ static int heap_push(enc_ctx *c, int32_t rank, int32_t pos, int32_t new_id)
 static bpe_cand heap_pop(enc_ctx *c)
 {
     bpe_cand top = c->heap[0];
-    bpe_cand last = c->heap[--c->heap_n];
-    size_t i = 0, n = c->heap_n;
-    for (;;) {
-        size_t l = 2 * i + 1, m = i;
-        const bpe_cand *best = &last;
-        if (l < n && cand_less(&c->heap[l], best)) {
-            m = l;
-            best = &c->heap[l];
-        }
-        if (l + 1 < n && cand_less(&c->heap[l + 1], best))
-            m = l + 1;
-        if (m == i)
-            break;
-        c->heap[i] = c->heap[m];
-        i = m;
-    }
-    if (n > 0)
-        c->heap[i] = last;
+    c->heap[0] = c->heap[--c->heap_n];
+    if (c->heap_n > 1)
+        heap_sift_down(c->heap, c->heap_n, 0);
     return top;
 }
 
-static int push_pair(enc_ctx *c, int32_t left)
+/* The candidate for merging sym[left] with its right neighbour, or 0 when there is none
+ * (a real candidate is never 0: rank 0 at position 0 is stored with the +1 bias below). */
+static bpe_cand pair_cand(const enc_ctx *c, int32_t left)
 {
     int32_t right = c->sym[left].next;
     if (right < 0)
@@ -1081,7 +1091,13 @@ static int push_pair(enc_ctx *c, int32_t left)
     const tok_merge *m = merge_find(c->t, c->sym[left].id, c->sym[right].id);
     if (m == NULL)
         return 0;
-    return heap_push(c, m->rank, left, m->new_id);
+    return ((uint64_t)(uint32_t)m->rank << 32 | (uint32_t)left) + 1;
+}
+
+static int push_pair(enc_ctx *c, int32_t left)
+{
+    bpe_cand v = pair_cand(c, left);
+    return v == 0 ? 0 : heap_push(c, v);
 }
 
 /* Rank-ordered BPE over one pre-token, as HF's Word::merge_all: always apply the lowest-rank
@@ -1105,27 +1121,37 @@ static pd_status bpe_word(enc_ctx *c, const uint8_t *s, size_t n, tok_ids *dst)
         c->sym[i].next = (i + 1 < n) ? (int32_t)i + 1 : -1;
         c->sym[i].alive = 1;
     }
+    /* the first candidates arrive in position order: heapify them in O(n) */
+    if (heap_reserve(c, n) != 0)
+        return enc_nomem(c);
     c->heap_n = 0;
-    for (size_t i = 0; i + 1 < n; i++)
-        if (push_pair(c, (int32_t)i) != 0)
-            return enc_nomem(c);
+    for (size_t i = 0; i + 1 < n; i++) {
+        bpe_cand v = pair_cand(c, (int32_t)i);
+        if (v != 0)
+            c->heap[c->heap_n++] = v;
+    }
+    for (size_t i = c->heap_n / 4 + 1; i-- > 0;)
+        if (i < c->heap_n)
+            heap_sift_down(c->heap, c->heap_n, i);
     while (c->heap_n > 0) {
-        bpe_cand top = heap_pop(c);
-        bpe_sym *l = &c->sym[top.pos];
+        bpe_cand top = heap_pop(c) - 1;
+        int32_t pos = (int32_t)(uint32_t)top;
+        int32_t new_id = t->rank_new_id[top >> 32];
+        bpe_sym *l = &c->sym[pos];
         if (!l->alive || l->next < 0)
             continue;
         bpe_sym *r = &c->sym[l->next];
         const tok_merge *m = merge_find(t, l->id, r->id);
-        if (m == NULL || m->new_id != top.new_id)
+        if (m == NULL || m->new_id != new_id)
             continue;
-        l->id = top.new_id;
+        l->id = new_id;
         r->alive = 0;
         l->next = r->next;
         if (r->next >= 0)
-            c->sym[r->next].prev = top.pos;
+            c->sym[r->next].prev = pos;
         if (l->prev >= 0 && push_pair(c, l->prev) != 0)
             return enc_nomem(c);
-        if (push_pair(c, top.pos) != 0)
+        if (push_pair(c, pos) != 0)
             return enc_nomem(c);
     }
     for (int32_t i = 0; i >= 0; i = c->sym[i].next)
