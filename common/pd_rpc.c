@@ -1087,9 +1087,12 @@ static void pending_unref(pd_rpc_pending *p)
 }
 
 /* The call is over (RECV_STATUS_ON_CLIENT completed): status, reply, callback, release. */
-static void pending_complete(pd_rpc_pending *p)
+static void pending_complete(pd_rpc_channel *ch, pd_rpc_pending *p)
 {
-    pd_rpc_channel *ch = p->ch;
+    /* p was published under ch->mu (start_batch); take it once so the fields written before
+     * are visibly ordered before these reads, whatever gRPC's queue does internally. */
+    pthread_mutex_lock(&ch->mu);
+    pthread_mutex_unlock(&ch->mu);
     pd_err err;
     pd_err_clear(&err);
     ProtobufCMessage *m = NULL;
@@ -1135,7 +1138,7 @@ static void *channel_poller(void *arg)
         if (ev.type == GRPC_QUEUE_SHUTDOWN)
             break;
         if (ev.type == GRPC_OP_COMPLETE)
-            pending_complete(ev.tag);
+            pending_complete(ch, ev.tag);
     }
     return NULL;
 }
