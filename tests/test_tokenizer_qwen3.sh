@@ -4,7 +4,8 @@
 # package's own tokenizer.json (151k vocab):
 #  - every string gives exactly the reference ids (--batch, one process for the corpus);
 #  - a sample of strings through the plain path (stdin is the text, --json) gives the same ids;
-#  - decoding all the ids gives the NFC form of all the strings.
+#  - decoding all the ids gives the NFC form of all the strings;
+#  - 2000 seeded pseudo-random strings (tests/js/fuzz_corpus.mjs) give the reference ids.
 # The reference and its known deviations from HF are described in tests/js/qwen3_ref.mjs.
 # Usage: test_tokenizer_qwen3.sh BIN_DIR [SOURCE_DIR]
 # Exits 77 (skipped) when node or the npm package is missing; 1 on any mismatch.
@@ -30,6 +31,10 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 node "$js_dir/qwen3_ref.mjs" "$js_dir/corpus.json" > "$work/ref.json"
 "$tool" --tokenizer "$tok_json" --batch < "$js_dir/corpus.json" > "$work/ours.json"
+
+node "$js_dir/fuzz_corpus.mjs" 2000 20261202 > "$work/fuzz.json"
+node "$js_dir/qwen3_ref.mjs" "$work/fuzz.json" > "$work/fuzz_ref.json"
+"$tool" --tokenizer "$tok_json" --batch < "$work/fuzz.json" > "$work/fuzz_ours.json"
 
 # the plain path on a sample: CRLF, trailing newline and spaces, special tokens, emoji, empty
 sample="0 2 30 41 42 25 57 58 75"
@@ -62,6 +67,15 @@ corpus.forEach((s, i) => check(same(ours[i], ref[i]),
   `ids #${i} ${JSON.stringify(s).slice(0, 80)}\n  ref  ${JSON.stringify(ref[i])}\n  ours ${JSON.stringify(ours[i])}`));
 for (const i of sample.split(" "))
   check(same(read(`${work}/ids_${i}.json`).ids, ref[i]), `plain --json ids #${i}`);
+const fuzz = read(`${work}/fuzz.json`), fref = read(`${work}/fuzz_ref.json`);
+const fours = read(`${work}/fuzz_ours.json`);
+let fbad = 0;
+fuzz.forEach((s, i) => {
+  if (same(fours[i], fref[i])) return;
+  if (fbad++ < 5)
+    console.error(`FAIL fuzz #${i} ${JSON.stringify(s)}\n  ref  ${JSON.stringify(fref[i])}\n  ours ${JSON.stringify(fours[i])}`);
+});
+check(fours.length === fuzz.length && fbad === 0, `fuzz: ${fbad} of ${fuzz.length} strings differ`);
 const text = read(`${work}/all_text.json`).text;
 const want = corpus.map((s) => s.normalize("NFC")).join("");
 let k = 0;
