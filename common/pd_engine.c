@@ -164,6 +164,7 @@ static void request_free(pd_engine *e, pd_request *r)
     if (e->dpool != NULL)
         pd_kv_seq_release(e->dpool, &r->dkv);
     free(r->prompt);
+    free(r->aux);
     free(r->out);
     free(r->accepted);
     free(r);
@@ -203,8 +204,36 @@ int pd_engine_active(const pd_engine *e)
     return n;
 }
 
+static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, int n_prompt,
+                             const pd_gen_params *params, int external, pd_request **out, pd_err *err);
+
 pd_status pd_engine_add(pd_engine *e, uint64_t id, const int32_t *prompt, int n_prompt,
                         const pd_gen_params *params, pd_request **out, pd_err *err)
+{
+    return add_request(e, id, prompt, n_prompt, params, 0, out, err);
+}
+
+pd_status pd_engine_add_external(pd_engine *e, uint64_t id, const int32_t *prompt, int n_prompt,
+                                 const pd_gen_params *params, pd_request **out, pd_err *err)
+{
+    return add_request(e, id, prompt, n_prompt, params, 1, out, err);
+}
+
+int pd_engine_aux_dim(const pd_engine *e) { return e->draft != NULL ? e->aux_dim : 0; }
+pd_kv_pool *pd_engine_target_pool(pd_engine *e) { return e->tpool; }
+pd_kv_pool *pd_engine_draft_pool(pd_engine *e) { return e->dpool; }
+
+void pd_engine_fail(pd_engine *e, pd_request *r, const char *msg)
+{
+    (void)e;
+    if (r->finish != PD_FINISH_NONE)
+        return;
+    r->finish = PD_FINISH_ERROR;
+    snprintf(r->error, sizeof(r->error), "%s", msg);
+}
+
+static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, int n_prompt,
+                             const pd_gen_params *params, int external, pd_request **out, pd_err *err)
 {
     int max_pos = e->tm->cfg.max_position_embeddings;
     if (n_prompt <= 0)
@@ -227,6 +256,7 @@ pd_status pd_engine_add(pd_engine *e, uint64_t id, const int32_t *prompt, int n_
         return pd_err_set(err, PD_ERR_NOMEM, "request");
     pd_status st;
     r->id = id;
+    r->external = external;
     r->params = *params;
     pd_rng_seed(&r->rng, params->sample.seed);
     pd_kv_seq_init(&r->tkv);
@@ -238,6 +268,13 @@ pd_status pd_engine_add(pd_engine *e, uint64_t id, const int32_t *prompt, int n_
     }
     memcpy(r->prompt, prompt, (size_t)n_prompt * sizeof(int32_t));
     r->n_prompt = n_prompt;
+    if (params->capture_aux && e->draft != NULL) {
+        r->aux = malloc((size_t)n_prompt * e->aux_dim * sizeof(float));
+        if (r->aux == NULL) {
+            st = pd_err_set(err, PD_ERR_NOMEM, "aux rows: %d x %d", n_prompt, e->aux_dim);
+            goto err_free;
+        }
+    }
     st = pd_kv_seq_reserve(e->tpool, &r->tkv, n_prompt, err);
     if (st == PD_OK && e->dpool != NULL)
         st = pd_kv_seq_reserve(e->dpool, &r->dkv, n_prompt, err);
@@ -328,13 +365,64 @@ static pd_status extend_draft(pd_engine *e, const int32_t *rows, const int32_t *
 
 /* ---- prefill ----------------------------------------------------------------------------- */
 
+/* The prompt is in the pages and the draft context: commit the first token. */
+static pd_status commit_first(pd_engine *e, pd_request *r, int32_t tok, pd_err *err)
+{
+    r->prefilled = r->n_prompt;
+    r->tkv.len = r->n_prompt;
+    r->dkv.len = r->n_prompt;
+    r->anchor_pos = r->n_prompt;
+    TRY(push_out(r, tok, err));
+    if (!r->params.ignore_eos && is_eos(e, tok))
+        r->finish = PD_FINISH_STOP;
+    else if (r->n_out >= r->params.max_new_tokens)
+        r->finish = PD_FINISH_LENGTH;
+    return PD_OK;
+}
+
+pd_status pd_engine_complete_prefill(pd_engine *e, pd_request *r, int32_t first_token,
+                                     const float *aux_host, pd_err *err)
+{
+    if (!r->external || r->prefilled == r->n_prompt || r->finish != PD_FINISH_NONE)
+        return pd_err_set(err, PD_ERR_INVALID, "request %llu is not waiting for a prefill",
+                          (unsigned long long)r->id);
+    if (first_token < 0 || first_token >= e->V)
+        return pd_err_set(err, PD_ERR_INVALID, "first token %d outside the vocabulary (0..%d)",
+                          first_token, e->V - 1);
+    if (e->draft != NULL) {
+        if (aux_host == NULL)
+            return pd_err_set(err, PD_ERR_INVALID, "request %llu: prefill brought no aux rows",
+                              (unsigned long long)r->id);
+        kern_backend *be = e->tm->be;
+        int n = r->n_prompt;
+        TRY(grow_dev(be, &e->aux_dev, &e->cap_aux, n, (size_t)e->aux_dim * sizeof(float), err));
+        TRY(kern_upload(be, e->aux_dev->ptr, aux_host, (size_t)n * e->aux_dim * sizeof(float), err));
+        int32_t *pos = malloc((size_t)n * sizeof(int32_t)), *seq = calloc((size_t)n, sizeof(int32_t));
+        if (pos == NULL || seq == NULL) {
+            free(pos);
+            free(seq);
+            return pd_err_set(err, PD_ERR_NOMEM, "prefill completion metadata");
+        }
+        for (int i = 0; i < n; i++)
+            pos[i] = i;
+        pd_kv_seq *seqs[1] = {&r->dkv};
+        pd_tok_batch b = { .n_tok = n, .pos = pos, .seq = seq, .n_seq = 1, .seqs = seqs };
+        pd_status st = pd_draft_extend(e->draft, e->aux_dev->ptr, e->aux_dim, &b, err);
+        free(pos);
+        free(seq);
+        if (st != PD_OK)
+            return st;
+    }
+    return commit_first(e, r, first_token, err);
+}
+
 static pd_status prefill_step(pd_engine *e, pd_err *err)
 {
     int budget = e->cfg.max_prefill_tokens;
     int n_tok = 0, n_seq = 0;
     for (int i = 0; i < e->n_reqs && n_tok < budget; i++) {
         pd_request *r = e->reqs[i];
-        if (r->finish != PD_FINISH_NONE || r->prefilled >= r->n_prompt)
+        if (r->finish != PD_FINISH_NONE || r->external || r->prefilled >= r->n_prompt)
             continue;
         int take = r->n_prompt - r->prefilled;
         n_tok += take < budget - n_tok ? take : budget - n_tok;
@@ -356,7 +444,7 @@ static pd_status prefill_step(pd_engine *e, pd_err *err)
     int t = 0, s = 0, n_done = 0;
     for (int i = 0; i < e->n_reqs && t < n_tok; i++) {
         pd_request *r = e->reqs[i];
-        if (r->finish != PD_FINISH_NONE || r->prefilled >= r->n_prompt)
+        if (r->finish != PD_FINISH_NONE || r->external || r->prefilled >= r->n_prompt)
             continue;
         int take = r->n_prompt - r->prefilled;
         if (take > n_tok - t)
@@ -383,6 +471,20 @@ static pd_status prefill_step(pd_engine *e, pd_err *err)
     st = extend_draft(e, rows, pos, owner, n_tok, err);
     if (st != PD_OK)
         goto out;
+    /* prefill nodes keep the packed aux rows of their prompts (global token order) */
+    for (int i = 0; i < n_tok; i++) {
+        pd_request *r = owner[i];
+        if (r->aux == NULL || (i > 0 && owner[i - 1] == r))
+            continue;
+        int cnt = 1;
+        while (i + cnt < n_tok && owner[i + cnt] == r)
+            cnt++;
+        st = kern_download(e->tm->be, r->aux + (size_t)pos[i] * e->aux_dim,
+                           pd_target_aux(e->target) + (size_t)i * e->aux_dim,
+                           (size_t)cnt * e->aux_dim * sizeof(float), err);
+        if (st != PD_OK)
+            goto out;
+    }
     /* first tokens: greedy on the backend, sampled on the host */
     const float *logits = pd_target_logits(e->target);
     int any_sampled = 0;
@@ -398,15 +500,8 @@ static pd_status prefill_step(pd_engine *e, pd_err *err)
         if (!pd_sample_is_greedy(&r->params.sample))
             tok = pd_sample_logits(e->hlogits + (size_t)i * e->V, e->V, &r->params.sample, &r->rng,
                                    e->fscratch, e->iscratch);
-        r->tkv.len = r->n_prompt;
-        r->dkv.len = r->n_prompt;
-        r->anchor_pos = r->n_prompt;
-        if ((st = push_out(r, tok, err)) != PD_OK)
+        if ((st = commit_first(e, r, tok, err)) != PD_OK)
             goto out;
-        if (!r->params.ignore_eos && is_eos(e, tok))
-            r->finish = PD_FINISH_STOP;
-        else if (r->n_out >= r->params.max_new_tokens)
-            r->finish = PD_FINISH_LENGTH;
     }
 out:
     free(ids);
@@ -675,7 +770,7 @@ pd_status pd_engine_step(pd_engine *e, pd_err *err)
 {
     for (int i = 0; i < e->n_reqs; i++) {
         pd_request *r = e->reqs[i];
-        if (r->finish != PD_FINISH_NONE) {
+        if (r->finish != PD_FINISH_NONE && !r->params.hold_kv) {
             /* finished requests give their pages back at once */
             pd_kv_seq_release(e->tpool, &r->tkv);
             if (e->dpool != NULL)

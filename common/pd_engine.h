@@ -34,6 +34,8 @@ typedef struct {
     pd_sample_params sample;
     int max_new_tokens;
     int ignore_eos;
+    int capture_aux;         /* keep the prompt's packed aux rows in r->aux (prefill nodes) */
+    int hold_kv;             /* keep the KV pages after the request ends, until release */
 } pd_gen_params;
 
 typedef enum {
@@ -61,10 +63,12 @@ typedef struct pd_request {
     int *accepted;           /* per round: accepted drafts + bonus (DeepSpec acceptance_length) */
     int n_rounds;
     int accepted_at_pos[32]; /* rounds whose draft k (0-based) was accepted */
+    float *aux;              /* [n_prompt, aux_dim] when params.capture_aux */
     pd_finish_reason finish;
     char error[512];
     /* engine-private below */
     int prefilled;           /* prompt tokens prefilled so far */
+    int external;            /* prefill comes from outside (pd_engine_add_external) */
     int anchor_pos;          /* position of the last committed token (the anchor) */
     pd_kv_seq tkv, dkv;
     int cap_out, cap_rounds;
@@ -78,6 +82,24 @@ void pd_engine_destroy(pd_engine *e);
  * params; PD_ERR_BUSY when its prompt cannot get KV pages now. */
 pd_status pd_engine_add(pd_engine *e, uint64_t id, const int32_t *prompt, int n_prompt,
                         const pd_gen_params *params, pd_request **out, pd_err *err);
+/* Like pd_engine_add, but the prompt's KV and aux come from outside (a prefill node, or any
+ * prefill engine writing into this engine's pages): the request reserves its pages and then
+ * waits, skipped by the engine's own prefill, until pd_engine_complete_prefill. The KV pages to
+ * fill are r->tkv.pages[0..r->tkv.n_pages-1] of pd_engine_target_pool(e), in pd_kv.h layout. */
+pd_status pd_engine_add_external(pd_engine *e, uint64_t id, const int32_t *prompt, int n_prompt,
+                                 const pd_gen_params *params, pd_request **out, pd_err *err);
+/* The external prefill of r is done: its KV pages hold positions 0..n_prompt-1, aux_host holds
+ * the packed aux rows [n_prompt, aux_dim] in global token order (NULL when the engine has no
+ * draft), and first_token is the token sampled from the last position. The request joins the
+ * decode rounds at the next step. PD_ERR_INVALID for a first token outside the vocabulary. */
+pd_status pd_engine_complete_prefill(pd_engine *e, pd_request *r, int32_t first_token,
+                                     const float *aux_host, pd_err *err);
+/* Ends a request with PD_FINISH_ERROR and msg (e.g. its prefill node failed). */
+void pd_engine_fail(pd_engine *e, pd_request *r, const char *msg);
+/* Width of one packed aux row (K * hidden; 0 without a draft). */
+int pd_engine_aux_dim(const pd_engine *e);
+pd_kv_pool *pd_engine_target_pool(pd_engine *e);
+pd_kv_pool *pd_engine_draft_pool(pd_engine *e);
 /* One engine step: prefill work for queued requests (up to max_prefill_tokens), then one
  * speculative round for every running request. A request that fails ends with
  * PD_FINISH_ERROR and its message; the step itself fails only on an engine-wide error. */

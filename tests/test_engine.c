@@ -1,0 +1,174 @@
+/* test_engine.c - engine behaviour beyond the goldens: the external-prefill path (what a decode
+ * node does with a prefill node's KV pages and aux rows) equals the in-process path; batching
+ * does not change results; pages return to the pool on finish, cancel and release; a full pool
+ * answers BUSY and loses nothing else. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "pd_engine.h"
+#include "test_util.h"
+
+static kern_backend *be;
+static pd_qwen3_model *tm;
+static pd_dspark_model *dm;
+
+static const int32_t prompt_a[] = {1069, 4873, 4088, 7158, 365, 1966, 1476, 1947, 388, 1756, 834, 1503,
+                                   293, 519, 7058, 395, 11, 12, 13, 220, 220, 17};
+static const int32_t prompt_b[] = {2, 2729, 220, 17, 15, 17, 16, 631, 5376};
+
+static pd_gen_params greedy(int max_new)
+{
+    pd_gen_params gp = { .sample = { .temperature = 0.0f, .top_p = 1.0f }, .max_new_tokens = max_new };
+    return gp;
+}
+
+static int run_to_end(pd_engine *e)
+{
+    pd_err err;
+    while (pd_engine_active(e) > 0)
+        if (pd_engine_step(e, &err) != PD_OK) {
+            fprintf(stderr, "step: %s\n", err.msg);
+            return -1;
+        }
+    return 0;
+}
+
+/* copy every layer's K and V of the given pages from one pool to another (same layout) */
+static void copy_pages(pd_kv_pool *src, const pd_kv_seq *ss, pd_kv_pool *dst, const pd_kv_seq *ds, int n_pages)
+{
+    const pd_kv_layout *lay = pd_kv_pool_layout(src);
+    size_t pb = pd_kv_page_bytes(lay);
+    for (int l = 0; l < lay->n_layers; l++) {
+        kern_kv_layer a = pd_kv_pool_layer(src, l), b = pd_kv_pool_layer(dst, l);
+        for (int p = 0; p < n_pages; p++) {
+            memcpy((char *)b.k + (size_t)ds->pages[p] * pb, (char *)a.k + (size_t)ss->pages[p] * pb, pb);
+            memcpy((char *)b.v + (size_t)ds->pages[p] * pb, (char *)a.v + (size_t)ss->pages[p] * pb, pb);
+        }
+    }
+}
+
+static void test_engine_external_prefill(void)
+{
+    pd_err err;
+    pd_engine *ref = NULL, *pre = NULL, *dec = NULL;
+    pd_engine_config ec = { .target = tm, .draft = dm, .page_size = 16, .n_pages = 128 };
+    TEST_CHECK(pd_engine_create(&ec, &ref, &err) == PD_OK);
+    TEST_CHECK(pd_engine_create(&ec, &pre, &err) == PD_OK);
+    /* the decode side uses a different page size mapping: same layout, other page ids */
+    TEST_CHECK(pd_engine_create(&ec, &dec, &err) == PD_OK);
+    int n = (int)(sizeof(prompt_a) / 4);
+    pd_gen_params gp = greedy(40);
+    pd_request *ra = NULL;
+    TEST_CHECK(pd_engine_add(ref, 1, prompt_a, n, &gp, &ra, &err) == PD_OK);
+    TEST_CHECK(run_to_end(ref) == 0);
+    /* prefill node: prompt only, aux kept, pages held */
+    pd_gen_params pg = greedy(1);
+    pg.capture_aux = 1;
+    pg.hold_kv = 1;
+    pd_request *rp = NULL;
+    TEST_CHECK(pd_engine_add(pre, 2, prompt_a, n, &pg, &rp, &err) == PD_OK);
+    TEST_CHECK(run_to_end(pre) == 0);
+    TEST_CHECK(pd_engine_step(pre, &err) == PD_OK);   /* held pages survive a later step */
+    TEST_CHECK(rp->n_out == 1 && rp->aux != NULL && rp->tkv.n_pages > 0);
+    /* burn a few pages on the decode side so its page ids differ */
+    pd_request *filler = NULL;
+    TEST_CHECK(pd_engine_add_external(dec, 9, prompt_b, 9, &gp, &filler, &err) == PD_OK);
+    pd_request *rd = NULL;
+    TEST_CHECK(pd_engine_add_external(dec, 3, prompt_a, n, &gp, &rd, &err) == PD_OK);
+    TEST_CHECK(pd_engine_step(dec, &err) == PD_OK);
+    TEST_CHECK(rd->n_out == 0 && rd->finish == PD_FINISH_NONE);   /* waits for its prefill */
+    copy_pages(pd_engine_target_pool(pre), &rp->tkv, pd_engine_target_pool(dec), &rd->tkv, rd->tkv.n_pages);
+    TEST_CHECK(pd_engine_complete_prefill(dec, rd, rp->out[0], rp->aux, &err) == PD_OK);
+    TEST_CHECK(pd_engine_complete_prefill(dec, rd, rp->out[0], rp->aux, &err) == PD_ERR_INVALID);
+    pd_engine_fail(dec, filler, "prefill node went away");
+    TEST_CHECK(run_to_end(dec) == 0);
+    TEST_CHECK(filler->finish == PD_FINISH_ERROR && strstr(filler->error, "went away") != NULL);
+    TEST_CHECK_MSG(rd->n_out == ra->n_out && memcmp(rd->out, ra->out, (size_t)ra->n_out * 4) == 0,
+                   "external prefill output differs (%d vs %d tokens)", rd->n_out, ra->n_out);
+    TEST_CHECK(rd->n_rounds == ra->n_rounds &&
+               memcmp(rd->accepted, ra->accepted, (size_t)ra->n_rounds * sizeof(int)) == 0);
+    int32_t bad_first = 99999;
+    pd_request *rx = NULL;
+    TEST_CHECK(pd_engine_add_external(dec, 4, prompt_b, 9, &gp, &rx, &err) == PD_OK);
+    TEST_CHECK(pd_engine_complete_prefill(dec, rx, bad_first, rp->aux, &err) == PD_ERR_INVALID);
+    pd_engine_release(dec, rx);
+    pd_engine_release(pre, rp);
+    pd_engine_release(dec, rd);
+    pd_engine_release(dec, filler);
+    pd_engine_release(ref, ra);
+    TEST_CHECK(pd_engine_kv_free_pages(pre) == 128 && pd_engine_kv_free_pages(dec) == 128);
+    pd_engine_destroy(ref);
+    pd_engine_destroy(pre);
+    pd_engine_destroy(dec);
+}
+
+/* Two prompts alone and together give the same outputs; cancel frees pages. */
+static void test_engine_batching_and_pages(void)
+{
+    pd_err err;
+    pd_engine *e = NULL;
+    pd_engine_config ec = { .target = tm, .draft = dm, .page_size = 4, .n_pages = 64 };
+    TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);
+    int na = (int)(sizeof(prompt_a) / 4), nb = (int)(sizeof(prompt_b) / 4);
+    pd_gen_params gp = greedy(24);
+    int32_t alone_a[64], alone_b[64];
+    int n_alone_a, n_alone_b;
+    pd_request *r = NULL;
+    TEST_CHECK(pd_engine_add(e, 1, prompt_a, na, &gp, &r, &err) == PD_OK);
+    run_to_end(e);
+    n_alone_a = r->n_out;
+    memcpy(alone_a, r->out, (size_t)r->n_out * 4);
+    pd_engine_release(e, r);
+    TEST_CHECK(pd_engine_add(e, 2, prompt_b, nb, &gp, &r, &err) == PD_OK);
+    run_to_end(e);
+    n_alone_b = r->n_out;
+    memcpy(alone_b, r->out, (size_t)r->n_out * 4);
+    pd_engine_release(e, r);
+    TEST_CHECK(pd_engine_kv_free_pages(e) == 64);
+    pd_request *ra = NULL, *rb = NULL, *rc = NULL;
+    TEST_CHECK(pd_engine_add(e, 3, prompt_a, na, &gp, &ra, &err) == PD_OK);
+    TEST_CHECK(pd_engine_add(e, 4, prompt_b, nb, &gp, &rb, &err) == PD_OK);
+    TEST_CHECK(pd_engine_add(e, 5, prompt_b, nb, &gp, &rc, &err) == PD_OK);
+    TEST_CHECK(pd_engine_step(e, &err) == PD_OK);
+    pd_engine_cancel(e, rc);
+    run_to_end(e);
+    TEST_CHECK(rc->finish == PD_FINISH_CANCELLED);
+    TEST_CHECK(ra->n_out == n_alone_a && memcmp(ra->out, alone_a, (size_t)n_alone_a * 4) == 0);
+    TEST_CHECK(rb->n_out == n_alone_b && memcmp(rb->out, alone_b, (size_t)n_alone_b * 4) == 0);
+    TEST_CHECK(pd_engine_step(e, &err) == PD_OK);
+    TEST_CHECK_MSG(pd_engine_kv_free_pages(e) == 64, "pages after finish/cancel: %d free of 64",
+                   pd_engine_kv_free_pages(e));
+    pd_engine_release(e, ra);
+    pd_engine_release(e, rb);
+    pd_engine_release(e, rc);
+    /* a prompt that cannot get pages is refused with BUSY; the pool is intact afterwards */
+    int32_t big[300];
+    for (int i = 0; i < 300; i++)
+        big[i] = 220;
+    pd_request *rbig = NULL;
+    TEST_CHECK(pd_engine_add(e, 6, big, 300, &gp, &rbig, &err) == PD_ERR_BUSY);
+    TEST_CHECK(strstr(err.msg, "exhausted") != NULL);
+    TEST_CHECK(pd_engine_kv_free_pages(e) == 64);
+    TEST_CHECK(pd_engine_add(e, 7, prompt_b, nb, &gp, &r, &err) == PD_OK);
+    run_to_end(e);
+    TEST_CHECK(r->n_out == n_alone_b && memcmp(r->out, alone_b, (size_t)n_alone_b * 4) == 0);
+    pd_engine_release(e, r);
+    pd_engine_destroy(e);
+}
+
+int main(void)
+{
+    pd_err err;
+    kern_backend_config bc = { .name = "cpu" };
+    if (kern_backend_create(&bc, &be, &err) != PD_OK || pd_qwen3_load(be, PD_MODELS "/tiny-code-qwen3", &tm, &err) != PD_OK ||
+        pd_dspark_load(be, PD_MODELS "/tiny-code-dspark", tm, &dm, &err) != PD_OK) {
+        fprintf(stderr, "load: %s\n", err.msg);
+        return 1;
+    }
+    test_engine_external_prefill();
+    test_engine_batching_and_pages();
+    pd_dspark_free(dm);
+    pd_qwen3_free(tm);
+    kern_backend_destroy(be);
+    TEST_DONE();
+}
