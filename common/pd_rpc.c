@@ -82,17 +82,19 @@ typedef struct {
     grpc_channel_args args;
 } rpc_args;
 
-/* Channel args: raise the 4 MiB default message limit; keepalive pings from clients, which
+/* Channel args: the transport limit is twice PD_RPC_MAX_MESSAGE_BYTES, so that a request
+ * between the two reaches our own check and gets INVALID_ARGUMENT with a message (gRPC would
+ * say RESOURCE_EXHAUSTED, which reads as "retry later"); beyond that gRPC refuses it. Keepalive pings from clients, which
  * servers must accept at that rate (the default would answer them with GOAWAY). */
 static const grpc_channel_args *channel_args_make(rpc_args *r, bool server)
 {
     size_t n = 0;
     r->a[n].type = GRPC_ARG_INTEGER;
     r->a[n].key = (char *)GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
-    r->a[n++].value.integer = (int)PD_RPC_MAX_MESSAGE_BYTES;
+    r->a[n++].value.integer = (int)(2 * PD_RPC_MAX_MESSAGE_BYTES);
     r->a[n].type = GRPC_ARG_INTEGER;
     r->a[n].key = (char *)GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
-    r->a[n++].value.integer = (int)PD_RPC_MAX_MESSAGE_BYTES;
+    r->a[n++].value.integer = (int)(2 * PD_RPC_MAX_MESSAGE_BYTES);
     if (server) {
         r->a[n].type = GRPC_ARG_INTEGER;
         r->a[n].key = (char *)GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS;

@@ -35,7 +35,8 @@
 
 #include "pd_status.h"
 
-/* Requests and replies larger than this are refused (INVALID_ARGUMENT / RESOURCE_EXHAUSTED). */
+/* Requests larger than this are refused with INVALID_ARGUMENT (above twice this, gRPC itself
+ * refuses them with RESOURCE_EXHAUSTED before they are read). */
 #define PD_RPC_MAX_MESSAGE_BYTES (64u << 20)
 /* Messages a stream may queue behind the one being sent before pd_rpc_stream_write says BUSY. */
 #define PD_RPC_STREAM_QUEUE_MAX 4096u

@@ -485,6 +485,17 @@ int main(void)
     st = health_call(ch, PD_PROTO_VERSION, &err);
     TEST_CHECK_MSG(st == PD_OK, "after malformed: %s", err.msg);
 
+    /* oversize request: INVALID_ARGUMENT from our limit, then the server keeps serving */
+    {
+        size_t big_len = PD_RPC_MAX_MESSAGE_BYTES + 4096;
+        unsigned char *big = calloc(1, big_len);
+        st = pd_rpc_unary_raw(ch, M_HEALTH, big, big_len, 20000, &out, &out_len, &err);
+        TEST_CHECK_MSG(st == PD_ERR_INVALID && strstr(err.msg, "exceeds the limit") != NULL,
+                       "%s: %s", pd_status_str(st), err.msg);
+        free(big);
+        TEST_CHECK(health_call(ch, PD_PROTO_VERSION, &err) == PD_OK);
+    }
+
     /* a valid message by raw bytes, answered by raw bytes */
     Pdspark__HealthRequest hreq = PDSPARK__HEALTH_REQUEST__INIT;
     hreq.version = PD_PROTO_VERSION;
