@@ -24,6 +24,7 @@
 #define TOK_MAX_SPLITS 8          /* regex pre-tokenizer levels we chain */
 #define TOK_CACHE_MAX_WORD 256    /* longer words are not worth caching */
 #define TOK_CACHE_MAX_ENTRIES (1u << 17)   /* bounds the per-call cache to a few MB */
+#define TOK_MAX_ID (1 << 24)      /* real vocabularies stay under 300k ids */
 #define TOK_BYTE_CPS 324          /* bytes_to_unicode maps into U+0000..U+0143 */
 
 /* HF ByteLevel(use_regex=true) splits with the GPT-2 pattern before mapping bytes. */
@@ -755,6 +756,10 @@ static pd_status load_vocab(pd_tokenizer *t, const cJSON *vocab, const cJSON *ad
     }
     if (n_vocab == 0)
         return pd_err_set(err, PD_ERR_INVALID, "tokenizer %s: model.vocab is empty", t->path);
+    /* ids index dense tables: refuse a sparse id that would make them absurdly large */
+    if (max_id >= TOK_MAX_ID)
+        return pd_err_set(err, PD_ERR_INVALID, "tokenizer %s: token id %d is too large (limit %d)",
+                          t->path, max_id, TOK_MAX_ID - 1);
     t->n_ids = (size_t)max_id + 1;
     t->kind = calloc(t->n_ids, 1);
     t->str_off = calloc(t->n_ids, sizeof(*t->str_off));

@@ -444,6 +444,14 @@ static void test_tokenizer_load_errors(void)
     cJSON_ReplaceItemInObjectCaseSensitive(pat, "Regex", cJSON_CreateString(saved));
     free(saved);
 
+    cJSON *added = cJSON_GetObjectItemCaseSensitive(j, "added_tokens");
+    cJSON_ReplaceItemInObjectCaseSensitive(cJSON_GetArrayItem(added, 0), "id",
+                                           cJSON_CreateNumber(2000000000));
+    p = test_write_json("hugeid.json", j);
+    TEST_CHECK(pd_tokenizer_load(p, &t, &err) == PD_ERR_INVALID);
+    TEST_CHECK(strstr(err.msg, "2000000000") != NULL);
+    cJSON_ReplaceItemInObjectCaseSensitive(cJSON_GetArrayItem(added, 0), "id", cJSON_CreateNumber(8188));
+
     cJSON *vocab = cJSON_GetObjectItemCaseSensitive(model, "vocab");
     cJSON_ReplaceItemInObjectCaseSensitive(vocab, "a", cJSON_CreateString("x"));
     p = test_write_json("badid.json", j);
