@@ -27,7 +27,8 @@ struct pd_loop {
     int wake_fd;
     pthread_mutex_t mu;
     post_item *head, *tail;     /* guarded by mu */
-    bool stopping;              /* guarded by mu */
+    bool stopping;              /* a stop was asked and not yet acted on (guarded by mu) */
+    bool stopped;               /* run returned because of a stop (guarded by mu) */
     bool running;
     pthread_t owner;
 };
@@ -55,6 +56,7 @@ static void loop_drain(pd_loop *l)
     post_item *it = l->head;
     l->head = l->tail = NULL;
     bool stop = l->stopping;
+    l->stopping = false;
     pthread_mutex_unlock(&l->mu);
     while (it != NULL) {
         post_item *next = it->next;
@@ -124,10 +126,12 @@ void pd_loop_destroy(pd_loop *l)
         return;
     PD_ASSERT(!l->running);
     /* Hand-offs still queued own resources: run them (bounded: each round runs what exists). */
+    pthread_mutex_lock(&l->mu);
+    l->stopped = true;   /* posts from now on are refused */
+    pthread_mutex_unlock(&l->mu);
     for (int round = 0; round < 64; round++) {
         pthread_mutex_lock(&l->mu);
         bool empty = l->head == NULL;
-        l->stopping = true;
         pthread_mutex_unlock(&l->mu);
         if (empty)
             break;
@@ -142,14 +146,17 @@ void pd_loop_destroy(pd_loop *l)
 
 pd_status pd_loop_run(pd_loop *l, pd_err *err)
 {
+    /* A stop asked before this point (even before run) is kept: the wake fd is already
+     * readable, so the loop drains and returns at once. */
     pthread_mutex_lock(&l->mu);
     l->owner = pthread_self();
     l->running = true;
-    l->stopping = false;
+    l->stopped = false;
     pthread_mutex_unlock(&l->mu);
     int rc = event_base_loop(l->base, 0);
     pthread_mutex_lock(&l->mu);
     l->running = false;
+    l->stopped = true;
     pthread_mutex_unlock(&l->mu);
     if (rc < 0)
         return pd_err_set(err, PD_ERR_INTERNAL, "loop: event_base_loop failed");
@@ -173,7 +180,7 @@ pd_status pd_loop_post(pd_loop *l, pd_loop_fn fn, void *arg)
     it->arg = arg;
     it->next = NULL;
     pthread_mutex_lock(&l->mu);
-    if (l->stopping && !l->running) {
+    if (l->stopped) {
         pthread_mutex_unlock(&l->mu);
         free(it);
         return PD_ERR_CANCELLED;

@@ -32,11 +32,12 @@ void pd_loop_destroy(pd_loop *l);
 /* Run on the calling thread (which becomes the owner) until pd_loop_stop.
  * Errors: PD_ERR_INTERNAL when libevent fails. */
 pd_status pd_loop_run(pd_loop *l, pd_err *err);
-/* Ask the loop to return from pd_loop_run after the current callback (any thread). Posts
- * queued before the stop still run first. */
+/* Ask the loop to return from pd_loop_run after the current callback (any thread; a stop asked
+ * before pd_loop_run makes it return at once). Posts queued before the stop still run first. */
 void pd_loop_stop(pd_loop *l);
 /* Run fn(arg) on the loop thread, in post order (any thread). Errors: PD_ERR_NOMEM,
- * PD_ERR_CANCELLED after pd_loop_stop (fn is not run; arg stays the caller's). */
+ * PD_ERR_CANCELLED once pd_loop_run has returned (until it runs again) or destroy began (fn is
+ * not run; arg stays the caller's). */
 pd_status pd_loop_post(pd_loop *l, pd_loop_fn fn, void *arg);
 /* True on the thread currently inside pd_loop_run. */
 bool pd_loop_in_loop_thread(const pd_loop *l);

@@ -132,6 +132,13 @@ pd_status pd_xfer_create(const pd_xfer_config *cfg, pd_xfer **out, pd_err *err)
             goto err_free;
         }
     }
+    if (!cfg->ucx_keepalive && getenv("UCX_KEEPALIVE_INTERVAL") == NULL) {
+        /* UCX's keepalive wakes an idle worker hundreds of times a second (tcp); a dead peer
+         * is still seen through its socket, and a hung one through the transfer timeout. */
+        us = ucp_config_modify(ucfg, "KEEPALIVE_INTERVAL", "inf");
+        if (us != UCS_OK)
+            PD_LOG_DEBUG("xfer", "%s: keepalive off: %s", x->name, ucs_status_string(us));
+    }
     ucp_params_t params;
     memset(&params, 0, sizeof(params));
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED |

@@ -39,6 +39,10 @@ typedef struct {
     uint32_t timeout_ms;       /* bound on one transfer, start to done; 0 -> 30000 */
     const char *transports;    /* UCX_TLS-style list ("tcp,shm,self"); NULL/"" -> UCX default
                                   (which the UCX_TLS environment variable still overrides) */
+    bool ucx_keepalive;        /* keep UCX's endpoint keepalive (off by default: it wakes an
+                                  idle worker hundreds of times a second over tcp; peers that
+                                  die are seen through socket errors and the transfer timeout;
+                                  UCX_KEEPALIVE_INTERVAL in the environment wins) */
 } pd_xfer_config;
 
 void pd_xfer_config_default(pd_xfer_config *cfg);

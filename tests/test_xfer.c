@@ -451,6 +451,8 @@ static void on_posted(void *arg)
         c->posted_order_ok = 0;
     c->posted_seen++;
     free(a);
+    if (c->posted_seen == 1000 && c->box.done)
+        pd_loop_stop(c->loop);
 }
 
 static void *poster(void *arg)
@@ -470,7 +472,8 @@ static void on_loop_done(void *ud, pd_status st, const pd_err *err)
 {
     loop_ctx *c = ud;
     on_done(&c->box, st, err);
-    pd_loop_stop(c->loop);
+    if (c->posted_seen == 1000)
+        pd_loop_stop(c->loop);
 }
 
 static void on_give_up(void *arg)
@@ -548,11 +551,17 @@ static void test_loop_driven(void)
                       PAGE_BYTES) != 0;
     TEST_CHECK_MSG(bad == 0, "%u pages differ", bad);
 
+    /* a stop asked before run makes run return at once; posts after run are refused */
+    pd_loop_stop(c.loop);
+    TEST_CHECK(pd_loop_run(c.loop, &err) == PD_OK);
+    int dummy = 0;
+    TEST_CHECK(pd_loop_post(c.loop, on_oneshot, &dummy) == PD_ERR_CANCELLED);
+
     pd_loop_timer_destroy(tick);
     pd_loop_timer_destroy(oneshot);
     pd_loop_timer_destroy(give_up);
     pd_loop_watch_destroy(w);
-    pd_loop_destroy(c.loop);   /* runs the posts the stop left queued */
+    pd_loop_destroy(c.loop);
     TEST_CHECK_MSG(c.posted_seen == 1000, "%d posts ran", c.posted_seen);
     TEST_CHECK(c.posted_order_ok);
     TEST_CHECK(c.oneshot_fired == 1);
