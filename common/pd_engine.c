@@ -9,6 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pd_cp_prefill.h"
+
 #define TRY(expr) \
     do { pd_status st_ = (expr); if (st_ != PD_OK) return st_; } while (0)
 
@@ -37,6 +39,12 @@ struct pd_engine {
     int cap_aux;
     kern_buf *idx_dev;
     int cap_idx;
+    /* context-parallel prefill (cp_size > 1): ranks 1.. have their own backend handle and KV
+     * replica; rank 0 is the target's backend and pool */
+    int cp_n;
+    kern_backend **cp_be;       /* [cp_n], [0] borrowed */
+    pd_kv_pool **cp_pool;       /* [cp_n], [0] = tpool */
+    pd_cp_group *cp;
 };
 
 const char *pd_finish_reason_str(pd_finish_reason r)
@@ -79,6 +87,56 @@ static pd_status grow_dev(kern_backend *be, kern_buf **b, int *cap, int need, si
     *b = nb;
     *cap = c;
     return PD_OK;
+}
+
+/* The CP group of a host backend: one more backend handle and KV replica per extra rank. */
+static pd_status cp_create(pd_engine *e, const pd_kv_layout *tl, const int *taps, int n_taps,
+                           pd_err *err)
+{
+    kern_backend *be = e->tm->be;
+    int n = e->cfg.cp_size;
+    if (!be->is_host)
+        return pd_err_set(err, PD_ERR_UNSUPPORTED,
+                          "cp prefill in the engine runs its ranks as threads on a host backend; "
+                          "backend %s needs one GPU per rank (pd_cp_group with NCCL)", be->ops->name);
+    if (e->cfg.cp_strategy < 0 || e->cfg.cp_strategy >= PD_CP_STRATEGY_COUNT)
+        return pd_err_set(err, PD_ERR_INVALID, "cp strategy %d unknown", (int)e->cfg.cp_strategy);
+    e->cp_be = calloc((size_t)n, sizeof(*e->cp_be));
+    e->cp_pool = calloc((size_t)n, sizeof(*e->cp_pool));
+    pd_cp_rank_res *res = calloc((size_t)n, sizeof(*res));
+    if (e->cp_be == NULL || e->cp_pool == NULL || res == NULL) {
+        free(res);
+        return pd_err_set(err, PD_ERR_NOMEM, "cp group of %d ranks", n);
+    }
+    e->cp_n = n;
+    e->cp_be[0] = be;
+    e->cp_pool[0] = e->tpool;
+    pd_status st = PD_OK;
+    for (int r = 1; r < n && st == PD_OK; r++) {
+        kern_backend_config bc = { .name = be->ops->name };
+        st = kern_backend_create(&bc, &e->cp_be[r], err);
+        if (st == PD_OK)
+            st = pd_kv_pool_create(e->cp_be[r], tl, &e->cp_pool[r], err);
+    }
+    for (int r = 0; r < n; r++)
+        res[r] = (pd_cp_rank_res){ .be = e->cp_be[r], .model = e->tm, .pool = e->cp_pool[r] };
+    pd_cp_group_config gc = { .opts = { .strategy = e->cfg.cp_strategy, .cp_size = n },
+                              .comm = PD_CP_COMM_LOCAL, .ranks = res, .taps = taps,
+                              .n_taps = n_taps };
+    if (st == PD_OK)
+        st = pd_cp_group_create(&gc, &e->cp, err);
+    free(res);
+    return st;
+}
+
+static void cp_release(pd_engine *e, pd_request *r)
+{
+    if (r->cp_kv == NULL)
+        return;
+    for (int k = 1; k < e->cp_n; k++)
+        pd_kv_seq_release(e->cp_pool[k], &r->cp_kv[k - 1]);
+    free(r->cp_kv);
+    r->cp_kv = NULL;
 }
 
 pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err *err)
@@ -145,6 +203,8 @@ pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err 
     if (st != PD_OK)
         goto err_free;
     e->aux_dim = pd_target_aux_dim(e->target);
+    if (e->cfg.cp_size > 1 && (st = cp_create(e, &tl, taps, n_taps, err)) != PD_OK)
+        goto err_free;
     e->fscratch = malloc((size_t)e->V * sizeof(float));
     e->iscratch = malloc((size_t)e->V * sizeof(int32_t));
     if (e->fscratch == NULL || e->iscratch == NULL) {
@@ -160,6 +220,7 @@ err_free:
 
 static void request_free(pd_engine *e, pd_request *r)
 {
+    cp_release(e, r);
     pd_kv_seq_release(e->tpool, &r->tkv);
     if (e->dpool != NULL)
         pd_kv_seq_release(e->dpool, &r->dkv);
@@ -177,6 +238,13 @@ void pd_engine_destroy(pd_engine *e)
     for (int i = 0; i < e->n_reqs; i++)
         request_free(e, e->reqs[i]);
     free(e->reqs);
+    pd_cp_group_destroy(e->cp);
+    for (int r = 1; r < e->cp_n; r++) {
+        pd_kv_pool_destroy(e->cp_pool[r]);
+        kern_backend_destroy(e->cp_be[r]);
+    }
+    free(e->cp_pool);
+    free(e->cp_be);
     pd_target_destroy(e->target);
     pd_draft_destroy(e->draft);
     pd_kv_pool_destroy(e->tpool);
@@ -278,6 +346,15 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
     st = pd_kv_seq_reserve(e->tpool, &r->tkv, n_prompt, err);
     if (st == PD_OK && e->dpool != NULL)
         st = pd_kv_seq_reserve(e->dpool, &r->dkv, n_prompt, err);
+    if (st == PD_OK && e->cp_n > 1 && !external) {
+        r->cp_kv = calloc((size_t)e->cp_n - 1, sizeof(*r->cp_kv));
+        if (r->cp_kv == NULL)
+            st = pd_err_set(err, PD_ERR_NOMEM, "cp page tables");
+        for (int k = 1; k < e->cp_n && st == PD_OK; k++) {
+            pd_kv_seq_init(&r->cp_kv[k - 1]);
+            st = pd_kv_seq_reserve(e->cp_pool[k], &r->cp_kv[k - 1], n_prompt, err);
+        }
+    }
     if (st != PD_OK)
         goto err_free;
     e->reqs[e->n_reqs++] = r;
@@ -327,10 +404,10 @@ static pd_status argmax_rows(pd_engine *e, const float *dev, int n, int32_t *out
     return kern_download(be, out, e->ids_dev->ptr, (size_t)n * sizeof(int32_t), err);
 }
 
-/* Adds aux rows rows[0..n-1] of the last target forward to the draft context of the given
- * requests at the given positions. */
-static pd_status extend_draft(pd_engine *e, const int32_t *rows, const int32_t *pos,
-                              pd_request *const *owner, int n, pd_err *err)
+/* Adds aux rows rows[0..n-1] of aux (backend, [*, aux_dim] packed) to the draft context of the
+ * given requests at the given positions. */
+static pd_status extend_draft(pd_engine *e, const float *aux, const int32_t *rows,
+                              const int32_t *pos, pd_request *const *owner, int n, pd_err *err)
 {
     if (e->draft == NULL || n == 0)
         return PD_OK;
@@ -338,7 +415,7 @@ static pd_status extend_draft(pd_engine *e, const int32_t *rows, const int32_t *
     TRY(grow_dev(be, &e->aux_dev, &e->cap_aux, n, (size_t)e->aux_dim * sizeof(float), err));
     TRY(grow_dev(be, &e->idx_dev, &e->cap_idx, n, sizeof(int32_t), err));
     TRY(kern_upload(be, e->idx_dev->ptr, rows, (size_t)n * sizeof(int32_t), err));
-    kern_copy_rows_args cp = { .src = pd_target_aux(e->target), .ld_src = e->aux_dim,
+    kern_copy_rows_args cp = { .src = aux, .ld_src = e->aux_dim,
                                .idx = e->idx_dev->ptr, .dst = e->aux_dev->ptr, .ld_dst = e->aux_dim,
                                .rows = n, .cols = e->aux_dim };
     TRY(kern_copy_rows(be, &cp, err));
@@ -365,9 +442,62 @@ static pd_status extend_draft(pd_engine *e, const int32_t *rows, const int32_t *
 
 /* ---- prefill ----------------------------------------------------------------------------- */
 
+/* The CP forward of a packed prefill batch (tokens of one sequence are contiguous, in order).
+ * Sets the logits of lrows and the aux tensor the drafter gets, after the hand-off guard. */
+static pd_status cp_prefill(pd_engine *e, const pd_tok_batch *b, pd_request *const *owner,
+                            const int32_t *lrows, int n_logits, const float **logits,
+                            const float **aux, pd_err *err)
+{
+    int n = e->cp_n, ns = b->n_seq;
+    int32_t *lens = calloc((size_t)ns, sizeof(int32_t)), *prefix = calloc((size_t)ns, sizeof(int32_t));
+    pd_kv_seq **tabs = calloc((size_t)n * ns, sizeof(*tabs));
+    pd_kv_seq *const **rank_tabs = calloc((size_t)n, sizeof(*rank_tabs));
+    pd_status st = PD_OK;
+    if (lens == NULL || prefix == NULL || tabs == NULL || rank_tabs == NULL) {
+        st = pd_err_set(err, PD_ERR_NOMEM, "cp prefill metadata: %d sequences", ns);
+        goto out;
+    }
+    for (int t = 0; t < b->n_tok; t++) {
+        int s = b->seq[t];
+        if (lens[s]++ == 0) {
+            prefix[s] = b->pos[t];
+            tabs[s] = b->seqs[s];
+            for (int k = 1; k < n; k++)
+                tabs[(size_t)k * ns + s] = &owner[t]->cp_kv[k - 1];
+        }
+    }
+    for (int k = 0; k < n; k++)
+        rank_tabs[k] = tabs + (size_t)k * ns;
+    pd_cp_group_batch gb = { .n_seqs = ns, .seq_lens = lens, .prefix_lens = prefix, .ids = b->ids,
+                             .seqs = rank_tabs, .logit_rows = lrows, .n_logits = n_logits };
+    st = pd_cp_group_prefill(e->cp, &gb, err);
+    if (st != PD_OK)
+        goto out;
+    const pd_cp_rank *r0 = pd_cp_group_rank(e->cp, 0);
+    *logits = pd_cp_rank_logits(r0);
+    *aux = NULL;
+    if (e->draft != NULL) {
+        pd_cp_aux a = pd_cp_rank_aux(r0);
+        if (e->cfg.cp_debug_aux_hidden)
+            a = (pd_cp_aux){ .data = pd_cp_rank_hidden(r0), .rows = b->n_tok, .cols = e->H,
+                             .ld = e->H };
+        st = pd_cp_aux_check(&a, b->n_tok, e->aux_dim, pd_cp_rank_hidden(r0), err);
+        if (st == PD_OK && a.ld != e->aux_dim)
+            st = pd_err_set(err, PD_ERR_INTERNAL, "cp aux row stride %d, want %d", a.ld, e->aux_dim);
+        *aux = a.data;
+    }
+out:
+    free(lens);
+    free(prefix);
+    free(tabs);
+    free(rank_tabs);
+    return st;
+}
+
 /* The prompt is in the pages and the draft context: commit the first token. */
 static pd_status commit_first(pd_engine *e, pd_request *r, int32_t tok, pd_err *err)
 {
+    cp_release(e, r);   /* decode is single-rank: the CP replicas' pages are not needed now */
     r->prefilled = r->n_prompt;
     r->tkv.len = r->n_prompt;
     r->dkv.len = r->n_prompt;
@@ -465,10 +595,19 @@ static pd_status prefill_step(pd_engine *e, pd_err *err)
         s++;
     }
     pd_tok_batch b = { .n_tok = n_tok, .ids = ids, .pos = pos, .seq = seq, .n_seq = s, .seqs = seqs };
-    st = pd_target_forward(e->target, &b, lrows, n_done, err);
+    const float *logits = NULL, *aux = NULL;
+    if (e->cp != NULL) {
+        st = cp_prefill(e, &b, owner, lrows, n_done, &logits, &aux, err);
+    } else {
+        st = pd_target_forward(e->target, &b, lrows, n_done, err);
+        logits = pd_target_logits(e->target);
+        aux = pd_target_aux(e->target);
+    }
     if (st != PD_OK)
         goto out;
-    st = extend_draft(e, rows, pos, owner, n_tok, err);
+    if (e->draft != NULL && e->cfg.prefill_aux_hook != NULL)
+        e->cfg.prefill_aux_hook(e->cfg.prefill_aux_hook_ud, aux, n_tok, e->aux_dim, e->aux_dim);
+    st = extend_draft(e, aux, rows, pos, owner, n_tok, err);
     if (st != PD_OK)
         goto out;
     /* prefill nodes keep the packed aux rows of their prompts (global token order) */
@@ -480,13 +619,12 @@ static pd_status prefill_step(pd_engine *e, pd_err *err)
         while (i + cnt < n_tok && owner[i + cnt] == r)
             cnt++;
         st = kern_download(e->tm->be, r->aux + (size_t)pos[i] * e->aux_dim,
-                           pd_target_aux(e->target) + (size_t)i * e->aux_dim,
+                           aux + (size_t)i * e->aux_dim,
                            (size_t)cnt * e->aux_dim * sizeof(float), err);
         if (st != PD_OK)
             goto out;
     }
     /* first tokens: greedy on the backend, sampled on the host */
-    const float *logits = pd_target_logits(e->target);
     int any_sampled = 0;
     for (int i = 0; i < n_done; i++)
         any_sampled |= !pd_sample_is_greedy(&done[i]->params.sample);
@@ -747,7 +885,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         }
     }
     if (n_ext > 0)
-        st = extend_draft(e, ext_rows, ext_pos, ext_owner, n_ext, err);
+        st = extend_draft(e, pd_target_aux(e->target), ext_rows, ext_pos, ext_owner, n_ext, err);
     free(ext_owner);
 out:
     free(slots);
@@ -775,6 +913,7 @@ pd_status pd_engine_step(pd_engine *e, pd_err *err)
             pd_kv_seq_release(e->tpool, &r->tkv);
             if (e->dpool != NULL)
                 pd_kv_seq_release(e->dpool, &r->dkv);
+            cp_release(e, r);
         }
     }
     TRY(prefill_step(e, err));

@@ -14,6 +14,7 @@
 
 #include <stdint.h>
 
+#include "pd_cp.h"
 #include "pd_dspark.h"
 #include "pd_kv.h"
 #include "pd_model.h"
@@ -28,6 +29,18 @@ typedef struct {
     int draft_n_pages;                 /* draft pool pages (default = n_pages) */
     int block_size;                    /* drafts per round, <= the draft's block size (0 = it) */
     int max_prefill_tokens;            /* tokens per prefill forward (chunking; default 2048) */
+    int cp_size;                       /* context-parallel prefill ranks (0 or 1 = plain prefill);
+                                        * > 1 runs them as threads of this process, each with its
+                                        * own backend handle and KV replica (host backends only;
+                                        * the target pool is rank 0's); decode stays single-rank */
+    pd_cp_strategy cp_strategy;        /* how CP splits the prompt tokens (pd_cp.h) */
+    /* Tests and debugging: called on the engine thread with exactly the aux tensor (backend
+     * memory, [rows, cols] with row stride ld) the drafter receives from a prefill forward. */
+    void (*prefill_aux_hook)(void *ud, const float *aux, int rows, int cols, int ld);
+    void *prefill_aux_hook_ud;
+    int cp_debug_aux_hidden;           /* tests only: hand the drafter the CP pre-norm hidden
+                                        * state instead of the packed aux (the bug the hand-off
+                                        * guard exists for); the prefill must then fail */
 } pd_engine_config;
 
 typedef struct {
@@ -71,6 +84,8 @@ typedef struct pd_request {
     int external;            /* prefill comes from outside (pd_engine_add_external) */
     int anchor_pos;          /* position of the last committed token (the anchor) */
     pd_kv_seq tkv, dkv;
+    pd_kv_seq *cp_kv;        /* [cp_size - 1] page tables in the CP ranks' KV replicas, held
+                              * only while the prompt is being prefilled */
     int cap_out, cap_rounds;
 } pd_request;
 

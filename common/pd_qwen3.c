@@ -162,9 +162,8 @@ static pd_status rmsnorm(kern_backend *be, const float *x, float *out, const ker
     return kern_rmsnorm(be, &r, err);
 }
 
-/* k = rope(k_norm(in Wk^T)), v = in Wv^T, stored at a->slot; leaves k/v in a->k, a->v. */
-pd_status pd_layer_store_kv(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
-                            kern_kv_layer kv, const float *in, int n_tok, pd_err *err)
+pd_status pd_layer_kv(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
+                      const float *in, int n_tok, pd_err *err)
 {
     kern_backend *be = a->be;
     int hd = cfg->head_dim, nkv = cfg->num_key_value_heads;
@@ -173,15 +172,21 @@ pd_status pd_layer_store_kv(pd_act *a, const pd_qwen3_config *cfg, const pd_laye
     TRY(rmsnorm(be, a->k, a->k, &lw->k_norm, n_tok * nkv, hd, cfg->rms_norm_eps, err));
     kern_rope_args rk = { .x = a->k, .n_tok = n_tok, .n_heads = nkv, .head_dim = hd, .ld = a->kv_dim,
                           .pos = a->pos, .theta = cfg->rope_theta };
-    TRY(kern_rope(be, &rk, err));
-    kern_kv_store_args ks = { .kv = kv, .k = a->k, .v = a->v, .ld = a->kv_dim, .slot = a->slot,
-                              .n_tok = n_tok };
-    return kern_kv_store(be, &ks, err);
+    return kern_rope(be, &rk, err);
 }
 
-pd_status pd_layer_forward(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
-                           kern_kv_layer kv, int n_tok, int n_seq, int pt_stride, int max_kv,
-                           pd_err *err)
+/* k = rope(k_norm(in Wk^T)), v = in Wv^T, stored at a->slot; leaves k/v in a->k, a->v. */
+pd_status pd_layer_store_kv(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
+                            kern_kv_layer kv, const float *in, int n_tok, pd_err *err)
+{
+    TRY(pd_layer_kv(a, cfg, lw, in, n_tok, err));
+    kern_kv_store_args ks = { .kv = kv, .k = a->k, .v = a->v, .ld = a->kv_dim, .slot = a->slot,
+                              .n_tok = n_tok };
+    return kern_kv_store(a->be, &ks, err);
+}
+
+pd_status pd_layer_qkv(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw, int n_tok,
+                       pd_err *err)
 {
     kern_backend *be = a->be;
     int H = a->hidden, hd = cfg->head_dim, nh = cfg->num_attention_heads;
@@ -192,7 +197,16 @@ pd_status pd_layer_forward(pd_act *a, const pd_qwen3_config *cfg, const pd_layer
     kern_rope_args rq = { .x = a->q, .n_tok = n_tok, .n_heads = nh, .head_dim = hd, .ld = a->q_dim,
                           .pos = a->pos, .theta = cfg->rope_theta };
     TRY(kern_rope(be, &rq, err));
-    TRY(pd_layer_store_kv(a, cfg, lw, kv, a->h, n_tok, err));
+    return pd_layer_kv(a, cfg, lw, a->h, n_tok, err);
+}
+
+pd_status pd_layer_attn_mlp(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
+                            kern_kv_layer kv, int n_tok, int n_seq, int pt_stride, int max_kv,
+                            pd_err *err)
+{
+    kern_backend *be = a->be;
+    int H = a->hidden, hd = cfg->head_dim, nh = cfg->num_attention_heads;
+    float eps = cfg->rms_norm_eps;
     kern_attn_args at = {
         .kv = kv, .q = a->q, .ld_q = a->q_dim, .out = a->o, .ld_out = a->q_dim, .n_tok = n_tok,
         .n_heads = nh, .tok_seq = a->seq, .tok_kv_len = a->kv_len, .page_table = a->page_table,
@@ -209,6 +223,31 @@ pd_status pd_layer_forward(pd_act *a, const pd_qwen3_config *cfg, const pd_layer
                             .cols = a->inter };
     TRY(kern_binary(be, &sw, err));
     return linear(be, a->g, a->inter, &lw->down_proj, a->x, H, n_tok, 1, err);
+}
+
+pd_status pd_layer_forward(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
+                           kern_kv_layer kv, int n_tok, int n_seq, int pt_stride, int max_kv,
+                           pd_err *err)
+{
+    TRY(pd_layer_qkv(a, cfg, lw, n_tok, err));
+    kern_kv_store_args ks = { .kv = kv, .k = a->k, .v = a->v, .ld = a->kv_dim, .slot = a->slot,
+                              .n_tok = n_tok };
+    TRY(kern_kv_store(a->be, &ks, err));
+    return pd_layer_attn_mlp(a, cfg, lw, kv, n_tok, n_seq, pt_stride, max_kv, err);
+}
+
+pd_status pd_qwen3_head(const pd_qwen3_model *m, kern_backend *be, const float *x, int ld_x,
+                        const int32_t *idx, int n, float *pick, float *normed, float *logits,
+                        pd_err *err)
+{
+    int H = m->cfg.hidden_size;
+    if (n <= 0)
+        return PD_OK;
+    kern_copy_rows_args cp = { .src = x, .ld_src = ld_x, .idx = idx, .dst = pick, .ld_dst = H,
+                               .rows = n, .cols = H };
+    TRY(kern_copy_rows(be, &cp, err));
+    TRY(rmsnorm(be, pick, normed, &m->final_norm, n, H, m->cfg.rms_norm_eps, err));
+    return linear(be, normed, H, &m->lm_head, logits, m->cfg.vocab_size, n, 0, err);
 }
 
 /* ---- target runner ----------------------------------------------------------------------- */
@@ -337,11 +376,8 @@ pd_status pd_target_forward(pd_target *t, const pd_tok_batch *b, const int32_t *
     }
     t->final_hidden = (float *)t->logits->ptr + (size_t)t->cap_logits * V;
     TRY(kern_upload(be, t->rows->ptr, logit_rows, (size_t)n_logits * sizeof(int32_t), err));
-    kern_copy_rows_args pick = { .src = a->x, .ld_src = H, .idx = t->rows->ptr, .dst = a->h,
-                                 .ld_dst = H, .rows = n_logits, .cols = H };
-    TRY(kern_copy_rows(be, &pick, err));
-    TRY(rmsnorm(be, a->h, t->final_hidden, &m->final_norm, n_logits, H, cfg->rms_norm_eps, err));
-    return linear(be, t->final_hidden, H, &m->lm_head, t->logits->ptr, V, n_logits, 0, err);
+    return pd_qwen3_head(m, be, a->x, H, t->rows->ptr, n_logits, a->h, t->final_hidden,
+                         t->logits->ptr, err);
 }
 
 const float *pd_target_logits(const pd_target *t) { return t->logits != NULL ? t->logits->ptr : NULL; }

@@ -58,6 +58,30 @@ pd_status pd_layer_forward(pd_act *a, const pd_qwen3_config *cfg, const pd_layer
 pd_status pd_layer_store_kv(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
                             kern_kv_layer kv, const float *in, int n_tok, pd_err *err);
 
+/* The pieces of pd_layer_forward, for a caller that moves K/V between computing and storing
+ * them (the context-parallel prefill all-gathers them, pd_cp_prefill.c). pd_layer_forward is
+ * pd_layer_qkv, kern_kv_store of a->k/a->v at a->slot, then pd_layer_attn_mlp; all run on a->be.
+ * pd_layer_qkv: h = input_norm(x); q = rope(q_norm(h Wq^T)) into a->q [n_tok, q_dim];
+ *   k/v of h as pd_layer_kv. Stores nothing.
+ * pd_layer_kv: k = rope(k_norm(in Wk^T)) at a->pos into a->k, v = in Wv^T into a->v, both
+ *   [n_tok, kv_dim] with row stride kv_dim.
+ * pd_layer_attn_mlp: attention of a->q over the pages of kv (a->seq, a->kv_len,
+ *   a->page_table), o_proj added to a->x, then the SwiGLU MLP added to a->x. */
+pd_status pd_layer_qkv(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw, int n_tok,
+                       pd_err *err);
+pd_status pd_layer_kv(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
+                      const float *in, int n_tok, pd_err *err);
+pd_status pd_layer_attn_mlp(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
+                            kern_kv_layer kv, int n_tok, int n_seq, int pt_stride, int max_kv,
+                            pd_err *err);
+
+/* Final norm and lm_head of rows idx[0..n-1] (backend int32, nullable = rows 0..n-1) of
+ * x [*, hidden] (row stride ld_x), on be (which must be able to read m's weights): the rows are
+ * copied into pick [n, hidden], normalised into normed [n, hidden], logits [n, vocab]. */
+pd_status pd_qwen3_head(const pd_qwen3_model *m, kern_backend *be, const float *x, int ld_x,
+                        const int32_t *idx, int n, float *pick, float *normed, float *logits,
+                        pd_err *err);
+
 /* ---- the target runner ------------------------------------------------------------------ */
 
 typedef struct pd_target pd_target;

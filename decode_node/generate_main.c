@@ -12,6 +12,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "pd_cp.h"
 #include "pd_engine.h"
 #include "pd_log.h"
 #include "pd_model.h"
@@ -25,10 +26,14 @@ static void usage(FILE *f)
             "                        [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
             "                        [--seed S] [--block-size B] [--ignore-eos] [--json]\n"
             "                        [--device cpu|cuda] [--page-size N] [--kv-pages N] [--stream]\n"
+            "                        [--cp-size N] [--cp-strategy round-robin-split|interleave|zigzag]\n"
             "\n"
             "Runs DSpark speculative decoding (or plain target decoding with --no-draft) on one\n"
             "prompt. --prompt-ids reads whitespace-separated token ids. --json prints one object:\n"
-            "tokens, text, rounds, accepted_per_round, tau, prompt_tokens, time_ms and more.\n");
+            "tokens, text, rounds, accepted_per_round, tau, prompt_tokens, time_ms and more.\n"
+            "--cp-size N > 1 runs the prefill context-parallel over N ranks (threads of this process\n"
+            "on the cpu device), split by --cp-strategy (default round-robin-split); the result\n"
+            "is the same as with N = 1.\n");
 }
 
 static double now_ms(void)
@@ -116,10 +121,12 @@ int main(int argc, char **argv)
     const char *model_dir = NULL, *draft_dir = NULL, *prompt = NULL, *ids_path = NULL;
     const char *device = "cpu";
     int no_draft = 0, json = 0, ignore_eos = 0, stream = 0;
-    int max_new = 128, block = 0, page_size = 16, kv_pages = 0, seed = 0, top_k = 0;
+    int max_new = 128, block = 0, page_size = 16, kv_pages = 0, seed = 0, top_k = 0, cp_size = 1;
+    pd_cp_strategy cp_strategy = PD_CP_STRATEGY_ROUND_ROBIN;
     float temperature = 0.0f, top_p = 1.0f;
     enum { O_MODEL = 256, O_DRAFT, O_NO_DRAFT, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP,
-           O_SEED, O_BLOCK, O_JSON, O_IGNORE, O_DEVICE, O_PAGE, O_PAGES, O_STREAM, O_HELP };
+           O_SEED, O_BLOCK, O_JSON, O_IGNORE, O_DEVICE, O_PAGE, O_PAGES, O_STREAM, O_CP_SIZE,
+           O_CP_STRATEGY, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"no-draft", no_argument, 0, O_NO_DRAFT}, {"prompt", required_argument, 0, O_PROMPT},
@@ -129,7 +136,9 @@ int main(int argc, char **argv)
         {"block-size", required_argument, 0, O_BLOCK}, {"json", no_argument, 0, O_JSON},
         {"ignore-eos", no_argument, 0, O_IGNORE}, {"device", required_argument, 0, O_DEVICE},
         {"page-size", required_argument, 0, O_PAGE}, {"kv-pages", required_argument, 0, O_PAGES},
-        {"stream", no_argument, 0, O_STREAM}, {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0},
+        {"stream", no_argument, 0, O_STREAM}, {"cp-size", required_argument, 0, O_CP_SIZE},
+        {"cp-strategy", required_argument, 0, O_CP_STRATEGY}, {"help", no_argument, 0, O_HELP},
+        {0, 0, 0, 0},
     };
     opterr = 0;
     int c;
@@ -153,6 +162,15 @@ int main(int argc, char **argv)
         case O_PAGE: bad = parse_int("--page-size", optarg, 1, 4096, &page_size); break;
         case O_PAGES: bad = parse_int("--kv-pages", optarg, 1, INT_MAX, &kv_pages); break;
         case O_STREAM: stream = 1; break;
+        case O_CP_SIZE: bad = parse_int("--cp-size", optarg, 1, PD_CP_MAX_SIZE, &cp_size); break;
+        case O_CP_STRATEGY: {
+            pd_err perr = {0};
+            if (pd_cp_strategy_parse(optarg, &cp_strategy, &perr) != PD_OK) {
+                fprintf(stderr, "pdspark-generate: --cp-strategy: %s\n", perr.msg);
+                bad = 1;
+            }
+            break;
+        }
         case O_HELP: usage(stdout); return 0;
         default:
             fprintf(stderr, "pdspark-generate: unknown or incomplete flag '%s'\n", argv[optind - 1]);
@@ -214,7 +232,7 @@ int main(int argc, char **argv)
         goto out;
     }
     pd_engine_config ec = { .target = tm, .draft = dm, .page_size = page_size, .n_pages = kv_pages,
-                            .block_size = block };
+                            .block_size = block, .cp_size = cp_size, .cp_strategy = cp_strategy };
     if (pd_engine_create(&ec, &eng, &err) != PD_OK)
         goto fail;
     pd_gen_params gp = { .sample = { .temperature = temperature, .top_k = top_k, .top_p = top_p,
