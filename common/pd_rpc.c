@@ -84,8 +84,9 @@ typedef struct {
 
 /* Channel args: the transport limit is twice PD_RPC_MAX_MESSAGE_BYTES, so that a request
  * between the two reaches our own check and gets INVALID_ARGUMENT with a message (gRPC would
- * say RESOURCE_EXHAUSTED, which reads as "retry later"); beyond that gRPC refuses it. Keepalive pings from clients, which
- * servers must accept at that rate (the default would answer them with GOAWAY). */
+ * say RESOURCE_EXHAUSTED, which reads as "retry later"); beyond that gRPC refuses it.
+ * Keepalive pings from clients, which servers must accept at that rate (the default would
+ * answer them with GOAWAY). */
 static const grpc_channel_args *channel_args_make(rpc_args *r, bool server)
 {
     size_t n = 0;

@@ -541,8 +541,9 @@ int main(void)
     preq.n_token_ids = 3;
     preq.token_ids = toks;
     ProtobufCMessage *presp = NULL;
-    st = pd_rpc_unary(ch, M_PREFILL, &preq.base, &pdspark__prefill_reply__descriptor, 300, &presp,
-                      &err);
+    /* 1 s: long enough for the request to reach the handler even on a loaded CI machine */
+    st = pd_rpc_unary(ch, M_PREFILL, &preq.base, &pdspark__prefill_reply__descriptor, 1000,
+                      &presp, &err);
     TEST_CHECK_MSG(st == PD_ERR_TIMEOUT, "%s: %s", pd_status_str(st), err.msg);
     TEST_CHECK(strstr(err.msg, "DEADLINE_EXCEEDED") != NULL);
     TEST_CHECK(state_wait(&s, &s.n_prefill_cancelled, 1));

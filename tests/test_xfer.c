@@ -530,7 +530,8 @@ static void test_loop_driven(void)
     pd_xfer_rkey *rk = NULL;
     uint64_t rbase = (uint64_t)(uintptr_t)pool;
     TEST_CHECK(pd_xfer_peer_create(tx, addr, addr_len, &p, &err) == PD_OK);
-    TEST_CHECK(p != NULL && pd_xfer_rkey_unpack(p, rkb, rkl, rbase, POOL_BYTES, &rk, &err) == PD_OK);
+    TEST_CHECK(p != NULL &&
+               pd_xfer_rkey_unpack(p, rkb, rkl, rbase, POOL_BYTES, &rk, &err) == PD_OK);
     enum { N = 64 };
     pd_xfer_span spans[N];
     for (unsigned i = 0; i < N; i++)
