@@ -1,0 +1,147 @@
+/* decode_api.h - the decode node's request-submission API, shared by every front end (the gRPC
+ * Generate handler in decode_grpc.c, the OpenAI HTTP API).
+ * Owns: the decode server (one engine thread with its pd_loop that owns the pd_engine, the KV
+ *   pools, the UCX worker and the prefill-node clients), request admission (validation, KV page
+ *   queueing, RESOURCE_EXHAUSTED), streaming detokenization, deadlines, cancellation, and the PD
+ *   orchestration (least-loaded prefill node, Prefill RPC with the destination descriptor,
+ *   completion or failure of the external prefill).
+ * Not here: wire formats (decode_grpc.c, the HTTP module), the engine itself (pd_engine.c).
+ * Threading: decode_submit, decode_cancel, decode_handle_release, decode_server_stats and the
+ *   decode_server_* accessors may be called from any thread. Every callback (on_token, on_done)
+ *   runs on the engine thread and must return quickly without blocking (no blocking I/O; a
+ *   non-blocking pd_rpc_stream_write or a pd_loop_post is fine); callbacks must not call
+ *   decode_server_destroy.
+ *
+ * Request lifecycle:
+ *   1. decode_submit validates what it can on the caller's thread (prompt empty or longer than
+ *      the context, ids outside the vocabulary, bad sampling params -> PD_ERR_INVALID with a
+ *      message; no callback runs and *out is not set). On PD_OK the request is queued for the
+ *      engine thread and *out is a handle holding one caller reference.
+ *   2. On the engine thread: on_token(ud, chunk) for each batch of new tokens (ids + the text
+ *      they complete; text may be "" while a UTF-8 sequence is incomplete), then exactly once
+ *      on_done(ud, result). result->status is PD_OK for a normal end (finish reason LENGTH/STOP)
+ *      or the error: PD_ERR_BUSY (no KV pages after queueing: queue full or waited too long),
+ *      PD_ERR_TIMEOUT (deadline), PD_ERR_CANCELLED (decode_cancel), PD_ERR_PEER (its prefill node
+ *      failed or timed out), PD_ERR_INVALID (a prefill node rejected it), PD_ERR_INTERNAL.
+ *   3. The caller calls decode_handle_release(h) exactly once, from any thread, when it will no
+ *      longer call decode_cancel(h) (before or after on_done). decode_cancel after on_done is a
+ *      no-op. The pointers inside a chunk / result are valid during the callback only.
+ *
+ * KV pages of a request are freed when it ends, except that pages a prefill node may still write
+ * (a Prefill in flight when the request is cancelled or fails) are held until the Prefill reply
+ * or the transfer timeout: never free memory a remote put may still write. */
+#ifndef DECODE_API_H
+#define DECODE_API_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "pd_engine.h"
+#include "pd_status.h"
+
+typedef struct decode_server decode_server;
+typedef struct decode_handle decode_handle;
+
+typedef struct {
+    const char *model_dir;          /* target checkpoint (+ tokenizer.json) */
+    const char *draft_dir;          /* DSpark checkpoint; required */
+    const char *device;             /* "cpu" (default) or "cuda" */
+    int colocated;                  /* 1: in-process prefill (pd_engine_add) */
+    const char *prefill;            /* "HOST:PORT[,HOST:PORT...]" when !colocated; a host that
+                                     * resolves to several addresses counts as several nodes */
+    int kv_pages;                   /* target pool pages (0 = engine default) */
+    int page_size;                  /* tokens per page (0 = 16) */
+    int max_batch;                  /* running requests at most (0 = 64) */
+    int max_queue;                  /* requests waiting for pages at most (0 = 256) */
+    int64_t queue_timeout_ms;       /* longest wait for pages before RESOURCE_EXHAUSTED (0 = 30000) */
+    int64_t request_timeout_ms;     /* default deadline per request (0 = none) */
+    int64_t transfer_timeout_ms;    /* bound on a Prefill call incl. its KV transfer (0 = 30000) */
+    int cp_size;                    /* colocated: context-parallel prefill ranks (0/1 = off) */
+    const char *cp_strategy;        /* colocated: NULL = engine default */
+} decode_config;
+
+void decode_config_default(decode_config *cfg);
+
+/* Loads the models and tokenizer, creates the engine, the UCX worker (disaggregated) and the
+ * prefill clients, and starts the engine thread. Errors: whatever loading reports
+ * (PD_ERR_IO, PD_ERR_INVALID, ...), PD_ERR_NOMEM, PD_ERR_INTERNAL. */
+pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd_err *err);
+/* Stops accepting work, ends every request (on_done with PD_ERR_CANCELLED), waits for Prefill
+ * calls in flight (bounded by the transfer timeout), joins the engine thread, frees. Handles not
+ * yet released stay valid for decode_cancel / decode_handle_release. NULL is a no-op. */
+void decode_server_destroy(decode_server *s);
+
+typedef struct {
+    const char *request_id;         /* for logs and echo; NULL/"" = the server assigns one */
+    const char *prompt_text;        /* exactly one of prompt_text / prompt_ids */
+    size_t prompt_text_len;
+    const int32_t *prompt_ids;      /* borrowed; copied by decode_submit */
+    int n_prompt_ids;
+    float temperature;              /* 0 = greedy; must be finite and >= 0 */
+    float top_p;                    /* 0 or 1 = off; else in (0, 1] */
+    int top_k;                      /* 0 = off */
+    uint64_t seed;
+    int max_new_tokens;             /* 0 = 128 */
+    int ignore_eos;
+    int64_t timeout_ms;             /* deadline from submission; 0 = the server default */
+} decode_req;
+
+typedef struct {
+    const char *request_id;
+    const int32_t *ids;             /* the new token ids */
+    int n_ids;
+    const char *text;               /* the text they complete (NUL-terminated, may be "") */
+    size_t text_len;
+} decode_chunk;
+
+typedef struct {
+    const char *request_id;
+    pd_status status;               /* see the lifecycle above */
+    const char *error;              /* message when status != PD_OK, else "" */
+    pd_finish_reason finish;        /* PD_FINISH_STOP = eos, PD_FINISH_LENGTH, ... */
+    const char *text_tail;          /* text held back by the detokenizer, flushed at the end */
+    size_t text_tail_len;
+    const int32_t *tokens;          /* every generated token */
+    int n_tokens;
+    int prompt_tokens;
+    int rounds;                     /* DSpark verify rounds */
+    const int *accepted_per_round;  /* [rounds]: accepted drafts + the bonus (DeepSpec's
+                                     * acceptance_length; tau is their mean) */
+    double tau;
+    int block_size;
+    const int *accepted_at_pos;     /* [block_size]: rounds whose draft k was accepted */
+    double ttft_ms;                 /* submission -> first token */
+    double time_ms;                 /* submission -> end */
+} decode_result;
+
+typedef void (*decode_token_fn)(void *ud, const decode_chunk *chunk);
+typedef void (*decode_done_fn)(void *ud, const decode_result *res);
+
+/* Submit a request (see the lifecycle above). req and its buffers are borrowed for the call.
+ * Errors: PD_ERR_INVALID (bad request, message for the client), PD_ERR_CANCELLED (shutting
+ * down), PD_ERR_NOMEM. */
+pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn on_token,
+                        decode_done_fn on_done, void *ud, decode_handle **out, pd_err *err);
+/* Ask the request to end (client gone). on_done then runs with PD_ERR_CANCELLED unless the
+ * request already ended. Any thread; a no-op after on_done. */
+void decode_cancel(decode_handle *h);
+/* Drop the caller's reference (exactly once per handle). Any thread. NULL is a no-op. */
+void decode_handle_release(decode_handle *h);
+
+typedef struct {
+    int serving;                    /* 0 while starting or stopping */
+    int active_requests;            /* admitted and not ended (incl. prefilling) */
+    int queued_requests;            /* waiting for KV pages */
+    int free_kv_pages;
+    int total_kv_pages;
+    int pages_in_use;               /* total - free: includes pages held for in-flight puts */
+    int prefill_inflight;           /* Prefill calls in flight */
+} decode_stats;
+
+/* A snapshot (updated by the engine thread after every change). Any thread. */
+void decode_server_stats(decode_server *s, decode_stats *out);
+/* "cpu"/"cuda" and "colocated"/"disaggregated", for reports. */
+const char *decode_server_device(const decode_server *s);
+const char *decode_server_mode(const decode_server *s);
+
+#endif
