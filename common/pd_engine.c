@@ -39,6 +39,7 @@ struct pd_engine {
     int cap_aux;
     kern_buf *idx_dev;
     int cap_idx;
+    pd_sps sps_default;         /* linear step-time model when no profile is given */
     /* context-parallel prefill (cp_size > 1): ranks 1.. have their own backend handle and KV
      * replica; rank 0 is the target's backend and pool */
     int cp_n;
@@ -203,6 +204,10 @@ pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err 
     if (st != PD_OK)
         goto err_free;
     e->aux_dim = pd_target_aux_dim(e->target);
+    /* without a profile the scheduler assumes a memory-bound step: t(B) = 1 + B / 64 */
+    st = pd_sps_linear(1.0, 1.0 / 64.0, 1024, &e->sps_default, err);
+    if (st != PD_OK)
+        goto err_free;
     if (e->cfg.cp_size > 1 && (st = cp_create(e, &tl, taps, n_taps, err)) != PD_OK)
         goto err_free;
     e->fscratch = malloc((size_t)e->V * sizeof(float));
@@ -245,6 +250,7 @@ void pd_engine_destroy(pd_engine *e)
     }
     free(e->cp_pool);
     free(e->cp_be);
+    pd_sps_cleanup(&e->sps_default);
     pd_target_destroy(e->target);
     pd_draft_destroy(e->draft);
     pd_kv_pool_destroy(e->tpool);
@@ -318,6 +324,11 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
     if (params->max_new_tokens < 1)
         return pd_err_set(err, PD_ERR_INVALID, "max_new_tokens %d must be >= 1", params->max_new_tokens);
     TRY(pd_sample_params_check(&params->sample, err));
+    if (params->verify_policy < PD_VERIFY_DEFAULT || params->verify_policy > PD_VERIFY_SCHEDULED)
+        return pd_err_set(err, PD_ERR_INVALID, "verify policy %d unknown", (int)params->verify_policy);
+    if (!(params->verify_threshold <= 1.0f) || params->verify_threshold < 0.0f)
+        return pd_err_set(err, PD_ERR_INVALID, "verify threshold %g must be in [0, 1]",
+                          (double)params->verify_threshold);
     TRY(grow_host((void **)&e->reqs, &e->cap_reqs, e->n_reqs + 1, sizeof(pd_request *), err));
     pd_request *r = calloc(1, sizeof(*r));
     if (r == NULL)
@@ -663,6 +674,51 @@ typedef struct {
     int32_t d[32];    /* draft tokens */
 } round_slot;
 
+static pd_verify_policy request_policy(const pd_engine *e, const pd_request *r)
+{
+    if (r->params.verify_policy != PD_VERIFY_DEFAULT)
+        return r->params.verify_policy;
+    return e->cfg.verify_policy != PD_VERIFY_DEFAULT ? e->cfg.verify_policy : PD_VERIFY_FULL;
+}
+
+/* Verification lengths from the drafts' confidences: scheduled requests are planned together
+ * (Algorithm 1 over the step's batch), threshold requests one by one, full ones keep all. */
+static void choose_lengths(pd_engine *e, round_slot **dslot, int n, const float *conf)
+{
+    int B = e->B;
+    int *maxl = malloc((size_t)n * sizeof(int)), *len = malloc((size_t)n * sizeof(int));
+    float *sc = malloc((size_t)n * B * sizeof(float));
+    round_slot **ss = malloc((size_t)n * sizeof(*ss));
+    if (maxl == NULL || len == NULL || sc == NULL || ss == NULL)
+        goto out;   /* keep full lengths: still lossless */
+    int ns = 0;
+    for (int j = 0; j < n; j++) {
+        pd_request *r = dslot[j]->r;
+        pd_verify_policy p = request_policy(e, r);
+        if (p == PD_VERIFY_THRESHOLD) {
+            float t = r->params.verify_threshold > 0.0f ? r->params.verify_threshold
+                      : (e->cfg.verify_threshold > 0.0f ? e->cfg.verify_threshold : 0.5f);
+            int ml = dslot[j]->l, l = ml;
+            pd_verify_choose(p, 1, B, conf + (size_t)j * B, &ml, e->cfg.calib, t, NULL, &l);
+            dslot[j]->l = l;
+        } else if (p == PD_VERIFY_SCHEDULED) {
+            memcpy(sc + (size_t)ns * B, conf + (size_t)j * B, (size_t)B * sizeof(float));
+            maxl[ns] = dslot[j]->l;
+            ss[ns++] = dslot[j];
+        }
+    }
+    if (ns > 0) {
+        pd_verify_choose(PD_VERIFY_SCHEDULED, ns, B, sc, maxl, e->cfg.calib, 0.0f, e->cfg.sps != NULL ? e->cfg.sps : &e->sps_default, len);
+        for (int j = 0; j < ns; j++)
+            ss[j]->l = len[j];
+    }
+out:
+    free(maxl);
+    free(len);
+    free(sc);
+    free(ss);
+}
+
 static pd_status decode_round(pd_engine *e, pd_err *err)
 {
     int max_pos = e->tm->cfg.max_position_embeddings;
@@ -673,6 +729,9 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     }
     if (n == 0)
         return PD_OK;
+    /* confidence logits are needed only when some request verifies less than everything */
+    int want_conf = 0;
+    float *conf = NULL, *conf_k = NULL;
     round_slot *slots = calloc((size_t)n, sizeof(*slots));
     if (slots == NULL)
         return pd_err_set(err, PD_ERR_NOMEM, "round slots");
@@ -728,6 +787,18 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         dslot[d_i] = &slots[i];
         d_i++;
     }
+    for (int i = 0; i < m && e->dm != NULL && e->dm->cfg.enable_confidence_head; i++)
+        want_conf |= slots[i].l > 0 && request_policy(e, slots[i].r) != PD_VERIFY_FULL;
+    if (want_conf) {
+        conf = malloc((size_t)n_draft * e->B * sizeof(float));
+        conf_k = malloc((size_t)n_draft * sizeof(float));
+        if (conf == NULL || conf_k == NULL) {
+            free(conf);
+            free(conf_k);
+            st = pd_err_set(err, PD_ERR_NOMEM, "confidence scratch");
+            goto out;
+        }
+    }
     if (any_sampled && n_draft > 0) {
         st = grow_host((void **)&e->qprobs, &e->cap_q, n_draft * e->B, (size_t)e->V * sizeof(float), err);
         if (st != PD_OK)
@@ -739,7 +810,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             goto out;
         memcpy(prev, anchor, (size_t)n_draft * 4);
         for (int k = 0; k < e->B; k++) {
-            st = pd_draft_markov_step(e->draft, k, prev, NULL, err);
+            st = pd_draft_markov_step(e->draft, k, prev, want_conf ? conf_k : NULL, err);
             if (st != PD_OK)
                 goto out;
             const float *sl = pd_draft_step_logits(e->draft);
@@ -758,8 +829,12 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
                 }
                 dslot[j]->d[k] = tok[j];
                 prev[j] = tok[j];
+                if (want_conf)
+                    conf[(size_t)j * e->B + k] = conf_k[j];
             }
         }
+        if (want_conf)
+            choose_lengths(e, dslot, n_draft, conf);
     }
     /* ---- verify: [anchor, d_1..d_l] of every request in one ragged target forward ---- */
     int n_v = 0;
@@ -888,6 +963,8 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         st = extend_draft(e, pd_target_aux(e->target), ext_rows, ext_pos, ext_owner, n_ext, err);
     free(ext_owner);
 out:
+    free(conf);
+    free(conf_k);
     free(slots);
     free(anchor);
     free(start);

@@ -20,6 +20,7 @@
 #include "pd_model.h"
 #include "pd_qwen3.h"
 #include "pd_sample.h"
+#include "pd_verify_policy.h"
 
 typedef struct {
     const pd_qwen3_model *target;      /* borrowed */
@@ -29,6 +30,10 @@ typedef struct {
     int draft_n_pages;                 /* draft pool pages (default = n_pages) */
     int block_size;                    /* drafts per round, <= the draft's block size (0 = it) */
     int max_prefill_tokens;            /* tokens per prefill forward (chunking; default 2048) */
+    pd_verify_policy verify_policy;    /* for requests that name none (DEFAULT = full) */
+    float verify_threshold;            /* threshold policy: minimum prefix survival (0.5 if 0) */
+    const pd_calib *calib;             /* confidence calibration (NULL = identity); borrowed */
+    const pd_sps *sps;                 /* steps/s curve for the scheduler (NULL = linear model) */
     int cp_size;                       /* context-parallel prefill ranks (0 or 1 = plain prefill);
                                         * > 1 runs them as threads of this process, each with its
                                         * own backend handle and KV replica (host backends only;
@@ -49,6 +54,8 @@ typedef struct {
     int ignore_eos;
     int capture_aux;         /* keep the prompt's packed aux rows in r->aux (prefill nodes) */
     int hold_kv;             /* keep the KV pages after the request ends, until release */
+    pd_verify_policy verify_policy;  /* PD_VERIFY_DEFAULT = the engine's */
+    float verify_threshold;  /* <= 0: the engine's */
 } pd_gen_params;
 
 typedef enum {

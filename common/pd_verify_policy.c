@@ -1,0 +1,403 @@
+/* pd_verify_policy.c - verification-length policies, SPS curve, confidence calibration.
+ * See pd_verify_policy.h. The scheduler follows the DSpark paper's Algorithm 1: prefix survival
+ *   a_{r,j} = prod_{i<=j} c_{r,i}; candidates sorted by a_{r,j}; greedy admission while
+ *   tau * SPS(B) rises; early stop at the first drop.
+ * Threading: pure. */
+#include "pd_verify_policy.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+pd_status pd_verify_policy_parse(const char *s, pd_verify_policy *out, pd_err *err)
+{
+    if (strcmp(s, "full") == 0)
+        *out = PD_VERIFY_FULL;
+    else if (strcmp(s, "threshold") == 0)
+        *out = PD_VERIFY_THRESHOLD;
+    else if (strcmp(s, "scheduled") == 0)
+        *out = PD_VERIFY_SCHEDULED;
+    else
+        return pd_err_set(err, PD_ERR_INVALID, "verify policy '%s' (expected full, threshold or scheduled)", s);
+    return PD_OK;
+}
+
+const char *pd_verify_policy_name(pd_verify_policy p)
+{
+    switch (p) {
+    case PD_VERIFY_DEFAULT: return "default";
+    case PD_VERIFY_FULL: return "full";
+    case PD_VERIFY_THRESHOLD: return "threshold";
+    case PD_VERIFY_SCHEDULED: return "scheduled";
+    }
+    return "?";
+}
+
+static double sigm(double x) { return 1.0 / (1.0 + exp(-x)); }
+
+void pd_calib_identity(pd_calib *c, int n)
+{
+    c->n = n < PD_CALIB_MAX ? n : PD_CALIB_MAX;
+    for (int i = 0; i < PD_CALIB_MAX; i++)
+        c->temp[i] = 1.0f;
+}
+
+static double calib_c(const pd_calib *c, int k, float logit)
+{
+    double t = (c != NULL && k < c->n && c->temp[k] > 0.0f) ? c->temp[k] : 1.0;
+    return sigm(logit / t);
+}
+
+pd_status pd_calib_load(const char *dir, pd_calib *out, pd_err *err)
+{
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/dspark_calibration.json", dir);
+    FILE *f = fopen(path, "rb");
+    if (f == NULL)
+        return pd_err_set(err, PD_ERR_NOT_FOUND, "%s: %s", path, strerror(errno));
+    char buf[65536];
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    cJSON *o = cJSON_Parse(buf);
+    cJSON *t = cJSON_GetObjectItem(o, "temperatures");
+    if (o == NULL || !cJSON_IsArray(t) || cJSON_GetArraySize(t) < 1 || cJSON_GetArraySize(t) > PD_CALIB_MAX) {
+        cJSON_Delete(o);
+        return pd_err_set(err, PD_ERR_INVALID, "%s: expected an object with \"temperatures\": [1..%d numbers]",
+                          path, PD_CALIB_MAX);
+    }
+    pd_calib c;
+    pd_calib_identity(&c, cJSON_GetArraySize(t));
+    for (int i = 0; i < c.n; i++) {
+        cJSON *v = cJSON_GetArrayItem(t, i);
+        if (!cJSON_IsNumber(v) || !(v->valuedouble > 0.0) || !isfinite(v->valuedouble)) {
+            cJSON_Delete(o);
+            return pd_err_set(err, PD_ERR_INVALID, "%s: temperatures[%d] must be a positive number", path, i);
+        }
+        c.temp[i] = (float)v->valuedouble;
+    }
+    cJSON_Delete(o);
+    *out = c;
+    return PD_OK;
+}
+
+pd_status pd_calib_save(const char *path, const pd_calib *c, const double *ece_before, const double *ece_after,
+                        int n_rounds_fit, pd_err *err)
+{
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddNumberToObject(o, "version", 1);
+    cJSON_AddStringToObject(o, "method", "sequential temperature scaling of the confidence logits, per position");
+    cJSON *t = cJSON_AddArrayToObject(o, "temperatures");
+    for (int i = 0; i < c->n; i++)
+        cJSON_AddItemToArray(t, cJSON_CreateNumber(c->temp[i]));
+    cJSON_AddNumberToObject(o, "rounds_fitted", n_rounds_fit);
+    if (ece_before != NULL && ece_after != NULL) {
+        cJSON *b = cJSON_AddArrayToObject(o, "heldout_ece_before"), *a = cJSON_AddArrayToObject(o, "heldout_ece_after");
+        for (int i = 0; i < c->n; i++) {
+            cJSON_AddItemToArray(b, cJSON_CreateNumber(ece_before[i]));
+            cJSON_AddItemToArray(a, cJSON_CreateNumber(ece_after[i]));
+        }
+    }
+    char *s = cJSON_Print(o);
+    cJSON_Delete(o);
+    FILE *f = fopen(path, "wb");
+    if (f == NULL) {
+        free(s);
+        return pd_err_set(err, PD_ERR_IO, "%s: %s", path, strerror(errno));
+    }
+    int ok = fputs(s, f) >= 0 && fputc('\n', f) != EOF;
+    ok &= fclose(f) == 0;
+    free(s);
+    return ok ? PD_OK : pd_err_set(err, PD_ERR_IO, "%s: write failed", path);
+}
+
+static double bce(const pd_calib_obs *obs, int n, int k, double t)
+{
+    double s = 0.0;
+    for (int i = 0; i < n; i++) {
+        if (obs[i].k != k)
+            continue;
+        double p = sigm(obs[i].logit / t);
+        p = p < 1e-12 ? 1e-12 : (p > 1.0 - 1e-12 ? 1.0 - 1e-12 : p);
+        s -= obs[i].survived ? log(p) : log(1.0 - p);
+    }
+    return s;
+}
+
+void pd_calib_fit(const pd_calib_obs *obs, int n_obs, int n_pos, pd_calib *out)
+{
+    pd_calib_identity(out, n_pos);
+    const double gr = (sqrt(5.0) - 1.0) / 2.0;
+    for (int k = 0; k < out->n; k++) {
+        int cnt = 0;
+        for (int i = 0; i < n_obs; i++)
+            cnt += obs[i].k == k;
+        if (cnt < 10)
+            continue;   /* too little evidence: keep T = 1 */
+        double lo = log(0.05), hi = log(20.0);
+        double x1 = hi - gr * (hi - lo), x2 = lo + gr * (hi - lo);
+        double f1 = bce(obs, n_obs, k, exp(x1)), f2 = bce(obs, n_obs, k, exp(x2));
+        for (int it = 0; it < 80; it++) {
+            if (f1 < f2) {
+                hi = x2;
+                x2 = x1;
+                f2 = f1;
+                x1 = hi - gr * (hi - lo);
+                f1 = bce(obs, n_obs, k, exp(x1));
+            } else {
+                lo = x1;
+                x1 = x2;
+                f1 = f2;
+                x2 = lo + gr * (hi - lo);
+                f2 = bce(obs, n_obs, k, exp(x2));
+            }
+        }
+        out->temp[k] = (float)exp((lo + hi) / 2.0);
+    }
+}
+
+void pd_calib_ece(const float *logits, const int *accepted, int n_rounds, int n_pos, const pd_calib *c,
+                  double *ece_out)
+{
+    enum { BINS = 10 };
+    for (int k = 0; k < n_pos; k++) {
+        double sp[BINS] = {0}, sy[BINS] = {0};
+        int cnt[BINS] = {0};
+        for (int r = 0; r < n_rounds; r++) {
+            double a = 1.0;
+            for (int i = 0; i <= k; i++)
+                a *= calib_c(c, i, logits[(size_t)r * n_pos + i]);
+            int b = (int)(a * BINS);
+            b = b >= BINS ? BINS - 1 : b;
+            sp[b] += a;
+            sy[b] += accepted[r] > k;
+            cnt[b]++;
+        }
+        double e = 0.0;
+        for (int b = 0; b < BINS; b++)
+            if (cnt[b] > 0)
+                e += fabs(sp[b] - sy[b]) / (n_rounds > 0 ? n_rounds : 1);
+        ece_out[k] = e;
+    }
+}
+
+/* ---- SPS ---------------------------------------------------------------------------------- */
+
+pd_status pd_sps_from_times(const double *t, int n, pd_sps *out, pd_err *err)
+{
+    if (n < 1)
+        return pd_err_set(err, PD_ERR_INVALID, "sps: no step times");
+    double *h = malloc((size_t)(n + 1) * sizeof(double));
+    int *hull = malloc((size_t)(n + 1) * sizeof(int));
+    if (h == NULL || hull == NULL) {
+        free(h);
+        free(hull);
+        return pd_err_set(err, PD_ERR_NOMEM, "sps table");
+    }
+    for (int b = 1; b <= n; b++)
+        if (!(t[b] > 0.0) || !isfinite(t[b])) {
+            free(h);
+            free(hull);
+            return pd_err_set(err, PD_ERR_INVALID, "sps: step time for %d tokens is %g", b, t[b]);
+        }
+    /* lower convex hull of (b, t[b]) (monotone chain) */
+    int m = 0;
+    for (int b = 1; b <= n; b++) {
+        while (m >= 2) {
+            int i = hull[m - 2], j = hull[m - 1];
+            double cross = (j - i) * (t[b] - t[i]) - (t[j] - t[i]) * (b - i);
+            if (cross <= 0.0)
+                m--;
+            else
+                break;
+        }
+        hull[m++] = b;
+    }
+    for (int s = 0; s + 1 < m; s++) {
+        int i = hull[s], j = hull[s + 1];
+        for (int b = i; b <= j; b++)
+            h[b] = t[i] + (t[j] - t[i]) * (double)(b - i) / (double)(j - i);
+    }
+    h[hull[m - 1]] = t[hull[m - 1]];
+    /* a bigger batch never takes less time */
+    for (int b = 2; b <= n; b++)
+        if (h[b] < h[b - 1])
+            h[b] = h[b - 1];
+    out->max_tokens = n;
+    out->sps = h;
+    for (int b = 1; b <= n; b++)
+        h[b] = 1.0 / h[b];
+    free(hull);
+    return PD_OK;
+}
+
+pd_status pd_sps_linear(double t0, double t1, int n, pd_sps *out, pd_err *err)
+{
+    double *t = malloc((size_t)(n + 1) * sizeof(double));
+    if (t == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "sps table");
+    for (int b = 1; b <= n; b++)
+        t[b] = t0 + t1 * b;
+    pd_status st = pd_sps_from_times(t, n, out, err);
+    free(t);
+    return st;
+}
+
+pd_status pd_sps_save(const char *path, const char *key, const double *times, int n, pd_err *err)
+{
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "key", key);
+    cJSON *a = cJSON_AddArrayToObject(o, "step_seconds");
+    for (int b = 1; b <= n; b++)
+        cJSON_AddItemToArray(a, cJSON_CreateNumber(times[b]));
+    char *s = cJSON_PrintUnformatted(o);
+    cJSON_Delete(o);
+    FILE *f = fopen(path, "wb");
+    if (f == NULL) {
+        free(s);
+        return pd_err_set(err, PD_ERR_IO, "%s: %s", path, strerror(errno));
+    }
+    fputs(s, f);
+    free(s);
+    return fclose(f) == 0 ? PD_OK : pd_err_set(err, PD_ERR_IO, "%s: write failed", path);
+}
+
+pd_status pd_sps_load(const char *path, const char *key, pd_sps *out, pd_err *err)
+{
+    FILE *f = fopen(path, "rb");
+    if (f == NULL)
+        return pd_err_set(err, PD_ERR_NOT_FOUND, "%s: %s", path, strerror(errno));
+    fseek(f, 0, SEEK_END);
+    long len = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *buf = len > 0 && len < (64 << 20) ? malloc((size_t)len + 1) : NULL;
+    size_t got = buf != NULL ? fread(buf, 1, (size_t)len, f) : 0;
+    fclose(f);
+    if (buf == NULL || got != (size_t)len) {
+        free(buf);
+        return pd_err_set(err, PD_ERR_INVALID, "%s: unreadable sps cache", path);
+    }
+    buf[len] = '\0';
+    cJSON *o = cJSON_Parse(buf);
+    free(buf);
+    cJSON *k = cJSON_GetObjectItem(o, "key"), *a = cJSON_GetObjectItem(o, "step_seconds");
+    if (o == NULL || !cJSON_IsString(k) || !cJSON_IsArray(a) || cJSON_GetArraySize(a) < 1) {
+        cJSON_Delete(o);
+        return pd_err_set(err, PD_ERR_INVALID, "%s: malformed sps cache", path);
+    }
+    if (strcmp(k->valuestring, key) != 0) {
+        cJSON_Delete(o);
+        return pd_err_set(err, PD_ERR_NOT_FOUND, "%s: cached for another model/device/build", path);
+    }
+    int n = cJSON_GetArraySize(a);
+    double *t = malloc((size_t)(n + 1) * sizeof(double));
+    if (t == NULL) {
+        cJSON_Delete(o);
+        return pd_err_set(err, PD_ERR_NOMEM, "sps table");
+    }
+    for (int b = 1; b <= n; b++)
+        t[b] = cJSON_GetArrayItem(a, b - 1)->valuedouble;
+    cJSON_Delete(o);
+    pd_status st = pd_sps_from_times(t, n, out, err);
+    free(t);
+    return st;
+}
+
+void pd_sps_cleanup(pd_sps *s)
+{
+    free(s->sps);
+    s->sps = NULL;
+    s->max_tokens = 0;
+}
+
+double pd_sps_at(const pd_sps *s, int b)
+{
+    if (s == NULL || s->sps == NULL || b < 1)
+        return 1.0;
+    if (b > s->max_tokens)   /* beyond the profile: time grows linearly from the last point */
+        return s->sps[s->max_tokens] * s->max_tokens / b;
+    return s->sps[b];
+}
+
+/* ---- choosing lengths ---------------------------------------------------------------------- */
+
+typedef struct {
+    double a;
+    int r, j;
+} cand;
+
+static int cand_cmp(const void *x, const void *y)
+{
+    const cand *p = x, *q = y;
+    if (p->a != q->a)
+        return p->a < q->a ? 1 : -1;
+    if (p->j != q->j)
+        return p->j - q->j;
+    return p->r - q->r;
+}
+
+double pd_verify_choose(pd_verify_policy p, int n_req, int B, const float *conf_logits, const int *max_len,
+                        const pd_calib *calib, float threshold, const pd_sps *sps, int *out_len)
+{
+    double expected = 0.0;
+    if (p == PD_VERIFY_FULL || p == PD_VERIFY_DEFAULT || conf_logits == NULL) {
+        for (int r = 0; r < n_req; r++)
+            out_len[r] = max_len[r];
+        return -1.0;
+    }
+    if (p == PD_VERIFY_THRESHOLD) {
+        for (int r = 0; r < n_req; r++) {
+            double a = 1.0;
+            int l = 0;
+            for (int j = 0; j < max_len[r]; j++) {
+                a *= calib_c(calib, j, conf_logits[(size_t)r * B + j]);
+                if (a < threshold)
+                    break;
+                l = j + 1;
+                expected += a;
+            }
+            out_len[r] = l;
+            expected += 1.0;
+        }
+        return expected;
+    }
+    /* scheduled */
+    int n_c = 0;
+    for (int r = 0; r < n_req; r++)
+        n_c += max_len[r];
+    cand *c = malloc((size_t)(n_c > 0 ? n_c : 1) * sizeof(cand));
+    if (c == NULL) {   /* no memory for the plan: verify everything (still lossless) */
+        for (int r = 0; r < n_req; r++)
+            out_len[r] = max_len[r];
+        return -1.0;
+    }
+    int i = 0;
+    for (int r = 0; r < n_req; r++) {
+        double a = 1.0;
+        for (int j = 0; j < max_len[r]; j++) {
+            a *= calib_c(calib, j, conf_logits[(size_t)r * B + j]);
+            c[i++] = (cand){ .a = a, .r = r, .j = j + 1 };
+        }
+        out_len[r] = 0;
+    }
+    qsort(c, (size_t)n_c, sizeof(cand), cand_cmp);
+    double tau = n_req;   /* every request gets its bonus token */
+    int tokens = n_req;
+    double best = tau * pd_sps_at(sps, tokens);
+    for (i = 0; i < n_c; i++) {
+        if (c[i].j != out_len[c[i].r] + 1)
+            continue;   /* not the next prefix position (cannot happen with sorted a; kept safe) */
+        double next = (tau + c[i].a) * pd_sps_at(sps, tokens + 1);
+        if (next <= best)
+            break;      /* the first drop ends the search */
+        best = next;
+        tau += c[i].a;
+        tokens++;
+        out_len[c[i].r] = c[i].j;
+    }
+    free(c);
+    return tau;
+}

@@ -1,0 +1,79 @@
+/* pd_verify_policy.h - how many draft tokens each request verifies per step.
+ * Owns: the policies (full, threshold, scheduled = the DSpark paper's Algorithm 1 "hardware-aware
+ *   prefix scheduler"), the steps-per-second curve SPS(B) they use (profiled, smoothed, cached),
+ *   and the per-position confidence calibration (Sequential Temperature Scaling) with its JSON
+ *   file.
+ * Losslessness: any verification length is lossless (verification accepts a prefix of what it
+ *   checks); the scheduler only decides how many tokens to check, from draft-side confidences.
+ * Threading: pure functions on caller-owned data; a pd_sps / pd_calib is immutable once built. */
+#ifndef PD_VERIFY_POLICY_H
+#define PD_VERIFY_POLICY_H
+
+#include <stdint.h>
+
+#include "pd_status.h"
+
+#define PD_CALIB_MAX 32
+
+/* DEFAULT (0, what zero-initialised params hold) defers to the engine's policy, then full. */
+typedef enum { PD_VERIFY_DEFAULT = 0, PD_VERIFY_FULL, PD_VERIFY_THRESHOLD, PD_VERIFY_SCHEDULED } pd_verify_policy;
+
+pd_status pd_verify_policy_parse(const char *s, pd_verify_policy *out, pd_err *err);
+const char *pd_verify_policy_name(pd_verify_policy p);
+
+/* Per-position temperatures of the confidence logits: c_k = sigmoid(logit_k / T_k). */
+typedef struct {
+    int n;                       /* positions (the draft's block size); 0 = identity */
+    float temp[PD_CALIB_MAX];
+} pd_calib;
+
+void pd_calib_identity(pd_calib *c, int n);
+/* Reads <dir>/dspark_calibration.json when it exists: PD_ERR_NOT_FOUND when absent (callers
+ * then use identity), PD_ERR_INVALID naming the field when malformed. */
+pd_status pd_calib_load(const char *draft_dir, pd_calib *out, pd_err *err);
+pd_status pd_calib_save(const char *path, const pd_calib *c, const double *ece_before,
+                        const double *ece_after, int n_rounds_fit, pd_err *err);
+
+/* One observation for calibration: position k's confidence logit and whether draft k was
+ * accepted given that drafts 0..k-1 were (only positions reached are recorded). */
+typedef struct {
+    int k;
+    float logit;
+    int survived;
+} pd_calib_obs;
+
+/* Fits T_k per position by minimising the binary cross-entropy of sigmoid(logit / T_k) on the
+ * observations of position k (golden-section search over log T in [0.05, 20]). */
+void pd_calib_fit(const pd_calib_obs *obs, int n_obs, int n_pos, pd_calib *out);
+/* Expected calibration error of prefix survival per position: rounds[r] holds the n_pos
+ * confidence logits of a round and accepted[r] the drafts it accepted; for each k the predicted
+ * a_k = prod_{i<=k} c_i is binned (10 bins) against the event "accepted > k". */
+void pd_calib_ece(const float *logits, const int *accepted, int n_rounds, int n_pos, const pd_calib *c,
+                  double *ece_out);
+
+/* Steps per second of a verify step with B tokens, B = 1..max_tokens. */
+typedef struct {
+    int max_tokens;
+    double *sps;                 /* [max_tokens + 1], sps[0] unused */
+} pd_sps;
+
+/* From measured step times (seconds) t[1..n]: the lower convex hull of (B, t(B)) made
+ * non-decreasing, so jagged steps of the curve do not trap the greedy search. */
+pd_status pd_sps_from_times(const double *t, int n, pd_sps *out, pd_err *err);
+/* A linear model t(B) = t0 + t1 * B (used when no profile exists). */
+pd_status pd_sps_linear(double t0, double t1, int n, pd_sps *out, pd_err *err);
+pd_status pd_sps_load(const char *path, const char *key, pd_sps *out, pd_err *err);
+pd_status pd_sps_save(const char *path, const char *key, const double *times, int n, pd_err *err);
+void pd_sps_cleanup(pd_sps *s);
+double pd_sps_at(const pd_sps *s, int b);
+
+/* Chooses verification lengths. conf_logits[r * B + k]: confidence logit of draft k of request
+ * r; max_len[r]: the most request r may verify (block size, or less near the context end);
+ * out_len[r] in 0..max_len[r]. threshold: longest prefix with a_{r,j} >= t. scheduled:
+ * Algorithm 1 - candidates (r, j) by a_{r,j} descending, admitted while the expected
+ * throughput (sum_r (1 + sum_{j<=l_r} a_{r,j})) * SPS(sum_r (l_r + 1)) rises; stop at the first
+ * drop. full: out_len = max_len. Returns the expected accepted tokens of the chosen plan. */
+double pd_verify_choose(pd_verify_policy p, int n_req, int B, const float *conf_logits, const int *max_len,
+                        const pd_calib *calib, float threshold, const pd_sps *sps, int *out_len);
+
+#endif
