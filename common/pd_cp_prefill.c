@@ -468,7 +468,16 @@ static pd_status comms_create(pd_cp_group *g, pd_err *err)
             o[r].device = g->res[r].device;
             o[r].timeout_ms = g->timeout_ms;
         }
+#ifdef PD_HAVE_CUDA
+        /* creating the ranks switches this thread's device; the caller keeps its own */
+        int dev = 0;
+        int have_dev = cudaGetDevice(&dev) == cudaSuccess;
+#endif
         st = pd_comm_nccl_create_all(g->n, o, g->comms, err);
+#ifdef PD_HAVE_CUDA
+        if (have_dev)
+            (void)cudaSetDevice(dev);
+#endif
         free(o);
     } else {
         pd_comm_local_opts lo = { .copy = g->copy, .copy_ud = g->copy_ud,

@@ -10,7 +10,10 @@
  *    aux the drafter receives has the shape and content of the cp_size 1 packed aux;
  *  - the seed's bug: handing the drafter the pre-norm hidden state fails (guard and engine);
  *  - T = 0 and a rank that fails mid-group return an error at once, never hang.
- * Usage: test_cp_prefill [--quick] (--quick: cp_size 2 only). */
+ * With --nccl N (CUDA builds): the same forward over N GPUs, one CUDA backend and model copy per
+ *   rank and an NCCL communicator, against the single-GPU forward within bf16 tolerance; skips
+ *   (77) without NCCL or N GPUs.
+ * Usage: test_cp_prefill [--quick] [--nccl N] (--quick: cp_size 2 only). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,7 +27,11 @@
 #include "pd_safetensors.h"
 #include "test_util.h"
 
-#define TOL 1e-5
+#ifdef PD_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+static double TOL = 1e-5;
 #define PAGE 8
 #define N_PAGES 128
 #define MAX_RANKS 4
@@ -116,21 +123,26 @@ static float *read_kv(kern_backend *be, pd_kv_pool *pool, const batch *b, pd_kv_
 {
     int L = tm->cfg.num_hidden_layers, D = tm->cfg.num_key_value_heads * tm->cfg.head_dim;
     float *out = calloc(kv_index(b, b->n_seqs, 0, 0, 0) + 1, sizeof(float));
+    size_t es = kern_dtype_size(pd_kv_pool_layout(pool)->dtype);
+    unsigned char *raw = malloc((size_t)D * es);
     pd_err err;
     for (int s = 0; s < b->n_seqs; s++)
         for (int l = 0; l < L; l++) {
             kern_kv_layer kl = pd_kv_pool_layer(pool, l);
             for (int p = 0; p < b->lens[s]; p++) {
                 size_t slot = (size_t)pd_kv_seq_slot(pool, &seqs[s], p);
-                if (kern_download(be, out + kv_index(b, s, l, p, 0), (const float *)kl.k + slot * D,
-                                  (size_t)D * sizeof(float), &err) != PD_OK ||
-                    kern_download(be, out + kv_index(b, s, l, p, 1), (const float *)kl.v + slot * D,
-                                  (size_t)D * sizeof(float), &err) != PD_OK) {
-                    fprintf(stderr, "kv download: %s\n", err.msg);
-                    exit(1);
+                for (int k = 0; k < 2; k++) {
+                    const unsigned char *src = (const unsigned char *)(k ? kl.v : kl.k) + slot * D * es;
+                    if (kern_download(be, raw, src, (size_t)D * es, &err) != PD_OK ||
+                        kern_convert_host(out + kv_index(b, s, l, p, k), KERN_DTYPE_F32, raw, kl.dtype,
+                                          (size_t)D, &err) != PD_OK) {
+                        fprintf(stderr, "kv download: %s\n", err.msg);
+                        exit(1);
+                    }
                 }
             }
         }
+    free(raw);
     return out;
 }
 
@@ -144,16 +156,23 @@ static long stray_kv(kern_backend *be, pd_kv_pool *pool, const batch *b, pd_kv_s
         for (int p = 0; p < b->lens[s]; p++)
             owned[pd_kv_seq_slot(pool, &seqs[s], p)] = 1;
     long stray = 0;
+    size_t row = (size_t)D * kern_dtype_size(pd_kv_pool_layout(pool)->dtype);
+    unsigned char *k = malloc(n_slots * row), *v = malloc(n_slots * row);
+    pd_err err;
     for (int l = 0; l < L; l++) {
         kern_kv_layer kl = pd_kv_pool_layer(pool, l);
-        float *k = download(be, kl.k, n_slots * D), *v = download(be, kl.v, n_slots * D);
+        if (kern_download(be, k, kl.k, n_slots * row, &err) != PD_OK ||
+            kern_download(be, v, kl.v, n_slots * row, &err) != PD_OK) {
+            fprintf(stderr, "kv download: %s\n", err.msg);
+            exit(1);
+        }
         for (size_t sl = 0; sl < n_slots; sl++)
             if (!owned[sl])
-                for (int i = 0; i < D; i++)
-                    stray += k[sl * D + i] != 0.0f || v[sl * D + i] != 0.0f;
-        free(k);
-        free(v);
+                for (size_t i = 0; i < row; i++)   /* the pool starts zeroed */
+                    stray += k[sl * row + i] != 0 || v[sl * row + i] != 0;
     }
+    free(k);
+    free(v);
     free(owned);
     return stray;
 }
@@ -623,12 +642,142 @@ static void test_errors(void)
     printf("errors ok\n");
 }
 
+/* ---- NCCL: one GPU per rank --------------------------------------------------------------- */
+
+static void set_device(int d)
+{
+#ifdef PD_HAVE_CUDA
+    (void)cudaSetDevice(d);
+#else
+    (void)d;
+#endif
+}
+
+static int test_nccl(int n)
+{
+    if (!pd_comm_nccl_available())
+        TEST_SKIP("this build has no NCCL communicator (PD_WITH_CUDA=OFF)");
+    if (n < 2 || n > MAX_RANKS)
+        TEST_SKIP("--nccl wants 2..4 ranks");
+    pd_err err;
+    kern_backend *bes[MAX_RANKS] = {0};
+    pd_qwen3_model *ms[MAX_RANKS] = {0};
+    /* device 0 last, so this thread ends on it (a CUDA backend runs on the current device) */
+    for (int r = n - 1; r >= 0; r--) {
+        kern_backend_config bc = { .name = "cuda", .device = r };
+        set_device(r);
+        if (kern_backend_create(&bc, &bes[r], &err) != PD_OK)
+            TEST_SKIP(err.msg);
+        if (pd_qwen3_load(bes[r], PD_MODELS "/tiny-code-qwen3", &ms[r], &err) != PD_OK) {
+            fprintf(stderr, "load on device %d: %s\n", r, err.msg);
+            return 1;
+        }
+    }
+    be0 = bes[0];
+    tm = ms[0];
+    TOL = 1e-2;   /* bf16 weights and KV; the ranks' GEMMs have other shapes than cp 1's */
+    pd_st_set *g = NULL;
+    if (pd_st_open(PD_FIXTURES "/golden/golden.safetensors", &g, &err) != PD_OK) {
+        fprintf(stderr, "goldens: %s\n", err.msg);
+        return 1;
+    }
+    const int32_t *gsrc[4];
+    int32_t glens[4];
+    for (int p = 0; p < 4; p++) {
+        char name[32];
+        snprintf(name, sizeof(name), "g%d.input_ids", p);
+        const pd_st_tensor *t = pd_st_find(g, name);
+        gsrc[p] = t->data;
+        glens[p] = (int32_t)t->shape[0];
+    }
+    batch gold = batch_of(4, glens, gsrc);
+    result ref = reference(&gold);
+    for (int st = 0; st < PD_CP_STRATEGY_COUNT; st++) {
+        pd_kv_pool *pools[MAX_RANKS];
+        pd_cp_rank_res res[MAX_RANKS];
+        for (int r = n - 1; r >= 0; r--) {
+            set_device(r);
+            pools[r] = new_pool(bes[r]);
+            res[r] = (pd_cp_rank_res){ .be = bes[r], .model = ms[r], .pool = pools[r], .device = r };
+        }
+        pd_cp_group_config gc = { .opts = { .strategy = (pd_cp_strategy)st, .cp_size = n },
+                                  .comm = PD_CP_COMM_NCCL, .ranks = res, .taps = taps,
+                                  .n_taps = n_taps, .timeout_ms = 60000 };
+        pd_cp_group *grp = NULL;
+        pd_status s = pd_cp_group_create(&gc, &grp, &err);
+        TEST_CHECK_MSG(s == PD_OK, "nccl group: %s", err.msg);
+        if (s != PD_OK)
+            break;
+        pd_kv_seq seqs[MAX_RANKS][8];
+        pd_kv_seq *sp[MAX_RANKS][8];
+        pd_kv_seq *const *rank_sp[MAX_RANKS];
+        for (int r = 0; r < n; r++) {
+            reserve_all(pools[r], &gold, seqs[r]);
+            for (int q = 0; q < gold.n_seqs; q++)
+                sp[r][q] = &seqs[r][q];
+            rank_sp[r] = sp[r];
+        }
+        int32_t rows[8];
+        last_rows(&gold, rows);
+        pd_cp_group_batch gb = { .n_seqs = gold.n_seqs, .seq_lens = gold.lens, .ids = gold.ids,
+                                 .seqs = rank_sp, .logit_rows = rows, .n_logits = gold.n_seqs };
+        s = pd_cp_group_prefill(grp, &gb, &err);
+        TEST_CHECK_MSG(s == PD_OK, "nccl prefill %s: %s", pd_cp_strategy_name(st), err.msg);
+        set_device(0);
+        if (s == PD_OK) {
+            int H = tm->cfg.hidden_size, V = tm->cfg.vocab_size, bad = 0, same_first = 0;
+            size_t D = (size_t)tm->cfg.num_key_value_heads * tm->cfg.head_dim;
+            pd_cp_rank *r0 = pd_cp_group_rank(grp, 0);
+            TEST_CHECK(pd_cp_group_plan(grp)->split == 1);
+            float *aux = download(be0, pd_cp_rank_aux(r0).data, (size_t)gold.T * n_taps * H);
+            check_rel("aux", aux, ref.aux, (size_t)gold.T * n_taps * H, &bad);
+            float *lg = download(be0, pd_cp_rank_logits(r0), (size_t)gold.n_seqs * V);
+            check_rel("logits", lg, ref.logits, (size_t)gold.n_seqs * V, &bad);
+            for (int q = 0; q < gold.n_seqs; q++)
+                same_first += pd_cp_rank_first_tokens(r0)[q] == ref.first[q];
+            float *kv = read_kv(be0, pools[0], &gold, seqs[0]);
+            size_t n_kv = kv_index(&gold, gold.n_seqs, 0, 0, 0);
+            check_rel("kv", kv, ref.kv[0], n_kv, &bad);
+            (void)D;
+            TEST_CHECK_MSG(stray_kv(be0, pools[0], &gold, seqs[0]) == 0, "nccl %s: stray KV",
+                           pd_cp_strategy_name(st));
+            TEST_CHECK_MSG(bad == 0, "nccl %d ranks %s: %d mismatches", n, pd_cp_strategy_name(st), bad);
+            printf("nccl %d ranks %-17s aux %.2e logits %.2e kv %.2e, first tokens equal %d/%d\n", n,
+                   pd_cp_strategy_name(st), test_rel_l2(aux, ref.aux, (size_t)gold.T * n_taps * H),
+                   test_rel_l2(lg, ref.logits, (size_t)gold.n_seqs * V), test_rel_l2(kv, ref.kv[0], n_kv),
+                   same_first, gold.n_seqs);
+            free(aux);
+            free(lg);
+            free(kv);
+        }
+        pd_cp_group_destroy(grp);
+        for (int r = n - 1; r >= 0; r--) {
+            set_device(r);
+            release_all(pools[r], &gold, seqs[r]);
+            pd_kv_pool_destroy(pools[r]);
+        }
+        set_device(0);
+    }
+    result_free(&ref);
+    batch_free(&gold);
+    pd_st_close(g);
+    for (int r = n - 1; r >= 0; r--) {
+        set_device(r);
+        pd_qwen3_free(ms[r]);
+        kern_backend_destroy(bes[r]);
+    }
+    TEST_DONE();
+}
+
 int main(int argc, char **argv)
 {
     int max_cp = MAX_RANKS;
-    for (int i = 1; i < argc; i++)
+    for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--quick") == 0)
             max_cp = 2;
+        else if (strcmp(argv[i], "--nccl") == 0 && i + 1 < argc)
+            return test_nccl(atoi(argv[++i]));
+    }
     pd_err err;
     kern_backend_config bc = { .name = "cpu", .threads = 1 };
     if (kern_backend_create(&bc, &be0, &err) != PD_OK ||
