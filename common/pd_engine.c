@@ -231,6 +231,8 @@ static void request_free(pd_engine *e, pd_request *r)
         pd_kv_seq_release(e->dpool, &r->dkv);
     free(r->prompt);
     free(r->aux);
+    free(r->conf_log);
+    free(r->verified);
     free(r->out);
     free(r->accepted);
     free(r);
@@ -788,7 +790,8 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         d_i++;
     }
     for (int i = 0; i < m && e->dm != NULL && e->dm->cfg.enable_confidence_head; i++)
-        want_conf |= slots[i].l > 0 && request_policy(e, slots[i].r) != PD_VERIFY_FULL;
+        want_conf |= slots[i].l > 0 && (request_policy(e, slots[i].r) != PD_VERIFY_FULL ||
+                                        slots[i].r->params.record_confidence);
     if (want_conf) {
         conf = malloc((size_t)n_draft * e->B * sizeof(float));
         conf_k = malloc((size_t)n_draft * sizeof(float));
@@ -833,8 +836,20 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
                     conf[(size_t)j * e->B + k] = conf_k[j];
             }
         }
-        if (want_conf)
+        if (want_conf) {
             choose_lengths(e, dslot, n_draft, conf);
+            for (int j = 0; j < n_draft; j++) {
+                pd_request *r = dslot[j]->r;
+                if (!r->params.record_confidence)
+                    continue;
+                float *nl = realloc(r->conf_log, (size_t)(r->n_conf_rounds + 1) * e->B * sizeof(float));
+                if (nl == NULL)
+                    continue;
+                r->conf_log = nl;
+                memcpy(nl + (size_t)r->n_conf_rounds * e->B, conf + (size_t)j * e->B, (size_t)e->B * sizeof(float));
+                r->n_conf_rounds++;
+            }
+        }
     }
     /* ---- verify: [anchor, d_1..d_l] of every request in one ragged target forward ---- */
     int n_v = 0;
@@ -922,7 +937,17 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             r->accepted_at_pos[k]++;
         int commit = stop_at >= 0 ? stop_at + 1 : a;
         pd_err rerr;
+        int cap_before = r->cap_rounds;
         pd_status rs = grow_host((void **)&r->accepted, &r->cap_rounds, r->n_rounds + 1, sizeof(int), &rerr);
+        if (rs == PD_OK && (r->verified == NULL || r->cap_rounds != cap_before)) {
+            int *nv = realloc(r->verified, (size_t)r->cap_rounds * sizeof(int));
+            if (nv == NULL)
+                rs = pd_err_set(&rerr, PD_ERR_NOMEM, "round log");
+            else
+                r->verified = nv;
+        }
+        if (rs == PD_OK)
+            r->verified[r->n_rounds] = l;
         for (int j = 0; j < commit && rs == PD_OK; j++)
             rs = push_out(r, sl->d[j], &rerr);
         if (rs != PD_OK) {

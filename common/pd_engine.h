@@ -56,6 +56,7 @@ typedef struct {
     int hold_kv;             /* keep the KV pages after the request ends, until release */
     pd_verify_policy verify_policy;  /* PD_VERIFY_DEFAULT = the engine's */
     float verify_threshold;  /* <= 0: the engine's */
+    int record_confidence;   /* keep each round's confidence logits in r->conf_log (calibration) */
 } pd_gen_params;
 
 typedef enum {
@@ -84,6 +85,9 @@ typedef struct pd_request {
     int n_rounds;
     int accepted_at_pos[32]; /* rounds whose draft k (0-based) was accepted */
     float *aux;              /* [n_prompt, aux_dim] when params.capture_aux */
+    float *conf_log;         /* [n_conf_rounds, block] when params.record_confidence */
+    int n_conf_rounds;       /* rounds recorded (the round's verified length is accepted[]) */
+    int *verified;           /* [n_rounds] drafts verified per round */
     pd_finish_reason finish;
     char error[512];
     /* engine-private below */

@@ -1,0 +1,221 @@
+/* test_policy.c - verification-length policies, the SPS curve and confidence calibration. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "pd_sample.h"
+#include "pd_verify_policy.h"
+#include "test_util.h"
+
+static float logit(double p) { return (float)log(p / (1.0 - p)); }
+
+static void test_policy_threshold(void)
+{
+    /* c = 0.9, 0.8, 0.5, 0.9 -> a = 0.9, 0.72, 0.36, 0.324 */
+    float conf[4] = {logit(0.9), logit(0.8), logit(0.5), logit(0.9)};
+    int maxl = 4, l = -1;
+    pd_verify_choose(PD_VERIFY_THRESHOLD, 1, 4, conf, &maxl, NULL, 0.7f, NULL, &l);
+    TEST_CHECK(l == 2);
+    pd_verify_choose(PD_VERIFY_THRESHOLD, 1, 4, conf, &maxl, NULL, 0.95f, NULL, &l);
+    TEST_CHECK(l == 0);
+    pd_verify_choose(PD_VERIFY_THRESHOLD, 1, 4, conf, &maxl, NULL, 0.3f, NULL, &l);
+    TEST_CHECK(l == 4);
+    maxl = 3;
+    pd_verify_choose(PD_VERIFY_THRESHOLD, 1, 4, conf, &maxl, NULL, 0.3f, NULL, &l);
+    TEST_CHECK(l == 3);   /* never past the cap */
+    pd_verify_choose(PD_VERIFY_FULL, 1, 4, conf, &maxl, NULL, 0.0f, NULL, &l);
+    TEST_CHECK(l == 3);
+    /* a calibration temperature changes the decision: T = 0.5 sharpens c_0 to 0.988 */
+    pd_calib c;
+    pd_calib_identity(&c, 4);
+    c.temp[1] = 0.25f;   /* c_1 = sigmoid(4 * logit(0.8)) = 0.996 */
+    maxl = 4;
+    pd_verify_choose(PD_VERIFY_THRESHOLD, 1, 4, conf, &maxl, &c, 0.85f, NULL, &l);
+    TEST_CHECK(l == 2);
+}
+
+static double plan_value(int n, int B, const float *conf, const int *len, const pd_sps *s)
+{
+    double tau = 0.0;
+    int tokens = 0;
+    for (int r = 0; r < n; r++) {
+        double a = 1.0;
+        tau += 1.0;
+        tokens += len[r] + 1;
+        for (int j = 0; j < len[r]; j++) {
+            a /= 1.0 + exp(-conf[r * B + j]);
+            a *= 1.0;   /* a_{r,j} = prod sigmoid */
+            tau += a;
+        }
+    }
+    return tau * pd_sps_at(s, tokens);
+}
+
+static void test_policy_scheduled(void)
+{
+    enum { N = 6, B = 7 };
+    float conf[N * B];
+    pd_rng rng;
+    pd_rng_seed(&rng, 3);
+    for (int i = 0; i < N * B; i++)
+        conf[i] = (float)(pd_rng_uniform(&rng) * 6.0 - 1.0);
+    int maxl[N], len[N], none[N] = {0};
+    for (int r = 0; r < N; r++)
+        maxl[r] = B - (r == 5 ? 4 : 0);
+    pd_err err;
+    pd_sps cheap, steep, mid;
+    TEST_CHECK(pd_sps_linear(1.0, 1e-4, 256, &cheap, &err) == PD_OK);
+    TEST_CHECK(pd_sps_linear(0.001, 10.0, 256, &steep, &err) == PD_OK);
+    TEST_CHECK(pd_sps_linear(1.0, 0.05, 256, &mid, &err) == PD_OK);
+    pd_verify_choose(PD_VERIFY_SCHEDULED, N, B, conf, maxl, NULL, 0.0f, &cheap, len);
+    int all = 1;
+    for (int r = 0; r < N; r++)
+        all &= len[r] == maxl[r];
+    TEST_CHECK_MSG(all, "cheap verification: every draft should be checked");
+    pd_verify_choose(PD_VERIFY_SCHEDULED, N, B, conf, maxl, NULL, 0.0f, &steep, len);
+    int zero = 1;
+    for (int r = 0; r < N; r++)
+        zero &= len[r] == 0;
+    TEST_CHECK_MSG(zero, "expensive verification: no draft should be checked");
+    pd_verify_choose(PD_VERIFY_SCHEDULED, N, B, conf, maxl, NULL, 0.0f, &mid, len);
+    int total = 0, ok = 1;
+    for (int r = 0; r < N; r++) {
+        ok &= len[r] >= 0 && len[r] <= maxl[r];
+        total += len[r];
+    }
+    TEST_CHECK(ok && total > 0 && total < 7 * N - 4);
+    int full[N];
+    memcpy(full, maxl, sizeof(full));
+    double v = plan_value(N, B, conf, len, &mid), vf = plan_value(N, B, conf, full, &mid),
+           v0 = plan_value(N, B, conf, none, &mid);
+    printf("scheduled plan: %d tokens, value %.4f (full %.4f, none %.4f)\n", total, v, vf, v0);
+    TEST_CHECK(v >= vf - 1e-9 && v >= v0 - 1e-9);
+    /* the admitted set is prefix-closed and ordered by survival: every admitted a_{r,j} is >=
+     * every rejected first-next candidate's a (greedy by a, stopping at the first drop) */
+    double min_in = 1e9, max_out = -1.0;
+    for (int r = 0; r < N; r++) {
+        double a = 1.0;
+        for (int j = 0; j < maxl[r]; j++) {
+            a /= 1.0 + exp(-conf[r * B + j]);
+            if (j < len[r])
+                min_in = a < min_in ? a : min_in;
+            else if (j == len[r])
+                max_out = a > max_out ? a : max_out;
+        }
+    }
+    TEST_CHECK(min_in >= max_out);
+    pd_sps_cleanup(&cheap);
+    pd_sps_cleanup(&steep);
+    pd_sps_cleanup(&mid);
+}
+
+static void test_policy_sps_smoothing(void)
+{
+    /* jagged: a step at 9 tokens and a dip at 12 */
+    double t[17];
+    for (int b = 1; b <= 16; b++)
+        t[b] = 1.0 + 0.01 * b + (b >= 9 ? 0.3 : 0.0) - (b == 12 ? 0.25 : 0.0);
+    pd_sps s;
+    pd_err err;
+    TEST_CHECK(pd_sps_from_times(t, 16, &s, &err) == PD_OK);
+    int mono = 1, convex = 1;
+    for (int b = 2; b <= 16; b++)
+        mono &= 1.0 / s.sps[b] >= 1.0 / s.sps[b - 1] - 1e-12;
+    for (int b = 2; b < 16; b++)
+        convex &= (1.0 / s.sps[b + 1] - 1.0 / s.sps[b]) >= (1.0 / s.sps[b] - 1.0 / s.sps[b - 1]) - 1e-9;
+    TEST_CHECK(mono);
+    TEST_CHECK(convex);
+    for (int b = 1; b <= 16; b++)
+        TEST_CHECK(1.0 / s.sps[b] <= t[b] + 1e-12);   /* a lower envelope */
+    pd_sps_cleanup(&s);
+    t[3] = -1.0;
+    TEST_CHECK(pd_sps_from_times(t, 16, &s, &err) == PD_ERR_INVALID);
+    /* cache round trip with a key */
+    char path[] = "/tmp/pd_sps_XXXXXX";
+    int fd = mkstemp(path);
+    TEST_CHECK(fd >= 0);
+    close(fd);
+    t[3] = 1.03;
+    TEST_CHECK(pd_sps_save(path, "model=a device=cpu build=1", t, 16, &err) == PD_OK);
+    TEST_CHECK(pd_sps_load(path, "model=a device=cpu build=1", &s, &err) == PD_OK && s.max_tokens == 16);
+    pd_sps_cleanup(&s);
+    TEST_CHECK(pd_sps_load(path, "model=b device=cpu build=1", &s, &err) == PD_ERR_NOT_FOUND);
+    unlink(path);
+}
+
+static void test_policy_calibration(void)
+{
+    /* observations drawn from c = sigmoid(logit / 2.5): the fit must find T near 2.5 */
+    enum { N = 20000, P = 3 };
+    pd_calib_obs *obs = malloc(N * sizeof(*obs));
+    pd_rng rng;
+    pd_rng_seed(&rng, 11);
+    for (int i = 0; i < N; i++) {
+        float l = (float)(pd_rng_uniform(&rng) * 12.0 - 6.0);
+        double p = 1.0 / (1.0 + exp(-l / 2.5));
+        obs[i] = (pd_calib_obs){ .k = i % P, .logit = l, .survived = pd_rng_uniform(&rng) < p };
+    }
+    pd_calib c;
+    pd_calib_fit(obs, N, P, &c);
+    for (int k = 0; k < P; k++)
+        TEST_CHECK_MSG(fabs(c.temp[k] - 2.5) < 0.25, "position %d: T %.3f, want ~2.5", k, c.temp[k]);
+    /* ECE of prefix survival drops after the fit */
+    enum { R = 4000 };
+    float *lg = malloc(R * P * sizeof(float));
+    int *acc = malloc(R * sizeof(int));
+    for (int r = 0; r < R; r++) {
+        int a = 0, alive = 1;
+        for (int k = 0; k < P; k++) {
+            lg[r * P + k] = (float)(pd_rng_uniform(&rng) * 12.0 - 6.0);
+            double p = 1.0 / (1.0 + exp(-lg[r * P + k] / 2.5));
+            if (alive && pd_rng_uniform(&rng) < p)
+                a++;
+            else
+                alive = 0;
+        }
+        acc[r] = a;
+    }
+    pd_calib id;
+    pd_calib_identity(&id, P);
+    double before[P], after[P];
+    pd_calib_ece(lg, acc, R, P, &id, before);
+    pd_calib_ece(lg, acc, R, P, &c, after);
+    for (int k = 0; k < P; k++) {
+        printf("position %d: ECE %.4f -> %.4f (T %.3f)\n", k, before[k], after[k], c.temp[k]);
+        TEST_CHECK(after[k] < before[k]);
+    }
+    /* file round trip and a malformed file */
+    char dir[] = "/tmp/pd_calib_XXXXXX";
+    TEST_CHECK(mkdtemp(dir) != NULL);
+    char path[256];
+    snprintf(path, sizeof(path), "%s/dspark_calibration.json", dir);
+    pd_err err;
+    pd_calib back;
+    TEST_CHECK(pd_calib_load(dir, &back, &err) == PD_ERR_NOT_FOUND);
+    TEST_CHECK(pd_calib_save(path, &c, before, after, N, &err) == PD_OK);
+    TEST_CHECK(pd_calib_load(dir, &back, &err) == PD_OK && back.n == P &&
+               fabsf(back.temp[1] - c.temp[1]) < 1e-4f);
+    FILE *f = fopen(path, "w");
+    fputs("{\"temperatures\": [1.0, -2]}", f);
+    fclose(f);
+    TEST_CHECK(pd_calib_load(dir, &back, &err) == PD_ERR_INVALID && strstr(err.msg, "temperatures[1]"));
+    unlink(path);
+    rmdir(dir);
+    free(obs);
+    free(lg);
+    free(acc);
+}
+
+int main(void)
+{
+    pd_verify_policy p;
+    TEST_CHECK(pd_verify_policy_parse("scheduled", &p, NULL) == PD_OK && p == PD_VERIFY_SCHEDULED);
+    TEST_CHECK(pd_verify_policy_parse("nope", &p, NULL) == PD_ERR_INVALID);
+    test_policy_threshold();
+    test_policy_scheduled();
+    test_policy_sps_smoothing();
+    test_policy_calibration();
+    TEST_DONE();
+}
