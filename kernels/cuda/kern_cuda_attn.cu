@@ -22,17 +22,19 @@
 #define ATT_WARPS (ATT_THREADS / 32)
 #define ATT_TK 32       /* keys per tile: one per lane */
 #define ATT_GMAX 8      /* query heads per block */
-#define ATT_MIN_SPLIT_KEYS 128
+#define ATT_MIN_SPLIT_KEYS 64   /* two tiles */
+#define ATT_MAX_SPLIT 1024      /* combine keeps one weight per split in shared memory */
+#define ATT_SPLIT_PAD(n) (((n) + 7) / 8 * 8)
 
 template <typename T>
 struct kv_vec;
-/* 16-byte loads of cache values, widened to 4 or 8 floats */
+/* 16-byte raw loads of cache values (kept in registers while the previous tile computes),
+ * widened to 8 (bf16, f16) or 4 (f32) floats when stored to shared memory */
 template <>
 struct kv_vec<__nv_bfloat16> {
     static constexpr int n = 8;
-    static __device__ __forceinline__ void load(const __nv_bfloat16 *p, float *f)
+    static __device__ __forceinline__ void widen(const uint4 &u, float *f)
     {
-        uint4 u = *(const uint4 *)p;
         const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
@@ -45,9 +47,8 @@ struct kv_vec<__nv_bfloat16> {
 template <>
 struct kv_vec<__half> {
     static constexpr int n = 8;
-    static __device__ __forceinline__ void load(const __half *p, float *f)
+    static __device__ __forceinline__ void widen(const uint4 &u, float *f)
     {
-        uint4 u = *(const uint4 *)p;
         const __half2 *h = (const __half2 *)&u;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
@@ -60,13 +61,12 @@ struct kv_vec<__half> {
 template <>
 struct kv_vec<float> {
     static constexpr int n = 4;
-    static __device__ __forceinline__ void load(const float *p, float *f)
+    static __device__ __forceinline__ void widen(const uint4 &u, float *f)
     {
-        float4 v = *(const float4 *)p;
-        f[0] = v.x;
-        f[1] = v.y;
-        f[2] = v.z;
-        f[3] = v.w;
+        f[0] = __uint_as_float(u.x);
+        f[1] = __uint_as_float(u.y);
+        f[2] = __uint_as_float(u.z);
+        f[3] = __uint_as_float(u.w);
     }
 };
 
@@ -92,6 +92,9 @@ attn_kernel(attn_params p)
     constexpr int TPG = ATT_THREADS / D4;          /* head rows covered per PV pass */
     constexpr int NPV = ATT_GMAX / TPG;            /* heads per thread in P @ V */
     constexpr int NSC = ATT_GMAX / ATT_WARPS;      /* heads per lane in the scores */
+    constexpr int VPR = HD / VEC;                  /* 16-byte vectors per key row */
+    constexpr int NLD = ATT_TK * VPR / ATT_THREADS; /* vectors per thread per tile, K and V each */
+    static_assert(ATT_TK * VPR % ATT_THREADS == 0, "tile load must divide evenly");
     __shared__ __align__(16) float q_s[ATT_GMAX][HD];
     __shared__ __align__(16) float k_s[ATT_TK][KS];
     __shared__ __align__(16) float v_s[ATT_TK][HD];
@@ -121,9 +124,12 @@ attn_kernel(attn_params p)
         int g = i / HD, d = i % HD;
         q_s[g][d] = g < hb ? p.q[t * p.ld_q + (size_t)(h0 + g) * HD + d] * p.scale : 0.0f;
     }
-    if (tid < ATT_GMAX) {
-        m_s[tid] = -INFINITY;
-        l_s[tid] = 0.0f;
+    /* running max and sum of head warp + 4k live in that warp's registers (all lanes equal) */
+    float m_r[NSC], l_r[NSC];
+#pragma unroll
+    for (int k = 0; k < NSC; k++) {
+        m_r[k] = -INFINITY;
+        l_r[k] = 0.0f;
     }
     float4 acc[NPV];
 #pragma unroll
@@ -132,22 +138,48 @@ attn_kernel(attn_params p)
     const int d4 = tid % D4, gpv = tid / D4;
     __syncthreads();
 
-    for (int j0 = kv_begin; j0 < kv_end; j0 += ATT_TK) {
-        /* K/V tile -> fp32 shared memory; rows past kv_end are zero (their scores are masked) */
-        for (int i = tid; i < ATT_TK * (HD / VEC); i += ATT_THREADS) {
-            int jj = i / (HD / VEC), dv = (i % (HD / VEC)) * VEC;
-            int j = j0 + jj;
-            float kf[VEC], vf[VEC];
-            if (j < kv_end) {
-                size_t slot = (size_t)pt[j / p.page_size] * p.page_size + j % p.page_size;
-                size_t off = slot * row + (size_t)kvh * HD + dv;
-                kv_vec<T>::load(kc + off, kf);
-                kv_vec<T>::load(vc + off, vf);
-            } else {
+    /* Tile loads are double-buffered through registers: tile i+1 is requested right after tile
+     * i lands in shared memory, so its cache latency overlaps tile i's math. The page ids are
+     * read one tile further ahead still, so no load waits on a page-table load. */
+    uint4 kr[NLD], vr[NLD];
+    int pg[NLD];
+    auto pages = [&](int j0) {
 #pragma unroll
-                for (int e = 0; e < VEC; e++)
-                    kf[e] = vf[e] = 0.0f;
+        for (int r = 0; r < NLD; r++) {
+            int j = j0 + (tid + r * ATT_THREADS) / VPR;
+            pg[r] = j < kv_end ? pt[j / p.page_size] : 0;
+        }
+    };
+    auto fetch = [&](int j0) {
+#pragma unroll
+        for (int r = 0; r < NLD; r++) {
+            int i = tid + r * ATT_THREADS;
+            int j = j0 + i / VPR, dv = (i % VPR) * VEC;
+            if (j < kv_end) {
+                size_t slot = (size_t)pg[r] * p.page_size + j % p.page_size;
+                size_t off = slot * row + (size_t)kvh * HD + dv;
+                kr[r] = *(const uint4 *)(kc + off);
+                vr[r] = *(const uint4 *)(vc + off);
+            } else {
+                kr[r] = make_uint4(0u, 0u, 0u, 0u);   /* zero rows: their scores are masked */
+                vr[r] = make_uint4(0u, 0u, 0u, 0u);
             }
+        }
+    };
+    if (kv_begin < kv_end) {
+        pages(kv_begin);
+        fetch(kv_begin);
+        pages(kv_begin + ATT_TK);
+    }
+
+    for (int j0 = kv_begin; j0 < kv_end; j0 += ATT_TK) {
+#pragma unroll
+        for (int r = 0; r < NLD; r++) {
+            int i = tid + r * ATT_THREADS;
+            int jj = i / VPR, dv = (i % VPR) * VEC;
+            float kf[VEC], vf[VEC];
+            kv_vec<T>::widen(kr[r], kf);
+            kv_vec<T>::widen(vr[r], vf);
 #pragma unroll
             for (int e = 0; e < VEC; e += 4) {
                 *(float4 *)&k_s[jj][dv + e] = make_float4(kf[e], kf[e + 1], kf[e + 2], kf[e + 3]);
@@ -155,6 +187,10 @@ attn_kernel(attn_params p)
             }
         }
         __syncthreads();
+        if (j0 + ATT_TK < kv_end) {
+            fetch(j0 + ATT_TK);
+            pages(j0 + 2 * ATT_TK);
+        }
 
         /* scores: lane = key, this warp's heads warp + 4k share each K load */
         {
@@ -184,17 +220,15 @@ attn_kernel(attn_params p)
             int g = warp + ATT_WARPS * k;
             if (g < hb) {
                 float s = p_s[g][lane];
-                float m_old = m_s[g];
-                float m_new = fmaxf(m_old, kern_cuda_warp_max(s));
+                float m_new = fmaxf(m_r[k], kern_cuda_warp_max(s));
                 float e = s == -INFINITY ? 0.0f : expf(s - m_new);
                 float sum = kern_cuda_warp_sum(e);
+                float alpha = m_r[k] == -INFINITY ? 0.0f : expf(m_r[k] - m_new);
                 p_s[g][lane] = e;
-                if (lane == 0) {
-                    float alpha = m_old == -INFINITY ? 0.0f : expf(m_old - m_new);
+                l_r[k] = l_r[k] * alpha + sum;
+                m_r[k] = m_new;
+                if (lane == 0)
                     alpha_s[g] = alpha;
-                    l_s[g] = l_s[g] * alpha + sum;
-                    m_s[g] = m_new;
-                }
             }
         }
         __syncthreads();
@@ -233,6 +267,14 @@ attn_kernel(attn_params p)
         }
         __syncthreads();
     }
+    if (lane == 0) {
+#pragma unroll
+        for (int k = 0; k < NSC; k++) {
+            m_s[warp + ATT_WARPS * k] = m_r[k];
+            l_s[warp + ATT_WARPS * k] = l_r[k];
+        }
+    }
+    __syncthreads();
 
 #pragma unroll
     for (int k = 0; k < NPV; k++) {
@@ -259,26 +301,57 @@ attn_kernel(attn_params p)
     }
 }
 
-/* Merges the n_split partial results of one (token, head): rescale each by exp(m_s - M). */
+/* Reduces v over the block (blockDim.x a multiple of 32, at most 1024) with op max or sum;
+ * every thread gets the result. red must hold 32 floats. */
+template <bool MAX>
+static __device__ __forceinline__ float block_reduce(float v, float *red)
+{
+    v = MAX ? kern_cuda_warp_max(v) : kern_cuda_warp_sum(v);
+    int nw = blockDim.x >> 5;
+    __syncthreads();   /* red may still be read from a previous reduction */
+    if ((threadIdx.x & 31) == 0)
+        red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float r = red[0];
+    for (int i = 1; i < nw; i++)
+        r = MAX ? fmaxf(r, red[i]) : r + red[i];
+    return r;
+}
+
+/* Merges the n_split partial results of one (token, head): each split's weight
+ * w_s = exp(m_s - M) is computed once (in parallel over splits) into shared memory, then every
+ * thread sums w_s * acc_s[d] over the splits for its columns (independent loads, unrolled). */
 __global__ void attn_combine_kernel(attn_params p, int hd)
 {
+    extern __shared__ float w_s[];        /* [n_split rounded up to 8], zero-padded: ptxas may
+                                           * merge the unrolled tail's loads into 16-byte ones */
+    __shared__ float red[32];
     size_t th = blockIdx.x;               /* t * n_heads + h */
     size_t t = th / p.n_heads;
     int h = (int)(th % p.n_heads);
-    const float *ml = p.part_ml + th * p.n_split * 2;
-    float M = -INFINITY;
-    for (int s = 0; s < p.n_split; s++)
-        M = fmaxf(M, ml[2 * s]);
+    const int ns = p.n_split;
+    const float *ml = p.part_ml + th * ns * 2;
+    float m = -INFINITY;
+    for (int s = threadIdx.x; s < ns; s += blockDim.x)
+        m = fmaxf(m, ml[2 * s]);
+    const float M = block_reduce<true>(m, red);
     float den = 0.0f;
-    for (int s = 0; s < p.n_split; s++)
-        if (ml[2 * s] != -INFINITY)
-            den += ml[2 * s + 1] * expf(ml[2 * s] - M);
-    float inv = den > 0.0f ? 1.0f / den : 0.0f;
+    for (int s = threadIdx.x; s < ns; s += blockDim.x) {
+        float ms = ml[2 * s];
+        float w = ms == -INFINITY ? 0.0f : expf(ms - M);
+        w_s[s] = w;
+        den += w * ml[2 * s + 1];
+    }
+    for (int s = ns + threadIdx.x; s < ATT_SPLIT_PAD(ns); s += blockDim.x)
+        w_s[s] = 0.0f;
+    den = block_reduce<false>(den, red);   /* its barriers also publish w_s */
+    const float inv = den > 0.0f ? 1.0f / den : 0.0f;
+    const float *acc = p.part_acc + th * ns * hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float num = 0.0f;
-        for (int s = 0; s < p.n_split; s++)
-            if (ml[2 * s] != -INFINITY)
-                num += p.part_acc[(th * p.n_split + s) * hd + d] * expf(ml[2 * s] - M);
+#pragma unroll 8
+        for (int s = 0; s < ns; s++)
+            num += w_s[s] * acc[(size_t)s * hd + d];
         p.out[t * p.ld_out + (size_t)h * hd + d] = num * inv;
     }
 }
@@ -290,7 +363,9 @@ static pd_status attn_run(kern_cuda_ctx *c, attn_params *p, int n_tok, pd_err *e
     attn_kernel<T, HD><<<grid, ATT_THREADS, 0, c->stream>>>(*p);
     KERN_CUDA_LAUNCH_CHECK(err);
     if (p->n_split > 1) {
-        attn_combine_kernel<<<(unsigned)((size_t)n_tok * p->n_heads), HD, 0, c->stream>>>(*p, HD);
+        attn_combine_kernel<<<(unsigned)((size_t)n_tok * p->n_heads), HD,
+                              (size_t)ATT_SPLIT_PAD(p->n_split) * sizeof(float),
+                              c->stream>>>(*p, HD);
         KERN_CUDA_LAUNCH_CHECK(err);
     }
     return PD_OK;
@@ -335,14 +410,17 @@ extern "C" pd_status kern_cuda_attn_launch(kern_backend *be, const kern_attn_arg
     p.max_kv_len = a->max_kv_len;
     p.scale = a->scale;
 
-    /* split the key range only when the queries alone fill fewer than ~2 waves of blocks */
+    /* split the key range when the queries alone fill fewer than ~4 blocks per SM; aim for
+     * ~8 resident blocks per SM so that the tile loads of some hide the latency of others */
     size_t base_blocks = (size_t)a->n_tok * p.n_kv * p.n_hchunk;
     int max_len = a->max_kv_len > 0 ? a->max_kv_len : 1;
     int n_split = 1;
-    if (base_blocks < (size_t)c->n_sm * 2) {
-        int want = (int)(((size_t)c->n_sm * 4 + base_blocks - 1) / base_blocks);
+    if (base_blocks < (size_t)c->n_sm * 4) {
+        int want = (int)(((size_t)c->n_sm * 8 + base_blocks - 1) / base_blocks);
         int by_len = (max_len + ATT_MIN_SPLIT_KEYS - 1) / ATT_MIN_SPLIT_KEYS;
         n_split = want < by_len ? want : by_len;
+        if (n_split > ATT_MAX_SPLIT)
+            n_split = ATT_MAX_SPLIT;
         if (n_split < 1)
             n_split = 1;
     }
