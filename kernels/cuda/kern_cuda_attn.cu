@@ -6,7 +6,9 @@
  *   the kv head), so each K/V tile is loaded once for the whole GQA group. Keys are walked in
  *   tiles of 32 (one key per lane): the tile is converted to fp32 in shared memory, scores come
  *   from fp32 dot products, the softmax is online (running max m and sum l per head, rescaling
- *   the accumulator by exp(m_old - m_new)), and P @ V accumulates in fp32 registers.
+ *   the accumulator by exp(m_old - m_new)), and P @ V accumulates in fp32 registers. The next
+ *   tile's K/V (and the page ids of the one after) are loaded into registers while the current
+ *   tile computes.
  *   Flash-decoding split: when the batch alone would leave the GPU idle (decode, verify, small
  *   drafts), the key range is cut into n_split chunks on grid.y; each chunk writes its partial
  *   (acc, m, l) to the workspace and a second kernel merges them. Prefill batches use one split
