@@ -5,9 +5,12 @@
  * Threading: one thread drives an engine. */
 #include "pd_engine.h"
 
+#include "pd_log.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "pd_cp_prefill.h"
 
@@ -1046,4 +1049,107 @@ void pd_engine_release(pd_engine *e, pd_request *r)
             request_free(e, r);
             return;
         }
+}
+
+/* ---- SPS profile ------------------------------------------------------------------------- */
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* median wall time of one verify-shaped forward of b tokens (one sequence per 8 tokens) */
+static pd_status time_verify(pd_engine *e, int b, int ctx_len, double *out, pd_err *err)
+{
+    int n_seq = (b + 7) / 8;
+    pd_kv_seq *seqs = calloc((size_t)n_seq, sizeof(*seqs));
+    pd_kv_seq **sp = calloc((size_t)n_seq, sizeof(*sp));
+    int32_t *ids = malloc((size_t)b * 4), *pos = malloc((size_t)b * 4), *seq = malloc((size_t)b * 4),
+            *rows = malloc((size_t)b * 4);
+    pd_status st = PD_OK;
+    if (!seqs || !sp || !ids || !pos || !seq || !rows) {
+        st = pd_err_set(err, PD_ERR_NOMEM, "sps profile");
+        goto out;
+    }
+    for (int s = 0; s < n_seq && st == PD_OK; s++) {
+        pd_kv_seq_init(&seqs[s]);
+        sp[s] = &seqs[s];
+        st = pd_kv_seq_reserve(e->tpool, &seqs[s], ctx_len + 8, err);
+    }
+    for (int t = 0; t < b; t++) {
+        ids[t] = (t * 7919) % e->V;
+        seq[t] = t / 8;
+        pos[t] = ctx_len + t % 8;
+        rows[t] = t;
+    }
+    double times[5];
+    for (int it = 0; it < 6 && st == PD_OK; it++) {
+        pd_tok_batch vb = { .n_tok = b, .ids = ids, .pos = pos, .seq = seq, .n_seq = n_seq, .seqs = sp };
+        double t0 = now_s();
+        st = pd_target_forward(e->target, &vb, rows, b, err);
+        if (st == PD_OK)
+            st = argmax_rows(e, pd_target_logits(e->target), b, rows, err);   /* includes the sync */
+        for (int t = 0; t < b; t++)
+            rows[t] = t;
+        if (it > 0)   /* the first run warms up */
+            times[it - 1] = now_s() - t0;
+    }
+    if (st == PD_OK) {
+        qsort(times, 5, sizeof(double), cmp_double);
+        *out = times[2];
+    }
+out:
+    for (int s = 0; seqs != NULL && s < n_seq; s++)
+        pd_kv_seq_release(e->tpool, &seqs[s]);
+    free(seqs);
+    free(sp);
+    free(ids);
+    free(pos);
+    free(seq);
+    free(rows);
+    return st;
+}
+
+void pd_engine_set_sps(pd_engine *e, const pd_sps *sps) { e->cfg.sps = sps; }
+
+pd_status pd_engine_profile_sps(pd_engine *e, int max_tokens, int ctx_len, const char *cache_path,
+                                const char *key, pd_sps *out, pd_err *err)
+{
+    if (max_tokens < 1 || ctx_len < 0 || ctx_len + 8 >= e->tm->cfg.max_position_embeddings)
+        return pd_err_set(err, PD_ERR_INVALID, "sps profile: %d tokens over a context of %d", max_tokens, ctx_len);
+    if (cache_path != NULL && pd_sps_load(cache_path, key, out, NULL) == PD_OK && out->max_tokens >= max_tokens)
+        return PD_OK;
+    double *t = calloc((size_t)max_tokens + 1, sizeof(double));
+    if (t == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "sps profile table");
+    /* measured points: 1, 2, 3, 4, 6, 8, 12, 16, 24, ... up to max_tokens */
+    int pts[64], n_pts = 0;
+    for (int p = 1; p <= max_tokens && n_pts < 62; p = p < 4 ? p + 1 : (p & (p - 1)) == 0 ? p + p / 2 : (p / 3) * 4)
+        pts[n_pts++] = p;
+    if (pts[n_pts - 1] != max_tokens)
+        pts[n_pts++] = max_tokens;
+    pd_status st = PD_OK;
+    for (int i = 0; i < n_pts && st == PD_OK; i++)
+        st = time_verify(e, pts[i], ctx_len, &t[pts[i]], err);
+    if (st == PD_OK) {
+        for (int i = 0; i + 1 < n_pts; i++)
+            for (int b = pts[i] + 1; b < pts[i + 1]; b++)
+                t[b] = t[pts[i]] + (t[pts[i + 1]] - t[pts[i]]) * (b - pts[i]) / (double)(pts[i + 1] - pts[i]);
+        st = pd_sps_from_times(t, max_tokens, out, err);
+    }
+    if (st == PD_OK && cache_path != NULL) {
+        pd_err cerr;
+        if (pd_sps_save(cache_path, key, t, max_tokens, &cerr) != PD_OK)
+            PD_LOG_WARN("engine", "sps cache not written: %s", cerr.msg);
+    }
+    free(t);
+    return st;
 }

@@ -126,6 +126,15 @@ void pd_engine_fail(pd_engine *e, pd_request *r, const char *msg);
 int pd_engine_aux_dim(const pd_engine *e);
 pd_kv_pool *pd_engine_target_pool(pd_engine *e);
 pd_kv_pool *pd_engine_draft_pool(pd_engine *e);
+/* Measures the target's verify step time for batches of 1..max_tokens tokens on this device
+ * (a short sweep at powers of two and midpoints, interpolated, each point the median of a few
+ * runs over a context of ctx_len tokens) and builds the smoothed SPS curve of the scheduler.
+ * When cache_path is set, a cached curve with the same key is used instead and a new one is
+ * saved there. key names the model, device and build. */
+pd_status pd_engine_profile_sps(pd_engine *e, int max_tokens, int ctx_len, const char *cache_path,
+                                const char *key, pd_sps *out, pd_err *err);
+/* Replaces the scheduler's SPS curve (borrowed; must outlive the engine or the next call). */
+void pd_engine_set_sps(pd_engine *e, const pd_sps *sps);
 /* One engine step: prefill work for queued requests (up to max_prefill_tokens), then one
  * speculative round for every running request. A request that fails ends with
  * PD_FINISH_ERROR and its message; the step itself fails only on an engine-wide error. */
