@@ -282,7 +282,8 @@ pd_status pd_target_create(const pd_qwen3_model *m, pd_kv_pool *pool, const int 
     t->m = m;
     t->pool = pool;
     t->n_taps = n_taps;
-    memcpy(t->taps, taps, (size_t)n_taps * sizeof(int));
+    if (n_taps > 0)
+        memcpy(t->taps, taps, (size_t)n_taps * sizeof(int));
     pd_status st = pd_act_init(&t->act, m->be, &m->cfg, err);
     if (st != PD_OK) {
         free(t);

@@ -14,4 +14,4 @@ pd_build build -DPD_WERROR=ON
 (cd build && ctest --output-on-failure -j "$(nproc)")
 pd_build build-asan -DPD_WERROR=ON -DPD_SANITIZE=ON -DPD_WITH_CUDA=OFF
 (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-   ctest --output-on-failure -j "$(nproc)" -L unit)
+   ctest --output-on-failure -j "$(nproc)" -L 'unit|cli|net')
