@@ -13,7 +13,8 @@
  * With --nccl N (CUDA builds): the same forward over N GPUs, one CUDA backend and model copy per
  *   rank and an NCCL communicator, against the single-GPU forward within bf16 tolerance; skips
  *   (77) without NCCL or N GPUs.
- * Usage: test_cp_prefill [--quick] [--nccl N] (--quick: cp_size 2 only). */
+ * With --cuda-local N: N ranks on GPU 0 with the local communicator (device copies).
+ * Usage: test_cp_prefill [--quick] [--nccl N | --cuda-local N] (--quick: cp_size 2 only). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -653,19 +654,21 @@ static void set_device(int d)
 #endif
 }
 
-static int test_nccl(int n)
+/* local = 0: NCCL, rank r on GPU r. local = 1: local communicator, every rank on GPU 0 (device
+ * copies between the ranks' buffers) - CP on a single GPU. */
+static int test_gpu_group(int n, int local)
 {
     if (!pd_comm_nccl_available())
-        TEST_SKIP("this build has no NCCL communicator (PD_WITH_CUDA=OFF)");
+        TEST_SKIP("this build has no CUDA (PD_WITH_CUDA=OFF)");
     if (n < 2 || n > MAX_RANKS)
-        TEST_SKIP("--nccl wants 2..4 ranks");
+        TEST_SKIP("--nccl / --cuda-local want 2..4 ranks");
     pd_err err;
     kern_backend *bes[MAX_RANKS] = {0};
     pd_qwen3_model *ms[MAX_RANKS] = {0};
     /* device 0 last, so this thread ends on it (a CUDA backend runs on the current device) */
     for (int r = n - 1; r >= 0; r--) {
-        kern_backend_config bc = { .name = "cuda", .device = r };
-        set_device(r);
+        kern_backend_config bc = { .name = "cuda", .device = local ? 0 : r };
+        set_device(local ? 0 : r);
         if (kern_backend_create(&bc, &bes[r], &err) != PD_OK)
             TEST_SKIP(err.msg);
         if (pd_qwen3_load(bes[r], PD_MODELS "/tiny-code-qwen3", &ms[r], &err) != PD_OK) {
@@ -696,13 +699,14 @@ static int test_nccl(int n)
         pd_kv_pool *pools[MAX_RANKS];
         pd_cp_rank_res res[MAX_RANKS];
         for (int r = n - 1; r >= 0; r--) {
-            set_device(r);
+            set_device(local ? 0 : r);
             pools[r] = new_pool(bes[r]);
-            res[r] = (pd_cp_rank_res){ .be = bes[r], .model = ms[r], .pool = pools[r], .device = r };
+            res[r] = (pd_cp_rank_res){ .be = bes[r], .model = ms[r], .pool = pools[r], .device = local ? 0 : r };
         }
         pd_cp_group_config gc = { .opts = { .strategy = (pd_cp_strategy)st, .cp_size = n },
-                                  .comm = PD_CP_COMM_NCCL, .ranks = res, .taps = taps,
-                                  .n_taps = n_taps, .timeout_ms = 60000 };
+                                  .comm = local ? PD_CP_COMM_LOCAL : PD_CP_COMM_NCCL, .ranks = res,
+                                  .taps = taps, .n_taps = n_taps, .timeout_ms = 60000,
+                                  .copy = local ? pd_comm_cuda_copy : NULL };
         pd_cp_group *grp = NULL;
         pd_status s = pd_cp_group_create(&gc, &grp, &err);
         TEST_CHECK_MSG(s == PD_OK, "nccl group: %s", err.msg);
@@ -742,7 +746,8 @@ static int test_nccl(int n)
             TEST_CHECK_MSG(stray_kv(be0, pools[0], &gold, seqs[0]) == 0, "nccl %s: stray KV",
                            pd_cp_strategy_name(st));
             TEST_CHECK_MSG(bad == 0, "nccl %d ranks %s: %d mismatches", n, pd_cp_strategy_name(st), bad);
-            printf("nccl %d ranks %-17s aux %.2e logits %.2e kv %.2e, first tokens equal %d/%d\n", n,
+            printf("%s %d ranks %-17s aux %.2e logits %.2e kv %.2e, first tokens equal %d/%d\n",
+                   local ? "cuda-local" : "nccl", n,
                    pd_cp_strategy_name(st), test_rel_l2(aux, ref.aux, (size_t)gold.T * n_taps * H),
                    test_rel_l2(lg, ref.logits, (size_t)gold.n_seqs * V), test_rel_l2(kv, ref.kv[0], n_kv),
                    same_first, gold.n_seqs);
@@ -752,7 +757,7 @@ static int test_nccl(int n)
         }
         pd_cp_group_destroy(grp);
         for (int r = n - 1; r >= 0; r--) {
-            set_device(r);
+            set_device(local ? 0 : r);
             release_all(pools[r], &gold, seqs[r]);
             pd_kv_pool_destroy(pools[r]);
         }
@@ -762,7 +767,7 @@ static int test_nccl(int n)
     batch_free(&gold);
     pd_st_close(g);
     for (int r = n - 1; r >= 0; r--) {
-        set_device(r);
+        set_device(local ? 0 : r);
         pd_qwen3_free(ms[r]);
         kern_backend_destroy(bes[r]);
     }
@@ -776,7 +781,9 @@ int main(int argc, char **argv)
         if (strcmp(argv[i], "--quick") == 0)
             max_cp = 2;
         else if (strcmp(argv[i], "--nccl") == 0 && i + 1 < argc)
-            return test_nccl(atoi(argv[++i]));
+            return test_gpu_group(atoi(argv[++i]), 0);
+        else if (strcmp(argv[i], "--cuda-local") == 0 && i + 1 < argc)
+            return test_gpu_group(atoi(argv[++i]), 1);
     }
     pd_err err;
     kern_backend_config bc = { .name = "cpu", .threads = 1 };
