@@ -6,6 +6,7 @@
  * Threading: load/free on one thread; a loaded model is immutable. */
 #include "pd_model.h"
 
+#include <math.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -378,4 +379,300 @@ void pd_dspark_free(pd_dspark_model *m)
     kern_buf_free(m->storage);
     free(m->layers);
     free(m);
+}
+
+/* ---- synthetic models -------------------------------------------------------------------- */
+
+/* One synthetic tensor: random (scaled by 1/sqrt(cols)) or all ones (norm weights). */
+typedef struct {
+    kern_weight *dst;
+    int64_t rows, cols;
+    int ones;
+} synth_entry;
+
+typedef struct {
+    synth_entry *e;
+    size_t n, cap;
+} synth_plan;
+
+static pd_status synth_add(synth_plan *p, kern_weight *dst, int64_t rows, int64_t cols, int ones,
+                           pd_err *err)
+{
+    if (p->n == p->cap) {
+        size_t cap = p->cap ? p->cap * 2 : 64;
+        synth_entry *e = realloc(p->e, cap * sizeof(*e));
+        if (e == NULL)
+            return pd_err_set(err, PD_ERR_NOMEM, "synthetic model: plan of %zu entries", cap);
+        p->e = e;
+        p->cap = cap;
+    }
+    p->e[p->n++] = (synth_entry){ .dst = dst, .rows = rows, .cols = cols, .ones = ones };
+    return PD_OK;
+}
+
+static pd_status synth_layer(synth_plan *p, const pd_qwen3_config *c, pd_layer_weights *w, pd_err *err)
+{
+    const int64_t h = c->hidden_size, hd = c->head_dim, im = c->intermediate_size;
+    const int64_t q = (int64_t)c->num_attention_heads * hd;
+    const int64_t kv = (int64_t)c->num_key_value_heads * hd;
+    pd_status st;
+    if ((st = synth_add(p, &w->input_norm, 1, h, 1, err)) ||
+        (st = synth_add(p, &w->post_norm, 1, h, 1, err)) ||
+        (st = synth_add(p, &w->q_proj, q, h, 0, err)) ||
+        (st = synth_add(p, &w->k_proj, kv, h, 0, err)) ||
+        (st = synth_add(p, &w->v_proj, kv, h, 0, err)) ||
+        (st = synth_add(p, &w->o_proj, h, q, 0, err)) ||
+        (st = synth_add(p, &w->q_norm, 1, hd, 1, err)) ||
+        (st = synth_add(p, &w->k_norm, 1, hd, 1, err)) ||
+        (st = synth_add(p, &w->gate_proj, im, h, 0, err)) ||
+        (st = synth_add(p, &w->up_proj, im, h, 0, err)) ||
+        (st = synth_add(p, &w->down_proj, h, im, 0, err)))
+        return st;
+    return PD_OK;
+}
+
+static uint64_t synth_next(uint64_t *s)
+{
+    /* splitmix64: fast, and every seed gives a full-period stream */
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* Random bf16 weights, built from bits only: sign and mantissa random, exponent e0 or e0 - 1,
+ * so |w| lies in [2^(e0-128), 2^(e0-126)) with 2^(e0-127) <= 1/sqrt(cols): mean 0, no zeros.
+ * Drawing 4e9 values one by one costs ~20 s of host time (paid while a GPU is held), so a block
+ * of SYNTH_BASE values is drawn once (exponent 127 / 126) and every chunk is that block read
+ * from a random offset, XORed with a random sign/mantissa mask per 64-bit word lane set, then
+ * shifted to the tensor's exponent: memory-speed, and no two chunks share their bits. */
+#define SYNTH_BASE ((size_t)1 << 24)   /* values (32 MiB) */
+#define SYNTH_CHUNK ((size_t)8 << 20)   /* values per upload */
+
+typedef struct {
+    uint64_t rng;
+    uint64_t *base;          /* SYNTH_BASE / 4 words, 4 bf16 lanes each */
+} synth_rng;
+
+static pd_status synth_rng_init(synth_rng *g, uint64_t seed, pd_err *err)
+{
+    g->rng = seed;
+    g->base = malloc(SYNTH_BASE * sizeof(uint16_t));
+    if (g->base == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "synthetic model: random block");
+    for (size_t w = 0; w < SYNTH_BASE / 4; w++) {
+        uint64_t r = synth_next(&g->rng), v = 0;
+        for (int k = 0; k < 4; k++) {
+            uint64_t b = (r >> (16 * k)) & 0xFFFFu;
+            uint64_t lane = ((b & 1u) << 15) | ((uint64_t)(127u - ((b >> 8) & 1u)) << 7) |
+                            ((b >> 1) & 0x7Fu);
+            v |= lane << (16 * k);
+        }
+        g->base[w] = v;
+    }
+    return PD_OK;
+}
+
+static void synth_fill_bf16(uint16_t *dst, size_t n, int64_t cols, int ones, synth_rng *g)
+{
+    if (ones) {
+        for (size_t i = 0; i < n; i++)
+            dst[i] = 0x3F80;   /* 1.0 */
+        return;
+    }
+    int e = 0;   /* 2^e <= 1/sqrt(cols) */
+    while (ldexp(1.0, e) > 1.0 / sqrt((double)(cols > 0 ? cols : 1)))
+        e--;
+    /* lanes hold exponent 126 or 127: subtracting -e per lane never borrows across lanes */
+    const uint64_t sub = (uint64_t)(-e) << 7, sub4 = sub | sub << 16 | sub << 32 | sub << 48;
+    const size_t nw = SYNTH_BASE / 4;
+    size_t off = (size_t)(synth_next(&g->rng) % nw);
+    uint64_t mask = synth_next(&g->rng) & 0x807F807F807F807Full;
+    size_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        uint64_t v = (g->base[off] ^ mask) - sub4;
+        memcpy(dst + i, &v, sizeof(v));
+        if (++off == nw) {
+            off = 0;
+            mask = synth_next(&g->rng) & 0x807F807F807F807Full;
+        }
+    }
+    for (; i < n; i++)
+        dst[i] = (uint16_t)(((g->base[off] ^ mask) - sub4) >> (16 * (i % 4)));
+}
+
+/* One allocation for every entry; fills it chunk by chunk from seed. */
+static pd_status synth_upload(synth_plan *p, kern_backend *be, uint64_t seed, kern_buf **out,
+                              pd_err *err)
+{
+    const kern_dtype wdt = be->weight_dtype;
+    const size_t esz = kern_dtype_size(wdt);
+    size_t total = 0;
+    size_t *off = malloc((p->n + 1) * sizeof(size_t));
+    uint16_t *chunk = malloc(SYNTH_CHUNK * sizeof(uint16_t));
+    synth_rng rng = { 0 };
+    pd_status st = PD_OK;
+    kern_buf *buf = NULL;
+    if (off == NULL || chunk == NULL) {
+        st = pd_err_set(err, PD_ERR_NOMEM, "synthetic model: host chunk");
+        goto out;
+    }
+    for (size_t i = 0; i < p->n; i++) {
+        size_t bytes = (size_t)(p->e[i].rows * p->e[i].cols) * esz;
+        off[i] = total;
+        total += (bytes + MODEL_ALIGN - 1) & ~(MODEL_ALIGN - 1);
+    }
+    if ((st = kern_buf_alloc(be, total, &buf, err)) != PD_OK)
+        goto out;
+    if ((st = synth_rng_init(&rng, seed, err)) != PD_OK) {
+        kern_buf_free(buf);
+        buf = NULL;
+        goto out;
+    }
+    for (size_t i = 0; i < p->n; i++) {
+        synth_entry *e = &p->e[i];
+        size_t n = (size_t)(e->rows * e->cols);
+        char *dst = (char *)buf->ptr + off[i];
+        for (size_t done = 0; done < n; done += SYNTH_CHUNK) {
+            size_t m = n - done < SYNTH_CHUNK ? n - done : SYNTH_CHUNK;
+            synth_fill_bf16(chunk, m, e->cols, e->ones, &rng);
+            st = kern_upload_convert(be, dst + done * esz, wdt, chunk, KERN_DTYPE_BF16, m, err);
+            if (st != PD_OK) {
+                kern_buf_free(buf);
+                buf = NULL;
+                goto out;
+            }
+        }
+        e->dst->data = dst;
+        e->dst->dtype = wdt;
+        e->dst->rows = e->rows;
+        e->dst->cols = e->cols;
+    }
+    *out = buf;
+out:
+    free(rng.base);
+    free(off);
+    free(chunk);
+    return st;
+}
+
+pd_status pd_qwen3_synthetic(kern_backend *be, const char *name, uint64_t seed,
+                             pd_qwen3_model **out, pd_err *err)
+{
+    if (be == NULL || name == NULL || out == NULL)
+        return pd_err_set(err, PD_ERR_INVALID, "synthetic target: NULL backend, name or out");
+    pd_qwen3_config c = {
+        .vocab_size = 151936, .num_hidden_layers = 36, .num_attention_heads = 32,
+        .num_key_value_heads = 8, .head_dim = 128, .rms_norm_eps = 1e-6f, .rope_theta = 1e6f,
+        .max_position_embeddings = 40960, .eos_ids = { 151645, 151643 }, .n_eos = 2,
+        .bos_id = 151643, .pad_id = 151643,
+    };
+    snprintf(c.arch, sizeof(c.arch), "Qwen3ForCausalLM");
+    if (strcmp(name, "qwen3-4b") == 0) {
+        c.hidden_size = 2560;
+        c.intermediate_size = 9728;
+        c.tie_word_embeddings = 1;
+    } else if (strcmp(name, "qwen3-8b") == 0) {
+        c.hidden_size = 4096;
+        c.intermediate_size = 12288;
+        c.tie_word_embeddings = 0;
+    } else {
+        return pd_err_set(err, PD_ERR_INVALID, "synthetic target: unknown model %s (qwen3-4b, "
+                          "qwen3-8b)", name);
+    }
+    pd_qwen3_model *m = calloc(1, sizeof(*m));
+    if (m == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "synthetic target");
+    m->cfg = c;
+    m->be = be;
+    synth_plan p = {0};
+    pd_status st = PD_OK;
+    m->layers = calloc((size_t)c.num_hidden_layers, sizeof(*m->layers));
+    if (m->layers == NULL) {
+        st = pd_err_set(err, PD_ERR_NOMEM, "synthetic target: %d layers", c.num_hidden_layers);
+        goto err_free;
+    }
+    if ((st = synth_add(&p, &m->embed, c.vocab_size, c.hidden_size, 0, err)) ||
+        (st = synth_add(&p, &m->final_norm, 1, c.hidden_size, 1, err)))
+        goto err_free;
+    for (int l = 0; l < c.num_hidden_layers; l++)
+        if ((st = synth_layer(&p, &c, &m->layers[l], err)) != PD_OK)
+            goto err_free;
+    if (!c.tie_word_embeddings &&
+        (st = synth_add(&p, &m->lm_head, c.vocab_size, c.hidden_size, 0, err)) != PD_OK)
+        goto err_free;
+    if ((st = synth_upload(&p, be, seed, &m->storage, err)) != PD_OK)
+        goto err_free;
+    if (c.tie_word_embeddings)
+        m->lm_head = m->embed;
+    free(p.e);
+    *out = m;
+    return PD_OK;
+err_free:
+    free(p.e);
+    pd_qwen3_free(m);
+    return st;
+}
+
+pd_status pd_dspark_synthetic(kern_backend *be, const pd_qwen3_model *target, int n_layers,
+                              int block_size, uint64_t seed, pd_dspark_model **out, pd_err *err)
+{
+    if (be == NULL || target == NULL || out == NULL || target->be != be)
+        return pd_err_set(err, PD_ERR_INVALID, "synthetic draft: needs the target on the same backend");
+    if (n_layers < 1 || block_size < 1 || block_size > 31)
+        return pd_err_set(err, PD_ERR_INVALID, "synthetic draft: %d layers, block %d", n_layers,
+                          block_size);
+    const pd_qwen3_config *tc = &target->cfg;
+    pd_dspark_model *m = calloc(1, sizeof(*m));
+    if (m == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "synthetic draft");
+    pd_dspark_config *d = &m->cfg;
+    d->base = *tc;
+    snprintf(d->base.arch, sizeof(d->base.arch), "Qwen3DSparkModel");
+    d->base.num_hidden_layers = n_layers;
+    d->block_size = block_size;
+    d->mask_token_id = tc->vocab_size - 1;
+    int L = tc->num_hidden_layers;
+    d->n_target_layers = 3;
+    d->target_layer_ids[0] = 1;
+    d->target_layer_ids[1] = L / 2 - 1;
+    d->target_layer_ids[2] = L - 3;
+    d->num_target_layers = L;
+    d->markov_rank = 64;
+    d->markov_type = PD_MARKOV_VANILLA;
+    d->enable_confidence_head = 1;
+    d->confidence_head_with_markov = 1;
+    m->be = be;
+    synth_plan p = {0};
+    pd_status st = pd_dspark_config_check_target(d, tc, err);
+    if (st != PD_OK)
+        goto err_free;
+    m->layers = calloc((size_t)n_layers, sizeof(*m->layers));
+    if (m->layers == NULL) {
+        st = pd_err_set(err, PD_ERR_NOMEM, "synthetic draft: %d layers", n_layers);
+        goto err_free;
+    }
+    const int64_t h = tc->hidden_size, v = tc->vocab_size, r = d->markov_rank;
+    if ((st = synth_add(&p, &m->fc, h, d->n_target_layers * h, 0, err)) ||
+        (st = synth_add(&p, &m->hidden_norm, 1, h, 1, err)) ||
+        (st = synth_add(&p, &m->final_norm, 1, h, 1, err)) ||
+        (st = synth_add(&p, &m->markov_w1, v, r, 0, err)) ||
+        (st = synth_add(&p, &m->markov_w2, v, r, 0, err)) ||
+        (st = synth_add(&p, &m->conf_w, 1, h + r, 0, err)) ||
+        (st = synth_add(&p, &m->conf_b, 1, 1, 0, err)))
+        goto err_free;
+    for (int l = 0; l < n_layers; l++)
+        if ((st = synth_layer(&p, &d->base, &m->layers[l], err)) != PD_OK)
+            goto err_free;
+    if ((st = synth_upload(&p, be, seed, &m->storage, err)) != PD_OK)
+        goto err_free;
+    m->embed = target->embed;
+    m->lm_head = target->lm_head;
+    free(p.e);
+    *out = m;
+    return PD_OK;
+err_free:
+    free(p.e);
+    pd_dspark_free(m);
+    return st;
 }

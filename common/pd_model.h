@@ -105,4 +105,22 @@ pd_status pd_dspark_load(kern_backend *be, const char *dir, const pd_qwen3_model
                          pd_dspark_model **out, pd_err *err);
 void pd_dspark_free(pd_dspark_model *m);
 
+/* ---- synthetic models (benchmarks) ----------------------------------------------------- */
+
+/* A target with the real shapes of name ("qwen3-4b": hidden 2560, 36 layers, 32/8 heads,
+ * head_dim 128, intermediate 9728, tied embeddings; "qwen3-8b": hidden 4096, intermediate 12288,
+ * untied lm_head; both vocab 151936, rope 1e6, max positions 40960) and random weights drawn
+ * from seed: every matrix W[r, c] uniform-ish in +-[0.5, 2) / sqrt(c) in bf16 terms, every norm
+ * weight 1, so activations stay finite through all layers. Weights are generated on the host in
+ * chunks and uploaded (no download, nothing read from disk). PD_ERR_INVALID for an unknown name,
+ * PD_ERR_NOMEM / PD_ERR_CUDA when the backend cannot hold the weights. */
+pd_status pd_qwen3_synthetic(kern_backend *be, const char *name, uint64_t seed,
+                             pd_qwen3_model **out, pd_err *err);
+/* A DSpark drafter for target (borrowed; must outlive it and share be): n_layers draft layers of
+ * the target's shapes, block_size B, K = 3 taps spread over the target (1, L/2 - 1, L - 3:
+ * [1, 17, 33] for 36 layers), vanilla Markov head of rank 64, confidence head with Markov input,
+ * embed_tokens/lm_head borrowed from the target, random weights from seed as above. */
+pd_status pd_dspark_synthetic(kern_backend *be, const pd_qwen3_model *target, int n_layers,
+                              int block_size, uint64_t seed, pd_dspark_model **out, pd_err *err);
+
 #endif

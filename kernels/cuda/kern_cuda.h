@@ -23,6 +23,11 @@ int kern_cuda_device_count(void);
  * Errors: PD_ERR_CUDA (no such device, driver or cuBLAS failure), PD_ERR_NOMEM. */
 pd_status kern_cuda_backend_create(const kern_backend_config *cfg, kern_backend **out, pd_err *err);
 
+/* The backend's stream, as a cudaStream_t behind void * (this header stays CUDA-free), for a
+ * caller that times or captures the backend's work with the CUDA runtime itself (pdspark-bench:
+ * events, graph capture). NULL when be is not a CUDA backend. Borrowed: lives as long as be. */
+void *kern_cuda_stream(kern_backend *be);
+
 #ifdef __cplusplus
 }
 #endif

@@ -183,6 +183,13 @@ static const kern_backend_ops cuda_ops = {
     .destroy = cuda_destroy,
 };
 
+extern "C" void *kern_cuda_stream(kern_backend *be)
+{
+    if (be == NULL || be->ops != &cuda_ops)
+        return NULL;
+    return (void *)kern_cuda_ctx_of(be)->stream;
+}
+
 static pd_status ctx_init(kern_cuda_ctx *c, int device, pd_err *err)
 {
     int n = kern_cuda_device_count();
