@@ -17,6 +17,9 @@
 #include "test_util.h"
 
 static double tol_rel = 1e-3;
+/* top-2 logit gap below which an argmax difference is a numerical tie: fp32 rounding on the
+ * CPU; bf16 weights/KV on CUDA move logits by ~1e-2 absolute, so ties are wider there */
+static float tie_gap = 1e-3f;
 static kern_backend *be;
 
 static const pd_st_tensor *gt(const pd_st_set *g, const char *name)
@@ -47,7 +50,7 @@ static void check_close(const char *what, const float *got, const float *want, s
     printf("  %-34s rel_l2 %.2e\n", what, e);
 }
 
-/* argmax of got rows equals want ids wherever the golden logits' top-2 gap exceeds 1e-3 */
+/* argmax of got rows equals want ids wherever the golden logits' top-2 gap exceeds tie_gap */
 static void check_argmax_rows(const char *what, const float *got, const float *gold_logits,
                               const int32_t *want, int rows, int V)
 {
@@ -68,7 +71,7 @@ static void check_argmax_rows(const char *what, const float *got, const float *g
         for (int i = 1; i < V; i++)
             if (x[i] > x[am])
                 am = i;
-        if (b1 - b2 <= 1e-3f) {
+        if (b1 - b2 <= tie_gap) {
             skipped++;
             continue;
         }
@@ -405,8 +408,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "backend: %s\n", err.msg);
         return 1;
     }
-    if (strcmp(backend, "cpu") != 0)
+    if (strcmp(backend, "cpu") != 0) {
         tol_rel = 1e-2;   /* bf16 weights and KV */
+        tie_gap = 5e-2f;
+    }
     pd_qwen3_model *tm = NULL;
     if (pd_qwen3_load(be, PD_MODELS "/tiny-code-qwen3", &tm, &err) != PD_OK) {
         fprintf(stderr, "load target: %s\n", err.msg);
