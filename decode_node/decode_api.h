@@ -58,6 +58,7 @@ typedef struct {
     int64_t transfer_timeout_ms;    /* bound on a Prefill call incl. its KV transfer (0 = 30000) */
     int cp_size;                    /* colocated: context-parallel prefill ranks (0/1 = off) */
     const char *cp_strategy;        /* colocated: NULL = engine default */
+    const struct decode_observer *observer;  /* optional, borrowed: sees every request */
 } decode_config;
 
 void decode_config_default(decode_config *cfg);
@@ -117,6 +118,16 @@ typedef struct {
 typedef void (*decode_token_fn)(void *ud, const decode_chunk *chunk);
 typedef void (*decode_done_fn)(void *ud, const decode_result *res);
 
+/* An observer of every request of every front end (metrics, request logs), set in
+ * decode_config.observer: called on the engine thread right before the request's own on_token /
+ * on_done, with the same chunk / result. gap_ms: time since this request's previous chunk, or
+ * since submission for its first chunk (first = 1). Same rules as the callbacks. */
+typedef struct decode_observer {
+    void (*on_token)(void *ud, const decode_chunk *chunk, double gap_ms, int first);
+    void (*on_done)(void *ud, const decode_result *res);
+    void *ud;
+} decode_observer;
+
 /* Submit a request (see the lifecycle above). req and its buffers are borrowed for the call.
  * Errors: PD_ERR_INVALID (bad request, message for the client), PD_ERR_CANCELLED (shutting
  * down), PD_ERR_NOMEM. */
@@ -138,6 +149,9 @@ typedef struct {
     int prefill_inflight;           /* Prefill calls in flight */
 } decode_stats;
 
+/* Stop admitting (graceful drain): decode_submit fails with PD_ERR_CANCELLED "draining" and
+ * stats.serving becomes 0; admitted requests run to their end. Any thread; idempotent. */
+void decode_server_drain(decode_server *s);
 /* A snapshot (updated by the engine thread after every change). Any thread. */
 void decode_server_stats(decode_server *s, decode_stats *out);
 /* "cpu"/"cuda" and "colocated"/"disaggregated", for reports. */

@@ -1,0 +1,1234 @@
+/* decode_http.c - OpenAI-compatible HTTP on the decode node (decode_http.h).
+ * Owns: the pd_http server (its own libevent thread: see decode_http.h for why not the engine
+ *   loop), per-request contexts (http_req) tying an evhttp_request to a decode_handle, request
+ *   JSON validation, ChatML rendering and the template check, stop strings (matched on the
+ *   detokenized text, a possible partial match held back while streaming), response/SSE/error
+ *   encoding, HTTP-side draining.
+ * Not here: admission and generation (decode_server.c), metrics values (decode_metrics.c).
+ * Threading: handlers and every http_req field except refs run on the HTTP thread. Engine
+ *   callbacks copy a chunk / result into a message and pd_loop_post it there. An http_req holds
+ *   two references: the HTTP side (until its reply is complete) and the engine side (until the
+ *   on_done message ran, or dropped at once when the post is refused because the HTTP loop has
+ *   stopped). evhttp requests whose client went away stay ours (libevent detaches them) and are
+ *   freed by the final send. */
+#include "decode_http.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#include <event2/buffer.h>
+#include <event2/bufferevent.h>
+#include <event2/http.h>
+#include <event2/keyvalq_struct.h>
+
+#include "decode_metrics.h"
+#include "pd_http.h"
+#include "pd_log.h"
+
+#define MAX_STOP 4
+#define MAX_STOP_LEN 256
+#define COMPLETIONS_DEFAULT_MAX_TOKENS 16   /* OpenAI's default for /v1/completions */
+
+struct decode_http {
+    decode_server *s;
+    pd_http *http;
+    decode_metrics *dm;
+    char model[256];
+    int chat_ok;                     /* the checkpoint's template is ChatML-shaped */
+    char chat_why[256];              /* why chat is refused otherwise */
+    atomic_int draining;
+    atomic_int inflight;
+    atomic_ullong next_id;
+    int closing;                     /* destroy began: messages must not touch evhttp */
+    pthread_mutex_t mu;              /* guards the live list */
+    struct http_req *live;
+};
+
+typedef struct http_req {
+    atomic_int refs;
+    decode_http *dh;
+    struct evhttp_request *req;      /* NULL once the final reply was handed to evhttp */
+    struct evhttp_connection *evcon; /* NULL once the client went away */
+    decode_handle *h;
+    int chat, stream, include_usage;
+    char id[64];
+    long created;
+    char *stop[MAX_STOP];
+    int n_stop;
+    size_t max_stop;
+    char *gen;                       /* generated text so far (cut at a stop string) */
+    size_t gen_len, gen_cap, sent, scan;
+    int started;                     /* SSE headers sent */
+    int stopped;                     /* a stop string matched; cancel asked */
+    int gone;
+    int n_gen;                       /* tokens received (usage when a stop string ended it) */
+    struct http_req *prev, *next;
+} http_req;
+
+typedef struct {
+    int n_stop;
+    char *stop[MAX_STOP];
+    int stream, include_usage;
+} req_opts;
+
+/* ---------------------------------------------------------------------------------------------
+ * Request contexts */
+
+static void req_free(http_req *r)
+{
+    decode_http *dh = r->dh;
+    pthread_mutex_lock(&dh->mu);
+    if (r->prev != NULL)
+        r->prev->next = r->next;
+    else if (dh->live == r)
+        dh->live = r->next;
+    if (r->next != NULL)
+        r->next->prev = r->prev;
+    pthread_mutex_unlock(&dh->mu);
+    decode_handle_release(r->h);
+    for (int i = 0; i < r->n_stop; i++)
+        free(r->stop[i]);
+    free(r->gen);
+    free(r);
+}
+
+static void req_unref(http_req *r)
+{
+    if (atomic_fetch_sub(&r->refs, 1) == 1)
+        req_free(r);
+}
+
+static void on_close(struct evhttp_connection *evcon, void *arg)
+{
+    (void)evcon;
+    http_req *r = arg;
+    r->gone = 1;
+    r->evcon = NULL;
+    if (r->h != NULL)
+        decode_cancel(r->h);
+}
+
+/* The reply is complete (handed to evhttp): detach from the connection, drop the HTTP ref. */
+static void req_finish(http_req *r)
+{
+    if (r->evcon != NULL)
+        evhttp_connection_set_closecb(r->evcon, NULL, NULL);
+    r->evcon = NULL;
+    r->req = NULL;
+    atomic_fetch_sub(&r->dh->inflight, 1);
+    req_unref(r);
+}
+
+static int gen_append(http_req *r, const char *t, size_t n)
+{
+    if (r->gen_len + n + 1 > r->gen_cap) {
+        size_t cap = r->gen_cap ? r->gen_cap : 1024;
+        while (r->gen_len + n + 1 > cap)
+            cap *= 2;
+        char *p = realloc(r->gen, cap);
+        if (p == NULL)
+            return -1;
+        r->gen = p;
+        r->gen_cap = cap;
+    }
+    memcpy(r->gen + r->gen_len, t, n);
+    r->gen_len += n;
+    r->gen[r->gen_len] = '\0';
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Errors */
+
+static int http_code_of(pd_status st)
+{
+    switch (st) {
+    case PD_ERR_INVALID: return 400;
+    case PD_ERR_NOT_FOUND: return 404;
+    case PD_ERR_BUSY: return 429;
+    case PD_ERR_CANCELLED: return 503;   /* at submission: the server is not accepting */
+    case PD_ERR_PEER: return 503;
+    case PD_ERR_TIMEOUT: return 504;
+    case PD_ERR_UNSUPPORTED: return 501;
+    default: return 500;
+    }
+}
+
+static const char *err_type_of(int code)
+{
+    return code == 400 ? "invalid_request_error" : code == 404 ? "not_found_error"
+         : code == 429 ? "rate_limit_error" : code == 503 ? "service_unavailable"
+         : code == 504 ? "timeout_error" : code == 501 ? "not_implemented" : "server_error";
+}
+
+static void send_error(struct evhttp_request *req, int code, const char *param, const char *msg)
+{
+    pd_http_error(req, code, err_type_of(code), param, NULL, "%s", msg);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Responses */
+
+static void add_usage(cJSON *o, int prompt, int completion, int rounds, double tau, int block,
+                      long accepted)
+{
+    cJSON *u = cJSON_AddObjectToObject(o, "usage");
+    cJSON_AddNumberToObject(u, "prompt_tokens", prompt);
+    cJSON_AddNumberToObject(u, "completion_tokens", completion);
+    cJSON_AddNumberToObject(u, "total_tokens", prompt + completion);
+    /* extension: the DSpark loop's statistics for this request */
+    cJSON *d = cJSON_AddObjectToObject(u, "dspark");
+    cJSON_AddNumberToObject(d, "rounds", rounds);
+    cJSON_AddNumberToObject(d, "tau", tau);
+    cJSON_AddNumberToObject(d, "block_size", block);
+    cJSON_AddNumberToObject(d, "accepted_tokens", (double)accepted);
+}
+
+static cJSON *resp_base(const http_req *r, int chunk)
+{
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "id", r->id);
+    cJSON_AddStringToObject(o, "object", r->chat ? (chunk ? "chat.completion.chunk" : "chat.completion")
+                                                 : "text_completion");
+    cJSON_AddNumberToObject(o, "created", (double)r->created);
+    cJSON_AddStringToObject(o, "model", r->dh->model);
+    return o;
+}
+
+/* One choice; text NULL = no text field (chat role-only / final chunk). */
+static void add_choice(cJSON *o, const http_req *r, const char *text, size_t len, int chunk,
+                       const char *finish, int role)
+{
+    cJSON *arr = cJSON_AddArrayToObject(o, "choices");
+    cJSON *c = cJSON_CreateObject();
+    cJSON_AddItemToArray(arr, c);
+    cJSON_AddNumberToObject(c, "index", 0);
+    char *t = NULL;
+    if (text != NULL) {
+        t = malloc(len + 1);
+        if (t != NULL) {
+            memcpy(t, text, len);
+            t[len] = '\0';
+        }
+    }
+    if (r->chat) {
+        cJSON *m = cJSON_AddObjectToObject(c, chunk ? "delta" : "message");
+        if (role)
+            cJSON_AddStringToObject(m, "role", "assistant");
+        if (t != NULL)
+            cJSON_AddStringToObject(m, "content", t);
+    } else {
+        cJSON_AddStringToObject(c, "text", t != NULL ? t : "");
+    }
+    cJSON_AddNullToObject(c, "logprobs");
+    if (finish != NULL)
+        cJSON_AddStringToObject(c, "finish_reason", finish);
+    else
+        cJSON_AddNullToObject(c, "finish_reason");
+    free(t);
+}
+
+static void sse_send(http_req *r, cJSON *o)
+{
+    char *s = cJSON_PrintUnformatted(o);
+    cJSON_Delete(o);
+    if (s == NULL || r->req == NULL) {
+        free(s);
+        return;
+    }
+    struct evbuffer *b = evbuffer_new();
+    if (b != NULL) {
+        evbuffer_add_printf(b, "data: %s\n\n", s);
+        evhttp_send_reply_chunk(r->req, b);
+        evbuffer_free(b);
+    }
+    free(s);
+}
+
+static void sse_start(http_req *r)
+{
+    if (r->started || r->req == NULL)
+        return;
+    r->started = 1;
+    struct evkeyvalq *oh = evhttp_request_get_output_headers(r->req);
+    evhttp_add_header(oh, "Content-Type", "text/event-stream");
+    evhttp_add_header(oh, "Cache-Control", "no-cache");
+    evhttp_send_reply_start(r->req, 200, "OK");
+    if (r->chat) {
+        cJSON *o = resp_base(r, 1);
+        add_choice(o, r, "", 0, 1, NULL, 1);
+        sse_send(r, o);
+    }
+}
+
+static void sse_delta(http_req *r, const char *text, size_t len)
+{
+    if (len == 0)
+        return;
+    cJSON *o = resp_base(r, 1);
+    add_choice(o, r, text, len, 1, NULL, 0);
+    sse_send(r, o);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Stop strings */
+
+static const char *find_bytes(const char *hay, size_t hn, const char *needle, size_t nn)
+{
+    if (nn == 0 || hn < nn)
+        return NULL;
+    for (size_t i = 0; i + nn <= hn; i++)
+        if (hay[i] == needle[0] && memcmp(hay + i, needle, nn) == 0)
+            return hay + i;
+    return NULL;
+}
+
+/* Look for a stop string in the new text; returns how many bytes of gen may be sent. */
+static size_t stop_scan(http_req *r, int final)
+{
+    if (r->n_stop == 0 || r->stopped)
+        return r->gen_len;
+    size_t best = (size_t)-1;
+    for (int i = 0; i < r->n_stop; i++) {
+        const char *p = find_bytes(r->gen + r->scan, r->gen_len - r->scan, r->stop[i], strlen(r->stop[i]));
+        if (p != NULL && (size_t)(p - r->gen) < best)
+            best = (size_t)(p - r->gen);
+    }
+    if (best != (size_t)-1) {
+        r->gen_len = best;
+        r->gen[best] = '\0';
+        r->stopped = 1;
+        if (r->h != NULL)
+            decode_cancel(r->h);
+        return r->gen_len;
+    }
+    /* a match may still start in the last max_stop - 1 bytes */
+    r->scan = r->gen_len > r->max_stop - 1 ? r->gen_len - (r->max_stop - 1) : 0;
+    if (final)
+        return r->gen_len;
+    size_t hold = 0;
+    for (int i = 0; i < r->n_stop; i++) {
+        size_t sl = strlen(r->stop[i]);
+        for (size_t k = sl - 1; k > hold; k--)
+            if (k <= r->gen_len && memcmp(r->gen + r->gen_len - k, r->stop[i], k) == 0) {
+                hold = k;
+                break;
+            }
+    }
+    return r->gen_len - hold;
+}
+
+static void emit_safe(http_req *r, size_t safe)
+{
+    if (safe <= r->sent)
+        return;
+    if (r->stream && !r->gone) {
+        sse_start(r);
+        sse_delta(r, r->gen + r->sent, safe - r->sent);
+    }
+    r->sent = safe;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Engine -> HTTP thread messages */
+
+typedef struct {
+    decode_http *dh;
+    http_req *r;
+    int done;
+    /* chunk */
+    char *text;
+    size_t len;
+    int n_ids;
+    /* done */
+    pd_status st;
+    char error[512];
+    pd_finish_reason finish;
+    int n_tokens, prompt_tokens, rounds, block_size;
+    long accepted;
+    double tau;
+} http_msg;
+
+/* libevent does not read from a connection while its request is being answered, so a client
+ * that leaves during a non-streamed generation is noticed here, at the next chunk. */
+static int peer_closed(struct evhttp_connection *evcon)
+{
+    struct bufferevent *bev = evcon != NULL ? evhttp_connection_get_bufferevent(evcon) : NULL;
+    int fd = bev != NULL ? (int)bufferevent_getfd(bev) : -1;
+    if (fd < 0)
+        return 0;
+    char c;
+    ssize_t n = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
+static void msg_chunk(http_msg *m)
+{
+    http_req *r = m->r;
+    r->n_gen += m->n_ids;
+    if (r->stopped || r->gone || r->req == NULL)
+        return;
+    if (!r->stream && peer_closed(r->evcon)) {
+        PD_LOG_DEBUG("http", "%s: client went away, cancelling", r->id);
+        r->gone = 1;   /* still attached: the final send below fails quietly */
+        decode_cancel(r->h);
+        return;
+    }
+    if (gen_append(r, m->text, m->len) != 0) {
+        decode_cancel(r->h);
+        return;
+    }
+    if (r->stream)
+        sse_start(r);   /* the first chunk commits the stream to 200 */
+    emit_safe(r, stop_scan(r, 0));
+}
+
+static void msg_done(http_msg *m)
+{
+    http_req *r = m->r;
+    if (r->req == NULL) {   /* unreachable: the reply is only completed here */
+        req_unref(r);
+        return;
+    }
+    int ok = m->st == PD_OK || (m->st == PD_ERR_CANCELLED && r->stopped);
+    if (ok && !r->stopped && m->len > 0 && gen_append(r, m->text, m->len) != 0)
+        ok = 0;
+    const char *finish = "stop";
+    if (ok) {
+        emit_safe(r, stop_scan(r, 1));
+        if (!r->stopped && m->finish == PD_FINISH_LENGTH)
+            finish = "length";
+    }
+    if (m->n_tokens < r->n_gen)
+        m->n_tokens = r->n_gen;
+    if (r->gone) {
+        /* libevent detached the request when the client left (or will fail the write); the
+         * send frees it either way */
+        if (r->started)
+            evhttp_send_reply_end(r->req);
+        else
+            evhttp_send_error(r->req, 499, "client closed request");
+    } else if (r->stream && (r->started || ok)) {
+        sse_start(r);
+        if (ok) {
+            cJSON *o = resp_base(r, 1);
+            add_choice(o, r, r->chat ? NULL : "", 0, 1, finish, 0);
+            add_usage(o, m->prompt_tokens, m->n_tokens, m->rounds, m->tau, m->block_size, m->accepted);
+            sse_send(r, o);
+            if (r->include_usage) {
+                o = resp_base(r, 1);
+                cJSON_AddArrayToObject(o, "choices");
+                add_usage(o, m->prompt_tokens, m->n_tokens, m->rounds, m->tau, m->block_size,
+                          m->accepted);
+                sse_send(r, o);
+            }
+        } else {
+            /* the status line is gone: the error travels as an event (as vLLM does) */
+            cJSON *o = cJSON_CreateObject();
+            cJSON *e = cJSON_AddObjectToObject(o, "error");
+            int code = http_code_of(m->st);
+            cJSON_AddStringToObject(e, "message", m->error);
+            cJSON_AddStringToObject(e, "type", err_type_of(code));
+            cJSON_AddNullToObject(e, "param");
+            cJSON_AddNumberToObject(e, "code", code);
+            sse_send(r, o);
+        }
+        struct evbuffer *b = evbuffer_new();
+        if (b != NULL) {
+            evbuffer_add_printf(b, "data: [DONE]\n\n");
+            evhttp_send_reply_chunk(r->req, b);
+            evbuffer_free(b);
+        }
+        evhttp_send_reply_end(r->req);
+    } else if (ok) {
+        cJSON *o = resp_base(r, 0);
+        add_choice(o, r, r->gen != NULL ? r->gen : "", r->gen_len, 0, finish, 1);
+        add_usage(o, m->prompt_tokens, m->n_tokens, m->rounds, m->tau, m->block_size, m->accepted);
+        char *s = cJSON_PrintUnformatted(o);
+        cJSON_Delete(o);
+        if (s != NULL) {
+            pd_http_reply(r->req, 200, NULL, s, strlen(s));
+            free(s);
+        } else {
+            send_error(r->req, 500, NULL, "out of memory encoding the response");
+        }
+    } else {
+        int code = http_code_of(m->st);
+        if (m->st == PD_ERR_CANCELLED)
+            code = 503;   /* the server is stopping */
+        send_error(r->req, code, NULL, m->error[0] != '\0' ? m->error : pd_status_str(m->st));
+    }
+    req_finish(r);
+    req_unref(r);   /* the engine's reference */
+}
+
+static void msg_run(void *arg)
+{
+    http_msg *m = arg;
+    if (m->dh->closing) {
+        /* destroy freed every context already; only the message is left */
+    } else if (m->done) {
+        msg_done(m);
+    } else {
+        msg_chunk(m);
+    }
+    free(m->text);
+    free(m);
+}
+
+static void cb_token(void *ud, const decode_chunk *c)
+{
+    http_req *r = ud;
+    http_msg *m = calloc(1, sizeof(*m));
+    char *t = malloc(c->text_len + 1);
+    if (m == NULL || t == NULL) {
+        free(m);
+        free(t);
+        return;
+    }
+    memcpy(t, c->text, c->text_len);
+    t[c->text_len] = '\0';
+    m->n_ids = c->n_ids;
+    m->dh = r->dh;
+    m->r = r;
+    m->text = t;
+    m->len = c->text_len;
+    if (pd_loop_post(pd_http_loop(r->dh->http), msg_run, m) != PD_OK) {
+        free(t);
+        free(m);
+    }
+}
+
+static void cb_done(void *ud, const decode_result *res)
+{
+    http_req *r = ud;
+    http_msg *m = calloc(1, sizeof(*m));
+    if (m == NULL) {
+        /* cannot tell the HTTP side; the client gets nothing more (its connection closes at
+         * shutdown at the latest) */
+        PD_LOG_ERROR("http", "%s: out of memory finishing the request", r->id);
+        req_unref(r);
+        return;
+    }
+    m->dh = r->dh;
+    m->r = r;
+    m->done = 1;
+    if (res->text_tail_len > 0) {
+        m->text = malloc(res->text_tail_len + 1);
+        if (m->text != NULL) {
+            memcpy(m->text, res->text_tail, res->text_tail_len);
+            m->text[res->text_tail_len] = '\0';
+            m->len = res->text_tail_len;
+        }
+    }
+    m->st = res->status;
+    snprintf(m->error, sizeof(m->error), "%s", res->error != NULL ? res->error : "");
+    m->finish = res->finish;
+    m->n_tokens = res->n_tokens;
+    m->prompt_tokens = res->prompt_tokens;
+    m->rounds = res->rounds;
+    m->block_size = res->block_size;
+    m->tau = res->tau;
+    for (int i = 0; i < res->rounds && res->accepted_per_round != NULL; i++)
+        m->accepted += res->accepted_per_round[i];
+    if (pd_loop_post(pd_http_loop(r->dh->http), msg_run, m) != PD_OK) {
+        free(m->text);
+        free(m);
+        req_unref(r);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Request parsing */
+
+/* Optional field: absent or null -> 0 (untouched); wrong type -> -1 with a message. */
+static int get_number(const cJSON *o, const char *k, double *v, char *msg, size_t cap)
+{
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, k);
+    if (it == NULL || cJSON_IsNull(it))
+        return 0;
+    if (!cJSON_IsNumber(it) || !isfinite(it->valuedouble)) {
+        snprintf(msg, cap, "'%s' must be a number", k);
+        return -1;
+    }
+    *v = it->valuedouble;
+    return 1;
+}
+
+static int get_int(const cJSON *o, const char *k, double lo, double hi, long long *v, char *msg,
+                   size_t cap)
+{
+    double d = 0;
+    int rc = get_number(o, k, &d, msg, cap);
+    if (rc <= 0) {
+        if (rc < 0)
+            snprintf(msg, cap, "'%s' must be an integer", k);
+        return rc;
+    }
+    if (d != floor(d)) {
+        snprintf(msg, cap, "'%s' must be an integer", k);
+        return -1;
+    }
+    if (d < lo || d > hi) {
+        snprintf(msg, cap, "'%s' must be in [%.0f, %.0f], got %.0f", k, lo, hi, d);
+        return -1;
+    }
+    *v = (long long)d;
+    return 1;
+}
+
+static int get_bool(const cJSON *o, const char *k, int *v, char *msg, size_t cap)
+{
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, k);
+    if (it == NULL || cJSON_IsNull(it))
+        return 0;
+    if (!cJSON_IsBool(it)) {
+        snprintf(msg, cap, "'%s' must be a boolean", k);
+        return -1;
+    }
+    *v = cJSON_IsTrue(it);
+    return 1;
+}
+
+static void opts_free(req_opts *o)
+{
+    for (int i = 0; i < o->n_stop; i++)
+        free(o->stop[i]);
+    o->n_stop = 0;
+}
+
+/* The sampling fields shared by both endpoints. Returns 0 or -1 with msg and *param set. */
+static int parse_common(const cJSON *root, int chat, decode_req *dr, req_opts *o,
+                        const char **param, char *msg, size_t cap)
+{
+    double d;
+    long long ll;
+    int rc, b = 0;
+    dr->top_p = 1.0f;
+    dr->max_new_tokens = chat ? 0 : COMPLETIONS_DEFAULT_MAX_TOKENS;
+    const char *mt = "max_tokens";
+    if (chat && cJSON_GetObjectItemCaseSensitive(root, "max_completion_tokens") != NULL &&
+        !cJSON_IsNull(cJSON_GetObjectItemCaseSensitive(root, "max_completion_tokens")))
+        mt = "max_completion_tokens";
+    *param = mt;
+    if ((rc = get_int(root, mt, -1e18, 1e18, &ll, msg, cap)) < 0)
+        return -1;
+    if (rc > 0) {
+        if (ll < 1) {
+            snprintf(msg, cap, "'%s' must be at least 1, got %lld", mt, ll);
+            return -1;
+        }
+        dr->max_new_tokens = ll > 1000000000 ? 1000000000 : (int)ll;
+    }
+    *param = "temperature";
+    if ((rc = get_number(root, "temperature", &d, msg, cap)) < 0)
+        return -1;
+    if (rc > 0) {
+        if (d < 0 || d > 2) {
+            snprintf(msg, cap, "'temperature' must be in [0, 2], got %g", d);
+            return -1;
+        }
+        dr->temperature = (float)d;
+    } else {
+        dr->temperature = 1.0f;   /* OpenAI's default */
+    }
+    *param = "top_p";
+    if ((rc = get_number(root, "top_p", &d, msg, cap)) < 0)
+        return -1;
+    if (rc > 0) {
+        if (!(d > 0 && d <= 1)) {
+            snprintf(msg, cap, "'top_p' must be in (0, 1], got %g", d);
+            return -1;
+        }
+        dr->top_p = (float)d;
+    }
+    *param = "top_k";   /* extension (vLLM, llama.cpp) */
+    if ((rc = get_int(root, "top_k", -1, 1e9, &ll, msg, cap)) < 0)
+        return -1;
+    if (rc > 0)
+        dr->top_k = ll < 0 ? 0 : (int)ll;
+    *param = "seed";
+    if ((rc = get_int(root, "seed", -9.2e18, 1.8e19, &ll, msg, cap)) < 0)
+        return -1;
+    if (rc > 0)
+        dr->seed = (uint64_t)ll;
+    *param = "n";
+    if ((rc = get_int(root, "n", -1e18, 1e18, &ll, msg, cap)) < 0)
+        return -1;
+    if (rc > 0 && ll != 1) {
+        snprintf(msg, cap, "only n=1 is supported, got %lld", ll);
+        return -1;
+    }
+    *param = "best_of";
+    if ((rc = get_int(root, "best_of", -1e18, 1e18, &ll, msg, cap)) < 0)
+        return -1;
+    if (rc > 0 && ll != 1) {
+        snprintf(msg, cap, "only best_of=1 is supported");
+        return -1;
+    }
+    *param = "stream";
+    if (get_bool(root, "stream", &o->stream, msg, cap) < 0)
+        return -1;
+    *param = "ignore_eos";   /* extension (vLLM) */
+    if (get_bool(root, "ignore_eos", &b, msg, cap) < 0)
+        return -1;
+    dr->ignore_eos = b;
+    *param = "echo";
+    b = 0;
+    if (get_bool(root, "echo", &b, msg, cap) < 0)
+        return -1;
+    if (b) {
+        snprintf(msg, cap, "'echo' is not supported");
+        return -1;
+    }
+    *param = "logprobs";
+    const cJSON *lp = cJSON_GetObjectItemCaseSensitive(root, "logprobs");
+    if (lp != NULL && !cJSON_IsNull(lp) && !cJSON_IsFalse(lp)) {
+        snprintf(msg, cap, "'logprobs' is not supported");
+        return -1;
+    }
+    const char *pens[] = {"presence_penalty", "frequency_penalty"};
+    for (int i = 0; i < 2; i++) {
+        *param = pens[i];
+        d = 0;
+        if (get_number(root, pens[i], &d, msg, cap) < 0)
+            return -1;
+        if (d != 0) {
+            snprintf(msg, cap, "'%s' is not supported (only 0)", pens[i]);
+            return -1;
+        }
+    }
+    *param = "stream_options";
+    const cJSON *so = cJSON_GetObjectItemCaseSensitive(root, "stream_options");
+    if (so != NULL && !cJSON_IsNull(so)) {
+        if (!cJSON_IsObject(so)) {
+            snprintf(msg, cap, "'stream_options' must be an object");
+            return -1;
+        }
+        if (get_bool(so, "include_usage", &o->include_usage, msg, cap) < 0)
+            return -1;
+    }
+    *param = "stop";
+    const cJSON *st = cJSON_GetObjectItemCaseSensitive(root, "stop");
+    if (st != NULL && !cJSON_IsNull(st)) {
+        const cJSON *one = cJSON_IsString(st) ? st : NULL;
+        if (one == NULL && !cJSON_IsArray(st)) {
+            snprintf(msg, cap, "'stop' must be a string or an array of strings");
+            return -1;
+        }
+        int n = one != NULL ? 1 : cJSON_GetArraySize(st);
+        if (n > MAX_STOP) {
+            snprintf(msg, cap, "'stop' takes at most %d strings", MAX_STOP);
+            return -1;
+        }
+        for (int i = 0; i < n; i++) {
+            const cJSON *it = one != NULL ? one : cJSON_GetArrayItem(st, i);
+            if (!cJSON_IsString(it)) {
+                snprintf(msg, cap, "'stop' must be a string or an array of strings");
+                return -1;
+            }
+            size_t l = strlen(it->valuestring);
+            if (l == 0 || l > MAX_STOP_LEN) {
+                snprintf(msg, cap, "stop strings must have 1 to %d bytes", MAX_STOP_LEN);
+                return -1;
+            }
+            if ((o->stop[o->n_stop] = strdup(it->valuestring)) == NULL) {
+                snprintf(msg, cap, "out of memory");
+                return -1;
+            }
+            o->n_stop++;
+        }
+    }
+    *param = NULL;
+    return 0;
+}
+
+/* /v1/completions "prompt": a string, an array of token ids, or a one-element array of either. */
+static int parse_prompt(const cJSON *root, decode_req *dr, int32_t **ids, char *msg, size_t cap)
+{
+    const cJSON *p = cJSON_GetObjectItemCaseSensitive(root, "prompt");
+    if (p == NULL || cJSON_IsNull(p)) {
+        snprintf(msg, cap, "'prompt' is required");
+        return -1;
+    }
+    if (cJSON_IsArray(p) && cJSON_GetArraySize(p) == 1 &&
+        (cJSON_IsString(p->child) || cJSON_IsArray(p->child)))
+        p = p->child;
+    if (cJSON_IsString(p)) {
+        if (p->valuestring[0] == '\0') {
+            snprintf(msg, cap, "'prompt' must not be empty");
+            return -1;
+        }
+        dr->prompt_text = p->valuestring;
+        dr->prompt_text_len = strlen(p->valuestring);
+        return 0;
+    }
+    if (!cJSON_IsArray(p)) {
+        snprintf(msg, cap, "'prompt' must be a string or an array of token ids");
+        return -1;
+    }
+    int n = cJSON_GetArraySize(p);
+    if (n == 0) {
+        snprintf(msg, cap, "'prompt' must not be empty");
+        return -1;
+    }
+    *ids = malloc((size_t)n * sizeof(int32_t));
+    if (*ids == NULL) {
+        snprintf(msg, cap, "out of memory");
+        return -1;
+    }
+    int i = 0;
+    for (const cJSON *it = p->child; it != NULL; it = it->next, i++) {
+        if (cJSON_IsString(it) || cJSON_IsArray(it)) {
+            snprintf(msg, cap, "only one prompt per request is supported");
+            return -1;
+        }
+        if (!cJSON_IsNumber(it) || it->valuedouble != floor(it->valuedouble) ||
+            it->valuedouble < 0 || it->valuedouble > 2147483647.0) {
+            snprintf(msg, cap, "'prompt' token ids must be non-negative integers");
+            return -1;
+        }
+        (*ids)[i] = (int32_t)it->valuedouble;
+    }
+    dr->prompt_ids = *ids;
+    dr->n_prompt_ids = n;
+    return 0;
+}
+
+typedef struct {
+    char *p;
+    size_t len, cap;
+} sbuf;
+
+static int sb_add(sbuf *b, const char *s, size_t n)
+{
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 1024;
+        while (b->len + n + 1 > cap)
+            cap *= 2;
+        char *np = realloc(b->p, cap);
+        if (np == NULL)
+            return -1;
+        b->p = np;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = '\0';
+    return 0;
+}
+
+/* Render messages as ChatML plus the assistant prefix (Qwen's template with
+ * add_generation_prompt). Content: a string or an array of {"type":"text","text":...} parts. */
+static int render_chatml(const cJSON *root, sbuf *out, char *msg, size_t cap)
+{
+    const cJSON *ms = cJSON_GetObjectItemCaseSensitive(root, "messages");
+    if (ms == NULL || cJSON_IsNull(ms)) {
+        snprintf(msg, cap, "'messages' is required");
+        return -1;
+    }
+    if (!cJSON_IsArray(ms) || cJSON_GetArraySize(ms) == 0) {
+        snprintf(msg, cap, "'messages' must be a non-empty array");
+        return -1;
+    }
+    int i = 0;
+    for (const cJSON *m = ms->child; m != NULL; m = m->next, i++) {
+        const cJSON *role = cJSON_GetObjectItemCaseSensitive(m, "role");
+        const cJSON *content = cJSON_GetObjectItemCaseSensitive(m, "content");
+        if (!cJSON_IsObject(m) || !cJSON_IsString(role)) {
+            snprintf(msg, cap, "messages[%d] must be an object with a string 'role'", i);
+            return -1;
+        }
+        const char *rs = role->valuestring;
+        if (strcmp(rs, "system") != 0 && strcmp(rs, "user") != 0 && strcmp(rs, "assistant") != 0 &&
+            strcmp(rs, "developer") != 0) {
+            snprintf(msg, cap, "messages[%d].role '%.32s' is not one of system, developer, user, "
+                     "assistant", i, rs);
+            return -1;
+        }
+        if (strcmp(rs, "developer") == 0)
+            rs = "system";
+        if (sb_add(out, "<|im_start|>", 12) != 0 || sb_add(out, rs, strlen(rs)) != 0 ||
+            sb_add(out, "\n", 1) != 0)
+            goto oom;
+        if (cJSON_IsString(content)) {
+            if (sb_add(out, content->valuestring, strlen(content->valuestring)) != 0)
+                goto oom;
+        } else if (cJSON_IsArray(content)) {
+            for (const cJSON *part = content->child; part != NULL; part = part->next) {
+                const cJSON *ty = cJSON_GetObjectItemCaseSensitive(part, "type");
+                const cJSON *tx = cJSON_GetObjectItemCaseSensitive(part, "text");
+                if (!cJSON_IsString(ty) || strcmp(ty->valuestring, "text") != 0 || !cJSON_IsString(tx)) {
+                    snprintf(msg, cap, "messages[%d].content: only text parts are supported", i);
+                    return -1;
+                }
+                if (sb_add(out, tx->valuestring, strlen(tx->valuestring)) != 0)
+                    goto oom;
+            }
+        } else if (!(cJSON_IsNull(content) && strcmp(rs, "assistant") == 0)) {
+            snprintf(msg, cap, "messages[%d].content must be a string or an array of text parts", i);
+            return -1;
+        }
+        if (sb_add(out, "<|im_end|>\n", 11) != 0)
+            goto oom;
+    }
+    if (sb_add(out, "<|im_start|>assistant\n", 22) != 0)
+        goto oom;
+    return 0;
+oom:
+    snprintf(msg, cap, "out of memory");
+    return -1;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Handlers */
+
+static void handle_generate(struct evhttp_request *req, decode_http *dh, int chat)
+{
+    if (atomic_load(&dh->draining)) {
+        decode_metrics_refused(dh->dm, "draining");
+        pd_http_error(req, 503, "service_unavailable", NULL, "draining",
+                      "the server is draining and accepts no new requests");
+        return;
+    }
+    if (chat && !dh->chat_ok) {
+        pd_http_error(req, 400, "invalid_request_error", "messages", "chat_template_unsupported",
+                      "%s", dh->chat_why);
+        return;
+    }
+    size_t blen = 0;
+    char *body = pd_http_body(req, &blen);
+    if (body == NULL) {
+        send_error(req, 500, NULL, "out of memory reading the body");
+        return;
+    }
+    cJSON *root = cJSON_ParseWithLength(body, blen);
+    free(body);
+    char msg[512] = "";
+    const char *param = NULL;
+    decode_req dr = {0};
+    req_opts o = {0};
+    int32_t *ids = NULL;
+    sbuf chatml = {0};
+    http_req *r = NULL;
+    if (root == NULL || !cJSON_IsObject(root)) {
+        decode_metrics_refused(dh->dm, "invalid");
+        send_error(req, 400, NULL, root == NULL ? "the request body is not valid JSON"
+                                                : "the request body must be a JSON object");
+        goto out;
+    }
+    const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
+    if (model != NULL && !cJSON_IsNull(model) && !cJSON_IsString(model)) {
+        decode_metrics_refused(dh->dm, "invalid");
+        send_error(req, 400, "model", "'model' must be a string");
+        goto out;
+    }
+    if (parse_common(root, chat, &dr, &o, &param, msg, sizeof(msg)) != 0) {
+        decode_metrics_refused(dh->dm, "invalid");
+        send_error(req, 400, param, msg);
+        goto out;
+    }
+    if (chat) {
+        if (render_chatml(root, &chatml, msg, sizeof(msg)) != 0) {
+            decode_metrics_refused(dh->dm, "invalid");
+            send_error(req, 400, "messages", msg);
+            goto out;
+        }
+        dr.prompt_text = chatml.p;
+        dr.prompt_text_len = chatml.len;
+    } else if (parse_prompt(root, &dr, &ids, msg, sizeof(msg)) != 0) {
+        decode_metrics_refused(dh->dm, "invalid");
+        send_error(req, 400, "prompt", msg);
+        goto out;
+    }
+    r = calloc(1, sizeof(*r));
+    if (r == NULL) {
+        send_error(req, 500, NULL, "out of memory");
+        goto out;
+    }
+    atomic_init(&r->refs, 2);   /* HTTP side, engine side */
+    r->dh = dh;
+    r->req = req;
+    r->chat = chat;
+    r->stream = o.stream;
+    r->include_usage = o.include_usage;
+    r->created = (long)time(NULL);
+    unsigned long long seq = atomic_fetch_add(&dh->next_id, 1);
+    snprintf(r->id, sizeof(r->id), "%s-%llx%04llx", chat ? "chatcmpl" : "cmpl",
+             (unsigned long long)r->created, seq & 0xffffull);
+    for (int i = 0; i < o.n_stop; i++) {
+        r->stop[i] = o.stop[i];
+        size_t l = strlen(o.stop[i]);
+        if (l > r->max_stop)
+            r->max_stop = l;
+    }
+    r->n_stop = o.n_stop;
+    o.n_stop = 0;
+    dr.request_id = r->id;
+    pthread_mutex_lock(&dh->mu);
+    r->next = dh->live;
+    if (dh->live != NULL)
+        dh->live->prev = r;
+    dh->live = r;
+    pthread_mutex_unlock(&dh->mu);
+    atomic_fetch_add(&dh->inflight, 1);
+    pd_err err = {0};
+    pd_status st = decode_submit(dh->s, &dr, cb_token, cb_done, r, &r->h, &err);
+    if (st != PD_OK) {
+        int code = http_code_of(st);
+        decode_metrics_refused(dh->dm, st == PD_ERR_INVALID ? "invalid" : st == PD_ERR_CANCELLED
+                                       ? "draining" : "error");
+        send_error(req, code, NULL, err.msg);
+        atomic_fetch_sub(&r->refs, 1);   /* the engine never calls back */
+        req_finish(r);
+        goto out;
+    }
+    r->evcon = evhttp_request_get_connection(req);
+    if (r->evcon != NULL)
+        evhttp_connection_set_closecb(r->evcon, on_close, r);
+out:
+    opts_free(&o);
+    free(ids);
+    free(chatml.p);
+    cJSON_Delete(root);
+}
+
+static void h_completions(struct evhttp_request *req, void *ud)
+{
+    handle_generate(req, ud, 0);
+}
+
+static void h_chat(struct evhttp_request *req, void *ud)
+{
+    handle_generate(req, ud, 1);
+}
+
+static void h_models(struct evhttp_request *req, void *ud)
+{
+    decode_http *dh = ud;
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "object", "list");
+    cJSON *arr = cJSON_AddArrayToObject(o, "data");
+    cJSON *m = cJSON_CreateObject();
+    cJSON_AddItemToArray(arr, m);
+    cJSON_AddStringToObject(m, "id", dh->model);
+    cJSON_AddStringToObject(m, "object", "model");
+    cJSON_AddNumberToObject(m, "created", 0);
+    cJSON_AddStringToObject(m, "owned_by", "pdspark");
+    char *s = cJSON_PrintUnformatted(o);
+    cJSON_Delete(o);
+    if (s == NULL) {
+        send_error(req, 500, NULL, "out of memory");
+        return;
+    }
+    pd_http_reply(req, 200, NULL, s, strlen(s));
+    free(s);
+}
+
+static int ready_fn(void *ud, char *why, size_t cap)
+{
+    decode_http *dh = ud;
+    if (atomic_load(&dh->draining)) {
+        snprintf(why, cap, "draining");
+        return 0;
+    }
+    decode_stats st;
+    decode_server_stats(dh->s, &st);
+    if (!st.serving) {
+        snprintf(why, cap, "the decode server is not serving");
+        return 0;
+    }
+    return 1;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Chat template */
+
+static char *read_file(const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    if (f == NULL)
+        return NULL;
+    char *buf = NULL;
+    size_t len = 0, cap = 0;
+    for (;;) {
+        if (len + 4096 + 1 > cap) {
+            cap = cap ? cap * 2 : 8192;
+            char *nb = realloc(buf, cap);
+            if (nb == NULL) {
+                free(buf);
+                fclose(f);
+                return NULL;
+            }
+            buf = nb;
+        }
+        size_t n = fread(buf + len, 1, 4096, f);
+        len += n;
+        if (n < 4096)
+            break;
+    }
+    fclose(f);
+    buf[len] = '\0';
+    return buf;
+}
+
+/* ChatML-shaped: turns open with <|im_start|> followed by the role and a newline, close with
+ * <|im_end|>, and the generation prompt is <|im_start|>assistant. */
+static int template_is_chatml(const char *t)
+{
+    const char *s = strstr(t, "<|im_start|>");
+    return s != NULL && strstr(t, "<|im_end|>") != NULL && strstr(t, "role") != NULL &&
+           strstr(t, "<|im_start|>assistant") != NULL;
+}
+
+static void check_template(decode_http *dh, const char *model_dir)
+{
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/chat_template.jinja", model_dir);
+    char *t = read_file(path);
+    char *from = "chat_template.jinja";
+    if (t == NULL) {
+        snprintf(path, sizeof(path), "%s/tokenizer_config.json", model_dir);
+        char *cfg = read_file(path);
+        cJSON *j = cfg != NULL ? cJSON_Parse(cfg) : NULL;
+        free(cfg);
+        const cJSON *ct = cJSON_GetObjectItemCaseSensitive(j, "chat_template");
+        if (cJSON_IsArray(ct)) {   /* [{"name": "default", "template": ...}, ...] */
+            const cJSON *pick = NULL;
+            for (const cJSON *it = ct->child; it != NULL; it = it->next) {
+                const cJSON *nm = cJSON_GetObjectItemCaseSensitive(it, "name");
+                if (pick == NULL || (cJSON_IsString(nm) && strcmp(nm->valuestring, "default") == 0))
+                    pick = it;
+            }
+            ct = pick != NULL ? cJSON_GetObjectItemCaseSensitive(pick, "template") : NULL;
+        }
+        if (cJSON_IsString(ct))
+            t = strdup(ct->valuestring);
+        cJSON_Delete(j);
+        from = "tokenizer_config.json";
+    }
+    if (t == NULL) {
+        snprintf(dh->chat_why, sizeof(dh->chat_why),
+                 "chat completions are unavailable: the checkpoint ships no chat template "
+                 "(chat_template.jinja or tokenizer_config.json); use /v1/completions");
+    } else if (!template_is_chatml(t)) {
+        snprintf(dh->chat_why, sizeof(dh->chat_why),
+                 "chat completions are unavailable: the checkpoint's chat template (%s) is not "
+                 "ChatML (<|im_start|>role ... <|im_end|>), the only format this server renders; "
+                 "use /v1/completions with a prompt you format yourself", from);
+    } else {
+        dh->chat_ok = 1;
+    }
+    if (!dh->chat_ok)
+        PD_LOG_WARN("http", "%s", dh->chat_why);
+    free(t);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Lifetime */
+
+pd_status decode_http_create(decode_server *s, const decode_http_config *cfg, decode_http **out,
+                             pd_err *err)
+{
+    decode_http *dh = calloc(1, sizeof(*dh));
+    if (dh == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "http front end");
+    dh->s = s;
+    dh->dm = cfg->dm;
+    pthread_mutex_init(&dh->mu, NULL);
+    atomic_init(&dh->draining, 0);
+    atomic_init(&dh->inflight, 0);
+    atomic_init(&dh->next_id, 1);
+    if (cfg->model_name != NULL) {
+        snprintf(dh->model, sizeof(dh->model), "%s", cfg->model_name);
+    } else {
+        char tmp[4096];
+        snprintf(tmp, sizeof(tmp), "%s", cfg->model_dir != NULL ? cfg->model_dir : "model");
+        size_t l = strlen(tmp);
+        while (l > 1 && tmp[l - 1] == '/')
+            tmp[--l] = '\0';
+        const char *base = strrchr(tmp, '/');
+        snprintf(dh->model, sizeof(dh->model), "%s", base != NULL ? base + 1 : tmp);
+    }
+    check_template(dh, cfg->model_dir != NULL ? cfg->model_dir : ".");
+    pd_http_config hc = {
+        .addr = cfg->addr, .node = "decode", .metrics = cfg->metrics,
+        .ready = ready_fn, .ready_ud = dh, .max_body = cfg->max_body,
+    };
+    pd_status st = pd_http_create(&hc, &dh->http, err);
+    if (st != PD_OK)
+        goto err_free;
+    if ((st = pd_http_route(dh->http, "/v1/completions", PD_HTTP_POST, h_completions, dh, err)) != PD_OK ||
+        (st = pd_http_route(dh->http, "/v1/chat/completions", PD_HTTP_POST, h_chat, dh, err)) != PD_OK ||
+        (st = pd_http_route(dh->http, "/v1/models", PD_HTTP_GET, h_models, dh, err)) != PD_OK ||
+        (st = pd_http_start(dh->http, err)) != PD_OK)
+        goto err_http;
+    *out = dh;
+    return PD_OK;
+err_http:
+    pd_http_destroy(dh->http);
+err_free:
+    pthread_mutex_destroy(&dh->mu);
+    free(dh);
+    return st;
+}
+
+int decode_http_port(const decode_http *h)
+{
+    return pd_http_port(h->http);
+}
+
+void decode_http_drain(decode_http *h)
+{
+    if (h != NULL)
+        atomic_store(&h->draining, 1);
+}
+
+int decode_http_inflight(const decode_http *h)
+{
+    return h != NULL ? atomic_load(&((decode_http *)h)->inflight) : 0;
+}
+
+void decode_http_stop(decode_http *h)
+{
+    if (h != NULL)
+        pd_http_stop(h->http);
+}
+
+void decode_http_destroy(decode_http *h)
+{
+    if (h == NULL)
+        return;
+    pd_http_stop(h->http);
+    h->closing = 1;
+    /* the engine is gone: what is left holds only its HTTP reference; evhttp_free below frees
+     * the evhttp requests, so detach them from the connections first */
+    while (h->live != NULL) {
+        http_req *r = h->live;
+        if (r->evcon != NULL)
+            evhttp_connection_set_closecb(r->evcon, NULL, NULL);
+        r->evcon = NULL;
+        r->req = NULL;
+        h->live = r->next;
+        if (h->live != NULL)
+            h->live->prev = NULL;
+        r->next = r->prev = NULL;
+        decode_handle_release(r->h);
+        r->h = NULL;
+        for (int i = 0; i < r->n_stop; i++)
+            free(r->stop[i]);
+        free(r->gen);
+        free(r);
+    }
+    pd_http_destroy(h->http);
+    pthread_mutex_destroy(&h->mu);
+    free(h);
+}

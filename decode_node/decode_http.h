@@ -1,0 +1,49 @@
+/* decode_http.h - the decode node's OpenAI-compatible HTTP front end.
+ * Owns: POST /v1/completions, POST /v1/chat/completions (JSON or SSE with stream: true),
+ *   GET /v1/models, plus /health, /ready and /metrics through the pd_http server it owns; the
+ *   request JSON validation, ChatML rendering (after checking the checkpoint's chat template),
+ *   stop strings, the OpenAI response and error shapes, and draining for the HTTP side.
+ * Not here: scheduling and admission (decode_server.c through decode_api.h), the metric values
+ *   (decode_metrics.c), the HTTP plumbing (common/pd_http.c).
+ * Threading: the functions below from the control thread (main). Requests are handled on the
+ *   pd_http thread (a dedicated libevent loop, not the engine's: an engine step must not delay
+ *   SSE writes or /health); the engine-thread callbacks only copy what they got and post it to
+ *   that loop. */
+#ifndef DECODE_HTTP_H
+#define DECODE_HTTP_H
+
+#include <stddef.h>
+
+#include "decode_api.h"
+#include "pd_metrics.h"
+#include "pd_status.h"
+
+typedef struct decode_http decode_http;
+typedef struct decode_metrics decode_metrics;
+
+typedef struct {
+    const char *addr;              /* HOST:PORT; port 0 picks one (see decode_http_port) */
+    const char *model_dir;         /* the target checkpoint: chat template and the model name */
+    const char *model_name;        /* "id" in /v1/models; NULL = the model_dir's last component */
+    pd_metrics *metrics;           /* borrowed: served on /metrics */
+    decode_metrics *dm;            /* borrowed, may be NULL: refusals at admission are counted */
+    size_t max_body;               /* bytes; 0 = 8 MiB */
+} decode_http_config;
+
+/* Reads the chat template, binds, starts the HTTP thread. s is borrowed and must outlive
+ * decode_http_stop. Errors: PD_ERR_INVALID / PD_ERR_IO (address, bind), PD_ERR_NOMEM. */
+pd_status decode_http_create(decode_server *s, const decode_http_config *cfg, decode_http **out,
+                             pd_err *err);
+int decode_http_port(const decode_http *h);
+/* Stop admitting: /ready answers 503 and new generation requests get 503; requests already
+ * running finish normally. Any thread. */
+void decode_http_drain(decode_http *h);
+/* Generation requests whose reply is not yet complete. Any thread. */
+int decode_http_inflight(const decode_http *h);
+/* Stop the HTTP thread (no handler runs after this). Call before decode_server_destroy. */
+void decode_http_stop(decode_http *h);
+/* After decode_server_destroy: frees what is left and closes the connections. NULL is a
+ * no-op. */
+void decode_http_destroy(decode_http *h);
+
+#endif

@@ -1,0 +1,561 @@
+#!/usr/bin/env python3
+"""test_http.py - decode_node's HTTP front end over real HTTP on loopback (ctest label e2e).
+
+Starts decode_node --colocated with --listen/--http on port 0 (and a second one whose checkpoint
+has a non-ChatML template), then checks: /health, /ready, /v1/models; completions and chat
+completions, plain and streamed (SSE), equal to the gRPC path (pdspark-client --json) for the same
+prompt; prompt as token ids; stop strings; OpenAI-shaped 400/404/405/413 errors with the server
+still serving; /metrics parsed by a strict Prometheus text parser, counters moving; a client that
+disconnects mid-stream gets its request cancelled; SIGTERM during a stream lets it finish
+([DONE]), refuses new requests (503, /ready 503), and the process exits 0.
+
+usage: test_http.py BIN_DIR MODELS_DIR     (exit 77 = skipped)
+Standard library only."""
+import http.client
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+FAILS = 0
+
+
+def check(cond, what):
+    global FAILS
+    if not cond:
+        FAILS += 1
+        print("FAIL: " + what, flush=True)
+    return cond
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+class Node:
+    def __init__(self, bin_dir, model, draft, extra=()):
+        env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+        self.errf = tempfile.TemporaryFile()
+        self.p = subprocess.Popen(
+            [os.path.join(bin_dir, "decode_node"), "--model", model, "--draft", draft,
+             "--colocated", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", *extra],
+            stdout=subprocess.PIPE, stderr=self.errf, env=env, text=True)
+        self.grpc = self.http = None
+        deadline = time.time() + 60
+        while time.time() < deadline and (self.grpc is None or self.http is None):
+            line = self.p.stdout.readline()
+            if not line:
+                break
+            m = re.match(r"listening (grpc|http) (\S+):(\d+)$", line.strip())
+            if m:
+                if m.group(1) == "grpc":
+                    self.grpc = "%s:%s" % (m.group(2), m.group(3))
+                else:
+                    self.http = ("127.0.0.1", int(m.group(3)))
+        if self.grpc is None or self.http is None:
+            self.stop()
+            raise RuntimeError("decode_node did not start: " + self.stderr())
+
+    def stderr(self):
+        self.errf.seek(0)
+        return self.errf.read().decode(errors="replace")[-3000:]
+
+    def stop(self):
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGINT)
+            try:
+                self.p.wait(20)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+
+
+def request(node, method, path, body=None, raw=None, timeout=60):
+    c = http.client.HTTPConnection(*node.http, timeout=timeout)
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    hdr = {"Content-Type": "application/json"} if data is not None else {}
+    c.request(method, path, body=data, headers=hdr)
+    r = c.getresponse()
+    out = r.read()
+    c.close()
+    return r.status, r.getheader("Content-Type") or "", out
+
+
+def post_json(node, path, body):
+    st, ct, out = request(node, "POST", path, body)
+    try:
+        return st, json.loads(out)
+    except ValueError:
+        return st, {"_raw": out.decode(errors="replace")}
+
+
+class Stream:
+    """A streamed request read event by event (SSE over chunked HTTP)."""
+
+    def __init__(self, node, path, body):
+        self.c = http.client.HTTPConnection(*node.http, timeout=60)
+        self.c.request("POST", path, body=json.dumps(body).encode(),
+                       headers={"Content-Type": "application/json"})
+        self.r = self.c.getresponse()
+        self.status = self.r.status
+        self.ctype = self.r.getheader("Content-Type") or ""
+        self.buf = b""
+
+    def next_event(self):
+        """The next 'data:' payload (str), or None at the end of the body."""
+        while b"\n\n" not in self.buf:
+            chunk = self.r.read1(65536) if hasattr(self.r, "read1") else self.r.read(1)
+            if not chunk:
+                return None
+            self.buf += chunk
+        ev, self.buf = self.buf.split(b"\n\n", 1)
+        lines = ev.decode().split("\n")
+        data = [l[5:].lstrip(" ") for l in lines if l.startswith("data:")]
+        check(len(data) == 1 and all(l.startswith("data:") for l in lines if l),
+              "SSE event is one data line: %r" % ev)
+        return data[0] if data else ""
+
+    def close(self):
+        self.c.close()
+
+
+def read_stream(node, path, body, chat):
+    """Returns (status, text, events(list of dict), done_seen)."""
+    s = Stream(node, path, body)
+    if s.status != 200:
+        out = s.r.read()
+        s.close()
+        return s.status, out.decode(errors="replace"), [], False
+    check(s.ctype.startswith("text/event-stream"), "stream content type %s" % s.ctype)
+    text, events, done = "", [], False
+    while True:
+        d = s.next_event()
+        if d is None:
+            break
+        if d == "[DONE]":
+            done = True
+            check(s.next_event() is None, "nothing after [DONE]")
+            break
+        ev = json.loads(d)
+        events.append(ev)
+        for ch in ev.get("choices", []):
+            if chat:
+                text += ch.get("delta", {}).get("content", "") or ""
+            else:
+                text += ch.get("text", "")
+    s.close()
+    return 200, text, events, done
+
+
+def grpc_generate(bin_dir, node, prompt, max_tokens):
+    out = subprocess.run([os.path.join(bin_dir, "pdspark-client"), "--server", node.grpc,
+                          "--prompt", prompt, "--max-new-tokens", str(max_tokens),
+                          "--temperature", "0", "--json"],
+                         capture_output=True, text=True, timeout=60)
+    if not check(out.returncode == 0, "pdspark-client: " + out.stderr):
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def is_error_shape(body):
+    e = body.get("error") if isinstance(body, dict) else None
+    return (isinstance(e, dict) and isinstance(e.get("message"), str) and e["message"] != ""
+            and isinstance(e.get("type"), str) and "param" in e and "code" in e)
+
+
+# ------------------------------------------------------------------------------------------------
+# Prometheus text format 0.0.4: a strict parser
+
+METRIC_RE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+LABEL_RE = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\[\\"n])*)"\s*(,|$)')
+
+
+def parse_value(s):
+    if s in ("+Inf", "Inf"):
+        return math.inf
+    if s == "-Inf":
+        return -math.inf
+    if s == "NaN":
+        return math.nan
+    if not re.match(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$", s):
+        raise ValueError("bad value %r" % s)
+    return float(s)
+
+
+def parse_prometheus(text):
+    """Returns {family: {"type", "help", "samples": [(name, labels(dict), value)]}}; raises
+    ValueError on anything the format does not allow."""
+    fams = {}
+    order = []
+    if not text.endswith("\n"):
+        raise ValueError("exposition must end with a newline")
+    for ln, line in enumerate(text.split("\n")[:-1], 1):
+        if line == "":
+            continue
+        if line.startswith("#"):
+            parts = line.split(" ", 3)
+            if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+                name = parts[2]
+                if not METRIC_RE.match(name):
+                    raise ValueError("line %d: bad metric name %r" % (ln, name))
+                f = fams.setdefault(name, {"type": None, "help": None, "samples": []})
+                if name not in order:
+                    order.append(name)
+                if parts[1] == "HELP":
+                    if f["help"] is not None:
+                        raise ValueError("line %d: second HELP for %s" % (ln, name))
+                    f["help"] = parts[3] if len(parts) > 3 else ""
+                else:
+                    if f["type"] is not None or f["samples"]:
+                        raise ValueError("line %d: TYPE for %s repeated or after samples" % (ln, name))
+                    if len(parts) != 4 or parts[3] not in ("counter", "gauge", "histogram",
+                                                           "summary", "untyped"):
+                        raise ValueError("line %d: bad TYPE line" % ln)
+                    f["type"] = parts[3]
+            continue
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)(\s+-?\d+)?$", line)
+        if not m:
+            raise ValueError("line %d: bad sample %r" % (ln, line))
+        name, lab, val = m.group(1), m.group(2), m.group(3)
+        labels = {}
+        if lab:
+            inner = lab[1:-1]
+            pos = 0
+            while pos < len(inner):
+                lm = LABEL_RE.match(inner, pos)
+                if not lm:
+                    raise ValueError("line %d: bad labels %r" % (ln, lab))
+                if lm.group(1) in labels:
+                    raise ValueError("line %d: duplicate label" % ln)
+                labels[lm.group(1)] = lm.group(2)
+                pos = lm.end()
+        fam = name
+        for suf in ("_bucket", "_sum", "_count"):
+            base = name[:-len(suf)]
+            if name.endswith(suf) and base in fams and fams[base]["type"] == "histogram":
+                fam = base
+        if fam not in fams or fams[fam]["type"] is None:
+            raise ValueError("line %d: sample %s without a TYPE line" % (ln, name))
+        if order[-1] != fam:
+            raise ValueError("line %d: samples of %s are not grouped" % (ln, fam))
+        fams[fam]["samples"].append((name, labels, parse_value(val)))
+    for name, f in fams.items():
+        if f["type"] is None or f["help"] is None:
+            raise ValueError("%s lacks HELP or TYPE" % name)
+        if f["type"] == "counter":
+            for s in f["samples"]:
+                if s[0] != name or s[2] < 0:
+                    raise ValueError("bad counter sample %r" % (s,))
+        if f["type"] == "histogram":
+            series = {}
+            for sname, labels, v in f["samples"]:
+                key = tuple(sorted((k, x) for k, x in labels.items() if k != "le"))
+                d = series.setdefault(key, {"buckets": [], "sum": None, "count": None})
+                if sname == name + "_bucket":
+                    if "le" not in labels:
+                        raise ValueError("%s bucket without le" % name)
+                    d["buckets"].append((parse_value(labels["le"]), v))
+                elif sname == name + "_sum":
+                    d["sum"] = v
+                elif sname == name + "_count":
+                    d["count"] = v
+                else:
+                    raise ValueError("bad histogram sample %s" % sname)
+            for key, d in series.items():
+                b = d["buckets"]
+                if not b or b[-1][0] != math.inf or d["sum"] is None or d["count"] is None:
+                    raise ValueError("%s: incomplete histogram" % name)
+                for i in range(1, len(b)):
+                    if not (b[i][0] > b[i - 1][0] and b[i][1] >= b[i - 1][1]):
+                        raise ValueError("%s: buckets not increasing/cumulative" % name)
+                if b[-1][1] != d["count"]:
+                    raise ValueError("%s: +Inf bucket != count" % name)
+    return fams
+
+
+def metrics(node):
+    st, ct, out = request(node, "GET", "/metrics")
+    check(st == 200 and ct.startswith("text/plain"), "/metrics status %d type %s" % (st, ct))
+    try:
+        return parse_prometheus(out.decode())
+    except ValueError as e:
+        check(False, "/metrics does not parse: %s" % e)
+        return {}
+
+
+def sample(fams, fam, name=None, **labels):
+    for n, l, v in fams.get(fam, {}).get("samples", []):
+        if n == (name or fam) and all(l.get(k) == x for k, x in labels.items()):
+            return v
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+
+def chatml(messages):
+    return "".join("<|im_start|>%s\n%s<|im_end|>\n" % (m["role"], m["content"])
+                   for m in messages) + "<|im_start|>assistant\n"
+
+
+def main():
+    if len(sys.argv) != 3:
+        print(__doc__)
+        return 2
+    bin_dir, models = sys.argv[1], sys.argv[2]
+    model = os.path.join(models, "tiny-code-qwen3")
+    draft = os.path.join(models, "tiny-code-dspark")
+    if not os.path.exists(os.path.join(bin_dir, "decode_node")) or not os.path.isdir(model):
+        print("skip: decode_node or the tiny model is missing")
+        return 77
+    t0 = time.time()
+
+    # a checkpoint whose chat template is not ChatML: same files, another template
+    tmp = tempfile.mkdtemp(prefix="pd_http_")
+    odd = os.path.join(tmp, "odd-template")
+    os.mkdir(odd)
+    for f in os.listdir(model):
+        if f != "chat_template.jinja":
+            os.symlink(os.path.abspath(os.path.join(model, f)), os.path.join(odd, f))
+    with open(os.path.join(odd, "chat_template.jinja"), "w") as f:
+        f.write("{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}")
+
+    node = Node(bin_dir, model, draft, ["--drain-timeout-ms", "20000"])
+    odd_node = None
+    try:
+        odd_node = Node(bin_dir, odd, draft)
+        log("nodes up in %.1f s (http %s, grpc %s)" % (time.time() - t0, node.http, node.grpc))
+
+        # ---- ops endpoints
+        st, _, out = request(node, "GET", "/health")
+        check(st == 200 and json.loads(out)["status"] == "ok", "/health")
+        st, _, out = request(node, "GET", "/ready")
+        check(st == 200, "/ready before drain: %d" % st)
+        st, _, out = request(node, "GET", "/v1/models")
+        mods = json.loads(out)
+        check(st == 200 and mods["object"] == "list" and mods["data"][0]["id"] == "tiny-code-qwen3",
+              "/v1/models: %s" % out)
+        m0 = metrics(node)
+        check(bool(m0), "metrics parse at start")
+        ok0 = sample(m0, "pdspark_requests_total", outcome="ok")
+        check(ok0 == 0, "requests ok starts at 0: %s" % ok0)
+
+        # ---- completions == gRPC
+        prompt, N = "def fib(n):", 24
+        g = grpc_generate(bin_dir, node, prompt, N)
+        want = g["text"] if g else None
+        st, body = post_json(node, "/v1/completions",
+                             {"model": "tiny-code-qwen3", "prompt": prompt, "max_tokens": N,
+                              "temperature": 0})
+        check(st == 200, "completions status %d %s" % (st, body))
+        ch = body.get("choices", [{}])[0]
+        check(body.get("object") == "text_completion" and body.get("id", "").startswith("cmpl-")
+              and isinstance(body.get("created"), int) and body.get("model") == "tiny-code-qwen3",
+              "completion envelope %s" % body)
+        check(ch.get("text") == want, "completions text %r != grpc %r" % (ch.get("text"), want))
+        check(ch.get("finish_reason") == g["finish_reason"] if g else False,
+              "finish_reason %s vs %s" % (ch.get("finish_reason"), g and g["finish_reason"]))
+        u = body.get("usage", {})
+        check(u.get("completion_tokens") == len(g["tokens"]) and u.get("prompt_tokens") ==
+              g["prompt_tokens"] and u.get("total_tokens") == u["prompt_tokens"] +
+              u["completion_tokens"], "usage %s" % u)
+        check(abs(u.get("dspark", {}).get("tau", -1) - g["tau"]) < 1e-6 and
+              u["dspark"]["rounds"] == g["rounds"], "usage.dspark %s vs tau %s" % (u, g["tau"]))
+
+        st, text, evs, done = read_stream(node, "/v1/completions",
+                                          {"prompt": prompt, "max_tokens": N, "temperature": 0,
+                                           "stream": True}, False)
+        check(st == 200 and done, "stream status/done %s %s" % (st, done))
+        check(text == want, "streamed text %r != %r" % (text, want))
+        check(evs and evs[-1]["choices"][0]["finish_reason"] == g["finish_reason"] and
+              all(e["choices"][0]["finish_reason"] is None for e in evs[:-1]),
+              "stream finish reasons")
+        check(evs and evs[-1].get("usage", {}).get("completion_tokens") == len(g["tokens"]),
+              "stream usage")
+
+        # prompt as token ids (OpenAI allows an array of ids)
+        tok = subprocess.run([os.path.join(bin_dir, "pdspark-tokenize"), "--tokenizer", model],
+                             input=prompt, capture_output=True, text=True, timeout=30)
+        ids = [int(x) for x in tok.stdout.split()]
+        st, body = post_json(node, "/v1/completions", {"prompt": ids, "max_tokens": N,
+                                                       "temperature": 0})
+        check(st == 200 and body["choices"][0]["text"] == want, "token-id prompt %s" % body)
+
+        # ---- stop strings: cut at the first match, finish "stop"
+        if want and len(want) > 8:
+            stop = want[6:9]
+            cut = want[:want.index(stop)]
+            st, body = post_json(node, "/v1/completions",
+                                 {"prompt": prompt, "max_tokens": N, "temperature": 0,
+                                  "stop": ["@@never@@", stop]})
+            check(st == 200 and body["choices"][0]["text"] == cut and
+                  body["choices"][0]["finish_reason"] == "stop",
+                  "stop %r: %s (want %r)" % (stop, body, cut))
+            st, text, evs, done = read_stream(node, "/v1/completions",
+                                              {"prompt": prompt, "max_tokens": N, "temperature": 0,
+                                               "stop": stop, "stream": True}, False)
+            check(done and text == cut and evs[-1]["choices"][0]["finish_reason"] == "stop",
+                  "streamed stop: %r want %r" % (text, cut))
+
+        # ---- chat == gRPC on the ChatML rendering
+        msgs = [{"role": "system", "content": "You write Python."},
+                {"role": "user", "content": "Print hello."}]
+        gc = grpc_generate(bin_dir, node, chatml(msgs), 16)
+        st, body = post_json(node, "/v1/chat/completions",
+                             {"messages": msgs, "max_tokens": 16, "temperature": 0})
+        check(st == 200 and body.get("object") == "chat.completion", "chat %s" % body)
+        msg = body.get("choices", [{}])[0].get("message", {})
+        check(msg.get("role") == "assistant" and gc is not None and msg.get("content") == gc["text"],
+              "chat content %r != grpc %r" % (msg.get("content"), gc and gc["text"]))
+        check(body.get("usage", {}).get("prompt_tokens") == (gc or {}).get("prompt_tokens"),
+              "chat prompt tokens")
+        st, text, evs, done = read_stream(node, "/v1/chat/completions",
+                                          {"messages": msgs, "max_tokens": 16, "temperature": 0,
+                                           "stream": True,
+                                           "stream_options": {"include_usage": True}}, True)
+        check(st == 200 and done and gc is not None and text == gc["text"],
+              "chat stream %r vs %r" % (text, gc and gc["text"]))
+        check(evs and evs[0]["object"] == "chat.completion.chunk" and
+              evs[0]["choices"][0]["delta"].get("role") == "assistant", "chat stream role chunk")
+        check(evs and evs[-1]["choices"] == [] and "usage" in evs[-1], "include_usage chunk")
+
+        # ---- errors: OpenAI shape, right status, server keeps serving
+        bad = [
+            ("/v1/completions", b"{not json", 400, None),
+            ("/v1/completions", b"[1, 2]", 400, None),
+            ("/v1/completions", json.dumps({"max_tokens": 4}).encode(), 400, "prompt"),
+            ("/v1/completions", json.dumps({"prompt": 12}).encode(), 400, "prompt"),
+            ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": -1}).encode(), 400, "max_tokens"),
+            ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": "4"}).encode(), 400, "max_tokens"),
+            ("/v1/completions", json.dumps({"prompt": "x", "temperature": "hot"}).encode(), 400, "temperature"),
+            ("/v1/completions", json.dumps({"prompt": "x", "stream": "yes"}).encode(), 400, "stream"),
+            ("/v1/completions", json.dumps({"prompt": "x", "n": 2}).encode(), 400, "n"),
+            ("/v1/completions", json.dumps({"prompt": "x", "stop": [1]}).encode(), 400, "stop"),
+            ("/v1/completions", json.dumps({"prompt": "x", "top_p": 0}).encode(), 400, "top_p"),
+            ("/v1/completions", json.dumps({"prompt": [1, 99999999]}).encode(), 400, None),
+            ("/v1/chat/completions", json.dumps({"max_tokens": 4}).encode(), 400, "messages"),
+            ("/v1/chat/completions", json.dumps({"messages": "hi"}).encode(), 400, "messages"),
+            ("/v1/chat/completions", json.dumps({"messages": [{"role": "user"}]}).encode(), 400, "messages"),
+            ("/v1/chat/completions", json.dumps({"messages": [{"role": 1, "content": "x"}]}).encode(), 400, "messages"),
+        ]
+        for path, raw, code, param in bad:
+            st, _, out = request(node, "POST", path, raw=raw)
+            try:
+                b = json.loads(out)
+            except ValueError:
+                b = None
+            check(st == code and is_error_shape(b) and (param is None or b["error"]["param"] == param),
+                  "%s %r -> %d %s" % (path, raw[:60], st, out[:200]))
+        st, _, out = request(node, "GET", "/v1/nowhere")
+        check(st == 404 and is_error_shape(json.loads(out)), "404 %d %s" % (st, out))
+        st, _, out = request(node, "GET", "/v1/completions")
+        check(st == 405 and is_error_shape(json.loads(out)), "405 %d %s" % (st, out))
+        st, _, out = request(node, "POST", "/v1/completions", raw=b"x" * (9 << 20))
+        check(st == 413 and is_error_shape(json.loads(out)), "413 %d %s" % (st, out[:200]))
+        st, body = post_json(node, "/v1/completions", {"prompt": prompt, "max_tokens": N,
+                                                       "temperature": 0})
+        check(st == 200 and body["choices"][0]["text"] == want, "serving after errors")
+
+        # ---- chat refused for a non-ChatML checkpoint; completions still work there
+        st, body = post_json(odd_node, "/v1/chat/completions", {"messages": msgs, "max_tokens": 4})
+        check(st == 400 and is_error_shape(body) and "ChatML" in body["error"]["message"],
+              "non-ChatML chat: %d %s" % (st, body))
+        st, body = post_json(odd_node, "/v1/completions", {"prompt": prompt, "max_tokens": 4,
+                                                           "temperature": 0})
+        check(st == 200 and body["choices"][0]["text"] == want[:len(body["choices"][0]["text"])],
+              "non-ChatML completions %s" % body)
+        odd_node.stop()
+        odd_node = None
+
+        # ---- a client that leaves mid-stream: its request is cancelled
+        s = Stream(node, "/v1/completions", {"prompt": prompt, "max_tokens": 4000,
+                                             "ignore_eos": True, "stream": True})
+        check(s.status == 200 and s.next_event() is not None, "long stream starts")
+        s.r.close()
+        s.c.sock.close() if s.c.sock else None
+        s.close()
+        deadline = time.time() + 15
+        m1 = {}
+        while time.time() < deadline:
+            m1 = metrics(node)
+            if (sample(m1, "pdspark_requests_total", outcome="cancelled") or 0) >= 1 and \
+                    sample(m1, "pdspark_requests_running") == 0:
+                break
+            time.sleep(0.1)
+        check((sample(m1, "pdspark_requests_total", outcome="cancelled") or 0) >= 1 and
+              sample(m1, "pdspark_requests_running") == 0, "disconnect cancels the request")
+
+        # ---- metrics moved
+        check(sample(m1, "pdspark_requests_total", outcome="ok") >= 8,
+              "ok counter moved: %s" % sample(m1, "pdspark_requests_total", outcome="ok"))
+        check(sample(m1, "pdspark_requests_total", outcome="invalid") >= 10, "invalid counter")
+        check(sample(m1, "pdspark_generation_tokens_total") >= 8 * 16, "generation tokens")
+        check(sample(m1, "pdspark_prompt_tokens_total") > 0, "prompt tokens")
+        check(sample(m1, "pdspark_dspark_rounds_total") > 0, "dspark rounds")
+        check(sample(m1, "pdspark_dspark_tau") >= 1.0, "tau gauge")
+        check(sample(m1, "pdspark_time_to_first_token_seconds",
+                     "pdspark_time_to_first_token_seconds_count") >= 8, "ttft histogram count")
+        check(sample(m1, "pdspark_inter_token_latency_seconds",
+                     "pdspark_inter_token_latency_seconds_count") > 0, "itl histogram count")
+        check(sample(m1, "pdspark_dspark_accepted_tokens_per_round",
+                     "pdspark_dspark_accepted_tokens_per_round_count") ==
+              sample(m1, "pdspark_dspark_rounds_total"), "accepted/round histogram == rounds")
+        check(sample(m1, "pdspark_dspark_acceptance_rate", position="1") is not None,
+              "per-position acceptance")
+        check(sample(m1, "pdspark_kv_pages_total") > 0 and sample(m1, "pdspark_kv_pages_free") ==
+              sample(m1, "pdspark_kv_pages_total"), "kv page gauges")
+
+        # ---- drain: SIGTERM during a stream
+        s = Stream(node, "/v1/completions", {"prompt": prompt, "max_tokens": 160,
+                                             "ignore_eos": True, "temperature": 0, "stream": True})
+        check(s.status == 200, "drain stream starts")
+        first = s.next_event()
+        check(first is not None and first != "[DONE]", "drain stream first event")
+        node.p.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        st, _, out = request(node, "GET", "/ready")
+        check(st == 503, "/ready while draining: %d %s" % (st, out))
+        st, _, out = request(node, "GET", "/health")
+        check(st == 200, "/health while draining: %d" % st)
+        st, body = post_json(node, "/v1/completions", {"prompt": prompt, "max_tokens": 4})
+        check(st == 503 and is_error_shape(body), "new request while draining: %d %s" % (st, body))
+        n_events, done, last = 1, False, None
+        while True:
+            d = s.next_event()
+            if d is None:
+                break
+            if d == "[DONE]":
+                done = True
+                break
+            last = json.loads(d)
+            n_events += 1
+        s.close()
+        check(done and last is not None and last["choices"][0]["finish_reason"] == "length" and
+              last["usage"]["completion_tokens"] == 160,
+              "the running stream finished during the drain: done=%s last=%s" % (done, last))
+        try:
+            rc = node.p.wait(30)
+        except subprocess.TimeoutExpired:
+            rc = None
+        check(rc == 0, "exit status after drain: %s" % rc)
+        err = node.stderr()
+        check("drained" in err, "drain logged")
+        check(re.search(r"request\s+cmpl-\S+: ok, finish length, prompt \d+ tokens, generated 160 "
+                        r"tokens", err) is not None, "per-request log line")
+    finally:
+        if odd_node is not None:
+            odd_node.stop()
+        node.stop()
+    if FAILS:
+        print("--- decode_node stderr (tail) ---\n" + node.stderr())
+    log("%s: %d failure(s) in %.1f s" % ("FAIL" if FAILS else "PASS", FAILS, time.time() - t0))
+    return 1 if FAILS else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
