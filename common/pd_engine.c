@@ -78,21 +78,6 @@ static pd_status grow_host(void **p, int *cap, int need, size_t per, pd_err *err
     return PD_OK;
 }
 
-static pd_status grow_dev(kern_backend *be, kern_buf **b, int *cap, int need, size_t per, pd_err *err)
-{
-    if (need <= *cap && *b != NULL)
-        return PD_OK;
-    int c = *cap > 0 ? *cap : 16;
-    while (c < need)
-        c *= 2;
-    kern_buf *nb = NULL;
-    TRY(kern_buf_alloc(be, per * (size_t)c, &nb, err));
-    kern_buf_free(*b);
-    *b = nb;
-    *cap = c;
-    return PD_OK;
-}
-
 /* The CP group of a host backend: one more backend handle and KV replica per extra rank. */
 static pd_status cp_create(pd_engine *e, const pd_kv_layout *tl, const int *taps, int n_taps,
                            pd_err *err)
@@ -414,7 +399,7 @@ static pd_status fetch_rows(pd_engine *e, const float *dev, int n, pd_err *err)
 static pd_status argmax_rows(pd_engine *e, const float *dev, int n, int32_t *out, pd_err *err)
 {
     kern_backend *be = e->tm->be;
-    TRY(grow_dev(be, &e->ids_dev, &e->cap_ids, n, sizeof(int32_t), err));
+    TRY(kern_buf_grow(be, &e->ids_dev, &e->cap_ids, n, sizeof(int32_t), err));
     kern_argmax_args am = { .x = dev, .ld_x = e->V, .rows = n, .n = e->V, .out = e->ids_dev->ptr };
     TRY(kern_argmax(be, &am, err));
     return kern_download(be, out, e->ids_dev->ptr, (size_t)n * sizeof(int32_t), err);
@@ -428,8 +413,8 @@ static pd_status extend_draft(pd_engine *e, const float *aux, const int32_t *row
     if (e->draft == NULL || n == 0)
         return PD_OK;
     kern_backend *be = e->tm->be;
-    TRY(grow_dev(be, &e->aux_dev, &e->cap_aux, n, (size_t)e->aux_dim * sizeof(float), err));
-    TRY(grow_dev(be, &e->idx_dev, &e->cap_idx, n, sizeof(int32_t), err));
+    TRY(kern_buf_grow(be, &e->aux_dev, &e->cap_aux, n, (size_t)e->aux_dim * sizeof(float), err));
+    TRY(kern_buf_grow(be, &e->idx_dev, &e->cap_idx, n, sizeof(int32_t), err));
     TRY(kern_upload(be, e->idx_dev->ptr, rows, (size_t)n * sizeof(int32_t), err));
     kern_copy_rows_args cp = { .src = aux, .ld_src = e->aux_dim,
                                .idx = e->idx_dev->ptr, .dst = e->aux_dev->ptr, .ld_dst = e->aux_dim,
@@ -541,7 +526,7 @@ pd_status pd_engine_complete_prefill(pd_engine *e, pd_request *r, int32_t first_
                               (unsigned long long)r->id);
         kern_backend *be = e->tm->be;
         int n = r->n_prompt;
-        TRY(grow_dev(be, &e->aux_dev, &e->cap_aux, n, (size_t)e->aux_dim * sizeof(float), err));
+        TRY(kern_buf_grow(be, &e->aux_dev, &e->cap_aux, n, (size_t)e->aux_dim * sizeof(float), err));
         TRY(kern_upload(be, e->aux_dev->ptr, aux_host, (size_t)n * e->aux_dim * sizeof(float), err));
         int32_t *pos = malloc((size_t)n * sizeof(int32_t)), *seq = calloc((size_t)n, sizeof(int32_t));
         if (pos == NULL || seq == NULL) {

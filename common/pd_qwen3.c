@@ -304,21 +304,6 @@ void pd_target_destroy(pd_target *t)
     free(t);
 }
 
-static pd_status grow(kern_backend *be, kern_buf **buf, int *cap, int need, size_t per, pd_err *err)
-{
-    if (need <= *cap && *buf != NULL)
-        return PD_OK;
-    int c = *cap > 0 ? *cap : 16;
-    while (c < need)
-        c *= 2;
-    kern_buf *nb = NULL;
-    TRY(kern_buf_alloc(be, per * (size_t)c, &nb, err));
-    kern_buf_free(*buf);
-    *buf = nb;
-    *cap = c;
-    return PD_OK;
-}
-
 static pd_status capture_tap(pd_target *t, int slot, int n_tok, pd_err *err)
 {
     int H = t->act.hidden;
@@ -349,7 +334,7 @@ pd_status pd_target_forward(pd_target *t, const pd_tok_batch *b, const int32_t *
     int pt_stride = 0, max_kv = 0;
     TRY(pd_act_load_batch(a, t->pool, b, &pt_stride, &max_kv, err));
     if (t->n_taps > 0)
-        TRY(grow(be, &t->aux, &t->cap_aux_tok, n, (size_t)t->n_taps * H * sizeof(float), err));
+        TRY(kern_buf_grow(be, &t->aux, &t->cap_aux_tok, n, (size_t)t->n_taps * H * sizeof(float), err));
     kern_embed_args em = { .table = m->embed, .ids = a->ids, .n = n, .out = a->x, .ld_out = H };
     TRY(kern_embed(be, &em, err));
     for (int i = 0; i < t->n_taps; i++)
@@ -369,7 +354,7 @@ pd_status pd_target_forward(pd_target *t, const pd_tok_batch *b, const int32_t *
             return pd_err_set(err, PD_ERR_INTERNAL, "logit row %d outside batch of %d", logit_rows[i], n);
     TRY(pd_act_reserve(a, n_logits, 0, err));
     int cap_before = t->cap_logits;
-    TRY(grow(be, &t->logits, &t->cap_logits, n_logits, (size_t)(V + H) * sizeof(float), err));
+    TRY(kern_buf_grow(be, &t->logits, &t->cap_logits, n_logits, (size_t)(V + H) * sizeof(float), err));
     if (t->cap_logits != cap_before || t->rows == NULL) {
         kern_buf_free(t->rows);
         t->rows = NULL;

@@ -235,6 +235,10 @@ pd_status kern_backend_check_ops(const kern_backend_ops *ops, pd_err *err);
 /* ---- checked wrappers (kern_ops.c): shape rules in one place, then be->ops->X ------------ */
 pd_status kern_buf_alloc(kern_backend *be, size_t bytes, kern_buf **out, pd_err *err);
 void kern_buf_free(kern_buf *buf);
+/* Makes *buf hold at least need items of per bytes: when it is smaller (or NULL), a buffer of
+ * the next power-of-two capacity >= need (min 16) replaces it and *cap is updated. The old
+ * contents are not kept. */
+pd_status kern_buf_grow(kern_backend *be, kern_buf **buf, int *cap, int need, size_t per, pd_err *err);
 pd_status kern_upload(kern_backend *be, void *dst, const void *src, size_t n, pd_err *err);
 pd_status kern_download(kern_backend *be, void *dst, const void *src, size_t n, pd_err *err);
 pd_status kern_memset0(kern_backend *be, void *dst, size_t n, pd_err *err);

@@ -26,6 +26,23 @@ void kern_buf_free(kern_buf *buf)
         buf->be->ops->buf_free(buf->be, buf);
 }
 
+pd_status kern_buf_grow(kern_backend *be, kern_buf **buf, int *cap, int need, size_t per, pd_err *err)
+{
+    if (need <= *cap && *buf != NULL)
+        return PD_OK;
+    int c = *cap > 0 ? *cap : 16;
+    while (c < need)
+        c *= 2;
+    kern_buf *nb = NULL;
+    pd_status st = kern_buf_alloc(be, per * (size_t)c, &nb, err);
+    if (st != PD_OK)
+        return st;
+    kern_buf_free(*buf);
+    *buf = nb;
+    *cap = c;
+    return PD_OK;
+}
+
 pd_status kern_upload(kern_backend *be, void *dst, const void *src, size_t n, pd_err *err)
 {
     if (n == 0)

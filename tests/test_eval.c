@@ -37,28 +37,9 @@ static pd_verify_policy policy = PD_VERIFY_FULL;
 static float threshold = 0.5f;
 static run_result prompts[N_PROMPTS];
 
-static char *slurp(const char *path)
-{
-    FILE *f = fopen(path, "rb");
-    if (f == NULL)
-        return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *s = malloc((size_t)n + 1);
-    if (s != NULL && fread(s, 1, (size_t)n, f) != (size_t)n) {
-        free(s);
-        s = NULL;
-    }
-    if (s != NULL)
-        s[n] = '\0';
-    fclose(f);
-    return s;
-}
-
 static int load_prompts(void)
 {
-    char *s = slurp(PD_FIXTURES "/eval/public_prompts.jsonl");
+    char *s = test_read_file(PD_FIXTURES "/eval/public_prompts.jsonl", NULL);
     if (s == NULL)
         return -1;
     int i = 0;
@@ -295,8 +276,8 @@ int main(int argc, char **argv)
         fprintf(stderr, "cannot read the eval prompts\n");
         return 1;
     }
-    char *rs = slurp(PD_FIXTURES "/eval/public_reference.json");
-    char *hs = slurp(PD_FIXTURES "/eval/public_reference_heads.json");
+    char *rs = test_read_file(PD_FIXTURES "/eval/public_reference.json", NULL);
+    char *hs = test_read_file(PD_FIXTURES "/eval/public_reference_heads.json", NULL);
     cJSON *ref = cJSON_Parse(rs), *heads = cJSON_Parse(hs);
     free(rs);
     free(hs);

@@ -22,28 +22,6 @@
 
 static char test_tmpdir[] = "/tmp/test_tokenizer_XXXXXX";
 
-static char *test_read_file(const char *path, size_t *len)
-{
-    FILE *f = fopen(path, "rb");
-    if (f == NULL)
-        return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *p = malloc((size_t)n + 1);
-    if (p != NULL && fread(p, 1, (size_t)n, f) != (size_t)n) {
-        free(p);
-        p = NULL;
-    }
-    fclose(f);
-    if (p != NULL) {
-        p[n] = '\0';
-        if (len != NULL)
-            *len = (size_t)n;
-    }
-    return p;
-}
-
 static cJSON *test_load_json(const char *path)
 {
     char *s = test_read_file(path, NULL);

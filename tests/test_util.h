@@ -45,6 +45,29 @@ static int test_n_fail;
         return (test_n_fail == 0 && test_n_pass > 0) ? 0 : 1; \
     } while (0)
 
+/* Reads a whole file into a NUL-terminated malloc'd buffer (NULL on failure); *len may be NULL. */
+static inline char *test_read_file(const char *path, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    if (f == NULL)
+        return NULL;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *p = n >= 0 ? malloc((size_t)n + 1) : NULL;
+    if (p != NULL && fread(p, 1, (size_t)n, f) != (size_t)n) {
+        free(p);
+        p = NULL;
+    }
+    fclose(f);
+    if (p != NULL) {
+        p[n] = '\0';
+        if (len != NULL)
+            *len = (size_t)n;
+    }
+    return p;
+}
+
 /* Relative L2 error ||a - b|| / max(||b||, tiny). */
 static inline double test_rel_l2(const float *a, const float *b, size_t n)
 {
