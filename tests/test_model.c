@@ -38,21 +38,6 @@ static char *test_path(const char *name)
     return buf[k];
 }
 
-static unsigned char *test_read_file(const char *path, size_t *n)
-{
-    FILE *fp = fopen(path, "rb");
-    if (fp == NULL)
-        return NULL;
-    fseek(fp, 0, SEEK_END);
-    long sz = ftell(fp);
-    fseek(fp, 0, SEEK_SET);
-    unsigned char *b = malloc((sz > 0 ? (size_t)sz : 0) + 1);
-    *n = fread(b, 1, (size_t)sz, fp);
-    b[*n] = '\0';
-    fclose(fp);
-    return b;
-}
-
 static void test_write_text(const char *path, const char *text)
 {
     FILE *fp = fopen(path, "wb");
@@ -117,7 +102,7 @@ static unsigned char *test_raw_tensor(const char *path, const char *name, char d
                                       size_t *n_elems)
 {
     size_t n = 0;
-    unsigned char *raw = test_read_file(path, &n);
+    unsigned char *raw = (unsigned char *)test_read_file(path, &n);
     if (raw == NULL || n < 8)
         return NULL;
     uint64_t hl = 0;
@@ -202,7 +187,7 @@ static const char *test_variant(const char *dst_name, const char *src, const tes
         closedir(dir);
     snprintf(a, sizeof(a), "%s/config.json", src);
     size_t n = 0;
-    unsigned char *text = test_read_file(a, &n);
+    unsigned char *text = (unsigned char *)test_read_file(a, &n);
     cJSON *root = cJSON_Parse((const char *)text);
     free(text);
     for (size_t i = 0; i < n_ed; i++) {
@@ -592,7 +577,7 @@ static void test_model_bad_weights(const pd_qwen3_model *t)
     unlink(p);
     snprintf(src, sizeof(src), "%s/model-00003-of-00003.safetensors", TARGET_DIR);
     size_t n = 0;
-    unsigned char *raw = test_read_file(src, &n);
+    unsigned char *raw = (unsigned char *)test_read_file(src, &n);
     FILE *fp = fopen(p, "wb");
     if (fp != NULL && raw != NULL) {
         fwrite(raw, 1, n - 1000, fp);

@@ -114,20 +114,6 @@ static void test_expect_fail(const char *path, pd_status want, const char *n1, c
         pd_st_close(set);
 }
 
-static unsigned char *test_read_file(const char *path, size_t *n)
-{
-    FILE *fp = fopen(path, "rb");
-    if (fp == NULL)
-        return NULL;
-    fseek(fp, 0, SEEK_END);
-    long sz = ftell(fp);
-    fseek(fp, 0, SEEK_SET);
-    unsigned char *b = malloc(sz > 0 ? (size_t)sz : 1);
-    *n = fread(b, 1, (size_t)sz, fp);
-    fclose(fp);
-    return b;
-}
-
 static int test_rm_cb(const char *p, const struct stat *sb, int flag, struct FTW *ftw)
 {
     (void)sb, (void)flag, (void)ftw;
@@ -165,7 +151,7 @@ static void test_st_sharded_target(void)
     /* the bytes pd_st hands out are the file's bytes at 8 + header + data_offsets[0] */
     if (t != NULL) {
         size_t n = 0;
-        unsigned char *raw = test_read_file(t->file, &n);
+        unsigned char *raw = (unsigned char *)test_read_file(t->file, &n);
         uint64_t hl = 0;
         for (int i = 7; i >= 0; i--)
             hl = (hl << 8) | raw[i];
@@ -353,7 +339,7 @@ static void test_st_bad_files(void)
 
     /* the real draft checkpoint cut in half: some tensor's data_offsets run past the end */
     size_t n = 0;
-    unsigned char *raw = test_read_file(DRAFT_FILE, &n);
+    unsigned char *raw = (unsigned char *)test_read_file(DRAFT_FILE, &n);
     TEST_CHECK(raw != NULL && n > 4096);
     if (raw != NULL) {
         p = test_path("half.safetensors");
@@ -388,7 +374,7 @@ static void test_st_bad_index(void)
     }
     snprintf(buf, sizeof(buf), "%s/model.safetensors.index.json", dir);
     size_t n = 0;
-    unsigned char *idx = test_read_file(TARGET_DIR "/model.safetensors.index.json", &n);
+    unsigned char *idx = (unsigned char *)test_read_file(TARGET_DIR "/model.safetensors.index.json", &n);
     TEST_CHECK(idx != NULL);
     if (idx == NULL)
         return;
