@@ -1,0 +1,332 @@
+/* client_main.c - pdspark-client: a gRPC client of the decode node's Generate service.
+ * Owns: flags, one Generate stream printed as it arrives, the final JSON (the fields of
+ *   pdspark-generate --json), and --health (the node's Health reply as JSON).
+ * Not here: anything of the server.
+ * Threading: single-threaded (pd_rpc's blocking stream). */
+#include <cjson/cJSON.h>
+#include <getopt.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "decode_util.h"
+#include "pd_proto_version.h"
+#include "pd_rpc.h"
+#include "pdspark.pb-c.h"
+
+#define PROG "pdspark-client"
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: pdspark-client --server HOST:PORT (--prompt TEXT | --prompt-ids FILE | --health)\n"
+            "                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
+            "                      [--seed S] [--ignore-eos] [--timeout-ms N] [--request-id ID]\n"
+            "                      [--json] [--stream] [--disconnect-after N]\n"
+            "\n"
+            "Streams one completion from a decode node. Text is printed as it arrives; --json\n"
+            "prints instead one object at the end with the fields of pdspark-generate --json\n"
+            "(tokens, text, rounds, accepted_per_round, tau, ...); --stream with --json prints\n"
+            "both. --health prints the node's Health as JSON. --disconnect-after N drops the\n"
+            "connection after N chunks (tests). Errors print 'pdspark-client: CODE: message'\n"
+            "and exit 1 (2 for bad flags).\n");
+}
+
+typedef struct {
+    int32_t *tokens;
+    int n, cap;
+    char *text;
+    size_t len, tcap;
+} acc;
+
+static int acc_add(acc *a, const Pdspark__GenerateChunk *c)
+{
+    if (a->n + (int)c->n_token_ids > a->cap) {
+        int cap = a->cap ? a->cap : 256;
+        while (a->n + (int)c->n_token_ids > cap)
+            cap *= 2;
+        int32_t *nt = realloc(a->tokens, (size_t)cap * sizeof(int32_t));
+        if (nt == NULL)
+            return -1;
+        a->tokens = nt;
+        a->cap = cap;
+    }
+    for (size_t i = 0; i < c->n_token_ids; i++)
+        a->tokens[a->n++] = (int32_t)c->token_ids[i];
+    size_t dl = c->text_delta != NULL ? strlen(c->text_delta) : 0;
+    if (a->len + dl + 1 > a->tcap) {
+        size_t cap = a->tcap ? a->tcap : 1024;
+        while (a->len + dl + 1 > cap)
+            cap *= 2;
+        char *nt = realloc(a->text, cap);
+        if (nt == NULL)
+            return -1;
+        a->text = nt;
+        a->tcap = cap;
+    }
+    memcpy(a->text + a->len, c->text_delta != NULL ? c->text_delta : "", dl);
+    a->len += dl;
+    a->text[a->len] = '\0';
+    return 0;
+}
+
+static const char *finish_str(Pdspark__FinishReason f)
+{
+    switch (f) {
+    case PDSPARK__FINISH_REASON__FINISH_REASON_LENGTH: return "length";
+    case PDSPARK__FINISH_REASON__FINISH_REASON_EOS: return "stop";
+    case PDSPARK__FINISH_REASON__FINISH_REASON_STOP: return "stop_string";
+    case PDSPARK__FINISH_REASON__FINISH_REASON_CANCELLED: return "cancelled";
+    case PDSPARK__FINISH_REASON__FINISH_REASON_ERROR: return "error";
+    default: return "none";
+    }
+}
+
+static int fail(pd_status st, const pd_err *err)
+{
+    fprintf(stderr, PROG ": %s: %s\n", pd_rpc_code_str(pd_rpc_code_from(st)),
+            err->msg[0] ? err->msg : pd_status_str(st));
+    return 1;
+}
+
+static int do_health(pd_rpc_channel *ch, int64_t timeout_ms)
+{
+    Pdspark__HealthRequest rq = PDSPARK__HEALTH_REQUEST__INIT;
+    rq.version = PD_PROTO_VERSION;
+    ProtobufCMessage *out = NULL;
+    pd_err err = {0};
+    pd_status st = pd_rpc_unary(ch, "/pdspark.Generate/Health", &rq.base,
+                                &pdspark__health_reply__descriptor, timeout_ms, &out, &err);
+    if (st != PD_OK)
+        return fail(st, &err);
+    const Pdspark__HealthReply *r = (const Pdspark__HealthReply *)out;
+    printf("{\"serving\":%s,\"node\":\"%s\",\"active_requests\":%u,\"queued_requests\":%u,"
+           "\"free_kv_pages\":%u,\"total_kv_pages\":%u,\"pages_in_use\":%u}\n",
+           r->status == PDSPARK__HEALTH_REPLY__SERVING_STATUS__SERVING_STATUS_SERVING ? "true" : "false",
+           r->node, r->active_requests, r->queued_requests, r->free_kv_pages, r->total_kv_pages,
+           r->total_kv_pages - r->free_kv_pages);
+    protobuf_c_message_free_unpacked(out, NULL);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    const char *server = NULL, *prompt = NULL, *ids_path = NULL, *req_id = NULL;
+    int max_new = 128, top_k = 0, json = 0, stream = 0, ignore_eos = 0, health = 0;
+    int disconnect_after = -1;
+    int64_t seed = 0, timeout_ms = 0;
+    float temperature = 0.0f, top_p = 1.0f;
+    enum { O_SERVER = 256, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_IGNORE,
+           O_TMO, O_RID, O_JSON, O_STREAM, O_DISC, O_HEALTH, O_HELP };
+    static const struct option opts[] = {
+        {"server", required_argument, 0, O_SERVER}, {"prompt", required_argument, 0, O_PROMPT},
+        {"prompt-ids", required_argument, 0, O_IDS}, {"max-new-tokens", required_argument, 0, O_MAXNEW},
+        {"temperature", required_argument, 0, O_TEMP}, {"top-k", required_argument, 0, O_TOPK},
+        {"top-p", required_argument, 0, O_TOPP}, {"seed", required_argument, 0, O_SEED},
+        {"ignore-eos", no_argument, 0, O_IGNORE}, {"timeout-ms", required_argument, 0, O_TMO},
+        {"request-id", required_argument, 0, O_RID}, {"json", no_argument, 0, O_JSON},
+        {"stream", no_argument, 0, O_STREAM}, {"disconnect-after", required_argument, 0, O_DISC},
+        {"health", no_argument, 0, O_HEALTH}, {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0},
+    };
+    opterr = 0;
+    int c;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        int bad = 0;
+        switch (c) {
+        case O_SERVER: server = optarg; break;
+        case O_PROMPT: prompt = optarg; break;
+        case O_IDS: ids_path = optarg; break;
+        case O_MAXNEW: bad = decode_parse_int(PROG, "--max-new-tokens", optarg, 0, INT_MAX, &max_new); break;
+        case O_TEMP: bad = decode_parse_float(PROG, "--temperature", optarg, &temperature); break;
+        case O_TOPK: bad = decode_parse_int(PROG, "--top-k", optarg, 0, INT_MAX, &top_k); break;
+        case O_TOPP: bad = decode_parse_float(PROG, "--top-p", optarg, &top_p); break;
+        case O_SEED: bad = decode_parse_i64(PROG, "--seed", optarg, 0, INT64_MAX, &seed); break;
+        case O_IGNORE: ignore_eos = 1; break;
+        case O_TMO: bad = decode_parse_i64(PROG, "--timeout-ms", optarg, 0, INT32_MAX, &timeout_ms); break;
+        case O_RID: req_id = optarg; break;
+        case O_JSON: json = 1; break;
+        case O_STREAM: stream = 1; break;
+        case O_DISC: bad = decode_parse_int(PROG, "--disconnect-after", optarg, 0, INT_MAX, &disconnect_after); break;
+        case O_HEALTH: health = 1; break;
+        case O_HELP: usage(stdout); return 0;
+        default:
+            fprintf(stderr, PROG ": unknown or incomplete flag '%s'\n", argv[optind - 1]);
+            usage(stderr);
+            return 2;
+        }
+        if (bad)
+            return 2;
+    }
+    if (optind < argc) {
+        fprintf(stderr, PROG ": unexpected argument '%s'\n", argv[optind]);
+        return 2;
+    }
+    if (server == NULL) {
+        fprintf(stderr, PROG ": --server HOST:PORT is required\n");
+        return 2;
+    }
+    if (!health && (prompt == NULL) == (ids_path == NULL)) {
+        fprintf(stderr, PROG ": give exactly one of --prompt TEXT or --prompt-ids FILE\n");
+        return 2;
+    }
+    if (!json)
+        stream = 1;
+
+    pd_err err = {0};
+    pd_rpc_channel *ch = NULL;
+    if (pd_rpc_channel_create(server, &ch, &err) != PD_OK)
+        return fail(err.code, &err);
+    if (health) {
+        int rc = do_health(ch, timeout_ms > 0 ? timeout_ms : 5000);
+        pd_rpc_channel_destroy(ch);
+        return rc;
+    }
+    int32_t *ids = NULL;
+    int n_ids = 0;
+    if (ids_path != NULL && decode_read_ids(PROG, ids_path, &ids, &n_ids) != 0) {
+        pd_rpc_channel_destroy(ch);
+        return 2;
+    }
+    uint32_t *uids = NULL;
+    if (n_ids > 0) {
+        uids = malloc((size_t)n_ids * sizeof(uint32_t));
+        if (uids == NULL) {
+            fprintf(stderr, PROG ": out of memory\n");
+            return 1;
+        }
+        for (int i = 0; i < n_ids; i++)
+            uids[i] = (uint32_t)ids[i];   /* negative ids wrap and the server refuses them */
+    }
+    Pdspark__SamplingParams sp = PDSPARK__SAMPLING_PARAMS__INIT;
+    sp.version = PD_PROTO_VERSION;
+    sp.temperature = temperature;
+    sp.top_p = top_p;
+    sp.top_k = (uint32_t)top_k;
+    sp.seed = (uint64_t)seed;
+    sp.max_new_tokens = (uint32_t)max_new;
+    sp.ignore_eos = ignore_eos;
+    Pdspark__GenerateRequest rq = PDSPARK__GENERATE_REQUEST__INIT;
+    rq.version = PD_PROTO_VERSION;
+    rq.request_id = (char *)(req_id != NULL ? req_id : "");
+    rq.prompt_text = (char *)(prompt != NULL ? prompt : "");
+    rq.n_prompt_token_ids = (size_t)n_ids;
+    rq.prompt_token_ids = uids;
+    rq.sampling = &sp;
+    rq.timeout_ms = (uint64_t)timeout_ms;
+    rq.return_token_ids = 1;
+    rq.return_stats = 1;
+
+    double t0 = decode_now_ms(), t_first = -1.0;
+    pd_rpc_stream *s = NULL;
+    pd_status st = pd_rpc_stream_open(ch, "/pdspark.Generate/Generate", &rq.base,
+                                      &pdspark__generate_chunk__descriptor,
+                                      timeout_ms > 0 ? timeout_ms + 1000 : 0, &s, &err);
+    int rc = 1;
+    acc a = {0};
+    Pdspark__GenerateChunk *fin = NULL;
+    int chunks = 0;
+    while (st == PD_OK) {
+        ProtobufCMessage *m = NULL;
+        st = pd_rpc_stream_read(s, &m, &err);
+        if (st != PD_OK || m == NULL)
+            break;
+        Pdspark__GenerateChunk *ck = (Pdspark__GenerateChunk *)m;
+        if (ck->n_token_ids > 0 && t_first < 0)
+            t_first = decode_now_ms();
+        if (acc_add(&a, ck) != 0) {
+            st = pd_err_set(&err, PD_ERR_NOMEM, "out of memory");
+            protobuf_c_message_free_unpacked(m, NULL);
+            break;
+        }
+        if (stream && ck->text_delta != NULL && ck->text_delta[0] != '\0') {
+            fputs(ck->text_delta, stdout);
+            fflush(stdout);
+        }
+        chunks++;
+        if (ck->final) {
+            if (fin != NULL)
+                protobuf_c_message_free_unpacked(&fin->base, NULL);
+            fin = ck;
+        } else {
+            protobuf_c_message_free_unpacked(m, NULL);
+        }
+        if (disconnect_after >= 0 && chunks >= disconnect_after) {
+            pd_rpc_stream_cancel(s);
+            fprintf(stderr, PROG ": disconnected after %d chunks\n", chunks);
+            rc = 0;
+            goto out;
+        }
+    }
+    double t1 = decode_now_ms();
+    if (st != PD_OK) {
+        if (stream)
+            fputc('\n', stdout);
+        rc = fail(st, &err);
+        goto out;
+    }
+    if (fin == NULL) {
+        fprintf(stderr, PROG ": INTERNAL: the stream ended without a final chunk\n");
+        goto out;
+    }
+    const Pdspark__DSparkStats *ds = fin->stats;
+    double ms = t1 - t0;
+    double tps = ms > 0 ? a.n / (ms / 1e3) : 0.0;
+    if (stream)
+        fputc('\n', stdout);
+    if (json) {
+        cJSON *o = cJSON_CreateObject();
+        cJSON *toks = cJSON_AddArrayToObject(o, "tokens");
+        for (int i = 0; i < a.n; i++)
+            cJSON_AddItemToArray(toks, cJSON_CreateNumber(a.tokens[i]));
+        cJSON_AddStringToObject(o, "text", a.text != NULL ? a.text : "");
+        uint32_t rounds = ds != NULL ? ds->rounds : 0;
+        cJSON_AddNumberToObject(o, "rounds", rounds);
+        cJSON *apr = cJSON_AddArrayToObject(o, "accepted_per_round");
+        long sum = 0;
+        for (size_t i = 0; ds != NULL && i < ds->n_accepted_per_round; i++) {
+            cJSON_AddItemToArray(apr, cJSON_CreateNumber(ds->accepted_per_round[i]));
+            sum += ds->accepted_per_round[i];
+        }
+        /* tau from the exact counts (the float in the message is rounded) */
+        cJSON_AddNumberToObject(o, "tau", rounds > 0 ? (double)sum / rounds : 0.0);
+        cJSON *pos = cJSON_AddArrayToObject(o, "acceptance_by_position");
+        for (size_t k = 0; ds != NULL && k < ds->n_accepted_at_position; k++)
+            cJSON_AddItemToArray(pos, cJSON_CreateNumber(
+                rounds > 0 ? (double)ds->accepted_at_position[k] / rounds : 0.0));
+        cJSON_AddNumberToObject(o, "prompt_tokens", fin->usage != NULL ? fin->usage->prompt_tokens : 0);
+        cJSON_AddNumberToObject(o, "completion_tokens", a.n);
+        cJSON_AddStringToObject(o, "finish_reason", finish_str(fin->finish_reason));
+        cJSON_AddNumberToObject(o, "time_ms", ms);
+        cJSON_AddNumberToObject(o, "ttft_ms", t_first >= 0 ? t_first - t0 : ms);
+        cJSON_AddNumberToObject(o, "tokens_per_s", tps);
+        cJSON_AddStringToObject(o, "device", fin->device != NULL ? fin->device : "");
+        cJSON_AddStringToObject(o, "mode", "dspark");
+        cJSON_AddStringToObject(o, "request_id", fin->request_id != NULL ? fin->request_id : "");
+        char *js = cJSON_PrintUnformatted(o);
+        puts(js);
+        free(js);
+        cJSON_Delete(o);
+    } else {
+        long sum = 0;
+        for (size_t i = 0; ds != NULL && i < ds->n_accepted_per_round; i++)
+            sum += ds->accepted_per_round[i];
+        fprintf(stderr, PROG ": %u prompt tokens, %d generated (%s) in %.1f ms, %.1f tokens/s",
+                fin->usage != NULL ? fin->usage->prompt_tokens : 0, a.n,
+                finish_str(fin->finish_reason), ms, tps);
+        if (ds != NULL && ds->rounds > 0)
+            fprintf(stderr, ", %u rounds, tau %.3f", ds->rounds, (double)sum / ds->rounds);
+        fputc('\n', stderr);
+    }
+    rc = 0;
+out:
+    if (fin != NULL)
+        protobuf_c_message_free_unpacked(&fin->base, NULL);
+    pd_rpc_stream_close(s);
+    pd_rpc_channel_destroy(ch);
+    free(a.tokens);
+    free(a.text);
+    free(uids);
+    free(ids);
+    return rc;
+}

@@ -1,0 +1,249 @@
+/* decode_grpc.c - pdspark.Generate over gRPC (decode_grpc.h).
+ * Owns: per-call contexts tying a pd_rpc_call to a decode_handle (reference counted: the
+ *   handler, the call's on-done and the request's on_done each hold one), chunk encoding.
+ * Not here: scheduling, validation rules (decode_server.c).
+ * Threading: handlers and on-done on the pd_rpc poller thread, on_token/on_done on the engine
+ *   thread; the context's mutex orders "handle known" against "client gone". */
+#include "decode_grpc.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pd_log.h"
+#include "pd_proto_version.h"
+#include "pdspark.pb-c.h"
+
+typedef struct {
+    atomic_int refs;
+    pthread_mutex_t mu;
+    pd_rpc_call *call;
+    decode_server *s;
+    decode_handle *h;      /* under mu */
+    int gone;              /* under mu: the client went away before h was known */
+    int want_ids;
+    int want_stats;
+} gen_ctx;
+
+static void ctx_unref(gen_ctx *c)
+{
+    if (atomic_fetch_sub(&c->refs, 1) != 1)
+        return;
+    decode_handle_release(c->h);
+    pthread_mutex_destroy(&c->mu);
+    free(c);
+}
+
+static Pdspark__FinishReason finish_to_proto(pd_finish_reason f)
+{
+    switch (f) {
+    case PD_FINISH_STOP: return PDSPARK__FINISH_REASON__FINISH_REASON_EOS;
+    case PD_FINISH_LENGTH: return PDSPARK__FINISH_REASON__FINISH_REASON_LENGTH;
+    case PD_FINISH_CANCELLED: return PDSPARK__FINISH_REASON__FINISH_REASON_CANCELLED;
+    case PD_FINISH_ERROR: return PDSPARK__FINISH_REASON__FINISH_REASON_ERROR;
+    default: return PDSPARK__FINISH_REASON__FINISH_REASON_UNSPECIFIED;
+    }
+}
+
+static void gen_on_token(void *ud, const decode_chunk *ch)
+{
+    gen_ctx *c = ud;
+    Pdspark__GenerateChunk m = PDSPARK__GENERATE_CHUNK__INIT;
+    m.version = PD_PROTO_VERSION;
+    m.request_id = (char *)ch->request_id;
+    m.text_delta = (char *)ch->text;
+    if (c->want_ids) {
+        m.n_token_ids = (size_t)ch->n_ids;
+        m.token_ids = (uint32_t *)(uintptr_t)ch->ids;   /* int32 ids >= 0: same bits */
+    }
+    pd_status st = pd_rpc_stream_write(c->call, &m.base);
+    pthread_mutex_lock(&c->mu);
+    decode_handle *h = c->h;
+    pthread_mutex_unlock(&c->mu);
+    if (st == PD_ERR_BUSY) {
+        PD_LOG_WARN("grpc", "%s: client reads too slowly, cancelling", ch->request_id);
+        decode_cancel(h);
+    } else if (st == PD_ERR_CANCELLED) {
+        decode_cancel(h);
+    }
+}
+
+static void gen_on_done(void *ud, const decode_result *res)
+{
+    gen_ctx *c = ud;
+    if (res->status != PD_OK) {
+        pd_rpc_finish(c->call, res->status, res->error);
+        ctx_unref(c);
+        return;
+    }
+    Pdspark__GenerateChunk m = PDSPARK__GENERATE_CHUNK__INIT;
+    Pdspark__Usage u = PDSPARK__USAGE__INIT;
+    Pdspark__DSparkStats ds = PDSPARK__DSPARK_STATS__INIT;
+    m.version = PD_PROTO_VERSION;
+    m.request_id = (char *)res->request_id;
+    m.text_delta = (char *)res->text_tail;
+    m.final = 1;
+    m.finish_reason = finish_to_proto(res->finish);
+    m.device = (char *)decode_server_device(c->s);
+    u.version = PD_PROTO_VERSION;
+    u.prompt_tokens = (uint32_t)res->prompt_tokens;
+    u.completion_tokens = (uint32_t)res->n_tokens;
+    m.usage = &u;
+    uint32_t *apr = NULL, *pos = NULL;
+    if (c->want_stats) {
+        ds.version = PD_PROTO_VERSION;
+        ds.rounds = (uint32_t)res->rounds;
+        ds.tau = (float)res->tau;
+        ds.block_size = (uint32_t)res->block_size;
+        apr = malloc((size_t)(res->rounds > 0 ? res->rounds : 1) * sizeof(uint32_t));
+        pos = malloc((size_t)(res->block_size > 0 ? res->block_size : 1) * sizeof(uint32_t));
+        if (apr != NULL && pos != NULL) {
+            uint32_t acc = 0;
+            for (int i = 0; i < res->rounds; i++) {
+                apr[i] = (uint32_t)res->accepted_per_round[i];
+                acc += apr[i];
+            }
+            ds.n_accepted_per_round = (size_t)res->rounds;
+            ds.accepted_per_round = apr;
+            for (int k = 0; k < res->block_size && res->accepted_at_pos != NULL; k++)
+                pos[k] = (uint32_t)res->accepted_at_pos[k];
+            ds.n_accepted_at_position = res->accepted_at_pos != NULL ? (size_t)res->block_size : 0;
+            ds.accepted_at_position = pos;
+            ds.drafted_tokens = (uint32_t)(res->rounds * res->block_size);
+            ds.accepted_tokens = acc;
+        }
+        m.stats = &ds;
+    }
+    pd_rpc_stream_write(c->call, &m.base);
+    free(apr);
+    free(pos);
+    pd_rpc_finish(c->call, PD_OK, NULL);
+    ctx_unref(c);
+}
+
+static void gen_rpc_done(void *arg, pd_rpc_call *call, bool cancelled)
+{
+    (void)call;
+    gen_ctx *c = arg;
+    if (cancelled) {
+        pthread_mutex_lock(&c->mu);
+        decode_handle *h = c->h;
+        c->gone = 1;
+        pthread_mutex_unlock(&c->mu);
+        decode_cancel(h);   /* NULL-safe; a no-op once the request ended */
+    }
+    ctx_unref(c);
+}
+
+static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_call *call)
+{
+    decode_server *s = ud;
+    const Pdspark__GenerateRequest *rq = (const Pdspark__GenerateRequest *)msg;
+    pd_err err = {0};
+    decode_req dr = {0};
+    dr.request_id = rq->request_id;
+    if (rq->prompt_text != NULL && rq->prompt_text[0] != '\0') {
+        dr.prompt_text = rq->prompt_text;
+        dr.prompt_text_len = strlen(rq->prompt_text);
+    }
+    int32_t *ids = NULL;
+    if (rq->n_prompt_token_ids > 0) {
+        ids = malloc(rq->n_prompt_token_ids * sizeof(int32_t));
+        if (ids == NULL)
+            return pd_err_set(&err, PD_ERR_NOMEM, "prompt ids");
+        for (size_t i = 0; i < rq->n_prompt_token_ids; i++)
+            ids[i] = rq->prompt_token_ids[i] > (uint32_t)INT32_MAX ? -1 : (int32_t)rq->prompt_token_ids[i];
+        dr.prompt_ids = ids;
+        dr.n_prompt_ids = (int)(rq->n_prompt_token_ids > (size_t)INT32_MAX ? INT32_MAX : rq->n_prompt_token_ids);
+    }
+    dr.top_p = 1.0f;
+    if (rq->sampling != NULL) {
+        const Pdspark__SamplingParams *sp = rq->sampling;
+        if (sp->version != PD_PROTO_VERSION) {
+            free(ids);
+            pd_rpc_finish(call, PD_ERR_INVALID, "SamplingParams: protocol version mismatch");
+            return PD_OK;
+        }
+        if (sp->n_stop > 0) {
+            free(ids);
+            pd_rpc_finish(call, PD_ERR_UNSUPPORTED, "stop strings are not supported yet");
+            return PD_OK;
+        }
+        dr.temperature = sp->temperature;
+        dr.top_p = sp->top_p;
+        dr.top_k = sp->top_k > (uint32_t)INT32_MAX ? -1 : (int)sp->top_k;
+        dr.seed = sp->seed;
+        dr.max_new_tokens = sp->max_new_tokens > (uint32_t)INT32_MAX ? -1 : (int)sp->max_new_tokens;
+        dr.ignore_eos = sp->ignore_eos;
+    }
+    int64_t tmo = rq->timeout_ms > (uint64_t)INT64_MAX ? INT64_MAX : (int64_t)rq->timeout_ms;
+    int64_t left = pd_rpc_call_deadline_ms(call);
+    if (left != INT64_MAX && (tmo == 0 || left < tmo))
+        tmo = left > 0 ? left : 1;
+    dr.timeout_ms = tmo;
+    gen_ctx *c = calloc(1, sizeof(*c));
+    if (c == NULL) {
+        free(ids);
+        return pd_err_set(&err, PD_ERR_NOMEM, "call context");
+    }
+    atomic_init(&c->refs, 3);   /* handler, call on-done, request on_done */
+    pthread_mutex_init(&c->mu, NULL);
+    c->call = call;
+    c->s = s;
+    c->want_ids = rq->return_token_ids;
+    c->want_stats = rq->return_stats;
+    pd_rpc_call_on_done(call, gen_rpc_done, c);
+    decode_handle *h = NULL;
+    pd_status st = decode_submit(s, &dr, gen_on_token, gen_on_done, c, &h, &err);
+    free(ids);
+    if (st != PD_OK) {
+        PD_LOG_DEBUG("grpc", "generate refused: %s", err.msg);
+        pd_rpc_finish(call, st, err.msg);
+        atomic_fetch_sub(&c->refs, 1);   /* the request's on_done never runs */
+        ctx_unref(c);
+        return PD_OK;
+    }
+    pthread_mutex_lock(&c->mu);
+    c->h = h;
+    int gone = c->gone;
+    pthread_mutex_unlock(&c->mu);
+    if (gone)
+        decode_cancel(h);
+    ctx_unref(c);
+    return PD_OK;
+}
+
+static pd_status handle_health(void *ud, const ProtobufCMessage *msg, pd_rpc_call *call)
+{
+    (void)msg;
+    decode_server *s = ud;
+    decode_stats st;
+    decode_server_stats(s, &st);
+    Pdspark__HealthReply r = PDSPARK__HEALTH_REPLY__INIT;
+    r.version = PD_PROTO_VERSION;
+    r.status = st.serving ? PDSPARK__HEALTH_REPLY__SERVING_STATUS__SERVING_STATUS_SERVING
+                          : PDSPARK__HEALTH_REPLY__SERVING_STATUS__SERVING_STATUS_NOT_SERVING;
+    char node[96];
+    snprintf(node, sizeof(node), "decode %s %s", decode_server_mode(s), decode_server_device(s));
+    r.node = node;
+    r.message = st.serving ? "" : "stopping";
+    r.active_requests = (uint32_t)st.active_requests;
+    r.queued_requests = (uint32_t)st.queued_requests;
+    r.free_kv_pages = (uint32_t)st.free_kv_pages;
+    r.total_kv_pages = (uint32_t)st.total_kv_pages;
+    pd_rpc_reply(call, &r.base);
+    return PD_OK;
+}
+
+static const pd_rpc_method methods[] = {
+    { "/pdspark.Generate/Generate", PD_RPC_SERVER_STREAM, &pdspark__generate_request__descriptor,
+      handle_generate },
+    { "/pdspark.Generate/Health", PD_RPC_UNARY, &pdspark__health_request__descriptor, handle_health },
+};
+
+pd_status decode_grpc_start(decode_server *s, const char *addr, pd_rpc_server **out, pd_err *err)
+{
+    return pd_rpc_server_create(addr, methods, sizeof(methods) / sizeof(methods[0]), s, out, err);
+}

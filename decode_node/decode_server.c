@@ -1,0 +1,1296 @@
+/* decode_server.c - the decode node's engine thread and request lifecycle (decode_api.h).
+ * Owns: the pd_engine and its KV pools, the engine thread's pd_loop (steps, a 20 ms tick for
+ *   deadlines and UCX progress), the request table (queued -> prefilling -> running -> ended),
+ *   admission bounded by free KV pages (FIFO queue, then RESOURCE_EXHAUSTED), streaming
+ *   detokenization, and in disaggregated mode the UCX worker (KV pool + aux arena registered
+ *   once), the prefill-node clients (least-loaded choice, reconnect after a failure) and the
+ *   Prefill / CancelPrefill calls.
+ * Not here: the wire format of Generate (decode_grpc.c), the engine math (common/pd_engine.c).
+ * Threading: everything below the API functions runs on the engine thread; the API functions
+ *   hand work over with pd_loop_post. Prefill replies arrive on a pd_rpc poller thread and are
+ *   posted too. The stats snapshot is the one piece shared under a mutex. */
+#include "decode_api.h"
+
+#include <math.h>
+#include <netdb.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+
+#include "decode_util.h"
+#include "pd_log.h"
+#include "pd_loop.h"
+#include "pd_proto_version.h"
+#include "pd_rpc.h"
+#include "pd_tokenizer.h"
+#include "pd_xfer.h"
+#include "pdspark.pb-c.h"
+
+#define TICK_MS 20
+#define NODE_DOWN_MS 1000.0      /* a failed prefill node is tried last for this long */
+
+typedef enum {
+    H_QUEUED = 0,   /* waiting for KV pages (or a batch slot) */
+    H_PREFILL,      /* pages reserved, Prefill in flight */
+    H_RUNNING,      /* in the engine's decode rounds (or its in-process prefill) */
+    H_ZOMBIE,       /* ended for the caller, pages held until the Prefill reply */
+    H_HOLD,         /* ended, pages held until hold_until (a put may still land) */
+    H_GONE          /* nothing left on the engine thread */
+} handle_state;
+
+typedef struct prefill_node {
+    struct decode_server *s;
+    char addr[160];
+    pd_rpc_channel *ch;
+    int inflight;            /* Prefill calls */
+    int calls;               /* every call in flight on ch (Prefill + CancelPrefill) */
+    double down_until;
+    int reset;               /* recreate the channel once idle (after a failure) */
+} prefill_node;
+
+struct decode_handle {
+    atomic_int refs;                 /* caller + server */
+    atomic_int cancel_asked;
+    decode_server *s;
+    char id[96];
+    uint64_t eid;
+    int32_t *prompt;
+    int n_prompt;
+    pd_gen_params gp;
+    decode_token_fn on_token;
+    decode_done_fn on_done;
+    void *ud;
+    double t_submit, t_first, deadline;  /* deadline 0 = none */
+    /* engine thread only below */
+    handle_state state;
+    int done_called;
+    pd_request *r;
+    pd_detok *detok;
+    prefill_node *node;
+    pd_rpc_pending *pending;
+    int aux_row;                     /* first row in the aux arena, -1 = none */
+    double hold_until;
+    pd_status fail_st;               /* status for an engine-side PD_FINISH_ERROR */
+    struct decode_handle *prev, *next;
+};
+
+typedef struct { int start, n; } aux_seg;
+
+struct decode_server {
+    decode_config cfg;
+    char *model_dir, *draft_dir, *device, *prefill;
+    kern_backend *be;
+    pd_qwen3_model *tm;
+    pd_dspark_model *dm;
+    pd_tokenizer *tok;
+    pd_engine *eng;
+    int vocab, max_ctx, page_size, total_pages, block_size, aux_dim;
+    pd_loop *loop;
+    pthread_t thread;
+    int thread_started;
+    pd_loop_timer *step_timer, *tick_timer;
+    int step_armed;
+    int admit_blocked;               /* the queue head waits for pages: retry on a change/tick */
+    atomic_int accepting;
+    atomic_int n_waiting;            /* QUEUED handles (submit-side bound) */
+    atomic_ullong next_id;
+    /* engine thread */
+    decode_handle *head, *tail;
+    int n_running, n_prefill, n_queued;
+    int stopping;
+    double stop_deadline;
+    /* disaggregated */
+    pd_xfer *x;
+    pd_loop_watch *xw;
+    pd_xfer_mem *kv_mem, *aux_mem;
+    void *kv_rkey, *aux_rkey;
+    size_t kv_rkey_len, aux_rkey_len;
+    const void *waddr;
+    size_t waddr_len;
+    float *aux_arena;
+    int aux_rows;
+    aux_seg *segs;
+    int n_segs, cap_segs;
+    prefill_node *nodes;
+    int n_nodes;
+    /* snapshot */
+    pthread_mutex_t stats_mu;
+    decode_stats stats;
+};
+
+void decode_config_default(decode_config *cfg)
+{
+    memset(cfg, 0, sizeof(*cfg));
+    cfg->device = "cpu";
+    cfg->page_size = 16;
+    cfg->max_batch = 64;
+    cfg->max_queue = 256;
+    cfg->queue_timeout_ms = 30000;
+    cfg->transfer_timeout_ms = 30000;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Handles */
+
+static void handle_unref(decode_handle *h)
+{
+    if (h == NULL)
+        return;
+    if (atomic_fetch_sub(&h->refs, 1) == 1) {
+        free(h->prompt);
+        free(h);
+    }
+}
+
+void decode_handle_release(decode_handle *h)
+{
+    handle_unref(h);
+}
+
+static void list_remove(decode_server *s, decode_handle *h)
+{
+    if (h->prev != NULL)
+        h->prev->next = h->next;
+    else
+        s->head = h->next;
+    if (h->next != NULL)
+        h->next->prev = h->prev;
+    else
+        s->tail = h->prev;
+    h->prev = h->next = NULL;
+}
+
+static void update_stats(decode_server *s)
+{
+    decode_stats st = {0};
+    st.serving = atomic_load(&s->accepting);
+    st.active_requests = s->n_running + s->n_prefill;
+    st.queued_requests = s->n_queued;
+    st.total_kv_pages = s->total_pages;
+    st.free_kv_pages = pd_engine_kv_free_pages(s->eng);
+    st.pages_in_use = st.total_kv_pages - st.free_kv_pages;
+    for (int i = 0; i < s->n_nodes; i++)
+        st.prefill_inflight += s->nodes[i].inflight;
+    pthread_mutex_lock(&s->stats_mu);
+    s->stats = st;
+    pthread_mutex_unlock(&s->stats_mu);
+}
+
+void decode_server_stats(decode_server *s, decode_stats *out)
+{
+    pthread_mutex_lock(&s->stats_mu);
+    *out = s->stats;
+    pthread_mutex_unlock(&s->stats_mu);
+}
+
+const char *decode_server_device(const decode_server *s)
+{
+    return s->device;
+}
+
+const char *decode_server_mode(const decode_server *s)
+{
+    return s->cfg.colocated ? "colocated" : "disaggregated";
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Aux arena: contiguous row ranges, first fit */
+
+static int aux_alloc(decode_server *s, int n)
+{
+    int at = 0, i = 0;
+    for (; i < s->n_segs; i++) {
+        if (s->segs[i].start - at >= n)
+            break;
+        at = s->segs[i].start + s->segs[i].n;
+    }
+    if (i == s->n_segs && s->aux_rows - at < n)
+        return -1;
+    if (s->n_segs == s->cap_segs) {
+        int cap = s->cap_segs ? 2 * s->cap_segs : 64;
+        aux_seg *ns = realloc(s->segs, (size_t)cap * sizeof(*ns));
+        if (ns == NULL)
+            return -1;
+        s->segs = ns;
+        s->cap_segs = cap;
+    }
+    memmove(&s->segs[i + 1], &s->segs[i], (size_t)(s->n_segs - i) * sizeof(*s->segs));
+    s->segs[i] = (aux_seg){ at, n };
+    s->n_segs++;
+    return at;
+}
+
+static void aux_free(decode_server *s, int start)
+{
+    for (int i = 0; i < s->n_segs; i++)
+        if (s->segs[i].start == start) {
+            memmove(&s->segs[i], &s->segs[i + 1], (size_t)(s->n_segs - i - 1) * sizeof(*s->segs));
+            s->n_segs--;
+            return;
+        }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Ending requests */
+
+static void kick(decode_server *s);
+
+static void emit_new(decode_server *s, decode_handle *h)
+{
+    (void)s;
+    if (h->r == NULL || h->done_called)
+        return;
+    int n = 0;
+    const int32_t *nt = pd_engine_take_new(h->r, &n);
+    if (n <= 0)
+        return;
+    if (h->t_first == 0.0)
+        h->t_first = decode_now_ms();
+    size_t cap = 256, len = 0;
+    char *text = malloc(cap);
+    for (int i = 0; i < n && text != NULL; i++) {
+        char *piece = NULL;
+        pd_err err;
+        if (h->detok == NULL || pd_detok_push(h->detok, nt[i], &piece, &err) != PD_OK)
+            continue;
+        size_t pl = strlen(piece);
+        if (len + pl + 1 > cap) {
+            while (len + pl + 1 > cap)
+                cap *= 2;
+            char *nt2 = realloc(text, cap);
+            if (nt2 == NULL) {
+                free(piece);
+                break;
+            }
+            text = nt2;
+        }
+        memcpy(text + len, piece, pl);
+        len += pl;
+        free(piece);
+    }
+    if (text != NULL)
+        text[len] = '\0';
+    decode_chunk c = { .request_id = h->id, .ids = nt, .n_ids = n, .text = text ? text : "",
+                       .text_len = text ? len : 0 };
+    if (h->on_token != NULL)
+        h->on_token(h->ud, &c);
+    free(text);
+}
+
+/* Call on_done once. The request's engine state is left to the caller. */
+static void call_done(decode_server *s, decode_handle *h, pd_status st, const char *msg)
+{
+    if (h->done_called)
+        return;
+    h->done_called = 1;
+    char *tail = NULL;
+    pd_err err;
+    if (h->detok != NULL && pd_detok_flush(h->detok, &tail, &err) != PD_OK)
+        tail = NULL;
+    pd_request *r = h->r;
+    int running = h->state == H_RUNNING && r != NULL;
+    decode_result res = {
+        .request_id = h->id,
+        .status = st,
+        .error = msg != NULL ? msg : "",
+        .finish = running ? r->finish : PD_FINISH_ERROR,
+        .text_tail = tail != NULL ? tail : "",
+        .text_tail_len = tail != NULL ? strlen(tail) : 0,
+        .tokens = running ? r->out : NULL,
+        .n_tokens = running ? r->n_out : 0,
+        .prompt_tokens = h->n_prompt,
+        .rounds = running ? r->n_rounds : 0,
+        .accepted_per_round = running ? r->accepted : NULL,
+        .block_size = s->block_size,
+        .accepted_at_pos = running ? r->accepted_at_pos : NULL,
+    };
+    if (st == PD_ERR_CANCELLED)
+        res.finish = PD_FINISH_CANCELLED;
+    if (running && r->n_rounds > 0) {
+        long sum = 0;
+        for (int i = 0; i < r->n_rounds; i++)
+            sum += r->accepted[i];
+        res.tau = (double)sum / r->n_rounds;
+    }
+    double now = decode_now_ms();
+    res.time_ms = now - h->t_submit;
+    res.ttft_ms = h->t_first > 0 ? h->t_first - h->t_submit : res.time_ms;
+    if (st == PD_OK)
+        PD_LOG_DEBUG("decode", "%s: done (%s), %d tokens, %d rounds, tau %.3f in %.1f ms", h->id,
+                     pd_finish_reason_str(res.finish), res.n_tokens, res.rounds, res.tau, res.time_ms);
+    else
+        PD_LOG_DEBUG("decode", "%s: ended %s: %s", h->id, pd_status_str(st), res.error);
+    if (h->on_done != NULL)
+        h->on_done(h->ud, &res);
+    free(tail);
+    pd_detok_destroy(h->detok);
+    h->detok = NULL;
+}
+
+/* Drop the server's hold on h: engine request, aux rows, list entry, reference. */
+static void handle_retire(decode_server *s, decode_handle *h)
+{
+    if (h->r != NULL) {
+        pd_engine_release(s->eng, h->r);
+        h->r = NULL;
+    }
+    if (h->aux_row >= 0) {
+        aux_free(s, h->aux_row);
+        h->aux_row = -1;
+    }
+    h->state = H_GONE;
+    s->admit_blocked = 0;   /* pages or rows came back */
+    list_remove(s, h);
+    handle_unref(h);
+}
+
+static void cancel_prefill_reply(void *ud, pd_status st, ProtobufCMessage *resp, const pd_err *err);
+
+/* End a request for its caller with st. Pages a prefill node may still write stay held. */
+static void end_request(decode_server *s, decode_handle *h, pd_status st, const char *msg)
+{
+    if (h->done_called)
+        return;
+    switch (h->state) {
+    case H_QUEUED:
+        s->n_queued--;
+        atomic_fetch_sub(&s->n_waiting, 1);
+        call_done(s, h, st, msg);
+        handle_retire(s, h);
+        break;
+    case H_RUNNING:
+        if (h->r != NULL && h->r->finish == PD_FINISH_NONE)
+            pd_engine_cancel(s->eng, h->r);
+        if (st != PD_OK)
+            h->state = H_GONE;   /* no tokens/stats in an error result */
+        call_done(s, h, st, msg);
+        h->state = H_RUNNING;
+        s->n_running--;
+        handle_retire(s, h);
+        break;
+    case H_PREFILL: {
+        /* the prefill node may be putting into our pages: tell it to stop, keep the pages
+         * until its Prefill reply (bounded by that call's deadline) */
+        call_done(s, h, st, msg);
+        s->n_prefill--;
+        h->state = H_ZOMBIE;
+        prefill_node *nd = h->node;
+        Pdspark__CancelPrefillRequest cr = PDSPARK__CANCEL_PREFILL_REQUEST__INIT;
+        cr.version = PD_PROTO_VERSION;
+        cr.request_id = h->id;
+        pd_err err;
+        if (nd != NULL && pd_rpc_unary_async(nd->ch, "/pdspark.Prefill/CancelPrefill", &cr.base,
+                                             &pdspark__cancel_prefill_reply__descriptor,
+                                             s->cfg.transfer_timeout_ms, cancel_prefill_reply, nd,
+                                             NULL, &err) == PD_OK)
+            nd->calls++;
+        break;
+    }
+    default:
+        break;
+    }
+    update_stats(s);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Prefill nodes */
+
+typedef struct {
+    decode_server *s;
+    decode_handle *h;
+    prefill_node *node;
+    pd_status st;
+    ProtobufCMessage *resp;
+    char msg[512];
+    int is_cancel;
+} reply_msg;
+
+static void on_reply_loop(void *arg);
+
+static void post_reply(decode_server *s, decode_handle *h, prefill_node *nd, int is_cancel,
+                       pd_status st, ProtobufCMessage *resp, const pd_err *err)
+{
+    reply_msg *m = calloc(1, sizeof(*m));
+    if (m == NULL) {
+        /* cannot hand it over: the request stays held until shutdown bounds it */
+        PD_LOG_ERROR("decode", "prefill reply: out of memory");
+        if (resp != NULL)
+            protobuf_c_message_free_unpacked(resp, NULL);
+        return;
+    }
+    m->s = s;
+    m->h = h;
+    m->node = nd;
+    m->st = st;
+    m->resp = resp;
+    m->is_cancel = is_cancel;
+    if (st != PD_OK && err != NULL)
+        snprintf(m->msg, sizeof(m->msg), "%s", err->msg[0] ? err->msg : pd_status_str(st));
+    if (pd_loop_post(s->loop, on_reply_loop, m) != PD_OK) {
+        if (resp != NULL)
+            protobuf_c_message_free_unpacked(resp, NULL);
+        free(m);
+    }
+}
+
+static void cancel_prefill_reply(void *ud, pd_status st, ProtobufCMessage *resp, const pd_err *err)
+{
+    prefill_node *nd = ud;
+    post_reply(nd->s, NULL, nd, 1, st, resp, err);
+}
+
+static void prefill_reply(void *ud, pd_status st, ProtobufCMessage *resp, const pd_err *err)
+{
+    decode_handle *h = ud;
+    post_reply(h->s, h, h->node, 0, st, resp, err);
+}
+
+static prefill_node *pick_node(decode_server *s)
+{
+    double now = decode_now_ms();
+    prefill_node *best = NULL;
+    int best_up = 0;
+    for (int i = 0; i < s->n_nodes; i++) {
+        prefill_node *nd = &s->nodes[i];
+        int up = nd->down_until <= now;
+        if (best == NULL || (up && !best_up) ||
+            (up == best_up && nd->inflight < best->inflight)) {
+            best = nd;
+            best_up = up;
+        }
+    }
+    if (best != NULL && best->reset && best->calls == 0) {
+        /* a fresh channel connects at once instead of waiting out gRPC's reconnect backoff */
+        pd_rpc_channel *ch = NULL;
+        pd_err err;
+        if (pd_rpc_channel_create(best->addr, &ch, &err) == PD_OK) {
+            pd_rpc_channel_destroy(best->ch);
+            best->ch = ch;
+            best->reset = 0;
+        }
+    }
+    return best;
+}
+
+static void node_failed(decode_server *s, prefill_node *nd, const char *why)
+{
+    (void)s;
+    if (nd->down_until <= decode_now_ms())
+        PD_LOG_WARN("decode", "prefill node %s failed: %s", nd->addr, why);
+    nd->down_until = decode_now_ms() + NODE_DOWN_MS;
+    nd->reset = 1;
+}
+
+static Pdspark__KvDtype kern_dtype_to_proto(kern_dtype d)
+{
+    switch (d) {
+    case KERN_DTYPE_F32: return PDSPARK__KV_DTYPE__KV_DTYPE_F32;
+    case KERN_DTYPE_BF16: return PDSPARK__KV_DTYPE__KV_DTYPE_BF16;
+    case KERN_DTYPE_F16: return PDSPARK__KV_DTYPE__KV_DTYPE_F16;
+    default: return PDSPARK__KV_DTYPE__KV_DTYPE_UNSPECIFIED;
+    }
+}
+
+/* Reserve pages + aux rows and send Prefill. PD_ERR_BUSY: no room now (nothing held). */
+static pd_status start_external(decode_server *s, decode_handle *h, pd_err *err)
+{
+    int row = aux_alloc(s, h->n_prompt);
+    if (row < 0)
+        return pd_err_set(err, PD_ERR_BUSY, "aux arena full");
+    pd_status st = pd_engine_add_external(s->eng, h->eid, h->prompt, h->n_prompt, &h->gp, &h->r, err);
+    if (st != PD_OK) {
+        aux_free(s, row);
+        return st;
+    }
+    h->aux_row = row;
+    prefill_node *nd = pick_node(s);
+    const pd_kv_layout *lay = pd_kv_pool_layout(pd_engine_target_pool(s->eng));
+    int np = (h->n_prompt + lay->page_size - 1) / lay->page_size;
+    uint32_t *pages = malloc((size_t)np * sizeof(uint32_t));
+    uint32_t *ids = malloc((size_t)h->n_prompt * sizeof(uint32_t));
+    if (pages == NULL || ids == NULL) {
+        free(pages);
+        free(ids);
+        st = pd_err_set(err, PD_ERR_NOMEM, "prefill request");
+        goto err_release;
+    }
+    for (int i = 0; i < np; i++)
+        pages[i] = (uint32_t)h->r->tkv.pages[i];
+    for (int i = 0; i < h->n_prompt; i++)
+        ids[i] = (uint32_t)h->prompt[i];
+    Pdspark__SamplingParams sp = PDSPARK__SAMPLING_PARAMS__INIT;
+    sp.version = PD_PROTO_VERSION;
+    sp.temperature = h->gp.sample.temperature;
+    sp.top_p = h->gp.sample.top_p;
+    sp.top_k = (uint32_t)h->gp.sample.top_k;
+    sp.seed = h->gp.sample.seed;
+    sp.max_new_tokens = 1;
+    Pdspark__PageLayout pl = PDSPARK__PAGE_LAYOUT__INIT;
+    pl.version = PD_PROTO_VERSION;
+    pl.page_size = (uint32_t)lay->page_size;
+    pl.dtype = kern_dtype_to_proto(lay->dtype);
+    pl.n_layers = (uint32_t)lay->n_layers;
+    pl.n_kv_heads = (uint32_t)lay->n_kv_heads;
+    pl.head_dim = (uint32_t)lay->head_dim;
+    pl.bytes_per_page = pd_kv_page_bytes(lay);
+    Pdspark__RemoteRegion kv = PDSPARK__REMOTE_REGION__INIT;
+    kv.version = PD_PROTO_VERSION;
+    kv.rkey.data = s->kv_rkey;
+    kv.rkey.len = s->kv_rkey_len;
+    kv.base_addr = (uint64_t)(uintptr_t)pd_xfer_mem_base(s->kv_mem);
+    kv.length = pd_xfer_mem_len(s->kv_mem);
+    Pdspark__RemoteRegion ax = PDSPARK__REMOTE_REGION__INIT;
+    ax.version = PD_PROTO_VERSION;
+    ax.rkey.data = s->aux_rkey;
+    ax.rkey.len = s->aux_rkey_len;
+    ax.base_addr = (uint64_t)(uintptr_t)pd_xfer_mem_base(s->aux_mem);
+    ax.length = pd_xfer_mem_len(s->aux_mem);
+    Pdspark__AuxLayout al = PDSPARK__AUX_LAYOUT__INIT;
+    al.version = PD_PROTO_VERSION;
+    al.mode = PDSPARK__AUX_MODE__AUX_MODE_RAW;
+    al.rows = (uint32_t)h->n_prompt;
+    al.row_bytes = (uint64_t)s->aux_dim * sizeof(float);
+    Pdspark__Destination d = PDSPARK__DESTINATION__INIT;
+    d.version = PD_PROTO_VERSION;
+    d.worker_address.data = (uint8_t *)s->waddr;
+    d.worker_address.len = s->waddr_len;
+    d.n_page_ids = (size_t)np;
+    d.page_ids = pages;
+    d.kv_pool = &kv;
+    d.aux = &ax;
+    d.page_layout = &pl;
+    d.aux_layout = &al;
+    d.aux_offset = (uint64_t)row * al.row_bytes;
+    Pdspark__PrefillRequest pr = PDSPARK__PREFILL_REQUEST__INIT;
+    pr.version = PD_PROTO_VERSION;
+    pr.request_id = h->id;
+    pr.n_token_ids = (size_t)h->n_prompt;
+    pr.token_ids = ids;
+    pr.sampling = &sp;
+    pr.dest = &d;
+    int64_t tmo = s->cfg.transfer_timeout_ms;
+    if (h->deadline > 0) {
+        int64_t left = (int64_t)(h->deadline - decode_now_ms());
+        if (left < tmo)
+            tmo = left > 1 ? left : 1;
+    }
+    pr.timeout_ms = (uint64_t)tmo;
+    /* the call's own deadline is a little longer than the node's bound, so a node that gives
+     * up on time still gets its answer (and its word that no put is running) back to us */
+    st = pd_rpc_unary_async(nd->ch, "/pdspark.Prefill/Prefill", &pr.base,
+                            &pdspark__prefill_reply__descriptor, tmo + 500, prefill_reply, h,
+                            &h->pending, err);
+    free(pages);
+    free(ids);
+    if (st != PD_OK) {
+        node_failed(s, nd, err->msg);
+        st = pd_err_set(err, PD_ERR_PEER, "prefill node %s: %s", nd->addr, err->msg);
+        goto err_release;
+    }
+    h->node = nd;
+    nd->inflight++;
+    nd->calls++;
+    PD_LOG_DEBUG("decode", "%s: prefill on %s (%d tokens, %d pages)", h->id, nd->addr,
+                 h->n_prompt, np);
+    return PD_OK;
+err_release:
+    pd_engine_release(s->eng, h->r);
+    h->r = NULL;
+    aux_free(s, h->aux_row);
+    h->aux_row = -1;
+    return st;
+}
+
+static void on_reply_loop(void *arg)
+{
+    reply_msg *m = arg;
+    decode_server *s = m->s;
+    prefill_node *nd = m->node;
+    if (nd != NULL)
+        nd->calls--;
+    if (m->is_cancel) {
+        if (m->resp != NULL)
+            protobuf_c_message_free_unpacked(m->resp, NULL);
+        free(m);
+        return;
+    }
+    decode_handle *h = m->h;
+    nd->inflight--;
+    pd_rpc_pending_release(h->pending);
+    h->pending = NULL;
+    pd_status st = m->st;
+    char msg[640];
+    snprintf(msg, sizeof(msg), "%s", m->msg);
+    int32_t first = -1;
+    if (st == PD_OK) {
+        Pdspark__PrefillReply *rep = (Pdspark__PrefillReply *)m->resp;
+        pd_err verr;
+        if (pd_proto_version_check(m->resp, &verr) != PD_OK) {
+            st = PD_ERR_PEER;
+            snprintf(msg, sizeof(msg), "%s", verr.msg);
+        } else {
+            first = (int32_t)rep->first_token_id;
+        }
+    }
+    if (m->resp != NULL)
+        protobuf_c_message_free_unpacked(m->resp, NULL);
+    free(m);
+    if (st == PD_ERR_PEER || st == PD_ERR_TIMEOUT)
+        node_failed(s, nd, msg);
+    if (h->state == H_ZOMBIE) {
+        if (st == PD_OK || st == PD_ERR_INVALID || st == PD_ERR_NOT_FOUND || st == PD_ERR_CANCELLED) {
+            handle_retire(s, h);   /* the node answered: no put of ours is running */
+        } else {
+            /* no word from the node: give a put that might still be running time to end */
+            h->state = H_HOLD;
+            h->hold_until = decode_now_ms() + (double)s->cfg.transfer_timeout_ms;
+        }
+        update_stats(s);
+        kick(s);
+        return;
+    }
+    PD_ASSERT(h->state == H_PREFILL);
+    if (st == PD_OK) {
+        pd_err err;
+        const float *aux = s->aux_arena + (size_t)h->aux_row * (size_t)s->aux_dim;
+        if (pd_engine_complete_prefill(s->eng, h->r, first, s->dm != NULL ? aux : NULL, &err) == PD_OK) {
+            aux_free(s, h->aux_row);
+            h->aux_row = -1;
+            s->n_prefill--;
+            s->n_running++;
+            h->state = H_RUNNING;
+            emit_new(s, h);
+            update_stats(s);
+            kick(s);
+            return;
+        }
+        st = PD_ERR_PEER;
+        snprintf(msg, sizeof(msg), "%s", err.msg);
+    }
+    char full[900];
+    snprintf(full, sizeof(full), "prefill node %s failed: %s", nd->addr, msg);
+    PD_LOG_WARN("decode", "%s: %s", h->id, full);
+    call_done(s, h, PD_ERR_PEER, full);
+    s->n_prefill--;
+    if (st == PD_ERR_PEER || st == PD_ERR_TIMEOUT || st == PD_ERR_INTERNAL) {
+        h->state = H_HOLD;
+        h->hold_until = decode_now_ms() + (st == PD_ERR_TIMEOUT ? (double)s->cfg.transfer_timeout_ms : 0.0);
+    } else {
+        handle_retire(s, h);
+    }
+    update_stats(s);
+    kick(s);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The engine loop */
+
+static void admit(decode_server *s)
+{
+    double now = decode_now_ms();
+    s->admit_blocked = 0;
+    for (decode_handle *h = s->head, *next; h != NULL; h = next) {
+        next = h->next;
+        if (h->state != H_QUEUED)
+            continue;
+        if (s->stopping) {
+            end_request(s, h, PD_ERR_CANCELLED, "server shutting down");
+            continue;
+        }
+        if (s->n_running + s->n_prefill >= s->cfg.max_batch)
+            break;
+        pd_err err = {0};
+        pd_status st;
+        if (s->cfg.colocated) {
+            st = pd_engine_add(s->eng, h->eid, h->prompt, h->n_prompt, &h->gp, &h->r, &err);
+        } else {
+            st = start_external(s, h, &err);
+        }
+        if (st == PD_ERR_BUSY) {
+            if (s->cfg.queue_timeout_ms > 0 && now - h->t_submit > (double)s->cfg.queue_timeout_ms) {
+                char msg[256];
+                snprintf(msg, sizeof(msg), "no KV capacity for %lld ms (%d pages free, %d queued)",
+                         (long long)s->cfg.queue_timeout_ms, pd_engine_kv_free_pages(s->eng),
+                         s->n_queued);
+                end_request(s, h, PD_ERR_BUSY, msg);
+                continue;
+            }
+            s->admit_blocked = 1;
+            break;   /* FIFO: later requests wait behind this one */
+        }
+        if (st != PD_OK) {
+            end_request(s, h, st, err.msg);
+            continue;
+        }
+        s->n_queued--;
+        atomic_fetch_sub(&s->n_waiting, 1);
+        PD_LOG_DEBUG("decode", "%s: admitted (%d prompt tokens)", h->id, h->n_prompt);
+        if (s->cfg.colocated) {
+            h->state = H_RUNNING;
+            s->n_running++;
+        } else {
+            h->state = H_PREFILL;
+            s->n_prefill++;
+        }
+    }
+    update_stats(s);
+}
+
+static void collect(decode_server *s)
+{
+    for (decode_handle *h = s->head, *next; h != NULL; h = next) {
+        next = h->next;
+        if (h->state != H_RUNNING || h->r == NULL)
+            continue;
+        emit_new(s, h);
+        pd_request *r = h->r;
+        if (r->finish == PD_FINISH_NONE)
+            continue;
+        pd_status st = PD_OK;
+        const char *msg = NULL;
+        if (r->finish == PD_FINISH_ERROR) {
+            st = h->fail_st != PD_OK ? h->fail_st : PD_ERR_INTERNAL;
+            msg = r->error;
+        } else if (r->finish == PD_FINISH_CANCELLED) {
+            st = PD_ERR_CANCELLED;
+            msg = "cancelled";
+        }
+        end_request(s, h, st, msg);
+    }
+}
+
+static void check_times(decode_server *s)
+{
+    double now = decode_now_ms();
+    for (decode_handle *h = s->head, *next; h != NULL; h = next) {
+        next = h->next;
+        if (h->state == H_HOLD) {
+            if (now >= h->hold_until || s->stopping) {
+                handle_retire(s, h);
+                update_stats(s);
+            }
+            continue;
+        }
+        if (h->done_called)
+            continue;
+        if (atomic_load(&h->cancel_asked)) {
+            end_request(s, h, PD_ERR_CANCELLED, "cancelled by the client");
+            continue;
+        }
+        if (h->deadline > 0 && now >= h->deadline) {
+            char msg[128];
+            snprintf(msg, sizeof(msg), "deadline exceeded after %.0f ms", now - h->t_submit);
+            end_request(s, h, PD_ERR_TIMEOUT, msg);
+        }
+    }
+}
+
+static void step_cb(void *arg)
+{
+    decode_server *s = arg;
+    s->step_armed = 0;
+    check_times(s);
+    admit(s);
+    if (s->n_running > 0) {
+        pd_err err = {0};
+        PD_LOG_TRACE("decode", "step: %d running", s->n_running);
+        if (pd_engine_step(s->eng, &err) != PD_OK) {
+            /* an engine-wide failure: every running request ends with it */
+            PD_LOG_ERROR("decode", "engine step: %s", err.msg);
+            for (decode_handle *h = s->head, *next; h != NULL; h = next) {
+                next = h->next;
+                if (h->state == H_RUNNING)
+                    end_request(s, h, err.code == PD_OK ? PD_ERR_INTERNAL : err.code, err.msg);
+            }
+        }
+        collect(s);
+        update_stats(s);
+    }
+    kick(s);
+}
+
+static void kick(decode_server *s)
+{
+    if (s->step_armed)
+        return;
+    int queued_ready = s->n_queued > 0 && !s->admit_blocked &&
+                       s->n_running + s->n_prefill < s->cfg.max_batch;
+    if (s->n_running > 0 || queued_ready) {
+        s->step_armed = 1;
+        pd_loop_timer_start(s->step_timer, 0, false);
+    }
+}
+
+static void tick_cb(void *arg)
+{
+    decode_server *s = arg;
+    if (s->x != NULL)
+        pd_xfer_progress(s->x);
+    check_times(s);
+    s->admit_blocked = 0;
+    if (s->stopping) {
+        int busy = 0;
+        for (decode_handle *h = s->head; h != NULL; h = h->next)
+            busy++;
+        for (int i = 0; i < s->n_nodes; i++)
+            busy += s->nodes[i].calls;
+        if (busy == 0 || decode_now_ms() > s->stop_deadline)
+            pd_loop_stop(s->loop);
+    }
+    kick(s);
+}
+
+static void xfer_cb(int fd, void *arg)
+{
+    (void)fd;
+    decode_server *s = arg;
+    pd_xfer_progress(s->x);
+}
+
+static void submit_cb(void *arg)
+{
+    decode_handle *h = arg;
+    decode_server *s = h->s;
+    h->prev = s->tail;
+    h->next = NULL;
+    if (s->tail != NULL)
+        s->tail->next = h;
+    else
+        s->head = h;
+    s->tail = h;
+    h->state = H_QUEUED;
+    s->n_queued++;
+    update_stats(s);
+    if (s->stopping || atomic_load(&h->cancel_asked)) {
+        end_request(s, h, PD_ERR_CANCELLED, s->stopping ? "server shutting down" : "cancelled");
+        return;
+    }
+    admit(s);
+    kick(s);
+}
+
+static void cancel_cb(void *arg)
+{
+    decode_handle *h = arg;
+    decode_server *s = h->s;
+    if (h->state != H_GONE && !h->done_called)
+        end_request(s, h, PD_ERR_CANCELLED, "cancelled by the client");
+    kick(s);
+    handle_unref(h);
+}
+
+static void shutdown_cb(void *arg)
+{
+    decode_server *s = arg;
+    s->stopping = 1;
+    s->stop_deadline = decode_now_ms() + (double)s->cfg.transfer_timeout_ms + 1000.0;
+    for (decode_handle *h = s->head, *next; h != NULL; h = next) {
+        next = h->next;
+        if (!h->done_called)
+            end_request(s, h, PD_ERR_CANCELLED, "server shutting down");
+    }
+    tick_cb(s);
+}
+
+static void *engine_thread(void *arg)
+{
+    decode_server *s = arg;
+    pd_err err;
+    if (pd_loop_run(s->loop, &err) != PD_OK)
+        PD_LOG_ERROR("decode", "engine loop: %s", err.msg);
+    return NULL;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * API */
+
+pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn on_token,
+                        decode_done_fn on_done, void *ud, decode_handle **out, pd_err *err)
+{
+    if (!atomic_load(&s->accepting))
+        return pd_err_set(err, PD_ERR_CANCELLED, "server is not accepting requests");
+    int has_text = req->prompt_text != NULL && req->prompt_text_len > 0;
+    int has_ids = req->prompt_ids != NULL && req->n_prompt_ids > 0;
+    if (has_text && has_ids)
+        return pd_err_set(err, PD_ERR_INVALID, "give either prompt text or prompt token ids, not both");
+    if (!has_text && !has_ids)
+        return pd_err_set(err, PD_ERR_INVALID, "empty prompt");
+    if (!isfinite(req->temperature) || req->temperature < 0.0f)
+        return pd_err_set(err, PD_ERR_INVALID, "temperature %g must be finite and >= 0",
+                          (double)req->temperature);
+    if (!isfinite(req->top_p) || req->top_p < 0.0f || req->top_p > 1.0f)
+        return pd_err_set(err, PD_ERR_INVALID, "top_p %g must be in [0, 1] (0 = off)",
+                          (double)req->top_p);
+    if (req->top_k < 0 || req->top_k > s->vocab)
+        return pd_err_set(err, PD_ERR_INVALID, "top_k %d must be in 0..%d", req->top_k, s->vocab);
+    if (req->max_new_tokens < 0 || req->max_new_tokens > s->max_ctx)
+        return pd_err_set(err, PD_ERR_INVALID, "max_new_tokens %d must be in 0..%d (0 = 128)",
+                          req->max_new_tokens, s->max_ctx);
+    if (req->timeout_ms < 0)
+        return pd_err_set(err, PD_ERR_INVALID, "timeout_ms %lld must be >= 0",
+                          (long long)req->timeout_ms);
+    if (req->request_id != NULL && strlen(req->request_id) > 80)
+        return pd_err_set(err, PD_ERR_INVALID, "request_id longer than 80 bytes");
+    int32_t *ids = NULL;
+    int n = 0;
+    if (has_text) {
+        size_t nn = 0;
+        if (req->prompt_text_len > (size_t)s->max_ctx * 64)
+            return pd_err_set(err, PD_ERR_INVALID, "prompt text of %zu bytes is too long for a context of %d tokens",
+                              req->prompt_text_len, s->max_ctx);
+        pd_status st = pd_tokenizer_encode(s->tok, req->prompt_text, req->prompt_text_len, 1, &ids, &nn, err);
+        if (st != PD_OK)
+            return st == PD_ERR_NOMEM ? st : pd_err_set(err, PD_ERR_INVALID, "prompt text: %s", err->msg);
+        n = (int)nn;
+        if (n == 0) {
+            free(ids);
+            return pd_err_set(err, PD_ERR_INVALID, "prompt text encodes to no tokens");
+        }
+    } else {
+        n = req->n_prompt_ids;
+        if (n >= s->max_ctx)
+            return pd_err_set(err, PD_ERR_INVALID,
+                              "prompt of %d tokens leaves no room in the context of %d tokens", n,
+                              s->max_ctx);
+        for (int i = 0; i < n; i++)
+            if (req->prompt_ids[i] < 0 || req->prompt_ids[i] >= s->vocab)
+                return pd_err_set(err, PD_ERR_INVALID,
+                                  "prompt token %d (index %d) is outside the vocabulary (0..%d)",
+                                  req->prompt_ids[i], i, s->vocab - 1);
+        ids = malloc((size_t)n * sizeof(int32_t));
+        if (ids == NULL)
+            return pd_err_set(err, PD_ERR_NOMEM, "prompt copy: %d tokens", n);
+        memcpy(ids, req->prompt_ids, (size_t)n * sizeof(int32_t));
+    }
+    pd_status st;
+    if (n >= s->max_ctx) {
+        st = pd_err_set(err, PD_ERR_INVALID, "prompt of %d tokens leaves no room in the context of %d tokens",
+                        n, s->max_ctx);
+        goto err_ids;
+    }
+    int need = (n + 1 + s->page_size - 1) / s->page_size;
+    if (need > s->total_pages) {
+        st = pd_err_set(err, PD_ERR_INVALID, "prompt of %d tokens needs %d KV pages, the pool has %d",
+                        n, need, s->total_pages);
+        goto err_ids;
+    }
+    if (!s->cfg.colocated && n > s->aux_rows) {
+        st = pd_err_set(err, PD_ERR_INVALID, "prompt of %d tokens exceeds the aux arena (%d rows)",
+                        n, s->aux_rows);
+        goto err_ids;
+    }
+    if (atomic_fetch_add(&s->n_waiting, 1) >= s->cfg.max_queue) {
+        atomic_fetch_sub(&s->n_waiting, 1);
+        st = pd_err_set(err, PD_ERR_BUSY, "%d requests already waiting for KV pages", s->cfg.max_queue);
+        goto err_ids;
+    }
+    decode_handle *h = calloc(1, sizeof(*h));
+    if (h == NULL) {
+        atomic_fetch_sub(&s->n_waiting, 1);
+        st = pd_err_set(err, PD_ERR_NOMEM, "request handle");
+        goto err_ids;
+    }
+    atomic_init(&h->refs, 2);
+    atomic_init(&h->cancel_asked, 0);
+    h->s = s;
+    h->eid = atomic_fetch_add(&s->next_id, 1);
+    if (req->request_id != NULL && req->request_id[0] != '\0')
+        snprintf(h->id, sizeof(h->id), "%s", req->request_id);
+    else
+        snprintf(h->id, sizeof(h->id), "req-%llu", (unsigned long long)h->eid);
+    h->prompt = ids;
+    h->n_prompt = n;
+    h->gp.sample.temperature = req->temperature;
+    h->gp.sample.top_p = req->top_p > 0.0f ? req->top_p : 1.0f;
+    h->gp.sample.top_k = req->top_k;
+    h->gp.sample.seed = req->seed;
+    h->gp.max_new_tokens = req->max_new_tokens > 0 ? req->max_new_tokens : 128;
+    h->gp.ignore_eos = req->ignore_eos;
+    h->on_token = on_token;
+    h->on_done = on_done;
+    h->ud = ud;
+    h->aux_row = -1;
+    h->t_submit = decode_now_ms();
+    int64_t tmo = req->timeout_ms > 0 ? req->timeout_ms : s->cfg.request_timeout_ms;
+    h->deadline = tmo > 0 ? h->t_submit + (double)tmo : 0.0;
+    h->fail_st = PD_ERR_INTERNAL;
+    if (pd_detok_create(s->tok, &h->detok, err) != PD_OK) {
+        atomic_fetch_sub(&s->n_waiting, 1);
+        st = err->code;
+        free(h);
+        goto err_ids;
+    }
+    h->state = H_QUEUED;
+    if (pd_loop_post(s->loop, submit_cb, h) != PD_OK) {
+        atomic_fetch_sub(&s->n_waiting, 1);
+        pd_detok_destroy(h->detok);
+        free(h);
+        st = pd_err_set(err, PD_ERR_CANCELLED, "server is shutting down");
+        goto err_ids;
+    }
+    *out = h;
+    return PD_OK;
+err_ids:
+    free(ids);
+    return st;
+}
+
+void decode_cancel(decode_handle *h)
+{
+    if (h == NULL)
+        return;
+    if (atomic_exchange(&h->cancel_asked, 1))
+        return;
+    atomic_fetch_add(&h->refs, 1);
+    if (pd_loop_post(h->s->loop, cancel_cb, h) != PD_OK)
+        handle_unref(h);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Create / destroy */
+
+static pd_status resolve_nodes(decode_server *s, const char *list, pd_err *err)
+{
+    char *copy = strdup(list);
+    if (copy == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "prefill list");
+    pd_status st = PD_OK;
+    char *save = NULL;
+    for (char *tok = strtok_r(copy, ",", &save); tok != NULL; tok = strtok_r(NULL, ",", &save)) {
+        char host[128], port[16];
+        if (decode_split_hostport(tok, host, sizeof(host), port, sizeof(port)) != 0) {
+            st = pd_err_set(err, PD_ERR_INVALID, "--prefill: '%s' is not HOST:PORT", tok);
+            break;
+        }
+        struct addrinfo hints = { .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM }, *res = NULL;
+        int rc = getaddrinfo(host, port, &hints, &res);
+        if (rc != 0) {
+            st = pd_err_set(err, PD_ERR_INVALID, "--prefill: cannot resolve %s: %s", host, gai_strerror(rc));
+            break;
+        }
+        for (struct addrinfo *ai = res; ai != NULL; ai = ai->ai_next) {
+            char ip[INET6_ADDRSTRLEN + 8], name[160];
+            if (getnameinfo(ai->ai_addr, ai->ai_addrlen, ip, sizeof(ip), NULL, 0, NI_NUMERICHOST) != 0)
+                continue;
+            if (ai->ai_family == AF_INET6)
+                snprintf(name, sizeof(name), "[%s]:%s", ip, port);
+            else
+                snprintf(name, sizeof(name), "%s:%s", ip, port);
+            int dup = 0;
+            for (int i = 0; i < s->n_nodes; i++)
+                dup |= strcmp(s->nodes[i].addr, name) == 0;
+            if (dup)
+                continue;
+            prefill_node *nn = realloc(s->nodes, (size_t)(s->n_nodes + 1) * sizeof(*nn));
+            if (nn == NULL) {
+                st = pd_err_set(err, PD_ERR_NOMEM, "prefill nodes");
+                break;
+            }
+            s->nodes = nn;
+            prefill_node *nd = &s->nodes[s->n_nodes];
+            memset(nd, 0, sizeof(*nd));
+            nd->s = s;
+            snprintf(nd->addr, sizeof(nd->addr), "%s", name);
+            st = pd_rpc_channel_create(nd->addr, &nd->ch, err);
+            if (st != PD_OK)
+                break;
+            s->n_nodes++;
+            PD_LOG_INFO("decode", "prefill node %s (from %s)", nd->addr, tok);
+        }
+        freeaddrinfo(res);
+        if (st != PD_OK)
+            break;
+    }
+    free(copy);
+    if (st == PD_OK && s->n_nodes == 0)
+        st = pd_err_set(err, PD_ERR_INVALID, "--prefill: no prefill node addresses in '%s'", list);
+    return st;
+}
+
+static pd_status setup_xfer(decode_server *s, pd_err *err)
+{
+    if (!s->be->is_host)
+        return pd_err_set(err, PD_ERR_UNSUPPORTED,
+                          "disaggregated mode needs host KV memory: --device %s is not supported "
+                          "without UCX device-memory support (host staging not implemented)",
+                          s->device);
+    pd_xfer_config xc;
+    pd_xfer_config_default(&xc);
+    xc.name = "decode";
+    xc.timeout_ms = (uint32_t)s->cfg.transfer_timeout_ms;
+    pd_status st = pd_xfer_create(&xc, &s->x, err);
+    if (st != PD_OK)
+        return st;
+    const kern_buf *kb = pd_kv_pool_buf(pd_engine_target_pool(s->eng));
+    st = pd_xfer_mem_register(s->x, kb->ptr, kb->bytes, &s->kv_mem, err);
+    if (st != PD_OK)
+        return st;
+    st = pd_xfer_mem_pack(s->kv_mem, &s->kv_rkey, &s->kv_rkey_len, err);
+    if (st != PD_OK)
+        return st;
+    /* aux arena: enough rows for every prompt the pool can hold, capped at 256 MiB */
+    size_t row_bytes = (size_t)(s->aux_dim > 0 ? s->aux_dim : 1) * sizeof(float);
+    size_t rows = (size_t)s->total_pages * (size_t)s->page_size;
+    if (rows * row_bytes > ((size_t)256 << 20))
+        rows = ((size_t)256 << 20) / row_bytes;
+    s->aux_rows = (int)rows;
+    s->aux_arena = calloc(rows, row_bytes);
+    if (s->aux_arena == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "aux arena: %zu rows of %zu bytes", rows, row_bytes);
+    st = pd_xfer_mem_register(s->x, s->aux_arena, rows * row_bytes, &s->aux_mem, err);
+    if (st != PD_OK)
+        return st;
+    st = pd_xfer_mem_pack(s->aux_mem, &s->aux_rkey, &s->aux_rkey_len, err);
+    if (st != PD_OK)
+        return st;
+    pd_xfer_address(s->x, &s->waddr, &s->waddr_len);
+    return pd_loop_watch_fd(s->loop, pd_xfer_fd(s->x), xfer_cb, s, &s->xw, err);
+}
+
+static char *dup_or_null(const char *p)
+{
+    return p != NULL ? strdup(p) : NULL;
+}
+
+pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd_err *err)
+{
+    if (cfg->model_dir == NULL || cfg->draft_dir == NULL)
+        return pd_err_set(err, PD_ERR_INVALID, "decode server: --model and --draft are required");
+    if (!cfg->colocated && (cfg->prefill == NULL || cfg->prefill[0] == '\0'))
+        return pd_err_set(err, PD_ERR_INVALID, "decode server: --prefill HOST:PORT or --colocated is required");
+    decode_server *s = calloc(1, sizeof(*s));
+    if (s == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "decode server");
+    pd_status st = PD_OK;
+    s->cfg = *cfg;
+    s->model_dir = strdup(cfg->model_dir);
+    s->draft_dir = strdup(cfg->draft_dir);
+    s->device = strdup(cfg->device != NULL ? cfg->device : "cpu");
+    s->prefill = dup_or_null(cfg->prefill);
+    s->cfg.model_dir = s->model_dir;
+    s->cfg.draft_dir = s->draft_dir;
+    s->cfg.device = s->device;
+    s->cfg.prefill = s->prefill;
+    s->cfg.cp_strategy = NULL;
+    if (s->cfg.max_batch <= 0)
+        s->cfg.max_batch = 64;
+    if (s->cfg.max_queue <= 0)
+        s->cfg.max_queue = 256;
+    if (s->cfg.queue_timeout_ms <= 0)
+        s->cfg.queue_timeout_ms = 30000;
+    if (s->cfg.transfer_timeout_ms <= 0)
+        s->cfg.transfer_timeout_ms = 30000;
+    pthread_mutex_init(&s->stats_mu, NULL);
+    atomic_init(&s->accepting, 0);
+    atomic_init(&s->n_waiting, 0);
+    atomic_init(&s->next_id, 1);
+    if (s->model_dir == NULL || s->draft_dir == NULL || s->device == NULL ||
+        (cfg->prefill != NULL && s->prefill == NULL)) {
+        st = pd_err_set(err, PD_ERR_NOMEM, "decode config");
+        goto err_destroy;
+    }
+    kern_backend_config bc = { .name = s->device };
+    if ((st = kern_backend_create(&bc, &s->be, err)) != PD_OK)
+        goto err_destroy;
+    if ((st = pd_qwen3_load(s->be, s->model_dir, &s->tm, err)) != PD_OK)
+        goto err_destroy;
+    if ((st = pd_dspark_load(s->be, s->draft_dir, s->tm, &s->dm, err)) != PD_OK)
+        goto err_destroy;
+    if ((st = pd_tokenizer_load(s->model_dir, &s->tok, err)) != PD_OK)
+        goto err_destroy;
+    pd_engine_config ec = { .target = s->tm, .draft = s->dm, .page_size = cfg->page_size,
+                            .n_pages = cfg->kv_pages };
+    if (cfg->colocated && cfg->cp_size > 1) {
+        ec.cp_size = cfg->cp_size;
+        if (cfg->cp_strategy != NULL &&
+            (st = pd_cp_strategy_parse(cfg->cp_strategy, &ec.cp_strategy, err)) != PD_OK)
+            goto err_destroy;
+    }
+    if ((st = pd_engine_create(&ec, &s->eng, err)) != PD_OK)
+        goto err_destroy;
+    const pd_kv_layout *lay = pd_kv_pool_layout(pd_engine_target_pool(s->eng));
+    s->vocab = s->tm->cfg.vocab_size;
+    s->max_ctx = s->tm->cfg.max_position_embeddings;
+    s->page_size = lay->page_size;
+    s->total_pages = lay->n_pages;
+    s->block_size = pd_engine_block_size(s->eng);
+    s->aux_dim = pd_engine_aux_dim(s->eng);
+    if ((st = pd_loop_create(&s->loop, err)) != PD_OK)
+        goto err_destroy;
+    if ((st = pd_loop_timer_create(s->loop, step_cb, s, &s->step_timer, err)) != PD_OK ||
+        (st = pd_loop_timer_create(s->loop, tick_cb, s, &s->tick_timer, err)) != PD_OK)
+        goto err_destroy;
+    if (!cfg->colocated) {
+        if ((st = setup_xfer(s, err)) != PD_OK)
+            goto err_destroy;
+        if ((st = resolve_nodes(s, s->prefill, err)) != PD_OK)
+            goto err_destroy;
+    }
+    pd_loop_timer_start(s->tick_timer, TICK_MS, true);
+    update_stats(s);
+    atomic_store(&s->accepting, 1);
+    update_stats(s);
+    if (pthread_create(&s->thread, NULL, engine_thread, s) != 0) {
+        atomic_store(&s->accepting, 0);
+        st = pd_err_set(err, PD_ERR_INTERNAL, "engine thread: cannot start");
+        goto err_destroy;
+    }
+    s->thread_started = 1;
+    PD_LOG_INFO("decode", "engine up: %s, %s, %d kv pages of %d tokens, block %d", s->device,
+                decode_server_mode(s), s->total_pages, s->page_size, s->block_size);
+    *out = s;
+    return PD_OK;
+err_destroy:
+    decode_server_destroy(s);
+    return st;
+}
+
+void decode_server_destroy(decode_server *s)
+{
+    if (s == NULL)
+        return;
+    atomic_store(&s->accepting, 0);
+    if (s->thread_started) {
+        if (pd_loop_post(s->loop, shutdown_cb, s) != PD_OK)
+            pd_loop_stop(s->loop);
+        pthread_join(s->thread, NULL);
+    }
+    /* whatever is left (a Prefill that outlived the bound) is dropped here; channel destroy
+     * below cancels those calls, their replies cannot be posted any more */
+    for (int i = 0; i < s->n_nodes; i++)
+        pd_rpc_channel_destroy(s->nodes[i].ch);
+    while (s->head != NULL) {
+        decode_handle *h = s->head;
+        pd_rpc_pending_release(h->pending);
+        h->pending = NULL;
+        if (!h->done_called)
+            call_done(s, h, PD_ERR_CANCELLED, "server shutting down");
+        handle_retire(s, h);
+    }
+    pd_loop_timer_destroy(s->step_timer);
+    pd_loop_timer_destroy(s->tick_timer);
+    pd_loop_watch_destroy(s->xw);
+    pd_loop_destroy(s->loop);
+    free(s->kv_rkey);
+    free(s->aux_rkey);
+    pd_xfer_mem_deregister(s->kv_mem);
+    pd_xfer_mem_deregister(s->aux_mem);
+    pd_xfer_destroy(s->x);
+    free(s->aux_arena);
+    free(s->segs);
+    free(s->nodes);
+    pd_engine_destroy(s->eng);
+    pd_tokenizer_free(s->tok);
+    pd_dspark_free(s->dm);
+    pd_qwen3_free(s->tm);
+    kern_backend_destroy(s->be);
+    pthread_mutex_destroy(&s->stats_mu);
+    free(s->model_dir);
+    free(s->draft_dir);
+    free(s->device);
+    free(s->prefill);
+    free(s);
+}

@@ -1,0 +1,129 @@
+/* decode_util.c - flag parsing, token-id files, the clock, address splitting (decode_util.h).
+ * Owns: nothing stateful. Not here: engine or network code.
+ * Threading: pure functions. */
+#include "decode_util.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+double decode_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
+int decode_parse_i64(const char *prog, const char *flag, const char *s, int64_t lo, int64_t hi,
+                     int64_t *out)
+{
+    char *end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (errno != 0 || *end != '\0' || end == s || v < lo || v > hi) {
+        fprintf(stderr, "%s: %s: '%s' is not an integer in %lld..%lld\n", prog, flag, s,
+                (long long)lo, (long long)hi);
+        return -1;
+    }
+    *out = (int64_t)v;
+    return 0;
+}
+
+int decode_parse_int(const char *prog, const char *flag, const char *s, int lo, int hi, int *out)
+{
+    int64_t v;
+    if (decode_parse_i64(prog, flag, s, lo, hi, &v) != 0)
+        return -1;
+    *out = (int)v;
+    return 0;
+}
+
+int decode_parse_float(const char *prog, const char *flag, const char *s, float *out)
+{
+    char *end;
+    errno = 0;
+    float v = strtof(s, &end);
+    if (errno != 0 || *end != '\0' || end == s) {
+        fprintf(stderr, "%s: %s: '%s' is not a number\n", prog, flag, s);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+int decode_read_ids(const char *prog, const char *path, int32_t **ids, int *n)
+{
+    FILE *f = strcmp(path, "-") == 0 ? stdin : fopen(path, "r");
+    if (f == NULL) {
+        fprintf(stderr, "%s: --prompt-ids %s: %s\n", prog, path, strerror(errno));
+        return -1;
+    }
+    int cap = 256, cnt = 0, rc = 0;
+    int32_t *v = malloc((size_t)cap * sizeof(int32_t));
+    char word[64];
+    while (v != NULL && fscanf(f, "%63s", word) == 1) {
+        char *end;
+        errno = 0;
+        long long x = strtoll(word, &end, 10);
+        if (errno != 0 || *end != '\0' || x < INT32_MIN || x > INT32_MAX) {
+            fprintf(stderr, "%s: --prompt-ids %s: '%s' is not a token id\n", prog, path, word);
+            rc = -1;
+            break;
+        }
+        if (cnt == cap) {
+            cap *= 2;
+            int32_t *nv = realloc(v, (size_t)cap * sizeof(int32_t));
+            if (nv == NULL) {
+                free(v);
+                v = NULL;
+                break;
+            }
+            v = nv;
+        }
+        v[cnt++] = (int32_t)x;
+    }
+    if (f != stdin)
+        fclose(f);
+    if (v == NULL) {
+        fprintf(stderr, "%s: out of memory reading %s\n", prog, path);
+        return -1;
+    }
+    if (rc != 0) {
+        free(v);
+        return rc;
+    }
+    *ids = v;
+    *n = cnt;
+    return 0;
+}
+
+int decode_split_hostport(const char *addr, char *host, size_t host_len, char *port,
+                          size_t port_len)
+{
+    const char *colon;
+    size_t hl;
+    const char *h = addr;
+    if (addr[0] == '[') {
+        const char *rb = strchr(addr, ']');
+        if (rb == NULL || rb[1] != ':')
+            return -1;
+        h = addr + 1;
+        hl = (size_t)(rb - h);
+        colon = rb + 1;
+    } else {
+        colon = strrchr(addr, ':');
+        if (colon == NULL)
+            return -1;
+        hl = (size_t)(colon - addr);
+    }
+    size_t pl = strlen(colon + 1);
+    if (hl == 0 || hl >= host_len || pl == 0 || pl >= port_len)
+        return -1;
+    memcpy(host, h, hl);
+    host[hl] = '\0';
+    memcpy(port, colon + 1, pl + 1);
+    return 0;
+}
