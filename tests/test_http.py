@@ -313,6 +313,11 @@ def main():
     if not os.path.exists(os.path.join(bin_dir, "decode_node")) or not os.path.isdir(model):
         print("skip: decode_node or the tiny model is missing")
         return 77
+    hlp = subprocess.run([os.path.join(bin_dir, "decode_node"), "--help"], capture_output=True,
+                         text=True, timeout=30)
+    if "--http" not in hlp.stdout:
+        print("skip: this decode_node has no --http")
+        return 77
     t0 = time.time()
 
     # a checkpoint whose chat template is not ChatML: same files, another template
