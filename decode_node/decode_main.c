@@ -10,9 +10,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "decode_api.h"
 #include "decode_grpc.h"
+#include "decode_http.h"
+#include "decode_metrics.h"
 #include "decode_util.h"
 #include "pd_log.h"
 
@@ -27,12 +30,18 @@ static void usage(FILE *f)
             "                   [--max-queue N] [--queue-timeout-ms N] [--request-timeout-ms N]\n"
             "                   [--transfer-timeout-ms N] [--cp-size N --cp-strategy S]\n"
             "                   [--log-level error|warn|info|debug|trace]\n"
+            "                   [--http HOST:PORT] [--log-format text|json] [--drain-timeout-ms N]\n"
             "\n"
             "Serves pdspark.Generate (gRPC, server-streaming) with DSpark speculative decoding.\n"
             "--colocated runs the prefill in this process (--cp-size/--cp-strategy apply there);\n"
             "otherwise prompts are prefilled by the least-loaded --prefill node (a name that\n"
             "resolves to several addresses is several nodes) and their KV pages arrive over UCX.\n"
-            "Port 0 picks a free port; the address is printed as 'listening grpc HOST:PORT'.\n");
+            "Port 0 picks a free port; the address is printed as 'listening grpc HOST:PORT'.\n"
+            "--http serves the OpenAI-compatible API (/v1/completions, /v1/chat/completions,\n"
+            "/v1/models) and /health, /ready, /metrics; printed as 'listening http HOST:PORT'.\n"
+            "SIGTERM drains: new requests are refused (HTTP 503, /ready 503), running ones\n"
+            "finish for up to --drain-timeout-ms (default 30000), then the node exits 0.\n"
+            "--log-format json writes every log line (and the per-request line) as JSON.\n");
 }
 
 int main(int argc, char **argv)
@@ -41,8 +50,10 @@ int main(int argc, char **argv)
     decode_config_default(&cfg);
     const char *listen = NULL;
     int colocated = 0;
+    const char *http_addr = NULL;
+    int64_t drain_ms = 30000;
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_PREFILL, O_COLO, O_DEVICE, O_PAGES, O_PAGE, O_BATCH,
-           O_QUEUE, O_QTMO, O_RTMO, O_XTMO, O_CP, O_CPS, O_LOG, O_HELP };
+           O_QUEUE, O_QTMO, O_RTMO, O_XTMO, O_CP, O_CPS, O_LOG, O_HELP, O_HTTP, O_LOGFMT, O_DRAIN };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"prefill", required_argument, 0, O_PREFILL},
@@ -53,7 +64,9 @@ int main(int argc, char **argv)
         {"request-timeout-ms", required_argument, 0, O_RTMO},
         {"transfer-timeout-ms", required_argument, 0, O_XTMO},
         {"cp-size", required_argument, 0, O_CP}, {"cp-strategy", required_argument, 0, O_CPS},
-        {"log-level", required_argument, 0, O_LOG}, {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0},
+        {"log-level", required_argument, 0, O_LOG}, {"help", no_argument, 0, O_HELP},
+        {"http", required_argument, 0, O_HTTP}, {"log-format", required_argument, 0, O_LOGFMT},
+        {"drain-timeout-ms", required_argument, 0, O_DRAIN}, {0, 0, 0, 0},
     };
     opterr = 0;
     int c;
@@ -85,6 +98,15 @@ int main(int argc, char **argv)
             pd_log_set_level((pd_log_level)lvl);
             break;
         }
+        case O_HTTP: http_addr = optarg; break;
+        case O_DRAIN: bad = decode_parse_i64(PROG, "--drain-timeout-ms", optarg, 0, INT32_MAX, &drain_ms); break;
+        case O_LOGFMT:
+            if (strcmp(optarg, "text") != 0 && strcmp(optarg, "json") != 0) {
+                fprintf(stderr, PROG ": --log-format: want text or json, got '%s'\n", optarg);
+                return 2;
+            }
+            pd_log_set_format(strcmp(optarg, "json") == 0 ? PD_LOG_FORMAT_JSON : PD_LOG_FORMAT_TEXT);
+            break;
         case O_HELP: usage(stdout); return 0;
         default:
             fprintf(stderr, PROG ": unknown or incomplete flag '%s'\n", argv[optind - 1]);
@@ -124,10 +146,19 @@ int main(int argc, char **argv)
     pd_err err = {0};
     decode_server *s = NULL;
     pd_rpc_server *rpc = NULL;
+    pd_metrics *reg = NULL;
+    decode_metrics *dm = NULL;
+    decode_http *http = NULL;
+    if (pd_metrics_create(&reg, &err) != PD_OK || decode_metrics_create(reg, &dm, &err) != PD_OK) {
+        fprintf(stderr, PROG ": %s\n", err.msg);
+        return 1;
+    }
+    cfg.observer = decode_metrics_observer(dm);
     if (decode_server_create(&cfg, &s, &err) != PD_OK) {
         fprintf(stderr, PROG ": %s\n", err.msg);
         return 1;
     }
+    decode_metrics_attach(dm, s);
     if (decode_grpc_start(s, listen, &rpc, &err) != PD_OK) {
         fprintf(stderr, PROG ": --listen %s: %s\n", listen, err.msg);
         decode_server_destroy(s);
@@ -142,10 +173,65 @@ int main(int argc, char **argv)
     fflush(stdout);
     PD_LOG_INFO("decode", "listening grpc %s port %d (%s)", host, pd_rpc_server_port(rpc),
                 decode_server_mode(s));
+    if (http_addr != NULL) {
+        decode_http_config hc = { .addr = http_addr, .model_dir = cfg.model_dir, .metrics = reg,
+                                  .dm = dm };
+        if (decode_http_create(s, &hc, &http, &err) != PD_OK) {
+            fprintf(stderr, PROG ": --http %s: %s\n", http_addr, err.msg);
+            pd_rpc_server_destroy(rpc);
+            decode_metrics_attach(dm, NULL);
+            decode_server_destroy(s);
+            return 1;
+        }
+        char hh[128], hp[16];
+        if (decode_split_hostport(http_addr, hh, sizeof(hh), hp, sizeof(hp)) != 0 || hh[0] == '\0')
+            snprintf(hh, sizeof(hh), "%s", "0.0.0.0");
+        int v6 = strchr(hh, ':') != NULL;
+        printf("listening http %s%s%s:%d\n", v6 ? "[" : "", hh, v6 ? "]" : "",
+               decode_http_port(http));
+        fflush(stdout);
+        PD_LOG_INFO("decode", "listening http %s port %d", hh, decode_http_port(http));
+    }
     int sig = 0;
     sigwait(&set, &sig);
-    PD_LOG_INFO("decode", "signal %d: stopping", sig);
+    if (sig == SIGTERM) {
+        /* graceful drain (Kubernetes sends SIGTERM first): refuse new work, let running
+         * requests finish up to the timeout; a second signal stops at once */
+        PD_LOG_INFO("decode", "SIGTERM: draining for up to %lld ms", (long long)drain_ms);
+        decode_server_drain(s);
+        decode_http_drain(http);
+        decode_metrics_set_draining(dm, 1);
+        double end = decode_now_ms() + (double)drain_ms;
+        for (;;) {
+            decode_stats st;
+            decode_server_stats(s, &st);
+            int left = st.active_requests + st.queued_requests + decode_http_inflight(http);
+            if (left == 0) {
+                PD_LOG_INFO("decode", "drained");
+                break;
+            }
+            if (decode_now_ms() >= end) {
+                PD_LOG_WARN("decode", "drain timeout: %d requests still running, cancelling", left);
+                break;
+            }
+            struct timespec ts = { 0, 20 * 1000000 };
+            if (sigtimedwait(&set, NULL, &ts) > 0) {
+                PD_LOG_WARN("decode", "second signal: stopping now");
+                break;
+            }
+        }
+        /* the last replies were handed to the sockets; give them a moment to leave */
+        struct timespec ts = { 0, 200 * 1000000 };
+        sigtimedwait(&set, NULL, &ts);
+    } else {
+        PD_LOG_INFO("decode", "signal %d: stopping", sig);
+    }
+    decode_http_stop(http);
+    decode_metrics_attach(dm, NULL);
     pd_rpc_server_destroy(rpc);
     decode_server_destroy(s);
+    decode_http_destroy(http);
+    decode_metrics_destroy(dm);
+    pd_metrics_destroy(reg);
     return 0;
 }

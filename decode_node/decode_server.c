@@ -64,6 +64,7 @@ struct decode_handle {
     decode_done_fn on_done;
     void *ud;
     double t_submit, t_first, deadline;  /* deadline 0 = none */
+    double t_last;                   /* engine thread: the previous chunk (observer's gap) */
     /* engine thread only below */
     handle_state state;
     int done_called;
@@ -95,6 +96,7 @@ struct decode_server {
     int step_armed;
     int admit_blocked;               /* the queue head waits for pages: retry on a change/tick */
     atomic_int accepting;
+    atomic_int draining;             /* decode_server_drain was called */
     atomic_int n_waiting;            /* QUEUED handles (submit-side bound) */
     atomic_ullong next_id;
     /* engine thread */
@@ -179,6 +181,15 @@ static void update_stats(decode_server *s)
     pthread_mutex_unlock(&s->stats_mu);
 }
 
+void decode_server_drain(decode_server *s)
+{
+    atomic_store(&s->draining, 1);
+    atomic_store(&s->accepting, 0);
+    pthread_mutex_lock(&s->stats_mu);
+    s->stats.serving = 0;
+    pthread_mutex_unlock(&s->stats_mu);
+}
+
 void decode_server_stats(decode_server *s, decode_stats *out)
 {
     pthread_mutex_lock(&s->stats_mu);
@@ -240,15 +251,18 @@ static void kick(decode_server *s);
 
 static void emit_new(decode_server *s, decode_handle *h)
 {
-    (void)s;
     if (h->r == NULL || h->done_called)
         return;
     int n = 0;
     const int32_t *nt = pd_engine_take_new(h->r, &n);
     if (n <= 0)
         return;
-    if (h->t_first == 0.0)
-        h->t_first = decode_now_ms();
+    double now = decode_now_ms();
+    int first = h->t_first == 0.0;
+    if (first)
+        h->t_first = now;
+    double gap = now - (first ? h->t_submit : h->t_last);
+    h->t_last = now;
     size_t cap = 256, len = 0;
     char *text = malloc(cap);
     for (int i = 0; i < n && text != NULL; i++) {
@@ -275,6 +289,9 @@ static void emit_new(decode_server *s, decode_handle *h)
         text[len] = '\0';
     decode_chunk c = { .request_id = h->id, .ids = nt, .n_ids = n, .text = text ? text : "",
                        .text_len = text ? len : 0 };
+    const decode_observer *ob = s->cfg.observer;
+    if (ob != NULL && ob->on_token != NULL)
+        ob->on_token(ob->ud, &c, gap, first);
     if (h->on_token != NULL)
         h->on_token(h->ud, &c);
     free(text);
@@ -323,6 +340,8 @@ static void call_done(decode_server *s, decode_handle *h, pd_status st, const ch
                      pd_finish_reason_str(res.finish), res.n_tokens, res.rounds, res.tau, res.time_ms);
     else
         PD_LOG_DEBUG("decode", "%s: ended %s: %s", h->id, pd_status_str(st), res.error);
+    if (s->cfg.observer != NULL && s->cfg.observer->on_done != NULL)
+        s->cfg.observer->on_done(s->cfg.observer->ud, &res);
     if (h->on_done != NULL)
         h->on_done(h->ud, &res);
     free(tail);
@@ -911,7 +930,9 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
                         decode_done_fn on_done, void *ud, decode_handle **out, pd_err *err)
 {
     if (!atomic_load(&s->accepting))
-        return pd_err_set(err, PD_ERR_CANCELLED, "server is not accepting requests");
+        return pd_err_set(err, PD_ERR_CANCELLED, "%s", atomic_load(&s->draining)
+                          ? "server is draining: not accepting new requests"
+                          : "server is not accepting requests");
     int has_text = req->prompt_text != NULL && req->prompt_text_len > 0;
     int has_ids = req->prompt_ids != NULL && req->n_prompt_ids > 0;
     if (has_text && has_ids)
