@@ -1,0 +1,137 @@
+/* prefill_main.c - the prefill_node binary: flags, start the prefill server and its gRPC
+ * service, print "listening grpc HOST:PORT", run until SIGINT/SIGTERM, stop in order.
+ * Owns: flag parsing and process lifetime. Not here: serving (prefill_server.c).
+ * Threading: the main thread waits for a signal. */
+#include <getopt.h>
+#include <limits.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pd_log.h"
+#include "prefill_server.h"
+
+#define PROG "prefill_node"
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: prefill_node --model DIR [--draft DIR] --listen HOST:PORT\n"
+            "                    [--cp-size N --cp-strategy S] [--device cpu|cuda]\n"
+            "                    [--max-batch-tokens N] [--kv-pages N] [--page-size N]\n"
+            "                    [--transfer-timeout-ms N] [--aux-transfer raw|ctx|draft-kv]\n"
+            "                    [--log-level error|warn|info|debug|trace]\n"
+            "\n"
+            "Serves pdspark.Prefill: batches queued prompts into engine steps (context-parallel\n"
+            "over --cp-size ranks), puts every layer's K/V pages and the packed aux rows into the\n"
+            "decode node's memory over UCX, and answers with the first token. --draft supplies\n"
+            "the aux taps (needed for --aux-transfer raw, the default; ctx and draft-kv are not\n"
+            "implemented). Port 0 picks a free port, printed as 'listening grpc HOST:PORT'.\n");
+}
+
+static int parse_int(const char *flag, const char *s, long lo, long hi, int *out)
+{
+    char *end;
+    long v = strtol(s, &end, 10);
+    if (*end != '\0' || end == s || v < lo || v > hi) {
+        fprintf(stderr, PROG ": %s: '%s' is not an integer in %ld..%ld\n", flag, s, lo, hi);
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    prefill_config cfg;
+    prefill_config_default(&cfg);
+    const char *listen = NULL;
+    int tmo = 0;
+    enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_CP, O_CPS, O_DEVICE, O_MBT, O_PAGES, O_PAGE, O_XTMO,
+           O_AUX, O_LOG, O_HELP };
+    static const struct option opts[] = {
+        {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
+        {"listen", required_argument, 0, O_LISTEN}, {"cp-size", required_argument, 0, O_CP},
+        {"cp-strategy", required_argument, 0, O_CPS}, {"device", required_argument, 0, O_DEVICE},
+        {"max-batch-tokens", required_argument, 0, O_MBT}, {"kv-pages", required_argument, 0, O_PAGES},
+        {"page-size", required_argument, 0, O_PAGE}, {"transfer-timeout-ms", required_argument, 0, O_XTMO},
+        {"aux-transfer", required_argument, 0, O_AUX}, {"log-level", required_argument, 0, O_LOG},
+        {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0},
+    };
+    opterr = 0;
+    int c;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        int bad = 0;
+        switch (c) {
+        case O_MODEL: cfg.model_dir = optarg; break;
+        case O_DRAFT: cfg.draft_dir = optarg; break;
+        case O_LISTEN: listen = optarg; break;
+        case O_CP: bad = parse_int("--cp-size", optarg, 1, 64, &cfg.cp_size); break;
+        case O_CPS: cfg.cp_strategy = optarg; break;
+        case O_DEVICE: cfg.device = optarg; break;
+        case O_MBT: bad = parse_int("--max-batch-tokens", optarg, 1, INT_MAX / 2, &cfg.max_batch_tokens); break;
+        case O_PAGES: bad = parse_int("--kv-pages", optarg, 1, INT_MAX / 2, &cfg.kv_pages); break;
+        case O_PAGE: bad = parse_int("--page-size", optarg, 1, 4096, &cfg.page_size); break;
+        case O_XTMO: bad = parse_int("--transfer-timeout-ms", optarg, 1, INT32_MAX, &tmo); cfg.transfer_timeout_ms = tmo; break;
+        case O_AUX: cfg.aux_transfer = optarg; break;
+        case O_LOG: {
+            int lvl = pd_log_level_parse(optarg);
+            if (lvl < 0) {
+                fprintf(stderr, PROG ": --log-level: unknown level '%s'\n", optarg);
+                return 2;
+            }
+            pd_log_set_level((pd_log_level)lvl);
+            break;
+        }
+        case O_HELP: usage(stdout); return 0;
+        default:
+            fprintf(stderr, PROG ": unknown or incomplete flag '%s'\n", argv[optind - 1]);
+            usage(stderr);
+            return 2;
+        }
+        if (bad)
+            return 2;
+    }
+    if (optind < argc) {
+        fprintf(stderr, PROG ": unexpected argument '%s'\n", argv[optind]);
+        return 2;
+    }
+    if (cfg.model_dir == NULL || listen == NULL) {
+        fprintf(stderr, PROG ": --model DIR and --listen HOST:PORT are required\n");
+        return 2;
+    }
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &set, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    pd_err err = {0};
+    prefill_server *ps = NULL;
+    pd_rpc_server *rpc = NULL;
+    if (prefill_server_create(&cfg, &ps, &err) != PD_OK) {
+        fprintf(stderr, PROG ": %s\n", err.msg);
+        return 1;
+    }
+    if (prefill_server_listen(ps, listen, &rpc, &err) != PD_OK) {
+        fprintf(stderr, PROG ": --listen %s: %s\n", listen, err.msg);
+        prefill_server_destroy(ps);
+        return 1;
+    }
+    char host[128];
+    snprintf(host, sizeof(host), "%s", listen);
+    char *colon = strrchr(host, ':');
+    if (colon != NULL)
+        *colon = '\0';
+    printf("listening grpc %s:%d\n", host, pd_rpc_server_port(rpc));
+    fflush(stdout);
+    int sig = 0;
+    sigwait(&set, &sig);
+    PD_LOG_INFO("prefill", "signal %d: stopping", sig);
+    pd_rpc_server_destroy(rpc);
+    prefill_server_destroy(ps);
+    return 0;
+}

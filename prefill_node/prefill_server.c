@@ -1,0 +1,945 @@
+/* prefill_server.c - the prefill node's service and engine thread (prefill_server.h).
+ * Owns: request validation (the destination descriptor against our own KV layout), the job
+ *   table (queued -> forward -> transfer -> answered), batching of queued prompts into engine
+ *   steps, the KV + aux puts, deadlines, CancelPrefill, Health, and the decode-node peer cache.
+ * Not here: the forward (common/pd_engine.c, CP inside it), the wire contract (proto/).
+ * Threading: handlers on pd_rpc's poller thread (validation only, then pd_loop_post); the rest
+ *   on the engine thread. A job is reference counted: the engine thread and the call's on-done
+ *   callback each hold one. */
+#include "prefill_server.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "pd_engine.h"
+#include "pd_log.h"
+#include "pd_loop.h"
+#include "pd_proto_version.h"
+#include "pd_xfer.h"
+#include "pdspark.pb-c.h"
+
+#define TICK_MS 20
+
+typedef enum { J_QUEUED = 0, J_FORWARD, J_XFER, J_DONE } job_state;
+
+typedef struct peer_ent {
+    void *addr;
+    size_t len;
+    pd_xfer_peer *peer;
+    int users;
+    struct peer_ent *next;
+} peer_ent;
+
+typedef struct job {
+    atomic_int refs;
+    atomic_int client_gone;
+    struct prefill_server *ps;
+    pd_rpc_call *call;
+    char id[128];
+    int32_t *ids;
+    int n;
+    pd_gen_params gp;
+    /* destination */
+    void *waddr;
+    size_t waddr_len;
+    uint32_t *pages;
+    int n_pages;
+    void *kv_rkey, *aux_rkey;
+    size_t kv_rkey_len, aux_rkey_len;
+    uint64_t kv_base, kv_len, aux_base, aux_len, aux_off;
+    uint64_t remote_pool_pages;
+    int want_aux;
+    double t_recv, t_fwd, t_xfer, deadline;
+    /* engine thread */
+    job_state state;
+    pd_request *r;
+    peer_ent *pe;
+    pd_xfer_rkey *rk_kv, *rk_aux;
+    pd_xfer_op *op_kv, *op_aux;
+    int ops_left;
+    pd_status xfer_st;
+    char xfer_msg[600];
+    pd_status cancel_st;        /* why the transfer was cancelled (TIMEOUT, CANCELLED) */
+    uint64_t bytes;
+    struct job *prev, *next;
+} job;
+
+struct prefill_server {
+    prefill_config cfg;
+    char *model_dir, *draft_dir, *device, *cp_strategy;
+    kern_backend *be;
+    pd_qwen3_model *tm;
+    pd_dspark_model *dm;
+    pd_engine *eng;
+    pd_kv_layout lay;           /* our pool's layout */
+    size_t page_bytes;
+    int vocab, max_ctx, aux_dim, cp_n;
+    pd_loop *loop;
+    pthread_t thread;
+    int thread_started;
+    pd_loop_timer *step_timer, *tick_timer;
+    int step_armed;
+    pd_xfer *x;
+    pd_loop_watch *xw;
+    peer_ent *peers;
+    job *head, *tail;
+    int n_queued, n_forward, n_xfer;
+    int stopping;
+    double stop_deadline;
+    atomic_ullong next_eid;
+    pthread_mutex_t stats_mu;
+    int st_active, st_queued, st_free, st_total;
+};
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
+void prefill_config_default(prefill_config *cfg)
+{
+    memset(cfg, 0, sizeof(*cfg));
+    cfg->device = "cpu";
+    cfg->page_size = 16;
+    cfg->max_batch_tokens = 8192;
+    cfg->transfer_timeout_ms = 30000;
+    cfg->aux_transfer = "raw";
+}
+
+static void job_unref(job *j)
+{
+    if (atomic_fetch_sub(&j->refs, 1) != 1)
+        return;
+    free(j->ids);
+    free(j->waddr);
+    free(j->pages);
+    free(j->kv_rkey);
+    free(j->aux_rkey);
+    free(j);
+}
+
+static void update_stats(prefill_server *ps)
+{
+    pthread_mutex_lock(&ps->stats_mu);
+    ps->st_active = ps->n_forward + ps->n_xfer;
+    ps->st_queued = ps->n_queued;
+    ps->st_free = pd_engine_kv_free_pages(ps->eng);
+    ps->st_total = ps->lay.n_pages;
+    pthread_mutex_unlock(&ps->stats_mu);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Peers */
+
+static void peer_put(prefill_server *ps, peer_ent *pe)
+{
+    if (pe == NULL)
+        return;
+    pe->users--;
+    if (pe->users > 0 || !pd_xfer_peer_failed(pe->peer))
+        return;
+    for (peer_ent **pp = &ps->peers; *pp != NULL; pp = &(*pp)->next)
+        if (*pp == pe) {
+            *pp = pe->next;
+            break;
+        }
+    pd_xfer_peer_destroy(pe->peer);
+    free(pe->addr);
+    free(pe);
+}
+
+static pd_status peer_get(prefill_server *ps, const void *addr, size_t len, peer_ent **out,
+                          pd_err *err)
+{
+    for (peer_ent *pe = ps->peers; pe != NULL; pe = pe->next)
+        if (pe->len == len && memcmp(pe->addr, addr, len) == 0 && !pd_xfer_peer_failed(pe->peer)) {
+            pe->users++;
+            *out = pe;
+            return PD_OK;
+        }
+    peer_ent *pe = calloc(1, sizeof(*pe));
+    if (pe == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "peer");
+    pe->addr = malloc(len);
+    if (pe->addr == NULL) {
+        free(pe);
+        return pd_err_set(err, PD_ERR_NOMEM, "peer address");
+    }
+    memcpy(pe->addr, addr, len);
+    pe->len = len;
+    pd_status st = pd_xfer_peer_create(ps->x, addr, len, &pe->peer, err);
+    if (st != PD_OK) {
+        free(pe->addr);
+        free(pe);
+        return st;
+    }
+    pe->users = 1;
+    pe->next = ps->peers;
+    ps->peers = pe;
+    *out = pe;
+    return PD_OK;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Job end */
+
+static void kick(prefill_server *ps);
+
+static void list_remove(prefill_server *ps, job *j)
+{
+    if (j->prev != NULL)
+        j->prev->next = j->next;
+    else
+        ps->head = j->next;
+    if (j->next != NULL)
+        j->next->prev = j->prev;
+    else
+        ps->tail = j->prev;
+    j->prev = j->next = NULL;
+}
+
+/* Answer the call (reply on success, status otherwise), free engine/transfer state, drop the
+ * engine thread's reference. Only for jobs with no transfer running. */
+static void job_finish(prefill_server *ps, job *j, pd_status st, const char *msg)
+{
+    switch (j->state) {
+    case J_QUEUED: ps->n_queued--; break;
+    case J_FORWARD: ps->n_forward--; break;
+    case J_XFER: ps->n_xfer--; break;
+    default: break;
+    }
+    if (st == PD_OK) {
+        double now = now_ms();
+        Pdspark__PrefillTimings tm = PDSPARK__PREFILL_TIMINGS__INIT;
+        tm.version = PD_PROTO_VERSION;
+        tm.queue_us = (uint64_t)((j->t_fwd - j->t_recv) * 1e3);
+        tm.forward_us = (uint64_t)((j->t_xfer - j->t_fwd) * 1e3);
+        tm.transfer_us = (uint64_t)((now - j->t_xfer) * 1e3);
+        tm.total_us = (uint64_t)((now - j->t_recv) * 1e3);
+        tm.bytes_transferred = j->bytes;
+        Pdspark__PrefillReply rep = PDSPARK__PREFILL_REPLY__INIT;
+        rep.version = PD_PROTO_VERSION;
+        rep.request_id = j->id;
+        rep.first_token_id = (uint32_t)j->r->out[0];
+        rep.prompt_tokens = (uint32_t)j->n;
+        rep.cp_size = (uint32_t)ps->cp_n;
+        rep.timings = &tm;
+        PD_LOG_DEBUG("prefill", "%s: done, %d tokens, %llu bytes, forward %.1f ms, transfer %.1f ms",
+                     j->id, j->n, (unsigned long long)j->bytes, j->t_xfer - j->t_fwd, now - j->t_xfer);
+        pd_rpc_reply(j->call, &rep.base);
+    } else {
+        PD_LOG_DEBUG("prefill", "%s: ended %s: %s", j->id, pd_status_str(st), msg);
+        pd_rpc_finish(j->call, st, msg);
+    }
+    j->call = NULL;
+    if (j->r != NULL) {
+        pd_engine_release(ps->eng, j->r);
+        j->r = NULL;
+    }
+    pd_xfer_rkey_destroy(j->rk_kv);
+    pd_xfer_rkey_destroy(j->rk_aux);
+    j->rk_kv = j->rk_aux = NULL;
+    peer_put(ps, j->pe);
+    j->pe = NULL;
+    j->state = J_DONE;
+    list_remove(ps, j);
+    job_unref(j);
+    update_stats(ps);
+}
+
+/* Stop a job for st: queued/forward end now; a transfer is cancelled and ends in its done. */
+static void job_abort(prefill_server *ps, job *j, pd_status st, const char *msg)
+{
+    if (j->state == J_XFER) {
+        if (j->cancel_st == PD_OK) {
+            j->cancel_st = st;
+            snprintf(j->xfer_msg, sizeof(j->xfer_msg), "%s", msg);
+            if (j->op_kv != NULL)
+                pd_xfer_op_cancel(j->op_kv);
+            if (j->op_aux != NULL)
+                pd_xfer_op_cancel(j->op_aux);
+        }
+        return;
+    }
+    if (j->state == J_FORWARD && j->r != NULL)
+        pd_engine_cancel(ps->eng, j->r);
+    job_finish(ps, j, st, msg);
+}
+
+static void xfer_done(void *ud, pd_status st, const pd_err *err)
+{
+    job *j = ud;
+    prefill_server *ps = j->ps;
+    if (st != PD_OK && j->xfer_st == PD_OK) {
+        j->xfer_st = st;
+        if (j->cancel_st == PD_OK)
+            snprintf(j->xfer_msg, sizeof(j->xfer_msg), "%s", err != NULL ? err->msg : pd_status_str(st));
+    }
+    if (--j->ops_left > 0)
+        return;
+    j->op_kv = j->op_aux = NULL;
+    pd_status fst = j->xfer_st;
+    char msg[700];
+    if (j->cancel_st != PD_OK) {
+        fst = j->cancel_st;
+        snprintf(msg, sizeof(msg), "%s", j->xfer_msg);
+    } else if (fst != PD_OK) {
+        if (fst == PD_ERR_CANCELLED)
+            fst = PD_ERR_PEER;
+        snprintf(msg, sizeof(msg), "kv transfer to the decode node failed: %s", j->xfer_msg);
+        PD_LOG_WARN("prefill", "%s: %s", j->id, msg);
+    } else {
+        msg[0] = '\0';
+    }
+    job_finish(ps, j, fst, msg);
+    kick(ps);
+}
+
+static void start_transfer(prefill_server *ps, job *j)
+{
+    pd_err err = {0};
+    pd_status st;
+    j->t_xfer = now_ms();
+    ps->n_forward--;
+    ps->n_xfer++;
+    j->state = J_XFER;
+    if ((st = peer_get(ps, j->waddr, j->waddr_len, &j->pe, &err)) != PD_OK)
+        goto fail;
+    if ((st = pd_xfer_rkey_unpack(j->pe->peer, j->kv_rkey, j->kv_rkey_len, j->kv_base, j->kv_len,
+                                  &j->rk_kv, &err)) != PD_OK)
+        goto fail;
+    if (j->want_aux &&
+        (st = pd_xfer_rkey_unpack(j->pe->peer, j->aux_rkey, j->aux_rkey_len, j->aux_base,
+                                  j->aux_len, &j->rk_aux, &err)) != PD_OK)
+        goto fail;
+    size_t pb = ps->page_bytes;
+    const pd_kv_seq *src = &j->r->tkv;
+    PD_ASSERT(src->n_pages >= j->n_pages);
+    size_t max_spans = (size_t)ps->lay.n_layers * 2 * (size_t)j->n_pages;
+    pd_xfer_span *sp = malloc(max_spans * sizeof(*sp));
+    if (sp == NULL) {
+        st = pd_err_set(&err, PD_ERR_NOMEM, "spans");
+        goto fail;
+    }
+    size_t n = 0;
+    pd_kv_pool *pool = pd_engine_target_pool(ps->eng);
+    uint64_t rn = j->remote_pool_pages;
+    for (int l = 0; l < ps->lay.n_layers; l++) {
+        kern_kv_layer kv = pd_kv_pool_layer(pool, l);
+        for (int half = 0; half < 2; half++) {
+            const char *base = half == 0 ? (const char *)kv.k : (const char *)kv.v;
+            for (int p = 0; p < j->n_pages; p++) {
+                const char *s = base + (size_t)src->pages[p] * pb;
+                uint64_t ra = j->kv_base + ((uint64_t)(2 * l + half) * rn + j->pages[p]) * pb;
+                /* merge runs that are contiguous on both sides */
+                if (n > 0 && (const char *)sp[n - 1].src + sp[n - 1].len == s &&
+                    sp[n - 1].raddr + sp[n - 1].len == ra) {
+                    sp[n - 1].len += pb;
+                    continue;
+                }
+                sp[n++] = (pd_xfer_span){ .src = s, .raddr = ra, .len = pb };
+            }
+        }
+    }
+    j->bytes = (uint64_t)max_spans * pb;
+    j->ops_left = j->want_aux ? 2 : 1;
+    st = pd_xfer_put(j->rk_kv, NULL, sp, n, xfer_done, j, &j->op_kv, &err);
+    free(sp);
+    if (st != PD_OK)
+        goto fail;
+    if (j->want_aux) {
+        pd_xfer_span as = { .src = j->r->aux, .raddr = j->aux_base + j->aux_off,
+                            .len = (size_t)j->n * (size_t)ps->aux_dim * sizeof(float) };
+        j->bytes += as.len;
+        st = pd_xfer_put(j->rk_aux, NULL, &as, 1, xfer_done, j, &j->op_aux, &err);
+        if (st != PD_OK) {
+            /* the KV put runs: end through its done, as a failure */
+            j->ops_left = 1;
+            j->xfer_st = st;
+            snprintf(j->xfer_msg, sizeof(j->xfer_msg), "%s", err.msg);
+            pd_xfer_op_cancel(j->op_kv);
+        }
+    }
+    PD_LOG_TRACE("prefill", "%s: put %zu spans, %llu bytes", j->id, n, (unsigned long long)j->bytes);
+    return;
+fail:
+    PD_LOG_WARN("prefill", "%s: transfer: %s", j->id, err.msg);
+    {
+        char msg[600];
+        snprintf(msg, sizeof(msg), "kv transfer to the decode node: %s", err.msg);
+        job_finish(ps, j, st == PD_ERR_INVALID || st == PD_ERR_NOMEM ? st : PD_ERR_PEER, msg);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Engine loop */
+
+static void admit(prefill_server *ps)
+{
+    int budget = ps->cfg.max_batch_tokens;
+    for (job *j = ps->head; j != NULL; j = j->next)
+        if (j->state == J_FORWARD)
+            budget -= j->n;
+    for (job *j = ps->head, *next; j != NULL; j = next) {
+        next = j->next;
+        if (j->state != J_QUEUED)
+            continue;
+        if (j->n > budget && ps->n_forward > 0)
+            break;
+        pd_err err = {0};
+        uint64_t eid = atomic_fetch_add(&ps->next_eid, 1);
+        pd_status st = pd_engine_add(ps->eng, eid, j->ids, j->n, &j->gp, &j->r, &err);
+        if (st == PD_ERR_BUSY)
+            break;
+        if (st != PD_OK) {
+            job_finish(ps, j, st, err.msg);
+            continue;
+        }
+        j->state = J_FORWARD;
+        j->t_fwd = now_ms();
+        ps->n_queued--;
+        ps->n_forward++;
+        budget -= j->n;
+    }
+    update_stats(ps);
+}
+
+static void step_cb(void *arg)
+{
+    prefill_server *ps = arg;
+    ps->step_armed = 0;
+    admit(ps);
+    if (ps->n_forward == 0)
+        return;
+    pd_err err = {0};
+    pd_status st = pd_engine_step(ps->eng, &err);
+    for (job *j = ps->head, *next; j != NULL; j = next) {
+        next = j->next;
+        if (j->state != J_FORWARD)
+            continue;
+        if (st != PD_OK) {
+            job_abort(ps, j, st == PD_ERR_INVALID ? PD_ERR_INTERNAL : st, err.msg);
+            continue;
+        }
+        pd_request *r = j->r;
+        if (r->finish == PD_FINISH_NONE)
+            continue;
+        if (r->finish == PD_FINISH_ERROR || r->n_out < 1) {
+            char msg[600];
+            snprintf(msg, sizeof(msg), "prefill failed: %s", r->error);
+            job_finish(ps, j, PD_ERR_INTERNAL, msg);
+            continue;
+        }
+        start_transfer(ps, j);
+    }
+    update_stats(ps);
+    kick(ps);
+}
+
+static void kick(prefill_server *ps)
+{
+    if (ps->step_armed)
+        return;
+    if (ps->n_forward > 0 || ps->n_queued > 0) {
+        ps->step_armed = 1;
+        pd_loop_timer_start(ps->step_timer, ps->n_forward > 0 ? 0 : TICK_MS, false);
+    }
+}
+
+static void check_jobs(prefill_server *ps)
+{
+    double now = now_ms();
+    for (job *j = ps->head, *next; j != NULL; j = next) {
+        next = j->next;
+        if (ps->stopping)
+            job_abort(ps, j, PD_ERR_CANCELLED, "prefill node shutting down");
+        else if (atomic_load(&j->client_gone))
+            job_abort(ps, j, PD_ERR_CANCELLED, "cancelled by the decode node");
+        else if (j->deadline > 0 && now >= j->deadline)
+            job_abort(ps, j, PD_ERR_TIMEOUT, "prefill deadline exceeded");
+    }
+}
+
+static void tick_cb(void *arg)
+{
+    prefill_server *ps = arg;
+    pd_xfer_progress(ps->x);
+    check_jobs(ps);
+    if (ps->stopping && (ps->head == NULL || now_ms() > ps->stop_deadline))
+        pd_loop_stop(ps->loop);
+    kick(ps);
+}
+
+static void xfer_cb(int fd, void *arg)
+{
+    (void)fd;
+    prefill_server *ps = arg;
+    pd_xfer_progress(ps->x);
+}
+
+static void submit_cb(void *arg)
+{
+    job *j = arg;
+    prefill_server *ps = j->ps;
+    j->prev = ps->tail;
+    if (ps->tail != NULL)
+        ps->tail->next = j;
+    else
+        ps->head = j;
+    ps->tail = j;
+    j->state = J_QUEUED;
+    ps->n_queued++;
+    if (ps->stopping) {
+        job_finish(ps, j, PD_ERR_CANCELLED, "prefill node shutting down");
+        return;
+    }
+    admit(ps);
+    kick(ps);
+}
+
+typedef struct {
+    prefill_server *ps;
+    pd_rpc_call *call;
+    char id[128];
+} cancel_msg;
+
+static void cancel_cb(void *arg)
+{
+    cancel_msg *m = arg;
+    prefill_server *ps = m->ps;
+    job *j = ps->head;
+    while (j != NULL && strcmp(j->id, m->id) != 0)
+        j = j->next;
+    if (j == NULL) {
+        char msg[200];
+        snprintf(msg, sizeof(msg), "no prefill request with id '%s'", m->id);
+        pd_rpc_finish(m->call, PD_ERR_NOT_FOUND, msg);
+    } else {
+        Pdspark__CancelPrefillReply rep = PDSPARK__CANCEL_PREFILL_REPLY__INIT;
+        rep.version = PD_PROTO_VERSION;
+        rep.was_running = j->state != J_QUEUED;
+        PD_LOG_DEBUG("prefill", "%s: cancel (%s)", j->id, rep.was_running ? "running" : "queued");
+        job_abort(ps, j, PD_ERR_CANCELLED, "cancelled by the decode node");
+        pd_rpc_reply(m->call, &rep.base);
+        kick(ps);
+    }
+    free(m);
+}
+
+static void shutdown_cb(void *arg)
+{
+    prefill_server *ps = arg;
+    ps->stopping = 1;
+    ps->stop_deadline = now_ms() + (double)ps->cfg.transfer_timeout_ms + 1000.0;
+    tick_cb(ps);
+}
+
+static void *engine_thread(void *arg)
+{
+    prefill_server *ps = arg;
+    pd_err err;
+    if (pd_loop_run(ps->loop, &err) != PD_OK)
+        PD_LOG_ERROR("prefill", "engine loop: %s", err.msg);
+    return NULL;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Handlers (poller thread) */
+
+static pd_status check_version(const ProtobufCMessage *m, const char *what, pd_err *err)
+{
+    if (m == NULL)
+        return pd_err_set(err, PD_ERR_INVALID, "%s missing", what);
+    return pd_proto_version_check(m, err);
+}
+
+static int dtype_from_proto(Pdspark__KvDtype d)
+{
+    switch (d) {
+    case PDSPARK__KV_DTYPE__KV_DTYPE_F32: return KERN_DTYPE_F32;
+    case PDSPARK__KV_DTYPE__KV_DTYPE_BF16: return KERN_DTYPE_BF16;
+    case PDSPARK__KV_DTYPE__KV_DTYPE_F16: return KERN_DTYPE_F16;
+    default: return -1;
+    }
+}
+
+static const char *dtype_name(int d)
+{
+    switch (d) {
+    case KERN_DTYPE_F32: return "f32";
+    case KERN_DTYPE_BF16: return "bf16";
+    case KERN_DTYPE_F16: return "f16";
+    default: return "unspecified";
+    }
+}
+
+/* Everything a peer could get wrong, checked before the job exists. */
+static pd_status validate(prefill_server *ps, const Pdspark__PrefillRequest *rq, pd_err *err)
+{
+    pd_status st;
+    if (rq->request_id == NULL || rq->request_id[0] == '\0' || strlen(rq->request_id) >= 128)
+        return pd_err_set(err, PD_ERR_INVALID, "request_id must be 1..127 bytes");
+    if (rq->n_token_ids == 0)
+        return pd_err_set(err, PD_ERR_INVALID, "empty prompt");
+    if (rq->n_token_ids >= (size_t)ps->max_ctx)
+        return pd_err_set(err, PD_ERR_INVALID, "prompt of %zu tokens leaves no room in the context of %d tokens",
+                          rq->n_token_ids, ps->max_ctx);
+    for (size_t i = 0; i < rq->n_token_ids; i++)
+        if (rq->token_ids[i] >= (uint32_t)ps->vocab)
+            return pd_err_set(err, PD_ERR_INVALID, "prompt token %u (index %zu) is outside the vocabulary (0..%d)",
+                              rq->token_ids[i], i, ps->vocab - 1);
+    if (rq->sampling != NULL && (st = check_version(&rq->sampling->base, "sampling", err)) != PD_OK)
+        return st;
+    const Pdspark__Destination *d = rq->dest;
+    if ((st = check_version(d != NULL ? &d->base : NULL, "dest", err)) != PD_OK)
+        return st;
+    if ((st = check_version(d->page_layout != NULL ? &d->page_layout->base : NULL, "dest.page_layout", err)) != PD_OK ||
+        (st = check_version(d->kv_pool != NULL ? &d->kv_pool->base : NULL, "dest.kv_pool", err)) != PD_OK ||
+        (st = check_version(d->aux_layout != NULL ? &d->aux_layout->base : NULL, "dest.aux_layout", err)) != PD_OK)
+        return st;
+    const Pdspark__PageLayout *pl = d->page_layout;
+    int dt = dtype_from_proto(pl->dtype);
+    if (pl->page_size != (uint32_t)ps->lay.page_size)
+        return pd_err_set(err, PD_ERR_INVALID, "kv layout mismatch: page size %u, this prefill node uses %d",
+                          pl->page_size, ps->lay.page_size);
+    if (dt != (int)ps->lay.dtype)
+        return pd_err_set(err, PD_ERR_INVALID, "kv layout mismatch: dtype %s, this prefill node uses %s",
+                          dtype_name(dt), dtype_name((int)ps->lay.dtype));
+    if (pl->n_layers != (uint32_t)ps->lay.n_layers)
+        return pd_err_set(err, PD_ERR_INVALID, "kv layout mismatch: layer count %u, this prefill node has %d",
+                          pl->n_layers, ps->lay.n_layers);
+    if (pl->n_kv_heads != (uint32_t)ps->lay.n_kv_heads)
+        return pd_err_set(err, PD_ERR_INVALID, "kv layout mismatch: kv heads %u, this prefill node has %d",
+                          pl->n_kv_heads, ps->lay.n_kv_heads);
+    if (pl->head_dim != (uint32_t)ps->lay.head_dim)
+        return pd_err_set(err, PD_ERR_INVALID, "kv layout mismatch: head dim %u, this prefill node has %d",
+                          pl->head_dim, ps->lay.head_dim);
+    if (pl->bytes_per_page != ps->page_bytes)
+        return pd_err_set(err, PD_ERR_INVALID, "kv layout mismatch: bytes per page %llu, this prefill node has %zu",
+                          (unsigned long long)pl->bytes_per_page, ps->page_bytes);
+    if (d->worker_address.len == 0)
+        return pd_err_set(err, PD_ERR_INVALID, "dest.worker_address is empty");
+    if (d->kv_pool->rkey.len == 0)
+        return pd_err_set(err, PD_ERR_INVALID, "dest.kv_pool.rkey is empty");
+    uint64_t per_page_all = 2ull * (uint64_t)ps->lay.n_layers * ps->page_bytes;
+    uint64_t len = d->kv_pool->length;
+    if (len == 0 || len % per_page_all != 0)
+        return pd_err_set(err, PD_ERR_INVALID, "dest.kv_pool.length %llu is not a whole number of pages "
+                          "(%llu bytes per page over all layers)", (unsigned long long)len,
+                          (unsigned long long)per_page_all);
+    uint64_t rpages = len / per_page_all;
+    size_t need = (rq->n_token_ids + (size_t)ps->lay.page_size - 1) / (size_t)ps->lay.page_size;
+    if (d->n_page_ids != need)
+        return pd_err_set(err, PD_ERR_INVALID, "dest.page_ids has %zu pages, a prompt of %zu tokens needs %zu",
+                          d->n_page_ids, rq->n_token_ids, need);
+    for (size_t i = 0; i < d->n_page_ids; i++)
+        if (d->page_ids[i] >= rpages)
+            return pd_err_set(err, PD_ERR_INVALID, "dest.page_ids[%zu] = %u outside the pool of %llu pages",
+                              i, d->page_ids[i], (unsigned long long)rpages);
+    const Pdspark__AuxLayout *al = d->aux_layout;
+    if (al->mode == PDSPARK__AUX_MODE__AUX_MODE_CTX || al->mode == PDSPARK__AUX_MODE__AUX_MODE_DRAFT_KV)
+        return pd_err_set(err, PD_ERR_UNSUPPORTED, "aux mode %s is not implemented (use raw)",
+                          al->mode == PDSPARK__AUX_MODE__AUX_MODE_CTX ? "ctx" : "draft-kv");
+    if (al->mode == PDSPARK__AUX_MODE__AUX_MODE_RAW) {
+        if (ps->dm == NULL)
+            return pd_err_set(err, PD_ERR_INVALID, "aux mode raw needs a draft on the prefill node (--draft)");
+        if ((st = check_version(d->aux != NULL ? &d->aux->base : NULL, "dest.aux", err)) != PD_OK)
+            return st;
+        uint64_t row = (uint64_t)ps->aux_dim * sizeof(float);
+        if (al->row_bytes != row)
+            return pd_err_set(err, PD_ERR_INVALID, "aux layout mismatch: row bytes %llu, this prefill node has %llu "
+                              "(draft taps x hidden)", (unsigned long long)al->row_bytes, (unsigned long long)row);
+        if (al->rows < rq->n_token_ids)
+            return pd_err_set(err, PD_ERR_INVALID, "dest.aux_layout.rows %u < %zu prompt tokens", al->rows,
+                              rq->n_token_ids);
+        if (d->aux->rkey.len == 0)
+            return pd_err_set(err, PD_ERR_INVALID, "dest.aux.rkey is empty");
+        uint64_t bytes = row * rq->n_token_ids;
+        if (d->aux_offset > d->aux->length || bytes > d->aux->length - d->aux_offset)
+            return pd_err_set(err, PD_ERR_INVALID, "aux rows [%llu, +%llu) outside the aux region of %llu bytes",
+                              (unsigned long long)d->aux_offset, (unsigned long long)bytes,
+                              (unsigned long long)d->aux->length);
+    } else if (al->mode != PDSPARK__AUX_MODE__AUX_MODE_NONE) {
+        return pd_err_set(err, PD_ERR_INVALID, "aux mode %d unknown", (int)al->mode);
+    }
+    if (rq->sampling != NULL) {
+        pd_sample_params sp = { .temperature = rq->sampling->temperature,
+                                .top_k = (int)(rq->sampling->top_k > (uint32_t)ps->vocab ? -1 : (int)rq->sampling->top_k),
+                                .top_p = rq->sampling->top_p > 0.0f ? rq->sampling->top_p : 1.0f };
+        if ((st = pd_sample_params_check(&sp, err)) != PD_OK)
+            return st;
+    }
+    return PD_OK;
+}
+
+static void prefill_rpc_done(void *arg, pd_rpc_call *call, bool cancelled)
+{
+    (void)call;
+    job *j = arg;
+    if (cancelled)
+        atomic_store(&j->client_gone, 1);
+    job_unref(j);
+}
+
+static void *dup_bytes(const ProtobufCBinaryData *b)
+{
+    void *p = malloc(b->len > 0 ? b->len : 1);
+    if (p != NULL && b->len > 0)
+        memcpy(p, b->data, b->len);
+    return p;
+}
+
+static pd_status handle_prefill(void *ud, const ProtobufCMessage *msg, pd_rpc_call *call)
+{
+    prefill_server *ps = ud;
+    const Pdspark__PrefillRequest *rq = (const Pdspark__PrefillRequest *)msg;
+    pd_err err = {0};
+    pd_status st = validate(ps, rq, &err);
+    if (st != PD_OK) {
+        PD_LOG_DEBUG("prefill", "refused: %s", err.msg);
+        pd_rpc_finish(call, st, err.msg);
+        return PD_OK;
+    }
+    job *j = calloc(1, sizeof(*j));
+    if (j == NULL)
+        return PD_ERR_NOMEM;
+    atomic_init(&j->refs, 2);
+    atomic_init(&j->client_gone, 0);
+    j->ps = ps;
+    j->call = call;
+    snprintf(j->id, sizeof(j->id), "%s", rq->request_id);
+    j->n = (int)rq->n_token_ids;
+    j->ids = malloc((size_t)j->n * sizeof(int32_t));
+    const Pdspark__Destination *d = rq->dest;
+    j->waddr = dup_bytes(&d->worker_address);
+    j->waddr_len = d->worker_address.len;
+    j->n_pages = (int)d->n_page_ids;
+    j->pages = malloc((size_t)j->n_pages * sizeof(uint32_t));
+    j->kv_rkey = dup_bytes(&d->kv_pool->rkey);
+    j->kv_rkey_len = d->kv_pool->rkey.len;
+    j->kv_base = d->kv_pool->base_addr;
+    j->kv_len = d->kv_pool->length;
+    j->remote_pool_pages = d->kv_pool->length / (2ull * (uint64_t)ps->lay.n_layers * ps->page_bytes);
+    j->want_aux = d->aux_layout->mode == PDSPARK__AUX_MODE__AUX_MODE_RAW;
+    if (j->want_aux) {
+        j->aux_rkey = dup_bytes(&d->aux->rkey);
+        j->aux_rkey_len = d->aux->rkey.len;
+        j->aux_base = d->aux->base_addr;
+        j->aux_len = d->aux->length;
+        j->aux_off = d->aux_offset;
+    }
+    if (j->ids == NULL || j->waddr == NULL || j->pages == NULL || j->kv_rkey == NULL ||
+        (j->want_aux && j->aux_rkey == NULL)) {
+        atomic_store(&j->refs, 1);
+        job_unref(j);
+        return PD_ERR_NOMEM;
+    }
+    for (int i = 0; i < j->n; i++)
+        j->ids[i] = (int32_t)rq->token_ids[i];
+    memcpy(j->pages, d->page_ids, (size_t)j->n_pages * sizeof(uint32_t));
+    j->gp.max_new_tokens = 1;
+    j->gp.capture_aux = 1;
+    j->gp.hold_kv = 1;
+    j->gp.ignore_eos = 1;
+    j->gp.sample.top_p = 1.0f;
+    if (rq->sampling != NULL) {
+        j->gp.sample.temperature = rq->sampling->temperature;
+        j->gp.sample.top_p = rq->sampling->top_p > 0.0f ? rq->sampling->top_p : 1.0f;
+        j->gp.sample.top_k = (int)rq->sampling->top_k;
+        j->gp.sample.seed = rq->sampling->seed;
+    }
+    j->t_recv = now_ms();
+    int64_t tmo = (int64_t)(rq->timeout_ms > (uint64_t)INT32_MAX ? INT32_MAX : rq->timeout_ms);
+    int64_t left = pd_rpc_call_deadline_ms(call);
+    if (left != INT64_MAX && (tmo == 0 || left < tmo))
+        tmo = left > 0 ? left : 1;
+    j->deadline = tmo > 0 ? j->t_recv + (double)tmo : 0.0;
+    pd_rpc_call_on_done(call, prefill_rpc_done, j);
+    if (pd_loop_post(ps->loop, submit_cb, j) != PD_OK) {
+        pd_rpc_finish(call, PD_ERR_CANCELLED, "prefill node shutting down");
+        job_unref(j);
+    }
+    return PD_OK;
+}
+
+static pd_status handle_cancel(void *ud, const ProtobufCMessage *msg, pd_rpc_call *call)
+{
+    prefill_server *ps = ud;
+    const Pdspark__CancelPrefillRequest *rq = (const Pdspark__CancelPrefillRequest *)msg;
+    cancel_msg *m = calloc(1, sizeof(*m));
+    if (m == NULL)
+        return PD_ERR_NOMEM;
+    m->ps = ps;
+    m->call = call;
+    snprintf(m->id, sizeof(m->id), "%s", rq->request_id != NULL ? rq->request_id : "");
+    if (pd_loop_post(ps->loop, cancel_cb, m) != PD_OK) {
+        free(m);
+        pd_rpc_finish(call, PD_ERR_CANCELLED, "prefill node shutting down");
+    }
+    return PD_OK;
+}
+
+static pd_status handle_health(void *ud, const ProtobufCMessage *msg, pd_rpc_call *call)
+{
+    (void)msg;
+    prefill_server *ps = ud;
+    Pdspark__HealthReply r = PDSPARK__HEALTH_REPLY__INIT;
+    r.version = PD_PROTO_VERSION;
+    r.status = PDSPARK__HEALTH_REPLY__SERVING_STATUS__SERVING_STATUS_SERVING;
+    char node[96];
+    snprintf(node, sizeof(node), "prefill %s cp %d", ps->device, ps->cp_n);
+    r.node = node;
+    r.message = "";
+    pthread_mutex_lock(&ps->stats_mu);
+    r.active_requests = (uint32_t)ps->st_active;
+    r.queued_requests = (uint32_t)ps->st_queued;
+    r.free_kv_pages = (uint32_t)ps->st_free;
+    r.total_kv_pages = (uint32_t)ps->st_total;
+    pthread_mutex_unlock(&ps->stats_mu);
+    pd_rpc_reply(call, &r.base);
+    return PD_OK;
+}
+
+static const pd_rpc_method methods[] = {
+    { "/pdspark.Prefill/Prefill", PD_RPC_UNARY, &pdspark__prefill_request__descriptor, handle_prefill },
+    { "/pdspark.Prefill/CancelPrefill", PD_RPC_UNARY, &pdspark__cancel_prefill_request__descriptor,
+      handle_cancel },
+    { "/pdspark.Prefill/Health", PD_RPC_UNARY, &pdspark__health_request__descriptor, handle_health },
+};
+
+pd_status prefill_server_listen(prefill_server *ps, const char *addr, pd_rpc_server **out, pd_err *err)
+{
+    return pd_rpc_server_create(addr, methods, sizeof(methods) / sizeof(methods[0]), ps, out, err);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Create / destroy */
+
+pd_status prefill_server_create(const prefill_config *cfg, prefill_server **out, pd_err *err)
+{
+    if (cfg->model_dir == NULL)
+        return pd_err_set(err, PD_ERR_INVALID, "prefill server: --model is required");
+    const char *aux = cfg->aux_transfer != NULL ? cfg->aux_transfer : "raw";
+    if (strcmp(aux, "ctx") == 0 || strcmp(aux, "draft-kv") == 0)
+        return pd_err_set(err, PD_ERR_UNSUPPORTED, "--aux-transfer %s is not implemented (use raw)", aux);
+    if (strcmp(aux, "raw") != 0)
+        return pd_err_set(err, PD_ERR_INVALID, "--aux-transfer '%s': expected raw, ctx or draft-kv", aux);
+    prefill_server *ps = calloc(1, sizeof(*ps));
+    if (ps == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "prefill server");
+    pd_status st;
+    ps->cfg = *cfg;
+    pthread_mutex_init(&ps->stats_mu, NULL);
+    atomic_init(&ps->next_eid, 1);
+    ps->model_dir = strdup(cfg->model_dir);
+    ps->draft_dir = cfg->draft_dir != NULL ? strdup(cfg->draft_dir) : NULL;
+    ps->device = strdup(cfg->device != NULL ? cfg->device : "cpu");
+    ps->cp_strategy = cfg->cp_strategy != NULL ? strdup(cfg->cp_strategy) : NULL;
+    if (ps->cfg.max_batch_tokens <= 0)
+        ps->cfg.max_batch_tokens = 8192;
+    if (ps->cfg.transfer_timeout_ms <= 0)
+        ps->cfg.transfer_timeout_ms = 30000;
+    if (ps->model_dir == NULL || ps->device == NULL) {
+        st = pd_err_set(err, PD_ERR_NOMEM, "prefill config");
+        goto err_destroy;
+    }
+    kern_backend_config bc = { .name = ps->device };
+    if ((st = kern_backend_create(&bc, &ps->be, err)) != PD_OK)
+        goto err_destroy;
+    if (!ps->be->is_host) {
+        st = pd_err_set(err, PD_ERR_UNSUPPORTED, "--device %s: device KV pages need UCX device-memory "
+                        "support or host staging (not implemented); use --device cpu", ps->device);
+        goto err_destroy;
+    }
+    if ((st = pd_qwen3_load(ps->be, ps->model_dir, &ps->tm, err)) != PD_OK)
+        goto err_destroy;
+    if (ps->draft_dir != NULL && (st = pd_dspark_load(ps->be, ps->draft_dir, ps->tm, &ps->dm, err)) != PD_OK)
+        goto err_destroy;
+    pd_engine_config ec = { .target = ps->tm, .draft = ps->dm, .page_size = cfg->page_size,
+                            .n_pages = cfg->kv_pages, .max_prefill_tokens = ps->cfg.max_batch_tokens };
+    if (cfg->cp_size > 1) {
+        ec.cp_size = cfg->cp_size;
+        if (ps->cp_strategy != NULL && (st = pd_cp_strategy_parse(ps->cp_strategy, &ec.cp_strategy, err)) != PD_OK)
+            goto err_destroy;
+    }
+    if ((st = pd_engine_create(&ec, &ps->eng, err)) != PD_OK)
+        goto err_destroy;
+    ps->cp_n = cfg->cp_size > 1 ? cfg->cp_size : 1;
+    ps->lay = *pd_kv_pool_layout(pd_engine_target_pool(ps->eng));
+    ps->page_bytes = pd_kv_page_bytes(&ps->lay);
+    ps->vocab = ps->tm->cfg.vocab_size;
+    ps->max_ctx = ps->tm->cfg.max_position_embeddings;
+    ps->aux_dim = pd_engine_aux_dim(ps->eng);
+    if ((st = pd_loop_create(&ps->loop, err)) != PD_OK)
+        goto err_destroy;
+    if ((st = pd_loop_timer_create(ps->loop, step_cb, ps, &ps->step_timer, err)) != PD_OK ||
+        (st = pd_loop_timer_create(ps->loop, tick_cb, ps, &ps->tick_timer, err)) != PD_OK)
+        goto err_destroy;
+    pd_xfer_config xc;
+    pd_xfer_config_default(&xc);
+    xc.name = "prefill";
+    xc.timeout_ms = (uint32_t)ps->cfg.transfer_timeout_ms;
+    if ((st = pd_xfer_create(&xc, &ps->x, err)) != PD_OK)
+        goto err_destroy;
+    if ((st = pd_loop_watch_fd(ps->loop, pd_xfer_fd(ps->x), xfer_cb, ps, &ps->xw, err)) != PD_OK)
+        goto err_destroy;
+    pd_loop_timer_start(ps->tick_timer, TICK_MS, true);
+    update_stats(ps);
+    if (pthread_create(&ps->thread, NULL, engine_thread, ps) != 0) {
+        st = pd_err_set(err, PD_ERR_INTERNAL, "engine thread: cannot start");
+        goto err_destroy;
+    }
+    ps->thread_started = 1;
+    PD_LOG_INFO("prefill", "engine up: %s, cp %d, %d kv pages of %d tokens, aux %s (%d floats/row)",
+                ps->device, ps->cp_n, ps->lay.n_pages, ps->lay.page_size, ps->dm != NULL ? "raw" : "none",
+                ps->aux_dim);
+    *out = ps;
+    return PD_OK;
+err_destroy:
+    prefill_server_destroy(ps);
+    return st;
+}
+
+void prefill_server_destroy(prefill_server *ps)
+{
+    if (ps == NULL)
+        return;
+    if (ps->thread_started) {
+        if (pd_loop_post(ps->loop, shutdown_cb, ps) != PD_OK)
+            pd_loop_stop(ps->loop);
+        pthread_join(ps->thread, NULL);
+    }
+    /* jobs whose transfer outlived the bound: destroying the peers ends them (done runs) */
+    for (job *j = ps->head; j != NULL; j = j->next)
+        j->pe = NULL;
+    while (ps->peers != NULL) {
+        peer_ent *pe = ps->peers;
+        ps->peers = pe->next;
+        pd_xfer_peer_destroy(pe->peer);
+        free(pe->addr);
+        free(pe);
+    }
+    while (ps->head != NULL)
+        job_finish(ps, ps->head, PD_ERR_CANCELLED, "prefill node shutting down");
+    pd_loop_timer_destroy(ps->step_timer);
+    pd_loop_timer_destroy(ps->tick_timer);
+    pd_loop_watch_destroy(ps->xw);
+    pd_loop_destroy(ps->loop);
+    pd_xfer_destroy(ps->x);
+    pd_engine_destroy(ps->eng);
+    pd_dspark_free(ps->dm);
+    pd_qwen3_free(ps->tm);
+    kern_backend_destroy(ps->be);
+    pthread_mutex_destroy(&ps->stats_mu);
+    free(ps->model_dir);
+    free(ps->draft_dir);
+    free(ps->device);
+    free(ps->cp_strategy);
+    free(ps);
+}

@@ -1,0 +1,46 @@
+/* prefill_server.h - the prefill node: the Prefill service around a prefill engine.
+ * Owns: the pd_engine in prefill mode (capture_aux + hold_kv, one token per request), its
+ *   engine thread (pd_loop), the prompt queue and its batching, the UCX worker, the peers of
+ *   decode nodes, and the KV/aux export (every layer's K/V pages and the packed aux rows put into
+ *   the decode node's registered memory, bounded in flight, flushed before the reply).
+ * Not here: the engine math (common/), the decode side (decode_node/).
+ * Threading: create/destroy on the main thread. gRPC handlers run on pd_rpc's poller thread and
+ *   hand requests to the engine thread with pd_loop_post; everything else runs there. */
+#ifndef PREFILL_SERVER_H
+#define PREFILL_SERVER_H
+
+#include <stdint.h>
+
+#include "pd_rpc.h"
+#include "pd_status.h"
+
+typedef struct prefill_server prefill_server;
+
+typedef struct {
+    const char *model_dir;
+    const char *draft_dir;          /* needed for --aux-transfer raw (the aux taps) */
+    const char *device;             /* "cpu" (default) or "cuda" */
+    int cp_size;                    /* context-parallel ranks (0/1 = off) */
+    const char *cp_strategy;        /* NULL = engine default */
+    int kv_pages;                   /* 0 = engine default */
+    int page_size;                  /* 0 = 16 (must match the decode nodes) */
+    int max_batch_tokens;           /* prompt tokens per batch / forward (0 = 8192) */
+    int64_t transfer_timeout_ms;    /* bound on one KV+aux transfer (0 = 30000) */
+    const char *aux_transfer;       /* "raw" (default); "ctx", "draft-kv": not implemented */
+} prefill_config;
+
+void prefill_config_default(prefill_config *cfg);
+
+/* Load the models, create the engine, the UCX worker and the engine thread.
+ * Errors: loading errors, PD_ERR_UNSUPPORTED (aux mode not implemented, device memory without
+ * UCX support), PD_ERR_NOMEM, PD_ERR_INTERNAL. */
+pd_status prefill_server_create(const prefill_config *cfg, prefill_server **out, pd_err *err);
+/* Serve pdspark.Prefill (Prefill, CancelPrefill, Health) on addr; *out belongs to the caller
+ * (pd_rpc_server_destroy it before prefill_server_destroy). */
+pd_status prefill_server_listen(prefill_server *ps, const char *addr, pd_rpc_server **out,
+                                pd_err *err);
+/* Ends every request (CANCELLED; transfers cancelled and waited for), stops the engine thread,
+ * frees. NULL is a no-op. */
+void prefill_server_destroy(prefill_server *ps);
+
+#endif
