@@ -292,6 +292,72 @@ out:
     return st;
 }
 
+/* Skinny products (decode, verify, draft rows) take the backend's m <= 8 path: compares it with
+ * a double-precision host product on fresh random inputs (x rounded to bf16 as the backend does),
+ * accumulate included, before anything is timed. */
+static pd_status check_skinny_matmul(bench *b, pd_err *err)
+{
+    const int n = 1000, k = 2560, ms[] = { 1, 3, 7, 8 };
+    uint16_t *wh = malloc((size_t)n * k * 2);
+    float *xh = malloc((size_t)8 * k * 4), *yh = malloc((size_t)8 * n * 4), *y0 = malloc((size_t)8 * n * 4);
+    kern_buf *w = NULL, *x = NULL, *y = NULL;
+    pd_status st = PD_OK;
+    if (!wh || !xh || !yh || !y0) {
+        st = pd_err_set(err, PD_ERR_NOMEM, "matmul check");
+        goto out;
+    }
+    for (size_t i = 0; i < (size_t)n * k; i++) {
+        uint16_t r = (uint16_t)rng_next();
+        wh[i] = (uint16_t)(((r & 1u) << 15) | ((uint16_t)(121 + ((r >> 8) & 1u)) << 7) | ((r >> 1) & 0x7Fu));
+    }
+    for (int i = 0; i < 8 * k; i++)
+        xh[i] = (float)((rng_next() >> 40) / 16777216.0 * 2.0 - 1.0);
+    for (int i = 0; i < 8 * n; i++)
+        y0[i] = (float)((rng_next() >> 40) / 16777216.0 - 0.5);
+    if ((st = kern_buf_alloc(b->be, (size_t)n * k * 2, &w, err)) != PD_OK ||
+        (st = kern_buf_alloc(b->be, (size_t)8 * k * 4, &x, err)) != PD_OK ||
+        (st = kern_buf_alloc(b->be, (size_t)8 * n * 4, &y, err)) != PD_OK ||
+        (st = kern_upload(b->be, w->ptr, wh, (size_t)n * k * 2, err)) != PD_OK ||
+        (st = kern_upload(b->be, x->ptr, xh, (size_t)8 * k * 4, err)) != PD_OK)
+        goto out;
+    for (int c = 0; c < 8; c++) {
+        int m = ms[c % 4], acc = c >= 4;
+        if ((st = kern_upload(b->be, y->ptr, y0, (size_t)8 * n * 4, err)) != PD_OK)
+            goto out;
+        kern_matmul_args mm = { .x = x->ptr, .ld_x = k, .w = { w->ptr, KERN_DTYPE_BF16, n, k },
+                                .y = y->ptr, .ld_y = n, .m = m, .n = n, .k = k, .accumulate = acc };
+        if ((st = kern_matmul(b->be, &mm, err)) != PD_OK ||
+            (st = kern_download(b->be, yh, y->ptr, (size_t)8 * n * 4, err)) != PD_OK)
+            goto out;
+        double e2 = 0, r2 = 0;
+        for (int r = 0; r < m; r++)
+            for (int j = 0; j < n; j++) {
+                double ref = acc ? y0[r * n + j] : 0;
+                for (int i = 0; i < k; i++)
+                    ref += (double)kern_bf16_to_f32(kern_f32_to_bf16(xh[r * k + i])) *
+                           kern_bf16_to_f32(wh[(size_t)j * k + i]);
+                e2 += (yh[r * n + j] - ref) * (yh[r * n + j] - ref);
+                r2 += ref * ref;
+            }
+        int untouched = memcmp(yh + m * n, y0 + m * n, (size_t)(8 - m) * n * 4) != 0;
+        printf("matmul check m %d n %d k %d%s: rel_l2 %.2e%s\n", m, n, k, acc ? " acc" : "",
+               sqrt(e2 / r2), untouched ? ", ROWS PAST m WRITTEN" : "");
+        if (!(sqrt(e2 / r2) < 1e-4) || untouched) {
+            st = pd_err_set(err, PD_ERR_INTERNAL, "matmul check m %d failed", m);
+            goto out;
+        }
+    }
+out:
+    kern_buf_free(w);
+    kern_buf_free(x);
+    kern_buf_free(y);
+    free(wh);
+    free(xh);
+    free(yh);
+    free(y0);
+    return st;
+}
+
 /* ---- cost model -------------------------------------------------------------------------- */
 
 typedef struct {
@@ -1273,6 +1339,8 @@ int main(int argc, char **argv)
                kern_dtype_name(b.be->kv_dtype), (now_ms() - t0) / 1e3,
                dm ? ", DSpark drafter: 2-layer" : "");
     }
+    if (b.cuda && (st = check_skinny_matmul(&b, &err)) != PD_OK)
+        goto fail;
 #ifdef PD_HAVE_CUDA
     if (b.cuda)
         st = ceilings_cuda(&b, &err);

@@ -4,6 +4,10 @@
  *   tensor cores. F32 weights: cublasSgemm on x as is. Row-major y = x w^T is column-major
  *   y^T = w^T' x^T', i.e. GEMM(op_T, op_N, N, M, K) with w as A (lda = K) and x as B.
  *   accumulate maps to beta = 1; the bias is a separate broadcast add after the GEMM.
+ *   A single row (m = 1: a decode step of one request) with BF16 weights skips cuBLAS and the
+ *   pack launch: gemv_bf16_kernel, a warp per output column (x rounded to bf16 as for cuBLAS,
+ *   fp32 accumulation). On an H200 it took the synthetic Qwen3-4B batch-1 decode step from
+ *   5.34 to 4.74 ms (graph replay; docs/BENCHMARKS.md).
  * Not here: shape checks (kern_ops.c). Threading: enqueues on the backend stream. */
 #include "kern_cuda_internal.h"
 
@@ -37,6 +41,61 @@ __global__ void bias_add_kernel(float *y, int ld_y, const void *bias, kern_dtype
     }
 }
 
+#define GEMV_THREADS 256
+#define GEMV_DEPTH 4
+
+/* y[0, col] (+)= sum_k x[k] w[col, k]: one warp per column streams its weight row with 16-byte
+ * loads; x is read as fp32 (L1-resident, K <= 12288 floats) and rounded through bf16 exactly as
+ * pack_x_kernel does for cuBLAS. Needs k % 8 == 0 and 16-byte aligned w rows and x. */
+__global__ void __launch_bounds__(GEMV_THREADS)
+gemv_bf16_kernel(const float *__restrict__ x, int k, const __nv_bfloat16 *__restrict__ w,
+                 float *__restrict__ y, int n, int accumulate)
+{
+    int col = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) >> 5);
+    int lane = threadIdx.x & 31;
+    if (col >= n)
+        return;
+    const __nv_bfloat16 *wr = w + (size_t)col * k;
+    float acc = 0.0f;
+    /* GEMV_DEPTH 16-byte weight loads in flight per lane before any is used: small matrices
+     * (k/v projections: 128 blocks) leave too few warps per SM to hide HBM latency otherwise */
+    for (int k0 = lane * 8; k0 < k; k0 += GEMV_DEPTH * 256) {
+        uint4 u[GEMV_DEPTH];
+#pragma unroll
+        for (int j = 0; j < GEMV_DEPTH; j++) {
+            int kk = k0 + j * 256;
+            u[j] = kk < k ? __ldg((const uint4 *)(wr + kk)) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int j = 0; j < GEMV_DEPTH; j++) {
+            int kk = k0 + j * 256;
+            if (kk >= k)
+                break;
+            const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u[j];
+            float4 a = *(const float4 *)(x + kk), b = *(const float4 *)(x + kk + 4);
+            float xf[8] = { a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w };
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                float2 v = __bfloat1622float2(h[i]);
+                acc = fmaf(v.x, __bfloat162float(__float2bfloat16_rn(xf[2 * i])), acc);
+                acc = fmaf(v.y, __bfloat162float(__float2bfloat16_rn(xf[2 * i + 1])), acc);
+            }
+        }
+    }
+    acc = kern_cuda_warp_sum(acc);
+    if (lane == 0)
+        y[col] = accumulate ? y[col] + acc : acc;
+}
+
+/* m = 1 with BF16 weights (decode steps of one request, the Markov head of one request). m > 1
+ * stays on cuBLAS: a first version of this kernel for m <= 8 re-read x per column from L1/L2
+ * and ran 2x slower than cuBLAS there (BENCHMARKS.md). */
+static int gemv_fits(const kern_matmul_args *a)
+{
+    return a->m == 1 && a->w.dtype == KERN_DTYPE_BF16 && a->k % 8 == 0 &&
+           (uintptr_t)a->w.data % 16 == 0 && (uintptr_t)a->x % 16 == 0;
+}
+
 extern "C" pd_status kern_cuda_matmul_launch(kern_backend *be, const kern_matmul_args *a,
                                              pd_err *err)
 {
@@ -54,6 +113,11 @@ extern "C" pd_status kern_cuda_matmul_launch(kern_backend *be, const kern_matmul
                                   (const float *)a->w.data, a->k, a->x, a->ld_x, &beta, a->y,
                                   a->ld_y),
                       err);
+    } else if (gemv_fits(a)) {
+        unsigned blocks = (unsigned)(((size_t)a->n * 32 + GEMV_THREADS - 1) / GEMV_THREADS);
+        gemv_bf16_kernel<<<blocks, GEMV_THREADS, 0, c->stream>>>(
+            a->x, a->k, (const __nv_bfloat16 *)a->w.data, a->y, a->n, a->accumulate);
+        KERN_CUDA_LAUNCH_CHECK(err);
     } else if (a->w.dtype == KERN_DTYPE_BF16 || a->w.dtype == KERN_DTYPE_F16) {
         int bf = a->w.dtype == KERN_DTYPE_BF16;
         void *xb = NULL;
