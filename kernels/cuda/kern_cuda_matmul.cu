@@ -87,12 +87,13 @@ gemv_bf16_kernel(const float *__restrict__ x, int k, const __nv_bfloat16 *__rest
         y[col] = accumulate ? y[col] + acc : acc;
 }
 
-/* m = 1 with BF16 weights (decode steps of one request, the Markov head of one request). m > 1
- * stays on cuBLAS: a first version of this kernel for m <= 8 re-read x per column from L1/L2
- * and ran 2x slower than cuBLAS there (BENCHMARKS.md). */
+/* m = 1 with BF16 weights and k >= 256 (decode steps of one request). m > 1 stays on cuBLAS: a
+ * first version of this kernel for m <= 8 re-read x per column from L1/L2 and ran 2x slower
+ * than cuBLAS there; k < 256 leaves lanes idle (the Markov head's [vocab, 64] product ran
+ * slower than on cuBLAS) (docs/BENCHMARKS.md). */
 static int gemv_fits(const kern_matmul_args *a)
 {
-    return a->m == 1 && a->w.dtype == KERN_DTYPE_BF16 && a->k % 8 == 0 &&
+    return a->m == 1 && a->k >= 256 && a->w.dtype == KERN_DTYPE_BF16 && a->k % 8 == 0 &&
            (uintptr_t)a->w.data % 16 == 0 && (uintptr_t)a->x % 16 == 0;
 }
 
