@@ -383,8 +383,9 @@ static void end_request(decode_server *s, decode_handle *h, pd_status st, const 
     case H_RUNNING:
         if (h->r != NULL && h->r->finish == PD_FINISH_NONE)
             pd_engine_cancel(s->eng, h->r);
-        if (st != PD_OK)
-            h->state = H_GONE;   /* no tokens/stats in an error result */
+        if (st != PD_OK && st != PD_ERR_CANCELLED)
+            h->state = H_GONE;   /* no tokens/stats in an error result; a cancelled one keeps
+                                  * them (HTTP stop strings end generation by cancelling) */
         call_done(s, h, st, msg);
         h->state = H_RUNNING;
         s->n_running--;
