@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""test_e2e.py - both services as real processes on loopback (real gRPC, real UCX over tcp/shm).
+
+Runs the 32 public prompts (input_ids, max_new_tokens 128, greedy) through pdspark-client, 8 at a
+time, against (a) prefill_node (cp 2) + decode_node and (b) decode_node --colocated, and checks
+that tokens, text, rounds, accepted_per_round and tau equal pdspark-generate --prompt-ids.
+
+usage: test_e2e.py BIN_DIR MODELS_DIR FIXTURES_DIR [colocated|disagg|all]
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+BIN, MODELS, FIX = sys.argv[1], sys.argv[2], sys.argv[3]
+WHICH = sys.argv[4] if len(sys.argv) > 4 else "all"
+TARGET = os.path.join(MODELS, "tiny-code-qwen3")
+DRAFT = os.path.join(MODELS, "tiny-code-dspark")
+ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", UCX_TLS=os.environ.get("UCX_TLS", "tcp,shm,self"))
+MAX_NEW = 128
+CONCURRENCY = 8
+COMPARE = ("tokens", "text", "rounds", "accepted_per_round", "tau", "prompt_tokens",
+           "completion_tokens", "finish_reason")
+failures = []
+
+
+def check(cond, msg):
+    if not cond:
+        failures.append(msg)
+        print("FAIL:", msg, flush=True)
+
+
+def start(args, name, timeout=60):
+    """Start a node, return (proc, 'HOST:PORT') from its 'listening grpc' line."""
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=open(f"{TMP}/{name}.log", "w"),
+                         env=ENV, text=True)
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        line = p.stdout.readline()
+        if not line:
+            break
+        if line.startswith("listening grpc "):
+            return p, line.split()[2]
+    p.kill()
+    raise SystemExit(f"{name} did not start (see {TMP}/{name}.log)")
+
+
+def stop(p):
+    p.terminate()
+    try:
+        p.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        failures.append("node did not stop within 30 s of SIGTERM")
+
+
+def run_client(addr, ids_path):
+    r = subprocess.run([f"{BIN}/pdspark-client", "--server", addr, "--prompt-ids", ids_path,
+                        "--max-new-tokens", str(MAX_NEW), "--json", "--timeout-ms", "120000"],
+                       capture_output=True, text=True, env=ENV, timeout=180)
+    if r.returncode != 0:
+        return {"error": r.stderr.strip()}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def run_ref(ids_path):
+    r = subprocess.run([f"{BIN}/pdspark-generate", "--model", TARGET, "--draft", DRAFT,
+                        "--prompt-ids", ids_path, "--max-new-tokens", str(MAX_NEW), "--json"],
+                       capture_output=True, text=True, env=ENV, timeout=300)
+    if r.returncode != 0:
+        raise SystemExit("pdspark-generate failed: " + r.stderr)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def compare(mode, refs, outs):
+    same = 0
+    for i, (ref, out) in enumerate(zip(refs, outs)):
+        if "error" in out:
+            check(False, f"{mode}: prompt {i}: {out['error']}")
+            continue
+        bad = [k for k in COMPARE if out.get(k) != ref.get(k)]
+        check(not bad, f"{mode}: prompt {i}: differs from pdspark-generate in {bad}")
+        same += not bad
+    taus = [o.get("tau", 0) for o in outs if "error" not in o]
+    print(f"{mode}: {same}/{len(refs)} identical to pdspark-generate; mean tau "
+          f"{sum(taus) / max(1, len(taus)):.4f}", flush=True)
+
+
+def serve(mode, addr, paths, refs):
+    t0 = time.time()
+    with ThreadPoolExecutor(CONCURRENCY) as ex:
+        outs = list(ex.map(lambda p: run_client(addr, p), paths))
+    dt = time.time() - t0
+    toks = sum(o.get("completion_tokens", 0) for o in outs)
+    print(f"{mode}: {len(paths)} prompts, {CONCURRENCY} at a time: {dt:.1f} s, {toks / dt:.1f} tokens/s",
+          flush=True)
+    compare(mode, refs, outs)
+
+
+def main():
+    prompts = [json.loads(l) for l in open(os.path.join(FIX, "eval", "public_prompts.jsonl"))]
+    paths = []
+    for i, p in enumerate(prompts):
+        path = f"{TMP}/p{i:02d}.ids"
+        with open(path, "w") as f:
+            f.write(" ".join(map(str, p["input_ids"])))
+        paths.append(path)
+    t0 = time.time()
+    with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as ex:
+        refs = list(ex.map(run_ref, paths))
+    print(f"references: {len(refs)} prompts with pdspark-generate in {time.time() - t0:.1f} s", flush=True)
+
+    if WHICH in ("colocated", "all"):
+        dn, addr = start([f"{BIN}/decode_node", "--model", TARGET, "--draft", DRAFT, "--listen",
+                          "127.0.0.1:0", "--colocated"], "decode_colocated")
+        try:
+            serve("colocated", addr, paths, refs)
+        finally:
+            stop(dn)
+    if WHICH in ("disagg", "all"):
+        pn, paddr = start([f"{BIN}/prefill_node", "--model", TARGET, "--draft", DRAFT, "--listen",
+                           "127.0.0.1:0", "--cp-size", "2"], "prefill_cp2")
+        try:
+            dn, addr = start([f"{BIN}/decode_node", "--model", TARGET, "--draft", DRAFT,
+                              "--listen", "127.0.0.1:0", "--prefill", paddr], "decode_disagg")
+            try:
+                serve("disaggregated (prefill cp 2)", addr, paths, refs)
+            finally:
+                stop(dn)
+        finally:
+            stop(pn)
+    if failures:
+        print(f"{len(failures)} failure(s); logs in {TMP}")
+        sys.exit(1)
+    print("all e2e checks passed")
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory(prefix="pd_e2e_") as TMP:
+        main()
