@@ -147,6 +147,10 @@ typedef struct {
     int total_kv_pages;
     int pages_in_use;               /* total - free: includes pages held for in-flight puts */
     int prefill_inflight;           /* Prefill calls in flight */
+    int prefill_nodes;              /* disaggregated: prefill nodes configured (0 colocated) */
+    int prefill_nodes_up;           /* not marked down after a failure (at the update) */
+    double prefill_retry_ms;        /* decode_now_ms() clock: when the first down node is tried
+                                     * again (a path is usable again from then on) */
 } decode_stats;
 
 /* Stop admitting (graceful drain): decode_submit fails with PD_ERR_CANCELLED "draining" and

@@ -174,8 +174,15 @@ static void update_stats(decode_server *s)
     st.total_kv_pages = s->total_pages;
     st.free_kv_pages = pd_engine_kv_free_pages(s->eng);
     st.pages_in_use = st.total_kv_pages - st.free_kv_pages;
-    for (int i = 0; i < s->n_nodes; i++)
+    double now = decode_now_ms();
+    st.prefill_nodes = s->n_nodes;
+    for (int i = 0; i < s->n_nodes; i++) {
         st.prefill_inflight += s->nodes[i].inflight;
+        if (s->nodes[i].down_until <= now)
+            st.prefill_nodes_up++;
+        else if (st.prefill_retry_ms == 0.0 || s->nodes[i].down_until < st.prefill_retry_ms)
+            st.prefill_retry_ms = s->nodes[i].down_until;
+    }
     pthread_mutex_lock(&s->stats_mu);
     s->stats = st;
     pthread_mutex_unlock(&s->stats_mu);
