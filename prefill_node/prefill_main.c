@@ -10,7 +10,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pd_http.h"
 #include "pd_log.h"
+#include "prefill_metrics.h"
 #include "prefill_server.h"
 
 #define PROG "prefill_node"
@@ -22,13 +24,15 @@ static void usage(FILE *f)
             "                    [--cp-size N --cp-strategy S] [--device cpu|cuda]\n"
             "                    [--max-batch-tokens N] [--kv-pages N] [--page-size N]\n"
             "                    [--transfer-timeout-ms N] [--aux-transfer raw|ctx|draft-kv]\n"
-            "                    [--log-level error|warn|info|debug|trace]\n"
+            "                    [--log-level error|warn|info|debug|trace] [--http HOST:PORT]\n"
             "\n"
             "Serves pdspark.Prefill: batches queued prompts into engine steps (context-parallel\n"
             "over --cp-size ranks), puts every layer's K/V pages and the packed aux rows into the\n"
             "decode node's memory over UCX, and answers with the first token. --draft supplies\n"
             "the aux taps (needed for --aux-transfer raw, the default; ctx and draft-kv are not\n"
-            "implemented). Port 0 picks a free port, printed as 'listening grpc HOST:PORT'.\n");
+            "implemented). Port 0 picks a free port, printed as 'listening grpc HOST:PORT'.\n"
+            "--http serves GET /health, /ready and /metrics (Prometheus text), printed as\n"
+            "'listening http HOST:PORT'.\n");
 }
 
 static int parse_int(const char *flag, const char *s, long lo, long hi, int *out)
@@ -48,9 +52,10 @@ int main(int argc, char **argv)
     prefill_config cfg;
     prefill_config_default(&cfg);
     const char *listen = NULL;
+    const char *http_addr = NULL;
     int tmo = 0;
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_CP, O_CPS, O_DEVICE, O_MBT, O_PAGES, O_PAGE, O_XTMO,
-           O_AUX, O_LOG, O_HELP };
+           O_AUX, O_LOG, O_HELP, O_HTTP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"cp-size", required_argument, 0, O_CP},
@@ -58,7 +63,7 @@ int main(int argc, char **argv)
         {"max-batch-tokens", required_argument, 0, O_MBT}, {"kv-pages", required_argument, 0, O_PAGES},
         {"page-size", required_argument, 0, O_PAGE}, {"transfer-timeout-ms", required_argument, 0, O_XTMO},
         {"aux-transfer", required_argument, 0, O_AUX}, {"log-level", required_argument, 0, O_LOG},
-        {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0},
+        {"help", no_argument, 0, O_HELP}, {"http", required_argument, 0, O_HTTP}, {0, 0, 0, 0},
     };
     opterr = 0;
     int c;
@@ -85,6 +90,7 @@ int main(int argc, char **argv)
             pd_log_set_level((pd_log_level)lvl);
             break;
         }
+        case O_HTTP: http_addr = optarg; break;
         case O_HELP: usage(stdout); return 0;
         default:
             fprintf(stderr, PROG ": unknown or incomplete flag '%s'\n", argv[optind - 1]);
@@ -112,6 +118,14 @@ int main(int argc, char **argv)
     pd_err err = {0};
     prefill_server *ps = NULL;
     pd_rpc_server *rpc = NULL;
+    pd_metrics *reg = NULL;
+    prefill_metrics *pm = NULL;
+    pd_http *http = NULL;
+    if (pd_metrics_create(&reg, &err) != PD_OK || prefill_metrics_create(reg, &pm, &err) != PD_OK) {
+        fprintf(stderr, PROG ": %s\n", err.msg);
+        return 1;
+    }
+    cfg.observer = prefill_metrics_observer(pm);
     if (prefill_server_create(&cfg, &ps, &err) != PD_OK) {
         fprintf(stderr, PROG ": %s\n", err.msg);
         return 1;
@@ -128,10 +142,34 @@ int main(int argc, char **argv)
         *colon = '\0';
     printf("listening grpc %s:%d\n", host, pd_rpc_server_port(rpc));
     fflush(stdout);
+    prefill_metrics_attach(pm, ps);
+    if (http_addr != NULL) {
+        /* ready = the model is loaded and the service listens, which holds from here on */
+        pd_http_config hc = { .addr = http_addr, .node = "prefill", .metrics = reg };
+        if (pd_http_create(&hc, &http, &err) != PD_OK || pd_http_start(http, &err) != PD_OK) {
+            fprintf(stderr, PROG ": --http %s: %s\n", http_addr, err.msg);
+            pd_http_destroy(http);
+            prefill_metrics_attach(pm, NULL);
+            pd_rpc_server_destroy(rpc);
+            prefill_server_destroy(ps);
+            return 1;
+        }
+        snprintf(host, sizeof(host), "%s", http_addr);
+        colon = strrchr(host, ':');
+        if (colon != NULL)
+            *colon = '\0';
+        printf("listening http %s:%d\n", host, pd_http_port(http));
+        fflush(stdout);
+    }
     int sig = 0;
     sigwait(&set, &sig);
     PD_LOG_INFO("prefill", "signal %d: stopping", sig);
+    pd_http_stop(http);
+    prefill_metrics_attach(pm, NULL);
     pd_rpc_server_destroy(rpc);
     prefill_server_destroy(ps);
+    pd_http_destroy(http);
+    prefill_metrics_destroy(pm);
+    pd_metrics_destroy(reg);
     return 0;
 }

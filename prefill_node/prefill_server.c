@@ -134,6 +134,16 @@ static void update_stats(prefill_server *ps)
     pthread_mutex_unlock(&ps->stats_mu);
 }
 
+void prefill_server_stats(prefill_server *ps, prefill_stats *out)
+{
+    pthread_mutex_lock(&ps->stats_mu);
+    out->active_requests = ps->st_active;
+    out->queued_requests = ps->st_queued;
+    out->free_kv_pages = ps->st_free;
+    out->total_kv_pages = ps->st_total;
+    pthread_mutex_unlock(&ps->stats_mu);
+}
+
 /* ---------------------------------------------------------------------------------------------
  * Peers */
 
@@ -214,8 +224,15 @@ static void job_finish(prefill_server *ps, job *j, pd_status st, const char *msg
     case J_XFER: ps->n_xfer--; break;
     default: break;
     }
+    prefill_event ev = { .request_id = j->id, .status = st, .prompt_tokens = j->n,
+                         .cp_size = ps->cp_n };
     if (st == PD_OK) {
         double now = now_ms();
+        ev.queue_ms = j->t_fwd - j->t_recv;
+        ev.forward_ms = j->t_xfer - j->t_fwd;
+        ev.transfer_ms = now - j->t_xfer;
+        ev.total_ms = now - j->t_recv;
+        ev.bytes = j->bytes;
         Pdspark__PrefillTimings tm = PDSPARK__PREFILL_TIMINGS__INIT;
         tm.version = PD_PROTO_VERSION;
         tm.queue_us = (uint64_t)((j->t_fwd - j->t_recv) * 1e3);
@@ -236,7 +253,10 @@ static void job_finish(prefill_server *ps, job *j, pd_status st, const char *msg
     } else {
         PD_LOG_DEBUG("prefill", "%s: ended %s: %s", j->id, pd_status_str(st), msg);
         pd_rpc_finish(j->call, st, msg);
+        ev.total_ms = now_ms() - j->t_recv;
     }
+    if (ps->cfg.observer != NULL && ps->cfg.observer->on_done != NULL)
+        ps->cfg.observer->on_done(ps->cfg.observer->ud, &ev);
     j->call = NULL;
     if (j->r != NULL) {
         pd_engine_release(ps->eng, j->r);

@@ -16,6 +16,22 @@
 
 typedef struct prefill_server prefill_server;
 
+/* One finished Prefill call, for an observer (metrics). Times in ms from receipt; forward_ms and
+ * transfer_ms are 0 unless status is PD_OK. */
+typedef struct {
+    const char *request_id;
+    pd_status status;
+    int prompt_tokens;
+    int cp_size;
+    double queue_ms, forward_ms, transfer_ms, total_ms;
+    uint64_t bytes;                 /* KV + aux bytes put into the decode node */
+} prefill_event;
+
+typedef struct prefill_observer {
+    void (*on_done)(void *ud, const prefill_event *ev);   /* engine thread; must not block */
+    void *ud;
+} prefill_observer;
+
 typedef struct {
     const char *model_dir;
     const char *draft_dir;          /* needed for --aux-transfer raw (the aux taps) */
@@ -27,6 +43,7 @@ typedef struct {
     int max_batch_tokens;           /* prompt tokens per batch / forward (0 = 8192) */
     int64_t transfer_timeout_ms;    /* bound on one KV+aux transfer (0 = 30000) */
     const char *aux_transfer;       /* "raw" (default); "ctx", "draft-kv": not implemented */
+    const prefill_observer *observer;   /* optional, borrowed: sees every finished call */
 } prefill_config;
 
 void prefill_config_default(prefill_config *cfg);
@@ -39,6 +56,14 @@ pd_status prefill_server_create(const prefill_config *cfg, prefill_server **out,
  * (pd_rpc_server_destroy it before prefill_server_destroy). */
 pd_status prefill_server_listen(prefill_server *ps, const char *addr, pd_rpc_server **out,
                                 pd_err *err);
+typedef struct {
+    int active_requests;            /* in the forward or the transfer */
+    int queued_requests;
+    int free_kv_pages, total_kv_pages;
+} prefill_stats;
+
+/* A snapshot (updated by the engine thread after every change). Any thread. */
+void prefill_server_stats(prefill_server *ps, prefill_stats *out);
 /* Ends every request (CANCELLED; transfers cancelled and waited for), stops the engine thread,
  * frees. NULL is a no-op. */
 void prefill_server_destroy(prefill_server *ps);

@@ -39,12 +39,12 @@ def log(msg):
 
 
 class Node:
-    def __init__(self, bin_dir, model, draft, extra=()):
+    def __init__(self, bin_dir, model, draft, extra=("--colocated",), binary="decode_node"):
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
         self.errf = tempfile.TemporaryFile()
         self.p = subprocess.Popen(
-            [os.path.join(bin_dir, "decode_node"), "--model", model, "--draft", draft,
-             "--colocated", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", *extra],
+            [os.path.join(bin_dir, binary), "--model", model, "--draft", draft,
+             "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", *extra],
             stdout=subprocess.PIPE, stderr=self.errf, env=env, text=True)
         self.grpc = self.http = None
         deadline = time.time() + 60
@@ -60,7 +60,7 @@ class Node:
                     self.http = ("127.0.0.1", int(m.group(3)))
         if self.grpc is None or self.http is None:
             self.stop()
-            raise RuntimeError("decode_node did not start: " + self.stderr())
+            raise RuntimeError(binary + " did not start: " + self.stderr())
 
     def stderr(self):
         self.errf.seek(0)
@@ -303,6 +303,41 @@ def chatml(messages):
                    for m in messages) + "<|im_start|>assistant\n"
 
 
+def test_prefill_http(bin_dir, model, draft):
+    """prefill_node --http: /health, /ready, /metrics that parse and move as a disaggregated
+    decode node uses it."""
+    hlp = subprocess.run([os.path.join(bin_dir, "prefill_node"), "--help"], capture_output=True,
+                         text=True, timeout=30)
+    if "--http" not in hlp.stdout:
+        log("prefill_node has no --http: its part is skipped")
+        return
+    pf = Node(bin_dir, model, draft, (), binary="prefill_node")
+    dn = None
+    try:
+        dn = Node(bin_dir, model, draft, ("--prefill", pf.grpc))
+        st, _, out = request(pf, "GET", "/health")
+        check(st == 200 and json.loads(out)["node"] == "prefill", "prefill /health %s" % out)
+        st, _, out = request(pf, "GET", "/ready")
+        check(st == 200, "prefill /ready %d" % st)
+        check(request(dn, "GET", "/ready")[0] == 200, "disaggregated decode /ready")
+        st, body = post_json(dn, "/v1/completions", {"prompt": "def fib(n):", "max_tokens": 8,
+                                                     "temperature": 0})
+        check(st == 200 and body["usage"]["completion_tokens"] == 8, "disaggregated completion %s" % body)
+        m = metrics(pf)
+        check(sample(m, "pdspark_prefill_requests_total", outcome="ok") == 1, "prefill ok counter")
+        check(sample(m, "pdspark_prefill_prompt_tokens_total") == body["usage"]["prompt_tokens"],
+              "prefill prompt tokens")
+        check(sample(m, "pdspark_prefill_transfer_bytes_total") > 0, "prefill transfer bytes")
+        check(sample(m, "pdspark_prefill_forward_seconds", "pdspark_prefill_forward_seconds_count") == 1,
+              "prefill forward histogram")
+        check(sample(m, "pdspark_prefill_kv_pages_total") > 0, "prefill kv gauge")
+        log("prefill_node --http checked (disaggregated pair)")
+    finally:
+        if dn is not None:
+            dn.stop()
+        pf.stop()
+
+
 def main():
     if len(sys.argv) != 3:
         print(__doc__)
@@ -330,7 +365,7 @@ def main():
     with open(os.path.join(odd, "chat_template.jinja"), "w") as f:
         f.write("{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}")
 
-    node = Node(bin_dir, model, draft, ["--drain-timeout-ms", "20000"])
+    node = Node(bin_dir, model, draft, ["--colocated", "--drain-timeout-ms", "20000"])
     odd_node = None
     try:
         odd_node = Node(bin_dir, odd, draft)
@@ -556,6 +591,8 @@ def main():
         if odd_node is not None:
             odd_node.stop()
         node.stop()
+    if FAILS == 0:
+        test_prefill_http(bin_dir, model, draft)
     if FAILS:
         print("--- decode_node stderr (tail) ---\n" + node.stderr())
     log("%s: %d failure(s) in %.1f s" % ("FAIL" if FAILS else "PASS", FAILS, time.time() - t0))
