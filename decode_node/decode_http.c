@@ -657,7 +657,7 @@ static int parse_common(const cJSON *root, int chat, decode_req *dr, req_opts *o
     if (rc > 0)
         dr->top_k = ll < 0 ? 0 : (int)ll;
     *param = "seed";
-    if ((rc = get_int(root, "seed", -9.2e18, 1.8e19, &ll, msg, cap)) < 0)
+    if ((rc = get_int(root, "seed", -9.2e18, 9.2e18, &ll, msg, cap)) < 0)
         return -1;
     if (rc > 0)
         dr->seed = (uint64_t)ll;
@@ -930,6 +930,13 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     if (model != NULL && !cJSON_IsNull(model) && !cJSON_IsString(model)) {
         decode_metrics_refused(dh->dm, "invalid");
         send_error(req, 400, "model", "'model' must be a string");
+        goto out;
+    }
+    if (cJSON_IsString(model) && strcmp(model->valuestring, dh->model) != 0) {
+        decode_metrics_refused(dh->dm, "invalid");
+        pd_http_error(req, 404, "invalid_request_error", "model", "model_not_found",
+                      "the model '%.200s' does not exist; this server serves '%s' (GET /v1/models)",
+                      model->valuestring, dh->model);
         goto out;
     }
     if (parse_common(root, chat, &dr, &o, &param, msg, sizeof(msg)) != 0) {

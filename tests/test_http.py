@@ -491,6 +491,9 @@ def main():
                 b = None
             check(st == code and is_error_shape(b) and (param is None or b["error"]["param"] == param),
                   "%s %r -> %d %s" % (path, raw[:60], st, out[:200]))
+        st, body = post_json(node, "/v1/completions", {"model": "no-such-model", "prompt": "x"})
+        check(st == 404 and is_error_shape(body) and body["error"]["code"] == "model_not_found",
+              "unknown model: %d %s" % (st, body))
         st, _, out = request(node, "GET", "/v1/nowhere")
         check(st == 404 and is_error_shape(json.loads(out)), "404 %d %s" % (st, out))
         st, _, out = request(node, "GET", "/v1/completions")
