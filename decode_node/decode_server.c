@@ -607,17 +607,19 @@ static pd_status start_external(decode_server *s, decode_handle *h, pd_err *err)
     pr.timeout_ms = (uint64_t)tmo;
     /* the call's own deadline is a little longer than the node's bound, so a node that gives
      * up on time still gets its answer (and its word that no put is running) back to us */
+    /* the reply callback reads h->node on the poller thread, possibly before this returns */
+    h->node = nd;
     st = pd_rpc_unary_async(nd->ch, "/pdspark.Prefill/Prefill", &pr.base,
                             &pdspark__prefill_reply__descriptor, tmo + 500, prefill_reply, h,
                             &h->pending, err);
     free(pages);
     free(ids);
     if (st != PD_OK) {
+        h->node = NULL;
         node_failed(s, nd, err->msg);
         st = pd_err_set(err, PD_ERR_PEER, "prefill node %s: %s", nd->addr, err->msg);
         goto err_release;
     }
-    h->node = nd;
     nd->inflight++;
     nd->calls++;
     PD_LOG_DEBUG("decode", "%s: prefill on %s (%d tokens, %d pages)", h->id, nd->addr,

@@ -1,0 +1,496 @@
+/* test_services.c - the two services as real processes on loopback: bad input and lifecycle.
+ * Bad input (decode_node --colocated and prefill_node): malformed protobuf bytes, a wrong
+ *   protocol version, an oversized prompt, token ids outside the vocabulary, bad sampling params,
+ *   a layout mismatch in a Prefill descriptor, an unknown id in CancelPrefill -> INVALID_ARGUMENT /
+ *   NOT_FOUND with a message, and the next good request still succeeds.
+ * Lifecycle (prefill_node + decode_node): a client that disconnects mid-stream gives its pages
+ *   back (Health's free pages return to the baseline); a request past its deadline gets
+ *   DEADLINE_EXCEEDED; a prefill node SIGKILLed while prefills are in flight fails only those
+ *   requests (UNAVAILABLE, within the deadline) while decoding ones finish, and a prefill node
+ *   restarted on the same port is used again.
+ * Every wait here is bounded. Uses the binaries in PD_BIN_DIR and the tiny models. */
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "pd_proto_version.h"
+#include "pd_rpc.h"
+#include "pdspark.pb-c.h"
+#include "test_util.h"
+
+#define TARGET PD_MODELS "/tiny-code-qwen3"
+#define DRAFT PD_MODELS "/tiny-code-dspark"
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
+typedef struct {
+    pid_t pid;
+    char addr[64];
+} node;
+
+/* Start argv with stdout on a pipe; wait (bounded) for "listening grpc ADDR". */
+static int node_start(char *const argv[], node *out)
+{
+    int fds[2];
+    if (pipe(fds) != 0)
+        return -1;
+    pid_t pid = fork();
+    if (pid < 0)
+        return -1;
+    if (pid == 0) {
+        dup2(fds[1], 1);
+        close(fds[0]);
+        close(fds[1]);
+        setenv("OPENBLAS_NUM_THREADS", "1", 1);
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    close(fds[1]);
+    char buf[512];
+    size_t len = 0;
+    double t0 = now_ms();
+    out->pid = pid;
+    out->addr[0] = '\0';
+    while (now_ms() - t0 < 60000 && len + 1 < sizeof(buf)) {
+        struct pollfd p = { .fd = fds[0], .events = POLLIN };
+        if (poll(&p, 1, 200) <= 0)
+            continue;
+        ssize_t n = read(fds[0], buf + len, sizeof(buf) - 1 - len);
+        if (n <= 0)
+            break;
+        len += (size_t)n;
+        buf[len] = '\0';
+        char *l = strstr(buf, "listening grpc ");
+        if (l != NULL && strchr(l, '\n') != NULL) {
+            sscanf(l, "listening grpc %63s", out->addr);
+            break;
+        }
+    }
+    close(fds[0]);
+    if (out->addr[0] == '\0') {
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        fprintf(stderr, "%s did not start\n", argv[0]);
+        return -1;
+    }
+    return 0;
+}
+
+static void node_stop(node *n, int sig)
+{
+    if (n->pid <= 0)
+        return;
+    kill(n->pid, sig);
+    double t0 = now_ms();
+    int status;
+    while (waitpid(n->pid, &status, WNOHANG) == 0) {
+        if (now_ms() - t0 > 30000) {
+            kill(n->pid, SIGKILL);
+            waitpid(n->pid, &status, 0);
+            TEST_CHECK_MSG(0, "node %d did not stop within 30 s", (int)n->pid);
+            break;
+        }
+        usleep(20000);
+    }
+    n->pid = 0;
+}
+
+/* ---- requests ----------------------------------------------------------------------------- */
+
+typedef struct {
+    uint32_t *ids;
+    size_t n_ids;
+    const char *text;
+    float temperature, top_p;
+    uint32_t max_new;
+    int ignore_eos;
+    uint64_t timeout_ms;
+    uint32_t version;         /* 0 = PD_PROTO_VERSION */
+    int disconnect_after;     /* > 0: cancel after this many chunks */
+    /* results */
+    pd_status st;
+    char msg[512];
+    int chunks, tokens;
+    double ms;
+} gen_call;
+
+static void gen_run(pd_rpc_channel *ch, gen_call *g)
+{
+    Pdspark__SamplingParams sp = PDSPARK__SAMPLING_PARAMS__INIT;
+    sp.version = PD_PROTO_VERSION;
+    sp.temperature = g->temperature;
+    sp.top_p = g->top_p;
+    sp.max_new_tokens = g->max_new;
+    sp.ignore_eos = g->ignore_eos;
+    Pdspark__GenerateRequest rq = PDSPARK__GENERATE_REQUEST__INIT;
+    rq.version = g->version ? g->version : PD_PROTO_VERSION;
+    rq.prompt_text = (char *)(g->text != NULL ? g->text : "");
+    rq.n_prompt_token_ids = g->n_ids;
+    rq.prompt_token_ids = g->ids;
+    rq.sampling = &sp;
+    rq.timeout_ms = g->timeout_ms;
+    rq.return_token_ids = 1;
+    pd_err err = {0};
+    pd_rpc_stream *s = NULL;
+    double t0 = now_ms();
+    g->st = pd_rpc_stream_open(ch, "/pdspark.Generate/Generate", &rq.base,
+                               &pdspark__generate_chunk__descriptor, 60000, &s, &err);
+    while (g->st == PD_OK) {
+        ProtobufCMessage *m = NULL;
+        g->st = pd_rpc_stream_read(s, &m, &err);
+        if (g->st != PD_OK || m == NULL)
+            break;
+        g->chunks++;
+        g->tokens += (int)((Pdspark__GenerateChunk *)m)->n_token_ids;
+        protobuf_c_message_free_unpacked(m, NULL);
+        if (g->disconnect_after > 0 && g->chunks >= g->disconnect_after) {
+            pd_rpc_stream_cancel(s);
+            break;
+        }
+    }
+    g->ms = now_ms() - t0;
+    snprintf(g->msg, sizeof(g->msg), "%s", g->st == PD_OK ? "" : err.msg);
+    pd_rpc_stream_close(s);
+}
+
+static void prompt_ids(gen_call *g, size_t n, uint32_t seed)
+{
+    g->ids = malloc(n * sizeof(uint32_t));
+    g->n_ids = n;
+    for (size_t i = 0; i < n; i++)
+        g->ids[i] = 100 + (uint32_t)((i * 2654435761u + seed * 97u) % 7000u);
+}
+
+static int health(pd_rpc_channel *ch, Pdspark__HealthReply *out)
+{
+    Pdspark__HealthRequest rq = PDSPARK__HEALTH_REQUEST__INIT;
+    rq.version = PD_PROTO_VERSION;
+    ProtobufCMessage *m = NULL;
+    pd_err err;
+    if (pd_rpc_unary(ch, "/pdspark.Generate/Health", &rq.base, &pdspark__health_reply__descriptor,
+                     5000, &m, &err) != PD_OK)
+        return -1;
+    *out = *(Pdspark__HealthReply *)m;
+    out->node = NULL;
+    out->message = NULL;
+    protobuf_c_message_free_unpacked(m, NULL);
+    return 0;
+}
+
+/* Wait (bounded) for the decode node's free pages to reach `want`. Returns the last value. */
+static int wait_free_pages(pd_rpc_channel *ch, uint32_t want, int ms)
+{
+    double t0 = now_ms();
+    Pdspark__HealthReply h = PDSPARK__HEALTH_REPLY__INIT;
+    int last = -1;
+    while (now_ms() - t0 < ms) {
+        if (health(ch, &h) == 0) {
+            last = (int)h.free_kv_pages;
+            if (h.free_kv_pages == want && h.active_requests == 0)
+                return last;
+        }
+        usleep(50000);
+    }
+    return last;
+}
+
+/* ---- bad input ------------------------------------------------------------------------------ */
+
+static void expect(gen_call *g, pd_status st, const char *needle, const char *what)
+{
+    TEST_CHECK_MSG(g->st == st, "%s: status %s (%s), expected %s", what, pd_status_str(g->st),
+                   g->msg, pd_status_str(st));
+    TEST_CHECK_MSG(needle == NULL || strstr(g->msg, needle) != NULL,
+                   "%s: message '%s' does not mention '%s'", what, g->msg, needle);
+}
+
+static void test_services_bad_input(void)
+{
+    node dn = {0}, pn = {0};
+    char *dargv[] = { PD_BIN_DIR "/decode_node", "--model", TARGET, "--draft", DRAFT, "--listen",
+                      "127.0.0.1:0", "--colocated", NULL };
+    char *pargv[] = { PD_BIN_DIR "/prefill_node", "--model", TARGET, "--draft", DRAFT, "--listen",
+                      "127.0.0.1:0", NULL };
+    if (node_start(dargv, &dn) != 0 || node_start(pargv, &pn) != 0) {
+        TEST_CHECK_MSG(0, "nodes did not start");
+        node_stop(&dn, SIGKILL);
+        return;
+    }
+    pd_err err;
+    pd_rpc_channel *ch = NULL, *pch = NULL;
+    TEST_CHECK(pd_rpc_channel_create(dn.addr, &ch, &err) == PD_OK);
+    TEST_CHECK(pd_rpc_channel_create(pn.addr, &pch, &err) == PD_OK);
+
+    /* malformed protobuf bytes (a varint that never ends) on both nodes */
+    static const unsigned char junk[] = { 0x08, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff };
+    void *rb = NULL;
+    size_t rl = 0;
+    pd_status st = pd_rpc_unary_raw(ch, "/pdspark.Generate/Health", junk, sizeof(junk), 5000, &rb, &rl, &err);
+    TEST_CHECK_MSG(st == PD_ERR_INVALID && err.msg[0], "decode malformed: %s %s", pd_status_str(st), err.msg);
+    free(rb);
+    rb = NULL;
+    st = pd_rpc_unary_raw(pch, "/pdspark.Prefill/Prefill", junk, sizeof(junk), 5000, &rb, &rl, &err);
+    TEST_CHECK_MSG(st == PD_ERR_INVALID && err.msg[0], "prefill malformed: %s %s", pd_status_str(st), err.msg);
+    free(rb);
+
+    gen_call g = { .max_new = 8, .top_p = 1.0f };
+    prompt_ids(&g, 16, 1);
+    /* wrong version */
+    g.version = PD_PROTO_VERSION + 6;
+    gen_run(ch, &g);
+    expect(&g, PD_ERR_INVALID, "version", "wrong version");
+    g.version = 0;
+    /* oversized prompt: the context is 4096 tokens */
+    gen_call big = { .max_new = 8, .top_p = 1.0f };
+    prompt_ids(&big, 4096, 2);
+    gen_run(ch, &big);
+    expect(&big, PD_ERR_INVALID, "context", "oversized prompt");
+    free(big.ids);
+    /* ids outside the vocabulary (8192) */
+    g.ids[3] = 8192;
+    gen_run(ch, &g);
+    expect(&g, PD_ERR_INVALID, "vocabulary", "token id 8192");
+    g.ids[3] = 0xffffffffu;
+    gen_run(ch, &g);
+    expect(&g, PD_ERR_INVALID, "vocabulary", "token id 2^32-1");
+    g.ids[3] = 11;
+    /* bad sampling params */
+    g.temperature = -1.0f;
+    gen_run(ch, &g);
+    expect(&g, PD_ERR_INVALID, "temperature", "temperature -1");
+    g.temperature = 0.0f;
+    g.top_p = 2.0f;
+    gen_run(ch, &g);
+    expect(&g, PD_ERR_INVALID, "top_p", "top_p 2");
+    g.top_p = 1.0f;
+    /* both text and ids */
+    g.text = "hello";
+    gen_run(ch, &g);
+    expect(&g, PD_ERR_INVALID, "not both", "text and ids");
+    g.text = NULL;
+    /* empty prompt */
+    gen_call empty = { .max_new = 8, .top_p = 1.0f };
+    gen_run(ch, &empty);
+    expect(&empty, PD_ERR_INVALID, "empty", "empty prompt");
+
+    /* CancelPrefill of an unknown id */
+    Pdspark__CancelPrefillRequest cr = PDSPARK__CANCEL_PREFILL_REQUEST__INIT;
+    cr.version = PD_PROTO_VERSION;
+    cr.request_id = "no-such-request";
+    ProtobufCMessage *m = NULL;
+    st = pd_rpc_unary(pch, "/pdspark.Prefill/CancelPrefill", &cr.base,
+                      &pdspark__cancel_prefill_reply__descriptor, 5000, &m, &err);
+    TEST_CHECK_MSG(st == PD_ERR_NOT_FOUND && strstr(err.msg, "no-such-request") != NULL,
+                   "cancel unknown: %s %s", pd_status_str(st), err.msg);
+    if (m != NULL)
+        protobuf_c_message_free_unpacked(m, NULL);
+
+    /* a Prefill descriptor whose page layout differs */
+    uint32_t toks[4] = { 1, 2, 3, 4 }, page = 0;
+    Pdspark__PageLayout pl = PDSPARK__PAGE_LAYOUT__INIT;
+    pl.version = PD_PROTO_VERSION;
+    pl.page_size = 8;
+    pl.dtype = PDSPARK__KV_DTYPE__KV_DTYPE_F32;
+    pl.n_layers = 4;
+    pl.n_kv_heads = 2;
+    pl.head_dim = 64;
+    Pdspark__RemoteRegion kv = PDSPARK__REMOTE_REGION__INIT;
+    kv.version = PD_PROTO_VERSION;
+    Pdspark__AuxLayout al = PDSPARK__AUX_LAYOUT__INIT;
+    al.version = PD_PROTO_VERSION;
+    Pdspark__Destination d = PDSPARK__DESTINATION__INIT;
+    d.version = PD_PROTO_VERSION;
+    d.page_layout = &pl;
+    d.kv_pool = &kv;
+    d.aux_layout = &al;
+    d.n_page_ids = 1;
+    d.page_ids = &page;
+    Pdspark__PrefillRequest pr = PDSPARK__PREFILL_REQUEST__INIT;
+    pr.version = PD_PROTO_VERSION;
+    pr.request_id = "bad-layout";
+    pr.n_token_ids = 4;
+    pr.token_ids = toks;
+    pr.dest = &d;
+    m = NULL;
+    st = pd_rpc_unary(pch, "/pdspark.Prefill/Prefill", &pr.base, &pdspark__prefill_reply__descriptor,
+                      5000, &m, &err);
+    TEST_CHECK_MSG(st == PD_ERR_INVALID && strstr(err.msg, "page size") != NULL,
+                   "layout mismatch: %s %s", pd_status_str(st), err.msg);
+    if (m != NULL)
+        protobuf_c_message_free_unpacked(m, NULL);
+    pl.page_size = 16;
+    pl.n_layers = 99;
+    st = pd_rpc_unary(pch, "/pdspark.Prefill/Prefill", &pr.base, &pdspark__prefill_reply__descriptor,
+                      5000, &m, &err);
+    TEST_CHECK_MSG(st == PD_ERR_INVALID && strstr(err.msg, "layer count") != NULL,
+                   "layer mismatch: %s %s", pd_status_str(st), err.msg);
+
+    /* the decode node keeps serving */
+    gen_call ok = { .max_new = 16, .top_p = 1.0f };
+    prompt_ids(&ok, 40, 3);
+    gen_run(ch, &ok);
+    TEST_CHECK_MSG(ok.st == PD_OK && ok.tokens >= 1, "good request after bad ones: %s %s",
+                   pd_status_str(ok.st), ok.msg);
+    free(ok.ids);
+    free(g.ids);
+    pd_rpc_channel_destroy(ch);
+    pd_rpc_channel_destroy(pch);
+    node_stop(&dn, SIGTERM);
+    node_stop(&pn, SIGTERM);
+}
+
+/* ---- lifecycle ------------------------------------------------------------------------------ */
+
+typedef struct {
+    pd_rpc_channel *ch;
+    gen_call *g;
+} thr_arg;
+
+static void *gen_thread(void *arg)
+{
+    thr_arg *a = arg;
+    gen_run(a->ch, a->g);
+    return NULL;
+}
+
+static void test_services_lifecycle(void)
+{
+    node pn = {0}, dn = {0};
+    char *pargv[] = { PD_BIN_DIR "/prefill_node", "--model", TARGET, "--draft", DRAFT, "--listen",
+                      "127.0.0.1:0", "--max-batch-tokens", "1024", NULL };
+    if (node_start(pargv, &pn) != 0) {
+        TEST_CHECK_MSG(0, "prefill node did not start");
+        return;
+    }
+    char *dargv[] = { PD_BIN_DIR "/decode_node", "--model", TARGET, "--draft", DRAFT, "--listen",
+                      "127.0.0.1:0", "--prefill", pn.addr, "--kv-pages", "400",
+                      "--transfer-timeout-ms", "4000", NULL };
+    if (node_start(dargv, &dn) != 0) {
+        TEST_CHECK_MSG(0, "decode node did not start");
+        node_stop(&pn, SIGKILL);
+        return;
+    }
+    pd_err err;
+    pd_rpc_channel *ch = NULL;
+    TEST_CHECK(pd_rpc_channel_create(dn.addr, &ch, &err) == PD_OK);
+    Pdspark__HealthReply h = PDSPARK__HEALTH_REPLY__INIT;
+    TEST_CHECK(health(ch, &h) == 0);
+    uint32_t baseline = h.free_kv_pages;
+    TEST_CHECK_MSG(h.total_kv_pages == 400 && baseline == 400, "baseline %u of %u pages free",
+                   baseline, h.total_kv_pages);
+
+    /* a client that disconnects mid-stream */
+    gen_call g1 = { .max_new = 1500, .ignore_eos = 1, .top_p = 1.0f, .disconnect_after = 3 };
+    prompt_ids(&g1, 300, 4);
+    gen_run(ch, &g1);
+    TEST_CHECK_MSG(g1.chunks == 3, "disconnect: %d chunks (%s)", g1.chunks, g1.msg);
+    int fp = wait_free_pages(ch, baseline, 5000);
+    TEST_CHECK_MSG(fp == (int)baseline, "after disconnect: %d pages free, baseline %u", fp, baseline);
+    free(g1.ids);
+
+    /* a request past its deadline */
+    gen_call g2 = { .max_new = 3000, .ignore_eos = 1, .top_p = 1.0f, .timeout_ms = 400 };
+    prompt_ids(&g2, 200, 5);
+    gen_run(ch, &g2);
+    expect(&g2, PD_ERR_TIMEOUT, "deadline", "deadline");
+    TEST_CHECK_MSG(g2.ms < 3000, "deadline answered after %.0f ms", g2.ms);
+    fp = wait_free_pages(ch, baseline, 5000);
+    TEST_CHECK_MSG(fp == (int)baseline, "after deadline: %d pages free, baseline %u", fp, baseline);
+    free(g2.ids);
+
+    /* a prefill node killed with prefills in flight: two requests decode already, then six long
+     * prompts go to prefill and the node dies under them */
+    enum { N_EARLY = 2, N_LATE = 6 };
+    gen_call early[N_EARLY], late[N_LATE];
+    pthread_t te[N_EARLY], tl[N_LATE];
+    thr_arg ae[N_EARLY], al[N_LATE];
+    for (int i = 0; i < N_EARLY; i++) {
+        early[i] = (gen_call){ .max_new = 200, .ignore_eos = 1, .top_p = 1.0f, .timeout_ms = 60000 };
+        prompt_ids(&early[i], 64, 10 + (uint32_t)i);
+        ae[i] = (thr_arg){ ch, &early[i] };
+        pthread_create(&te[i], NULL, gen_thread, &ae[i]);
+    }
+    /* wait until both decode (their pages are in use and prefill is done) */
+    double t0 = now_ms();
+    while (now_ms() - t0 < 10000) {
+        if (health(ch, &h) == 0 && h.active_requests == N_EARLY && h.free_kv_pages < baseline)
+            break;
+        usleep(20000);
+    }
+    usleep(300000);
+    double t_kill = 0;
+    for (int i = 0; i < N_LATE; i++) {
+        late[i] = (gen_call){ .max_new = 20, .ignore_eos = 1, .top_p = 1.0f, .timeout_ms = 8000 };
+        prompt_ids(&late[i], 2000, 20 + (uint32_t)i);
+        al[i] = (thr_arg){ ch, &late[i] };
+        pthread_create(&tl[i], NULL, gen_thread, &al[i]);
+    }
+    usleep(150000);
+    t_kill = now_ms();
+    node_stop(&pn, SIGKILL);
+    int unavailable = 0;
+    for (int i = 0; i < N_LATE; i++) {
+        pthread_join(tl[i], NULL);
+        TEST_CHECK_MSG(late[i].st == PD_OK || (late[i].st == PD_ERR_PEER && strstr(late[i].msg, "prefill") != NULL),
+                       "late %d: %s %s", i, pd_status_str(late[i].st), late[i].msg);
+        unavailable += late[i].st == PD_ERR_PEER;
+        TEST_CHECK_MSG(now_ms() - t_kill < 9000, "late %d ended %.0f ms after the kill", i, now_ms() - t_kill);
+        free(late[i].ids);
+    }
+    TEST_CHECK_MSG(unavailable >= 1, "no request saw the prefill node die");
+    printf("prefill node killed: %d of %d in-flight prefills failed UNAVAILABLE\n", unavailable, N_LATE);
+    for (int i = 0; i < N_EARLY; i++) {
+        pthread_join(te[i], NULL);
+        TEST_CHECK_MSG(early[i].st == PD_OK && early[i].tokens == 200, "early %d: %s %s (%d tokens)", i,
+                       pd_status_str(early[i].st), early[i].msg, early[i].tokens);
+        free(early[i].ids);
+    }
+    fp = wait_free_pages(ch, baseline, 10000);
+    TEST_CHECK_MSG(fp == (int)baseline, "after the kill: %d pages free, baseline %u", fp, baseline);
+
+    /* restart the prefill node on the same port: used again */
+    char *pargv2[] = { PD_BIN_DIR "/prefill_node", "--model", TARGET, "--draft", DRAFT, "--listen",
+                       pn.addr, NULL };
+    node pn2 = {0};
+    TEST_CHECK(node_start(pargv2, &pn2) == 0);
+    gen_call g3 = { .max_new = 16, .ignore_eos = 1, .top_p = 1.0f, .timeout_ms = 20000 };
+    prompt_ids(&g3, 50, 6);
+    t0 = now_ms();
+    do {
+        g3.chunks = g3.tokens = 0;
+        gen_run(ch, &g3);
+        if (g3.st == PD_OK)
+            break;
+        usleep(200000);
+    } while (now_ms() - t0 < 15000);
+    TEST_CHECK_MSG(g3.st == PD_OK && g3.tokens == 16, "after restart: %s %s", pd_status_str(g3.st), g3.msg);
+    free(g3.ids);
+    pd_rpc_channel_destroy(ch);
+    node_stop(&dn, SIGTERM);
+    node_stop(&pn2, SIGTERM);
+}
+
+int main(int argc, char **argv)
+{
+    signal(SIGPIPE, SIG_IGN);
+    const char *only = argc > 1 ? argv[1] : "all";
+    if (access(PD_BIN_DIR "/decode_node", X_OK) != 0 || access(PD_BIN_DIR "/prefill_node", X_OK) != 0)
+        TEST_SKIP("decode_node / prefill_node not built");
+    if (strcmp(only, "all") == 0 || strcmp(only, "bad-input") == 0)
+        test_services_bad_input();
+    if (strcmp(only, "all") == 0 || strcmp(only, "lifecycle") == 0)
+        test_services_lifecycle();
+    TEST_DONE();
+}
