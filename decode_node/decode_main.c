@@ -205,13 +205,15 @@ int main(int argc, char **argv)
         for (;;) {
             decode_stats st;
             decode_server_stats(s, &st);
-            int left = st.active_requests + st.queued_requests + decode_http_inflight(http);
-            if (left == 0) {
+            int engine = st.active_requests + st.queued_requests;
+            int replies = decode_http_inflight(http);
+            if (engine == 0 && replies == 0) {
                 PD_LOG_INFO("decode", "drained");
                 break;
             }
             if (decode_now_ms() >= end) {
-                PD_LOG_WARN("decode", "drain timeout: %d requests still running, cancelling", left);
+                PD_LOG_WARN("decode", "drain timeout: %d requests still in the engine, %d HTTP "
+                            "replies unfinished; cancelling", engine, replies);
                 break;
             }
             struct timespec ts = { 0, 20 * 1000000 };
