@@ -272,8 +272,10 @@ int main(int argc, char **argv)
     const Pdspark__DSparkStats *ds = fin->stats;
     double ms = t1 - t0;
     double tps = ms > 0 ? a.n / (ms / 1e3) : 0.0;
-    if (stream)
+    if (stream) {
         fputc('\n', stdout);
+        fflush(stdout);
+    }
     if (json) {
         cJSON *o = cJSON_CreateObject();
         cJSON *toks = cJSON_AddArrayToObject(o, "tokens");
