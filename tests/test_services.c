@@ -476,6 +476,18 @@ static void test_services_lifecycle(void)
         usleep(200000);
     } while (now_ms() - t0 < 15000);
     TEST_CHECK_MSG(g3.st == PD_OK && g3.tokens == 16, "after restart: %s %s", pd_status_str(g3.st), g3.msg);
+
+    /* a prefill node that never answers (stopped): the request ends UNAVAILABLE within the
+     * transfer timeout (4 s here), and its pages come back once the hold after it has passed */
+    kill(pn2.pid, SIGSTOP);
+    g3.chunks = g3.tokens = 0;
+    gen_run(ch, &g3);
+    TEST_CHECK_MSG(g3.st == PD_ERR_PEER && strstr(g3.msg, "prefill") != NULL, "stopped prefill node: %s %s",
+                   pd_status_str(g3.st), g3.msg);
+    TEST_CHECK_MSG(g3.ms > 3500 && g3.ms < 8000, "stopped prefill node: answered after %.0f ms", g3.ms);
+    kill(pn2.pid, SIGCONT);
+    fp = wait_free_pages(ch, baseline, 10000);
+    TEST_CHECK_MSG(fp == (int)baseline, "after the stopped node: %d pages free, baseline %u", fp, baseline);
     free(g3.ids);
     pd_rpc_channel_destroy(ch);
     node_stop(&dn, SIGTERM);
