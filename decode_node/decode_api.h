@@ -129,8 +129,9 @@ typedef struct decode_observer {
 } decode_observer;
 
 /* Submit a request (see the lifecycle above). req and its buffers are borrowed for the call.
- * Errors: PD_ERR_INVALID (bad request, message for the client), PD_ERR_CANCELLED (shutting
- * down), PD_ERR_NOMEM. */
+ * Errors: PD_ERR_INVALID (bad request, message for the client; also a prompt that can never
+ * fit the KV pool or the aux arena), PD_ERR_BUSY (max_queue requests already wait for pages),
+ * PD_ERR_CANCELLED (shutting down / draining), PD_ERR_NOMEM. */
 pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn on_token,
                         decode_done_fn on_done, void *ud, decode_handle **out, pd_err *err);
 /* Ask the request to end (client gone). on_done then runs with PD_ERR_CANCELLED unless the
