@@ -158,8 +158,13 @@ static void notfound_cb(struct evhttp_request *req, void *arg)
     char *q = strchr(path, '?');
     if (q != NULL)
         *q = '\0';
-    pd_http_error(req, 404, "invalid_request_error", NULL, "not_found", "no route for %s %s",
-                  evhttp_request_get_command(req) == EVHTTP_REQ_POST ? "POST" : "GET", path);
+    enum evhttp_cmd_type cmd = evhttp_request_get_command(req);
+    const char *m = cmd == EVHTTP_REQ_GET ? "GET" : cmd == EVHTTP_REQ_POST ? "POST"
+                  : cmd == EVHTTP_REQ_HEAD ? "HEAD" : cmd == EVHTTP_REQ_PUT ? "PUT"
+                  : cmd == EVHTTP_REQ_DELETE ? "DELETE" : cmd == EVHTTP_REQ_OPTIONS ? "OPTIONS"
+                  : cmd == EVHTTP_REQ_PATCH ? "PATCH" : "?";
+    pd_http_error(req, 404, "invalid_request_error", NULL, "not_found", "no route for %s %s", m,
+                  path);
 }
 
 static void health_cb(struct evhttp_request *req, void *ud)
