@@ -567,6 +567,11 @@ def main():
         check(st == 200, "/health while draining: %d" % st)
         st, body = post_json(node, "/v1/completions", {"prompt": prompt, "max_tokens": 4})
         check(st == 503 and is_error_shape(body), "new request while draining: %d %s" % (st, body))
+        gr = subprocess.run([os.path.join(bin_dir, "pdspark-client"), "--server", node.grpc,
+                             "--prompt", prompt, "--max-new-tokens", "4"],
+                            capture_output=True, text=True, timeout=60)
+        check(gr.returncode != 0 and "draining" in gr.stderr,
+              "gRPC request while draining refused: rc %d %s" % (gr.returncode, gr.stderr))
         n_events, done, last = 1, False, None
         while True:
             d = s.next_event()
