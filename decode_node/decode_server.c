@@ -75,6 +75,7 @@ struct decode_handle {
     int aux_row;                     /* first row in the aux arena, -1 = none */
     double hold_until;
     pd_status fail_st;               /* status for an engine-side PD_FINISH_ERROR */
+    int retries;                     /* Prefill re-sent after a node that was never reached */
     struct decode_handle *prev, *next;
 };
 
@@ -522,18 +523,11 @@ static Pdspark__KvDtype kern_dtype_to_proto(kern_dtype d)
 }
 
 /* Reserve pages + aux rows and send Prefill. PD_ERR_BUSY: no room now (nothing held). */
-static pd_status start_external(decode_server *s, decode_handle *h, pd_err *err)
+/* Send h's Prefill (pages and aux rows already reserved) to nd. On error nothing is in flight. */
+static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *nd, pd_err *err)
 {
-    int row = aux_alloc(s, h->n_prompt);
-    if (row < 0)
-        return pd_err_set(err, PD_ERR_BUSY, "aux arena full");
-    pd_status st = pd_engine_add_external(s->eng, h->eid, h->prompt, h->n_prompt, &h->gp, &h->r, err);
-    if (st != PD_OK) {
-        aux_free(s, row);
-        return st;
-    }
-    h->aux_row = row;
-    prefill_node *nd = pick_node(s);
+    pd_status st;
+    int row = h->aux_row;
     const pd_kv_layout *lay = pd_kv_pool_layout(pd_engine_target_pool(s->eng));
     int np = (h->n_prompt + lay->page_size - 1) / lay->page_size;
     uint32_t *pages = malloc((size_t)np * sizeof(uint32_t));
@@ -541,8 +535,7 @@ static pd_status start_external(decode_server *s, decode_handle *h, pd_err *err)
     if (pages == NULL || ids == NULL) {
         free(pages);
         free(ids);
-        st = pd_err_set(err, PD_ERR_NOMEM, "prefill request");
-        goto err_release;
+        return pd_err_set(err, PD_ERR_NOMEM, "prefill request");
     }
     for (int i = 0; i < np; i++)
         pages[i] = (uint32_t)h->r->tkv.pages[i];
@@ -617,20 +610,42 @@ static pd_status start_external(decode_server *s, decode_handle *h, pd_err *err)
     if (st != PD_OK) {
         h->node = NULL;
         node_failed(s, nd, err->msg);
-        st = pd_err_set(err, PD_ERR_PEER, "prefill node %s: %s", nd->addr, err->msg);
-        goto err_release;
+        return pd_err_set(err, PD_ERR_PEER, "prefill node %s: %s", nd->addr, err->msg);
     }
     nd->inflight++;
     nd->calls++;
     PD_LOG_DEBUG("decode", "%s: prefill on %s (%d tokens, %d pages)", h->id, nd->addr,
                  h->n_prompt, np);
     return PD_OK;
-err_release:
-    pd_engine_release(s->eng, h->r);
-    h->r = NULL;
-    aux_free(s, h->aux_row);
-    h->aux_row = -1;
+}
+
+/* Reserve pages + aux rows and send Prefill. PD_ERR_BUSY: no room now (nothing held). */
+static pd_status start_external(decode_server *s, decode_handle *h, pd_err *err)
+{
+    int row = aux_alloc(s, h->n_prompt);
+    if (row < 0)
+        return pd_err_set(err, PD_ERR_BUSY, "aux arena full");
+    pd_status st = pd_engine_add_external(s->eng, h->eid, h->prompt, h->n_prompt, &h->gp, &h->r, err);
+    if (st != PD_OK) {
+        aux_free(s, row);
+        return st;
+    }
+    h->aux_row = row;
+    st = send_prefill(s, h, pick_node(s), err);
+    if (st != PD_OK) {
+        pd_engine_release(s->eng, h->r);
+        h->r = NULL;
+        aux_free(s, h->aux_row);
+        h->aux_row = -1;
+    }
     return st;
+}
+
+/* True when a failed Prefill provably never reached a node (no connection was made), so no put
+ * of it can be running and the same pages may be offered to another node. */
+static int never_delivered(const char *msg)
+{
+    return strstr(msg, "failed to connect") != NULL || strstr(msg, "Connection refused") != NULL;
 }
 
 static void on_reply_loop(void *arg)
@@ -698,6 +713,21 @@ static void on_reply_loop(void *arg)
         }
         st = PD_ERR_PEER;
         snprintf(msg, sizeof(msg), "%s", err.msg);
+    }
+    if (st == PD_ERR_PEER && never_delivered(msg) && h->retries < s->n_nodes - 1) {
+        prefill_node *alt = pick_node(s);
+        pd_err rerr = {0};
+        if (alt != nd && alt->down_until <= decode_now_ms()) {
+            h->retries++;
+            PD_LOG_INFO("decode", "%s: prefill node %s unreachable, retrying on %s", h->id,
+                        nd->addr, alt->addr);
+            if (send_prefill(s, h, alt, &rerr) == PD_OK) {
+                update_stats(s);
+                return;
+            }
+            snprintf(msg, sizeof(msg), "%s", rerr.msg);
+            nd = alt;
+        }
     }
     char full[900];
     snprintf(full, sizeof(full), "prefill node %s failed: %s", nd->addr, msg);

@@ -494,6 +494,43 @@ static void test_services_lifecycle(void)
     node_stop(&pn2, SIGTERM);
 }
 
+/* Several prefill addresses, one of them dead: a name that resolves to several addresses counts
+ * as several nodes, and a Prefill that never reached its node is re-sent to another one. */
+static void test_services_multi_node(void)
+{
+    node pn = {0}, dn = {0};
+    char *pargv[] = { PD_BIN_DIR "/prefill_node", "--model", TARGET, "--draft", DRAFT, "--listen",
+                      "127.0.0.1:0", NULL };
+    if (node_start(pargv, &pn) != 0) {
+        TEST_CHECK_MSG(0, "prefill node did not start");
+        return;
+    }
+    const char *port = strrchr(pn.addr, ':') + 1;
+    char list[160];
+    snprintf(list, sizeof(list), "127.0.0.1:1,localhost:%s", port);
+    char *dargv[] = { PD_BIN_DIR "/decode_node", "--model", TARGET, "--draft", DRAFT, "--listen",
+                      "127.0.0.1:0", "--prefill", list, NULL };
+    if (node_start(dargv, &dn) != 0) {
+        TEST_CHECK_MSG(0, "decode node did not start");
+        node_stop(&pn, SIGKILL);
+        return;
+    }
+    pd_err err;
+    pd_rpc_channel *ch = NULL;
+    TEST_CHECK(pd_rpc_channel_create(dn.addr, &ch, &err) == PD_OK);
+    for (int i = 0; i < 4; i++) {
+        gen_call g = { .max_new = 8, .ignore_eos = 1, .top_p = 1.0f, .timeout_ms = 20000 };
+        prompt_ids(&g, 30, 40 + (uint32_t)i);
+        gen_run(ch, &g);
+        TEST_CHECK_MSG(g.st == PD_OK && g.tokens == 8, "multi-node request %d: %s %s", i,
+                       pd_status_str(g.st), g.msg);
+        free(g.ids);
+    }
+    pd_rpc_channel_destroy(ch);
+    node_stop(&dn, SIGTERM);
+    node_stop(&pn, SIGTERM);
+}
+
 int main(int argc, char **argv)
 {
     signal(SIGPIPE, SIG_IGN);
@@ -504,5 +541,7 @@ int main(int argc, char **argv)
         test_services_bad_input();
     if (strcmp(only, "all") == 0 || strcmp(only, "lifecycle") == 0)
         test_services_lifecycle();
+    if (strcmp(only, "all") == 0 || strcmp(only, "multi-node") == 0)
+        test_services_multi_node();
     TEST_DONE();
 }
