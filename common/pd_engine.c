@@ -344,9 +344,14 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
             goto err_free;
         }
     }
-    st = pd_kv_seq_reserve(e->tpool, &r->tkv, n_prompt, err);
+    /* Admission reserves the request's whole worst case (prompt, every new token and one draft
+     * block past the last), so a running request never meets an empty pool mid-decode; a full
+     * pool answers BUSY here instead, where the caller can queue. */
+    long worst = (long)n_prompt + params->max_new_tokens + e->B + 1;
+    int reserve = worst < e->tm->cfg.max_position_embeddings ? (int)worst : e->tm->cfg.max_position_embeddings;
+    st = pd_kv_seq_reserve(e->tpool, &r->tkv, reserve, err);
     if (st == PD_OK && e->dpool != NULL)
-        st = pd_kv_seq_reserve(e->dpool, &r->dkv, n_prompt, err);
+        st = pd_kv_seq_reserve(e->dpool, &r->dkv, reserve, err);
     if (st == PD_OK && e->cp_n > 1 && !external) {
         r->cp_kv = calloc((size_t)e->cp_n - 1, sizeof(*r->cp_kv));
         if (r->cp_kv == NULL)
