@@ -114,6 +114,7 @@ struct decode_server {
     const void *waddr;
     size_t waddr_len;
     float *aux_arena;
+    void *kv_stage;                  /* host mirror of the KV pool when it is device memory */
     int aux_rows;
     aux_seg *segs;
     int n_segs, cap_segs;
@@ -648,6 +649,28 @@ static int never_delivered(const char *msg)
     return strstr(msg, "failed to connect") != NULL || strstr(msg, "Connection refused") != NULL;
 }
 
+/* Staging: copy the prompt's pages (every layer's K and V) from the host mirror to the pool. */
+static pd_status upload_staged(decode_server *s, decode_handle *h, pd_err *err)
+{
+    if (s->kv_stage == NULL)
+        return PD_OK;
+    pd_kv_pool *pool = pd_engine_target_pool(s->eng);
+    const pd_kv_layout *lay = pd_kv_pool_layout(pool);
+    const kern_buf *kb = pd_kv_pool_buf(pool);
+    size_t pb = pd_kv_page_bytes(lay);
+    int np = (h->n_prompt + lay->page_size - 1) / lay->page_size;
+    for (int l = 0; l < lay->n_layers; l++)
+        for (int half = 0; half < 2; half++)
+            for (int p = 0; p < np; p++) {
+                size_t off = ((size_t)(2 * l + half) * (size_t)lay->n_pages + (size_t)h->r->tkv.pages[p]) * pb;
+                pd_status st = kern_upload(s->be, (char *)kb->ptr + off, (const char *)s->kv_stage + off,
+                                           pb, err);
+                if (st != PD_OK)
+                    return st;
+            }
+    return PD_OK;
+}
+
 static void on_reply_loop(void *arg)
 {
     reply_msg *m = arg;
@@ -698,9 +721,10 @@ static void on_reply_loop(void *arg)
     }
     PD_ASSERT(h->state == H_PREFILL);
     if (st == PD_OK) {
-        pd_err err;
+        pd_err err = {0};
         const float *aux = s->aux_arena + (size_t)h->aux_row * (size_t)s->aux_dim;
-        if (pd_engine_complete_prefill(s->eng, h->r, first, s->dm != NULL ? aux : NULL, &err) == PD_OK) {
+        if (upload_staged(s, h, &err) == PD_OK &&
+            pd_engine_complete_prefill(s->eng, h->r, first, s->dm != NULL ? aux : NULL, &err) == PD_OK) {
             aux_free(s, h->aux_row);
             h->aux_row = -1;
             s->n_prefill--;
@@ -1173,11 +1197,6 @@ static pd_status resolve_nodes(decode_server *s, const char *list, pd_err *err)
 
 static pd_status setup_xfer(decode_server *s, pd_err *err)
 {
-    if (!s->be->is_host)
-        return pd_err_set(err, PD_ERR_UNSUPPORTED,
-                          "disaggregated mode needs host KV memory: --device %s is not supported "
-                          "without UCX device-memory support (host staging not implemented)",
-                          s->device);
     pd_xfer_config xc;
     pd_xfer_config_default(&xc);
     xc.name = "decode";
@@ -1186,7 +1205,19 @@ static pd_status setup_xfer(decode_server *s, pd_err *err)
     if (st != PD_OK)
         return st;
     const kern_buf *kb = pd_kv_pool_buf(pd_engine_target_pool(s->eng));
-    st = pd_xfer_mem_register(s->x, kb->ptr, kb->bytes, &s->kv_mem, err);
+    /* device KV that UCX cannot reach: prefill nodes put into a host mirror of the pool and the
+     * prompt's pages are uploaded when the Prefill reply arrives (PD_XFER_FORCE_STAGING=1 takes
+     * this path with host memory too, for tests) */
+    const char *force = getenv("PD_XFER_FORCE_STAGING");
+    if ((!s->be->is_host && !pd_xfer_supports_cuda(s->x)) || (force != NULL && strcmp(force, "1") == 0)) {
+        s->kv_stage = calloc(1, kb->bytes);
+        if (s->kv_stage == NULL)
+            return pd_err_set(err, PD_ERR_NOMEM, "kv staging mirror: %zu bytes", kb->bytes);
+        PD_LOG_INFO("decode", "kv pages arrive in a host mirror (%zu bytes) and are uploaded",
+                    kb->bytes);
+    }
+    st = pd_xfer_mem_register(s->x, s->kv_stage != NULL ? s->kv_stage : kb->ptr, kb->bytes,
+                              &s->kv_mem, err);
     if (st != PD_OK)
         return st;
     st = pd_xfer_mem_pack(s->kv_mem, &s->kv_rkey, &s->kv_rkey_len, err);
@@ -1341,6 +1372,7 @@ void decode_server_destroy(decode_server *s)
     pd_xfer_mem_deregister(s->aux_mem);
     pd_xfer_destroy(s->x);
     free(s->aux_arena);
+    free(s->kv_stage);
     free(s->segs);
     free(s->nodes);
     pd_engine_destroy(s->eng);

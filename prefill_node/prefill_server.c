@@ -65,6 +65,7 @@ typedef struct job {
     char xfer_msg[600];
     pd_status cancel_st;        /* why the transfer was cancelled (TIMEOUT, CANCELLED) */
     uint64_t bytes;
+    char *stage;                /* host copy of the pages being put (staging), owned */
     struct job *prev, *next;
 } job;
 
@@ -77,6 +78,7 @@ struct prefill_server {
     pd_engine *eng;
     pd_kv_layout lay;           /* our pool's layout */
     size_t page_bytes;
+    int stage;                  /* stage KV pages through host memory before the puts */
     int vocab, max_ctx, aux_dim, cp_n;
     pd_loop *loop;
     pthread_t thread;
@@ -121,6 +123,7 @@ static void job_unref(job *j)
     free(j->pages);
     free(j->kv_rkey);
     free(j->aux_rkey);
+    free(j->stage);
     free(j);
 }
 
@@ -347,7 +350,12 @@ static void start_transfer(prefill_server *ps, job *j)
         st = pd_err_set(&err, PD_ERR_NOMEM, "spans");
         goto fail;
     }
-    size_t n = 0;
+    size_t n = 0, idx = 0;
+    if (ps->stage && (j->stage = malloc(max_spans * pb)) == NULL) {
+        free(sp);
+        st = pd_err_set(&err, PD_ERR_NOMEM, "kv staging: %zu bytes", max_spans * pb);
+        goto fail;
+    }
     pd_kv_pool *pool = pd_engine_target_pool(ps->eng);
     uint64_t rn = j->remote_pool_pages;
     for (int l = 0; l < ps->lay.n_layers; l++) {
@@ -356,6 +364,14 @@ static void start_transfer(prefill_server *ps, job *j)
             const char *base = half == 0 ? (const char *)kv.k : (const char *)kv.v;
             for (int p = 0; p < j->n_pages; p++) {
                 const char *s = base + (size_t)src->pages[p] * pb;
+                if (j->stage != NULL) {
+                    char *h = j->stage + idx++ * pb;
+                    if ((st = kern_download(ps->be, h, s, pb, &err)) != PD_OK) {
+                        free(sp);
+                        goto fail;
+                    }
+                    s = h;
+                }
                 uint64_t ra = j->kv_base + ((uint64_t)(2 * l + half) * rn + j->pages[p]) * pb;
                 /* merge runs that are contiguous on both sides */
                 if (n > 0 && (const char *)sp[n - 1].src + sp[n - 1].len == s &&
@@ -872,11 +888,6 @@ pd_status prefill_server_create(const prefill_config *cfg, prefill_server **out,
     kern_backend_config bc = { .name = ps->device };
     if ((st = kern_backend_create(&bc, &ps->be, err)) != PD_OK)
         goto err_destroy;
-    if (!ps->be->is_host) {
-        st = pd_err_set(err, PD_ERR_UNSUPPORTED, "--device %s: device KV pages need UCX device-memory "
-                        "support or host staging (not implemented); use --device cpu", ps->device);
-        goto err_destroy;
-    }
     if ((st = pd_qwen3_load(ps->be, ps->model_dir, &ps->tm, err)) != PD_OK)
         goto err_destroy;
     if (ps->draft_dir != NULL && (st = pd_dspark_load(ps->be, ps->draft_dir, ps->tm, &ps->dm, err)) != PD_OK)
@@ -907,6 +918,11 @@ pd_status prefill_server_create(const prefill_config *cfg, prefill_server **out,
     xc.timeout_ms = (uint32_t)ps->cfg.transfer_timeout_ms;
     if ((st = pd_xfer_create(&xc, &ps->x, err)) != PD_OK)
         goto err_destroy;
+    /* device KV that UCX cannot read: pages are downloaded to a per-request host buffer first
+     * (PD_XFER_FORCE_STAGING=1 takes this path with host memory too, for tests) */
+    const char *force = getenv("PD_XFER_FORCE_STAGING");
+    ps->stage = (!ps->be->is_host && !pd_xfer_supports_cuda(ps->x)) ||
+                (force != NULL && strcmp(force, "1") == 0);
     if ((st = pd_loop_watch_fd(ps->loop, pd_xfer_fd(ps->x), xfer_cb, ps, &ps->xw, err)) != PD_OK)
         goto err_destroy;
     pd_loop_timer_start(ps->tick_timer, TICK_MS, true);

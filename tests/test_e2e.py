@@ -33,10 +33,10 @@ def check(cond, msg):
         print("FAIL:", msg, flush=True)
 
 
-def start(args, name, timeout=60):
+def start(args, name, timeout=60, env=None):
     """Start a node, return (proc, 'HOST:PORT') from its 'listening grpc' line."""
     p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=open(f"{TMP}/{name}.log", "w"),
-                         env=ENV, text=True)
+                         env=dict(ENV, **(env or {})), text=True)
     t0 = time.time()
     while time.time() - t0 < timeout:
         line = p.stdout.readline()
@@ -128,6 +128,22 @@ def main():
                               "--listen", "127.0.0.1:0", "--prefill", paddr], "decode_disagg")
             try:
                 serve("disaggregated (prefill cp 2)", addr, paths, refs)
+            finally:
+                stop(dn)
+        finally:
+            stop(pn)
+        # the host-staging path (what device KV memory takes without UCX CUDA support), forced
+        # on host memory: the prefill node downloads pages before the puts, the decode node
+        # receives them in a host mirror and uploads them; 8 prompts
+        staged = {"PD_XFER_FORCE_STAGING": "1"}
+        pn, paddr = start([f"{BIN}/prefill_node", "--model", TARGET, "--draft", DRAFT, "--listen",
+                           "127.0.0.1:0"], "prefill_staged", env=staged)
+        try:
+            dn, addr = start([f"{BIN}/decode_node", "--model", TARGET, "--draft", DRAFT,
+                              "--listen", "127.0.0.1:0", "--prefill", paddr], "decode_staged",
+                             env=staged)
+            try:
+                serve("disaggregated (host staging)", addr, paths[:8], refs[:8])
             finally:
                 stop(dn)
         finally:
