@@ -1001,6 +1001,7 @@ out:
 
 pd_status pd_engine_step(pd_engine *e, pd_err *err)
 {
+    kern_backend *be = e->tm->be;
     for (int i = 0; i < e->n_reqs; i++) {
         pd_request *r = e->reqs[i];
         if (r->finish != PD_FINISH_NONE && !r->params.hold_kv) {
@@ -1011,8 +1012,13 @@ pd_status pd_engine_step(pd_engine *e, pd_err *err)
             cp_release(e, r);
         }
     }
+    be->batch_invariant = 0;
     TRY(prefill_step(e, err));
-    return decode_round(e, err);
+    /* decode rounds: a token's numbers must not depend on its batch (lossless in bf16) */
+    be->batch_invariant = 1;
+    pd_status st = decode_round(e, err);
+    be->batch_invariant = 0;
+    return st;
 }
 
 const int32_t *pd_engine_take_new(pd_request *r, int *n)
@@ -1081,6 +1087,8 @@ static pd_status time_verify(pd_engine *e, int b, int ctx_len, double *out, pd_e
         rows[t] = t;
     }
     double times[5];
+    int inv = e->tm->be->batch_invariant;
+    e->tm->be->batch_invariant = 1;   /* time the kernels decode rounds use */
     for (int it = 0; it < 6 && st == PD_OK; it++) {
         pd_tok_batch vb = { .n_tok = b, .ids = ids, .pos = pos, .seq = seq, .n_seq = n_seq, .seqs = sp };
         double t0 = now_s();
@@ -1092,6 +1100,7 @@ static pd_status time_verify(pd_engine *e, int b, int ctx_len, double *out, pd_e
         if (it > 0)   /* the first run warms up */
             times[it - 1] = now_s() - t0;
     }
+    e->tm->be->batch_invariant = inv;
     if (st == PD_OK) {
         qsort(times, 5, sizeof(double), cmp_double);
         *out = times[2];

@@ -217,6 +217,12 @@ struct kern_backend {
     kern_dtype weight_dtype;    /* dtype weights are stored in */
     kern_dtype kv_dtype;        /* dtype of KV pages */
     int is_host;                /* 1 when buffers are plain host memory (cpu) */
+    /* 1: matmul and attention compute each row exactly as they would in a batch of one, so a
+     * token's result never depends on what else is in the batch (the decode steps set it: a
+     * verify block then gives bit-identical logits to single-token decoding, which keeps greedy
+     * speculative decoding lossless in bf16). 0: fastest kernels (prefill). The CPU reference
+     * ignores it. Set by the thread that uses the backend. */
+    int batch_invariant;
 };
 
 typedef struct {

@@ -34,6 +34,7 @@ typedef struct {
 static kern_backend *be;
 static const pd_qwen3_model *tm;
 static pd_verify_policy policy = PD_VERIFY_FULL;
+static int strict_ref = 1;   /* assert equality with the reference greedy ids (fp32 runs) */
 static float threshold = 0.5f;
 static run_result prompts[N_PROMPTS];
 
@@ -220,7 +221,11 @@ static void eval_draft(const char *label, const char *dir, const cJSON *ref_prom
         lossless += eq_t;
         ref_equal += eq_r;
         TEST_CHECK_MSG(eq_t, "%s prompt %d: speculative output differs from target-only greedy", label, p);
-        TEST_CHECK_MSG(eq_r, "%s prompt %d: output differs from the reference greedy ids", label, p);
+        /* the fp32 engine must reproduce the fp32 reference; in bf16 another implementation's
+         * rounding legitimately parts from ours (the reference's own bf16 greedy differs from
+         * its fp32 greedy on 13 of 32 prompts), so there only losslessness and tau are asserted */
+        if (strict_ref)
+            TEST_CHECK_MSG(eq_r, "%s prompt %d: output differs from the reference greedy ids", label, p);
         printf("%6d  %.3f  %.3f    %4d   %4d        %s          %s\n", p,
                s->rounds ? (double)a / s->rounds : 0.0, cJSON_GetObjectItem(rp, "tau")->valuedouble,
                s->rounds, cJSON_GetObjectItem(rp, "rounds")->valueint, eq_t ? "yes" : "NO", eq_r ? "yes" : "NO");
@@ -266,6 +271,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "%s\n", err.msg);
         return 1;
     }
+    strict_ref = be->weight_dtype == KERN_DTYPE_F32;
     pd_qwen3_model *m = NULL;
     if (pd_qwen3_load(be, PD_MODELS "/tiny-code-qwen3", &m, &err) != PD_OK) {
         fprintf(stderr, "%s\n", err.msg);

@@ -942,6 +942,84 @@ static void case_name(const kcase *c, char *buf, size_t n)
         snprintf(buf, n, "%d x %d pad %d sub %d", c->rows, c->cols, c->pad, c->sub);
 }
 
+/* be->batch_invariant: a row computed inside a batch is bit-identical to the same row computed
+ * alone (matmul: verify block vs decode step; attention: one query among many, with other kv
+ * lengths in the batch). This is what keeps greedy speculative decoding lossless in bf16. */
+static void test_batch_invariance(kern_backend *g)
+{
+    pd_err err;
+    enum { N = 1024, K = 512, M = 11, NKV = 2, HD = 128, NH = 8, PS = 16 };
+    float *w = host_rand((size_t)N * K, -0.05f, 0.05f, 1), *x = host_rand((size_t)M * K, -1.0f, 1.0f, 0);
+    side sg = {g, {0}, 0};
+    kern_weight wd = side_weight(&sg, w, N, K);
+    float *xd = side_bytes(&sg, x, (size_t)M * K * 4);
+    float *y_all = side_alloc(&sg, (size_t)M * N * 4), *y_one = side_alloc(&sg, (size_t)N * 4);
+    g->batch_invariant = 1;
+    kern_matmul_args all = { .x = xd, .ld_x = K, .w = wd, .y = y_all, .ld_y = N, .m = M, .n = N, .k = K };
+    TEST_CHECK(kern_matmul(g, &all, &err) == PD_OK);
+    float *ha = side_download(&sg, y_all, (size_t)M * N * 4);
+    int same = 1;
+    for (int r = 0; r < M; r++) {
+        kern_matmul_args one = { .x = xd + (size_t)r * K, .ld_x = K, .w = wd, .y = y_one, .ld_y = N, .m = 1,
+                                 .n = N, .k = K };
+        TEST_CHECK(kern_matmul(g, &one, &err) == PD_OK);
+        float *ho = side_download(&sg, y_one, (size_t)N * 4);
+        same &= memcmp(ho, ha + (size_t)r * N, (size_t)N * 4) == 0;
+        free(ho);
+    }
+    free(ha);
+    TEST_CHECK_MSG(same, "batch-invariant matmul: a row differs from the same row computed alone");
+    printf("%s batch-invariant matmul: %d rows equal bit for bit to single-row results\n", same ? "ok  " : "FAIL", M);
+    /* attention: 3 sequences of 1500, 700 and 40 keys; query 0 alone vs in a batch of 9 */
+    int lens[3] = {1500, 700, 40}, pages_per = (1500 + PS - 1) / PS, n_pages = 3 * pages_per;
+    size_t kv_n = (size_t)n_pages * PS * NKV * HD;
+    float *kh = host_rand(kv_n, -1.0f, 1.0f, 1), *vh = host_rand(kv_n, -1.0f, 1.0f, 1);
+    void *kd = side_conv(&sg, kh, kv_n, KERN_DTYPE_BF16), *vd = side_conv(&sg, vh, kv_n, KERN_DTYPE_BF16);
+    int32_t pt[3 * 94];
+    for (int i = 0; i < 3 * pages_per; i++)
+        pt[i] = (i * 37) % n_pages;   /* scattered pages */
+    int32_t seq[9] = {0, 1, 2, 0, 1, 2, 0, 1, 2}, kvl[9];
+    for (int t = 0; t < 9; t++)
+        kvl[t] = lens[seq[t]] - t / 3;
+    float *q = host_rand((size_t)9 * NH * HD, -1.0f, 1.0f, 0);
+    int32_t *ptd = side_bytes(&sg, pt, sizeof(pt)), *seqd = side_bytes(&sg, seq, sizeof(seq)),
+            *kvld = side_bytes(&sg, kvl, sizeof(kvl));
+    float *qd = side_bytes(&sg, q, (size_t)9 * NH * HD * 4);
+    float *od = side_alloc(&sg, (size_t)9 * NH * HD * 4), *o1 = side_alloc(&sg, (size_t)NH * HD * 4);
+    kern_kv_layer kv = { .k = kd, .v = vd, .dtype = KERN_DTYPE_BF16, .page_size = PS, .n_kv_heads = NKV,
+                         .head_dim = HD };
+    kern_attn_args ab = { .kv = kv, .q = qd, .ld_q = NH * HD, .out = od, .ld_out = NH * HD, .n_tok = 9,
+                          .n_heads = NH, .tok_seq = seqd, .tok_kv_len = kvld, .page_table = ptd,
+                          .pt_stride = pages_per, .n_seq = 3, .max_kv_len = 1500, .scale = 0.088f };
+    TEST_CHECK(kern_attn(g, &ab, &err) == PD_OK);
+    float *hb = side_download(&sg, od, (size_t)9 * NH * HD * 4);
+    int same_a = 1;
+    for (int t = 0; t < 9; t++) {
+        kern_attn_args a1 = ab;
+        a1.q = qd + (size_t)t * NH * HD;
+        a1.out = o1;
+        a1.n_tok = 1;
+        a1.tok_seq = seqd + t;
+        a1.tok_kv_len = kvld + t;
+        a1.max_kv_len = kvl[t];
+        TEST_CHECK(kern_attn(g, &a1, &err) == PD_OK);
+        float *h1 = side_download(&sg, o1, (size_t)NH * HD * 4);
+        same_a &= memcmp(h1, hb + (size_t)t * NH * HD, (size_t)NH * HD * 4) == 0;
+        free(h1);
+    }
+    free(hb);
+    TEST_CHECK_MSG(same_a, "batch-invariant attention: a query differs from the same query alone");
+    printf("%s batch-invariant attention: 9 queries equal bit for bit to single-query results\n",
+           same_a ? "ok  " : "FAIL");
+    g->batch_invariant = 0;
+    side_free(&sg);
+    free(w);
+    free(x);
+    free(kh);
+    free(vh);
+    free(q);
+}
+
 int main(int argc, char **argv)
 {
     opts.seed = 1234;
@@ -1007,6 +1085,8 @@ int main(int argc, char **argv)
     }
     if (ran == 0)
         printf("no case matches --op %s\n", opts.opt_op != NULL ? opts.opt_op : "");
+    if (!opts.opt_self && (opts.opt_op == NULL || strcmp(opts.opt_op, "invariance") == 0))
+        test_batch_invariance(gpu);
     kern_backend_destroy(gpu);
     kern_backend_destroy(cpu);
     TEST_DONE();

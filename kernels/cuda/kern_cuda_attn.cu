@@ -26,6 +26,7 @@
 #define ATT_GMAX 8      /* query heads per block */
 #define ATT_MIN_SPLIT_KEYS 64   /* two tiles */
 #define ATT_MAX_SPLIT 1024      /* combine keeps one weight per split in shared memory */
+#define ATT_INV_CHUNK 512       /* batch-invariant mode: keys per split (a multiple of ATT_TK) */
 #define ATT_SPLIT_PAD(n) (((n) + 7) / 8 * 8)
 
 template <typename T>
@@ -417,7 +418,15 @@ extern "C" pd_status kern_cuda_attn_launch(kern_backend *be, const kern_attn_arg
     size_t base_blocks = (size_t)a->n_tok * p.n_kv * p.n_hchunk;
     int max_len = a->max_kv_len > 0 ? a->max_kv_len : 1;
     int n_split = 1;
-    if (base_blocks < (size_t)c->n_sm * 4) {
+    if (be->batch_invariant) {
+        /* split boundaries at fixed multiples of ATT_INV_CHUNK keys whatever the batch: a token's
+         * partials and their merge are then the same in a decode step and in a verify block (a
+         * split past a token's length contributes exact zeros; one non-empty split merges to
+         * the unsplit result bit for bit) */
+        n_split = (max_len + ATT_INV_CHUNK - 1) / ATT_INV_CHUNK;
+        if (n_split > ATT_MAX_SPLIT)
+            n_split = ATT_MAX_SPLIT;
+    } else if (base_blocks < (size_t)c->n_sm * 4) {
         int want = (int)(((size_t)c->n_sm * 8 + base_blocks - 1) / base_blocks);
         int by_len = (max_len + ATT_MIN_SPLIT_KEYS - 1) / ATT_MIN_SPLIT_KEYS;
         n_split = want < by_len ? want : by_len;
@@ -428,6 +437,8 @@ extern "C" pd_status kern_cuda_attn_launch(kern_backend *be, const kern_attn_arg
     }
     int chunk = (max_len + n_split - 1) / n_split;
     chunk = (chunk + ATT_TK - 1) / ATT_TK * ATT_TK;
+    if (be->batch_invariant && n_split > 1)
+        chunk = ATT_INV_CHUNK;
     n_split = (max_len + chunk - 1) / chunk;
     p.n_split = n_split;
     p.chunk = chunk;

@@ -8,6 +8,8 @@
  *   pack launch: gemv_bf16_kernel, a warp per output column (x rounded to bf16 as for cuBLAS,
  *   fp32 accumulation). On an H200 it took the synthetic Qwen3-4B batch-1 decode step from
  *   5.34 to 4.74 ms (graph replay; docs/BENCHMARKS.md).
+ *   be->batch_invariant (decode rounds): gemv_rows_bf16_kernel for every m, so a row's result
+ *   does not depend on the batch (lossless greedy speculative decoding in bf16).
  * Not here: shape checks (kern_ops.c). Threading: enqueues on the backend stream. */
 #include "kern_cuda_internal.h"
 
@@ -87,6 +89,76 @@ gemv_bf16_kernel(const float *__restrict__ x, int k, const __nv_bfloat16 *__rest
         y[col] = accumulate ? y[col] + acc : acc;
 }
 
+/* Batch-invariant GEMV for any m (be->batch_invariant): the m = 1 kernel's exact arithmetic for
+ * every row - lane l of the warp of column c accumulates row r over the same k positions in the
+ * same order and the warp sum is the same - while each weight chunk is loaded once for up to
+ * GEMV_ROWS rows (grid.y walks the row groups). So a verify block of 8 tokens produces, row by
+ * row, the bits a single-token decode step would. Needs k % 8 == 0, 16-byte aligned w rows, x and
+ * ld_x % 4 == 0. */
+#define GEMV_ROWS 8
+__global__ void __launch_bounds__(GEMV_THREADS)
+gemv_rows_bf16_kernel(const float *__restrict__ x, int ld_x, int m, int k,
+                      const __nv_bfloat16 *__restrict__ w, float *__restrict__ y, int ld_y, int n,
+                      int accumulate)
+{
+    int col = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) >> 5);
+    int lane = threadIdx.x & 31;
+    int r0 = blockIdx.y * GEMV_ROWS;
+    if (col >= n)
+        return;
+    int nr = m - r0 < GEMV_ROWS ? m - r0 : GEMV_ROWS;
+    const __nv_bfloat16 *wr = w + (size_t)col * k;
+    float acc[GEMV_ROWS];
+#pragma unroll
+    for (int r = 0; r < GEMV_ROWS; r++)
+        acc[r] = 0.0f;
+    for (int k0 = lane * 8; k0 < k; k0 += GEMV_DEPTH * 256) {
+        uint4 u[GEMV_DEPTH];
+#pragma unroll
+        for (int j = 0; j < GEMV_DEPTH; j++) {
+            int kk = k0 + j * 256;
+            u[j] = kk < k ? __ldg((const uint4 *)(wr + kk)) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int j = 0; j < GEMV_DEPTH; j++) {
+            int kk = k0 + j * 256;
+            if (kk >= k)
+                break;
+            const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u[j];
+#pragma unroll
+            for (int r = 0; r < GEMV_ROWS; r++) {
+                if (r >= nr)
+                    break;
+                const float *xr = x + (size_t)(r0 + r) * ld_x + kk;
+                float4 a = *(const float4 *)xr, b = *(const float4 *)(xr + 4);
+                float xf[8] = { a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w };
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    float2 v = __bfloat1622float2(h[i]);
+                    acc[r] = fmaf(v.x, __bfloat162float(__float2bfloat16_rn(xf[2 * i])), acc[r]);
+                    acc[r] = fmaf(v.y, __bfloat162float(__float2bfloat16_rn(xf[2 * i + 1])), acc[r]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < GEMV_ROWS; r++) {
+        if (r >= nr)
+            break;
+        float v = kern_cuda_warp_sum(acc[r]);
+        if (lane == 0) {
+            float *yo = y + (size_t)(r0 + r) * ld_y + col;
+            *yo = accumulate ? *yo + v : v;
+        }
+    }
+}
+
+static int gemv_rows_fits(const kern_matmul_args *a)
+{
+    return a->w.dtype == KERN_DTYPE_BF16 && a->k % 8 == 0 && a->ld_x % 4 == 0 &&
+           (uintptr_t)a->w.data % 16 == 0 && (uintptr_t)a->x % 16 == 0;
+}
+
 /* m = 1 with BF16 weights and k >= 256 (decode steps of one request). m > 1 stays on cuBLAS: a
  * first version of this kernel for m <= 8 re-read x per column from L1/L2 and ran 2x slower
  * than cuBLAS there; k < 256 leaves lanes idle (the Markov head's [vocab, 64] product ran
@@ -114,6 +186,13 @@ extern "C" pd_status kern_cuda_matmul_launch(kern_backend *be, const kern_matmul
                                   (const float *)a->w.data, a->k, a->x, a->ld_x, &beta, a->y,
                                   a->ld_y),
                       err);
+    } else if (be->batch_invariant && gemv_rows_fits(a)) {
+        dim3 grid((unsigned)(((size_t)a->n * 32 + GEMV_THREADS - 1) / GEMV_THREADS),
+                  (unsigned)((a->m + GEMV_ROWS - 1) / GEMV_ROWS));
+        gemv_rows_bf16_kernel<<<grid, GEMV_THREADS, 0, c->stream>>>(
+            a->x, a->ld_x, a->m, a->k, (const __nv_bfloat16 *)a->w.data, a->y, a->ld_y, a->n,
+            a->accumulate);
+        KERN_CUDA_LAUNCH_CHECK(err);
     } else if (gemv_fits(a)) {
         unsigned blocks = (unsigned)(((size_t)a->n * 32 + GEMV_THREADS - 1) / GEMV_THREADS);
         gemv_bf16_kernel<<<blocks, GEMV_THREADS, 0, c->stream>>>(
