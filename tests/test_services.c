@@ -494,6 +494,52 @@ static void test_services_lifecycle(void)
     node_stop(&pn2, SIGTERM);
 }
 
+/* Admission by free KV pages: a request that does not fit waits in the queue and runs once pages
+ * come back; with the queue full the next one gets RESOURCE_EXHAUSTED at once. */
+static void test_services_admission(void)
+{
+    node dn = {0};
+    char *dargv[] = { PD_BIN_DIR "/decode_node", "--model", TARGET, "--draft", DRAFT, "--listen",
+                      "127.0.0.1:0", "--colocated", "--kv-pages", "24", "--max-queue", "1",
+                      "--queue-timeout-ms", "20000", NULL };
+    if (node_start(dargv, &dn) != 0) {
+        TEST_CHECK_MSG(0, "decode node did not start");
+        return;
+    }
+    pd_err err;
+    pd_rpc_channel *ch = NULL;
+    TEST_CHECK(pd_rpc_channel_create(dn.addr, &ch, &err) == PD_OK);
+    gen_call a = { .max_new = 40, .ignore_eos = 1, .top_p = 1.0f, .timeout_ms = 30000 };
+    gen_call b = a, c = a;
+    prompt_ids(&a, 200, 50);
+    prompt_ids(&b, 200, 51);
+    prompt_ids(&c, 200, 52);
+    thr_arg ta = { ch, &a }, tb = { ch, &b };
+    pthread_t pa, pb;
+    Pdspark__HealthReply h = PDSPARK__HEALTH_REPLY__INIT;
+    pthread_create(&pa, NULL, gen_thread, &ta);
+    double t0 = now_ms();
+    while (now_ms() - t0 < 10000 && !(health(ch, &h) == 0 && h.active_requests == 1))
+        usleep(5000);
+    pthread_create(&pb, NULL, gen_thread, &tb);
+    t0 = now_ms();
+    while (now_ms() - t0 < 10000 && !(health(ch, &h) == 0 && h.queued_requests == 1))
+        usleep(5000);
+    TEST_CHECK_MSG(h.queued_requests == 1 && h.active_requests == 1, "%u active, %u queued",
+                   h.active_requests, h.queued_requests);
+    gen_run(ch, &c);
+    expect(&c, PD_ERR_BUSY, "waiting for KV pages", "queue full");
+    pthread_join(pa, NULL);
+    pthread_join(pb, NULL);
+    TEST_CHECK_MSG(a.st == PD_OK && a.tokens == 40, "first: %s %s", pd_status_str(a.st), a.msg);
+    TEST_CHECK_MSG(b.st == PD_OK && b.tokens == 40, "queued: %s %s", pd_status_str(b.st), b.msg);
+    free(a.ids);
+    free(b.ids);
+    free(c.ids);
+    pd_rpc_channel_destroy(ch);
+    node_stop(&dn, SIGTERM);
+}
+
 /* Several prefill addresses, one of them dead: a name that resolves to several addresses counts
  * as several nodes, and a Prefill that never reached its node is re-sent to another one. */
 static void test_services_multi_node(void)
@@ -543,5 +589,7 @@ int main(int argc, char **argv)
         test_services_lifecycle();
     if (strcmp(only, "all") == 0 || strcmp(only, "multi-node") == 0)
         test_services_multi_node();
+    if (strcmp(only, "all") == 0 || strcmp(only, "admission") == 0)
+        test_services_admission();
     TEST_DONE();
 }
