@@ -23,7 +23,7 @@ static void usage(FILE *f)
             "usage: pdspark-client --server HOST:PORT (--prompt TEXT | --prompt-ids FILE | --health)\n"
             "                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
             "                      [--seed S] [--ignore-eos] [--timeout-ms N] [--request-id ID]\n"
-            "                      [--json] [--stream] [--disconnect-after N]\n"
+            "                      [--stop STR]... [--json] [--stream] [--disconnect-after N]\n"
             "\n"
             "Streams one completion from a decode node. Text is printed as it arrives; --json\n"
             "prints instead one object at the end with the fields of pdspark-generate --json\n"
@@ -115,10 +115,12 @@ int main(int argc, char **argv)
     const char *server = NULL, *prompt = NULL, *ids_path = NULL, *req_id = NULL;
     int max_new = 128, top_k = 0, json = 0, stream = 0, ignore_eos = 0, health = 0;
     int disconnect_after = -1;
+    char *stops[16];
+    size_t n_stops = 0;
     int64_t seed = 0, timeout_ms = 0;
     float temperature = 0.0f, top_p = 1.0f;
     enum { O_SERVER = 256, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_IGNORE,
-           O_TMO, O_RID, O_JSON, O_STREAM, O_DISC, O_HEALTH, O_HELP };
+           O_TMO, O_RID, O_JSON, O_STREAM, O_DISC, O_HEALTH, O_STOP, O_HELP };
     static const struct option opts[] = {
         {"server", required_argument, 0, O_SERVER}, {"prompt", required_argument, 0, O_PROMPT},
         {"prompt-ids", required_argument, 0, O_IDS}, {"max-new-tokens", required_argument, 0, O_MAXNEW},
@@ -127,7 +129,8 @@ int main(int argc, char **argv)
         {"ignore-eos", no_argument, 0, O_IGNORE}, {"timeout-ms", required_argument, 0, O_TMO},
         {"request-id", required_argument, 0, O_RID}, {"json", no_argument, 0, O_JSON},
         {"stream", no_argument, 0, O_STREAM}, {"disconnect-after", required_argument, 0, O_DISC},
-        {"health", no_argument, 0, O_HEALTH}, {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0},
+        {"health", no_argument, 0, O_HEALTH}, {"stop", required_argument, 0, O_STOP},
+        {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0},
     };
     opterr = 0;
     int c;
@@ -149,6 +152,13 @@ int main(int argc, char **argv)
         case O_STREAM: stream = 1; break;
         case O_DISC: bad = decode_parse_int(PROG, "--disconnect-after", optarg, 0, INT_MAX, &disconnect_after); break;
         case O_HEALTH: health = 1; break;
+        case O_STOP:
+            if (n_stops == sizeof(stops) / sizeof(stops[0])) {
+                fprintf(stderr, PROG ": at most 16 --stop strings\n");
+                return 2;
+            }
+            stops[n_stops++] = optarg;
+            break;
         case O_HELP: usage(stdout); return 0;
         default:
             fprintf(stderr, PROG ": unknown or incomplete flag '%s'\n", argv[optind - 1]);
@@ -206,6 +216,8 @@ int main(int argc, char **argv)
     sp.seed = (uint64_t)seed;
     sp.max_new_tokens = (uint32_t)max_new;
     sp.ignore_eos = ignore_eos;
+    sp.n_stop = n_stops;
+    sp.stop = stops;
     Pdspark__GenerateRequest rq = PDSPARK__GENERATE_REQUEST__INIT;
     rq.version = PD_PROTO_VERSION;
     rq.request_id = (char *)(req_id != NULL ? req_id : "");

@@ -23,9 +23,19 @@ typedef struct {
     decode_server *s;
     decode_handle *h;      /* under mu */
     int gone;              /* under mu: the client went away before h was known */
+    int stopped;           /* under mu: a stop string matched (the request is being cancelled) */
     int want_ids;
     int want_stats;
+    /* stop strings (engine thread): text is held back while it may still start a match */
+    char **stop;
+    int n_stop;
+    char *pend;            /* received, not yet sent */
+    size_t pend_len, pend_cap;
+    uint32_t n_sent_ids;
 } gen_ctx;
+
+#define MAX_STOP 16
+#define MAX_STOP_LEN 256
 
 static void ctx_unref(gen_ctx *c)
 {
@@ -33,6 +43,10 @@ static void ctx_unref(gen_ctx *c)
         return;
     decode_handle_release(c->h);
     pthread_mutex_destroy(&c->mu);
+    for (int i = 0; i < c->n_stop; i++)
+        free(c->stop[i]);
+    free(c->stop);
+    free(c->pend);
     free(c);
 }
 
@@ -47,6 +61,55 @@ static Pdspark__FinishReason finish_to_proto(pd_finish_reason f)
     }
 }
 
+static int pend_add(gen_ctx *c, const char *t, size_t n)
+{
+    if (c->pend_len + n + 1 > c->pend_cap) {
+        size_t cap = c->pend_cap ? c->pend_cap : 256;
+        while (c->pend_len + n + 1 > cap)
+            cap *= 2;
+        char *np = realloc(c->pend, cap);
+        if (np == NULL)
+            return -1;
+        c->pend = np;
+        c->pend_cap = cap;
+    }
+    memcpy(c->pend + c->pend_len, t, n);
+    c->pend_len += n;
+    c->pend[c->pend_len] = '\0';
+    return 0;
+}
+
+/* With stop strings: how many bytes of pend may be sent now. *hit is set when a stop string
+ * starts at the returned offset (the text from there on is dropped). At the end (final) nothing
+ * is held back. */
+static size_t stop_safe(gen_ctx *c, int final, int *hit)
+{
+    *hit = 0;
+    size_t best = c->pend_len;
+    for (int i = 0; i < c->n_stop; i++) {
+        size_t sl = strlen(c->stop[i]);
+        for (size_t at = 0; at + sl <= c->pend_len && at < best; at++)
+            if (memcmp(c->pend + at, c->stop[i], sl) == 0) {
+                best = at;
+                *hit = 1;
+                break;
+            }
+    }
+    if (*hit || final)
+        return best;
+    /* hold back the longest tail that is a proper prefix of a stop string */
+    size_t keep = 0;
+    for (int i = 0; i < c->n_stop; i++) {
+        size_t sl = strlen(c->stop[i]);
+        for (size_t k = sl - 1; k > keep; k--)
+            if (k <= c->pend_len && memcmp(c->pend + c->pend_len - k, c->stop[i], k) == 0) {
+                keep = k;
+                break;
+            }
+    }
+    return c->pend_len - keep;
+}
+
 static void gen_on_token(void *ud, const decode_chunk *ch)
 {
     gen_ctx *c = ud;
@@ -54,11 +117,40 @@ static void gen_on_token(void *ud, const decode_chunk *ch)
     m.version = PD_PROTO_VERSION;
     m.request_id = (char *)ch->request_id;
     m.text_delta = (char *)ch->text;
+    char *sendbuf = NULL;
+    if (c->n_stop > 0) {
+        pthread_mutex_lock(&c->mu);
+        int stopped = c->stopped;
+        pthread_mutex_unlock(&c->mu);
+        if (stopped)
+            return;
+        int hit = 0;
+        if (pend_add(c, ch->text, ch->text_len) != 0)
+            return;
+        size_t safe = stop_safe(c, 0, &hit);
+        sendbuf = strndup(c->pend, safe);
+        if (sendbuf == NULL)
+            return;
+        if (hit) {
+            c->pend_len = 0;
+            pthread_mutex_lock(&c->mu);
+            c->stopped = 1;
+            decode_handle *h = c->h;
+            pthread_mutex_unlock(&c->mu);
+            decode_cancel(h);   /* NULL before the handler knows h: it cancels then */
+        } else {
+            memmove(c->pend, c->pend + safe, c->pend_len - safe + 1);
+            c->pend_len -= safe;
+        }
+        m.text_delta = sendbuf;
+        c->n_sent_ids += (uint32_t)ch->n_ids;
+    }
     if (c->want_ids) {
         m.n_token_ids = (size_t)ch->n_ids;
         m.token_ids = (uint32_t *)(uintptr_t)ch->ids;   /* int32 ids >= 0: same bits */
     }
     pd_status st = pd_rpc_stream_write(c->call, &m.base);
+    free(sendbuf);
     pthread_mutex_lock(&c->mu);
     decode_handle *h = c->h;
     pthread_mutex_unlock(&c->mu);
@@ -73,10 +165,21 @@ static void gen_on_token(void *ud, const decode_chunk *ch)
 static void gen_on_done(void *ud, const decode_result *res)
 {
     gen_ctx *c = ud;
-    if (res->status != PD_OK) {
+    pthread_mutex_lock(&c->mu);
+    int stopped = c->stopped;
+    pthread_mutex_unlock(&c->mu);
+    if (res->status != PD_OK && !(stopped && res->status == PD_ERR_CANCELLED)) {
         pd_rpc_finish(c->call, res->status, res->error);
         ctx_unref(c);
         return;
+    }
+    char *tail = NULL;
+    if (c->n_stop > 0 && !stopped) {
+        int hit = 0;
+        if (pend_add(c, res->text_tail, res->text_tail_len) == 0) {
+            tail = strndup(c->pend, stop_safe(c, 1, &hit));
+            stopped = hit;
+        }
     }
     Pdspark__GenerateChunk m = PDSPARK__GENERATE_CHUNK__INIT;
     Pdspark__Usage u = PDSPARK__USAGE__INIT;
@@ -86,10 +189,15 @@ static void gen_on_done(void *ud, const decode_result *res)
     m.text_delta = (char *)res->text_tail;
     m.final = 1;
     m.finish_reason = finish_to_proto(res->finish);
+    if (c->n_stop > 0) {
+        m.text_delta = tail != NULL ? tail : "";
+        if (stopped)
+            m.finish_reason = PDSPARK__FINISH_REASON__FINISH_REASON_STOP;
+    }
     m.device = (char *)decode_server_device(c->s);
     u.version = PD_PROTO_VERSION;
     u.prompt_tokens = (uint32_t)res->prompt_tokens;
-    u.completion_tokens = (uint32_t)res->n_tokens;
+    u.completion_tokens = stopped ? c->n_sent_ids : (uint32_t)res->n_tokens;
     m.usage = &u;
     uint32_t *apr = NULL, *pos = NULL;
     if (c->want_stats) {
@@ -119,6 +227,7 @@ static void gen_on_done(void *ud, const decode_result *res)
     pd_rpc_stream_write(c->call, &m.base);
     free(apr);
     free(pos);
+    free(tail);
     pd_rpc_finish(c->call, PD_OK, NULL);
     ctx_unref(c);
 }
@@ -166,11 +275,17 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
             pd_rpc_finish(call, PD_ERR_INVALID, "SamplingParams: protocol version mismatch");
             return PD_OK;
         }
-        if (sp->n_stop > 0) {
+        if (sp->n_stop > MAX_STOP) {
             free(ids);
-            pd_rpc_finish(call, PD_ERR_UNSUPPORTED, "stop strings are not supported yet");
+            pd_rpc_finish(call, PD_ERR_INVALID, "more than 16 stop strings");
             return PD_OK;
         }
+        for (size_t i = 0; i < sp->n_stop; i++)
+            if (sp->stop[i] == NULL || sp->stop[i][0] == '\0' || strlen(sp->stop[i]) > MAX_STOP_LEN) {
+                free(ids);
+                pd_rpc_finish(call, PD_ERR_INVALID, "stop strings must be 1..256 bytes");
+                return PD_OK;
+            }
         dr.temperature = sp->temperature;
         dr.top_p = sp->top_p;
         dr.top_k = sp->top_k > (uint32_t)INT32_MAX ? -1 : (int)sp->top_k;
@@ -194,6 +309,22 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
     c->s = s;
     c->want_ids = rq->return_token_ids;
     c->want_stats = rq->return_stats;
+    size_t n_stop = rq->sampling != NULL ? rq->sampling->n_stop : 0;
+    if (n_stop > 0) {
+        c->stop = calloc(n_stop, sizeof(char *));
+        for (size_t i = 0; c->stop != NULL && i < n_stop; i++) {
+            c->stop[i] = strdup(rq->sampling->stop[i]);
+            if (c->stop[i] == NULL)
+                break;
+            c->n_stop++;
+        }
+        if (c->n_stop != (int)n_stop) {
+            free(ids);
+            atomic_store(&c->refs, 1);
+            ctx_unref(c);
+            return pd_err_set(&err, PD_ERR_NOMEM, "stop strings");
+        }
+    }
     pd_rpc_call_on_done(call, gen_rpc_done, c);
     decode_handle *h = NULL;
     pd_status st = decode_submit(s, &dr, gen_on_token, gen_on_done, c, &h, &err);
@@ -207,7 +338,7 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
     }
     pthread_mutex_lock(&c->mu);
     c->h = h;
-    int gone = c->gone;
+    int gone = c->gone || c->stopped;
     pthread_mutex_unlock(&c->mu);
     if (gone)
         decode_cancel(h);

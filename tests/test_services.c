@@ -119,10 +119,13 @@ typedef struct {
     uint64_t timeout_ms;
     uint32_t version;         /* 0 = PD_PROTO_VERSION */
     int disconnect_after;     /* > 0: cancel after this many chunks */
+    char *stop;               /* one stop string, or NULL */
     /* results */
     pd_status st;
     char msg[512];
     int chunks, tokens;
+    int finish;               /* finish reason of the final chunk */
+    char out[4096];           /* the streamed text */
     double ms;
 } gen_call;
 
@@ -134,6 +137,11 @@ static void gen_run(pd_rpc_channel *ch, gen_call *g)
     sp.top_p = g->top_p;
     sp.max_new_tokens = g->max_new;
     sp.ignore_eos = g->ignore_eos;
+    if (g->stop != NULL) {
+        sp.n_stop = 1;
+        sp.stop = &g->stop;
+    }
+    g->out[0] = '\0';
     Pdspark__GenerateRequest rq = PDSPARK__GENERATE_REQUEST__INIT;
     rq.version = g->version ? g->version : PD_PROTO_VERSION;
     rq.prompt_text = (char *)(g->text != NULL ? g->text : "");
@@ -153,7 +161,11 @@ static void gen_run(pd_rpc_channel *ch, gen_call *g)
         if (g->st != PD_OK || m == NULL)
             break;
         g->chunks++;
-        g->tokens += (int)((Pdspark__GenerateChunk *)m)->n_token_ids;
+        const Pdspark__GenerateChunk *ck = (const Pdspark__GenerateChunk *)m;
+        g->tokens += (int)ck->n_token_ids;
+        if (ck->final)
+            g->finish = (int)ck->finish_reason;
+        strncat(g->out, ck->text_delta != NULL ? ck->text_delta : "", sizeof(g->out) - strlen(g->out) - 1);
         protobuf_c_message_free_unpacked(m, NULL);
         if (g->disconnect_after > 0 && g->chunks >= g->disconnect_after) {
             pd_rpc_stream_cancel(s);
@@ -336,6 +348,13 @@ static void test_services_bad_input(void)
                       5000, &m, &err);
     TEST_CHECK_MSG(st == PD_ERR_INVALID && strstr(err.msg, "layer count") != NULL,
                    "layer mismatch: %s %s", pd_status_str(st), err.msg);
+
+    /* a stop string ends the text before it, finish reason STOP */
+    gen_call sg = { .max_new = 60, .ignore_eos = 1, .top_p = 1.0f, .text = "def fib(n):", .stop = "return" };
+    gen_run(ch, &sg);
+    TEST_CHECK_MSG(sg.st == PD_OK && sg.finish == PDSPARK__FINISH_REASON__FINISH_REASON_STOP &&
+                   strstr(sg.out, "return") == NULL && sg.out[0] != 0,
+                   "stop string: %s %s finish %d text '%s'", pd_status_str(sg.st), sg.msg, sg.finish, sg.out);
 
     /* the decode node keeps serving */
     gen_call ok = { .max_new = 16, .top_p = 1.0f };
