@@ -1056,10 +1056,16 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
                         n, s->max_ctx);
         goto err_ids;
     }
-    int need = (n + 1 + s->page_size - 1) / s->page_size;
+    /* the engine admits a request with its worst case reserved (prompt, every new token, one
+     * draft block): one that can never fit is refused now instead of waiting in the queue */
+    long max_new = req->max_new_tokens > 0 ? req->max_new_tokens : 128;
+    long worst = (long)n + max_new + s->block_size + 1;
+    if (worst > s->max_ctx)
+        worst = s->max_ctx;
+    long need = (worst + s->page_size - 1) / s->page_size;
     if (need > s->total_pages) {
-        st = pd_err_set(err, PD_ERR_INVALID, "prompt of %d tokens needs %d KV pages, the pool has %d",
-                        n, need, s->total_pages);
+        st = pd_err_set(err, PD_ERR_INVALID, "prompt of %d tokens with max_new_tokens %ld needs %ld "
+                        "KV pages, the pool has %d", n, max_new, need, s->total_pages);
         goto err_ids;
     }
     if (!s->cfg.colocated && n > s->aux_rows) {

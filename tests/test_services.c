@@ -548,6 +548,10 @@ static void test_services_admission(void)
                    h.active_requests, h.queued_requests);
     gen_run(ch, &c);
     expect(&c, PD_ERR_BUSY, "waiting for KV pages", "queue full");
+    gen_call never = c;
+    never.max_new = 400;   /* 200 + 400 tokens can never fit 24 pages of 16 */
+    gen_run(ch, &never);
+    expect(&never, PD_ERR_INVALID, "KV pages", "larger than the pool");
     pthread_join(pa, NULL);
     pthread_join(pb, NULL);
     TEST_CHECK_MSG(a.st == PD_OK && a.tokens == 40, "first: %s %s", pd_status_str(a.st), a.msg);
