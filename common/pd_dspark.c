@@ -94,6 +94,21 @@ static pd_status copy_cols(kern_backend *be, const float *src, int ld_src, float
     return kern_copy_rows(be, &cp, err);
 }
 
+static pd_status ensure_ctx(pd_draft *d, int n, pd_err *err)
+{
+    return kern_buf_grow(d->m->be, &d->ctx, &d->cap_ctx, n, (size_t)d->H * sizeof(float), err);
+}
+
+/* k/v of context rows for every draft layer, stored at the batch's slots */
+static pd_status store_ctx(pd_draft *d, const float *ctx, int n, pd_err *err)
+{
+    const pd_dspark_model *m = d->m;
+    for (int l = 0; l < m->cfg.base.num_hidden_layers; l++)
+        TRY(pd_layer_store_kv(&d->act, &m->cfg.base, &m->layers[l], pd_kv_pool_layer(d->pool, l), ctx, n,
+                              err));
+    return PD_OK;
+}
+
 pd_status pd_draft_extend(pd_draft *d, const float *aux, int ld_aux, const pd_tok_batch *b, pd_err *err)
 {
     const pd_dspark_model *m = d->m;
@@ -105,16 +120,7 @@ pd_status pd_draft_extend(pd_draft *d, const float *aux, int ld_aux, const pd_to
     if (ld_aux < K * H)
         return pd_err_set(err, PD_ERR_INVALID, "draft context: aux row of %d values, need %d (%d taps x %d)",
                           ld_aux, K * H, K, H);
-    if (n > d->cap_ctx) {
-        int cap = d->cap_ctx > 0 ? d->cap_ctx : 64;
-        while (cap < n)
-            cap *= 2;
-        kern_buf *nb = NULL;
-        TRY(kern_buf_alloc(be, (size_t)cap * H * sizeof(float), &nb, err));
-        kern_buf_free(d->ctx);
-        d->ctx = nb;
-        d->cap_ctx = cap;
-    }
+    TRY(ensure_ctx(d, n, err));
     int pt_stride = 0, max_kv = 0;
     TRY(pd_act_load_batch(&d->act, d->pool, b, &pt_stride, &max_kv, err));
     float *ctx = d->ctx->ptr;
@@ -123,10 +129,20 @@ pd_status pd_draft_extend(pd_draft *d, const float *aux, int ld_aux, const pd_to
                              .ld_x = H, .ld_out = H, .eps = m->cfg.base.rms_norm_eps };
     TRY(kern_rmsnorm(be, &rn, err));
     d->n_ctx = n;
-    for (int l = 0; l < m->cfg.base.num_hidden_layers; l++)
-        TRY(pd_layer_store_kv(&d->act, &m->cfg.base, &m->layers[l], pd_kv_pool_layer(d->pool, l), ctx,
-                              n, err));
-    return PD_OK;
+    return store_ctx(d, ctx, n, err);
+}
+
+pd_status pd_draft_extend_ctx(pd_draft *d, const float *ctx_host, const pd_tok_batch *b, pd_err *err)
+{
+    int n = b->n_tok;
+    if (n <= 0)
+        return PD_OK;
+    TRY(ensure_ctx(d, n, err));
+    int pt_stride = 0, max_kv = 0;
+    TRY(pd_act_load_batch(&d->act, d->pool, b, &pt_stride, &max_kv, err));
+    TRY(kern_upload(d->m->be, d->ctx->ptr, ctx_host, (size_t)n * d->H * sizeof(float), err));
+    d->n_ctx = n;
+    return store_ctx(d, d->ctx->ptr, n, err);
 }
 
 static pd_status ensure_req(pd_draft *d, int n_req, pd_err *err)

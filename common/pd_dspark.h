@@ -26,6 +26,9 @@ pd_kv_pool *pd_draft_pool(const pd_draft *d);
  * b->ids is ignored. Pages must be reserved. */
 pd_status pd_draft_extend(pd_draft *d, const float *aux, int ld_aux, const pd_tok_batch *b,
                           pd_err *err);
+/* Like pd_draft_extend, from context features already computed elsewhere (a prefill node's
+ * `ctx` aux transfer): ctx_host [b->n_tok, hidden] = hidden_norm(fc(aux)) rows in host memory. */
+pd_status pd_draft_extend_ctx(pd_draft *d, const float *ctx_host, const pd_tok_batch *b, pd_err *err);
 /* The draft block of n_req requests: request r's block is [anchor[r], MASK x (B-1)] at positions
  * start[r]..start[r]+B-1 over its context (positions < start[r]); pages must be reserved up to
  * start[r] + B. The block's own K/V are written into the pages at the block positions (they are

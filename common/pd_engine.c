@@ -219,6 +219,7 @@ static void request_free(pd_engine *e, pd_request *r)
         pd_kv_seq_release(e->dpool, &r->dkv);
     free(r->prompt);
     free(r->aux);
+    free(r->ctx);
     free(r->conf_log);
     free(r->verified);
     free(r->out);
@@ -341,6 +342,13 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
         r->aux = malloc((size_t)n_prompt * e->aux_dim * sizeof(float));
         if (r->aux == NULL) {
             st = pd_err_set(err, PD_ERR_NOMEM, "aux rows: %d x %d", n_prompt, e->aux_dim);
+            goto err_free;
+        }
+    }
+    if (params->capture_ctx && e->draft != NULL) {
+        r->ctx = malloc((size_t)n_prompt * e->H * sizeof(float));
+        if (r->ctx == NULL) {
+            st = pd_err_set(err, PD_ERR_NOMEM, "context rows: %d x %d", n_prompt, e->H);
             goto err_free;
         }
     }
@@ -516,8 +524,32 @@ static pd_status commit_first(pd_engine *e, pd_request *r, int32_t tok, pd_err *
     return PD_OK;
 }
 
+pd_status pd_aux_mode_parse(const char *s, pd_aux_mode *out, pd_err *err)
+{
+    if (strcmp(s, "raw") == 0)
+        *out = PD_AUX_RAW;
+    else if (strcmp(s, "ctx") == 0)
+        *out = PD_AUX_CTX;
+    else if (strcmp(s, "draft-kv") == 0)
+        *out = PD_AUX_DRAFT_KV;
+    else
+        return pd_err_set(err, PD_ERR_INVALID, "aux transfer '%s' (expected raw, ctx or draft-kv)", s);
+    return PD_OK;
+}
+
+const char *pd_aux_mode_name(pd_aux_mode m)
+{
+    return m == PD_AUX_CTX ? "ctx" : m == PD_AUX_DRAFT_KV ? "draft-kv" : "raw";
+}
+
 pd_status pd_engine_complete_prefill(pd_engine *e, pd_request *r, int32_t first_token,
                                      const float *aux_host, pd_err *err)
+{
+    return pd_engine_complete_prefill_mode(e, r, first_token, PD_AUX_RAW, aux_host, err);
+}
+
+pd_status pd_engine_complete_prefill_mode(pd_engine *e, pd_request *r, int32_t first_token,
+                                          pd_aux_mode mode, const float *aux_host, pd_err *err)
 {
     if (!r->external || r->prefilled == r->n_prompt || r->finish != PD_FINISH_NONE)
         return pd_err_set(err, PD_ERR_INVALID, "request %llu is not waiting for a prefill",
@@ -525,7 +557,27 @@ pd_status pd_engine_complete_prefill(pd_engine *e, pd_request *r, int32_t first_
     if (first_token < 0 || first_token >= e->V)
         return pd_err_set(err, PD_ERR_INVALID, "first token %d outside the vocabulary (0..%d)",
                           first_token, e->V - 1);
-    if (e->draft != NULL) {
+    if (e->draft != NULL && mode == PD_AUX_CTX) {
+        if (aux_host == NULL)
+            return pd_err_set(err, PD_ERR_INVALID, "request %llu: prefill brought no context rows",
+                              (unsigned long long)r->id);
+        int n = r->n_prompt;
+        int32_t *pos = malloc((size_t)n * sizeof(int32_t)), *seq = calloc((size_t)n, sizeof(int32_t));
+        if (pos == NULL || seq == NULL) {
+            free(pos);
+            free(seq);
+            return pd_err_set(err, PD_ERR_NOMEM, "prefill completion metadata");
+        }
+        for (int i = 0; i < n; i++)
+            pos[i] = i;
+        pd_kv_seq *seqs[1] = {&r->dkv};
+        pd_tok_batch b = { .n_tok = n, .pos = pos, .seq = seq, .n_seq = 1, .seqs = seqs };
+        pd_status st = pd_draft_extend_ctx(e->draft, aux_host, &b, err);
+        free(pos);
+        free(seq);
+        if (st != PD_OK)
+            return st;
+    } else if (e->draft != NULL && mode == PD_AUX_RAW) {
         if (aux_host == NULL)
             return pd_err_set(err, PD_ERR_INVALID, "request %llu: prefill brought no aux rows",
                               (unsigned long long)r->id);
@@ -616,17 +668,23 @@ static pd_status prefill_step(pd_engine *e, pd_err *err)
     st = extend_draft(e, aux, rows, pos, owner, n_tok, err);
     if (st != PD_OK)
         goto out;
-    /* prefill nodes keep the packed aux rows of their prompts (global token order) */
+    /* prefill nodes keep the packed aux rows (or the draft context features) of their prompts,
+     * in global token order */
     for (int i = 0; i < n_tok; i++) {
         pd_request *r = owner[i];
-        if (r->aux == NULL || (i > 0 && owner[i - 1] == r))
+        if ((r->aux == NULL && r->ctx == NULL) || (i > 0 && owner[i - 1] == r))
             continue;
         int cnt = 1;
         while (i + cnt < n_tok && owner[i + cnt] == r)
             cnt++;
-        st = kern_download(e->tm->be, r->aux + (size_t)pos[i] * e->aux_dim,
-                           aux + (size_t)i * e->aux_dim,
-                           (size_t)cnt * e->aux_dim * sizeof(float), err);
+        if (r->aux != NULL)
+            st = kern_download(e->tm->be, r->aux + (size_t)pos[i] * e->aux_dim,
+                               aux + (size_t)i * e->aux_dim,
+                               (size_t)cnt * e->aux_dim * sizeof(float), err);
+        if (st == PD_OK && r->ctx != NULL)
+            st = kern_download(e->tm->be, r->ctx + (size_t)pos[i] * e->H,
+                               pd_draft_ctx_feature(e->draft) + (size_t)i * e->H,
+                               (size_t)cnt * e->H * sizeof(float), err);
         if (st != PD_OK)
             goto out;
     }

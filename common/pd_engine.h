@@ -53,6 +53,7 @@ typedef struct {
     int max_new_tokens;
     int ignore_eos;
     int capture_aux;         /* keep the prompt's packed aux rows in r->aux (prefill nodes) */
+    int capture_ctx;         /* keep the prompt's draft context features in r->ctx */
     int hold_kv;             /* keep the KV pages after the request ends, until release */
     pd_verify_policy verify_policy;  /* PD_VERIFY_DEFAULT = the engine's */
     float verify_threshold;  /* <= 0: the engine's */
@@ -85,6 +86,7 @@ typedef struct pd_request {
     int n_rounds;
     int accepted_at_pos[32]; /* rounds whose draft k (0-based) was accepted */
     float *aux;              /* [n_prompt, aux_dim] when params.capture_aux */
+    float *ctx;              /* [n_prompt, hidden] when params.capture_ctx */
     float *conf_log;         /* [n_conf_rounds, block] when params.record_confidence */
     int n_conf_rounds;       /* rounds recorded (the round's verified length is accepted[]) */
     int *verified;           /* [n_rounds] drafts verified per round */
@@ -120,6 +122,17 @@ pd_status pd_engine_add_external(pd_engine *e, uint64_t id, const int32_t *promp
  * decode rounds at the next step. PD_ERR_INVALID for a first token outside the vocabulary. */
 pd_status pd_engine_complete_prefill(pd_engine *e, pd_request *r, int32_t first_token,
                                      const float *aux_host, pd_err *err);
+
+/* What a prefill brings for the drafter (the prefill node's --aux-transfer): RAW = the packed
+ * aux rows [n_prompt, aux_dim]; CTX = the context features hidden_norm(fc(aux)) [n_prompt,
+ * hidden] (1/K of the bytes); DRAFT_KV = nothing here: the prefill already wrote the draft
+ * context K/V of every draft layer into r->dkv's pages of pd_engine_draft_pool (pd_kv.h
+ * layout). All three give identical decoding. */
+typedef enum { PD_AUX_RAW = 0, PD_AUX_CTX, PD_AUX_DRAFT_KV } pd_aux_mode;
+pd_status pd_aux_mode_parse(const char *s, pd_aux_mode *out, pd_err *err);
+const char *pd_aux_mode_name(pd_aux_mode m);
+pd_status pd_engine_complete_prefill_mode(pd_engine *e, pd_request *r, int32_t first_token,
+                                          pd_aux_mode mode, const float *rows_host, pd_err *err);
 /* Ends a request with PD_FINISH_ERROR and msg (e.g. its prefill node failed). */
 void pd_engine_fail(pd_engine *e, pd_request *r, const char *msg);
 /* Width of one packed aux row (K * hidden; 0 without a draft). */

@@ -102,6 +102,60 @@ static void test_engine_external_prefill(void)
     pd_engine_destroy(dec);
 }
 
+/* The three --aux-transfer payloads (raw aux, context features, draft context K/V) give the
+ * same decoding as the in-process prefill. */
+static void test_engine_aux_modes(void)
+{
+    pd_err err;
+    pd_engine *ref = NULL;
+    pd_engine_config ec = { .target = tm, .draft = dm, .page_size = 16, .n_pages = 128 };
+    TEST_CHECK(pd_engine_create(&ec, &ref, &err) == PD_OK);
+    int n = (int)(sizeof(prompt_a) / 4);
+    pd_gen_params gp = greedy(32);
+    pd_request *ra = NULL;
+    TEST_CHECK(pd_engine_add(ref, 1, prompt_a, n, &gp, &ra, &err) == PD_OK);
+    TEST_CHECK(run_to_end(ref) == 0);
+    for (int mode = PD_AUX_RAW; mode <= PD_AUX_DRAFT_KV; mode++) {
+        pd_engine *pre = NULL, *dec = NULL;
+        TEST_CHECK(pd_engine_create(&ec, &pre, &err) == PD_OK);
+        TEST_CHECK(pd_engine_create(&ec, &dec, &err) == PD_OK);
+        pd_gen_params pg = greedy(1);
+        pg.capture_aux = mode == PD_AUX_RAW;
+        pg.capture_ctx = mode == PD_AUX_CTX;
+        pg.hold_kv = 1;
+        pd_request *rp = NULL, *filler = NULL, *rd = NULL;
+        TEST_CHECK(pd_engine_add(pre, 2, prompt_a, n, &pg, &rp, &err) == PD_OK);
+        TEST_CHECK(run_to_end(pre) == 0);
+        TEST_CHECK(pd_engine_add_external(dec, 9, prompt_b, 9, &gp, &filler, &err) == PD_OK);
+        TEST_CHECK(pd_engine_add_external(dec, 3, prompt_a, n, &gp, &rd, &err) == PD_OK);
+        copy_pages(pd_engine_target_pool(pre), &rp->tkv, pd_engine_target_pool(dec), &rd->tkv,
+                   (n + 15) / 16);
+        const float *rows = mode == PD_AUX_RAW ? rp->aux : mode == PD_AUX_CTX ? rp->ctx : NULL;
+        if (mode == PD_AUX_DRAFT_KV)
+            copy_pages(pd_engine_draft_pool(pre), &rp->dkv, pd_engine_draft_pool(dec), &rd->dkv, (n + 15) / 16);
+        pd_status st = pd_engine_complete_prefill_mode(dec, rd, rp->out[0], (pd_aux_mode)mode, rows, &err);
+        TEST_CHECK_MSG(st == PD_OK, "%s: %s", pd_aux_mode_name((pd_aux_mode)mode), err.msg);
+        pd_engine_fail(dec, filler, "unused");
+        TEST_CHECK(run_to_end(dec) == 0);
+        int same = rd->n_out == ra->n_out && memcmp(rd->out, ra->out, (size_t)ra->n_out * 4) == 0 &&
+                   rd->n_rounds == ra->n_rounds &&
+                   memcmp(rd->accepted, ra->accepted, (size_t)ra->n_rounds * sizeof(int)) == 0;
+        TEST_CHECK_MSG(same, "aux transfer %s: decoding differs from the in-process prefill",
+                       pd_aux_mode_name((pd_aux_mode)mode));
+        printf("aux transfer %-8s: %s\n", pd_aux_mode_name((pd_aux_mode)mode), same ? "same tokens and acceptance" : "DIFFERS");
+        pd_engine_release(pre, rp);
+        pd_engine_release(dec, rd);
+        pd_engine_release(dec, filler);
+        pd_engine_destroy(pre);
+        pd_engine_destroy(dec);
+    }
+    pd_aux_mode am;
+    TEST_CHECK(pd_aux_mode_parse("draft-kv", &am, &err) == PD_OK && am == PD_AUX_DRAFT_KV);
+    TEST_CHECK(pd_aux_mode_parse("bogus", &am, &err) == PD_ERR_INVALID);
+    pd_engine_release(ref, ra);
+    pd_engine_destroy(ref);
+}
+
 /* Two prompts alone and together give the same outputs; cancel frees pages. */
 static void test_engine_batching_and_pages(void)
 {
@@ -166,6 +220,7 @@ int main(void)
         return 1;
     }
     test_engine_external_prefill();
+    test_engine_aux_modes();
     test_engine_batching_and_pages();
     pd_dspark_free(dm);
     pd_qwen3_free(tm);
