@@ -1073,7 +1073,7 @@ pd_status pd_engine_step(pd_engine *e, pd_err *err)
     be->batch_invariant = 0;
     TRY(prefill_step(e, err));
     /* decode rounds: a token's numbers must not depend on its batch (lossless in bf16) */
-    be->batch_invariant = 1;
+    be->batch_invariant = !e->cfg.fast_kernels;
     pd_status st = decode_round(e, err);
     be->batch_invariant = 0;
     return st;

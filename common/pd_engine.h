@@ -34,6 +34,11 @@ typedef struct {
     float verify_threshold;            /* threshold policy: minimum prefix survival (0.5 if 0) */
     const pd_calib *calib;             /* confidence calibration (NULL = identity); borrowed */
     const pd_sps *sps;                 /* steps/s curve for the scheduler (NULL = linear model) */
+    int fast_kernels;                  /* 1: decode rounds use the fastest kernels instead of the
+                                        * batch-invariant ones (0, default): faster on a GPU, but
+                                        * bf16 results then depend on the batch, so greedy
+                                        * speculative output may part from greedy decoding at
+                                        * near-ties */
     int cp_size;                       /* context-parallel prefill ranks (0 or 1 = plain prefill);
                                         * > 1 runs them as threads of this process, each with its
                                         * own backend handle and KV replica (host backends only;

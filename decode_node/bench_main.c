@@ -1237,7 +1237,9 @@ static void usage(void)
             "usage: pdspark-bench (--model DIR [--draft DIR] | --synthetic qwen3-4b|qwen3-8b)\n"
             "                     [--device cuda|cpu] [--prefill 512,1024,...] [--batch 1,2,...,64]\n"
             "                     [--verify 2..16] [--kv N] [--e2e-prompt N] [--iters N] [--json]\n"
-            "                     [--skip decode,verify,draft,e2e,prefill]\n");
+            "                     [--skip decode,verify,draft,e2e,prefill] [--invariant 1|0]\n"
+            "--invariant 1 (default): decode/verify/draft steps use the batch-invariant kernels the\n"
+            "engine's decode rounds use; 0: the fastest kernels (not what the engine runs).\n");
 }
 
 int main(int argc, char **argv)
@@ -1247,7 +1249,7 @@ int main(int argc, char **argv)
     parse_list("512,1024,2048,4096,8192,16384,32768", &prefill);
     parse_list("1,2,4,8,16,32,64", &batches);
     parse_list("2..16", &verify);
-    int ctx = 1024, e2e_prompt = 512;
+    int ctx = 1024, e2e_prompt = 512, invariant = 1;
     bench b = { .iters = 20 };
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -1272,6 +1274,7 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--kv")) bad = (ctx = atoi(v)) < 16;
         else if (!strcmp(a, "--e2e-prompt")) bad = (e2e_prompt = atoi(v)) < 1;
         else if (!strcmp(a, "--iters")) bad = (b.iters = atoi(v)) < 1 || b.iters > 60;
+        else if (!strcmp(a, "--invariant")) bad = (invariant = atoi(v)) < 0 || invariant > 1;
         else bad = 1;
         if (bad) {
             fprintf(stderr, "pdspark-bench: bad option %s %s\n", a, v);
@@ -1383,6 +1386,8 @@ int main(int argc, char **argv)
         printf("context: %d sequences x %d tokens prefilled in %.1f s\n", maxb, ctx,
                (now_ms() - t0) / 1e3);
     }
+    /* decode, verify and draft steps run with the kernels the engine's decode rounds use */
+    b.be->batch_invariant = invariant;
     if (strstr(skip, "decode") == NULL &&
         (st = bench_decode(&b, &f, seqs, &batches, ctx, &res, &err)) != PD_OK)
         goto fail;
@@ -1392,6 +1397,7 @@ int main(int argc, char **argv)
     if (dm != NULL && strstr(skip, "draft") == NULL &&
         (st = bench_draft(&b, tm, dm, &batches, ctx, &res, &err)) != PD_OK)
         goto fail;
+    b.be->batch_invariant = 0;
     if (dm != NULL && strstr(skip, "e2e") == NULL &&
         (st = bench_e2e(&b, tm, dm, &batches, e2e_prompt, &err)) != PD_OK)
         goto fail;

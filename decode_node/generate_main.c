@@ -27,7 +27,7 @@ static void usage(FILE *f)
             "                        [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
             "                        [--seed S] [--block-size B] [--ignore-eos] [--json]\n"
             "                        [--device cpu|cuda] [--page-size N] [--kv-pages N] [--stream]\n"
-            "                        [--verify full|threshold|scheduled] [--threshold T]\n"
+            "                        [--verify full|threshold|scheduled] [--threshold T] [--fast-kernels]\n"
             "                        [--cp-size N] [--cp-strategy round-robin-split|interleave|zigzag]\n"
             "\n"
             "Runs DSpark speculative decoding (or plain target decoding with --no-draft) on one\n"
@@ -122,14 +122,14 @@ int main(int argc, char **argv)
 {
     const char *model_dir = NULL, *draft_dir = NULL, *prompt = NULL, *ids_path = NULL;
     const char *device = "cpu";
-    int no_draft = 0, json = 0, ignore_eos = 0, stream = 0;
+    int no_draft = 0, json = 0, ignore_eos = 0, stream = 0, fast_kernels = 0;
     int max_new = 128, block = 0, page_size = 16, kv_pages = 0, seed = 0, top_k = 0, cp_size = 1;
     pd_cp_strategy cp_strategy = PD_CP_STRATEGY_ROUND_ROBIN;
     float temperature = 0.0f, top_p = 1.0f, threshold = 0.0f;
     pd_verify_policy verify = PD_VERIFY_FULL;
     enum { O_MODEL = 256, O_DRAFT, O_NO_DRAFT, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP,
            O_SEED, O_BLOCK, O_JSON, O_IGNORE, O_DEVICE, O_PAGE, O_PAGES, O_STREAM, O_CP_SIZE,
-           O_CP_STRATEGY, O_VERIFY, O_THRESHOLD, O_HELP };
+           O_CP_STRATEGY, O_VERIFY, O_THRESHOLD, O_FAST, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"no-draft", no_argument, 0, O_NO_DRAFT}, {"prompt", required_argument, 0, O_PROMPT},
@@ -141,6 +141,7 @@ int main(int argc, char **argv)
         {"page-size", required_argument, 0, O_PAGE}, {"kv-pages", required_argument, 0, O_PAGES},
         {"stream", no_argument, 0, O_STREAM}, {"cp-size", required_argument, 0, O_CP_SIZE},
         {"verify", required_argument, 0, O_VERIFY}, {"threshold", required_argument, 0, O_THRESHOLD},
+        {"fast-kernels", no_argument, 0, O_FAST},
         {"cp-strategy", required_argument, 0, O_CP_STRATEGY}, {"help", no_argument, 0, O_HELP},
         {0, 0, 0, 0},
     };
@@ -166,6 +167,7 @@ int main(int argc, char **argv)
         case O_PAGE: bad = parse_int("--page-size", optarg, 1, 4096, &page_size); break;
         case O_PAGES: bad = parse_int("--kv-pages", optarg, 1, INT_MAX, &kv_pages); break;
         case O_STREAM: stream = 1; break;
+        case O_FAST: fast_kernels = 1; break;
         case O_VERIFY: {
             pd_err perr;
             if (pd_verify_policy_parse(optarg, &verify, &perr) != PD_OK) {
@@ -253,7 +255,8 @@ int main(int argc, char **argv)
     }
     pd_engine_config ec = { .target = tm, .draft = dm, .page_size = page_size, .n_pages = kv_pages,
                             .block_size = block, .cp_size = cp_size, .cp_strategy = cp_strategy,
-                            .verify_policy = verify, .verify_threshold = threshold };
+                            .verify_policy = verify, .verify_threshold = threshold,
+                            .fast_kernels = fast_kernels };
     /* a calibration fitted by pdspark-calibrate sits next to the draft checkpoint */
     pd_calib calib;
     if (dm != NULL) {
