@@ -77,7 +77,7 @@ static void test_engine_external_prefill(void)
     TEST_CHECK(pd_engine_add_external(dec, 3, prompt_a, n, &gp, &rd, &err) == PD_OK);
     TEST_CHECK(pd_engine_step(dec, &err) == PD_OK);
     TEST_CHECK(rd->n_out == 0 && rd->finish == PD_FINISH_NONE);   /* waits for its prefill */
-    copy_pages(pd_engine_target_pool(pre), &rp->tkv, pd_engine_target_pool(dec), &rd->tkv, rd->tkv.n_pages);
+    copy_pages(pd_engine_target_pool(pre), &rp->tkv, pd_engine_target_pool(dec), &rd->tkv, (n + 15) / 16);
     TEST_CHECK(pd_engine_complete_prefill(dec, rd, rp->out[0], rp->aux, &err) == PD_OK);
     TEST_CHECK(pd_engine_complete_prefill(dec, rd, rp->out[0], rp->aux, &err) == PD_ERR_INVALID);
     pd_engine_fail(dec, filler, "prefill node went away");
