@@ -89,7 +89,7 @@ struct decode_server {
     pd_dspark_model *dm;
     pd_tokenizer *tok;
     pd_engine *eng;
-    int vocab, max_ctx, page_size, total_pages, block_size, aux_dim;
+    int vocab, max_ctx, page_size, total_pages, block_size, aux_dim, hidden;
     pd_loop *loop;
     pthread_t thread;
     int thread_started;
@@ -115,6 +115,11 @@ struct decode_server {
     size_t waddr_len;
     float *aux_arena;
     void *kv_stage;                  /* host mirror of the KV pool when it is device memory */
+    /* draft pool (--aux-transfer draft-kv on a prefill node puts the draft context K/V here) */
+    pd_xfer_mem *dkv_mem;
+    void *dkv_rkey;
+    size_t dkv_rkey_len;
+    void *dkv_stage;                 /* host mirror of the draft pool when it is device memory */
     int aux_rows;
     aux_seg *segs;
     int n_segs, cap_segs;
@@ -540,6 +545,18 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
     }
     for (int i = 0; i < np; i++)
         pages[i] = (uint32_t)h->r->tkv.pages[i];
+    uint32_t *dpages = NULL;
+    if (s->dkv_mem != NULL) {
+        PD_ASSERT(h->r->dkv.n_pages >= np);
+        dpages = malloc((size_t)np * sizeof(uint32_t));
+        if (dpages == NULL) {
+            free(pages);
+            free(ids);
+            return pd_err_set(err, PD_ERR_NOMEM, "prefill request");
+        }
+        for (int i = 0; i < np; i++)
+            dpages[i] = (uint32_t)h->r->dkv.pages[i];
+    }
     for (int i = 0; i < h->n_prompt; i++)
         ids[i] = (uint32_t)h->prompt[i];
     Pdspark__SamplingParams sp = PDSPARK__SAMPLING_PARAMS__INIT;
@@ -557,6 +574,23 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
     pl.n_kv_heads = (uint32_t)lay->n_kv_heads;
     pl.head_dim = (uint32_t)lay->head_dim;
     pl.bytes_per_page = pd_kv_page_bytes(lay);
+    Pdspark__PageLayout dpl = PDSPARK__PAGE_LAYOUT__INIT;
+    Pdspark__RemoteRegion dkv = PDSPARK__REMOTE_REGION__INIT;
+    if (s->dkv_mem != NULL) {
+        const pd_kv_layout *dl = pd_kv_pool_layout(pd_engine_draft_pool(s->eng));
+        dpl.version = PD_PROTO_VERSION;
+        dpl.page_size = (uint32_t)dl->page_size;
+        dpl.dtype = kern_dtype_to_proto(dl->dtype);
+        dpl.n_layers = (uint32_t)dl->n_layers;
+        dpl.n_kv_heads = (uint32_t)dl->n_kv_heads;
+        dpl.head_dim = (uint32_t)dl->head_dim;
+        dpl.bytes_per_page = pd_kv_page_bytes(dl);
+        dkv.version = PD_PROTO_VERSION;
+        dkv.rkey.data = s->dkv_rkey;
+        dkv.rkey.len = s->dkv_rkey_len;
+        dkv.base_addr = (uint64_t)(uintptr_t)pd_xfer_mem_base(s->dkv_mem);
+        dkv.length = pd_xfer_mem_len(s->dkv_mem);
+    }
     Pdspark__RemoteRegion kv = PDSPARK__REMOTE_REGION__INIT;
     kv.version = PD_PROTO_VERSION;
     kv.rkey.data = s->kv_rkey;
@@ -585,6 +619,14 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
     d.page_layout = &pl;
     d.aux_layout = &al;
     d.aux_offset = (uint64_t)row * al.row_bytes;
+    /* every mode is offered (the aux rows fit raw or ctx, plus the draft pool): the prefill
+     * node ships what its --aux-transfer says and names it in the reply */
+    if (s->dkv_mem != NULL) {
+        d.draft_kv_pool = &dkv;
+        d.n_draft_page_ids = (size_t)np;
+        d.draft_page_ids = dpages;
+        d.draft_page_layout = &dpl;
+    }
     Pdspark__PrefillRequest pr = PDSPARK__PREFILL_REQUEST__INIT;
     pr.version = PD_PROTO_VERSION;
     pr.request_id = h->id;
@@ -607,6 +649,7 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
                             &pdspark__prefill_reply__descriptor, tmo + 500, prefill_reply, h,
                             &h->pending, err);
     free(pages);
+    free(dpages);
     free(ids);
     if (st != PD_OK) {
         h->node = NULL;
@@ -649,12 +692,12 @@ static int never_delivered(const char *msg)
     return strstr(msg, "failed to connect") != NULL || strstr(msg, "Connection refused") != NULL;
 }
 
-/* Staging: copy the prompt's pages (every layer's K and V) from the host mirror to the pool. */
-static pd_status upload_staged(decode_server *s, decode_handle *h, pd_err *err)
+/* Staging: copy the prompt's pages (every layer's K and V) of pool from its host mirror. */
+static pd_status upload_staged(decode_server *s, decode_handle *h, pd_kv_pool *pool, const void *stage,
+                               const pd_kv_seq *seq, pd_err *err)
 {
-    if (s->kv_stage == NULL)
+    if (stage == NULL)
         return PD_OK;
-    pd_kv_pool *pool = pd_engine_target_pool(s->eng);
     const pd_kv_layout *lay = pd_kv_pool_layout(pool);
     const kern_buf *kb = pd_kv_pool_buf(pool);
     size_t pb = pd_kv_page_bytes(lay);
@@ -662,13 +705,40 @@ static pd_status upload_staged(decode_server *s, decode_handle *h, pd_err *err)
     for (int l = 0; l < lay->n_layers; l++)
         for (int half = 0; half < 2; half++)
             for (int p = 0; p < np; p++) {
-                size_t off = ((size_t)(2 * l + half) * (size_t)lay->n_pages + (size_t)h->r->tkv.pages[p]) * pb;
-                pd_status st = kern_upload(s->be, (char *)kb->ptr + off, (const char *)s->kv_stage + off,
+                size_t off = ((size_t)(2 * l + half) * (size_t)lay->n_pages + (size_t)seq->pages[p]) * pb;
+                pd_status st = kern_upload(s->be, (char *)kb->ptr + off, (const char *)stage + off,
                                            pb, err);
                 if (st != PD_OK)
                     return st;
             }
     return PD_OK;
+}
+
+/* The prompt's pages and the drafter's payload arrived (the prefill node used mode): move the
+ * staged pages in and hand the request to the engine. */
+static pd_status complete_external(decode_server *s, decode_handle *h, int32_t first,
+                                   Pdspark__AuxMode mode, pd_err *err)
+{
+    pd_aux_mode am;
+    switch (mode) {
+    case PDSPARK__AUX_MODE__AUX_MODE_RAW: am = PD_AUX_RAW; break;
+    case PDSPARK__AUX_MODE__AUX_MODE_CTX: am = PD_AUX_CTX; break;
+    case PDSPARK__AUX_MODE__AUX_MODE_DRAFT_KV: am = PD_AUX_DRAFT_KV; break;
+    default:
+        return pd_err_set(err, PD_ERR_INVALID, "aux transfer mismatch: the prefill node shipped no drafter "
+                          "payload (aux mode %d); this decode node needs raw, ctx or draft-kv", (int)mode);
+    }
+    if (am == PD_AUX_DRAFT_KV && s->dkv_mem == NULL)
+        return pd_err_set(err, PD_ERR_INVALID, "aux transfer mismatch: the prefill node shipped draft-kv, "
+                          "this decode node offered no draft pool");
+    pd_status st = upload_staged(s, h, pd_engine_target_pool(s->eng), s->kv_stage, &h->r->tkv, err);
+    if (st == PD_OK && am == PD_AUX_DRAFT_KV)
+        st = upload_staged(s, h, pd_engine_draft_pool(s->eng), s->dkv_stage, &h->r->dkv, err);
+    if (st != PD_OK)
+        return st;
+    /* raw rows are [n, K*hidden]; ctx rows are [n, hidden], packed from the same first row */
+    const float *rows = am == PD_AUX_DRAFT_KV ? NULL : s->aux_arena + (size_t)h->aux_row * (size_t)s->aux_dim;
+    return pd_engine_complete_prefill_mode(s->eng, h->r, first, am, rows, err);
 }
 
 static void on_reply_loop(void *arg)
@@ -692,6 +762,7 @@ static void on_reply_loop(void *arg)
     char msg[640];
     snprintf(msg, sizeof(msg), "%s", m->msg);
     int32_t first = -1;
+    Pdspark__AuxMode aux_mode = PDSPARK__AUX_MODE__AUX_MODE_NONE;
     if (st == PD_OK) {
         Pdspark__PrefillReply *rep = (Pdspark__PrefillReply *)m->resp;
         pd_err verr;
@@ -700,6 +771,7 @@ static void on_reply_loop(void *arg)
             snprintf(msg, sizeof(msg), "%s", verr.msg);
         } else {
             first = (int32_t)rep->first_token_id;
+            aux_mode = rep->aux_mode;
         }
     }
     if (m->resp != NULL)
@@ -722,9 +794,7 @@ static void on_reply_loop(void *arg)
     PD_ASSERT(h->state == H_PREFILL);
     if (st == PD_OK) {
         pd_err err = {0};
-        const float *aux = s->aux_arena + (size_t)h->aux_row * (size_t)s->aux_dim;
-        if (upload_staged(s, h, &err) == PD_OK &&
-            pd_engine_complete_prefill(s->eng, h->r, first, s->dm != NULL ? aux : NULL, &err) == PD_OK) {
+        if (complete_external(s, h, first, aux_mode, &err) == PD_OK) {
             aux_free(s, h->aux_row);
             h->aux_row = -1;
             s->n_prefill--;
@@ -1229,7 +1299,23 @@ static pd_status setup_xfer(decode_server *s, pd_err *err)
     st = pd_xfer_mem_pack(s->kv_mem, &s->kv_rkey, &s->kv_rkey_len, err);
     if (st != PD_OK)
         return st;
-    /* aux arena: enough rows for every prompt the pool can hold, capped at 256 MiB */
+    /* draft pool: offered to prefill nodes that ship draft-kv (staged like the target pool) */
+    pd_kv_pool *dpool = pd_engine_draft_pool(s->eng);
+    if (dpool != NULL) {
+        const kern_buf *db = pd_kv_pool_buf(dpool);
+        if (s->kv_stage != NULL && (s->dkv_stage = calloc(1, db->bytes)) == NULL)
+            return pd_err_set(err, PD_ERR_NOMEM, "draft kv staging mirror: %zu bytes", db->bytes);
+        st = pd_xfer_mem_register(s->x, s->dkv_stage != NULL ? s->dkv_stage : db->ptr, db->bytes,
+                                  &s->dkv_mem, err);
+        if (st != PD_OK)
+            return st;
+        st = pd_xfer_mem_pack(s->dkv_mem, &s->dkv_rkey, &s->dkv_rkey_len, err);
+        if (st != PD_OK)
+            return st;
+    }
+    /* aux arena: enough rows for every prompt the pool can hold, capped at 256 MiB; rows are
+     * sized for raw (K*hidden floats), the largest payload, since the prefill node picks the
+     * mode; ctx rows (hidden floats) are packed into the same reservation */
     size_t row_bytes = (size_t)(s->aux_dim > 0 ? s->aux_dim : 1) * sizeof(float);
     size_t rows = (size_t)s->total_pages * (size_t)s->page_size;
     if (rows * row_bytes > ((size_t)256 << 20))
@@ -1374,11 +1460,14 @@ void decode_server_destroy(decode_server *s)
     pd_loop_destroy(s->loop);
     free(s->kv_rkey);
     free(s->aux_rkey);
+    free(s->dkv_rkey);
     pd_xfer_mem_deregister(s->kv_mem);
     pd_xfer_mem_deregister(s->aux_mem);
+    pd_xfer_mem_deregister(s->dkv_mem);
     pd_xfer_destroy(s->x);
     free(s->aux_arena);
     free(s->kv_stage);
+    free(s->dkv_stage);
     free(s->segs);
     free(s->nodes);
     pd_engine_destroy(s->eng);

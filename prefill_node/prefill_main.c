@@ -28,9 +28,12 @@ static void usage(FILE *f)
             "\n"
             "Serves pdspark.Prefill: batches queued prompts into engine steps (context-parallel\n"
             "over --cp-size ranks), puts every layer's K/V pages and the packed aux rows into the\n"
-            "decode node's memory over UCX, and answers with the first token. --draft supplies\n"
-            "the aux taps (needed for --aux-transfer raw, the default; ctx and draft-kv are not\n"
-            "implemented). Port 0 picks a free port, printed as 'listening grpc HOST:PORT'.\n"
+            "decode node's memory over UCX, and answers with the first token. --draft loads the\n"
+            "drafter, needed for any aux payload: --aux-transfer raw (default) ships the packed aux\n"
+            "rows [T, K*hidden], ctx the context rows hidden_norm(fc(aux)) [T, hidden], draft-kv\n"
+            "the drafter's context K/V of every draft layer into the decode node's draft pool;\n"
+            "all three decode identically. Port 0 picks a free port, printed as\n"
+            "'listening grpc HOST:PORT'.\n"
             "--http serves GET /health, /ready and /metrics (Prometheus text), printed as\n"
             "'listening http HOST:PORT'.\n");
 }

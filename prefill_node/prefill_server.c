@@ -52,14 +52,20 @@ typedef struct job {
     size_t kv_rkey_len, aux_rkey_len;
     uint64_t kv_base, kv_len, aux_base, aux_len, aux_off;
     uint64_t remote_pool_pages;
-    int want_aux;
+    int want_aux;               /* an aux payload goes out (raw/ctx rows, or draft K/V pages) */
+    pd_aux_mode aux_mode;       /* which one (the node's --aux-transfer) */
+    /* draft-kv: the decode node's draft pool and the request's draft pages there */
+    void *dkv_rkey;
+    size_t dkv_rkey_len;
+    uint64_t dkv_base, dkv_len, remote_dpool_pages;
+    uint32_t *dpages;
     double t_recv, t_fwd, t_xfer, deadline;
     /* engine thread */
     job_state state;
     pd_request *r;
     peer_ent *pe;
     pd_xfer_rkey *rk_kv, *rk_aux;
-    pd_xfer_op *op_kv, *op_aux;
+    pd_xfer_op *op_kv, *op_aux;    /* op_aux: the aux/ctx rows or the draft K/V pages */
     int ops_left;
     pd_status xfer_st;
     char xfer_msg[600];
@@ -78,6 +84,10 @@ struct prefill_server {
     pd_engine *eng;
     pd_kv_layout lay;           /* our pool's layout */
     size_t page_bytes;
+    pd_aux_mode aux_mode;       /* --aux-transfer */
+    pd_kv_layout dlay;          /* our draft pool's layout (with a draft) */
+    size_t dpage_bytes;
+    int hidden;
     int stage;                  /* stage KV pages through host memory before the puts */
     int vocab, max_ctx, aux_dim, cp_n;
     pd_loop *loop;
@@ -123,6 +133,8 @@ static void job_unref(job *j)
     free(j->pages);
     free(j->kv_rkey);
     free(j->aux_rkey);
+    free(j->dkv_rkey);
+    free(j->dpages);
     free(j->stage);
     free(j);
 }
@@ -250,6 +262,10 @@ static void job_finish(prefill_server *ps, job *j, pd_status st, const char *msg
         rep.prompt_tokens = (uint32_t)j->n;
         rep.cp_size = (uint32_t)ps->cp_n;
         rep.timings = &tm;
+        rep.aux_mode = !j->want_aux ? PDSPARK__AUX_MODE__AUX_MODE_NONE
+                       : j->aux_mode == PD_AUX_CTX ? PDSPARK__AUX_MODE__AUX_MODE_CTX
+                       : j->aux_mode == PD_AUX_DRAFT_KV ? PDSPARK__AUX_MODE__AUX_MODE_DRAFT_KV
+                       : PDSPARK__AUX_MODE__AUX_MODE_RAW;
         PD_LOG_DEBUG("prefill", "%s: done, %d tokens, %llu bytes, forward %.1f ms, transfer %.1f ms",
                      j->id, j->n, (unsigned long long)j->bytes, j->t_xfer - j->t_fwd, now - j->t_xfer);
         pd_rpc_reply(j->call, &rep.base);
@@ -324,76 +340,104 @@ static void xfer_done(void *ud, pd_status st, const pd_err *err)
     kick(ps);
 }
 
+/* Spans for every layer's K and V of pages[0..np) of pool, to the remote pool at rbase of
+ * rpages pages per layer half (pd_kv.h layout), remote page ids rids. With stage set, each page
+ * is downloaded there first (stage advances). Runs contiguous on both sides are merged. */
+static pd_status page_spans(prefill_server *ps, pd_kv_pool *pool, const int32_t *pages, int np,
+                            uint64_t rbase, uint64_t rpages, const uint32_t *rids, char **stage,
+                            pd_xfer_span *sp, size_t *n, pd_err *err)
+{
+    const pd_kv_layout *lay = pd_kv_pool_layout(pool);
+    size_t pb = pd_kv_page_bytes(lay);
+    for (int l = 0; l < lay->n_layers; l++) {
+        kern_kv_layer kv = pd_kv_pool_layer(pool, l);
+        for (int half = 0; half < 2; half++) {
+            const char *base = half == 0 ? (const char *)kv.k : (const char *)kv.v;
+            for (int p = 0; p < np; p++) {
+                const char *s = base + (size_t)pages[p] * pb;
+                if (*stage != NULL) {
+                    pd_status st = kern_download(ps->be, *stage, s, pb, err);
+                    if (st != PD_OK)
+                        return st;
+                    s = *stage;
+                    *stage += pb;
+                }
+                uint64_t ra = rbase + ((uint64_t)(2 * l + half) * rpages + rids[p]) * pb;
+                if (*n > 0 && (const char *)sp[*n - 1].src + sp[*n - 1].len == s &&
+                    sp[*n - 1].raddr + sp[*n - 1].len == ra) {
+                    sp[*n - 1].len += pb;
+                    continue;
+                }
+                sp[(*n)++] = (pd_xfer_span){ .src = s, .raddr = ra, .len = pb };
+            }
+        }
+    }
+    return PD_OK;
+}
+
 static void start_transfer(prefill_server *ps, job *j)
 {
     pd_err err = {0};
     pd_status st;
+    pd_xfer_span *sp = NULL;
     j->t_xfer = now_ms();
     ps->n_forward--;
     ps->n_xfer++;
     j->state = J_XFER;
+    int dkv = j->want_aux && j->aux_mode == PD_AUX_DRAFT_KV;
     if ((st = peer_get(ps, j->waddr, j->waddr_len, &j->pe, &err)) != PD_OK)
         goto fail;
     if ((st = pd_xfer_rkey_unpack(j->pe->peer, j->kv_rkey, j->kv_rkey_len, j->kv_base, j->kv_len,
                                   &j->rk_kv, &err)) != PD_OK)
         goto fail;
-    if (j->want_aux &&
+    if (j->want_aux && !dkv &&
         (st = pd_xfer_rkey_unpack(j->pe->peer, j->aux_rkey, j->aux_rkey_len, j->aux_base,
                                   j->aux_len, &j->rk_aux, &err)) != PD_OK)
         goto fail;
-    size_t pb = ps->page_bytes;
-    const pd_kv_seq *src = &j->r->tkv;
-    PD_ASSERT(src->n_pages >= j->n_pages);
-    size_t max_spans = (size_t)ps->lay.n_layers * 2 * (size_t)j->n_pages;
-    pd_xfer_span *sp = malloc(max_spans * sizeof(*sp));
+    if (dkv && (st = pd_xfer_rkey_unpack(j->pe->peer, j->dkv_rkey, j->dkv_rkey_len, j->dkv_base,
+                                         j->dkv_len, &j->rk_aux, &err)) != PD_OK)
+        goto fail;
+    PD_ASSERT(j->r->tkv.n_pages >= j->n_pages);
+    PD_ASSERT(!dkv || j->r->dkv.n_pages >= j->n_pages);
+    size_t t_spans = (size_t)ps->lay.n_layers * 2 * (size_t)j->n_pages;
+    size_t d_spans = dkv ? (size_t)ps->dlay.n_layers * 2 * (size_t)j->n_pages : 0;
+    sp = malloc((t_spans + d_spans + 1) * sizeof(*sp));
     if (sp == NULL) {
         st = pd_err_set(&err, PD_ERR_NOMEM, "spans");
         goto fail;
     }
-    size_t n = 0, idx = 0;
-    if (ps->stage && (j->stage = malloc(max_spans * pb)) == NULL) {
-        free(sp);
-        st = pd_err_set(&err, PD_ERR_NOMEM, "kv staging: %zu bytes", max_spans * pb);
+    size_t stage_bytes = t_spans * ps->page_bytes + d_spans * ps->dpage_bytes;
+    if (ps->stage && (j->stage = malloc(stage_bytes)) == NULL) {
+        st = pd_err_set(&err, PD_ERR_NOMEM, "kv staging: %zu bytes", stage_bytes);
         goto fail;
     }
-    pd_kv_pool *pool = pd_engine_target_pool(ps->eng);
-    uint64_t rn = j->remote_pool_pages;
-    for (int l = 0; l < ps->lay.n_layers; l++) {
-        kern_kv_layer kv = pd_kv_pool_layer(pool, l);
-        for (int half = 0; half < 2; half++) {
-            const char *base = half == 0 ? (const char *)kv.k : (const char *)kv.v;
-            for (int p = 0; p < j->n_pages; p++) {
-                const char *s = base + (size_t)src->pages[p] * pb;
-                if (j->stage != NULL) {
-                    char *h = j->stage + idx++ * pb;
-                    if ((st = kern_download(ps->be, h, s, pb, &err)) != PD_OK) {
-                        free(sp);
-                        goto fail;
-                    }
-                    s = h;
-                }
-                uint64_t ra = j->kv_base + ((uint64_t)(2 * l + half) * rn + j->pages[p]) * pb;
-                /* merge runs that are contiguous on both sides */
-                if (n > 0 && (const char *)sp[n - 1].src + sp[n - 1].len == s &&
-                    sp[n - 1].raddr + sp[n - 1].len == ra) {
-                    sp[n - 1].len += pb;
-                    continue;
-                }
-                sp[n++] = (pd_xfer_span){ .src = s, .raddr = ra, .len = pb };
-            }
-        }
+    char *stage = j->stage;
+    size_t n = 0, nd = 0;
+    if ((st = page_spans(ps, pd_engine_target_pool(ps->eng), j->r->tkv.pages, j->n_pages, j->kv_base,
+                         j->remote_pool_pages, j->pages, &stage, sp, &n, &err)) != PD_OK)
+        goto fail;
+    pd_xfer_span *asp = sp + n;
+    if (dkv) {
+        if ((st = page_spans(ps, pd_engine_draft_pool(ps->eng), j->r->dkv.pages, j->n_pages,
+                             j->dkv_base, j->remote_dpool_pages, j->dpages, &stage, asp, &nd,
+                             &err)) != PD_OK)
+            goto fail;
+    } else if (j->want_aux) {
+        /* raw: [n, K*hidden] rows; ctx: [n, hidden] rows, packed from the request's offset */
+        int ctx = j->aux_mode == PD_AUX_CTX;
+        asp[0] = (pd_xfer_span){ .src = ctx ? j->r->ctx : j->r->aux, .raddr = j->aux_base + j->aux_off,
+                                 .len = (size_t)j->n * (size_t)(ctx ? ps->hidden : ps->aux_dim) * sizeof(float) };
+        nd = 1;
     }
-    j->bytes = (uint64_t)max_spans * pb;
+    j->bytes = (uint64_t)t_spans * ps->page_bytes;
+    for (size_t i = 0; i < nd; i++)
+        j->bytes += asp[i].len;
     j->ops_left = j->want_aux ? 2 : 1;
     st = pd_xfer_put(j->rk_kv, NULL, sp, n, xfer_done, j, &j->op_kv, &err);
-    free(sp);
     if (st != PD_OK)
         goto fail;
     if (j->want_aux) {
-        pd_xfer_span as = { .src = j->r->aux, .raddr = j->aux_base + j->aux_off,
-                            .len = (size_t)j->n * (size_t)ps->aux_dim * sizeof(float) };
-        j->bytes += as.len;
-        st = pd_xfer_put(j->rk_aux, NULL, &as, 1, xfer_done, j, &j->op_aux, &err);
+        st = pd_xfer_put(j->rk_aux, NULL, asp, nd, xfer_done, j, &j->op_aux, &err);
         if (st != PD_OK) {
             /* the KV put runs: end through its done, as a failure */
             j->ops_left = 1;
@@ -402,9 +446,12 @@ static void start_transfer(prefill_server *ps, job *j)
             pd_xfer_op_cancel(j->op_kv);
         }
     }
-    PD_LOG_TRACE("prefill", "%s: put %zu spans, %llu bytes", j->id, n, (unsigned long long)j->bytes);
+    free(sp);
+    PD_LOG_TRACE("prefill", "%s: put %zu + %zu spans (%s), %llu bytes", j->id, n, nd,
+                 j->want_aux ? pd_aux_mode_name(j->aux_mode) : "no aux", (unsigned long long)j->bytes);
     return;
 fail:
+    free(sp);
     PD_LOG_WARN("prefill", "%s: transfer: %s", j->id, err.msg);
     {
         char msg[600];
@@ -615,6 +662,82 @@ static const char *dtype_name(int d)
     }
 }
 
+/* Raw or ctx rows into the aux buffer: it must be sized for at least our rows. */
+static pd_status validate_rows(prefill_server *ps, const Pdspark__PrefillRequest *rq, pd_err *err)
+{
+    const Pdspark__Destination *d = rq->dest;
+    const Pdspark__AuxLayout *al = d->aux_layout;
+    pd_status st;
+    int ctx = ps->aux_mode == PD_AUX_CTX;
+    uint64_t row = (uint64_t)(ctx ? ps->hidden : ps->aux_dim) * sizeof(float);
+    if (al->mode == PDSPARK__AUX_MODE__AUX_MODE_DRAFT_KV || (!ctx && al->mode == PDSPARK__AUX_MODE__AUX_MODE_CTX))
+        return pd_err_set(err, PD_ERR_INVALID, "aux transfer mismatch: the decode node reserved an aux buffer for %s, "
+                          "this prefill node ships %s (--aux-transfer %s)",
+                          al->mode == PDSPARK__AUX_MODE__AUX_MODE_CTX ? "ctx" : "draft-kv",
+                          pd_aux_mode_name(ps->aux_mode), pd_aux_mode_name(ps->aux_mode));
+    if ((st = check_version(d->aux != NULL ? &d->aux->base : NULL, "dest.aux", err)) != PD_OK)
+        return st;
+    if (!ctx && al->row_bytes != row)
+        return pd_err_set(err, PD_ERR_INVALID, "aux layout mismatch: row bytes %llu, this prefill node has %llu "
+                          "(draft taps x hidden)", (unsigned long long)al->row_bytes, (unsigned long long)row);
+    if (al->rows < rq->n_token_ids)
+        return pd_err_set(err, PD_ERR_INVALID, "dest.aux_layout.rows %u < %zu prompt tokens", al->rows,
+                          rq->n_token_ids);
+    uint64_t bytes = row * rq->n_token_ids;
+    if (ctx && bytes > (uint64_t)al->rows * al->row_bytes)
+        return pd_err_set(err, PD_ERR_INVALID, "aux buffer of %u rows x %llu bytes cannot hold %zu ctx rows of %llu bytes",
+                          al->rows, (unsigned long long)al->row_bytes, rq->n_token_ids, (unsigned long long)row);
+    if (d->aux->rkey.len == 0)
+        return pd_err_set(err, PD_ERR_INVALID, "dest.aux.rkey is empty");
+    if (d->aux_offset > d->aux->length || bytes > d->aux->length - d->aux_offset)
+        return pd_err_set(err, PD_ERR_INVALID, "aux rows [%llu, +%llu) outside the aux region of %llu bytes",
+                          (unsigned long long)d->aux_offset, (unsigned long long)bytes,
+                          (unsigned long long)d->aux->length);
+    return PD_OK;
+}
+
+/* Draft K/V pages into the decode node's draft pool: its layout must be our draft pool's. */
+static pd_status validate_draft_kv(prefill_server *ps, const Pdspark__PrefillRequest *rq, size_t need,
+                                   pd_err *err)
+{
+    const Pdspark__Destination *d = rq->dest;
+    pd_status st;
+    if (d->draft_kv_pool == NULL || d->draft_page_layout == NULL)
+        return pd_err_set(err, PD_ERR_INVALID, "aux transfer mismatch: this prefill node ships draft-kv "
+                          "(--aux-transfer draft-kv) but the destination has no draft KV pool");
+    if ((st = check_version(&d->draft_kv_pool->base, "dest.draft_kv_pool", err)) != PD_OK ||
+        (st = check_version(&d->draft_page_layout->base, "dest.draft_page_layout", err)) != PD_OK)
+        return st;
+    const Pdspark__PageLayout *pl = d->draft_page_layout;
+    const pd_kv_layout *dl = &ps->dlay;
+    if (pl->page_size != (uint32_t)dl->page_size || dtype_from_proto(pl->dtype) != (int)dl->dtype ||
+        pl->n_layers != (uint32_t)dl->n_layers || pl->n_kv_heads != (uint32_t)dl->n_kv_heads ||
+        pl->head_dim != (uint32_t)dl->head_dim || pl->bytes_per_page != ps->dpage_bytes)
+        return pd_err_set(err, PD_ERR_INVALID, "draft kv layout mismatch: decode node has page size %u, %s, "
+                          "%u layers, %u kv heads, head dim %u, %llu bytes per page; this prefill node's draft "
+                          "has %d, %s, %d, %d, %d, %zu", pl->page_size, dtype_name(dtype_from_proto(pl->dtype)),
+                          pl->n_layers, pl->n_kv_heads, pl->head_dim, (unsigned long long)pl->bytes_per_page,
+                          dl->page_size, dtype_name((int)dl->dtype), dl->n_layers, dl->n_kv_heads, dl->head_dim,
+                          ps->dpage_bytes);
+    if (d->draft_kv_pool->rkey.len == 0)
+        return pd_err_set(err, PD_ERR_INVALID, "dest.draft_kv_pool.rkey is empty");
+    uint64_t per_page_all = 2ull * (uint64_t)dl->n_layers * ps->dpage_bytes;
+    uint64_t len = d->draft_kv_pool->length;
+    if (len == 0 || len % per_page_all != 0)
+        return pd_err_set(err, PD_ERR_INVALID, "dest.draft_kv_pool.length %llu is not a whole number of pages "
+                          "(%llu bytes per page over all draft layers)", (unsigned long long)len,
+                          (unsigned long long)per_page_all);
+    uint64_t rpages = len / per_page_all;
+    if (d->n_draft_page_ids != need)
+        return pd_err_set(err, PD_ERR_INVALID, "dest.draft_page_ids has %zu pages, a prompt of %zu tokens needs %zu",
+                          d->n_draft_page_ids, rq->n_token_ids, need);
+    for (size_t i = 0; i < d->n_draft_page_ids; i++)
+        if (d->draft_page_ids[i] >= rpages)
+            return pd_err_set(err, PD_ERR_INVALID, "dest.draft_page_ids[%zu] = %u outside the draft pool of %llu pages",
+                              i, d->draft_page_ids[i], (unsigned long long)rpages);
+    return PD_OK;
+}
+
 /* Everything a peer could get wrong, checked before the job exists. */
 static pd_status validate(prefill_server *ps, const Pdspark__PrefillRequest *rq, pd_err *err)
 {
@@ -679,31 +802,20 @@ static pd_status validate(prefill_server *ps, const Pdspark__PrefillRequest *rq,
             return pd_err_set(err, PD_ERR_INVALID, "dest.page_ids[%zu] = %u outside the pool of %llu pages",
                               i, d->page_ids[i], (unsigned long long)rpages);
     const Pdspark__AuxLayout *al = d->aux_layout;
-    if (al->mode == PDSPARK__AUX_MODE__AUX_MODE_CTX || al->mode == PDSPARK__AUX_MODE__AUX_MODE_DRAFT_KV)
-        return pd_err_set(err, PD_ERR_UNSUPPORTED, "aux mode %s is not implemented (use raw)",
-                          al->mode == PDSPARK__AUX_MODE__AUX_MODE_CTX ? "ctx" : "draft-kv");
-    if (al->mode == PDSPARK__AUX_MODE__AUX_MODE_RAW) {
-        if (ps->dm == NULL)
-            return pd_err_set(err, PD_ERR_INVALID, "aux mode raw needs a draft on the prefill node (--draft)");
-        if ((st = check_version(d->aux != NULL ? &d->aux->base : NULL, "dest.aux", err)) != PD_OK)
-            return st;
-        uint64_t row = (uint64_t)ps->aux_dim * sizeof(float);
-        if (al->row_bytes != row)
-            return pd_err_set(err, PD_ERR_INVALID, "aux layout mismatch: row bytes %llu, this prefill node has %llu "
-                              "(draft taps x hidden)", (unsigned long long)al->row_bytes, (unsigned long long)row);
-        if (al->rows < rq->n_token_ids)
-            return pd_err_set(err, PD_ERR_INVALID, "dest.aux_layout.rows %u < %zu prompt tokens", al->rows,
-                              rq->n_token_ids);
-        if (d->aux->rkey.len == 0)
-            return pd_err_set(err, PD_ERR_INVALID, "dest.aux.rkey is empty");
-        uint64_t bytes = row * rq->n_token_ids;
-        if (d->aux_offset > d->aux->length || bytes > d->aux->length - d->aux_offset)
-            return pd_err_set(err, PD_ERR_INVALID, "aux rows [%llu, +%llu) outside the aux region of %llu bytes",
-                              (unsigned long long)d->aux_offset, (unsigned long long)bytes,
-                              (unsigned long long)d->aux->length);
-    } else if (al->mode != PDSPARK__AUX_MODE__AUX_MODE_NONE) {
-        return pd_err_set(err, PD_ERR_INVALID, "aux mode %d unknown", (int)al->mode);
-    }
+    if (al->mode == PDSPARK__AUX_MODE__AUX_MODE_NONE)
+        st = PD_OK;   /* the decode node runs no drafter: KV only */
+    else if (al->mode != PDSPARK__AUX_MODE__AUX_MODE_RAW && al->mode != PDSPARK__AUX_MODE__AUX_MODE_CTX &&
+             al->mode != PDSPARK__AUX_MODE__AUX_MODE_DRAFT_KV)
+        st = pd_err_set(err, PD_ERR_INVALID, "aux mode %d unknown", (int)al->mode);
+    else if (ps->dm == NULL)
+        st = pd_err_set(err, PD_ERR_INVALID, "aux transfer %s needs a draft on the prefill node (--draft)",
+                        pd_aux_mode_name(ps->aux_mode));
+    else if (ps->aux_mode == PD_AUX_DRAFT_KV)
+        st = validate_draft_kv(ps, rq, need, err);
+    else
+        st = validate_rows(ps, rq, err);
+    if (st != PD_OK)
+        return st;
     if (rq->sampling != NULL) {
         pd_sample_params sp = { .temperature = rq->sampling->temperature,
                                 .top_k = (int)(rq->sampling->top_k > (uint32_t)ps->vocab ? -1 : (int)rq->sampling->top_k),
@@ -762,16 +874,28 @@ static pd_status handle_prefill(void *ud, const ProtobufCMessage *msg, pd_rpc_ca
     j->kv_base = d->kv_pool->base_addr;
     j->kv_len = d->kv_pool->length;
     j->remote_pool_pages = d->kv_pool->length / (2ull * (uint64_t)ps->lay.n_layers * ps->page_bytes);
-    j->want_aux = d->aux_layout->mode == PDSPARK__AUX_MODE__AUX_MODE_RAW;
-    if (j->want_aux) {
+    j->want_aux = d->aux_layout->mode != PDSPARK__AUX_MODE__AUX_MODE_NONE;
+    j->aux_mode = ps->aux_mode;
+    int dkv = j->want_aux && j->aux_mode == PD_AUX_DRAFT_KV;
+    if (j->want_aux && !dkv) {
         j->aux_rkey = dup_bytes(&d->aux->rkey);
         j->aux_rkey_len = d->aux->rkey.len;
         j->aux_base = d->aux->base_addr;
         j->aux_len = d->aux->length;
         j->aux_off = d->aux_offset;
     }
+    if (dkv) {
+        j->dkv_rkey = dup_bytes(&d->draft_kv_pool->rkey);
+        j->dkv_rkey_len = d->draft_kv_pool->rkey.len;
+        j->dkv_base = d->draft_kv_pool->base_addr;
+        j->dkv_len = d->draft_kv_pool->length;
+        j->remote_dpool_pages = d->draft_kv_pool->length / (2ull * (uint64_t)ps->dlay.n_layers * ps->dpage_bytes);
+        j->dpages = malloc((size_t)j->n_pages * sizeof(uint32_t));
+        if (j->dpages != NULL)
+            memcpy(j->dpages, d->draft_page_ids, (size_t)j->n_pages * sizeof(uint32_t));
+    }
     if (j->ids == NULL || j->waddr == NULL || j->pages == NULL || j->kv_rkey == NULL ||
-        (j->want_aux && j->aux_rkey == NULL)) {
+        (j->want_aux && !dkv && j->aux_rkey == NULL) || (dkv && (j->dkv_rkey == NULL || j->dpages == NULL))) {
         atomic_store(&j->refs, 1);
         job_unref(j);
         return PD_ERR_NOMEM;
@@ -780,7 +904,9 @@ static pd_status handle_prefill(void *ud, const ProtobufCMessage *msg, pd_rpc_ca
         j->ids[i] = (int32_t)rq->token_ids[i];
     memcpy(j->pages, d->page_ids, (size_t)j->n_pages * sizeof(uint32_t));
     j->gp.max_new_tokens = 1;
-    j->gp.capture_aux = 1;
+    /* draft-kv needs neither: the prefill's draft pages hold the context K/V */
+    j->gp.capture_aux = j->want_aux && j->aux_mode == PD_AUX_RAW;
+    j->gp.capture_ctx = j->want_aux && j->aux_mode == PD_AUX_CTX;
     j->gp.hold_kv = 1;
     j->gp.ignore_eos = 1;
     j->gp.sample.top_p = 1.0f;
@@ -862,15 +988,18 @@ pd_status prefill_server_create(const prefill_config *cfg, prefill_server **out,
     if (cfg->model_dir == NULL)
         return pd_err_set(err, PD_ERR_INVALID, "prefill server: --model is required");
     const char *aux = cfg->aux_transfer != NULL ? cfg->aux_transfer : "raw";
-    if (strcmp(aux, "ctx") == 0 || strcmp(aux, "draft-kv") == 0)
-        return pd_err_set(err, PD_ERR_UNSUPPORTED, "--aux-transfer %s is not implemented (use raw)", aux);
-    if (strcmp(aux, "raw") != 0)
+    pd_aux_mode am;
+    if (pd_aux_mode_parse(aux, &am, NULL) != PD_OK)
         return pd_err_set(err, PD_ERR_INVALID, "--aux-transfer '%s': expected raw, ctx or draft-kv", aux);
+    if (am != PD_AUX_RAW && cfg->draft_dir == NULL)
+        return pd_err_set(err, PD_ERR_INVALID, "--aux-transfer %s needs --draft DIR (the drafter's %s runs "
+                          "on the prefill node)", aux, am == PD_AUX_CTX ? "fc + hidden_norm" : "context K/V");
     prefill_server *ps = calloc(1, sizeof(*ps));
     if (ps == NULL)
         return pd_err_set(err, PD_ERR_NOMEM, "prefill server");
     pd_status st;
     ps->cfg = *cfg;
+    ps->aux_mode = am;
     pthread_mutex_init(&ps->stats_mu, NULL);
     atomic_init(&ps->next_eid, 1);
     ps->model_dir = strdup(cfg->model_dir);
@@ -907,6 +1036,11 @@ pd_status prefill_server_create(const prefill_config *cfg, prefill_server **out,
     ps->vocab = ps->tm->cfg.vocab_size;
     ps->max_ctx = ps->tm->cfg.max_position_embeddings;
     ps->aux_dim = pd_engine_aux_dim(ps->eng);
+    ps->hidden = ps->tm->cfg.hidden_size;
+    if (ps->dm != NULL) {
+        ps->dlay = *pd_kv_pool_layout(pd_engine_draft_pool(ps->eng));
+        ps->dpage_bytes = pd_kv_page_bytes(&ps->dlay);
+    }
     if ((st = pd_loop_create(&ps->loop, err)) != PD_OK)
         goto err_destroy;
     if ((st = pd_loop_timer_create(ps->loop, step_cb, ps, &ps->step_timer, err)) != PD_OK ||
@@ -932,9 +1066,9 @@ pd_status prefill_server_create(const prefill_config *cfg, prefill_server **out,
         goto err_destroy;
     }
     ps->thread_started = 1;
-    PD_LOG_INFO("prefill", "engine up: %s, cp %d, %d kv pages of %d tokens, aux %s (%d floats/row)",
-                ps->device, ps->cp_n, ps->lay.n_pages, ps->lay.page_size, ps->dm != NULL ? "raw" : "none",
-                ps->aux_dim);
+    PD_LOG_INFO("prefill", "engine up: %s, cp %d, %d kv pages of %d tokens, aux transfer %s",
+                ps->device, ps->cp_n, ps->lay.n_pages, ps->lay.page_size,
+                ps->dm != NULL ? pd_aux_mode_name(ps->aux_mode) : "none");
     *out = ps;
     return PD_OK;
 err_destroy:

@@ -34,7 +34,7 @@ typedef struct prefill_observer {
 
 typedef struct {
     const char *model_dir;
-    const char *draft_dir;          /* needed for --aux-transfer raw (the aux taps) */
+    const char *draft_dir;          /* needed for any aux transfer (taps, fc, draft K/V) */
     const char *device;             /* "cpu" (default) or "cuda" */
     int cp_size;                    /* context-parallel ranks (0/1 = off) */
     const char *cp_strategy;        /* NULL = engine default */
@@ -42,14 +42,16 @@ typedef struct {
     int page_size;                  /* 0 = 16 (must match the decode nodes) */
     int max_batch_tokens;           /* prompt tokens per batch / forward (0 = 8192) */
     int64_t transfer_timeout_ms;    /* bound on one KV+aux transfer (0 = 30000) */
-    const char *aux_transfer;       /* "raw" (default); "ctx", "draft-kv": not implemented */
+    const char *aux_transfer;       /* "raw" (default), "ctx", "draft-kv" (pd_aux_mode_parse);
+                                     * ctx and draft-kv need draft_dir */
     const prefill_observer *observer;   /* optional, borrowed: sees every finished call */
 } prefill_config;
 
 void prefill_config_default(prefill_config *cfg);
 
 /* Load the models, create the engine, the UCX worker and the engine thread.
- * Errors: loading errors, PD_ERR_UNSUPPORTED (aux mode not implemented, device memory without
+ * Errors: loading errors, PD_ERR_INVALID (bad --aux-transfer, ctx/draft-kv without a draft),
+ * PD_ERR_UNSUPPORTED (device memory without
  * UCX support), PD_ERR_NOMEM, PD_ERR_INTERNAL. */
 pd_status prefill_server_create(const prefill_config *cfg, prefill_server **out, pd_err *err);
 /* Serve pdspark.Prefill (Prefill, CancelPrefill, Health) on addr; *out belongs to the caller

@@ -4,8 +4,10 @@
 Runs the 32 public prompts (input_ids, max_new_tokens 128, greedy) through pdspark-client, 8 at a
 time, against (a) prefill_node (cp 2) + decode_node and (b) decode_node --colocated, and checks
 that tokens, text, rounds, accepted_per_round and tau equal pdspark-generate --prompt-ids.
+Then 8 of them through the other drafter payloads (prefill_node --aux-transfer ctx and draft-kv,
+cp 2), and 8 through draft-kv with host staging forced (target and draft pools staged).
 
-usage: test_e2e.py BIN_DIR MODELS_DIR FIXTURES_DIR [colocated|disagg|all]
+usage: test_e2e.py BIN_DIR MODELS_DIR FIXTURES_DIR [colocated|disagg|aux|all]
 """
 import json
 import os
@@ -100,6 +102,21 @@ def serve(mode, addr, paths, refs):
     compare(mode, refs, outs)
 
 
+def disagg(prefill_args, env, mode, name, paths, refs):
+    """prefill_node (with prefill_args) + decode_node, both with env; serve paths."""
+    pn, paddr = start([f"{BIN}/prefill_node", "--model", TARGET, "--draft", DRAFT, "--listen",
+                       "127.0.0.1:0"] + prefill_args, name, env=env)
+    try:
+        dn, addr = start([f"{BIN}/decode_node", "--model", TARGET, "--draft", DRAFT,
+                          "--listen", "127.0.0.1:0", "--prefill", paddr], "decode_" + name, env=env)
+        try:
+            serve(mode, addr, paths, refs)
+        finally:
+            stop(dn)
+    finally:
+        stop(pn)
+
+
 def main():
     prompts = [json.loads(l) for l in open(os.path.join(FIX, "eval", "public_prompts.jsonl"))]
     paths = []
@@ -108,6 +125,8 @@ def main():
         with open(path, "w") as f:
             f.write(" ".join(map(str, p["input_ids"])))
         paths.append(path)
+    if WHICH == "aux":
+        paths = paths[:16]
     t0 = time.time()
     with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as ex:
         refs = list(ex.map(run_ref, paths))
@@ -121,33 +140,18 @@ def main():
         finally:
             stop(dn)
     if WHICH in ("disagg", "all"):
-        pn, paddr = start([f"{BIN}/prefill_node", "--model", TARGET, "--draft", DRAFT, "--listen",
-                           "127.0.0.1:0", "--cp-size", "2"], "prefill_cp2")
-        try:
-            dn, addr = start([f"{BIN}/decode_node", "--model", TARGET, "--draft", DRAFT,
-                              "--listen", "127.0.0.1:0", "--prefill", paddr], "decode_disagg")
-            try:
-                serve("disaggregated (prefill cp 2)", addr, paths, refs)
-            finally:
-                stop(dn)
-        finally:
-            stop(pn)
+        disagg(["--cp-size", "2"], {}, "disaggregated (prefill cp 2)", "prefill_cp2", paths, refs)
+    if WHICH in ("disagg", "aux", "all"):
+        # the drafter payloads other than raw: context rows, and the draft's context K/V pages
+        # put into the decode node's draft pool; 8 prompts each (CI time)
+        for aux in ("ctx", "draft-kv"):
+            disagg(["--cp-size", "2", "--aux-transfer", aux], {},
+                   f"disaggregated (aux {aux}, prefill cp 2)", f"prefill_{aux}", paths[:8], refs[:8])
         # the host-staging path (what device KV memory takes without UCX CUDA support), forced
         # on host memory: the prefill node downloads pages before the puts, the decode node
-        # receives them in a host mirror and uploads them; 8 prompts
-        staged = {"PD_XFER_FORCE_STAGING": "1"}
-        pn, paddr = start([f"{BIN}/prefill_node", "--model", TARGET, "--draft", DRAFT, "--listen",
-                           "127.0.0.1:0"], "prefill_staged", env=staged)
-        try:
-            dn, addr = start([f"{BIN}/decode_node", "--model", TARGET, "--draft", DRAFT,
-                              "--listen", "127.0.0.1:0", "--prefill", paddr], "decode_staged",
-                             env=staged)
-            try:
-                serve("disaggregated (host staging)", addr, paths[:8], refs[:8])
-            finally:
-                stop(dn)
-        finally:
-            stop(pn)
+        # receives them in host mirrors (target and draft pool) and uploads them; 8 prompts
+        disagg(["--aux-transfer", "draft-kv"], {"PD_XFER_FORCE_STAGING": "1"},
+               "disaggregated (aux draft-kv, host staging)", "prefill_staged", paths[8:16], refs[8:16])
     if failures:
         print(f"{len(failures)} failure(s); logs in {TMP}")
         sys.exit(1)

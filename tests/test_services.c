@@ -8,6 +8,9 @@
  *   DEADLINE_EXCEEDED; a prefill node SIGKILLed while prefills are in flight fails only those
  *   requests (UNAVAILABLE, within the deadline) while decoding ones finish, and a prefill node
  *   restarted on the same port is used again.
+ * Aux transfer modes: prefill_node --aux-transfer ctx|draft-kv without --draft refuses to start
+ *   with one clear line; a draft-kv prefill node refuses a descriptor with no draft pool or a
+ *   draft layout that differs (INVALID_ARGUMENT). (Decoding through ctx/draft-kv: test_e2e.py.)
  * Every wait here is bounded. Uses the binaries in PD_BIN_DIR and the tiny models. */
 #include <errno.h>
 #include <poll.h>
@@ -370,6 +373,110 @@ static void test_services_bad_input(void)
     node_stop(&pn, SIGTERM);
 }
 
+/* ---- aux transfer modes --------------------------------------------------------------------- */
+
+/* Runs cmd (stderr captured), returns its exit status; its output goes to out. */
+static int run_capture(const char *cmd, char *out, size_t cap)
+{
+    char full[1024];
+    snprintf(full, sizeof(full), "%s 2>&1", cmd);
+    FILE *f = popen(full, "r");
+    if (f == NULL)
+        return -1;
+    size_t n = fread(out, 1, cap - 1, f);
+    out[n] = '\0';
+    int rc = pclose(f);
+    return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+
+static void test_services_aux_modes(void)
+{
+    char out[2048];
+    const char *modes[] = { "ctx", "draft-kv" };
+    for (int i = 0; i < 2; i++) {
+        char cmd[512];
+        snprintf(cmd, sizeof(cmd), "OPENBLAS_NUM_THREADS=1 timeout 60 %s/prefill_node --model %s --listen 127.0.0.1:0 "
+                 "--aux-transfer %s", PD_BIN_DIR, TARGET, modes[i]);
+        int rc = run_capture(cmd, out, sizeof(out));
+        TEST_CHECK_MSG(rc == 1 && strstr(out, "--draft") != NULL && strstr(out, modes[i]) != NULL,
+                       "--aux-transfer %s without --draft: exit %d, '%s'", modes[i], rc, out);
+    }
+    char cmd[512];
+    snprintf(cmd, sizeof(cmd), "timeout 60 %s/prefill_node --model %s --draft %s --listen 127.0.0.1:0 "
+             "--aux-transfer bogus", PD_BIN_DIR, TARGET, DRAFT);
+    int rc = run_capture(cmd, out, sizeof(out));
+    TEST_CHECK_MSG(rc != 0 && strstr(out, "bogus") != NULL, "--aux-transfer bogus: exit %d, '%s'", rc, out);
+
+    node pn = {0};
+    char *pargv[] = { PD_BIN_DIR "/prefill_node", "--model", TARGET, "--draft", DRAFT, "--listen",
+                      "127.0.0.1:0", "--aux-transfer", "draft-kv", NULL };
+    if (node_start(pargv, &pn) != 0) {
+        TEST_CHECK_MSG(0, "prefill_node --aux-transfer draft-kv did not start");
+        return;
+    }
+    pd_err err = {0};
+    pd_rpc_channel *pch = NULL;
+    TEST_CHECK(pd_rpc_channel_create(pn.addr, &pch, &err) == PD_OK);
+    /* the tiny target's layout (16-token pages, f32, 8 layers, 2 kv heads, head dim 64) */
+    uint32_t toks[4] = { 1, 2, 3, 4 }, page = 0;
+    uint8_t dummy[8] = { 1 };
+    Pdspark__PageLayout pl = PDSPARK__PAGE_LAYOUT__INIT;
+    pl.version = PD_PROTO_VERSION;
+    pl.page_size = 16;
+    pl.dtype = PDSPARK__KV_DTYPE__KV_DTYPE_F32;
+    pl.n_layers = 8;
+    pl.n_kv_heads = 2;
+    pl.head_dim = 64;
+    pl.bytes_per_page = 16 * 2 * 64 * 4;
+    Pdspark__RemoteRegion kv = PDSPARK__REMOTE_REGION__INIT;
+    kv.version = PD_PROTO_VERSION;
+    kv.rkey.data = dummy;
+    kv.rkey.len = sizeof(dummy);
+    kv.length = 2ull * 8 * pl.bytes_per_page * 4;
+    Pdspark__AuxLayout al = PDSPARK__AUX_LAYOUT__INIT;
+    al.version = PD_PROTO_VERSION;
+    al.mode = PDSPARK__AUX_MODE__AUX_MODE_RAW;
+    al.rows = 4;
+    Pdspark__Destination d = PDSPARK__DESTINATION__INIT;
+    d.version = PD_PROTO_VERSION;
+    d.worker_address.data = dummy;
+    d.worker_address.len = sizeof(dummy);
+    d.page_layout = &pl;
+    d.kv_pool = &kv;
+    d.aux_layout = &al;
+    d.n_page_ids = 1;
+    d.page_ids = &page;
+    Pdspark__PrefillRequest pr = PDSPARK__PREFILL_REQUEST__INIT;
+    pr.version = PD_PROTO_VERSION;
+    pr.request_id = "no-draft-pool";
+    pr.n_token_ids = 4;
+    pr.token_ids = toks;
+    pr.dest = &d;
+    ProtobufCMessage *m = NULL;
+    pd_status st = pd_rpc_unary(pch, "/pdspark.Prefill/Prefill", &pr.base,
+                                &pdspark__prefill_reply__descriptor, 5000, &m, &err);
+    TEST_CHECK_MSG(st == PD_ERR_INVALID && strstr(err.msg, "no draft KV pool") != NULL,
+                   "draft-kv without a draft pool: %s %s", pd_status_str(st), err.msg);
+    if (m != NULL)
+        protobuf_c_message_free_unpacked(m, NULL);
+    Pdspark__PageLayout dpl = pl;
+    dpl.n_layers = 99;
+    Pdspark__RemoteRegion dkv = kv;
+    d.draft_kv_pool = &dkv;
+    d.draft_page_layout = &dpl;
+    d.n_draft_page_ids = 1;
+    d.draft_page_ids = &page;
+    m = NULL;
+    st = pd_rpc_unary(pch, "/pdspark.Prefill/Prefill", &pr.base, &pdspark__prefill_reply__descriptor,
+                      5000, &m, &err);
+    TEST_CHECK_MSG(st == PD_ERR_INVALID && strstr(err.msg, "draft kv layout mismatch") != NULL,
+                   "draft layout mismatch: %s %s", pd_status_str(st), err.msg);
+    if (m != NULL)
+        protobuf_c_message_free_unpacked(m, NULL);
+    pd_rpc_channel_destroy(pch);
+    node_stop(&pn, SIGTERM);
+}
+
 /* ---- lifecycle ------------------------------------------------------------------------------ */
 
 typedef struct {
@@ -608,6 +715,8 @@ int main(int argc, char **argv)
         TEST_SKIP("decode_node / prefill_node not built");
     if (strcmp(only, "all") == 0 || strcmp(only, "bad-input") == 0)
         test_services_bad_input();
+    if (strcmp(only, "all") == 0 || strcmp(only, "aux-modes") == 0)
+        test_services_aux_modes();
     if (strcmp(only, "all") == 0 || strcmp(only, "lifecycle") == 0)
         test_services_lifecycle();
     if (strcmp(only, "all") == 0 || strcmp(only, "multi-node") == 0)
