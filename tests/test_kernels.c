@@ -948,7 +948,7 @@ static void case_name(const kcase *c, char *buf, size_t n)
 static void test_batch_invariance(kern_backend *g)
 {
     pd_err err;
-    enum { N = 1024, K = 512, M = 11, NKV = 2, HD = 128, NH = 8, PS = 16 };
+    enum { N = 1024, K = 512, M = 75, NKV = 2, HD = 128, NH = 8, PS = 16 };   /* M > one 64-row chunk */
     float *w = host_rand((size_t)N * K, -0.05f, 0.05f, 1), *x = host_rand((size_t)M * K, -1.0f, 1.0f, 0);
     side sg = {g, {0}, 0};
     kern_weight wd = side_weight(&sg, w, N, K);
