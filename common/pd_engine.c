@@ -548,6 +548,34 @@ pd_status pd_engine_complete_prefill(pd_engine *e, pd_request *r, int32_t first_
     return pd_engine_complete_prefill_mode(e, r, first_token, PD_AUX_RAW, aux_host, err);
 }
 
+/* The draft context of a prompt prefilled elsewhere: positions 0..n-1 of r->dkv from the raw aux
+ * rows (uploaded first) or from ready context features (host rows). */
+static pd_status extend_prompt_context(pd_engine *e, pd_request *r, pd_aux_mode mode, const float *rows,
+                                       pd_err *err)
+{
+    int n = r->n_prompt;
+    if (mode == PD_AUX_RAW) {
+        kern_backend *be = e->tm->be;
+        TRY(kern_buf_grow(be, &e->aux_dev, &e->cap_aux, n, (size_t)e->aux_dim * sizeof(float), err));
+        TRY(kern_upload(be, e->aux_dev->ptr, rows, (size_t)n * e->aux_dim * sizeof(float), err));
+    }
+    int32_t *pos = malloc((size_t)n * sizeof(int32_t)), *seq = calloc((size_t)n, sizeof(int32_t));
+    if (pos == NULL || seq == NULL) {
+        free(pos);
+        free(seq);
+        return pd_err_set(err, PD_ERR_NOMEM, "prefill completion metadata");
+    }
+    for (int i = 0; i < n; i++)
+        pos[i] = i;
+    pd_kv_seq *seqs[1] = {&r->dkv};
+    pd_tok_batch b = { .n_tok = n, .pos = pos, .seq = seq, .n_seq = 1, .seqs = seqs };
+    pd_status st = mode == PD_AUX_RAW ? pd_draft_extend(e->draft, e->aux_dev->ptr, e->aux_dim, &b, err)
+                                      : pd_draft_extend_ctx(e->draft, rows, &b, err);
+    free(pos);
+    free(seq);
+    return st;
+}
+
 pd_status pd_engine_complete_prefill_mode(pd_engine *e, pd_request *r, int32_t first_token,
                                           pd_aux_mode mode, const float *aux_host, pd_err *err)
 {
@@ -557,49 +585,11 @@ pd_status pd_engine_complete_prefill_mode(pd_engine *e, pd_request *r, int32_t f
     if (first_token < 0 || first_token >= e->V)
         return pd_err_set(err, PD_ERR_INVALID, "first token %d outside the vocabulary (0..%d)",
                           first_token, e->V - 1);
-    if (e->draft != NULL && mode == PD_AUX_CTX) {
+    if (e->draft != NULL && mode != PD_AUX_DRAFT_KV) {
         if (aux_host == NULL)
-            return pd_err_set(err, PD_ERR_INVALID, "request %llu: prefill brought no context rows",
-                              (unsigned long long)r->id);
-        int n = r->n_prompt;
-        int32_t *pos = malloc((size_t)n * sizeof(int32_t)), *seq = calloc((size_t)n, sizeof(int32_t));
-        if (pos == NULL || seq == NULL) {
-            free(pos);
-            free(seq);
-            return pd_err_set(err, PD_ERR_NOMEM, "prefill completion metadata");
-        }
-        for (int i = 0; i < n; i++)
-            pos[i] = i;
-        pd_kv_seq *seqs[1] = {&r->dkv};
-        pd_tok_batch b = { .n_tok = n, .pos = pos, .seq = seq, .n_seq = 1, .seqs = seqs };
-        pd_status st = pd_draft_extend_ctx(e->draft, aux_host, &b, err);
-        free(pos);
-        free(seq);
-        if (st != PD_OK)
-            return st;
-    } else if (e->draft != NULL && mode == PD_AUX_RAW) {
-        if (aux_host == NULL)
-            return pd_err_set(err, PD_ERR_INVALID, "request %llu: prefill brought no aux rows",
-                              (unsigned long long)r->id);
-        kern_backend *be = e->tm->be;
-        int n = r->n_prompt;
-        TRY(kern_buf_grow(be, &e->aux_dev, &e->cap_aux, n, (size_t)e->aux_dim * sizeof(float), err));
-        TRY(kern_upload(be, e->aux_dev->ptr, aux_host, (size_t)n * e->aux_dim * sizeof(float), err));
-        int32_t *pos = malloc((size_t)n * sizeof(int32_t)), *seq = calloc((size_t)n, sizeof(int32_t));
-        if (pos == NULL || seq == NULL) {
-            free(pos);
-            free(seq);
-            return pd_err_set(err, PD_ERR_NOMEM, "prefill completion metadata");
-        }
-        for (int i = 0; i < n; i++)
-            pos[i] = i;
-        pd_kv_seq *seqs[1] = {&r->dkv};
-        pd_tok_batch b = { .n_tok = n, .pos = pos, .seq = seq, .n_seq = 1, .seqs = seqs };
-        pd_status st = pd_draft_extend(e->draft, e->aux_dev->ptr, e->aux_dim, &b, err);
-        free(pos);
-        free(seq);
-        if (st != PD_OK)
-            return st;
+            return pd_err_set(err, PD_ERR_INVALID, "request %llu: prefill brought no %s rows",
+                              (unsigned long long)r->id, mode == PD_AUX_CTX ? "context" : "aux");
+        TRY(extend_prompt_context(e, r, mode, aux_host, err));
     }
     return commit_first(e, r, first_token, err);
 }

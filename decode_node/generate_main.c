@@ -14,10 +14,13 @@
 #include <time.h>
 
 #include "pd_cp.h"
+#include "decode_util.h"
 #include "pd_engine.h"
 #include "pd_log.h"
 #include "pd_model.h"
 #include "pd_tokenizer.h"
+
+#define PROG "pdspark-generate"
 
 static void usage(FILE *f)
 {
@@ -36,86 +39,6 @@ static void usage(FILE *f)
             "--cp-size N > 1 runs the prefill context-parallel over N ranks (threads of this process\n"
             "on the cpu device), split by --cp-strategy (default round-robin-split); the result\n"
             "is the same as with N = 1.\n");
-}
-
-static double now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
-}
-
-static int parse_int(const char *flag, const char *s, long lo, long hi, int *out)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno != 0 || *end != '\0' || end == s || v < lo || v > hi) {
-        fprintf(stderr, "pdspark-generate: %s: '%s' is not an integer in %ld..%ld\n", flag, s, lo, hi);
-        return -1;
-    }
-    *out = (int)v;
-    return 0;
-}
-
-static int parse_float(const char *flag, const char *s, float *out)
-{
-    char *end;
-    errno = 0;
-    float v = strtof(s, &end);
-    if (errno != 0 || *end != '\0' || end == s) {
-        fprintf(stderr, "pdspark-generate: %s: '%s' is not a number\n", flag, s);
-        return -1;
-    }
-    *out = v;
-    return 0;
-}
-
-static int read_ids(const char *path, int32_t **ids, int *n)
-{
-    FILE *f = strcmp(path, "-") == 0 ? stdin : fopen(path, "r");
-    if (f == NULL) {
-        fprintf(stderr, "pdspark-generate: --prompt-ids %s: %s\n", path, strerror(errno));
-        return -1;
-    }
-    int cap = 256, cnt = 0;
-    int32_t *v = malloc((size_t)cap * sizeof(int32_t));
-    char word[64];
-    int rc = 0;
-    while (v != NULL && fscanf(f, "%63s", word) == 1) {
-        char *end;
-        errno = 0;
-        long x = strtol(word, &end, 10);
-        if (errno != 0 || *end != '\0' || x < INT32_MIN || x > INT32_MAX) {
-            fprintf(stderr, "pdspark-generate: --prompt-ids %s: '%s' is not a token id\n", path, word);
-            rc = -1;
-            break;
-        }
-        if (cnt == cap) {
-            cap *= 2;
-            int32_t *nv = realloc(v, (size_t)cap * sizeof(int32_t));
-            if (nv == NULL) {
-                free(v);
-                v = NULL;
-                break;
-            }
-            v = nv;
-        }
-        v[cnt++] = (int32_t)x;
-    }
-    if (f != stdin)
-        fclose(f);
-    if (v == NULL) {
-        fprintf(stderr, "pdspark-generate: out of memory reading %s\n", path);
-        return -1;
-    }
-    if (rc != 0) {
-        free(v);
-        return rc;
-    }
-    *ids = v;
-    *n = cnt;
-    return 0;
 }
 
 int main(int argc, char **argv)
@@ -155,17 +78,17 @@ int main(int argc, char **argv)
         case O_NO_DRAFT: no_draft = 1; break;
         case O_PROMPT: prompt = optarg; break;
         case O_IDS: ids_path = optarg; break;
-        case O_MAXNEW: bad = parse_int("--max-new-tokens", optarg, 1, 1 << 20, &max_new); break;
-        case O_TEMP: bad = parse_float("--temperature", optarg, &temperature); break;
-        case O_TOPK: bad = parse_int("--top-k", optarg, 0, INT_MAX, &top_k); break;
-        case O_TOPP: bad = parse_float("--top-p", optarg, &top_p); break;
-        case O_SEED: bad = parse_int("--seed", optarg, 0, INT_MAX, &seed); break;
-        case O_BLOCK: bad = parse_int("--block-size", optarg, 1, 31, &block); break;
+        case O_MAXNEW: bad = decode_parse_int(PROG, "--max-new-tokens", optarg, 1, 1 << 20, &max_new); break;
+        case O_TEMP: bad = decode_parse_float(PROG, "--temperature", optarg, &temperature); break;
+        case O_TOPK: bad = decode_parse_int(PROG, "--top-k", optarg, 0, INT_MAX, &top_k); break;
+        case O_TOPP: bad = decode_parse_float(PROG, "--top-p", optarg, &top_p); break;
+        case O_SEED: bad = decode_parse_int(PROG, "--seed", optarg, 0, INT_MAX, &seed); break;
+        case O_BLOCK: bad = decode_parse_int(PROG, "--block-size", optarg, 1, 31, &block); break;
         case O_JSON: json = 1; break;
         case O_IGNORE: ignore_eos = 1; break;
         case O_DEVICE: device = optarg; break;
-        case O_PAGE: bad = parse_int("--page-size", optarg, 1, 4096, &page_size); break;
-        case O_PAGES: bad = parse_int("--kv-pages", optarg, 1, INT_MAX, &kv_pages); break;
+        case O_PAGE: bad = decode_parse_int(PROG, "--page-size", optarg, 1, 4096, &page_size); break;
+        case O_PAGES: bad = decode_parse_int(PROG, "--kv-pages", optarg, 1, INT_MAX, &kv_pages); break;
         case O_STREAM: stream = 1; break;
         case O_FAST: fast_kernels = 1; break;
         case O_VERIFY: {
@@ -177,13 +100,13 @@ int main(int argc, char **argv)
             break;
         }
         case O_THRESHOLD:
-            bad = parse_float("--threshold", optarg, &threshold);
+            bad = decode_parse_float(PROG, "--threshold", optarg, &threshold);
             if (!bad && !(threshold > 0.0f && threshold <= 1.0f)) {
                 fprintf(stderr, "pdspark-generate: --threshold %g must be in (0, 1]\n", (double)threshold);
                 bad = 1;
             }
             break;
-        case O_CP_SIZE: bad = parse_int("--cp-size", optarg, 1, PD_CP_MAX_SIZE, &cp_size); break;
+        case O_CP_SIZE: bad = decode_parse_int(PROG, "--cp-size", optarg, 1, PD_CP_MAX_SIZE, &cp_size); break;
         case O_CP_STRATEGY: {
             pd_err perr = {0};
             if (pd_cp_strategy_parse(optarg, &cp_strategy, &perr) != PD_OK) {
@@ -250,7 +173,7 @@ int main(int argc, char **argv)
         if (pd_tokenizer_encode(tok, prompt, strlen(prompt), 1, &ids, &n, &err) != PD_OK)
             goto fail;
         n_ids = (int)n;
-    } else if (read_ids(ids_path, &ids, &n_ids) != 0) {
+    } else if (decode_read_ids(PROG, ids_path, &ids, &n_ids) != 0) {
         goto out;
     }
     pd_engine_config ec = { .target = tm, .draft = dm, .page_size = page_size, .n_pages = kv_pages,
@@ -294,7 +217,7 @@ int main(int argc, char **argv)
                                      .seed = (uint64_t)seed },
                          .max_new_tokens = max_new, .ignore_eos = ignore_eos };
     pd_request *req = NULL;
-    double t0 = now_ms();
+    double t0 = decode_now_ms();
     if (pd_engine_add(eng, 1, ids, n_ids, &gp, &req, &err) != PD_OK)
         goto fail;
     if (stream && tok != NULL && pd_detok_create(tok, &detok, &err) != PD_OK)
@@ -306,7 +229,7 @@ int main(int argc, char **argv)
         int n_new = 0;
         const int32_t *nt = pd_engine_take_new(req, &n_new);
         if (n_new > 0 && t_first < 0)
-            t_first = now_ms();
+            t_first = decode_now_ms();
         for (int i = 0; detok != NULL && i < n_new; i++) {
             char *piece = NULL;
             if (pd_detok_push(detok, nt[i], &piece, &err) != PD_OK)
@@ -316,7 +239,7 @@ int main(int argc, char **argv)
             free(piece);
         }
     }
-    double t1 = now_ms();
+    double t1 = decode_now_ms();
     if (req->finish == PD_FINISH_ERROR) {
         fprintf(stderr, "pdspark-generate: %s\n", req->error);
         goto out;
