@@ -196,8 +196,10 @@ static int target_probs(const pd_qwen3_model *tm, const int32_t *ids, int n, dou
     return rc;
 }
 
-static void test_sampling_end_to_end(void)
+/* policy: the verification-length policy of the speculative rounds (any is lossless) */
+static void test_sampling_end_to_end(pd_verify_policy policy, int waves)
 {
+    printf("end to end, verify %s\n", pd_verify_policy_name(policy));
     pd_err err;
     kern_backend *be = NULL;
     kern_backend_config bc = { .name = "cpu" };
@@ -225,7 +227,7 @@ static void test_sampling_end_to_end(void)
     printf("end to end: first-token mode %d (p %.3f)\n", mode, p1[mode]);
     long *h1 = calloc((size_t)V, sizeof(long)), *h2 = calloc((size_t)V, sizeof(long));
     long runs = 0, runs2 = 0;
-    const int wave = 64, waves = 40;
+    const int wave = 64;
     pd_engine *e = NULL;
     pd_engine_config ec = { .target = tm, .draft = dm, .page_size = 16, .n_pages = 1024 };
     TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);
@@ -233,6 +235,7 @@ static void test_sampling_end_to_end(void)
         pd_request *rq[64];
         for (int i = 0; i < wave; i++) {
             pd_gen_params gp = { .sample = { .temperature = 1.0f, .top_p = 1.0f, .seed = (uint64_t)(w * wave + i) * 7919u + 1 },
+                                 .verify_policy = policy, .verify_threshold = 0.4f,
                                  .max_new_tokens = 2, .ignore_eos = 1 };
             TEST_CHECK(pd_engine_add(e, (uint64_t)i, prompt, n, &gp, &rq[i], &err) == PD_OK);
         }
@@ -275,6 +278,9 @@ int main(void)
 {
     test_sampling_units();
     test_sampling_verify_synthetic();
-    test_sampling_end_to_end();
+    test_sampling_end_to_end(PD_VERIFY_FULL, 40);
+    /* shorter verification (fewer drafts checked per round) must keep the distribution too */
+    test_sampling_end_to_end(PD_VERIFY_THRESHOLD, 16);
+    test_sampling_end_to_end(PD_VERIFY_SCHEDULED, 16);
     TEST_DONE();
 }
