@@ -30,6 +30,7 @@ struct pd_xfer {
     bool cuda;
     uint32_t window;
     uint32_t timeout_ms;
+    bool err_mode_none;         /* endpoints without peer-failure mode (config) */
     char name[32];
     pd_xfer_op *ops;            /* active transfers (doubly linked) */
     size_t n_ops;
@@ -113,6 +114,7 @@ pd_status pd_xfer_create(const pd_xfer_config *cfg, pd_xfer **out, pd_err *err)
     snprintf(x->name, sizeof(x->name), "%s", cfg->name != NULL ? cfg->name : "xfer");
     x->window = cfg->max_inflight ? cfg->max_inflight : XFER_DEFAULT_WINDOW;
     x->timeout_ms = cfg->timeout_ms ? cfg->timeout_ms : XFER_DEFAULT_TIMEOUT_MS;
+    x->err_mode_none = cfg->err_mode_none;
     x->efd = -1;
     pd_status st;
 
@@ -386,6 +388,11 @@ static unsigned xfer_advance(pd_xfer *x)
         if (p->fail_status != UCS_OK && !p->closed)
             peer_fail(p, PD_ERR_PEER, ucs_status_string(p->fail_status));
     }
+    for (pd_xfer_op *op = x->ops; op != NULL; op = op->next_op) {
+        /* without peer-failure mode no handler reports a dead peer: a put that failed does */
+        if (op->err.code == PD_ERR_PEER && !op->p->failed && !op->p->closed)
+            peer_fail(op->p, PD_ERR_PEER, op->err.msg);
+    }
     uint64_t now = now_ns();
     for (pd_xfer_op *op = x->ops; op != NULL; op = op->next_op) {
         if (op->err.code == PD_OK && now > op->deadline_ns) {
@@ -399,6 +406,25 @@ static unsigned xfer_advance(pd_xfer *x)
     for (pd_xfer_op *op = x->ops; op != NULL; op = op->next_op)
         op_advance(op);
     unsigned n_done = 0;
+    for (pd_xfer_op *op = x->ops, *next; op != NULL; op = next) {
+        next = op->next_op;
+        if (op->err.code == PD_OK || op->inflight == 0 || !op->p->closed)
+            continue;
+        /* The force close did not complete this failed op's requests (endpoints without
+         * peer-failure mode: UCX does not purge them). End it now, as peer_destroy does, and
+         * keep it until the worker is gone, since those requests still point at it. */
+        PD_LOG_WARN("xfer", "%s: peer %u: %u requests outlived the endpoint close", x->name,
+                    op->p->id, op->inflight);
+        op_unlink(op);
+        pd_err e = op->err;
+        op->next_op = x->orphans;
+        x->orphans = op;
+        if (op->done != NULL)
+            op->done(op->ud, e.code, &e);
+        op->done = NULL;
+        n_done++;
+        next = x->ops;   /* done() may have changed the list */
+    }
     for (;;) {
         /* done() may start or finish other transfers: rescan after each one. */
         pd_xfer_op *ready = NULL;
@@ -477,8 +503,12 @@ pd_status pd_xfer_peer_create(pd_xfer *x, const void *addr, size_t len, pd_xfer_
     ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     ep.err_handler.cb = peer_on_error;
     ep.err_handler.arg = p;
+    if (x->err_mode_none)
+        /* same-host peers (config): let UCX pick shm/cma, which have no peer-failure mode */
+        ep.field_mask &= ~(uint64_t)(UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                                     UCP_EP_PARAM_FIELD_ERR_HANDLER);
     ucs_status_t us = ucp_ep_create(x->worker, &ep, &p->ep);
-    if (us == UCS_ERR_UNREACHABLE) {
+    if (us == UCS_ERR_UNREACHABLE && !x->err_mode_none) {
         /* The transports allowed here (e.g. shared memory only) cannot report peer failure:
          * connect without it; the transfer timeout is then the only bound. */
         ep.field_mask &= ~(uint64_t)(UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
@@ -620,6 +650,40 @@ pd_status pd_xfer_mem_register(pd_xfer *x, void *base, size_t len, pd_xfer_mem *
     }
     m->x = x;
     m->base = base;
+    m->len = len;
+    m->next = x->mems;
+    x->mems = m;
+    *out = m;
+    return PD_OK;
+}
+
+pd_status pd_xfer_mem_alloc(pd_xfer *x, size_t len, pd_xfer_mem **out, pd_err *err)
+{
+    if (len == 0)
+        return pd_err_set(err, PD_ERR_INVALID, "xfer %s: allocate an empty region", x->name);
+    pd_xfer_mem *m = calloc(1, sizeof(*m));
+    if (m == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "xfer %s: mem", x->name);
+    ucp_mem_map_params_t mp;
+    memset(&mp, 0, sizeof(mp));
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                    UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+    mp.address = NULL;
+    mp.length = len;
+    mp.flags = UCP_MEM_MAP_ALLOCATE;
+    ucs_status_t us = ucp_mem_map(x->ctx, &mp, &m->memh);
+    ucp_mem_attr_t ma;
+    memset(&ma, 0, sizeof(ma));
+    ma.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+    if (us == UCS_OK && (us = ucp_mem_query(m->memh, &ma)) != UCS_OK)
+        ucp_mem_unmap(x->ctx, m->memh);
+    if (us != UCS_OK) {
+        free(m);
+        return pd_err_set(err, us == UCS_ERR_NO_MEMORY ? PD_ERR_NOMEM : PD_ERR_INTERNAL,
+                          "xfer %s: allocate %zu bytes: %s", x->name, len, ucs_status_string(us));
+    }
+    m->x = x;
+    m->base = ma.address;
     m->len = len;
     m->next = x->mems;
     x->mems = m;

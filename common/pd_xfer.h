@@ -43,6 +43,13 @@ typedef struct {
                                   idle worker hundreds of times a second over tcp; peers that
                                   die are seen through socket errors and the transfer timeout;
                                   UCX_KEEPALIVE_INTERVAL in the environment wins) */
+    bool err_mode_none;        /* endpoints without UCX peer-failure mode (for same-host peers):
+                                  UCX's shared-memory transports (shm, cma) cannot report a
+                                  peer's failure, so in peer mode (the default, false) puts go
+                                  over tcp even between two processes of one host; with this
+                                  set they can use shm/cma. A peer that dies is then seen only
+                                  through the transfer timeout (timeout_ms: done gets
+                                  PD_ERR_TIMEOUT), not through a PD_ERR_PEER right away. */
 } pd_xfer_config;
 
 void pd_xfer_config_default(pd_xfer_config *cfg);
@@ -74,7 +81,8 @@ size_t pd_xfer_active(const pd_xfer *x);
 void pd_xfer_address(const pd_xfer *x, const void **addr, size_t *len);
 
 /* Connect to a remote worker address (borrowed bytes). The endpoint has a peer-failure handler:
- * a peer that dies fails its transfers with PD_ERR_PEER and later puts return PD_ERR_PEER.
+ * a peer that dies fails its transfers with PD_ERR_PEER and later puts return PD_ERR_PEER
+ * (unless the config's err_mode_none: then the transfer timeout is the only bound).
  * Errors: PD_ERR_INVALID (bad address), PD_ERR_PEER, PD_ERR_NOMEM. */
 pd_status pd_xfer_peer_create(pd_xfer *x, const void *addr, size_t len, pd_xfer_peer **out,
                               pd_err *err);
@@ -89,6 +97,13 @@ void pd_xfer_peer_destroy(pd_xfer_peer *p);
  * Errors: PD_ERR_INVALID, PD_ERR_NOMEM, PD_ERR_INTERNAL. */
 pd_status pd_xfer_mem_register(pd_xfer *x, void *base, size_t len, pd_xfer_mem **out,
                                pd_err *err);
+/* Allocate len bytes through UCX (ucp_mem_map ALLOCATE) and register them; the memory is
+ * pd_xfer_mem_base(*out), zero-filled is not promised, and is freed by pd_xfer_mem_deregister.
+ * UCX may place it in shared memory, so a same-host peer can map it and its puts become plain
+ * copies (what ucx_perftest measures); memory registered with pd_xfer_mem_register is reached
+ * over shm/cma by copies through the target worker instead.
+ * Errors: PD_ERR_INVALID, PD_ERR_NOMEM, PD_ERR_INTERNAL. */
+pd_status pd_xfer_mem_alloc(pd_xfer *x, size_t len, pd_xfer_mem **out, pd_err *err);
 void pd_xfer_mem_deregister(pd_xfer_mem *m);                  /* NULL is a no-op */
 void *pd_xfer_mem_base(const pd_xfer_mem *m);
 size_t pd_xfer_mem_len(const pd_xfer_mem *m);

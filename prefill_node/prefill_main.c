@@ -24,6 +24,7 @@ static void usage(FILE *f)
             "                    [--cp-size N --cp-strategy S] [--device cpu|cuda]\n"
             "                    [--max-batch-tokens N] [--kv-pages N] [--page-size N]\n"
             "                    [--transfer-timeout-ms N] [--aux-transfer raw|ctx|draft-kv]\n"
+            "                    [--xfer-err-mode peer|none]\n"
             "                    [--log-level error|warn|info|debug|trace] [--http HOST:PORT]\n"
             "\n"
             "Serves pdspark.Prefill: batches queued prompts into engine steps (context-parallel\n"
@@ -34,6 +35,9 @@ static void usage(FILE *f)
             "the drafter's context K/V of every draft layer into the decode node's draft pool;\n"
             "all three decode identically. Port 0 picks a free port, printed as\n"
             "'listening grpc HOST:PORT'.\n"
+            "--xfer-err-mode none connects to decode nodes without UCX peer-failure mode, so a\n"
+            "decode node on the same host is reached over shm/cma instead of tcp; a decode node\n"
+            "that dies is then noticed only by --transfer-timeout-ms (default peer: at once).\n"
             "--http serves GET /health, /ready and /metrics (Prometheus text), printed as\n"
             "'listening http HOST:PORT'.\n");
 }
@@ -58,7 +62,7 @@ int main(int argc, char **argv)
     const char *http_addr = NULL;
     int tmo = 0;
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_CP, O_CPS, O_DEVICE, O_MBT, O_PAGES, O_PAGE, O_XTMO,
-           O_AUX, O_LOG, O_HELP, O_HTTP };
+           O_AUX, O_LOG, O_HELP, O_HTTP, O_XERR };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"cp-size", required_argument, 0, O_CP},
@@ -66,7 +70,8 @@ int main(int argc, char **argv)
         {"max-batch-tokens", required_argument, 0, O_MBT}, {"kv-pages", required_argument, 0, O_PAGES},
         {"page-size", required_argument, 0, O_PAGE}, {"transfer-timeout-ms", required_argument, 0, O_XTMO},
         {"aux-transfer", required_argument, 0, O_AUX}, {"log-level", required_argument, 0, O_LOG},
-        {"help", no_argument, 0, O_HELP}, {"http", required_argument, 0, O_HTTP}, {0, 0, 0, 0},
+        {"help", no_argument, 0, O_HELP}, {"http", required_argument, 0, O_HTTP},
+        {"xfer-err-mode", required_argument, 0, O_XERR}, {0, 0, 0, 0},
     };
     opterr = 0;
     int c;
@@ -84,6 +89,13 @@ int main(int argc, char **argv)
         case O_PAGE: bad = parse_int("--page-size", optarg, 1, 4096, &cfg.page_size); break;
         case O_XTMO: bad = parse_int("--transfer-timeout-ms", optarg, 1, INT32_MAX, &tmo); cfg.transfer_timeout_ms = tmo; break;
         case O_AUX: cfg.aux_transfer = optarg; break;
+        case O_XERR:
+            if (strcmp(optarg, "peer") != 0 && strcmp(optarg, "none") != 0) {
+                fprintf(stderr, PROG ": --xfer-err-mode: expected peer or none, got '%s'\n", optarg);
+                return 2;
+            }
+            cfg.xfer_err_mode_none = strcmp(optarg, "none") == 0;
+            break;
         case O_LOG: {
             int lvl = pd_log_level_parse(optarg);
             if (lvl < 0) {

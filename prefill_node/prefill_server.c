@@ -1050,6 +1050,7 @@ pd_status prefill_server_create(const prefill_config *cfg, prefill_server **out,
     pd_xfer_config_default(&xc);
     xc.name = "prefill";
     xc.timeout_ms = (uint32_t)ps->cfg.transfer_timeout_ms;
+    xc.err_mode_none = cfg->xfer_err_mode_none != 0;
     if ((st = pd_xfer_create(&xc, &ps->x, err)) != PD_OK)
         goto err_destroy;
     /* device KV that UCX cannot read: pages are downloaded to a per-request host buffer first

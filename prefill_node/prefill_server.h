@@ -44,6 +44,8 @@ typedef struct {
     int64_t transfer_timeout_ms;    /* bound on one KV+aux transfer (0 = 30000) */
     const char *aux_transfer;       /* "raw" (default), "ctx", "draft-kv" (pd_aux_mode_parse);
                                      * ctx and draft-kv need draft_dir */
+    int xfer_err_mode_none;         /* UCX endpoints without peer-failure mode (same-host decode
+                                     * nodes: shm/cma usable; failures seen by the timeout only) */
     const prefill_observer *observer;   /* optional, borrowed: sees every finished call */
 } prefill_config;
 

@@ -24,6 +24,7 @@
 #define PROG "pdspark-xferbench"
 
 static int g_busy;   /* progress by polling instead of sleeping on the worker fd */
+static int g_ucx_alloc;   /* the target's region comes from pd_xfer_mem_alloc */
 
 static double now_s(void)
 {
@@ -84,10 +85,11 @@ static int run_target(const pd_xfer_config *xc, size_t bytes, int wfd, int rfd)
     pd_err err = {0};
     pd_xfer *x = NULL;
     pd_xfer_mem *m = NULL;
-    void *pool = calloc(1, bytes), *rkey = NULL;
+    void *pool = g_ucx_alloc ? NULL : calloc(1, bytes), *rkey = NULL;
     size_t rkey_len = 0;
-    if (pool == NULL || pd_xfer_create(xc, &x, &err) != PD_OK ||
-        pd_xfer_mem_register(x, pool, bytes, &m, &err) != PD_OK ||
+    if ((!g_ucx_alloc && pool == NULL) || pd_xfer_create(xc, &x, &err) != PD_OK ||
+        (g_ucx_alloc ? pd_xfer_mem_alloc(x, bytes, &m, &err)
+                     : pd_xfer_mem_register(x, pool, bytes, &m, &err)) != PD_OK ||
         pd_xfer_mem_pack(m, &rkey, &rkey_len, &err) != PD_OK) {
         fprintf(stderr, PROG " target: %s\n", err.msg);
         return 1;
@@ -95,7 +97,7 @@ static int run_target(const pd_xfer_config *xc, size_t bytes, int wfd, int rfd)
     const void *addr;
     size_t addr_len;
     pd_xfer_address(x, &addr, &addr_len);
-    uint64_t base = (uint64_t)(uintptr_t)pool;
+    uint64_t base = (uint64_t)(uintptr_t)pd_xfer_mem_base(m);
     if (send_blob(wfd, addr, addr_len) != 0 || send_blob(wfd, rkey, rkey_len) != 0 ||
         write_all(wfd, &base, sizeof(base)) != 0)
         return 1;
@@ -178,12 +180,14 @@ int main(int argc, char **argv)
     long n_pages = 4096, iters = 20;
     unsigned window = 64;
     const char *tls = getenv("UCX_TLS") != NULL ? getenv("UCX_TLS") : "tcp,shm,self";
-    int json = 0, perftest = 1;
+    int json = 0, perftest = 1, err_none = 0, same_page = 0;
     static const struct option opts[] = {
         {"page-bytes", required_argument, 0, 'b'}, {"pages", required_argument, 0, 'p'},
         {"iters", required_argument, 0, 'i'}, {"window", required_argument, 0, 'w'},
         {"tls", required_argument, 0, 't'}, {"json", no_argument, 0, 'j'},
         {"no-perftest", no_argument, 0, 'n'}, {"busy", no_argument, 0, 'B'},
+        {"err-mode", required_argument, 0, 'e'}, {"same-page", no_argument, 0, 'S'},
+        {"ucx-alloc", no_argument, 0, 'U'},
         {"help", no_argument, 0, 'h'}, {0, 0, 0, 0},
     };
     int c;
@@ -197,14 +201,31 @@ int main(int argc, char **argv)
         case 'j': json = 1; break;
         case 'n': perftest = 0; break;
         case 'B': g_busy = 1; break;
+        case 'S': same_page = 1; break;
+        case 'U': g_ucx_alloc = 1; break;
+        case 'e':
+            if (strcmp(optarg, "peer") != 0 && strcmp(optarg, "none") != 0) {
+                fprintf(stderr, PROG ": --err-mode: expected peer or none, got '%s'\n", optarg);
+                return 2;
+            }
+            err_none = strcmp(optarg, "none") == 0;
+            break;
         case 'h':
             printf("usage: " PROG " [--page-bytes N] [--pages N] [--iters N] [--window N]\n"
-                   "                         [--tls LIST] [--busy] [--no-perftest] [--json]\n"
+                   "                         [--tls LIST] [--busy] [--err-mode peer|none]\n"
+                   "                         [--same-page] [--ucx-alloc] [--no-perftest] [--json]\n"
                    "Puts --pages scattered pages of --page-bytes (one span each, as prefill_node\n"
                    "does) through pd_xfer into a forked target, --iters times (flush per\n"
                    "transfer), and runs ucx_perftest ucp_put_bw with the same message size.\n"
                    "--busy progresses both sides by polling, as ucx_perftest does (the nodes\n"
-                   "sleep on the worker fd in their event loops).\n");
+                   "sleep on the worker fd in their event loops). --err-mode none connects\n"
+                   "without UCX peer-failure mode (pd_xfer_config.err_mode_none), so shm/cma\n"
+                   "can carry the puts (as in ucx_perftest); peer (default) is the nodes' mode.\n"
+                   "--same-page puts every span from one source page to one destination page,\n"
+                   "as ucx_perftest reuses one message buffer (cache-resident), instead of\n"
+                   "--pages distinct pages (the real footprint). --ucx-alloc: the target's region\n"
+                   "is allocated by UCX (pd_xfer_mem_alloc, as ucx_perftest allocates), not\n"
+                   "malloc'd and registered (as the nodes' pools are).\n");
             return 0;
         default:
             fprintf(stderr, PROG ": unknown or incomplete flag\n");
@@ -221,6 +242,7 @@ int main(int argc, char **argv)
     xc.name = "bench";
     xc.max_inflight = window;
     xc.timeout_ms = 120000;
+    xc.err_mode_none = err_none != 0;
     size_t bytes = page_bytes * (size_t)n_pages;
     int c2p[2], p2c[2];
     if (pipe(c2p) != 0 || pipe(p2c) != 0)
@@ -261,9 +283,10 @@ int main(int argc, char **argv)
     while (n_pages % stride == 0)
         stride += 2;
     for (long i = 0; i < n_pages; i++)
-        sp[i] = (pd_xfer_span){ .src = src + (size_t)i * page_bytes,
-                                .raddr = base + (uint64_t)((i * stride) % n_pages) * page_bytes,
-                                .len = page_bytes };
+        sp[i] = same_page ? (pd_xfer_span){ .src = src, .raddr = base, .len = page_bytes }
+                          : (pd_xfer_span){ .src = src + (size_t)i * page_bytes,
+                                            .raddr = base + (uint64_t)((i * stride) % n_pages) * page_bytes,
+                                            .len = page_bytes };
     double best = 0, total_t = 0;
     for (long it = -1; it < iters; it++) {   /* it = -1: warm-up */
         done_flag d = {0};
@@ -298,13 +321,14 @@ int main(int argc, char **argv)
     waitpid(pid, &status, 0);
     double ref = perftest ? run_perftest(tls, page_bytes, (long)n_pages * iters, 13000 + (int)(getpid() % 2000)) : -1;
     if (json) {
-        printf("{\"busy\":%s,\"tls\":\"%s\",\"page_bytes\":%zu,\"pages\":%ld,\"iters\":%ld,\"window\":%u,"
+        printf("{\"busy\":%s,\"ucx_alloc\":%s,\"same_page\":%s,\"err_mode\":\"%s\",\"tls\":\"%s\",\"page_bytes\":%zu,\"pages\":%ld,\"iters\":%ld,\"window\":%u,"
                "\"pd_xfer_MBps\":%.1f,\"ucx_perftest_MBps\":%.1f,\"ratio\":%.3f}\n",
-               g_busy ? "true" : "false", tls, page_bytes, n_pages, iters, window, mbs, ref,
+               g_busy ? "true" : "false", g_ucx_alloc ? "true" : "false", same_page ? "true" : "false", err_none ? "none" : "peer", tls, page_bytes, n_pages, iters, window, mbs, ref,
                ref > 0 ? mbs / ref : 0.0);
     } else {
-        printf("transports %s, %ld pages of %zu bytes per transfer, %ld transfers, window %u%s\n",
-               tls, n_pages, page_bytes, iters, window, g_busy ? ", busy progress" : "");
+        printf("transports %s, %ld pages of %zu bytes per transfer, %ld transfers, window %u%s, "
+               "endpoint error mode %s\n", tls, n_pages, page_bytes, iters, window,
+               g_busy ? ", busy progress" : "", err_none ? "none" : "peer");
         printf("pd_xfer put (scattered pages, flush per transfer): %.1f MB/s (best transfer %.2f ms)\n",
                mbs, best * 1e3);
         if (ref > 0)

@@ -91,6 +91,9 @@ static bool read_full(int fd, void *p, size_t n)
 
 #define DEATH_POOL_BYTES (64u << 20)
 
+/* Endpoints without peer-failure mode (pd_xfer_config.err_mode_none) for the next test run. */
+static bool g_err_none;
+
 static void death_child(int wfd)
 {
     pd_xfer_config cfg;
@@ -166,7 +169,8 @@ static void test_peer_death(bool stop)
     cfg.name = "parent";
     cfg.transports = "tcp";
     cfg.max_inflight = 16;
-    cfg.timeout_ms = stop ? 1500 : 20000;   /* the bound if the failure is not detected */
+    cfg.timeout_ms = stop || g_err_none ? 1500 : 20000;   /* the bound if the failure is not seen */
+    cfg.err_mode_none = g_err_none;
     pd_xfer *x = NULL;
     pd_xfer_peer *p = NULL;
     pd_xfer_rkey *rk = NULL;
@@ -203,7 +207,8 @@ static void test_peer_death(bool stop)
         TEST_CHECK_MSG(wait_done(x, &box.done), "transfer still pending after the peer died");
         TEST_CHECK_MSG(box.st == PD_ERR_PEER || box.st == PD_ERR_TIMEOUT, "%s: %s",
                        pd_status_str(box.st), box.msg);
-        printf("peer %s -> %s (%s)\n", stop ? "hang" : "death", pd_status_str(box.st), box.msg);
+        printf("peer %s%s -> %s (%s)\n", stop ? "hang" : "death", g_err_none ? " (err mode none)" : "",
+               pd_status_str(box.st), box.msg);
         if (stop) {
             kill(pid, SIGKILL);
             waitpid(pid, NULL, 0);
@@ -257,6 +262,7 @@ static void test_pair(void)
     cfg.name = "tx";
     cfg.max_inflight = 8;
     cfg.timeout_ms = 30000;
+    cfg.err_mode_none = g_err_none;
     st = pd_xfer_create(&cfg, &tx, &err);
     TEST_CHECK_MSG(st == PD_OK, "%s", err.msg);
     if (st != PD_OK) {
@@ -584,6 +590,14 @@ int main(void)
     /* first: they fork before this process initialises UCX */
     test_peer_death(false);
     test_peer_death(true);
+    g_err_none = true;
+    test_peer_death(true);
+    test_peer_death(false);
+    g_err_none = false;
+    test_pair();
+    /* endpoints without peer-failure mode (same-host peers: shm/cma usable): the same puts
+     * arrive intact, and a hung or dead peer ends in the transfer timeout at the latest */
+    g_err_none = true;
     test_pair();
     test_loop_driven();
     TEST_DONE();
