@@ -2,9 +2,10 @@
  * Owns: the pd_engine and its KV pools, the engine thread's pd_loop (steps, a 20 ms tick for
  *   deadlines and UCX progress), the request table (queued -> prefilling -> running -> ended),
  *   admission bounded by free KV pages (FIFO queue, then RESOURCE_EXHAUSTED), streaming
- *   detokenization, and in disaggregated mode the UCX worker (KV pool + aux arena registered
- *   once), the prefill-node clients (least-loaded choice, reconnect after a failure) and the
- *   Prefill / CancelPrefill calls.
+ *   detokenization, and in disaggregated mode the UCX worker (target KV pool, draft KV pool and
+ *   aux arena registered once; every --aux-transfer mode is offered, the reply says which one
+ *   the prefill node used), the prefill-node clients (least-loaded choice, reconnect after a
+ *   failure) and the Prefill / CancelPrefill calls.
  * Not here: the wire format of Generate (decode_grpc.c), the engine math (common/pd_engine.c).
  * Threading: everything below the API functions runs on the engine thread; the API functions
  *   hand work over with pd_loop_post. Prefill replies arrive on a pd_rpc poller thread and are

@@ -1,8 +1,10 @@
 /* prefill_server.h - the prefill node: the Prefill service around a prefill engine.
- * Owns: the pd_engine in prefill mode (capture_aux + hold_kv, one token per request), its
- *   engine thread (pd_loop), the prompt queue and its batching, the UCX worker, the peers of
- *   decode nodes, and the KV/aux export (every layer's K/V pages and the packed aux rows put into
- *   the decode node's registered memory, bounded in flight, flushed before the reply).
+ * Owns: the pd_engine in prefill mode (hold_kv, one token per request; capture_aux or
+ *   capture_ctx by --aux-transfer), its engine thread (pd_loop), the prompt queue and its
+ *   batching, the UCX worker, the peers of decode nodes, and the KV/aux export (every layer's K/V
+ *   pages plus the drafter's payload: packed aux rows (raw), context rows (ctx) or the draft
+ *   pool's context K/V pages (draft-kv), put into the decode node's registered memory, bounded in
+ *   flight, flushed before the reply, which names the payload).
  * Not here: the engine math (common/), the decode side (decode_node/).
  * Threading: create/destroy on the main thread. gRPC handlers run on pd_rpc's poller thread and
  *   hand requests to the engine thread with pd_loop_post; everything else runs there. */
