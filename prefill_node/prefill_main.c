@@ -6,6 +6,7 @@
 #include <limits.h>
 #include <pthread.h>
 #include <signal.h>
+#include <time.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,6 +27,7 @@ static void usage(FILE *f)
             "                    [--transfer-timeout-ms N] [--aux-transfer raw|ctx|draft-kv]\n"
             "                    [--xfer-err-mode peer|none]\n"
             "                    [--log-level error|warn|info|debug|trace] [--http HOST:PORT]\n"
+            "                    [--drain-timeout-ms N]\n"
             "\n"
             "Serves pdspark.Prefill: batches queued prompts into engine steps (context-parallel\n"
             "over --cp-size ranks), puts every layer's K/V pages and the packed aux rows into the\n"
@@ -39,7 +41,10 @@ static void usage(FILE *f)
             "decode node on the same host is reached over shm/cma instead of tcp; a decode node\n"
             "that dies is then noticed only by --transfer-timeout-ms (default peer: at once).\n"
             "--http serves GET /health, /ready and /metrics (Prometheus text), printed as\n"
-            "'listening http HOST:PORT'.\n");
+            "'listening http HOST:PORT'.\n"
+            "SIGTERM drains: new Prefill calls get UNAVAILABLE and /ready 503 while queued and\n"
+            "running prefills finish (at most --drain-timeout-ms, default 30000), then it exits 0.\n"
+            "SIGINT stops at once.\n");
 }
 
 static int parse_int(const char *flag, const char *s, long lo, long hi, int *out)
@@ -54,15 +59,26 @@ static int parse_int(const char *flag, const char *s, long lo, long hi, int *out
     return 0;
 }
 
+/* /ready: 503 while draining */
+static int ready_cb(void *ud, char *why, size_t cap)
+{
+    if (prefill_server_draining(ud)) {
+        snprintf(why, cap, "draining: not accepting new requests");
+        return 0;
+    }
+    return 1;
+}
+
 int main(int argc, char **argv)
 {
     prefill_config cfg;
     prefill_config_default(&cfg);
     const char *listen = NULL;
     const char *http_addr = NULL;
+    int drain_ms = 30000;
     int tmo = 0;
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_CP, O_CPS, O_DEVICE, O_MBT, O_PAGES, O_PAGE, O_XTMO,
-           O_AUX, O_LOG, O_HELP, O_HTTP, O_XERR };
+           O_AUX, O_LOG, O_HELP, O_HTTP, O_XERR, O_DRAIN };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"cp-size", required_argument, 0, O_CP},
@@ -71,6 +87,7 @@ int main(int argc, char **argv)
         {"page-size", required_argument, 0, O_PAGE}, {"transfer-timeout-ms", required_argument, 0, O_XTMO},
         {"aux-transfer", required_argument, 0, O_AUX}, {"log-level", required_argument, 0, O_LOG},
         {"help", no_argument, 0, O_HELP}, {"http", required_argument, 0, O_HTTP},
+        {"drain-timeout-ms", required_argument, 0, O_DRAIN},
         {"xfer-err-mode", required_argument, 0, O_XERR}, {0, 0, 0, 0},
     };
     opterr = 0;
@@ -106,6 +123,7 @@ int main(int argc, char **argv)
             break;
         }
         case O_HTTP: http_addr = optarg; break;
+        case O_DRAIN: bad = parse_int("--drain-timeout-ms", optarg, 0, INT32_MAX, &drain_ms); break;
         case O_HELP: usage(stdout); return 0;
         default:
             fprintf(stderr, PROG ": unknown or incomplete flag '%s'\n", argv[optind - 1]);
@@ -160,7 +178,8 @@ int main(int argc, char **argv)
     prefill_metrics_attach(pm, ps);
     if (http_addr != NULL) {
         /* ready = the model is loaded and the service listens, which holds from here on */
-        pd_http_config hc = { .addr = http_addr, .node = "prefill", .metrics = reg };
+        pd_http_config hc = { .addr = http_addr, .node = "prefill", .metrics = reg,
+                              .ready = ready_cb, .ready_ud = ps };
         if (pd_http_create(&hc, &http, &err) != PD_OK || pd_http_start(http, &err) != PD_OK) {
             fprintf(stderr, PROG ": --http %s: %s\n", http_addr, err.msg);
             pd_http_destroy(http);
@@ -178,6 +197,28 @@ int main(int argc, char **argv)
     }
     int sig = 0;
     sigwait(&set, &sig);
+    if (sig == SIGTERM) {
+        /* Kubernetes sends SIGTERM before killing: refuse new work, let the rest finish */
+        PD_LOG_INFO("prefill", "SIGTERM: draining (at most %d ms)", drain_ms);
+        prefill_server_drain(ps);
+        struct timespec t0, now;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        for (;;) {
+            prefill_stats stt;
+            prefill_server_stats(ps, &stt);
+            if (stt.active_requests == 0 && stt.queued_requests == 0)
+                break;
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            double ms = (now.tv_sec - t0.tv_sec) * 1e3 + (now.tv_nsec - t0.tv_nsec) / 1e6;
+            if (ms > drain_ms) {
+                PD_LOG_WARN("prefill", "drain timeout: %d running, %d queued are cancelled",
+                            stt.active_requests, stt.queued_requests);
+                break;
+            }
+            struct timespec nap = { 0, 20 * 1000 * 1000 };
+            nanosleep(&nap, NULL);
+        }
+    }
     PD_LOG_INFO("prefill", "signal %d: stopping", sig);
     pd_http_stop(http);
     prefill_metrics_attach(pm, NULL);

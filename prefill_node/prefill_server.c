@@ -101,6 +101,7 @@ struct prefill_server {
     job *head, *tail;
     int n_queued, n_forward, n_xfer;
     int stopping;
+    atomic_int draining;        /* set by prefill_server_drain from any thread */
     double stop_deadline;
     atomic_ullong next_eid;
     pthread_mutex_t stats_mu;
@@ -843,11 +844,26 @@ static void *dup_bytes(const ProtobufCBinaryData *b)
     return p;
 }
 
+void prefill_server_drain(prefill_server *ps)
+{
+    atomic_store(&ps->draining, 1);
+}
+
+int prefill_server_draining(const prefill_server *ps)
+{
+    return atomic_load(&((prefill_server *)ps)->draining);
+}
+
 static pd_status handle_prefill(void *ud, const ProtobufCMessage *msg, pd_rpc_call *call)
 {
     prefill_server *ps = ud;
     const Pdspark__PrefillRequest *rq = (const Pdspark__PrefillRequest *)msg;
     pd_err err = {0};
+    if (atomic_load(&ps->draining)) {
+        /* UNAVAILABLE: the decode node takes the request elsewhere or fails it clearly */
+        pd_rpc_finish(call, PD_ERR_PEER, "prefill node is draining: not accepting new requests");
+        return PD_OK;
+    }
     pd_status st = validate(ps, rq, &err);
     if (st != PD_OK) {
         PD_LOG_DEBUG("prefill", "refused: %s", err.msg);

@@ -70,6 +70,10 @@ typedef struct {
 
 /* A snapshot (updated by the engine thread after every change). Any thread. */
 void prefill_server_stats(prefill_server *ps, prefill_stats *out);
+/* Graceful drain (SIGTERM): from now on new Prefill calls get UNAVAILABLE ("draining"); queued
+ * and running ones finish. Any thread. */
+void prefill_server_drain(prefill_server *ps);
+int prefill_server_draining(const prefill_server *ps);
 /* Ends every request (CANCELLED; transfers cancelled and waited for), stops the engine thread,
  * frees. NULL is a no-op. */
 void prefill_server_destroy(prefill_server *ps);

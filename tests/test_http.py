@@ -332,6 +332,20 @@ def test_prefill_http(bin_dir, model, draft):
               "prefill forward histogram")
         check(sample(m, "pdspark_prefill_kv_pages_total") > 0, "prefill kv gauge")
         log("prefill_node --http checked (disaggregated pair)")
+        # drain: an idle prefill node exits 0 on SIGTERM; the decode node then answers requests
+        # with a clear error instead of hanging, and keeps serving
+        pf.p.send_signal(signal.SIGTERM)
+        try:
+            rc = pf.p.wait(15)
+        except subprocess.TimeoutExpired:
+            rc = None
+        check(rc == 0, "prefill_node exits 0 after a SIGTERM drain (rc %s)" % rc)
+        check("draining" in pf.stderr(), "prefill_node logs its drain")
+        st, body = post_json(dn, "/v1/completions", {"prompt": "def fib(n):", "max_tokens": 4,
+                                                     "temperature": 0})
+        check(st >= 400 and is_error_shape(body), "request after the prefill node left: %d %s" % (st, body))
+        check(request(dn, "GET", "/health")[0] == 200, "decode node keeps serving")
+        log("prefill_node SIGTERM drain checked")
     finally:
         if dn is not None:
             dn.stop()
