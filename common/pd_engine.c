@@ -7,9 +7,12 @@
 
 #include "pd_log.h"
 
+#include <limits.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 
 #include "pd_cp_prefill.h"
@@ -1199,4 +1202,24 @@ pd_status pd_engine_profile_sps(pd_engine *e, int max_tokens, int ctx_len, const
     }
     free(t);
     return st;
+}
+
+pd_status pd_engine_profile_sps_cached(pd_engine *e, const char *model_dir, const char *device,
+                                       pd_sps *out, pd_err *err)
+{
+    char key[PATH_MAX + 256], real[PATH_MAX], dir[1024], cache[1100];
+    if (realpath(model_dir, real) == NULL)
+        snprintf(real, sizeof(real), "%s", model_dir);
+    snprintf(key, sizeof(key), "model=%s device=%s build=%s %s", real, device, __DATE__, __TIME__);
+    uint64_t h = 1469598103934665603ull;   /* FNV-1a of the key names the file */
+    for (const char *ch = key; *ch != '\0'; ch++)
+        h = (h ^ (unsigned char)*ch) * 1099511628211ull;
+    const char *home = getenv("HOME");
+    snprintf(dir, sizeof(dir), "%s/.cache", home != NULL ? home : "/tmp");
+    mkdir(dir, 0755);
+    snprintf(dir, sizeof(dir), "%s/.cache/pdspark", home != NULL ? home : "/tmp");
+    mkdir(dir, 0755);
+    snprintf(cache, sizeof(cache), "%s/sps-%016llx.json", dir, (unsigned long long)h);
+    int b = e->B > 0 ? e->B : 7;
+    return pd_engine_profile_sps(e, 8 * (b + 1), 256, cache, key, out, err);
 }

@@ -151,6 +151,11 @@ pd_kv_pool *pd_engine_draft_pool(pd_engine *e);
  * saved there. key names the model, device and build. */
 pd_status pd_engine_profile_sps(pd_engine *e, int max_tokens, int ctx_len, const char *cache_path,
                                 const char *key, pd_sps *out, pd_err *err);
+/* pd_engine_profile_sps over 8 * (B + 1) tokens at a 256-token context, cached in
+ * $HOME/.cache/pdspark (or /tmp) under a key of the model's real path, the device name and this
+ * build. */
+pd_status pd_engine_profile_sps_cached(pd_engine *e, const char *model_dir, const char *device,
+                                       pd_sps *out, pd_err *err);
 /* Replaces the scheduler's SPS curve (borrowed; must outlive the engine or the next call). */
 void pd_engine_set_sps(pd_engine *e, const pd_sps *sps);
 /* One engine step: prefill work for queued requests (up to max_prefill_tokens), then one

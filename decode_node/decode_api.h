@@ -58,6 +58,11 @@ typedef struct {
     int64_t transfer_timeout_ms;    /* bound on a Prefill call incl. its KV transfer (0 = 30000) */
     int cp_size;                    /* colocated: context-parallel prefill ranks (0/1 = off) */
     const char *cp_strategy;        /* colocated: NULL = engine default */
+    const char *verify;             /* verification policy: NULL/"full", "threshold", "scheduled"
+                                     * (the draft's dspark_calibration.json is used when present;
+                                     * scheduled profiles this device's SPS curve at start-up) */
+    float verify_threshold;         /* threshold policy: minimum prefix survival (0 = 0.5) */
+    int fast_kernels;               /* 1: fastest GPU kernels instead of batch-invariant ones */
     const struct decode_observer *observer;  /* optional, borrowed: sees every request */
 } decode_config;
 

@@ -31,6 +31,7 @@ static void usage(FILE *f)
             "                   [--transfer-timeout-ms N] [--cp-size N --cp-strategy S]\n"
             "                   [--log-level error|warn|info|debug|trace]\n"
             "                   [--http HOST:PORT] [--log-format text|json] [--drain-timeout-ms N]\n"
+            "                   [--verify full|threshold|scheduled] [--threshold T] [--fast-kernels]\n"
             "\n"
             "Serves pdspark.Generate (gRPC, server-streaming) with DSpark speculative decoding.\n"
             "--colocated runs the prefill in this process (--cp-size/--cp-strategy apply there);\n"
@@ -53,7 +54,8 @@ int main(int argc, char **argv)
     const char *http_addr = NULL;
     int64_t drain_ms = 30000;
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_PREFILL, O_COLO, O_DEVICE, O_PAGES, O_PAGE, O_BATCH,
-           O_QUEUE, O_QTMO, O_RTMO, O_XTMO, O_CP, O_CPS, O_LOG, O_HELP, O_HTTP, O_LOGFMT, O_DRAIN };
+           O_QUEUE, O_QTMO, O_RTMO, O_XTMO, O_CP, O_CPS, O_LOG, O_HELP, O_HTTP, O_LOGFMT, O_DRAIN,
+           O_VERIFY, O_THRESH, O_FAST };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"prefill", required_argument, 0, O_PREFILL},
@@ -64,6 +66,8 @@ int main(int argc, char **argv)
         {"request-timeout-ms", required_argument, 0, O_RTMO},
         {"transfer-timeout-ms", required_argument, 0, O_XTMO},
         {"cp-size", required_argument, 0, O_CP}, {"cp-strategy", required_argument, 0, O_CPS},
+        {"verify", required_argument, 0, O_VERIFY}, {"threshold", required_argument, 0, O_THRESH},
+        {"fast-kernels", no_argument, 0, O_FAST},
         {"log-level", required_argument, 0, O_LOG}, {"help", no_argument, 0, O_HELP},
         {"http", required_argument, 0, O_HTTP}, {"log-format", required_argument, 0, O_LOGFMT},
         {"drain-timeout-ms", required_argument, 0, O_DRAIN}, {0, 0, 0, 0},
@@ -89,6 +93,15 @@ int main(int argc, char **argv)
         case O_XTMO: bad = decode_parse_i64(PROG, "--transfer-timeout-ms", optarg, 1, INT32_MAX, &v); cfg.transfer_timeout_ms = v; break;
         case O_CP: bad = decode_parse_int(PROG, "--cp-size", optarg, 1, 64, &cfg.cp_size); break;
         case O_CPS: cfg.cp_strategy = optarg; break;
+        case O_VERIFY: cfg.verify = optarg; break;
+        case O_THRESH:
+            bad = decode_parse_float(PROG, "--threshold", optarg, &cfg.verify_threshold);
+            if (!bad && !(cfg.verify_threshold > 0.0f && cfg.verify_threshold <= 1.0f)) {
+                fprintf(stderr, PROG ": --threshold %g must be in (0, 1]\n", (double)cfg.verify_threshold);
+                bad = 1;
+            }
+            break;
+        case O_FAST: cfg.fast_kernels = 1; break;
         case O_LOG: {
             int lvl = pd_log_level_parse(optarg);
             if (lvl < 0) {

@@ -90,6 +90,8 @@ struct decode_server {
     pd_dspark_model *dm;
     pd_tokenizer *tok;
     pd_engine *eng;
+    pd_calib calib;                 /* confidence calibration (identity when none is shipped) */
+    pd_sps sps;                     /* scheduled verification: this device's step-time curve */
     int vocab, max_ctx, page_size, total_pages, block_size, aux_dim, hidden;
     pd_loop *loop;
     pthread_t thread;
@@ -1387,7 +1389,16 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
     if ((st = pd_tokenizer_load(s->model_dir, &s->tok, err)) != PD_OK)
         goto err_destroy;
     pd_engine_config ec = { .target = s->tm, .draft = s->dm, .page_size = cfg->page_size,
-                            .n_pages = cfg->kv_pages };
+                            .n_pages = cfg->kv_pages, .fast_kernels = cfg->fast_kernels,
+                            .verify_threshold = cfg->verify_threshold };
+    if (cfg->verify != NULL && (st = pd_verify_policy_parse(cfg->verify, &ec.verify_policy, err)) != PD_OK)
+        goto err_destroy;
+    pd_err cerr;
+    pd_status cs = pd_calib_load(s->draft_dir, &s->calib, &cerr);
+    if (cs == PD_OK)
+        ec.calib = &s->calib;
+    else if (cs != PD_ERR_NOT_FOUND)
+        PD_LOG_WARN("decode", "ignoring the confidence calibration: %s", cerr.msg);
     if (cfg->colocated && cfg->cp_size > 1) {
         ec.cp_size = cfg->cp_size;
         if (cfg->cp_strategy != NULL &&
@@ -1396,6 +1407,11 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
     }
     if ((st = pd_engine_create(&ec, &s->eng, err)) != PD_OK)
         goto err_destroy;
+    if (ec.verify_policy == PD_VERIFY_SCHEDULED) {
+        if ((st = pd_engine_profile_sps_cached(s->eng, s->model_dir, s->device, &s->sps, err)) != PD_OK)
+            goto err_destroy;
+        pd_engine_set_sps(s->eng, &s->sps);
+    }
     const pd_kv_layout *lay = pd_kv_pool_layout(pd_engine_target_pool(s->eng));
     s->vocab = s->tm->cfg.vocab_size;
     s->max_ctx = s->tm->cfg.max_position_embeddings;
@@ -1472,6 +1488,7 @@ void decode_server_destroy(decode_server *s)
     free(s->segs);
     free(s->nodes);
     pd_engine_destroy(s->eng);
+    pd_sps_cleanup(&s->sps);
     pd_tokenizer_free(s->tok);
     pd_dspark_free(s->dm);
     pd_qwen3_free(s->tm);

@@ -193,23 +193,8 @@ int main(int argc, char **argv)
     if (pd_engine_create(&ec, &eng, &err) != PD_OK)
         goto fail;
     if (verify == PD_VERIFY_SCHEDULED && dm != NULL) {
-        /* the scheduler needs this device's step-time curve: profile once, cache per key */
-        char key[PATH_MAX + 256], cache[1200], real[PATH_MAX];
-        if (realpath(model_dir, real) == NULL)
-            snprintf(real, sizeof(real), "%s", model_dir);
-        snprintf(key, sizeof(key), "model=%s device=%s build=%s %s", real, device, __DATE__, __TIME__);
-        uint64_t h = 1469598103934665603ull;
-        for (const char *ch = key; *ch; ch++)
-            h = (h ^ (unsigned char)*ch) * 1099511628211ull;
-        const char *home = getenv("HOME");
-        char dir[1024];
-        snprintf(dir, sizeof(dir), "%s/.cache/pdspark", home != NULL ? home : "/tmp");
-        snprintf(cache, sizeof(cache), "%s/sps-%016llx.json", dir, (unsigned long long)h);
-        char mk[1100];
-        snprintf(mk, sizeof(mk), "%s/.cache", home != NULL ? home : "/tmp");
-        mkdir(mk, 0755);
-        mkdir(dir, 0755);
-        if (pd_engine_profile_sps(eng, 8 * (block > 0 ? block + 1 : 8), 256, cache, key, &sps, &err) != PD_OK)
+        /* the scheduler needs this device's step-time curve: profiled once, cached */
+        if (pd_engine_profile_sps_cached(eng, model_dir, device, &sps, &err) != PD_OK)
             goto fail;
         pd_engine_set_sps(eng, &sps);
     }
