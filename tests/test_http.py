@@ -352,6 +352,27 @@ def test_prefill_http(bin_dir, model, draft):
         pf.stop()
 
 
+def test_verify_policies(bin_dir, model, draft):
+    """decode_node --verify threshold|scheduled: the same greedy text as full verification
+    (every policy is lossless), with the DSpark stats reported."""
+    body = {"prompt": "import os\nimport sys\n\n\ndef main(", "max_tokens": 48, "temperature": 0,
+            "ignore_eos": True}
+    texts = {}
+    for policy in ("full", "threshold", "scheduled"):
+        node = Node(bin_dir, model, draft, ("--colocated", "--verify", policy, "--threshold", "0.4"))
+        try:
+            st, out = post_json(node, "/v1/completions", body)
+            check(st == 200, "--verify %s: status %d %s" % (policy, st, out))
+            if st == 200:
+                texts[policy] = out["choices"][0]["text"]
+                check(out["usage"]["dspark"]["rounds"] > 0, "--verify %s: dspark stats" % policy)
+        finally:
+            node.stop()
+    check(len(set(texts.values())) == 1 and len(texts) == 3,
+          "verification policies give the same greedy text: %s" % texts)
+    log("decode_node --verify full/threshold/scheduled: same greedy output")
+
+
 def main():
     if len(sys.argv) != 3:
         print(__doc__)
@@ -615,6 +636,8 @@ def main():
         node.stop()
     if FAILS == 0:
         test_prefill_http(bin_dir, model, draft)
+    if FAILS == 0:
+        test_verify_policies(bin_dir, model, draft)
     if FAILS:
         print("--- decode_node stderr (tail) ---\n" + node.stderr())
     log("%s: %d failure(s) in %.1f s" % ("FAIL" if FAILS else "PASS", FAILS, time.time() - t0))
