@@ -81,17 +81,6 @@ static int dtype_parse(const char *s, kern_dtype *out)
     return 1;
 }
 
-static size_t st_dtype_size(kern_dtype dt)
-{
-    switch (dt) {
-    case KERN_DTYPE_F32: return 4;
-    case KERN_DTYPE_BF16: return 2;
-    case KERN_DTYPE_F16: return 2;
-    case KERN_DTYPE_I32: return 4;
-    }
-    return 0;
-}
-
 /* A non-negative integer that cJSON holds exactly. */
 static int json_uint(const cJSON *j, uint64_t *out)
 {
@@ -195,7 +184,7 @@ static pd_status parse_entry(const char *file, const cJSON *e, const uint8_t *da
     }
     for (; i < PD_ST_MAX_DIMS; i++)
         t->shape[i] = 0;
-    size_t esz = st_dtype_size(t->dtype);
+    size_t esz = kern_dtype_size(t->dtype);
     uint64_t elems = 1;
     if (has_zero) {
         elems = 0;

@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "decode_util.h"
+#include "pd_cli.h"
 #include "pd_proto_version.h"
 #include "pd_rpc.h"
 #include "pdspark.pb-c.h"
@@ -140,17 +140,17 @@ int main(int argc, char **argv)
         case O_SERVER: server = optarg; break;
         case O_PROMPT: prompt = optarg; break;
         case O_IDS: ids_path = optarg; break;
-        case O_MAXNEW: bad = decode_parse_int(PROG, "--max-new-tokens", optarg, 0, INT_MAX, &max_new); break;
-        case O_TEMP: bad = decode_parse_float(PROG, "--temperature", optarg, &temperature); break;
-        case O_TOPK: bad = decode_parse_int(PROG, "--top-k", optarg, 0, INT_MAX, &top_k); break;
-        case O_TOPP: bad = decode_parse_float(PROG, "--top-p", optarg, &top_p); break;
-        case O_SEED: bad = decode_parse_i64(PROG, "--seed", optarg, 0, INT64_MAX, &seed); break;
+        case O_MAXNEW: bad = pd_cli_parse_int(PROG, "--max-new-tokens", optarg, 0, INT_MAX, &max_new); break;
+        case O_TEMP: bad = pd_cli_parse_float(PROG, "--temperature", optarg, &temperature); break;
+        case O_TOPK: bad = pd_cli_parse_int(PROG, "--top-k", optarg, 0, INT_MAX, &top_k); break;
+        case O_TOPP: bad = pd_cli_parse_float(PROG, "--top-p", optarg, &top_p); break;
+        case O_SEED: bad = pd_cli_parse_i64(PROG, "--seed", optarg, 0, INT64_MAX, &seed); break;
         case O_IGNORE: ignore_eos = 1; break;
-        case O_TMO: bad = decode_parse_i64(PROG, "--timeout-ms", optarg, 0, INT32_MAX, &timeout_ms); break;
+        case O_TMO: bad = pd_cli_parse_i64(PROG, "--timeout-ms", optarg, 0, INT32_MAX, &timeout_ms); break;
         case O_RID: req_id = optarg; break;
         case O_JSON: json = 1; break;
         case O_STREAM: stream = 1; break;
-        case O_DISC: bad = decode_parse_int(PROG, "--disconnect-after", optarg, 0, INT_MAX, &disconnect_after); break;
+        case O_DISC: bad = pd_cli_parse_int(PROG, "--disconnect-after", optarg, 0, INT_MAX, &disconnect_after); break;
         case O_HEALTH: health = 1; break;
         case O_STOP:
             if (n_stops == sizeof(stops) / sizeof(stops[0])) {
@@ -194,7 +194,7 @@ int main(int argc, char **argv)
     }
     int32_t *ids = NULL;
     int n_ids = 0;
-    if (ids_path != NULL && decode_read_ids(PROG, ids_path, &ids, &n_ids) != 0) {
+    if (ids_path != NULL && pd_cli_read_ids(PROG, ids_path, &ids, &n_ids) != 0) {
         pd_rpc_channel_destroy(ch);
         return 2;
     }
@@ -229,7 +229,7 @@ int main(int argc, char **argv)
     rq.return_token_ids = 1;
     rq.return_stats = 1;
 
-    double t0 = decode_now_ms(), t_first = -1.0;
+    double t0 = pd_cli_now_ms(), t_first = -1.0;
     pd_rpc_stream *s = NULL;
     pd_status st = pd_rpc_stream_open(ch, "/pdspark.Generate/Generate", &rq.base,
                                       &pdspark__generate_chunk__descriptor,
@@ -245,7 +245,7 @@ int main(int argc, char **argv)
             break;
         Pdspark__GenerateChunk *ck = (Pdspark__GenerateChunk *)m;
         if (ck->n_token_ids > 0 && t_first < 0)
-            t_first = decode_now_ms();
+            t_first = pd_cli_now_ms();
         if (acc_add(&a, ck) != 0) {
             st = pd_err_set(&err, PD_ERR_NOMEM, "out of memory");
             protobuf_c_message_free_unpacked(m, NULL);
@@ -270,7 +270,7 @@ int main(int argc, char **argv)
             goto out;
         }
     }
-    double t1 = decode_now_ms();
+    double t1 = pd_cli_now_ms();
     if (st != PD_OK) {
         if (stream)
             fputc('\n', stdout);

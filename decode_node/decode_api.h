@@ -155,7 +155,7 @@ typedef struct {
     int prefill_inflight;           /* Prefill calls in flight */
     int prefill_nodes;              /* disaggregated: prefill nodes configured (0 colocated) */
     int prefill_nodes_up;           /* not marked down after a failure (at the update) */
-    double prefill_retry_ms;        /* decode_now_ms() clock: when the first down node is tried
+    double prefill_retry_ms;        /* pd_cli_now_ms() clock: when the first down node is tried
                                      * again (a path is usable again from then on) */
 } decode_stats;
 

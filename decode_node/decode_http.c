@@ -30,7 +30,7 @@
 #include <event2/keyvalq_struct.h>
 
 #include "decode_metrics.h"
-#include "decode_util.h"
+#include "pd_cli.h"
 #include "pd_http.h"
 #include "pd_log.h"
 
@@ -1054,7 +1054,7 @@ static int ready_fn(void *ud, char *why, size_t cap)
         snprintf(why, cap, "the decode server is not serving");
         return 0;
     }
-    if (st.prefill_nodes > 0 && st.prefill_nodes_up == 0 && decode_now_ms() < st.prefill_retry_ms) {
+    if (st.prefill_nodes > 0 && st.prefill_nodes_up == 0 && pd_cli_now_ms() < st.prefill_retry_ms) {
         snprintf(why, cap, "no prefill node is usable (all %d failed recently)", st.prefill_nodes);
         return 0;
     }

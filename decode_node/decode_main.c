@@ -16,7 +16,7 @@
 #include "decode_grpc.h"
 #include "decode_http.h"
 #include "decode_metrics.h"
-#include "decode_util.h"
+#include "pd_cli.h"
 #include "pd_log.h"
 
 #define PROG "decode_node"
@@ -84,18 +84,18 @@ int main(int argc, char **argv)
         case O_PREFILL: cfg.prefill = optarg; break;
         case O_COLO: colocated = 1; break;
         case O_DEVICE: cfg.device = optarg; break;
-        case O_PAGES: bad = decode_parse_int(PROG, "--kv-pages", optarg, 1, INT_MAX / 2, &cfg.kv_pages); break;
-        case O_PAGE: bad = decode_parse_int(PROG, "--page-size", optarg, 1, 4096, &cfg.page_size); break;
-        case O_BATCH: bad = decode_parse_int(PROG, "--max-batch", optarg, 1, 65536, &cfg.max_batch); break;
-        case O_QUEUE: bad = decode_parse_int(PROG, "--max-queue", optarg, 1, 1 << 20, &cfg.max_queue); break;
-        case O_QTMO: bad = decode_parse_i64(PROG, "--queue-timeout-ms", optarg, 1, INT32_MAX, &v); cfg.queue_timeout_ms = v; break;
-        case O_RTMO: bad = decode_parse_i64(PROG, "--request-timeout-ms", optarg, 0, INT32_MAX, &v); cfg.request_timeout_ms = v; break;
-        case O_XTMO: bad = decode_parse_i64(PROG, "--transfer-timeout-ms", optarg, 1, INT32_MAX, &v); cfg.transfer_timeout_ms = v; break;
-        case O_CP: bad = decode_parse_int(PROG, "--cp-size", optarg, 1, 64, &cfg.cp_size); break;
+        case O_PAGES: bad = pd_cli_parse_int(PROG, "--kv-pages", optarg, 1, INT_MAX / 2, &cfg.kv_pages); break;
+        case O_PAGE: bad = pd_cli_parse_int(PROG, "--page-size", optarg, 1, 4096, &cfg.page_size); break;
+        case O_BATCH: bad = pd_cli_parse_int(PROG, "--max-batch", optarg, 1, 65536, &cfg.max_batch); break;
+        case O_QUEUE: bad = pd_cli_parse_int(PROG, "--max-queue", optarg, 1, 1 << 20, &cfg.max_queue); break;
+        case O_QTMO: bad = pd_cli_parse_i64(PROG, "--queue-timeout-ms", optarg, 1, INT32_MAX, &v); cfg.queue_timeout_ms = v; break;
+        case O_RTMO: bad = pd_cli_parse_i64(PROG, "--request-timeout-ms", optarg, 0, INT32_MAX, &v); cfg.request_timeout_ms = v; break;
+        case O_XTMO: bad = pd_cli_parse_i64(PROG, "--transfer-timeout-ms", optarg, 1, INT32_MAX, &v); cfg.transfer_timeout_ms = v; break;
+        case O_CP: bad = pd_cli_parse_int(PROG, "--cp-size", optarg, 1, 64, &cfg.cp_size); break;
         case O_CPS: cfg.cp_strategy = optarg; break;
         case O_VERIFY: cfg.verify = optarg; break;
         case O_THRESH:
-            bad = decode_parse_float(PROG, "--threshold", optarg, &cfg.verify_threshold);
+            bad = pd_cli_parse_float(PROG, "--threshold", optarg, &cfg.verify_threshold);
             if (!bad && !(cfg.verify_threshold > 0.0f && cfg.verify_threshold <= 1.0f)) {
                 fprintf(stderr, PROG ": --threshold %g must be in (0, 1]\n", (double)cfg.verify_threshold);
                 bad = 1;
@@ -112,7 +112,7 @@ int main(int argc, char **argv)
             break;
         }
         case O_HTTP: http_addr = optarg; break;
-        case O_DRAIN: bad = decode_parse_i64(PROG, "--drain-timeout-ms", optarg, 0, INT32_MAX, &drain_ms); break;
+        case O_DRAIN: bad = pd_cli_parse_i64(PROG, "--drain-timeout-ms", optarg, 0, INT32_MAX, &drain_ms); break;
         case O_LOGFMT:
             if (strcmp(optarg, "text") != 0 && strcmp(optarg, "json") != 0) {
                 fprintf(stderr, PROG ": --log-format: want text or json, got '%s'\n", optarg);
@@ -178,7 +178,7 @@ int main(int argc, char **argv)
         return 1;
     }
     char host[128], port[16];
-    if (decode_split_hostport(listen, host, sizeof(host), port, sizeof(port)) != 0)
+    if (pd_cli_split_hostport(listen, host, sizeof(host), port, sizeof(port)) != 0)
         snprintf(host, sizeof(host), "%s", "0.0.0.0");
     int is_v6 = strchr(host, ':') != NULL;
     printf("listening grpc %s%s%s:%d\n", is_v6 ? "[" : "", host, is_v6 ? "]" : "",
@@ -197,7 +197,7 @@ int main(int argc, char **argv)
             return 1;
         }
         char hh[128], hp[16];
-        if (decode_split_hostport(http_addr, hh, sizeof(hh), hp, sizeof(hp)) != 0 || hh[0] == '\0')
+        if (pd_cli_split_hostport(http_addr, hh, sizeof(hh), hp, sizeof(hp)) != 0 || hh[0] == '\0')
             snprintf(hh, sizeof(hh), "%s", "0.0.0.0");
         int v6 = strchr(hh, ':') != NULL;
         printf("listening http %s%s%s:%d\n", v6 ? "[" : "", hh, v6 ? "]" : "",
@@ -214,7 +214,7 @@ int main(int argc, char **argv)
         decode_server_drain(s);
         decode_http_drain(http);
         decode_metrics_set_draining(dm, 1);
-        double end = decode_now_ms() + (double)drain_ms;
+        double end = pd_cli_now_ms() + (double)drain_ms;
         for (;;) {
             decode_stats st;
             decode_server_stats(s, &st);
@@ -224,7 +224,7 @@ int main(int argc, char **argv)
                 PD_LOG_INFO("decode", "drained");
                 break;
             }
-            if (decode_now_ms() >= end) {
+            if (pd_cli_now_ms() >= end) {
                 PD_LOG_WARN("decode", "drain timeout: %d requests still in the engine, %d HTTP "
                             "replies unfinished; cancelling", engine, replies);
                 break;

@@ -21,7 +21,7 @@
 #include <string.h>
 #include <sys/socket.h>
 
-#include "decode_util.h"
+#include "pd_cli.h"
 #include "pd_log.h"
 #include "pd_loop.h"
 #include "pd_proto_version.h"
@@ -184,7 +184,7 @@ static void update_stats(decode_server *s)
     st.total_kv_pages = s->total_pages;
     st.free_kv_pages = pd_engine_kv_free_pages(s->eng);
     st.pages_in_use = st.total_kv_pages - st.free_kv_pages;
-    double now = decode_now_ms();
+    double now = pd_cli_now_ms();
     st.prefill_nodes = s->n_nodes;
     for (int i = 0; i < s->n_nodes; i++) {
         st.prefill_inflight += s->nodes[i].inflight;
@@ -274,7 +274,7 @@ static void emit_new(decode_server *s, decode_handle *h)
     const int32_t *nt = pd_engine_take_new(h->r, &n);
     if (n <= 0)
         return;
-    double now = decode_now_ms();
+    double now = pd_cli_now_ms();
     int first = h->t_first == 0.0;
     if (first)
         h->t_first = now;
@@ -349,7 +349,7 @@ static void call_done(decode_server *s, decode_handle *h, pd_status st, const ch
             sum += r->accepted[i];
         res.tau = (double)sum / r->n_rounds;
     }
-    double now = decode_now_ms();
+    double now = pd_cli_now_ms();
     res.time_ms = now - h->t_submit;
     res.ttft_ms = h->t_first > 0 ? h->t_first - h->t_submit : res.time_ms;
     if (st == PD_OK)
@@ -487,7 +487,7 @@ static void prefill_reply(void *ud, pd_status st, ProtobufCMessage *resp, const 
 
 static prefill_node *pick_node(decode_server *s)
 {
-    double now = decode_now_ms();
+    double now = pd_cli_now_ms();
     prefill_node *best = NULL;
     int best_up = 0;
     for (int i = 0; i < s->n_nodes; i++) {
@@ -515,9 +515,9 @@ static prefill_node *pick_node(decode_server *s)
 static void node_failed(decode_server *s, prefill_node *nd, const char *why)
 {
     (void)s;
-    if (nd->down_until <= decode_now_ms())
+    if (nd->down_until <= pd_cli_now_ms())
         PD_LOG_WARN("decode", "prefill node %s failed: %s", nd->addr, why);
-    nd->down_until = decode_now_ms() + NODE_DOWN_MS;
+    nd->down_until = pd_cli_now_ms() + NODE_DOWN_MS;
     nd->reset = 1;
 }
 
@@ -639,7 +639,7 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
     pr.dest = &d;
     int64_t tmo = s->cfg.transfer_timeout_ms;
     if (h->deadline > 0) {
-        int64_t left = (int64_t)(h->deadline - decode_now_ms());
+        int64_t left = (int64_t)(h->deadline - pd_cli_now_ms());
         if (left < tmo)
             tmo = left > 1 ? left : 1;
     }
@@ -788,7 +788,7 @@ static void on_reply_loop(void *arg)
         } else {
             /* no word from the node: give a put that might still be running time to end */
             h->state = H_HOLD;
-            h->hold_until = decode_now_ms() + (double)s->cfg.transfer_timeout_ms;
+            h->hold_until = pd_cli_now_ms() + (double)s->cfg.transfer_timeout_ms;
         }
         update_stats(s);
         kick(s);
@@ -814,7 +814,7 @@ static void on_reply_loop(void *arg)
     if (st == PD_ERR_PEER && never_delivered(msg) && h->retries < s->n_nodes - 1) {
         prefill_node *alt = pick_node(s);
         pd_err rerr = {0};
-        if (alt != nd && alt->down_until <= decode_now_ms()) {
+        if (alt != nd && alt->down_until <= pd_cli_now_ms()) {
             h->retries++;
             PD_LOG_INFO("decode", "%s: prefill node %s unreachable, retrying on %s", h->id,
                         nd->addr, alt->addr);
@@ -833,7 +833,7 @@ static void on_reply_loop(void *arg)
     s->n_prefill--;
     if (st == PD_ERR_PEER || st == PD_ERR_TIMEOUT || st == PD_ERR_INTERNAL) {
         h->state = H_HOLD;
-        h->hold_until = decode_now_ms() + (st == PD_ERR_TIMEOUT ? (double)s->cfg.transfer_timeout_ms : 0.0);
+        h->hold_until = pd_cli_now_ms() + (st == PD_ERR_TIMEOUT ? (double)s->cfg.transfer_timeout_ms : 0.0);
     } else {
         handle_retire(s, h);
     }
@@ -846,7 +846,7 @@ static void on_reply_loop(void *arg)
 
 static void admit(decode_server *s)
 {
-    double now = decode_now_ms();
+    double now = pd_cli_now_ms();
     s->admit_blocked = 0;
     for (decode_handle *h = s->head, *next; h != NULL; h = next) {
         next = h->next;
@@ -920,7 +920,7 @@ static void collect(decode_server *s)
 
 static void check_times(decode_server *s)
 {
-    double now = decode_now_ms();
+    double now = pd_cli_now_ms();
     for (decode_handle *h = s->head, *next; h != NULL; h = next) {
         next = h->next;
         if (h->state == H_HOLD) {
@@ -993,7 +993,7 @@ static void tick_cb(void *arg)
             busy++;
         for (int i = 0; i < s->n_nodes; i++)
             busy += s->nodes[i].calls;
-        if (busy == 0 || decode_now_ms() > s->stop_deadline)
+        if (busy == 0 || pd_cli_now_ms() > s->stop_deadline)
             pd_loop_stop(s->loop);
     }
     kick(s);
@@ -1042,7 +1042,7 @@ static void shutdown_cb(void *arg)
 {
     decode_server *s = arg;
     s->stopping = 1;
-    s->stop_deadline = decode_now_ms() + (double)s->cfg.transfer_timeout_ms + 1000.0;
+    s->stop_deadline = pd_cli_now_ms() + (double)s->cfg.transfer_timeout_ms + 1000.0;
     for (decode_handle *h = s->head, *next; h != NULL; h = next) {
         next = h->next;
         if (!h->done_called)
@@ -1177,7 +1177,7 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
     h->on_done = on_done;
     h->ud = ud;
     h->aux_row = -1;
-    h->t_submit = decode_now_ms();
+    h->t_submit = pd_cli_now_ms();
     int64_t tmo = req->timeout_ms > 0 ? req->timeout_ms : s->cfg.request_timeout_ms;
     h->deadline = tmo > 0 ? h->t_submit + (double)tmo : 0.0;
     h->fail_st = PD_ERR_INTERNAL;
@@ -1225,7 +1225,7 @@ static pd_status resolve_nodes(decode_server *s, const char *list, pd_err *err)
     char *save = NULL;
     for (char *tok = strtok_r(copy, ",", &save); tok != NULL; tok = strtok_r(NULL, ",", &save)) {
         char host[128], port[16];
-        if (decode_split_hostport(tok, host, sizeof(host), port, sizeof(port)) != 0) {
+        if (pd_cli_split_hostport(tok, host, sizeof(host), port, sizeof(port)) != 0) {
             st = pd_err_set(err, PD_ERR_INVALID, "--prefill: '%s' is not HOST:PORT", tok);
             break;
         }

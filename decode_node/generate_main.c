@@ -14,7 +14,7 @@
 #include <time.h>
 
 #include "pd_cp.h"
-#include "decode_util.h"
+#include "pd_cli.h"
 #include "pd_engine.h"
 #include "pd_log.h"
 #include "pd_model.h"
@@ -78,17 +78,17 @@ int main(int argc, char **argv)
         case O_NO_DRAFT: no_draft = 1; break;
         case O_PROMPT: prompt = optarg; break;
         case O_IDS: ids_path = optarg; break;
-        case O_MAXNEW: bad = decode_parse_int(PROG, "--max-new-tokens", optarg, 1, 1 << 20, &max_new); break;
-        case O_TEMP: bad = decode_parse_float(PROG, "--temperature", optarg, &temperature); break;
-        case O_TOPK: bad = decode_parse_int(PROG, "--top-k", optarg, 0, INT_MAX, &top_k); break;
-        case O_TOPP: bad = decode_parse_float(PROG, "--top-p", optarg, &top_p); break;
-        case O_SEED: bad = decode_parse_int(PROG, "--seed", optarg, 0, INT_MAX, &seed); break;
-        case O_BLOCK: bad = decode_parse_int(PROG, "--block-size", optarg, 1, 31, &block); break;
+        case O_MAXNEW: bad = pd_cli_parse_int(PROG, "--max-new-tokens", optarg, 1, 1 << 20, &max_new); break;
+        case O_TEMP: bad = pd_cli_parse_float(PROG, "--temperature", optarg, &temperature); break;
+        case O_TOPK: bad = pd_cli_parse_int(PROG, "--top-k", optarg, 0, INT_MAX, &top_k); break;
+        case O_TOPP: bad = pd_cli_parse_float(PROG, "--top-p", optarg, &top_p); break;
+        case O_SEED: bad = pd_cli_parse_int(PROG, "--seed", optarg, 0, INT_MAX, &seed); break;
+        case O_BLOCK: bad = pd_cli_parse_int(PROG, "--block-size", optarg, 1, 31, &block); break;
         case O_JSON: json = 1; break;
         case O_IGNORE: ignore_eos = 1; break;
         case O_DEVICE: device = optarg; break;
-        case O_PAGE: bad = decode_parse_int(PROG, "--page-size", optarg, 1, 4096, &page_size); break;
-        case O_PAGES: bad = decode_parse_int(PROG, "--kv-pages", optarg, 1, INT_MAX, &kv_pages); break;
+        case O_PAGE: bad = pd_cli_parse_int(PROG, "--page-size", optarg, 1, 4096, &page_size); break;
+        case O_PAGES: bad = pd_cli_parse_int(PROG, "--kv-pages", optarg, 1, INT_MAX, &kv_pages); break;
         case O_STREAM: stream = 1; break;
         case O_FAST: fast_kernels = 1; break;
         case O_VERIFY: {
@@ -100,13 +100,13 @@ int main(int argc, char **argv)
             break;
         }
         case O_THRESHOLD:
-            bad = decode_parse_float(PROG, "--threshold", optarg, &threshold);
+            bad = pd_cli_parse_float(PROG, "--threshold", optarg, &threshold);
             if (!bad && !(threshold > 0.0f && threshold <= 1.0f)) {
                 fprintf(stderr, "pdspark-generate: --threshold %g must be in (0, 1]\n", (double)threshold);
                 bad = 1;
             }
             break;
-        case O_CP_SIZE: bad = decode_parse_int(PROG, "--cp-size", optarg, 1, PD_CP_MAX_SIZE, &cp_size); break;
+        case O_CP_SIZE: bad = pd_cli_parse_int(PROG, "--cp-size", optarg, 1, PD_CP_MAX_SIZE, &cp_size); break;
         case O_CP_STRATEGY: {
             pd_err perr = {0};
             if (pd_cp_strategy_parse(optarg, &cp_strategy, &perr) != PD_OK) {
@@ -173,7 +173,7 @@ int main(int argc, char **argv)
         if (pd_tokenizer_encode(tok, prompt, strlen(prompt), 1, &ids, &n, &err) != PD_OK)
             goto fail;
         n_ids = (int)n;
-    } else if (decode_read_ids(PROG, ids_path, &ids, &n_ids) != 0) {
+    } else if (pd_cli_read_ids(PROG, ids_path, &ids, &n_ids) != 0) {
         goto out;
     }
     pd_engine_config ec = { .target = tm, .draft = dm, .page_size = page_size, .n_pages = kv_pages,
@@ -202,7 +202,7 @@ int main(int argc, char **argv)
                                      .seed = (uint64_t)seed },
                          .max_new_tokens = max_new, .ignore_eos = ignore_eos };
     pd_request *req = NULL;
-    double t0 = decode_now_ms();
+    double t0 = pd_cli_now_ms();
     if (pd_engine_add(eng, 1, ids, n_ids, &gp, &req, &err) != PD_OK)
         goto fail;
     if (stream && tok != NULL && pd_detok_create(tok, &detok, &err) != PD_OK)
@@ -214,7 +214,7 @@ int main(int argc, char **argv)
         int n_new = 0;
         const int32_t *nt = pd_engine_take_new(req, &n_new);
         if (n_new > 0 && t_first < 0)
-            t_first = decode_now_ms();
+            t_first = pd_cli_now_ms();
         for (int i = 0; detok != NULL && i < n_new; i++) {
             char *piece = NULL;
             if (pd_detok_push(detok, nt[i], &piece, &err) != PD_OK)
@@ -224,7 +224,7 @@ int main(int argc, char **argv)
             free(piece);
         }
     }
-    double t1 = decode_now_ms();
+    double t1 = pd_cli_now_ms();
     if (req->finish == PD_FINISH_ERROR) {
         fprintf(stderr, "pdspark-generate: %s\n", req->error);
         goto out;

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "pd_http.h"
+#include "pd_cli.h"
 #include "pd_log.h"
 #include "prefill_metrics.h"
 #include "prefill_server.h"
@@ -45,18 +46,6 @@ static void usage(FILE *f)
             "SIGTERM drains: new Prefill calls get UNAVAILABLE and /ready 503 while queued and\n"
             "running prefills finish (at most --drain-timeout-ms, default 30000), then it exits 0.\n"
             "SIGINT stops at once.\n");
-}
-
-static int parse_int(const char *flag, const char *s, long lo, long hi, int *out)
-{
-    char *end;
-    long v = strtol(s, &end, 10);
-    if (*end != '\0' || end == s || v < lo || v > hi) {
-        fprintf(stderr, PROG ": %s: '%s' is not an integer in %ld..%ld\n", flag, s, lo, hi);
-        return -1;
-    }
-    *out = (int)v;
-    return 0;
 }
 
 /* /ready: 503 while draining */
@@ -98,13 +87,13 @@ int main(int argc, char **argv)
         case O_MODEL: cfg.model_dir = optarg; break;
         case O_DRAFT: cfg.draft_dir = optarg; break;
         case O_LISTEN: listen = optarg; break;
-        case O_CP: bad = parse_int("--cp-size", optarg, 1, 64, &cfg.cp_size); break;
+        case O_CP: bad = pd_cli_parse_int(PROG, "--cp-size", optarg, 1, 64, &cfg.cp_size); break;
         case O_CPS: cfg.cp_strategy = optarg; break;
         case O_DEVICE: cfg.device = optarg; break;
-        case O_MBT: bad = parse_int("--max-batch-tokens", optarg, 1, INT_MAX / 2, &cfg.max_batch_tokens); break;
-        case O_PAGES: bad = parse_int("--kv-pages", optarg, 1, INT_MAX / 2, &cfg.kv_pages); break;
-        case O_PAGE: bad = parse_int("--page-size", optarg, 1, 4096, &cfg.page_size); break;
-        case O_XTMO: bad = parse_int("--transfer-timeout-ms", optarg, 1, INT32_MAX, &tmo); cfg.transfer_timeout_ms = tmo; break;
+        case O_MBT: bad = pd_cli_parse_int(PROG, "--max-batch-tokens", optarg, 1, INT_MAX / 2, &cfg.max_batch_tokens); break;
+        case O_PAGES: bad = pd_cli_parse_int(PROG, "--kv-pages", optarg, 1, INT_MAX / 2, &cfg.kv_pages); break;
+        case O_PAGE: bad = pd_cli_parse_int(PROG, "--page-size", optarg, 1, 4096, &cfg.page_size); break;
+        case O_XTMO: bad = pd_cli_parse_int(PROG, "--transfer-timeout-ms", optarg, 1, INT32_MAX, &tmo); cfg.transfer_timeout_ms = tmo; break;
         case O_AUX: cfg.aux_transfer = optarg; break;
         case O_XERR:
             if (strcmp(optarg, "peer") != 0 && strcmp(optarg, "none") != 0) {
@@ -123,7 +112,7 @@ int main(int argc, char **argv)
             break;
         }
         case O_HTTP: http_addr = optarg; break;
-        case O_DRAIN: bad = parse_int("--drain-timeout-ms", optarg, 0, INT32_MAX, &drain_ms); break;
+        case O_DRAIN: bad = pd_cli_parse_int(PROG, "--drain-timeout-ms", optarg, 0, INT32_MAX, &drain_ms); break;
         case O_HELP: usage(stdout); return 0;
         default:
             fprintf(stderr, PROG ": unknown or incomplete flag '%s'\n", argv[optind - 1]);

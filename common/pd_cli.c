@@ -1,7 +1,7 @@
-/* decode_util.c - flag parsing, token-id files, the clock, address splitting (decode_util.h).
+/* pd_cli.c - flag parsing, token-id files, the clock, address splitting (pd_cli.h).
  * Owns: nothing stateful. Not here: engine or network code.
  * Threading: pure functions. */
-#include "decode_util.h"
+#include "pd_cli.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -10,14 +10,14 @@
 #include <string.h>
 #include <time.h>
 
-double decode_now_ms(void)
+double pd_cli_now_ms(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
 }
 
-int decode_parse_i64(const char *prog, const char *flag, const char *s, int64_t lo, int64_t hi,
+int pd_cli_parse_i64(const char *prog, const char *flag, const char *s, int64_t lo, int64_t hi,
                      int64_t *out)
 {
     char *end;
@@ -32,16 +32,16 @@ int decode_parse_i64(const char *prog, const char *flag, const char *s, int64_t 
     return 0;
 }
 
-int decode_parse_int(const char *prog, const char *flag, const char *s, int lo, int hi, int *out)
+int pd_cli_parse_int(const char *prog, const char *flag, const char *s, int lo, int hi, int *out)
 {
     int64_t v;
-    if (decode_parse_i64(prog, flag, s, lo, hi, &v) != 0)
+    if (pd_cli_parse_i64(prog, flag, s, lo, hi, &v) != 0)
         return -1;
     *out = (int)v;
     return 0;
 }
 
-int decode_parse_float(const char *prog, const char *flag, const char *s, float *out)
+int pd_cli_parse_float(const char *prog, const char *flag, const char *s, float *out)
 {
     char *end;
     errno = 0;
@@ -54,7 +54,7 @@ int decode_parse_float(const char *prog, const char *flag, const char *s, float 
     return 0;
 }
 
-int decode_read_ids(const char *prog, const char *path, int32_t **ids, int *n)
+int pd_cli_read_ids(const char *prog, const char *path, int32_t **ids, int *n)
 {
     FILE *f = strcmp(path, "-") == 0 ? stdin : fopen(path, "r");
     if (f == NULL) {
@@ -100,7 +100,7 @@ int decode_read_ids(const char *prog, const char *path, int32_t **ids, int *n)
     return 0;
 }
 
-int decode_split_hostport(const char *addr, char *host, size_t host_len, char *port,
+int pd_cli_split_hostport(const char *addr, char *host, size_t host_len, char *port,
                           size_t port_len)
 {
     const char *colon;

@@ -1,0 +1,29 @@
+/* pd_cli.h - small helpers shared by the command-line tools of both nodes (decode_node,
+ * prefill_node, pdspark-client, pdspark-generate, ...): flag parsing, token-id files, the
+ * monotonic clock, address splitting.
+ * Owns: nothing stateful.
+ * Not here: anything that talks to the engine or the network.
+ * Threading: pure functions (pd_cli_read_ids does file I/O on the caller's thread). */
+#ifndef PD_CLI_H
+#define PD_CLI_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Milliseconds of CLOCK_MONOTONIC. */
+double pd_cli_now_ms(void);
+/* Parse an integer flag value in lo..hi; prints "prog: flag: ..." to stderr and returns -1 on
+ * a bad value. */
+int pd_cli_parse_i64(const char *prog, const char *flag, const char *s, int64_t lo, int64_t hi,
+                     int64_t *out);
+int pd_cli_parse_int(const char *prog, const char *flag, const char *s, int lo, int hi, int *out);
+int pd_cli_parse_float(const char *prog, const char *flag, const char *s, float *out);
+/* Whitespace-separated token ids from path ("-" = stdin) into a malloc'd array. Returns -1 with
+ * a message on stderr on a bad file or value. */
+int pd_cli_read_ids(const char *prog, const char *path, int32_t **ids, int *n);
+/* Split "HOST:PORT" or "[V6]:PORT" into host (without brackets) and port. Returns -1 when
+ * there is no port or a part does not fit. */
+int pd_cli_split_hostport(const char *addr, char *host, size_t host_len, char *port,
+                          size_t port_len);
+
+#endif
