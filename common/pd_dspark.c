@@ -7,6 +7,8 @@
  * Threading: one thread per runner. */
 #include "pd_dspark.h"
 
+#include "pd_graph.h"
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -29,8 +31,11 @@ struct pd_draft {
     float *block_hidden, *base_logits;
     kern_buf *step;             /* per-step scratch, see step_layout() */
     float *step_logits, *w1prev, *feat, *proj, *state, *tmp, *gate, *conf;
-    kern_buf *ibuf;             /* int32: prev [cap_req], row idx [cap_req] */
-    int32_t *prev_dev, *rows_dev;
+    kern_buf *ibuf;             /* int32: prev [cap_req] | row idx [cap_req] | chain rows [B][cap_req]
+                                 * | chain ids [B][cap_req] */
+    int32_t *prev_dev, *rows_dev, *chain_rows, *chain_ids;
+    float *chain_conf;          /* [B][cap_req] confidence logits of a chained round */
+    pd_graph_cache graphs;
 };
 
 pd_status pd_draft_create(const pd_dspark_model *m, pd_kv_pool *pool, pd_draft **out, pd_err *err)
@@ -44,6 +49,7 @@ pd_status pd_draft_create(const pd_dspark_model *m, pd_kv_pool *pool, pd_draft *
     d->H = m->cfg.base.hidden_size;
     d->V = m->cfg.base.vocab_size;
     d->R = m->cfg.markov_rank;
+    pd_graph_cache_init(&d->graphs, m->be, PD_GRAPHS_AUTO);
     pd_status st = pd_act_init(&d->act, m->be, &m->cfg.base, err);
     if (st != PD_OK) {
         free(d);
@@ -57,6 +63,7 @@ void pd_draft_destroy(pd_draft *d)
 {
     if (d == NULL)
         return;
+    pd_graph_cache_clear(&d->graphs);
     pd_act_cleanup(&d->act);
     kern_buf_free(d->ctx);
     kern_buf_free(d->blk);
@@ -156,12 +163,13 @@ static pd_status ensure_req(pd_draft *d, int n_req, pd_err *err)
     int B = d->B, H = d->H, V = d->V, R = d->R > 0 ? d->R : 1;
     kern_buf *blk = NULL, *step = NULL, *ib = NULL;
     pd_status st = kern_buf_alloc(be, (size_t)cap * B * (H + V) * sizeof(float), &blk, err);
-    /* step scratch: logits V | w1prev R | feat (H + 2R) | proj 3R | state R | tmp R | gate R | conf 1 */
-    size_t per = (size_t)V + R + (H + 2 * R) + 3 * R + R + R + R + 1;
+    /* step scratch: logits V | w1prev R | feat (H + 2R) | proj 3R | state R | tmp R | gate R | conf 1
+     * | chain conf B */
+    size_t per = (size_t)V + R + (H + 2 * R) + 3 * R + R + R + R + 1 + B;
     if (st == PD_OK)
         st = kern_buf_alloc(be, per * cap * sizeof(float), &step, err);
     if (st == PD_OK)
-        st = kern_buf_alloc(be, (size_t)2 * cap * sizeof(int32_t), &ib, err);
+        st = kern_buf_alloc(be, (size_t)(2 + 2 * B) * cap * sizeof(int32_t), &ib, err);
     if (st != PD_OK) {
         kern_buf_free(blk);
         kern_buf_free(step);
@@ -185,22 +193,22 @@ static pd_status ensure_req(pd_draft *d, int n_req, pd_err *err)
     d->state = p; p += (size_t)cap * R;
     d->tmp = p; p += (size_t)cap * R;
     d->gate = p; p += (size_t)cap * R;
-    d->conf = p;
+    d->conf = p; p += cap;
+    d->chain_conf = p;
     d->prev_dev = ib->ptr;
     d->rows_dev = (int32_t *)ib->ptr + cap;
+    d->chain_rows = d->rows_dev + cap;
+    d->chain_ids = d->chain_rows + (size_t)B * cap;
     return PD_OK;
 }
 
-pd_status pd_draft_block(pd_draft *d, int n_req, const int32_t *anchor, const int32_t *start,
-                         pd_kv_seq *const *seqs, pd_err *err)
+/* Block metadata of n_req requests (padded to n_pad requests when n_pad > n_req: padding rows
+ * are graph-bucket padding, see pd_act_load_batch_pad) loaded into d->act. */
+static pd_status block_load(pd_draft *d, int n_req, int n_pad, const int32_t *anchor, const int32_t *start,
+                            pd_kv_seq *const *seqs, int *pt_stride, int *max_kv, pd_err *err)
 {
     const pd_dspark_model *m = d->m;
-    const pd_qwen3_config *cfg = &m->cfg.base;
-    kern_backend *be = m->be;
-    int B = d->B, H = d->H, n = n_req * B;
-    if (n_req <= 0)
-        return pd_err_set(err, PD_ERR_INVALID, "draft block: no requests");
-    TRY(ensure_req(d, n_req, err));
+    int B = d->B, n = n_req * B;
     int32_t *meta = malloc((size_t)4 * n * sizeof(int32_t));
     if (meta == NULL)
         return pd_err_set(err, PD_ERR_NOMEM, "draft block metadata");
@@ -215,54 +223,58 @@ pd_status pd_draft_block(pd_draft *d, int n_req, const int32_t *anchor, const in
         }
     pd_tok_batch tb = { .n_tok = n, .ids = ids, .pos = pos, .seq = seq, .kv_len = kv_len,
                         .n_seq = n_req, .seqs = seqs };
-    int pt_stride = 0, max_kv = 0;
-    pd_status st = pd_act_load_batch(&d->act, d->pool, &tb, &pt_stride, &max_kv, err);
+    int n_rows = 0;
+    pd_status st = pd_act_load_batch_pad(&d->act, d->pool, &tb, n_pad > n_req ? n_pad * B : 0, &n_rows,
+                                         pt_stride, max_kv, err);
     free(meta);
-    if (st != PD_OK)
-        return st;
-    pd_act *a = &d->act;
-    kern_embed_args em = { .table = m->embed, .ids = a->ids, .n = n, .out = a->x, .ld_out = H };
-    TRY(kern_embed(be, &em, err));
-    for (int l = 0; l < cfg->num_hidden_layers; l++)
-        TRY(pd_layer_forward(a, cfg, &m->layers[l], pd_kv_pool_layer(d->pool, l), n, n_req, pt_stride,
-                             max_kv, err));
-    kern_rmsnorm_args rn = { .x = a->x, .out = d->block_hidden, .w = m->final_norm, .rows = n,
-                             .dim = H, .ld_x = H, .ld_out = H, .eps = cfg->rms_norm_eps };
-    TRY(kern_rmsnorm(be, &rn, err));
-    d->n_req = n_req;
-    return linear(be, d->block_hidden, H, &m->lm_head, NULL, d->base_logits, d->V, n, 0, err);
+    return st;
 }
 
-pd_status pd_draft_markov_step(pd_draft *d, int k, const int32_t *prev, float *conf_out, pd_err *err)
+/* The block forward on the device over n_rows token rows of n_seq sequences. */
+static pd_status block_dev(pd_draft *d, int n_rows, int n_seq, int pt_stride, int max_kv, pd_err *err)
+{
+    const pd_dspark_model *m = d->m;
+    const pd_qwen3_config *cfg = &m->cfg.base;
+    kern_backend *be = m->be;
+    pd_act *a = &d->act;
+    int H = d->H;
+    kern_embed_args em = { .table = m->embed, .ids = a->ids, .n = n_rows, .out = a->x, .ld_out = H };
+    TRY(kern_embed(be, &em, err));
+    for (int l = 0; l < cfg->num_hidden_layers; l++)
+        TRY(pd_layer_forward(a, cfg, &m->layers[l], pd_kv_pool_layer(d->pool, l), n_rows, n_seq,
+                             pt_stride, max_kv, err));
+    kern_rmsnorm_args rn = { .x = a->x, .out = d->block_hidden, .w = m->final_norm, .rows = n_rows,
+                             .dim = H, .ld_x = H, .ld_out = H, .eps = cfg->rms_norm_eps };
+    TRY(kern_rmsnorm(be, &rn, err));
+    return linear(be, d->block_hidden, H, &m->lm_head, NULL, d->base_logits, d->V, n_rows, 0, err);
+}
+
+pd_status pd_draft_block(pd_draft *d, int n_req, const int32_t *anchor, const int32_t *start,
+                         pd_kv_seq *const *seqs, pd_err *err)
+{
+    if (n_req <= 0)
+        return pd_err_set(err, PD_ERR_INVALID, "draft block: no requests");
+    TRY(ensure_req(d, n_req, err));
+    int pt_stride = 0, max_kv = 0;
+    TRY(block_load(d, n_req, 0, anchor, start, seqs, &pt_stride, &max_kv, err));
+    d->n_req = n_req;
+    return block_dev(d, n_req * d->B, n_req, pt_stride, max_kv, err);
+}
+
+/* Markov step k on the device for the n_req rows of the last block: prev_dev [n] the previous
+ * tokens, rows_dev [n] the block rows r * B + k (backend memory); confidence logits into
+ * conf_dev [n] when it is set and the draft has the head. Capturable (no host round trips). */
+static pd_status markov_step_dev(pd_draft *d, int k, const int32_t *prev_dev, const int32_t *rows_dev,
+                                 float *conf_dev, pd_err *err)
 {
     const pd_dspark_model *m = d->m;
     kern_backend *be = m->be;
-    int n = d->n_req, B = d->B, H = d->H, V = d->V, R = d->R;
-    if (k < 0 || k >= B || n <= 0)
-        return pd_err_set(err, PD_ERR_INTERNAL, "markov step %d of block %d (%d requests)", k, B, n);
-    int32_t rows[256];
-    int32_t *rows_h = n <= 256 ? rows : malloc((size_t)n * sizeof(int32_t));
-    if (rows_h == NULL)
-        return pd_err_set(err, PD_ERR_NOMEM, "markov rows");
-    for (int r = 0; r < n; r++)
-        rows_h[r] = r * B + k;
-    for (int r = 0; r < n; r++)
-        if (prev[r] < 0 || prev[r] >= V) {
-            if (rows_h != rows)
-                free(rows_h);
-            return pd_err_set(err, PD_ERR_INVALID, "markov step: previous token %d outside vocab", prev[r]);
-        }
-    pd_status st = kern_upload(be, d->rows_dev, rows_h, (size_t)n * sizeof(int32_t), err);
-    if (rows_h != rows)
-        free(rows_h);
-    if (st != PD_OK)
-        return st;
-    TRY(kern_upload(be, d->prev_dev, prev, (size_t)n * sizeof(int32_t), err));
+    int n = d->n_req, H = d->H, V = d->V, R = d->R;
     /* h_k rows of every request, and the base logits row k as the starting point */
     float *hk = d->feat;  /* feat layout depends on the head; h_k is placed where each needs it */
-    TRY(copy_cols(be, d->base_logits, V, d->step_logits, V, n, V, d->rows_dev, err));
+    TRY(copy_cols(be, d->base_logits, V, d->step_logits, V, n, V, rows_dev, err));
     if (m->cfg.markov_type != PD_MARKOV_NONE) {
-        kern_embed_args em = { .table = m->markov_w1, .ids = d->prev_dev, .n = n, .out = d->w1prev,
+        kern_embed_args em = { .table = m->markov_w1, .ids = prev_dev, .n = n, .out = d->w1prev,
                                .ld_out = R };
         TRY(kern_embed(be, &em, err));
     }
@@ -275,7 +287,7 @@ pd_status pd_draft_markov_step(pd_draft *d, int k, const int32_t *prev, float *c
     case PD_MARKOV_GATED: {
         /* gate = sigmoid(W_g [h_k ; w1[prev]] + b_g); bias = W2 (gate * w1[prev]) */
         int ld = H + R;
-        TRY(copy_cols(be, d->block_hidden, H, hk, ld, n, H, d->rows_dev, err));
+        TRY(copy_cols(be, d->block_hidden, H, hk, ld, n, H, rows_dev, err));
         TRY(copy_cols(be, d->w1prev, R, hk + H, ld, n, R, NULL, err));
         TRY(linear(be, hk, ld, &m->gate_w, &m->gate_b, d->gate, R, n, 0, err));
         kern_unary_args sg = { .op = KERN_UNARY_SIGMOID, .x = d->gate, .ld_x = R, .out = d->gate,
@@ -295,7 +307,7 @@ pd_status pd_draft_markov_step(pd_draft *d, int k, const int32_t *prev, float *c
             TRY(kern_memset0(be, d->state, (size_t)n * R * sizeof(float), err));
         TRY(copy_cols(be, d->state, R, hk, ld, n, R, NULL, err));
         TRY(copy_cols(be, d->w1prev, R, hk + R, ld, n, R, NULL, err));
-        TRY(copy_cols(be, d->block_hidden, H, hk + 2 * R, ld, n, H, d->rows_dev, err));
+        TRY(copy_cols(be, d->block_hidden, H, hk + 2 * R, ld, n, H, rows_dev, err));
         TRY(linear(be, hk, ld, &m->joint_w, &m->joint_b, d->proj, 3 * R, n, 0, err));
         kern_unary_args ga = { .op = KERN_UNARY_SIGMOID, .x = d->proj, .ld_x = 3 * R, .out = d->gate,
                                .ld_out = R, .rows = n, .cols = R };
@@ -319,15 +331,145 @@ pd_status pd_draft_markov_step(pd_draft *d, int k, const int32_t *prev, float *c
         break;
     }
     }
-    if (m->cfg.enable_confidence_head && m->conf_w.data != NULL && conf_out != NULL) {
+    if (m->cfg.enable_confidence_head && m->conf_w.data != NULL && conf_dev != NULL) {
         int with_markov = m->cfg.confidence_head_with_markov && R > 0;
         int ld = H + (with_markov ? R : 0);
         float *cf = d->feat;   /* free again once the head above is done */
-        TRY(copy_cols(be, d->block_hidden, H, cf, ld, n, H, d->rows_dev, err));
+        TRY(copy_cols(be, d->block_hidden, H, cf, ld, n, H, rows_dev, err));
         if (with_markov)
             TRY(copy_cols(be, d->w1prev, R, cf + H, ld, n, R, NULL, err));
-        TRY(linear(be, cf, ld, &m->conf_w, &m->conf_b, d->conf, 1, n, 0, err));
-        TRY(kern_download(be, conf_out, d->conf, (size_t)n * sizeof(float), err));
+        TRY(linear(be, cf, ld, &m->conf_w, &m->conf_b, conf_dev, 1, n, 0, err));
     }
     return PD_OK;
+}
+
+pd_status pd_draft_markov_step(pd_draft *d, int k, const int32_t *prev, float *conf_out, pd_err *err)
+{
+    kern_backend *be = d->m->be;
+    int n = d->n_req, B = d->B, V = d->V;
+    if (k < 0 || k >= B || n <= 0)
+        return pd_err_set(err, PD_ERR_INTERNAL, "markov step %d of block %d (%d requests)", k, B, n);
+    for (int r = 0; r < n; r++)
+        if (prev[r] < 0 || prev[r] >= V)
+            return pd_err_set(err, PD_ERR_INVALID, "markov step: previous token %d outside vocab", prev[r]);
+    int32_t rows[256];
+    int32_t *rows_h = n <= 256 ? rows : malloc((size_t)n * sizeof(int32_t));
+    if (rows_h == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "markov rows");
+    for (int r = 0; r < n; r++)
+        rows_h[r] = r * B + k;
+    pd_status st = kern_upload(be, d->rows_dev, rows_h, (size_t)n * sizeof(int32_t), err);
+    if (rows_h != rows)
+        free(rows_h);
+    if (st != PD_OK)
+        return st;
+    TRY(kern_upload(be, d->prev_dev, prev, (size_t)n * sizeof(int32_t), err));
+    TRY(markov_step_dev(d, k, d->prev_dev, d->rows_dev, conf_out != NULL ? d->conf : NULL, err));
+    if (conf_out != NULL && d->m->cfg.enable_confidence_head && d->m->conf_w.data != NULL)
+        TRY(kern_download(be, conf_out, d->conf, (size_t)n * sizeof(float), err));
+    return PD_OK;
+}
+
+/* The device part of a chained round: block forward, then B Markov steps whose argmax feeds the
+ * next step. Capturable. */
+typedef struct {
+    pd_draft *d;
+    int n_rows, n_seq, pt_stride, max_kv, conf;
+} round_step;
+
+static pd_status round_step_run(void *ud, pd_err *err)
+{
+    round_step *s = ud;
+    pd_draft *d = s->d;
+    kern_backend *be = d->m->be;
+    int n = d->n_req, cap = d->cap_req;
+    TRY(block_dev(d, s->n_rows, s->n_seq, s->pt_stride, s->max_kv, err));
+    for (int k = 0; k < d->B; k++) {
+        const int32_t *prev = k == 0 ? d->prev_dev : d->chain_ids + (size_t)(k - 1) * cap;
+        TRY(markov_step_dev(d, k, prev, d->chain_rows + (size_t)k * cap,
+                            s->conf ? d->chain_conf + (size_t)k * cap : NULL, err));
+        kern_argmax_args am = { .x = d->step_logits, .ld_x = d->V, .rows = n,
+                                .n = d->V, .out = d->chain_ids + (size_t)k * cap };
+        TRY(kern_argmax(be, &am, err));
+    }
+    return PD_OK;
+}
+
+pd_status pd_draft_round_greedy(pd_draft *d, int n_req, const int32_t *anchor, const int32_t *start,
+                                pd_kv_seq *const *seqs, int32_t *ids_out, float *conf_out, pd_err *err)
+{
+    const pd_dspark_model *m = d->m;
+    kern_backend *be = m->be;
+    int B = d->B, V = d->V;
+    if (n_req <= 0)
+        return pd_err_set(err, PD_ERR_INVALID, "draft round: no requests");
+    for (int r = 0; r < n_req; r++)
+        if (anchor[r] < 0 || anchor[r] >= V)
+            return pd_err_set(err, PD_ERR_INVALID, "draft round: anchor token %d outside vocab", anchor[r]);
+    int pad = pd_graph_pad(&d->graphs);
+    int n_pad = pad ? pd_graph_bucket(n_req) : n_req;
+    TRY(ensure_req(d, n_pad, err));
+    round_step s = { .d = d, .n_rows = n_pad * B, .n_seq = n_req,
+                     .conf = conf_out != NULL && m->cfg.enable_confidence_head && m->conf_w.data != NULL };
+    TRY(block_load(d, n_req, pad ? n_pad : 0, anchor, start, seqs, &s.pt_stride, &s.max_kv, err));
+    d->n_req = n_pad;
+    /* anchors (padding rows: token 0) and the block row of every request at every step */
+    int cap = d->cap_req;
+    int32_t *h = malloc((size_t)(2 + B) * cap * sizeof(int32_t));
+    if (h == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "draft round metadata");
+    for (int r = 0; r < cap; r++)
+        h[r] = r < n_req ? anchor[r] : 0;
+    int32_t *rows = h + 2 * (size_t)cap;   /* lands at d->chain_rows = prev_dev + 2 cap */
+    for (int k = 0; k < B; k++)
+        for (int r = 0; r < cap; r++)
+            rows[(size_t)k * cap + r] = r < n_pad ? r * B + k : 0;
+    memset(h + cap, 0, (size_t)cap * sizeof(int32_t));
+    pd_status st = kern_upload(be, d->prev_dev, h, (size_t)(2 + B) * cap * sizeof(int32_t), err);
+    free(h);
+    if (st != PD_OK)
+        return st;
+    if (pad) {
+        int64_t key[] = { n_pad, n_req, s.pt_stride, s.max_kv, s.conf, be->batch_invariant,
+                          (int64_t)(intptr_t)d->act.buf->ptr, (int64_t)(intptr_t)d->act.ibuf->ptr,
+                          (int64_t)(intptr_t)d->act.ptbuf->ptr, (int64_t)(intptr_t)d->blk->ptr,
+                          (int64_t)(intptr_t)d->step->ptr, (int64_t)(intptr_t)d->ibuf->ptr, cap };
+        TRY(pd_graph_run(&d->graphs, key, (int)(sizeof(key) / sizeof(key[0])), round_step_run, &s, err));
+    } else {
+        TRY(round_step_run(&s, err));
+    }
+    /* one download of ids (and confidences) [B][cap], transposed to [n_req][B] */
+    int32_t *ids = malloc((size_t)B * cap * sizeof(int32_t));
+    float *conf = s.conf ? malloc((size_t)B * cap * sizeof(float)) : NULL;
+    if (ids == NULL || (s.conf && conf == NULL)) {
+        free(ids);
+        free(conf);
+        return pd_err_set(err, PD_ERR_NOMEM, "draft round ids");
+    }
+    st = kern_download(be, ids, d->chain_ids, (size_t)B * cap * sizeof(int32_t), err);
+    if (st == PD_OK && s.conf)
+        st = kern_download(be, conf, d->chain_conf, (size_t)B * cap * sizeof(float), err);
+    if (st == PD_OK)
+        for (int r = 0; r < n_req; r++)
+            for (int k = 0; k < B; k++) {
+                ids_out[(size_t)r * B + k] = ids[(size_t)k * cap + r];
+                if (conf_out != NULL)
+                    conf_out[(size_t)r * B + k] = s.conf ? conf[(size_t)k * cap + r] : 0.0f;
+            }
+    free(ids);
+    free(conf);
+    return st;
+}
+
+void pd_draft_set_graphs(pd_draft *d, int mode)
+{
+    pd_graph_cache_clear(&d->graphs);
+    pd_graph_cache_init(&d->graphs, d->m->be, (pd_graph_mode)mode);
+}
+
+void pd_draft_graph_stats(const pd_draft *d, uint64_t *eager, uint64_t *captures, uint64_t *replays)
+{
+    *eager += d->graphs.n_eager;
+    *captures += d->graphs.n_captures;
+    *replays += d->graphs.n_replays;
 }

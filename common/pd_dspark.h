@@ -41,6 +41,19 @@ pd_status pd_draft_block(pd_draft *d, int n_req, const int32_t *anchor, const in
  * at k = 0. */
 pd_status pd_draft_markov_step(pd_draft *d, int k, const int32_t *prev, float *conf_out, pd_err *err);
 
+/* A whole greedy draft round on the device: the block (as pd_draft_block), then B Markov steps
+ * where step k's argmax is step k+1's previous token, with one download at the end: ids_out
+ * [n_req, B] (row r = request r's drafts), conf_out [n_req, B] confidence logits (nullable;
+ * zeros without a confidence head). The same tokens as pd_draft_block + B x
+ * (pd_draft_markov_step, argmax). Padded to a graph bucket and replayed as one graph per shape
+ * when graphs are on (pd_draft_set_graphs). */
+pd_status pd_draft_round_greedy(pd_draft *d, int n_req, const int32_t *anchor, const int32_t *start,
+                                pd_kv_seq *const *seqs, int32_t *ids_out, float *conf_out, pd_err *err);
+/* pd_graph_mode of the chained rounds (default PD_GRAPHS_AUTO). */
+void pd_draft_set_graphs(pd_draft *d, int mode);
+/* Adds this runner's eager runs, captures and replays to the counters. */
+void pd_draft_graph_stats(const pd_draft *d, uint64_t *eager, uint64_t *captures, uint64_t *replays);
+
 /* Backend pointers, valid until the next call that produces them. */
 const float *pd_draft_ctx_feature(const pd_draft *d);   /* [n_tok of last extend, hidden] */
 const float *pd_draft_block_hidden(const pd_draft *d);  /* [n_req * B, hidden], after final norm */

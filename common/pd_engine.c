@@ -5,6 +5,8 @@
  * Threading: one thread drives an engine. */
 #include "pd_engine.h"
 
+#include "pd_graph.h"
+
 #include "pd_log.h"
 
 #include <limits.h>
@@ -141,6 +143,8 @@ pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err 
         if (st != PD_OK)
             return st;
     }
+    if (cfg->graphs < PD_GRAPHS_AUTO || cfg->graphs > PD_GRAPHS_PAD)
+        return pd_err_set(err, PD_ERR_INVALID, "engine: graphs mode %d (expected 0..2)", cfg->graphs);
     pd_engine *e = calloc(1, sizeof(*e));
     if (e == NULL)
         return pd_err_set(err, PD_ERR_NOMEM, "engine");
@@ -194,6 +198,9 @@ pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err 
     st = pd_target_create(e->tm, e->tpool, taps, n_taps, &e->target, err);
     if (st != PD_OK)
         goto err_free;
+    pd_target_set_graphs(e->target, e->cfg.graphs);
+    if (e->draft != NULL)
+        pd_draft_set_graphs(e->draft, e->cfg.graphs);
     e->aux_dim = pd_target_aux_dim(e->target);
     /* without a profile the scheduler assumes a memory-bound step: t(B) = 1 + B / 64 */
     st = pd_sps_linear(1.0, 1.0 / 64.0, 1024, &e->sps_default, err);
@@ -851,7 +858,29 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         if (st != PD_OK)
             goto out;
     }
-    if (n_draft > 0) {
+    if (n_draft > 0 && !any_sampled) {
+        /* greedy drafts: the whole round chained on the device, one download */
+        int dB = e->dm->cfg.block_size;
+        int32_t *ids = malloc((size_t)n_draft * dB * sizeof(int32_t));
+        float *cf = want_conf ? malloc((size_t)n_draft * dB * sizeof(float)) : NULL;
+        if (ids == NULL || (want_conf && cf == NULL)) {
+            free(ids);
+            free(cf);
+            st = pd_err_set(err, PD_ERR_NOMEM, "draft round ids");
+            goto out;
+        }
+        st = pd_draft_round_greedy(e->draft, n_draft, anchor, start, dseqs, ids, cf, err);
+        for (int j = 0; j < n_draft && st == PD_OK; j++)
+            for (int k = 0; k < e->B; k++) {
+                dslot[j]->d[k] = ids[(size_t)j * dB + k];
+                if (want_conf)
+                    conf[(size_t)j * e->B + k] = cf[(size_t)j * dB + k];
+            }
+        free(ids);
+        free(cf);
+        if (st != PD_OK)
+            goto out;
+    } else if (n_draft > 0) {
         st = pd_draft_block(e->draft, n_draft, anchor, start, dseqs, err);
         if (st != PD_OK)
             goto out;
@@ -880,6 +909,8 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
                     conf[(size_t)j * e->B + k] = conf_k[j];
             }
         }
+    }
+    if (n_draft > 0) {
         if (want_conf) {
             choose_lengths(e, dslot, n_draft, conf);
             for (int j = 0; j < n_draft; j++) {
@@ -1166,6 +1197,20 @@ out:
     free(seq);
     free(rows);
     return st;
+}
+
+void pd_engine_graph_stats(const pd_engine *e, uint64_t *eager, uint64_t *captures, uint64_t *replays)
+{
+    uint64_t ge = 0, gc = 0, gr = 0;
+    pd_target_graph_stats(e->target, &ge, &gc, &gr);
+    if (e->draft != NULL)
+        pd_draft_graph_stats(e->draft, &ge, &gc, &gr);
+    if (eager != NULL)
+        *eager = ge;
+    if (captures != NULL)
+        *captures = gc;
+    if (replays != NULL)
+        *replays = gr;
 }
 
 void pd_engine_set_sps(pd_engine *e, const pd_sps *sps) { e->cfg.sps = sps; }

@@ -44,6 +44,10 @@ typedef struct {
                                         * own backend handle and KV replica (host backends only;
                                         * the target pool is rank 0's); decode stays single-rank */
     pd_cp_strategy cp_strategy;        /* how CP splits the prompt tokens (pd_cp.h) */
+    int graphs;                        /* pd_graph_mode: AUTO (0, default) replays decode, verify
+                                        * and draft steps as CUDA graphs per shape bucket where
+                                        * the backend has graphs; OFF runs every op eagerly; PAD
+                                        * pads batches to the buckets without graphs (tests) */
     /* Tests and debugging: called on the engine thread with exactly the aux tensor (backend
      * memory, [rows, cols] with row stride ld) the drafter receives from a prefill forward. */
     void (*prefill_aux_hook)(void *ud, const float *aux, int rows, int cols, int ld);
@@ -156,6 +160,8 @@ pd_status pd_engine_profile_sps(pd_engine *e, int max_tokens, int ctx_len, const
  * build. */
 pd_status pd_engine_profile_sps_cached(pd_engine *e, const char *model_dir, const char *device,
                                        pd_sps *out, pd_err *err);
+/* Steps run eagerly, graphs captured and graph replays so far (target and draft runners). */
+void pd_engine_graph_stats(const pd_engine *e, uint64_t *eager, uint64_t *captures, uint64_t *replays);
 /* Replaces the scheduler's SPS curve (borrowed; must outlive the engine or the next call). */
 void pd_engine_set_sps(pd_engine *e, const pd_sps *sps);
 /* One engine step: prefill work for queued requests (up to max_prefill_tokens), then one

@@ -5,6 +5,8 @@
  * Threading: one thread per runner. */
 #include "pd_qwen3.h"
 
+#include "pd_graph.h"
+
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -87,16 +89,29 @@ pd_status pd_act_reserve(pd_act *a, int n_tok, int n_pt, pd_err *err)
 pd_status pd_act_load_batch(pd_act *a, const pd_kv_pool *pool, const pd_tok_batch *b,
                             int *pt_stride_out, int *max_kv_out, pd_err *err)
 {
+    int n_pad = 0;
+    return pd_act_load_batch_pad(a, pool, b, 0, &n_pad, pt_stride_out, max_kv_out, err);
+}
+
+pd_status pd_act_load_batch_pad(pd_act *a, const pd_kv_pool *pool, const pd_tok_batch *b, int pad,
+                                int *n_pad_out, int *pt_stride_out, int *max_kv_out, pd_err *err)
+{
     int n = b->n_tok;
+    int np = pad < 0 ? pd_graph_bucket(n) : pad > n ? pad : n;
     int pt_stride = 1;
     for (int s = 0; s < b->n_seq; s++)
         if (b->seqs[s]->n_pages > pt_stride)
             pt_stride = b->seqs[s]->n_pages;
-    TRY(pd_act_reserve(a, n, pt_stride * b->n_seq, err));
-    int32_t *host = malloc(((size_t)3 * n + (size_t)pt_stride * b->n_seq) * sizeof(int32_t));
+    if (pad)
+        pt_stride = pd_graph_bucket_pow2(pt_stride, 4);
+    TRY(pd_act_reserve(a, np, pt_stride * b->n_seq, err));
+    /* one host image of the int32 arrays [ids | pos | seq | kv_len | slot] (np each) and the
+     * page table, uploaded in two copies; the arrays are re-pointed at this call's layout */
+    int32_t *host = malloc(((size_t)5 * np + (size_t)pt_stride * b->n_seq) * sizeof(int32_t));
     if (host == NULL)
         return pd_err_set(err, PD_ERR_NOMEM, "batch metadata: %d tokens", n);
-    int32_t *kv_len = host, *slot = host + n, *pt = host + 2 * (size_t)n;
+    int32_t *ids = host, *pos = host + np, *seq = host + 2 * (size_t)np;
+    int32_t *kv_len = host + 3 * (size_t)np, *slot = host + 4 * (size_t)np, *pt = host + 5 * (size_t)np;
     int max_kv = 1;
     int cap_pos = 0;
     pd_status st = PD_OK;
@@ -122,20 +137,40 @@ pd_status pd_act_load_batch(pd_act *a, const pd_kv_pool *pool, const pd_tok_batc
         if (kv_len[t] > max_kv)
             max_kv = kv_len[t];
         slot[t] = pd_kv_seq_slot(pool, ks, b->pos[t]);
+        ids[t] = b->ids != NULL ? b->ids[t] : 0;
+        pos[t] = b->pos[t];
+        seq[t] = s;
+    }
+    /* padding rows: token 0 at position 0 of sequence 0, one key, stored nowhere */
+    for (int t = n; t < np; t++) {
+        ids[t] = 0;
+        pos[t] = 0;
+        seq[t] = 0;
+        kv_len[t] = 1;
+        slot[t] = -1;
+    }
+    if (pad) {
+        /* a bucket bound, never beyond what the (padded) page table can address */
+        int cap_kv = pt_stride * pd_kv_pool_layout(pool)->page_size;
+        max_kv = pd_graph_bucket_pow2(max_kv, 64);
+        if (max_kv > cap_kv)
+            max_kv = cap_kv;
     }
     for (int s = 0; s < b->n_seq; s++) {
         const pd_kv_seq *ks = b->seqs[s];
         for (int i = 0; i < pt_stride; i++)
             pt[(size_t)s * pt_stride + i] = i < ks->n_pages ? ks->pages[i] : 0;
     }
-    if (b->ids != NULL && (st = kern_upload(a->be, a->ids, b->ids, (size_t)n * 4, err)) != PD_OK)
-        goto out;
-    if ((st = kern_upload(a->be, a->pos, b->pos, (size_t)n * 4, err)) != PD_OK ||
-        (st = kern_upload(a->be, a->seq, b->seq, (size_t)n * 4, err)) != PD_OK ||
-        (st = kern_upload(a->be, a->kv_len, kv_len, (size_t)n * 4, err)) != PD_OK ||
-        (st = kern_upload(a->be, a->slot, slot, (size_t)n * 4, err)) != PD_OK ||
+    int32_t *dev = a->ibuf->ptr;
+    a->ids = dev;
+    a->pos = dev + np;
+    a->seq = dev + 2 * (size_t)np;
+    a->kv_len = dev + 3 * (size_t)np;
+    a->slot = dev + 4 * (size_t)np;
+    if ((st = kern_upload(a->be, dev, host, (size_t)5 * np * 4, err)) != PD_OK ||
         (st = kern_upload(a->be, a->page_table, pt, (size_t)pt_stride * b->n_seq * 4, err)) != PD_OK)
         goto out;
+    *n_pad_out = np;
     *pt_stride_out = pt_stride;
     *max_kv_out = max_kv;
 out:
@@ -264,6 +299,7 @@ struct pd_target {
     kern_buf *logits;       /* [cap_logits, vocab] + final hidden [cap_logits, hidden] */
     float *final_hidden;
     kern_buf *rows;         /* int32 logit rows */
+    pd_graph_cache graphs;
 };
 
 pd_status pd_target_create(const pd_qwen3_model *m, pd_kv_pool *pool, const int *taps, int n_taps,
@@ -284,6 +320,7 @@ pd_status pd_target_create(const pd_qwen3_model *m, pd_kv_pool *pool, const int 
     t->n_taps = n_taps;
     if (n_taps > 0)
         memcpy(t->taps, taps, (size_t)n_taps * sizeof(int));
+    pd_graph_cache_init(&t->graphs, m->be, PD_GRAPHS_AUTO);
     pd_status st = pd_act_init(&t->act, m->be, &m->cfg, err);
     if (st != PD_OK) {
         free(t);
@@ -297,6 +334,7 @@ void pd_target_destroy(pd_target *t)
 {
     if (t == NULL)
         return;
+    pd_graph_cache_clear(&t->graphs);
     pd_act_cleanup(&t->act);
     kern_buf_free(t->aux);
     kern_buf_free(t->logits);
@@ -311,6 +349,39 @@ static pd_status capture_tap(pd_target *t, int slot, int n_tok, pd_err *err)
                                .dst = (float *)t->aux->ptr + (size_t)slot * H,
                                .ld_dst = t->n_taps * H, .rows = n_tok, .cols = H };
     return kern_copy_rows(t->m->be, &cp, err);
+}
+
+/* The device part of a forward, after pd_act_load_batch: capturable as one graph. */
+typedef struct {
+    pd_target *t;
+    int n, n_seq, pt_stride, max_kv, n_logits;
+} target_step;
+
+static pd_status target_step_run(void *ud, pd_err *err)
+{
+    target_step *s = ud;
+    pd_target *t = s->t;
+    const pd_qwen3_model *m = t->m;
+    const pd_qwen3_config *cfg = &m->cfg;
+    kern_backend *be = m->be;
+    pd_act *a = &t->act;
+    int n = s->n, H = cfg->hidden_size;
+    kern_embed_args em = { .table = m->embed, .ids = a->ids, .n = n, .out = a->x, .ld_out = H };
+    TRY(kern_embed(be, &em, err));
+    for (int i = 0; i < t->n_taps; i++)
+        if (t->taps[i] == -1)
+            TRY(capture_tap(t, i, n, err));
+    for (int l = 0; l < cfg->num_hidden_layers; l++) {
+        TRY(pd_layer_forward(a, cfg, &m->layers[l], pd_kv_pool_layer(t->pool, l), n, s->n_seq,
+                             s->pt_stride, s->max_kv, err));
+        for (int i = 0; i < t->n_taps; i++)
+            if (t->taps[i] == l)
+                TRY(capture_tap(t, i, n, err));
+    }
+    if (s->n_logits <= 0)
+        return PD_OK;
+    return pd_qwen3_head(m, be, a->x, H, t->rows->ptr, s->n_logits, a->h, t->final_hidden,
+                         t->logits->ptr, err);
 }
 
 pd_status pd_target_forward(pd_target *t, const pd_tok_batch *b, const int32_t *logit_rows,
@@ -330,40 +401,68 @@ pd_status pd_target_forward(pd_target *t, const pd_tok_batch *b, const int32_t *
         if (b->pos[i] >= cfg->max_position_embeddings)
             return pd_err_set(err, PD_ERR_INVALID, "position %d exceeds the context length %d",
                               b->pos[i], cfg->max_position_embeddings);
-    pd_act *a = &t->act;
-    int pt_stride = 0, max_kv = 0;
-    TRY(pd_act_load_batch(a, t->pool, b, &pt_stride, &max_kv, err));
-    if (t->n_taps > 0)
-        TRY(kern_buf_grow(be, &t->aux, &t->cap_aux_tok, n, (size_t)t->n_taps * H * sizeof(float), err));
-    kern_embed_args em = { .table = m->embed, .ids = a->ids, .n = n, .out = a->x, .ld_out = H };
-    TRY(kern_embed(be, &em, err));
-    for (int i = 0; i < t->n_taps; i++)
-        if (t->taps[i] == -1)
-            TRY(capture_tap(t, i, n, err));
-    for (int l = 0; l < cfg->num_hidden_layers; l++) {
-        TRY(pd_layer_forward(a, cfg, &m->layers[l], pd_kv_pool_layer(t->pool, l), n, b->n_seq,
-                             pt_stride, max_kv, err));
-        for (int i = 0; i < t->n_taps; i++)
-            if (t->taps[i] == l)
-                TRY(capture_tap(t, i, n, err));
-    }
-    if (n_logits <= 0)
-        return PD_OK;
     for (int i = 0; i < n_logits; i++)
         if (logit_rows[i] < 0 || logit_rows[i] >= n)
             return pd_err_set(err, PD_ERR_INTERNAL, "logit row %d outside batch of %d", logit_rows[i], n);
-    TRY(pd_act_reserve(a, n_logits, 0, err));
-    int cap_before = t->cap_logits;
-    TRY(kern_buf_grow(be, &t->logits, &t->cap_logits, n_logits, (size_t)(V + H) * sizeof(float), err));
-    if (t->cap_logits != cap_before || t->rows == NULL) {
-        kern_buf_free(t->rows);
-        t->rows = NULL;
-        TRY(kern_buf_alloc(be, (size_t)t->cap_logits * sizeof(int32_t), &t->rows, err));
+    pd_act *a = &t->act;
+    int pad = pd_graph_pad(&t->graphs) && n <= PD_TARGET_GRAPH_MAX_TOK;
+    target_step s = { .t = t, .n_seq = b->n_seq };
+    /* the head picks its rows into a->h: room for them before the metadata lands in a */
+    TRY(pd_act_reserve(a, pad ? pd_graph_bucket(n_logits > n ? n_logits : n) : n_logits, 0, err));
+    TRY(pd_act_load_batch_pad(a, t->pool, b, pad ? PD_ACT_PAD_BUCKET : 0, &s.n, &s.pt_stride, &s.max_kv, err));
+    if (t->n_taps > 0)
+        TRY(kern_buf_grow(be, &t->aux, &t->cap_aux_tok, s.n, (size_t)t->n_taps * H * sizeof(float), err));
+    if (n_logits > 0) {
+        /* padded: every padding row of the batch gets a logit row too (verify asks for all) */
+        s.n_logits = !pad ? n_logits : n_logits == n ? s.n : pd_graph_bucket(n_logits);
+        int cap_before = t->cap_logits;
+        TRY(kern_buf_grow(be, &t->logits, &t->cap_logits, s.n_logits, (size_t)(V + H) * sizeof(float), err));
+        if (t->cap_logits != cap_before || t->rows == NULL) {
+            kern_buf_free(t->rows);
+            t->rows = NULL;
+            TRY(kern_buf_alloc(be, (size_t)t->cap_logits * sizeof(int32_t), &t->rows, err));
+        }
+        t->final_hidden = (float *)t->logits->ptr + (size_t)t->cap_logits * V;
+        int32_t *rows = (int32_t *)logit_rows;
+        if (s.n_logits != n_logits) {
+            rows = malloc((size_t)s.n_logits * sizeof(int32_t));
+            if (rows == NULL)
+                return pd_err_set(err, PD_ERR_NOMEM, "logit rows");
+            memcpy(rows, logit_rows, (size_t)n_logits * sizeof(int32_t));
+            for (int i = n_logits; i < s.n_logits; i++)
+                rows[i] = n_logits == n ? i : 0;
+        }
+        pd_status st = kern_upload(be, t->rows->ptr, rows, (size_t)s.n_logits * sizeof(int32_t), err);
+        if (rows != logit_rows)
+            free(rows);
+        if (st != PD_OK)
+            return st;
     }
-    t->final_hidden = (float *)t->logits->ptr + (size_t)t->cap_logits * V;
-    TRY(kern_upload(be, t->rows->ptr, logit_rows, (size_t)n_logits * sizeof(int32_t), err));
-    return pd_qwen3_head(m, be, a->x, H, t->rows->ptr, n_logits, a->h, t->final_hidden,
-                         t->logits->ptr, err);
+    if (!pad)
+        return target_step_run(&s, err);
+    int64_t key[] = { s.n, s.n_seq, s.pt_stride, s.max_kv, s.n_logits, be->batch_invariant,
+                      (int64_t)(intptr_t)a->buf->ptr, (int64_t)(intptr_t)a->ibuf->ptr,
+                      (int64_t)(intptr_t)a->ptbuf->ptr,
+                      (int64_t)(intptr_t)(t->aux != NULL ? t->aux->ptr : NULL),
+                      (int64_t)(intptr_t)(t->logits != NULL ? t->logits->ptr : NULL),
+                      (int64_t)(intptr_t)(t->rows != NULL ? t->rows->ptr : NULL), t->cap_logits };
+    return pd_graph_run(&t->graphs, key, (int)(sizeof(key) / sizeof(key[0])), target_step_run, &s, err);
+}
+
+void pd_target_set_graphs(pd_target *t, int mode)
+{
+    pd_graph_cache_clear(&t->graphs);
+    pd_graph_cache_init(&t->graphs, t->m->be, (pd_graph_mode)mode);
+}
+
+void pd_target_graph_stats(const pd_target *t, uint64_t *eager, uint64_t *captures, uint64_t *replays)
+{
+    if (eager != NULL)
+        *eager = t->graphs.n_eager;
+    if (captures != NULL)
+        *captures = t->graphs.n_captures;
+    if (replays != NULL)
+        *replays = t->graphs.n_replays;
 }
 
 const float *pd_target_logits(const pd_target *t) { return t->logits != NULL ? t->logits->ptr : NULL; }

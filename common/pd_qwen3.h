@@ -44,9 +44,17 @@ typedef struct {
     pd_kv_seq *const *seqs;   /* page tables, reserved to cover every position written */
 } pd_tok_batch;
 
-/* Uploads ids/pos/seq/kv_len/slots and the page table of b into a (slots from pool). */
+/* Uploads ids/pos/seq/kv_len/slots and the page table of b into a (slots from pool); a's
+ * per-token arrays point at this batch's layout afterwards. */
 pd_status pd_act_load_batch(pd_act *a, const pd_kv_pool *pool, const pd_tok_batch *b,
                             int *pt_stride_out, int *max_kv_out, pd_err *err);
+/* The same, padded (graph buckets, pd_graph.h) when pad is PD_ACT_PAD_BUCKET (to
+ * pd_graph_bucket(n_tok) rows) or a row count > 0 (to max(pad, n_tok) rows): *n_pad_out rows, the extra ones token 0 at position 0 of sequence 0 with one key and no KV slot
+ * (nothing stored, their outputs unused); the page-table stride and *max_kv_out are rounded up
+ * to powers of two. With pad 0, *n_pad_out = n_tok and nothing is rounded. */
+#define PD_ACT_PAD_BUCKET (-1)
+pd_status pd_act_load_batch_pad(pd_act *a, const pd_kv_pool *pool, const pd_tok_batch *b, int pad,
+                                int *n_pad_out, int *pt_stride_out, int *max_kv_out, pd_err *err);
 
 /* One pre-norm decoder layer on a->x [n_tok, hidden] in place: attention through the paged
  * layer kv (this batch's K/V are stored at a->slot first), then the SwiGLU MLP. */
@@ -97,6 +105,13 @@ void pd_target_destroy(pd_target *t);
  * [n_tok, n_taps * hidden] are captured when the runner has taps. */
 pd_status pd_target_forward(pd_target *t, const pd_tok_batch *b, const int32_t *logit_rows,
                             int n_logits, pd_err *err);
+/* Graph capture of this runner's forwards (pd_graph.h; default PD_GRAPHS_AUTO): batches of
+ * up to PD_TARGET_GRAPH_MAX_TOK tokens are padded to a bucket and replayed as one graph per
+ * shape. Counters of eager runs, captures and replays go to the out-params (nullable). */
+#define PD_TARGET_GRAPH_MAX_TOK 512
+void pd_target_set_graphs(pd_target *t, int mode);
+void pd_target_graph_stats(const pd_target *t, uint64_t *eager, uint64_t *captures,
+                           uint64_t *replays);
 /* Backend pointers valid until the next forward. */
 const float *pd_target_logits(const pd_target *t);      /* [n_logits, vocab] */
 const float *pd_target_aux(const pd_target *t);         /* [n_tok, n_taps * hidden] */

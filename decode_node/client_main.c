@@ -24,12 +24,14 @@ static void usage(FILE *f)
             "                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
             "                      [--seed S] [--ignore-eos] [--timeout-ms N] [--request-id ID]\n"
             "                      [--stop STR]... [--json] [--stream] [--disconnect-after N]\n"
+            "                      [--verify full|threshold|scheduled] [--verify-threshold T]\n"
             "\n"
             "Streams one completion from a decode node. Text is printed as it arrives; --json\n"
             "prints instead one object at the end with the fields of pdspark-generate --json\n"
             "(tokens, text, rounds, accepted_per_round, tau, ...); --stream with --json prints\n"
             "both. --health prints the node's Health as JSON. --disconnect-after N drops the\n"
-            "connection after N chunks (tests). Errors print 'pdspark-client: CODE: message'\n"
+            "connection after N chunks (tests). --verify / --verify-threshold pick this request's\n"
+            "DSpark verification policy (default: the node's). Errors print 'pdspark-client: CODE: message'\n"
             "and exit 1 (2 for bad flags).\n");
 }
 
@@ -118,9 +120,10 @@ int main(int argc, char **argv)
     char *stops[16];
     size_t n_stops = 0;
     int64_t seed = 0, timeout_ms = 0;
-    float temperature = 0.0f, top_p = 1.0f;
+    float temperature = 0.0f, top_p = 1.0f, verify_threshold = 0.0f;
+    const char *verify = NULL;
     enum { O_SERVER = 256, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_IGNORE,
-           O_TMO, O_RID, O_JSON, O_STREAM, O_DISC, O_HEALTH, O_STOP, O_HELP };
+           O_TMO, O_RID, O_JSON, O_STREAM, O_DISC, O_HEALTH, O_STOP, O_VERIFY, O_VTHRESH, O_HELP };
     static const struct option opts[] = {
         {"server", required_argument, 0, O_SERVER}, {"prompt", required_argument, 0, O_PROMPT},
         {"prompt-ids", required_argument, 0, O_IDS}, {"max-new-tokens", required_argument, 0, O_MAXNEW},
@@ -130,6 +133,8 @@ int main(int argc, char **argv)
         {"request-id", required_argument, 0, O_RID}, {"json", no_argument, 0, O_JSON},
         {"stream", no_argument, 0, O_STREAM}, {"disconnect-after", required_argument, 0, O_DISC},
         {"health", no_argument, 0, O_HEALTH}, {"stop", required_argument, 0, O_STOP},
+        {"verify", required_argument, 0, O_VERIFY},
+        {"verify-threshold", required_argument, 0, O_VTHRESH},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0},
     };
     opterr = 0;
@@ -152,6 +157,8 @@ int main(int argc, char **argv)
         case O_STREAM: stream = 1; break;
         case O_DISC: bad = pd_cli_parse_int(PROG, "--disconnect-after", optarg, 0, INT_MAX, &disconnect_after); break;
         case O_HEALTH: health = 1; break;
+        case O_VERIFY: verify = optarg; break;   /* checked by the server */
+        case O_VTHRESH: bad = pd_cli_parse_float(PROG, "--verify-threshold", optarg, &verify_threshold); break;
         case O_STOP:
             if (n_stops == sizeof(stops) / sizeof(stops[0])) {
                 fprintf(stderr, PROG ": at most 16 --stop strings\n");
@@ -228,6 +235,8 @@ int main(int argc, char **argv)
     rq.timeout_ms = (uint64_t)timeout_ms;
     rq.return_token_ids = 1;
     rq.return_stats = 1;
+    rq.verify_policy = (char *)(verify != NULL ? verify : "");
+    rq.verify_threshold = verify_threshold;
 
     double t0 = pd_cli_now_ms(), t_first = -1.0;
     pd_rpc_stream *s = NULL;

@@ -63,6 +63,7 @@ typedef struct {
                                      * scheduled profiles this device's SPS curve at start-up) */
     float verify_threshold;         /* threshold policy: minimum prefix survival (0 = 0.5) */
     int fast_kernels;               /* 1: fastest GPU kernels instead of batch-invariant ones */
+    int graphs;                     /* pd_graph_mode (0 = auto: CUDA graphs where available) */
     const struct decode_observer *observer;  /* optional, borrowed: sees every request */
 } decode_config;
 
@@ -90,6 +91,8 @@ typedef struct {
     int max_new_tokens;             /* 0 = 128 */
     int ignore_eos;
     int64_t timeout_ms;             /* deadline from submission; 0 = the server default */
+    int verify_policy;              /* pd_verify_policy; PD_VERIFY_DEFAULT (0) = the node's */
+    float verify_threshold;         /* threshold policy: (0, 1]; 0 = the node's */
 } decode_req;
 
 typedef struct {

@@ -14,6 +14,7 @@
 
 #include "pd_log.h"
 #include "pd_proto_version.h"
+#include "pd_verify_policy.h"
 #include "pdspark.pb-c.h"
 
 typedef struct {
@@ -293,6 +294,17 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
         dr.max_new_tokens = sp->max_new_tokens > (uint32_t)INT32_MAX ? -1 : (int)sp->max_new_tokens;
         dr.ignore_eos = sp->ignore_eos;
     }
+    if (rq->verify_policy != NULL && rq->verify_policy[0] != '\0') {
+        pd_verify_policy vp;
+        pd_err perr;
+        if (pd_verify_policy_parse(rq->verify_policy, &vp, &perr) != PD_OK) {
+            free(ids);
+            pd_rpc_finish(call, PD_ERR_INVALID, perr.msg);
+            return PD_OK;
+        }
+        dr.verify_policy = (int)vp;
+    }
+    dr.verify_threshold = rq->verify_threshold;
     int64_t tmo = rq->timeout_ms > (uint64_t)INT64_MAX ? INT64_MAX : (int64_t)rq->timeout_ms;
     int64_t left = pd_rpc_call_deadline_ms(call);
     if (left != INT64_MAX && (tmo == 0 || left < tmo))

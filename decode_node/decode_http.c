@@ -33,6 +33,7 @@
 #include "pd_cli.h"
 #include "pd_http.h"
 #include "pd_log.h"
+#include "pd_verify_policy.h"
 
 #define MAX_STOP 4
 #define MAX_STOP_LEN 256
@@ -661,6 +662,31 @@ static int parse_common(const cJSON *root, int chat, decode_req *dr, req_opts *o
         return -1;
     if (rc > 0)
         dr->seed = (uint64_t)ll;
+    *param = "verify";   /* extension: DSpark verification length policy of this request */
+    const cJSON *vp = cJSON_GetObjectItemCaseSensitive(root, "verify");
+    if (vp != NULL && !cJSON_IsNull(vp)) {
+        pd_verify_policy pol;
+        pd_err perr;
+        if (!cJSON_IsString(vp)) {
+            snprintf(msg, cap, "'verify' must be a string: full, threshold or scheduled");
+            return -1;
+        }
+        if (pd_verify_policy_parse(vp->valuestring, &pol, &perr) != PD_OK) {
+            snprintf(msg, cap, "'verify': %.400s", perr.msg);
+            return -1;
+        }
+        dr->verify_policy = (int)pol;
+    }
+    *param = "verify_threshold";
+    if ((rc = get_number(root, "verify_threshold", &d, msg, cap)) < 0)
+        return -1;
+    if (rc > 0) {
+        if (!(d > 0 && d <= 1)) {
+            snprintf(msg, cap, "'verify_threshold' must be in (0, 1], got %g", d);
+            return -1;
+        }
+        dr->verify_threshold = (float)d;
+    }
     *param = "n";
     if ((rc = get_int(root, "n", -1e18, 1e18, &ll, msg, cap)) < 0)
         return -1;

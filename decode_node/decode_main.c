@@ -17,6 +17,7 @@
 #include "decode_http.h"
 #include "decode_metrics.h"
 #include "pd_cli.h"
+#include "pd_graph.h"
 #include "pd_log.h"
 
 #define PROG "decode_node"
@@ -32,6 +33,7 @@ static void usage(FILE *f)
             "                   [--log-level error|warn|info|debug|trace]\n"
             "                   [--http HOST:PORT] [--log-format text|json] [--drain-timeout-ms N]\n"
             "                   [--verify full|threshold|scheduled] [--threshold T] [--fast-kernels]\n"
+            "                   [--graphs auto|off|pad]\n"
             "\n"
             "Serves pdspark.Generate (gRPC, server-streaming) with DSpark speculative decoding.\n"
             "--colocated runs the prefill in this process (--cp-size/--cp-strategy apply there);\n"
@@ -55,7 +57,7 @@ int main(int argc, char **argv)
     int64_t drain_ms = 30000;
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_PREFILL, O_COLO, O_DEVICE, O_PAGES, O_PAGE, O_BATCH,
            O_QUEUE, O_QTMO, O_RTMO, O_XTMO, O_CP, O_CPS, O_LOG, O_HELP, O_HTTP, O_LOGFMT, O_DRAIN,
-           O_VERIFY, O_THRESH, O_FAST };
+           O_VERIFY, O_THRESH, O_FAST, O_GRAPHS };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"prefill", required_argument, 0, O_PREFILL},
@@ -67,7 +69,7 @@ int main(int argc, char **argv)
         {"transfer-timeout-ms", required_argument, 0, O_XTMO},
         {"cp-size", required_argument, 0, O_CP}, {"cp-strategy", required_argument, 0, O_CPS},
         {"verify", required_argument, 0, O_VERIFY}, {"threshold", required_argument, 0, O_THRESH},
-        {"fast-kernels", no_argument, 0, O_FAST},
+        {"fast-kernels", no_argument, 0, O_FAST}, {"graphs", required_argument, 0, O_GRAPHS},
         {"log-level", required_argument, 0, O_LOG}, {"help", no_argument, 0, O_HELP},
         {"http", required_argument, 0, O_HTTP}, {"log-format", required_argument, 0, O_LOGFMT},
         {"drain-timeout-ms", required_argument, 0, O_DRAIN}, {0, 0, 0, 0},
@@ -102,6 +104,16 @@ int main(int argc, char **argv)
             }
             break;
         case O_FAST: cfg.fast_kernels = 1; break;
+        case O_GRAPHS: {
+            pd_err gerr;
+            pd_graph_mode gm = PD_GRAPHS_AUTO;
+            if (pd_graph_mode_parse(optarg, &gm, &gerr) != PD_OK) {
+                fprintf(stderr, PROG ": --graphs: %s\n", gerr.msg);
+                bad = 1;
+            }
+            cfg.graphs = (int)gm;
+            break;
+        }
         case O_LOG: {
             int lvl = pd_log_level_parse(optarg);
             if (lvl < 0) {

@@ -1092,6 +1092,11 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
                           (long long)req->timeout_ms);
     if (req->request_id != NULL && strlen(req->request_id) > 80)
         return pd_err_set(err, PD_ERR_INVALID, "request_id longer than 80 bytes");
+    if (req->verify_policy < PD_VERIFY_DEFAULT || req->verify_policy > PD_VERIFY_SCHEDULED)
+        return pd_err_set(err, PD_ERR_INVALID, "verify policy %d unknown", req->verify_policy);
+    if (!isfinite(req->verify_threshold) || req->verify_threshold < 0.0f || req->verify_threshold > 1.0f)
+        return pd_err_set(err, PD_ERR_INVALID, "verify_threshold %g must be in (0, 1] (0 = the node's)",
+                          (double)req->verify_threshold);
     int32_t *ids = NULL;
     int n = 0;
     if (has_text) {
@@ -1173,6 +1178,8 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
     h->gp.sample.seed = req->seed;
     h->gp.max_new_tokens = req->max_new_tokens > 0 ? req->max_new_tokens : 128;
     h->gp.ignore_eos = req->ignore_eos;
+    h->gp.verify_policy = (pd_verify_policy)req->verify_policy;
+    h->gp.verify_threshold = req->verify_threshold;
     h->on_token = on_token;
     h->on_done = on_done;
     h->ud = ud;
@@ -1390,6 +1397,7 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
         goto err_destroy;
     pd_engine_config ec = { .target = s->tm, .draft = s->dm, .page_size = cfg->page_size,
                             .n_pages = cfg->kv_pages, .fast_kernels = cfg->fast_kernels,
+                            .graphs = cfg->graphs,
                             .verify_threshold = cfg->verify_threshold };
     if (cfg->verify != NULL && (st = pd_verify_policy_parse(cfg->verify, &ec.verify_policy, err)) != PD_OK)
         goto err_destroy;

@@ -16,6 +16,7 @@
 #include "pd_cp.h"
 #include "pd_cli.h"
 #include "pd_engine.h"
+#include "pd_graph.h"
 #include "pd_log.h"
 #include "pd_model.h"
 #include "pd_tokenizer.h"
@@ -31,6 +32,7 @@ static void usage(FILE *f)
             "                        [--seed S] [--block-size B] [--ignore-eos] [--json]\n"
             "                        [--device cpu|cuda] [--page-size N] [--kv-pages N] [--stream]\n"
             "                        [--verify full|threshold|scheduled] [--threshold T] [--fast-kernels]\n"
+            "                        [--graphs auto|off|pad]\n"
             "                        [--cp-size N] [--cp-strategy round-robin-split|interleave|zigzag]\n"
             "\n"
             "Runs DSpark speculative decoding (or plain target decoding with --no-draft) on one\n"
@@ -50,9 +52,10 @@ int main(int argc, char **argv)
     pd_cp_strategy cp_strategy = PD_CP_STRATEGY_ROUND_ROBIN;
     float temperature = 0.0f, top_p = 1.0f, threshold = 0.0f;
     pd_verify_policy verify = PD_VERIFY_FULL;
+    pd_graph_mode graphs = PD_GRAPHS_AUTO;
     enum { O_MODEL = 256, O_DRAFT, O_NO_DRAFT, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP,
            O_SEED, O_BLOCK, O_JSON, O_IGNORE, O_DEVICE, O_PAGE, O_PAGES, O_STREAM, O_CP_SIZE,
-           O_CP_STRATEGY, O_VERIFY, O_THRESHOLD, O_FAST, O_HELP };
+           O_CP_STRATEGY, O_VERIFY, O_THRESHOLD, O_FAST, O_GRAPHS, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"no-draft", no_argument, 0, O_NO_DRAFT}, {"prompt", required_argument, 0, O_PROMPT},
@@ -64,7 +67,7 @@ int main(int argc, char **argv)
         {"page-size", required_argument, 0, O_PAGE}, {"kv-pages", required_argument, 0, O_PAGES},
         {"stream", no_argument, 0, O_STREAM}, {"cp-size", required_argument, 0, O_CP_SIZE},
         {"verify", required_argument, 0, O_VERIFY}, {"threshold", required_argument, 0, O_THRESHOLD},
-        {"fast-kernels", no_argument, 0, O_FAST},
+        {"fast-kernels", no_argument, 0, O_FAST}, {"graphs", required_argument, 0, O_GRAPHS},
         {"cp-strategy", required_argument, 0, O_CP_STRATEGY}, {"help", no_argument, 0, O_HELP},
         {0, 0, 0, 0},
     };
@@ -91,6 +94,14 @@ int main(int argc, char **argv)
         case O_PAGES: bad = pd_cli_parse_int(PROG, "--kv-pages", optarg, 1, INT_MAX, &kv_pages); break;
         case O_STREAM: stream = 1; break;
         case O_FAST: fast_kernels = 1; break;
+        case O_GRAPHS: {
+            pd_err gerr;
+            if (pd_graph_mode_parse(optarg, &graphs, &gerr) != PD_OK) {
+                fprintf(stderr, "pdspark-generate: --graphs: %s\n", gerr.msg);
+                bad = 1;
+            }
+            break;
+        }
         case O_VERIFY: {
             pd_err perr;
             if (pd_verify_policy_parse(optarg, &verify, &perr) != PD_OK) {
@@ -179,7 +190,7 @@ int main(int argc, char **argv)
     pd_engine_config ec = { .target = tm, .draft = dm, .page_size = page_size, .n_pages = kv_pages,
                             .block_size = block, .cp_size = cp_size, .cp_strategy = cp_strategy,
                             .verify_policy = verify, .verify_threshold = threshold,
-                            .fast_kernels = fast_kernels };
+                            .fast_kernels = fast_kernels, .graphs = graphs };
     /* a calibration fitted by pdspark-calibrate sits next to the draft checkpoint */
     pd_calib calib;
     if (dm != NULL) {
@@ -266,6 +277,12 @@ int main(int argc, char **argv)
         cJSON_AddNumberToObject(o, "time_ms", ms);
         cJSON_AddNumberToObject(o, "ttft_ms", t_first >= 0 ? t_first - t0 : ms);
         cJSON_AddNumberToObject(o, "tokens_per_s", tps);
+        uint64_t g_eager = 0, g_cap = 0, g_rep = 0;
+        pd_engine_graph_stats(eng, &g_eager, &g_cap, &g_rep);
+        cJSON *g = cJSON_AddObjectToObject(o, "graphs");
+        cJSON_AddNumberToObject(g, "eager", (double)g_eager);
+        cJSON_AddNumberToObject(g, "captures", (double)g_cap);
+        cJSON_AddNumberToObject(g, "replays", (double)g_rep);
         cJSON_AddStringToObject(o, "device", device);
         cJSON_AddStringToObject(o, "mode", dm != NULL ? "dspark" : "target-only");
         char *s = cJSON_PrintUnformatted(o);

@@ -198,6 +198,17 @@ struct kern_backend_ops {
     pd_status (*upload_convert)(kern_backend *be, void *dst, kern_dtype dst_dtype,
                                 const void *src, kern_dtype src_dtype, size_t n, pd_err *err);
     pd_status (*sync)(kern_backend *be, pd_err *err);
+    /* Stream capture (CUDA graphs, DESIGN.md section 6). graph_begin: the ops that follow are
+     * recorded, not run, until graph_end, which instantiates them as *out (the caller then runs
+     * it with graph_launch: nothing recorded has run yet). PD_ERR_UNSUPPORTED from graph_begin:
+     * this backend has no graphs (cpu); run the ops eagerly. graph_end after a failed op ends
+     * the capture and discards it (*out = NULL). graph_launch answers PD_ERR_BUSY when the graph
+     * is stale (the backend's scratch memory moved since its capture): free it and capture
+     * again. */
+    pd_status (*graph_begin)(kern_backend *be, pd_err *err);
+    pd_status (*graph_end)(kern_backend *be, void **out, pd_err *err);
+    pd_status (*graph_launch)(kern_backend *be, void *graph, pd_err *err);
+    void (*graph_free)(kern_backend *be, void *graph);
     pd_status (*embed)(kern_backend *be, const kern_embed_args *a, pd_err *err);
     pd_status (*rmsnorm)(kern_backend *be, const kern_rmsnorm_args *a, pd_err *err);
     pd_status (*matmul)(kern_backend *be, const kern_matmul_args *a, pd_err *err);
@@ -251,6 +262,10 @@ pd_status kern_memset0(kern_backend *be, void *dst, size_t n, pd_err *err);
 pd_status kern_upload_convert(kern_backend *be, void *dst, kern_dtype dst_dtype, const void *src,
                               kern_dtype src_dtype, size_t n, pd_err *err);
 pd_status kern_sync(kern_backend *be, pd_err *err);
+pd_status kern_graph_begin(kern_backend *be, pd_err *err);
+pd_status kern_graph_end(kern_backend *be, void **out, pd_err *err);
+pd_status kern_graph_launch(kern_backend *be, void *graph, pd_err *err);
+void kern_graph_free(kern_backend *be, void *graph);   /* NULL graph: no-op */
 pd_status kern_embed(kern_backend *be, const kern_embed_args *a, pd_err *err);
 pd_status kern_rmsnorm(kern_backend *be, const kern_rmsnorm_args *a, pd_err *err);
 pd_status kern_matmul(kern_backend *be, const kern_matmul_args *a, pd_err *err);

@@ -83,6 +83,27 @@ pd_status kern_sync(kern_backend *be, pd_err *err)
     return be->ops->sync(be, err);
 }
 
+pd_status kern_graph_begin(kern_backend *be, pd_err *err) { return be->ops->graph_begin(be, err); }
+
+pd_status kern_graph_end(kern_backend *be, void **out, pd_err *err)
+{
+    *out = NULL;
+    return be->ops->graph_end(be, out, err);
+}
+
+pd_status kern_graph_launch(kern_backend *be, void *graph, pd_err *err)
+{
+    if (graph == NULL)
+        return pd_err_set(err, PD_ERR_INTERNAL, "graph launch: no graph");
+    return be->ops->graph_launch(be, graph, err);
+}
+
+void kern_graph_free(kern_backend *be, void *graph)
+{
+    if (graph != NULL)
+        be->ops->graph_free(be, graph);
+}
+
 pd_status kern_embed(kern_backend *be, const kern_embed_args *a, pd_err *err)
 {
     if (a->n == 0)

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "pd_engine.h"
+#include "pd_graph.h"
 #include "test_util.h"
 
 #define N_PROMPTS 32
@@ -34,6 +35,7 @@ typedef struct {
 static kern_backend *be;
 static const pd_qwen3_model *tm;
 static pd_verify_policy policy = PD_VERIFY_FULL;
+static pd_graph_mode graphs = PD_GRAPHS_AUTO;
 static int strict_ref = 1;   /* assert equality with the reference greedy ids (fp32 runs) */
 static float threshold = 0.5f;
 static run_result prompts[N_PROMPTS];
@@ -62,7 +64,7 @@ static int run_all(const pd_dspark_model *dm, run_result *res)
 {
     pd_err err;
     pd_engine *e = NULL;
-    pd_engine_config ec = { .target = tm, .draft = dm, .page_size = 16, .n_pages = 512 };
+    pd_engine_config ec = { .target = tm, .draft = dm, .page_size = 16, .n_pages = 512, .graphs = graphs };
     if (pd_engine_create(&ec, &e, &err) != PD_OK) {
         fprintf(stderr, "engine: %s\n", err.msg);
         return -1;
@@ -115,7 +117,7 @@ static double gap_at(int p, const int32_t *out, int j)
 {
     pd_err err;
     pd_engine *e = NULL;
-    pd_engine_config ec = { .target = tm, .page_size = 16, .n_pages = 64 };
+    pd_engine_config ec = { .target = tm, .page_size = 16, .n_pages = 64, .graphs = graphs };
     double gap = -1.0;
     if (pd_engine_create(&ec, &e, &err) != PD_OK)
         return gap;
@@ -262,6 +264,8 @@ int main(int argc, char **argv)
             return 2;
         else if (strcmp(argv[i], "--threshold") == 0)
             threshold = strtof(argv[i + 1], NULL);
+        else if (strcmp(argv[i], "--graphs") == 0 && pd_graph_mode_parse(argv[i + 1], &graphs, NULL) != PD_OK)
+            return 2;
     }
     pd_err err;
     kern_backend_config bc = { .name = backend };

@@ -366,11 +366,31 @@ def test_verify_policies(bin_dir, model, draft):
             if st == 200:
                 texts[policy] = out["choices"][0]["text"]
                 check(out["usage"]["dspark"]["rounds"] > 0, "--verify %s: dspark stats" % policy)
+            if policy == "full":
+                # per-request policy fields override the node's --verify, over HTTP and gRPC
+                for rp in ("threshold", "scheduled"):
+                    st, out = post_json(node, "/v1/completions",
+                                        dict(body, verify=rp, verify_threshold=0.4))
+                    check(st == 200, "request verify=%s: status %d %s" % (rp, st, out))
+                    if st == 200:
+                        texts["request-" + rp] = out["choices"][0]["text"]
+                gr = subprocess.run([os.path.join(bin_dir, "pdspark-client"), "--server", node.grpc,
+                                     "--prompt", body["prompt"], "--max-new-tokens", "48",
+                                     "--temperature", "0", "--ignore-eos", "--json",
+                                     "--verify", "scheduled"],
+                                    capture_output=True, text=True, timeout=60)
+                if check(gr.returncode == 0, "pdspark-client --verify scheduled: " + gr.stderr):
+                    texts["grpc-scheduled"] = json.loads(gr.stdout.strip().splitlines()[-1])["text"]
+                gr = subprocess.run([os.path.join(bin_dir, "pdspark-client"), "--server", node.grpc,
+                                     "--prompt", "x", "--verify", "sometimes"],
+                                    capture_output=True, text=True, timeout=60)
+                check(gr.returncode == 1 and "INVALID" in gr.stderr and "sometimes" in gr.stderr,
+                      "gRPC unknown verify policy refused: %d %s" % (gr.returncode, gr.stderr))
         finally:
             node.stop()
-    check(len(set(texts.values())) == 1 and len(texts) == 3,
+    check(len(set(texts.values())) == 1 and len(texts) == 6,
           "verification policies give the same greedy text: %s" % texts)
-    log("decode_node --verify full/threshold/scheduled: same greedy output")
+    log("decode_node --verify full/threshold/scheduled and per-request verify: same greedy output")
 
 
 def main():
@@ -512,6 +532,10 @@ def main():
             ("/v1/completions", json.dumps({"prompt": "x", "n": 2}).encode(), 400, "n"),
             ("/v1/completions", json.dumps({"prompt": "x", "stop": [1]}).encode(), 400, "stop"),
             ("/v1/completions", json.dumps({"prompt": "x", "top_p": 0}).encode(), 400, "top_p"),
+            ("/v1/completions", json.dumps({"prompt": "x", "verify": "sometimes"}).encode(), 400, "verify"),
+            ("/v1/completions", json.dumps({"prompt": "x", "verify": 3}).encode(), 400, "verify"),
+            ("/v1/completions", json.dumps({"prompt": "x", "verify_threshold": 2}).encode(), 400,
+             "verify_threshold"),
             ("/v1/completions", json.dumps({"prompt": [1, 99999999]}).encode(), 400, None),
             ("/v1/chat/completions", json.dumps({"max_tokens": 4}).encode(), 400, "messages"),
             ("/v1/chat/completions", json.dumps({"messages": "hi"}).encode(), 400, "messages"),

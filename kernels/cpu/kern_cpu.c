@@ -87,6 +87,33 @@ static pd_status cpu_sync(kern_backend *be, pd_err *err)
     return PD_OK;
 }
 
+/* No graphs on the host: callers run their ops eagerly. */
+static pd_status cpu_graph_begin(kern_backend *be, pd_err *err)
+{
+    (void)be;
+    return pd_err_set(err, PD_ERR_UNSUPPORTED, "backend cpu: no graph capture");
+}
+
+static pd_status cpu_graph_end(kern_backend *be, void **out, pd_err *err)
+{
+    (void)be;
+    *out = NULL;
+    return pd_err_set(err, PD_ERR_UNSUPPORTED, "backend cpu: no graph capture");
+}
+
+static pd_status cpu_graph_launch(kern_backend *be, void *graph, pd_err *err)
+{
+    (void)be;
+    (void)graph;
+    return pd_err_set(err, PD_ERR_UNSUPPORTED, "backend cpu: no graph capture");
+}
+
+static void cpu_graph_free(kern_backend *be, void *graph)
+{
+    (void)be;
+    (void)graph;
+}
+
 static pd_status cpu_embed(kern_backend *be, const kern_embed_args *a, pd_err *err)
 {
     (void)be;
@@ -348,6 +375,10 @@ static const kern_backend_ops cpu_ops = {
     .memset0 = cpu_memset0,
     .upload_convert = cpu_upload_convert,
     .sync = cpu_sync,
+    .graph_begin = cpu_graph_begin,
+    .graph_end = cpu_graph_end,
+    .graph_launch = cpu_graph_launch,
+    .graph_free = cpu_graph_free,
     .embed = cpu_embed,
     .rmsnorm = cpu_rmsnorm,
     .matmul = cpu_matmul,

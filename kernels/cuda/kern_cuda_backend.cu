@@ -39,6 +39,7 @@ pd_status kern_cuda_ws_get(kern_cuda_ctx *c, size_t bytes, void **out, pd_err *e
     }
     PD_CUDA_TRY(cudaMalloc(&c->ws, want), err);
     c->ws_bytes = want;
+    c->ws_epoch++;
     *out = c->ws;
     return PD_OK;
 }
@@ -85,6 +86,69 @@ static pd_status cuda_download(kern_backend *be, void *dst, const void *src, siz
     PD_CUDA_TRY(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, c->stream), err);
     PD_CUDA_TRY(cudaStreamSynchronize(c->stream), err);
     return PD_OK;
+}
+
+/* An instantiated graph and the scratch epoch it was captured in. */
+typedef struct {
+    cudaGraphExec_t exec;
+    unsigned ws_epoch;
+} cuda_graph;
+
+static pd_status cuda_graph_begin(kern_backend *be, pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    PD_CUDA_TRY(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal), err);
+    c->capture_epoch = c->ws_epoch;
+    return PD_OK;
+}
+
+static pd_status cuda_graph_end(kern_backend *be, void **out, pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    cudaGraph_t g = NULL;
+    cudaError_t e = cudaStreamEndCapture(c->stream, &g);
+    if (e != cudaSuccess || g == NULL) {
+        (void)cudaGetLastError();   /* an op failed inside the capture; it is discarded */
+        if (g != NULL)
+            (void)cudaGraphDestroy(g);
+        return pd_err_set(err, PD_ERR_CUDA, "graph capture: %s", cudaGetErrorString(e));
+    }
+    if (c->ws_epoch != c->capture_epoch) {
+        (void)cudaGraphDestroy(g);
+        return pd_err_set(err, PD_ERR_BUSY, "graph capture: scratch memory moved while capturing");
+    }
+    cuda_graph *cg = (cuda_graph *)calloc(1, sizeof(*cg));
+    if (cg == NULL) {
+        (void)cudaGraphDestroy(g);
+        return pd_err_set(err, PD_ERR_NOMEM, "graph");
+    }
+    e = cudaGraphInstantiate(&cg->exec, g, 0);
+    (void)cudaGraphDestroy(g);
+    if (e != cudaSuccess) {
+        free(cg);
+        return pd_err_set(err, PD_ERR_CUDA, "graph instantiate: %s", cudaGetErrorString(e));
+    }
+    cg->ws_epoch = c->ws_epoch;
+    *out = cg;
+    return PD_OK;
+}
+
+static pd_status cuda_graph_launch(kern_backend *be, void *graph, pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    cuda_graph *cg = (cuda_graph *)graph;
+    if (cg->ws_epoch != c->ws_epoch)
+        return pd_err_set(err, PD_ERR_BUSY, "graph stale: scratch memory moved since capture");
+    PD_CUDA_TRY(cudaGraphLaunch(cg->exec, c->stream), err);
+    return PD_OK;
+}
+
+static void cuda_graph_free(kern_backend *be, void *graph)
+{
+    (void)be;
+    cuda_graph *cg = (cuda_graph *)graph;
+    (void)cudaGraphExecDestroy(cg->exec);
+    free(cg);
 }
 
 static pd_status cuda_memset0(kern_backend *be, void *dst, size_t n, pd_err *err)
@@ -170,6 +234,10 @@ static const kern_backend_ops cuda_ops = {
     .memset0 = cuda_memset0,
     .upload_convert = cuda_upload_convert,
     .sync = cuda_sync,
+    .graph_begin = cuda_graph_begin,
+    .graph_end = cuda_graph_end,
+    .graph_launch = cuda_graph_launch,
+    .graph_free = cuda_graph_free,
     .embed = kern_cuda_embed_launch,
     .rmsnorm = kern_cuda_rmsnorm_launch,
     .matmul = kern_cuda_matmul_launch,

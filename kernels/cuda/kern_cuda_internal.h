@@ -31,6 +31,8 @@ typedef struct kern_cuda_ctx {
     size_t cublas_ws_bytes;
     void *ws;                  /* op scratch, grown on demand; one op uses it at a time */
     size_t ws_bytes;
+    unsigned ws_epoch;         /* bumped whenever ws moves: graphs captured before are stale */
+    unsigned capture_epoch;    /* ws_epoch when the capture in progress began */
 } kern_cuda_ctx;
 
 static inline kern_cuda_ctx *kern_cuda_ctx_of(kern_backend *be)
