@@ -108,7 +108,7 @@ pd_status pd_target_forward(pd_target *t, const pd_tok_batch *b, const int32_t *
 /* Graph capture of this runner's forwards (pd_graph.h; default PD_GRAPHS_AUTO): batches of
  * up to PD_TARGET_GRAPH_MAX_TOK tokens are padded to a bucket and replayed as one graph per
  * shape. Counters of eager runs, captures and replays go to the out-params (nullable). */
-#define PD_TARGET_GRAPH_MAX_TOK 512
+#define PD_TARGET_GRAPH_MAX_TOK 1024
 void pd_target_set_graphs(pd_target *t, int mode);
 void pd_target_graph_stats(const pd_target *t, uint64_t *eager, uint64_t *captures,
                            uint64_t *replays);
