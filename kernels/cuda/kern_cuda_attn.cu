@@ -364,13 +364,14 @@ __global__ void attn_combine_kernel(attn_params p, int hd)
 }
 
 /* ---- tensor-core path: Q-tiled flash attention for prefill-like batches ---------------------
- * A CTA of 4 warps takes TC_BM consecutive query tokens of one query head; each warp owns 16 of
- * those rows. Keys come in tiles of TC_BN through the page table into shared memory by cp.async,
- * two stages deep (tile i+1 streams in while tile i computes). S = Q K^T and O += P V run on
- * mma.sync m16n8k16 (bf16 in, fp32 accumulate); Q is kept in registers as bf16 fragments for the
- * whole CTA, P goes from the S accumulators straight into A fragments. The online softmax works
- * in base 2 (scores pre-multiplied by scale * log2 e), each thread keeping the max and a partial
- * sum for its two rows; the sum is reduced over the 4 lanes of a row once at the end.
+ * A CTA of 4 warps takes 64 * MT consecutive query tokens of one query head; each warp owns
+ * 16 * MT of those rows (MT 16-row m-tiles). Keys come in tiles of BN (64; 32 when MT is 2)
+ * through the page table into shared memory by cp.async, two stages deep (tile i+1 streams in while tile i computes).
+ * S = Q K^T and O += P V run on mma.sync m16n8k16 (bf16 in, fp32 accumulate); Q is stored once
+ * as bf16, P goes from the S accumulators straight into A fragments. The online softmax keeps
+ * the running max of raw scores and forms p = 2^(s * scale * log2 e - max * scale * log2 e) with
+ * one FFMA and one EX2 per score; each thread keeps the max and a partial sum for its rows, the
+ * sum reduced over the 4 lanes of a row once at the end.
  * Masking is per row (key j is seen iff j < that row's kv_len), which covers causal chunks,
  * verify blocks and non-causal draft blocks alike; a pass walks keys only up to the largest
  * kv_len of its rows, so the causal upper triangle is skipped a whole tile at a time.
@@ -380,11 +381,11 @@ __global__ void attn_combine_kernel(attn_params p, int hd)
  * Split-KV: when the tiles alone leave SMs idle (short chunk after a long context), grid.z cuts
  * the key range into chunks and the partials go through attn_combine_kernel, exactly as for the
  * CUDA-core kernel (m is stored in natural-log units there). */
-#define TC_BM 64
 #define TC_BN 64
 #define TC_WARPS 4
 #define TC_THREADS (TC_WARPS * 32)
 #define TC_MIN_Q_PER_SEQ 8      /* dispatch: average queries per sequence for the TC path */
+#define TC_MT2_MIN_Q_PER_SEQ 128 /* ... and for 128-row tiles (MT 2) */
 #define TC_MIN_SPLIT_KEYS 256
 
 /* element offset of 16-byte chunk c of row r in a [rows][hd] bf16 tile: chunks are XOR-swizzled
@@ -445,21 +446,36 @@ static __device__ __forceinline__ unsigned tc_pack_bf16(float lo, float hi)
     return *(unsigned *)&h;
 }
 
-template <int HD>
+static __device__ __forceinline__ float tc_ex2(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));   /* ex2(-inf) = +0 */
+    return y;
+}
+
+/* MT: 16-row m-tiles per warp (CTA rows TC_WARPS * 16 * MT). MT 1 keeps the warp's Q fragments
+ * in registers for the whole CTA; MT 2 reads them from shared memory at every k-step instead
+ * (registers go to the second tile's accumulators) and reuses each K/V fragment for both
+ * tiles, halving the shared-memory reads per mma. */
+template <int HD, int MT, int BN>
 __global__ void __launch_bounds__(TC_THREADS, 2)
 attn_tc_kernel(attn_params p)
 {
+    constexpr int BM = TC_WARPS * 16 * MT;
     constexpr int CH = HD / 8;        /* 16-byte chunks per row */
     constexpr int KD = HD / 16;       /* k-steps over head_dim in Q K^T */
-    constexpr int NS = TC_BN / 8;     /* score n-tiles per warp */
-    constexpr int ND = HD / 8;        /* output n-tiles per warp */
-    constexpr int LD_ITERS = TC_BN * CH / TC_THREADS;
-    static_assert(TC_BN * CH % TC_THREADS == 0 && TC_THREADS % CH == 0, "tile load split");
+    constexpr int NS = BN / 8;        /* score n-tiles per m-tile */
+    constexpr int ND = HD / 8;        /* output n-tiles per m-tile */
+    constexpr int RPL = BM / 32;      /* rows per lane when warp 0 scans the tile */
+    constexpr bool QREG = MT == 1;
+    constexpr int LD_ITERS = BN * CH / TC_THREADS;
+    static_assert(BN * CH % TC_THREADS == 0 && TC_THREADS % CH == 0, "tile load split");
+    static_assert(TC_BN % BN == 0, "split chunks (multiples of TC_BN) must hold whole key tiles");
     extern __shared__ __align__(128) unsigned char tc_smem[];
-    __nv_bfloat16 *q_s = (__nv_bfloat16 *)tc_smem;   /* [TC_BM][HD] */
-    __nv_bfloat16 *k_s = q_s + TC_BM * HD;            /* [2][TC_BN][HD] */
-    __nv_bfloat16 *v_s = k_s + 2 * TC_BN * HD;        /* [2][TC_BN][HD] */
-    __shared__ int seq_s[TC_BM], len_s[TC_BM];
+    __nv_bfloat16 *q_s = (__nv_bfloat16 *)tc_smem;   /* [BM][HD] */
+    __nv_bfloat16 *k_s = q_s + BM * HD;               /* [2][BN][HD] */
+    __nv_bfloat16 *v_s = k_s + 2 * BN * HD;           /* [2][BN][HD] */
+    __shared__ int seq_s[BM], len_s[BM];
     __shared__ int cur_s, kvmax_s;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -467,23 +483,23 @@ attn_tc_kernel(attn_params p)
     /* longest (last) tiles first: under causal masking they carry the most keys */
     const int tile = (int)(gridDim.y - 1 - blockIdx.y);
     const int split = blockIdx.z;
-    const size_t t0 = (size_t)tile * TC_BM;
+    const size_t t0 = (size_t)tile * BM;
     const __nv_bfloat16 *kc = (const __nv_bfloat16 *)p.kc, *vc = (const __nv_bfloat16 *)p.vc;
     const size_t krow = (size_t)p.n_kv * HD;
 
-    if (tid < TC_BM) {
-        size_t t = t0 + tid;
+    for (int r = tid; r < BM; r += TC_THREADS) {
+        size_t t = t0 + r;
         int s = -1, len = 0;
         if (t < (size_t)p.n_tok) {
             s = p.tok_seq[t];
             len = p.tok_kv_len[t];
             len = len < 0 ? 0 : (len > p.max_kv_len ? p.max_kv_len : len);
         }
-        seq_s[tid] = s;
-        len_s[tid] = len;
+        seq_s[r] = s;
+        len_s[r] = len;
     }
     /* Q: F32 rows -> bf16, swizzled; rows past n_tok are zero (they are never written) */
-    for (int i = tid; i < TC_BM * CH; i += TC_THREADS) {
+    for (int i = tid; i < BM * CH; i += TC_THREADS) {
         int r = i / CH, c = i % CH;
         size_t t = t0 + r;
         unsigned w[4] = {0u, 0u, 0u, 0u};
@@ -497,28 +513,32 @@ attn_tc_kernel(attn_params p)
     }
     __syncthreads();
 
-    /* this warp's Q rows as A fragments, kept for every pass and key tile */
-    unsigned qf[KD][4];
+    const int wrow = warp * 16 * MT;          /* this warp's first row */
+    unsigned qf[QREG ? KD : 1][4];
+    if (QREG) {
 #pragma unroll
-    for (int kk = 0; kk < KD; kk++)
-        tc_ldsm_x4(qf[kk], &q_s[tc_swz(warp * 16 + (lane & 15), kk * 2 + (lane >> 4), HD)]);
+        for (int kk = 0; kk < (QREG ? KD : 1); kk++)
+            tc_ldsm_x4(qf[kk], &q_s[tc_swz(wrow + (lane & 15), kk * 2 + (lane >> 4), HD)]);
+    }
 
     const int g = lane >> 2, qc = lane & 3;   /* fragment row within 8, column pair */
-    const int r0 = warp * 16 + g, r1 = r0 + 8;
     const float sl2 = p.scale * 1.4426950408889634f;
 
     for (;;) {
         /* next sequence: the first row not yet done; its pass walks keys up to its longest row */
         if (warp == 0) {
-            int sa = seq_s[lane], sb = seq_s[lane + 32];
-            unsigned ba = __ballot_sync(0xffffffffu, sa >= 0);
-            unsigned bb = __ballot_sync(0xffffffffu, sb >= 0);
             int cur = -1;
-            if (ba != 0u)
-                cur = __shfl_sync(0xffffffffu, sa, __ffs(ba) - 1);
-            else if (bb != 0u)
-                cur = __shfl_sync(0xffffffffu, sb, __ffs(bb) - 1);
-            int mx = max(sa == cur ? len_s[lane] : 0, sb == cur ? len_s[lane + 32] : 0);
+#pragma unroll
+            for (int i = RPL - 1; i >= 0; i--) {
+                int si = seq_s[lane + 32 * i];
+                unsigned b = __ballot_sync(0xffffffffu, si >= 0);
+                if (b != 0u)
+                    cur = __shfl_sync(0xffffffffu, si, __ffs(b) - 1);
+            }
+            int mx = 0;
+#pragma unroll
+            for (int i = 0; i < RPL; i++)
+                mx = max(mx, seq_s[lane + 32 * i] == cur ? len_s[lane + 32 * i] : 0);
             mx = __reduce_max_sync(0xffffffffu, mx);
             if (lane == 0) {
                 cur_s = cur;
@@ -529,20 +549,34 @@ attn_tc_kernel(attn_params p)
         const int cur = cur_s;
         if (cur < 0)
             break;
-        const bool own0 = seq_s[r0] == cur, own1 = seq_s[r1] == cur;
-        const int lim0 = own0 ? len_s[r0] : 0, lim1 = own1 ? len_s[r1] : 0;
-        const int lim_lo = min(lim0, lim1);
-        /* chunk is a multiple of TC_BN, so a key tile never straddles the split's end: keys
+        /* rows of this thread: wrow + 16 mt + g + 8 hf (hf 0, 1 = accumulator halves) */
+        int lim[MT][2];
+        int lim_lo = 0x7fffffff;
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                int r = wrow + 16 * mt + g + 8 * hf;
+                lim[mt][hf] = seq_s[r] == cur ? len_s[r] : 0;
+                lim_lo = min(lim_lo, lim[mt][hf]);
+            }
+        /* chunk is a multiple of BN, so a key tile never straddles the split's end: keys
          * past ke in the last tile are past kvmax, hence past every row's kv_len (masked) */
         const int kb = split * p.chunk;
         const int ke = min(kvmax_s, kb + p.chunk);
         const int32_t *pt = p.page_table + (size_t)cur * p.pt_stride;
 
-        float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
-        float acc[ND][4];
+        /* m: running max of raw (unscaled) scores; l: this thread's partial row sums */
+        float m[MT][2], l[MT][2];
+        float acc[MT][ND][4];
 #pragma unroll
-        for (int n = 0; n < ND; n++)
-            acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+        for (int mt = 0; mt < MT; mt++) {
+            m[mt][0] = m[mt][1] = -INFINITY;
+            l[mt][0] = l[mt][1] = 0.0f;
+#pragma unroll
+            for (int n = 0; n < ND; n++)
+                acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.0f;
+        }
 
         /* each thread copies chunk (tid % CH) of rows tid / CH + i * (TC_THREADS / CH) */
         auto load_tile = [&](int j0, int stage) {
@@ -557,7 +591,7 @@ attn_tc_kernel(attn_params p)
                     size_t slot = (size_t)pt[j / p.page_size] * p.page_size + j % p.page_size;
                     off = slot * krow + (size_t)kvh * HD + c * 8;
                 }
-                int so = stage * TC_BN * HD + tc_swz(r, c, HD);
+                int so = stage * BN * HD + tc_swz(r, c, HD);
                 tc_cp_async16(&k_s[so], kc + off, ok);
                 tc_cp_async16(&v_s[so], vc + off, ok);
             }
@@ -566,141 +600,154 @@ attn_tc_kernel(attn_params p)
         if (kb < ke)
             load_tile(kb, 0);
         tc_cp_commit();
-        for (int j0 = kb, it = 0; j0 < ke; j0 += TC_BN, it++) {
+        for (int j0 = kb, it = 0; j0 < ke; j0 += BN, it++) {
             const int st = it & 1;
-            if (j0 + TC_BN < ke)
-                load_tile(j0 + TC_BN, st ^ 1);
+            if (j0 + BN < ke)
+                load_tile(j0 + BN, st ^ 1);
             tc_cp_commit();
             tc_cp_wait<1>();   /* everything but the group just committed: tile j0 is here */
             __syncthreads();
-            const __nv_bfloat16 *ks = k_s + st * TC_BN * HD, *vs = v_s + st * TC_BN * HD;
+            const __nv_bfloat16 *ks = k_s + st * BN * HD, *vs = v_s + st * BN * HD;
 
-            float s[NS][4];
+            float s[MT][NS][4];
 #pragma unroll
-            for (int n = 0; n < NS; n++)
-                s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int n = 0; n < NS; n++)
+                    s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.0f;
 #pragma unroll
             for (int kk = 0; kk < KD; kk++) {
+                unsigned a[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    if (QREG) {
+#pragma unroll
+                        for (int e = 0; e < 4; e++)
+                            a[mt][e] = qf[QREG ? kk : 0][e];
+                    } else {
+                        tc_ldsm_x4(a[mt], &q_s[tc_swz(wrow + 16 * mt + (lane & 15),
+                                                      kk * 2 + (lane >> 4), HD)]);
+                    }
+                }
 #pragma unroll
                 for (int np = 0; np < NS / 2; np++) {
                     unsigned b[4];
                     int key = np * 16 + ((lane >> 4) << 3) + (lane & 7);
                     tc_ldsm_x4(b, &ks[tc_swz(key, kk * 2 + ((lane >> 3) & 1), HD)]);
-                    tc_mma(s[2 * np], qf[kk], b[0], b[1]);
-                    tc_mma(s[2 * np + 1], qf[kk], b[2], b[3]);
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++) {
+                        tc_mma(s[mt][2 * np], a[mt], b[0], b[1]);
+                        tc_mma(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+                    }
                 }
             }
 
-            /* scale to base 2 and mask keys at or past each row's kv_len */
-            if (j0 + TC_BN > lim_lo) {
+            /* mask keys at or past each row's kv_len (only tiles that reach some row's end) */
+            if (j0 + BN > lim_lo) {
 #pragma unroll
-                for (int n = 0; n < NS; n++) {
-                    int j = j0 + n * 8 + 2 * qc;
-                    s[n][0] = j < lim0 ? s[n][0] * sl2 : -INFINITY;
-                    s[n][1] = j + 1 < lim0 ? s[n][1] * sl2 : -INFINITY;
-                    s[n][2] = j < lim1 ? s[n][2] * sl2 : -INFINITY;
-                    s[n][3] = j + 1 < lim1 ? s[n][3] * sl2 : -INFINITY;
+                for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                    for (int n = 0; n < NS; n++) {
+                        int j = j0 + n * 8 + 2 * qc;
+#pragma unroll
+                        for (int e = 0; e < 4; e++)
+                            if (j + (e & 1) >= lim[mt][e >> 1])
+                                s[mt][n][e] = -INFINITY;
+                    }
+            }
+            /* online softmax in base 2 on raw scores: p = 2^(s sl2 - m sl2), one FFMA + EX2 */
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    float mx = m[mt][hf];
+#pragma unroll
+                    for (int n = 0; n < NS; n++)
+                        mx = fmaxf(mx, fmaxf(s[mt][n][2 * hf], s[mt][n][2 * hf + 1]));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                    /* a row with no key seen yet keeps max -inf: subtract 0 (every p is 0) */
+                    const float base = mx == -INFINITY ? 0.0f : mx * sl2;
+                    const float al = tc_ex2(m[mt][hf] * sl2 - base);
+                    m[mt][hf] = mx;
+                    float ps = 0.0f;
+#pragma unroll
+                    for (int n = 0; n < NS; n++) {
+                        s[mt][n][2 * hf] = tc_ex2(fmaf(s[mt][n][2 * hf], sl2, -base));
+                        s[mt][n][2 * hf + 1] = tc_ex2(fmaf(s[mt][n][2 * hf + 1], sl2, -base));
+                        ps += s[mt][n][2 * hf] + s[mt][n][2 * hf + 1];
+                    }
+                    l[mt][hf] = l[mt][hf] * al + ps;
+#pragma unroll
+                    for (int n = 0; n < ND; n++) {
+                        acc[mt][n][2 * hf] *= al;
+                        acc[mt][n][2 * hf + 1] *= al;
+                    }
                 }
-            } else {
-#pragma unroll
-                for (int n = 0; n < NS; n++) {
-                    s[n][0] *= sl2;
-                    s[n][1] *= sl2;
-                    s[n][2] *= sl2;
-                    s[n][3] *= sl2;
-                }
-            }
-            float mx0 = m0, mx1 = m1;
-#pragma unroll
-            for (int n = 0; n < NS; n++) {
-                mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
-                mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
-            }
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-            /* a row with no key seen yet keeps max -inf: subtract 0 instead (every p is 0) */
-            const float base0 = mx0 == -INFINITY ? 0.0f : mx0;
-            const float base1 = mx1 == -INFINITY ? 0.0f : mx1;
-            const float al0 = exp2f(m0 - base0), al1 = exp2f(m1 - base1);
-            m0 = mx0;
-            m1 = mx1;
-            float ps0 = 0.0f, ps1 = 0.0f;
-#pragma unroll
-            for (int n = 0; n < NS; n++) {
-                s[n][0] = exp2f(s[n][0] - base0);
-                s[n][1] = exp2f(s[n][1] - base0);
-                s[n][2] = exp2f(s[n][2] - base1);
-                s[n][3] = exp2f(s[n][3] - base1);
-                ps0 += s[n][0] + s[n][1];
-                ps1 += s[n][2] + s[n][3];
-            }
-            l0 = l0 * al0 + ps0;
-            l1 = l1 * al1 + ps1;
-#pragma unroll
-            for (int n = 0; n < ND; n++) {
-                acc[n][0] *= al0;
-                acc[n][1] *= al0;
-                acc[n][2] *= al1;
-                acc[n][3] *= al1;
             }
 
             /* O += P V: P's accumulator layout is the A fragment layout of the next mma */
 #pragma unroll
-            for (int kk = 0; kk < TC_BN / 16; kk++) {
-                unsigned a[4];
-                a[0] = tc_pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-                a[1] = tc_pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-                a[2] = tc_pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-                a[3] = tc_pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            for (int kk = 0; kk < BN / 16; kk++) {
+                unsigned a[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    a[mt][0] = tc_pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                    a[mt][1] = tc_pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                    a[mt][2] = tc_pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                    a[mt][3] = tc_pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                }
 #pragma unroll
                 for (int dp = 0; dp < ND / 2; dp++) {
                     unsigned b[4];
                     int key = kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7);
                     tc_ldsm_x4_t(b, &vs[tc_swz(key, dp * 2 + (lane >> 4), HD)]);
-                    tc_mma(acc[2 * dp], a, b[0], b[1]);
-                    tc_mma(acc[2 * dp + 1], a, b[2], b[3]);
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++) {
+                        tc_mma(acc[mt][2 * dp], a[mt], b[0], b[1]);
+                        tc_mma(acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
+                    }
                 }
             }
             __syncthreads();   /* the next iteration's load overwrites this stage */
         }
 
-        l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-        l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-        l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-        l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
 #pragma unroll
-        for (int half = 0; half < 2; half++) {
-            const int r = half ? r1 : r0;
-            const bool own = half ? own1 : own0;
-            const size_t t = t0 + r;
-            if (!own)
-                continue;
-            const float l = half ? l1 : l0, m = half ? m1 : m0;
-            if (p.n_split == 1) {
-                const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-                float *o = p.out + t * p.ld_out + (size_t)h * HD + 2 * qc;
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-                for (int n = 0; n < ND; n++) {
-                    o[n * 8] = acc[n][2 * half] * inv;
-                    o[n * 8 + 1] = acc[n][2 * half + 1] * inv;
-                }
-            } else {
-                const size_t pi = (t * p.n_heads + h) * p.n_split + split;
-                float *o = p.part_acc + pi * HD + 2 * qc;
+            for (int hf = 0; hf < 2; hf++) {
+                float lr = l[mt][hf];   /* the row's 4 lanes each hold part of its sum */
+                lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+                lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+                const int r = wrow + 16 * mt + g + 8 * hf;
+                if (seq_s[r] != cur)   /* seq_s changes only after this pass */
+                    continue;
+                const size_t t = t0 + r;
+                if (p.n_split == 1) {
+                    const float inv = lr > 0.0f ? 1.0f / lr : 0.0f;
+                    float *o = p.out + t * p.ld_out + (size_t)h * HD + 2 * qc;
 #pragma unroll
-                for (int n = 0; n < ND; n++)
-                    *(float2 *)&o[n * 8] = make_float2(acc[n][2 * half], acc[n][2 * half + 1]);
-                if (qc == 0) {
-                    p.part_ml[2 * pi] = m == -INFINITY ? -INFINITY : m * 0.6931471805599453f;
-                    p.part_ml[2 * pi + 1] = l;
+                    for (int n = 0; n < ND; n++) {
+                        o[n * 8] = acc[mt][n][2 * hf] * inv;
+                        o[n * 8 + 1] = acc[mt][n][2 * hf + 1] * inv;
+                    }
+                } else {
+                    const size_t pi = (t * p.n_heads + h) * p.n_split + split;
+                    float *o = p.part_acc + pi * HD + 2 * qc;
+#pragma unroll
+                    for (int n = 0; n < ND; n++)
+                        *(float2 *)&o[n * 8] = make_float2(acc[mt][n][2 * hf], acc[mt][n][2 * hf + 1]);
+                    if (qc == 0) {
+                        /* natural-log units for attn_combine_kernel */
+                        p.part_ml[2 * pi] = m[mt][hf] == -INFINITY ? -INFINITY : m[mt][hf] * p.scale;
+                        p.part_ml[2 * pi + 1] = lr;
+                    }
                 }
             }
-        }
         __syncthreads();   /* every thread has read seq_s and cur_s for this pass */
-        if (tid < TC_BM && seq_s[tid] == cur)
-            seq_s[tid] = -1;
+        for (int r = tid; r < BM; r += TC_THREADS)
+            if (seq_s[r] == cur)
+                seq_s[r] = -1;
         __syncthreads();
     }
 }
@@ -721,18 +768,22 @@ static pd_status attn_run(kern_cuda_ctx *c, attn_params *p, int n_tok, pd_err *e
 }
 
 /* Launches the tensor-core kernel (bf16 cache) and, with n_split > 1, the merge of partials. */
-template <int HD>
+template <int HD, int MT>
 static pd_status attn_tc_run(kern_cuda_ctx *c, attn_params *p, pd_err *err)
 {
-    const size_t smem = (size_t)(TC_BM + 4 * TC_BN) * HD * sizeof(__nv_bfloat16);
+    /* 128-row CTAs take 32-key tiles: the second m-tile's accumulators need the registers
+     * that 64-key scores would take (ptxas spills otherwise) */
+    constexpr int BN = MT == 2 ? TC_BN / 2 : TC_BN;
+    const int bm = TC_WARPS * 16 * MT;
+    const size_t smem = (size_t)(bm + 4 * BN) * HD * sizeof(__nv_bfloat16);
     /* set on every launch: the attribute belongs to the current device, and several backends
      * of one process may sit on different devices (a host call, not a stream operation) */
-    PD_CUDA_TRY(cudaFuncSetAttribute(attn_tc_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     (int)smem),
+    PD_CUDA_TRY(cudaFuncSetAttribute(attn_tc_kernel<HD, MT, BN>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
                 err);
-    unsigned n_tiles = (unsigned)((p->n_tok + TC_BM - 1) / TC_BM);
+    unsigned n_tiles = (unsigned)((p->n_tok + bm - 1) / bm);
     dim3 grid((unsigned)p->n_heads, n_tiles, (unsigned)p->n_split);
-    attn_tc_kernel<HD><<<grid, TC_THREADS, smem, c->stream>>>(*p);
+    attn_tc_kernel<HD, MT, BN><<<grid, TC_THREADS, smem, c->stream>>>(*p);
     KERN_CUDA_LAUNCH_CHECK(err);
     if (p->n_split > 1) {
         attn_combine_kernel<<<(unsigned)((size_t)p->n_tok * p->n_heads), HD,
@@ -744,11 +795,15 @@ static pd_status attn_tc_run(kern_cuda_ctx *c, attn_params *p, pd_err *err)
 }
 
 /* Sizes the TC kernel's key split (partials in the workspace) and launches it. */
-static pd_status attn_tc_launch(kern_cuda_ctx *c, attn_params *p, int hd, pd_err *err)
+static pd_status attn_tc_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n_seq, pd_err *err)
 {
+    /* 128-row tiles when sequences are long enough to fill them; 64 rows otherwise, so a tile
+     * of short blocks (verify, draft) makes fewer per-sequence passes */
+    const int mt = p->n_tok >= TC_MT2_MIN_Q_PER_SEQ * n_seq ? 2 : 1;
+    const int bm = TC_WARPS * 16 * mt;
     /* two CTAs fit on an SM: split the keys when the tiles alone give fewer than that, keeping
      * at least TC_MIN_SPLIT_KEYS keys per chunk */
-    size_t ctas = (size_t)((p->n_tok + TC_BM - 1) / TC_BM) * p->n_heads;
+    size_t ctas = (size_t)((p->n_tok + bm - 1) / bm) * p->n_heads;
     int max_len = p->max_kv_len > 0 ? p->max_kv_len : 1;
     int n_split = 1;
     if (ctas < (size_t)c->n_sm * 2) {
@@ -770,7 +825,9 @@ static pd_status attn_tc_launch(kern_cuda_ctx *c, attn_params *p, int hd, pd_err
         p->part_acc = (float *)ws;
         p->part_ml = p->part_acc + n_part * hd;
     }
-    return hd == 64 ? attn_tc_run<64>(c, p, err) : attn_tc_run<128>(c, p, err);
+    if (mt == 2)
+        return hd == 64 ? attn_tc_run<64, 2>(c, p, err) : attn_tc_run<128, 2>(c, p, err);
+    return hd == 64 ? attn_tc_run<64, 1>(c, p, err) : attn_tc_run<128, 1>(c, p, err);
 }
 
 extern "C" pd_status kern_cuda_attn_launch(kern_backend *be, const kern_attn_args *a, pd_err *err)
@@ -819,7 +876,7 @@ extern "C" pd_status kern_cuda_attn_launch(kern_backend *be, const kern_attn_arg
     int n_seq = a->n_seq > 0 ? a->n_seq : 1;
     if (!be->batch_invariant && kv->dtype == KERN_DTYPE_BF16 &&
         a->n_tok >= TC_MIN_Q_PER_SEQ * n_seq)
-        return attn_tc_launch(c, &p, hd, err);
+        return attn_tc_launch(c, &p, hd, n_seq, err);
 
     /* split the key range when the queries alone fill fewer than ~4 blocks per SM; aim for
      * ~8 resident blocks per SM so that the tile loads of some hide the latency of others */
