@@ -797,9 +797,14 @@ static pd_status attn_tc_run(kern_cuda_ctx *c, attn_params *p, pd_err *err)
 /* Sizes the TC kernel's key split (partials in the workspace) and launches it. */
 static pd_status attn_tc_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n_seq, pd_err *err)
 {
-    /* 128-row tiles when sequences are long enough to fill them; 64 rows otherwise, so a tile
-     * of short blocks (verify, draft) makes fewer per-sequence passes */
-    const int mt = p->n_tok >= TC_MT2_MIN_Q_PER_SEQ * n_seq ? 2 : 1;
+    /* 128-row tiles when sequences are long enough to fill them and the grid still gives two
+     * CTAs per SM without a key split; 64 rows otherwise, so a tile of short blocks (verify,
+     * draft) makes fewer per-sequence passes and a mid-size chunk fills the GPU unsplit
+     * (H200, 1k-token causal chunk x 32 heads: 128 rows + 2 splits 72 TFLOP/s, 64 rows 119) */
+    int mt = 1;
+    if (p->n_tok >= TC_MT2_MIN_Q_PER_SEQ * n_seq &&
+        (size_t)((p->n_tok + 127) / 128) * p->n_heads >= (size_t)c->n_sm * 2)
+        mt = 2;
     const int bm = TC_WARPS * 16 * mt;
     /* two CTAs fit on an SM: split the keys when the tiles alone give fewer than that, keeping
      * at least TC_MIN_SPLIT_KEYS keys per chunk */
