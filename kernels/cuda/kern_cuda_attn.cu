@@ -2,8 +2,12 @@
  *   verify blocks and non-causal draft blocks all come through one op; each query token carries
  *   its own sequence id and kv length, and keys are fetched through the sequence's page table.
  * Owns: kern_cuda_attn_launch.
- * How: one block of 128 threads per (query token, kv head, group of <= 8 query heads that share
- *   the kv head), so each K/V tile is loaded once for the whole GQA group. Keys are walked in
+ * Two kernels: prefill-like batches (on average >= TC_MIN_Q_PER_SEQ queries per sequence, bf16
+ *   cache, not batch-invariant) run attn_tc_kernel, a Q-tiled flash attention on the tensor cores
+ *   (described at its definition); everything else (decode, short verify blocks, batch-invariant
+ *   rounds, f16/f32 caches) runs the CUDA-core attn_kernel below.
+ * How (CUDA-core kernel): one block of 128 threads per (query token, kv head, group of <= 8
+ *   query heads that share the kv head), so each K/V tile is loaded once for the whole GQA group. Keys are walked in
  *   tiles of 32 (one key per lane): the tile is converted to fp32 in shared memory, scores come
  *   from fp32 dot products, the softmax is online (running max m and sum l per head, rescaling
  *   the accumulator by exp(m_old - m_new)), and P @ V accumulates in fp32 registers. The next
@@ -11,8 +15,8 @@
  *   tile computes.
  *   Flash-decoding split: when the batch alone would leave the GPU idle (decode, verify, small
  *   drafts), the key range is cut into n_split chunks on grid.y; each chunk writes its partial
- *   (acc, m, l) to the workspace and a second kernel merges them. Prefill batches use one split
- *   and write the normalised output directly.
+ *   (acc, m, l) to the workspace and a second kernel merges them (the TC kernel uses the same
+ *   workspace layout and merge). Large batches use one split and write the output directly.
  * Not here: writing new keys (kern_cuda_kv.cu); shape checks (kern_ops.c). A kv length <= 0
  *   gives a zero output row; lengths above max_kv_len are clamped to it.
  * Threading: enqueues on the backend stream; the workspace makes one attn call at a time. */
@@ -80,7 +84,7 @@ struct attn_params {
     const int32_t *tok_seq, *tok_kv_len, *page_table;
     float *part_acc;     /* [n_tok, n_heads, n_split, hd] when n_split > 1 */
     float *part_ml;      /* [n_tok, n_heads, n_split, 2] (m, l) */
-    int ld_q, ld_out, n_heads, n_kv, group, hb, n_hchunk, page_size, pt_stride, max_kv_len;
+    int n_tok, ld_q, ld_out, n_heads, n_kv, group, hb, n_hchunk, page_size, pt_stride, max_kv_len;
     int n_split, chunk;
     float scale;
 };
@@ -359,6 +363,395 @@ __global__ void attn_combine_kernel(attn_params p, int hd)
     }
 }
 
+/* ---- tensor-core path: Q-tiled flash attention for prefill-like batches ---------------------
+ * A CTA of 4 warps takes 64 * MT consecutive query tokens of one query head; each warp owns
+ * 16 * MT of those rows (MT 16-row m-tiles). Keys come in tiles of BN (64; 32 when MT is 2)
+ * through the page table into shared memory by cp.async, two stages deep (tile i+1 streams in while tile i computes).
+ * S = Q K^T and O += P V run on mma.sync m16n8k16 (bf16 in, fp32 accumulate); Q is stored once
+ * as bf16, P goes from the S accumulators straight into A fragments. The online softmax keeps
+ * the running max of raw scores and forms p = 2^(s * scale * log2 e - max * scale * log2 e) with
+ * one FFMA and one EX2 per score; each thread keeps the max and a partial sum for its rows, the
+ * sum reduced over the 4 lanes of a row once at the end.
+ * Masking is per row (key j is seen iff j < that row's kv_len), which covers causal chunks,
+ * verify blocks and non-causal draft blocks alike; a pass walks keys only up to the largest
+ * kv_len of its rows, so the causal upper triangle is skipped a whole tile at a time.
+ * Ragged tiles: rows of the tile may belong to several sequences. The tile is processed once
+ * per distinct sequence in it (in order of first appearance), rows of other sequences masked
+ * out and not written; a tile of one sequence (the common case) takes one pass.
+ * Split-KV: when the tiles alone leave SMs idle (short chunk after a long context), grid.z cuts
+ * the key range into chunks and the partials go through attn_combine_kernel, exactly as for the
+ * CUDA-core kernel (m is stored in natural-log units there). */
+#define TC_BN 64
+#define TC_WARPS 4
+#define TC_THREADS (TC_WARPS * 32)
+#define TC_MIN_Q_PER_SEQ 8      /* dispatch: average queries per sequence for the TC path */
+#define TC_MT2_MIN_Q_PER_SEQ 128 /* ... and for 128-row tiles (MT 2) */
+#define TC_MIN_SPLIT_KEYS 256
+
+/* element offset of 16-byte chunk c of row r in a [rows][hd] bf16 tile: chunks are XOR-swizzled
+ * by the row's low 3 bits, so the 8 row addresses of one ldmatrix phase hit 8 distinct bank
+ * groups (plain 256- or 128-byte rows would all land on the same banks) */
+static __device__ __forceinline__ int tc_swz(int r, int c, int hd)
+{
+    return r * hd + ((c ^ (r & 7)) << 3);
+}
+
+static __device__ __forceinline__ void tc_cp_async16(void *dst, const void *src, bool valid)
+{
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    int n = valid ? 16 : 0;   /* src-size 0: the 16 bytes are zero-filled, nothing is read */
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(n));
+}
+
+static __device__ __forceinline__ void tc_cp_commit()
+{
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+
+template <int N>
+static __device__ __forceinline__ void tc_cp_wait()
+{
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+static __device__ __forceinline__ void tc_ldsm_x4(unsigned (&r)[4], const void *p)
+{
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+static __device__ __forceinline__ void tc_ldsm_x4_t(unsigned (&r)[4], const void *p)
+{
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+/* d += a(16x16, row) * b(16x8, col), bf16 inputs, fp32 accumulators */
+static __device__ __forceinline__ void tc_mma(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                              unsigned b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+static __device__ __forceinline__ unsigned tc_pack_bf16(float lo, float hi)
+{
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);   /* .x (lo) is the lower 16 bits */
+    return *(unsigned *)&h;
+}
+
+static __device__ __forceinline__ float tc_ex2(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));   /* ex2(-inf) = +0 */
+    return y;
+}
+
+/* MT: 16-row m-tiles per warp (CTA rows TC_WARPS * 16 * MT). MT 1 keeps the warp's Q fragments
+ * in registers for the whole CTA; MT 2 reads them from shared memory at every k-step instead
+ * (registers go to the second tile's accumulators) and reuses each K/V fragment for both
+ * tiles, halving the shared-memory reads per mma. */
+template <int HD, int MT, int BN>
+__global__ void __launch_bounds__(TC_THREADS, 2)
+attn_tc_kernel(attn_params p)
+{
+    constexpr int BM = TC_WARPS * 16 * MT;
+    constexpr int CH = HD / 8;        /* 16-byte chunks per row */
+    constexpr int KD = HD / 16;       /* k-steps over head_dim in Q K^T */
+    constexpr int NS = BN / 8;        /* score n-tiles per m-tile */
+    constexpr int ND = HD / 8;        /* output n-tiles per m-tile */
+    constexpr int RPL = BM / 32;      /* rows per lane when warp 0 scans the tile */
+    constexpr bool QREG = MT == 1;
+    constexpr int LD_ITERS = BN * CH / TC_THREADS;
+    static_assert(BN * CH % TC_THREADS == 0 && TC_THREADS % CH == 0, "tile load split");
+    static_assert(TC_BN % BN == 0, "split chunks (multiples of TC_BN) must hold whole key tiles");
+    extern __shared__ __align__(128) unsigned char tc_smem[];
+    __nv_bfloat16 *q_s = (__nv_bfloat16 *)tc_smem;   /* [BM][HD] */
+    __nv_bfloat16 *k_s = q_s + BM * HD;               /* [2][BN][HD] */
+    __nv_bfloat16 *v_s = k_s + 2 * BN * HD;           /* [2][BN][HD] */
+    __shared__ int seq_s[BM], len_s[BM];
+    __shared__ int cur_s, kvmax_s;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int h = blockIdx.x, kvh = h / p.group;
+    /* longest (last) tiles first: under causal masking they carry the most keys */
+    const int tile = (int)(gridDim.y - 1 - blockIdx.y);
+    const int split = blockIdx.z;
+    const size_t t0 = (size_t)tile * BM;
+    const __nv_bfloat16 *kc = (const __nv_bfloat16 *)p.kc, *vc = (const __nv_bfloat16 *)p.vc;
+    const size_t krow = (size_t)p.n_kv * HD;
+
+    for (int r = tid; r < BM; r += TC_THREADS) {
+        size_t t = t0 + r;
+        int s = -1, len = 0;
+        if (t < (size_t)p.n_tok) {
+            s = p.tok_seq[t];
+            len = p.tok_kv_len[t];
+            len = len < 0 ? 0 : (len > p.max_kv_len ? p.max_kv_len : len);
+        }
+        seq_s[r] = s;
+        len_s[r] = len;
+    }
+    /* Q: F32 rows -> bf16, swizzled; rows past n_tok are zero (they are never written) */
+    for (int i = tid; i < BM * CH; i += TC_THREADS) {
+        int r = i / CH, c = i % CH;
+        size_t t = t0 + r;
+        unsigned w[4] = {0u, 0u, 0u, 0u};
+        if (t < (size_t)p.n_tok) {
+            const float *src = p.q + t * p.ld_q + (size_t)h * HD + c * 8;
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                w[e] = tc_pack_bf16(__ldg(src + 2 * e), __ldg(src + 2 * e + 1));
+        }
+        *(uint4 *)&q_s[tc_swz(r, c, HD)] = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    __syncthreads();
+
+    const int wrow = warp * 16 * MT;          /* this warp's first row */
+    unsigned qf[QREG ? KD : 1][4];
+    if (QREG) {
+#pragma unroll
+        for (int kk = 0; kk < (QREG ? KD : 1); kk++)
+            tc_ldsm_x4(qf[kk], &q_s[tc_swz(wrow + (lane & 15), kk * 2 + (lane >> 4), HD)]);
+    }
+
+    const int g = lane >> 2, qc = lane & 3;   /* fragment row within 8, column pair */
+    const float sl2 = p.scale * 1.4426950408889634f;
+
+    for (;;) {
+        /* next sequence: the first row not yet done; its pass walks keys up to its longest row */
+        if (warp == 0) {
+            int cur = -1;
+#pragma unroll
+            for (int i = RPL - 1; i >= 0; i--) {
+                int si = seq_s[lane + 32 * i];
+                unsigned b = __ballot_sync(0xffffffffu, si >= 0);
+                if (b != 0u)
+                    cur = __shfl_sync(0xffffffffu, si, __ffs(b) - 1);
+            }
+            int mx = 0;
+#pragma unroll
+            for (int i = 0; i < RPL; i++)
+                mx = max(mx, seq_s[lane + 32 * i] == cur ? len_s[lane + 32 * i] : 0);
+            mx = __reduce_max_sync(0xffffffffu, mx);
+            if (lane == 0) {
+                cur_s = cur;
+                kvmax_s = mx;
+            }
+        }
+        __syncthreads();
+        const int cur = cur_s;
+        if (cur < 0)
+            break;
+        /* rows of this thread: wrow + 16 mt + g + 8 hf (hf 0, 1 = accumulator halves) */
+        int lim[MT][2];
+        int lim_lo = 0x7fffffff;
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                int r = wrow + 16 * mt + g + 8 * hf;
+                lim[mt][hf] = seq_s[r] == cur ? len_s[r] : 0;
+                lim_lo = min(lim_lo, lim[mt][hf]);
+            }
+        /* chunk is a multiple of BN, so a key tile never straddles the split's end: keys
+         * past ke in the last tile are past kvmax, hence past every row's kv_len (masked) */
+        const int kb = split * p.chunk;
+        const int ke = min(kvmax_s, kb + p.chunk);
+        const int32_t *pt = p.page_table + (size_t)cur * p.pt_stride;
+
+        /* m: running max of raw (unscaled) scores; l: this thread's partial row sums */
+        float m[MT][2], l[MT][2];
+        float acc[MT][ND][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            m[mt][0] = m[mt][1] = -INFINITY;
+            l[mt][0] = l[mt][1] = 0.0f;
+#pragma unroll
+            for (int n = 0; n < ND; n++)
+                acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.0f;
+        }
+
+        /* each thread copies chunk (tid % CH) of rows tid / CH + i * (TC_THREADS / CH) */
+        auto load_tile = [&](int j0, int stage) {
+            const int c = tid % CH;
+#pragma unroll
+            for (int i = 0; i < LD_ITERS; i++) {
+                int r = tid / CH + i * (TC_THREADS / CH);
+                int j = j0 + r;
+                bool ok = j < ke;
+                size_t off = 0;
+                if (ok) {
+                    size_t slot = (size_t)pt[j / p.page_size] * p.page_size + j % p.page_size;
+                    off = slot * krow + (size_t)kvh * HD + c * 8;
+                }
+                int so = stage * BN * HD + tc_swz(r, c, HD);
+                tc_cp_async16(&k_s[so], kc + off, ok);
+                tc_cp_async16(&v_s[so], vc + off, ok);
+            }
+        };
+
+        if (kb < ke)
+            load_tile(kb, 0);
+        tc_cp_commit();
+        for (int j0 = kb, it = 0; j0 < ke; j0 += BN, it++) {
+            const int st = it & 1;
+            if (j0 + BN < ke)
+                load_tile(j0 + BN, st ^ 1);
+            tc_cp_commit();
+            tc_cp_wait<1>();   /* everything but the group just committed: tile j0 is here */
+            __syncthreads();
+            const __nv_bfloat16 *ks = k_s + st * BN * HD, *vs = v_s + st * BN * HD;
+
+            float s[MT][NS][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int n = 0; n < NS; n++)
+                    s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < KD; kk++) {
+                unsigned a[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    if (QREG) {
+#pragma unroll
+                        for (int e = 0; e < 4; e++)
+                            a[mt][e] = qf[QREG ? kk : 0][e];
+                    } else {
+                        tc_ldsm_x4(a[mt], &q_s[tc_swz(wrow + 16 * mt + (lane & 15),
+                                                      kk * 2 + (lane >> 4), HD)]);
+                    }
+                }
+#pragma unroll
+                for (int np = 0; np < NS / 2; np++) {
+                    unsigned b[4];
+                    int key = np * 16 + ((lane >> 4) << 3) + (lane & 7);
+                    tc_ldsm_x4(b, &ks[tc_swz(key, kk * 2 + ((lane >> 3) & 1), HD)]);
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++) {
+                        tc_mma(s[mt][2 * np], a[mt], b[0], b[1]);
+                        tc_mma(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+                    }
+                }
+            }
+
+            /* mask keys at or past each row's kv_len (only tiles that reach some row's end) */
+            if (j0 + BN > lim_lo) {
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                    for (int n = 0; n < NS; n++) {
+                        int j = j0 + n * 8 + 2 * qc;
+#pragma unroll
+                        for (int e = 0; e < 4; e++)
+                            if (j + (e & 1) >= lim[mt][e >> 1])
+                                s[mt][n][e] = -INFINITY;
+                    }
+            }
+            /* online softmax in base 2 on raw scores: p = 2^(s sl2 - m sl2), one FFMA + EX2 */
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    float mx = m[mt][hf];
+#pragma unroll
+                    for (int n = 0; n < NS; n++)
+                        mx = fmaxf(mx, fmaxf(s[mt][n][2 * hf], s[mt][n][2 * hf + 1]));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                    /* a row with no key seen yet keeps max -inf: subtract 0 (every p is 0) */
+                    const float base = mx == -INFINITY ? 0.0f : mx * sl2;
+                    const float al = tc_ex2(m[mt][hf] * sl2 - base);
+                    m[mt][hf] = mx;
+                    float ps = 0.0f;
+#pragma unroll
+                    for (int n = 0; n < NS; n++) {
+                        s[mt][n][2 * hf] = tc_ex2(fmaf(s[mt][n][2 * hf], sl2, -base));
+                        s[mt][n][2 * hf + 1] = tc_ex2(fmaf(s[mt][n][2 * hf + 1], sl2, -base));
+                        ps += s[mt][n][2 * hf] + s[mt][n][2 * hf + 1];
+                    }
+                    l[mt][hf] = l[mt][hf] * al + ps;
+#pragma unroll
+                    for (int n = 0; n < ND; n++) {
+                        acc[mt][n][2 * hf] *= al;
+                        acc[mt][n][2 * hf + 1] *= al;
+                    }
+                }
+            }
+
+            /* O += P V: P's accumulator layout is the A fragment layout of the next mma */
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; kk++) {
+                unsigned a[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    a[mt][0] = tc_pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                    a[mt][1] = tc_pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                    a[mt][2] = tc_pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                    a[mt][3] = tc_pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                }
+#pragma unroll
+                for (int dp = 0; dp < ND / 2; dp++) {
+                    unsigned b[4];
+                    int key = kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7);
+                    tc_ldsm_x4_t(b, &vs[tc_swz(key, dp * 2 + (lane >> 4), HD)]);
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++) {
+                        tc_mma(acc[mt][2 * dp], a[mt], b[0], b[1]);
+                        tc_mma(acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
+                    }
+                }
+            }
+            __syncthreads();   /* the next iteration's load overwrites this stage */
+        }
+
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                float lr = l[mt][hf];   /* the row's 4 lanes each hold part of its sum */
+                lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+                lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+                const int r = wrow + 16 * mt + g + 8 * hf;
+                if (seq_s[r] != cur)   /* seq_s changes only after this pass */
+                    continue;
+                const size_t t = t0 + r;
+                if (p.n_split == 1) {
+                    const float inv = lr > 0.0f ? 1.0f / lr : 0.0f;
+                    float *o = p.out + t * p.ld_out + (size_t)h * HD + 2 * qc;
+#pragma unroll
+                    for (int n = 0; n < ND; n++) {
+                        o[n * 8] = acc[mt][n][2 * hf] * inv;
+                        o[n * 8 + 1] = acc[mt][n][2 * hf + 1] * inv;
+                    }
+                } else {
+                    const size_t pi = (t * p.n_heads + h) * p.n_split + split;
+                    float *o = p.part_acc + pi * HD + 2 * qc;
+#pragma unroll
+                    for (int n = 0; n < ND; n++)
+                        *(float2 *)&o[n * 8] = make_float2(acc[mt][n][2 * hf], acc[mt][n][2 * hf + 1]);
+                    if (qc == 0) {
+                        /* natural-log units for attn_combine_kernel */
+                        p.part_ml[2 * pi] = m[mt][hf] == -INFINITY ? -INFINITY : m[mt][hf] * p.scale;
+                        p.part_ml[2 * pi + 1] = lr;
+                    }
+                }
+            }
+        __syncthreads();   /* every thread has read seq_s and cur_s for this pass */
+        for (int r = tid; r < BM; r += TC_THREADS)
+            if (seq_s[r] == cur)
+                seq_s[r] = -1;
+        __syncthreads();
+    }
+}
+
 template <typename T, int HD>
 static pd_status attn_run(kern_cuda_ctx *c, attn_params *p, int n_tok, pd_err *err)
 {
@@ -372,6 +765,74 @@ static pd_status attn_run(kern_cuda_ctx *c, attn_params *p, int n_tok, pd_err *e
         KERN_CUDA_LAUNCH_CHECK(err);
     }
     return PD_OK;
+}
+
+/* Launches the tensor-core kernel (bf16 cache) and, with n_split > 1, the merge of partials. */
+template <int HD, int MT>
+static pd_status attn_tc_run(kern_cuda_ctx *c, attn_params *p, pd_err *err)
+{
+    /* 128-row CTAs take 32-key tiles: the second m-tile's accumulators need the registers
+     * that 64-key scores would take (ptxas spills otherwise) */
+    constexpr int BN = MT == 2 ? TC_BN / 2 : TC_BN;
+    const int bm = TC_WARPS * 16 * MT;
+    const size_t smem = (size_t)(bm + 4 * BN) * HD * sizeof(__nv_bfloat16);
+    /* set on every launch: the attribute belongs to the current device, and several backends
+     * of one process may sit on different devices (a host call, not a stream operation) */
+    PD_CUDA_TRY(cudaFuncSetAttribute(attn_tc_kernel<HD, MT, BN>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
+                err);
+    unsigned n_tiles = (unsigned)((p->n_tok + bm - 1) / bm);
+    dim3 grid((unsigned)p->n_heads, n_tiles, (unsigned)p->n_split);
+    attn_tc_kernel<HD, MT, BN><<<grid, TC_THREADS, smem, c->stream>>>(*p);
+    KERN_CUDA_LAUNCH_CHECK(err);
+    if (p->n_split > 1) {
+        attn_combine_kernel<<<(unsigned)((size_t)p->n_tok * p->n_heads), HD,
+                              (size_t)ATT_SPLIT_PAD(p->n_split) * sizeof(float),
+                              c->stream>>>(*p, HD);
+        KERN_CUDA_LAUNCH_CHECK(err);
+    }
+    return PD_OK;
+}
+
+/* Sizes the TC kernel's key split (partials in the workspace) and launches it. */
+static pd_status attn_tc_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n_seq, pd_err *err)
+{
+    /* 128-row tiles when sequences are long enough to fill them and the grid still gives two
+     * CTAs per SM without a key split; 64 rows otherwise, so a tile of short blocks (verify,
+     * draft) makes fewer per-sequence passes and a mid-size chunk fills the GPU unsplit
+     * (H200, 1k-token causal chunk x 32 heads: 128 rows + 2 splits 72 TFLOP/s, 64 rows 119) */
+    int mt = 1;
+    if (p->n_tok >= TC_MT2_MIN_Q_PER_SEQ * n_seq &&
+        (size_t)((p->n_tok + 127) / 128) * p->n_heads >= (size_t)c->n_sm * 2)
+        mt = 2;
+    const int bm = TC_WARPS * 16 * mt;
+    /* two CTAs fit on an SM: split the keys when the tiles alone give fewer than that, keeping
+     * at least TC_MIN_SPLIT_KEYS keys per chunk */
+    size_t ctas = (size_t)((p->n_tok + bm - 1) / bm) * p->n_heads;
+    int max_len = p->max_kv_len > 0 ? p->max_kv_len : 1;
+    int n_split = 1;
+    if (ctas < (size_t)c->n_sm * 2) {
+        int want = (int)(((size_t)c->n_sm * 2 + ctas - 1) / ctas);
+        int by_len = (max_len + TC_MIN_SPLIT_KEYS - 1) / TC_MIN_SPLIT_KEYS;
+        n_split = want < by_len ? want : by_len;
+        n_split = n_split > ATT_MAX_SPLIT ? ATT_MAX_SPLIT : (n_split < 1 ? 1 : n_split);
+    }
+    int chunk = (max_len + n_split - 1) / n_split;
+    chunk = (chunk + TC_BN - 1) / TC_BN * TC_BN;
+    p->n_split = (max_len + chunk - 1) / chunk;
+    p->chunk = chunk;
+    if (p->n_split > 1) {
+        size_t n_part = (size_t)p->n_tok * p->n_heads * p->n_split;
+        void *ws = NULL;
+        pd_status st = kern_cuda_ws_get(c, n_part * ((size_t)hd + 2) * sizeof(float), &ws, err);
+        if (st != PD_OK)
+            return st;
+        p->part_acc = (float *)ws;
+        p->part_ml = p->part_acc + n_part * hd;
+    }
+    if (mt == 2)
+        return hd == 64 ? attn_tc_run<64, 2>(c, p, err) : attn_tc_run<128, 2>(c, p, err);
+    return hd == 64 ? attn_tc_run<64, 1>(c, p, err) : attn_tc_run<128, 1>(c, p, err);
 }
 
 extern "C" pd_status kern_cuda_attn_launch(kern_backend *be, const kern_attn_args *a, pd_err *err)
@@ -399,6 +860,7 @@ extern "C" pd_status kern_cuda_attn_launch(kern_backend *be, const kern_attn_arg
     p.page_table = a->page_table;
     p.part_acc = NULL;
     p.part_ml = NULL;
+    p.n_tok = a->n_tok;
     p.ld_q = a->ld_q;
     p.ld_out = a->ld_out;
     p.n_heads = a->n_heads;
@@ -412,6 +874,14 @@ extern "C" pd_status kern_cuda_attn_launch(kern_backend *be, const kern_attn_arg
     p.pt_stride = a->pt_stride;
     p.max_kv_len = a->max_kv_len;
     p.scale = a->scale;
+
+    /* prefill-like batches (several queries per sequence on average) go to the tensor cores;
+     * decode-like ones and batch-invariant rounds keep the CUDA-core kernel below, whose fixed
+     * splits make a query's bits independent of its batch */
+    int n_seq = a->n_seq > 0 ? a->n_seq : 1;
+    if (!be->batch_invariant && kv->dtype == KERN_DTYPE_BF16 &&
+        a->n_tok >= TC_MIN_Q_PER_SEQ * n_seq)
+        return attn_tc_launch(c, &p, hd, n_seq, err);
 
     /* split the key range when the queries alone fill fewer than ~4 blocks per SM; aim for
      * ~8 resident blocks per SM so that the tile loads of some hide the latency of others */
