@@ -22,6 +22,9 @@
 #define TRY(expr) \
     do { pd_status st_ = (expr); if (st_ != PD_OK) return st_; } while (0)
 
+#define PD_SCHED_CLASSES 16
+#define PD_SCHED_EXPLORE 16     /* every 16th round of a class tries the other choice */
+
 struct pd_engine {
     pd_engine_config cfg;
     const pd_qwen3_model *tm;
@@ -48,6 +51,14 @@ struct pd_engine {
     kern_buf *idx_dev;
     int cap_idx;
     pd_sps sps_default;         /* linear step-time model when no profile is given */
+    /* scheduled policy, measured per batch-size class (log2 of the requests in the round):
+     * tokens/s of rounds without [0] and with [1] drafting, samples of each, and the draft
+     * round's seconds (Algorithm 1's fixed overhead) */
+    double sched_rate[2][PD_SCHED_CLASSES];
+    int sched_n[2][PD_SCHED_CLASSES];
+    double draft_s[PD_SCHED_CLASSES];
+    int draft_n[PD_SCHED_CLASSES];
+    long n_rounds;
     /* context-parallel prefill (cp_size > 1): ranks 1.. have their own backend handle and KV
      * replica; rank 0 is the target's backend and pool */
     int cp_n;
@@ -55,6 +66,13 @@ struct pd_engine {
     pd_kv_pool **cp_pool;       /* [cp_n], [0] = tpool */
     pd_cp_group *cp;
 };
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
 
 const char *pd_finish_reason_str(pd_finish_reason r)
 {
@@ -736,7 +754,7 @@ static pd_verify_policy request_policy(const pd_engine *e, const pd_request *r)
 
 /* Verification lengths from the drafts' confidences: scheduled requests are planned together
  * (Algorithm 1 over the step's batch), threshold requests one by one, full ones keep all. */
-static void choose_lengths(pd_engine *e, round_slot **dslot, int n, const float *conf)
+static void choose_lengths(pd_engine *e, round_slot **dslot, int n, const float *conf, double overhead_s)
 {
     int B = e->B;
     int *maxl = malloc((size_t)n * sizeof(int)), *len = malloc((size_t)n * sizeof(int));
@@ -752,7 +770,7 @@ static void choose_lengths(pd_engine *e, round_slot **dslot, int n, const float 
             float t = r->params.verify_threshold > 0.0f ? r->params.verify_threshold
                       : (e->cfg.verify_threshold > 0.0f ? e->cfg.verify_threshold : 0.5f);
             int ml = dslot[j]->l, l = ml;
-            pd_verify_choose(p, 1, B, conf + (size_t)j * B, &ml, e->cfg.calib, t, NULL, &l);
+            pd_verify_choose(p, 1, B, conf + (size_t)j * B, &ml, e->cfg.calib, t, NULL, 0.0, &l);
             dslot[j]->l = l;
         } else if (p == PD_VERIFY_SCHEDULED) {
             memcpy(sc + (size_t)ns * B, conf + (size_t)j * B, (size_t)B * sizeof(float));
@@ -761,7 +779,8 @@ static void choose_lengths(pd_engine *e, round_slot **dslot, int n, const float 
         }
     }
     if (ns > 0) {
-        pd_verify_choose(PD_VERIFY_SCHEDULED, ns, B, sc, maxl, e->cfg.calib, 0.0f, e->cfg.sps != NULL ? e->cfg.sps : &e->sps_default, len);
+        pd_verify_choose(PD_VERIFY_SCHEDULED, ns, B, sc, maxl, e->cfg.calib, 0.0f,
+                         e->cfg.sps != NULL ? e->cfg.sps : &e->sps_default, overhead_s, len);
         for (int j = 0; j < ns; j++)
             ss[j]->l = len[j];
     }
@@ -770,6 +789,42 @@ out:
     free(len);
     free(sc);
     free(ss);
+}
+
+/* Scheduled policy, per round: draft (1) or not (0). Drafting costs a draft round whatever the
+ * verification lengths; when the measured tokens/s of rounds without drafts is higher for this
+ * batch size, the scheduled requests verify nothing (plain greedy decoding, still lossless). Each
+ * choice is measured at least twice, and every PD_SCHED_EXPLORE-th round tries the other one so
+ * both estimates follow the workload. */
+static int sched_class(int n)
+{
+    int c = 0;
+    while (n > 1 && c < PD_SCHED_CLASSES - 1) {
+        n >>= 1;
+        c++;
+    }
+    return c;
+}
+
+static int sched_wants_draft(const pd_engine *e, int cls)
+{
+    if (e->sched_n[1][cls] < 3)
+        return 1;
+    if (e->sched_n[0][cls] < 3)
+        return 0;
+    int best = e->sched_rate[1][cls] >= e->sched_rate[0][cls];
+    return e->n_rounds % PD_SCHED_EXPLORE == 0 ? !best : best;
+}
+
+/* Exponential average of a measurement; the first sample of each kind is dropped (it carries
+ * warm-up: graph capture, scratch growth). */
+static void sched_record(double *avg, int *n, double v)
+{
+    if (*n == 1)
+        *avg = v;
+    else if (*n > 1)
+        *avg = 0.75 * *avg + 0.25 * v;
+    (*n)++;
 }
 
 static pd_status decode_round(pd_engine *e, pd_err *err)
@@ -815,6 +870,19 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         slots[m].l = l;
         m++;
     }
+    /* ---- scheduled requests: draft this round or not ---- */
+    double t_round = now_s();
+    int cls = sched_class(m), n_sched = 0, sched_mode = -1;
+    for (int i = 0; i < m && e->dm != NULL; i++)
+        n_sched += slots[i].l > 0 && request_policy(e, slots[i].r) == PD_VERIFY_SCHEDULED;
+    if (n_sched > 0) {
+        sched_mode = sched_wants_draft(e, cls);
+        for (int i = 0; i < m && !sched_mode; i++)
+            if (request_policy(e, slots[i].r) == PD_VERIFY_SCHEDULED)
+                slots[i].l = 0;
+    }
+    e->n_rounds++;
+    int round_tokens = 0;
     /* ---- draft: one block forward for every request that drafts, then the Markov loop ---- */
     int n_draft = 0;
     for (int i = 0; i < m; i++)
@@ -858,6 +926,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         if (st != PD_OK)
             goto out;
     }
+    double t_draft = now_s();
     if (n_draft > 0 && !any_sampled) {
         /* greedy drafts: the whole round chained on the device, one download */
         int dB = e->dm->cfg.block_size;
@@ -911,8 +980,10 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         }
     }
     if (n_draft > 0) {
+        /* the draft round just ended with a download, so the host clock saw all of it */
+        sched_record(&e->draft_s[cls], &e->draft_n[cls], now_s() - t_draft);
         if (want_conf) {
-            choose_lengths(e, dslot, n_draft, conf);
+            choose_lengths(e, dslot, n_draft, conf, e->draft_s[cls]);
             for (int j = 0; j < n_draft; j++) {
                 pd_request *r = dslot[j]->r;
                 if (!r->params.record_confidence)
@@ -1029,6 +1100,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             fail_request(r, &rerr);
             continue;
         }
+        round_tokens += stop_at >= 0 ? commit : a + 1;
         if (stop_at >= 0) {
             r->accepted[r->n_rounds++] = commit;
             r->tkv.len = r->anchor_pos + commit;
@@ -1062,6 +1134,11 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     if (n_ext > 0)
         st = extend_draft(e, pd_target_aux(e->target), ext_rows, ext_pos, ext_owner, n_ext, err);
     free(ext_owner);
+    if (st == PD_OK && sched_mode >= 0) {
+        double dt = now_s() - t_round;
+        if (dt > 0.0)
+            sched_record(&e->sched_rate[sched_mode][cls], &e->sched_n[sched_mode][cls], round_tokens / dt);
+    }
 out:
     free(conf);
     free(conf_k);
@@ -1130,13 +1207,6 @@ void pd_engine_release(pd_engine *e, pd_request *r)
 }
 
 /* ---- SPS profile ------------------------------------------------------------------------- */
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 static int cmp_double(const void *a, const void *b)
 {

@@ -339,8 +339,15 @@ static int cand_cmp(const void *x, const void *y)
     return p->r - q->r;
 }
 
+/* Expected tokens per second of a round verifying `tokens` tokens in total. */
+static double round_rate(double tau, const pd_sps *sps, int tokens, double overhead_s)
+{
+    return tau / (overhead_s + 1.0 / pd_sps_at(sps, tokens));
+}
+
 double pd_verify_choose(pd_verify_policy p, int n_req, int B, const float *conf_logits, const int *max_len,
-                        const pd_calib *calib, float threshold, const pd_sps *sps, int *out_len)
+                        const pd_calib *calib, float threshold, const pd_sps *sps, double overhead_s,
+                        int *out_len)
 {
     double expected = 0.0;
     if (p == PD_VERIFY_FULL || p == PD_VERIFY_DEFAULT || conf_logits == NULL) {
@@ -386,11 +393,13 @@ double pd_verify_choose(pd_verify_policy p, int n_req, int B, const float *conf_
     qsort(c, (size_t)n_c, sizeof(cand), cand_cmp);
     double tau = n_req;   /* every request gets its bonus token */
     int tokens = n_req;
-    double best = tau * pd_sps_at(sps, tokens);
+    if (!(overhead_s >= 0.0))
+        overhead_s = 0.0;
+    double best = round_rate(tau, sps, tokens, overhead_s);
     for (i = 0; i < n_c; i++) {
         if (c[i].j != out_len[c[i].r] + 1)
             continue;   /* not the next prefix position (cannot happen with sorted a; kept safe) */
-        double next = (tau + c[i].a) * pd_sps_at(sps, tokens + 1);
+        double next = round_rate(tau + c[i].a, sps, tokens + 1, overhead_s);
         if (next <= best)
             break;      /* the first drop ends the search */
         best = next;

@@ -71,9 +71,12 @@ double pd_sps_at(const pd_sps *s, int b);
  * r; max_len[r]: the most request r may verify (block size, or less near the context end);
  * out_len[r] in 0..max_len[r]. threshold: longest prefix with a_{r,j} >= t. scheduled:
  * Algorithm 1 - candidates (r, j) by a_{r,j} descending, admitted while the expected
- * throughput (sum_r (1 + sum_{j<=l_r} a_{r,j})) * SPS(sum_r (l_r + 1)) rises; stop at the first
- * drop. full: out_len = max_len. Returns the expected accepted tokens of the chosen plan. */
+ * throughput (sum_r (1 + sum_{j<=l_r} a_{r,j})) / (overhead_s + 1 / SPS(sum_r (l_r + 1)))
+ * rises; stop at the first drop. overhead_s is the round's cost besides the verify step (the
+ * draft round; 0 gives the paper's tau * SPS(B)). full: out_len = max_len. Returns the expected
+ * accepted tokens of the chosen plan. */
 double pd_verify_choose(pd_verify_policy p, int n_req, int B, const float *conf_logits, const int *max_len,
-                        const pd_calib *calib, float threshold, const pd_sps *sps, int *out_len);
+                        const pd_calib *calib, float threshold, const pd_sps *sps, double overhead_s,
+                        int *out_len);
 
 #endif

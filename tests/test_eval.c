@@ -108,6 +108,15 @@ static int run_all(const pd_dspark_model *dm, run_result *res)
     }
     TEST_CHECK_MSG(pd_engine_kv_free_pages(e) == 512, "kv pages leaked: %d of 512 free",
                    pd_engine_kv_free_pages(e));
+    uint64_t g_eager = 0, g_cap = 0, g_rep = 0;
+    pd_engine_graph_stats(e, &g_eager, &g_cap, &g_rep);
+    printf("%s: graphs: %llu eager steps, %llu captures, %llu replays\n", dm != NULL ? "dspark" : "target-only",
+           (unsigned long long)g_eager, (unsigned long long)g_cap, (unsigned long long)g_rep);
+    if (graphs == PD_GRAPHS_AUTO && !be->is_host)   /* the decode steps must really replay graphs */
+        TEST_CHECK_MSG(g_rep > g_cap && g_cap > 0, "graphs: %llu captures, %llu replays",
+                       (unsigned long long)g_cap, (unsigned long long)g_rep);
+    if (graphs == PD_GRAPHS_PAD)
+        TEST_CHECK_MSG(g_eager > 0 && g_rep == 0, "padded steps ran eagerly: %llu", (unsigned long long)g_eager);
     pd_engine_destroy(e);
     return 0;
 }

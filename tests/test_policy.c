@@ -16,23 +16,23 @@ static void test_policy_threshold(void)
     /* c = 0.9, 0.8, 0.5, 0.9 -> a = 0.9, 0.72, 0.36, 0.324 */
     float conf[4] = {logit(0.9), logit(0.8), logit(0.5), logit(0.9)};
     int maxl = 4, l = -1;
-    pd_verify_choose(PD_VERIFY_THRESHOLD, 1, 4, conf, &maxl, NULL, 0.7f, NULL, &l);
+    pd_verify_choose(PD_VERIFY_THRESHOLD, 1, 4, conf, &maxl, NULL, 0.7f, NULL, 0.0, &l);
     TEST_CHECK(l == 2);
-    pd_verify_choose(PD_VERIFY_THRESHOLD, 1, 4, conf, &maxl, NULL, 0.95f, NULL, &l);
+    pd_verify_choose(PD_VERIFY_THRESHOLD, 1, 4, conf, &maxl, NULL, 0.95f, NULL, 0.0, &l);
     TEST_CHECK(l == 0);
-    pd_verify_choose(PD_VERIFY_THRESHOLD, 1, 4, conf, &maxl, NULL, 0.3f, NULL, &l);
+    pd_verify_choose(PD_VERIFY_THRESHOLD, 1, 4, conf, &maxl, NULL, 0.3f, NULL, 0.0, &l);
     TEST_CHECK(l == 4);
     maxl = 3;
-    pd_verify_choose(PD_VERIFY_THRESHOLD, 1, 4, conf, &maxl, NULL, 0.3f, NULL, &l);
+    pd_verify_choose(PD_VERIFY_THRESHOLD, 1, 4, conf, &maxl, NULL, 0.3f, NULL, 0.0, &l);
     TEST_CHECK(l == 3);   /* never past the cap */
-    pd_verify_choose(PD_VERIFY_FULL, 1, 4, conf, &maxl, NULL, 0.0f, NULL, &l);
+    pd_verify_choose(PD_VERIFY_FULL, 1, 4, conf, &maxl, NULL, 0.0f, NULL, 0.0, &l);
     TEST_CHECK(l == 3);
     /* a calibration temperature changes the decision: T = 0.5 sharpens c_0 to 0.988 */
     pd_calib c;
     pd_calib_identity(&c, 4);
     c.temp[1] = 0.25f;   /* c_1 = sigmoid(4 * logit(0.8)) = 0.996 */
     maxl = 4;
-    pd_verify_choose(PD_VERIFY_THRESHOLD, 1, 4, conf, &maxl, &c, 0.85f, NULL, &l);
+    pd_verify_choose(PD_VERIFY_THRESHOLD, 1, 4, conf, &maxl, &c, 0.85f, NULL, 0.0, &l);
     TEST_CHECK(l == 2);
 }
 
@@ -69,17 +69,17 @@ static void test_policy_scheduled(void)
     TEST_CHECK(pd_sps_linear(1.0, 1e-4, 256, &cheap, &err) == PD_OK);
     TEST_CHECK(pd_sps_linear(0.001, 10.0, 256, &steep, &err) == PD_OK);
     TEST_CHECK(pd_sps_linear(1.0, 0.05, 256, &mid, &err) == PD_OK);
-    pd_verify_choose(PD_VERIFY_SCHEDULED, N, B, conf, maxl, NULL, 0.0f, &cheap, len);
+    pd_verify_choose(PD_VERIFY_SCHEDULED, N, B, conf, maxl, NULL, 0.0f, &cheap, 0.0, len);
     int all = 1;
     for (int r = 0; r < N; r++)
         all &= len[r] == maxl[r];
     TEST_CHECK_MSG(all, "cheap verification: every draft should be checked");
-    pd_verify_choose(PD_VERIFY_SCHEDULED, N, B, conf, maxl, NULL, 0.0f, &steep, len);
+    pd_verify_choose(PD_VERIFY_SCHEDULED, N, B, conf, maxl, NULL, 0.0f, &steep, 0.0, len);
     int zero = 1;
     for (int r = 0; r < N; r++)
         zero &= len[r] == 0;
     TEST_CHECK_MSG(zero, "expensive verification: no draft should be checked");
-    pd_verify_choose(PD_VERIFY_SCHEDULED, N, B, conf, maxl, NULL, 0.0f, &mid, len);
+    pd_verify_choose(PD_VERIFY_SCHEDULED, N, B, conf, maxl, NULL, 0.0f, &mid, 0.0, len);
     int total = 0, ok = 1;
     for (int r = 0; r < N; r++) {
         ok &= len[r] >= 0 && len[r] <= maxl[r];
@@ -92,6 +92,18 @@ static void test_policy_scheduled(void)
            v0 = plan_value(N, B, conf, none, &mid);
     printf("scheduled plan: %d tokens, value %.4f (full %.4f, none %.4f)\n", total, v, vf, v0);
     TEST_CHECK(v >= vf - 1e-9 && v >= v0 - 1e-9);
+    /* a fixed round cost besides verification (the draft round) makes each admission relatively
+     * cheaper: never fewer drafts, and with a huge overhead every draft with a_{r,j} > 0 */
+    int len_oh[N], total_oh = 0;
+    pd_verify_choose(PD_VERIFY_SCHEDULED, N, B, conf, maxl, NULL, 0.0f, &mid, 2.0, len_oh);
+    for (int r = 0; r < N; r++)
+        total_oh += len_oh[r];
+    TEST_CHECK_MSG(total_oh >= total, "overhead 2 s: %d drafts, none: %d", total_oh, total);
+    pd_verify_choose(PD_VERIFY_SCHEDULED, N, B, conf, maxl, NULL, 0.0f, &mid, 1e6, len_oh);
+    all = 1;
+    for (int r = 0; r < N; r++)
+        all &= len_oh[r] == maxl[r];
+    TEST_CHECK_MSG(all, "dominant round overhead: every draft should be checked");
     /* the admitted set is prefix-closed and ordered by survival: every admitted a_{r,j} is >=
      * every rejected first-next candidate's a (greedy by a, stopping at the first drop) */
     double min_in = 1e9, max_out = -1.0;
