@@ -622,11 +622,13 @@ pd_status pd_engine_complete_prefill_mode(pd_engine *e, pd_request *r, int32_t f
     return commit_first(e, r, first_token, err);
 }
 
-static pd_status prefill_step(pd_engine *e, pd_err *err)
+/* One prefill forward of up to budget prompt tokens from at most max_seq requests; *n_out = the
+ * tokens it took (0: nothing to prefill). */
+static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_out, pd_err *err)
 {
-    int budget = e->cfg.max_prefill_tokens;
     int n_tok = 0, n_seq = 0;
-    for (int i = 0; i < e->n_reqs && n_tok < budget; i++) {
+    *n_out = 0;
+    for (int i = 0; i < e->n_reqs && n_tok < budget && n_seq < max_seq; i++) {
         pd_request *r = e->reqs[i];
         if (r->finish != PD_FINISH_NONE || r->external || r->prefilled >= r->n_prompt)
             continue;
@@ -636,6 +638,7 @@ static pd_status prefill_step(pd_engine *e, pd_err *err)
     }
     if (n_tok == 0)
         return PD_OK;
+    *n_out = n_tok;
     int32_t *ids = malloc((size_t)n_tok * 4), *pos = malloc((size_t)n_tok * 4),
             *seq = malloc((size_t)n_tok * 4), *rows = malloc((size_t)n_tok * 4),
             *lrows = malloc((size_t)n_seq * 4), *first = malloc((size_t)n_seq * 4);
@@ -734,6 +737,24 @@ out:
     free(owner);
     free(done);
     return st;
+}
+
+/* Prefill work of one engine step, about max_prefill_tokens. On a GPU with batch-invariant
+ * decoding every forward holds one request's tokens only: the prefill kernels (cuBLAS, the
+ * tensor-core attention) are not batch-invariant, so a prompt's KV must not depend on which
+ * other prompts shared its forward - the same prompt then gets bit-identical KV whether it is
+ * decoded speculatively or not, and greedy speculative output equals greedy decoding. */
+static pd_status prefill_step(pd_engine *e, pd_err *err)
+{
+    int budget = e->cfg.max_prefill_tokens;
+    int solo = !e->cfg.fast_kernels && !e->tm->be->is_host && e->cp == NULL;
+    int n = 0, total = 0;
+    do {
+        /* a request's chunks are max_prefill_tokens long whatever else is waiting */
+        TRY(prefill_forward(e, budget, solo ? 1 : INT_MAX, &n, err));
+        total += n;
+    } while (solo && n > 0 && total < budget);
+    return PD_OK;
 }
 
 /* ---- one speculative round over every running request ------------------------------------ */
