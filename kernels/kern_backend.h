@@ -185,6 +185,30 @@ typedef struct {
     int32_t *out;
 } kern_argmax_args;
 
+/* Fused linear layer of a decoder block: n_w weights that share one input x [m, k].
+ *   x' = norm.data ? rmsnorm(x) * norm (per row, eps) : x
+ *   STORE:      y[i][r, 0:n_i]  = x'[r] @ w[i]^T            for i < n_w (QKV in one op: 3 weights)
+ *   ACCUMULATE: y[i][r, 0:n_i] += x'[r] @ w[i]^T            (the residual add of o_proj/down_proj)
+ *   SWIGLU:     y[0][r, 0:n]    = silu(x'[r] @ w[0]^T) * (x'[r] @ w[1]^T)   (n_w = 2: gate, up)
+ * On CUDA (bf16 weights) x' is rounded to bf16 and products accumulate in fp32, as kern_matmul.
+ * With be->batch_invariant each row's result is bit-identical whatever else is in the batch.
+ * No y[i] may overlap x (rows of y are written while other rows of x are still being read). */
+typedef enum { KERN_LINEAR_STORE = 0, KERN_LINEAR_ACCUMULATE, KERN_LINEAR_SWIGLU } kern_linear_epilogue;
+#define KERN_LINEAR_MAX_W 3
+typedef struct {
+    const float *x;          /* [m, ld_x] */
+    int ld_x;
+    int m;
+    int k;
+    kern_weight norm;        /* nullable data, [k] */
+    float eps;
+    int n_w;                 /* 1..KERN_LINEAR_MAX_W; SWIGLU: 2 */
+    kern_weight w[KERN_LINEAR_MAX_W];     /* [n_i, k] */
+    float *y[KERN_LINEAR_MAX_W];          /* [m, ld_y[i]]; SWIGLU writes y[0] only */
+    int ld_y[KERN_LINEAR_MAX_W];
+    kern_linear_epilogue epilogue;
+} kern_linear_args;
+
 /* ---- the backend ------------------------------------------------------------------------- */
 
 struct kern_backend_ops {
@@ -208,6 +232,7 @@ struct kern_backend_ops {
     pd_status (*kv_store)(kern_backend *be, const kern_kv_store_args *a, pd_err *err);
     pd_status (*attn)(kern_backend *be, const kern_attn_args *a, pd_err *err);
     pd_status (*argmax)(kern_backend *be, const kern_argmax_args *a, pd_err *err);
+    pd_status (*linear)(kern_backend *be, const kern_linear_args *a, pd_err *err);
     void (*destroy)(kern_backend *be);
 };
 
@@ -261,6 +286,7 @@ pd_status kern_copy_rows(kern_backend *be, const kern_copy_rows_args *a, pd_err 
 pd_status kern_kv_store(kern_backend *be, const kern_kv_store_args *a, pd_err *err);
 pd_status kern_attn(kern_backend *be, const kern_attn_args *a, pd_err *err);
 pd_status kern_argmax(kern_backend *be, const kern_argmax_args *a, pd_err *err);
+pd_status kern_linear(kern_backend *be, const kern_linear_args *a, pd_err *err);
 
 /* Host helpers for dtype conversion (used by loaders and the CPU backend). */
 float kern_bf16_to_f32(uint16_t h);

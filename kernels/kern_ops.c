@@ -218,3 +218,40 @@ pd_status kern_argmax(kern_backend *be, const kern_argmax_args *a, pd_err *err)
           "argmax: bad view");
     return be->ops->argmax(be, a, err);
 }
+
+pd_status kern_linear(kern_backend *be, const kern_linear_args *a, pd_err *err)
+{
+    if (a->m == 0)
+        return PD_OK;
+    CHECK(a->m > 0 && a->k > 0, "linear: m %d k %d", a->m, a->k);
+    CHECK(a->x != NULL && a->ld_x >= a->k, "linear: NULL x or ld_x %d < k %d", a->ld_x, a->k);
+    CHECK(a->n_w >= 1 && a->n_w <= KERN_LINEAR_MAX_W, "linear: %d weights", a->n_w);
+    CHECK(a->epilogue >= KERN_LINEAR_STORE && a->epilogue <= KERN_LINEAR_SWIGLU,
+          "linear: epilogue %d", (int)a->epilogue);
+    CHECK(a->epilogue != KERN_LINEAR_SWIGLU || a->n_w == 2,
+          "linear: swiglu needs 2 weights (gate, up), got %d", a->n_w);
+    if (a->norm.data != NULL) {
+        CHECK(weight_ok(&a->norm) && a->norm.rows * a->norm.cols == a->k,
+              "linear: norm weight size %lld != k %d", (long long)(a->norm.rows * a->norm.cols), a->k);
+        CHECK(a->eps > 0.0f, "linear: eps %g", (double)a->eps);
+    }
+    for (int i = 0; i < a->n_w; i++) {
+        const kern_weight *w = &a->w[i];
+        CHECK(weight_ok(w), "linear: bad weight %d", i);
+        CHECK(w->cols == a->k && w->rows <= (int64_t)1 << 30,
+              "linear: weight %d is [%lld, %lld], k %d", i, (long long)w->rows, (long long)w->cols, a->k);
+        if (a->epilogue == KERN_LINEAR_SWIGLU) {
+            CHECK(w->rows == a->w[0].rows, "linear: swiglu gate %lld rows, up %lld",
+                  (long long)a->w[0].rows, (long long)w->rows);
+            continue;   /* y[0] only */
+        }
+        CHECK(a->y[i] != NULL && a->ld_y[i] >= w->rows, "linear: y[%d] NULL or ld_y %d < n %lld",
+              i, a->ld_y[i], (long long)w->rows);
+        CHECK((const float *)a->y[i] != a->x, "linear: y[%d] aliases x", i);
+    }
+    if (a->epilogue == KERN_LINEAR_SWIGLU)
+        CHECK(a->y[0] != NULL && a->ld_y[0] >= a->w[0].rows && (const float *)a->y[0] != a->x,
+              "linear: swiglu y NULL, aliasing x or ld_y %d < n %lld", a->ld_y[0],
+              (long long)a->w[0].rows);
+    return be->ops->linear(be, a, err);
+}

@@ -7,7 +7,8 @@
  * parts an op must not touch (row padding, guards, unused KV slots) have to come back bit-equal.
  * Usage: test_kernels [--op NAME] [--perf] [--seed N]
  *   --op NAME  run only cases of op NAME (embed, rmsnorm, matmul, rope, unary, binary,
- *              copy_rows, kv_store, attn, argmax, convert)
+ *              copy_rows, kv_store, attn, argmax, convert, linear; invariance: only the
+ *              bit-for-bit batch-invariance checks)
  *   --perf     also run the large perf cases and time every case on CUDA (median of 5 runs of
  *              20 back-to-back calls), printing GB/s, TFLOP/s and the fraction of the roofline
  *   --self     compare the CPU backend with itself (checks this harness on a machine without
@@ -307,6 +308,7 @@ static pd_status fn_copy_rows(kern_backend *be, const void *a, pd_err *e) { retu
 static pd_status fn_kv_store(kern_backend *be, const void *a, pd_err *e) { return kern_kv_store(be, a, e); }
 static pd_status fn_attn(kern_backend *be, const void *a, pd_err *e) { return kern_attn(be, a, e); }
 static pd_status fn_argmax(kern_backend *be, const void *a, pd_err *e) { return kern_argmax(be, a, e); }
+static pd_status fn_linear(kern_backend *be, const void *a, pd_err *e) { return kern_linear(be, a, e); }
 
 static double run_embed(run_ctx *x)
 {
@@ -428,6 +430,71 @@ static double run_matmul(run_ctx *x)
     free(w);
     free(b);
     free(y0);
+    return e;
+}
+
+/* linear: m rows of k; c->n_heads weights (weight i has n rows for i = 0, n / 4 + 5 i after, so
+ * QKV-like and not multiples of 16); c->sub = epilogue | 4 (RMSNorm prologue). */
+static int linear_rows(const kcase *c, int i)
+{
+    return i == 0 || (c->sub & 3) == KERN_LINEAR_SWIGLU ? c->n : c->n / 4 + 5 * i;
+}
+
+static double run_linear(run_ctx *x)
+{
+    const kcase *c = x->c;
+    int m = c->m, k = c->k, n_w = c->n_heads, ld_x = k + c->pad;
+    kern_linear_epilogue epi = (kern_linear_epilogue)(c->sub & 3);
+    float *xin = host_rand((size_t)m * ld_x, -1.0f, 1.0f, 0);
+    float *g = host_rand((size_t)k, 0.5f, 1.5f, 1);
+    kern_linear_args ac = {0}, ag;
+    ac.ld_x = ld_x;
+    ac.m = m;
+    ac.k = k;
+    ac.n_w = n_w;
+    ac.eps = 1e-6f;
+    ac.epilogue = epi;
+    ag = ac;
+    ac.x = side_bytes(x->cpu, xin, (size_t)m * ld_x * sizeof(float));
+    ag.x = side_bytes(x->gpu, xin, (size_t)m * ld_x * sizeof(float));
+    if (c->sub & 4) {
+        ac.norm = side_weight(x->cpu, g, 1, k);
+        ag.norm = side_weight(x->gpu, g, 1, k);
+    }
+    outbuf o[KERN_LINEAR_MAX_W];
+    int n_out = epi == KERN_LINEAR_SWIGLU ? 1 : n_w;
+    double wbytes = 0.0, ybytes = 0.0;
+    for (int i = 0; i < n_w; i++) {
+        int n = linear_rows(c, i);
+        float *w = host_rand((size_t)n * k, -1.0f, 1.0f, 1);
+        ac.w[i] = side_weight(x->cpu, w, n, k);
+        ag.w[i] = side_weight(x->gpu, w, n, k);
+        free(w);
+        wbytes += (double)n * k * 2;
+        if (i >= n_out)
+            continue;
+        int ld_y = n + c->pad;
+        float *y0 = host_rand((size_t)m * ld_y, -1.0f, 1.0f, 0);
+        o[i] = out_make(x->cpu, x->gpu, (size_t)m * ld_y, epi == KERN_LINEAR_ACCUMULATE ? y0 : NULL);
+        free(y0);
+        ac.y[i] = o[i].cpu;
+        ag.y[i] = o[i].gpu;
+        ac.ld_y[i] = ag.ld_y[i] = ld_y;
+        ybytes += (double)m * n * 4 * (epi == KERN_LINEAR_ACCUMULATE ? 2 : 1);
+    }
+    double e = run_both(x, fn_linear, &ac, &ag);
+    for (int i = 0; i < n_out; i++) {
+        double ei = e == 0.0 ? out_check(x->cpu, x->gpu, &o[i], "y", m, linear_rows(c, i), ac.ld_y[i])
+                             : 1e30;
+        if (o[i].init != NULL)
+            free(o[i].init);
+        if (ei > e || ei != ei)
+            e = ei;
+    }
+    perf_report(x->gpu->be, fn_linear, &ag, wbytes + (double)m * k * 4 + ybytes,
+                2.0 * m * k * (wbytes / 2.0 / k));
+    free(xin);
+    free(g);
     return e;
 }
 
@@ -865,7 +932,7 @@ static const struct {
     {"embed", run_embed}, {"rmsnorm", run_rmsnorm}, {"matmul", run_matmul},
     {"rope", run_rope}, {"unary", run_unary}, {"binary", run_binary},
     {"copy_rows", run_copy_rows}, {"kv_store", run_kv_store}, {"attn", run_attn},
-    {"argmax", run_argmax}, {"convert", run_convert},
+    {"argmax", run_argmax}, {"convert", run_convert}, {"linear", run_linear},
 };
 
 /* Shapes are odd on purpose; F32 paths are held to ~1e-5, bf16 GEMMs (x rounded to bf16 on the
@@ -902,6 +969,17 @@ static const kcase cases[] = {
     {"kv_store", 300, 0, 0, 0, 0, 0, 0, 0, 8, 128, 16, NULL, 0, 0},
     {"argmax", 1, 151936, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
     {"argmax", 17, 1001, 3, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
+    /* linear: m n k pad, sub = epilogue (0 store, 1 accumulate, 2 swiglu) | 4 rmsnorm, n_heads = weights */
+    {"linear", 0, 0, 0, 1, 1000, 256, 4, 1, 0, 0, 0, NULL, 1e-2, 0},
+    {"linear", 0, 0, 3, 3, 517, 1000, 4, 3, 0, 0, 0, NULL, 1e-2, 0},
+    {"linear", 0, 0, 0, 8, 4096, 2560, 4, 3, 0, 0, 0, NULL, 1e-2, 0},
+    {"linear", 0, 0, 1, 17, 333, 520, 1, 1, 0, 0, 0, NULL, 1e-2, 0},
+    {"linear", 0, 0, 0, 64, 2560, 4096, 1, 2, 0, 0, 0, NULL, 1e-2, 0},
+    {"linear", 0, 0, 2, 100, 700, 1032, 6, 2, 0, 0, 0, NULL, 1e-2, 0},
+    {"linear", 0, 0, 0, 1, 1536, 2560, 6, 2, 0, 0, 0, NULL, 1e-2, 0},
+    {"linear", 0, 0, 0, 8, 257, 64, 0, 1, 0, 0, 0, NULL, 1e-2, 0},
+    {"linear", 0, 0, 0, 300, 1000, 512, 5, 3, 0, 0, 0, NULL, 1e-2, 0},
+    {"linear", 0, 0, 0, 33, 520, 2048, 2, 2, 0, 0, 0, NULL, 1e-2, 0},
     /* attention: heads, kv heads, head_dim, page size, ragged batch */
     {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "d:4095+1", 1e-4, 0},
     {"attn", 0, 0, 4, 0, 0, 0, 0, 32, 8, 128, 16, "d:0+1,d:15+1,d:998+1,d:2999+1,d:63+1", 1e-4, 0},
@@ -919,7 +997,23 @@ static const kcase cases[] = {
     {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "32*d:4095+1", 1e-4, 1},
     {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "4*v:4080+16", 1e-4, 1},
     {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "p:0+1024", 1e-4, 1},
+    /* perf-only: the decode linears of Qwen3-4B (norm+QKV, o_proj, norm+gate/up, down, lm_head) */
+    {"linear", 0, 0, 0, 1, 4096, 2560, 4, 3, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 1, 2560, 4096, 1, 1, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 1, 9728, 2560, 6, 2, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 1, 2560, 9728, 1, 1, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 1, 151936, 2560, 0, 1, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 8, 4096, 2560, 4, 3, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 8, 2560, 4096, 1, 1, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 8, 9728, 2560, 6, 2, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 8, 2560, 9728, 1, 1, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 16, 9728, 2560, 6, 2, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 32, 9728, 2560, 6, 2, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 64, 9728, 2560, 6, 2, 0, 0, 0, NULL, 1e-2, 1},
     {"matmul", 0, 0, 0, 1, 12288, 4096, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
+    {"matmul", 0, 0, 0, 17, 9728, 2560, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
+    {"matmul", 0, 0, 0, 32, 9728, 2560, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
+    {"matmul", 0, 0, 0, 64, 9728, 2560, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
     {"matmul", 0, 0, 0, 16, 12288, 4096, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
     {"matmul", 0, 0, 0, 4096, 4096, 4096, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
     {"matmul", 0, 0, 0, 8192, 8192, 8192, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
@@ -935,11 +1029,86 @@ static void case_name(const kcase *c, char *buf, size_t n)
                  c->page_size, c->pad);
     else if (strcmp(c->op, "rope") == 0)
         snprintf(buf, n, "tok %d heads %d hd %d pad %d", c->rows, c->n_heads, c->hd, c->pad);
+    else if (strcmp(c->op, "linear") == 0)
+        snprintf(buf, n, "m %d n %d k %d pad %d w %d %s%s", c->m, c->n, c->k, c->pad, c->n_heads,
+                 (c->sub & 3) == 0 ? "store" : (c->sub & 3) == 1 ? "acc" : "swiglu",
+                 c->sub & 4 ? " norm" : "");
     else if (strcmp(c->op, "matmul") == 0)
         snprintf(buf, n, "m %d n %d k %d pad %d%s%s%s", c->m, c->n, c->k, c->pad,
                  c->sub & 1 ? " acc" : "", c->sub & 2 ? " bias" : "", c->sub & 4 ? " f32w" : "");
     else
         snprintf(buf, n, "%d x %d pad %d sub %d", c->rows, c->cols, c->pad, c->sub);
+}
+
+/* kern_linear with be->batch_invariant, every epilogue: rows s..s+b-1 computed as a batch of b
+ * (b = 1..100, rows at every position of the 8-row tiles and 64-row chunks) must equal bit for
+ * bit the same rows of one batch of 100. */
+static int linear_invariance_one(kern_backend *g, kern_linear_epilogue epi, int norm, int n_w,
+                                 const int *ns, int k)
+{
+    enum { M = 100 };
+    pd_err err;
+    side sg = {g, {0}, 0};
+    float *x = host_rand((size_t)M * k, -1.0f, 1.0f, 0), *gh = host_rand((size_t)k, 0.5f, 1.5f, 1);
+    kern_linear_args a = {0};
+    a.ld_x = k;
+    a.k = k;
+    a.n_w = n_w;
+    a.eps = 1e-6f;
+    a.epilogue = epi;
+    float *xd = side_bytes(&sg, x, (size_t)M * k * 4);
+    if (norm)
+        a.norm = side_weight(&sg, gh, 1, k);
+    int n_out = epi == KERN_LINEAR_SWIGLU ? 1 : n_w;
+    float *y0[KERN_LINEAR_MAX_W] = {0}, *full[KERN_LINEAR_MAX_W] = {0};
+    for (int i = 0; i < n_w; i++) {
+        float *w = host_rand((size_t)ns[i] * k, -0.05f, 0.05f, 1);
+        a.w[i] = side_weight(&sg, w, ns[i], k);
+        free(w);
+        if (i < n_out) {
+            y0[i] = host_rand((size_t)M * ns[i], -1.0f, 1.0f, 0);
+            a.y[i] = side_bytes(&sg, y0[i], (size_t)M * ns[i] * 4);
+            a.ld_y[i] = ns[i];
+        }
+    }
+    /* one batch of M, then sub-batches; y reloaded with y0 before each launch (ACCUMULATE) */
+    static const int sizes[] = {100, 1, 2, 3, 7, 8, 9, 17, 63, 64, 65, 99};
+    int same = 1, launches = 0;
+    for (size_t si = 0; si < sizeof(sizes) / sizeof(sizes[0]); si++) {
+        int b = sizes[si];
+        for (int s0 = 0; s0 + b <= M; s0 += b == 1 ? 1 : (b < 10 ? 13 : (M - b > 0 ? M - b : M))) {
+            kern_linear_args ab = a;
+            ab.m = b;
+            ab.x = xd + (size_t)s0 * k;
+            for (int i = 0; i < n_out; i++) {
+                TEST_CHECK(kern_upload(g, a.y[i], y0[i], (size_t)M * ns[i] * 4, &err) == PD_OK);
+                ab.y[i] = a.y[i] + (size_t)s0 * ns[i];
+            }
+            TEST_CHECK(kern_linear(g, &ab, &err) == PD_OK);
+            launches++;
+            for (int i = 0; i < n_out; i++) {
+                float *h = side_download(&sg, a.y[i], (size_t)M * ns[i] * 4);
+                if (b == M)
+                    full[i] = h;
+                else {
+                    same &= memcmp(h + (size_t)s0 * ns[i], full[i] + (size_t)s0 * ns[i],
+                                   (size_t)b * ns[i] * 4) == 0;
+                    free(h);
+                }
+            }
+        }
+    }
+    printf("%s batch-invariant linear %s%s, %d weight(s), k %d: %d launches of 1..100 rows equal bit for bit\n",
+           same ? "ok  " : "FAIL", epi == KERN_LINEAR_STORE ? "store" : epi == KERN_LINEAR_ACCUMULATE ? "acc" : "swiglu",
+           norm ? " + rmsnorm" : "", n_w, k, launches);
+    for (int i = 0; i < n_out; i++) {
+        free(y0[i]);
+        free(full[i]);
+    }
+    free(x);
+    free(gh);
+    side_free(&sg);
+    return same;
 }
 
 /* be->batch_invariant: a row computed inside a batch is bit-identical to the same row computed
@@ -1011,6 +1180,12 @@ static void test_batch_invariance(kern_backend *g)
     TEST_CHECK_MSG(same_a, "batch-invariant attention: a query differs from the same query alone");
     printf("%s batch-invariant attention: 9 queries equal bit for bit to single-query results\n",
            same_a ? "ok  " : "FAIL");
+    static const int qkv[3] = {517, 134, 139}, one[1] = {333}, gu[2] = {700, 700};
+    int lin = linear_invariance_one(g, KERN_LINEAR_STORE, 1, 3, qkv, 1000);
+    lin &= linear_invariance_one(g, KERN_LINEAR_ACCUMULATE, 0, 1, one, 520);
+    lin &= linear_invariance_one(g, KERN_LINEAR_SWIGLU, 1, 2, gu, 1032);
+    lin &= linear_invariance_one(g, KERN_LINEAR_STORE, 0, 1, one, 64);
+    TEST_CHECK_MSG(lin, "batch-invariant linear: a row differs between batch sizes");
     g->batch_invariant = 0;
     side_free(&sg);
     free(w);

@@ -334,6 +334,55 @@ static pd_status cpu_argmax(kern_backend *be, const kern_argmax_args *a, pd_err 
     return PD_OK;
 }
 
+/* The reference of the fused linear op, by composition: rmsnorm into a scratch copy of x, one
+ * matmul per weight (accumulate as asked), and for SWIGLU the two products then the binary op. */
+static pd_status cpu_linear(kern_backend *be, const kern_linear_args *a, pd_err *err)
+{
+    const float *x = a->x;
+    int ld_x = a->ld_x;
+    float *xn = NULL, *gu = NULL;
+    pd_status st = PD_OK;
+    if (a->norm.data != NULL) {
+        xn = malloc((size_t)a->m * a->k * sizeof(float));
+        if (xn == NULL)
+            return pd_err_set(err, PD_ERR_NOMEM, "linear: norm scratch %d x %d", a->m, a->k);
+        kern_rmsnorm_args rn = { .x = a->x, .out = xn, .w = a->norm, .rows = a->m, .dim = a->k,
+                                 .ld_x = a->ld_x, .ld_out = a->k, .eps = a->eps };
+        if ((st = cpu_rmsnorm(be, &rn, err)) != PD_OK)
+            goto out;
+        x = xn;
+        ld_x = a->k;
+    }
+    if (a->epilogue == KERN_LINEAR_SWIGLU) {
+        int n = (int)a->w[0].rows;
+        gu = malloc((size_t)2 * a->m * n * sizeof(float));
+        if (gu == NULL) {
+            st = pd_err_set(err, PD_ERR_NOMEM, "linear: swiglu scratch %d x %d", a->m, n);
+            goto out;
+        }
+        for (int i = 0; i < 2 && st == PD_OK; i++) {
+            kern_matmul_args mm = { .x = x, .ld_x = ld_x, .w = a->w[i], .y = gu + (size_t)i * a->m * n,
+                                    .ld_y = n, .m = a->m, .n = n, .k = a->k };
+            st = cpu_matmul(be, &mm, err);
+        }
+        kern_binary_args sw = { .op = KERN_BINARY_SWIGLU, .a = gu, .ld_a = n, .b = gu + (size_t)a->m * n,
+                                .ld_b = n, .out = a->y[0], .ld_out = a->ld_y[0], .rows = a->m, .cols = n };
+        if (st == PD_OK)
+            st = cpu_binary(be, &sw, err);
+        goto out;
+    }
+    for (int i = 0; i < a->n_w && st == PD_OK; i++) {
+        kern_matmul_args mm = { .x = x, .ld_x = ld_x, .w = a->w[i], .y = a->y[i], .ld_y = a->ld_y[i],
+                                .m = a->m, .n = (int)a->w[i].rows, .k = a->k,
+                                .accumulate = a->epilogue == KERN_LINEAR_ACCUMULATE };
+        st = cpu_matmul(be, &mm, err);
+    }
+out:
+    free(xn);
+    free(gu);
+    return st;
+}
+
 static void cpu_destroy(kern_backend *be)
 {
     free(be);
@@ -358,6 +407,7 @@ static const kern_backend_ops cpu_ops = {
     .kv_store = cpu_kv_store,
     .attn = cpu_attn,
     .argmax = cpu_argmax,
+    .linear = cpu_linear,
     .destroy = cpu_destroy,
 };
 

@@ -180,6 +180,7 @@ static const kern_backend_ops cuda_ops = {
     .kv_store = kern_cuda_kv_store_launch,
     .attn = kern_cuda_attn_launch,
     .argmax = kern_cuda_argmax_launch,
+    .linear = kern_cuda_linear_launch,
     .destroy = cuda_destroy,
 };
 

@@ -141,6 +141,16 @@ pd_status kern_cuda_kv_store_launch(kern_backend *be, const kern_kv_store_args *
 pd_status kern_cuda_attn_launch(kern_backend *be, const kern_attn_args *a, pd_err *err);
 pd_status kern_cuda_matmul_launch(kern_backend *be, const kern_matmul_args *a, pd_err *err);
 pd_status kern_cuda_argmax_launch(kern_backend *be, const kern_argmax_args *a, pd_err *err);
+pd_status kern_cuda_linear_launch(kern_backend *be, const kern_linear_args *a, pd_err *err);
+/* The skinny tensor-core GEMM behind op linear (kern_cuda_linear.cu), also used by matmul:
+ * fits = bf16 weights, k % 8 == 0, 16-byte aligned x/weights and ld_x % 4 == 0. Without
+ * be->batch_invariant it is used up to KERN_CUDA_SKINNY_FAST_MAX_M rows, cuBLAS above. */
+#define KERN_CUDA_SKINNY_FAST_MAX_M 16
+int kern_cuda_skinny_fits(const kern_linear_args *a);
+pd_status kern_cuda_skinny_launch(kern_cuda_ctx *c, const kern_linear_args *a, pd_err *err);
+/* y = x w^T (+ y) through cuBLAS for BF16/F16 weights, x rounded into pack (m * k * 2 bytes of
+ * device scratch the caller owns); no bias. */
+pd_status kern_cuda_gemm_cublas(kern_cuda_ctx *c, const kern_matmul_args *a, void *pack, pd_err *err);
 /* Converts n values already on the device (src_dtype -> dst_dtype); used by upload_convert. */
 pd_status kern_cuda_convert_launch(kern_backend *be, void *dst, kern_dtype dst_dtype,
                                    const void *src, kern_dtype src_dtype, size_t n, pd_err *err);
