@@ -29,8 +29,8 @@ struct pd_draft {
     float *block_hidden, *base_logits;
     kern_buf *step;             /* per-step scratch, see step_layout() */
     float *step_logits, *w1prev, *feat, *proj, *state, *tmp, *gate, *conf;
-    kern_buf *ibuf;             /* int32: prev [cap_req], row idx [cap_req] */
-    int32_t *prev_dev, *rows_dev;
+    kern_buf *ibuf;             /* int32: prev [cap_req], row idx [cap_req], step ids [cap_req] */
+    int32_t *prev_dev, *rows_dev, *ids_dev;
 };
 
 pd_status pd_draft_create(const pd_dspark_model *m, pd_kv_pool *pool, pd_draft **out, pd_err *err)
@@ -71,6 +71,7 @@ const float *pd_draft_ctx_feature(const pd_draft *d) { return d->ctx != NULL ? d
 const float *pd_draft_block_hidden(const pd_draft *d) { return d->block_hidden; }
 const float *pd_draft_base_logits(const pd_draft *d) { return d->base_logits; }
 const float *pd_draft_step_logits(const pd_draft *d) { return d->step_logits; }
+const int32_t *pd_draft_step_ids(const pd_draft *d) { return d->ids_dev; }
 const float *pd_draft_head_gate(const pd_draft *d) { return d->gate; }
 const float *pd_draft_head_state(const pd_draft *d) { return d->state; }
 
@@ -161,7 +162,7 @@ static pd_status ensure_req(pd_draft *d, int n_req, pd_err *err)
     if (st == PD_OK)
         st = kern_buf_alloc(be, per * cap * sizeof(float), &step, err);
     if (st == PD_OK)
-        st = kern_buf_alloc(be, (size_t)2 * cap * sizeof(int32_t), &ib, err);
+        st = kern_buf_alloc(be, (size_t)3 * cap * sizeof(int32_t), &ib, err);
     if (st != PD_OK) {
         kern_buf_free(blk);
         kern_buf_free(step);
@@ -188,6 +189,7 @@ static pd_status ensure_req(pd_draft *d, int n_req, pd_err *err)
     d->conf = p;
     d->prev_dev = ib->ptr;
     d->rows_dev = (int32_t *)ib->ptr + cap;
+    d->ids_dev = (int32_t *)ib->ptr + 2 * (size_t)cap;
     return PD_OK;
 }
 
@@ -260,17 +262,26 @@ pd_status pd_draft_markov_step(pd_draft *d, int k, const int32_t *prev, float *c
     TRY(kern_upload(be, d->prev_dev, prev, (size_t)n * sizeof(int32_t), err));
     /* h_k rows of every request, and the base logits row k as the starting point */
     float *hk = d->feat;  /* feat layout depends on the head; h_k is placed where each needs it */
-    TRY(copy_cols(be, d->base_logits, V, d->step_logits, V, n, V, d->rows_dev, err));
+    /* step_logits = base_logits row k + W2 vec, with the argmax ids, in one markov_step launch;
+     * vec is w1[prev] (vanilla), gate * w1[prev] (gated) or tanh(o) (rnn) */
+    kern_markov_step_args ms = { .base = d->base_logits, .ld_base = V, .rows = d->rows_dev,
+                                 .w2 = m->markov_w2, .ld_vec = R, .n = n, .step = d->step_logits,
+                                 .ld_step = V, .ids = d->ids_dev };
     if (m->cfg.markov_type != PD_MARKOV_NONE) {
         kern_embed_args em = { .table = m->markov_w1, .ids = d->prev_dev, .n = n, .out = d->w1prev,
                                .ld_out = R };
         TRY(kern_embed(be, &em, err));
     }
     switch (m->cfg.markov_type) {
-    case PD_MARKOV_NONE:
+    case PD_MARKOV_NONE: {
+        TRY(copy_cols(be, d->base_logits, V, d->step_logits, V, n, V, d->rows_dev, err));
+        kern_argmax_args am = { .x = d->step_logits, .ld_x = V, .rows = n, .n = V, .out = d->ids_dev };
+        TRY(kern_argmax(be, &am, err));
         break;
+    }
     case PD_MARKOV_VANILLA:
-        TRY(linear(be, d->w1prev, R, &m->markov_w2, NULL, d->step_logits, V, n, 1, err));
+        ms.vec = d->w1prev;
+        TRY(kern_markov_step(be, &ms, err));
         break;
     case PD_MARKOV_GATED: {
         /* gate = sigmoid(W_g [h_k ; w1[prev]] + b_g); bias = W2 (gate * w1[prev]) */
@@ -284,7 +295,8 @@ pd_status pd_draft_markov_step(pd_draft *d, int k, const int32_t *prev, float *c
         kern_binary_args mul = { .op = KERN_BINARY_MUL, .a = d->gate, .ld_a = R, .b = d->w1prev,
                                  .ld_b = R, .out = d->tmp, .ld_out = R, .rows = n, .cols = R };
         TRY(kern_binary(be, &mul, err));
-        TRY(linear(be, d->tmp, R, &m->markov_w2, NULL, d->step_logits, V, n, 1, err));
+        ms.vec = d->tmp;
+        TRY(kern_markov_step(be, &ms, err));
         break;
     }
     case PD_MARKOV_RNN: {
@@ -315,7 +327,8 @@ pd_status pd_draft_markov_step(pd_draft *d, int k, const int32_t *prev, float *c
         kern_unary_args oa = { .op = KERN_UNARY_TANH, .x = d->proj + 2 * R, .ld_x = 3 * R, .out = d->tmp,
                                .ld_out = R, .rows = n, .cols = R };
         TRY(kern_unary(be, &oa, err));
-        TRY(linear(be, d->tmp, R, &m->markov_w2, NULL, d->step_logits, V, n, 1, err));
+        ms.vec = d->tmp;
+        TRY(kern_markov_step(be, &ms, err));
         break;
     }
     }

@@ -255,3 +255,45 @@ pd_status kern_linear(kern_backend *be, const kern_linear_args *a, pd_err *err)
               (long long)a->w[0].rows);
     return be->ops->linear(be, a, err);
 }
+
+pd_status kern_qk_post(kern_backend *be, const kern_qk_post_args *a, pd_err *err)
+{
+    if (a->n_tok == 0)
+        return PD_OK;
+    CHECK(a->n_tok > 0 && a->n_heads >= 0 && a->n_kv_heads > 0 && a->head_dim > 0 &&
+              a->head_dim % 2 == 0, "qk_post: n_tok %d heads %d/%d head_dim %d", a->n_tok,
+          a->n_heads, a->n_kv_heads, a->head_dim);
+    CHECK((a->q != NULL || a->n_heads == 0) && a->k != NULL && a->pos != NULL,
+          "qk_post: NULL q/k/pos");
+    CHECK(a->ld_q >= a->n_heads * a->head_dim && a->ld_kv >= a->n_kv_heads * a->head_dim,
+          "qk_post: ld_q %d ld_kv %d", a->ld_q, a->ld_kv);
+    CHECK(weight_ok(&a->q_norm) && a->q_norm.rows * a->q_norm.cols == a->head_dim &&
+              weight_ok(&a->k_norm) && a->k_norm.rows * a->k_norm.cols == a->head_dim,
+          "qk_post: q_norm/k_norm size != head_dim %d", a->head_dim);
+    CHECK(a->eps > 0.0f && a->theta > 0.0f, "qk_post: eps %g theta %g", (double)a->eps,
+          (double)a->theta);
+    if (a->kv.k != NULL) {
+        pd_status st = kv_layer_check(&a->kv, err);
+        if (st != PD_OK)
+            return st;
+        CHECK(a->v != NULL && a->slot != NULL, "qk_post: kv store without v or slot");
+        CHECK(a->kv.n_kv_heads == a->n_kv_heads && a->kv.head_dim == a->head_dim,
+              "qk_post: kv layer %d x %d heads, args %d x %d", a->kv.n_kv_heads, a->kv.head_dim,
+              a->n_kv_heads, a->head_dim);
+    }
+    return be->ops->qk_post(be, a, err);
+}
+
+pd_status kern_markov_step(kern_backend *be, const kern_markov_step_args *a, pd_err *err)
+{
+    if (a->n == 0)
+        return PD_OK;
+    CHECK(a->n > 0 && a->base != NULL && a->rows != NULL && a->vec != NULL && a->step != NULL,
+          "markov_step: n %d or NULL pointer", a->n);
+    CHECK(weight_ok(&a->w2), "markov_step: bad w2");
+    CHECK(a->ld_base >= a->w2.rows && a->ld_step >= a->w2.rows && a->ld_vec >= a->w2.cols,
+          "markov_step: ld_base %d ld_step %d (V %lld) ld_vec %d (R %lld)", a->ld_base, a->ld_step,
+          (long long)a->w2.rows, a->ld_vec, (long long)a->w2.cols);
+    CHECK(a->w2.rows <= (int64_t)1 << 30, "markov_step: V %lld", (long long)a->w2.rows);
+    return be->ops->markov_step(be, a, err);
+}

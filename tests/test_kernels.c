@@ -7,13 +7,14 @@
  * parts an op must not touch (row padding, guards, unused KV slots) have to come back bit-equal.
  * Usage: test_kernels [--op NAME] [--perf] [--seed N]
  *   --op NAME  run only cases of op NAME (embed, rmsnorm, matmul, rope, unary, binary,
- *              copy_rows, kv_store, attn, argmax, convert, linear; invariance: only the
+ *              copy_rows, kv_store, attn, argmax, convert, linear, qk_post, markov_step; invariance: only the
  *              bit-for-bit batch-invariance checks)
  *   --perf     also run the large perf cases and time every case on CUDA (median of 5 runs of
  *              20 back-to-back calls), printing GB/s, TFLOP/s and the fraction of the roofline
  *   --self     compare the CPU backend with itself (checks this harness on a machine without
  *              a GPU; not a test of anything else)
  * Without a GPU (or a build without CUDA) it prints why and exits 77 (skipped). */
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -309,6 +310,8 @@ static pd_status fn_kv_store(kern_backend *be, const void *a, pd_err *e) { retur
 static pd_status fn_attn(kern_backend *be, const void *a, pd_err *e) { return kern_attn(be, a, e); }
 static pd_status fn_argmax(kern_backend *be, const void *a, pd_err *e) { return kern_argmax(be, a, e); }
 static pd_status fn_linear(kern_backend *be, const void *a, pd_err *e) { return kern_linear(be, a, e); }
+static pd_status fn_qk_post(kern_backend *be, const void *a, pd_err *e) { return kern_qk_post(be, a, e); }
+static pd_status fn_markov_step(kern_backend *be, const void *a, pd_err *e) { return kern_markov_step(be, a, e); }
 
 static double run_embed(run_ctx *x)
 {
@@ -923,6 +926,166 @@ static double run_kv_store(run_ctx *x)
     return e;
 }
 
+/* qk_post: c->rows tokens, heads/kv heads/head_dim, page size; c->sub = 1: also store into the
+ * paged cache (one token gets slot -1). q/k compared by rel L2 against the tolerance; the caches
+ * (bf16 on CUDA, f32 on the CPU) by rel L2 over every value against 8e-3. */
+static double run_qk_post(run_ctx *x)
+{
+    const kcase *c = x->c;
+    int n_tok = c->rows, nh = c->n_heads, nkv = c->n_kv, hd = c->hd, ps = c->page_size;
+    int ld_q = nh * hd + c->pad, ld_kv = nkv * hd + c->pad, row = nkv * hd, store = c->sub & 1;
+    int n_pages = (n_tok + ps - 1) / ps + 1;
+    size_t cache_n = (size_t)n_pages * ps * row;
+    float *q = host_rand((size_t)n_tok * ld_q, -2.0f, 2.0f, 0);
+    float *k = host_rand((size_t)n_tok * ld_kv, -2.0f, 2.0f, 0);
+    float *v = host_rand((size_t)n_tok * ld_kv, -2.0f, 2.0f, 1);
+    float *qn = host_rand((size_t)hd, 0.5f, 1.5f, 1), *kn = host_rand((size_t)hd, 0.5f, 1.5f, 1);
+    float *init = host_rand(cache_n, -1.0f, 1.0f, 1);
+    int32_t *pos = malloc((size_t)n_tok * sizeof(int32_t)), *slot = malloc((size_t)n_tok * sizeof(int32_t));
+    for (int i = 0; i < n_tok; i++) {
+        pos[i] = i == n_tok - 1 ? 40000 : rng_int(8192);
+        slot[i] = i == 1 ? -1 : (int32_t)((i * 7 + 3) % (n_pages * ps));
+    }
+    for (int i = 0; i < n_tok; i++)            /* distinct slots */
+        for (int j = 0; j < i; j++)
+            if (slot[i] >= 0 && slot[i] == slot[j])
+                slot[i] = -1;
+    kern_qk_post_args ac = {0}, ag;
+    ac.ld_q = ld_q;
+    ac.ld_kv = ld_kv;
+    ac.eps = 1e-6f;
+    ac.n_tok = n_tok;
+    ac.n_heads = nh;
+    ac.n_kv_heads = nkv;
+    ac.head_dim = hd;
+    ac.theta = 1000000.0f;
+    ag = ac;
+    ac.q_norm = side_weight(x->cpu, qn, 1, hd);
+    ag.q_norm = side_weight(x->gpu, qn, 1, hd);
+    ac.k_norm = side_weight(x->cpu, kn, 1, hd);
+    ag.k_norm = side_weight(x->gpu, kn, 1, hd);
+    ac.pos = side_bytes(x->cpu, pos, (size_t)n_tok * 4);
+    ag.pos = side_bytes(x->gpu, pos, (size_t)n_tok * 4);
+    ac.v = side_bytes(x->cpu, v, (size_t)n_tok * ld_kv * 4);
+    ag.v = side_bytes(x->gpu, v, (size_t)n_tok * ld_kv * 4);
+    if (store) {
+        ac.slot = side_bytes(x->cpu, slot, (size_t)n_tok * 4);
+        ag.slot = side_bytes(x->gpu, slot, (size_t)n_tok * 4);
+        kern_kv_layer kv = { .page_size = ps, .n_kv_heads = nkv, .head_dim = hd };
+        ac.kv = ag.kv = kv;
+        ac.kv.dtype = x->cpu->be->kv_dtype;
+        ag.kv.dtype = x->gpu->be->kv_dtype;
+        ac.kv.k = side_conv(x->cpu, init, cache_n, ac.kv.dtype);
+        ac.kv.v = side_conv(x->cpu, init, cache_n, ac.kv.dtype);
+        ag.kv.k = side_conv(x->gpu, init, cache_n, ag.kv.dtype);
+        ag.kv.v = side_conv(x->gpu, init, cache_n, ag.kv.dtype);
+    }
+    outbuf oq = out_make(x->cpu, x->gpu, (size_t)n_tok * ld_q, q);
+    outbuf ok = out_make(x->cpu, x->gpu, (size_t)n_tok * ld_kv, k);
+    ac.q = oq.cpu;
+    ag.q = oq.gpu;
+    ac.k = ok.cpu;
+    ag.k = ok.gpu;
+    double e = run_both(x, fn_qk_post, &ac, &ag);
+    double eq = e == 0.0 ? out_check(x->cpu, x->gpu, &oq, "q", n_tok, ld_q, ld_q) : 1e30;
+    double ek = e == 0.0 ? out_check(x->cpu, x->gpu, &ok, "k", n_tok, ld_kv, ld_kv) : 1e30;
+    e = eq > ek ? eq : ek;
+    for (int kvi = 0; store && kvi < 2 && e < 1e29; kvi++) {
+        void *rc = side_download(x->cpu, kvi ? ac.kv.v : ac.kv.k, cache_n * kern_dtype_size(ac.kv.dtype));
+        void *rg = side_download(x->gpu, kvi ? ag.kv.v : ag.kv.k, cache_n * kern_dtype_size(ag.kv.dtype));
+        float *fc = malloc(cache_n * sizeof(float)), *fg = malloc(cache_n * sizeof(float));
+        pd_err err;
+        kern_convert_host(fc, KERN_DTYPE_F32, rc, ac.kv.dtype, cache_n, &err);
+        kern_convert_host(fg, KERN_DTYPE_F32, rg, ag.kv.dtype, cache_n, &err);
+        double num = 0.0, den = 0.0;
+        for (size_t i = 0; i < cache_n; i++) {
+            num += ((double)fc[i] - fg[i]) * ((double)fc[i] - fg[i]);
+            den += (double)fc[i] * fc[i];
+        }
+        double ec = sqrt(num / (den > 0 ? den : 1));
+        if (ec > 8e-3) {    /* a bf16 cache holds the values to ~4e-3 relative */
+            printf("      %s cache: rel_l2 %.3e > 8e-3\n", kvi ? "v" : "k", ec);
+            e = 1e30;
+        }
+        free(rc);
+        free(rg);
+        free(fc);
+        free(fg);
+    }
+    perf_report(x->gpu->be, fn_qk_post, &ag, (double)n_tok * (nh + 2 * nkv) * hd * 8, 0);
+    free(oq.init);
+    free(ok.init);
+    free(q);
+    free(k);
+    free(v);
+    free(qn);
+    free(kn);
+    free(init);
+    free(pos);
+    free(slot);
+    return e;
+}
+
+/* markov_step: c->rows rows, V = c->n, R = c->k; base has 2 rows + 1 per row, picked scattered.
+ * vec is bf16-valued so both sides see the same inputs; ids must match (a mismatch is allowed
+ * only between values equal within 1e-6 relative on the CPU side). */
+static double run_markov_step(run_ctx *x)
+{
+    const kcase *c = x->c;
+    int n = c->rows, V = c->n, R = c->k, nbase = n + 2, ld = V + c->pad;
+    float *base = host_rand((size_t)nbase * ld, -3.0f, 3.0f, 0);
+    float *w2 = host_rand((size_t)V * R, -0.5f, 0.5f, 1);
+    float *vec = host_rand((size_t)n * (R + c->pad), -1.0f, 1.0f, 1);
+    int32_t *rows = malloc((size_t)n * sizeof(int32_t));
+    for (int i = 0; i < n; i++)
+        rows[i] = (i * 5 + 1) % nbase;
+    kern_markov_step_args ac = {0}, ag;
+    ac.ld_base = ld;
+    ac.ld_vec = R + c->pad;
+    ac.n = n;
+    ac.ld_step = ld;
+    ag = ac;
+    ac.base = side_bytes(x->cpu, base, (size_t)nbase * ld * 4);
+    ag.base = side_bytes(x->gpu, base, (size_t)nbase * ld * 4);
+    ac.rows = side_bytes(x->cpu, rows, (size_t)n * 4);
+    ag.rows = side_bytes(x->gpu, rows, (size_t)n * 4);
+    ac.w2 = side_weight(x->cpu, w2, V, R);
+    ag.w2 = side_weight(x->gpu, w2, V, R);
+    ac.vec = side_bytes(x->cpu, vec, (size_t)n * (R + c->pad) * 4);
+    ag.vec = side_bytes(x->gpu, vec, (size_t)n * (R + c->pad) * 4);
+    ac.ids = side_alloc(x->cpu, (size_t)n * 4);
+    ag.ids = side_alloc(x->gpu, (size_t)n * 4);
+    outbuf o = out_make(x->cpu, x->gpu, (size_t)n * ld, NULL);
+    ac.step = o.cpu;
+    ag.step = o.gpu;
+    double e = run_both(x, fn_markov_step, &ac, &ag);
+    float *hs = e == 0.0 ? side_download(x->cpu, o.cpu, (size_t)n * ld * 4) : NULL;
+    if (e == 0.0)
+        e = out_check(x->cpu, x->gpu, &o, "step", n, V, ld);
+    if (hs != NULL) {
+        int32_t *ic = side_download(x->cpu, ac.ids, (size_t)n * 4), *ig = side_download(x->gpu, ag.ids, (size_t)n * 4);
+        for (int r = 0; r < n; r++) {
+            const float *sr = hs + (size_t)r * ld;
+            if (ic[r] != ig[r] && (ig[r] < 0 || ig[r] >= V ||
+                                   fabs((double)sr[ig[r]] - sr[ic[r]]) > 1e-6 * fabs((double)sr[ic[r]]))) {
+                printf("      row %d: argmax cpu %d (%g) cuda %d\n", r, ic[r], (double)sr[ic[r]], ig[r]);
+                e = 1e30;
+            }
+        }
+        free(ic);
+        free(ig);
+        free(hs);
+    }
+    if (o.init != NULL)
+        free(o.init);
+    perf_report(x->gpu->be, fn_markov_step, &ag, (double)V * R * 2 + (double)n * V * 8, 2.0 * n * V * R);
+    free(base);
+    free(w2);
+    free(vec);
+    free(rows);
+    return e;
+}
+
 typedef double (*runner)(run_ctx *x);
 
 static const struct {
@@ -933,6 +1096,7 @@ static const struct {
     {"rope", run_rope}, {"unary", run_unary}, {"binary", run_binary},
     {"copy_rows", run_copy_rows}, {"kv_store", run_kv_store}, {"attn", run_attn},
     {"argmax", run_argmax}, {"convert", run_convert}, {"linear", run_linear},
+    {"qk_post", run_qk_post}, {"markov_step", run_markov_step},
 };
 
 /* Shapes are odd on purpose; F32 paths are held to ~1e-5, bf16 GEMMs (x rounded to bf16 on the
@@ -980,6 +1144,15 @@ static const kcase cases[] = {
     {"linear", 0, 0, 0, 8, 257, 64, 0, 1, 0, 0, 0, NULL, 1e-2, 0},
     {"linear", 0, 0, 0, 300, 1000, 512, 5, 3, 0, 0, 0, NULL, 1e-2, 0},
     {"linear", 0, 0, 0, 33, 520, 2048, 2, 2, 0, 0, 0, NULL, 1e-2, 0},
+    /* qk_post: tokens, heads, kv heads, head_dim, page size; sub 1 = store into the cache */
+    {"qk_post", 1, 0, 0, 0, 0, 0, 1, 32, 8, 128, 16, NULL, 1e-5, 0},
+    {"qk_post", 9, 0, 3, 0, 0, 0, 1, 16, 4, 64, 16, NULL, 1e-5, 0},
+    {"qk_post", 77, 0, 0, 0, 0, 0, 0, 32, 8, 128, 64, NULL, 1e-5, 0},
+    /* markov_step: rows n, V = n, R = k */
+    {"markov_step", 1, 0, 0, 0, 151936, 64, 0, 0, 0, 0, 0, NULL, 1e-2, 0},
+    {"markov_step", 3, 0, 5, 0, 1001, 64, 0, 0, 0, 0, 0, NULL, 1e-2, 0},
+    {"markov_step", 17, 0, 0, 0, 50000, 32, 0, 0, 0, 0, 0, NULL, 1e-2, 0},
+    {"markov_step", 2, 0, 0, 0, 3000, 12, 0, 0, 0, 0, 0, NULL, 1e-2, 0},
     /* attention: heads, kv heads, head_dim, page size, ragged batch */
     {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "d:4095+1", 1e-4, 0},
     {"attn", 0, 0, 4, 0, 0, 0, 0, 32, 8, 128, 16, "d:0+1,d:15+1,d:998+1,d:2999+1,d:63+1", 1e-4, 0},
@@ -1011,6 +1184,10 @@ static const kcase cases[] = {
     {"linear", 0, 0, 0, 32, 9728, 2560, 6, 2, 0, 0, 0, NULL, 1e-2, 1},
     {"linear", 0, 0, 0, 64, 9728, 2560, 6, 2, 0, 0, 0, NULL, 1e-2, 1},
     {"matmul", 0, 0, 0, 1, 12288, 4096, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
+    {"qk_post", 1, 0, 0, 0, 0, 0, 1, 32, 8, 128, 16, NULL, 1e-5, 1},
+    {"qk_post", 8, 0, 0, 0, 0, 0, 1, 32, 8, 128, 16, NULL, 1e-5, 1},
+    {"markov_step", 1, 0, 0, 0, 151936, 64, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
+    {"markov_step", 8, 0, 0, 0, 151936, 64, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
     {"matmul", 0, 0, 0, 17, 9728, 2560, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
     {"matmul", 0, 0, 0, 32, 9728, 2560, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
     {"matmul", 0, 0, 0, 64, 9728, 2560, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
@@ -1029,6 +1206,11 @@ static void case_name(const kcase *c, char *buf, size_t n)
                  c->page_size, c->pad);
     else if (strcmp(c->op, "rope") == 0)
         snprintf(buf, n, "tok %d heads %d hd %d pad %d", c->rows, c->n_heads, c->hd, c->pad);
+    else if (strcmp(c->op, "qk_post") == 0)
+        snprintf(buf, n, "tok %d heads %d/%d hd %d page %d pad %d%s", c->rows, c->n_heads, c->n_kv,
+                 c->hd, c->page_size, c->pad, c->sub & 1 ? " store" : "");
+    else if (strcmp(c->op, "markov_step") == 0)
+        snprintf(buf, n, "rows %d V %d R %d pad %d", c->rows, c->n, c->k, c->pad);
     else if (strcmp(c->op, "linear") == 0)
         snprintf(buf, n, "m %d n %d k %d pad %d w %d %s%s", c->m, c->n, c->k, c->pad, c->n_heads,
                  (c->sub & 3) == 0 ? "store" : (c->sub & 3) == 1 ? "acc" : "swiglu",

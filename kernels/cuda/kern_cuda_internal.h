@@ -30,6 +30,8 @@ typedef struct kern_cuda_ctx {
     void *cublas_ws;           /* fixed cuBLAS workspace (keeps GEMMs graph-capturable) */
     size_t cublas_ws_bytes;
     void *ws;                  /* op scratch, grown on demand; one op uses it at a time */
+    unsigned int *counter;     /* zeroed device word for last-block-done reductions; an op that
+                                  uses it leaves it zero again (markov_step) */
     size_t ws_bytes;
 } kern_cuda_ctx;
 
@@ -142,6 +144,8 @@ pd_status kern_cuda_attn_launch(kern_backend *be, const kern_attn_args *a, pd_er
 pd_status kern_cuda_matmul_launch(kern_backend *be, const kern_matmul_args *a, pd_err *err);
 pd_status kern_cuda_argmax_launch(kern_backend *be, const kern_argmax_args *a, pd_err *err);
 pd_status kern_cuda_linear_launch(kern_backend *be, const kern_linear_args *a, pd_err *err);
+pd_status kern_cuda_qk_post_launch(kern_backend *be, const kern_qk_post_args *a, pd_err *err);
+pd_status kern_cuda_markov_step_launch(kern_backend *be, const kern_markov_step_args *a, pd_err *err);
 /* The skinny tensor-core GEMM behind op linear (kern_cuda_linear.cu), also used by matmul:
  * fits = bf16 weights, k % 8 == 0, 16-byte aligned x/weights and ld_x % 4 == 0. Without
  * be->batch_invariant it is used up to KERN_CUDA_SKINNY_FAST_MAX_M rows, cuBLAS above. */
