@@ -11,6 +11,8 @@
  *              bit-for-bit batch-invariance checks)
  *   --perf     also run the large perf cases and time every case on CUDA (median of 5 runs of
  *              20 back-to-back calls), printing GB/s, TFLOP/s and the fraction of the roofline
+ *   --invariant  run the cases with be->batch_invariant set on the CUDA backend (the kernels of
+ *              decode rounds; e.g. linear uses the skinny kernel for every m, not only m = 1)
  *   --self     compare the CPU backend with itself (checks this harness on a machine without
  *              a GPU; not a test of anything else)
  * Without a GPU (or a build without CUDA) it prints why and exits 77 (skipped). */
@@ -165,6 +167,7 @@ typedef struct {
 typedef struct {
     int opt_perf;
     int opt_self;
+    int opt_invariant;
     const char *opt_op;
     uint64_t seed;
 } options;
@@ -485,10 +488,10 @@ static double run_linear(run_ctx *x)
         ac.ld_y[i] = ag.ld_y[i] = ld_y;
         ybytes += (double)m * n * 4 * (epi == KERN_LINEAR_ACCUMULATE ? 2 : 1);
     }
-    double e = run_both(x, fn_linear, &ac, &ag);
+    double ran = run_both(x, fn_linear, &ac, &ag), e = ran;
     for (int i = 0; i < n_out; i++) {
-        double ei = e == 0.0 ? out_check(x->cpu, x->gpu, &o[i], "y", m, linear_rows(c, i), ac.ld_y[i])
-                             : 1e30;
+        double ei = ran == 0.0 ? out_check(x->cpu, x->gpu, &o[i], "y", m, linear_rows(c, i), ac.ld_y[i])
+                               : 1e30;
         if (o[i].init != NULL)
             free(o[i].init);
         if (ei > e || ei != ei)
@@ -1383,6 +1386,8 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--perf") == 0) {
             opts.opt_perf = 1;
+        } else if (strcmp(argv[i], "--invariant") == 0) {
+            opts.opt_invariant = 1;
         } else if (strcmp(argv[i], "--self") == 0) {
             opts.opt_self = 1;
         } else if (strcmp(argv[i], "--op") == 0 && i + 1 < argc) {
@@ -1390,7 +1395,7 @@ int main(int argc, char **argv)
         } else if (strcmp(argv[i], "--seed") == 0 && i + 1 < argc) {
             opts.seed = strtoull(argv[++i], NULL, 10);
         } else {
-            fprintf(stderr, "usage: %s [--op NAME] [--perf] [--seed N] [--self]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--op NAME] [--perf] [--seed N] [--self] [--invariant]\n", argv[0]);
             return 2;
         }
     }
@@ -1407,6 +1412,7 @@ int main(int argc, char **argv)
     if (fatal_status(kern_backend_create(&cc, &cpu, &err), &err, "cpu backend") ||
         fatal_status(kern_backend_create(&gc, &gpu, &err), &err, "cuda backend"))
         return 1;
+    gpu->batch_invariant = opts.opt_invariant;
     int ran = 0;
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         const kcase *c = &cases[i];

@@ -47,7 +47,7 @@ typedef struct {
 static __device__ __forceinline__ uint4 ld_stream(const __nv_bfloat16 *p)
 {
     uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
     return v;
@@ -56,7 +56,7 @@ static __device__ __forceinline__ uint4 ld_stream(const __nv_bfloat16 *p)
 static __device__ __forceinline__ void mma_bf16(float *c, uint32_t a0, uint32_t a1, uint32_t a2,
                                                 uint32_t a3, uint32_t b0, uint32_t b1)
 {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
                  "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
@@ -111,6 +111,34 @@ static __device__ __forceinline__ void load_x(const sk_params &p, const float *x
     }
 }
 
+/* The RMSNorm weight at the lane's 16 k (zero past k), bf16 or f32, as 16-byte loads. */
+static __device__ __forceinline__ void load_norm(const sk_params &p, int kk, float *gk)
+{
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int k0 = kk + 8 * h;
+        if (k0 >= p.k) {
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                gk[8 * h + i] = 0.0f;
+        } else if (p.norm_bf16) {
+            uint4 u = __ldg((const uint4 *)((const __nv_bfloat16 *)p.norm + k0));
+            const __nv_bfloat162 *hv = (const __nv_bfloat162 *)&u;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                float2 f = __bfloat1622float2(hv[i]);
+                gk[8 * h + 2 * i] = f.x;
+                gk[8 * h + 2 * i + 1] = f.y;
+            }
+        } else {
+            float4 a = __ldg((const float4 *)((const float *)p.norm + k0));
+            float4 c = __ldg((const float4 *)((const float *)p.norm + k0 + 4));
+            gk[8 * h + 0] = a.x; gk[8 * h + 1] = a.y; gk[8 * h + 2] = a.z; gk[8 * h + 3] = a.w;
+            gk[8 * h + 4] = c.x; gk[8 * h + 5] = c.y; gk[8 * h + 6] = c.z; gk[8 * h + 7] = c.w;
+        }
+    }
+}
+
 /* acc += W rows (g, g+8) x the tile's 16 k: mma q takes words 2q, 2q+1 of each W row. */
 static __device__ __forceinline__ void mma_step(float *acc, const wfrag &ra, const wfrag &rb,
                                                 const uint32_t *b)
@@ -124,7 +152,7 @@ static __device__ __forceinline__ void mma_step(float *acc, const wfrag &ra, con
 /* NT: n8 tiles per chunk; EPI: kern_linear_epilogue; U: steps whose W loads are in flight together
  * (load scheduling only: the mma order is the step order whatever U is). */
 template <int NT, int EPI, int U>
-__global__ void __launch_bounds__(SK_THREADS)
+__global__ void __launch_bounds__(SK_THREADS, NT <= 2 ? 2 : 1)
 skinny_kernel(sk_params p)
 {
     constexpr int NWT = EPI == KERN_LINEAR_SWIGLU ? 2 : 1;   /* W tiles per CTA */
@@ -205,8 +233,11 @@ skinny_kernel(sk_params p)
         inv[i] = p.norm != NULL && r < rows ? inv_s[r] : 1.0f;
     }
 
+    /* per iteration: all W loads of U steps, then all x (and norm weight) loads and their bf16
+     * fragments, then the mmas in step order - so both kinds of loads are in flight together */
     for (int s0 = warp; s0 < nsteps; s0 += SK_WARPS * U) {
         wfrag wf[U][NWT][2];
+        uint32_t b[U][NT][8];
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int kk = (s0 + u * SK_WARPS) * SK_STEP + t * 16;
@@ -218,27 +249,23 @@ skinny_kernel(sk_params p)
         }
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            int s = s0 + u * SK_WARPS;
-            if (s >= nsteps)
-                break;
-            int kk = s * SK_STEP + t * 16;
+            int kk = (s0 + u * SK_WARPS) * SK_STEP + t * 16;
             float gk[16];
-            if (p.norm != NULL) {
+            if (p.norm != NULL)
+                load_norm(p, kk, gk);
 #pragma unroll
-                for (int i = 0; i < 16; i++)
-                    gk[i] = kk + i < p.k ? (p.norm_bf16
-                                                ? __bfloat162float(((const __nv_bfloat16 *)p.norm)[kk + i])
-                                                : ((const float *)p.norm)[kk + i])
-                                         : 0.0f;
-            }
+            for (int i = 0; i < NT; i++)
+                load_x(p, kk < p.k ? xrow[i] : NULL, inv[i], gk, kk, b[u][i]);
+        }
 #pragma unroll
-            for (int i = 0; i < NT; i++) {
-                uint32_t b[8];
-                load_x(p, xrow[i], inv[i], gk, kk, b);
+        for (int u = 0; u < U; u++) {
+            if (s0 + u * SK_WARPS >= nsteps)
+                break;
+#pragma unroll
+            for (int i = 0; i < NT; i++)
 #pragma unroll
                 for (int j = 0; j < NWT; j++)
-                    mma_step(acc[j][i], wf[u][j][0], wf[u][j][1], b);
-            }
+                    mma_step(acc[j][i], wf[u][j][0], wf[u][j][1], b[u][i]);
         }
     }
 
@@ -292,7 +319,8 @@ extern "C" int kern_cuda_skinny_fits(const kern_linear_args *a)
 {
     if (a->k % 8 != 0 || a->ld_x % 4 != 0 || !aligned16(a->x))
         return 0;
-    if (a->norm.data != NULL && a->norm.dtype != KERN_DTYPE_BF16 && a->norm.dtype != KERN_DTYPE_F32)
+    if (a->norm.data != NULL && ((a->norm.dtype != KERN_DTYPE_BF16 && a->norm.dtype != KERN_DTYPE_F32) ||
+                                 !aligned16(a->norm.data)))
         return 0;
     for (int i = 0; i < a->n_w; i++)
         if (a->w[i].dtype != KERN_DTYPE_BF16 || !aligned16(a->w[i].data))
@@ -303,10 +331,10 @@ extern "C" int kern_cuda_skinny_fits(const kern_linear_args *a)
 template <int NT, int EPI>
 static void launch_nt(const sk_params &p, dim3 grid, cudaStream_t s)
 {
-    /* W loads in flight per thread: 16 x 16 bytes for one tile, fewer where registers go to the
-     * accumulators of more tiles (or of two weights) */
-    constexpr int U0 = NT == 1 ? 4 : NT == 2 ? 2 : 1;
-    constexpr int U = EPI == KERN_LINEAR_SWIGLU && U0 > 1 ? U0 / 2 : U0;
+    /* steps whose loads are in flight together: 3 (12 x 16 bytes of W per thread) for one tile,
+     * fewer where registers go to more tiles or to two weights (swiglu) - sized so that NT <= 2
+     * fits 2 CTAs per SM without spills (launch bounds) */
+    constexpr int U = EPI == KERN_LINEAR_SWIGLU ? (NT == 1 ? 2 : 1) : (NT == 1 ? 3 : NT == 2 ? 2 : 1);
     skinny_kernel<NT, EPI, U><<<grid, SK_THREADS, 0, s>>>(p);
 }
 
