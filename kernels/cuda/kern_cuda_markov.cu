@@ -121,30 +121,14 @@ markov_step_kernel(kern_markov_step_args a, int V, int R, int chunk, float *part
 static pd_status markov_composed(kern_backend *be, const kern_markov_step_args *a, pd_err *err)
 {
     int V = (int)a->w2.rows, R = (int)a->w2.cols;
-    kern_copy_rows_args cp;
-    memset(&cp, 0, sizeof(cp));
-    cp.src = a->base;
-    cp.ld_src = a->ld_base;
-    cp.idx = a->rows;
-    cp.dst = a->step;
-    cp.ld_dst = a->ld_step;
-    cp.rows = a->n;
-    cp.cols = V;
+    kern_copy_rows_args cp = { .src = a->base, .ld_src = a->ld_base, .idx = a->rows, .dst = a->step,
+                               .ld_dst = a->ld_step, .rows = a->n, .cols = V };
+    kern_matmul_args mm = { .x = a->vec, .ld_x = a->ld_vec, .w = a->w2, .bias = {}, .y = a->step,
+                            .ld_y = a->ld_step, .m = a->n, .n = V, .k = R, .accumulate = 1 };
+    kern_argmax_args am = { .x = a->step, .ld_x = a->ld_step, .rows = a->n, .n = V, .out = a->ids };
     pd_status st = kern_cuda_copy_rows_launch(be, &cp, err);
-    kern_matmul_args mm;
-    memset(&mm, 0, sizeof(mm));
-    mm.x = a->vec;
-    mm.ld_x = a->ld_vec;
-    mm.w = a->w2;
-    mm.y = a->step;
-    mm.ld_y = a->ld_step;
-    mm.m = a->n;
-    mm.n = V;
-    mm.k = R;
-    mm.accumulate = 1;
     if (st == PD_OK)
         st = kern_cuda_matmul_launch(be, &mm, err);
-    kern_argmax_args am = { a->step, a->ld_step, a->n, V, a->ids };
     if (st == PD_OK && a->ids != NULL)
         st = kern_cuda_argmax_launch(be, &am, err);
     return st;

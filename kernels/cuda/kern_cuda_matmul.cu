@@ -66,19 +66,30 @@ extern "C" pd_status kern_cuda_gemm_cublas(kern_cuda_ctx *c, const kern_matmul_a
     return PD_OK;
 }
 
+/* The product as op linear's one-weight form (the skinny kernel's arguments). */
+static kern_linear_args as_linear(const kern_matmul_args *a)
+{
+    kern_linear_args la;
+    memset(&la, 0, sizeof(la));
+    la.x = a->x;
+    la.ld_x = a->ld_x;
+    la.m = a->m;
+    la.k = a->k;
+    la.n_w = 1;
+    la.w[0] = a->w;
+    la.y[0] = a->y;
+    la.ld_y[0] = a->ld_y;
+    la.epilogue = a->accumulate ? KERN_LINEAR_ACCUMULATE : KERN_LINEAR_STORE;
+    return la;
+}
+
 static int skinny_wanted(kern_backend *be, const kern_matmul_args *a)
 {
     if (a->w.dtype != KERN_DTYPE_BF16)
         return 0;
     if (!be->batch_invariant && (a->m > KERN_CUDA_SKINNY_FAST_MAX_M || a->k < 256))
         return 0;
-    kern_linear_args la;
-    memset(&la, 0, sizeof(la));
-    la.x = a->x;
-    la.ld_x = a->ld_x;
-    la.k = a->k;
-    la.n_w = 1;
-    la.w[0] = a->w;
+    kern_linear_args la = as_linear(a);
     return kern_cuda_skinny_fits(&la);
 }
 
@@ -100,17 +111,7 @@ extern "C" pd_status kern_cuda_matmul_launch(kern_backend *be, const kern_matmul
                                   a->ld_y),
                       err);
     } else if (skinny_wanted(be, a)) {
-        kern_linear_args la;
-        memset(&la, 0, sizeof(la));
-        la.x = a->x;
-        la.ld_x = a->ld_x;
-        la.m = a->m;
-        la.k = a->k;
-        la.n_w = 1;
-        la.w[0] = a->w;
-        la.y[0] = a->y;
-        la.ld_y[0] = a->ld_y;
-        la.epilogue = a->accumulate ? KERN_LINEAR_ACCUMULATE : KERN_LINEAR_STORE;
+        kern_linear_args la = as_linear(a);
         pd_status st = kern_cuda_skinny_launch(c, &la, err);
         if (st != PD_OK)
             return st;
