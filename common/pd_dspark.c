@@ -32,8 +32,8 @@ struct pd_draft {
     kern_buf *step;             /* per-step scratch, see step_layout() */
     float *step_logits, *w1prev, *feat, *proj, *state, *tmp, *gate, *conf;
     kern_buf *ibuf;             /* int32: prev [cap_req] | row idx [cap_req] | chain rows [B][cap_req]
-                                 * | chain ids [B][cap_req] */
-    int32_t *prev_dev, *rows_dev, *chain_rows, *chain_ids;
+                                 * | chain ids [B][cap_req] | step ids [cap_req] */
+    int32_t *prev_dev, *rows_dev, *chain_rows, *chain_ids, *ids_dev;
     float *chain_conf;          /* [B][cap_req] confidence logits of a chained round */
     pd_graph_cache graphs;
 };
@@ -78,6 +78,7 @@ const float *pd_draft_ctx_feature(const pd_draft *d) { return d->ctx != NULL ? d
 const float *pd_draft_block_hidden(const pd_draft *d) { return d->block_hidden; }
 const float *pd_draft_base_logits(const pd_draft *d) { return d->base_logits; }
 const float *pd_draft_step_logits(const pd_draft *d) { return d->step_logits; }
+const int32_t *pd_draft_step_ids(const pd_draft *d) { return d->ids_dev; }
 const float *pd_draft_head_gate(const pd_draft *d) { return d->gate; }
 const float *pd_draft_head_state(const pd_draft *d) { return d->state; }
 
@@ -169,7 +170,7 @@ static pd_status ensure_req(pd_draft *d, int n_req, pd_err *err)
     if (st == PD_OK)
         st = kern_buf_alloc(be, per * cap * sizeof(float), &step, err);
     if (st == PD_OK)
-        st = kern_buf_alloc(be, (size_t)(2 + 2 * B) * cap * sizeof(int32_t), &ib, err);
+        st = kern_buf_alloc(be, (size_t)(3 + 2 * B) * cap * sizeof(int32_t), &ib, err);
     if (st != PD_OK) {
         kern_buf_free(blk);
         kern_buf_free(step);
@@ -199,6 +200,7 @@ static pd_status ensure_req(pd_draft *d, int n_req, pd_err *err)
     d->rows_dev = (int32_t *)ib->ptr + cap;
     d->chain_rows = d->rows_dev + cap;
     d->chain_ids = d->chain_rows + (size_t)B * cap;
+    d->ids_dev = d->chain_ids + (size_t)B * cap;
     return PD_OK;
 }
 
@@ -262,27 +264,37 @@ pd_status pd_draft_block(pd_draft *d, int n_req, const int32_t *anchor, const in
 }
 
 /* Markov step k on the device for the n_req rows of the last block: prev_dev [n] the previous
- * tokens, rows_dev [n] the block rows r * B + k (backend memory); confidence logits into
- * conf_dev [n] when it is set and the draft has the head. Capturable (no host round trips). */
+ * tokens, rows_dev [n] the block rows r * B + k (backend memory); the step logits' argmax ids
+ * into ids_dev [n]; confidence logits into conf_dev [n] when it is set and the draft has the
+ * head. Capturable (no host round trips). */
 static pd_status markov_step_dev(pd_draft *d, int k, const int32_t *prev_dev, const int32_t *rows_dev,
-                                 float *conf_dev, pd_err *err)
+                                 int32_t *ids_dev, float *conf_dev, pd_err *err)
 {
     const pd_dspark_model *m = d->m;
     kern_backend *be = m->be;
     int n = d->n_req, H = d->H, V = d->V, R = d->R;
     /* h_k rows of every request, and the base logits row k as the starting point */
     float *hk = d->feat;  /* feat layout depends on the head; h_k is placed where each needs it */
-    TRY(copy_cols(be, d->base_logits, V, d->step_logits, V, n, V, rows_dev, err));
+    /* step_logits = base_logits row k + W2 vec, with the argmax ids, in one markov_step launch;
+     * vec is w1[prev] (vanilla), gate * w1[prev] (gated) or tanh(o) (rnn) */
+    kern_markov_step_args ms = { .base = d->base_logits, .ld_base = V, .rows = rows_dev,
+                                 .w2 = m->markov_w2, .ld_vec = R, .n = n, .step = d->step_logits,
+                                 .ld_step = V, .ids = ids_dev };
     if (m->cfg.markov_type != PD_MARKOV_NONE) {
         kern_embed_args em = { .table = m->markov_w1, .ids = prev_dev, .n = n, .out = d->w1prev,
                                .ld_out = R };
         TRY(kern_embed(be, &em, err));
     }
     switch (m->cfg.markov_type) {
-    case PD_MARKOV_NONE:
+    case PD_MARKOV_NONE: {
+        TRY(copy_cols(be, d->base_logits, V, d->step_logits, V, n, V, rows_dev, err));
+        kern_argmax_args am = { .x = d->step_logits, .ld_x = V, .rows = n, .n = V, .out = ids_dev };
+        TRY(kern_argmax(be, &am, err));
         break;
+    }
     case PD_MARKOV_VANILLA:
-        TRY(linear(be, d->w1prev, R, &m->markov_w2, NULL, d->step_logits, V, n, 1, err));
+        ms.vec = d->w1prev;
+        TRY(kern_markov_step(be, &ms, err));
         break;
     case PD_MARKOV_GATED: {
         /* gate = sigmoid(W_g [h_k ; w1[prev]] + b_g); bias = W2 (gate * w1[prev]) */
@@ -296,7 +308,8 @@ static pd_status markov_step_dev(pd_draft *d, int k, const int32_t *prev_dev, co
         kern_binary_args mul = { .op = KERN_BINARY_MUL, .a = d->gate, .ld_a = R, .b = d->w1prev,
                                  .ld_b = R, .out = d->tmp, .ld_out = R, .rows = n, .cols = R };
         TRY(kern_binary(be, &mul, err));
-        TRY(linear(be, d->tmp, R, &m->markov_w2, NULL, d->step_logits, V, n, 1, err));
+        ms.vec = d->tmp;
+        TRY(kern_markov_step(be, &ms, err));
         break;
     }
     case PD_MARKOV_RNN: {
@@ -327,7 +340,8 @@ static pd_status markov_step_dev(pd_draft *d, int k, const int32_t *prev_dev, co
         kern_unary_args oa = { .op = KERN_UNARY_TANH, .x = d->proj + 2 * R, .ld_x = 3 * R, .out = d->tmp,
                                .ld_out = R, .rows = n, .cols = R };
         TRY(kern_unary(be, &oa, err));
-        TRY(linear(be, d->tmp, R, &m->markov_w2, NULL, d->step_logits, V, n, 1, err));
+        ms.vec = d->tmp;
+        TRY(kern_markov_step(be, &ms, err));
         break;
     }
     }
@@ -364,7 +378,7 @@ pd_status pd_draft_markov_step(pd_draft *d, int k, const int32_t *prev, float *c
     if (st != PD_OK)
         return st;
     TRY(kern_upload(be, d->prev_dev, prev, (size_t)n * sizeof(int32_t), err));
-    TRY(markov_step_dev(d, k, d->prev_dev, d->rows_dev, conf_out != NULL ? d->conf : NULL, err));
+    TRY(markov_step_dev(d, k, d->prev_dev, d->rows_dev, d->ids_dev, conf_out != NULL ? d->conf : NULL, err));
     if (conf_out != NULL && d->m->cfg.enable_confidence_head && d->m->conf_w.data != NULL)
         TRY(kern_download(be, conf_out, d->conf, (size_t)n * sizeof(float), err));
     return PD_OK;
@@ -381,16 +395,12 @@ static pd_status round_step_run(void *ud, pd_err *err)
 {
     round_step *s = ud;
     pd_draft *d = s->d;
-    kern_backend *be = d->m->be;
-    int n = d->n_req, cap = d->cap_req;
+    int cap = d->cap_req;
     TRY(block_dev(d, s->n_rows, s->n_seq, s->pt_stride, s->max_kv, err));
     for (int k = 0; k < d->B; k++) {
         const int32_t *prev = k == 0 ? d->prev_dev : d->chain_ids + (size_t)(k - 1) * cap;
-        TRY(markov_step_dev(d, k, prev, d->chain_rows + (size_t)k * cap,
+        TRY(markov_step_dev(d, k, prev, d->chain_rows + (size_t)k * cap, d->chain_ids + (size_t)k * cap,
                             s->conf ? d->chain_conf + (size_t)k * cap : NULL, err));
-        kern_argmax_args am = { .x = d->step_logits, .ld_x = d->V, .rows = n,
-                                .n = d->V, .out = d->chain_ids + (size_t)k * cap };
-        TRY(kern_argmax(be, &am, err));
     }
     return PD_OK;
 }

@@ -59,6 +59,10 @@ const float *pd_draft_ctx_feature(const pd_draft *d);   /* [n_tok of last extend
 const float *pd_draft_block_hidden(const pd_draft *d);  /* [n_req * B, hidden], after final norm */
 const float *pd_draft_base_logits(const pd_draft *d);   /* [n_req * B, vocab] */
 const float *pd_draft_step_logits(const pd_draft *d);   /* [n_req, vocab] of the last step */
+/* int32 [n_req]: argmax of each row of the last step's logits (lowest index wins a tie, as
+ * kern_argmax), computed in the same launch as the logits (kern_markov_step); a caller that
+ * chains the Markov loop on the device can take prev from here instead of its own argmax. */
+const int32_t *pd_draft_step_ids(const pd_draft *d);
 /* Head internals of the last step (for tests): gated gate [n_req, rank]; rnn state [n_req, rank]. */
 const float *pd_draft_head_gate(const pd_draft *d);
 const float *pd_draft_head_state(const pd_draft *d);

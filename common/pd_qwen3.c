@@ -197,42 +197,68 @@ static pd_status rmsnorm(kern_backend *be, const float *x, float *out, const ker
     return kern_rmsnorm(be, &r, err);
 }
 
+/* k/v projections of in (2 weights, one launch), then k_norm + RoPE (+ the cache store when
+ * kv != NULL) in one qk_post launch */
+static pd_status layer_kv(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
+                          const kern_kv_layer *kv, const float *in, int n_tok, pd_err *err)
+{
+    kern_linear_args li = {
+        .x = in, .ld_x = a->hidden, .m = n_tok, .k = a->hidden, .n_w = 2,
+        .w = { lw->k_proj, lw->v_proj }, .y = { a->k, a->v }, .ld_y = { a->kv_dim, a->kv_dim },
+        .epilogue = KERN_LINEAR_STORE,
+    };
+    TRY(kern_linear(a->be, &li, err));
+    kern_qk_post_args qp = {
+        .k = a->k, .v = a->v, .ld_kv = a->kv_dim, .q_norm = lw->k_norm, .k_norm = lw->k_norm,
+        .eps = cfg->rms_norm_eps, .n_tok = n_tok, .n_heads = 0,
+        .n_kv_heads = cfg->num_key_value_heads, .head_dim = cfg->head_dim, .pos = a->pos,
+        .theta = cfg->rope_theta, .slot = a->slot,
+    };
+    if (kv != NULL)
+        qp.kv = *kv;
+    return kern_qk_post(a->be, &qp, err);
+}
+
 pd_status pd_layer_kv(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
                       const float *in, int n_tok, pd_err *err)
 {
-    kern_backend *be = a->be;
-    int hd = cfg->head_dim, nkv = cfg->num_key_value_heads;
-    TRY(linear(be, in, a->hidden, &lw->k_proj, a->k, a->kv_dim, n_tok, 0, err));
-    TRY(linear(be, in, a->hidden, &lw->v_proj, a->v, a->kv_dim, n_tok, 0, err));
-    TRY(rmsnorm(be, a->k, a->k, &lw->k_norm, n_tok * nkv, hd, cfg->rms_norm_eps, err));
-    kern_rope_args rk = { .x = a->k, .n_tok = n_tok, .n_heads = nkv, .head_dim = hd, .ld = a->kv_dim,
-                          .pos = a->pos, .theta = cfg->rope_theta };
-    return kern_rope(be, &rk, err);
+    return layer_kv(a, cfg, lw, NULL, in, n_tok, err);
 }
 
 /* k = rope(k_norm(in Wk^T)), v = in Wv^T, stored at a->slot; leaves k/v in a->k, a->v. */
 pd_status pd_layer_store_kv(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
                             kern_kv_layer kv, const float *in, int n_tok, pd_err *err)
 {
-    TRY(pd_layer_kv(a, cfg, lw, in, n_tok, err));
-    kern_kv_store_args ks = { .kv = kv, .k = a->k, .v = a->v, .ld = a->kv_dim, .slot = a->slot,
-                              .n_tok = n_tok };
-    return kern_kv_store(a->be, &ks, err);
+    return layer_kv(a, cfg, lw, &kv, in, n_tok, err);
+}
+
+/* input_norm + q/k/v projections in one linear launch, q/k norm + RoPE (+ the cache store when
+ * kv != NULL) in one qk_post launch */
+static pd_status layer_qkv(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
+                           const kern_kv_layer *kv, int n_tok, pd_err *err)
+{
+    kern_linear_args li = {
+        .x = a->x, .ld_x = a->hidden, .m = n_tok, .k = a->hidden, .norm = lw->input_norm,
+        .eps = cfg->rms_norm_eps, .n_w = 3, .w = { lw->q_proj, lw->k_proj, lw->v_proj },
+        .y = { a->q, a->k, a->v }, .ld_y = { a->q_dim, a->kv_dim, a->kv_dim },
+        .epilogue = KERN_LINEAR_STORE,
+    };
+    TRY(kern_linear(a->be, &li, err));
+    kern_qk_post_args qp = {
+        .q = a->q, .ld_q = a->q_dim, .k = a->k, .v = a->v, .ld_kv = a->kv_dim,
+        .q_norm = lw->q_norm, .k_norm = lw->k_norm, .eps = cfg->rms_norm_eps, .n_tok = n_tok,
+        .n_heads = cfg->num_attention_heads, .n_kv_heads = cfg->num_key_value_heads,
+        .head_dim = cfg->head_dim, .pos = a->pos, .theta = cfg->rope_theta, .slot = a->slot,
+    };
+    if (kv != NULL)
+        qp.kv = *kv;
+    return kern_qk_post(a->be, &qp, err);
 }
 
 pd_status pd_layer_qkv(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw, int n_tok,
                        pd_err *err)
 {
-    kern_backend *be = a->be;
-    int H = a->hidden, hd = cfg->head_dim, nh = cfg->num_attention_heads;
-    float eps = cfg->rms_norm_eps;
-    TRY(rmsnorm(be, a->x, a->h, &lw->input_norm, n_tok, H, eps, err));
-    TRY(linear(be, a->h, H, &lw->q_proj, a->q, a->q_dim, n_tok, 0, err));
-    TRY(rmsnorm(be, a->q, a->q, &lw->q_norm, n_tok * nh, hd, eps, err));
-    kern_rope_args rq = { .x = a->q, .n_tok = n_tok, .n_heads = nh, .head_dim = hd, .ld = a->q_dim,
-                          .pos = a->pos, .theta = cfg->rope_theta };
-    TRY(kern_rope(be, &rq, err));
-    return pd_layer_kv(a, cfg, lw, a->h, n_tok, err);
+    return layer_qkv(a, cfg, lw, NULL, n_tok, err);
 }
 
 pd_status pd_layer_attn_mlp(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
@@ -241,7 +267,6 @@ pd_status pd_layer_attn_mlp(pd_act *a, const pd_qwen3_config *cfg, const pd_laye
 {
     kern_backend *be = a->be;
     int H = a->hidden, hd = cfg->head_dim, nh = cfg->num_attention_heads;
-    float eps = cfg->rms_norm_eps;
     kern_attn_args at = {
         .kv = kv, .q = a->q, .ld_q = a->q_dim, .out = a->o, .ld_out = a->q_dim, .n_tok = n_tok,
         .n_heads = nh, .tok_seq = a->seq, .tok_kv_len = a->kv_len, .page_table = a->page_table,
@@ -249,25 +274,30 @@ pd_status pd_layer_attn_mlp(pd_act *a, const pd_qwen3_config *cfg, const pd_laye
         .scale = (float)(1.0 / sqrt((double)hd)),
     };
     TRY(kern_attn(be, &at, err));
-    TRY(linear(be, a->o, a->q_dim, &lw->o_proj, a->x, H, n_tok, 1, err));
-    TRY(rmsnorm(be, a->x, a->h, &lw->post_norm, n_tok, H, eps, err));
-    TRY(linear(be, a->h, H, &lw->gate_proj, a->g, a->inter, n_tok, 0, err));
-    TRY(linear(be, a->h, H, &lw->up_proj, a->u, a->inter, n_tok, 0, err));
-    kern_binary_args sw = { .op = KERN_BINARY_SWIGLU, .a = a->g, .ld_a = a->inter, .b = a->u,
-                            .ld_b = a->inter, .out = a->g, .ld_out = a->inter, .rows = n_tok,
-                            .cols = a->inter };
-    TRY(kern_binary(be, &sw, err));
-    return linear(be, a->g, a->inter, &lw->down_proj, a->x, H, n_tok, 1, err);
+    /* x += o Wo^T; g = silu(post_norm(x) Wg^T) * (post_norm(x) Wu^T); x += g Wd^T */
+    kern_linear_args op = {
+        .x = a->o, .ld_x = a->q_dim, .m = n_tok, .k = a->q_dim, .n_w = 1, .w = { lw->o_proj },
+        .y = { a->x }, .ld_y = { H }, .epilogue = KERN_LINEAR_ACCUMULATE,
+    };
+    TRY(kern_linear(be, &op, err));
+    kern_linear_args gu = {
+        .x = a->x, .ld_x = H, .m = n_tok, .k = H, .norm = lw->post_norm, .eps = cfg->rms_norm_eps,
+        .n_w = 2, .w = { lw->gate_proj, lw->up_proj }, .y = { a->g }, .ld_y = { a->inter },
+        .epilogue = KERN_LINEAR_SWIGLU,
+    };
+    TRY(kern_linear(be, &gu, err));
+    kern_linear_args dn = {
+        .x = a->g, .ld_x = a->inter, .m = n_tok, .k = a->inter, .n_w = 1, .w = { lw->down_proj },
+        .y = { a->x }, .ld_y = { H }, .epilogue = KERN_LINEAR_ACCUMULATE,
+    };
+    return kern_linear(be, &dn, err);
 }
 
 pd_status pd_layer_forward(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
                            kern_kv_layer kv, int n_tok, int n_seq, int pt_stride, int max_kv,
                            pd_err *err)
 {
-    TRY(pd_layer_qkv(a, cfg, lw, n_tok, err));
-    kern_kv_store_args ks = { .kv = kv, .k = a->k, .v = a->v, .ld = a->kv_dim, .slot = a->slot,
-                              .n_tok = n_tok };
-    TRY(kern_kv_store(a->be, &ks, err));
+    TRY(layer_qkv(a, cfg, lw, &kv, n_tok, err));
     return pd_layer_attn_mlp(a, cfg, lw, kv, n_tok, n_seq, pt_stride, max_kv, err);
 }
 

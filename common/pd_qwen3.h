@@ -69,8 +69,9 @@ pd_status pd_layer_store_kv(pd_act *a, const pd_qwen3_config *cfg, const pd_laye
 /* The pieces of pd_layer_forward, for a caller that moves K/V between computing and storing
  * them (the context-parallel prefill all-gathers them, pd_cp_prefill.c). pd_layer_forward is
  * pd_layer_qkv, kern_kv_store of a->k/a->v at a->slot, then pd_layer_attn_mlp; all run on a->be.
- * pd_layer_qkv: h = input_norm(x); q = rope(q_norm(h Wq^T)) into a->q [n_tok, q_dim];
- *   k/v of h as pd_layer_kv. Stores nothing.
+ * pd_layer_qkv: h = input_norm(x) (never materialised: fused into the projections, one
+ *   kern_linear launch for q/k/v); q = rope(q_norm(h Wq^T)) into a->q [n_tok, q_dim]; k/v of h
+ *   as pd_layer_kv (q/k norm + RoPE in one kern_qk_post launch). Stores nothing.
  * pd_layer_kv: k = rope(k_norm(in Wk^T)) at a->pos into a->k, v = in Wv^T into a->v, both
  *   [n_tok, kv_dim] with row stride kv_dim.
  * pd_layer_attn_mlp: attention of a->q over the pages of kv (a->seq, a->kv_len,

@@ -841,17 +841,15 @@ static pd_status dchain_run(draft_fwd *f, pd_err *err)
         st = kern_matmul(be, &lm, err);
     for (int k = 0; k < B && st == PD_OK; k++) {
         const int32_t *prev = k == 0 ? f->prev0 : f->toks + (size_t)(k - 1) * f->cap;
-        kern_copy_rows_args cp = { .src = f->base, .ld_src = V, .idx = f->rows + (size_t)k * n,
-                                   .dst = f->step, .ld_dst = V, .rows = n, .cols = V };
         kern_embed_args w1 = { .table = dm->markov_w1, .ids = prev, .n = n, .out = f->w1p,
                                .ld_out = R };
-        kern_matmul_args w2 = { .x = f->w1p, .ld_x = R, .w = dm->markov_w2, .y = f->step,
-                                .ld_y = V, .m = n, .n = V, .k = R, .accumulate = 1 };
-        kern_argmax_args am = { .x = f->step, .ld_x = V, .rows = n, .n = V,
-                                .out = f->toks + (size_t)k * f->cap };
-        if ((st = kern_copy_rows(be, &cp, err)) == PD_OK && (st = kern_embed(be, &w1, err)) == PD_OK &&
-            (st = kern_matmul(be, &w2, err)) == PD_OK)
-            st = kern_argmax(be, &am, err);
+        /* base row + W2 w1[prev] and its argmax in one launch, as pd_draft_markov_step */
+        kern_markov_step_args ms = { .base = f->base, .ld_base = V, .rows = f->rows + (size_t)k * n,
+                                     .w2 = dm->markov_w2, .vec = f->w1p, .ld_vec = R, .n = n,
+                                     .step = f->step, .ld_step = V,
+                                     .ids = f->toks + (size_t)k * f->cap };
+        if ((st = kern_embed(be, &w1, err)) == PD_OK)
+            st = kern_markov_step(be, &ms, err);
     }
     return st;
 }

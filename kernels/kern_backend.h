@@ -185,6 +185,73 @@ typedef struct {
     int32_t *out;
 } kern_argmax_args;
 
+/* Fused linear layer of a decoder block: n_w weights that share one input x [m, k].
+ *   x' = norm.data ? rmsnorm(x) * norm (per row, eps) : x
+ *   STORE:      y[i][r, 0:n_i]  = x'[r] @ w[i]^T            for i < n_w (QKV in one op: 3 weights)
+ *   ACCUMULATE: y[i][r, 0:n_i] += x'[r] @ w[i]^T            (the residual add of o_proj/down_proj)
+ *   SWIGLU:     y[0][r, 0:n]    = silu(x'[r] @ w[0]^T) * (x'[r] @ w[1]^T)   (n_w = 2: gate, up)
+ * On CUDA (bf16 weights) x' is rounded to bf16 and products accumulate in fp32, as kern_matmul.
+ * With be->batch_invariant each row's result is bit-identical whatever else is in the batch.
+ * No y[i] may overlap x (rows of y are written while other rows of x are still being read). */
+typedef enum { KERN_LINEAR_STORE = 0, KERN_LINEAR_ACCUMULATE, KERN_LINEAR_SWIGLU } kern_linear_epilogue;
+#define KERN_LINEAR_MAX_W 3
+typedef struct {
+    const float *x;          /* [m, ld_x] */
+    int ld_x;
+    int m;
+    int k;
+    kern_weight norm;        /* nullable data, [k] */
+    float eps;
+    int n_w;                 /* 1..KERN_LINEAR_MAX_W; SWIGLU: 2 */
+    kern_weight w[KERN_LINEAR_MAX_W];     /* [n_i, k] */
+    float *y[KERN_LINEAR_MAX_W];          /* [m, ld_y[i]]; SWIGLU writes y[0] only */
+    int ld_y[KERN_LINEAR_MAX_W];
+    kern_linear_epilogue epilogue;
+} kern_linear_args;
+
+/* Qwen3 q/k post-processing of a QKV projection, per token t:
+ *   every q head and k head: x = norm_w * rmsnorm(x) over head_dim (q_norm / k_norm, eps), then
+ *   rotate-half RoPE at pos[t] (theta), both written back in place (q [n_tok, ld_q] stays the
+ *   attention's query rows, k [n_tok, ld_kv] the rows a context-parallel prefill gathers);
+ *   if kv.k != NULL, k and v (v [n_tok, ld_kv], unchanged) are also stored at slot[t] of the
+ *   paged cache as kern_kv_store does (a negative slot skips the token). n_heads may be 0 (k/v
+ *   only; q may then be NULL). */
+typedef struct {
+    float *q;
+    int ld_q;
+    float *k;
+    const float *v;
+    int ld_kv;
+    kern_weight q_norm;      /* [head_dim] */
+    kern_weight k_norm;      /* [head_dim] */
+    float eps;
+    int n_tok;
+    int n_heads;
+    int n_kv_heads;
+    int head_dim;
+    const int32_t *pos;      /* [n_tok] */
+    float theta;
+    kern_kv_layer kv;        /* kv.k == NULL: store nothing */
+    const int32_t *slot;     /* [n_tok], needed when kv.k != NULL */
+} kern_qk_post_args;
+
+/* One step of the DSpark Markov head for n rows, with the greedy pick:
+ *   step[r, :] = base[rows[r], :] + w2 @ vec[r, :]   (w2 [V, R], vec [n, ld_vec] with R values)
+ *   ids[r] = argmax step[r, :] (lowest index wins a tie, as kern_argmax). ids is nullable.
+ * On CUDA vec is rounded to bf16 (as matmul rounds x) and the dots accumulate in fp32. */
+typedef struct {
+    const float *base;       /* [*, ld_base] */
+    int ld_base;
+    const int32_t *rows;     /* [n] rows of base */
+    kern_weight w2;          /* [V, R] */
+    const float *vec;        /* [n, ld_vec] */
+    int ld_vec;
+    int n;
+    float *step;             /* [n, ld_step] */
+    int ld_step;
+    int32_t *ids;            /* [n], nullable */
+} kern_markov_step_args;
+
 /* ---- the backend ------------------------------------------------------------------------- */
 
 struct kern_backend_ops {
@@ -219,6 +286,9 @@ struct kern_backend_ops {
     pd_status (*kv_store)(kern_backend *be, const kern_kv_store_args *a, pd_err *err);
     pd_status (*attn)(kern_backend *be, const kern_attn_args *a, pd_err *err);
     pd_status (*argmax)(kern_backend *be, const kern_argmax_args *a, pd_err *err);
+    pd_status (*linear)(kern_backend *be, const kern_linear_args *a, pd_err *err);
+    pd_status (*qk_post)(kern_backend *be, const kern_qk_post_args *a, pd_err *err);
+    pd_status (*markov_step)(kern_backend *be, const kern_markov_step_args *a, pd_err *err);
     void (*destroy)(kern_backend *be);
 };
 
@@ -276,6 +346,9 @@ pd_status kern_copy_rows(kern_backend *be, const kern_copy_rows_args *a, pd_err 
 pd_status kern_kv_store(kern_backend *be, const kern_kv_store_args *a, pd_err *err);
 pd_status kern_attn(kern_backend *be, const kern_attn_args *a, pd_err *err);
 pd_status kern_argmax(kern_backend *be, const kern_argmax_args *a, pd_err *err);
+pd_status kern_linear(kern_backend *be, const kern_linear_args *a, pd_err *err);
+pd_status kern_qk_post(kern_backend *be, const kern_qk_post_args *a, pd_err *err);
+pd_status kern_markov_step(kern_backend *be, const kern_markov_step_args *a, pd_err *err);
 
 /* Host helpers for dtype conversion (used by loaders and the CPU backend). */
 float kern_bf16_to_f32(uint16_t h);

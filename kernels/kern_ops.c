@@ -239,3 +239,82 @@ pd_status kern_argmax(kern_backend *be, const kern_argmax_args *a, pd_err *err)
           "argmax: bad view");
     return be->ops->argmax(be, a, err);
 }
+
+pd_status kern_linear(kern_backend *be, const kern_linear_args *a, pd_err *err)
+{
+    if (a->m == 0)
+        return PD_OK;
+    CHECK(a->m > 0 && a->k > 0, "linear: m %d k %d", a->m, a->k);
+    CHECK(a->x != NULL && a->ld_x >= a->k, "linear: NULL x or ld_x %d < k %d", a->ld_x, a->k);
+    CHECK(a->n_w >= 1 && a->n_w <= KERN_LINEAR_MAX_W, "linear: %d weights", a->n_w);
+    CHECK(a->epilogue >= KERN_LINEAR_STORE && a->epilogue <= KERN_LINEAR_SWIGLU,
+          "linear: epilogue %d", (int)a->epilogue);
+    CHECK(a->epilogue != KERN_LINEAR_SWIGLU || a->n_w == 2,
+          "linear: swiglu needs 2 weights (gate, up), got %d", a->n_w);
+    if (a->norm.data != NULL) {
+        CHECK(weight_ok(&a->norm) && a->norm.rows * a->norm.cols == a->k,
+              "linear: norm weight size %lld != k %d", (long long)(a->norm.rows * a->norm.cols), a->k);
+        CHECK(a->eps > 0.0f, "linear: eps %g", (double)a->eps);
+    }
+    for (int i = 0; i < a->n_w; i++) {
+        const kern_weight *w = &a->w[i];
+        CHECK(weight_ok(w), "linear: bad weight %d", i);
+        CHECK(w->cols == a->k && w->rows <= (int64_t)1 << 30,
+              "linear: weight %d is [%lld, %lld], k %d", i, (long long)w->rows, (long long)w->cols, a->k);
+        if (a->epilogue == KERN_LINEAR_SWIGLU) {
+            CHECK(w->rows == a->w[0].rows, "linear: swiglu gate %lld rows, up %lld",
+                  (long long)a->w[0].rows, (long long)w->rows);
+            continue;   /* y[0] only */
+        }
+        CHECK(a->y[i] != NULL && a->ld_y[i] >= w->rows, "linear: y[%d] NULL or ld_y %d < n %lld",
+              i, a->ld_y[i], (long long)w->rows);
+        CHECK((const float *)a->y[i] != a->x, "linear: y[%d] aliases x", i);
+    }
+    if (a->epilogue == KERN_LINEAR_SWIGLU)
+        CHECK(a->y[0] != NULL && a->ld_y[0] >= a->w[0].rows && (const float *)a->y[0] != a->x,
+              "linear: swiglu y NULL, aliasing x or ld_y %d < n %lld", a->ld_y[0],
+              (long long)a->w[0].rows);
+    return be->ops->linear(be, a, err);
+}
+
+pd_status kern_qk_post(kern_backend *be, const kern_qk_post_args *a, pd_err *err)
+{
+    if (a->n_tok == 0)
+        return PD_OK;
+    CHECK(a->n_tok > 0 && a->n_heads >= 0 && a->n_kv_heads > 0 && a->head_dim > 0 &&
+              a->head_dim % 2 == 0, "qk_post: n_tok %d heads %d/%d head_dim %d", a->n_tok,
+          a->n_heads, a->n_kv_heads, a->head_dim);
+    CHECK((a->q != NULL || a->n_heads == 0) && a->k != NULL && a->pos != NULL,
+          "qk_post: NULL q/k/pos");
+    CHECK(a->ld_q >= a->n_heads * a->head_dim && a->ld_kv >= a->n_kv_heads * a->head_dim,
+          "qk_post: ld_q %d ld_kv %d", a->ld_q, a->ld_kv);
+    CHECK(weight_ok(&a->q_norm) && a->q_norm.rows * a->q_norm.cols == a->head_dim &&
+              weight_ok(&a->k_norm) && a->k_norm.rows * a->k_norm.cols == a->head_dim,
+          "qk_post: q_norm/k_norm size != head_dim %d", a->head_dim);
+    CHECK(a->eps > 0.0f && a->theta > 0.0f, "qk_post: eps %g theta %g", (double)a->eps,
+          (double)a->theta);
+    if (a->kv.k != NULL) {
+        pd_status st = kv_layer_check(&a->kv, err);
+        if (st != PD_OK)
+            return st;
+        CHECK(a->v != NULL && a->slot != NULL, "qk_post: kv store without v or slot");
+        CHECK(a->kv.n_kv_heads == a->n_kv_heads && a->kv.head_dim == a->head_dim,
+              "qk_post: kv layer %d x %d heads, args %d x %d", a->kv.n_kv_heads, a->kv.head_dim,
+              a->n_kv_heads, a->head_dim);
+    }
+    return be->ops->qk_post(be, a, err);
+}
+
+pd_status kern_markov_step(kern_backend *be, const kern_markov_step_args *a, pd_err *err)
+{
+    if (a->n == 0)
+        return PD_OK;
+    CHECK(a->n > 0 && a->base != NULL && a->rows != NULL && a->vec != NULL && a->step != NULL,
+          "markov_step: n %d or NULL pointer", a->n);
+    CHECK(weight_ok(&a->w2), "markov_step: bad w2");
+    CHECK(a->ld_base >= a->w2.rows && a->ld_step >= a->w2.rows && a->ld_vec >= a->w2.cols,
+          "markov_step: ld_base %d ld_step %d (V %lld) ld_vec %d (R %lld)", a->ld_base, a->ld_step,
+          (long long)a->w2.rows, a->ld_vec, (long long)a->w2.cols);
+    CHECK(a->w2.rows <= (int64_t)1 << 30, "markov_step: V %lld", (long long)a->w2.rows);
+    return be->ops->markov_step(be, a, err);
+}

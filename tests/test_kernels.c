@@ -7,12 +7,16 @@
  * parts an op must not touch (row padding, guards, unused KV slots) have to come back bit-equal.
  * Usage: test_kernels [--op NAME] [--perf] [--seed N]
  *   --op NAME  run only cases of op NAME (embed, rmsnorm, matmul, rope, unary, binary,
- *              copy_rows, kv_store, attn, argmax, convert)
+ *              copy_rows, kv_store, attn, argmax, convert, linear, qk_post, markov_step; invariance: only the
+ *              bit-for-bit batch-invariance checks)
  *   --perf     also run the large perf cases and time every case on CUDA (median of 5 runs of
  *              20 back-to-back calls), printing GB/s, TFLOP/s and the fraction of the roofline
+ *   --invariant  run the cases with be->batch_invariant set on the CUDA backend (the kernels of
+ *              decode rounds; e.g. linear uses the skinny kernel for every m, not only m = 1)
  *   --self     compare the CPU backend with itself (checks this harness on a machine without
  *              a GPU; not a test of anything else)
  * Without a GPU (or a build without CUDA) it prints why and exits 77 (skipped). */
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -163,6 +167,7 @@ typedef struct {
 typedef struct {
     int opt_perf;
     int opt_self;
+    int opt_invariant;
     const char *opt_op;
     uint64_t seed;
 } options;
@@ -307,6 +312,9 @@ static pd_status fn_copy_rows(kern_backend *be, const void *a, pd_err *e) { retu
 static pd_status fn_kv_store(kern_backend *be, const void *a, pd_err *e) { return kern_kv_store(be, a, e); }
 static pd_status fn_attn(kern_backend *be, const void *a, pd_err *e) { return kern_attn(be, a, e); }
 static pd_status fn_argmax(kern_backend *be, const void *a, pd_err *e) { return kern_argmax(be, a, e); }
+static pd_status fn_linear(kern_backend *be, const void *a, pd_err *e) { return kern_linear(be, a, e); }
+static pd_status fn_qk_post(kern_backend *be, const void *a, pd_err *e) { return kern_qk_post(be, a, e); }
+static pd_status fn_markov_step(kern_backend *be, const void *a, pd_err *e) { return kern_markov_step(be, a, e); }
 
 static double run_embed(run_ctx *x)
 {
@@ -428,6 +436,71 @@ static double run_matmul(run_ctx *x)
     free(w);
     free(b);
     free(y0);
+    return e;
+}
+
+/* linear: m rows of k; c->n_heads weights (weight i has n rows for i = 0, n / 4 + 5 i after, so
+ * QKV-like and not multiples of 16); c->sub = epilogue | 4 (RMSNorm prologue). */
+static int linear_rows(const kcase *c, int i)
+{
+    return i == 0 || (c->sub & 3) == KERN_LINEAR_SWIGLU ? c->n : c->n / 4 + 5 * i;
+}
+
+static double run_linear(run_ctx *x)
+{
+    const kcase *c = x->c;
+    int m = c->m, k = c->k, n_w = c->n_heads, ld_x = k + c->pad;
+    kern_linear_epilogue epi = (kern_linear_epilogue)(c->sub & 3);
+    float *xin = host_rand((size_t)m * ld_x, -1.0f, 1.0f, 0);
+    float *g = host_rand((size_t)k, 0.5f, 1.5f, 1);
+    kern_linear_args ac = {0}, ag;
+    ac.ld_x = ld_x;
+    ac.m = m;
+    ac.k = k;
+    ac.n_w = n_w;
+    ac.eps = 1e-6f;
+    ac.epilogue = epi;
+    ag = ac;
+    ac.x = side_bytes(x->cpu, xin, (size_t)m * ld_x * sizeof(float));
+    ag.x = side_bytes(x->gpu, xin, (size_t)m * ld_x * sizeof(float));
+    if (c->sub & 4) {
+        ac.norm = side_weight(x->cpu, g, 1, k);
+        ag.norm = side_weight(x->gpu, g, 1, k);
+    }
+    outbuf o[KERN_LINEAR_MAX_W];
+    int n_out = epi == KERN_LINEAR_SWIGLU ? 1 : n_w;
+    double wbytes = 0.0, ybytes = 0.0;
+    for (int i = 0; i < n_w; i++) {
+        int n = linear_rows(c, i);
+        float *w = host_rand((size_t)n * k, -1.0f, 1.0f, 1);
+        ac.w[i] = side_weight(x->cpu, w, n, k);
+        ag.w[i] = side_weight(x->gpu, w, n, k);
+        free(w);
+        wbytes += (double)n * k * 2;
+        if (i >= n_out)
+            continue;
+        int ld_y = n + c->pad;
+        float *y0 = host_rand((size_t)m * ld_y, -1.0f, 1.0f, 0);
+        o[i] = out_make(x->cpu, x->gpu, (size_t)m * ld_y, epi == KERN_LINEAR_ACCUMULATE ? y0 : NULL);
+        free(y0);
+        ac.y[i] = o[i].cpu;
+        ag.y[i] = o[i].gpu;
+        ac.ld_y[i] = ag.ld_y[i] = ld_y;
+        ybytes += (double)m * n * 4 * (epi == KERN_LINEAR_ACCUMULATE ? 2 : 1);
+    }
+    double ran = run_both(x, fn_linear, &ac, &ag), e = ran;
+    for (int i = 0; i < n_out; i++) {
+        double ei = ran == 0.0 ? out_check(x->cpu, x->gpu, &o[i], "y", m, linear_rows(c, i), ac.ld_y[i])
+                               : 1e30;
+        if (o[i].init != NULL)
+            free(o[i].init);
+        if (ei > e || ei != ei)
+            e = ei;
+    }
+    perf_report(x->gpu->be, fn_linear, &ag, wbytes + (double)m * k * 4 + ybytes,
+                2.0 * m * k * (wbytes / 2.0 / k));
+    free(xin);
+    free(g);
     return e;
 }
 
@@ -885,6 +958,166 @@ static double run_kv_store(run_ctx *x)
     return e;
 }
 
+/* qk_post: c->rows tokens, heads/kv heads/head_dim, page size; c->sub = 1: also store into the
+ * paged cache (one token gets slot -1). q/k compared by rel L2 against the tolerance; the caches
+ * (bf16 on CUDA, f32 on the CPU) by rel L2 over every value against 8e-3. */
+static double run_qk_post(run_ctx *x)
+{
+    const kcase *c = x->c;
+    int n_tok = c->rows, nh = c->n_heads, nkv = c->n_kv, hd = c->hd, ps = c->page_size;
+    int ld_q = nh * hd + c->pad, ld_kv = nkv * hd + c->pad, row = nkv * hd, store = c->sub & 1;
+    int n_pages = (n_tok + ps - 1) / ps + 1;
+    size_t cache_n = (size_t)n_pages * ps * row;
+    float *q = host_rand((size_t)n_tok * ld_q, -2.0f, 2.0f, 0);
+    float *k = host_rand((size_t)n_tok * ld_kv, -2.0f, 2.0f, 0);
+    float *v = host_rand((size_t)n_tok * ld_kv, -2.0f, 2.0f, 1);
+    float *qn = host_rand((size_t)hd, 0.5f, 1.5f, 1), *kn = host_rand((size_t)hd, 0.5f, 1.5f, 1);
+    float *init = host_rand(cache_n, -1.0f, 1.0f, 1);
+    int32_t *pos = malloc((size_t)n_tok * sizeof(int32_t)), *slot = malloc((size_t)n_tok * sizeof(int32_t));
+    for (int i = 0; i < n_tok; i++) {
+        pos[i] = i == n_tok - 1 ? 40000 : rng_int(8192);
+        slot[i] = i == 1 ? -1 : (int32_t)((i * 7 + 3) % (n_pages * ps));
+    }
+    for (int i = 0; i < n_tok; i++)            /* distinct slots */
+        for (int j = 0; j < i; j++)
+            if (slot[i] >= 0 && slot[i] == slot[j])
+                slot[i] = -1;
+    kern_qk_post_args ac = {0}, ag;
+    ac.ld_q = ld_q;
+    ac.ld_kv = ld_kv;
+    ac.eps = 1e-6f;
+    ac.n_tok = n_tok;
+    ac.n_heads = nh;
+    ac.n_kv_heads = nkv;
+    ac.head_dim = hd;
+    ac.theta = 1000000.0f;
+    ag = ac;
+    ac.q_norm = side_weight(x->cpu, qn, 1, hd);
+    ag.q_norm = side_weight(x->gpu, qn, 1, hd);
+    ac.k_norm = side_weight(x->cpu, kn, 1, hd);
+    ag.k_norm = side_weight(x->gpu, kn, 1, hd);
+    ac.pos = side_bytes(x->cpu, pos, (size_t)n_tok * 4);
+    ag.pos = side_bytes(x->gpu, pos, (size_t)n_tok * 4);
+    ac.v = side_bytes(x->cpu, v, (size_t)n_tok * ld_kv * 4);
+    ag.v = side_bytes(x->gpu, v, (size_t)n_tok * ld_kv * 4);
+    if (store) {
+        ac.slot = side_bytes(x->cpu, slot, (size_t)n_tok * 4);
+        ag.slot = side_bytes(x->gpu, slot, (size_t)n_tok * 4);
+        kern_kv_layer kv = { .page_size = ps, .n_kv_heads = nkv, .head_dim = hd };
+        ac.kv = ag.kv = kv;
+        ac.kv.dtype = x->cpu->be->kv_dtype;
+        ag.kv.dtype = x->gpu->be->kv_dtype;
+        ac.kv.k = side_conv(x->cpu, init, cache_n, ac.kv.dtype);
+        ac.kv.v = side_conv(x->cpu, init, cache_n, ac.kv.dtype);
+        ag.kv.k = side_conv(x->gpu, init, cache_n, ag.kv.dtype);
+        ag.kv.v = side_conv(x->gpu, init, cache_n, ag.kv.dtype);
+    }
+    outbuf oq = out_make(x->cpu, x->gpu, (size_t)n_tok * ld_q, q);
+    outbuf ok = out_make(x->cpu, x->gpu, (size_t)n_tok * ld_kv, k);
+    ac.q = oq.cpu;
+    ag.q = oq.gpu;
+    ac.k = ok.cpu;
+    ag.k = ok.gpu;
+    double e = run_both(x, fn_qk_post, &ac, &ag);
+    double eq = e == 0.0 ? out_check(x->cpu, x->gpu, &oq, "q", n_tok, ld_q, ld_q) : 1e30;
+    double ek = e == 0.0 ? out_check(x->cpu, x->gpu, &ok, "k", n_tok, ld_kv, ld_kv) : 1e30;
+    e = eq > ek ? eq : ek;
+    for (int kvi = 0; store && kvi < 2 && e < 1e29; kvi++) {
+        void *rc = side_download(x->cpu, kvi ? ac.kv.v : ac.kv.k, cache_n * kern_dtype_size(ac.kv.dtype));
+        void *rg = side_download(x->gpu, kvi ? ag.kv.v : ag.kv.k, cache_n * kern_dtype_size(ag.kv.dtype));
+        float *fc = malloc(cache_n * sizeof(float)), *fg = malloc(cache_n * sizeof(float));
+        pd_err err;
+        kern_convert_host(fc, KERN_DTYPE_F32, rc, ac.kv.dtype, cache_n, &err);
+        kern_convert_host(fg, KERN_DTYPE_F32, rg, ag.kv.dtype, cache_n, &err);
+        double num = 0.0, den = 0.0;
+        for (size_t i = 0; i < cache_n; i++) {
+            num += ((double)fc[i] - fg[i]) * ((double)fc[i] - fg[i]);
+            den += (double)fc[i] * fc[i];
+        }
+        double ec = sqrt(num / (den > 0 ? den : 1));
+        if (ec > 8e-3) {    /* a bf16 cache holds the values to ~4e-3 relative */
+            printf("      %s cache: rel_l2 %.3e > 8e-3\n", kvi ? "v" : "k", ec);
+            e = 1e30;
+        }
+        free(rc);
+        free(rg);
+        free(fc);
+        free(fg);
+    }
+    perf_report(x->gpu->be, fn_qk_post, &ag, (double)n_tok * (nh + 2 * nkv) * hd * 8, 0);
+    free(oq.init);
+    free(ok.init);
+    free(q);
+    free(k);
+    free(v);
+    free(qn);
+    free(kn);
+    free(init);
+    free(pos);
+    free(slot);
+    return e;
+}
+
+/* markov_step: c->rows rows, V = c->n, R = c->k; base has 2 rows + 1 per row, picked scattered.
+ * vec is bf16-valued so both sides see the same inputs; ids must match (a mismatch is allowed
+ * only between values equal within 1e-6 relative on the CPU side). */
+static double run_markov_step(run_ctx *x)
+{
+    const kcase *c = x->c;
+    int n = c->rows, V = c->n, R = c->k, nbase = n + 2, ld = V + c->pad;
+    float *base = host_rand((size_t)nbase * ld, -3.0f, 3.0f, 0);
+    float *w2 = host_rand((size_t)V * R, -0.5f, 0.5f, 1);
+    float *vec = host_rand((size_t)n * (R + c->pad), -1.0f, 1.0f, 1);
+    int32_t *rows = malloc((size_t)n * sizeof(int32_t));
+    for (int i = 0; i < n; i++)
+        rows[i] = (i * 5 + 1) % nbase;
+    kern_markov_step_args ac = {0}, ag;
+    ac.ld_base = ld;
+    ac.ld_vec = R + c->pad;
+    ac.n = n;
+    ac.ld_step = ld;
+    ag = ac;
+    ac.base = side_bytes(x->cpu, base, (size_t)nbase * ld * 4);
+    ag.base = side_bytes(x->gpu, base, (size_t)nbase * ld * 4);
+    ac.rows = side_bytes(x->cpu, rows, (size_t)n * 4);
+    ag.rows = side_bytes(x->gpu, rows, (size_t)n * 4);
+    ac.w2 = side_weight(x->cpu, w2, V, R);
+    ag.w2 = side_weight(x->gpu, w2, V, R);
+    ac.vec = side_bytes(x->cpu, vec, (size_t)n * (R + c->pad) * 4);
+    ag.vec = side_bytes(x->gpu, vec, (size_t)n * (R + c->pad) * 4);
+    ac.ids = side_alloc(x->cpu, (size_t)n * 4);
+    ag.ids = side_alloc(x->gpu, (size_t)n * 4);
+    outbuf o = out_make(x->cpu, x->gpu, (size_t)n * ld, NULL);
+    ac.step = o.cpu;
+    ag.step = o.gpu;
+    double e = run_both(x, fn_markov_step, &ac, &ag);
+    float *hs = e == 0.0 ? side_download(x->cpu, o.cpu, (size_t)n * ld * 4) : NULL;
+    if (e == 0.0)
+        e = out_check(x->cpu, x->gpu, &o, "step", n, V, ld);
+    if (hs != NULL) {
+        int32_t *ic = side_download(x->cpu, ac.ids, (size_t)n * 4), *ig = side_download(x->gpu, ag.ids, (size_t)n * 4);
+        for (int r = 0; r < n; r++) {
+            const float *sr = hs + (size_t)r * ld;
+            if (ic[r] != ig[r] && (ig[r] < 0 || ig[r] >= V ||
+                                   fabs((double)sr[ig[r]] - sr[ic[r]]) > 1e-6 * fabs((double)sr[ic[r]]))) {
+                printf("      row %d: argmax cpu %d (%g) cuda %d\n", r, ic[r], (double)sr[ic[r]], ig[r]);
+                e = 1e30;
+            }
+        }
+        free(ic);
+        free(ig);
+        free(hs);
+    }
+    if (o.init != NULL)
+        free(o.init);
+    perf_report(x->gpu->be, fn_markov_step, &ag, (double)V * R * 2 + (double)n * V * 8, 2.0 * n * V * R);
+    free(base);
+    free(w2);
+    free(vec);
+    free(rows);
+    return e;
+}
+
 typedef double (*runner)(run_ctx *x);
 
 static const struct {
@@ -894,7 +1127,8 @@ static const struct {
     {"embed", run_embed}, {"rmsnorm", run_rmsnorm}, {"matmul", run_matmul},
     {"rope", run_rope}, {"unary", run_unary}, {"binary", run_binary},
     {"copy_rows", run_copy_rows}, {"kv_store", run_kv_store}, {"attn", run_attn},
-    {"argmax", run_argmax}, {"convert", run_convert},
+    {"argmax", run_argmax}, {"convert", run_convert}, {"linear", run_linear},
+    {"qk_post", run_qk_post}, {"markov_step", run_markov_step},
 };
 
 /* Shapes are odd on purpose; F32 paths are held to ~1e-5, bf16 GEMMs (x rounded to bf16 on the
@@ -931,6 +1165,26 @@ static const kcase cases[] = {
     {"kv_store", 300, 0, 0, 0, 0, 0, 0, 0, 8, 128, 16, NULL, 0, 0},
     {"argmax", 1, 151936, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
     {"argmax", 17, 1001, 3, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
+    /* linear: m n k pad, sub = epilogue (0 store, 1 accumulate, 2 swiglu) | 4 rmsnorm, n_heads = weights */
+    {"linear", 0, 0, 0, 1, 1000, 256, 4, 1, 0, 0, 0, NULL, 1e-2, 0},
+    {"linear", 0, 0, 3, 3, 517, 1000, 4, 3, 0, 0, 0, NULL, 1e-2, 0},
+    {"linear", 0, 0, 0, 8, 4096, 2560, 4, 3, 0, 0, 0, NULL, 1e-2, 0},
+    {"linear", 0, 0, 1, 17, 333, 520, 1, 1, 0, 0, 0, NULL, 1e-2, 0},
+    {"linear", 0, 0, 0, 64, 2560, 4096, 1, 2, 0, 0, 0, NULL, 1e-2, 0},
+    {"linear", 0, 0, 2, 100, 700, 1032, 6, 2, 0, 0, 0, NULL, 1e-2, 0},
+    {"linear", 0, 0, 0, 1, 1536, 2560, 6, 2, 0, 0, 0, NULL, 1e-2, 0},
+    {"linear", 0, 0, 0, 8, 257, 64, 0, 1, 0, 0, 0, NULL, 1e-2, 0},
+    {"linear", 0, 0, 0, 300, 1000, 512, 5, 3, 0, 0, 0, NULL, 1e-2, 0},
+    {"linear", 0, 0, 0, 33, 520, 2048, 2, 2, 0, 0, 0, NULL, 1e-2, 0},
+    /* qk_post: tokens, heads, kv heads, head_dim, page size; sub 1 = store into the cache */
+    {"qk_post", 1, 0, 0, 0, 0, 0, 1, 32, 8, 128, 16, NULL, 1e-5, 0},
+    {"qk_post", 9, 0, 3, 0, 0, 0, 1, 16, 4, 64, 16, NULL, 1e-5, 0},
+    {"qk_post", 77, 0, 0, 0, 0, 0, 0, 32, 8, 128, 64, NULL, 1e-5, 0},
+    /* markov_step: rows n, V = n, R = k */
+    {"markov_step", 1, 0, 0, 0, 151936, 64, 0, 0, 0, 0, 0, NULL, 1e-2, 0},
+    {"markov_step", 3, 0, 5, 0, 1001, 64, 0, 0, 0, 0, 0, NULL, 1e-2, 0},
+    {"markov_step", 17, 0, 0, 0, 50000, 32, 0, 0, 0, 0, 0, NULL, 1e-2, 0},
+    {"markov_step", 2, 0, 0, 0, 3000, 12, 0, 0, 0, 0, 0, NULL, 1e-2, 0},
     /* attention: heads, kv heads, head_dim, page size, ragged batch */
     {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "d:4095+1", 1e-4, 0},
     {"attn", 0, 0, 4, 0, 0, 0, 0, 32, 8, 128, 16, "d:0+1,d:15+1,d:998+1,d:2999+1,d:63+1", 1e-4, 0},
@@ -978,7 +1232,27 @@ static const kcase cases[] = {
      * under 128 queries per sequence, on 64-row tiles (1k and 4096+512 take 64-row tiles) */
     {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "p:0+2048", 1e-2, 2},
     {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "p:0+2048,31*d:0+1", 1e-2, 2},
+    /* perf-only: the decode linears of Qwen3-4B (norm+QKV, o_proj, norm+gate/up, down, lm_head) */
+    {"linear", 0, 0, 0, 1, 4096, 2560, 4, 3, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 1, 2560, 4096, 1, 1, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 1, 9728, 2560, 6, 2, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 1, 2560, 9728, 1, 1, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 1, 151936, 2560, 0, 1, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 8, 4096, 2560, 4, 3, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 8, 2560, 4096, 1, 1, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 8, 9728, 2560, 6, 2, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 8, 2560, 9728, 1, 1, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 16, 9728, 2560, 6, 2, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 32, 9728, 2560, 6, 2, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 64, 9728, 2560, 6, 2, 0, 0, 0, NULL, 1e-2, 1},
     {"matmul", 0, 0, 0, 1, 12288, 4096, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
+    {"qk_post", 1, 0, 0, 0, 0, 0, 1, 32, 8, 128, 16, NULL, 1e-5, 1},
+    {"qk_post", 8, 0, 0, 0, 0, 0, 1, 32, 8, 128, 16, NULL, 1e-5, 1},
+    {"markov_step", 1, 0, 0, 0, 151936, 64, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
+    {"markov_step", 8, 0, 0, 0, 151936, 64, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
+    {"matmul", 0, 0, 0, 17, 9728, 2560, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
+    {"matmul", 0, 0, 0, 32, 9728, 2560, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
+    {"matmul", 0, 0, 0, 64, 9728, 2560, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
     {"matmul", 0, 0, 0, 16, 12288, 4096, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
     {"matmul", 0, 0, 0, 4096, 4096, 4096, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
     {"matmul", 0, 0, 0, 8192, 8192, 8192, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
@@ -994,11 +1268,91 @@ static void case_name(const kcase *c, char *buf, size_t n)
                  c->page_size, c->pad);
     else if (strcmp(c->op, "rope") == 0)
         snprintf(buf, n, "tok %d heads %d hd %d pad %d", c->rows, c->n_heads, c->hd, c->pad);
+    else if (strcmp(c->op, "qk_post") == 0)
+        snprintf(buf, n, "tok %d heads %d/%d hd %d page %d pad %d%s", c->rows, c->n_heads, c->n_kv,
+                 c->hd, c->page_size, c->pad, c->sub & 1 ? " store" : "");
+    else if (strcmp(c->op, "markov_step") == 0)
+        snprintf(buf, n, "rows %d V %d R %d pad %d", c->rows, c->n, c->k, c->pad);
+    else if (strcmp(c->op, "linear") == 0)
+        snprintf(buf, n, "m %d n %d k %d pad %d w %d %s%s", c->m, c->n, c->k, c->pad, c->n_heads,
+                 (c->sub & 3) == 0 ? "store" : (c->sub & 3) == 1 ? "acc" : "swiglu",
+                 c->sub & 4 ? " norm" : "");
     else if (strcmp(c->op, "matmul") == 0)
         snprintf(buf, n, "m %d n %d k %d pad %d%s%s%s", c->m, c->n, c->k, c->pad,
                  c->sub & 1 ? " acc" : "", c->sub & 2 ? " bias" : "", c->sub & 4 ? " f32w" : "");
     else
         snprintf(buf, n, "%d x %d pad %d sub %d", c->rows, c->cols, c->pad, c->sub);
+}
+
+/* kern_linear with be->batch_invariant, every epilogue: rows s..s+b-1 computed as a batch of b
+ * (b = 1..100, rows at every position of the 8-row tiles and 64-row chunks) must equal bit for
+ * bit the same rows of one batch of 100. */
+static int linear_invariance_one(kern_backend *g, kern_linear_epilogue epi, int norm, int n_w,
+                                 const int *ns, int k)
+{
+    enum { M = 100 };
+    pd_err err;
+    side sg = {g, {0}, 0};
+    float *x = host_rand((size_t)M * k, -1.0f, 1.0f, 0), *gh = host_rand((size_t)k, 0.5f, 1.5f, 1);
+    kern_linear_args a = {0};
+    a.ld_x = k;
+    a.k = k;
+    a.n_w = n_w;
+    a.eps = 1e-6f;
+    a.epilogue = epi;
+    float *xd = side_bytes(&sg, x, (size_t)M * k * 4);
+    if (norm)
+        a.norm = side_weight(&sg, gh, 1, k);
+    int n_out = epi == KERN_LINEAR_SWIGLU ? 1 : n_w;
+    float *y0[KERN_LINEAR_MAX_W] = {0}, *full[KERN_LINEAR_MAX_W] = {0};
+    for (int i = 0; i < n_w; i++) {
+        float *w = host_rand((size_t)ns[i] * k, -0.05f, 0.05f, 1);
+        a.w[i] = side_weight(&sg, w, ns[i], k);
+        free(w);
+        if (i < n_out) {
+            y0[i] = host_rand((size_t)M * ns[i], -1.0f, 1.0f, 0);
+            a.y[i] = side_bytes(&sg, y0[i], (size_t)M * ns[i] * 4);
+            a.ld_y[i] = ns[i];
+        }
+    }
+    /* one batch of M, then sub-batches; y reloaded with y0 before each launch (ACCUMULATE) */
+    static const int sizes[] = {100, 1, 2, 3, 7, 8, 9, 17, 63, 64, 65, 99};
+    int same = 1, launches = 0;
+    for (size_t si = 0; si < sizeof(sizes) / sizeof(sizes[0]); si++) {
+        int b = sizes[si];
+        for (int s0 = 0; s0 + b <= M; s0 += b == 1 ? 1 : (b < 10 ? 13 : (M - b > 0 ? M - b : M))) {
+            kern_linear_args ab = a;
+            ab.m = b;
+            ab.x = xd + (size_t)s0 * k;
+            for (int i = 0; i < n_out; i++) {
+                TEST_CHECK(kern_upload(g, a.y[i], y0[i], (size_t)M * ns[i] * 4, &err) == PD_OK);
+                ab.y[i] = a.y[i] + (size_t)s0 * ns[i];
+            }
+            TEST_CHECK(kern_linear(g, &ab, &err) == PD_OK);
+            launches++;
+            for (int i = 0; i < n_out; i++) {
+                float *h = side_download(&sg, a.y[i], (size_t)M * ns[i] * 4);
+                if (b == M)
+                    full[i] = h;
+                else {
+                    same &= memcmp(h + (size_t)s0 * ns[i], full[i] + (size_t)s0 * ns[i],
+                                   (size_t)b * ns[i] * 4) == 0;
+                    free(h);
+                }
+            }
+        }
+    }
+    printf("%s batch-invariant linear %s%s, %d weight(s), k %d: %d launches of 1..100 rows equal bit for bit\n",
+           same ? "ok  " : "FAIL", epi == KERN_LINEAR_STORE ? "store" : epi == KERN_LINEAR_ACCUMULATE ? "acc" : "swiglu",
+           norm ? " + rmsnorm" : "", n_w, k, launches);
+    for (int i = 0; i < n_out; i++) {
+        free(y0[i]);
+        free(full[i]);
+    }
+    free(x);
+    free(gh);
+    side_free(&sg);
+    return same;
 }
 
 /* be->batch_invariant: a row computed inside a batch is bit-identical to the same row computed
@@ -1070,6 +1424,12 @@ static void test_batch_invariance(kern_backend *g)
     TEST_CHECK_MSG(same_a, "batch-invariant attention: a query differs from the same query alone");
     printf("%s batch-invariant attention: 9 queries equal bit for bit to single-query results\n",
            same_a ? "ok  " : "FAIL");
+    static const int qkv[3] = {517, 134, 139}, one[1] = {333}, gu[2] = {700, 700};
+    int lin = linear_invariance_one(g, KERN_LINEAR_STORE, 1, 3, qkv, 1000);
+    lin &= linear_invariance_one(g, KERN_LINEAR_ACCUMULATE, 0, 1, one, 520);
+    lin &= linear_invariance_one(g, KERN_LINEAR_SWIGLU, 1, 2, gu, 1032);
+    lin &= linear_invariance_one(g, KERN_LINEAR_STORE, 0, 1, one, 64);
+    TEST_CHECK_MSG(lin, "batch-invariant linear: a row differs between batch sizes");
     g->batch_invariant = 0;
     side_free(&sg);
     free(w);
@@ -1085,6 +1445,8 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--perf") == 0) {
             opts.opt_perf = 1;
+        } else if (strcmp(argv[i], "--invariant") == 0) {
+            opts.opt_invariant = 1;
         } else if (strcmp(argv[i], "--self") == 0) {
             opts.opt_self = 1;
         } else if (strcmp(argv[i], "--op") == 0 && i + 1 < argc) {
@@ -1092,7 +1454,7 @@ int main(int argc, char **argv)
         } else if (strcmp(argv[i], "--seed") == 0 && i + 1 < argc) {
             opts.seed = strtoull(argv[++i], NULL, 10);
         } else {
-            fprintf(stderr, "usage: %s [--op NAME] [--perf] [--seed N] [--self]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--op NAME] [--perf] [--seed N] [--self] [--invariant]\n", argv[0]);
             return 2;
         }
     }
@@ -1109,6 +1471,7 @@ int main(int argc, char **argv)
     if (fatal_status(kern_backend_create(&cc, &cpu, &err), &err, "cpu backend") ||
         fatal_status(kern_backend_create(&gc, &gpu, &err), &err, "cuda backend"))
         return 1;
+    gpu->batch_invariant = opts.opt_invariant;
     int ran = 0;
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         const kcase *c = &cases[i];

@@ -361,6 +361,103 @@ static pd_status cpu_argmax(kern_backend *be, const kern_argmax_args *a, pd_err 
     return PD_OK;
 }
 
+/* The reference of the fused linear op, by composition: rmsnorm into a scratch copy of x, one
+ * matmul per weight (accumulate as asked), and for SWIGLU the two products then the binary op. */
+static pd_status cpu_linear(kern_backend *be, const kern_linear_args *a, pd_err *err)
+{
+    const float *x = a->x;
+    int ld_x = a->ld_x;
+    float *xn = NULL, *gu = NULL;
+    pd_status st = PD_OK;
+    if (a->norm.data != NULL) {
+        xn = malloc((size_t)a->m * a->k * sizeof(float));
+        if (xn == NULL)
+            return pd_err_set(err, PD_ERR_NOMEM, "linear: norm scratch %d x %d", a->m, a->k);
+        kern_rmsnorm_args rn = { .x = a->x, .out = xn, .w = a->norm, .rows = a->m, .dim = a->k,
+                                 .ld_x = a->ld_x, .ld_out = a->k, .eps = a->eps };
+        if ((st = cpu_rmsnorm(be, &rn, err)) != PD_OK)
+            goto out;
+        x = xn;
+        ld_x = a->k;
+    }
+    if (a->epilogue == KERN_LINEAR_SWIGLU) {
+        int n = (int)a->w[0].rows;
+        gu = malloc((size_t)2 * a->m * n * sizeof(float));
+        if (gu == NULL) {
+            st = pd_err_set(err, PD_ERR_NOMEM, "linear: swiglu scratch %d x %d", a->m, n);
+            goto out;
+        }
+        for (int i = 0; i < 2 && st == PD_OK; i++) {
+            kern_matmul_args mm = { .x = x, .ld_x = ld_x, .w = a->w[i], .y = gu + (size_t)i * a->m * n,
+                                    .ld_y = n, .m = a->m, .n = n, .k = a->k };
+            st = cpu_matmul(be, &mm, err);
+        }
+        kern_binary_args sw = { .op = KERN_BINARY_SWIGLU, .a = gu, .ld_a = n, .b = gu + (size_t)a->m * n,
+                                .ld_b = n, .out = a->y[0], .ld_out = a->ld_y[0], .rows = a->m, .cols = n };
+        if (st == PD_OK)
+            st = cpu_binary(be, &sw, err);
+        goto out;
+    }
+    for (int i = 0; i < a->n_w && st == PD_OK; i++) {
+        kern_matmul_args mm = { .x = x, .ld_x = ld_x, .w = a->w[i], .y = a->y[i], .ld_y = a->ld_y[i],
+                                .m = a->m, .n = (int)a->w[i].rows, .k = a->k,
+                                .accumulate = a->epilogue == KERN_LINEAR_ACCUMULATE };
+        st = cpu_matmul(be, &mm, err);
+    }
+out:
+    free(xn);
+    free(gu);
+    return st;
+}
+
+/* q/k post-processing by composition: per-head rmsnorm of each token's q and k rows (in place),
+ * rope of both, then kv_store. */
+static pd_status cpu_qk_post(kern_backend *be, const kern_qk_post_args *a, pd_err *err)
+{
+    pd_status st = PD_OK;
+    int hd = a->head_dim;
+    for (int t = 0; t < a->n_tok && st == PD_OK; t++) {
+        float *q = a->q + (size_t)t * a->ld_q, *k = a->k + (size_t)t * a->ld_kv;
+        kern_rmsnorm_args rq = { .x = q, .out = q, .w = a->q_norm, .rows = a->n_heads, .dim = hd,
+                                 .ld_x = hd, .ld_out = hd, .eps = a->eps };
+        kern_rmsnorm_args rk = { .x = k, .out = k, .w = a->k_norm, .rows = a->n_kv_heads, .dim = hd,
+                                 .ld_x = hd, .ld_out = hd, .eps = a->eps };
+        st = cpu_rmsnorm(be, &rq, err);
+        if (st == PD_OK)
+            st = cpu_rmsnorm(be, &rk, err);
+    }
+    kern_rope_args pq = { .x = a->q, .n_tok = a->n_tok, .n_heads = a->n_heads, .head_dim = hd,
+                          .ld = a->ld_q, .pos = a->pos, .theta = a->theta };
+    kern_rope_args pk = { .x = a->k, .n_tok = a->n_tok, .n_heads = a->n_kv_heads, .head_dim = hd,
+                          .ld = a->ld_kv, .pos = a->pos, .theta = a->theta };
+    if (st == PD_OK)
+        st = cpu_rope(be, &pq, err);
+    if (st == PD_OK)
+        st = cpu_rope(be, &pk, err);
+    if (st != PD_OK || a->kv.k == NULL)
+        return st;
+    kern_kv_store_args ks = { .kv = a->kv, .k = a->k, .v = a->v, .ld = a->ld_kv, .slot = a->slot,
+                              .n_tok = a->n_tok };
+    return cpu_kv_store(be, &ks, err);
+}
+
+/* Markov step by composition: copy the base rows, matmul-accumulate w2 @ vec, argmax. */
+static pd_status cpu_markov_step(kern_backend *be, const kern_markov_step_args *a, pd_err *err)
+{
+    int V = (int)a->w2.rows, R = (int)a->w2.cols;
+    kern_copy_rows_args cp = { .src = a->base, .ld_src = a->ld_base, .idx = a->rows, .dst = a->step,
+                               .ld_dst = a->ld_step, .rows = a->n, .cols = V };
+    pd_status st = cpu_copy_rows(be, &cp, err);
+    kern_matmul_args mm = { .x = a->vec, .ld_x = a->ld_vec, .w = a->w2, .y = a->step, .ld_y = a->ld_step,
+                            .m = a->n, .n = V, .k = R, .accumulate = 1 };
+    if (st == PD_OK)
+        st = cpu_matmul(be, &mm, err);
+    kern_argmax_args am = { .x = a->step, .ld_x = a->ld_step, .rows = a->n, .n = V, .out = a->ids };
+    if (st == PD_OK && a->ids != NULL)
+        st = cpu_argmax(be, &am, err);
+    return st;
+}
+
 static void cpu_destroy(kern_backend *be)
 {
     free(be);
@@ -389,6 +486,9 @@ static const kern_backend_ops cpu_ops = {
     .kv_store = cpu_kv_store,
     .attn = cpu_attn,
     .argmax = cpu_argmax,
+    .linear = cpu_linear,
+    .qk_post = cpu_qk_post,
+    .markov_step = cpu_markov_step,
     .destroy = cpu_destroy,
 };
 

@@ -212,6 +212,8 @@ static void ctx_release(kern_cuda_ctx *c)
         (void)cudaFree(c->cublas_ws);
     if (c->ws != NULL)
         (void)cudaFree(c->ws);
+    if (c->counter != NULL)
+        (void)cudaFree(c->counter);
     if (c->stream != NULL)
         (void)cudaStreamDestroy(c->stream);
     free(c);
@@ -248,6 +250,9 @@ static const kern_backend_ops cuda_ops = {
     .kv_store = kern_cuda_kv_store_launch,
     .attn = kern_cuda_attn_launch,
     .argmax = kern_cuda_argmax_launch,
+    .linear = kern_cuda_linear_launch,
+    .qk_post = kern_cuda_qk_post_launch,
+    .markov_step = kern_cuda_markov_step_launch,
     .destroy = cuda_destroy,
 };
 
@@ -272,6 +277,9 @@ static pd_status ctx_init(kern_cuda_ctx *c, int device, pd_err *err)
     PD_CUDA_TRY(cudaMalloc(&c->cublas_ws, KERN_CUDA_CUBLAS_WS_BYTES), err);
     c->cublas_ws_bytes = KERN_CUDA_CUBLAS_WS_BYTES;
     PD_CUBLAS_TRY(cublasSetWorkspace(c->cublas, c->cublas_ws, c->cublas_ws_bytes), err);
+    PD_CUDA_TRY(cudaMalloc((void **)&c->counter, sizeof(unsigned int)), err);
+    PD_CUDA_TRY(cudaMemsetAsync(c->counter, 0, sizeof(unsigned int), c->stream), err);
+    PD_CUDA_TRY(cudaStreamSynchronize(c->stream), err);
     return PD_OK;
 }
 

@@ -30,6 +30,8 @@ typedef struct kern_cuda_ctx {
     void *cublas_ws;           /* fixed cuBLAS workspace (keeps GEMMs graph-capturable) */
     size_t cublas_ws_bytes;
     void *ws;                  /* op scratch, grown on demand; one op uses it at a time */
+    unsigned int *counter;     /* zeroed device word for last-block-done reductions; an op that
+                                  uses it leaves it zero again (markov_step) */
     size_t ws_bytes;
     unsigned ws_epoch;         /* bumped whenever ws moves: graphs captured before are stale */
     unsigned capture_epoch;    /* ws_epoch when the capture in progress began */
@@ -143,6 +145,21 @@ pd_status kern_cuda_kv_store_launch(kern_backend *be, const kern_kv_store_args *
 pd_status kern_cuda_attn_launch(kern_backend *be, const kern_attn_args *a, pd_err *err);
 pd_status kern_cuda_matmul_launch(kern_backend *be, const kern_matmul_args *a, pd_err *err);
 pd_status kern_cuda_argmax_launch(kern_backend *be, const kern_argmax_args *a, pd_err *err);
+pd_status kern_cuda_linear_launch(kern_backend *be, const kern_linear_args *a, pd_err *err);
+pd_status kern_cuda_qk_post_launch(kern_backend *be, const kern_qk_post_args *a, pd_err *err);
+pd_status kern_cuda_markov_step_launch(kern_backend *be, const kern_markov_step_args *a, pd_err *err);
+/* The skinny tensor-core GEMM behind op linear (kern_cuda_linear.cu), also used by matmul:
+ * fits = bf16 weights, k % 8 == 0, 16-byte aligned x/weights/norm and ld_x % 4 == 0. Without
+ * be->batch_invariant it is used up to KERN_CUDA_SKINNY_FAST_MAX_M rows, cuBLAS above. 1 keeps
+ * fast mode's routing as it was with the m = 1 GEMV (prefill batches of m >= 2 on cuBLAS): on
+ * the H200 the skinny kernel at m = 8 was no faster than rmsnorm + pack + cuBLAS (sum of the four
+ * Qwen3-4B decode linears 134 vs 132 us, test_kernels --perf, 2026-12-02). */
+#define KERN_CUDA_SKINNY_FAST_MAX_M 1
+int kern_cuda_skinny_fits(const kern_linear_args *a);
+pd_status kern_cuda_skinny_launch(kern_cuda_ctx *c, const kern_linear_args *a, pd_err *err);
+/* y = x w^T (+ y) through cuBLAS for BF16/F16 weights, x rounded into pack (m * k * 2 bytes of
+ * device scratch the caller owns); no bias. */
+pd_status kern_cuda_gemm_cublas(kern_cuda_ctx *c, const kern_matmul_args *a, void *pack, pd_err *err);
 /* Converts n values already on the device (src_dtype -> dst_dtype); used by upload_convert. */
 pd_status kern_cuda_convert_launch(kern_backend *be, void *dst, kern_dtype dst_dtype,
                                    const void *src, kern_dtype src_dtype, size_t n, pd_err *err);

@@ -1,0 +1,162 @@
+/* kern_cuda_markov.cu - one DSpark Markov-head step with its greedy pick, in one launch.
+ * Owns: kern_cuda_markov_step_launch. Block b owns a fixed range of vocabulary rows v (ranges
+ *   depend on V only); its threads stream w2[v, 0:R] (16-byte loads, R % 8 == 0) and form, for
+ *   every row r, step[r, v] = base[rows[r], v] + sum_c w2[v, c] * bf16(vec[r, c]) (fp32, c in
+ *   order; vec staged once per block in shared memory). Then each block reduces its range to a
+ *   (value, index) partial per row with kern_argmax's rule (larger value, then lower index; NaN
+ *   never wins) and the last block to finish (a counter in the backend context, reset by that
+ *   block) reduces the partials in block order into ids.
+ *   Other shapes (f32 weights, R % 8 != 0, too many rows for shared memory) run the composition:
+ *   copy_rows, matmul (accumulate), argmax.
+ * Not here: shape checks (kern_ops.c). Threading: enqueues on the backend stream. */
+#include "kern_cuda_internal.h"
+
+#include <math.h>
+#include <string.h>
+
+#define MK_THREADS 256
+#define MK_PER_BLOCK 512          /* vocabulary rows per block (before the SM cap) */
+#define MK_SMEM_MAX (48 * 1024)
+
+static __device__ __forceinline__ bool mk_better(float v, int i, float bv, int bi)
+{
+    return v > bv || (v == bv && i < bi);
+}
+
+/* block-wide (value, index) reduction; result valid in thread 0 */
+static __device__ void mk_block_best(float &bv, int &bi, float *sv, int *si)
+{
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (mk_better(ov, oi, bv, bi))
+            bv = ov, bi = oi;
+    }
+    __syncthreads();   /* sv/si of the previous row are read */
+    if ((threadIdx.x & 31) == 0) {
+        sv[threadIdx.x >> 5] = bv;
+        si[threadIdx.x >> 5] = bi;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int w = 1; w < MK_THREADS / 32; w++)
+            if (mk_better(sv[w], si[w], bv, bi))
+                bv = sv[w], bi = si[w];
+}
+
+__global__ void __launch_bounds__(MK_THREADS)
+markov_step_kernel(kern_markov_step_args a, int V, int R, int chunk, float *part_v, int *part_i,
+                   unsigned int *ctr)
+{
+    extern __shared__ float vs[];                  /* [n, R], bf16-rounded */
+    __shared__ float sv[MK_THREADS / 32];
+    __shared__ int si[MK_THREADS / 32];
+    __shared__ int is_last;
+    const int nb = gridDim.x;
+    for (int i = threadIdx.x; i < a.n * R; i += MK_THREADS) {
+        int r = i / R, c = i % R;
+        vs[i] = __bfloat162float(__float2bfloat16_rn(a.vec[(size_t)r * a.ld_vec + c]));
+    }
+    __syncthreads();
+    const int v0 = blockIdx.x * chunk, v1 = v0 + chunk < V ? v0 + chunk : V;
+    const __nv_bfloat16 *w2 = (const __nv_bfloat16 *)a.w2.data;
+    for (int r = 0; r < a.n; r++) {
+        const float *base = a.base + (size_t)a.rows[r] * a.ld_base;
+        float *step = a.step + (size_t)r * a.ld_step;
+        const float *xr = vs + (size_t)r * R;
+        float bv = -INFINITY;
+        int bi = V;
+        for (int v = v0 + threadIdx.x; v < v1; v += MK_THREADS) {
+            const uint4 *wr = (const uint4 *)(w2 + (size_t)v * R);
+            float dot = 0.0f;
+            for (int c8 = 0; c8 < R / 8; c8++) {
+                uint4 u = __ldg(wr + c8);
+                const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    float2 f = __bfloat1622float2(h[i]);
+                    dot = fmaf(f.x, xr[c8 * 8 + 2 * i], dot);
+                    dot = fmaf(f.y, xr[c8 * 8 + 2 * i + 1], dot);
+                }
+            }
+            float val = base[v] + dot;
+            step[v] = val;
+            if (mk_better(val, v, bv, bi))
+                bv = val, bi = v;
+        }
+        mk_block_best(bv, bi, sv, si);
+        if (threadIdx.x == 0) {
+            part_v[(size_t)r * nb + blockIdx.x] = bv;
+            part_i[(size_t)r * nb + blockIdx.x] = bi;
+        }
+    }
+    if (a.ids == NULL)
+        return;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0)
+        is_last = atomicAdd(ctr, 1u) == (unsigned)nb - 1;
+    __syncthreads();
+    if (!is_last)
+        return;
+    __threadfence();
+    for (int r = 0; r < a.n; r++) {
+        float bv = -INFINITY;
+        int bi = V;
+        /* volatile: written by other blocks, not through this block's L1 */
+        for (int b = threadIdx.x; b < nb; b += MK_THREADS) {
+            float v = ((volatile float *)part_v)[(size_t)r * nb + b];
+            int i = ((volatile int *)part_i)[(size_t)r * nb + b];
+            if (mk_better(v, i, bv, bi))
+                bv = v, bi = i;
+        }
+        mk_block_best(bv, bi, sv, si);
+        if (threadIdx.x == 0)
+            a.ids[r] = bi < V ? bi : 0;   /* all -inf/NaN: index 0, as kern_argmax */
+    }
+    if (threadIdx.x == 0)
+        *ctr = 0;
+}
+
+static pd_status markov_composed(kern_backend *be, const kern_markov_step_args *a, pd_err *err)
+{
+    int V = (int)a->w2.rows, R = (int)a->w2.cols;
+    kern_copy_rows_args cp = { .src = a->base, .ld_src = a->ld_base, .idx = a->rows, .dst = a->step,
+                               .ld_dst = a->ld_step, .rows = a->n, .cols = V };
+    kern_matmul_args mm = { .x = a->vec, .ld_x = a->ld_vec, .w = a->w2, .bias = {}, .y = a->step,
+                            .ld_y = a->ld_step, .m = a->n, .n = V, .k = R, .accumulate = 1 };
+    kern_argmax_args am = { .x = a->step, .ld_x = a->ld_step, .rows = a->n, .n = V, .out = a->ids };
+    pd_status st = kern_cuda_copy_rows_launch(be, &cp, err);
+    if (st == PD_OK)
+        st = kern_cuda_matmul_launch(be, &mm, err);
+    if (st == PD_OK && a->ids != NULL)
+        st = kern_cuda_argmax_launch(be, &am, err);
+    return st;
+}
+
+extern "C" pd_status kern_cuda_markov_step_launch(kern_backend *be, const kern_markov_step_args *a,
+                                                  pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    if (a->n <= 0)
+        return PD_OK;
+    int V = (int)a->w2.rows, R = (int)a->w2.cols;
+    size_t smem = (size_t)a->n * R * sizeof(float);
+    if (a->w2.dtype != KERN_DTYPE_BF16 || R % 8 != 0 || ((uintptr_t)a->w2.data & 15) != 0 ||
+        smem > MK_SMEM_MAX)
+        return markov_composed(be, a, err);
+    int nb = (V + MK_PER_BLOCK - 1) / MK_PER_BLOCK;
+    if (nb > 4 * c->n_sm)
+        nb = 4 * c->n_sm;
+    int chunk = (V + nb - 1) / nb;
+    nb = (V + chunk - 1) / chunk;
+    void *ws = NULL;
+    pd_status st = kern_cuda_ws_get(c, (size_t)a->n * nb * 8, &ws, err);
+    if (st != PD_OK)
+        return st;
+    float *pv = (float *)ws;
+    int *pi = (int *)(pv + (size_t)a->n * nb);
+    markov_step_kernel<<<nb, MK_THREADS, smem, c->stream>>>(*a, V, R, chunk, pv, pi, c->counter);
+    KERN_CUDA_LAUNCH_CHECK(err);
+    return PD_OK;
+}

@@ -1,0 +1,81 @@
+/* kern_cuda_qkpost.cu - Qwen3 q/k post-processing of a QKV projection in one launch.
+ * Owns: kern_cuda_qk_post_launch. Block (token, group of 8 heads), a warp per head of the
+ *   concatenated list [q heads, k heads]: the lane holds the rotate-half pairs (i, i + hd/2) for
+ *   i = lane, lane + 32, ...; sum of squares over the head in fp32 (fixed order: lane partials, then
+ *   a butterfly), x = w * (x * inv), RoPE with the angle formed as kern_cuda_rope.cu forms it
+ *   (fp32 inv_freq, double angle and sincos), written back in place; a k-head warp also stores
+ *   its k and v head into the paged cache at slot[t] (negative slot: skipped). Each token is
+ *   processed on its own, so the op is batch-invariant.
+ * Not here: shape checks (kern_ops.c); the unfused ops (kern_cuda_norm.cu, kern_cuda_rope.cu).
+ * Threading: enqueues on the backend stream. */
+#include "kern_cuda_internal.h"
+
+#define QK_WARPS 8
+#define QK_MAX_PAIRS 8          /* head_dim up to 2 * 32 * 8 = 512 */
+
+__global__ void __launch_bounds__(QK_WARPS * 32)
+qk_post_kernel(kern_qk_post_args a)
+{
+    const int lane = threadIdx.x & 31;
+    const int head = blockIdx.y * QK_WARPS + (threadIdx.x >> 5);
+    const size_t t = blockIdx.x;
+    if (head >= a.n_heads + a.n_kv_heads)
+        return;
+    const int is_k = head >= a.n_heads;
+    const int h = is_k ? head - a.n_heads : head;
+    const int hd = a.head_dim, half = hd / 2;
+    float *x = is_k ? a.k + t * a.ld_kv + (size_t)h * hd : a.q + t * a.ld_q + (size_t)h * hd;
+    const kern_weight *nw = is_k ? &a.k_norm : &a.q_norm;
+    float x1[QK_MAX_PAIRS], x2[QK_MAX_PAIRS];
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < QK_MAX_PAIRS; j++) {
+        int i = lane + 32 * j;
+        x1[j] = i < half ? x[i] : 0.0f;
+        x2[j] = i < half ? x[i + half] : 0.0f;
+        ss += x1[j] * x1[j] + x2[j] * x2[j];
+    }
+    ss = kern_cuda_warp_sum(ss);
+    const float inv = rsqrtf(ss / (float)hd + a.eps);
+    const int32_t slot = is_k && a.kv.k != NULL ? a.slot[t] : -1;
+    const size_t row = (size_t)a.n_kv_heads * hd;
+    const double pos = (double)a.pos[t];
+#pragma unroll
+    for (int j = 0; j < QK_MAX_PAIRS; j++) {
+        int i = lane + 32 * j;
+        if (i >= half)
+            break;
+        float u1 = kern_cuda_ld(nw->data, nw->dtype, i) * (x1[j] * inv);
+        float u2 = kern_cuda_ld(nw->data, nw->dtype, i + half) * (x2[j] * inv);
+        float inv_freq = (float)(1.0 / pow((double)a.theta, (double)(2 * i) / hd));
+        double sd, cd;
+        sincos(pos * (double)inv_freq, &sd, &cd);
+        float s = (float)sd, c = (float)cd;
+        float r1 = u1 * c - u2 * s, r2 = u2 * c + u1 * s;
+        x[i] = r1;
+        x[i + half] = r2;
+        if (slot >= 0) {
+            size_t base = (size_t)slot * row + (size_t)h * hd;
+            const float *v = a.v + t * a.ld_kv + (size_t)h * hd;
+            kern_cuda_st(a.kv.k, a.kv.dtype, base + i, r1);
+            kern_cuda_st(a.kv.k, a.kv.dtype, base + i + half, r2);
+            kern_cuda_st(a.kv.v, a.kv.dtype, base + i, v[i]);
+            kern_cuda_st(a.kv.v, a.kv.dtype, base + i + half, v[i + half]);
+        }
+    }
+}
+
+extern "C" pd_status kern_cuda_qk_post_launch(kern_backend *be, const kern_qk_post_args *a,
+                                              pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    if (a->n_tok <= 0)
+        return PD_OK;
+    if (a->head_dim > 2 * 32 * QK_MAX_PAIRS)
+        return pd_err_set(err, PD_ERR_UNSUPPORTED, "cuda qk_post: head_dim %d > %d", a->head_dim,
+                          2 * 32 * QK_MAX_PAIRS);
+    dim3 grid((unsigned)a->n_tok, (unsigned)((a->n_heads + a->n_kv_heads + QK_WARPS - 1) / QK_WARPS));
+    qk_post_kernel<<<grid, QK_WARPS * 32, 0, c->stream>>>(*a);
+    KERN_CUDA_LAUNCH_CHECK(err);
+    return PD_OK;
+}
