@@ -10,6 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pd_tp.h"
+
 #define TRY(expr) \
     do { pd_status st_ = (expr); if (st_ != PD_OK) return st_; } while (0)
 
@@ -31,6 +33,7 @@ struct pd_draft {
     float *step_logits, *w1prev, *feat, *proj, *state, *tmp, *gate, *conf;
     kern_buf *ibuf;             /* int32: prev [cap_req], row idx [cap_req] */
     int32_t *prev_dev, *rows_dev;
+    struct pd_tp_rank *tp;      /* vocab-sharded lm_head/markov_w2 (pd_tp.h); NULL: whole */
 };
 
 pd_status pd_draft_create(const pd_dspark_model *m, pd_kv_pool *pool, pd_draft **out, pd_err *err)
@@ -73,6 +76,7 @@ const float *pd_draft_base_logits(const pd_draft *d) { return d->base_logits; }
 const float *pd_draft_step_logits(const pd_draft *d) { return d->step_logits; }
 const float *pd_draft_head_gate(const pd_draft *d) { return d->gate; }
 const float *pd_draft_head_state(const pd_draft *d) { return d->state; }
+void pd_draft_set_tp(pd_draft *d, struct pd_tp_rank *tp) { d->tp = tp; }
 
 static pd_status linear(kern_backend *be, const float *x, int ld_x, const kern_weight *w,
                         const kern_weight *bias, float *y, int ld_y, int m, int accumulate, pd_err *err)
@@ -319,6 +323,8 @@ pd_status pd_draft_markov_step(pd_draft *d, int k, const int32_t *prev, float *c
         break;
     }
     }
+    /* tensor parallel: every rank computed its vocab slice of the step */
+    TRY(pd_tp_gather_vocab(d->tp, d->step_logits, V, n, err));
     if (m->cfg.enable_confidence_head && m->conf_w.data != NULL && conf_out != NULL) {
         int with_markov = m->cfg.confidence_head_with_markov && R > 0;
         int ld = H + (with_markov ? R : 0);

@@ -9,6 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pd_tp.h"
+
 #define TRY(expr) \
     do { pd_status st_ = (expr); if (st_ != PD_OK) return st_; } while (0)
 
@@ -214,7 +216,9 @@ pd_status pd_layer_attn_mlp(pd_act *a, const pd_qwen3_config *cfg, const pd_laye
         .scale = (float)(1.0 / sqrt((double)hd)),
     };
     TRY(kern_attn(be, &at, err));
-    TRY(linear(be, a->o, a->q_dim, &lw->o_proj, a->x, H, n_tok, 1, err));
+    /* tensor parallel: row-parallel o_proj, partials summed across the ranks */
+    TRY(linear(be, a->o, a->q_dim, &lw->o_proj, a->x, H, n_tok, pd_tp_accumulate(a->tp), err));
+    TRY(pd_tp_all_reduce(a->tp, a->x, (size_t)n_tok * H, err));
     TRY(rmsnorm(be, a->x, a->h, &lw->post_norm, n_tok, H, eps, err));
     TRY(linear(be, a->h, H, &lw->gate_proj, a->g, a->inter, n_tok, 0, err));
     TRY(linear(be, a->h, H, &lw->up_proj, a->u, a->inter, n_tok, 0, err));
@@ -222,7 +226,8 @@ pd_status pd_layer_attn_mlp(pd_act *a, const pd_qwen3_config *cfg, const pd_laye
                             .ld_b = a->inter, .out = a->g, .ld_out = a->inter, .rows = n_tok,
                             .cols = a->inter };
     TRY(kern_binary(be, &sw, err));
-    return linear(be, a->g, a->inter, &lw->down_proj, a->x, H, n_tok, 1, err);
+    TRY(linear(be, a->g, a->inter, &lw->down_proj, a->x, H, n_tok, pd_tp_accumulate(a->tp), err));
+    return pd_tp_all_reduce(a->tp, a->x, (size_t)n_tok * H, err);
 }
 
 pd_status pd_layer_forward(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
@@ -362,8 +367,10 @@ pd_status pd_target_forward(pd_target *t, const pd_tok_batch *b, const int32_t *
     }
     t->final_hidden = (float *)t->logits->ptr + (size_t)t->cap_logits * V;
     TRY(kern_upload(be, t->rows->ptr, logit_rows, (size_t)n_logits * sizeof(int32_t), err));
-    return pd_qwen3_head(m, be, a->x, H, t->rows->ptr, n_logits, a->h, t->final_hidden,
-                         t->logits->ptr, err);
+    TRY(pd_qwen3_head(m, be, a->x, H, t->rows->ptr, n_logits, a->h, t->final_hidden,
+                      t->logits->ptr, err));
+    /* tensor parallel: this rank's lm_head rows are one vocab slice */
+    return pd_tp_gather_vocab(a->tp, t->logits->ptr, V, n_logits, err);
 }
 
 const float *pd_target_logits(const pd_target *t) { return t->logits != NULL ? t->logits->ptr : NULL; }
@@ -372,3 +379,4 @@ const float *pd_target_final_hidden(const pd_target *t) { return t->final_hidden
 int pd_target_aux_dim(const pd_target *t) { return t->n_taps * t->m->cfg.hidden_size; }
 const pd_qwen3_model *pd_target_model(const pd_target *t) { return t->m; }
 pd_kv_pool *pd_target_pool(const pd_target *t) { return t->pool; }
+void pd_target_set_tp(pd_target *t, struct pd_tp_rank *tp) { t->act.tp = tp; }
