@@ -283,14 +283,15 @@ static void test_tp_shard_math(void)
     TEST_CHECK(total_inter == 7);
 }
 
-/* Rank 1 fails its 3rd forward while rank 0 runs its part: rank 0 must get the error (named by
+/* Rank 1 fails a command: its 1st (the prefill forward, while rank 0 waits in an all-reduce)
+ * or its 3rd (the draft block, which has no collective). Rank 0 must get the error (named by
  * rank) in seconds, later steps fail at once, and destroy must not hang. */
-static void test_tp_rank_failure(void)
+static void test_tp_rank_failure(int fail_cmd)
 {
     pd_err err;
     pd_engine *e = NULL;
     pd_engine_config ec = { .target = tm, .draft = dm, .page_size = 16, .n_pages = 64, .tp_size = 2,
-                            .tp_debug_fail_rank = 2, .tp_debug_fail_cmd = 3 };
+                            .tp_debug_fail_rank = 2, .tp_debug_fail_cmd = fail_cmd };
     if (pd_engine_create(&ec, &e, &err) != PD_OK) {
         TEST_CHECK_MSG(0, "engine: %s", err.msg);
         return;
@@ -303,7 +304,8 @@ static void test_tp_rank_failure(void)
     for (int i = 0; i < 10 && st == PD_OK; i++)
         st = pd_engine_step(e, &err);
     double dt = now_s() - t0;
-    printf("rank failure: step -> %s \"%s\" after %.2f s\n", pd_status_str(st), err.msg, dt);
+    printf("rank 1 fails command %d: step -> %s \"%s\" after %.2f s\n", fail_cmd, pd_status_str(st),
+           err.msg, dt);
     TEST_CHECK(st == PD_ERR_INTERNAL && strstr(err.msg, "rank 1") != NULL &&
                strstr(err.msg, "injected") != NULL);
     TEST_CHECK_MSG(dt < 10.0, "failure took %.2f s", dt);
@@ -347,7 +349,8 @@ int main(int argc, char **argv)
     }
     test_tp_shard_math();
     test_tp_bad_sizes();
-    test_tp_rank_failure();
+    test_tp_rank_failure(1);
+    test_tp_rank_failure(3);
     test_tp_lengths_vary();
     test_tp_same_tokens(tps, n_tps);
     pd_dspark_free(dm);
