@@ -7,7 +7,6 @@
  * replicated KV heads), and a rank that fails mid-forward ends the step with its error on rank
  * 0 within seconds instead of hanging the group.
  * Usage: test_tp [--max-new N] [--tp-list 2,4] */
-#include <cjson/cJSON.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,11 +22,6 @@
 #define MAX_ROUNDS 256
 
 typedef struct {
-    int32_t ids[512];
-    int n;
-} prompt;
-
-typedef struct {
     int32_t out[MAX_OUT];
     int n_out;
     int verified[MAX_ROUNDS];
@@ -38,7 +32,7 @@ typedef struct {
 static kern_backend *be;
 static pd_qwen3_model *tm;
 static pd_dspark_model *dm;
-static prompt prompts[N_PROMPTS];
+static test_prompt prompts[N_PROMPTS];
 static int max_new = 64;
 
 static double now_s(void)
@@ -46,25 +40,6 @@ static double now_s(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
-
-static int load_prompts(void)
-{
-    char *s = test_read_file(PD_FIXTURES "/eval/public_prompts.jsonl", NULL);
-    if (s == NULL)
-        return -1;
-    int i = 0;
-    for (char *line = strtok(s, "\n"); line != NULL && i < N_PROMPTS; line = strtok(NULL, "\n")) {
-        cJSON *o = cJSON_Parse(line);
-        cJSON *ids = cJSON_GetObjectItem(o, "input_ids");
-        prompts[i].n = cJSON_GetArraySize(ids);
-        for (int j = 0; j < prompts[i].n && j < 512; j++)
-            prompts[i].ids[j] = cJSON_GetArrayItem(ids, j)->valueint;
-        cJSON_Delete(o);
-        i++;
-    }
-    free(s);
-    return i == N_PROMPTS ? 0 : -1;
 }
 
 typedef struct {
@@ -338,7 +313,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "backend: %s\n", err.msg);
         return 1;
     }
-    if (load_prompts() != 0) {
+    if (test_load_eval_prompts(PD_FIXTURES "/eval/public_prompts.jsonl", prompts, N_PROMPTS) != 0) {
         fprintf(stderr, "no eval prompts\n");
         return 1;
     }
