@@ -1,8 +1,9 @@
 /* test_tp.c - tensor-parallel decode on the CPU with the local communicator: the 32 public eval
  * prompts give the same tokens with --tp 2 (and 4: the tiny model's 2 KV heads are then
  * replicated over 2 ranks each) as with --tp 1, for the vanilla drafter (greedy with full,
- * scheduled and threshold verification, whose per-round lengths must also match), target-only
- * decoding, and sampling at temperature 0.8 with a fixed seed. Bad tp values are refused by
+ * scheduled and threshold verification, whose per-round lengths must vary and match), target-only
+ * decoding (also with the vocab cut to 8190, so that tp 4 has an uneven last slice), and
+ * sampling at temperature 0.8 with a fixed seed. Bad tp values are refused by
  * name, external prefills are refused, the shard arithmetic is checked (uneven vocab slices,
  * replicated KV heads), and a rank that fails mid-forward ends the step with its error on rank
  * 0 within seconds instead of hanging the group.
@@ -33,6 +34,7 @@ static kern_backend *be;
 static pd_qwen3_model *tm;
 static pd_dspark_model *dm;
 static test_prompt prompts[N_PROMPTS];
+static pd_qwen3_model tm_cut;   /* tm seen through its first 8190 vocab rows (uneven slices) */
 static int max_new = 64;
 
 static double now_s(void)
@@ -48,6 +50,7 @@ typedef struct {
     pd_verify_policy policy;
     float threshold;
     float temperature;
+    const pd_qwen3_model *target;   /* NULL: tm */
 } scenario;
 
 /* All prompts through one engine with tp ranks, CONCURRENCY at a time. */
@@ -55,8 +58,9 @@ static int run_all(const scenario *sc, int tp, result *res)
 {
     pd_err err;
     pd_engine *e = NULL;
-    pd_engine_config ec = { .target = tm, .draft = sc->with_draft ? dm : NULL, .page_size = 16,
-                            .n_pages = 512, .tp_size = tp };
+    pd_engine_config ec = { .target = sc->target != NULL ? sc->target : tm,
+                            .draft = sc->with_draft ? dm : NULL, .page_size = 16, .n_pages = 512,
+                            .tp_size = tp };
     if (pd_engine_create(&ec, &e, &err) != PD_OK) {
         TEST_CHECK_MSG(0, "%s tp %d: engine: %s", sc->name, tp, err.msg);
         return -1;
@@ -111,11 +115,13 @@ static int run_all(const scenario *sc, int tp, result *res)
 static void test_tp_same_tokens(const int *tps, int n_tps)
 {
     const scenario scs[] = {
-        { "vanilla greedy full", 1, PD_VERIFY_FULL, 0.0f, 0.0f },
-        { "vanilla greedy scheduled", 1, PD_VERIFY_SCHEDULED, 0.0f, 0.0f },
-        { "vanilla greedy threshold 0.3", 1, PD_VERIFY_THRESHOLD, 0.3f, 0.0f },
-        { "target-only greedy", 0, PD_VERIFY_FULL, 0.0f, 0.0f },
-        { "vanilla sampled t=0.8 seed", 1, PD_VERIFY_FULL, 0.0f, 0.8f },
+        { "vanilla greedy full", 1, PD_VERIFY_FULL, 0.0f, 0.0f, NULL },
+        { "vanilla greedy scheduled", 1, PD_VERIFY_SCHEDULED, 0.0f, 0.0f, NULL },
+        { "vanilla greedy threshold 0.3", 1, PD_VERIFY_THRESHOLD, 0.3f, 0.0f, NULL },
+        { "target-only greedy", 0, PD_VERIFY_FULL, 0.0f, 0.0f, NULL },
+        { "vanilla sampled t=0.8 seed", 1, PD_VERIFY_FULL, 0.0f, 0.8f, NULL },
+        /* vocab 8190 over 4 ranks: slices of 2048, the last one 2046 */
+        { "target-only greedy, vocab 8190", 0, PD_VERIFY_FULL, 0.0f, 0.0f, &tm_cut },
     };
     static result ref[N_PROMPTS], got[N_PROMPTS];
     for (size_t i = 0; i < sizeof(scs) / sizeof(scs[0]); i++) {
@@ -126,10 +132,26 @@ static void test_tp_same_tokens(const int *tps, int n_tps)
             continue;
         double t1 = now_s() - t0;
         long tokens = 0, rounds = 0;
+        int hist[33] = { 0 }, distinct = 0;
         for (int p = 0; p < N_PROMPTS; p++) {
             tokens += ref[p].n_out;
             rounds += ref[p].rounds;
+            for (int k = 0; k < ref[p].rounds; k++)
+                if (ref[p].verified[k] >= 0 && ref[p].verified[k] <= 32)
+                    hist[ref[p].verified[k]]++;
         }
+        if (sc->with_draft) {
+            printf("%-30s tp 1: rounds by verified length:", sc->name);
+            for (int l = 0; l <= 32; l++)
+                if (hist[l] > 0) {
+                    printf(" %d:%d", l, hist[l]);
+                    distinct++;
+                }
+            printf("\n");
+        }
+        /* scheduled/threshold runs only test something if their lengths vary from round to round */
+        if (sc->policy != PD_VERIFY_FULL)
+            TEST_CHECK_MSG(distinct >= 2, "%s: %d distinct verify lengths", sc->name, distinct);
         for (int ti = 0; ti < n_tps; ti++) {
             int tp = tps[ti];
             memset(got, 0, sizeof(got));
@@ -162,30 +184,6 @@ static void test_tp_same_tokens(const int *tps, int n_tps)
             TEST_CHECK_MSG(same_len == N_PROMPTS, "%s tp %d: verify lengths differ", sc->name, tp);
         }
     }
-}
-
-/* The scheduled/threshold runs only mean something if their lengths vary. */
-static void test_tp_lengths_vary(void)
-{
-    static result r[N_PROMPTS];
-    const scenario sc = { "vanilla greedy threshold 0.3", 1, PD_VERIFY_THRESHOLD, 0.3f, 0.0f };
-    memset(r, 0, sizeof(r));
-    if (run_all(&sc, 2, r) != 0)
-        return;
-    int hist[33] = { 0 };
-    for (int p = 0; p < N_PROMPTS; p++)
-        for (int k = 0; k < r[p].rounds; k++)
-            if (r[p].verified[k] >= 0 && r[p].verified[k] <= 32)
-                hist[r[p].verified[k]]++;
-    int distinct = 0;
-    printf("threshold 0.3, tp 2: rounds by verified length:");
-    for (int l = 0; l <= 32; l++)
-        if (hist[l] > 0) {
-            printf(" %d:%d", l, hist[l]);
-            distinct++;
-        }
-    printf("\n");
-    TEST_CHECK_MSG(distinct >= 2, "threshold verification used %d distinct lengths", distinct);
 }
 
 static void test_tp_bad_sizes(void)
@@ -284,9 +282,12 @@ static void test_tp_rank_failure(int fail_cmd)
     TEST_CHECK(st == PD_ERR_INTERNAL && strstr(err.msg, "rank 1") != NULL &&
                strstr(err.msg, "injected") != NULL);
     TEST_CHECK_MSG(dt < 10.0, "failure took %.2f s", dt);
+    /* a new request's first forward finds the group broken at once */
+    TEST_CHECK(pd_engine_add(e, 2, prompts[1].ids, prompts[1].n, &gp, &r, &err) == PD_OK);
     t0 = now_s();
     st = pd_engine_step(e, &err);
-    TEST_CHECK(st == PD_ERR_PEER && strstr(err.msg, "broken") != NULL);
+    TEST_CHECK_MSG(st == PD_ERR_PEER && strstr(err.msg, "broken") != NULL, "%s: %s",
+                   pd_status_str(st), err.msg);
     TEST_CHECK(now_s() - t0 < 1.0);
     pd_engine_destroy(e);
 }
@@ -322,11 +323,14 @@ int main(int argc, char **argv)
         fprintf(stderr, "load: %s\n", err.msg);
         return 1;
     }
+    tm_cut = *tm;
+    tm_cut.cfg.vocab_size = 8190;
+    tm_cut.embed.rows = 8190;
+    tm_cut.lm_head.rows = 8190;   /* the eval prompts' ids are all below 8187 */
     test_tp_shard_math();
     test_tp_bad_sizes();
     test_tp_rank_failure(1);
     test_tp_rank_failure(3);
-    test_tp_lengths_vary();
     test_tp_same_tokens(tps, n_tps);
     pd_dspark_free(dm);
     pd_qwen3_free(tm);
