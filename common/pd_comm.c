@@ -50,6 +50,19 @@ pd_status pd_comm_broadcast(pd_comm *c, void *buf, size_t bytes, int root, pd_er
     return c->ops->broadcast(c, buf, bytes, root, err);
 }
 
+pd_status pd_comm_all_reduce_sum(pd_comm *c, const float *send, float *recv, size_t count,
+                                 pd_err *err)
+{
+    if (c == NULL)
+        return pd_err_set(err, PD_ERR_INVALID, "comm all_reduce: no communicator");
+    if (count > 0 && (send == NULL || recv == NULL))
+        return pd_err_set(err, PD_ERR_INVALID, "comm all_reduce: null buffer for %zu floats",
+                          count);
+    if (count > SIZE_MAX / sizeof(float))
+        return pd_err_set(err, PD_ERR_INVALID, "comm all_reduce: %zu floats overflow", count);
+    return c->ops->all_reduce_sum(c, send, recv, count, err);
+}
+
 pd_status pd_comm_barrier(pd_comm *c, pd_err *err)
 {
     if (c == NULL)
@@ -78,7 +91,7 @@ void pd_comm_destroy(pd_comm *c)
 #define LOCAL_MAX_RANKS 1024
 #define LOCAL_DEFAULT_TIMEOUT_MS 60000
 
-typedef enum { OP_ALL_GATHER = 1, OP_BROADCAST, OP_BARRIER } local_op;
+typedef enum { OP_ALL_GATHER = 1, OP_BROADCAST, OP_BARRIER, OP_ALL_REDUCE } local_op;
 
 static const char *op_name(int op)
 {
@@ -86,6 +99,7 @@ static const char *op_name(int op)
     case OP_ALL_GATHER: return "all_gather";
     case OP_BROADCAST: return "broadcast";
     case OP_BARRIER: return "barrier";
+    case OP_ALL_REDUCE: return "all_reduce";
     default: return "?";
     }
 }
@@ -119,6 +133,8 @@ typedef struct {
     pd_comm base;
     pd_comm_local_group *g;
     int rank;
+    float *sum;                   /* all_reduce scratch of this rank: [cap_sum] */
+    size_t cap_sum;
 } local_comm;
 
 static pd_status memcpy_copy(void *ud, void *dst, const void *src, size_t n, pd_err *err)
@@ -246,12 +262,27 @@ static pd_status local_collective(local_comm *lc, int op, const void *send, void
             }
         } else if (op == OP_BROADCAST && me != root && recv != g->posts[root].send) {
             res = g->copy(g->copy_ud, recv, g->posts[root].send, bytes, err);
+        } else if (op == OP_ALL_REDUCE) {
+            /* into this rank's scratch: a send may be its owner's recv (in place), which must
+             * stay unchanged until every rank has read it */
+            size_t count = bytes / sizeof(float);
+            float *sum = lc->sum;
+            const float *s0 = g->posts[0].send;
+            for (size_t i = 0; i < count; i++)
+                sum[i] = s0[i];
+            for (int r = 1; r < g->n; r++) {
+                const float *sr = g->posts[r].send;
+                for (size_t i = 0; i < count; i++)
+                    sum[i] += sr[i];
+            }
         }
     }
 
     st = rendezvous(g, me, err);
     if (st != PD_OK)
         return st;
+    if (res == PD_OK && op == OP_ALL_REDUCE && bytes > 0)
+        memcpy(recv, lc->sum, bytes);
     return res;
 }
 
@@ -264,6 +295,32 @@ static pd_status local_all_gather(pd_comm *c, const void *send, void *recv, size
 static pd_status local_broadcast(pd_comm *c, void *buf, size_t bytes, int root, pd_err *err)
 {
     return local_collective((local_comm *)c, OP_BROADCAST, buf, buf, bytes, root, err);
+}
+
+static void local_abort(pd_comm *c, const char *why);
+
+static pd_status local_all_reduce_sum(pd_comm *c, const float *send, float *recv, size_t count,
+                                      pd_err *err)
+{
+    local_comm *lc = (local_comm *)c;
+    size_t bytes = count * sizeof(float);
+    /* checked before the collective, alike on every rank of the group */
+    if (lc->g->copy != memcpy_copy)
+        return pd_err_set(err, PD_ERR_UNSUPPORTED,
+                          "local comm rank %d: all_reduce adds on the host; this group copies "
+                          "with a custom (device) copy", lc->rank);
+    if (count > lc->cap_sum) {
+        float *n = realloc(lc->sum, bytes);
+        if (n == NULL) {
+            /* the others must not wait for this rank: fail the whole group */
+            local_abort(c, "all_reduce scratch: out of memory");
+            return pd_err_set(err, PD_ERR_NOMEM, "local comm rank %d: all_reduce scratch of %zu "
+                              "floats", lc->rank, count);
+        }
+        lc->sum = n;
+        lc->cap_sum = count;
+    }
+    return local_collective(lc, OP_ALL_REDUCE, send, recv, bytes, 0, err);
 }
 
 static pd_status local_barrier(pd_comm *c, pd_err *err)
@@ -290,6 +347,7 @@ static void local_destroy(pd_comm *c)
     pd_comm_local_group *g = lc->g;
     pthread_mutex_lock(&g->mu);
     g->has_handle[lc->rank] = 0;
+    free(lc->sum);
     free(lc);
     group_unref_locked_and_unlock(g);
 }
@@ -298,6 +356,7 @@ static const pd_comm_ops local_ops = {
     .name = "local",
     .all_gather = local_all_gather,
     .broadcast = local_broadcast,
+    .all_reduce_sum = local_all_reduce_sum,
     .barrier = local_barrier,
     .abort = local_abort,
     .rank = local_rank,

@@ -35,6 +35,11 @@ typedef struct {
     pd_status (*all_gather)(pd_comm *c, const void *send, void *recv, size_t bytes, pd_err *err);
     /* root's buf (bytes bytes) is copied into buf of every other rank. */
     pd_status (*broadcast)(pd_comm *c, void *buf, size_t bytes, int root, pd_err *err);
+    /* recv[i] = sum over ranks of send[i] for i < count (f32); send may equal recv (in place).
+     * Every rank receives the same values: the local communicator adds the ranks' buffers in
+     * rank order, so results are bit-identical on every rank and from run to run. */
+    pd_status (*all_reduce_sum)(pd_comm *c, const float *send, float *recv, size_t count,
+                                pd_err *err);
     pd_status (*barrier)(pd_comm *c, pd_err *err);
     /* Breaks the group: ranks waiting in or entering a collective get PD_ERR_PEER. Any thread. */
     void (*abort)(pd_comm *c, const char *why);
@@ -53,6 +58,8 @@ struct pd_comm {
  * valid collective that still synchronises the ranks. Other errors as described above. */
 pd_status pd_comm_all_gather(pd_comm *c, const void *send, void *recv, size_t bytes, pd_err *err);
 pd_status pd_comm_broadcast(pd_comm *c, void *buf, size_t bytes, int root, pd_err *err);
+pd_status pd_comm_all_reduce_sum(pd_comm *c, const float *send, float *recv, size_t count,
+                                 pd_err *err);
 pd_status pd_comm_barrier(pd_comm *c, pd_err *err);
 void pd_comm_abort(pd_comm *c, const char *why);
 int pd_comm_rank(const pd_comm *c);
@@ -84,7 +91,8 @@ typedef struct pd_comm_local_group pd_comm_local_group;
 
 /* One group for n_ranks threads (1..1024); opts may be NULL for the defaults. Collectives pull
  * directly from the other ranks' buffers between two rendezvous, so buffers need only be
- * readable by every rank thread through `copy`. PD_ERR_INVALID, PD_ERR_NOMEM, PD_ERR_INTERNAL
+ * readable by every rank thread through `copy`. all_reduce_sum adds on the host, so it needs
+ * host buffers: a group with a custom copy answers it with PD_ERR_UNSUPPORTED. PD_ERR_INVALID, PD_ERR_NOMEM, PD_ERR_INTERNAL
  * (pthread init failed). */
 pd_status pd_comm_local_group_create(int n_ranks, const pd_comm_local_opts *opts,
                                      pd_comm_local_group **out, pd_err *err);

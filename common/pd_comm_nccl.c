@@ -153,6 +153,19 @@ static pd_status nccl_broadcast(pd_comm *base, void *buf, size_t bytes, int root
                     "broadcast", err);
 }
 
+/* Sums in f32 on the stream; NCCL's reduction order is its own, but every rank receives the
+ * same result. */
+static pd_status nccl_all_reduce_sum(pd_comm *base, const float *send, float *recv, size_t count,
+                                     pd_err *err)
+{
+    nccl_comm *c = (nccl_comm *)base;
+    pd_status st = check_alive(c, "all_reduce", err);
+    if (st != PD_OK)
+        return st;
+    return enqueued(c, ncclAllReduce(send, recv, count, ncclFloat32, ncclSum, c->nccl, c->stream),
+                    "all_reduce", err);
+}
+
 /* NCCL has no barrier: a one-int all-reduce, then the host waits for the stream, bounded. */
 static pd_status nccl_barrier(pd_comm *base, pd_err *err)
 {
@@ -221,6 +234,7 @@ static const pd_comm_ops nccl_ops = {
     .name = "nccl",
     .all_gather = nccl_all_gather,
     .broadcast = nccl_broadcast,
+    .all_reduce_sum = nccl_all_reduce_sum,
     .barrier = nccl_barrier,
     .abort = nccl_abort,
     .rank = nccl_rank,

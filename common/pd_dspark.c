@@ -12,6 +12,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pd_tp.h"
+
 #define TRY(expr) \
     do { pd_status st_ = (expr); if (st_ != PD_OK) return st_; } while (0)
 
@@ -36,6 +38,7 @@ struct pd_draft {
     int32_t *prev_dev, *rows_dev, *chain_rows, *chain_ids, *ids_dev;
     float *chain_conf;          /* [B][cap_req] confidence logits of a chained round */
     pd_graph_cache graphs;
+    struct pd_tp_rank *tp;      /* vocab-sharded lm_head/markov_w2 (pd_tp.h); NULL: whole */
 };
 
 pd_status pd_draft_create(const pd_dspark_model *m, pd_kv_pool *pool, pd_draft **out, pd_err *err)
@@ -81,6 +84,7 @@ const float *pd_draft_step_logits(const pd_draft *d) { return d->step_logits; }
 const int32_t *pd_draft_step_ids(const pd_draft *d) { return d->ids_dev; }
 const float *pd_draft_head_gate(const pd_draft *d) { return d->gate; }
 const float *pd_draft_head_state(const pd_draft *d) { return d->state; }
+void pd_draft_set_tp(pd_draft *d, struct pd_tp_rank *tp) { d->tp = tp; }
 
 static pd_status linear(kern_backend *be, const float *x, int ld_x, const kern_weight *w,
                         const kern_weight *bias, float *y, int ld_y, int m, int accumulate, pd_err *err)
@@ -344,6 +348,13 @@ static pd_status markov_step_dev(pd_draft *d, int k, const int32_t *prev_dev, co
         TRY(kern_markov_step(be, &ms, err));
         break;
     }
+    }
+    /* tensor parallel: every rank computed its vocab slice of the step; the ids of the fused
+     * kernel covered the slice only, so they are taken again over the gathered row */
+    if (d->tp != NULL) {
+        TRY(pd_tp_gather_vocab(d->tp, d->step_logits, V, n, err));
+        kern_argmax_args am = { .x = d->step_logits, .ld_x = V, .rows = n, .n = V, .out = ids_dev };
+        TRY(kern_argmax(be, &am, err));
     }
     if (m->cfg.enable_confidence_head && m->conf_w.data != NULL && conf_dev != NULL) {
         int with_markov = m->cfg.confidence_head_with_markov && R > 0;

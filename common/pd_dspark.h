@@ -65,6 +65,11 @@ const float *pd_draft_step_logits(const pd_draft *d);   /* [n_req, vocab] of the
 const int32_t *pd_draft_step_ids(const pd_draft *d);
 /* Head internals of the last step (for tests): gated gate [n_req, rank]; rnn state [n_req, rank]. */
 const float *pd_draft_head_gate(const pd_draft *d);
+/* Makes d rank tp's part of a tensor-parallel group (pd_tp.h; borrowed): its model's lm_head
+ * and markov_w2 are that rank's vocab slice, the step logits are all-gathered after each Markov
+ * step (base logits keep only the slice); the decoder layers stay whole on every rank. */
+struct pd_tp_rank;
+void pd_draft_set_tp(pd_draft *d, struct pd_tp_rank *tp);
 const float *pd_draft_head_state(const pd_draft *d);
 
 #endif

@@ -65,6 +65,8 @@ struct pd_engine {
     kern_backend **cp_be;       /* [cp_n], [0] borrowed */
     pd_kv_pool **cp_pool;       /* [cp_n], [0] = tpool */
     pd_cp_group *cp;
+    /* tensor-parallel decode (tp_size > 1): tm/dm are rank 0's shards, owned by the group */
+    pd_tp_group *tp;
 };
 
 static double now_s(void)
@@ -190,6 +192,35 @@ pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err 
             goto err_free;
         }
     }
+    if (e->cfg.tp_size > 1) {
+        if (e->cfg.cp_size > 1) {
+            st = pd_err_set(err, PD_ERR_INVALID, "tp %d with cp %d: context-parallel prefill and "
+                            "tensor-parallel decode do not combine", e->cfg.tp_size, e->cfg.cp_size);
+            goto err_free;
+        }
+        if (e->cfg.graphs == PD_GRAPHS_PAD) {
+            /* the worker ranks run rank 0's batch as given: padding on rank 0 alone would make
+             * the ranks' collectives disagree in size */
+            st = pd_err_set(err, PD_ERR_INVALID, "tp %d with graphs=pad: padded batches are not "
+                            "supported with tensor-parallel decode", e->cfg.tp_size);
+            goto err_free;
+        }
+        pd_tp_group_config gc = { .target = cfg->target, .draft = cfg->draft, .size = e->cfg.tp_size,
+                                  .page_size = e->cfg.page_size, .n_pages = e->cfg.n_pages,
+                                  .draft_n_pages = e->cfg.draft_n_pages,
+                                  .taps = e->dm != NULL ? e->dm->cfg.target_layer_ids : NULL,
+                                  .n_taps = e->dm != NULL ? e->dm->cfg.n_target_layers : 0,
+                                  .debug_fail_rank = e->cfg.tp_debug_fail_rank,
+                                  .debug_fail_cmd = e->cfg.tp_debug_fail_cmd };
+        if ((st = pd_tp_group_create(&gc, &e->tp, err)) != PD_OK)
+            goto err_free;
+        e->tm = pd_tp_group_target(e->tp);
+        e->dm = pd_tp_group_draft(e->tp);
+        tc = &e->tm->cfg;   /* rank 0's heads: its KV pool holds its KV heads only */
+    } else if (e->cfg.tp_size < 0) {
+        st = pd_err_set(err, PD_ERR_INVALID, "tp %d must be >= 1", e->cfg.tp_size);
+        goto err_free;
+    }
     kern_backend *be = e->tm->be;
     pd_kv_layout tl = { .n_layers = tc->num_hidden_layers, .n_kv_heads = tc->num_key_value_heads,
                         .head_dim = tc->head_dim, .page_size = e->cfg.page_size,
@@ -220,6 +251,8 @@ pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err 
     if (e->draft != NULL)
         pd_draft_set_graphs(e->draft, e->cfg.graphs);
     e->aux_dim = pd_target_aux_dim(e->target);
+    if (e->tp != NULL)
+        pd_tp_group_attach(e->tp, e->target, e->draft);
     /* without a profile the scheduler assumes a memory-bound step: t(B) = 1 + B / 64 */
     st = pd_sps_linear(1.0, 1.0 / 64.0, 1024, &e->sps_default, err);
     if (st != PD_OK)
@@ -281,6 +314,7 @@ void pd_engine_destroy(pd_engine *e)
     kern_buf_free(e->ids_dev);
     kern_buf_free(e->aux_dev);
     kern_buf_free(e->idx_dev);
+    pd_tp_group_destroy(e->tp);   /* after the runners built on its rank-0 shards */
     free(e);
 }
 
@@ -309,6 +343,11 @@ pd_status pd_engine_add(pd_engine *e, uint64_t id, const int32_t *prompt, int n_
 pd_status pd_engine_add_external(pd_engine *e, uint64_t id, const int32_t *prompt, int n_prompt,
                                  const pd_gen_params *params, pd_request **out, pd_err *err)
 {
+    if (e->tp != NULL)
+        return pd_err_set(err, PD_ERR_UNSUPPORTED,
+                          "tp %d: an external prefill would fill only rank 0's KV shard; "
+                          "tensor-parallel decode prefills in the engine (--colocated)",
+                          pd_tp_group_size(e->tp));
     return add_request(e, id, prompt, n_prompt, params, 1, out, err);
 }
 
@@ -446,6 +485,49 @@ static pd_status argmax_rows(pd_engine *e, const float *dev, int n, int32_t *out
     return kern_download(be, out, e->ids_dev->ptr, (size_t)n * sizeof(int32_t), err);
 }
 
+/* ---- forwards: on this thread, or handed to every rank of the tensor-parallel group ------- */
+
+static pd_status tp_run(pd_engine *e, pd_tp_cmd *c, pd_err *err)
+{
+    c->batch_invariant = e->tm->be->batch_invariant;
+    return pd_tp_group_run(e->tp, c, err);
+}
+
+static pd_status target_forward(pd_engine *e, const pd_tok_batch *b, const int32_t *rows, int n,
+                                pd_err *err)
+{
+    if (e->tp == NULL)
+        return pd_target_forward(e->target, b, rows, n, err);
+    pd_tp_cmd c = { .op = PD_TP_TARGET_FORWARD, .b = b, .rows = rows, .n_rows = n };
+    return tp_run(e, &c, err);
+}
+
+static pd_status draft_extend(pd_engine *e, const float *aux, const pd_tok_batch *b, pd_err *err)
+{
+    if (e->tp == NULL)
+        return pd_draft_extend(e->draft, aux, e->aux_dim, b, err);
+    pd_tp_cmd c = { .op = PD_TP_DRAFT_EXTEND, .b = b, .aux = aux, .ld_aux = e->aux_dim };
+    return tp_run(e, &c, err);
+}
+
+static pd_status draft_block(pd_engine *e, int n_req, const int32_t *anchor, const int32_t *start,
+                             pd_kv_seq *const *seqs, pd_err *err)
+{
+    if (e->tp == NULL)
+        return pd_draft_block(e->draft, n_req, anchor, start, seqs, err);
+    pd_tp_cmd c = { .op = PD_TP_DRAFT_BLOCK, .n_req = n_req, .anchor = anchor, .start = start,
+                    .seqs = seqs };
+    return tp_run(e, &c, err);
+}
+
+static pd_status markov_step(pd_engine *e, int k, const int32_t *prev, float *conf_out, pd_err *err)
+{
+    if (e->tp == NULL)
+        return pd_draft_markov_step(e->draft, k, prev, conf_out, err);
+    pd_tp_cmd c = { .op = PD_TP_MARKOV_STEP, .k = k, .prev = prev, .conf_out = conf_out };
+    return tp_run(e, &c, err);
+}
+
 /* Adds aux rows rows[0..n-1] of aux (backend, [*, aux_dim] packed) to the draft context of the
  * given requests at the given positions. */
 static pd_status extend_draft(pd_engine *e, const float *aux, const int32_t *rows,
@@ -476,7 +558,7 @@ static pd_status extend_draft(pd_engine *e, const float *aux, const int32_t *row
         seq[i] = n_seq - 1;
     }
     pd_tok_batch b = { .n_tok = n, .pos = pos, .seq = seq, .n_seq = n_seq, .seqs = seqs };
-    pd_status st = pd_draft_extend(e->draft, e->aux_dev->ptr, e->aux_dim, &b, err);
+    pd_status st = draft_extend(e, e->aux_dev->ptr, &b, err);
     free(seq);
     free(seqs);
     return st;
@@ -678,7 +760,7 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
     if (e->cp != NULL) {
         st = cp_prefill(e, &b, owner, lrows, n_done, &logits, &aux, err);
     } else {
-        st = pd_target_forward(e->target, &b, lrows, n_done, err);
+        st = target_forward(e, &b, lrows, n_done, err);
         logits = pd_target_logits(e->target);
         aux = pd_target_aux(e->target);
     }
@@ -948,8 +1030,9 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             goto out;
     }
     double t_draft = now_s();
-    if (n_draft > 0 && !any_sampled) {
-        /* greedy drafts: the whole round chained on the device, one download */
+    if (n_draft > 0 && !any_sampled && e->tp == NULL) {
+        /* greedy drafts: the whole round chained on the device, one download (tensor-parallel
+         * ranks take the step-by-step path below: each step's logits are gathered over them) */
         int dB = e->dm->cfg.block_size;
         int32_t *ids = malloc((size_t)n_draft * dB * sizeof(int32_t));
         float *cf = want_conf ? malloc((size_t)n_draft * dB * sizeof(float)) : NULL;
@@ -971,12 +1054,12 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         if (st != PD_OK)
             goto out;
     } else if (n_draft > 0) {
-        st = pd_draft_block(e->draft, n_draft, anchor, start, dseqs, err);
+        st = draft_block(e, n_draft, anchor, start, dseqs, err);
         if (st != PD_OK)
             goto out;
         memcpy(prev, anchor, (size_t)n_draft * 4);
         for (int k = 0; k < e->B; k++) {
-            st = pd_draft_markov_step(e->draft, k, prev, want_conf ? conf_k : NULL, err);
+            st = markov_step(e, k, prev, want_conf ? conf_k : NULL, err);
             if (st != PD_OK)
                 goto out;
             const float *sl = pd_draft_step_logits(e->draft);
@@ -1048,7 +1131,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     if (m > 0) {
         pd_tok_batch vb = { .n_tok = n_v, .ids = vids, .pos = vpos, .seq = vseq, .n_seq = m,
                             .seqs = vseqs };
-        st = pd_target_forward(e->target, &vb, vrows, n_v, err);
+        st = target_forward(e, &vb, vrows, n_v, err);
         if (st != PD_OK)
             goto out;
         const float *vl = pd_target_logits(e->target);
@@ -1265,7 +1348,7 @@ static pd_status time_verify(pd_engine *e, int b, int ctx_len, double *out, pd_e
     for (int it = 0; it < 6 && st == PD_OK; it++) {
         pd_tok_batch vb = { .n_tok = b, .ids = ids, .pos = pos, .seq = seq, .n_seq = n_seq, .seqs = sp };
         double t0 = now_s();
-        st = pd_target_forward(e->target, &vb, rows, b, err);
+        st = target_forward(e, &vb, rows, b, err);
         if (st == PD_OK)
             st = argmax_rows(e, pd_target_logits(e->target), b, rows, err);   /* includes the sync */
         for (int t = 0; t < b; t++)

@@ -20,6 +20,7 @@
 #include "pd_model.h"
 #include "pd_qwen3.h"
 #include "pd_sample.h"
+#include "pd_tp.h"
 #include "pd_verify_policy.h"
 
 typedef struct {
@@ -48,6 +49,17 @@ typedef struct {
                                         * and draft steps as CUDA graphs per shape bucket where
                                         * the backend has graphs; OFF runs every op eagerly; PAD
                                         * pads batches to the buckets without graphs (tests) */
+    int tp_size;                       /* tensor-parallel decode ranks (0 or 1 = none); > 1 splits
+                                        * the target's heads, MLP and lm_head (and the drafter's
+                                        * lm_head/markov_w2) over that many ranks, run as threads
+                                        * of this process with their own backend handle and KV
+                                        * shard (host backends only, pd_tp.h). Rank 0 is the
+                                        * engine thread and decides every batch; then
+                                        * pd_engine_target/draft must not be run directly, and
+                                        * external prefills (whose KV would reach rank 0 only) are
+                                        * refused. Not with cp_size > 1. */
+    int tp_debug_fail_rank;            /* tests only: pd_tp_group_config.debug_fail_rank/cmd */
+    int tp_debug_fail_cmd;
     /* Tests and debugging: called on the engine thread with exactly the aux tensor (backend
      * memory, [rows, cols] with row stride ld) the drafter receives from a prefill forward. */
     void (*prefill_aux_hook)(void *ud, const float *aux, int rows, int cols, int ld);

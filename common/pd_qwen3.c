@@ -11,6 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pd_tp.h"
+
 #define TRY(expr) \
     do { pd_status st_ = (expr); if (st_ != PD_OK) return st_; } while (0)
 
@@ -274,12 +276,16 @@ pd_status pd_layer_attn_mlp(pd_act *a, const pd_qwen3_config *cfg, const pd_laye
         .scale = (float)(1.0 / sqrt((double)hd)),
     };
     TRY(kern_attn(be, &at, err));
-    /* x += o Wo^T; g = silu(post_norm(x) Wg^T) * (post_norm(x) Wu^T); x += g Wd^T */
+    /* x += o Wo^T; g = silu(post_norm(x) Wg^T) * (post_norm(x) Wu^T); x += g Wd^T. Tensor
+     * parallel: o_proj and down_proj are row-parallel, rank 0 adds its partial to x and the
+     * others store theirs, then the all-reduce sums them (pd_tp.h) */
+    kern_linear_epilogue res = pd_tp_accumulate(a->tp) ? KERN_LINEAR_ACCUMULATE : KERN_LINEAR_STORE;
     kern_linear_args op = {
         .x = a->o, .ld_x = a->q_dim, .m = n_tok, .k = a->q_dim, .n_w = 1, .w = { lw->o_proj },
-        .y = { a->x }, .ld_y = { H }, .epilogue = KERN_LINEAR_ACCUMULATE,
+        .y = { a->x }, .ld_y = { H }, .epilogue = res,
     };
     TRY(kern_linear(be, &op, err));
+    TRY(pd_tp_all_reduce(a->tp, a->x, (size_t)n_tok * H, err));
     kern_linear_args gu = {
         .x = a->x, .ld_x = H, .m = n_tok, .k = H, .norm = lw->post_norm, .eps = cfg->rms_norm_eps,
         .n_w = 2, .w = { lw->gate_proj, lw->up_proj }, .y = { a->g }, .ld_y = { a->inter },
@@ -288,9 +294,10 @@ pd_status pd_layer_attn_mlp(pd_act *a, const pd_qwen3_config *cfg, const pd_laye
     TRY(kern_linear(be, &gu, err));
     kern_linear_args dn = {
         .x = a->g, .ld_x = a->inter, .m = n_tok, .k = a->inter, .n_w = 1, .w = { lw->down_proj },
-        .y = { a->x }, .ld_y = { H }, .epilogue = KERN_LINEAR_ACCUMULATE,
+        .y = { a->x }, .ld_y = { H }, .epilogue = res,
     };
-    return kern_linear(be, &dn, err);
+    TRY(kern_linear(be, &dn, err));
+    return pd_tp_all_reduce(a->tp, a->x, (size_t)n_tok * H, err);
 }
 
 pd_status pd_layer_forward(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
@@ -410,8 +417,11 @@ static pd_status target_step_run(void *ud, pd_err *err)
     }
     if (s->n_logits <= 0)
         return PD_OK;
-    return pd_qwen3_head(m, be, a->x, H, t->rows->ptr, s->n_logits, a->h, t->final_hidden,
-                         t->logits->ptr, err);
+    TRY(pd_qwen3_head(m, be, a->x, H, t->rows->ptr, s->n_logits, a->h, t->final_hidden,
+                      t->logits->ptr, err));
+    /* tensor parallel: this rank's lm_head rows are one vocab slice (host backends only, never
+     * inside a graph) */
+    return pd_tp_gather_vocab(a->tp, t->logits->ptr, cfg->vocab_size, s->n_logits, err);
 }
 
 pd_status pd_target_forward(pd_target *t, const pd_tok_batch *b, const int32_t *logit_rows,
@@ -501,3 +511,4 @@ const float *pd_target_final_hidden(const pd_target *t) { return t->final_hidden
 int pd_target_aux_dim(const pd_target *t) { return t->n_taps * t->m->cfg.hidden_size; }
 const pd_qwen3_model *pd_target_model(const pd_target *t) { return t->m; }
 pd_kv_pool *pd_target_pool(const pd_target *t) { return t->pool; }
+void pd_target_set_tp(pd_target *t, struct pd_tp_rank *tp) { t->act.tp = tp; }

@@ -14,9 +14,13 @@
 #include "pd_model.h"
 #include "pd_status.h"
 
+struct pd_tp_rank;
+
 /* Backend scratch for one forward of up to cap_tok tokens. Grown on demand. */
 typedef struct {
     kern_backend *be;
+    struct pd_tp_rank *tp;    /* tensor parallelism (pd_tp.h): this rank holds a shard of the
+                               * heads and MLP columns; NULL = the whole layer */
     int cap_tok;
     int cap_seq_pages;        /* capacity of the page-table buffer in entries */
     int hidden, q_dim, kv_dim, inter;
@@ -118,6 +122,9 @@ const float *pd_target_logits(const pd_target *t);      /* [n_logits, vocab] */
 const float *pd_target_aux(const pd_target *t);         /* [n_tok, n_taps * hidden] */
 const float *pd_target_final_hidden(const pd_target *t); /* [n_logits, hidden] after final norm */
 int pd_target_aux_dim(const pd_target *t);
+/* Makes t rank tp's part of a tensor-parallel group (pd_tp.h; borrowed): its model is that
+ * rank's shard, row-parallel outputs are all-reduced and the logits all-gathered. */
+void pd_target_set_tp(pd_target *t, struct pd_tp_rank *tp);
 const pd_qwen3_model *pd_target_model(const pd_target *t);
 pd_kv_pool *pd_target_pool(const pd_target *t);
 

@@ -58,6 +58,8 @@ typedef struct {
     int64_t transfer_timeout_ms;    /* bound on a Prefill call incl. its KV transfer (0 = 30000) */
     int cp_size;                    /* colocated: context-parallel prefill ranks (0/1 = off) */
     const char *cp_strategy;        /* colocated: NULL = engine default */
+    int tp_size;                    /* colocated: tensor-parallel decode ranks (0/1 = off;
+                                     * host devices only, pd_tp.h) */
     const char *verify;             /* verification policy: NULL/"full", "threshold", "scheduled"
                                      * (the draft's dspark_calibration.json is used when present;
                                      * scheduled profiles this device's SPS curve at start-up) */

@@ -19,6 +19,7 @@
 #include "pd_cli.h"
 #include "pd_graph.h"
 #include "pd_log.h"
+#include "pd_tp.h"
 
 #define PROG "decode_node"
 
@@ -29,7 +30,7 @@ static void usage(FILE *f)
             "                   (--prefill HOST:PORT[,HOST:PORT...] | --colocated)\n"
             "                   [--device cpu|cuda] [--kv-pages N] [--page-size N] [--max-batch N]\n"
             "                   [--max-queue N] [--queue-timeout-ms N] [--request-timeout-ms N]\n"
-            "                   [--transfer-timeout-ms N] [--cp-size N --cp-strategy S]\n"
+            "                   [--transfer-timeout-ms N] [--cp-size N --cp-strategy S] [--tp N]\n"
             "                   [--log-level error|warn|info|debug|trace]\n"
             "                   [--http HOST:PORT] [--log-format text|json] [--drain-timeout-ms N]\n"
             "                   [--verify full|threshold|scheduled] [--threshold T] [--fast-kernels]\n"
@@ -37,6 +38,7 @@ static void usage(FILE *f)
             "\n"
             "Serves pdspark.Generate (gRPC, server-streaming) with DSpark speculative decoding.\n"
             "--colocated runs the prefill in this process (--cp-size/--cp-strategy apply there);\n"
+            "--tp N (with --colocated, cpu device) decodes tensor-parallel over N rank threads;\n"
             "otherwise prompts are prefilled by the least-loaded --prefill node (a name that\n"
             "resolves to several addresses is several nodes) and their KV pages arrive over UCX.\n"
             "Port 0 picks a free port; the address is printed as 'listening grpc HOST:PORT'.\n"
@@ -57,7 +59,7 @@ int main(int argc, char **argv)
     int64_t drain_ms = 30000;
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_PREFILL, O_COLO, O_DEVICE, O_PAGES, O_PAGE, O_BATCH,
            O_QUEUE, O_QTMO, O_RTMO, O_XTMO, O_CP, O_CPS, O_LOG, O_HELP, O_HTTP, O_LOGFMT, O_DRAIN,
-           O_VERIFY, O_THRESH, O_FAST, O_GRAPHS };
+           O_VERIFY, O_THRESH, O_FAST, O_GRAPHS, O_TP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"prefill", required_argument, 0, O_PREFILL},
@@ -70,6 +72,7 @@ int main(int argc, char **argv)
         {"cp-size", required_argument, 0, O_CP}, {"cp-strategy", required_argument, 0, O_CPS},
         {"verify", required_argument, 0, O_VERIFY}, {"threshold", required_argument, 0, O_THRESH},
         {"fast-kernels", no_argument, 0, O_FAST}, {"graphs", required_argument, 0, O_GRAPHS},
+        {"tp", required_argument, 0, O_TP},
         {"log-level", required_argument, 0, O_LOG}, {"help", no_argument, 0, O_HELP},
         {"http", required_argument, 0, O_HTTP}, {"log-format", required_argument, 0, O_LOGFMT},
         {"drain-timeout-ms", required_argument, 0, O_DRAIN}, {0, 0, 0, 0},
@@ -95,6 +98,7 @@ int main(int argc, char **argv)
         case O_XTMO: bad = pd_cli_parse_i64(PROG, "--transfer-timeout-ms", optarg, 1, INT32_MAX, &v); cfg.transfer_timeout_ms = v; break;
         case O_CP: bad = pd_cli_parse_int(PROG, "--cp-size", optarg, 1, 64, &cfg.cp_size); break;
         case O_CPS: cfg.cp_strategy = optarg; break;
+        case O_TP: bad = pd_cli_parse_int(PROG, "--tp", optarg, 1, PD_TP_MAX_SIZE, &cfg.tp_size); break;
         case O_VERIFY: cfg.verify = optarg; break;
         case O_THRESH:
             bad = pd_cli_parse_float(PROG, "--threshold", optarg, &cfg.verify_threshold);
@@ -156,6 +160,11 @@ int main(int argc, char **argv)
     if (!colocated && (cfg.cp_size > 1 || cfg.cp_strategy != NULL)) {
         fprintf(stderr, PROG ": --cp-size/--cp-strategy apply to --colocated only (prefill nodes "
                         "take their own)\n");
+        return 2;
+    }
+    if (!colocated && cfg.tp_size > 1) {
+        fprintf(stderr, PROG ": --tp applies to --colocated only (a prefill node's KV would reach "
+                        "rank 0's shard only)\n");
         return 2;
     }
     cfg.colocated = colocated;

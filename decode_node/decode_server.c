@@ -1413,6 +1413,8 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
             (st = pd_cp_strategy_parse(cfg->cp_strategy, &ec.cp_strategy, err)) != PD_OK)
             goto err_destroy;
     }
+    if (cfg->colocated)
+        ec.tp_size = cfg->tp_size;
     if ((st = pd_engine_create(&ec, &s->eng, err)) != PD_OK)
         goto err_destroy;
     if (ec.verify_policy == PD_VERIFY_SCHEDULED) {

@@ -20,6 +20,7 @@
 #include "pd_log.h"
 #include "pd_model.h"
 #include "pd_tokenizer.h"
+#include "pd_tp.h"
 
 #define PROG "pdspark-generate"
 
@@ -34,13 +35,17 @@ static void usage(FILE *f)
             "                        [--verify full|threshold|scheduled] [--threshold T] [--fast-kernels]\n"
             "                        [--graphs auto|off|pad]\n"
             "                        [--cp-size N] [--cp-strategy round-robin-split|interleave|zigzag]\n"
+            "                        [--tp N]\n"
             "\n"
             "Runs DSpark speculative decoding (or plain target decoding with --no-draft) on one\n"
             "prompt. --prompt-ids reads whitespace-separated token ids. --json prints one object:\n"
             "tokens, text, rounds, accepted_per_round, tau, prompt_tokens, time_ms and more.\n"
             "--cp-size N > 1 runs the prefill context-parallel over N ranks (threads of this process\n"
             "on the cpu device), split by --cp-strategy (default round-robin-split); the result\n"
-            "is the same as with N = 1.\n");
+            "is the same as with N = 1.\n"
+            "--tp N > 1 decodes tensor-parallel over N ranks (threads of this process on the cpu\n"
+            "device): attention heads, MLP and lm_head split N ways; N must divide the attention\n"
+            "heads; the tokens are the same as with N = 1.\n");
 }
 
 int main(int argc, char **argv)
@@ -49,13 +54,14 @@ int main(int argc, char **argv)
     const char *device = "cpu";
     int no_draft = 0, json = 0, ignore_eos = 0, stream = 0, fast_kernels = 0;
     int max_new = 128, block = 0, page_size = 16, kv_pages = 0, seed = 0, top_k = 0, cp_size = 1;
+    int tp = 1;
     pd_cp_strategy cp_strategy = PD_CP_STRATEGY_ROUND_ROBIN;
     float temperature = 0.0f, top_p = 1.0f, threshold = 0.0f;
     pd_verify_policy verify = PD_VERIFY_FULL;
     pd_graph_mode graphs = PD_GRAPHS_AUTO;
     enum { O_MODEL = 256, O_DRAFT, O_NO_DRAFT, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP,
            O_SEED, O_BLOCK, O_JSON, O_IGNORE, O_DEVICE, O_PAGE, O_PAGES, O_STREAM, O_CP_SIZE,
-           O_CP_STRATEGY, O_VERIFY, O_THRESHOLD, O_FAST, O_GRAPHS, O_HELP };
+           O_CP_STRATEGY, O_VERIFY, O_THRESHOLD, O_FAST, O_GRAPHS, O_TP, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"no-draft", no_argument, 0, O_NO_DRAFT}, {"prompt", required_argument, 0, O_PROMPT},
@@ -68,6 +74,7 @@ int main(int argc, char **argv)
         {"stream", no_argument, 0, O_STREAM}, {"cp-size", required_argument, 0, O_CP_SIZE},
         {"verify", required_argument, 0, O_VERIFY}, {"threshold", required_argument, 0, O_THRESHOLD},
         {"fast-kernels", no_argument, 0, O_FAST}, {"graphs", required_argument, 0, O_GRAPHS},
+        {"tp", required_argument, 0, O_TP},
         {"cp-strategy", required_argument, 0, O_CP_STRATEGY}, {"help", no_argument, 0, O_HELP},
         {0, 0, 0, 0},
     };
@@ -117,6 +124,7 @@ int main(int argc, char **argv)
                 bad = 1;
             }
             break;
+        case O_TP: bad = pd_cli_parse_int(PROG, "--tp", optarg, 1, PD_TP_MAX_SIZE, &tp); break;
         case O_CP_SIZE: bad = pd_cli_parse_int(PROG, "--cp-size", optarg, 1, PD_CP_MAX_SIZE, &cp_size); break;
         case O_CP_STRATEGY: {
             pd_err perr = {0};
@@ -189,6 +197,7 @@ int main(int argc, char **argv)
     }
     pd_engine_config ec = { .target = tm, .draft = dm, .page_size = page_size, .n_pages = kv_pages,
                             .block_size = block, .cp_size = cp_size, .cp_strategy = cp_strategy,
+                            .tp_size = tp,
                             .verify_policy = verify, .verify_threshold = threshold,
                             .fast_kernels = fast_kernels, .graphs = graphs };
     /* a calibration fitted by pdspark-calibrate sits next to the draft checkpoint */

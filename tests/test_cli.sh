@@ -86,5 +86,17 @@ expect_fail "unknown device" "backend|device" $gen --model "$T" --prompt hi --de
 expect_fail "block size above the draft's" "block size" $gen --model "$T" --draft "$D" --prompt hi --block-size 9
 expect_fail "tokenize: bad id to decode" "99999" sh -c "echo 99999 | $bin/pdspark-tokenize --tokenizer $T --decode"
 
+# --tp: the same tokens as --tp 1 (sampled, fixed seed), bad N refused by name
+tp_tokens() {
+  $gen --model "$T" --draft "$D" --prompt-ids "$tmp/ids.txt" --max-new-tokens 24 --temperature 0.8 \
+    --seed 7 --json --tp "$1" 2>"$tmp/tp_err" | python3 -c 'import json,sys; print(json.load(sys.stdin)["tokens"])'
+}
+t1=$(tp_tokens 1); t2=$(tp_tokens 2)
+if [ -n "$t1" ] && [ "$t1" = "$t2" ]; then echo "ok   --tp 2 tokens == --tp 1: $t1"; ok
+else bad "--tp 2 tokens '$t2' != --tp 1 '$t1'"; cat "$tmp/tp_err"; fi
+expect_fail "tp not dividing the heads" "tp 3 does not divide the model's 4 attention heads" $gen --model "$T" --prompt-ids "$tmp/ids.txt" --tp 3
+expect_fail "tp above the heads" "tp 8 exceeds the model's 4 attention heads" $gen --model "$T" --prompt-ids "$tmp/ids.txt" --tp 8
+expect_fail "tp below 1" "--tp.*1\.\.64" $gen --model "$T" --prompt-ids "$tmp/ids.txt" --tp 0
+
 echo "$pass passed, $fail failed"
 [ $fail -eq 0 ] && [ $pass -gt 0 ]

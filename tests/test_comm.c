@@ -1,5 +1,5 @@
 /* test_comm.c - the local communicator: repeated all-gather / broadcast / barrier over 1..8 rank
- * threads, in-place and zero-byte collectives, a custom copy function, mismatched calls, a rank
+ * threads, all-reduce sums over 1..5 ranks (rank order, bit-identical on every rank), in-place and zero-byte collectives, a custom copy function, mismatched calls, a rank
  * that never arrives (timeout, not a hang), abort, bad arguments; and the CP round trip the
  * CP forward performs: shard by a pd_cp plan, all-gather, re-range into global order. With PD_TEST_NCCL_GPUS=N set
  * (and a CUDA build) it also runs the NCCL communicator over N GPUs.
@@ -121,11 +121,88 @@ static void test_comm_local_collectives(void)
     TEST_CHECK(atomic_load(&thread_fail) == 0);
 }
 
+/* ---- all-reduce: rank-order f32 sums, bit-identical on every rank ----------------------- */
+
+static float ar_value(int rank, int iter, size_t i)
+{
+    /* values whose sum depends on the order of the additions */
+    return (float)((rank + 1) * 0.1f + (float)((i * 7 + (size_t)iter) % 13) * 1e-7f +
+                   (rank % 2 ? 1e4f : -1e4f) * (float)(i % 3 == 0));
+}
+
+typedef struct {
+    pd_comm *c;
+    int rank, n;
+    float **out;           /* [n] each rank's last in-place result, for the cross-rank check */
+    size_t out_count;
+} ar_arg;
+
+static void *ar_rank_main(void *p)
+{
+    ar_arg *a = p;
+    pd_err err;
+    enum { MAXC = 5000 };
+    float *send = malloc(MAXC * sizeof(float)), *recv = malloc(MAXC * sizeof(float));
+    for (int it = 0; it < 40; it++) {
+        size_t count = (size_t)(it * 997) % MAXC;
+        for (size_t i = 0; i < count; i++)
+            send[i] = ar_value(a->rank, it, i);
+        int in_place = it % 2;
+        T_CHECK(pd_comm_all_reduce_sum(a->c, send, in_place ? send : recv, count, &err) == PD_OK);
+        const float *got = in_place ? send : recv;
+        int bad = 0;
+        for (size_t i = 0; i < count; i++) {
+            float want = ar_value(0, it, i);
+            for (int r = 1; r < a->n; r++)
+                want += ar_value(r, it, i);
+            bad += memcmp(&want, &got[i], sizeof(float)) != 0;
+        }
+        T_CHECK(bad == 0);
+        if (it == 39) {
+            memcpy(a->out[a->rank], got, count * sizeof(float));
+            a->out_count = count;
+        }
+    }
+    free(send);
+    free(recv);
+    return NULL;
+}
+
+static void test_comm_local_all_reduce(void)
+{
+    for (int n = 1; n <= 5; n++) {
+        pd_comm_local_group *g = NULL;
+        pd_err err;
+        TEST_CHECK(pd_comm_local_group_create(n, NULL, &g, &err) == PD_OK);
+        pthread_t th[5];
+        ar_arg args[5];
+        float *outs[5];
+        for (int r = 0; r < n; r++) {
+            outs[r] = malloc(5000 * sizeof(float));
+            args[r] = (ar_arg){ .rank = r, .n = n, .out = outs };
+            TEST_CHECK(pd_comm_local_create(g, r, &args[r].c, &err) == PD_OK);
+        }
+        for (int r = 0; r < n; r++)
+            TEST_CHECK(pthread_create(&th[r], NULL, ar_rank_main, &args[r]) == 0);
+        for (int r = 0; r < n; r++)
+            pthread_join(th[r], NULL);
+        for (int r = 1; r < n; r++)
+            TEST_CHECK(memcmp(outs[0], outs[r], args[0].out_count * sizeof(float)) == 0);
+        for (int r = 0; r < n; r++) {
+            pd_comm_destroy(args[r].c);
+            free(outs[r]);
+        }
+        pd_comm_local_group_destroy(g);
+    }
+    TEST_CHECK(atomic_load(&thread_fail) == 0);
+}
+
 /* ---- failure cases ---------------------------------------------------------------------- */
 
 typedef struct {
     pd_comm *c;
-    int mode;          /* 0 all_gather 8 bytes, 1 all_gather 16 bytes, 2 barrier, 3 abort */
+    int mode;          /* 0 all_gather 8 bytes, 1 all_gather 16 bytes, 2 barrier, 3 abort,
+                        * 4 all_reduce of 2 floats (8 bytes, as mode 0) */
     pd_status st;
     double secs;
 } fail_arg;
@@ -140,6 +217,7 @@ static void *fail_main(void *p)
     case 0: a->st = pd_comm_all_gather(a->c, send, recv, 8, &err); break;
     case 1: a->st = pd_comm_all_gather(a->c, send, recv, 16, &err); break;
     case 2: a->st = pd_comm_barrier(a->c, &err); break;
+    case 4: a->st = pd_comm_all_reduce_sum(a->c, (float *)send, (float *)send, 2, &err); break;
     case 3:
         usleep(50000);
         pd_comm_abort(a->c, "test");
@@ -226,6 +304,9 @@ static void test_comm_local_mismatch(void)
     int modes2[2] = { 0, 2 }; /* all_gather vs barrier */
     run_ranks(cs, args, modes2, 2);
     TEST_CHECK(args[0].st == PD_ERR_INVALID && args[1].st == PD_ERR_INVALID);
+    int modes3[2] = { 0, 4 }; /* all_gather vs all_reduce of the same byte count */
+    run_ranks(cs, args, modes3, 2);
+    TEST_CHECK(args[0].st == PD_ERR_INVALID && args[1].st == PD_ERR_INVALID);
     int ok[2] = { 1, 1 }; /* the group is still usable */
     run_ranks(cs, args, ok, 2);
     TEST_CHECK(args[0].st == PD_OK && args[1].st == PD_OK);
@@ -269,6 +350,12 @@ static void test_comm_local_misc(void)
     TEST_CHECK(pd_comm_all_gather(NULL, &x, &y, 4, &err) == PD_ERR_INVALID);
     TEST_CHECK(pd_comm_barrier(NULL, &err) == PD_ERR_INVALID);
     TEST_CHECK(pd_comm_barrier(c, &err) == PD_OK);
+    /* all_reduce adds on the host: a group with a device copy refuses it by name */
+    float f = 1.0f;
+    TEST_CHECK(pd_comm_all_reduce_sum(c, &f, &f, 1, &err) == PD_ERR_UNSUPPORTED);
+    TEST_CHECK(strstr(err.msg, "all_reduce") != NULL);
+    TEST_CHECK(pd_comm_all_reduce_sum(c, NULL, &f, 1, &err) == PD_ERR_INVALID);
+    TEST_CHECK(pd_comm_all_reduce_sum(NULL, &f, &f, 1, &err) == PD_ERR_INVALID);
     TEST_CHECK(pd_comm_rank(NULL) == -1 && pd_comm_size(NULL) == 0);
     pd_comm_destroy(c);
     /* the rank's slot is free again once its handle is gone */
@@ -381,6 +468,23 @@ static void *nccl_rank_main(void *p)
         T_CHECK(cudaMemcpy(d_send, h, bytes, cudaMemcpyHostToDevice) == cudaSuccess);
         T_CHECK(pd_comm_all_gather(a->c, d_send, d_recv, bytes, &err) == PD_OK);
         T_CHECK(pd_comm_broadcast(a->c, d_send, bytes, it % a->n, &err) == PD_OK);
+        /* all_reduce of small integers in f32 (exact in any order): sum = n (n - 1) / 2 + i */
+        size_t nf = bytes / sizeof(float);
+        float *hf = malloc(nf * sizeof(float) + 1);
+        for (size_t i = 0; i < nf; i++)
+            hf[i] = (float)(me + (int)(i % 1000) * (me == 0));
+        T_CHECK(cudaMemcpy(d_send, hf, nf * sizeof(float), cudaMemcpyHostToDevice) == cudaSuccess);
+        T_CHECK(pd_comm_all_reduce_sum(a->c, (const float *)d_send, (float *)d_send, nf, &err) ==
+                PD_OK);
+        T_CHECK(pd_comm_barrier(a->c, &err) == PD_OK);
+        T_CHECK(cudaMemcpy(hf, d_send, nf * sizeof(float), cudaMemcpyDeviceToHost) == cudaSuccess);
+        int bad_ar = 0;
+        for (size_t i = 0; i < nf; i++)
+            bad_ar += hf[i] != (float)(a->n * (a->n - 1) / 2 + (int)(i % 1000));
+        T_CHECK(bad_ar == 0);
+        free(hf);
+        T_CHECK(cudaMemcpy(d_send, h, bytes, cudaMemcpyHostToDevice) == cudaSuccess);
+        T_CHECK(pd_comm_broadcast(a->c, d_send, bytes, it % a->n, &err) == PD_OK);
         T_CHECK(pd_comm_barrier(a->c, &err) == PD_OK);
         T_CHECK(cudaMemcpy(h, d_recv, bytes * (size_t)a->n, cudaMemcpyDeviceToHost) ==
                 cudaSuccess);
@@ -489,6 +593,7 @@ int main(void)
 {
     test_comm_local_misc();
     test_comm_local_collectives();
+    test_comm_local_all_reduce();
     test_comm_local_mismatch();
     test_comm_local_abort();
     test_comm_local_timeout();

@@ -42,21 +42,14 @@ static run_result prompts[N_PROMPTS];
 
 static int load_prompts(void)
 {
-    char *s = test_read_file(PD_FIXTURES "/eval/public_prompts.jsonl", NULL);
-    if (s == NULL)
+    static test_prompt tp[N_PROMPTS];
+    if (test_load_eval_prompts(PD_FIXTURES "/eval/public_prompts.jsonl", tp, N_PROMPTS) != 0)
         return -1;
-    int i = 0;
-    for (char *line = strtok(s, "\n"); line != NULL && i < N_PROMPTS; line = strtok(NULL, "\n")) {
-        cJSON *o = cJSON_Parse(line);
-        cJSON *ids = cJSON_GetObjectItem(o, "input_ids");
-        prompts[i].n = cJSON_GetArraySize(ids);
-        for (int j = 0; j < prompts[i].n && j < 512; j++)
-            prompts[i].ids[j] = cJSON_GetArrayItem(ids, j)->valueint;
-        cJSON_Delete(o);
-        i++;
+    for (int i = 0; i < N_PROMPTS; i++) {
+        prompts[i].n = tp[i].n;
+        memcpy(prompts[i].ids, tp[i].ids, (size_t)tp[i].n * sizeof(int32_t));
     }
-    free(s);
-    return i == N_PROMPTS ? 0 : -1;
+    return 0;
 }
 
 /* Runs all prompts through one engine, CONCURRENCY at a time. */

@@ -393,6 +393,33 @@ def test_verify_policies(bin_dir, model, draft):
     log("decode_node --verify full/threshold/scheduled and per-request verify: same greedy output")
 
 
+def test_tensor_parallel(bin_dir, model, draft):
+    """decode_node --colocated --tp 2: the same greedy text as --tp 1 with scheduled verification
+    (the verification lengths are decided on rank 0 only), and --tp without --colocated or with
+    a size that does not divide the heads is refused at start-up."""
+    body = {"prompt": "class Stack:\n    def push(self, x):", "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True}
+    texts = {}
+    for tp in ("1", "2"):
+        node = Node(bin_dir, model, draft, ("--colocated", "--verify", "scheduled", "--tp", tp))
+        try:
+            st, out = post_json(node, "/v1/completions", body)
+            check(st == 200, "--tp %s: status %d %s" % (tp, st, out))
+            if st == 200:
+                texts[tp] = out["choices"][0]["text"]
+        finally:
+            node.stop()
+    check(len(texts) == 2 and texts["1"] == texts["2"], "--tp 2 gives the --tp 1 text: %s" % texts)
+    for args, want in ((("--prefill", "127.0.0.1:1", "--tp", "2"), "--colocated only"),
+                       (("--colocated", "--tp", "3"), "does not divide")):
+        r = subprocess.run([os.path.join(bin_dir, "decode_node"), "--model", model, "--draft", draft,
+                            "--listen", "127.0.0.1:0"] + list(args), capture_output=True, text=True,
+                           timeout=60)
+        check(r.returncode != 0 and want in r.stderr, "decode_node %s: rc %d, %s" %
+              (" ".join(args), r.returncode, r.stderr.strip()))
+    log("decode_node --tp 2: same greedy output as --tp 1; bad --tp refused")
+
+
 def main():
     if len(sys.argv) != 3:
         print(__doc__)
@@ -662,6 +689,8 @@ def main():
         test_prefill_http(bin_dir, model, draft)
     if FAILS == 0:
         test_verify_policies(bin_dir, model, draft)
+    if FAILS == 0:
+        test_tensor_parallel(bin_dir, model, draft)
     if FAILS:
         print("--- decode_node stderr (tail) ---\n" + node.stderr())
     log("%s: %d failure(s) in %.1f s" % ("FAIL" if FAILS else "PASS", FAILS, time.time() - t0))

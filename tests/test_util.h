@@ -4,9 +4,12 @@
 #ifndef TEST_UTIL_H
 #define TEST_UTIL_H
 
+#include <cjson/cJSON.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 static int test_n_pass;
 static int test_n_fail;
@@ -78,6 +81,33 @@ static inline double test_rel_l2(const float *a, const float *b, size_t n)
         den += (double)b[i] * (double)b[i];
     }
     return sqrt(num) / (den > 1e-30 ? sqrt(den) : 1e-15);
+}
+
+/* One line of tests/fixtures/eval/public_prompts.jsonl: its input_ids (at most 512). */
+typedef struct {
+    int32_t ids[512];
+    int n;
+} test_prompt;
+
+/* The first n_want public eval prompts into out[0..n_want-1]; 0 when all were read. */
+static inline int test_load_eval_prompts(const char *path, test_prompt *out, int n_want)
+{
+    char *s = test_read_file(path, NULL);
+    if (s == NULL)
+        return -1;
+    int i = 0;
+    for (char *line = strtok(s, "\n"); line != NULL && i < n_want; line = strtok(NULL, "\n")) {
+        cJSON *o = cJSON_Parse(line);
+        cJSON *ids = cJSON_GetObjectItem(o, "input_ids");
+        int n = cJSON_GetArraySize(ids);
+        out[i].n = n < 512 ? n : 512;
+        for (int j = 0; j < out[i].n; j++)
+            out[i].ids[j] = cJSON_GetArrayItem(ids, j)->valueint;
+        cJSON_Delete(o);
+        i++;
+    }
+    free(s);
+    return i == n_want ? 0 : -1;
 }
 
 #endif
