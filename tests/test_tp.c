@@ -181,7 +181,10 @@ static void test_tp_same_tokens(const int *tps, int n_tps)
                    same_len, N_PROMPTS, tokens, rounds, tt, t1);
             TEST_CHECK_MSG(same == N_PROMPTS, "%s tp %d: %d of %d prompts differ from tp 1", sc->name,
                            tp, N_PROMPTS - same, N_PROMPTS);
-            TEST_CHECK_MSG(same_len == N_PROMPTS, "%s tp %d: verify lengths differ", sc->name, tp);
+            /* scheduled lengths follow measured step times (draft or not, the draft round's
+             * cost), which differ from run to run; the others are pure functions of the logits */
+            if (sc->policy != PD_VERIFY_SCHEDULED)
+                TEST_CHECK_MSG(same_len == N_PROMPTS, "%s tp %d: verify lengths differ", sc->name, tp);
         }
     }
 }
