@@ -23,7 +23,13 @@
     do { pd_status st_ = (expr); if (st_ != PD_OK) return st_; } while (0)
 
 #define PD_SCHED_CLASSES 16
-#define PD_SCHED_EXPLORE 16     /* every 16th round of a class tries the other choice */
+#define PD_SCHED_ARMS 3
+#define PD_SCHED_EXPLORE 16     /* a close runner-up arm is tried every 16th round ... */
+#define PD_SCHED_EXPLORE_FAR 64 /* ... a far one (below 80 % of the best) every 64th */
+
+/* How the scheduled requests of a round are verified: no drafts at all (plain greedy decoding),
+ * Algorithm 1's lengths, or every draft. */
+typedef enum { SCHED_PLAIN = 0, SCHED_ALGO1, SCHED_ALL } sched_arm;
 
 struct pd_engine {
     pd_engine_config cfg;
@@ -52,10 +58,10 @@ struct pd_engine {
     int cap_idx;
     pd_sps sps_default;         /* linear step-time model when no profile is given */
     /* scheduled policy, measured per batch-size class (log2 of the requests in the round):
-     * tokens/s of rounds without [0] and with [1] drafting, samples of each, and the draft
-     * round's seconds (Algorithm 1's fixed overhead) */
-    double sched_rate[2][PD_SCHED_CLASSES];
-    int sched_n[2][PD_SCHED_CLASSES];
+     * tokens/s of rounds of each arm (sched_arm), samples of each, and the draft round's
+     * seconds (Algorithm 1's fixed overhead) */
+    double sched_rate[PD_SCHED_ARMS][PD_SCHED_CLASSES];
+    int sched_n[PD_SCHED_ARMS][PD_SCHED_CLASSES];
     double draft_s[PD_SCHED_CLASSES];
     int draft_n[PD_SCHED_CLASSES];
     long n_rounds;
@@ -857,7 +863,8 @@ static pd_verify_policy request_policy(const pd_engine *e, const pd_request *r)
 
 /* Verification lengths from the drafts' confidences: scheduled requests are planned together
  * (Algorithm 1 over the step's batch), threshold requests one by one, full ones keep all. */
-static void choose_lengths(pd_engine *e, round_slot **dslot, int n, const float *conf, double overhead_s)
+static void choose_lengths(pd_engine *e, round_slot **dslot, int n, const float *conf, double overhead_s,
+                           int scheduled_all)
 {
     int B = e->B;
     int *maxl = malloc((size_t)n * sizeof(int)), *len = malloc((size_t)n * sizeof(int));
@@ -875,7 +882,7 @@ static void choose_lengths(pd_engine *e, round_slot **dslot, int n, const float 
             int ml = dslot[j]->l, l = ml;
             pd_verify_choose(p, 1, B, conf + (size_t)j * B, &ml, e->cfg.calib, t, NULL, 0.0, &l);
             dslot[j]->l = l;
-        } else if (p == PD_VERIFY_SCHEDULED) {
+        } else if (p == PD_VERIFY_SCHEDULED && !scheduled_all) {
             memcpy(sc + (size_t)ns * B, conf + (size_t)j * B, (size_t)B * sizeof(float));
             maxl[ns] = dslot[j]->l;
             ss[ns++] = dslot[j];
@@ -894,11 +901,13 @@ out:
     free(ss);
 }
 
-/* Scheduled policy, per round: draft (1) or not (0). Drafting costs a draft round whatever the
- * verification lengths; when the measured tokens/s of rounds without drafts is higher for this
- * batch size, the scheduled requests verify nothing (plain greedy decoding, still lossless). Each
- * choice is measured at least twice, and every PD_SCHED_EXPLORE-th round tries the other one so
- * both estimates follow the workload. */
+/* Scheduled policy, per round and batch-size class: which arm (sched_arm) the scheduled requests
+ * take. Algorithm 1 ranks drafts by predicted survival against the verify step's cost, but a
+ * round also pays the draft round and host work, and calibration is imperfect; so the engine
+ * measures the tokens/s each arm really gives at this batch size and takes the best, trying
+ * each arm a few times first and a runner-up now and then (every PD_SCHED_EXPLORE-th round,
+ * PD_SCHED_EXPLORE_FAR-th when it is far behind) so the estimates follow the workload. Every
+ * arm is lossless: they only choose how many drafts are verified. */
 static int sched_class(int n)
 {
     int c = 0;
@@ -909,14 +918,26 @@ static int sched_class(int n)
     return c;
 }
 
-static int sched_wants_draft(const pd_engine *e, int cls)
+static sched_arm sched_pick(const pd_engine *e, int cls)
 {
-    if (e->sched_n[1][cls] < 3)
-        return 1;
-    if (e->sched_n[0][cls] < 3)
-        return 0;
-    int best = e->sched_rate[1][cls] >= e->sched_rate[0][cls];
-    return e->n_rounds % PD_SCHED_EXPLORE == 0 ? !best : best;
+    static const sched_arm first[PD_SCHED_ARMS] = { SCHED_ALGO1, SCHED_ALL, SCHED_PLAIN };
+    for (int i = 0; i < PD_SCHED_ARMS; i++)
+        if (e->sched_n[first[i]][cls] < 3)
+            return first[i];
+    int best = 0, second = -1;
+    for (int a = 1; a < PD_SCHED_ARMS; a++)
+        if (e->sched_rate[a][cls] > e->sched_rate[best][cls])
+            best = a;
+    for (int a = 0; a < PD_SCHED_ARMS; a++)
+        if (a != best && (second < 0 || e->sched_rate[a][cls] > e->sched_rate[second][cls]))
+            second = a;
+    int close = e->sched_rate[second][cls] >= 0.8 * e->sched_rate[best][cls];
+    long every = close ? PD_SCHED_EXPLORE : PD_SCHED_EXPLORE_FAR;
+    if (e->n_rounds % every == 0)
+        return (sched_arm)second;
+    if (e->n_rounds % (4 * PD_SCHED_EXPLORE_FAR) == 2 * PD_SCHED_EXPLORE_FAR)
+        return (sched_arm)(3 - best - second);   /* the third arm, rarely */
+    return (sched_arm)best;
 }
 
 /* Exponential average of a measurement; the first sample of each kind is dropped (it carries
@@ -979,8 +1000,8 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     for (int i = 0; i < m && e->dm != NULL; i++)
         n_sched += slots[i].l > 0 && request_policy(e, slots[i].r) == PD_VERIFY_SCHEDULED;
     if (n_sched > 0) {
-        sched_mode = sched_wants_draft(e, cls);
-        for (int i = 0; i < m && !sched_mode; i++)
+        sched_mode = (int)sched_pick(e, cls);
+        for (int i = 0; i < m && sched_mode == SCHED_PLAIN; i++)
             if (request_policy(e, slots[i].r) == PD_VERIFY_SCHEDULED)
                 slots[i].l = 0;
     }
@@ -1087,7 +1108,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         /* the draft round just ended with a download, so the host clock saw all of it */
         sched_record(&e->draft_s[cls], &e->draft_n[cls], now_s() - t_draft);
         if (want_conf) {
-            choose_lengths(e, dslot, n_draft, conf, e->draft_s[cls]);
+            choose_lengths(e, dslot, n_draft, conf, e->draft_s[cls], sched_mode == SCHED_ALL);
             for (int j = 0; j < n_draft; j++) {
                 pd_request *r = dslot[j]->r;
                 if (!r->params.record_confidence)

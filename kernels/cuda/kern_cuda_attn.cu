@@ -30,7 +30,8 @@
 #define ATT_GMAX 8      /* query heads per block */
 #define ATT_MIN_SPLIT_KEYS 64   /* two tiles */
 #define ATT_MAX_SPLIT 1024      /* combine keeps one weight per split in shared memory */
-#define ATT_INV_CHUNK 512       /* batch-invariant mode: keys per split (a multiple of ATT_TK) */
+#define ATT_INV_SPLITS 16       /* batch-invariant mode: splits per query, cut from its own length */
+#define ATT_INV_MIN_CHUNK 64    /* ... at least this many keys each (a multiple of ATT_TK) */
 #define ATT_SPLIT_PAD(n) (((n) + 7) / 8 * 8)
 
 template <typename T>
@@ -86,8 +87,20 @@ struct attn_params {
     float *part_ml;      /* [n_tok, n_heads, n_split, 2] (m, l) */
     int n_tok, ld_q, ld_out, n_heads, n_kv, group, hb, n_hchunk, page_size, pt_stride, max_kv_len;
     int n_split, chunk;
+    int inv_splits;      /* > 0 (batch-invariant mode): a query's chunk comes from its own length */
     float scale;
 };
+
+/* Keys per split of a query with len keys in batch-invariant mode: len cut into inv_splits
+ * chunks of a multiple of ATT_INV_MIN_CHUNK keys. It depends on the query alone, never on the
+ * batch, so a query's partials and their merge are the same in a decode step and a verify
+ * block (splits past its length contribute exact zeros). */
+static __device__ __forceinline__ int attn_inv_chunk(int len, int inv_splits)
+{
+    int c = (len + inv_splits - 1) / inv_splits;
+    c = (c + ATT_INV_MIN_CHUNK - 1) / ATT_INV_MIN_CHUNK * ATT_INV_MIN_CHUNK;
+    return c > ATT_INV_MIN_CHUNK ? c : ATT_INV_MIN_CHUNK;
+}
 
 template <typename T, int HD>
 __global__ void __launch_bounds__(ATT_THREADS)
@@ -121,8 +134,9 @@ attn_kernel(attn_params p)
     const int seq = p.tok_seq[t];
     int len = p.tok_kv_len[t];
     len = len < 0 ? 0 : (len > p.max_kv_len ? p.max_kv_len : len);
-    const int kv_begin = split * p.chunk;
-    const int kv_end = min(len, kv_begin + p.chunk);
+    const int chunk = p.inv_splits > 0 ? attn_inv_chunk(len, p.inv_splits) : p.chunk;
+    const int kv_begin = split * chunk;
+    const int kv_end = min(len, kv_begin + chunk);
     const int32_t *pt = p.page_table + (size_t)seq * p.pt_stride;
     const T *kc = (const T *)p.kc, *vc = (const T *)p.vc;
     const size_t row = (size_t)p.n_kv * HD;
@@ -851,6 +865,7 @@ extern "C" pd_status kern_cuda_attn_launch(kern_backend *be, const kern_attn_arg
         return pd_err_set(err, PD_ERR_INVALID, "cuda attn: kv pages not 16-byte aligned");
 
     attn_params p;
+    p.inv_splits = 0;
     p.kc = kv->k;
     p.vc = kv->v;
     p.q = a->q;
@@ -889,13 +904,12 @@ extern "C" pd_status kern_cuda_attn_launch(kern_backend *be, const kern_attn_arg
     int max_len = a->max_kv_len > 0 ? a->max_kv_len : 1;
     int n_split = 1;
     if (be->batch_invariant) {
-        /* split boundaries at fixed multiples of ATT_INV_CHUNK keys whatever the batch: a token's
-         * partials and their merge are then the same in a decode step and in a verify block (a
-         * split past a token's length contributes exact zeros; one non-empty split merges to
-         * the unsplit result bit for bit) */
-        n_split = (max_len + ATT_INV_CHUNK - 1) / ATT_INV_CHUNK;
-        if (n_split > ATT_MAX_SPLIT)
-            n_split = ATT_MAX_SPLIT;
+        /* every query's keys in ATT_INV_SPLITS chunks sized from its own length (attn_inv_chunk):
+         * a token's partials and their merge are then the same in a decode step and in a
+         * verify block (a split past a token's length contributes exact zeros; one non-empty
+         * split merges to the unsplit result bit for bit), and a batch of one still spreads
+         * over ~n_kv * 16 blocks */
+        n_split = max_len > ATT_INV_MIN_CHUNK ? ATT_INV_SPLITS : 1;
     } else if (base_blocks < (size_t)c->n_sm * 4) {
         int want = (int)(((size_t)c->n_sm * 8 + base_blocks - 1) / base_blocks);
         int by_len = (max_len + ATT_MIN_SPLIT_KEYS - 1) / ATT_MIN_SPLIT_KEYS;
@@ -907,9 +921,12 @@ extern "C" pd_status kern_cuda_attn_launch(kern_backend *be, const kern_attn_arg
     }
     int chunk = (max_len + n_split - 1) / n_split;
     chunk = (chunk + ATT_TK - 1) / ATT_TK * ATT_TK;
-    if (be->batch_invariant && n_split > 1)
-        chunk = ATT_INV_CHUNK;
-    n_split = (max_len + chunk - 1) / chunk;
+    if (be->batch_invariant && n_split > 1) {
+        p.inv_splits = n_split;   /* the kernel sizes each query's chunk itself */
+        chunk = max_len;          /* (unused) */
+    } else {
+        n_split = (max_len + chunk - 1) / chunk;
+    }
     p.n_split = n_split;
     p.chunk = chunk;
     if (n_split > 1) {
