@@ -356,8 +356,12 @@ int main(int argc, char **argv)
             int with_draft = !pol_target[pi] && dm != NULL;
             int B = with_draft ? dm->cfg.block_size : 0;
             int per_req = (max_prompt + max_new + B + 2 + 15) / 16 + 1;
+            /* the scheduler's SPS profile runs C * (B + 1) tokens over 256-token contexts, 8
+             * tokens per sequence, next to nothing else */
+            int prof = with_draft ? (C * (B + 1) + 7) / 8 * ((256 + 8 + 15) / 16 + 1) : 0;
+            int pages = (C * per_req > prof ? C * per_req : prof) + 64;
             pd_engine_config ec = { .target = tm, .draft = with_draft ? dm : NULL, .page_size = 16,
-                                    .n_pages = C * per_req + 64, .draft_n_pages = C * per_req + 64,
+                                    .n_pages = pages, .draft_n_pages = pages,
                                     .verify_policy = pol_target[pi] ? PD_VERIFY_FULL : pol[pi],
                                     .verify_threshold = threshold, .fast_kernels = fast,
                                     .graphs = graphs, .calib = have_calib ? &calib : NULL };
