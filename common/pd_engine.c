@@ -25,7 +25,7 @@
 #define PD_SCHED_CLASSES 16
 #define PD_SCHED_ARMS 3
 #define PD_SCHED_EXPLORE 16     /* a close runner-up arm is tried every 16th round ... */
-#define PD_SCHED_EXPLORE_FAR 64 /* ... a far one (below 80 % of the best) every 64th */
+#define PD_SCHED_EXPLORE_MAX 1024 /* ... a far one less often, at least every 1024th */
 
 /* How the scheduled requests of a round are verified: no drafts at all (plain greedy decoding),
  * Algorithm 1's lengths, or every draft. */
@@ -905,8 +905,8 @@ out:
  * take. Algorithm 1 ranks drafts by predicted survival against the verify step's cost, but a
  * round also pays the draft round and host work, and calibration is imperfect; so the engine
  * measures the tokens/s each arm really gives at this batch size and takes the best, trying
- * each arm a few times first and a runner-up now and then (every PD_SCHED_EXPLORE-th round,
- * PD_SCHED_EXPLORE_FAR-th when it is far behind) so the estimates follow the workload. Every
+ * each arm a few times first and a runner-up now and then (every PD_SCHED_EXPLORE-th round when
+ * close, rarer the further behind it is) so the estimates follow the workload. Every
  * arm is lossless: they only choose how many drafts are verified. */
 static int sched_class(int n)
 {
@@ -931,12 +931,15 @@ static sched_arm sched_pick(const pd_engine *e, int cls)
     for (int a = 0; a < PD_SCHED_ARMS; a++)
         if (a != best && (second < 0 || e->sched_rate[a][cls] > e->sched_rate[second][cls]))
             second = a;
-    int close = e->sched_rate[second][cls] >= 0.8 * e->sched_rate[best][cls];
-    long every = close ? PD_SCHED_EXPLORE : PD_SCHED_EXPLORE_FAR;
+    /* a runner-up that is far behind costs more per try and is less likely to win: try it less
+     * often, about in proportion to the square of how far behind it is */
+    double ratio = e->sched_rate[second][cls] > 0.0 ? e->sched_rate[best][cls] / e->sched_rate[second][cls] : 1e3;
+    double every_d = ratio < 1.25 ? PD_SCHED_EXPLORE : PD_SCHED_EXPLORE * 2.0 * ratio * ratio;
+    long every = every_d > PD_SCHED_EXPLORE_MAX ? PD_SCHED_EXPLORE_MAX : (long)every_d;
     if (e->n_rounds % every == 0)
         return (sched_arm)second;
-    if (e->n_rounds % (4 * PD_SCHED_EXPLORE_FAR) == 2 * PD_SCHED_EXPLORE_FAR)
-        return (sched_arm)(3 - best - second);   /* the third arm, rarely */
+    if (e->n_rounds % (4 * every) == 2 * every)
+        return (sched_arm)(3 - best - second);   /* the third arm, more rarely */
     return (sched_arm)best;
 }
 
