@@ -259,7 +259,13 @@ int main(int argc, char **argv)
             }
             break;
         case O_CSV: csv_path = optarg; break;
-        case O_LABEL: label = optarg; break;
+        case O_LABEL:
+            label = optarg;
+            if (strchr(label, '"') != NULL) {
+                fprintf(stderr, PROG ": --label must not contain '\"'\n");
+                return 2;
+            }
+            break;
         case O_HELP: usage(stdout); return 0;
         default:
             fprintf(stderr, PROG ": unknown or incomplete flag '%s'\n", argv[optind - 1]);
@@ -392,7 +398,7 @@ int main(int argc, char **argv)
                    res.tokens_per_s, res.itl_ms, res.ttft_ms, res.tau, res.verified);
             fflush(stdout);
             if (csv != NULL) {
-                fprintf(csv, "%s,%s,%d,%d,%ld,%.4f,%.2f,%.4f,%.3f,%.4f,%.3f\n",
+                fprintf(csv, "\"%s\",%s,%d,%d,%ld,%.4f,%.2f,%.4f,%.3f,%.4f,%.3f\n",
                         label != NULL ? label : (synthetic != NULL ? synthetic : model_dir), pname, C,
                         res.requests, res.out_tokens, res.wall_s, res.tokens_per_s, res.itl_ms,
                         res.ttft_ms, res.tau, res.verified);
