@@ -56,6 +56,16 @@ struct pd_engine {
     int cap_aux;
     kern_buf *idx_dev;
     int cap_idx;
+    /* deferred draft context: committed rows of rounds in which the scheduler drafted nothing
+     * wait here (aux rows on the backend, positions and owners on the host) and are added to the
+     * draft KV in one batch before the next round that drafts, or before their request's pages
+     * go back. A round without drafts then costs what a target-only step costs. */
+    kern_buf *pend_aux;         /* [cap_pend, aux_dim] */
+    int cap_pend;
+    int n_pend;
+    int32_t *pend_pos;          /* [cap_pend_host] */
+    pd_request **pend_owner;
+    int cap_pend_host;
     pd_sps sps_default;         /* linear step-time model when no profile is given */
     /* scheduled policy, measured per batch-size class (log2 of the requests in the round):
      * tokens/s of rounds of each arm (sched_arm), samples of each, and the draft round's
@@ -278,8 +288,15 @@ err_free:
     return st;
 }
 
+static pd_status pend_flush(pd_engine *e, pd_err *err);
+
 static void request_free(pd_engine *e, pd_request *r)
 {
+    if (r->n_pend > 0) {
+        pd_err ferr;   /* its rows go to the draft KV before its pages go back */
+        if (pend_flush(e, &ferr) != PD_OK)
+            PD_LOG_WARN("engine", "deferred draft context lost: %s", ferr.msg);
+    }
     cp_release(e, r);
     pd_kv_seq_release(e->tpool, &r->tkv);
     if (e->dpool != NULL)
@@ -320,6 +337,9 @@ void pd_engine_destroy(pd_engine *e)
     kern_buf_free(e->ids_dev);
     kern_buf_free(e->aux_dev);
     kern_buf_free(e->idx_dev);
+    kern_buf_free(e->pend_aux);
+    free(e->pend_pos);
+    free(e->pend_owner);
     pd_tp_group_destroy(e->tp);   /* after the runners built on its rank-0 shards */
     free(e);
 }
@@ -568,6 +588,79 @@ static pd_status extend_draft(pd_engine *e, const float *aux, const int32_t *row
     free(seq);
     free(seqs);
     return st;
+}
+
+#define PD_PEND_MAX_ROWS 4096
+
+/* Adds every deferred context row to the draft KV (one batch) and empties the list. */
+static pd_status pend_flush(pd_engine *e, pd_err *err)
+{
+    if (e->n_pend == 0)
+        return PD_OK;
+    int n = e->n_pend;
+    int32_t *seq = malloc((size_t)n * sizeof(int32_t));
+    pd_kv_seq **seqs = malloc((size_t)n * sizeof(pd_kv_seq *));
+    if (seq == NULL || seqs == NULL) {
+        free(seq);
+        free(seqs);
+        return pd_err_set(err, PD_ERR_NOMEM, "deferred draft context metadata");
+    }
+    int n_seq = 0;
+    for (int i = 0; i < n; i++) {
+        if (i == 0 || e->pend_owner[i] != e->pend_owner[i - 1])
+            seqs[n_seq++] = &e->pend_owner[i]->dkv;
+        seq[i] = n_seq - 1;
+    }
+    pd_tok_batch b = { .n_tok = n, .pos = e->pend_pos, .seq = seq, .n_seq = n_seq, .seqs = seqs };
+    /* the same kernels as an immediate extension inside a decode round */
+    kern_backend *be = e->tm->be;
+    int inv = be->batch_invariant;
+    be->batch_invariant = !e->cfg.fast_kernels;
+    pd_status st = draft_extend(e, e->pend_aux->ptr, &b, err);
+    be->batch_invariant = inv;
+    free(seq);
+    free(seqs);
+    for (int i = 0; i < n; i++)
+        e->pend_owner[i]->n_pend = 0;
+    e->n_pend = 0;
+    return st;
+}
+
+/* Defers n committed context rows (rows of the target's aux tensor aux, at positions pos of
+ * owner[i]) instead of adding them to the draft KV now. */
+static pd_status pend_add(pd_engine *e, const float *aux, const int32_t *rows, const int32_t *pos,
+                          pd_request *const *owner, int n, pd_err *err)
+{
+    if (n == 0)
+        return PD_OK;
+    if (e->n_pend + n > e->cap_pend || e->n_pend + n > PD_PEND_MAX_ROWS) {
+        TRY(pend_flush(e, err));   /* growing the buffer drops its contents: empty it first */
+        if (n > PD_PEND_MAX_ROWS)
+            return extend_draft(e, aux, rows, pos, owner, n, err);
+        TRY(kern_buf_grow(e->tm->be, &e->pend_aux, &e->cap_pend, n > 1024 ? n : 1024,
+                          (size_t)e->aux_dim * sizeof(float), err));
+    }
+    if (e->n_pend + n > e->cap_pend_host) {
+        int cap = e->cap_pend_host;
+        TRY(grow_host((void **)&e->pend_pos, &cap, e->n_pend + n, sizeof(int32_t), err));
+        int cap2 = e->cap_pend_host;
+        TRY(grow_host((void **)&e->pend_owner, &cap2, e->n_pend + n, sizeof(pd_request *), err));
+        e->cap_pend_host = cap < cap2 ? cap : cap2;
+    }
+    kern_backend *be = e->tm->be;
+    TRY(kern_buf_grow(be, &e->idx_dev, &e->cap_idx, n, sizeof(int32_t), err));
+    TRY(kern_upload(be, e->idx_dev->ptr, rows, (size_t)n * sizeof(int32_t), err));
+    kern_copy_rows_args cp = { .src = aux, .ld_src = e->aux_dim, .idx = e->idx_dev->ptr,
+                               .dst = (float *)e->pend_aux->ptr + (size_t)e->n_pend * e->aux_dim,
+                               .ld_dst = e->aux_dim, .rows = n, .cols = e->aux_dim };
+    TRY(kern_copy_rows(be, &cp, err));
+    for (int i = 0; i < n; i++) {
+        e->pend_pos[e->n_pend + i] = pos[i];
+        e->pend_owner[e->n_pend + i] = owner[i];
+        owner[i]->n_pend++;
+    }
+    e->n_pend += n;
+    return PD_OK;
 }
 
 /* ---- prefill ----------------------------------------------------------------------------- */
@@ -1003,7 +1096,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     for (int i = 0; i < m && e->dm != NULL; i++)
         n_sched += slots[i].l > 0 && request_policy(e, slots[i].r) == PD_VERIFY_SCHEDULED;
     if (n_sched > 0) {
-        sched_mode = (int)sched_pick(e, cls);
+        sched_mode = e->cfg.sched_debug_arm > 0 ? e->cfg.sched_debug_arm - 1 : (int)sched_pick(e, cls);
         for (int i = 0; i < m && sched_mode == SCHED_PLAIN; i++)
             if (request_policy(e, slots[i].r) == PD_VERIFY_SCHEDULED)
                 slots[i].l = 0;
@@ -1050,6 +1143,11 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     }
     if (any_sampled && n_draft > 0) {
         st = grow_host((void **)&e->qprobs, &e->cap_q, n_draft * e->B, (size_t)e->V * sizeof(float), err);
+        if (st != PD_OK)
+            goto out;
+    }
+    if (n_draft > 0 && e->n_pend > 0) {
+        st = pend_flush(e, err);   /* the drafts must see every committed position */
         if (st != PD_OK)
             goto out;
     }
@@ -1259,8 +1357,38 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
                 r->finish = PD_FINISH_LENGTH;
         }
     }
-    if (n_ext > 0)
+    if (n_ext > 0 && sched_mode == SCHED_PLAIN) {
+        /* a round without drafts for the scheduled requests: their context rows wait (they are
+         * added in one batch before the next round that drafts); the others' go in now */
+        int n_now = 0, n_def = 0;
+        int32_t *drow = malloc((size_t)n_ext * 2 * sizeof(int32_t));
+        pd_request **down = malloc((size_t)n_ext * sizeof(*down));
+        if (drow == NULL || down == NULL) {
+            free(drow);
+            free(down);
+            st = extend_draft(e, pd_target_aux(e->target), ext_rows, ext_pos, ext_owner, n_ext, err);
+        } else {
+            int32_t *dpos = drow + n_ext;
+            for (int i = 0; i < n_ext; i++) {
+                if (request_policy(e, ext_owner[i]) == PD_VERIFY_SCHEDULED) {
+                    drow[n_def] = ext_rows[i];
+                    dpos[n_def] = ext_pos[i];
+                    down[n_def++] = ext_owner[i];
+                } else {
+                    ext_rows[n_now] = ext_rows[i];
+                    ext_pos[n_now] = ext_pos[i];
+                    ext_owner[n_now++] = ext_owner[i];
+                }
+            }
+            st = pend_add(e, pd_target_aux(e->target), drow, dpos, down, n_def, err);
+            if (st == PD_OK && n_now > 0)
+                st = extend_draft(e, pd_target_aux(e->target), ext_rows, ext_pos, ext_owner, n_now, err);
+            free(drow);
+            free(down);
+        }
+    } else if (n_ext > 0) {
         st = extend_draft(e, pd_target_aux(e->target), ext_rows, ext_pos, ext_owner, n_ext, err);
+    }
     free(ext_owner);
     if (st == PD_OK && sched_mode >= 0) {
         double dt = now_s() - t_round;
@@ -1291,6 +1419,10 @@ pd_status pd_engine_step(pd_engine *e, pd_err *err)
     kern_backend *be = e->tm->be;
     for (int i = 0; i < e->n_reqs; i++) {
         pd_request *r = e->reqs[i];
+        /* a finished request's deferred context rows go where they belong first: its draft KV
+         * is then complete (kept ones too), and nothing writes into pages given back */
+        if (r->finish != PD_FINISH_NONE && r->n_pend > 0)
+            TRY(pend_flush(e, err));
         if (r->finish != PD_FINISH_NONE && !r->params.hold_kv) {
             /* finished requests give their pages back at once */
             pd_kv_seq_release(e->tpool, &r->tkv);

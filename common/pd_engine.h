@@ -58,6 +58,9 @@ typedef struct {
                                         * pd_engine_target/draft must not be run directly, and
                                         * external prefills (whose KV would reach rank 0 only) are
                                         * refused. Not with cp_size > 1. */
+    int sched_debug_arm;               /* tests only: 0 = the scheduled policy measures and picks
+                                        * its arm per round; 1 = always no drafts, 2 = always
+                                        * Algorithm 1, 3 = always all drafts */
     int tp_debug_fail_rank;            /* tests only: pd_tp_group_config.debug_fail_rank/cmd */
     int tp_debug_fail_cmd;
     /* Tests and debugging: called on the engine thread with exactly the aux tensor (backend
@@ -121,6 +124,8 @@ typedef struct pd_request {
     pd_kv_seq *cp_kv;        /* [cp_size - 1] page tables in the CP ranks' KV replicas, held
                               * only while the prompt is being prefilled */
     int cap_out, cap_rounds;
+    int n_pend;              /* committed context rows waiting in the engine's deferred draft
+                              * context (rounds without drafts, see pd_engine.c) */
 } pd_request;
 
 pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err *err);

@@ -210,6 +210,64 @@ static void test_engine_batching_and_pages(void)
     pd_engine_destroy(e);
 }
 
+/* Rounds without drafts (scheduled policy, "no drafts" arm) defer the drafter's context rows and
+ * add them in one batch later: the draft KV of every committed position must end up as if each
+ * round had added its rows at once (compared with the all-drafts arm, which adds them every
+ * round); without the deferred batch those pages would never be written. */
+static void test_engine_deferred_context(void)
+{
+    pd_err err;
+    int na = (int)(sizeof(prompt_a) / 4);
+    int len[2] = {0, 0};
+    float *kv[2] = {NULL, NULL};
+    const pd_qwen3_config *dc = &dm->cfg.base;
+    int row = dc->num_key_value_heads * dc->head_dim, L = dc->num_hidden_layers;
+    for (int run = 0; run < 2; run++) {
+        pd_engine *e = NULL;
+        pd_engine_config ec = { .target = tm, .draft = dm, .page_size = 4, .n_pages = 64,
+                                .verify_policy = PD_VERIFY_SCHEDULED,
+                                .sched_debug_arm = run == 0 ? 1 : 3 };
+        TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);
+        pd_gen_params gp = greedy(20);
+        gp.hold_kv = 1;
+        pd_request *r = NULL;
+        TEST_CHECK(pd_engine_add(e, 1, prompt_a, na, &gp, &r, &err) == PD_OK);
+        run_to_end(e);
+        if (run == 0)
+            TEST_CHECK_MSG(r->n_pend > 0, "no-drafts rounds deferred no context rows");
+        TEST_CHECK(pd_engine_step(e, &err) == PD_OK);   /* the finished request's rows land */
+        TEST_CHECK(r->n_pend == 0);
+        len[run] = r->dkv.len - 1;   /* positions whose context rows are in (not the last anchor) */
+        pd_kv_pool *dp = pd_engine_draft_pool(e);
+        kv[run] = malloc((size_t)len[run] * L * 2 * row * sizeof(float));
+        for (int l = 0; l < L; l++) {
+            kern_kv_layer lay = pd_kv_pool_layer(dp, l);
+            for (int p = 0; p < len[run]; p++) {
+                int32_t slot = pd_kv_seq_slot(dp, &r->dkv, p);
+                float *dst = kv[run] + ((size_t)l * len[run] + p) * 2 * row;
+                memcpy(dst, (const float *)lay.k + (size_t)slot * row, (size_t)row * sizeof(float));
+                memcpy(dst + row, (const float *)lay.v + (size_t)slot * row, (size_t)row * sizeof(float));
+            }
+        }
+        pd_engine_release(e, r);
+        pd_engine_destroy(e);
+    }
+    int n = len[0] < len[1] ? len[0] : len[1];
+    TEST_CHECK_MSG(n > na, "context reaches past the prompt: %d vs %d", n, na);
+    double maxd = 0.0;
+    for (int l = 0; l < L; l++)
+        for (int p = 0; p < n; p++)
+            for (int i = 0; i < 2 * row; i++) {
+                double d = fabs(kv[0][((size_t)l * len[0] + p) * 2 * row + i] -
+                                kv[1][((size_t)l * len[1] + p) * 2 * row + i]);
+                maxd = d > maxd ? d : maxd;
+            }
+    printf("deferred draft context: %d positions x %d layers, max |dK|,|dV| vs immediate %.2e\n", n, L, maxd);
+    TEST_CHECK_MSG(maxd < 1e-3, "deferred draft context differs from the immediate one by %g", maxd);
+    free(kv[0]);
+    free(kv[1]);
+}
+
 int main(void)
 {
     pd_err err;
@@ -222,6 +280,7 @@ int main(void)
     test_engine_external_prefill();
     test_engine_aux_modes();
     test_engine_batching_and_pages();
+    test_engine_deferred_context();
     pd_dspark_free(dm);
     pd_qwen3_free(tm);
     kern_backend_destroy(be);

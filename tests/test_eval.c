@@ -28,6 +28,7 @@ typedef struct {
     int32_t out[MAX_NEW + 8];
     int n_out;
     int accepted[MAX_NEW + 8];
+    int verified[MAX_NEW + 8];
     int rounds;
     int at_pos[32];
 } run_result;
@@ -93,6 +94,8 @@ static int run_all(const pd_dspark_model *dm, run_result *res)
             memcpy(o->out, r->out, (size_t)r->n_out * 4);
             o->rounds = r->n_rounds;
             memcpy(o->accepted, r->accepted, (size_t)r->n_rounds * sizeof(int));
+            if (r->verified != NULL)
+                memcpy(o->verified, r->verified, (size_t)r->n_rounds * sizeof(int));
             memcpy(o->at_pos, r->accepted_at_pos, sizeof(o->at_pos));
             pd_engine_release(e, r);
             live[s] = NULL;
@@ -244,6 +247,24 @@ static void eval_draft(const char *label, const char *dir, const cJSON *ref_prom
     for (int k = 0; k < B && k < cJSON_GetArraySize(ref_pos); k++)
         printf(" %.3f", cJSON_GetArrayItem(ref_pos, k)->valuedouble);
     printf("\n");
+    if (policy == PD_VERIFY_SCHEDULED) {
+        /* rounds that verified every draft accept about as much as full verification does (a
+         * guard on draft quality under the scheduler; the deferred draft context itself is
+         * checked exactly in test_engine) */
+        long acc_all = 0, n_all = 0;
+        for (int p = 0; p < N_PROMPTS; p++)
+            for (int k = 0; k < spec[p].rounds; k++)
+                if (spec[p].verified[k] == B) {
+                    acc_all += spec[p].accepted[k];
+                    n_all++;
+                }
+        double tau_all = n_all > 0 ? (double)acc_all / n_all : 0.0;
+        printf("scheduled: %ld rounds verified all %d drafts, tau there %.4f (full-verification reference %.4f)\n",
+               n_all, B, tau_all, ref_tau);
+        if (n_all >= 50)
+            TEST_CHECK_MSG(tau_all >= 0.8 * ref_tau, "%s: rounds verifying all drafts reach tau %.4f only "
+                           "(reference %.4f): the draft context is broken", label, tau_all, ref_tau);
+    }
     if (policy == PD_VERIFY_FULL)
         TEST_CHECK_MSG(fabs(tau - ref_tau) <= 0.03 * ref_tau, "%s: tau %.4f not within 3%% of %.4f", label, tau, ref_tau);
     else
