@@ -127,3 +127,11 @@ int pd_cli_split_hostport(const char *addr, char *host, size_t host_len, char *p
     memcpy(port, colon + 1, pl + 1);
     return 0;
 }
+
+int pd_cli_bad_flag(const char *prog, const char *arg, void (*usage)(FILE *))
+{
+    fprintf(stderr, "%s: unknown or incomplete flag '%s'\n", prog, arg != NULL ? arg : "");
+    if (usage != NULL)
+        usage(stderr);
+    return 2;
+}

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pd_cli.h"
 #include "pd_engine.h"
 #include "pd_log.h"
 #include "pd_verify_policy.h"
@@ -91,8 +92,7 @@ int main(int argc, char **argv)
                    "temperatures, the rest measure the calibration error.\n");
             return 0;
         default:
-            fprintf(stderr, "pdspark-calibrate: unknown or incomplete flag '%s'\n", argv[optind - 1]);
-            return 2;
+            return pd_cli_bad_flag("pdspark-calibrate", argv[optind - 1], NULL);
         }
     }
     if (model == NULL || draft == NULL || prompts_path == NULL) {

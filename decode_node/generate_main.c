@@ -136,9 +136,7 @@ int main(int argc, char **argv)
         }
         case O_HELP: usage(stdout); return 0;
         default:
-            fprintf(stderr, "pdspark-generate: unknown or incomplete flag '%s'\n", argv[optind - 1]);
-            usage(stderr);
-            return 2;
+            return pd_cli_bad_flag(PROG, argv[optind - 1], usage);
         }
         if (bad)
             return 2;

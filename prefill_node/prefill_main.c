@@ -115,9 +115,7 @@ int main(int argc, char **argv)
         case O_DRAIN: bad = pd_cli_parse_int(PROG, "--drain-timeout-ms", optarg, 0, INT32_MAX, &drain_ms); break;
         case O_HELP: usage(stdout); return 0;
         default:
-            fprintf(stderr, PROG ": unknown or incomplete flag '%s'\n", argv[optind - 1]);
-            usage(stderr);
-            return 2;
+            return pd_cli_bad_flag(PROG, argv[optind - 1], usage);
         }
         if (bad)
             return 2;

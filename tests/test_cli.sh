@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# test_cli.sh - pdspark-generate / pdspark-tokenize from the outside: a good run's JSON, and bad
+# test_cli.sh - pdspark-generate / pdspark-tokenize / pdspark-loadsim from the outside: a good run's JSON, and bad
 # input (missing/corrupt/truncated checkpoints, mismatched shapes, a draft that does not fit,
 # bad token ids, empty and oversized prompts, bad flags) -> a clear error and a non-zero exit.
 # Usage: test_cli.sh BIN_DIR MODELS_DIR
@@ -97,6 +97,30 @@ else bad "--tp 2 tokens '$t2' != --tp 1 '$t1'"; cat "$tmp/tp_err"; fi
 expect_fail "tp not dividing the heads" "tp 3 does not divide the model's 4 attention heads" $gen --model "$T" --prompt-ids "$tmp/ids.txt" --tp 3
 expect_fail "tp above the heads" "tp 8 exceeds the model's 4 attention heads" $gen --model "$T" --prompt-ids "$tmp/ids.txt" --tp 8
 expect_fail "tp below 1" "--tp.*1\.\.64" $gen --model "$T" --prompt-ids "$tmp/ids.txt" --tp 0
+
+# --graphs: padded batches give the same tokens; a bad mode is refused by name
+g_off=$($gen --model "$T" --draft "$D" --prompt-ids "$tmp/ids.txt" --max-new-tokens 24 --json --graphs off 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin)["tokens"])')
+g_pad=$($gen --model "$T" --draft "$D" --prompt-ids "$tmp/ids.txt" --max-new-tokens 24 --json --graphs pad 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin)["tokens"])')
+if [ -n "$g_off" ] && [ "$g_off" = "$g_pad" ]; then echo "ok   --graphs pad tokens == --graphs off"; ok
+else bad "--graphs pad tokens '$g_pad' != off '$g_off'"; fi
+expect_fail "bad graphs mode" "graphs 'always'.*auto, off or pad" $gen --model "$T" --prompt-ids "$tmp/ids.txt" --graphs always
+
+# pdspark-loadsim: a small CPU sweep writes one CSV row per policy and level; bad flags refused
+ls=$bin/pdspark-loadsim
+if $ls --model "$T" --draft "$D" --prompt-len 16 --max-new-tokens 4 --concurrency 1,2 --requests 2 \
+    --csv "$tmp/ls.csv" >"$tmp/ls.out" 2>"$tmp/err" && python3 - "$tmp/ls.csv" <<'PY'
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+assert len(rows) == 8, len(rows)
+assert {r["policy"] for r in rows} == {"target", "full", "threshold", "scheduled"}
+assert all(float(r["tokens_per_s"]) > 0 and int(r["output_tokens"]) == 8 for r in rows), rows
+PY
+then echo "ok   pdspark-loadsim: 8 CSV rows (4 policies x 2 levels)"; ok
+else bad "pdspark-loadsim small sweep"; cat "$tmp/err" "$tmp/ls.out"; fi
+expect_fail "loadsim without a model" "exactly one of --model" $ls --concurrency 1
+expect_fail "loadsim bad concurrency" "concurrency.*'0'" $ls --model "$T" --concurrency 0
+expect_fail "loadsim bad policy" "verify policy 'fast'" $ls --model "$T" --policies target,fast
+expect_fail "loadsim unknown flag" "unknown or incomplete flag '--bogus'" $ls --bogus
 
 echo "$pass passed, $fail failed"
 [ $fail -eq 0 ] && [ $pass -gt 0 ]
