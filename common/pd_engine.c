@@ -263,9 +263,12 @@ pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err 
     st = pd_target_create(e->tm, e->tpool, taps, n_taps, &e->target, err);
     if (st != PD_OK)
         goto err_free;
-    pd_target_set_graphs(e->target, e->cfg.graphs);
+    /* tensor parallel: rank 0 runs eagerly like its workers, so the ranks' collectives are
+     * issued in step (a capture records rank 0's without running them) */
+    int gmode = e->tp != NULL ? PD_GRAPHS_OFF : e->cfg.graphs;
+    pd_target_set_graphs(e->target, gmode);
     if (e->draft != NULL)
-        pd_draft_set_graphs(e->draft, e->cfg.graphs);
+        pd_draft_set_graphs(e->draft, gmode);
     e->aux_dim = pd_target_aux_dim(e->target);
     if (e->tp != NULL)
         pd_tp_group_attach(e->tp, e->target, e->draft);

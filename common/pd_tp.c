@@ -6,11 +6,13 @@
  *   quit) is guarded by the group mutex. */
 #include "pd_tp.h"
 
+#include <limits.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "pd_graph.h"
 #include "pd_log.h"
 
 #define TRY(expr) \
@@ -116,6 +118,9 @@ static pd_status plan_copy(slice_plan *p, kern_backend *src_be, kern_backend *be
             max_block = block;
     }
     kern_buf *buf = NULL;
+    /* GPU ranks: source and destination may sit on different devices; each copy runs with its
+     * backend's device current (no-ops on host backends) */
+    TRY(kern_backend_bind_thread(be, NULL, err));
     TRY(kern_buf_alloc(be, total > 0 ? total : 256, &buf, err));
     unsigned char *tmp = malloc(max_block > 0 ? max_block : 1);
     if (tmp == NULL) {
@@ -128,8 +133,12 @@ static pd_status plan_copy(slice_plan *p, kern_backend *src_be, kern_backend *be
         const slice *s = &p->s[i];
         size_t es = kern_dtype_size(s->src.dtype);
         size_t row_bytes = (size_t)s->src.cols * es, out_row = (size_t)s->cols * es;
-        st = kern_download(src_be, tmp, (const unsigned char *)s->src.data + (size_t)s->row0 * row_bytes,
-                           (size_t)s->rows * row_bytes, err);
+        st = kern_backend_bind_thread(src_be, NULL, err);
+        if (st == PD_OK)
+            st = kern_download(src_be, tmp, (const unsigned char *)s->src.data + (size_t)s->row0 * row_bytes,
+                               (size_t)s->rows * row_bytes, err);
+        if (st == PD_OK)
+            st = kern_backend_bind_thread(be, NULL, err);
         if (st != PD_OK)
             break;
         if (s->cols != s->src.cols)   /* pack the column range to the front of each row */
@@ -287,6 +296,8 @@ struct pd_tp_rank {
     pd_tp_shard shard[PD_TP_MAX_SIZE];   /* every rank's vocab slice, for the re-ranging */
     kern_buf *stage, *gathered;   /* [rows, slice], [size, rows, slice] */
     int cap_stage, cap_gathered;
+    kern_buf *parts;              /* all-reduce: [size, n] partials */
+    int cap_parts;
 };
 
 int pd_tp_accumulate(const pd_tp_rank *tp) { return tp == NULL || tp->rank == 0; }
@@ -294,9 +305,26 @@ int pd_tp_rank_index(const pd_tp_rank *tp) { return tp != NULL ? tp->rank : 0; }
 
 pd_status pd_tp_all_reduce(pd_tp_rank *tp, float *x, size_t n, pd_err *err)
 {
-    if (tp == NULL)
+    if (tp == NULL || n == 0)
         return PD_OK;
-    return pd_comm_all_reduce_sum(tp->comm, x, x, n, err);
+    /* an all-gather of the partials, then every rank adds them in rank order on its backend:
+     * the same bits whatever the message size (NCCL's all-reduce picks ring or tree and its
+     * chunking by size, so a verify block and a decode step would round differently and bf16
+     * speculative decoding would lose its equality with greedy decoding) */
+    if (n > (size_t)INT_MAX / (size_t)tp->size)
+        return pd_err_set(err, PD_ERR_INVALID, "tp all-reduce of %zu values", n);
+    TRY(kern_buf_grow(tp->be, &tp->parts, &tp->cap_parts, (int)n * tp->size, sizeof(float), err));
+    const float *parts = tp->parts->ptr;
+    TRY(pd_comm_all_gather(tp->comm, x, tp->parts->ptr, n * sizeof(float), err));
+    kern_binary_args add = { .op = KERN_BINARY_ADD, .a = parts, .ld_a = (int)n, .b = parts + n,
+                             .ld_b = (int)n, .out = x, .ld_out = (int)n, .rows = 1, .cols = (int)n };
+    TRY(kern_binary(tp->be, &add, err));
+    for (int r = 2; r < tp->size; r++) {
+        add.a = x;
+        add.b = parts + (size_t)r * n;
+        TRY(kern_binary(tp->be, &add, err));
+    }
+    return PD_OK;
 }
 
 pd_status pd_tp_gather_vocab(pd_tp_rank *tp, float *logits, int ld, int rows, pd_err *err)
@@ -328,8 +356,9 @@ static void rank_ctx_cleanup(pd_tp_rank *tp)
     pd_comm_destroy(tp->comm);
     kern_buf_free(tp->stage);
     kern_buf_free(tp->gathered);
+    kern_buf_free(tp->parts);
     tp->comm = NULL;
-    tp->stage = tp->gathered = NULL;
+    tp->stage = tp->gathered = tp->parts = NULL;
 }
 
 /* ---- the group --------------------------------------------------------------------------- */
@@ -355,7 +384,8 @@ typedef struct {
 struct pd_tp_group {
     int n;
     tp_rank *ranks;               /* [n] */
-    pd_comm_local_group *lg;
+    pd_comm_local_group *lg;      /* host backends: ranks are threads sharing this group */
+    int gpu;                      /* cuda: rank r on its own device, NCCL between them */
     pthread_mutex_t mu;
     pthread_cond_t cv_cmd, cv_done;
     const pd_tp_cmd *cmd;
@@ -400,6 +430,9 @@ static void *worker_main(void *p)
     tp_rank *rs = p;
     pd_tp_group *g = rs->g;
     unsigned long seen = 0;
+    pd_err berr;
+    if (kern_backend_bind_thread(rs->be, NULL, &berr) != PD_OK)   /* this rank's GPU */
+        PD_LOG_ERROR("tp", "rank %d: %s", rs->rank, berr.msg);
     pthread_mutex_lock(&g->mu);
     for (;;) {
         while (g->seq == seen && !g->quit)
@@ -423,7 +456,24 @@ static void *worker_main(void *p)
     return NULL;
 }
 
-/* The rank's context, shards, and (workers) backend, pools and runners. */
+/* Rank r's backend: rank 0 uses the target's; a host worker gets its own handle; a GPU worker
+ * its own device, the r-th after rank 0's (one GPU per rank). */
+static pd_status rank_backend(pd_tp_group *g, const pd_tp_group_config *cfg, int r, int dev0, int n_dev,
+                              int *device, pd_err *err)
+{
+    tp_rank *rs = &g->ranks[r];
+    *device = dev0;
+    if (r == 0) {
+        rs->be = cfg->target->be;
+        return PD_OK;
+    }
+    kern_backend_config bc = { .name = cfg->target->be->ops->name };
+    if (g->gpu)
+        bc.device = *device = (dev0 + r) % n_dev;
+    return kern_backend_create(&bc, &rs->be, err);
+}
+
+/* The rank's context, shards, and (workers) pools and runners. */
 static pd_status rank_build(pd_tp_group *g, const pd_tp_group_config *cfg, int r, pd_err *err)
 {
     tp_rank *rs = &g->ranks[r];
@@ -433,19 +483,15 @@ static pd_status rank_build(pd_tp_group *g, const pd_tp_group_config *cfg, int r
     rs->ctx.size = g->n;
     for (int q = 0; q < g->n; q++)
         pd_tp_shard_of(&cfg->target->cfg, g->n, q, &rs->ctx.shard[q]);
-    TRY(pd_comm_local_create(g->lg, r, &rs->ctx.comm, err));
-    if (r == 0) {
-        rs->be = cfg->target->be;
-    } else {
-        kern_backend_config bc = { .name = cfg->target->be->ops->name };
-        TRY(kern_backend_create(&bc, &rs->be, err));
-    }
-    rs->ctx.be = rs->be;
+    if (!g->gpu)
+        TRY(pd_comm_local_create(g->lg, r, &rs->ctx.comm, err));   /* (NCCL: made for all at once) */
+    rs->ctx.be = rs->be;   /* created by rank_backend */
     TRY(pd_tp_qwen3_shard(cfg->target, rs->be, g->n, r, &rs->tm, err));
     if (cfg->draft != NULL)
         TRY(pd_tp_dspark_shard(cfg->draft, cfg->target, rs->tm, rs->be, g->n, r, &rs->dm, err));
     if (r == 0)
         return PD_OK;
+    TRY(kern_backend_bind_thread(rs->be, NULL, err));
     const pd_qwen3_config *tc = &rs->tm->cfg;
     pd_kv_layout tl = { .n_layers = tc->num_hidden_layers, .n_kv_heads = tc->num_key_value_heads,
                         .head_dim = tc->head_dim, .page_size = cfg->page_size,
@@ -453,6 +499,9 @@ static pd_status rank_build(pd_tp_group *g, const pd_tp_group_config *cfg, int r
     TRY(pd_kv_pool_create(rs->be, &tl, &rs->tpool, err));
     TRY(pd_target_create(rs->tm, rs->tpool, cfg->taps, cfg->n_taps, &rs->target, err));
     pd_target_set_tp(rs->target, &rs->ctx);
+    /* workers run rank 0's batches as given, eagerly: a worker graph could not hold the
+     * collectives in step with rank 0 */
+    pd_target_set_graphs(rs->target, PD_GRAPHS_OFF);
     if (rs->dm != NULL) {
         const pd_qwen3_config *dc = &rs->dm->cfg.base;
         pd_kv_layout dl = { .n_layers = dc->num_hidden_layers, .n_kv_heads = dc->num_key_value_heads,
@@ -461,6 +510,7 @@ static pd_status rank_build(pd_tp_group *g, const pd_tp_group_config *cfg, int r
         TRY(pd_kv_pool_create(rs->be, &dl, &rs->dpool, err));
         TRY(pd_draft_create(rs->dm, rs->dpool, &rs->draft, err));
         pd_draft_set_tp(rs->draft, &rs->ctx);
+        pd_draft_set_graphs(rs->draft, PD_GRAPHS_OFF);
     }
     if (pthread_create(&rs->th, NULL, worker_main, rs) != 0)
         return pd_err_set(err, PD_ERR_INTERNAL, "tp: cannot start the thread of rank %d", r);
@@ -476,16 +526,24 @@ pd_status pd_tp_group_create(const pd_tp_group_config *cfg, pd_tp_group **out, p
     if (cfg->size < 2)
         return pd_err_set(err, PD_ERR_INVALID, "tp group of %d ranks: use no group for tp 1",
                           cfg->size);
-    if (!cfg->target->be->is_host)
-        return pd_err_set(err, PD_ERR_UNSUPPORTED,
-                          "tp %d runs its ranks as threads on a host backend (the local "
-                          "communicator adds on the host); backend %s would need one GPU per "
-                          "rank with NCCL, which the engine does not drive yet", cfg->size,
-                          cfg->target->be->ops->name);
+    kern_backend *be0 = cfg->target->be;
+    int gpu = !be0->is_host, dev0 = 0, n_dev = 0;
+    if (gpu) {
+        /* one GPU per rank, NCCL between them (the local communicator adds on the host) */
+        if (strcmp(be0->ops->name, "cuda") != 0 || !pd_comm_nccl_available())
+            return pd_err_set(err, PD_ERR_UNSUPPORTED, "tp %d on backend %s needs CUDA with NCCL "
+                              "(one GPU per rank)", cfg->size, be0->ops->name);
+        TRY(kern_backend_bind_thread(be0, &dev0, err));
+        n_dev = kern_backend_device_count(be0->ops->name);
+        if (n_dev < cfg->size)
+            return pd_err_set(err, PD_ERR_INVALID, "tp %d on cuda needs %d GPUs (one per rank); "
+                              "%d visible", cfg->size, cfg->size, n_dev);
+    }
     pd_tp_group *g = calloc(1, sizeof(*g));
     if (g == NULL)
         return pd_err_set(err, PD_ERR_NOMEM, "tp group");
     g->n = cfg->size;
+    g->gpu = gpu;
     g->debug_fail_rank = cfg->debug_fail_rank;
     g->debug_fail_cmd = cfg->debug_fail_cmd;
     pd_status st = PD_OK;
@@ -497,16 +555,38 @@ pd_status pd_tp_group_create(const pd_tp_group_config *cfg, pd_tp_group **out, p
     pthread_mutex_init(&g->mu, NULL);
     pthread_cond_init(&g->cv_cmd, NULL);
     pthread_cond_init(&g->cv_done, NULL);
-    pd_comm_local_opts lo = { .timeout_ms = cfg->timeout_ms };
-    st = pd_comm_local_group_create(g->n, &lo, &g->lg, err);
+    int devs[PD_TP_MAX_SIZE];
+    for (int r = 0; r < g->n && st == PD_OK; r++)
+        st = rank_backend(g, cfg, r, dev0, n_dev, &devs[r], err);
+    if (st == PD_OK && !gpu) {
+        pd_comm_local_opts lo = { .timeout_ms = cfg->timeout_ms };
+        st = pd_comm_local_group_create(g->n, &lo, &g->lg, err);
+    } else if (st == PD_OK) {
+        pd_comm_nccl_opts no[PD_TP_MAX_SIZE];
+        pd_comm *comms[PD_TP_MAX_SIZE];
+        for (int r = 0; r < g->n; r++)
+            no[r] = (pd_comm_nccl_opts){ .device = devs[r], .stream = kern_backend_stream(g->ranks[r].be),
+                                         .timeout_ms = cfg->timeout_ms };
+        st = pd_comm_nccl_create_all(g->n, no, comms, err);
+        for (int r = 0; r < g->n && st == PD_OK; r++)
+            g->ranks[r].ctx.comm = comms[r];
+    }
     for (int r = 0; r < g->n && st == PD_OK; r++)
         st = rank_build(g, cfg, r, err);
+    if (gpu) {
+        pd_err berr;   /* the engine thread goes on with rank 0's device */
+        pd_status bs = kern_backend_bind_thread(be0, NULL, &berr);
+        if (st == PD_OK && bs != PD_OK) {
+            *err = berr;
+            st = bs;
+        }
+    }
     if (st != PD_OK) {
         pd_tp_group_destroy(g);
         return st;
     }
-    PD_LOG_INFO("tp", "tensor-parallel group of %d ranks (%s backend, local communicator)", g->n,
-                cfg->target->be->ops->name);
+    PD_LOG_INFO("tp", "tensor-parallel group of %d ranks (%s backend, %s)", g->n, be0->ops->name,
+                gpu ? "NCCL, one GPU per rank" : "local communicator");
     *out = g;
     return PD_OK;
 }
@@ -523,6 +603,8 @@ void pd_tp_group_destroy(pd_tp_group *g)
         tp_rank *rs = &g->ranks[r];
         if (rs->started)
             pthread_join(rs->th, NULL);
+        if (rs->be != NULL)
+            (void)kern_backend_bind_thread(rs->be, NULL, NULL);   /* its GPU, to free on it */
         if (r > 0) {
             pd_draft_destroy(rs->draft);
             pd_target_destroy(rs->target);
@@ -536,6 +618,8 @@ void pd_tp_group_destroy(pd_tp_group *g)
         if (r > 0)
             kern_backend_destroy(rs->be);
     }
+    if (g->n > 0 && g->ranks[0].be != NULL)
+        (void)kern_backend_bind_thread(g->ranks[0].be, NULL, NULL);
     pd_comm_local_group_destroy(g->lg);
     pthread_cond_destroy(&g->cv_done);
     pthread_cond_destroy(&g->cv_cmd);

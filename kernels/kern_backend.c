@@ -184,6 +184,40 @@ pd_status kern_backend_create(const kern_backend_config *cfg, kern_backend **out
     return PD_OK;
 }
 
+pd_status kern_backend_bind_thread(kern_backend *be, int *device, pd_err *err)
+{
+    if (device != NULL)
+        *device = -1;
+#ifdef PD_HAVE_CUDA
+    if (!be->is_host && strcmp(be->ops->name, "cuda") == 0)
+        return kern_cuda_bind_thread(be, device, err);
+#endif
+    (void)be;
+    (void)err;
+    return PD_OK;
+}
+
+int kern_backend_device_count(const char *name)
+{
+    if (name != NULL && strcmp(name, "cpu") == 0)
+        return 1;
+#ifdef PD_HAVE_CUDA
+    if (name != NULL && strcmp(name, "cuda") == 0)
+        return kern_cuda_device_count();
+#endif
+    return 0;
+}
+
+void *kern_backend_stream(kern_backend *be)
+{
+#ifdef PD_HAVE_CUDA
+    if (!be->is_host && strcmp(be->ops->name, "cuda") == 0)
+        return kern_cuda_stream(be);
+#endif
+    (void)be;
+    return NULL;
+}
+
 void kern_backend_destroy(kern_backend *be)
 {
     if (be != NULL)

@@ -316,6 +316,14 @@ typedef struct {
  * (unknown name), PD_ERR_UNSUPPORTED (cuda not built), PD_ERR_CUDA (no device). */
 pd_status kern_backend_create(const kern_backend_config *cfg, kern_backend **out, pd_err *err);
 void kern_backend_destroy(kern_backend *be);
+/* For a thread other than the creator that is about to use be: binds it to be's device (cuda;
+ * *device = its ordinal) or does nothing (host backends; *device = -1). device may be NULL. */
+pd_status kern_backend_bind_thread(kern_backend *be, int *device, pd_err *err);
+/* Devices a backend of this name can use: cuda = visible GPUs (0 without CUDA support or a
+ * driver), cpu = 1, anything else 0. */
+int kern_backend_device_count(const char *name);
+/* The backend's stream (cudaStream_t behind void *) or NULL for host backends. */
+void *kern_backend_stream(kern_backend *be);
 /* Checks that every op of a table is set (used by kern_backend_create and tests). */
 pd_status kern_backend_check_ops(const kern_backend_ops *ops, pd_err *err);
 

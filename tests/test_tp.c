@@ -295,11 +295,44 @@ static void test_tp_rank_failure(int fail_cmd)
     pd_engine_destroy(e);
 }
 
+/* GPUs (opt-in, --backend cuda; the multi-GPU issue runs it): tp N over NCCL, one GPU per rank,
+ * bf16. tp N against tp 1 may part at near-ties (the row-parallel sums round differently), so
+ * what must hold is losslessness inside tp N: greedy speculative output equals tp N's own greedy
+ * decoding (batch-invariant kernels on every rank and the fixed-order all-reduce). */
+static void test_tp_gpu_lossless(const int *tps, int n_tps)
+{
+    const scenario spec = { "vanilla greedy full", 1, PD_VERIFY_FULL, 0.0f, 0.0f, NULL };
+    const scenario plain = { "target-only greedy", 0, PD_VERIFY_FULL, 0.0f, 0.0f, NULL };
+    static result a[N_PROMPTS], b[N_PROMPTS], one[N_PROMPTS];
+    memset(one, 0, sizeof(one));
+    if (run_all(&plain, 1, one) != 0)
+        return;
+    for (int ti = 0; ti < n_tps; ti++) {
+        memset(a, 0, sizeof(a));
+        memset(b, 0, sizeof(b));
+        if (run_all(&spec, tps[ti], a) != 0 || run_all(&plain, tps[ti], b) != 0)
+            continue;
+        int same = 0, same_tp1 = 0;
+        for (int p = 0; p < N_PROMPTS; p++) {
+            same += a[p].n_out == b[p].n_out && memcmp(a[p].out, b[p].out, (size_t)a[p].n_out * 4) == 0;
+            same_tp1 += b[p].n_out == one[p].n_out &&
+                        memcmp(b[p].out, one[p].out, (size_t)b[p].n_out * 4) == 0;
+        }
+        printf("cuda tp %d: speculative == greedy on %d/%d prompts; greedy tp %d == tp 1 on %d/%d\n",
+               tps[ti], same, N_PROMPTS, tps[ti], same_tp1, N_PROMPTS);
+        TEST_CHECK_MSG(same == N_PROMPTS, "cuda tp %d: speculative output parts from greedy on %d prompts",
+                       tps[ti], N_PROMPTS - same);
+    }
+}
+
 int main(int argc, char **argv)
 {
     int tps[8] = { 2, 4 }, n_tps = 2;
+    const char *backend = "cpu";
     for (int i = 1; i + 1 < argc; i += 2) {
-        if (strcmp(argv[i], "--max-new") == 0) {
+        if (strcmp(argv[i], "--backend") == 0) {
+            backend = argv[i + 1];
+        } else if (strcmp(argv[i], "--max-new") == 0) {
             max_new = atoi(argv[i + 1]);
         } else if (strcmp(argv[i], "--tp-list") == 0) {
             n_tps = 0;
@@ -312,7 +345,19 @@ int main(int argc, char **argv)
         return 2;
     }
     pd_err err;
-    kern_backend_config bc = { .name = "cpu" };
+    int gpu = strcmp(backend, "cpu") != 0;
+    if (gpu) {
+        int need = 2;
+        for (int i = 0; i < n_tps; i++)
+            need = tps[i] > need ? tps[i] : need;
+        int have = kern_backend_device_count(backend);
+        if (have < need || !pd_comm_nccl_available()) {
+            printf("SKIP: tp over %s needs %d GPUs and NCCL (%d visible, NCCL %s)\n", backend, need,
+                   have, pd_comm_nccl_available() ? "built" : "not built");
+            return 77;
+        }
+    }
+    kern_backend_config bc = { .name = backend };
     if (kern_backend_create(&bc, &be, &err) != PD_OK) {
         fprintf(stderr, "backend: %s\n", err.msg);
         return 1;
@@ -330,6 +375,13 @@ int main(int argc, char **argv)
     tm_cut.cfg.vocab_size = 8190;
     tm_cut.embed.rows = 8190;
     tm_cut.lm_head.rows = 8190;   /* the eval prompts' ids are all below 8187 */
+    if (gpu) {
+        test_tp_gpu_lossless(tps, n_tps);
+        pd_dspark_free(dm);
+        pd_qwen3_free(tm);
+        kern_backend_destroy(be);
+        TEST_DONE();
+    }
     test_tp_shard_math();
     test_tp_bad_sizes();
     test_tp_rank_failure(1);

@@ -28,6 +28,12 @@ pd_status kern_cuda_backend_create(const kern_backend_config *cfg, kern_backend 
  * events, graph capture). NULL when be is not a CUDA backend. Borrowed: lives as long as be. */
 void *kern_cuda_stream(kern_backend *be);
 
+/* Makes be's device the calling thread's current CUDA device (a thread that is not the one that
+ * created be must call it before using be: streams and kernels belong to one device). The
+ * device ordinal of be into *device when device is not NULL. PD_ERR_CUDA on failure;
+ * PD_ERR_INVALID when be is not a CUDA backend. */
+pd_status kern_cuda_bind_thread(kern_backend *be, int *device, pd_err *err);
+
 #ifdef __cplusplus
 }
 #endif

@@ -256,6 +256,17 @@ static const kern_backend_ops cuda_ops = {
     .destroy = cuda_destroy,
 };
 
+extern "C" pd_status kern_cuda_bind_thread(kern_backend *be, int *device, pd_err *err)
+{
+    if (be == NULL || be->ops != &cuda_ops)
+        return pd_err_set(err, PD_ERR_INVALID, "bind thread: not a cuda backend");
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    PD_CUDA_TRY(cudaSetDevice(c->device), err);
+    if (device != NULL)
+        *device = c->device;
+    return PD_OK;
+}
+
 extern "C" void *kern_cuda_stream(kern_backend *be)
 {
     if (be == NULL || be->ops != &cuda_ops)
