@@ -43,9 +43,10 @@ static void usage(FILE *f)
             "--cp-size N > 1 runs the prefill context-parallel over N ranks (threads of this process\n"
             "on the cpu device), split by --cp-strategy (default round-robin-split); the result\n"
             "is the same as with N = 1.\n"
-            "--tp N > 1 decodes tensor-parallel over N ranks (threads of this process on the cpu\n"
-            "device): attention heads, MLP and lm_head split N ways; N must divide the attention\n"
-            "heads; the tokens are the same as with N = 1.\n");
+            "--tp N > 1 decodes tensor-parallel over N ranks (threads of this process; on the cpu\n"
+            "device with the local communicator, on cuda one GPU per rank with NCCL): attention\n"
+            "heads, MLP and lm_head split N ways; N must divide the attention heads; on the cpu the\n"
+            "tokens are the same as with N = 1.\n");
 }
 
 int main(int argc, char **argv)
