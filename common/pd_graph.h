@@ -56,7 +56,8 @@ void pd_graph_cache_clear(pd_graph_cache *gc);   /* frees every graph */
 int pd_graph_pad(const pd_graph_cache *gc);
 
 /* The bucket a count n >= 1 is padded to: n itself up to 4, then multiples of 4 up to 16, of
- * 8 up to 64, of 32 up to 256, of 128 above (at most 1/4 extra work from 16 on). */
+ * 8 up to 64, of 32 up to 256, of 128 above (always less than 2n; the decode shapes that matter,
+ * B x (block + 1) verify tokens, mostly land on a bucket exactly). */
 int pd_graph_bucket(int n);
 /* The bucket of a length that only needs an upper bound (KV lengths, page-table strides):
  * the next power of two >= n, at least min. */
