@@ -494,3 +494,5 @@ void pd_draft_graph_stats(const pd_draft *d, uint64_t *eager, uint64_t *captures
     *captures += d->graphs.n_captures;
     *replays += d->graphs.n_replays;
 }
+
+uint64_t pd_draft_graph_cold(const pd_draft *d) { return d->graphs.n_cold; }

@@ -53,6 +53,8 @@ pd_status pd_draft_round_greedy(pd_draft *d, int n_req, const int32_t *anchor, c
 void pd_draft_set_graphs(pd_draft *d, int mode);
 /* Adds this runner's eager runs, captures and replays to the counters. */
 void pd_draft_graph_stats(const pd_draft *d, uint64_t *eager, uint64_t *captures, uint64_t *replays);
+/* Runs so far that were a graph warm-up, capture or stale re-run (pd_graph_cache.n_cold). */
+uint64_t pd_draft_graph_cold(const pd_draft *d);
 
 /* Backend pointers, valid until the next call that produces them. */
 const float *pd_draft_ctx_feature(const pd_draft *d);   /* [n_tok of last extend, hidden] */

@@ -22,14 +22,6 @@
 #define TRY(expr) \
     do { pd_status st_ = (expr); if (st_ != PD_OK) return st_; } while (0)
 
-#define PD_SCHED_CLASSES 16
-#define PD_SCHED_ARMS 3
-#define PD_SCHED_EXPLORE 16     /* a close runner-up arm is tried every 16th round ... */
-#define PD_SCHED_EXPLORE_MAX 1024 /* ... a far one less often, at least every 1024th */
-
-/* How the scheduled requests of a round are verified: no drafts at all (plain greedy decoding),
- * Algorithm 1's lengths, or every draft. */
-typedef enum { SCHED_PLAIN = 0, SCHED_ALGO1, SCHED_ALL } sched_arm;
 
 struct pd_engine {
     pd_engine_config cfg;
@@ -67,14 +59,7 @@ struct pd_engine {
     pd_request **pend_owner;
     int cap_pend_host;
     pd_sps sps_default;         /* linear step-time model when no profile is given */
-    /* scheduled policy, measured per batch-size class (log2 of the requests in the round):
-     * tokens/s of rounds of each arm (sched_arm), samples of each, and the draft round's
-     * seconds (Algorithm 1's fixed overhead) */
-    double sched_rate[PD_SCHED_ARMS][PD_SCHED_CLASSES];
-    int sched_n[PD_SCHED_ARMS][PD_SCHED_CLASSES];
-    double draft_s[PD_SCHED_CLASSES];
-    int draft_n[PD_SCHED_CLASSES];
-    long n_rounds;
+    pd_sched_ctl sched;         /* the scheduled policy's arms (pd_verify_policy.h) */
     /* context-parallel prefill (cp_size > 1): ranks 1.. have their own backend handle and KV
      * replica; rank 0 is the target's backend and pool */
     int cp_n;
@@ -276,6 +261,7 @@ pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err 
     st = pd_sps_linear(1.0, 1.0 / 64.0, 1024, &e->sps_default, err);
     if (st != PD_OK)
         goto err_free;
+    pd_sched_init(&e->sched, e->cfg.sps);
     if (e->cfg.cp_size > 1 && (st = cp_create(e, &tl, taps, n_taps, err)) != PD_OK)
         goto err_free;
     e->fscratch = malloc((size_t)e->V * sizeof(float));
@@ -291,15 +277,11 @@ err_free:
     return st;
 }
 
-static pd_status pend_flush(pd_engine *e, pd_err *err);
+static void pend_drop(pd_engine *e, pd_request *r);
 
 static void request_free(pd_engine *e, pd_request *r)
 {
-    if (r->n_pend > 0) {
-        pd_err ferr;   /* its rows go to the draft KV before its pages go back */
-        if (pend_flush(e, &ferr) != PD_OK)
-            PD_LOG_WARN("engine", "deferred draft context lost: %s", ferr.msg);
-    }
+    pend_drop(e, r);   /* its pages go back: its deferred rows are not needed */
     cp_release(e, r);
     pd_kv_seq_release(e->tpool, &r->tkv);
     if (e->dpool != NULL)
@@ -557,6 +539,27 @@ static pd_status markov_step(pd_engine *e, int k, const int32_t *prev, float *co
     return tp_run(e, &c, err);
 }
 
+/* dst[i] = aux[rows[i]] for n aux rows on the backend; a run of consecutive rows (every row of
+ * a round without drafts) is one copy with no index upload. */
+static pd_status gather_aux(pd_engine *e, const float *aux, const int32_t *rows, int n, float *dst,
+                            pd_err *err)
+{
+    kern_backend *be = e->tm->be;
+    int run = 1;
+    for (int i = 1; i < n && run; i++)
+        run = rows[i] == rows[0] + i;
+    kern_copy_rows_args cp = { .src = aux, .ld_src = e->aux_dim, .idx = NULL, .dst = dst,
+                               .ld_dst = e->aux_dim, .rows = n, .cols = e->aux_dim };
+    if (run) {
+        cp.src = aux + (size_t)rows[0] * e->aux_dim;
+    } else {
+        TRY(kern_buf_grow(be, &e->idx_dev, &e->cap_idx, n, sizeof(int32_t), err));
+        TRY(kern_upload(be, e->idx_dev->ptr, rows, (size_t)n * sizeof(int32_t), err));
+        cp.idx = e->idx_dev->ptr;
+    }
+    return kern_copy_rows(be, &cp, err);
+}
+
 /* Adds aux rows rows[0..n-1] of aux (backend, [*, aux_dim] packed) to the draft context of the
  * given requests at the given positions. */
 static pd_status extend_draft(pd_engine *e, const float *aux, const int32_t *rows,
@@ -564,14 +567,8 @@ static pd_status extend_draft(pd_engine *e, const float *aux, const int32_t *row
 {
     if (e->draft == NULL || n == 0)
         return PD_OK;
-    kern_backend *be = e->tm->be;
-    TRY(kern_buf_grow(be, &e->aux_dev, &e->cap_aux, n, (size_t)e->aux_dim * sizeof(float), err));
-    TRY(kern_buf_grow(be, &e->idx_dev, &e->cap_idx, n, sizeof(int32_t), err));
-    TRY(kern_upload(be, e->idx_dev->ptr, rows, (size_t)n * sizeof(int32_t), err));
-    kern_copy_rows_args cp = { .src = aux, .ld_src = e->aux_dim,
-                               .idx = e->idx_dev->ptr, .dst = e->aux_dev->ptr, .ld_dst = e->aux_dim,
-                               .rows = n, .cols = e->aux_dim };
-    TRY(kern_copy_rows(be, &cp, err));
+    TRY(kern_buf_grow(e->tm->be, &e->aux_dev, &e->cap_aux, n, (size_t)e->aux_dim * sizeof(float), err));
+    TRY(gather_aux(e, aux, rows, n, e->aux_dev->ptr, err));
     /* sequences: one slot per distinct owner, in order of first appearance */
     int32_t *seq = malloc((size_t)n * sizeof(int32_t));
     pd_kv_seq **seqs = malloc((size_t)n * sizeof(pd_kv_seq *));
@@ -593,40 +590,71 @@ static pd_status extend_draft(pd_engine *e, const float *aux, const int32_t *row
     return st;
 }
 
-#define PD_PEND_MAX_ROWS 4096
+/* The deferred-context buffer grows up to this many rows or PD_PEND_MAX_BYTES, whichever is
+ * less; a full buffer is flushed. */
+#define PD_PEND_MAX_ROWS 8192
+#define PD_PEND_MAX_BYTES ((size_t)256 << 20)
 
-/* Adds every deferred context row to the draft KV (one batch) and empties the list. */
+/* Adds every deferred context row to the draft KV (one batch) and empties the list. Rows of
+ * requests that ended (owner NULL, pend_drop) are skipped. */
 static pd_status pend_flush(pd_engine *e, pd_err *err)
 {
     if (e->n_pend == 0)
         return PD_OK;
-    int n = e->n_pend;
-    int32_t *seq = malloc((size_t)n * sizeof(int32_t));
+    int n = e->n_pend, n_keep = 0;
+    int32_t *seq = malloc((size_t)n * sizeof(int32_t)), *keep = malloc((size_t)n * sizeof(int32_t));
     pd_kv_seq **seqs = malloc((size_t)n * sizeof(pd_kv_seq *));
-    if (seq == NULL || seqs == NULL) {
+    if (seq == NULL || seqs == NULL || keep == NULL) {
         free(seq);
         free(seqs);
+        free(keep);
         return pd_err_set(err, PD_ERR_NOMEM, "deferred draft context metadata");
     }
-    int n_seq = 0;
-    for (int i = 0; i < n; i++) {
-        if (i == 0 || e->pend_owner[i] != e->pend_owner[i - 1])
-            seqs[n_seq++] = &e->pend_owner[i]->dkv;
-        seq[i] = n_seq - 1;
-    }
-    pd_tok_batch b = { .n_tok = n, .pos = e->pend_pos, .seq = seq, .n_seq = n_seq, .seqs = seqs };
+    for (int i = 0; i < n; i++)
+        if (e->pend_owner[i] != NULL)
+            keep[n_keep++] = i;
     /* the same kernels as an immediate extension inside a decode round */
     kern_backend *be = e->tm->be;
     int inv = be->batch_invariant;
     be->batch_invariant = !e->cfg.fast_kernels;
-    pd_status st = draft_extend(e, e->pend_aux->ptr, &b, err);
+    pd_status st = PD_OK;
+    if (n_keep < n) {
+        /* compact the rows still wanted (their positions and owners too) and extend with those */
+        for (int i = 0; i < n_keep; i++) {
+            e->pend_pos[i] = e->pend_pos[keep[i]];
+            e->pend_owner[i] = e->pend_owner[keep[i]];
+        }
+        if (n_keep > 0)
+            st = extend_draft(e, e->pend_aux->ptr, keep, e->pend_pos, e->pend_owner, n_keep, err);
+    } else {
+        int n_seq = 0;
+        for (int i = 0; i < n; i++) {
+            if (i == 0 || e->pend_owner[i] != e->pend_owner[i - 1])
+                seqs[n_seq++] = &e->pend_owner[i]->dkv;
+            seq[i] = n_seq - 1;
+        }
+        pd_tok_batch b = { .n_tok = n, .pos = e->pend_pos, .seq = seq, .n_seq = n_seq, .seqs = seqs };
+        st = draft_extend(e, e->pend_aux->ptr, &b, err);
+    }
     be->batch_invariant = inv;
     free(seq);
     free(seqs);
-    for (int i = 0; i < n; i++)
+    free(keep);
+    for (int i = 0; i < n_keep; i++)
         e->pend_owner[i]->n_pend = 0;
     e->n_pend = 0;
     return st;
+}
+
+/* Forgets r's deferred rows: r ended and its draft KV goes back unread. */
+static void pend_drop(pd_engine *e, pd_request *r)
+{
+    for (int i = 0; i < e->n_pend && r->n_pend > 0; i++)
+        if (e->pend_owner[i] == r) {
+            e->pend_owner[i] = NULL;
+            r->n_pend--;
+        }
+    r->n_pend = 0;
 }
 
 /* Defers n committed context rows (rows of the target's aux tensor aux, at positions pos of
@@ -636,12 +664,16 @@ static pd_status pend_add(pd_engine *e, const float *aux, const int32_t *rows, c
 {
     if (n == 0)
         return PD_OK;
-    if (e->n_pend + n > e->cap_pend || e->n_pend + n > PD_PEND_MAX_ROWS) {
-        TRY(pend_flush(e, err));   /* growing the buffer drops its contents: empty it first */
-        if (n > PD_PEND_MAX_ROWS)
+    size_t row_bytes = (size_t)e->aux_dim * sizeof(float);
+    int max_rows = PD_PEND_MAX_ROWS;   /* a power of two: kern_buf_grow sizes in those */
+    while (max_rows > 64 && (size_t)max_rows * row_bytes > PD_PEND_MAX_BYTES)
+        max_rows /= 2;
+    if (e->n_pend + n > e->cap_pend) {
+        TRY(pend_flush(e, err));
+        if (n > max_rows)
             return extend_draft(e, aux, rows, pos, owner, n, err);
-        TRY(kern_buf_grow(e->tm->be, &e->pend_aux, &e->cap_pend, n > 1024 ? n : 1024,
-                          (size_t)e->aux_dim * sizeof(float), err));
+        /* sized once, at its largest: growing would drop the contents */
+        TRY(kern_buf_grow(e->tm->be, &e->pend_aux, &e->cap_pend, max_rows, row_bytes, err));
     }
     if (e->n_pend + n > e->cap_pend_host) {
         int cap = e->cap_pend_host;
@@ -650,13 +682,7 @@ static pd_status pend_add(pd_engine *e, const float *aux, const int32_t *rows, c
         TRY(grow_host((void **)&e->pend_owner, &cap2, e->n_pend + n, sizeof(pd_request *), err));
         e->cap_pend_host = cap < cap2 ? cap : cap2;
     }
-    kern_backend *be = e->tm->be;
-    TRY(kern_buf_grow(be, &e->idx_dev, &e->cap_idx, n, sizeof(int32_t), err));
-    TRY(kern_upload(be, e->idx_dev->ptr, rows, (size_t)n * sizeof(int32_t), err));
-    kern_copy_rows_args cp = { .src = aux, .ld_src = e->aux_dim, .idx = e->idx_dev->ptr,
-                               .dst = (float *)e->pend_aux->ptr + (size_t)e->n_pend * e->aux_dim,
-                               .ld_dst = e->aux_dim, .rows = n, .cols = e->aux_dim };
-    TRY(kern_copy_rows(be, &cp, err));
+    TRY(gather_aux(e, aux, rows, n, (float *)e->pend_aux->ptr + (size_t)e->n_pend * e->aux_dim, err));
     for (int i = 0; i < n; i++) {
         e->pend_pos[e->n_pend + i] = pos[i];
         e->pend_owner[e->n_pend + i] = owner[i];
@@ -997,57 +1023,9 @@ out:
     free(ss);
 }
 
-/* Scheduled policy, per round and batch-size class: which arm (sched_arm) the scheduled requests
- * take. Algorithm 1 ranks drafts by predicted survival against the verify step's cost, but a
- * round also pays the draft round and host work, and calibration is imperfect; so the engine
- * measures the tokens/s each arm really gives at this batch size and takes the best, trying
- * each arm a few times first and a runner-up now and then (every PD_SCHED_EXPLORE-th round when
- * close, rarer the further behind it is) so the estimates follow the workload. Every
- * arm is lossless: they only choose how many drafts are verified. */
-static int sched_class(int n)
+static uint64_t graph_cold(const pd_engine *e)
 {
-    int c = 0;
-    while (n > 1 && c < PD_SCHED_CLASSES - 1) {
-        n >>= 1;
-        c++;
-    }
-    return c;
-}
-
-static sched_arm sched_pick(const pd_engine *e, int cls)
-{
-    static const sched_arm first[PD_SCHED_ARMS] = { SCHED_ALGO1, SCHED_ALL, SCHED_PLAIN };
-    for (int i = 0; i < PD_SCHED_ARMS; i++)
-        if (e->sched_n[first[i]][cls] < 3)
-            return first[i];
-    int best = 0, second = -1;
-    for (int a = 1; a < PD_SCHED_ARMS; a++)
-        if (e->sched_rate[a][cls] > e->sched_rate[best][cls])
-            best = a;
-    for (int a = 0; a < PD_SCHED_ARMS; a++)
-        if (a != best && (second < 0 || e->sched_rate[a][cls] > e->sched_rate[second][cls]))
-            second = a;
-    /* a runner-up that is far behind costs more per try and is less likely to win: try it less
-     * often, about in proportion to the square of how far behind it is */
-    double ratio = e->sched_rate[second][cls] > 0.0 ? e->sched_rate[best][cls] / e->sched_rate[second][cls] : 1e3;
-    double every_d = ratio < 1.25 ? PD_SCHED_EXPLORE : PD_SCHED_EXPLORE * 2.0 * ratio * ratio;
-    long every = every_d > PD_SCHED_EXPLORE_MAX ? PD_SCHED_EXPLORE_MAX : (long)every_d;
-    if (e->n_rounds % every == 0)
-        return (sched_arm)second;
-    if (e->n_rounds % (4 * every) == 2 * every)
-        return (sched_arm)(3 - best - second);   /* the third arm, more rarely */
-    return (sched_arm)best;
-}
-
-/* Exponential average of a measurement; the first sample of each kind is dropped (it carries
- * warm-up: graph capture, scratch growth). */
-static void sched_record(double *avg, int *n, double v)
-{
-    if (*n == 1)
-        *avg = v;
-    else if (*n > 1)
-        *avg = 0.75 * *avg + 0.25 * v;
-    (*n)++;
+    return pd_target_graph_cold(e->target) + (e->draft != NULL ? pd_draft_graph_cold(e->draft) : 0);
 }
 
 static pd_status decode_round(pd_engine *e, pd_err *err)
@@ -1095,16 +1073,16 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     }
     /* ---- scheduled requests: draft this round or not ---- */
     double t_round = now_s();
-    int cls = sched_class(m), n_sched = 0, sched_mode = -1;
+    uint64_t cold0 = graph_cold(e);
+    int n_sched = 0, sched_mode = -1;
     for (int i = 0; i < m && e->dm != NULL; i++)
         n_sched += slots[i].l > 0 && request_policy(e, slots[i].r) == PD_VERIFY_SCHEDULED;
     if (n_sched > 0) {
-        sched_mode = e->cfg.sched_debug_arm > 0 ? e->cfg.sched_debug_arm - 1 : (int)sched_pick(e, cls);
-        for (int i = 0; i < m && sched_mode == SCHED_PLAIN; i++)
+        sched_mode = e->cfg.sched_debug_arm > 0 ? e->cfg.sched_debug_arm - 1 : (int)pd_sched_pick(&e->sched, m);
+        for (int i = 0; i < m && sched_mode == PD_SCHED_PLAIN; i++)
             if (request_policy(e, slots[i].r) == PD_VERIFY_SCHEDULED)
                 slots[i].l = 0;
     }
-    e->n_rounds++;
     int round_tokens = 0;
     /* ---- draft: one block forward for every request that drafts, then the Markov loop ---- */
     int n_draft = 0;
@@ -1154,7 +1132,8 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         if (st != PD_OK)
             goto out;
     }
-    double t_draft = now_s();
+    double t_draft = now_s(), draft_sec = 0.0;
+    uint64_t cold_draft = graph_cold(e);
     if (n_draft > 0 && !any_sampled && e->tp == NULL) {
         /* greedy drafts: the whole round chained on the device, one download (tensor-parallel
          * ranks take the step-by-step path below: each step's logits are gathered over them) */
@@ -1210,9 +1189,11 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     }
     if (n_draft > 0) {
         /* the draft round just ended with a download, so the host clock saw all of it */
-        sched_record(&e->draft_s[cls], &e->draft_n[cls], now_s() - t_draft);
+        draft_sec = now_s() - t_draft;
+        if (graph_cold(e) == cold_draft)   /* a capture says little about the next rounds */
+            pd_sched_add_draft(&e->sched, m, draft_sec);
         if (want_conf) {
-            choose_lengths(e, dslot, n_draft, conf, e->draft_s[cls], sched_mode == SCHED_ALL);
+            choose_lengths(e, dslot, n_draft, conf, pd_sched_draft_s(&e->sched, m), sched_mode == PD_SCHED_ALL);
             for (int j = 0; j < n_draft; j++) {
                 pd_request *r = dslot[j]->r;
                 if (!r->params.record_confidence)
@@ -1360,7 +1341,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
                 r->finish = PD_FINISH_LENGTH;
         }
     }
-    if (n_ext > 0 && sched_mode == SCHED_PLAIN) {
+    if (n_ext > 0 && sched_mode == PD_SCHED_PLAIN) {
         /* a round without drafts for the scheduled requests: their context rows wait (they are
          * added in one batch before the next round that drafts); the others' go in now */
         int n_now = 0, n_def = 0;
@@ -1396,7 +1377,8 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     if (st == PD_OK && sched_mode >= 0) {
         double dt = now_s() - t_round;
         if (dt > 0.0)
-            sched_record(&e->sched_rate[sched_mode][cls], &e->sched_n[sched_mode][cls], round_tokens / dt);
+            pd_sched_add(&e->sched, (pd_sched_arm)sched_mode, m, round_tokens, dt, draft_sec, n_v,
+                         graph_cold(e) != cold0);
     }
 out:
     free(conf);
@@ -1422,10 +1404,15 @@ pd_status pd_engine_step(pd_engine *e, pd_err *err)
     kern_backend *be = e->tm->be;
     for (int i = 0; i < e->n_reqs; i++) {
         pd_request *r = e->reqs[i];
-        /* a finished request's deferred context rows go where they belong first: its draft KV
-         * is then complete (kept ones too), and nothing writes into pages given back */
-        if (r->finish != PD_FINISH_NONE && r->n_pend > 0)
-            TRY(pend_flush(e, err));
+        /* a finished request's deferred context rows: a request that keeps its KV gets them
+         * (its draft KV is then complete), the others' are dropped, so nothing writes into
+         * pages given back */
+        if (r->finish != PD_FINISH_NONE && r->n_pend > 0) {
+            if (r->params.hold_kv)
+                TRY(pend_flush(e, err));
+            else
+                pend_drop(e, r);
+        }
         if (r->finish != PD_FINISH_NONE && !r->params.hold_kv) {
             /* finished requests give their pages back at once */
             pd_kv_seq_release(e->tpool, &r->tkv);
@@ -1546,7 +1533,11 @@ void pd_engine_graph_stats(const pd_engine *e, uint64_t *eager, uint64_t *captur
         *replays = gr;
 }
 
-void pd_engine_set_sps(pd_engine *e, const pd_sps *sps) { e->cfg.sps = sps; }
+void pd_engine_set_sps(pd_engine *e, const pd_sps *sps)
+{
+    e->cfg.sps = sps;
+    pd_sched_init(&e->sched, sps);   /* rates measured against another curve do not carry over */
+}
 
 pd_status pd_engine_profile_sps(pd_engine *e, int max_tokens, int ctx_len, const char *cache_path,
                                 const char *key, pd_sps *out, pd_err *err)
@@ -1583,7 +1574,7 @@ pd_status pd_engine_profile_sps(pd_engine *e, int max_tokens, int ctx_len, const
 }
 
 pd_status pd_engine_profile_sps_cached(pd_engine *e, const char *model_dir, const char *device,
-                                       pd_sps *out, pd_err *err)
+                                       int max_batch, pd_sps *out, pd_err *err)
 {
     char key[PATH_MAX + 256], real[PATH_MAX], dir[1024], cache[1100];
     if (realpath(model_dir, real) == NULL)
@@ -1599,5 +1590,11 @@ pd_status pd_engine_profile_sps_cached(pd_engine *e, const char *model_dir, cons
     mkdir(dir, 0755);
     snprintf(cache, sizeof(cache), "%s/sps-%016llx.json", dir, (unsigned long long)h);
     int b = e->B > 0 ? e->B : 7;
-    return pd_engine_profile_sps(e, 8 * (b + 1), 256, cache, key, out, err);
+    /* time_verify holds one 264-token sequence per 8 tokens */
+    const pd_kv_layout *lay = pd_kv_pool_layout(e->tpool);
+    int seqs = pd_kv_pool_free_pages(e->tpool) / ((256 + 8 + lay->page_size - 1) / lay->page_size);
+    int max_tok = (max_batch > 8 ? max_batch : 8) * (b + 1);
+    if (max_tok > seqs * 8)
+        max_tok = seqs * 8 > 8 * (b + 1) ? seqs * 8 : 8 * (b + 1);
+    return pd_engine_profile_sps(e, max_tok, 256, cache, key, out, err);
 }

@@ -172,11 +172,12 @@ pd_kv_pool *pd_engine_draft_pool(pd_engine *e);
  * saved there. key names the model, device and build. */
 pd_status pd_engine_profile_sps(pd_engine *e, int max_tokens, int ctx_len, const char *cache_path,
                                 const char *key, pd_sps *out, pd_err *err);
-/* pd_engine_profile_sps over 8 * (B + 1) tokens at a 256-token context, cached in
+/* pd_engine_profile_sps over max_batch * (B + 1) tokens (max_batch at least 8, fewer when the
+ * KV pool cannot hold that many 256-token profile sequences) at a 256-token context, cached in
  * $HOME/.cache/pdspark (or /tmp) under a key of the model's real path, the device name and this
- * build. */
+ * build; a cached curve that covers the range is reused. */
 pd_status pd_engine_profile_sps_cached(pd_engine *e, const char *model_dir, const char *device,
-                                       pd_sps *out, pd_err *err);
+                                       int max_batch, pd_sps *out, pd_err *err);
 /* Steps run eagerly, graphs captured and graph replays so far (target and draft runners). */
 void pd_engine_graph_stats(const pd_engine *e, uint64_t *eager, uint64_t *captures, uint64_t *replays);
 /* Replaces the scheduler's SPS curve (borrowed; must outlive the engine or the next call). */

@@ -94,6 +94,7 @@ pd_status pd_graph_run(pd_graph_cache *gc, const int64_t *key, int n_key, pd_gra
     pd_graph_entry *en = find(gc, key, n_key);
     if (en == NULL) {
         insert(gc, key, n_key)->last_use = ++gc->clock;
+        gc->n_cold++;
         return eager(gc, body, ud, err);   /* warm-up: scratch grows outside any capture */
     }
     en->last_use = ++gc->clock;
@@ -106,6 +107,7 @@ pd_status pd_graph_run(pd_graph_cache *gc, const int64_t *key, int n_key, pd_gra
         }
         kern_graph_free(gc->be, en->graph);
         en->graph = NULL;
+        gc->n_cold++;
         if (st != PD_ERR_BUSY) {
             *err = lerr;
             return st;
@@ -115,6 +117,7 @@ pd_status pd_graph_run(pd_graph_cache *gc, const int64_t *key, int n_key, pd_gra
     if (en->failures >= 2)
         return eager(gc, body, ud, err);
     pd_err cerr;
+    gc->n_cold++;
     pd_status st = kern_graph_begin(gc->be, &cerr);
     if (st == PD_ERR_UNSUPPORTED) {
         gc->usable = 0;

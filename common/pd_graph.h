@@ -43,8 +43,9 @@ typedef struct {
     uint64_t clock;
     int n;
     pd_graph_entry e[PD_GRAPH_CACHE_SIZE];
-    /* counters, for tests and the bench */
-    uint64_t n_eager, n_captures, n_replays;
+    /* counters, for tests and the bench; n_cold counts the runs that were not a plain replay
+     * or a steady eager run: a new shape's warm-up, a capture, a stale graph's re-run */
+    uint64_t n_eager, n_captures, n_replays, n_cold;
 } pd_graph_cache;
 
 /* "auto", "off" or "pad" (PD_ERR_INVALID naming the value otherwise). */

@@ -505,6 +505,8 @@ void pd_target_graph_stats(const pd_target *t, uint64_t *eager, uint64_t *captur
         *replays = t->graphs.n_replays;
 }
 
+uint64_t pd_target_graph_cold(const pd_target *t) { return t->graphs.n_cold; }
+
 const float *pd_target_logits(const pd_target *t) { return t->logits != NULL ? t->logits->ptr : NULL; }
 const float *pd_target_aux(const pd_target *t) { return t->aux != NULL ? t->aux->ptr : NULL; }
 const float *pd_target_final_hidden(const pd_target *t) { return t->final_hidden; }

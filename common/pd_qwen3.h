@@ -117,6 +117,8 @@ pd_status pd_target_forward(pd_target *t, const pd_tok_batch *b, const int32_t *
 void pd_target_set_graphs(pd_target *t, int mode);
 void pd_target_graph_stats(const pd_target *t, uint64_t *eager, uint64_t *captures,
                            uint64_t *replays);
+/* Runs so far that were a graph warm-up, capture or stale re-run (pd_graph_cache.n_cold). */
+uint64_t pd_target_graph_cold(const pd_target *t);
 /* Backend pointers valid until the next forward. */
 const float *pd_target_logits(const pd_target *t);      /* [n_logits, vocab] */
 const float *pd_target_aux(const pd_target *t);         /* [n_tok, n_taps * hidden] */

@@ -410,3 +410,171 @@ double pd_verify_choose(pd_verify_policy p, int n_req, int B, const float *conf_
     free(c);
     return tau;
 }
+
+/* ---- the scheduled policy's arms ----------------------------------------------------------- */
+
+void pd_sched_init(pd_sched_ctl *c, const pd_sps *sps)
+{
+    memset(c, 0, sizeof(*c));
+    c->sps = sps;
+}
+
+int pd_sched_class(int m)
+{
+    int cl = 0;
+    while (m > 1 && cl < PD_SCHED_CLASSES - 1) {
+        m >>= 1;
+        cl++;
+    }
+    return cl;
+}
+
+static double verify_s(const pd_sched_ctl *c, double n_tok)
+{
+    int n = (int)(n_tok + 0.5);
+    return 1.0 / pd_sps_at(c->sps, n < 1 ? 1 : n);
+}
+
+/* A class's value for m: the class's own when it has data (has(cl)), else interpolated
+ * linearly in m between the nearest classes below and above with data, or the nearest one.
+ * val(cl, &mean_m) gives a class's value and mean batch size. Returns 0 when no class has data. */
+typedef struct {
+    const pd_sched_ctl *c;
+    int a;                          /* arm, or -1: the draft round */
+} near_ctx;
+
+static int near_has(const near_ctx *n, int cl)
+{
+    return n->a < 0 ? n->c->d_n[cl] > 1 : n->c->st[n->a][cl].n > 0;
+}
+
+static int near_lookup(const near_ctx *n, int m, int *lo, int *hi)
+{
+    int cl = pd_sched_class(m);
+    *lo = *hi = -1;
+    if (near_has(n, cl)) {
+        *lo = cl;
+        return 1;
+    }
+    for (int d = cl - 1; d >= 0 && *lo < 0; d--)
+        if (near_has(n, d))
+            *lo = d;
+    for (int d = cl + 1; d < PD_SCHED_CLASSES && *hi < 0; d++)
+        if (near_has(n, d))
+            *hi = d;
+    return *lo >= 0 || *hi >= 0;
+}
+
+/* weight of class hi when interpolating between lo and hi at m (0 when only lo is used) */
+static double near_weight(double m_lo, double m_hi, int m)
+{
+    if (m_hi <= m_lo)
+        return 0.0;
+    double w = (m - m_lo) / (m_hi - m_lo);
+    return w < 0.0 ? 0.0 : w > 1.0 ? 1.0 : w;
+}
+
+double pd_sched_draft_s(const pd_sched_ctl *c, int m)
+{
+    near_ctx n = { c, -1 };
+    int lo, hi;
+    if (!near_lookup(&n, m, &lo, &hi))
+        return 0.0;
+    if (lo < 0 || hi < 0) {
+        int k = lo >= 0 ? lo : hi;
+        return c->d_sec[k] / c->d_rounds[k];
+    }
+    double w = near_weight(c->d_req[lo] / c->d_rounds[lo], c->d_req[hi] / c->d_rounds[hi], m);
+    return (1.0 - w) * c->d_sec[lo] / c->d_rounds[lo] + w * c->d_sec[hi] / c->d_rounds[hi];
+}
+
+double pd_sched_estimate(const pd_sched_ctl *c, pd_sched_arm a, int m)
+{
+    if (c->sps == NULL) {   /* no model: this class's measured rate, nothing carries over */
+        const pd_sched_stat *s = &c->st[a][pd_sched_class(m)];
+        return s->n > 0 && s->sec > 0.0 ? s->tok / s->sec : -1.0;
+    }
+    near_ctx n = { c, (int)a };
+    int lo, hi;
+    if (!near_lookup(&n, m, &lo, &hi))
+        return -1.0;
+    double tau = 0.0, v = 0.0, y = 0.0;
+    int k[2] = { lo, hi };
+    double w[2] = { 1.0, 0.0 };
+    if (lo < 0 || hi < 0) {
+        k[0] = lo >= 0 ? lo : hi;
+        k[1] = -1;
+    } else {
+        const pd_sched_stat *sl = &c->st[a][lo], *sh = &c->st[a][hi];
+        w[1] = near_weight(sl->req / sl->rounds, sh->req / sh->rounds, m);
+        w[0] = 1.0 - w[1];
+    }
+    for (int i = 0; i < 2; i++) {
+        if (k[i] < 0)
+            continue;
+        const pd_sched_stat *s = &c->st[a][k[i]];
+        tau += w[i] * s->tok / s->req;
+        v += w[i] * s->vtok / s->req;
+        y += w[i] * (s->sec - s->vsec - s->dsec) / s->rounds;
+    }
+    double t = verify_s(c, m * v) + y + (a != PD_SCHED_PLAIN ? pd_sched_draft_s(c, m) : 0.0);
+    return t > 0.0 ? m * tau / t : -1.0;
+}
+
+pd_sched_arm pd_sched_pick(pd_sched_ctl *c, int m)
+{
+    static const pd_sched_arm first[PD_SCHED_ARMS] = { PD_SCHED_ALGO1, PD_SCHED_ALL, PD_SCHED_PLAIN };
+    long k = ++c->n_picks;
+    double est[PD_SCHED_ARMS];
+    for (int i = 0; i < PD_SCHED_ARMS; i++) {
+        est[first[i]] = pd_sched_estimate(c, first[i], m);
+        if (est[first[i]] < 0.0)
+            return first[i];
+    }
+    int best = 0, second = -1;
+    for (int a = 1; a < PD_SCHED_ARMS; a++)
+        if (est[a] > est[best])
+            best = a;
+    for (int a = 0; a < PD_SCHED_ARMS; a++)
+        if (a != best && (second < 0 || est[a] > est[second]))
+            second = a;
+    /* a runner-up that is far behind costs more per try and is less likely to win: try it less
+     * often, about in proportion to the square of how far behind it is */
+    double ratio = est[second] > 0.0 ? est[best] / est[second] : 1e3;
+    double every_d = ratio < 1.25 ? PD_SCHED_EXPLORE : PD_SCHED_EXPLORE * 2.0 * ratio * ratio;
+    long every = every_d > PD_SCHED_EXPLORE_MAX ? PD_SCHED_EXPLORE_MAX : (long)every_d;
+    if (k % every == 0)
+        return (pd_sched_arm)second;
+    if (k % (4 * every) == 2 * every)
+        return (pd_sched_arm)(PD_SCHED_ARMS - best - second);   /* the third arm, more rarely */
+    return (pd_sched_arm)best;
+}
+
+void pd_sched_add(pd_sched_ctl *c, pd_sched_arm a, int m, double tok, double sec, double draft_sec,
+                  int v_tok, int cold)
+{
+    int cl = pd_sched_class(m);
+    if (cold && (pd_sched_estimate(c, a, m) >= 0.0 || ++c->cold_skips[a][cl] <= 2))
+        return;
+    pd_sched_stat *s = &c->st[a][cl];
+    const double k = PD_SCHED_DECAY;
+    s->tok = k * s->tok + tok;
+    s->sec = k * s->sec + sec;
+    s->req = k * s->req + m;
+    s->vtok = k * s->vtok + v_tok;
+    s->vsec = k * s->vsec + (c->sps != NULL ? verify_s(c, v_tok) : 0.0);
+    s->dsec = k * s->dsec + draft_sec;
+    s->rounds = k * s->rounds + 1.0;
+    s->n++;
+}
+
+void pd_sched_add_draft(pd_sched_ctl *c, int m, double sec)
+{
+    int cl = pd_sched_class(m);
+    const double k = PD_SCHED_DECAY;
+    if (c->d_n[cl]++ == 0)
+        return;   /* the first one carries warm-up: graph capture, scratch growth */
+    c->d_sec[cl] = k * c->d_sec[cl] + sec;
+    c->d_req[cl] = k * c->d_req[cl] + m;
+    c->d_rounds[cl] = k * c->d_rounds[cl] + 1.0;
+}

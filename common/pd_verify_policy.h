@@ -79,4 +79,66 @@ double pd_verify_choose(pd_verify_policy p, int n_req, int B, const float *conf_
                         const pd_calib *calib, float threshold, const pd_sps *sps, double overhead_s,
                         int *out_len);
 
+/* ---- the scheduled policy's arms ----------------------------------------------------------
+ * Per round, the scheduled requests take one arm: no drafts at all (plain decoding), Algorithm
+ * 1's lengths, or every draft. Algorithm 1 ranks drafts by predicted survival against the verify
+ * step's cost, but a round also pays the draft round and host work, and calibration is
+ * imperfect; so the controller measures what each arm really gives and takes the one with the
+ * best expected tokens/s. With an SPS profile the estimate is a model fitted to those
+ * measurements:
+ *   rate(arm, m) = m * tau / (t_verify(m * v) + d(m) + y)
+ * with tau the committed tokens and v the verify tokens per request per round of that arm,
+ * t_verify = 1 / SPS, d(m) the draft round's seconds (drafting arms; measured by every round
+ * that drafts, whatever its arm), and y the rest of the round (draft context, host work). tau,
+ * v and y come from the arm's rounds at this batch-size class (log2 of the requests in the
+ * round), d from the drafting rounds at this class; a class without data takes them
+ * interpolated in m between the nearest classes below and above that have some (or the nearest
+ * one), so a batch size seen for the first time (a load change, the tail of a burst) needs no
+ * trial rounds. Without a profile each class measures tokens/s directly. An arm never measured
+ * is tried first; a runner-up is retried now and then (every PD_SCHED_EXPLORE-th round when
+ * close, rarer the further behind it is) so the estimates follow the workload. Callers record
+ * steady rounds only (a round that captured a graph says little about the next ones). Every arm
+ * is lossless: arms only choose how many drafts are verified. */
+#define PD_SCHED_CLASSES 16
+#define PD_SCHED_EXPLORE 16         /* a close runner-up arm is tried every 16th round ... */
+#define PD_SCHED_EXPLORE_MAX 1024   /* ... a far one less often, at least every 1024th */
+#define PD_SCHED_DECAY 0.85         /* weight of the past per recorded round */
+
+typedef enum { PD_SCHED_PLAIN = 0, PD_SCHED_ALGO1, PD_SCHED_ALL, PD_SCHED_ARMS } pd_sched_arm;
+
+/* What the recorded rounds of one arm at one class gave, as sums discounted by PD_SCHED_DECAY
+ * per round: committed tokens, wall seconds, requests, verify tokens, the verify step's seconds
+ * the SPS profile predicts for them, and the draft round's seconds. */
+typedef struct {
+    double tok, sec, req, vtok, vsec, dsec, rounds;
+    int n;                          /* rounds recorded */
+} pd_sched_stat;
+
+typedef struct {
+    const pd_sps *sps;              /* borrowed; NULL: no model, measured rates per class */
+    pd_sched_stat st[PD_SCHED_ARMS][PD_SCHED_CLASSES];
+    /* the draft round per class: discounted sums of seconds, requests, rounds */
+    double d_sec[PD_SCHED_CLASSES], d_req[PD_SCHED_CLASSES], d_rounds[PD_SCHED_CLASSES];
+    int d_n[PD_SCHED_CLASSES];
+    int cold_skips[PD_SCHED_ARMS][PD_SCHED_CLASSES];
+    long n_picks;
+} pd_sched_ctl;
+
+void pd_sched_init(pd_sched_ctl *c, const pd_sps *sps);
+int pd_sched_class(int m);
+/* The arm for a round of m requests (counts the pick: exploration follows the count). */
+pd_sched_arm pd_sched_pick(pd_sched_ctl *c, int m);
+/* Expected tokens/s of arm a for a round of m requests; < 0 when nothing is known yet. */
+double pd_sched_estimate(const pd_sched_ctl *c, pd_sched_arm a, int m);
+/* Records one round of arm a: tok committed tokens of m requests in sec seconds, of which
+ * draft_sec in the draft round, v_tok tokens verified. cold: the round captured or warmed up a
+ * graph; such a round is recorded only when the arm has no estimate yet and two cold rounds of
+ * it were already skipped (an arm whose shapes keep changing must not stay "never measured"). */
+void pd_sched_add(pd_sched_ctl *c, pd_sched_arm a, int m, double tok, double sec, double draft_sec,
+                  int v_tok, int cold);
+/* One draft round of m requests took sec seconds (any policy: Algorithm 1 counts it as the
+ * round's fixed cost); the seconds to expect at m (0 before any measurement). */
+void pd_sched_add_draft(pd_sched_ctl *c, int m, double sec);
+double pd_sched_draft_s(const pd_sched_ctl *c, int m);
+
 #endif

@@ -1418,7 +1418,7 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
     if ((st = pd_engine_create(&ec, &s->eng, err)) != PD_OK)
         goto err_destroy;
     if (ec.verify_policy == PD_VERIFY_SCHEDULED) {
-        if ((st = pd_engine_profile_sps_cached(s->eng, s->model_dir, s->device, &s->sps, err)) != PD_OK)
+        if ((st = pd_engine_profile_sps_cached(s->eng, s->model_dir, s->device, s->cfg.max_batch, &s->sps, err)) != PD_OK)
             goto err_destroy;
         pd_engine_set_sps(s->eng, &s->sps);
     }

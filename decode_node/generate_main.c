@@ -213,7 +213,7 @@ int main(int argc, char **argv)
         goto fail;
     if (verify == PD_VERIFY_SCHEDULED && dm != NULL) {
         /* the scheduler needs this device's step-time curve: profiled once, cached */
-        if (pd_engine_profile_sps_cached(eng, model_dir, device, &sps, &err) != PD_OK)
+        if (pd_engine_profile_sps_cached(eng, model_dir, device, 8, &sps, &err) != PD_OK)
             goto fail;
         pd_engine_set_sps(eng, &sps);
     }

@@ -34,7 +34,7 @@ static void usage(FILE *f)
             "                       [--policies target,full,threshold,scheduled] [--threshold T]\n"
             "                       [--prompts FILE.jsonl | --prompt-len N] [--max-new-tokens N]\n"
             "                       [--requests N] [--seed S] [--fast-kernels] [--graphs auto|off|pad]\n"
-            "                       [--csv FILE] [--label NAME]\n"
+            "                       [--csv FILE] [--label NAME] [--sched-arm auto|plain|algo1|all]\n"
             "\n"
             "Runs one engine under closed-loop load: for every policy and concurrency C it keeps C\n"
             "greedy requests in flight until --requests (default max(2C, 16)) have finished, then\n"
@@ -43,7 +43,8 @@ static void usage(FILE *f)
             "prompts); otherwise prompts are --prompt-len random ids (default 256). A calibration\n"
             "next to --draft is used; 'scheduled' profiles this device's SPS curve up to C x\n"
             "(block + 1) verify tokens first. With --synthetic the drafter is random (2 layers,\n"
-            "block 7): tau is meaningless there, the cost is real.\n");
+            "block 7): tau is meaningless there, the cost is real. --sched-arm (diagnostics) pins\n"
+            "the scheduled policy to one arm: no drafts, Algorithm 1, or all drafts.\n");
 }
 
 typedef struct {
@@ -211,11 +212,11 @@ int main(int argc, char **argv)
     const char *prompts_path = NULL, *csv_path = NULL, *label = NULL;
     const char *policies = "target,full,threshold,scheduled";
     int levels[MAX_LEVELS] = { 1, 8, 32, 128 }, n_levels = 4;
-    int prompt_len = 256, max_new = 128, n_requests = 0, seed = 1, fast = 0;
+    int prompt_len = 256, max_new = 128, n_requests = 0, seed = 1, fast = 0, sched_arm = 0;
     float threshold = 0.5f;
     pd_graph_mode graphs = PD_GRAPHS_AUTO;
     enum { O_MODEL = 256, O_DRAFT, O_SYN, O_DEVICE, O_CONC, O_POL, O_THR, O_PROMPTS, O_PLEN,
-           O_MAXNEW, O_REQ, O_SEED, O_FAST, O_GRAPHS, O_CSV, O_LABEL, O_HELP };
+           O_MAXNEW, O_REQ, O_SEED, O_FAST, O_GRAPHS, O_CSV, O_LABEL, O_ARM, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"synthetic", required_argument, 0, O_SYN}, {"device", required_argument, 0, O_DEVICE},
@@ -225,6 +226,7 @@ int main(int argc, char **argv)
         {"requests", required_argument, 0, O_REQ}, {"seed", required_argument, 0, O_SEED},
         {"fast-kernels", no_argument, 0, O_FAST}, {"graphs", required_argument, 0, O_GRAPHS},
         {"csv", required_argument, 0, O_CSV}, {"label", required_argument, 0, O_LABEL},
+        {"sched-arm", required_argument, 0, O_ARM},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0},
     };
     opterr = 0;
@@ -259,6 +261,16 @@ int main(int argc, char **argv)
             }
             break;
         case O_CSV: csv_path = optarg; break;
+        case O_ARM:
+            sched_arm = -1;
+            for (int a = 0; a < 4; a++)
+                if (strcmp(optarg, (const char *[]){"auto", "plain", "algo1", "all"}[a]) == 0)
+                    sched_arm = a;
+            if (sched_arm < 0) {
+                fprintf(stderr, PROG ": --sched-arm: '%s' is not auto, plain, algo1 or all\n", optarg);
+                bad = 1;
+            }
+            break;
         case O_LABEL:
             label = optarg;
             if (strchr(label, '"') != NULL) {
@@ -371,7 +383,7 @@ int main(int argc, char **argv)
             pd_engine_config ec = { .target = tm, .draft = with_draft ? dm : NULL, .page_size = 16,
                                     .n_pages = pages, .draft_n_pages = pages,
                                     .verify_policy = pol_target[pi] ? PD_VERIFY_FULL : pol[pi],
-                                    .verify_threshold = threshold, .fast_kernels = fast,
+                                    .verify_threshold = threshold, .fast_kernels = fast, .sched_debug_arm = sched_arm,
                                     .graphs = graphs, .calib = have_calib ? &calib : NULL };
             pd_engine *e = NULL;
             pd_sps sps = {0};

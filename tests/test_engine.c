@@ -210,6 +210,52 @@ static void test_engine_batching_and_pages(void)
     pd_engine_destroy(e);
 }
 
+/* The draft KV of r's first *len context positions (every committed position but the last
+ * anchor): [layer][pos][K row, V row], malloc'd. */
+static float *read_draft_kv(pd_engine *e, const pd_request *r, int *len)
+{
+    const pd_qwen3_config *dc = &dm->cfg.base;
+    int row = dc->num_key_value_heads * dc->head_dim, L = dc->num_hidden_layers;
+    *len = r->dkv.len - 1;
+    pd_kv_pool *dp = pd_engine_draft_pool(e);
+    float *kv = malloc((size_t)*len * L * 2 * row * sizeof(float));
+    for (int l = 0; l < L; l++) {
+        kern_kv_layer lay = pd_kv_pool_layer(dp, l);
+        for (int p = 0; p < *len; p++) {
+            int32_t slot = pd_kv_seq_slot(dp, &r->dkv, p);
+            float *dst = kv + ((size_t)l * *len + p) * 2 * row;
+            memcpy(dst, (const float *)lay.k + (size_t)slot * row, (size_t)row * sizeof(float));
+            memcpy(dst + row, (const float *)lay.v + (size_t)slot * row, (size_t)row * sizeof(float));
+        }
+    }
+    return kv;
+}
+
+/* max |a - b| over the first n positions of two read_draft_kv results */
+static double draft_kv_diff(const float *a, int len_a, const float *b, int len_b, int n)
+{
+    const pd_qwen3_config *dc = &dm->cfg.base;
+    int row = dc->num_key_value_heads * dc->head_dim, L = dc->num_hidden_layers;
+    double maxd = 0.0;
+    for (int l = 0; l < L; l++)
+        for (int p = 0; p < n; p++)
+            for (int i = 0; i < 2 * row; i++) {
+                double d = fabs(a[((size_t)l * len_a + p) * 2 * row + i] - b[((size_t)l * len_b + p) * 2 * row + i]);
+                maxd = d > maxd ? d : maxd;
+            }
+    return maxd;
+}
+
+static pd_engine *sched_engine(int debug_arm)
+{
+    pd_err err;
+    pd_engine *e = NULL;
+    pd_engine_config ec = { .target = tm, .draft = dm, .page_size = 4, .n_pages = 64,
+                            .verify_policy = PD_VERIFY_SCHEDULED, .sched_debug_arm = debug_arm };
+    TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);
+    return e;
+}
+
 /* Rounds without drafts (scheduled policy, "no drafts" arm) defer the drafter's context rows and
  * add them in one batch later: the draft KV of every committed position must end up as if each
  * round had added its rows at once (compared with the all-drafts arm, which adds them every
@@ -220,14 +266,8 @@ static void test_engine_deferred_context(void)
     int na = (int)(sizeof(prompt_a) / 4);
     int len[2] = {0, 0};
     float *kv[2] = {NULL, NULL};
-    const pd_qwen3_config *dc = &dm->cfg.base;
-    int row = dc->num_key_value_heads * dc->head_dim, L = dc->num_hidden_layers;
     for (int run = 0; run < 2; run++) {
-        pd_engine *e = NULL;
-        pd_engine_config ec = { .target = tm, .draft = dm, .page_size = 4, .n_pages = 64,
-                                .verify_policy = PD_VERIFY_SCHEDULED,
-                                .sched_debug_arm = run == 0 ? 1 : 3 };
-        TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);
+        pd_engine *e = sched_engine(run == 0 ? 1 : 3);
         pd_gen_params gp = greedy(20);
         gp.hold_kv = 1;
         pd_request *r = NULL;
@@ -237,35 +277,61 @@ static void test_engine_deferred_context(void)
             TEST_CHECK_MSG(r->n_pend > 0, "no-drafts rounds deferred no context rows");
         TEST_CHECK(pd_engine_step(e, &err) == PD_OK);   /* the finished request's rows land */
         TEST_CHECK(r->n_pend == 0);
-        len[run] = r->dkv.len - 1;   /* positions whose context rows are in (not the last anchor) */
-        pd_kv_pool *dp = pd_engine_draft_pool(e);
-        kv[run] = malloc((size_t)len[run] * L * 2 * row * sizeof(float));
-        for (int l = 0; l < L; l++) {
-            kern_kv_layer lay = pd_kv_pool_layer(dp, l);
-            for (int p = 0; p < len[run]; p++) {
-                int32_t slot = pd_kv_seq_slot(dp, &r->dkv, p);
-                float *dst = kv[run] + ((size_t)l * len[run] + p) * 2 * row;
-                memcpy(dst, (const float *)lay.k + (size_t)slot * row, (size_t)row * sizeof(float));
-                memcpy(dst + row, (const float *)lay.v + (size_t)slot * row, (size_t)row * sizeof(float));
-            }
-        }
+        kv[run] = read_draft_kv(e, r, &len[run]);
         pd_engine_release(e, r);
         pd_engine_destroy(e);
     }
     int n = len[0] < len[1] ? len[0] : len[1];
     TEST_CHECK_MSG(n > na, "context reaches past the prompt: %d vs %d", n, na);
-    double maxd = 0.0;
-    for (int l = 0; l < L; l++)
-        for (int p = 0; p < n; p++)
-            for (int i = 0; i < 2 * row; i++) {
-                double d = fabs(kv[0][((size_t)l * len[0] + p) * 2 * row + i] -
-                                kv[1][((size_t)l * len[1] + p) * 2 * row + i]);
-                maxd = d > maxd ? d : maxd;
-            }
-    printf("deferred draft context: %d positions x %d layers, max |dK|,|dV| vs immediate %.2e\n", n, L, maxd);
+    double maxd = draft_kv_diff(kv[0], len[0], kv[1], len[1], n);
+    printf("deferred draft context: %d positions, max |dK|,|dV| vs immediate %.2e\n", n, maxd);
     TEST_CHECK_MSG(maxd < 1e-3, "deferred draft context differs from the immediate one by %g", maxd);
     free(kv[0]);
     free(kv[1]);
+}
+
+/* A request that ends without keeping its KV drops its deferred rows (no flush of everyone's
+ * rows then); the rows of the others stay deferred, and when they land later, the rows dropped
+ * from the middle of the buffer do not shift them: the survivor's draft KV equals the one of
+ * an immediate extension. */
+static void test_engine_deferred_drop(void)
+{
+    pd_err err;
+    int na = (int)(sizeof(prompt_a) / 4), nb = (int)(sizeof(prompt_b) / 4);
+    pd_engine *e = sched_engine(1);
+    pd_gen_params short_gp = greedy(6), long_gp = greedy(20);
+    long_gp.hold_kv = 1;
+    pd_request *ra = NULL, *rb = NULL;
+    TEST_CHECK(pd_engine_add(e, 1, prompt_b, nb, &short_gp, &ra, &err) == PD_OK);
+    TEST_CHECK(pd_engine_add(e, 2, prompt_a, na, &long_gp, &rb, &err) == PD_OK);
+    for (int i = 0; i < 100 && ra->finish == PD_FINISH_NONE; i++)
+        TEST_CHECK(pd_engine_step(e, &err) == PD_OK);
+    TEST_CHECK(ra->finish != PD_FINISH_NONE && ra->n_pend > 0);
+    TEST_CHECK(pd_engine_step(e, &err) == PD_OK);
+    TEST_CHECK_MSG(ra->n_pend == 0, "an ended request kept %d deferred rows", ra->n_pend);
+    TEST_CHECK_MSG(rb->n_pend > 0, "a request ending flushed the other requests' deferred rows");
+    pd_engine_release(e, ra);
+    run_to_end(e);
+    TEST_CHECK(pd_engine_step(e, &err) == PD_OK);
+    TEST_CHECK(rb->n_pend == 0);
+    int len0 = 0, len1 = 0;
+    float *kv0 = read_draft_kv(e, rb, &len0);
+    pd_engine_release(e, rb);
+    pd_engine_destroy(e);
+
+    e = sched_engine(3);
+    TEST_CHECK(pd_engine_add(e, 2, prompt_a, na, &long_gp, &rb, &err) == PD_OK);
+    run_to_end(e);
+    float *kv1 = read_draft_kv(e, rb, &len1);
+    pd_engine_release(e, rb);
+    pd_engine_destroy(e);
+    int n = len0 < len1 ? len0 : len1;
+    TEST_CHECK_MSG(n > na, "context reaches past the prompt: %d vs %d", n, na);
+    double maxd = draft_kv_diff(kv0, len0, kv1, len1, n);
+    printf("deferred rows of an ended request dropped: survivor's %d positions, max diff %.2e\n", n, maxd);
+    TEST_CHECK_MSG(maxd < 1e-3, "survivor's draft context differs by %g after a drop", maxd);
+    free(kv0);
+    free(kv1);
 }
 
 int main(void)
@@ -281,6 +347,7 @@ int main(void)
     test_engine_aux_modes();
     test_engine_batching_and_pages();
     test_engine_deferred_context();
+    test_engine_deferred_drop();
     pd_dspark_free(dm);
     pd_qwen3_free(tm);
     kern_backend_destroy(be);

@@ -220,6 +220,119 @@ static void test_policy_calibration(void)
     free(acc);
 }
 
+/* ---- the scheduled policy's arms on a simulated device -------------------------------------
+ * Verify step t(n) = 0.2 + 0.01 n, draft round 0.3 + 0.005 m (seconds, any unit); plain
+ * decoding commits 1 token per request, Algorithm 1 verifies 4 tokens for 2.6, all drafts 8 for
+ * 3. Drafting wins at small batches, plain decoding at large ones (the crossing is near m = 4).
+ * Measured times carry +-5 % noise. */
+static const double sim_tau[PD_SCHED_ARMS] = {1.0, 2.6, 3.0};
+static const double sim_v[PD_SCHED_ARMS] = {1.0, 4.0, 8.0};
+
+static double sim_draft(int m) { return 0.3 + 0.005 * m; }
+
+static double sim_time(int a, int m)
+{
+    double t = 0.2 + 0.01 * m * sim_v[a] + 0.01;
+    return a == PD_SCHED_PLAIN ? t : t + sim_draft(m) + 0.01;
+}
+
+/* one round of arm a at m requests taking dt, as the engine records it */
+static void sim_record(pd_sched_ctl *c, pd_sched_arm a, int m, double dt, double noise)
+{
+    double d = a == PD_SCHED_PLAIN ? 0.0 : sim_draft(m) * noise;
+    if (d > 0.0)
+        pd_sched_add_draft(c, m, d);
+    pd_sched_add(c, a, m, m * sim_tau[a], dt, d, (int)(m * sim_v[a]), 0);
+}
+
+static double sim_rate(int a, int m) { return m * sim_tau[a] / sim_time(a, m); }
+
+/* Runs the controller over a load: m(round) from loads[], returns its time over the time of
+ * always taking the best arm (1.0 = perfect); *bad = rounds on an arm >= 25 % slower than the
+ * best. */
+static double sim_run(const pd_sps *sps, const int *loads, int n, int *bad)
+{
+    pd_sched_ctl c;
+    pd_sched_init(&c, sps);
+    unsigned x = 12345;
+    double t_ctl = 0.0, t_best = 0.0;
+    *bad = 0;
+    for (int i = 0; i < n; i++) {
+        int m = loads[i];
+        pd_sched_arm a = pd_sched_pick(&c, m);
+        x = x * 1103515245u + 12345u;
+        double noise = 1.0 + 0.05 * (((x >> 16) & 0x7fff) / 16383.5 - 1.0);
+        double dt = sim_time(a, m) * noise, tok = m * sim_tau[a];
+        sim_record(&c, a, m, dt, noise);
+        double best = 0.0;
+        for (int b = 0; b < PD_SCHED_ARMS; b++)
+            best = sim_rate(b, m) > best ? sim_rate(b, m) : best;
+        t_ctl += dt;
+        t_best += tok / best;   /* the best arm's time for the same tokens */
+        *bad += sim_rate(a, m) < 0.75 * best;
+    }
+    return t_ctl / t_best;
+}
+
+static void test_policy_sched_arms(void)
+{
+    /* a burst: 400 rounds at 128 requests, then a drain to 1 (one request fewer every 3 rounds),
+     * then 200 rounds at 1 */
+    int loads[400 + 3 * 127 + 200], n = 0;
+    for (int i = 0; i < 400; i++)
+        loads[n++] = 128;
+    for (int m = 127; m >= 1; m--)
+        for (int k = 0; k < 3; k++)
+            loads[n++] = m;
+    for (int i = 0; i < 200; i++)
+        loads[n++] = 1;
+    pd_sps prof;
+    TEST_CHECK(pd_sps_linear(0.2, 0.01, 2048, &prof, NULL) == PD_OK);
+    int bad_model = 0, bad_plain = 0;
+    double r_model = sim_run(&prof, loads, n, &bad_model);
+    double r_plain = sim_run(NULL, loads, n, &bad_plain);
+    printf("scheduled arms, simulated burst + drain (%d rounds): time %.3fx the best arm's with the "
+           "profile model (%d rounds on a poor arm), %.3fx measuring per batch class (%d)\n",
+           n, r_model, bad_model, r_plain, bad_plain);
+    TEST_CHECK_MSG(r_model < 1.05, "controller with a profile is %.3fx the best arm's time", r_model);
+    TEST_CHECK_MSG(r_plain < 1.25, "controller without a profile is %.3fx the best arm's time", r_plain);
+    TEST_CHECK_MSG(bad_model < bad_plain, "the profile model should need fewer trial rounds (%d vs %d)",
+                   bad_model, bad_plain);
+    /* it settles on the right arm at both ends of the load */
+    pd_sched_ctl c;
+    pd_sched_init(&c, &prof);
+    for (int i = 0; i < 50; i++) {
+        int m = i % 2 ? 128 : 1;
+        pd_sched_arm a = pd_sched_pick(&c, m);
+        sim_record(&c, a, m, sim_time(a, m), 1.0);
+    }
+    double e128[PD_SCHED_ARMS], e1[PD_SCHED_ARMS];
+    for (int a = 0; a < PD_SCHED_ARMS; a++) {
+        e128[a] = pd_sched_estimate(&c, (pd_sched_arm)a, 128);
+        e1[a] = pd_sched_estimate(&c, (pd_sched_arm)a, 1);
+    }
+    TEST_CHECK(e128[PD_SCHED_PLAIN] > e128[PD_SCHED_ALGO1] && e128[PD_SCHED_PLAIN] > e128[PD_SCHED_ALL]);
+    TEST_CHECK(e1[PD_SCHED_ALL] > e1[PD_SCHED_PLAIN]);
+    TEST_CHECK(fabs(e128[PD_SCHED_PLAIN] / sim_rate(PD_SCHED_PLAIN, 128) - 1.0) < 0.02);
+    /* a class never visited is predicted from its neighbours through the profile: m = 12 */
+    double p12 = pd_sched_estimate(&c, PD_SCHED_ALL, 12);
+    printf("all-drafts arm at m = 12, never run there: predicted %.2f, true %.2f\n", p12, sim_rate(PD_SCHED_ALL, 12));
+    TEST_CHECK(p12 > 0.0 && fabs(p12 / sim_rate(PD_SCHED_ALL, 12) - 1.0) < 0.15);
+    /* cold rounds (graph captures) are skipped while an estimate exists, and recorded after
+     * two skips when none does */
+    pd_sched_ctl k;
+    pd_sched_init(&k, &prof);
+    for (int i = 0; i < 2; i++) {
+        pd_sched_add(&k, PD_SCHED_ALGO1, 8, 20.0, 1.0, 0.3, 32, 1);
+        TEST_CHECK(pd_sched_estimate(&k, PD_SCHED_ALGO1, 8) < 0.0);
+    }
+    pd_sched_add(&k, PD_SCHED_ALGO1, 8, 20.0, 1.0, 0.3, 32, 1);
+    TEST_CHECK(pd_sched_estimate(&k, PD_SCHED_ALGO1, 8) > 0.0 && k.st[PD_SCHED_ALGO1][3].n == 1);
+    pd_sched_add(&k, PD_SCHED_ALGO1, 8, 20.0, 1.0, 0.3, 32, 1);
+    TEST_CHECK(k.st[PD_SCHED_ALGO1][3].n == 1);
+    pd_sps_cleanup(&prof);
+}
+
 int main(void)
 {
     pd_verify_policy p;
@@ -229,5 +342,6 @@ int main(void)
     test_policy_scheduled();
     test_policy_sps_smoothing();
     test_policy_calibration();
+    test_policy_sched_arms();
     TEST_DONE();
 }
