@@ -498,7 +498,6 @@ double pd_sched_estimate(const pd_sched_ctl *c, pd_sched_arm a, int m)
     int lo, hi;
     if (!near_lookup(&n, m, &lo, &hi))
         return -1.0;
-    double tau = 0.0, v = 0.0, y = 0.0;
     int k[2] = { lo, hi };
     double w[2] = { 1.0, 0.0 };
     if (lo < 0 || hi < 0) {
@@ -509,6 +508,8 @@ double pd_sched_estimate(const pd_sched_ctl *c, pd_sched_arm a, int m)
         w[1] = near_weight(sl->req / sl->rounds, sh->req / sh->rounds, m);
         w[0] = 1.0 - w[1];
     }
+    /* per round: the rest besides verify and draft (y) and the draft round (d) */
+    double tau = 0.0, v = 0.0, y = 0.0, d = 0.0;
     for (int i = 0; i < 2; i++) {
         if (k[i] < 0)
             continue;
@@ -516,8 +517,13 @@ double pd_sched_estimate(const pd_sched_ctl *c, pd_sched_arm a, int m)
         tau += w[i] * s->tok / s->req;
         v += w[i] * s->vtok / s->req;
         y += w[i] * (s->sec - s->vsec - s->dsec) / s->rounds;
+        d += w[i] * s->dsec / s->rounds;
     }
-    double t = verify_s(c, m * v) + y + (a != PD_SCHED_PLAIN ? pd_sched_draft_s(c, m) : 0.0);
+    /* at another class the draft round is the one measured nearest to m, by any arm */
+    double dm = pd_sched_draft_s(c, m);
+    if (k[0] != pd_sched_class(m) && a != PD_SCHED_PLAIN && dm > 0.0)
+        d = dm;
+    double t = verify_s(c, m * v) + y + d;
     return t > 0.0 ? m * tau / t : -1.0;
 }
 
@@ -554,7 +560,7 @@ void pd_sched_add(pd_sched_ctl *c, pd_sched_arm a, int m, double tok, double sec
                   int v_tok, int cold)
 {
     int cl = pd_sched_class(m);
-    if (cold && (pd_sched_estimate(c, a, m) >= 0.0 || ++c->cold_skips[a][cl] <= 2))
+    if (cold && c->st[a][cl].n == 0 && ++c->cold_skips[a][cl] <= 2)
         return;
     pd_sched_stat *s = &c->st[a][cl];
     const double k = PD_SCHED_DECAY;

@@ -88,13 +88,12 @@ double pd_verify_choose(pd_verify_policy p, int n_req, int B, const float *conf_
  * measurements:
  *   rate(arm, m) = m * tau / (t_verify(m * v) + d(m) + y)
  * with tau the committed tokens and v the verify tokens per request per round of that arm,
- * t_verify = 1 / SPS, d(m) the draft round's seconds (drafting arms; measured by every round
- * that drafts, whatever its arm), and y the rest of the round (draft context, host work). tau,
- * v and y come from the arm's rounds at this batch-size class (log2 of the requests in the
- * round), d from the drafting rounds at this class; a class without data takes them
- * interpolated in m between the nearest classes below and above that have some (or the nearest
- * one), so a batch size seen for the first time (a load change, the tail of a burst) needs no
- * trial rounds. Without a profile each class measures tokens/s directly. An arm never measured
+ * t_verify = 1 / SPS, d(m) the draft round's seconds (drafting arms), and y the rest of the
+ * round (draft context, host work). All four come from the arm's rounds at this batch-size class
+ * (log2 of the requests in the round); a class without data takes tau, v and y interpolated in m
+ * between the nearest classes below and above that have some (or the nearest one), and d from
+ * the draft rounds measured nearest to m by any arm, so a batch size seen for the first time (a
+ * load change, the tail of a burst) needs no trial rounds. Without a profile each class measures tokens/s directly. An arm never measured
  * is tried first; a runner-up is retried now and then (every PD_SCHED_EXPLORE-th round when
  * close, rarer the further behind it is) so the estimates follow the workload. Callers record
  * steady rounds only (a round that captured a graph says little about the next ones). Every arm
@@ -132,8 +131,8 @@ pd_sched_arm pd_sched_pick(pd_sched_ctl *c, int m);
 double pd_sched_estimate(const pd_sched_ctl *c, pd_sched_arm a, int m);
 /* Records one round of arm a: tok committed tokens of m requests in sec seconds, of which
  * draft_sec in the draft round, v_tok tokens verified. cold: the round captured or warmed up a
- * graph; such a round is recorded only when the arm has no estimate yet and two cold rounds of
- * it were already skipped (an arm whose shapes keep changing must not stay "never measured"). */
+ * graph; the first two cold rounds of an arm at a class are not recorded (warm-up), later ones
+ * are (shapes that keep changing are a real cost of that arm). */
 void pd_sched_add(pd_sched_ctl *c, pd_sched_arm a, int m, double tok, double sec, double draft_sec,
                   int v_tok, int cold);
 /* One draft round of m requests took sec seconds (any policy: Algorithm 1 counts it as the
