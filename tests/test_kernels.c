@@ -1176,6 +1176,12 @@ static const kcase cases[] = {
     {"linear", 0, 0, 0, 8, 257, 64, 0, 1, 0, 0, 0, NULL, 1e-2, 0},
     {"linear", 0, 0, 0, 300, 1000, 512, 5, 3, 0, 0, 0, NULL, 1e-2, 0},
     {"linear", 0, 0, 0, 33, 520, 2048, 2, 2, 0, 0, 0, NULL, 1e-2, 0},
+    /* many tiles: fewer warps per CTA (K split 4, 2, 1 on a 132-SM H200), k tails, x ring */
+    {"linear", 0, 0, 1, 5, 5000, 264, 4, 3, 0, 0, 0, NULL, 1e-2, 0},
+    {"linear", 0, 0, 2, 1, 9000, 200, 6, 2, 0, 0, 0, NULL, 1e-2, 0},
+    {"linear", 0, 0, 0, 8, 9000, 200, 6, 2, 0, 0, 0, NULL, 1e-2, 0},
+    {"linear", 0, 0, 0, 12, 9000, 200, 6, 2, 0, 0, 0, NULL, 1e-2, 0},
+    {"linear", 0, 0, 3, 3, 20000, 136, 1, 1, 0, 0, 0, NULL, 1e-2, 0},
     /* qk_post: tokens, heads, kv heads, head_dim, page size; sub 1 = store into the cache */
     {"qk_post", 1, 0, 0, 0, 0, 0, 1, 32, 8, 128, 16, NULL, 1e-5, 0},
     {"qk_post", 9, 0, 3, 0, 0, 0, 1, 16, 4, 64, 16, NULL, 1e-5, 0},
@@ -1429,6 +1435,11 @@ static void test_batch_invariance(kern_backend *g)
     lin &= linear_invariance_one(g, KERN_LINEAR_ACCUMULATE, 0, 1, one, 520);
     lin &= linear_invariance_one(g, KERN_LINEAR_SWIGLU, 1, 2, gu, 1032);
     lin &= linear_invariance_one(g, KERN_LINEAR_STORE, 0, 1, one, 64);
+    /* many tiles: the K split over fewer warps per CTA (chosen from the tile count only) */
+    static const int qkv4[3] = {5000, 1003, 1003}, gu2[2] = {9000, 9000}, wide[1] = {20000};
+    lin &= linear_invariance_one(g, KERN_LINEAR_STORE, 1, 3, qkv4, 264);
+    lin &= linear_invariance_one(g, KERN_LINEAR_SWIGLU, 1, 2, gu2, 200);
+    lin &= linear_invariance_one(g, KERN_LINEAR_ACCUMULATE, 0, 1, wide, 136);
     TEST_CHECK_MSG(lin, "batch-invariant linear: a row differs between batch sizes");
     g->batch_invariant = 0;
     side_free(&sg);

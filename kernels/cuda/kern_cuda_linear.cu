@@ -5,19 +5,28 @@
  *   skinny_kernel: y[M, N] = x'[M, K] @ W[N, K]^T with mma.sync m16n8k16 (bf16 in, fp32
  *   accumulate). W is the A operand: a CTA owns 16 output features; x is the B operand: 8 rows
  *   (tokens) per n8 tile, NT tiles per 8 * NT-row chunk (grid.y walks the chunks), and every W
- *   fragment is used for all NT tiles once loaded. The K loop is split over the CTA's
- *   SK_WARPS warps at a fixed step of 64: warp w takes steps w, w + 8, w + 16, ... in order, and
- *   the warps' partial sums are added in warp order. Inside a step lane (g, t) owns the 16
- *   consecutive k at 64 s + 16 t of both W rows g, g + 8 and of x row g of each tile: it loads
- *   them straight from global memory (2 x 16 bytes per W row, no shared memory) and feeds them to
- *   4 mmas, quad q of its 16 k into mma q's k slots (2t, 2t+1, 2t+8, 2t+9). The products are
- *   a permutation of k that W and x share, so the sum is the same dot product.
+ *   fragment is used for all NT tiles once loaded. The K loop is split over the CTA's W warps
+ *   (1, 2, 4 or 8, chosen from the tile count: as many as still let all CTAs be resident at
+ *   once) at a fixed step of 64: warp w takes steps w, w + W, w + 2W, ... in order, and the
+ *   warps' partial sums are added in warp order. Inside a step lane (g, t) owns k = 64 s + 8 t
+ *   + {0..7, 32..39} of both W rows g, g + 8 and of x row g of each tile (the four lanes of a row
+ *   read 64 contiguous bytes per 16-byte load); it loads them straight from global memory (no
+ *   shared memory) into a ring of D steps in registers, refilled as soon as a step's 4 mmas have
+ *   used it, so W loads stay in flight while x is converted and the mmas run; x (and the norm)
+ *   come one step ahead. Word q of its 16 k goes to mma q's k slots (2t, 2t+1, 2t+8, 2t+9): a
+ *   permutation of k that W and x share, so the sum is the same dot product.
  *   Batch invariance by construction: a row's value depends on its own x row, W, K and the step
- *   split (a function of K only); the mma computes each output element from its own column of B
- *   only, so neither the number of rows nor where a row sits in its tile changes its bits. M > 64
- *   streams W once per 64-row chunk; each row's arithmetic is unchanged.
- *   RMSNorm prologue: every CTA computes its chunk's per-row 1/rms itself (all threads over k,
- *   fixed order), x' = norm[k] * (x * inv) rounded to bf16 as the fragments are built.
+ *   split (a function of K and the tile count only); the mma computes each output element from
+ *   its own column of B only, so neither the number of rows nor where a row sits in its tile
+ *   changes its bits. M > 64 streams W once per 64-row chunk; each row's arithmetic is unchanged.
+ *   RMSNorm: the fragments are bf16(norm[k] * x) and each lane also sums x^2 over its k; the
+ *   row's sum of squares (its 4 lanes, then the warps in warp order) gives 1/rms, applied to the
+ *   fp32 sums in the epilogue - no prologue pass over x before the weights stream.
+ *   Launch: programmatic dependent launch. The weight ring is filled before griddepcontrol.wait
+ *   (weights never depend on the previous kernel), so the first weight bytes are in flight while
+ *   the previous kernel drains; x, y and the norm are touched only after the wait, and every CTA
+ *   waits. launch_dependents at the start lets the next kernel's CTAs start (and fill their own
+ *   weight rings) once all of this grid's CTAs run; their wait still waits for this grid to end.
  *   Epilogues: STORE, ACCUMULATE (y += v), SWIGLU (gate and up tiles in the same CTA).
  * Not here: shape checks (kern_ops.c), cuBLAS (kern_cuda_matmul.cu, the fallback for many rows).
  * Threading: enqueues on the backend stream. */
@@ -25,15 +34,16 @@
 
 #include <string.h>
 
-#define SK_WARPS 8
-#define SK_THREADS (SK_WARPS * 32)
+#define SK_MAX_WARPS 8                      /* K-split warps per CTA: 1, 2, 4 or 8 */
 #define SK_STEP 64
 #define SK_MAX_TILES 8                      /* n8 token tiles per chunk: 64 rows */
+#define SK_WARPS_PER_SM 16                  /* what 2 CTAs of 256 threads at <= 128 registers hold */
 
 typedef struct {
     const float *x;
     int ld_x, m, k;
-    const void *norm;                        /* NULL: no RMSNorm prologue */
+    int warps;                               /* warps per CTA = K split (weights' shapes only) */
+    const void *norm;                        /* NULL: no RMSNorm */
     int norm_bf16;                           /* norm dtype: 1 bf16, 0 f32 */
     float eps;
     int n_w;
@@ -70,7 +80,21 @@ static __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi)
 
 static __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 
-/* One W row's 16 k of a step: two 16-byte loads, zero past k (k % 8 == 0). */
+/* Programmatic dependent launch (no-ops when the launch did not allow it): let the next kernel's
+ * CTAs start once every CTA of this grid runs; wait until the previous kernel has completed and
+ * its writes are visible. */
+static __device__ __forceinline__ void pdl_launch_next(void)
+{
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+static __device__ __forceinline__ void pdl_wait_prev(void)
+{
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+/* A lane's 16 k of a step: [kk, kk + 8) and [kk + 32, kk + 40), kk = 64 s + 8 t, so the four
+ * lanes of a row read 64 contiguous bytes per load (whole sectors). Zero past k (k % 8 == 0). */
 struct wfrag {
     uint4 lo, hi;
 };
@@ -79,64 +103,74 @@ static __device__ __forceinline__ wfrag load_w(const __nv_bfloat16 *row, int kk,
 {
     wfrag f;
     f.lo = kk < k ? ld_stream(row + kk) : make_uint4(0, 0, 0, 0);
-    f.hi = kk + 8 < k ? ld_stream(row + kk + 8) : make_uint4(0, 0, 0, 0);
+    f.hi = kk + 32 < k ? ld_stream(row + kk + 32) : make_uint4(0, 0, 0, 0);
     return f;
 }
 
-/* B fragments of one x row's 16 k (x' = norm * (x * inv) when norm): b[2q], b[2q+1] feed mma q. */
-static __device__ __forceinline__ void load_x(const sk_params &p, const float *xr, float inv,
-                                              const float *gk, int kk, uint32_t *b)
+/* The same 16 k of one x row and of a bf16 RMSNorm weight, as loaded (converted when used, so
+ * the loads stay in flight): v[0..1] = [kk, kk + 8), v[2..3] = [kk + 32, kk + 40); g[0], g[1]
+ * the norm's two 8s. An f32 norm is read when used (tests only: models store norms as bf16). */
+struct xraw {
+    float4 v[4];
+    uint4 g[2];
+};
+
+static __device__ __forceinline__ void load_xraw(const sk_params &p, const float *xr, int kk, xraw &r)
 {
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        float v[8];
-        if (xr != NULL && kk + 8 * h < p.k) {
-            float4 u0 = __ldg((const float4 *)(xr + kk + 8 * h));
-            float4 u1 = __ldg((const float4 *)(xr + kk + 8 * h + 4));
-            v[0] = u0.x; v[1] = u0.y; v[2] = u0.z; v[3] = u0.w;
-            v[4] = u1.x; v[5] = u1.y; v[6] = u1.z; v[7] = u1.w;
-            if (p.norm != NULL) {
-#pragma unroll
-                for (int i = 0; i < 8; i++)
-                    v[i] = gk[8 * h + i] * (v[i] * inv);
-            }
-        } else {
-#pragma unroll
-            for (int i = 0; i < 8; i++)
-                v[i] = 0.0f;
-        }
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-            b[4 * h + i] = pack_bf16(v[2 * i], v[2 * i + 1]);
+        int k0 = kk + 32 * h;
+        bool in = xr != NULL && k0 < p.k;
+        r.v[2 * h] = in ? __ldg((const float4 *)(xr + k0)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        r.v[2 * h + 1] = in ? __ldg((const float4 *)(xr + k0 + 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        if (p.norm != NULL && p.norm_bf16)
+            r.g[h] = in ? __ldg((const uint4 *)((const __nv_bfloat16 *)p.norm + k0)) : make_uint4(0, 0, 0, 0);
     }
 }
 
-/* The RMSNorm weight at the lane's 16 k (zero past k), bf16 or f32, as 16-byte loads. */
-static __device__ __forceinline__ void load_norm(const sk_params &p, int kk, float *gk)
+/* B fragments b[0..3] of 8 of the lane's k (x v0, v1 at k0..k0 + 7; bf16 norm gr): bf16(norm * x),
+ * or bf16(x) without a norm; ss += x^2 over them (the row's RMS, applied to the fp32 sums at the
+ * end). An f32 norm is read here. */
+static __device__ __forceinline__ void build_half(const sk_params &p, float4 v0, float4 v1, uint4 gr,
+                                                  int k0, uint32_t *b, float &ss)
 {
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        int k0 = kk + 8 * h;
-        if (k0 >= p.k) {
-#pragma unroll
-            for (int i = 0; i < 8; i++)
-                gk[8 * h + i] = 0.0f;
-        } else if (p.norm_bf16) {
-            uint4 u = __ldg((const uint4 *)((const __nv_bfloat16 *)p.norm + k0));
-            const __nv_bfloat162 *hv = (const __nv_bfloat162 *)&u;
+    float v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+    if (p.norm != NULL) {
+        float gk[8];
+        if (p.norm_bf16) {
+            const __nv_bfloat162 *hv = (const __nv_bfloat162 *)&gr;
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 float2 f = __bfloat1622float2(hv[i]);
-                gk[8 * h + 2 * i] = f.x;
-                gk[8 * h + 2 * i + 1] = f.y;
+                gk[2 * i] = f.x;
+                gk[2 * i + 1] = f.y;
             }
         } else {
-            float4 a = __ldg((const float4 *)((const float *)p.norm + k0));
-            float4 c = __ldg((const float4 *)((const float *)p.norm + k0 + 4));
-            gk[8 * h + 0] = a.x; gk[8 * h + 1] = a.y; gk[8 * h + 2] = a.z; gk[8 * h + 3] = a.w;
-            gk[8 * h + 4] = c.x; gk[8 * h + 5] = c.y; gk[8 * h + 6] = c.z; gk[8 * h + 7] = c.w;
+            float4 a = make_float4(0.f, 0.f, 0.f, 0.f), c = a;
+            if (k0 < p.k) {
+                a = __ldg((const float4 *)((const float *)p.norm + k0));
+                c = __ldg((const float4 *)((const float *)p.norm + k0 + 4));
+            }
+            gk[0] = a.x; gk[1] = a.y; gk[2] = a.z; gk[3] = a.w;
+            gk[4] = c.x; gk[5] = c.y; gk[6] = c.z; gk[7] = c.w;
+        }
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            ss = fmaf(v[i], v[i], ss);
+            v[i] *= gk[i];
         }
     }
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        b[i] = pack_bf16(v[2 * i], v[2 * i + 1]);
+}
+
+/* All 8 B fragments of the loaded 16 k at kk (b[2q], b[2q+1] feed mma q). */
+static __device__ __forceinline__ void build_b(const sk_params &p, const xraw &r, int kk, uint32_t *b,
+                                               float &ss)
+{
+    build_half(p, r.v[0], r.v[1], r.g[0], kk, b, ss);
+    build_half(p, r.v[2], r.v[3], r.g[1], kk + 32, b + 4, ss);
 }
 
 /* acc += W rows (g, g+8) x the tile's 16 k: mma q takes words 2q, 2q+1 of each W row. */
@@ -149,16 +183,19 @@ static __device__ __forceinline__ void mma_step(float *acc, const wfrag &ra, con
         mma_bf16(acc, wa[2 * q], wb[2 * q], wa[2 * q + 1], wb[2 * q + 1], b[2 * q], b[2 * q + 1]);
 }
 
-/* NT: n8 tiles per chunk; EPI: kern_linear_epilogue; U: steps whose W loads are in flight together
- * (load scheduling only: the mma order is the step order whatever U is). */
-template <int NT, int EPI, int U>
-__global__ void __launch_bounds__(SK_THREADS, NT <= 2 ? 2 : 1)
+/* NT: n8 tiles per chunk; EPI: kern_linear_epilogue; D: steps of W loads in flight per warp (a
+ * ring of registers, refilled right after each step's mmas); XP: 1 loads x (and the norm) one
+ * step ahead (one tile only: registers), 0 when used. Load scheduling only: the arithmetic is
+ * the same whatever D and XP. */
+template <int NT, int EPI, int D, int XP>
+__global__ void __launch_bounds__(SK_MAX_WARPS * 32, NT <= 2 ? 2 : 1)
 skinny_kernel(sk_params p)
 {
     constexpr int NWT = EPI == KERN_LINEAR_SWIGLU ? 2 : 1;   /* W tiles per CTA */
-    __shared__ float red[SK_WARPS][NT * 4][32];
-    __shared__ float inv_s[SK_MAX_TILES * 8];
-    __shared__ float part[SK_WARPS][SK_MAX_TILES * 8];
+    constexpr int NE = NT * 4 * 32;                          /* accumulators per warp */
+    extern __shared__ float sk_smem[];                       /* red[warps][NE], gate[NE] */
+    __shared__ float part[SK_MAX_WARPS][SK_MAX_TILES * 8];   /* sums of squares per warp, row */
+    const int W = p.warps;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int chunk0 = blockIdx.y * NT * 8;
@@ -180,99 +217,86 @@ skinny_kernel(sk_params p)
         wrow[j][1] = w + (size_t)rb * p.k;
     }
     const int nsteps = (p.k + SK_STEP - 1) / SK_STEP;
+    const int stride = W * SK_STEP;                           /* k between a warp's steps */
 
-    /* start the first weight bytes on their way to L2 while the prologue runs */
+    /* the weights never depend on the previous kernel: fill the ring before waiting for it */
+    wfrag wf[D][NWT][2];
+    int kk = warp * SK_STEP + t * 8;
 #pragma unroll
-    for (int u = 0; u < U; u++) {
-        int kk = (warp + u * SK_WARPS) * SK_STEP + t * 16;
-        if (kk < p.k)
+    for (int r = 0; r < D; r++)
 #pragma unroll
-            for (int j = 0; j < NWT; j++) {
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(wrow[j][0] + kk));
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(wrow[j][1] + kk));
-            }
-    }
-
-    if (p.norm != NULL) {
-        for (int r = 0; r < rows; r++) {
-            const float *xr = p.x + (size_t)(chunk0 + r) * p.ld_x;
-            float ss = 0.0f;
-            for (int c = threadIdx.x * 4; c < p.k; c += SK_THREADS * 4) {
-                float4 v = __ldg((const float4 *)(xr + c));
-                ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-            }
-            ss = kern_cuda_warp_sum(ss);
-            if (lane == 0)
-                part[warp][r] = ss;
+        for (int j = 0; j < NWT; j++) {
+            wf[r][j][0] = load_w(wrow[j][0], kk + r * stride, p.k);
+            wf[r][j][1] = load_w(wrow[j][1], kk + r * stride, p.k);
         }
-        __syncthreads();
-        if (threadIdx.x < rows) {
-            float ss = 0.0f;
-            for (int w = 0; w < SK_WARPS; w++)
-                ss += part[w][threadIdx.x];
-            inv_s[threadIdx.x] = rsqrtf(ss / (float)p.k + p.eps);
-        }
-        __syncthreads();
-    }
+    pdl_launch_next();
+    pdl_wait_prev();
 
-    float acc[NWT][NT][4];
+    float acc[NWT][NT][4], ss[NT];
 #pragma unroll
-    for (int j = 0; j < NWT; j++)
+    for (int i = 0; i < NT; i++) {
+        ss[i] = 0.0f;
 #pragma unroll
-        for (int i = 0; i < NT; i++)
+        for (int j = 0; j < NWT; j++)
 #pragma unroll
             for (int r = 0; r < 4; r++)
                 acc[j][i][r] = 0.0f;
-
+    }
     const float *xrow[NT];
-    float inv[NT];
 #pragma unroll
     for (int i = 0; i < NT; i++) {
         int r = i * 8 + g;
         xrow[i] = r < rows ? p.x + (size_t)(chunk0 + r) * p.ld_x : NULL;
-        inv[i] = p.norm != NULL && r < rows ? inv_s[r] : 1.0f;
     }
 
-    /* per iteration: all W loads of U steps, then all x (and norm weight) loads and their bf16
-     * fragments, then the mmas in step order - so both kinds of loads are in flight together */
-    for (int s0 = warp; s0 < nsteps; s0 += SK_WARPS * U) {
-        wfrag wf[U][NWT][2];
-        uint32_t b[U][NT][8];
+    /* warp w takes steps w, w + W, w + 2W, ... in order; ring slot r holds the step r ahead */
+    xraw xn;
+    if (XP)
+        load_xraw(p, xrow[0], kk, xn);
+    for (int s0 = warp; s0 < nsteps; s0 += D * W) {
 #pragma unroll
-        for (int u = 0; u < U; u++) {
-            int kk = (s0 + u * SK_WARPS) * SK_STEP + t * 16;
-#pragma unroll
-            for (int j = 0; j < NWT; j++) {
-                wf[u][j][0] = load_w(wrow[j][0], kk, p.k);
-                wf[u][j][1] = load_w(wrow[j][1], kk, p.k);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            int kk = (s0 + u * SK_WARPS) * SK_STEP + t * 16;
-            float gk[16];
-            if (p.norm != NULL)
-                load_norm(p, kk, gk);
-#pragma unroll
-            for (int i = 0; i < NT; i++)
-                load_x(p, kk < p.k ? xrow[i] : NULL, inv[i], gk, kk, b[u][i]);
-        }
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            if (s0 + u * SK_WARPS >= nsteps)
+        for (int r = 0; r < D; r++) {
+            if (s0 + r * W >= nsteps)
                 break;
+            uint32_t b[NT][8];
+            if (XP) {
+                build_b(p, xn, kk, b[0], ss[0]);
+                load_xraw(p, xrow[0], kk + stride, xn);
+            } else {
+#pragma unroll
+                for (int i = 0; i < NT; i++) {
+                    xraw xi;
+                    load_xraw(p, xrow[i], kk, xi);
+                    build_b(p, xi, kk, b[i], ss[i]);
+                }
+            }
 #pragma unroll
             for (int i = 0; i < NT; i++)
 #pragma unroll
                 for (int j = 0; j < NWT; j++)
-                    mma_step(acc[j][i], wf[u][j][0], wf[u][j][1], b[u][i]);
+                    mma_step(acc[j][i], wf[r][j][0], wf[r][j][1], b[i]);
+#pragma unroll
+            for (int j = 0; j < NWT; j++) {
+                wf[r][j][0] = load_w(wrow[j][0], kk + D * stride, p.k);
+                wf[r][j][1] = load_w(wrow[j][1], kk + D * stride, p.k);
+            }
+            kk += stride;
         }
     }
 
-    /* partial sums of the warps, added in warp order; element e = (tile * 4 + reg) * 32 + lane */
-    constexpr int NE = NT * 4 * 32;
-    constexpr int PER = (NE + SK_THREADS - 1) / SK_THREADS;
-    float out[NWT][PER];
+    /* a row's sum of squares: its 4 lanes (xor butterfly: every lane gets the same bits), then
+     * the warps in warp order (below); the partial sums of the warps, also in warp order */
+    if (p.norm != NULL) {
+#pragma unroll
+        for (int i = 0; i < NT; i++) {
+            float v = ss[i];
+            v += __shfl_xor_sync(0xffffffffu, v, 1);
+            v += __shfl_xor_sync(0xffffffffu, v, 2);
+            if (t == 0)
+                part[warp][i * 8 + g] = v;
+        }
+    }
+    float *red = sk_smem, *gate = sk_smem + W * NE;
 #pragma unroll
     for (int j = 0; j < NWT; j++) {
         if (j > 0)
@@ -281,35 +305,37 @@ skinny_kernel(sk_params p)
         for (int i = 0; i < NT; i++)
 #pragma unroll
             for (int r = 0; r < 4; r++)
-                red[warp][i * 4 + r][lane] = acc[j][i][r];
+                red[(warp * NT * 4 + i * 4 + r) * 32 + lane] = acc[j][i][r];
         __syncthreads();
-#pragma unroll
-        for (int q = 0; q < PER; q++) {
-            int e = threadIdx.x + q * SK_THREADS;
+        /* element e = (tile * 4 + reg) * 32 + lane */
+        for (int e = threadIdx.x; e < NE; e += W * 32) {
             float v = 0.0f;
-            if (e < NE)
-                for (int w = 0; w < SK_WARPS; w++)
-                    v += red[w][e >> 5][e & 31];
-            out[j][q] = v;
+            for (int w = 0; w < W; w++)
+                v += red[w * NE + e];
+            if (j + 1 < NWT) {
+                gate[e] = v;                  /* read back by this thread only */
+                continue;
+            }
+            int l = e & 31, reg = (e >> 5) & 3, tile = e >> 7;
+            int feat = row0 + (l >> 2) + (reg >= 2 ? 8 : 0);
+            int r = tile * 8 + 2 * (l & 3) + (reg & 1);
+            if (feat >= n || r >= rows)
+                continue;
+            float inv = 1.0f;
+            if (p.norm != NULL) {
+                float s2 = 0.0f;
+                for (int w = 0; w < W; w++)
+                    s2 += part[w][r];
+                inv = rsqrtf(s2 / (float)p.k + p.eps);
+            }
+            float *yo = p.y[wi] + (size_t)(chunk0 + r) * p.ld_y[wi] + feat;
+            if (EPI == KERN_LINEAR_SWIGLU)
+                *yo = silu_f(gate[e] * inv) * (v * inv);
+            else if (EPI == KERN_LINEAR_ACCUMULATE)
+                *yo += v * inv;
+            else
+                *yo = v * inv;
         }
-    }
-#pragma unroll
-    for (int q = 0; q < PER; q++) {
-        int e = threadIdx.x + q * SK_THREADS;
-        if (e >= NE)
-            break;
-        int l = e & 31, reg = (e >> 5) & 3, tile = e >> 7;
-        int feat = row0 + (l >> 2) + (reg >= 2 ? 8 : 0);
-        int r = tile * 8 + 2 * (l & 3) + (reg & 1);
-        if (feat >= n || r >= rows)
-            continue;
-        float *yo = p.y[wi] + (size_t)(chunk0 + r) * p.ld_y[wi] + feat;
-        if (EPI == KERN_LINEAR_SWIGLU)
-            *yo = silu_f(out[0][q]) * out[NWT - 1][q];
-        else if (EPI == KERN_LINEAR_ACCUMULATE)
-            *yo += out[0][q];
-        else
-            *yo = out[0][q];
     }
 }
 
@@ -328,25 +354,65 @@ extern "C" int kern_cuda_skinny_fits(const kern_linear_args *a)
     return 1;
 }
 
-template <int NT, int EPI>
-static void launch_nt(const sk_params &p, dim3 grid, cudaStream_t s)
+template <int NT, int EPI, int D, int XP>
+static cudaError_t launch_one(const sk_params &p, dim3 grid, cudaStream_t s)
 {
-    /* steps whose loads are in flight together: 3 (12 x 16 bytes of W per thread) for one tile,
-     * fewer where registers go to more tiles or to two weights (swiglu) - sized so that NT <= 2
-     * fits 2 CTAs per SM without spills (launch bounds) */
-    constexpr int U = EPI == KERN_LINEAR_SWIGLU ? (NT == 1 ? 2 : 1) : (NT == 1 ? 3 : NT == 2 ? 2 : 1);
-    skinny_kernel<NT, EPI, U><<<grid, SK_THREADS, 0, s>>>(p);
+    constexpr int NWT = EPI == KERN_LINEAR_SWIGLU ? 2 : 1;
+    /* the warps' partial sums (and SWIGLU's gate sums): at most 36 KB, under the default limit */
+    size_t smem = ((size_t)p.warps * NT * 128 + (NWT > 1 ? NT * 128 : 0)) * sizeof(float);
+    /* programmatic dependent launch: this kernel's weight loads start while the previous kernel
+     * drains (griddepcontrol.wait in the kernel; captured into graphs as programmatic edges) */
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3((unsigned)p.warps * 32);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    cfg.attrs = at;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, skinny_kernel<NT, EPI, D, XP>, p);
+}
+
+/* W loads in flight per warp: 3 steps (12 x 16 bytes per thread) with x one step ahead for one
+ * tile, 2 for swiglu's two weights; fewer where registers go to more tiles. Sized so that
+ * NT <= 2 fits 2 CTAs of 256 threads per SM (128 registers) without spills. (H200, Qwen3-4B
+ * shapes: 3 and 4 steps timed the same; swiglu at 3 spills.) */
+template <int NT, int EPI>
+static cudaError_t launch_nt(const sk_params &p, dim3 grid, cudaStream_t s)
+{
+    if constexpr (NT == 1) {
+        return launch_one<NT, EPI, EPI == KERN_LINEAR_SWIGLU ? 2 : 3, 1>(p, grid, s);
+    } else {
+        constexpr int D = NT == 2 ? (EPI == KERN_LINEAR_SWIGLU ? 1 : 2) : NT == 4 ? 2 : 1;
+        return launch_one<NT, EPI, D, 0>(p, grid, s);
+    }
 }
 
 template <int EPI>
-static void launch_epi(const sk_params &p, int nt, dim3 grid, cudaStream_t s)
+static cudaError_t launch_epi(const sk_params &p, int nt, dim3 grid, cudaStream_t s)
 {
     switch (nt) {
-    case 1: launch_nt<1, EPI>(p, grid, s); break;
-    case 2: launch_nt<2, EPI>(p, grid, s); break;
-    case 4: launch_nt<4, EPI>(p, grid, s); break;
-    default: launch_nt<8, EPI>(p, grid, s); break;
+    case 1: return launch_nt<1, EPI>(p, grid, s);
+    case 2: return launch_nt<2, EPI>(p, grid, s);
+    case 4: return launch_nt<4, EPI>(p, grid, s);
+    default: return launch_nt<8, EPI>(p, grid, s);
     }
+}
+
+/* Warps per CTA (the K split) from the tile count only, so a row's arithmetic never depends on
+ * m: the most warps (up to 8) that still let every tile's CTA be resident at once, since the
+ * CTAs of a second wave would stream with the machine half empty; 8 when the tiles need many
+ * waves anyway (lm_head). */
+static int skinny_warps(const kern_cuda_ctx *c, int tiles)
+{
+    int w = SK_MAX_WARPS;
+    while (w > 1 && tiles > c->n_sm * (SK_WARPS_PER_SM / w))
+        w /= 2;
+    if (tiles > c->n_sm * SK_WARPS_PER_SM)
+        w = SK_MAX_WARPS;
+    return w;
 }
 
 extern "C" pd_status kern_cuda_skinny_launch(kern_cuda_ctx *c, const kern_linear_args *a, pd_err *err)
@@ -374,16 +440,19 @@ extern "C" pd_status kern_cuda_skinny_launch(kern_cuda_ctx *c, const kern_linear
         tiles += (p.n[i] + 15) / 16;
     }
     p.tile0[p.n_w] = tiles;
+    p.warps = skinny_warps(c, tiles);
     int rows = a->m < SK_MAX_TILES * 8 ? a->m : SK_MAX_TILES * 8;
     int nt = 1;
     while (nt * 8 < rows)
         nt *= 2;
     dim3 grid((unsigned)tiles, (unsigned)((a->m + nt * 8 - 1) / (nt * 8)));
+    cudaError_t e;
     switch (a->epilogue) {
-    case KERN_LINEAR_STORE: launch_epi<KERN_LINEAR_STORE>(p, nt, grid, c->stream); break;
-    case KERN_LINEAR_ACCUMULATE: launch_epi<KERN_LINEAR_ACCUMULATE>(p, nt, grid, c->stream); break;
-    default: launch_epi<KERN_LINEAR_SWIGLU>(p, nt, grid, c->stream); break;
+    case KERN_LINEAR_STORE: e = launch_epi<KERN_LINEAR_STORE>(p, nt, grid, c->stream); break;
+    case KERN_LINEAR_ACCUMULATE: e = launch_epi<KERN_LINEAR_ACCUMULATE>(p, nt, grid, c->stream); break;
+    default: e = launch_epi<KERN_LINEAR_SWIGLU>(p, nt, grid, c->stream); break;
     }
+    PD_CUDA_TRY(e, err);
     KERN_CUDA_LAUNCH_CHECK(err);
     return PD_OK;
 }

@@ -7,8 +7,8 @@
  *   accumulation on the tensor cores; F32 weights: cublasSgemm on x as is. Row-major y = x w^T
  *   is column-major y^T = w^T' x^T', i.e. GEMM(op_T, op_N, N, M, K) with w as A (lda = K) and x
  *   as B. accumulate maps to beta = 1; the bias is a separate broadcast add after the GEMM.
- *   k < 256 stays on cuBLAS in fast mode: the skinny kernel splits k over 8 warps in steps of 64
- *   and leaves most of them idle there (the Markov head's [vocab, 64] product).
+ *   k < 256 stays on cuBLAS in fast mode: the skinny kernel splits k over up to 8 warps in steps
+ *   of 64 and leaves most of them idle there (the Markov head's [vocab, 64] product).
  * Not here: shape checks (kern_ops.c). Threading: enqueues on the backend stream. */
 #include "kern_cuda_internal.h"
 
