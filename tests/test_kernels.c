@@ -1203,6 +1203,15 @@ static const kcase cases[] = {
      "p:0+300,p:1000+100,v:250+4,x:64+16,d:2999+1,v:0+16", 1e-2, 0},
     {"attn", 0, 0, 0, 0, 0, 0, 0, 16, 4, 128, 64, "p:1500+128", 1e-2, 0},
     {"attn", 0, 0, 0, 0, 0, 0, 0, 8, 8, 64, 16, "4*v:100+5,3*x:7+9", 1e-4, 0},
+    /* batch-invariant path (attn_inv_kernel under --invariant; hi/lo bf16 Q and P keep the
+     * decode tolerance): verify blocks across the 1024/1025 split-size step, lengths 1..2049,
+     * GQA 1/4/5/8, odd pages */
+    {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "d:0+1,d:63+1,d:64+1,d:1023+1,d:1024+1,d:2048+1", 1e-4, 0},
+    {"attn", 0, 0, 1, 0, 0, 0, 0, 64, 8, 64, 7, "d:5+1,d:127+1,d:1500+1,d:2000+1", 1e-4, 0},
+    {"attn", 0, 0, 0, 0, 0, 0, 0, 8, 8, 128, 3, "d:700+1,d:31+1,d:1100+1", 1e-4, 0},
+    {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "v:1019+8,v:0+8,d:64+1,v:2040+8", 1e-2, 0},
+    {"attn", 0, 0, 3, 0, 0, 0, 0, 40, 8, 64, 5, "3*v:1017+8,d:9+1", 1e-2, 0},
+    {"attn", 0, 0, 0, 0, 0, 0, 0, 16, 16, 128, 1, "v:300+8,v:1+16", 1e-2, 0},
     /* tensor-core path (bf16 Q and P: tol 1e-2): >= 8 queries per sequence on average, not
      * batch-invariant. Chunk lengths 1..2049, GQA 1/4/8, head_dim 128 and 64, pages 16/7/1,
      * ragged tiles spanning 2-4 sequences, non-causal blocks, key splits (few tiles, long kv) */
@@ -1228,6 +1237,11 @@ static const kcase cases[] = {
     {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "16*d:4095+1", 1e-4, 1},
     {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "32*d:4095+1", 1e-4, 1},
     {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "4*v:4080+16", 1e-2, 1},
+    /* ... and at Qwen3-4B decode/verify shape, 1k keys: batch 1 and 8, decode and verify-8 */
+    {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "d:1023+1", 1e-4, 1},
+    {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "v:1016+8", 1e-2, 1},
+    {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "8*d:1023+1", 1e-4, 1},
+    {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "8*v:1016+8", 1e-2, 1},
     /* prefill attention at Qwen3-4B/8B shape, timed on CUDA only (perf_only 2: no CPU reference) */
     {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "p:0+1024", 1e-2, 2},
     {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "p:0+4096", 1e-2, 2},
@@ -1361,6 +1375,77 @@ static int linear_invariance_one(kern_backend *g, kern_linear_epilogue epi, int 
     return same;
 }
 
+/* be->batch_invariant attention, one shape: every token of a mixed batch (a verify block of 8
+ * whose lengths cross a split-size step at 1024/1025 keys, interleaved sequences, 1, 0 and 2049
+ * keys) computed with 14, 1 and 5 sequences claimed (so 1, 14 and 3 tokens share a CTA), and
+ * the verify block on its own, must equal bit for bit that token computed alone. */
+static int attn_invariance_one(kern_backend *g, int nh, int nkv, int hd, int ps)
+{
+    enum { NT = 14, NS = 5 };
+    static const int seq[NT] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 2, 1, 3, 4, 2};
+    static const int kvl[NT] = {1020, 1021, 1022, 1023, 1024, 1025, 1026, 1027, 700, 40, 699, 1, 2049, 0};
+    int max_len = 2049, stride = (max_len + ps - 1) / ps, n_pages = NS * stride + 3;
+    size_t kv_n = (size_t)n_pages * ps * nkv * hd, qn = (size_t)NT * nh * hd;
+    float *kh = host_rand(kv_n, -1.0f, 1.0f, 1), *vh = host_rand(kv_n, -1.0f, 1.0f, 1);
+    float *q = host_rand(qn, -2.5f, 2.5f, 0);
+    int32_t *pt = malloc((size_t)NS * stride * sizeof(int32_t));
+    for (int i = 0; i < NS * stride; i++)
+        pt[i] = (int32_t)(((size_t)i * 7919 + 5) % (size_t)n_pages);   /* scattered pages */
+    side sg = {g, {0}, 0};
+    pd_err err;
+    kern_kv_layer kv = { .k = side_conv(&sg, kh, kv_n, KERN_DTYPE_BF16),
+                         .v = side_conv(&sg, vh, kv_n, KERN_DTYPE_BF16), .dtype = KERN_DTYPE_BF16,
+                         .page_size = ps, .n_kv_heads = nkv, .head_dim = hd };
+    int32_t *seqd = side_bytes(&sg, seq, sizeof(seq)), *kvld = side_bytes(&sg, kvl, sizeof(kvl));
+    int32_t *ptd = side_bytes(&sg, pt, (size_t)NS * stride * sizeof(int32_t));
+    float *qd = side_bytes(&sg, q, qn * 4), *od = side_alloc(&sg, qn * 4);
+    kern_attn_args ab = { .kv = kv, .q = qd, .ld_q = nh * hd, .out = od, .ld_out = nh * hd,
+                          .n_tok = NT, .n_heads = nh, .tok_seq = seqd, .tok_kv_len = kvld,
+                          .page_table = ptd, .pt_stride = stride, .n_seq = 1, .max_kv_len = max_len,
+                          .scale = 1.0f / sqrtf((float)hd) };
+    size_t row = (size_t)nh * hd;
+    float *alone = malloc(qn * 4);
+    for (int t = 0; t < NT; t++) {
+        kern_attn_args a1 = ab;
+        a1.q = qd + t * row;
+        a1.out = od + t * row;
+        a1.n_tok = 1;
+        a1.tok_seq = seqd + t;
+        a1.tok_kv_len = kvld + t;
+        a1.max_kv_len = kvl[t] > 0 ? kvl[t] : 1;
+        TEST_CHECK(kern_attn(g, &a1, &err) == PD_OK);
+    }
+    float *h = side_download(&sg, od, qn * 4);
+    memcpy(alone, h, qn * 4);
+    free(h);
+    int same = 1;
+    static const int n_seq_claim[3] = {NT, 1, NS};
+    for (int v = 0; v < 4; v++) {
+        kern_attn_args a = ab;
+        if (v < 3) {
+            a.n_seq = n_seq_claim[v];
+        } else {   /* the verify block alone: 8 tokens of one sequence */
+            a.n_tok = 8;
+            a.max_kv_len = 1027;
+        }
+        TEST_CHECK(kern_memset0(g, od, qn * 4, &err) == PD_OK);
+        TEST_CHECK(kern_attn(g, &a, &err) == PD_OK);
+        h = side_download(&sg, od, qn * 4);
+        int ok = memcmp(h, alone, (size_t)a.n_tok * row * 4) == 0;
+        if (!ok)
+            printf("      heads %d/%d hd %d page %d: variant %d differs\n", nh, nkv, hd, ps, v);
+        same &= ok;
+        free(h);
+    }
+    side_free(&sg);
+    free(alone);
+    free(kh);
+    free(vh);
+    free(q);
+    free(pt);
+    return same;
+}
+
 /* be->batch_invariant: a row computed inside a batch is bit-identical to the same row computed
  * alone (matmul: verify block vs decode step; attention: one query among many, with other kv
  * lengths in the batch). This is what keeps greedy speculative decoding lossless in bf16. */
@@ -1430,6 +1515,15 @@ static void test_batch_invariance(kern_backend *g)
     TEST_CHECK_MSG(same_a, "batch-invariant attention: a query differs from the same query alone");
     printf("%s batch-invariant attention: 9 queries equal bit for bit to single-query results\n",
            same_a ? "ok  " : "FAIL");
+    /* GQA 4/8/1/5, head_dim 128/64, pages 16/7/1/3 */
+    int same_v = attn_invariance_one(g, 8, 2, 128, 16);
+    same_v &= attn_invariance_one(g, 32, 4, 64, 7);
+    same_v &= attn_invariance_one(g, 4, 4, 128, 1);
+    same_v &= attn_invariance_one(g, 40, 8, 128, 3);
+    TEST_CHECK_MSG(same_v, "batch-invariant attention: a token of a verify block or mixed batch "
+                           "differs from the same token alone");
+    printf("%s batch-invariant attention: verify blocks and mixed batches (GQA 1/4/5/8) equal bit "
+           "for bit to single-token results\n", same_v ? "ok  " : "FAIL");
     static const int qkv[3] = {517, 134, 139}, one[1] = {333}, gu[2] = {700, 700};
     int lin = linear_invariance_one(g, KERN_LINEAR_STORE, 1, 3, qkv, 1000);
     lin &= linear_invariance_one(g, KERN_LINEAR_ACCUMULATE, 0, 1, one, 520);

@@ -2,10 +2,12 @@
  *   verify blocks and non-causal draft blocks all come through one op; each query token carries
  *   its own sequence id and kv length, and keys are fetched through the sequence's page table.
  * Owns: kern_cuda_attn_launch.
- * Two kernels: prefill-like batches (on average >= TC_MIN_Q_PER_SEQ queries per sequence, bf16
- *   cache, not batch-invariant) run attn_tc_kernel, a Q-tiled flash attention on the tensor cores
- *   (described at its definition); everything else (decode, short verify blocks, batch-invariant
- *   rounds, f16/f32 caches) runs the CUDA-core attn_kernel below.
+ * Three kernels: batch-invariant rounds on a bf16 cache run attn_inv_kernel (split-KV on the
+ *   tensor cores, the split merge in the same launch, every query's arithmetic its own; described
+ *   at its definition); prefill-like batches (on average >= TC_MIN_Q_PER_SEQ queries per
+ *   sequence, bf16 cache, not batch-invariant) run attn_tc_kernel, a Q-tiled flash attention on
+ *   the tensor cores; everything else (decode, short verify blocks, batch-invariant rounds on
+ *   f16/f32 caches) runs the CUDA-core attn_kernel below.
  * How (CUDA-core kernel): one block of 128 threads per (query token, kv head, group of <= 8
  *   query heads that share the kv head), so each K/V tile is loaded once for the whole GQA group. Keys are walked in
  *   tiles of 32 (one key per lane): the tile is converted to fp32 in shared memory, scores come
@@ -19,7 +21,8 @@
  *   workspace layout and merge). Large batches use one split and write the output directly.
  * Not here: writing new keys (kern_cuda_kv.cu); shape checks (kern_ops.c). A kv length <= 0
  *   gives a zero output row; lengths above max_kv_len are clamped to it.
- * Threading: enqueues on the backend stream; the workspace makes one attn call at a time. */
+ * Threading: enqueues on the backend stream; the workspace and ctx->attn_cnt make one attn call
+ *   at a time. */
 #include "kern_cuda_internal.h"
 
 #include <math.h>
@@ -88,6 +91,8 @@ struct attn_params {
     int n_tok, ld_q, ld_out, n_heads, n_kv, group, hb, n_hchunk, page_size, pt_stride, max_kv_len;
     int n_split, chunk;
     int inv_splits;      /* > 0 (batch-invariant mode): a query's chunk comes from its own length */
+    int qg, grp0;        /* attn_inv_kernel: tokens per CTA, first token group of this launch */
+    unsigned *cnt;       /* attn_inv_kernel: arrival counter per CTA column (zero between launches) */
     float scale;
 };
 
@@ -766,6 +771,418 @@ attn_tc_kernel(attn_params p)
     }
 }
 
+/* ---- batch-invariant path: split-KV tensor-core attention with an in-launch merge ------------
+ * Used for every query of a batch-invariant round on a bf16 cache (decode, verify, draft and any
+ * prefill chunk alike), so a query's bits are the same whatever batch it is in and whatever path
+ * its neighbours take.
+ * A CTA of 4 warps takes one kv head (or a chunk of <= 64 of its query heads), QG consecutive
+ * query tokens and one key split: its rows are (token, query head) pairs, up to 64, one 16-row
+ * m-tile per warp, so each K/V tile is loaded once for the whole GQA group of all QG tokens
+ * (decode: 4 rows; a verify block of 8 with GQA 4: 32). Keys come through the page table in
+ * tiles of 64 by cp.async, two stages deep; S = Q K^T and O += P V run on mma.sync with Q and P
+ * each split into two bf16 terms (hi + lo, 16 significant bits) against the exact bf16 K/V, so
+ * the result keeps about fp32 accuracy at twice the (small) mma count.
+ * Invariance by construction: a row's keys are cut into ATT_INV_SPLITS chunks by attn_inv_chunk
+ * of its own length, key tiles sit at multiples of 64 from key 0, and every score, softmax step
+ * and P V product of a row is computed from that row alone (mma rows are independent; a tile a
+ * row does not see leaves its state unchanged bit for bit). Tokens of other sequences in the
+ * CTA are handled in extra passes (one per sequence, rows of other sequences idle).
+ * Merge: each CTA writes its rows' partials (acc, raw max, sum) to the workspace; the CTA that
+ * arrives last at its counter (ctx->attn_cnt, one per CTA column, reset by that CTA) merges
+ * every split of its rows in split order, so no second launch and no dependence on arrival
+ * order. */
+#define INV_BN 64
+#define INV_THREADS 128
+#define INV_ROWS 64
+static_assert(ATT_INV_MIN_CHUNK % INV_BN == 0, "split chunks must hold whole key tiles");
+
+/* hi + lo bf16 pair of (x, y): hi = bf16(x), lo = bf16(x - hi); packed as mma operands */
+static __device__ __forceinline__ void tc_split_bf16(float x, float y, unsigned &hi, unsigned &lo)
+{
+    __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+    float2 f = __bfloat1622float2(h);
+    __nv_bfloat162 l = __floats2bfloat162_rn(x - f.x, y - f.y);
+    hi = *(unsigned *)&h;
+    lo = *(unsigned *)&l;
+}
+
+/* minimum of v over the CTA (INV_THREADS threads); red holds 4 ints; every thread gets it */
+static __device__ __forceinline__ int inv_block_min(int v, int *red)
+{
+    v = __reduce_min_sync(0xffffffffu, v);
+    if ((threadIdx.x & 31) == 0)
+        red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    int r = min(min(red[0], red[1]), min(red[2], red[3]));
+    __syncthreads();   /* red is written again by the next call */
+    return r;
+}
+
+template <int HD>
+__global__ void __launch_bounds__(INV_THREADS)
+attn_inv_kernel(attn_params p)
+{
+    constexpr int CH = HD / 8;        /* 16-byte chunks per row */
+    constexpr int KD = HD / 16;       /* k-steps over head_dim in Q K^T */
+    constexpr int NS = INV_BN / 8;    /* score n-tiles */
+    constexpr int ND = HD / 8;        /* output n-tiles */
+    constexpr int D4 = HD / 4;
+    constexpr int LD_ITERS = INV_BN * CH / INV_THREADS;
+    static_assert(INV_BN * CH % INV_THREADS == 0 && INV_THREADS % CH == 0, "tile load split");
+    extern __shared__ __align__(128) unsigned char inv_smem[];
+    __nv_bfloat16 *k_s = (__nv_bfloat16 *)inv_smem;   /* [2][BN][HD] */
+    __nv_bfloat16 *v_s = k_s + 2 * INV_BN * HD;        /* [2][BN][HD] */
+    __nv_bfloat16 *qh_s = v_s + 2 * INV_BN * HD;       /* [rows_pad][HD], hi terms */
+    __shared__ int seq_s[INV_ROWS], len_s[INV_ROWS], rb_s[INV_ROWS], re_s[INV_ROWS];
+    __shared__ int cur_s, last_s, red_s[4];
+    __shared__ float w_s[INV_ROWS][ATT_INV_SPLITS], inv_s[INV_ROWS];
+    __shared__ int ns_s[INV_ROWS];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int bx = blockIdx.x;
+    const int hc = bx % p.n_hchunk;
+    bx /= p.n_hchunk;
+    const int kvh = bx % p.n_kv;
+    const size_t t0 = (size_t)(bx / p.n_kv + p.grp0) * p.qg;
+    const int h0 = kvh * p.group + hc * p.hb;
+    const int hb = p.hb, n_rows = p.qg * hb, rows_pad = (n_rows + 15) / 16 * 16;
+    const int split = blockIdx.y;
+    __nv_bfloat16 *ql_s = qh_s + rows_pad * HD;          /* [rows_pad][HD], lo terms */
+    const __nv_bfloat16 *kc = (const __nv_bfloat16 *)p.kc, *vc = (const __nv_bfloat16 *)p.vc;
+    const size_t krow = (size_t)p.n_kv * HD;
+
+    /* row r: token t0 + r / hb, query head h0 + r % hb */
+    if (tid < INV_ROWS) {
+        const size_t t = t0 + tid / hb;
+        int s = -1, len = 0;
+        if (tid < n_rows && t < (size_t)p.n_tok) {
+            s = p.tok_seq[t];
+            len = p.tok_kv_len[t];
+            len = len < 0 ? 0 : (len > p.max_kv_len ? p.max_kv_len : len);
+        }
+        seq_s[tid] = s;
+        len_s[tid] = len;
+    }
+    for (int i = tid; i < rows_pad * CH; i += INV_THREADS) {
+        const int r = i / CH, c = i % CH;
+        const size_t t = t0 + r / hb;
+        unsigned wh[4] = {0u, 0u, 0u, 0u}, wl[4] = {0u, 0u, 0u, 0u};
+        if (r < n_rows && t < (size_t)p.n_tok) {
+            /* scalar loads: ld_q need not keep rows 16-byte aligned */
+            const float *src = p.q + t * p.ld_q + (size_t)(h0 + r % hb) * HD + c * 8;
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                tc_split_bf16(__ldg(src + 2 * e), __ldg(src + 2 * e + 1), wh[e], wl[e]);
+        }
+        *(uint4 *)&qh_s[tc_swz(r, c, HD)] = make_uint4(wh[0], wh[1], wh[2], wh[3]);
+        *(uint4 *)&ql_s[tc_swz(r, c, HD)] = make_uint4(wl[0], wl[1], wl[2], wl[3]);
+    }
+    __syncthreads();
+
+    const int wrow = warp * 16;
+    const bool active = wrow < n_rows;   /* warp-uniform: warps past the rows only load */
+    unsigned qh[KD][4], ql[KD][4];
+    if (active) {
+#pragma unroll
+        for (int kk = 0; kk < KD; kk++) {
+            tc_ldsm_x4(qh[kk], &qh_s[tc_swz(wrow + (lane & 15), kk * 2 + (lane >> 4), HD)]);
+            tc_ldsm_x4(ql[kk], &ql_s[tc_swz(wrow + (lane & 15), kk * 2 + (lane >> 4), HD)]);
+        }
+    }
+    const int g = lane >> 2, qc = lane & 3;   /* fragment row within 8, column pair */
+    const float sl2 = p.scale * 1.4426950408889634f;
+
+    for (;;) {
+        /* next sequence: that of the first row not done yet */
+        if (warp == 0) {
+            const int s0 = seq_s[lane], s1 = seq_s[lane + 32];
+            const unsigned b0 = __ballot_sync(0xffffffffu, s0 >= 0);
+            const unsigned b1 = __ballot_sync(0xffffffffu, s1 >= 0);
+            int cur = -1;
+            if (b0 != 0u)
+                cur = __shfl_sync(0xffffffffu, s0, __ffs(b0) - 1);
+            else if (b1 != 0u)
+                cur = __shfl_sync(0xffffffffu, s1, __ffs(b1) - 1);
+            if (lane == 0)
+                cur_s = cur;
+        }
+        __syncthreads();
+        const int cur = cur_s;
+        if (cur < 0)
+            break;
+        /* this split's keys [rb, re) of each row of the pass (empty for the other rows) */
+        int rb = 0, re = 0;
+        if (tid < INV_ROWS && seq_s[tid] == cur) {
+            const int len = len_s[tid], ch = attn_inv_chunk(len, ATT_INV_SPLITS);
+            rb = split * ch;
+            re = min(len, rb + ch);
+            re = re > rb ? re : rb;
+        }
+        if (tid < INV_ROWS) {
+            rb_s[tid] = rb;
+            re_s[tid] = re;
+        }
+        /* keys below kmax exist in the sequence's pages; later ones are zero-filled */
+        const int kmax = -inv_block_min(-re, red_s);   /* its barrier publishes rb_s, re_s */
+        int lo[2], hi[2];
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            lo[hf] = rb_s[wrow + g + 8 * hf];
+            hi[hf] = re_s[wrow + g + 8 * hf];
+        }
+        /* first tile at or after j that some row of the pass sees (INT_MAX: none); split
+         * starts are multiples of INV_BN, so the answer is a tile start */
+        auto next_tile = [&](int j) {
+            int v = re > rb && re > j ? max(j, rb) : INT_MAX;
+            return inv_block_min(v, red_s);
+        };
+        const int32_t *pt = p.page_table + (size_t)cur * p.pt_stride;
+        auto load_tile = [&](int j0, int stage) {
+            const int c = tid % CH;
+#pragma unroll
+            for (int i = 0; i < LD_ITERS; i++) {
+                const int r = tid / CH + i * (INV_THREADS / CH);
+                const int j = j0 + r;
+                const bool ok = j < kmax;
+                size_t off = 0;
+                if (ok) {
+                    size_t slot = (size_t)pt[j / p.page_size] * p.page_size + j % p.page_size;
+                    off = slot * krow + (size_t)kvh * HD + c * 8;
+                }
+                const int so = stage * INV_BN * HD + tc_swz(r, c, HD);
+                tc_cp_async16(&k_s[so], kc + off, ok);
+                tc_cp_async16(&v_s[so], vc + off, ok);
+            }
+        };
+
+        float m[2], l[2], acc[ND][4];
+        m[0] = m[1] = -INFINITY;
+        l[0] = l[1] = 0.0f;
+#pragma unroll
+        for (int n = 0; n < ND; n++)
+            acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+
+        int jc = next_tile(0);
+        if (jc != INT_MAX)
+            load_tile(jc, 0);
+        tc_cp_commit();
+        for (int it = 0; jc != INT_MAX; it++) {
+            const int st = it & 1;
+            const int jn = next_tile(jc + INV_BN);
+            if (jn != INT_MAX)
+                load_tile(jn, st ^ 1);
+            tc_cp_commit();
+            tc_cp_wait<1>();   /* everything but the group just committed: tile jc is here */
+            __syncthreads();
+            if (active) {
+                const __nv_bfloat16 *ks = k_s + st * INV_BN * HD, *vs = v_s + st * INV_BN * HD;
+                float s[NS][4];
+#pragma unroll
+                for (int n = 0; n < NS; n++)
+                    s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+                for (int kk = 0; kk < KD; kk++) {
+#pragma unroll
+                    for (int np = 0; np < NS / 2; np++) {
+                        unsigned b[4];
+                        const int key = np * 16 + ((lane >> 4) << 3) + (lane & 7);
+                        tc_ldsm_x4(b, &ks[tc_swz(key, kk * 2 + ((lane >> 3) & 1), HD)]);
+                        tc_mma(s[2 * np], qh[kk], b[0], b[1]);
+                        tc_mma(s[2 * np + 1], qh[kk], b[2], b[3]);
+                        tc_mma(s[2 * np], ql[kk], b[0], b[1]);
+                        tc_mma(s[2 * np + 1], ql[kk], b[2], b[3]);
+                    }
+                }
+                /* a row sees key j iff lo <= j < hi (its split, its length) */
+#pragma unroll
+                for (int n = 0; n < NS; n++) {
+                    const int j = jc + n * 8 + 2 * qc;
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int jj = j + (e & 1), hf = e >> 1;
+                        if (jj < lo[hf] || jj >= hi[hf])
+                            s[n][e] = -INFINITY;
+                    }
+                }
+                /* online softmax in base 2 on raw scores, as in attn_tc_kernel */
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    float mx = m[hf];
+#pragma unroll
+                    for (int n = 0; n < NS; n++)
+                        mx = fmaxf(mx, fmaxf(s[n][2 * hf], s[n][2 * hf + 1]));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                    const float base = mx == -INFINITY ? 0.0f : mx * sl2;
+                    /* an unchanged max rescales by exactly 1 (m * sl2 - base may contract to
+                     * an FMA whose residue is not 0), so a tile with none of the row's keys
+                     * leaves the row's state as it was, bit for bit */
+                    const float al = mx == m[hf] ? 1.0f : tc_ex2(m[hf] * sl2 - base);
+                    m[hf] = mx;
+                    float ps = 0.0f;
+#pragma unroll
+                    for (int n = 0; n < NS; n++) {
+                        s[n][2 * hf] = tc_ex2(fmaf(s[n][2 * hf], sl2, -base));
+                        s[n][2 * hf + 1] = tc_ex2(fmaf(s[n][2 * hf + 1], sl2, -base));
+                        ps += s[n][2 * hf] + s[n][2 * hf + 1];
+                    }
+                    l[hf] = l[hf] * al + ps;
+#pragma unroll
+                    for (int n = 0; n < ND; n++) {
+                        acc[n][2 * hf] *= al;
+                        acc[n][2 * hf + 1] *= al;
+                    }
+                }
+                /* O += (P_hi + P_lo) V */
+#pragma unroll
+                for (int kk = 0; kk < INV_BN / 16; kk++) {
+                    unsigned ah[4], alo[4];
+                    tc_split_bf16(s[2 * kk][0], s[2 * kk][1], ah[0], alo[0]);
+                    tc_split_bf16(s[2 * kk][2], s[2 * kk][3], ah[1], alo[1]);
+                    tc_split_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1], ah[2], alo[2]);
+                    tc_split_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3], ah[3], alo[3]);
+#pragma unroll
+                    for (int dp = 0; dp < ND / 2; dp++) {
+                        unsigned b[4];
+                        const int key = kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7);
+                        tc_ldsm_x4_t(b, &vs[tc_swz(key, dp * 2 + (lane >> 4), HD)]);
+                        tc_mma(acc[2 * dp], ah, b[0], b[1]);
+                        tc_mma(acc[2 * dp + 1], ah, b[2], b[3]);
+                        tc_mma(acc[2 * dp], alo, b[0], b[1]);
+                        tc_mma(acc[2 * dp + 1], alo, b[2], b[3]);
+                    }
+                }
+            }
+            __syncthreads();   /* the next iteration's load overwrites this stage */
+            jc = jn;
+        }
+
+        if (active) {
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                float lr = l[hf];   /* the row's 4 lanes each hold part of its sum */
+                lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+                lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+                const int r = wrow + g + 8 * hf;
+                if (hi[hf] <= lo[hf])   /* not in this pass, or nothing in this split */
+                    continue;
+                const size_t t = t0 + r / hb;
+                const size_t pi = (t * p.n_heads + h0 + r % hb) * p.n_split + split;
+                float *o = p.part_acc + pi * HD + 2 * qc;
+#pragma unroll
+                for (int n = 0; n < ND; n++)
+                    *(float2 *)&o[n * 8] = make_float2(acc[n][2 * hf], acc[n][2 * hf + 1]);
+                if (qc == 0) {
+                    p.part_ml[2 * pi] = m[hf];   /* raw score max */
+                    p.part_ml[2 * pi + 1] = lr;
+                }
+            }
+        }
+        __syncthreads();   /* every thread has read seq_s, cur_s, rb_s and re_s for this pass */
+        if (tid < INV_ROWS && seq_s[tid] == cur)
+            seq_s[tid] = -1;
+        __syncthreads();
+    }
+
+    /* arrive; the last CTA of this column merges (the fences make every CTA's partials
+     * visible before its arrival is counted, and the counted arrivals before the reads) */
+    tc_cp_wait<0>();
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        unsigned prev = atomicAdd(&p.cnt[blockIdx.x], 1u);
+        last_s = prev == gridDim.y - 1;
+    }
+    __syncthreads();
+    if (!last_s)
+        return;
+    __threadfence();
+    /* Every load below is issued before its first use: split indices are clamped into the
+     * launched range (in bounds; values past a row's own splits are never used), so a row's
+     * 16 partials come back in one round trip rather than one each. */
+    const int last_split = p.n_split - 1;
+    if (tid < n_rows) {
+        const size_t t = t0 + tid / hb;
+        const int len = len_s[tid];
+        int ns = 0;
+        if (t < (size_t)p.n_tok && len > 0) {
+            const int ch = attn_inv_chunk(len, ATT_INV_SPLITS);
+            ns = (len + ch - 1) / ch;
+        }
+        const size_t pi0 = t < (size_t)p.n_tok ? (t * p.n_heads + h0 + tid % hb) * p.n_split : 0;
+        const float2 *ml = (const float2 *)p.part_ml + pi0;   /* (raw max, sum) per split */
+        float2 v[ATT_INV_SPLITS];
+#pragma unroll
+        for (int s = 0; s < ATT_INV_SPLITS; s++)
+            v[s] = __ldcg(ml + min(s, last_split));
+        float mx = -INFINITY;
+#pragma unroll
+        for (int s = 0; s < ATT_INV_SPLITS; s++)
+            if (s < ns)
+                mx = fmaxf(mx, v[s].x);
+        float den = 0.0f;
+#pragma unroll
+        for (int s = 0; s < ATT_INV_SPLITS; s++) {
+            if (s < ns) {
+                const float w = tc_ex2((v[s].x - mx) * sl2);
+                w_s[tid][s] = w;
+                den += w * v[s].y;
+            }
+        }
+        ns_s[tid] = ns;
+        inv_s[tid] = den > 0.0f ? 1.0f / den : 0.0f;
+    }
+    __syncthreads();
+    /* out = sum over splits in order of w_s acc_s, times 1 / den; two (row, column) items per
+     * thread at a time keep 32 loads in flight */
+    auto merge_load = [&](int i, float4 (&a)[ATT_INV_SPLITS]) {
+        const int r = i / D4, d4 = i % D4;
+        size_t t = t0 + r / hb;
+        t = t < (size_t)p.n_tok ? t : 0;
+        const float4 *src = (const float4 *)(p.part_acc + (t * p.n_heads + h0 + r % hb) * p.n_split * HD) + d4;
+#pragma unroll
+        for (int s = 0; s < ATT_INV_SPLITS; s++)
+            a[s] = __ldcg(src + (size_t)min(s, last_split) * D4);
+    };
+    auto merge_store = [&](int i, const float4 (&a)[ATT_INV_SPLITS]) {
+        const int r = i / D4, d4 = i % D4;
+        const size_t t = t0 + r / hb;
+        if (t >= (size_t)p.n_tok)
+            return;
+        const int ns = ns_s[r];
+        float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int s = 0; s < ATT_INV_SPLITS; s++) {
+            if (s < ns) {
+                const float w = w_s[r][s];
+                num.x = fmaf(w, a[s].x, num.x);
+                num.y = fmaf(w, a[s].y, num.y);
+                num.z = fmaf(w, a[s].z, num.z);
+                num.w = fmaf(w, a[s].w, num.w);
+            }
+        }
+        const float inv = inv_s[r];
+        float *o = p.out + t * p.ld_out + (size_t)(h0 + r % hb) * HD + 4 * d4;   /* any ld_out */
+        o[0] = num.x * inv;
+        o[1] = num.y * inv;
+        o[2] = num.z * inv;
+        o[3] = num.w * inv;
+    };
+    const int n_items = n_rows * D4;
+    for (int i = tid; i < n_items; i += 2 * INV_THREADS) {
+        float4 a0[ATT_INV_SPLITS], a1[ATT_INV_SPLITS];
+        const int i1 = i + INV_THREADS;
+        merge_load(i, a0);
+        if (i1 < n_items)
+            merge_load(i1, a1);
+        merge_store(i, a0);
+        if (i1 < n_items)
+            merge_store(i1, a1);
+    }
+    if (tid == 0)
+        p.cnt[blockIdx.x] = 0u;   /* ready for the next launch (and graph replay) */
+}
+
 template <typename T, int HD>
 static pd_status attn_run(kern_cuda_ctx *c, attn_params *p, int n_tok, pd_err *err)
 {
@@ -849,6 +1266,68 @@ static pd_status attn_tc_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n_
     return hd == 64 ? attn_tc_run<64, 1>(c, p, err) : attn_tc_run<128, 1>(c, p, err);
 }
 
+/* Batch-invariant rounds on a bf16 cache: sizes and launches attn_inv_kernel. The grouping of
+ * tokens into CTAs (QG) and the number of splits launched follow the batch, but no row's
+ * arithmetic does (see the kernel's comment). */
+static pd_status attn_inv_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n_seq, pd_err *err)
+{
+    /* query heads per CTA: the whole GQA group when it fits in the 64 rows */
+    p->hb = p->group;
+    while (p->hb > INV_ROWS || p->group % p->hb != 0)
+        p->hb--;
+    p->n_hchunk = p->group / p->hb;
+    /* tokens per CTA: a sequence's queries (verify/draft blocks are consecutive tokens) */
+    int qps = (p->n_tok + n_seq - 1) / n_seq;
+    int qg_max = INV_ROWS / p->hb;
+    p->qg = qps < 1 ? 1 : (qps > qg_max ? qg_max : qps);
+    const int max_len = p->max_kv_len > 0 ? p->max_kv_len : 1;
+    /* every split any row can use: a row of len keys uses ceil(len / chunk) <= ceil(len / 64) */
+    int n_split = (max_len + ATT_INV_MIN_CHUNK - 1) / ATT_INV_MIN_CHUNK;
+    p->n_split = n_split > ATT_INV_SPLITS ? ATT_INV_SPLITS : n_split;
+    p->chunk = 0;
+    p->inv_splits = ATT_INV_SPLITS;
+    size_t n_part = (size_t)p->n_tok * p->n_heads * p->n_split;
+    void *ws = NULL;
+    pd_status st = kern_cuda_ws_get(c, n_part * ((size_t)hd + 2) * sizeof(float), &ws, err);
+    if (st != PD_OK)
+        return st;
+    p->part_acc = (float *)ws;
+    p->part_ml = p->part_acc + n_part * hd;
+
+    const int rows_pad = (p->qg * p->hb + 15) / 16 * 16;
+    const size_t smem = ((size_t)4 * INV_BN + 2 * rows_pad) * hd * sizeof(__nv_bfloat16);
+    /* the shared-memory limit belongs to a device: raised to the largest CTA once per context
+     * (a context is one device), not per launch, to keep the host cost of a call small */
+    if (!c->attn_inv_smem_set) {
+        const int rows = INV_ROWS;
+        PD_CUDA_TRY(cudaFuncSetAttribute(attn_inv_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)(((size_t)4 * INV_BN + 2 * rows) * 64 * sizeof(__nv_bfloat16))),
+                    err);
+        PD_CUDA_TRY(cudaFuncSetAttribute(attn_inv_kernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)(((size_t)4 * INV_BN + 2 * rows) * 128 * sizeof(__nv_bfloat16))),
+                    err);
+        c->attn_inv_smem_set = 1;
+    }
+    /* one arrival counter per CTA column; launches cover at most KERN_CUDA_ATTN_COUNTERS */
+    const size_t cols_per_grp = (size_t)p->n_kv * p->n_hchunk;
+    const size_t n_grp = ((size_t)p->n_tok + p->qg - 1) / p->qg;
+    const size_t grp_per_launch = KERN_CUDA_ATTN_COUNTERS / cols_per_grp;
+    if (grp_per_launch == 0)
+        return pd_err_set(err, PD_ERR_UNSUPPORTED, "cuda attn: %zu kv head columns", cols_per_grp);
+    p->cnt = c->attn_cnt;
+    for (size_t g0 = 0; g0 < n_grp; g0 += grp_per_launch) {
+        size_t ng = n_grp - g0 < grp_per_launch ? n_grp - g0 : grp_per_launch;
+        p->grp0 = (int)g0;
+        dim3 grid((unsigned)(ng * cols_per_grp), (unsigned)p->n_split);
+        if (hd == 64)
+            attn_inv_kernel<64><<<grid, INV_THREADS, smem, c->stream>>>(*p);
+        else
+            attn_inv_kernel<128><<<grid, INV_THREADS, smem, c->stream>>>(*p);
+        KERN_CUDA_LAUNCH_CHECK(err);
+    }
+    return PD_OK;
+}
+
 extern "C" pd_status kern_cuda_attn_launch(kern_backend *be, const kern_attn_args *a, pd_err *err)
 {
     kern_cuda_ctx *c = kern_cuda_ctx_of(be);
@@ -866,6 +1345,9 @@ extern "C" pd_status kern_cuda_attn_launch(kern_backend *be, const kern_attn_arg
 
     attn_params p;
     p.inv_splits = 0;
+    p.qg = 1;
+    p.grp0 = 0;
+    p.cnt = NULL;
     p.kc = kv->k;
     p.vc = kv->v;
     p.q = a->q;
@@ -894,6 +1376,8 @@ extern "C" pd_status kern_cuda_attn_launch(kern_backend *be, const kern_attn_arg
      * decode-like ones and batch-invariant rounds keep the CUDA-core kernel below, whose fixed
      * splits make a query's bits independent of its batch */
     int n_seq = a->n_seq > 0 ? a->n_seq : 1;
+    if (be->batch_invariant && kv->dtype == KERN_DTYPE_BF16)
+        return attn_inv_launch(c, &p, hd, n_seq, err);
     if (!be->batch_invariant && kv->dtype == KERN_DTYPE_BF16 &&
         a->n_tok >= TC_MIN_Q_PER_SEQ * n_seq)
         return attn_tc_launch(c, &p, hd, n_seq, err);

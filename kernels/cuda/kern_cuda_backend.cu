@@ -214,6 +214,8 @@ static void ctx_release(kern_cuda_ctx *c)
         (void)cudaFree(c->ws);
     if (c->counter != NULL)
         (void)cudaFree(c->counter);
+    if (c->attn_cnt != NULL)
+        (void)cudaFree(c->attn_cnt);
     if (c->stream != NULL)
         (void)cudaStreamDestroy(c->stream);
     free(c);
@@ -290,6 +292,9 @@ static pd_status ctx_init(kern_cuda_ctx *c, int device, pd_err *err)
     PD_CUBLAS_TRY(cublasSetWorkspace(c->cublas, c->cublas_ws, c->cublas_ws_bytes), err);
     PD_CUDA_TRY(cudaMalloc((void **)&c->counter, sizeof(unsigned int)), err);
     PD_CUDA_TRY(cudaMemsetAsync(c->counter, 0, sizeof(unsigned int), c->stream), err);
+    PD_CUDA_TRY(cudaMalloc((void **)&c->attn_cnt, KERN_CUDA_ATTN_COUNTERS * sizeof(unsigned int)), err);
+    PD_CUDA_TRY(cudaMemsetAsync(c->attn_cnt, 0, KERN_CUDA_ATTN_COUNTERS * sizeof(unsigned int),
+                                c->stream), err);
     PD_CUDA_TRY(cudaStreamSynchronize(c->stream), err);
     return PD_OK;
 }

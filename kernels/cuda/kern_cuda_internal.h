@@ -32,10 +32,15 @@ typedef struct kern_cuda_ctx {
     void *ws;                  /* op scratch, grown on demand; one op uses it at a time */
     unsigned int *counter;     /* zeroed device word for last-block-done reductions; an op that
                                   uses it leaves it zero again (markov_step) */
+    unsigned int *attn_cnt;    /* KERN_CUDA_ATTN_COUNTERS zeroed words: arrival counters of the
+                                  batch-invariant attention merge, left zero by each launch */
+    int attn_inv_smem_set;     /* attn_inv_kernel's shared-memory limit raised on this device */
     size_t ws_bytes;
     unsigned ws_epoch;         /* bumped whenever ws moves: graphs captured before are stale */
     unsigned capture_epoch;    /* ws_epoch when the capture in progress began */
 } kern_cuda_ctx;
+
+#define KERN_CUDA_ATTN_COUNTERS 65536
 
 static inline kern_cuda_ctx *kern_cuda_ctx_of(kern_backend *be)
 {
