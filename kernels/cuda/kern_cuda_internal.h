@@ -155,11 +155,11 @@ pd_status kern_cuda_qk_post_launch(kern_backend *be, const kern_qk_post_args *a,
 pd_status kern_cuda_markov_step_launch(kern_backend *be, const kern_markov_step_args *a, pd_err *err);
 /* The skinny tensor-core GEMM behind op linear (kern_cuda_linear.cu), also used by matmul:
  * fits = bf16 weights, k % 8 == 0, 16-byte aligned x/weights/norm and ld_x % 4 == 0. Without
- * be->batch_invariant it is used up to KERN_CUDA_SKINNY_FAST_MAX_M rows, cuBLAS above. 1 keeps
- * fast mode's routing as it was with the m = 1 GEMV (prefill batches of m >= 2 on cuBLAS): on
- * the H200 the skinny kernel at m = 8 was no faster than rmsnorm + pack + cuBLAS (sum of the four
- * Qwen3-4B decode linears 134 vs 132 us, test_kernels --perf, 2026-12-02). */
-#define KERN_CUDA_SKINNY_FAST_MAX_M 1
+ * be->batch_invariant it is used up to KERN_CUDA_SKINNY_FAST_MAX_M rows, cuBLAS above: after
+ * the weight ring and PDL (2026-12-03) the four Qwen3-4B decode linears at m = 8 take 71.6 us on
+ * the skinny kernel against ~132 us for rmsnorm + pack + cuBLAS (H200); 16 rows still stream
+ * the weights once per two 8-row tiles. */
+#define KERN_CUDA_SKINNY_FAST_MAX_M 16
 int kern_cuda_skinny_fits(const kern_linear_args *a);
 pd_status kern_cuda_skinny_launch(kern_cuda_ctx *c, const kern_linear_args *a, pd_err *err);
 /* y = x w^T (+ y) through cuBLAS for BF16/F16 weights, x rounded into pack (m * k * 2 bytes of
