@@ -592,7 +592,7 @@ static pd_status extend_draft(pd_engine *e, const float *aux, const int32_t *row
 
 /* The deferred-context buffer grows up to this many rows or PD_PEND_MAX_BYTES, whichever is
  * less; a full buffer is flushed. */
-#define PD_PEND_MAX_ROWS 8192
+#define PD_PEND_MAX_ROWS 32768
 #define PD_PEND_MAX_BYTES ((size_t)256 << 20)
 
 /* Adds every deferred context row to the draft KV (one batch) and empties the list. Rows of
