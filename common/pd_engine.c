@@ -1533,6 +1533,8 @@ void pd_engine_graph_stats(const pd_engine *e, uint64_t *eager, uint64_t *captur
         *replays = gr;
 }
 
+const pd_sched_ctl *pd_engine_sched(const pd_engine *e) { return &e->sched; }
+
 void pd_engine_set_sps(pd_engine *e, const pd_sps *sps)
 {
     e->cfg.sps = sps;

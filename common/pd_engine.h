@@ -182,6 +182,8 @@ pd_status pd_engine_profile_sps_cached(pd_engine *e, const char *model_dir, cons
 void pd_engine_graph_stats(const pd_engine *e, uint64_t *eager, uint64_t *captures, uint64_t *replays);
 /* Replaces the scheduler's SPS curve (borrowed; must outlive the engine or the next call). */
 void pd_engine_set_sps(pd_engine *e, const pd_sps *sps);
+/* The scheduled policy's arm controller (diagnostics: picks per arm, estimates). */
+const pd_sched_ctl *pd_engine_sched(const pd_engine *e);
 /* One engine step: prefill work for queued requests (up to max_prefill_tokens), then one
  * speculative round for every running request. A request that fails ends with
  * PD_FINISH_ERROR and its message; the step itself fails only on an engine-wide error. */

@@ -527,7 +527,16 @@ double pd_sched_estimate(const pd_sched_ctl *c, pd_sched_arm a, int m)
     return t > 0.0 ? m * tau / t : -1.0;
 }
 
+static pd_sched_arm pick(pd_sched_ctl *c, int m);
+
 pd_sched_arm pd_sched_pick(pd_sched_ctl *c, int m)
+{
+    pd_sched_arm a = pick(c, m);
+    c->n_arm[a]++;
+    return a;
+}
+
+static pd_sched_arm pick(pd_sched_ctl *c, int m)
 {
     static const pd_sched_arm first[PD_SCHED_ARMS] = { PD_SCHED_ALGO1, PD_SCHED_ALL, PD_SCHED_PLAIN };
     long k = ++c->n_picks;

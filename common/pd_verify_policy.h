@@ -121,6 +121,7 @@ typedef struct {
     int d_n[PD_SCHED_CLASSES];
     int cold_skips[PD_SCHED_ARMS][PD_SCHED_CLASSES];
     long n_picks;
+    long n_arm[PD_SCHED_ARMS];      /* picks of each arm (diagnostics) */
 } pd_sched_ctl;
 
 void pd_sched_init(pd_sched_ctl *c, const pd_sps *sps);

@@ -404,12 +404,23 @@ int main(int argc, char **argv)
             if (st == PD_OK)
                 st = run_level(e, pr, n_pr, C, R, pol_target[pi] ? PD_VERIFY_DEFAULT : pol[pi], threshold,
                                max_new, &res, &err);
+            char arms[256] = "";
+            if (st == PD_OK && with_draft && pol[pi] == PD_VERIFY_SCHEDULED) {
+                const pd_sched_ctl *sc = pd_engine_sched(e);
+                snprintf(arms, sizeof(arms),
+                         "  scheduled arms at C=%d: rounds plain/algo1/all %ld/%ld/%ld, "
+                         "estimated tok/s %.0f/%.0f/%.0f\n", C, sc->n_arm[PD_SCHED_PLAIN],
+                         sc->n_arm[PD_SCHED_ALGO1], sc->n_arm[PD_SCHED_ALL],
+                         pd_sched_estimate(sc, PD_SCHED_PLAIN, C), pd_sched_estimate(sc, PD_SCHED_ALGO1, C),
+                         pd_sched_estimate(sc, PD_SCHED_ALL, C));
+            }
             pd_engine_destroy(e);
             pd_sps_cleanup(&sps);
             if (st != PD_OK)
                 goto fail;
             printf("%-10s %5d %8d %10.1f %10.3f %10.1f %6.3f %9.2f\n", pname, C, res.requests,
                    res.tokens_per_s, res.itl_ms, res.ttft_ms, res.tau, res.verified);
+            fputs(arms, stdout);
             fflush(stdout);
             if (csv != NULL) {
                 fprintf(csv, "\"%s\",%s,%d,%d,%ld,%.4f,%.2f,%.4f,%.3f,%.4f,%.3f\n",
