@@ -263,7 +263,7 @@ typedef struct {
 typedef struct {
     float temperature;       /* < 1e-5: greedy, the row becomes one-hot at its argmax */
     int32_t top_k;           /* <= 0 or >= n: off */
-    float top_p;             /* >= 1 (with top-k off): off */
+    float top_p;             /* >= 1: off */
     int32_t reserved;        /* 0 */
 } kern_sample_cfg;
 

@@ -1320,6 +1320,10 @@ static double run_sample(run_ctx *x)
                     pr[i] = pr[i] * pr[i] * pr[i] * pr[i];
                 s += pr[i];
             }
+            if (s <= 0.0) {   /* everything cut away: keep one token */
+                pr[rng_int(n)] = 1.0f;
+                s = 1.0;
+            }
             for (int i = 0; i < n; i++)
                 pr[i] = (float)(pr[i] / s);
         }

@@ -504,7 +504,7 @@ static void probs_row(const float *x, int n, const kern_sample_cfg *c, float *p,
     int keep = 0;
     for (; keep < k; keep++) {
         cum += p[order[keep]];
-        if (cum >= c->top_p) {
+        if (c->top_p < 1.0f && cum >= c->top_p) {
             keep++;
             break;
         }

@@ -185,14 +185,14 @@ static __device__ int sp_block_icdf(F val, int n, double u, double *shd, int *sh
     int last = -1;
     for (int i = lo; i < hi; i++) {
         float v = val(i);
-        if (v > 0.0f) {
+        if (!(v <= 0.0f)) {   /* as the reference: a NaN counts (and poisons the sums after it) */
             s += (double)v;
             last = i;
         }
     }
     double cum = sp_block_excl_scan_d(s, shd);
     int found = n;
-    if (last >= 0 && u < cum + s) {
+    if (last >= 0 && !(u >= cum + s)) {
         for (int i = lo; i < hi; i++) {
             float v = val(i);
             if (v <= 0.0f)
@@ -279,7 +279,9 @@ probs_kernel(kern_probs_args a)
         return;
     __syncthreads();   /* every p is in out before any thread reads another's */
 
-    const ull tp_fix = (ull)ceil((double)c.top_p * SP_FIX_SCALE);
+    /* top_p >= 1 is off (pd_sample.c): no running mass reaches it */
+    const bool use_p = c.top_p < 1.0f;
+    const ull tp_fix = use_p ? (ull)ceil((double)c.top_p * SP_FIX_SCALE) : ~0ull;
     unsigned int pref_mask = 0, pref_val = 0, cnt_above = 0;
     ull mass_above = 0;
     bool keep_all = false;
@@ -370,7 +372,7 @@ probs_kernel(kern_probs_args a)
         c_t = s_cnt_t;
         const ull t_fix = sp_fix(__uint_as_float(t_bits));
         long long jk = (long long)k - cnt_above;
-        long long jp = t_fix > 0 ? (long long)((tp_fix - mass_above + t_fix - 1) / t_fix) : c_t;
+        long long jp = use_p && t_fix > 0 ? (long long)((tp_fix - mass_above + t_fix - 1) / t_fix) : c_t;
         long long jj = jk < jp ? jk : jp;
         j = (int)(jj < c_t ? jj : c_t);
         kept_fix = mass_above + (ull)j * t_fix;
