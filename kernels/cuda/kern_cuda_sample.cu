@@ -7,8 +7,8 @@
  *     it to an ulp, so the same tokens survive the filter). top-k / top-p need no sort: the
  *     kept tokens are a prefix of the order (p desc, index asc), found by a 3-pass radix select
  *     over the bits of p (11, 11, 9 bits) whose histograms count tokens and their mass. Masses
- *     are integers in units of 2^-60 (64-bit shared atomics): exact for every p >= 2^-37 and
- *     the same whatever order the atomics land in. The select stops at the highest value t
+ *     are integers in units of 2^-60 (two 32-bit words per bin, lanes with equal values adding
+ *     once): exact for every p >= 2^-37 and the same whatever order the atomics land in. The select stops at the highest value t
  *     whose "tokens >= t" reach k or carry top_p; of the tokens equal to t, the lowest indices
  *     are kept (a block-wide rank in index order) until k or the mass is reached, as the
  *     reference's sorted scan does. Tokens with p = 0 stay out of the histograms: whether one
@@ -234,11 +234,27 @@ static __device__ __forceinline__ ull sp_fix(float p)
     return __double2ull_rn((double)p * SP_FIX_SCALE);
 }
 
+/* A mass bin as two 32-bit words (64-bit shared atomics spin on a compare-and-swap): the low
+ * word's wrap-arounds carry into the high one, so the sum stays exact in any order. */
+static __device__ __forceinline__ void sp_mass_add(unsigned int *lo, unsigned int *hi, ull v)
+{
+    unsigned int l = (unsigned int)v, h = (unsigned int)(v >> 32);
+    unsigned int old = atomicAdd(lo, l);
+    if (old + l < old)
+        h++;
+    if (h != 0)
+        atomicAdd(hi, h);
+}
+
+static __device__ __forceinline__ ull sp_mass(const unsigned int *lo, const unsigned int *hi, int b)
+{
+    return ((ull)hi[b] << 32) + lo[b];
+}
+
 __global__ void __launch_bounds__(SP_THREADS)
 probs_kernel(kern_probs_args a)
 {
-    __shared__ unsigned int hc[SP_BINS];
-    __shared__ ull hm[SP_BINS];
+    __shared__ unsigned int hc[SP_BINS], hml[SP_BINS], hmh[SP_BINS];
     __shared__ float shf[SP_WARPS];
     __shared__ int shi[SP_WARPS];
     __shared__ double shd[2 * SP_WARPS];
@@ -291,16 +307,22 @@ probs_kernel(kern_probs_args a)
         const int shift = shifts[pass], nb = 1 << widths[pass];
         for (int b = threadIdx.x; b < nb; b += SP_THREADS) {
             hc[b] = 0;
-            hm[b] = 0;
+            hml[b] = 0;
+            hmh[b] = 0;
         }
         __syncthreads();
-        for (int i = threadIdx.x; i < n; i += SP_THREADS) {
-            float p = out[i];
+        for (int i0 = 0; i0 < n; i0 += SP_THREADS) {
+            int i = i0 + threadIdx.x;
+            float p = i < n ? out[i] : 0.0f;
             unsigned int bits = __float_as_uint(p);
-            if (p > 0.0f && (bits & pref_mask) == pref_val) {
-                unsigned int d = (bits >> shift) & (unsigned)(nb - 1);
-                atomicAdd(&hc[d], 1u);
-                atomicAdd(&hm[d], sp_fix(p));
+            bool in = p > 0.0f && (bits & pref_mask) == pref_val;
+            /* lanes holding the same value add once (rows with many equal probabilities would
+             * otherwise queue on a few bins); 0xffffffff is a NaN, never a value that is in */
+            unsigned int peers = __match_any_sync(0xffffffffu, in ? bits : 0xffffffffu);
+            if (in && (threadIdx.x & 31) == __ffs(peers) - 1) {
+                unsigned int cnt = __popc(peers), d = (bits >> shift) & (unsigned)(nb - 1);
+                atomicAdd(&hc[d], cnt);
+                sp_mass_add(&hml[d], &hmh[d], (ull)cnt * sp_fix(p));
             }
         }
         __syncthreads();
@@ -313,7 +335,7 @@ probs_kernel(kern_probs_args a)
             ull lm = 0;
             for (int b = top; b > top - per; b--) {
                 lc += hc[b];
-                lm += hm[b];
+                lm += sp_mass(hml, hmh, b);
             }
             unsigned int ic = lc;
             ull im = lm;
@@ -329,12 +351,13 @@ probs_kernel(kern_probs_args a)
             ull rm = mass_above + im - lm;
             int digit = -1;
             for (int b = top; b > top - per; b--) {
-                if (rc + hc[b] >= (unsigned)k || rm + hm[b] >= tp_fix) {
+                ull mb = sp_mass(hml, hmh, b);
+                if (rc + hc[b] >= (unsigned)k || rm + mb >= tp_fix) {
                     digit = b;
                     break;
                 }
                 rc += hc[b];
-                rm += hm[b];
+                rm += mb;
             }
             unsigned int hit = __ballot_sync(0xffffffffu, digit >= 0);
             ull total = __shfl_sync(0xffffffffu, im, 31);
