@@ -1,7 +1,8 @@
 /* pd_engine.c - continuous-batching DSpark engine: chunked ragged prefill, batched draft block
  *   + Markov loop, one ragged verify forward, lossless acceptance, commit (see pd_engine.h).
- * Greedy requests never move logits to the host: argmax runs on the backend and only ids come
- *   back; sampled requests download their rows and sample on the host (pd_sample.c).
+ * No request moves logits to the host: greedy ones take the backend's argmax, sampled ones
+ *   the backend's sampling ops (kern_probs, kern_sample, kern_spec_verify) with uniforms drawn
+ *   from their own rng here; only token ids come back.
  * Threading: one thread drives an engine. */
 #include "pd_engine.h"
 
@@ -34,13 +35,16 @@ struct pd_engine {
     pd_draft *draft;
     pd_request **reqs;
     int n_reqs, cap_reqs;
-    /* host scratch */
-    float *hlogits;             /* [cap_rows, V] */
-    int cap_rows;
-    float *fscratch;            /* [V] */
-    int32_t *iscratch;          /* [V] */
-    float *qprobs;              /* [cap_q, V] draft distributions of sampled requests */
-    int cap_q;
+    /* sampled requests: distributions on the backend (target rows, and the round's drafts at
+     * row j * B + k), the small inputs of each launch staged on the host and uploaded at once */
+    kern_buf *smp_p;            /* [cap_smp_p, V] */
+    int cap_smp_p;
+    kern_buf *smp_q;            /* [cap_smp_q, V] */
+    int cap_smp_q;
+    kern_buf *smp_dev;          /* staging, bytes */
+    int cap_smp_dev;
+    void *smp_host;
+    int cap_smp_host;
     /* backend scratch */
     kern_buf *ids_dev;          /* int32 argmax outputs */
     int cap_ids;
@@ -264,12 +268,6 @@ pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err 
     pd_sched_init(&e->sched, e->cfg.sps);
     if (e->cfg.cp_size > 1 && (st = cp_create(e, &tl, taps, n_taps, err)) != PD_OK)
         goto err_free;
-    e->fscratch = malloc((size_t)e->V * sizeof(float));
-    e->iscratch = malloc((size_t)e->V * sizeof(int32_t));
-    if (e->fscratch == NULL || e->iscratch == NULL) {
-        st = pd_err_set(err, PD_ERR_NOMEM, "engine scratch");
-        goto err_free;
-    }
     *out = e;
     return PD_OK;
 err_free:
@@ -315,10 +313,10 @@ void pd_engine_destroy(pd_engine *e)
     pd_draft_destroy(e->draft);
     pd_kv_pool_destroy(e->tpool);
     pd_kv_pool_destroy(e->dpool);
-    free(e->hlogits);
-    free(e->fscratch);
-    free(e->iscratch);
-    free(e->qprobs);
+    kern_buf_free(e->smp_p);
+    kern_buf_free(e->smp_q);
+    kern_buf_free(e->smp_dev);
+    free(e->smp_host);
     kern_buf_free(e->ids_dev);
     kern_buf_free(e->aux_dev);
     kern_buf_free(e->idx_dev);
@@ -479,13 +477,6 @@ static void fail_request(pd_request *r, const pd_err *why)
     r->error[sizeof(r->error) - 1] = '\0';
 }
 
-/* Downloads rows of backend logits [n, V] into e->hlogits. */
-static pd_status fetch_rows(pd_engine *e, const float *dev, int n, pd_err *err)
-{
-    TRY(grow_host((void **)&e->hlogits, &e->cap_rows, n, (size_t)e->V * sizeof(float), err));
-    return kern_download(e->tm->be, e->hlogits, dev, (size_t)n * e->V * sizeof(float), err);
-}
-
 /* Row-wise argmax on the backend, ids to host. */
 static pd_status argmax_rows(pd_engine *e, const float *dev, int n, int32_t *out, pd_err *err)
 {
@@ -493,6 +484,57 @@ static pd_status argmax_rows(pd_engine *e, const float *dev, int n, int32_t *out
     TRY(kern_buf_grow(be, &e->ids_dev, &e->cap_ids, n, sizeof(int32_t), err));
     kern_argmax_args am = { .x = dev, .ld_x = e->V, .rows = n, .n = e->V, .out = e->ids_dev->ptr };
     TRY(kern_argmax(be, &am, err));
+    return kern_download(be, out, e->ids_dev->ptr, (size_t)n * sizeof(int32_t), err);
+}
+
+/* ---- sampled requests on the backend ------------------------------------------------------ */
+
+static kern_sample_cfg sample_cfg(const pd_sample_params *p)
+{
+    kern_sample_cfg c = { .temperature = pd_sample_is_greedy(p) ? 0.0f : p->temperature,
+                          .top_k = p->top_k, .top_p = p->top_p };
+    return c;
+}
+
+/* Host and backend staging of bytes for one launch's small inputs (16-byte aligned parts). */
+static pd_status stage_get(pd_engine *e, size_t bytes, char **host, char **dev, pd_err *err)
+{
+    if (bytes > INT_MAX / 2)
+        return pd_err_set(err, PD_ERR_INVALID, "sampling inputs of %zu bytes", bytes);
+    TRY(grow_host(&e->smp_host, &e->cap_smp_host, (int)bytes, 1, err));
+    TRY(kern_buf_grow(e->tm->be, &e->smp_dev, &e->cap_smp_dev, (int)bytes, 1, err));
+    *host = e->smp_host;
+    *dev = e->smp_dev->ptr;
+    return PD_OK;
+}
+
+static size_t align16(size_t n) { return (n + 15) & ~(size_t)15; }
+
+/* One token for each of n rows of backend logits [n, V], row i owned by owner[i]: its
+ * distribution goes to probs + i * ld_probs (backend), a sampled owner's uniform comes from its
+ * rng (greedy owners: the argmax, their rng untouched), and only the ids come back into out. */
+static pd_status sample_rows(pd_engine *e, const float *logits, pd_request *const *owner, int n,
+                             float *probs, int ld_probs, int32_t *out, pd_err *err)
+{
+    kern_backend *be = e->tm->be;
+    size_t cfg_b = align16((size_t)n * sizeof(kern_sample_cfg));
+    char *h = NULL, *d = NULL;
+    TRY(stage_get(e, cfg_b + (size_t)n * sizeof(double), &h, &d, err));
+    kern_sample_cfg *cfg = (kern_sample_cfg *)h;
+    double *u = (double *)(h + cfg_b);
+    for (int i = 0; i < n; i++) {
+        const pd_sample_params *sp = &owner[i]->params.sample;
+        cfg[i] = sample_cfg(sp);
+        u[i] = pd_sample_is_greedy(sp) ? 0.0 : pd_rng_uniform(&owner[i]->rng);
+    }
+    TRY(kern_upload(be, d, h, cfg_b + (size_t)n * sizeof(double), err));
+    TRY(kern_buf_grow(be, &e->ids_dev, &e->cap_ids, n, sizeof(int32_t), err));
+    kern_probs_args pa = { .x = logits, .ld_x = e->V, .cfg = (const kern_sample_cfg *)d, .rows = n,
+                           .n = e->V, .out = probs, .ld_out = ld_probs };
+    TRY(kern_probs(be, &pa, err));
+    kern_sample_args sa = { .probs = probs, .ld = ld_probs, .rows = n, .n = e->V,
+                            .u = (const double *)(d + cfg_b), .out = e->ids_dev->ptr };
+    TRY(kern_sample(be, &sa, err));
     return kern_download(be, out, e->ids_dev->ptr, (size_t)n * sizeof(int32_t), err);
 }
 
@@ -919,23 +961,20 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
         if (st != PD_OK)
             goto out;
     }
-    /* first tokens: greedy on the backend, sampled on the host */
+    /* first tokens: the backend's argmax, or its sampling ops when a request samples */
     int any_sampled = 0;
     for (int i = 0; i < n_done; i++)
         any_sampled |= !pd_sample_is_greedy(&done[i]->params.sample);
-    if (n_done > 0 && (st = argmax_rows(e, logits, n_done, first, err)) != PD_OK)
+    if (n_done > 0 && !any_sampled)
+        st = argmax_rows(e, logits, n_done, first, err);
+    else if (n_done > 0 &&
+             (st = kern_buf_grow(e->tm->be, &e->smp_p, &e->cap_smp_p, n_done, (size_t)e->V * sizeof(float), err)) == PD_OK)
+        st = sample_rows(e, logits, done, n_done, e->smp_p->ptr, e->V, first, err);
+    if (st != PD_OK)
         goto out;
-    if (any_sampled && (st = fetch_rows(e, logits, n_done, err)) != PD_OK)
-        goto out;
-    for (int i = 0; i < n_done; i++) {
-        pd_request *r = done[i];
-        int32_t tok = first[i];
-        if (!pd_sample_is_greedy(&r->params.sample))
-            tok = pd_sample_logits(e->hlogits + (size_t)i * e->V, e->V, &r->params.sample, &r->rng,
-                                   e->fscratch, e->iscratch);
-        if ((st = commit_first(e, r, tok, err)) != PD_OK)
+    for (int i = 0; i < n_done; i++)
+        if ((st = commit_first(e, done[i], first[i], err)) != PD_OK)
             goto out;
-    }
 out:
     free(ids);
     free(pos);
@@ -974,7 +1013,128 @@ typedef struct {
     int l;            /* drafts verified this round */
     int base;         /* first row of this request in the verify batch */
     int32_t d[32];    /* draft tokens */
+    int qrow;         /* sampled drafts: row of d[0]'s distribution in e->smp_q */
+    int acc;          /* sampled requests: drafts accepted (verify_sampled) ... */
+    int32_t next;     /* ... and the token after them */
 } round_slot;
+
+/* The step-by-step draft loop after the block forward (sampled drafts, or tensor-parallel ranks,
+ * whose step logits are gathered after each step): B Markov steps from the anchors, each
+ * picking one token per drafting request, the backend's argmax or, when any request samples,
+ * kern_sample's pick (greedy rows get their argmax there too) with the distribution kept at row
+ * j * B + k of e->smp_q for verification. One download of n_draft ids per step. prev and tok:
+ * n_draft ids of scratch; conf_k: n_draft floats when want_conf. */
+static pd_status draft_steps(pd_engine *e, round_slot **dslot, int n_draft, const int32_t *anchor,
+                             int any_sampled, int32_t *prev, int32_t *tok, float *conf_k,
+                             float *conf, int want_conf, pd_err *err)
+{
+    pd_request **owner = NULL;
+    pd_status st = PD_OK;
+    if (any_sampled) {
+        owner = malloc((size_t)n_draft * sizeof(*owner));
+        if (owner == NULL)
+            return pd_err_set(err, PD_ERR_NOMEM, "draft owners");
+        for (int j = 0; j < n_draft; j++) {
+            owner[j] = dslot[j]->r;
+            dslot[j]->qrow = j * e->B;
+        }
+        st = kern_buf_grow(e->tm->be, &e->smp_q, &e->cap_smp_q, n_draft * e->B,
+                           (size_t)e->V * sizeof(float), err);
+    }
+    memcpy(prev, anchor, (size_t)n_draft * sizeof(int32_t));
+    for (int k = 0; k < e->B && st == PD_OK; k++) {
+        st = markov_step(e, k, prev, want_conf ? conf_k : NULL, err);
+        if (st != PD_OK)
+            break;
+        const float *sl = pd_draft_step_logits(e->draft);
+        if (any_sampled)
+            st = sample_rows(e, sl, owner, n_draft, (float *)e->smp_q->ptr + (size_t)k * e->V,
+                             e->B * e->V, tok, err);
+        else
+            st = argmax_rows(e, sl, n_draft, tok, err);
+        for (int j = 0; j < n_draft && st == PD_OK; j++) {
+            dslot[j]->d[k] = tok[j];
+            prev[j] = tok[j];
+            if (want_conf)
+                conf[(size_t)j * e->B + k] = conf_k[j];
+        }
+    }
+    free(owner);
+    return st;
+}
+
+/* Verifies every sampled request of the round on the backend: its target rows of the verify
+ * logits vl become distributions (kern_probs), and kern_spec_verify checks its drafts against
+ * them and the round's draft distributions (e->smp_q); one upload, one download of two ints per
+ * request into slots[i].acc / .next. Each request's uniforms (l accept tests, then the final
+ * draw) come from its rng in that order. */
+static pd_status verify_sampled(pd_engine *e, const float *vl, round_slot *slots, int m, pd_err *err)
+{
+    kern_backend *be = e->tm->be;
+    enum { LD = 32 };   /* round_slot.d */
+    int ns = 0, nrow = 0;
+    for (int i = 0; i < m; i++)
+        if (!pd_sample_is_greedy(&slots[i].r->params.sample)) {
+            ns++;
+            nrow += slots[i].l + 1;
+        }
+    if (ns == 0)
+        return PD_OK;
+    /* staging: idx, cfg (per target row), p_row, q_row, len, draft (per request), u, out */
+    size_t o_cfg = align16((size_t)nrow * sizeof(int32_t));
+    size_t o_req = o_cfg + align16((size_t)nrow * sizeof(kern_sample_cfg));
+    size_t o_draft = o_req + align16((size_t)3 * ns * sizeof(int32_t));
+    size_t o_u = o_draft + align16((size_t)ns * LD * sizeof(int32_t));
+    size_t o_out = o_u + align16((size_t)ns * (LD + 1) * sizeof(double));
+    size_t bytes = o_out + (size_t)2 * ns * sizeof(int32_t);
+    char *h = NULL, *d = NULL;
+    TRY(stage_get(e, bytes, &h, &d, err));
+    int32_t *idx = (int32_t *)h, *req = (int32_t *)(h + o_req), *draft = (int32_t *)(h + o_draft);
+    kern_sample_cfg *cfg = (kern_sample_cfg *)(h + o_cfg);
+    double *u = (double *)(h + o_u);
+    int c = 0, row = 0;
+    for (int i = 0; i < m; i++) {
+        round_slot *sl = &slots[i];
+        pd_request *r = sl->r;
+        if (pd_sample_is_greedy(&r->params.sample))
+            continue;
+        req[c] = row;
+        req[ns + c] = sl->l > 0 ? sl->qrow : 0;
+        req[2 * ns + c] = sl->l;
+        for (int j = 0; j <= sl->l; j++, row++) {
+            idx[row] = sl->base + j;
+            cfg[row] = sample_cfg(&r->params.sample);
+        }
+        memcpy(draft + (size_t)c * LD, sl->d, (size_t)sl->l * sizeof(int32_t));
+        for (int j = 0; j <= sl->l; j++)
+            u[(size_t)c * (LD + 1) + j] = pd_rng_uniform(&r->rng);
+        c++;
+    }
+    TRY(kern_upload(be, d, h, o_out, err));
+    TRY(kern_buf_grow(be, &e->smp_p, &e->cap_smp_p, nrow, (size_t)e->V * sizeof(float), err));
+    kern_probs_args pa = { .x = vl, .ld_x = e->V, .idx = (const int32_t *)d,
+                           .cfg = (const kern_sample_cfg *)(d + o_cfg), .rows = nrow, .n = e->V,
+                           .out = e->smp_p->ptr, .ld_out = e->V };
+    TRY(kern_probs(be, &pa, err));
+    const int32_t *dreq = (const int32_t *)(d + o_req);
+    kern_spec_verify_args va = { .p = e->smp_p->ptr, .ld_p = e->V,
+                                 .q = e->smp_q != NULL ? e->smp_q->ptr : NULL, .ld_q = e->V,
+                                 .n = e->V, .n_req = ns, .p_row = dreq, .q_row = dreq + ns,
+                                 .len = dreq + 2 * ns, .draft = (const int32_t *)(d + o_draft),
+                                 .ld_draft = LD, .u = (const double *)(d + o_u), .ld_u = LD + 1,
+                                 .out = (int32_t *)(d + o_out) };
+    TRY(kern_spec_verify(be, &va, err));
+    int32_t *out = (int32_t *)(h + o_out);
+    TRY(kern_download(be, out, d + o_out, (size_t)2 * ns * sizeof(int32_t), err));
+    c = 0;
+    for (int i = 0; i < m; i++)
+        if (!pd_sample_is_greedy(&slots[i].r->params.sample)) {
+            slots[i].acc = out[2 * c];
+            slots[i].next = out[2 * c + 1];
+            c++;
+        }
+    return PD_OK;
+}
 
 static pd_verify_policy request_policy(const pd_engine *e, const pd_request *r)
 {
@@ -1122,11 +1282,6 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             goto out;
         }
     }
-    if (any_sampled && n_draft > 0) {
-        st = grow_host((void **)&e->qprobs, &e->cap_q, n_draft * e->B, (size_t)e->V * sizeof(float), err);
-        if (st != PD_OK)
-            goto out;
-    }
     if (n_draft > 0 && e->n_pend > 0) {
         st = pend_flush(e, err);   /* the drafts must see every committed position */
         if (st != PD_OK)
@@ -1159,33 +1314,10 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             goto out;
     } else if (n_draft > 0) {
         st = draft_block(e, n_draft, anchor, start, dseqs, err);
+        if (st == PD_OK)
+            st = draft_steps(e, dslot, n_draft, anchor, any_sampled, prev, tok, conf_k, conf, want_conf, err);
         if (st != PD_OK)
             goto out;
-        memcpy(prev, anchor, (size_t)n_draft * 4);
-        for (int k = 0; k < e->B; k++) {
-            st = markov_step(e, k, prev, want_conf ? conf_k : NULL, err);
-            if (st != PD_OK)
-                goto out;
-            const float *sl = pd_draft_step_logits(e->draft);
-            st = argmax_rows(e, sl, n_draft, tok, err);
-            if (st == PD_OK && any_sampled)
-                st = fetch_rows(e, sl, n_draft, err);
-            if (st != PD_OK)
-                goto out;
-            for (int j = 0; j < n_draft; j++) {
-                pd_request *r = dslot[j]->r;
-                if (!pd_sample_is_greedy(&r->params.sample)) {
-                    float *q = e->qprobs + ((size_t)j * e->B + k) * e->V;
-                    pd_probs_from_logits(e->hlogits + (size_t)j * e->V, e->V, &r->params.sample, q,
-                                         e->iscratch);
-                    tok[j] = pd_sample_from_probs(q, e->V, &r->rng);
-                }
-                dslot[j]->d[k] = tok[j];
-                prev[j] = tok[j];
-                if (want_conf)
-                    conf[(size_t)j * e->B + k] = conf_k[j];
-            }
-        }
     }
     if (n_draft > 0) {
         /* the draft round just ended with a download, so the host clock saw all of it */
@@ -1243,7 +1375,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         const float *vl = pd_target_logits(e->target);
         st = argmax_rows(e, vl, n_v, vargmax, err);
         if (st == PD_OK && any_sampled)
-            st = fetch_rows(e, vl, n_v, err);
+            st = verify_sampled(e, vl, slots, m, err);
         if (st != PD_OK)
             goto out;
     }
@@ -1255,7 +1387,6 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         st = pd_err_set(err, PD_ERR_NOMEM, "commit metadata");
         goto out;
     }
-    int dj = 0;
     for (int i = 0; i < m; i++) {
         round_slot *sl = &slots[i];
         pd_request *r = sl->r;
@@ -1266,22 +1397,9 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
                 a++;
             bonus = vargmax[sl->base + a];
         } else {
-            /* target distributions of rows base..base+l, draft ones from this round */
-            float *p = malloc((size_t)(l + 1) * e->V * sizeof(float));
-            if (p == NULL) {
-                free(ext_owner);
-                st = pd_err_set(err, PD_ERR_NOMEM, "verify distributions");
-                goto out;
-            }
-            for (int j = 0; j <= l; j++)
-                pd_probs_from_logits(e->hlogits + (size_t)(sl->base + j) * e->V, e->V,
-                                     &r->params.sample, p + (size_t)j * e->V, e->iscratch);
-            const float *q = l > 0 ? e->qprobs + (size_t)dj * e->B * e->V : NULL;
-            a = pd_verify_sampled(sl->d, l, p, q, e->V, &r->rng, e->fscratch, &bonus);
-            free(p);
+            a = sl->acc;   /* rejection sampling on the backend (verify_sampled) */
+            bonus = sl->next;
         }
-        if (l > 0)
-            dj++;
         int stop_at = -1;
         if (!r->params.ignore_eos)
             for (int j = 0; j < a; j++)

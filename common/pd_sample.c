@@ -98,7 +98,9 @@ void pd_probs_from_logits(const float *logits, int n, const pd_sample_params *p,
     int k = p->top_k > 0 && p->top_k < n ? p->top_k : n;
     if (k == n && p->top_p >= 1.0f)
         return;
-    /* keep the k most likely, then the smallest prefix reaching top_p; renormalise */
+    /* keep the k most likely, then the smallest prefix reaching top_p; renormalise. top_p = 1 is
+     * off: with top-k on, the running sum would otherwise stop wherever rounding first takes it
+     * to 1 (deep in the tail, at a point no other summation order reproduces) */
     for (int i = 0; i < n; i++)
         scratch[i] = i;
     qsort_r(scratch, (size_t)n, sizeof(int32_t), by_prob_desc, probs);
@@ -106,7 +108,7 @@ void pd_probs_from_logits(const float *logits, int n, const pd_sample_params *p,
     int keep = 0;
     for (; keep < k; keep++) {
         cum += probs[scratch[keep]];
-        if (cum >= p->top_p) {
+        if (p->top_p < 1.0f && cum >= p->top_p) {
             keep++;
             break;
         }

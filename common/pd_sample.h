@@ -2,7 +2,9 @@
  * Owns: the seeded RNG, temperature / top-k / top-p filtering, greedy argmax (lowest index wins
  *   ties), and the lossless acceptance rules (greedy prefix match; rejection sampling with
  *   residual resampling for temperature > 0).
- * Not here: producing logits (pd_qwen3.c, pd_dspark.c).
+ * Not here: producing logits (pd_qwen3.c, pd_dspark.c). The engine samples with the backend ops
+ *   kern_probs / kern_sample / kern_spec_verify (kern_backend.h), which follow these rules; the
+ *   functions here are their reference (test_sampling holds the CPU ops to them bit for bit).
  * Threading: pure functions; an rng belongs to one request. */
 #ifndef PD_SAMPLE_H
 #define PD_SAMPLE_H

@@ -252,6 +252,73 @@ typedef struct {
     int32_t *ids;            /* [n], nullable */
 } kern_markov_step_args;
 
+/* ---- sampling (temperature / top-k / top-p) and speculative verification ------------------
+ * The rules are pd_sample.h's, so a sampled request gives the same tokens on every backend up
+ * to float rounding: the CPU entries compute exactly what pd_probs_from_logits,
+ * pd_sample_from_probs and pd_verify_sampled compute. Uniforms come from the caller (drawn from
+ * the request's seeded rng on the host), so seeds reproduce. */
+
+/* Sampling parameters of one row (backend memory; the caller validated them with
+ * pd_sample_params_check). */
+typedef struct {
+    float temperature;       /* < 1e-5: greedy, the row becomes one-hot at its argmax */
+    int32_t top_k;           /* <= 0 or >= n: off */
+    float top_p;             /* >= 1: off */
+    int32_t reserved;        /* 0 */
+} kern_sample_cfg;
+
+/* out[r, 0:n] = the sampling distribution of logits row x[idx ? idx[r] : r] under cfg[r]:
+ *   greedy: one-hot at the argmax (lowest index wins a tie, as kern_argmax);
+ *   else p = softmax(x / T) (exp in double, as the reference), then, when filtering is on, the
+ *   tokens in order of (p descending, index ascending) are kept up to the first k, or up to and
+ *   including the first whose running mass reaches top_p if that comes earlier; the kept ones
+ *   are renormalised and the rest set to 0. out must not overlap x. */
+typedef struct {
+    const float *x;          /* [*, ld_x] logits */
+    int ld_x;
+    const int32_t *idx;      /* nullable, [rows] */
+    const kern_sample_cfg *cfg;   /* [rows] */
+    int rows;
+    int n;
+    float *out;              /* [rows, ld_out] */
+    int ld_out;
+} kern_probs_args;
+
+/* out[r] = the token that inverse-CDF sampling of probs row r picks for u[r] in [0, 1): the
+ * first token i (index order, zero entries skipped) whose running mass exceeds u[r]; when
+ * rounding leaves u[r] above the total, the last token with mass. */
+typedef struct {
+    const float *probs;      /* [rows, ld] */
+    int ld;
+    int rows;
+    int n;
+    const double *u;         /* [rows] */
+    int32_t *out;            /* [rows] */
+} kern_sample_args;
+
+/* Rejection-sampling verification of n_req requests (pd_verify_sampled for each, in one launch):
+ * request r checked drafts d = draft[r, 0:len[r]] against target rows p[p_row[r] + i] and draft
+ * rows q[q_row[r] + i]: draft i is accepted when u[r, i] < min(1, p_i[d_i] / max(q_i[d_i], 1e-8));
+ * at the first rejection a the next token is sampled (with u[r, len[r]]) from
+ * normalise(max(0, p_a - q_a)) (p_a itself when that mass is <= 1e-8), else from p[p_row + len].
+ * out[r, 0] = accepted count, out[r, 1] = next token. */
+typedef struct {
+    const float *p;          /* [*, ld_p] target distributions */
+    int ld_p;
+    const float *q;          /* [*, ld_q] draft distributions (may be NULL when every len is 0) */
+    int ld_q;
+    int n;                   /* vocabulary */
+    int n_req;
+    const int32_t *p_row;    /* [n_req] */
+    const int32_t *q_row;    /* [n_req] */
+    const int32_t *len;      /* [n_req], 0 <= len <= ld_draft, len < ld_u */
+    const int32_t *draft;    /* [n_req, ld_draft] */
+    int ld_draft;
+    const double *u;         /* [n_req, ld_u] */
+    int ld_u;
+    int32_t *out;            /* [n_req, 2] */
+} kern_spec_verify_args;
+
 /* ---- the backend ------------------------------------------------------------------------- */
 
 struct kern_backend_ops {
@@ -289,6 +356,9 @@ struct kern_backend_ops {
     pd_status (*linear)(kern_backend *be, const kern_linear_args *a, pd_err *err);
     pd_status (*qk_post)(kern_backend *be, const kern_qk_post_args *a, pd_err *err);
     pd_status (*markov_step)(kern_backend *be, const kern_markov_step_args *a, pd_err *err);
+    pd_status (*probs)(kern_backend *be, const kern_probs_args *a, pd_err *err);
+    pd_status (*sample)(kern_backend *be, const kern_sample_args *a, pd_err *err);
+    pd_status (*spec_verify)(kern_backend *be, const kern_spec_verify_args *a, pd_err *err);
     void (*destroy)(kern_backend *be);
 };
 
@@ -357,6 +427,9 @@ pd_status kern_argmax(kern_backend *be, const kern_argmax_args *a, pd_err *err);
 pd_status kern_linear(kern_backend *be, const kern_linear_args *a, pd_err *err);
 pd_status kern_qk_post(kern_backend *be, const kern_qk_post_args *a, pd_err *err);
 pd_status kern_markov_step(kern_backend *be, const kern_markov_step_args *a, pd_err *err);
+pd_status kern_probs(kern_backend *be, const kern_probs_args *a, pd_err *err);
+pd_status kern_sample(kern_backend *be, const kern_sample_args *a, pd_err *err);
+pd_status kern_spec_verify(kern_backend *be, const kern_spec_verify_args *a, pd_err *err);
 
 /* Host helpers for dtype conversion (used by loaders and the CPU backend). */
 float kern_bf16_to_f32(uint16_t h);

@@ -318,3 +318,38 @@ pd_status kern_markov_step(kern_backend *be, const kern_markov_step_args *a, pd_
     CHECK(a->w2.rows <= (int64_t)1 << 30, "markov_step: V %lld", (long long)a->w2.rows);
     return be->ops->markov_step(be, a, err);
 }
+
+pd_status kern_probs(kern_backend *be, const kern_probs_args *a, pd_err *err)
+{
+    if (a->rows == 0)
+        return PD_OK;
+    CHECK(a->rows > 0 && a->n > 0, "probs: rows %d n %d", a->rows, a->n);
+    CHECK(a->x != NULL && a->out != NULL && a->cfg != NULL, "probs: NULL x/out/cfg");
+    CHECK(a->ld_x >= a->n && a->ld_out >= a->n, "probs: ld_x %d ld_out %d < n %d", a->ld_x,
+          a->ld_out, a->n);
+    CHECK((const float *)a->out != a->x, "probs: out aliases x");
+    return be->ops->probs(be, a, err);
+}
+
+pd_status kern_sample(kern_backend *be, const kern_sample_args *a, pd_err *err)
+{
+    if (a->rows == 0)
+        return PD_OK;
+    CHECK(a->rows > 0 && a->n > 0, "sample: rows %d n %d", a->rows, a->n);
+    CHECK(a->probs != NULL && a->u != NULL && a->out != NULL, "sample: NULL probs/u/out");
+    CHECK(a->ld >= a->n, "sample: ld %d < n %d", a->ld, a->n);
+    return be->ops->sample(be, a, err);
+}
+
+pd_status kern_spec_verify(kern_backend *be, const kern_spec_verify_args *a, pd_err *err)
+{
+    if (a->n_req == 0)
+        return PD_OK;
+    CHECK(a->n_req > 0 && a->n > 0, "spec_verify: n_req %d n %d", a->n_req, a->n);
+    CHECK(a->p != NULL && a->p_row != NULL && a->q_row != NULL && a->len != NULL &&
+              a->draft != NULL && a->u != NULL && a->out != NULL, "spec_verify: NULL pointer");
+    CHECK(a->ld_p >= a->n && (a->q == NULL || a->ld_q >= a->n), "spec_verify: ld_p %d ld_q %d < n %d",
+          a->ld_p, a->ld_q, a->n);
+    CHECK(a->ld_draft >= 1 && a->ld_u >= 1, "spec_verify: ld_draft %d ld_u %d", a->ld_draft, a->ld_u);
+    return be->ops->spec_verify(be, a, err);
+}

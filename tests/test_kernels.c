@@ -7,8 +7,8 @@
  * parts an op must not touch (row padding, guards, unused KV slots) have to come back bit-equal.
  * Usage: test_kernels [--op NAME] [--perf] [--seed N]
  *   --op NAME  run only cases of op NAME (embed, rmsnorm, matmul, rope, unary, binary,
- *              copy_rows, kv_store, attn, argmax, convert, linear, qk_post, markov_step; invariance: only the
- *              bit-for-bit batch-invariance checks)
+ *              copy_rows, kv_store, attn, argmax, convert, linear, qk_post, markov_step, probs,
+ *              sample, spec_verify; invariance: only the bit-for-bit batch-invariance checks)
  *   --perf     also run the large perf cases and time every case on CUDA (median of 5 runs of
  *              20 back-to-back calls), printing GB/s, TFLOP/s and the fraction of the roofline
  *   --invariant  run the cases with be->batch_invariant set on the CUDA backend (the kernels of
@@ -1118,6 +1118,404 @@ static double run_markov_step(run_ctx *x)
     return e;
 }
 
+/* ---- sampling ops ------------------------------------------------------------------------- */
+
+static pd_status fn_probs(kern_backend *be, const void *a, pd_err *e) { return kern_probs(be, a, e); }
+static pd_status fn_sample(kern_backend *be, const void *a, pd_err *e) { return kern_sample(be, a, e); }
+static pd_status fn_spec_verify(kern_backend *be, const void *a, pd_err *e) { return kern_spec_verify(be, a, e); }
+
+/* The sampling parameters of row r of a case: every kind (greedy, plain, top-k, top-p, both,
+ * k = 1, k above n, low and high temperature) in turn. */
+static kern_sample_cfg case_cfg(int r, int n)
+{
+    static const kern_sample_cfg kinds[] = {
+        {0.0f, 0, 1.0f, 0},    {1.0f, 0, 1.0f, 0},     {0.7f, 50, 1.0f, 0},   {1.3f, 0, 0.9f, 0},
+        {0.8f, 200, 0.95f, 0}, {1.0f, 1, 1.0f, 0},     {2.0f, 0, 0.5f, 0},    {0.5f, -1, 1.0f, 0},
+        {1.0f, -2, 0.999f, 0}, {0.05f, 0, 0.9f, 0},    {1.0f, 7, 0.3f, 0},    {0.9f, 1000, 0.99f, 0},
+    };
+    kern_sample_cfg c = kinds[r % (int)(sizeof(kinds) / sizeof(kinds[0]))];
+    if (c.top_k == -1)
+        c.top_k = n - 1;
+    else if (c.top_k == -2)
+        c.top_k = n + 5;
+    return c;
+}
+
+/* Logits rows like a language model's: a flat bulk with a few strong tokens; odd rows are
+ * coarse (multiples of 0.5) so that probabilities tie, also at the top-k / top-p boundary. */
+static float *sample_logits(int rows, int n, int ld)
+{
+    float *v = host_rand((size_t)rows * ld, -4.0f, 4.0f, 0);
+    for (int r = 0; r < rows; r++) {
+        float *x = v + (size_t)r * ld;
+        for (int t = 0; t < 8; t++)
+            x[rng_int(n)] += 6.0f + (float)t;
+        if (r % 2 == 1)
+            for (int i = 0; i < n; i++)
+                x[i] = (float)(int)(x[i] * 2.0f) * 0.5f;
+    }
+    return v;
+}
+
+/* probs: rows x n logits (pad = extra stride of x and out), sub 1 = rows gathered through idx.
+ * Besides the relative error: the same tokens must survive the filter on both sides, and a
+ * greedy row must be one-hot at the host argmax (kern_argmax's rule). */
+static double run_probs(run_ctx *x)
+{
+    const kcase *c = x->c;
+    int rows = c->rows, n = c->cols, ld = n + c->pad, n_src = c->sub & 1 ? rows + 3 : rows;
+    float *v = sample_logits(n_src, n, ld);
+    kern_sample_cfg *cfg = malloc((size_t)rows * sizeof(*cfg));
+    int32_t *idx = malloc((size_t)rows * sizeof(int32_t));
+    for (int r = 0; r < rows; r++) {
+        cfg[r] = case_cfg(r, n);
+        idx[r] = (r * 7 + 2) % n_src;
+    }
+    kern_probs_args ac = {0}, ag;
+    ac.ld_x = ld;
+    ac.rows = rows;
+    ac.n = n;
+    ac.ld_out = ld;
+    ag = ac;
+    ac.x = side_bytes(x->cpu, v, (size_t)n_src * ld * 4);
+    ag.x = side_bytes(x->gpu, v, (size_t)n_src * ld * 4);
+    ac.cfg = side_bytes(x->cpu, cfg, (size_t)rows * sizeof(*cfg));
+    ag.cfg = side_bytes(x->gpu, cfg, (size_t)rows * sizeof(*cfg));
+    if (c->sub & 1) {
+        ac.idx = side_bytes(x->cpu, idx, (size_t)rows * 4);
+        ag.idx = side_bytes(x->gpu, idx, (size_t)rows * 4);
+    }
+    outbuf o = out_make(x->cpu, x->gpu, (size_t)rows * ld, NULL);
+    ac.out = o.cpu;
+    ag.out = o.gpu;
+    double e = run_both(x, fn_probs, &ac, &ag);
+    float *hc = e == 0.0 ? side_download(x->cpu, o.cpu, (size_t)rows * ld * 4) : NULL;
+    float *hg = e == 0.0 ? side_download(x->gpu, o.gpu, (size_t)rows * ld * 4) : NULL;
+    if (e == 0.0)
+        e = out_check(x->cpu, x->gpu, &o, "out", rows, n, ld);
+    for (int r = 0; hc != NULL && r < rows; r++) {
+        const float *pc = hc + (size_t)r * ld, *pg = hg + (size_t)r * ld;
+        const float *xr = v + (size_t)(c->sub & 1 ? idx[r] : r) * ld;
+        int kept_c = 0, kept_g = 0, differ = 0, first = -1;
+        for (int i = 0; i < n; i++) {
+            kept_c += pc[i] > 0.0f;
+            kept_g += pg[i] > 0.0f;
+            if ((pc[i] > 0.0f) != (pg[i] > 0.0f) && differ++ == 0)
+                first = i;
+        }
+        if (differ) {
+            printf("      row %d (T %g k %d p %g): %d tokens kept on one side only (cpu %d, cuda %d; "
+                   "first %d: cpu %g cuda %g)\n", r, (double)cfg[r].temperature, cfg[r].top_k,
+                   (double)cfg[r].top_p, differ, kept_c, kept_g, first, (double)pc[first], (double)pg[first]);
+            e = 1e30;
+        }
+        if (cfg[r].temperature < 1e-5f) {
+            int best = 0;
+            for (int i = 1; i < n; i++)
+                if (xr[i] > xr[best])
+                    best = i;
+            if (pg[best] != 1.0f || kept_g != 1) {
+                printf("      greedy row %d: cuda is not one-hot at the argmax %d\n", r, best);
+                e = 1e30;
+            }
+        }
+    }
+    if (o.init != NULL)
+        free(o.init);
+    perf_report(x->gpu->be, fn_probs, &ag, (double)rows * n * 4 * 6, 0);
+    free(hc);
+    free(hg);
+    free(v);
+    free(cfg);
+    free(idx);
+    return e;
+}
+
+/* The running-sum interval [lo, hi) of token t in a probability row (entries <= 0 skipped). */
+static void cdf_interval(const float *p, int t, double *lo, double *hi)
+{
+    double cum = 0.0;
+    for (int i = 0; i < t; i++)
+        if (p[i] > 0.0f)
+            cum += p[i];
+    *lo = cum;
+    *hi = cum + (p[t] > 0.0f ? p[t] : 0.0f);
+}
+
+/* A token differing from the CPU's is accepted only when u lies in its CDF interval (under
+ * the CPU's distribution ref) within tol, or u is beyond the total and it is the last token
+ * with mass. Returns 1 when t is acceptable. */
+static int token_ok(const float *ref, int n, int t_cpu, int t_gpu, double u, double tol, int *near)
+{
+    if (t_gpu == t_cpu)
+        return 1;
+    if (t_gpu < 0 || t_gpu >= n || !(ref[t_gpu] > 0.0f))
+        return 0;
+    double lo, hi;
+    cdf_interval(ref, t_gpu, &lo, &hi);
+    if (u >= lo - tol && u < hi + tol) {
+        (*near)++;
+        return 1;
+    }
+    return 0;
+}
+
+/* sample: rows x n probability rows (pad = extra stride) and one uniform per row.
+ * sub 0: the same host rows on both sides (rows with zeros, one-hot rows, rows whose float
+ *   total is not 1, uniforms 0, just below 1 and exactly on CDF boundaries); tokens must match
+ *   except where u is within 1e-9 of the boundary of the token the GPU picked.
+ * sub 1: the whole pipeline, kern_probs then kern_sample on each side from the same logits; the
+ *   distributions agree to float rounding, so the tolerance is 1e-5. */
+static double run_sample(run_ctx *x)
+{
+    const kcase *c = x->c;
+    int rows = c->rows, n = c->cols, ld = n + c->pad, pipeline = c->sub & 1;
+    double tol = pipeline ? 1e-5 : 1e-9;
+    float *p = NULL;
+    double *u = malloc((size_t)rows * sizeof(double));
+    kern_sample_args ac = {0}, ag;
+    ac.ld = ld;
+    ac.rows = rows;
+    ac.n = n;
+    ag = ac;
+    if (pipeline) {
+        float *v = sample_logits(rows, n, ld);
+        kern_sample_cfg *cfg = malloc((size_t)rows * sizeof(*cfg));
+        for (int r = 0; r < rows; r++)
+            cfg[r] = case_cfg(r, n);
+        kern_probs_args pc = { .ld_x = ld, .rows = rows, .n = n, .ld_out = ld }, pg;
+        pg = pc;
+        pc.x = side_bytes(x->cpu, v, (size_t)rows * ld * 4);
+        pg.x = side_bytes(x->gpu, v, (size_t)rows * ld * 4);
+        pc.cfg = side_bytes(x->cpu, cfg, (size_t)rows * sizeof(*cfg));
+        pg.cfg = side_bytes(x->gpu, cfg, (size_t)rows * sizeof(*cfg));
+        pc.out = side_alloc(x->cpu, (size_t)rows * ld * 4);
+        pg.out = side_alloc(x->gpu, (size_t)rows * ld * 4);
+        if (run_both(x, fn_probs, &pc, &pg) != 0.0) {
+            free(v);
+            free(cfg);
+            free(u);
+            return 1e30;
+        }
+        ac.probs = pc.out;
+        ag.probs = pg.out;
+        p = side_download(x->cpu, pc.out, (size_t)rows * ld * 4);
+        free(v);
+        free(cfg);
+    } else {
+        p = host_rand((size_t)rows * ld, 0.0f, 1.0f, 0);
+        for (int r = 0; r < rows; r++) {
+            float *pr = p + (size_t)r * ld;
+            int kind = r % 4;
+            if (kind == 1) {   /* one-hot */
+                memset(pr, 0, (size_t)n * 4);
+                pr[rng_int(n)] = 1.0f;
+                continue;
+            }
+            double s = 0.0;
+            for (int i = 0; i < n; i++) {
+                if (kind == 2 && rng_int(10) < 7)
+                    pr[i] = 0.0f;   /* filtered away */
+                else if (kind == 3)
+                    pr[i] = pr[i] * pr[i] * pr[i] * pr[i];
+                s += pr[i];
+            }
+            if (s <= 0.0) {   /* everything cut away: keep one token */
+                pr[rng_int(n)] = 1.0f;
+                s = 1.0;
+            }
+            for (int i = 0; i < n; i++)
+                pr[i] = (float)(pr[i] / s);
+        }
+        ac.probs = side_bytes(x->cpu, p, (size_t)rows * ld * 4);
+        ag.probs = side_bytes(x->gpu, p, (size_t)rows * ld * 4);
+    }
+    for (int r = 0; r < rows; r++) {
+        const float *pr = p + (size_t)r * ld;
+        u[r] = (double)(rng_next() >> 11) * (1.0 / 9007199254740992.0);
+        if (r == 0)
+            u[r] = 0.0;
+        else if (r == 1)
+            u[r] = 1.0 - 1e-16;   /* above a total that rounds below 1: the last token with mass */
+        else if (r % 5 == 2) {   /* exactly on a boundary of the CPU's running sum */
+            double lo, hi;
+            int t = rng_int(n);
+            while (t > 0 && !(pr[t] > 0.0f))
+                t--;
+            cdf_interval(pr, t, &lo, &hi);
+            u[r] = hi < 1.0 ? hi : lo;
+        }
+    }
+    ac.u = side_bytes(x->cpu, u, (size_t)rows * sizeof(double));
+    ag.u = side_bytes(x->gpu, u, (size_t)rows * sizeof(double));
+    ac.out = side_alloc(x->cpu, (size_t)rows * 4);
+    ag.out = side_alloc(x->gpu, (size_t)rows * 4);
+    double e = run_both(x, fn_sample, &ac, &ag);
+    if (e == 0.0) {
+        int32_t *ic = side_download(x->cpu, ac.out, (size_t)rows * 4);
+        int32_t *ig = side_download(x->gpu, ag.out, (size_t)rows * 4);
+        int near = 0;
+        for (int r = 0; r < rows; r++)
+            if (!token_ok(p + (size_t)r * ld, n, ic[r], ig[r], u[r], tol, &near)) {
+                printf("      row %d: u %.17g: cpu token %d, cuda %d outside its CDF interval\n", r, u[r],
+                       ic[r], ig[r]);
+                e = 1e30;
+            }
+        if (near > 0)
+            printf("      %d of %d rows picked the neighbour of a CDF boundary within %.0e\n", near, rows, tol);
+        free(ic);
+        free(ig);
+    }
+    perf_report(x->gpu->be, fn_sample, &ag, (double)rows * n * 4 * 2, 0);
+    free(p);
+    free(u);
+    return e;
+}
+
+/* host softmax of random logits (T = 1) into a row; zeros: that fraction in tenths is cut away */
+static void rand_dist(float *p, int n, int zeros)
+{
+    double s = 0.0;
+    for (int i = 0; i < n; i++) {
+        double e = exp(rng_uniform(-3.0f, 3.0f));
+        p[i] = rng_int(10) < zeros ? 0.0f : (float)e;
+        s += p[i];
+    }
+    if (s <= 0.0) {
+        p[0] = 1.0f;
+        s = 1.0;
+    }
+    for (int i = 0; i < n; i++)
+        p[i] = (float)(p[i] / s);
+}
+
+/* spec_verify: c->rows requests over vocabulary c->cols, at most c->k drafts each (lengths
+ * 0..k in turn). Request kinds: drafts sampled from q (the usual case), q a hair above p
+ * everywhere (a rejection leaves no residual mass: the p fallback), a draft token q never
+ * proposed (q = 0: the 1e-8 floor). Accepted counts must be equal; next tokens as in sample
+ * (tolerance 1e-6: the residual's normaliser is summed in another order). */
+static double run_spec_verify(run_ctx *x)
+{
+    const kcase *c = x->c;
+    int nr = c->rows, n = c->cols, L = c->k, ldp = n + c->pad, ldd = L > 0 ? L : 1, ldu = L + 1;
+    int np = nr * (L + 1) + 1, nq = nr * L + 1;
+    float *p = calloc((size_t)np * ldp, 4), *q = calloc((size_t)nq * ldp, 4);
+    int32_t *prow = malloc((size_t)nr * 4), *qrow = malloc((size_t)nr * 4), *len = malloc((size_t)nr * 4);
+    int32_t *d = malloc((size_t)nr * ldd * 4);
+    double *u = malloc((size_t)nr * ldu * sizeof(double));
+    for (int r = 0; r < nr; r++) {
+        int l = r % (L + 1), kind = r % 3;
+        prow[r] = 1 + r * (L + 1);   /* row 0 unused: offsets must be honoured */
+        qrow[r] = 1 + r * L;
+        len[r] = l;
+        for (int i = 0; i <= l; i++)
+            rand_dist(p + (size_t)(prow[r] + i) * ldp, n, kind == 1 ? 5 : 0);
+        for (int i = 0; i < l; i++) {
+            float *qi = q + (size_t)(qrow[r] + i) * ldp;
+            const float *pi = p + (size_t)(prow[r] + i) * ldp;
+            if (kind == 2 && i == 0) {
+                for (int j = 0; j < n; j++)
+                    qi[j] = pi[j] * 1.0000002f;
+            } else {
+                rand_dist(qi, n, kind == 1 ? 3 : 0);
+            }
+            double uu = (double)(rng_next() >> 11) * (1.0 / 9007199254740992.0), cum = 0.0;
+            int t = 0;
+            for (int j = 0; j < n; j++)
+                if (qi[j] > 0.0f) {
+                    cum += qi[j];
+                    t = j;
+                    if (uu < cum)
+                        break;
+                }
+            if (kind == 1 && i == l - 1)
+                for (t = 0; t < n - 1 && qi[t] > 0.0f; t++)
+                    ;   /* a token q gave no mass */
+            d[(size_t)r * ldd + i] = t;
+        }
+        for (int i = 0; i <= l; i++)
+            u[(size_t)r * ldu + i] = (double)(rng_next() >> 11) * (1.0 / 9007199254740992.0);
+        if (kind == 2 && l > 0)
+            u[(size_t)r * ldu] = 1.0 - 1e-12;   /* reject draft 0 (its p / q is just under 1) */
+    }
+    kern_spec_verify_args ac = {0}, ag;
+    ac.ld_p = ldp;
+    ac.ld_q = ldp;
+    ac.n = n;
+    ac.n_req = nr;
+    ac.ld_draft = ldd;
+    ac.ld_u = ldu;
+    ag = ac;
+    ac.p = side_bytes(x->cpu, p, (size_t)np * ldp * 4);
+    ag.p = side_bytes(x->gpu, p, (size_t)np * ldp * 4);
+    ac.q = side_bytes(x->cpu, q, (size_t)nq * ldp * 4);
+    ag.q = side_bytes(x->gpu, q, (size_t)nq * ldp * 4);
+    ac.p_row = side_bytes(x->cpu, prow, (size_t)nr * 4);
+    ag.p_row = side_bytes(x->gpu, prow, (size_t)nr * 4);
+    ac.q_row = side_bytes(x->cpu, qrow, (size_t)nr * 4);
+    ag.q_row = side_bytes(x->gpu, qrow, (size_t)nr * 4);
+    ac.len = side_bytes(x->cpu, len, (size_t)nr * 4);
+    ag.len = side_bytes(x->gpu, len, (size_t)nr * 4);
+    ac.draft = side_bytes(x->cpu, d, (size_t)nr * ldd * 4);
+    ag.draft = side_bytes(x->gpu, d, (size_t)nr * ldd * 4);
+    ac.u = side_bytes(x->cpu, u, (size_t)nr * ldu * sizeof(double));
+    ag.u = side_bytes(x->gpu, u, (size_t)nr * ldu * sizeof(double));
+    ac.out = side_alloc(x->cpu, (size_t)nr * 8);
+    ag.out = side_alloc(x->gpu, (size_t)nr * 8);
+    double e = run_both(x, fn_spec_verify, &ac, &ag);
+    if (e == 0.0) {
+        int32_t *oc = side_download(x->cpu, ac.out, (size_t)nr * 8);
+        int32_t *og = side_download(x->gpu, ag.out, (size_t)nr * 8);
+        float *res = malloc((size_t)n * 4);
+        int near = 0, rejected = 0, fallback = 0;
+        for (int r = 0; r < nr; r++) {
+            int a = oc[2 * r], l = len[r];
+            if (og[2 * r] != a) {
+                printf("      request %d: accepted cpu %d cuda %d\n", r, a, og[2 * r]);
+                e = 1e30;
+                continue;
+            }
+            const float *pa = p + (size_t)(prow[r] + a) * ldp, *ref = pa;
+            if (a < l) {
+                const float *qa = q + (size_t)(qrow[r] + a) * ldp;
+                double mass = 0.0;
+                for (int j = 0; j < n; j++) {
+                    float v = pa[j] - qa[j];
+                    res[j] = v > 0.0f ? v : 0.0f;
+                    mass += res[j];
+                }
+                rejected++;
+                if (mass > 1e-8) {
+                    for (int j = 0; j < n; j++)
+                        res[j] = (float)(res[j] / mass);
+                    ref = res;
+                } else {
+                    fallback++;
+                }
+            }
+            if (!token_ok(ref, n, oc[2 * r + 1], og[2 * r + 1], u[(size_t)r * ldu + l], 1e-6, &near)) {
+                printf("      request %d (l %d, accepted %d): next cpu %d cuda %d outside its CDF interval\n",
+                       r, l, a, oc[2 * r + 1], og[2 * r + 1]);
+                e = 1e30;
+            }
+        }
+        printf("      %d requests: %d rejected a draft (%d with no residual mass), %d next tokens at a "
+               "CDF boundary\n", nr, rejected, fallback, near);
+        free(res);
+        free(oc);
+        free(og);
+    }
+    perf_report(x->gpu->be, fn_spec_verify, &ag, (double)nr * n * 4 * 3, 0);
+    free(p);
+    free(q);
+    free(prow);
+    free(qrow);
+    free(len);
+    free(d);
+    free(u);
+    return e;
+}
+
 typedef double (*runner)(run_ctx *x);
 
 static const struct {
@@ -1128,7 +1526,8 @@ static const struct {
     {"rope", run_rope}, {"unary", run_unary}, {"binary", run_binary},
     {"copy_rows", run_copy_rows}, {"kv_store", run_kv_store}, {"attn", run_attn},
     {"argmax", run_argmax}, {"convert", run_convert}, {"linear", run_linear},
-    {"qk_post", run_qk_post}, {"markov_step", run_markov_step},
+    {"qk_post", run_qk_post}, {"markov_step", run_markov_step}, {"probs", run_probs},
+    {"sample", run_sample}, {"spec_verify", run_spec_verify},
 };
 
 /* Shapes are odd on purpose; F32 paths are held to ~1e-5, bf16 GEMMs (x rounded to bf16 on the
@@ -1191,6 +1590,22 @@ static const kcase cases[] = {
     {"markov_step", 3, 0, 5, 0, 1001, 64, 0, 0, 0, 0, 0, NULL, 1e-2, 0},
     {"markov_step", 17, 0, 0, 0, 50000, 32, 0, 0, 0, 0, 0, NULL, 1e-2, 0},
     {"markov_step", 2, 0, 0, 0, 3000, 12, 0, 0, 0, 0, 0, NULL, 1e-2, 0},
+    /* probs: rows x vocab, pad, sub 1 = rows gathered through idx (per-row parameters cycle
+     * through every kind: greedy, plain, top-k, top-p, both, k = 1, k >= n, T 0.05..2) */
+    {"probs", 24, 151936, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 1e-5, 0},
+    {"probs", 37, 1001, 3, 0, 0, 0, 1, 0, 0, 0, 0, NULL, 1e-5, 0},
+    {"probs", 12, 8192, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 1e-5, 0},
+    {"probs", 13, 50, 1, 0, 0, 0, 1, 0, 0, 0, 0, NULL, 1e-5, 0},
+    /* sample: rows x vocab, pad, sub 1 = probs then sample from the same logits on each side */
+    {"sample", 40, 151936, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
+    {"sample", 64, 1001, 5, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
+    {"sample", 7, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
+    {"sample", 24, 151936, 0, 0, 0, 0, 1, 0, 0, 0, 0, NULL, 0, 0},
+    {"sample", 36, 8192, 2, 0, 0, 0, 1, 0, 0, 0, 0, NULL, 0, 0},
+    /* spec_verify: requests, vocab, pad, k = most drafts per request */
+    {"spec_verify", 24, 151936, 0, 0, 0, 7, 0, 0, 0, 0, 0, NULL, 0, 0},
+    {"spec_verify", 50, 1001, 3, 0, 0, 5, 0, 0, 0, 0, 0, NULL, 0, 0},
+    {"spec_verify", 9, 8192, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
     /* attention: heads, kv heads, head_dim, page size, ragged batch */
     {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "d:4095+1", 1e-4, 0},
     {"attn", 0, 0, 4, 0, 0, 0, 0, 32, 8, 128, 16, "d:0+1,d:15+1,d:998+1,d:2999+1,d:63+1", 1e-4, 0},
@@ -1270,6 +1685,10 @@ static const kcase cases[] = {
     {"qk_post", 8, 0, 0, 0, 0, 0, 1, 32, 8, 128, 16, NULL, 1e-5, 1},
     {"markov_step", 1, 0, 0, 0, 151936, 64, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
     {"markov_step", 8, 0, 0, 0, 151936, 64, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
+    {"probs", 8, 151936, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 1e-5, 1},
+    {"probs", 64, 151936, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 1e-5, 1},
+    {"sample", 64, 151936, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 1},
+    {"spec_verify", 32, 151936, 0, 0, 0, 7, 0, 0, 0, 0, 0, NULL, 0, 1},
     {"matmul", 0, 0, 0, 17, 9728, 2560, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
     {"matmul", 0, 0, 0, 32, 9728, 2560, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
     {"matmul", 0, 0, 0, 64, 9728, 2560, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
@@ -1293,6 +1712,11 @@ static void case_name(const kcase *c, char *buf, size_t n)
                  c->hd, c->page_size, c->pad, c->sub & 1 ? " store" : "");
     else if (strcmp(c->op, "markov_step") == 0)
         snprintf(buf, n, "rows %d V %d R %d pad %d", c->rows, c->n, c->k, c->pad);
+    else if (strcmp(c->op, "spec_verify") == 0)
+        snprintf(buf, n, "requests %d V %d drafts <= %d pad %d", c->rows, c->cols, c->k, c->pad);
+    else if (strcmp(c->op, "probs") == 0 || strcmp(c->op, "sample") == 0)
+        snprintf(buf, n, "rows %d V %d pad %d%s", c->rows, c->cols, c->pad,
+                 c->sub & 1 ? (c->op[0] == 'p' ? " idx" : " from probs") : "");
     else if (strcmp(c->op, "linear") == 0)
         snprintf(buf, n, "m %d n %d k %d pad %d w %d %s%s", c->m, c->n, c->k, c->pad, c->n_heads,
                  (c->sub & 3) == 0 ? "store" : (c->sub & 3) == 1 ? "acc" : "swiglu",

@@ -1,19 +1,27 @@
 /* test_sampling.c - sampling and lossless speculative sampling.
  * 1. pd_sample units: params validation, greedy tie rule, top-k / top-p filtering, seeded
- *    reproducibility.
- * 2. pd_verify_sampled on synthetic distributions: the first committed token of a round is
- *    distributed as the target p, whatever the draft q (chi-square, fixed seed).
- * 3. End to end on the tiny pair at temperature 1: the second generated token (the first one a
- *    speculative round commits) follows the target's softmax given the first, over many seeded
- *    runs (chi-square, fixed seeds); the first token follows the prefill softmax. */
+ *    reproducibility; the CPU backend's sampling ops (kern_probs, kern_sample,
+ *    kern_spec_verify) give bit for bit what pd_sample.c gives.
+ * 2. pd_verify_sampled, and kern_spec_verify on the backend under test, on synthetic
+ *    distributions: the first committed token of a round is distributed as the target p,
+ *    whatever the draft q (chi-square, fixed seed).
+ * 3. End to end on the tiny pair on the backend under test (the engine samples with the
+ *    backend's ops): the second generated token (the first one a speculative round commits)
+ *    follows the target's distribution given the first, over many seeded runs (chi-square,
+ *    fixed seeds), at temperature 1 and with top-k / top-p; the first token follows the
+ *    prefill distribution.
+ * Usage: test_sampling [--backend cpu|cuda]; cuda without a GPU exits 77 (skipped). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "kern_backend.h"
 #include "pd_engine.h"
 #include "pd_sample.h"
 #include "test_util.h"
+
+static const char *backend_name = "cpu";
 
 /* chi-square statistic over bins with expectation >= 5; the rest pooled into one bin */
 static double chi_square(const long *obs, const double *p, int n, long total, int *df_out)
@@ -96,6 +104,95 @@ static void test_sampling_units(void)
     TEST_CHECK(u >= 0.0 && u < 1.0);
 }
 
+/* The CPU backend's sampling ops against pd_sample.c on random rows (ties included): the same
+ * floats and the same tokens, bit for bit (they are the reference the CUDA ops are held to). */
+static void test_sampling_cpu_ops(void)
+{
+    enum { N = 3001, ROWS = 12, L = 4 };
+    pd_err err;
+    kern_backend *cpu = NULL;
+    kern_backend_config bc = { .name = "cpu" };
+    if (kern_backend_create(&bc, &cpu, &err) != PD_OK) {
+        TEST_CHECK_MSG(0, "cpu backend: %s", err.msg);
+        return;
+    }
+    static const pd_sample_params kinds[6] = {
+        { .temperature = 0.0f, .top_p = 1.0f }, { .temperature = 1.0f, .top_p = 1.0f },
+        { .temperature = 0.7f, .top_k = 40, .top_p = 1.0f }, { .temperature = 1.2f, .top_p = 0.8f },
+        { .temperature = 0.9f, .top_k = 300, .top_p = 0.95f }, { .temperature = 2.0f, .top_k = 1, .top_p = 0.5f },
+    };
+    pd_rng rng;
+    pd_rng_seed(&rng, 99);
+    float *x = malloc((size_t)ROWS * N * sizeof(float)), *ref = malloc((size_t)ROWS * N * sizeof(float));
+    float *got = malloc((size_t)ROWS * N * sizeof(float)), *res = malloc((size_t)N * sizeof(float));
+    int32_t *scratch = malloc((size_t)N * sizeof(int32_t)), ids[ROWS];
+    kern_sample_cfg cfg[ROWS];
+    double u[ROWS];
+    for (int r = 0; r < ROWS; r++) {
+        for (int i = 0; i < N; i++) {
+            float v = (float)(pd_rng_uniform(&rng) * 8.0 - 4.0);
+            x[(size_t)r * N + i] = r % 2 ? (float)(int)(v * 2.0f) * 0.5f : v;   /* odd rows tie */
+        }
+        const pd_sample_params *sp = &kinds[r % 6];
+        cfg[r] = (kern_sample_cfg){ .temperature = sp->temperature, .top_k = sp->top_k, .top_p = sp->top_p };
+        pd_probs_from_logits(x + (size_t)r * N, N, sp, ref + (size_t)r * N, scratch);
+        u[r] = pd_rng_uniform(&rng);
+    }
+    kern_probs_args pa = { .x = x, .ld_x = N, .cfg = cfg, .rows = ROWS, .n = N, .out = got, .ld_out = N };
+    TEST_CHECK(kern_probs(cpu, &pa, &err) == PD_OK);
+    TEST_CHECK_MSG(memcmp(got, ref, (size_t)ROWS * N * sizeof(float)) == 0,
+                   "kern_probs (cpu) differs from pd_probs_from_logits");
+    kern_sample_args sa = { .probs = ref, .ld = N, .rows = ROWS, .n = N, .u = u, .out = ids };
+    TEST_CHECK(kern_sample(cpu, &sa, &err) == PD_OK);
+    int same = 1;
+    for (int r = 0; r < ROWS; r++) {
+        pd_rng a, b;
+        pd_rng_seed(&a, 1000 + r);
+        b = a;
+        double ur = pd_rng_uniform(&b);
+        int32_t want = pd_sample_from_probs(ref + (size_t)r * N, N, &a), t;
+        kern_sample_args one = { .probs = ref + (size_t)r * N, .ld = N, .rows = 1, .n = N, .u = &ur, .out = &t };
+        TEST_CHECK(kern_sample(cpu, &one, &err) == PD_OK);
+        same &= t == want;
+    }
+    TEST_CHECK_MSG(same, "kern_sample (cpu) differs from pd_sample_from_probs");
+    /* verification: rows 0..L of ref as p, the next L rows (tempered differently) as q */
+    for (int trial = 0; trial < 50; trial++) {
+        const float *p = ref + (size_t)(trial % 2) * N, *q = ref + (size_t)6 * N;
+        int32_t d[L];
+        pd_rng a;
+        pd_rng_seed(&a, 500 + trial);
+        for (int i = 0; i < L; i++)
+            d[i] = pd_sample_from_probs(q + (size_t)i * N, N, &a);
+        int32_t p_row = 0, q_row = 0, len = L - trial % (L + 1), want_next, out[2];
+        pd_rng b = a;
+        int want = pd_verify_sampled(d, len, p, q, N, &a, res, &want_next);
+        double uu[L + 1];
+        for (int i = 0; i <= L; i++)
+            uu[i] = 0.0;
+        /* the reference draws one uniform per test it makes, then one for the next token */
+        int tests = want < len ? want + 1 : len;
+        for (int i = 0; i < tests; i++)
+            uu[i] = pd_rng_uniform(&b);
+        for (int i = tests; i < len; i++)
+            uu[i] = 0.0;   /* after a rejection: unused */
+        uu[len] = pd_rng_uniform(&b);
+        kern_spec_verify_args va = { .p = p, .ld_p = N, .q = q, .ld_q = N, .n = N, .n_req = 1,
+                                     .p_row = &p_row, .q_row = &q_row, .len = &len, .draft = d,
+                                     .ld_draft = L, .u = uu, .ld_u = L + 1, .out = out };
+        TEST_CHECK(kern_spec_verify(cpu, &va, &err) == PD_OK);
+        TEST_CHECK_MSG(out[0] == want && out[1] == want_next,
+                       "kern_spec_verify (cpu) trial %d: %d/%d, pd_verify_sampled %d/%d", trial, out[0],
+                       out[1], want, want_next);
+    }
+    free(x);
+    free(ref);
+    free(got);
+    free(res);
+    free(scratch);
+    kern_backend_destroy(cpu);
+}
+
 /* The committed token of a round with one draft token follows p (rejection sampling). */
 static void test_sampling_verify_synthetic(void)
 {
@@ -147,23 +244,125 @@ static void test_sampling_verify_synthetic(void)
     }
 }
 
-static void softmax(const float *l, int n, double *p)
+/* kern_spec_verify on the backend under test: REQ requests per launch share one p (L + 1 rows)
+ * and one q (L rows, a third of q's tokens cut away as top-k would), their drafts sampled from
+ * q on the host. The first committed token of each must follow p_0, and given that draft 0 was
+ * accepted (a > 0 with d_0 = its most likely token), the second must follow p_1. */
+static void test_sampling_verify_op(void)
 {
-    float mx = l[0];
-    for (int i = 1; i < n; i++)
-        if (l[i] > mx)
-            mx = l[i];
-    double s = 0.0;
-    for (int i = 0; i < n; i++) {
-        p[i] = exp((double)l[i] - mx);
-        s += p[i];
+    enum { N = 48, L = 3, REQ = 50000, LAUNCHES = 20 };
+    pd_err err;
+    kern_backend *be = NULL;
+    kern_backend_config bc = { .name = backend_name };
+    if (kern_backend_create(&bc, &be, &err) != PD_OK) {
+        TEST_CHECK_MSG(0, "backend %s: %s", backend_name, err.msg);
+        return;
     }
-    for (int i = 0; i < n; i++)
-        p[i] /= s;
+    pd_rng rng;
+    pd_rng_seed(&rng, 4242);
+    float pq[(2 * L + 1) * N];
+    float *p = pq, *q = pq + (L + 1) * N;
+    for (int r = 0; r < 2 * L + 1; r++) {
+        float *row = pq + (size_t)r * N;
+        double s = 0.0;
+        for (int i = 0; i < N; i++) {
+            double v = exp(pd_rng_uniform(&rng) * 4.0);
+            row[i] = r > L && i % 3 == 1 ? 0.0f : (float)v;
+            s += row[i];
+        }
+        for (int i = 0; i < N; i++)
+            row[i] = (float)(row[i] / s);
+    }
+    int32_t *meta = calloc((size_t)3 * REQ, sizeof(int32_t)), *d = malloc((size_t)REQ * L * sizeof(int32_t));
+    int32_t *out = malloc((size_t)REQ * 2 * sizeof(int32_t));
+    double *u = malloc((size_t)REQ * (L + 1) * sizeof(double));
+    kern_buf *bp = NULL, *bm = NULL, *bd = NULL, *bu = NULL, *bo = NULL;
+    pd_status st = kern_buf_alloc(be, sizeof(pq), &bp, &err);
+    if (st == PD_OK)
+        st = kern_buf_alloc(be, (size_t)3 * REQ * sizeof(int32_t), &bm, &err);
+    if (st == PD_OK)
+        st = kern_buf_alloc(be, (size_t)REQ * L * sizeof(int32_t), &bd, &err);
+    if (st == PD_OK)
+        st = kern_buf_alloc(be, (size_t)REQ * (L + 1) * sizeof(double), &bu, &err);
+    if (st == PD_OK)
+        st = kern_buf_alloc(be, (size_t)REQ * 2 * sizeof(int32_t), &bo, &err);
+    if (st == PD_OK)
+        st = kern_upload(be, bp->ptr, pq, sizeof(pq), &err);
+    for (int i = 0; i < REQ; i++)
+        meta[2 * REQ + i] = L;   /* p_row = q_row = 0 for all */
+    if (st == PD_OK)
+        st = kern_upload(be, bm->ptr, meta, (size_t)3 * REQ * sizeof(int32_t), &err);
+    int mode0 = 0;
+    for (int i = 1; i < N; i++)
+        if (q[i] > q[mode0])
+            mode0 = i;
+    long h1[N] = {0}, h2[N] = {0}, runs = 0, runs2 = 0;
+    for (int it = 0; it < LAUNCHES && st == PD_OK; it++) {
+        for (int r = 0; r < REQ; r++) {
+            for (int i = 0; i < L; i++)
+                d[(size_t)r * L + i] = pd_sample_from_probs(q + (size_t)i * N, N, &rng);
+            for (int i = 0; i <= L; i++)
+                u[(size_t)r * (L + 1) + i] = pd_rng_uniform(&rng);
+        }
+        st = kern_upload(be, bd->ptr, d, (size_t)REQ * L * sizeof(int32_t), &err);
+        if (st == PD_OK)
+            st = kern_upload(be, bu->ptr, u, (size_t)REQ * (L + 1) * sizeof(double), &err);
+        const int32_t *dm = bm->ptr;
+        kern_spec_verify_args va = { .p = (const float *)bp->ptr, .ld_p = N, .q = (const float *)bp->ptr + (L + 1) * N,
+                                     .ld_q = N, .n = N, .n_req = REQ, .p_row = dm, .q_row = dm + REQ,
+                                     .len = dm + 2 * REQ, .draft = bd->ptr, .ld_draft = L, .u = bu->ptr,
+                                     .ld_u = L + 1, .out = bo->ptr };
+        if (st == PD_OK)
+            st = kern_spec_verify(be, &va, &err);
+        if (st == PD_OK)
+            st = kern_download(be, out, bo->ptr, (size_t)REQ * 2 * sizeof(int32_t), &err);
+        for (int r = 0; r < REQ && st == PD_OK; r++) {
+            int a = out[2 * r], next = out[2 * r + 1];
+            const int32_t *dr = d + (size_t)r * L;
+            h1[a > 0 ? dr[0] : next]++;
+            runs++;
+            if (a > 0 && dr[0] == mode0) {
+                h2[a > 1 ? dr[1] : next]++;
+                runs2++;
+            }
+        }
+    }
+    TEST_CHECK_MSG(st == PD_OK, "spec_verify on %s: %s", backend_name, err.msg);
+    double pp[N];
+    int df;
+    for (int i = 0; i < N; i++)
+        pp[i] = p[i];
+    double chi = chi_square(h1, pp, N, runs, &df);
+    printf("kern_spec_verify on %s, first committed token: %ld runs, chi2 %.2f (df %d, critical %.2f)\n",
+           backend_name, runs, chi, df, chi_crit(df));
+    TEST_CHECK_MSG(chi < chi_crit(df), "first committed token does not follow p: chi2 %.2f", chi);
+    double qq[N];
+    for (int i = 0; i < N; i++)
+        qq[i] = q[i];
+    double chi_q = chi_square(h1, qq, N, runs, &df);
+    TEST_CHECK_MSG(chi_q > chi_crit(df), "test has no power: chi2 vs q %.2f", chi_q);
+    for (int i = 0; i < N; i++)
+        pp[i] = p[N + i];
+    chi = chi_square(h2, pp, N, runs2, &df);
+    printf("kern_spec_verify on %s, second token after an accepted draft: %ld runs, chi2 %.2f (df %d, "
+           "critical %.2f)\n", backend_name, runs2, chi, df, chi_crit(df));
+    TEST_CHECK_MSG(chi < chi_crit(df), "second committed token does not follow p_1: chi2 %.2f", chi);
+    kern_buf_free(bp);
+    kern_buf_free(bm);
+    kern_buf_free(bd);
+    kern_buf_free(bu);
+    kern_buf_free(bo);
+    free(meta);
+    free(d);
+    free(out);
+    free(u);
+    kern_backend_destroy(be);
 }
 
-/* target softmax at the last position of ids (temperature 1) */
-static int target_probs(const pd_qwen3_model *tm, const int32_t *ids, int n, double *p)
+/* the target's sampling distribution under sp at the last position of ids (pd_sample.c's rules
+ * on logits from the backend under test) */
+static int target_probs(const pd_qwen3_model *tm, const int32_t *ids, int n, const pd_sample_params *sp,
+                        double *p)
 {
     pd_err err;
     pd_engine *e = NULL;
@@ -184,11 +383,17 @@ static int target_probs(const pd_qwen3_model *tm, const int32_t *ids, int n, dou
         pd_tok_batch b = { .n_tok = n, .ids = ids, .pos = pos, .seq = sq, .n_seq = 1, .seqs = seqs };
         if (pd_target_forward(pd_engine_target(e), &b, &last, 1, &err) == PD_OK) {
             int V = tm->cfg.vocab_size;
-            float *l = malloc((size_t)V * 4);
-            kern_download(tm->be, l, pd_target_logits(pd_engine_target(e)), (size_t)V * 4, &err);
-            softmax(l, V, p);
+            float *l = malloc((size_t)V * 4), *pf = malloc((size_t)V * 4);
+            int32_t *scratch = malloc((size_t)V * 4);
+            if (kern_download(tm->be, l, pd_target_logits(pd_engine_target(e)), (size_t)V * 4, &err) == PD_OK) {
+                pd_probs_from_logits(l, V, sp, pf, scratch);
+                for (int i = 0; i < V; i++)
+                    p[i] = pf[i];
+                rc = 0;
+            }
             free(l);
-            rc = 0;
+            free(pf);
+            free(scratch);
         }
         pd_kv_seq_release(pool, &seq);
     }
@@ -196,13 +401,15 @@ static int target_probs(const pd_qwen3_model *tm, const int32_t *ids, int n, dou
     return rc;
 }
 
-/* policy: the verification-length policy of the speculative rounds (any is lossless) */
-static void test_sampling_end_to_end(pd_verify_policy policy, int waves)
+/* policy: the verification-length policy of the speculative rounds (any is lossless); sp: the
+ * requests' sampling parameters (the seed is set per run) */
+static void test_sampling_end_to_end(pd_verify_policy policy, int waves, pd_sample_params sp)
 {
-    printf("end to end, verify %s\n", pd_verify_policy_name(policy));
+    printf("end to end on %s, verify %s, temperature %g top-k %d top-p %g\n", backend_name,
+           pd_verify_policy_name(policy), (double)sp.temperature, sp.top_k, (double)sp.top_p);
     pd_err err;
     kern_backend *be = NULL;
-    kern_backend_config bc = { .name = "cpu" };
+    kern_backend_config bc = { .name = backend_name };
     pd_qwen3_model *tm = NULL;
     pd_dspark_model *dm = NULL;
     if (kern_backend_create(&bc, &be, &err) != PD_OK || pd_qwen3_load(be, PD_MODELS "/tiny-code-qwen3", &tm, &err) != PD_OK ||
@@ -215,7 +422,7 @@ static void test_sampling_end_to_end(pd_verify_policy policy, int waves)
     int n = (int)(sizeof(prompt) / sizeof(prompt[0]));
     int V = tm->cfg.vocab_size;
     double *p1 = malloc((size_t)V * sizeof(double)), *p2 = malloc((size_t)V * sizeof(double));
-    TEST_CHECK(target_probs(tm, prompt, n, p1) == 0);
+    TEST_CHECK(target_probs(tm, prompt, n, &sp, p1) == 0);
     int mode = 0;
     for (int i = 1; i < V; i++)
         if (p1[i] > p1[mode])
@@ -223,7 +430,7 @@ static void test_sampling_end_to_end(pd_verify_policy policy, int waves)
     int32_t ext[64];
     memcpy(ext, prompt, sizeof(prompt));
     ext[n] = mode;
-    TEST_CHECK(target_probs(tm, ext, n + 1, p2) == 0);
+    TEST_CHECK(target_probs(tm, ext, n + 1, &sp, p2) == 0);
     printf("end to end: first-token mode %d (p %.3f)\n", mode, p1[mode]);
     long *h1 = calloc((size_t)V, sizeof(long)), *h2 = calloc((size_t)V, sizeof(long));
     long runs = 0, runs2 = 0;
@@ -233,8 +440,10 @@ static void test_sampling_end_to_end(pd_verify_policy policy, int waves)
     TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);
     for (int w = 0; w < waves && e != NULL; w++) {
         pd_request *rq[64];
+        pd_sample_params gp_sample = sp;
         for (int i = 0; i < wave; i++) {
-            pd_gen_params gp = { .sample = { .temperature = 1.0f, .top_p = 1.0f, .seed = (uint64_t)(w * wave + i) * 7919u + 1 },
+            gp_sample.seed = (uint64_t)(w * wave + i) * 7919u + 1;
+            pd_gen_params gp = { .sample = gp_sample,
                                  .verify_policy = policy, .verify_threshold = 0.4f,
                                  .max_new_tokens = 2, .ignore_eos = 1 };
             TEST_CHECK(pd_engine_add(e, (uint64_t)i, prompt, n, &gp, &rq[i], &err) == PD_OK);
@@ -274,13 +483,33 @@ static void test_sampling_end_to_end(pd_verify_policy policy, int waves)
     kern_backend_destroy(be);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--backend") == 0 && i + 1 < argc) {
+            backend_name = argv[++i];
+        } else {
+            fprintf(stderr, "usage: %s [--backend cpu|cuda]\n", argv[0]);
+            return 2;
+        }
+    }
+    if (strcmp(backend_name, "cpu") != 0 && strcmp(backend_name, "cuda") != 0) {
+        fprintf(stderr, "unknown backend '%s' (expected cpu or cuda)\n", backend_name);
+        return 2;
+    }
+    if (kern_backend_device_count(backend_name) == 0)
+        TEST_SKIP("no device for the backend under test (a GPU for cuda)");
     test_sampling_units();
+    test_sampling_cpu_ops();
     test_sampling_verify_synthetic();
-    test_sampling_end_to_end(PD_VERIFY_FULL, 40);
+    test_sampling_verify_op();
+    pd_sample_params t1 = { .temperature = 1.0f, .top_p = 1.0f };
+    test_sampling_end_to_end(PD_VERIFY_FULL, 40, t1);
     /* shorter verification (fewer drafts checked per round) must keep the distribution too */
-    test_sampling_end_to_end(PD_VERIFY_THRESHOLD, 16);
-    test_sampling_end_to_end(PD_VERIFY_SCHEDULED, 16);
+    test_sampling_end_to_end(PD_VERIFY_THRESHOLD, 16, t1);
+    test_sampling_end_to_end(PD_VERIFY_SCHEDULED, 16, t1);
+    /* top-k and top-p: speculative sampling follows the filtered target distribution */
+    pd_sample_params filt = { .temperature = 1.5f, .top_k = 12, .top_p = 0.9f };
+    test_sampling_end_to_end(PD_VERIFY_FULL, 12, filt);
     TEST_DONE();
 }

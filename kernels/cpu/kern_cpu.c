@@ -3,6 +3,7 @@
  *   for long sums (norms, softmax, attention), OpenBLAS sgemm for matmul.
  * Not here: shape checks (kern_ops.c runs them before any entry here).
  * Threading: ops run on the calling thread (OpenBLAS may use its own pool inside sgemm). */
+#define _GNU_SOURCE   /* qsort_r */
 #include "kern_cpu.h"
 
 #include <cblas.h>
@@ -458,6 +459,149 @@ static pd_status cpu_markov_step(kern_backend *be, const kern_markov_step_args *
     return st;
 }
 
+/* ---- sampling: the rules of pd_sample.c, row by row (see kern_backend.h) ------------------ */
+
+static int probs_desc(const void *a, const void *b, void *ctx)
+{
+    const float *base = ctx;
+    float pa = base[*(const int32_t *)a], pb = base[*(const int32_t *)b];
+    if (pa != pb)
+        return pa < pb ? 1 : -1;
+    return *(const int32_t *)a - *(const int32_t *)b;
+}
+
+/* One row, exactly as pd_probs_from_logits. order: n ints of scratch. */
+static void probs_row(const float *x, int n, const kern_sample_cfg *c, float *p, int32_t *order)
+{
+    if (c->temperature < 1e-5f) {
+        int best = 0;
+        for (int i = 1; i < n; i++)
+            if (x[i] > x[best])
+                best = i;
+        memset(p, 0, (size_t)n * sizeof(float));
+        p[best] = 1.0f;
+        return;
+    }
+    float mx = x[0];
+    for (int i = 1; i < n; i++)
+        if (x[i] > mx)
+            mx = x[i];
+    double sum = 0.0;
+    for (int i = 0; i < n; i++) {
+        double e = exp(((double)x[i] - mx) / c->temperature);
+        p[i] = (float)e;
+        sum += e;
+    }
+    for (int i = 0; i < n; i++)
+        p[i] = (float)(p[i] / sum);
+    int k = c->top_k > 0 && c->top_k < n ? c->top_k : n;
+    if (k == n && c->top_p >= 1.0f)
+        return;
+    for (int i = 0; i < n; i++)
+        order[i] = i;
+    qsort_r(order, (size_t)n, sizeof(int32_t), probs_desc, p);
+    double cum = 0.0;
+    int keep = 0;
+    for (; keep < k; keep++) {
+        cum += p[order[keep]];
+        if (c->top_p < 1.0f && cum >= c->top_p) {
+            keep++;
+            break;
+        }
+    }
+    double kept = 0.0;
+    for (int i = 0; i < keep; i++)
+        kept += p[order[i]];
+    for (int i = keep; i < n; i++)
+        p[order[i]] = 0.0f;
+    for (int i = 0; i < keep; i++)
+        p[order[i]] = (float)(p[order[i]] / kept);
+}
+
+static pd_status cpu_probs(kern_backend *be, const kern_probs_args *a, pd_err *err)
+{
+    (void)be;
+    int32_t *order = malloc((size_t)a->n * sizeof(int32_t));
+    if (order == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "probs: scratch of %d ints", a->n);
+    for (int r = 0; r < a->rows; r++) {
+        int xr = a->idx != NULL ? a->idx[r] : r;
+        probs_row(a->x + (size_t)xr * a->ld_x, a->n, &a->cfg[r], a->out + (size_t)r * a->ld_out, order);
+    }
+    free(order);
+    return PD_OK;
+}
+
+/* pd_sample_from_probs with a given uniform */
+static int32_t sample_row(const float *p, int n, double u)
+{
+    double cum = 0.0;
+    int last = 0;
+    for (int i = 0; i < n; i++) {
+        if (p[i] <= 0.0f)
+            continue;
+        cum += p[i];
+        last = i;
+        if (u < cum)
+            return i;
+    }
+    return last;
+}
+
+static pd_status cpu_sample(kern_backend *be, const kern_sample_args *a, pd_err *err)
+{
+    (void)be;
+    (void)err;
+    for (int r = 0; r < a->rows; r++)
+        a->out[r] = sample_row(a->probs + (size_t)r * a->ld, a->n, a->u[r]);
+    return PD_OK;
+}
+
+/* pd_verify_sampled for each request, its uniforms taken in order from u[r, :] */
+static pd_status cpu_spec_verify(kern_backend *be, const kern_spec_verify_args *a, pd_err *err)
+{
+    (void)be;
+    int n = a->n;
+    float *res = malloc((size_t)n * sizeof(float));
+    if (res == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "spec_verify: scratch of %d floats", n);
+    for (int r = 0; r < a->n_req; r++) {
+        const float *prow = a->p + (size_t)a->p_row[r] * a->ld_p;
+        const int32_t *d = a->draft + (size_t)r * a->ld_draft;
+        const double *u = a->u + (size_t)r * a->ld_u;
+        int l = a->len[r], acc = 0;
+        int32_t next = -1;
+        for (; acc < l; acc++) {
+            const float *p = prow + (size_t)acc * a->ld_p;
+            const float *q = a->q + (size_t)(a->q_row[r] + acc) * a->ld_q;
+            double pq = p[d[acc]], qq = q[d[acc]] > 1e-8f ? q[d[acc]] : 1e-8;
+            double accept = pq / qq < 1.0 ? pq / qq : 1.0;
+            if (u[acc] < accept)
+                continue;
+            double mass = 0.0;
+            for (int j = 0; j < n; j++) {
+                float v = p[j] - q[j];
+                res[j] = v > 0.0f ? v : 0.0f;
+                mass += res[j];
+            }
+            if (mass <= 1e-8) {
+                memcpy(res, p, (size_t)n * sizeof(float));
+                mass = 1.0;
+            }
+            for (int j = 0; j < n; j++)
+                res[j] = (float)(res[j] / mass);
+            next = sample_row(res, n, u[l]);
+            break;
+        }
+        if (next < 0)
+            next = sample_row(prow + (size_t)l * a->ld_p, n, u[l]);
+        a->out[2 * r] = acc;
+        a->out[2 * r + 1] = next;
+    }
+    free(res);
+    return PD_OK;
+}
+
 static void cpu_destroy(kern_backend *be)
 {
     free(be);
@@ -489,6 +633,9 @@ static const kern_backend_ops cpu_ops = {
     .linear = cpu_linear,
     .qk_post = cpu_qk_post,
     .markov_step = cpu_markov_step,
+    .probs = cpu_probs,
+    .sample = cpu_sample,
+    .spec_verify = cpu_spec_verify,
     .destroy = cpu_destroy,
 };
 

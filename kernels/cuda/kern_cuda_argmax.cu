@@ -2,7 +2,7 @@
  * Owns: kern_cuda_argmax_launch. One block per row; each thread keeps its best (value, index)
  *   with the lowest index winning ties (and NaN never winning), then a warp-shuffle and a
  *   shared-memory reduction apply the same rule, matching the CPU reference's strict '>' scan.
- * Not here: sampling with temperature (not an op yet). Threading: enqueues on the backend stream. */
+ * Not here: sampling with temperature (kern_cuda_sample.cu). Threading: enqueues on the backend stream. */
 #include "kern_cuda_internal.h"
 
 #include <math.h>

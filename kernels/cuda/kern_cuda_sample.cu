@@ -1,0 +1,537 @@
+/* kern_cuda_sample.cu - sampling on the device: tempered / filtered probabilities, inverse-CDF
+ *   sampling and rejection-sampling verification (the rules of pd_sample.h, kern_backend.h).
+ * Owns: kern_cuda_probs_launch, kern_cuda_sample_launch, kern_cuda_spec_verify_launch.
+ *   One block per row (probs, sample) or per request (spec_verify); every sum runs in a fixed
+ *   order, so a result depends only on its inputs (seeds reproduce on the device too).
+ *   probs: softmax with exp in double as the CPU reference (the float probabilities then match
+ *     it to an ulp, so the same tokens survive the filter). top-k / top-p need no sort: the
+ *     kept tokens are a prefix of the order (p desc, index asc), found by a 3-pass radix select
+ *     over the bits of p (11, 11, 9 bits) whose histograms count tokens and their mass. Masses
+ *     are integers in units of 2^-60 (two 32-bit words per bin, lanes with equal values adding
+ *     once): exact for every p >= 2^-37 and the same whatever order the atomics land in. The select stops at the highest value t
+ *     whose "tokens >= t" reach k or carry top_p; of the tokens equal to t, the lowest indices
+ *     are kept (a block-wide rank in index order) until k or the mass is reached, as the
+ *     reference's sorted scan does. Tokens with p = 0 stay out of the histograms: whether one
+ *     is kept changes no output.
+ *   sample: the running sum in index order is split over the block in contiguous segments
+ *     (double, block-wide exclusive scan); the first token whose running sum exceeds u wins.
+ *     Sums differ from the CPU's sequential ones by rounding, so a u within ~1e-15 of a CDF
+ *     boundary may pick the neighbour.
+ * Not here: shape checks (kern_ops.c), drawing uniforms (the caller's rng).
+ * Threading: enqueues on the backend stream; no workspace, so launches can be captured. */
+#include "kern_cuda_internal.h"
+
+#include <math.h>
+
+#define SP_THREADS 1024
+#define SP_WARPS (SP_THREADS / 32)
+#define SP_BINS 2048
+#define SP_FIX_SCALE 1152921504606846976.0   /* 2^60: masses as integers */
+
+typedef unsigned long long ull;
+
+/* ---- block-wide helpers (every thread of the block must call them) ------------------------- */
+
+static __device__ __forceinline__ bool sp_better(float v, int i, float bv, int bi)
+{
+    return v > bv || (v == bv && i < bi);
+}
+
+/* argmax with kern_argmax's rule: larger value, then lower index; NaN never wins; all NaN -> 0 */
+static __device__ int sp_block_argmax(const float *x, int n, float *sv, int *si)
+{
+    float bv = -INFINITY;
+    int bi = n;
+    for (int i = threadIdx.x; i < n; i += SP_THREADS) {
+        float v = x[i];
+        if (sp_better(v, i, bv, bi))
+            bv = v, bi = i;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (sp_better(ov, oi, bv, bi))
+            bv = ov, bi = oi;
+    }
+    if ((threadIdx.x & 31) == 0) {
+        sv[threadIdx.x >> 5] = bv;
+        si[threadIdx.x >> 5] = bi;
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        bv = sv[threadIdx.x];
+        bi = si[threadIdx.x];
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (sp_better(ov, oi, bv, bi))
+                bv = ov, bi = oi;
+        }
+        if (threadIdx.x == 0)
+            si[0] = bi < n ? bi : 0;
+    }
+    __syncthreads();
+    int best = si[0];
+    __syncthreads();
+    return best;
+}
+
+static __device__ float sp_block_max(float v, float *sh)
+{
+    v = kern_cuda_warp_max(v);
+    if ((threadIdx.x & 31) == 0)
+        sh[threadIdx.x >> 5] = v;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        v = kern_cuda_warp_max(sh[threadIdx.x]);
+        if (threadIdx.x == 0)
+            sh[0] = v;
+    }
+    __syncthreads();
+    v = sh[0];
+    __syncthreads();
+    return v;
+}
+
+static __device__ double sp_warp_sum_d(double v)
+{
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+static __device__ double sp_block_sum_d(double v, double *sh)
+{
+    v = sp_warp_sum_d(v);
+    if ((threadIdx.x & 31) == 0)
+        sh[threadIdx.x >> 5] = v;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        v = sp_warp_sum_d(sh[threadIdx.x]);
+        if (threadIdx.x == 0)
+            sh[0] = v;
+    }
+    __syncthreads();
+    v = sh[0];
+    __syncthreads();
+    return v;
+}
+
+/* Exclusive prefix sum over the block in thread order. */
+static __device__ double sp_block_excl_scan_d(double v, double *sh)
+{
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    double incl = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        double t = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o)
+            incl += t;
+    }
+    double excl = __shfl_up_sync(0xffffffffu, incl, 1);
+    if (lane == 0)
+        excl = 0.0;
+    if (lane == 31)
+        sh[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        double w = sh[lane], wi = w;
+        for (int o = 1; o < 32; o <<= 1) {
+            double t = __shfl_up_sync(0xffffffffu, wi, o);
+            if (lane >= o)
+                wi += t;
+        }
+        double we = __shfl_up_sync(0xffffffffu, wi, 1);
+        sh[32 + lane] = lane == 0 ? 0.0 : we;
+    }
+    __syncthreads();
+    double r = sh[32 + warp] + excl;
+    __syncthreads();
+    return r;
+}
+
+static __device__ int sp_block_min_i(int v, int *sh)
+{
+    for (int o = 16; o > 0; o >>= 1)
+        v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if ((threadIdx.x & 31) == 0)
+        sh[threadIdx.x >> 5] = v;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        v = sh[threadIdx.x];
+        for (int o = 16; o > 0; o >>= 1)
+            v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+        if (threadIdx.x == 0)
+            sh[0] = v;
+    }
+    __syncthreads();
+    v = sh[0];
+    __syncthreads();
+    return v;
+}
+
+static __device__ int sp_block_max_i(int v, int *sh)
+{
+    return -sp_block_min_i(-v, sh);
+}
+
+/* Inverse CDF over val(0..n-1) in index order (entries <= 0 skipped): the first i whose running
+ * sum exceeds u, else the last i with mass (0 when none). Thread t owns a contiguous segment. */
+template <class F>
+static __device__ int sp_block_icdf(F val, int n, double u, double *shd, int *shi)
+{
+    int seg = (n + SP_THREADS - 1) / SP_THREADS;
+    int lo = threadIdx.x * seg, hi = lo + seg < n ? lo + seg : n;
+    double s = 0.0;
+    int last = -1;
+    for (int i = lo; i < hi; i++) {
+        float v = val(i);
+        if (!(v <= 0.0f)) {   /* as the reference: a NaN counts (and poisons the sums after it) */
+            s += (double)v;
+            last = i;
+        }
+    }
+    double cum = sp_block_excl_scan_d(s, shd);
+    int found = n;
+    if (last >= 0 && !(u >= cum + s)) {
+        for (int i = lo; i < hi; i++) {
+            float v = val(i);
+            if (v <= 0.0f)
+                continue;
+            cum += (double)v;
+            if (u < cum) {
+                found = i;
+                break;
+            }
+        }
+    }
+    found = sp_block_min_i(found, shi);
+    if (found < n)
+        return found;
+    last = sp_block_max_i(last, shi);
+    return last >= 0 ? last : 0;
+}
+
+/* the values sp_block_icdf walks: a probability row, or a normalised residual max(0, p - q) */
+struct sp_row {
+    const float *p;
+    __device__ float operator()(int i) const { return p[i]; }
+};
+
+struct sp_residual {
+    const float *p, *q;
+    double mass;
+    __device__ float operator()(int i) const
+    {
+        float v = p[i] - q[i];
+        return v > 0.0f ? (float)((double)v / mass) : 0.0f;
+    }
+};
+
+/* ---- probs ---------------------------------------------------------------------------------- */
+
+static __device__ __forceinline__ ull sp_fix(float p)
+{
+    return __double2ull_rn((double)p * SP_FIX_SCALE);
+}
+
+/* A mass bin as two 32-bit words (64-bit shared atomics spin on a compare-and-swap): the low
+ * word's wrap-arounds carry into the high one, so the sum stays exact in any order. */
+static __device__ __forceinline__ void sp_mass_add(unsigned int *lo, unsigned int *hi, ull v)
+{
+    unsigned int l = (unsigned int)v, h = (unsigned int)(v >> 32);
+    unsigned int old = atomicAdd(lo, l);
+    if (old + l < old)
+        h++;
+    if (h != 0)
+        atomicAdd(hi, h);
+}
+
+static __device__ __forceinline__ ull sp_mass(const unsigned int *lo, const unsigned int *hi, int b)
+{
+    return ((ull)hi[b] << 32) + lo[b];
+}
+
+__global__ void __launch_bounds__(SP_THREADS)
+probs_kernel(kern_probs_args a)
+{
+    __shared__ unsigned int hc[SP_BINS], hml[SP_BINS], hmh[SP_BINS];
+    __shared__ float shf[SP_WARPS];
+    __shared__ int shi[SP_WARPS];
+    __shared__ double shd[2 * SP_WARPS];
+    __shared__ int s_digit, s_found, s_cnt_t;
+    __shared__ unsigned int s_cnt_above;
+    __shared__ ull s_mass_above, s_total;
+    __shared__ int s_wbase[SP_WARPS];
+
+    const int n = a.n;
+    const int xr = a.idx != NULL ? a.idx[blockIdx.x] : (int)blockIdx.x;
+    const float *x = a.x + (size_t)xr * a.ld_x;
+    float *out = a.out + (size_t)blockIdx.x * a.ld_out;
+    const kern_sample_cfg c = a.cfg[blockIdx.x];
+
+    if (c.temperature < 1e-5f) {
+        int best = sp_block_argmax(x, n, shf, shi);
+        for (int i = threadIdx.x; i < n; i += SP_THREADS)
+            out[i] = i == best ? 1.0f : 0.0f;
+        return;
+    }
+    /* softmax as the reference: e in double, p = float(float(e) / sum of the double e's) */
+    float mx = -INFINITY;
+    for (int i = threadIdx.x; i < n; i += SP_THREADS)
+        mx = fmaxf(mx, x[i]);
+    mx = sp_block_max(mx, shf);
+    const double temp = (double)c.temperature;
+    double s = 0.0;
+    for (int i = threadIdx.x; i < n; i += SP_THREADS) {
+        double e = exp(((double)x[i] - (double)mx) / temp);
+        out[i] = (float)e;
+        s += e;
+    }
+    const double sum = sp_block_sum_d(s, shd);
+    for (int i = threadIdx.x; i < n; i += SP_THREADS)
+        out[i] = (float)((double)out[i] / sum);
+    const int k = c.top_k > 0 && c.top_k < n ? c.top_k : n;
+    if (k == n && c.top_p >= 1.0f)
+        return;
+    __syncthreads();   /* every p is in out before any thread reads another's */
+
+    /* top_p >= 1 is off (pd_sample.c): no running mass reaches it */
+    const bool use_p = c.top_p < 1.0f;
+    const ull tp_fix = use_p ? (ull)ceil((double)c.top_p * SP_FIX_SCALE) : ~0ull;
+    unsigned int pref_mask = 0, pref_val = 0, cnt_above = 0;
+    ull mass_above = 0;
+    bool keep_all = false;
+    const int shifts[3] = {20, 9, 0}, widths[3] = {11, 11, 9};
+#pragma unroll 1
+    for (int pass = 0; pass < 3; pass++) {
+        const int shift = shifts[pass], nb = 1 << widths[pass];
+        for (int b = threadIdx.x; b < nb; b += SP_THREADS) {
+            hc[b] = 0;
+            hml[b] = 0;
+            hmh[b] = 0;
+        }
+        __syncthreads();
+        for (int i0 = 0; i0 < n; i0 += SP_THREADS) {
+            int i = i0 + threadIdx.x;
+            float p = i < n ? out[i] : 0.0f;
+            unsigned int bits = __float_as_uint(p);
+            bool in = p > 0.0f && (bits & pref_mask) == pref_val;
+            /* lanes holding the same value add once (rows with many equal probabilities would
+             * otherwise queue on a few bins); 0xffffffff is a NaN, never a value that is in */
+            unsigned int peers = __match_any_sync(0xffffffffu, in ? bits : 0xffffffffu);
+            if (in && (threadIdx.x & 31) == __ffs(peers) - 1) {
+                unsigned int cnt = __popc(peers), d = (bits >> shift) & (unsigned)(nb - 1);
+                atomicAdd(&hc[d], cnt);
+                sp_mass_add(&hml[d], &hmh[d], (ull)cnt * sp_fix(p));
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            /* lane l takes the l-th run of bins from the top; the running totals of the runs
+             * above come from a warp scan, then each lane walks its run downwards */
+            const int lane = threadIdx.x, per = nb / 32;
+            const int top = nb - 1 - lane * per;
+            unsigned int lc = 0;
+            ull lm = 0;
+            for (int b = top; b > top - per; b--) {
+                lc += hc[b];
+                lm += sp_mass(hml, hmh, b);
+            }
+            unsigned int ic = lc;
+            ull im = lm;
+            for (int o = 1; o < 32; o <<= 1) {
+                unsigned int tc = __shfl_up_sync(0xffffffffu, ic, o);
+                ull tm = __shfl_up_sync(0xffffffffu, im, o);
+                if (lane >= o) {
+                    ic += tc;
+                    im += tm;
+                }
+            }
+            unsigned int rc = cnt_above + ic - lc;
+            ull rm = mass_above + im - lm;
+            int digit = -1;
+            for (int b = top; b > top - per; b--) {
+                ull mb = sp_mass(hml, hmh, b);
+                if (rc + hc[b] >= (unsigned)k || rm + mb >= tp_fix) {
+                    digit = b;
+                    break;
+                }
+                rc += hc[b];
+                rm += mb;
+            }
+            unsigned int hit = __ballot_sync(0xffffffffu, digit >= 0);
+            ull total = __shfl_sync(0xffffffffu, im, 31);
+            if (hit == 0) {
+                if (lane == 0) {
+                    s_found = 0;
+                    s_total = mass_above + total;
+                }
+            } else if (lane == __ffs(hit) - 1) {
+                s_found = 1;
+                s_digit = digit;
+                s_cnt_above = rc;
+                s_mass_above = rm;
+                s_cnt_t = (int)hc[digit];
+            }
+        }
+        __syncthreads();
+        if (!s_found) {
+            keep_all = true;   /* only in pass 0: the whole mass never reaches top_p */
+            break;
+        }
+        pref_mask |= (unsigned)(nb - 1) << shift;
+        pref_val |= (unsigned)s_digit << shift;
+        cnt_above = s_cnt_above;
+        mass_above = s_mass_above;
+        __syncthreads();
+    }
+    /* the kept set: every p > t, and the first j tokens (index order) with p == t */
+    ull kept_fix;
+    int j = 0, c_t = 0;
+    const unsigned int t_bits = pref_val;
+    if (keep_all) {
+        kept_fix = s_total;
+    } else {
+        c_t = s_cnt_t;
+        const ull t_fix = sp_fix(__uint_as_float(t_bits));
+        long long jk = (long long)k - cnt_above;
+        long long jp = use_p && t_fix > 0 ? (long long)((tp_fix - mass_above + t_fix - 1) / t_fix) : c_t;
+        long long jj = jk < jp ? jk : jp;
+        j = (int)(jj < c_t ? jj : c_t);
+        kept_fix = mass_above + (ull)j * t_fix;
+    }
+    const double kept = (double)kept_fix / SP_FIX_SCALE;
+    if (keep_all || j >= c_t) {
+        for (int i = threadIdx.x; i < n; i += SP_THREADS) {
+            float p = out[i];
+            out[i] = p > 0.0f && __float_as_uint(p) >= t_bits ? (float)((double)p / kept) : 0.0f;
+        }
+        return;
+    }
+    /* ties at t: rank them in index order, tile by tile */
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int base = 0;
+    for (int i0 = 0; i0 < n; i0 += SP_THREADS) {
+        int i = i0 + threadIdx.x;
+        float p = i < n ? out[i] : 0.0f;
+        unsigned int bits = __float_as_uint(p);
+        bool tie = i < n && bits == t_bits;
+        unsigned int bal = __ballot_sync(0xffffffffu, tie);
+        if (lane == 0)
+            s_wbase[warp] = __popc(bal);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int acc = 0;
+            for (int w = 0; w < SP_WARPS; w++) {
+                int cnt = s_wbase[w];
+                s_wbase[w] = acc;
+                acc += cnt;
+            }
+            shi[0] = acc;
+        }
+        __syncthreads();
+        if (i < n) {
+            bool keep = bits > t_bits ||
+                        (tie && base + s_wbase[warp] + __popc(bal & ((1u << lane) - 1u)) < j);
+            out[i] = keep ? (float)((double)p / kept) : 0.0f;
+        }
+        base += shi[0];
+        __syncthreads();
+    }
+}
+
+extern "C" pd_status kern_cuda_probs_launch(kern_backend *be, const kern_probs_args *a, pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    if (a->rows <= 0)
+        return PD_OK;
+    probs_kernel<<<a->rows, SP_THREADS, 0, c->stream>>>(*a);
+    KERN_CUDA_LAUNCH_CHECK(err);
+    return PD_OK;
+}
+
+/* ---- sample --------------------------------------------------------------------------------- */
+
+__global__ void __launch_bounds__(SP_THREADS)
+sample_kernel(kern_sample_args a)
+{
+    __shared__ double shd[2 * SP_WARPS];
+    __shared__ int shi[SP_WARPS];
+    const float *p = a.probs + (size_t)blockIdx.x * a.ld;
+    int tok = sp_block_icdf(sp_row{p}, a.n, a.u[blockIdx.x], shd, shi);
+    if (threadIdx.x == 0)
+        a.out[blockIdx.x] = tok;
+}
+
+extern "C" pd_status kern_cuda_sample_launch(kern_backend *be, const kern_sample_args *a, pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    if (a->rows <= 0)
+        return PD_OK;
+    sample_kernel<<<a->rows, SP_THREADS, 0, c->stream>>>(*a);
+    KERN_CUDA_LAUNCH_CHECK(err);
+    return PD_OK;
+}
+
+/* ---- spec_verify ---------------------------------------------------------------------------- */
+
+__global__ void __launch_bounds__(SP_THREADS)
+spec_verify_kernel(kern_spec_verify_args a)
+{
+    __shared__ double shd[2 * SP_WARPS];
+    __shared__ int shi[SP_WARPS];
+    __shared__ int s_acc;
+    const int r = blockIdx.x, n = a.n, l = a.len[r];
+    const float *p0 = a.p + (size_t)a.p_row[r] * a.ld_p;
+    const int32_t *d = a.draft + (size_t)r * a.ld_draft;
+    const double *u = a.u + (size_t)r * a.ld_u;
+    if (threadIdx.x == 0) {
+        int acc = 0;
+        for (; acc < l; acc++) {
+            const float *p = p0 + (size_t)acc * a.ld_p;
+            const float *q = a.q + (size_t)(a.q_row[r] + acc) * a.ld_q;
+            int t = d[acc];
+            float pv = t >= 0 && t < n ? p[t] : 0.0f, qv = t >= 0 && t < n ? q[t] : 0.0f;
+            double pq = pv, qq = qv > 1e-8f ? (double)qv : 1e-8;
+            double accept = pq / qq < 1.0 ? pq / qq : 1.0;
+            if (!(u[acc] < accept))
+                break;
+        }
+        s_acc = acc;
+    }
+    __syncthreads();
+    const int acc = s_acc;
+    int tok;
+    if (acc < l) {
+        const float *p = p0 + (size_t)acc * a.ld_p;
+        const float *q = a.q + (size_t)(a.q_row[r] + acc) * a.ld_q;
+        double s = 0.0;
+        for (int i = threadIdx.x; i < n; i += SP_THREADS) {
+            float v = p[i] - q[i];
+            s += v > 0.0f ? (double)v : 0.0;
+        }
+        double mass = sp_block_sum_d(s, shd);
+        if (mass <= 1e-8)   /* p and q agree: sample p itself, as the reference */
+            tok = sp_block_icdf(sp_row{p}, n, u[l], shd, shi);
+        else
+            tok = sp_block_icdf(sp_residual{p, q, mass}, n, u[l], shd, shi);
+    } else {
+        const float *p = p0 + (size_t)l * a.ld_p;
+        tok = sp_block_icdf(sp_row{p}, n, u[l], shd, shi);
+    }
+    if (threadIdx.x == 0) {
+        a.out[2 * r] = acc;
+        a.out[2 * r + 1] = tok;
+    }
+}
+
+extern "C" pd_status kern_cuda_spec_verify_launch(kern_backend *be, const kern_spec_verify_args *a,
+                                                  pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    if (a->n_req <= 0)
+        return PD_OK;
+    spec_verify_kernel<<<a->n_req, SP_THREADS, 0, c->stream>>>(*a);
+    KERN_CUDA_LAUNCH_CHECK(err);
+    return PD_OK;
+}
