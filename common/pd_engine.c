@@ -64,6 +64,7 @@ struct pd_engine {
     int cap_pend_host;
     pd_sps sps_default;         /* linear step-time model when no profile is given */
     pd_sched_ctl sched;         /* the scheduled policy's arms (pd_verify_policy.h) */
+    pd_engine_times times;      /* host time per part of a step (diagnostics) */
     /* context-parallel prefill (cp_size > 1): ranks 1.. have their own backend handle and KV
      * replica; rank 0 is the target's backend and pool */
     int cp_n;
@@ -1198,6 +1199,8 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     }
     if (n == 0)
         return PD_OK;
+    double t_enter = now_s();
+    e->times.rounds++;
     /* confidence logits are needed only when some request verifies less than everything */
     int want_conf = 0;
     float *conf = NULL, *conf_k = NULL;
@@ -1282,8 +1285,11 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             goto out;
         }
     }
+    e->times.reserve += now_s() - t_enter;
     if (n_draft > 0 && e->n_pend > 0) {
+        double t_flush = now_s();
         st = pend_flush(e, err);   /* the drafts must see every committed position */
+        e->times.flush += now_s() - t_flush;
         if (st != PD_OK)
             goto out;
     }
@@ -1322,6 +1328,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     if (n_draft > 0) {
         /* the draft round just ended with a download, so the host clock saw all of it */
         draft_sec = now_s() - t_draft;
+        e->times.draft += draft_sec;
         if (graph_cold(e) == cold_draft)   /* a capture says little about the next rounds */
             pd_sched_add_draft(&e->sched, m, draft_sec);
         if (want_conf) {
@@ -1366,6 +1373,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             vrows[t] = t;
         }
     }
+    double t_verify = now_s();
     if (m > 0) {
         pd_tok_batch vb = { .n_tok = n_v, .ids = vids, .pos = vpos, .seq = vseq, .n_seq = m,
                             .seqs = vseqs };
@@ -1379,6 +1387,8 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         if (st != PD_OK)
             goto out;
     }
+    double t_commit = now_s();
+    e->times.verify += t_commit - t_verify;
     /* ---- accept and commit ---- */
     int n_ext = 0;
     int32_t *ext_rows = vrows, *ext_pos = vpos;   /* reuse: filled in increasing order */
@@ -1459,6 +1469,8 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
                 r->finish = PD_FINISH_LENGTH;
         }
     }
+    double t_extend = now_s();
+    e->times.commit += t_extend - t_commit;
     if (n_ext > 0 && sched_mode == PD_SCHED_PLAIN) {
         /* a round without drafts for the scheduled requests: their context rows wait (they are
          * added in one batch before the next round that drafts); the others' go in now */
@@ -1492,6 +1504,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         st = extend_draft(e, pd_target_aux(e->target), ext_rows, ext_pos, ext_owner, n_ext, err);
     }
     free(ext_owner);
+    e->times.extend += now_s() - t_extend;
     if (st == PD_OK && sched_mode >= 0) {
         double dt = now_s() - t_round;
         if (dt > 0.0)
@@ -1499,6 +1512,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
                          graph_cold(e) != cold0);
     }
 out:
+    e->times.round += now_s() - t_enter;
     free(conf);
     free(conf_k);
     free(slots);
@@ -1540,11 +1554,17 @@ pd_status pd_engine_step(pd_engine *e, pd_err *err)
         }
     }
     be->batch_invariant = 0;
-    TRY(prefill_step(e, err));
-    /* decode rounds: a token's numbers must not depend on its batch (lossless in bf16) */
-    be->batch_invariant = !e->cfg.fast_kernels;
-    pd_status st = decode_round(e, err);
-    be->batch_invariant = 0;
+    double t0 = now_s();
+    pd_status st = prefill_step(e, err);
+    double t1 = now_s();
+    e->times.prefill += t1 - t0;
+    if (st == PD_OK) {
+        /* decode rounds: a token's numbers must not depend on its batch (lossless in bf16) */
+        be->batch_invariant = !e->cfg.fast_kernels;
+        st = decode_round(e, err);
+        be->batch_invariant = 0;
+    }
+    e->times.step += now_s() - t0;
     return st;
 }
 
@@ -1652,6 +1672,7 @@ void pd_engine_graph_stats(const pd_engine *e, uint64_t *eager, uint64_t *captur
 }
 
 const pd_sched_ctl *pd_engine_sched(const pd_engine *e) { return &e->sched; }
+const pd_engine_times *pd_engine_phase_times(const pd_engine *e) { return &e->times; }
 
 void pd_engine_set_sps(pd_engine *e, const pd_sps *sps)
 {

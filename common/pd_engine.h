@@ -184,6 +184,21 @@ void pd_engine_graph_stats(const pd_engine *e, uint64_t *eager, uint64_t *captur
 void pd_engine_set_sps(pd_engine *e, const pd_sps *sps);
 /* The scheduled policy's arm controller (diagnostics: picks per arm, estimates). */
 const pd_sched_ctl *pd_engine_sched(const pd_engine *e);
+/* Host wall seconds spent in each part of pd_engine_step so far (diagnostics; the device runs
+ * asynchronously, so a part that downloads also waits for work queued before it). */
+typedef struct {
+    double step;      /* all of pd_engine_step */
+    double prefill;   /* prefill work */
+    double round;     /* decode rounds, all of them */
+    double reserve;   /* page reservation and the arm pick */
+    double flush;     /* deferred draft context added before a drafting round */
+    double draft;     /* draft block and Markov steps */
+    double verify;    /* the target's verify forward and the argmax (or sampled verify) download */
+    double commit;    /* acceptance and output bookkeeping */
+    double extend;    /* draft context extension or deferral of the committed rows */
+    long rounds;      /* decode rounds with at least one request */
+} pd_engine_times;
+const pd_engine_times *pd_engine_phase_times(const pd_engine *e);
 /* One engine step: prefill work for queued requests (up to max_prefill_tokens), then one
  * speculative round for every running request. A request that fails ends with
  * PD_FINISH_ERROR and its message; the step itself fails only on an engine-wide error. */

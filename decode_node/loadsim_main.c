@@ -401,6 +401,7 @@ int main(int argc, char **argv)
             /* a short warm-up level first: graph captures and scratch growth stay out of the timing */
             pd_status st = run_level(e, pr, n_pr, C, C, pol_target[pi] ? PD_VERIFY_DEFAULT : pol[pi],
                                      threshold, 8, &res, &err);
+            pd_engine_times t_warm = *pd_engine_phase_times(e);
             if (st == PD_OK)
                 st = run_level(e, pr, n_pr, C, R, pol_target[pi] ? PD_VERIFY_DEFAULT : pol[pi], threshold,
                                max_new, &res, &err);
@@ -414,6 +415,19 @@ int main(int argc, char **argv)
                          pd_sched_estimate(sc, PD_SCHED_PLAIN, C), pd_sched_estimate(sc, PD_SCHED_ALGO1, C),
                          pd_sched_estimate(sc, PD_SCHED_ALL, C));
             }
+            char phases[512] = "";
+            const pd_engine_times *pt = pd_engine_phase_times(e);
+            long n_rounds = pt->rounds - t_warm.rounds;
+            if (st == PD_OK && n_rounds > 0) {
+                double k = 1e6 / (double)n_rounds;
+#define PH(f) ((pt->f - t_warm.f) * k)
+                snprintf(phases, sizeof(phases),
+                         "  host us per round (%ld rounds): step %.1f = prefill %.1f + round %.1f "
+                         "(reserve/pick %.1f, flush %.1f, draft %.1f, verify %.1f, commit %.1f, extend %.1f)\n",
+                         n_rounds, PH(step), PH(prefill), PH(round), PH(reserve), PH(flush), PH(draft),
+                         PH(verify), PH(commit), PH(extend));
+#undef PH
+            }
             pd_engine_destroy(e);
             pd_sps_cleanup(&sps);
             if (st != PD_OK)
@@ -421,6 +435,7 @@ int main(int argc, char **argv)
             printf("%-10s %5d %8d %10.1f %10.3f %10.1f %6.3f %9.2f\n", pname, C, res.requests,
                    res.tokens_per_s, res.itl_ms, res.ttft_ms, res.tau, res.verified);
             fputs(arms, stdout);
+            fputs(phases, stdout);
             fflush(stdout);
             if (csv != NULL) {
                 fprintf(csv, "\"%s\",%s,%d,%d,%ld,%.4f,%.2f,%.4f,%.3f,%.4f,%.3f\n",
