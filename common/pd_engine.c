@@ -61,6 +61,7 @@ struct pd_engine {
     int n_pend;
     int32_t *pend_pos;          /* [cap_pend_host] */
     pd_request **pend_owner;
+    uint8_t *pend_fast;         /* 1: a prompt row, extended with the prefill (fast) kernels */
     int cap_pend_host;
     pd_sps sps_default;         /* linear step-time model when no profile is given */
     pd_sched_ctl sched;         /* the scheduled policy's arms (pd_verify_policy.h) */
@@ -324,6 +325,7 @@ void pd_engine_destroy(pd_engine *e)
     kern_buf_free(e->pend_aux);
     free(e->pend_pos);
     free(e->pend_owner);
+    free(e->pend_fast);
     pd_tp_group_destroy(e->tp);   /* after the runners built on its rank-0 shards */
     free(e);
 }
@@ -610,8 +612,16 @@ static pd_status extend_draft(pd_engine *e, const float *aux, const int32_t *row
 {
     if (e->draft == NULL || n == 0)
         return PD_OK;
-    TRY(kern_buf_grow(e->tm->be, &e->aux_dev, &e->cap_aux, n, (size_t)e->aux_dim * sizeof(float), err));
-    TRY(gather_aux(e, aux, rows, n, e->aux_dev->ptr, err));
+    int run = 1;
+    for (int i = 1; i < n && run; i++)
+        run = rows[i] == rows[0] + i;
+    const float *src = aux + (size_t)rows[0] * e->aux_dim;
+    if (!run || e->tp != NULL) {
+        /* tensor-parallel ranks read the rows from the engine's own scratch */
+        TRY(kern_buf_grow(e->tm->be, &e->aux_dev, &e->cap_aux, n, (size_t)e->aux_dim * sizeof(float), err));
+        TRY(gather_aux(e, aux, rows, n, e->aux_dev->ptr, err));
+        src = e->aux_dev->ptr;
+    }
     /* sequences: one slot per distinct owner, in order of first appearance */
     int32_t *seq = malloc((size_t)n * sizeof(int32_t));
     pd_kv_seq **seqs = malloc((size_t)n * sizeof(pd_kv_seq *));
@@ -627,65 +637,59 @@ static pd_status extend_draft(pd_engine *e, const float *aux, const int32_t *row
         seq[i] = n_seq - 1;
     }
     pd_tok_batch b = { .n_tok = n, .pos = pos, .seq = seq, .n_seq = n_seq, .seqs = seqs };
-    pd_status st = draft_extend(e, e->aux_dev->ptr, &b, err);
+    pd_status st = draft_extend(e, src, &b, err);
     free(seq);
     free(seqs);
     return st;
 }
 
 /* The deferred-context buffer grows up to this many rows or PD_PEND_MAX_BYTES, whichever is
- * less; a full buffer is flushed. */
-#define PD_PEND_MAX_ROWS 32768
+ * less; a full buffer is compacted (rows of ended requests removed) when at most half of it is
+ * still wanted, else flushed. */
+#define PD_PEND_MAX_ROWS 65536
 #define PD_PEND_MAX_BYTES ((size_t)256 << 20)
 
-/* Adds every deferred context row to the draft KV (one batch) and empties the list. Rows of
- * requests that ended (owner NULL, pend_drop) are skipped. */
+/* Adds every deferred context row to the draft KV and empties the list: prompt rows in one
+ * batch with the prefill kernels, decode rows in one with the kernels of a decode round, so a
+ * row gets the same numbers as when it is added at once. Rows of requests that ended (owner NULL,
+ * pend_drop) are skipped. */
 static pd_status pend_flush(pd_engine *e, pd_err *err)
 {
     if (e->n_pend == 0)
         return PD_OK;
-    int n = e->n_pend, n_keep = 0;
-    int32_t *seq = malloc((size_t)n * sizeof(int32_t)), *keep = malloc((size_t)n * sizeof(int32_t));
-    pd_kv_seq **seqs = malloc((size_t)n * sizeof(pd_kv_seq *));
-    if (seq == NULL || seqs == NULL || keep == NULL) {
-        free(seq);
-        free(seqs);
-        free(keep);
+    e->times.pend_flushes++;
+    int n = e->n_pend;
+    int32_t *idx = malloc((size_t)n * sizeof(int32_t)), *pos = malloc((size_t)n * sizeof(int32_t));
+    pd_request **own = malloc((size_t)n * sizeof(*own));
+    if (idx == NULL || pos == NULL || own == NULL) {
+        free(idx);
+        free(pos);
+        free(own);
         return pd_err_set(err, PD_ERR_NOMEM, "deferred draft context metadata");
     }
-    for (int i = 0; i < n; i++)
-        if (e->pend_owner[i] != NULL)
-            keep[n_keep++] = i;
-    /* the same kernels as an immediate extension inside a decode round */
     kern_backend *be = e->tm->be;
     int inv = be->batch_invariant;
-    be->batch_invariant = !e->cfg.fast_kernels;
     pd_status st = PD_OK;
-    if (n_keep < n) {
-        /* compact the rows still wanted (their positions and owners too) and extend with those */
-        for (int i = 0; i < n_keep; i++) {
-            e->pend_pos[i] = e->pend_pos[keep[i]];
-            e->pend_owner[i] = e->pend_owner[keep[i]];
-        }
-        if (n_keep > 0)
-            st = extend_draft(e, e->pend_aux->ptr, keep, e->pend_pos, e->pend_owner, n_keep, err);
-    } else {
-        int n_seq = 0;
-        for (int i = 0; i < n; i++) {
-            if (i == 0 || e->pend_owner[i] != e->pend_owner[i - 1])
-                seqs[n_seq++] = &e->pend_owner[i]->dkv;
-            seq[i] = n_seq - 1;
-        }
-        pd_tok_batch b = { .n_tok = n, .pos = e->pend_pos, .seq = seq, .n_seq = n_seq, .seqs = seqs };
-        st = draft_extend(e, e->pend_aux->ptr, &b, err);
+    for (int fast = 1; fast >= 0 && st == PD_OK; fast--) {
+        int k = 0;
+        for (int i = 0; i < n; i++)
+            if (e->pend_owner[i] != NULL && e->pend_fast[i] == fast) {
+                idx[k] = i;
+                pos[k] = e->pend_pos[i];
+                own[k++] = e->pend_owner[i];
+            }
+        be->batch_invariant = fast ? 0 : !e->cfg.fast_kernels;
+        if (k > 0)
+            st = extend_draft(e, e->pend_aux->ptr, idx, pos, own, k, err);
     }
     be->batch_invariant = inv;
-    free(seq);
-    free(seqs);
-    free(keep);
-    for (int i = 0; i < n_keep; i++)
-        e->pend_owner[i]->n_pend = 0;
+    for (int i = 0; i < n; i++)
+        if (e->pend_owner[i] != NULL)
+            e->pend_owner[i]->n_pend = 0;
     e->n_pend = 0;
+    free(idx);
+    free(pos);
+    free(own);
     return st;
 }
 
@@ -700,17 +704,62 @@ static void pend_drop(pd_engine *e, pd_request *r)
     r->n_pend = 0;
 }
 
+/* Removes the rows of ended requests from the deferred buffer when at most half of it is still
+ * wanted (two copies of the rows kept, through e->aux_dev); returns 1 when it did. */
+static int pend_compact(pd_engine *e, pd_err *err, pd_status *st)
+{
+    int live = 0;
+    for (int i = 0; i < e->n_pend; i++)
+        live += e->pend_owner[i] != NULL;
+    *st = PD_OK;
+    if (live > e->cap_pend / 2)
+        return 0;
+    if (live > 0) {
+        int32_t *idx = malloc((size_t)live * sizeof(int32_t));
+        if (idx == NULL)
+            return 0;
+        for (int i = 0, k = 0; i < e->n_pend; i++)
+            if (e->pend_owner[i] != NULL)
+                idx[k++] = i;
+        kern_backend *be = e->tm->be;
+        float *pend = e->pend_aux->ptr;
+        *st = kern_buf_grow(be, &e->aux_dev, &e->cap_aux, live, (size_t)e->aux_dim * sizeof(float), err);
+        if (*st == PD_OK)
+            *st = gather_aux(e, pend, idx, live, e->aux_dev->ptr, err);
+        kern_copy_rows_args cp = { .src = e->aux_dev != NULL ? e->aux_dev->ptr : NULL, .ld_src = e->aux_dim,
+                                   .dst = pend, .ld_dst = e->aux_dim, .rows = live, .cols = e->aux_dim };
+        if (*st == PD_OK)
+            *st = kern_copy_rows(be, &cp, err);
+        for (int k = 0; k < live && *st == PD_OK; k++) {
+            e->pend_pos[k] = e->pend_pos[idx[k]];
+            e->pend_owner[k] = e->pend_owner[idx[k]];
+            e->pend_fast[k] = e->pend_fast[idx[k]];
+        }
+        free(idx);
+        if (*st != PD_OK)
+            return 0;
+    }
+    e->n_pend = live;
+    e->times.pend_compactions++;
+    return 1;
+}
+
 /* Defers n committed context rows (rows of the target's aux tensor aux, at positions pos of
  * owner[i]) instead of adding them to the draft KV now. */
 static pd_status pend_add(pd_engine *e, const float *aux, const int32_t *rows, const int32_t *pos,
-                          pd_request *const *owner, int n, pd_err *err)
+                          pd_request *const *owner, int n, int fast, pd_err *err)
 {
     if (n == 0)
         return PD_OK;
     size_t row_bytes = (size_t)e->aux_dim * sizeof(float);
-    int max_rows = PD_PEND_MAX_ROWS;   /* a power of two: kern_buf_grow sizes in those */
+    int max_rows = e->cfg.pend_max_rows > 0 ? e->cfg.pend_max_rows : PD_PEND_MAX_ROWS;   /* a power of
+                                                           * two: kern_buf_grow sizes in those */
     while (max_rows > 64 && (size_t)max_rows * row_bytes > PD_PEND_MAX_BYTES)
         max_rows /= 2;
+    pd_status cst = PD_OK;
+    if (e->n_pend + n > e->cap_pend && e->n_pend > 0 && pend_compact(e, err, &cst) && e->n_pend + n > e->cap_pend)
+        TRY(pend_flush(e, err));
+    TRY(cst);
     if (e->n_pend + n > e->cap_pend) {
         TRY(pend_flush(e, err));
         if (n > max_rows)
@@ -723,12 +772,16 @@ static pd_status pend_add(pd_engine *e, const float *aux, const int32_t *rows, c
         TRY(grow_host((void **)&e->pend_pos, &cap, e->n_pend + n, sizeof(int32_t), err));
         int cap2 = e->cap_pend_host;
         TRY(grow_host((void **)&e->pend_owner, &cap2, e->n_pend + n, sizeof(pd_request *), err));
+        int cap3 = e->cap_pend_host;
+        TRY(grow_host((void **)&e->pend_fast, &cap3, e->n_pend + n, sizeof(uint8_t), err));
         e->cap_pend_host = cap < cap2 ? cap : cap2;
+        e->cap_pend_host = cap3 < e->cap_pend_host ? cap3 : e->cap_pend_host;
     }
     TRY(gather_aux(e, aux, rows, n, (float *)e->pend_aux->ptr + (size_t)e->n_pend * e->aux_dim, err));
     for (int i = 0; i < n; i++) {
         e->pend_pos[e->n_pend + i] = pos[i];
         e->pend_owner[e->n_pend + i] = owner[i];
+        e->pend_fast[e->n_pend + i] = (uint8_t)(fast != 0);
         owner[i]->n_pend++;
     }
     e->n_pend += n;
@@ -736,6 +789,52 @@ static pd_status pend_add(pd_engine *e, const float *aux, const int32_t *rows, c
 }
 
 /* ---- prefill ----------------------------------------------------------------------------- */
+
+/* The draft context of a prefill batch's prompt rows. Rows of scheduled requests wait in the
+ * deferred buffer (with their kernel mode): when the scheduler then decodes without drafts the
+ * request may end before its next drafting round and they are never computed. Prompts whose
+ * context is handed on (prefill nodes: aux or ctx rows kept, KV held) are extended at once. */
+static pd_verify_policy request_policy(const pd_engine *e, const pd_request *r);
+
+static int prompt_defers(const pd_engine *e, const pd_request *r)
+{
+    return request_policy(e, r) == PD_VERIFY_SCHEDULED && r->aux == NULL && r->ctx == NULL &&
+           !r->params.hold_kv;
+}
+
+static pd_status prefill_extend_draft(pd_engine *e, const float *aux, const int32_t *rows,
+                                      const int32_t *pos, pd_request *const *owner, int n, pd_err *err)
+{
+    if (e->draft == NULL || n == 0)
+        return PD_OK;
+    int n_def = 0;
+    for (int i = 0; i < n; i++)
+        n_def += prompt_defers(e, owner[i]);
+    if (n_def == 0)
+        return extend_draft(e, aux, rows, pos, owner, n, err);
+    /* [deferred | now] rows and positions, and their owners */
+    int32_t *row2 = malloc((size_t)n * 2 * sizeof(int32_t));
+    pd_request **own2 = malloc((size_t)n * sizeof(*own2));
+    if (row2 == NULL || own2 == NULL) {
+        free(row2);
+        free(own2);
+        return extend_draft(e, aux, rows, pos, owner, n, err);
+    }
+    int32_t *pos2 = row2 + n;
+    int d = 0, k = n_def;
+    for (int i = 0; i < n; i++) {
+        int at = prompt_defers(e, owner[i]) ? d++ : k++;
+        row2[at] = rows[i];
+        pos2[at] = pos[i];
+        own2[at] = owner[i];
+    }
+    pd_status st = pend_add(e, aux, row2, pos2, own2, n_def, 1, err);
+    if (st == PD_OK && n > n_def)
+        st = extend_draft(e, aux, row2 + n_def, pos2 + n_def, own2 + n_def, n - n_def, err);
+    free(row2);
+    free(own2);
+    return st;
+}
 
 /* The CP forward of a packed prefill batch (tokens of one sequence are contiguous, in order).
  * Sets the logits of lrows and the aux tensor the drafter gets, after the hand-off guard. */
@@ -928,6 +1027,7 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
     }
     pd_tok_batch b = { .n_tok = n_tok, .ids = ids, .pos = pos, .seq = seq, .n_seq = s, .seqs = seqs };
     const float *logits = NULL, *aux = NULL;
+    double t_fwd = now_s();
     if (e->cp != NULL) {
         st = cp_prefill(e, &b, owner, lrows, n_done, &logits, &aux, err);
     } else {
@@ -939,7 +1039,10 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
         goto out;
     if (e->draft != NULL && e->cfg.prefill_aux_hook != NULL)
         e->cfg.prefill_aux_hook(e->cfg.prefill_aux_hook_ud, aux, n_tok, e->aux_dim, e->aux_dim);
-    st = extend_draft(e, aux, rows, pos, owner, n_tok, err);
+    double t_ext = now_s();
+    e->times.prefill_target += t_ext - t_fwd;
+    st = prefill_extend_draft(e, aux, rows, pos, owner, n_tok, err);
+    e->times.prefill_draft += now_s() - t_ext;
     if (st != PD_OK)
         goto out;
     /* prefill nodes keep the packed aux rows (or the draft context features) of their prompts,
@@ -966,11 +1069,13 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
     int any_sampled = 0;
     for (int i = 0; i < n_done; i++)
         any_sampled |= !pd_sample_is_greedy(&done[i]->params.sample);
+    double t_first = now_s();
     if (n_done > 0 && !any_sampled)
         st = argmax_rows(e, logits, n_done, first, err);
     else if (n_done > 0 &&
              (st = kern_buf_grow(e->tm->be, &e->smp_p, &e->cap_smp_p, n_done, (size_t)e->V * sizeof(float), err)) == PD_OK)
         st = sample_rows(e, logits, done, n_done, e->smp_p->ptr, e->V, first, err);
+    e->times.prefill_target += now_s() - t_first;
     if (st != PD_OK)
         goto out;
     for (int i = 0; i < n_done; i++)
@@ -1272,9 +1377,13 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         dslot[d_i] = &slots[i];
         d_i++;
     }
-    for (int i = 0; i < m && e->dm != NULL && e->dm->cfg.enable_confidence_head; i++)
-        want_conf |= slots[i].l > 0 && (request_policy(e, slots[i].r) != PD_VERIFY_FULL ||
-                                        slots[i].r->params.record_confidence);
+    /* confidences are read by threshold requests, by scheduled ones when the round runs
+     * Algorithm 1 (not when every draft is verified), and by requests that record them */
+    for (int i = 0; i < m && e->dm != NULL && e->dm->cfg.enable_confidence_head; i++) {
+        pd_verify_policy p = request_policy(e, slots[i].r);
+        want_conf |= slots[i].l > 0 && (p == PD_VERIFY_THRESHOLD || slots[i].r->params.record_confidence ||
+                                        (p == PD_VERIFY_SCHEDULED && sched_mode != PD_SCHED_ALL));
+    }
     if (want_conf) {
         conf = malloc((size_t)n_draft * e->B * sizeof(float));
         conf_k = malloc((size_t)n_draft * sizeof(float));
@@ -1494,7 +1603,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
                     ext_owner[n_now++] = ext_owner[i];
                 }
             }
-            st = pend_add(e, pd_target_aux(e->target), drow, dpos, down, n_def, err);
+            st = pend_add(e, pd_target_aux(e->target), drow, dpos, down, n_def, 0, err);
             if (st == PD_OK && n_now > 0)
                 st = extend_draft(e, pd_target_aux(e->target), ext_rows, ext_pos, ext_owner, n_now, err);
             free(drow);

@@ -61,6 +61,8 @@ typedef struct {
     int sched_debug_arm;               /* tests only: 0 = the scheduled policy measures and picks
                                         * its arm per round; 1 = always no drafts, 2 = always
                                         * Algorithm 1, 3 = always all drafts */
+    int pend_max_rows;                 /* tests only: rows of the deferred draft context buffer
+                                        * (0: as many as fit in 256 MB, at most 65536) */
     int tp_debug_fail_rank;            /* tests only: pd_tp_group_config.debug_fail_rank/cmd */
     int tp_debug_fail_cmd;
     /* Tests and debugging: called on the engine thread with exactly the aux tensor (backend
@@ -188,7 +190,9 @@ const pd_sched_ctl *pd_engine_sched(const pd_engine *e);
  * asynchronously, so a part that downloads also waits for work queued before it). */
 typedef struct {
     double step;      /* all of pd_engine_step */
-    double prefill;   /* prefill work */
+    double prefill;   /* prefill work ... */
+    double prefill_target;  /* ... of which the target's forward and first-token download */
+    double prefill_draft;   /* ... and the draft context of the prompts (or its deferral) */
     double round;     /* decode rounds, all of them */
     double reserve;   /* page reservation and the arm pick */
     double flush;     /* deferred draft context added before a drafting round */
@@ -197,6 +201,7 @@ typedef struct {
     double commit;    /* acceptance and output bookkeeping */
     double extend;    /* draft context extension or deferral of the committed rows */
     long rounds;      /* decode rounds with at least one request */
+    long pend_flushes, pend_compactions;   /* of the deferred draft context buffer */
 } pd_engine_times;
 const pd_engine_times *pd_engine_phase_times(const pd_engine *e);
 /* One engine step: prefill work for queued requests (up to max_prefill_tokens), then one

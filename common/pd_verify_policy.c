@@ -488,11 +488,16 @@ double pd_sched_draft_s(const pd_sched_ctl *c, int m)
     return (1.0 - w) * c->d_sec[lo] / c->d_rounds[lo] + w * c->d_sec[hi] / c->d_rounds[hi];
 }
 
-double pd_sched_estimate(const pd_sched_ctl *c, pd_sched_arm a, int m)
+/* tokens/s of arm a at m, and the seconds of one of its rounds (*t_round) */
+static double estimate(const pd_sched_ctl *c, pd_sched_arm a, int m, double *t_round)
 {
+    *t_round = 0.0;
     if (c->sps == NULL) {   /* no model: this class's measured rate, nothing carries over */
         const pd_sched_stat *s = &c->st[a][pd_sched_class(m)];
-        return s->n > 0 && s->sec > 0.0 ? s->tok / s->sec : -1.0;
+        if (s->n == 0 || s->sec <= 0.0)
+            return -1.0;
+        *t_round = s->sec / s->rounds;
+        return s->tok / s->sec;
     }
     near_ctx n = { c, (int)a };
     int lo, hi;
@@ -524,7 +529,14 @@ double pd_sched_estimate(const pd_sched_ctl *c, pd_sched_arm a, int m)
     if (k[0] != pd_sched_class(m) && a != PD_SCHED_PLAIN && dm > 0.0)
         d = dm;
     double t = verify_s(c, m * v) + y + d;
+    *t_round = t;
     return t > 0.0 ? m * tau / t : -1.0;
+}
+
+double pd_sched_estimate(const pd_sched_ctl *c, pd_sched_arm a, int m)
+{
+    double t;
+    return estimate(c, a, m, &t);
 }
 
 static pd_sched_arm pick(pd_sched_ctl *c, int m);
@@ -539,36 +551,43 @@ pd_sched_arm pd_sched_pick(pd_sched_ctl *c, int m)
 static pd_sched_arm pick(pd_sched_ctl *c, int m)
 {
     static const pd_sched_arm first[PD_SCHED_ARMS] = { PD_SCHED_ALGO1, PD_SCHED_ALL, PD_SCHED_PLAIN };
-    long k = ++c->n_picks;
-    double est[PD_SCHED_ARMS];
+    c->n_picks++;
+    double est[PD_SCHED_ARMS], t[PD_SCHED_ARMS];
     for (int i = 0; i < PD_SCHED_ARMS; i++) {
-        est[first[i]] = pd_sched_estimate(c, first[i], m);
+        est[first[i]] = estimate(c, first[i], m, &t[first[i]]);
         if (est[first[i]] < 0.0)
             return first[i];
     }
-    int best = 0, second = -1;
+    int best = 0;
     for (int a = 1; a < PD_SCHED_ARMS; a++)
         if (est[a] > est[best])
             best = a;
-    for (int a = 0; a < PD_SCHED_ARMS; a++)
-        if (a != best && (second < 0 || est[a] > est[second]))
-            second = a;
-    /* a runner-up that is far behind costs more per try and is less likely to win: try it less
-     * often, about in proportion to the square of how far behind it is */
-    double ratio = est[second] > 0.0 ? est[best] / est[second] : 1e3;
-    double every_d = ratio < 1.25 ? PD_SCHED_EXPLORE : PD_SCHED_EXPLORE * 2.0 * ratio * ratio;
-    long every = every_d > PD_SCHED_EXPLORE_MAX ? PD_SCHED_EXPLORE_MAX : (long)every_d;
-    if (k % every == 0)
-        return (pd_sched_arm)second;
-    if (k % (4 * every) == 2 * every)
-        return (pd_sched_arm)(PD_SCHED_ARMS - best - second);   /* the third arm, more rarely */
-    return (pd_sched_arm)best;
+    /* another arm is tried again once the time run since its last round reaches
+     * PD_SCHED_EXPLORE_K times what one of its rounds is expected to lose against the best arm
+     * (at least a quarter of its round): exploring costs about 1 / K of the time per arm */
+    int pickx = -1;
+    double most = 1.0;
+    for (int a = 0; a < PD_SCHED_ARMS; a++) {
+        if (a == best)
+            continue;
+        double loss = t[a] * (1.0 - est[a] / est[best]);
+        if (loss < 0.25 * t[a])
+            loss = 0.25 * t[a];
+        double r = loss > 0.0 ? c->credit[a] / (PD_SCHED_EXPLORE_K * loss) : 0.0;
+        if (r >= most) {
+            most = r;
+            pickx = a;
+        }
+    }
+    return (pd_sched_arm)(pickx >= 0 ? pickx : best);
 }
 
 void pd_sched_add(pd_sched_ctl *c, pd_sched_arm a, int m, double tok, double sec, double draft_sec,
                   int v_tok, int cold)
 {
     int cl = pd_sched_class(m);
+    for (int i = 0; i < PD_SCHED_ARMS; i++)
+        c->credit[i] = i == (int)a ? 0.0 : c->credit[i] + sec;
     if (cold && c->st[a][cl].n == 0 && ++c->cold_skips[a][cl] <= 2)
         return;
     pd_sched_stat *s = &c->st[a][cl];

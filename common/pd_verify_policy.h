@@ -93,14 +93,16 @@ double pd_verify_choose(pd_verify_policy p, int n_req, int B, const float *conf_
  * (log2 of the requests in the round); a class without data takes tau, v and y interpolated in m
  * between the nearest classes below and above that have some (or the nearest one), and d from
  * the draft rounds measured nearest to m by any arm, so a batch size seen for the first time (a
- * load change, the tail of a burst) needs no trial rounds. Without a profile each class measures tokens/s directly. An arm never measured
- * is tried first; a runner-up is retried now and then (every PD_SCHED_EXPLORE-th round when
- * close, rarer the further behind it is) so the estimates follow the workload. Callers record
+ * load change, the tail of a burst) needs no trial rounds. Without a profile each class
+ * measures tokens/s directly. An arm never measured is tried first; another arm is retried once
+ * the time run since its last round reaches PD_SCHED_EXPLORE_K times what one of its rounds is
+ * expected to lose against the best (at least a quarter of its round), so the estimates follow
+ * the workload at about 1 / PD_SCHED_EXPLORE_K of the time per arm: a close runner-up every
+ * few dozen rounds, a far one (a drafting round that costs many plain ones) rarely. Callers record
  * steady rounds only (a round that captured a graph says little about the next ones). Every arm
  * is lossless: arms only choose how many drafts are verified. */
 #define PD_SCHED_CLASSES 16
-#define PD_SCHED_EXPLORE 16         /* a close runner-up arm is tried every 16th round ... */
-#define PD_SCHED_EXPLORE_MAX 1024   /* ... a far one less often, at least every 1024th */
+#define PD_SCHED_EXPLORE_K 64.0     /* exploration: time run per expected loss of a trial */
 #define PD_SCHED_DECAY 0.85         /* weight of the past per recorded round */
 
 typedef enum { PD_SCHED_PLAIN = 0, PD_SCHED_ALGO1, PD_SCHED_ALL, PD_SCHED_ARMS } pd_sched_arm;
@@ -120,13 +122,14 @@ typedef struct {
     double d_sec[PD_SCHED_CLASSES], d_req[PD_SCHED_CLASSES], d_rounds[PD_SCHED_CLASSES];
     int d_n[PD_SCHED_CLASSES];
     int cold_skips[PD_SCHED_ARMS][PD_SCHED_CLASSES];
+    double credit[PD_SCHED_ARMS];   /* seconds recorded since the arm's last round */
     long n_picks;
     long n_arm[PD_SCHED_ARMS];      /* picks of each arm (diagnostics) */
 } pd_sched_ctl;
 
 void pd_sched_init(pd_sched_ctl *c, const pd_sps *sps);
 int pd_sched_class(int m);
-/* The arm for a round of m requests (counts the pick: exploration follows the count). */
+/* The arm for a round of m requests (counted in n_arm by the caller's pd_sched_pick). */
 pd_sched_arm pd_sched_pick(pd_sched_ctl *c, int m);
 /* Expected tokens/s of arm a for a round of m requests; < 0 when nothing is known yet. */
 double pd_sched_estimate(const pd_sched_ctl *c, pd_sched_arm a, int m);

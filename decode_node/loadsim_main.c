@@ -402,30 +402,44 @@ int main(int argc, char **argv)
             pd_status st = run_level(e, pr, n_pr, C, C, pol_target[pi] ? PD_VERIFY_DEFAULT : pol[pi],
                                      threshold, 8, &res, &err);
             pd_engine_times t_warm = *pd_engine_phase_times(e);
+            uint64_t g_eager0 = 0, g_cap0 = 0, g_rep0 = 0;
+            pd_engine_graph_stats(e, &g_eager0, &g_cap0, &g_rep0);
+            long warm_picks[PD_SCHED_ARMS];
+            memcpy(warm_picks, pd_engine_sched(e)->n_arm, sizeof(warm_picks));
             if (st == PD_OK)
                 st = run_level(e, pr, n_pr, C, R, pol_target[pi] ? PD_VERIFY_DEFAULT : pol[pi], threshold,
                                max_new, &res, &err);
-            char arms[256] = "";
+            char arms[384] = "";
             if (st == PD_OK && with_draft && pol[pi] == PD_VERIFY_SCHEDULED) {
                 const pd_sched_ctl *sc = pd_engine_sched(e);
                 snprintf(arms, sizeof(arms),
-                         "  scheduled arms at C=%d: rounds plain/algo1/all %ld/%ld/%ld, "
-                         "estimated tok/s %.0f/%.0f/%.0f\n", C, sc->n_arm[PD_SCHED_PLAIN],
-                         sc->n_arm[PD_SCHED_ALGO1], sc->n_arm[PD_SCHED_ALL],
+                         "  scheduled arms at C=%d: rounds plain/algo1/all %ld/%ld/%ld (warm-up %ld/%ld/%ld), "
+                         "estimated tok/s %.0f/%.0f/%.0f\n", C,
+                         sc->n_arm[PD_SCHED_PLAIN] - warm_picks[PD_SCHED_PLAIN],
+                         sc->n_arm[PD_SCHED_ALGO1] - warm_picks[PD_SCHED_ALGO1],
+                         sc->n_arm[PD_SCHED_ALL] - warm_picks[PD_SCHED_ALL], warm_picks[PD_SCHED_PLAIN],
+                         warm_picks[PD_SCHED_ALGO1], warm_picks[PD_SCHED_ALL],
                          pd_sched_estimate(sc, PD_SCHED_PLAIN, C), pd_sched_estimate(sc, PD_SCHED_ALGO1, C),
                          pd_sched_estimate(sc, PD_SCHED_ALL, C));
             }
-            char phases[512] = "";
+            char phases[768] = "";
             const pd_engine_times *pt = pd_engine_phase_times(e);
             long n_rounds = pt->rounds - t_warm.rounds;
             if (st == PD_OK && n_rounds > 0) {
                 double k = 1e6 / (double)n_rounds;
 #define PH(f) ((pt->f - t_warm.f) * k)
+                uint64_t g_eager = 0, g_cap = 0, g_rep = 0;
+                pd_engine_graph_stats(e, &g_eager, &g_cap, &g_rep);
                 snprintf(phases, sizeof(phases),
-                         "  host us per round (%ld rounds): step %.1f = prefill %.1f + round %.1f "
-                         "(reserve/pick %.1f, flush %.1f, draft %.1f, verify %.1f, commit %.1f, extend %.1f)\n",
-                         n_rounds, PH(step), PH(prefill), PH(round), PH(reserve), PH(flush), PH(draft),
-                         PH(verify), PH(commit), PH(extend));
+                         "  host us per round (%ld rounds): step %.1f = prefill %.1f (target %.1f, draft %.1f) "
+                         "+ round %.1f (reserve/pick %.1f, flush %.1f, draft %.1f, verify %.1f, commit %.1f, "
+                         "extend %.1f); graphs: %llu eager, %llu captures, %llu replays; deferred context: %ld flushes, "
+                         "%ld compactions\n",
+                         n_rounds, PH(step), PH(prefill), PH(prefill_target), PH(prefill_draft), PH(round),
+                         PH(reserve), PH(flush), PH(draft), PH(verify), PH(commit), PH(extend),
+                         (unsigned long long)(g_eager - g_eager0), (unsigned long long)(g_cap - g_cap0),
+                         (unsigned long long)(g_rep - g_rep0), pt->pend_flushes - t_warm.pend_flushes,
+                         pt->pend_compactions - t_warm.pend_compactions);
 #undef PH
             }
             pd_engine_destroy(e);

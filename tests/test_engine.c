@@ -290,6 +290,45 @@ static void test_engine_deferred_context(void)
     free(kv[1]);
 }
 
+/* A scheduled request's prompt rows wait in the deferred buffer too (decoded without drafts, it
+ * may end before they are needed) and land with the prefill kernels before the next round that
+ * drafts; here a second request that verifies full blocks makes the engine draft. Its draft KV
+ * must equal the one of a full-blocks request, whose rows are added at once. */
+static void test_engine_deferred_prompt(void)
+{
+    pd_err err;
+    int na = (int)(sizeof(prompt_a) / 4), nb = (int)(sizeof(prompt_b) / 4);
+    pd_engine *e = sched_engine(1);
+    pd_gen_params gp = greedy(30), full = greedy(30);
+    full.verify_policy = PD_VERIFY_FULL;
+    pd_request *ra = NULL, *rb = NULL;
+    TEST_CHECK(pd_engine_add(e, 1, prompt_a, na, &gp, &ra, &err) == PD_OK);
+    TEST_CHECK(pd_engine_step(e, &err) == PD_OK);   /* prefill, then a round without drafts */
+    TEST_CHECK_MSG(ra->n_pend == na + 1, "deferred rows after prefill and one plain round: %d, want %d",
+                   ra->n_pend, na + 1);
+    TEST_CHECK(pd_engine_add(e, 2, prompt_b, nb, &full, &rb, &err) == PD_OK);
+    TEST_CHECK(pd_engine_step(e, &err) == PD_OK);   /* rb drafts: ra's rows land first */
+    TEST_CHECK_MSG(ra->n_pend == 1, "after a drafting round %d rows wait, want 1 (that round's)", ra->n_pend);
+    int len0 = 0, len1 = 0;
+    float *kv0 = read_draft_kv(e, ra, &len0);
+    pd_engine_destroy(e);
+
+    e = sched_engine(3);   /* a full-blocks request: nothing of it waits */
+    TEST_CHECK(pd_engine_add(e, 1, prompt_a, na, &full, &ra, &err) == PD_OK);
+    TEST_CHECK(pd_engine_step(e, &err) == PD_OK);
+    TEST_CHECK(ra->n_pend == 0);
+    TEST_CHECK(pd_engine_step(e, &err) == PD_OK);
+    float *kv1 = read_draft_kv(e, ra, &len1);
+    pd_engine_destroy(e);
+    int n = len0 < len1 ? len0 : len1;
+    TEST_CHECK_MSG(n > na, "context reaches past the prompt: %d vs %d", n, na);
+    double maxd = draft_kv_diff(kv0, len0, kv1, len1, n);
+    printf("deferred prompt rows: %d positions, max |dK|,|dV| vs immediate %.2e\n", n, maxd);
+    TEST_CHECK_MSG(maxd < 1e-3, "deferred prompt context differs from the immediate one by %g", maxd);
+    free(kv0);
+    free(kv1);
+}
+
 /* A request that ends without keeping its KV drops its deferred rows (no flush of everyone's
  * rows then); the rows of the others stay deferred, and when they land later, the rows dropped
  * from the middle of the buffer do not shift them: the survivor's draft KV equals the one of
@@ -334,6 +373,49 @@ static void test_engine_deferred_drop(void)
     free(kv1);
 }
 
+/* A full deferred buffer whose rows mostly belong to ended requests is compacted, not flushed:
+ * a long prompt that ends after three tokens fills it, then a survivor's rows push it over; the
+ * survivor's draft KV, landed after the compaction moved its rows, equals an immediate one. */
+static void test_engine_deferred_compact(void)
+{
+    pd_err err;
+    int na = (int)(sizeof(prompt_a) / 4), nb = (int)(sizeof(prompt_b) / 4);
+    pd_engine *e = NULL;
+    pd_engine_config ec = { .target = tm, .draft = dm, .page_size = 4, .n_pages = 64,
+                            .verify_policy = PD_VERIFY_SCHEDULED, .sched_debug_arm = 1, .pend_max_rows = 32 };
+    TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);
+    pd_gen_params short_gp = greedy(3), long_gp = greedy(24);
+    long_gp.hold_kv = 1;
+    pd_request *ra = NULL, *rb = NULL;
+    TEST_CHECK(pd_engine_add(e, 1, prompt_a, na, &short_gp, &ra, &err) == PD_OK);
+    TEST_CHECK(pd_engine_add(e, 2, prompt_b, nb, &long_gp, &rb, &err) == PD_OK);
+    run_to_end(e);
+    TEST_CHECK(pd_engine_step(e, &err) == PD_OK);   /* rb keeps its KV: its rows land */
+    const pd_engine_times *t = pd_engine_phase_times(e);
+    printf("deferred buffer of 32 rows: %ld compactions, %ld flushes\n", t->pend_compactions, t->pend_flushes);
+    TEST_CHECK_MSG(t->pend_compactions > 0, "the buffer was never compacted");
+    TEST_CHECK(rb->n_pend == 0);
+    int len0 = 0, len1 = 0;
+    float *kv0 = read_draft_kv(e, rb, &len0);
+    pd_engine_release(e, ra);
+    pd_engine_release(e, rb);
+    pd_engine_destroy(e);
+
+    e = sched_engine(3);
+    TEST_CHECK(pd_engine_add(e, 2, prompt_b, nb, &long_gp, &rb, &err) == PD_OK);
+    run_to_end(e);
+    float *kv1 = read_draft_kv(e, rb, &len1);
+    pd_engine_release(e, rb);
+    pd_engine_destroy(e);
+    int n = len0 < len1 ? len0 : len1;
+    TEST_CHECK_MSG(n > nb + 8, "context reaches past the prompt: %d vs %d", n, nb);
+    double maxd = draft_kv_diff(kv0, len0, kv1, len1, n);
+    printf("after compaction: survivor's %d positions, max diff %.2e\n", n, maxd);
+    TEST_CHECK_MSG(maxd < 1e-3, "survivor's draft context differs by %g after a compaction", maxd);
+    free(kv0);
+    free(kv1);
+}
+
 int main(void)
 {
     pd_err err;
@@ -348,6 +430,8 @@ int main(void)
     test_engine_batching_and_pages();
     test_engine_deferred_context();
     test_engine_deferred_drop();
+    test_engine_deferred_prompt();
+    test_engine_deferred_compact();
     pd_dspark_free(dm);
     pd_qwen3_free(tm);
     kern_backend_destroy(be);
