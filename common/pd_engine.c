@@ -644,8 +644,8 @@ static pd_status extend_draft(pd_engine *e, const float *aux, const int32_t *row
 }
 
 /* The deferred-context buffer grows up to this many rows or PD_PEND_MAX_BYTES, whichever is
- * less; a full buffer is compacted (rows of ended requests removed) when at most half of it is
- * still wanted, else flushed. */
+ * less; a full buffer is compacted (rows of ended requests removed) when at most three quarters
+ * of it are still wanted, else flushed. */
 #define PD_PEND_MAX_ROWS 65536
 #define PD_PEND_MAX_BYTES ((size_t)256 << 20)
 
@@ -704,15 +704,16 @@ static void pend_drop(pd_engine *e, pd_request *r)
     r->n_pend = 0;
 }
 
-/* Removes the rows of ended requests from the deferred buffer when at most half of it is still
- * wanted (two copies of the rows kept, through e->aux_dev); returns 1 when it did. */
+/* Removes the rows of ended requests from the deferred buffer when at most three quarters of it
+ * are still wanted (two copies of the rows kept, through e->aux_dev, which grows to hold them);
+ * returns 1 when it did. */
 static int pend_compact(pd_engine *e, pd_err *err, pd_status *st)
 {
     int live = 0;
     for (int i = 0; i < e->n_pend; i++)
         live += e->pend_owner[i] != NULL;
     *st = PD_OK;
-    if (live > e->cap_pend / 2)
+    if (live > e->cap_pend / 4 * 3)
         return 0;
     if (live > 0) {
         int32_t *idx = malloc((size_t)live * sizeof(int32_t));

@@ -102,7 +102,7 @@ double pd_verify_choose(pd_verify_policy p, int n_req, int B, const float *conf_
  * steady rounds only (a round that captured a graph says little about the next ones). Every arm
  * is lossless: arms only choose how many drafts are verified. */
 #define PD_SCHED_CLASSES 16
-#define PD_SCHED_EXPLORE_K 64.0     /* exploration: time run per expected loss of a trial */
+#define PD_SCHED_EXPLORE_K 256.0     /* exploration: time run per expected loss of a trial */
 #define PD_SCHED_DECAY 0.85         /* weight of the past per recorded round */
 
 typedef enum { PD_SCHED_PLAIN = 0, PD_SCHED_ALGO1, PD_SCHED_ALL, PD_SCHED_ARMS } pd_sched_arm;
