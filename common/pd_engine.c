@@ -586,13 +586,19 @@ static pd_status markov_step(pd_engine *e, int k, const int32_t *prev, float *co
 
 /* dst[i] = aux[rows[i]] for n aux rows on the backend; a run of consecutive rows (every row of
  * a round without drafts) is one copy with no index upload. */
+static int rows_consecutive(const int32_t *rows, int n)
+{
+    for (int i = 1; i < n; i++)
+        if (rows[i] != rows[0] + i)
+            return 0;
+    return 1;
+}
+
 static pd_status gather_aux(pd_engine *e, const float *aux, const int32_t *rows, int n, float *dst,
                             pd_err *err)
 {
     kern_backend *be = e->tm->be;
-    int run = 1;
-    for (int i = 1; i < n && run; i++)
-        run = rows[i] == rows[0] + i;
+    int run = rows_consecutive(rows, n);
     kern_copy_rows_args cp = { .src = aux, .ld_src = e->aux_dim, .idx = NULL, .dst = dst,
                                .ld_dst = e->aux_dim, .rows = n, .cols = e->aux_dim };
     if (run) {
@@ -612,11 +618,8 @@ static pd_status extend_draft(pd_engine *e, const float *aux, const int32_t *row
 {
     if (e->draft == NULL || n == 0)
         return PD_OK;
-    int run = 1;
-    for (int i = 1; i < n && run; i++)
-        run = rows[i] == rows[0] + i;
     const float *src = aux + (size_t)rows[0] * e->aux_dim;
-    if (!run || e->tp != NULL) {
+    if (!rows_consecutive(rows, n) || e->tp != NULL) {
         /* tensor-parallel ranks read the rows from the engine's own scratch */
         TRY(kern_buf_grow(e->tm->be, &e->aux_dev, &e->cap_aux, n, (size_t)e->aux_dim * sizeof(float), err));
         TRY(gather_aux(e, aux, rows, n, e->aux_dev->ptr, err));
@@ -706,43 +709,44 @@ static void pend_drop(pd_engine *e, pd_request *r)
 
 /* Removes the rows of ended requests from the deferred buffer when at most three quarters of it
  * are still wanted (two copies of the rows kept, through e->aux_dev, which grows to hold them);
- * returns 1 when it did. */
-static int pend_compact(pd_engine *e, pd_err *err, pd_status *st)
+ * otherwise (or without memory for the index) leaves it as it is. */
+static pd_status pend_compact(pd_engine *e, pd_err *err)
 {
     int live = 0;
     for (int i = 0; i < e->n_pend; i++)
         live += e->pend_owner[i] != NULL;
-    *st = PD_OK;
     if (live > e->cap_pend / 4 * 3)
-        return 0;
+        return PD_OK;
+    pd_status st = PD_OK;
     if (live > 0) {
         int32_t *idx = malloc((size_t)live * sizeof(int32_t));
         if (idx == NULL)
-            return 0;
+            return PD_OK;
         for (int i = 0, k = 0; i < e->n_pend; i++)
             if (e->pend_owner[i] != NULL)
                 idx[k++] = i;
         kern_backend *be = e->tm->be;
         float *pend = e->pend_aux->ptr;
-        *st = kern_buf_grow(be, &e->aux_dev, &e->cap_aux, live, (size_t)e->aux_dim * sizeof(float), err);
-        if (*st == PD_OK)
-            *st = gather_aux(e, pend, idx, live, e->aux_dev->ptr, err);
-        kern_copy_rows_args cp = { .src = e->aux_dev != NULL ? e->aux_dev->ptr : NULL, .ld_src = e->aux_dim,
-                                   .dst = pend, .ld_dst = e->aux_dim, .rows = live, .cols = e->aux_dim };
-        if (*st == PD_OK)
-            *st = kern_copy_rows(be, &cp, err);
-        for (int k = 0; k < live && *st == PD_OK; k++) {
+        st = kern_buf_grow(be, &e->aux_dev, &e->cap_aux, live, (size_t)e->aux_dim * sizeof(float), err);
+        if (st == PD_OK)
+            st = gather_aux(e, pend, idx, live, e->aux_dev->ptr, err);
+        if (st == PD_OK) {
+            kern_copy_rows_args cp = { .src = e->aux_dev->ptr, .ld_src = e->aux_dim, .dst = pend,
+                                       .ld_dst = e->aux_dim, .rows = live, .cols = e->aux_dim };
+            st = kern_copy_rows(be, &cp, err);
+        }
+        for (int k = 0; k < live && st == PD_OK; k++) {
             e->pend_pos[k] = e->pend_pos[idx[k]];
             e->pend_owner[k] = e->pend_owner[idx[k]];
             e->pend_fast[k] = e->pend_fast[idx[k]];
         }
         free(idx);
-        if (*st != PD_OK)
-            return 0;
+        if (st != PD_OK)
+            return st;
     }
     e->n_pend = live;
     e->times.pend_compactions++;
-    return 1;
+    return PD_OK;
 }
 
 /* Defers n committed context rows (rows of the target's aux tensor aux, at positions pos of
@@ -757,11 +761,9 @@ static pd_status pend_add(pd_engine *e, const float *aux, const int32_t *rows, c
                                                            * two: kern_buf_grow sizes in those */
     while (max_rows > 64 && (size_t)max_rows * row_bytes > PD_PEND_MAX_BYTES)
         max_rows /= 2;
-    pd_status cst = PD_OK;
-    if (e->n_pend + n > e->cap_pend && e->n_pend > 0 && pend_compact(e, err, &cst) && e->n_pend + n > e->cap_pend)
-        TRY(pend_flush(e, err));
-    TRY(cst);
-    if (e->n_pend + n > e->cap_pend) {
+    if (e->n_pend + n > e->cap_pend && e->n_pend > 0)
+        TRY(pend_compact(e, err));
+    if (e->n_pend + n > e->cap_pend) {   /* still full (or not allocated yet) */
         TRY(pend_flush(e, err));
         if (n > max_rows)
             return extend_draft(e, aux, rows, pos, owner, n, err);
@@ -791,26 +793,29 @@ static pd_status pend_add(pd_engine *e, const float *aux, const int32_t *rows, c
 
 /* ---- prefill ----------------------------------------------------------------------------- */
 
-/* The draft context of a prefill batch's prompt rows. Rows of scheduled requests wait in the
- * deferred buffer (with their kernel mode): when the scheduler then decodes without drafts the
- * request may end before its next drafting round and they are never computed. Prompts whose
- * context is handed on (prefill nodes: aux or ctx rows kept, KV held) are extended at once. */
+/* Which committed context rows wait in the deferred buffer instead of extending the draft KV
+ * now: a scheduled request's rows of a round without drafts, and its prompt rows (when the
+ * scheduler then decodes without drafts the request may end before its next drafting round and
+ * they are never computed) unless the prompt's context is handed on (prefill nodes: aux or ctx
+ * rows kept, KV held). */
 static pd_verify_policy request_policy(const pd_engine *e, const pd_request *r);
 
-static int prompt_defers(const pd_engine *e, const pd_request *r)
+static int row_defers(const pd_engine *e, const pd_request *r, int prompt)
 {
-    return request_policy(e, r) == PD_VERIFY_SCHEDULED && r->aux == NULL && r->ctx == NULL &&
-           !r->params.hold_kv;
+    return request_policy(e, r) == PD_VERIFY_SCHEDULED &&
+           (!prompt || (r->aux == NULL && r->ctx == NULL && !r->params.hold_kv));
 }
 
-static pd_status prefill_extend_draft(pd_engine *e, const float *aux, const int32_t *rows,
-                                      const int32_t *pos, pd_request *const *owner, int n, pd_err *err)
+/* Adds context rows to the draft KV, except those row_defers picks, which wait (with the kernel
+ * mode they need: the prefill kernels for prompt rows). */
+static pd_status extend_or_defer(pd_engine *e, const float *aux, const int32_t *rows, const int32_t *pos,
+                                 pd_request *const *owner, int n, int prompt, pd_err *err)
 {
     if (e->draft == NULL || n == 0)
         return PD_OK;
     int n_def = 0;
     for (int i = 0; i < n; i++)
-        n_def += prompt_defers(e, owner[i]);
+        n_def += row_defers(e, owner[i], prompt);
     if (n_def == 0)
         return extend_draft(e, aux, rows, pos, owner, n, err);
     /* [deferred | now] rows and positions, and their owners */
@@ -824,12 +829,12 @@ static pd_status prefill_extend_draft(pd_engine *e, const float *aux, const int3
     int32_t *pos2 = row2 + n;
     int d = 0, k = n_def;
     for (int i = 0; i < n; i++) {
-        int at = prompt_defers(e, owner[i]) ? d++ : k++;
+        int at = row_defers(e, owner[i], prompt) ? d++ : k++;
         row2[at] = rows[i];
         pos2[at] = pos[i];
         own2[at] = owner[i];
     }
-    pd_status st = pend_add(e, aux, row2, pos2, own2, n_def, 1, err);
+    pd_status st = pend_add(e, aux, row2, pos2, own2, n_def, prompt, err);
     if (st == PD_OK && n > n_def)
         st = extend_draft(e, aux, row2 + n_def, pos2 + n_def, own2 + n_def, n - n_def, err);
     free(row2);
@@ -1042,7 +1047,7 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
         e->cfg.prefill_aux_hook(e->cfg.prefill_aux_hook_ud, aux, n_tok, e->aux_dim, e->aux_dim);
     double t_ext = now_s();
     e->times.prefill_target += t_ext - t_fwd;
-    st = prefill_extend_draft(e, aux, rows, pos, owner, n_tok, err);
+    st = extend_or_defer(e, aux, rows, pos, owner, n_tok, 1, err);
     e->times.prefill_draft += now_s() - t_ext;
     if (st != PD_OK)
         goto out;
@@ -1581,38 +1586,12 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     }
     double t_extend = now_s();
     e->times.commit += t_extend - t_commit;
-    if (n_ext > 0 && sched_mode == PD_SCHED_PLAIN) {
+    if (n_ext > 0 && sched_mode == PD_SCHED_PLAIN)
         /* a round without drafts for the scheduled requests: their context rows wait (they are
          * added in one batch before the next round that drafts); the others' go in now */
-        int n_now = 0, n_def = 0;
-        int32_t *drow = malloc((size_t)n_ext * 2 * sizeof(int32_t));
-        pd_request **down = malloc((size_t)n_ext * sizeof(*down));
-        if (drow == NULL || down == NULL) {
-            free(drow);
-            free(down);
-            st = extend_draft(e, pd_target_aux(e->target), ext_rows, ext_pos, ext_owner, n_ext, err);
-        } else {
-            int32_t *dpos = drow + n_ext;
-            for (int i = 0; i < n_ext; i++) {
-                if (request_policy(e, ext_owner[i]) == PD_VERIFY_SCHEDULED) {
-                    drow[n_def] = ext_rows[i];
-                    dpos[n_def] = ext_pos[i];
-                    down[n_def++] = ext_owner[i];
-                } else {
-                    ext_rows[n_now] = ext_rows[i];
-                    ext_pos[n_now] = ext_pos[i];
-                    ext_owner[n_now++] = ext_owner[i];
-                }
-            }
-            st = pend_add(e, pd_target_aux(e->target), drow, dpos, down, n_def, 0, err);
-            if (st == PD_OK && n_now > 0)
-                st = extend_draft(e, pd_target_aux(e->target), ext_rows, ext_pos, ext_owner, n_now, err);
-            free(drow);
-            free(down);
-        }
-    } else if (n_ext > 0) {
+        st = extend_or_defer(e, pd_target_aux(e->target), ext_rows, ext_pos, ext_owner, n_ext, 0, err);
+    else if (n_ext > 0)
         st = extend_draft(e, pd_target_aux(e->target), ext_rows, ext_pos, ext_owner, n_ext, err);
-    }
     free(ext_owner);
     e->times.extend += now_s() - t_extend;
     if (st == PD_OK && sched_mode >= 0) {
