@@ -33,10 +33,12 @@ struct pd_draft {
     float *block_hidden, *base_logits;
     kern_buf *step;             /* per-step scratch, see step_layout() */
     float *step_logits, *w1prev, *feat, *proj, *state, *tmp, *gate, *conf;
-    kern_buf *ibuf;             /* int32: prev [cap_req] | row idx [cap_req] | chain rows [B][cap_req]
-                                 * | chain ids [B][cap_req] | step ids [cap_req] */
+    kern_buf *ibuf;             /* int32: row idx [cap_req] | chain rows [B][cap_req] | prev [cap_req]
+                                 * | chain ids [B][cap_req] | step ids [cap_req]: prev and chain ids
+                                 * are adjacent, so step k's previous tokens sit at prev + k cap */
     int32_t *prev_dev, *rows_dev, *chain_rows, *chain_ids, *ids_dev;
     float *chain_conf;          /* [B][cap_req] confidence logits of a chained round */
+    float *chain_feat;          /* [B][cap_req] rows of the confidence head's input (H + R) */
     pd_graph_cache graphs;
     struct pd_tp_rank *tp;      /* vocab-sharded lm_head/markov_w2 (pd_tp.h); NULL: whole */
 };
@@ -169,8 +171,8 @@ static pd_status ensure_req(pd_draft *d, int n_req, pd_err *err)
     kern_buf *blk = NULL, *step = NULL, *ib = NULL;
     pd_status st = kern_buf_alloc(be, (size_t)cap * B * (H + V) * sizeof(float), &blk, err);
     /* step scratch: logits V | w1prev R | feat (H + 2R) | proj 3R | state R | tmp R | gate R | conf 1
-     * | chain conf B */
-    size_t per = (size_t)V + R + (H + 2 * R) + 3 * R + R + R + R + 1 + B;
+     * | chain conf B | chain confidence-head inputs B (H + R) */
+    size_t per = (size_t)V + R + (H + 2 * R) + 3 * R + R + R + R + 1 + B + (size_t)B * (H + R);
     if (st == PD_OK)
         st = kern_buf_alloc(be, per * cap * sizeof(float), &step, err);
     if (st == PD_OK)
@@ -199,13 +201,15 @@ static pd_status ensure_req(pd_draft *d, int n_req, pd_err *err)
     d->tmp = p; p += (size_t)cap * R;
     d->gate = p; p += (size_t)cap * R;
     d->conf = p; p += cap;
-    d->chain_conf = p;
-    d->prev_dev = ib->ptr;
-    d->rows_dev = (int32_t *)ib->ptr + cap;
+    d->chain_conf = p; p += (size_t)B * cap;
+    d->chain_feat = p;
+    d->rows_dev = ib->ptr;
     d->chain_rows = d->rows_dev + cap;
-    d->chain_ids = d->chain_rows + (size_t)B * cap;
+    d->prev_dev = d->chain_rows + (size_t)B * cap;
+    d->chain_ids = d->prev_dev + cap;
     d->ids_dev = d->chain_ids + (size_t)B * cap;
-    return PD_OK;
+    /* chain ids past a round's requests are read by the batched confidence head: token 0 */
+    return kern_memset0(be, ib->ptr, (size_t)(3 + 2 * B) * cap * sizeof(int32_t), err);
 }
 
 /* Block metadata of n_req requests (padded to n_pad requests when n_pad > n_req: padding rows
@@ -406,14 +410,26 @@ static pd_status round_step_run(void *ud, pd_err *err)
 {
     round_step *s = ud;
     pd_draft *d = s->d;
-    int cap = d->cap_req;
+    const pd_dspark_model *m = d->m;
+    kern_backend *be = m->be;
+    int cap = d->cap_req, B = d->B, H = d->H, R = d->R;
     TRY(block_dev(d, s->n_rows, s->n_seq, s->pt_stride, s->max_kv, err));
-    for (int k = 0; k < d->B; k++) {
-        const int32_t *prev = k == 0 ? d->prev_dev : d->chain_ids + (size_t)(k - 1) * cap;
-        TRY(markov_step_dev(d, k, prev, d->chain_rows + (size_t)k * cap, d->chain_ids + (size_t)k * cap,
-                            s->conf ? d->chain_conf + (size_t)k * cap : NULL, err));
+    for (int k = 0; k < B; k++)
+        TRY(markov_step_dev(d, k, d->prev_dev + (size_t)k * cap, d->chain_rows + (size_t)k * cap,
+                            d->chain_ids + (size_t)k * cap, NULL, err));
+    if (!s->conf)
+        return PD_OK;
+    /* the confidence head of every step in one pass after the chain (its inputs, h_k and
+     * w1[previous token], are all known by then): three launches instead of three per step */
+    int with_markov = m->cfg.confidence_head_with_markov && R > 0;
+    int ld = H + (with_markov ? R : 0), n = B * cap;
+    TRY(copy_cols(be, d->block_hidden, H, d->chain_feat, ld, n, H, d->chain_rows, err));
+    if (with_markov) {
+        kern_embed_args em = { .table = m->markov_w1, .ids = d->prev_dev, .n = n,
+                               .out = d->chain_feat + H, .ld_out = ld };
+        TRY(kern_embed(be, &em, err));
     }
-    return PD_OK;
+    return linear(be, d->chain_feat, ld, &m->conf_w, &m->conf_b, d->chain_conf, 1, n, 0, err);
 }
 
 pd_status pd_draft_round_greedy(pd_draft *d, int n_req, const int32_t *anchor, const int32_t *start,
@@ -439,14 +455,16 @@ pd_status pd_draft_round_greedy(pd_draft *d, int n_req, const int32_t *anchor, c
     int32_t *h = malloc((size_t)(2 + B) * cap * sizeof(int32_t));
     if (h == NULL)
         return pd_err_set(err, PD_ERR_NOMEM, "draft round metadata");
-    for (int r = 0; r < cap; r++)
-        h[r] = r < n_req ? anchor[r] : 0;
-    int32_t *rows = h + 2 * (size_t)cap;   /* lands at d->chain_rows = prev_dev + 2 cap */
+    /* [row idx (zeros) | chain rows | prev], as laid out from d->rows_dev */
+    memset(h, 0, (size_t)cap * sizeof(int32_t));
+    int32_t *rows = h + cap;
     for (int k = 0; k < B; k++)
         for (int r = 0; r < cap; r++)
             rows[(size_t)k * cap + r] = r < n_pad ? r * B + k : 0;
-    memset(h + cap, 0, (size_t)cap * sizeof(int32_t));
-    pd_status st = kern_upload(be, d->prev_dev, h, (size_t)(2 + B) * cap * sizeof(int32_t), err);
+    int32_t *prev = rows + (size_t)B * cap;
+    for (int r = 0; r < cap; r++)
+        prev[r] = r < n_req ? anchor[r] : 0;
+    pd_status st = kern_upload(be, d->rows_dev, h, (size_t)(2 + B) * cap * sizeof(int32_t), err);
     free(h);
     if (st != PD_OK)
         return st;

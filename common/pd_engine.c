@@ -61,8 +61,8 @@ struct pd_engine {
     int n_pend;
     int32_t *pend_pos;          /* [cap_pend_host] */
     pd_request **pend_owner;
-    uint8_t *pend_fast;         /* 1: a prompt row, extended with the prefill (fast) kernels */
     int cap_pend_host;
+    uint64_t ext_epoch;         /* extend_draft calls so far (pd_request.ext_epoch) */
     pd_sps sps_default;         /* linear step-time model when no profile is given */
     pd_sched_ctl sched;         /* the scheduled policy's arms (pd_verify_policy.h) */
     pd_engine_times times;      /* host time per part of a step (diagnostics) */
@@ -325,7 +325,6 @@ void pd_engine_destroy(pd_engine *e)
     kern_buf_free(e->pend_aux);
     free(e->pend_pos);
     free(e->pend_owner);
-    free(e->pend_fast);
     pd_tp_group_destroy(e->tp);   /* after the runners built on its rank-0 shards */
     free(e);
 }
@@ -625,7 +624,9 @@ static pd_status extend_draft(pd_engine *e, const float *aux, const int32_t *row
         TRY(gather_aux(e, aux, rows, n, e->aux_dev->ptr, err));
         src = e->aux_dev->ptr;
     }
-    /* sequences: one slot per distinct owner, in order of first appearance */
+    /* sequences: one slot per distinct owner, in order of first appearance (the deferred
+     * buffer interleaves requests round by round; context rows attend nowhere, so their order
+     * within the batch is free and the page table holds each request once) */
     int32_t *seq = malloc((size_t)n * sizeof(int32_t));
     pd_kv_seq **seqs = malloc((size_t)n * sizeof(pd_kv_seq *));
     if (seq == NULL || seqs == NULL) {
@@ -634,10 +635,15 @@ static pd_status extend_draft(pd_engine *e, const float *aux, const int32_t *row
         return pd_err_set(err, PD_ERR_NOMEM, "draft extend metadata");
     }
     int n_seq = 0;
+    uint64_t epoch = ++e->ext_epoch;
     for (int i = 0; i < n; i++) {
-        if (i == 0 || owner[i] != owner[i - 1])
-            seqs[n_seq++] = &owner[i]->dkv;
-        seq[i] = n_seq - 1;
+        pd_request *r = owner[i];
+        if (r->ext_epoch != epoch) {
+            r->ext_epoch = epoch;
+            r->ext_seq = n_seq;
+            seqs[n_seq++] = &r->dkv;
+        }
+        seq[i] = r->ext_seq;
     }
     pd_tok_batch b = { .n_tok = n, .pos = pos, .seq = seq, .n_seq = n_seq, .seqs = seqs };
     pd_status st = draft_extend(e, src, &b, err);
@@ -652,10 +658,11 @@ static pd_status extend_draft(pd_engine *e, const float *aux, const int32_t *row
 #define PD_PEND_MAX_ROWS 65536
 #define PD_PEND_MAX_BYTES ((size_t)256 << 20)
 
-/* Adds every deferred context row to the draft KV and empties the list: prompt rows in one
- * batch with the prefill kernels, decode rows in one with the kernels of a decode round, so a
- * row gets the same numbers as when it is added at once. Rows of requests that ended (owner NULL,
- * pend_drop) are skipped. */
+/* Adds every deferred context row to the draft KV in one batch with the fast (cuBLAS) kernels
+ * and empties the list; rows of requests that ended (owner NULL, pend_drop) are skipped. The
+ * batch-invariant kernels are for the target's logits, which decide the output; the drafter's
+ * context only changes which drafts are proposed, and a flush of thousands of rows through the
+ * skinny invariant kernel cost milliseconds on the tiny pair (docs/BENCHMARKS.md). */
 static pd_status pend_flush(pd_engine *e, pd_err *err)
 {
     if (e->n_pend == 0)
@@ -670,21 +677,17 @@ static pd_status pend_flush(pd_engine *e, pd_err *err)
         free(own);
         return pd_err_set(err, PD_ERR_NOMEM, "deferred draft context metadata");
     }
+    int k = 0;
+    for (int i = 0; i < n; i++)
+        if (e->pend_owner[i] != NULL) {
+            idx[k] = i;
+            pos[k] = e->pend_pos[i];
+            own[k++] = e->pend_owner[i];
+        }
     kern_backend *be = e->tm->be;
     int inv = be->batch_invariant;
-    pd_status st = PD_OK;
-    for (int fast = 1; fast >= 0 && st == PD_OK; fast--) {
-        int k = 0;
-        for (int i = 0; i < n; i++)
-            if (e->pend_owner[i] != NULL && e->pend_fast[i] == fast) {
-                idx[k] = i;
-                pos[k] = e->pend_pos[i];
-                own[k++] = e->pend_owner[i];
-            }
-        be->batch_invariant = fast ? 0 : !e->cfg.fast_kernels;
-        if (k > 0)
-            st = extend_draft(e, e->pend_aux->ptr, idx, pos, own, k, err);
-    }
+    be->batch_invariant = 0;
+    pd_status st = k > 0 ? extend_draft(e, e->pend_aux->ptr, idx, pos, own, k, err) : PD_OK;
     be->batch_invariant = inv;
     for (int i = 0; i < n; i++)
         if (e->pend_owner[i] != NULL)
@@ -738,7 +741,6 @@ static pd_status pend_compact(pd_engine *e, pd_err *err)
         for (int k = 0; k < live && st == PD_OK; k++) {
             e->pend_pos[k] = e->pend_pos[idx[k]];
             e->pend_owner[k] = e->pend_owner[idx[k]];
-            e->pend_fast[k] = e->pend_fast[idx[k]];
         }
         free(idx);
         if (st != PD_OK)
@@ -752,7 +754,7 @@ static pd_status pend_compact(pd_engine *e, pd_err *err)
 /* Defers n committed context rows (rows of the target's aux tensor aux, at positions pos of
  * owner[i]) instead of adding them to the draft KV now. */
 static pd_status pend_add(pd_engine *e, const float *aux, const int32_t *rows, const int32_t *pos,
-                          pd_request *const *owner, int n, int fast, pd_err *err)
+                          pd_request *const *owner, int n, pd_err *err)
 {
     if (n == 0)
         return PD_OK;
@@ -775,16 +777,12 @@ static pd_status pend_add(pd_engine *e, const float *aux, const int32_t *rows, c
         TRY(grow_host((void **)&e->pend_pos, &cap, e->n_pend + n, sizeof(int32_t), err));
         int cap2 = e->cap_pend_host;
         TRY(grow_host((void **)&e->pend_owner, &cap2, e->n_pend + n, sizeof(pd_request *), err));
-        int cap3 = e->cap_pend_host;
-        TRY(grow_host((void **)&e->pend_fast, &cap3, e->n_pend + n, sizeof(uint8_t), err));
         e->cap_pend_host = cap < cap2 ? cap : cap2;
-        e->cap_pend_host = cap3 < e->cap_pend_host ? cap3 : e->cap_pend_host;
     }
     TRY(gather_aux(e, aux, rows, n, (float *)e->pend_aux->ptr + (size_t)e->n_pend * e->aux_dim, err));
     for (int i = 0; i < n; i++) {
         e->pend_pos[e->n_pend + i] = pos[i];
         e->pend_owner[e->n_pend + i] = owner[i];
-        e->pend_fast[e->n_pend + i] = (uint8_t)(fast != 0);
         owner[i]->n_pend++;
     }
     e->n_pend += n;
@@ -834,7 +832,7 @@ static pd_status extend_or_defer(pd_engine *e, const float *aux, const int32_t *
         pos2[at] = pos[i];
         own2[at] = owner[i];
     }
-    pd_status st = pend_add(e, aux, row2, pos2, own2, n_def, prompt, err);
+    pd_status st = pend_add(e, aux, row2, pos2, own2, n_def, err);
     if (st == PD_OK && n > n_def)
         st = extend_draft(e, aux, row2 + n_def, pos2 + n_def, own2 + n_def, n - n_def, err);
     free(row2);
@@ -1401,10 +1399,12 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         }
     }
     e->times.reserve += now_s() - t_enter;
+    double flush_sec = 0.0;
     if (n_draft > 0 && e->n_pend > 0) {
         double t_flush = now_s();
         st = pend_flush(e, err);   /* the drafts must see every committed position */
-        e->times.flush += now_s() - t_flush;
+        flush_sec = now_s() - t_flush;
+        e->times.flush += flush_sec;
         if (st != PD_OK)
             goto out;
     }
@@ -1595,7 +1595,11 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     free(ext_owner);
     e->times.extend += now_s() - t_extend;
     if (st == PD_OK && sched_mode >= 0) {
-        double dt = now_s() - t_round;
+        /* the flush is left out: it adds rows that the rounds without drafts put off, work a
+         * drafting arm does anyway in its own rounds' extend (which is counted); charging a
+         * trial round with every row deferred since the last one made drafting arms look slow
+         * in proportion to how long they were not picked */
+        double dt = now_s() - t_round - flush_sec;
         if (dt > 0.0)
             pd_sched_add(&e->sched, (pd_sched_arm)sched_mode, m, round_tokens, dt, draft_sec, n_v,
                          graph_cold(e) != cold0);

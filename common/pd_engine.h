@@ -128,6 +128,8 @@ typedef struct pd_request {
     int cap_out, cap_rounds;
     int n_pend;              /* committed context rows waiting in the engine's deferred draft
                               * context (rounds without drafts, see pd_engine.c) */
+    int ext_seq;             /* scratch of extend_draft: this request's sequence slot ... */
+    uint64_t ext_epoch;      /* ... valid while equal to the engine's extend counter */
 } pd_request;
 
 pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err *err);

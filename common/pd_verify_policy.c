@@ -488,21 +488,25 @@ double pd_sched_draft_s(const pd_sched_ctl *c, int m)
     return (1.0 - w) * c->d_sec[lo] / c->d_rounds[lo] + w * c->d_sec[hi] / c->d_rounds[hi];
 }
 
-/* tokens/s of arm a at m, and the seconds of one of its rounds (*t_round) */
-static double estimate(const pd_sched_ctl *c, pd_sched_arm a, int m, double *t_round)
+void pd_sched_parts_of(const pd_sched_ctl *c, pd_sched_arm a, int m, pd_sched_parts *p)
 {
-    *t_round = 0.0;
+    memset(p, 0, sizeof(*p));
+    p->rate = -1.0;
     if (c->sps == NULL) {   /* no model: this class's measured rate, nothing carries over */
         const pd_sched_stat *s = &c->st[a][pd_sched_class(m)];
         if (s->n == 0 || s->sec <= 0.0)
-            return -1.0;
-        *t_round = s->sec / s->rounds;
-        return s->tok / s->sec;
+            return;
+        p->n = s->n;
+        p->tau = s->tok / s->req;
+        p->round_s = s->sec / s->rounds;
+        p->rest_s = p->round_s;
+        p->rate = s->tok / s->sec;
+        return;
     }
     near_ctx n = { c, (int)a };
     int lo, hi;
     if (!near_lookup(&n, m, &lo, &hi))
-        return -1.0;
+        return;
     int k[2] = { lo, hi };
     double w[2] = { 1.0, 0.0 };
     if (lo < 0 || hi < 0) {
@@ -513,24 +517,35 @@ static double estimate(const pd_sched_ctl *c, pd_sched_arm a, int m, double *t_r
         w[1] = near_weight(sl->req / sl->rounds, sh->req / sh->rounds, m);
         w[0] = 1.0 - w[1];
     }
-    /* per round: the rest besides verify and draft (y) and the draft round (d) */
-    double tau = 0.0, v = 0.0, y = 0.0, d = 0.0;
+    /* per round: the rest besides verify and draft and the draft round */
+    double v = 0.0;
     for (int i = 0; i < 2; i++) {
         if (k[i] < 0)
             continue;
         const pd_sched_stat *s = &c->st[a][k[i]];
-        tau += w[i] * s->tok / s->req;
+        p->n += s->n;
+        p->tau += w[i] * s->tok / s->req;
         v += w[i] * s->vtok / s->req;
-        y += w[i] * (s->sec - s->vsec - s->dsec) / s->rounds;
-        d += w[i] * s->dsec / s->rounds;
+        p->rest_s += w[i] * (s->sec - s->vsec - s->dsec) / s->rounds;
+        p->draft_s += w[i] * s->dsec / s->rounds;
     }
     /* at another class the draft round is the one measured nearest to m, by any arm */
     double dm = pd_sched_draft_s(c, m);
     if (k[0] != pd_sched_class(m) && a != PD_SCHED_PLAIN && dm > 0.0)
-        d = dm;
-    double t = verify_s(c, m * v) + y + d;
-    *t_round = t;
-    return t > 0.0 ? m * tau / t : -1.0;
+        p->draft_s = dm;
+    p->verify_tok = m * v;
+    p->verify_s = verify_s(c, p->verify_tok);
+    p->round_s = p->verify_s + p->rest_s + p->draft_s;
+    p->rate = p->round_s > 0.0 ? m * p->tau / p->round_s : -1.0;
+}
+
+/* tokens/s of arm a at m, and the seconds of one of its rounds (*t_round) */
+static double estimate(const pd_sched_ctl *c, pd_sched_arm a, int m, double *t_round)
+{
+    pd_sched_parts p;
+    pd_sched_parts_of(c, a, m, &p);
+    *t_round = p.round_s;
+    return p.rate;
 }
 
 double pd_sched_estimate(const pd_sched_ctl *c, pd_sched_arm a, int m)

@@ -133,6 +133,15 @@ int pd_sched_class(int m);
 pd_sched_arm pd_sched_pick(pd_sched_ctl *c, int m);
 /* Expected tokens/s of arm a for a round of m requests; < 0 when nothing is known yet. */
 double pd_sched_estimate(const pd_sched_ctl *c, pd_sched_arm a, int m);
+/* What an estimate is made of (diagnostics): tokens per request per round, verify tokens per
+ * round and the seconds the SPS profile gives them, the rest of the round (measured round minus
+ * predicted verify minus draft), the draft round, the round and the rate (< 0: unknown), and
+ * the rounds recorded in the classes used. */
+typedef struct {
+    double tau, verify_tok, verify_s, rest_s, draft_s, round_s, rate;
+    int n;
+} pd_sched_parts;
+void pd_sched_parts_of(const pd_sched_ctl *c, pd_sched_arm a, int m, pd_sched_parts *p);
 /* Records one round of arm a: tok committed tokens of m requests in sec seconds, of which
  * draft_sec in the draft round, v_tok tokens verified. cold: the round captured or warmed up a
  * graph; the first two cold rounds of an arm at a class are not recorded (warm-up), later ones

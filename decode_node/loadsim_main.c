@@ -409,7 +409,7 @@ int main(int argc, char **argv)
             if (st == PD_OK)
                 st = run_level(e, pr, n_pr, C, R, pol_target[pi] ? PD_VERIFY_DEFAULT : pol[pi], threshold,
                                max_new, &res, &err);
-            char arms[384] = "";
+            char arms[1024] = "";
             if (st == PD_OK && with_draft && pol[pi] == PD_VERIFY_SCHEDULED) {
                 const pd_sched_ctl *sc = pd_engine_sched(e);
                 snprintf(arms, sizeof(arms),
@@ -421,6 +421,17 @@ int main(int argc, char **argv)
                          warm_picks[PD_SCHED_ALGO1], warm_picks[PD_SCHED_ALL],
                          pd_sched_estimate(sc, PD_SCHED_PLAIN, C), pd_sched_estimate(sc, PD_SCHED_ALGO1, C),
                          pd_sched_estimate(sc, PD_SCHED_ALL, C));
+                static const char *arm_name[PD_SCHED_ARMS] = { "plain", "algo1", "all" };
+                for (int a = 0; a < PD_SCHED_ARMS; a++) {
+                    pd_sched_parts sp;
+                    pd_sched_parts_of(sc, (pd_sched_arm)a, C, &sp);
+                    size_t used = strlen(arms);
+                    snprintf(arms + used, sizeof(arms) - used,
+                             "    %-5s: %d rounds recorded; per round %.2f tok/request, %.1f verify tok %.1f us "
+                             "(SPS) + rest %.1f us + draft %.1f us = %.1f us\n", arm_name[a], sp.n, sp.tau,
+                             sp.verify_tok, sp.verify_s * 1e6, sp.rest_s * 1e6, sp.draft_s * 1e6,
+                             sp.round_s * 1e6);
+                }
             }
             char phases[768] = "";
             const pd_engine_times *pt = pd_engine_phase_times(e);

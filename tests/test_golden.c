@@ -259,6 +259,17 @@ static void draft_round(const draft_case *c, const char *rnd, pd_target *t, pd_k
     int same = memcmp(drafts, gdt, (size_t)B * 4) == 0;
     TEST_CHECK_MSG(same, "%s %s: draft tokens differ", c->label, rnd);
     check_close("confidence_logits", cl, gcl, (size_t)B, 5e-3);
+    /* the chained round (block, B Markov steps, then the confidence head of every step in one
+     * pass) gives the same drafts and confidences as the step-by-step path */
+    int32_t chain_ids[32];
+    float chain_cl[32];
+    st = pd_draft_round_greedy(d, 1, &anchor, &st32, ds, chain_ids, chain_cl, &err);
+    TEST_CHECK_MSG(st == PD_OK, "%s %s: chained round: %s", c->label, rnd, err.msg);
+    if (st == PD_OK) {
+        TEST_CHECK_MSG(memcmp(chain_ids, gdt, (size_t)B * 4) == 0, "%s %s: chained round's drafts differ",
+                       c->label, rnd);
+        check_close("chained confidence_logits", chain_cl, gcl, (size_t)B, 5e-3);
+    }
     if (dm->cfg.markov_type == PD_MARKOV_GATED)
         check_close("gate", gate, gt(c->g, GNAME("gate"))->data, (size_t)B * R, tol_rel);
     if (dm->cfg.markov_type == PD_MARKOV_RNN) {
