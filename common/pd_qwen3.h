@@ -30,6 +30,10 @@ typedef struct {
     int32_t *ids, *pos, *seq, *kv_len, *slot;
     kern_buf *ptbuf;
     int32_t *page_table;
+    float *tap;               /* NULL, or where the next pd_layer_attn_mlp also writes its output
+                               * rows [n_tok, ld_tap] (the down projection's epilogue writes them
+                               * twice: no copy kernel); the caller sets and clears it */
+    int ld_tap;
 } pd_act;
 
 pd_status pd_act_init(pd_act *a, kern_backend *be, const pd_qwen3_config *cfg, pd_err *err);

@@ -192,7 +192,9 @@ typedef struct {
  *   SWIGLU:     y[0][r, 0:n]    = silu(x'[r] @ w[0]^T) * (x'[r] @ w[1]^T)   (n_w = 2: gate, up)
  * On CUDA (bf16 weights) x' is rounded to bf16 and products accumulate in fp32, as kern_matmul.
  * With be->batch_invariant each row's result is bit-identical whatever else is in the batch.
- * No y[i] may overlap x (rows of y are written while other rows of x are still being read). */
+ * No y[i] may overlap x (rows of y are written while other rows of x are still being read).
+ * tee (nullable; one weight, STORE or ACCUMULATE): the final rows of y[0] are also written to
+ * tee [m, ld_tee], bit-equal to y[0] (how a model taps its residual stream without a copy). */
 typedef enum { KERN_LINEAR_STORE = 0, KERN_LINEAR_ACCUMULATE, KERN_LINEAR_SWIGLU } kern_linear_epilogue;
 #define KERN_LINEAR_MAX_W 3
 typedef struct {
@@ -207,6 +209,8 @@ typedef struct {
     float *y[KERN_LINEAR_MAX_W];          /* [m, ld_y[i]]; SWIGLU writes y[0] only */
     int ld_y[KERN_LINEAR_MAX_W];
     kern_linear_epilogue epilogue;
+    float *tee;              /* nullable, [m, ld_tee] */
+    int ld_tee;
 } kern_linear_args;
 
 /* Qwen3 q/k post-processing of a QKV projection, per token t:

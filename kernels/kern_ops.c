@@ -270,6 +270,12 @@ pd_status kern_linear(kern_backend *be, const kern_linear_args *a, pd_err *err)
               i, a->ld_y[i], (long long)w->rows);
         CHECK((const float *)a->y[i] != a->x, "linear: y[%d] aliases x", i);
     }
+    if (a->tee != NULL) {
+        CHECK(a->n_w == 1 && a->epilogue != KERN_LINEAR_SWIGLU, "linear: tee with %d weights, epilogue %d",
+              a->n_w, (int)a->epilogue);
+        CHECK(a->ld_tee >= a->w[0].rows && a->tee != a->y[0] && (const float *)a->tee != a->x,
+              "linear: tee aliasing x or y, or ld_tee %d < n %lld", a->ld_tee, (long long)a->w[0].rows);
+    }
     if (a->epilogue == KERN_LINEAR_SWIGLU)
         CHECK(a->y[0] != NULL && a->ld_y[0] >= a->w[0].rows && (const float *)a->y[0] != a->x,
               "linear: swiglu y NULL, aliasing x or ld_y %d < n %lld", a->ld_y[0],

@@ -440,7 +440,8 @@ static double run_matmul(run_ctx *x)
 }
 
 /* linear: m rows of k; c->n_heads weights (weight i has n rows for i = 0, n / 4 + 5 i after, so
- * QKV-like and not multiples of 16); c->sub = epilogue | 4 (RMSNorm prologue). */
+ * QKV-like and not multiples of 16); c->sub = epilogue | 4 (RMSNorm prologue) | 8 (tee: y[0]'s
+ * rows also written to a second buffer, which must equal y[0] bit for bit on each backend). */
 static int linear_rows(const kcase *c, int i)
 {
     return i == 0 || (c->sub & 3) == KERN_LINEAR_SWIGLU ? c->n : c->n / 4 + 5 * i;
@@ -488,7 +489,37 @@ static double run_linear(run_ctx *x)
         ac.ld_y[i] = ag.ld_y[i] = ld_y;
         ybytes += (double)m * n * 4 * (epi == KERN_LINEAR_ACCUMULATE ? 2 : 1);
     }
+    outbuf ot = {0};
+    int n0 = linear_rows(c, 0), ld_tee = n0 + 2 + c->pad;
+    if (c->sub & 8) {
+        ot = out_make(x->cpu, x->gpu, (size_t)m * ld_tee, NULL);
+        ac.tee = ot.cpu;
+        ag.tee = ot.gpu;
+        ac.ld_tee = ag.ld_tee = ld_tee;
+    }
     double ran = run_both(x, fn_linear, &ac, &ag), e = ran;
+    if ((c->sub & 8) && ran == 0.0) {
+        side *sd[2] = { x->cpu, x->gpu };
+        float *yv[2] = { o[0].cpu, o[0].gpu }, *tv[2] = { ot.cpu, ot.gpu };
+        for (int b = 0; b < 2; b++) {
+            float *hy = side_download(sd[b], yv[b], (size_t)m * ac.ld_y[0] * sizeof(float));
+            float *ht = side_download(sd[b], tv[b], (size_t)m * ld_tee * sizeof(float));
+            int same = 1;
+            for (int r = 0; r < m && same; r++)
+                same = memcmp(hy + (size_t)r * ac.ld_y[0], ht + (size_t)r * ld_tee, (size_t)n0 * 4) == 0;
+            if (!same) {
+                fprintf(stderr, "  linear tee: rows differ from y on the %s side\n", b ? "second" : "cpu");
+                e = 1e30;
+            }
+            free(hy);
+            free(ht);
+        }
+        double et = out_check(x->cpu, x->gpu, &ot, "tee", m, n0, ld_tee);
+        if (et > e || et != et)
+            e = et;
+    } else if (c->sub & 8) {
+        free(ot.init);
+    }
     for (int i = 0; i < n_out; i++) {
         double ei = ran == 0.0 ? out_check(x->cpu, x->gpu, &o[i], "y", m, linear_rows(c, i), ac.ld_y[i])
                                : 1e30;
@@ -1581,6 +1612,10 @@ static const kcase cases[] = {
     {"linear", 0, 0, 0, 8, 9000, 200, 6, 2, 0, 0, 0, NULL, 1e-2, 0},
     {"linear", 0, 0, 0, 12, 9000, 200, 6, 2, 0, 0, 0, NULL, 1e-2, 0},
     {"linear", 0, 0, 3, 3, 20000, 136, 1, 1, 0, 0, 0, NULL, 1e-2, 0},
+    /* tee: store and accumulate, few rows (skinny) and many (cuBLAS in fast mode) */
+    {"linear", 0, 0, 2, 3, 300, 256, 9, 1, 0, 0, 0, NULL, 1e-2, 0},
+    {"linear", 0, 0, 0, 8, 256, 768, 13, 1, 0, 0, 0, NULL, 1e-2, 0},
+    {"linear", 0, 0, 1, 200, 520, 256, 8, 1, 0, 0, 0, NULL, 1e-2, 0},
     /* qk_post: tokens, heads, kv heads, head_dim, page size; sub 1 = store into the cache */
     {"qk_post", 1, 0, 0, 0, 0, 0, 1, 32, 8, 128, 16, NULL, 1e-5, 0},
     {"qk_post", 9, 0, 3, 0, 0, 0, 1, 16, 4, 64, 16, NULL, 1e-5, 0},
@@ -1718,9 +1753,9 @@ static void case_name(const kcase *c, char *buf, size_t n)
         snprintf(buf, n, "rows %d V %d pad %d%s", c->rows, c->cols, c->pad,
                  c->sub & 1 ? (c->op[0] == 'p' ? " idx" : " from probs") : "");
     else if (strcmp(c->op, "linear") == 0)
-        snprintf(buf, n, "m %d n %d k %d pad %d w %d %s%s", c->m, c->n, c->k, c->pad, c->n_heads,
+        snprintf(buf, n, "m %d n %d k %d pad %d w %d %s%s%s", c->m, c->n, c->k, c->pad, c->n_heads,
                  (c->sub & 3) == 0 ? "store" : (c->sub & 3) == 1 ? "acc" : "swiglu",
-                 c->sub & 4 ? " norm" : "");
+                 c->sub & 4 ? " norm" : "", c->sub & 8 ? " tee" : "");
     else if (strcmp(c->op, "matmul") == 0)
         snprintf(buf, n, "m %d n %d k %d pad %d%s%s%s", c->m, c->n, c->k, c->pad,
                  c->sub & 1 ? " acc" : "", c->sub & 2 ? " bias" : "", c->sub & 4 ? " f32w" : "");

@@ -405,6 +405,11 @@ static pd_status cpu_linear(kern_backend *be, const kern_linear_args *a, pd_err 
                                 .accumulate = a->epilogue == KERN_LINEAR_ACCUMULATE };
         st = cpu_matmul(be, &mm, err);
     }
+    if (st == PD_OK && a->tee != NULL) {
+        kern_copy_rows_args cp = { .src = a->y[0], .ld_src = a->ld_y[0], .dst = a->tee,
+                                   .ld_dst = a->ld_tee, .rows = a->m, .cols = (int)a->w[0].rows };
+        st = cpu_copy_rows(be, &cp, err);
+    }
 out:
     free(xn);
     free(gu);

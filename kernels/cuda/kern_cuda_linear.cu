@@ -52,6 +52,8 @@ typedef struct {
     int tile0[KERN_LINEAR_MAX_W + 1];        /* first CTA of weight i; tile0[n_w] = all tiles */
     float *y[KERN_LINEAR_MAX_W];
     int ld_y[KERN_LINEAR_MAX_W];
+    float *tee;                              /* NULL or a copy of y[0]'s final rows */
+    int ld_tee;
 } sk_params;
 
 static __device__ __forceinline__ uint4 ld_stream(const __nv_bfloat16 *p)
@@ -329,12 +331,16 @@ skinny_kernel(sk_params p)
                 inv = rsqrtf(s2 / (float)p.k + p.eps);
             }
             float *yo = p.y[wi] + (size_t)(chunk0 + r) * p.ld_y[wi] + feat;
+            float out;
             if (EPI == KERN_LINEAR_SWIGLU)
-                *yo = silu_f(gate[e] * inv) * (v * inv);
+                out = silu_f(gate[e] * inv) * (v * inv);
             else if (EPI == KERN_LINEAR_ACCUMULATE)
-                *yo += v * inv;
+                out = *yo + v * inv;
             else
-                *yo = v * inv;
+                out = v * inv;
+            *yo = out;
+            if (p.tee != NULL)
+                p.tee[(size_t)(chunk0 + r) * p.ld_tee + feat] = out;
         }
     }
 }
@@ -426,6 +432,8 @@ extern "C" pd_status kern_cuda_skinny_launch(kern_cuda_ctx *c, const kern_linear
     p.norm = a->norm.data;
     p.norm_bf16 = a->norm.dtype == KERN_DTYPE_BF16;
     p.eps = a->eps;
+    p.tee = a->tee;
+    p.ld_tee = a->ld_tee;
     int swiglu = a->epilogue == KERN_LINEAR_SWIGLU;
     p.n_w = swiglu ? 1 : a->n_w;     /* swiglu: one output; the kernel reads both weights */
     int tiles = 0;
@@ -496,6 +504,11 @@ static pd_status linear_unfused(kern_backend *be, const kern_linear_args *a, pd_
         mm.accumulate = a->epilogue == KERN_LINEAR_ACCUMULATE;
         if ((st = kern_cuda_gemm_cublas(c, &mm, pack, err)) != PD_OK)
             return st;
+    }
+    if (a->tee != NULL) {
+        kern_copy_rows_args cp = { .src = a->y[0], .ld_src = a->ld_y[0], .idx = NULL, .dst = a->tee,
+                                   .ld_dst = a->ld_tee, .rows = a->m, .cols = n0 };
+        return kern_cuda_copy_rows_launch(be, &cp, err);
     }
     if (!swiglu)
         return PD_OK;
