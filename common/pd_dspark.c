@@ -26,6 +26,8 @@ struct pd_draft {
     int cap_ctx;
     kern_buf *ctx;              /* [cap_ctx, H] */
     int n_ctx;
+    kern_buf *ext_in;           /* [cap_ext_in, taps * H]: aux rows of a graph-replayed extension */
+    int cap_ext_in;
     /* block outputs */
     int cap_req;
     int n_req;
@@ -71,6 +73,7 @@ void pd_draft_destroy(pd_draft *d)
     pd_graph_cache_clear(&d->graphs);
     pd_act_cleanup(&d->act);
     kern_buf_free(d->ctx);
+    kern_buf_free(d->ext_in);
     kern_buf_free(d->blk);
     kern_buf_free(d->step);
     kern_buf_free(d->ibuf);
@@ -123,6 +126,29 @@ static pd_status store_ctx(pd_draft *d, const float *ctx, int n, pd_err *err)
     return PD_OK;
 }
 
+/* The device part of a context extension: fc over the aux rows, hidden norm, then every draft
+ * layer's k/v stored at the batch's slots (padding rows: slot -1, stored nowhere). Capturable. */
+typedef struct {
+    pd_draft *d;
+    const float *aux;
+    int ld_aux, n;
+} extend_step;
+
+static pd_status extend_step_run(void *ud, pd_err *err)
+{
+    extend_step *s = ud;
+    pd_draft *d = s->d;
+    const pd_dspark_model *m = d->m;
+    kern_backend *be = m->be;
+    int H = d->H;
+    float *ctx = d->ctx->ptr;
+    TRY(linear(be, s->aux, s->ld_aux, &m->fc, NULL, d->act.x, H, s->n, 0, err));
+    kern_rmsnorm_args rn = { .x = d->act.x, .out = ctx, .w = m->hidden_norm, .rows = s->n, .dim = H,
+                             .ld_x = H, .ld_out = H, .eps = m->cfg.base.rms_norm_eps };
+    TRY(kern_rmsnorm(be, &rn, err));
+    return store_ctx(d, ctx, s->n, err);
+}
+
 pd_status pd_draft_extend(pd_draft *d, const float *aux, int ld_aux, const pd_tok_batch *b, pd_err *err)
 {
     const pd_dspark_model *m = d->m;
@@ -134,16 +160,27 @@ pd_status pd_draft_extend(pd_draft *d, const float *aux, int ld_aux, const pd_to
     if (ld_aux < K * H)
         return pd_err_set(err, PD_ERR_INVALID, "draft context: aux row of %d values, need %d (%d taps x %d)",
                           ld_aux, K * H, K, H);
-    TRY(ensure_ctx(d, n, err));
-    int pt_stride = 0, max_kv = 0;
-    TRY(pd_act_load_batch(&d->act, d->pool, b, &pt_stride, &max_kv, err));
-    float *ctx = d->ctx->ptr;
-    TRY(linear(be, aux, ld_aux, &m->fc, NULL, d->act.x, H, n, 0, err));
-    kern_rmsnorm_args rn = { .x = d->act.x, .out = ctx, .w = m->hidden_norm, .rows = n, .dim = H,
-                             .ld_x = H, .ld_out = H, .eps = m->cfg.base.rms_norm_eps };
-    TRY(kern_rmsnorm(be, &rn, err));
+    /* decode rounds add a few rows per request: padded to a bucket and replayed as a graph, the
+     * rows first copied into the runner's own input buffer (the graph reads a fixed address) */
+    int pad = pd_graph_pad(&d->graphs) && n <= PD_DRAFT_EXTEND_GRAPH_MAX;
+    int n_pad = n, pt_stride = 0, max_kv = 0;
+    TRY(ensure_ctx(d, pad ? pd_graph_bucket(n) : n, err));
+    TRY(pd_act_load_batch_pad(&d->act, d->pool, b, pad ? PD_ACT_PAD_BUCKET : 0, &n_pad, &pt_stride, &max_kv, err));
     d->n_ctx = n;
-    return store_ctx(d, ctx, n, err);
+    extend_step s = { .d = d, .aux = aux, .ld_aux = ld_aux, .n = n_pad };
+    if (!pad)
+        return extend_step_run(&s, err);
+    int dim = K * H;
+    TRY(kern_buf_grow(be, &d->ext_in, &d->cap_ext_in, n_pad, (size_t)dim * sizeof(float), err));
+    kern_copy_rows_args cp = { .src = aux, .ld_src = ld_aux, .dst = d->ext_in->ptr, .ld_dst = dim,
+                               .rows = n, .cols = dim };
+    TRY(kern_copy_rows(be, &cp, err));
+    s.aux = d->ext_in->ptr;
+    s.ld_aux = dim;
+    int64_t key[] = { -1 /* extension, not a round */, n_pad, be->batch_invariant,
+                      (int64_t)(intptr_t)d->ext_in->ptr, (int64_t)(intptr_t)d->ctx->ptr,
+                      (int64_t)(intptr_t)d->act.buf->ptr, (int64_t)(intptr_t)d->act.ibuf->ptr };
+    return pd_graph_run(&d->graphs, key, (int)(sizeof(key) / sizeof(key[0])), extend_step_run, &s, err);
 }
 
 pd_status pd_draft_extend_ctx(pd_draft *d, const float *ctx_host, const pd_tok_batch *b, pd_err *err)

@@ -23,7 +23,9 @@ pd_kv_pool *pd_draft_pool(const pd_draft *d);
 
 /* Adds context rows: aux [b->n_tok, K*hidden] (backend memory, row stride ld_aux) of the
  * committed tokens at b->pos of sequences b->seq; their k/v go into every draft layer's pages.
- * b->ids is ignored. Pages must be reserved. */
+ * b->ids is ignored. Pages must be reserved. Up to PD_DRAFT_EXTEND_GRAPH_MAX rows are padded to a
+ * graph bucket and replayed as a graph when the runner's graphs are on. */
+#define PD_DRAFT_EXTEND_GRAPH_MAX 1024
 pd_status pd_draft_extend(pd_draft *d, const float *aux, int ld_aux, const pd_tok_batch *b,
                           pd_err *err);
 /* Like pd_draft_extend, from context features already computed elsewhere (a prefill node's
