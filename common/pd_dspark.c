@@ -271,7 +271,9 @@ static pd_status block_load(pd_draft *d, int n_req, int n_pad, const int32_t *an
     pd_tok_batch tb = { .n_tok = n, .ids = ids, .pos = pos, .seq = seq, .kv_len = kv_len,
                         .n_seq = n_req, .seqs = seqs };
     int n_rows = 0;
-    pd_status st = pd_act_load_batch_pad(&d->act, d->pool, &tb, n_pad > n_req ? n_pad * B : 0, &n_rows,
+    /* n_pad > 0 (graphs): rows padded to n_pad requests, and the page-table stride and key
+     * bound bucketed, even when n_req is a bucket itself (else every round is a new shape) */
+    pd_status st = pd_act_load_batch_pad(&d->act, d->pool, &tb, n_pad > 0 ? n_pad * B : 0, &n_rows,
                                          pt_stride, max_kv, err);
     free(meta);
     return st;

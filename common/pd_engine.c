@@ -1750,6 +1750,8 @@ out:
     return st;
 }
 
+uint64_t pd_engine_graph_cold(const pd_engine *e) { return graph_cold(e); }
+
 void pd_engine_graph_stats(const pd_engine *e, uint64_t *eager, uint64_t *captures, uint64_t *replays)
 {
     uint64_t ge = 0, gc = 0, gr = 0;

@@ -184,6 +184,9 @@ pd_status pd_engine_profile_sps_cached(pd_engine *e, const char *model_dir, cons
                                        int max_batch, pd_sps *out, pd_err *err);
 /* Steps run eagerly, graphs captured and graph replays so far (target and draft runners). */
 void pd_engine_graph_stats(const pd_engine *e, uint64_t *eager, uint64_t *captures, uint64_t *replays);
+/* Step shapes warmed up so far (target and draft graph caches: new keys, captures, stale
+ * re-runs); with graphs "pad" on the cpu, the new shapes a GPU would capture. */
+uint64_t pd_engine_graph_cold(const pd_engine *e);
 /* Replaces the scheduler's SPS curve (borrowed; must outlive the engine or the next call). */
 void pd_engine_set_sps(pd_engine *e, const pd_sps *sps);
 /* The scheduled policy's arm controller (diagnostics: picks per arm, estimates). */

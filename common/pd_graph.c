@@ -89,6 +89,16 @@ static pd_status eager(pd_graph_cache *gc, pd_graph_body body, void *ud, pd_err 
 pd_status pd_graph_run(pd_graph_cache *gc, const int64_t *key, int n_key, pd_graph_body body,
                        void *ud, pd_err *err)
 {
+    if (gc->mode == PD_GRAPHS_PAD && n_key >= 0 && n_key <= PD_GRAPH_KEY_LEN) {
+        /* no graphs, but the keys are kept: n_cold counts the shapes a GPU would capture */
+        pd_graph_entry *en = find(gc, key, n_key);
+        if (en == NULL) {
+            en = insert(gc, key, n_key);
+            gc->n_cold++;
+        }
+        en->last_use = ++gc->clock;
+        return eager(gc, body, ud, err);
+    }
     if (gc->mode != PD_GRAPHS_AUTO || !gc->usable || n_key < 0 || n_key > PD_GRAPH_KEY_LEN)
         return eager(gc, body, ud, err);
     pd_graph_entry *en = find(gc, key, n_key);

@@ -44,7 +44,8 @@ typedef struct {
     int n;
     pd_graph_entry e[PD_GRAPH_CACHE_SIZE];
     /* counters, for tests and the bench; n_cold counts the runs that were not a plain replay
-     * or a steady eager run: a new shape's warm-up, a capture, a stale graph's re-run */
+     * or a steady eager run: a new shape's warm-up, a capture, a stale graph's re-run (with
+     * PD_GRAPHS_PAD: the new shapes, i.e. the warm-ups a GPU would run) */
     uint64_t n_eager, n_captures, n_replays, n_cold;
 } pd_graph_cache;
 

@@ -111,8 +111,17 @@ static int run_all(const pd_dspark_model *dm, run_result *res)
     if (graphs == PD_GRAPHS_AUTO && !be->is_host)   /* the decode steps must really replay graphs */
         TEST_CHECK_MSG(g_rep > g_cap && g_cap > 0, "graphs: %llu captures, %llu replays",
                        (unsigned long long)g_cap, (unsigned long long)g_rep);
-    if (graphs == PD_GRAPHS_PAD)
+    if (graphs == PD_GRAPHS_PAD) {
         TEST_CHECK_MSG(g_eager > 0 && g_rep == 0, "padded steps ran eagerly: %llu", (unsigned long long)g_eager);
+        /* padding to buckets must keep the shapes few, or a GPU would warm up (run eagerly) a
+         * new graph in most rounds instead of replaying one */
+        long rounds = pd_engine_phase_times(e)->rounds;
+        uint64_t shapes = pd_engine_graph_cold(e);
+        printf("%s: %llu step shapes over %ld engine rounds\n", dm != NULL ? "dspark" : "target-only",
+               (unsigned long long)shapes, rounds);
+        TEST_CHECK_MSG(shapes * 4 <= (uint64_t)rounds, "%llu step shapes over %ld rounds",
+                       (unsigned long long)shapes, rounds);
+    }
     pd_engine_destroy(e);
     return 0;
 }

@@ -2,9 +2,12 @@
  *   buffers, host<->device copies, dtype conversion on upload, and the ops table.
  * Owns: kern_cuda_backend_create/destroy, kern_cuda_device_count, kern_cuda_ws_get.
  * Not here: the math of each op (kern_cuda_<family>.cu); shape checks (kern_ops.c).
- * Threading: one host thread at a time per backend. upload/download/upload_convert return after
- *   the copy has completed (the host buffer may be reused at once); ops are asynchronous on the
- *   backend's stream until sync or download. */
+ * Threading: one host thread at a time per backend. upload/download/upload_convert return once
+ *   the host buffer has been read (it may be reused at once): downloads and large uploads after
+ *   the copy completed; uploads up to KERN_CUDA_STAGE_MAX bytes are copied into a pinned staging
+ *   ring and then to the device in stream order, without waiting for the stream (the engine's
+ *   per-step metadata: a wait there idled the host until the GPU caught up, several times a
+ *   round). Ops are asynchronous on the backend's stream until sync or download. */
 #include "kern_cuda_internal.h"
 
 #include <stdlib.h>
@@ -12,6 +15,8 @@
 
 #define KERN_CUDA_CUBLAS_WS_BYTES ((size_t)32 << 20)
 #define KERN_CUDA_CONVERT_CHUNK ((size_t)16 << 20)   /* values per staged chunk */
+#define KERN_CUDA_STAGE_BYTES ((size_t)8 << 20)      /* pinned ring of small uploads */
+#define KERN_CUDA_STAGE_MAX ((size_t)1 << 20)        /* larger uploads wait for their copy */
 
 extern "C" int kern_cuda_device_count(void)
 {
@@ -75,6 +80,25 @@ static void cuda_buf_free(kern_backend *be, kern_buf *b)
 static pd_status cuda_upload(kern_backend *be, void *dst, const void *src, size_t n, pd_err *err)
 {
     kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    if (n <= KERN_CUDA_STAGE_MAX && c->stage == NULL && !c->stage_failed &&
+        cudaHostAlloc((void **)&c->stage, KERN_CUDA_STAGE_BYTES, cudaHostAllocDefault) != cudaSuccess) {
+        (void)cudaGetLastError();
+        c->stage = NULL;
+        c->stage_failed = 1;   /* no pinned memory: every upload waits for its copy */
+    }
+    if (n <= KERN_CUDA_STAGE_MAX && c->stage != NULL) {
+        size_t need = (n + 255) & ~(size_t)255;
+        if (c->stage_head + need > KERN_CUDA_STAGE_BYTES) {
+            /* the ring wraps: every copy out of it must have landed before it is written again */
+            PD_CUDA_TRY(cudaStreamSynchronize(c->stream), err);
+            c->stage_head = 0;
+        }
+        char *at = c->stage + c->stage_head;
+        memcpy(at, src, n);
+        PD_CUDA_TRY(cudaMemcpyAsync(dst, at, n, cudaMemcpyHostToDevice, c->stream), err);
+        c->stage_head += need;
+        return PD_OK;
+    }
     PD_CUDA_TRY(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, c->stream), err);
     PD_CUDA_TRY(cudaStreamSynchronize(c->stream), err);
     return PD_OK;
@@ -216,6 +240,8 @@ static void ctx_release(kern_cuda_ctx *c)
         (void)cudaFree(c->counter);
     if (c->attn_cnt != NULL)
         (void)cudaFree(c->attn_cnt);
+    if (c->stage != NULL)
+        (void)cudaFreeHost(c->stage);
     if (c->stream != NULL)
         (void)cudaStreamDestroy(c->stream);
     free(c);
