@@ -658,8 +658,8 @@ static pd_status extend_draft(pd_engine *e, const float *aux, const int32_t *row
 #define PD_PEND_MAX_ROWS 65536
 #define PD_PEND_MAX_BYTES ((size_t)256 << 20)
 
-/* Adds every deferred context row to the draft KV in one batch with the fast (cuBLAS) kernels
- * and empties the list; rows of requests that ended (owner NULL, pend_drop) are skipped. The
+/* Adds every deferred context row to the draft KV with the fast (cuBLAS) kernels and empties
+ * the list; rows of requests that ended (owner NULL, pend_drop) are skipped. The
  * batch-invariant kernels are for the target's logits, which decide the output; the drafter's
  * context only changes which drafts are proposed, and a flush of thousands of rows through the
  * skinny invariant kernel cost milliseconds on the tiny pair (docs/BENCHMARKS.md). */
@@ -687,7 +687,13 @@ static pd_status pend_flush(pd_engine *e, pd_err *err)
     kern_backend *be = e->tm->be;
     int inv = be->batch_invariant;
     be->batch_invariant = 0;
-    pd_status st = k > 0 ? extend_draft(e, e->pend_aux->ptr, idx, pos, own, k, err) : PD_OK;
+    /* in chunks the graph-replayed extension takes: its buffers stay at that size, where one
+     * batch of every row (thousands) grew device scratch, which also made every graph stale */
+    pd_status st = PD_OK;
+    for (int c0 = 0; c0 < k && st == PD_OK; c0 += PD_DRAFT_EXTEND_GRAPH_MAX) {
+        int c = k - c0 < PD_DRAFT_EXTEND_GRAPH_MAX ? k - c0 : PD_DRAFT_EXTEND_GRAPH_MAX;
+        st = extend_draft(e, e->pend_aux->ptr, idx + c0, pos + c0, own + c0, c, err);
+    }
     be->batch_invariant = inv;
     for (int i = 0; i < n; i++)
         if (e->pend_owner[i] != NULL)

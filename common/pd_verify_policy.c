@@ -497,10 +497,10 @@ void pd_sched_parts_of(const pd_sched_ctl *c, pd_sched_arm a, int m, pd_sched_pa
         if (s->n == 0 || s->sec <= 0.0)
             return;
         p->n = s->n;
-        p->tau = s->tok / s->req;
+        p->tau = s->tok / s->treq;
         p->round_s = s->sec / s->rounds;
         p->rest_s = p->round_s;
-        p->rate = s->tok / s->sec;
+        p->rate = p->tau * (s->req / s->rounds) / p->round_s;   /* tokens per request x requests */
         return;
     }
     near_ctx n = { c, (int)a };
@@ -524,8 +524,8 @@ void pd_sched_parts_of(const pd_sched_ctl *c, pd_sched_arm a, int m, pd_sched_pa
             continue;
         const pd_sched_stat *s = &c->st[a][k[i]];
         p->n += s->n;
-        p->tau += w[i] * s->tok / s->req;
-        v += w[i] * s->vtok / s->req;
+        p->tau += w[i] * s->tok / s->treq;
+        v += w[i] * s->vtok / s->treq;
         p->rest_s += w[i] * (s->sec - s->vsec - s->dsec) / s->rounds;
         p->draft_s += w[i] * s->dsec / s->rounds;
     }
@@ -606,11 +606,12 @@ void pd_sched_add(pd_sched_ctl *c, pd_sched_arm a, int m, double tok, double sec
     if (cold && c->st[a][cl].n == 0 && ++c->cold_skips[a][cl] <= 2)
         return;
     pd_sched_stat *s = &c->st[a][cl];
-    const double k = PD_SCHED_DECAY;
-    s->tok = k * s->tok + tok;
+    const double k = PD_SCHED_DECAY, kt = PD_SCHED_DECAY_TAU;
+    s->tok = kt * s->tok + tok;
+    s->treq = kt * s->treq + m;
+    s->vtok = kt * s->vtok + v_tok;
     s->sec = k * s->sec + sec;
     s->req = k * s->req + m;
-    s->vtok = k * s->vtok + v_tok;
     s->vsec = k * s->vsec + (c->sps != NULL ? verify_s(c, v_tok) : 0.0);
     s->dsec = k * s->dsec + draft_sec;
     s->rounds = k * s->rounds + 1.0;

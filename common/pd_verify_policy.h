@@ -103,15 +103,19 @@ double pd_verify_choose(pd_verify_policy p, int n_req, int B, const float *conf_
  * is lossless: arms only choose how many drafts are verified. */
 #define PD_SCHED_CLASSES 16
 #define PD_SCHED_EXPLORE_K 256.0     /* exploration: time run per expected loss of a trial */
-#define PD_SCHED_DECAY 0.85         /* weight of the past per recorded round */
+#define PD_SCHED_DECAY 0.85         /* weight of the past per recorded round: times */
+#define PD_SCHED_DECAY_TAU 0.97     /* the same for tokens per request: acceptance varies a lot
+                                     * from round to round, and a short memory made a drafting
+                                     * arm look worse than no drafts after a few bad rounds */
 
 typedef enum { PD_SCHED_PLAIN = 0, PD_SCHED_ALGO1, PD_SCHED_ALL, PD_SCHED_ARMS } pd_sched_arm;
 
-/* What the recorded rounds of one arm at one class gave, as sums discounted by PD_SCHED_DECAY
- * per round: committed tokens, wall seconds, requests, verify tokens, the verify step's seconds
- * the SPS profile predicts for them, and the draft round's seconds. */
+/* What the recorded rounds of one arm at one class gave, as sums discounted per round: with
+ * PD_SCHED_DECAY wall seconds, requests, the verify step's seconds the SPS profile predicts,
+ * the draft round's seconds and rounds; with PD_SCHED_DECAY_TAU committed tokens, verify tokens
+ * and requests (treq, their denominator). */
 typedef struct {
-    double tok, sec, req, vtok, vsec, dsec, rounds;
+    double tok, sec, req, vtok, vsec, dsec, rounds, treq;
     int n;                          /* rounds recorded */
 } pd_sched_stat;
 
