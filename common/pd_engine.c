@@ -655,6 +655,11 @@ static pd_status extend_draft(pd_engine *e, const float *aux, const int32_t *row
 /* The deferred-context buffer grows up to this many rows or PD_PEND_MAX_BYTES, whichever is
  * less; a full buffer is compacted (rows of ended requests removed) when at most three quarters
  * of it are still wanted, else flushed. */
+/* The scheduled policy's per-request acceptance (sched_accept): discount per whole-block round
+ * of the request, and the rounds of the arm's own figure a request starts from. */
+#define PD_REQ_ACCEPT_DECAY 0.9
+#define PD_REQ_ACCEPT_PRIOR 2.0
+
 #define PD_PEND_MAX_ROWS 65536
 #define PD_PEND_MAX_BYTES ((size_t)256 << 20)
 
@@ -1299,6 +1304,31 @@ out:
     free(ss);
 }
 
+/* How the scheduled requests of this round accepted drafts so far against the all-drafts arm's
+ * record (pd_sched_set_accept): each request's tokens per whole-block round, with
+ * PD_REQ_ACCEPT_PRIOR rounds of the arm's own figure mixed in (a new request is average), as
+ * (tau_r - 1) / (tau_arm - 1), averaged. */
+static void sched_accept(pd_engine *e, const round_slot *slots, int m)
+{
+    pd_sched_set_accept(&e->sched, 1.0);
+    pd_sched_parts p;
+    pd_sched_parts_of(&e->sched, PD_SCHED_ALL, m, &p);
+    if (p.rate < 0.0 || p.tau <= 1.0 + 1e-6)
+        return;
+    double f = 0.0;
+    int n = 0;
+    for (int i = 0; i < m; i++) {
+        const pd_request *r = slots[i].r;
+        if (slots[i].l == 0 || request_policy(e, r) != PD_VERIFY_SCHEDULED)
+            continue;
+        double tau_r = (PD_REQ_ACCEPT_PRIOR * p.tau + r->acc_tok) / (PD_REQ_ACCEPT_PRIOR + r->acc_rounds);
+        f += (tau_r - 1.0) / (p.tau - 1.0);
+        n++;
+    }
+    if (n > 0)
+        pd_sched_set_accept(&e->sched, f / n);
+}
+
 static uint64_t graph_cold(const pd_engine *e)
 {
     return pd_target_graph_cold(e->target) + (e->draft != NULL ? pd_draft_graph_cold(e->draft) : 0);
@@ -1356,6 +1386,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     for (int i = 0; i < m && e->dm != NULL; i++)
         n_sched += slots[i].l > 0 && request_policy(e, slots[i].r) == PD_VERIFY_SCHEDULED;
     if (n_sched > 0) {
+        sched_accept(e, slots, m);
         sched_mode = e->cfg.sched_debug_arm > 0 ? e->cfg.sched_debug_arm - 1 : (int)pd_sched_pick(&e->sched, m);
         for (int i = 0; i < m && sched_mode == PD_SCHED_PLAIN; i++)
             if (request_policy(e, slots[i].r) == PD_VERIFY_SCHEDULED)
@@ -1560,6 +1591,10 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             continue;
         }
         round_tokens += stop_at >= 0 ? commit : a + 1;
+        if (l == e->B) {   /* a whole block verified: what this request accepts */
+            r->acc_tok = PD_REQ_ACCEPT_DECAY * r->acc_tok + (stop_at >= 0 ? commit : a + 1);
+            r->acc_rounds = PD_REQ_ACCEPT_DECAY * r->acc_rounds + 1.0;
+        }
         if (stop_at >= 0) {
             r->accepted[r->n_rounds++] = commit;
             r->tkv.len = r->anchor_pos + commit;

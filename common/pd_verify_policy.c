@@ -417,6 +417,12 @@ void pd_sched_init(pd_sched_ctl *c, const pd_sps *sps)
 {
     memset(c, 0, sizeof(*c));
     c->sps = sps;
+    c->accept_f = 1.0;
+}
+
+void pd_sched_set_accept(pd_sched_ctl *c, double f)
+{
+    c->accept_f = f >= 0.0 && f < 8.0 ? f : f >= 8.0 ? 8.0 : 1.0;
 }
 
 int pd_sched_class(int m)
@@ -498,6 +504,8 @@ void pd_sched_parts_of(const pd_sched_ctl *c, pd_sched_arm a, int m, pd_sched_pa
             return;
         p->n = s->n;
         p->tau = s->tok / s->treq;
+        if (a != PD_SCHED_PLAIN)
+            p->tau = 1.0 + (p->tau - 1.0) * c->accept_f;
         p->round_s = s->sec / s->rounds;
         p->rest_s = p->round_s;
         p->rate = p->tau * (s->req / s->rounds) / p->round_s;   /* tokens per request x requests */
@@ -533,6 +541,8 @@ void pd_sched_parts_of(const pd_sched_ctl *c, pd_sched_arm a, int m, pd_sched_pa
     double dm = pd_sched_draft_s(c, m);
     if (k[0] != pd_sched_class(m) && a != PD_SCHED_PLAIN && dm > 0.0)
         p->draft_s = dm;
+    if (a != PD_SCHED_PLAIN)
+        p->tau = 1.0 + (p->tau - 1.0) * c->accept_f;
     p->verify_tok = m * v;
     p->verify_s = verify_s(c, p->verify_tok);
     p->round_s = p->verify_s + p->rest_s + p->draft_s;

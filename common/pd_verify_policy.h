@@ -129,12 +129,19 @@ typedef struct {
     double credit[PD_SCHED_ARMS];   /* seconds recorded since the arm's last round */
     long n_picks;
     long n_arm[PD_SCHED_ARMS];      /* picks of each arm (diagnostics) */
+    double accept_f;                /* the round's requests' acceptance against the arms' (1: as
+                                     * recorded); see pd_sched_set_accept */
 } pd_sched_ctl;
 
 void pd_sched_init(pd_sched_ctl *c, const pd_sps *sps);
 int pd_sched_class(int m);
 /* The arm for a round of m requests (counted in n_arm by the caller's pd_sched_pick). */
 pd_sched_arm pd_sched_pick(pd_sched_ctl *c, int m);
+/* Acceptance differs a lot between requests (by content): f scales the accepted-draft part of
+ * the drafting arms' tokens per request (tau' = 1 + (tau - 1) f) for the picks that follow, so
+ * the caller can say how this round's requests accepted drafts so far against the arms' own
+ * record (pd_engine.c: each request's record, pulled toward the arm's by a prior). */
+void pd_sched_set_accept(pd_sched_ctl *c, double f);
 /* Expected tokens/s of arm a for a round of m requests; < 0 when nothing is known yet. */
 double pd_sched_estimate(const pd_sched_ctl *c, pd_sched_arm a, int m);
 /* What an estimate is made of (diagnostics): tokens per request per round, verify tokens per

@@ -334,6 +334,20 @@ static void test_policy_sched_arms(void)
      * rounds were timed separately (none were here) */
     double est8 = pd_sched_estimate(&k, PD_SCHED_ALGO1, 8);
     TEST_CHECK_MSG(fabs(est8 - 20.0) < 1e-6, "estimate at the measured class %.4f vs measured 20", est8);
+    /* the round's requests accept drafts better or worse than the arm's record: the accepted
+     * part of a drafting arm's tokens per request scales by the factor, no-drafts stays */
+    pd_sched_parts base, plain0, scaled, plain2;
+    pd_sched_parts_of(&c, PD_SCHED_ALL, 1, &base);
+    pd_sched_parts_of(&c, PD_SCHED_PLAIN, 1, &plain0);
+    pd_sched_set_accept(&c, 2.0);
+    pd_sched_parts_of(&c, PD_SCHED_ALL, 1, &scaled);
+    pd_sched_parts_of(&c, PD_SCHED_PLAIN, 1, &plain2);
+    TEST_CHECK_MSG(fabs(scaled.tau - (1.0 + 2.0 * (base.tau - 1.0))) < 1e-9 && scaled.rate > base.rate,
+                   "accept factor 2: tau %.4f from %.4f", scaled.tau, base.tau);
+    TEST_CHECK(plain2.tau == plain0.tau && plain2.rate == plain0.rate);
+    pd_sched_set_accept(&c, 0.0);   /* requests that accept nothing: drafting loses at m = 1 */
+    TEST_CHECK(pd_sched_estimate(&c, PD_SCHED_ALL, 1) < pd_sched_estimate(&c, PD_SCHED_PLAIN, 1));
+    pd_sched_set_accept(&c, 1.0);
     pd_sps_cleanup(&prof);
 }
 
