@@ -63,6 +63,7 @@ struct pd_engine {
     pd_request **pend_owner;
     int cap_pend_host;
     uint64_t ext_epoch;         /* extend_draft calls so far (pd_request.ext_epoch) */
+    double flush_row_s;         /* host seconds per deferred row added, smoothed over flushes */
     pd_sps sps_default;         /* linear step-time model when no profile is given */
     pd_sched_ctl sched;         /* the scheduled policy's arms (pd_verify_policy.h) */
     pd_engine_times times;      /* host time per part of a step (diagnostics) */
@@ -1387,6 +1388,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         n_sched += slots[i].l > 0 && request_policy(e, slots[i].r) == PD_VERIFY_SCHEDULED;
     if (n_sched > 0) {
         sched_accept(e, slots, m);
+        pd_sched_set_switch(&e->sched, e->n_pend * e->flush_row_s);
         sched_mode = e->cfg.sched_debug_arm > 0 ? e->cfg.sched_debug_arm - 1 : (int)pd_sched_pick(&e->sched, m);
         for (int i = 0; i < m && sched_mode == PD_SCHED_PLAIN; i++)
             if (request_policy(e, slots[i].r) == PD_VERIFY_SCHEDULED)
@@ -1439,9 +1441,14 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     double flush_sec = 0.0;
     if (n_draft > 0 && e->n_pend > 0) {
         double t_flush = now_s();
+        int rows_before = e->n_pend;
         st = pend_flush(e, err);   /* the drafts must see every committed position */
         flush_sec = now_s() - t_flush;
         e->times.flush += flush_sec;
+        if (rows_before > 0) {   /* seconds per deferred row, for the controller's trial cost */
+            double per = flush_sec / rows_before;
+            e->flush_row_s = e->flush_row_s > 0.0 ? 0.7 * e->flush_row_s + 0.3 * per : per;
+        }
         if (st != PD_OK)
             goto out;
     }

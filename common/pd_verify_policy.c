@@ -420,6 +420,8 @@ void pd_sched_init(pd_sched_ctl *c, const pd_sps *sps)
     c->accept_f = 1.0;
 }
 
+void pd_sched_set_switch(pd_sched_ctl *c, double s) { c->switch_s = s > 0.0 ? s : 0.0; }
+
 void pd_sched_set_accept(pd_sched_ctl *c, double f)
 {
     c->accept_f = f >= 0.0 && f < 8.0 ? f : f >= 8.0 ? 8.0 : 1.0;
@@ -598,6 +600,8 @@ static pd_sched_arm pick(pd_sched_ctl *c, int m)
         double loss = t[a] * (1.0 - est[a] / est[best]);
         if (loss < 0.25 * t[a])
             loss = 0.25 * t[a];
+        if (a != PD_SCHED_PLAIN)
+            loss += c->switch_s;
         double r = loss > 0.0 ? c->credit[a] / (PD_SCHED_EXPLORE_K * loss) : 0.0;
         if (r >= most) {
             most = r;

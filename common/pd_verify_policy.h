@@ -131,6 +131,8 @@ typedef struct {
     long n_arm[PD_SCHED_ARMS];      /* picks of each arm (diagnostics) */
     double accept_f;                /* the round's requests' acceptance against the arms' (1: as
                                      * recorded); see pd_sched_set_accept */
+    double switch_s;                /* what a drafting round costs now on top of its own rounds'
+                                     * (pd_sched_set_switch) */
 } pd_sched_ctl;
 
 void pd_sched_init(pd_sched_ctl *c, const pd_sps *sps);
@@ -142,6 +144,10 @@ pd_sched_arm pd_sched_pick(pd_sched_ctl *c, int m);
  * the caller can say how this round's requests accepted drafts so far against the arms' own
  * record (pd_engine.c: each request's record, pulled toward the arm's by a prior). */
 void pd_sched_set_accept(pd_sched_ctl *c, double f);
+/* A drafting round picked now first adds the context rows that rounds without drafts put off
+ * (pd_engine.c); s seconds of that count in the loss of trying a drafting arm, so exploration
+ * waits longer while much context waits. */
+void pd_sched_set_switch(pd_sched_ctl *c, double s);
 /* Expected tokens/s of arm a for a round of m requests; < 0 when nothing is known yet. */
 double pd_sched_estimate(const pd_sched_ctl *c, pd_sched_arm a, int m);
 /* What an estimate is made of (diagnostics): tokens per request per round, verify tokens per

@@ -348,6 +348,23 @@ static void test_policy_sched_arms(void)
     pd_sched_set_accept(&c, 0.0);   /* requests that accept nothing: drafting loses at m = 1 */
     TEST_CHECK(pd_sched_estimate(&c, PD_SCHED_ALL, 1) < pd_sched_estimate(&c, PD_SCHED_PLAIN, 1));
     pd_sched_set_accept(&c, 1.0);
+    /* deferred context that a drafting round would add first makes trying one dearer: at
+     * m = 128 (no drafts best) the next drafting trial comes later with a switch cost */
+    int first_trial[2];
+    for (int w = 0; w < 2; w++) {
+        pd_sched_ctl cc = c;
+        pd_sched_set_switch(&cc, w == 0 ? 0.0 : sim_time(PD_SCHED_ALL, 128));
+        first_trial[w] = -1;
+        for (int i = 0; i < 5000 && first_trial[w] < 0; i++) {
+            pd_sched_arm a = pd_sched_pick(&cc, 128);
+            if (a != PD_SCHED_PLAIN)
+                first_trial[w] = i;
+            sim_record(&cc, a, 128, sim_time(a, 128), 1.0);
+        }
+    }
+    printf("first drafting trial at m = 128 after %d rounds, %d with a switch cost of one drafting round\n",
+           first_trial[0], first_trial[1]);
+    TEST_CHECK(first_trial[0] >= 0 && first_trial[1] > first_trial[0]);
     pd_sps_cleanup(&prof);
 }
 
