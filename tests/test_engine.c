@@ -246,15 +246,17 @@ static double draft_kv_diff(const float *a, int len_a, const float *b, int len_b
     return maxd;
 }
 
-static pd_engine *sched_engine(int debug_arm)
+static pd_engine *sched_engine_pages(int debug_arm, int n_pages)
 {
     pd_err err;
     pd_engine *e = NULL;
-    pd_engine_config ec = { .target = tm, .draft = dm, .page_size = 4, .n_pages = 64,
+    pd_engine_config ec = { .target = tm, .draft = dm, .page_size = 4, .n_pages = n_pages,
                             .verify_policy = PD_VERIFY_SCHEDULED, .sched_debug_arm = debug_arm };
     TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);
     return e;
 }
+
+static pd_engine *sched_engine(int debug_arm) { return sched_engine_pages(debug_arm, 64); }
 
 /* Rounds without drafts (scheduled policy, "no drafts" arm) defer the drafter's context rows and
  * add them in one batch later: the draft KV of every committed position must end up as if each
@@ -325,6 +327,47 @@ static void test_engine_deferred_prompt(void)
     double maxd = draft_kv_diff(kv0, len0, kv1, len1, n);
     printf("deferred prompt rows: %d positions, max |dK|,|dV| vs immediate %.2e\n", n, maxd);
     TEST_CHECK_MSG(maxd < 1e-3, "deferred prompt context differs from the immediate one by %g", maxd);
+    free(kv0);
+    free(kv1);
+}
+
+/* More deferred rows than one graph-replayed extension takes (PD_DRAFT_EXTEND_GRAPH_MAX): the
+ * flush adds them in chunks, and every position's draft KV equals an immediate extension's. */
+static void test_engine_deferred_chunks(void)
+{
+    pd_err err;
+    enum { NP = PD_DRAFT_EXTEND_GRAPH_MAX + 77 };
+    static int32_t longp[NP];
+    for (int i = 0; i < NP; i++)
+        longp[i] = (int32_t)((i * 37 + 11) % 8000);
+    int nb = (int)(sizeof(prompt_b) / 4);
+    pd_engine *e = sched_engine_pages(1, 400);
+    pd_gen_params gp = greedy(4), full = greedy(4);
+    full.verify_policy = PD_VERIFY_FULL;
+    pd_request *ra = NULL, *rb = NULL;
+    TEST_CHECK(pd_engine_add(e, 1, longp, NP, &gp, &ra, &err) == PD_OK);
+    for (int i = 0; i < 20 && ra->prefilled < NP; i++)
+        TEST_CHECK(pd_engine_step(e, &err) == PD_OK);
+    TEST_CHECK_MSG(ra->n_pend > PD_DRAFT_EXTEND_GRAPH_MAX, "deferred rows %d, want more than %d", ra->n_pend,
+                   PD_DRAFT_EXTEND_GRAPH_MAX);
+    TEST_CHECK(pd_engine_add(e, 2, prompt_b, nb, &full, &rb, &err) == PD_OK);
+    TEST_CHECK(pd_engine_step(e, &err) == PD_OK);   /* rb drafts: ra's rows land first, in chunks */
+    TEST_CHECK_MSG(ra->n_pend <= 1, "after a drafting round %d rows wait", ra->n_pend);
+    int len0 = 0, len1 = 0;
+    float *kv0 = read_draft_kv(e, ra, &len0);
+    pd_engine_destroy(e);
+
+    e = sched_engine_pages(3, 400);
+    TEST_CHECK(pd_engine_add(e, 1, longp, NP, &full, &ra, &err) == PD_OK);
+    for (int i = 0; i < 20 && ra->prefilled < NP; i++)
+        TEST_CHECK(pd_engine_step(e, &err) == PD_OK);
+    float *kv1 = read_draft_kv(e, ra, &len1);
+    pd_engine_destroy(e);
+    int n = len0 < len1 ? len0 : len1;
+    TEST_CHECK_MSG(n >= NP, "context covers the prompt: %d of %d", n, NP);
+    double maxd = draft_kv_diff(kv0, len0, kv1, len1, n);
+    printf("deferred rows in chunks: %d positions, max |dK|,|dV| vs immediate %.2e\n", n, maxd);
+    TEST_CHECK_MSG(maxd < 1e-3, "chunked flush differs from the immediate extension by %g", maxd);
     free(kv0);
     free(kv1);
 }
@@ -431,6 +474,7 @@ int main(void)
     test_engine_deferred_context();
     test_engine_deferred_drop();
     test_engine_deferred_prompt();
+    test_engine_deferred_chunks();
     test_engine_deferred_compact();
     pd_dspark_free(dm);
     pd_qwen3_free(tm);
