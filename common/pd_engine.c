@@ -660,6 +660,8 @@ static pd_status extend_draft(pd_engine *e, const float *aux, const int32_t *row
  * of the request, and the rounds of the arm's own figure a request starts from. */
 #define PD_REQ_ACCEPT_DECAY 0.9
 #define PD_REQ_ACCEPT_PRIOR 2.0
+/* the share of its drafts a probed request is hoped to accept (sched_probe) */
+#define PD_PROBE_ACCEPT 0.75
 
 #define PD_PEND_MAX_ROWS 65536
 #define PD_PEND_MAX_BYTES ((size_t)256 << 20)
@@ -1308,26 +1310,55 @@ out:
 /* How the scheduled requests of this round accepted drafts so far against the all-drafts arm's
  * record (pd_sched_set_accept): each request's tokens per whole-block round, with
  * PD_REQ_ACCEPT_PRIOR rounds of the arm's own figure mixed in (a new request is average), as
- * (tau_r - 1) / (tau_arm - 1), averaged. */
-static void sched_accept(pd_engine *e, const round_slot *slots, int m)
+ * (tau_r - 1) / (tau_arm - 1), averaged. A request named in hope instead counts as accepting
+ * PD_PROBE_ACCEPT of its drafts. Returns 0 when the arm has no record yet (factor left at 1). */
+static int sched_accept(pd_engine *e, const round_slot *slots, int m, const pd_request *hope)
 {
     pd_sched_set_accept(&e->sched, 1.0);
     pd_sched_parts p;
     pd_sched_parts_of(&e->sched, PD_SCHED_ALL, m, &p);
     if (p.rate < 0.0 || p.tau <= 1.0 + 1e-6)
-        return;
+        return 0;
     double f = 0.0;
     int n = 0;
     for (int i = 0; i < m; i++) {
         const pd_request *r = slots[i].r;
         if (slots[i].l == 0 || request_policy(e, r) != PD_VERIFY_SCHEDULED)
             continue;
-        double tau_r = (PD_REQ_ACCEPT_PRIOR * p.tau + r->acc_tok) / (PD_REQ_ACCEPT_PRIOR + r->acc_rounds);
+        double tau_r = r == hope ? 1.0 + PD_PROBE_ACCEPT * e->B
+                                 : (PD_REQ_ACCEPT_PRIOR * p.tau + r->acc_tok) / (PD_REQ_ACCEPT_PRIOR + r->acc_rounds);
         f += (tau_r - 1.0) / (p.tau - 1.0);
         n++;
     }
     if (n > 0)
         pd_sched_set_accept(&e->sched, f / n);
+    return 1;
+}
+
+/* A scheduled request that has decoded without ever verifying a whole block is tried once with
+ * all drafts when, were it to accept most of them, the all-drafts arm would beat no drafts for
+ * this round's batch (one request in a batch of many never tips it; alone it may): its own
+ * acceptance then steers sched_accept, where it would otherwise start from the arm's record and
+ * wait for the controller's next trial, typically most of a request at batch 1. Returns 1 when
+ * this round is such a probe. */
+static int sched_probe(pd_engine *e, const round_slot *slots, int m)
+{
+    pd_request *cand = NULL;
+    for (int i = 0; i < m && cand == NULL; i++) {
+        pd_request *r = slots[i].r;
+        if (slots[i].l > 0 && !r->probed && r->n_rounds >= 1 && r->acc_rounds == 0.0 &&
+            request_policy(e, r) == PD_VERIFY_SCHEDULED)
+            cand = r;
+    }
+    if (cand == NULL)
+        return 0;
+    int probe = 0;
+    if (sched_accept(e, slots, m, cand)) {   /* (no record yet: the controller tries the arm) */
+        cand->probed = 1;   /* one chance per request, whatever the answer */
+        probe = pd_sched_all_wins(&e->sched, m);
+    }
+    sched_accept(e, slots, m, NULL);
+    return probe;
 }
 
 static uint64_t graph_cold(const pd_engine *e)
@@ -1387,9 +1418,17 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     for (int i = 0; i < m && e->dm != NULL; i++)
         n_sched += slots[i].l > 0 && request_policy(e, slots[i].r) == PD_VERIFY_SCHEDULED;
     if (n_sched > 0) {
-        sched_accept(e, slots, m);
+        sched_accept(e, slots, m, NULL);
         pd_sched_set_switch(&e->sched, e->n_pend * e->flush_row_s);
-        sched_mode = e->cfg.sched_debug_arm > 0 ? e->cfg.sched_debug_arm - 1 : (int)pd_sched_pick(&e->sched, m);
+        if (e->cfg.sched_debug_arm > 0) {
+            sched_mode = e->cfg.sched_debug_arm - 1;
+        } else if (sched_probe(e, slots, m)) {
+            sched_mode = PD_SCHED_ALL;
+            e->sched.n_arm[PD_SCHED_ALL]++;
+            e->sched.n_probes++;
+        } else {
+            sched_mode = (int)pd_sched_pick(&e->sched, m);
+        }
         for (int i = 0; i < m && sched_mode == PD_SCHED_PLAIN; i++)
             if (request_policy(e, slots[i].r) == PD_VERIFY_SCHEDULED)
                 slots[i].l = 0;

@@ -560,6 +560,12 @@ static double estimate(const pd_sched_ctl *c, pd_sched_arm a, int m, double *t_r
     return p.rate;
 }
 
+int pd_sched_all_wins(const pd_sched_ctl *c, int m)
+{
+    double all = pd_sched_estimate(c, PD_SCHED_ALL, m), plain = pd_sched_estimate(c, PD_SCHED_PLAIN, m);
+    return all > 0.0 && plain > 0.0 && all > plain;
+}
+
 double pd_sched_estimate(const pd_sched_ctl *c, pd_sched_arm a, int m)
 {
     double t;

@@ -129,6 +129,8 @@ typedef struct {
     double credit[PD_SCHED_ARMS];   /* seconds recorded since the arm's last round */
     long n_picks;
     long n_arm[PD_SCHED_ARMS];      /* picks of each arm (diagnostics) */
+    long n_probes;                  /* all-drafts rounds the caller chose to try a new request
+                                     * (pd_engine.c sched_probe; counted in n_arm too) */
     double accept_f;                /* the round's requests' acceptance against the arms' (1: as
                                      * recorded); see pd_sched_set_accept */
     double switch_s;                /* what a drafting round costs now on top of its own rounds'
@@ -148,6 +150,10 @@ void pd_sched_set_accept(pd_sched_ctl *c, double f);
  * (pd_engine.c); s seconds of that count in the loss of trying a drafting arm, so exploration
  * waits longer while much context waits. */
 void pd_sched_set_switch(pd_sched_ctl *c, double s);
+/* 1 when, at the acceptance factor set now, the all-drafts arm is expected to beat no drafts
+ * for a round of m requests (both estimates known); how the engine decides to try a new
+ * request with all drafts once, at the factor it would have if it accepted most drafts. */
+int pd_sched_all_wins(const pd_sched_ctl *c, int m);
 /* Expected tokens/s of arm a for a round of m requests; < 0 when nothing is known yet. */
 double pd_sched_estimate(const pd_sched_ctl *c, pd_sched_arm a, int m);
 /* What an estimate is made of (diagnostics): tokens per request per round, verify tokens per

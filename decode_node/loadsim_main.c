@@ -413,12 +413,12 @@ int main(int argc, char **argv)
             if (st == PD_OK && with_draft && pol[pi] == PD_VERIFY_SCHEDULED) {
                 const pd_sched_ctl *sc = pd_engine_sched(e);
                 snprintf(arms, sizeof(arms),
-                         "  scheduled arms at C=%d: rounds plain/algo1/all %ld/%ld/%ld (warm-up %ld/%ld/%ld), "
-                         "estimated tok/s %.0f/%.0f/%.0f\n", C,
+                         "  scheduled arms at C=%d: rounds plain/algo1/all %ld/%ld/%ld (warm-up %ld/%ld/%ld; "
+                         "%ld all-drafts probes of new requests), estimated tok/s %.0f/%.0f/%.0f\n", C,
                          sc->n_arm[PD_SCHED_PLAIN] - warm_picks[PD_SCHED_PLAIN],
                          sc->n_arm[PD_SCHED_ALGO1] - warm_picks[PD_SCHED_ALGO1],
                          sc->n_arm[PD_SCHED_ALL] - warm_picks[PD_SCHED_ALL], warm_picks[PD_SCHED_PLAIN],
-                         warm_picks[PD_SCHED_ALGO1], warm_picks[PD_SCHED_ALL],
+                         warm_picks[PD_SCHED_ALGO1], warm_picks[PD_SCHED_ALL], sc->n_probes,
                          pd_sched_estimate(sc, PD_SCHED_PLAIN, C), pd_sched_estimate(sc, PD_SCHED_ALGO1, C),
                          pd_sched_estimate(sc, PD_SCHED_ALL, C));
                 static const char *arm_name[PD_SCHED_ARMS] = { "plain", "algo1", "all" };

@@ -372,6 +372,32 @@ static void test_engine_deferred_chunks(void)
     free(kv1);
 }
 
+/* The scheduled controller's probe of new requests (one all-drafts round for a request that has
+ * not verified a whole block, sched_probe) is one chance per request: never more probes than
+ * requests, and a probed request has decoded a round before. */
+static void test_engine_sched_probe(void)
+{
+    pd_err err;
+    int na = (int)(sizeof(prompt_a) / 4), nb = (int)(sizeof(prompt_b) / 4);
+    pd_engine *e = sched_engine_pages(0, 128);
+    pd_gen_params gp = greedy(24);
+    pd_request *r[4] = {0};
+    for (int i = 0; i < 4; i++) {
+        TEST_CHECK(pd_engine_add(e, (uint64_t)i + 1, i % 2 ? prompt_b : prompt_a, i % 2 ? nb : na, &gp, &r[i],
+                                 &err) == PD_OK);
+        TEST_CHECK(run_to_end(e) == 0);
+        TEST_CHECK(r[i]->finish != PD_FINISH_NONE && r[i]->n_out == 24);
+        TEST_CHECK(!r[i]->probed || r[i]->n_rounds >= 2);
+    }
+    const pd_sched_ctl *sc = pd_engine_sched(e);
+    printf("scheduled at batch 1: %ld probes of 4 requests, arms plain/algo1/all %ld/%ld/%ld\n", sc->n_probes,
+           sc->n_arm[PD_SCHED_PLAIN], sc->n_arm[PD_SCHED_ALGO1], sc->n_arm[PD_SCHED_ALL]);
+    TEST_CHECK(sc->n_probes <= 4 && sc->n_arm[PD_SCHED_ALL] >= sc->n_probes);
+    for (int i = 0; i < 4; i++)
+        pd_engine_release(e, r[i]);
+    pd_engine_destroy(e);
+}
+
 /* A request that ends without keeping its KV drops its deferred rows (no flush of everyone's
  * rows then); the rows of the others stay deferred, and when they land later, the rows dropped
  * from the middle of the buffer do not shift them: the survivor's draft KV equals the one of
@@ -475,6 +501,7 @@ int main(void)
     test_engine_deferred_drop();
     test_engine_deferred_prompt();
     test_engine_deferred_chunks();
+    test_engine_sched_probe();
     test_engine_deferred_compact();
     pd_dspark_free(dm);
     pd_qwen3_free(tm);

@@ -347,6 +347,15 @@ static void test_policy_sched_arms(void)
     TEST_CHECK(plain2.tau == plain0.tau && plain2.rate == plain0.rate);
     pd_sched_set_accept(&c, 0.0);   /* requests that accept nothing: drafting loses at m = 1 */
     TEST_CHECK(pd_sched_estimate(&c, PD_SCHED_ALL, 1) < pd_sched_estimate(&c, PD_SCHED_PLAIN, 1));
+    /* a new request hoped to accept most drafts is worth one all-drafts round alone (m = 1),
+     * not when it is one of 128 (the engine's factor there stays near 1); a request that
+     * accepts nothing never tips it */
+    pd_sched_set_accept(&c, 0.0);
+    TEST_CHECK(!pd_sched_all_wins(&c, 1));
+    pd_sched_set_accept(&c, 4.0);
+    TEST_CHECK(pd_sched_all_wins(&c, 1));
+    pd_sched_set_accept(&c, 1.0 + 3.0 / 128.0);
+    TEST_CHECK(!pd_sched_all_wins(&c, 128));
     pd_sched_set_accept(&c, 1.0);
     /* deferred context that a drafting round would add first makes trying one dearer: at
      * m = 128 (no drafts best) the next drafting trial comes later with a switch cost */
