@@ -653,9 +653,6 @@ static pd_status extend_draft(pd_engine *e, const float *aux, const int32_t *row
     return st;
 }
 
-/* The deferred-context buffer grows up to this many rows or PD_PEND_MAX_BYTES, whichever is
- * less; a full buffer is compacted (rows of ended requests removed) when at most three quarters
- * of it are still wanted, else flushed. */
 /* The scheduled policy's per-request acceptance (sched_accept): discount per whole-block round
  * of the request, and the rounds of the arm's own figure a request starts from. */
 #define PD_REQ_ACCEPT_DECAY 0.9
@@ -663,6 +660,9 @@ static pd_status extend_draft(pd_engine *e, const float *aux, const int32_t *row
 /* the share of its drafts a probed request is hoped to accept (sched_probe) */
 #define PD_PROBE_ACCEPT 0.75
 
+/* The deferred-context buffer grows up to this many rows or PD_PEND_MAX_BYTES, whichever is
+ * less; a full buffer is compacted (rows of ended requests removed) when at most three quarters
+ * of it are still wanted, else flushed. */
 #define PD_PEND_MAX_ROWS 65536
 #define PD_PEND_MAX_BYTES ((size_t)256 << 20)
 
