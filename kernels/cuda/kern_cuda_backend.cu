@@ -87,6 +87,11 @@ static pd_status cuda_upload(kern_backend *be, void *dst, const void *src, size_
         c->stage_failed = 1;   /* no pinned memory: every upload waits for its copy */
     }
     if (n <= KERN_CUDA_STAGE_MAX && c->stage != NULL) {
+        /* a staged copy inside a capture would be recorded and replay stale ring contents */
+        cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+        PD_CUDA_TRY(cudaStreamIsCapturing(c->stream, &cs), err);
+        if (cs != cudaStreamCaptureStatusNone)
+            return pd_err_set(err, PD_ERR_INTERNAL, "cuda upload of %zu bytes during a graph capture", n);
         size_t need = (n + 255) & ~(size_t)255;
         if (c->stage_head + need > KERN_CUDA_STAGE_BYTES) {
             /* the ring wraps: every copy out of it must have landed before it is written again */
