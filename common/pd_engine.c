@@ -1340,7 +1340,7 @@ static int sched_accept(pd_engine *e, const round_slot *slots, int m, const pd_r
  * this round's batch (one request in a batch of many never tips it; alone it may): its own
  * acceptance then steers sched_accept, where it would otherwise start from the arm's record and
  * wait for the controller's next trial, typically most of a request at batch 1. Returns 1 when
- * this round is such a probe. */
+ * this round is such a probe; leaves the acceptance factor to the caller's sched_accept. */
 static int sched_probe(pd_engine *e, const round_slot *slots, int m)
 {
     pd_request *cand = NULL;
@@ -1352,13 +1352,10 @@ static int sched_probe(pd_engine *e, const round_slot *slots, int m)
     }
     if (cand == NULL)
         return 0;
-    int probe = 0;
-    if (sched_accept(e, slots, m, cand)) {   /* (no record yet: the controller tries the arm) */
-        cand->probed = 1;   /* one chance per request, whatever the answer */
-        probe = pd_sched_all_wins(&e->sched, m);
-    }
-    sched_accept(e, slots, m, NULL);
-    return probe;
+    if (!sched_accept(e, slots, m, cand))   /* no record yet: the controller tries the arm */
+        return 0;
+    cand->probed = 1;   /* one chance per request, whatever the answer */
+    return pd_sched_all_wins(&e->sched, m);
 }
 
 static uint64_t graph_cold(const pd_engine *e)
@@ -1418,11 +1415,12 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     for (int i = 0; i < m && e->dm != NULL; i++)
         n_sched += slots[i].l > 0 && request_policy(e, slots[i].r) == PD_VERIFY_SCHEDULED;
     if (n_sched > 0) {
+        int probe = e->cfg.sched_debug_arm <= 0 && sched_probe(e, slots, m);
         sched_accept(e, slots, m, NULL);
         pd_sched_set_switch(&e->sched, e->n_pend * e->flush_row_s);
         if (e->cfg.sched_debug_arm > 0) {
             sched_mode = e->cfg.sched_debug_arm - 1;
-        } else if (sched_probe(e, slots, m)) {
+        } else if (probe) {
             sched_mode = PD_SCHED_ALL;
             e->sched.n_arm[PD_SCHED_ALL]++;
             e->sched.n_probes++;

@@ -295,16 +295,10 @@ pd_status pd_layer_attn_mlp(pd_act *a, const pd_qwen3_config *cfg, const pd_laye
     kern_linear_args dn = {
         .x = a->g, .ld_x = a->inter, .m = n_tok, .k = a->inter, .n_w = 1, .w = { lw->down_proj },
         .y = { a->x }, .ld_y = { H }, .epilogue = res,
-        .tee = a->tp == NULL ? a->tap : NULL, .ld_tee = a->ld_tap,
+        .tee = a->tap, .ld_tee = a->ld_tap,
     };
     TRY(kern_linear(be, &dn, err));
-    TRY(pd_tp_all_reduce(a->tp, a->x, (size_t)n_tok * H, err));
-    if (a->tap == NULL || a->tp == NULL)
-        return PD_OK;
-    /* tensor parallel: the layer's output exists only after the all-reduce */
-    kern_copy_rows_args cp = { .src = a->x, .ld_src = H, .dst = a->tap, .ld_dst = a->ld_tap,
-                               .rows = n_tok, .cols = H };
-    return kern_copy_rows(be, &cp, err);
+    return pd_tp_all_reduce(a->tp, a->x, (size_t)n_tok * H, err);
 }
 
 pd_status pd_layer_forward(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
@@ -417,10 +411,11 @@ static pd_status target_step_run(void *ud, pd_err *err)
         if (t->taps[i] == -1)
             TRY(capture_tap(t, i, n, err));
     for (int l = 0; l < cfg->num_hidden_layers; l++) {
-        /* a tapped layer writes its output rows into the aux tensor as well (pd_act.tap) */
+        /* a tapped layer writes its output rows into the aux tensor as well (pd_act.tap); under
+         * tensor parallelism the output exists only after the all-reduce: copied below */
         a->tap = NULL;
         a->ld_tap = t->n_taps * H;
-        for (int i = 0; i < t->n_taps; i++)
+        for (int i = 0; i < t->n_taps && a->tp == NULL; i++)
             if (t->taps[i] == l && a->tap == NULL)
                 a->tap = tap_dst(t, i);
         pd_status st = pd_layer_forward(a, cfg, &m->layers[l], pd_kv_pool_layer(t->pool, l), n, s->n_seq,
@@ -428,7 +423,7 @@ static pd_status target_step_run(void *ud, pd_err *err)
         float *tapped = a->tap;
         a->tap = NULL;
         TRY(st);
-        for (int i = 0; i < t->n_taps; i++)   /* a layer tapped twice: the second slot by copy */
+        for (int i = 0; i < t->n_taps; i++)   /* the slots the epilogue did not write */
             if (t->taps[i] == l && tap_dst(t, i) != tapped)
                 TRY(capture_tap(t, i, n, err));
     }

@@ -32,7 +32,8 @@ typedef struct {
     int32_t *page_table;
     float *tap;               /* NULL, or where the next pd_layer_attn_mlp also writes its output
                                * rows [n_tok, ld_tap] (the down projection's epilogue writes them
-                               * twice: no copy kernel); the caller sets and clears it */
+                               * twice: no copy kernel); the caller sets and clears it, and leaves
+                               * it NULL under tensor parallelism (the epilogue sees a partial) */
     int ld_tap;
 } pd_act;
 

@@ -496,6 +496,12 @@ double pd_sched_draft_s(const pd_sched_ctl *c, int m)
     return (1.0 - w) * c->d_sec[lo] / c->d_rounds[lo] + w * c->d_sec[hi] / c->d_rounds[hi];
 }
 
+/* tokens per request of arm a as recorded, with the accepted part scaled by accept_f */
+static double arm_tau(const pd_sched_ctl *c, pd_sched_arm a, double tau)
+{
+    return a == PD_SCHED_PLAIN ? tau : 1.0 + (tau - 1.0) * c->accept_f;
+}
+
 void pd_sched_parts_of(const pd_sched_ctl *c, pd_sched_arm a, int m, pd_sched_parts *p)
 {
     memset(p, 0, sizeof(*p));
@@ -505,9 +511,7 @@ void pd_sched_parts_of(const pd_sched_ctl *c, pd_sched_arm a, int m, pd_sched_pa
         if (s->n == 0 || s->sec <= 0.0)
             return;
         p->n = s->n;
-        p->tau = s->tok / s->treq;
-        if (a != PD_SCHED_PLAIN)
-            p->tau = 1.0 + (p->tau - 1.0) * c->accept_f;
+        p->tau = arm_tau(c, a, s->tok / s->treq);
         p->round_s = s->sec / s->rounds;
         p->rest_s = p->round_s;
         p->rate = p->tau * (s->req / s->rounds) / p->round_s;   /* tokens per request x requests */
@@ -543,8 +547,7 @@ void pd_sched_parts_of(const pd_sched_ctl *c, pd_sched_arm a, int m, pd_sched_pa
     double dm = pd_sched_draft_s(c, m);
     if (k[0] != pd_sched_class(m) && a != PD_SCHED_PLAIN && dm > 0.0)
         p->draft_s = dm;
-    if (a != PD_SCHED_PLAIN)
-        p->tau = 1.0 + (p->tau - 1.0) * c->accept_f;
+    p->tau = arm_tau(c, a, p->tau);
     p->verify_tok = m * v;
     p->verify_s = verify_s(c, p->verify_tok);
     p->round_s = p->verify_s + p->rest_s + p->draft_s;

@@ -88,9 +88,7 @@ static pd_status cuda_upload(kern_backend *be, void *dst, const void *src, size_
     }
     if (n <= KERN_CUDA_STAGE_MAX && c->stage != NULL) {
         /* a staged copy inside a capture would be recorded and replay stale ring contents */
-        cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-        PD_CUDA_TRY(cudaStreamIsCapturing(c->stream, &cs), err);
-        if (cs != cudaStreamCaptureStatusNone)
+        if (c->capturing)
             return pd_err_set(err, PD_ERR_INTERNAL, "cuda upload of %zu bytes during a graph capture", n);
         size_t need = (n + 255) & ~(size_t)255;
         if (c->stage_head + need > KERN_CUDA_STAGE_BYTES) {
@@ -128,6 +126,7 @@ static pd_status cuda_graph_begin(kern_backend *be, pd_err *err)
     kern_cuda_ctx *c = kern_cuda_ctx_of(be);
     PD_CUDA_TRY(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal), err);
     c->capture_epoch = c->ws_epoch;
+    c->capturing = 1;
     return PD_OK;
 }
 
@@ -135,6 +134,7 @@ static pd_status cuda_graph_end(kern_backend *be, void **out, pd_err *err)
 {
     kern_cuda_ctx *c = kern_cuda_ctx_of(be);
     cudaGraph_t g = NULL;
+    c->capturing = 0;
     cudaError_t e = cudaStreamEndCapture(c->stream, &g);
     if (e != cudaSuccess || g == NULL) {
         (void)cudaGetLastError();   /* an op failed inside the capture; it is discarded */

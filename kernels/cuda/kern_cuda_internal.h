@@ -38,6 +38,7 @@ typedef struct kern_cuda_ctx {
     size_t ws_bytes;
     unsigned ws_epoch;         /* bumped whenever ws moves: graphs captured before are stale */
     unsigned capture_epoch;    /* ws_epoch when the capture in progress began */
+    int capturing;             /* between graph_begin and graph_end */
     char *stage;               /* pinned ring of small uploads (kern_cuda_backend.cu) */
     size_t stage_head;
     int stage_failed;
