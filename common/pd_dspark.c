@@ -453,9 +453,18 @@ static pd_status round_step_run(void *ud, pd_err *err)
     kern_backend *be = m->be;
     int cap = d->cap_req, B = d->B, H = d->H, R = d->R;
     TRY(block_dev(d, s->n_rows, s->n_seq, s->pt_stride, s->max_kv, err));
-    for (int k = 0; k < B; k++)
-        TRY(markov_step_dev(d, k, d->prev_dev + (size_t)k * cap, d->chain_rows + (size_t)k * cap,
-                            d->chain_ids + (size_t)k * cap, NULL, err));
+    if (m->cfg.markov_type == PD_MARKOV_VANILLA && d->tp == NULL) {
+        /* every step in one op (one launch on CUDA): the ids of step k are the previous tokens
+         * of step k + 1 (chain_ids = prev_dev + cap) */
+        kern_markov_chain_args mc = { .base = d->base_logits, .ld_base = d->V, .rows = d->chain_rows,
+                                      .ld_rows = cap, .w1 = m->markov_w1, .w2 = m->markov_w2,
+                                      .prev = d->prev_dev, .ld_prev = cap, .n = d->n_req, .steps = B };
+        TRY(kern_markov_chain(be, &mc, err));
+    } else {
+        for (int k = 0; k < B; k++)
+            TRY(markov_step_dev(d, k, d->prev_dev + (size_t)k * cap, d->chain_rows + (size_t)k * cap,
+                                d->chain_ids + (size_t)k * cap, NULL, err));
+    }
     if (!s->conf)
         return PD_OK;
     /* the confidence head of every step in one pass after the chain (its inputs, h_k and

@@ -66,6 +66,7 @@ struct pd_engine {
     double flush_row_s;         /* host seconds per deferred row added, smoothed over flushes */
     pd_sps sps_default;         /* linear step-time model when no profile is given */
     pd_sched_ctl sched;         /* the scheduled policy's arms (pd_verify_policy.h) */
+    int trace_head;             /* the trace's header line was written */
     pd_engine_times times;      /* host time per part of a step (diagnostics) */
     /* context-parallel prefill (cp_size > 1): ranks 1.. have their own backend handle and KV
      * replica; rank 0 is the target's backend and pool */
@@ -1358,6 +1359,23 @@ static int sched_probe(pd_engine *e, const round_slot *slots, int m)
     return pd_sched_all_wins(&e->sched, m);
 }
 
+/* One line of the scheduled policy's trace (pd_engine_config.sched_trace): the round, its
+ * requests, the arm (p = a probe), the estimates of the three arms at this batch and the
+ * acceptance factor they were taken at, then what the round gave and took. */
+static void sched_trace(pd_engine *e, int arm, int probe, int m, int tokens, int n_v, double dt,
+                        double draft_s, double flush_s, int cold)
+{
+    FILE *f = e->cfg.sched_trace;
+    if (!e->trace_head++)
+        fprintf(f, "round m arm est_plain est_algo1 est_all accept_f tokens verify_tok round_us draft_us "
+                   "flush_us cold n_pend\n");
+    static const char arm_name[PD_SCHED_ARMS] = { 'P', 'A', 'F' };
+    fprintf(f, "%ld %d %c%s %.0f %.0f %.0f %.3f %d %d %.1f %.1f %.1f %d %d\n", e->times.rounds, m,
+            arm_name[arm], probe ? "p" : "", pd_sched_estimate(&e->sched, PD_SCHED_PLAIN, m),
+            pd_sched_estimate(&e->sched, PD_SCHED_ALGO1, m), pd_sched_estimate(&e->sched, PD_SCHED_ALL, m),
+            e->sched.accept_f, tokens, n_v, dt * 1e6, draft_s * 1e6, flush_s * 1e6, cold, e->n_pend);
+}
+
 static uint64_t graph_cold(const pd_engine *e)
 {
     return pd_target_graph_cold(e->target) + (e->draft != NULL ? pd_draft_graph_cold(e->draft) : 0);
@@ -1411,11 +1429,12 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     /* ---- scheduled requests: draft this round or not ---- */
     double t_round = now_s();
     uint64_t cold0 = graph_cold(e);
-    int n_sched = 0, sched_mode = -1;
+    int n_sched = 0, sched_mode = -1, sched_probed = 0;
     for (int i = 0; i < m && e->dm != NULL; i++)
         n_sched += slots[i].l > 0 && request_policy(e, slots[i].r) == PD_VERIFY_SCHEDULED;
     if (n_sched > 0) {
         int probe = e->cfg.sched_debug_arm <= 0 && sched_probe(e, slots, m);
+        sched_probed = probe;
         sched_accept(e, slots, m, NULL);
         pd_sched_set_switch(&e->sched, e->n_pend * e->flush_row_s);
         if (e->cfg.sched_debug_arm > 0) {
@@ -1570,12 +1589,35 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         }
     }
     double t_verify = now_s();
+    int pended = 0;
     if (m > 0) {
         pd_tok_batch vb = { .n_tok = n_v, .ids = vids, .pos = vpos, .seq = vseq, .n_seq = m,
                             .seqs = vseqs };
         st = target_forward(e, &vb, vrows, n_v, err);
         if (st != PD_OK)
             goto out;
+        /* a round in which every request is scheduled and verifies only its anchor commits
+         * every row: its context rows are deferred now, so the copy is queued while the
+         * forward runs instead of after the host saw the results */
+        if (sched_mode == PD_SCHED_PLAIN && n_v == m && e->draft != NULL) {
+            int all = 1;
+            for (int i = 0; i < m && all; i++)
+                all = row_defers(e, slots[i].r, 0);
+            if (all) {
+                pd_request **own = malloc((size_t)m * sizeof(*own));
+                if (own == NULL) {
+                    st = pd_err_set(err, PD_ERR_NOMEM, "deferred context owners");
+                    goto out;
+                }
+                for (int i = 0; i < m; i++)
+                    own[i] = slots[i].r;
+                st = pend_add(e, pd_target_aux(e->target), vrows, vpos, own, m, err);
+                free(own);
+                if (st != PD_OK)
+                    goto out;
+                pended = 1;
+            }
+        }
         const float *vl = pd_target_logits(e->target);
         st = argmax_rows(e, vl, n_v, vargmax, err);
         if (st == PD_OK && any_sampled)
@@ -1671,7 +1713,9 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     }
     double t_extend = now_s();
     e->times.commit += t_extend - t_commit;
-    if (n_ext > 0 && sched_mode == PD_SCHED_PLAIN)
+    if (pended)
+        ;   /* deferred with the forward */
+    else if (n_ext > 0 && sched_mode == PD_SCHED_PLAIN)
         /* a round without drafts for the scheduled requests: their context rows wait (they are
          * added in one batch before the next round that drafts); the others' go in now */
         st = extend_or_defer(e, pd_target_aux(e->target), ext_rows, ext_pos, ext_owner, n_ext, 0, err);
@@ -1685,9 +1729,11 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
          * trial round with every row deferred since the last one made drafting arms look slow
          * in proportion to how long they were not picked */
         double dt = now_s() - t_round - flush_sec;
+        int cold = graph_cold(e) != cold0;
+        if (e->cfg.sched_trace != NULL)
+            sched_trace(e, sched_mode, sched_probed, m, round_tokens, n_v, dt, draft_sec, flush_sec, cold);
         if (dt > 0.0)
-            pd_sched_add(&e->sched, (pd_sched_arm)sched_mode, m, round_tokens, dt, draft_sec, n_v,
-                         graph_cold(e) != cold0);
+            pd_sched_add(&e->sched, (pd_sched_arm)sched_mode, m, round_tokens, dt, draft_sec, n_v, cold);
     }
 out:
     e->times.round += now_s() - t_enter;

@@ -61,6 +61,9 @@ typedef struct {
     int sched_debug_arm;               /* tests only: 0 = the scheduled policy measures and picks
                                         * its arm per round; 1 = always no drafts, 2 = always
                                         * Algorithm 1, 3 = always all drafts */
+    void *sched_trace;                 /* diagnostics: a FILE * (stdio) that gets one line per
+                                        * round of scheduled requests (the arm, its estimates and
+                                        * what the round took); NULL = none */
     int pend_max_rows;                 /* tests only: rows of the deferred draft context buffer
                                         * (0: as many as fit in 256 MB, at most 65536) */
     int tp_debug_fail_rank;            /* tests only: pd_tp_group_config.debug_fail_rank/cmd */

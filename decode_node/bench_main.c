@@ -839,18 +839,14 @@ static pd_status dchain_run(draft_fwd *f, pd_err *err)
                             .m = nt, .n = V, .k = H };
     if (st == PD_OK)
         st = kern_matmul(be, &lm, err);
-    for (int k = 0; k < B && st == PD_OK; k++) {
-        const int32_t *prev = k == 0 ? f->prev0 : f->toks + (size_t)(k - 1) * f->cap;
-        kern_embed_args w1 = { .table = dm->markov_w1, .ids = prev, .n = n, .out = f->w1p,
-                               .ld_out = R };
-        /* base row + W2 w1[prev] and its argmax in one launch, as pd_draft_markov_step */
-        kern_markov_step_args ms = { .base = f->base, .ld_base = V, .rows = f->rows + (size_t)k * n,
-                                     .w2 = dm->markov_w2, .vec = f->w1p, .ld_vec = R, .n = n,
-                                     .step = f->step, .ld_step = V,
-                                     .ids = f->toks + (size_t)k * f->cap };
-        if ((st = kern_embed(be, &w1, err)) == PD_OK)
-            st = kern_markov_step(be, &ms, err);
-    }
+    /* the B steps in one op, as pd_draft_round_greedy runs them: the ids of step k are the
+     * previous tokens of step k + 1 (toks = prev0 + cap) */
+    kern_markov_chain_args mc = { .base = f->base, .ld_base = V, .rows = f->rows, .ld_rows = n,
+                                  .w1 = dm->markov_w1, .w2 = dm->markov_w2, .prev = f->prev0,
+                                  .ld_prev = f->cap, .n = n, .steps = B };
+    if (st == PD_OK)
+        st = kern_markov_chain(be, &mc, err);
+    (void)R;
     return st;
 }
 

@@ -35,6 +35,7 @@ static void usage(FILE *f)
             "                       [--prompts FILE.jsonl | --prompt-len N] [--max-new-tokens N]\n"
             "                       [--requests N] [--seed S] [--fast-kernels] [--graphs auto|off|pad]\n"
             "                       [--csv FILE] [--label NAME] [--sched-arm auto|plain|algo1|all]\n"
+            "                       [--warmup-tokens N] [--sched-trace FILE]\n"
             "\n"
             "Runs one engine under closed-loop load: for every policy and concurrency C it keeps C\n"
             "greedy requests in flight until --requests (default max(2C, 16)) have finished, then\n"
@@ -44,7 +45,11 @@ static void usage(FILE *f)
             "next to --draft is used; 'scheduled' profiles this device's SPS curve up to C x\n"
             "(block + 1) verify tokens first. With --synthetic the drafter is random (2 layers,\n"
             "block 7): tau is meaningless there, the cost is real. --sched-arm (diagnostics) pins\n"
-            "the scheduled policy to one arm: no drafts, Algorithm 1, or all drafts.\n");
+            "the scheduled policy to one arm: no drafts, Algorithm 1, or all drafts. Each level\n"
+            "starts after an untimed warm-up of C requests of --warmup-tokens (default 32) new\n"
+            "tokens on the same engine: graphs are captured and the scheduled policy has tried\n"
+            "its arms, as on a server that has been running. --sched-trace writes one line per\n"
+            "round of the scheduled policy (arm, estimates, what the round took).\n");
 }
 
 typedef struct {
@@ -212,11 +217,13 @@ int main(int argc, char **argv)
     const char *prompts_path = NULL, *csv_path = NULL, *label = NULL;
     const char *policies = "target,full,threshold,scheduled";
     int levels[MAX_LEVELS] = { 1, 8, 32, 128 }, n_levels = 4;
-    int prompt_len = 256, max_new = 128, n_requests = 0, seed = 1, fast = 0, sched_arm = 0;
+    int prompt_len = 256, max_new = 128, n_requests = 0, seed = 1, fast = 0, sched_arm = 0, warmup = 32;
+    const char *trace_path = NULL;
+    FILE *trace = NULL;
     float threshold = 0.5f;
     pd_graph_mode graphs = PD_GRAPHS_AUTO;
     enum { O_MODEL = 256, O_DRAFT, O_SYN, O_DEVICE, O_CONC, O_POL, O_THR, O_PROMPTS, O_PLEN,
-           O_MAXNEW, O_REQ, O_SEED, O_FAST, O_GRAPHS, O_CSV, O_LABEL, O_ARM, O_HELP };
+           O_MAXNEW, O_REQ, O_SEED, O_FAST, O_GRAPHS, O_CSV, O_LABEL, O_ARM, O_WARM, O_TRACE, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"synthetic", required_argument, 0, O_SYN}, {"device", required_argument, 0, O_DEVICE},
@@ -226,7 +233,8 @@ int main(int argc, char **argv)
         {"requests", required_argument, 0, O_REQ}, {"seed", required_argument, 0, O_SEED},
         {"fast-kernels", no_argument, 0, O_FAST}, {"graphs", required_argument, 0, O_GRAPHS},
         {"csv", required_argument, 0, O_CSV}, {"label", required_argument, 0, O_LABEL},
-        {"sched-arm", required_argument, 0, O_ARM},
+        {"sched-arm", required_argument, 0, O_ARM}, {"warmup-tokens", required_argument, 0, O_WARM},
+        {"sched-trace", required_argument, 0, O_TRACE},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0},
     };
     opterr = 0;
@@ -261,6 +269,8 @@ int main(int argc, char **argv)
             }
             break;
         case O_CSV: csv_path = optarg; break;
+        case O_WARM: bad = pd_cli_parse_int(PROG, "--warmup-tokens", optarg, 1, 1 << 20, &warmup); break;
+        case O_TRACE: trace_path = optarg; break;
         case O_ARM:
             sched_arm = -1;
             for (int a = 0; a < 4; a++)
@@ -360,6 +370,10 @@ int main(int argc, char **argv)
     int max_prompt = 0;
     for (int i = 0; i < n_pr; i++)
         max_prompt = pr[i].n > max_prompt ? pr[i].n : max_prompt;
+    if (trace_path != NULL && (trace = fopen(trace_path, "w")) == NULL) {
+        fprintf(stderr, PROG ": --sched-trace %s: cannot open\n", trace_path);
+        goto out;
+    }
     if (csv_path != NULL && (csv = fopen(csv_path, "w")) == NULL) {
         fprintf(stderr, PROG ": --csv %s: cannot open\n", csv_path);
         goto out;
@@ -384,7 +398,11 @@ int main(int argc, char **argv)
                                     .n_pages = pages, .draft_n_pages = pages,
                                     .verify_policy = pol_target[pi] ? PD_VERIFY_FULL : pol[pi],
                                     .verify_threshold = threshold, .fast_kernels = fast, .sched_debug_arm = sched_arm,
-                                    .graphs = graphs, .calib = have_calib ? &calib : NULL };
+                                    .graphs = graphs, .calib = have_calib ? &calib : NULL,
+                                    .sched_trace = with_draft && pol[pi] == PD_VERIFY_SCHEDULED ? trace : NULL };
+            if (ec.sched_trace != NULL)
+                fprintf(trace, "# C=%d: warm-up level (%d requests of %d tokens), then %d requests\n", C, C,
+                        warmup, R);
             pd_engine *e = NULL;
             pd_sps sps = {0};
             if (pd_engine_create(&ec, &e, &err) != PD_OK)
@@ -400,7 +418,9 @@ int main(int argc, char **argv)
             const char *pname = pol_target[pi] ? "target" : pd_verify_policy_name(pol[pi]);
             /* a short warm-up level first: graph captures and scratch growth stay out of the timing */
             pd_status st = run_level(e, pr, n_pr, C, C, pol_target[pi] ? PD_VERIFY_DEFAULT : pol[pi],
-                                     threshold, 8, &res, &err);
+                                     threshold, warmup, &res, &err);
+            if (ec.sched_trace != NULL)
+                fprintf(trace, "# C=%d: timed level\n", C);
             pd_engine_times t_warm = *pd_engine_phase_times(e);
             uint64_t g_eager0 = 0, g_cap0 = 0, g_rep0 = 0;
             pd_engine_graph_stats(e, &g_eager0, &g_cap0, &g_rep0);
@@ -478,6 +498,8 @@ fail:
 out:
     if (csv != NULL)
         fclose(csv);
+    if (trace != NULL)
+        fclose(trace);
     for (int i = 0; pr != NULL && i < n_pr; i++)
         free(pr[i].ids);
     free(pr);

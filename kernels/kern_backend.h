@@ -256,6 +256,25 @@ typedef struct {
     int32_t *ids;            /* [n], nullable */
 } kern_markov_step_args;
 
+/* steps chained greedy steps of the vanilla DSpark Markov head for n rows, in one op:
+ *   for k = 0..steps-1, r < n:
+ *     step = base[rows[k * ld_rows + r], :] + w2 @ w1[prev[k * ld_prev + r], :]
+ *     prev[(k + 1) * ld_prev + r] = argmax step (lowest index wins a tie, as kern_argmax)
+ * prev[0..n) holds the anchors (valid token ids); the step logits are not kept. The same
+ * arithmetic as kern_embed of w1 followed by kern_markov_step with ids, step by step (CUDA: one
+ * launch when w1/w2 are bf16 with R % 8 == 0, the step-by-step ops otherwise). */
+typedef struct {
+    const float *base;       /* [*, ld_base] */
+    int ld_base;
+    const int32_t *rows;     /* [steps, ld_rows] rows of base */
+    int ld_rows;
+    kern_weight w1;          /* [V, R] */
+    kern_weight w2;          /* [V, R] */
+    int32_t *prev;           /* [steps + 1, ld_prev] */
+    int ld_prev;
+    int n, steps;
+} kern_markov_chain_args;
+
 /* ---- sampling (temperature / top-k / top-p) and speculative verification ------------------
  * The rules are pd_sample.h's, so a sampled request gives the same tokens on every backend up
  * to float rounding: the CPU entries compute exactly what pd_probs_from_logits,
@@ -360,6 +379,7 @@ struct kern_backend_ops {
     pd_status (*linear)(kern_backend *be, const kern_linear_args *a, pd_err *err);
     pd_status (*qk_post)(kern_backend *be, const kern_qk_post_args *a, pd_err *err);
     pd_status (*markov_step)(kern_backend *be, const kern_markov_step_args *a, pd_err *err);
+    pd_status (*markov_chain)(kern_backend *be, const kern_markov_chain_args *a, pd_err *err);
     pd_status (*probs)(kern_backend *be, const kern_probs_args *a, pd_err *err);
     pd_status (*sample)(kern_backend *be, const kern_sample_args *a, pd_err *err);
     pd_status (*spec_verify)(kern_backend *be, const kern_spec_verify_args *a, pd_err *err);
@@ -431,6 +451,7 @@ pd_status kern_argmax(kern_backend *be, const kern_argmax_args *a, pd_err *err);
 pd_status kern_linear(kern_backend *be, const kern_linear_args *a, pd_err *err);
 pd_status kern_qk_post(kern_backend *be, const kern_qk_post_args *a, pd_err *err);
 pd_status kern_markov_step(kern_backend *be, const kern_markov_step_args *a, pd_err *err);
+pd_status kern_markov_chain(kern_backend *be, const kern_markov_chain_args *a, pd_err *err);
 pd_status kern_probs(kern_backend *be, const kern_probs_args *a, pd_err *err);
 pd_status kern_sample(kern_backend *be, const kern_sample_args *a, pd_err *err);
 pd_status kern_spec_verify(kern_backend *be, const kern_spec_verify_args *a, pd_err *err);

@@ -325,6 +325,23 @@ pd_status kern_markov_step(kern_backend *be, const kern_markov_step_args *a, pd_
     return be->ops->markov_step(be, a, err);
 }
 
+pd_status kern_markov_chain(kern_backend *be, const kern_markov_chain_args *a, pd_err *err)
+{
+    if (a->n == 0)
+        return PD_OK;
+    CHECK(a->n > 0 && a->steps > 0 && a->base != NULL && a->rows != NULL && a->prev != NULL,
+          "markov_chain: n %d steps %d or NULL pointer", a->n, a->steps);
+    CHECK(weight_ok(&a->w1) && weight_ok(&a->w2), "markov_chain: bad w1/w2");
+    CHECK(a->w1.rows == a->w2.rows && a->w1.cols == a->w2.cols,
+          "markov_chain: w1 [%lld, %lld] and w2 [%lld, %lld] differ", (long long)a->w1.rows,
+          (long long)a->w1.cols, (long long)a->w2.rows, (long long)a->w2.cols);
+    CHECK(a->ld_base >= a->w2.rows && a->ld_rows >= a->n && a->ld_prev >= a->n,
+          "markov_chain: ld_base %d (V %lld) ld_rows %d ld_prev %d (n %d)", a->ld_base,
+          (long long)a->w2.rows, a->ld_rows, a->ld_prev, a->n);
+    CHECK(a->w2.rows <= (int64_t)1 << 30, "markov_chain: V %lld", (long long)a->w2.rows);
+    return be->ops->markov_chain(be, a, err);
+}
+
 pd_status kern_probs(kern_backend *be, const kern_probs_args *a, pd_err *err)
 {
     if (a->rows == 0)

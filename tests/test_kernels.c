@@ -315,6 +315,7 @@ static pd_status fn_argmax(kern_backend *be, const void *a, pd_err *e) { return 
 static pd_status fn_linear(kern_backend *be, const void *a, pd_err *e) { return kern_linear(be, a, e); }
 static pd_status fn_qk_post(kern_backend *be, const void *a, pd_err *e) { return kern_qk_post(be, a, e); }
 static pd_status fn_markov_step(kern_backend *be, const void *a, pd_err *e) { return kern_markov_step(be, a, e); }
+static pd_status fn_markov_chain(kern_backend *be, const void *a, pd_err *e) { return kern_markov_chain(be, a, e); }
 
 static double run_embed(run_ctx *x)
 {
@@ -1547,6 +1548,103 @@ static double run_spec_verify(run_ctx *x)
     return e;
 }
 
+/* markov_chain: c->rows rows, c->m steps, V = c->n, R = c->k; base has 2 rows + 1 per (step,
+ * row), picked scattered; row strides of rows/prev padded by c->pad. Each side's chain must pick,
+ * at every step, the argmax of the step its own previous ids give (recomputed here in double,
+ * within 1e-5 relative: a near tie may go either way), and the two sides must agree except
+ * after such a tie. */
+static int chain_check(const char *side_name, const int32_t *ids, int n, int steps, int ldp, int V, int R,
+                       const float *base, int ld, const int32_t *rows, const float *w1, const float *w2,
+                       int *ties)
+{
+    double *lg = malloc((size_t)V * sizeof(double));
+    int bad = 0;
+    for (int k = 0; k < steps && !bad; k++)
+        for (int r = 0; r < n && !bad; r++) {
+            int p = ids[(size_t)k * ldp + r], got = ids[(size_t)(k + 1) * ldp + r];
+            const float *b = base + (size_t)rows[(size_t)k * ldp + r] * ld;
+            double best = -INFINITY;
+            int arg = 0;
+            for (int v = 0; v < V; v++) {
+                double d = b[v];
+                for (int c = 0; c < R; c++)
+                    d += (double)w2[(size_t)v * R + c] * w1[(size_t)p * R + c];
+                lg[v] = d;
+                if (d > best) {
+                    best = d;
+                    arg = v;
+                }
+            }
+            if (got < 0 || got >= V || lg[got] < best - 1e-5 * (fabs(best) + 1.0)) {
+                printf("      %s: step %d row %d picked %d (%g), argmax %d (%g)\n", side_name, k, r, got,
+                       got >= 0 && got < V ? lg[got] : 0.0, arg, best);
+                bad = 1;
+            } else if (got != arg) {
+                (*ties)++;
+            }
+        }
+    free(lg);
+    return bad;
+}
+
+static double run_markov_chain(run_ctx *x)
+{
+    const kcase *c = x->c;
+    int n = c->rows, steps = c->m, V = c->n, R = c->k, ld = V, ldp = n + c->pad;
+    int nbase = steps * n + 2;
+    float *base = host_rand((size_t)nbase * ld, -3.0f, 3.0f, 0);
+    float *w1 = host_rand((size_t)V * R, -1.0f, 1.0f, 1);
+    float *w2 = host_rand((size_t)V * R, -0.5f, 0.5f, 1);
+    int32_t *rows = calloc((size_t)steps * ldp, sizeof(int32_t));
+    int32_t *prev = calloc((size_t)(steps + 1) * ldp, sizeof(int32_t));
+    for (int k = 0; k < steps; k++)
+        for (int r = 0; r < n; r++)
+            rows[(size_t)k * ldp + r] = (int32_t)(((size_t)k * n + r) * 7 % nbase);
+    for (int r = 0; r < n; r++)
+        prev[r] = r == 0 ? V - 1 : rng_int(V);
+    kern_markov_chain_args ac = { .ld_base = ld, .ld_rows = ldp, .ld_prev = ldp, .n = n, .steps = steps }, ag;
+    ag = ac;
+    ac.base = side_bytes(x->cpu, base, (size_t)nbase * ld * 4);
+    ag.base = side_bytes(x->gpu, base, (size_t)nbase * ld * 4);
+    ac.rows = side_bytes(x->cpu, rows, (size_t)steps * ldp * 4);
+    ag.rows = side_bytes(x->gpu, rows, (size_t)steps * ldp * 4);
+    ac.w1 = side_weight(x->cpu, w1, V, R);
+    ag.w1 = side_weight(x->gpu, w1, V, R);
+    ac.w2 = side_weight(x->cpu, w2, V, R);
+    ag.w2 = side_weight(x->gpu, w2, V, R);
+    ac.prev = side_bytes(x->cpu, prev, (size_t)(steps + 1) * ldp * 4);
+    ag.prev = side_bytes(x->gpu, prev, (size_t)(steps + 1) * ldp * 4);
+    double e = run_both(x, fn_markov_chain, &ac, &ag);
+    if (e == 0.0) {
+        int32_t *ic = side_download(x->cpu, ac.prev, (size_t)(steps + 1) * ldp * 4);
+        int32_t *ig = side_download(x->gpu, ag.prev, (size_t)(steps + 1) * ldp * 4);
+        int ties_c = 0, ties_g = 0, differ = 0;
+        if (chain_check("cpu", ic, n, steps, ldp, V, R, base, ld, rows, w1, w2, &ties_c) ||
+            chain_check("cuda", ig, n, steps, ldp, V, R, base, ld, rows, w1, w2, &ties_g))
+            e = 1e30;
+        for (int r = 0; r < n; r++)
+            for (int k = 1; k <= steps; k++)
+                if (ic[(size_t)k * ldp + r] != ig[(size_t)k * ldp + r]) {
+                    differ++;
+                    break;   /* later steps follow from different ids */
+                }
+        if (differ > ties_c + ties_g) {
+            printf("      %d rows differ between the sides, %d near ties\n", differ, ties_c + ties_g);
+            e = 1e30;
+        }
+        free(ic);
+        free(ig);
+    }
+    perf_report(x->gpu->be, fn_markov_chain, &ag, steps * ((double)V * R * 2 + (double)n * V * 4),
+                2.0 * steps * n * V * R);
+    free(base);
+    free(w1);
+    free(w2);
+    free(rows);
+    free(prev);
+    return e;
+}
+
 typedef double (*runner)(run_ctx *x);
 
 static const struct {
@@ -1557,7 +1655,7 @@ static const struct {
     {"rope", run_rope}, {"unary", run_unary}, {"binary", run_binary},
     {"copy_rows", run_copy_rows}, {"kv_store", run_kv_store}, {"attn", run_attn},
     {"argmax", run_argmax}, {"convert", run_convert}, {"linear", run_linear},
-    {"qk_post", run_qk_post}, {"markov_step", run_markov_step}, {"probs", run_probs},
+    {"qk_post", run_qk_post}, {"markov_step", run_markov_step}, {"markov_chain", run_markov_chain}, {"probs", run_probs},
     {"sample", run_sample}, {"spec_verify", run_spec_verify},
 };
 
@@ -1625,6 +1723,11 @@ static const kcase cases[] = {
     {"markov_step", 3, 0, 5, 0, 1001, 64, 0, 0, 0, 0, 0, NULL, 1e-2, 0},
     {"markov_step", 17, 0, 0, 0, 50000, 32, 0, 0, 0, 0, 0, NULL, 1e-2, 0},
     {"markov_step", 2, 0, 0, 0, 3000, 12, 0, 0, 0, 0, 0, NULL, 1e-2, 0},
+    /* markov_chain: rows n, steps m, V = n, R = k (R % 8 != 0: the step-by-step path) */
+    {"markov_chain", 1, 0, 0, 7, 151936, 64, 0, 0, 0, 0, 0, NULL, 0, 0},
+    {"markov_chain", 3, 0, 5, 7, 1001, 64, 0, 0, 0, 0, 0, NULL, 0, 0},
+    {"markov_chain", 17, 0, 0, 4, 50000, 32, 0, 0, 0, 0, 0, NULL, 0, 0},
+    {"markov_chain", 2, 0, 0, 3, 3000, 12, 0, 0, 0, 0, 0, NULL, 0, 0},
     /* probs: rows x vocab, pad, sub 1 = rows gathered through idx (per-row parameters cycle
      * through every kind: greedy, plain, top-k, top-p, both, k = 1, k >= n, T 0.05..2) */
     {"probs", 24, 151936, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 1e-5, 0},
@@ -1720,6 +1823,8 @@ static const kcase cases[] = {
     {"qk_post", 8, 0, 0, 0, 0, 0, 1, 32, 8, 128, 16, NULL, 1e-5, 1},
     {"markov_step", 1, 0, 0, 0, 151936, 64, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
     {"markov_step", 8, 0, 0, 0, 151936, 64, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
+    {"markov_chain", 1, 0, 0, 7, 151936, 64, 0, 0, 0, 0, 0, NULL, 0, 1},
+    {"markov_chain", 8, 0, 0, 7, 151936, 64, 0, 0, 0, 0, 0, NULL, 0, 1},
     {"probs", 8, 151936, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 1e-5, 1},
     {"probs", 64, 151936, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 1e-5, 1},
     {"sample", 64, 151936, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 1},
@@ -1747,6 +1852,8 @@ static void case_name(const kcase *c, char *buf, size_t n)
                  c->hd, c->page_size, c->pad, c->sub & 1 ? " store" : "");
     else if (strcmp(c->op, "markov_step") == 0)
         snprintf(buf, n, "rows %d V %d R %d pad %d", c->rows, c->n, c->k, c->pad);
+    else if (strcmp(c->op, "markov_chain") == 0)
+        snprintf(buf, n, "rows %d steps %d V %d R %d pad %d", c->rows, c->m, c->n, c->k, c->pad);
     else if (strcmp(c->op, "spec_verify") == 0)
         snprintf(buf, n, "requests %d V %d drafts <= %d pad %d", c->rows, c->cols, c->k, c->pad);
     else if (strcmp(c->op, "probs") == 0 || strcmp(c->op, "sample") == 0)

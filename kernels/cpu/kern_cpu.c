@@ -464,6 +464,32 @@ static pd_status cpu_markov_step(kern_backend *be, const kern_markov_step_args *
     return st;
 }
 
+/* The chained Markov steps by composition: per step, w1 rows of the previous ids (embed), then
+ * the step with its argmax into the next row of prev. */
+static pd_status cpu_markov_chain(kern_backend *be, const kern_markov_chain_args *a, pd_err *err)
+{
+    int V = (int)a->w2.rows, R = (int)a->w2.cols;
+    float *vec = malloc((size_t)a->n * R * sizeof(float));
+    float *step = malloc((size_t)a->n * V * sizeof(float));
+    pd_status st = PD_OK;
+    if (vec == NULL || step == NULL)
+        st = pd_err_set(err, PD_ERR_NOMEM, "markov chain scratch: %d rows of %d", a->n, V);
+    for (int k = 0; k < a->steps && st == PD_OK; k++) {
+        kern_embed_args em = { .table = a->w1, .ids = a->prev + (size_t)k * a->ld_prev, .n = a->n,
+                               .out = vec, .ld_out = R };
+        kern_markov_step_args ms = { .base = a->base, .ld_base = a->ld_base,
+                                     .rows = a->rows + (size_t)k * a->ld_rows, .w2 = a->w2, .vec = vec,
+                                     .ld_vec = R, .n = a->n, .step = step, .ld_step = V,
+                                     .ids = a->prev + (size_t)(k + 1) * a->ld_prev };
+        st = cpu_embed(be, &em, err);
+        if (st == PD_OK)
+            st = cpu_markov_step(be, &ms, err);
+    }
+    free(vec);
+    free(step);
+    return st;
+}
+
 /* ---- sampling: the rules of pd_sample.c, row by row (see kern_backend.h) ------------------ */
 
 static int probs_desc(const void *a, const void *b, void *ctx)
@@ -638,6 +664,7 @@ static const kern_backend_ops cpu_ops = {
     .linear = cpu_linear,
     .qk_post = cpu_qk_post,
     .markov_step = cpu_markov_step,
+    .markov_chain = cpu_markov_chain,
     .probs = cpu_probs,
     .sample = cpu_sample,
     .spec_verify = cpu_spec_verify,

@@ -286,6 +286,7 @@ static const kern_backend_ops cuda_ops = {
     .linear = kern_cuda_linear_launch,
     .qk_post = kern_cuda_qk_post_launch,
     .markov_step = kern_cuda_markov_step_launch,
+    .markov_chain = kern_cuda_markov_chain_launch,
     .probs = kern_cuda_probs_launch,
     .sample = kern_cuda_sample_launch,
     .spec_verify = kern_cuda_spec_verify_launch,

@@ -157,6 +157,7 @@ pd_status kern_cuda_argmax_launch(kern_backend *be, const kern_argmax_args *a, p
 pd_status kern_cuda_linear_launch(kern_backend *be, const kern_linear_args *a, pd_err *err);
 pd_status kern_cuda_qk_post_launch(kern_backend *be, const kern_qk_post_args *a, pd_err *err);
 pd_status kern_cuda_markov_step_launch(kern_backend *be, const kern_markov_step_args *a, pd_err *err);
+pd_status kern_cuda_markov_chain_launch(kern_backend *be, const kern_markov_chain_args *a, pd_err *err);
 pd_status kern_cuda_probs_launch(kern_backend *be, const kern_probs_args *a, pd_err *err);
 pd_status kern_cuda_sample_launch(kern_backend *be, const kern_sample_args *a, pd_err *err);
 pd_status kern_cuda_spec_verify_launch(kern_backend *be, const kern_spec_verify_args *a, pd_err *err);

@@ -8,6 +8,13 @@
  *   block) reduces the partials in block order into ids.
  *   Other shapes (f32 weights, R % 8 != 0, too many rows for shared memory) run the composition:
  *   copy_rows, matmul (accumulate), argmax.
+ * kern_cuda_markov_chain_launch runs every step of a greedy chain (vanilla head) in one launch:
+ *   one block per multiprocessor at most (all resident), each owning a fixed vocabulary range as
+ *   above; per step every block gathers w1[prev] itself, writes its (value, index) partials, and
+ *   waits at a grid barrier (the counter word, left zero at the end); then every block reduces
+ *   all partials in block order (so every block holds the same ids) and block 0 writes them.
+ *   Partials alternate between two buffers, so a block that is ahead never overwrites what a
+ *   slower one still reads. The step logits are not written.
  * Not here: shape checks (kern_ops.c). Threading: enqueues on the backend stream. */
 #include "kern_cuda_internal.h"
 
@@ -157,6 +164,152 @@ extern "C" pd_status kern_cuda_markov_step_launch(kern_backend *be, const kern_m
     float *pv = (float *)ws;
     int *pi = (int *)(pv + (size_t)a->n * nb);
     markov_step_kernel<<<nb, MK_THREADS, smem, c->stream>>>(*a, V, R, chunk, pv, pi, c->counter);
+    KERN_CUDA_LAUNCH_CHECK(err);
+    return PD_OK;
+}
+
+/* all blocks of the grid arrive before any leaves; target = arrivals expected so far */
+static __device__ __forceinline__ void mk_grid_barrier(unsigned int *ctr, unsigned int target)
+{
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(ctr, 1u);
+        while (*(volatile unsigned int *)ctr < target)
+            __nanosleep(20);
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+__global__ void __launch_bounds__(MK_THREADS)
+markov_chain_kernel(kern_markov_chain_args a, int V, int R, int chunk, float *part_v, int *part_i,
+                    unsigned int *ctr)
+{
+    extern __shared__ float vs[];                  /* [n, R] w1[prev] rows | ids [n] */
+    int *ids = (int *)(vs + (size_t)a.n * R);
+    __shared__ float sv[MK_THREADS / 32];
+    __shared__ int si[MK_THREADS / 32];
+    const int nb = gridDim.x, n = a.n;
+    const int v0 = blockIdx.x * chunk, v1 = v0 + chunk < V ? v0 + chunk : V;
+    const __nv_bfloat16 *w1 = (const __nv_bfloat16 *)a.w1.data;
+    const __nv_bfloat16 *w2 = (const __nv_bfloat16 *)a.w2.data;
+    for (int r = threadIdx.x; r < n; r += MK_THREADS)
+        ids[r] = a.prev[r];
+    for (int k = 0; k < a.steps; k++) {
+        __syncthreads();   /* ids of the previous step */
+        for (int i = threadIdx.x; i < n * R; i += MK_THREADS) {
+            int r = i / R, c = i % R;
+            vs[i] = __bfloat162float(w1[(size_t)ids[r] * R + c]);
+        }
+        __syncthreads();
+        float *pv = part_v + (size_t)(k & 1) * n * nb;
+        int *pi = part_i + (size_t)(k & 1) * n * nb;
+        for (int r = 0; r < n; r++) {
+            const float *base = a.base + (size_t)a.rows[(size_t)k * a.ld_rows + r] * a.ld_base;
+            const float *xr = vs + (size_t)r * R;
+            float bv = -INFINITY;
+            int bi = V;
+            for (int v = v0 + threadIdx.x; v < v1; v += MK_THREADS) {
+                const uint4 *wr = (const uint4 *)(w2 + (size_t)v * R);
+                float dot = 0.0f;
+                for (int c8 = 0; c8 < R / 8; c8++) {
+                    uint4 u = __ldg(wr + c8);
+                    const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        float2 f = __bfloat1622float2(h[i]);
+                        dot = fmaf(f.x, xr[c8 * 8 + 2 * i], dot);
+                        dot = fmaf(f.y, xr[c8 * 8 + 2 * i + 1], dot);
+                    }
+                }
+                float val = base[v] + dot;
+                if (mk_better(val, v, bv, bi))
+                    bv = val, bi = v;
+            }
+            mk_block_best(bv, bi, sv, si);
+            if (threadIdx.x == 0) {
+                pv[(size_t)r * nb + blockIdx.x] = bv;
+                pi[(size_t)r * nb + blockIdx.x] = bi;
+            }
+        }
+        mk_grid_barrier(ctr, (unsigned int)(k + 1) * nb);
+        for (int r = 0; r < n; r++) {
+            float bv = -INFINITY;
+            int bi = V;
+            for (int b = threadIdx.x; b < nb; b += MK_THREADS) {
+                float v = ((volatile float *)pv)[(size_t)r * nb + b];
+                int i = ((volatile int *)pi)[(size_t)r * nb + b];
+                if (mk_better(v, i, bv, bi))
+                    bv = v, bi = i;
+            }
+            mk_block_best(bv, bi, sv, si);
+            if (threadIdx.x == 0) {
+                int id = bi < V ? bi : 0;   /* all -inf/NaN: index 0, as kern_argmax */
+                ids[r] = id;
+                if (blockIdx.x == 0)
+                    a.prev[(size_t)(k + 1) * a.ld_prev + r] = id;
+            }
+        }
+    }
+    /* every block has passed its last barrier when the last one arrives here: reset */
+    __syncthreads();
+    if (threadIdx.x == 0 && atomicAdd(ctr, 1u) == (unsigned int)(a.steps + 1) * nb - 1)
+        *ctr = 0;
+}
+
+/* The chain step by step: w1 rows gathered, then markov_step with ids (scratch: vec | step). */
+static pd_status markov_chain_composed(kern_backend *be, const kern_markov_chain_args *a, pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    int V = (int)a->w2.rows, R = (int)a->w2.cols;
+    void *ws = NULL;
+    pd_status st = kern_cuda_ws_get(c, ((size_t)a->n * R + (size_t)a->n * V) * sizeof(float), &ws, err);
+    float *vec = (float *)ws, *step = vec + (size_t)a->n * R;
+    for (int k = 0; k < a->steps && st == PD_OK; k++) {
+        kern_embed_args em = { .table = a->w1, .ids = a->prev + (size_t)k * a->ld_prev, .n = a->n,
+                               .out = vec, .ld_out = R };
+        kern_markov_step_args ms = { .base = a->base, .ld_base = a->ld_base,
+                                     .rows = a->rows + (size_t)k * a->ld_rows, .w2 = a->w2, .vec = vec,
+                                     .ld_vec = R, .n = a->n, .step = step, .ld_step = V,
+                                     .ids = a->prev + (size_t)(k + 1) * a->ld_prev };
+        st = kern_cuda_embed_launch(be, &em, err);
+        if (st == PD_OK)
+            st = kern_cuda_markov_step_launch(be, &ms, err);
+    }
+    return st;
+}
+
+extern "C" pd_status kern_cuda_markov_chain_launch(kern_backend *be, const kern_markov_chain_args *a,
+                                                   pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    if (a->n <= 0)
+        return PD_OK;
+    int V = (int)a->w2.rows, R = (int)a->w2.cols;
+    size_t smem = (size_t)a->n * R * sizeof(float) + (size_t)a->n * sizeof(int);
+    if (a->w1.dtype != KERN_DTYPE_BF16 || a->w2.dtype != KERN_DTYPE_BF16 || R % 8 != 0 ||
+        ((uintptr_t)a->w2.data & 15) != 0 || smem > MK_SMEM_MAX)
+        return markov_chain_composed(be, a, err);
+    /* every block must be resident at once (grid barrier): at most one per multiprocessor, and
+     * only when one fits there */
+    int per_sm = 0;
+    PD_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, markov_chain_kernel, MK_THREADS, smem),
+                err);
+    if (per_sm < 1)
+        return markov_chain_composed(be, a, err);
+    int nb = (V + MK_THREADS - 1) / MK_THREADS;
+    if (nb > c->n_sm)
+        nb = c->n_sm;
+    int chunk = (V + nb - 1) / nb;
+    nb = (V + chunk - 1) / chunk;
+    void *ws = NULL;
+    pd_status st = kern_cuda_ws_get(c, (size_t)2 * a->n * nb * 8, &ws, err);
+    if (st != PD_OK)
+        return st;
+    float *pv = (float *)ws;
+    int *pi = (int *)(pv + (size_t)2 * a->n * nb);
+    markov_chain_kernel<<<nb, MK_THREADS, smem, c->stream>>>(*a, V, R, chunk, pv, pi, c->counter);
     KERN_CUDA_LAUNCH_CHECK(err);
     return PD_OK;
 }
