@@ -658,8 +658,11 @@ static pd_status extend_draft(pd_engine *e, const float *aux, const int32_t *row
  * of the request, and the rounds of the arm's own figure a request starts from. */
 #define PD_REQ_ACCEPT_DECAY 0.9
 #define PD_REQ_ACCEPT_PRIOR 2.0
-/* the share of its drafts a probed request is hoped to accept (sched_probe) */
+/* the share of its drafts a probed request is hoped to accept, and the whole-block rounds a
+ * request is probed for (sched_probe): one round's acceptance says little (a request that
+ * accepts 3 of 7 drafts on average accepts none in about a third of its rounds) */
 #define PD_PROBE_ACCEPT 0.75
+#define PD_PROBE_ROUNDS 3
 
 /* The deferred-context buffer grows up to this many rows or PD_PEND_MAX_BYTES, whichever is
  * less; a full buffer is compacted (rows of ended requests removed) when at most three quarters
@@ -1336,18 +1339,19 @@ static int sched_accept(pd_engine *e, const round_slot *slots, int m, const pd_r
     return 1;
 }
 
-/* A scheduled request that has decoded without ever verifying a whole block is tried once with
- * all drafts when, were it to accept most of them, the all-drafts arm would beat no drafts for
- * this round's batch (one request in a batch of many never tips it; alone it may): its own
- * acceptance then steers sched_accept, where it would otherwise start from the arm's record and
- * wait for the controller's next trial, typically most of a request at batch 1. Returns 1 when
- * this round is such a probe; leaves the acceptance factor to the caller's sched_accept. */
+/* A scheduled request that has decoded without verifying PD_PROBE_ROUNDS whole blocks is tried
+ * with all drafts (up to PD_PROBE_ROUNDS times) when, were it to accept most of them, the
+ * all-drafts arm would beat no drafts for this round's batch (one request in a batch of many
+ * never tips it; alone it may): its own acceptance then steers sched_accept, where it would
+ * otherwise start from the arm's record and wait for the controller's next trial, typically
+ * most of a request at batch 1. Returns 1 when this round is such a probe; leaves the
+ * acceptance factor to the caller's sched_accept. */
 static int sched_probe(pd_engine *e, const round_slot *slots, int m)
 {
     pd_request *cand = NULL;
     for (int i = 0; i < m && cand == NULL; i++) {
         pd_request *r = slots[i].r;
-        if (slots[i].l > 0 && !r->probed && r->n_rounds >= 1 && r->acc_rounds == 0.0 &&
+        if (slots[i].l > 0 && r->n_probed < PD_PROBE_ROUNDS && r->n_whole < PD_PROBE_ROUNDS && r->n_rounds >= 1 &&
             request_policy(e, r) == PD_VERIFY_SCHEDULED)
             cand = r;
     }
@@ -1355,7 +1359,7 @@ static int sched_probe(pd_engine *e, const round_slot *slots, int m)
         return 0;
     if (!sched_accept(e, slots, m, cand))   /* no record yet: the controller tries the arm */
         return 0;
-    cand->probed = 1;   /* one chance per request, whatever the answer */
+    cand->n_probed++;   /* PD_PROBE_ROUNDS chances per request, whatever the answers */
     return pd_sched_all_wins(&e->sched, m);
 }
 
@@ -1680,6 +1684,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         if (l == e->B) {   /* a whole block verified: what this request accepts */
             r->acc_tok = PD_REQ_ACCEPT_DECAY * r->acc_tok + (stop_at >= 0 ? commit : a + 1);
             r->acc_rounds = PD_REQ_ACCEPT_DECAY * r->acc_rounds + 1.0;
+            r->n_whole++;
         }
         if (stop_at >= 0) {
             r->accepted[r->n_rounds++] = commit;

@@ -133,7 +133,8 @@ typedef struct pd_request {
                               * context (rounds without drafts, see pd_engine.c) */
     double acc_tok, acc_rounds; /* its rounds that verified a whole block: committed tokens and
                               * rounds, discounted (the scheduled policy's per-request acceptance) */
-    int probed;              /* the scheduled policy considered trying it with all drafts */
+    int n_whole;             /* its rounds that verified a whole block */
+    int n_probed;            /* times the scheduled policy considered trying it with all drafts */
     int ext_seq;             /* scratch of extend_draft: this request's sequence slot ... */
     uint64_t ext_epoch;      /* ... valid while equal to the engine's extend counter */
 } pd_request;
