@@ -1366,18 +1366,19 @@ static int sched_probe(pd_engine *e, const round_slot *slots, int m)
 /* One line of the scheduled policy's trace (pd_engine_config.sched_trace): the round, its
  * requests, the arm (p = a probe), the estimates of the three arms at this batch and the
  * acceptance factor they were taken at, then what the round gave and took. */
-static void sched_trace(pd_engine *e, int arm, int probe, int m, int tokens, int n_v, double dt,
-                        double draft_s, double flush_s, int cold)
+static void sched_trace(pd_engine *e, int arm, int probe, int m, uint64_t first_id, int tokens, int n_v,
+                        double dt, double draft_s, double flush_s, int cold)
 {
     FILE *f = e->cfg.sched_trace;
     if (!e->trace_head++)
         fprintf(f, "round m arm est_plain est_algo1 est_all accept_f tokens verify_tok round_us draft_us "
-                   "flush_us cold n_pend\n");
+                   "flush_us cold n_pend first_id\n");
     static const char arm_name[PD_SCHED_ARMS] = { 'P', 'A', 'F' };
-    fprintf(f, "%ld %d %c%s %.0f %.0f %.0f %.3f %d %d %.1f %.1f %.1f %d %d\n", e->times.rounds, m,
+    fprintf(f, "%ld %d %c%s %.0f %.0f %.0f %.3f %d %d %.1f %.1f %.1f %d %d %llu\n", e->times.rounds, m,
             arm_name[arm], probe ? "p" : "", pd_sched_estimate(&e->sched, PD_SCHED_PLAIN, m),
             pd_sched_estimate(&e->sched, PD_SCHED_ALGO1, m), pd_sched_estimate(&e->sched, PD_SCHED_ALL, m),
-            e->sched.accept_f, tokens, n_v, dt * 1e6, draft_s * 1e6, flush_s * 1e6, cold, e->n_pend);
+            e->sched.accept_f, tokens, n_v, dt * 1e6, draft_s * 1e6, flush_s * 1e6, cold, e->n_pend,
+            (unsigned long long)first_id);
 }
 
 static uint64_t graph_cold(const pd_engine *e)
@@ -1736,7 +1737,8 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         double dt = now_s() - t_round - flush_sec;
         int cold = graph_cold(e) != cold0;
         if (e->cfg.sched_trace != NULL)
-            sched_trace(e, sched_mode, sched_probed, m, round_tokens, n_v, dt, draft_sec, flush_sec, cold);
+            sched_trace(e, sched_mode, sched_probed, m, slots[0].r->id, round_tokens, n_v, dt, draft_sec,
+                        flush_sec, cold);
         if (dt > 0.0)
             pd_sched_add(&e->sched, (pd_sched_arm)sched_mode, m, round_tokens, dt, draft_sec, n_v, cold);
     }
