@@ -467,7 +467,8 @@ static pd_status rank_backend(pd_tp_group *g, const pd_tp_group_config *cfg, int
         rs->be = cfg->target->be;
         return PD_OK;
     }
-    kern_backend_config bc = { .name = cfg->target->be->ops->name };
+    kern_backend_config bc = { .name = cfg->target->be->ops->name,
+                               .f32 = cfg->target->be->weight_dtype == KERN_DTYPE_F32 };
     if (g->gpu)
         bc.device = *device = (dev0 + r) % n_dev;
     return kern_backend_create(&bc, &rs->be, err);

@@ -31,7 +31,8 @@ static void usage(FILE *f)
             "                        (--prompt TEXT | --prompt-ids FILE)\n"
             "                        [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
             "                        [--seed S] [--block-size B] [--ignore-eos] [--json]\n"
-            "                        [--device cpu|cuda] [--page-size N] [--kv-pages N] [--stream]\n"
+            "                        [--device cpu|cuda] [--dtype bf16|f32] [--page-size N]\n"
+            "                        [--kv-pages N] [--stream]\n"
             "                        [--verify full|threshold|scheduled] [--threshold T] [--fast-kernels]\n"
             "                        [--graphs auto|off|pad]\n"
             "                        [--cp-size N] [--cp-strategy round-robin-split|interleave|zigzag]\n"
@@ -46,7 +47,9 @@ static void usage(FILE *f)
             "--tp N > 1 decodes tensor-parallel over N ranks (threads of this process; on the cpu\n"
             "device with the local communicator, on cuda one GPU per rank with NCCL): attention\n"
             "heads, MLP and lm_head split N ways; N must divide the attention heads; on the cpu the\n"
-            "tokens are the same as with N = 1.\n");
+            "tokens are the same as with N = 1.\n"
+            "--dtype f32 keeps the weights and KV cache in fp32 on cuda (default bf16: half the\n"
+            "bytes); the cpu device always computes in fp32.\n");
 }
 
 int main(int argc, char **argv)
@@ -55,14 +58,14 @@ int main(int argc, char **argv)
     const char *device = "cpu";
     int no_draft = 0, json = 0, ignore_eos = 0, stream = 0, fast_kernels = 0;
     int max_new = 128, block = 0, page_size = 16, kv_pages = 0, seed = 0, top_k = 0, cp_size = 1;
-    int tp = 1;
+    int tp = 1, f32 = 0;
     pd_cp_strategy cp_strategy = PD_CP_STRATEGY_ROUND_ROBIN;
     float temperature = 0.0f, top_p = 1.0f, threshold = 0.0f;
     pd_verify_policy verify = PD_VERIFY_FULL;
     pd_graph_mode graphs = PD_GRAPHS_AUTO;
     enum { O_MODEL = 256, O_DRAFT, O_NO_DRAFT, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP,
            O_SEED, O_BLOCK, O_JSON, O_IGNORE, O_DEVICE, O_PAGE, O_PAGES, O_STREAM, O_CP_SIZE,
-           O_CP_STRATEGY, O_VERIFY, O_THRESHOLD, O_FAST, O_GRAPHS, O_TP, O_HELP };
+           O_CP_STRATEGY, O_VERIFY, O_THRESHOLD, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"no-draft", no_argument, 0, O_NO_DRAFT}, {"prompt", required_argument, 0, O_PROMPT},
@@ -71,6 +74,7 @@ int main(int argc, char **argv)
         {"top-p", required_argument, 0, O_TOPP}, {"seed", required_argument, 0, O_SEED},
         {"block-size", required_argument, 0, O_BLOCK}, {"json", no_argument, 0, O_JSON},
         {"ignore-eos", no_argument, 0, O_IGNORE}, {"device", required_argument, 0, O_DEVICE},
+        {"dtype", required_argument, 0, O_DTYPE},
         {"page-size", required_argument, 0, O_PAGE}, {"kv-pages", required_argument, 0, O_PAGES},
         {"stream", no_argument, 0, O_STREAM}, {"cp-size", required_argument, 0, O_CP_SIZE},
         {"verify", required_argument, 0, O_VERIFY}, {"threshold", required_argument, 0, O_THRESHOLD},
@@ -98,6 +102,13 @@ int main(int argc, char **argv)
         case O_JSON: json = 1; break;
         case O_IGNORE: ignore_eos = 1; break;
         case O_DEVICE: device = optarg; break;
+        case O_DTYPE:
+            if (strcmp(optarg, "f32") != 0 && strcmp(optarg, "bf16") != 0) {
+                fprintf(stderr, PROG ": --dtype: '%s' is not bf16 or f32\n", optarg);
+                bad = 1;
+            }
+            f32 = strcmp(optarg, "f32") == 0;
+            break;
         case O_PAGE: bad = pd_cli_parse_int(PROG, "--page-size", optarg, 1, 4096, &page_size); break;
         case O_PAGES: bad = pd_cli_parse_int(PROG, "--kv-pages", optarg, 1, INT_MAX, &kv_pages); break;
         case O_STREAM: stream = 1; break;
@@ -173,7 +184,7 @@ int main(int argc, char **argv)
     pd_detok *detok = NULL;
     pd_sps sps = {0};
 
-    kern_backend_config bc = { .name = device };
+    kern_backend_config bc = { .name = device, .f32 = f32 };
     if (kern_backend_create(&bc, &be, &err) != PD_OK)
         goto fail;
     if (pd_qwen3_load(be, model_dir, &tm, &err) != PD_OK)
@@ -292,6 +303,7 @@ int main(int argc, char **argv)
         cJSON_AddNumberToObject(g, "captures", (double)g_cap);
         cJSON_AddNumberToObject(g, "replays", (double)g_rep);
         cJSON_AddStringToObject(o, "device", device);
+        cJSON_AddStringToObject(o, "dtype", kern_dtype_name(be->weight_dtype));
         cJSON_AddStringToObject(o, "mode", dm != NULL ? "dspark" : "target-only");
         char *s = cJSON_PrintUnformatted(o);
         puts(s);

@@ -404,6 +404,8 @@ typedef struct {
     const char *name;   /* "cpu" or "cuda" */
     int device;         /* cuda device ordinal */
     int threads;        /* cpu: BLAS threads (0 = library default) */
+    int f32;            /* cuda: weights and KV cache in fp32 instead of bf16 (twice the bytes;
+                         * the results of the CPU reference, which always is fp32) */
 } kern_backend_config;
 
 /* Creates a backend by name. Refuses an ops table with a NULL entry. Errors: PD_ERR_INVALID

@@ -83,6 +83,7 @@ expect_fail "bad flag value" "max-new-tokens" $gen --model "$T" --prompt hi --ma
 expect_fail "unknown flag" "unknown" $gen --model "$T" --prompt hi --frobnicate
 expect_fail "negative temperature" "temperature" $gen --model "$T" --prompt hi --temperature -1
 expect_fail "unknown device" "backend|device" $gen --model "$T" --prompt hi --device tpu
+expect_fail "unknown dtype" "dtype.*f16" $gen --model "$T" --prompt hi --dtype f16
 expect_fail "block size above the draft's" "block size" $gen --model "$T" --draft "$D" --prompt hi --block-size 9
 expect_fail "tokenize: bad id to decode" "99999" sh -c "echo 99999 | $bin/pdspark-tokenize --tokenizer $T --decode"
 

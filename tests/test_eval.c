@@ -7,7 +7,10 @@
  * public_reference.json for vanilla, public_reference_heads.json for gated/rnn), and the table
  * of per-prompt tau and per-position acceptance is printed next to the reference's.
  * Prompts run 8 at a time through one engine (continuous batching).
- * Usage: test_eval [--backend cpu|cuda] [--draft vanilla|gated|rnn|all] [--ref fp32|bf16] */
+ * Usage: test_eval [--backend cpu|cuda] [--dtype bf16|f32] [--draft vanilla|gated|rnn|all]
+ *                  [--ref fp32|bf16]
+ * --dtype f32 keeps a CUDA backend's weights and KV in fp32 (the CPU backend always is); an fp32
+ * run must then equal the fp32 reference's greedy ids. */
 #include <cjson/cJSON.h>
 #include <math.h>
 #include <stdio.h>
@@ -285,9 +288,12 @@ static void eval_draft(const char *label, const char *dir, const cJSON *ref_prom
 int main(int argc, char **argv)
 {
     const char *backend = "cpu", *which = "all", *ref_run = "fp32";
+    int f32 = 0;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (strcmp(argv[i], "--backend") == 0)
             backend = argv[i + 1];
+        else if (strcmp(argv[i], "--dtype") == 0 && (strcmp(argv[i + 1], "f32") == 0 || strcmp(argv[i + 1], "bf16") == 0))
+            f32 = strcmp(argv[i + 1], "f32") == 0;
         else if (strcmp(argv[i], "--draft") == 0)
             which = argv[i + 1];
         else if (strcmp(argv[i], "--ref") == 0)
@@ -300,7 +306,7 @@ int main(int argc, char **argv)
             return 2;
     }
     pd_err err;
-    kern_backend_config bc = { .name = backend };
+    kern_backend_config bc = { .name = backend, .f32 = f32 };
     if (kern_backend_create(&bc, &be, &err) != PD_OK) {
         if (strcmp(backend, "cpu") != 0)
             TEST_SKIP(err.msg);

@@ -2138,7 +2138,7 @@ int main(int argc, char **argv)
 #endif
     pd_err err;
     kern_backend *cpu = NULL, *gpu = NULL;
-    kern_backend_config cc = {"cpu", 0, 0}, gc = {opts.opt_self ? "cpu" : "cuda", 0, 0};
+    kern_backend_config cc = { .name = "cpu" }, gc = { .name = opts.opt_self ? "cpu" : "cuda" };
     if (fatal_status(kern_backend_create(&cc, &cpu, &err), &err, "cpu backend") ||
         fatal_status(kern_backend_create(&gc, &gpu, &err), &err, "cuda backend"))
         return 1;

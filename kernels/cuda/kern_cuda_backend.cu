@@ -353,8 +353,8 @@ extern "C" pd_status kern_cuda_backend_create(const kern_backend_config *cfg, ke
     }
     be->ops = &cuda_ops;
     be->impl = c;
-    be->weight_dtype = KERN_DTYPE_BF16;
-    be->kv_dtype = KERN_DTYPE_BF16;
+    be->weight_dtype = cfg != NULL && cfg->f32 ? KERN_DTYPE_F32 : KERN_DTYPE_BF16;
+    be->kv_dtype = be->weight_dtype;
     be->is_host = 0;
     *out = be;
     return PD_OK;
