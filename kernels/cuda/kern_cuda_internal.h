@@ -31,7 +31,7 @@ typedef struct kern_cuda_ctx {
     size_t cublas_ws_bytes;
     void *ws;                  /* op scratch, grown on demand; one op uses it at a time */
     unsigned int *counter;     /* zeroed device word for last-block-done reductions; an op that
-                                  uses it leaves it zero again (markov_step) */
+                                  uses it leaves it zero again (markov_step, markov_chain) */
     unsigned int *attn_cnt;    /* KERN_CUDA_ATTN_COUNTERS zeroed words: arrival counters of the
                                   batch-invariant attention merge, left zero by each launch */
     int attn_inv_smem_set;     /* attn_inv_kernel's shared-memory limit raised on this device */
