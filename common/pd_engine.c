@@ -58,7 +58,8 @@ struct pd_engine {
      * go back. A round without drafts then costs what a target-only step costs. */
     kern_buf *pend_aux;         /* [cap_pend, aux_dim] */
     int cap_pend;
-    int n_pend;
+    int n_pend;                 /* entries, rows of ended requests (owner NULL) included */
+    int pend_live;              /* entries still wanted (the sum of the requests' n_pend) */
     int32_t *pend_pos;          /* [cap_pend_host] */
     pd_request **pend_owner;
     int cap_pend_host;
@@ -711,6 +712,7 @@ static pd_status pend_flush(pd_engine *e, pd_err *err)
         if (e->pend_owner[i] != NULL)
             e->pend_owner[i]->n_pend = 0;
     e->n_pend = 0;
+    e->pend_live = 0;
     free(idx);
     free(pos);
     free(own);
@@ -720,6 +722,7 @@ static pd_status pend_flush(pd_engine *e, pd_err *err)
 /* Forgets r's deferred rows: r ended and its draft KV goes back unread. */
 static void pend_drop(pd_engine *e, pd_request *r)
 {
+    e->pend_live -= r->n_pend;
     for (int i = 0; i < e->n_pend && r->n_pend > 0; i++)
         if (e->pend_owner[i] == r) {
             e->pend_owner[i] = NULL;
@@ -804,6 +807,7 @@ static pd_status pend_add(pd_engine *e, const float *aux, const int32_t *rows, c
         owner[i]->n_pend++;
     }
     e->n_pend += n;
+    e->pend_live += n;
     return PD_OK;
 }
 
@@ -1311,31 +1315,35 @@ out:
     free(ss);
 }
 
-/* How the scheduled requests of this round accepted drafts so far against the all-drafts arm's
- * record (pd_sched_set_accept): each request's tokens per whole-block round, with
- * PD_REQ_ACCEPT_PRIOR rounds of the arm's own figure mixed in (a new request is average), as
- * (tau_r - 1) / (tau_arm - 1), averaged. A request named in hope instead counts as accepting
- * PD_PROBE_ACCEPT of its drafts. Returns 0 when the arm has no record yet (factor left at 1). */
+/* How the scheduled requests of this round accept drafts, for the drafting arms' estimates:
+ * each request's tokens per whole-block round, with PD_REQ_ACCEPT_PRIOR rounds of the
+ * all-drafts arm's own figure mixed in (a new request is average); a request named in hope
+ * instead counts as accepting PD_PROBE_ACCEPT of its drafts. Their mean is what the all-drafts
+ * arm is expected to give (pd_sched_set_all_tau); against the arm's record it scales Algorithm
+ * 1's accepted part (pd_sched_set_accept; 1 while that record has accepted nothing). Returns 0
+ * when the arm has no record yet (nothing set). */
 static int sched_accept(pd_engine *e, const round_slot *slots, int m, const pd_request *hope)
 {
     pd_sched_set_accept(&e->sched, 1.0);
     pd_sched_parts p;
     pd_sched_parts_of(&e->sched, PD_SCHED_ALL, m, &p);
-    if (p.rate < 0.0 || p.tau <= 1.0 + 1e-6)
+    if (p.rate < 0.0)
         return 0;
-    double f = 0.0;
+    double sum = 0.0;
     int n = 0;
     for (int i = 0; i < m; i++) {
         const pd_request *r = slots[i].r;
         if (slots[i].l == 0 || request_policy(e, r) != PD_VERIFY_SCHEDULED)
             continue;
-        double tau_r = r == hope ? 1.0 + PD_PROBE_ACCEPT * e->B
-                                 : (PD_REQ_ACCEPT_PRIOR * p.tau + r->acc_tok) / (PD_REQ_ACCEPT_PRIOR + r->acc_rounds);
-        f += (tau_r - 1.0) / (p.tau - 1.0);
+        sum += r == hope ? 1.0 + PD_PROBE_ACCEPT * e->B
+                         : (PD_REQ_ACCEPT_PRIOR * p.tau + r->acc_tok) / (PD_REQ_ACCEPT_PRIOR + r->acc_rounds);
         n++;
     }
-    if (n > 0)
-        pd_sched_set_accept(&e->sched, f / n);
+    if (n > 0) {
+        double tau = sum / n;
+        pd_sched_set_accept(&e->sched, p.tau > 1.0 + 1e-6 ? (tau - 1.0) / (p.tau - 1.0) : 1.0);
+        pd_sched_set_all_tau(&e->sched, tau);
+    }
     return 1;
 }
 
@@ -1372,12 +1380,12 @@ static void sched_trace(pd_engine *e, int arm, int probe, int m, uint64_t first_
     FILE *f = e->cfg.sched_trace;
     if (!e->trace_head++)
         fprintf(f, "round m arm est_plain est_algo1 est_all accept_f tokens verify_tok round_us draft_us "
-                   "flush_us cold n_pend first_id\n");
+                   "flush_us cold pend_live first_id\n");
     static const char arm_name[PD_SCHED_ARMS] = { 'P', 'A', 'F' };
     fprintf(f, "%ld %d %c%s %.0f %.0f %.0f %.3f %d %d %.1f %.1f %.1f %d %d %llu\n", e->times.rounds, m,
             arm_name[arm], probe ? "p" : "", pd_sched_estimate(&e->sched, PD_SCHED_PLAIN, m),
             pd_sched_estimate(&e->sched, PD_SCHED_ALGO1, m), pd_sched_estimate(&e->sched, PD_SCHED_ALL, m),
-            e->sched.accept_f, tokens, n_v, dt * 1e6, draft_s * 1e6, flush_s * 1e6, cold, e->n_pend,
+            e->sched.accept_f, tokens, n_v, dt * 1e6, draft_s * 1e6, flush_s * 1e6, cold, e->pend_live,
             (unsigned long long)first_id);
 }
 
@@ -1441,7 +1449,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         int probe = e->cfg.sched_debug_arm <= 0 && sched_probe(e, slots, m);
         sched_probed = probe;
         sched_accept(e, slots, m, NULL);
-        pd_sched_set_switch(&e->sched, e->n_pend * e->flush_row_s);
+        pd_sched_set_switch(&e->sched, e->pend_live * e->flush_row_s);
         if (e->cfg.sched_debug_arm > 0) {
             sched_mode = e->cfg.sched_debug_arm - 1;
         } else if (probe) {
@@ -1501,13 +1509,16 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     e->times.reserve += now_s() - t_enter;
     double flush_sec = 0.0;
     if (n_draft > 0 && e->n_pend > 0) {
+        int live_before = e->pend_live;
+        uint64_t cold_flush = graph_cold(e);
         double t_flush = now_s();
-        int rows_before = e->n_pend;
         st = pend_flush(e, err);   /* the drafts must see every committed position */
         flush_sec = now_s() - t_flush;
         e->times.flush += flush_sec;
-        if (rows_before > 0) {   /* seconds per deferred row, for the controller's trial cost */
-            double per = flush_sec / rows_before;
+        /* seconds per deferred row that was added, for the controller's trial cost (a flush
+         * that captured a graph says little about the next ones) */
+        if (live_before > 0 && graph_cold(e) == cold_flush) {
+            double per = flush_sec / live_before;
             e->flush_row_s = e->flush_row_s > 0.0 ? 0.7 * e->flush_row_s + 0.3 * per : per;
         }
         if (st != PD_OK)

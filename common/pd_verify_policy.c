@@ -418,6 +418,7 @@ void pd_sched_init(pd_sched_ctl *c, const pd_sps *sps)
     memset(c, 0, sizeof(*c));
     c->sps = sps;
     c->accept_f = 1.0;
+    c->all_tau = -1.0;
 }
 
 void pd_sched_set_switch(pd_sched_ctl *c, double s) { c->switch_s = s > 0.0 ? s : 0.0; }
@@ -425,7 +426,10 @@ void pd_sched_set_switch(pd_sched_ctl *c, double s) { c->switch_s = s > 0.0 ? s 
 void pd_sched_set_accept(pd_sched_ctl *c, double f)
 {
     c->accept_f = f >= 0.0 && f < 8.0 ? f : f >= 8.0 ? 8.0 : 1.0;
+    c->all_tau = -1.0;
 }
+
+void pd_sched_set_all_tau(pd_sched_ctl *c, double tau) { c->all_tau = tau >= 1.0 ? tau : -1.0; }
 
 int pd_sched_class(int m)
 {
@@ -449,11 +453,12 @@ static double verify_s(const pd_sched_ctl *c, double n_tok)
 typedef struct {
     const pd_sched_ctl *c;
     int a;                          /* arm, or -1: the draft round */
+    const pd_sched_stat (*st)[PD_SCHED_CLASSES];   /* the arms' warm or cold rounds */
 } near_ctx;
 
 static int near_has(const near_ctx *n, int cl)
 {
-    return n->a < 0 ? n->c->d_n[cl] > 1 : n->c->st[n->a][cl].n > 0;
+    return n->a < 0 ? n->c->d_n[cl] > 1 : n->st[n->a][cl].n > 0;
 }
 
 static int near_lookup(const near_ctx *n, int m, int *lo, int *hi)
@@ -484,7 +489,7 @@ static double near_weight(double m_lo, double m_hi, int m)
 
 double pd_sched_draft_s(const pd_sched_ctl *c, int m)
 {
-    near_ctx n = { c, -1 };
+    near_ctx n = { c, -1, NULL };
     int lo, hi;
     if (!near_lookup(&n, m, &lo, &hi))
         return 0.0;
@@ -496,10 +501,15 @@ double pd_sched_draft_s(const pd_sched_ctl *c, int m)
     return (1.0 - w) * c->d_sec[lo] / c->d_rounds[lo] + w * c->d_sec[hi] / c->d_rounds[hi];
 }
 
-/* tokens per request of arm a as recorded, with the accepted part scaled by accept_f */
+/* tokens per request of arm a: as recorded, with the accepted part scaled by accept_f, or the
+ * all-drafts arm's expectation for this round's requests when one is set */
 static double arm_tau(const pd_sched_ctl *c, pd_sched_arm a, double tau)
 {
-    return a == PD_SCHED_PLAIN ? tau : 1.0 + (tau - 1.0) * c->accept_f;
+    if (a == PD_SCHED_PLAIN)
+        return tau;
+    if (a == PD_SCHED_ALL && c->all_tau >= 1.0)
+        return c->all_tau;
+    return 1.0 + (tau - 1.0) * c->accept_f;
 }
 
 void pd_sched_parts_of(const pd_sched_ctl *c, pd_sched_arm a, int m, pd_sched_parts *p)
@@ -508,6 +518,8 @@ void pd_sched_parts_of(const pd_sched_ctl *c, pd_sched_arm a, int m, pd_sched_pa
     p->rate = -1.0;
     if (c->sps == NULL) {   /* no model: this class's measured rate, nothing carries over */
         const pd_sched_stat *s = &c->st[a][pd_sched_class(m)];
+        if (s->n == 0)
+            s = &c->st_cold[a][pd_sched_class(m)];
         if (s->n == 0 || s->sec <= 0.0)
             return;
         p->n = s->n;
@@ -517,17 +529,21 @@ void pd_sched_parts_of(const pd_sched_ctl *c, pd_sched_arm a, int m, pd_sched_pa
         p->rate = p->tau * (s->req / s->rounds) / p->round_s;   /* tokens per request x requests */
         return;
     }
-    near_ctx n = { c, (int)a };
+    /* the arm's steady rounds wherever it has some; its cold ones only when it has none */
+    near_ctx n = { c, (int)a, c->st };
     int lo, hi;
-    if (!near_lookup(&n, m, &lo, &hi))
-        return;
+    if (!near_lookup(&n, m, &lo, &hi)) {
+        n.st = c->st_cold;
+        if (!near_lookup(&n, m, &lo, &hi))
+            return;
+    }
     int k[2] = { lo, hi };
     double w[2] = { 1.0, 0.0 };
     if (lo < 0 || hi < 0) {
         k[0] = lo >= 0 ? lo : hi;
         k[1] = -1;
     } else {
-        const pd_sched_stat *sl = &c->st[a][lo], *sh = &c->st[a][hi];
+        const pd_sched_stat *sl = &n.st[a][lo], *sh = &n.st[a][hi];
         w[1] = near_weight(sl->req / sl->rounds, sh->req / sh->rounds, m);
         w[0] = 1.0 - w[1];
     }
@@ -536,7 +552,7 @@ void pd_sched_parts_of(const pd_sched_ctl *c, pd_sched_arm a, int m, pd_sched_pa
     for (int i = 0; i < 2; i++) {
         if (k[i] < 0)
             continue;
-        const pd_sched_stat *s = &c->st[a][k[i]];
+        const pd_sched_stat *s = &n.st[a][k[i]];
         p->n += s->n;
         p->tau += w[i] * s->tok / s->treq;
         v += w[i] * s->vtok / s->treq;
@@ -626,9 +642,7 @@ void pd_sched_add(pd_sched_ctl *c, pd_sched_arm a, int m, double tok, double sec
     int cl = pd_sched_class(m);
     for (int i = 0; i < PD_SCHED_ARMS; i++)
         c->credit[i] = i == (int)a ? 0.0 : c->credit[i] + sec;
-    if (cold && c->st[a][cl].n == 0 && ++c->cold_skips[a][cl] <= 2)
-        return;
-    pd_sched_stat *s = &c->st[a][cl];
+    pd_sched_stat *s = cold ? &c->st_cold[a][cl] : &c->st[a][cl];
     const double k = PD_SCHED_DECAY, kt = PD_SCHED_DECAY_TAU;
     s->tok = kt * s->tok + tok;
     s->treq = kt * s->treq + m;

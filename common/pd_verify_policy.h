@@ -98,9 +98,9 @@ double pd_verify_choose(pd_verify_policy p, int n_req, int B, const float *conf_
  * the time run since its last round reaches PD_SCHED_EXPLORE_K times what one of its rounds is
  * expected to lose against the best (at least a quarter of its round), so the estimates follow
  * the workload at about 1 / PD_SCHED_EXPLORE_K of the time per arm: a close runner-up every
- * few dozen rounds, a far one (a drafting round that costs many plain ones) rarely. Callers record
- * steady rounds only (a round that captured a graph says little about the next ones). Every arm
- * is lossless: arms only choose how many drafts are verified. */
+ * few dozen rounds, a far one (a drafting round that costs many plain ones) rarely. Rounds that
+ * captured a graph are kept apart (pd_sched_add). Every arm is lossless: arms only choose how
+ * many drafts are verified. */
 #define PD_SCHED_CLASSES 16
 #define PD_SCHED_EXPLORE_K 256.0     /* exploration: time run per expected loss of a trial */
 #define PD_SCHED_DECAY 0.85         /* weight of the past per recorded round: times */
@@ -125,7 +125,8 @@ typedef struct {
     /* the draft round per class: discounted sums of seconds, requests, rounds */
     double d_sec[PD_SCHED_CLASSES], d_req[PD_SCHED_CLASSES], d_rounds[PD_SCHED_CLASSES];
     int d_n[PD_SCHED_CLASSES];
-    int cold_skips[PD_SCHED_ARMS][PD_SCHED_CLASSES];
+    pd_sched_stat st_cold[PD_SCHED_ARMS][PD_SCHED_CLASSES];   /* rounds that captured or warmed
+                                                               * up a graph, kept apart */
     double credit[PD_SCHED_ARMS];   /* seconds recorded since the arm's last round */
     long n_picks;
     long n_arm[PD_SCHED_ARMS];      /* picks of each arm (diagnostics) */
@@ -133,6 +134,8 @@ typedef struct {
                                      * (pd_engine.c sched_probe; counted in n_arm too) */
     double accept_f;                /* the round's requests' acceptance against the arms' (1: as
                                      * recorded); see pd_sched_set_accept */
+    double all_tau;                 /* tokens per request the all-drafts arm is expected to give
+                                     * this round's requests (< 1: its record x accept_f) */
     double switch_s;                /* what a drafting round costs now on top of its own rounds'
                                      * (pd_sched_set_switch) */
 } pd_sched_ctl;
@@ -146,6 +149,11 @@ pd_sched_arm pd_sched_pick(pd_sched_ctl *c, int m);
  * the caller can say how this round's requests accepted drafts so far against the arms' own
  * record (pd_engine.c: each request's record, pulled toward the arm's by a prior). */
 void pd_sched_set_accept(pd_sched_ctl *c, double f);
+/* The all-drafts arm's tokens per request for the picks that follow, as the caller expects them
+ * from the round's requests' own records (pd_engine.c); it replaces the arm's record scaled by
+ * f, which says nothing when that record is one token (a first round that accepted nothing).
+ * Reset by pd_sched_set_accept; tau < 1 unsets it. */
+void pd_sched_set_all_tau(pd_sched_ctl *c, double tau);
 /* A drafting round picked now first adds the context rows that rounds without drafts put off
  * (pd_engine.c); s seconds of that count in the loss of trying a drafting arm, so exploration
  * waits longer while much context waits. */
@@ -167,8 +175,9 @@ typedef struct {
 void pd_sched_parts_of(const pd_sched_ctl *c, pd_sched_arm a, int m, pd_sched_parts *p);
 /* Records one round of arm a: tok committed tokens of m requests in sec seconds, of which
  * draft_sec in the draft round, v_tok tokens verified. cold: the round captured or warmed up a
- * graph; the first two cold rounds of an arm at a class are not recorded (warm-up), later ones
- * are (shapes that keep changing are a real cost of that arm). */
+ * graph; such rounds are kept apart and estimate the arm only while it has no steady round at
+ * any class (a batch growing one request at a time makes every round of a warm-up cold, and
+ * counting them made the arm that ran them look slow for long after). */
 void pd_sched_add(pd_sched_ctl *c, pd_sched_arm a, int m, double tok, double sec, double draft_sec,
                   int v_tok, int cold);
 /* One draft round of m requests took sec seconds (any policy: Algorithm 1 counts it as the

@@ -168,6 +168,7 @@ typedef struct {
     int opt_perf;
     int opt_self;
     int opt_invariant;
+    int opt_f32;             /* the CUDA backend keeps weights and KV in fp32 (--dtype f32) */
     const char *opt_op;
     uint64_t seed;
 } options;
@@ -2118,6 +2119,8 @@ int main(int argc, char **argv)
             opts.opt_perf = 1;
         } else if (strcmp(argv[i], "--invariant") == 0) {
             opts.opt_invariant = 1;
+        } else if (strcmp(argv[i], "--f32") == 0) {
+            opts.opt_f32 = 1;
         } else if (strcmp(argv[i], "--self") == 0) {
             opts.opt_self = 1;
         } else if (strcmp(argv[i], "--op") == 0 && i + 1 < argc) {
@@ -2125,7 +2128,7 @@ int main(int argc, char **argv)
         } else if (strcmp(argv[i], "--seed") == 0 && i + 1 < argc) {
             opts.seed = strtoull(argv[++i], NULL, 10);
         } else {
-            fprintf(stderr, "usage: %s [--op NAME] [--perf] [--seed N] [--self] [--invariant]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--op NAME] [--perf] [--seed N] [--self] [--invariant] [--f32]\n", argv[0]);
             return 2;
         }
     }
@@ -2138,7 +2141,8 @@ int main(int argc, char **argv)
 #endif
     pd_err err;
     kern_backend *cpu = NULL, *gpu = NULL;
-    kern_backend_config cc = { .name = "cpu" }, gc = { .name = opts.opt_self ? "cpu" : "cuda" };
+    kern_backend_config cc = { .name = "cpu" }, gc = { .name = opts.opt_self ? "cpu" : "cuda",
+                                                              .f32 = opts.opt_f32 };
     if (fatal_status(kern_backend_create(&cc, &cpu, &err), &err, "cpu backend") ||
         fatal_status(kern_backend_create(&gc, &gpu, &err), &err, "cuda backend"))
         return 1;

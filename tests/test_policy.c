@@ -318,20 +318,25 @@ static void test_policy_sched_arms(void)
     double p12 = pd_sched_estimate(&c, PD_SCHED_ALL, 12);
     printf("all-drafts arm at m = 12, never run there: predicted %.2f, true %.2f\n", p12, sim_rate(PD_SCHED_ALL, 12));
     TEST_CHECK(p12 > 0.0 && fabs(p12 / sim_rate(PD_SCHED_ALL, 12) - 1.0) < 0.15);
-    /* cold rounds (graph captures) are skipped while an estimate exists, and recorded after
-     * two skips when none does */
+    /* cold rounds (graph captures) estimate an arm only while it has no steady round anywhere:
+     * a slow cold round at m = 8, then a steady one at m = 2 (another class) that then gives
+     * the estimate at m = 8 too; more cold rounds change nothing */
     pd_sched_ctl k;
     pd_sched_init(&k, &prof);
-    for (int i = 0; i < 2; i++) {
-        pd_sched_add(&k, PD_SCHED_ALGO1, 8, 20.0, 1.0, 0.3, 32, 1);
-        TEST_CHECK(pd_sched_estimate(&k, PD_SCHED_ALGO1, 8) < 0.0);
-    }
-    pd_sched_add(&k, PD_SCHED_ALGO1, 8, 20.0, 1.0, 0.3, 32, 1);
-    TEST_CHECK(pd_sched_estimate(&k, PD_SCHED_ALGO1, 8) > 0.0 && k.st[PD_SCHED_ALGO1][3].n == 1);
-    pd_sched_add(&k, PD_SCHED_ALGO1, 8, 20.0, 1.0, 0.3, 32, 1);
-    TEST_CHECK(k.st[PD_SCHED_ALGO1][3].n == 2);   /* after warm-up, cold rounds are a real cost */
+    TEST_CHECK(pd_sched_estimate(&k, PD_SCHED_ALGO1, 8) < 0.0);
+    pd_sched_add(&k, PD_SCHED_ALGO1, 8, 20.0, 4.0, 0.3, 32, 1);
+    double cold8 = pd_sched_estimate(&k, PD_SCHED_ALGO1, 8);
+    TEST_CHECK_MSG(fabs(cold8 - 5.0) < 1e-6, "estimate from the cold round %.4f, want 5", cold8);
+    TEST_CHECK(k.st[PD_SCHED_ALGO1][3].n == 0 && k.st_cold[PD_SCHED_ALGO1][3].n == 1);
+    pd_sched_add(&k, PD_SCHED_ALGO1, 2, 5.0, 1.0, 0.1, 8, 0);
+    double warm8 = pd_sched_estimate(&k, PD_SCHED_ALGO1, 8);
+    pd_sched_add(&k, PD_SCHED_ALGO1, 8, 20.0, 9.0, 0.3, 32, 1);
+    TEST_CHECK_MSG(warm8 > cold8 && pd_sched_estimate(&k, PD_SCHED_ALGO1, 8) == warm8,
+                   "steady round at m = 2: estimate at 8 %.4f (cold %.4f), after another cold round %.4f",
+                   warm8, cold8, pd_sched_estimate(&k, PD_SCHED_ALGO1, 8));
     /* the estimate at a measured class is that class's measured rate, whether or not the draft
      * rounds were timed separately (none were here) */
+    pd_sched_add(&k, PD_SCHED_ALGO1, 8, 20.0, 1.0, 0.3, 32, 0);
     double est8 = pd_sched_estimate(&k, PD_SCHED_ALGO1, 8);
     TEST_CHECK_MSG(fabs(est8 - 20.0) < 1e-6, "estimate at the measured class %.4f vs measured 20", est8);
     /* the round's requests accept drafts better or worse than the arm's record: the accepted
@@ -357,6 +362,23 @@ static void test_policy_sched_arms(void)
     pd_sched_set_accept(&c, 1.0 + 3.0 / 128.0);
     TEST_CHECK(!pd_sched_all_wins(&c, 128));
     pd_sched_set_accept(&c, 1.0);
+    /* an all-drafts record of one token per request (a first round that accepted nothing): no
+     * factor lifts it, the round's own expectation does */
+    {
+        pd_sched_ctl z;
+        pd_sched_init(&z, &prof);
+        pd_sched_add(&z, PD_SCHED_PLAIN, 1, 1.0, sim_time(PD_SCHED_PLAIN, 1), 0.0, 1, 0);
+        pd_sched_add(&z, PD_SCHED_ALL, 1, 1.0, sim_time(PD_SCHED_ALL, 1), 0.3 * sim_time(PD_SCHED_ALL, 1), 8, 0);
+        pd_sched_set_accept(&z, 8.0);
+        TEST_CHECK(!pd_sched_all_wins(&z, 1));
+        pd_sched_set_all_tau(&z, 1.0 + 0.75 * 7);
+        pd_sched_parts zp;
+        pd_sched_parts_of(&z, PD_SCHED_ALL, 1, &zp);
+        TEST_CHECK_MSG(pd_sched_all_wins(&z, 1) && fabs(zp.tau - 6.25) < 1e-9, "all-drafts tau %.4f", zp.tau);
+        pd_sched_set_accept(&z, 1.0);   /* resets it */
+        pd_sched_parts_of(&z, PD_SCHED_ALL, 1, &zp);
+        TEST_CHECK(fabs(zp.tau - 1.0) < 1e-9);
+    }
     /* deferred context that a drafting round would add first makes trying one dearer: at
      * m = 128 (no drafts best) the next drafting trial comes later with a switch cost */
     int first_trial[2];

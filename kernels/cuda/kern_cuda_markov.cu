@@ -9,7 +9,7 @@
  *   Other shapes (f32 weights, R % 8 != 0, too many rows for shared memory) run the composition:
  *   copy_rows, matmul (accumulate), argmax.
  * kern_cuda_markov_chain_launch runs every step of a greedy chain (vanilla head) in one launch:
- *   one block per multiprocessor at most (all resident), each owning a fixed vocabulary range as
+ *   up to MK_CHAIN_PER_SM blocks per multiprocessor (all resident), each owning a fixed vocabulary range as
  *   above; per step every block gathers w1[prev] itself, writes its (value, index) partials, and
  *   waits at a grid barrier (the counter word, left zero at the end); then every block reduces
  *   all partials in block order (so every block holds the same ids) and block 0 writes them.
@@ -24,6 +24,7 @@
 #define MK_THREADS 256
 #define MK_PER_BLOCK 512          /* vocabulary rows per block (before the SM cap) */
 #define MK_SMEM_MAX (48 * 1024)
+#define MK_CHAIN_PER_SM 4         /* resident blocks per SM the chain asks for at most */
 
 static __device__ __forceinline__ bool mk_better(float v, int i, float bv, int bi)
 {
@@ -51,6 +52,45 @@ static __device__ void mk_block_best(float &bv, int &bi, float *sv, int *si)
                 bv = sv[w], bi = si[w];
 }
 
+/* sum_c w[c] * x[c] over one bf16 row of R values (16-byte loads), c in order, fp32. RC = R
+ * known at compile time (every load issued before the first product: the common R = 64 takes
+ * one L2 round trip per row instead of R / 8), 0 = R at run time. */
+template <int RC>
+static __device__ __forceinline__ float mk_dot(const uint4 *wr, const float *x, int R)
+{
+    constexpr int N8 = RC / 8 > 0 ? RC / 8 : 1;
+    float dot = 0.0f;
+    if constexpr (RC > 0) {
+        uint4 u[N8];
+#pragma unroll
+        for (int c8 = 0; c8 < N8; c8++)
+            u[c8] = __ldg(wr + c8);
+#pragma unroll
+        for (int c8 = 0; c8 < N8; c8++) {
+            const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u[c8];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                float2 f = __bfloat1622float2(h[i]);
+                dot = fmaf(f.x, x[c8 * 8 + 2 * i], dot);
+                dot = fmaf(f.y, x[c8 * 8 + 2 * i + 1], dot);
+            }
+        }
+    } else {
+        for (int c8 = 0; c8 < R / 8; c8++) {
+            uint4 u = __ldg(wr + c8);
+            const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                float2 f = __bfloat1622float2(h[i]);
+                dot = fmaf(f.x, x[c8 * 8 + 2 * i], dot);
+                dot = fmaf(f.y, x[c8 * 8 + 2 * i + 1], dot);
+            }
+        }
+    }
+    return dot;
+}
+
+template <int RC>
 __global__ void __launch_bounds__(MK_THREADS)
 markov_step_kernel(kern_markov_step_args a, int V, int R, int chunk, float *part_v, int *part_i,
                    unsigned int *ctr)
@@ -74,19 +114,7 @@ markov_step_kernel(kern_markov_step_args a, int V, int R, int chunk, float *part
         float bv = -INFINITY;
         int bi = V;
         for (int v = v0 + threadIdx.x; v < v1; v += MK_THREADS) {
-            const uint4 *wr = (const uint4 *)(w2 + (size_t)v * R);
-            float dot = 0.0f;
-            for (int c8 = 0; c8 < R / 8; c8++) {
-                uint4 u = __ldg(wr + c8);
-                const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    float2 f = __bfloat1622float2(h[i]);
-                    dot = fmaf(f.x, xr[c8 * 8 + 2 * i], dot);
-                    dot = fmaf(f.y, xr[c8 * 8 + 2 * i + 1], dot);
-                }
-            }
-            float val = base[v] + dot;
+            float val = base[v] + mk_dot<RC>((const uint4 *)(w2 + (size_t)v * R), xr, R);
             step[v] = val;
             if (mk_better(val, v, bv, bi))
                 bv = val, bi = v;
@@ -163,7 +191,10 @@ extern "C" pd_status kern_cuda_markov_step_launch(kern_backend *be, const kern_m
         return st;
     float *pv = (float *)ws;
     int *pi = (int *)(pv + (size_t)a->n * nb);
-    markov_step_kernel<<<nb, MK_THREADS, smem, c->stream>>>(*a, V, R, chunk, pv, pi, c->counter);
+    if (R == 64)
+        markov_step_kernel<64><<<nb, MK_THREADS, smem, c->stream>>>(*a, V, R, chunk, pv, pi, c->counter);
+    else
+        markov_step_kernel<0><<<nb, MK_THREADS, smem, c->stream>>>(*a, V, R, chunk, pv, pi, c->counter);
     KERN_CUDA_LAUNCH_CHECK(err);
     return PD_OK;
 }
@@ -182,6 +213,7 @@ static __device__ __forceinline__ void mk_grid_barrier(unsigned int *ctr, unsign
     __syncthreads();
 }
 
+template <int RC>
 __global__ void __launch_bounds__(MK_THREADS)
 markov_chain_kernel(kern_markov_chain_args a, int V, int R, int chunk, float *part_v, int *part_i,
                     unsigned int *ctr)
@@ -211,19 +243,7 @@ markov_chain_kernel(kern_markov_chain_args a, int V, int R, int chunk, float *pa
             float bv = -INFINITY;
             int bi = V;
             for (int v = v0 + threadIdx.x; v < v1; v += MK_THREADS) {
-                const uint4 *wr = (const uint4 *)(w2 + (size_t)v * R);
-                float dot = 0.0f;
-                for (int c8 = 0; c8 < R / 8; c8++) {
-                    uint4 u = __ldg(wr + c8);
-                    const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        float2 f = __bfloat1622float2(h[i]);
-                        dot = fmaf(f.x, xr[c8 * 8 + 2 * i], dot);
-                        dot = fmaf(f.y, xr[c8 * 8 + 2 * i + 1], dot);
-                    }
-                }
-                float val = base[v] + dot;
+                float val = base[v] + mk_dot<RC>((const uint4 *)(w2 + (size_t)v * R), xr, R);
                 if (mk_better(val, v, bv, bi))
                     bv = val, bi = v;
             }
@@ -291,16 +311,22 @@ extern "C" pd_status kern_cuda_markov_chain_launch(kern_backend *be, const kern_
     if (a->w1.dtype != KERN_DTYPE_BF16 || a->w2.dtype != KERN_DTYPE_BF16 || R % 8 != 0 ||
         ((uintptr_t)a->w2.data & 15) != 0 || smem > MK_SMEM_MAX)
         return markov_chain_composed(be, a, err);
-    /* every block must be resident at once (grid barrier): at most one per multiprocessor, and
-     * only when one fits there */
+    /* every block must be resident at once (grid barrier): at most as many as fit on the
+     * multiprocessors together (up to MK_CHAIN_PER_SM each), about a vocabulary row per thread */
     int per_sm = 0;
-    PD_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, markov_chain_kernel, MK_THREADS, smem),
-                err);
+    if (R == 64)
+        PD_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, markov_chain_kernel<64>, MK_THREADS,
+                                                                  smem), err);
+    else
+        PD_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, markov_chain_kernel<0>, MK_THREADS,
+                                                                  smem), err);
     if (per_sm < 1)
         return markov_chain_composed(be, a, err);
+    if (per_sm > MK_CHAIN_PER_SM)
+        per_sm = MK_CHAIN_PER_SM;
     int nb = (V + MK_THREADS - 1) / MK_THREADS;
-    if (nb > c->n_sm)
-        nb = c->n_sm;
+    if (nb > c->n_sm * per_sm)
+        nb = c->n_sm * per_sm;
     int chunk = (V + nb - 1) / nb;
     nb = (V + chunk - 1) / chunk;
     void *ws = NULL;
@@ -309,7 +335,10 @@ extern "C" pd_status kern_cuda_markov_chain_launch(kern_backend *be, const kern_
         return st;
     float *pv = (float *)ws;
     int *pi = (int *)(pv + (size_t)2 * a->n * nb);
-    markov_chain_kernel<<<nb, MK_THREADS, smem, c->stream>>>(*a, V, R, chunk, pv, pi, c->counter);
+    if (R == 64)
+        markov_chain_kernel<64><<<nb, MK_THREADS, smem, c->stream>>>(*a, V, R, chunk, pv, pi, c->counter);
+    else
+        markov_chain_kernel<0><<<nb, MK_THREADS, smem, c->stream>>>(*a, V, R, chunk, pv, pi, c->counter);
     KERN_CUDA_LAUNCH_CHECK(err);
     return PD_OK;
 }

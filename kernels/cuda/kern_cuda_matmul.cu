@@ -48,6 +48,12 @@ extern "C" pd_status kern_cuda_gemm_cublas(kern_cuda_ctx *c, const kern_matmul_a
                                            pd_err *err)
 {
     const float alpha = 1.0f, beta = a->accumulate ? 1.0f : 0.0f;
+    if (a->w.dtype == KERN_DTYPE_F32) {   /* x as is (pack unused) */
+        PD_CUBLAS_TRY(cublasSgemm(c->cublas, CUBLAS_OP_T, CUBLAS_OP_N, a->n, a->m, a->k, &alpha,
+                                  (const float *)a->w.data, a->k, a->x, a->ld_x, &beta, a->y, a->ld_y),
+                      err);
+        return PD_OK;
+    }
     int bf = a->w.dtype == KERN_DTYPE_BF16;
     size_t total = (size_t)a->m * a->k;
     if (bf)
@@ -99,17 +105,15 @@ extern "C" pd_status kern_cuda_matmul_launch(kern_backend *be, const kern_matmul
     kern_cuda_ctx *c = kern_cuda_ctx_of(be);
     if (a->m <= 0 || a->n <= 0)
         return PD_OK;
-    const float alpha = 1.0f, beta = a->accumulate ? 1.0f : 0.0f;
     if (a->k <= 0) {
         if (!a->accumulate)
             PD_CUDA_TRY(cudaMemset2DAsync(a->y, (size_t)a->ld_y * sizeof(float), 0,
                                           (size_t)a->n * sizeof(float), (size_t)a->m, c->stream),
                         err);
     } else if (a->w.dtype == KERN_DTYPE_F32) {
-        PD_CUBLAS_TRY(cublasSgemm(c->cublas, CUBLAS_OP_T, CUBLAS_OP_N, a->n, a->m, a->k, &alpha,
-                                  (const float *)a->w.data, a->k, a->x, a->ld_x, &beta, a->y,
-                                  a->ld_y),
-                      err);
+        pd_status st = kern_cuda_gemm_cublas(c, a, NULL, err);
+        if (st != PD_OK)
+            return st;
     } else if (skinny_wanted(be, a)) {
         kern_linear_args la = as_linear(a);
         pd_status st = kern_cuda_skinny_launch(c, &la, err);
