@@ -642,6 +642,13 @@ void pd_sched_add(pd_sched_ctl *c, pd_sched_arm a, int m, double tok, double sec
     int cl = pd_sched_class(m);
     for (int i = 0; i < PD_SCHED_ARMS; i++)
         c->credit[i] = i == (int)a ? 0.0 : c->credit[i] + sec;
+    if (cold && c->sps != NULL) {
+        /* its tokens are real, its time is not: the profile's verify step plus the steady
+         * draft round measured nearest to m (this round's own when none is) */
+        double d = a == PD_SCHED_PLAIN ? 0.0 : pd_sched_draft_s(c, m);
+        draft_sec = a == PD_SCHED_PLAIN ? 0.0 : d > 0.0 ? d : draft_sec;
+        sec = verify_s(c, v_tok) + draft_sec;
+    }
     pd_sched_stat *s = cold ? &c->st_cold[a][cl] : &c->st[a][cl];
     const double k = PD_SCHED_DECAY, kt = PD_SCHED_DECAY_TAU;
     s->tok = kt * s->tok + tok;

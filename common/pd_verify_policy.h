@@ -176,8 +176,9 @@ void pd_sched_parts_of(const pd_sched_ctl *c, pd_sched_arm a, int m, pd_sched_pa
 /* Records one round of arm a: tok committed tokens of m requests in sec seconds, of which
  * draft_sec in the draft round, v_tok tokens verified. cold: the round captured or warmed up a
  * graph; such rounds are kept apart and estimate the arm only while it has no steady round at
- * any class (a batch growing one request at a time makes every round of a warm-up cold, and
- * counting them made the arm that ran them look slow for long after). */
+ * any class, and with a profile their time is the profile's verify step plus the steady draft
+ * round (a batch growing one request at a time makes every round of a warm-up cold, and
+ * counting their times made the arm that ran them look slow for long after). */
 void pd_sched_add(pd_sched_ctl *c, pd_sched_arm a, int m, double tok, double sec, double draft_sec,
                   int v_tok, int cold);
 /* One draft round of m requests took sec seconds (any policy: Algorithm 1 counts it as the

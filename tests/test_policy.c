@@ -318,20 +318,25 @@ static void test_policy_sched_arms(void)
     double p12 = pd_sched_estimate(&c, PD_SCHED_ALL, 12);
     printf("all-drafts arm at m = 12, never run there: predicted %.2f, true %.2f\n", p12, sim_rate(PD_SCHED_ALL, 12));
     TEST_CHECK(p12 > 0.0 && fabs(p12 / sim_rate(PD_SCHED_ALL, 12) - 1.0) < 0.15);
-    /* cold rounds (graph captures) estimate an arm only while it has no steady round anywhere:
-     * a slow cold round at m = 8, then a steady one at m = 2 (another class) that then gives
-     * the estimate at m = 8 too; more cold rounds change nothing */
-    pd_sched_ctl k;
+    /* cold rounds (graph captures) estimate an arm only while it has no steady round anywhere,
+     * timed by the profile (verify step + draft round), not by the clock: a cold round at
+     * m = 8 of 4 s or of 40 s gives the same estimate; then a steady one at m = 2 (another
+     * class) gives the estimate at m = 8 too, and more cold rounds change nothing */
+    pd_sched_ctl k, k2;
     pd_sched_init(&k, &prof);
+    pd_sched_init(&k2, &prof);
     TEST_CHECK(pd_sched_estimate(&k, PD_SCHED_ALGO1, 8) < 0.0);
     pd_sched_add(&k, PD_SCHED_ALGO1, 8, 20.0, 4.0, 0.3, 32, 1);
+    pd_sched_add(&k2, PD_SCHED_ALGO1, 8, 20.0, 40.0, 0.3, 32, 1);
     double cold8 = pd_sched_estimate(&k, PD_SCHED_ALGO1, 8);
-    TEST_CHECK_MSG(fabs(cold8 - 5.0) < 1e-6, "estimate from the cold round %.4f, want 5", cold8);
+    double want8 = 20.0 / (1.0 / pd_sps_at(&prof, 32) + 0.3);
+    TEST_CHECK_MSG(fabs(cold8 - want8) < 1e-6 * want8 && cold8 == pd_sched_estimate(&k2, PD_SCHED_ALGO1, 8),
+                   "estimate from the cold round %.4f, want %.4f", cold8, want8);
     TEST_CHECK(k.st[PD_SCHED_ALGO1][3].n == 0 && k.st_cold[PD_SCHED_ALGO1][3].n == 1);
     pd_sched_add(&k, PD_SCHED_ALGO1, 2, 5.0, 1.0, 0.1, 8, 0);
     double warm8 = pd_sched_estimate(&k, PD_SCHED_ALGO1, 8);
     pd_sched_add(&k, PD_SCHED_ALGO1, 8, 20.0, 9.0, 0.3, 32, 1);
-    TEST_CHECK_MSG(warm8 > cold8 && pd_sched_estimate(&k, PD_SCHED_ALGO1, 8) == warm8,
+    TEST_CHECK_MSG(warm8 != cold8 && pd_sched_estimate(&k, PD_SCHED_ALGO1, 8) == warm8,
                    "steady round at m = 2: estimate at 8 %.4f (cold %.4f), after another cold round %.4f",
                    warm8, cold8, pd_sched_estimate(&k, PD_SCHED_ALGO1, 8));
     /* the estimate at a measured class is that class's measured rate, whether or not the draft
