@@ -664,6 +664,10 @@ static pd_status extend_draft(pd_engine *e, const float *aux, const int32_t *row
  * accepts 3 of 7 drafts on average accepts none in about a third of its rounds) */
 #define PD_PROBE_ACCEPT 0.75
 #define PD_PROBE_ROUNDS 3
+/* a request that ran this many rounds in a row without drafts is probed again: without drafts
+ * its record never changes, and a few unlucky rounds had kept well-accepting requests off
+ * drafts for the rest of their lives (batch 1 on the H200) */
+#define PD_REPROBE_PLAIN 16
 
 /* The deferred-context buffer grows up to this many rows or PD_PEND_MAX_BYTES, whichever is
  * less; a full buffer is compacted (rows of ended requests removed) when at most three quarters
@@ -1359,15 +1363,18 @@ static int sched_probe(pd_engine *e, const round_slot *slots, int m)
     pd_request *cand = NULL;
     for (int i = 0; i < m && cand == NULL; i++) {
         pd_request *r = slots[i].r;
-        if (slots[i].l > 0 && r->n_probed < PD_PROBE_ROUNDS && r->n_whole < PD_PROBE_ROUNDS && r->n_rounds >= 1 &&
-            request_policy(e, r) == PD_VERIFY_SCHEDULED)
+        if (slots[i].l > 0 && r->n_rounds >= 1 && request_policy(e, r) == PD_VERIFY_SCHEDULED &&
+            ((r->n_probed < PD_PROBE_ROUNDS && r->n_whole < PD_PROBE_ROUNDS) || r->plain_streak >= PD_REPROBE_PLAIN))
             cand = r;
     }
     if (cand == NULL)
         return 0;
     if (!sched_accept(e, slots, m, cand))   /* no record yet: the controller tries the arm */
         return 0;
-    cand->n_probed++;   /* PD_PROBE_ROUNDS chances per request, whatever the answers */
+    if (cand->n_whole < PD_PROBE_ROUNDS)
+        cand->n_probed++;   /* PD_PROBE_ROUNDS first chances, whatever the answers */
+    else
+        cand->plain_streak = 0;   /* and one per PD_REPROBE_PLAIN rounds without drafts */
     return pd_sched_all_wins(&e->sched, m);
 }
 
@@ -1510,14 +1517,13 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     double flush_sec = 0.0;
     if (n_draft > 0 && e->n_pend > 0) {
         int live_before = e->pend_live;
-        uint64_t cold_flush = graph_cold(e);
         double t_flush = now_s();
         st = pend_flush(e, err);   /* the drafts must see every committed position */
         flush_sec = now_s() - t_flush;
         e->times.flush += flush_sec;
-        /* seconds per deferred row that was added, for the controller's trial cost (a flush
-         * that captured a graph says little about the next ones) */
-        if (live_before > 0 && graph_cold(e) == cold_flush) {
+        /* seconds per deferred row that was added, for the controller's trial cost (captures
+         * included: the last chunk's size varies, so a flush often captures one) */
+        if (live_before > 0) {
             double per = flush_sec / live_before;
             e->flush_row_s = e->flush_row_s > 0.0 ? 0.7 * e->flush_row_s + 0.3 * per : per;
         }
@@ -1698,6 +1704,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             r->acc_rounds = PD_REQ_ACCEPT_DECAY * r->acc_rounds + 1.0;
             r->n_whole++;
         }
+        r->plain_streak = l == 0 ? r->plain_streak + 1 : 0;
         if (stop_at >= 0) {
             r->accepted[r->n_rounds++] = commit;
             r->tkv.len = r->anchor_pos + commit;

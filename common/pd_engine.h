@@ -134,6 +134,7 @@ typedef struct pd_request {
     double acc_tok, acc_rounds; /* its rounds that verified a whole block: committed tokens and
                               * rounds, discounted (the scheduled policy's per-request acceptance) */
     int n_whole;             /* its rounds that verified a whole block */
+    int plain_streak;        /* its rounds in a row without drafts */
     int n_probed;            /* times the scheduled policy considered trying it with all drafts */
     int ext_seq;             /* scratch of extend_draft: this request's sequence slot ... */
     uint64_t ext_epoch;      /* ... valid while equal to the engine's extend counter */

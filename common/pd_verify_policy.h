@@ -102,7 +102,9 @@ double pd_verify_choose(pd_verify_policy p, int n_req, int B, const float *conf_
  * captured a graph are kept apart (pd_sched_add). Every arm is lossless: arms only choose how
  * many drafts are verified. */
 #define PD_SCHED_CLASSES 16
-#define PD_SCHED_EXPLORE_K 256.0     /* exploration: time run per expected loss of a trial */
+#define PD_SCHED_EXPLORE_K 1024.0    /* exploration: time run per expected loss of a trial (a
+                                     * trial's real cost was several times its expected loss on
+                                     * the tiny pair: captures, the deferred context) */
 #define PD_SCHED_DECAY 0.85         /* weight of the past per recorded round: times */
 #define PD_SCHED_DECAY_TAU 0.97     /* the same for tokens per request: acceptance varies a lot
                                      * from round to round, and a short memory made a drafting

@@ -391,7 +391,7 @@ static void test_policy_sched_arms(void)
         pd_sched_ctl cc = c;
         pd_sched_set_switch(&cc, w == 0 ? 0.0 : sim_time(PD_SCHED_ALL, 128));
         first_trial[w] = -1;
-        for (int i = 0; i < 5000 && first_trial[w] < 0; i++) {
+        for (int i = 0; i < 50000 && first_trial[w] < 0; i++) {
             pd_sched_arm a = pd_sched_pick(&cc, 128);
             if (a != PD_SCHED_PLAIN)
                 first_trial[w] = i;
