@@ -1352,19 +1352,22 @@ static int sched_accept(pd_engine *e, const round_slot *slots, int m, const pd_r
 }
 
 /* A scheduled request that has decoded without verifying PD_PROBE_ROUNDS whole blocks is tried
- * with all drafts (up to PD_PROBE_ROUNDS times) when, were it to accept most of them, the
- * all-drafts arm would beat no drafts for this round's batch (one request in a batch of many
- * never tips it; alone it may): its own acceptance then steers sched_accept, where it would
- * otherwise start from the arm's record and wait for the controller's next trial, typically
- * most of a request at batch 1. Returns 1 when this round is such a probe; leaves the
- * acceptance factor to the caller's sched_accept. */
+ * with all drafts (up to PD_PROBE_ROUNDS times, the later ones only while its whole blocks gave
+ * 1.5 tokens a round or more; again after PD_REPROBE_PLAIN rounds without drafts) when, were it
+ * to accept most of them, the all-drafts arm would beat no drafts for this round's batch (one
+ * request in a batch of many never tips it; alone it may): its own acceptance then steers
+ * sched_accept, where it would otherwise start from the arm's record and wait for the
+ * controller's next trial, typically most of a request at batch 1. Returns 1 when this round is
+ * such a probe; leaves the acceptance factor to the caller's sched_accept. */
 static int sched_probe(pd_engine *e, const round_slot *slots, int m)
 {
     pd_request *cand = NULL;
     for (int i = 0; i < m && cand == NULL; i++) {
         pd_request *r = slots[i].r;
         if (slots[i].l > 0 && r->n_rounds >= 1 && request_policy(e, r) == PD_VERIFY_SCHEDULED &&
-            ((r->n_probed < PD_PROBE_ROUNDS && r->n_whole < PD_PROBE_ROUNDS) || r->plain_streak >= PD_REPROBE_PLAIN))
+            ((r->n_probed < PD_PROBE_ROUNDS && r->n_whole < PD_PROBE_ROUNDS &&
+              (r->n_whole == 0 || r->acc_tok >= 1.5 * r->acc_rounds)) ||
+             r->plain_streak >= PD_REPROBE_PLAIN))
             cand = r;
     }
     if (cand == NULL)
