@@ -1621,27 +1621,23 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         st = target_forward(e, &vb, vrows, n_v, err);
         if (st != PD_OK)
             goto out;
-        /* a round in which every request is scheduled and verifies only its anchor commits
-         * every row: its context rows are deferred now, so the copy is queued while the
-         * forward runs instead of after the host saw the results */
+        /* a round without drafts in which every request verifies only its anchor commits
+         * every row: its context rows go to the drafter (deferred, for scheduled requests)
+         * now, so the copy is queued while the forward runs instead of after the host saw the
+         * results */
         if (sched_mode == PD_SCHED_PLAIN && n_v == m && e->draft != NULL) {
-            int all = 1;
-            for (int i = 0; i < m && all; i++)
-                all = row_defers(e, slots[i].r, 0);
-            if (all) {
-                pd_request **own = malloc((size_t)m * sizeof(*own));
-                if (own == NULL) {
-                    st = pd_err_set(err, PD_ERR_NOMEM, "deferred context owners");
-                    goto out;
-                }
-                for (int i = 0; i < m; i++)
-                    own[i] = slots[i].r;
-                st = pend_add(e, pd_target_aux(e->target), vrows, vpos, own, m, err);
-                free(own);
-                if (st != PD_OK)
-                    goto out;
-                pended = 1;
+            pd_request **own = malloc((size_t)m * sizeof(*own));
+            if (own == NULL) {
+                st = pd_err_set(err, PD_ERR_NOMEM, "deferred context owners");
+                goto out;
             }
+            for (int i = 0; i < m; i++)
+                own[i] = slots[i].r;
+            st = extend_or_defer(e, pd_target_aux(e->target), vrows, vpos, own, m, 0, err);
+            free(own);
+            if (st != PD_OK)
+                goto out;
+            pended = 1;
         }
         const float *vl = pd_target_logits(e->target);
         st = argmax_rows(e, vl, n_v, vargmax, err);
@@ -1741,7 +1737,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     double t_extend = now_s();
     e->times.commit += t_extend - t_commit;
     if (pended)
-        ;   /* deferred with the forward */
+        ;   /* done with the forward */
     else if (n_ext > 0 && sched_mode == PD_SCHED_PLAIN)
         /* a round without drafts for the scheduled requests: their context rows wait (they are
          * added in one batch before the next round that drafts); the others' go in now */

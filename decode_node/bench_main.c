@@ -749,9 +749,9 @@ typedef struct {
     const pd_dspark_model *dm;
     pd_kv_pool *pool;
     pd_act act;
-    kern_buf *fbuf;          /* hidden [cap*B, H] | base logits [cap*B, V] | step [cap, V] | w1p [cap, R] */
+    kern_buf *fbuf;          /* hidden [cap*B, H] | base logits [cap*B, V] */
     kern_buf *ibuf;          /* rows [B][cap] | prev0 [cap] | toks [B][cap] */
-    float *hid, *base, *step, *w1p;
+    float *hid, *base;
     int32_t *rows, *prev0, *toks;
     int cap, n, pt_stride, max_kv;
 } draft_fwd;
@@ -764,9 +764,8 @@ static pd_status dchain_init(draft_fwd *f, const pd_dspark_model *dm, pd_kv_pool
     f->pool = pool;
     f->cap = cap;
     int B = dm->cfg.block_size, H = dm->cfg.base.hidden_size, V = dm->cfg.base.vocab_size;
-    int R = dm->cfg.markov_rank;
     pd_status st = pd_act_init(&f->act, dm->be, &dm->cfg.base, err);
-    size_t nf = (size_t)cap * B * H + (size_t)cap * B * V + (size_t)cap * V + (size_t)cap * R;
+    size_t nf = (size_t)cap * B * H + (size_t)cap * B * V;
     if (st == PD_OK)
         st = kern_buf_alloc(dm->be, nf * sizeof(float), &f->fbuf, err);
     if (st == PD_OK)
@@ -775,8 +774,6 @@ static pd_status dchain_init(draft_fwd *f, const pd_dspark_model *dm, pd_kv_pool
         return st;
     f->hid = f->fbuf->ptr;
     f->base = f->hid + (size_t)cap * B * H;
-    f->step = f->base + (size_t)cap * B * V;
-    f->w1p = f->step + (size_t)cap * V;
     f->rows = f->ibuf->ptr;
     f->prev0 = f->rows + (size_t)B * cap;
     f->toks = f->prev0 + cap;
@@ -823,7 +820,7 @@ static pd_status dchain_run(draft_fwd *f, pd_err *err)
     const pd_dspark_model *dm = f->dm;
     const pd_qwen3_config *c = &dm->cfg.base;
     kern_backend *be = dm->be;
-    int B = dm->cfg.block_size, H = c->hidden_size, V = c->vocab_size, R = dm->cfg.markov_rank;
+    int B = dm->cfg.block_size, H = c->hidden_size, V = c->vocab_size;
     int n = f->n, nt = n * B;
     pd_act *a = &f->act;
     kern_embed_args em = { .table = dm->embed, .ids = a->ids, .n = nt, .out = a->x, .ld_out = H };
@@ -846,7 +843,6 @@ static pd_status dchain_run(draft_fwd *f, pd_err *err)
                                   .ld_prev = f->cap, .n = n, .steps = B };
     if (st == PD_OK)
         st = kern_markov_chain(be, &mc, err);
-    (void)R;
     return st;
 }
 
