@@ -52,14 +52,15 @@ struct pd_engine {
     int cap_aux;
     kern_buf *idx_dev;
     int cap_idx;
-    /* deferred draft context: committed rows of rounds in which the scheduler drafted nothing
-     * wait here (aux rows on the backend, positions and owners on the host) and are added to the
-     * draft KV in one batch before the next round that drafts, or before their request's pages
-     * go back. A round without drafts then costs what a target-only step costs. */
+    /* deferred draft context: prompt rows of scheduled requests wait here (aux rows on the
+     * backend, positions and owners on the host) and are added to the draft KV in one batch
+     * before the next round that drafts, or before their request's pages go back; decode rows
+     * of rounds in which the scheduler drafted nothing are only counted (pd_request.gap_lo) and
+     * recomputed then. A round without drafts then costs what a target-only step costs. */
     kern_buf *pend_aux;         /* [cap_pend, aux_dim] */
     int cap_pend;
     int n_pend;                 /* entries, rows of ended requests (owner NULL) included */
-    int pend_live;              /* entries still wanted (the sum of the requests' n_pend) */
+    int pend_live;              /* rows still wanted, gaps included (the sum of the requests' n_pend) */
     int32_t *pend_pos;          /* [cap_pend_host] */
     pd_request **pend_owner;
     int cap_pend_host;
@@ -675,17 +676,82 @@ static pd_status extend_draft(pd_engine *e, const float *aux, const int32_t *row
 #define PD_PEND_MAX_ROWS 65536
 #define PD_PEND_MAX_BYTES ((size_t)256 << 20)
 
-/* Adds every deferred context row to the draft KV with the fast (cuBLAS) kernels and empties
- * the list; rows of requests that ended (owner NULL, pend_drop) are skipped. The
- * batch-invariant kernels are for the target's logits, which decide the output; the drafter's
- * context only changes which drafts are proposed, and a flush of thousands of rows through the
- * skinny invariant kernel cost milliseconds on the tiny pair (docs/BENCHMARKS.md). */
-static pd_status pend_flush(pd_engine *e, pd_err *err)
+/* The token at position p of r (prompt, then output). */
+static int32_t token_at(const pd_request *r, int p)
 {
-    if (e->n_pend == 0)
+    return p < r->n_prompt ? r->prompt[p] : r->out[p - r->n_prompt];
+}
+
+/* One chunk of gap rows: the target forward of n committed tokens reads their keys from the
+ * cache and writes nothing (they are there already; re-storing them with other kernels could
+ * change them), then their aux rows extend the draft KV. */
+static pd_status gap_chunk(pd_engine *e, const int32_t *ids, const int32_t *pos, const int32_t *seq,
+                           const int32_t *rows, pd_request *const *own, int n, pd_kv_seq *const *seqs,
+                           int n_seq, pd_err *err)
+{
+    pd_tok_batch b = { .n_tok = n, .ids = ids, .pos = pos, .seq = seq, .n_seq = n_seq, .seqs = seqs,
+                       .no_store = 1 };
+    TRY(target_forward(e, &b, NULL, 0, err));
+    return extend_draft(e, pd_target_aux(e->target), rows, pos, own, n, err);
+}
+
+/* Recomputes every request's gap (decode rows of rounds without drafts, which kept no aux row)
+ * and adds the rows to the draft KV, in chunks of at most PD_DRAFT_EXTEND_GRAPH_MAX tokens. */
+static pd_status gap_flush(pd_engine *e, pd_err *err)
+{
+    int total = 0;
+    for (int i = 0; i < e->n_reqs; i++)
+        total += e->reqs[i]->n_gap;
+    if (total == 0)
         return PD_OK;
-    e->times.pend_flushes++;
+    int cap = PD_DRAFT_EXTEND_GRAPH_MAX;
+    if (e->cfg.pend_max_rows > 0 && e->cfg.pend_max_rows < cap)
+        cap = e->cfg.pend_max_rows;
+    if (total < cap)
+        cap = total;
+    int32_t *ids = malloc((size_t)cap * 4 * sizeof(int32_t));
+    pd_request **own = malloc((size_t)cap * sizeof(*own));
+    pd_kv_seq **seqs = malloc((size_t)cap * sizeof(*seqs));
+    if (ids == NULL || own == NULL || seqs == NULL) {
+        free(ids);
+        free(own);
+        free(seqs);
+        return pd_err_set(err, PD_ERR_NOMEM, "recomputed draft context: %d rows", total);
+    }
+    int32_t *pos = ids + cap, *seq = pos + cap, *rows = seq + cap;
+    pd_status st = PD_OK;
+    int c = 0, ns = 0;
+    for (int i = 0; i < e->n_reqs && st == PD_OK; i++) {
+        pd_request *r = e->reqs[i];
+        for (int j = 0; j < r->n_gap && st == PD_OK; j++) {
+            if (j == 0 || c == 0)
+                seqs[ns++] = &r->tkv;
+            pos[c] = r->gap_lo + j;
+            ids[c] = token_at(r, pos[c]);
+            seq[c] = ns - 1;
+            rows[c] = c;
+            own[c++] = r;
+            if (c == cap) {
+                st = gap_chunk(e, ids, pos, seq, rows, own, c, seqs, ns, err);
+                c = ns = 0;
+            }
+        }
+    }
+    if (st == PD_OK && c > 0)
+        st = gap_chunk(e, ids, pos, seq, rows, own, c, seqs, ns, err);
+    free(ids);
+    free(own);
+    free(seqs);
+    return st;
+}
+
+/* The deferred buffer's rows to the draft KV; rows of requests that ended (owner NULL,
+ * pend_drop) are skipped. */
+static pd_status buf_flush(pd_engine *e, pd_err *err)
+{
     int n = e->n_pend;
+    if (n == 0)
+        return PD_OK;
     int32_t *idx = malloc((size_t)n * sizeof(int32_t)), *pos = malloc((size_t)n * sizeof(int32_t));
     pd_request **own = malloc((size_t)n * sizeof(*own));
     if (idx == NULL || pos == NULL || own == NULL) {
@@ -701,9 +767,6 @@ static pd_status pend_flush(pd_engine *e, pd_err *err)
             pos[k] = e->pend_pos[i];
             own[k++] = e->pend_owner[i];
         }
-    kern_backend *be = e->tm->be;
-    int inv = be->batch_invariant;
-    be->batch_invariant = 0;
     /* in chunks the graph-replayed extension takes: its buffers stay at that size, where one
      * batch of every row (thousands) grew device scratch, which also made every graph stale */
     pd_status st = PD_OK;
@@ -711,15 +774,33 @@ static pd_status pend_flush(pd_engine *e, pd_err *err)
         int c = k - c0 < PD_DRAFT_EXTEND_GRAPH_MAX ? k - c0 : PD_DRAFT_EXTEND_GRAPH_MAX;
         st = extend_draft(e, e->pend_aux->ptr, idx + c0, pos + c0, own + c0, c, err);
     }
-    be->batch_invariant = inv;
-    for (int i = 0; i < n; i++)
-        if (e->pend_owner[i] != NULL)
-            e->pend_owner[i]->n_pend = 0;
-    e->n_pend = 0;
-    e->pend_live = 0;
     free(idx);
     free(pos);
     free(own);
+    return st;
+}
+
+/* Adds every context row the draft KV still lacks (the gaps and the deferred buffer) with the
+ * fast (cuBLAS) kernels and empties both. The batch-invariant kernels are for the target's
+ * logits, which decide the output; the drafter's context only changes which drafts are
+ * proposed, and a flush of thousands of rows through the skinny invariant kernel cost
+ * milliseconds on the tiny pair (docs/BENCHMARKS.md). */
+static pd_status pend_flush(pd_engine *e, pd_err *err)
+{
+    if (e->n_pend == 0 && e->pend_live == 0)
+        return PD_OK;
+    e->times.pend_flushes++;
+    kern_backend *be = e->tm->be;
+    int inv = be->batch_invariant;
+    be->batch_invariant = 0;
+    pd_status st = gap_flush(e, err);
+    if (st == PD_OK)
+        st = buf_flush(e, err);
+    be->batch_invariant = inv;
+    for (int i = 0; i < e->n_reqs; i++)
+        e->reqs[i]->n_pend = e->reqs[i]->n_gap = 0;
+    e->n_pend = 0;
+    e->pend_live = 0;
     return st;
 }
 
@@ -727,6 +808,8 @@ static pd_status pend_flush(pd_engine *e, pd_err *err)
 static void pend_drop(pd_engine *e, pd_request *r)
 {
     e->pend_live -= r->n_pend;
+    r->n_pend -= r->n_gap;
+    r->n_gap = 0;
     for (int i = 0; i < e->n_pend && r->n_pend > 0; i++)
         if (e->pend_owner[i] == r) {
             e->pend_owner[i] = NULL;
@@ -830,37 +913,58 @@ static int row_defers(const pd_engine *e, const pd_request *r, int prompt)
            (!prompt || (r->aux == NULL && r->ctx == NULL && !r->params.hold_kv));
 }
 
-/* Adds context rows to the draft KV, except those row_defers picks, which wait (with the kernel
- * mode they need: the prefill kernels for prompt rows). */
+/* Puts r's decode row at position p into its gap (pd_request.gap_lo) when it extends it. */
+static int gap_add(pd_engine *e, pd_request *r, int p)
+{
+    if (r->n_gap > 0 && p != r->gap_lo + r->n_gap)
+        return 0;
+    if (r->n_gap == 0)
+        r->gap_lo = p;
+    r->n_gap++;
+    r->n_pend++;
+    e->pend_live++;
+    return 1;
+}
+
+/* Adds context rows to the draft KV, except those row_defers picks, which wait: decode rows as
+ * their request's gap (no copy at all: a flush recomputes them), prompt rows and a decode row
+ * that does not extend its gap in the deferred buffer (with the aux they were computed with). */
 static pd_status extend_or_defer(pd_engine *e, const float *aux, const int32_t *rows, const int32_t *pos,
                                  pd_request *const *owner, int n, int prompt, pd_err *err)
 {
     if (e->draft == NULL || n == 0)
         return PD_OK;
-    int n_def = 0;
-    for (int i = 0; i < n; i++)
-        n_def += row_defers(e, owner[i], prompt);
-    if (n_def == 0)
+    int any = 0;
+    for (int i = 0; i < n && !any; i++)
+        any = row_defers(e, owner[i], prompt);
+    if (!any)
         return extend_draft(e, aux, rows, pos, owner, n, err);
-    /* [deferred | now] rows and positions, and their owners */
-    int32_t *row2 = malloc((size_t)n * 2 * sizeof(int32_t));
-    pd_request **own2 = malloc((size_t)n * sizeof(*own2));
+    /* rows, positions and owners of the buffered rows [0, d) and of those added now [n, n + k) */
+    int32_t *row2 = malloc((size_t)n * 4 * sizeof(int32_t));
+    pd_request **own2 = malloc((size_t)n * 2 * sizeof(*own2));
     if (row2 == NULL || own2 == NULL) {
         free(row2);
         free(own2);
         return extend_draft(e, aux, rows, pos, owner, n, err);
     }
-    int32_t *pos2 = row2 + n;
-    int d = 0, k = n_def;
+    int32_t *pos2 = row2 + 2 * (size_t)n;
+    int d = 0, k = 0;
     for (int i = 0; i < n; i++) {
-        int at = row_defers(e, owner[i], prompt) ? d++ : k++;
+        pd_request *r = owner[i];
+        int at;
+        if (!row_defers(e, r, prompt))
+            at = n + k++;
+        else if (!prompt && gap_add(e, r, pos[i]))
+            continue;
+        else
+            at = d++;
         row2[at] = rows[i];
         pos2[at] = pos[i];
-        own2[at] = owner[i];
+        own2[at] = r;
     }
-    pd_status st = pend_add(e, aux, row2, pos2, own2, n_def, err);
-    if (st == PD_OK && n > n_def)
-        st = extend_draft(e, aux, row2 + n_def, pos2 + n_def, own2 + n_def, n - n_def, err);
+    pd_status st = pend_add(e, aux, row2, pos2, own2, d, err);
+    if (st == PD_OK && k > 0)
+        st = extend_draft(e, aux, row2 + n, pos2 + n, own2 + n, k, err);
     free(row2);
     free(own2);
     return st;
@@ -1518,7 +1622,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     }
     e->times.reserve += now_s() - t_enter;
     double flush_sec = 0.0;
-    if (n_draft > 0 && e->n_pend > 0) {
+    if (n_draft > 0 && e->pend_live > 0) {
         int live_before = e->pend_live;
         double t_flush = now_s();
         st = pend_flush(e, err);   /* the drafts must see every committed position */
@@ -1622,9 +1726,9 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         if (st != PD_OK)
             goto out;
         /* a round without drafts in which every request verifies only its anchor commits
-         * every row: its context rows go to the drafter (deferred, for scheduled requests)
-         * now, so the copy is queued while the forward runs instead of after the host saw the
-         * results */
+         * every row: scheduled requests' rows join their gaps (host bookkeeping only), the
+         * others' extension is queued while the forward runs instead of after the host saw
+         * the results */
         if (sched_mode == PD_SCHED_PLAIN && n_v == m && e->draft != NULL) {
             pd_request **own = malloc((size_t)m * sizeof(*own));
             if (own == NULL) {

@@ -65,7 +65,8 @@ typedef struct {
                                         * round of scheduled requests (the arm, its estimates and
                                         * what the round took); NULL = none */
     int pend_max_rows;                 /* tests only: rows of the deferred draft context buffer
-                                        * (0: as many as fit in 256 MB, at most 65536) */
+                                        * (0: as many as fit in 256 MB, at most 65536), and the
+                                        * chunk of recomputed gap rows when less than 1024 */
     int tp_debug_fail_rank;            /* tests only: pd_tp_group_config.debug_fail_rank/cmd */
     int tp_debug_fail_cmd;
     /* Tests and debugging: called on the engine thread with exactly the aux tensor (backend
@@ -129,8 +130,11 @@ typedef struct pd_request {
     pd_kv_seq *cp_kv;        /* [cp_size - 1] page tables in the CP ranks' KV replicas, held
                               * only while the prompt is being prefilled */
     int cap_out, cap_rounds;
-    int n_pend;              /* committed context rows waiting in the engine's deferred draft
-                              * context (rounds without drafts, see pd_engine.c) */
+    int n_pend;              /* committed context rows the draft KV still lacks (rounds
+                              * without drafts, see pd_engine.c): rows in the engine's deferred
+                              * buffer plus the n_gap rows below */
+    int gap_lo, n_gap;       /* positions gap_lo .. gap_lo + n_gap - 1: decode rows of rounds
+                              * without drafts, recomputed by a target forward when needed */
     double acc_tok, acc_rounds; /* its rounds that verified a whole block: committed tokens and
                               * rounds, discounted (the scheduled policy's per-request acceptance) */
     int n_whole;             /* its rounds that verified a whole block */

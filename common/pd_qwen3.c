@@ -138,7 +138,7 @@ pd_status pd_act_load_batch_pad(pd_act *a, const pd_kv_pool *pool, const pd_tok_
         }
         if (kv_len[t] > max_kv)
             max_kv = kv_len[t];
-        slot[t] = pd_kv_seq_slot(pool, ks, b->pos[t]);
+        slot[t] = b->no_store ? -1 : pd_kv_seq_slot(pool, ks, b->pos[t]);
         ids[t] = b->ids != NULL ? b->ids[t] : 0;
         pos[t] = b->pos[t];
         seq[t] = s;

@@ -51,6 +51,8 @@ typedef struct {
     const int32_t *kv_len;    /* [n_tok] keys each query sees; NULL = causal (pos + 1) */
     int n_seq;
     pd_kv_seq *const *seqs;   /* page tables, reserved to cover every position written */
+    int no_store;             /* 1: the keys of these positions are in the cache already: they
+                               * are read, nothing is written (recomputing committed rows) */
 } pd_tok_batch;
 
 /* Uploads ids/pos/seq/kv_len/slots and the page table of b into a (slots from pool); a's

@@ -547,16 +547,21 @@ void pd_sched_parts_of(const pd_sched_ctl *c, pd_sched_arm a, int m, pd_sched_pa
         w[1] = near_weight(sl->req / sl->rounds, sh->req / sh->rounds, m);
         w[0] = 1.0 - w[1];
     }
-    /* per round: the rest besides verify and draft and the draft round */
+    /* per round: the rest besides verify and draft and the draft round; from larger batches
+     * only (nothing known at m or below) the rest is taken per request: much of it is (batch
+     * metadata, commits, prompts of new requests), and as a whole it made no drafts look slow
+     * at m = 8 from rounds at m = 128, so a batch ramping up drafted */
     double v = 0.0;
     for (int i = 0; i < 2; i++) {
         if (k[i] < 0)
             continue;
         const pd_sched_stat *s = &n.st[a][k[i]];
+        double mean_m = s->req / s->rounds;
+        double per = k[1] < 0 && k[i] > pd_sched_class(m) && mean_m > m ? m / mean_m : 1.0;
         p->n += s->n;
         p->tau += w[i] * s->tok / s->treq;
         v += w[i] * s->vtok / s->treq;
-        p->rest_s += w[i] * (s->sec - s->vsec - s->dsec) / s->rounds;
+        p->rest_s += w[i] * per * (s->sec - s->vsec - s->dsec) / s->rounds;
         p->draft_s += w[i] * s->dsec / s->rounds;
     }
     /* at another class the draft round is the one measured nearest to m, by any arm */

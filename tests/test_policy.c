@@ -318,6 +318,21 @@ static void test_policy_sched_arms(void)
     double p12 = pd_sched_estimate(&c, PD_SCHED_ALL, 12);
     printf("all-drafts arm at m = 12, never run there: predicted %.2f, true %.2f\n", p12, sim_rate(PD_SCHED_ALL, 12));
     TEST_CHECK(p12 > 0.0 && fabs(p12 / sim_rate(PD_SCHED_ALL, 12) - 1.0) < 0.15);
+    /* a batch ramping up after rounds at m = 128 only: at m = 8 the no-drafts arm's rest
+     * (0.005 per request here, besides the verify step) is taken per request, so no drafts
+     * (8 / 0.32 = 25 tokens/s) beats all drafts (24 / 1.22 = 19.7) where it is never run */
+    pd_sched_ctl rp;
+    pd_sched_init(&rp, &prof);
+    for (int i = 0; i < 20; i++) {
+        pd_sched_add(&rp, PD_SCHED_PLAIN, 128, 128.0, 0.2 + 0.01 * 128 + 0.005 * 128, 0.0, 128, 0);
+        pd_sched_add_draft(&rp, 8, sim_draft(8));
+        pd_sched_add(&rp, PD_SCHED_ALL, 8, 24.0, 0.2 + 0.01 * 64 + sim_draft(8) + 0.005 * 8, sim_draft(8), 64, 0);
+    }
+    double plain8 = pd_sched_estimate(&rp, PD_SCHED_PLAIN, 8), all8 = pd_sched_estimate(&rp, PD_SCHED_ALL, 8);
+    printf("ramp to m = 8 from no-drafts rounds at 128: no drafts %.2f (true 25), all drafts %.2f\n", plain8,
+           all8);
+    TEST_CHECK_MSG(fabs(plain8 / 25.0 - 1.0) < 0.02 && plain8 > all8, "no drafts at m = 8: %.2f, all %.2f",
+                   plain8, all8);
     /* cold rounds (graph captures) estimate an arm only while it has no steady round anywhere,
      * timed by the profile (verify step + draft round), not by the clock: a cold round at
      * m = 8 of 4 s or of 40 s gives the same estimate; then a steady one at m = 2 (another
