@@ -1724,10 +1724,16 @@ static const kcase cases[] = {
     {"markov_step", 3, 0, 5, 0, 1001, 64, 0, 0, 0, 0, 0, NULL, 1e-2, 0},
     {"markov_step", 17, 0, 0, 0, 50000, 32, 0, 0, 0, 0, 0, NULL, 1e-2, 0},
     {"markov_step", 2, 0, 0, 0, 3000, 12, 0, 0, 0, 0, 0, NULL, 1e-2, 0},
-    /* markov_chain: rows n, steps m, V = n, R = k (R % 8 != 0: the step-by-step path) */
+    /* markov_chain: rows n, steps m, V = n, R = k. CUDA kernel by shape (H200, 227 KB of shared
+     * memory a block): w2 slice resident in shared memory (R = 64 unrolled, R = 32 generic, one
+     * block when V < 512), L2-streaming (R = 128: the 294 KB slice does not fit; 24 rows: their
+     * staged base does not), step by step (R % 8 != 0) */
     {"markov_chain", 1, 0, 0, 7, 151936, 64, 0, 0, 0, 0, 0, NULL, 0, 0},
     {"markov_chain", 3, 0, 5, 7, 1001, 64, 0, 0, 0, 0, 0, NULL, 0, 0},
     {"markov_chain", 17, 0, 0, 4, 50000, 32, 0, 0, 0, 0, 0, NULL, 0, 0},
+    {"markov_chain", 2, 0, 1, 6, 300, 64, 0, 0, 0, 0, 0, NULL, 0, 0},
+    {"markov_chain", 2, 0, 0, 7, 151936, 128, 0, 0, 0, 0, 0, NULL, 0, 0},
+    {"markov_chain", 24, 0, 3, 3, 151936, 64, 0, 0, 0, 0, 0, NULL, 0, 0},
     {"markov_chain", 2, 0, 0, 3, 3000, 12, 0, 0, 0, 0, 0, NULL, 0, 0},
     /* probs: rows x vocab, pad, sub 1 = rows gathered through idx (per-row parameters cycle
      * through every kind: greedy, plain, top-k, top-p, both, k = 1, k >= n, T 0.05..2) */

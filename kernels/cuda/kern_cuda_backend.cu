@@ -331,6 +331,8 @@ static pd_status ctx_init(kern_cuda_ctx *c, int device, pd_err *err)
     PD_CUDA_TRY(cudaMemsetAsync(c->attn_cnt, 0, KERN_CUDA_ATTN_COUNTERS * sizeof(unsigned int),
                                 c->stream), err);
     PD_CUDA_TRY(cudaStreamSynchronize(c->stream), err);
+    const char *mk = getenv("PD_MK_CHAIN");
+    c->mk_chain_old = mk != NULL && strcmp(mk, "old") == 0;
     return PD_OK;
 }
 

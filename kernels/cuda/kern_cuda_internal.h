@@ -35,6 +35,8 @@ typedef struct kern_cuda_ctx {
     unsigned int *attn_cnt;    /* KERN_CUDA_ATTN_COUNTERS zeroed words: arrival counters of the
                                   batch-invariant attention merge, left zero by each launch */
     int attn_inv_smem_set;     /* attn_inv_kernel's shared-memory limit raised on this device */
+    int mk_chain_old;          /* PD_MK_CHAIN=old at creation: markov_chain keeps its L2-streaming
+                                  kernel (A/B against the shared-memory one) */
     size_t ws_bytes;
     unsigned ws_epoch;         /* bumped whenever ws moves: graphs captured before are stale */
     unsigned capture_epoch;    /* ws_epoch when the capture in progress began */

@@ -8,13 +8,21 @@
  *   block) reduces the partials in block order into ids.
  *   Other shapes (f32 weights, R % 8 != 0, too many rows for shared memory) run the composition:
  *   copy_rows, matmul (accumulate), argmax.
- * kern_cuda_markov_chain_launch runs every step of a greedy chain (vanilla head) in one launch:
- *   up to MK_CHAIN_PER_SM blocks per multiprocessor (all resident), each owning a fixed vocabulary range as
- *   above; per step every block gathers w1[prev] itself, writes its (value, index) partials, and
- *   waits at a grid barrier (the counter word, left zero at the end); then every block reduces
- *   all partials in block order (so every block holds the same ids) and block 0 writes them.
- *   Partials alternate between two buffers, so a block that is ahead never overwrites what a
- *   slower one still reads. The step logits are not written.
+ * kern_cuda_markov_chain_launch runs every step of a greedy chain (vanilla head) in one launch,
+ *   with the dot arithmetic of markov_step (so its ids are the step-by-step path's):
+ *   - markov_chain_res_kernel (first choice): one block per multiprocessor whose slice of w2
+ *     stays in shared memory for the whole chain; partials published with step tags, so the
+ *     publication is the grid barrier (see the comment above the kernel).
+ *   - markov_chain_kernel (when that slice, with the staged base rows, does not fit in shared
+ *     memory, or PD_MK_CHAIN=old): up to MK_CHAIN_PER_SM blocks per multiprocessor (all
+ *     resident), each owning a fixed vocabulary range as above and streaming its w2 rows from L2
+ *     every step; per step every block gathers w1[prev] itself, writes its (value, index)
+ *     partials, and waits at a grid barrier (the counter word, left zero at the end); then every
+ *     block reduces all partials in block order (so every block holds the same ids) and block 0
+ *     writes them. Partials alternate between two buffers, so a block that is ahead never
+ *     overwrites what a slower one still reads.
+ *   Both need every block resident at once (a plain launch sized from the occupancy API). The
+ *   step logits are not written.
  * Not here: shape checks (kern_ops.c). Threading: enqueues on the backend stream. */
 #include "kern_cuda_internal.h"
 
@@ -278,14 +286,354 @@ markov_chain_kernel(kern_markov_chain_args a, int V, int R, int chunk, float *pa
         *ctr = 0;
 }
 
+/* ---- the chain with w2 resident in shared memory --------------------------------------------
+ * One block per multiprocessor (MK_RES_THREADS threads), each owning `chunk` vocabulary rows:
+ * its slice of w2 is copied into shared memory once per launch, so a step reads only base (fp32,
+ * staged into shared memory with cp.async while the previous step waits for the other blocks)
+ * and the n rows of w1[prev]. A block publishes its (value, index) partial of each row as one
+ * 64-bit word with a 2-bit step tag, and every block polls all partials of the row until their
+ * tags are the step's: the publication is the barrier, one global round trip instead of an
+ * atomic arrival, a poll of the counter and a read of the partials. Slots alternate between two
+ * parities; a block writes step k + 2 only after it read every partial of step k + 1, which each
+ * block published after reading step k's, so a slot is never overwritten before all have read
+ * it, and tag(k) = 1 + ((k >> 1) & 1) tells step k from step k - 2 in the same slot. The slots
+ * live in the op scratch (other ops leave anything there): each block zeroes its own at the
+ * start and arrives on the counter word; no block polls before all have arrived. Each block
+ * arrives once more at its end; the last one leaves the counter zero. */
+#define MK_RES_THREADS 512
+#define MK_RES_WARPS (MK_RES_THREADS / 32)
+#define MK_RES_MAX_BLOCKS 256   /* partials of a row one warp polls: 8 a lane */
+
+/* byte offsets of the dynamic shared memory of markov_chain_res_kernel */
+typedef struct {
+    int chunk;          /* vocabulary rows per block (the last block may have fewer) */
+    size_t bs;          /* float [n, chunk]: step base, then the step logits in place */
+    size_t xs;          /* float [n, R]: the step's vec rows */
+    size_t rows;        /* int [steps, n]: rows of base */
+    size_t ids;         /* int [n]: previous tokens */
+    size_t red;         /* float [n, MK_RES_WARPS] | int [n, MK_RES_WARPS]: warp partials */
+    size_t bytes;
+} mk_res_layout;
+
+static size_t mk_align16(size_t x)
+{
+    return (x + 15) & ~(size_t)15;
+}
+
+static mk_res_layout mk_res_layout_of(int chunk, int n, int R, int steps)
+{
+    mk_res_layout l;
+    l.chunk = chunk;
+    size_t o = mk_align16((size_t)chunk * R * sizeof(__nv_bfloat16));   /* w2 slice at 0 */
+    l.bs = o;
+    o = mk_align16(o + (size_t)n * chunk * sizeof(float));
+    l.xs = o;
+    o = mk_align16(o + (size_t)n * R * sizeof(float));
+    l.rows = o;
+    o = mk_align16(o + (size_t)steps * n * sizeof(int));
+    l.ids = o;
+    o = mk_align16(o + (size_t)n * sizeof(int));
+    l.red = o;
+    l.bytes = o + (size_t)n * MK_RES_WARPS * (sizeof(float) + sizeof(int));
+    return l;
+}
+
+static __device__ __forceinline__ unsigned long long mk_ld_relaxed(const unsigned long long *p)
+{
+    unsigned long long v;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+static __device__ __forceinline__ void mk_st_relaxed(unsigned long long *p, unsigned long long v)
+{
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+static __device__ __forceinline__ unsigned int mk_ld_acquire(const unsigned int *p)
+{
+    unsigned int v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+static __device__ __forceinline__ void mk_red_release(unsigned int *p, unsigned int v)
+{
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+static __device__ __forceinline__ void mk_cp_async16(void *smem, const void *gmem)
+{
+    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+
+static __device__ __forceinline__ void mk_cp_async4(void *smem, const void *gmem)
+{
+    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s), "l"(gmem) : "memory");
+}
+
+static __device__ __forceinline__ void mk_cp_async_commit_wait(void)
+{
+    asm volatile("cp.async.commit_group;\n\tcp.async.wait_all;" ::: "memory");
+}
+
+static __device__ __forceinline__ void mk_cp_async_commit(void)
+{
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+static __device__ __forceinline__ void mk_cp_async_wait(void)
+{
+    asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
+/* A partial as one word: value bits | index << 2 | tag (index <= V < 2^30). */
+static __device__ __forceinline__ unsigned long long mk_pack(float v, int i, unsigned tag)
+{
+    return (unsigned long long)__float_as_uint(v) << 32 | ((unsigned)i << 2 | tag);
+}
+
+/* Where 16-byte piece c8 of slice row lv sits: rotated by the row, so the 8 threads of a quarter
+ * warp that read piece c8 of 8 consecutive rows hit 8 different bank groups. */
+template <int RC>
+static __device__ __forceinline__ int mk_swz(int lv, int c8, int n8)
+{
+    if constexpr (RC > 0) {
+        static_assert((RC / 8 & (RC / 8 - 1)) == 0, "RC / 8 must be a power of two");
+        return lv * (RC / 8) + ((c8 + lv) & (RC / 8 - 1));
+    } else {
+        return lv * n8 + (c8 + lv) % n8;
+    }
+}
+
+/* Step logits of the block's slice for every row, in place of the staged base: bs[r, lv] =
+ * base + sum_c w2[v0 + lv, c] * x[r, c], fp32 with c in order (mk_dot's arithmetic). RC = 64:
+ * a thread converts its w2 row once into registers and reuses it for every row r. */
+template <int RC>
+static __device__ __forceinline__ void mk_res_logits(const uint4 *w2s, float *bs, const float *xs, int n,
+                                                     int R, int cnt, int chunk)
+{
+    for (int lv = threadIdx.x; lv < cnt; lv += MK_RES_THREADS) {
+        if constexpr (RC > 0) {
+            float wf[RC];
+#pragma unroll
+            for (int c8 = 0; c8 < RC / 8; c8++) {
+                uint4 u = w2s[mk_swz<RC>(lv, c8, RC / 8)];
+                const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    float2 f = __bfloat1622float2(h[i]);
+                    wf[c8 * 8 + 2 * i] = f.x;
+                    wf[c8 * 8 + 2 * i + 1] = f.y;
+                }
+            }
+            for (int r = 0; r < n; r++) {
+                const float4 *x4 = (const float4 *)(xs + (size_t)r * RC);
+                float dot = 0.0f;
+#pragma unroll
+                for (int c4 = 0; c4 < RC / 4; c4++) {
+                    float4 xv = x4[c4];
+                    dot = fmaf(wf[4 * c4], xv.x, dot);
+                    dot = fmaf(wf[4 * c4 + 1], xv.y, dot);
+                    dot = fmaf(wf[4 * c4 + 2], xv.z, dot);
+                    dot = fmaf(wf[4 * c4 + 3], xv.w, dot);
+                }
+                bs[(size_t)r * chunk + lv] = bs[(size_t)r * chunk + lv] + dot;
+            }
+        } else {
+            const int n8 = R / 8;
+            for (int r = 0; r < n; r++) {
+                const float *x = xs + (size_t)r * R;
+                float dot = 0.0f;
+                for (int c8 = 0; c8 < n8; c8++) {
+                    uint4 u = w2s[mk_swz<0>(lv, c8, n8)];
+                    const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        float2 f = __bfloat1622float2(h[i]);
+                        dot = fmaf(f.x, x[c8 * 8 + 2 * i], dot);
+                        dot = fmaf(f.y, x[c8 * 8 + 2 * i + 1], dot);
+                    }
+                }
+                bs[(size_t)r * chunk + lv] = bs[(size_t)r * chunk + lv] + dot;
+            }
+        }
+    }
+}
+
+/* base rows of step k for the block's slice, into bs (asynchronous; the caller waits) */
+static __device__ __forceinline__ void mk_res_stage_base(const kern_markov_chain_args &a, const int *rows,
+                                                         float *bs, int k, int v0, int cnt, int chunk)
+{
+    for (int i = threadIdx.x; i < a.n * cnt; i += MK_RES_THREADS) {
+        int r = i / cnt, lv = i - r * cnt;
+        mk_cp_async4(bs + (size_t)r * chunk + lv,
+                     a.base + (size_t)rows[k * a.n + r] * a.ld_base + v0 + lv);
+    }
+}
+
+template <int RC>
+__global__ void __launch_bounds__(MK_RES_THREADS, 1)
+markov_chain_res_kernel(kern_markov_chain_args a, int V, int R, mk_res_layout lay, unsigned long long *slots,
+                        unsigned int *ctr)
+{
+    extern __shared__ __align__(16) unsigned char smem[];
+    uint4 *w2s = (uint4 *)smem;
+    float *bs = (float *)(smem + lay.bs);
+    float *xs = (float *)(smem + lay.xs);
+    int *rows = (int *)(smem + lay.rows);
+    int *ids = (int *)(smem + lay.ids);
+    float *red_v = (float *)(smem + lay.red);
+    int *red_i = (int *)(red_v + (size_t)a.n * MK_RES_WARPS);
+    const int nb = gridDim.x, n = a.n, chunk = lay.chunk, n8 = R / 8;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int v0 = blockIdx.x * chunk, cnt = v0 + chunk < V ? chunk : V - v0;
+    const __nv_bfloat16 *w1 = (const __nv_bfloat16 *)a.w1.data;
+    const __nv_bfloat16 *w2 = (const __nv_bfloat16 *)a.w2.data;
+
+    for (int i = threadIdx.x; i < 2 * n; i += MK_RES_THREADS)
+        mk_st_relaxed(slots + (size_t)i * nb + blockIdx.x, 0ull);
+    for (int i = threadIdx.x; i < a.steps * n; i += MK_RES_THREADS)
+        rows[i] = a.rows[(size_t)(i / n) * a.ld_rows + i % n];
+    for (int r = threadIdx.x; r < n; r += MK_RES_THREADS)
+        ids[r] = a.prev[r];
+    for (int i = threadIdx.x; i < cnt * n8; i += MK_RES_THREADS) {
+        int lv = i / n8, c8 = i - lv * n8;
+        mk_cp_async16(w2s + mk_swz<RC>(lv, c8, n8), w2 + ((size_t)(v0 + lv) * R + c8 * 8));
+    }
+    __syncthreads();   /* the zeroed slots and the rows */
+    if (threadIdx.x == 0) {
+        __threadfence();   /* the zeroes of the whole block before the arrival */
+        mk_red_release(ctr, 1u);
+    }
+    mk_res_stage_base(a, rows, bs, 0, v0, cnt, chunk);
+    mk_cp_async_commit_wait();
+    __syncthreads();
+    for (int k = 0; k < a.steps; k++) {
+        for (int i = threadIdx.x; i < n * n8; i += MK_RES_THREADS) {
+            int r = i / n8, c8 = i - r * n8;
+            uint4 u = __ldg((const uint4 *)(w1 + (size_t)ids[r] * R) + c8);
+            const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
+            float *x = xs + (size_t)r * R + c8 * 8;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                float2 f = __bfloat1622float2(h[j]);
+                x[2 * j] = f.x;
+                x[2 * j + 1] = f.y;
+            }
+        }
+        __syncthreads();
+        mk_res_logits<RC>(w2s, bs, xs, n, R, cnt, chunk);
+        for (int r = 0; r < n; r++) {
+            float bv = -INFINITY;
+            int bi = V;
+            for (int lv = threadIdx.x; lv < cnt; lv += MK_RES_THREADS) {
+                float val = bs[(size_t)r * chunk + lv];
+                if (mk_better(val, v0 + lv, bv, bi))
+                    bv = val, bi = v0 + lv;
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+                int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+                if (mk_better(ov, oi, bv, bi))
+                    bv = ov, bi = oi;
+            }
+            if (lane == 0) {
+                red_v[r * MK_RES_WARPS + warp] = bv;
+                red_i[r * MK_RES_WARPS + warp] = bi;
+            }
+        }
+        __syncthreads();   /* every read of bs is done: the next step's base may land there */
+        if (k + 1 < a.steps) {
+            mk_res_stage_base(a, rows, bs, k + 1, v0, cnt, chunk);
+            mk_cp_async_commit();
+        }
+        const unsigned tag = 1u + ((unsigned)(k >> 1) & 1u);
+        if (k == 0 && warp < n) {
+            if (lane == 0) {
+                while (mk_ld_acquire(ctr) < (unsigned)nb)
+                    ;
+                __threadfence();
+            }
+            __syncwarp();
+        }
+        for (int r = warp; r < n; r += MK_RES_WARPS) {
+            float bv = lane < MK_RES_WARPS ? red_v[r * MK_RES_WARPS + lane] : -INFINITY;
+            int bi = lane < MK_RES_WARPS ? red_i[r * MK_RES_WARPS + lane] : V;
+            for (int o = 16; o > 0; o >>= 1) {
+                float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+                int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+                if (mk_better(ov, oi, bv, bi))
+                    bv = ov, bi = oi;
+            }
+            unsigned long long *sl = slots + ((size_t)(k & 1) * n + r) * nb;
+            if (lane == 0)
+                mk_st_relaxed(sl + blockIdx.x, mk_pack(bv, bi, tag));
+            unsigned long long w[MK_RES_MAX_BLOCKS / 32];
+            for (;;) {
+                bool fresh = true;
+#pragma unroll
+                for (int m = 0; m < MK_RES_MAX_BLOCKS / 32; m++) {
+                    int b = lane + 32 * m;
+                    if (b < nb) {
+                        w[m] = mk_ld_relaxed(sl + b);
+                        fresh = fresh && ((unsigned)w[m] & 3u) == tag;
+                    }
+                }
+                if (__all_sync(0xffffffffu, fresh))
+                    break;
+            }
+            bv = -INFINITY;
+            bi = V;
+#pragma unroll
+            for (int m = 0; m < MK_RES_MAX_BLOCKS / 32; m++) {
+                if (lane + 32 * m < nb) {
+                    float v = __uint_as_float((unsigned)(w[m] >> 32));
+                    int i = (int)((unsigned)w[m] >> 2);
+                    if (mk_better(v, i, bv, bi))
+                        bv = v, bi = i;
+                }
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+                int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+                if (mk_better(ov, oi, bv, bi))
+                    bv = ov, bi = oi;
+            }
+            if (lane == 0) {
+                int id = bi < V ? bi : 0;   /* all -inf/NaN: index 0, as kern_argmax */
+                ids[r] = id;
+                if (blockIdx.x == 0)
+                    a.prev[(size_t)(k + 1) * a.ld_prev + r] = id;
+            }
+        }
+        mk_cp_async_wait();
+        __syncthreads();   /* ids and the next base */
+    }
+    /* the last block to arrive here knows every block is past its first poll: reset */
+    if (threadIdx.x == 0 && atomicAdd(ctr, 1u) == 2u * (unsigned)nb - 1u)
+        atomicExch(ctr, 0u);
+}
+
 /* The chain step by step: w1 rows gathered, then markov_step with ids (scratch: vec | step). */
 static pd_status markov_chain_composed(kern_backend *be, const kern_markov_chain_args *a, pd_err *err)
 {
     kern_cuda_ctx *c = kern_cuda_ctx_of(be);
     int V = (int)a->w2.rows, R = (int)a->w2.cols;
+    /* vec and step sit past what the launches below take from the same scratch (markov_step's
+     * partials: n nb 8 bytes with nb <= 4 n_sm; a composed step's bf16 copy of vec: n R 2 bytes),
+     * so those never overwrite them */
+    size_t skip = (size_t)a->n * 4 * c->n_sm * 8;
+    if (skip < (size_t)a->n * R * 2)
+        skip = (size_t)a->n * R * 2;
+    skip = (skip + 255) & ~(size_t)255;
     void *ws = NULL;
-    pd_status st = kern_cuda_ws_get(c, ((size_t)a->n * R + (size_t)a->n * V) * sizeof(float), &ws, err);
-    float *vec = (float *)ws, *step = vec + (size_t)a->n * R;
+    pd_status st = kern_cuda_ws_get(c, skip + ((size_t)a->n * R + (size_t)a->n * V) * sizeof(float), &ws, err);
+    if (st != PD_OK)
+        return st;
+    float *vec = (float *)((char *)ws + skip), *step = vec + (size_t)a->n * R;
     for (int k = 0; k < a->steps && st == PD_OK; k++) {
         kern_embed_args em = { .table = a->w1, .ids = a->prev + (size_t)k * a->ld_prev, .n = a->n,
                                .out = vec, .ld_out = R };
@@ -300,6 +648,44 @@ static pd_status markov_chain_composed(kern_backend *be, const kern_markov_chain
     return st;
 }
 
+/* The resident kernel when its shared memory fits with one block per multiprocessor; *ran = 0
+ * leaves the chain to the caller's L2-streaming kernel. */
+static pd_status markov_chain_res(kern_backend *be, const kern_markov_chain_args *a, int *ran, pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    int V = (int)a->w2.rows, R = (int)a->w2.cols;
+    *ran = 0;
+    if (c->mk_chain_old || V >= (1 << 30) || ((uintptr_t)a->w1.data & 15) != 0)
+        return PD_OK;
+    int nb = (V + MK_RES_THREADS - 1) / MK_RES_THREADS;
+    if (nb > c->n_sm)
+        nb = c->n_sm;
+    if (nb > MK_RES_MAX_BLOCKS)
+        nb = MK_RES_MAX_BLOCKS;
+    int chunk = (V + nb - 1) / nb;
+    nb = (V + chunk - 1) / chunk;
+    mk_res_layout lay = mk_res_layout_of(chunk, a->n, R, a->steps);
+    int optin = 0;
+    PD_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, c->device), err);
+    if (lay.bytes > (size_t)optin)
+        return PD_OK;   /* the slice (or the staged base of many rows) does not fit */
+    auto kern = R == 64 ? markov_chain_res_kernel<64> : markov_chain_res_kernel<0>;
+    /* on every launch: the attribute belongs to the current device (a host call) */
+    PD_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)lay.bytes), err);
+    int per_sm = 0;
+    PD_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, MK_RES_THREADS, lay.bytes), err);
+    if (per_sm < 1)
+        return PD_OK;
+    void *ws = NULL;
+    pd_status st = kern_cuda_ws_get(c, (size_t)2 * a->n * nb * sizeof(unsigned long long), &ws, err);
+    if (st != PD_OK)
+        return st;
+    kern<<<nb, MK_RES_THREADS, lay.bytes, c->stream>>>(*a, V, R, lay, (unsigned long long *)ws, c->counter);
+    KERN_CUDA_LAUNCH_CHECK(err);
+    *ran = 1;
+    return PD_OK;
+}
+
 extern "C" pd_status kern_cuda_markov_chain_launch(kern_backend *be, const kern_markov_chain_args *a,
                                                    pd_err *err)
 {
@@ -311,6 +697,10 @@ extern "C" pd_status kern_cuda_markov_chain_launch(kern_backend *be, const kern_
     if (a->w1.dtype != KERN_DTYPE_BF16 || a->w2.dtype != KERN_DTYPE_BF16 || R % 8 != 0 ||
         ((uintptr_t)a->w2.data & 15) != 0 || smem > MK_SMEM_MAX)
         return markov_chain_composed(be, a, err);
+    int ran = 0;
+    pd_status st = markov_chain_res(be, a, &ran, err);
+    if (st != PD_OK || ran)
+        return st;
     /* every block must be resident at once (grid barrier): at most as many as fit on the
      * multiprocessors together (up to MK_CHAIN_PER_SM each), about a vocabulary row per thread */
     int per_sm = 0;
@@ -330,7 +720,7 @@ extern "C" pd_status kern_cuda_markov_chain_launch(kern_backend *be, const kern_
     int chunk = (V + nb - 1) / nb;
     nb = (V + chunk - 1) / chunk;
     void *ws = NULL;
-    pd_status st = kern_cuda_ws_get(c, (size_t)2 * a->n * nb * 8, &ws, err);
+    st = kern_cuda_ws_get(c, (size_t)2 * a->n * nb * 8, &ws, err);
     if (st != PD_OK)
         return st;
     float *pv = (float *)ws;
