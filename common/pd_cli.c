@@ -41,6 +41,16 @@ int pd_cli_parse_int(const char *prog, const char *flag, const char *s, int lo, 
     return 0;
 }
 
+int pd_cli_parse_dtype(const char *prog, const char *s, int *f32)
+{
+    if (strcmp(s, "f32") != 0 && strcmp(s, "bf16") != 0) {
+        fprintf(stderr, "%s: --dtype: '%s' is not bf16 or f32\n", prog, s);
+        return -1;
+    }
+    *f32 = strcmp(s, "f32") == 0;
+    return 0;
+}
+
 int pd_cli_parse_float(const char *prog, const char *flag, const char *s, float *out)
 {
     char *end;

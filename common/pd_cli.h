@@ -19,6 +19,9 @@ int pd_cli_parse_i64(const char *prog, const char *flag, const char *s, int64_t 
                      int64_t *out);
 int pd_cli_parse_int(const char *prog, const char *flag, const char *s, int lo, int hi, int *out);
 int pd_cli_parse_float(const char *prog, const char *flag, const char *s, float *out);
+/* --dtype bf16|f32 (the weights and KV cache of a cuda backend; the cpu backend always is fp32):
+ * *f32 = 1 for f32. Prints "prog: --dtype: ..." and returns -1 on anything else. */
+int pd_cli_parse_dtype(const char *prog, const char *s, int *f32);
 /* Whitespace-separated token ids from path ("-" = stdin) into a malloc'd array. Returns -1 with
  * a message on stderr on a bad file or value. */
 int pd_cli_read_ids(const char *prog, const char *path, int32_t **ids, int *n);

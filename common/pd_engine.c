@@ -2074,7 +2074,8 @@ pd_status pd_engine_profile_sps_cached(pd_engine *e, const char *model_dir, cons
     char key[PATH_MAX + 256], real[PATH_MAX], dir[1024], cache[1100];
     if (realpath(model_dir, real) == NULL)
         snprintf(real, sizeof(real), "%s", model_dir);
-    snprintf(key, sizeof(key), "model=%s device=%s build=%s %s", real, device, __DATE__, __TIME__);
+    snprintf(key, sizeof(key), "model=%s device=%s dtype=%s build=%s %s", real, device,
+             kern_dtype_name(e->tm->be->weight_dtype), __DATE__, __TIME__);
     uint64_t h = 1469598103934665603ull;   /* FNV-1a of the key names the file */
     for (const char *ch = key; *ch != '\0'; ch++)
         h = (h ^ (unsigned char)*ch) * 1099511628211ull;

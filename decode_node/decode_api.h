@@ -46,6 +46,8 @@ typedef struct {
     const char *model_dir;          /* target checkpoint (+ tokenizer.json) */
     const char *draft_dir;          /* DSpark checkpoint; required */
     const char *device;             /* "cpu" (default) or "cuda" */
+    int f32;                        /* cuda: weights and KV cache in fp32 (--dtype f32; default
+                                     * bf16); the cpu backend always is fp32 */
     int colocated;                  /* 1: in-process prefill (pd_engine_add) */
     const char *prefill;            /* "HOST:PORT[,HOST:PORT...]" when !colocated; a host that
                                      * resolves to several addresses counts as several nodes */

@@ -28,7 +28,7 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: decode_node --model DIR --draft DIR --listen HOST:PORT\n"
             "                   (--prefill HOST:PORT[,HOST:PORT...] | --colocated)\n"
-            "                   [--device cpu|cuda] [--kv-pages N] [--page-size N] [--max-batch N]\n"
+            "                   [--device cpu|cuda] [--dtype bf16|f32] [--kv-pages N] [--page-size N] [--max-batch N]\n"
             "                   [--max-queue N] [--queue-timeout-ms N] [--request-timeout-ms N]\n"
             "                   [--transfer-timeout-ms N] [--cp-size N --cp-strategy S] [--tp N]\n"
             "                   [--log-level error|warn|info|debug|trace]\n"
@@ -47,7 +47,9 @@ static void usage(FILE *f)
             "/v1/models) and /health, /ready, /metrics; printed as 'listening http HOST:PORT'.\n"
             "SIGTERM drains: new requests are refused (HTTP 503, /ready 503), running ones\n"
             "finish for up to --drain-timeout-ms (default 30000), then the node exits 0.\n"
-            "--log-format json writes every log line (and the per-request line) as JSON.\n");
+            "--log-format json writes every log line (and the per-request line) as JSON.\n"
+            "--dtype f32 keeps the weights and KV cache in fp32 on cuda (default bf16); prefill\n"
+            "nodes must use the same (a KV layout that differs is refused by name).\n");
 }
 
 int main(int argc, char **argv)
@@ -60,7 +62,7 @@ int main(int argc, char **argv)
     int64_t drain_ms = 30000;
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_PREFILL, O_COLO, O_DEVICE, O_PAGES, O_PAGE, O_BATCH,
            O_QUEUE, O_QTMO, O_RTMO, O_XTMO, O_CP, O_CPS, O_LOG, O_HELP, O_HTTP, O_LOGFMT, O_DRAIN,
-           O_VERIFY, O_THRESH, O_FAST, O_GRAPHS, O_TP };
+           O_VERIFY, O_THRESH, O_FAST, O_GRAPHS, O_TP, O_DTYPE };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"prefill", required_argument, 0, O_PREFILL},
@@ -73,7 +75,7 @@ int main(int argc, char **argv)
         {"cp-size", required_argument, 0, O_CP}, {"cp-strategy", required_argument, 0, O_CPS},
         {"verify", required_argument, 0, O_VERIFY}, {"threshold", required_argument, 0, O_THRESH},
         {"fast-kernels", no_argument, 0, O_FAST}, {"graphs", required_argument, 0, O_GRAPHS},
-        {"tp", required_argument, 0, O_TP},
+        {"tp", required_argument, 0, O_TP}, {"dtype", required_argument, 0, O_DTYPE},
         {"log-level", required_argument, 0, O_LOG}, {"help", no_argument, 0, O_HELP},
         {"http", required_argument, 0, O_HTTP}, {"log-format", required_argument, 0, O_LOGFMT},
         {"drain-timeout-ms", required_argument, 0, O_DRAIN}, {0, 0, 0, 0},
@@ -90,6 +92,7 @@ int main(int argc, char **argv)
         case O_PREFILL: cfg.prefill = optarg; break;
         case O_COLO: colocated = 1; break;
         case O_DEVICE: cfg.device = optarg; break;
+        case O_DTYPE: bad = pd_cli_parse_dtype(PROG, optarg, &cfg.f32); break;
         case O_PAGES: bad = pd_cli_parse_int(PROG, "--kv-pages", optarg, 1, INT_MAX / 2, &cfg.kv_pages); break;
         case O_PAGE: bad = pd_cli_parse_int(PROG, "--page-size", optarg, 1, 4096, &cfg.page_size); break;
         case O_BATCH: bad = pd_cli_parse_int(PROG, "--max-batch", optarg, 1, 65536, &cfg.max_batch); break;

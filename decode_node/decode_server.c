@@ -1386,7 +1386,7 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
         st = pd_err_set(err, PD_ERR_NOMEM, "decode config");
         goto err_destroy;
     }
-    kern_backend_config bc = { .name = s->device };
+    kern_backend_config bc = { .name = s->device, .f32 = cfg->f32 };
     if ((st = kern_backend_create(&bc, &s->be, err)) != PD_OK)
         goto err_destroy;
     if ((st = pd_qwen3_load(s->be, s->model_dir, &s->tm, err)) != PD_OK)

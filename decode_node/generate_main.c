@@ -102,13 +102,7 @@ int main(int argc, char **argv)
         case O_JSON: json = 1; break;
         case O_IGNORE: ignore_eos = 1; break;
         case O_DEVICE: device = optarg; break;
-        case O_DTYPE:
-            if (strcmp(optarg, "f32") != 0 && strcmp(optarg, "bf16") != 0) {
-                fprintf(stderr, PROG ": --dtype: '%s' is not bf16 or f32\n", optarg);
-                bad = 1;
-            }
-            f32 = strcmp(optarg, "f32") == 0;
-            break;
+        case O_DTYPE: bad = pd_cli_parse_dtype(PROG, optarg, &f32); break;
         case O_PAGE: bad = pd_cli_parse_int(PROG, "--page-size", optarg, 1, 4096, &page_size); break;
         case O_PAGES: bad = pd_cli_parse_int(PROG, "--kv-pages", optarg, 1, INT_MAX, &kv_pages); break;
         case O_STREAM: stream = 1; break;

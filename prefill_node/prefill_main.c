@@ -23,7 +23,7 @@ static void usage(FILE *f)
 {
     fprintf(f,
             "usage: prefill_node --model DIR [--draft DIR] --listen HOST:PORT\n"
-            "                    [--cp-size N --cp-strategy S] [--device cpu|cuda]\n"
+            "                    [--cp-size N --cp-strategy S] [--device cpu|cuda] [--dtype bf16|f32]\n"
             "                    [--max-batch-tokens N] [--kv-pages N] [--page-size N]\n"
             "                    [--transfer-timeout-ms N] [--aux-transfer raw|ctx|draft-kv]\n"
             "                    [--xfer-err-mode peer|none]\n"
@@ -43,6 +43,8 @@ static void usage(FILE *f)
             "that dies is then noticed only by --transfer-timeout-ms (default peer: at once).\n"
             "--http serves GET /health, /ready and /metrics (Prometheus text), printed as\n"
             "'listening http HOST:PORT'.\n"
+            "--dtype f32 keeps the weights and KV cache in fp32 on cuda (default bf16); the\n"
+            "decode nodes must use the same.\n"
             "SIGTERM drains: new Prefill calls get UNAVAILABLE and /ready 503 while queued and\n"
             "running prefills finish (at most --drain-timeout-ms, default 30000), then it exits 0.\n"
             "SIGINT stops at once.\n");
@@ -67,7 +69,7 @@ int main(int argc, char **argv)
     int drain_ms = 30000;
     int tmo = 0;
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_CP, O_CPS, O_DEVICE, O_MBT, O_PAGES, O_PAGE, O_XTMO,
-           O_AUX, O_LOG, O_HELP, O_HTTP, O_XERR, O_DRAIN };
+           O_AUX, O_LOG, O_HELP, O_HTTP, O_XERR, O_DRAIN, O_DTYPE };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"cp-size", required_argument, 0, O_CP},
@@ -76,7 +78,7 @@ int main(int argc, char **argv)
         {"page-size", required_argument, 0, O_PAGE}, {"transfer-timeout-ms", required_argument, 0, O_XTMO},
         {"aux-transfer", required_argument, 0, O_AUX}, {"log-level", required_argument, 0, O_LOG},
         {"help", no_argument, 0, O_HELP}, {"http", required_argument, 0, O_HTTP},
-        {"drain-timeout-ms", required_argument, 0, O_DRAIN},
+        {"drain-timeout-ms", required_argument, 0, O_DRAIN}, {"dtype", required_argument, 0, O_DTYPE},
         {"xfer-err-mode", required_argument, 0, O_XERR}, {0, 0, 0, 0},
     };
     opterr = 0;
@@ -90,6 +92,7 @@ int main(int argc, char **argv)
         case O_CP: bad = pd_cli_parse_int(PROG, "--cp-size", optarg, 1, 64, &cfg.cp_size); break;
         case O_CPS: cfg.cp_strategy = optarg; break;
         case O_DEVICE: cfg.device = optarg; break;
+        case O_DTYPE: bad = pd_cli_parse_dtype(PROG, optarg, &cfg.f32); break;
         case O_MBT: bad = pd_cli_parse_int(PROG, "--max-batch-tokens", optarg, 1, INT_MAX / 2, &cfg.max_batch_tokens); break;
         case O_PAGES: bad = pd_cli_parse_int(PROG, "--kv-pages", optarg, 1, INT_MAX / 2, &cfg.kv_pages); break;
         case O_PAGE: bad = pd_cli_parse_int(PROG, "--page-size", optarg, 1, 4096, &cfg.page_size); break;

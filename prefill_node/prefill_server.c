@@ -1030,7 +1030,7 @@ pd_status prefill_server_create(const prefill_config *cfg, prefill_server **out,
         st = pd_err_set(err, PD_ERR_NOMEM, "prefill config");
         goto err_destroy;
     }
-    kern_backend_config bc = { .name = ps->device };
+    kern_backend_config bc = { .name = ps->device, .f32 = cfg->f32 };
     if ((st = kern_backend_create(&bc, &ps->be, err)) != PD_OK)
         goto err_destroy;
     if ((st = pd_qwen3_load(ps->be, ps->model_dir, &ps->tm, err)) != PD_OK)

@@ -38,6 +38,8 @@ typedef struct {
     const char *model_dir;
     const char *draft_dir;          /* needed for any aux transfer (taps, fc, draft K/V) */
     const char *device;             /* "cpu" (default) or "cuda" */
+    int f32;                        /* cuda: weights and KV cache in fp32 (--dtype f32; default
+                                     * bf16; the decode nodes must use the same) */
     int cp_size;                    /* context-parallel ranks (0/1 = off) */
     const char *cp_strategy;        /* NULL = engine default */
     int kv_pages;                   /* 0 = engine default */

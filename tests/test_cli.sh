@@ -123,5 +123,15 @@ expect_fail "loadsim bad concurrency" "concurrency.*'0'" $ls --model "$T" --conc
 expect_fail "loadsim bad policy" "verify policy 'fast'" $ls --model "$T" --policies target,fast
 expect_fail "loadsim unknown flag" "unknown or incomplete flag '--bogus'" $ls --bogus
 
+# the servers take --dtype too (built with the network stack only)
+if [ -x "$bin/decode_node" ]; then
+    expect_fail "decode_node unknown dtype" "dtype: 'f16' is not bf16 or f32" $bin/decode_node --model "$T" \
+        --draft "$D" --listen 127.0.0.1:0 --colocated --dtype f16
+fi
+if [ -x "$bin/prefill_node" ]; then
+    expect_fail "prefill_node unknown dtype" "dtype: 'f16' is not bf16 or f32" $bin/prefill_node --model "$T" \
+        --draft "$D" --listen 127.0.0.1:0 --dtype f16
+fi
+
 echo "$pass passed, $fail failed"
 [ $fail -eq 0 ] && [ $pass -gt 0 ]
