@@ -66,6 +66,7 @@ struct pd_engine {
     int cap_pend_host;
     uint64_t ext_epoch;         /* extend_draft calls so far (pd_request.ext_epoch) */
     double flush_row_s;         /* host seconds per deferred row added, smoothed over flushes */
+    int round_gaps;             /* this round's waiting decode rows become gaps (decode_round) */
     pd_sps sps_default;         /* linear step-time model when no profile is given */
     pd_sched_ctl sched;         /* the scheduled policy's arms (pd_verify_policy.h) */
     int trace_head;             /* the trace's header line was written */
@@ -675,6 +676,8 @@ static pd_status extend_draft(pd_engine *e, const float *aux, const int32_t *row
  * of it are still wanted, else flushed. */
 #define PD_PEND_MAX_ROWS 65536
 #define PD_PEND_MAX_BYTES ((size_t)256 << 20)
+/* Rounds of at least this many requests leave their waiting decode rows as gaps (decode_round). */
+#define PD_GAP_MIN_BATCH 8
 
 /* The token at position p of r (prompt, then output). */
 static int32_t token_at(const pd_request *r, int p)
@@ -695,13 +698,27 @@ static pd_status gap_chunk(pd_engine *e, const int32_t *ids, const int32_t *pos,
     return extend_draft(e, pd_target_aux(e->target), rows, pos, own, n, err);
 }
 
-/* Recomputes every request's gap (decode rows of rounds without drafts, which kept no aux row)
- * and adds the rows to the draft KV, in chunks of at most PD_DRAFT_EXTEND_GRAPH_MAX tokens. */
-static pd_status gap_flush(pd_engine *e, pd_err *err)
+/* Which waiting rows a flush adds (pend_flush). */
+typedef enum {
+    PD_FLUSH_ALL,           /* every gap and buffer row */
+    PD_FLUSH_DRAFTING,      /* the rows of requests that draft this round (pd_request.drafting) */
+    PD_FLUSH_BUFFER,        /* the buffer's rows (it is full), no gaps */
+} pd_flush_mode;
+
+static int flush_takes(pd_flush_mode mode, const pd_request *r)
+{
+    return mode != PD_FLUSH_DRAFTING || r->drafting;
+}
+
+/* Recomputes the gaps (decode rows of rounds without drafts, which kept no aux row) of the
+ * requests mode takes and adds the rows to the draft KV, in chunks of at most
+ * PD_DRAFT_EXTEND_GRAPH_MAX tokens; the gaps are closed. */
+static pd_status gap_flush(pd_engine *e, pd_flush_mode mode, pd_err *err)
 {
     int total = 0;
     for (int i = 0; i < e->n_reqs; i++)
-        total += e->reqs[i]->n_gap;
+        if (flush_takes(mode, e->reqs[i]))
+            total += e->reqs[i]->n_gap;
     if (total == 0)
         return PD_OK;
     int cap = PD_DRAFT_EXTEND_GRAPH_MAX;
@@ -723,6 +740,8 @@ static pd_status gap_flush(pd_engine *e, pd_err *err)
     int c = 0, ns = 0;
     for (int i = 0; i < e->n_reqs && st == PD_OK; i++) {
         pd_request *r = e->reqs[i];
+        if (!flush_takes(mode, r))
+            continue;
         for (int j = 0; j < r->n_gap && st == PD_OK; j++) {
             if (j == 0 || c == 0)
                 seqs[ns++] = &r->tkv;
@@ -736,6 +755,9 @@ static pd_status gap_flush(pd_engine *e, pd_err *err)
                 c = ns = 0;
             }
         }
+        e->pend_live -= r->n_gap;
+        r->n_pend -= r->n_gap;
+        r->n_gap = 0;
     }
     if (st == PD_OK && c > 0)
         st = gap_chunk(e, ids, pos, seq, rows, own, c, seqs, ns, err);
@@ -745,9 +767,9 @@ static pd_status gap_flush(pd_engine *e, pd_err *err)
     return st;
 }
 
-/* The deferred buffer's rows to the draft KV; rows of requests that ended (owner NULL,
- * pend_drop) are skipped. */
-static pd_status buf_flush(pd_engine *e, pd_err *err)
+/* The deferred buffer's rows of the requests mode takes to the draft KV; their entries are
+ * left as those of ended requests (owner NULL), and the buffer empties when none is wanted. */
+static pd_status buf_flush(pd_engine *e, pd_flush_mode mode, pd_err *err)
 {
     int n = e->n_pend;
     if (n == 0)
@@ -760,13 +782,19 @@ static pd_status buf_flush(pd_engine *e, pd_err *err)
         free(own);
         return pd_err_set(err, PD_ERR_NOMEM, "deferred draft context metadata");
     }
-    int k = 0;
-    for (int i = 0; i < n; i++)
-        if (e->pend_owner[i] != NULL) {
-            idx[k] = i;
-            pos[k] = e->pend_pos[i];
-            own[k++] = e->pend_owner[i];
+    int k = 0, kept = 0;
+    for (int i = 0; i < n; i++) {
+        pd_request *r = e->pend_owner[i];
+        if (r == NULL)
+            continue;
+        if (!flush_takes(mode, r)) {
+            kept++;
+            continue;
         }
+        idx[k] = i;
+        pos[k] = e->pend_pos[i];
+        own[k++] = r;
+    }
     /* in chunks the graph-replayed extension takes: its buffers stay at that size, where one
      * batch of every row (thousands) grew device scratch, which also made every graph stale */
     pd_status st = PD_OK;
@@ -774,33 +802,41 @@ static pd_status buf_flush(pd_engine *e, pd_err *err)
         int c = k - c0 < PD_DRAFT_EXTEND_GRAPH_MAX ? k - c0 : PD_DRAFT_EXTEND_GRAPH_MAX;
         st = extend_draft(e, e->pend_aux->ptr, idx + c0, pos + c0, own + c0, c, err);
     }
+    for (int j = 0; j < k; j++) {
+        e->pend_owner[idx[j]] = NULL;
+        own[j]->n_pend--;
+    }
+    e->pend_live -= k;
+    if (kept == 0)
+        e->n_pend = 0;
     free(idx);
     free(pos);
     free(own);
     return st;
 }
 
-/* Adds every context row the draft KV still lacks (the gaps and the deferred buffer) with the
- * fast (cuBLAS) kernels and empties both. The batch-invariant kernels are for the target's
- * logits, which decide the output; the drafter's context only changes which drafts are
- * proposed, and a flush of thousands of rows through the skinny invariant kernel cost
- * milliseconds on the tiny pair (docs/BENCHMARKS.md). */
-static pd_status pend_flush(pd_engine *e, pd_err *err)
+/* Adds the context rows the draft KV still lacks, those mode takes (gaps and buffer rows),
+ * with the fast (cuBLAS) kernels; *n_rows (nullable) gets how many. The batch-invariant kernels
+ * are for the target's logits, which decide the output; the drafter's context only changes
+ * which drafts are proposed, and a flush of thousands of rows through the skinny invariant
+ * kernel cost milliseconds on the tiny pair (docs/BENCHMARKS.md). */
+static pd_status pend_flush(pd_engine *e, pd_flush_mode mode, int *n_rows, pd_err *err)
 {
+    int live0 = e->pend_live;
+    if (n_rows != NULL)
+        *n_rows = 0;
     if (e->n_pend == 0 && e->pend_live == 0)
         return PD_OK;
     e->times.pend_flushes++;
     kern_backend *be = e->tm->be;
     int inv = be->batch_invariant;
     be->batch_invariant = 0;
-    pd_status st = gap_flush(e, err);
+    pd_status st = mode == PD_FLUSH_BUFFER ? PD_OK : gap_flush(e, mode, err);
     if (st == PD_OK)
-        st = buf_flush(e, err);
+        st = buf_flush(e, mode, err);
     be->batch_invariant = inv;
-    for (int i = 0; i < e->n_reqs; i++)
-        e->reqs[i]->n_pend = e->reqs[i]->n_gap = 0;
-    e->n_pend = 0;
-    e->pend_live = 0;
+    if (n_rows != NULL)
+        *n_rows = live0 - e->pend_live;
     return st;
 }
 
@@ -874,7 +910,7 @@ static pd_status pend_add(pd_engine *e, const float *aux, const int32_t *rows, c
     if (e->n_pend + n > e->cap_pend && e->n_pend > 0)
         TRY(pend_compact(e, err));
     if (e->n_pend + n > e->cap_pend) {   /* still full (or not allocated yet) */
-        TRY(pend_flush(e, err));
+        TRY(pend_flush(e, PD_FLUSH_BUFFER, NULL, err));
         if (n > max_rows)
             return extend_draft(e, aux, rows, pos, owner, n, err);
         /* sized once, at its largest: growing would drop the contents */
@@ -900,8 +936,8 @@ static pd_status pend_add(pd_engine *e, const float *aux, const int32_t *rows, c
 
 /* ---- prefill ----------------------------------------------------------------------------- */
 
-/* Which committed context rows wait in the deferred buffer instead of extending the draft KV
- * now: a scheduled request's rows of a round without drafts, and its prompt rows (when the
+/* Which committed context rows wait instead of extending the draft KV now: a scheduled
+ * request's rows of a round in which it does not draft, and its prompt rows (when the
  * scheduler then decodes without drafts the request may end before its next drafting round and
  * they are never computed) unless the prompt's context is handed on (prefill nodes: aux or ctx
  * rows kept, KV held). */
@@ -910,7 +946,7 @@ static pd_verify_policy request_policy(const pd_engine *e, const pd_request *r);
 static int row_defers(const pd_engine *e, const pd_request *r, int prompt)
 {
     return request_policy(e, r) == PD_VERIFY_SCHEDULED &&
-           (!prompt || (r->aux == NULL && r->ctx == NULL && !r->params.hold_kv));
+           (prompt ? r->aux == NULL && r->ctx == NULL && !r->params.hold_kv : !r->drafting);
 }
 
 /* Puts r's decode row at position p into its gap (pd_request.gap_lo) when it extends it. */
@@ -954,7 +990,7 @@ static pd_status extend_or_defer(pd_engine *e, const float *aux, const int32_t *
         int at;
         if (!row_defers(e, r, prompt))
             at = n + k++;
-        else if (!prompt && gap_add(e, r, pos[i]))
+        else if (!prompt && e->round_gaps && gap_add(e, r, pos[i]))
             continue;
         else
             at = d++;
@@ -1463,7 +1499,7 @@ static int sched_accept(pd_engine *e, const round_slot *slots, int m, const pd_r
  * sched_accept, where it would otherwise start from the arm's record and wait for the
  * controller's next trial, typically most of a request at batch 1. Returns 1 when this round is
  * such a probe; leaves the acceptance factor to the caller's sched_accept. */
-static int sched_probe(pd_engine *e, const round_slot *slots, int m)
+static pd_request *sched_probe(pd_engine *e, const round_slot *slots, int m)
 {
     pd_request *cand = NULL;
     for (int i = 0; i < m && cand == NULL; i++) {
@@ -1475,14 +1511,14 @@ static int sched_probe(pd_engine *e, const round_slot *slots, int m)
             cand = r;
     }
     if (cand == NULL)
-        return 0;
+        return NULL;
     if (!sched_accept(e, slots, m, cand))   /* no record yet: the controller tries the arm */
-        return 0;
+        return NULL;
     if (cand->n_whole < PD_PROBE_ROUNDS)
         cand->n_probed++;   /* PD_PROBE_ROUNDS first chances, whatever the answers */
     else
         cand->plain_streak = 0;   /* and one per PD_REPROBE_PLAIN rounds without drafts */
-    return pd_sched_all_wins(&e->sched, m);
+    return pd_sched_all_wins(&e->sched, m) ? cand : NULL;
 }
 
 /* One line of the scheduled policy's trace (pd_engine_config.sched_trace): the round, its
@@ -1560,23 +1596,30 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     for (int i = 0; i < m && e->dm != NULL; i++)
         n_sched += slots[i].l > 0 && request_policy(e, slots[i].r) == PD_VERIFY_SCHEDULED;
     if (n_sched > 0) {
-        int probe = e->cfg.sched_debug_arm <= 0 && sched_probe(e, slots, m);
-        sched_probed = probe;
+        pd_request *probe = e->cfg.sched_debug_arm <= 0 ? sched_probe(e, slots, m) : NULL;
+        sched_probed = probe != NULL;
         sched_accept(e, slots, m, NULL);
         pd_sched_set_switch(&e->sched, e->pend_live * e->flush_row_s);
         if (e->cfg.sched_debug_arm > 0) {
             sched_mode = e->cfg.sched_debug_arm - 1;
-        } else if (probe) {
+        } else if (probe != NULL) {
+            /* the probed request alone drafts (all of its block): a round that flushed and
+             * drafted for the whole batch to learn one request cost several plain rounds */
             sched_mode = PD_SCHED_ALL;
-            e->sched.n_arm[PD_SCHED_ALL]++;
             e->sched.n_probes++;
         } else {
             sched_mode = (int)pd_sched_pick(&e->sched, m);
         }
-        for (int i = 0; i < m && sched_mode == PD_SCHED_PLAIN; i++)
-            if (request_policy(e, slots[i].r) == PD_VERIFY_SCHEDULED)
+        for (int i = 0; i < m; i++)
+            if (request_policy(e, slots[i].r) == PD_VERIFY_SCHEDULED &&
+                (sched_mode == PD_SCHED_PLAIN || (probe != NULL && slots[i].r != probe)))
                 slots[i].l = 0;
     }
+    /* rows of scheduled requests that do not draft this round wait: at small batches in the
+     * deferred buffer (a copy per round; drafting rounds and probes come often there, and
+     * recomputing a gap costs a forward, a whole step on a large model), at larger ones as
+     * gaps (nothing per round; drafting rarely resumes there) */
+    e->round_gaps = m >= (e->cfg.gap_min_batch > 0 ? e->cfg.gap_min_batch : PD_GAP_MIN_BATCH);
     int round_tokens = 0;
     /* ---- draft: one block forward for every request that drafts, then the Markov loop ---- */
     int n_draft = 0;
@@ -1595,6 +1638,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     int any_sampled = 0, d_i = 0;
     for (int i = 0; i < m; i++) {
         any_sampled |= !pd_sample_is_greedy(&slots[i].r->params.sample);
+        slots[i].r->drafting = slots[i].l > 0;
         if (slots[i].l == 0)
             continue;
         anchor[d_i] = slots[i].r->out[slots[i].r->n_out - 1];
@@ -1622,16 +1666,20 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     }
     e->times.reserve += now_s() - t_enter;
     double flush_sec = 0.0;
-    if (n_draft > 0 && e->pend_live > 0) {
-        int live_before = e->pend_live;
+    int pend_drafting = 0;
+    for (int j = 0; j < n_draft; j++)
+        pend_drafting += dslot[j]->r->n_pend;
+    if (pend_drafting > 0) {
+        int n_flushed = 0;
         double t_flush = now_s();
-        st = pend_flush(e, err);   /* the drafts must see every committed position */
+        /* the drafts must see every committed position of their request */
+        st = pend_flush(e, PD_FLUSH_DRAFTING, &n_flushed, err);
         flush_sec = now_s() - t_flush;
         e->times.flush += flush_sec;
         /* seconds per deferred row that was added, for the controller's trial cost (captures
          * included: the last chunk's size varies, so a flush often captures one) */
-        if (live_before > 0) {
-            double per = flush_sec / live_before;
+        if (n_flushed > 0) {
+            double per = flush_sec / n_flushed;
             e->flush_row_s = e->flush_row_s > 0.0 ? 0.7 * e->flush_row_s + 0.3 * per : per;
         }
         if (st != PD_OK)
@@ -1674,7 +1722,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         draft_sec = now_s() - t_draft;
         e->times.draft += draft_sec;
         if (graph_cold(e) == cold_draft)   /* a capture says little about the next rounds */
-            pd_sched_add_draft(&e->sched, m, draft_sec);
+            pd_sched_add_draft(&e->sched, n_draft, draft_sec);
         if (want_conf) {
             choose_lengths(e, dslot, n_draft, conf, pd_sched_draft_s(&e->sched, m), sched_mode == PD_SCHED_ALL);
             for (int j = 0; j < n_draft; j++) {
@@ -1840,14 +1888,10 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     }
     double t_extend = now_s();
     e->times.commit += t_extend - t_commit;
-    if (pended)
-        ;   /* done with the forward */
-    else if (n_ext > 0 && sched_mode == PD_SCHED_PLAIN)
-        /* a round without drafts for the scheduled requests: their context rows wait (they are
-         * added in one batch before the next round that drafts); the others' go in now */
+    if (!pended && n_ext > 0)
+        /* rows of scheduled requests that did not draft wait (until their next drafting round);
+         * the others' go in now */
         st = extend_or_defer(e, pd_target_aux(e->target), ext_rows, ext_pos, ext_owner, n_ext, 0, err);
-    else if (n_ext > 0)
-        st = extend_draft(e, pd_target_aux(e->target), ext_rows, ext_pos, ext_owner, n_ext, err);
     free(ext_owner);
     e->times.extend += now_s() - t_extend;
     if (st == PD_OK && sched_mode >= 0) {
@@ -1860,7 +1904,8 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         if (e->cfg.sched_trace != NULL)
             sched_trace(e, sched_mode, sched_probed, m, slots[0].r->id, round_tokens, n_v, dt, draft_sec,
                         flush_sec, cold);
-        if (dt > 0.0)
+        /* a probe round in which others did not draft is no arm's */
+        if (dt > 0.0 && (!sched_probed || n_draft == m))
             pd_sched_add(&e->sched, (pd_sched_arm)sched_mode, m, round_tokens, dt, draft_sec, n_v, cold);
     }
 out:
@@ -1893,7 +1938,7 @@ pd_status pd_engine_step(pd_engine *e, pd_err *err)
          * pages given back */
         if (r->finish != PD_FINISH_NONE && r->n_pend > 0) {
             if (r->params.hold_kv)
-                TRY(pend_flush(e, err));
+                TRY(pend_flush(e, PD_FLUSH_ALL, NULL, err));
             else
                 pend_drop(e, r);
         }
@@ -2026,6 +2071,8 @@ void pd_engine_graph_stats(const pd_engine *e, uint64_t *eager, uint64_t *captur
 }
 
 const pd_sched_ctl *pd_engine_sched(const pd_engine *e) { return &e->sched; }
+
+void pd_engine_set_sched_debug_arm(pd_engine *e, int arm) { e->cfg.sched_debug_arm = arm; }
 const pd_engine_times *pd_engine_phase_times(const pd_engine *e) { return &e->times; }
 
 void pd_engine_set_sps(pd_engine *e, const pd_sps *sps)

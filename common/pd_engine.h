@@ -60,13 +60,16 @@ typedef struct {
                                         * refused. Not with cp_size > 1. */
     int sched_debug_arm;               /* tests only: 0 = the scheduled policy measures and picks
                                         * its arm per round; 1 = always no drafts, 2 = always
-                                        * Algorithm 1, 3 = always all drafts */
+                                        * Algorithm 1, 3 = always all drafts (changed between
+                                        * steps by pd_engine_set_sched_debug_arm) */
     void *sched_trace;                 /* diagnostics: a FILE * (stdio) that gets one line per
                                         * round of scheduled requests (the arm, its estimates and
                                         * what the round took); NULL = none */
     int pend_max_rows;                 /* tests only: rows of the deferred draft context buffer
                                         * (0: as many as fit in 256 MB, at most 65536), and the
                                         * chunk of recomputed gap rows when less than 1024 */
+    int gap_min_batch;                 /* tests only: rounds of at least this many requests
+                                        * leave waiting decode rows as gaps (0: 8) */
     int tp_debug_fail_rank;            /* tests only: pd_tp_group_config.debug_fail_rank/cmd */
     int tp_debug_fail_cmd;
     /* Tests and debugging: called on the engine thread with exactly the aux tensor (backend
@@ -135,6 +138,7 @@ typedef struct pd_request {
                               * buffer plus the n_gap rows below */
     int gap_lo, n_gap;       /* positions gap_lo .. gap_lo + n_gap - 1: decode rows of rounds
                               * without drafts, recomputed by a target forward when needed */
+    int drafting;            /* it drafts in the current round */
     double acc_tok, acc_rounds; /* its rounds that verified a whole block: committed tokens and
                               * rounds, discounted (the scheduled policy's per-request acceptance) */
     int n_whole;             /* its rounds that verified a whole block */
@@ -203,6 +207,8 @@ uint64_t pd_engine_graph_cold(const pd_engine *e);
 void pd_engine_set_sps(pd_engine *e, const pd_sps *sps);
 /* The scheduled policy's arm controller (diagnostics: picks per arm, estimates). */
 const pd_sched_ctl *pd_engine_sched(const pd_engine *e);
+/* Tests: pins the scheduled policy's arm from the next step on (pd_engine_config.sched_debug_arm). */
+void pd_engine_set_sched_debug_arm(pd_engine *e, int arm);
 /* Host wall seconds spent in each part of pd_engine_step so far (diagnostics; the device runs
  * asynchronously, so a part that downloads also waits for work queued before it). */
 typedef struct {

@@ -258,47 +258,68 @@ static pd_engine *sched_engine_pages(int debug_arm, int n_pages)
 
 static pd_engine *sched_engine(int debug_arm) { return sched_engine_pages(debug_arm, 64); }
 
+/* A scheduled engine whose rounds of any batch leave waiting decode rows as gaps (gaps = 1) or
+ * that keeps them in the deferred buffer (gaps = 0), with a deferred buffer of buf_rows rows
+ * (0: default). */
+static pd_engine *gap_engine(int debug_arm, int gaps, int buf_rows, int n_pages)
+{
+    pd_err err;
+    pd_engine *e = NULL;
+    pd_engine_config ec = { .target = tm, .draft = dm, .page_size = 4, .n_pages = n_pages,
+                            .verify_policy = PD_VERIFY_SCHEDULED, .sched_debug_arm = debug_arm,
+                            .gap_min_batch = gaps ? 1 : 1 << 20, .pend_max_rows = buf_rows };
+    TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);
+    return e;
+}
+
 /* Rounds without drafts (scheduled policy, "no drafts" arm) defer the drafter's context rows and
  * add them in one batch later: the draft KV of every committed position must end up as if each
  * round had added its rows at once (compared with the all-drafts arm, which adds them every
- * round); without the deferred batch those pages would never be written. */
+ * round); without the deferred batch those pages would never be written. Both ways of waiting:
+ * the deferred buffer (aux rows copied) and gaps (rows recomputed by a target forward). */
 static void test_engine_deferred_context(void)
 {
     pd_err err;
     int na = (int)(sizeof(prompt_a) / 4);
-    int len[2] = {0, 0};
-    float *kv[2] = {NULL, NULL};
-    for (int run = 0; run < 2; run++) {
-        pd_engine *e = sched_engine(run == 0 ? 1 : 3);
+    int len[3] = {0};
+    float *kv[3] = {NULL};
+    for (int run = 0; run < 3; run++) {   /* buffer, gaps, immediate */
+        pd_engine *e = gap_engine(run < 2 ? 1 : 3, run == 1, 0, 64);
         pd_gen_params gp = greedy(20);
         gp.hold_kv = 1;
         pd_request *r = NULL;
         TEST_CHECK(pd_engine_add(e, 1, prompt_a, na, &gp, &r, &err) == PD_OK);
         run_to_end(e);
-        if (run == 0) {
-            TEST_CHECK_MSG(r->n_pend > 0, "no-drafts rounds deferred no context rows");
-            TEST_CHECK_MSG(r->n_gap > 0 && r->gap_lo == na, "decode rows %d..%d left as a gap, want from %d",
-                           r->gap_lo, r->gap_lo + r->n_gap - 1, na);
-        }
+        /* the request holds its KV, so its prompt rows went in at once; 19 decode rounds */
+        if (run == 0)
+            TEST_CHECK_MSG(r->n_pend == 19 && r->n_gap == 0, "buffer: %d rows wait, %d in a gap", r->n_pend,
+                           r->n_gap);
+        if (run == 1)
+            TEST_CHECK_MSG(r->n_pend == 19 && r->n_gap == 19 && r->gap_lo == na,
+                           "decode rows %d..%d left as a gap, want %d..%d", r->gap_lo, r->gap_lo + r->n_gap - 1,
+                           na, na + 18);
         TEST_CHECK(pd_engine_step(e, &err) == PD_OK);   /* the finished request's rows land */
         TEST_CHECK(r->n_pend == 0);
         kv[run] = read_draft_kv(e, r, &len[run]);
         pd_engine_release(e, r);
         pd_engine_destroy(e);
     }
-    int n = len[0] < len[1] ? len[0] : len[1];
-    TEST_CHECK_MSG(n > na, "context reaches past the prompt: %d vs %d", n, na);
-    double maxd = draft_kv_diff(kv[0], len[0], kv[1], len[1], n);
-    printf("deferred draft context: %d positions, max |dK|,|dV| vs immediate %.2e\n", n, maxd);
-    TEST_CHECK_MSG(maxd < 1e-3, "deferred draft context differs from the immediate one by %g", maxd);
-    free(kv[0]);
-    free(kv[1]);
+    for (int run = 0; run < 2; run++) {
+        int n = len[run] < len[2] ? len[run] : len[2];
+        TEST_CHECK_MSG(n > na, "context reaches past the prompt: %d vs %d", n, na);
+        double maxd = draft_kv_diff(kv[run], len[run], kv[2], len[2], n);
+        printf("deferred draft context (%s): %d positions, max |dK|,|dV| vs immediate %.2e\n",
+               run ? "gaps" : "buffer", n, maxd);
+        TEST_CHECK_MSG(maxd < 1e-3, "deferred draft context differs from the immediate one by %g", maxd);
+    }
+    for (int run = 0; run < 3; run++)
+        free(kv[run]);
 }
 
 /* A scheduled request's prompt rows wait in the deferred buffer too (decoded without drafts, it
- * may end before they are needed) and land with the prefill kernels before the next round that
- * drafts; here a second request that verifies full blocks makes the engine draft. Its draft KV
- * must equal the one of a full-blocks request, whose rows are added at once. */
+ * may end before they are needed) and land with the prefill kernels before its next round that
+ * drafts; a request that drafts alongside lands nothing of it. Its draft KV then equals the one
+ * of a full-blocks request, whose rows are added at once. */
 static void test_engine_deferred_prompt(void)
 {
     pd_err err;
@@ -312,8 +333,12 @@ static void test_engine_deferred_prompt(void)
     TEST_CHECK_MSG(ra->n_pend == na + 1, "deferred rows after prefill and one plain round: %d, want %d",
                    ra->n_pend, na + 1);
     TEST_CHECK(pd_engine_add(e, 2, prompt_b, nb, &full, &rb, &err) == PD_OK);
-    TEST_CHECK(pd_engine_step(e, &err) == PD_OK);   /* rb drafts: ra's rows land first */
-    TEST_CHECK_MSG(ra->n_pend == 1, "after a drafting round %d rows wait, want 1 (that round's)", ra->n_pend);
+    TEST_CHECK(pd_engine_step(e, &err) == PD_OK);   /* rb drafts, ra does not: ra's rows wait */
+    TEST_CHECK_MSG(ra->n_pend == na + 2, "after rb's drafting round %d rows of ra wait, want %d", ra->n_pend,
+                   na + 2);
+    pd_engine_set_sched_debug_arm(e, 3);
+    TEST_CHECK(pd_engine_step(e, &err) == PD_OK);   /* ra drafts: its rows land first */
+    TEST_CHECK_MSG(ra->n_pend == 0, "after its drafting round %d rows of ra wait", ra->n_pend);
     int len0 = 0, len1 = 0;
     float *kv0 = read_draft_kv(e, ra, &len0);
     pd_engine_destroy(e);
@@ -343,19 +368,18 @@ static void test_engine_deferred_chunks(void)
     static int32_t longp[NP];
     for (int i = 0; i < NP; i++)
         longp[i] = (int32_t)((i * 37 + 11) % 8000);
-    int nb = (int)(sizeof(prompt_b) / 4);
     pd_engine *e = sched_engine_pages(1, 400);
     pd_gen_params gp = greedy(4), full = greedy(4);
     full.verify_policy = PD_VERIFY_FULL;
-    pd_request *ra = NULL, *rb = NULL;
+    pd_request *ra = NULL;
     TEST_CHECK(pd_engine_add(e, 1, longp, NP, &gp, &ra, &err) == PD_OK);
     for (int i = 0; i < 20 && ra->prefilled < NP; i++)
         TEST_CHECK(pd_engine_step(e, &err) == PD_OK);
     TEST_CHECK_MSG(ra->n_pend > PD_DRAFT_EXTEND_GRAPH_MAX, "deferred rows %d, want more than %d", ra->n_pend,
                    PD_DRAFT_EXTEND_GRAPH_MAX);
-    TEST_CHECK(pd_engine_add(e, 2, prompt_b, nb, &full, &rb, &err) == PD_OK);
-    TEST_CHECK(pd_engine_step(e, &err) == PD_OK);   /* rb drafts: ra's rows land first, in chunks */
-    TEST_CHECK_MSG(ra->n_pend <= 1, "after a drafting round %d rows wait", ra->n_pend);
+    pd_engine_set_sched_debug_arm(e, 3);
+    TEST_CHECK(pd_engine_step(e, &err) == PD_OK);   /* ra drafts: its rows land first, in chunks */
+    TEST_CHECK_MSG(ra->n_pend == 0, "after a drafting round %d rows wait", ra->n_pend);
     int len0 = 0, len1 = 0;
     float *kv0 = read_draft_kv(e, ra, &len0);
     pd_engine_destroy(e);
@@ -397,7 +421,7 @@ static void test_engine_sched_probe(void)
     const pd_sched_ctl *sc = pd_engine_sched(e);
     printf("scheduled at batch 1: %ld probes of 4 requests, arms plain/algo1/all %ld/%ld/%ld\n", sc->n_probes,
            sc->n_arm[PD_SCHED_PLAIN], sc->n_arm[PD_SCHED_ALGO1], sc->n_arm[PD_SCHED_ALL]);
-    TEST_CHECK(sc->n_arm[PD_SCHED_ALL] >= sc->n_probes);
+    TEST_CHECK(sc->n_probes > 0);
     for (int i = 0; i < 4; i++)
         pd_engine_release(e, r[i]);
     pd_engine_destroy(e);
@@ -454,21 +478,17 @@ static void test_engine_gap_chunks(void)
 {
     pd_err err;
     int na = (int)(sizeof(prompt_a) / 4), nb = (int)(sizeof(prompt_b) / 4);
-    pd_engine *e = NULL;
-    pd_engine_config ec = { .target = tm, .draft = dm, .page_size = 4, .n_pages = 64,
-                            .verify_policy = PD_VERIFY_SCHEDULED, .sched_debug_arm = 1, .pend_max_rows = 16 };
-    TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);
-    pd_gen_params gp = greedy(40), full = greedy(4);
-    full.verify_policy = PD_VERIFY_FULL;
-    pd_request *ra = NULL, *rb = NULL, *rd = NULL;
+    pd_engine *e = gap_engine(1, 1, 16, 64);
+    pd_gen_params gp = greedy(40);
+    pd_request *ra = NULL, *rb = NULL;
     TEST_CHECK(pd_engine_add(e, 1, prompt_a, na, &gp, &ra, &err) == PD_OK);
     TEST_CHECK(pd_engine_add(e, 2, prompt_b, nb, &gp, &rb, &err) == PD_OK);
     for (int i = 0; i < 21; i++)
         TEST_CHECK(pd_engine_step(e, &err) == PD_OK);
     TEST_CHECK_MSG(ra->n_gap >= 20 && rb->n_gap >= 20, "gaps of %d and %d rows, want 20+", ra->n_gap, rb->n_gap);
-    TEST_CHECK(pd_engine_add(e, 3, prompt_b, nb, &full, &rd, &err) == PD_OK);
-    TEST_CHECK(pd_engine_step(e, &err) == PD_OK);   /* rd drafts: the gaps land first */
-    TEST_CHECK_MSG(ra->n_pend <= 1 && rb->n_pend <= 1, "rows still lacking: %d, %d", ra->n_pend, rb->n_pend);
+    pd_engine_set_sched_debug_arm(e, 3);
+    TEST_CHECK(pd_engine_step(e, &err) == PD_OK);   /* both draft: their gaps land first */
+    TEST_CHECK_MSG(ra->n_pend == 0 && rb->n_pend == 0, "rows still lacking: %d, %d", ra->n_pend, rb->n_pend);
     int len[4] = {0};
     float *kv[4] = { read_draft_kv(e, ra, &len[0]), read_draft_kv(e, rb, &len[1]) };
     pd_engine_destroy(e);
@@ -496,7 +516,7 @@ static void test_engine_gap_chunks(void)
 /* A full deferred buffer whose rows mostly belong to ended requests is compacted, not flushed:
  * the prompt rows of a request that ends after three tokens fill most of it, a second request's
  * prompt rows join them, a third one's push it over, so the compaction moves the second one's
- * rows; a full-blocks request then makes the engine draft, which lands them. The second
+ * rows; then both survivors draft, which lands them. The second
  * request's draft KV equals an immediate one. */
 static void test_engine_deferred_compact(void)
 {
@@ -506,9 +526,8 @@ static void test_engine_deferred_compact(void)
     pd_engine_config ec = { .target = tm, .draft = dm, .page_size = 4, .n_pages = 64,
                             .verify_policy = PD_VERIFY_SCHEDULED, .sched_debug_arm = 1, .pend_max_rows = 32 };
     TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);
-    pd_gen_params short_gp = greedy(3), long_gp = greedy(24), full = greedy(4);
-    full.verify_policy = PD_VERIFY_FULL;
-    pd_request *ra = NULL, *rb = NULL, *rc = NULL, *rd = NULL;
+    pd_gen_params short_gp = greedy(3), long_gp = greedy(24);
+    pd_request *ra = NULL, *rb = NULL, *rc = NULL;
     TEST_CHECK(pd_engine_add(e, 1, prompt_a, na, &short_gp, &ra, &err) == PD_OK);
     run_to_end(e);
     TEST_CHECK(pd_engine_add(e, 2, prompt_b, nb, &long_gp, &rb, &err) == PD_OK);
@@ -518,9 +537,9 @@ static void test_engine_deferred_compact(void)
     const pd_engine_times *t = pd_engine_phase_times(e);
     printf("deferred buffer of 32 rows: %ld compactions, %ld flushes\n", t->pend_compactions, t->pend_flushes);
     TEST_CHECK_MSG(t->pend_compactions > 0, "the buffer was never compacted");
-    TEST_CHECK(pd_engine_add(e, 4, prompt_b, nb, &full, &rd, &err) == PD_OK);
-    TEST_CHECK(pd_engine_step(e, &err) == PD_OK);   /* rd drafts: everything waiting lands */
-    TEST_CHECK_MSG(rb->n_pend <= 1, "rb still lacks %d rows after a drafting round", rb->n_pend);
+    pd_engine_set_sched_debug_arm(e, 3);
+    TEST_CHECK(pd_engine_step(e, &err) == PD_OK);   /* rb and rc draft: their rows land */
+    TEST_CHECK_MSG(rb->n_pend == 0, "rb still lacks %d rows after a drafting round", rb->n_pend);
     int len0 = 0, len1 = 0;
     float *kv0 = read_draft_kv(e, rb, &len0);
     pd_engine_destroy(e);
