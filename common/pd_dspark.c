@@ -196,6 +196,46 @@ pd_status pd_draft_extend_ctx(pd_draft *d, const float *ctx_host, const pd_tok_b
     return store_ctx(d, d->ctx->ptr, n, err);
 }
 
+/* The Markov chain op of a chained round: every step in one op (one launch on CUDA) when the
+ * head has one and the vocabulary is whole; rows and ids as markov_step_dev's, scratch = the
+ * step scratch (free during a chained round: the confidence pass fills its part after). */
+static kern_markov_chain_args chain_args(const pd_draft *d, int *ok)
+{
+    const pd_dspark_model *m = d->m;
+    int cap = d->cap_req;
+    kern_markov_chain_args mc = { .base = d->base_logits, .ld_base = d->V, .rows = d->chain_rows,
+                                  .ld_rows = cap, .w1 = m->markov_w1, .w2 = m->markov_w2,
+                                  .prev = d->prev_dev, .ld_prev = cap, .n = d->n_req, .steps = d->B,
+                                  .hidden = d->block_hidden, .ld_hidden = d->H,
+                                  .scratch = d->step != NULL ? d->step->ptr : NULL };
+    *ok = d->tp == NULL;
+    switch (m->cfg.markov_type) {
+    case PD_MARKOV_VANILLA: mc.head = KERN_MARKOV_VANILLA; break;
+    case PD_MARKOV_GATED:
+        mc.head = KERN_MARKOV_GATED;
+        mc.head_w = m->gate_w;
+        mc.head_b = m->gate_b;
+        break;
+    case PD_MARKOV_RNN:
+        mc.head = KERN_MARKOV_RNN;
+        mc.head_w = m->joint_w;
+        mc.head_b = m->joint_b;
+        break;
+    default: *ok = 0; break;
+    }
+    return mc;
+}
+
+/* floats of chain-op scratch a request row needs (it grows linearly with the rows; whatever the
+ * tensor parallelism: no head without a chain op needs any) */
+static size_t chain_scratch_per_row(const pd_draft *d)
+{
+    int ok = 0;
+    kern_markov_chain_args mc = chain_args(d, &ok);
+    mc.n = 1;
+    return kern_markov_chain_scratch(&mc);
+}
+
 static pd_status ensure_req(pd_draft *d, int n_req, pd_err *err)
 {
     if (n_req <= d->cap_req && d->blk != NULL)
@@ -210,6 +250,10 @@ static pd_status ensure_req(pd_draft *d, int n_req, pd_err *err)
     /* step scratch: logits V | w1prev R | feat (H + 2R) | proj 3R | state R | tmp R | gate R | conf 1
      * | chain conf B | chain confidence-head inputs B (H + R) */
     size_t per = (size_t)V + R + (H + 2 * R) + 3 * R + R + R + R + 1 + B + (size_t)B * (H + R);
+    /* a chained round of a gated or rnn head lends the whole step scratch to the chain op */
+    size_t chain = chain_scratch_per_row(d);
+    if (per < chain)
+        per = chain;
     if (st == PD_OK)
         st = kern_buf_alloc(be, per * cap * sizeof(float), &step, err);
     if (st == PD_OK)
@@ -453,12 +497,10 @@ static pd_status round_step_run(void *ud, pd_err *err)
     kern_backend *be = m->be;
     int cap = d->cap_req, B = d->B, H = d->H, R = d->R;
     TRY(block_dev(d, s->n_rows, s->n_seq, s->pt_stride, s->max_kv, err));
-    if (m->cfg.markov_type == PD_MARKOV_VANILLA && d->tp == NULL) {
-        /* every step in one op (one launch on CUDA): the ids of step k are the previous tokens
-         * of step k + 1 (chain_ids = prev_dev + cap) */
-        kern_markov_chain_args mc = { .base = d->base_logits, .ld_base = d->V, .rows = d->chain_rows,
-                                      .ld_rows = cap, .w1 = m->markov_w1, .w2 = m->markov_w2,
-                                      .prev = d->prev_dev, .ld_prev = cap, .n = d->n_req, .steps = B };
+    int chained = 0;
+    kern_markov_chain_args mc = chain_args(d, &chained);
+    if (chained) {
+        /* the ids of step k are the previous tokens of step k + 1 (chain_ids = prev_dev + cap) */
         TRY(kern_markov_chain(be, &mc, err));
     } else {
         for (int k = 0; k < B; k++)

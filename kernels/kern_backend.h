@@ -256,24 +256,44 @@ typedef struct {
     int32_t *ids;            /* [n], nullable */
 } kern_markov_step_args;
 
-/* steps chained greedy steps of the vanilla DSpark Markov head for n rows, in one op:
- *   for k = 0..steps-1, r < n:
- *     step = base[rows[k * ld_rows + r], :] + w2 @ w1[prev[k * ld_prev + r], :]
+/* The DSpark Markov heads (pd_model.h's markov_type without "none"). */
+typedef enum { KERN_MARKOV_VANILLA = 0, KERN_MARKOV_GATED, KERN_MARKOV_RNN } kern_markov_head;
+
+/* steps chained greedy steps of a DSpark Markov head for n rows, in one op:
+ *   for k = 0..steps-1, r < n, with i = rows[k * ld_rows + r], p = prev[k * ld_prev + r]:
+ *     e = w1[p, :], h = hidden[i, 0:H]
+ *     vec = e                                                          (vanilla)
+ *         = sigmoid(head_w [h ; e] + head_b) * e                       (gated: head_w [R, H + R])
+ *         = tanh(o) where [a ; c ; o] = head_w [s ; e ; h] + head_b,   (rnn: head_w [3R, 2R + H];
+ *           s' = c~ + sigmoid(a) (s - c~), c~ = tanh(c), s = 0 at k = 0   s is per row)
+ *     step = base[i, :] + w2 @ vec
  *     prev[(k + 1) * ld_prev + r] = argmax step (lowest index wins a tie, as kern_argmax)
- * prev[0..n) holds the anchors (valid token ids); the step logits are not kept. The same
- * arithmetic as kern_embed of w1 followed by kern_markov_step with ids, step by step (CUDA: one
- * launch when w1/w2 are bf16 with R % 8 == 0, the step-by-step ops otherwise). */
+ * prev[0..n) holds the anchors (valid token ids); the step logits and the rnn state are not
+ * kept. The same arithmetic as the step-by-step ops (kern_embed of w1, kern_copy_rows,
+ * kern_matmul with bias, kern_unary, kern_binary, then kern_markov_step with ids) on the CPU; on
+ * CUDA one launch for the chain when w1/w2 are bf16 with R % 8 == 0 and the shapes fit, where a
+ * gated/rnn head splits head_w's product into its h part (one matmul for every step before the
+ * chain) and its e/s part (in the chain), which moves results within fp32 rounding; the
+ * step-by-step ops otherwise. scratch (gated, rnn; nullable for vanilla) is work memory of
+ * kern_markov_chain_scratch(args) floats, left undefined. */
 typedef struct {
     const float *base;       /* [*, ld_base] */
     int ld_base;
-    const int32_t *rows;     /* [steps, ld_rows] rows of base */
+    const int32_t *rows;     /* [steps, ld_rows] rows of base (and of hidden) */
     int ld_rows;
     kern_weight w1;          /* [V, R] */
     kern_weight w2;          /* [V, R] */
     int32_t *prev;           /* [steps + 1, ld_prev] */
     int ld_prev;
     int n, steps;
+    kern_markov_head head;
+    const float *hidden;     /* gated, rnn: [*, ld_hidden] block hidden rows h */
+    int ld_hidden;
+    kern_weight head_w;      /* gated: gate_w [R, H + R]; rnn: joint_w [3R, 2R + H] */
+    kern_weight head_b;      /* [head_w.rows] */
+    float *scratch;          /* gated, rnn: [kern_markov_chain_scratch(args)] */
 } kern_markov_chain_args;
+
 
 /* ---- sampling (temperature / top-k / top-p) and speculative verification ------------------
  * The rules are pd_sample.h's, so a sampled request gives the same tokens on every backend up
@@ -454,6 +474,8 @@ pd_status kern_linear(kern_backend *be, const kern_linear_args *a, pd_err *err);
 pd_status kern_qk_post(kern_backend *be, const kern_qk_post_args *a, pd_err *err);
 pd_status kern_markov_step(kern_backend *be, const kern_markov_step_args *a, pd_err *err);
 pd_status kern_markov_chain(kern_backend *be, const kern_markov_chain_args *a, pd_err *err);
+/* Floats of scratch kern_markov_chain needs for these shapes and head (0 for vanilla). */
+size_t kern_markov_chain_scratch(const kern_markov_chain_args *a);
 pd_status kern_probs(kern_backend *be, const kern_probs_args *a, pd_err *err);
 pd_status kern_sample(kern_backend *be, const kern_sample_args *a, pd_err *err);
 pd_status kern_spec_verify(kern_backend *be, const kern_spec_verify_args *a, pd_err *err);

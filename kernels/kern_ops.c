@@ -339,7 +339,35 @@ pd_status kern_markov_chain(kern_backend *be, const kern_markov_chain_args *a, p
           "markov_chain: ld_base %d (V %lld) ld_rows %d ld_prev %d (n %d)", a->ld_base,
           (long long)a->w2.rows, a->ld_rows, a->ld_prev, a->n);
     CHECK(a->w2.rows <= (int64_t)1 << 30, "markov_chain: V %lld", (long long)a->w2.rows);
+    if (a->head != KERN_MARKOV_VANILLA) {
+        CHECK(a->head == KERN_MARKOV_GATED || a->head == KERN_MARKOV_RNN, "markov_chain: head %d",
+              (int)a->head);
+        int64_t R = a->w2.cols, J = a->head == KERN_MARKOV_GATED ? R : 3 * R,
+                in_e = a->head == KERN_MARKOV_GATED ? R : 2 * R;   /* columns besides h */
+        CHECK(weight_ok(&a->head_w) && a->head_w.rows == J && a->head_w.cols > in_e,
+              "markov_chain: head_w [%lld, %lld] for R %lld", (long long)a->head_w.rows,
+              (long long)a->head_w.cols, (long long)R);
+        CHECK(weight_ok(&a->head_b) && a->head_b.rows * a->head_b.cols == J,
+              "markov_chain: head_b of %lld values, head_w has %lld rows",
+              (long long)(a->head_b.rows * a->head_b.cols), (long long)J);
+        CHECK(a->hidden != NULL && a->ld_hidden >= a->head_w.cols - in_e && a->scratch != NULL,
+              "markov_chain: hidden %p ld_hidden %d (H %lld) scratch %p", (const void *)a->hidden,
+              a->ld_hidden, (long long)(a->head_w.cols - in_e), (void *)a->scratch);
+    }
     return be->ops->markov_chain(be, a, err);
+}
+
+size_t kern_markov_chain_scratch(const kern_markov_chain_args *a)
+{
+    if (a->head == KERN_MARKOV_VANILLA)
+        return 0;
+    /* one launch: every step's head input rows [steps n, K] and h products [steps n, J]; step by
+     * step: w1 rows, head input, head output, state, tmp, gate [n, R each] and the logits [n, V] */
+    size_t n = (size_t)(a->n > 0 ? a->n : 0), K = (size_t)a->head_w.cols, J = (size_t)a->head_w.rows;
+    size_t R = (size_t)a->w2.cols, V = (size_t)a->w2.rows;
+    size_t chain = (size_t)(a->steps > 0 ? a->steps : 0) * n * (K + J);
+    size_t stepwise = n * (V + K + J + 4 * R);
+    return chain > stepwise ? chain : stepwise;
 }
 
 pd_status kern_probs(kern_backend *be, const kern_probs_args *a, pd_err *err)

@@ -1,20 +1,24 @@
-/* kern_cuda_markov.cu - one DSpark Markov-head step with its greedy pick, in one launch.
- * Owns: kern_cuda_markov_step_launch. Block b owns a fixed range of vocabulary rows v (ranges
- *   depend on V only); its threads stream w2[v, 0:R] (16-byte loads, R % 8 == 0) and form, for
- *   every row r, step[r, v] = base[rows[r], v] + sum_c w2[v, c] * bf16(vec[r, c]) (fp32, c in
- *   order; vec staged once per block in shared memory). Then each block reduces its range to a
- *   (value, index) partial per row with kern_argmax's rule (larger value, then lower index; NaN
- *   never wins) and the last block to finish (a counter in the backend context, reset by that
- *   block) reduces the partials in block order into ids.
+/* kern_cuda_markov.cu - the DSpark Markov head on the GPU: one step, or a whole greedy chain,
+ *   in one launch.
+ * Owns: kern_cuda_markov_step_launch (one step). Block b owns a fixed range of vocabulary rows v
+ *   (ranges depend on V only); its threads stream w2[v, 0:R] (16-byte loads, R % 8 == 0) and
+ *   form, for every row r, step[r, v] = base[rows[r], v] + sum_c w2[v, c] * bf16(vec[r, c])
+ *   (fp32, c in order; vec staged once per block in shared memory). Then each block reduces its
+ *   range to a (value, index) partial per row with kern_argmax's rule (larger value, then lower
+ *   index; NaN never wins) and the last block to finish (a counter in the backend context, reset
+ *   by that block) reduces the partials in block order into ids.
  *   Other shapes (f32 weights, R % 8 != 0, too many rows for shared memory) run the composition:
  *   copy_rows, matmul (accumulate), argmax.
- * kern_cuda_markov_chain_launch runs every step of a greedy chain (vanilla head) in one launch,
- *   with the dot arithmetic of markov_step (so its ids are the step-by-step path's):
- *   - markov_chain_res_kernel (first choice): one block per multiprocessor whose slice of w2
- *     stays in shared memory for the whole chain; partials published with step tags, so the
- *     publication is the grid barrier (see the comment above the kernel).
- *   - markov_chain_kernel (when that slice, with the staged base rows, does not fit in shared
- *     memory, or PD_MK_CHAIN=old): up to MK_CHAIN_PER_SM blocks per multiprocessor (all
+ * kern_cuda_markov_chain_launch runs every step of a greedy chain in one launch, with the dot
+ *   arithmetic of markov_step (so a vanilla chain's ids are the step-by-step path's):
+ *   - markov_chain_res_kernel (first choice, every head): one block per multiprocessor whose
+ *     slice of w2 stays in shared memory for the whole chain; partials published with step
+ *     tags, so the publication is the grid barrier (see the comment above the kernel). A gated
+ *     or rnn head's product with h (which does not depend on the previous token) is one matmul
+ *     for all steps before the launch (markov_head_in_kernel builds its input rows); in the
+ *     chain every block computes the R-wide rest of the head itself (mk_res_head_vec).
+ *   - markov_chain_kernel (vanilla, when that slice with the staged base rows does not fit in
+ *     shared memory, or PD_MK_CHAIN=old): up to MK_CHAIN_PER_SM blocks per multiprocessor (all
  *     resident), each owning a fixed vocabulary range as above and streaming its w2 rows from L2
  *     every step; per step every block gathers w1[prev] itself, writes its (value, index)
  *     partials, and waits at a grid barrier (the counter word, left zero at the end); then every
@@ -22,7 +26,8 @@
  *     writes them. Partials alternate between two buffers, so a block that is ahead never
  *     overwrites what a slower one still reads.
  *   Both need every block resident at once (a plain launch sized from the occupancy API). The
- *   step logits are not written.
+ *   step logits are not written. Other shapes (f32 weights, R % 8 != 0, a gated or rnn head
+ *   that does not fit the resident kernel) run the step-by-step ops, as the CPU reference.
  * Not here: shape checks (kern_ops.c). Threading: enqueues on the backend stream. */
 #include "kern_cuda_internal.h"
 
@@ -312,6 +317,9 @@ typedef struct {
     size_t rows;        /* int [steps, n]: rows of base */
     size_t ids;         /* int [n]: previous tokens */
     size_t red;         /* float [n, MK_RES_WARPS] | int [n, MK_RES_WARPS]: warp partials */
+    size_t es;          /* gated, rnn: float [n, R]: w1[prev] */
+    size_t ss;          /* rnn: float [n, R]: the state */
+    size_t ps;          /* gated, rnn: float [n, J]: the head's products */
     size_t bytes;
 } mk_res_layout;
 
@@ -320,7 +328,8 @@ static size_t mk_align16(size_t x)
     return (x + 15) & ~(size_t)15;
 }
 
-static mk_res_layout mk_res_layout_of(int chunk, int n, int R, int steps)
+/* J = rows of the head's weight (0: vanilla) */
+static mk_res_layout mk_res_layout_of(int chunk, int n, int R, int steps, int J)
 {
     mk_res_layout l;
     l.chunk = chunk;
@@ -334,7 +343,13 @@ static mk_res_layout mk_res_layout_of(int chunk, int n, int R, int steps)
     l.ids = o;
     o = mk_align16(o + (size_t)n * sizeof(int));
     l.red = o;
-    l.bytes = o + (size_t)n * MK_RES_WARPS * (sizeof(float) + sizeof(int));
+    o = mk_align16(o + (size_t)n * MK_RES_WARPS * (sizeof(float) + sizeof(int)));
+    l.es = o;
+    o += J > 0 ? (size_t)n * R * sizeof(float) : 0;
+    l.ss = o;
+    o += J > R ? (size_t)n * R * sizeof(float) : 0;
+    l.ps = o;
+    l.bytes = o + (size_t)n * J * sizeof(float);
     return l;
 }
 
@@ -474,10 +489,69 @@ static __device__ __forceinline__ void mk_res_stage_base(const kern_markov_chain
     }
 }
 
-template <int RC>
+/* What the chain kernel needs of a gated or rnn head: the h part of every step's product (with
+ * the bias) computed before the chain, and the columns of the head weight that multiply s and e
+ * (rnn: [s ; e] = columns 0 .. 2R; gated: e = columns H .. H + R). */
+typedef struct {
+    const float *pre;             /* [steps n, J], row k n + r */
+    const __nv_bfloat16 *w;       /* first column of the s/e part of row 0 */
+    int ld_w;                     /* K */
+} mk_head;
+
+static __device__ __forceinline__ float mk_sigmoid(float x)
+{
+    return 1.0f / (1.0f + expf(-x));   /* kern_unary's */
+}
+
+/* vec rows of step k into xs (bf16-rounded, as markov_step rounds vec) from e = w1[prev] in es.
+ * Every block computes them (the same arithmetic everywhere, so every block holds the same
+ * vec). The products accumulate in fp32 with s rounded to bf16 (as matmul rounds its input);
+ * the elementwise part is the composition's, one rounding per op (no contraction). Ends with a
+ * block barrier. */
+template <int HEAD>
+static __device__ void mk_res_head_vec(const mk_head &hd, int k, int n, int R, const float *es, float *ss,
+                                       float *ps, float *xs)
+{
+    constexpr int rnn = HEAD == KERN_MARKOV_RNN;
+    const int J = rnn ? 3 * R : R;
+    for (int i = threadIdx.x; i < n * J; i += MK_RES_THREADS) {
+        int r = i / J, j = i - r * J;
+        const __nv_bfloat16 *w = hd.w + (size_t)j * hd.ld_w;
+        const float *e = es + (size_t)r * R;
+        float acc = 0.0f;
+        if (rnn) {
+            const float *s = ss + (size_t)r * R;
+#pragma unroll 8
+            for (int c = 0; c < R; c++)
+                acc = fmaf(__bfloat162float(w[c]), __bfloat162float(__float2bfloat16_rn(s[c])), acc);
+            w += R;
+        }
+#pragma unroll 8
+        for (int c = 0; c < R; c++)
+            acc = fmaf(__bfloat162float(w[c]), e[c], acc);
+        ps[i] = __fadd_rn(hd.pre[((size_t)k * n + r) * J + j], acc);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n * R; i += MK_RES_THREADS) {
+        int r = i / R, j = i - r * R;
+        float v;
+        if (rnn) {
+            const float *p = ps + (size_t)r * J;
+            float g = mk_sigmoid(p[j]), ct = tanhf(p[R + j]);
+            ss[i] = __fadd_rn(__fmul_rn(__fsub_rn(ss[i], ct), g), ct);
+            v = tanhf(p[2 * R + j]);
+        } else {
+            v = __fmul_rn(mk_sigmoid(ps[i]), es[i]);
+        }
+        xs[i] = __bfloat162float(__float2bfloat16_rn(v));
+    }
+    __syncthreads();
+}
+
+template <int RC, int HEAD>
 __global__ void __launch_bounds__(MK_RES_THREADS, 1)
-markov_chain_res_kernel(kern_markov_chain_args a, int V, int R, mk_res_layout lay, unsigned long long *slots,
-                        unsigned int *ctr)
+markov_chain_res_kernel(kern_markov_chain_args a, int V, int R, mk_res_layout lay, mk_head hd,
+                        unsigned long long *slots, unsigned int *ctr)
 {
     extern __shared__ __align__(16) unsigned char smem[];
     uint4 *w2s = (uint4 *)smem;
@@ -487,6 +561,7 @@ markov_chain_res_kernel(kern_markov_chain_args a, int V, int R, mk_res_layout la
     int *ids = (int *)(smem + lay.ids);
     float *red_v = (float *)(smem + lay.red);
     int *red_i = (int *)(red_v + (size_t)a.n * MK_RES_WARPS);
+    float *es = (float *)(smem + lay.es), *ss = (float *)(smem + lay.ss), *ps = (float *)(smem + lay.ps);
     const int nb = gridDim.x, n = a.n, chunk = lay.chunk, n8 = R / 8;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int v0 = blockIdx.x * chunk, cnt = v0 + chunk < V ? chunk : V - v0;
@@ -499,6 +574,9 @@ markov_chain_res_kernel(kern_markov_chain_args a, int V, int R, mk_res_layout la
         rows[i] = a.rows[(size_t)(i / n) * a.ld_rows + i % n];
     for (int r = threadIdx.x; r < n; r += MK_RES_THREADS)
         ids[r] = a.prev[r];
+    if (HEAD == KERN_MARKOV_RNN)
+        for (int i = threadIdx.x; i < n * R; i += MK_RES_THREADS)
+            ss[i] = 0.0f;
     for (int i = threadIdx.x; i < cnt * n8; i += MK_RES_THREADS) {
         int lv = i / n8, c8 = i - lv * n8;
         mk_cp_async16(w2s + mk_swz<RC>(lv, c8, n8), w2 + ((size_t)(v0 + lv) * R + c8 * 8));
@@ -516,7 +594,7 @@ markov_chain_res_kernel(kern_markov_chain_args a, int V, int R, mk_res_layout la
             int r = i / n8, c8 = i - r * n8;
             uint4 u = __ldg((const uint4 *)(w1 + (size_t)ids[r] * R) + c8);
             const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
-            float *x = xs + (size_t)r * R + c8 * 8;
+            float *x = (HEAD == KERN_MARKOV_VANILLA ? xs : es) + (size_t)r * R + c8 * 8;
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 float2 f = __bfloat1622float2(h[j]);
@@ -525,6 +603,8 @@ markov_chain_res_kernel(kern_markov_chain_args a, int V, int R, mk_res_layout la
             }
         }
         __syncthreads();
+        if (HEAD != KERN_MARKOV_VANILLA)
+            mk_res_head_vec<HEAD>(hd, k, n, R, es, ss, ps, xs);
         mk_res_logits<RC>(w2s, bs, xs, n, R, cnt, chunk);
         for (int r = 0; r < n; r++) {
             float bv = -INFINITY;
@@ -630,7 +710,8 @@ static pd_status markov_chain_composed(kern_backend *be, const kern_markov_chain
         skip = (size_t)a->n * R * 2;
     skip = (skip + 255) & ~(size_t)255;
     void *ws = NULL;
-    pd_status st = kern_cuda_ws_get(c, skip + ((size_t)a->n * R + (size_t)a->n * V) * sizeof(float), &ws, err);
+    size_t bytes = skip + ((size_t)a->n * R + (size_t)a->n * V) * sizeof(float);
+    pd_status st = kern_cuda_ws_get(c, bytes, &ws, err);
     if (st != PD_OK)
         return st;
     float *vec = (float *)((char *)ws + skip), *step = vec + (size_t)a->n * R;
@@ -648,14 +729,143 @@ static pd_status markov_chain_composed(kern_backend *be, const kern_markov_chain
     return st;
 }
 
-/* The resident kernel when its shared memory fits with one block per multiprocessor; *ran = 0
- * leaves the chain to the caller's L2-streaming kernel. */
+/* Rows of the head's input with h in place and zeros for s and e: in[k n + r, :] = [h ; 0]
+ * (gated) or [0 ; 0 ; h] (rnn), h = hidden[rows[k, r], 0:H] at column h0 of K. */
+__global__ void markov_head_in_kernel(const float *hidden, int ld_hidden, const int32_t *rows, int ld_rows,
+                                      int n, int steps, int K, int H, int h0, float *in)
+{
+    size_t total = (size_t)steps * n * K;
+    size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += stride) {
+        int q = (int)(i / K), c = (int)(i % K), k = q / n, r = q % n;
+        const float *h = hidden + (size_t)rows[(size_t)k * ld_rows + r] * ld_hidden;
+        in[i] = c >= h0 && c < h0 + H ? h[c - h0] : 0.0f;
+    }
+}
+
+/* The vec of one step of a gated or rnn head by the step-by-step ops, as the CPU reference
+ * (scratch: e | in | out | state | tmp | gate, e = w1[prev] in place); *vec = the tmp rows. */
+static pd_status markov_head_vec_composed(kern_backend *be, const kern_markov_chain_args *a, int k,
+                                          float *scr, float **vec, pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    int n = a->n, R = (int)a->w2.cols, K = (int)a->head_w.cols, J = (int)a->head_w.rows;
+    float *e = scr, *in = e + (size_t)n * R, *out = in + (size_t)n * K, *state = out + (size_t)n * J;
+    float *tmp = state + (size_t)n * R, *gate = tmp + (size_t)n * R;
+    const int32_t *rows = a->rows + (size_t)k * a->ld_rows;
+    int gated = a->head == KERN_MARKOV_GATED, H = K - (gated ? R : 2 * R);
+    kern_copy_rows_args ch = { .src = a->hidden, .ld_src = a->ld_hidden, .idx = rows,
+                               .dst = in + (gated ? 0 : 2 * R), .ld_dst = K, .rows = n, .cols = H };
+    kern_copy_rows_args ce = { .src = e, .ld_src = R, .idx = NULL, .dst = in + (gated ? H : R), .ld_dst = K,
+                               .rows = n, .cols = R };
+    kern_copy_rows_args cs = { .src = state, .ld_src = R, .idx = NULL, .dst = in, .ld_dst = K, .rows = n,
+                               .cols = R };
+    kern_matmul_args mm = { .x = in, .ld_x = K, .w = a->head_w, .bias = a->head_b, .y = gated ? gate : out,
+                            .ld_y = J, .m = n, .n = J, .k = K, .accumulate = 0 };
+    pd_status st = PD_OK;
+    if (!gated && k == 0)
+        PD_CUDA_TRY(cudaMemsetAsync(state, 0, (size_t)n * R * sizeof(float), c->stream), err);
+    if (gated) {
+        st = kern_cuda_copy_rows_launch(be, &ch, err);
+        if (st == PD_OK)
+            st = kern_cuda_copy_rows_launch(be, &ce, err);
+    } else {
+        st = kern_cuda_copy_rows_launch(be, &cs, err);
+        if (st == PD_OK)
+            st = kern_cuda_copy_rows_launch(be, &ce, err);
+        if (st == PD_OK)
+            st = kern_cuda_copy_rows_launch(be, &ch, err);
+    }
+    if (st == PD_OK)
+        st = kern_cuda_matmul_launch(be, &mm, err);
+    if (st != PD_OK)
+        return st;
+    if (gated) {
+        kern_unary_args sg = { .op = KERN_UNARY_SIGMOID, .x = gate, .ld_x = R, .out = gate, .ld_out = R,
+                               .rows = n, .cols = R };
+        kern_binary_args mul = { .op = KERN_BINARY_MUL, .a = gate, .ld_a = R, .b = e, .ld_b = R, .out = tmp,
+                                 .ld_out = R, .rows = n, .cols = R };
+        st = kern_cuda_unary_launch(be, &sg, err);
+        if (st == PD_OK)
+            st = kern_cuda_binary_launch(be, &mul, err);
+    } else {
+        kern_unary_args ga = { .op = KERN_UNARY_SIGMOID, .x = out, .ld_x = J, .out = gate, .ld_out = R,
+                               .rows = n, .cols = R };
+        kern_unary_args ca = { .op = KERN_UNARY_TANH, .x = out + R, .ld_x = J, .out = tmp, .ld_out = R,
+                               .rows = n, .cols = R };
+        kern_binary_args diff = { .op = KERN_BINARY_SUB, .a = state, .ld_a = R, .b = tmp, .ld_b = R,
+                                  .out = state, .ld_out = R, .rows = n, .cols = R };
+        kern_binary_args scale = { .op = KERN_BINARY_MUL, .a = state, .ld_a = R, .b = gate, .ld_b = R,
+                                   .out = state, .ld_out = R, .rows = n, .cols = R };
+        kern_binary_args add = { .op = KERN_BINARY_ADD, .a = state, .ld_a = R, .b = tmp, .ld_b = R,
+                                 .out = state, .ld_out = R, .rows = n, .cols = R };
+        kern_unary_args oa = { .op = KERN_UNARY_TANH, .x = out + 2 * R, .ld_x = J, .out = tmp, .ld_out = R,
+                               .rows = n, .cols = R };
+        st = kern_cuda_unary_launch(be, &ga, err);
+        if (st == PD_OK)
+            st = kern_cuda_unary_launch(be, &ca, err);
+        if (st == PD_OK)
+            st = kern_cuda_binary_launch(be, &diff, err);
+        if (st == PD_OK)
+            st = kern_cuda_binary_launch(be, &scale, err);
+        if (st == PD_OK)
+            st = kern_cuda_binary_launch(be, &add, err);
+        if (st == PD_OK)
+            st = kern_cuda_unary_launch(be, &oa, err);
+    }
+    *vec = tmp;
+    return st;
+}
+
+/* A gated or rnn chain step by step in the caller's scratch (e | in | out | state | tmp | gate |
+ * step): markov_step and matmul may take the workspace. */
+static pd_status markov_chain_head_composed(kern_backend *be, const kern_markov_chain_args *a, pd_err *err)
+{
+    int V = (int)a->w2.rows, R = (int)a->w2.cols, n = a->n;
+    float *e = a->scratch, *step = e + (size_t)n * (a->head_w.cols + a->head_w.rows + 4 * R);
+    pd_status st = PD_OK;
+    for (int k = 0; k < a->steps && st == PD_OK; k++) {
+        kern_embed_args em = { .table = a->w1, .ids = a->prev + (size_t)k * a->ld_prev, .n = n, .out = e,
+                               .ld_out = R };
+        float *vec = e;
+        st = kern_cuda_embed_launch(be, &em, err);
+        if (st == PD_OK)
+            st = markov_head_vec_composed(be, a, k, e, &vec, err);
+        kern_markov_step_args ms = { .base = a->base, .ld_base = a->ld_base,
+                                     .rows = a->rows + (size_t)k * a->ld_rows, .w2 = a->w2, .vec = vec,
+                                     .ld_vec = R, .n = n, .step = step, .ld_step = V,
+                                     .ids = a->prev + (size_t)(k + 1) * a->ld_prev };
+        if (st == PD_OK)
+            st = kern_cuda_markov_step_launch(be, &ms, err);
+    }
+    return st;
+}
+
+typedef void (*mk_res_fn)(kern_markov_chain_args, int, int, mk_res_layout, mk_head, unsigned long long *,
+                          unsigned int *);
+
+template <int RC>
+static mk_res_fn mk_res_pick(kern_markov_head head)
+{
+    switch (head) {
+    case KERN_MARKOV_GATED: return markov_chain_res_kernel<RC, KERN_MARKOV_GATED>;
+    case KERN_MARKOV_RNN: return markov_chain_res_kernel<RC, KERN_MARKOV_RNN>;
+    default: return markov_chain_res_kernel<RC, KERN_MARKOV_VANILLA>;
+    }
+}
+
+/* The resident kernel when its shared memory fits with one block per multiprocessor (a gated
+ * or rnn head's h products computed first, into scratch); *ran = 0 leaves the chain to the
+ * caller. */
 static pd_status markov_chain_res(kern_backend *be, const kern_markov_chain_args *a, int *ran, pd_err *err)
 {
     kern_cuda_ctx *c = kern_cuda_ctx_of(be);
-    int V = (int)a->w2.rows, R = (int)a->w2.cols;
+    int V = (int)a->w2.rows, R = (int)a->w2.cols, n = a->n;
+    int head = a->head != KERN_MARKOV_VANILLA;
+    int J = head ? (int)a->head_w.rows : 0, K = head ? (int)a->head_w.cols : 0;
     *ran = 0;
-    if (c->mk_chain_old || V >= (1 << 30) || ((uintptr_t)a->w1.data & 15) != 0)
+    if (c->mk_chain_old || V >= (1 << 30) || ((uintptr_t)a->w1.data & 15) != 0 ||
+        (head && a->head_w.dtype != KERN_DTYPE_BF16))
         return PD_OK;
     int nb = (V + MK_RES_THREADS - 1) / MK_RES_THREADS;
     if (nb > c->n_sm)
@@ -664,23 +874,41 @@ static pd_status markov_chain_res(kern_backend *be, const kern_markov_chain_args
         nb = MK_RES_MAX_BLOCKS;
     int chunk = (V + nb - 1) / nb;
     nb = (V + chunk - 1) / chunk;
-    mk_res_layout lay = mk_res_layout_of(chunk, a->n, R, a->steps);
+    mk_res_layout lay = mk_res_layout_of(chunk, n, R, a->steps, J);
     int optin = 0;
     PD_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, c->device), err);
     if (lay.bytes > (size_t)optin)
         return PD_OK;   /* the slice (or the staged base of many rows) does not fit */
-    auto kern = R == 64 ? markov_chain_res_kernel<64> : markov_chain_res_kernel<0>;
+    mk_res_fn kern = R == 64 ? mk_res_pick<64>(a->head) : mk_res_pick<0>(a->head);
     /* on every launch: the attribute belongs to the current device (a host call) */
     PD_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)lay.bytes), err);
     int per_sm = 0;
     PD_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, MK_RES_THREADS, lay.bytes), err);
     if (per_sm < 1)
         return PD_OK;
+    mk_head hd = { NULL, NULL, 0 };
+    if (head) {
+        int gated = a->head == KERN_MARKOV_GATED, H = K - (gated ? R : 2 * R);
+        float *in = a->scratch, *pre = in + (size_t)a->steps * n * K;
+        size_t total = (size_t)a->steps * n * K;
+        markov_head_in_kernel<<<kern_cuda_blocks(total, 256), 256, 0, c->stream>>>(
+            a->hidden, a->ld_hidden, a->rows, a->ld_rows, n, a->steps, K, H, gated ? 0 : 2 * R, in);
+        KERN_CUDA_LAUNCH_CHECK(err);
+        kern_matmul_args mm = { .x = in, .ld_x = K, .w = a->head_w, .bias = a->head_b, .y = pre, .ld_y = J,
+                                .m = a->steps * n, .n = J, .k = K, .accumulate = 0 };
+        pd_status st = kern_cuda_matmul_launch(be, &mm, err);
+        if (st != PD_OK)
+            return st;
+        hd.pre = pre;
+        hd.w = (const __nv_bfloat16 *)a->head_w.data + (gated ? H : 0);
+        hd.ld_w = K;
+    }
     void *ws = NULL;
-    pd_status st = kern_cuda_ws_get(c, (size_t)2 * a->n * nb * sizeof(unsigned long long), &ws, err);
+    pd_status st = kern_cuda_ws_get(c, (size_t)2 * n * nb * sizeof(unsigned long long), &ws, err);
     if (st != PD_OK)
         return st;
-    kern<<<nb, MK_RES_THREADS, lay.bytes, c->stream>>>(*a, V, R, lay, (unsigned long long *)ws, c->counter);
+    kern<<<nb, MK_RES_THREADS, lay.bytes, c->stream>>>(*a, V, R, lay, hd, (unsigned long long *)ws,
+                                                        c->counter);
     KERN_CUDA_LAUNCH_CHECK(err);
     *ran = 1;
     return PD_OK;
@@ -693,14 +921,17 @@ extern "C" pd_status kern_cuda_markov_chain_launch(kern_backend *be, const kern_
     if (a->n <= 0)
         return PD_OK;
     int V = (int)a->w2.rows, R = (int)a->w2.cols;
+    int head = a->head != KERN_MARKOV_VANILLA;
     size_t smem = (size_t)a->n * R * sizeof(float) + (size_t)a->n * sizeof(int);
     if (a->w1.dtype != KERN_DTYPE_BF16 || a->w2.dtype != KERN_DTYPE_BF16 || R % 8 != 0 ||
         ((uintptr_t)a->w2.data & 15) != 0 || smem > MK_SMEM_MAX)
-        return markov_chain_composed(be, a, err);
+        return head ? markov_chain_head_composed(be, a, err) : markov_chain_composed(be, a, err);
     int ran = 0;
     pd_status st = markov_chain_res(be, a, &ran, err);
     if (st != PD_OK || ran)
         return st;
+    if (head)   /* the L2-streaming kernel has the vanilla head only */
+        return markov_chain_head_composed(be, a, err);
     /* every block must be resident at once (grid barrier): at most as many as fit on the
      * multiprocessors together (up to MK_CHAIN_PER_SM each), about a vocabulary row per thread */
     int per_sm = 0;
