@@ -831,7 +831,12 @@ static pd_status pend_flush(pd_engine *e, pd_flush_mode mode, int *n_rows, pd_er
     kern_backend *be = e->tm->be;
     int inv = be->batch_invariant;
     be->batch_invariant = 0;
+    int gaps0 = e->pend_live;
     pd_status st = mode == PD_FLUSH_BUFFER ? PD_OK : gap_flush(e, mode, err);
+    /* a recompute is a forward: wait for it, so the flush's time (the controller's switch
+     * cost) holds it rather than the draft round that follows */
+    if (st == PD_OK && e->pend_live != gaps0)
+        st = kern_sync(be, err);
     if (st == PD_OK)
         st = buf_flush(e, mode, err);
     be->batch_invariant = inv;
@@ -1499,8 +1504,22 @@ static int sched_accept(pd_engine *e, const round_slot *slots, int m, const pd_r
  * sched_accept, where it would otherwise start from the arm's record and wait for the
  * controller's next trial, typically most of a request at batch 1. Returns 1 when this round is
  * such a probe; leaves the acceptance factor to the caller's sched_accept. */
+static int gap_min_batch(const pd_engine *e)
+{
+    return e->cfg.gap_min_batch > 0 ? e->cfg.gap_min_batch : PD_GAP_MIN_BATCH;
+}
+
 static pd_request *sched_probe(pd_engine *e, const round_slot *slots, int m)
 {
+    /* only small batches: there one request's acceptance moves the choice, and their rows wait
+     * in the buffer; a probe of a batch whose rows wait as gaps recomputed them all (6.6 ms at
+     * C = 32 on the tiny pair), and probing requests one by one there made them a third of
+     * the rounds at C = 8 */
+    if (m >= gap_min_batch(e))
+        return NULL;
+    for (int i = 0; i < m; i++)
+        if (slots[i].r->n_gap > 0)
+            return NULL;
     pd_request *cand = NULL;
     for (int i = 0; i < m && cand == NULL; i++) {
         pd_request *r = slots[i].r;
@@ -1603,23 +1622,21 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         if (e->cfg.sched_debug_arm > 0) {
             sched_mode = e->cfg.sched_debug_arm - 1;
         } else if (probe != NULL) {
-            /* the probed request alone drafts (all of its block): a round that flushed and
-             * drafted for the whole batch to learn one request cost several plain rounds */
             sched_mode = PD_SCHED_ALL;
+            e->sched.n_arm[PD_SCHED_ALL]++;
             e->sched.n_probes++;
         } else {
             sched_mode = (int)pd_sched_pick(&e->sched, m);
         }
-        for (int i = 0; i < m; i++)
-            if (request_policy(e, slots[i].r) == PD_VERIFY_SCHEDULED &&
-                (sched_mode == PD_SCHED_PLAIN || (probe != NULL && slots[i].r != probe)))
+        for (int i = 0; i < m && sched_mode == PD_SCHED_PLAIN; i++)
+            if (request_policy(e, slots[i].r) == PD_VERIFY_SCHEDULED)
                 slots[i].l = 0;
     }
     /* rows of scheduled requests that do not draft this round wait: at small batches in the
      * deferred buffer (a copy per round; drafting rounds and probes come often there, and
      * recomputing a gap costs a forward, a whole step on a large model), at larger ones as
      * gaps (nothing per round; drafting rarely resumes there) */
-    e->round_gaps = m >= (e->cfg.gap_min_batch > 0 ? e->cfg.gap_min_batch : PD_GAP_MIN_BATCH);
+    e->round_gaps = m >= gap_min_batch(e);
     int round_tokens = 0;
     /* ---- draft: one block forward for every request that drafts, then the Markov loop ---- */
     int n_draft = 0;
@@ -1904,8 +1921,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         if (e->cfg.sched_trace != NULL)
             sched_trace(e, sched_mode, sched_probed, m, slots[0].r->id, round_tokens, n_v, dt, draft_sec,
                         flush_sec, cold);
-        /* a probe round in which others did not draft is no arm's */
-        if (dt > 0.0 && (!sched_probed || n_draft == m))
+        if (dt > 0.0)
             pd_sched_add(&e->sched, (pd_sched_arm)sched_mode, m, round_tokens, dt, draft_sec, n_v, cold);
     }
 out:

@@ -132,9 +132,8 @@ typedef struct {
     double credit[PD_SCHED_ARMS];   /* seconds recorded since the arm's last round */
     long n_picks;
     long n_arm[PD_SCHED_ARMS];      /* picks of each arm (diagnostics) */
-    long n_probes;                  /* rounds the caller chose to let a new request draft alone
-                                     * (pd_engine.c sched_probe; not in n_arm, recorded as an
-                                     * all-drafts round only when no other request ran) */
+    long n_probes;                  /* all-drafts rounds the caller chose to try a new request
+                                     * (pd_engine.c sched_probe; counted in n_arm too) */
     double accept_f;                /* the round's requests' acceptance against the arms' (1: as
                                      * recorded); see pd_sched_set_accept */
     double all_tau;                 /* tokens per request the all-drafts arm is expected to give
