@@ -65,7 +65,10 @@ struct pd_engine {
     pd_request **pend_owner;
     int cap_pend_host;
     uint64_t ext_epoch;         /* extend_draft calls so far (pd_request.ext_epoch) */
-    double flush_row_s;         /* host seconds per deferred row added, smoothed over flushes */
+    double flush_row_s;         /* host seconds per buffer row added, smoothed over flushes */
+    int gap_live;               /* rows in the requests' gaps (part of pend_live) */
+    double gap_row_s;           /* seconds per gap row recomputed and added, smoothed (0: none
+                                 * yet; switch_cost takes the profile's forward then) */
     int round_gaps;             /* this round's waiting decode rows become gaps (decode_round) */
     pd_sps sps_default;         /* linear step-time model when no profile is given */
     pd_sched_ctl sched;         /* the scheduled policy's arms (pd_verify_policy.h) */
@@ -756,6 +759,7 @@ static pd_status gap_flush(pd_engine *e, pd_flush_mode mode, pd_err *err)
             }
         }
         e->pend_live -= r->n_gap;
+        e->gap_live -= r->n_gap;
         r->n_pend -= r->n_gap;
         r->n_gap = 0;
     }
@@ -815,40 +819,60 @@ static pd_status buf_flush(pd_engine *e, pd_flush_mode mode, pd_err *err)
     return st;
 }
 
+static void smooth(double *avg, double x) { *avg = *avg > 0.0 ? 0.7 * *avg + 0.3 * x : x; }
+
 /* Adds the context rows the draft KV still lacks, those mode takes (gaps and buffer rows),
- * with the fast (cuBLAS) kernels; *n_rows (nullable) gets how many. The batch-invariant kernels
- * are for the target's logits, which decide the output; the drafter's context only changes
- * which drafts are proposed, and a flush of thousands of rows through the skinny invariant
- * kernel cost milliseconds on the tiny pair (docs/BENCHMARKS.md). */
-static pd_status pend_flush(pd_engine *e, pd_flush_mode mode, int *n_rows, pd_err *err)
+ * with the fast (cuBLAS) kernels, and keeps the seconds per row of each kind. The
+ * batch-invariant kernels are for the target's logits, which decide the output; the drafter's
+ * context only changes which drafts are proposed, and a flush of thousands of rows through the
+ * skinny invariant kernel cost milliseconds on the tiny pair (docs/BENCHMARKS.md). */
+static pd_status pend_flush(pd_engine *e, pd_flush_mode mode, pd_err *err)
 {
-    int live0 = e->pend_live;
-    if (n_rows != NULL)
-        *n_rows = 0;
     if (e->n_pend == 0 && e->pend_live == 0)
         return PD_OK;
     e->times.pend_flushes++;
     kern_backend *be = e->tm->be;
     int inv = be->batch_invariant;
     be->batch_invariant = 0;
-    int gaps0 = e->pend_live;
+    int gaps0 = e->gap_live;
+    double t0 = now_s();
     pd_status st = mode == PD_FLUSH_BUFFER ? PD_OK : gap_flush(e, mode, err);
-    /* a recompute is a forward: wait for it, so the flush's time (the controller's switch
-     * cost) holds it rather than the draft round that follows */
-    if (st == PD_OK && e->pend_live != gaps0)
+    /* a recompute is a forward: wait for it, so its time (the controller's switch cost) is
+     * not taken for the draft round that follows */
+    if (st == PD_OK && e->gap_live != gaps0)
         st = kern_sync(be, err);
+    double t1 = now_s();
+    if (st == PD_OK && e->gap_live != gaps0)
+        smooth(&e->gap_row_s, (t1 - t0) / (gaps0 - e->gap_live));
+    int buf0 = e->pend_live;
     if (st == PD_OK)
         st = buf_flush(e, mode, err);
+    /* host seconds per buffer row (captures included: the last chunk's size varies, so a flush
+     * often captures one) */
+    if (st == PD_OK && e->pend_live != buf0)
+        smooth(&e->flush_row_s, (now_s() - t1) / (buf0 - e->pend_live));
     be->batch_invariant = inv;
-    if (n_rows != NULL)
-        *n_rows = live0 - e->pend_live;
     return st;
+}
+
+/* What adding every waiting row would cost now (a drafting round for the whole batch flushes
+ * them first): buffer rows at their measured rate, gap rows at theirs or, before any was
+ * recomputed, at the profile's forward of up to a chunk of tokens. */
+static double switch_cost(const pd_engine *e)
+{
+    double gap_row = e->gap_row_s;
+    if (gap_row <= 0.0 && e->gap_live > 0 && e->sched.sps != NULL) {
+        int n = e->gap_live < PD_DRAFT_EXTEND_GRAPH_MAX ? e->gap_live : PD_DRAFT_EXTEND_GRAPH_MAX;
+        gap_row = 1.0 / pd_sps_at(e->sched.sps, n) / n;
+    }
+    return (e->pend_live - e->gap_live) * e->flush_row_s + e->gap_live * gap_row;
 }
 
 /* Forgets r's deferred rows: r ended and its draft KV goes back unread. */
 static void pend_drop(pd_engine *e, pd_request *r)
 {
     e->pend_live -= r->n_pend;
+    e->gap_live -= r->n_gap;
     r->n_pend -= r->n_gap;
     r->n_gap = 0;
     for (int i = 0; i < e->n_pend && r->n_pend > 0; i++)
@@ -915,7 +939,7 @@ static pd_status pend_add(pd_engine *e, const float *aux, const int32_t *rows, c
     if (e->n_pend + n > e->cap_pend && e->n_pend > 0)
         TRY(pend_compact(e, err));
     if (e->n_pend + n > e->cap_pend) {   /* still full (or not allocated yet) */
-        TRY(pend_flush(e, PD_FLUSH_BUFFER, NULL, err));
+        TRY(pend_flush(e, PD_FLUSH_BUFFER, err));
         if (n > max_rows)
             return extend_draft(e, aux, rows, pos, owner, n, err);
         /* sized once, at its largest: growing would drop the contents */
@@ -964,6 +988,7 @@ static int gap_add(pd_engine *e, pd_request *r, int p)
     r->n_gap++;
     r->n_pend++;
     e->pend_live++;
+    e->gap_live++;
     return 1;
 }
 
@@ -1618,7 +1643,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         pd_request *probe = e->cfg.sched_debug_arm <= 0 ? sched_probe(e, slots, m) : NULL;
         sched_probed = probe != NULL;
         sched_accept(e, slots, m, NULL);
-        pd_sched_set_switch(&e->sched, e->pend_live * e->flush_row_s);
+        pd_sched_set_switch(&e->sched, switch_cost(e));
         if (e->cfg.sched_debug_arm > 0) {
             sched_mode = e->cfg.sched_debug_arm - 1;
         } else if (probe != NULL) {
@@ -1687,18 +1712,11 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     for (int j = 0; j < n_draft; j++)
         pend_drafting += dslot[j]->r->n_pend;
     if (pend_drafting > 0) {
-        int n_flushed = 0;
         double t_flush = now_s();
         /* the drafts must see every committed position of their request */
-        st = pend_flush(e, PD_FLUSH_DRAFTING, &n_flushed, err);
+        st = pend_flush(e, PD_FLUSH_DRAFTING, err);
         flush_sec = now_s() - t_flush;
         e->times.flush += flush_sec;
-        /* seconds per deferred row that was added, for the controller's trial cost (captures
-         * included: the last chunk's size varies, so a flush often captures one) */
-        if (n_flushed > 0) {
-            double per = flush_sec / n_flushed;
-            e->flush_row_s = e->flush_row_s > 0.0 ? 0.7 * e->flush_row_s + 0.3 * per : per;
-        }
         if (st != PD_OK)
             goto out;
     }
@@ -1954,7 +1972,7 @@ pd_status pd_engine_step(pd_engine *e, pd_err *err)
          * pages given back */
         if (r->finish != PD_FINISH_NONE && r->n_pend > 0) {
             if (r->params.hold_kv)
-                TRY(pend_flush(e, PD_FLUSH_ALL, NULL, err));
+                TRY(pend_flush(e, PD_FLUSH_ALL, err));
             else
                 pend_drop(e, r);
         }

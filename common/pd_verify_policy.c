@@ -615,6 +615,12 @@ static pd_sched_arm pick(pd_sched_ctl *c, int m)
         if (est[first[i]] < 0.0)
             return first[i];
     }
+    /* a drafting arm picked now first pays the switch (switch_s): charged to its round, so a
+     * drafting arm ahead by less than that does not take over */
+    if (c->switch_s > 0.0)
+        for (int a = 0; a < PD_SCHED_ARMS; a++)
+            if (a != PD_SCHED_PLAIN && t[a] > 0.0)
+                est[a] *= t[a] / (t[a] + c->switch_s);
     int best = 0;
     for (int a = 1; a < PD_SCHED_ARMS; a++)
         if (est[a] > est[best])

@@ -333,6 +333,17 @@ static void test_policy_sched_arms(void)
            all8);
     TEST_CHECK_MSG(fabs(plain8 / 25.0 - 1.0) < 0.02 && plain8 > all8, "no drafts at m = 8: %.2f, all %.2f",
                    plain8, all8);
+    /* a drafting arm ahead of no drafts by less than the switch (the waiting rows a drafting
+     * round must add first) is not picked: here all drafts gives 5 % more per round of 1.0 */
+    pd_sched_ctl sw;
+    pd_sched_init(&sw, NULL);
+    pd_sched_add(&sw, PD_SCHED_PLAIN, 8, 8.0, 1.0, 0.0, 8, 0);
+    pd_sched_add(&sw, PD_SCHED_ALL, 8, 8.4, 1.0, 0.5, 64, 0);
+    pd_sched_add(&sw, PD_SCHED_ALGO1, 8, 6.0, 1.0, 0.5, 32, 0);
+    TEST_CHECK(pd_sched_pick(&sw, 8) == PD_SCHED_ALL);
+    pd_sched_set_switch(&sw, 0.5);
+    TEST_CHECK_MSG(pd_sched_pick(&sw, 8) == PD_SCHED_PLAIN, "picked a drafting arm 5 %% ahead with a switch of "
+                   "half a round");
     /* cold rounds (graph captures) estimate an arm only while it has no steady round anywhere,
      * timed by the profile (verify step + draft round), not by the clock: a cold round at
      * m = 8 of 4 s or of 40 s gives the same estimate; then a steady one at m = 2 (another
