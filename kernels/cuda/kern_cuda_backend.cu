@@ -333,6 +333,8 @@ static pd_status ctx_init(kern_cuda_ctx *c, int device, pd_err *err)
     PD_CUDA_TRY(cudaStreamSynchronize(c->stream), err);
     const char *mk = getenv("PD_MK_CHAIN");
     c->mk_chain_old = mk != NULL && strcmp(mk, "old") == 0;
+    const char *mkp = getenv("PD_MK_CHAIN_PDL");
+    c->mk_chain_pdl = !(mkp != NULL && strcmp(mkp, "0") == 0);
     return PD_OK;
 }
 

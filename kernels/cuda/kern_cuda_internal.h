@@ -37,6 +37,9 @@ typedef struct kern_cuda_ctx {
     int attn_inv_smem_set;     /* attn_inv_kernel's shared-memory limit raised on this device */
     int mk_chain_old;          /* PD_MK_CHAIN=old at creation: markov_chain keeps its L2-streaming
                                   kernel (A/B against the shared-memory one) */
+    int mk_chain_pdl;          /* 1 unless PD_MK_CHAIN_PDL=0 at creation: the shared-memory chain
+                                  kernel is a programmatic dependent launch (fills its w2 slice
+                                  while the previous kernel drains) */
     size_t ws_bytes;
     unsigned ws_epoch;         /* bumped whenever ws moves: graphs captured before are stale */
     unsigned capture_epoch;    /* ws_epoch when the capture in progress began */

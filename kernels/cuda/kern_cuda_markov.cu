@@ -16,7 +16,10 @@
  *     tags, so the publication is the grid barrier (see the comment above the kernel). A gated
  *     or rnn head's product with h (which does not depend on the previous token) is one matmul
  *     for all steps before the launch (markov_head_in_kernel builds its input rows); in the
- *     chain every block computes the R-wide rest of the head itself (mk_res_head_vec).
+ *     chain every block computes the R-wide rest of the head itself (mk_res_head_vec). It is a
+ *     programmatic dependent launch (PD_MK_CHAIN_PDL=0 at backend creation: a plain one): the
+ *     w2 slice is copied before griddepcontrol.wait, so it overlaps the drain of the kernel
+ *     before (the drafter's lm_head); nothing else is read or written before the wait.
  *   - markov_chain_kernel (vanilla, when that slice with the staged base rows does not fit in
  *     shared memory, or PD_MK_CHAIN=old): up to MK_CHAIN_PER_SM blocks per multiprocessor (all
  *     resident), each owning a fixed vocabulary range as above and streaming its w2 rows from L2
@@ -25,7 +28,7 @@
  *     block reduces all partials in block order (so every block holds the same ids) and block 0
  *     writes them. Partials alternate between two buffers, so a block that is ahead never
  *     overwrites what a slower one still reads.
- *   Both need every block resident at once (a plain launch sized from the occupancy API). The
+ *   Both need every block resident at once (a grid sized from the occupancy API). The
  *   step logits are not written. Other shapes (f32 weights, R % 8 != 0, a gated or rnn head
  *   that does not fit the resident kernel) run the step-by-step ops, as the CPU reference.
  * Not here: shape checks (kern_ops.c). Threading: enqueues on the backend stream. */
@@ -404,6 +407,15 @@ static __device__ __forceinline__ void mk_cp_async_wait(void)
     asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
+/* Programmatic dependent launch: wait until the previous kernel has completed and its writes
+ * are visible (a no-op when the launch did not allow an early start). The chain never executes
+ * griddepcontrol.launch_dependents: the next kernel starts only when every chain block has
+ * exited, i.e. after the ids are written. */
+static __device__ __forceinline__ void mk_pdl_wait_prev(void)
+{
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
 /* A partial as one word: value bits | index << 2 | tag (index <= V < 2^30). */
 static __device__ __forceinline__ unsigned long long mk_pack(float v, int i, unsigned tag)
 {
@@ -568,6 +580,15 @@ markov_chain_res_kernel(kern_markov_chain_args a, int V, int R, mk_res_layout la
     const __nv_bfloat16 *w1 = (const __nv_bfloat16 *)a.w1.data;
     const __nv_bfloat16 *w2 = (const __nv_bfloat16 *)a.w2.data;
 
+    /* Only the weight slice before griddepcontrol.wait (see markov_chain_res): w2 never depends
+     * on an earlier kernel, and this touches shared memory only. Its copies stay in flight
+     * through the wait; the first cp.async wait below covers them. */
+    for (int i = threadIdx.x; i < cnt * n8; i += MK_RES_THREADS) {
+        int lv = i / n8, c8 = i - lv * n8;
+        mk_cp_async16(w2s + mk_swz<RC>(lv, c8, n8), w2 + ((size_t)(v0 + lv) * R + c8 * 8));
+    }
+    mk_cp_async_commit();
+    mk_pdl_wait_prev();
     for (int i = threadIdx.x; i < 2 * n; i += MK_RES_THREADS)
         mk_st_relaxed(slots + (size_t)i * nb + blockIdx.x, 0ull);
     for (int i = threadIdx.x; i < a.steps * n; i += MK_RES_THREADS)
@@ -577,10 +598,6 @@ markov_chain_res_kernel(kern_markov_chain_args a, int V, int R, mk_res_layout la
     if (HEAD == KERN_MARKOV_RNN)
         for (int i = threadIdx.x; i < n * R; i += MK_RES_THREADS)
             ss[i] = 0.0f;
-    for (int i = threadIdx.x; i < cnt * n8; i += MK_RES_THREADS) {
-        int lv = i / n8, c8 = i - lv * n8;
-        mk_cp_async16(w2s + mk_swz<RC>(lv, c8, n8), w2 + ((size_t)(v0 + lv) * R + c8 * 8));
-    }
     __syncthreads();   /* the zeroed slots and the rows */
     if (threadIdx.x == 0) {
         __threadfence();   /* the zeroes of the whole block before the arrival */
@@ -907,8 +924,33 @@ static pd_status markov_chain_res(kern_backend *be, const kern_markov_chain_args
     pd_status st = kern_cuda_ws_get(c, (size_t)2 * n * nb * sizeof(unsigned long long), &ws, err);
     if (st != PD_OK)
         return st;
-    kern<<<nb, MK_RES_THREADS, lay.bytes, c->stream>>>(*a, V, R, lay, hd, (unsigned long long *)ws,
-                                                        c->counter);
+    /* Programmatic dependent launch (unless PD_MK_CHAIN_PDL=0): once every block of the previous
+     * kernel has started and executed launch_dependents (the skinny GEMM of the drafter's
+     * lm_head does so at its start), the chain's blocks may start on the multiprocessors that
+     * kernel leaves free and copy their w2 slice while it drains; everything else (base, rows,
+     * prev, hidden products, the slots in the shared workspace, the counter) comes after
+     * griddepcontrol.wait, which returns once that kernel has completed and its writes are
+     * visible. Captured into graphs as a programmatic edge, as the skinny kernel's launch.
+     * No deadlock at the grid barrier: the early start happens only once every block of the
+     * earlier kernel is already running (so the chain never takes a multiprocessor one of them
+     * still needs), that kernel never waits for the chain, and before the wait a chain block
+     * only copies. A block spins on other blocks only after its own wait returned, i.e. once
+     * the earlier kernel has completed and freed every multiprocessor; then the blocks not yet
+     * started fit, since the grid was sized to be resident at once (nb <= n_sm, one block per
+     * multiprocessor, checked above). The kernel after the chain cannot start early either:
+     * the chain never triggers it, so it starts when every chain block has exited. */
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)nb);
+    cfg.blockDim = dim3(MK_RES_THREADS);
+    cfg.dynamicSmemBytes = lay.bytes;
+    cfg.stream = c->stream;
+    cfg.attrs = at;
+    cfg.numAttrs = c->mk_chain_pdl ? 1 : 0;
+    PD_CUDA_TRY(cudaLaunchKernelEx(&cfg, kern, *a, V, R, lay, hd, (unsigned long long *)ws, c->counter),
+                err);
     KERN_CUDA_LAUNCH_CHECK(err);
     *ran = 1;
     return PD_OK;
