@@ -69,7 +69,8 @@ struct pd_engine {
     int gap_live;               /* rows in the requests' gaps (part of pend_live) */
     double gap_row_s;           /* seconds per gap row recomputed and added, smoothed (0: none
                                  * yet; switch_cost takes the profile's forward then) */
-    int round_gaps;             /* this round's waiting decode rows become gaps (decode_round) */
+    int round_gaps;             /* this step's waiting rows become gaps (decode_round,
+                                 * prefill_forward) */
     pd_sps sps_default;         /* linear step-time model when no profile is given */
     pd_sched_ctl sched;         /* the scheduled policy's arms (pd_verify_policy.h) */
     int trace_head;             /* the trace's header line was written */
@@ -679,8 +680,14 @@ static pd_status extend_draft(pd_engine *e, const float *aux, const int32_t *row
  * of it are still wanted, else flushed. */
 #define PD_PEND_MAX_ROWS 65536
 #define PD_PEND_MAX_BYTES ((size_t)256 << 20)
-/* Rounds of at least this many requests leave their waiting decode rows as gaps (decode_round). */
+/* Rounds of at least this many requests leave their waiting rows as gaps (decode_round,
+ * prefill_forward). */
 #define PD_GAP_MIN_BATCH 8
+
+static int gap_min_batch(const pd_engine *e)
+{
+    return e->cfg.gap_min_batch > 0 ? e->cfg.gap_min_batch : PD_GAP_MIN_BATCH;
+}
 
 /* The token at position p of r (prompt, then output). */
 static int32_t token_at(const pd_request *r, int p)
@@ -992,9 +999,9 @@ static int gap_add(pd_engine *e, pd_request *r, int p)
     return 1;
 }
 
-/* Adds context rows to the draft KV, except those row_defers picks, which wait: decode rows as
- * their request's gap (no copy at all: a flush recomputes them), prompt rows and a decode row
- * that does not extend its gap in the deferred buffer (with the aux they were computed with). */
+/* Adds context rows to the draft KV, except those row_defers picks, which wait: as their
+ * request's gap when e->round_gaps (no copy at all: a flush recomputes them), else, or when a row
+ * does not extend the gap, in the deferred buffer (with the aux they were computed with). */
 static pd_status extend_or_defer(pd_engine *e, const float *aux, const int32_t *rows, const int32_t *pos,
                                  pd_request *const *owner, int n, int prompt, pd_err *err)
 {
@@ -1020,7 +1027,7 @@ static pd_status extend_or_defer(pd_engine *e, const float *aux, const int32_t *
         int at;
         if (!row_defers(e, r, prompt))
             at = n + k++;
-        else if (!prompt && e->round_gaps && gap_add(e, r, pos[i]))
+        else if (e->round_gaps && gap_add(e, r, pos[i]))
             continue;
         else
             at = d++;
@@ -1241,6 +1248,11 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
         e->cfg.prefill_aux_hook(e->cfg.prefill_aux_hook_ud, aux, n_tok, e->aux_dim, e->aux_dim);
     double t_ext = now_s();
     e->times.prefill_target += t_ext - t_fwd;
+    /* prompt rows wait as gaps too among enough requests, as decode rows do */
+    int active = 0;
+    for (int i = 0; i < e->n_reqs; i++)
+        active += e->reqs[i]->finish == PD_FINISH_NONE;
+    e->round_gaps = active >= gap_min_batch(e);
     st = extend_or_defer(e, aux, rows, pos, owner, n_tok, 1, err);
     e->times.prefill_draft += now_s() - t_ext;
     if (st != PD_OK)
@@ -1529,11 +1541,6 @@ static int sched_accept(pd_engine *e, const round_slot *slots, int m, const pd_r
  * sched_accept, where it would otherwise start from the arm's record and wait for the
  * controller's next trial, typically most of a request at batch 1. Returns 1 when this round is
  * such a probe; leaves the acceptance factor to the caller's sched_accept. */
-static int gap_min_batch(const pd_engine *e)
-{
-    return e->cfg.gap_min_batch > 0 ? e->cfg.gap_min_batch : PD_GAP_MIN_BATCH;
-}
-
 static pd_request *sched_probe(pd_engine *e, const round_slot *slots, int m)
 {
     /* only small batches: there one request's acceptance moves the choice, and their rows wait
@@ -1558,10 +1565,12 @@ static pd_request *sched_probe(pd_engine *e, const round_slot *slots, int m)
         return NULL;
     if (!sched_accept(e, slots, m, cand))   /* no record yet: the controller tries the arm */
         return NULL;
-    if (cand->n_whole < PD_PROBE_ROUNDS)
+    if (cand->n_probed < PD_PROBE_ROUNDS && cand->n_whole < PD_PROBE_ROUNDS)
         cand->n_probed++;   /* PD_PROBE_ROUNDS first chances, whatever the answers */
     else
-        cand->plain_streak = 0;   /* and one per PD_REPROBE_PLAIN rounds without drafts */
+        cand->plain_streak = 0;   /* and one per PD_REPROBE_PLAIN rounds without drafts (a
+                                   * re-probe never counted as a first one: that had made the
+                                   * count depend on timing, test_engine under load) */
     return pd_sched_all_wins(&e->sched, m) ? cand : NULL;
 }
 

@@ -486,6 +486,8 @@ static void test_engine_gap_chunks(void)
     for (int i = 0; i < 21; i++)
         TEST_CHECK(pd_engine_step(e, &err) == PD_OK);
     TEST_CHECK_MSG(ra->n_gap >= 20 && rb->n_gap >= 20, "gaps of %d and %d rows, want 20+", ra->n_gap, rb->n_gap);
+    TEST_CHECK_MSG(ra->gap_lo == 0 && rb->gap_lo == 0 && ra->n_gap == ra->n_pend, "prompt rows in the gaps: from %d, "
+                   "%d, %d of %d rows", ra->gap_lo, rb->gap_lo, ra->n_gap, ra->n_pend);
     pd_engine_set_sched_debug_arm(e, 3);
     TEST_CHECK(pd_engine_step(e, &err) == PD_OK);   /* both draft: their gaps land first */
     TEST_CHECK_MSG(ra->n_pend == 0 && rb->n_pend == 0, "rows still lacking: %d, %d", ra->n_pend, rb->n_pend);
