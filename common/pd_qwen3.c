@@ -523,6 +523,14 @@ const float *pd_target_logits(const pd_target *t) { return t->logits != NULL ? t
 const float *pd_target_aux(const pd_target *t) { return t->aux != NULL ? t->aux->ptr : NULL; }
 const float *pd_target_final_hidden(const pd_target *t) { return t->final_hidden; }
 int pd_target_aux_dim(const pd_target *t) { return t->n_taps * t->m->cfg.hidden_size; }
+
+int pd_target_capacity(const pd_target *t)
+{
+    int cap = t->act.cap_tok;
+    if (t->n_taps > 0 && t->cap_aux_tok < cap)
+        cap = t->cap_aux_tok;
+    return cap;
+}
 const pd_qwen3_model *pd_target_model(const pd_target *t) { return t->m; }
 pd_kv_pool *pd_target_pool(const pd_target *t) { return t->pool; }
 void pd_target_set_tp(pd_target *t, struct pd_tp_rank *tp) { t->act.tp = tp; }

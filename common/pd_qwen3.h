@@ -130,6 +130,9 @@ uint64_t pd_target_graph_cold(const pd_target *t);
 const float *pd_target_logits(const pd_target *t);      /* [n_logits, vocab] */
 const float *pd_target_aux(const pd_target *t);         /* [n_tok, n_taps * hidden] */
 const float *pd_target_final_hidden(const pd_target *t); /* [n_logits, hidden] after final norm */
+/* Tokens one forward takes now without growing its scratch (a grown buffer moves, and every
+ * captured graph that used it is captured again). */
+int pd_target_capacity(const pd_target *t);
 int pd_target_aux_dim(const pd_target *t);
 /* Makes t rank tp's part of a tensor-parallel group (pd_tp.h; borrowed): its model is that
  * rank's shard, row-parallel outputs are all-reduced and the logits all-gathered. */
