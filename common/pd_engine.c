@@ -731,9 +731,9 @@ static pd_status gap_flush(pd_engine *e, pd_flush_mode mode, pd_err *err)
             total += e->reqs[i]->n_gap;
     if (total == 0)
         return PD_OK;
-    /* chunks the target's forward takes without growing its scratch (a recompute of 1024 rows
-     * after prefills of a few hundred moved its buffers, and every target graph was captured
-     * again: -5 % at C = 8 on the tiny pair) */
+    /* chunks the target's forward takes without growing its scratch (a grown buffer moves and
+     * every target graph is captured again; with the recompute's own graphs that cost -5 % at
+     * C = 8 on the tiny pair, 14:02 UTC) */
     int cap = PD_DRAFT_EXTEND_GRAPH_MAX, tcap = e->tp == NULL ? pd_target_capacity(e->target) : 0;
     if (e->cfg.pend_max_rows > 0 && e->cfg.pend_max_rows < cap)
         cap = e->cfg.pend_max_rows;

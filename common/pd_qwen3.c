@@ -457,7 +457,9 @@ pd_status pd_target_forward(pd_target *t, const pd_tok_batch *b, const int32_t *
         if (logit_rows[i] < 0 || logit_rows[i] >= n)
             return pd_err_set(err, PD_ERR_INTERNAL, "logit row %d outside batch of %d", logit_rows[i], n);
     pd_act *a = &t->act;
-    int pad = pd_graph_pad(&t->graphs) && n <= PD_TARGET_GRAPH_MAX_TOK;
+    /* a recompute (no_store) runs eagerly: it is rare, and its shapes would crowd the decode
+     * steps' graphs out of the cache */
+    int pad = !b->no_store && pd_graph_pad(&t->graphs) && n <= PD_TARGET_GRAPH_MAX_TOK;
     target_step s = { .t = t, .n_seq = b->n_seq };
     /* the head picks its rows into a->h: room for them before the metadata lands in a */
     TRY(pd_act_reserve(a, pad ? pd_graph_bucket(n_logits > n ? n_logits : n) : n_logits, 0, err));
