@@ -72,6 +72,7 @@ struct decode_handle {
     pd_request *r;
     pd_detok *detok;
     prefill_node *node;
+    int prefill_by_deadline;         /* its Prefill call is bounded by the request's deadline */
     pd_rpc_pending *pending;
     int aux_row;                     /* first row in the aux arena, -1 = none */
     double hold_until;
@@ -638,10 +639,13 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
     pr.sampling = &sp;
     pr.dest = &d;
     int64_t tmo = s->cfg.transfer_timeout_ms;
+    h->prefill_by_deadline = 0;
     if (h->deadline > 0) {
         int64_t left = (int64_t)(h->deadline - pd_cli_now_ms());
-        if (left < tmo)
+        if (left < tmo) {
             tmo = left > 1 ? left : 1;
+            h->prefill_by_deadline = 1;
+        }
     }
     pr.timeout_ms = (uint64_t)tmo;
     /* the call's own deadline is a little longer than the node's bound, so a node that gives
@@ -780,7 +784,9 @@ static void on_reply_loop(void *arg)
     if (m->resp != NULL)
         protobuf_c_message_free_unpacked(m->resp, NULL);
     free(m);
-    if (st == PD_ERR_PEER || st == PD_ERR_TIMEOUT)
+    /* a call that ran out of the request's own time says nothing against the node */
+    int req_deadline = st == PD_ERR_TIMEOUT && h->prefill_by_deadline;
+    if ((st == PD_ERR_PEER || st == PD_ERR_TIMEOUT) && !req_deadline)
         node_failed(s, nd, msg);
     if (h->state == H_ZOMBIE) {
         if (st == PD_OK || st == PD_ERR_INVALID || st == PD_ERR_NOT_FOUND || st == PD_ERR_CANCELLED) {
@@ -827,9 +833,15 @@ static void on_reply_loop(void *arg)
         }
     }
     char full[900];
-    snprintf(full, sizeof(full), "prefill node %s failed: %s", nd->addr, msg);
-    PD_LOG_WARN("decode", "%s: %s", h->id, full);
-    call_done(s, h, PD_ERR_PEER, full);
+    if (req_deadline) {
+        snprintf(full, sizeof(full), "deadline exceeded after %.0f ms (during its prefill on %s)",
+                 pd_cli_now_ms() - h->t_submit, nd->addr);
+        call_done(s, h, PD_ERR_TIMEOUT, full);
+    } else {
+        snprintf(full, sizeof(full), "prefill node %s failed: %s", nd->addr, msg);
+        PD_LOG_WARN("decode", "%s: %s", h->id, full);
+        call_done(s, h, PD_ERR_PEER, full);
+    }
     s->n_prefill--;
     if (st == PD_ERR_PEER || st == PD_ERR_TIMEOUT || st == PD_ERR_INTERNAL) {
         h->state = H_HOLD;

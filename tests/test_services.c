@@ -536,6 +536,22 @@ static void test_services_lifecycle(void)
     TEST_CHECK_MSG(fp == (int)baseline, "after deadline: %d pages free, baseline %u", fp, baseline);
     free(g2.ids);
 
+    /* a deadline that ends during the prefill (a long prompt, 5 ms): the request's timeout, not a
+     * failed prefill node, and the node keeps serving at once */
+    gen_call g2b = { .max_new = 8, .ignore_eos = 1, .top_p = 1.0f, .timeout_ms = 5 };
+    prompt_ids(&g2b, 900, 6);
+    gen_run(ch, &g2b);
+    expect(&g2b, PD_ERR_TIMEOUT, "deadline", "deadline during prefill");
+    free(g2b.ids);
+    gen_call g2c = { .max_new = 4, .ignore_eos = 1, .top_p = 1.0f };
+    prompt_ids(&g2c, 20, 7);
+    gen_run(ch, &g2c);
+    TEST_CHECK_MSG(g2c.st == PD_OK && g2c.tokens == 4, "after a deadline during prefill: %s %s",
+                   pd_status_str(g2c.st), g2c.msg);
+    free(g2c.ids);
+    fp = wait_free_pages(ch, baseline, 5000);
+    TEST_CHECK_MSG(fp == (int)baseline, "after deadlines: %d pages free, baseline %u", fp, baseline);
+
     /* a prefill node killed with prefills in flight: two requests decode already, then six long
      * prompts go to prefill and the node dies under them */
     enum { N_EARLY = 2, N_LATE = 6 };
