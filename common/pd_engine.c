@@ -52,11 +52,11 @@ struct pd_engine {
     int cap_aux;
     kern_buf *idx_dev;
     int cap_idx;
-    /* deferred draft context: prompt rows of scheduled requests wait here (aux rows on the
-     * backend, positions and owners on the host) and are added to the draft KV in one batch
-     * before the next round that drafts, or before their request's pages go back; decode rows
-     * of rounds in which the scheduler drafted nothing are only counted (pd_request.gap_lo) and
-     * recomputed then. A round without drafts then costs what a target-only step costs. */
+    /* deferred draft context: context rows of scheduled requests that do not draft wait here
+     * (aux rows on the backend, positions and owners on the host) or, among 8+ requests, only
+     * as positions (pd_request.gap_lo) that are recomputed; either way they are added to the
+     * draft KV before their request's next drafting round. A round without drafts then costs
+     * what a target-only step costs. */
     kern_buf *pend_aux;         /* [cap_pend, aux_dim] */
     int cap_pend;
     int n_pend;                 /* entries, rows of ended requests (owner NULL) included */
@@ -69,8 +69,6 @@ struct pd_engine {
     int gap_live;               /* rows in the requests' gaps (part of pend_live) */
     double gap_row_s;           /* seconds per gap row recomputed and added, smoothed (0: none
                                  * yet; switch_cost takes the profile's forward then) */
-    int round_gaps;             /* this step's waiting rows become gaps (decode_round,
-                                 * prefill_forward) */
     pd_sps sps_default;         /* linear step-time model when no profile is given */
     pd_sched_ctl sched;         /* the scheduled policy's arms (pd_verify_policy.h) */
     int trace_head;             /* the trace's header line was written */
@@ -710,24 +708,24 @@ static pd_status gap_chunk(pd_engine *e, const int32_t *ids, const int32_t *pos,
 
 /* Which waiting rows a flush adds (pend_flush). */
 typedef enum {
-    PD_FLUSH_ALL,           /* every gap and buffer row */
     PD_FLUSH_DRAFTING,      /* the rows of requests that draft this round (pd_request.drafting) */
+    PD_FLUSH_REQUEST,       /* the rows of one request */
     PD_FLUSH_BUFFER,        /* the buffer's rows (it is full), no gaps */
 } pd_flush_mode;
 
-static int flush_takes(pd_flush_mode mode, const pd_request *r)
+static int flush_takes(pd_flush_mode mode, const pd_request *one, const pd_request *r)
 {
-    return mode != PD_FLUSH_DRAFTING || r->drafting;
+    return mode == PD_FLUSH_DRAFTING ? r->drafting : mode == PD_FLUSH_REQUEST ? r == one : 1;
 }
 
 /* Recomputes the gaps (decode rows of rounds without drafts, which kept no aux row) of the
  * requests mode takes and adds the rows to the draft KV, in chunks of at most
  * PD_DRAFT_EXTEND_GRAPH_MAX tokens; the gaps are closed. */
-static pd_status gap_flush(pd_engine *e, pd_flush_mode mode, pd_err *err)
+static pd_status gap_flush(pd_engine *e, pd_flush_mode mode, const pd_request *one, pd_err *err)
 {
     int total = 0;
     for (int i = 0; i < e->n_reqs; i++)
-        if (flush_takes(mode, e->reqs[i]))
+        if (flush_takes(mode, one, e->reqs[i]))
             total += e->reqs[i]->n_gap;
     if (total == 0)
         return PD_OK;
@@ -757,7 +755,7 @@ static pd_status gap_flush(pd_engine *e, pd_flush_mode mode, pd_err *err)
     int c = 0, ns = 0;
     for (int i = 0; i < e->n_reqs && st == PD_OK; i++) {
         pd_request *r = e->reqs[i];
-        if (!flush_takes(mode, r))
+        if (!flush_takes(mode, one, r))
             continue;
         for (int j = 0; j < r->n_gap && st == PD_OK; j++) {
             if (j == 0 || c == 0)
@@ -787,7 +785,7 @@ static pd_status gap_flush(pd_engine *e, pd_flush_mode mode, pd_err *err)
 
 /* The deferred buffer's rows of the requests mode takes to the draft KV; their entries are
  * left as those of ended requests (owner NULL), and the buffer empties when none is wanted. */
-static pd_status buf_flush(pd_engine *e, pd_flush_mode mode, pd_err *err)
+static pd_status buf_flush(pd_engine *e, pd_flush_mode mode, const pd_request *one, pd_err *err)
 {
     int n = e->n_pend;
     if (n == 0)
@@ -805,7 +803,7 @@ static pd_status buf_flush(pd_engine *e, pd_flush_mode mode, pd_err *err)
         pd_request *r = e->pend_owner[i];
         if (r == NULL)
             continue;
-        if (!flush_takes(mode, r)) {
+        if (!flush_takes(mode, one, r)) {
             kept++;
             continue;
         }
@@ -840,7 +838,7 @@ static void smooth(double *avg, double x) { *avg = *avg > 0.0 ? 0.7 * *avg + 0.3
  * batch-invariant kernels are for the target's logits, which decide the output; the drafter's
  * context only changes which drafts are proposed, and a flush of thousands of rows through the
  * skinny invariant kernel cost milliseconds on the tiny pair (docs/BENCHMARKS.md). */
-static pd_status pend_flush(pd_engine *e, pd_flush_mode mode, pd_err *err)
+static pd_status pend_flush(pd_engine *e, pd_flush_mode mode, const pd_request *one, pd_err *err)
 {
     if (e->n_pend == 0 && e->pend_live == 0)
         return PD_OK;
@@ -850,7 +848,7 @@ static pd_status pend_flush(pd_engine *e, pd_flush_mode mode, pd_err *err)
     be->batch_invariant = 0;
     int gaps0 = e->gap_live;
     double t0 = now_s();
-    pd_status st = mode == PD_FLUSH_BUFFER ? PD_OK : gap_flush(e, mode, err);
+    pd_status st = mode == PD_FLUSH_BUFFER ? PD_OK : gap_flush(e, mode, one, err);
     /* a recompute is a forward: wait for it, so its time (the controller's switch cost) is
      * not taken for the draft round that follows */
     if (st == PD_OK && e->gap_live != gaps0)
@@ -860,7 +858,7 @@ static pd_status pend_flush(pd_engine *e, pd_flush_mode mode, pd_err *err)
         smooth(&e->gap_row_s, (t1 - t0) / (gaps0 - e->gap_live));
     int buf0 = e->pend_live;
     if (st == PD_OK)
-        st = buf_flush(e, mode, err);
+        st = buf_flush(e, mode, one, err);
     /* host seconds per buffer row (captures included: the last chunk's size varies, so a flush
      * often captures one) */
     if (st == PD_OK && e->pend_live != buf0)
@@ -953,7 +951,7 @@ static pd_status pend_add(pd_engine *e, const float *aux, const int32_t *rows, c
     if (e->n_pend + n > e->cap_pend && e->n_pend > 0)
         TRY(pend_compact(e, err));
     if (e->n_pend + n > e->cap_pend) {   /* still full (or not allocated yet) */
-        TRY(pend_flush(e, PD_FLUSH_BUFFER, err));
+        TRY(pend_flush(e, PD_FLUSH_BUFFER, NULL, err));
         if (n > max_rows)
             return extend_draft(e, aux, rows, pos, owner, n, err);
         /* sized once, at its largest: growing would drop the contents */
@@ -992,7 +990,7 @@ static int row_defers(const pd_engine *e, const pd_request *r, int prompt)
            (prompt ? r->aux == NULL && r->ctx == NULL && !r->params.hold_kv : !r->drafting);
 }
 
-/* Puts r's decode row at position p into its gap (pd_request.gap_lo) when it extends it. */
+/* Puts r's context row at position p into its gap (pd_request.gap_lo) when it extends it. */
 static int gap_add(pd_engine *e, pd_request *r, int p)
 {
     if (r->n_gap > 0 && p != r->gap_lo + r->n_gap)
@@ -1007,10 +1005,10 @@ static int gap_add(pd_engine *e, pd_request *r, int p)
 }
 
 /* Adds context rows to the draft KV, except those row_defers picks, which wait: as their
- * request's gap when e->round_gaps (no copy at all: a flush recomputes them), else, or when a row
+ * request's gap when gaps is set (no copy at all: a flush recomputes them), else, or when a row
  * does not extend the gap, in the deferred buffer (with the aux they were computed with). */
 static pd_status extend_or_defer(pd_engine *e, const float *aux, const int32_t *rows, const int32_t *pos,
-                                 pd_request *const *owner, int n, int prompt, pd_err *err)
+                                 pd_request *const *owner, int n, int prompt, int gaps, pd_err *err)
 {
     if (e->draft == NULL || n == 0)
         return PD_OK;
@@ -1034,7 +1032,7 @@ static pd_status extend_or_defer(pd_engine *e, const float *aux, const int32_t *
         int at;
         if (!row_defers(e, r, prompt))
             at = n + k++;
-        else if (e->round_gaps && gap_add(e, r, pos[i]))
+        else if (gaps && gap_add(e, r, pos[i]))
             continue;
         else
             at = d++;
@@ -1259,8 +1257,7 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
     int active = 0;
     for (int i = 0; i < e->n_reqs; i++)
         active += e->reqs[i]->finish == PD_FINISH_NONE;
-    e->round_gaps = active >= gap_min_batch(e);
-    st = extend_or_defer(e, aux, rows, pos, owner, n_tok, 1, err);
+    st = extend_or_defer(e, aux, rows, pos, owner, n_tok, 1, active >= gap_min_batch(e), err);
     e->times.prefill_draft += now_s() - t_ext;
     if (st != PD_OK)
         goto out;
@@ -1546,8 +1543,9 @@ static int sched_accept(pd_engine *e, const round_slot *slots, int m, const pd_r
  * to accept most of them, the all-drafts arm would beat no drafts for this round's batch (one
  * request in a batch of many never tips it; alone it may): its own acceptance then steers
  * sched_accept, where it would otherwise start from the arm's record and wait for the
- * controller's next trial, typically most of a request at batch 1. Returns 1 when this round is
- * such a probe; leaves the acceptance factor to the caller's sched_accept. */
+ * controller's next trial, typically most of a request at batch 1. Returns the request when this
+ * round is such a probe (NULL when not); leaves the acceptance factor to the caller's
+ * sched_accept. */
 static pd_request *sched_probe(pd_engine *e, const round_slot *slots, int m)
 {
     /* only small batches: there one request's acceptance moves the choice, and their rows wait
@@ -1677,7 +1675,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
      * deferred buffer (a copy per round; drafting rounds and probes come often there, and
      * recomputing a gap costs a forward, a whole step on a large model), at larger ones as
      * gaps (nothing per round; drafting rarely resumes there) */
-    e->round_gaps = m >= gap_min_batch(e);
+    int gaps = m >= gap_min_batch(e);
     int round_tokens = 0;
     /* ---- draft: one block forward for every request that drafts, then the Markov loop ---- */
     int n_draft = 0;
@@ -1730,7 +1728,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     if (pend_drafting > 0) {
         double t_flush = now_s();
         /* the drafts must see every committed position of their request */
-        st = pend_flush(e, PD_FLUSH_DRAFTING, err);
+        st = pend_flush(e, PD_FLUSH_DRAFTING, NULL, err);
         flush_sec = now_s() - t_flush;
         e->times.flush += flush_sec;
         if (st != PD_OK)
@@ -1836,7 +1834,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             }
             for (int i = 0; i < m; i++)
                 own[i] = slots[i].r;
-            st = extend_or_defer(e, pd_target_aux(e->target), vrows, vpos, own, m, 0, err);
+            st = extend_or_defer(e, pd_target_aux(e->target), vrows, vpos, own, m, 0, gaps, err);
             free(own);
             if (st != PD_OK)
                 goto out;
@@ -1942,7 +1940,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     if (!pended && n_ext > 0)
         /* rows of scheduled requests that did not draft wait (until their next drafting round);
          * the others' go in now */
-        st = extend_or_defer(e, pd_target_aux(e->target), ext_rows, ext_pos, ext_owner, n_ext, 0, err);
+        st = extend_or_defer(e, pd_target_aux(e->target), ext_rows, ext_pos, ext_owner, n_ext, 0, gaps, err);
     free(ext_owner);
     e->times.extend += now_s() - t_extend;
     if (st == PD_OK && sched_mode >= 0) {
@@ -1988,7 +1986,7 @@ pd_status pd_engine_step(pd_engine *e, pd_err *err)
          * pages given back */
         if (r->finish != PD_FINISH_NONE && r->n_pend > 0) {
             if (r->params.hold_kv)
-                TRY(pend_flush(e, PD_FLUSH_ALL, err));
+                TRY(pend_flush(e, PD_FLUSH_REQUEST, r, err));
             else
                 pend_drop(e, r);
         }

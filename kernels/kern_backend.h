@@ -294,7 +294,6 @@ typedef struct {
     float *scratch;          /* gated, rnn: [kern_markov_chain_scratch(args)] */
 } kern_markov_chain_args;
 
-
 /* ---- sampling (temperature / top-k / top-p) and speculative verification ------------------
  * The rules are pd_sample.h's, so a sampled request gives the same tokens on every backend up
  * to float rounding: the CPU entries compute exactly what pd_probs_from_logits,
@@ -476,6 +475,12 @@ pd_status kern_markov_step(kern_backend *be, const kern_markov_step_args *a, pd_
 pd_status kern_markov_chain(kern_backend *be, const kern_markov_chain_args *a, pd_err *err);
 /* Floats of scratch kern_markov_chain needs for these shapes and head (0 for vanilla). */
 size_t kern_markov_chain_scratch(const kern_markov_chain_args *a);
+/* For backends: the chain by the step-by-step ops (kern_embed, then for gated/rnn heads
+ * kern_copy_rows, kern_matmul, kern_unary, kern_binary, then kern_markov_step), the arithmetic
+ * kern_markov_chain defines. Vanilla: e [n, R] and step [n, V] are the caller's work memory on
+ * the backend; gated/rnn: both come from a->scratch (e and step are ignored). */
+pd_status kern_markov_chain_by_steps(kern_backend *be, const kern_markov_chain_args *a, float *e, float *step,
+                                     pd_err *err);
 pd_status kern_probs(kern_backend *be, const kern_probs_args *a, pd_err *err);
 pd_status kern_sample(kern_backend *be, const kern_sample_args *a, pd_err *err);
 pd_status kern_spec_verify(kern_backend *be, const kern_spec_verify_args *a, pd_err *err);

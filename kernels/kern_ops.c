@@ -357,6 +357,109 @@ pd_status kern_markov_chain(kern_backend *be, const kern_markov_chain_args *a, p
     return be->ops->markov_chain(be, a, err);
 }
 
+/* The vec of step k of a gated or rnn head for n rows by the step-by-step ops, in the order of
+ * pd_dspark.c's Markov step (scratch: e | in | out | state | tmp | gate, e = w1[prev] in place);
+ * *vec = the tmp rows. */
+static pd_status markov_head_vec(kern_backend *be, const kern_markov_chain_args *a, int k, float *scr,
+                                 float **vec, pd_err *err)
+{
+    int n = a->n, R = (int)a->w2.cols, K = (int)a->head_w.cols, J = (int)a->head_w.rows;
+    float *e = scr, *in = e + (size_t)n * R, *out = in + (size_t)n * K, *state = out + (size_t)n * J;
+    float *tmp = state + (size_t)n * R, *gate = tmp + (size_t)n * R;
+    const int32_t *rows = a->rows + (size_t)k * a->ld_rows;
+    int gated = a->head == KERN_MARKOV_GATED, H = K - (gated ? R : 2 * R);
+    /* [h ; e] (gated) or [s ; e ; h] (rnn) */
+    kern_copy_rows_args ch = { .src = a->hidden, .ld_src = a->ld_hidden, .idx = rows,
+                               .dst = in + (gated ? 0 : 2 * R), .ld_dst = K, .rows = n, .cols = H };
+    kern_copy_rows_args ce = { .src = e, .ld_src = R, .dst = in + (gated ? H : R), .ld_dst = K, .rows = n,
+                               .cols = R };
+    kern_copy_rows_args cs = { .src = state, .ld_src = R, .dst = in, .ld_dst = K, .rows = n, .cols = R };
+    kern_matmul_args mm = { .x = in, .ld_x = K, .w = a->head_w, .bias = a->head_b,
+                            .y = gated ? gate : out, .ld_y = J, .m = n, .n = J, .k = K };
+    pd_status st = PD_OK;
+    if (!gated && k == 0)
+        st = kern_memset0(be, state, (size_t)n * R * sizeof(float), err);
+    if (st == PD_OK && gated) {
+        st = kern_copy_rows(be, &ch, err);
+        if (st == PD_OK)
+            st = kern_copy_rows(be, &ce, err);
+    } else if (st == PD_OK) {
+        st = kern_copy_rows(be, &cs, err);
+        if (st == PD_OK)
+            st = kern_copy_rows(be, &ce, err);
+        if (st == PD_OK)
+            st = kern_copy_rows(be, &ch, err);
+    }
+    if (st == PD_OK)
+        st = kern_matmul(be, &mm, err);
+    if (st != PD_OK)
+        return st;
+    if (gated) {
+        /* vec = sigmoid(gate) * e */
+        kern_unary_args sg = { .op = KERN_UNARY_SIGMOID, .x = gate, .ld_x = R, .out = gate, .ld_out = R,
+                               .rows = n, .cols = R };
+        kern_binary_args mul = { .op = KERN_BINARY_MUL, .a = gate, .ld_a = R, .b = e, .ld_b = R, .out = tmp,
+                                 .ld_out = R, .rows = n, .cols = R };
+        st = kern_unary(be, &sg, err);
+        if (st == PD_OK)
+            st = kern_binary(be, &mul, err);
+    } else {
+        /* s' = ((s - c~) * sigmoid(a)) + c~, c~ = tanh(c); vec = tanh(o) */
+        kern_unary_args ga = { .op = KERN_UNARY_SIGMOID, .x = out, .ld_x = J, .out = gate, .ld_out = R,
+                               .rows = n, .cols = R };
+        kern_unary_args ca = { .op = KERN_UNARY_TANH, .x = out + R, .ld_x = J, .out = tmp, .ld_out = R,
+                               .rows = n, .cols = R };
+        kern_binary_args diff = { .op = KERN_BINARY_SUB, .a = state, .ld_a = R, .b = tmp, .ld_b = R,
+                                  .out = state, .ld_out = R, .rows = n, .cols = R };
+        kern_binary_args scale = { .op = KERN_BINARY_MUL, .a = state, .ld_a = R, .b = gate, .ld_b = R,
+                                   .out = state, .ld_out = R, .rows = n, .cols = R };
+        kern_binary_args add = { .op = KERN_BINARY_ADD, .a = state, .ld_a = R, .b = tmp, .ld_b = R,
+                                 .out = state, .ld_out = R, .rows = n, .cols = R };
+        kern_unary_args oa = { .op = KERN_UNARY_TANH, .x = out + 2 * R, .ld_x = J, .out = tmp, .ld_out = R,
+                               .rows = n, .cols = R };
+        st = kern_unary(be, &ga, err);
+        if (st == PD_OK)
+            st = kern_unary(be, &ca, err);
+        if (st == PD_OK)
+            st = kern_binary(be, &diff, err);
+        if (st == PD_OK)
+            st = kern_binary(be, &scale, err);
+        if (st == PD_OK)
+            st = kern_binary(be, &add, err);
+        if (st == PD_OK)
+            st = kern_unary(be, &oa, err);
+    }
+    *vec = tmp;
+    return st;
+}
+
+pd_status kern_markov_chain_by_steps(kern_backend *be, const kern_markov_chain_args *a, float *e, float *step,
+                                     pd_err *err)
+{
+    int V = (int)a->w2.rows, R = (int)a->w2.cols, n = a->n;
+    int head = a->head != KERN_MARKOV_VANILLA;
+    if (head) {   /* scratch: e | in | out | state | tmp | gate | step */
+        e = a->scratch;
+        step = e + (size_t)n * (a->head_w.cols + a->head_w.rows + 4 * R);
+    }
+    pd_status st = PD_OK;
+    for (int k = 0; k < a->steps && st == PD_OK; k++) {
+        kern_embed_args em = { .table = a->w1, .ids = a->prev + (size_t)k * a->ld_prev, .n = n, .out = e,
+                               .ld_out = R };
+        float *vec = e;
+        st = kern_embed(be, &em, err);
+        if (st == PD_OK && head)
+            st = markov_head_vec(be, a, k, e, &vec, err);
+        kern_markov_step_args ms = { .base = a->base, .ld_base = a->ld_base,
+                                     .rows = a->rows + (size_t)k * a->ld_rows, .w2 = a->w2, .vec = vec,
+                                     .ld_vec = R, .n = n, .step = step, .ld_step = V,
+                                     .ids = a->prev + (size_t)(k + 1) * a->ld_prev };
+        if (st == PD_OK)
+            st = kern_markov_step(be, &ms, err);
+    }
+    return st;
+}
+
 size_t kern_markov_chain_scratch(const kern_markov_chain_args *a)
 {
     if (a->head == KERN_MARKOV_VANILLA)

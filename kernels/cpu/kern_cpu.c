@@ -464,115 +464,17 @@ static pd_status cpu_markov_step(kern_backend *be, const kern_markov_step_args *
     return st;
 }
 
-/* The vec of one Markov step of a gated or rnn head for n rows (scratch: e | in | out | state |
- * tmp | gate, see kern_markov_chain_scratch), the step-by-step ops of pd_dspark.c's Markov step
- * in their order: e = w1[prev] is in place; returns the tmp rows that hold vec. */
-static pd_status cpu_markov_head_vec(kern_backend *be, const kern_markov_chain_args *a, int k, float *scr,
-                                     float **vec, pd_err *err)
-{
-    int n = a->n, R = (int)a->w2.cols, K = (int)a->head_w.cols, J = (int)a->head_w.rows;
-    float *e = scr, *in = e + (size_t)n * R, *out = in + (size_t)n * K, *state = out + (size_t)n * J;
-    float *tmp = state + (size_t)n * R, *gate = tmp + (size_t)n * R;
-    const int32_t *rows = a->rows + (size_t)k * a->ld_rows;
-    int gated = a->head == KERN_MARKOV_GATED, H = K - (gated ? R : 2 * R);
-    /* [h ; e] (gated) or [s ; e ; h] (rnn) */
-    kern_copy_rows_args ch = { .src = a->hidden, .ld_src = a->ld_hidden, .idx = rows,
-                               .dst = in + (gated ? 0 : 2 * R), .ld_dst = K, .rows = n, .cols = H };
-    kern_copy_rows_args ce = { .src = e, .ld_src = R, .dst = in + (gated ? H : R), .ld_dst = K, .rows = n,
-                               .cols = R };
-    kern_copy_rows_args cs = { .src = state, .ld_src = R, .dst = in, .ld_dst = K, .rows = n, .cols = R };
-    kern_matmul_args mm = { .x = in, .ld_x = K, .w = a->head_w, .bias = a->head_b,
-                            .y = gated ? gate : out, .ld_y = J, .m = n, .n = J, .k = K };
-    pd_status st = PD_OK;
-    if (!gated && k == 0)
-        memset(state, 0, (size_t)n * R * sizeof(float));
-    if (gated) {
-        st = cpu_copy_rows(be, &ch, err);
-        if (st == PD_OK)
-            st = cpu_copy_rows(be, &ce, err);
-    } else {
-        st = cpu_copy_rows(be, &cs, err);
-        if (st == PD_OK)
-            st = cpu_copy_rows(be, &ce, err);
-        if (st == PD_OK)
-            st = cpu_copy_rows(be, &ch, err);
-    }
-    if (st == PD_OK)
-        st = cpu_matmul(be, &mm, err);
-    if (st != PD_OK)
-        return st;
-    if (gated) {
-        /* vec = sigmoid(gate) * e */
-        kern_unary_args sg = { .op = KERN_UNARY_SIGMOID, .x = gate, .ld_x = R, .out = gate, .ld_out = R,
-                               .rows = n, .cols = R };
-        kern_binary_args mul = { .op = KERN_BINARY_MUL, .a = gate, .ld_a = R, .b = e, .ld_b = R, .out = tmp,
-                                 .ld_out = R, .rows = n, .cols = R };
-        st = cpu_unary(be, &sg, err);
-        if (st == PD_OK)
-            st = cpu_binary(be, &mul, err);
-    } else {
-        /* s' = ((s - c~) * sigmoid(a)) + c~, c~ = tanh(c); vec = tanh(o) */
-        kern_unary_args ga = { .op = KERN_UNARY_SIGMOID, .x = out, .ld_x = J, .out = gate, .ld_out = R,
-                               .rows = n, .cols = R };
-        kern_unary_args ca = { .op = KERN_UNARY_TANH, .x = out + R, .ld_x = J, .out = tmp, .ld_out = R,
-                               .rows = n, .cols = R };
-        kern_binary_args diff = { .op = KERN_BINARY_SUB, .a = state, .ld_a = R, .b = tmp, .ld_b = R,
-                                  .out = state, .ld_out = R, .rows = n, .cols = R };
-        kern_binary_args scale = { .op = KERN_BINARY_MUL, .a = state, .ld_a = R, .b = gate, .ld_b = R,
-                                   .out = state, .ld_out = R, .rows = n, .cols = R };
-        kern_binary_args add = { .op = KERN_BINARY_ADD, .a = state, .ld_a = R, .b = tmp, .ld_b = R,
-                                 .out = state, .ld_out = R, .rows = n, .cols = R };
-        kern_unary_args oa = { .op = KERN_UNARY_TANH, .x = out + 2 * R, .ld_x = J, .out = tmp, .ld_out = R,
-                               .rows = n, .cols = R };
-        st = cpu_unary(be, &ga, err);
-        if (st == PD_OK)
-            st = cpu_unary(be, &ca, err);
-        if (st == PD_OK)
-            st = cpu_binary(be, &diff, err);
-        if (st == PD_OK)
-            st = cpu_binary(be, &scale, err);
-        if (st == PD_OK)
-            st = cpu_binary(be, &add, err);
-        if (st == PD_OK)
-            st = cpu_unary(be, &oa, err);
-    }
-    *vec = tmp;
-    return st;
-}
-
-/* The chained Markov steps by composition: per step, w1 rows of the previous ids (embed), the
- * head's vec (gated, rnn), then the step with its argmax into the next row of prev. */
+/* The chained Markov steps by composition (kern_markov_chain_by_steps); a vanilla chain's work
+ * memory is allocated here, a head's comes with the args. */
 static pd_status cpu_markov_chain(kern_backend *be, const kern_markov_chain_args *a, pd_err *err)
 {
+    if (a->head != KERN_MARKOV_VANILLA)
+        return kern_markov_chain_by_steps(be, a, NULL, NULL, err);
     int V = (int)a->w2.rows, R = (int)a->w2.cols, n = a->n;
-    int head = a->head != KERN_MARKOV_VANILLA;
-    float *own = NULL, *e, *step;
-    if (head) {
-        /* scratch: e | in | out | state | tmp | gate | step */
-        e = a->scratch;
-        step = e + (size_t)n * (a->head_w.cols + a->head_w.rows + 4 * R);
-    } else {
-        own = malloc(((size_t)n * R + (size_t)n * V) * sizeof(float));
-        if (own == NULL)
-            return pd_err_set(err, PD_ERR_NOMEM, "markov chain scratch: %d rows of %d", n, V);
-        e = own;
-        step = own + (size_t)n * R;
-    }
-    pd_status st = PD_OK;
-    for (int k = 0; k < a->steps && st == PD_OK; k++) {
-        kern_embed_args em = { .table = a->w1, .ids = a->prev + (size_t)k * a->ld_prev, .n = n, .out = e,
-                               .ld_out = R };
-        float *vec = e;
-        st = cpu_embed(be, &em, err);
-        if (st == PD_OK && head)
-            st = cpu_markov_head_vec(be, a, k, e, &vec, err);
-        kern_markov_step_args ms = { .base = a->base, .ld_base = a->ld_base,
-                                     .rows = a->rows + (size_t)k * a->ld_rows, .w2 = a->w2, .vec = vec,
-                                     .ld_vec = R, .n = n, .step = step, .ld_step = V,
-                                     .ids = a->prev + (size_t)(k + 1) * a->ld_prev };
-        if (st == PD_OK)
-            st = cpu_markov_step(be, &ms, err);
-    }
+    float *own = malloc(((size_t)n * R + (size_t)n * V) * sizeof(float));
+    if (own == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "markov chain scratch: %d rows of %d", n, V);
+    pd_status st = kern_markov_chain_by_steps(be, a, own, own + (size_t)n * R, err);
     free(own);
     return st;
 }

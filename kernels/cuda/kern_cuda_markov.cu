@@ -714,7 +714,7 @@ markov_chain_res_kernel(kern_markov_chain_args a, int V, int R, mk_res_layout la
         atomicExch(ctr, 0u);
 }
 
-/* The chain step by step: w1 rows gathered, then markov_step with ids (scratch: vec | step). */
+/* A vanilla chain step by step (kern_markov_chain_by_steps) in the workspace (vec | step). */
 static pd_status markov_chain_composed(kern_backend *be, const kern_markov_chain_args *a, pd_err *err)
 {
     kern_cuda_ctx *c = kern_cuda_ctx_of(be);
@@ -731,19 +731,8 @@ static pd_status markov_chain_composed(kern_backend *be, const kern_markov_chain
     pd_status st = kern_cuda_ws_get(c, bytes, &ws, err);
     if (st != PD_OK)
         return st;
-    float *vec = (float *)((char *)ws + skip), *step = vec + (size_t)a->n * R;
-    for (int k = 0; k < a->steps && st == PD_OK; k++) {
-        kern_embed_args em = { .table = a->w1, .ids = a->prev + (size_t)k * a->ld_prev, .n = a->n,
-                               .out = vec, .ld_out = R };
-        kern_markov_step_args ms = { .base = a->base, .ld_base = a->ld_base,
-                                     .rows = a->rows + (size_t)k * a->ld_rows, .w2 = a->w2, .vec = vec,
-                                     .ld_vec = R, .n = a->n, .step = step, .ld_step = V,
-                                     .ids = a->prev + (size_t)(k + 1) * a->ld_prev };
-        st = kern_cuda_embed_launch(be, &em, err);
-        if (st == PD_OK)
-            st = kern_cuda_markov_step_launch(be, &ms, err);
-    }
-    return st;
+    float *vec = (float *)((char *)ws + skip);
+    return kern_markov_chain_by_steps(be, a, vec, vec + (size_t)a->n * R, err);
 }
 
 /* Rows of the head's input with h in place and zeros for s and e: in[k n + r, :] = [h ; 0]
@@ -758,104 +747,6 @@ __global__ void markov_head_in_kernel(const float *hidden, int ld_hidden, const 
         const float *h = hidden + (size_t)rows[(size_t)k * ld_rows + r] * ld_hidden;
         in[i] = c >= h0 && c < h0 + H ? h[c - h0] : 0.0f;
     }
-}
-
-/* The vec of one step of a gated or rnn head by the step-by-step ops, as the CPU reference
- * (scratch: e | in | out | state | tmp | gate, e = w1[prev] in place); *vec = the tmp rows. */
-static pd_status markov_head_vec_composed(kern_backend *be, const kern_markov_chain_args *a, int k,
-                                          float *scr, float **vec, pd_err *err)
-{
-    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
-    int n = a->n, R = (int)a->w2.cols, K = (int)a->head_w.cols, J = (int)a->head_w.rows;
-    float *e = scr, *in = e + (size_t)n * R, *out = in + (size_t)n * K, *state = out + (size_t)n * J;
-    float *tmp = state + (size_t)n * R, *gate = tmp + (size_t)n * R;
-    const int32_t *rows = a->rows + (size_t)k * a->ld_rows;
-    int gated = a->head == KERN_MARKOV_GATED, H = K - (gated ? R : 2 * R);
-    kern_copy_rows_args ch = { .src = a->hidden, .ld_src = a->ld_hidden, .idx = rows,
-                               .dst = in + (gated ? 0 : 2 * R), .ld_dst = K, .rows = n, .cols = H };
-    kern_copy_rows_args ce = { .src = e, .ld_src = R, .idx = NULL, .dst = in + (gated ? H : R), .ld_dst = K,
-                               .rows = n, .cols = R };
-    kern_copy_rows_args cs = { .src = state, .ld_src = R, .idx = NULL, .dst = in, .ld_dst = K, .rows = n,
-                               .cols = R };
-    kern_matmul_args mm = { .x = in, .ld_x = K, .w = a->head_w, .bias = a->head_b, .y = gated ? gate : out,
-                            .ld_y = J, .m = n, .n = J, .k = K, .accumulate = 0 };
-    pd_status st = PD_OK;
-    if (!gated && k == 0)
-        PD_CUDA_TRY(cudaMemsetAsync(state, 0, (size_t)n * R * sizeof(float), c->stream), err);
-    if (gated) {
-        st = kern_cuda_copy_rows_launch(be, &ch, err);
-        if (st == PD_OK)
-            st = kern_cuda_copy_rows_launch(be, &ce, err);
-    } else {
-        st = kern_cuda_copy_rows_launch(be, &cs, err);
-        if (st == PD_OK)
-            st = kern_cuda_copy_rows_launch(be, &ce, err);
-        if (st == PD_OK)
-            st = kern_cuda_copy_rows_launch(be, &ch, err);
-    }
-    if (st == PD_OK)
-        st = kern_cuda_matmul_launch(be, &mm, err);
-    if (st != PD_OK)
-        return st;
-    if (gated) {
-        kern_unary_args sg = { .op = KERN_UNARY_SIGMOID, .x = gate, .ld_x = R, .out = gate, .ld_out = R,
-                               .rows = n, .cols = R };
-        kern_binary_args mul = { .op = KERN_BINARY_MUL, .a = gate, .ld_a = R, .b = e, .ld_b = R, .out = tmp,
-                                 .ld_out = R, .rows = n, .cols = R };
-        st = kern_cuda_unary_launch(be, &sg, err);
-        if (st == PD_OK)
-            st = kern_cuda_binary_launch(be, &mul, err);
-    } else {
-        kern_unary_args ga = { .op = KERN_UNARY_SIGMOID, .x = out, .ld_x = J, .out = gate, .ld_out = R,
-                               .rows = n, .cols = R };
-        kern_unary_args ca = { .op = KERN_UNARY_TANH, .x = out + R, .ld_x = J, .out = tmp, .ld_out = R,
-                               .rows = n, .cols = R };
-        kern_binary_args diff = { .op = KERN_BINARY_SUB, .a = state, .ld_a = R, .b = tmp, .ld_b = R,
-                                  .out = state, .ld_out = R, .rows = n, .cols = R };
-        kern_binary_args scale = { .op = KERN_BINARY_MUL, .a = state, .ld_a = R, .b = gate, .ld_b = R,
-                                   .out = state, .ld_out = R, .rows = n, .cols = R };
-        kern_binary_args add = { .op = KERN_BINARY_ADD, .a = state, .ld_a = R, .b = tmp, .ld_b = R,
-                                 .out = state, .ld_out = R, .rows = n, .cols = R };
-        kern_unary_args oa = { .op = KERN_UNARY_TANH, .x = out + 2 * R, .ld_x = J, .out = tmp, .ld_out = R,
-                               .rows = n, .cols = R };
-        st = kern_cuda_unary_launch(be, &ga, err);
-        if (st == PD_OK)
-            st = kern_cuda_unary_launch(be, &ca, err);
-        if (st == PD_OK)
-            st = kern_cuda_binary_launch(be, &diff, err);
-        if (st == PD_OK)
-            st = kern_cuda_binary_launch(be, &scale, err);
-        if (st == PD_OK)
-            st = kern_cuda_binary_launch(be, &add, err);
-        if (st == PD_OK)
-            st = kern_cuda_unary_launch(be, &oa, err);
-    }
-    *vec = tmp;
-    return st;
-}
-
-/* A gated or rnn chain step by step in the caller's scratch (e | in | out | state | tmp | gate |
- * step): markov_step and matmul may take the workspace. */
-static pd_status markov_chain_head_composed(kern_backend *be, const kern_markov_chain_args *a, pd_err *err)
-{
-    int V = (int)a->w2.rows, R = (int)a->w2.cols, n = a->n;
-    float *e = a->scratch, *step = e + (size_t)n * (a->head_w.cols + a->head_w.rows + 4 * R);
-    pd_status st = PD_OK;
-    for (int k = 0; k < a->steps && st == PD_OK; k++) {
-        kern_embed_args em = { .table = a->w1, .ids = a->prev + (size_t)k * a->ld_prev, .n = n, .out = e,
-                               .ld_out = R };
-        float *vec = e;
-        st = kern_cuda_embed_launch(be, &em, err);
-        if (st == PD_OK)
-            st = markov_head_vec_composed(be, a, k, e, &vec, err);
-        kern_markov_step_args ms = { .base = a->base, .ld_base = a->ld_base,
-                                     .rows = a->rows + (size_t)k * a->ld_rows, .w2 = a->w2, .vec = vec,
-                                     .ld_vec = R, .n = n, .step = step, .ld_step = V,
-                                     .ids = a->prev + (size_t)(k + 1) * a->ld_prev };
-        if (st == PD_OK)
-            st = kern_cuda_markov_step_launch(be, &ms, err);
-    }
-    return st;
 }
 
 typedef void (*mk_res_fn)(kern_markov_chain_args, int, int, mk_res_layout, mk_head, unsigned long long *,
@@ -967,13 +858,13 @@ extern "C" pd_status kern_cuda_markov_chain_launch(kern_backend *be, const kern_
     size_t smem = (size_t)a->n * R * sizeof(float) + (size_t)a->n * sizeof(int);
     if (a->w1.dtype != KERN_DTYPE_BF16 || a->w2.dtype != KERN_DTYPE_BF16 || R % 8 != 0 ||
         ((uintptr_t)a->w2.data & 15) != 0 || smem > MK_SMEM_MAX)
-        return head ? markov_chain_head_composed(be, a, err) : markov_chain_composed(be, a, err);
+        return head ? kern_markov_chain_by_steps(be, a, NULL, NULL, err) : markov_chain_composed(be, a, err);
     int ran = 0;
     pd_status st = markov_chain_res(be, a, &ran, err);
     if (st != PD_OK || ran)
         return st;
     if (head)   /* the L2-streaming kernel has the vanilla head only */
-        return markov_chain_head_composed(be, a, err);
+        return kern_markov_chain_by_steps(be, a, NULL, NULL, err);
     /* every block must be resident at once (grid barrier): at most as many as fit on the
      * multiprocessors together (up to MK_CHAIN_PER_SM each), about a vocabulary row per thread */
     int per_sm = 0;
