@@ -141,7 +141,8 @@ static pd_status cp_create(pd_engine *e, const pd_kv_layout *tl, const int *taps
     e->cp_pool[0] = e->tpool;
     pd_status st = PD_OK;
     for (int r = 1; r < n && st == PD_OK; r++) {
-        kern_backend_config bc = { .name = be->ops->name, .f32 = be->weight_dtype == KERN_DTYPE_F32 };
+        kern_backend_config bc = { .name = be->ops->name, .f32 = be->weight_dtype == KERN_DTYPE_F32,
+                                   .act_bf16 = be->act_bf16 };
         st = kern_backend_create(&bc, &e->cp_be[r], err);
         if (st == PD_OK)
             st = pd_kv_pool_create(e->cp_be[r], tl, &e->cp_pool[r], err);

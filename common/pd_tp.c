@@ -468,7 +468,8 @@ static pd_status rank_backend(pd_tp_group *g, const pd_tp_group_config *cfg, int
         return PD_OK;
     }
     kern_backend_config bc = { .name = cfg->target->be->ops->name,
-                               .f32 = cfg->target->be->weight_dtype == KERN_DTYPE_F32 };
+                               .f32 = cfg->target->be->weight_dtype == KERN_DTYPE_F32,
+                               .act_bf16 = cfg->target->be->act_bf16 };
     if (g->gpu)
         bc.device = *device = (dev0 + r) % n_dev;
     return kern_backend_create(&bc, &rs->be, err);

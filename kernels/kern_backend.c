@@ -51,6 +51,11 @@ uint16_t kern_f32_to_bf16(float f)
     return (uint16_t)(u >> 16);
 }
 
+float kern_act_round(float f, int on)
+{
+    return on ? kern_bf16_to_f32(kern_f32_to_bf16(f)) : f;
+}
+
 float kern_f16_to_f32(uint16_t h)
 {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;

@@ -417,6 +417,18 @@ struct kern_backend {
      * speculative decoding lossless in bf16). 0: fastest kernels (prefill). The CPU reference
      * ignores it. Set by the thread that uses the backend. */
     int batch_invariant;
+    /* 1: every op rounds the activations it writes to bf16 (stored as F32) where a bf16 model
+     * stores them in Hugging Face transformers: linear outputs (a residual add rounds the
+     * product, then the sum), RMSNorm as w * bf16(x / rms) then rounded, RoPE with bf16 cos/sin
+     * and each product and sum rounded, SwiGLU's silu and product, attention outputs, the
+     * elementwise ops, the Markov head's bias and the biased logits. The logits are then bf16
+     * values, so greedy decoding sees the reference's exact ties (lowest id wins, as
+     * torch.argmax) instead of fp32 near-ties that fall either way; tau and the greedy text
+     * follow a bf16 reference run much more closely (docs/GPU_TESTS.md). The skinny GEMM keeps
+     * its fused RMSNorm (bf16(w * x) into the tensor cores, 1/rms on the fp32 sums, the product
+     * rounded). Set by the backend: CUDA with bf16 weights; the CPU reference when its config asks
+     * (the oracle of that path in tests). Read by the ops at launch. */
+    int act_bf16;
 };
 
 typedef struct {
@@ -425,6 +437,8 @@ typedef struct {
     int threads;        /* cpu: BLAS threads (0 = library default) */
     int f32;            /* cuda: weights and KV cache in fp32 instead of bf16 (twice the bytes;
                          * the results of the CPU reference, which always is fp32) */
+    int act_bf16;       /* cpu: round activations as a bf16 model does (kern_backend.act_bf16);
+                         * cuda: ignored (on exactly when the weights are bf16) */
 } kern_backend_config;
 
 /* Creates a backend by name. Refuses an ops table with a NULL entry. Errors: PD_ERR_INVALID
@@ -488,6 +502,8 @@ pd_status kern_spec_verify(kern_backend *be, const kern_spec_verify_args *a, pd_
 /* Host helpers for dtype conversion (used by loaders and the CPU backend). */
 float kern_bf16_to_f32(uint16_t h);
 uint16_t kern_f32_to_bf16(float f);   /* round to nearest even */
+/* f rounded to bf16 and widened back when on (kern_backend.act_bf16), f itself otherwise */
+float kern_act_round(float f, int on);
 float kern_f16_to_f32(uint16_t h);
 uint16_t kern_f32_to_f16(float f);
 /* Converts n values between host buffers; src and dst must not overlap. */

@@ -8,9 +8,13 @@
  * of per-prompt tau and per-position acceptance is printed next to the reference's.
  * Prompts run 8 at a time through one engine (continuous batching).
  * Usage: test_eval [--backend cpu|cuda] [--dtype bf16|f32] [--draft vanilla|gated|rnn|all]
- *                  [--ref fp32|bf16]
+ *                  [--ref fp32|bf16] [--act-bf16]
  * --dtype f32 keeps a CUDA backend's weights and KV in fp32 (the CPU backend always is); an fp32
- * run must then equal the fp32 reference's greedy ids. */
+ * run must then equal the fp32 reference's greedy ids. A CUDA bf16 run rounds activations to
+ * bf16 (kern_backend.act_bf16); --act-bf16 makes the CPU backend do the same (its products are
+ * not batch-invariant, so there a rounding boundary can part speculative from target-only
+ * decoding: a study mode, not a test). gated/rnn have an fp32 reference only: with bf16
+ * activations their tau is printed against it, not asserted. */
 #include <cjson/cJSON.h>
 #include <math.h>
 #include <stdio.h>
@@ -193,8 +197,10 @@ static int compare_outputs(const char *what, int p, const int32_t *a, int na, co
     return na == nb;
 }
 
+/* ref_same_dtype: the reference tau comes from a run in this run's activation dtype (asserted
+ * within 3%); 0: only an fp32 reference exists for a bf16 run (gated/rnn), printed only */
 static void eval_draft(const char *label, const char *dir, const cJSON *ref_prompts, const char *ref_key,
-                       double ref_tau, const cJSON *ref_pos, const run_result *greedy)
+                       double ref_tau, const cJSON *ref_pos, const run_result *greedy, int ref_same_dtype)
 {
     pd_err err;
     pd_dspark_model *dm = NULL;
@@ -277,8 +283,12 @@ static void eval_draft(const char *label, const char *dir, const cJSON *ref_prom
             TEST_CHECK_MSG(tau_all >= 0.8 * ref_tau, "%s: rounds verifying all drafts reach tau %.4f only "
                            "(reference %.4f): the draft context is broken", label, tau_all, ref_tau);
     }
-    if (policy == PD_VERIFY_FULL)
+    if (policy == PD_VERIFY_FULL && ref_same_dtype)
         TEST_CHECK_MSG(fabs(tau - ref_tau) <= 0.03 * ref_tau, "%s: tau %.4f not within 3%% of %.4f", label, tau, ref_tau);
+    else if (policy == PD_VERIFY_FULL)
+        printf("%s: the reference is an fp32 run (public_reference_heads.json has no bf16 run) and this run "
+               "rounds activations to bf16: tau %+.2f%% from it, not asserted\n", label,
+               100.0 * (tau - ref_tau) / ref_tau);
     else
         printf("verify policy %s: tau is not comparable with the full-verification reference\n",
                pd_verify_policy_name(policy));
@@ -288,7 +298,14 @@ static void eval_draft(const char *label, const char *dir, const cJSON *ref_prom
 int main(int argc, char **argv)
 {
     const char *backend = "cpu", *which = "all", *ref_run = "fp32";
-    int f32 = 0;
+    int f32 = 0, act_bf16 = 0;
+    for (int i = 1; i < argc; i++)
+        if (strcmp(argv[i], "--act-bf16") == 0) {   /* a flag: drop it from the pairs below */
+            act_bf16 = 1;
+            memmove(argv + i, argv + i + 1, (size_t)(argc - i) * sizeof(*argv));
+            argc--;
+            i--;
+        }
     for (int i = 1; i + 1 < argc; i += 2) {
         if (strcmp(argv[i], "--backend") == 0)
             backend = argv[i + 1];
@@ -306,7 +323,7 @@ int main(int argc, char **argv)
             return 2;
     }
     pd_err err;
-    kern_backend_config bc = { .name = backend, .f32 = f32 };
+    kern_backend_config bc = { .name = backend, .f32 = f32, .act_bf16 = act_bf16 };
     if (kern_backend_create(&bc, &be, &err) != PD_OK) {
         if (strcmp(backend, "cpu") != 0)
             TEST_SKIP(err.msg);
@@ -341,7 +358,7 @@ int main(int argc, char **argv)
     if (strcmp(which, "all") == 0 || strcmp(which, "vanilla") == 0)
         eval_draft("vanilla", PD_MODELS "/tiny-code-dspark", cJSON_GetObjectItem(ref, "per_prompt"), ref_run,
                    cJSON_GetObjectItem(ov, "acceptance_length")->valuedouble,
-                   cJSON_GetObjectItem(ov, "accept_rates_by_position"), greedy);
+                   cJSON_GetObjectItem(ov, "accept_rates_by_position"), greedy, 1);
     const char *hk[2] = {"gated", "rnn"};
     for (int h = 0; h < 2; h++) {
         if (strcmp(which, "all") != 0 && strcmp(which, hk[h]) != 0)
@@ -352,7 +369,7 @@ int main(int argc, char **argv)
                                                "overall");
         eval_draft(hk[h], dir, cJSON_GetObjectItem(heads, "per_prompt"), hk[h],
                    cJSON_GetObjectItem(hov, "acceptance_length")->valuedouble,
-                   cJSON_GetObjectItem(hov, "accept_rates_by_position"), greedy);
+                   cJSON_GetObjectItem(hov, "accept_rates_by_position"), greedy, !be->act_bf16);
     }
     cJSON_Delete(ref);
     cJSON_Delete(heads);

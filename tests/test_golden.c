@@ -258,7 +258,7 @@ static void draft_round(const draft_case *c, const char *rnd, pd_target *t, pd_k
     check_argmax_rows("markov argmax", ml, gml, gdt, B, V);
     int same = memcmp(drafts, gdt, (size_t)B * 4) == 0;
     TEST_CHECK_MSG(same, "%s %s: draft tokens differ", c->label, rnd);
-    check_close("confidence_logits", cl, gcl, (size_t)B, 5e-3);
+    check_close("confidence_logits", cl, gcl, (size_t)B, be->act_bf16 ? tol_rel : 5e-3);
     /* the chained round (block, B Markov steps, then the confidence head of every step in one
      * pass) gives the same drafts and confidences as the step-by-step path */
     int32_t chain_ids[32];
@@ -268,7 +268,7 @@ static void draft_round(const draft_case *c, const char *rnd, pd_target *t, pd_k
     if (st == PD_OK) {
         TEST_CHECK_MSG(memcmp(chain_ids, gdt, (size_t)B * 4) == 0, "%s %s: chained round's drafts differ",
                        c->label, rnd);
-        check_close("chained confidence_logits", chain_cl, gcl, (size_t)B, 5e-3);
+        check_close("chained confidence_logits", chain_cl, gcl, (size_t)B, be->act_bf16 ? tol_rel : 5e-3);
     }
     if (dm->cfg.markov_type == PD_MARKOV_GATED)
         check_close("gate", gate, gt(c->g, GNAME("gate"))->data, (size_t)B * R, tol_rel);
@@ -408,11 +408,14 @@ static void test_golden_draft(const pd_qwen3_model *tm, const draft_case *c, con
 int main(int argc, char **argv)
 {
     const char *backend = "cpu";
+    int act_bf16 = 0;
     for (int i = 1; i < argc; i++)
         if (strcmp(argv[i], "--backend") == 0 && i + 1 < argc)
             backend = argv[++i];
+        else if (strcmp(argv[i], "--act-bf16") == 0)
+            act_bf16 = 1;
     pd_err err;
-    kern_backend_config bc = { .name = backend };
+    kern_backend_config bc = { .name = backend, .act_bf16 = act_bf16 };
     if (kern_backend_create(&bc, &be, &err) != PD_OK) {
         if (strcmp(backend, "cpu") != 0)
             TEST_SKIP(err.msg);
@@ -422,6 +425,13 @@ int main(int argc, char **argv)
     if (strcmp(backend, "cpu") != 0) {
         tol_rel = 1e-2;   /* bf16 weights and KV */
         tie_gap = 5e-2f;
+    }
+    if (be->act_bf16) {
+        /* every activation rounded to bf16 (2^-9 relative) as a bf16 model stores it: against
+         * the fp32 goldens the hidden states part by ~1e-2 after 7 layers, and the logits are
+         * bf16 values (steps of 1/16 at magnitude 16: a top-2 gap below two steps is a tie) */
+        tol_rel = 2e-2;
+        tie_gap = 0.15f;
     }
     pd_qwen3_model *tm = NULL;
     if (pd_qwen3_load(be, PD_MODELS "/tiny-code-qwen3", &tm, &err) != PD_OK) {

@@ -132,15 +132,16 @@ static pd_status cpu_embed(kern_backend *be, const kern_embed_args *a, pd_err *e
 
 static pd_status cpu_rmsnorm(kern_backend *be, const kern_rmsnorm_args *a, pd_err *err)
 {
-    (void)be;
     (void)err;
+    const int rnd = be->act_bf16;
     float *row = malloc((size_t)a->dim * sizeof(float));
     if (row == NULL)
         return pd_err_set(err, PD_ERR_NOMEM, "rmsnorm scratch");
     for (int r = 0; r < a->rows; r++) {
         const float *x = a->x + (size_t)r * a->ld_x;
         for (int c = 0; c < a->dim; c++)
-            row[c] = x[c] + (a->residual != NULL ? a->residual[(size_t)r * a->ld_x + c] : 0.0f);
+            row[c] = a->residual != NULL ? kern_act_round(x[c] + a->residual[(size_t)r * a->ld_x + c], rnd)
+                                         : x[c];
         if (a->sum_out != NULL)
             memcpy(a->sum_out + (size_t)r * a->ld_x, row, (size_t)a->dim * sizeof(float));
         double ss = 0.0;
@@ -149,7 +150,7 @@ static pd_status cpu_rmsnorm(kern_backend *be, const kern_rmsnorm_args *a, pd_er
         float inv = (float)(1.0 / sqrt(ss / a->dim + (double)a->eps));
         float *o = a->out + (size_t)r * a->ld_out;
         for (int c = 0; c < a->dim; c++)
-            o[c] = load(a->w.data, a->w.dtype, (size_t)c) * (row[c] * inv);
+            o[c] = kern_act_round(load(a->w.data, a->w.dtype, (size_t)c) * kern_act_round(row[c] * inv, rnd), rnd);
     }
     free(row);
     return PD_OK;
@@ -157,9 +158,9 @@ static pd_status cpu_rmsnorm(kern_backend *be, const kern_rmsnorm_args *a, pd_er
 
 static pd_status cpu_matmul(kern_backend *be, const kern_matmul_args *a, pd_err *err)
 {
-    (void)be;
+    const int rnd = be->act_bf16;
     const float *w = a->w.data;
-    float *wtmp = NULL;
+    float *wtmp = NULL, *prod = NULL;
     if (a->w.dtype != KERN_DTYPE_F32) {
         /* reference path for non-F32 weights (parity tests): widen once, then sgemm */
         size_t n = (size_t)a->n * a->k;
@@ -170,20 +171,41 @@ static pd_status cpu_matmul(kern_backend *be, const kern_matmul_args *a, pd_err 
             wtmp[i] = load(a->w.data, a->w.dtype, i);
         w = wtmp;
     }
+    if (!rnd) {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, a->m, a->n, a->k, 1.0f, a->x, a->ld_x,
+                    w, a->k, a->accumulate ? 1.0f : 0.0f, a->y, a->ld_y);
+        if (a->bias.data != NULL)
+            for (int r = 0; r < a->m; r++)
+                for (int c = 0; c < a->n; c++)
+                    a->y[(size_t)r * a->ld_y + c] += load(a->bias.data, a->bias.dtype, (size_t)c);
+        free(wtmp);
+        return PD_OK;
+    }
+    /* bf16 activations: the product (with its bias, as one addmm) is rounded, then the sum */
+    prod = malloc((size_t)a->m * a->n * sizeof(float));
+    if (prod == NULL) {
+        free(wtmp);
+        return pd_err_set(err, PD_ERR_NOMEM, "matmul: %d x %d product", a->m, a->n);
+    }
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, a->m, a->n, a->k, 1.0f, a->x, a->ld_x,
-                w, a->k, a->accumulate ? 1.0f : 0.0f, a->y, a->ld_y);
-    if (a->bias.data != NULL)
-        for (int r = 0; r < a->m; r++)
-            for (int c = 0; c < a->n; c++)
-                a->y[(size_t)r * a->ld_y + c] += load(a->bias.data, a->bias.dtype, (size_t)c);
+                w, a->k, 0.0f, prod, a->n);
+    for (int r = 0; r < a->m; r++)
+        for (int c = 0; c < a->n; c++) {
+            float v = prod[(size_t)r * a->n + c];
+            if (a->bias.data != NULL)
+                v += load(a->bias.data, a->bias.dtype, (size_t)c);
+            float *y = a->y + (size_t)r * a->ld_y + c;
+            *y = a->accumulate ? kern_act_round(*y + kern_act_round(v, 1), 1) : kern_act_round(v, 1);
+        }
+    free(prod);
     free(wtmp);
     return PD_OK;
 }
 
 static pd_status cpu_rope(kern_backend *be, const kern_rope_args *a, pd_err *err)
 {
-    (void)be;
     (void)err;
+    const int rnd = be->act_bf16;
     int half = a->head_dim / 2;
     for (int t = 0; t < a->n_tok; t++) {
         double pos = (double)a->pos[t];
@@ -191,12 +213,17 @@ static pd_status cpu_rope(kern_backend *be, const kern_rope_args *a, pd_err *err
             /* inv_freq as Hugging Face computes it: in float32 */
             float inv_freq = (float)(1.0 / pow((double)a->theta, (double)(2 * i) / a->head_dim));
             double ang = pos * (double)inv_freq;
-            float c = (float)cos(ang), s = (float)sin(ang);
+            float c = kern_act_round((float)cos(ang), rnd), s = kern_act_round((float)sin(ang), rnd);
             for (int h = 0; h < a->n_heads; h++) {
                 float *x = a->x + (size_t)t * a->ld + (size_t)h * a->head_dim;
                 float x1 = x[i], x2 = x[i + half];
-                x[i] = x1 * c - x2 * s;
-                x[i + half] = x2 * c + x1 * s;
+                if (rnd) {   /* x cos + rotate_half(x) sin, each product and the sum rounded */
+                    x[i] = kern_act_round(kern_act_round(x1 * c, 1) + kern_act_round(-x2 * s, 1), 1);
+                    x[i + half] = kern_act_round(kern_act_round(x2 * c, 1) + kern_act_round(x1 * s, 1), 1);
+                } else {
+                    x[i] = x1 * c - x2 * s;
+                    x[i + half] = x2 * c + x1 * s;
+                }
             }
         }
     }
@@ -207,7 +234,6 @@ static float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 static pd_status cpu_unary(kern_backend *be, const kern_unary_args *a, pd_err *err)
 {
-    (void)be;
     (void)err;
     for (int r = 0; r < a->rows; r++)
         for (int c = 0; c < a->cols; c++) {
@@ -217,15 +243,15 @@ static pd_status cpu_unary(kern_backend *be, const kern_unary_args *a, pd_err *e
             case KERN_UNARY_TANH: y = tanhf(x); break;
             case KERN_UNARY_SILU: y = x * sigmoidf_(x); break;
             }
-            a->out[(size_t)r * a->ld_out + c] = y;
+            a->out[(size_t)r * a->ld_out + c] = kern_act_round(y, be->act_bf16);
         }
     return PD_OK;
 }
 
 static pd_status cpu_binary(kern_backend *be, const kern_binary_args *a, pd_err *err)
 {
-    (void)be;
     (void)err;
+    const int rnd = be->act_bf16;
     for (int r = 0; r < a->rows; r++)
         for (int c = 0; c < a->cols; c++) {
             float x = a->a[(size_t)r * a->ld_a + c], y = a->b[(size_t)r * a->ld_b + c], z = 0.0f;
@@ -233,9 +259,12 @@ static pd_status cpu_binary(kern_backend *be, const kern_binary_args *a, pd_err 
             case KERN_BINARY_ADD: z = x + y; break;
             case KERN_BINARY_SUB: z = x - y; break;
             case KERN_BINARY_MUL: z = x * y; break;
-            case KERN_BINARY_SWIGLU: z = x * sigmoidf_(x) * y; break;
+            case KERN_BINARY_SWIGLU:   /* act_fn(gate) * up, both products of a linear */
+                x = kern_act_round(x, rnd);
+                z = kern_act_round(x * sigmoidf_(x), rnd) * kern_act_round(y, rnd);
+                break;
             }
-            a->out[(size_t)r * a->ld_out + c] = z;
+            a->out[(size_t)r * a->ld_out + c] = kern_act_round(z, rnd);
         }
     return PD_OK;
 }
@@ -271,7 +300,6 @@ static pd_status cpu_kv_store(kern_backend *be, const kern_kv_store_args *a, pd_
 
 static pd_status cpu_attn(kern_backend *be, const kern_attn_args *a, pd_err *err)
 {
-    (void)be;
     const kern_kv_layer *kv = &a->kv;
     int hd = kv->head_dim;
     int group = a->n_heads / kv->n_kv_heads;
@@ -339,7 +367,7 @@ static pd_status cpu_attn(kern_backend *be, const kern_attn_args *a, pd_err *err
             }
             float *o = a->out + (size_t)t * a->ld_out + (size_t)h * hd;
             for (int c = 0; c < hd; c++)
-                o[c] = (float)acc[c];
+                o[c] = kern_act_round((float)acc[c], be->act_bf16);
         }
     }
     free(score);
@@ -671,6 +699,7 @@ pd_status kern_cpu_backend_create(const kern_backend_config *cfg, kern_backend *
     be->weight_dtype = KERN_DTYPE_F32;
     be->kv_dtype = KERN_DTYPE_F32;
     be->is_host = 1;
+    be->act_bf16 = cfg != NULL && cfg->act_bf16;
     *out = be;
     return PD_OK;
 }

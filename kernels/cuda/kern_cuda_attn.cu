@@ -94,6 +94,7 @@ struct attn_params {
     int qg, grp0;        /* attn_inv_kernel: tokens per CTA, first token group of this launch */
     unsigned *cnt;       /* attn_inv_kernel: arrival counter per CTA column (zero between launches) */
     float scale;
+    int rnd;             /* kern_backend.act_bf16: outputs rounded to bf16 */
 };
 
 /* Keys per split of a query with len keys in batch-invariant mode: len cut into inv_splits
@@ -312,10 +313,10 @@ attn_kernel(attn_params p)
             float l = l_s[g];
             float inv = l > 0.0f ? 1.0f / l : 0.0f;
             float *o = p.out + t * p.ld_out + (size_t)h * HD + 4 * d4;
-            o[0] = acc[k].x * inv;
-            o[1] = acc[k].y * inv;
-            o[2] = acc[k].z * inv;
-            o[3] = acc[k].w * inv;
+            o[0] = kern_cuda_rnd(acc[k].x * inv, p.rnd);
+            o[1] = kern_cuda_rnd(acc[k].y * inv, p.rnd);
+            o[2] = kern_cuda_rnd(acc[k].z * inv, p.rnd);
+            o[3] = kern_cuda_rnd(acc[k].w * inv, p.rnd);
         } else {
             size_t pi = (t * p.n_heads + h) * p.n_split + split;
             *(float4 *)&p.part_acc[pi * HD + 4 * d4] = acc[k];
@@ -378,7 +379,7 @@ __global__ void attn_combine_kernel(attn_params p, int hd)
 #pragma unroll 8
         for (int s = 0; s < ns; s++)
             num += w_s[s] * acc[(size_t)s * hd + d];
-        p.out[t * p.ld_out + (size_t)h * hd + d] = num * inv;
+        p.out[t * p.ld_out + (size_t)h * hd + d] = kern_cuda_rnd(num * inv, p.rnd);
     }
 }
 
@@ -747,8 +748,8 @@ attn_tc_kernel(attn_params p)
                     float *o = p.out + t * p.ld_out + (size_t)h * HD + 2 * qc;
 #pragma unroll
                     for (int n = 0; n < ND; n++) {
-                        o[n * 8] = acc[mt][n][2 * hf] * inv;
-                        o[n * 8 + 1] = acc[mt][n][2 * hf + 1] * inv;
+                        o[n * 8] = kern_cuda_rnd(acc[mt][n][2 * hf] * inv, p.rnd);
+                        o[n * 8 + 1] = kern_cuda_rnd(acc[mt][n][2 * hf + 1] * inv, p.rnd);
                     }
                 } else {
                     const size_t pi = (t * p.n_heads + h) * p.n_split + split;
@@ -1163,10 +1164,10 @@ attn_inv_kernel(attn_params p)
         }
         const float inv = inv_s[r];
         float *o = p.out + t * p.ld_out + (size_t)(h0 + r % hb) * HD + 4 * d4;   /* any ld_out */
-        o[0] = num.x * inv;
-        o[1] = num.y * inv;
-        o[2] = num.z * inv;
-        o[3] = num.w * inv;
+        o[0] = kern_cuda_rnd(num.x * inv, p.rnd);
+        o[1] = kern_cuda_rnd(num.y * inv, p.rnd);
+        o[2] = kern_cuda_rnd(num.z * inv, p.rnd);
+        o[3] = kern_cuda_rnd(num.w * inv, p.rnd);
     };
     const int n_items = n_rows * D4;
     for (int i = tid; i < n_items; i += 2 * INV_THREADS) {
@@ -1352,6 +1353,7 @@ extern "C" pd_status kern_cuda_attn_launch(kern_backend *be, const kern_attn_arg
     p.vc = kv->v;
     p.q = a->q;
     p.out = a->out;
+    p.rnd = be->act_bf16;
     p.tok_seq = a->tok_seq;
     p.tok_kv_len = a->tok_kv_len;
     p.page_table = a->page_table;

@@ -358,6 +358,7 @@ extern "C" pd_status kern_cuda_backend_create(const kern_backend_config *cfg, ke
     be->ops = &cuda_ops;
     be->impl = c;
     be->weight_dtype = cfg != NULL && cfg->f32 ? KERN_DTYPE_F32 : KERN_DTYPE_BF16;
+    be->act_bf16 = be->weight_dtype == KERN_DTYPE_BF16;   /* a bf16 model's activations */
     be->kv_dtype = be->weight_dtype;
     be->is_host = 0;
     *out = be;

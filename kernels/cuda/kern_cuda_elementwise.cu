@@ -11,7 +11,7 @@
 static __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 template <int OP>
-__global__ void unary_kernel(const float *x, int ld_x, float *out, int ld_out, int rows, int cols)
+__global__ void unary_kernel(const float *x, int ld_x, float *out, int ld_out, int rows, int cols, int rnd)
 {
     size_t total = (size_t)rows * cols;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
@@ -24,13 +24,13 @@ __global__ void unary_kernel(const float *x, int ld_x, float *out, int ld_out, i
             y = tanhf(v);
         else
             y = v * sigmoid_f(v);
-        out[r * ld_out + c] = y;
+        out[r * ld_out + c] = kern_cuda_rnd(y, rnd);
     }
 }
 
 template <int OP>
 __global__ void binary_kernel(const float *a, int ld_a, const float *b, int ld_b, float *out,
-                              int ld_out, int rows, int cols)
+                              int ld_out, int rows, int cols, int rnd)
 {
     size_t total = (size_t)rows * cols;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
@@ -43,9 +43,13 @@ __global__ void binary_kernel(const float *a, int ld_a, const float *b, int ld_b
             z = x - y;
         else if (OP == KERN_BINARY_MUL)
             z = x * y;
-        else
+        else if (!rnd)
             z = x * sigmoid_f(x) * y;
-        out[r * ld_out + c] = z;
+        else {   /* act_fn(gate) * up, both products of a linear: rounded as a bf16 model */
+            x = kern_cuda_rnd(x, 1);
+            z = kern_cuda_rnd(x * sigmoid_f(x), 1) * kern_cuda_rnd(y, 1);
+        }
+        out[r * ld_out + c] = kern_cuda_rnd(z, rnd);
     }
 }
 
@@ -67,15 +71,15 @@ extern "C" pd_status kern_cuda_unary_launch(kern_backend *be, const kern_unary_a
     switch (a->op) {
     case KERN_UNARY_SIGMOID:
         unary_kernel<KERN_UNARY_SIGMOID><<<g, EW_THREADS, 0, c->stream>>>(
-            a->x, a->ld_x, a->out, a->ld_out, a->rows, a->cols);
+            a->x, a->ld_x, a->out, a->ld_out, a->rows, a->cols, be->act_bf16);
         break;
     case KERN_UNARY_TANH:
         unary_kernel<KERN_UNARY_TANH><<<g, EW_THREADS, 0, c->stream>>>(
-            a->x, a->ld_x, a->out, a->ld_out, a->rows, a->cols);
+            a->x, a->ld_x, a->out, a->ld_out, a->rows, a->cols, be->act_bf16);
         break;
     case KERN_UNARY_SILU:
         unary_kernel<KERN_UNARY_SILU><<<g, EW_THREADS, 0, c->stream>>>(
-            a->x, a->ld_x, a->out, a->ld_out, a->rows, a->cols);
+            a->x, a->ld_x, a->out, a->ld_out, a->rows, a->cols, be->act_bf16);
         break;
     default:
         return pd_err_set(err, PD_ERR_UNSUPPORTED, "cuda unary: op %d", (int)a->op);
@@ -95,19 +99,19 @@ extern "C" pd_status kern_cuda_binary_launch(kern_backend *be, const kern_binary
     switch (a->op) {
     case KERN_BINARY_ADD:
         binary_kernel<KERN_BINARY_ADD><<<g, EW_THREADS, 0, c->stream>>>(
-            a->a, a->ld_a, a->b, a->ld_b, a->out, a->ld_out, a->rows, a->cols);
+            a->a, a->ld_a, a->b, a->ld_b, a->out, a->ld_out, a->rows, a->cols, be->act_bf16);
         break;
     case KERN_BINARY_SUB:
         binary_kernel<KERN_BINARY_SUB><<<g, EW_THREADS, 0, c->stream>>>(
-            a->a, a->ld_a, a->b, a->ld_b, a->out, a->ld_out, a->rows, a->cols);
+            a->a, a->ld_a, a->b, a->ld_b, a->out, a->ld_out, a->rows, a->cols, be->act_bf16);
         break;
     case KERN_BINARY_MUL:
         binary_kernel<KERN_BINARY_MUL><<<g, EW_THREADS, 0, c->stream>>>(
-            a->a, a->ld_a, a->b, a->ld_b, a->out, a->ld_out, a->rows, a->cols);
+            a->a, a->ld_a, a->b, a->ld_b, a->out, a->ld_out, a->rows, a->cols, be->act_bf16);
         break;
     case KERN_BINARY_SWIGLU:
         binary_kernel<KERN_BINARY_SWIGLU><<<g, EW_THREADS, 0, c->stream>>>(
-            a->a, a->ld_a, a->b, a->ld_b, a->out, a->ld_out, a->rows, a->cols);
+            a->a, a->ld_a, a->b, a->ld_b, a->out, a->ld_out, a->rows, a->cols, be->act_bf16);
         break;
     default:
         return pd_err_set(err, PD_ERR_UNSUPPORTED, "cuda binary: op %d", (int)a->op);

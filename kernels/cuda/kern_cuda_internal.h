@@ -133,6 +133,28 @@ static __device__ __forceinline__ void kern_cuda_st(void *p, kern_dtype dt, size
     }
 }
 
+/* f rounded to bf16 and widened back when rnd (kern_backend.act_bf16), f itself otherwise */
+static __device__ __forceinline__ float kern_cuda_rnd(float f, int rnd)
+{
+    return rnd ? __bfloat162float(__float2bfloat16_rn(f)) : f;
+}
+
+/* One rotate-half pair of RoPE: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s). With rnd, as a bf16
+ * model computes x cos + rotate_half(x) sin: cos/sin rounded, each product and sum rounded. */
+static __device__ __forceinline__ void kern_cuda_rope_pair(float x1, float x2, float c, float s, int rnd,
+                                                           float *o1, float *o2)
+{
+    if (!rnd) {
+        *o1 = x1 * c - x2 * s;
+        *o2 = x2 * c + x1 * s;
+        return;
+    }
+    c = kern_cuda_rnd(c, 1);
+    s = kern_cuda_rnd(s, 1);
+    *o1 = kern_cuda_rnd(kern_cuda_rnd(x1 * c, 1) + kern_cuda_rnd(-x2 * s, 1), 1);
+    *o2 = kern_cuda_rnd(kern_cuda_rnd(x2 * c, 1) + kern_cuda_rnd(x1 * s, 1), 1);
+}
+
 static __device__ __forceinline__ float kern_cuda_warp_sum(float v)
 {
     for (int o = 16; o > 0; o >>= 1)
@@ -174,10 +196,14 @@ pd_status kern_cuda_spec_verify_launch(kern_backend *be, const kern_spec_verify_
  * the weights once per two 8-row tiles. */
 #define KERN_CUDA_SKINNY_FAST_MAX_M 16
 int kern_cuda_skinny_fits(const kern_linear_args *a);
-pd_status kern_cuda_skinny_launch(kern_cuda_ctx *c, const kern_linear_args *a, pd_err *err);
-/* y = x w^T (+ y) through cuBLAS for BF16/F16 weights, x rounded into pack (m * k * 2 bytes of
- * device scratch the caller owns); no bias. */
-pd_status kern_cuda_gemm_cublas(kern_cuda_ctx *c, const kern_matmul_args *a, void *pack, pd_err *err);
+/* rnd: kern_backend.act_bf16 (the caller's backend) */
+pd_status kern_cuda_skinny_launch(kern_cuda_ctx *c, const kern_linear_args *a, int rnd, pd_err *err);
+/* y = x w^T (+ y) through cuBLAS (BF16/F16 weights: x rounded into pack, m * k * 2 bytes of
+ * device scratch the caller owns; F32: pack unused); no bias. rnd (kern_backend.act_bf16): y is
+ * rounded to bf16 afterwards in place; with accumulate that rounds the fp32 sum once, where the
+ * skinny kernel and the CPU reference round the product and then the sum (prefill only: a
+ * bf16-step difference at a rounding boundary). */
+pd_status kern_cuda_gemm_cublas(kern_cuda_ctx *c, const kern_matmul_args *a, void *pack, int rnd, pd_err *err);
 /* Converts n values already on the device (src_dtype -> dst_dtype); used by upload_convert. */
 pd_status kern_cuda_convert_launch(kern_backend *be, void *dst, kern_dtype dst_dtype,
                                    const void *src, kern_dtype src_dtype, size_t n, pd_err *err);

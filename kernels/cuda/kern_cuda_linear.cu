@@ -54,6 +54,8 @@ typedef struct {
     int ld_y[KERN_LINEAR_MAX_W];
     float *tee;                              /* NULL or a copy of y[0]'s final rows */
     int ld_tee;
+    int rnd;                                 /* kern_backend.act_bf16: products (and SwiGLU, the
+                                              * residual sum) rounded to bf16 */
 } sk_params;
 
 static __device__ __forceinline__ uint4 ld_stream(const __nv_bfloat16 *p)
@@ -332,12 +334,16 @@ skinny_kernel(sk_params p)
             }
             float *yo = p.y[wi] + (size_t)(chunk0 + r) * p.ld_y[wi] + feat;
             float out;
-            if (EPI == KERN_LINEAR_SWIGLU)
+            if (EPI == KERN_LINEAR_SWIGLU && p.rnd) {
+                float gv = kern_cuda_rnd(gate[e] * inv, 1);
+                out = kern_cuda_rnd(kern_cuda_rnd(silu_f(gv), 1) * kern_cuda_rnd(v * inv, 1), 1);
+            } else if (EPI == KERN_LINEAR_SWIGLU) {
                 out = silu_f(gate[e] * inv) * (v * inv);
-            else if (EPI == KERN_LINEAR_ACCUMULATE)
-                out = *yo + v * inv;
-            else
-                out = v * inv;
+            } else if (EPI == KERN_LINEAR_ACCUMULATE) {
+                out = kern_cuda_rnd(*yo + kern_cuda_rnd(v * inv, p.rnd), p.rnd);
+            } else {
+                out = kern_cuda_rnd(v * inv, p.rnd);
+            }
             *yo = out;
             if (p.tee != NULL)
                 p.tee[(size_t)(chunk0 + r) * p.ld_tee + feat] = out;
@@ -421,7 +427,7 @@ static int skinny_warps(const kern_cuda_ctx *c, int tiles)
     return w;
 }
 
-extern "C" pd_status kern_cuda_skinny_launch(kern_cuda_ctx *c, const kern_linear_args *a, pd_err *err)
+extern "C" pd_status kern_cuda_skinny_launch(kern_cuda_ctx *c, const kern_linear_args *a, int rnd, pd_err *err)
 {
     sk_params p;
     memset(&p, 0, sizeof(p));
@@ -434,6 +440,7 @@ extern "C" pd_status kern_cuda_skinny_launch(kern_cuda_ctx *c, const kern_linear
     p.eps = a->eps;
     p.tee = a->tee;
     p.ld_tee = a->ld_tee;
+    p.rnd = rnd;
     int swiglu = a->epilogue == KERN_LINEAR_SWIGLU;
     p.n_w = swiglu ? 1 : a->n_w;     /* swiglu: one output; the kernel reads both weights */
     int tiles = 0;
@@ -465,11 +472,14 @@ extern "C" pd_status kern_cuda_skinny_launch(kern_cuda_ctx *c, const kern_linear
     return PD_OK;
 }
 
-/* Many rows (prefill, fast mode): RMSNorm into scratch, cuBLAS per weight, SwiGLU. */
+/* Many rows (prefill, fast mode): RMSNorm into scratch, cuBLAS per weight, SwiGLU. With bf16
+ * activations the norm and every product are rounded as a bf16 model rounds them (SwiGLU's two
+ * products by the binary op, which rounds its inputs). */
 static pd_status linear_unfused(kern_backend *be, const kern_linear_args *a, pd_err *err)
 {
     kern_cuda_ctx *c = kern_cuda_ctx_of(be);
     int swiglu = a->epilogue == KERN_LINEAR_SWIGLU;
+    int rnd = swiglu ? 0 : be->act_bf16;
     int n0 = (int)a->w[0].rows;
     size_t xn_n = a->norm.data != NULL ? (size_t)a->m * a->k : 0;
     size_t gu_n = swiglu ? (size_t)2 * a->m * n0 : 0;
@@ -502,7 +512,7 @@ static pd_status linear_unfused(kern_backend *be, const kern_linear_args *a, pd_
         mm.n = (int)a->w[i].rows;
         mm.k = a->k;
         mm.accumulate = a->epilogue == KERN_LINEAR_ACCUMULATE;
-        if ((st = kern_cuda_gemm_cublas(c, &mm, pack, err)) != PD_OK)
+        if ((st = kern_cuda_gemm_cublas(c, &mm, pack, rnd, err)) != PD_OK)
             return st;
     }
     if (a->tee != NULL) {
@@ -522,6 +532,6 @@ extern "C" pd_status kern_cuda_linear_launch(kern_backend *be, const kern_linear
     if (a->m <= 0)
         return PD_OK;
     if (kern_cuda_skinny_fits(a) && (be->batch_invariant || a->m <= KERN_CUDA_SKINNY_FAST_MAX_M))
-        return kern_cuda_skinny_launch(kern_cuda_ctx_of(be), a, err);
+        return kern_cuda_skinny_launch(kern_cuda_ctx_of(be), a, be->act_bf16, err);
     return linear_unfused(be, a, err);
 }

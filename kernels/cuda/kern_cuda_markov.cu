@@ -42,6 +42,13 @@
 #define MK_SMEM_MAX (48 * 1024)
 #define MK_CHAIN_PER_SM 4         /* resident blocks per SM the chain asks for at most */
 
+/* base logit + the head's bias: with rnd (kern_backend.act_bf16) the bias is rounded to bf16,
+ * then the sum, as a bf16 model adds two bf16 tensors */
+static __device__ __forceinline__ float mk_add(float base, float dot, int rnd)
+{
+    return rnd ? kern_cuda_rnd(base + kern_cuda_rnd(dot, 1), 1) : base + dot;
+}
+
 static __device__ __forceinline__ bool mk_better(float v, int i, float bv, int bi)
 {
     return v > bv || (v == bv && i < bi);
@@ -109,7 +116,7 @@ static __device__ __forceinline__ float mk_dot(const uint4 *wr, const float *x, 
 template <int RC>
 __global__ void __launch_bounds__(MK_THREADS)
 markov_step_kernel(kern_markov_step_args a, int V, int R, int chunk, float *part_v, int *part_i,
-                   unsigned int *ctr)
+                   unsigned int *ctr, int rnd)
 {
     extern __shared__ float vs[];                  /* [n, R], bf16-rounded */
     __shared__ float sv[MK_THREADS / 32];
@@ -130,7 +137,7 @@ markov_step_kernel(kern_markov_step_args a, int V, int R, int chunk, float *part
         float bv = -INFINITY;
         int bi = V;
         for (int v = v0 + threadIdx.x; v < v1; v += MK_THREADS) {
-            float val = base[v] + mk_dot<RC>((const uint4 *)(w2 + (size_t)v * R), xr, R);
+            float val = mk_add(base[v], mk_dot<RC>((const uint4 *)(w2 + (size_t)v * R), xr, R), rnd);
             step[v] = val;
             if (mk_better(val, v, bv, bi))
                 bv = val, bi = v;
@@ -208,9 +215,9 @@ extern "C" pd_status kern_cuda_markov_step_launch(kern_backend *be, const kern_m
     float *pv = (float *)ws;
     int *pi = (int *)(pv + (size_t)a->n * nb);
     if (R == 64)
-        markov_step_kernel<64><<<nb, MK_THREADS, smem, c->stream>>>(*a, V, R, chunk, pv, pi, c->counter);
+        markov_step_kernel<64><<<nb, MK_THREADS, smem, c->stream>>>(*a, V, R, chunk, pv, pi, c->counter, be->act_bf16);
     else
-        markov_step_kernel<0><<<nb, MK_THREADS, smem, c->stream>>>(*a, V, R, chunk, pv, pi, c->counter);
+        markov_step_kernel<0><<<nb, MK_THREADS, smem, c->stream>>>(*a, V, R, chunk, pv, pi, c->counter, be->act_bf16);
     KERN_CUDA_LAUNCH_CHECK(err);
     return PD_OK;
 }
@@ -232,7 +239,7 @@ static __device__ __forceinline__ void mk_grid_barrier(unsigned int *ctr, unsign
 template <int RC>
 __global__ void __launch_bounds__(MK_THREADS)
 markov_chain_kernel(kern_markov_chain_args a, int V, int R, int chunk, float *part_v, int *part_i,
-                    unsigned int *ctr)
+                    unsigned int *ctr, int rnd)
 {
     extern __shared__ float vs[];                  /* [n, R] w1[prev] rows | ids [n] */
     int *ids = (int *)(vs + (size_t)a.n * R);
@@ -259,7 +266,7 @@ markov_chain_kernel(kern_markov_chain_args a, int V, int R, int chunk, float *pa
             float bv = -INFINITY;
             int bi = V;
             for (int v = v0 + threadIdx.x; v < v1; v += MK_THREADS) {
-                float val = base[v] + mk_dot<RC>((const uint4 *)(w2 + (size_t)v * R), xr, R);
+                float val = mk_add(base[v], mk_dot<RC>((const uint4 *)(w2 + (size_t)v * R), xr, R), rnd);
                 if (mk_better(val, v, bv, bi))
                     bv = val, bi = v;
             }
@@ -440,7 +447,7 @@ static __device__ __forceinline__ int mk_swz(int lv, int c8, int n8)
  * a thread converts its w2 row once into registers and reuses it for every row r. */
 template <int RC>
 static __device__ __forceinline__ void mk_res_logits(const uint4 *w2s, float *bs, const float *xs, int n,
-                                                     int R, int cnt, int chunk)
+                                                     int R, int cnt, int chunk, int rnd)
 {
     for (int lv = threadIdx.x; lv < cnt; lv += MK_RES_THREADS) {
         if constexpr (RC > 0) {
@@ -467,7 +474,7 @@ static __device__ __forceinline__ void mk_res_logits(const uint4 *w2s, float *bs
                     dot = fmaf(wf[4 * c4 + 2], xv.z, dot);
                     dot = fmaf(wf[4 * c4 + 3], xv.w, dot);
                 }
-                bs[(size_t)r * chunk + lv] = bs[(size_t)r * chunk + lv] + dot;
+                bs[(size_t)r * chunk + lv] = mk_add(bs[(size_t)r * chunk + lv], dot, rnd);
             }
         } else {
             const int n8 = R / 8;
@@ -484,7 +491,7 @@ static __device__ __forceinline__ void mk_res_logits(const uint4 *w2s, float *bs
                         dot = fmaf(f.y, x[c8 * 8 + 2 * i + 1], dot);
                     }
                 }
-                bs[(size_t)r * chunk + lv] = bs[(size_t)r * chunk + lv] + dot;
+                bs[(size_t)r * chunk + lv] = mk_add(bs[(size_t)r * chunk + lv], dot, rnd);
             }
         }
     }
@@ -508,6 +515,9 @@ typedef struct {
     const float *pre;             /* [steps n, J], row k n + r */
     const __nv_bfloat16 *w;       /* first column of the s/e part of row 0 */
     int ld_w;                     /* K */
+    int rnd;                      /* kern_backend.act_bf16 (every head): the bias and the biased
+                                   * logits rounded to bf16, and each op of a gated/rnn head's
+                                   * R-wide arithmetic as the composition's ops round it */
 } mk_head;
 
 static __device__ __forceinline__ float mk_sigmoid(float x)
@@ -541,7 +551,7 @@ static __device__ void mk_res_head_vec(const mk_head &hd, int k, int n, int R, c
 #pragma unroll 8
         for (int c = 0; c < R; c++)
             acc = fmaf(__bfloat162float(w[c]), e[c], acc);
-        ps[i] = __fadd_rn(hd.pre[((size_t)k * n + r) * J + j], acc);
+        ps[i] = kern_cuda_rnd(__fadd_rn(hd.pre[((size_t)k * n + r) * J + j], acc), hd.rnd);
     }
     __syncthreads();
     for (int i = threadIdx.x; i < n * R; i += MK_RES_THREADS) {
@@ -549,11 +559,12 @@ static __device__ void mk_res_head_vec(const mk_head &hd, int k, int n, int R, c
         float v;
         if (rnn) {
             const float *p = ps + (size_t)r * J;
-            float g = mk_sigmoid(p[j]), ct = tanhf(p[R + j]);
-            ss[i] = __fadd_rn(__fmul_rn(__fsub_rn(ss[i], ct), g), ct);
-            v = tanhf(p[2 * R + j]);
+            const int q = hd.rnd;
+            float g = kern_cuda_rnd(mk_sigmoid(p[j]), q), ct = kern_cuda_rnd(tanhf(p[R + j]), q);
+            ss[i] = kern_cuda_rnd(__fadd_rn(kern_cuda_rnd(__fmul_rn(kern_cuda_rnd(__fsub_rn(ss[i], ct), q), g), q), ct), q);
+            v = kern_cuda_rnd(tanhf(p[2 * R + j]), q);
         } else {
-            v = __fmul_rn(mk_sigmoid(ps[i]), es[i]);
+            v = kern_cuda_rnd(__fmul_rn(kern_cuda_rnd(mk_sigmoid(ps[i]), hd.rnd), es[i]), hd.rnd);
         }
         xs[i] = __bfloat162float(__float2bfloat16_rn(v));
     }
@@ -622,7 +633,7 @@ markov_chain_res_kernel(kern_markov_chain_args a, int V, int R, mk_res_layout la
         __syncthreads();
         if (HEAD != KERN_MARKOV_VANILLA)
             mk_res_head_vec<HEAD>(hd, k, n, R, es, ss, ps, xs);
-        mk_res_logits<RC>(w2s, bs, xs, n, R, cnt, chunk);
+        mk_res_logits<RC>(w2s, bs, xs, n, R, cnt, chunk, hd.rnd);
         for (int r = 0; r < n; r++) {
             float bv = -INFINITY;
             int bi = V;
@@ -794,7 +805,7 @@ static pd_status markov_chain_res(kern_backend *be, const kern_markov_chain_args
     PD_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, MK_RES_THREADS, lay.bytes), err);
     if (per_sm < 1)
         return PD_OK;
-    mk_head hd = { NULL, NULL, 0 };
+    mk_head hd = { NULL, NULL, 0, be->act_bf16 };
     if (head) {
         int gated = a->head == KERN_MARKOV_GATED, H = K - (gated ? R : 2 * R);
         float *in = a->scratch, *pre = in + (size_t)a->steps * n * K;
@@ -890,9 +901,9 @@ extern "C" pd_status kern_cuda_markov_chain_launch(kern_backend *be, const kern_
     float *pv = (float *)ws;
     int *pi = (int *)(pv + (size_t)2 * a->n * nb);
     if (R == 64)
-        markov_chain_kernel<64><<<nb, MK_THREADS, smem, c->stream>>>(*a, V, R, chunk, pv, pi, c->counter);
+        markov_chain_kernel<64><<<nb, MK_THREADS, smem, c->stream>>>(*a, V, R, chunk, pv, pi, c->counter, be->act_bf16);
     else
-        markov_chain_kernel<0><<<nb, MK_THREADS, smem, c->stream>>>(*a, V, R, chunk, pv, pi, c->counter);
+        markov_chain_kernel<0><<<nb, MK_THREADS, smem, c->stream>>>(*a, V, R, chunk, pv, pi, c->counter, be->act_bf16);
     KERN_CUDA_LAUNCH_CHECK(err);
     return PD_OK;
 }

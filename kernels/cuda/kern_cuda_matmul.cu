@@ -34,17 +34,28 @@ __global__ void pack_x_kernel(const float *x, int ld_x, T *xb, int m, int k)
     }
 }
 
-__global__ void bias_add_kernel(float *y, int ld_y, const void *bias, kern_dtype bdt, int m, int n)
+__global__ void bias_add_kernel(float *y, int ld_y, const void *bias, kern_dtype bdt, int m, int n, int rnd)
 {
     size_t total = (size_t)m * n;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (size_t)gridDim.x * blockDim.x) {
         size_t r = i / n, c = i % n;
-        y[r * ld_y + c] += kern_cuda_ld(bias, bdt, c);
+        y[r * ld_y + c] = kern_cuda_rnd(y[r * ld_y + c] + kern_cuda_ld(bias, bdt, c), rnd);
     }
 }
 
-extern "C" pd_status kern_cuda_gemm_cublas(kern_cuda_ctx *c, const kern_matmul_args *a, void *pack,
+/* y = rb(y) in place: the bf16 rounding of kern_backend.act_bf16 after a cuBLAS product */
+__global__ void round_out_kernel(float *y, int ld_y, int m, int n)
+{
+    size_t total = (size_t)m * n;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        size_t r = i / n, c = i % n;
+        y[r * ld_y + c] = kern_cuda_rnd(y[r * ld_y + c], 1);
+    }
+}
+
+extern "C" pd_status kern_cuda_gemm_cublas(kern_cuda_ctx *c, const kern_matmul_args *a, void *pack, int rnd,
                                            pd_err *err)
 {
     const float alpha = 1.0f, beta = a->accumulate ? 1.0f : 0.0f;
@@ -52,23 +63,29 @@ extern "C" pd_status kern_cuda_gemm_cublas(kern_cuda_ctx *c, const kern_matmul_a
         PD_CUBLAS_TRY(cublasSgemm(c->cublas, CUBLAS_OP_T, CUBLAS_OP_N, a->n, a->m, a->k, &alpha,
                                   (const float *)a->w.data, a->k, a->x, a->ld_x, &beta, a->y, a->ld_y),
                       err);
-        return PD_OK;
+    } else {
+        int bf = a->w.dtype == KERN_DTYPE_BF16;
+        size_t total = (size_t)a->m * a->k;
+        if (bf)
+            pack_x_kernel<__nv_bfloat16><<<kern_cuda_blocks(total, MM_THREADS), MM_THREADS, 0,
+                                           c->stream>>>(a->x, a->ld_x, (__nv_bfloat16 *)pack, a->m,
+                                                        a->k);
+        else
+            pack_x_kernel<__half><<<kern_cuda_blocks(total, MM_THREADS), MM_THREADS, 0, c->stream>>>(
+                a->x, a->ld_x, (__half *)pack, a->m, a->k);
+        KERN_CUDA_LAUNCH_CHECK(err);
+        cudaDataType dt = bf ? CUDA_R_16BF : CUDA_R_16F;
+        PD_CUBLAS_TRY(cublasGemmEx(c->cublas, CUBLAS_OP_T, CUBLAS_OP_N, a->n, a->m, a->k, &alpha,
+                                   a->w.data, dt, a->k, pack, dt, a->k, &beta, a->y, CUDA_R_32F,
+                                   a->ld_y, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                      err);
     }
-    int bf = a->w.dtype == KERN_DTYPE_BF16;
-    size_t total = (size_t)a->m * a->k;
-    if (bf)
-        pack_x_kernel<__nv_bfloat16><<<kern_cuda_blocks(total, MM_THREADS), MM_THREADS, 0,
-                                       c->stream>>>(a->x, a->ld_x, (__nv_bfloat16 *)pack, a->m,
-                                                    a->k);
-    else
-        pack_x_kernel<__half><<<kern_cuda_blocks(total, MM_THREADS), MM_THREADS, 0, c->stream>>>(
-            a->x, a->ld_x, (__half *)pack, a->m, a->k);
-    KERN_CUDA_LAUNCH_CHECK(err);
-    cudaDataType dt = bf ? CUDA_R_16BF : CUDA_R_16F;
-    PD_CUBLAS_TRY(cublasGemmEx(c->cublas, CUBLAS_OP_T, CUBLAS_OP_N, a->n, a->m, a->k, &alpha,
-                               a->w.data, dt, a->k, pack, dt, a->k, &beta, a->y, CUDA_R_32F,
-                               a->ld_y, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                  err);
+    if (rnd) {
+        size_t total = (size_t)a->m * a->n;
+        round_out_kernel<<<kern_cuda_blocks(total, MM_THREADS), MM_THREADS, 0, c->stream>>>(
+            a->y, a->ld_y, a->m, a->n);
+        KERN_CUDA_LAUNCH_CHECK(err);
+    }
     return PD_OK;
 }
 
@@ -110,20 +127,16 @@ extern "C" pd_status kern_cuda_matmul_launch(kern_backend *be, const kern_matmul
             PD_CUDA_TRY(cudaMemset2DAsync(a->y, (size_t)a->ld_y * sizeof(float), 0,
                                           (size_t)a->n * sizeof(float), (size_t)a->m, c->stream),
                         err);
-    } else if (a->w.dtype == KERN_DTYPE_F32) {
-        pd_status st = kern_cuda_gemm_cublas(c, a, NULL, err);
-        if (st != PD_OK)
-            return st;
     } else if (skinny_wanted(be, a)) {
         kern_linear_args la = as_linear(a);
-        pd_status st = kern_cuda_skinny_launch(c, &la, err);
+        pd_status st = kern_cuda_skinny_launch(c, &la, be->act_bf16, err);
         if (st != PD_OK)
             return st;
-    } else if (a->w.dtype == KERN_DTYPE_BF16 || a->w.dtype == KERN_DTYPE_F16) {
+    } else if (a->w.dtype == KERN_DTYPE_F32 || a->w.dtype == KERN_DTYPE_BF16 || a->w.dtype == KERN_DTYPE_F16) {
         void *xb = NULL;
-        pd_status st = kern_cuda_ws_get(c, (size_t)a->m * a->k * 2, &xb, err);
+        pd_status st = a->w.dtype == KERN_DTYPE_F32 ? PD_OK : kern_cuda_ws_get(c, (size_t)a->m * a->k * 2, &xb, err);
         if (st == PD_OK)
-            st = kern_cuda_gemm_cublas(c, a, xb, err);
+            st = kern_cuda_gemm_cublas(c, a, xb, be->act_bf16, err);
         if (st != PD_OK)
             return st;
     } else {
@@ -133,7 +146,7 @@ extern "C" pd_status kern_cuda_matmul_launch(kern_backend *be, const kern_matmul
     if (a->bias.data != NULL) {
         size_t total = (size_t)a->m * a->n;
         bias_add_kernel<<<kern_cuda_blocks(total, MM_THREADS), MM_THREADS, 0, c->stream>>>(
-            a->y, a->ld_y, a->bias.data, a->bias.dtype, a->m, a->n);
+            a->y, a->ld_y, a->bias.data, a->bias.dtype, a->m, a->n, be->act_bf16);
         KERN_CUDA_LAUNCH_CHECK(err);
     }
     return PD_OK;

@@ -23,7 +23,7 @@ __device__ __forceinline__ float wload<__half>(const __half *w, int i) { return 
 template <typename W>
 __global__ void __launch_bounds__(NORM_THREADS)
 rmsnorm_kernel(const float *x, const float *res, float *sum_out, float *out, const W *w, int dim,
-               int ld_x, int ld_out, float eps)
+               int ld_x, int ld_out, float eps, int rnd)
 {
     __shared__ float part[NORM_THREADS / 32];
     __shared__ float inv_s;
@@ -35,7 +35,7 @@ rmsnorm_kernel(const float *x, const float *res, float *sum_out, float *out, con
     for (int c = threadIdx.x; c < dim; c += NORM_THREADS) {
         float s = xr[c];
         if (rr != NULL)
-            s += rr[c];
+            s = kern_cuda_rnd(s + rr[c], rnd);
         if (sr != NULL)
             sr[c] = s;
         ss += s * s;
@@ -58,8 +58,8 @@ rmsnorm_kernel(const float *x, const float *res, float *sum_out, float *out, con
         if (sr != NULL)
             s = sr[c];
         else
-            s = rr != NULL ? xr[c] + rr[c] : xr[c];
-        orow[c] = wload<W>(w, c) * (s * inv);
+            s = rr != NULL ? kern_cuda_rnd(xr[c] + rr[c], rnd) : xr[c];
+        orow[c] = kern_cuda_rnd(wload<W>(w, c) * kern_cuda_rnd(s * inv, rnd), rnd);
     }
 }
 
@@ -74,17 +74,17 @@ extern "C" pd_status kern_cuda_rmsnorm_launch(kern_backend *be, const kern_rmsno
     case KERN_DTYPE_F32:
         rmsnorm_kernel<float><<<grid, block, 0, c->stream>>>(
             a->x, a->residual, a->sum_out, a->out, (const float *)a->w.data, a->dim, a->ld_x,
-            a->ld_out, a->eps);
+            a->ld_out, a->eps, be->act_bf16);
         break;
     case KERN_DTYPE_BF16:
         rmsnorm_kernel<__nv_bfloat16><<<grid, block, 0, c->stream>>>(
             a->x, a->residual, a->sum_out, a->out, (const __nv_bfloat16 *)a->w.data, a->dim,
-            a->ld_x, a->ld_out, a->eps);
+            a->ld_x, a->ld_out, a->eps, be->act_bf16);
         break;
     case KERN_DTYPE_F16:
         rmsnorm_kernel<__half><<<grid, block, 0, c->stream>>>(
             a->x, a->residual, a->sum_out, a->out, (const __half *)a->w.data, a->dim, a->ld_x,
-            a->ld_out, a->eps);
+            a->ld_out, a->eps, be->act_bf16);
         break;
     default:
         return pd_err_set(err, PD_ERR_UNSUPPORTED, "cuda rmsnorm: weight dtype %s",

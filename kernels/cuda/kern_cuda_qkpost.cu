@@ -14,7 +14,7 @@
 #define QK_MAX_PAIRS 8          /* head_dim up to 2 * 32 * 8 = 512 */
 
 __global__ void __launch_bounds__(QK_WARPS * 32)
-qk_post_kernel(kern_qk_post_args a)
+qk_post_kernel(kern_qk_post_args a, int rnd)
 {
     const int lane = threadIdx.x & 31;
     const int head = blockIdx.y * QK_WARPS + (threadIdx.x >> 5);
@@ -45,13 +45,13 @@ qk_post_kernel(kern_qk_post_args a)
         int i = lane + 32 * j;
         if (i >= half)
             break;
-        float u1 = kern_cuda_ld(nw->data, nw->dtype, i) * (x1[j] * inv);
-        float u2 = kern_cuda_ld(nw->data, nw->dtype, i + half) * (x2[j] * inv);
+        float u1 = kern_cuda_rnd(kern_cuda_ld(nw->data, nw->dtype, i) * kern_cuda_rnd(x1[j] * inv, rnd), rnd);
+        float u2 = kern_cuda_rnd(kern_cuda_ld(nw->data, nw->dtype, i + half) * kern_cuda_rnd(x2[j] * inv, rnd), rnd);
         float inv_freq = (float)(1.0 / pow((double)a.theta, (double)(2 * i) / hd));
         double sd, cd;
         sincos(pos * (double)inv_freq, &sd, &cd);
-        float s = (float)sd, c = (float)cd;
-        float r1 = u1 * c - u2 * s, r2 = u2 * c + u1 * s;
+        float s = (float)sd, c = (float)cd, r1, r2;
+        kern_cuda_rope_pair(u1, u2, c, s, rnd, &r1, &r2);
         x[i] = r1;
         x[i + half] = r2;
         if (slot >= 0) {
@@ -75,7 +75,7 @@ extern "C" pd_status kern_cuda_qk_post_launch(kern_backend *be, const kern_qk_po
         return pd_err_set(err, PD_ERR_UNSUPPORTED, "cuda qk_post: head_dim %d > %d", a->head_dim,
                           2 * 32 * QK_MAX_PAIRS);
     dim3 grid((unsigned)a->n_tok, (unsigned)((a->n_heads + a->n_kv_heads + QK_WARPS - 1) / QK_WARPS));
-    qk_post_kernel<<<grid, QK_WARPS * 32, 0, c->stream>>>(*a);
+    qk_post_kernel<<<grid, QK_WARPS * 32, 0, c->stream>>>(*a, be->act_bf16);
     KERN_CUDA_LAUNCH_CHECK(err);
     return PD_OK;
 }

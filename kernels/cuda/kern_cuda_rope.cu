@@ -6,7 +6,7 @@
 #include "kern_cuda_internal.h"
 
 __global__ void rope_kernel(float *x, int n_tok, int n_heads, int head_dim, int ld,
-                            const int32_t *pos, float theta)
+                            const int32_t *pos, float theta, int rnd)
 {
     int half = head_dim / 2;
     size_t total = (size_t)n_tok * n_heads * half;
@@ -23,8 +23,7 @@ __global__ void rope_kernel(float *x, int n_tok, int n_heads, int head_dim, int 
         float s = (float)sd, c = (float)cd;
         float *p = x + t * ld + (size_t)h * head_dim;
         float x1 = p[k], x2 = p[k + half];
-        p[k] = x1 * c - x2 * s;
-        p[k + half] = x2 * c + x1 * s;
+        kern_cuda_rope_pair(x1, x2, c, s, rnd, p + k, p + k + half);
     }
 }
 
@@ -35,7 +34,7 @@ extern "C" pd_status kern_cuda_rope_launch(kern_backend *be, const kern_rope_arg
     if (total == 0)
         return PD_OK;
     rope_kernel<<<kern_cuda_blocks(total, 256), 256, 0, c->stream>>>(
-        a->x, a->n_tok, a->n_heads, a->head_dim, a->ld, a->pos, a->theta);
+        a->x, a->n_tok, a->n_heads, a->head_dim, a->ld, a->pos, a->theta, be->act_bf16);
     KERN_CUDA_LAUNCH_CHECK(err);
     return PD_OK;
 }
