@@ -40,6 +40,9 @@ typedef struct kern_cuda_ctx {
     int mk_chain_pdl;          /* 1 unless PD_MK_CHAIN_PDL=0 at creation: the shared-memory chain
                                   kernel is a programmatic dependent launch (fills its w2 slice
                                   while the previous kernel drains) */
+    int sk_wide_warps;         /* K-split warps (1, 2, 4, 8) of the skinny GEMM for shapes whose
+                                  tiles need several waves (lm_head): PD_SK_WIDE_WARPS at
+                                  creation, 2 without it */
     size_t ws_bytes;
     unsigned ws_epoch;         /* bumped whenever ws moves: graphs captured before are stale */
     unsigned capture_epoch;    /* ws_epoch when the capture in progress began */

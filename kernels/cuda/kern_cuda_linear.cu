@@ -415,15 +415,18 @@ static cudaError_t launch_epi(const sk_params &p, int nt, dim3 grid, cudaStream_
 
 /* Warps per CTA (the K split) from the tile count only, so a row's arithmetic never depends on
  * m: the most warps (up to 8) that still let every tile's CTA be resident at once, since the
- * CTAs of a second wave would stream with the machine half empty; 8 when the tiles need many
- * waves anyway (lm_head). */
+ * CTAs of a second wave would stream with the machine half empty; when the tiles need many
+ * waves anyway (lm_head) c->sk_wide_warps, 2 unless PD_SK_WIDE_WARPS says otherwise: a CTA
+ * then streams 20 steps per warp instead of 5, so its ring fill and reduction weigh less
+ * (H200, 1 x 151936 x 2560: 210.4 us with 8 warps, 195.8 with 4, 191.8 with 2 = 94 % of the
+ * copy rate, 206.3 with 1; 7 rows: 219.4 / 204.6 / 196.5 / 209.1 us). */
 static int skinny_warps(const kern_cuda_ctx *c, int tiles)
 {
     int w = SK_MAX_WARPS;
     while (w > 1 && tiles > c->n_sm * (SK_WARPS_PER_SM / w))
         w /= 2;
     if (tiles > c->n_sm * SK_WARPS_PER_SM)
-        w = SK_MAX_WARPS;
+        w = c->sk_wide_warps;
     return w;
 }
 
