@@ -8,6 +8,8 @@ Then 8 of them through the other drafter payloads (prefill_node --aux-transfer c
 cp 2), and 8 through draft-kv with host staging forced (target and draft pools staged).
 
 usage: test_e2e.py BIN_DIR MODELS_DIR FIXTURES_DIR [colocated|disagg|aux|all]
+PD_E2E_DEVICE=cuda runs every node and pdspark-generate with --device cuda (a GPU run by hand;
+ctest runs the CPU).
 """
 import json
 import os
@@ -22,6 +24,7 @@ WHICH = sys.argv[4] if len(sys.argv) > 4 else "all"
 TARGET = os.path.join(MODELS, "tiny-code-qwen3")
 DRAFT = os.path.join(MODELS, "tiny-code-dspark")
 ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", UCX_TLS=os.environ.get("UCX_TLS", "tcp,shm,self"))
+DEV = ["--device", os.environ["PD_E2E_DEVICE"]] if os.environ.get("PD_E2E_DEVICE") else []
 MAX_NEW = 128
 CONCURRENCY = 8
 COMPARE = ("tokens", "text", "rounds", "accepted_per_round", "tau", "prompt_tokens",
@@ -70,7 +73,7 @@ def run_client(addr, ids_path):
 
 def run_ref(ids_path):
     r = subprocess.run([f"{BIN}/pdspark-generate", "--model", TARGET, "--draft", DRAFT,
-                        "--prompt-ids", ids_path, "--max-new-tokens", str(MAX_NEW), "--json"],
+                        "--prompt-ids", ids_path, "--max-new-tokens", str(MAX_NEW), "--json"] + DEV,
                        capture_output=True, text=True, env=ENV, timeout=300)
     if r.returncode != 0:
         raise SystemExit("pdspark-generate failed: " + r.stderr)
@@ -105,10 +108,10 @@ def serve(mode, addr, paths, refs):
 def disagg(prefill_args, env, mode, name, paths, refs):
     """prefill_node (with prefill_args) + decode_node, both with env; serve paths."""
     pn, paddr = start([f"{BIN}/prefill_node", "--model", TARGET, "--draft", DRAFT, "--listen",
-                       "127.0.0.1:0"] + prefill_args, name, env=env)
+                       "127.0.0.1:0"] + DEV + prefill_args, name, env=env)
     try:
         dn, addr = start([f"{BIN}/decode_node", "--model", TARGET, "--draft", DRAFT,
-                          "--listen", "127.0.0.1:0", "--prefill", paddr], "decode_" + name, env=env)
+                          "--listen", "127.0.0.1:0", "--prefill", paddr] + DEV, "decode_" + name, env=env)
         try:
             serve(mode, addr, paths, refs)
         finally:
@@ -134,7 +137,7 @@ def main():
 
     if WHICH in ("colocated", "all"):
         dn, addr = start([f"{BIN}/decode_node", "--model", TARGET, "--draft", DRAFT, "--listen",
-                          "127.0.0.1:0", "--colocated"], "decode_colocated")
+                          "127.0.0.1:0", "--colocated"] + DEV, "decode_colocated")
         try:
             serve("colocated", addr, paths, refs)
         finally:
