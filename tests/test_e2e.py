@@ -50,7 +50,9 @@ def start(args, name, timeout=60, env=None):
         if line.startswith("listening grpc "):
             return p, line.split()[2]
     p.kill()
-    raise SystemExit(f"{name} did not start (see {TMP}/{name}.log)")
+    with open(f"{TMP}/{name}.log") as f:   # the temporary directory goes with the exit
+        tail = "".join(f.readlines()[-5:])
+    raise SystemExit(f"{name} did not start; the end of its log:\n{tail}")
 
 
 def stop(p):
@@ -142,14 +144,17 @@ def main():
             serve("colocated", addr, paths, refs)
         finally:
             stop(dn)
+    # CP prefill in a node runs its ranks as threads on a host backend; on a GPU it needs one
+    # device per rank (NCCL), so a GPU run here prefills with cp 1
+    cp = "1" if DEV else "2"
     if WHICH in ("disagg", "all"):
-        disagg(["--cp-size", "2"], {}, "disaggregated (prefill cp 2)", "prefill_cp2", paths, refs)
+        disagg(["--cp-size", cp], {}, f"disaggregated (prefill cp {cp})", "prefill_cp", paths, refs)
     if WHICH in ("disagg", "aux", "all"):
         # the drafter payloads other than raw: context rows, and the draft's context K/V pages
         # put into the decode node's draft pool; 8 prompts each (CI time)
         for aux in ("ctx", "draft-kv"):
-            disagg(["--cp-size", "2", "--aux-transfer", aux], {},
-                   f"disaggregated (aux {aux}, prefill cp 2)", f"prefill_{aux}", paths[:8], refs[:8])
+            disagg(["--cp-size", cp, "--aux-transfer", aux], {},
+                   f"disaggregated (aux {aux}, prefill cp {cp})", f"prefill_{aux}", paths[:8], refs[:8])
         # the host-staging path (what device KV memory takes without UCX CUDA support), forced
         # on host memory: the prefill node downloads pages before the puts, the decode node
         # receives them in host mirrors (target and draft pool) and uploads them; 8 prompts
