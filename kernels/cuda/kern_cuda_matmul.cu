@@ -40,7 +40,9 @@ __global__ void bias_add_kernel(float *y, int ld_y, const void *bias, kern_dtype
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (size_t)gridDim.x * blockDim.x) {
         size_t r = i / n, c = i % n;
-        y[r * ld_y + c] = kern_cuda_rnd(y[r * ld_y + c] + kern_cuda_ld(bias, bdt, c), rnd);
+        /* with rnd: the product rounded (idempotent after the skinny kernel, which rounds it
+         * already; the cuBLAS path leaves it to this pass), then the sum */
+        y[r * ld_y + c] = kern_cuda_rnd(kern_cuda_rnd(y[r * ld_y + c], rnd) + kern_cuda_ld(bias, bdt, c), rnd);
     }
 }
 
@@ -136,7 +138,7 @@ extern "C" pd_status kern_cuda_matmul_launch(kern_backend *be, const kern_matmul
         void *xb = NULL;
         pd_status st = a->w.dtype == KERN_DTYPE_F32 ? PD_OK : kern_cuda_ws_get(c, (size_t)a->m * a->k * 2, &xb, err);
         if (st == PD_OK)
-            st = kern_cuda_gemm_cublas(c, a, xb, be->act_bf16, err);
+            st = kern_cuda_gemm_cublas(c, a, xb, be->act_bf16 && a->bias.data == NULL, err);
         if (st != PD_OK)
             return st;
     } else {
