@@ -1,7 +1,7 @@
 /* kern_cuda_elementwise.cu - unary (sigmoid, tanh, silu) and binary (add, sub, mul, swiglu) ops
  *   over strided [rows, cols] views, and the device-side dtype conversion behind upload_convert.
  * Owns: kern_cuda_unary_launch, kern_cuda_binary_launch, kern_cuda_convert_launch.
- *   Grid-stride loops, one element per iteration; each output element is written by the thread
+ *   One element per iteration over the [rows, cols] grid (KERN_CUDA_FOR_RC); each output element is written by the thread
  *   that read its inputs, so out may alias an input.
  * Not here: shape checks (kern_ops.c). Threading: enqueues on the backend stream. */
 #include "kern_cuda_internal.h"
@@ -13,18 +13,15 @@ static __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f
 template <int OP>
 __global__ void unary_kernel(const float *x, int ld_x, float *out, int ld_out, int rows, int cols, int rnd)
 {
-    size_t total = (size_t)rows * cols;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (size_t)gridDim.x * blockDim.x) {
-        size_t r = i / cols, c = i % cols;
-        float v = x[r * ld_x + c], y;
+    KERN_CUDA_FOR_RC(r, c, rows, cols) {
+        float v = x[(size_t)r * ld_x + c], y;
         if (OP == KERN_UNARY_SIGMOID)
             y = sigmoid_f(v);
         else if (OP == KERN_UNARY_TANH)
             y = tanhf(v);
         else
             y = v * sigmoid_f(v);
-        out[r * ld_out + c] = kern_cuda_rnd(y, rnd);
+        out[(size_t)r * ld_out + c] = kern_cuda_rnd(y, rnd);
     }
 }
 
@@ -32,24 +29,17 @@ template <int OP>
 __global__ void binary_kernel(const float *a, int ld_a, const float *b, int ld_b, float *out,
                               int ld_out, int rows, int cols, int rnd)
 {
-    size_t total = (size_t)rows * cols;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (size_t)gridDim.x * blockDim.x) {
-        size_t r = i / cols, c = i % cols;
-        float x = a[r * ld_a + c], y = b[r * ld_b + c], z;
+    KERN_CUDA_FOR_RC(r, c, rows, cols) {
+        float x = a[(size_t)r * ld_a + c], y = b[(size_t)r * ld_b + c], z;
         if (OP == KERN_BINARY_ADD)
-            z = x + y;
+            z = kern_cuda_rnd(x + y, rnd);
         else if (OP == KERN_BINARY_SUB)
-            z = x - y;
+            z = kern_cuda_rnd(x - y, rnd);
         else if (OP == KERN_BINARY_MUL)
-            z = x * y;
-        else if (!rnd)
-            z = x * sigmoid_f(x) * y;
-        else {   /* act_fn(gate) * up, both products of a linear: rounded as a bf16 model */
-            x = kern_cuda_rnd(x, 1);
-            z = kern_cuda_rnd(x * sigmoid_f(x), 1) * kern_cuda_rnd(y, 1);
-        }
-        out[r * ld_out + c] = kern_cuda_rnd(z, rnd);
+            z = kern_cuda_rnd(x * y, rnd);
+        else
+            z = kern_cuda_swiglu(x, y, rnd);
+        out[(size_t)r * ld_out + c] = z;
     }
 }
 
@@ -64,10 +54,9 @@ __global__ void convert_kernel(void *dst, kern_dtype dt_dst, const void *src, ke
 extern "C" pd_status kern_cuda_unary_launch(kern_backend *be, const kern_unary_args *a, pd_err *err)
 {
     kern_cuda_ctx *c = kern_cuda_ctx_of(be);
-    size_t total = (size_t)a->rows * a->cols;
-    if (total == 0)
+    if (a->rows <= 0 || a->cols <= 0)
         return PD_OK;
-    unsigned g = kern_cuda_blocks(total, EW_THREADS);
+    dim3 g = kern_cuda_grid_rc(a->rows, a->cols, EW_THREADS);
     switch (a->op) {
     case KERN_UNARY_SIGMOID:
         unary_kernel<KERN_UNARY_SIGMOID><<<g, EW_THREADS, 0, c->stream>>>(
@@ -92,10 +81,9 @@ extern "C" pd_status kern_cuda_binary_launch(kern_backend *be, const kern_binary
                                              pd_err *err)
 {
     kern_cuda_ctx *c = kern_cuda_ctx_of(be);
-    size_t total = (size_t)a->rows * a->cols;
-    if (total == 0)
+    if (a->rows <= 0 || a->cols <= 0)
         return PD_OK;
-    unsigned g = kern_cuda_blocks(total, EW_THREADS);
+    dim3 g = kern_cuda_grid_rc(a->rows, a->cols, EW_THREADS);
     switch (a->op) {
     case KERN_BINARY_ADD:
         binary_kernel<KERN_BINARY_ADD><<<g, EW_THREADS, 0, c->stream>>>(

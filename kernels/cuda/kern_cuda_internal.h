@@ -114,6 +114,25 @@ static inline unsigned kern_cuda_blocks(size_t n, unsigned threads)
     return (unsigned)b;
 }
 
+/* n rounded up to a multiple of 256 bytes: where one scratch buffer holds several arrays */
+static inline size_t kern_cuda_align256(size_t n) { return (n + 255) & ~(size_t)255; }
+
+/* Grid of an elementwise kernel over a [rows, cols] view walked with KERN_CUDA_FOR_RC: x covers
+ * the columns (`threads` per block), y the rows (grid-stride past 65535). Row and column come
+ * from the grid, not from dividing a flat index: a 64-bit division per element made the
+ * elementwise passes of an 8k prefill 3-4x slower than their bytes (ncu, docs/BENCHMARKS.md). */
+static inline dim3 kern_cuda_grid_rc(int rows, int cols, unsigned threads)
+{
+    unsigned gx = (unsigned)((cols + (int)threads - 1) / (int)threads);
+    unsigned gy = rows < 65535 ? (unsigned)rows : 65535u;
+    return dim3(gx < 1 ? 1 : gx, gy < 1 ? 1 : gy);
+}
+
+#define KERN_CUDA_FOR_RC(r, c, rows, cols) \
+    for (int r = (int)blockIdx.y; r < (rows); r += (int)gridDim.y) \
+        for (int c = (int)(blockIdx.x * blockDim.x + threadIdx.x); c < (cols); \
+             c += (int)(gridDim.x * blockDim.x))
+
 /* ---- device helpers ---------------------------------------------------------------------- */
 
 static __device__ __forceinline__ float kern_cuda_ld(const void *p, kern_dtype dt, size_t i)
@@ -158,6 +177,16 @@ static __device__ __forceinline__ void kern_cuda_rope_pair(float x1, float x2, f
     *o2 = kern_cuda_rnd(kern_cuda_rnd(x2 * c, 1) + kern_cuda_rnd(x1 * s, 1), 1);
 }
 
+/* SwiGLU of one (gate, up) pair: silu(gate) * up. With rnd, as a bf16 model computes
+ * act_fn(gate_proj(x)) * up_proj(x): both products rounded, silu rounded, the product rounded. */
+static __device__ __forceinline__ float kern_cuda_swiglu(float g, float u, int rnd)
+{
+    if (!rnd)
+        return g * (1.0f / (1.0f + expf(-g))) * u;
+    g = kern_cuda_rnd(g, 1);
+    return kern_cuda_rnd(kern_cuda_rnd(g * (1.0f / (1.0f + expf(-g))), 1) * kern_cuda_rnd(u, 1), 1);
+}
+
 static __device__ __forceinline__ float kern_cuda_warp_sum(float v)
 {
     for (int o = 16; o > 0; o >>= 1)
@@ -177,6 +206,10 @@ extern "C" {
 pd_status kern_cuda_embed_launch(kern_backend *be, const kern_embed_args *a, pd_err *err);
 pd_status kern_cuda_copy_rows_launch(kern_backend *be, const kern_copy_rows_args *a, pd_err *err);
 pd_status kern_cuda_rmsnorm_launch(kern_backend *be, const kern_rmsnorm_args *a, pd_err *err);
+/* RMSNorm with its output stored as out_dtype (F32, BF16 or F16) at out (row stride a->ld_out),
+ * a->out ignored: the prefill path writes the normed rows straight into the packed GEMM operand. */
+pd_status kern_cuda_rmsnorm_to(kern_backend *be, const kern_rmsnorm_args *a, void *out,
+                               kern_dtype out_dtype, pd_err *err);
 pd_status kern_cuda_rope_launch(kern_backend *be, const kern_rope_args *a, pd_err *err);
 pd_status kern_cuda_unary_launch(kern_backend *be, const kern_unary_args *a, pd_err *err);
 pd_status kern_cuda_binary_launch(kern_backend *be, const kern_binary_args *a, pd_err *err);
@@ -201,12 +234,29 @@ pd_status kern_cuda_spec_verify_launch(kern_backend *be, const kern_spec_verify_
 int kern_cuda_skinny_fits(const kern_linear_args *a);
 /* rnd: kern_backend.act_bf16 (the caller's backend) */
 pd_status kern_cuda_skinny_launch(kern_cuda_ctx *c, const kern_linear_args *a, int rnd, pd_err *err);
-/* y = x w^T (+ y) through cuBLAS (BF16/F16 weights: x rounded into pack, m * k * 2 bytes of
- * device scratch the caller owns; F32: pack unused); no bias. rnd (kern_backend.act_bf16): y is
- * rounded to bf16 afterwards in place; with accumulate that rounds the fp32 sum once, where the
- * skinny kernel and the CPU reference round the product and then the sum (prefill only: a
- * bf16-step difference at a rounding boundary). */
-pd_status kern_cuda_gemm_cublas(kern_cuda_ctx *c, const kern_matmul_args *a, void *pack, int rnd, pd_err *err);
+/* The cuBLAS path (many rows): x packed once to the weight dtype, then per weight
+ *   kern_cuda_gemm_packed. With rnd (kern_backend.act_bf16) a product is formed in bf16 scratch
+ *   (cuBLAS rounds its fp32 accumulators) and one pass stores it (y = p) or adds it
+ *   (y = rb(y + p)), as a bf16 model rounds a linear output and then a residual sum. */
+/* xb[m, k] = x converted to dtype (BF16 or F16), rows packed (row stride k). */
+pd_status kern_cuda_pack_x(kern_cuda_ctx *c, const float *x, int ld_x, int m, int k, kern_dtype dtype,
+                           void *xb, pd_err *err);
+/* Scratch kern_cuda_gemm_packed needs for an [m, n] product (0 without rnd). */
+size_t kern_cuda_gemm_tmp_bytes(const kern_weight *w, int m, int n, int rnd);
+/* y[m, n] = xp w^T (+ y with accumulate): xp is x packed to w's dtype (F32 weights: x itself),
+ * row stride ld_xp; tmp holds kern_cuda_gemm_tmp_bytes. Without rnd the product goes to y in
+ * fp32 directly (accumulate as beta = 1). */
+pd_status kern_cuda_gemm_packed(kern_cuda_ctx *c, const kern_weight *w, const void *xp, int ld_xp,
+                                int m, int n, int k, float *y, int ld_y, int accumulate, int rnd,
+                                void *tmp, pd_err *err);
+/* One cuBLAS product out[m, n] = xp w^T + beta out, out in F32 or BF16 (F32 weights: F32). */
+pd_status kern_cuda_cublas_product(kern_cuda_ctx *c, const kern_weight *w, const void *xp, int ld_xp,
+                                   int m, int n, int k, void *out, kern_dtype out_dtype, int ld_out,
+                                   float beta, pd_err *err);
+/* y = x w^T (+ y), no bias, through the two calls above; scratch holds m * k * 2 bytes (the
+ * packed x; unused for F32 weights) followed, 256-aligned, by kern_cuda_gemm_tmp_bytes. */
+size_t kern_cuda_gemm_cublas_scratch(const kern_matmul_args *a, int rnd);
+pd_status kern_cuda_gemm_cublas(kern_cuda_ctx *c, const kern_matmul_args *a, void *scratch, int rnd, pd_err *err);
 /* Converts n values already on the device (src_dtype -> dst_dtype); used by upload_convert. */
 pd_status kern_cuda_convert_launch(kern_backend *be, void *dst, kern_dtype dst_dtype,
                                    const void *src, kern_dtype src_dtype, size_t n, pd_err *err);

@@ -475,59 +475,89 @@ extern "C" pd_status kern_cuda_skinny_launch(kern_cuda_ctx *c, const kern_linear
     return PD_OK;
 }
 
-/* Many rows (prefill, fast mode): RMSNorm into scratch, cuBLAS per weight, SwiGLU. With bf16
- * activations the norm and every product are rounded as a bf16 model rounds them (SwiGLU's two
- * products by the binary op, which rounds its inputs). */
+/* y = swiglu(gate, up) from the two products of the cuBLAS path, [m, n] each with row stride n
+ * (bf16 when the backend rounds activations: cuBLAS stored them rounded) */
+template <typename T>
+__global__ void swiglu_out_kernel(const T *g, const T *u, int m, int n, float *y, int ld_y, int rnd)
+{
+    const kern_dtype dt = sizeof(T) == 2 ? KERN_DTYPE_BF16 : KERN_DTYPE_F32;
+    KERN_CUDA_FOR_RC(r, c, m, n) {
+        size_t i = (size_t)r * n + c;
+        y[(size_t)r * ld_y + c] = kern_cuda_swiglu(kern_cuda_ld(g, dt, i), kern_cuda_ld(u, dt, i), rnd);
+    }
+}
+
+/* Many rows (prefill, fast mode): x normed and packed to the weight dtype once (one kernel when
+ * there is a norm), one cuBLAS product per weight into y (kern_cuda_gemm_packed: with bf16
+ * activations a product is rounded by cuBLAS into bf16 scratch and stored or added by one
+ * pass), SwiGLU from the two products. F32 weights: x (or its norm) in fp32, cublasSgemm. */
 static pd_status linear_unfused(kern_backend *be, const kern_linear_args *a, pd_err *err)
 {
     kern_cuda_ctx *c = kern_cuda_ctx_of(be);
-    int swiglu = a->epilogue == KERN_LINEAR_SWIGLU;
-    int rnd = swiglu ? 0 : be->act_bf16;
-    int n0 = (int)a->w[0].rows;
-    size_t xn_n = a->norm.data != NULL ? (size_t)a->m * a->k : 0;
-    size_t gu_n = swiglu ? (size_t)2 * a->m * n0 : 0;
-    size_t pack_bytes = (size_t)a->m * a->k * 2;
+    const int swiglu = a->epilogue == KERN_LINEAR_SWIGLU, rnd = be->act_bf16;
+    const kern_dtype wdt = a->w[0].dtype;
+    const int f32 = wdt == KERN_DTYPE_F32;
+    const int m = a->m, k = a->k, n0 = (int)a->w[0].rows;
+    /* scratch: [x packed (or normed, f32 weights)] [gate | up products, or one product's tmp] */
+    size_t xs = f32 ? (a->norm.data != NULL ? (size_t)m * k * 4 : 0) : (size_t)m * k * 2;
+    size_t gu_el = swiglu ? (rnd && !f32 ? 2 : 4) : 0;
+    size_t tmp = 0;
+    for (int i = 0; i < a->n_w && !swiglu; i++) {
+        size_t t = kern_cuda_gemm_tmp_bytes(&a->w[i], m, (int)a->w[i].rows, rnd);
+        tmp = t > tmp ? t : tmp;
+    }
+    size_t rest = swiglu ? (size_t)2 * m * n0 * gu_el : tmp;
     void *ws = NULL;
-    pd_status st = kern_cuda_ws_get(c, (xn_n + gu_n) * sizeof(float) + pack_bytes + 256, &ws, err);
+    pd_status st = kern_cuda_ws_get(c, kern_cuda_align256(xs) + rest + 256, &ws, err);
     if (st != PD_OK)
         return st;
-    float *xn = (float *)ws, *gu = xn + xn_n;
-    void *pack = (void *)(((uintptr_t)(gu + gu_n) + 255) & ~(uintptr_t)255);
-    const float *x = a->x;
-    int ld_x = a->ld_x;
-    if (xn_n > 0) {
-        kern_rmsnorm_args rn = { .x = a->x, .residual = NULL, .sum_out = NULL, .out = xn, .w = a->norm,
-                                 .rows = a->m, .dim = a->k, .ld_x = a->ld_x, .ld_out = a->k, .eps = a->eps };
-        if ((st = kern_cuda_rmsnorm_launch(be, &rn, err)) != PD_OK)
-            return st;
-        x = xn;
-        ld_x = a->k;
+    void *xsb = ws, *rb = (char *)ws + kern_cuda_align256(xs);
+    const void *xp = a->x;
+    int ld_xp = a->ld_x;
+    if (a->norm.data != NULL) {
+        kern_rmsnorm_args rn = { .x = a->x, .residual = NULL, .sum_out = NULL, .out = NULL, .w = a->norm,
+                                 .rows = m, .dim = k, .ld_x = a->ld_x, .ld_out = k, .eps = a->eps };
+        st = kern_cuda_rmsnorm_to(be, &rn, xsb, f32 ? KERN_DTYPE_F32 : wdt, err);
+        xp = xsb;
+        ld_xp = k;
+    } else if (!f32) {
+        st = kern_cuda_pack_x(c, a->x, a->ld_x, m, k, wdt, xsb, err);
+        xp = xsb;
+        ld_xp = k;
     }
+    if (st != PD_OK)
+        return st;
     for (int i = 0; i < a->n_w; i++) {
-        kern_matmul_args mm;
-        memset(&mm, 0, sizeof(mm));
-        mm.x = x;
-        mm.ld_x = ld_x;
-        mm.w = a->w[i];
-        mm.y = swiglu ? gu + (size_t)i * a->m * n0 : a->y[i];
-        mm.ld_y = swiglu ? n0 : a->ld_y[i];
-        mm.m = a->m;
-        mm.n = (int)a->w[i].rows;
-        mm.k = a->k;
-        mm.accumulate = a->epilogue == KERN_LINEAR_ACCUMULATE;
-        if ((st = kern_cuda_gemm_cublas(c, &mm, pack, rnd, err)) != PD_OK)
+        int n = (int)a->w[i].rows;
+        if (swiglu) {
+            /* the products as a bf16 model stores them; the SwiGLU pass rounds what it reads */
+            kern_dtype odt = gu_el == 2 ? KERN_DTYPE_BF16 : KERN_DTYPE_F32;
+            st = kern_cuda_cublas_product(c, &a->w[i], xp, ld_xp, m, n, k,
+                                          (char *)rb + (size_t)i * m * n0 * gu_el, odt, n, 0.0f, err);
+        } else {
+            st = kern_cuda_gemm_packed(c, &a->w[i], xp, ld_xp, m, n, k, a->y[i], a->ld_y[i],
+                                       a->epilogue == KERN_LINEAR_ACCUMULATE, rnd, rb, err);
+        }
+        if (st != PD_OK)
             return st;
+    }
+    if (swiglu) {
+        dim3 g = kern_cuda_grid_rc(m, n0, 256);
+        if (gu_el == 2)
+            swiglu_out_kernel<__nv_bfloat16><<<g, 256, 0, c->stream>>>(
+                (const __nv_bfloat16 *)rb, (const __nv_bfloat16 *)rb + (size_t)m * n0, m, n0, a->y[0],
+                a->ld_y[0], rnd);
+        else
+            swiglu_out_kernel<float><<<g, 256, 0, c->stream>>>(
+                (const float *)rb, (const float *)rb + (size_t)m * n0, m, n0, a->y[0], a->ld_y[0], rnd);
+        KERN_CUDA_LAUNCH_CHECK(err);
     }
     if (a->tee != NULL) {
         kern_copy_rows_args cp = { .src = a->y[0], .ld_src = a->ld_y[0], .idx = NULL, .dst = a->tee,
-                                   .ld_dst = a->ld_tee, .rows = a->m, .cols = n0 };
+                                   .ld_dst = a->ld_tee, .rows = m, .cols = n0 };
         return kern_cuda_copy_rows_launch(be, &cp, err);
     }
-    if (!swiglu)
-        return PD_OK;
-    kern_binary_args sw = { .op = KERN_BINARY_SWIGLU, .a = gu, .ld_a = n0, .b = gu + (size_t)a->m * n0,
-                            .ld_b = n0, .out = a->y[0], .ld_out = a->ld_y[0], .rows = a->m, .cols = n0 };
-    return kern_cuda_binary_launch(be, &sw, err);
+    return PD_OK;
 }
 
 extern "C" pd_status kern_cuda_linear_launch(kern_backend *be, const kern_linear_args *a, pd_err *err)

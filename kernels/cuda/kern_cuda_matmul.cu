@@ -1,12 +1,15 @@
 /* kern_cuda_matmul.cu - y[M,N] = x[M,K] @ w[N,K]^T (+ y) (+ bias).
- * Owns: kern_cuda_matmul_launch, kern_cuda_gemm_cublas. BF16 weights with few rows (any m with
+ * Owns: kern_cuda_matmul_launch and the cuBLAS path shared with op linear (kern_cuda_pack_x,
+ *   kern_cuda_gemm_packed, kern_cuda_gemm_cublas). BF16 weights with few rows (any m with
  *   be->batch_invariant, m <= KERN_CUDA_SKINNY_FAST_MAX_M and k >= 256 otherwise) go to the
  *   skinny tensor-core kernel of kern_cuda_linear.cu (batch-invariant by construction; it
  *   replaced the warp-per-column GEMVs, docs/BENCHMARKS.md). Otherwise cuBLAS: x is rounded to
- *   the weight dtype into the backend workspace, then cublasGemmEx with fp32 output and fp32
- *   accumulation on the tensor cores; F32 weights: cublasSgemm on x as is. Row-major y = x w^T
- *   is column-major y^T = w^T' x^T', i.e. GEMM(op_T, op_N, N, M, K) with w as A (lda = K) and x
- *   as B. accumulate maps to beta = 1; the bias is a separate broadcast add after the GEMM.
+ *   the weight dtype into the backend workspace, then cublasGemmEx with fp32 accumulation on the
+ *   tensor cores; F32 weights: cublasSgemm on x as is. Without act_bf16 the product lands in y
+ *   in fp32 (accumulate = beta 1); with it, in bf16 scratch (cuBLAS rounds), and one pass stores
+ *   it into y or adds it (rb(y + p)), as a bf16 model rounds a product, then a residual sum.
+ *   Row-major y = x w^T is column-major y^T = w^T' x^T', i.e. GEMM(op_T, op_N, N, M, K) with w
+ *   as A (lda = K) and x as B. The bias is a separate broadcast add after the GEMM.
  *   k < 256 stays on cuBLAS in fast mode: the skinny kernel splits k over up to 8 warps in steps
  *   of 64 and leaves most of them idle there (the Markov head's [vocab, 64] product).
  * Not here: shape checks (kern_ops.c). Threading: enqueues on the backend stream. */
@@ -26,69 +29,116 @@ __device__ __forceinline__ __half cvt<__half>(float f) { return __float2half_rn(
 template <typename T>
 __global__ void pack_x_kernel(const float *x, int ld_x, T *xb, int m, int k)
 {
-    size_t total = (size_t)m * k;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (size_t)gridDim.x * blockDim.x) {
-        size_t r = i / k, c = i % k;
-        xb[i] = cvt<T>(x[r * ld_x + c]);
-    }
+    KERN_CUDA_FOR_RC(r, c, m, k)
+        xb[(size_t)r * k + c] = cvt<T>(x[(size_t)r * ld_x + c]);
 }
 
 __global__ void bias_add_kernel(float *y, int ld_y, const void *bias, kern_dtype bdt, int m, int n, int rnd)
 {
-    size_t total = (size_t)m * n;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (size_t)gridDim.x * blockDim.x) {
-        size_t r = i / n, c = i % n;
-        /* with rnd: the product rounded (idempotent after the skinny kernel, which rounds it
-         * already; the cuBLAS path leaves it to this pass), then the sum */
-        y[r * ld_y + c] = kern_cuda_rnd(kern_cuda_rnd(y[r * ld_y + c], rnd) + kern_cuda_ld(bias, bdt, c), rnd);
+    /* with rnd: the product rounded (idempotent after the skinny kernel, which rounds it
+     * already; the cuBLAS path leaves it to this pass), then the sum */
+    KERN_CUDA_FOR_RC(r, c, m, n) {
+        float *yp = y + (size_t)r * ld_y + c;
+        *yp = kern_cuda_rnd(kern_cuda_rnd(*yp, rnd) + kern_cuda_ld(bias, bdt, c), rnd);
     }
 }
 
-/* y = rb(y) in place: the bf16 rounding of kern_backend.act_bf16 after a cuBLAS product */
-__global__ void round_out_kernel(float *y, int ld_y, int m, int n)
+/* The rounded product p (bf16 from cuBLAS, or fp32 from an F32-weight product) into y: y = rb(p),
+ * or y = rb(y + rb(p)) with accumulate */
+template <typename T>
+__global__ void product_out_kernel(float *y, int ld_y, const T *p, int m, int n, int accumulate)
 {
-    size_t total = (size_t)m * n;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (size_t)gridDim.x * blockDim.x) {
-        size_t r = i / n, c = i % n;
-        y[r * ld_y + c] = kern_cuda_rnd(y[r * ld_y + c], 1);
+    KERN_CUDA_FOR_RC(r, c, m, n) {
+        float v = kern_cuda_rnd(kern_cuda_ld(p, sizeof(T) == 2 ? KERN_DTYPE_BF16 : KERN_DTYPE_F32,
+                                             (size_t)r * n + c), 1);
+        float *yp = y + (size_t)r * ld_y + c;
+        *yp = accumulate ? kern_cuda_rnd(*yp + v, 1) : v;
     }
 }
 
-extern "C" pd_status kern_cuda_gemm_cublas(kern_cuda_ctx *c, const kern_matmul_args *a, void *pack, int rnd,
-                                           pd_err *err)
+extern "C" pd_status kern_cuda_pack_x(kern_cuda_ctx *c, const float *x, int ld_x, int m, int k,
+                                      kern_dtype dtype, void *xb, pd_err *err)
 {
-    const float alpha = 1.0f, beta = a->accumulate ? 1.0f : 0.0f;
-    if (a->w.dtype == KERN_DTYPE_F32) {   /* x as is (pack unused) */
-        PD_CUBLAS_TRY(cublasSgemm(c->cublas, CUBLAS_OP_T, CUBLAS_OP_N, a->n, a->m, a->k, &alpha,
-                                  (const float *)a->w.data, a->k, a->x, a->ld_x, &beta, a->y, a->ld_y),
-                      err);
-    } else {
-        int bf = a->w.dtype == KERN_DTYPE_BF16;
-        size_t total = (size_t)a->m * a->k;
-        if (bf)
-            pack_x_kernel<__nv_bfloat16><<<kern_cuda_blocks(total, MM_THREADS), MM_THREADS, 0,
-                                           c->stream>>>(a->x, a->ld_x, (__nv_bfloat16 *)pack, a->m,
-                                                        a->k);
-        else
-            pack_x_kernel<__half><<<kern_cuda_blocks(total, MM_THREADS), MM_THREADS, 0, c->stream>>>(
-                a->x, a->ld_x, (__half *)pack, a->m, a->k);
-        KERN_CUDA_LAUNCH_CHECK(err);
-        cudaDataType dt = bf ? CUDA_R_16BF : CUDA_R_16F;
-        PD_CUBLAS_TRY(cublasGemmEx(c->cublas, CUBLAS_OP_T, CUBLAS_OP_N, a->n, a->m, a->k, &alpha,
-                                   a->w.data, dt, a->k, pack, dt, a->k, &beta, a->y, CUDA_R_32F,
-                                   a->ld_y, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                      err);
-    }
-    if (rnd) {
-        size_t total = (size_t)a->m * a->n;
-        round_out_kernel<<<kern_cuda_blocks(total, MM_THREADS), MM_THREADS, 0, c->stream>>>(
-            a->y, a->ld_y, a->m, a->n);
-        KERN_CUDA_LAUNCH_CHECK(err);
-    }
+    dim3 g = kern_cuda_grid_rc(m, k, MM_THREADS);
+    if (dtype == KERN_DTYPE_BF16)
+        pack_x_kernel<__nv_bfloat16><<<g, MM_THREADS, 0, c->stream>>>(x, ld_x, (__nv_bfloat16 *)xb, m, k);
+    else
+        pack_x_kernel<__half><<<g, MM_THREADS, 0, c->stream>>>(x, ld_x, (__half *)xb, m, k);
+    KERN_CUDA_LAUNCH_CHECK(err);
     return PD_OK;
+}
+
+extern "C" pd_status kern_cuda_cublas_product(kern_cuda_ctx *c, const kern_weight *w, const void *xp,
+                                              int ld_xp, int m, int n, int k, void *out,
+                                              kern_dtype out_dtype, int ld_out, float beta, pd_err *err)
+{
+    const float alpha = 1.0f;
+    if (w->dtype == KERN_DTYPE_F32) {
+        PD_CUBLAS_TRY(cublasSgemm(c->cublas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &alpha,
+                                  (const float *)w->data, k, (const float *)xp, ld_xp, &beta,
+                                  (float *)out, ld_out),
+                      err);
+        return PD_OK;
+    }
+    cudaDataType dt = w->dtype == KERN_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+    cudaDataType ot = out_dtype == KERN_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F;
+    PD_CUBLAS_TRY(cublasGemmEx(c->cublas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &alpha, w->data, dt, k,
+                               xp, dt, ld_xp, &beta, out, ot, ld_out, CUBLAS_COMPUTE_32F,
+                               CUBLAS_GEMM_DEFAULT),
+                  err);
+    return PD_OK;
+}
+
+extern "C" size_t kern_cuda_gemm_tmp_bytes(const kern_weight *w, int m, int n, int rnd)
+{
+    return rnd ? (size_t)m * n * (w->dtype == KERN_DTYPE_F32 ? 4 : 2) : 0;
+}
+
+extern "C" pd_status kern_cuda_gemm_packed(kern_cuda_ctx *c, const kern_weight *w, const void *xp,
+                                           int ld_xp, int m, int n, int k, float *y, int ld_y,
+                                           int accumulate, int rnd, void *tmp, pd_err *err)
+{
+    if (!rnd)
+        return kern_cuda_cublas_product(c, w, xp, ld_xp, m, n, k, y, KERN_DTYPE_F32, ld_y,
+                                        accumulate ? 1.0f : 0.0f, err);
+    int f32 = w->dtype == KERN_DTYPE_F32;
+    pd_status st = kern_cuda_cublas_product(c, w, xp, ld_xp, m, n, k, tmp,
+                                            f32 ? KERN_DTYPE_F32 : KERN_DTYPE_BF16, n, 0.0f, err);
+    if (st != PD_OK)
+        return st;
+    dim3 g = kern_cuda_grid_rc(m, n, MM_THREADS);
+    if (f32)
+        product_out_kernel<float><<<g, MM_THREADS, 0, c->stream>>>(y, ld_y, (const float *)tmp, m, n,
+                                                                    accumulate);
+    else
+        product_out_kernel<__nv_bfloat16><<<g, MM_THREADS, 0, c->stream>>>(
+            y, ld_y, (const __nv_bfloat16 *)tmp, m, n, accumulate);
+    KERN_CUDA_LAUNCH_CHECK(err);
+    return PD_OK;
+}
+
+extern "C" size_t kern_cuda_gemm_cublas_scratch(const kern_matmul_args *a, int rnd)
+{
+    size_t pack = a->w.dtype == KERN_DTYPE_F32 ? 0 : (size_t)a->m * a->k * 2;
+    return kern_cuda_align256(pack) + kern_cuda_gemm_tmp_bytes(&a->w, a->m, a->n, rnd);
+}
+
+extern "C" pd_status kern_cuda_gemm_cublas(kern_cuda_ctx *c, const kern_matmul_args *a, void *scratch,
+                                           int rnd, pd_err *err)
+{
+    const void *xp = a->x;
+    int ld_xp = a->ld_x;
+    size_t pack = 0;
+    if (a->w.dtype != KERN_DTYPE_F32) {
+        pd_status st = kern_cuda_pack_x(c, a->x, a->ld_x, a->m, a->k, a->w.dtype, scratch, err);
+        if (st != PD_OK)
+            return st;
+        xp = scratch;
+        ld_xp = a->k;
+        pack = (size_t)a->m * a->k * 2;
+    }
+    return kern_cuda_gemm_packed(c, &a->w, xp, ld_xp, a->m, a->n, a->k, a->y, a->ld_y, a->accumulate,
+                                 rnd, (char *)scratch + kern_cuda_align256(pack), err);
 }
 
 /* The product as op linear's one-weight form (the skinny kernel's arguments). */
@@ -135,10 +185,11 @@ extern "C" pd_status kern_cuda_matmul_launch(kern_backend *be, const kern_matmul
         if (st != PD_OK)
             return st;
     } else if (a->w.dtype == KERN_DTYPE_F32 || a->w.dtype == KERN_DTYPE_BF16 || a->w.dtype == KERN_DTYPE_F16) {
-        void *xb = NULL;
-        pd_status st = a->w.dtype == KERN_DTYPE_F32 ? PD_OK : kern_cuda_ws_get(c, (size_t)a->m * a->k * 2, &xb, err);
+        int rnd = be->act_bf16 && a->bias.data == NULL;
+        void *scratch = NULL;
+        pd_status st = kern_cuda_ws_get(c, kern_cuda_gemm_cublas_scratch(a, rnd) + 256, &scratch, err);
         if (st == PD_OK)
-            st = kern_cuda_gemm_cublas(c, a, xb, be->act_bf16 && a->bias.data == NULL, err);
+            st = kern_cuda_gemm_cublas(c, a, scratch, rnd, err);
         if (st != PD_OK)
             return st;
     } else {
@@ -146,8 +197,7 @@ extern "C" pd_status kern_cuda_matmul_launch(kern_backend *be, const kern_matmul
                           kern_cuda_dtype_name(a->w.dtype));
     }
     if (a->bias.data != NULL) {
-        size_t total = (size_t)a->m * a->n;
-        bias_add_kernel<<<kern_cuda_blocks(total, MM_THREADS), MM_THREADS, 0, c->stream>>>(
+        bias_add_kernel<<<kern_cuda_grid_rc(a->m, a->n, MM_THREADS), MM_THREADS, 0, c->stream>>>(
             a->y, a->ld_y, a->bias.data, a->bias.dtype, a->m, a->n, be->act_bf16);
         KERN_CUDA_LAUNCH_CHECK(err);
     }

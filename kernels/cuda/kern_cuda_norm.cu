@@ -1,6 +1,7 @@
 /* kern_cuda_norm.cu - RMSNorm with the fused residual add of a pre-norm block.
- * Owns: kern_cuda_rmsnorm_launch. One block per row: pass 1 forms s = x (+ residual), writes
- *   sum_out and reduces sum(s^2) in fp32 per thread then across the block; pass 2 scales.
+ * Owns: kern_cuda_rmsnorm_launch, kern_cuda_rmsnorm_to (output stored as F32, BF16 or F16).
+ *   One block per row: pass 1 forms s = x (+ residual), writes sum_out and reduces sum(s^2) in
+ *   fp32 per thread then across the block; pass 2 scales.
  *   Every element is read and written by the same thread in both passes, which is what makes
  *   the allowed aliasing (out == x, sum_out == residual) safe.
  * Not here: shape checks (kern_ops.c). Threading: enqueues on the backend stream. */
@@ -20,9 +21,18 @@ __device__ __forceinline__ float wload<__nv_bfloat16>(const __nv_bfloat16 *w, in
 template <>
 __device__ __forceinline__ float wload<__half>(const __half *w, int i) { return __half2float(w[i]); }
 
-template <typename W>
+template <typename O>
+static __device__ __forceinline__ void ostore(O *p, float v);
+template <>
+__device__ __forceinline__ void ostore<float>(float *p, float v) { *p = v; }
+template <>
+__device__ __forceinline__ void ostore<__nv_bfloat16>(__nv_bfloat16 *p, float v) { *p = __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ void ostore<__half>(__half *p, float v) { *p = __float2half_rn(v); }
+
+template <typename W, typename O>
 __global__ void __launch_bounds__(NORM_THREADS)
-rmsnorm_kernel(const float *x, const float *res, float *sum_out, float *out, const W *w, int dim,
+rmsnorm_kernel(const float *x, const float *res, float *sum_out, O *out, const W *w, int dim,
                int ld_x, int ld_out, float eps, int rnd)
 {
     __shared__ float part[NORM_THREADS / 32];
@@ -52,44 +62,56 @@ rmsnorm_kernel(const float *x, const float *res, float *sum_out, float *out, con
     }
     __syncthreads();
     float inv = inv_s;
-    float *orow = out + r * ld_out;
+    O *orow = out + r * ld_out;
     for (int c = threadIdx.x; c < dim; c += NORM_THREADS) {
         float s;
         if (sr != NULL)
             s = sr[c];
         else
             s = rr != NULL ? kern_cuda_rnd(xr[c] + rr[c], rnd) : xr[c];
-        orow[c] = kern_cuda_rnd(wload<W>(w, c) * kern_cuda_rnd(s * inv, rnd), rnd);
+        ostore<O>(&orow[c], kern_cuda_rnd(wload<W>(w, c) * kern_cuda_rnd(s * inv, rnd), rnd));
     }
 }
 
-extern "C" pd_status kern_cuda_rmsnorm_launch(kern_backend *be, const kern_rmsnorm_args *a,
-                                              pd_err *err)
+template <typename W>
+static void launch_w(kern_cuda_ctx *c, const kern_rmsnorm_args *a, const void *w, void *out,
+                     kern_dtype odt, int rnd)
+{
+    dim3 grid((unsigned)a->rows), block(NORM_THREADS);
+    if (odt == KERN_DTYPE_BF16)
+        rmsnorm_kernel<W, __nv_bfloat16><<<grid, block, 0, c->stream>>>(
+            a->x, a->residual, a->sum_out, (__nv_bfloat16 *)out, (const W *)w, a->dim, a->ld_x,
+            a->ld_out, a->eps, rnd);
+    else if (odt == KERN_DTYPE_F16)
+        rmsnorm_kernel<W, __half><<<grid, block, 0, c->stream>>>(
+            a->x, a->residual, a->sum_out, (__half *)out, (const W *)w, a->dim, a->ld_x, a->ld_out,
+            a->eps, rnd);
+    else
+        rmsnorm_kernel<W, float><<<grid, block, 0, c->stream>>>(
+            a->x, a->residual, a->sum_out, (float *)out, (const W *)w, a->dim, a->ld_x, a->ld_out,
+            a->eps, rnd);
+}
+
+extern "C" pd_status kern_cuda_rmsnorm_to(kern_backend *be, const kern_rmsnorm_args *a, void *out,
+                                          kern_dtype out_dtype, pd_err *err)
 {
     kern_cuda_ctx *c = kern_cuda_ctx_of(be);
     if (a->rows <= 0)
         return PD_OK;
-    dim3 grid((unsigned)a->rows), block(NORM_THREADS);
     switch (a->w.dtype) {
-    case KERN_DTYPE_F32:
-        rmsnorm_kernel<float><<<grid, block, 0, c->stream>>>(
-            a->x, a->residual, a->sum_out, a->out, (const float *)a->w.data, a->dim, a->ld_x,
-            a->ld_out, a->eps, be->act_bf16);
-        break;
-    case KERN_DTYPE_BF16:
-        rmsnorm_kernel<__nv_bfloat16><<<grid, block, 0, c->stream>>>(
-            a->x, a->residual, a->sum_out, a->out, (const __nv_bfloat16 *)a->w.data, a->dim,
-            a->ld_x, a->ld_out, a->eps, be->act_bf16);
-        break;
-    case KERN_DTYPE_F16:
-        rmsnorm_kernel<__half><<<grid, block, 0, c->stream>>>(
-            a->x, a->residual, a->sum_out, a->out, (const __half *)a->w.data, a->dim, a->ld_x,
-            a->ld_out, a->eps, be->act_bf16);
-        break;
+    case KERN_DTYPE_F32: launch_w<float>(c, a, a->w.data, out, out_dtype, be->act_bf16); break;
+    case KERN_DTYPE_BF16: launch_w<__nv_bfloat16>(c, a, a->w.data, out, out_dtype, be->act_bf16); break;
+    case KERN_DTYPE_F16: launch_w<__half>(c, a, a->w.data, out, out_dtype, be->act_bf16); break;
     default:
         return pd_err_set(err, PD_ERR_UNSUPPORTED, "cuda rmsnorm: weight dtype %s",
                           kern_cuda_dtype_name(a->w.dtype));
     }
     KERN_CUDA_LAUNCH_CHECK(err);
     return PD_OK;
+}
+
+extern "C" pd_status kern_cuda_rmsnorm_launch(kern_backend *be, const kern_rmsnorm_args *a,
+                                              pd_err *err)
+{
+    return kern_cuda_rmsnorm_to(be, a, a->out, KERN_DTYPE_F32, err);
 }

@@ -1,7 +1,7 @@
 /* kern_cuda_qkpost.cu - Qwen3 q/k post-processing of a QKV projection in one launch.
- * Owns: kern_cuda_qk_post_launch. Block (token, group of 8 heads), a warp per head of the
- *   concatenated list [q heads, k heads]: the lane holds the rotate-half pairs (i, i + hd/2) for
- *   i = lane, lane + 32, ...; sum of squares over the head in fp32 (fixed order: lane partials, then
+ * Owns: kern_cuda_qk_post_launch. Block (token, group of heads), a warp per head of the
+ *   concatenated list [q heads, k heads] at a time: the lane holds the rotate-half pairs
+ *   (i, i + hd/2) for i = lane, lane + 32, ...; sum of squares over the head in fp32 (fixed order: lane partials, then
  *   a butterfly), x = w * (x * inv), RoPE with the angle formed as kern_cuda_rope.cu forms it
  *   (fp32 inv_freq, double angle and sincos), written back in place; a k-head warp also stores
  *   its k and v head into the paged cache at slot[t] (negative slot: skipped). Each token is
@@ -12,55 +12,66 @@
 
 #define QK_WARPS 8
 #define QK_MAX_PAIRS 8          /* head_dim up to 2 * 32 * 8 = 512 */
+#define QK_WIDE_MIN_TOK 64      /* from this many tokens a block takes every head of its token */
 
+/* Block (token, group of heads_per_block heads); its warps walk the group's heads. The RoPE
+ * angles of the token are formed once per block into shared memory: they depend on the
+ * position and the pair only, and each costs a double pow and sincos (forming them per head
+ * made this op ~5x its bytes at an 8k prefill). */
 __global__ void __launch_bounds__(QK_WARPS * 32)
-qk_post_kernel(kern_qk_post_args a, int rnd)
+qk_post_kernel(kern_qk_post_args a, int heads_per_block, int rnd)
 {
+    __shared__ float cs_s[QK_MAX_PAIRS * 32], sn_s[QK_MAX_PAIRS * 32];
     const int lane = threadIdx.x & 31;
-    const int head = blockIdx.y * QK_WARPS + (threadIdx.x >> 5);
     const size_t t = blockIdx.x;
-    if (head >= a.n_heads + a.n_kv_heads)
-        return;
-    const int is_k = head >= a.n_heads;
-    const int h = is_k ? head - a.n_heads : head;
     const int hd = a.head_dim, half = hd / 2;
-    float *x = is_k ? a.k + t * a.ld_kv + (size_t)h * hd : a.q + t * a.ld_q + (size_t)h * hd;
-    const kern_weight *nw = is_k ? &a.k_norm : &a.q_norm;
-    float x1[QK_MAX_PAIRS], x2[QK_MAX_PAIRS];
-    float ss = 0.0f;
-#pragma unroll
-    for (int j = 0; j < QK_MAX_PAIRS; j++) {
-        int i = lane + 32 * j;
-        x1[j] = i < half ? x[i] : 0.0f;
-        x2[j] = i < half ? x[i + half] : 0.0f;
-        ss += x1[j] * x1[j] + x2[j] * x2[j];
-    }
-    ss = kern_cuda_warp_sum(ss);
-    const float inv = rsqrtf(ss / (float)hd + a.eps);
-    const int32_t slot = is_k && a.kv.k != NULL ? a.slot[t] : -1;
-    const size_t row = (size_t)a.n_kv_heads * hd;
     const double pos = (double)a.pos[t];
-#pragma unroll
-    for (int j = 0; j < QK_MAX_PAIRS; j++) {
-        int i = lane + 32 * j;
-        if (i >= half)
-            break;
-        float u1 = kern_cuda_rnd(kern_cuda_ld(nw->data, nw->dtype, i) * kern_cuda_rnd(x1[j] * inv, rnd), rnd);
-        float u2 = kern_cuda_rnd(kern_cuda_ld(nw->data, nw->dtype, i + half) * kern_cuda_rnd(x2[j] * inv, rnd), rnd);
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float inv_freq = (float)(1.0 / pow((double)a.theta, (double)(2 * i) / hd));
         double sd, cd;
         sincos(pos * (double)inv_freq, &sd, &cd);
-        float s = (float)sd, c = (float)cd, r1, r2;
-        kern_cuda_rope_pair(u1, u2, c, s, rnd, &r1, &r2);
-        x[i] = r1;
-        x[i + half] = r2;
-        if (slot >= 0) {
-            size_t base = (size_t)slot * row + (size_t)h * hd;
-            const float *v = a.v + t * a.ld_kv + (size_t)h * hd;
-            kern_cuda_st(a.kv.k, a.kv.dtype, base + i, r1);
-            kern_cuda_st(a.kv.k, a.kv.dtype, base + i + half, r2);
-            kern_cuda_st(a.kv.v, a.kv.dtype, base + i, v[i]);
-            kern_cuda_st(a.kv.v, a.kv.dtype, base + i + half, v[i + half]);
+        cs_s[i] = (float)cd;
+        sn_s[i] = (float)sd;
+    }
+    __syncthreads();
+    const int h_end = min(a.n_heads + a.n_kv_heads, (int)(blockIdx.y + 1) * heads_per_block);
+    const int32_t slot = a.kv.k != NULL ? a.slot[t] : -1;
+    const size_t row = (size_t)a.n_kv_heads * hd;
+    for (int head = blockIdx.y * heads_per_block + (threadIdx.x >> 5); head < h_end; head += QK_WARPS) {
+        const int is_k = head >= a.n_heads;
+        const int h = is_k ? head - a.n_heads : head;
+        float *x = is_k ? a.k + t * a.ld_kv + (size_t)h * hd : a.q + t * a.ld_q + (size_t)h * hd;
+        const kern_weight *nw = is_k ? &a.k_norm : &a.q_norm;
+        float x1[QK_MAX_PAIRS], x2[QK_MAX_PAIRS];
+        float ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < QK_MAX_PAIRS; j++) {
+            int i = lane + 32 * j;
+            x1[j] = i < half ? x[i] : 0.0f;
+            x2[j] = i < half ? x[i + half] : 0.0f;
+            ss += x1[j] * x1[j] + x2[j] * x2[j];
+        }
+        ss = kern_cuda_warp_sum(ss);
+        const float inv = rsqrtf(ss / (float)hd + a.eps);
+#pragma unroll
+        for (int j = 0; j < QK_MAX_PAIRS; j++) {
+            int i = lane + 32 * j;
+            if (i >= half)
+                break;
+            float u1 = kern_cuda_rnd(kern_cuda_ld(nw->data, nw->dtype, i) * kern_cuda_rnd(x1[j] * inv, rnd), rnd);
+            float u2 = kern_cuda_rnd(kern_cuda_ld(nw->data, nw->dtype, i + half) * kern_cuda_rnd(x2[j] * inv, rnd), rnd);
+            float r1, r2;
+            kern_cuda_rope_pair(u1, u2, cs_s[i], sn_s[i], rnd, &r1, &r2);
+            x[i] = r1;
+            x[i + half] = r2;
+            if (is_k && slot >= 0) {
+                size_t base = (size_t)slot * row + (size_t)h * hd;
+                const float *v = a.v + t * a.ld_kv + (size_t)h * hd;
+                kern_cuda_st(a.kv.k, a.kv.dtype, base + i, r1);
+                kern_cuda_st(a.kv.k, a.kv.dtype, base + i + half, r2);
+                kern_cuda_st(a.kv.v, a.kv.dtype, base + i, v[i]);
+                kern_cuda_st(a.kv.v, a.kv.dtype, base + i + half, v[i + half]);
+            }
         }
     }
 }
@@ -74,8 +85,12 @@ extern "C" pd_status kern_cuda_qk_post_launch(kern_backend *be, const kern_qk_po
     if (a->head_dim > 2 * 32 * QK_MAX_PAIRS)
         return pd_err_set(err, PD_ERR_UNSUPPORTED, "cuda qk_post: head_dim %d > %d", a->head_dim,
                           2 * 32 * QK_MAX_PAIRS);
-    dim3 grid((unsigned)a->n_tok, (unsigned)((a->n_heads + a->n_kv_heads + QK_WARPS - 1) / QK_WARPS));
-    qk_post_kernel<<<grid, QK_WARPS * 32, 0, c->stream>>>(*a, be->act_bf16);
+    /* few tokens (decode, verify): a block per 8 heads spreads the heads over SMs; many tokens:
+     * a block per token forms its angles once for all heads */
+    int heads = a->n_heads + a->n_kv_heads;
+    int per = a->n_tok >= QK_WIDE_MIN_TOK ? heads : QK_WARPS;
+    dim3 grid((unsigned)a->n_tok, (unsigned)((heads + per - 1) / per));
+    qk_post_kernel<<<grid, QK_WARPS * 32, 0, c->stream>>>(*a, per, be->act_bf16);
     KERN_CUDA_LAUNCH_CHECK(err);
     return PD_OK;
 }
