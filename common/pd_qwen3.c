@@ -286,18 +286,12 @@ pd_status pd_layer_attn_mlp(pd_act *a, const pd_qwen3_config *cfg, const pd_laye
     };
     TRY(kern_linear(be, &op, err));
     TRY(pd_tp_all_reduce(a->tp, a->x, (size_t)n_tok * H, err));
-    kern_linear_args gu = {
+    kern_mlp_args mlp = {
         .x = a->x, .ld_x = H, .m = n_tok, .k = H, .norm = lw->post_norm, .eps = cfg->rms_norm_eps,
-        .n_w = 2, .w = { lw->gate_proj, lw->up_proj }, .y = { a->g }, .ld_y = { a->inter },
-        .epilogue = KERN_LINEAR_SWIGLU,
+        .gate = lw->gate_proj, .up = lw->up_proj, .down = lw->down_proj, .g = a->g,
+        .ld_g = a->inter, .y = a->x, .ld_y = H, .epilogue = res, .tee = a->tap, .ld_tee = a->ld_tap,
     };
-    TRY(kern_linear(be, &gu, err));
-    kern_linear_args dn = {
-        .x = a->g, .ld_x = a->inter, .m = n_tok, .k = a->inter, .n_w = 1, .w = { lw->down_proj },
-        .y = { a->x }, .ld_y = { H }, .epilogue = res,
-        .tee = a->tap, .ld_tee = a->ld_tap,
-    };
-    TRY(kern_linear(be, &dn, err));
+    TRY(kern_mlp(be, &mlp, err));
     return pd_tp_all_reduce(a->tp, a->x, (size_t)n_tok * H, err);
 }
 

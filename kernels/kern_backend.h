@@ -15,6 +15,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "pd_status.h"
 
@@ -213,6 +214,31 @@ typedef struct {
     int ld_tee;
 } kern_linear_args;
 
+/* The SwiGLU MLP of a decoder block in one op: g = silu(x' Wg^T) * (x' Wu^T) over x' =
+ * rmsnorm(x) * norm (norm nullable) as kern_linear's SWIGLU, then y = g Wd^T (STORE) or
+ * y += g Wd^T (ACCUMULATE), tee as kern_linear's. Equal to those two kern_linear calls (which
+ * kern_mlp_split forms); one op so a backend may keep g in its own form between them (the CUDA
+ * prefill path keeps it in packed bf16 and never writes g). y may be x (the residual stream:
+ * all of x is read before y is written); g must alias neither. After the call g holds the
+ * SwiGLU output or is undefined. */
+typedef struct {
+    const float *x;          /* [m, ld_x] */
+    int ld_x;
+    int m;
+    int k;                   /* hidden size: x's width and y's */
+    kern_weight norm;        /* nullable data, [k] */
+    float eps;
+    kern_weight gate, up;    /* [n, k] */
+    kern_weight down;        /* [k, n] */
+    float *g;                /* [m, ld_g] scratch (see above) */
+    int ld_g;
+    float *y;                /* [m, ld_y] */
+    int ld_y;
+    kern_linear_epilogue epilogue;   /* STORE or ACCUMULATE */
+    float *tee;              /* nullable, [m, ld_tee] */
+    int ld_tee;
+} kern_mlp_args;
+
 /* Qwen3 q/k post-processing of a QKV projection, per token t:
  *   every q head and k head: x = norm_w * rmsnorm(x) over head_dim (q_norm / k_norm, eps), then
  *   rotate-half RoPE at pos[t] (theta), both written back in place (q [n_tok, ld_q] stays the
@@ -397,6 +423,7 @@ struct kern_backend_ops {
     pd_status (*argmax)(kern_backend *be, const kern_argmax_args *a, pd_err *err);
     pd_status (*linear)(kern_backend *be, const kern_linear_args *a, pd_err *err);
     pd_status (*qk_post)(kern_backend *be, const kern_qk_post_args *a, pd_err *err);
+    pd_status (*mlp)(kern_backend *be, const kern_mlp_args *a, pd_err *err);
     pd_status (*markov_step)(kern_backend *be, const kern_markov_step_args *a, pd_err *err);
     pd_status (*markov_chain)(kern_backend *be, const kern_markov_chain_args *a, pd_err *err);
     pd_status (*probs)(kern_backend *be, const kern_probs_args *a, pd_err *err);
@@ -485,6 +512,39 @@ pd_status kern_attn(kern_backend *be, const kern_attn_args *a, pd_err *err);
 pd_status kern_argmax(kern_backend *be, const kern_argmax_args *a, pd_err *err);
 pd_status kern_linear(kern_backend *be, const kern_linear_args *a, pd_err *err);
 pd_status kern_qk_post(kern_backend *be, const kern_qk_post_args *a, pd_err *err);
+pd_status kern_mlp(kern_backend *be, const kern_mlp_args *a, pd_err *err);
+
+/* The two kern_linear calls kern_mlp equals: gate/up SWIGLU into g, then down from g into y.
+ * Inline: the backends below kern_ops.c use it too. */
+static inline void kern_mlp_split(const kern_mlp_args *a, kern_linear_args *gate_up,
+                                  kern_linear_args *down)
+{
+    memset(gate_up, 0, sizeof(*gate_up));
+    gate_up->x = a->x;
+    gate_up->ld_x = a->ld_x;
+    gate_up->m = a->m;
+    gate_up->k = a->k;
+    gate_up->norm = a->norm;
+    gate_up->eps = a->eps;
+    gate_up->n_w = 2;
+    gate_up->w[0] = a->gate;
+    gate_up->w[1] = a->up;
+    gate_up->y[0] = a->g;
+    gate_up->ld_y[0] = a->ld_g;
+    gate_up->epilogue = KERN_LINEAR_SWIGLU;
+    memset(down, 0, sizeof(*down));
+    down->x = a->g;
+    down->ld_x = a->ld_g;
+    down->m = a->m;
+    down->k = (int)a->gate.rows;
+    down->n_w = 1;
+    down->w[0] = a->down;
+    down->y[0] = a->y;
+    down->ld_y[0] = a->ld_y;
+    down->epilogue = a->epilogue;
+    down->tee = a->tee;
+    down->ld_tee = a->ld_tee;
+}
 pd_status kern_markov_step(kern_backend *be, const kern_markov_step_args *a, pd_err *err);
 pd_status kern_markov_chain(kern_backend *be, const kern_markov_chain_args *a, pd_err *err);
 /* Floats of scratch kern_markov_chain needs for these shapes and head (0 for vanilla). */

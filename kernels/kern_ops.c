@@ -240,10 +240,8 @@ pd_status kern_argmax(kern_backend *be, const kern_argmax_args *a, pd_err *err)
     return be->ops->argmax(be, a, err);
 }
 
-pd_status kern_linear(kern_backend *be, const kern_linear_args *a, pd_err *err)
+static pd_status linear_check(const kern_linear_args *a, pd_err *err)
 {
-    if (a->m == 0)
-        return PD_OK;
     CHECK(a->m > 0 && a->k > 0, "linear: m %d k %d", a->m, a->k);
     CHECK(a->x != NULL && a->ld_x >= a->k, "linear: NULL x or ld_x %d < k %d", a->ld_x, a->k);
     CHECK(a->n_w >= 1 && a->n_w <= KERN_LINEAR_MAX_W, "linear: %d weights", a->n_w);
@@ -280,7 +278,33 @@ pd_status kern_linear(kern_backend *be, const kern_linear_args *a, pd_err *err)
         CHECK(a->y[0] != NULL && a->ld_y[0] >= a->w[0].rows && (const float *)a->y[0] != a->x,
               "linear: swiglu y NULL, aliasing x or ld_y %d < n %lld", a->ld_y[0],
               (long long)a->w[0].rows);
-    return be->ops->linear(be, a, err);
+    return PD_OK;
+}
+
+pd_status kern_linear(kern_backend *be, const kern_linear_args *a, pd_err *err)
+{
+    if (a->m == 0)
+        return PD_OK;
+    pd_status st = linear_check(a, err);
+    return st != PD_OK ? st : be->ops->linear(be, a, err);
+}
+
+pd_status kern_mlp(kern_backend *be, const kern_mlp_args *a, pd_err *err)
+{
+    if (a->m == 0)
+        return PD_OK;
+    CHECK(a->epilogue == KERN_LINEAR_STORE || a->epilogue == KERN_LINEAR_ACCUMULATE,
+          "mlp: epilogue %d", (int)a->epilogue);
+    CHECK(a->down.rows == a->k && a->down.cols == a->gate.rows,
+          "mlp: down is [%lld, %lld], want [%d, %lld]", (long long)a->down.rows,
+          (long long)a->down.cols, a->k, (long long)a->gate.rows);
+    CHECK(a->g != NULL && (const float *)a->g != a->x && a->g != a->y, "mlp: g NULL or aliasing x or y");
+    kern_linear_args gu, dn;
+    kern_mlp_split(a, &gu, &dn);
+    pd_status st = linear_check(&gu, err);
+    if (st == PD_OK)
+        st = linear_check(&dn, err);
+    return st != PD_OK ? st : be->ops->mlp(be, a, err);
 }
 
 pd_status kern_qk_post(kern_backend *be, const kern_qk_post_args *a, pd_err *err)

@@ -331,6 +331,7 @@ static pd_status fn_attn(kern_backend *be, const void *a, pd_err *e) { return ke
 static pd_status fn_argmax(kern_backend *be, const void *a, pd_err *e) { return kern_argmax(be, a, e); }
 static pd_status fn_linear(kern_backend *be, const void *a, pd_err *e) { return kern_linear(be, a, e); }
 static pd_status fn_qk_post(kern_backend *be, const void *a, pd_err *e) { return kern_qk_post(be, a, e); }
+static pd_status fn_mlp(kern_backend *be, const void *a, pd_err *e) { return kern_mlp(be, a, e); }
 static pd_status fn_markov_step(kern_backend *be, const void *a, pd_err *e) { return kern_markov_step(be, a, e); }
 static pd_status fn_markov_chain(kern_backend *be, const void *a, pd_err *e) { return kern_markov_chain(be, a, e); }
 
@@ -550,6 +551,63 @@ static double run_linear(run_ctx *x)
                 2.0 * m * k * (wbytes / 2.0 / k));
     free(xin);
     free(g);
+    return e;
+}
+
+/* mlp: m rows of hidden k, intermediate c->n; c->sub = 1 (accumulate into y, else store) | 4
+ * (RMSNorm prologue) | 8 (tee) | 16 (y is x: the residual stream, as a decoder layer calls it).
+ * Checked: y and tee (g is the backend's scratch). */
+static double run_mlp(run_ctx *x)
+{
+    const kcase *c = x->c;
+    int m = c->m, k = c->k, n = c->n, ld_x = k + c->pad, ld_g = n + c->pad, ld_tee = k + 3;
+    int in_place = (c->sub & 16) != 0;
+    float *xin = host_rand((size_t)m * ld_x, -1.0f, 1.0f, 0);
+    float *nw = host_rand((size_t)k, 0.5f, 1.5f, 1);
+    float *wg = host_rand((size_t)n * k, -1.0f, 1.0f, 1), *wu = host_rand((size_t)n * k, -1.0f, 1.0f, 1);
+    float *wd = host_rand((size_t)k * n, -1.0f, 1.0f, 1);
+    kern_mlp_args ac = { .ld_x = ld_x, .m = m, .k = k, .eps = 1e-6f, .ld_g = ld_g,
+                         .epilogue = (c->sub & 1) ? KERN_LINEAR_ACCUMULATE : KERN_LINEAR_STORE };
+    kern_mlp_args ag = ac;
+    side *sd[2] = { x->cpu, x->gpu };
+    kern_mlp_args *av[2] = { &ac, &ag };
+    for (int b = 0; b < 2; b++) {
+        if (c->sub & 4)
+            av[b]->norm = side_weight(sd[b], nw, 1, k);
+        av[b]->gate = side_weight(sd[b], wg, n, k);
+        av[b]->up = side_weight(sd[b], wu, n, k);
+        av[b]->down = side_weight(sd[b], wd, k, n);
+        av[b]->g = side_alloc(sd[b], (size_t)m * ld_g * sizeof(float));
+    }
+    outbuf o = out_make(x->cpu, x->gpu, (size_t)m * ld_x, in_place || (c->sub & 1) ? xin : NULL);
+    for (int b = 0; b < 2; b++) {
+        av[b]->y = b ? o.gpu : o.cpu;
+        av[b]->ld_y = ld_x;
+        av[b]->x = in_place ? av[b]->y : side_bytes(sd[b], xin, (size_t)m * ld_x * sizeof(float));
+    }
+    outbuf ot = {0};
+    if (c->sub & 8) {
+        ot = out_make(x->cpu, x->gpu, (size_t)m * ld_tee, NULL);
+        ac.tee = ot.cpu;
+        ag.tee = ot.gpu;
+        ac.ld_tee = ag.ld_tee = ld_tee;
+    }
+    double ran = run_both(x, fn_mlp, &ac, &ag);
+    double e = ran == 0.0 ? out_check(x->cpu, x->gpu, &o, "y", m, k, ld_x) : 1e30;
+    if (c->sub & 8) {
+        double et = ran == 0.0 ? out_check(x->cpu, x->gpu, &ot, "tee", m, k, ld_tee) : 1e30;
+        if (et > e || et != et)
+            e = et;
+        free(ot.init);
+    }
+    free(o.init);
+    double wbytes = 3.0 * n * k * 2;
+    perf_report(x->gpu->be, fn_mlp, &ag, wbytes + (double)m * k * 8, 2.0 * m * 3.0 * n * k);
+    free(xin);
+    free(nw);
+    free(wg);
+    free(wu);
+    free(wd);
     return e;
 }
 
@@ -1763,7 +1821,7 @@ static const struct {
     {"rope", run_rope}, {"unary", run_unary}, {"binary", run_binary},
     {"copy_rows", run_copy_rows}, {"kv_store", run_kv_store}, {"attn", run_attn},
     {"argmax", run_argmax}, {"convert", run_convert}, {"linear", run_linear},
-    {"qk_post", run_qk_post}, {"markov_step", run_markov_step}, {"markov_chain", run_markov_chain}, {"probs", run_probs},
+    {"qk_post", run_qk_post}, {"mlp", run_mlp}, {"markov_step", run_markov_step}, {"markov_chain", run_markov_chain}, {"probs", run_probs},
     {"sample", run_sample}, {"spec_verify", run_spec_verify},
 };
 
@@ -1823,6 +1881,11 @@ static const kcase cases[] = {
     {"linear", 0, 0, 0, 8, 256, 768, 13, 1, 0, 0, 0, NULL, 1e-2, 0},
     {"linear", 0, 0, 1, 200, 520, 256, 8, 1, 0, 0, 0, NULL, 1e-2, 0},
     /* qk_post: tokens, heads, kv heads, head_dim, page size; sub 1 = store into the cache */
+    {"mlp", 0, 0, 0, 1, 512, 256, 5, 0, 0, 0, 0, NULL, 1e-2, 0},
+    {"mlp", 0, 0, 0, 8, 1000, 520, 4, 0, 0, 0, 0, NULL, 1e-2, 0},
+    {"mlp", 0, 0, 3, 37, 768, 256, 13, 0, 0, 0, 0, NULL, 1e-2, 0},
+    {"mlp", 0, 0, 0, 300, 1536, 512, 21, 0, 0, 0, 0, NULL, 1e-2, 0},
+    {"mlp", 0, 0, 0, 100, 520, 260, 0, 0, 0, 0, 0, NULL, 1e-2, 0},
     {"qk_post", 1, 0, 0, 0, 0, 0, 1, 32, 8, 128, 16, NULL, 1e-5, 0},
     {"qk_post", 9, 0, 3, 0, 0, 0, 1, 16, 4, 64, 16, NULL, 1e-5, 0},
     {"qk_post", 77, 0, 0, 0, 0, 0, 0, 32, 8, 128, 64, NULL, 1e-5, 0},
@@ -1991,6 +2054,10 @@ static void case_name(const kcase *c, char *buf, size_t n)
         snprintf(buf, n, "m %d n %d k %d pad %d w %d %s%s%s", c->m, c->n, c->k, c->pad, c->n_heads,
                  (c->sub & 3) == 0 ? "store" : (c->sub & 3) == 1 ? "acc" : "swiglu",
                  c->sub & 4 ? " norm" : "", c->sub & 8 ? " tee" : "");
+    else if (strcmp(c->op, "mlp") == 0)
+        snprintf(buf, n, "m %d inter %d hidden %d pad %d %s%s%s%s", c->m, c->n, c->k, c->pad,
+                 c->sub & 1 ? "acc" : "store", c->sub & 4 ? " norm" : "", c->sub & 8 ? " tee" : "",
+                 c->sub & 16 ? " in-place" : "");
     else if (strcmp(c->op, "matmul") == 0)
         snprintf(buf, n, "m %d n %d k %d pad %d%s%s%s", c->m, c->n, c->k, c->pad,
                  c->sub & 1 ? " acc" : "", c->sub & 2 ? " bias" : "", c->sub & 4 ? " f32w" : "");
@@ -2281,7 +2348,7 @@ int main(int argc, char **argv)
      * a bf16 value, and the two sides may part by a bf16 step where a value sits on a rounding
      * boundary (tolerance 1e-2). */
     static const char *const rounding_ops[] = { "rmsnorm", "matmul", "rope", "unary", "binary", "attn",
-                                                "linear", "qk_post", "markov_step" };
+                                                "linear", "mlp", "qk_post", "markov_step" };
     int ran = 0;
     for (size_t i = 0; i < 2 * (sizeof(cases) / sizeof(cases[0])); i++) {
         size_t n_cases = sizeof(cases) / sizeof(cases[0]);

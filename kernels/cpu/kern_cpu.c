@@ -446,6 +446,14 @@ out:
 
 /* q/k post-processing by composition: per-head rmsnorm of each token's q and k rows (in place),
  * rope of both, then kv_store. */
+static pd_status cpu_mlp(kern_backend *be, const kern_mlp_args *a, pd_err *err)
+{
+    kern_linear_args gu, dn;
+    kern_mlp_split(a, &gu, &dn);
+    pd_status st = cpu_linear(be, &gu, err);
+    return st != PD_OK ? st : cpu_linear(be, &dn, err);
+}
+
 static pd_status cpu_qk_post(kern_backend *be, const kern_qk_post_args *a, pd_err *err)
 {
     pd_status st = PD_OK;
@@ -680,6 +688,7 @@ static const kern_backend_ops cpu_ops = {
     .argmax = cpu_argmax,
     .linear = cpu_linear,
     .qk_post = cpu_qk_post,
+    .mlp = cpu_mlp,
     .markov_step = cpu_markov_step,
     .markov_chain = cpu_markov_chain,
     .probs = cpu_probs,

@@ -89,6 +89,7 @@ struct attn_params {
     float *part_acc;     /* [n_tok, n_heads, n_split, hd] when n_split > 1 */
     float *part_ml;      /* [n_tok, n_heads, n_split, 2] (m, l) */
     int n_tok, ld_q, ld_out, n_heads, n_kv, group, hb, n_hchunk, page_size, pt_stride, max_kv_len;
+    int ps_shift;        /* log2(page_size) when it is a power of two, else -1 */
     int n_split, chunk;
     int inv_splits;      /* > 0 (batch-invariant mode): a query's chunk comes from its own length */
     int qg, grp0;        /* attn_inv_kernel: tokens per CTA, first token group of this launch */
@@ -96,6 +97,16 @@ struct attn_params {
     float scale;
     int rnd;             /* kern_backend.act_bf16: outputs rounded to bf16 */
 };
+
+/* Cache slot of key j of a sequence with page table pt: shifts for a power-of-two page size
+ * (the tile loaders run this for every row of every key tile; a division by the runtime page
+ * size costs tens of instructions) */
+static __device__ __forceinline__ size_t attn_slot(const attn_params &p, const int32_t *pt, int j)
+{
+    if (p.ps_shift >= 0)
+        return ((size_t)pt[j >> p.ps_shift] << p.ps_shift) + (size_t)(j & (p.page_size - 1));
+    return (size_t)pt[j / p.page_size] * p.page_size + j % p.page_size;
+}
 
 /* Keys per split of a query with len keys in batch-invariant mode: len cut into inv_splits
  * chunks of a multiple of ATT_INV_MIN_CHUNK keys. It depends on the query alone, never on the
@@ -608,7 +619,7 @@ attn_tc_kernel(attn_params p)
                 bool ok = j < ke;
                 size_t off = 0;
                 if (ok) {
-                    size_t slot = (size_t)pt[j / p.page_size] * p.page_size + j % p.page_size;
+                    size_t slot = attn_slot(p, pt, j);
                     off = slot * krow + (size_t)kvh * HD + c * 8;
                 }
                 int so = stage * BN * HD + tc_swz(r, c, HD);
@@ -1370,6 +1381,10 @@ extern "C" pd_status kern_cuda_attn_launch(kern_backend *be, const kern_attn_arg
         p.hb--;
     p.n_hchunk = p.group / p.hb;
     p.page_size = kv->page_size;
+    p.ps_shift = -1;
+    for (int sh = 0; sh < 31; sh++)
+        if (p.page_size == 1 << sh)
+            p.ps_shift = sh;
     p.pt_stride = a->pt_stride;
     p.max_kv_len = a->max_kv_len;
     p.scale = a->scale;

@@ -133,6 +133,21 @@ static inline dim3 kern_cuda_grid_rc(int rows, int cols, unsigned threads)
         for (int c = (int)(blockIdx.x * blockDim.x + threadIdx.x); c < (cols); \
              c += (int)(gridDim.x * blockDim.x))
 
+/* The same, 4 columns per thread (cols % 4 == 0; grid from kern_cuda_grid_rc(rows, cols / 4, ..)):
+ * one 16-byte (F32) or 8-byte (BF16/F16) access per array per step, which the elementwise passes
+ * of a prefill need to come near the copy rate (docs/BENCHMARKS.md). */
+#define KERN_CUDA_FOR_RC4(r, c, rows, cols) \
+    for (int r = (int)blockIdx.y; r < (rows); r += (int)gridDim.y) \
+        for (int c = 4 * (int)(blockIdx.x * blockDim.x + threadIdx.x); c < (cols); \
+             c += 4 * (int)(gridDim.x * blockDim.x))
+
+/* 1 when an array of a [rows, cols] view may be walked by KERN_CUDA_FOR_RC4: cols and the row
+ * stride (elements) multiples of 4, the base 16-byte aligned */
+static inline int kern_cuda_vec4_ok(int cols, const void *p, int ld)
+{
+    return cols % 4 == 0 && ld % 4 == 0 && ((uintptr_t)p & 15) == 0;
+}
+
 /* ---- device helpers ---------------------------------------------------------------------- */
 
 static __device__ __forceinline__ float kern_cuda_ld(const void *p, kern_dtype dt, size_t i)
@@ -153,6 +168,33 @@ static __device__ __forceinline__ void kern_cuda_st(void *p, kern_dtype dt, size
     case KERN_DTYPE_I32: ((int32_t *)p)[i] = (int32_t)f; break;
     default: ((float *)p)[i] = f; break;
     }
+}
+
+/* 4 consecutive values at p as floats, and 4 floats stored at p (BF16/F16 rounded to nearest) */
+static __device__ __forceinline__ float4 kern_cuda_ld4(const float *p) { return *(const float4 *)p; }
+static __device__ __forceinline__ float4 kern_cuda_ld4(const __nv_bfloat16 *p)
+{
+    uint2 u = *(const uint2 *)p;
+    float2 a = __bfloat1622float2(*(const __nv_bfloat162 *)&u.x);
+    float2 b = __bfloat1622float2(*(const __nv_bfloat162 *)&u.y);
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+static __device__ __forceinline__ void kern_cuda_st4(float *p, float4 v) { *(float4 *)p = v; }
+static __device__ __forceinline__ void kern_cuda_st4(__nv_bfloat16 *p, float4 v)
+{
+    __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
+    uint2 u;
+    u.x = *(const unsigned *)&a;
+    u.y = *(const unsigned *)&b;
+    *(uint2 *)p = u;
+}
+static __device__ __forceinline__ void kern_cuda_st4(__half *p, float4 v)
+{
+    __half2 a = __floats2half2_rn(v.x, v.y), b = __floats2half2_rn(v.z, v.w);
+    uint2 u;
+    u.x = *(const unsigned *)&a;
+    u.y = *(const unsigned *)&b;
+    *(uint2 *)p = u;
 }
 
 /* f rounded to bf16 and widened back when rnd (kern_backend.act_bf16), f itself otherwise */
@@ -219,6 +261,7 @@ pd_status kern_cuda_matmul_launch(kern_backend *be, const kern_matmul_args *a, p
 pd_status kern_cuda_argmax_launch(kern_backend *be, const kern_argmax_args *a, pd_err *err);
 pd_status kern_cuda_linear_launch(kern_backend *be, const kern_linear_args *a, pd_err *err);
 pd_status kern_cuda_qk_post_launch(kern_backend *be, const kern_qk_post_args *a, pd_err *err);
+pd_status kern_cuda_mlp_launch(kern_backend *be, const kern_mlp_args *a, pd_err *err);
 pd_status kern_cuda_markov_step_launch(kern_backend *be, const kern_markov_step_args *a, pd_err *err);
 pd_status kern_cuda_markov_chain_launch(kern_backend *be, const kern_markov_chain_args *a, pd_err *err);
 pd_status kern_cuda_probs_launch(kern_backend *be, const kern_probs_args *a, pd_err *err);

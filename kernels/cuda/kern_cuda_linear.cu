@@ -1,7 +1,8 @@
 /* kern_cuda_linear.cu - the skinny tensor-core GEMM for few rows (decode steps, verify and draft
  *   blocks) and the fused linear op built on it.
- * Owns: kern_cuda_linear_launch (op linear), kern_cuda_skinny_fits / kern_cuda_skinny_launch (also
- *   used by kern_cuda_matmul_launch).
+ * Owns: kern_cuda_linear_launch (op linear), kern_cuda_mlp_launch (op mlp), kern_cuda_skinny_fits /
+ *   kern_cuda_skinny_launch (also used by kern_cuda_matmul_launch); many rows go through the
+ *   cuBLAS path of kern_cuda_matmul.cu (linear_unfused below).
  *   skinny_kernel: y[M, N] = x'[M, K] @ W[N, K]^T with mma.sync m16n8k16 (bf16 in, fp32
  *   accumulate). W is the A operand: a CTA owns 16 output features; x is the B operand: 8 rows
  *   (tokens) per n8 tile, NT tiles per 8 * NT-row chunk (grid.y walks the chunks), and every W
@@ -477,14 +478,57 @@ extern "C" pd_status kern_cuda_skinny_launch(kern_cuda_ctx *c, const kern_linear
 
 /* y = swiglu(gate, up) from the two products of the cuBLAS path, [m, n] each with row stride n
  * (bf16 when the backend rounds activations: cuBLAS stored them rounded) */
-template <typename T>
-__global__ void swiglu_out_kernel(const T *g, const T *u, int m, int n, float *y, int ld_y, int rnd)
+template <typename T, typename O, int V>
+__global__ void swiglu_out_kernel(const T *g, const T *u, int m, int n, O *y, int ld_y, int rnd)
 {
-    const kern_dtype dt = sizeof(T) == 2 ? KERN_DTYPE_BF16 : KERN_DTYPE_F32;
-    KERN_CUDA_FOR_RC(r, c, m, n) {
-        size_t i = (size_t)r * n + c;
-        y[(size_t)r * ld_y + c] = kern_cuda_swiglu(kern_cuda_ld(g, dt, i), kern_cuda_ld(u, dt, i), rnd);
+    if (V == 4) {
+        KERN_CUDA_FOR_RC4(r, c, m, n) {
+            size_t i = (size_t)r * n + c;
+            float4 a = kern_cuda_ld4(g + i), b = kern_cuda_ld4(u + i);
+            kern_cuda_st4(y + (size_t)r * ld_y + c,
+                          make_float4(kern_cuda_swiglu(a.x, b.x, rnd), kern_cuda_swiglu(a.y, b.y, rnd),
+                                      kern_cuda_swiglu(a.z, b.z, rnd), kern_cuda_swiglu(a.w, b.w, rnd)));
+        }
+    } else {
+        const kern_dtype dt = sizeof(T) == 2 ? KERN_DTYPE_BF16 : KERN_DTYPE_F32;
+        KERN_CUDA_FOR_RC(r, c, m, n) {
+            size_t i = (size_t)r * n + c;
+            kern_cuda_st(y, sizeof(O) == 2 ? KERN_DTYPE_BF16 : KERN_DTYPE_F32, (size_t)r * ld_y + c,
+                         kern_cuda_swiglu(kern_cuda_ld(g, dt, i), kern_cuda_ld(u, dt, i), rnd));
+        }
     }
+}
+
+/* y [m, n] (row stride ld_y, F32 or, rounded values only, BF16) = SwiGLU of the gate and up
+ * products at gu ([2][m, n], T) */
+template <typename T, typename O>
+static void swiglu_out(cudaStream_t s, const void *gu, int m, int n, O *y, int ld_y, int rnd)
+{
+    const T *g = (const T *)gu, *u = g + (size_t)m * n;
+    if (kern_cuda_vec4_ok(n, y, ld_y) && kern_cuda_vec4_ok(n, g, n) && kern_cuda_vec4_ok(n, u, n))
+        swiglu_out_kernel<T, O, 4><<<kern_cuda_grid_rc(m, n / 4, 256), 256, 0, s>>>(g, u, m, n, y, ld_y, rnd);
+    else
+        swiglu_out_kernel<T, O, 1><<<kern_cuda_grid_rc(m, n, 256), 256, 0, s>>>(g, u, m, n, y, ld_y, rnd);
+}
+
+/* The GEMM operand of the cuBLAS path: x normed (a->norm) and/or packed to the weight dtype at
+ * xs (m * k * 2 bytes; F32 weights: normed rows in fp32, m * k * 4, or x itself) */
+static pd_status operand_x(kern_backend *be, const kern_linear_args *a, void *xs, const void **xp,
+                           int *ld_xp, pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    const kern_dtype wdt = a->w[0].dtype;
+    *xp = a->x;
+    *ld_xp = a->ld_x;
+    if (a->norm.data == NULL && wdt == KERN_DTYPE_F32)
+        return PD_OK;
+    *xp = xs;
+    *ld_xp = a->k;
+    if (a->norm.data == NULL)
+        return kern_cuda_pack_x(c, a->x, a->ld_x, a->m, a->k, wdt, xs, err);
+    kern_rmsnorm_args rn = { .x = a->x, .residual = NULL, .sum_out = NULL, .out = NULL, .w = a->norm,
+                             .rows = a->m, .dim = a->k, .ld_x = a->ld_x, .ld_out = a->k, .eps = a->eps };
+    return kern_cuda_rmsnorm_to(be, &rn, xs, wdt, err);
 }
 
 /* Many rows (prefill, fast mode): x normed and packed to the weight dtype once (one kernel when
@@ -511,21 +555,10 @@ static pd_status linear_unfused(kern_backend *be, const kern_linear_args *a, pd_
     pd_status st = kern_cuda_ws_get(c, kern_cuda_align256(xs) + rest + 256, &ws, err);
     if (st != PD_OK)
         return st;
-    void *xsb = ws, *rb = (char *)ws + kern_cuda_align256(xs);
-    const void *xp = a->x;
-    int ld_xp = a->ld_x;
-    if (a->norm.data != NULL) {
-        kern_rmsnorm_args rn = { .x = a->x, .residual = NULL, .sum_out = NULL, .out = NULL, .w = a->norm,
-                                 .rows = m, .dim = k, .ld_x = a->ld_x, .ld_out = k, .eps = a->eps };
-        st = kern_cuda_rmsnorm_to(be, &rn, xsb, f32 ? KERN_DTYPE_F32 : wdt, err);
-        xp = xsb;
-        ld_xp = k;
-    } else if (!f32) {
-        st = kern_cuda_pack_x(c, a->x, a->ld_x, m, k, wdt, xsb, err);
-        xp = xsb;
-        ld_xp = k;
-    }
-    if (st != PD_OK)
+    void *rb = (char *)ws + kern_cuda_align256(xs);
+    const void *xp = NULL;
+    int ld_xp = 0;
+    if ((st = operand_x(be, a, ws, &xp, &ld_xp, err)) != PD_OK)
         return st;
     for (int i = 0; i < a->n_w; i++) {
         int n = (int)a->w[i].rows;
@@ -542,14 +575,10 @@ static pd_status linear_unfused(kern_backend *be, const kern_linear_args *a, pd_
             return st;
     }
     if (swiglu) {
-        dim3 g = kern_cuda_grid_rc(m, n0, 256);
         if (gu_el == 2)
-            swiglu_out_kernel<__nv_bfloat16><<<g, 256, 0, c->stream>>>(
-                (const __nv_bfloat16 *)rb, (const __nv_bfloat16 *)rb + (size_t)m * n0, m, n0, a->y[0],
-                a->ld_y[0], rnd);
+            swiglu_out<__nv_bfloat16, float>(c->stream, rb, m, n0, a->y[0], a->ld_y[0], rnd);
         else
-            swiglu_out_kernel<float><<<g, 256, 0, c->stream>>>(
-                (const float *)rb, (const float *)rb + (size_t)m * n0, m, n0, a->y[0], a->ld_y[0], rnd);
+            swiglu_out<float, float>(c->stream, rb, m, n0, a->y[0], a->ld_y[0], rnd);
         KERN_CUDA_LAUNCH_CHECK(err);
     }
     if (a->tee != NULL) {
@@ -560,11 +589,61 @@ static pd_status linear_unfused(kern_backend *be, const kern_linear_args *a, pd_
     return PD_OK;
 }
 
+static int uses_skinny(kern_backend *be, const kern_linear_args *a)
+{
+    return kern_cuda_skinny_fits(a) && (be->batch_invariant || a->m <= KERN_CUDA_SKINNY_FAST_MAX_M);
+}
+
 extern "C" pd_status kern_cuda_linear_launch(kern_backend *be, const kern_linear_args *a, pd_err *err)
 {
     if (a->m <= 0)
         return PD_OK;
-    if (kern_cuda_skinny_fits(a) && (be->batch_invariant || a->m <= KERN_CUDA_SKINNY_FAST_MAX_M))
+    if (uses_skinny(be, a))
         return kern_cuda_skinny_launch(kern_cuda_ctx_of(be), a, be->act_bf16, err);
     return linear_unfused(be, a, err);
+}
+
+/* The MLP: few rows (skinny kernels) or no bf16 rounding run the two linears. The cuBLAS path
+ * with bf16 activations keeps the SwiGLU output in packed bf16 scratch (the values a bf16 model
+ * stores, so the down product's operand is exact) and never writes g: an 8k prefill saves the
+ * fp32 g pass and the down product's packing pass, ~1.3 GB per layer (docs/BENCHMARKS.md). */
+extern "C" pd_status kern_cuda_mlp_launch(kern_backend *be, const kern_mlp_args *a, pd_err *err)
+{
+    kern_linear_args gu, dn;
+    kern_mlp_split(a, &gu, &dn);
+    if (a->m <= 0)
+        return PD_OK;
+    if (!be->act_bf16 || a->gate.dtype != KERN_DTYPE_BF16 || a->up.dtype != KERN_DTYPE_BF16 ||
+        a->down.dtype != KERN_DTYPE_BF16 || uses_skinny(be, &gu) || uses_skinny(be, &dn)) {
+        pd_status st = kern_cuda_linear_launch(be, &gu, err);
+        return st != PD_OK ? st : kern_cuda_linear_launch(be, &dn, err);
+    }
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    const int m = a->m, k = a->k, n = (int)a->gate.rows;
+    /* scratch: [x packed] [gate | up products] [SwiGLU packed] [down product] */
+    size_t xs = kern_cuda_align256((size_t)m * k * 2), prod = kern_cuda_align256((size_t)2 * m * n * 2);
+    size_t gp = kern_cuda_align256((size_t)m * n * 2), tmp = kern_cuda_gemm_tmp_bytes(&a->down, m, k, 1);
+    void *ws = NULL;
+    pd_status st = kern_cuda_ws_get(c, xs + prod + gp + tmp + 256, &ws, err);
+    if (st != PD_OK)
+        return st;
+    char *pprod = (char *)ws + xs, *pg = pprod + prod, *ptmp = pg + gp;
+    const void *xp = NULL;
+    int ld_xp = 0;
+    if ((st = operand_x(be, &gu, ws, &xp, &ld_xp, err)) != PD_OK)
+        return st;
+    for (int i = 0; i < 2; i++)
+        if ((st = kern_cuda_cublas_product(c, &gu.w[i], xp, ld_xp, m, n, k, pprod + (size_t)i * m * n * 2,
+                                           KERN_DTYPE_BF16, n, 0.0f, err)) != PD_OK)
+            return st;
+    swiglu_out<__nv_bfloat16, __nv_bfloat16>(c->stream, pprod, m, n, (__nv_bfloat16 *)pg, n, 1);
+    KERN_CUDA_LAUNCH_CHECK(err);
+    if ((st = kern_cuda_gemm_packed(c, &a->down, pg, n, m, k, n, a->y, a->ld_y,
+                                    a->epilogue == KERN_LINEAR_ACCUMULATE, 1, ptmp, err)) != PD_OK)
+        return st;
+    if (a->tee == NULL)
+        return PD_OK;
+    kern_copy_rows_args cp = { .src = a->y, .ld_src = a->ld_y, .idx = NULL, .dst = a->tee,
+                               .ld_dst = a->ld_tee, .rows = m, .cols = k };
+    return kern_cuda_copy_rows_launch(be, &cp, err);
 }

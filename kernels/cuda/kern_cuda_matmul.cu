@@ -26,11 +26,16 @@ __device__ __forceinline__ __nv_bfloat16 cvt<__nv_bfloat16>(float f) { return __
 template <>
 __device__ __forceinline__ __half cvt<__half>(float f) { return __float2half_rn(f); }
 
-template <typename T>
+template <typename T, int V>
 __global__ void pack_x_kernel(const float *x, int ld_x, T *xb, int m, int k)
 {
-    KERN_CUDA_FOR_RC(r, c, m, k)
-        xb[(size_t)r * k + c] = cvt<T>(x[(size_t)r * ld_x + c]);
+    if (V == 4) {
+        KERN_CUDA_FOR_RC4(r, c, m, k)
+            kern_cuda_st4(xb + (size_t)r * k + c, kern_cuda_ld4(x + (size_t)r * ld_x + c));
+    } else {
+        KERN_CUDA_FOR_RC(r, c, m, k)
+            xb[(size_t)r * k + c] = cvt<T>(x[(size_t)r * ld_x + c]);
+    }
 }
 
 __global__ void bias_add_kernel(float *y, int ld_y, const void *bias, kern_dtype bdt, int m, int n, int rnd)
@@ -45,25 +50,48 @@ __global__ void bias_add_kernel(float *y, int ld_y, const void *bias, kern_dtype
 
 /* The rounded product p (bf16 from cuBLAS, or fp32 from an F32-weight product) into y: y = rb(p),
  * or y = rb(y + rb(p)) with accumulate */
-template <typename T>
+static __device__ __forceinline__ float product_out(float y, float p, int accumulate)
+{
+    p = kern_cuda_rnd(p, 1);
+    return accumulate ? kern_cuda_rnd(y + p, 1) : p;
+}
+
+template <typename T, int V>
 __global__ void product_out_kernel(float *y, int ld_y, const T *p, int m, int n, int accumulate)
 {
-    KERN_CUDA_FOR_RC(r, c, m, n) {
-        float v = kern_cuda_rnd(kern_cuda_ld(p, sizeof(T) == 2 ? KERN_DTYPE_BF16 : KERN_DTYPE_F32,
-                                             (size_t)r * n + c), 1);
-        float *yp = y + (size_t)r * ld_y + c;
-        *yp = accumulate ? kern_cuda_rnd(*yp + v, 1) : v;
+    if (V == 4) {
+        KERN_CUDA_FOR_RC4(r, c, m, n) {
+            float *yp = y + (size_t)r * ld_y + c;
+            float4 v = kern_cuda_ld4(p + (size_t)r * n + c);
+            float4 o = accumulate ? *(const float4 *)yp : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            *(float4 *)yp = make_float4(product_out(o.x, v.x, accumulate), product_out(o.y, v.y, accumulate),
+                                        product_out(o.z, v.z, accumulate), product_out(o.w, v.w, accumulate));
+        }
+    } else {
+        KERN_CUDA_FOR_RC(r, c, m, n) {
+            float *yp = y + (size_t)r * ld_y + c;
+            float v = kern_cuda_ld(p, sizeof(T) == 2 ? KERN_DTYPE_BF16 : KERN_DTYPE_F32, (size_t)r * n + c);
+            *yp = product_out(accumulate ? *yp : 0.0f, v, accumulate);
+        }
     }
 }
 
 extern "C" pd_status kern_cuda_pack_x(kern_cuda_ctx *c, const float *x, int ld_x, int m, int k,
                                       kern_dtype dtype, void *xb, pd_err *err)
 {
-    dim3 g = kern_cuda_grid_rc(m, k, MM_THREADS);
-    if (dtype == KERN_DTYPE_BF16)
-        pack_x_kernel<__nv_bfloat16><<<g, MM_THREADS, 0, c->stream>>>(x, ld_x, (__nv_bfloat16 *)xb, m, k);
-    else
-        pack_x_kernel<__half><<<g, MM_THREADS, 0, c->stream>>>(x, ld_x, (__half *)xb, m, k);
+    if (kern_cuda_vec4_ok(k, x, ld_x) && kern_cuda_vec4_ok(k, xb, k)) {
+        dim3 g = kern_cuda_grid_rc(m, k / 4, MM_THREADS);
+        if (dtype == KERN_DTYPE_BF16)
+            pack_x_kernel<__nv_bfloat16, 4><<<g, MM_THREADS, 0, c->stream>>>(x, ld_x, (__nv_bfloat16 *)xb, m, k);
+        else
+            pack_x_kernel<__half, 4><<<g, MM_THREADS, 0, c->stream>>>(x, ld_x, (__half *)xb, m, k);
+    } else {
+        dim3 g = kern_cuda_grid_rc(m, k, MM_THREADS);
+        if (dtype == KERN_DTYPE_BF16)
+            pack_x_kernel<__nv_bfloat16, 1><<<g, MM_THREADS, 0, c->stream>>>(x, ld_x, (__nv_bfloat16 *)xb, m, k);
+        else
+            pack_x_kernel<__half, 1><<<g, MM_THREADS, 0, c->stream>>>(x, ld_x, (__half *)xb, m, k);
+    }
     KERN_CUDA_LAUNCH_CHECK(err);
     return PD_OK;
 }
@@ -106,13 +134,23 @@ extern "C" pd_status kern_cuda_gemm_packed(kern_cuda_ctx *c, const kern_weight *
                                             f32 ? KERN_DTYPE_F32 : KERN_DTYPE_BF16, n, 0.0f, err);
     if (st != PD_OK)
         return st;
-    dim3 g = kern_cuda_grid_rc(m, n, MM_THREADS);
-    if (f32)
-        product_out_kernel<float><<<g, MM_THREADS, 0, c->stream>>>(y, ld_y, (const float *)tmp, m, n,
-                                                                    accumulate);
-    else
-        product_out_kernel<__nv_bfloat16><<<g, MM_THREADS, 0, c->stream>>>(
-            y, ld_y, (const __nv_bfloat16 *)tmp, m, n, accumulate);
+    if (kern_cuda_vec4_ok(n, y, ld_y) && kern_cuda_vec4_ok(n, tmp, n)) {
+        dim3 g = kern_cuda_grid_rc(m, n / 4, MM_THREADS);
+        if (f32)
+            product_out_kernel<float, 4><<<g, MM_THREADS, 0, c->stream>>>(y, ld_y, (const float *)tmp,
+                                                                           m, n, accumulate);
+        else
+            product_out_kernel<__nv_bfloat16, 4><<<g, MM_THREADS, 0, c->stream>>>(
+                y, ld_y, (const __nv_bfloat16 *)tmp, m, n, accumulate);
+    } else {
+        dim3 g = kern_cuda_grid_rc(m, n, MM_THREADS);
+        if (f32)
+            product_out_kernel<float, 1><<<g, MM_THREADS, 0, c->stream>>>(y, ld_y, (const float *)tmp,
+                                                                           m, n, accumulate);
+        else
+            product_out_kernel<__nv_bfloat16, 1><<<g, MM_THREADS, 0, c->stream>>>(
+                y, ld_y, (const __nv_bfloat16 *)tmp, m, n, accumulate);
+    }
     KERN_CUDA_LAUNCH_CHECK(err);
     return PD_OK;
 }

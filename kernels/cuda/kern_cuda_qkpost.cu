@@ -14,17 +14,40 @@
 #define QK_MAX_PAIRS 8          /* head_dim up to 2 * 32 * 8 = 512 */
 #define QK_WIDE_MIN_TOK 64      /* from this many tokens a block takes every head of its token */
 
-/* Block (token, group of heads_per_block heads); its warps walk the group's heads. The RoPE
- * angles of the token are formed once per block into shared memory: they depend on the
- * position and the pair only, and each costs a double pow and sincos (forming them per head
- * made this op ~5x its bytes at an 8k prefill). */
-__global__ void __launch_bounds__(QK_WARPS * 32)
+/* The rotate-half pairs (i, i + half) of one head for i = lane + 32 j, zero past half */
+template <int NP>
+static __device__ __forceinline__ void load_head(const float *x, int n_half, int lane, float *x1, float *x2)
+{
+#pragma unroll
+    for (int j = 0; j < NP; j++) {
+        int i = lane + 32 * j;
+        x1[j] = i < n_half ? x[i] : 0.0f;
+        x2[j] = i < n_half ? x[i + n_half] : 0.0f;
+    }
+}
+
+/* Block (token, group of heads_per_block heads); its warps walk the group's heads, each loading
+ * its next head while it finishes the current one. The RoPE angles of the token are formed once
+ * per block into shared memory, after the first loads are issued: they depend on the position
+ * and the pair only, and each costs a double pow and sincos (forming them per head made this op
+ * ~5x its bytes at an 8k prefill). */
+template <int NP>   /* pairs per lane: head_dim <= 64 NP */
+__global__ void __launch_bounds__(QK_WARPS * 32, 6)
 qk_post_kernel(kern_qk_post_args a, int heads_per_block, int rnd)
 {
     __shared__ float cs_s[QK_MAX_PAIRS * 32], sn_s[QK_MAX_PAIRS * 32];
     const int lane = threadIdx.x & 31;
     const size_t t = blockIdx.x;
     const int hd = a.head_dim, half = hd / 2;
+    const int h_end = min(a.n_heads + a.n_kv_heads, (int)(blockIdx.y + 1) * heads_per_block);
+    auto head_ptr = [&](int head) -> float * {
+        return head >= a.n_heads ? a.k + t * a.ld_kv + (size_t)(head - a.n_heads) * hd
+                                 : a.q + t * a.ld_q + (size_t)head * hd;
+    };
+    int head = blockIdx.y * heads_per_block + (threadIdx.x >> 5);
+    float x1[NP], x2[NP];
+    if (head < h_end)
+        load_head<NP>(head_ptr(head), half, lane, x1, x2);
     const double pos = (double)a.pos[t];
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float inv_freq = (float)(1.0 / pow((double)a.theta, (double)(2 * i) / hd));
@@ -34,32 +57,34 @@ qk_post_kernel(kern_qk_post_args a, int heads_per_block, int rnd)
         sn_s[i] = (float)sd;
     }
     __syncthreads();
-    const int h_end = min(a.n_heads + a.n_kv_heads, (int)(blockIdx.y + 1) * heads_per_block);
     const int32_t slot = a.kv.k != NULL ? a.slot[t] : -1;
     const size_t row = (size_t)a.n_kv_heads * hd;
-    for (int head = blockIdx.y * heads_per_block + (threadIdx.x >> 5); head < h_end; head += QK_WARPS) {
+    for (; head < h_end; head += QK_WARPS) {
         const int is_k = head >= a.n_heads;
         const int h = is_k ? head - a.n_heads : head;
-        float *x = is_k ? a.k + t * a.ld_kv + (size_t)h * hd : a.q + t * a.ld_q + (size_t)h * hd;
+        float *x = head_ptr(head);
         const kern_weight *nw = is_k ? &a.k_norm : &a.q_norm;
-        float x1[QK_MAX_PAIRS], x2[QK_MAX_PAIRS];
+        float y1[NP], y2[NP];
+#pragma unroll
+        for (int j = 0; j < NP; j++) {
+            y1[j] = x1[j];
+            y2[j] = x2[j];
+        }
+        if (head + QK_WARPS < h_end)
+            load_head<NP>(head_ptr(head + QK_WARPS), half, lane, x1, x2);
         float ss = 0.0f;
 #pragma unroll
-        for (int j = 0; j < QK_MAX_PAIRS; j++) {
-            int i = lane + 32 * j;
-            x1[j] = i < half ? x[i] : 0.0f;
-            x2[j] = i < half ? x[i + half] : 0.0f;
-            ss += x1[j] * x1[j] + x2[j] * x2[j];
-        }
+        for (int j = 0; j < NP; j++)
+            ss += y1[j] * y1[j] + y2[j] * y2[j];
         ss = kern_cuda_warp_sum(ss);
         const float inv = rsqrtf(ss / (float)hd + a.eps);
 #pragma unroll
-        for (int j = 0; j < QK_MAX_PAIRS; j++) {
+        for (int j = 0; j < NP; j++) {
             int i = lane + 32 * j;
             if (i >= half)
                 break;
-            float u1 = kern_cuda_rnd(kern_cuda_ld(nw->data, nw->dtype, i) * kern_cuda_rnd(x1[j] * inv, rnd), rnd);
-            float u2 = kern_cuda_rnd(kern_cuda_ld(nw->data, nw->dtype, i + half) * kern_cuda_rnd(x2[j] * inv, rnd), rnd);
+            float u1 = kern_cuda_rnd(kern_cuda_ld(nw->data, nw->dtype, i) * kern_cuda_rnd(y1[j] * inv, rnd), rnd);
+            float u2 = kern_cuda_rnd(kern_cuda_ld(nw->data, nw->dtype, i + half) * kern_cuda_rnd(y2[j] * inv, rnd), rnd);
             float r1, r2;
             kern_cuda_rope_pair(u1, u2, cs_s[i], sn_s[i], rnd, &r1, &r2);
             x[i] = r1;
@@ -90,7 +115,15 @@ extern "C" pd_status kern_cuda_qk_post_launch(kern_backend *be, const kern_qk_po
     int heads = a->n_heads + a->n_kv_heads;
     int per = a->n_tok >= QK_WIDE_MIN_TOK ? heads : QK_WARPS;
     dim3 grid((unsigned)a->n_tok, (unsigned)((heads + per - 1) / per));
-    qk_post_kernel<<<grid, QK_WARPS * 32, 0, c->stream>>>(*a, per, be->act_bf16);
+    int np = (a->head_dim / 2 + 31) / 32;
+    if (np <= 1)
+        qk_post_kernel<1><<<grid, QK_WARPS * 32, 0, c->stream>>>(*a, per, be->act_bf16);
+    else if (np <= 2)
+        qk_post_kernel<2><<<grid, QK_WARPS * 32, 0, c->stream>>>(*a, per, be->act_bf16);
+    else if (np <= 4)
+        qk_post_kernel<4><<<grid, QK_WARPS * 32, 0, c->stream>>>(*a, per, be->act_bf16);
+    else
+        qk_post_kernel<QK_MAX_PAIRS><<<grid, QK_WARPS * 32, 0, c->stream>>>(*a, per, be->act_bf16);
     KERN_CUDA_LAUNCH_CHECK(err);
     return PD_OK;
 }
