@@ -488,20 +488,21 @@ static __device__ __forceinline__ float tc_ex2(float x)
  * in registers for the whole CTA; MT 2 reads them from shared memory at every k-step instead
  * (registers go to the second tile's accumulators) and reuses each K/V fragment for both
  * tiles, halving the shared-memory reads per mma. */
-template <int HD, int MT, int BN>
+template <int HD, int MT, int BN, int SUB>
 __global__ void __launch_bounds__(TC_THREADS, 2)
 attn_tc_kernel(attn_params p)
 {
     constexpr int BM = TC_WARPS * 16 * MT;
     constexpr int CH = HD / 8;        /* 16-byte chunks per row */
     constexpr int KD = HD / 16;       /* k-steps over head_dim in Q K^T */
-    constexpr int NS = BN / 8;        /* score n-tiles per m-tile */
+    constexpr int NS = SUB / 8;       /* score n-tiles per m-tile (one sub-tile of keys) */
     constexpr int ND = HD / 8;        /* output n-tiles per m-tile */
     constexpr int RPL = BM / 32;      /* rows per lane when warp 0 scans the tile */
     constexpr bool QREG = MT == 1;
     constexpr int LD_ITERS = BN * CH / TC_THREADS;
     static_assert(BN * CH % TC_THREADS == 0 && TC_THREADS % CH == 0, "tile load split");
     static_assert(TC_BN % BN == 0, "split chunks (multiples of TC_BN) must hold whole key tiles");
+    static_assert(BN % SUB == 0 && SUB % 16 == 0, "a loaded tile is computed in whole sub-tiles");
     extern __shared__ __align__(128) unsigned char tc_smem[];
     __nv_bfloat16 *q_s = (__nv_bfloat16 *)tc_smem;   /* [BM][HD] */
     __nv_bfloat16 *k_s = q_s + BM * HD;               /* [2][BN][HD] */
@@ -639,104 +640,112 @@ attn_tc_kernel(attn_params p)
             tc_cp_wait<1>();   /* everything but the group just committed: tile j0 is here */
             __syncthreads();
             const __nv_bfloat16 *ks = k_s + st * BN * HD, *vs = v_s + st * BN * HD;
+            /* SUB keys at a time: the registers of a SUB-key score tile, one wait and barrier
+             * per BN keys */
+#pragma unroll 1
+            for (int sb = 0; sb < BN / SUB; sb++) {
+                const int js = j0 + sb * SUB, ro = sb * SUB;   /* first key, its row in the tile */
+                if (js >= ke)
+                    break;
 
-            float s[MT][NS][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                for (int n = 0; n < NS; n++)
-                    s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.0f;
-#pragma unroll
-            for (int kk = 0; kk < KD; kk++) {
-                unsigned a[MT][4];
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    if (QREG) {
-#pragma unroll
-                        for (int e = 0; e < 4; e++)
-                            a[mt][e] = qf[QREG ? kk : 0][e];
-                    } else {
-                        tc_ldsm_x4(a[mt], &q_s[tc_swz(wrow + 16 * mt + (lane & 15),
-                                                      kk * 2 + (lane >> 4), HD)]);
-                    }
-                }
-#pragma unroll
-                for (int np = 0; np < NS / 2; np++) {
-                    unsigned b[4];
-                    int key = np * 16 + ((lane >> 4) << 3) + (lane & 7);
-                    tc_ldsm_x4(b, &ks[tc_swz(key, kk * 2 + ((lane >> 3) & 1), HD)]);
-#pragma unroll
-                    for (int mt = 0; mt < MT; mt++) {
-                        tc_mma(s[mt][2 * np], a[mt], b[0], b[1]);
-                        tc_mma(s[mt][2 * np + 1], a[mt], b[2], b[3]);
-                    }
-                }
-            }
-
-            /* mask keys at or past each row's kv_len (only tiles that reach some row's end) */
-            if (j0 + BN > lim_lo) {
+                float s[MT][NS][4];
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-                    for (int n = 0; n < NS; n++) {
-                        int j = j0 + n * 8 + 2 * qc;
-#pragma unroll
-                        for (int e = 0; e < 4; e++)
-                            if (j + (e & 1) >= lim[mt][e >> 1])
-                                s[mt][n][e] = -INFINITY;
-                    }
-            }
-            /* online softmax in base 2 on raw scores: p = 2^(s sl2 - m sl2), one FFMA + EX2 */
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-#pragma unroll
-                for (int hf = 0; hf < 2; hf++) {
-                    float mx = m[mt][hf];
-#pragma unroll
                     for (int n = 0; n < NS; n++)
-                        mx = fmaxf(mx, fmaxf(s[mt][n][2 * hf], s[mt][n][2 * hf + 1]));
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                    /* a row with no key seen yet keeps max -inf: subtract 0 (every p is 0) */
-                    const float base = mx == -INFINITY ? 0.0f : mx * sl2;
-                    const float al = tc_ex2(m[mt][hf] * sl2 - base);
-                    m[mt][hf] = mx;
-                    float ps = 0.0f;
+                        s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.0f;
 #pragma unroll
-                    for (int n = 0; n < NS; n++) {
-                        s[mt][n][2 * hf] = tc_ex2(fmaf(s[mt][n][2 * hf], sl2, -base));
-                        s[mt][n][2 * hf + 1] = tc_ex2(fmaf(s[mt][n][2 * hf + 1], sl2, -base));
-                        ps += s[mt][n][2 * hf] + s[mt][n][2 * hf + 1];
-                    }
-                    l[mt][hf] = l[mt][hf] * al + ps;
-#pragma unroll
-                    for (int n = 0; n < ND; n++) {
-                        acc[mt][n][2 * hf] *= al;
-                        acc[mt][n][2 * hf + 1] *= al;
-                    }
-                }
-            }
-
-            /* O += P V: P's accumulator layout is the A fragment layout of the next mma */
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; kk++) {
-                unsigned a[MT][4];
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    a[mt][0] = tc_pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                    a[mt][1] = tc_pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                    a[mt][2] = tc_pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                    a[mt][3] = tc_pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-                }
-#pragma unroll
-                for (int dp = 0; dp < ND / 2; dp++) {
-                    unsigned b[4];
-                    int key = kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7);
-                    tc_ldsm_x4_t(b, &vs[tc_swz(key, dp * 2 + (lane >> 4), HD)]);
+                for (int kk = 0; kk < KD; kk++) {
+                    unsigned a[MT][4];
 #pragma unroll
                     for (int mt = 0; mt < MT; mt++) {
-                        tc_mma(acc[mt][2 * dp], a[mt], b[0], b[1]);
-                        tc_mma(acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
+                        if (QREG) {
+#pragma unroll
+                            for (int e = 0; e < 4; e++)
+                                a[mt][e] = qf[QREG ? kk : 0][e];
+                        } else {
+                            tc_ldsm_x4(a[mt], &q_s[tc_swz(wrow + 16 * mt + (lane & 15),
+                                                          kk * 2 + (lane >> 4), HD)]);
+                        }
+                    }
+#pragma unroll
+                    for (int np = 0; np < NS / 2; np++) {
+                        unsigned b[4];
+                        int key = ro + np * 16 + ((lane >> 4) << 3) + (lane & 7);
+                        tc_ldsm_x4(b, &ks[tc_swz(key, kk * 2 + ((lane >> 3) & 1), HD)]);
+#pragma unroll
+                        for (int mt = 0; mt < MT; mt++) {
+                            tc_mma(s[mt][2 * np], a[mt], b[0], b[1]);
+                            tc_mma(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+                        }
+                    }
+                }
+
+                /* mask keys at or past each row's kv_len (only tiles that reach some row's end) */
+                if (js + SUB > lim_lo) {
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                        for (int n = 0; n < NS; n++) {
+                            int j = js + n * 8 + 2 * qc;
+#pragma unroll
+                            for (int e = 0; e < 4; e++)
+                                if (j + (e & 1) >= lim[mt][e >> 1])
+                                    s[mt][n][e] = -INFINITY;
+                        }
+                }
+                /* online softmax in base 2 on raw scores: p = 2^(s sl2 - m sl2), one FFMA + EX2 */
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+                    for (int hf = 0; hf < 2; hf++) {
+                        float mx = m[mt][hf];
+#pragma unroll
+                        for (int n = 0; n < NS; n++)
+                            mx = fmaxf(mx, fmaxf(s[mt][n][2 * hf], s[mt][n][2 * hf + 1]));
+                        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                        /* a row with no key seen yet keeps max -inf: subtract 0 (every p is 0) */
+                        const float base = mx == -INFINITY ? 0.0f : mx * sl2;
+                        const float al = tc_ex2(m[mt][hf] * sl2 - base);
+                        m[mt][hf] = mx;
+                        float ps = 0.0f;
+#pragma unroll
+                        for (int n = 0; n < NS; n++) {
+                            s[mt][n][2 * hf] = tc_ex2(fmaf(s[mt][n][2 * hf], sl2, -base));
+                            s[mt][n][2 * hf + 1] = tc_ex2(fmaf(s[mt][n][2 * hf + 1], sl2, -base));
+                            ps += s[mt][n][2 * hf] + s[mt][n][2 * hf + 1];
+                        }
+                        l[mt][hf] = l[mt][hf] * al + ps;
+#pragma unroll
+                        for (int n = 0; n < ND; n++) {
+                            acc[mt][n][2 * hf] *= al;
+                            acc[mt][n][2 * hf + 1] *= al;
+                        }
+                    }
+                }
+
+                /* O += P V: P's accumulator layout is the A fragment layout of the next mma */
+#pragma unroll
+                for (int kk = 0; kk < SUB / 16; kk++) {
+                    unsigned a[MT][4];
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++) {
+                        a[mt][0] = tc_pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                        a[mt][1] = tc_pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                        a[mt][2] = tc_pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                        a[mt][3] = tc_pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                    }
+#pragma unroll
+                    for (int dp = 0; dp < ND / 2; dp++) {
+                        unsigned b[4];
+                        int key = ro + kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7);
+                        tc_ldsm_x4_t(b, &vs[tc_swz(key, dp * 2 + (lane >> 4), HD)]);
+#pragma unroll
+                        for (int mt = 0; mt < MT; mt++) {
+                            tc_mma(acc[mt][2 * dp], a[mt], b[0], b[1]);
+                            tc_mma(acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
+                        }
                     }
                 }
             }
@@ -1214,19 +1223,21 @@ static pd_status attn_run(kern_cuda_ctx *c, attn_params *p, int n_tok, pd_err *e
 template <int HD, int MT>
 static pd_status attn_tc_run(kern_cuda_ctx *c, attn_params *p, pd_err *err)
 {
-    /* 128-row CTAs take 32-key tiles: the second m-tile's accumulators need the registers
-     * that 64-key scores would take (ptxas spills otherwise) */
-    constexpr int BN = MT == 2 ? TC_BN / 2 : TC_BN;
+    /* 128-row CTAs compute 32-key sub-tiles: the second m-tile's accumulators need the
+     * registers that 64-key scores would take (ptxas spills otherwise); they load 32 keys per
+     * stage, or 64 (two sub-tiles per wait and barrier) with PD_ATTN_TC_LOAD=64 */
+    constexpr int SUB = MT == 2 ? TC_BN / 2 : TC_BN;
     const int bm = TC_WARPS * 16 * MT;
-    const size_t smem = (size_t)(bm + 4 * BN) * HD * sizeof(__nv_bfloat16);
+    const int bn = MT == 2 && c->attn_tc_load == 64 ? 64 : SUB;
+    const size_t smem = (size_t)(bm + 4 * bn) * HD * sizeof(__nv_bfloat16);
+    void (*kern)(attn_params) =
+        bn == SUB ? attn_tc_kernel<HD, MT, SUB, SUB> : attn_tc_kernel<HD, MT, TC_BN, SUB>;
     /* set on every launch: the attribute belongs to the current device, and several backends
      * of one process may sit on different devices (a host call, not a stream operation) */
-    PD_CUDA_TRY(cudaFuncSetAttribute(attn_tc_kernel<HD, MT, BN>,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
-                err);
+    PD_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem), err);
     unsigned n_tiles = (unsigned)((p->n_tok + bm - 1) / bm);
     dim3 grid((unsigned)p->n_heads, n_tiles, (unsigned)p->n_split);
-    attn_tc_kernel<HD, MT, BN><<<grid, TC_THREADS, smem, c->stream>>>(*p);
+    kern<<<grid, TC_THREADS, smem, c->stream>>>(*p);
     KERN_CUDA_LAUNCH_CHECK(err);
     if (p->n_split > 1) {
         attn_combine_kernel<<<(unsigned)((size_t)p->n_tok * p->n_heads), HD,
