@@ -199,26 +199,27 @@ static pd_status rmsnorm(kern_backend *be, const float *x, float *out, const ker
     return kern_rmsnorm(be, &r, err);
 }
 
-/* k/v projections of in (2 weights, one launch), then k_norm + RoPE (+ the cache store when
- * kv != NULL) in one qk_post launch */
+/* k/v projections of in (2 weights), then k_norm + RoPE (+ the cache store when kv != NULL):
+ * one qkv op */
 static pd_status layer_kv(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
                           const kern_kv_layer *kv, const float *in, int n_tok, pd_err *err)
 {
-    kern_linear_args li = {
-        .x = in, .ld_x = a->hidden, .m = n_tok, .k = a->hidden, .n_w = 2,
-        .w = { lw->k_proj, lw->v_proj }, .y = { a->k, a->v }, .ld_y = { a->kv_dim, a->kv_dim },
-        .epilogue = KERN_LINEAR_STORE,
-    };
-    TRY(kern_linear(a->be, &li, err));
-    kern_qk_post_args qp = {
-        .k = a->k, .v = a->v, .ld_kv = a->kv_dim, .q_norm = lw->k_norm, .k_norm = lw->k_norm,
-        .eps = cfg->rms_norm_eps, .n_tok = n_tok, .n_heads = 0,
-        .n_kv_heads = cfg->num_key_value_heads, .head_dim = cfg->head_dim, .pos = a->pos,
-        .theta = cfg->rope_theta, .slot = a->slot,
+    kern_qkv_args qkv = {
+        .lin = {
+            .x = in, .ld_x = a->hidden, .m = n_tok, .k = a->hidden, .n_w = 2,
+            .w = { lw->k_proj, lw->v_proj }, .y = { a->k, a->v }, .ld_y = { a->kv_dim, a->kv_dim },
+            .epilogue = KERN_LINEAR_STORE,
+        },
+        .post = {
+            .k = a->k, .v = a->v, .ld_kv = a->kv_dim, .q_norm = lw->k_norm, .k_norm = lw->k_norm,
+            .eps = cfg->rms_norm_eps, .n_tok = n_tok, .n_heads = 0,
+            .n_kv_heads = cfg->num_key_value_heads, .head_dim = cfg->head_dim, .pos = a->pos,
+            .theta = cfg->rope_theta, .slot = a->slot,
+        },
     };
     if (kv != NULL)
-        qp.kv = *kv;
-    return kern_qk_post(a->be, &qp, err);
+        qkv.post.kv = *kv;
+    return kern_qkv(a->be, &qkv, err);
 }
 
 pd_status pd_layer_kv(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
@@ -234,27 +235,28 @@ pd_status pd_layer_store_kv(pd_act *a, const pd_qwen3_config *cfg, const pd_laye
     return layer_kv(a, cfg, lw, &kv, in, n_tok, err);
 }
 
-/* input_norm + q/k/v projections in one linear launch, q/k norm + RoPE (+ the cache store when
- * kv != NULL) in one qk_post launch */
+/* input_norm + q/k/v projections, q/k norm + RoPE (+ the cache store when kv != NULL): one qkv
+ * op */
 static pd_status layer_qkv(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
                            const kern_kv_layer *kv, int n_tok, pd_err *err)
 {
-    kern_linear_args li = {
-        .x = a->x, .ld_x = a->hidden, .m = n_tok, .k = a->hidden, .norm = lw->input_norm,
-        .eps = cfg->rms_norm_eps, .n_w = 3, .w = { lw->q_proj, lw->k_proj, lw->v_proj },
-        .y = { a->q, a->k, a->v }, .ld_y = { a->q_dim, a->kv_dim, a->kv_dim },
-        .epilogue = KERN_LINEAR_STORE,
-    };
-    TRY(kern_linear(a->be, &li, err));
-    kern_qk_post_args qp = {
-        .q = a->q, .ld_q = a->q_dim, .k = a->k, .v = a->v, .ld_kv = a->kv_dim,
-        .q_norm = lw->q_norm, .k_norm = lw->k_norm, .eps = cfg->rms_norm_eps, .n_tok = n_tok,
-        .n_heads = cfg->num_attention_heads, .n_kv_heads = cfg->num_key_value_heads,
-        .head_dim = cfg->head_dim, .pos = a->pos, .theta = cfg->rope_theta, .slot = a->slot,
+    kern_qkv_args qkv = {
+        .lin = {
+            .x = a->x, .ld_x = a->hidden, .m = n_tok, .k = a->hidden, .norm = lw->input_norm,
+            .eps = cfg->rms_norm_eps, .n_w = 3, .w = { lw->q_proj, lw->k_proj, lw->v_proj },
+            .y = { a->q, a->k, a->v }, .ld_y = { a->q_dim, a->kv_dim, a->kv_dim },
+            .epilogue = KERN_LINEAR_STORE,
+        },
+        .post = {
+            .q = a->q, .ld_q = a->q_dim, .k = a->k, .v = a->v, .ld_kv = a->kv_dim,
+            .q_norm = lw->q_norm, .k_norm = lw->k_norm, .eps = cfg->rms_norm_eps, .n_tok = n_tok,
+            .n_heads = cfg->num_attention_heads, .n_kv_heads = cfg->num_key_value_heads,
+            .head_dim = cfg->head_dim, .pos = a->pos, .theta = cfg->rope_theta, .slot = a->slot,
+        },
     };
     if (kv != NULL)
-        qp.kv = *kv;
-    return kern_qk_post(a->be, &qp, err);
+        qkv.post.kv = *kv;
+    return kern_qkv(a->be, &qkv, err);
 }
 
 pd_status pd_layer_qkv(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw, int n_tok,

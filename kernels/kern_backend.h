@@ -265,6 +265,16 @@ typedef struct {
     const int32_t *slot;     /* [n_tok], needed when kv.k != NULL */
 } kern_qk_post_args;
 
+/* The attention input of a decoder block in one op: kern_linear `lin` (STORE, no tee; the
+ * q/k/v weights, or k/v only) then kern_qk_post `post` on its outputs: lin.y[] must be post.q
+ * (when post.n_heads > 0), post.k and post.v in that order, with lin.ld_y[] = ld_q, ld_kv,
+ * ld_kv. Equal to those two calls; one op so a backend may keep the products in its own form
+ * between them (the CUDA prefill path reads them from bf16 scratch and writes q, k and v once). */
+typedef struct {
+    kern_linear_args lin;
+    kern_qk_post_args post;
+} kern_qkv_args;
+
 /* One step of the DSpark Markov head for n rows, with the greedy pick:
  *   step[r, :] = base[rows[r], :] + w2 @ vec[r, :]   (w2 [V, R], vec [n, ld_vec] with R values)
  *   ids[r] = argmax step[r, :] (lowest index wins a tie, as kern_argmax). ids is nullable.
@@ -424,6 +434,7 @@ struct kern_backend_ops {
     pd_status (*linear)(kern_backend *be, const kern_linear_args *a, pd_err *err);
     pd_status (*qk_post)(kern_backend *be, const kern_qk_post_args *a, pd_err *err);
     pd_status (*mlp)(kern_backend *be, const kern_mlp_args *a, pd_err *err);
+    pd_status (*qkv)(kern_backend *be, const kern_qkv_args *a, pd_err *err);
     pd_status (*markov_step)(kern_backend *be, const kern_markov_step_args *a, pd_err *err);
     pd_status (*markov_chain)(kern_backend *be, const kern_markov_chain_args *a, pd_err *err);
     pd_status (*probs)(kern_backend *be, const kern_probs_args *a, pd_err *err);
@@ -513,6 +524,7 @@ pd_status kern_argmax(kern_backend *be, const kern_argmax_args *a, pd_err *err);
 pd_status kern_linear(kern_backend *be, const kern_linear_args *a, pd_err *err);
 pd_status kern_qk_post(kern_backend *be, const kern_qk_post_args *a, pd_err *err);
 pd_status kern_mlp(kern_backend *be, const kern_mlp_args *a, pd_err *err);
+pd_status kern_qkv(kern_backend *be, const kern_qkv_args *a, pd_err *err);
 
 /* The two kern_linear calls kern_mlp equals: gate/up SWIGLU into g, then down from g into y.
  * Inline: the backends below kern_ops.c use it too. */

@@ -307,10 +307,8 @@ pd_status kern_mlp(kern_backend *be, const kern_mlp_args *a, pd_err *err)
     return st != PD_OK ? st : be->ops->mlp(be, a, err);
 }
 
-pd_status kern_qk_post(kern_backend *be, const kern_qk_post_args *a, pd_err *err)
+static pd_status qk_post_check(const kern_qk_post_args *a, pd_err *err)
 {
-    if (a->n_tok == 0)
-        return PD_OK;
     CHECK(a->n_tok > 0 && a->n_heads >= 0 && a->n_kv_heads > 0 && a->head_dim > 0 &&
               a->head_dim % 2 == 0, "qk_post: n_tok %d heads %d/%d head_dim %d", a->n_tok,
           a->n_heads, a->n_kv_heads, a->head_dim);
@@ -332,7 +330,35 @@ pd_status kern_qk_post(kern_backend *be, const kern_qk_post_args *a, pd_err *err
               "qk_post: kv layer %d x %d heads, args %d x %d", a->kv.n_kv_heads, a->kv.head_dim,
               a->n_kv_heads, a->head_dim);
     }
-    return be->ops->qk_post(be, a, err);
+    return PD_OK;
+}
+
+pd_status kern_qk_post(kern_backend *be, const kern_qk_post_args *a, pd_err *err)
+{
+    if (a->n_tok == 0)
+        return PD_OK;
+    pd_status st = qk_post_check(a, err);
+    return st != PD_OK ? st : be->ops->qk_post(be, a, err);
+}
+
+pd_status kern_qkv(kern_backend *be, const kern_qkv_args *a, pd_err *err)
+{
+    const kern_linear_args *l = &a->lin;
+    const kern_qk_post_args *p = &a->post;
+    if (l->m == 0 && p->n_tok == 0)
+        return PD_OK;
+    CHECK(l->m == p->n_tok, "qkv: %d rows, %d tokens", l->m, p->n_tok);
+    CHECK(l->epilogue == KERN_LINEAR_STORE && l->tee == NULL, "qkv: epilogue %d or a tee",
+          (int)l->epilogue);
+    int q = p->n_heads > 0;
+    CHECK(l->n_w == 2 + q, "qkv: %d weights for %d q heads", l->n_w, p->n_heads);
+    CHECK((!q || (l->y[0] == p->q && l->ld_y[0] == p->ld_q)) && l->y[q] == p->k &&
+              (const float *)l->y[q + 1] == p->v && l->ld_y[q] == p->ld_kv && l->ld_y[q + 1] == p->ld_kv,
+          "qkv: the linear's outputs are not qk_post's q, k, v");
+    pd_status st = linear_check(l, err);
+    if (st == PD_OK)
+        st = qk_post_check(p, err);
+    return st != PD_OK ? st : be->ops->qkv(be, a, err);
 }
 
 pd_status kern_markov_step(kern_backend *be, const kern_markov_step_args *a, pd_err *err)

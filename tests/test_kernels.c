@@ -332,6 +332,7 @@ static pd_status fn_argmax(kern_backend *be, const void *a, pd_err *e) { return 
 static pd_status fn_linear(kern_backend *be, const void *a, pd_err *e) { return kern_linear(be, a, e); }
 static pd_status fn_qk_post(kern_backend *be, const void *a, pd_err *e) { return kern_qk_post(be, a, e); }
 static pd_status fn_mlp(kern_backend *be, const void *a, pd_err *e) { return kern_mlp(be, a, e); }
+static pd_status fn_qkv(kern_backend *be, const void *a, pd_err *e) { return kern_qkv(be, a, e); }
 static pd_status fn_markov_step(kern_backend *be, const void *a, pd_err *e) { return kern_markov_step(be, a, e); }
 static pd_status fn_markov_chain(kern_backend *be, const void *a, pd_err *e) { return kern_markov_chain(be, a, e); }
 
@@ -1068,6 +1069,35 @@ static double run_kv_store(run_ctx *x)
 /* qk_post: c->rows tokens, heads/kv heads/head_dim, page size; c->sub = 1: also store into the
  * paged cache (one token gets slot -1). q/k compared by rel L2 against the tolerance; the caches
  * (bf16 on CUDA, f32 on the CPU) by rel L2 over every value against 8e-3. */
+/* The k and v caches of the two sides agree to bf16 storage precision (rel_l2 <= 8e-3) */
+static int cache_same(run_ctx *x, const kern_kv_layer *kc, const kern_kv_layer *kg, size_t cache_n)
+{
+    int same = 1;
+    for (int kvi = 0; kvi < 2; kvi++) {
+        void *rc = side_download(x->cpu, kvi ? kc->v : kc->k, cache_n * kern_dtype_size(kc->dtype));
+        void *rg = side_download(x->gpu, kvi ? kg->v : kg->k, cache_n * kern_dtype_size(kg->dtype));
+        float *fc = malloc(cache_n * sizeof(float)), *fg = malloc(cache_n * sizeof(float));
+        pd_err err;
+        kern_convert_host(fc, KERN_DTYPE_F32, rc, kc->dtype, cache_n, &err);
+        kern_convert_host(fg, KERN_DTYPE_F32, rg, kg->dtype, cache_n, &err);
+        double num = 0.0, den = 0.0;
+        for (size_t i = 0; i < cache_n; i++) {
+            num += ((double)fc[i] - fg[i]) * ((double)fc[i] - fg[i]);
+            den += (double)fc[i] * fc[i];
+        }
+        double ec = sqrt(num / (den > 0 ? den : 1));
+        if (ec > 8e-3) {    /* a bf16 cache holds the values to ~4e-3 relative */
+            printf("      %s cache: rel_l2 %.3e > 8e-3\n", kvi ? "v" : "k", ec);
+            same = 0;
+        }
+        free(rc);
+        free(rg);
+        free(fc);
+        free(fg);
+    }
+    return same;
+}
+
 static double run_qk_post(run_ctx *x)
 {
     const kcase *c = x->c;
@@ -1129,34 +1159,112 @@ static double run_qk_post(run_ctx *x)
     double eq = e == 0.0 ? out_check(x->cpu, x->gpu, &oq, "q", n_tok, ld_q, ld_q) : 1e30;
     double ek = e == 0.0 ? out_check(x->cpu, x->gpu, &ok, "k", n_tok, ld_kv, ld_kv) : 1e30;
     e = eq > ek ? eq : ek;
-    for (int kvi = 0; store && kvi < 2 && e < 1e29; kvi++) {
-        void *rc = side_download(x->cpu, kvi ? ac.kv.v : ac.kv.k, cache_n * kern_dtype_size(ac.kv.dtype));
-        void *rg = side_download(x->gpu, kvi ? ag.kv.v : ag.kv.k, cache_n * kern_dtype_size(ag.kv.dtype));
-        float *fc = malloc(cache_n * sizeof(float)), *fg = malloc(cache_n * sizeof(float));
-        pd_err err;
-        kern_convert_host(fc, KERN_DTYPE_F32, rc, ac.kv.dtype, cache_n, &err);
-        kern_convert_host(fg, KERN_DTYPE_F32, rg, ag.kv.dtype, cache_n, &err);
-        double num = 0.0, den = 0.0;
-        for (size_t i = 0; i < cache_n; i++) {
-            num += ((double)fc[i] - fg[i]) * ((double)fc[i] - fg[i]);
-            den += (double)fc[i] * fc[i];
-        }
-        double ec = sqrt(num / (den > 0 ? den : 1));
-        if (ec > 8e-3) {    /* a bf16 cache holds the values to ~4e-3 relative */
-            printf("      %s cache: rel_l2 %.3e > 8e-3\n", kvi ? "v" : "k", ec);
-            e = 1e30;
-        }
-        free(rc);
-        free(rg);
-        free(fc);
-        free(fg);
-    }
+    if (store && e < 1e29 && !cache_same(x, &ac.kv, &ag.kv, cache_n))
+        e = 1e30;
     perf_report(x->gpu->be, fn_qk_post, &ag, (double)n_tok * (nh + 2 * nkv) * hd * 8, 0);
     free(oq.init);
     free(ok.init);
     free(q);
     free(k);
     free(v);
+    free(qn);
+    free(kn);
+    free(init);
+    free(pos);
+    free(slot);
+    return e;
+}
+
+/* qkv: the fused linear + qk_post of a layer's attention input, m tokens of hidden c->k;
+ * c->n_heads q heads (0: k/v only), c->n_kv kv heads of c->hd; c->sub = 1 (store the cache) |
+ * 4 (RMSNorm prologue). Checked: q, k, v and the cache. */
+static double run_qkv(run_ctx *x)
+{
+    const kcase *c = x->c;
+    int m = c->m, k = c->k, nh = c->n_heads, nkv = c->n_kv, hd = c->hd, ps = c->page_size;
+    int ld_x = k + c->pad, ld_q = nh * hd + c->pad, ld_kv = nkv * hd + c->pad, row = nkv * hd;
+    int nw = nh > 0 ? 3 : 2, n_pages = (m + ps - 1) / ps + 1;
+    size_t cache_n = (size_t)n_pages * ps * row;
+    float *xin = host_rand((size_t)m * ld_x, -1.0f, 1.0f, 0);
+    float *nw_h = host_rand((size_t)k, 0.5f, 1.5f, 1);
+    float *qn = host_rand((size_t)hd, 0.5f, 1.5f, 1), *kn = host_rand((size_t)hd, 0.5f, 1.5f, 1);
+    float *init = host_rand(cache_n, -1.0f, 1.0f, 1);
+    int32_t *pos = malloc((size_t)m * sizeof(int32_t)), *slot = malloc((size_t)m * sizeof(int32_t));
+    for (int i = 0; i < m; i++) {
+        pos[i] = rng_int(8192);
+        slot[i] = i == 1 ? -1 : (int32_t)((i * 7 + 3) % (n_pages * ps));
+    }
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < i; j++)
+            if (slot[i] >= 0 && slot[i] == slot[j])
+                slot[i] = -1;
+    kern_qkv_args ac, ag;
+    memset(&ac, 0, sizeof(ac));
+    ac.lin.ld_x = ld_x;
+    ac.lin.m = m;
+    ac.lin.k = k;
+    ac.lin.eps = 1e-6f;
+    ac.lin.n_w = nw;
+    ac.lin.epilogue = KERN_LINEAR_STORE;
+    ac.post.ld_q = ld_q;
+    ac.post.ld_kv = ld_kv;
+    ac.post.eps = 1e-6f;
+    ac.post.n_tok = m;
+    ac.post.n_heads = nh;
+    ac.post.n_kv_heads = nkv;
+    ac.post.head_dim = hd;
+    ac.post.theta = 1000000.0f;
+    ag = ac;
+    side *sd[2] = { x->cpu, x->gpu };
+    kern_qkv_args *av[2] = { &ac, &ag };
+    outbuf o[3];
+    int rows[3] = { nh * hd, row, row }, lds[3] = { ld_q, ld_kv, ld_kv };
+    for (int i = 3 - nw; i < 3; i++)
+        o[i] = out_make(x->cpu, x->gpu, (size_t)m * lds[i], NULL);
+    for (int i = 3 - nw; i < 3; i++) {
+        float *w = host_rand((size_t)rows[i] * k, -1.0f, 1.0f, 1);
+        for (int b = 0; b < 2; b++) {
+            kern_linear_args *l = &av[b]->lin;
+            l->w[i - (3 - nw)] = side_weight(sd[b], w, rows[i], k);
+            l->y[i - (3 - nw)] = b ? o[i].gpu : o[i].cpu;
+            l->ld_y[i - (3 - nw)] = lds[i];
+        }
+        free(w);
+    }
+    for (int b = 0; b < 2; b++) {
+        kern_qkv_args *a = av[b];
+        a->lin.x = side_bytes(sd[b], xin, (size_t)m * ld_x * sizeof(float));
+        if (c->sub & 4)
+            a->lin.norm = side_weight(sd[b], nw_h, 1, k);
+        a->post.q = nh > 0 ? (b ? o[0].gpu : o[0].cpu) : NULL;
+        a->post.k = b ? o[1].gpu : o[1].cpu;
+        a->post.v = b ? o[2].gpu : o[2].cpu;
+        a->post.q_norm = side_weight(sd[b], qn, 1, hd);
+        a->post.k_norm = side_weight(sd[b], kn, 1, hd);
+        a->post.pos = side_bytes(sd[b], pos, (size_t)m * 4);
+        if (c->sub & 1) {
+            a->post.slot = side_bytes(sd[b], slot, (size_t)m * 4);
+            kern_kv_layer kv = { .page_size = ps, .n_kv_heads = nkv, .head_dim = hd,
+                                 .dtype = sd[b]->be->kv_dtype };
+            kv.k = side_conv(sd[b], init, cache_n, kv.dtype);
+            kv.v = side_conv(sd[b], init, cache_n, kv.dtype);
+            a->post.kv = kv;
+        }
+    }
+    double ran = run_both(x, fn_qkv, &ac, &ag), e = ran;
+    static const char *const names[3] = { "q", "k", "v" };
+    for (int i = 3 - nw; i < 3; i++) {
+        double ei = ran == 0.0 ? out_check(x->cpu, x->gpu, &o[i], names[i], m, rows[i], lds[i]) : 1e30;
+        free(o[i].init);
+        if (ei > e || ei != ei)
+            e = ei;
+    }
+    if ((c->sub & 1) && e < 1e29 && !cache_same(x, &ac.post.kv, &ag.post.kv, cache_n))
+        e = 1e30;
+    double wbytes = ((double)nh * hd + 2.0 * row) * k * 2;
+    perf_report(x->gpu->be, fn_qkv, &ag, wbytes + (double)m * k * 4, 2.0 * m * wbytes / 2.0);
+    free(xin);
+    free(nw_h);
     free(qn);
     free(kn);
     free(init);
@@ -1821,7 +1929,7 @@ static const struct {
     {"rope", run_rope}, {"unary", run_unary}, {"binary", run_binary},
     {"copy_rows", run_copy_rows}, {"kv_store", run_kv_store}, {"attn", run_attn},
     {"argmax", run_argmax}, {"convert", run_convert}, {"linear", run_linear},
-    {"qk_post", run_qk_post}, {"mlp", run_mlp}, {"markov_step", run_markov_step}, {"markov_chain", run_markov_chain}, {"probs", run_probs},
+    {"qk_post", run_qk_post}, {"mlp", run_mlp}, {"qkv", run_qkv}, {"markov_step", run_markov_step}, {"markov_chain", run_markov_chain}, {"probs", run_probs},
     {"sample", run_sample}, {"spec_verify", run_spec_verify},
 };
 
@@ -1886,6 +1994,11 @@ static const kcase cases[] = {
     {"mlp", 0, 0, 3, 37, 768, 256, 13, 0, 0, 0, 0, NULL, 1e-2, 0},
     {"mlp", 0, 0, 0, 300, 1536, 512, 21, 0, 0, 0, 0, NULL, 1e-2, 0},
     {"mlp", 0, 0, 0, 100, 520, 260, 0, 0, 0, 0, 0, NULL, 1e-2, 0},
+    {"qkv", 0, 0, 0, 1, 0, 512, 5, 8, 2, 64, 16, NULL, 1e-2, 0},
+    {"qkv", 0, 0, 0, 8, 0, 256, 1, 4, 2, 128, 16, NULL, 1e-2, 0},
+    {"qkv", 0, 0, 2, 77, 0, 520, 5, 6, 2, 64, 16, NULL, 1e-2, 0},
+    {"qkv", 0, 0, 0, 300, 0, 512, 4, 8, 4, 128, 64, NULL, 1e-2, 0},
+    {"qkv", 0, 0, 0, 65, 0, 256, 1, 0, 2, 128, 16, NULL, 1e-2, 0},
     {"qk_post", 1, 0, 0, 0, 0, 0, 1, 32, 8, 128, 16, NULL, 1e-5, 0},
     {"qk_post", 9, 0, 3, 0, 0, 0, 1, 16, 4, 64, 16, NULL, 1e-5, 0},
     {"qk_post", 77, 0, 0, 0, 0, 0, 0, 32, 8, 128, 64, NULL, 1e-5, 0},
@@ -2054,6 +2167,9 @@ static void case_name(const kcase *c, char *buf, size_t n)
         snprintf(buf, n, "m %d n %d k %d pad %d w %d %s%s%s", c->m, c->n, c->k, c->pad, c->n_heads,
                  (c->sub & 3) == 0 ? "store" : (c->sub & 3) == 1 ? "acc" : "swiglu",
                  c->sub & 4 ? " norm" : "", c->sub & 8 ? " tee" : "");
+    else if (strcmp(c->op, "qkv") == 0)
+        snprintf(buf, n, "m %d hidden %d pad %d heads %d/%d hd %d%s%s", c->m, c->k, c->pad, c->n_heads,
+                 c->n_kv, c->hd, c->sub & 4 ? " norm" : "", c->sub & 1 ? " store" : "");
     else if (strcmp(c->op, "mlp") == 0)
         snprintf(buf, n, "m %d inter %d hidden %d pad %d %s%s%s%s", c->m, c->n, c->k, c->pad,
                  c->sub & 1 ? "acc" : "store", c->sub & 4 ? " norm" : "", c->sub & 8 ? " tee" : "",
@@ -2348,7 +2464,7 @@ int main(int argc, char **argv)
      * a bf16 value, and the two sides may part by a bf16 step where a value sits on a rounding
      * boundary (tolerance 1e-2). */
     static const char *const rounding_ops[] = { "rmsnorm", "matmul", "rope", "unary", "binary", "attn",
-                                                "linear", "mlp", "qk_post", "markov_step" };
+                                                "linear", "mlp", "qkv", "qk_post", "markov_step" };
     int ran = 0;
     for (size_t i = 0; i < 2 * (sizeof(cases) / sizeof(cases[0])); i++) {
         size_t n_cases = sizeof(cases) / sizeof(cases[0]);

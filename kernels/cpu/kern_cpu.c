@@ -663,6 +663,12 @@ static void cpu_destroy(kern_backend *be)
     free(be);
 }
 
+static pd_status cpu_qkv(kern_backend *be, const kern_qkv_args *a, pd_err *err)
+{
+    pd_status st = cpu_linear(be, &a->lin, err);
+    return st != PD_OK ? st : cpu_qk_post(be, &a->post, err);
+}
+
 static const kern_backend_ops cpu_ops = {
     .name = "cpu",
     .buf_alloc = cpu_buf_alloc,
@@ -689,6 +695,7 @@ static const kern_backend_ops cpu_ops = {
     .linear = cpu_linear,
     .qk_post = cpu_qk_post,
     .mlp = cpu_mlp,
+    .qkv = cpu_qkv,
     .markov_step = cpu_markov_step,
     .markov_chain = cpu_markov_chain,
     .probs = cpu_probs,

@@ -286,6 +286,7 @@ static const kern_backend_ops cuda_ops = {
     .linear = kern_cuda_linear_launch,
     .qk_post = kern_cuda_qk_post_launch,
     .mlp = kern_cuda_mlp_launch,
+    .qkv = kern_cuda_qkv_launch,
     .markov_step = kern_cuda_markov_step_launch,
     .markov_chain = kern_cuda_markov_chain_launch,
     .probs = kern_cuda_probs_launch,

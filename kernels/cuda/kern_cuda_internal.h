@@ -264,6 +264,13 @@ pd_status kern_cuda_argmax_launch(kern_backend *be, const kern_argmax_args *a, p
 pd_status kern_cuda_linear_launch(kern_backend *be, const kern_linear_args *a, pd_err *err);
 pd_status kern_cuda_qk_post_launch(kern_backend *be, const kern_qk_post_args *a, pd_err *err);
 pd_status kern_cuda_mlp_launch(kern_backend *be, const kern_mlp_args *a, pd_err *err);
+pd_status kern_cuda_qkv_launch(kern_backend *be, const kern_qkv_args *a, pd_err *err);
+/* qk_post reading q/k/v from bf16 products (rows of ld_q / ld_kv; q unused without q heads)
+ * instead of a->q/k/v, writing q and k to a->q/a->k as the op does, copying v to v_out (fp32,
+ * a->ld_kv) and storing the cache as the op does: the fused qkv op's second half */
+pd_status kern_cuda_qk_post_from(kern_backend *be, const kern_qk_post_args *a, const __nv_bfloat16 *q,
+                                 const __nv_bfloat16 *k, const __nv_bfloat16 *v, int ld_q, int ld_kv,
+                                 float *v_out, pd_err *err);
 pd_status kern_cuda_markov_step_launch(kern_backend *be, const kern_markov_step_args *a, pd_err *err);
 pd_status kern_cuda_markov_chain_launch(kern_backend *be, const kern_markov_chain_args *a, pd_err *err);
 pd_status kern_cuda_probs_launch(kern_backend *be, const kern_probs_args *a, pd_err *err);

@@ -647,3 +647,47 @@ extern "C" pd_status kern_cuda_mlp_launch(kern_backend *be, const kern_mlp_args 
                                .ld_dst = a->ld_tee, .rows = m, .cols = k };
     return kern_cuda_copy_rows_launch(be, &cp, err);
 }
+
+/* Few rows or no bf16 rounding: the linear, then qk_post. The cuBLAS path with bf16
+ * activations keeps the products in bf16 scratch ([q | k | v], each [m, n_i]) and qk_post reads
+ * them there, writing q, k and v once (the products are the values the linear would store). */
+extern "C" pd_status kern_cuda_qkv_launch(kern_backend *be, const kern_qkv_args *a, pd_err *err)
+{
+    const kern_linear_args *l = &a->lin;
+    int bf = 1;
+    for (int i = 0; i < l->n_w; i++)
+        bf &= l->w[i].dtype == KERN_DTYPE_BF16;
+    if (l->m <= 0)
+        return PD_OK;
+    if (!be->act_bf16 || !bf || uses_skinny(be, l)) {
+        pd_status st = kern_cuda_linear_launch(be, l, err);
+        return st != PD_OK ? st : kern_cuda_qk_post_launch(be, &a->post, err);
+    }
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    const int m = l->m, k = l->k, nq = l->n_w - 2;
+    size_t xs = kern_cuda_align256((size_t)m * k * 2), off[KERN_LINEAR_MAX_W], total = xs;
+    for (int i = 0; i < l->n_w; i++) {
+        off[i] = total;
+        total += kern_cuda_align256((size_t)m * l->w[i].rows * 2);
+    }
+    void *ws = NULL;
+    pd_status st = kern_cuda_ws_get(c, total + 256, &ws, err);
+    if (st != PD_OK)
+        return st;
+    const void *xp = NULL;
+    int ld_xp = 0;
+    if ((st = operand_x(be, l, ws, &xp, &ld_xp, err)) != PD_OK)
+        return st;
+    for (int i = 0; i < l->n_w; i++) {
+        int n = (int)l->w[i].rows;
+        if ((st = kern_cuda_cublas_product(c, &l->w[i], xp, ld_xp, m, n, k, (char *)ws + off[i],
+                                           KERN_DTYPE_BF16, n, 0.0f, err)) != PD_OK)
+            return st;
+    }
+    const __nv_bfloat16 *pq = nq ? (const __nv_bfloat16 *)((char *)ws + off[0]) : NULL;
+    const __nv_bfloat16 *pk = (const __nv_bfloat16 *)((char *)ws + off[nq]);
+    const __nv_bfloat16 *pv = (const __nv_bfloat16 *)((char *)ws + off[nq + 1]);
+    return kern_cuda_qk_post_from(be, &a->post, pq, pk, pv, nq ? (int)l->w[0].rows : 0,
+                                  (int)l->w[nq].rows, l->y[nq + 1], err);
+}
+

@@ -30,13 +30,56 @@ __device__ __forceinline__ void ostore<__nv_bfloat16>(__nv_bfloat16 *p, float v)
 template <>
 __device__ __forceinline__ void ostore<__half>(__half *p, float v) { *p = __float2half_rn(v); }
 
+/* The block's sum of squares of one row (every thread gets it) */
+static __device__ __forceinline__ float block_sum(float ss, float *part)
+{
+    __shared__ float tot_s;
+    ss = kern_cuda_warp_sum(ss);
+    if ((threadIdx.x & 31) == 0)
+        part[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float v = threadIdx.x < NORM_THREADS / 32 ? part[threadIdx.x] : 0.0f;
+        v = kern_cuda_warp_sum(v);
+        if (threadIdx.x == 0)
+            tot_s = v;
+    }
+    __syncthreads();
+    return tot_s;
+}
+
+/* No residual, 4 columns per thread (dim % 4 == 0, rows 16-byte aligned): the prefill's norm
+ * into the packed GEMM operand */
+template <typename W, typename O>
+__global__ void __launch_bounds__(NORM_THREADS)
+rmsnorm4_kernel(const float *x, O *out, const W *w, int dim, int ld_x, int ld_out, float eps, int rnd)
+{
+    __shared__ float part[NORM_THREADS / 32];
+    size_t r = blockIdx.x;
+    const float *xr = x + r * ld_x;
+    float ss = 0.0f;
+    for (int c = 4 * threadIdx.x; c < dim; c += 4 * NORM_THREADS) {
+        float4 v = kern_cuda_ld4(xr + c);
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    const float inv = rsqrtf(block_sum(ss, part) / (float)dim + eps);
+    O *orow = out + r * ld_out;
+    for (int c = 4 * threadIdx.x; c < dim; c += 4 * NORM_THREADS) {
+        float4 v = kern_cuda_ld4(xr + c);
+        v.x = kern_cuda_rnd(wload<W>(w, c) * kern_cuda_rnd(v.x * inv, rnd), rnd);
+        v.y = kern_cuda_rnd(wload<W>(w, c + 1) * kern_cuda_rnd(v.y * inv, rnd), rnd);
+        v.z = kern_cuda_rnd(wload<W>(w, c + 2) * kern_cuda_rnd(v.z * inv, rnd), rnd);
+        v.w = kern_cuda_rnd(wload<W>(w, c + 3) * kern_cuda_rnd(v.w * inv, rnd), rnd);
+        kern_cuda_st4(orow + c, v);
+    }
+}
+
 template <typename W, typename O>
 __global__ void __launch_bounds__(NORM_THREADS)
 rmsnorm_kernel(const float *x, const float *res, float *sum_out, O *out, const W *w, int dim,
                int ld_x, int ld_out, float eps, int rnd)
 {
     __shared__ float part[NORM_THREADS / 32];
-    __shared__ float inv_s;
     size_t r = blockIdx.x;
     const float *xr = x + r * ld_x;
     const float *rr = res != NULL ? res + r * ld_x : NULL;
@@ -50,18 +93,7 @@ rmsnorm_kernel(const float *x, const float *res, float *sum_out, O *out, const W
             sr[c] = s;
         ss += s * s;
     }
-    ss = kern_cuda_warp_sum(ss);
-    if ((threadIdx.x & 31) == 0)
-        part[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float v = threadIdx.x < NORM_THREADS / 32 ? part[threadIdx.x] : 0.0f;
-        v = kern_cuda_warp_sum(v);
-        if (threadIdx.x == 0)
-            inv_s = rsqrtf(v / (float)dim + eps);
-    }
-    __syncthreads();
-    float inv = inv_s;
+    const float inv = rsqrtf(block_sum(ss, part) / (float)dim + eps);
     O *orow = out + r * ld_out;
     for (int c = threadIdx.x; c < dim; c += NORM_THREADS) {
         float s;
@@ -78,6 +110,19 @@ static void launch_w(kern_cuda_ctx *c, const kern_rmsnorm_args *a, const void *w
                      kern_dtype odt, int rnd)
 {
     dim3 grid((unsigned)a->rows), block(NORM_THREADS);
+    if (a->residual == NULL && a->sum_out == NULL && kern_cuda_vec4_ok(a->dim, a->x, a->ld_x) &&
+        kern_cuda_vec4_ok(a->dim, out, a->ld_out)) {
+        if (odt == KERN_DTYPE_BF16)
+            rmsnorm4_kernel<W, __nv_bfloat16><<<grid, block, 0, c->stream>>>(
+                a->x, (__nv_bfloat16 *)out, (const W *)w, a->dim, a->ld_x, a->ld_out, a->eps, rnd);
+        else if (odt == KERN_DTYPE_F16)
+            rmsnorm4_kernel<W, __half><<<grid, block, 0, c->stream>>>(
+                a->x, (__half *)out, (const W *)w, a->dim, a->ld_x, a->ld_out, a->eps, rnd);
+        else
+            rmsnorm4_kernel<W, float><<<grid, block, 0, c->stream>>>(
+                a->x, (float *)out, (const W *)w, a->dim, a->ld_x, a->ld_out, a->eps, rnd);
+        return;
+    }
     if (odt == KERN_DTYPE_BF16)
         rmsnorm_kernel<W, __nv_bfloat16><<<grid, block, 0, c->stream>>>(
             a->x, a->residual, a->sum_out, (__nv_bfloat16 *)out, (const W *)w, a->dim, a->ld_x,

@@ -14,15 +14,28 @@
 #define QK_MAX_PAIRS 8          /* head_dim up to 2 * 32 * 8 = 512 */
 #define QK_WIDE_MIN_TOK 64      /* from this many tokens a block takes every head of its token */
 
+/* Where the kernel reads q, k and v: in place (T = float, the op's own q/k/v) or the bf16
+ * products of the fused qkv op (kern_cuda_qk_post_from), whose v the kernel also copies to
+ * v_out (fp32, row stride a.ld_kv) */
+template <typename T>
+struct qk_src {
+    const T *q, *k, *v;
+    int ld_q, ld_kv;
+    float *v_out;
+};
+
+static __device__ __forceinline__ float qk_ld(const float *p) { return *p; }
+static __device__ __forceinline__ float qk_ld(const __nv_bfloat16 *p) { return __bfloat162float(*p); }
+
 /* The rotate-half pairs (i, i + half) of one head for i = lane + 32 j, zero past half */
-template <int NP>
-static __device__ __forceinline__ void load_head(const float *x, int n_half, int lane, float *x1, float *x2)
+template <int NP, typename T>
+static __device__ __forceinline__ void load_head(const T *x, int n_half, int lane, float *x1, float *x2)
 {
 #pragma unroll
     for (int j = 0; j < NP; j++) {
         int i = lane + 32 * j;
-        x1[j] = i < n_half ? x[i] : 0.0f;
-        x2[j] = i < n_half ? x[i + n_half] : 0.0f;
+        x1[j] = i < n_half ? qk_ld(x + i) : 0.0f;
+        x2[j] = i < n_half ? qk_ld(x + i + n_half) : 0.0f;
     }
 }
 
@@ -31,9 +44,9 @@ static __device__ __forceinline__ void load_head(const float *x, int n_half, int
  * per block into shared memory, after the first loads are issued: they depend on the position
  * and the pair only, and each costs a double pow and sincos (forming them per head made this op
  * ~5x its bytes at an 8k prefill). */
-template <int NP>   /* pairs per lane: head_dim <= 64 NP */
+template <int NP, typename T>   /* pairs per lane: head_dim <= 64 NP */
 __global__ void __launch_bounds__(QK_WARPS * 32, 6)
-qk_post_kernel(kern_qk_post_args a, int heads_per_block, int rnd)
+qk_post_kernel(kern_qk_post_args a, qk_src<T> src, int heads_per_block, int rnd)
 {
     __shared__ float cs_s[QK_MAX_PAIRS * 32], sn_s[QK_MAX_PAIRS * 32];
     const int lane = threadIdx.x & 31;
@@ -44,10 +57,14 @@ qk_post_kernel(kern_qk_post_args a, int heads_per_block, int rnd)
         return head >= a.n_heads ? a.k + t * a.ld_kv + (size_t)(head - a.n_heads) * hd
                                  : a.q + t * a.ld_q + (size_t)head * hd;
     };
+    auto head_src = [&](int head) -> const T * {
+        return head >= a.n_heads ? src.k + t * src.ld_kv + (size_t)(head - a.n_heads) * hd
+                                 : src.q + t * src.ld_q + (size_t)head * hd;
+    };
     int head = blockIdx.y * heads_per_block + (threadIdx.x >> 5);
     float x1[NP], x2[NP];
     if (head < h_end)
-        load_head<NP>(head_ptr(head), half, lane, x1, x2);
+        load_head<NP>(head_src(head), half, lane, x1, x2);
     const double pos = (double)a.pos[t];
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float inv_freq = (float)(1.0 / pow((double)a.theta, (double)(2 * i) / hd));
@@ -71,7 +88,7 @@ qk_post_kernel(kern_qk_post_args a, int heads_per_block, int rnd)
             y2[j] = x2[j];
         }
         if (head + QK_WARPS < h_end)
-            load_head<NP>(head_ptr(head + QK_WARPS), half, lane, x1, x2);
+            load_head<NP>(head_src(head + QK_WARPS), half, lane, x1, x2);
         float ss = 0.0f;
 #pragma unroll
         for (int j = 0; j < NP; j++)
@@ -89,20 +106,28 @@ qk_post_kernel(kern_qk_post_args a, int heads_per_block, int rnd)
             kern_cuda_rope_pair(u1, u2, cs_s[i], sn_s[i], rnd, &r1, &r2);
             x[i] = r1;
             x[i + half] = r2;
-            if (is_k && slot >= 0) {
-                size_t base = (size_t)slot * row + (size_t)h * hd;
-                const float *v = a.v + t * a.ld_kv + (size_t)h * hd;
-                kern_cuda_st(a.kv.k, a.kv.dtype, base + i, r1);
-                kern_cuda_st(a.kv.k, a.kv.dtype, base + i + half, r2);
-                kern_cuda_st(a.kv.v, a.kv.dtype, base + i, v[i]);
-                kern_cuda_st(a.kv.v, a.kv.dtype, base + i + half, v[i + half]);
+            if (is_k && (slot >= 0 || src.v_out != NULL)) {
+                const T *v = src.v + t * src.ld_kv + (size_t)h * hd;
+                float v1 = qk_ld(v + i), v2 = qk_ld(v + i + half);
+                if (slot >= 0) {
+                    size_t base = (size_t)slot * row + (size_t)h * hd;
+                    kern_cuda_st(a.kv.k, a.kv.dtype, base + i, r1);
+                    kern_cuda_st(a.kv.k, a.kv.dtype, base + i + half, r2);
+                    kern_cuda_st(a.kv.v, a.kv.dtype, base + i, v1);
+                    kern_cuda_st(a.kv.v, a.kv.dtype, base + i + half, v2);
+                }
+                if (src.v_out != NULL) {
+                    float *vo = src.v_out + t * a.ld_kv + (size_t)h * hd;
+                    vo[i] = v1;
+                    vo[i + half] = v2;
+                }
             }
         }
     }
 }
 
-extern "C" pd_status kern_cuda_qk_post_launch(kern_backend *be, const kern_qk_post_args *a,
-                                              pd_err *err)
+template <typename T>
+static pd_status launch(kern_backend *be, const kern_qk_post_args *a, const qk_src<T> &src, pd_err *err)
 {
     kern_cuda_ctx *c = kern_cuda_ctx_of(be);
     if (a->n_tok <= 0)
@@ -117,13 +142,29 @@ extern "C" pd_status kern_cuda_qk_post_launch(kern_backend *be, const kern_qk_po
     dim3 grid((unsigned)a->n_tok, (unsigned)((heads + per - 1) / per));
     int np = (a->head_dim / 2 + 31) / 32;
     if (np <= 1)
-        qk_post_kernel<1><<<grid, QK_WARPS * 32, 0, c->stream>>>(*a, per, be->act_bf16);
+        qk_post_kernel<1, T><<<grid, QK_WARPS * 32, 0, c->stream>>>(*a, src, per, be->act_bf16);
     else if (np <= 2)
-        qk_post_kernel<2><<<grid, QK_WARPS * 32, 0, c->stream>>>(*a, per, be->act_bf16);
+        qk_post_kernel<2, T><<<grid, QK_WARPS * 32, 0, c->stream>>>(*a, src, per, be->act_bf16);
     else if (np <= 4)
-        qk_post_kernel<4><<<grid, QK_WARPS * 32, 0, c->stream>>>(*a, per, be->act_bf16);
+        qk_post_kernel<4, T><<<grid, QK_WARPS * 32, 0, c->stream>>>(*a, src, per, be->act_bf16);
     else
-        qk_post_kernel<QK_MAX_PAIRS><<<grid, QK_WARPS * 32, 0, c->stream>>>(*a, per, be->act_bf16);
+        qk_post_kernel<QK_MAX_PAIRS, T><<<grid, QK_WARPS * 32, 0, c->stream>>>(*a, src, per, be->act_bf16);
     KERN_CUDA_LAUNCH_CHECK(err);
     return PD_OK;
+}
+
+extern "C" pd_status kern_cuda_qk_post_launch(kern_backend *be, const kern_qk_post_args *a,
+                                              pd_err *err)
+{
+    qk_src<float> src = { a->q, a->k, a->v, a->ld_q, a->ld_kv, NULL };
+    return launch<float>(be, a, src, err);
+}
+
+extern "C" pd_status kern_cuda_qk_post_from(kern_backend *be, const kern_qk_post_args *a,
+                                            const __nv_bfloat16 *q, const __nv_bfloat16 *k,
+                                            const __nv_bfloat16 *v, int ld_q, int ld_kv, float *v_out,
+                                            pd_err *err)
+{
+    qk_src<__nv_bfloat16> src = { q, k, v, ld_q, ld_kv, v_out };
+    return launch<__nv_bfloat16>(be, a, src, err);
 }
