@@ -717,15 +717,10 @@ attn_tc_kernel(attn_params p)
                             ps += s[mt][n][2 * hf] + s[mt][n][2 * hf + 1];
                         }
                         l[mt][hf] = l[mt][hf] * al + ps;
-                        /* a row whose max held has al = 1 exactly: skip the rescale (as many
-                         * multiplies as the tile's P V mmas) when no row of the warp moved, which
-                         * after the first tiles of a long row is the common case */
-                        if (__any_sync(0xffffffffu, al != 1.0f)) {
 #pragma unroll
-                            for (int n = 0; n < ND; n++) {
-                                acc[mt][n][2 * hf] *= al;
-                                acc[mt][n][2 * hf + 1] *= al;
-                            }
+                        for (int n = 0; n < ND; n++) {
+                            acc[mt][n][2 * hf] *= al;
+                            acc[mt][n][2 * hf + 1] *= al;
                         }
                     }
                 }
