@@ -305,10 +305,6 @@ pd_status kern_cuda_gemm_packed(kern_cuda_ctx *c, const kern_weight *w, const vo
 pd_status kern_cuda_cublas_product(kern_cuda_ctx *c, const kern_weight *w, const void *xp, int ld_xp,
                                    int m, int n, int k, void *out, kern_dtype out_dtype, int ld_out,
                                    float beta, pd_err *err);
-/* y = x w^T (+ y), no bias, through the two calls above; scratch holds m * k * 2 bytes (the
- * packed x; unused for F32 weights) followed, 256-aligned, by kern_cuda_gemm_tmp_bytes. */
-size_t kern_cuda_gemm_cublas_scratch(const kern_matmul_args *a, int rnd);
-pd_status kern_cuda_gemm_cublas(kern_cuda_ctx *c, const kern_matmul_args *a, void *scratch, int rnd, pd_err *err);
 /* Converts n values already on the device (src_dtype -> dst_dtype); used by upload_convert. */
 pd_status kern_cuda_convert_launch(kern_backend *be, void *dst, kern_dtype dst_dtype,
                                    const void *src, kern_dtype src_dtype, size_t n, pd_err *err);

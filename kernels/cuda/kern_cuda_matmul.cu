@@ -1,6 +1,6 @@
 /* kern_cuda_matmul.cu - y[M,N] = x[M,K] @ w[N,K]^T (+ y) (+ bias).
  * Owns: kern_cuda_matmul_launch and the cuBLAS path shared with op linear (kern_cuda_pack_x,
- *   kern_cuda_gemm_packed, kern_cuda_gemm_cublas). BF16 weights with few rows (any m with
+ *   kern_cuda_cublas_product, kern_cuda_gemm_packed). BF16 weights with few rows (any m with
  *   be->batch_invariant, m <= KERN_CUDA_SKINNY_FAST_MAX_M and k >= 256 otherwise) go to the
  *   skinny tensor-core kernel of kern_cuda_linear.cu (batch-invariant by construction; it
  *   replaced the warp-per-column GEMVs, docs/BENCHMARKS.md). Otherwise cuBLAS: x is rounded to
@@ -76,22 +76,37 @@ __global__ void product_out_kernel(float *y, int ld_y, const T *p, int m, int n,
     }
 }
 
+/* One launch of product_out_kernel (p [m, n] packed): 4 columns per thread when the rows allow it */
+template <typename T>
+static void launch_product_out(cudaStream_t s, float *y, int ld_y, const T *p, int m, int n, int accumulate)
+{
+    if (kern_cuda_vec4_ok(n, y, ld_y) && kern_cuda_vec4_ok(n, p, n))
+        product_out_kernel<T, 4><<<kern_cuda_grid_rc(m, n / 4, MM_THREADS), MM_THREADS, 0, s>>>(
+            y, ld_y, p, m, n, accumulate);
+    else
+        product_out_kernel<T, 1><<<kern_cuda_grid_rc(m, n, MM_THREADS), MM_THREADS, 0, s>>>(
+            y, ld_y, p, m, n, accumulate);
+}
+
+/* One launch of pack_x_kernel: 4 columns per thread when the rows allow it */
+template <typename T>
+static void launch_pack_x(cudaStream_t s, const float *x, int ld_x, T *xb, int m, int k)
+{
+    if (kern_cuda_vec4_ok(k, x, ld_x) && kern_cuda_vec4_ok(k, xb, k))
+        pack_x_kernel<T, 4><<<kern_cuda_grid_rc(m, k / 4, MM_THREADS), MM_THREADS, 0, s>>>(
+            x, ld_x, xb, m, k);
+    else
+        pack_x_kernel<T, 1><<<kern_cuda_grid_rc(m, k, MM_THREADS), MM_THREADS, 0, s>>>(
+            x, ld_x, xb, m, k);
+}
+
 extern "C" pd_status kern_cuda_pack_x(kern_cuda_ctx *c, const float *x, int ld_x, int m, int k,
                                       kern_dtype dtype, void *xb, pd_err *err)
 {
-    if (kern_cuda_vec4_ok(k, x, ld_x) && kern_cuda_vec4_ok(k, xb, k)) {
-        dim3 g = kern_cuda_grid_rc(m, k / 4, MM_THREADS);
-        if (dtype == KERN_DTYPE_BF16)
-            pack_x_kernel<__nv_bfloat16, 4><<<g, MM_THREADS, 0, c->stream>>>(x, ld_x, (__nv_bfloat16 *)xb, m, k);
-        else
-            pack_x_kernel<__half, 4><<<g, MM_THREADS, 0, c->stream>>>(x, ld_x, (__half *)xb, m, k);
-    } else {
-        dim3 g = kern_cuda_grid_rc(m, k, MM_THREADS);
-        if (dtype == KERN_DTYPE_BF16)
-            pack_x_kernel<__nv_bfloat16, 1><<<g, MM_THREADS, 0, c->stream>>>(x, ld_x, (__nv_bfloat16 *)xb, m, k);
-        else
-            pack_x_kernel<__half, 1><<<g, MM_THREADS, 0, c->stream>>>(x, ld_x, (__half *)xb, m, k);
-    }
+    if (dtype == KERN_DTYPE_BF16)
+        launch_pack_x<__nv_bfloat16>(c->stream, x, ld_x, (__nv_bfloat16 *)xb, m, k);
+    else
+        launch_pack_x<__half>(c->stream, x, ld_x, (__half *)xb, m, k);
     KERN_CUDA_LAUNCH_CHECK(err);
     return PD_OK;
 }
@@ -134,35 +149,25 @@ extern "C" pd_status kern_cuda_gemm_packed(kern_cuda_ctx *c, const kern_weight *
                                             f32 ? KERN_DTYPE_F32 : KERN_DTYPE_BF16, n, 0.0f, err);
     if (st != PD_OK)
         return st;
-    if (kern_cuda_vec4_ok(n, y, ld_y) && kern_cuda_vec4_ok(n, tmp, n)) {
-        dim3 g = kern_cuda_grid_rc(m, n / 4, MM_THREADS);
-        if (f32)
-            product_out_kernel<float, 4><<<g, MM_THREADS, 0, c->stream>>>(y, ld_y, (const float *)tmp,
-                                                                           m, n, accumulate);
-        else
-            product_out_kernel<__nv_bfloat16, 4><<<g, MM_THREADS, 0, c->stream>>>(
-                y, ld_y, (const __nv_bfloat16 *)tmp, m, n, accumulate);
-    } else {
-        dim3 g = kern_cuda_grid_rc(m, n, MM_THREADS);
-        if (f32)
-            product_out_kernel<float, 1><<<g, MM_THREADS, 0, c->stream>>>(y, ld_y, (const float *)tmp,
-                                                                           m, n, accumulate);
-        else
-            product_out_kernel<__nv_bfloat16, 1><<<g, MM_THREADS, 0, c->stream>>>(
-                y, ld_y, (const __nv_bfloat16 *)tmp, m, n, accumulate);
-    }
+    if (f32)
+        launch_product_out<float>(c->stream, y, ld_y, (const float *)tmp, m, n, accumulate);
+    else
+        launch_product_out<__nv_bfloat16>(c->stream, y, ld_y, (const __nv_bfloat16 *)tmp, m, n,
+                                          accumulate);
     KERN_CUDA_LAUNCH_CHECK(err);
     return PD_OK;
 }
 
-extern "C" size_t kern_cuda_gemm_cublas_scratch(const kern_matmul_args *a, int rnd)
+/* y = x w^T (+ y), no bias, through the calls above; scratch holds m * k * 2 bytes (the packed
+ * x; none for F32 weights) followed, 256-aligned, by kern_cuda_gemm_tmp_bytes. */
+static size_t gemm_cublas_scratch(const kern_matmul_args *a, int rnd)
 {
     size_t pack = a->w.dtype == KERN_DTYPE_F32 ? 0 : (size_t)a->m * a->k * 2;
     return kern_cuda_align256(pack) + kern_cuda_gemm_tmp_bytes(&a->w, a->m, a->n, rnd);
 }
 
-extern "C" pd_status kern_cuda_gemm_cublas(kern_cuda_ctx *c, const kern_matmul_args *a, void *scratch,
-                                           int rnd, pd_err *err)
+static pd_status gemm_cublas(kern_cuda_ctx *c, const kern_matmul_args *a, void *scratch, int rnd,
+                             pd_err *err)
 {
     const void *xp = a->x;
     int ld_xp = a->ld_x;
@@ -225,9 +230,9 @@ extern "C" pd_status kern_cuda_matmul_launch(kern_backend *be, const kern_matmul
     } else if (a->w.dtype == KERN_DTYPE_F32 || a->w.dtype == KERN_DTYPE_BF16 || a->w.dtype == KERN_DTYPE_F16) {
         int rnd = be->act_bf16 && a->bias.data == NULL;
         void *scratch = NULL;
-        pd_status st = kern_cuda_ws_get(c, kern_cuda_gemm_cublas_scratch(a, rnd) + 256, &scratch, err);
+        pd_status st = kern_cuda_ws_get(c, gemm_cublas_scratch(a, rnd) + 256, &scratch, err);
         if (st == PD_OK)
-            st = kern_cuda_gemm_cublas(c, a, scratch, rnd, err);
+            st = gemm_cublas(c, a, scratch, rnd, err);
         if (st != PD_OK)
             return st;
     } else {
