@@ -7,8 +7,9 @@
  * parts an op must not touch (row padding, guards, unused KV slots) have to come back bit-equal.
  * Usage: test_kernels [--op NAME] [--perf] [--seed N]
  *   --op NAME  run only cases of op NAME (embed, rmsnorm, matmul, rope, unary, binary,
- *              copy_rows, kv_store, attn, argmax, convert, linear, qk_post, markov_step, probs,
- *              sample, spec_verify; invariance: only the bit-for-bit batch-invariance checks)
+ *              copy_rows, kv_store, attn, argmax, convert, linear, mlp, qkv, qk_post,
+ *              markov_step, markov_chain, probs, sample, spec_verify; invariance: only the
+ *              bit-for-bit batch-invariance checks)
  *   --perf     also run the large perf cases and time every case on CUDA (median of 5 runs of
  *              20 back-to-back calls), printing GB/s, TFLOP/s and the fraction of the roofline
  *   --invariant  run the cases with be->batch_invariant set on the CUDA backend (the kernels of
