@@ -237,8 +237,8 @@ pd_status pd_layer_store_kv(pd_act *a, const pd_qwen3_config *cfg, const pd_laye
 
 /* input_norm + q/k/v projections, q/k norm + RoPE (+ the cache store when kv != NULL): one qkv
  * op */
-static pd_status layer_qkv(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
-                           const kern_kv_layer *kv, int n_tok, pd_err *err)
+static kern_qkv_args qkv_args(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
+                              const kern_kv_layer *kv, int n_tok)
 {
     kern_qkv_args qkv = {
         .lin = {
@@ -256,53 +256,83 @@ static pd_status layer_qkv(pd_act *a, const pd_qwen3_config *cfg, const pd_layer
     };
     if (kv != NULL)
         qkv.post.kv = *kv;
-    return kern_qkv(a->be, &qkv, err);
+    return qkv;
 }
 
 pd_status pd_layer_qkv(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw, int n_tok,
                        pd_err *err)
 {
-    return layer_qkv(a, cfg, lw, NULL, n_tok, err);
+    kern_qkv_args qkv = qkv_args(a, cfg, lw, NULL, n_tok);
+    return kern_qkv(a->be, &qkv, err);
+}
+
+/* The attention over the cache kv (q in a->q, output in a->o) */
+static kern_attn_args attn_args(pd_act *a, const pd_qwen3_config *cfg, kern_kv_layer kv, int n_tok,
+                                int n_seq, int pt_stride, int max_kv)
+{
+    kern_attn_args at = {
+        .kv = kv, .q = a->q, .ld_q = a->q_dim, .out = a->o, .ld_out = a->q_dim, .n_tok = n_tok,
+        .n_heads = cfg->num_attention_heads, .tok_seq = a->seq, .tok_kv_len = a->kv_len,
+        .page_table = a->page_table, .pt_stride = pt_stride, .n_seq = n_seq, .max_kv_len = max_kv,
+        .scale = (float)(1.0 / sqrt((double)cfg->head_dim)),
+    };
+    return at;
+}
+
+/* x += o Wo^T. Tensor parallel: o_proj and down_proj are row-parallel, rank 0 adds its partial
+ * to x and the others store theirs, then the all-reduce sums them (pd_tp.h) */
+static kern_linear_args o_args(pd_act *a, const pd_layer_weights *lw, int n_tok)
+{
+    kern_linear_args op = {
+        .x = a->o, .ld_x = a->q_dim, .m = n_tok, .k = a->q_dim, .n_w = 1, .w = { lw->o_proj },
+        .y = { a->x }, .ld_y = { a->hidden },
+        .epilogue = pd_tp_accumulate(a->tp) ? KERN_LINEAR_ACCUMULATE : KERN_LINEAR_STORE,
+    };
+    return op;
+}
+
+/* after o_proj: the all-reduce of x (tensor parallel), then x += mlp(post_norm(x)) and the
+ * all-reduce again */
+static pd_status layer_mlp(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
+                           int n_tok, pd_err *err)
+{
+    int H = a->hidden;
+    TRY(pd_tp_all_reduce(a->tp, a->x, (size_t)n_tok * H, err));
+    kern_mlp_args mlp = {
+        .x = a->x, .ld_x = H, .m = n_tok, .k = H, .norm = lw->post_norm, .eps = cfg->rms_norm_eps,
+        .gate = lw->gate_proj, .up = lw->up_proj, .down = lw->down_proj, .g = a->g,
+        .ld_g = a->inter, .y = a->x, .ld_y = H,
+        .epilogue = pd_tp_accumulate(a->tp) ? KERN_LINEAR_ACCUMULATE : KERN_LINEAR_STORE,
+        .tee = a->tap, .ld_tee = a->ld_tap,
+    };
+    TRY(kern_mlp(a->be, &mlp, err));
+    return pd_tp_all_reduce(a->tp, a->x, (size_t)n_tok * H, err);
 }
 
 pd_status pd_layer_attn_mlp(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
                             kern_kv_layer kv, int n_tok, int n_seq, int pt_stride, int max_kv,
                             pd_err *err)
 {
-    kern_backend *be = a->be;
-    int H = a->hidden, hd = cfg->head_dim, nh = cfg->num_attention_heads;
-    kern_attn_args at = {
-        .kv = kv, .q = a->q, .ld_q = a->q_dim, .out = a->o, .ld_out = a->q_dim, .n_tok = n_tok,
-        .n_heads = nh, .tok_seq = a->seq, .tok_kv_len = a->kv_len, .page_table = a->page_table,
-        .pt_stride = pt_stride, .n_seq = n_seq, .max_kv_len = max_kv,
-        .scale = (float)(1.0 / sqrt((double)hd)),
-    };
-    TRY(kern_attn(be, &at, err));
-    /* x += o Wo^T; g = silu(post_norm(x) Wg^T) * (post_norm(x) Wu^T); x += g Wd^T. Tensor
-     * parallel: o_proj and down_proj are row-parallel, rank 0 adds its partial to x and the
-     * others store theirs, then the all-reduce sums them (pd_tp.h) */
-    kern_linear_epilogue res = pd_tp_accumulate(a->tp) ? KERN_LINEAR_ACCUMULATE : KERN_LINEAR_STORE;
-    kern_linear_args op = {
-        .x = a->o, .ld_x = a->q_dim, .m = n_tok, .k = a->q_dim, .n_w = 1, .w = { lw->o_proj },
-        .y = { a->x }, .ld_y = { H }, .epilogue = res,
-    };
-    TRY(kern_linear(be, &op, err));
-    TRY(pd_tp_all_reduce(a->tp, a->x, (size_t)n_tok * H, err));
-    kern_mlp_args mlp = {
-        .x = a->x, .ld_x = H, .m = n_tok, .k = H, .norm = lw->post_norm, .eps = cfg->rms_norm_eps,
-        .gate = lw->gate_proj, .up = lw->up_proj, .down = lw->down_proj, .g = a->g,
-        .ld_g = a->inter, .y = a->x, .ld_y = H, .epilogue = res, .tee = a->tap, .ld_tee = a->ld_tap,
-    };
-    TRY(kern_mlp(be, &mlp, err));
-    return pd_tp_all_reduce(a->tp, a->x, (size_t)n_tok * H, err);
+    kern_attn_args at = attn_args(a, cfg, kv, n_tok, n_seq, pt_stride, max_kv);
+    TRY(kern_attn(a->be, &at, err));
+    kern_linear_args op = o_args(a, lw, n_tok);
+    TRY(kern_linear(a->be, &op, err));
+    return layer_mlp(a, cfg, lw, n_tok, err);
 }
 
+/* qkv, attention and o_proj as one attn_block op (the backend may keep q and the attention
+ * output in its own form), then the MLP */
 pd_status pd_layer_forward(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
                            kern_kv_layer kv, int n_tok, int n_seq, int pt_stride, int max_kv,
                            pd_err *err)
 {
-    TRY(layer_qkv(a, cfg, lw, &kv, n_tok, err));
-    return pd_layer_attn_mlp(a, cfg, lw, kv, n_tok, n_seq, pt_stride, max_kv, err);
+    kern_attn_block_args blk = {
+        .qkv = qkv_args(a, cfg, lw, &kv, n_tok),
+        .attn = attn_args(a, cfg, kv, n_tok, n_seq, pt_stride, max_kv),
+        .o = o_args(a, lw, n_tok),
+    };
+    TRY(kern_attn_block(a->be, &blk, err));
+    return layer_mlp(a, cfg, lw, n_tok, err);
 }
 
 pd_status pd_qwen3_head(const pd_qwen3_model *m, kern_backend *be, const float *x, int ld_x,

@@ -68,7 +68,8 @@ pd_status pd_act_load_batch_pad(pd_act *a, const pd_kv_pool *pool, const pd_tok_
                                 int *n_pad_out, int *pt_stride_out, int *max_kv_out, pd_err *err);
 
 /* One pre-norm decoder layer on a->x [n_tok, hidden] in place: attention through the paged
- * layer kv (this batch's K/V are stored at a->slot first), then the SwiGLU MLP. */
+ * layer kv (this batch's K/V are stored at a->slot first), then the SwiGLU MLP. Leaves
+ * a->q/k/v/o undefined (one kern_attn_block op). */
 pd_status pd_layer_forward(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_weights *lw,
                            kern_kv_layer kv, int n_tok, int n_seq, int pt_stride, int max_kv,
                            pd_err *err);
@@ -79,7 +80,8 @@ pd_status pd_layer_store_kv(pd_act *a, const pd_qwen3_config *cfg, const pd_laye
 
 /* The pieces of pd_layer_forward, for a caller that moves K/V between computing and storing
  * them (the context-parallel prefill all-gathers them, pd_cp_prefill.c). pd_layer_forward is
- * pd_layer_qkv, kern_kv_store of a->k/a->v at a->slot, then pd_layer_attn_mlp; all run on a->be.
+ * pd_layer_qkv, kern_kv_store of a->k/a->v at a->slot, then pd_layer_attn_mlp (computed as one
+ * kern_attn_block op and the MLP); all run on a->be.
  * pd_layer_qkv: h = input_norm(x) (never materialised: fused into the projections, one
  *   kern_linear launch for q/k/v); q = rope(q_norm(h Wq^T)) into a->q [n_tok, q_dim]; k/v of h
  *   as pd_layer_kv (q/k norm + RoPE in one kern_qk_post launch). Stores nothing.

@@ -275,6 +275,20 @@ typedef struct {
     kern_qk_post_args post;
 } kern_qkv_args;
 
+/* The self-attention half of a decoder block in one op: kern_qkv `qkv` (its qk_post storing
+ * k/v into the cache attn.kv), kern_attn `attn` on the q it leaves (attn.q = qkv.post.q, same
+ * ld), then kern_linear `o` (one weight, no norm, STORE or ACCUMULATE: the o projection and
+ * the residual add) on the attention output (o.x = attn.out, same ld). Equal to those three
+ * calls; one op so a backend may keep q and the attention output in its own form between them
+ * (the CUDA prefill path writes q and the attention output in packed bf16 into the memory of
+ * qkv.post.q and attn.out, and never writes k/v rows outside the cache). After the call q, k, v
+ * and attn.out hold undefined values; o.y[0] may not overlap any of them. */
+typedef struct {
+    kern_qkv_args qkv;
+    kern_attn_args attn;
+    kern_linear_args o;
+} kern_attn_block_args;
+
 /* One step of the DSpark Markov head for n rows, with the greedy pick:
  *   step[r, :] = base[rows[r], :] + w2 @ vec[r, :]   (w2 [V, R], vec [n, ld_vec] with R values)
  *   ids[r] = argmax step[r, :] (lowest index wins a tie, as kern_argmax). ids is nullable.
@@ -435,6 +449,7 @@ struct kern_backend_ops {
     pd_status (*qk_post)(kern_backend *be, const kern_qk_post_args *a, pd_err *err);
     pd_status (*mlp)(kern_backend *be, const kern_mlp_args *a, pd_err *err);
     pd_status (*qkv)(kern_backend *be, const kern_qkv_args *a, pd_err *err);
+    pd_status (*attn_block)(kern_backend *be, const kern_attn_block_args *a, pd_err *err);
     pd_status (*markov_step)(kern_backend *be, const kern_markov_step_args *a, pd_err *err);
     pd_status (*markov_chain)(kern_backend *be, const kern_markov_chain_args *a, pd_err *err);
     pd_status (*probs)(kern_backend *be, const kern_probs_args *a, pd_err *err);
@@ -525,6 +540,7 @@ pd_status kern_linear(kern_backend *be, const kern_linear_args *a, pd_err *err);
 pd_status kern_qk_post(kern_backend *be, const kern_qk_post_args *a, pd_err *err);
 pd_status kern_mlp(kern_backend *be, const kern_mlp_args *a, pd_err *err);
 pd_status kern_qkv(kern_backend *be, const kern_qkv_args *a, pd_err *err);
+pd_status kern_attn_block(kern_backend *be, const kern_attn_block_args *a, pd_err *err);
 
 /* The two kern_linear calls kern_mlp equals: gate/up SWIGLU into g, then down from g into y.
  * Inline: the backends below kern_ops.c use it too. */

@@ -209,10 +209,8 @@ pd_status kern_kv_store(kern_backend *be, const kern_kv_store_args *a, pd_err *e
     return be->ops->kv_store(be, a, err);
 }
 
-pd_status kern_attn(kern_backend *be, const kern_attn_args *a, pd_err *err)
+static pd_status attn_check(const kern_attn_args *a, pd_err *err)
 {
-    if (a->n_tok == 0)
-        return PD_OK;
     pd_status st = kv_layer_check(&a->kv, err);
     if (st != PD_OK)
         return st;
@@ -228,7 +226,15 @@ pd_status kern_attn(kern_backend *be, const kern_attn_args *a, pd_err *err)
     CHECK(a->max_kv_len > 0 && a->max_kv_len <= a->pt_stride * a->kv.page_size,
           "attn: max_kv_len %d exceeds page table capacity %d", a->max_kv_len,
           a->pt_stride * a->kv.page_size);
-    return be->ops->attn(be, a, err);
+    return PD_OK;
+}
+
+pd_status kern_attn(kern_backend *be, const kern_attn_args *a, pd_err *err)
+{
+    if (a->n_tok == 0)
+        return PD_OK;
+    pd_status st = attn_check(a, err);
+    return st != PD_OK ? st : be->ops->attn(be, a, err);
 }
 
 pd_status kern_argmax(kern_backend *be, const kern_argmax_args *a, pd_err *err)
@@ -341,12 +347,10 @@ pd_status kern_qk_post(kern_backend *be, const kern_qk_post_args *a, pd_err *err
     return st != PD_OK ? st : be->ops->qk_post(be, a, err);
 }
 
-pd_status kern_qkv(kern_backend *be, const kern_qkv_args *a, pd_err *err)
+static pd_status qkv_check(const kern_qkv_args *a, pd_err *err)
 {
     const kern_linear_args *l = &a->lin;
     const kern_qk_post_args *p = &a->post;
-    if (l->m == 0 && p->n_tok == 0)
-        return PD_OK;
     CHECK(l->m == p->n_tok, "qkv: %d rows, %d tokens", l->m, p->n_tok);
     CHECK(l->epilogue == KERN_LINEAR_STORE && l->tee == NULL, "qkv: epilogue %d or a tee",
           (int)l->epilogue);
@@ -356,9 +360,54 @@ pd_status kern_qkv(kern_backend *be, const kern_qkv_args *a, pd_err *err)
               (const float *)l->y[q + 1] == p->v && l->ld_y[q] == p->ld_kv && l->ld_y[q + 1] == p->ld_kv,
           "qkv: the linear's outputs are not qk_post's q, k, v");
     pd_status st = linear_check(l, err);
-    if (st == PD_OK)
-        st = qk_post_check(p, err);
+    return st != PD_OK ? st : qk_post_check(p, err);
+}
+
+pd_status kern_qkv(kern_backend *be, const kern_qkv_args *a, pd_err *err)
+{
+    if (a->lin.m == 0 && a->post.n_tok == 0)
+        return PD_OK;
+    pd_status st = qkv_check(a, err);
     return st != PD_OK ? st : be->ops->qkv(be, a, err);
+}
+
+/* spans [p, p + n) and [q, q + m) of floats overlap */
+static int spans_overlap(const float *p, size_t n, const float *q, size_t m)
+{
+    return p < q + m && q < p + n;
+}
+
+pd_status kern_attn_block(kern_backend *be, const kern_attn_block_args *a, pd_err *err)
+{
+    const kern_qk_post_args *p = &a->qkv.post;
+    const kern_attn_args *at = &a->attn;
+    const kern_linear_args *o = &a->o;
+    if (a->qkv.lin.m == 0 && p->n_tok == 0 && at->n_tok == 0 && o->m == 0)
+        return PD_OK;
+    pd_status st = qkv_check(&a->qkv, err);
+    if (st == PD_OK)
+        st = attn_check(at, err);
+    if (st == PD_OK)
+        st = linear_check(o, err);
+    if (st != PD_OK)
+        return st;
+    CHECK(at->n_tok == p->n_tok && o->m == p->n_tok, "attn_block: %d / %d / %d tokens", p->n_tok,
+          at->n_tok, o->m);
+    CHECK(p->n_heads == at->n_heads && at->q == p->q && at->ld_q == p->ld_q,
+          "attn_block: the attention's q is not qk_post's");
+    CHECK(p->kv.k != NULL && p->kv.k == at->kv.k && p->kv.v == at->kv.v &&
+              p->kv.dtype == at->kv.dtype && p->kv.page_size == at->kv.page_size,
+          "attn_block: qk_post does not store into the attention's cache");
+    CHECK(o->n_w == 1 && o->norm.data == NULL && o->epilogue != KERN_LINEAR_SWIGLU &&
+              o->x == at->out && o->ld_x == at->ld_out && o->k == at->n_heads * at->kv.head_dim,
+          "attn_block: o is not one weight on the attention output");
+    size_t n = (size_t)p->n_tok, ny = (n - 1) * o->ld_y[0] + (size_t)o->w[0].rows;
+    size_t nkv = (n - 1) * p->ld_kv + (size_t)p->n_kv_heads * p->head_dim;
+    CHECK(!spans_overlap(o->y[0], ny, p->q, (n - 1) * p->ld_q + (size_t)p->n_heads * p->head_dim) &&
+              !spans_overlap(o->y[0], ny, p->k, nkv) && !spans_overlap(o->y[0], ny, p->v, nkv) &&
+              !spans_overlap(o->y[0], ny, at->out, (n - 1) * at->ld_out + (size_t)o->k),
+          "attn_block: o.y overlaps q, k, v or the attention output");
+    return be->ops->attn_block(be, a, err);
 }
 
 pd_status kern_markov_step(kern_backend *be, const kern_markov_step_args *a, pd_err *err)

@@ -7,7 +7,7 @@
  * parts an op must not touch (row padding, guards, unused KV slots) have to come back bit-equal.
  * Usage: test_kernels [--op NAME] [--perf] [--seed N]
  *   --op NAME  run only cases of op NAME (embed, rmsnorm, matmul, rope, unary, binary,
- *              copy_rows, kv_store, attn, argmax, convert, linear, mlp, qkv, qk_post,
+ *              copy_rows, kv_store, attn, argmax, convert, linear, mlp, qkv, attn_block, qk_post,
  *              markov_step, markov_chain, probs, sample, spec_verify; invariance: only the
  *              bit-for-bit batch-invariance checks)
  *   --perf     also run the large perf cases and time every case on CUDA (median of 5 runs of
@@ -334,6 +334,7 @@ static pd_status fn_linear(kern_backend *be, const void *a, pd_err *e) { return 
 static pd_status fn_qk_post(kern_backend *be, const void *a, pd_err *e) { return kern_qk_post(be, a, e); }
 static pd_status fn_mlp(kern_backend *be, const void *a, pd_err *e) { return kern_mlp(be, a, e); }
 static pd_status fn_qkv(kern_backend *be, const void *a, pd_err *e) { return kern_qkv(be, a, e); }
+static pd_status fn_attn_block(kern_backend *be, const void *a, pd_err *e) { return kern_attn_block(be, a, e); }
 static pd_status fn_markov_step(kern_backend *be, const void *a, pd_err *e) { return kern_markov_step(be, a, e); }
 static pd_status fn_markov_chain(kern_backend *be, const void *a, pd_err *e) { return kern_markov_chain(be, a, e); }
 
@@ -1274,6 +1275,183 @@ static double run_qkv(run_ctx *x)
     return e;
 }
 
+/* attn_block: a layer's attention half (qkv with the input norm and the cache store, attention,
+ * o projection) on the ragged batch c->spec (new tokens at positions ctx.., the context keys
+ * from a random cache), hidden c->k, c->n_heads / c->n_kv heads of c->hd, c->pad extra row
+ * stride on q/o; c->sub 1: o accumulates into y. Checked: y and the cache against the CPU, then
+ * the same op on CUDA against the three ops it stands for on CUDA (kern_qkv, kern_attn,
+ * kern_linear), which must give y and the cache bit for bit. */
+static double run_attn_block(run_ctx *x)
+{
+    const kcase *c = x->c;
+    batch_spec bs;
+    batch b;
+    if (parse_spec(c->spec, &bs) != 0) {
+        printf("      bad spec %s\n", c->spec);
+        return 1e30;
+    }
+    batch_build(&bs, c->page_size, &b);
+    const int m = b.n_tok, k = c->k, nh = c->n_heads, nkv = c->n_kv, hd = c->hd, ps = c->page_size;
+    const int qd = nh * hd, row = nkv * hd, ld_q = qd + c->pad, ld_kv = row;
+    size_t cache_n = (size_t)b.n_pages * ps * row;
+    float *xin = host_rand((size_t)m * k, -1.0f, 1.0f, 0);
+    float *yin = host_rand((size_t)m * k, -1.0f, 1.0f, 1);
+    float *nw_h = host_rand((size_t)k, 0.5f, 1.5f, 1);
+    float *qn = host_rand((size_t)hd, 0.5f, 1.5f, 1), *kn = host_rand((size_t)hd, 0.5f, 1.5f, 1);
+    float *init = host_rand(cache_n, -1.0f, 1.0f, 1);
+    float *wh[4];
+    int wr[4] = { qd, row, row, k }, wc[4] = { k, k, k, qd };
+    for (int i = 0; i < 4; i++)
+        wh[i] = host_rand((size_t)wr[i] * wc[i], -0.2f, 0.2f, 1);
+    int32_t *pos = malloc((size_t)m * sizeof(int32_t)), *slot = malloc((size_t)m * sizeof(int32_t));
+    for (int t = 0; t < m; t++) {
+        int s = b.tok_seq[t], p = b.tok_kv_len[t] - 1;
+        if (bs.kind[s] == 'x') {   /* non-causal block: position from the token's index in it */
+            int first = t;
+            while (first > 0 && b.tok_seq[first - 1] == s)
+                first--;
+            p = bs.ctx[s] + (t - first);
+        }
+        pos[t] = p;
+        slot[t] = b.page_table[s * b.pt_stride + p / ps] * ps + p % ps;
+    }
+    kern_attn_block_args ab[2];
+    side *sd[2] = { x->cpu, x->gpu };
+    outbuf oy = out_make(x->cpu, x->gpu, (size_t)m * k, yin);
+    float *scratch[2][4];
+    for (int sI = 0; sI < 2; sI++) {
+        side *d = sd[sI];
+        kern_attn_block_args *a = &ab[sI];
+        memset(a, 0, sizeof(*a));
+        kern_kv_layer kv = { .page_size = ps, .n_kv_heads = nkv, .head_dim = hd, .dtype = d->be->kv_dtype };
+        kv.k = side_conv(d, init, cache_n, kv.dtype);
+        kv.v = side_conv(d, init, cache_n, kv.dtype);
+        scratch[sI][0] = side_alloc(d, (size_t)m * ld_q * sizeof(float));    /* q */
+        scratch[sI][1] = side_alloc(d, (size_t)m * ld_kv * sizeof(float));   /* k */
+        scratch[sI][2] = side_alloc(d, (size_t)m * ld_kv * sizeof(float));   /* v */
+        scratch[sI][3] = side_alloc(d, (size_t)m * ld_q * sizeof(float));    /* attention out */
+        kern_linear_args *l = &a->qkv.lin;
+        l->x = side_bytes(d, xin, (size_t)m * k * sizeof(float));
+        l->ld_x = k;
+        l->m = m;
+        l->k = k;
+        l->norm = side_weight(d, nw_h, 1, k);
+        l->eps = 1e-6f;
+        l->n_w = 3;
+        for (int i = 0; i < 3; i++) {
+            l->w[i] = side_weight(d, wh[i], wr[i], wc[i]);
+            l->y[i] = scratch[sI][i];
+            l->ld_y[i] = i == 0 ? ld_q : ld_kv;
+        }
+        l->epilogue = KERN_LINEAR_STORE;
+        kern_qk_post_args *p = &a->qkv.post;
+        p->q = scratch[sI][0];
+        p->ld_q = ld_q;
+        p->k = scratch[sI][1];
+        p->v = scratch[sI][2];
+        p->ld_kv = ld_kv;
+        p->q_norm = side_weight(d, qn, 1, hd);
+        p->k_norm = side_weight(d, kn, 1, hd);
+        p->eps = 1e-6f;
+        p->n_tok = m;
+        p->n_heads = nh;
+        p->n_kv_heads = nkv;
+        p->head_dim = hd;
+        p->pos = side_bytes(d, pos, (size_t)m * 4);
+        p->theta = 1000000.0f;
+        p->kv = kv;
+        p->slot = side_bytes(d, slot, (size_t)m * 4);
+        kern_attn_args *at = &a->attn;
+        at->kv = kv;
+        at->q = scratch[sI][0];
+        at->ld_q = ld_q;
+        at->out = scratch[sI][3];
+        at->ld_out = ld_q;
+        at->n_tok = m;
+        at->n_heads = nh;
+        at->tok_seq = side_bytes(d, b.tok_seq, (size_t)m * 4);
+        at->tok_kv_len = side_bytes(d, b.tok_kv_len, (size_t)m * 4);
+        at->page_table = side_bytes(d, b.page_table, (size_t)bs.n_seq * b.pt_stride * 4);
+        at->pt_stride = b.pt_stride;
+        at->n_seq = bs.n_seq;
+        at->max_kv_len = b.max_len;
+        at->scale = 1.0f / sqrtf((float)hd);
+        kern_linear_args *o = &a->o;
+        o->x = scratch[sI][3];
+        o->ld_x = ld_q;
+        o->m = m;
+        o->k = qd;
+        o->n_w = 1;
+        o->w[0] = side_weight(d, wh[3], wr[3], wc[3]);
+        o->y[0] = sI ? oy.gpu : oy.cpu;
+        o->ld_y[0] = k;
+        o->epilogue = (c->sub & 1) ? KERN_LINEAR_ACCUMULATE : KERN_LINEAR_STORE;
+    }
+    double e = run_both(x, fn_attn_block, &ab[0], &ab[1]);
+    float *y_op = e == 0.0 ? side_download(x->gpu, oy.gpu, (size_t)m * k * sizeof(float)) : NULL;
+    if (e == 0.0)
+        e = out_check(x->cpu, x->gpu, &oy, "y", m, k, k);
+    if (e < 1e29 && !cache_same(x, &ab[0].qkv.post.kv, &ab[1].qkv.post.kv, cache_n))
+        e = 1e30;
+    if (e < 1e29) {
+        /* the three ops on CUDA from the same inputs into a fresh y and cache */
+        kern_attn_block_args a3 = ab[1];
+        kern_kv_layer kv = a3.attn.kv;
+        kv.k = side_conv(x->gpu, init, cache_n, kv.dtype);
+        kv.v = side_conv(x->gpu, init, cache_n, kv.dtype);
+        a3.qkv.post.kv = a3.attn.kv = kv;
+        a3.o.y[0] = side_bytes(x->gpu, yin, (size_t)m * k * sizeof(float));
+        pd_err err;
+        kern_backend *be = x->gpu->be;
+        if (fatal_status(kern_qkv(be, &a3.qkv, &err), &err, "cuda qkv") ||
+            fatal_status(kern_attn(be, &a3.attn, &err), &err, "cuda attn") ||
+            fatal_status(kern_linear(be, &a3.o, &err), &err, "cuda linear") ||
+            fatal_status(kern_sync(be, &err), &err, "cuda sync")) {
+            e = 1e30;
+        } else {
+            float *y3 = side_download(x->gpu, a3.o.y[0], (size_t)m * k * sizeof(float));
+            size_t cb = cache_n * kern_dtype_size(kv.dtype);
+            int same = memcmp(y3, y_op, (size_t)m * k * sizeof(float)) == 0;
+            if (!same)
+                printf("      y differs from kern_qkv + kern_attn + kern_linear on CUDA\n");
+            for (int kvi = 0; kvi < 2; kvi++) {
+                void *c1 = side_download(x->gpu, kvi ? ab[1].attn.kv.v : ab[1].attn.kv.k, cb);
+                void *c3 = side_download(x->gpu, kvi ? kv.v : kv.k, cb);
+                if (memcmp(c1, c3, cb) != 0) {
+                    printf("      %s cache differs from kern_qkv's on CUDA\n", kvi ? "v" : "k");
+                    same = 0;
+                }
+                free(c1);
+                free(c3);
+            }
+            e = same ? e : 1e30;
+            free(y3);
+        }
+    }
+    if (opts.opt_perf) {
+        double wbytes = 0.0, flops = 0.0;
+        for (int i = 0; i < 4; i++)
+            wbytes += (double)wr[i] * wc[i] * 2;
+        for (int t = 0; t < m; t++)
+            flops += 4.0 * b.tok_kv_len[t] * qd;
+        perf_report(x->gpu->be, fn_attn_block, &ab[1], wbytes + (double)m * k * 8,
+                    flops + 2.0 * m * wbytes / 2.0);
+    }
+    free(y_op);
+    free(xin);
+    free(yin);
+    free(nw_h);
+    free(qn);
+    free(kn);
+    free(init);
+    for (int i = 0; i < 4; i++)
+        free(wh[i]);
+    free(pos);
+    free(slot);
+    batch_free(&b);
+    return e;
+}
+
 /* markov_step: c->rows rows, V = c->n, R = c->k; base has 2 rows + 1 per row, picked scattered.
  * vec is bf16-valued so both sides see the same inputs; ids must match (a mismatch is allowed
  * only between values equal within 1e-6 relative on the CPU side). */
@@ -1930,7 +2108,7 @@ static const struct {
     {"rope", run_rope}, {"unary", run_unary}, {"binary", run_binary},
     {"copy_rows", run_copy_rows}, {"kv_store", run_kv_store}, {"attn", run_attn},
     {"argmax", run_argmax}, {"convert", run_convert}, {"linear", run_linear},
-    {"qk_post", run_qk_post}, {"mlp", run_mlp}, {"qkv", run_qkv}, {"markov_step", run_markov_step}, {"markov_chain", run_markov_chain}, {"probs", run_probs},
+    {"qk_post", run_qk_post}, {"mlp", run_mlp}, {"qkv", run_qkv}, {"attn_block", run_attn_block}, {"markov_step", run_markov_step}, {"markov_chain", run_markov_chain}, {"probs", run_probs},
     {"sample", run_sample}, {"spec_verify", run_spec_verify},
 };
 
@@ -2000,6 +2178,14 @@ static const kcase cases[] = {
     {"qkv", 0, 0, 2, 77, 0, 520, 5, 6, 2, 64, 16, NULL, 1e-2, 0},
     {"qkv", 0, 0, 0, 300, 0, 512, 4, 8, 4, 128, 64, NULL, 1e-2, 0},
     {"qkv", 0, 0, 0, 65, 0, 256, 1, 0, 2, 128, 16, NULL, 1e-2, 0},
+    /* attn_block: hidden k, heads, kv heads, head_dim, page size, batch; sub 1 = accumulate.
+     * The first three take the CUDA prefill path (bf16 q and attention output; the third with a
+     * key split), the others the three ops (odd row stride, decode-sized batch) */
+    {"attn_block", 0, 0, 0, 0, 0, 256, 1, 4, 2, 128, 16, "p:0+300", 1e-2, 0},
+    {"attn_block", 0, 0, 8, 0, 0, 512, 0, 8, 2, 64, 64, "p:100+200,p:0+77,x:37+40", 1e-2, 0},
+    {"attn_block", 0, 0, 0, 0, 0, 256, 1, 4, 1, 128, 16, "p:2000+64", 1e-2, 0},
+    {"attn_block", 0, 0, 2, 0, 0, 256, 1, 4, 2, 64, 16, "p:20+150", 1e-2, 0},
+    {"attn_block", 0, 0, 0, 0, 0, 512, 1, 8, 2, 128, 16, "d:500+1,d:9+1", 1e-2, 0},
     {"qk_post", 1, 0, 0, 0, 0, 0, 1, 32, 8, 128, 16, NULL, 1e-5, 0},
     {"qk_post", 9, 0, 3, 0, 0, 0, 1, 16, 4, 64, 16, NULL, 1e-5, 0},
     {"qk_post", 77, 0, 0, 0, 0, 0, 0, 32, 8, 128, 64, NULL, 1e-5, 0},

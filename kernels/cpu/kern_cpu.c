@@ -669,6 +669,14 @@ static pd_status cpu_qkv(kern_backend *be, const kern_qkv_args *a, pd_err *err)
     return st != PD_OK ? st : cpu_qk_post(be, &a->post, err);
 }
 
+static pd_status cpu_attn_block(kern_backend *be, const kern_attn_block_args *a, pd_err *err)
+{
+    pd_status st = cpu_qkv(be, &a->qkv, err);
+    if (st == PD_OK)
+        st = cpu_attn(be, &a->attn, err);
+    return st != PD_OK ? st : cpu_linear(be, &a->o, err);
+}
+
 static const kern_backend_ops cpu_ops = {
     .name = "cpu",
     .buf_alloc = cpu_buf_alloc,
@@ -696,6 +704,7 @@ static const kern_backend_ops cpu_ops = {
     .qk_post = cpu_qk_post,
     .mlp = cpu_mlp,
     .qkv = cpu_qkv,
+    .attn_block = cpu_attn_block,
     .markov_step = cpu_markov_step,
     .markov_chain = cpu_markov_chain,
     .probs = cpu_probs,

@@ -85,6 +85,8 @@ struct attn_params {
     const void *kc, *vc;
     const float *q;
     float *out;
+    const __nv_bfloat16 *qb;   /* attn_tc_kernel: q in bf16 instead of q (kern_cuda_attn_launch_bf16) */
+    __nv_bfloat16 *outb;       /* attn_tc_kernel, attn_combine_kernel: the output in bf16 instead */
     const int32_t *tok_seq, *tok_kv_len, *page_table;
     float *part_acc;     /* [n_tok, n_heads, n_split, hd] when n_split > 1 */
     float *part_ml;      /* [n_tok, n_heads, n_split, 2] (m, l) */
@@ -390,7 +392,10 @@ __global__ void attn_combine_kernel(attn_params p, int hd)
 #pragma unroll 8
         for (int s = 0; s < ns; s++)
             num += w_s[s] * acc[(size_t)s * hd + d];
-        p.out[t * p.ld_out + (size_t)h * hd + d] = kern_cuda_rnd(num * inv, p.rnd);
+        if (p.outb != NULL)
+            p.outb[t * p.ld_out + (size_t)h * hd + d] = __float2bfloat16_rn(num * inv);
+        else
+            p.out[t * p.ld_out + (size_t)h * hd + d] = kern_cuda_rnd(num * inv, p.rnd);
     }
 }
 
@@ -530,18 +535,22 @@ attn_tc_kernel(attn_params p)
         seq_s[r] = s;
         len_s[r] = len;
     }
-    /* Q: F32 rows -> bf16, swizzled; rows past n_tok are zero (they are never written) */
+    /* Q: F32 rows -> bf16 (or bf16 rows as they are), swizzled; rows past n_tok are zero
+     * (they are never written) */
     for (int i = tid; i < BM * CH; i += TC_THREADS) {
         int r = i / CH, c = i % CH;
         size_t t = t0 + r;
-        unsigned w[4] = {0u, 0u, 0u, 0u};
-        if (t < (size_t)p.n_tok) {
+        uint4 w = make_uint4(0u, 0u, 0u, 0u);
+        if (t < (size_t)p.n_tok && p.qb != NULL) {
+            w = __ldg((const uint4 *)(p.qb + t * p.ld_q + (size_t)h * HD + c * 8));
+        } else if (t < (size_t)p.n_tok) {
             const float *src = p.q + t * p.ld_q + (size_t)h * HD + c * 8;
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                w[e] = tc_pack_bf16(__ldg(src + 2 * e), __ldg(src + 2 * e + 1));
+            w.x = tc_pack_bf16(__ldg(src), __ldg(src + 1));
+            w.y = tc_pack_bf16(__ldg(src + 2), __ldg(src + 3));
+            w.z = tc_pack_bf16(__ldg(src + 4), __ldg(src + 5));
+            w.w = tc_pack_bf16(__ldg(src + 6), __ldg(src + 7));
         }
-        *(uint4 *)&q_s[tc_swz(r, c, HD)] = make_uint4(w[0], w[1], w[2], w[3]);
+        *(uint4 *)&q_s[tc_swz(r, c, HD)] = w;
     }
     __syncthreads();
 
@@ -763,7 +772,14 @@ attn_tc_kernel(attn_params p)
                 if (seq_s[r] != cur)   /* seq_s changes only after this pass */
                     continue;
                 const size_t t = t0 + r;
-                if (p.n_split == 1) {
+                if (p.n_split == 1 && p.outb != NULL) {
+                    const float inv = lr > 0.0f ? 1.0f / lr : 0.0f;
+                    __nv_bfloat16 *o = p.outb + t * p.ld_out + (size_t)h * HD + 2 * qc;
+#pragma unroll
+                    for (int n = 0; n < ND; n++)
+                        *(unsigned *)&o[n * 8] = tc_pack_bf16(acc[mt][n][2 * hf] * inv,
+                                                              acc[mt][n][2 * hf + 1] * inv);
+                } else if (p.n_split == 1) {
                     const float inv = lr > 0.0f ? 1.0f / lr : 0.0f;
                     float *o = p.out + t * p.ld_out + (size_t)h * HD + 2 * qc;
 #pragma unroll
@@ -1351,7 +1367,22 @@ static pd_status attn_inv_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n
     return PD_OK;
 }
 
-extern "C" pd_status kern_cuda_attn_launch(kern_backend *be, const kern_attn_args *a, pd_err *err)
+/* The batch goes to attn_tc_kernel (see kern_cuda_attn_launch) */
+static int tc_route(const kern_backend *be, const kern_attn_args *a)
+{
+    int n_seq = a->n_seq > 0 ? a->n_seq : 1;
+    return !be->batch_invariant && a->kv.dtype == KERN_DTYPE_BF16 &&
+           (a->kv.head_dim == 64 || a->kv.head_dim == 128) && a->n_tok >= TC_MIN_Q_PER_SEQ * n_seq;
+}
+
+extern "C" int kern_cuda_attn_bf16_fits(const kern_backend *be, const kern_attn_args *a)
+{
+    return tc_route(be, a) && a->ld_q % 8 == 0 && a->ld_out % 2 == 0;
+}
+
+/* qb, outb: NULL, or (tc_route only) q read from / the output written to bf16 rows */
+static pd_status attn_launch(kern_backend *be, const kern_attn_args *a, const __nv_bfloat16 *qb,
+                             __nv_bfloat16 *outb, pd_err *err)
 {
     kern_cuda_ctx *c = kern_cuda_ctx_of(be);
     const kern_kv_layer *kv = &a->kv;
@@ -1375,6 +1406,8 @@ extern "C" pd_status kern_cuda_attn_launch(kern_backend *be, const kern_attn_arg
     p.vc = kv->v;
     p.q = a->q;
     p.out = a->out;
+    p.qb = qb;
+    p.outb = outb;
     p.rnd = be->act_bf16;
     p.tok_seq = a->tok_seq;
     p.tok_kv_len = a->tok_kv_len;
@@ -1404,10 +1437,12 @@ extern "C" pd_status kern_cuda_attn_launch(kern_backend *be, const kern_attn_arg
      * decode-like ones and batch-invariant rounds keep the CUDA-core kernel below, whose fixed
      * splits make a query's bits independent of its batch */
     int n_seq = a->n_seq > 0 ? a->n_seq : 1;
+    if ((qb != NULL || outb != NULL) &&
+        (!kern_cuda_attn_bf16_fits(be, a) || (uintptr_t)qb % 16 != 0 || (uintptr_t)outb % 4 != 0))
+        return pd_err_set(err, PD_ERR_INVALID, "cuda attn: bf16 q/out off the tensor-core path");
     if (be->batch_invariant && kv->dtype == KERN_DTYPE_BF16)
         return attn_inv_launch(c, &p, hd, n_seq, err);
-    if (!be->batch_invariant && kv->dtype == KERN_DTYPE_BF16 &&
-        a->n_tok >= TC_MIN_Q_PER_SEQ * n_seq)
+    if (tc_route(be, a))
         return attn_tc_launch(c, &p, hd, n_seq, err);
 
     /* split the key range when the queries alone fill fewer than ~4 blocks per SM; aim for
@@ -1465,4 +1500,15 @@ extern "C" pd_status kern_cuda_attn_launch(kern_backend *be, const kern_attn_arg
         return pd_err_set(err, PD_ERR_UNSUPPORTED, "cuda attn: cache dtype %s",
                           kern_cuda_dtype_name(kv->dtype));
     }
+}
+
+extern "C" pd_status kern_cuda_attn_launch(kern_backend *be, const kern_attn_args *a, pd_err *err)
+{
+    return attn_launch(be, a, NULL, NULL, err);
+}
+
+extern "C" pd_status kern_cuda_attn_launch_bf16(kern_backend *be, const kern_attn_args *a,
+                                                const __nv_bfloat16 *q, __nv_bfloat16 *out, pd_err *err)
+{
+    return attn_launch(be, a, q, out, err);
 }

@@ -287,6 +287,7 @@ static const kern_backend_ops cuda_ops = {
     .qk_post = kern_cuda_qk_post_launch,
     .mlp = kern_cuda_mlp_launch,
     .qkv = kern_cuda_qkv_launch,
+    .attn_block = kern_cuda_attn_block_launch,
     .markov_step = kern_cuda_markov_step_launch,
     .markov_chain = kern_cuda_markov_chain_launch,
     .probs = kern_cuda_probs_launch,

@@ -266,11 +266,22 @@ pd_status kern_cuda_qk_post_launch(kern_backend *be, const kern_qk_post_args *a,
 pd_status kern_cuda_mlp_launch(kern_backend *be, const kern_mlp_args *a, pd_err *err);
 pd_status kern_cuda_qkv_launch(kern_backend *be, const kern_qkv_args *a, pd_err *err);
 /* qk_post reading q/k/v from bf16 products (rows of ld_q / ld_kv; q unused without q heads)
- * instead of a->q/k/v, writing q and k to a->q/a->k as the op does, copying v to v_out (fp32,
- * a->ld_kv) and storing the cache as the op does: the fused qkv op's second half */
+ * instead of a->q/k/v and storing the cache as the op does: the fused qkv op's second half.
+ * Outputs: q to q_out in bf16 (rows of a->ld_q; it may be the q products themselves when ld_q
+ * is a->ld_q) or, q_out NULL, to a->q as the op does; k to a->k as the op does when k_rows;
+ * v copied to v_out (fp32, a->ld_kv) unless v_out is NULL. */
 pd_status kern_cuda_qk_post_from(kern_backend *be, const kern_qk_post_args *a, const __nv_bfloat16 *q,
                                  const __nv_bfloat16 *k, const __nv_bfloat16 *v, int ld_q, int ld_kv,
-                                 float *v_out, pd_err *err);
+                                 __nv_bfloat16 *q_out, int k_rows, float *v_out, pd_err *err);
+/* The batch would run the tensor-core prefill attention, which can read q from and write its
+ * output to bf16 rows (ld_q a multiple of 8, ld_out of 2) */
+int kern_cuda_attn_bf16_fits(const kern_backend *be, const kern_attn_args *a);
+/* kern_cuda_attn_launch with q read from bf16 rows q (a->ld_q, 16-byte aligned, instead of
+ * a->q) and the output written to bf16 rows out (a->ld_out, instead of a->out); only where
+ * kern_cuda_attn_bf16_fits */
+pd_status kern_cuda_attn_launch_bf16(kern_backend *be, const kern_attn_args *a,
+                                     const __nv_bfloat16 *q, __nv_bfloat16 *out, pd_err *err);
+pd_status kern_cuda_attn_block_launch(kern_backend *be, const kern_attn_block_args *a, pd_err *err);
 pd_status kern_cuda_markov_step_launch(kern_backend *be, const kern_markov_step_args *a, pd_err *err);
 pd_status kern_cuda_markov_chain_launch(kern_backend *be, const kern_markov_chain_args *a, pd_err *err);
 pd_status kern_cuda_probs_launch(kern_backend *be, const kern_probs_args *a, pd_err *err);

@@ -688,6 +688,77 @@ extern "C" pd_status kern_cuda_qkv_launch(kern_backend *be, const kern_qkv_args 
     const __nv_bfloat16 *pk = (const __nv_bfloat16 *)((char *)ws + off[nq]);
     const __nv_bfloat16 *pv = (const __nv_bfloat16 *)((char *)ws + off[nq + 1]);
     return kern_cuda_qk_post_from(be, &a->post, pq, pk, pv, nq ? (int)l->w[0].rows : 0,
-                                  (int)l->w[nq].rows, l->y[nq + 1], err);
+                                  (int)l->w[nq].rows, NULL, 1, l->y[nq + 1], err);
+}
+
+/* The attention half of a layer. Few rows, no bf16 rounding, or a batch the tensor-core
+ * attention does not take: the three ops. Else the q/k/v products go to bf16 scratch, qk_post
+ * writes q in bf16 into the memory of qkv.post.q and k/v into the cache only, the attention reads that q
+ * and writes its output in bf16 into the memory of attn.out, and the o projection multiplies
+ * that packed output directly: every value is the one the three ops would pass on (q, k, v and
+ * the attention output are bf16-rounded there too), so the result is the same bit for bit,
+ * without the fp32 q/k/v rows, the fp32 attention output and its packing pass (~0.4 GB per
+ * layer at an 8k prefill of Qwen3-4B). */
+extern "C" pd_status kern_cuda_attn_block_launch(kern_backend *be, const kern_attn_block_args *a,
+                                                 pd_err *err)
+{
+    const kern_linear_args *l = &a->qkv.lin, *o = &a->o;
+    const kern_qk_post_args *p = &a->qkv.post;
+    int bf = o->w[0].dtype == KERN_DTYPE_BF16;
+    for (int i = 0; i < l->n_w; i++)
+        bf &= l->w[i].dtype == KERN_DTYPE_BF16;
+    if (l->m <= 0)
+        return PD_OK;
+    if (!be->act_bf16 || !bf || p->n_heads == 0 || uses_skinny(be, l) || uses_skinny(be, o) ||
+        !kern_cuda_attn_bf16_fits(be, &a->attn) || (uintptr_t)p->q % 16 != 0 ||
+        (uintptr_t)a->attn.out % 16 != 0 || o->ld_x % 8 != 0) {
+        pd_status st = kern_cuda_qkv_launch(be, &a->qkv, err);
+        if (st == PD_OK)
+            st = kern_cuda_attn_launch(be, &a->attn, err);
+        return st != PD_OK ? st : kern_cuda_linear_launch(be, o, err);
+    }
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    const int m = l->m, k = l->k;
+    size_t xs = kern_cuda_align256((size_t)m * k * 2), off[KERN_LINEAR_MAX_W], total = xs;
+    for (int i = 0; i < l->n_w; i++) {
+        off[i] = total;
+        total += kern_cuda_align256((size_t)m * l->w[i].rows * 2);
+    }
+    void *ws = NULL;
+    pd_status st = kern_cuda_ws_get(c, total + 256, &ws, err);
+    if (st != PD_OK)
+        return st;
+    const void *xp = NULL;
+    int ld_xp = 0;
+    if ((st = operand_x(be, l, ws, &xp, &ld_xp, err)) != PD_OK)
+        return st;
+    for (int i = 0; i < l->n_w; i++) {
+        int n = (int)l->w[i].rows;
+        if ((st = kern_cuda_cublas_product(c, &l->w[i], xp, ld_xp, m, n, k, (char *)ws + off[i],
+                                           KERN_DTYPE_BF16, n, 0.0f, err)) != PD_OK)
+            return st;
+    }
+    /* q in bf16 (rows of ld_q) in the first half of q's own memory; the attention output in
+     * bf16 (rows of ld_out) in attn.out's */
+    __nv_bfloat16 *qb = (__nv_bfloat16 *)p->q, *ob = (__nv_bfloat16 *)a->attn.out;
+    if ((st = kern_cuda_qk_post_from(be, p, (const __nv_bfloat16 *)((char *)ws + off[0]),
+                                     (const __nv_bfloat16 *)((char *)ws + off[1]),
+                                     (const __nv_bfloat16 *)((char *)ws + off[2]), (int)l->w[0].rows,
+                                     (int)l->w[1].rows, qb, 0, NULL, err)) != PD_OK)
+        return st;
+    if ((st = kern_cuda_attn_launch_bf16(be, &a->attn, qb, ob, err)) != PD_OK)
+        return st;
+    /* the o projection's operand is the packed output itself; scratch for its product only */
+    const int n = (int)o->w[0].rows;
+    if ((st = kern_cuda_ws_get(c, kern_cuda_gemm_tmp_bytes(&o->w[0], m, n, 1) + 256, &ws, err)) != PD_OK)
+        return st;
+    if ((st = kern_cuda_gemm_packed(c, &o->w[0], ob, o->ld_x, m, n, o->k, o->y[0], o->ld_y[0],
+                                    o->epilogue == KERN_LINEAR_ACCUMULATE, 1, ws, err)) != PD_OK)
+        return st;
+    if (o->tee == NULL)
+        return PD_OK;
+    kern_copy_rows_args cp = { .src = o->y[0], .ld_src = o->ld_y[0], .idx = NULL, .dst = o->tee,
+                               .ld_dst = o->ld_tee, .rows = m, .cols = n };
+    return kern_cuda_copy_rows_launch(be, &cp, err);
 }
 

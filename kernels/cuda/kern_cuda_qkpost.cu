@@ -16,12 +16,15 @@
 #define QK_WIDE_MIN_TOK 64      /* from this many tokens a block takes every head of its token */
 
 /* Where the kernel reads q, k and v: in place (T = float, the op's own q/k/v) or the bf16
- * products of the fused qkv op (kern_cuda_qk_post_from), whose v the kernel also copies to
- * v_out (fp32, row stride a.ld_kv) */
+ * products of the fused qkv op (kern_cuda_qk_post_from); where it writes them besides the
+ * cache: q to a.q or, q_out set, to q_out in bf16 (row stride a.ld_q); k to a.k when k_rows;
+ * v to v_out (fp32, row stride a.ld_kv) when set */
 template <typename T>
 struct qk_src {
     const T *q, *k, *v;
     int ld_q, ld_kv;
+    __nv_bfloat16 *q_out;
+    int k_rows;
     float *v_out;
 };
 
@@ -105,8 +108,14 @@ qk_post_kernel(kern_qk_post_args a, qk_src<T> src, int heads_per_block, int rnd)
             float u2 = kern_cuda_rnd(kern_cuda_ld(nw->data, nw->dtype, i + half) * kern_cuda_rnd(y2[j] * inv, rnd), rnd);
             float r1, r2;
             kern_cuda_rope_pair(u1, u2, cs_s[i], sn_s[i], rnd, &r1, &r2);
-            x[i] = r1;
-            x[i + half] = r2;
+            if (!is_k && src.q_out != NULL) {
+                __nv_bfloat16 *qo = src.q_out + t * a.ld_q + (size_t)h * hd;
+                qo[i] = __float2bfloat16_rn(r1);
+                qo[i + half] = __float2bfloat16_rn(r2);
+            } else if (!is_k || src.k_rows) {
+                x[i] = r1;
+                x[i + half] = r2;
+            }
             if (is_k && (slot >= 0 || src.v_out != NULL)) {
                 const T *v = src.v + t * src.ld_kv + (size_t)h * hd;
                 float v1 = qk_ld(v + i), v2 = qk_ld(v + i + half);
@@ -157,15 +166,15 @@ static pd_status launch(kern_backend *be, const kern_qk_post_args *a, const qk_s
 extern "C" pd_status kern_cuda_qk_post_launch(kern_backend *be, const kern_qk_post_args *a,
                                               pd_err *err)
 {
-    qk_src<float> src = { a->q, a->k, a->v, a->ld_q, a->ld_kv, NULL };
+    qk_src<float> src = { a->q, a->k, a->v, a->ld_q, a->ld_kv, NULL, 1, NULL };
     return launch<float>(be, a, src, err);
 }
 
 extern "C" pd_status kern_cuda_qk_post_from(kern_backend *be, const kern_qk_post_args *a,
                                             const __nv_bfloat16 *q, const __nv_bfloat16 *k,
-                                            const __nv_bfloat16 *v, int ld_q, int ld_kv, float *v_out,
-                                            pd_err *err)
+                                            const __nv_bfloat16 *v, int ld_q, int ld_kv,
+                                            __nv_bfloat16 *q_out, int k_rows, float *v_out, pd_err *err)
 {
-    qk_src<__nv_bfloat16> src = { q, k, v, ld_q, ld_kv, v_out };
+    qk_src<__nv_bfloat16> src = { q, k, v, ld_q, ld_kv, q_out, k_rows, v_out };
     return launch<__nv_bfloat16>(be, a, src, err);
 }
