@@ -136,6 +136,144 @@ qk_post_kernel(kern_qk_post_args a, qk_src<T> src, int heads_per_block, int rnd)
     }
 }
 
+/* The bf16-products form for head_dim HD (64 or 128), 8-byte rows: LPH = HD / 8 lanes per head,
+ * each holding 4 rotate-half pairs (elements i0..i0+3 and i0+half..i0+half+3, i0 = 4 (lane %
+ * LPH)) loaded and stored 8 bytes at a time, so a warp takes 32 / LPH heads at once and keeps
+ * the next ones in flight while it finishes these (the per-head form above holds a quarter of
+ * the bytes in flight per warp and ran an 8k prefill at about half the copy rate). The same
+ * arithmetic per element; the sum of squares in its own fixed order (lane partials of 8, then a
+ * butterfly over the head's lanes). */
+/* the 4 bf16 of u as floats (a bf16 is the high half of its float) */
+static __device__ __forceinline__ void unpack4(uint2 u, float *f)
+{
+    f[0] = __uint_as_float(u.x << 16);
+    f[1] = __uint_as_float(u.x & 0xffff0000u);
+    f[2] = __uint_as_float(u.y << 16);
+    f[3] = __uint_as_float(u.y & 0xffff0000u);
+}
+
+template <int HD>
+__global__ void __launch_bounds__(QK_WARPS * 32, 6)
+qk_post_vec_kernel(kern_qk_post_args a, qk_src<__nv_bfloat16> src, int heads_per_block, int rnd)
+{
+    constexpr int HALF = HD / 2, LPH = HD / 8, HPW = 32 / LPH;
+    __shared__ float cs_s[HALF], sn_s[HALF];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int sub = lane / LPH, i0 = 4 * (lane % LPH);
+    const size_t t = blockIdx.x;
+    const int h_first = blockIdx.y * heads_per_block;
+    const int h_end = min(a.n_heads + a.n_kv_heads, h_first + heads_per_block);
+    auto head_src = [&](int head) -> const __nv_bfloat16 * {
+        return head >= a.n_heads ? src.k + t * src.ld_kv + (size_t)(head - a.n_heads) * HD
+                                 : src.q + t * src.ld_q + (size_t)head * HD;
+    };
+    uint2 n1 = make_uint2(0u, 0u), n2 = n1;   /* the next heads' raw bf16 */
+    auto load = [&](int head) {
+        if (head < h_end) {
+            const __nv_bfloat16 *x = head_src(head);
+            n1 = *(const uint2 *)(x + i0);
+            n2 = *(const uint2 *)(x + i0 + HALF);
+        }
+    };
+    int base = h_first + warp * HPW;
+    load(base + sub);
+    const double pos = (double)a.pos[t];
+    for (int i = threadIdx.x; i < HALF; i += blockDim.x) {
+        float inv_freq = (float)(1.0 / pow((double)a.theta, (double)(2 * i) / HD));
+        double sd, cd;
+        sincos(pos * (double)inv_freq, &sd, &cd);
+        cs_s[i] = (float)cd;
+        sn_s[i] = (float)sd;
+    }
+    __syncthreads();
+    const int32_t slot = a.kv.k != NULL ? a.slot[t] : -1;
+    const size_t row = (size_t)a.n_kv_heads * HD;
+    for (; base < h_end; base += QK_WARPS * HPW) {   /* warp-uniform: the shuffles need it */
+        const int head = base + sub;
+        const int is_k = head >= a.n_heads, live = head < h_end;
+        const int h = is_k ? head - a.n_heads : head;
+        float y1[4], y2[4];
+        unpack4(n1, y1);
+        unpack4(n2, y2);
+        load(base + QK_WARPS * HPW + sub);
+        float ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            ss += y1[j] * y1[j] + y2[j] * y2[j];
+#pragma unroll
+        for (int o = LPH / 2; o > 0; o >>= 1)
+            ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (!live)
+            continue;
+        const float inv = rsqrtf(ss / (float)HD + a.eps);
+        const kern_weight *nw = is_k ? &a.k_norm : &a.q_norm;
+        float r1[4], r2[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int i = i0 + j;
+            float u1 = kern_cuda_rnd(kern_cuda_ld(nw->data, nw->dtype, i) * kern_cuda_rnd(y1[j] * inv, rnd), rnd);
+            float u2 = kern_cuda_rnd(kern_cuda_ld(nw->data, nw->dtype, i + HALF) * kern_cuda_rnd(y2[j] * inv, rnd), rnd);
+            kern_cuda_rope_pair(u1, u2, cs_s[i], sn_s[i], rnd, &r1[j], &r2[j]);
+        }
+        if (!is_k && src.q_out != NULL) {
+            __nv_bfloat16 *qo = src.q_out + t * a.ld_q + (size_t)h * HD + i0;
+            kern_cuda_st4(qo, make_float4(r1[0], r1[1], r1[2], r1[3]));
+            kern_cuda_st4(qo + HALF, make_float4(r2[0], r2[1], r2[2], r2[3]));
+        } else if (!is_k || src.k_rows) {
+            float *x = is_k ? a.k + t * a.ld_kv + (size_t)h * HD : a.q + t * a.ld_q + (size_t)h * HD;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                x[i0 + j] = r1[j];
+                x[i0 + j + HALF] = r2[j];
+            }
+        }
+        if (!is_k || (slot < 0 && src.v_out == NULL))
+            continue;
+        const __nv_bfloat16 *v = src.v + t * src.ld_kv + (size_t)h * HD + i0;
+        const uint2 v1 = *(const uint2 *)v, v2 = *(const uint2 *)(v + HALF);
+        if (slot >= 0 && a.kv.dtype == KERN_DTYPE_BF16) {
+            /* v is a bf16 product: its bits are the values the cache stores */
+            const size_t b = (size_t)slot * row + (size_t)h * HD + i0;
+            __nv_bfloat16 *kc = (__nv_bfloat16 *)a.kv.k + b, *vc = (__nv_bfloat16 *)a.kv.v + b;
+            kern_cuda_st4(kc, make_float4(r1[0], r1[1], r1[2], r1[3]));
+            kern_cuda_st4(kc + HALF, make_float4(r2[0], r2[1], r2[2], r2[3]));
+            *(uint2 *)vc = v1;
+            *(uint2 *)(vc + HALF) = v2;
+        }
+        float f1[4], f2[4];
+        unpack4(v1, f1);
+        unpack4(v2, f2);
+        if (slot >= 0 && a.kv.dtype != KERN_DTYPE_BF16) {
+            const size_t b = (size_t)slot * row + (size_t)h * HD + i0;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                kern_cuda_st(a.kv.k, a.kv.dtype, b + j, r1[j]);
+                kern_cuda_st(a.kv.k, a.kv.dtype, b + j + HALF, r2[j]);
+                kern_cuda_st(a.kv.v, a.kv.dtype, b + j, f1[j]);
+                kern_cuda_st(a.kv.v, a.kv.dtype, b + j + HALF, f2[j]);
+            }
+        }
+        if (src.v_out != NULL) {
+            float *vo = src.v_out + t * a.ld_kv + (size_t)h * HD + i0;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                vo[j] = f1[j];
+                vo[j + HALF] = f2[j];
+            }
+        }
+    }
+}
+
+/* the vector form's 8-byte accesses line up: rows and bases of the products, q_out and the cache */
+static int vec_fits(const kern_qk_post_args *a, const qk_src<__nv_bfloat16> &src)
+{
+    uintptr_t al = (uintptr_t)src.q | (uintptr_t)src.k | (uintptr_t)src.v | (uintptr_t)src.q_out;
+    if (a->kv.k != NULL && a->kv.dtype == KERN_DTYPE_BF16)
+        al |= (uintptr_t)a->kv.k | (uintptr_t)a->kv.v;
+    return (a->head_dim == 64 || a->head_dim == 128) && al % 8 == 0 && src.ld_q % 4 == 0 &&
+           src.ld_kv % 4 == 0 && (src.q_out == NULL || a->ld_q % 4 == 0);
+}
+
 template <typename T>
 static pd_status launch(kern_backend *be, const kern_qk_post_args *a, const qk_src<T> &src, pd_err *err)
 {
@@ -176,5 +314,16 @@ extern "C" pd_status kern_cuda_qk_post_from(kern_backend *be, const kern_qk_post
                                             __nv_bfloat16 *q_out, int k_rows, float *v_out, pd_err *err)
 {
     qk_src<__nv_bfloat16> src = { q, k, v, ld_q, ld_kv, q_out, k_rows, v_out };
-    return launch<__nv_bfloat16>(be, a, src, err);
+    if (a->n_tok <= 0 || !vec_fits(a, src))
+        return launch<__nv_bfloat16>(be, a, src, err);
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    const int heads = a->n_heads + a->n_kv_heads, hpw = 32 / (a->head_dim / 8);
+    const int per = a->n_tok >= QK_WIDE_MIN_TOK ? heads : QK_WARPS * hpw;
+    dim3 grid((unsigned)a->n_tok, (unsigned)((heads + per - 1) / per));
+    if (a->head_dim == 64)
+        qk_post_vec_kernel<64><<<grid, QK_WARPS * 32, 0, c->stream>>>(*a, src, per, be->act_bf16);
+    else
+        qk_post_vec_kernel<128><<<grid, QK_WARPS * 32, 0, c->stream>>>(*a, src, per, be->act_bf16);
+    KERN_CUDA_LAUNCH_CHECK(err);
+    return PD_OK;
 }
