@@ -493,8 +493,8 @@ static __device__ __forceinline__ float tc_ex2(float x)
  * in registers for the whole CTA; MT 2 reads them from shared memory at every k-step instead
  * (registers go to the second tile's accumulators) and reuses each K/V fragment for both
  * tiles, halving the shared-memory reads per mma. */
-template <int HD, int MT, int BN, int SUB>
-__global__ void __launch_bounds__(TC_THREADS, 2)
+template <int HD, int MT, int BN, int SUB, int MINB>
+__global__ void __launch_bounds__(TC_THREADS, MINB)
 attn_tc_kernel(attn_params p)
 {
     constexpr int BM = TC_WARPS * 16 * MT;
@@ -1235,19 +1235,18 @@ static pd_status attn_run(kern_cuda_ctx *c, attn_params *p, int n_tok, pd_err *e
     return PD_OK;
 }
 
-/* Launches the tensor-core kernel (bf16 cache) and, with n_split > 1, the merge of partials. */
-template <int HD, int MT>
+/* Launches the tensor-core kernel (bf16 cache) and, with n_split > 1, the merge of partials.
+ * Tiles: 128 rows (MT 2) compute and load 32-key tiles: the second m-tile's accumulators need
+ * the registers that 64-key scores would take (ptxas spills otherwise); 64 rows (MT 1) take
+ * 64-key tiles, two CTAs per SM, or with NARROW 32-key tiles and three CTAs per SM (the 8k
+ * prefill experiment of PD_ATTN_TC_MT1). */
+template <int HD, int MT, bool NARROW>
 static pd_status attn_tc_run(kern_cuda_ctx *c, attn_params *p, pd_err *err)
 {
-    /* 128-row CTAs compute 32-key sub-tiles: the second m-tile's accumulators need the
-     * registers that 64-key scores would take (ptxas spills otherwise); they load 32 keys per
-     * stage, or 64 (two sub-tiles per wait and barrier) with PD_ATTN_TC_LOAD=64 */
-    constexpr int SUB = MT == 2 ? TC_BN / 2 : TC_BN;
+    constexpr int BN = MT == 2 || NARROW ? TC_BN / 2 : TC_BN;
     const int bm = TC_WARPS * 16 * MT;
-    const int bn = MT == 2 && c->attn_tc_load == 64 ? 64 : SUB;
-    const size_t smem = (size_t)(bm + 4 * bn) * HD * sizeof(__nv_bfloat16);
-    void (*kern)(attn_params) =
-        bn == SUB ? attn_tc_kernel<HD, MT, SUB, SUB> : attn_tc_kernel<HD, MT, TC_BN, SUB>;
+    const size_t smem = (size_t)(bm + 4 * BN) * HD * sizeof(__nv_bfloat16);
+    void (*kern)(attn_params) = attn_tc_kernel<HD, MT, BN, BN, NARROW ? 3 : 2>;
     /* set on every launch: the attribute belongs to the current device, and several backends
      * of one process may sit on different devices (a host call, not a stream operation) */
     PD_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem), err);
@@ -1271,10 +1270,12 @@ static pd_status attn_tc_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n_
      * CTAs per SM without a key split; 64 rows otherwise, so a tile of short blocks (verify,
      * draft) makes fewer per-sequence passes and a mid-size chunk fills the GPU unsplit
      * (H200, 1k-token causal chunk x 32 heads: 128 rows + 2 splits 72 TFLOP/s, 64 rows 119) */
-    int mt = 1;
+    int mt = 1, narrow = 0;
     if (p->n_tok >= TC_MT2_MIN_Q_PER_SEQ * n_seq &&
-        (size_t)((p->n_tok + 127) / 128) * p->n_heads >= (size_t)c->n_sm * 2)
-        mt = 2;
+        (size_t)((p->n_tok + 127) / 128) * p->n_heads >= (size_t)c->n_sm * 2) {
+        mt = c->attn_tc_mt1 ? 1 : 2;
+        narrow = c->attn_tc_mt1;
+    }
     const int bm = TC_WARPS * 16 * mt;
     /* two CTAs fit on an SM: split the keys when the tiles alone give fewer than that, keeping
      * at least TC_MIN_SPLIT_KEYS keys per chunk */
@@ -1301,8 +1302,10 @@ static pd_status attn_tc_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n_
         p->part_ml = p->part_acc + n_part * hd;
     }
     if (mt == 2)
-        return hd == 64 ? attn_tc_run<64, 2>(c, p, err) : attn_tc_run<128, 2>(c, p, err);
-    return hd == 64 ? attn_tc_run<64, 1>(c, p, err) : attn_tc_run<128, 1>(c, p, err);
+        return hd == 64 ? attn_tc_run<64, 2, false>(c, p, err) : attn_tc_run<128, 2, false>(c, p, err);
+    if (narrow)
+        return hd == 64 ? attn_tc_run<64, 1, true>(c, p, err) : attn_tc_run<128, 1, true>(c, p, err);
+    return hd == 64 ? attn_tc_run<64, 1, false>(c, p, err) : attn_tc_run<128, 1, false>(c, p, err);
 }
 
 /* Batch-invariant rounds on a bf16 cache: sizes and launches attn_inv_kernel. The grouping of
