@@ -493,21 +493,21 @@ static __device__ __forceinline__ float tc_ex2(float x)
  * in registers for the whole CTA; MT 2 reads them from shared memory at every k-step instead
  * (registers go to the second tile's accumulators) and reuses each K/V fragment for both
  * tiles, halving the shared-memory reads per mma. */
-template <int HD, int MT, int BN, int SUB, int MINB>
-__global__ void __launch_bounds__(TC_THREADS, MINB)
+template <int HD, int MT, int BN>
+__global__ void __launch_bounds__(TC_THREADS, 2)
 attn_tc_kernel(attn_params p)
 {
     constexpr int BM = TC_WARPS * 16 * MT;
     constexpr int CH = HD / 8;        /* 16-byte chunks per row */
     constexpr int KD = HD / 16;       /* k-steps over head_dim in Q K^T */
-    constexpr int NS = SUB / 8;       /* score n-tiles per m-tile (one sub-tile of keys) */
+    constexpr int NS = BN / 8;        /* score n-tiles per m-tile */
     constexpr int ND = HD / 8;        /* output n-tiles per m-tile */
     constexpr int RPL = BM / 32;      /* rows per lane when warp 0 scans the tile */
     constexpr bool QREG = MT == 1;
     constexpr int LD_ITERS = BN * CH / TC_THREADS;
     static_assert(BN * CH % TC_THREADS == 0 && TC_THREADS % CH == 0, "tile load split");
     static_assert(TC_BN % BN == 0, "split chunks (multiples of TC_BN) must hold whole key tiles");
-    static_assert(BN % SUB == 0 && SUB % 16 == 0, "a loaded tile is computed in whole sub-tiles");
+    static_assert(BN % 16 == 0, "key tiles of whole mma k-steps");
     extern __shared__ __align__(128) unsigned char tc_smem[];
     __nv_bfloat16 *q_s = (__nv_bfloat16 *)tc_smem;   /* [BM][HD] */
     __nv_bfloat16 *k_s = q_s + BM * HD;               /* [2][BN][HD] */
@@ -649,13 +649,8 @@ attn_tc_kernel(attn_params p)
             tc_cp_wait<1>();   /* everything but the group just committed: tile j0 is here */
             __syncthreads();
             const __nv_bfloat16 *ks = k_s + st * BN * HD, *vs = v_s + st * BN * HD;
-            /* SUB keys at a time: the registers of a SUB-key score tile, one wait and barrier
-             * per BN keys */
-#pragma unroll 1
-            for (int sb = 0; sb < BN / SUB; sb++) {
-                const int js = j0 + sb * SUB, ro = sb * SUB;   /* first key, its row in the tile */
-                if (js >= ke)
-                    break;
+            {
+                const int js = j0, ro = 0;   /* first key, its row in the tile */
 
                 float s[MT][NS][4];
 #pragma unroll
@@ -691,7 +686,7 @@ attn_tc_kernel(attn_params p)
                 }
 
                 /* mask keys at or past each row's kv_len (only tiles that reach some row's end) */
-                if (js + SUB > lim_lo) {
+                if (js + BN > lim_lo) {
 #pragma unroll
                     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -736,7 +731,7 @@ attn_tc_kernel(attn_params p)
 
                 /* O += P V: P's accumulator layout is the A fragment layout of the next mma */
 #pragma unroll
-                for (int kk = 0; kk < SUB / 16; kk++) {
+                for (int kk = 0; kk < BN / 16; kk++) {
                     unsigned a[MT][4];
 #pragma unroll
                     for (int mt = 0; mt < MT; mt++) {
@@ -1238,15 +1233,15 @@ static pd_status attn_run(kern_cuda_ctx *c, attn_params *p, int n_tok, pd_err *e
 /* Launches the tensor-core kernel (bf16 cache) and, with n_split > 1, the merge of partials.
  * Tiles: 128 rows (MT 2) compute and load 32-key tiles: the second m-tile's accumulators need
  * the registers that 64-key scores would take (ptxas spills otherwise); 64 rows (MT 1) take
- * 64-key tiles, two CTAs per SM, or with NARROW 32-key tiles and three CTAs per SM (the 8k
- * prefill experiment of PD_ATTN_TC_MT1). */
-template <int HD, int MT, bool NARROW>
+ * 64-key tiles. (64-row tiles of 32 keys at three CTAs per SM ran the 8k prefill at 186-187 ms
+ * against 173-174 ms for 128-row tiles, H200 2026-12-03 21:49 UTC.) */
+template <int HD, int MT>
 static pd_status attn_tc_run(kern_cuda_ctx *c, attn_params *p, pd_err *err)
 {
-    constexpr int BN = MT == 2 || NARROW ? TC_BN / 2 : TC_BN;
+    constexpr int BN = MT == 2 ? TC_BN / 2 : TC_BN;
     const int bm = TC_WARPS * 16 * MT;
     const size_t smem = (size_t)(bm + 4 * BN) * HD * sizeof(__nv_bfloat16);
-    void (*kern)(attn_params) = attn_tc_kernel<HD, MT, BN, BN, NARROW ? 3 : 2>;
+    void (*kern)(attn_params) = attn_tc_kernel<HD, MT, BN>;
     /* set on every launch: the attribute belongs to the current device, and several backends
      * of one process may sit on different devices (a host call, not a stream operation) */
     PD_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem), err);
@@ -1270,12 +1265,10 @@ static pd_status attn_tc_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n_
      * CTAs per SM without a key split; 64 rows otherwise, so a tile of short blocks (verify,
      * draft) makes fewer per-sequence passes and a mid-size chunk fills the GPU unsplit
      * (H200, 1k-token causal chunk x 32 heads: 128 rows + 2 splits 72 TFLOP/s, 64 rows 119) */
-    int mt = 1, narrow = 0;
+    int mt = 1;
     if (p->n_tok >= TC_MT2_MIN_Q_PER_SEQ * n_seq &&
-        (size_t)((p->n_tok + 127) / 128) * p->n_heads >= (size_t)c->n_sm * 2) {
-        mt = c->attn_tc_mt1 ? 1 : 2;
-        narrow = c->attn_tc_mt1;
-    }
+        (size_t)((p->n_tok + 127) / 128) * p->n_heads >= (size_t)c->n_sm * 2)
+        mt = 2;
     const int bm = TC_WARPS * 16 * mt;
     /* two CTAs fit on an SM: split the keys when the tiles alone give fewer than that, keeping
      * at least TC_MIN_SPLIT_KEYS keys per chunk */
@@ -1302,10 +1295,8 @@ static pd_status attn_tc_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n_
         p->part_ml = p->part_acc + n_part * hd;
     }
     if (mt == 2)
-        return hd == 64 ? attn_tc_run<64, 2, false>(c, p, err) : attn_tc_run<128, 2, false>(c, p, err);
-    if (narrow)
-        return hd == 64 ? attn_tc_run<64, 1, true>(c, p, err) : attn_tc_run<128, 1, true>(c, p, err);
-    return hd == 64 ? attn_tc_run<64, 1, false>(c, p, err) : attn_tc_run<128, 1, false>(c, p, err);
+        return hd == 64 ? attn_tc_run<64, 2>(c, p, err) : attn_tc_run<128, 2>(c, p, err);
+    return hd == 64 ? attn_tc_run<64, 1>(c, p, err) : attn_tc_run<128, 1>(c, p, err);
 }
 
 /* Batch-invariant rounds on a bf16 cache: sizes and launches attn_inv_kernel. The grouping of

@@ -338,8 +338,6 @@ static pd_status ctx_init(kern_cuda_ctx *c, int device, pd_err *err)
     c->mk_chain_old = mk != NULL && strcmp(mk, "old") == 0;
     const char *mkp = getenv("PD_MK_CHAIN_PDL");
     c->mk_chain_pdl = !(mkp != NULL && strcmp(mkp, "0") == 0);
-    const char *mt1 = getenv("PD_ATTN_TC_MT1");
-    c->attn_tc_mt1 = mt1 != NULL && strcmp(mt1, "1") == 0;
     const char *skw = getenv("PD_SK_WIDE_WARPS");
     int w = skw != NULL ? atoi(skw) : 2;
     c->sk_wide_warps = w == 1 || w == 2 || w == 4 || w == 8 ? w : 2;

@@ -43,9 +43,6 @@ typedef struct kern_cuda_ctx {
     int sk_wide_warps;         /* K-split warps (1, 2, 4, 8) of the skinny GEMM for shapes whose
                                   tiles need several waves (lm_head): PD_SK_WIDE_WARPS at
                                   creation, 2 without it */
-    int attn_tc_mt1;           /* PD_ATTN_TC_MT1=1 at creation: prefill attention in 64-row tiles
-                                  of 32 keys, three CTAs per SM, instead of 128-row tiles
-                                  (an experiment; off without it) */
     size_t ws_bytes;
     unsigned ws_epoch;         /* bumped whenever ws moves: graphs captured before are stale */
     unsigned capture_epoch;    /* ws_epoch when the capture in progress began */
