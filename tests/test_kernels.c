@@ -888,6 +888,17 @@ static void batch_free(batch *b)
     free(b->page_table);
 }
 
+/* The ragged batch of an attention case's spec; -1 (after saying why) when the spec is bad */
+static int case_batch(const kcase *c, batch_spec *bs, batch *b)
+{
+    if (parse_spec(c->spec, bs) != 0) {
+        printf("      bad spec %s\n", c->spec);
+        return -1;
+    }
+    batch_build(bs, c->page_size, b);
+    return 0;
+}
+
 /* Uploads an attention case's cache, queries and batch tables to one backend (a->kv.dtype,
  * n_tok, n_seq and pt_stride already set). */
 static void attn_upload(side *s, kern_attn_args *a, const float *k, const float *v, size_t cache_n,
@@ -908,11 +919,8 @@ static double run_attn(run_ctx *x)
     const kcase *c = x->c;
     batch_spec bs;
     batch b;
-    if (parse_spec(c->spec, &bs) != 0) {
-        printf("      bad spec %s\n", c->spec);
+    if (case_batch(c, &bs, &b) != 0)
         return 1e30;
-    }
-    batch_build(&bs, c->page_size, &b);
     int nh = c->n_heads, nkv = c->n_kv, hd = c->hd;
     size_t cache_n = (size_t)b.n_pages * c->page_size * nkv * hd;
     int ld_q = nh * hd + c->pad, ld_out = nh * hd + 2 * c->pad;
@@ -1286,11 +1294,8 @@ static double run_attn_block(run_ctx *x)
     const kcase *c = x->c;
     batch_spec bs;
     batch b;
-    if (parse_spec(c->spec, &bs) != 0) {
-        printf("      bad spec %s\n", c->spec);
+    if (case_batch(c, &bs, &b) != 0)
         return 1e30;
-    }
-    batch_build(&bs, c->page_size, &b);
     const int m = b.n_tok, k = c->k, nh = c->n_heads, nkv = c->n_kv, hd = c->hd, ps = c->page_size;
     const int qd = nh * hd, row = nkv * hd, ld_q = qd + c->pad, ld_kv = row;
     size_t cache_n = (size_t)b.n_pages * ps * row;

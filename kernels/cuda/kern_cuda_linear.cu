@@ -648,23 +648,13 @@ extern "C" pd_status kern_cuda_mlp_launch(kern_backend *be, const kern_mlp_args 
     return kern_cuda_copy_rows_launch(be, &cp, err);
 }
 
-/* Few rows or no bf16 rounding: the linear, then qk_post. The cuBLAS path with bf16
- * activations keeps the products in bf16 scratch ([q | k | v], each [m, n_i]) and qk_post reads
- * them there, writing q, k and v once (the products are the values the linear would store). */
-extern "C" pd_status kern_cuda_qkv_launch(kern_backend *be, const kern_qkv_args *a, pd_err *err)
+/* The first half of ops qkv and attn_block on the cuBLAS path: x normed and packed once, then
+ * the q/k/v products (the linear's weights in order) into bf16 scratch, prod[i] [m, n_i] */
+static pd_status qkv_products(kern_backend *be, const kern_linear_args *l, const __nv_bfloat16 **prod,
+                              pd_err *err)
 {
-    const kern_linear_args *l = &a->lin;
-    int bf = 1;
-    for (int i = 0; i < l->n_w; i++)
-        bf &= l->w[i].dtype == KERN_DTYPE_BF16;
-    if (l->m <= 0)
-        return PD_OK;
-    if (!be->act_bf16 || !bf || uses_skinny(be, l)) {
-        pd_status st = kern_cuda_linear_launch(be, l, err);
-        return st != PD_OK ? st : kern_cuda_qk_post_launch(be, &a->post, err);
-    }
     kern_cuda_ctx *c = kern_cuda_ctx_of(be);
-    const int m = l->m, k = l->k, nq = l->n_w - 2;
+    const int m = l->m, k = l->k;
     size_t xs = kern_cuda_align256((size_t)m * k * 2), off[KERN_LINEAR_MAX_W], total = xs;
     for (int i = 0; i < l->n_w; i++) {
         off[i] = total;
@@ -680,15 +670,37 @@ extern "C" pd_status kern_cuda_qkv_launch(kern_backend *be, const kern_qkv_args 
         return st;
     for (int i = 0; i < l->n_w; i++) {
         int n = (int)l->w[i].rows;
-        if ((st = kern_cuda_cublas_product(c, &l->w[i], xp, ld_xp, m, n, k, (char *)ws + off[i],
+        prod[i] = (const __nv_bfloat16 *)((char *)ws + off[i]);
+        if ((st = kern_cuda_cublas_product(c, &l->w[i], xp, ld_xp, m, n, k, (void *)prod[i],
                                            KERN_DTYPE_BF16, n, 0.0f, err)) != PD_OK)
             return st;
     }
-    const __nv_bfloat16 *pq = nq ? (const __nv_bfloat16 *)((char *)ws + off[0]) : NULL;
-    const __nv_bfloat16 *pk = (const __nv_bfloat16 *)((char *)ws + off[nq]);
-    const __nv_bfloat16 *pv = (const __nv_bfloat16 *)((char *)ws + off[nq + 1]);
-    return kern_cuda_qk_post_from(be, &a->post, pq, pk, pv, nq ? (int)l->w[0].rows : 0,
-                                  (int)l->w[nq].rows, NULL, 1, l->y[nq + 1], err);
+    return PD_OK;
+}
+
+/* Few rows or no bf16 rounding: the linear, then qk_post. The cuBLAS path with bf16
+ * activations keeps the products in bf16 scratch ([q | k | v], each [m, n_i]) and qk_post reads
+ * them there, writing q, k and v once (the products are the values the linear would store). */
+extern "C" pd_status kern_cuda_qkv_launch(kern_backend *be, const kern_qkv_args *a, pd_err *err)
+{
+    const kern_linear_args *l = &a->lin;
+    int bf = 1;
+    for (int i = 0; i < l->n_w; i++)
+        bf &= l->w[i].dtype == KERN_DTYPE_BF16;
+    if (l->m <= 0)
+        return PD_OK;
+    if (!be->act_bf16 || !bf || uses_skinny(be, l)) {
+        pd_status st = kern_cuda_linear_launch(be, l, err);
+        return st != PD_OK ? st : kern_cuda_qk_post_launch(be, &a->post, err);
+    }
+    const int nq = l->n_w - 2;
+    const __nv_bfloat16 *prod[KERN_LINEAR_MAX_W];
+    pd_status st = qkv_products(be, l, prod, err);
+    if (st != PD_OK)
+        return st;
+    return kern_cuda_qk_post_from(be, &a->post, nq ? prod[0] : NULL, prod[nq], prod[nq + 1],
+                                  nq ? (int)l->w[0].rows : 0, (int)l->w[nq].rows, NULL, 1,
+                                  l->y[nq + 1], err);
 }
 
 /* The attention half of a layer. Few rows, no bf16 rounding, or a batch the tensor-core
@@ -718,38 +730,22 @@ extern "C" pd_status kern_cuda_attn_block_launch(kern_backend *be, const kern_at
         return st != PD_OK ? st : kern_cuda_linear_launch(be, o, err);
     }
     kern_cuda_ctx *c = kern_cuda_ctx_of(be);
-    const int m = l->m, k = l->k;
-    size_t xs = kern_cuda_align256((size_t)m * k * 2), off[KERN_LINEAR_MAX_W], total = xs;
-    for (int i = 0; i < l->n_w; i++) {
-        off[i] = total;
-        total += kern_cuda_align256((size_t)m * l->w[i].rows * 2);
-    }
-    void *ws = NULL;
-    pd_status st = kern_cuda_ws_get(c, total + 256, &ws, err);
+    const int m = l->m;
+    const __nv_bfloat16 *prod[KERN_LINEAR_MAX_W];
+    pd_status st = qkv_products(be, l, prod, err);
     if (st != PD_OK)
         return st;
-    const void *xp = NULL;
-    int ld_xp = 0;
-    if ((st = operand_x(be, l, ws, &xp, &ld_xp, err)) != PD_OK)
-        return st;
-    for (int i = 0; i < l->n_w; i++) {
-        int n = (int)l->w[i].rows;
-        if ((st = kern_cuda_cublas_product(c, &l->w[i], xp, ld_xp, m, n, k, (char *)ws + off[i],
-                                           KERN_DTYPE_BF16, n, 0.0f, err)) != PD_OK)
-            return st;
-    }
     /* q in bf16 (rows of ld_q) in the first half of q's own memory; the attention output in
      * bf16 (rows of ld_out) in attn.out's */
     __nv_bfloat16 *qb = (__nv_bfloat16 *)p->q, *ob = (__nv_bfloat16 *)a->attn.out;
-    if ((st = kern_cuda_qk_post_from(be, p, (const __nv_bfloat16 *)((char *)ws + off[0]),
-                                     (const __nv_bfloat16 *)((char *)ws + off[1]),
-                                     (const __nv_bfloat16 *)((char *)ws + off[2]), (int)l->w[0].rows,
+    if ((st = kern_cuda_qk_post_from(be, p, prod[0], prod[1], prod[2], (int)l->w[0].rows,
                                      (int)l->w[1].rows, qb, 0, NULL, err)) != PD_OK)
         return st;
     if ((st = kern_cuda_attn_launch_bf16(be, &a->attn, qb, ob, err)) != PD_OK)
         return st;
     /* the o projection's operand is the packed output itself; scratch for its product only */
     const int n = (int)o->w[0].rows;
+    void *ws = NULL;
     if ((st = kern_cuda_ws_get(c, kern_cuda_gemm_tmp_bytes(&o->w[0], m, n, 1) + 256, &ws, err)) != PD_OK)
         return st;
     if ((st = kern_cuda_gemm_packed(c, &o->w[0], ob, o->ld_x, m, n, o->k, o->y[0], o->ld_y[0],

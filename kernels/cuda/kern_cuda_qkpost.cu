@@ -43,6 +43,22 @@ static __device__ __forceinline__ void load_head(const T *x, int n_half, int lan
     }
 }
 
+/* The RoPE angles of token t, pairs 0..hd/2-1, into cs/sn (shared memory) by the whole block,
+ * formed as kern_cuda_rope.cu forms them; the block's barrier publishes them */
+static __device__ __forceinline__ void rope_angles(const kern_qk_post_args &a, size_t t, int hd,
+                                                   float *cs, float *sn)
+{
+    const double pos = (double)a.pos[t];
+    for (int i = threadIdx.x; i < hd / 2; i += blockDim.x) {
+        float inv_freq = (float)(1.0 / pow((double)a.theta, (double)(2 * i) / hd));
+        double sd, cd;
+        sincos(pos * (double)inv_freq, &sd, &cd);
+        cs[i] = (float)cd;
+        sn[i] = (float)sd;
+    }
+    __syncthreads();
+}
+
 /* Block (token, group of heads_per_block heads); its warps walk the group's heads, each loading
  * its next head while it finishes the current one. The RoPE angles of the token are formed once
  * per block into shared memory, after the first loads are issued: they depend on the position
@@ -69,15 +85,7 @@ qk_post_kernel(kern_qk_post_args a, qk_src<T> src, int heads_per_block, int rnd)
     float x1[NP], x2[NP];
     if (head < h_end)
         load_head<NP>(head_src(head), half, lane, x1, x2);
-    const double pos = (double)a.pos[t];
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        float inv_freq = (float)(1.0 / pow((double)a.theta, (double)(2 * i) / hd));
-        double sd, cd;
-        sincos(pos * (double)inv_freq, &sd, &cd);
-        cs_s[i] = (float)cd;
-        sn_s[i] = (float)sd;
-    }
-    __syncthreads();
+    rope_angles(a, t, hd, cs_s, sn_s);
     const int32_t slot = a.kv.k != NULL ? a.slot[t] : -1;
     const size_t row = (size_t)a.n_kv_heads * hd;
     for (; head < h_end; head += QK_WARPS) {
@@ -177,15 +185,7 @@ qk_post_vec_kernel(kern_qk_post_args a, qk_src<__nv_bfloat16> src, int heads_per
     };
     int base = h_first + warp * HPW;
     load(base + sub);
-    const double pos = (double)a.pos[t];
-    for (int i = threadIdx.x; i < HALF; i += blockDim.x) {
-        float inv_freq = (float)(1.0 / pow((double)a.theta, (double)(2 * i) / HD));
-        double sd, cd;
-        sincos(pos * (double)inv_freq, &sd, &cd);
-        cs_s[i] = (float)cd;
-        sn_s[i] = (float)sd;
-    }
-    __syncthreads();
+    rope_angles(a, t, HD, cs_s, sn_s);
     const int32_t slot = a.kv.k != NULL ? a.slot[t] : -1;
     const size_t row = (size_t)a.n_kv_heads * HD;
     for (; base < h_end; base += QK_WARPS * HPW) {   /* warp-uniform: the shuffles need it */
