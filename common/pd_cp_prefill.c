@@ -589,18 +589,12 @@ static void *rank_main(void *arg)
 {
     rank_job *j = arg;
     pd_cp_group *g = j->g;
-#ifdef PD_HAVE_CUDA
-    /* a CUDA backend's calls go to the calling thread's current device */
-    if (g->kind == PD_CP_COMM_NCCL) {
-        cudaError_t ce = cudaSetDevice(g->res[j->rank].device);
-        if (ce != cudaSuccess) {
-            j->st = pd_err_set(&j->err, PD_ERR_CUDA, "cp rank %d: cudaSetDevice(%d): %s", j->rank,
-                               g->res[j->rank].device, cudaGetErrorString(ce));
-            pd_comm_abort(g->comms[j->rank], j->err.msg);
-            return NULL;
-        }
+    /* a device backend's calls go to the calling thread's current device */
+    j->st = kern_backend_bind_thread(g->res[j->rank].be, NULL, &j->err);
+    if (j->st != PD_OK) {
+        pd_comm_abort(g->comms[j->rank], j->err.msg);
+        return NULL;
     }
-#endif
     pd_cp_batch rb = { .ids = j->b->ids, .seqs = j->b->seqs[j->rank], .logit_rows = j->b->logit_rows,
                        .n_logits = j->b->n_logits };
     j->st = pd_cp_rank_forward(g->ranks[j->rank], g->plan, &rb, &j->err);

@@ -76,7 +76,9 @@ struct pd_engine {
     /* context-parallel prefill (cp_size > 1): ranks 1.. have their own backend handle and KV
      * replica; rank 0 is the target's backend and pool */
     int cp_n;
-    kern_backend **cp_be;       /* [cp_n], [0] borrowed */
+    kern_backend **cp_be;       /* [cp_n], [0] borrowed; 1.. owned when cp_owns_be (host
+                                 * handles), else the cp_targets' backends */
+    int cp_owns_be;
     pd_kv_pool **cp_pool;       /* [cp_n], [0] = tpool */
     pd_cp_group *cp;
     /* tensor-parallel decode (tp_size > 1): tm/dm are rank 0's shards, owned by the group */
@@ -117,16 +119,32 @@ static pd_status grow_host(void **p, int *cap, int need, size_t per, pd_err *err
     return PD_OK;
 }
 
-/* The CP group of a host backend: one more backend handle and KV replica per extra rank. */
+/* m is rank 0's target t loaded on another backend of t's kind and precision */
+static int cp_target_ok(const pd_qwen3_model *m, const pd_qwen3_model *t)
+{
+    const pd_qwen3_config *a = m != NULL ? &m->cfg : NULL, *b = &t->cfg;
+    return m != NULL && m->be != NULL && m->be->ops == t->be->ops &&
+           m->be->act_bf16 == t->be->act_bf16 && m->be->weight_dtype == t->be->weight_dtype &&
+           m->be->kv_dtype == t->be->kv_dtype && a->hidden_size == b->hidden_size &&
+           a->num_hidden_layers == b->num_hidden_layers &&
+           a->num_attention_heads == b->num_attention_heads &&
+           a->num_key_value_heads == b->num_key_value_heads && a->head_dim == b->head_dim &&
+           a->intermediate_size == b->intermediate_size && a->vocab_size == b->vocab_size;
+}
+
+/* The CP group: a host backend gets one more backend handle and KV replica per extra rank (the
+ * weights shared); a device backend takes the ranks' targets from cfg.cp_targets (each on its
+ * own backend) and a KV replica on each: NCCL when every rank has a device of its own, the
+ * local communicator with device copies when ranks share one. */
 static pd_status cp_create(pd_engine *e, const pd_kv_layout *tl, const int *taps, int n_taps,
                            pd_err *err)
 {
     kern_backend *be = e->tm->be;
     int n = e->cfg.cp_size;
-    if (!be->is_host)
+    if (!be->is_host && e->cfg.cp_targets == NULL)
         return pd_err_set(err, PD_ERR_UNSUPPORTED,
-                          "cp prefill in the engine runs its ranks as threads on a host backend; "
-                          "backend %s needs one GPU per rank (pd_cp_group with NCCL)", be->ops->name);
+                          "cp prefill on backend %s needs the target loaded once per rank "
+                          "(pd_engine_config.cp_targets)", be->ops->name);
     if (e->cfg.cp_strategy < 0 || e->cfg.cp_strategy >= PD_CP_STRATEGY_COUNT)
         return pd_err_set(err, PD_ERR_INVALID, "cp strategy %d unknown", (int)e->cfg.cp_strategy);
     e->cp_be = calloc((size_t)n, sizeof(*e->cp_be));
@@ -137,25 +155,93 @@ static pd_status cp_create(pd_engine *e, const pd_kv_layout *tl, const int *taps
         return pd_err_set(err, PD_ERR_NOMEM, "cp group of %d ranks", n);
     }
     e->cp_n = n;
+    e->cp_owns_be = be->is_host;
     e->cp_be[0] = be;
     e->cp_pool[0] = e->tpool;
-    pd_status st = PD_OK;
+    res[0] = (pd_cp_rank_res){ .be = be, .model = e->tm, .pool = e->tpool };
+    pd_status st = kern_backend_bind_thread(be, &res[0].device, err);
+    int distinct = 1;
     for (int r = 1; r < n && st == PD_OK; r++) {
-        kern_backend_config bc = { .name = be->ops->name, .f32 = be->weight_dtype == KERN_DTYPE_F32,
-                                   .act_bf16 = be->act_bf16 };
-        st = kern_backend_create(&bc, &e->cp_be[r], err);
+        const pd_qwen3_model *m = e->tm;
+        if (be->is_host) {
+            kern_backend_config bc = { .name = be->ops->name, .f32 = be->weight_dtype == KERN_DTYPE_F32,
+                                       .act_bf16 = be->act_bf16 };
+            st = kern_backend_create(&bc, &e->cp_be[r], err);
+        } else if (!cp_target_ok(e->cfg.cp_targets[r - 1], e->tm)) {
+            st = pd_err_set(err, PD_ERR_INVALID, "cp rank %d: no target, or not the rank 0 target's "
+                            "shapes on a %s backend of the same precision", r, be->ops->name);
+        } else {
+            m = e->cfg.cp_targets[r - 1];
+            e->cp_be[r] = m->be;
+            st = kern_backend_bind_thread(m->be, &res[r].device, err);
+            for (int q = 0; q < r && st == PD_OK; q++)
+                distinct &= res[q].device != res[r].device;
+        }
         if (st == PD_OK)
             st = pd_kv_pool_create(e->cp_be[r], tl, &e->cp_pool[r], err);
+        if (st == PD_OK)
+            res[r] = (pd_cp_rank_res){ .be = e->cp_be[r], .model = m, .pool = e->cp_pool[r],
+                                       .device = res[r].device };
     }
-    for (int r = 0; r < n; r++)
-        res[r] = (pd_cp_rank_res){ .be = e->cp_be[r], .model = e->tm, .pool = e->cp_pool[r] };
+    /* this thread goes on with rank 0's device */
+    if (st == PD_OK)
+        st = kern_backend_bind_thread(be, NULL, err);
     pd_cp_group_config gc = { .opts = { .strategy = e->cfg.cp_strategy, .cp_size = n },
                               .comm = PD_CP_COMM_LOCAL, .ranks = res, .taps = taps,
                               .n_taps = n_taps };
+    if (!be->is_host) {
+        gc.comm = distinct && pd_comm_nccl_available() ? PD_CP_COMM_NCCL : PD_CP_COMM_LOCAL;
+        gc.copy = gc.comm == PD_CP_COMM_LOCAL ? pd_comm_cuda_copy : NULL;
+    }
     if (st == PD_OK)
         st = pd_cp_group_create(&gc, &e->cp, err);
     free(res);
     return st;
+}
+
+pd_status pd_cp_targets_load(pd_cp_targets *t, kern_backend *be0, const char *dir, int cp_size,
+                             pd_err *err)
+{
+    memset(t, 0, sizeof(*t));
+    if (be0->is_host || cp_size <= 1)
+        return PD_OK;
+    int ndev = kern_backend_device_count(be0->ops->name);
+    if (ndev < 1)
+        return pd_err_set(err, PD_ERR_UNSUPPORTED, "cp prefill: no %s device", be0->ops->name);
+    t->be = calloc((size_t)cp_size - 1, sizeof(*t->be));
+    t->tm = calloc((size_t)cp_size - 1, sizeof(*t->tm));
+    if (t->be == NULL || t->tm == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "cp prefill: %d ranks", cp_size);
+    t->n = cp_size;
+    pd_status st = PD_OK;
+    for (int r = 1; r < cp_size && st == PD_OK; r++) {
+        kern_backend_config bc = { .name = be0->ops->name, .device = r % ndev,
+                                   .f32 = be0->weight_dtype == KERN_DTYPE_F32 };
+        st = kern_backend_create(&bc, &t->be[r - 1], err);
+        if (st == PD_OK)
+            st = pd_qwen3_load(t->be[r - 1], dir, &t->tm[r - 1], err);
+    }
+    /* creating a backend selects its device: the caller goes on with rank 0's */
+    pd_err berr;
+    pd_status sb = kern_backend_bind_thread(be0, NULL, &berr);
+    if (st == PD_OK && sb != PD_OK) {
+        *err = berr;
+        st = sb;
+    }
+    return st;
+}
+
+void pd_cp_targets_free(pd_cp_targets *t)
+{
+    for (int r = 0; r + 1 < t->n; r++) {
+        if (t->tm != NULL)
+            pd_qwen3_free(t->tm[r]);
+        if (t->be != NULL)
+            kern_backend_destroy(t->be[r]);
+    }
+    free(t->tm);
+    free(t->be);
+    memset(t, 0, sizeof(*t));
 }
 
 static void cp_release(pd_engine *e, pd_request *r)
@@ -314,7 +400,8 @@ void pd_engine_destroy(pd_engine *e)
     pd_cp_group_destroy(e->cp);
     for (int r = 1; r < e->cp_n; r++) {
         pd_kv_pool_destroy(e->cp_pool[r]);
-        kern_backend_destroy(e->cp_be[r]);
+        if (e->cp_owns_be)
+            kern_backend_destroy(e->cp_be[r]);
     }
     free(e->cp_pool);
     free(e->cp_be);

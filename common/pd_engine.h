@@ -42,9 +42,16 @@ typedef struct {
                                         * near-ties */
     int cp_size;                       /* context-parallel prefill ranks (0 or 1 = plain prefill);
                                         * > 1 runs them as threads of this process, each with its
-                                        * own backend handle and KV replica (host backends only;
-                                        * the target pool is rank 0's); decode stays single-rank */
+                                        * own backend handle and KV replica (the target pool is
+                                        * rank 0's); decode stays single-rank */
     pd_cp_strategy cp_strategy;        /* how CP splits the prompt tokens (pd_cp.h) */
+    const pd_qwen3_model *const *cp_targets; /* [cp_size - 1]: with a device backend, the target
+                                        * as loaded on each of ranks 1.. (borrowed; their backends
+                                        * are the ranks' backends, used by the rank threads only):
+                                        * ranks on distinct devices talk through NCCL, ranks that
+                                        * share one through the local communicator with device
+                                        * copies. NULL: host backends (each rank gets a handle of
+                                        * the target's backend and shares its weights). */
     int graphs;                        /* pd_graph_mode: AUTO (0, default) replays decode, verify
                                         * and draft steps as CUDA graphs per shape bucket where
                                         * the backend has graphs; OFF runs every op eagerly; PAD
@@ -147,6 +154,23 @@ typedef struct pd_request {
     int ext_seq;             /* scratch of extend_draft: this request's sequence slot ... */
     uint64_t ext_epoch;      /* ... valid while equal to the engine's extend counter */
 } pd_request;
+
+/* The targets of context-parallel ranks 1..cp_size-1 on a device backend
+ * (pd_engine_config.cp_targets): rank r's backend of be0's kind and precision on device
+ * r % (visible devices), the target loaded from dir there. One device: every rank on it (the
+ * local communicator, device copies); as many devices as ranks: one each (NCCL). */
+typedef struct {
+    int n;                        /* cp_size: n - 1 entries below */
+    kern_backend **be;
+    pd_qwen3_model **tm;
+} pd_cp_targets;
+/* Loads them (nothing for a host backend or cp_size <= 1); the calling thread stays on be0's
+ * device. PD_ERR_UNSUPPORTED without a device, load errors. pd_cp_targets_free after use
+ * (after the engine that borrows them), also after a failure. */
+pd_status pd_cp_targets_load(pd_cp_targets *t, kern_backend *be0, const char *dir, int cp_size,
+                             pd_err *err);
+void pd_cp_targets_free(pd_cp_targets *t);
+
 
 pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err *err);
 void pd_engine_destroy(pd_engine *e);

@@ -41,9 +41,10 @@ static void usage(FILE *f)
             "Runs DSpark speculative decoding (or plain target decoding with --no-draft) on one\n"
             "prompt. --prompt-ids reads whitespace-separated token ids. --json prints one object:\n"
             "tokens, text, rounds, accepted_per_round, tau, prompt_tokens, time_ms and more.\n"
-            "--cp-size N > 1 runs the prefill context-parallel over N ranks (threads of this process\n"
-            "on the cpu device), split by --cp-strategy (default round-robin-split); the result\n"
-            "is the same as with N = 1.\n"
+            "--cp-size N > 1 runs the prefill context-parallel over N ranks (threads of this process;\n"
+            "on cuda rank r runs on GPU r %% (visible GPUs) with its own copy of the target, NCCL\n"
+            "when every rank has a GPU of its own), split by --cp-strategy (default\n"
+            "round-robin-split); the result is the same as with N = 1.\n"
             "--tp N > 1 decodes tensor-parallel over N ranks (threads of this process; on the cpu\n"
             "device with the local communicator, on cuda one GPU per rank with NCCL): attention\n"
             "heads, MLP and lm_head split N ways; N must divide the attention heads; on the cpu the\n"
@@ -171,6 +172,7 @@ int main(int argc, char **argv)
     pd_dspark_model *dm = NULL;
     pd_tokenizer *tok = NULL;
     pd_engine *eng = NULL;
+    pd_cp_targets cpt = {0};   /* CP on a device backend: the targets of ranks 1.. */
     int32_t *ids = NULL;
     int n_ids = 0;
     char *text = NULL;
@@ -199,8 +201,11 @@ int main(int argc, char **argv)
     } else if (pd_cli_read_ids(PROG, ids_path, &ids, &n_ids) != 0) {
         goto out;
     }
+    if (pd_cp_targets_load(&cpt, be, model_dir, cp_size, &err) != PD_OK)
+        goto fail;
     pd_engine_config ec = { .target = tm, .draft = dm, .page_size = page_size, .n_pages = kv_pages,
                             .block_size = block, .cp_size = cp_size, .cp_strategy = cp_strategy,
+                            .cp_targets = (const pd_qwen3_model *const *)cpt.tm,
                             .tp_size = tp,
                             .verify_policy = verify, .verify_threshold = threshold,
                             .fast_kernels = fast_kernels, .graphs = graphs };
@@ -330,6 +335,7 @@ out:
     pd_sps_cleanup(&sps);
     pd_tokenizer_free(tok);
     pd_dspark_free(dm);
+    pd_cp_targets_free(&cpt);
     pd_qwen3_free(tm);
     kern_backend_destroy(be);
     return rc;

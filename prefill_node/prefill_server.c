@@ -81,6 +81,7 @@ struct prefill_server {
     kern_backend *be;
     pd_qwen3_model *tm;
     pd_dspark_model *dm;
+    pd_cp_targets cp_targets;   /* CP on a device backend: the targets of ranks 1.. */
     pd_engine *eng;
     pd_kv_layout lay;           /* our pool's layout */
     size_t page_bytes;
@@ -628,6 +629,11 @@ static void *engine_thread(void *arg)
 {
     prefill_server *ps = arg;
     pd_err err;
+    /* the engine's device work goes to this thread's current device: rank 0's */
+    if (kern_backend_bind_thread(ps->be, NULL, &err) != PD_OK) {
+        PD_LOG_ERROR("prefill", "engine thread: %s", err.msg);
+        return NULL;
+    }
     if (pd_loop_run(ps->loop, &err) != PD_OK)
         PD_LOG_ERROR("prefill", "engine loop: %s", err.msg);
     return NULL;
@@ -1039,8 +1045,11 @@ pd_status prefill_server_create(const prefill_config *cfg, prefill_server **out,
         goto err_destroy;
     pd_engine_config ec = { .target = ps->tm, .draft = ps->dm, .page_size = cfg->page_size,
                             .n_pages = cfg->kv_pages, .max_prefill_tokens = ps->cfg.max_batch_tokens };
+    if ((st = pd_cp_targets_load(&ps->cp_targets, ps->be, ps->model_dir, cfg->cp_size, err)) != PD_OK)
+        goto err_destroy;
     if (cfg->cp_size > 1) {
         ec.cp_size = cfg->cp_size;
+        ec.cp_targets = (const pd_qwen3_model *const *)ps->cp_targets.tm;
         if (ps->cp_strategy != NULL && (st = pd_cp_strategy_parse(ps->cp_strategy, &ec.cp_strategy, err)) != PD_OK)
             goto err_destroy;
     }
@@ -1121,6 +1130,7 @@ void prefill_server_destroy(prefill_server *ps)
     pd_xfer_destroy(ps->x);
     pd_engine_destroy(ps->eng);
     pd_dspark_free(ps->dm);
+    pd_cp_targets_free(&ps->cp_targets);
     pd_qwen3_free(ps->tm);
     kern_backend_destroy(ps->be);
     pthread_mutex_destroy(&ps->stats_mu);

@@ -14,6 +14,8 @@
  *   rank and an NCCL communicator, against the single-GPU forward within bf16 tolerance; skips
  *   (77) without NCCL or N GPUs.
  * With --cuda-local N: N ranks on GPU 0 with the local communicator (device copies).
+ * Both GPU modes also run the engine with the ranks' targets (pd_engine_config.cp_targets, the
+ * nodes' path) against cp 1: same tokens and acceptance (round-robin-split).
  * Usage: test_cp_prefill [--quick] [--nccl N | --cuda-local N] (--quick: cp_size 2 only). */
 #include <stdio.h>
 #include <stdlib.h>
@@ -464,13 +466,15 @@ typedef struct {
     aux_log aux;
 } gen_result;
 
+/* cp_targets: NULL on the cpu; the targets of ranks 1.. on a device backend */
 static pd_status generate(int cp, pd_cp_strategy strat, int chunk, int debug_hidden,
-                          const int32_t *const *prompts, const int32_t *lens, int n, gen_result *res,
-                          pd_err *err)
+                          const int32_t *const *prompts, const int32_t *lens, int n,
+                          const pd_qwen3_model *const *cp_targets, gen_result *res, pd_err *err)
 {
     memset(res, 0, sizeof(*res));
     pd_engine_config ec = { .target = tm, .draft = dm, .page_size = PAGE, .n_pages = 256,
                             .max_prefill_tokens = chunk, .cp_size = cp, .cp_strategy = strat,
+                            .cp_targets = cp_targets,
                             .prefill_aux_hook = aux_hook, .prefill_aux_hook_ud = &res->aux,
                             .cp_debug_aux_hidden = debug_hidden };
     pd_engine *e = NULL;
@@ -511,12 +515,12 @@ static void test_engine(const pd_st_set *g, int max_cp)
     const int chunks[2] = {2048, 24};
     for (int c = 0; c < 2; c++) {
         gen_result ref;
-        pd_status st = generate(1, PD_CP_STRATEGY_ROUND_ROBIN, chunks[c], 0, prompts, lens, 3, &ref, &err);
+        pd_status st = generate(1, PD_CP_STRATEGY_ROUND_ROBIN, chunks[c], 0, prompts, lens, 3, NULL, &ref, &err);
         TEST_CHECK_MSG(st == PD_OK, "engine cp 1: %s", err.msg);
         for (int cp = 2; cp <= max_cp; cp++)
             for (int s = 0; s < PD_CP_STRATEGY_COUNT; s++) {
                 gen_result got;
-                st = generate(cp, (pd_cp_strategy)s, chunks[c], 0, prompts, lens, 3, &got, &err);
+                st = generate(cp, (pd_cp_strategy)s, chunks[c], 0, prompts, lens, 3, NULL, &got, &err);
                 TEST_CHECK_MSG(st == PD_OK, "engine cp %d %s: %s", cp, pd_cp_strategy_name(s), err.msg);
                 int same = 1;
                 for (int i = 0; i < 3; i++) {
@@ -588,7 +592,7 @@ static void test_hidden_handoff(const pd_st_set *g)
     /* through the engine: a CP run that hands the drafter the hidden state must fail loudly */
     const int32_t *prompts[1] = {t->data};
     gen_result res;
-    pd_status st = generate(2, PD_CP_STRATEGY_ROUND_ROBIN, 2048, 1, prompts, &len, 1, &res, &err);
+    pd_status st = generate(2, PD_CP_STRATEGY_ROUND_ROBIN, 2048, 1, prompts, &len, 1, NULL, &res, &err);
     TEST_CHECK_MSG(st == PD_ERR_INTERNAL, "engine with the hidden hand-off: %s", pd_status_str(st));
     TEST_CHECK(res.aux.calls == 0);   /* the drafter never saw it */
     free(res.aux.rows);
@@ -763,6 +767,36 @@ static int test_gpu_group(int n, int local)
         }
         set_device(0);
     }
+    /* the engine with the ranks' targets (pd_engine_config.cp_targets; the node's path): the
+     * tokens and acceptance of cp 1 for a DSpark run, chunked prefill included */
+    set_device(0);
+    if (pd_dspark_load(bes[0], PD_MODELS "/tiny-code-dspark", tm, &dm, &err) != PD_OK) {
+        fprintf(stderr, "draft: %s\n", err.msg);
+        return 1;
+    }
+    for (int c = 0; c < 2; c++) {
+        const int chunk = c ? 24 : 2048;
+        gen_result r1, rn;
+        pd_status s1 = generate(1, PD_CP_STRATEGY_ROUND_ROBIN, chunk, 0, gsrc, glens, 3, NULL, &r1, &err);
+        TEST_CHECK_MSG(s1 == PD_OK, "engine cp 1 on cuda: %s", err.msg);
+        pd_status sn = generate(n, PD_CP_STRATEGY_ROUND_ROBIN, chunk, 0, gsrc, glens, 3,
+                                (const pd_qwen3_model *const *)(ms + 1), &rn, &err);
+        TEST_CHECK_MSG(sn == PD_OK, "engine cp %d on cuda: %s", n, err.msg);
+        int same = s1 == PD_OK && sn == PD_OK;
+        for (int i = 0; i < 3 && same; i++)
+            same = rn.n_out[i] == r1.n_out[i] && r1.n_out[i] == 32 &&
+                   memcmp(rn.out[i], r1.out[i], (size_t)r1.n_out[i] * 4) == 0 &&
+                   rn.n_rounds[i] == r1.n_rounds[i] &&
+                   memcmp(rn.acc[i], r1.acc[i], (size_t)r1.n_rounds[i] * sizeof(int)) == 0;
+        TEST_CHECK_MSG(same, "engine cp %d (%s) chunk %d: tokens or acceptance differ from cp 1",
+                       n, local ? "local" : "nccl", chunk);
+        printf("engine %s %d ranks round-robin-split chunk %4d: %s\n", local ? "cuda-local" : "nccl",
+               n, chunk, same ? "same tokens and acceptance as cp 1" : "DIFFERENT");
+        free(r1.aux.rows);
+        free(rn.aux.rows);
+    }
+    pd_dspark_free(dm);
+    dm = NULL;
     result_free(&ref);
     batch_free(&gold);
     pd_st_close(g);

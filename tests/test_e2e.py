@@ -144,9 +144,9 @@ def main():
             serve("colocated", addr, paths, refs)
         finally:
             stop(dn)
-    # CP prefill in a node runs its ranks as threads on a host backend; on a GPU it needs one
-    # device per rank (NCCL), so a GPU run here prefills with cp 1
-    cp = "1" if DEV else "2"
+    # CP prefill in a node: ranks as threads; on a GPU rank r runs on GPU r % (visible GPUs)
+    # with its own copy of the target (one GPU: both ranks on it, the local communicator)
+    cp = "2"
     if WHICH in ("disagg", "all"):
         disagg(["--cp-size", cp], {}, f"disaggregated (prefill cp {cp})", "prefill_cp", paths, refs)
     if WHICH in ("disagg", "aux", "all"):
