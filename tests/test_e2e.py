@@ -82,33 +82,21 @@ def run_ref(ids_path):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def compare(mode, refs, outs, exact=True):
-    """exact: every output equals pdspark-generate's. Otherwise (CP prefill on a GPU: the ranks'
-    row counts take other kernels than one rank's, so bf16 results differ by rounding and greedy
-    text may part at a near-tie) every request completes, at least 3/4 are identical and the
-    mean tau is within 5 % of the references'."""
+def compare(mode, refs, outs):
     same = 0
     for i, (ref, out) in enumerate(zip(refs, outs)):
         if "error" in out:
             check(False, f"{mode}: prompt {i}: {out['error']}")
             continue
         bad = [k for k in COMPARE if out.get(k) != ref.get(k)]
-        if exact:
-            check(not bad, f"{mode}: prompt {i}: differs from pdspark-generate in {bad}")
-        elif bad:
-            print(f"{mode}: prompt {i}: differs from pdspark-generate in {bad} (rounding; allowed)")
+        check(not bad, f"{mode}: prompt {i}: differs from pdspark-generate in {bad}")
         same += not bad
     taus = [o.get("tau", 0) for o in outs if "error" not in o]
-    mean = sum(taus) / max(1, len(taus))
-    ref_mean = sum(r.get("tau", 0) for r in refs) / max(1, len(refs))
-    if not exact:
-        check(same * 4 >= 3 * len(refs), f"{mode}: only {same}/{len(refs)} identical")
-        check(abs(mean - ref_mean) <= 0.05 * ref_mean, f"{mode}: mean tau {mean:.4f} vs {ref_mean:.4f}")
     print(f"{mode}: {same}/{len(refs)} identical to pdspark-generate; mean tau "
-          f"{mean:.4f} (references {ref_mean:.4f})", flush=True)
+          f"{sum(taus) / max(1, len(taus)):.4f}", flush=True)
 
 
-def serve(mode, addr, paths, refs, exact=True):
+def serve(mode, addr, paths, refs):
     t0 = time.time()
     with ThreadPoolExecutor(CONCURRENCY) as ex:
         outs = list(ex.map(lambda p: run_client(addr, p), paths))
@@ -116,7 +104,7 @@ def serve(mode, addr, paths, refs, exact=True):
     toks = sum(o.get("completion_tokens", 0) for o in outs)
     print(f"{mode}: {len(paths)} prompts, {CONCURRENCY} at a time: {dt:.1f} s, {toks / dt:.1f} tokens/s",
           flush=True)
-    compare(mode, refs, outs, exact)
+    compare(mode, refs, outs)
 
 
 def disagg(prefill_args, env, mode, name, paths, refs):
@@ -127,9 +115,7 @@ def disagg(prefill_args, env, mode, name, paths, refs):
         dn, addr = start([f"{BIN}/decode_node", "--model", TARGET, "--draft", DRAFT,
                           "--listen", "127.0.0.1:0", "--prefill", paddr] + DEV, "decode_" + name, env=env)
         try:
-            # CP prefill on a GPU is equal to one rank's up to bf16 rounding (compare())
-            serve(mode, addr, paths, refs, exact=not (DEV and "--cp-size" in prefill_args and
-                                                      prefill_args[prefill_args.index("--cp-size") + 1] != "1"))
+            serve(mode, addr, paths, refs)
         finally:
             stop(dn)
     finally:
@@ -158,9 +144,9 @@ def main():
             serve("colocated", addr, paths, refs)
         finally:
             stop(dn)
-    # CP prefill in a node: ranks as threads; on a GPU rank r runs on GPU r % (visible GPUs)
-    # with its own copy of the target (one GPU: both ranks on it, the local communicator)
-    cp = "2"
+    # CP prefill in a node runs its ranks as threads on a host backend; on a GPU it needs one
+    # device per rank (NCCL), so a GPU run here prefills with cp 1
+    cp = "1" if DEV else "2"
     if WHICH in ("disagg", "all"):
         disagg(["--cp-size", cp], {}, f"disaggregated (prefill cp {cp})", "prefill_cp", paths, refs)
     if WHICH in ("disagg", "aux", "all"):
