@@ -1664,7 +1664,7 @@ static pd_request *sched_probe(pd_engine *e, const round_slot *slots, int m)
         cand->plain_streak = 0;   /* and one per PD_REPROBE_PLAIN rounds without drafts (a
                                    * re-probe never counted as a first one: that had made the
                                    * count depend on timing, test_engine under load) */
-    return pd_sched_all_wins(&e->sched, m) ? cand : NULL;
+    return e->cfg.sched_probe_always || pd_sched_all_wins(&e->sched, m) ? cand : NULL;
 }
 
 /* One line of the scheduled policy's trace (pd_engine_config.sched_trace): the round, its

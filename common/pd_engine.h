@@ -69,6 +69,10 @@ typedef struct {
                                         * its arm per round; 1 = always no drafts, 2 = always
                                         * Algorithm 1, 3 = always all drafts (changed between
                                         * steps by pd_engine_set_sched_debug_arm) */
+    int sched_probe_always;            /* tests only: a probe candidate (a new scheduled request)
+                                        * is probed whatever the controller expects of the
+                                        * all-drafts arm, so the probe path runs independently of
+                                        * measured timings */
     void *sched_trace;                 /* diagnostics: a FILE * (stdio) that gets one line per
                                         * round of scheduled requests (the arm, its estimates and
                                         * what the round took); NULL = none */

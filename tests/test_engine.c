@@ -402,12 +402,17 @@ static void test_engine_deferred_chunks(void)
 /* The scheduled controller's probe of new requests (all-drafts rounds for a request that has
  * not verified PD_PROBE_ROUNDS whole blocks, sched_probe) is a few chances per request: never
  * more than three first probes per request (later ones come only after 16 rounds without
- * drafts), and a probed request has decoded a round before. */
+ * drafts), and a probed request has decoded a round before. Whether the controller expects the
+ * all-drafts arm to pay depends on measured timings, so the engine probes every candidate here
+ * (sched_probe_always): the limits are what is tested. */
 static void test_engine_sched_probe(void)
 {
     pd_err err;
     int na = (int)(sizeof(prompt_a) / 4), nb = (int)(sizeof(prompt_b) / 4);
-    pd_engine *e = sched_engine_pages(0, 128);
+    pd_engine *e = NULL;
+    pd_engine_config ec = { .target = tm, .draft = dm, .page_size = 4, .n_pages = 128,
+                            .verify_policy = PD_VERIFY_SCHEDULED, .sched_probe_always = 1 };
+    TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);
     pd_gen_params gp = greedy(24);
     pd_request *r[4] = {0};
     for (int i = 0; i < 4; i++) {
