@@ -376,11 +376,10 @@ static int cp_case(const char *name, const batch *b, const result *ref, int cp, 
     return split;
 }
 
-static void test_forward(const pd_st_set *g, int max_cp)
+/* The input ids of golden prompts g0..g{n-1} (exits when one is missing) */
+static void golden_prompts(const pd_st_set *g, int n, const int32_t **prompts, int32_t *lens)
 {
-    const int32_t *gsrc[4];
-    int32_t glens[4];
-    for (int p = 0; p < 4; p++) {
+    for (int p = 0; p < n; p++) {
         char name[32];
         snprintf(name, sizeof(name), "g%d.input_ids", p);
         const pd_st_tensor *t = pd_st_find(g, name);
@@ -388,9 +387,16 @@ static void test_forward(const pd_st_set *g, int max_cp)
             fprintf(stderr, "golden %s missing\n", name);
             exit(1);
         }
-        gsrc[p] = t->data;
-        glens[p] = (int32_t)t->shape[0];
+        prompts[p] = t->data;
+        lens[p] = (int32_t)t->shape[0];
     }
+}
+
+static void test_forward(const pd_st_set *g, int max_cp)
+{
+    const int32_t *gsrc[4];
+    int32_t glens[4];
+    golden_prompts(g, 4, gsrc, glens);
     batch gold = batch_of(4, glens, gsrc);
     result gref = reference(&gold);
     for (int cp = 2; cp <= max_cp; cp++) {
@@ -503,13 +509,7 @@ static void test_engine(const pd_st_set *g, int max_cp)
 {
     const int32_t *prompts[3];
     int32_t lens[3];
-    for (int p = 0; p < 3; p++) {
-        char name[32];
-        snprintf(name, sizeof(name), "g%d.input_ids", p);
-        const pd_st_tensor *t = pd_st_find(g, name);
-        prompts[p] = t->data;
-        lens[p] = (int32_t)t->shape[0];
-    }
+    golden_prompts(g, 3, prompts, lens);
     pd_err err;
     /* chunk 24: the 37- and 100-token prompts are prefilled over a cached prefix */
     const int chunks[2] = {2048, 24};
@@ -691,13 +691,7 @@ static void test_waves(const pd_st_set *g)
 {
     const int32_t *prompts[3];
     int32_t lens[3];
-    for (int p = 0; p < 3; p++) {
-        char name[32];
-        snprintf(name, sizeof(name), "g%d.input_ids", p);
-        const pd_st_tensor *t = pd_st_find(g, name);
-        prompts[p] = t->data;
-        lens[p] = (int32_t)t->shape[0];
-    }
+    golden_prompts(g, 3, prompts, lens);
     pd_err err;
     int g1 = waves(1, 2048, prompts, lens, 3, NULL, 3, &err);
     int g2 = waves(2, 2048, prompts, lens, 3, NULL, 3, &err);
@@ -748,13 +742,7 @@ static int test_gpu_group(int n, int local)
     }
     const int32_t *gsrc[4];
     int32_t glens[4];
-    for (int p = 0; p < 4; p++) {
-        char name[32];
-        snprintf(name, sizeof(name), "g%d.input_ids", p);
-        const pd_st_tensor *t = pd_st_find(g, name);
-        gsrc[p] = t->data;
-        glens[p] = (int32_t)t->shape[0];
-    }
+    golden_prompts(g, 4, gsrc, glens);
     batch gold = batch_of(4, glens, gsrc);
     result ref = reference(&gold);
     for (int st = 0; st < PD_CP_STRATEGY_COUNT; st++) {
