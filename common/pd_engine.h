@@ -175,7 +175,6 @@ pd_status pd_cp_targets_load(pd_cp_targets *t, kern_backend *be0, const char *di
                              pd_err *err);
 void pd_cp_targets_free(pd_cp_targets *t);
 
-
 pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err *err);
 void pd_engine_destroy(pd_engine *e);
 

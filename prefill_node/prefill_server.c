@@ -628,7 +628,7 @@ static void *engine_thread(void *arg)
 {
     prefill_server *ps = arg;
     pd_err err;
-    /* the engine's device work goes to this thread's current device: rank 0's */
+    /* the engine's device work goes to this thread's current device: the backend's */
     if (kern_backend_bind_thread(ps->be, NULL, &err) != PD_OK) {
         PD_LOG_ERROR("prefill", "engine thread: %s", err.msg);
         return NULL;

@@ -648,6 +648,15 @@ extern "C" pd_status kern_cuda_mlp_launch(kern_backend *be, const kern_mlp_args 
     return kern_cuda_copy_rows_launch(be, &cp, err);
 }
 
+/* every weight of l is bf16 */
+static int weights_bf16(const kern_linear_args *l)
+{
+    int bf = 1;
+    for (int i = 0; i < l->n_w; i++)
+        bf &= l->w[i].dtype == KERN_DTYPE_BF16;
+    return bf;
+}
+
 /* The first half of ops qkv and attn_block on the cuBLAS path: x normed and packed once, then
  * the q/k/v products (the linear's weights in order) into bf16 scratch, prod[i] [m, n_i] */
 static pd_status qkv_products(kern_backend *be, const kern_linear_args *l, const __nv_bfloat16 **prod,
@@ -684,12 +693,9 @@ static pd_status qkv_products(kern_backend *be, const kern_linear_args *l, const
 extern "C" pd_status kern_cuda_qkv_launch(kern_backend *be, const kern_qkv_args *a, pd_err *err)
 {
     const kern_linear_args *l = &a->lin;
-    int bf = 1;
-    for (int i = 0; i < l->n_w; i++)
-        bf &= l->w[i].dtype == KERN_DTYPE_BF16;
     if (l->m <= 0)
         return PD_OK;
-    if (!be->act_bf16 || !bf || uses_skinny(be, l)) {
+    if (!be->act_bf16 || !weights_bf16(l) || uses_skinny(be, l)) {
         pd_status st = kern_cuda_linear_launch(be, l, err);
         return st != PD_OK ? st : kern_cuda_qk_post_launch(be, &a->post, err);
     }
@@ -705,8 +711,9 @@ extern "C" pd_status kern_cuda_qkv_launch(kern_backend *be, const kern_qkv_args 
 
 /* The attention half of a layer. Few rows, no bf16 rounding, or a batch the tensor-core
  * attention does not take: the three ops. Else the q/k/v products go to bf16 scratch, qk_post
- * writes q in bf16 into the memory of qkv.post.q and k/v into the cache only, the attention reads that q
- * and writes its output in bf16 into the memory of attn.out, and the o projection multiplies
+ * writes q in bf16 into the memory of qkv.post.q and k/v into the cache only, the attention
+ * reads that q and writes its output in bf16 into the memory of attn.out, and the o projection
+ * multiplies
  * that packed output directly: every value is the one the three ops would pass on (q, k, v and
  * the attention output are bf16-rounded there too), so the result is the same bit for bit,
  * without the fp32 q/k/v rows, the fp32 attention output and its packing pass (~0.4 GB per
@@ -716,12 +723,9 @@ extern "C" pd_status kern_cuda_attn_block_launch(kern_backend *be, const kern_at
 {
     const kern_linear_args *l = &a->qkv.lin, *o = &a->o;
     const kern_qk_post_args *p = &a->qkv.post;
-    int bf = o->w[0].dtype == KERN_DTYPE_BF16;
-    for (int i = 0; i < l->n_w; i++)
-        bf &= l->w[i].dtype == KERN_DTYPE_BF16;
     if (l->m <= 0)
         return PD_OK;
-    if (!be->act_bf16 || !bf || p->n_heads == 0 || uses_skinny(be, l) || uses_skinny(be, o) ||
+    if (!be->act_bf16 || !weights_bf16(l) || !weights_bf16(o) || p->n_heads == 0 || uses_skinny(be, l) || uses_skinny(be, o) ||
         !kern_cuda_attn_bf16_fits(be, &a->attn) || (uintptr_t)p->q % 16 != 0 ||
         (uintptr_t)a->attn.out % 16 != 0 || o->ld_x % 8 != 0) {
         pd_status st = kern_cuda_qkv_launch(be, &a->qkv, err);

@@ -144,13 +144,6 @@ qk_post_kernel(kern_qk_post_args a, qk_src<T> src, int heads_per_block, int rnd)
     }
 }
 
-/* The bf16-products form for head_dim HD (64 or 128), 8-byte rows: LPH = HD / 8 lanes per head,
- * each holding 4 rotate-half pairs (elements i0..i0+3 and i0+half..i0+half+3, i0 = 4 (lane %
- * LPH)) loaded and stored 8 bytes at a time, so a warp takes 32 / LPH heads at once and keeps
- * the next ones in flight while it finishes these (the per-head form above holds a quarter of
- * the bytes in flight per warp and ran an 8k prefill at about half the copy rate). The same
- * arithmetic per element; the sum of squares in its own fixed order (lane partials of 8, then a
- * butterfly over the head's lanes). */
 /* the 4 bf16 of u as floats (a bf16 is the high half of its float) */
 static __device__ __forceinline__ void unpack4(uint2 u, float *f)
 {
@@ -160,6 +153,13 @@ static __device__ __forceinline__ void unpack4(uint2 u, float *f)
     f[3] = __uint_as_float(u.y & 0xffff0000u);
 }
 
+/* The bf16-products form for head_dim HD (64 or 128), 8-byte rows: LPH = HD / 8 lanes per head,
+ * each holding 4 rotate-half pairs (elements i0..i0+3 and i0+half..i0+half+3, i0 = 4 (lane %
+ * LPH)) loaded and stored 8 bytes at a time, so a warp takes 32 / LPH heads at once and keeps
+ * the next ones in flight while it finishes these (the per-head form above holds a quarter of
+ * the bytes in flight per warp and ran an 8k prefill at about half the copy rate). The same
+ * arithmetic per element; the sum of squares in its own fixed order (lane partials of 8, then a
+ * butterfly over the head's lanes). */
 template <int HD>
 __global__ void __launch_bounds__(QK_WARPS * 32, 6)
 qk_post_vec_kernel(kern_qk_post_args a, qk_src<__nv_bfloat16> src, int heads_per_block, int rnd)
