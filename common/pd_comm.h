@@ -77,8 +77,8 @@ void pd_comm_destroy(pd_comm *c);
 typedef pd_status (*pd_comm_copy_fn)(void *ud, void *dst, const void *src, size_t n,
                                      pd_err *err);
 
-/* A pd_comm_copy_fn for device memory of one process (cudaMemcpy with cudaMemcpyDefault):
- * several local ranks on one GPU. PD_ERR_UNSUPPORTED in builds without CUDA. */
+/* A pd_comm_copy_fn for device memory of one process (a copy on the legacy stream, complete when
+ * it returns): several local ranks on one GPU. PD_ERR_UNSUPPORTED in builds without CUDA. */
 pd_status pd_comm_cuda_copy(void *ud, void *dst, const void *src, size_t n, pd_err *err);
 
 typedef struct {

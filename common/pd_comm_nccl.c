@@ -400,7 +400,13 @@ err_free:
 pd_status pd_comm_cuda_copy(void *ud, void *dst, const void *src, size_t n, pd_err *err)
 {
     (void)ud;
-    cudaError_t ce = cudaMemcpy(dst, src, n, cudaMemcpyDefault);
+    /* a device-to-device cudaMemcpy may return before the copy is done, and it runs on the
+     * legacy stream, which the backends' non-blocking streams do not wait for: the copy must be
+     * complete before the collective returns (this rank's kernels read dst next, and the other
+     * ranks overwrite src once every rank has passed the closing rendezvous) */
+    cudaError_t ce = cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, cudaStreamLegacy);
+    if (ce == cudaSuccess)
+        ce = cudaStreamSynchronize(cudaStreamLegacy);
     if (ce != cudaSuccess)
         return pd_err_set(err, PD_ERR_CUDA, "local comm copy of %zu bytes: %s", n, cudaGetErrorString(ce));
     return PD_OK;

@@ -1402,11 +1402,13 @@ out:
  * decoding every forward holds one request's tokens only: the prefill kernels (cuBLAS, the
  * tensor-core attention) are not batch-invariant, so a prompt's KV must not depend on which
  * other prompts shared its forward - the same prompt then gets bit-identical KV whether it is
- * decoded speculatively or not, and greedy speculative output equals greedy decoding. */
+ * decoded speculatively or not, and greedy speculative output equals greedy decoding. CP
+ * forwards too: the ranks' pieces (and so their kernels) follow from the forward's tokens, so a
+ * node serving a burst and pdspark-generate serving one prompt prefill it the same way. */
 static pd_status prefill_step(pd_engine *e, pd_err *err)
 {
     int budget = e->cfg.max_prefill_tokens;
-    int solo = !e->cfg.fast_kernels && !e->tm->be->is_host && e->cp == NULL;
+    int solo = !e->cfg.fast_kernels && !e->tm->be->is_host;
     int n = 0, total = 0;
     do {
         /* a request's chunks are max_prefill_tokens long whatever else is waiting */

@@ -88,6 +88,7 @@ struct decode_server {
     char *model_dir, *draft_dir, *device, *prefill;
     kern_backend *be;
     pd_qwen3_model *tm;
+    pd_cp_targets cp_targets;   /* --colocated CP on a device backend: the targets of ranks 1.. */
     pd_dspark_model *dm;
     pd_tokenizer *tok;
     pd_engine *eng;
@@ -1419,14 +1420,11 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
         ec.calib = &s->calib;
     else if (cs != PD_ERR_NOT_FOUND)
         PD_LOG_WARN("decode", "ignoring the confidence calibration: %s", cerr.msg);
-    if (cfg->colocated && cfg->cp_size > 1 && !s->be->is_host) {
-        /* as prefill_node: the engine runs it, a serving node not yet (docs/GPU_TESTS.md) */
-        st = pd_err_set(err, PD_ERR_UNSUPPORTED, "--cp-size %d with --colocated on %s is not supported "
-                        "yet (pdspark-generate --cp-size runs CP prefill on GPUs)", cfg->cp_size, s->device);
-        goto err_destroy;
-    }
     if (cfg->colocated && cfg->cp_size > 1) {
+        if ((st = pd_cp_targets_load(&s->cp_targets, s->be, s->model_dir, cfg->cp_size, err)) != PD_OK)
+            goto err_destroy;
         ec.cp_size = cfg->cp_size;
+        ec.cp_targets = (const pd_qwen3_model *const *)s->cp_targets.tm;
         if (cfg->cp_strategy != NULL &&
             (st = pd_cp_strategy_parse(cfg->cp_strategy, &ec.cp_strategy, err)) != PD_OK)
             goto err_destroy;
@@ -1519,6 +1517,7 @@ void decode_server_destroy(decode_server *s)
     pd_sps_cleanup(&s->sps);
     pd_tokenizer_free(s->tok);
     pd_dspark_free(s->dm);
+    pd_cp_targets_free(&s->cp_targets);
     pd_qwen3_free(s->tm);
     kern_backend_destroy(s->be);
     pthread_mutex_destroy(&s->stats_mu);

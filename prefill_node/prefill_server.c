@@ -81,6 +81,7 @@ struct prefill_server {
     kern_backend *be;
     pd_qwen3_model *tm;
     pd_dspark_model *dm;
+    pd_cp_targets cp_targets;   /* CP on a device backend: the targets of ranks 1.. */
     pd_engine *eng;
     pd_kv_layout lay;           /* our pool's layout */
     size_t page_bytes;
@@ -1044,16 +1045,11 @@ pd_status prefill_server_create(const prefill_config *cfg, prefill_server **out,
         goto err_destroy;
     pd_engine_config ec = { .target = ps->tm, .draft = ps->dm, .page_size = cfg->page_size,
                             .n_pages = cfg->kv_pages, .max_prefill_tokens = ps->cfg.max_batch_tokens };
-    if (cfg->cp_size > 1 && !ps->be->is_host) {
-        /* the engine runs it (pd_engine_config.cp_targets, pdspark-generate --cp-size), but a
-         * node serving many requests with it gave other tokens than cp 1 from its ninth request
-         * on (H200, docs/GPU_TESTS.md), so the node refuses it until that is found */
-        st = pd_err_set(err, PD_ERR_UNSUPPORTED, "--cp-size %d on a %s prefill node is not supported "
-                        "yet (pdspark-generate --cp-size runs CP prefill on GPUs)", cfg->cp_size, ps->device);
+    if ((st = pd_cp_targets_load(&ps->cp_targets, ps->be, ps->model_dir, cfg->cp_size, err)) != PD_OK)
         goto err_destroy;
-    }
     if (cfg->cp_size > 1) {
         ec.cp_size = cfg->cp_size;
+        ec.cp_targets = (const pd_qwen3_model *const *)ps->cp_targets.tm;
         if (ps->cp_strategy != NULL && (st = pd_cp_strategy_parse(ps->cp_strategy, &ec.cp_strategy, err)) != PD_OK)
             goto err_destroy;
     }
@@ -1134,6 +1130,7 @@ void prefill_server_destroy(prefill_server *ps)
     pd_xfer_destroy(ps->x);
     pd_engine_destroy(ps->eng);
     pd_dspark_free(ps->dm);
+    pd_cp_targets_free(&ps->cp_targets);
     pd_qwen3_free(ps->tm);
     kern_backend_destroy(ps->be);
     pthread_mutex_destroy(&ps->stats_mu);
