@@ -713,9 +713,8 @@ extern "C" pd_status kern_cuda_qkv_launch(kern_backend *be, const kern_qkv_args 
  * attention does not take: the three ops. Else the q/k/v products go to bf16 scratch, qk_post
  * writes q in bf16 into the memory of qkv.post.q and k/v into the cache only, the attention
  * reads that q and writes its output in bf16 into the memory of attn.out, and the o projection
- * multiplies
- * that packed output directly: every value is the one the three ops would pass on (q, k, v and
- * the attention output are bf16-rounded there too), so the result is the same bit for bit,
+ * multiplies that packed output directly: every value is the one the three ops would pass on (q,
+ * k, v and the attention output are bf16-rounded there too), so the result is the same bit for bit,
  * without the fp32 q/k/v rows, the fp32 attention output and its packing pass (~0.4 GB per
  * layer at an 8k prefill of Qwen3-4B). */
 extern "C" pd_status kern_cuda_attn_block_launch(kern_backend *be, const kern_attn_block_args *a,
@@ -725,9 +724,9 @@ extern "C" pd_status kern_cuda_attn_block_launch(kern_backend *be, const kern_at
     const kern_qk_post_args *p = &a->qkv.post;
     if (l->m <= 0)
         return PD_OK;
-    if (!be->act_bf16 || !weights_bf16(l) || !weights_bf16(o) || p->n_heads == 0 || uses_skinny(be, l) || uses_skinny(be, o) ||
-        !kern_cuda_attn_bf16_fits(be, &a->attn) || (uintptr_t)p->q % 16 != 0 ||
-        (uintptr_t)a->attn.out % 16 != 0 || o->ld_x % 8 != 0) {
+    if (!be->act_bf16 || !weights_bf16(l) || !weights_bf16(o) || p->n_heads == 0 ||
+        uses_skinny(be, l) || uses_skinny(be, o) || !kern_cuda_attn_bf16_fits(be, &a->attn) ||
+        (uintptr_t)p->q % 16 != 0 || (uintptr_t)a->attn.out % 16 != 0 || o->ld_x % 8 != 0) {
         pd_status st = kern_cuda_qkv_launch(be, &a->qkv, err);
         if (st == PD_OK)
             st = kern_cuda_attn_launch(be, &a->attn, err);
