@@ -282,7 +282,10 @@ typedef struct {
  * calls; one op so a backend may keep q and the attention output in its own form between them
  * (the CUDA prefill path writes q and the attention output in packed bf16 into the memory of
  * qkv.post.q and attn.out, and never writes k/v rows outside the cache). After the call q, k, v
- * and attn.out hold undefined values; o.y[0] may not overlap any of them. */
+ * and attn.out hold undefined values; o.y[0] may not overlap any of them. The keys qkv stores
+ * are appended: each sequence's new keys (at most qkv.lin.m) are the last ones any of its
+ * attention rows sees, every earlier key was in the cache before the call (decode, verify and
+ * draft blocks, prefill chunks; the CUDA backend loads those early). */
 typedef struct {
     kern_qkv_args qkv;
     kern_attn_args attn;

@@ -96,6 +96,9 @@ struct attn_params {
     int inv_splits;      /* > 0 (batch-invariant mode): a query's chunk comes from its own length */
     int qg, grp0;        /* attn_inv_kernel: tokens per CTA, first token group of this launch */
     unsigned *cnt;       /* attn_inv_kernel: arrival counter per CTA column (zero between launches) */
+    int n_new;           /* attn_inv_kernel: > 0 in a programmatic dependent launch whose previous
+                          * kernel stores this round's keys: a row's keys from its length - n_new
+                          * on may be new, every earlier one was stored before (0: none early) */
     float scale;
     int rnd;             /* kern_backend.act_bf16: outputs rounded to bf16 */
 };
@@ -895,32 +898,44 @@ attn_inv_kernel(attn_params p)
         seq_s[tid] = s;
         len_s[tid] = len;
     }
-    for (int i = tid; i < rows_pad * CH; i += INV_THREADS) {
-        const int r = i / CH, c = i % CH;
-        const size_t t = t0 + r / hb;
-        unsigned wh[4] = {0u, 0u, 0u, 0u}, wl[4] = {0u, 0u, 0u, 0u};
-        if (r < n_rows && t < (size_t)p.n_tok) {
-            /* scalar loads: ld_q need not keep rows 16-byte aligned */
-            const float *src = p.q + t * p.ld_q + (size_t)(h0 + r % hb) * HD + c * 8;
+    /* q of the rows as hi + lo bf16 terms into shared memory (read through the L2: with an early
+     * start the previous kernel wrote it while this CTA was resident), then into fragments */
+    auto load_q = [&]() {
+        for (int i = tid; i < rows_pad * CH; i += INV_THREADS) {
+            const int r = i / CH, c = i % CH;
+            const size_t t = t0 + r / hb;
+            unsigned wh[4] = {0u, 0u, 0u, 0u}, wl[4] = {0u, 0u, 0u, 0u};
+            if (r < n_rows && t < (size_t)p.n_tok) {
+                /* scalar loads: ld_q need not keep rows 16-byte aligned */
+                const float *src = p.q + t * p.ld_q + (size_t)(h0 + r % hb) * HD + c * 8;
 #pragma unroll
-            for (int e = 0; e < 4; e++)
-                tc_split_bf16(__ldg(src + 2 * e), __ldg(src + 2 * e + 1), wh[e], wl[e]);
+                for (int e = 0; e < 4; e++)
+                    tc_split_bf16(__ldcg(src + 2 * e), __ldcg(src + 2 * e + 1), wh[e], wl[e]);
+            }
+            *(uint4 *)&qh_s[tc_swz(r, c, HD)] = make_uint4(wh[0], wh[1], wh[2], wh[3]);
+            *(uint4 *)&ql_s[tc_swz(r, c, HD)] = make_uint4(wl[0], wl[1], wl[2], wl[3]);
         }
-        *(uint4 *)&qh_s[tc_swz(r, c, HD)] = make_uint4(wh[0], wh[1], wh[2], wh[3]);
-        *(uint4 *)&ql_s[tc_swz(r, c, HD)] = make_uint4(wl[0], wl[1], wl[2], wl[3]);
-    }
-    __syncthreads();
-
+    };
     const int wrow = warp * 16;
     const bool active = wrow < n_rows;   /* warp-uniform: warps past the rows only load */
     unsigned qh[KD][4], ql[KD][4];
-    if (active) {
+    auto frag_q = [&]() {
+        if (active) {
 #pragma unroll
-        for (int kk = 0; kk < KD; kk++) {
-            tc_ldsm_x4(qh[kk], &qh_s[tc_swz(wrow + (lane & 15), kk * 2 + (lane >> 4), HD)]);
-            tc_ldsm_x4(ql[kk], &ql_s[tc_swz(wrow + (lane & 15), kk * 2 + (lane >> 4), HD)]);
+            for (int kk = 0; kk < KD; kk++) {
+                tc_ldsm_x4(qh[kk], &qh_s[tc_swz(wrow + (lane & 15), kk * 2 + (lane >> 4), HD)]);
+                tc_ldsm_x4(ql[kk], &ql_s[tc_swz(wrow + (lane & 15), kk * 2 + (lane >> 4), HD)]);
+            }
         }
-    }
+    };
+    /* early start (p.n_new > 0, a programmatic dependent launch): q comes after the wait, in
+     * the first pass, once the pass's first key tile is on its way */
+    bool q_ready = p.n_new <= 0;
+    if (q_ready)
+        load_q();
+    __syncthreads();
+    if (q_ready)
+        frag_q();
     const int g = lane >> 2, qc = lane & 3;   /* fragment row within 8, column pair */
     const float sl2 = p.scale * 1.4426950408889634f;
 
@@ -969,12 +984,15 @@ attn_inv_kernel(attn_params p)
             return inv_block_min(v, red_s);
         };
         const int32_t *pt = p.page_table + (size_t)cur * p.pt_stride;
-        auto load_tile = [&](int j0, int stage) {
+        /* tile j0 into stage; only its keys from j_from on when given (the reload above) */
+        auto load_tile = [&](int j0, int stage, int j_from = 0) {
             const int c = tid % CH;
 #pragma unroll
             for (int i = 0; i < LD_ITERS; i++) {
                 const int r = tid / CH + i * (INV_THREADS / CH);
                 const int j = j0 + r;
+                if (j < j_from)
+                    continue;
                 const bool ok = j < kmax;
                 size_t off = 0;
                 if (ok) {
@@ -998,11 +1016,44 @@ attn_inv_kernel(attn_params p)
         if (jc != INT_MAX)
             load_tile(jc, 0);
         tc_cp_commit();
+        int jpre = INT_MAX;   /* the second tile when it was loaded here, into stage 1 */
+        if (!q_ready) {
+            /* keys below len - n_new of each row were stored before the previous kernel, so the
+             * pass's first two tiles are loaded before it ends; after the wait, their rows that
+             * may hold this round's keys are loaded again (each thread its own rows, once its
+             * first copies have landed), then q */
+            if (jc != INT_MAX) {
+                jpre = next_tile(jc + INV_BN);
+                if (jpre != INT_MAX)
+                    load_tile(jpre, 1);
+            }
+            tc_cp_commit();
+            int nl = INT_MAX;
+            if (tid < INV_ROWS && seq_s[tid] == cur)
+                nl = max(len_s[tid] - p.n_new, 0);
+            const int new_lo = inv_block_min(nl, red_s);
+            kern_cuda_pdl_wait_prev();
+            tc_cp_wait<0>();
+            if (jc != INT_MAX && jc + INV_BN > new_lo)
+                load_tile(jc, 0, new_lo);
+            if (jpre != INT_MAX && jpre + INV_BN > new_lo)
+                load_tile(jpre, 1, new_lo);
+            tc_cp_commit();
+            load_q();
+            __syncthreads();
+            frag_q();
+            q_ready = true;
+        }
         for (int it = 0; jc != INT_MAX; it++) {
             const int st = it & 1;
-            const int jn = next_tile(jc + INV_BN);
-            if (jn != INT_MAX)
-                load_tile(jn, st ^ 1);
+            int jn;
+            if (it == 0 && jpre != INT_MAX) {
+                jn = jpre;   /* in stage 1 already */
+            } else {
+                jn = next_tile(jc + INV_BN);
+                if (jn != INT_MAX)
+                    load_tile(jn, st ^ 1);
+            }
             tc_cp_commit();
             tc_cp_wait<1>();   /* everything but the group just committed: tile jc is here */
             __syncthreads();
@@ -1117,7 +1168,9 @@ attn_inv_kernel(attn_params p)
     }
 
     /* arrive; the last CTA of this column merges (the fences make every CTA's partials
-     * visible before its arrival is counted, and the counted arrivals before the reads) */
+     * visible before its arrival is counted, and the counted arrivals before the reads); a CTA
+     * with no rows never waited above, and must before it writes the workspace */
+    kern_cuda_pdl_wait_prev();
     tc_cp_wait<0>();
     __threadfence();
     __syncthreads();
@@ -1352,10 +1405,12 @@ static pd_status attn_inv_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n
         size_t ng = n_grp - g0 < grp_per_launch ? n_grp - g0 : grp_per_launch;
         p->grp0 = (int)g0;
         dim3 grid((unsigned)(ng * cols_per_grp), (unsigned)p->n_split);
-        if (hd == 64)
-            attn_inv_kernel<64><<<grid, INV_THREADS, smem, c->stream>>>(*p);
-        else
-            attn_inv_kernel<128><<<grid, INV_THREADS, smem, c->stream>>>(*p);
+        /* n_new > 0: a programmatic dependent launch (row setup and the first key tiles while
+         * the previous kernel runs); the kernel never triggers its own dependents early, so the
+         * next kernel starts when it ends */
+        cudaLaunchAttribute at;
+        cudaLaunchConfig_t cfg = kern_cuda_pdl_cfg(c->stream, grid, dim3(INV_THREADS), smem, p->n_new > 0, &at);
+        PD_CUDA_TRY(cudaLaunchKernelEx(&cfg, hd == 64 ? attn_inv_kernel<64> : attn_inv_kernel<128>, *p), err);
         KERN_CUDA_LAUNCH_CHECK(err);
     }
     return PD_OK;
@@ -1374,9 +1429,11 @@ extern "C" int kern_cuda_attn_bf16_fits(const kern_backend *be, const kern_attn_
     return tc_route(be, a) && a->ld_q % 8 == 0 && a->ld_out % 2 == 0;
 }
 
-/* qb, outb: NULL, or (tc_route only) q read from / the output written to bf16 rows */
+/* qb, outb: NULL, or (tc_route only) q read from / the output written to bf16 rows; n_new > 0:
+ * the previous kernel stores this round's keys, at most n_new per sequence, the last positions
+ * of each (the batch-invariant kernel then starts early, attn_params.n_new) */
 static pd_status attn_launch(kern_backend *be, const kern_attn_args *a, const __nv_bfloat16 *qb,
-                             __nv_bfloat16 *outb, pd_err *err)
+                             __nv_bfloat16 *outb, int n_new, pd_err *err)
 {
     kern_cuda_ctx *c = kern_cuda_ctx_of(be);
     const kern_kv_layer *kv = &a->kv;
@@ -1396,6 +1453,7 @@ static pd_status attn_launch(kern_backend *be, const kern_attn_args *a, const __
     p.qg = 1;
     p.grp0 = 0;
     p.cnt = NULL;
+    p.n_new = n_new;
     p.kc = kv->k;
     p.vc = kv->v;
     p.q = a->q;
@@ -1498,11 +1556,17 @@ static pd_status attn_launch(kern_backend *be, const kern_attn_args *a, const __
 
 extern "C" pd_status kern_cuda_attn_launch(kern_backend *be, const kern_attn_args *a, pd_err *err)
 {
-    return attn_launch(be, a, NULL, NULL, err);
+    return attn_launch(be, a, NULL, NULL, 0, err);
+}
+
+extern "C" pd_status kern_cuda_attn_launch_after_store(kern_backend *be, const kern_attn_args *a, int n_new,
+                                                       pd_err *err)
+{
+    return attn_launch(be, a, NULL, NULL, n_new, err);
 }
 
 extern "C" pd_status kern_cuda_attn_launch_bf16(kern_backend *be, const kern_attn_args *a,
                                                 const __nv_bfloat16 *q, __nv_bfloat16 *out, pd_err *err)
 {
-    return attn_launch(be, a, q, out, err);
+    return attn_launch(be, a, q, out, 0, err);
 }

@@ -338,6 +338,10 @@ static pd_status ctx_init(kern_cuda_ctx *c, int device, pd_err *err)
     c->mk_chain_old = mk != NULL && strcmp(mk, "old") == 0;
     const char *mkp = getenv("PD_MK_CHAIN_PDL");
     c->mk_chain_pdl = !(mkp != NULL && strcmp(mkp, "0") == 0);
+    const char *de = getenv("PD_DECODE_EARLY");
+    c->decode_early = !(de != NULL && strcmp(de, "0") == 0);
+    const char *sp = getenv("PD_SMALL_PDL");
+    c->small_pdl = !(sp != NULL && strcmp(sp, "0") == 0);
     const char *skw = getenv("PD_SK_WIDE_WARPS");
     int w = skw != NULL ? atoi(skw) : 2;
     c->sk_wide_warps = w == 1 || w == 2 || w == 4 || w == 8 ? w : 2;

@@ -40,6 +40,13 @@ typedef struct kern_cuda_ctx {
     int mk_chain_pdl;          /* 1 unless PD_MK_CHAIN_PDL=0 at creation: the shared-memory chain
                                   kernel is a programmatic dependent launch (fills its w2 slice
                                   while the previous kernel drains) */
+    int decode_early;          /* 1 unless PD_DECODE_EARLY=0 at creation: after a skinny QKV
+                                  projection (batch-invariant rounds) qk_post and the attention
+                                  start early (kern_cuda_attn_launch_after_store) */
+    int small_pdl;             /* 1 unless PD_SMALL_PDL=0 at creation: the row kernels (embed,
+                                  copy_rows, rmsnorm) are programmatic dependent launches that let
+                                  the next kernel start at once (a skinny GEMM after them fills
+                                  its weight ring while they run) */
     int sk_wide_warps;         /* K-split warps (1, 2, 4, 8) of the skinny GEMM for shapes whose
                                   tiles need several waves (lm_head): PD_SK_WIDE_WARPS at
                                   creation, 2 without it */
@@ -149,6 +156,49 @@ static inline int kern_cuda_vec4_ok(int cols, const void *p, int ld)
 }
 
 /* ---- device helpers ---------------------------------------------------------------------- */
+
+/* Programmatic dependent launch (PDL). A kernel launched with kern_cuda_pdl_cfg may start while
+ * the previous kernel of the stream still runs, once that kernel has executed
+ * kern_cuda_pdl_launch_next in every CTA (or exited); kern_cuda_pdl_wait_prev returns when the
+ * previous kernel has completed and its writes are visible. Both are no-ops for a launch
+ * without the attribute. Before the wait a kernel may only read what earlier, completed work
+ * wrote, and write nothing the previous kernel reads. */
+static __device__ __forceinline__ void kern_cuda_pdl_launch_next(void)
+{
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+static __device__ __forceinline__ void kern_cuda_pdl_wait_prev(void)
+{
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+/* A launch configuration on the backend stream; pdl != 0 adds the programmatic-serialization
+ * attribute (at: storage for it, alive until the launch). Graph capture records the edge. */
+static inline cudaLaunchConfig_t kern_cuda_pdl_cfg(cudaStream_t s, dim3 grid, dim3 block, size_t smem,
+                                                   int pdl, cudaLaunchAttribute *at)
+{
+    at->id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at->val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    cfg.attrs = at;
+    cfg.numAttrs = pdl ? 1 : 0;
+    return cfg;
+}
+
+/* kern<<<grid, block, smem, s>>>(args...), a programmatic dependent launch when pdl != 0 */
+template <typename... K, typename... A>
+static inline cudaError_t kern_cuda_launch(cudaStream_t s, dim3 grid, dim3 block, size_t smem, int pdl,
+                                           void (*kern)(K...), A... args)
+{
+    cudaLaunchAttribute at;
+    cudaLaunchConfig_t cfg = kern_cuda_pdl_cfg(s, grid, block, smem, pdl, &at);
+    return cudaLaunchKernelEx(&cfg, kern, args...);
+}
 
 static __device__ __forceinline__ float kern_cuda_ld(const void *p, kern_dtype dt, size_t i)
 {
@@ -280,6 +330,14 @@ int kern_cuda_attn_bf16_fits(const kern_backend *be, const kern_attn_args *a);
 pd_status kern_cuda_attn_launch_bf16(kern_backend *be, const kern_attn_args *a,
                                      const __nv_bfloat16 *q, __nv_bfloat16 *out, pd_err *err);
 pd_status kern_cuda_attn_block_launch(kern_backend *be, const kern_attn_block_args *a, pd_err *err);
+/* The two kernels after a skinny QKV projection of a batch-invariant round, as programmatic
+ * dependent launches (kern_cuda_ctx.decode_early): qk_post (forms its RoPE angles while the
+ * projection runs, and lets the attention start), then the attention, whose previous kernel
+ * stores this round's keys, at most n_new per sequence at its last positions (row setup and
+ * its first key tiles before that kernel ends). Same results as the plain launches. */
+pd_status kern_cuda_qk_post_launch_pdl(kern_backend *be, const kern_qk_post_args *a, pd_err *err);
+pd_status kern_cuda_attn_launch_after_store(kern_backend *be, const kern_attn_args *a, int n_new,
+                                            pd_err *err);
 pd_status kern_cuda_markov_step_launch(kern_backend *be, const kern_markov_step_args *a, pd_err *err);
 pd_status kern_cuda_markov_chain_launch(kern_backend *be, const kern_markov_chain_args *a, pd_err *err);
 pd_status kern_cuda_probs_launch(kern_backend *be, const kern_probs_args *a, pd_err *err);

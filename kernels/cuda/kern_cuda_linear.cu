@@ -85,19 +85,6 @@ static __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi)
 
 static __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 
-/* Programmatic dependent launch (no-ops when the launch did not allow it): let the next kernel's
- * CTAs start once every CTA of this grid runs; wait until the previous kernel has completed and
- * its writes are visible. */
-static __device__ __forceinline__ void pdl_launch_next(void)
-{
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-
-static __device__ __forceinline__ void pdl_wait_prev(void)
-{
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-}
-
 /* A lane's 16 k of a step: [kk, kk + 8) and [kk + 32, kk + 40), kk = 64 s + 8 t, so the four
  * lanes of a row read 64 contiguous bytes per load (whole sectors). Zero past k (k % 8 == 0). */
 struct wfrag {
@@ -234,8 +221,8 @@ skinny_kernel(sk_params p)
             wf[r][j][0] = load_w(wrow[j][0], kk + r * stride, p.k);
             wf[r][j][1] = load_w(wrow[j][1], kk + r * stride, p.k);
         }
-    pdl_launch_next();
-    pdl_wait_prev();
+    kern_cuda_pdl_launch_next();
+    kern_cuda_pdl_wait_prev();
 
     float acc[NWT][NT][4], ss[NT];
 #pragma unroll
@@ -375,16 +362,8 @@ static cudaError_t launch_one(const sk_params &p, dim3 grid, cudaStream_t s)
     size_t smem = ((size_t)p.warps * NT * 128 + (NWT > 1 ? NT * 128 : 0)) * sizeof(float);
     /* programmatic dependent launch: this kernel's weight loads start while the previous kernel
      * drains (griddepcontrol.wait in the kernel; captured into graphs as programmatic edges) */
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3((unsigned)p.warps * 32);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = s;
-    cfg.attrs = at;
-    cfg.numAttrs = 1;
+    cudaLaunchAttribute at;
+    cudaLaunchConfig_t cfg = kern_cuda_pdl_cfg(s, grid, dim3((unsigned)p.warps * 32), smem, 1, &at);
     return cudaLaunchKernelEx(&cfg, skinny_kernel<NT, EPI, D, XP>, p);
 }
 
@@ -722,8 +701,20 @@ extern "C" pd_status kern_cuda_attn_block_launch(kern_backend *be, const kern_at
 {
     const kern_linear_args *l = &a->qkv.lin, *o = &a->o;
     const kern_qk_post_args *p = &a->qkv.post;
-    if (l->m <= 0)
+    const int m = l->m;
+    if (m <= 0)
         return PD_OK;
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    if (c->decode_early && be->batch_invariant && uses_skinny(be, l) && p->kv.k != NULL) {
+        /* decode, verify and draft rounds: the skinny projection, then qk_post (storing every
+         * new key of the round, at most m per sequence) and the attention starting early */
+        pd_status st = kern_cuda_skinny_launch(c, l, be->act_bf16, err);
+        if (st == PD_OK)
+            st = kern_cuda_qk_post_launch_pdl(be, p, err);
+        if (st == PD_OK)
+            st = kern_cuda_attn_launch_after_store(be, &a->attn, m, err);
+        return st != PD_OK ? st : kern_cuda_linear_launch(be, o, err);
+    }
     if (!be->act_bf16 || !weights_bf16(l) || !weights_bf16(o) || p->n_heads == 0 ||
         uses_skinny(be, l) || uses_skinny(be, o) || !kern_cuda_attn_bf16_fits(be, &a->attn) ||
         (uintptr_t)p->q % 16 != 0 || (uintptr_t)a->attn.out % 16 != 0 || o->ld_x % 8 != 0) {
@@ -732,8 +723,6 @@ extern "C" pd_status kern_cuda_attn_block_launch(kern_backend *be, const kern_at
             st = kern_cuda_attn_launch(be, &a->attn, err);
         return st != PD_OK ? st : kern_cuda_linear_launch(be, o, err);
     }
-    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
-    const int m = l->m;
     const __nv_bfloat16 *prod[KERN_LINEAR_MAX_W];
     pd_status st = qkv_products(be, l, prod, err);
     if (st != PD_OK)

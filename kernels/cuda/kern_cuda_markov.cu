@@ -414,15 +414,9 @@ static __device__ __forceinline__ void mk_cp_async_wait(void)
     asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
-/* Programmatic dependent launch: wait until the previous kernel has completed and its writes
- * are visible (a no-op when the launch did not allow an early start). The chain never executes
+/* The chain waits with kern_cuda_pdl_wait_prev and never executes
  * griddepcontrol.launch_dependents: the next kernel starts only when every chain block has
  * exited, i.e. after the ids are written. */
-static __device__ __forceinline__ void mk_pdl_wait_prev(void)
-{
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-}
-
 /* A partial as one word: value bits | index << 2 | tag (index <= V < 2^30). */
 static __device__ __forceinline__ unsigned long long mk_pack(float v, int i, unsigned tag)
 {
@@ -599,7 +593,7 @@ markov_chain_res_kernel(kern_markov_chain_args a, int V, int R, mk_res_layout la
         mk_cp_async16(w2s + mk_swz<RC>(lv, c8, n8), w2 + ((size_t)(v0 + lv) * R + c8 * 8));
     }
     mk_cp_async_commit();
-    mk_pdl_wait_prev();
+    kern_cuda_pdl_wait_prev();
     for (int i = threadIdx.x; i < 2 * n; i += MK_RES_THREADS)
         mk_st_relaxed(slots + (size_t)i * nb + blockIdx.x, 0ull);
     for (int i = threadIdx.x; i < a.steps * n; i += MK_RES_THREADS)
@@ -841,16 +835,9 @@ static pd_status markov_chain_res(kern_backend *be, const kern_markov_chain_args
      * started fit, since the grid was sized to be resident at once (nb <= n_sm, one block per
      * multiprocessor, checked above). The kernel after the chain cannot start early either:
      * the chain never triggers it, so it starts when every chain block has exited. */
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)nb);
-    cfg.blockDim = dim3(MK_RES_THREADS);
-    cfg.dynamicSmemBytes = lay.bytes;
-    cfg.stream = c->stream;
-    cfg.attrs = at;
-    cfg.numAttrs = c->mk_chain_pdl ? 1 : 0;
+    cudaLaunchAttribute at;
+    cudaLaunchConfig_t cfg = kern_cuda_pdl_cfg(c->stream, dim3((unsigned)nb), dim3(MK_RES_THREADS), lay.bytes,
+                                               c->mk_chain_pdl, &at);
     PD_CUDA_TRY(cudaLaunchKernelEx(&cfg, kern, *a, V, R, lay, hd, (unsigned long long *)ws, c->counter),
                 err);
     KERN_CUDA_LAUNCH_CHECK(err);

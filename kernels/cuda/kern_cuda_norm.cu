@@ -3,7 +3,9 @@
  *   One block per row: pass 1 forms s = x (+ residual), writes sum_out and reduces sum(s^2) in
  *   fp32 per thread then across the block; pass 2 scales.
  *   Every element is read and written by the same thread in both passes, which is what makes
- *   the allowed aliasing (out == x, sum_out == residual) safe.
+ *   the allowed aliasing (out == x, sum_out == residual) safe. Programmatic dependent launches
+ *   (kern_cuda_ctx.small_pdl): a block lets the next kernel start, then waits for the previous
+ *   one before it reads.
  * Not here: shape checks (kern_ops.c). Threading: enqueues on the backend stream. */
 #include "kern_cuda_internal.h"
 
@@ -55,6 +57,8 @@ __global__ void __launch_bounds__(NORM_THREADS)
 rmsnorm4_kernel(const float *x, O *out, const W *w, int dim, int ld_x, int ld_out, float eps, int rnd)
 {
     __shared__ float part[NORM_THREADS / 32];
+    kern_cuda_pdl_launch_next();
+    kern_cuda_pdl_wait_prev();
     size_t r = blockIdx.x;
     const float *xr = x + r * ld_x;
     float ss = 0.0f;
@@ -80,6 +84,8 @@ rmsnorm_kernel(const float *x, const float *res, float *sum_out, O *out, const W
                int ld_x, int ld_out, float eps, int rnd)
 {
     __shared__ float part[NORM_THREADS / 32];
+    kern_cuda_pdl_launch_next();
+    kern_cuda_pdl_wait_prev();
     size_t r = blockIdx.x;
     const float *xr = x + r * ld_x;
     const float *rr = res != NULL ? res + r * ld_x : NULL;
@@ -105,36 +111,28 @@ rmsnorm_kernel(const float *x, const float *res, float *sum_out, O *out, const W
     }
 }
 
-template <typename W>
-static void launch_w(kern_cuda_ctx *c, const kern_rmsnorm_args *a, const void *w, void *out,
-                     kern_dtype odt, int rnd)
+template <typename W, typename O>
+static cudaError_t launch_wo(kern_cuda_ctx *c, const kern_rmsnorm_args *a, const void *w, void *out, int rnd)
 {
-    dim3 grid((unsigned)a->rows), block(NORM_THREADS);
+    const dim3 grid((unsigned)a->rows), block(NORM_THREADS);
     if (a->residual == NULL && a->sum_out == NULL && kern_cuda_vec4_ok(a->dim, a->x, a->ld_x) &&
-        kern_cuda_vec4_ok(a->dim, out, a->ld_out)) {
-        if (odt == KERN_DTYPE_BF16)
-            rmsnorm4_kernel<W, __nv_bfloat16><<<grid, block, 0, c->stream>>>(
-                a->x, (__nv_bfloat16 *)out, (const W *)w, a->dim, a->ld_x, a->ld_out, a->eps, rnd);
-        else if (odt == KERN_DTYPE_F16)
-            rmsnorm4_kernel<W, __half><<<grid, block, 0, c->stream>>>(
-                a->x, (__half *)out, (const W *)w, a->dim, a->ld_x, a->ld_out, a->eps, rnd);
-        else
-            rmsnorm4_kernel<W, float><<<grid, block, 0, c->stream>>>(
-                a->x, (float *)out, (const W *)w, a->dim, a->ld_x, a->ld_out, a->eps, rnd);
-        return;
-    }
+        kern_cuda_vec4_ok(a->dim, out, a->ld_out))
+        return kern_cuda_launch(c->stream, grid, block, 0, c->small_pdl, rmsnorm4_kernel<W, O>, a->x, (O *)out,
+                                (const W *)w, a->dim, a->ld_x, a->ld_out, a->eps, rnd);
+    return kern_cuda_launch(c->stream, grid, block, 0, c->small_pdl, rmsnorm_kernel<W, O>, a->x,
+                            a->residual, a->sum_out, (O *)out, (const W *)w, a->dim, a->ld_x, a->ld_out,
+                            a->eps, rnd);
+}
+
+template <typename W>
+static cudaError_t launch_w(kern_cuda_ctx *c, const kern_rmsnorm_args *a, const void *w, void *out,
+                            kern_dtype odt, int rnd)
+{
     if (odt == KERN_DTYPE_BF16)
-        rmsnorm_kernel<W, __nv_bfloat16><<<grid, block, 0, c->stream>>>(
-            a->x, a->residual, a->sum_out, (__nv_bfloat16 *)out, (const W *)w, a->dim, a->ld_x,
-            a->ld_out, a->eps, rnd);
-    else if (odt == KERN_DTYPE_F16)
-        rmsnorm_kernel<W, __half><<<grid, block, 0, c->stream>>>(
-            a->x, a->residual, a->sum_out, (__half *)out, (const W *)w, a->dim, a->ld_x, a->ld_out,
-            a->eps, rnd);
-    else
-        rmsnorm_kernel<W, float><<<grid, block, 0, c->stream>>>(
-            a->x, a->residual, a->sum_out, (float *)out, (const W *)w, a->dim, a->ld_x, a->ld_out,
-            a->eps, rnd);
+        return launch_wo<W, __nv_bfloat16>(c, a, w, out, rnd);
+    if (odt == KERN_DTYPE_F16)
+        return launch_wo<W, __half>(c, a, w, out, rnd);
+    return launch_wo<W, float>(c, a, w, out, rnd);
 }
 
 extern "C" pd_status kern_cuda_rmsnorm_to(kern_backend *be, const kern_rmsnorm_args *a, void *out,
@@ -143,14 +141,16 @@ extern "C" pd_status kern_cuda_rmsnorm_to(kern_backend *be, const kern_rmsnorm_a
     kern_cuda_ctx *c = kern_cuda_ctx_of(be);
     if (a->rows <= 0)
         return PD_OK;
+    cudaError_t e;
     switch (a->w.dtype) {
-    case KERN_DTYPE_F32: launch_w<float>(c, a, a->w.data, out, out_dtype, be->act_bf16); break;
-    case KERN_DTYPE_BF16: launch_w<__nv_bfloat16>(c, a, a->w.data, out, out_dtype, be->act_bf16); break;
-    case KERN_DTYPE_F16: launch_w<__half>(c, a, a->w.data, out, out_dtype, be->act_bf16); break;
+    case KERN_DTYPE_F32: e = launch_w<float>(c, a, a->w.data, out, out_dtype, be->act_bf16); break;
+    case KERN_DTYPE_BF16: e = launch_w<__nv_bfloat16>(c, a, a->w.data, out, out_dtype, be->act_bf16); break;
+    case KERN_DTYPE_F16: e = launch_w<__half>(c, a, a->w.data, out, out_dtype, be->act_bf16); break;
     default:
         return pd_err_set(err, PD_ERR_UNSUPPORTED, "cuda rmsnorm: weight dtype %s",
                           kern_cuda_dtype_name(a->w.dtype));
     }
+    PD_CUDA_TRY(e, err);
     KERN_CUDA_LAUNCH_CHECK(err);
     return PD_OK;
 }

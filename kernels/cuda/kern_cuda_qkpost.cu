@@ -66,7 +66,7 @@ static __device__ __forceinline__ void rope_angles(const kern_qk_post_args &a, s
  * ~5x its bytes at an 8k prefill). */
 template <int NP, typename T>   /* pairs per lane: head_dim <= 64 NP */
 __global__ void __launch_bounds__(QK_WARPS * 32, 6)
-qk_post_kernel(kern_qk_post_args a, qk_src<T> src, int heads_per_block, int rnd)
+qk_post_kernel(kern_qk_post_args a, qk_src<T> src, int heads_per_block, int rnd, int pdl)
 {
     __shared__ float cs_s[QK_MAX_PAIRS * 32], sn_s[QK_MAX_PAIRS * 32];
     const int lane = threadIdx.x & 31;
@@ -83,9 +83,17 @@ qk_post_kernel(kern_qk_post_args a, qk_src<T> src, int heads_per_block, int rnd)
     };
     int head = blockIdx.y * heads_per_block + (threadIdx.x >> 5);
     float x1[NP], x2[NP];
+    if (pdl) {
+        /* a programmatic dependent launch: let the next kernel (the attention) start, form the
+         * angles (positions are host data) while the projection still runs, then wait for it */
+        kern_cuda_pdl_launch_next();
+        rope_angles(a, t, hd, cs_s, sn_s);
+        kern_cuda_pdl_wait_prev();
+    }
     if (head < h_end)
         load_head<NP>(head_src(head), half, lane, x1, x2);
-    rope_angles(a, t, hd, cs_s, sn_s);
+    if (!pdl)
+        rope_angles(a, t, hd, cs_s, sn_s);
     const int32_t slot = a.kv.k != NULL ? a.slot[t] : -1;
     const size_t row = (size_t)a.n_kv_heads * hd;
     for (; head < h_end; head += QK_WARPS) {
@@ -275,7 +283,7 @@ static int vec_fits(const kern_qk_post_args *a, const qk_src<__nv_bfloat16> &src
 }
 
 template <typename T>
-static pd_status launch(kern_backend *be, const kern_qk_post_args *a, const qk_src<T> &src, pd_err *err)
+static pd_status launch(kern_backend *be, const kern_qk_post_args *a, const qk_src<T> &src, int pdl, pd_err *err)
 {
     kern_cuda_ctx *c = kern_cuda_ctx_of(be);
     if (a->n_tok <= 0)
@@ -289,14 +297,12 @@ static pd_status launch(kern_backend *be, const kern_qk_post_args *a, const qk_s
     int per = a->n_tok >= QK_WIDE_MIN_TOK ? heads : QK_WARPS;
     dim3 grid((unsigned)a->n_tok, (unsigned)((heads + per - 1) / per));
     int np = (a->head_dim / 2 + 31) / 32;
-    if (np <= 1)
-        qk_post_kernel<1, T><<<grid, QK_WARPS * 32, 0, c->stream>>>(*a, src, per, be->act_bf16);
-    else if (np <= 2)
-        qk_post_kernel<2, T><<<grid, QK_WARPS * 32, 0, c->stream>>>(*a, src, per, be->act_bf16);
-    else if (np <= 4)
-        qk_post_kernel<4, T><<<grid, QK_WARPS * 32, 0, c->stream>>>(*a, src, per, be->act_bf16);
-    else
-        qk_post_kernel<QK_MAX_PAIRS, T><<<grid, QK_WARPS * 32, 0, c->stream>>>(*a, src, per, be->act_bf16);
+    void (*kern)(kern_qk_post_args, qk_src<T>, int, int, int) =
+        np <= 1 ? qk_post_kernel<1, T> : np <= 2 ? qk_post_kernel<2, T> : np <= 4 ? qk_post_kernel<4, T>
+                                                                                : qk_post_kernel<QK_MAX_PAIRS, T>;
+    cudaLaunchAttribute at;
+    cudaLaunchConfig_t cfg = kern_cuda_pdl_cfg(c->stream, grid, dim3(QK_WARPS * 32), 0, pdl, &at);
+    PD_CUDA_TRY(cudaLaunchKernelEx(&cfg, kern, *a, src, per, be->act_bf16, pdl), err);
     KERN_CUDA_LAUNCH_CHECK(err);
     return PD_OK;
 }
@@ -305,7 +311,14 @@ extern "C" pd_status kern_cuda_qk_post_launch(kern_backend *be, const kern_qk_po
                                               pd_err *err)
 {
     qk_src<float> src = { a->q, a->k, a->v, a->ld_q, a->ld_kv, NULL, 1, NULL };
-    return launch<float>(be, a, src, err);
+    return launch<float>(be, a, src, 0, err);
+}
+
+extern "C" pd_status kern_cuda_qk_post_launch_pdl(kern_backend *be, const kern_qk_post_args *a,
+                                                  pd_err *err)
+{
+    qk_src<float> src = { a->q, a->k, a->v, a->ld_q, a->ld_kv, NULL, 1, NULL };
+    return launch<float>(be, a, src, 1, err);
 }
 
 extern "C" pd_status kern_cuda_qk_post_from(kern_backend *be, const kern_qk_post_args *a,
@@ -315,7 +328,7 @@ extern "C" pd_status kern_cuda_qk_post_from(kern_backend *be, const kern_qk_post
 {
     qk_src<__nv_bfloat16> src = { q, k, v, ld_q, ld_kv, q_out, k_rows, v_out };
     if (a->n_tok <= 0 || !vec_fits(a, src))
-        return launch<__nv_bfloat16>(be, a, src, err);
+        return launch<__nv_bfloat16>(be, a, src, 0, err);
     kern_cuda_ctx *c = kern_cuda_ctx_of(be);
     const int heads = a->n_heads + a->n_kv_heads, hpw = 32 / (a->head_dim / 8);
     const int per = a->n_tok >= QK_WIDE_MIN_TOK ? heads : QK_WARPS * hpw;
