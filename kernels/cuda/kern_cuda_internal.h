@@ -162,7 +162,10 @@ static inline int kern_cuda_vec4_ok(int cols, const void *p, int ld)
  * kern_cuda_pdl_launch_next in every CTA (or exited); kern_cuda_pdl_wait_prev returns when the
  * previous kernel has completed and its writes are visible. Both are no-ops for a launch
  * without the attribute. Before the wait a kernel may only read what earlier, completed work
- * wrote, and write nothing the previous kernel reads. */
+ * wrote, and write nothing the previous kernel reads: constant data and host uploads always,
+ * and the writes of the kernels before the previous one when the previous one triggers only
+ * after its own wait (the skinny QKV projection before the early attention does; the other skinny
+ * launches, qk_post and the row kernels trigger first). */
 static __device__ __forceinline__ void kern_cuda_pdl_launch_next(void)
 {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -334,7 +337,9 @@ pd_status kern_cuda_attn_block_launch(kern_backend *be, const kern_attn_block_ar
  * dependent launches (kern_cuda_ctx.decode_early): qk_post (forms its RoPE angles while the
  * projection runs, and lets the attention start), then the attention, whose previous kernel
  * stores this round's keys, at most n_new per sequence at its last positions (row setup and
- * its first key tiles before that kernel ends). Same results as the plain launches. */
+ * its first key tiles before that kernel ends). Same results as the plain launches. The keys
+ * stored before the projection are visible to the attention's early loads because that
+ * projection lets its dependents start only after its own wait. */
 pd_status kern_cuda_qk_post_launch_pdl(kern_backend *be, const kern_qk_post_args *a, pd_err *err);
 pd_status kern_cuda_attn_launch_after_store(kern_backend *be, const kern_attn_args *a, int n_new,
                                             pd_err *err);
