@@ -340,6 +340,8 @@ static pd_status ctx_init(kern_cuda_ctx *c, int device, pd_err *err)
     c->mk_chain_pdl = !(mkp != NULL && strcmp(mkp, "0") == 0);
     const char *de = getenv("PD_DECODE_EARLY");
     c->decode_early = !(de != NULL && strcmp(de, "0") == 0);
+    const char *acl = getenv("PD_ATTN_CLUSTER");
+    c->attn_cluster = !(acl != NULL && strcmp(acl, "0") == 0);
     const char *sp = getenv("PD_SMALL_PDL");
     c->small_pdl = !(sp != NULL && strcmp(sp, "0") == 0);
     const char *skw = getenv("PD_SK_WIDE_WARPS");

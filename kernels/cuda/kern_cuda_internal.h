@@ -35,6 +35,10 @@ typedef struct kern_cuda_ctx {
     unsigned int *attn_cnt;    /* KERN_CUDA_ATTN_COUNTERS zeroed words: arrival counters of the
                                   batch-invariant attention merge, left zero by each launch */
     int attn_inv_smem_set;     /* attn_inv_kernel's shared-memory limit raised on this device */
+    int attn_cluster;          /* 1 unless PD_ATTN_CLUSTER=0 at creation: attn_inv_kernel merges
+                                  its splits through a thread-block cluster where it fits */
+    signed char attn_cluster_ok[2][17][5];   /* [hd 64][splits][rows / 16]: 1 such a cluster
+                                  fits on this device, -1 not, 0 not asked yet */
     int mk_chain_old;          /* PD_MK_CHAIN=old at creation: markov_chain keeps its L2-streaming
                                   kernel (A/B against the shared-memory one) */
     int mk_chain_pdl;          /* 1 unless PD_MK_CHAIN_PDL=0 at creation: the shared-memory chain
