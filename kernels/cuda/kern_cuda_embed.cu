@@ -1,9 +1,10 @@
 /* kern_cuda_embed.cu - row gathers: token embedding lookup (BF16/F16/F32 table -> F32) and
  *   copy_rows (F32 rows, optional index gather).
  * Owns: kern_cuda_embed_launch, kern_cuda_copy_rows_launch. One block per output row, threads
- *   stride across the columns. Programmatic dependent launches (kern_cuda_ctx.small_pdl): a
- *   block lets the next kernel start, then waits for the previous one before it reads. An out-of-range token id yields a zero row (the device cannot
- *   report it without a host round trip; kern_ops.c / the caller validates ids).
+ *   stride across the columns. An out-of-range token id yields a zero row (the device cannot
+ *   report it without a host round trip; kern_ops.c / the caller validates ids). Programmatic
+ *   dependent launches (kern_cuda_ctx.small_pdl): a block lets the next kernel start, then
+ *   waits for the previous one before it reads.
  * Not here: shape checks (kern_ops.c). Threading: enqueues on the backend stream. */
 #include "kern_cuda_internal.h"
 

@@ -1,6 +1,7 @@
 /* kern_cuda_qkpost.cu - Qwen3 q/k post-processing of a QKV projection in one launch.
- * Owns: kern_cuda_qk_post_launch, kern_cuda_qk_post_from (the second half of the fused qkv op:
- *   q/k/v read from bf16 products). Block (token, group of heads), a warp per head of the
+ * Owns: kern_cuda_qk_post_launch, kern_cuda_qk_post_launch_pdl (the same as a programmatic
+ *   dependent launch that forms its angles before it waits for the projection),
+ *   kern_cuda_qk_post_from (the second half of the fused qkv op: q/k/v read from bf16 products). Block (token, group of heads), a warp per head of the
  *   concatenated list [q heads, k heads] at a time: the lane holds the rotate-half pairs
  *   (i, i + hd/2) for i = lane, lane + 32, ...; sum of squares over the head in fp32 (fixed
  *   order: lane partials, then a butterfly), x = w * (x * inv), RoPE with the angle formed as
