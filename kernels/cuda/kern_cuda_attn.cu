@@ -839,6 +839,10 @@ attn_tc_kernel(attn_params p)
 #define INV_BN 64
 #define INV_THREADS 128
 #define INV_ROWS 64
+static_assert(sizeof(((kern_cuda_ctx *)0)->attn_cluster_ok[0]) / sizeof(((kern_cuda_ctx *)0)->attn_cluster_ok[0][0]) >
+                  ATT_INV_SPLITS &&
+              sizeof(((kern_cuda_ctx *)0)->attn_cluster_ok[0][0]) > INV_ROWS / 16,
+              "kern_cuda_ctx.attn_cluster_ok holds every split count and row bucket");
 static_assert(ATT_INV_MIN_CHUNK % INV_BN == 0, "split chunks must hold whole key tiles");
 
 /* hi + lo bf16 pair of (x, y): hi = bf16(x), lo = bf16(x - hi); packed as mma operands */

@@ -370,9 +370,7 @@ static cudaError_t launch_one(const sk_params &p, dim3 grid, cudaStream_t s)
     size_t smem = ((size_t)p.warps * NT * 128 + (NWT > 1 ? NT * 128 : 0)) * sizeof(float);
     /* programmatic dependent launch: this kernel's weight loads start while the previous kernel
      * drains (griddepcontrol.wait in the kernel; captured into graphs as programmatic edges) */
-    cudaLaunchAttribute at;
-    cudaLaunchConfig_t cfg = kern_cuda_pdl_cfg(s, grid, dim3((unsigned)p.warps * 32), smem, 1, &at);
-    return cudaLaunchKernelEx(&cfg, skinny_kernel<NT, EPI, D, XP>, p);
+    return kern_cuda_launch(s, grid, dim3((unsigned)p.warps * 32), smem, 1, skinny_kernel<NT, EPI, D, XP>, p);
 }
 
 /* W loads in flight per warp: 3 steps (12 x 16 bytes per thread) with x one step ahead for one

@@ -835,10 +835,8 @@ static pd_status markov_chain_res(kern_backend *be, const kern_markov_chain_args
      * started fit, since the grid was sized to be resident at once (nb <= n_sm, one block per
      * multiprocessor, checked above). The kernel after the chain cannot start early either:
      * the chain never triggers it, so it starts when every chain block has exited. */
-    cudaLaunchAttribute at;
-    cudaLaunchConfig_t cfg = kern_cuda_pdl_cfg(c->stream, dim3((unsigned)nb), dim3(MK_RES_THREADS), lay.bytes,
-                                               c->mk_chain_pdl, &at);
-    PD_CUDA_TRY(cudaLaunchKernelEx(&cfg, kern, *a, V, R, lay, hd, (unsigned long long *)ws, c->counter),
+    PD_CUDA_TRY(kern_cuda_launch(c->stream, dim3((unsigned)nb), dim3(MK_RES_THREADS), lay.bytes, c->mk_chain_pdl,
+                                 kern, *a, V, R, lay, hd, (unsigned long long *)ws, c->counter),
                 err);
     KERN_CUDA_LAUNCH_CHECK(err);
     *ran = 1;

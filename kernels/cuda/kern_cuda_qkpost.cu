@@ -1,8 +1,8 @@
 /* kern_cuda_qkpost.cu - Qwen3 q/k post-processing of a QKV projection in one launch.
  * Owns: kern_cuda_qk_post_launch, kern_cuda_qk_post_launch_pdl (the same as a programmatic
  *   dependent launch that forms its angles before it waits for the projection),
- *   kern_cuda_qk_post_from (the second half of the fused qkv op: q/k/v read from bf16 products). Block (token, group of heads), a warp per head of the
- *   concatenated list [q heads, k heads] at a time: the lane holds the rotate-half pairs
+ *   kern_cuda_qk_post_from (the second half of the fused qkv op: q/k/v read from bf16
+ *   products). Block (token, group of heads), a warp per head of the concatenated list [q heads, k heads] at a time: the lane holds the rotate-half pairs
  *   (i, i + hd/2) for i = lane, lane + 32, ...; sum of squares over the head in fp32 (fixed
  *   order: lane partials, then a butterfly), x = w * (x * inv), RoPE with the angle formed as
  *   kern_cuda_rope.cu forms it (fp32 inv_freq, double angle and sincos), written back in place;
@@ -301,25 +301,29 @@ static pd_status launch(kern_backend *be, const kern_qk_post_args *a, const qk_s
     void (*kern)(kern_qk_post_args, qk_src<T>, int, int, int) =
         np <= 1 ? qk_post_kernel<1, T> : np <= 2 ? qk_post_kernel<2, T> : np <= 4 ? qk_post_kernel<4, T>
                                                                                 : qk_post_kernel<QK_MAX_PAIRS, T>;
-    cudaLaunchAttribute at;
-    cudaLaunchConfig_t cfg = kern_cuda_pdl_cfg(c->stream, grid, dim3(QK_WARPS * 32), 0, pdl, &at);
-    PD_CUDA_TRY(cudaLaunchKernelEx(&cfg, kern, *a, src, per, be->act_bf16, pdl), err);
+    PD_CUDA_TRY(kern_cuda_launch(c->stream, grid, dim3(QK_WARPS * 32), 0, pdl, kern, *a, src, per,
+                                 be->act_bf16, pdl), err);
     KERN_CUDA_LAUNCH_CHECK(err);
     return PD_OK;
+}
+
+/* the op on its own q/k/v rows (fp32, in place) */
+static pd_status launch_op(kern_backend *be, const kern_qk_post_args *a, int pdl, pd_err *err)
+{
+    qk_src<float> src = { a->q, a->k, a->v, a->ld_q, a->ld_kv, NULL, 1, NULL };
+    return launch<float>(be, a, src, pdl, err);
 }
 
 extern "C" pd_status kern_cuda_qk_post_launch(kern_backend *be, const kern_qk_post_args *a,
                                               pd_err *err)
 {
-    qk_src<float> src = { a->q, a->k, a->v, a->ld_q, a->ld_kv, NULL, 1, NULL };
-    return launch<float>(be, a, src, 0, err);
+    return launch_op(be, a, 0, err);
 }
 
 extern "C" pd_status kern_cuda_qk_post_launch_pdl(kern_backend *be, const kern_qk_post_args *a,
                                                   pd_err *err)
 {
-    qk_src<float> src = { a->q, a->k, a->v, a->ld_q, a->ld_kv, NULL, 1, NULL };
-    return launch<float>(be, a, src, 1, err);
+    return launch_op(be, a, 1, err);
 }
 
 extern "C" pd_status kern_cuda_qk_post_from(kern_backend *be, const kern_qk_post_args *a,
