@@ -558,6 +558,20 @@ static pd_status step_time(bench *b, step_fwd *f, double ms_out[2], pd_err *err)
                 t[i - 3] = ms;
         }
 #ifdef PD_HAVE_CUDA
+        const char *kt = getenv("PD_KTRACE");
+        if (st == PD_OK && ge != NULL && kt != NULL) {
+            /* one more replay with the kernels' timeline recorded (diagnostic builds) */
+            char path[512];
+            snprintf(path, sizeof(path), "%s.%d.csv", kt, n);
+            if ((st = kern_cuda_trace_begin(b->be, err)) == PD_OK) {
+                cudaError_t e = cudaGraphLaunch(ge, b->stream);
+                if (e != cudaSuccess)
+                    st = pd_err_set(err, PD_ERR_CUDA, "graph launch: %s", cudaGetErrorString(e));
+                pd_status st2 = kern_cuda_trace_end(b->be, path, err);
+                if (st == PD_OK)
+                    st = st2;
+            }
+        }
         if (ge != NULL)
             cudaGraphExecDestroy(ge);
 #endif

@@ -34,6 +34,13 @@ void *kern_cuda_stream(kern_backend *be);
  * PD_ERR_INVALID when be is not a CUDA backend. */
 pd_status kern_cuda_bind_thread(kern_backend *be, int *device, pd_err *err);
 
+/* Timeline trace of the instrumented kernels (skinny GEMM, qk_post, batch-invariant attention)
+ * in a build with -DPD_KTRACE: trace_begin clears the record buffer and points the kernels at
+ * it, trace_end waits for the stream and writes one CSV line per CTA (kind, tag, cta, sm, start,
+ * wait, end in ns) to path, then detaches. Without PD_KTRACE both return PD_ERR_INVALID. */
+pd_status kern_cuda_trace_begin(kern_backend *be, pd_err *err);
+pd_status kern_cuda_trace_end(kern_backend *be, const char *path, pd_err *err);
+
 #ifdef __cplusplus
 }
 #endif

@@ -871,6 +871,7 @@ template <int HD>
 __global__ void __launch_bounds__(INV_THREADS)
 attn_inv_kernel(attn_params p)
 {
+    KT_DECL;
     constexpr int CH = HD / 8;        /* 16-byte chunks per row */
     constexpr int KD = HD / 16;       /* k-steps over head_dim in Q K^T */
     constexpr int NS = INV_BN / 8;    /* score n-tiles */
@@ -884,7 +885,6 @@ attn_inv_kernel(attn_params p)
     __nv_bfloat16 *qh_s = v_s + 2 * INV_BN * HD;       /* [rows_pad][HD], hi terms */
     __shared__ int seq_s[INV_ROWS], len_s[INV_ROWS], rb_s[INV_ROWS], re_s[INV_ROWS];
     __shared__ int cur_s, last_s, red_s[4];
-    __shared__ float w_s[INV_ROWS][ATT_INV_SPLITS], inv_s[INV_ROWS];
     __shared__ int ns_s[INV_ROWS];
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -935,13 +935,19 @@ attn_inv_kernel(attn_params p)
     const int wrow = warp * 16;
     const bool active = wrow < n_rows;   /* warp-uniform: warps past the rows only load */
     unsigned qh[KD][4], ql[KD][4];
+    bool q_lo = true;   /* some lo term of q is not zero (q not bf16-exact: fp32 mode) */
     auto frag_q = [&]() {
         if (active) {
+            unsigned nz = 0u;
 #pragma unroll
             for (int kk = 0; kk < KD; kk++) {
                 tc_ldsm_x4(qh[kk], &qh_s[tc_swz(wrow + (lane & 15), kk * 2 + (lane >> 4), HD)]);
                 tc_ldsm_x4(ql[kk], &ql_s[tc_swz(wrow + (lane & 15), kk * 2 + (lane >> 4), HD)]);
+                nz |= ql[kk][0] | ql[kk][1] | ql[kk][2] | ql[kk][3];
             }
+            /* an all-zero lo term adds exact zeros to the scores: leaving its mmas out gives
+             * the same bits (bf16 activations: q is bf16 already) */
+            q_lo = __any_sync(0xffffffffu, nz != 0u);
         }
     };
     /* early start (p.n_new > 0, a programmatic dependent launch): q comes after the wait, in
@@ -1049,6 +1055,7 @@ attn_inv_kernel(attn_params p)
                 nl = max(len_s[tid] - p.n_new, 0);
             const int new_lo = inv_block_min(nl, red_s);
             kern_cuda_pdl_wait_prev();
+            KT_WAITED;
             tc_cp_wait<0>();
             if (jc != INT_MAX && jc + INV_BN > new_lo)
                 load_tile(jc, 0, new_lo);
@@ -1088,8 +1095,10 @@ attn_inv_kernel(attn_params p)
                         tc_ldsm_x4(b, &ks[tc_swz(key, kk * 2 + ((lane >> 3) & 1), HD)]);
                         tc_mma(s[2 * np], qh[kk], b[0], b[1]);
                         tc_mma(s[2 * np + 1], qh[kk], b[2], b[3]);
-                        tc_mma(s[2 * np], ql[kk], b[0], b[1]);
-                        tc_mma(s[2 * np + 1], ql[kk], b[2], b[3]);
+                        if (q_lo) {
+                            tc_mma(s[2 * np], ql[kk], b[0], b[1]);
+                            tc_mma(s[2 * np + 1], ql[kk], b[2], b[3]);
+                        }
                     }
                 }
                 /* a row sees key j iff lo <= j < hi (its split, its length) */
@@ -1187,6 +1196,7 @@ attn_inv_kernel(attn_params p)
 
     /* a CTA with no rows never waited above, and must before it writes */
     kern_cuda_pdl_wait_prev();
+    KT_WAITED;
     tc_cp_wait<0>();
     /* Merge. Counter mode: arrive; the last CTA of this column merges every item (the fences
      * make every CTA's partials visible before its arrival is counted, and the counted arrivals
@@ -1209,105 +1219,109 @@ attn_inv_kernel(attn_params p)
             last_s = prev == gridDim.y - 1;
         }
         __syncthreads();
-        if (!last_s)
+        if (!last_s) {
+            KT_EMIT(30, p.out);
             return;
+        }
         __threadfence();
     }
-    /* split s's (max, sum) and its acc at [d4 * 4, d4 * 4 + 4) of row r (token t, clamped) */
-    auto src_ml = [&](int r, size_t t, int s) -> float2 {
-        if (p.cluster)
-            return *cl.map_shared_rank(ml_s + r, s);
-        return __ldcg((const float2 *)p.part_ml + (t * p.n_heads + h0 + r % hb) * p.n_split + s);
+    KT_MARK(2);
+    /* Row r's (max, sum) of every split into v, its acc at [d4 * 4, d4 * 4 + 4) into a (token
+     * t, clamped). Split s's address is this CTA's own mapped to cluster rank s, or the row's
+     * first partial in the workspace plus s partials: formed once per row and item, so the
+     * loads leave one after another (index arithmetic per split made each round of 16 loads
+     * take ~2.5 us, H200 timeline 2026-12-04). */
+    auto load_ml = [&](int r, size_t t, float2 (&v)[ATT_INV_SPLITS]) {
+        if (p.cluster) {
+            const float2 *lp = ml_s + r;
+#pragma unroll
+            for (int s = 0; s < ATT_INV_SPLITS; s++)
+                v[s] = *cl.map_shared_rank(lp, min(s, last_split));
+        } else {
+            const float2 *gp = (const float2 *)p.part_ml + (t * p.n_heads + h0 + r % hb) * p.n_split;
+#pragma unroll
+            for (int s = 0; s < ATT_INV_SPLITS; s++)
+                v[s] = __ldcg(gp + min(s, last_split));
+        }
     };
-    auto src_acc = [&](int r, size_t t, int d4, int s) -> float4 {
-        if (p.cluster)
-            return *cl.map_shared_rank((const float4 *)(part_s + (size_t)r * HD) + d4, s);
-        return __ldcg((const float4 *)(p.part_acc + ((t * p.n_heads + h0 + r % hb) * p.n_split + s) * HD) + d4);
+    auto load_acc = [&](int r, size_t t, int d4, float4 (&a)[ATT_INV_SPLITS]) {
+        if (p.cluster) {
+            const float4 *lp = (const float4 *)(part_s + (size_t)r * HD) + d4;
+#pragma unroll
+            for (int s = 0; s < ATT_INV_SPLITS; s++)
+                a[s] = *cl.map_shared_rank(lp, min(s, last_split));
+        } else {
+            const float4 *gp = (const float4 *)(p.part_acc + (t * p.n_heads + h0 + r % hb) * p.n_split * HD) + d4;
+#pragma unroll
+            for (int s = 0; s < ATT_INV_SPLITS; s++)
+                a[s] = __ldcg(gp + (size_t)min(s, last_split) * (HD / 4));
+        }
     };
-    /* Every load below is issued before its first use: split indices are clamped into the
-     * launched range (in bounds; values past a row's own splits are never used), so a row's
-     * 16 partials come back in one round trip rather than one each. */
+    /* the splits each row uses */
     if (tid < n_rows) {
-        size_t t = t0 + tid / hb;
+        const size_t t = t0 + tid / hb;
         const int len = len_s[tid];
         int ns = 0;
         if (t < (size_t)p.n_tok && len > 0) {
             const int ch = attn_inv_chunk(len, ATT_INV_SPLITS);
             ns = (len + ch - 1) / ch;
         }
-        t = t < (size_t)p.n_tok ? t : 0;
+        ns_s[tid] = ns;
+    }
+    __syncthreads();
+    KT_MARK(0);
+    /* out = sum over the row's splits in order of w_s acc_s, times 1 / den, with w_s =
+     * 2^((max_s - max) scale) and den = sum of w_s sum_s. An item (row, 4 columns) loads its
+     * row's (max, sum) of every split together with its acc partials, so all 32 loads are in
+     * flight at once (split indices clamped into the launched range: in bounds, and values past
+     * a row's own splits are never used); w and den are formed per item, the same arithmetic
+     * for every item of a row. */
+    const int n_items = n_rows * D4;
+    for (int i = first; i < n_items; i += step) {
+        const int r = i / D4, d4 = i % D4;
+        const size_t tr = t0 + r / hb;
+        const size_t t = tr < (size_t)p.n_tok ? tr : 0;
         float2 v[ATT_INV_SPLITS];
-#pragma unroll
-        for (int s = 0; s < ATT_INV_SPLITS; s++)
-            v[s] = src_ml(tid, t, min(s, last_split));
+        float4 a[ATT_INV_SPLITS];
+        load_ml(r, t, v);
+        load_acc(r, t, d4, a);
+        if (tr >= (size_t)p.n_tok)
+            continue;
+        const int ns = ns_s[r];
         float mx = -INFINITY;
 #pragma unroll
         for (int s = 0; s < ATT_INV_SPLITS; s++)
             if (s < ns)
                 mx = fmaxf(mx, v[s].x);
         float den = 0.0f;
-#pragma unroll
-        for (int s = 0; s < ATT_INV_SPLITS; s++) {
-            if (s < ns) {
-                const float w = tc_ex2((v[s].x - mx) * sl2);
-                w_s[tid][s] = w;
-                den += w * v[s].y;
-            }
-        }
-        ns_s[tid] = ns;
-        inv_s[tid] = den > 0.0f ? 1.0f / den : 0.0f;
-    }
-    __syncthreads();
-    /* out = sum over splits in order of w_s acc_s, times 1 / den; two (row, column) items per
-     * thread at a time keep 32 loads in flight */
-    auto merge_load = [&](int i, float4 (&a)[ATT_INV_SPLITS]) {
-        const int r = i / D4, d4 = i % D4;
-        size_t t = t0 + r / hb;
-        t = t < (size_t)p.n_tok ? t : 0;
-#pragma unroll
-        for (int s = 0; s < ATT_INV_SPLITS; s++)
-            a[s] = src_acc(r, t, d4, min(s, last_split));
-    };
-    auto merge_store = [&](int i, const float4 (&a)[ATT_INV_SPLITS]) {
-        const int r = i / D4, d4 = i % D4;
-        const size_t t = t0 + r / hb;
-        if (t >= (size_t)p.n_tok)
-            return;
-        const int ns = ns_s[r];
         float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
         for (int s = 0; s < ATT_INV_SPLITS; s++) {
             if (s < ns) {
-                const float w = w_s[r][s];
+                const float w = tc_ex2((v[s].x - mx) * sl2);
+                den += w * v[s].y;
                 num.x = fmaf(w, a[s].x, num.x);
                 num.y = fmaf(w, a[s].y, num.y);
                 num.z = fmaf(w, a[s].z, num.z);
                 num.w = fmaf(w, a[s].w, num.w);
             }
         }
-        const float inv = inv_s[r];
+        const float inv = den > 0.0f ? 1.0f / den : 0.0f;
         float *o = p.out + t * p.ld_out + (size_t)(h0 + r % hb) * HD + 4 * d4;   /* any ld_out */
         o[0] = kern_cuda_rnd(num.x * inv, p.rnd);
         o[1] = kern_cuda_rnd(num.y * inv, p.rnd);
         o[2] = kern_cuda_rnd(num.z * inv, p.rnd);
         o[3] = kern_cuda_rnd(num.w * inv, p.rnd);
-    };
-    const int n_items = n_rows * D4;
-    for (int i = first; i < n_items; i += 2 * step) {
-        float4 a0[ATT_INV_SPLITS], a1[ATT_INV_SPLITS];
-        const int i1 = i + step;
-        merge_load(i, a0);
-        if (i1 < n_items)
-            merge_load(i1, a1);
-        merge_store(i, a0);
-        if (i1 < n_items)
-            merge_store(i1, a1);
     }
+    KT_MARK(1);
     if (p.cluster)
         cl.sync();   /* the other CTAs may still read this one's partials */
     else if (tid == 0)
         p.cnt[blockIdx.x] = 0u;   /* ready for the next launch (and graph replay) */
+    KT_EMIT(p.cluster ? 32 : 31, p.out);
 }
+
+KT_TU_SETTER(attn)
 
 template <typename T, int HD>
 static pd_status attn_run(kern_cuda_ctx *c, attn_params *p, int n_tok, pd_err *err)
@@ -1449,7 +1463,7 @@ static pd_status attn_inv_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n
     const size_t smem_cl = smem_base + (size_t)rows_pad * (hd + 2) * sizeof(float);
     const size_t n_col = (size_t)p->n_kv * p->n_hchunk * (((size_t)p->n_tok + p->qg - 1) / p->qg);
     p->cluster = 0;
-    if (c->attn_cluster && p->n_split <= ATT_INV_SPLITS && n_col * p->n_split <= (size_t)c->n_sm) {
+    if (c->attn_cluster && p->n_split <= ATT_INV_SPLITS && n_col * p->n_split <= (size_t)c->attn_cluster_ctas) {
         signed char *ok = &c->attn_cluster_ok[hd == 64][p->n_split][rows_pad / 16];
         if (*ok == 0) {
             cudaLaunchAttribute at[1];

@@ -10,6 +10,7 @@
  *   round). Ops are asynchronous on the backend's stream until sync or download. */
 #include "kern_cuda_internal.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -314,6 +315,74 @@ extern "C" void *kern_cuda_stream(kern_backend *be)
     return (void *)kern_cuda_ctx_of(be)->stream;
 }
 
+#ifdef PD_KTRACE
+extern "C" void kern_cuda_kt_set_linear(kern_cuda_kt_rec *b, unsigned *c, unsigned cap);
+extern "C" void kern_cuda_kt_set_qkpost(kern_cuda_kt_rec *b, unsigned *c, unsigned cap);
+extern "C" void kern_cuda_kt_set_attn(kern_cuda_kt_rec *b, unsigned *c, unsigned cap);
+#define KT_CAP (1u << 18)
+static kern_cuda_kt_rec *kt_dev;
+static unsigned *kt_dcnt;
+
+extern "C" pd_status kern_cuda_trace_begin(kern_backend *be, pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    PD_CUDA_TRY(cudaStreamSynchronize(c->stream), err);
+    if (kt_dev == NULL) {
+        PD_CUDA_TRY(cudaMalloc((void **)&kt_dev, KT_CAP * sizeof(kern_cuda_kt_rec)), err);
+        PD_CUDA_TRY(cudaMalloc((void **)&kt_dcnt, sizeof(unsigned)), err);
+    }
+    PD_CUDA_TRY(cudaMemset(kt_dcnt, 0, sizeof(unsigned)), err);
+    kern_cuda_kt_set_linear(kt_dev, kt_dcnt, KT_CAP);
+    kern_cuda_kt_set_qkpost(kt_dev, kt_dcnt, KT_CAP);
+    kern_cuda_kt_set_attn(kt_dev, kt_dcnt, KT_CAP);
+    PD_CUDA_TRY(cudaDeviceSynchronize(), err);
+    return PD_OK;
+}
+
+extern "C" pd_status kern_cuda_trace_end(kern_backend *be, const char *path, pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    PD_CUDA_TRY(cudaStreamSynchronize(c->stream), err);
+    unsigned n = 0;
+    PD_CUDA_TRY(cudaMemcpy(&n, kt_dcnt, sizeof(n), cudaMemcpyDeviceToHost), err);
+    if (n > KT_CAP)
+        n = KT_CAP;
+    kern_cuda_kt_rec *h = (kern_cuda_kt_rec *)malloc((size_t)n * sizeof(*h) + 1);
+    if (h == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "trace records");
+    cudaError_t e = cudaMemcpy(h, kt_dev, (size_t)n * sizeof(*h), cudaMemcpyDeviceToHost);
+    kern_cuda_kt_set_linear(NULL, NULL, 0);
+    kern_cuda_kt_set_qkpost(NULL, NULL, 0);
+    kern_cuda_kt_set_attn(NULL, NULL, 0);
+    FILE *f = e == cudaSuccess ? fopen(path, "w") : NULL;
+    if (f != NULL) {
+        fprintf(f, "kind,tag,cta,sm,t0,t1,t2,x0,x1,x2\n");
+        for (unsigned i = 0; i < n; i++)
+            fprintf(f, "%u,%llx,%u,%u,%llu,%llu,%llu,%llu,%llu,%llu\n", h[i].kind, h[i].tag, h[i].cta,
+                    h[i].sm, h[i].t0, h[i].t1, h[i].t2, h[i].tx[0], h[i].tx[1], h[i].tx[2]);
+        fclose(f);
+    }
+    free(h);
+    PD_CUDA_TRY(e, err);
+    if (f == NULL)
+        return pd_err_set(err, PD_ERR_IO, "trace: cannot write %s", path);
+    return PD_OK;
+}
+#else
+extern "C" pd_status kern_cuda_trace_begin(kern_backend *be, pd_err *err)
+{
+    (void)be;
+    return pd_err_set(err, PD_ERR_INVALID, "trace: built without PD_KTRACE");
+}
+
+extern "C" pd_status kern_cuda_trace_end(kern_backend *be, const char *path, pd_err *err)
+{
+    (void)be;
+    (void)path;
+    return pd_err_set(err, PD_ERR_INVALID, "trace: built without PD_KTRACE");
+}
+#endif
+
 static pd_status ctx_init(kern_cuda_ctx *c, int device, pd_err *err)
 {
     int n = kern_cuda_device_count();
@@ -342,6 +411,8 @@ static pd_status ctx_init(kern_cuda_ctx *c, int device, pd_err *err)
     c->decode_early = !(de != NULL && strcmp(de, "0") == 0);
     const char *acl = getenv("PD_ATTN_CLUSTER");
     c->attn_cluster = !(acl != NULL && strcmp(acl, "0") == 0);
+    const char *acc = getenv("PD_ATTN_CLUSTER_CTAS");
+    c->attn_cluster_ctas = acc != NULL ? atoi(acc) : c->n_sm;
     const char *sp = getenv("PD_SMALL_PDL");
     c->small_pdl = !(sp != NULL && strcmp(sp, "0") == 0);
     const char *skw = getenv("PD_SK_WIDE_WARPS");

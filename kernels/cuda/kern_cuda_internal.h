@@ -37,6 +37,8 @@ typedef struct kern_cuda_ctx {
     int attn_inv_smem_set;     /* attn_inv_kernel's shared-memory limit raised on this device */
     int attn_cluster;          /* 1 unless PD_ATTN_CLUSTER=0 at creation: attn_inv_kernel merges
                                   its splits through a thread-block cluster where it fits */
+    int attn_cluster_ctas;     /* PD_ATTN_CLUSTER_CTAS at creation (n_sm without): the largest
+                                  grid whose columns are launched as clusters */
     signed char attn_cluster_ok[2][17][5];   /* [hd 64][splits][rows / 16]: 1 such a cluster
                                   fits on this device, -1 not, 0 not asked yet */
     int mk_chain_old;          /* PD_MK_CHAIN=old at creation: markov_chain keeps its L2-streaming
@@ -299,6 +301,66 @@ static __device__ __forceinline__ float kern_cuda_warp_max(float v)
         v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
+
+/* ---- timeline trace (diagnostic builds only: -DPD_KTRACE) ---------------------------------
+ * Thread 0 of every CTA of an instrumented kernel appends one record: the CTA's start, the
+ * return of its wait for the previous kernel (0: none) and its end, on %globaltimer, with a tag
+ * that tells the launches of one step apart (a weight or output pointer). Each .cu that traces
+ * has its own copy of the buffer pointer (static device symbols), set by its KT_TU_SETTER. */
+typedef struct {
+    unsigned long long tag, t0, t1, t2, tx[3];
+    unsigned kind, cta, sm, pad;
+} kern_cuda_kt_rec;
+
+#ifdef PD_KTRACE
+static __device__ kern_cuda_kt_rec *kt_buf;
+static __device__ unsigned *kt_cnt;
+static __device__ unsigned kt_cap;
+static __device__ __forceinline__ unsigned long long kt_now(void)
+{
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+static __device__ __noinline__ void kt_emit(unsigned kind, unsigned long long tag, unsigned long long t0,
+                                            unsigned long long t1, const unsigned long long *tx)
+{
+    if (threadIdx.x != 0 || kt_buf == NULL)
+        return;
+    unsigned i = atomicAdd(kt_cnt, 1u);
+    if (i >= kt_cap)
+        return;
+    kern_cuda_kt_rec r;
+    r.tag = tag;
+    r.t0 = t0;
+    r.t1 = t1;
+    r.t2 = kt_now();
+    r.kind = kind;
+    r.cta = blockIdx.x + blockIdx.y * gridDim.x;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(r.sm));
+    r.pad = 0;
+    for (int k = 0; k < 3; k++)
+        r.tx[k] = tx[k];
+    kt_buf[i] = r;
+}
+#define KT_DECL unsigned long long kt_t0 = kt_now(), kt_t1 = 0, kt_tx[3] = {0ull, 0ull, 0ull}
+#define KT_WAITED do { if (kt_t1 == 0) kt_t1 = kt_now(); } while (0)
+#define KT_MARK(i) do { if (kt_tx[i] == 0) kt_tx[i] = kt_now(); } while (0)
+#define KT_EMIT(kind, tag) kt_emit((kind), (unsigned long long)(tag), kt_t0, kt_t1, kt_tx)
+#define KT_TU_SETTER(name) \
+    extern "C" void kern_cuda_kt_set_##name(kern_cuda_kt_rec *b, unsigned *c, unsigned cap) \
+    { \
+        cudaMemcpyToSymbol(kt_buf, &b, sizeof(b)); \
+        cudaMemcpyToSymbol(kt_cnt, &c, sizeof(c)); \
+        cudaMemcpyToSymbol(kt_cap, &cap, sizeof(cap)); \
+    }
+#else
+#define KT_DECL do { } while (0)
+#define KT_WAITED do { } while (0)
+#define KT_MARK(i) do { } while (0)
+#define KT_EMIT(kind, tag) do { } while (0)
+#define KT_TU_SETTER(name)
+#endif
 
 /* ---- host launchers: one per op, each in its family's .cu; all enqueue on ctx->stream ------- */
 extern "C" {

@@ -188,6 +188,7 @@ template <int NT, int EPI, int D, int XP>
 __global__ void __launch_bounds__(SK_MAX_WARPS * 32, NT <= 2 ? 2 : 1)
 skinny_kernel(sk_params p)
 {
+    KT_DECL;
     constexpr int NWT = EPI == KERN_LINEAR_SWIGLU ? 2 : 1;   /* W tiles per CTA */
     constexpr int NE = NT * 4 * 32;                          /* accumulators per warp */
     extern __shared__ float sk_smem[];                       /* red[warps][NE], gate[NE] */
@@ -229,6 +230,7 @@ skinny_kernel(sk_params p)
     if (!p.trigger_late)
         kern_cuda_pdl_launch_next();
     kern_cuda_pdl_wait_prev();
+    KT_WAITED;
     if (p.trigger_late)
         kern_cuda_pdl_launch_next();
 
@@ -345,7 +347,10 @@ skinny_kernel(sk_params p)
                 p.tee[(size_t)(chunk0 + r) * p.ld_tee + feat] = out;
         }
     }
+    KT_EMIT(10 + EPI, p.w[0]);
 }
+
+KT_TU_SETTER(linear)
 
 static int aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 

@@ -69,6 +69,7 @@ template <int NP, typename T>   /* pairs per lane: head_dim <= 64 NP */
 __global__ void __launch_bounds__(QK_WARPS * 32, 6)
 qk_post_kernel(kern_qk_post_args a, qk_src<T> src, int heads_per_block, int rnd, int pdl)
 {
+    KT_DECL;
     __shared__ float cs_s[QK_MAX_PAIRS * 32], sn_s[QK_MAX_PAIRS * 32];
     const int lane = threadIdx.x & 31;
     const size_t t = blockIdx.x;
@@ -84,12 +85,28 @@ qk_post_kernel(kern_qk_post_args a, qk_src<T> src, int heads_per_block, int rnd,
     };
     int head = blockIdx.y * heads_per_block + (threadIdx.x >> 5);
     float x1[NP], x2[NP];
+    /* a head's norm weights, pairs as load_head's (constant data: a programmatic dependent
+     * launch loads its first head's before it waits, so they are no DRAM trip after it) */
+    float g1[NP], g2[NP];
+    auto load_norm = [&](int hh) {
+        const kern_weight *nw = hh >= a.n_heads ? &a.k_norm : &a.q_norm;
+#pragma unroll
+        for (int j = 0; j < NP; j++) {
+            int i = lane + 32 * j;
+            g1[j] = i < half ? kern_cuda_ld(nw->data, nw->dtype, i) : 0.0f;
+            g2[j] = i < half ? kern_cuda_ld(nw->data, nw->dtype, i + half) : 0.0f;
+        }
+    };
     if (pdl) {
-        /* a programmatic dependent launch: let the next kernel (the attention) start, form the
-         * angles (positions are host data) while the projection still runs, then wait for it */
+        /* a programmatic dependent launch: let the next kernel (the attention) start, load the
+         * first head's norm weights and form the angles (positions are host data) while the
+         * projection still runs, then wait for it */
         kern_cuda_pdl_launch_next();
+        if (head < h_end)
+            load_norm(head);
         rope_angles(a, t, hd, cs_s, sn_s);
         kern_cuda_pdl_wait_prev();
+        KT_WAITED;
     }
     if (head < h_end)
         load_head<NP>(head_src(head), half, lane, x1, x2);
@@ -97,11 +114,24 @@ qk_post_kernel(kern_qk_post_args a, qk_src<T> src, int heads_per_block, int rnd,
         rope_angles(a, t, hd, cs_s, sn_s);
     const int32_t slot = a.kv.k != NULL ? a.slot[t] : -1;
     const size_t row = (size_t)a.n_kv_heads * hd;
-    for (; head < h_end; head += QK_WARPS) {
+    for (bool first = true; head < h_end; head += QK_WARPS, first = false) {
         const int is_k = head >= a.n_heads;
         const int h = is_k ? head - a.n_heads : head;
         float *x = head_ptr(head);
-        const kern_weight *nw = is_k ? &a.k_norm : &a.q_norm;
+        if (!(first && pdl))
+            load_norm(head);
+        /* a k head's v, loaded with its x rather than after the arithmetic */
+        const int need_v = is_k && (slot >= 0 || src.v_out != NULL);
+        float v1[NP], v2[NP];
+        if (need_v) {
+            const T *v = src.v + t * src.ld_kv + (size_t)h * hd;
+#pragma unroll
+            for (int j = 0; j < NP; j++) {
+                int i = lane + 32 * j;
+                v1[j] = i < half ? qk_ld(v + i) : 0.0f;
+                v2[j] = i < half ? qk_ld(v + i + half) : 0.0f;
+            }
+        }
         float y1[NP], y2[NP];
 #pragma unroll
         for (int j = 0; j < NP; j++) {
@@ -121,8 +151,8 @@ qk_post_kernel(kern_qk_post_args a, qk_src<T> src, int heads_per_block, int rnd,
             int i = lane + 32 * j;
             if (i >= half)
                 break;
-            float u1 = kern_cuda_rnd(kern_cuda_ld(nw->data, nw->dtype, i) * kern_cuda_rnd(y1[j] * inv, rnd), rnd);
-            float u2 = kern_cuda_rnd(kern_cuda_ld(nw->data, nw->dtype, i + half) * kern_cuda_rnd(y2[j] * inv, rnd), rnd);
+            float u1 = kern_cuda_rnd(g1[j] * kern_cuda_rnd(y1[j] * inv, rnd), rnd);
+            float u2 = kern_cuda_rnd(g2[j] * kern_cuda_rnd(y2[j] * inv, rnd), rnd);
             float r1, r2;
             kern_cuda_rope_pair(u1, u2, cs_s[i], sn_s[i], rnd, &r1, &r2);
             if (!is_k && src.q_out != NULL) {
@@ -133,25 +163,26 @@ qk_post_kernel(kern_qk_post_args a, qk_src<T> src, int heads_per_block, int rnd,
                 x[i] = r1;
                 x[i + half] = r2;
             }
-            if (is_k && (slot >= 0 || src.v_out != NULL)) {
-                const T *v = src.v + t * src.ld_kv + (size_t)h * hd;
-                float v1 = qk_ld(v + i), v2 = qk_ld(v + i + half);
+            if (need_v) {
                 if (slot >= 0) {
                     size_t base = (size_t)slot * row + (size_t)h * hd;
                     kern_cuda_st(a.kv.k, a.kv.dtype, base + i, r1);
                     kern_cuda_st(a.kv.k, a.kv.dtype, base + i + half, r2);
-                    kern_cuda_st(a.kv.v, a.kv.dtype, base + i, v1);
-                    kern_cuda_st(a.kv.v, a.kv.dtype, base + i + half, v2);
+                    kern_cuda_st(a.kv.v, a.kv.dtype, base + i, v1[j]);
+                    kern_cuda_st(a.kv.v, a.kv.dtype, base + i + half, v2[j]);
                 }
                 if (src.v_out != NULL) {
                     float *vo = src.v_out + t * a.ld_kv + (size_t)h * hd;
-                    vo[i] = v1;
-                    vo[i + half] = v2;
+                    vo[i] = v1[j];
+                    vo[i + half] = v2[j];
                 }
             }
         }
     }
+    KT_EMIT(20, a.q);
 }
+
+KT_TU_SETTER(qkpost)
 
 /* the 4 bf16 of u as floats (a bf16 is the high half of its float) */
 static __device__ __forceinline__ void unpack4(uint2 u, float *f)
