@@ -101,6 +101,8 @@ struct attn_params {
     unsigned *cnt;       /* attn_inv_kernel: arrival counter per CTA column (zero between launches) */
     int cluster;         /* attn_inv_kernel: the launch's splits form one thread-block cluster
                           * per CTA column, merged through distributed shared memory */
+    int coop;            /* attn_inv_kernel: a CTA of one m-tile spreads it over its four warps
+                          * (same bits; PD_ATTN_COOP=0 turns it off) */
     int n_new;           /* attn_inv_kernel: > 0 in a programmatic dependent launch whose previous
                           * kernel stores this round's keys: a row's keys from its length - n_new
                           * on may be new, every earlier one was stored before (0: none early) */
@@ -886,6 +888,7 @@ attn_inv_kernel(attn_params p)
     __shared__ int seq_s[INV_ROWS], len_s[INV_ROWS], rb_s[INV_ROWS], re_s[INV_ROWS];
     __shared__ int cur_s, last_s, red_s[4];
     __shared__ int ns_s[INV_ROWS];
+    __shared__ float cm_s[4][16], ts_s[INV_BN / 8][2][32], pv_s[INV_BN / 8][4][32];   /* coop exchange */
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int bx = blockIdx.x;
@@ -932,8 +935,11 @@ attn_inv_kernel(attn_params p)
             *(uint4 *)&ql_s[tc_swz(r, c, HD)] = make_uint4(wl[0], wl[1], wl[2], wl[3]);
         }
     };
-    const int wrow = warp * 16;
-    const bool active = wrow < n_rows;   /* warp-uniform: warps past the rows only load */
+    /* coop: the CTA's rows fit one m-tile, and all four warps work on it (the tile loop);
+     * else warp w takes rows 16w..16w+15 alone, and warps past the rows only load */
+    const bool coop = p.coop && n_rows <= 16;
+    const int wrow = coop ? 0 : warp * 16;
+    const bool active = coop || wrow < n_rows;
     unsigned qh[KD][4], ql[KD][4];
     bool q_lo = true;   /* some lo term of q is not zero (q not bf16-exact: fp32 mode) */
     auto frag_q = [&]() {
@@ -1080,7 +1086,110 @@ attn_inv_kernel(attn_params p)
             tc_cp_commit();
             tc_cp_wait<1>();   /* everything but the group just committed: tile jc is here */
             __syncthreads();
-            if (active) {
+            if (coop) {
+                /* one m-tile, four warps: warp w forms the scores of keys 16w..16w+15 (the
+                 * original's n-tiles 2w, 2w+1), the row max and the P row sums are exchanged
+                 * through shared memory, and warp w accumulates output columns 32w..32w+31 over
+                 * all 64 keys. Every value is formed by the same operations in the same order as
+                 * in one warp (below), so the bits are the same. */
+                const __nv_bfloat16 *ks = k_s + st * INV_BN * HD, *vs = v_s + st * INV_BN * HD;
+                float s[2][4];
+#pragma unroll
+                for (int n = 0; n < 2; n++)
+                    s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+                for (int kk = 0; kk < KD; kk++) {
+                    unsigned b[4];
+                    const int key = warp * 16 + ((lane >> 4) << 3) + (lane & 7);
+                    tc_ldsm_x4(b, &ks[tc_swz(key, kk * 2 + ((lane >> 3) & 1), HD)]);
+                    tc_mma(s[0], qh[kk], b[0], b[1]);
+                    tc_mma(s[1], qh[kk], b[2], b[3]);
+                    if (q_lo) {
+                        tc_mma(s[0], ql[kk], b[0], b[1]);
+                        tc_mma(s[1], ql[kk], b[2], b[3]);
+                    }
+                }
+#pragma unroll
+                for (int n = 0; n < 2; n++) {
+                    const int j = jc + (2 * warp + n) * 8 + 2 * qc;
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int jj = j + (e & 1), hf = e >> 1;
+                        if (jj < lo[hf] || jj >= hi[hf])
+                            s[n][e] = -INFINITY;
+                    }
+                }
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    float pm = fmaxf(fmaxf(s[0][2 * hf], s[0][2 * hf + 1]), fmaxf(s[1][2 * hf], s[1][2 * hf + 1]));
+                    pm = fmaxf(pm, __shfl_xor_sync(0xffffffffu, pm, 1));
+                    pm = fmaxf(pm, __shfl_xor_sync(0xffffffffu, pm, 2));
+                    if (qc == 0)
+                        cm_s[warp][g + 8 * hf] = pm;
+                }
+                __syncthreads();
+                float al[2];
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    float mx = m[hf];
+#pragma unroll
+                    for (int w = 0; w < 4; w++)
+                        mx = fmaxf(mx, cm_s[w][g + 8 * hf]);
+                    const float base = mx == -INFINITY ? 0.0f : mx * sl2;
+                    al[hf] = mx == m[hf] ? 1.0f : tc_ex2(m[hf] * sl2 - base);
+                    m[hf] = mx;
+#pragma unroll
+                    for (int n = 0; n < 2; n++) {
+                        s[n][2 * hf] = tc_ex2(fmaf(s[n][2 * hf], sl2, -base));
+                        s[n][2 * hf + 1] = tc_ex2(fmaf(s[n][2 * hf + 1], sl2, -base));
+                        ts_s[2 * warp + n][hf][lane] = s[n][2 * hf] + s[n][2 * hf + 1];
+                    }
+#pragma unroll
+                    for (int nn = 0; nn < ND / 4; nn++) {
+                        acc[nn][2 * hf] *= al[hf];
+                        acc[nn][2 * hf + 1] *= al[hf];
+                    }
+                }
+#pragma unroll
+                for (int n = 0; n < 2; n++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        pv_s[2 * warp + n][e][lane] = s[n][e];
+                __syncthreads();
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    float ps = 0.0f;
+#pragma unroll
+                    for (int n = 0; n < NS; n++)
+                        ps += ts_s[n][hf][lane];
+                    l[hf] = l[hf] * al[hf] + ps;
+                }
+#pragma unroll
+                for (int kk = 0; kk < INV_BN / 16; kk++) {
+                    float p0[4], p1[4];
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        p0[e] = pv_s[2 * kk][e][lane];
+                        p1[e] = pv_s[2 * kk + 1][e][lane];
+                    }
+                    unsigned ah[4], alo[4];
+                    tc_split_bf16(p0[0], p0[1], ah[0], alo[0]);
+                    tc_split_bf16(p0[2], p0[3], ah[1], alo[1]);
+                    tc_split_bf16(p1[0], p1[1], ah[2], alo[2]);
+                    tc_split_bf16(p1[2], p1[3], ah[3], alo[3]);
+#pragma unroll
+                    for (int dq = 0; dq < ND / 8; dq++) {
+                        const int dp = warp * (ND / 8) + dq;
+                        unsigned b[4];
+                        const int key = kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7);
+                        tc_ldsm_x4_t(b, &vs[tc_swz(key, dp * 2 + (lane >> 4), HD)]);
+                        tc_mma(acc[2 * dq], ah, b[0], b[1]);
+                        tc_mma(acc[2 * dq + 1], ah, b[2], b[3]);
+                        tc_mma(acc[2 * dq], alo, b[0], b[1]);
+                        tc_mma(acc[2 * dq + 1], alo, b[2], b[3]);
+                    }
+                }
+            } else if (active) {
                 const __nv_bfloat16 *ks = k_s + st * INV_BN * HD, *vs = v_s + st * INV_BN * HD;
                 float s[NS][4];
 #pragma unroll
@@ -1165,7 +1274,30 @@ attn_inv_kernel(attn_params p)
             jc = jn;
         }
 
-        if (active) {
+        if (coop) {
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                float lr = l[hf];   /* the row's 4 lanes each hold part of its sum */
+                lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+                lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+                const int r = g + 8 * hf;
+                if (hi[hf] <= lo[hf])   /* not in this pass, or nothing in this split */
+                    continue;
+                const size_t t = t0 + r / hb;
+                const size_t pi = (t * p.n_heads + h0 + r % hb) * p.n_split + split;
+                float *o = (p.cluster ? part_s + (size_t)r * HD : p.part_acc + pi * HD) + 2 * qc +
+                           warp * (ND / 4) * 8;
+#pragma unroll
+                for (int nn = 0; nn < ND / 4; nn++)
+                    *(float2 *)&o[nn * 8] = make_float2(acc[nn][2 * hf], acc[nn][2 * hf + 1]);
+                if (qc == 0 && warp == 0) {   /* the raw score max and the sum */
+                    if (p.cluster)
+                        ml_s[r] = make_float2(m[hf], lr);
+                    else
+                        *(float2 *)&p.part_ml[2 * pi] = make_float2(m[hf], lr);
+                }
+            }
+        } else if (active) {
 #pragma unroll
             for (int hf = 0; hf < 2; hf++) {
                 float lr = l[hf];   /* the row's 4 lanes each hold part of its sum */
@@ -1484,6 +1616,7 @@ static pd_status attn_inv_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n
         }
         p->cluster = *ok > 0;
     }
+    p->coop = c->attn_coop;
     const size_t smem = p->cluster ? smem_cl : smem_base;
     /* one arrival counter per CTA column; launches cover at most KERN_CUDA_ATTN_COUNTERS */
     const size_t cols_per_grp = (size_t)p->n_kv * p->n_hchunk;

@@ -411,6 +411,8 @@ static pd_status ctx_init(kern_cuda_ctx *c, int device, pd_err *err)
     c->decode_early = !(de != NULL && strcmp(de, "0") == 0);
     const char *acl = getenv("PD_ATTN_CLUSTER");
     c->attn_cluster = !(acl != NULL && strcmp(acl, "0") == 0);
+    const char *aco = getenv("PD_ATTN_COOP");
+    c->attn_coop = !(aco != NULL && strcmp(aco, "0") == 0);
     const char *acc = getenv("PD_ATTN_CLUSTER_CTAS");
     c->attn_cluster_ctas = acc != NULL ? atoi(acc) : c->n_sm;
     const char *sp = getenv("PD_SMALL_PDL");

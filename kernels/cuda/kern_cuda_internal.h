@@ -37,6 +37,8 @@ typedef struct kern_cuda_ctx {
     int attn_inv_smem_set;     /* attn_inv_kernel's shared-memory limit raised on this device */
     int attn_cluster;          /* 1 unless PD_ATTN_CLUSTER=0 at creation: attn_inv_kernel merges
                                   its splits through a thread-block cluster where it fits */
+    int attn_coop;             /* 1 unless PD_ATTN_COOP=0 at creation: a batch-invariant attention
+                                  CTA of one m-tile spreads it over its four warps */
     int attn_cluster_ctas;     /* PD_ATTN_CLUSTER_CTAS at creation (n_sm without): the largest
                                   grid whose columns are launched as clusters */
     signed char attn_cluster_ok[2][17][5];   /* [hd 64][splits][rows / 16]: 1 such a cluster
