@@ -888,6 +888,7 @@ attn_inv_kernel(attn_params p)
     __shared__ int seq_s[INV_ROWS], len_s[INV_ROWS], rb_s[INV_ROWS], re_s[INV_ROWS];
     __shared__ int cur_s, last_s, red_s[4];
     __shared__ int ns_s[INV_ROWS];
+    __shared__ float w_s[INV_ROWS][ATT_INV_SPLITS], inv_s[INV_ROWS];   /* counter-mode merge */
     __shared__ float cm_s[4][16], ts_s[INV_BN / 8][2][32], pv_s[INV_BN / 8][4][32];   /* coop exchange */
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1363,6 +1364,14 @@ attn_inv_kernel(attn_params p)
      * first partial in the workspace plus s partials: formed once per row and item, so the
      * loads leave one after another (index arithmetic per split made each round of 16 loads
      * take ~2.5 us, H200 timeline 2026-12-04). */
+    /* row r's 4 outputs at column 4 d4 (token t): num / den, rounded as the op rounds */
+    auto store_out = [&](int r, size_t t, int d4, float4 num, float inv) {
+        float *o = p.out + t * p.ld_out + (size_t)(h0 + r % hb) * HD + 4 * d4;   /* any ld_out */
+        o[0] = kern_cuda_rnd(num.x * inv, p.rnd);
+        o[1] = kern_cuda_rnd(num.y * inv, p.rnd);
+        o[2] = kern_cuda_rnd(num.z * inv, p.rnd);
+        o[3] = kern_cuda_rnd(num.w * inv, p.rnd);
+    };
     auto load_ml = [&](int r, size_t t, float2 (&v)[ATT_INV_SPLITS]) {
         if (p.cluster) {
             const float2 *lp = ml_s + r;
@@ -1389,61 +1398,124 @@ attn_inv_kernel(attn_params p)
                 a[s] = __ldcg(gp + (size_t)min(s, last_split) * (HD / 4));
         }
     };
-    /* the splits each row uses */
-    if (tid < n_rows) {
-        const size_t t = t0 + tid / hb;
-        const int len = len_s[tid];
-        int ns = 0;
-        if (t < (size_t)p.n_tok && len > 0) {
-            const int ch = attn_inv_chunk(len, ATT_INV_SPLITS);
-            ns = (len + ch - 1) / ch;
-        }
-        ns_s[tid] = ns;
-    }
-    __syncthreads();
-    KT_MARK(0);
-    /* out = sum over the row's splits in order of w_s acc_s, times 1 / den, with w_s =
-     * 2^((max_s - max) scale) and den = sum of w_s sum_s. An item (row, 4 columns) loads its
-     * row's (max, sum) of every split together with its acc partials, so all 32 loads are in
-     * flight at once (split indices clamped into the launched range: in bounds, and values past
-     * a row's own splits are never used); w and den are formed per item, the same arithmetic
-     * for every item of a row. */
+    /* Row r's splits merged: out = sum over its splits in order of w_s acc_s, times 1 / den,
+     * with w_s = 2^((max_s - max) scale) and den = sum of w_s sum_s. Split indices are clamped
+     * into the launched range (in bounds; values past a row's own splits are never used), so
+     * every load of a round is in flight at once. */
     const int n_items = n_rows * D4;
-    for (int i = first; i < n_items; i += step) {
-        const int r = i / D4, d4 = i % D4;
-        const size_t tr = t0 + r / hb;
-        const size_t t = tr < (size_t)p.n_tok ? tr : 0;
-        float2 v[ATT_INV_SPLITS];
-        float4 a[ATT_INV_SPLITS];
-        load_ml(r, t, v);
-        load_acc(r, t, d4, a);
-        if (tr >= (size_t)p.n_tok)
-            continue;
-        const int ns = ns_s[r];
-        float mx = -INFINITY;
-#pragma unroll
-        for (int s = 0; s < ATT_INV_SPLITS; s++)
-            if (s < ns)
-                mx = fmaxf(mx, v[s].x);
-        float den = 0.0f;
-        float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-        for (int s = 0; s < ATT_INV_SPLITS; s++) {
-            if (s < ns) {
-                const float w = tc_ex2((v[s].x - mx) * sl2);
-                den += w * v[s].y;
-                num.x = fmaf(w, a[s].x, num.x);
-                num.y = fmaf(w, a[s].y, num.y);
-                num.z = fmaf(w, a[s].z, num.z);
-                num.w = fmaf(w, a[s].w, num.w);
+    if (p.cluster) {
+        /* a few items per thread: an item loads its row's (max, sum) of every split together
+         * with its acc partials (one round trip) and forms w and den itself, the same
+         * arithmetic as the per-row pass below */
+        if (tid < n_rows) {
+            const size_t t = t0 + tid / hb;
+            const int len = len_s[tid];
+            int ns = 0;
+            if (t < (size_t)p.n_tok && len > 0) {
+                const int ch = attn_inv_chunk(len, ATT_INV_SPLITS);
+                ns = (len + ch - 1) / ch;
             }
+            ns_s[tid] = ns;
         }
-        const float inv = den > 0.0f ? 1.0f / den : 0.0f;
-        float *o = p.out + t * p.ld_out + (size_t)(h0 + r % hb) * HD + 4 * d4;   /* any ld_out */
-        o[0] = kern_cuda_rnd(num.x * inv, p.rnd);
-        o[1] = kern_cuda_rnd(num.y * inv, p.rnd);
-        o[2] = kern_cuda_rnd(num.z * inv, p.rnd);
-        o[3] = kern_cuda_rnd(num.w * inv, p.rnd);
+        __syncthreads();
+        KT_MARK(0);
+        for (int i = first; i < n_items; i += step) {
+            const int r = i / D4, d4 = i % D4;
+            const size_t tr = t0 + r / hb;
+            const size_t t = tr < (size_t)p.n_tok ? tr : 0;
+            float2 v[ATT_INV_SPLITS];
+            float4 a[ATT_INV_SPLITS];
+            load_ml(r, t, v);
+            load_acc(r, t, d4, a);
+            if (tr >= (size_t)p.n_tok)
+                continue;
+            const int ns = ns_s[r];
+            float mx = -INFINITY;
+#pragma unroll
+            for (int s = 0; s < ATT_INV_SPLITS; s++)
+                if (s < ns)
+                    mx = fmaxf(mx, v[s].x);
+            float den = 0.0f;
+            float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+            for (int s = 0; s < ATT_INV_SPLITS; s++) {
+                if (s < ns) {
+                    const float w = tc_ex2((v[s].x - mx) * sl2);
+                    den += w * v[s].y;
+                    num.x = fmaf(w, a[s].x, num.x);
+                    num.y = fmaf(w, a[s].y, num.y);
+                    num.z = fmaf(w, a[s].z, num.z);
+                    num.w = fmaf(w, a[s].w, num.w);
+                }
+            }
+            store_out(r, t, d4, num, den > 0.0f ? 1.0f / den : 0.0f);
+        }
+    } else {
+        /* the last CTA of a column merges every item: w and 1 / den once per row into shared
+         * memory, then two items per thread at a time keep 32 acc loads in flight */
+        if (tid < n_rows) {
+            size_t t = t0 + tid / hb;
+            const int len = len_s[tid];
+            int ns = 0;
+            if (t < (size_t)p.n_tok && len > 0) {
+                const int ch = attn_inv_chunk(len, ATT_INV_SPLITS);
+                ns = (len + ch - 1) / ch;
+            }
+            t = t < (size_t)p.n_tok ? t : 0;
+            float2 v[ATT_INV_SPLITS];
+            load_ml(tid, t, v);
+            float mx = -INFINITY;
+#pragma unroll
+            for (int s = 0; s < ATT_INV_SPLITS; s++)
+                if (s < ns)
+                    mx = fmaxf(mx, v[s].x);
+            float den = 0.0f;
+#pragma unroll
+            for (int s = 0; s < ATT_INV_SPLITS; s++) {
+                if (s < ns) {
+                    const float w = tc_ex2((v[s].x - mx) * sl2);
+                    w_s[tid][s] = w;
+                    den += w * v[s].y;
+                }
+            }
+            ns_s[tid] = ns;
+            inv_s[tid] = den > 0.0f ? 1.0f / den : 0.0f;
+        }
+        __syncthreads();
+        KT_MARK(0);
+        auto merge_item = [&](int i, const float4 (&a)[ATT_INV_SPLITS]) {
+            const int r = i / D4, d4 = i % D4;
+            const size_t t = t0 + r / hb;
+            if (t >= (size_t)p.n_tok)
+                return;
+            const int ns = ns_s[r];
+            float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+            for (int s = 0; s < ATT_INV_SPLITS; s++) {
+                if (s < ns) {
+                    const float w = w_s[r][s];
+                    num.x = fmaf(w, a[s].x, num.x);
+                    num.y = fmaf(w, a[s].y, num.y);
+                    num.z = fmaf(w, a[s].z, num.z);
+                    num.w = fmaf(w, a[s].w, num.w);
+                }
+            }
+            store_out(r, t, d4, num, inv_s[r]);
+        };
+        auto item_t = [&](int i) {
+            const size_t t = t0 + (i / D4) / hb;
+            return t < (size_t)p.n_tok ? t : (size_t)0;
+        };
+        for (int i = first; i < n_items; i += 2 * step) {
+            float4 a0[ATT_INV_SPLITS], a1[ATT_INV_SPLITS];
+            const int i1 = i + step;
+            load_acc(i / D4, item_t(i), i % D4, a0);
+            if (i1 < n_items)
+                load_acc(i1 / D4, item_t(i1), i1 % D4, a1);
+            merge_item(i, a0);
+            if (i1 < n_items)
+                merge_item(i1, a1);
+        }
     }
     KT_MARK(1);
     if (p.cluster)
@@ -1595,7 +1667,7 @@ static pd_status attn_inv_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n
     const size_t smem_cl = smem_base + (size_t)rows_pad * (hd + 2) * sizeof(float);
     const size_t n_col = (size_t)p->n_kv * p->n_hchunk * (((size_t)p->n_tok + p->qg - 1) / p->qg);
     p->cluster = 0;
-    if (c->attn_cluster && p->n_split <= ATT_INV_SPLITS && n_col * p->n_split <= (size_t)c->attn_cluster_ctas) {
+    if (c->attn_cluster && p->n_split <= ATT_INV_SPLITS && n_col * p->n_split <= (size_t)c->n_sm) {
         signed char *ok = &c->attn_cluster_ok[hd == 64][p->n_split][rows_pad / 16];
         if (*ok == 0) {
             cudaLaunchAttribute at[1];

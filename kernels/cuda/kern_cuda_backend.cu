@@ -411,10 +411,10 @@ static pd_status ctx_init(kern_cuda_ctx *c, int device, pd_err *err)
     c->decode_early = !(de != NULL && strcmp(de, "0") == 0);
     const char *acl = getenv("PD_ATTN_CLUSTER");
     c->attn_cluster = !(acl != NULL && strcmp(acl, "0") == 0);
+    const char *sks = getenv("PD_SK_SPREAD");
+    c->sk_spread = !(sks != NULL && strcmp(sks, "0") == 0);
     const char *aco = getenv("PD_ATTN_COOP");
     c->attn_coop = !(aco != NULL && strcmp(aco, "0") == 0);
-    const char *acc = getenv("PD_ATTN_CLUSTER_CTAS");
-    c->attn_cluster_ctas = acc != NULL ? atoi(acc) : c->n_sm;
     const char *sp = getenv("PD_SMALL_PDL");
     c->small_pdl = !(sp != NULL && strcmp(sp, "0") == 0);
     const char *skw = getenv("PD_SK_WIDE_WARPS");

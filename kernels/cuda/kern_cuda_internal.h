@@ -37,10 +37,11 @@ typedef struct kern_cuda_ctx {
     int attn_inv_smem_set;     /* attn_inv_kernel's shared-memory limit raised on this device */
     int attn_cluster;          /* 1 unless PD_ATTN_CLUSTER=0 at creation: attn_inv_kernel merges
                                   its splits through a thread-block cluster where it fits */
+    int sk_spread;             /* 1 unless PD_SK_SPREAD=0 at creation: a one-wave skinny GEMM
+                                  takes idle warps so that no SM holds more than ceil(CTAs / SMs)
+                                  of its CTAs (the block scheduler fills SMs one by one) */
     int attn_coop;             /* 1 unless PD_ATTN_COOP=0 at creation: a batch-invariant attention
                                   CTA of one m-tile spreads it over its four warps */
-    int attn_cluster_ctas;     /* PD_ATTN_CLUSTER_CTAS at creation (n_sm without): the largest
-                                  grid whose columns are launched as clusters */
     signed char attn_cluster_ok[2][17][5];   /* [hd 64][splits][rows / 16]: 1 such a cluster
                                   fits on this device, -1 not, 0 not asked yet */
     int mk_chain_old;          /* PD_MK_CHAIN=old at creation: markov_chain keeps its L2-streaming

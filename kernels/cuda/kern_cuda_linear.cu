@@ -32,6 +32,12 @@
  *   after its wait instead: when they start, every kernel before the projection has completed
  *   and its writes are visible, so the attention may load the keys those stored before its own
  *   wait (triggering after the wait in every launch cost ~1 % of a decode step, H200).
+ *   Placement: the block scheduler fills an SM up to its occupancy before it moves on, so a
+ *   one-wave grid of small CTAs (gate/up: 608 CTAs of 2 warps) landed on ~80 of 132 SMs, 8 CTAs
+ *   each, and ran long on them (H200 timeline, docs/BENCHMARKS.md); such a grid gets idle warps
+ *   per CTA so that an SM takes at most ceil(CTAs / SMs) (kern_cuda_ctx.sk_spread). Padding
+ *   the shared memory would cap it too, but made the decode step ~30 % slower (measured; the
+ *   cause not established: the L1 that a larger carveout leaves is one candidate).
  *   Epilogues: STORE, ACCUMULATE (y += v), SWIGLU (gate and up tiles in the same CTA).
  * Not here: shape checks (kern_ops.c), cuBLAS (kern_cuda_matmul.cu, the fallback for many rows).
  * Threading: enqueues on the backend stream. */
@@ -60,6 +66,8 @@ typedef struct {
     float *tee;                              /* NULL or a copy of y[0]'s final rows */
     int ld_tee;
     int trigger_late;                        /* let the next kernel start after the wait */
+    int spread_cap;                          /* > 0: idle warps are added to each CTA so that
+                                              * an SM holds at most this many (launch_one) */
     int rnd;                                 /* kern_backend.act_bf16: products (and SwiGLU, the
                                               * residual sum) rounded to bf16 */
 } sk_params;
@@ -217,15 +225,18 @@ skinny_kernel(sk_params p)
     const int nsteps = (p.k + SK_STEP - 1) / SK_STEP;
     const int stride = W * SK_STEP;                           /* k between a warp's steps */
 
-    /* the weights never depend on the previous kernel: fill the ring before waiting for it */
+    /* the weights never depend on the previous kernel: fill the ring before waiting for it.
+     * Warps past W (added by launch_one to spread the grid over the SMs) load and compute
+     * nothing, but take part in every barrier. */
+    const bool busy = warp < W;
     wfrag wf[D][NWT][2];
     int kk = warp * SK_STEP + t * 8;
 #pragma unroll
     for (int r = 0; r < D; r++)
 #pragma unroll
         for (int j = 0; j < NWT; j++) {
-            wf[r][j][0] = load_w(wrow[j][0], kk + r * stride, p.k);
-            wf[r][j][1] = load_w(wrow[j][1], kk + r * stride, p.k);
+            wf[r][j][0] = busy ? load_w(wrow[j][0], kk + r * stride, p.k) : wfrag{};
+            wf[r][j][1] = busy ? load_w(wrow[j][1], kk + r * stride, p.k) : wfrag{};
         }
     if (!p.trigger_late)
         kern_cuda_pdl_launch_next();
@@ -253,9 +264,9 @@ skinny_kernel(sk_params p)
 
     /* warp w takes steps w, w + W, w + 2W, ... in order; ring slot r holds the step r ahead */
     xraw xn;
-    if (XP)
+    if (XP && busy)
         load_xraw(p, xrow[0], kk, xn);
-    for (int s0 = warp; s0 < nsteps; s0 += D * W) {
+    for (int s0 = busy ? warp : nsteps; s0 < nsteps; s0 += D * W) {
 #pragma unroll
         for (int r = 0; r < D; r++) {
             if (s0 + r * W >= nsteps)
@@ -294,7 +305,7 @@ skinny_kernel(sk_params p)
             float v = ss[i];
             v += __shfl_xor_sync(0xffffffffu, v, 1);
             v += __shfl_xor_sync(0xffffffffu, v, 2);
-            if (t == 0)
+            if (t == 0 && busy)
                 part[warp][i * 8 + g] = v;
         }
     }
@@ -303,14 +314,15 @@ skinny_kernel(sk_params p)
     for (int j = 0; j < NWT; j++) {
         if (j > 0)
             __syncthreads();
+        if (busy)
 #pragma unroll
-        for (int i = 0; i < NT; i++)
+            for (int i = 0; i < NT; i++)
 #pragma unroll
-            for (int r = 0; r < 4; r++)
-                red[(warp * NT * 4 + i * 4 + r) * 32 + lane] = acc[j][i][r];
+                for (int r = 0; r < 4; r++)
+                    red[(warp * NT * 4 + i * 4 + r) * 32 + lane] = acc[j][i][r];
         __syncthreads();
         /* element e = (tile * 4 + reg) * 32 + lane */
-        for (int e = threadIdx.x; e < NE; e += W * 32) {
+        for (int e = busy ? (int)threadIdx.x : NE; e < NE; e += W * 32) {
             float v = 0.0f;
             for (int w = 0; w < W; w++)
                 v += red[w * NE + e];
@@ -373,9 +385,32 @@ static cudaError_t launch_one(const sk_params &p, dim3 grid, cudaStream_t s)
     constexpr int NWT = EPI == KERN_LINEAR_SWIGLU ? 2 : 1;
     /* the warps' partial sums (and SWIGLU's gate sums): at most 36 KB, under the default limit */
     size_t smem = ((size_t)p.warps * NT * 128 + (NWT > 1 ? NT * 128 : 0)) * sizeof(float);
+    /* idle warps: the block scheduler fills an SM to its occupancy before the next, so a grid
+     * of small CTAs sits on few SMs; extra warps (registers held, no work) lower the CTAs an SM
+     * takes to spread_cap, chosen by the occupancy calculator (cached per block size) */
+    int threads = p.warps * 32;
+    if (p.spread_cap > 0) {
+        static signed char occ_cache[SK_MAX_WARPS + 1][SK_MAX_WARPS + 1];   /* [warps][block warps] */
+        for (int wq = p.warps; wq <= SK_MAX_WARPS; wq++) {
+            signed char *oc = &occ_cache[p.warps][wq];
+            if (*oc == 0) {
+                int occ = 0;
+                if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, skinny_kernel<NT, EPI, D, XP>, wq * 32,
+                                                                  smem) != cudaSuccess)
+                    occ = -1;
+                (void)cudaGetLastError();
+                *oc = (signed char)(occ > 0 ? (occ > 100 ? 100 : occ) : -1);
+            }
+            if (*oc < p.spread_cap)
+                break;
+            threads = wq * 32;
+            if (*oc == p.spread_cap)
+                break;
+        }
+    }
     /* programmatic dependent launch: this kernel's weight loads start while the previous kernel
      * drains (griddepcontrol.wait in the kernel; captured into graphs as programmatic edges) */
-    return kern_cuda_launch(s, grid, dim3((unsigned)p.warps * 32), smem, 1, skinny_kernel<NT, EPI, D, XP>, p);
+    return kern_cuda_launch(s, grid, dim3((unsigned)threads), smem, 1, skinny_kernel<NT, EPI, D, XP>, p);
 }
 
 /* W loads in flight per warp: 3 steps (12 x 16 bytes per thread) with x one step ahead for one
@@ -451,6 +486,13 @@ static pd_status skinny_launch(kern_cuda_ctx *c, const kern_linear_args *a, int 
     }
     p.tile0[p.n_w] = tiles;
     p.warps = skinny_warps(c, tiles);
+    {
+        /* a one-wave grid: at most ceil(CTAs / SMs) CTAs per SM (launch_one) */
+        const long ctas = (long)tiles * (long)((a->m + 63) / 64);
+        const long wave = (long)c->n_sm * (SK_WARPS_PER_SM / p.warps);
+        if (c->sk_spread && ctas <= wave)
+            p.spread_cap = (int)((ctas + c->n_sm - 1) / c->n_sm);
+    }
     int rows = a->m < SK_MAX_TILES * 8 ? a->m : SK_MAX_TILES * 8;
     int nt = 1;
     while (nt * 8 < rows)
