@@ -1074,6 +1074,50 @@ attn_inv_kernel(attn_params p)
             frag_q();
             q_ready = true;
         }
+        /* the pieces both forms of the tile's math below use (the same operations, so the
+         * same bits): the scores of keys 16 np .. 16 np + 15 (n-tiles 2 np, 2 np + 1), the hi
+         * then the lo term of q per k-step; -inf where row g + 8 hf does not see a key of
+         * n-tile n (lo <= j < hi: its split, its length); P's keys 16 kk .. as hi + lo A
+         * fragments; O's column pair dp += (P_hi + P_lo) V over those keys */
+        auto score_pair = [&](const __nv_bfloat16 *ks, int np, float (&s0)[4], float (&s1)[4]) {
+#pragma unroll
+            for (int kk = 0; kk < KD; kk++) {
+                unsigned b[4];
+                const int key = np * 16 + ((lane >> 4) << 3) + (lane & 7);
+                tc_ldsm_x4(b, &ks[tc_swz(key, kk * 2 + ((lane >> 3) & 1), HD)]);
+                tc_mma(s0, qh[kk], b[0], b[1]);
+                tc_mma(s1, qh[kk], b[2], b[3]);
+                if (q_lo) {
+                    tc_mma(s0, ql[kk], b[0], b[1]);
+                    tc_mma(s1, ql[kk], b[2], b[3]);
+                }
+            }
+        };
+        auto mask_ntile = [&](float (&sn)[4], int j0, int n) {
+            const int j = j0 + n * 8 + 2 * qc;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int jj = j + (e & 1), hf = e >> 1;
+                if (jj < lo[hf] || jj >= hi[hf])
+                    sn[e] = -INFINITY;
+            }
+        };
+        auto split_p = [&](const float (&p0)[4], const float (&p1)[4], unsigned (&ah)[4], unsigned (&alo)[4]) {
+            tc_split_bf16(p0[0], p0[1], ah[0], alo[0]);
+            tc_split_bf16(p0[2], p0[3], ah[1], alo[1]);
+            tc_split_bf16(p1[0], p1[1], ah[2], alo[2]);
+            tc_split_bf16(p1[2], p1[3], ah[3], alo[3]);
+        };
+        auto pv_pair = [&](const __nv_bfloat16 *vs, int kk, const unsigned (&ah)[4], const unsigned (&alo)[4],
+                           int dp, float (&a0)[4], float (&a1)[4]) {
+            unsigned b[4];
+            const int key = kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7);
+            tc_ldsm_x4_t(b, &vs[tc_swz(key, dp * 2 + (lane >> 4), HD)]);
+            tc_mma(a0, ah, b[0], b[1]);
+            tc_mma(a1, ah, b[2], b[3]);
+            tc_mma(a0, alo, b[0], b[1]);
+            tc_mma(a1, alo, b[2], b[3]);
+        };
         for (int it = 0; jc != INT_MAX; it++) {
             const int st = it & 1;
             int jn;
@@ -1098,28 +1142,10 @@ attn_inv_kernel(attn_params p)
 #pragma unroll
                 for (int n = 0; n < 2; n++)
                     s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+                score_pair(ks, warp, s[0], s[1]);
 #pragma unroll
-                for (int kk = 0; kk < KD; kk++) {
-                    unsigned b[4];
-                    const int key = warp * 16 + ((lane >> 4) << 3) + (lane & 7);
-                    tc_ldsm_x4(b, &ks[tc_swz(key, kk * 2 + ((lane >> 3) & 1), HD)]);
-                    tc_mma(s[0], qh[kk], b[0], b[1]);
-                    tc_mma(s[1], qh[kk], b[2], b[3]);
-                    if (q_lo) {
-                        tc_mma(s[0], ql[kk], b[0], b[1]);
-                        tc_mma(s[1], ql[kk], b[2], b[3]);
-                    }
-                }
-#pragma unroll
-                for (int n = 0; n < 2; n++) {
-                    const int j = jc + (2 * warp + n) * 8 + 2 * qc;
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int jj = j + (e & 1), hf = e >> 1;
-                        if (jj < lo[hf] || jj >= hi[hf])
-                            s[n][e] = -INFINITY;
-                    }
-                }
+                for (int n = 0; n < 2; n++)
+                    mask_ntile(s[n], jc, 2 * warp + n);
 #pragma unroll
                 for (int hf = 0; hf < 2; hf++) {
                     float pm = fmaxf(fmaxf(s[0][2 * hf], s[0][2 * hf + 1]), fmaxf(s[1][2 * hf], s[1][2 * hf + 1]));
@@ -1174,21 +1200,10 @@ attn_inv_kernel(attn_params p)
                         p1[e] = pv_s[2 * kk + 1][e][lane];
                     }
                     unsigned ah[4], alo[4];
-                    tc_split_bf16(p0[0], p0[1], ah[0], alo[0]);
-                    tc_split_bf16(p0[2], p0[3], ah[1], alo[1]);
-                    tc_split_bf16(p1[0], p1[1], ah[2], alo[2]);
-                    tc_split_bf16(p1[2], p1[3], ah[3], alo[3]);
+                    split_p(p0, p1, ah, alo);
 #pragma unroll
-                    for (int dq = 0; dq < ND / 8; dq++) {
-                        const int dp = warp * (ND / 8) + dq;
-                        unsigned b[4];
-                        const int key = kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7);
-                        tc_ldsm_x4_t(b, &vs[tc_swz(key, dp * 2 + (lane >> 4), HD)]);
-                        tc_mma(acc[2 * dq], ah, b[0], b[1]);
-                        tc_mma(acc[2 * dq + 1], ah, b[2], b[3]);
-                        tc_mma(acc[2 * dq], alo, b[0], b[1]);
-                        tc_mma(acc[2 * dq + 1], alo, b[2], b[3]);
-                    }
+                    for (int dq = 0; dq < ND / 8; dq++)
+                        pv_pair(vs, kk, ah, alo, warp * (ND / 8) + dq, acc[2 * dq], acc[2 * dq + 1]);
                 }
             } else if (active) {
                 const __nv_bfloat16 *ks = k_s + st * INV_BN * HD, *vs = v_s + st * INV_BN * HD;
@@ -1197,31 +1212,11 @@ attn_inv_kernel(attn_params p)
                 for (int n = 0; n < NS; n++)
                     s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
 #pragma unroll
-                for (int kk = 0; kk < KD; kk++) {
+                for (int np = 0; np < NS / 2; np++)
+                    score_pair(ks, np, s[2 * np], s[2 * np + 1]);
 #pragma unroll
-                    for (int np = 0; np < NS / 2; np++) {
-                        unsigned b[4];
-                        const int key = np * 16 + ((lane >> 4) << 3) + (lane & 7);
-                        tc_ldsm_x4(b, &ks[tc_swz(key, kk * 2 + ((lane >> 3) & 1), HD)]);
-                        tc_mma(s[2 * np], qh[kk], b[0], b[1]);
-                        tc_mma(s[2 * np + 1], qh[kk], b[2], b[3]);
-                        if (q_lo) {
-                            tc_mma(s[2 * np], ql[kk], b[0], b[1]);
-                            tc_mma(s[2 * np + 1], ql[kk], b[2], b[3]);
-                        }
-                    }
-                }
-                /* a row sees key j iff lo <= j < hi (its split, its length) */
-#pragma unroll
-                for (int n = 0; n < NS; n++) {
-                    const int j = jc + n * 8 + 2 * qc;
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int jj = j + (e & 1), hf = e >> 1;
-                        if (jj < lo[hf] || jj >= hi[hf])
-                            s[n][e] = -INFINITY;
-                    }
-                }
+                for (int n = 0; n < NS; n++)
+                    mask_ntile(s[n], jc, n);
                 /* online softmax in base 2 on raw scores, as in attn_tc_kernel */
 #pragma unroll
                 for (int hf = 0; hf < 2; hf++) {
@@ -1255,20 +1250,10 @@ attn_inv_kernel(attn_params p)
 #pragma unroll
                 for (int kk = 0; kk < INV_BN / 16; kk++) {
                     unsigned ah[4], alo[4];
-                    tc_split_bf16(s[2 * kk][0], s[2 * kk][1], ah[0], alo[0]);
-                    tc_split_bf16(s[2 * kk][2], s[2 * kk][3], ah[1], alo[1]);
-                    tc_split_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1], ah[2], alo[2]);
-                    tc_split_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3], ah[3], alo[3]);
+                    split_p(s[2 * kk], s[2 * kk + 1], ah, alo);
 #pragma unroll
-                    for (int dp = 0; dp < ND / 2; dp++) {
-                        unsigned b[4];
-                        const int key = kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7);
-                        tc_ldsm_x4_t(b, &vs[tc_swz(key, dp * 2 + (lane >> 4), HD)]);
-                        tc_mma(acc[2 * dp], ah, b[0], b[1]);
-                        tc_mma(acc[2 * dp + 1], ah, b[2], b[3]);
-                        tc_mma(acc[2 * dp], alo, b[0], b[1]);
-                        tc_mma(acc[2 * dp + 1], alo, b[2], b[3]);
-                    }
+                    for (int dp = 0; dp < ND / 2; dp++)
+                        pv_pair(vs, kk, ah, alo, dp, acc[2 * dp], acc[2 * dp + 1]);
                 }
             }
             __syncthreads();   /* the next iteration's load overwrites this stage */
