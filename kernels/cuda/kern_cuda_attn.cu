@@ -1388,20 +1388,29 @@ attn_inv_kernel(attn_params p)
      * into the launched range (in bounds; values past a row's own splits are never used), so
      * every load of a round is in flight at once. */
     const int n_items = n_rows * D4;
+    /* the splits row r uses (0 past the launch's tokens), and the largest max among them */
+    auto row_splits = [&](int r) -> int {
+        const size_t t = t0 + r / hb;
+        const int len = len_s[r];
+        if (t >= (size_t)p.n_tok || len <= 0)
+            return 0;
+        const int ch = attn_inv_chunk(len, ATT_INV_SPLITS);
+        return (len + ch - 1) / ch;
+    };
+    auto split_max = [&](const float2 (&v)[ATT_INV_SPLITS], int ns) -> float {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int s = 0; s < ATT_INV_SPLITS; s++)
+            if (s < ns)
+                mx = fmaxf(mx, v[s].x);
+        return mx;
+    };
     if (p.cluster) {
         /* a few items per thread: an item loads its row's (max, sum) of every split together
          * with its acc partials (one round trip) and forms w and den itself, the same
          * arithmetic as the per-row pass below */
-        if (tid < n_rows) {
-            const size_t t = t0 + tid / hb;
-            const int len = len_s[tid];
-            int ns = 0;
-            if (t < (size_t)p.n_tok && len > 0) {
-                const int ch = attn_inv_chunk(len, ATT_INV_SPLITS);
-                ns = (len + ch - 1) / ch;
-            }
-            ns_s[tid] = ns;
-        }
+        if (tid < n_rows)
+            ns_s[tid] = row_splits(tid);
         __syncthreads();
         KT_MARK(0);
         for (int i = first; i < n_items; i += step) {
@@ -1415,11 +1424,7 @@ attn_inv_kernel(attn_params p)
             if (tr >= (size_t)p.n_tok)
                 continue;
             const int ns = ns_s[r];
-            float mx = -INFINITY;
-#pragma unroll
-            for (int s = 0; s < ATT_INV_SPLITS; s++)
-                if (s < ns)
-                    mx = fmaxf(mx, v[s].x);
+            const float mx = split_max(v, ns);
             float den = 0.0f;
             float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
@@ -1439,21 +1444,11 @@ attn_inv_kernel(attn_params p)
         /* the last CTA of a column merges every item: w and 1 / den once per row into shared
          * memory, then two items per thread at a time keep 32 acc loads in flight */
         if (tid < n_rows) {
-            size_t t = t0 + tid / hb;
-            const int len = len_s[tid];
-            int ns = 0;
-            if (t < (size_t)p.n_tok && len > 0) {
-                const int ch = attn_inv_chunk(len, ATT_INV_SPLITS);
-                ns = (len + ch - 1) / ch;
-            }
-            t = t < (size_t)p.n_tok ? t : 0;
+            const size_t tr = t0 + tid / hb;
+            const int ns = row_splits(tid);
             float2 v[ATT_INV_SPLITS];
-            load_ml(tid, t, v);
-            float mx = -INFINITY;
-#pragma unroll
-            for (int s = 0; s < ATT_INV_SPLITS; s++)
-                if (s < ns)
-                    mx = fmaxf(mx, v[s].x);
+            load_ml(tid, tr < (size_t)p.n_tok ? tr : 0, v);
+            const float mx = split_max(v, ns);
             float den = 0.0f;
 #pragma unroll
             for (int s = 0; s < ATT_INV_SPLITS; s++) {
