@@ -383,6 +383,13 @@ extern "C" pd_status kern_cuda_trace_end(kern_backend *be, const char *path, pd_
 }
 #endif
 
+/* a knob that is on unless the variable is "0" */
+static int env_on(const char *name)
+{
+    const char *v = getenv(name);
+    return !(v != NULL && strcmp(v, "0") == 0);
+}
+
 static pd_status ctx_init(kern_cuda_ctx *c, int device, pd_err *err)
 {
     int n = kern_cuda_device_count();
@@ -405,18 +412,12 @@ static pd_status ctx_init(kern_cuda_ctx *c, int device, pd_err *err)
     PD_CUDA_TRY(cudaStreamSynchronize(c->stream), err);
     const char *mk = getenv("PD_MK_CHAIN");
     c->mk_chain_old = mk != NULL && strcmp(mk, "old") == 0;
-    const char *mkp = getenv("PD_MK_CHAIN_PDL");
-    c->mk_chain_pdl = !(mkp != NULL && strcmp(mkp, "0") == 0);
-    const char *de = getenv("PD_DECODE_EARLY");
-    c->decode_early = !(de != NULL && strcmp(de, "0") == 0);
-    const char *acl = getenv("PD_ATTN_CLUSTER");
-    c->attn_cluster = !(acl != NULL && strcmp(acl, "0") == 0);
-    const char *sks = getenv("PD_SK_SPREAD");
-    c->sk_spread = !(sks != NULL && strcmp(sks, "0") == 0);
-    const char *aco = getenv("PD_ATTN_COOP");
-    c->attn_coop = !(aco != NULL && strcmp(aco, "0") == 0);
-    const char *sp = getenv("PD_SMALL_PDL");
-    c->small_pdl = !(sp != NULL && strcmp(sp, "0") == 0);
+    c->mk_chain_pdl = env_on("PD_MK_CHAIN_PDL");
+    c->decode_early = env_on("PD_DECODE_EARLY");
+    c->attn_cluster = env_on("PD_ATTN_CLUSTER");
+    c->sk_spread = env_on("PD_SK_SPREAD");
+    c->attn_coop = env_on("PD_ATTN_COOP");
+    c->small_pdl = env_on("PD_SMALL_PDL");
     const char *skw = getenv("PD_SK_WIDE_WARPS");
     int w = skw != NULL ? atoi(skw) : 2;
     c->sk_wide_warps = w == 1 || w == 2 || w == 4 || w == 8 ? w : 2;

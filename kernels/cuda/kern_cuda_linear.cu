@@ -486,18 +486,15 @@ static pd_status skinny_launch(kern_cuda_ctx *c, const kern_linear_args *a, int 
     }
     p.tile0[p.n_w] = tiles;
     p.warps = skinny_warps(c, tiles);
-    {
-        /* a one-wave grid: at most ceil(CTAs / SMs) CTAs per SM (launch_one) */
-        const long ctas = (long)tiles * (long)((a->m + 63) / 64);
-        const long wave = (long)c->n_sm * (SK_WARPS_PER_SM / p.warps);
-        if (c->sk_spread && ctas <= wave)
-            p.spread_cap = (int)((ctas + c->n_sm - 1) / c->n_sm);
-    }
     int rows = a->m < SK_MAX_TILES * 8 ? a->m : SK_MAX_TILES * 8;
     int nt = 1;
     while (nt * 8 < rows)
         nt *= 2;
     dim3 grid((unsigned)tiles, (unsigned)((a->m + nt * 8 - 1) / (nt * 8)));
+    /* a one-wave grid: at most ceil(CTAs / SMs) CTAs per SM (launch_one) */
+    const long ctas = (long)grid.x * grid.y, wave = (long)c->n_sm * (SK_WARPS_PER_SM / p.warps);
+    if (c->sk_spread && ctas <= wave)
+        p.spread_cap = (int)((ctas + c->n_sm - 1) / c->n_sm);
     cudaError_t e;
     switch (a->epilogue) {
     case KERN_LINEAR_STORE: e = launch_epi<KERN_LINEAR_STORE>(p, nt, grid, c->stream); break;

@@ -2,8 +2,9 @@
  * Owns: kern_cuda_qk_post_launch, kern_cuda_qk_post_launch_pdl (the same as a programmatic
  *   dependent launch that forms its angles before it waits for the projection),
  *   kern_cuda_qk_post_from (the second half of the fused qkv op: q/k/v read from bf16
- *   products). Block (token, group of heads), a warp per head of the concatenated list [q heads, k heads] at a time: the lane holds the rotate-half pairs
- *   (i, i + hd/2) for i = lane, lane + 32, ...; sum of squares over the head in fp32 (fixed
+ *   products). Block (token, group of heads), a warp per head of the concatenated list
+ *   [q heads, k heads] at a time: the lane holds the rotate-half pairs (i, i + hd/2) for
+ *   i = lane, lane + 32, ...; sum of squares over the head in fp32 (fixed
  *   order: lane partials, then a butterfly), x = w * (x * inv), RoPE with the angle formed as
  *   kern_cuda_rope.cu forms it (fp32 inv_freq, double angle and sincos), written back in place;
  *   a k-head warp also stores its k and v head into the paged cache at slot[t] (negative slot:
