@@ -642,15 +642,22 @@ def main():
         check(sample(m1, "pdspark_kv_pages_total") > 0 and sample(m1, "pdspark_kv_pages_free") ==
               sample(m1, "pdspark_kv_pages_total"), "kv page gauges")
 
-        # ---- drain: SIGTERM during a stream
-        s = Stream(node, "/v1/completions", {"prompt": prompt, "max_tokens": 160,
+        # ---- drain: SIGTERM during a stream. The stream must outlast the checks below: on a GPU
+        # 160 tokens take ~15 ms (H200), so it asks for 3000 there (~0.3 s); and the checks start
+        # as soon as /ready says draining rather than after a fixed sleep.
+        drain_n = 3000 if DEV else 160
+        s = Stream(node, "/v1/completions", {"prompt": prompt, "max_tokens": drain_n,
                                              "ignore_eos": True, "temperature": 0, "stream": True})
         check(s.status == 200, "drain stream starts")
         first = s.next_event()
         check(first is not None and first != "[DONE]", "drain stream first event")
         node.p.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
-        st, _, out = request(node, "GET", "/ready")
+        t_end = time.time() + 5
+        while True:
+            st, _, out = request(node, "GET", "/ready")
+            if st != 200 or time.time() > t_end:
+                break
+            time.sleep(0.005)
         check(st == 503, "/ready while draining: %d %s" % (st, out))
         st, _, out = request(node, "GET", "/health")
         check(st == 200, "/health while draining: %d" % st)
@@ -673,7 +680,7 @@ def main():
             n_events += 1
         s.close()
         check(done and last is not None and last["choices"][0]["finish_reason"] == "length" and
-              last["usage"]["completion_tokens"] == 160,
+              last["usage"]["completion_tokens"] == drain_n,
               "the running stream finished during the drain: done=%s last=%s" % (done, last))
         try:
             rc = node.p.wait(30)
@@ -682,8 +689,8 @@ def main():
         check(rc == 0, "exit status after drain: %s" % rc)
         err = node.stderr()
         check("drained" in err, "drain logged")
-        check(re.search(r"request\s+cmpl-\S+: ok, finish length, prompt \d+ tokens, generated 160 "
-                        r"tokens", err) is not None, "per-request log line")
+        check(re.search(r"request\s+cmpl-\S+: ok, finish length, prompt \d+ tokens, generated %d "
+                        r"tokens" % drain_n, err) is not None, "per-request log line")
     finally:
         if odd_node is not None:
             odd_node.stop()

@@ -2185,12 +2185,21 @@ static const kcase cases[] = {
     {"qkv", 0, 0, 0, 65, 0, 256, 1, 0, 2, 128, 16, NULL, 1e-2, 0},
     /* attn_block: hidden k, heads, kv heads, head_dim, page size, batch; sub 1 = accumulate.
      * The first three take the CUDA prefill path (bf16 q and attention output; the third with a
-     * key split), the others the three ops (odd row stride, decode-sized batch) */
+     * key split), the others the three ops (odd row stride, decode-sized batch); with
+     * --invariant every one takes the skinny projection and the early attention */
     {"attn_block", 0, 0, 0, 0, 0, 256, 1, 4, 2, 128, 16, "p:0+300", 1e-2, 0},
     {"attn_block", 0, 0, 8, 0, 0, 512, 0, 8, 2, 64, 64, "p:100+200,p:0+77,x:37+40", 1e-2, 0},
     {"attn_block", 0, 0, 0, 0, 0, 256, 1, 4, 1, 128, 16, "p:2000+64", 1e-2, 0},
     {"attn_block", 0, 0, 2, 0, 0, 256, 1, 4, 2, 64, 16, "p:20+150", 1e-2, 0},
     {"attn_block", 0, 0, 0, 0, 0, 512, 1, 8, 2, 128, 16, "d:500+1,d:9+1", 1e-2, 0},
+    /* batch-invariant rounds of at most 64 tokens run the attention with qk_post fused in
+     * (kern_cuda_attn_launch_fused; --invariant): verify-like blocks, draft blocks with a long
+     * decode whose new key sits past the tiles loaded before the wait, a ragged batch whose
+     * sequences straddle the CTAs' token groups, decodes at tile edges */
+    {"attn_block", 0, 0, 0, 0, 0, 256, 0, 8, 2, 128, 16, "p:1000+8,p:300+8", 1e-2, 0},
+    {"attn_block", 0, 0, 0, 0, 0, 256, 1, 8, 2, 64, 16, "x:700+7,x:50+7,d:3000+1", 1e-2, 0},
+    {"attn_block", 0, 0, 4, 0, 0, 256, 0, 4, 2, 128, 16, "p:900+3,p:400+5,d:77+1,p:5+9", 1e-2, 0},
+    {"attn_block", 0, 0, 0, 0, 0, 256, 1, 8, 2, 128, 16, "d:4000+1,d:63+1,d:64+1,d:0+1", 1e-2, 0},
     {"qk_post", 1, 0, 0, 0, 0, 0, 1, 32, 8, 128, 16, NULL, 1e-5, 0},
     {"qk_post", 9, 0, 3, 0, 0, 0, 1, 16, 4, 64, 16, NULL, 1e-5, 0},
     {"qk_post", 77, 0, 0, 0, 0, 0, 0, 32, 8, 128, 64, NULL, 1e-5, 0},
