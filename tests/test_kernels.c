@@ -2192,10 +2192,10 @@ static const kcase cases[] = {
     {"attn_block", 0, 0, 0, 0, 0, 256, 1, 4, 1, 128, 16, "p:2000+64", 1e-2, 0},
     {"attn_block", 0, 0, 2, 0, 0, 256, 1, 4, 2, 64, 16, "p:20+150", 1e-2, 0},
     {"attn_block", 0, 0, 0, 0, 0, 512, 1, 8, 2, 128, 16, "d:500+1,d:9+1", 1e-2, 0},
-    /* batch-invariant rounds of at most 64 tokens run the attention with qk_post fused in
-     * (kern_cuda_attn_launch_fused; --invariant): verify-like blocks, draft blocks with a long
-     * decode whose new key sits past the tiles loaded before the wait, a ragged batch whose
-     * sequences straddle the CTAs' token groups, decodes at tile edges */
+    /* with --invariant, the early attention on rounds the engine runs: verify-like blocks,
+     * draft blocks with a long decode whose new key sits past the tiles loaded before the
+     * wait, a ragged batch whose sequences straddle the CTAs' token groups, decodes at tile
+     * edges */
     {"attn_block", 0, 0, 0, 0, 0, 256, 0, 8, 2, 128, 16, "p:1000+8,p:300+8", 1e-2, 0},
     {"attn_block", 0, 0, 0, 0, 0, 256, 1, 8, 2, 64, 16, "x:700+7,x:50+7,d:3000+1", 1e-2, 0},
     {"attn_block", 0, 0, 4, 0, 0, 256, 0, 4, 2, 128, 16, "p:900+3,p:400+5,d:77+1,p:5+9", 1e-2, 0},
