@@ -417,6 +417,7 @@ static pd_status ctx_init(kern_cuda_ctx *c, int device, pd_err *err)
     c->attn_cluster = env_on("PD_ATTN_CLUSTER");
     c->sk_spread = env_on("PD_SK_SPREAD");
     c->attn_coop = env_on("PD_ATTN_COOP");
+    c->attn_one_tile = env_on("PD_ATTN_ONE_TILE");
     c->small_pdl = env_on("PD_SMALL_PDL");
     const char *skw = getenv("PD_SK_WIDE_WARPS");
     int w = skw != NULL ? atoi(skw) : 2;

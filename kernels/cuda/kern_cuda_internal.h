@@ -40,6 +40,9 @@ typedef struct kern_cuda_ctx {
     int sk_spread;             /* 1 unless PD_SK_SPREAD=0 at creation: a one-wave skinny GEMM
                                   takes idle warps so that no SM holds more than ceil(CTAs / SMs)
                                   of its CTAs (the block scheduler fills SMs one by one) */
+    int attn_one_tile;         /* 1 unless PD_ATTN_ONE_TILE=0 at creation: a batch-invariant
+                                  attention of verify/draft blocks puts one m-tile of rows in a
+                                  CTA (attn_inv_launch) */
     int attn_coop;             /* 1 unless PD_ATTN_COOP=0 at creation: a batch-invariant attention
                                   CTA of one m-tile spreads it over its four warps */
     signed char attn_cluster_ok[2][17][5];   /* [hd 64][splits][rows / 16]: 1 such a cluster
