@@ -822,7 +822,8 @@ attn_tc_kernel(attn_params p)
  * A CTA of 4 warps takes one kv head (or a chunk of <= 64 of its query heads), QG consecutive
  * query tokens and one key split: its rows are (token, query head) pairs, up to 64, one 16-row
  * m-tile per warp, so each K/V tile is loaded once for the whole GQA group of all QG tokens
- * (decode: 4 rows; a verify block of 8 with GQA 4: 32). Keys come through the page table in
+ * (decode: 4 rows; verify and draft blocks: as many tokens as fill one m-tile, 16 rows at
+ * GQA 4, so the four warps share it; longer chunks: up to 64 rows). Keys come through the page table in
  * tiles of 64 by cp.async, two stages deep; S = Q K^T and O += P V run on mma.sync with Q and P
  * each split into two bf16 terms (hi + lo, 16 significant bits) against the exact bf16 K/V, so
  * the result keeps about fp32 accuracy at twice the (small) mma count.
