@@ -416,7 +416,7 @@ static cudaError_t launch_one(const sk_params &p, dim3 grid, cudaStream_t s)
 /* W loads in flight per warp: 3 steps (12 x 16 bytes per thread) with x one step ahead for one
  * tile, 1 for swiglu's two weights; fewer where registers go to more tiles. Sized so that
  * NT <= 2 fits 2 CTAs of 256 threads per SM (128 registers) without spills. (H200, Qwen3-4B
- * decode, 2026-12-04: one tile at 1 / 2 / 3 steps timed the same within 0.5 %; swiglu at 1
+ * decode, 2026-12-04: one tile at 1 / 2 / 3 steps timed the same within 1 %; swiglu at 1
  * step took the decode step from 3.30-3.32 to 3.22-3.24 ms against 2 (which spilled 28 bytes),
  * and 3 spilled 452 bytes and took 3.91 ms. More loads in flight lost every time: an L2
  * prefetch 2 / 4 / 8 / 16 steps past the ring, 3.39 / 3.49 / 3.69 / 3.78 against 3.34 ms.) */
