@@ -1347,11 +1347,6 @@ attn_inv_kernel(attn_params p)
         __threadfence();
     }
     KT_MARK(2);
-    /* Row r's (max, sum) of every split into v, its acc at [d4 * 4, d4 * 4 + 4) into a (token
-     * t, clamped). Split s's address is this CTA's own mapped to cluster rank s, or the row's
-     * first partial in the workspace plus s partials: formed once per row and item, so the
-     * loads leave one after another (index arithmetic per split made each round of 16 loads
-     * take ~2.5 us, H200 timeline 2026-12-04). */
     /* row r's 4 outputs at column 4 d4 (token t): num / den, rounded as the op rounds */
     auto store_out = [&](int r, size_t t, int d4, float4 num, float inv) {
         float *o = p.out + t * p.ld_out + (size_t)(h0 + r % hb) * HD + 4 * d4;   /* any ld_out */
@@ -1360,6 +1355,18 @@ attn_inv_kernel(attn_params p)
         o[2] = kern_cuda_rnd(num.z * inv, p.rnd);
         o[3] = kern_cuda_rnd(num.w * inv, p.rnd);
     };
+    /* num += w a: a split's weighted acc partial, as both merge forms add it */
+    auto add_w = [&](float4 &num, float w, const float4 &a) {
+        num.x = fmaf(w, a.x, num.x);
+        num.y = fmaf(w, a.y, num.y);
+        num.z = fmaf(w, a.z, num.z);
+        num.w = fmaf(w, a.w, num.w);
+    };
+    /* Row r's (max, sum) of every split into v, its acc at [d4 * 4, d4 * 4 + 4) into a (token
+     * t, clamped). Split s's address is this CTA's own mapped to cluster rank s, or the row's
+     * first partial in the workspace plus s partials: formed once per row and item, so the
+     * loads leave one after another (index arithmetic per split made each round of 16 loads
+     * take ~2.5 us, H200 timeline 2026-12-04). */
     auto load_ml = [&](int r, size_t t, float2 (&v)[ATT_INV_SPLITS]) {
         if (p.cluster) {
             const float2 *lp = ml_s + r;
@@ -1435,10 +1442,7 @@ attn_inv_kernel(attn_params p)
                 if (s < ns) {
                     const float w = tc_ex2((v[s].x - mx) * sl2);
                     den += w * v[s].y;
-                    num.x = fmaf(w, a[s].x, num.x);
-                    num.y = fmaf(w, a[s].y, num.y);
-                    num.z = fmaf(w, a[s].z, num.z);
-                    num.w = fmaf(w, a[s].w, num.w);
+                    add_w(num, w, a[s]);
                 }
             }
             store_out(r, t, d4, num, den > 0.0f ? 1.0f / den : 0.0f);
@@ -1475,13 +1479,8 @@ attn_inv_kernel(attn_params p)
             float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
             for (int s = 0; s < ATT_INV_SPLITS; s++) {
-                if (s < ns) {
-                    const float w = w_s[r][s];
-                    num.x = fmaf(w, a[s].x, num.x);
-                    num.y = fmaf(w, a[s].y, num.y);
-                    num.z = fmaf(w, a[s].z, num.z);
-                    num.w = fmaf(w, a[s].w, num.w);
-                }
+                if (s < ns)
+                    add_w(num, w_s[r][s], a[s]);
             }
             store_out(r, t, d4, num, inv_s[r]);
         };

@@ -65,9 +65,8 @@ static __device__ __forceinline__ void rope_angles(const kern_qk_post_args &a, s
  * its next head while it finishes the current one. The RoPE angles of the token are formed once
  * per block into shared memory, after the first loads are issued: they depend on the position
  * and the pair only, and each costs a double pow and sincos (forming them per head made this op
- * ~5x its bytes at an 8k prefill). */
-/* launch bounds: 4 blocks per SM leave 64 registers (at 6, head_dim 128 spilled 16 bytes;
- * H200 2026-12-04: the same step time either way, within 0.4 %) */
+ * ~5x its bytes at an 8k prefill). Launch bounds: 4 blocks per SM leave 64 registers (at 6,
+ * head_dim 128 spilled 16 bytes; H200 2026-12-04: the same step time either way, within 0.4 %). */
 template <int NP, typename T>   /* pairs per lane: head_dim <= 64 NP */
 __global__ void __launch_bounds__(QK_WARPS * 32, 4)
 qk_post_kernel(kern_qk_post_args a, qk_src<T> src, int heads_per_block, int rnd, int pdl)
