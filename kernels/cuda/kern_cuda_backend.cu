@@ -419,6 +419,7 @@ static pd_status ctx_init(kern_cuda_ctx *c, int device, pd_err *err)
     c->attn_coop = env_on("PD_ATTN_COOP");
     c->attn_one_tile = env_on("PD_ATTN_ONE_TILE");
     c->small_pdl = env_on("PD_SMALL_PDL");
+    c->sk_batch = env_on("PD_SK_BATCH");
     const char *skw = getenv("PD_SK_WIDE_WARPS");
     int w = skw != NULL ? atoi(skw) : 2;
     c->sk_wide_warps = w == 1 || w == 2 || w == 4 || w == 8 ? w : 2;

@@ -62,6 +62,9 @@ typedef struct kern_cuda_ctx {
     int sk_wide_warps;         /* K-split warps (1, 2, 4, 8) of the skinny GEMM for shapes whose
                                   tiles need several waves (lm_head): PD_SK_WIDE_WARPS at
                                   creation, 2 without it */
+    int sk_batch;              /* 1 unless PD_SK_BATCH=0 at creation: a one-tile skinny GEMM other
+                                  than SwiGLU loads W and x in batches of 2 steps instead of its
+                                  3-step register ring (skinny_kernel's BT form) */
     size_t ws_bytes;
     unsigned ws_epoch;         /* bumped whenever ws moves: graphs captured before are stale */
     unsigned capture_epoch;    /* ws_epoch when the capture in progress began */

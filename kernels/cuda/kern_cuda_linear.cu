@@ -70,6 +70,8 @@ typedef struct {
                                               * an SM holds at most this many (launch_one) */
     int rnd;                                 /* kern_backend.act_bf16: products (and SwiGLU, the
                                               * residual sum) rounded to bf16 */
+    int batch;                               /* kern_cuda_ctx.sk_batch: one-tile products other
+                                              * than SwiGLU load in batches of 2 steps (BT) */
 } sk_params;
 
 static __device__ __forceinline__ uint4 ld_stream(const __nv_bfloat16 *p)
@@ -133,6 +135,26 @@ static __device__ __forceinline__ void load_xraw(const sk_params &p, const float
     }
 }
 
+/* load_xraw without branches (batched kernels: every load of a batch is issued before the
+ * first is used): out-of-range pieces load a valid address and are zeroed after */
+static __device__ __forceinline__ void load_xraw_nb(const sk_params &p, const float *xr, int kk, xraw &r)
+{
+    const float *xb = xr != NULL ? xr : p.x;
+    const __nv_bfloat16 *nb = (const __nv_bfloat16 *)(p.norm != NULL ? p.norm : (const void *)p.x);
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int k0 = kk + 32 * h;
+        bool in = xr != NULL && k0 < p.k;
+        int kc = in ? k0 : 0;
+        float4 a = __ldg((const float4 *)(xb + kc)), c = __ldg((const float4 *)(xb + kc + 4));
+        uint4 gq = __ldg((const uint4 *)(nb + kc));
+        const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+        r.v[2 * h] = in ? a : z;
+        r.v[2 * h + 1] = in ? c : z;
+        r.g[h] = in ? gq : make_uint4(0, 0, 0, 0);
+    }
+}
+
 /* B fragments b[0..3] of 8 of the lane's k (x v0, v1 at k0..k0 + 7; bf16 norm gr): bf16(norm * x),
  * or bf16(x) without a norm; ss += x^2 over them (the row's RMS, applied to the fp32 sums at the
  * end). An f32 norm is read here. */
@@ -190,9 +212,10 @@ static __device__ __forceinline__ void mma_step(float *acc, const wfrag &ra, con
 
 /* NT: n8 tiles per chunk; EPI: kern_linear_epilogue; D: steps of W loads in flight per warp (a
  * ring of registers, refilled right after each step's mmas); XP: 1 loads x (and the norm) one
- * step ahead (one tile only: registers), 0 when used. Load scheduling only: the arithmetic is
- * the same whatever D and XP. */
-template <int NT, int EPI, int D, int XP>
+ * step ahead (one tile only: registers), 0 when used; BT: 1 (one tile) loads W and x in
+ * batches of D steps instead (below). Load scheduling only: the arithmetic is the same
+ * whatever D, XP and BT. */
+template <int NT, int EPI, int D, int XP, int BT = 0>
 __global__ void __launch_bounds__(SK_MAX_WARPS * 32, NT <= 2 ? 2 : 1)
 skinny_kernel(sk_params p)
 {
@@ -263,10 +286,39 @@ skinny_kernel(sk_params p)
     }
 
     /* warp w takes steps w, w + W, w + 2W, ... in order; ring slot r holds the step r ahead */
+    if (BT) {
+        /* batches of D steps: x of the whole batch, then its D steps, then W of the next batch
+         * (a wait for any load waits for all of them: one scoreboard, H200 SASS). No branch
+         * inside a batch: a step past the warp's last has zero W and x, and adding its zero
+         * products leaves the sums' bits (they start at +0, so they are never -0) */
+        const int mine = busy ? (nsteps - warp + W - 1) / W : 0;
+        for (int i0 = 0; i0 < mine; i0 += D) {
+            xraw xb[D];
+#pragma unroll
+            for (int r = 0; r < D; r++)
+                load_xraw_nb(p, xrow[0], kk + r * stride, xb[r]);
+#pragma unroll
+            for (int r = 0; r < D; r++) {
+                uint32_t b[8];
+                build_b(p, xb[r], kk + r * stride, b, ss[0]);
+#pragma unroll
+                for (int j = 0; j < NWT; j++)
+                    mma_step(acc[j][0], wf[r][j][0], wf[r][j][1], b);
+            }
+#pragma unroll
+            for (int r = 0; r < D; r++)
+#pragma unroll
+                for (int j = 0; j < NWT; j++) {
+                    wf[r][j][0] = load_w(wrow[j][0], kk + (D + r) * stride, p.k);
+                    wf[r][j][1] = load_w(wrow[j][1], kk + (D + r) * stride, p.k);
+                }
+            kk += D * stride;
+        }
+    }
     xraw xn;
-    if (XP && busy)
+    if (XP && !BT && busy)
         load_xraw(p, xrow[0], kk, xn);
-    for (int s0 = busy ? warp : nsteps; s0 < nsteps; s0 += D * W) {
+    for (int s0 = busy && !BT ? warp : nsteps; s0 < nsteps; s0 += D * W) {
 #pragma unroll
         for (int r = 0; r < D; r++) {
             if (s0 + r * W >= nsteps)
@@ -379,7 +431,7 @@ extern "C" int kern_cuda_skinny_fits(const kern_linear_args *a)
     return 1;
 }
 
-template <int NT, int EPI, int D, int XP>
+template <int NT, int EPI, int D, int XP, int BT = 0>
 static cudaError_t launch_one(const sk_params &p, dim3 grid, cudaStream_t s)
 {
     constexpr int NWT = EPI == KERN_LINEAR_SWIGLU ? 2 : 1;
@@ -395,7 +447,7 @@ static cudaError_t launch_one(const sk_params &p, dim3 grid, cudaStream_t s)
             signed char *oc = &occ_cache[p.warps][wq];
             if (*oc == 0) {
                 int occ = 0;
-                if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, skinny_kernel<NT, EPI, D, XP>, wq * 32,
+                if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, skinny_kernel<NT, EPI, D, XP, BT>, wq * 32,
                                                                   smem) != cudaSuccess)
                     occ = -1;
                 (void)cudaGetLastError();
@@ -410,20 +462,28 @@ static cudaError_t launch_one(const sk_params &p, dim3 grid, cudaStream_t s)
     }
     /* programmatic dependent launch: this kernel's weight loads start while the previous kernel
      * drains (griddepcontrol.wait in the kernel; captured into graphs as programmatic edges) */
-    return kern_cuda_launch(s, grid, dim3((unsigned)threads), smem, 1, skinny_kernel<NT, EPI, D, XP>, p);
+    return kern_cuda_launch(s, grid, dim3((unsigned)threads), smem, 1, skinny_kernel<NT, EPI, D, XP, BT>, p);
 }
 
 /* W loads in flight per warp: 3 steps (12 x 16 bytes per thread) with x one step ahead for one
  * tile, 1 for swiglu's two weights; fewer where registers go to more tiles. Sized so that
- * NT <= 2 fits 2 CTAs of 256 threads per SM (128 registers) without spills. (H200, Qwen3-4B
- * decode, 2026-12-04: one tile at 1 / 2 / 3 steps timed the same within 1 %; swiglu at 1
- * step took the decode step from 3.30-3.32 to 3.22-3.24 ms against 2 (which spilled 28 bytes),
- * and 3 spilled 452 bytes and took 3.91 ms. More loads in flight lost every time: an L2
+ * NT <= 2 fits 2 CTAs of 256 threads per SM (128 registers) without spills. ptxas puts every
+ * global load of the ring on one scoreboard and waits for all of them at a step's first use
+ * (H200 SASS of the one-tile kernel), so a step also waits for the steps loaded after it and
+ * the ring's depth buys little (one tile at 1 / 2 / 3 steps timed the same within 1 %); one-tile
+ * products other than SwiGLU therefore load in batches of 2 steps (BT: a batch's x and W in
+ * flight together, no branch between them; Qwen3-4B decode 3.25 -> 3.16-3.18 ms, same bits;
+ * 3 steps spill, as does SwiGLU at 2, both slower). (H200, Qwen3-4B decode, 2026-12-04: swiglu
+ * at 1 step took the decode step from 3.30-3.32 to 3.22-3.24 ms against 2 (which spilled 28
+ * bytes), and 3 spilled 452 bytes and took 3.91 ms. More loads in flight lost every time: an L2
  * prefetch 2 / 4 / 8 / 16 steps past the ring, 3.39 / 3.49 / 3.69 / 3.78 against 3.34 ms.) */
 template <int NT, int EPI>
 static cudaError_t launch_nt(const sk_params &p, dim3 grid, cudaStream_t s)
 {
     if constexpr (NT == 1) {
+        if constexpr (EPI != KERN_LINEAR_SWIGLU)
+            if (p.batch)
+                return launch_one<NT, EPI, 2, 1, 1>(p, grid, s);
         return launch_one<NT, EPI, EPI == KERN_LINEAR_SWIGLU ? 1 : 3, 1>(p, grid, s);
     } else {
         constexpr int D = NT == 2 ? (EPI == KERN_LINEAR_SWIGLU ? 1 : 2) : NT == 4 ? 2 : 1;
@@ -474,6 +534,7 @@ static pd_status skinny_launch(kern_cuda_ctx *c, const kern_linear_args *a, int 
     p.ld_tee = a->ld_tee;
     p.rnd = rnd;
     p.trigger_late = trigger_late;
+    p.batch = c->sk_batch;
     int swiglu = a->epilogue == KERN_LINEAR_SWIGLU;
     p.n_w = swiglu ? 1 : a->n_w;     /* swiglu: one output; the kernel reads both weights */
     int tiles = 0;
