@@ -22,6 +22,8 @@ extern "C" {
 
 #include "kern_cuda.h"
 
+#define KERN_CUDA_SK_FORMS 24   /* skinny_kernel forms: 4 tile counts x 3 epilogues x 2 load forms */
+
 typedef struct kern_cuda_ctx {
     int device;
     int n_sm;                  /* multiprocessors, sizes split-K grids */
@@ -62,6 +64,9 @@ typedef struct kern_cuda_ctx {
     int sk_wide_warps;         /* K-split warps (1, 2, 4, 8) of the skinny GEMM for shapes whose
                                   tiles need several waves (lm_head): PD_SK_WIDE_WARPS at
                                   creation, 2 without it */
+    signed char sk_occ[KERN_CUDA_SK_FORMS][9][9];   /* skinny GEMM CTAs per SM on this device, per
+                                  kernel form, K-split warps and block warps (0: not asked yet;
+                                  kern_cuda_linear.cu) */
     int sk_batch;              /* 1 unless PD_SK_BATCH=0 at creation: a one-tile skinny GEMM other
                                   than SwiGLU loads W and x in batches of 2 steps instead of its
                                   3-step register ring (skinny_kernel's BT form) */

@@ -46,6 +46,8 @@
 #include <string.h>
 
 #define SK_MAX_WARPS 8                      /* K-split warps per CTA: 1, 2, 4 or 8 */
+static_assert(sizeof(((kern_cuda_ctx *)0)->sk_occ[0]) == (SK_MAX_WARPS + 1) * (SK_MAX_WARPS + 1),
+              "kern_cuda_ctx.sk_occ is [form][warps][block warps]");
 #define SK_STEP 64
 #define SK_MAX_TILES 8                      /* n8 token tiles per chunk: 64 rows */
 #define SK_WARPS_PER_SM 16                  /* what 2 CTAs of 256 threads at <= 128 registers hold */
@@ -72,6 +74,7 @@ typedef struct {
                                               * residual sum) rounded to bf16 */
     int batch;                               /* kern_cuda_ctx.sk_batch: one-tile products other
                                               * than SwiGLU load in batches of 2 steps (BT) */
+    signed char (*occ)[SK_MAX_WARPS + 1][SK_MAX_WARPS + 1];   /* host only: kern_cuda_ctx.sk_occ */
 } sk_params;
 
 static __device__ __forceinline__ uint4 ld_stream(const __nv_bfloat16 *p)
@@ -439,12 +442,14 @@ static cudaError_t launch_one(const sk_params &p, dim3 grid, cudaStream_t s)
     size_t smem = ((size_t)p.warps * NT * 128 + (NWT > 1 ? NT * 128 : 0)) * sizeof(float);
     /* idle warps: the block scheduler fills an SM to its occupancy before the next, so a grid
      * of small CTAs sits on few SMs; extra warps (registers held, no work) lower the CTAs an SM
-     * takes to spread_cap, chosen by the occupancy calculator (cached per block size) */
+     * takes to spread_cap, chosen by the occupancy calculator (cached in the device's context
+     * per kernel form and block size) */
     int threads = p.warps * 32;
     if (p.spread_cap > 0) {
-        static signed char occ_cache[SK_MAX_WARPS + 1][SK_MAX_WARPS + 1];   /* [warps][block warps] */
+        constexpr int form = ((NT == 1 ? 0 : NT == 2 ? 1 : NT == 4 ? 2 : 3) * 3 + EPI) * 2 + BT;
+        static_assert(form < KERN_CUDA_SK_FORMS, "kern_cuda_ctx.sk_occ holds every form");
         for (int wq = p.warps; wq <= SK_MAX_WARPS; wq++) {
-            signed char *oc = &occ_cache[p.warps][wq];
+            signed char *oc = &p.occ[form][p.warps][wq];
             if (*oc == 0) {
                 int occ = 0;
                 if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, skinny_kernel<NT, EPI, D, XP, BT>, wq * 32,
@@ -535,6 +540,7 @@ static pd_status skinny_launch(kern_cuda_ctx *c, const kern_linear_args *a, int 
     p.rnd = rnd;
     p.trigger_late = trigger_late;
     p.batch = c->sk_batch;
+    p.occ = c->sk_occ;
     int swiglu = a->epilogue == KERN_LINEAR_SWIGLU;
     p.n_w = swiglu ? 1 : a->n_w;     /* swiglu: one output; the kernel reads both weights */
     int tiles = 0;
