@@ -14,8 +14,9 @@
  *   read 64 contiguous bytes per 16-byte load); it loads them straight from global memory (no
  *   shared memory) into a ring of D steps in registers, refilled as soon as a step's 4 mmas have
  *   used it, so W loads stay in flight while x is converted and the mmas run; x (and the norm)
- *   come one step ahead. Word q of its 16 k goes to mma q's k slots (2t, 2t+1, 2t+8, 2t+9): a
- *   permutation of k that W and x share, so the sum is the same dot product.
+ *   come one step ahead. One-tile products other than SwiGLU load W and x in batches of two
+ *   steps instead (launch_nt says why). Word q of its 16 k goes to mma q's k slots (2t, 2t+1,
+ *   2t+8, 2t+9): a permutation of k that W and x share, so the sum is the same dot product.
  *   Batch invariance by construction: a row's value depends on its own x row, W, K and the step
  *   split (a function of K and the tile count only); the mma computes each output element from
  *   its own column of B only, so neither the number of rows nor where a row sits in its tile
@@ -477,7 +478,7 @@ static cudaError_t launch_one(const sk_params &p, dim3 grid, cudaStream_t s)
  * (H200 SASS of the one-tile kernel), so a step also waits for the steps loaded after it and
  * the ring's depth buys little (one tile at 1 / 2 / 3 steps timed the same within 1 %); one-tile
  * products other than SwiGLU therefore load in batches of 2 steps (BT: a batch's x and W in
- * flight together, no branch between them; Qwen3-4B decode 3.25 -> 3.16-3.18 ms, same bits;
+ * flight together, no branch between them; Qwen3-4B decode 3.255 -> 3.17-3.19 ms, same bits;
  * 3 steps spill, as does SwiGLU at 2, both slower). (H200, Qwen3-4B decode, 2026-12-04: swiglu
  * at 1 step took the decode step from 3.30-3.32 to 3.22-3.24 ms against 2 (which spilled 28
  * bytes), and 3 spilled 452 bytes and took 3.91 ms. More loads in flight lost every time: an L2
