@@ -50,6 +50,10 @@ typedef struct {
                                      * ctx and draft-kv need draft_dir */
     int xfer_err_mode_none;         /* UCX endpoints without peer-failure mode (same-host decode
                                      * nodes: shm/cma usable; failures seen by the timeout only) */
+    int fast_kernels;               /* 1 (--fast-kernels): a GPU engine batches queued prompts into
+                                     * one forward with the fastest kernels; 0 (default): one prompt
+                                     * per forward, so a prompt's KV does not depend on the others
+                                     * (pd_engine_config.fast_kernels) */
     const prefill_observer *observer;   /* optional, borrowed: sees every finished call */
 } prefill_config;
 

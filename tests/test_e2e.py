@@ -6,7 +6,8 @@ time, against (a) prefill_node (cp 2) + decode_node and (b) decode_node --coloca
 them --colocated --cp-size 2), and checks that tokens, text, rounds, accepted_per_round and tau
 equal pdspark-generate --prompt-ids (with --cp-size 2 for CP on a GPU). Then 8 of them through
 the other drafter payloads (prefill_node --aux-transfer ctx and draft-kv, cp 2), and 8 through
-draft-kv with host staging forced (target and draft pools staged).
+draft-kv with host staging forced (target and draft pools staged), and 8 with --fast-kernels on
+both nodes (equal on the cpu; on a GPU only complete answers are required).
 
 usage: test_e2e.py BIN_DIR MODELS_DIR FIXTURES_DIR [colocated|disagg|aux|all]
 PD_E2E_DEVICE=cuda runs every node and pdspark-generate with --device cuda (a GPU run by hand;
@@ -84,21 +85,27 @@ def run_ref(ids_path, extra=()):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def compare(mode, refs, outs):
+def compare(mode, refs, outs, strict=True):
+    """strict: every field of COMPARE equal; else (bf16 kernels that depend on the batch) every
+    prompt answered with as many tokens as pdspark-generate's, the identical ones counted"""
     same = 0
     for i, (ref, out) in enumerate(zip(refs, outs)):
         if "error" in out:
             check(False, f"{mode}: prompt {i}: {out['error']}")
             continue
         bad = [k for k in COMPARE if out.get(k) != ref.get(k)]
-        check(not bad, f"{mode}: prompt {i}: differs from pdspark-generate in {bad}")
+        if strict:
+            check(not bad, f"{mode}: prompt {i}: differs from pdspark-generate in {bad}")
+        else:
+            check(out.get("completion_tokens", 0) > 0 and out.get("prompt_tokens") == ref.get("prompt_tokens"),
+                  f"{mode}: prompt {i}: {out.get('completion_tokens')} tokens for {out.get('prompt_tokens')}")
         same += not bad
     taus = [o.get("tau", 0) for o in outs if "error" not in o]
     print(f"{mode}: {same}/{len(refs)} identical to pdspark-generate; mean tau "
           f"{sum(taus) / max(1, len(taus)):.4f}", flush=True)
 
 
-def serve(mode, addr, paths, refs):
+def serve(mode, addr, paths, refs, strict=True):
     t0 = time.time()
     with ThreadPoolExecutor(CONCURRENCY) as ex:
         outs = list(ex.map(lambda p: run_client(addr, p), paths))
@@ -106,18 +113,20 @@ def serve(mode, addr, paths, refs):
     toks = sum(o.get("completion_tokens", 0) for o in outs)
     print(f"{mode}: {len(paths)} prompts, {CONCURRENCY} at a time: {dt:.1f} s, {toks / dt:.1f} tokens/s",
           flush=True)
-    compare(mode, refs, outs)
+    compare(mode, refs, outs, strict)
 
 
-def disagg(prefill_args, env, mode, name, paths, refs):
-    """prefill_node (with prefill_args) + decode_node, both with env; serve paths."""
+def disagg(prefill_args, env, mode, name, paths, refs, decode_args=(), strict=True):
+    """prefill_node (with prefill_args) + decode_node (with decode_args), both with env; serve
+    paths."""
     pn, paddr = start([f"{BIN}/prefill_node", "--model", TARGET, "--draft", DRAFT, "--listen",
                        "127.0.0.1:0"] + DEV + prefill_args, name, env=env)
     try:
         dn, addr = start([f"{BIN}/decode_node", "--model", TARGET, "--draft", DRAFT,
-                          "--listen", "127.0.0.1:0", "--prefill", paddr] + DEV, "decode_" + name, env=env)
+                          "--listen", "127.0.0.1:0", "--prefill", paddr] + DEV + list(decode_args),
+                         "decode_" + name, env=env)
         try:
-            serve(mode, addr, paths, refs)
+            serve(mode, addr, paths, refs, strict)
         finally:
             stop(dn)
     finally:
@@ -182,6 +191,12 @@ def main():
         # receives them in host mirrors (target and draft pool) and uploads them; 8 prompts
         disagg(["--aux-transfer", "draft-kv"], {"PD_XFER_FORCE_STAGING": "1"},
                "disaggregated (aux draft-kv, host staging)", "prefill_staged", paths[8:16], refs[8:16])
+    if WHICH in ("disagg", "all"):
+        # both nodes with the fastest kernels (prompts batched into one prefill forward): on the
+        # cpu every kernel is exact, so the tokens still equal pdspark-generate's; on a GPU bf16
+        # results depend on the batch, so only complete answers are required there; 8 prompts
+        disagg(["--fast-kernels"], {}, "disaggregated (--fast-kernels)", "prefill_fast", paths[16:24],
+               refs[16:24], decode_args=["--fast-kernels"], strict=not DEV)
     if failures:
         print(f"{len(failures)} failure(s); logs in {TMP}")
         sys.exit(1)
