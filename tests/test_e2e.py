@@ -87,7 +87,8 @@ def run_ref(ids_path, extra=()):
 
 def compare(mode, refs, outs, strict=True):
     """strict: every field of COMPARE equal; else (bf16 kernels that depend on the batch) every
-    prompt answered with as many tokens as pdspark-generate's, the identical ones counted"""
+    prompt answered, for the same prompt tokens, with at least one token; the identical ones
+    counted either way"""
     same = 0
     for i, (ref, out) in enumerate(zip(refs, outs)):
         if "error" in out:
