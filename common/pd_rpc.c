@@ -78,7 +78,7 @@ const char *pd_rpc_code_str(pd_rpc_code code)
 #define PD_RPC_KEEPALIVE_TIMEOUT_MS 10000
 
 typedef struct {
-    grpc_arg a[6];
+    grpc_arg a[7];
     grpc_channel_args args;
 } rpc_args;
 
@@ -86,7 +86,9 @@ typedef struct {
  * between the two reaches our own check and gets INVALID_ARGUMENT with a message (gRPC would
  * say RESOURCE_EXHAUSTED, which reads as "retry later"); beyond that gRPC refuses it.
  * Keepalive pings from clients, which servers must accept at that rate (the default would
- * answer them with GOAWAY). */
+ * answer them with GOAWAY). Servers bind without SO_REUSEPORT (gRPC's default on Linux): a
+ * second node started on a port already served must fail, not share its connections with the
+ * first one. */
 static const grpc_channel_args *channel_args_make(rpc_args *r, bool server)
 {
     size_t n = 0;
@@ -102,6 +104,9 @@ static const grpc_channel_args *channel_args_make(rpc_args *r, bool server)
         r->a[n++].value.integer = PD_RPC_KEEPALIVE_MS / 2;
         r->a[n].type = GRPC_ARG_INTEGER;
         r->a[n].key = (char *)GRPC_ARG_HTTP2_MAX_PING_STRIKES;
+        r->a[n++].value.integer = 0;
+        r->a[n].type = GRPC_ARG_INTEGER;
+        r->a[n].key = (char *)GRPC_ARG_ALLOW_REUSEPORT;
         r->a[n++].value.integer = 0;
     } else {
         r->a[n].type = GRPC_ARG_INTEGER;
@@ -618,7 +623,7 @@ pd_status pd_rpc_server_create(const char *addr, const pd_rpc_method *m, size_t 
     srv->port = grpc_server_add_http2_port(srv->server, addr, creds);
     grpc_server_credentials_release(creds);
     if (srv->port <= 0) {
-        st = pd_err_set(err, PD_ERR_IO, "rpc server: cannot listen on %s", addr);
+        st = pd_err_set(err, PD_ERR_IO, "rpc server: cannot listen on %s (port in use, or no such address here)", addr);
         goto err_free;
     }
     grpc_server_start(srv->server);

@@ -461,6 +461,13 @@ int main(void)
     pd_rpc_server *srv2 = NULL;
     TEST_CHECK(pd_rpc_server_create("127.0.0.1:0", &bad, 1, &s, &srv2, &err) == PD_ERR_INVALID);
 
+    /* a second server on a port already served fails and names the address (gRPC would share
+     * the port through SO_REUSEPORT and split the connections between the two) */
+    st = pd_rpc_server_create(target, methods, 4, &s, &srv2, &err);
+    TEST_CHECK_MSG(st == PD_ERR_IO && strstr(err.msg, target) != NULL, "%s: %s", pd_status_str(st), err.msg);
+    if (st == PD_OK)
+        pd_rpc_server_destroy(srv2);
+
     /* unary */
     st = health_call(ch, PD_PROTO_VERSION, &err);
     TEST_CHECK_MSG(st == PD_OK, "%s", err.msg);
