@@ -13,6 +13,7 @@ usage: test_http.py BIN_DIR MODELS_DIR     (exit 77 = skipped)
 PD_HTTP_DEVICE=cuda starts every node with --device cuda (a GPU run by hand; ctest runs the CPU;
 the --tp 2 part needs a GPU per rank and is left out there).
 Standard library only."""
+import csv
 import http.client
 import json
 import math
@@ -26,6 +27,7 @@ import threading
 import time
 
 FAILS = 0
+LOADGEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "pdspark-loadgen")
 DEV = ["--device", os.environ["PD_HTTP_DEVICE"]] if os.environ.get("PD_HTTP_DEVICE") else []
 
 
@@ -335,6 +337,26 @@ def test_prefill_http(bin_dir, model, draft):
               "prefill forward histogram")
         check(sample(m, "pdspark_prefill_kv_pages_total") > 0, "prefill kv gauge")
         log("prefill_node --http checked (disaggregated pair)")
+        # the load generator through the pair, splitting first-token time by the prefill
+        # node's histograms (--prefill-metrics)
+        tmpd = tempfile.mkdtemp(prefix="pd_loadgen_")
+        csv_path = os.path.join(tmpd, "l.csv")
+        lg = subprocess.run([sys.executable, LOADGEN, "--url", "http://127.0.0.1:%d" % dn.http[1],
+                             "--prefill-metrics", "http://127.0.0.1:%d" % pf.http[1], "--concurrency", "1,2",
+                             "--requests", "3", "--max-tokens", "4", "--ignore-eos", "--csv", csv_path,
+                             "--svg", os.path.join(tmpd, "l.svg")], capture_output=True, text=True, timeout=120)
+        check(lg.returncode == 0, "pdspark-loadgen through the pair: rc %d %s" % (lg.returncode, lg.stderr[-500:]))
+        with open(csv_path) as f:
+            rows = list(csv.DictReader(f))
+        check(len(rows) == 2 and all(r["errors"] == "0" and r["requests"] == "3" for r in rows),
+              "pdspark-loadgen rows %s" % rows)
+        check(all(float(r["prefill_forward_ms"]) > 0 and float(r["prefill_transfer_ms"]) > 0 and
+                  float(r["prefill_call_ms"]) >= float(r["prefill_forward_ms"]) for r in rows),
+              "pdspark-loadgen --prefill-metrics means %s" % rows)
+        check(lg.stdout.count("prefill per call:") == 2, "pdspark-loadgen prints the prefill split")
+        m2 = metrics(pf)
+        check(sample(m2, "pdspark_prefill_requests_total", outcome="ok") == 7, "prefill ok counter after the sweep")
+        log("pdspark-loadgen --prefill-metrics checked")
         # drain: an idle prefill node exits 0 on SIGTERM; the decode node then answers requests
         # with a clear error instead of hanging, and keeps serving
         pf.p.send_signal(signal.SIGTERM)
