@@ -138,7 +138,7 @@ if [ -x "$bin/prefill_node" ] && [ -x "$bin/decode_node" ]; then
     $bin/prefill_node --model "$T" --listen 127.0.0.1:0 >"$tmp/first.out" 2>"$tmp/first.err" &
     first=$!
     port=
-    for _ in $(seq 1 100); do
+    for _ in $(seq 1 600); do
         port=$(sed -n 's/^listening grpc 127.0.0.1:\([0-9]*\)$/\1/p' "$tmp/first.out")
         [ -n "$port" ] && break
         sleep 0.1
@@ -148,9 +148,9 @@ if [ -x "$bin/prefill_node" ] && [ -x "$bin/decode_node" ]; then
     else
         # (timeout: a node that did start on the shared port would otherwise serve forever)
         expect_fail "prefill_node on a busy port" "cannot listen on 127.0.0.1:$port" \
-            timeout 30 $bin/prefill_node --model "$T" --listen "127.0.0.1:$port"
+            timeout 120 $bin/prefill_node --model "$T" --listen "127.0.0.1:$port"
         expect_fail "decode_node on a busy port" "cannot listen on 127.0.0.1:$port" \
-            timeout 30 $bin/decode_node --model "$T" --draft "$D" --colocated --listen "127.0.0.1:$port"
+            timeout 120 $bin/decode_node --model "$T" --draft "$D" --colocated --listen "127.0.0.1:$port"
     fi
     kill $first 2>/dev/null
     wait $first 2>/dev/null
