@@ -296,10 +296,12 @@ pd_status pd_http_create(const pd_http_config *cfg, pd_http **out, pd_err *err)
                                         EVHTTP_REQ_PUT | EVHTTP_REQ_DELETE | EVHTTP_REQ_OPTIONS |
                                         EVHTTP_REQ_PATCH);
     evhttp_set_gencb(h->http, notfound_cb, h);
+    errno = 0;
     struct evhttp_bound_socket *bs = evhttp_bind_socket_with_handle(h->http, host, (ev_uint16_t)port);
     if (bs == NULL) {
+        /* errno is 0 when the host did not resolve (getaddrinfo fails without it) */
         st = pd_err_set(err, PD_ERR_IO, "http: cannot listen on %s port %d: %s", host, port,
-                        strerror(errno));
+                        errno != 0 ? strerror(errno) : "no such address here");
         goto err_http;
     }
     struct sockaddr_storage ss;

@@ -18,6 +18,8 @@
 #include <grpc/grpc.h>
 #include <grpc/grpc_security.h>
 #include <grpc/slice.h>
+
+#include "pd_cli.h"
 #include <grpc/support/alloc.h>
 #include <grpc/support/time.h>
 
@@ -595,6 +597,14 @@ pd_status pd_rpc_server_create(const char *addr, const pd_rpc_method *m, size_t 
 {
     if (addr == NULL || (m == NULL && n > 0))
         return pd_err_set(err, PD_ERR_INVALID, "rpc server: no address or method table");
+    /* HOST:PORT with a decimal port in 0..65535 (gRPC takes a larger one modulo 65536) */
+    char host[256], port[16], *end = NULL;
+    long pn = -1;
+    if (pd_cli_split_hostport(addr, host, sizeof(host), port, sizeof(port)) == 0 && port[0] >= '0' &&
+        port[0] <= '9')
+        pn = strtol(port, &end, 10);
+    if (pn < 0 || pn > 65535 || end == NULL || *end != '\0')
+        return pd_err_set(err, PD_ERR_INVALID, "rpc server: bad address '%s' (want HOST:PORT, port 0..65535)", addr);
     for (size_t i = 0; i < n; i++) {
         if (m[i].method == NULL || m[i].method[0] != '/' || m[i].req == NULL || m[i].fn == NULL)
             return pd_err_set(err, PD_ERR_INVALID, "rpc server: bad method entry %zu (%s)", i,

@@ -461,6 +461,18 @@ int main(void)
     pd_rpc_server *srv2 = NULL;
     TEST_CHECK(pd_rpc_server_create("127.0.0.1:0", &bad, 1, &s, &srv2, &err) == PD_ERR_INVALID);
 
+    /* bad listen addresses are refused by name (gRPC would take port 99999 modulo 65536) */
+    static const char *bad_addr[] = {"127.0.0.1:99999", "127.0.0.1:-1", "127.0.0.1:12a", "nohostport",
+                                     "127.0.0.1:", ":50051"};
+    for (size_t i = 0; i < sizeof(bad_addr) / sizeof(bad_addr[0]); i++) {
+        st = pd_rpc_server_create(bad_addr[i], methods, 4, &s, &srv2, &err);
+        TEST_CHECK_MSG(st == PD_ERR_INVALID && strstr(err.msg, bad_addr[i]) != NULL &&
+                           strstr(err.msg, "want HOST:PORT") != NULL,
+                       "%s: %s: %s", bad_addr[i], pd_status_str(st), err.msg);
+        if (st == PD_OK)
+            pd_rpc_server_destroy(srv2);
+    }
+
     /* a second server on a port already served fails and names the address (gRPC would share
      * the port through SO_REUSEPORT and split the connections between the two) */
     st = pd_rpc_server_create(target, methods, 4, &s, &srv2, &err);
