@@ -8,6 +8,8 @@
  *       rest). Client calls own a private CQ on the calling thread. */
 #include "pd_rpc.h"
 
+#include <errno.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -592,18 +594,29 @@ static void *server_poller(void *arg)
     return NULL;
 }
 
+/* The decimal port of HOST:PORT (any size: gRPC would take it modulo 65536), -1 when addr has
+ * no such port (not HOST:PORT, or a target form such as unix:PATH) */
+static long addr_port(const char *addr)
+{
+    char host[256], port[32], *end = NULL;
+    if (pd_cli_split_hostport(addr, host, sizeof(host), port, sizeof(port)) != 0 || port[0] < '0' ||
+        port[0] > '9')
+        return -1;
+    errno = 0;
+    long pn = strtol(port, &end, 10);
+    if (*end != '\0')
+        return -1;
+    return errno == ERANGE ? LONG_MAX : pn;
+}
+
 pd_status pd_rpc_server_create(const char *addr, const pd_rpc_method *m, size_t n, void *ud,
                                pd_rpc_server **out, pd_err *err)
 {
     if (addr == NULL || (m == NULL && n > 0))
         return pd_err_set(err, PD_ERR_INVALID, "rpc server: no address or method table");
     /* HOST:PORT with a decimal port in 0..65535 (gRPC takes a larger one modulo 65536) */
-    char host[256], port[16], *end = NULL;
-    long pn = -1;
-    if (pd_cli_split_hostport(addr, host, sizeof(host), port, sizeof(port)) == 0 && port[0] >= '0' &&
-        port[0] <= '9')
-        pn = strtol(port, &end, 10);
-    if (pn < 0 || pn > 65535 || end == NULL || *end != '\0')
+    long pn = addr_port(addr);
+    if (pn < 0 || pn > 65535)
         return pd_err_set(err, PD_ERR_INVALID, "rpc server: bad address '%s' (want HOST:PORT, port 0..65535)", addr);
     for (size_t i = 0; i < n; i++) {
         if (m[i].method == NULL || m[i].method[0] != '/' || m[i].req == NULL || m[i].fn == NULL)
@@ -888,6 +901,9 @@ pd_status pd_rpc_channel_create(const char *target, pd_rpc_channel **out, pd_err
 {
     if (target == NULL || target[0] == '\0')
         return pd_err_set(err, PD_ERR_INVALID, "rpc channel: no target");
+    long pn = addr_port(target);
+    if (pn == 0 || pn > 65535)
+        return pd_err_set(err, PD_ERR_INVALID, "rpc channel: bad target '%s' (port 1..65535)", target);
     pd_rpc_channel *ch = calloc(1, sizeof(*ch));
     if (ch == NULL)
         return pd_err_set(err, PD_ERR_NOMEM, "rpc channel: %zu bytes", sizeof(*ch));

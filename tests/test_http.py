@@ -472,7 +472,7 @@ def main():
     with open(os.path.join(odd, "chat_template.jinja"), "w") as f:
         f.write("{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}")
 
-    node = Node(bin_dir, model, draft, ["--colocated", "--drain-timeout-ms", "20000"])
+    node = Node(bin_dir, model, draft, ["--colocated", "--drain-timeout-ms", "60000"])
     odd_node = None
     try:
         odd_node = Node(bin_dir, odd, draft)
@@ -665,9 +665,11 @@ def main():
               sample(m1, "pdspark_kv_pages_total"), "kv page gauges")
 
         # ---- drain: SIGTERM during a stream. The stream must outlast the checks below: on a GPU
-        # 160 tokens take ~15 ms (H200), so it asks for 3000 there (~0.3 s); and the checks start
-        # as soon as /ready says draining rather than after a fixed sleep.
-        drain_n = 3000 if DEV else 160
+        # 160 tokens take ~15 ms (H200), so it asks for 3000 there (~0.3 s); on a CPU busy with
+        # other work 160 tokens were once over before the gRPC check (its client process starts
+        # after the HTTP checks), so 400 there; and the checks start as soon as /ready says
+        # draining rather than after a fixed sleep.
+        drain_n = 3000 if DEV else 400
         s = Stream(node, "/v1/completions", {"prompt": prompt, "max_tokens": drain_n,
                                              "ignore_eos": True, "temperature": 0, "stream": True})
         check(s.status == 200, "drain stream starts")

@@ -473,6 +473,24 @@ int main(void)
             pd_rpc_server_destroy(srv2);
     }
 
+    /* a channel to a port outside 1..65535 is refused by name; other target forms pass */
+    static const char *bad_target[] = {"127.0.0.1:99999", "127.0.0.1:0"};
+    for (size_t i = 0; i < 2; i++) {
+        pd_rpc_channel *bc = NULL;
+        st = pd_rpc_channel_create(bad_target[i], &bc, &err);
+        TEST_CHECK_MSG(st == PD_ERR_INVALID && strstr(err.msg, bad_target[i]) != NULL, "%s: %s: %s",
+                       bad_target[i], pd_status_str(st), err.msg);
+        if (st == PD_OK)
+            pd_rpc_channel_destroy(bc);
+    }
+    {
+        pd_rpc_channel *uc = NULL;
+        st = pd_rpc_channel_create("unix:/nonexistent/pdspark.sock", &uc, &err);
+        TEST_CHECK_MSG(st == PD_OK, "unix target: %s", err.msg);
+        if (st == PD_OK)
+            pd_rpc_channel_destroy(uc);
+    }
+
     /* a second server on a port already served fails and names the address (gRPC would share
      * the port through SO_REUSEPORT and split the connections between the two) */
     st = pd_rpc_server_create(target, methods, 4, &s, &srv2, &err);
