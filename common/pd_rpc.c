@@ -20,10 +20,10 @@
 #include <grpc/grpc.h>
 #include <grpc/grpc_security.h>
 #include <grpc/slice.h>
-
-#include "pd_cli.h"
 #include <grpc/support/alloc.h>
 #include <grpc/support/time.h>
+
+#include "pd_cli.h"
 
 #include "pd_log.h"
 #include "pd_proto_version.h"
