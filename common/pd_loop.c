@@ -199,7 +199,12 @@ pd_status pd_loop_post(pd_loop *l, pd_loop_fn fn, void *arg)
 
 bool pd_loop_in_loop_thread(const pd_loop *l)
 {
-    return l->running && pthread_equal(l->owner, pthread_self());
+    /* any thread may ask (running and owner change under mu) */
+    pd_loop *m = (pd_loop *)l;
+    pthread_mutex_lock(&m->mu);
+    bool here = l->running && pthread_equal(l->owner, pthread_self());
+    pthread_mutex_unlock(&m->mu);
+    return here;
 }
 
 struct event_base *pd_loop_base(pd_loop *l)

@@ -165,7 +165,7 @@ pd_status pd_xfer_create(const pd_xfer_config *cfg, pd_xfer **out, pd_err *err)
     ucp_worker_params_t wparams;
     memset(&wparams, 0, sizeof(wparams));
     wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-    wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
+    wparams.thread_mode = UCS_THREAD_MODE_SERIALIZED;   /* one thread at a time, handed over (pd_xfer_thread) */
     us = ucp_worker_create(x->ctx, &wparams, &x->worker);
     if (us != UCS_OK) {
         st = pd_err_set(err, PD_ERR_UNSUPPORTED, "xfer %s: ucp_worker_create: %s", x->name,

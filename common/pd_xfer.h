@@ -54,7 +54,7 @@ typedef struct {
 
 void pd_xfer_config_default(pd_xfer_config *cfg);
 
-/* UCP context (RMA + wakeup) and one SINGLE-thread-mode worker.
+/* UCP context (RMA + wakeup) and one SERIALIZED-thread-mode worker (one thread at a time).
  * Errors: PD_ERR_UNSUPPORTED (no transport for RMA here), PD_ERR_NOMEM, PD_ERR_INTERNAL. */
 pd_status pd_xfer_create(const pd_xfer_config *cfg, pd_xfer **out, pd_err *err);
 /* Destroys the peers still open (their transfers end with PD_ERR_CANCELLED) and the

@@ -9,7 +9,9 @@
  * Not here: the wire format of Generate (decode_grpc.c), the engine math (common/pd_engine.c).
  * Threading: everything below the API functions runs on the engine thread; the API functions
  *   hand work over with pd_loop_post. Prefill replies arrive on a pd_rpc poller thread and are
- *   posted too. The stats snapshot is the one piece shared under a mutex. */
+ *   posted too. The stats snapshot is the one piece shared under a mutex. The pd_xfer (a passive
+ *   target of the prefill nodes' puts) is set up here and then progressed on its own thread
+ *   (pd_xfer_thread) until destroy. */
 #include "decode_api.h"
 
 #include <math.h>
@@ -28,6 +30,7 @@
 #include "pd_rpc.h"
 #include "pd_tokenizer.h"
 #include "pd_xfer.h"
+#include "pd_xfer_thread.h"
 #include "pdspark.pb-c.h"
 
 #define TICK_MS 20
@@ -112,7 +115,7 @@ struct decode_server {
     double stop_deadline;
     /* disaggregated */
     pd_xfer *x;
-    pd_loop_watch *xw;
+    pd_xfer_thread *xt;         /* progresses x: puts land while the engine thread computes */
     pd_xfer_mem *kv_mem, *aux_mem;
     void *kv_rkey, *aux_rkey;
     size_t kv_rkey_len, aux_rkey_len;
@@ -996,8 +999,6 @@ static void kick(decode_server *s)
 static void tick_cb(void *arg)
 {
     decode_server *s = arg;
-    if (s->x != NULL)
-        pd_xfer_progress(s->x);
     check_times(s);
     s->admit_blocked = 0;
     if (s->stopping) {
@@ -1010,13 +1011,6 @@ static void tick_cb(void *arg)
             pd_loop_stop(s->loop);
     }
     kick(s);
-}
-
-static void xfer_cb(int fd, void *arg)
-{
-    (void)fd;
-    decode_server *s = arg;
-    pd_xfer_progress(s->x);
 }
 
 static void submit_cb(void *arg)
@@ -1354,7 +1348,9 @@ static pd_status setup_xfer(decode_server *s, pd_err *err)
     if (st != PD_OK)
         return st;
     pd_xfer_address(s->x, &s->waddr, &s->waddr_len);
-    return pd_loop_watch_fd(s->loop, pd_xfer_fd(s->x), xfer_cb, s, &s->xw, err);
+    /* the puts target this node: over tcp they move only while its worker progresses, which
+     * the engine thread could do only between decode rounds */
+    return pd_xfer_thread_start(s->x, &s->xt, err);
 }
 
 static char *dup_or_null(const char *p)
@@ -1499,8 +1495,8 @@ void decode_server_destroy(decode_server *s)
     }
     pd_loop_timer_destroy(s->step_timer);
     pd_loop_timer_destroy(s->tick_timer);
-    pd_loop_watch_destroy(s->xw);
     pd_loop_destroy(s->loop);
+    pd_xfer_thread_stop(s->xt);
     free(s->kv_rkey);
     free(s->aux_rkey);
     free(s->dkv_rkey);

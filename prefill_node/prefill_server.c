@@ -4,8 +4,10 @@
  *   steps, the KV + aux puts, deadlines, CancelPrefill, Health, and the decode-node peer cache.
  * Not here: the forward (common/pd_engine.c, CP inside it), the wire contract (proto/).
  * Threading: handlers on pd_rpc's poller thread (validation only, then pd_loop_post); the rest
- *   on the engine thread. A job is reference counted: the engine thread and the call's on-done
- *   callback each hold one. */
+ *   on the engine thread, except the puts: the pd_xfer, its peers and remote keys live on a
+ *   transfer thread (pd_xfer_thread), to which a job goes for its transfer and from which it
+ *   comes back. A job is reference counted: the engine thread and the call's on-done callback
+ *   each hold one, and so does each post of it between the two threads. */
 #include "prefill_server.h"
 
 #include <pthread.h>
@@ -20,6 +22,7 @@
 #include "pd_loop.h"
 #include "pd_proto_version.h"
 #include "pd_xfer.h"
+#include "pd_xfer_thread.h"
 #include "pdspark.pb-c.h"
 
 #define TICK_MS 20
@@ -63,15 +66,22 @@ typedef struct job {
     /* engine thread */
     job_state state;
     pd_request *r;
+    pd_status cancel_st;        /* why the transfer was cancelled (TIMEOUT, CANCELLED) */
+    char cancel_msg[600];
+    uint64_t bytes;
+    char *stage;                /* host copy of the pages being put (staging), owned */
+    /* the transfer: spans made on the engine thread (sp[0..n_kv) the KV pages, then n_aux of
+     * the aux payload), handed to the transfer thread with the job */
+    pd_xfer_span *sp;
+    size_t n_kv, n_aux;
+    /* transfer thread, from xfer_start until xfer_end is posted back */
     peer_ent *pe;
     pd_xfer_rkey *rk_kv, *rk_aux;
     pd_xfer_op *op_kv, *op_aux;    /* op_aux: the aux/ctx rows or the draft K/V pages */
     int ops_left;
+    int xfer_cancelled;         /* a cancel reached the running puts: cancel_st answers */
     pd_status xfer_st;
     char xfer_msg[600];
-    pd_status cancel_st;        /* why the transfer was cancelled (TIMEOUT, CANCELLED) */
-    uint64_t bytes;
-    char *stage;                /* host copy of the pages being put (staging), owned */
     struct job *prev, *next;
 } job;
 
@@ -97,7 +107,8 @@ struct prefill_server {
     pd_loop_timer *step_timer, *tick_timer;
     int step_armed;
     pd_xfer *x;
-    pd_loop_watch *xw;
+    pd_xfer_thread *xt;         /* owns x and the peers once started: puts advance during forwards */
+    atomic_int torn_down;       /* prefill_server_destroy joined the engine thread */
     peer_ent *peers;
     job *head, *tail;
     int n_queued, n_forward, n_xfer;
@@ -138,6 +149,7 @@ static void job_unref(job *j)
     free(j->dkv_rkey);
     free(j->dpages);
     free(j->stage);
+    free(j->sp);
     free(j);
 }
 
@@ -231,16 +243,14 @@ static void list_remove(prefill_server *ps, job *j)
     j->prev = j->next = NULL;
 }
 
-/* Answer the call (reply on success, status otherwise), free engine/transfer state, drop the
- * engine thread's reference. Only for jobs with no transfer running. */
-static void job_finish(prefill_server *ps, job *j, pd_status st, const char *msg)
+/* Answer the call (reply on success, status otherwise) and tell the observer; a job answered
+ * already (its transfer's end did, on the transfer thread) is not answered again. Runs on the
+ * engine thread, or on the transfer thread for a job whose transfer just ended (the engine
+ * thread then only retires it). */
+static void job_answer(prefill_server *ps, job *j, pd_status st, const char *msg)
 {
-    switch (j->state) {
-    case J_QUEUED: ps->n_queued--; break;
-    case J_FORWARD: ps->n_forward--; break;
-    case J_XFER: ps->n_xfer--; break;
-    default: break;
-    }
+    if (j->call == NULL)
+        return;
     prefill_event ev = { .request_id = j->id, .status = st, .prompt_tokens = j->n,
                          .cp_size = ps->cp_n };
     if (st == PD_OK) {
@@ -279,57 +289,67 @@ static void job_finish(prefill_server *ps, job *j, pd_status st, const char *msg
     if (ps->cfg.observer != NULL && ps->cfg.observer->on_done != NULL)
         ps->cfg.observer->on_done(ps->cfg.observer->ud, &ev);
     j->call = NULL;
+}
+
+/* Engine thread: free the job's engine state and drop the engine thread's reference. Only for
+ * jobs with no transfer running. */
+static void job_retire(prefill_server *ps, job *j)
+{
+    switch (j->state) {
+    case J_QUEUED: ps->n_queued--; break;
+    case J_FORWARD: ps->n_forward--; break;
+    case J_XFER: ps->n_xfer--; break;
+    default: break;
+    }
     if (j->r != NULL) {
         pd_engine_release(ps->eng, j->r);
         j->r = NULL;
     }
-    pd_xfer_rkey_destroy(j->rk_kv);
-    pd_xfer_rkey_destroy(j->rk_aux);
-    j->rk_kv = j->rk_aux = NULL;
-    peer_put(ps, j->pe);
-    j->pe = NULL;
     j->state = J_DONE;
     list_remove(ps, j);
     job_unref(j);
     update_stats(ps);
 }
 
-/* Stop a job for st: queued/forward end now; a transfer is cancelled and ends in its done. */
-static void job_abort(prefill_server *ps, job *j, pd_status st, const char *msg)
+static void job_finish(prefill_server *ps, job *j, pd_status st, const char *msg)
 {
-    if (j->state == J_XFER) {
-        if (j->cancel_st == PD_OK) {
-            j->cancel_st = st;
-            snprintf(j->xfer_msg, sizeof(j->xfer_msg), "%s", msg);
-            if (j->op_kv != NULL)
-                pd_xfer_op_cancel(j->op_kv);
-            if (j->op_aux != NULL)
-                pd_xfer_op_cancel(j->op_aux);
-        }
-        return;
-    }
-    if (j->state == J_FORWARD && j->r != NULL)
-        pd_engine_cancel(ps->eng, j->r);
-    job_finish(ps, j, st, msg);
+    job_answer(ps, j, st, msg);
+    job_retire(ps, j);
 }
 
-static void xfer_done(void *ud, pd_status st, const pd_err *err)
+/* ---------------------------------------------------------------------------------------------
+ * Transfers. The engine thread makes a job's spans (downloading staged pages) and posts the job
+ * to the transfer thread (xfer_start), which owns the peers, remote keys and puts; their end
+ * comes back to the engine thread (xfer_end), which answers the call. A cancel is posted after
+ * the start, so it finds the puts running or already ended. Each post holds a job reference. */
+
+static void xfer_end(void *arg);
+
+/* Run fn(j) on the engine thread; once that loop has ended (destroy) the caller owns everything
+ * and runs it itself. */
+static void to_engine(prefill_server *ps, pd_loop_fn fn, job *j)
 {
-    job *j = ud;
+    if (pd_loop_post(ps->loop, fn, j) != PD_OK)
+        fn(j);
+}
+
+/* transfer thread: the puts are over (or never started). Give back what they held and answer
+ * the call now (the decode node waits for it; the engine thread may be inside a long forward):
+ * a cancel that came first decides the status. The engine thread retires the job after. */
+static void xfer_finished(job *j)
+{
     prefill_server *ps = j->ps;
-    if (st != PD_OK && j->xfer_st == PD_OK) {
-        j->xfer_st = st;
-        if (j->cancel_st == PD_OK)
-            snprintf(j->xfer_msg, sizeof(j->xfer_msg), "%s", err != NULL ? err->msg : pd_status_str(st));
-    }
-    if (--j->ops_left > 0)
-        return;
-    j->op_kv = j->op_aux = NULL;
+    pd_xfer_rkey_destroy(j->rk_kv);
+    pd_xfer_rkey_destroy(j->rk_aux);
+    j->rk_kv = j->rk_aux = NULL;
+    peer_put(ps, j->pe);
+    j->pe = NULL;
     pd_status fst = j->xfer_st;
     char msg[700];
-    if (j->cancel_st != PD_OK) {
+    if (j->xfer_cancelled) {
+        /* written by the engine thread once, before it posted xfer_cancel */
         fst = j->cancel_st;
-        snprintf(msg, sizeof(msg), "%s", j->xfer_msg);
+        snprintf(msg, sizeof(msg), "%s", j->cancel_msg);
     } else if (fst != PD_OK) {
         if (fst == PD_ERR_CANCELLED)
             fst = PD_ERR_PEER;
@@ -338,8 +358,120 @@ static void xfer_done(void *ud, pd_status st, const pd_err *err)
     } else {
         msg[0] = '\0';
     }
-    job_finish(ps, j, fst, msg);
-    kick(ps);
+    job_answer(ps, j, fst, msg);
+    to_engine(ps, xfer_end, j);
+}
+
+static void xfer_done(job *j, pd_status st, const pd_err *err)
+{
+    if (st != PD_OK && j->xfer_st == PD_OK) {
+        j->xfer_st = st;
+        snprintf(j->xfer_msg, sizeof(j->xfer_msg), "%s", err != NULL ? err->msg : pd_status_str(st));
+    }
+    if (--j->ops_left == 0)
+        xfer_finished(j);
+}
+
+/* an op's handle is gone once its done runs: a later cancel must not reach it */
+static void xfer_done_kv(void *ud, pd_status st, const pd_err *err)
+{
+    job *j = ud;
+    j->op_kv = NULL;
+    xfer_done(j, st, err);
+}
+
+static void xfer_done_aux(void *ud, pd_status st, const pd_err *err)
+{
+    job *j = ud;
+    j->op_aux = NULL;
+    xfer_done(j, st, err);
+}
+
+/* transfer thread */
+static void xfer_start(void *arg)
+{
+    job *j = arg;
+    prefill_server *ps = j->ps;
+    pd_err err = {0};
+    pd_status st;
+    int dkv = j->want_aux && j->aux_mode == PD_AUX_DRAFT_KV;
+    if ((st = peer_get(ps, j->waddr, j->waddr_len, &j->pe, &err)) != PD_OK)
+        goto fail;
+    if ((st = pd_xfer_rkey_unpack(j->pe->peer, j->kv_rkey, j->kv_rkey_len, j->kv_base, j->kv_len,
+                                  &j->rk_kv, &err)) != PD_OK)
+        goto fail;
+    if (j->want_aux && !dkv &&
+        (st = pd_xfer_rkey_unpack(j->pe->peer, j->aux_rkey, j->aux_rkey_len, j->aux_base,
+                                  j->aux_len, &j->rk_aux, &err)) != PD_OK)
+        goto fail;
+    if (dkv && (st = pd_xfer_rkey_unpack(j->pe->peer, j->dkv_rkey, j->dkv_rkey_len, j->dkv_base,
+                                         j->dkv_len, &j->rk_aux, &err)) != PD_OK)
+        goto fail;
+    j->ops_left = j->want_aux ? 2 : 1;
+    if ((st = pd_xfer_put(j->rk_kv, NULL, j->sp, j->n_kv, xfer_done_kv, j, &j->op_kv, &err)) != PD_OK)
+        goto fail;
+    if (j->want_aux) {
+        st = pd_xfer_put(j->rk_aux, NULL, j->sp + j->n_kv, j->n_aux, xfer_done_aux, j, &j->op_aux, &err);
+        if (st != PD_OK) {
+            /* the KV put runs: end through its done, as a failure */
+            j->ops_left = 1;
+            j->xfer_st = st;
+            snprintf(j->xfer_msg, sizeof(j->xfer_msg), "%s", err.msg);
+            pd_xfer_op_cancel(j->op_kv);
+        }
+    }
+    PD_LOG_TRACE("prefill", "%s: put %zu + %zu spans (%s), %llu bytes", j->id, j->n_kv, j->n_aux,
+                 j->want_aux ? pd_aux_mode_name(j->aux_mode) : "no aux", (unsigned long long)j->bytes);
+    return;
+fail:
+    /* nothing was put: no peer, a bad remote key, or a put refused */
+    j->xfer_st = st == PD_ERR_INVALID || st == PD_ERR_NOMEM ? st : PD_ERR_PEER;
+    snprintf(j->xfer_msg, sizeof(j->xfer_msg), "%s", err.msg);
+    xfer_finished(j);
+}
+
+/* transfer thread: a cancel that finds the puts running decides the job's answer */
+static void xfer_cancel(void *arg)
+{
+    job *j = arg;
+    if (j->op_kv != NULL || j->op_aux != NULL)
+        j->xfer_cancelled = 1;
+    if (j->op_kv != NULL)
+        pd_xfer_op_cancel(j->op_kv);
+    if (j->op_aux != NULL)
+        pd_xfer_op_cancel(j->op_aux);
+    job_unref(j);
+}
+
+/* engine thread: the transfer's end, answered already (the reference xfer_start was posted
+ * with comes back) */
+static void xfer_end(void *arg)
+{
+    job *j = arg;
+    prefill_server *ps = j->ps;
+    if (j->state != J_DONE)   /* else retired by prefill_server_destroy before this ran */
+        job_retire(ps, j);
+    job_unref(j);
+    if (!atomic_load(&ps->torn_down))
+        kick(ps);
+}
+
+/* Stop a job for st: queued/forward end now; a transfer is cancelled and ends in xfer_end. */
+static void job_abort(prefill_server *ps, job *j, pd_status st, const char *msg)
+{
+    if (j->state == J_XFER) {
+        if (j->cancel_st == PD_OK) {
+            j->cancel_st = st;
+            snprintf(j->cancel_msg, sizeof(j->cancel_msg), "%s", msg);
+            atomic_fetch_add(&j->refs, 1);
+            if (pd_xfer_thread_post(ps->xt, xfer_cancel, j) != PD_OK)
+                job_unref(j);
+        }
+        return;
+    }
+    if (j->state == J_FORWARD && j->r != NULL)
+        pd_engine_cancel(ps->eng, j->r);
+    job_finish(ps, j, st, msg);
 }
 
 /* Spans for every layer's K and V of pages[0..np) of pool, to the remote pool at rbase of
@@ -377,34 +509,22 @@ static pd_status page_spans(prefill_server *ps, pd_kv_pool *pool, const int32_t 
     return PD_OK;
 }
 
+/* engine thread: the job's forward is done; make its spans and hand it to the transfer thread */
 static void start_transfer(prefill_server *ps, job *j)
 {
     pd_err err = {0};
     pd_status st;
-    pd_xfer_span *sp = NULL;
     j->t_xfer = now_ms();
     ps->n_forward--;
     ps->n_xfer++;
     j->state = J_XFER;
     int dkv = j->want_aux && j->aux_mode == PD_AUX_DRAFT_KV;
-    if ((st = peer_get(ps, j->waddr, j->waddr_len, &j->pe, &err)) != PD_OK)
-        goto fail;
-    if ((st = pd_xfer_rkey_unpack(j->pe->peer, j->kv_rkey, j->kv_rkey_len, j->kv_base, j->kv_len,
-                                  &j->rk_kv, &err)) != PD_OK)
-        goto fail;
-    if (j->want_aux && !dkv &&
-        (st = pd_xfer_rkey_unpack(j->pe->peer, j->aux_rkey, j->aux_rkey_len, j->aux_base,
-                                  j->aux_len, &j->rk_aux, &err)) != PD_OK)
-        goto fail;
-    if (dkv && (st = pd_xfer_rkey_unpack(j->pe->peer, j->dkv_rkey, j->dkv_rkey_len, j->dkv_base,
-                                         j->dkv_len, &j->rk_aux, &err)) != PD_OK)
-        goto fail;
     PD_ASSERT(j->r->tkv.n_pages >= j->n_pages);
     PD_ASSERT(!dkv || j->r->dkv.n_pages >= j->n_pages);
     size_t t_spans = (size_t)ps->lay.n_layers * 2 * (size_t)j->n_pages;
     size_t d_spans = dkv ? (size_t)ps->dlay.n_layers * 2 * (size_t)j->n_pages : 0;
-    sp = malloc((t_spans + d_spans + 1) * sizeof(*sp));
-    if (sp == NULL) {
+    j->sp = malloc((t_spans + d_spans + 1) * sizeof(*j->sp));
+    if (j->sp == NULL) {
         st = pd_err_set(&err, PD_ERR_NOMEM, "spans");
         goto fail;
     }
@@ -416,9 +536,9 @@ static void start_transfer(prefill_server *ps, job *j)
     char *stage = j->stage;
     size_t n = 0, nd = 0;
     if ((st = page_spans(ps, pd_engine_target_pool(ps->eng), j->r->tkv.pages, j->n_pages, j->kv_base,
-                         j->remote_pool_pages, j->pages, &stage, sp, &n, &err)) != PD_OK)
+                         j->remote_pool_pages, j->pages, &stage, j->sp, &n, &err)) != PD_OK)
         goto fail;
-    pd_xfer_span *asp = sp + n;
+    pd_xfer_span *asp = j->sp + n;
     if (dkv) {
         if ((st = page_spans(ps, pd_engine_draft_pool(ps->eng), j->r->dkv.pages, j->n_pages,
                              j->dkv_base, j->remote_dpool_pages, j->dpages, &stage, asp, &nd,
@@ -431,34 +551,22 @@ static void start_transfer(prefill_server *ps, job *j)
                                  .len = (size_t)j->n * (size_t)(ctx ? ps->hidden : ps->aux_dim) * sizeof(float) };
         nd = 1;
     }
+    j->n_kv = n;
+    j->n_aux = nd;
     j->bytes = (uint64_t)t_spans * ps->page_bytes;
     for (size_t i = 0; i < nd; i++)
         j->bytes += asp[i].len;
-    j->ops_left = j->want_aux ? 2 : 1;
-    st = pd_xfer_put(j->rk_kv, NULL, sp, n, xfer_done, j, &j->op_kv, &err);
-    if (st != PD_OK)
-        goto fail;
-    if (j->want_aux) {
-        st = pd_xfer_put(j->rk_aux, NULL, asp, nd, xfer_done, j, &j->op_aux, &err);
-        if (st != PD_OK) {
-            /* the KV put runs: end through its done, as a failure */
-            j->ops_left = 1;
-            j->xfer_st = st;
-            snprintf(j->xfer_msg, sizeof(j->xfer_msg), "%s", err.msg);
-            pd_xfer_op_cancel(j->op_kv);
-        }
-    }
-    free(sp);
-    PD_LOG_TRACE("prefill", "%s: put %zu + %zu spans (%s), %llu bytes", j->id, n, nd,
-                 j->want_aux ? pd_aux_mode_name(j->aux_mode) : "no aux", (unsigned long long)j->bytes);
-    return;
+    atomic_fetch_add(&j->refs, 1);
+    if (pd_xfer_thread_post(ps->xt, xfer_start, j) == PD_OK)
+        return;
+    job_unref(j);
+    st = pd_err_set(&err, PD_ERR_CANCELLED, "prefill node shutting down");
 fail:
-    free(sp);
     PD_LOG_WARN("prefill", "%s: transfer: %s", j->id, err.msg);
     {
         char msg[600];
         snprintf(msg, sizeof(msg), "kv transfer to the decode node: %s", err.msg);
-        job_finish(ps, j, st == PD_ERR_INVALID || st == PD_ERR_NOMEM ? st : PD_ERR_PEER, msg);
+        job_finish(ps, j, st == PD_ERR_INVALID || st == PD_ERR_NOMEM || st == PD_ERR_CANCELLED ? st : PD_ERR_PEER, msg);
     }
 }
 
@@ -554,18 +662,10 @@ static void check_jobs(prefill_server *ps)
 static void tick_cb(void *arg)
 {
     prefill_server *ps = arg;
-    pd_xfer_progress(ps->x);
     check_jobs(ps);
     if (ps->stopping && (ps->head == NULL || now_ms() > ps->stop_deadline))
         pd_loop_stop(ps->loop);
     kick(ps);
-}
-
-static void xfer_cb(int fd, void *arg)
-{
-    (void)fd;
-    prefill_server *ps = arg;
-    pd_xfer_progress(ps->x);
 }
 
 static void submit_cb(void *arg)
@@ -1084,7 +1184,7 @@ pd_status prefill_server_create(const prefill_config *cfg, prefill_server **out,
     const char *force = getenv("PD_XFER_FORCE_STAGING");
     ps->stage = (!ps->be->is_host && !pd_xfer_supports_cuda(ps->x)) ||
                 (force != NULL && strcmp(force, "1") == 0);
-    if ((st = pd_loop_watch_fd(ps->loop, pd_xfer_fd(ps->x), xfer_cb, ps, &ps->xw, err)) != PD_OK)
+    if ((st = pd_xfer_thread_start(ps->x, &ps->xt, err)) != PD_OK)
         goto err_destroy;
     pd_loop_timer_start(ps->tick_timer, TICK_MS, true);
     update_stats(ps);
@@ -1112,7 +1212,11 @@ void prefill_server_destroy(prefill_server *ps)
             pd_loop_stop(ps->loop);
         pthread_join(ps->thread, NULL);
     }
-    /* jobs whose transfer outlived the bound: destroying the peers ends them (done runs) */
+    /* the transfer thread next (transfers that end meanwhile finish their jobs there: nothing
+     * else runs now); then this thread owns the xfer, and jobs whose transfer outlived the bound
+     * end as their peers are destroyed (done runs, the peer is already gone) */
+    atomic_store(&ps->torn_down, 1);
+    pd_xfer_thread_stop(ps->xt);
     for (job *j = ps->head; j != NULL; j = j->next)
         j->pe = NULL;
     while (ps->peers != NULL) {
@@ -1126,7 +1230,6 @@ void prefill_server_destroy(prefill_server *ps)
         job_finish(ps, ps->head, PD_ERR_CANCELLED, "prefill node shutting down");
     pd_loop_timer_destroy(ps->step_timer);
     pd_loop_timer_destroy(ps->tick_timer);
-    pd_loop_watch_destroy(ps->xw);
     pd_loop_destroy(ps->loop);
     pd_xfer_destroy(ps->x);
     pd_engine_destroy(ps->eng);

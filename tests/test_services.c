@@ -8,6 +8,10 @@
  *   DEADLINE_EXCEEDED; a prefill node SIGKILLed while prefills are in flight fails only those
  *   requests (UNAVAILABLE, within the deadline) while decoding ones finish, and a prefill node
  *   restarted on the same port is used again.
+ * Transfers (prefill_node against a destination in this process): a Prefill whose destination
+ *   does not progress waits in its transfer; a CancelPrefill then reaches the running puts and
+ *   decides the answer (CANCELLED) once they end; the next Prefill to the same destination,
+ *   progressed now, is answered OK with the prompt's KV in the given pages.
  * Aux transfer modes: prefill_node --aux-transfer ctx|draft-kv without --draft refuses to start
  *   with one clear line; a draft-kv prefill node refuses a descriptor with no draft pool or a
  *   draft layout that differs (INVALID_ARGUMENT). (Decoding through ctx/draft-kv: test_e2e.py.)
@@ -16,6 +20,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,6 +30,8 @@
 
 #include "pd_proto_version.h"
 #include "pd_rpc.h"
+#include "pd_xfer.h"
+#include "pd_xfer_thread.h"
 #include "pdspark.pb-c.h"
 #include "test_util.h"
 
@@ -477,6 +484,170 @@ static void test_services_aux_modes(void)
     node_stop(&pn, SIGTERM);
 }
 
+/* ---- transfers ------------------------------------------------------------------------------ */
+
+typedef struct {
+    pd_rpc_channel *ch;
+    const Pdspark__PrefillRequest *rq;
+    pd_status st;
+    pd_err err;
+    Pdspark__PrefillReply *rep;
+    double ms;
+    atomic_int returned;
+} prefill_call;
+
+static void *prefill_thread(void *arg)
+{
+    prefill_call *c = arg;
+    ProtobufCMessage *m = NULL;
+    double t0 = now_ms();
+    c->st = pd_rpc_unary(c->ch, "/pdspark.Prefill/Prefill", &c->rq->base, &pdspark__prefill_reply__descriptor,
+                         60000, &m, &c->err);
+    c->ms = now_ms() - t0;
+    c->rep = (Pdspark__PrefillReply *)m;
+    atomic_store(&c->returned, 1);
+    return NULL;
+}
+
+static void test_services_transfer(void)
+{
+    /* the tiny target's pool layout: 16-token pages, f32, 8 layers, 2 kv heads, head dim 64 */
+    enum { LAYERS = 8, POOL_PAGES = 8, PAGE_BYTES = 16 * 2 * 64 * 4, N_TOK = 40 };
+    const size_t pool_bytes = 2ull * LAYERS * POOL_PAGES * PAGE_BYTES;
+    pd_err err = {0};
+    pd_xfer_config xc;
+    pd_xfer_config_default(&xc);
+    xc.name = "test-dst";
+    pd_xfer *x = NULL;
+    pd_status st = pd_xfer_create(&xc, &x, &err);
+    if (st == PD_ERR_UNSUPPORTED) {
+        printf("transfers: skipped, UCX has no transport here\n");
+        return;
+    }
+    TEST_CHECK_MSG(st == PD_OK, "%s", err.msg);
+    if (st != PD_OK)
+        return;
+    node pn = {0};
+    char *pargv[] = { PD_BIN_DIR "/prefill_node", "--model", TARGET, "--listen", "127.0.0.1:0",
+                      "--transfer-timeout-ms", "30000", NULL };
+    if (node_start(pargv, &pn) != 0) {
+        TEST_CHECK_MSG(0, "prefill node did not start");
+        pd_xfer_destroy(x);
+        return;
+    }
+    unsigned char *pool = calloc(1, pool_bytes);
+    pd_xfer_mem *mem = NULL;
+    void *rkey = NULL;
+    size_t rkey_len = 0;
+    const void *waddr = NULL;
+    size_t waddr_len = 0;
+    TEST_CHECK(pd_xfer_mem_register(x, pool, pool_bytes, &mem, &err) == PD_OK);
+    TEST_CHECK(pd_xfer_mem_pack(mem, &rkey, &rkey_len, &err) == PD_OK);
+    pd_xfer_address(x, &waddr, &waddr_len);
+    uint32_t toks[N_TOK], pages[3] = { 5, 2, 7 };
+    for (int i = 0; i < N_TOK; i++)
+        toks[i] = 100 + (uint32_t)(i * 37 % 5000);
+    Pdspark__PageLayout pl = PDSPARK__PAGE_LAYOUT__INIT;
+    pl.version = PD_PROTO_VERSION;
+    pl.page_size = 16;
+    pl.dtype = PDSPARK__KV_DTYPE__KV_DTYPE_F32;
+    pl.n_layers = LAYERS;
+    pl.n_kv_heads = 2;
+    pl.head_dim = 64;
+    pl.bytes_per_page = PAGE_BYTES;
+    Pdspark__RemoteRegion kv = PDSPARK__REMOTE_REGION__INIT;
+    kv.version = PD_PROTO_VERSION;
+    kv.rkey.data = rkey;
+    kv.rkey.len = rkey_len;
+    kv.base_addr = (uint64_t)(uintptr_t)pool;
+    kv.length = pool_bytes;
+    Pdspark__AuxLayout al = PDSPARK__AUX_LAYOUT__INIT;
+    al.version = PD_PROTO_VERSION;
+    al.mode = PDSPARK__AUX_MODE__AUX_MODE_NONE;
+    Pdspark__Destination d = PDSPARK__DESTINATION__INIT;
+    d.version = PD_PROTO_VERSION;
+    d.worker_address.data = (uint8_t *)waddr;
+    d.worker_address.len = waddr_len;
+    d.page_layout = &pl;
+    d.kv_pool = &kv;
+    d.aux_layout = &al;
+    d.n_page_ids = 3;
+    d.page_ids = pages;
+    Pdspark__PrefillRequest pr = PDSPARK__PREFILL_REQUEST__INIT;
+    pr.version = PD_PROTO_VERSION;
+    pr.request_id = "stalled";
+    pr.n_token_ids = N_TOK;
+    pr.token_ids = toks;
+    pr.dest = &d;
+    pd_rpc_channel *pch = NULL;
+    TEST_CHECK(pd_rpc_channel_create(pn.addr, &pch, &err) == PD_OK);
+
+    /* nothing progresses the destination: over tcp the puts cannot end */
+    prefill_call c1 = { .ch = pch, .rq = &pr };
+    pthread_t th;
+    pthread_create(&th, NULL, prefill_thread, &c1);
+    usleep(1500000);
+    TEST_CHECK_MSG(!atomic_load(&c1.returned), "a transfer into a destination that never progressed ended: %s %s",
+                   pd_status_str(c1.st), c1.err.msg);
+    Pdspark__CancelPrefillRequest cr = PDSPARK__CANCEL_PREFILL_REQUEST__INIT;
+    cr.version = PD_PROTO_VERSION;
+    cr.request_id = "stalled";
+    ProtobufCMessage *m = NULL;
+    st = pd_rpc_unary(pch, "/pdspark.Prefill/CancelPrefill", &cr.base,
+                      &pdspark__cancel_prefill_reply__descriptor, 5000, &m, &err);
+    TEST_CHECK_MSG(st == PD_OK && m != NULL && ((Pdspark__CancelPrefillReply *)m)->was_running,
+                   "cancel during the transfer: %s %s", pd_status_str(st), err.msg);
+    if (m != NULL)
+        protobuf_c_message_free_unpacked(m, NULL);
+    /* now the destination progresses: the cancelled puts end, and the cancel answers */
+    pd_xfer_thread *xt = NULL;
+    TEST_CHECK(pd_xfer_thread_start(x, &xt, &err) == PD_OK);
+    pthread_join(th, NULL);
+    TEST_CHECK_MSG(c1.st == PD_ERR_CANCELLED && strstr(c1.err.msg, "cancelled by the decode node") != NULL,
+                   "cancelled transfer: %s %s", pd_status_str(c1.st), c1.err.msg);
+    TEST_CHECK_MSG(c1.ms < 25000, "cancelled transfer answered after %.0f ms", c1.ms);
+    printf("transfers: a stalled transfer cancelled, answered %.0f ms after the Prefill\n", c1.ms);
+    if (c1.rep != NULL)
+        protobuf_c_message_free_unpacked(&c1.rep->base, NULL);
+
+    /* the same destination again: the KV lands in pages 5, 2, 7 of every layer's K and V */
+    memset(pool, 0, pool_bytes);
+    pr.request_id = "flowing";
+    prefill_call c2 = { .ch = pch, .rq = &pr };
+    prefill_thread(&c2);
+    TEST_CHECK_MSG(c2.st == PD_OK && c2.rep != NULL, "prefill after the cancel: %s %s", pd_status_str(c2.st),
+                   c2.err.msg);
+    if (c2.rep != NULL) {
+        TEST_CHECK(c2.rep->first_token_id < 8192 && c2.rep->prompt_tokens == N_TOK);
+        TEST_CHECK_MSG(c2.rep->timings != NULL &&
+                       c2.rep->timings->bytes_transferred == 2ull * LAYERS * 3 * PAGE_BYTES,
+                       "bytes transferred %llu", c2.rep->timings != NULL ?
+                       (unsigned long long)c2.rep->timings->bytes_transferred : 0ull);
+        protobuf_c_message_free_unpacked(&c2.rep->base, NULL);
+    }
+    int filled = 0, untouched = 1;
+    for (int half = 0; half < 2 * LAYERS; half++)
+        for (int p = 0; p < POOL_PAGES; p++) {
+            const unsigned char *pg = pool + ((size_t)half * POOL_PAGES + (size_t)p) * PAGE_BYTES;
+            int nz = 0;
+            for (size_t b = 0; b < PAGE_BYTES && !nz; b++)
+                nz = pg[b] != 0;
+            if (p == 5 || p == 2 || p == 7)
+                filled += nz;
+            else
+                untouched &= !nz;
+        }
+    TEST_CHECK_MSG(filled == 2 * LAYERS * 3, "%d of %d destination pages hold data", filled, 2 * LAYERS * 3);
+    TEST_CHECK_MSG(untouched, "a page outside the request's was written");
+    pd_rpc_channel_destroy(pch);
+    node_stop(&pn, SIGTERM);
+    pd_xfer_thread_stop(xt);
+    pd_xfer_mem_deregister(mem);
+    pd_xfer_destroy(x);
+    free(rkey);
+    free(pool);
+}
+
 /* ---- lifecycle ------------------------------------------------------------------------------ */
 
 typedef struct {
@@ -734,6 +905,8 @@ int main(int argc, char **argv)
         test_services_bad_input();
     if (strcmp(only, "all") == 0 || strcmp(only, "aux-modes") == 0)
         test_services_aux_modes();
+    if (strcmp(only, "all") == 0 || strcmp(only, "transfer") == 0)
+        test_services_transfer();
     if (strcmp(only, "all") == 0 || strcmp(only, "lifecycle") == 0)
         test_services_lifecycle();
     if (strcmp(only, "all") == 0 || strcmp(only, "multi-node") == 0)

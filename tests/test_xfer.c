@@ -5,7 +5,11 @@
  *    4 MiB "KV pool", pack/unpack the rkey, put scattered pages with a small window, flush,
  *    compare bytes; bad spans are refused; flush-only transfers; cancel.
  * 3. The same transfer driven by a pd_loop (fd watcher + periodic timer), with closures posted
- *    from another thread and a one-shot timer: the way the nodes run it.
+ *    from another thread and a one-shot timer.
+ * 4. Both sides on pd_xfer_threads, the way the nodes run them: the main thread only posts
+ *    the put and then sleeps (an engine thread inside a forward); the transfer still completes,
+ *    its done runs on the sender's transfer thread, and a cancel posted to an ended transfer
+ *    touches nothing.
  * Transports: part 2 uses the UCX default (or UCX_TLS from the environment); part 1 forces tcp
  * because only a socket notices a dead process without waiting for keepalive.
  * Nothing is timed; waits are bounded only to turn a hang into a failure. */
@@ -20,6 +24,7 @@
 
 #include "pd_loop.h"
 #include "pd_xfer.h"
+#include "pd_xfer_thread.h"
 #include "test_util.h"
 
 #define POOL_BYTES (4u << 20)
@@ -584,6 +589,144 @@ static void test_loop_driven(void)
     free(src);
 }
 
+typedef struct {
+    pd_xfer *tx;
+    pd_xfer_thread *txt;
+    const void *addr;
+    size_t addr_len;
+    const void *rkb;
+    size_t rkl;
+    uint64_t rbase;
+    pd_xfer_span *spans;
+    size_t n;
+    pd_xfer_peer *p;
+    pd_xfer_rkey *rk;
+    pd_xfer_op *op;
+    pd_status put_st;
+    char put_msg[512];
+    atomic_int done;           /* 0 running, 1 done */
+    pd_status st;
+    bool done_on_thread;
+    atomic_int closed;
+} thr_job;
+
+static void thr_on_done(void *ud, pd_status st, const pd_err *err)
+{
+    (void)err;
+    thr_job *j = ud;
+    j->st = st;
+    j->op = NULL;
+    j->done_on_thread = pd_xfer_thread_here(j->txt);
+    atomic_store(&j->done, 1);
+}
+
+/* on the sender's transfer thread: connect, unpack, put everything */
+static void thr_start(void *arg)
+{
+    thr_job *j = arg;
+    pd_err err = {0};
+    pd_status st = pd_xfer_peer_create(j->tx, j->addr, j->addr_len, &j->p, &err);
+    if (st == PD_OK)
+        st = pd_xfer_rkey_unpack(j->p, j->rkb, j->rkl, j->rbase, POOL_BYTES, &j->rk, &err);
+    if (st == PD_OK)
+        st = pd_xfer_put(j->rk, NULL, j->spans, j->n, thr_on_done, j, &j->op, &err);
+    j->put_st = st;
+    snprintf(j->put_msg, sizeof(j->put_msg), "%s", err.msg);
+    if (st != PD_OK)
+        atomic_store(&j->done, 1);
+}
+
+/* a cancel after the end: the op handle is gone and nothing is touched */
+static void thr_cancel(void *arg)
+{
+    thr_job *j = arg;
+    if (j->op != NULL)
+        pd_xfer_op_cancel(j->op);
+}
+
+static void thr_close(void *arg)
+{
+    thr_job *j = arg;
+    pd_xfer_rkey_destroy(j->rk);
+    pd_xfer_peer_destroy(j->p);
+    j->rk = NULL;
+    j->p = NULL;
+    atomic_store(&j->closed, 1);
+}
+
+static void test_threads(void)
+{
+    pd_err err;
+    pd_xfer_config cfg;
+    pd_xfer_config_default(&cfg);
+    cfg.name = "rx";
+    pd_xfer *rx = NULL, *tx = NULL;
+    pd_status st = pd_xfer_create(&cfg, &rx, &err);
+    if (st == PD_ERR_UNSUPPORTED)
+        TEST_SKIP("UCX has no usable transport here");
+    TEST_CHECK_MSG(st == PD_OK, "%s", err.msg);
+    cfg.name = "tx";
+    cfg.max_inflight = 8;
+    cfg.timeout_ms = 60000;
+    TEST_CHECK_MSG(pd_xfer_create(&cfg, &tx, &err) == PD_OK, "%s", err.msg);
+    if (rx == NULL || tx == NULL) {
+        pd_xfer_destroy(rx);
+        pd_xfer_destroy(tx);
+        return;
+    }
+    unsigned char *pool = calloc(1, POOL_BYTES), *src = malloc(POOL_BYTES);
+    for (size_t i = 0; i < POOL_BYTES; i++)
+        src[i] = (unsigned char)(i * 31 + (i >> 12) + 5);
+    pd_xfer_mem *pm = NULL;
+    void *rkb = NULL;
+    size_t rkl = 0;
+    TEST_CHECK(pd_xfer_mem_register(rx, pool, POOL_BYTES, &pm, &err) == PD_OK);
+    TEST_CHECK(pd_xfer_mem_pack(pm, &rkb, &rkl, &err) == PD_OK);
+    thr_job j = {.tx = tx, .rkb = rkb, .rkl = rkl, .rbase = (uint64_t)(uintptr_t)pool, .n = N_PAGES};
+    atomic_init(&j.done, 0);
+    atomic_init(&j.closed, 0);
+    pd_xfer_address(rx, &j.addr, &j.addr_len);
+    /* every page to a scattered destination page */
+    j.spans = malloc(N_PAGES * sizeof(*j.spans));
+    for (size_t i = 0; i < N_PAGES; i++)
+        j.spans[i] = (pd_xfer_span){ .src = src + i * PAGE_BYTES,
+                                     .raddr = j.rbase + ((i * 7) % N_PAGES) * PAGE_BYTES,
+                                     .len = PAGE_BYTES };
+    pd_xfer_thread *rxt = NULL;
+    TEST_CHECK(pd_xfer_thread_start(rx, &rxt, &err) == PD_OK);
+    TEST_CHECK(pd_xfer_thread_start(tx, &j.txt, &err) == PD_OK);
+    TEST_CHECK(!pd_xfer_thread_here(j.txt));
+    TEST_CHECK(pd_xfer_thread_post(j.txt, thr_start, &j) == PD_OK);
+    /* this thread progresses nothing from here on: it only looks */
+    double end = wall_s() + WAIT_LIMIT_S;
+    while (atomic_load(&j.done) == 0 && wall_s() < end)
+        usleep(20000);
+    TEST_CHECK_MSG(atomic_load(&j.done) == 1, "the transfer did not end within %d s", WAIT_LIMIT_S);
+    TEST_CHECK_MSG(j.put_st == PD_OK, "put: %s", j.put_msg);
+    TEST_CHECK_MSG(j.st == PD_OK, "done: %s", pd_status_str(j.st));
+    TEST_CHECK(j.done_on_thread);
+    int same = 1;
+    for (size_t i = 0; i < N_PAGES; i++)
+        same &= memcmp(pool + ((i * 7) % N_PAGES) * PAGE_BYTES, src + i * PAGE_BYTES, PAGE_BYTES) == 0;
+    TEST_CHECK_MSG(same, "pages differ after the threaded transfer");
+    TEST_CHECK(pd_xfer_thread_post(j.txt, thr_cancel, &j) == PD_OK);
+    TEST_CHECK(pd_xfer_thread_post(j.txt, thr_close, &j) == PD_OK);
+    /* queued closures run by stop at the latest */
+    pd_xfer_thread_stop(j.txt);
+    TEST_CHECK(atomic_load(&j.closed) == 1);
+    pd_xfer_thread_stop(rxt);
+    pd_xfer_thread_stop(NULL);
+    /* this thread owns both again */
+    TEST_CHECK(pd_xfer_active(tx) == 0);
+    pd_xfer_mem_deregister(pm);
+    pd_xfer_destroy(tx);
+    pd_xfer_destroy(rx);
+    free(rkb);
+    free(j.spans);
+    free(pool);
+    free(src);
+}
+
 int main(void)
 {
     signal(SIGPIPE, SIG_IGN);
@@ -600,5 +743,6 @@ int main(void)
     g_err_none = true;
     test_pair();
     test_loop_driven();
+    test_threads();
     TEST_DONE();
 }
