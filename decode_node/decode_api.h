@@ -54,6 +54,8 @@ typedef struct {
     int kv_pages;                   /* target pool pages (0 = engine default) */
     int page_size;                  /* tokens per page (0 = 16) */
     int max_batch;                  /* running requests at most (0 = 64) */
+    int max_prefill_tokens;         /* colocated: prompt tokens prefilled per engine step, a decode
+                                     * round between steps (0 = the engine's 2048) */
     int max_queue;                  /* requests waiting for pages at most (0 = 256) */
     int64_t queue_timeout_ms;       /* longest wait for pages before RESOURCE_EXHAUSTED (0 = 30000) */
     int64_t request_timeout_ms;     /* default deadline per request (0 = none) */

@@ -34,7 +34,7 @@ static void usage(FILE *f)
             "                   [--log-level error|warn|info|debug|trace]\n"
             "                   [--http HOST:PORT] [--log-format text|json] [--drain-timeout-ms N]\n"
             "                   [--verify full|threshold|scheduled] [--threshold T] [--fast-kernels]\n"
-            "                   [--graphs auto|off|pad]\n"
+            "                   [--graphs auto|off|pad] [--chunked-prefill-size N]\n"
             "\n"
             "Serves pdspark.Generate (gRPC, server-streaming) with DSpark speculative decoding.\n"
             "--colocated runs the prefill in this process (--cp-size/--cp-strategy apply there; on\n"
@@ -50,7 +50,10 @@ static void usage(FILE *f)
             "finish for up to --drain-timeout-ms (default 30000), then the node exits 0.\n"
             "--log-format json writes every log line (and the per-request line) as JSON.\n"
             "--dtype f32 keeps the weights and KV cache in fp32 on cuda (default bf16); prefill\n"
-            "nodes must use the same (a KV layout that differs is refused by name).\n");
+            "nodes must use the same (a KV layout that differs is refused by name).\n"
+            "--chunked-prefill-size N (colocated): prompt tokens prefilled per engine step (default\n"
+            "2048); a longer prompt is prefilled in chunks with a decode round after each, so the\n"
+            "running requests keep streaming (prefill nodes: --max-batch-tokens).\n");
 }
 
 int main(int argc, char **argv)
@@ -63,7 +66,7 @@ int main(int argc, char **argv)
     int64_t drain_ms = 30000;
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_PREFILL, O_COLO, O_DEVICE, O_PAGES, O_PAGE, O_BATCH,
            O_QUEUE, O_QTMO, O_RTMO, O_XTMO, O_CP, O_CPS, O_LOG, O_HELP, O_HTTP, O_LOGFMT, O_DRAIN,
-           O_VERIFY, O_THRESH, O_FAST, O_GRAPHS, O_TP, O_DTYPE };
+           O_VERIFY, O_THRESH, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_CHUNK };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"prefill", required_argument, 0, O_PREFILL},
@@ -76,6 +79,7 @@ int main(int argc, char **argv)
         {"cp-size", required_argument, 0, O_CP}, {"cp-strategy", required_argument, 0, O_CPS},
         {"verify", required_argument, 0, O_VERIFY}, {"threshold", required_argument, 0, O_THRESH},
         {"fast-kernels", no_argument, 0, O_FAST}, {"graphs", required_argument, 0, O_GRAPHS},
+        {"chunked-prefill-size", required_argument, 0, O_CHUNK},
         {"tp", required_argument, 0, O_TP}, {"dtype", required_argument, 0, O_DTYPE},
         {"log-level", required_argument, 0, O_LOG}, {"help", no_argument, 0, O_HELP},
         {"http", required_argument, 0, O_HTTP}, {"log-format", required_argument, 0, O_LOGFMT},
@@ -97,6 +101,9 @@ int main(int argc, char **argv)
         case O_PAGES: bad = pd_cli_parse_int(PROG, "--kv-pages", optarg, 1, INT_MAX / 2, &cfg.kv_pages); break;
         case O_PAGE: bad = pd_cli_parse_int(PROG, "--page-size", optarg, 1, 4096, &cfg.page_size); break;
         case O_BATCH: bad = pd_cli_parse_int(PROG, "--max-batch", optarg, 1, 65536, &cfg.max_batch); break;
+        case O_CHUNK:
+            bad = pd_cli_parse_int(PROG, "--chunked-prefill-size", optarg, 1, 1 << 20, &cfg.max_prefill_tokens);
+            break;
         case O_QUEUE: bad = pd_cli_parse_int(PROG, "--max-queue", optarg, 1, 1 << 20, &cfg.max_queue); break;
         case O_QTMO: bad = pd_cli_parse_i64(PROG, "--queue-timeout-ms", optarg, 1, INT32_MAX, &v); cfg.queue_timeout_ms = v; break;
         case O_RTMO: bad = pd_cli_parse_i64(PROG, "--request-timeout-ms", optarg, 0, INT32_MAX, &v); cfg.request_timeout_ms = v; break;
@@ -168,6 +175,11 @@ int main(int argc, char **argv)
     if (!colocated && cfg.tp_size > 1) {
         fprintf(stderr, PROG ": --tp applies to --colocated only (a prefill node's KV would reach "
                         "rank 0's shard only)\n");
+        return 2;
+    }
+    if (!colocated && cfg.max_prefill_tokens > 0) {
+        fprintf(stderr, PROG ": --chunked-prefill-size applies to --colocated only (prefill nodes "
+                        "take --max-batch-tokens)\n");
         return 2;
     }
     cfg.colocated = colocated;

@@ -1406,7 +1406,7 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
         goto err_destroy;
     pd_engine_config ec = { .target = s->tm, .draft = s->dm, .page_size = cfg->page_size,
                             .n_pages = cfg->kv_pages, .fast_kernels = cfg->fast_kernels,
-                            .graphs = cfg->graphs,
+                            .graphs = cfg->graphs, .max_prefill_tokens = cfg->max_prefill_tokens,
                             .verify_threshold = cfg->verify_threshold };
     if (cfg->verify != NULL && (st = pd_verify_policy_parse(cfg->verify, &ec.verify_policy, err)) != PD_OK)
         goto err_destroy;

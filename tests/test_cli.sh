@@ -133,6 +133,53 @@ if [ -x "$bin/prefill_node" ]; then
         --draft "$D" --listen 127.0.0.1:0 --dtype f16
 fi
 
+# --chunked-prefill-size: a bad value and a disaggregated node are refused; a colocated node
+# prefilling in 16-token chunks gives pdspark-generate's tokens
+if [ -x "$bin/decode_node" ] && [ -x "$bin/pdspark-client" ]; then
+    expect_fail "decode_node --chunked-prefill-size 0" "chunked-prefill-size" $bin/decode_node --model "$T" \
+        --draft "$D" --listen 127.0.0.1:0 --colocated --chunked-prefill-size 0
+    expect_fail "decode_node --chunked-prefill-size disaggregated" "chunked-prefill-size applies to --colocated only" \
+        $bin/decode_node --model "$T" --draft "$D" --listen 127.0.0.1:0 --prefill 127.0.0.1:1 --chunked-prefill-size 64
+    prompt='import os
+import sys
+
+def read_lines(path):
+    with open(path) as f:
+        return [line.rstrip() for line in f]
+
+def main():
+    lines = read_lines(sys.argv[1])
+    for i, line in enumerate(lines):'
+    $bin/decode_node --model "$T" --draft "$D" --listen 127.0.0.1:0 --colocated --chunked-prefill-size 16 \
+        >"$tmp/chunk.out" 2>"$tmp/chunk.err" &
+    node=$!
+    addr=
+    for _ in $(seq 1 600); do
+        addr=$(sed -n 's/^listening grpc \(127.0.0.1:[0-9]*\)$/\1/p' "$tmp/chunk.out")
+        [ -n "$addr" ] && break
+        sleep 0.1
+    done
+    if [ -z "$addr" ]; then
+        bad "chunked prefill: decode_node did not start"; cat "$tmp/chunk.err"
+    elif $bin/pdspark-client --server "$addr" --prompt "$prompt" --max-new-tokens 24 --ignore-eos --json \
+            >"$tmp/chunk.json" 2>"$tmp/err" &&
+         $gen --model "$T" --draft "$D" --prompt "$prompt" --max-new-tokens 24 --ignore-eos --json \
+            >"$tmp/whole.json" 2>>"$tmp/err"; then
+        if python3 - "$tmp/chunk.json" "$tmp/whole.json" <<'PY'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+assert a["prompt_tokens"] > 48, a["prompt_tokens"]  # 4+ chunks
+assert a["tokens"] == b["tokens"] and len(a["tokens"]) == 24, (a["tokens"], b["tokens"])
+PY
+        then echo "ok   chunked prefill (16-token chunks) equals pdspark-generate"; ok
+        else bad "chunked prefill: tokens differ from pdspark-generate"; fi
+    else
+        bad "chunked prefill: client or generate failed"; cat "$tmp/err"
+    fi
+    kill $node 2>/dev/null
+    wait $node 2>/dev/null
+fi
+
 # a port another node already serves is an error for both nodes (gRPC would otherwise share it)
 if [ -x "$bin/prefill_node" ] && [ -x "$bin/decode_node" ]; then
     $bin/prefill_node --model "$T" --listen 127.0.0.1:0 >"$tmp/first.out" 2>"$tmp/first.err" &

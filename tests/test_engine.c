@@ -1,7 +1,9 @@
 /* test_engine.c - engine behaviour beyond the goldens: the external-prefill path (what a decode
  * node does with a prefill node's KV pages and aux rows) equals the in-process path; batching
  * does not change results; pages return to the pool on finish, cancel and release; a full pool
- * answers BUSY and loses nothing else. */
+ * answers BUSY and loses nothing else; a long prompt is prefilled in chunks of
+ * max_prefill_tokens with a decode round between them, so a running request keeps producing
+ * tokens meanwhile, and the chunked prompt decodes as it does prefilled whole. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -207,6 +209,58 @@ static void test_engine_batching_and_pages(void)
     run_to_end(e);
     TEST_CHECK(r->n_out == n_alone_b && memcmp(r->out, alone_b, (size_t)n_alone_b * 4) == 0);
     pd_engine_release(e, r);
+    pd_engine_destroy(e);
+}
+
+static void test_engine_chunked_prefill(void)
+{
+    enum { LONG = 600, CHUNK = 64 };
+    pd_err err;
+    int32_t longp[LONG];
+    for (int i = 0; i < LONG; i++)
+        longp[i] = prompt_a[i % (int)(sizeof(prompt_a) / 4)] + (i / 22) % 5;
+    pd_gen_params gp = greedy(16);
+    /* reference: the long prompt prefilled in one forward */
+    pd_engine *e = NULL;
+    pd_engine_config ec = { .target = tm, .draft = dm, .page_size = 16, .n_pages = 128,
+                            .max_prefill_tokens = 4096 };
+    TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);
+    pd_request *r = NULL;
+    TEST_CHECK(pd_engine_add(e, 1, longp, LONG, &gp, &r, &err) == PD_OK);
+    TEST_CHECK(pd_engine_step(e, &err) == PD_OK);
+    TEST_CHECK_MSG(r->prefilled == LONG, "whole prefill: %d of %d tokens after one step", r->prefilled, LONG);
+    run_to_end(e);
+    int32_t whole[16];
+    int n_whole = r->n_out;
+    memcpy(whole, r->out, sizeof(whole));
+    pd_engine_release(e, r);
+    pd_engine_destroy(e);
+
+    ec.max_prefill_tokens = CHUNK;
+    TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);
+    pd_gen_params run = greedy(200);
+    pd_request *ra = NULL, *rl = NULL;
+    TEST_CHECK(pd_engine_add(e, 2, prompt_b, (int)(sizeof(prompt_b) / 4), &run, &ra, &err) == PD_OK);
+    TEST_CHECK(pd_engine_step(e, &err) == PD_OK);
+    TEST_CHECK(ra->n_out >= 1);
+    TEST_CHECK(pd_engine_add(e, 3, longp, LONG, &gp, &rl, &err) == PD_OK);
+    int steps = 0, a_grew = 0;
+    while (rl->prefilled < LONG && steps < 100) {
+        int before = ra->n_out, pf = rl->prefilled;
+        TEST_CHECK(pd_engine_step(e, &err) == PD_OK);
+        TEST_CHECK_MSG(rl->prefilled - pf == (LONG - pf < CHUNK ? LONG - pf : CHUNK),
+                       "step %d prefilled %d tokens of the long prompt", steps, rl->prefilled - pf);
+        a_grew += ra->n_out > before;
+        steps++;
+    }
+    TEST_CHECK_MSG(steps == (LONG + CHUNK - 1) / CHUNK, "long prompt prefilled in %d steps", steps);
+    TEST_CHECK_MSG(a_grew == steps, "the running request produced tokens in %d of %d prefill steps",
+                   a_grew, steps);
+    run_to_end(e);
+    TEST_CHECK_MSG(rl->n_out == n_whole && memcmp(rl->out, whole, (size_t)n_whole * 4) == 0,
+                   "chunked prefill decodes differently from a whole one");
+    pd_engine_release(e, ra);
+    pd_engine_release(e, rl);
     pd_engine_destroy(e);
 }
 
@@ -578,6 +632,7 @@ int main(void)
     test_engine_external_prefill();
     test_engine_aux_modes();
     test_engine_batching_and_pages();
+    test_engine_chunked_prefill();
     test_engine_deferred_context();
     test_engine_deferred_drop();
     test_engine_deferred_prompt();
