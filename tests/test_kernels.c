@@ -2260,6 +2260,10 @@ static const kcase cases[] = {
      * decode tolerance): verify blocks across the 1024/1025 split-size step, lengths 1..2049,
      * GQA 1/4/5/8, odd pages */
     {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "d:0+1,d:63+1,d:64+1,d:1023+1,d:1024+1,d:2048+1", 1e-4, 0},
+    /* long contexts: decode queries around 16384 keys and up to 70000, a verify block and a
+     * draft block past 16384 keys, a 33000-key query (the split rule at its cap) */
+    {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "d:16383+1,d:16384+1,d:20000+1,d:70000+1", 1e-4, 0},
+    {"attn", 0, 0, 0, 0, 0, 0, 0, 16, 4, 64, 16, "v:16378+8,x:17000+7,d:33000+1", 1e-2, 0},
     {"attn", 0, 0, 1, 0, 0, 0, 0, 64, 8, 64, 7, "d:5+1,d:127+1,d:1500+1,d:2000+1", 1e-4, 0},
     {"attn", 0, 0, 0, 0, 0, 0, 0, 8, 8, 128, 3, "d:700+1,d:31+1,d:1100+1", 1e-4, 0},
     {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "v:1019+8,v:0+8,d:64+1,v:2040+8", 1e-2, 0},
@@ -2456,13 +2460,20 @@ static int linear_invariance_one(kern_backend *g, kern_linear_epilogue epi, int 
 /* be->batch_invariant attention, one shape: every token of a mixed batch (a verify block of 8
  * whose lengths cross a split-size step at 1024/1025 keys, interleaved sequences, 1, 0 and 2049
  * keys) computed with 14, 1 and 5 sequences claimed (so 1, 14 and 3 tokens share a CTA), and
- * the verify block on its own, must equal bit for bit that token computed alone. */
-static int attn_invariance_one(kern_backend *g, int nh, int nkv, int hd, int ps)
+ * the verify block on its own, must equal bit for bit that token computed alone. longer: the
+ * verify block crosses 16384/16385 keys instead and the 2049-key sequence has 33000 (the key
+ * splits at their cap of 16, each split a long walk). */
+static int attn_invariance_one(kern_backend *g, int nh, int nkv, int hd, int ps, int longer)
 {
     enum { NT = 14, NS = 5 };
     static const int seq[NT] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 2, 1, 3, 4, 2};
-    static const int kvl[NT] = {1020, 1021, 1022, 1023, 1024, 1025, 1026, 1027, 700, 40, 699, 1, 2049, 0};
-    int max_len = 2049, stride = (max_len + ps - 1) / ps, n_pages = NS * stride + 3;
+    int kvl[NT] = {1020, 1021, 1022, 1023, 1024, 1025, 1026, 1027, 700, 40, 699, 1, 2049, 0};
+    if (longer) {
+        for (int t = 0; t < 8; t++)
+            kvl[t] += 16380 - 1020;
+        kvl[12] = 33000;
+    }
+    int max_len = longer ? 33000 : 2049, stride = (max_len + ps - 1) / ps, n_pages = NS * stride + 3;
     size_t kv_n = (size_t)n_pages * ps * nkv * hd, qn = (size_t)NT * nh * hd;
     float *kh = host_rand(kv_n, -1.0f, 1.0f, 1), *vh = host_rand(kv_n, -1.0f, 1.0f, 1);
     float *q = host_rand(qn, -2.5f, 2.5f, 0);
@@ -2504,14 +2515,15 @@ static int attn_invariance_one(kern_backend *g, int nh, int nkv, int hd, int ps)
             a.n_seq = n_seq_claim[v];
         } else {   /* the verify block alone: 8 tokens of one sequence */
             a.n_tok = 8;
-            a.max_kv_len = 1027;
+            a.max_kv_len = kvl[7];
         }
         TEST_CHECK(kern_memset0(g, od, qn * 4, &err) == PD_OK);
         TEST_CHECK(kern_attn(g, &a, &err) == PD_OK);
         h = side_download(&sg, od, qn * 4);
         int ok = memcmp(h, alone, (size_t)a.n_tok * row * 4) == 0;
         if (!ok)
-            printf("      heads %d/%d hd %d page %d: variant %d differs\n", nh, nkv, hd, ps, v);
+            printf("      heads %d/%d hd %d page %d%s: variant %d differs\n", nh, nkv, hd, ps,
+                   longer ? " (long)" : "", v);
         same &= ok;
         free(h);
     }
@@ -2594,14 +2606,16 @@ static void test_batch_invariance(kern_backend *g)
     printf("%s batch-invariant attention: 9 queries equal bit for bit to single-query results\n",
            same_a ? "ok  " : "FAIL");
     /* GQA 4/8/1/5, head_dim 128/64, pages 16/7/1/3 */
-    int same_v = attn_invariance_one(g, 8, 2, 128, 16);
-    same_v &= attn_invariance_one(g, 32, 4, 64, 7);
-    same_v &= attn_invariance_one(g, 4, 4, 128, 1);
-    same_v &= attn_invariance_one(g, 40, 8, 128, 3);
+    int same_v = attn_invariance_one(g, 8, 2, 128, 16, 0);
+    same_v &= attn_invariance_one(g, 32, 4, 64, 7, 0);
+    same_v &= attn_invariance_one(g, 4, 4, 128, 1, 0);
+    same_v &= attn_invariance_one(g, 40, 8, 128, 3, 0);
+    same_v &= attn_invariance_one(g, 8, 2, 128, 16, 1);
+    same_v &= attn_invariance_one(g, 16, 2, 64, 7, 1);
     TEST_CHECK_MSG(same_v, "batch-invariant attention: a token of a verify block or mixed batch "
                            "differs from the same token alone");
-    printf("%s batch-invariant attention: verify blocks and mixed batches (GQA 1/4/5/8) equal bit "
-           "for bit to single-token results\n", same_v ? "ok  " : "FAIL");
+    printf("%s batch-invariant attention: verify blocks and mixed batches (GQA 1/4/5/8; up to 33000 "
+           "keys) equal bit for bit to single-token results\n", same_v ? "ok  " : "FAIL");
     static const int qkv[3] = {517, 134, 139}, one[1] = {333}, gu[2] = {700, 700};
     int lin = linear_invariance_one(g, KERN_LINEAR_STORE, 1, 3, qkv, 1000);
     lin &= linear_invariance_one(g, KERN_LINEAR_ACCUMULATE, 0, 1, one, 520);
