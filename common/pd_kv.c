@@ -133,7 +133,9 @@ void pd_kv_seq_release(pd_kv_pool *pool, pd_kv_seq *seq)
 {
     if (seq == NULL)
         return;
-    for (int i = 0; i < seq->n_pages; i++)
+    /* last page first, so the next reservation pops them in the order they had: a sequence's
+     * pages stay in ascending runs, which transfers and staging copies take in one piece */
+    for (int i = seq->n_pages - 1; i >= 0; i--)
         pool->free_list[pool->n_free++] = seq->pages[i];
     free(seq->pages);
     pd_kv_seq_init(seq);

@@ -715,10 +715,14 @@ static pd_status upload_staged(decode_server *s, decode_handle *h, pd_kv_pool *p
     int np = (h->n_prompt + lay->page_size - 1) / lay->page_size;
     for (int l = 0; l < lay->n_layers; l++)
         for (int half = 0; half < 2; half++)
-            for (int p = 0; p < np; p++) {
+            for (int p = 0, run; p < np; p += run) {
+                /* a run of consecutive page ids in one copy */
+                run = 1;
+                while (p + run < np && seq->pages[p + run] == seq->pages[p] + run)
+                    run++;
                 size_t off = ((size_t)(2 * l + half) * (size_t)lay->n_pages + (size_t)seq->pages[p]) * pb;
                 pd_status st = kern_upload(s->be, (char *)kb->ptr + off, (const char *)stage + off,
-                                           pb, err);
+                                           (size_t)run * pb, err);
                 if (st != PD_OK)
                     return st;
             }

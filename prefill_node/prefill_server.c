@@ -475,8 +475,9 @@ static void job_abort(prefill_server *ps, job *j, pd_status st, const char *msg)
 }
 
 /* Spans for every layer's K and V of pages[0..np) of pool, to the remote pool at rbase of
- * rpages pages per layer half (pd_kv.h layout), remote page ids rids. With stage set, each page
- * is downloaded there first (stage advances). Runs contiguous on both sides are merged. */
+ * rpages pages per layer half (pd_kv.h layout), remote page ids rids. With stage set, the pages
+ * are downloaded there first (stage advances), a run of consecutive page ids in one copy. Runs
+ * contiguous on both sides are merged. */
 static pd_status page_spans(prefill_server *ps, pd_kv_pool *pool, const int32_t *pages, int np,
                             uint64_t rbase, uint64_t rpages, const uint32_t *rids, char **stage,
                             pd_xfer_span *sp, size_t *n, pd_err *err)
@@ -487,12 +488,18 @@ static pd_status page_spans(prefill_server *ps, pd_kv_pool *pool, const int32_t 
         kern_kv_layer kv = pd_kv_pool_layer(pool, l);
         for (int half = 0; half < 2; half++) {
             const char *base = half == 0 ? (const char *)kv.k : (const char *)kv.v;
+            int run = 0;   /* pages left in the current staged run */
             for (int p = 0; p < np; p++) {
                 const char *s = base + (size_t)pages[p] * pb;
                 if (*stage != NULL) {
-                    pd_status st = kern_download(ps->be, *stage, s, pb, err);
-                    if (st != PD_OK)
-                        return st;
+                    if (run == 0) {
+                        while (p + run < np && pages[p + run] == pages[p] + run)
+                            run++;
+                        pd_status st = kern_download(ps->be, *stage, s, (size_t)run * pb, err);
+                        if (st != PD_OK)
+                            return st;
+                    }
+                    run--;
                     s = *stage;
                     *stage += pb;
                 }

@@ -212,6 +212,39 @@ static void test_engine_batching_and_pages(void)
     pd_engine_destroy(e);
 }
 
+static int pages_ascending(const pd_kv_seq *q)
+{
+    for (int i = 1; i < q->n_pages; i++)
+        if (q->pages[i] != q->pages[0] + i)
+            return 0;
+    return q->n_pages > 0;
+}
+
+/* The pool hands a request its pages as one ascending run, also pages that came back from
+ * another request (transfers and staging copies then take a layer's pages in one piece). */
+static void test_engine_page_runs(void)
+{
+    pd_err err;
+    pd_engine *e = NULL;
+    pd_engine_config ec = { .target = tm, .draft = dm, .page_size = 4, .n_pages = 64 };
+    TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);
+    int na = (int)(sizeof(prompt_a) / 4), nb = (int)(sizeof(prompt_b) / 4);
+    pd_gen_params gp = greedy(8);
+    pd_request *r1 = NULL, *r2 = NULL, *r3 = NULL;
+    TEST_CHECK(pd_engine_add(e, 1, prompt_a, na, &gp, &r1, &err) == PD_OK);
+    TEST_CHECK(pd_engine_add(e, 2, prompt_b, nb, &gp, &r2, &err) == PD_OK);
+    TEST_CHECK(pages_ascending(&r1->tkv) && pages_ascending(&r2->tkv));
+    int32_t first1 = r1->tkv.pages[0], n1 = r1->tkv.n_pages;
+    pd_engine_release(e, r1);
+    TEST_CHECK(pd_engine_add(e, 3, prompt_a, na, &gp, &r3, &err) == PD_OK);
+    TEST_CHECK_MSG(pages_ascending(&r3->tkv) && r3->tkv.pages[0] == first1 && r3->tkv.n_pages == n1,
+                   "pages given back came out as %d.. (%d), before %d.. (%d)", r3->tkv.pages[0],
+                   r3->tkv.n_pages, first1, n1);
+    pd_engine_release(e, r2);
+    pd_engine_release(e, r3);
+    pd_engine_destroy(e);
+}
+
 static void test_engine_chunked_prefill(void)
 {
     enum { LONG = 600, CHUNK = 64 };
@@ -633,6 +666,7 @@ int main(void)
     test_engine_aux_modes();
     test_engine_batching_and_pages();
     test_engine_chunked_prefill();
+    test_engine_page_runs();
     test_engine_deferred_context();
     test_engine_deferred_drop();
     test_engine_deferred_prompt();
