@@ -31,6 +31,18 @@ expect_fail() {
 T=$models/tiny-code-qwen3
 D=$models/tiny-code-dspark
 
+# wait_addr FILE: the HOST:PORT a node printed to FILE as 'listening grpc HOST:PORT' (empty if it
+# did not within 60 s)
+wait_addr() {
+  local a= _
+  for _ in $(seq 1 600); do
+    a=$(sed -n 's/^listening grpc \(.*:[0-9]*\)$/\1/p' "$1")
+    [ -n "$a" ] && break
+    sleep 0.1
+  done
+  echo "$a"
+}
+
 # a good run: JSON with the documented fields
 if $gen --model "$T" --draft "$D" --prompt 'import os
 def main():' --max-new-tokens 24 --json >"$tmp/good.json" 2>"$tmp/err"; then
@@ -153,12 +165,7 @@ def main():
     $bin/decode_node --model "$T" --draft "$D" --listen 127.0.0.1:0 --colocated --chunked-prefill-size 16 \
         >"$tmp/chunk.out" 2>"$tmp/chunk.err" &
     node=$!
-    addr=
-    for _ in $(seq 1 600); do
-        addr=$(sed -n 's/^listening grpc \(127.0.0.1:[0-9]*\)$/\1/p' "$tmp/chunk.out")
-        [ -n "$addr" ] && break
-        sleep 0.1
-    done
+    addr=$(wait_addr "$tmp/chunk.out")
     if [ -z "$addr" ]; then
         bad "chunked prefill: decode_node did not start"; cat "$tmp/chunk.err"
     elif $bin/pdspark-client --server "$addr" --prompt "$prompt" --max-new-tokens 24 --ignore-eos --json \
@@ -184,12 +191,8 @@ fi
 if [ -x "$bin/prefill_node" ] && [ -x "$bin/decode_node" ]; then
     $bin/prefill_node --model "$T" --listen 127.0.0.1:0 >"$tmp/first.out" 2>"$tmp/first.err" &
     first=$!
-    port=
-    for _ in $(seq 1 600); do
-        port=$(sed -n 's/^listening grpc 127.0.0.1:\([0-9]*\)$/\1/p' "$tmp/first.out")
-        [ -n "$port" ] && break
-        sleep 0.1
-    done
+    addr=$(wait_addr "$tmp/first.out")
+    port=${addr##*:}
     if [ -z "$port" ]; then
         bad "busy port: the first prefill_node did not start"; cat "$tmp/first.err"
     else

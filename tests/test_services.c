@@ -230,6 +230,17 @@ static int wait_free_pages(pd_rpc_channel *ch, uint32_t want, int ms)
 
 /* ---- bad input ------------------------------------------------------------------------------ */
 
+/* CancelPrefill of id; *reply (may stay NULL) is the caller's to free */
+static pd_status cancel_prefill(pd_rpc_channel *pch, const char *id, ProtobufCMessage **reply, pd_err *err)
+{
+    Pdspark__CancelPrefillRequest cr = PDSPARK__CANCEL_PREFILL_REQUEST__INIT;
+    cr.version = PD_PROTO_VERSION;
+    cr.request_id = (char *)id;
+    *reply = NULL;
+    return pd_rpc_unary(pch, "/pdspark.Prefill/CancelPrefill", &cr.base,
+                        &pdspark__cancel_prefill_reply__descriptor, 5000, reply, err);
+}
+
 static void expect(gen_call *g, pd_status st, const char *needle, const char *what)
 {
     TEST_CHECK_MSG(g->st == st, "%s: status %s (%s), expected %s", what, pd_status_str(g->st),
@@ -308,12 +319,8 @@ static void test_services_bad_input(void)
     expect(&empty, PD_ERR_INVALID, "empty", "empty prompt");
 
     /* CancelPrefill of an unknown id */
-    Pdspark__CancelPrefillRequest cr = PDSPARK__CANCEL_PREFILL_REQUEST__INIT;
-    cr.version = PD_PROTO_VERSION;
-    cr.request_id = "no-such-request";
     ProtobufCMessage *m = NULL;
-    st = pd_rpc_unary(pch, "/pdspark.Prefill/CancelPrefill", &cr.base,
-                      &pdspark__cancel_prefill_reply__descriptor, 5000, &m, &err);
+    st = cancel_prefill(pch, "no-such-request", &m, &err);
     TEST_CHECK_MSG(st == PD_ERR_NOT_FOUND && strstr(err.msg, "no-such-request") != NULL,
                    "cancel unknown: %s %s", pd_status_str(st), err.msg);
     if (m != NULL)
@@ -589,12 +596,8 @@ static void test_services_transfer(void)
     usleep(1500000);
     TEST_CHECK_MSG(!atomic_load(&c1.returned), "a transfer into a destination that never progressed ended: %s %s",
                    pd_status_str(c1.st), c1.err.msg);
-    Pdspark__CancelPrefillRequest cr = PDSPARK__CANCEL_PREFILL_REQUEST__INIT;
-    cr.version = PD_PROTO_VERSION;
-    cr.request_id = "stalled";
     ProtobufCMessage *m = NULL;
-    st = pd_rpc_unary(pch, "/pdspark.Prefill/CancelPrefill", &cr.base,
-                      &pdspark__cancel_prefill_reply__descriptor, 5000, &m, &err);
+    st = cancel_prefill(pch, "stalled", &m, &err);
     TEST_CHECK_MSG(st == PD_OK && m != NULL && ((Pdspark__CancelPrefillReply *)m)->was_running,
                    "cancel during the transfer: %s %s", pd_status_str(st), err.msg);
     if (m != NULL)

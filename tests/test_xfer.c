@@ -251,29 +251,41 @@ static void *rx_thread(void *arg)
     return NULL;
 }
 
-static void test_pair(void)
+/* A receiver "rx" and a sender "tx" (window 8, g_err_none's endpoint mode); false (reported)
+ * when either cannot be made; skips the test where UCX has no transport. */
+static bool pair_create(pd_xfer **rx, pd_xfer **tx, uint32_t timeout_ms)
 {
     pd_err err;
     pd_xfer_config cfg;
     pd_xfer_config_default(&cfg);
     cfg.name = "rx";
-    pd_xfer *rx = NULL, *tx = NULL;
-    pd_status st = pd_xfer_create(&cfg, &rx, &err);
+    *rx = *tx = NULL;
+    pd_status st = pd_xfer_create(&cfg, rx, &err);
     if (st == PD_ERR_UNSUPPORTED)
         TEST_SKIP("UCX has no usable transport here");
     TEST_CHECK_MSG(st == PD_OK, "%s", err.msg);
     if (st != PD_OK)
-        return;
+        return false;
     cfg.name = "tx";
     cfg.max_inflight = 8;
-    cfg.timeout_ms = 30000;
+    cfg.timeout_ms = timeout_ms;
     cfg.err_mode_none = g_err_none;
-    st = pd_xfer_create(&cfg, &tx, &err);
+    st = pd_xfer_create(&cfg, tx, &err);
     TEST_CHECK_MSG(st == PD_OK, "%s", err.msg);
     if (st != PD_OK) {
-        pd_xfer_destroy(rx);
-        return;
+        pd_xfer_destroy(*rx);
+        *rx = NULL;
+        return false;
     }
+    return true;
+}
+
+static void test_pair(void)
+{
+    pd_err err;
+    pd_xfer *rx = NULL, *tx = NULL;
+    if (!pair_create(&rx, &tx, 30000))
+        return;
     printf("cuda memory support: %s\n", pd_xfer_supports_cuda(tx) ? "yes" : "no");
     TEST_CHECK(pd_xfer_fd(tx) >= 0 && pd_xfer_fd(rx) >= 0);
 
@@ -305,7 +317,7 @@ static void test_pair(void)
     pd_xfer_peer *p = NULL;
     pd_xfer_rkey *rk = NULL;
     done_box b7 = {0};
-    st = pd_xfer_peer_create(tx, rx_addr, rx_addr_len, &p, &err);
+    pd_status st = pd_xfer_peer_create(tx, rx_addr, rx_addr_len, &p, &err);
     TEST_CHECK_MSG(st == PD_OK, "%s", err.msg);
     uint64_t rbase = (uint64_t)(uintptr_t)pool;
     if (st == PD_OK)
@@ -657,23 +669,9 @@ static void thr_close(void *arg)
 static void test_threads(void)
 {
     pd_err err;
-    pd_xfer_config cfg;
-    pd_xfer_config_default(&cfg);
-    cfg.name = "rx";
     pd_xfer *rx = NULL, *tx = NULL;
-    pd_status st = pd_xfer_create(&cfg, &rx, &err);
-    if (st == PD_ERR_UNSUPPORTED)
-        TEST_SKIP("UCX has no usable transport here");
-    TEST_CHECK_MSG(st == PD_OK, "%s", err.msg);
-    cfg.name = "tx";
-    cfg.max_inflight = 8;
-    cfg.timeout_ms = 60000;
-    TEST_CHECK_MSG(pd_xfer_create(&cfg, &tx, &err) == PD_OK, "%s", err.msg);
-    if (rx == NULL || tx == NULL) {
-        pd_xfer_destroy(rx);
-        pd_xfer_destroy(tx);
+    if (!pair_create(&rx, &tx, 60000))
         return;
-    }
     unsigned char *pool = calloc(1, POOL_BYTES), *src = malloc(POOL_BYTES);
     for (size_t i = 0; i < POOL_BYTES; i++)
         src[i] = (unsigned char)(i * 31 + (i >> 12) + 5);
@@ -743,6 +741,7 @@ int main(void)
     g_err_none = true;
     test_pair();
     test_loop_driven();
+    g_err_none = false;   /* the nodes' endpoint mode */
     test_threads();
     TEST_DONE();
 }
