@@ -1,6 +1,7 @@
 /* pd_xfer_thread.c - a pd_xfer progressed on its own thread (pd_xfer_thread.h).
  * Owns: the thread, its pd_loop, the fd watch and the timeout tick.
  * Threading: see pd_xfer_thread.h. */
+#define _GNU_SOURCE   /* pthread_setname_np */
 #include "pd_xfer_thread.h"
 
 #include <pthread.h>
@@ -36,6 +37,7 @@ static void *thread_main(void *arg)
 {
     pd_xfer_thread *t = arg;
     pd_err err = {0};
+    pthread_setname_np(pthread_self(), "pd-xfer");   /* as top -H and gdb show it */
     if (pd_loop_run(t->loop, &err) != PD_OK)
         PD_LOG_ERROR("xfer", "transfer thread: %s", err.msg);
     return NULL;

@@ -12,6 +12,7 @@
  *   posted too. The stats snapshot is the one piece shared under a mutex. The pd_xfer (a passive
  *   target of the prefill nodes' puts) is set up here and then progressed on its own thread
  *   (pd_xfer_thread) until destroy. */
+#define _GNU_SOURCE   /* pthread_setname_np */
 #include "decode_api.h"
 
 #include <math.h>
@@ -1066,6 +1067,7 @@ static void *engine_thread(void *arg)
 {
     decode_server *s = arg;
     pd_err err;
+    pthread_setname_np(pthread_self(), "pd-engine");
     if (pd_loop_run(s->loop, &err) != PD_OK)
         PD_LOG_ERROR("decode", "engine loop: %s", err.msg);
     return NULL;

@@ -8,6 +8,7 @@
  *   transfer thread (pd_xfer_thread), to which a job goes for its transfer and from which it
  *   comes back. A job is reference counted: the engine thread and the call's on-done callback
  *   each hold one, and so does each post of it between the two threads. */
+#define _GNU_SOURCE   /* pthread_setname_np */
 #include "prefill_server.h"
 
 #include <pthread.h>
@@ -736,6 +737,7 @@ static void *engine_thread(void *arg)
 {
     prefill_server *ps = arg;
     pd_err err;
+    pthread_setname_np(pthread_self(), "pd-engine");
     /* the engine's device work goes to this thread's current device: the backend's */
     if (kern_backend_bind_thread(ps->be, NULL, &err) != PD_OK) {
         PD_LOG_ERROR("prefill", "engine thread: %s", err.msg);
