@@ -320,9 +320,10 @@ static void job_finish(prefill_server *ps, job *j, pd_status st, const char *msg
 
 /* ---------------------------------------------------------------------------------------------
  * Transfers. The engine thread makes a job's spans (downloading staged pages) and posts the job
- * to the transfer thread (xfer_start), which owns the peers, remote keys and puts; their end
- * comes back to the engine thread (xfer_end), which answers the call. A cancel is posted after
- * the start, so it finds the puts running or already ended. Each post holds a job reference. */
+ * to the transfer thread (xfer_start), which owns the peers, remote keys and puts, and answers
+ * the call when they end (xfer_finished); the job then comes back to the engine thread to be
+ * retired (xfer_end). A cancel is posted after the start, so it finds the puts running or
+ * already ended. Each post holds a job reference. */
 
 static void xfer_end(void *arg);
 
