@@ -11,7 +11,9 @@
  * Transfers (prefill_node against a destination in this process): a Prefill whose destination
  *   does not progress waits in its transfer; a CancelPrefill then reaches the running puts and
  *   decides the answer (CANCELLED) once they end; the next Prefill to the same destination,
- *   progressed now, is answered OK with the prompt's KV in the given pages.
+ *   progressed now, is answered OK with the prompt's KV in the given pages; a destination process
+ *   killed while the puts wait for it ends its Prefill UNAVAILABLE soon after, and the node
+ *   serves the next one.
  * Aux transfer modes: prefill_node --aux-transfer ctx|draft-kv without --draft refuses to start
  *   with one clear line; a draft-kv prefill node refuses a descriptor with no draft pool or a
  *   draft layout that differs (INVALID_ARGUMENT). (Decoding through ctx/draft-kv: test_e2e.py.)
@@ -516,24 +518,96 @@ static void *prefill_thread(void *arg)
     return NULL;
 }
 
+/* the tiny target's pool layout: 16-token pages, f32, 8 layers, 2 kv heads, head dim 64 */
+enum { XT_LAYERS = 8, XT_POOL_PAGES = 8, XT_PAGE_BYTES = 16 * 2 * 64 * 4 };
+#define XT_POOL_BYTES (2ull * XT_LAYERS * XT_POOL_PAGES * XT_PAGE_BYTES)
+
+typedef struct {
+    uint64_t base;
+    uint32_t addr_len, rkey_len;
+    uint8_t addr[1024], rkey[1024];
+} xt_dest;
+
+/* A destination in a child process that registers a pool, says where it is, and then never
+ * progresses (a decode node stuck in a long step) until it is killed. Forked before this
+ * process starts UCX. Returns the child's pid (0 on failure). */
+static pid_t dying_dest_start(xt_dest *out)
+{
+    int fds[2];
+    if (pipe(fds) != 0)
+        return 0;
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(fds[0]);
+        pd_xfer_config xc;
+        pd_xfer_config_default(&xc);
+        xc.name = "dying-dst";
+        pd_xfer *x = NULL;
+        pd_xfer_mem *m = NULL;
+        void *rk = NULL;
+        size_t rl = 0;
+        const void *a = NULL;
+        size_t al = 0;
+        pd_err e;
+        void *pool = calloc(1, XT_POOL_BYTES);
+        xt_dest d = {0};
+        if (pool != NULL && pd_xfer_create(&xc, &x, &e) == PD_OK &&
+            pd_xfer_mem_register(x, pool, XT_POOL_BYTES, &m, &e) == PD_OK &&
+            pd_xfer_mem_pack(m, &rk, &rl, &e) == PD_OK) {
+            pd_xfer_address(x, &a, &al);
+            if (al <= sizeof(d.addr) && rl <= sizeof(d.rkey)) {
+                d.base = (uint64_t)(uintptr_t)pool;
+                d.addr_len = (uint32_t)al;
+                d.rkey_len = (uint32_t)rl;
+                memcpy(d.addr, a, al);
+                memcpy(d.rkey, rk, rl);
+            }
+        }
+        if (write(fds[1], &d, sizeof(d)) != (ssize_t)sizeof(d))
+            _exit(1);
+        for (;;)
+            pause();
+    }
+    close(fds[1]);
+    size_t got = 0;
+    while (pid > 0 && got < sizeof(*out)) {
+        ssize_t r = read(fds[0], (char *)out + got, sizeof(*out) - got);
+        if (r <= 0)
+            break;
+        got += (size_t)r;
+    }
+    close(fds[0]);
+    if (pid > 0 && (got < sizeof(*out) || out->addr_len == 0)) {
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        return 0;
+    }
+    return pid > 0 ? pid : 0;
+}
+
 static void test_services_transfer(void)
 {
-    /* the tiny target's pool layout: 16-token pages, f32, 8 layers, 2 kv heads, head dim 64 */
-    enum { LAYERS = 8, POOL_PAGES = 8, PAGE_BYTES = 16 * 2 * 64 * 4, N_TOK = 40 };
-    const size_t pool_bytes = 2ull * LAYERS * POOL_PAGES * PAGE_BYTES;
+    enum { LAYERS = XT_LAYERS, POOL_PAGES = XT_POOL_PAGES, PAGE_BYTES = XT_PAGE_BYTES, N_TOK = 40 };
+    const size_t pool_bytes = XT_POOL_BYTES;
     pd_err err = {0};
+    xt_dest dying = {0};
+    pid_t dying_pid = dying_dest_start(&dying);
+    TEST_CHECK_MSG(dying_pid > 0, "the dying destination did not start");
     pd_xfer_config xc;
     pd_xfer_config_default(&xc);
     xc.name = "test-dst";
     pd_xfer *x = NULL;
     pd_status st = pd_xfer_create(&xc, &x, &err);
-    if (st == PD_ERR_UNSUPPORTED) {
-        printf("transfers: skipped, UCX has no transport here\n");
+    if (st == PD_ERR_UNSUPPORTED || st != PD_OK) {
+        if (st == PD_ERR_UNSUPPORTED)
+            printf("transfers: skipped, UCX has no transport here\n");
+        TEST_CHECK_MSG(st == PD_ERR_UNSUPPORTED, "%s", err.msg);
+        if (dying_pid > 0) {
+            kill(dying_pid, SIGKILL);
+            waitpid(dying_pid, NULL, 0);
+        }
         return;
     }
-    TEST_CHECK_MSG(st == PD_OK, "%s", err.msg);
-    if (st != PD_OK)
-        return;
     node pn = {0};
     char *pargv[] = { PD_BIN_DIR "/prefill_node", "--model", TARGET, "--listen", "127.0.0.1:0",
                       "--transfer-timeout-ms", "30000", NULL };
@@ -642,6 +716,46 @@ static void test_services_transfer(void)
         }
     TEST_CHECK_MSG(filled == 2 * LAYERS * 3, "%d of %d destination pages hold data", filled, 2 * LAYERS * 3);
     TEST_CHECK_MSG(untouched, "a page outside the request's was written");
+
+    /* a destination that dies while the puts wait for it: UNAVAILABLE naming the transfer, well
+     * before the 30 s transfer timeout; then the live destination is served again */
+    if (dying_pid > 0) {
+        kv.rkey.data = dying.rkey;
+        kv.rkey.len = dying.rkey_len;
+        kv.base_addr = dying.base;
+        d.worker_address.data = dying.addr;
+        d.worker_address.len = dying.addr_len;
+        pr.request_id = "dying";
+        prefill_call c3 = { .ch = pch, .rq = &pr };
+        pthread_create(&th, NULL, prefill_thread, &c3);
+        usleep(1000000);
+        TEST_CHECK_MSG(!atomic_load(&c3.returned), "a transfer into a stalled destination ended: %s %s",
+                       pd_status_str(c3.st), c3.err.msg);
+        double t_kill = now_ms();
+        kill(dying_pid, SIGKILL);
+        waitpid(dying_pid, NULL, 0);
+        pthread_join(th, NULL);
+        TEST_CHECK_MSG(c3.st == PD_ERR_PEER && strstr(c3.err.msg, "kv transfer to the decode node failed") != NULL,
+                       "dead destination: %s %s", pd_status_str(c3.st), c3.err.msg);
+        TEST_CHECK_MSG(now_ms() - t_kill < 20000, "dead destination answered %.0f ms after the kill",
+                       now_ms() - t_kill);
+        printf("transfers: a destination killed mid-transfer: %s, %.0f ms after the kill\n",
+               pd_status_str(c3.st), now_ms() - t_kill);
+        if (c3.rep != NULL)
+            protobuf_c_message_free_unpacked(&c3.rep->base, NULL);
+        kv.rkey.data = rkey;
+        kv.rkey.len = rkey_len;
+        kv.base_addr = (uint64_t)(uintptr_t)pool;
+        d.worker_address.data = (uint8_t *)waddr;
+        d.worker_address.len = waddr_len;
+        pr.request_id = "after-death";
+        prefill_call c4 = { .ch = pch, .rq = &pr };
+        prefill_thread(&c4);
+        TEST_CHECK_MSG(c4.st == PD_OK, "prefill after a destination died: %s %s", pd_status_str(c4.st),
+                       c4.err.msg);
+        if (c4.rep != NULL)
+            protobuf_c_message_free_unpacked(&c4.rep->base, NULL);
+    }
     pd_rpc_channel_destroy(pch);
     node_stop(&pn, SIGTERM);
     pd_xfer_thread_stop(xt);
