@@ -127,6 +127,11 @@ typedef struct {
     const int *accepted_at_pos;     /* [block_size]: rounds whose draft k was accepted */
     double ttft_ms;                 /* submission -> first token */
     double time_ms;                 /* submission -> end */
+    /* where the first token's time went (-1 = the request never got there): */
+    double queue_ms;                /* submission -> admitted (pages reserved; the prefill starts) */
+    double prefill_call_ms;         /* disaggregated: the last Prefill call, sent -> its reply */
+    double prefill_join_ms;         /* disaggregated: that reply -> the first token emitted (the
+                                     * engine thread's wait and the staged upload) */
 } decode_result;
 
 typedef void (*decode_token_fn)(void *ud, const decode_chunk *chunk);

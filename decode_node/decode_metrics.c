@@ -36,6 +36,7 @@ struct decode_metrics {
     pd_metric *running, *queued, *kv_used, *kv_free, *kv_total, *prefill_inflight, *serving,
               *draining_g;
     pd_metric *ttft, *itl, *e2e, *apr, *rounds_c, *accepted_c, *tau;
+    pd_metric *queue, *pf_call, *pf_join;   /* the first token's parts */
 };
 
 /* ---------------------------------------------------------------------------------------------
@@ -98,6 +99,12 @@ static void log_request(const decode_result *r, const char *outcome)
     cJSON_AddNumberToObject(o, "tau", (double)(long)(r->tau * 1000.0 + 0.5) / 1000.0);
     cJSON_AddNumberToObject(o, "ttft_ms", (double)(long)(r->ttft_ms * 10.0 + 0.5) / 10.0);
     cJSON_AddNumberToObject(o, "total_ms", (double)(long)(r->time_ms * 10.0 + 0.5) / 10.0);
+    /* the first token's parts, where the request got that far */
+    const char *part[3] = {"queue_ms", "prefill_call_ms", "prefill_join_ms"};
+    const double ms[3] = {r->queue_ms, r->prefill_call_ms, r->prefill_join_ms};
+    for (int i = 0; i < 3; i++)
+        if (ms[i] >= 0)
+            cJSON_AddNumberToObject(o, part[i], (double)(long)(ms[i] * 10.0 + 0.5) / 10.0);
     if (r->status != PD_OK)
         cJSON_AddStringToObject(o, "error", r->error != NULL ? r->error : "");
     char *s = cJSON_PrintUnformatted(o);
@@ -143,6 +150,12 @@ static void obs_done(void *ud, const decode_result *r)
     pd_metric_add(m->gen_tokens, r->n_tokens);
     if (r->n_tokens > 0)
         pd_metric_observe(m->ttft, r->ttft_ms / 1000.0);
+    if (r->queue_ms >= 0)
+        pd_metric_observe(m->queue, r->queue_ms / 1000.0);
+    if (r->prefill_call_ms >= 0 && r->n_tokens > 0)
+        pd_metric_observe(m->pf_call, r->prefill_call_ms / 1000.0);
+    if (r->prefill_join_ms >= 0 && r->n_tokens > 0)
+        pd_metric_observe(m->pf_join, r->prefill_join_ms / 1000.0);
     if (r->status == PD_OK)
         pd_metric_observe(m->e2e, r->time_ms / 1000.0);
     pd_metric_add(m->rounds_c, r->rounds);
@@ -245,6 +258,16 @@ pd_status decode_metrics_create(pd_metrics *reg, decode_metrics **out, pd_err *e
                                    "Submission to first generated token", NULL, b, 14);
     m->e2e = pd_metrics_histogram(reg, "pdspark_request_duration_seconds",
                                   "Submission to end of successful requests", NULL, b, 14);
+    m->queue = pd_metrics_histogram(reg, "pdspark_request_queue_seconds",
+                                    "Submission to admission (KV pages reserved, prefill started)",
+                                    NULL, b, 14);
+    m->pf_call = pd_metrics_histogram(reg, "pdspark_request_prefill_call_seconds",
+                                      "Disaggregated: Prefill call sent to its reply (the prefill "
+                                      "node's queue, forward and transfer, and the network)",
+                                      NULL, b, 14);
+    m->pf_join = pd_metrics_histogram(reg, "pdspark_request_prefill_join_seconds",
+                                      "Disaggregated: Prefill reply to the first token (the "
+                                      "engine thread's wait and the staged upload)", NULL, b, 14);
     pd_metrics_exp_buckets(0.0005, 2.0, 14, b);  /* 0.5 ms .. 4 s */
     m->itl = pd_metrics_histogram(reg, "pdspark_inter_token_latency_seconds",
                                   "Time between generated tokens after the first (a round's gap "
@@ -260,6 +283,7 @@ pd_status decode_metrics_create(pd_metrics *reg, decode_metrics **out, pd_err *e
     m->tau = pd_metrics_gauge(reg, "pdspark_dspark_tau",
                               "Mean tokens committed per round (tau) over finished requests", NULL);
     if (m->req_ok == NULL || m->req_error == NULL || m->ttft == NULL || m->itl == NULL ||
+        m->queue == NULL || m->pf_call == NULL || m->pf_join == NULL ||
         m->apr == NULL || m->tau == NULL || m->draining_g == NULL) {
         decode_metrics_destroy(m);
         return pd_err_set(err, PD_ERR_NOMEM, "decode metrics: registering series");

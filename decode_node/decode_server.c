@@ -69,6 +69,7 @@ struct decode_handle {
     decode_done_fn on_done;
     void *ud;
     double t_submit, t_first, deadline;  /* deadline 0 = none */
+    double t_admit, t_sent, t_reply;     /* admitted; the last Prefill sent; its reply (0 = not yet) */
     double t_last;                   /* engine thread: the previous chunk (observer's gap) */
     /* engine thread only below */
     handle_state state;
@@ -358,6 +359,9 @@ static void call_done(decode_server *s, decode_handle *h, pd_status st, const ch
     double now = pd_cli_now_ms();
     res.time_ms = now - h->t_submit;
     res.ttft_ms = h->t_first > 0 ? h->t_first - h->t_submit : res.time_ms;
+    res.queue_ms = h->t_admit > 0 ? h->t_admit - h->t_submit : -1.0;
+    res.prefill_call_ms = h->t_sent > 0 && h->t_reply >= h->t_sent ? h->t_reply - h->t_sent : -1.0;
+    res.prefill_join_ms = h->t_reply > 0 && h->t_first >= h->t_reply ? h->t_first - h->t_reply : -1.0;
     if (st == PD_OK)
         PD_LOG_DEBUG("decode", "%s: done (%s), %d tokens, %d rounds, tau %.3f in %.1f ms", h->id,
                      pd_finish_reason_str(res.finish), res.n_tokens, res.rounds, res.tau, res.time_ms);
@@ -449,6 +453,7 @@ typedef struct {
     ProtobufCMessage *resp;
     char msg[512];
     int is_cancel;
+    double t_recv;               /* when the reply reached the poller thread */
 } reply_msg;
 
 static void on_reply_loop(void *arg);
@@ -470,6 +475,7 @@ static void post_reply(decode_server *s, decode_handle *h, prefill_node *nd, int
     m->st = st;
     m->resp = resp;
     m->is_cancel = is_cancel;
+    m->t_recv = pd_cli_now_ms();
     if (st != PD_OK && err != NULL)
         snprintf(m->msg, sizeof(m->msg), "%s", err->msg[0] ? err->msg : pd_status_str(st));
     if (pd_loop_post(s->loop, on_reply_loop, m) != PD_OK) {
@@ -657,6 +663,7 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
      * up on time still gets its answer (and its word that no put is running) back to us */
     /* the reply callback reads h->node on the poller thread, possibly before this returns */
     h->node = nd;
+    h->t_sent = pd_cli_now_ms();
     st = pd_rpc_unary_async(nd->ch, "/pdspark.Prefill/Prefill", &pr.base,
                             &pdspark__prefill_reply__descriptor, tmo + 500, prefill_reply, h,
                             &h->pending, err);
@@ -775,6 +782,7 @@ static void on_reply_loop(void *arg)
     pd_rpc_pending_release(h->pending);
     h->pending = NULL;
     pd_status st = m->st;
+    h->t_reply = m->t_recv;
     char msg[640];
     snprintf(msg, sizeof(msg), "%s", m->msg);
     int32_t first = -1;
@@ -904,6 +912,7 @@ static void admit(decode_server *s)
         }
         s->n_queued--;
         atomic_fetch_sub(&s->n_waiting, 1);
+        h->t_admit = pd_cli_now_ms();
         PD_LOG_DEBUG("decode", "%s: admitted (%d prompt tokens)", h->id, h->n_prompt);
         if (s->cfg.colocated) {
             h->state = H_RUNNING;

@@ -336,6 +336,14 @@ def test_prefill_http(bin_dir, model, draft):
         check(sample(m, "pdspark_prefill_forward_seconds", "pdspark_prefill_forward_seconds_count") == 1,
               "prefill forward histogram")
         check(sample(m, "pdspark_prefill_kv_pages_total") > 0, "prefill kv gauge")
+        # the decode node's split of that first token: admission, the Prefill call, its reply
+        dm = metrics(dn)
+        for part in ("queue", "prefill_call", "prefill_join"):
+            name = "pdspark_request_%s_seconds" % part
+            check(sample(dm, name, name + "_count") == 1, "decode %s histogram count" % part)
+        check(sample(dm, "pdspark_request_prefill_call_seconds", "pdspark_request_prefill_call_seconds_sum") >=
+              sample(m, "pdspark_prefill_request_seconds", "pdspark_prefill_request_seconds_sum"),
+              "the decode node's Prefill call outlasts the prefill node's own handling of it")
         log("prefill_node --http checked (disaggregated pair)")
         # the load generator through the pair, splitting first-token time by the prefill
         # node's histograms (--prefill-metrics)
@@ -354,6 +362,10 @@ def test_prefill_http(bin_dir, model, draft):
                   float(r["prefill_call_ms"]) >= float(r["prefill_forward_ms"]) for r in rows),
               "pdspark-loadgen --prefill-metrics means %s" % rows)
         check(lg.stdout.count("prefill per call:") == 2, "pdspark-loadgen prints the prefill split")
+        check(all(float(r["decode_prefill_call_ms"]) >= float(r["prefill_call_ms"]) and
+                  float(r["decode_queue_ms"]) >= 0 and float(r["decode_prefill_join_ms"]) >= 0 for r in rows),
+              "pdspark-loadgen decode split %s" % rows)
+        check(lg.stdout.count("decode per request: queue") == 2, "pdspark-loadgen prints the decode split")
         m2 = metrics(pf)
         check(sample(m2, "pdspark_prefill_requests_total", outcome="ok") == 7, "prefill ok counter after the sweep")
         log("pdspark-loadgen --prefill-metrics checked")
@@ -654,6 +666,10 @@ def main():
         check(sample(m1, "pdspark_dspark_tau") >= 1.0, "tau gauge")
         check(sample(m1, "pdspark_time_to_first_token_seconds",
                      "pdspark_time_to_first_token_seconds_count") >= 8, "ttft histogram count")
+        check(sample(m1, "pdspark_request_queue_seconds", "pdspark_request_queue_seconds_count") >= 8,
+              "queue histogram count")
+        check(sample(m1, "pdspark_request_prefill_call_seconds",
+                     "pdspark_request_prefill_call_seconds_count") == 0, "no Prefill calls when colocated")
         check(sample(m1, "pdspark_inter_token_latency_seconds",
                      "pdspark_inter_token_latency_seconds_count") > 0, "itl histogram count")
         check(sample(m1, "pdspark_dspark_accepted_tokens_per_round",
