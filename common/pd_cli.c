@@ -3,6 +3,8 @@
  * Threading: pure functions. */
 #include "pd_cli.h"
 
+#include "pd_log.h"
+
 #include <errno.h>
 #include <limits.h>
 #include <stdio.h>
@@ -48,6 +50,16 @@ int pd_cli_parse_dtype(const char *prog, const char *s, int *f32)
         return -1;
     }
     *f32 = strcmp(s, "f32") == 0;
+    return 0;
+}
+
+int pd_cli_parse_log_format(const char *prog, const char *s)
+{
+    if (strcmp(s, "text") != 0 && strcmp(s, "json") != 0) {
+        fprintf(stderr, "%s: --log-format: want text or json, got '%s'\n", prog, s);
+        return -1;
+    }
+    pd_log_set_format(strcmp(s, "json") == 0 ? PD_LOG_FORMAT_JSON : PD_LOG_FORMAT_TEXT);
     return 0;
 }
 

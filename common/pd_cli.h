@@ -22,6 +22,9 @@ int pd_cli_parse_float(const char *prog, const char *flag, const char *s, float 
 /* --dtype bf16|f32 (the weights and KV cache of a cuda backend; the cpu backend always is fp32):
  * *f32 = 1 for f32. Prints "prog: --dtype: ..." and returns -1 on anything else. */
 int pd_cli_parse_dtype(const char *prog, const char *s, int *f32);
+/* --log-format text|json: sets pd_log's format. Prints "prog: --log-format: ..." and returns -1
+ * on anything else. */
+int pd_cli_parse_log_format(const char *prog, const char *s);
 /* Whitespace-separated token ids from path ("-" = stdin) into a malloc'd array. Returns -1 with
  * a message on stderr on a bad file or value. */
 int pd_cli_read_ids(const char *prog, const char *path, int32_t **ids, int *n);

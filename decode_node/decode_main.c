@@ -142,11 +142,8 @@ int main(int argc, char **argv)
         case O_HTTP: http_addr = optarg; break;
         case O_DRAIN: bad = pd_cli_parse_i64(PROG, "--drain-timeout-ms", optarg, 0, INT32_MAX, &drain_ms); break;
         case O_LOGFMT:
-            if (strcmp(optarg, "text") != 0 && strcmp(optarg, "json") != 0) {
-                fprintf(stderr, PROG ": --log-format: want text or json, got '%s'\n", optarg);
+            if (pd_cli_parse_log_format(PROG, optarg) != 0)
                 return 2;
-            }
-            pd_log_set_format(strcmp(optarg, "json") == 0 ? PD_LOG_FORMAT_JSON : PD_LOG_FORMAT_TEXT);
             break;
         case O_HELP: usage(stdout); return 0;
         default:

@@ -27,7 +27,8 @@ static void usage(FILE *f)
             "                    [--max-batch-tokens N] [--kv-pages N] [--page-size N]\n"
             "                    [--transfer-timeout-ms N] [--aux-transfer raw|ctx|draft-kv]\n"
             "                    [--xfer-err-mode peer|none]\n"
-            "                    [--log-level error|warn|info|debug|trace] [--http HOST:PORT]\n"
+            "                    [--log-level error|warn|info|debug|trace] [--log-format text|json]\n"
+            "                    [--http HOST:PORT]\n"
             "                    [--drain-timeout-ms N] [--fast-kernels]\n"
             "\n"
             "Serves pdspark.Prefill: batches queued prompts into engine steps (context-parallel\n"
@@ -74,7 +75,7 @@ int main(int argc, char **argv)
     int drain_ms = 30000;
     int tmo = 0;
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_CP, O_CPS, O_DEVICE, O_MBT, O_PAGES, O_PAGE, O_XTMO,
-           O_AUX, O_LOG, O_HELP, O_HTTP, O_XERR, O_DRAIN, O_DTYPE, O_FAST };
+           O_AUX, O_LOG, O_HELP, O_HTTP, O_XERR, O_DRAIN, O_DTYPE, O_FAST, O_LOGFMT };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"cp-size", required_argument, 0, O_CP},
@@ -85,6 +86,7 @@ int main(int argc, char **argv)
         {"help", no_argument, 0, O_HELP}, {"http", required_argument, 0, O_HTTP},
         {"drain-timeout-ms", required_argument, 0, O_DRAIN}, {"dtype", required_argument, 0, O_DTYPE},
         {"xfer-err-mode", required_argument, 0, O_XERR}, {"fast-kernels", no_argument, 0, O_FAST},
+        {"log-format", required_argument, 0, O_LOGFMT},
         {0, 0, 0, 0},
     };
     opterr = 0;
@@ -122,6 +124,10 @@ int main(int argc, char **argv)
             break;
         }
         case O_HTTP: http_addr = optarg; break;
+        case O_LOGFMT:
+            if (pd_cli_parse_log_format(PROG, optarg) != 0)
+                return 2;
+            break;
         case O_DRAIN: bad = pd_cli_parse_int(PROG, "--drain-timeout-ms", optarg, 0, INT32_MAX, &drain_ms); break;
         case O_HELP: usage(stdout); return 0;
         default:

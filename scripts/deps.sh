@@ -7,7 +7,7 @@ PD_DEB_PACKAGES=(
   libopenblas-dev libcjson-dev libpcre2-dev libutf8proc-dev
   libgrpc-dev libprotobuf-c-dev protobuf-c-compiler
   libucx-dev ucx-utils libevent-dev
-  curl python3
+  curl python3 python3-yaml
 )
 # node and npm only serve the tokenizer comparison test; a machine may have them from
 # elsewhere (e.g. NodeSource), where Debian's npm package would conflict.
