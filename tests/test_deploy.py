@@ -228,8 +228,17 @@ def dockerfile_checks():
             if m and "x86-64" in m.group(2):
                 paths.setdefault(m.group(1), m.group(3))
         base = {"libc6", "libgcc-s1", "libstdc++6", "zlib1g"}
+        # the packages those pull in (a build without --as-needed links some of them directly)
+        if shutil.which("apt-cache"):
+            r = subprocess.run(["apt-cache", "depends", "--recurse", "--no-recommends", "--no-suggests",
+                                "--no-conflicts", "--no-breaks", "--no-replaces", "--no-enhances"] + pkgs,
+                               capture_output=True, text=True)
+            base |= {l.strip() for l in r.stdout.splitlines() if l and not l[0].isspace()}
         for b in re.findall(r"/src/build/bin/(\S+)", text):
             dyn = subprocess.run(["readelf", "-d", os.path.join(BIN, b)], capture_output=True, text=True).stdout
+            if "libasan" in dyn:
+                print("%s is a sanitizer build: its libraries are not the image's" % b)
+                continue
             for lib in re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dyn):
                 if lib not in paths:
                     continue
