@@ -49,8 +49,12 @@ typedef struct {
     int f32;                        /* cuda: weights and KV cache in fp32 (--dtype f32; default
                                      * bf16); the cpu backend always is fp32 */
     int colocated;                  /* 1: in-process prefill (pd_engine_add) */
-    const char *prefill;            /* "HOST:PORT[,HOST:PORT...]" when !colocated; a host that
-                                     * resolves to several addresses counts as several nodes */
+    const char *prefill;            /* "HOST:PORT[,HOST:PORT...]" or "file:PATH" (the same
+                                     * entries, one or more per line) when !colocated; a host
+                                     * that resolves to several addresses counts as several nodes */
+    int64_t prefill_refresh_ms;     /* resolve (and read) prefill again this often: new addresses
+                                     * become nodes, vanished ones are no longer picked (0 = at
+                                     * start only; default 10000) */
     int kv_pages;                   /* target pool pages (0 = engine default) */
     int page_size;                  /* tokens per page (0 = 16) */
     int max_batch;                  /* running requests at most (0 = 64) */
@@ -167,7 +171,8 @@ typedef struct {
     int total_kv_pages;
     int pages_in_use;               /* total - free: includes pages held for in-flight puts */
     int prefill_inflight;           /* Prefill calls in flight */
-    int prefill_nodes;              /* disaggregated: prefill nodes configured (0 colocated) */
+    int disaggregated;              /* 1 unless colocated */
+    int prefill_nodes;              /* disaggregated: prefill nodes --prefill resolves to now */
     int prefill_nodes_up;           /* not marked down after a failure (at the update) */
     double prefill_retry_ms;        /* pd_cli_now_ms() clock: when the first down node is tried
                                      * again (a path is usable again from then on) */

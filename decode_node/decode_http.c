@@ -1080,6 +1080,10 @@ static int ready_fn(void *ud, char *why, size_t cap)
         snprintf(why, cap, "the decode server is not serving");
         return 0;
     }
+    if (st.disaggregated && st.prefill_nodes == 0) {
+        snprintf(why, cap, "no prefill node (--prefill resolves to no address now)");
+        return 0;
+    }
     if (st.prefill_nodes > 0 && st.prefill_nodes_up == 0 && pd_cli_now_ms() < st.prefill_retry_ms) {
         snprintf(why, cap, "no prefill node is usable (all %d failed recently)", st.prefill_nodes);
         return 0;

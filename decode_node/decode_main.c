@@ -27,7 +27,8 @@ static void usage(FILE *f)
 {
     fprintf(f,
             "usage: decode_node --model DIR --draft DIR --listen HOST:PORT\n"
-            "                   (--prefill HOST:PORT[,HOST:PORT...] | --colocated)\n"
+            "                   (--prefill HOST:PORT[,HOST:PORT...]|file:PATH [--prefill-refresh-ms N]\n"
+            "                    | --colocated)\n"
             "                   [--device cpu|cuda] [--dtype bf16|f32] [--kv-pages N] [--page-size N] [--max-batch N]\n"
             "                   [--max-queue N] [--queue-timeout-ms N] [--request-timeout-ms N]\n"
             "                   [--transfer-timeout-ms N] [--cp-size N --cp-strategy S] [--tp N]\n"
@@ -43,6 +44,11 @@ static void usage(FILE *f)
             "one GPU per rank with NCCL);\n"
             "otherwise prompts are prefilled by the least-loaded --prefill node (a name that\n"
             "resolves to several addresses is several nodes) and their KV pages arrive over UCX.\n"
+            "--prefill file:PATH reads the HOST:PORT entries from a file (one or more per line,\n"
+            "# comments). Names and the file are resolved again every --prefill-refresh-ms\n"
+            "(default 10000; 0 = at start only): new addresses become nodes, vanished ones are no\n"
+            "longer picked, and until some address exists /ready says 503 and requests fail\n"
+            "UNAVAILABLE.\n"
             "Port 0 picks a free port; the address is printed as 'listening grpc HOST:PORT'.\n"
             "--http serves the OpenAI-compatible API (/v1/completions, /v1/chat/completions,\n"
             "/v1/models) and /health, /ready, /metrics; printed as 'listening http HOST:PORT'.\n"
@@ -66,7 +72,7 @@ int main(int argc, char **argv)
     int64_t drain_ms = 30000;
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_PREFILL, O_COLO, O_DEVICE, O_PAGES, O_PAGE, O_BATCH,
            O_QUEUE, O_QTMO, O_RTMO, O_XTMO, O_CP, O_CPS, O_LOG, O_HELP, O_HTTP, O_LOGFMT, O_DRAIN,
-           O_VERIFY, O_THRESH, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_CHUNK };
+           O_VERIFY, O_THRESH, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_CHUNK, O_REFRESH };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"prefill", required_argument, 0, O_PREFILL},
@@ -80,6 +86,7 @@ int main(int argc, char **argv)
         {"verify", required_argument, 0, O_VERIFY}, {"threshold", required_argument, 0, O_THRESH},
         {"fast-kernels", no_argument, 0, O_FAST}, {"graphs", required_argument, 0, O_GRAPHS},
         {"chunked-prefill-size", required_argument, 0, O_CHUNK},
+        {"prefill-refresh-ms", required_argument, 0, O_REFRESH},
         {"tp", required_argument, 0, O_TP}, {"dtype", required_argument, 0, O_DTYPE},
         {"log-level", required_argument, 0, O_LOG}, {"help", no_argument, 0, O_HELP},
         {"http", required_argument, 0, O_HTTP}, {"log-format", required_argument, 0, O_LOGFMT},
@@ -101,6 +108,9 @@ int main(int argc, char **argv)
         case O_PAGES: bad = pd_cli_parse_int(PROG, "--kv-pages", optarg, 1, INT_MAX / 2, &cfg.kv_pages); break;
         case O_PAGE: bad = pd_cli_parse_int(PROG, "--page-size", optarg, 1, 4096, &cfg.page_size); break;
         case O_BATCH: bad = pd_cli_parse_int(PROG, "--max-batch", optarg, 1, 65536, &cfg.max_batch); break;
+        case O_REFRESH:
+            bad = pd_cli_parse_i64(PROG, "--prefill-refresh-ms", optarg, 0, INT32_MAX, &cfg.prefill_refresh_ms);
+            break;
         case O_CHUNK:
             bad = pd_cli_parse_int(PROG, "--chunked-prefill-size", optarg, 1, 1 << 20, &cfg.max_prefill_tokens);
             break;

@@ -15,6 +15,7 @@
 #define _GNU_SOURCE   /* pthread_setname_np */
 #include "decode_api.h"
 
+#include <errno.h>
 #include <math.h>
 #include <netdb.h>
 #include <pthread.h>
@@ -54,6 +55,7 @@ typedef struct prefill_node {
     int calls;               /* every call in flight on ch (Prefill + CancelPrefill) */
     double down_until;
     int reset;               /* recreate the channel once idle (after a failure) */
+    int gone;                /* no longer among the addresses --prefill resolves to: not picked */
 } prefill_node;
 
 struct decode_handle {
@@ -133,8 +135,15 @@ struct decode_server {
     int aux_rows;
     aux_seg *segs;
     int n_segs, cap_segs;
-    prefill_node *nodes;
+    prefill_node **nodes;            /* stable pointers (handles keep theirs); gone ones stay */
     int n_nodes;
+    /* --prefill re-resolution (cfg.prefill_refresh_ms > 0): a thread resolves the list and posts
+     * the addresses to the engine thread */
+    pthread_t resolver;
+    int resolver_started;
+    pthread_mutex_t res_mu;
+    pthread_cond_t res_cv;
+    int res_stop;                    /* guarded by res_mu */
     /* snapshot */
     pthread_mutex_t stats_mu;
     decode_stats stats;
@@ -146,6 +155,7 @@ void decode_config_default(decode_config *cfg)
     cfg->device = "cpu";
     cfg->page_size = 16;
     cfg->max_batch = 64;
+    cfg->prefill_refresh_ms = 10000;
     cfg->max_queue = 256;
     cfg->queue_timeout_ms = 30000;
     cfg->transfer_timeout_ms = 30000;
@@ -192,13 +202,16 @@ static void update_stats(decode_server *s)
     st.free_kv_pages = pd_engine_kv_free_pages(s->eng);
     st.pages_in_use = st.total_kv_pages - st.free_kv_pages;
     double now = pd_cli_now_ms();
-    st.prefill_nodes = s->n_nodes;
+    st.disaggregated = !s->cfg.colocated;
     for (int i = 0; i < s->n_nodes; i++) {
-        st.prefill_inflight += s->nodes[i].inflight;
-        if (s->nodes[i].down_until <= now)
+        st.prefill_inflight += s->nodes[i]->inflight;
+        if (s->nodes[i]->gone)
+            continue;
+        st.prefill_nodes++;
+        if (s->nodes[i]->down_until <= now)
             st.prefill_nodes_up++;
-        else if (st.prefill_retry_ms == 0.0 || s->nodes[i].down_until < st.prefill_retry_ms)
-            st.prefill_retry_ms = s->nodes[i].down_until;
+        else if (st.prefill_retry_ms == 0.0 || s->nodes[i]->down_until < st.prefill_retry_ms)
+            st.prefill_retry_ms = s->nodes[i]->down_until;
     }
     pthread_mutex_lock(&s->stats_mu);
     s->stats = st;
@@ -503,7 +516,9 @@ static prefill_node *pick_node(decode_server *s)
     prefill_node *best = NULL;
     int best_up = 0;
     for (int i = 0; i < s->n_nodes; i++) {
-        prefill_node *nd = &s->nodes[i];
+        prefill_node *nd = s->nodes[i];
+        if (nd->gone)
+            continue;
         int up = nd->down_until <= now;
         if (best == NULL || (up && !best_up) ||
             (up == best_up && nd->inflight < best->inflight)) {
@@ -547,6 +562,8 @@ static Pdspark__KvDtype kern_dtype_to_proto(kern_dtype d)
 /* Send h's Prefill (pages and aux rows already reserved) to nd. On error nothing is in flight. */
 static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *nd, pd_err *err)
 {
+    if (nd == NULL)
+        return pd_err_set(err, PD_ERR_PEER, "no prefill node: '%s' resolves to no address now", s->prefill);
     pd_status st;
     int row = h->aux_row;
     const pd_kv_layout *lay = pd_kv_pool_layout(pd_engine_target_pool(s->eng));
@@ -1020,7 +1037,7 @@ static void tick_cb(void *arg)
         for (decode_handle *h = s->head; h != NULL; h = h->next)
             busy++;
         for (int i = 0; i < s->n_nodes; i++)
-            busy += s->nodes[i].calls;
+            busy += s->nodes[i]->calls;
         if (busy == 0 || pd_cli_now_ms() > s->stop_deadline)
             pd_loop_stop(s->loop);
     }
@@ -1245,14 +1262,53 @@ void decode_cancel(decode_handle *h)
 /* ---------------------------------------------------------------------------------------------
  * Create / destroy */
 
-static pd_status resolve_nodes(decode_server *s, const char *list, pd_err *err)
+/* Every address of spec: "HOST:PORT[,HOST:PORT...]" or "file:PATH" (the same entries, separated
+ * by commas or whitespace, '#' to the end of a line a comment; read again at every resolution),
+ * each name as every address it resolves to, as "IP:PORT" / "[IP6]:PORT", without duplicates.
+ * *out (malloc'd strings) may be empty. Errors: PD_ERR_INVALID (an entry that is not HOST:PORT:
+ * the command line is wrong), PD_ERR_PEER (a name that does not resolve, a file not readable:
+ * may change), PD_ERR_NOMEM. */
+static pd_status resolve_spec(const char *spec, char ***out, int *n_out, pd_err *err)
 {
-    char *copy = strdup(list);
-    if (copy == NULL)
+    char *copy = NULL;
+    if (strncmp(spec, "file:", 5) == 0) {
+        FILE *f = fopen(spec + 5, "r");
+        if (f == NULL)
+            return pd_err_set(err, PD_ERR_PEER, "--prefill: cannot read %s: %s", spec + 5, strerror(errno));
+        size_t cap = 0, len = 0;
+        char line[512];
+        while (fgets(line, sizeof(line), f) != NULL) {
+            char *hash = strchr(line, '#');
+            if (hash != NULL)
+                *hash = '\0';
+            size_t l = strlen(line);
+            if (len + l + 2 > cap) {
+                cap = (len + l + 2) * 2;
+                char *c = realloc(copy, cap);
+                if (c == NULL) {
+                    fclose(f);
+                    free(copy);
+                    return pd_err_set(err, PD_ERR_NOMEM, "prefill list");
+                }
+                copy = c;
+            }
+            memcpy(copy + len, line, l);
+            len += l;
+            copy[len++] = ',';
+            copy[len] = '\0';
+        }
+        fclose(f);
+        if (copy == NULL && (copy = strdup("")) == NULL)
+            return pd_err_set(err, PD_ERR_NOMEM, "prefill list");
+    } else if ((copy = strdup(spec)) == NULL) {
         return pd_err_set(err, PD_ERR_NOMEM, "prefill list");
+    }
+    char **addrs = NULL;
+    int n = 0;
     pd_status st = PD_OK;
     char *save = NULL;
-    for (char *tok = strtok_r(copy, ",", &save); tok != NULL; tok = strtok_r(NULL, ",", &save)) {
+    for (char *tok = strtok_r(copy, ", \t\r\n", &save); tok != NULL && st == PD_OK;
+         tok = strtok_r(NULL, ", \t\r\n", &save)) {
         char host[128], port[16];
         if (pd_cli_split_hostport(tok, host, sizeof(host), port, sizeof(port)) != 0) {
             st = pd_err_set(err, PD_ERR_INVALID, "--prefill: '%s' is not HOST:PORT", tok);
@@ -1261,7 +1317,7 @@ static pd_status resolve_nodes(decode_server *s, const char *list, pd_err *err)
         struct addrinfo hints = { .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM }, *res = NULL;
         int rc = getaddrinfo(host, port, &hints, &res);
         if (rc != 0) {
-            st = pd_err_set(err, PD_ERR_INVALID, "--prefill: cannot resolve %s: %s", host, gai_strerror(rc));
+            st = pd_err_set(err, PD_ERR_PEER, "--prefill: cannot resolve %s: %s", host, gai_strerror(rc));
             break;
         }
         for (struct addrinfo *ai = res; ai != NULL; ai = ai->ai_next) {
@@ -1273,34 +1329,165 @@ static pd_status resolve_nodes(decode_server *s, const char *list, pd_err *err)
             else
                 snprintf(name, sizeof(name), "%s:%s", ip, port);
             int dup = 0;
-            for (int i = 0; i < s->n_nodes; i++)
-                dup |= strcmp(s->nodes[i].addr, name) == 0;
+            for (int i = 0; i < n; i++)
+                dup |= strcmp(addrs[i], name) == 0;
             if (dup)
                 continue;
-            prefill_node *nn = realloc(s->nodes, (size_t)(s->n_nodes + 1) * sizeof(*nn));
-            if (nn == NULL) {
+            char **a = realloc(addrs, (size_t)(n + 1) * sizeof(*a));
+            if (a == NULL || (a[n] = strdup(name)) == NULL) {
+                if (a != NULL)
+                    addrs = a;
                 st = pd_err_set(err, PD_ERR_NOMEM, "prefill nodes");
                 break;
             }
-            s->nodes = nn;
-            prefill_node *nd = &s->nodes[s->n_nodes];
-            memset(nd, 0, sizeof(*nd));
-            nd->s = s;
-            snprintf(nd->addr, sizeof(nd->addr), "%s", name);
-            st = pd_rpc_channel_create(nd->addr, &nd->ch, err);
-            if (st != PD_OK)
-                break;
-            s->n_nodes++;
-            PD_LOG_INFO("decode", "prefill node %s (from %s)", nd->addr, tok);
+            addrs = a;
+            n++;
         }
         freeaddrinfo(res);
-        if (st != PD_OK)
-            break;
     }
     free(copy);
-    if (st == PD_OK && s->n_nodes == 0)
-        st = pd_err_set(err, PD_ERR_INVALID, "--prefill: no prefill node addresses in '%s'", list);
+    if (st != PD_OK) {
+        for (int i = 0; i < n; i++)
+            free(addrs[i]);
+        free(addrs);
+        return st;
+    }
+    *out = addrs;
+    *n_out = n;
+    return PD_OK;
+}
+
+/* The nodes are now exactly addrs (taken, freed here): new addresses become nodes, nodes whose
+ * address is no longer there are marked gone (not picked; their calls in flight finish), a gone
+ * address that is back is used again. Engine thread (or before it starts). */
+static pd_status apply_addrs(decode_server *s, char **addrs, int n, pd_err *err)
+{
+    pd_status st = PD_OK;
+    for (int i = 0; i < s->n_nodes; i++) {
+        prefill_node *nd = s->nodes[i];
+        int there = 0;
+        for (int k = 0; k < n && !there; k++)
+            there = strcmp(addrs[k], nd->addr) == 0;
+        if (there == !nd->gone)
+            continue;
+        nd->gone = !there;
+        PD_LOG_INFO("decode", "prefill node %s %s '%s'", nd->addr, there ? "is back in" : "is gone from",
+                    s->prefill);
+    }
+    for (int k = 0; k < n && st == PD_OK; k++) {
+        int known = 0;
+        for (int i = 0; i < s->n_nodes && !known; i++)
+            known = strcmp(s->nodes[i]->addr, addrs[k]) == 0;
+        if (known)
+            continue;
+        prefill_node **nn = realloc(s->nodes, (size_t)(s->n_nodes + 1) * sizeof(*nn));
+        prefill_node *nd = calloc(1, sizeof(*nd));
+        if (nn != NULL)
+            s->nodes = nn;
+        if (nn == NULL || nd == NULL) {
+            free(nd);
+            st = pd_err_set(err, PD_ERR_NOMEM, "prefill nodes");
+            break;
+        }
+        nd->s = s;
+        snprintf(nd->addr, sizeof(nd->addr), "%s", addrs[k]);
+        if ((st = pd_rpc_channel_create(nd->addr, &nd->ch, err)) != PD_OK) {
+            free(nd);
+            break;
+        }
+        s->nodes[s->n_nodes++] = nd;
+        PD_LOG_INFO("decode", "prefill node %s (from '%s')", nd->addr, s->prefill);
+    }
+    for (int k = 0; k < n; k++)
+        free(addrs[k]);
+    free(addrs);
     return st;
+}
+
+typedef struct {
+    decode_server *s;
+    char **addrs;
+    int n;
+} addrs_msg;
+
+static void on_addrs(void *arg)
+{
+    addrs_msg *m = arg;
+    pd_err err = {0};
+    if (apply_addrs(m->s, m->addrs, m->n, &err) != PD_OK)
+        PD_LOG_WARN("decode", "prefill nodes: %s", err.msg);
+    update_stats(m->s);
+    kick(m->s);
+    free(m);
+}
+
+/* Resolves --prefill every prefill_refresh_ms and hands the addresses to the engine thread. A
+ * failed resolution keeps the nodes as they are (a DNS hiccup is not a scale-down). */
+static void *resolver_thread(void *arg)
+{
+    decode_server *s = arg;
+    pthread_setname_np(pthread_self(), "pd-resolve");
+    char last_err[sizeof(((pd_err *)0)->msg)] = "";
+    pthread_mutex_lock(&s->res_mu);
+    while (!s->res_stop) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        long long ns = ts.tv_nsec + (long long)s->cfg.prefill_refresh_ms * 1000000LL;
+        ts.tv_sec += (time_t)(ns / 1000000000LL);
+        ts.tv_nsec = (long)(ns % 1000000000LL);
+        pthread_cond_timedwait(&s->res_cv, &s->res_mu, &ts);
+        if (s->res_stop)
+            break;
+        pthread_mutex_unlock(&s->res_mu);
+        char **addrs = NULL;
+        int n = 0;
+        pd_err err = {0};
+        if (resolve_spec(s->prefill, &addrs, &n, &err) != PD_OK) {
+            if (strcmp(err.msg, last_err) != 0)
+                PD_LOG_WARN("decode", "%s (the prefill nodes stay as they are)", err.msg);
+            snprintf(last_err, sizeof(last_err), "%s", err.msg);
+        } else {
+            last_err[0] = '\0';
+            addrs_msg *m = malloc(sizeof(*m));
+            if (m != NULL) {
+                *m = (addrs_msg){ .s = s, .addrs = addrs, .n = n };
+                if (pd_loop_post(s->loop, on_addrs, m) == PD_OK)
+                    addrs = NULL;
+                else
+                    free(m);
+            }
+            for (int i = 0; addrs != NULL && i < n; i++)
+                free(addrs[i]);
+            free(addrs);
+        }
+        pthread_mutex_lock(&s->res_mu);
+    }
+    pthread_mutex_unlock(&s->res_mu);
+    return NULL;
+}
+
+/* The first resolution, before the engine thread starts: a list that is not HOST:PORT fails;
+ * names that do not resolve (yet) fail too unless they are resolved again later. */
+static pd_status resolve_nodes(decode_server *s, pd_err *err)
+{
+    char **addrs = NULL;
+    int n = 0;
+    pd_status st = resolve_spec(s->prefill, &addrs, &n, err);
+    if (st == PD_ERR_PEER && s->cfg.prefill_refresh_ms > 0) {
+        PD_LOG_WARN("decode", "%s; resolving again every %lld ms", err->msg,
+                    (long long)s->cfg.prefill_refresh_ms);
+        return PD_OK;
+    }
+    if (st != PD_OK)
+        return st;
+    if (n == 0 && s->cfg.prefill_refresh_ms <= 0) {
+        free(addrs);
+        return pd_err_set(err, PD_ERR_INVALID, "--prefill: no prefill node addresses in '%s'", s->prefill);
+    }
+    if (n == 0)
+        PD_LOG_WARN("decode", "--prefill: no prefill node in '%s' yet; resolving again every %lld ms",
+                    s->prefill, (long long)s->cfg.prefill_refresh_ms);
+    return apply_addrs(s, addrs, n, err);
 }
 
 static pd_status setup_xfer(decode_server *s, pd_err *err)
@@ -1402,6 +1589,8 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
     if (s->cfg.transfer_timeout_ms <= 0)
         s->cfg.transfer_timeout_ms = 30000;
     pthread_mutex_init(&s->stats_mu, NULL);
+    pthread_mutex_init(&s->res_mu, NULL);
+    pthread_cond_init(&s->res_cv, NULL);
     atomic_init(&s->accepting, 0);
     atomic_init(&s->n_waiting, 0);
     atomic_init(&s->next_id, 1);
@@ -1464,7 +1653,7 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
     if (!cfg->colocated) {
         if ((st = setup_xfer(s, err)) != PD_OK)
             goto err_destroy;
-        if ((st = resolve_nodes(s, s->prefill, err)) != PD_OK)
+        if ((st = resolve_nodes(s, err)) != PD_OK)
             goto err_destroy;
     }
     pd_loop_timer_start(s->tick_timer, TICK_MS, true);
@@ -1477,6 +1666,13 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
         goto err_destroy;
     }
     s->thread_started = 1;
+    if (!cfg->colocated && s->cfg.prefill_refresh_ms > 0) {
+        if (pthread_create(&s->resolver, NULL, resolver_thread, s) != 0) {
+            st = pd_err_set(err, PD_ERR_INTERNAL, "prefill resolver thread: cannot start");
+            goto err_destroy;
+        }
+        s->resolver_started = 1;
+    }
     PD_LOG_INFO("decode", "engine up: %s, %s, %d kv pages of %d tokens, block %d", s->device,
                 decode_server_mode(s), s->total_pages, s->page_size, s->block_size);
     *out = s;
@@ -1491,6 +1687,13 @@ void decode_server_destroy(decode_server *s)
     if (s == NULL)
         return;
     atomic_store(&s->accepting, 0);
+    if (s->resolver_started) {
+        pthread_mutex_lock(&s->res_mu);
+        s->res_stop = 1;
+        pthread_cond_signal(&s->res_cv);
+        pthread_mutex_unlock(&s->res_mu);
+        pthread_join(s->resolver, NULL);
+    }
     if (s->thread_started) {
         if (pd_loop_post(s->loop, shutdown_cb, s) != PD_OK)
             pd_loop_stop(s->loop);
@@ -1498,8 +1701,10 @@ void decode_server_destroy(decode_server *s)
     }
     /* whatever is left (a Prefill that outlived the bound) is dropped here; channel destroy
      * below cancels those calls, their replies cannot be posted any more */
-    for (int i = 0; i < s->n_nodes; i++)
-        pd_rpc_channel_destroy(s->nodes[i].ch);
+    for (int i = 0; i < s->n_nodes; i++) {
+        pd_rpc_channel_destroy(s->nodes[i]->ch);
+        free(s->nodes[i]);
+    }
     while (s->head != NULL) {
         decode_handle *h = s->head;
         pd_rpc_pending_release(h->pending);
@@ -1532,6 +1737,8 @@ void decode_server_destroy(decode_server *s)
     pd_qwen3_free(s->tm);
     kern_backend_destroy(s->be);
     pthread_mutex_destroy(&s->stats_mu);
+    pthread_mutex_destroy(&s->res_mu);
+    pthread_cond_destroy(&s->res_cv);
     free(s->model_dir);
     free(s->draft_dir);
     free(s->device);

@@ -389,6 +389,64 @@ def test_prefill_http(bin_dir, model, draft):
         pf.stop()
 
 
+def test_prefill_list(bin_dir, model, draft):
+    """decode_node --prefill file:PATH --prefill-refresh-ms: the nodes follow the file (a new
+    address is used, a vanished one no longer picked); with no address /ready is 503 and a
+    request fails clearly; the decode node starts with an empty list and becomes ready."""
+    tmpd = tempfile.mkdtemp(prefix="pd_prefill_list_")
+    path = os.path.join(tmpd, "prefill.txt")
+
+    def write(text):
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+
+    def ok_count(pf):
+        return sample(metrics(pf), "pdspark_prefill_requests_total", outcome="ok") or 0
+
+    def completion(dn):
+        return post_json(dn, "/v1/completions", {"prompt": "def fib(n):", "max_tokens": 4, "temperature": 0})
+
+    def wait_ready(dn, want):
+        st = None
+        for _ in range(100):
+            st = request(dn, "GET", "/ready")[0]
+            if st == want:
+                break
+            time.sleep(0.1)
+        return st
+
+    write("# none yet\n")
+    a = b = dn = None
+    try:
+        dn = Node(bin_dir, model, draft, ("--prefill", "file:" + path, "--prefill-refresh-ms", "200"))
+        check(wait_ready(dn, 503) == 503, "an empty prefill list: /ready 503")
+        st, body = completion(dn)
+        check(st == 503 and is_error_shape(body) and "no prefill node" in body["error"]["message"],
+              "a request with no prefill node: %d %s" % (st, body))
+        a = Node(bin_dir, model, draft, (), binary="prefill_node")
+        b = Node(bin_dir, model, draft, (), binary="prefill_node")
+        write("%s  # node a\n" % a.grpc)
+        check(wait_ready(dn, 200) == 200, "ready once the list names a prefill node")
+        st, body = completion(dn)
+        check(st == 200 and ok_count(a) == 1 and ok_count(b) == 0, "served by a: %d %s" % (st, body))
+        write("%s\n" % b.grpc)
+        time.sleep(1.0)
+        for _ in range(3):
+            st, body = completion(dn)
+            check(st == 200, "after the list changed to b: %d %s" % (st, body))
+        check(ok_count(a) == 1 and ok_count(b) == 3, "a no longer picked, b used: a %s b %s" % (ok_count(a), ok_count(b)))
+        write("")
+        check(wait_ready(dn, 503) == 503, "the list emptied: /ready 503")
+        write("%s,%s\n" % (a.grpc, b.grpc))
+        check(wait_ready(dn, 200) == 200, "both back: ready")
+        log("--prefill file: with --prefill-refresh-ms checked")
+    finally:
+        for n in (dn, a, b):
+            if n is not None:
+                n.stop()
+
+
 def test_verify_policies(bin_dir, model, draft):
     """decode_node --verify threshold|scheduled: the same greedy text as full verification
     (every policy is lossless), with the DSpark stats reported."""
@@ -737,6 +795,8 @@ def main():
         node.stop()
     if FAILS == 0:
         test_prefill_http(bin_dir, model, draft)
+    if FAILS == 0:
+        test_prefill_list(bin_dir, model, draft)
     if FAILS == 0:
         test_verify_policies(bin_dir, model, draft)
     if FAILS == 0 and DEV:
