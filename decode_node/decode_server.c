@@ -854,7 +854,7 @@ static void on_reply_loop(void *arg)
     if (st == PD_ERR_PEER && never_delivered(msg) && h->retries < s->n_nodes - 1) {
         prefill_node *alt = pick_node(s);
         pd_err rerr = {0};
-        if (alt != nd && alt->down_until <= pd_cli_now_ms()) {
+        if (alt != NULL && alt != nd && alt->down_until <= pd_cli_now_ms()) {
             h->retries++;
             PD_LOG_INFO("decode", "%s: prefill node %s unreachable, retrying on %s", h->id,
                         nd->addr, alt->addr);
