@@ -1705,6 +1705,7 @@ void decode_server_destroy(decode_server *s)
         pd_rpc_channel_destroy(s->nodes[i]->ch);
         free(s->nodes[i]);
     }
+    s->n_nodes = 0;   /* (the resolver has been joined: nothing adds nodes any more) */
     while (s->head != NULL) {
         decode_handle *h = s->head;
         pd_rpc_pending_release(h->pending);
