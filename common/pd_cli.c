@@ -53,6 +53,38 @@ int pd_cli_parse_dtype(const char *prog, const char *s, int *f32)
     return 0;
 }
 
+pd_status pd_cli_read_text(const char *path, char **out, pd_err *err)
+{
+    FILE *f = fopen(path, "rb");
+    if (f == NULL)
+        return pd_err_set(err, PD_ERR_IO, "cannot read %s: %s", path, strerror(errno));
+    char *buf = NULL;
+    size_t len = 0, cap = 0, n;
+    do {
+        if (len + 4096 + 1 > cap) {
+            cap = cap ? cap * 2 : 8192;
+            char *nb = realloc(buf, cap);
+            if (nb == NULL) {
+                free(buf);
+                fclose(f);
+                return pd_err_set(err, PD_ERR_NOMEM, "%s: read buffer", path);
+            }
+            buf = nb;
+        }
+        n = fread(buf + len, 1, 4096, f);
+        len += n;
+    } while (n == 4096);
+    int bad = ferror(f);
+    fclose(f);
+    if (bad) {
+        free(buf);
+        return pd_err_set(err, PD_ERR_IO, "%s: read error", path);
+    }
+    buf[len] = '\0';
+    *out = buf;
+    return PD_OK;
+}
+
 int pd_cli_parse_log_format(const char *prog, const char *s)
 {
     if (strcmp(s, "text") != 0 && strcmp(s, "json") != 0) {

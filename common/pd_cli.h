@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "pd_status.h"
+
 /* Milliseconds of CLOCK_MONOTONIC. */
 double pd_cli_now_ms(void);
 /* Parse an integer flag value in lo..hi; prints "prog: flag: ..." to stderr and returns -1 on
@@ -25,6 +27,9 @@ int pd_cli_parse_dtype(const char *prog, const char *s, int *f32);
 /* --log-format text|json: sets pd_log's format. Prints "prog: --log-format: ..." and returns -1
  * on anything else. */
 int pd_cli_parse_log_format(const char *prog, const char *s);
+/* The whole file at path, NUL-terminated, malloc'd into *out. Errors: PD_ERR_IO (named with
+ * strerror), PD_ERR_NOMEM. */
+pd_status pd_cli_read_text(const char *path, char **out, pd_err *err);
 /* Whitespace-separated token ids from path ("-" = stdin) into a malloc'd array. Returns -1 with
  * a message on stderr on a bad file or value. */
 int pd_cli_read_ids(const char *prog, const char *path, int32_t **ids, int *n);

@@ -1096,30 +1096,9 @@ static int ready_fn(void *ud, char *why, size_t cap)
 
 static char *read_file(const char *path)
 {
-    FILE *f = fopen(path, "rb");
-    if (f == NULL)
-        return NULL;
-    char *buf = NULL;
-    size_t len = 0, cap = 0;
-    for (;;) {
-        if (len + 4096 + 1 > cap) {
-            cap = cap ? cap * 2 : 8192;
-            char *nb = realloc(buf, cap);
-            if (nb == NULL) {
-                free(buf);
-                fclose(f);
-                return NULL;
-            }
-            buf = nb;
-        }
-        size_t n = fread(buf + len, 1, 4096, f);
-        len += n;
-        if (n < 4096)
-            break;
-    }
-    fclose(f);
-    buf[len] = '\0';
-    return buf;
+    char *t = NULL;
+    pd_err err;
+    return pd_cli_read_text(path, &t, &err) == PD_OK ? t : NULL;   /* absent: look elsewhere */
 }
 
 /* ChatML-shaped: turns open with <|im_start|> followed by the role and a newline, close with

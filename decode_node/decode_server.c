@@ -15,7 +15,6 @@
 #define _GNU_SOURCE   /* pthread_setname_np */
 #include "decode_api.h"
 
-#include <errno.h>
 #include <math.h>
 #include <netdb.h>
 #include <pthread.h>
@@ -1272,34 +1271,14 @@ static pd_status resolve_spec(const char *spec, char ***out, int *n_out, pd_err 
 {
     char *copy = NULL;
     if (strncmp(spec, "file:", 5) == 0) {
-        FILE *f = fopen(spec + 5, "r");
-        if (f == NULL)
-            return pd_err_set(err, PD_ERR_PEER, "--prefill: cannot read %s: %s", spec + 5, strerror(errno));
-        size_t cap = 0, len = 0;
-        char line[512];
-        while (fgets(line, sizeof(line), f) != NULL) {
-            char *hash = strchr(line, '#');
-            if (hash != NULL)
-                *hash = '\0';
-            size_t l = strlen(line);
-            if (len + l + 2 > cap) {
-                cap = (len + l + 2) * 2;
-                char *c = realloc(copy, cap);
-                if (c == NULL) {
-                    fclose(f);
-                    free(copy);
-                    return pd_err_set(err, PD_ERR_NOMEM, "prefill list");
-                }
-                copy = c;
-            }
-            memcpy(copy + len, line, l);
-            len += l;
-            copy[len++] = ',';
-            copy[len] = '\0';
-        }
-        fclose(f);
-        if (copy == NULL && (copy = strdup("")) == NULL)
-            return pd_err_set(err, PD_ERR_NOMEM, "prefill list");
+        pd_err rerr;
+        pd_status rs = pd_cli_read_text(spec + 5, &copy, &rerr);
+        if (rs != PD_OK)   /* a file not there yet may come: like a name that does not resolve */
+            return pd_err_set(err, rs == PD_ERR_IO ? PD_ERR_PEER : rs, "--prefill: %s", rerr.msg);
+        /* '#' comments to the end of their line */
+        for (char *c = strchr(copy, '#'); c != NULL; c = strchr(c, '#'))
+            while (*c != '\0' && *c != '\n')
+                *c++ = ' ';
     } else if ((copy = strdup(spec)) == NULL) {
         return pd_err_set(err, PD_ERR_NOMEM, "prefill list");
     }
