@@ -37,6 +37,7 @@ struct pd_engine {
     int n_reqs, cap_reqs;
     /* sampled requests: distributions on the backend (target rows, and the round's drafts at
      * row j * B + k), the small inputs of each launch staged on the host and uploaded at once */
+    float *lp_row;              /* host copy of one logits row (requests that keep logprobs) */
     kern_buf *smp_p;            /* [cap_smp_p, V] */
     int cap_smp_p;
     kern_buf *smp_q;            /* [cap_smp_q, V] */
@@ -47,6 +48,10 @@ struct pd_engine {
     int cap_smp_host;
     /* backend scratch */
     kern_buf *ids_dev;          /* int32 argmax outputs */
+    kern_buf *pen_dev;          /* [cap_pen] kern_penalty_entry of a step's penalised rows ... */
+    int cap_pen;
+    kern_penalty_entry *pen_host;  /* ... and their host copy */
+    int n_pen, cap_pen_host;
     int cap_ids;
     kern_buf *aux_dev;          /* compacted aux rows for draft extension */
     int cap_aux;
@@ -386,6 +391,9 @@ static void request_free(pd_engine *e, pd_request *r)
     free(r->conf_log);
     free(r->verified);
     free(r->out);
+    free(r->lps);
+    free(r->pen);
+    free(r->pen_tok);
     free(r->accepted);
     free(r);
 }
@@ -414,7 +422,10 @@ void pd_engine_destroy(pd_engine *e)
     kern_buf_free(e->smp_q);
     kern_buf_free(e->smp_dev);
     free(e->smp_host);
+    free(e->lp_row);
     kern_buf_free(e->ids_dev);
+    kern_buf_free(e->pen_dev);
+    free(e->pen_host);
     kern_buf_free(e->aux_dev);
     kern_buf_free(e->idx_dev);
     kern_buf_free(e->pend_aux);
@@ -437,6 +448,7 @@ int pd_engine_active(const pd_engine *e)
     return n;
 }
 
+static pd_status pen_init(pd_engine *e, pd_request *r, pd_err *err);
 static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, int n_prompt,
                              const pd_gen_params *params, int external, pd_request **out, pd_err *err);
 
@@ -493,6 +505,11 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
     if (!(params->verify_threshold <= 1.0f) || params->verify_threshold < 0.0f)
         return pd_err_set(err, PD_ERR_INVALID, "verify threshold %g must be in [0, 1]",
                           (double)params->verify_threshold);
+    TRY(pd_penalties_check(params->presence_penalty, params->frequency_penalty,
+                           params->repetition_penalty, err));
+    if (params->top_logprobs < 0 || params->top_logprobs > PD_MAX_TOP_LOGPROBS)
+        return pd_err_set(err, PD_ERR_INVALID, "top_logprobs %d must be in 0..%d",
+                          params->top_logprobs, PD_MAX_TOP_LOGPROBS);
     TRY(grow_host((void **)&e->reqs, &e->cap_reqs, e->n_reqs + 1, sizeof(pd_request *), err));
     pd_request *r = calloc(1, sizeof(*r));
     if (r == NULL)
@@ -511,6 +528,8 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
     }
     memcpy(r->prompt, prompt, (size_t)n_prompt * sizeof(int32_t));
     r->n_prompt = n_prompt;
+    if ((st = pen_init(e, r, err)) != PD_OK)
+        goto err_free;
     if (params->capture_aux && e->draft != NULL) {
         r->aux = malloc((size_t)n_prompt * e->aux_dim * sizeof(float));
         if (r->aux == NULL) {
@@ -560,10 +579,137 @@ static int is_eos(const pd_engine *e, int32_t tok)
     return 0;
 }
 
-static pd_status push_out(pd_request *r, int32_t tok, pd_err *err)
+/* ---- penalties (pd_gen_params presence/frequency/repetition) ------------------------------ */
+
+#define PEN_PROMPT 0x80000000u
+
+static int pen_rep_on(const pd_gen_params *p)
 {
+    return p->repetition_penalty != 0.0f && p->repetition_penalty != 1.0f;
+}
+
+static pd_status pen_track(pd_request *r, int32_t tok, pd_err *err)
+{
+    TRY(grow_host((void **)&r->pen_tok, &r->cap_pen_tok, r->n_pen_tok + 1, sizeof(int32_t), err));
+    r->pen_tok[r->n_pen_tok++] = tok;
+    return PD_OK;
+}
+
+/* A request with penalties gets its per-token state; the prompt's tokens count for the
+ * repetition penalty only. */
+static pd_status pen_init(pd_engine *e, pd_request *r, pd_err *err)
+{
+    const pd_gen_params *p = &r->params;
+    if (p->presence_penalty == 0.0f && p->frequency_penalty == 0.0f && !pen_rep_on(p))
+        return PD_OK;
+    if ((r->pen = calloc((size_t)e->V, sizeof(uint32_t))) == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "penalty state");
+    for (int i = 0; i < r->n_prompt && pen_rep_on(p); i++)
+        if (r->pen[r->prompt[i]] == 0) {
+            TRY(pen_track(r, r->prompt[i], err));
+            r->pen[r->prompt[i]] = PEN_PROMPT;
+        }
+    return PD_OK;
+}
+
+static pd_status pen_push(pd_engine *e, const kern_penalty_entry *en, pd_err *err)
+{
+    TRY(grow_host((void **)&e->pen_host, &e->cap_pen_host, e->n_pen + 1, sizeof(*en), err));
+    e->pen_host[e->n_pen++] = *en;
+    return PD_OK;
+}
+
+/* Queues the entries of logits row `row` of r, whose history is r's output followed by
+ * extra[0..n_extra) (the drafts before that row of a verify block). */
+static pd_status pen_row(pd_engine *e, const pd_request *r, int row, const int32_t *extra, int n_extra,
+                         pd_err *err)
+{
+    if (r->pen == NULL)
+        return PD_OK;
+    kern_penalty_entry en = { .row = row, .rep = pen_rep_on(&r->params) ? r->params.repetition_penalty : 1.0f,
+                              .freq = r->params.frequency_penalty, .pres = r->params.presence_penalty };
+    for (int i = 0; i < r->n_pen_tok; i++) {
+        int32_t t = r->pen_tok[i];
+        int cnt = (int)(r->pen[t] & ~PEN_PROMPT);
+        for (int j = 0; j < n_extra; j++)
+            cnt += extra[j] == t;
+        en.tok = t;
+        en.count = cnt;
+        en.seen = 1;
+        TRY(pen_push(e, &en, err));
+    }
+    /* drafts of this block not in the output yet: each distinct one once */
+    for (int j = 0; j < n_extra; j++) {
+        int32_t t = extra[j], first = r->pen[t] == 0;
+        for (int k = 0; k < j && first; k++)
+            first = extra[k] != t;
+        if (!first)
+            continue;
+        int cnt = 0;
+        for (int k = j; k < n_extra; k++)
+            cnt += extra[k] == t;
+        en.tok = t;
+        en.count = cnt;
+        en.seen = 1;
+        TRY(pen_push(e, &en, err));
+    }
+    return PD_OK;
+}
+
+/* Applies the queued entries to logits (backend memory, [*, V]) and empties the queue. */
+static pd_status pen_apply(pd_engine *e, const float *logits, pd_err *err)
+{
+    int n = e->n_pen;
+    e->n_pen = 0;
+    if (n == 0)
+        return PD_OK;
+    TRY(kern_buf_grow(e->tm->be, &e->pen_dev, &e->cap_pen, n, sizeof(kern_penalty_entry), err));
+    TRY(kern_upload(e->tm->be, e->pen_dev->ptr, e->pen_host, (size_t)n * sizeof(kern_penalty_entry), err));
+    /* the target's logits buffer: ours to change until its next forward */
+    kern_penalty_args pa = { .x = (float *)(uintptr_t)logits, .ld_x = e->V, .n = e->V, .n_entries = n,
+                             .e = (const kern_penalty_entry *)e->pen_dev->ptr };
+    return kern_penalty(e->tm->be, &pa, err);
+}
+
+/* Appends tok (with its logprobs lp when the request keeps them; NULL: zeros). */
+static pd_status push_out(pd_request *r, int32_t tok, const pd_token_logprobs *lp, pd_err *err)
+{
+    int cap = r->cap_out;
     TRY(grow_host((void **)&r->out, &r->cap_out, r->n_out + 1, sizeof(int32_t), err));
+    if (r->params.logprobs && (r->lps == NULL || r->cap_out != cap)) {
+        pd_token_logprobs *n = realloc(r->lps, (size_t)r->cap_out * sizeof(*n));
+        if (n == NULL)
+            return pd_err_set(err, PD_ERR_NOMEM, "logprobs of %d tokens", r->cap_out);
+        r->lps = n;
+    }
+    if (r->params.logprobs) {
+        if (lp != NULL)
+            r->lps[r->n_out] = *lp;
+        else
+            memset(&r->lps[r->n_out], 0, sizeof(r->lps[0]));
+    }
+    if (r->pen != NULL) {
+        if (r->pen[tok] == 0)
+            TRY(pen_track(r, tok, err));
+        r->pen[tok]++;
+    }
     r->out[r->n_out++] = tok;
+    return PD_OK;
+}
+
+/* out[i] = the logprobs of toks[i] from logits row row0 + i of dev ([*, V], backend memory), for
+ * a request that keeps them: each row comes to the host (V floats) and pd_logprobs_row reads it
+ * there, so only requests that ask pay for it. */
+static pd_status logprobs_rows(pd_engine *e, const pd_request *r, const float *dev, int row0,
+                               const int32_t *toks, int n, pd_token_logprobs *out, pd_err *err)
+{
+    if (n > 0 && e->lp_row == NULL && (e->lp_row = malloc((size_t)e->V * sizeof(float))) == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "logprobs row");
+    for (int i = 0; i < n; i++) {
+        TRY(kern_download(e->tm->be, e->lp_row, dev + (size_t)(row0 + i) * e->V,
+                          (size_t)e->V * sizeof(float), err));
+        pd_logprobs_row(e->lp_row, e->V, toks[i], r->params.top_logprobs, &out[i]);
+    }
     return PD_OK;
 }
 
@@ -1189,14 +1335,15 @@ out:
 }
 
 /* The prompt is in the pages and the draft context: commit the first token. */
-static pd_status commit_first(pd_engine *e, pd_request *r, int32_t tok, pd_err *err)
+static pd_status commit_first(pd_engine *e, pd_request *r, int32_t tok, const pd_token_logprobs *lp,
+                              pd_err *err)
 {
     cp_release(e, r);   /* decode is single-rank: the CP replicas' pages are not needed now */
     r->prefilled = r->n_prompt;
     r->tkv.len = r->n_prompt;
     r->dkv.len = r->n_prompt;
     r->anchor_pos = r->n_prompt;
-    TRY(push_out(r, tok, err));
+    TRY(push_out(r, tok, lp, err));
     if (!r->params.ignore_eos && is_eos(e, tok))
         r->finish = PD_FINISH_STOP;
     else if (r->n_out >= r->params.max_new_tokens)
@@ -1225,7 +1372,7 @@ const char *pd_aux_mode_name(pd_aux_mode m)
 pd_status pd_engine_complete_prefill(pd_engine *e, pd_request *r, int32_t first_token,
                                      const float *aux_host, pd_err *err)
 {
-    return pd_engine_complete_prefill_mode(e, r, first_token, PD_AUX_RAW, aux_host, err);
+    return pd_engine_complete_prefill_mode(e, r, first_token, PD_AUX_RAW, aux_host, NULL, err);
 }
 
 /* The draft context of a prompt prefilled elsewhere: positions 0..n-1 of r->dkv from the raw aux
@@ -1257,7 +1404,8 @@ static pd_status extend_prompt_context(pd_engine *e, pd_request *r, pd_aux_mode 
 }
 
 pd_status pd_engine_complete_prefill_mode(pd_engine *e, pd_request *r, int32_t first_token,
-                                          pd_aux_mode mode, const float *aux_host, pd_err *err)
+                                          pd_aux_mode mode, const float *aux_host,
+                                          const pd_token_logprobs *first_lp, pd_err *err)
 {
     if (!r->external || r->prefilled == r->n_prompt || r->finish != PD_FINISH_NONE)
         return pd_err_set(err, PD_ERR_INVALID, "request %llu is not waiting for a prefill",
@@ -1271,7 +1419,16 @@ pd_status pd_engine_complete_prefill_mode(pd_engine *e, pd_request *r, int32_t f
                               (unsigned long long)r->id, mode == PD_AUX_CTX ? "context" : "aux");
         TRY(extend_prompt_context(e, r, mode, aux_host, err));
     }
-    return commit_first(e, r, first_token, err);
+    if (first_lp != NULL && r->params.logprobs) {
+        if (first_lp->n_top < 0 || first_lp->n_top > r->params.top_logprobs)
+            return pd_err_set(err, PD_ERR_INVALID, "first token: %d top logprobs, the request asked "
+                              "for %d", first_lp->n_top, r->params.top_logprobs);
+        for (int i = 0; i < first_lp->n_top; i++)
+            if (first_lp->top_id[i] < 0 || first_lp->top_id[i] >= e->V)
+                return pd_err_set(err, PD_ERR_INVALID, "first token: top logprob id %d outside "
+                                  "the vocabulary (0..%d)", first_lp->top_id[i], e->V - 1);
+    }
+    return commit_first(e, r, first_token, r->params.logprobs ? first_lp : NULL, err);
 }
 
 /* One prefill forward of up to budget prompt tokens from at most max_seq requests; *n_out = the
@@ -1369,6 +1526,13 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
         if (st != PD_OK)
             goto out;
     }
+    /* penalties (the prompt's tokens, for the repetition penalty) */
+    for (int i = 0; i < n_done && st == PD_OK; i++)
+        st = pen_row(e, done[i], i, NULL, 0, err);
+    if (st == PD_OK)
+        st = pen_apply(e, logits, err);
+    if (st != PD_OK)
+        goto out;
     /* first tokens: the backend's argmax, or its sampling ops when a request samples */
     int any_sampled = 0;
     for (int i = 0; i < n_done; i++)
@@ -1382,9 +1546,14 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
     e->times.prefill_target += now_s() - t_first;
     if (st != PD_OK)
         goto out;
-    for (int i = 0; i < n_done; i++)
-        if ((st = commit_first(e, done[i], first[i], err)) != PD_OK)
+    for (int i = 0; i < n_done; i++) {
+        pd_token_logprobs lp;
+        if (done[i]->params.logprobs &&
+            (st = logprobs_rows(e, done[i], logits, i, &first[i], 1, &lp, err)) != PD_OK)
             goto out;
+        if ((st = commit_first(e, done[i], first[i], done[i]->params.logprobs ? &lp : NULL, err)) != PD_OK)
+            goto out;
+    }
 out:
     free(ids);
     free(pos);
@@ -1776,6 +1945,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     pd_kv_seq **dseqs = malloc((size_t)(n_draft + 1) * sizeof(*dseqs));
     round_slot **dslot = malloc((size_t)(n_draft + 1) * sizeof(*dslot));
     int32_t *vids = NULL, *vpos = NULL, *vseq = NULL, *vrows = NULL, *vargmax = NULL;
+    const float *vl_rows = NULL;   /* the verify logits (backend), for logprobs */
     pd_kv_seq **vseqs = NULL;
     if (!anchor || !start || !prev || !tok || !dseqs || !dslot) {
         st = pd_err_set(err, PD_ERR_NOMEM, "draft round metadata");
@@ -1931,7 +2101,14 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             pended = 1;
         }
         const float *vl = pd_target_logits(e->target);
-        st = argmax_rows(e, vl, n_v, vargmax, err);
+        vl_rows = vl;
+        for (int i = 0; i < m && st == PD_OK; i++)
+            for (int j = 0; j <= slots[i].l && st == PD_OK; j++)
+                st = pen_row(e, slots[i].r, slots[i].base + j, slots[i].d, j, err);
+        if (st == PD_OK)
+            st = pen_apply(e, vl, err);
+        if (st == PD_OK)
+            st = argmax_rows(e, vl, n_v, vargmax, err);
         if (st == PD_OK && any_sampled)
             st = verify_sampled(e, vl, slots, m, err);
         if (st != PD_OK)
@@ -1982,8 +2159,23 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         }
         if (rs == PD_OK)
             r->verified[r->n_rounds] = l;
+        /* logprobs of the committed tokens: verify rows base.. (the bonus's is row base + a) */
+        int n_lp = r->params.logprobs ? (stop_at >= 0 ? commit : a + 1) : 0;
+        pd_token_logprobs *lp = NULL;
+        if (rs == PD_OK && n_lp > 0) {
+            int32_t toks[33];   /* B <= 31 drafts, then the bonus */
+            for (int j = 0; j < n_lp; j++)
+                toks[j] = j < a ? sl->d[j] : bonus;
+            lp = malloc((size_t)n_lp * sizeof(*lp));
+            rs = lp == NULL ? pd_err_set(&rerr, PD_ERR_NOMEM, "logprobs of a round")
+                            : logprobs_rows(e, r, vl_rows, sl->base, toks, n_lp, lp, &rerr);
+        }
         for (int j = 0; j < commit && rs == PD_OK; j++)
-            rs = push_out(r, sl->d[j], &rerr);
+            rs = push_out(r, sl->d[j], lp != NULL ? &lp[j] : NULL, &rerr);
+        pd_token_logprobs bonus_lp;
+        if (lp != NULL && stop_at < 0)
+            bonus_lp = lp[a];
+        free(lp);
         if (rs != PD_OK) {
             fail_request(r, &rerr);
             continue;
@@ -2001,7 +2193,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             r->finish = PD_FINISH_STOP;
         } else {
             r->accepted[r->n_rounds++] = a + 1;
-            if ((rs = push_out(r, bonus, &rerr)) != PD_OK) {
+            if ((rs = push_out(r, bonus, n_lp > 0 ? &bonus_lp : NULL, &rerr)) != PD_OK) {
                 fail_request(r, &rerr);
                 continue;
             }

@@ -102,6 +102,16 @@ typedef struct {
     pd_verify_policy verify_policy;  /* PD_VERIFY_DEFAULT = the engine's */
     float verify_threshold;  /* <= 0: the engine's */
     int record_confidence;   /* keep each round's confidence logits in r->conf_log (calibration) */
+    int logprobs;            /* 1: keep each output token's logprob in r->lps (pd_sample.h: the
+                              * target's log_softmax, before temperature and filtering) */
+    int top_logprobs;        /* with logprobs: also the 0..PD_MAX_TOP_LOGPROBS most likely tokens
+                              * of each position */
+    /* penalties on the target's logits before every pick (kern_penalty_entry: vLLM's meaning),
+     * verify rows included, so speculative decoding stays lossless for the penalised
+     * distribution; logprobs are then those of the penalised logits */
+    float presence_penalty;  /* [-2, 2]; 0 = off */
+    float frequency_penalty; /* [-2, 2]; 0 = off */
+    float repetition_penalty;/* (0, 10]; 0 or 1 = off */
 } pd_gen_params;
 
 typedef enum {
@@ -125,6 +135,11 @@ typedef struct pd_request {
     pd_rng rng;
     int32_t *out;            /* generated tokens (the first one comes from prefill) */
     int n_out;
+    pd_token_logprobs *lps;  /* [n_out] when params.logprobs: out[i]'s logprobs */
+    uint32_t *pen;           /* [vocab] with penalties: occurrences in out (bits 0-30) and
+                              * whether the prompt holds the token (bit 31) ... */
+    int32_t *pen_tok;        /* ... and the tokens whose entry is not 0 */
+    int n_pen_tok, cap_pen_tok;
     int n_emitted;           /* tokens already handed out by pd_engine_take_new */
     int *accepted;           /* per round: accepted drafts + bonus (DeepSpec acceptance_length) */
     int n_rounds;
@@ -192,7 +207,8 @@ pd_status pd_engine_add_external(pd_engine *e, uint64_t id, const int32_t *promp
 /* The external prefill of r is done: its KV pages hold positions 0..n_prompt-1, aux_host holds
  * the packed aux rows [n_prompt, aux_dim] in global token order (NULL when the engine has no
  * draft), and first_token is the token sampled from the last position. The request joins the
- * decode rounds at the next step. PD_ERR_INVALID for a first token outside the vocabulary. */
+ * decode rounds at the next step. PD_ERR_INVALID for a first token outside the vocabulary.
+ * A request with params.logprobs gets zeros for the first token's (the _mode form takes them). */
 pd_status pd_engine_complete_prefill(pd_engine *e, pd_request *r, int32_t first_token,
                                      const float *aux_host, pd_err *err);
 
@@ -204,8 +220,12 @@ pd_status pd_engine_complete_prefill(pd_engine *e, pd_request *r, int32_t first_
 typedef enum { PD_AUX_RAW = 0, PD_AUX_CTX, PD_AUX_DRAFT_KV } pd_aux_mode;
 pd_status pd_aux_mode_parse(const char *s, pd_aux_mode *out, pd_err *err);
 const char *pd_aux_mode_name(pd_aux_mode m);
+/* first_lp: the first token's logprobs as the prefill computed them (nullable: zeros) for a
+ * request with params.logprobs; ids outside the vocabulary or n_top beyond the request's
+ * top_logprobs are PD_ERR_INVALID. */
 pd_status pd_engine_complete_prefill_mode(pd_engine *e, pd_request *r, int32_t first_token,
-                                          pd_aux_mode mode, const float *rows_host, pd_err *err);
+                                          pd_aux_mode mode, const float *rows_host,
+                                          const pd_token_logprobs *first_lp, pd_err *err);
 /* Ends a request with PD_FINISH_ERROR and msg (e.g. its prefill node failed). */
 void pd_engine_fail(pd_engine *e, pd_request *r, const char *msg);
 /* Width of one packed aux row (K * hidden; 0 without a draft). */

@@ -57,6 +57,18 @@ pd_status pd_sample_params_check(const pd_sample_params *p, pd_err *err)
 
 int pd_sample_is_greedy(const pd_sample_params *p) { return p->temperature < 1e-5f; }
 
+pd_status pd_penalties_check(float presence, float frequency, float repetition, pd_err *err)
+{
+    if (!(presence >= -2.0f && presence <= 2.0f))
+        return pd_err_set(err, PD_ERR_INVALID, "presence_penalty %g must be in [-2, 2]", (double)presence);
+    if (!(frequency >= -2.0f && frequency <= 2.0f))
+        return pd_err_set(err, PD_ERR_INVALID, "frequency_penalty %g must be in [-2, 2]", (double)frequency);
+    if (!(repetition >= 0.0f && repetition <= 10.0f))
+        return pd_err_set(err, PD_ERR_INVALID, "repetition_penalty %g must be in (0, 10] (0 = off)",
+                          (double)repetition);
+    return PD_OK;
+}
+
 int32_t pd_argmax(const float *x, int n)
 {
     int best = 0;
@@ -64,6 +76,40 @@ int32_t pd_argmax(const float *x, int n)
         if (x[i] > x[best])
             best = i;
     return best;
+}
+
+void pd_logprobs_row(const float *logits, int n, int32_t tok, int n_top, pd_token_logprobs *out)
+{
+    float mx = logits[0];
+    for (int i = 1; i < n; i++)
+        if (logits[i] > mx)
+            mx = logits[i];
+    double sum = 0.0;
+    for (int i = 0; i < n; i++)
+        sum += exp((double)logits[i] - mx);
+    double lse = mx + log(sum);
+    out->logprob = (float)((double)logits[tok] - lse);
+    if (n_top > PD_MAX_TOP_LOGPROBS)
+        n_top = PD_MAX_TOP_LOGPROBS;
+    if (n_top > n)
+        n_top = n;
+    /* insertion into a short sorted list: (value descending, id ascending); a later id with an
+     * equal value never displaces an earlier one */
+    int k = 0;
+    for (int i = 0; i < n && n_top > 0; i++) {
+        float v = logits[i];
+        if (k == n_top && !(v > logits[out->top_id[k - 1]]))
+            continue;
+        int j = k < n_top ? k++ : k - 1;
+        while (j > 0 && v > logits[out->top_id[j - 1]]) {
+            out->top_id[j] = out->top_id[j - 1];
+            j--;
+        }
+        out->top_id[j] = i;
+    }
+    out->n_top = k;
+    for (int j = 0; j < k; j++)
+        out->top_logprob[j] = (float)((double)logits[out->top_id[j]] - lse);
 }
 
 static int by_prob_desc(const void *a, const void *b, void *ctx)

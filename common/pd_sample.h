@@ -30,6 +30,9 @@ double pd_rng_uniform(pd_rng *r);   /* [0, 1) */
  * top_p <= 0 or > 1). */
 pd_status pd_sample_params_check(const pd_sample_params *p, pd_err *err);
 int pd_sample_is_greedy(const pd_sample_params *p);
+/* PD_ERR_INVALID naming the field unless presence and frequency are in [-2, 2] and repetition
+ * in [0, 10] (0 and 1 = off; the meaning: kern_penalty_entry). */
+pd_status pd_penalties_check(float presence, float frequency, float repetition, pd_err *err);
 
 int32_t pd_argmax(const float *x, int n);
 /* probs[n] = the filtered, tempered distribution of logits (greedy: one-hot at the argmax).
@@ -40,6 +43,22 @@ int32_t pd_sample_from_probs(const float *probs, int n, pd_rng *rng);
 /* One token from logits (argmax when greedy). scratch: n floats + n ints. */
 int32_t pd_sample_logits(const float *logits, int n, const pd_sample_params *p, pd_rng *rng,
                          float *fscratch, int32_t *iscratch);
+
+/* Log-probabilities of one position for a request that asks for them (the OpenAI `logprobs`):
+ * the model's own distribution, log_softmax(logits) before temperature and top-k/top-p (as
+ * vLLM's default raw logprobs), so a greedy and a sampled request report the same numbers. */
+#define PD_MAX_TOP_LOGPROBS 20
+typedef struct {
+    float logprob;                           /* of the token that was committed */
+    int n_top;                               /* entries below */
+    int32_t top_id[PD_MAX_TOP_LOGPROBS];     /* the most likely tokens, most likely first (a tie:
+                                              * lower id first, as the argmax) */
+    float top_logprob[PD_MAX_TOP_LOGPROBS];
+} pd_token_logprobs;
+
+/* out = the logprob of tok under log_softmax(logits[0..n)) (log-sum-exp in double) and the
+ * n_top (0..PD_MAX_TOP_LOGPROBS) most likely tokens with theirs. */
+void pd_logprobs_row(const float *logits, int n, int32_t tok, int n_top, pd_token_logprobs *out);
 
 /* Rejection-sampling verification of draft tokens d[0..l-1] with target distributions
  * p_rows[(l+1) * n] and draft distributions q_rows[l * n]. Returns the number accepted and the

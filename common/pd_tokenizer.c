@@ -1478,6 +1478,14 @@ const char *pd_tokenizer_id_to_token(const pd_tokenizer *t, int32_t id)
     return t->strs + t->str_off[id];
 }
 
+const uint8_t *pd_tokenizer_token_bytes(const pd_tokenizer *t, int32_t id, size_t *len)
+{
+    *len = 0;
+    if (id < 0 || (size_t)id >= t->n_ids || t->kind[id] == TOK_KIND_NONE)
+        return NULL;
+    return tok_bytes(t, id, len);
+}
+
 int32_t pd_tokenizer_token_to_id(const pd_tokenizer *t, const char *token)
 {
     if (token == NULL)

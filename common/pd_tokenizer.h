@@ -61,6 +61,9 @@ int32_t pd_tokenizer_token_to_id(const pd_tokenizer *t, const char *token);
 /* The token string of id as in tokenizer.json (borrowed, lives as long as t); NULL when the
  * id is not in the vocabulary. */
 const char *pd_tokenizer_id_to_token(const pd_tokenizer *t, int32_t id);
+/* The raw bytes id stands for (an added token: its content), not NUL-terminated and possibly
+ * an incomplete UTF-8 sequence; *len set. NULL when the id is not in the vocabulary. */
+const uint8_t *pd_tokenizer_token_bytes(const pd_tokenizer *t, int32_t id, size_t *len);
 /* 1 when id is an added token marked "special": true, else 0. */
 int pd_tokenizer_is_special(const pd_tokenizer *t, int32_t id);
 

@@ -25,13 +25,17 @@ static void usage(FILE *f)
             "                      [--seed S] [--ignore-eos] [--timeout-ms N] [--request-id ID]\n"
             "                      [--stop STR]... [--json] [--stream] [--disconnect-after N]\n"
             "                      [--verify full|threshold|scheduled] [--verify-threshold T]\n"
+            "                      [--logprobs N] [--presence-penalty P] [--frequency-penalty F]\n"
+            "                      [--repetition-penalty R]\n"
             "\n"
             "Streams one completion from a decode node. Text is printed as it arrives; --json\n"
             "prints instead one object at the end with the fields of pdspark-generate --json\n"
             "(tokens, text, rounds, accepted_per_round, tau, ...); --stream with --json prints\n"
             "both. --health prints the node's Health as JSON. --disconnect-after N drops the\n"
             "connection after N chunks (tests). --verify / --verify-threshold pick this request's\n"
-            "DSpark verification policy (default: the node's). Errors print 'pdspark-client: CODE: message'\n"
+            "DSpark verification policy (default: the node's). --logprobs N (0..20) asks for each\n"
+            "token's logprob and its N likeliest alternatives: --json then adds \"logprobs\": [{\"id\",\n"
+            "\"logprob\", \"top\": [[id, logprob], ...]}, ...]. Errors print 'pdspark-client: CODE: message'\n"
             "and exit 1 (2 for bad flags).\n");
 }
 
@@ -116,14 +120,16 @@ int main(int argc, char **argv)
 {
     const char *server = NULL, *prompt = NULL, *ids_path = NULL, *req_id = NULL;
     int max_new = 128, top_k = 0, json = 0, stream = 0, ignore_eos = 0, health = 0;
-    int disconnect_after = -1;
+    int disconnect_after = -1, logprobs = -1;
     char *stops[16];
     size_t n_stops = 0;
     int64_t seed = 0, timeout_ms = 0;
     float temperature = 0.0f, top_p = 1.0f, verify_threshold = 0.0f;
+    float presence = 0.0f, frequency = 0.0f, repetition = 0.0f;
     const char *verify = NULL;
     enum { O_SERVER = 256, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_IGNORE,
-           O_TMO, O_RID, O_JSON, O_STREAM, O_DISC, O_HEALTH, O_STOP, O_VERIFY, O_VTHRESH, O_HELP };
+           O_TMO, O_RID, O_JSON, O_STREAM, O_DISC, O_HEALTH, O_STOP, O_VERIFY, O_VTHRESH, O_LOGPROBS,
+           O_PRES, O_FREQ, O_REP, O_HELP };
     static const struct option opts[] = {
         {"server", required_argument, 0, O_SERVER}, {"prompt", required_argument, 0, O_PROMPT},
         {"prompt-ids", required_argument, 0, O_IDS}, {"max-new-tokens", required_argument, 0, O_MAXNEW},
@@ -135,6 +141,10 @@ int main(int argc, char **argv)
         {"health", no_argument, 0, O_HEALTH}, {"stop", required_argument, 0, O_STOP},
         {"verify", required_argument, 0, O_VERIFY},
         {"verify-threshold", required_argument, 0, O_VTHRESH},
+        {"logprobs", required_argument, 0, O_LOGPROBS},
+        {"presence-penalty", required_argument, 0, O_PRES},
+        {"frequency-penalty", required_argument, 0, O_FREQ},
+        {"repetition-penalty", required_argument, 0, O_REP},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0},
     };
     opterr = 0;
@@ -159,6 +169,10 @@ int main(int argc, char **argv)
         case O_HEALTH: health = 1; break;
         case O_VERIFY: verify = optarg; break;   /* checked by the server */
         case O_VTHRESH: bad = pd_cli_parse_float(PROG, "--verify-threshold", optarg, &verify_threshold); break;
+        case O_PRES: bad = pd_cli_parse_float(PROG, "--presence-penalty", optarg, &presence); break;
+        case O_FREQ: bad = pd_cli_parse_float(PROG, "--frequency-penalty", optarg, &frequency); break;
+        case O_REP: bad = pd_cli_parse_float(PROG, "--repetition-penalty", optarg, &repetition); break;
+        case O_LOGPROBS: bad = pd_cli_parse_int(PROG, "--logprobs", optarg, 0, 20, &logprobs); break;
         case O_STOP:
             if (n_stops == sizeof(stops) / sizeof(stops[0])) {
                 fprintf(stderr, PROG ": at most 16 --stop strings\n");
@@ -221,6 +235,9 @@ int main(int argc, char **argv)
     sp.seed = (uint64_t)seed;
     sp.max_new_tokens = (uint32_t)max_new;
     sp.ignore_eos = ignore_eos;
+    sp.presence_penalty = presence;
+    sp.frequency_penalty = frequency;
+    sp.repetition_penalty = repetition;
     sp.n_stop = n_stops;
     sp.stop = stops;
     Pdspark__GenerateRequest rq = PDSPARK__GENERATE_REQUEST__INIT;
@@ -235,6 +252,9 @@ int main(int argc, char **argv)
     rq.return_stats = 1;
     rq.verify_policy = (char *)(verify != NULL ? verify : "");
     rq.verify_threshold = verify_threshold;
+    rq.logprobs = logprobs >= 0;
+    rq.top_logprobs = logprobs >= 0 ? (uint32_t)logprobs : 0;
+    cJSON *lps = cJSON_CreateArray();
 
     double t0 = pd_cli_now_ms(), t_first = -1.0;
     pd_rpc_stream *s = NULL;
@@ -253,6 +273,20 @@ int main(int argc, char **argv)
         Pdspark__GenerateChunk *ck = (Pdspark__GenerateChunk *)m;
         if (ck->n_token_ids > 0 && t_first < 0)
             t_first = pd_cli_now_ms();
+        for (size_t i = 0; i < ck->n_logprobs; i++) {
+            const Pdspark__TokenLogprobs *l = ck->logprobs[i];
+            cJSON *e = cJSON_CreateObject(), *top = cJSON_CreateArray();
+            cJSON_AddNumberToObject(e, "id", l->token_id);
+            cJSON_AddNumberToObject(e, "logprob", l->logprob);
+            for (size_t j = 0; j < l->n_top_ids && j < l->n_top_logprobs; j++) {
+                cJSON *pair = cJSON_CreateArray();
+                cJSON_AddItemToArray(pair, cJSON_CreateNumber(l->top_ids[j]));
+                cJSON_AddItemToArray(pair, cJSON_CreateNumber(l->top_logprobs[j]));
+                cJSON_AddItemToArray(top, pair);
+            }
+            cJSON_AddItemToObject(e, "top", top);
+            cJSON_AddItemToArray(lps, e);
+        }
         if (acc_add(&a, ck) != 0) {
             st = pd_err_set(&err, PD_ERR_NOMEM, "out of memory");
             protobuf_c_message_free_unpacked(m, NULL);
@@ -324,6 +358,10 @@ int main(int argc, char **argv)
         cJSON_AddStringToObject(o, "device", fin->device != NULL ? fin->device : "");
         cJSON_AddStringToObject(o, "mode", "dspark");
         cJSON_AddStringToObject(o, "request_id", fin->request_id != NULL ? fin->request_id : "");
+        if (logprobs >= 0) {
+            cJSON_AddItemToObject(o, "logprobs", lps);
+            lps = NULL;
+        }
         char *js = cJSON_PrintUnformatted(o);
         puts(js);
         free(js);
@@ -345,6 +383,7 @@ out:
         protobuf_c_message_free_unpacked(&fin->base, NULL);
     pd_rpc_stream_close(s);
     pd_rpc_channel_destroy(ch);
+    cJSON_Delete(lps);
     free(a.tokens);
     free(a.text);
     free(uids);

@@ -38,6 +38,7 @@
 
 #include "pd_engine.h"
 #include "pd_status.h"
+#include "pd_tokenizer.h"
 
 typedef struct decode_server decode_server;
 typedef struct decode_handle decode_handle;
@@ -103,6 +104,11 @@ typedef struct {
     int64_t timeout_ms;             /* deadline from submission; 0 = the server default */
     int verify_policy;              /* pd_verify_policy; PD_VERIFY_DEFAULT (0) = the node's */
     float verify_threshold;         /* threshold policy: (0, 1]; 0 = the node's */
+    float presence_penalty;         /* [-2, 2] (pd_gen_params); 0 = off */
+    float frequency_penalty;        /* [-2, 2]; 0 = off */
+    float repetition_penalty;       /* (0, 10]; 0 or 1 = off */
+    int logprobs;                   /* 1: chunks carry each token's logprob (pd_sample.h) */
+    int top_logprobs;               /* with logprobs: and its 0..PD_MAX_TOP_LOGPROBS likeliest */
 } decode_req;
 
 typedef struct {
@@ -111,6 +117,9 @@ typedef struct {
     int n_ids;
     const char *text;               /* the text they complete (NUL-terminated, may be "") */
     size_t text_len;
+    const size_t *piece_len;        /* [n_ids]: the bytes of text each id completed, in order
+                                     * (an id that starts a UTF-8 sequence completes none) */
+    const pd_token_logprobs *logprobs;  /* [n_ids] when the request asked for them, else NULL */
 } decode_chunk;
 
 typedef struct {
@@ -183,6 +192,9 @@ typedef struct {
 void decode_server_drain(decode_server *s);
 /* A snapshot (updated by the engine thread after every change). Any thread. */
 void decode_server_stats(decode_server *s, decode_stats *out);
+/* The tokenizer the server loaded (immutable; its decode functions may be called from any
+ * thread while the server lives). */
+const pd_tokenizer *decode_server_tokenizer(const decode_server *s);
 /* "cpu"/"cuda" and "colocated"/"disaggregated", for reports. */
 const char *decode_server_device(const decode_server *s);
 const char *decode_server_mode(const decode_server *s);

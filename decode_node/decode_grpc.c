@@ -150,8 +150,34 @@ static void gen_on_token(void *ud, const decode_chunk *ch)
         m.n_token_ids = (size_t)ch->n_ids;
         m.token_ids = (uint32_t *)(uintptr_t)ch->ids;   /* int32 ids >= 0: same bits */
     }
+    Pdspark__TokenLogprobs *lpm = NULL, **lpp = NULL;
+    if (ch->logprobs != NULL && ch->n_ids > 0) {
+        lpm = calloc((size_t)ch->n_ids, sizeof(*lpm));
+        lpp = calloc((size_t)ch->n_ids, sizeof(*lpp));
+        if (lpm == NULL || lpp == NULL) {
+            free(lpm);
+            free(lpp);
+            free(sendbuf);
+            return;
+        }
+        for (int i = 0; i < ch->n_ids; i++) {
+            const pd_token_logprobs *lp = &ch->logprobs[i];
+            pdspark__token_logprobs__init(&lpm[i]);
+            lpm[i].version = PD_PROTO_VERSION;
+            lpm[i].token_id = (uint32_t)ch->ids[i];
+            lpm[i].logprob = lp->logprob;
+            lpm[i].n_top_ids = lpm[i].n_top_logprobs = (size_t)lp->n_top;
+            lpm[i].top_ids = (uint32_t *)(uintptr_t)lp->top_id;   /* ids >= 0: same bits */
+            lpm[i].top_logprobs = (float *)(uintptr_t)lp->top_logprob;
+            lpp[i] = &lpm[i];
+        }
+        m.n_logprobs = (size_t)ch->n_ids;
+        m.logprobs = lpp;
+    }
     pd_status st = pd_rpc_stream_write(c->call, &m.base);
     free(sendbuf);
+    free(lpm);
+    free(lpp);
     pthread_mutex_lock(&c->mu);
     decode_handle *h = c->h;
     pthread_mutex_unlock(&c->mu);
@@ -293,6 +319,9 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
         dr.seed = sp->seed;
         dr.max_new_tokens = sp->max_new_tokens > (uint32_t)INT32_MAX ? -1 : (int)sp->max_new_tokens;
         dr.ignore_eos = sp->ignore_eos;
+        dr.presence_penalty = sp->presence_penalty;
+        dr.frequency_penalty = sp->frequency_penalty;
+        dr.repetition_penalty = sp->repetition_penalty;
     }
     if (rq->verify_policy != NULL && rq->verify_policy[0] != '\0') {
         pd_verify_policy vp;
@@ -305,6 +334,8 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
         dr.verify_policy = (int)vp;
     }
     dr.verify_threshold = rq->verify_threshold;
+    dr.logprobs = rq->logprobs;
+    dr.top_logprobs = rq->top_logprobs > (uint32_t)INT32_MAX ? INT32_MAX : (int)rq->top_logprobs;
     int64_t tmo = rq->timeout_ms > (uint64_t)INT64_MAX ? INT64_MAX : (int64_t)rq->timeout_ms;
     int64_t left = pd_rpc_call_deadline_ms(call);
     if (left != INT64_MAX && (tmo == 0 || left < tmo))

@@ -72,8 +72,18 @@ typedef struct http_req {
     int stopped;                     /* a stop string matched; cancel asked */
     int gone;
     int n_gen;                       /* tokens received (usage when a stop string ended it) */
+    int logprobs, top_logprobs;      /* the request asked for logprobs (and this many likeliest) */
+    struct lp_tok *lps;              /* [n_lps] logprobs of the tokens kept so far ... */
+    int n_lps, cap_lps, lp_sent;     /* ... of which the first lp_sent went out in stream events */
     struct http_req *prev, *next;
 } http_req;
+
+/* One generated token's logprobs and where its text starts in http_req.gen. */
+typedef struct lp_tok {
+    int32_t id;
+    size_t off;
+    pd_token_logprobs lp;
+} lp_tok;
 
 typedef struct {
     int n_stop;
@@ -99,6 +109,7 @@ static void req_free(http_req *r)
     for (int i = 0; i < r->n_stop; i++)
         free(r->stop[i]);
     free(r->gen);
+    free(r->lps);
     free(r);
 }
 
@@ -205,9 +216,94 @@ static cJSON *resp_base(const http_req *r, int chunk)
     return o;
 }
 
-/* One choice; text NULL = no text field (chat role-only / final chunk). */
+/* A token's text for logprobs: its bytes as UTF-8, an incomplete sequence as U+FFFD (as the
+ * tokenizer decodes one token); "" for an id the tokenizer does not know. */
+static cJSON *tok_text(const pd_tokenizer *t, int32_t id)
+{
+    char *txt = NULL;
+    pd_err err;
+    if (t == NULL || pd_tokenizer_decode(t, &id, 1, 0, &txt, NULL, &err) != PD_OK)
+        return cJSON_CreateString("");
+    cJSON *j = cJSON_CreateString(txt);
+    free(txt);
+    return j;
+}
+
+/* chat: {"token", "logprob", "bytes"} of one token */
+static cJSON *chat_lp_entry(const pd_tokenizer *t, int32_t id, float lp)
+{
+    cJSON *e = cJSON_CreateObject();
+    cJSON_AddItemToObject(e, "token", tok_text(t, id));
+    cJSON_AddNumberToObject(e, "logprob", lp);
+    cJSON *b = cJSON_AddArrayToObject(e, "bytes");
+    size_t n = 0;
+    const uint8_t *p = t != NULL ? pd_tokenizer_token_bytes(t, id, &n) : NULL;
+    for (size_t i = 0; p != NULL && i < n; i++)
+        cJSON_AddItemToArray(b, cJSON_CreateNumber(p[i]));
+    return e;
+}
+
+/* Characters (UTF-8 lead bytes) in s[0..n): OpenAI's text_offset counts characters. */
+static size_t utf8_chars(const char *s, size_t n)
+{
+    size_t c = 0;
+    for (size_t i = 0; i < n; i++)
+        c += ((unsigned char)s[i] & 0xC0) != 0x80;
+    return c;
+}
+
+/* The "logprobs" object of a choice for tokens r->lps[from..to): chat's {"content": [...]} or
+ * the completions' parallel arrays (tokens, token_logprobs, top_logprobs with the chosen token
+ * added when it is not among the likeliest, text_offset). */
+static cJSON *logprobs_json(const http_req *r, int from, int to)
+{
+    const pd_tokenizer *t = decode_server_tokenizer(r->dh->s);
+    cJSON *o = cJSON_CreateObject();
+    if (r->chat) {
+        cJSON *c = cJSON_AddArrayToObject(o, "content");
+        for (int i = from; i < to; i++) {
+            const lp_tok *k = &r->lps[i];
+            cJSON *e = chat_lp_entry(t, k->id, k->lp.logprob);
+            cJSON *top = cJSON_AddArrayToObject(e, "top_logprobs");
+            for (int j = 0; j < k->lp.n_top; j++)
+                cJSON_AddItemToArray(top, chat_lp_entry(t, k->lp.top_id[j], k->lp.top_logprob[j]));
+            cJSON_AddItemToArray(c, e);
+        }
+        cJSON_AddNullToObject(o, "refusal");
+        return o;
+    }
+    cJSON *toks = cJSON_AddArrayToObject(o, "tokens");
+    cJSON *lps = cJSON_AddArrayToObject(o, "token_logprobs");
+    cJSON *tops = cJSON_AddArrayToObject(o, "top_logprobs");
+    cJSON *offs = cJSON_AddArrayToObject(o, "text_offset");
+    for (int i = from; i < to; i++) {
+        const lp_tok *k = &r->lps[i];
+        cJSON_AddItemToArray(toks, tok_text(t, k->id));
+        cJSON_AddItemToArray(lps, cJSON_CreateNumber(k->lp.logprob));
+        cJSON *d = cJSON_CreateObject();
+        int chosen_in = 0;
+        for (int j = 0; j < k->lp.n_top; j++) {
+            cJSON *key = tok_text(t, k->lp.top_id[j]);
+            cJSON_AddNumberToObject(d, key->valuestring, k->lp.top_logprob[j]);
+            cJSON_Delete(key);
+            chosen_in |= k->lp.top_id[j] == k->id;
+        }
+        if (!chosen_in) {
+            cJSON *key = tok_text(t, k->id);
+            cJSON_AddNumberToObject(d, key->valuestring, k->lp.logprob);
+            cJSON_Delete(key);
+        }
+        cJSON_AddItemToArray(tops, d);
+        size_t off = k->off < r->gen_len ? k->off : r->gen_len;
+        cJSON_AddItemToArray(offs, cJSON_CreateNumber((double)utf8_chars(r->gen, off)));
+    }
+    return o;
+}
+
+/* One choice; text NULL = no text field (chat role-only / final chunk). Logprobs of tokens
+ * r->lps[lp_from..lp_to) when the request asked for them (else null). */
 static void add_choice(cJSON *o, const http_req *r, const char *text, size_t len, int chunk,
-                       const char *finish, int role)
+                       const char *finish, int role, int lp_from, int lp_to)
 {
     cJSON *arr = cJSON_AddArrayToObject(o, "choices");
     cJSON *c = cJSON_CreateObject();
@@ -230,7 +326,10 @@ static void add_choice(cJSON *o, const http_req *r, const char *text, size_t len
     } else {
         cJSON_AddStringToObject(c, "text", t != NULL ? t : "");
     }
-    cJSON_AddNullToObject(c, "logprobs");
+    if (r->logprobs && lp_from >= 0)
+        cJSON_AddItemToObject(c, "logprobs", logprobs_json(r, lp_from, lp_to));
+    else
+        cJSON_AddNullToObject(c, "logprobs");
     if (finish != NULL)
         cJSON_AddStringToObject(c, "finish_reason", finish);
     else
@@ -266,17 +365,22 @@ static void sse_start(http_req *r)
     evhttp_send_reply_start(r->req, 200, "OK");
     if (r->chat) {
         cJSON *o = resp_base(r, 1);
-        add_choice(o, r, "", 0, 1, NULL, 1);
+        add_choice(o, r, "", 0, 1, NULL, 1, -1, -1);
         sse_send(r, o);
     }
 }
 
-static void sse_delta(http_req *r, const char *text, size_t len)
+/* A text event for gen[r->sent..safe), with the logprobs of the tokens whose text starts there */
+static void sse_delta(http_req *r, size_t safe)
 {
-    if (len == 0)
+    if (safe <= r->sent)
         return;
+    int to = r->lp_sent;
+    while (to < r->n_lps && r->lps[to].off < safe)
+        to++;
     cJSON *o = resp_base(r, 1);
-    add_choice(o, r, text, len, 1, NULL, 0);
+    add_choice(o, r, r->gen + r->sent, safe - r->sent, 1, NULL, 0, r->lp_sent, to);
+    r->lp_sent = to;
     sse_send(r, o);
 }
 
@@ -308,6 +412,9 @@ static size_t stop_scan(http_req *r, int final)
         r->gen_len = best;
         r->gen[best] = '\0';
         r->stopped = 1;
+        /* the tokens whose text starts in the stop string are not part of the output */
+        while (r->n_lps > 0 && r->lps[r->n_lps - 1].off >= best)
+            r->n_lps--;
         if (r->h != NULL)
             decode_cancel(r->h);
         return r->gen_len;
@@ -334,7 +441,7 @@ static void emit_safe(http_req *r, size_t safe)
         return;
     if (r->stream && !r->gone) {
         sse_start(r);
-        sse_delta(r, r->gen + r->sent, safe - r->sent);
+        sse_delta(r, safe);
     }
     r->sent = safe;
 }
@@ -350,6 +457,8 @@ typedef struct {
     char *text;
     size_t len;
     int n_ids;
+    lp_tok *lps;                     /* [n_ids] when the request asked for logprobs; off = the
+                                      * token's start within text */
     /* done */
     pd_status st;
     char error[512];
@@ -372,6 +481,21 @@ static int peer_closed(struct evhttp_connection *evcon)
     return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
 }
 
+static int lps_reserve(http_req *r, int need)
+{
+    if (need <= r->cap_lps)
+        return 0;
+    int cap = r->cap_lps ? r->cap_lps : 64;
+    while (cap < need)
+        cap *= 2;
+    lp_tok *p = realloc(r->lps, (size_t)cap * sizeof(*p));
+    if (p == NULL)
+        return -1;
+    r->lps = p;
+    r->cap_lps = cap;
+    return 0;
+}
+
 static void msg_chunk(http_msg *m)
 {
     http_req *r = m->r;
@@ -384,9 +508,15 @@ static void msg_chunk(http_msg *m)
         decode_cancel(r->h);
         return;
     }
-    if (gen_append(r, m->text, m->len) != 0) {
+    size_t base = r->gen_len;
+    if (gen_append(r, m->text, m->len) != 0 ||
+        (m->lps != NULL && lps_reserve(r, r->n_lps + m->n_ids) != 0)) {
         decode_cancel(r->h);
         return;
+    }
+    for (int i = 0; m->lps != NULL && i < m->n_ids; i++) {
+        r->lps[r->n_lps] = m->lps[i];
+        r->lps[r->n_lps++].off += base;
     }
     if (r->stream)
         sse_start(r);   /* the first chunk commits the stream to 200 */
@@ -422,7 +552,8 @@ static void msg_done(http_msg *m)
         sse_start(r);
         if (ok) {
             cJSON *o = resp_base(r, 1);
-            add_choice(o, r, r->chat ? NULL : "", 0, 1, finish, 0);
+            add_choice(o, r, r->chat ? NULL : "", 0, 1, finish, 0,
+                       r->lp_sent < r->n_lps ? r->lp_sent : -1, r->n_lps);
             add_usage(o, m->prompt_tokens, m->n_tokens, m->rounds, m->tau, m->block_size, m->accepted);
             sse_send(r, o);
             if (r->include_usage) {
@@ -452,7 +583,7 @@ static void msg_done(http_msg *m)
         evhttp_send_reply_end(r->req);
     } else if (ok) {
         cJSON *o = resp_base(r, 0);
-        add_choice(o, r, r->gen != NULL ? r->gen : "", r->gen_len, 0, finish, 1);
+        add_choice(o, r, r->gen != NULL ? r->gen : "", r->gen_len, 0, finish, 1, 0, r->n_lps);
         add_usage(o, m->prompt_tokens, m->n_tokens, m->rounds, m->tau, m->block_size, m->accepted);
         char *s = cJSON_PrintUnformatted(o);
         cJSON_Delete(o);
@@ -483,6 +614,7 @@ static void msg_run(void *arg)
         msg_chunk(m);
     }
     free(m->text);
+    free(m->lps);
     free(m);
 }
 
@@ -498,6 +630,18 @@ static void cb_token(void *ud, const decode_chunk *c)
     }
     memcpy(t, c->text, c->text_len);
     t[c->text_len] = '\0';
+    if (c->logprobs != NULL && c->n_ids > 0) {
+        if ((m->lps = malloc((size_t)c->n_ids * sizeof(*m->lps))) == NULL) {
+            free(m);
+            free(t);
+            return;
+        }
+        size_t off = 0;
+        for (int i = 0; i < c->n_ids; i++) {
+            m->lps[i] = (lp_tok){ .id = c->ids[i], .off = off, .lp = c->logprobs[i] };
+            off += c->piece_len != NULL ? c->piece_len[i] : 0;
+        }
+    }
     m->n_ids = c->n_ids;
     m->dh = r->dh;
     m->r = r;
@@ -505,6 +649,7 @@ static void cb_token(void *ud, const decode_chunk *c)
     m->len = c->text_len;
     if (pd_loop_post(pd_http_loop(r->dh->http), msg_run, m) != PD_OK) {
         free(t);
+        free(m->lps);
         free(m);
     }
 }
@@ -716,20 +861,41 @@ static int parse_common(const cJSON *root, int chat, decode_req *dr, req_opts *o
         snprintf(msg, cap, "'echo' is not supported");
         return -1;
     }
+    /* completions: "logprobs": N (0..20) asks for them and the N likeliest; chat: "logprobs":
+     * true, and "top_logprobs": N */
     *param = "logprobs";
-    const cJSON *lp = cJSON_GetObjectItemCaseSensitive(root, "logprobs");
-    if (lp != NULL && !cJSON_IsNull(lp) && !cJSON_IsFalse(lp)) {
-        snprintf(msg, cap, "'logprobs' is not supported");
-        return -1;
+    if (chat) {
+        b = 0;
+        if (get_bool(root, "logprobs", &b, msg, cap) < 0)
+            return -1;
+        dr->logprobs = b;
+        *param = "top_logprobs";
+        if ((rc = get_int(root, "top_logprobs", 0, PD_MAX_TOP_LOGPROBS, &ll, msg, cap)) < 0)
+            return -1;
+        if (rc > 0 && !b) {
+            snprintf(msg, cap, "'top_logprobs' needs 'logprobs': true");
+            return -1;
+        }
+        dr->top_logprobs = rc > 0 ? (int)ll : 0;
+    } else {
+        if ((rc = get_int(root, "logprobs", 0, PD_MAX_TOP_LOGPROBS, &ll, msg, cap)) < 0)
+            return -1;
+        dr->logprobs = rc > 0;
+        dr->top_logprobs = rc > 0 ? (int)ll : 0;
     }
-    const char *pens[] = {"presence_penalty", "frequency_penalty"};
-    for (int i = 0; i < 2; i++) {
+    /* OpenAI's presence/frequency penalties and the repetition penalty (extension, vLLM) */
+    const char *pens[] = {"presence_penalty", "frequency_penalty", "repetition_penalty"};
+    float *pv[] = {&dr->presence_penalty, &dr->frequency_penalty, &dr->repetition_penalty};
+    for (int i = 0; i < 3; i++) {
         *param = pens[i];
         d = 0;
         if (get_number(root, pens[i], &d, msg, cap) < 0)
             return -1;
-        if (d != 0) {
-            snprintf(msg, cap, "'%s' is not supported (only 0)", pens[i]);
+        float one[3] = {0.0f, 0.0f, 0.0f};
+        one[i] = *pv[i] = (float)d;
+        pd_err perr;
+        if (pd_penalties_check(one[0], one[1], one[2], &perr) != PD_OK) {
+            snprintf(msg, cap, "%s", perr.msg);
             return -1;
         }
     }
@@ -994,6 +1160,8 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     r->chat = chat;
     r->stream = o.stream;
     r->include_usage = o.include_usage;
+    r->logprobs = dr.logprobs;
+    r->top_logprobs = dr.top_logprobs;
     r->created = (long)time(NULL);
     unsigned long long seq = atomic_fetch_add(&dh->next_id, 1);
     snprintf(r->id, sizeof(r->id), "%s-%llx%04llx", chat ? "chatcmpl" : "cmpl",

@@ -67,7 +67,7 @@ int main(int argc, char **argv)
     decode_config cfg;
     decode_config_default(&cfg);
     const char *listen = NULL;
-    int colocated = 0;
+    int colocated = 0, refresh_given = 0;
     const char *http_addr = NULL;
     int64_t drain_ms = 30000;
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_PREFILL, O_COLO, O_DEVICE, O_PAGES, O_PAGE, O_BATCH,
@@ -109,6 +109,7 @@ int main(int argc, char **argv)
         case O_PAGE: bad = pd_cli_parse_int(PROG, "--page-size", optarg, 1, 4096, &cfg.page_size); break;
         case O_BATCH: bad = pd_cli_parse_int(PROG, "--max-batch", optarg, 1, 65536, &cfg.max_batch); break;
         case O_REFRESH:
+            refresh_given = 1;
             bad = pd_cli_parse_i64(PROG, "--prefill-refresh-ms", optarg, 0, INT32_MAX, &cfg.prefill_refresh_ms);
             break;
         case O_CHUNK:
@@ -182,6 +183,11 @@ int main(int argc, char **argv)
     if (!colocated && cfg.tp_size > 1) {
         fprintf(stderr, PROG ": --tp applies to --colocated only (a prefill node's KV would reach "
                         "rank 0's shard only)\n");
+        return 2;
+    }
+    if (colocated && refresh_given) {
+        fprintf(stderr, PROG ": --prefill-refresh-ms applies to --prefill only (a --colocated node "
+                        "has no prefill nodes to resolve)\n");
         return 2;
     }
     if (!colocated && cfg.max_prefill_tokens > 0) {

@@ -233,6 +233,11 @@ void decode_server_stats(decode_server *s, decode_stats *out)
     pthread_mutex_unlock(&s->stats_mu);
 }
 
+const pd_tokenizer *decode_server_tokenizer(const decode_server *s)
+{
+    return s->tok;
+}
+
 const char *decode_server_device(const decode_server *s)
 {
     return s->device;
@@ -301,12 +306,14 @@ static void emit_new(decode_server *s, decode_handle *h)
     h->t_last = now;
     size_t cap = 256, len = 0;
     char *text = malloc(cap);
-    for (int i = 0; i < n && text != NULL; i++) {
+    size_t *plen = calloc((size_t)n, sizeof(size_t));
+    for (int i = 0; i < n && text != NULL && plen != NULL; i++) {
         char *piece = NULL;
         pd_err err;
         if (h->detok == NULL || pd_detok_push(h->detok, nt[i], &piece, &err) != PD_OK)
             continue;
         size_t pl = strlen(piece);
+        plen[i] = pl;
         if (len + pl + 1 > cap) {
             while (len + pl + 1 > cap)
                 cap *= 2;
@@ -323,14 +330,18 @@ static void emit_new(decode_server *s, decode_handle *h)
     }
     if (text != NULL)
         text[len] = '\0';
+    if (plen == NULL)
+        len = 0;
     decode_chunk c = { .request_id = h->id, .ids = nt, .n_ids = n, .text = text ? text : "",
-                       .text_len = text ? len : 0 };
+                       .text_len = text ? len : 0, .piece_len = plen,
+                       .logprobs = h->r->lps != NULL ? h->r->lps + (nt - h->r->out) : NULL };
     const decode_observer *ob = s->cfg.observer;
     if (ob != NULL && ob->on_token != NULL)
         ob->on_token(ob->ud, &c, gap, first);
     if (h->on_token != NULL)
         h->on_token(h->ud, &c);
     free(text);
+    free(plen);
 }
 
 /* Call on_done once. The request's engine state is left to the caller. */
@@ -597,6 +608,9 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
     sp.top_k = (uint32_t)h->gp.sample.top_k;
     sp.seed = h->gp.sample.seed;
     sp.max_new_tokens = 1;
+    sp.presence_penalty = h->gp.presence_penalty;
+    sp.frequency_penalty = h->gp.frequency_penalty;
+    sp.repetition_penalty = h->gp.repetition_penalty;
     Pdspark__PageLayout pl = PDSPARK__PAGE_LAYOUT__INIT;
     pl.version = PD_PROTO_VERSION;
     pl.page_size = (uint32_t)lay->page_size;
@@ -665,6 +679,8 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
     pr.token_ids = ids;
     pr.sampling = &sp;
     pr.dest = &d;
+    pr.logprobs = h->gp.logprobs != 0;
+    pr.top_logprobs = (uint32_t)h->gp.top_logprobs;
     int64_t tmo = s->cfg.transfer_timeout_ms;
     h->prefill_by_deadline = 0;
     if (h->deadline > 0) {
@@ -756,7 +772,8 @@ static pd_status upload_staged(decode_server *s, decode_handle *h, pd_kv_pool *p
 /* The prompt's pages and the drafter's payload arrived (the prefill node used mode): move the
  * staged pages in and hand the request to the engine. */
 static pd_status complete_external(decode_server *s, decode_handle *h, int32_t first,
-                                   Pdspark__AuxMode mode, pd_err *err)
+                                   Pdspark__AuxMode mode, const pd_token_logprobs *first_lp,
+                                   pd_err *err)
 {
     pd_aux_mode am;
     switch (mode) {
@@ -777,7 +794,7 @@ static pd_status complete_external(decode_server *s, decode_handle *h, int32_t f
         return st;
     /* raw rows are [n, K*hidden]; ctx rows are [n, hidden], packed from the same first row */
     const float *rows = am == PD_AUX_DRAFT_KV ? NULL : s->aux_arena + (size_t)h->aux_row * (size_t)s->aux_dim;
-    return pd_engine_complete_prefill_mode(s->eng, h->r, first, am, rows, err);
+    return pd_engine_complete_prefill_mode(s->eng, h->r, first, am, rows, first_lp, err);
 }
 
 static void on_reply_loop(void *arg)
@@ -803,15 +820,27 @@ static void on_reply_loop(void *arg)
     snprintf(msg, sizeof(msg), "%s", m->msg);
     int32_t first = -1;
     Pdspark__AuxMode aux_mode = PDSPARK__AUX_MODE__AUX_MODE_NONE;
+    pd_token_logprobs first_lp = {0};
     if (st == PD_OK) {
         Pdspark__PrefillReply *rep = (Pdspark__PrefillReply *)m->resp;
         pd_err verr;
         if (pd_proto_version_check(m->resp, &verr) != PD_OK) {
             st = PD_ERR_PEER;
             snprintf(msg, sizeof(msg), "%s", verr.msg);
+        } else if (rep->n_first_top_ids != rep->n_first_top_logprobs ||
+                   rep->n_first_top_ids > PD_MAX_TOP_LOGPROBS) {
+            st = PD_ERR_PEER;
+            snprintf(msg, sizeof(msg), "prefill reply: %zu top ids with %zu top logprobs (at most %d)",
+                     rep->n_first_top_ids, rep->n_first_top_logprobs, PD_MAX_TOP_LOGPROBS);
         } else {
             first = (int32_t)rep->first_token_id;
             aux_mode = rep->aux_mode;
+            first_lp.logprob = rep->first_token_logprob;
+            first_lp.n_top = (int)rep->n_first_top_ids;
+            for (int i = 0; i < first_lp.n_top; i++) {
+                first_lp.top_id[i] = rep->first_top_ids[i] > INT32_MAX ? -1 : (int32_t)rep->first_top_ids[i];
+                first_lp.top_logprob[i] = rep->first_top_logprobs[i];
+            }
         }
     }
     if (m->resp != NULL)
@@ -836,7 +865,7 @@ static void on_reply_loop(void *arg)
     PD_ASSERT(h->state == H_PREFILL);
     if (st == PD_OK) {
         pd_err err = {0};
-        if (complete_external(s, h, first, aux_mode, &err) == PD_OK) {
+        if (complete_external(s, h, first, aux_mode, &first_lp, &err) == PD_OK) {
             aux_free(s, h->aux_row);
             h->aux_row = -1;
             s->n_prefill--;
@@ -1122,6 +1151,13 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
                           (double)req->top_p);
     if (req->top_k < 0 || req->top_k > s->vocab)
         return pd_err_set(err, PD_ERR_INVALID, "top_k %d must be in 0..%d", req->top_k, s->vocab);
+    pd_status pst = pd_penalties_check(req->presence_penalty, req->frequency_penalty,
+                                       req->repetition_penalty, err);
+    if (pst != PD_OK)
+        return pst;
+    if (req->top_logprobs < 0 || req->top_logprobs > PD_MAX_TOP_LOGPROBS)
+        return pd_err_set(err, PD_ERR_INVALID, "top_logprobs %d must be in 0..%d", req->top_logprobs,
+                          PD_MAX_TOP_LOGPROBS);
     if (req->max_new_tokens < 0 || req->max_new_tokens > s->max_ctx)
         return pd_err_set(err, PD_ERR_INVALID, "max_new_tokens %d must be in 0..%d (0 = 128)",
                           req->max_new_tokens, s->max_ctx);
@@ -1218,6 +1254,11 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
     h->gp.ignore_eos = req->ignore_eos;
     h->gp.verify_policy = (pd_verify_policy)req->verify_policy;
     h->gp.verify_threshold = req->verify_threshold;
+    h->gp.presence_penalty = req->presence_penalty;
+    h->gp.frequency_penalty = req->frequency_penalty;
+    h->gp.repetition_penalty = req->repetition_penalty;
+    h->gp.logprobs = req->logprobs != 0;
+    h->gp.top_logprobs = req->logprobs ? req->top_logprobs : 0;
     h->on_token = on_token;
     h->on_done = on_done;
     h->ud = ud;

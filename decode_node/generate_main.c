@@ -35,6 +35,7 @@ static void usage(FILE *f)
             "                        [--kv-pages N] [--stream]\n"
             "                        [--verify full|threshold|scheduled] [--threshold T] [--fast-kernels]\n"
             "                        [--graphs auto|off|pad]\n"
+            "                        [--presence-penalty P] [--frequency-penalty F] [--repetition-penalty R]\n"
             "                        [--cp-size N] [--cp-strategy round-robin-split|interleave|zigzag]\n"
             "                        [--tp N]\n"
             "\n"
@@ -51,7 +52,10 @@ static void usage(FILE *f)
             "heads, MLP and lm_head split N ways; N must divide the attention heads; on the cpu the\n"
             "tokens are the same as with N = 1.\n"
             "--dtype f32 keeps the weights and KV cache in fp32 on cuda (default bf16: half the\n"
-            "bytes); the cpu device always computes in fp32.\n");
+            "bytes); the cpu device always computes in fp32.\n"
+            "Penalties (vLLM's meaning, on the target's logits, drafts verified against the\n"
+            "penalised ones): --presence-penalty and --frequency-penalty in [-2, 2] on the output's\n"
+            "tokens, --repetition-penalty in (0, 10] on the prompt's and the output's.\n");
 }
 
 int main(int argc, char **argv)
@@ -63,11 +67,13 @@ int main(int argc, char **argv)
     int tp = 1, f32 = 0;
     pd_cp_strategy cp_strategy = PD_CP_STRATEGY_ROUND_ROBIN;
     float temperature = 0.0f, top_p = 1.0f, threshold = 0.0f;
+    float presence = 0.0f, frequency = 0.0f, repetition = 0.0f;
     pd_verify_policy verify = PD_VERIFY_FULL;
     pd_graph_mode graphs = PD_GRAPHS_AUTO;
     enum { O_MODEL = 256, O_DRAFT, O_NO_DRAFT, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP,
            O_SEED, O_BLOCK, O_JSON, O_IGNORE, O_DEVICE, O_PAGE, O_PAGES, O_STREAM, O_CP_SIZE,
-           O_CP_STRATEGY, O_VERIFY, O_THRESHOLD, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_HELP };
+           O_CP_STRATEGY, O_VERIFY, O_THRESHOLD, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_PRES, O_FREQ,
+           O_REP, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"no-draft", no_argument, 0, O_NO_DRAFT}, {"prompt", required_argument, 0, O_PROMPT},
@@ -82,6 +88,9 @@ int main(int argc, char **argv)
         {"verify", required_argument, 0, O_VERIFY}, {"threshold", required_argument, 0, O_THRESHOLD},
         {"fast-kernels", no_argument, 0, O_FAST}, {"graphs", required_argument, 0, O_GRAPHS},
         {"tp", required_argument, 0, O_TP},
+        {"presence-penalty", required_argument, 0, O_PRES},
+        {"frequency-penalty", required_argument, 0, O_FREQ},
+        {"repetition-penalty", required_argument, 0, O_REP},
         {"cp-strategy", required_argument, 0, O_CP_STRATEGY}, {"help", no_argument, 0, O_HELP},
         {0, 0, 0, 0},
     };
@@ -99,6 +108,9 @@ int main(int argc, char **argv)
         case O_TEMP: bad = pd_cli_parse_float(PROG, "--temperature", optarg, &temperature); break;
         case O_TOPK: bad = pd_cli_parse_int(PROG, "--top-k", optarg, 0, INT_MAX, &top_k); break;
         case O_TOPP: bad = pd_cli_parse_float(PROG, "--top-p", optarg, &top_p); break;
+        case O_PRES: bad = pd_cli_parse_float(PROG, "--presence-penalty", optarg, &presence); break;
+        case O_FREQ: bad = pd_cli_parse_float(PROG, "--frequency-penalty", optarg, &frequency); break;
+        case O_REP: bad = pd_cli_parse_float(PROG, "--repetition-penalty", optarg, &repetition); break;
         case O_SEED: bad = pd_cli_parse_int(PROG, "--seed", optarg, 0, INT_MAX, &seed); break;
         case O_BLOCK: bad = pd_cli_parse_int(PROG, "--block-size", optarg, 1, 31, &block); break;
         case O_JSON: json = 1; break;
@@ -230,7 +242,9 @@ int main(int argc, char **argv)
     }
     pd_gen_params gp = { .sample = { .temperature = temperature, .top_k = top_k, .top_p = top_p,
                                      .seed = (uint64_t)seed },
-                         .max_new_tokens = max_new, .ignore_eos = ignore_eos };
+                         .max_new_tokens = max_new, .ignore_eos = ignore_eos,
+                         .presence_penalty = presence, .frequency_penalty = frequency,
+                         .repetition_penalty = repetition };
     pd_request *req = NULL;
     double t0 = pd_cli_now_ms();
     if (pd_engine_add(eng, 1, ids, n_ids, &gp, &req, &err) != PD_OK)

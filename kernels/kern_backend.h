@@ -414,6 +414,43 @@ typedef struct {
     int32_t *out;            /* [n_req, 2] */
 } kern_spec_verify_args;
 
+/* Sampling penalties on logits, in place, before the argmax / kern_probs (vLLM's order and
+ * meaning): for each entry, with v = x[row * ld_x + tok]:
+ *   the repetition penalty (HF / vLLM; 1 = off) when the token is in the prompt or the output
+ *   so far (seen): v = v > 0 ? v / rep : v * rep;
+ *   then the OpenAI penalties on its count in the output so far: v -= freq * count, and
+ *   v -= pres once when count > 0.
+ * Entries name distinct (row, tok) pairs (the caller merges them), so the op is a scatter. */
+typedef struct {
+    int32_t row, tok;
+    int32_t count;           /* occurrences in the output so far (incl. earlier drafts of the
+                              * same verify block) */
+    int32_t seen;            /* 1: in the prompt or the output */
+    float rep, freq, pres;
+    int32_t reserved;        /* 0 */
+} kern_penalty_entry;
+
+typedef struct {
+    float *x;                /* [*, ld_x] logits, changed in place */
+    int ld_x;
+    int n;                   /* vocabulary: tok < n */
+    int n_entries;
+    const kern_penalty_entry *e;   /* [n_entries], backend memory */
+} kern_penalty_args;
+
+/* One logit under one entry's penalties: the arithmetic of every backend (float, this order). */
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+static inline float kern_penalize_one(float v, const kern_penalty_entry *e)
+{
+    if (e->seen && e->rep != 1.0f)
+        v = v > 0.0f ? v / e->rep : v * e->rep;
+    if (e->count > 0)
+        v = v - e->freq * (float)e->count - e->pres;
+    return v;
+}
+
 /* ---- the backend ------------------------------------------------------------------------- */
 
 struct kern_backend_ops {
@@ -458,6 +495,7 @@ struct kern_backend_ops {
     pd_status (*probs)(kern_backend *be, const kern_probs_args *a, pd_err *err);
     pd_status (*sample)(kern_backend *be, const kern_sample_args *a, pd_err *err);
     pd_status (*spec_verify)(kern_backend *be, const kern_spec_verify_args *a, pd_err *err);
+    pd_status (*penalty)(kern_backend *be, const kern_penalty_args *a, pd_err *err);
     void (*destroy)(kern_backend *be);
 };
 
@@ -589,6 +627,7 @@ pd_status kern_markov_chain_by_steps(kern_backend *be, const kern_markov_chain_a
 pd_status kern_probs(kern_backend *be, const kern_probs_args *a, pd_err *err);
 pd_status kern_sample(kern_backend *be, const kern_sample_args *a, pd_err *err);
 pd_status kern_spec_verify(kern_backend *be, const kern_spec_verify_args *a, pd_err *err);
+pd_status kern_penalty(kern_backend *be, const kern_penalty_args *a, pd_err *err);
 
 /* Host helpers for dtype conversion (used by loaders and the CPU backend). */
 float kern_bf16_to_f32(uint16_t h);

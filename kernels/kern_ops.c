@@ -606,3 +606,12 @@ pd_status kern_spec_verify(kern_backend *be, const kern_spec_verify_args *a, pd_
     CHECK(a->ld_draft >= 1 && a->ld_u >= 1, "spec_verify: ld_draft %d ld_u %d", a->ld_draft, a->ld_u);
     return be->ops->spec_verify(be, a, err);
 }
+
+pd_status kern_penalty(kern_backend *be, const kern_penalty_args *a, pd_err *err)
+{
+    if (a->n_entries == 0)
+        return PD_OK;
+    CHECK(a->x != NULL && a->e != NULL && a->n_entries > 0 && a->n > 0 && a->ld_x >= a->n,
+          "penalty: bad view (%d entries, n %d, ld %d)", a->n_entries, a->n, a->ld_x);
+    return be->ops->penalty(be, a, err);
+}

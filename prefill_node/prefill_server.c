@@ -272,6 +272,16 @@ static void job_answer(prefill_server *ps, job *j, pd_status st, const char *msg
         rep.version = PD_PROTO_VERSION;
         rep.request_id = j->id;
         rep.first_token_id = (uint32_t)j->r->out[0];
+        uint32_t top_ids[PD_MAX_TOP_LOGPROBS];
+        if (j->gp.logprobs && j->r->lps != NULL) {
+            const pd_token_logprobs *lp = &j->r->lps[0];
+            rep.first_token_logprob = lp->logprob;
+            for (int i = 0; i < lp->n_top; i++)
+                top_ids[i] = (uint32_t)lp->top_id[i];
+            rep.n_first_top_ids = rep.n_first_top_logprobs = (size_t)lp->n_top;
+            rep.first_top_ids = top_ids;
+            rep.first_top_logprobs = (float *)lp->top_logprob;
+        }
         rep.prompt_tokens = (uint32_t)j->n;
         rep.cp_size = (uint32_t)ps->cp_n;
         rep.timings = &tm;
@@ -933,11 +943,17 @@ static pd_status validate(prefill_server *ps, const Pdspark__PrefillRequest *rq,
         st = validate_rows(ps, rq, err);
     if (st != PD_OK)
         return st;
+    if (rq->top_logprobs > PD_MAX_TOP_LOGPROBS)
+        return pd_err_set(err, PD_ERR_INVALID, "top_logprobs %u must be in 0..%d", rq->top_logprobs,
+                          PD_MAX_TOP_LOGPROBS);
     if (rq->sampling != NULL) {
         pd_sample_params sp = { .temperature = rq->sampling->temperature,
                                 .top_k = (int)(rq->sampling->top_k > (uint32_t)ps->vocab ? -1 : (int)rq->sampling->top_k),
                                 .top_p = rq->sampling->top_p > 0.0f ? rq->sampling->top_p : 1.0f };
         if ((st = pd_sample_params_check(&sp, err)) != PD_OK)
+            return st;
+        if ((st = pd_penalties_check(rq->sampling->presence_penalty, rq->sampling->frequency_penalty,
+                                     rq->sampling->repetition_penalty, err)) != PD_OK)
             return st;
     }
     return PD_OK;
@@ -1041,12 +1057,18 @@ static pd_status handle_prefill(void *ud, const ProtobufCMessage *msg, pd_rpc_ca
     j->gp.capture_ctx = j->want_aux && j->aux_mode == PD_AUX_CTX;
     j->gp.hold_kv = 1;
     j->gp.ignore_eos = 1;
+    j->gp.logprobs = rq->logprobs;
+    j->gp.top_logprobs = rq->logprobs ? (int)rq->top_logprobs : 0;
     j->gp.sample.top_p = 1.0f;
     if (rq->sampling != NULL) {
         j->gp.sample.temperature = rq->sampling->temperature;
         j->gp.sample.top_p = rq->sampling->top_p > 0.0f ? rq->sampling->top_p : 1.0f;
         j->gp.sample.top_k = (int)rq->sampling->top_k;
         j->gp.sample.seed = rq->sampling->seed;
+        /* only the repetition penalty can touch the first token (the output is still empty) */
+        j->gp.presence_penalty = rq->sampling->presence_penalty;
+        j->gp.frequency_penalty = rq->sampling->frequency_penalty;
+        j->gp.repetition_penalty = rq->sampling->repetition_penalty;
     }
     j->t_recv = now_ms();
     int64_t tmo = (int64_t)(rq->timeout_ms > (uint64_t)INT32_MAX ? INT32_MAX : rq->timeout_ms);

@@ -150,6 +150,8 @@ fi
 if [ -x "$bin/decode_node" ] && [ -x "$bin/pdspark-client" ]; then
     expect_fail "decode_node --chunked-prefill-size 0" "chunked-prefill-size" $bin/decode_node --model "$T" \
         --draft "$D" --listen 127.0.0.1:0 --colocated --chunked-prefill-size 0
+    expect_fail "decode_node --prefill-refresh-ms colocated" "prefill-refresh-ms applies to --prefill only" \
+        $bin/decode_node --model "$T" --draft "$D" --listen 127.0.0.1:0 --colocated --prefill-refresh-ms 100
     expect_fail "decode_node --chunked-prefill-size disaggregated" "chunked-prefill-size applies to --colocated only" \
         $bin/decode_node --model "$T" --draft "$D" --listen 127.0.0.1:0 --prefill 127.0.0.1:1 --chunked-prefill-size 64
     prompt='import os

@@ -4,6 +4,7 @@
  * answers BUSY and loses nothing else; a long prompt is prefilled in chunks of
  * max_prefill_tokens with a decode round between them, so a running request keeps producing
  * tokens meanwhile, and the chunked prompt decodes as it does prefilled whole. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -135,7 +136,7 @@ static void test_engine_aux_modes(void)
         const float *rows = mode == PD_AUX_RAW ? rp->aux : mode == PD_AUX_CTX ? rp->ctx : NULL;
         if (mode == PD_AUX_DRAFT_KV)
             copy_pages(pd_engine_draft_pool(pre), &rp->dkv, pd_engine_draft_pool(dec), &rd->dkv, (n + 15) / 16);
-        pd_status st = pd_engine_complete_prefill_mode(dec, rd, rp->out[0], (pd_aux_mode)mode, rows, &err);
+        pd_status st = pd_engine_complete_prefill_mode(dec, rd, rp->out[0], (pd_aux_mode)mode, rows, NULL, &err);
         TEST_CHECK_MSG(st == PD_OK, "%s: %s", pd_aux_mode_name((pd_aux_mode)mode), err.msg);
         pd_engine_fail(dec, filler, "unused");
         TEST_CHECK(run_to_end(dec) == 0);
@@ -653,6 +654,262 @@ static void test_engine_deferred_compact(void)
     free(kv1);
 }
 
+/* A speculative engine and a target-only one over the same target; 0 when both exist. */
+static int spec_and_plain(pd_engine **spec, pd_engine **plain)
+{
+    pd_err err;
+    pd_engine_config ec = { .target = tm, .draft = dm, .page_size = 16, .n_pages = 64 };
+    TEST_CHECK(pd_engine_create(&ec, spec, &err) == PD_OK);
+    ec.draft = NULL;
+    TEST_CHECK(pd_engine_create(&ec, plain, &err) == PD_OK);
+    return *spec != NULL && *plain != NULL ? 0 : -1;
+}
+
+/* Logprobs: speculative decoding reports what target-only decoding reports for the same greedy
+ * tokens (its verify rows against single-token rows); a sampled request's are consistent (its
+ * token among the tops carries the same value, tops descend); a request that does not ask keeps
+ * none; out-of-range counts are refused; an external prefill's first-token logprobs are kept as
+ * given and checked. */
+static void test_engine_logprobs(void)
+{
+    pd_err err;
+    pd_engine *spec = NULL, *plain = NULL;
+    if (spec_and_plain(&spec, &plain) != 0)
+        goto done;
+    pd_gen_params gp = greedy(24);
+    gp.ignore_eos = 1;
+    gp.logprobs = 1;
+    gp.top_logprobs = 3;
+    pd_request *rs = NULL, *rp = NULL, *rn = NULL, *rx = NULL;
+    TEST_CHECK(pd_engine_add(spec, 1, prompt_a, 22, &gp, &rs, &err) == PD_OK);
+    TEST_CHECK(pd_engine_add(plain, 1, prompt_a, 22, &gp, &rp, &err) == PD_OK);
+    pd_gen_params sp = gp;
+    sp.sample = (pd_sample_params){ .temperature = 0.9f, .top_p = 0.95f, .seed = 7 };
+    sp.top_logprobs = 20;
+    TEST_CHECK(pd_engine_add(spec, 2, prompt_b, 9, &sp, &rx, &err) == PD_OK);
+    pd_gen_params none = greedy(8);
+    TEST_CHECK(pd_engine_add(spec, 3, prompt_b, 9, &none, &rn, &err) == PD_OK);
+    TEST_CHECK(run_to_end(spec) == 0 && run_to_end(plain) == 0);
+    TEST_CHECK(rs->n_out == 24 && rp->n_out == 24 && rs->lps != NULL && rp->lps != NULL);
+    TEST_CHECK(rs->n_rounds < 23);   /* drafts were accepted: verify rows of several tokens */
+    double worst = 0.0;
+    for (int i = 0; i < rs->n_out && i < rp->n_out && rs->lps && rp->lps; i++) {
+        TEST_CHECK_MSG(rs->out[i] == rp->out[i], "token %d: %d vs %d", i, rs->out[i], rp->out[i]);
+        const pd_token_logprobs *a = &rs->lps[i], *b = &rp->lps[i];
+        double d = fabs(a->logprob - b->logprob);
+        TEST_CHECK(a->n_top == 3 && b->n_top == 3 && a->logprob <= 0.0f);
+        for (int t = 0; t < a->n_top; t++) {
+            TEST_CHECK(a->top_id[t] == b->top_id[t]);
+            d = fmax(d, fabs(a->top_logprob[t] - b->top_logprob[t]));
+        }
+        worst = fmax(worst, d);
+    }
+    TEST_CHECK_MSG(worst < 1e-4, "speculative vs plain logprobs differ by %.3g", worst);
+    TEST_CHECK(rx->n_out == 24 && rx->lps != NULL);
+    int in_top = 0;
+    for (int i = 0; i < rx->n_out && rx->lps != NULL; i++) {
+        const pd_token_logprobs *a = &rx->lps[i];
+        TEST_CHECK(a->n_top == 20 && a->logprob <= a->top_logprob[0]);
+        for (int t = 0; t < a->n_top; t++) {
+            TEST_CHECK(t == 0 || a->top_logprob[t] <= a->top_logprob[t - 1]);
+            if (a->top_id[t] == rx->out[i]) {
+                in_top++;
+                TEST_CHECK(a->top_logprob[t] == a->logprob);
+            }
+        }
+    }
+    TEST_CHECK(in_top >= rx->n_out / 2);   /* top-p 0.95 samples mostly among the likeliest */
+    TEST_CHECK(rn->lps == NULL && rn->n_out == 8);
+    pd_engine_release(spec, rs);
+    pd_engine_release(spec, rx);
+    pd_engine_release(spec, rn);
+    pd_engine_release(plain, rp);
+    /* the count is checked */
+    pd_gen_params bad = gp;
+    bad.top_logprobs = PD_MAX_TOP_LOGPROBS + 1;
+    pd_request *rb = NULL;
+    TEST_CHECK(pd_engine_add(spec, 4, prompt_b, 9, &bad, &rb, &err) == PD_ERR_INVALID &&
+               strstr(err.msg, "top_logprobs") != NULL);
+    /* an external prefill's first-token logprobs */
+    gp.max_new_tokens = 1;
+    pd_request *re = NULL;
+    TEST_CHECK(pd_engine_add_external(plain, 5, prompt_b, 9, &gp, &re, &err) == PD_OK);
+    if (re != NULL) {
+        pd_token_logprobs lp = { .logprob = -0.25f, .n_top = 4 };
+        TEST_CHECK(pd_engine_complete_prefill_mode(plain, re, 11, PD_AUX_RAW, NULL, &lp, &err) == PD_ERR_INVALID &&
+                   strstr(err.msg, "top logprobs") != NULL);
+        lp.n_top = 2;
+        lp.top_id[0] = 11;
+        lp.top_id[1] = tm->cfg.vocab_size;
+        TEST_CHECK(pd_engine_complete_prefill_mode(plain, re, 11, PD_AUX_RAW, NULL, &lp, &err) == PD_ERR_INVALID &&
+                   strstr(err.msg, "vocabulary") != NULL);
+        lp.top_id[1] = 12;
+        lp.top_logprob[0] = -0.25f;
+        lp.top_logprob[1] = -2.0f;
+        TEST_CHECK(pd_engine_complete_prefill_mode(plain, re, 11, PD_AUX_RAW, NULL, &lp, &err) == PD_OK);
+        TEST_CHECK(re->n_out == 1 && re->lps != NULL && re->lps[0].logprob == -0.25f &&
+                   re->lps[0].n_top == 2 && re->lps[0].top_id[1] == 12);
+        pd_engine_release(plain, re);
+    }
+done:
+    pd_engine_destroy(spec);
+    pd_engine_destroy(plain);
+}
+
+/* Greedy decoding with penalties by hand: a fresh forward over prompt + output for every token,
+ * the penalties applied to the whole logits row on the host (vLLM's rules), the argmax. */
+static void ref_penalised(const int32_t *prompt, int n_prompt, const pd_gen_params *gp, int n_new,
+                          int32_t *out)
+{
+    pd_err err;
+    int V = tm->cfg.vocab_size, T = n_prompt + n_new;
+    pd_kv_layout lay = { .n_layers = tm->cfg.num_hidden_layers, .n_kv_heads = tm->cfg.num_key_value_heads,
+                         .head_dim = tm->cfg.head_dim, .page_size = 16, .n_pages = 16, .dtype = be->kv_dtype };
+    pd_kv_pool *pool = NULL;
+    pd_target *t = NULL;
+    TEST_CHECK(pd_kv_pool_create(be, &lay, &pool, &err) == PD_OK);
+    TEST_CHECK(pd_target_create(tm, pool, NULL, 0, &t, &err) == PD_OK);
+    int32_t *ids = malloc((size_t)T * 4), *pos = malloc((size_t)T * 4), *sq = calloc((size_t)T, 4);
+    int *cnt = calloc((size_t)V, sizeof(int));
+    char *in_prompt = calloc((size_t)V, 1);
+    float *row = malloc((size_t)V * sizeof(float));
+    memcpy(ids, prompt, (size_t)n_prompt * 4);
+    for (int i = 0; i < n_prompt; i++)
+        in_prompt[prompt[i]] = 1;
+    for (int i = 0; i < T; i++)
+        pos[i] = i;
+    float rep = gp->repetition_penalty == 0.0f ? 1.0f : gp->repetition_penalty;
+    for (int k = 0; k < n_new && t != NULL; k++) {
+        int n = n_prompt + k;
+        pd_kv_seq seq;
+        pd_kv_seq_init(&seq);
+        TEST_CHECK(pd_kv_seq_reserve(pool, &seq, n, &err) == PD_OK);
+        pd_kv_seq *seqs[1] = {&seq};
+        pd_tok_batch b = { .n_tok = n, .ids = ids, .pos = pos, .seq = sq, .n_seq = 1, .seqs = seqs };
+        int32_t last = n - 1;
+        TEST_CHECK(pd_target_forward(t, &b, &last, 1, &err) == PD_OK);
+        TEST_CHECK(kern_download(be, row, pd_target_logits(t), (size_t)V * sizeof(float), &err) == PD_OK);
+        pd_kv_seq_release(pool, &seq);
+        int best = 0;
+        for (int v = 0; v < V; v++) {
+            float x = row[v];
+            if ((in_prompt[v] || cnt[v] > 0) && rep != 1.0f)
+                x = x > 0.0f ? x / rep : x * rep;
+            if (cnt[v] > 0)
+                x = x - gp->frequency_penalty * (float)cnt[v] - gp->presence_penalty;
+            row[v] = x;
+            if (x > row[best])
+                best = v;
+        }
+        out[k] = best;
+        ids[n] = best;
+        cnt[best]++;
+    }
+    free(ids);
+    free(pos);
+    free(sq);
+    free(cnt);
+    free(in_prompt);
+    free(row);
+    pd_target_destroy(t);
+    pd_kv_pool_destroy(pool);
+}
+
+static int repeats(const int32_t *t, int n)
+{
+    int r = 0;
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < i; j++)
+            if (t[j] == t[i]) {
+                r++;
+                break;
+            }
+    return r;
+}
+
+/* Penalties: greedy speculative output equals target-only output equals the hand-made
+ * reference (the verify rows count the block's earlier drafts); they change what is generated
+ * (fewer repeats); a sampled request with penalties runs; bad values are refused by name. */
+static void test_engine_penalties(void)
+{
+    pd_err err;
+    pd_engine *spec = NULL, *plain = NULL;
+    if (spec_and_plain(&spec, &plain) != 0)
+        goto done;
+    enum { N = 40 };
+    const pd_gen_params cases[] = {
+        { .sample = { .top_p = 1.0f }, .max_new_tokens = N, .ignore_eos = 1, .frequency_penalty = 0.7f },
+        { .sample = { .top_p = 1.0f }, .max_new_tokens = N, .ignore_eos = 1, .presence_penalty = 1.5f },
+        { .sample = { .top_p = 1.0f }, .max_new_tokens = N, .ignore_eos = 1, .repetition_penalty = 1.3f },
+        { .sample = { .top_p = 1.0f }, .max_new_tokens = N, .ignore_eos = 1, .repetition_penalty = 0.8f,
+          .presence_penalty = -0.5f, .frequency_penalty = 0.3f, .logprobs = 1, .top_logprobs = 2 },
+    };
+    pd_gen_params none = greedy(N);
+    none.ignore_eos = 1;
+    pd_request *r0 = NULL;
+    TEST_CHECK(pd_engine_add(spec, 9, prompt_a, 22, &none, &r0, &err) == PD_OK);
+    TEST_CHECK(run_to_end(spec) == 0);
+    int rep0 = r0 != NULL ? repeats(r0->out, r0->n_out) : 0;
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        pd_request *rs = NULL, *rp = NULL;
+        TEST_CHECK(pd_engine_add(spec, 10 + c, prompt_a, 22, &cases[c], &rs, &err) == PD_OK);
+        TEST_CHECK(pd_engine_add(plain, 10 + c, prompt_a, 22, &cases[c], &rp, &err) == PD_OK);
+        TEST_CHECK(run_to_end(spec) == 0 && run_to_end(plain) == 0);
+        if (rs == NULL || rp == NULL)
+            continue;
+        int32_t ref[N];
+        ref_penalised(prompt_a, 22, &cases[c], N, ref);
+        int same_sp = rs->n_out == N && rp->n_out == N, same_ref = same_sp;
+        for (int i = 0; i < N && same_sp; i++)
+            same_sp = rs->out[i] == rp->out[i];
+        for (int i = 0; i < N && same_ref; i++)
+            same_ref = rp->out[i] == ref[i];
+        TEST_CHECK_MSG(same_sp, "case %zu: speculative output differs from target-only", c);
+        TEST_CHECK_MSG(same_ref, "case %zu: target-only output differs from the reference", c);
+        TEST_CHECK_MSG(rs->n_rounds < N - 1, "case %zu: %d rounds: no draft accepted", c, rs->n_rounds);
+        int diff = 0;
+        for (int i = 0; i < N && r0 != NULL; i++)
+            diff |= r0->out[i] != rs->out[i];
+        TEST_CHECK_MSG(diff, "case %zu: the penalties changed nothing", c);
+        if (c < 3)
+            TEST_CHECK_MSG(repeats(rs->out, N) < rep0, "case %zu: %d repeats, %d without penalties", c,
+                           repeats(rs->out, N), rep0);
+        if (cases[c].logprobs)   /* logprobs of the penalised rows: the pick is the top one */
+            for (int i = 0; i < N && rs->lps != NULL; i++)
+                TEST_CHECK(rs->lps[i].top_id[0] == rs->out[i]);
+        printf("penalties case %zu: %d rounds, %d repeats (none: %d)\n", c, rs->n_rounds,
+               repeats(rs->out, N), rep0);
+        pd_engine_release(spec, rs);
+        pd_engine_release(plain, rp);
+    }
+    pd_engine_release(spec, r0);
+    /* sampled, with penalties */
+    pd_gen_params sp = cases[3];
+    sp.sample = (pd_sample_params){ .temperature = 0.8f, .top_p = 0.9f, .seed = 3 };
+    pd_request *rx = NULL;
+    TEST_CHECK(pd_engine_add(spec, 20, prompt_b, 9, &sp, &rx, &err) == PD_OK);
+    TEST_CHECK(run_to_end(spec) == 0 && rx != NULL && rx->n_out == N && rx->finish == PD_FINISH_LENGTH);
+    pd_engine_release(spec, rx);
+    /* bad values */
+    struct { float pres, freq, rep; const char *name; } bad[] = {
+        {2.5f, 0, 0, "presence_penalty"}, {0, -3.0f, 0, "frequency_penalty"},
+        {0, 0, -1.0f, "repetition_penalty"}, {0, 0, 11.0f, "repetition_penalty"},
+        {NAN, 0, 0, "presence_penalty"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        pd_gen_params b = greedy(4);
+        b.presence_penalty = bad[i].pres;
+        b.frequency_penalty = bad[i].freq;
+        b.repetition_penalty = bad[i].rep;
+        pd_request *rb = NULL;
+        TEST_CHECK_MSG(pd_engine_add(spec, 30, prompt_b, 9, &b, &rb, &err) == PD_ERR_INVALID &&
+                       strstr(err.msg, bad[i].name) != NULL, "bad %s accepted", bad[i].name);
+    }
+done:
+    pd_engine_destroy(spec);
+    pd_engine_destroy(plain);
+}
+
 int main(void)
 {
     pd_err err;
@@ -674,6 +931,8 @@ int main(void)
     test_engine_sched_probe();
     test_engine_deferred_compact();
     test_engine_gap_chunks();
+    test_engine_logprobs();
+    test_engine_penalties();
     pd_dspark_free(dm);
     pd_qwen3_free(tm);
     kern_backend_destroy(be);

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "pd_dspark.h"
+#include "pd_engine.h"
 #include "pd_kv.h"
 #include "pd_model.h"
 #include "pd_qwen3.h"
@@ -405,6 +406,96 @@ static void test_golden_draft(const pd_qwen3_model *tm, const draft_case *c, con
     pd_dspark_free(dm);
 }
 
+/* log_softmax(row)[tok] in double */
+static double ref_logprob(const float *row, int V, int tok)
+{
+    double mx = row[0], sum = 0.0;
+    for (int i = 1; i < V; i++)
+        if (row[i] > mx)
+            mx = row[i];
+    for (int i = 0; i < V; i++)
+        sum += exp((double)row[i] - mx);
+    return (double)row[tok] - mx - log(sum);
+}
+
+/* Logprobs (pd_gen_params.logprobs) through the speculative engine against the golden logits:
+ * prompt g_p[0..k) for several k; the first token's (the prefill's last row) and every later
+ * token's (verify rows) for as long as the output follows the golden text, where the golden row
+ * of that position applies. Top entries: most likely first, each with its golden logprob, and the
+ * top-1 id is the golden argmax where the top-2 gap exceeds the tie gap. */
+static void test_golden_logprobs(const pd_qwen3_model *tm, const pd_st_set *g)
+{
+    pd_err err;
+    pd_dspark_model *dm = NULL;
+    if (pd_dspark_load(be, PD_MODELS "/tiny-code-dspark", tm, &dm, &err) != PD_OK) {
+        TEST_CHECK_MSG(0, "load draft: %s", err.msg);
+        return;
+    }
+    pd_engine_config ec = { .target = tm, .draft = dm, .page_size = 16, .n_pages = 64 };
+    pd_engine *e = NULL;
+    TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);
+    int V = tm->cfg.vocab_size, checked = 0, followed = 0;
+    double worst = 0.0;
+    /* bf16 logits (steps of 1/16 at magnitude 16) move a logprob by a few steps */
+    double tol = strcmp(be->ops->name, "cpu") == 0 && !be->act_bf16 ? 2e-3 : 0.3;
+    for (int p = 0; p < 4 && e != NULL; p++) {
+        char name[64];
+        snprintf(name, sizeof(name), "g%d.input_ids", p);
+        const pd_st_tensor *ids_t = gt(g, name);
+        snprintf(name, sizeof(name), "g%d.logits", p);
+        const pd_st_tensor *gl_t = pd_st_find(g, name);
+        if (gl_t == NULL) {   /* the long prompts keep their last 8 rows only */
+            snprintf(name, sizeof(name), "g%d.logits_last8", p);
+            gl_t = gt(g, name);
+        }
+        const int32_t *ids = ids_t->data;
+        int T = (int)ids_t->shape[0], off = T - (int)gl_t->shape[0];
+        const float *gl = gl_t->data;   /* row t - off = position t */
+        int k0 = off + 1 > 2 ? off + 1 : 2;
+        for (int k = k0; k < T; k += (T - k0) / 3 > 0 ? (T - k0) / 3 : 1) {
+            pd_gen_params gp = { .sample = { .temperature = 0.0f, .top_p = 1.0f },
+                                 .max_new_tokens = T - k, .ignore_eos = 1, .logprobs = 1,
+                                 .top_logprobs = 5 };
+            pd_request *r = NULL;
+            if (pd_engine_add(e, (uint64_t)(p * 100 + k), ids, k, &gp, &r, &err) != PD_OK) {
+                TEST_CHECK_MSG(0, "add: %s", err.msg);
+                continue;
+            }
+            while (pd_engine_active(e) > 0 && pd_engine_step(e, &err) == PD_OK)
+                ;
+            TEST_CHECK_MSG(r->n_out == T - k && r->lps != NULL, "g%d k=%d: %d tokens", p, k, r->n_out);
+            for (int j = 0; j < r->n_out && r->lps != NULL; j++) {
+                const float *row = gl + (size_t)(k + j - 1 - off) * V;
+                const pd_token_logprobs *lp = &r->lps[j];
+                double d = fabs(lp->logprob - ref_logprob(row, V, r->out[j]));
+                worst = d > worst ? d : worst;
+                TEST_CHECK_MSG(d <= tol, "g%d k=%d token %d: logprob %.5f, golden %.5f", p, k, j,
+                               lp->logprob, ref_logprob(row, V, r->out[j]));
+                TEST_CHECK(lp->n_top == 5);
+                for (int t = 0; t < lp->n_top; t++) {
+                    d = fabs(lp->top_logprob[t] - ref_logprob(row, V, lp->top_id[t]));
+                    worst = d > worst ? d : worst;
+                    TEST_CHECK_MSG(d <= tol, "g%d k=%d token %d top %d", p, k, j, t);
+                    TEST_CHECK(t == 0 || lp->top_logprob[t] <= lp->top_logprob[t - 1]);
+                }
+                /* greedy: the committed token is the most likely one */
+                TEST_CHECK_MSG(lp->top_id[0] == r->out[j], "g%d k=%d token %d: top %d, token %d",
+                               p, k, j, lp->top_id[0], r->out[j]);
+                checked++;
+                followed += j > 0;
+                if (k + j >= T - 1 || r->out[j] != ids[k + j])
+                    break;   /* the output left the golden text: later rows are not golden */
+            }
+            pd_engine_release(e, r);
+        }
+    }
+    printf("logprobs: %d tokens against golden rows (%d after the first), worst |diff| %.2e\n",
+           checked, followed, worst);
+    TEST_CHECK(checked >= 8);
+    pd_engine_destroy(e);
+    pd_dspark_free(dm);
+}
+
 int main(int argc, char **argv)
 {
     const char *backend = "cpu";
@@ -452,6 +543,7 @@ int main(int argc, char **argv)
     };
     for (int i = 0; i < 3; i++)
         test_golden_draft(tm, &cases[i], g);
+    test_golden_logprobs(tm, g);
     pd_st_close(g);
     pd_st_close(gh);
     pd_qwen3_free(tm);

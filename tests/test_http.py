@@ -308,6 +308,119 @@ def chatml(messages):
                    for m in messages) + "<|im_start|>assistant\n"
 
 
+LP_REF = {}   # prompt -> token_logprobs of the colocated node (the disaggregated test compares)
+
+
+def test_logprobs(bin_dir, node, prompt, n, want):
+    out = subprocess.run([os.path.join(bin_dir, "pdspark-client"), "--server", node.grpc,
+                          "--prompt", prompt, "--max-new-tokens", str(n), "--temperature", "0",
+                          "--json", "--logprobs", "3"], capture_output=True, text=True, timeout=60)
+    check(out.returncode == 0, "pdspark-client --logprobs: " + out.stderr)
+    g = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {"logprobs": [],
+                                                                                     "tokens": []}
+    glp = g["logprobs"]
+    check(len(glp) == len(g["tokens"]) == n and [e["id"] for e in glp] == g["tokens"],
+          "gRPC logprobs: one per token %s" % glp[:2])
+    for e in glp:
+        check(len(e["top"]) == 3 and e["top"][0][0] == e["id"] and e["top"][0][1] == e["logprob"]
+              and e["logprob"] <= 0 and all(e["top"][i][1] >= e["top"][i + 1][1] for i in range(2)),
+              "greedy token is the top one, tops descend: %s" % e)
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 3}
+    st, b = post_json(node, "/v1/completions", body)
+    ch = b.get("choices", [{}])[0] if st == 200 else {}
+    lp = ch.get("logprobs") or {}
+    check(st == 200 and ch.get("text") == want, "completions with logprobs: same text %s" % b)
+    toks = lp.get("tokens", [])
+    check(len(toks) == n == len(lp.get("token_logprobs", [])) == len(lp.get("top_logprobs", []))
+          == len(lp.get("text_offset", [])), "completions logprobs arrays %s" % lp)
+    check(all(abs(a - e["logprob"]) < 1e-6 for a, e in zip(lp.get("token_logprobs", []), glp)),
+          "HTTP logprobs == gRPC logprobs")
+    check("".join(toks) == want, "tokens join to the text: %r vs %r" % ("".join(toks), want))
+    offs, at = lp.get("text_offset", []), 0
+    for t, o in zip(toks, offs):
+        check(o == at, "text_offset %d != %d" % (o, at))
+        at += len(t)
+    for t, d, v in zip(toks, lp.get("top_logprobs", []), lp.get("token_logprobs", [])):
+        check(3 <= len(d) <= 4 and d.get(t) == v and max(d.values()) == v,
+              "top_logprobs entry %s for %r" % (d, t))
+    LP_REF[prompt] = lp.get("token_logprobs", [])
+    # streamed: the events' logprobs add up to the same lists
+    st, text, evs, done = read_stream(node, "/v1/completions", dict(body, stream=True), False)
+    stoks, slps = [], []
+    for e in evs:
+        l = e["choices"][0].get("logprobs") if e.get("choices") else None
+        if l:
+            stoks += l["tokens"]
+            slps += l["token_logprobs"]
+    check(done and text == want and stoks == toks and slps == lp.get("token_logprobs"),
+          "streamed logprobs %s vs %s" % (stoks, toks))
+    # a stop string: only the tokens of the text before it
+    if want and len(want) > 8:
+        stop = want[6:9]
+        cut = want[:want.index(stop)]
+        st, b = post_json(node, "/v1/completions", dict(body, stop=[stop]))
+        l = b["choices"][0]["logprobs"] if st == 200 else {"tokens": []}
+        kept = [t for t, o in zip(toks, offs) if o < len(cut)]
+        check(st == 200 and b["choices"][0]["text"] == cut and l["tokens"] == kept,
+              "stop %r: logprobs tokens %s, want %s" % (stop, l["tokens"], kept))
+        st, text, evs, done = read_stream(node, "/v1/completions", dict(body, stop=stop, stream=True),
+                                          False)
+        stoks = sum((e["choices"][0]["logprobs"]["tokens"] for e in evs
+                     if e.get("choices") and e["choices"][0].get("logprobs")), [])
+        check(done and text == cut and stoks == kept, "streamed stop logprobs %s vs %s" % (stoks, kept))
+    # chat: content entries with bytes and top_logprobs
+    msgs = [{"role": "user", "content": "Print hello."}]
+    st, b = post_json(node, "/v1/chat/completions", {"messages": msgs, "max_tokens": 8,
+                                                     "temperature": 0, "logprobs": True,
+                                                     "top_logprobs": 2})
+    c = b["choices"][0] if st == 200 else {}
+    content = (c.get("logprobs") or {}).get("content", [])
+    check(st == 200 and len(content) == b["usage"]["completion_tokens"] and
+          all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["logprob"] == e["logprob"] and
+              e["top_logprobs"][0]["token"] == e["token"] for e in content),
+          "chat logprobs %s" % c)
+    check("".join(e["token"] for e in content).startswith(c.get("message", {}).get("content", "?")),
+          "chat logprob tokens cover the content")
+    check(all(bytes(e["bytes"]).decode("utf-8", "replace") == e["token"] for e in content),
+          "chat logprob bytes")
+    st, b = post_json(node, "/v1/chat/completions", {"messages": msgs, "max_tokens": 4,
+                                                     "temperature": 0, "logprobs": True})
+    check(st == 200 and all(e["top_logprobs"] == [] for e in
+                            b["choices"][0]["logprobs"]["content"]), "chat logprobs without tops")
+    # without logprobs: null
+    st, b = post_json(node, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+    check(st == 200 and b["choices"][0]["logprobs"] is None, "no logprobs asked: null")
+
+
+PEN_REF = {}  # the colocated node's penalised completion (the disaggregated test compares)
+PEN = {"frequency_penalty": 0.5, "repetition_penalty": 1.3, "presence_penalty": 0.25}
+
+
+def test_penalties(bin_dir, model, draft, node, prompt, n, want):
+    flags = sum((["--" + k.replace("_", "-"), str(v)] for k, v in PEN.items()), [])
+    gen = subprocess.run([os.path.join(bin_dir, "pdspark-generate"), "--model", model, "--draft", draft,
+                          "--prompt", prompt, "--max-new-tokens", str(n), "--json"] + DEV + flags,
+                         capture_output=True, text=True, timeout=120)
+    check(gen.returncode == 0, "pdspark-generate with penalties: " + gen.stderr[-300:])
+    ref = json.loads(gen.stdout.strip().splitlines()[-1])["text"] if gen.returncode == 0 else None
+    check(ref is not None and ref != want, "penalties change the greedy text: %r vs %r" % (ref, want))
+    st, b = post_json(node, "/v1/completions", dict({"prompt": prompt, "max_tokens": n, "temperature": 0},
+                                                    **PEN))
+    check(st == 200 and b["choices"][0]["text"] == ref,
+          "HTTP with penalties == pdspark-generate: %s vs %r" % (b, ref))
+    PEN_REF[prompt] = (n, b["choices"][0]["text"] if st == 200 else None)
+    gr = subprocess.run([os.path.join(bin_dir, "pdspark-client"), "--server", node.grpc, "--prompt", prompt,
+                         "--max-new-tokens", str(n), "--json"] + flags, capture_output=True, text=True,
+                        timeout=60)
+    check(gr.returncode == 0 and json.loads(gr.stdout.strip().splitlines()[-1])["text"] == ref,
+          "gRPC with penalties == pdspark-generate: %s" % (gr.stdout[-300:] + gr.stderr[-300:]))
+    # sampled with penalties: served (the lossless check is test_engine's, greedy)
+    st, b = post_json(node, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                     "max_tokens": 8, "temperature": 0.8, "seed": 5,
+                                                     "presence_penalty": 1.0, "frequency_penalty": 1.0})
+    check(st == 200 and b["usage"]["completion_tokens"] >= 1, "sampled chat with penalties %s" % b)
+
+
 def test_prefill_http(bin_dir, model, draft):
     """prefill_node --http: /health, /ready, /metrics that parse and move as a disaggregated
     decode node uses it."""
@@ -369,6 +482,20 @@ def test_prefill_http(bin_dir, model, draft):
         m2 = metrics(pf)
         check(sample(m2, "pdspark_prefill_requests_total", outcome="ok") == 7, "prefill ok counter after the sweep")
         log("pdspark-loadgen --prefill-metrics checked")
+        # logprobs: the first token's comes from the prefill node, the rest from the decode node
+        ref = LP_REF.get("def fib(n):")
+        st, body = post_json(dn, "/v1/completions", {"prompt": "def fib(n):", "max_tokens": 8,
+                                                     "temperature": 0, "logprobs": 2})
+        got = body["choices"][0]["logprobs"]["token_logprobs"] if st == 200 else []
+        check(ref is not None and len(got) == 8 and
+              all(abs(a - b) < 1e-5 for a, b in zip(got, ref)),
+              "disaggregated logprobs %s == colocated %s" % (got, ref and ref[:8]))
+        # penalties: the repetition penalty reaches the prefill node's first token too
+        n, ptext = PEN_REF.get("def fib(n):", (8, None))
+        st, body = post_json(dn, "/v1/completions", dict({"prompt": "def fib(n):", "max_tokens": n,
+                                                          "temperature": 0}, **PEN))
+        check(ptext is not None and st == 200 and body["choices"][0]["text"] == ptext,
+              "disaggregated penalties == colocated: %s vs %r" % (body, ptext))
         # drain: an idle prefill node exits 0 on SIGTERM; the decode node then answers requests
         # with a clear error instead of hanging, and keeps serving
         pf.p.send_signal(signal.SIGTERM)
@@ -641,6 +768,10 @@ def main():
               evs[0]["choices"][0]["delta"].get("role") == "assistant", "chat stream role chunk")
         check(evs and evs[-1]["choices"] == [] and "usage" in evs[-1], "include_usage chunk")
 
+        # ---- logprobs: the same numbers over gRPC, HTTP, streamed or not, cut at a stop string
+        test_logprobs(bin_dir, node, prompt, N, want)
+        test_penalties(bin_dir, model, draft, node, prompt, N, want)
+
         # ---- errors: OpenAI shape, right status, server keeps serving
         bad = [
             ("/v1/completions", b"{not json", 400, None),
@@ -663,6 +794,19 @@ def main():
             ("/v1/chat/completions", json.dumps({"messages": "hi"}).encode(), 400, "messages"),
             ("/v1/chat/completions", json.dumps({"messages": [{"role": "user"}]}).encode(), 400, "messages"),
             ("/v1/chat/completions", json.dumps({"messages": [{"role": 1, "content": "x"}]}).encode(), 400, "messages"),
+            ("/v1/completions", json.dumps({"prompt": "x", "logprobs": 21}).encode(), 400, "logprobs"),
+            ("/v1/completions", json.dumps({"prompt": "x", "presence_penalty": 3}).encode(), 400,
+             "presence_penalty"),
+            ("/v1/completions", json.dumps({"prompt": "x", "frequency_penalty": "a"}).encode(), 400,
+             "frequency_penalty"),
+            ("/v1/completions", json.dumps({"prompt": "x", "repetition_penalty": -1}).encode(), 400,
+             "repetition_penalty"),
+            ("/v1/completions", json.dumps({"prompt": "x", "logprobs": True}).encode(), 400, "logprobs"),
+            ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                                 "top_logprobs": 2}).encode(), 400, "top_logprobs"),
+            ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                                 "logprobs": True, "top_logprobs": 21}).encode(), 400,
+             "top_logprobs"),
         ]
         for path, raw, code, param in bad:
             st, _, out = request(node, "POST", path, raw=raw)

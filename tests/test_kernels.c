@@ -1522,6 +1522,7 @@ static double run_markov_step(run_ctx *x)
 static pd_status fn_probs(kern_backend *be, const void *a, pd_err *e) { return kern_probs(be, a, e); }
 static pd_status fn_sample(kern_backend *be, const void *a, pd_err *e) { return kern_sample(be, a, e); }
 static pd_status fn_spec_verify(kern_backend *be, const void *a, pd_err *e) { return kern_spec_verify(be, a, e); }
+static pd_status fn_penalty(kern_backend *be, const void *a, pd_err *e) { return kern_penalty(be, a, e); }
 
 /* The sampling parameters of row r of a case: every kind (greedy, plain, top-k, top-p, both,
  * k = 1, k above n, low and high temperature) in turn. */
@@ -2103,6 +2104,61 @@ static double run_markov_chain(run_ctx *x)
     return e;
 }
 
+/* penalty: random distinct (row, token) entries with every mix of count / seen / parameters
+ * over random logits of both signs; the op is elementwise, so both sides must agree exactly
+ * (the entries' own arithmetic is kern_penalize_one), and an untouched logit must stay. */
+static double run_penalty(run_ctx *x)
+{
+    const kcase *c = x->c;
+    int rows = c->rows, n = c->cols, ld = n + c->pad, ne = c->m;
+    float *v = host_rand((size_t)rows * ld, -8.0f, 8.0f, 0);
+    kern_penalty_entry *en = calloc((size_t)ne, sizeof(*en));
+    char *used = calloc((size_t)rows * n, 1);
+    for (int i = 0; i < ne; i++) {
+        int r, t;
+        do {
+            r = rng_int(rows);
+            t = rng_int(n);
+        } while (used[(size_t)r * n + t]);
+        used[(size_t)r * n + t] = 1;
+        en[i] = (kern_penalty_entry){ .row = r, .tok = t, .count = rng_int(4), .seen = 1,
+                                      .rep = i % 3 == 0 ? 1.0f : rng_uniform(0.5f, 2.0f),
+                                      .freq = rng_uniform(-2.0f, 2.0f), .pres = rng_uniform(-2.0f, 2.0f) };
+    }
+    kern_penalty_args ac = { .ld_x = ld, .n = n, .n_entries = ne }, ag = ac;
+    outbuf o = out_make(x->cpu, x->gpu, (size_t)rows * ld, v);
+    ac.x = o.cpu;
+    ag.x = o.gpu;
+    ac.e = side_bytes(x->cpu, en, (size_t)ne * sizeof(*en));
+    ag.e = side_bytes(x->gpu, en, (size_t)ne * sizeof(*en));
+    double e = run_both(x, fn_penalty, &ac, &ag);
+    if (e == 0.0) {
+        float *hc = side_download(x->cpu, o.cpu, (size_t)rows * ld * sizeof(float));
+        float *hg = side_download(x->gpu, o.gpu, (size_t)rows * ld * sizeof(float));
+        int mism = 0;
+        for (int r = 0; r < rows; r++)
+            for (int t = 0; t < n; t++) {
+                size_t k = (size_t)r * ld + t;
+                mism += memcmp(&hc[k], &hg[k], sizeof(float)) != 0;
+                mism += !used[(size_t)r * n + t] && memcmp(&hc[k], &v[k], sizeof(float)) != 0;
+            }
+        for (int i = 0; i < ne; i++) {
+            size_t k = (size_t)en[i].row * ld + en[i].tok;
+            mism += hc[k] != kern_penalize_one(v[k], &en[i]);
+        }
+        if (mism)
+            printf("      %d logits differ\n", mism);
+        e = mism ? 1.0 : 0.0;
+        free(hc);
+        free(hg);
+    }
+    free(o.init);
+    free(v);
+    free(en);
+    free(used);
+    return e;
+}
+
 typedef double (*runner)(run_ctx *x);
 
 static const struct {
@@ -2114,7 +2170,7 @@ static const struct {
     {"copy_rows", run_copy_rows}, {"kv_store", run_kv_store}, {"attn", run_attn},
     {"argmax", run_argmax}, {"convert", run_convert}, {"linear", run_linear},
     {"qk_post", run_qk_post}, {"mlp", run_mlp}, {"qkv", run_qkv}, {"attn_block", run_attn_block}, {"markov_step", run_markov_step}, {"markov_chain", run_markov_chain}, {"probs", run_probs},
-    {"sample", run_sample}, {"spec_verify", run_spec_verify},
+    {"sample", run_sample}, {"spec_verify", run_spec_verify}, {"penalty", run_penalty},
 };
 
 /* Shapes are odd on purpose; F32 paths are held to ~1e-5, bf16 GEMMs (x rounded to bf16 on the
@@ -2244,6 +2300,8 @@ static const kcase cases[] = {
     {"spec_verify", 24, 151936, 0, 0, 0, 7, 0, 0, 0, 0, 0, NULL, 0, 0},
     {"spec_verify", 50, 1001, 3, 0, 0, 5, 0, 0, 0, 0, 0, NULL, 0, 0},
     {"spec_verify", 9, 8192, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
+    {"penalty", 8, 151936, 0, 3000, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
+    {"penalty", 5, 1001, 3, 700, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
     /* attention: heads, kv heads, head_dim, page size, ragged batch */
     {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "d:4095+1", 1e-4, 0},
     {"attn", 0, 0, 4, 0, 0, 0, 0, 32, 8, 128, 16, "d:0+1,d:15+1,d:998+1,d:2999+1,d:63+1", 1e-4, 0},

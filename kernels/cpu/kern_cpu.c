@@ -614,6 +614,20 @@ static pd_status cpu_sample(kern_backend *be, const kern_sample_args *a, pd_err 
 }
 
 /* pd_verify_sampled for each request, its uniforms taken in order from u[r, :] */
+static pd_status cpu_penalty(kern_backend *be, const kern_penalty_args *a, pd_err *err)
+{
+    (void)be;
+    for (int i = 0; i < a->n_entries; i++) {
+        const kern_penalty_entry *e = &a->e[i];
+        if (e->tok < 0 || e->tok >= a->n || e->row < 0)
+            return pd_err_set(err, PD_ERR_INVALID, "penalty: entry %d: token %d row %d (vocabulary %d)",
+                              i, e->tok, e->row, a->n);
+        float *v = &a->x[(size_t)e->row * a->ld_x + e->tok];
+        *v = kern_penalize_one(*v, e);
+    }
+    return PD_OK;
+}
+
 static pd_status cpu_spec_verify(kern_backend *be, const kern_spec_verify_args *a, pd_err *err)
 {
     (void)be;
@@ -710,6 +724,7 @@ static const kern_backend_ops cpu_ops = {
     .probs = cpu_probs,
     .sample = cpu_sample,
     .spec_verify = cpu_spec_verify,
+    .penalty = cpu_penalty,
     .destroy = cpu_destroy,
 };
 

@@ -294,6 +294,7 @@ static const kern_backend_ops cuda_ops = {
     .probs = kern_cuda_probs_launch,
     .sample = kern_cuda_sample_launch,
     .spec_verify = kern_cuda_spec_verify_launch,
+    .penalty = kern_cuda_penalty_launch,
     .destroy = cuda_destroy,
 };
 

@@ -1,6 +1,7 @@
 /* kern_cuda_sample.cu - sampling on the device: tempered / filtered probabilities, inverse-CDF
  *   sampling and rejection-sampling verification (the rules of pd_sample.h, kern_backend.h).
- * Owns: kern_cuda_probs_launch, kern_cuda_sample_launch, kern_cuda_spec_verify_launch.
+ * Owns: kern_cuda_probs_launch, kern_cuda_sample_launch, kern_cuda_spec_verify_launch,
+ *   kern_cuda_penalty_launch (one thread per entry: the entries are distinct logits).
  *   One block per row (probs, sample) or per request (spec_verify); every sum runs in a fixed
  *   order, so a result depends only on its inputs (seeds reproduce on the device too).
  *   probs: softmax with exp in double as the CPU reference (the float probabilities then match
@@ -532,6 +533,29 @@ extern "C" pd_status kern_cuda_spec_verify_launch(kern_backend *be, const kern_s
     if (a->n_req <= 0)
         return PD_OK;
     spec_verify_kernel<<<a->n_req, SP_THREADS, 0, c->stream>>>(*a);
+    KERN_CUDA_LAUNCH_CHECK(err);
+    return PD_OK;
+}
+
+/* ---- penalty ---------------------------------------------------------------------------------- */
+
+__global__ void __launch_bounds__(256)
+penalty_kernel(kern_penalty_args a)
+{
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < a.n_entries; i += gridDim.x * blockDim.x) {
+        kern_penalty_entry e = a.e[i];
+        if (e.tok < 0 || e.tok >= a.n || e.row < 0)
+            continue;   /* the engine builds valid entries; the CPU op names a bad one */
+        float *v = a.x + (size_t)e.row * a.ld_x + e.tok;
+        *v = kern_penalize_one(*v, &e);
+    }
+}
+
+extern "C" pd_status kern_cuda_penalty_launch(kern_backend *be, const kern_penalty_args *a, pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    int blocks = (a->n_entries + 255) / 256;
+    penalty_kernel<<<blocks < 1024 ? blocks : 1024, 256, 0, c->stream>>>(*a);
     KERN_CUDA_LAUNCH_CHECK(err);
     return PD_OK;
 }
