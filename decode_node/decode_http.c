@@ -7,9 +7,10 @@
  * Not here: admission and generation (decode_server.c), metrics values (decode_metrics.c).
  * Threading: handlers and every http_req field except refs run on the HTTP thread. Engine
  *   callbacks copy a chunk / result into a message and pd_loop_post it there. An http_req holds
- *   two references: the HTTP side (until its reply is complete) and the engine side (until the
- *   on_done message ran, or dropped at once when the post is refused because the HTTP loop has
- *   stopped). evhttp requests whose client went away stay ours (libevent detaches them) and are
+ *   1 + n references: the HTTP side (until its reply is complete) and each choice's engine
+ *   request (until its on_done message ran, or dropped at once when the post is refused because
+ *   the HTTP loop has stopped). "n" > 1 runs n engine requests of the prompt (choice i samples
+ *   with seed + i); the reply completes when the last of them ended. evhttp requests whose client went away stay ours (libevent detaches them) and are
  *   freed by the final send. */
 #include "decode_http.h"
 
@@ -54,27 +55,43 @@ struct decode_http {
     struct http_req *live;
 };
 
+#define MAX_N 16                     /* choices per request ("n") */
+
+/* One choice of a request: an engine request of its own ("n" > 1 runs n of them). */
+typedef struct http_choice {
+    struct http_req *r;
+    int idx;                         /* its "index" in the response */
+    decode_handle *h;
+    char *gen;                       /* generated text so far (cut at a stop string) */
+    size_t gen_len, gen_cap, sent, scan;
+    int stopped;                     /* a stop string matched; cancel asked */
+    int n_gen;                       /* tokens received (usage when a stop string ended it) */
+    struct lp_tok *lps;              /* [n_lps] logprobs of the tokens kept so far ... */
+    int n_lps, cap_lps, lp_sent;     /* ... of which the first lp_sent went out in stream events */
+    int done;                        /* its result arrived (below) */
+    const char *finish;              /* "stop" / "length" when it ended well */
+    int n_tokens, prompt_tokens, rounds, block_size;
+    long accepted;
+} http_choice;
+
 typedef struct http_req {
-    atomic_int refs;
+    atomic_int refs;                 /* the HTTP side, and one per engine request */
     decode_http *dh;
     struct evhttp_request *req;      /* NULL once the final reply was handed to evhttp */
     struct evhttp_connection *evcon; /* NULL once the client went away */
-    decode_handle *h;
     int chat, stream, include_usage;
     char id[64];
     long created;
     char *stop[MAX_STOP];
     int n_stop;
     size_t max_stop;
-    char *gen;                       /* generated text so far (cut at a stop string) */
-    size_t gen_len, gen_cap, sent, scan;
     int started;                     /* SSE headers sent */
-    int stopped;                     /* a stop string matched; cancel asked */
     int gone;
-    int n_gen;                       /* tokens received (usage when a stop string ended it) */
     int logprobs, top_logprobs;      /* the request asked for logprobs (and this many likeliest) */
-    struct lp_tok *lps;              /* [n_lps] logprobs of the tokens kept so far ... */
-    int n_lps, cap_lps, lp_sent;     /* ... of which the first lp_sent went out in stream events */
+    int n_choice, n_done;            /* choices, and those whose result arrived */
+    http_choice ch[MAX_N];
+    pd_status err_st;                /* the first choice that failed: the request's answer */
+    char err_msg[512];
     struct http_req *prev, *next;
 } http_req;
 
@@ -89,10 +106,32 @@ typedef struct {
     int n_stop;
     char *stop[MAX_STOP];
     int stream, include_usage;
+    int n;                           /* choices */
 } req_opts;
 
 /* ---------------------------------------------------------------------------------------------
  * Request contexts */
+
+static void req_contents_free(http_req *r)
+{
+    for (int i = 0; i < r->n_choice; i++) {
+        decode_handle_release(r->ch[i].h);
+        r->ch[i].h = NULL;
+        free(r->ch[i].gen);
+        free(r->ch[i].lps);
+    }
+    for (int i = 0; i < r->n_stop; i++)
+        free(r->stop[i]);
+    free(r);
+}
+
+/* Asks every choice still running to end (the client left, or one choice failed). */
+static void cancel_all(http_req *r)
+{
+    for (int i = 0; i < r->n_choice; i++)
+        if (r->ch[i].h != NULL && !r->ch[i].done)
+            decode_cancel(r->ch[i].h);
+}
 
 static void req_free(http_req *r)
 {
@@ -105,12 +144,7 @@ static void req_free(http_req *r)
     if (r->next != NULL)
         r->next->prev = r->prev;
     pthread_mutex_unlock(&dh->mu);
-    decode_handle_release(r->h);
-    for (int i = 0; i < r->n_stop; i++)
-        free(r->stop[i]);
-    free(r->gen);
-    free(r->lps);
-    free(r);
+    req_contents_free(r);
 }
 
 static void req_unref(http_req *r)
@@ -125,8 +159,7 @@ static void on_close(struct evhttp_connection *evcon, void *arg)
     http_req *r = arg;
     r->gone = 1;
     r->evcon = NULL;
-    if (r->h != NULL)
-        decode_cancel(r->h);
+    cancel_all(r);
 }
 
 /* The reply is complete (handed to evhttp): detach from the connection, drop the HTTP ref. */
@@ -140,7 +173,7 @@ static void req_finish(http_req *r)
     req_unref(r);
 }
 
-static int gen_append(http_req *r, const char *t, size_t n)
+static int gen_append(http_choice *r, const char *t, size_t n)
 {
     if (r->gen_len + n + 1 > r->gen_cap) {
         size_t cap = r->gen_cap ? r->gen_cap : 1024;
@@ -255,11 +288,11 @@ static size_t utf8_chars(const char *s, size_t n)
 /* The "logprobs" object of a choice for tokens r->lps[from..to): chat's {"content": [...]} or
  * the completions' parallel arrays (tokens, token_logprobs, top_logprobs with the chosen token
  * added when it is not among the likeliest, text_offset). */
-static cJSON *logprobs_json(const http_req *r, int from, int to)
+static cJSON *logprobs_json(const http_choice *r, int from, int to)
 {
-    const pd_tokenizer *t = decode_server_tokenizer(r->dh->s);
+    const pd_tokenizer *t = decode_server_tokenizer(r->r->dh->s);
     cJSON *o = cJSON_CreateObject();
-    if (r->chat) {
+    if (r->r->chat) {
         cJSON *c = cJSON_AddArrayToObject(o, "content");
         for (int i = from; i < to; i++) {
             const lp_tok *k = &r->lps[i];
@@ -300,15 +333,19 @@ static cJSON *logprobs_json(const http_req *r, int from, int to)
     return o;
 }
 
-/* One choice; text NULL = no text field (chat role-only / final chunk). Logprobs of tokens
- * r->lps[lp_from..lp_to) when the request asked for them (else null). */
-static void add_choice(cJSON *o, const http_req *r, const char *text, size_t len, int chunk,
+/* Appends choice ch to o's "choices"; text NULL = no text field (chat role-only / final
+ * chunk). Logprobs of tokens ch->lps[lp_from..lp_to) when the request asked for them (else
+ * null). */
+static void add_choice(cJSON *o, const http_choice *ch, const char *text, size_t len, int chunk,
                        const char *finish, int role, int lp_from, int lp_to)
 {
-    cJSON *arr = cJSON_AddArrayToObject(o, "choices");
+    const http_req *r = ch->r;
+    cJSON *arr = cJSON_GetObjectItemCaseSensitive(o, "choices");
+    if (arr == NULL)
+        arr = cJSON_AddArrayToObject(o, "choices");
     cJSON *c = cJSON_CreateObject();
     cJSON_AddItemToArray(arr, c);
-    cJSON_AddNumberToObject(c, "index", 0);
+    cJSON_AddNumberToObject(c, "index", ch->idx);
     char *t = NULL;
     if (text != NULL) {
         t = malloc(len + 1);
@@ -327,7 +364,7 @@ static void add_choice(cJSON *o, const http_req *r, const char *text, size_t len
         cJSON_AddStringToObject(c, "text", t != NULL ? t : "");
     }
     if (r->logprobs && lp_from >= 0)
-        cJSON_AddItemToObject(c, "logprobs", logprobs_json(r, lp_from, lp_to));
+        cJSON_AddItemToObject(c, "logprobs", logprobs_json(ch, lp_from, lp_to));
     else
         cJSON_AddNullToObject(c, "logprobs");
     if (finish != NULL)
@@ -363,25 +400,26 @@ static void sse_start(http_req *r)
     evhttp_add_header(oh, "Content-Type", "text/event-stream");
     evhttp_add_header(oh, "Cache-Control", "no-cache");
     evhttp_send_reply_start(r->req, 200, "OK");
-    if (r->chat) {
+    if (r->chat) {   /* the role chunk of every choice */
         cJSON *o = resp_base(r, 1);
-        add_choice(o, r, "", 0, 1, NULL, 1, -1, -1);
+        for (int i = 0; i < r->n_choice; i++)
+            add_choice(o, &r->ch[i], "", 0, 1, NULL, 1, -1, -1);
         sse_send(r, o);
     }
 }
 
 /* A text event for gen[r->sent..safe), with the logprobs of the tokens whose text starts there */
-static void sse_delta(http_req *r, size_t safe)
+static void sse_delta(http_choice *c, size_t safe)
 {
-    if (safe <= r->sent)
+    if (safe <= c->sent)
         return;
-    int to = r->lp_sent;
-    while (to < r->n_lps && r->lps[to].off < safe)
+    int to = c->lp_sent;
+    while (to < c->n_lps && c->lps[to].off < safe)
         to++;
-    cJSON *o = resp_base(r, 1);
-    add_choice(o, r, r->gen + r->sent, safe - r->sent, 1, NULL, 0, r->lp_sent, to);
-    r->lp_sent = to;
-    sse_send(r, o);
+    cJSON *o = resp_base(c->r, 1);
+    add_choice(o, c, c->gen + c->sent, safe - c->sent, 1, NULL, 0, c->lp_sent, to);
+    c->lp_sent = to;
+    sse_send(c->r, o);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -398,52 +436,54 @@ static const char *find_bytes(const char *hay, size_t hn, const char *needle, si
 }
 
 /* Look for a stop string in the new text; returns how many bytes of gen may be sent. */
-static size_t stop_scan(http_req *r, int final)
+static size_t stop_scan(http_choice *c, int final)
 {
-    if (r->n_stop == 0 || r->stopped)
-        return r->gen_len;
+    http_req *r = c->r;
+    if (r->n_stop == 0 || c->stopped)
+        return c->gen_len;
     size_t best = (size_t)-1;
     for (int i = 0; i < r->n_stop; i++) {
-        const char *p = find_bytes(r->gen + r->scan, r->gen_len - r->scan, r->stop[i], strlen(r->stop[i]));
-        if (p != NULL && (size_t)(p - r->gen) < best)
-            best = (size_t)(p - r->gen);
+        const char *p = find_bytes(c->gen + c->scan, c->gen_len - c->scan, r->stop[i], strlen(r->stop[i]));
+        if (p != NULL && (size_t)(p - c->gen) < best)
+            best = (size_t)(p - c->gen);
     }
     if (best != (size_t)-1) {
-        r->gen_len = best;
-        r->gen[best] = '\0';
-        r->stopped = 1;
+        c->gen_len = best;
+        c->gen[best] = '\0';
+        c->stopped = 1;
         /* the tokens whose text starts in the stop string are not part of the output */
-        while (r->n_lps > 0 && r->lps[r->n_lps - 1].off >= best)
-            r->n_lps--;
-        if (r->h != NULL)
-            decode_cancel(r->h);
-        return r->gen_len;
+        while (c->n_lps > 0 && c->lps[c->n_lps - 1].off >= best)
+            c->n_lps--;
+        if (c->h != NULL)
+            decode_cancel(c->h);
+        return c->gen_len;
     }
     /* a match may still start in the last max_stop - 1 bytes */
-    r->scan = r->gen_len > r->max_stop - 1 ? r->gen_len - (r->max_stop - 1) : 0;
+    c->scan = c->gen_len > r->max_stop - 1 ? c->gen_len - (r->max_stop - 1) : 0;
     if (final)
-        return r->gen_len;
+        return c->gen_len;
     size_t hold = 0;
     for (int i = 0; i < r->n_stop; i++) {
         size_t sl = strlen(r->stop[i]);
         for (size_t k = sl - 1; k > hold; k--)
-            if (k <= r->gen_len && memcmp(r->gen + r->gen_len - k, r->stop[i], k) == 0) {
+            if (k <= c->gen_len && memcmp(c->gen + c->gen_len - k, r->stop[i], k) == 0) {
                 hold = k;
                 break;
             }
     }
-    return r->gen_len - hold;
+    return c->gen_len - hold;
 }
 
-static void emit_safe(http_req *r, size_t safe)
+static void emit_safe(http_choice *c, size_t safe)
 {
-    if (safe <= r->sent)
+    http_req *r = c->r;
+    if (safe <= c->sent)
         return;
     if (r->stream && !r->gone) {
         sse_start(r);
-        sse_delta(r, safe);
+        sse_delta(c, safe);
     }
-    r->sent = safe;
+    c->sent = safe;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -451,7 +491,7 @@ static void emit_safe(http_req *r, size_t safe)
 
 typedef struct {
     decode_http *dh;
-    http_req *r;
+    http_choice *c;
     int done;
     /* chunk */
     char *text;
@@ -465,7 +505,6 @@ typedef struct {
     pd_finish_reason finish;
     int n_tokens, prompt_tokens, rounds, block_size;
     long accepted;
-    double tau;
 } http_msg;
 
 /* libevent does not read from a connection while its request is being answered, so a client
@@ -481,66 +520,70 @@ static int peer_closed(struct evhttp_connection *evcon)
     return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
 }
 
-static int lps_reserve(http_req *r, int need)
+static int lps_reserve(http_choice *c, int need)
 {
-    if (need <= r->cap_lps)
+    if (need <= c->cap_lps)
         return 0;
-    int cap = r->cap_lps ? r->cap_lps : 64;
+    int cap = c->cap_lps ? c->cap_lps : 64;
     while (cap < need)
         cap *= 2;
-    lp_tok *p = realloc(r->lps, (size_t)cap * sizeof(*p));
+    lp_tok *p = realloc(c->lps, (size_t)cap * sizeof(*p));
     if (p == NULL)
         return -1;
-    r->lps = p;
-    r->cap_lps = cap;
+    c->lps = p;
+    c->cap_lps = cap;
     return 0;
 }
 
 static void msg_chunk(http_msg *m)
 {
-    http_req *r = m->r;
-    r->n_gen += m->n_ids;
-    if (r->stopped || r->gone || r->req == NULL)
+    http_choice *c = m->c;
+    http_req *r = c->r;
+    c->n_gen += m->n_ids;
+    if (c->stopped || r->gone || r->req == NULL || r->err_st != PD_OK)
         return;
     if (!r->stream && peer_closed(r->evcon)) {
         PD_LOG_DEBUG("http", "%s: client went away, cancelling", r->id);
         r->gone = 1;   /* still attached: the final send below fails quietly */
-        decode_cancel(r->h);
+        cancel_all(r);
         return;
     }
-    size_t base = r->gen_len;
-    if (gen_append(r, m->text, m->len) != 0 ||
-        (m->lps != NULL && lps_reserve(r, r->n_lps + m->n_ids) != 0)) {
-        decode_cancel(r->h);
+    size_t base = c->gen_len;
+    if (gen_append(c, m->text, m->len) != 0 ||
+        (m->lps != NULL && lps_reserve(c, c->n_lps + m->n_ids) != 0)) {
+        decode_cancel(c->h);
         return;
     }
     for (int i = 0; m->lps != NULL && i < m->n_ids; i++) {
-        r->lps[r->n_lps] = m->lps[i];
-        r->lps[r->n_lps++].off += base;
+        c->lps[c->n_lps] = m->lps[i];
+        c->lps[c->n_lps++].off += base;
     }
     if (r->stream)
         sse_start(r);   /* the first chunk commits the stream to 200 */
-    emit_safe(r, stop_scan(r, 0));
+    emit_safe(c, stop_scan(c, 0));
 }
 
-static void msg_done(http_msg *m)
+/* usage over every choice: the prompt once, the completions and DSpark rounds summed (tau is
+ * then accepted tokens over rounds of all of them) */
+static void add_usage_all(cJSON *o, const http_req *r)
 {
-    http_req *r = m->r;
-    if (r->req == NULL) {   /* unreachable: the reply is only completed here */
-        req_unref(r);
-        return;
+    int completion = 0, rounds = 0, block = 0;
+    long accepted = 0;
+    for (int i = 0; i < r->n_choice; i++) {
+        completion += r->ch[i].n_tokens;
+        rounds += r->ch[i].rounds;
+        accepted += r->ch[i].accepted;
+        block = r->ch[i].block_size;
     }
-    int ok = m->st == PD_OK || (m->st == PD_ERR_CANCELLED && r->stopped);
-    if (ok && !r->stopped && m->len > 0 && gen_append(r, m->text, m->len) != 0)
-        ok = 0;
-    const char *finish = "stop";
-    if (ok) {
-        emit_safe(r, stop_scan(r, 1));
-        if (!r->stopped && m->finish == PD_FINISH_LENGTH)
-            finish = "length";
-    }
-    if (m->n_tokens < r->n_gen)
-        m->n_tokens = r->n_gen;
+    add_usage(o, r->ch[0].prompt_tokens, completion, rounds,
+              rounds > 0 ? (double)accepted / rounds : 0.0, block, accepted);
+}
+
+/* Every choice has its result: the rest of the answer (stream: the usage event and [DONE];
+ * else the whole response or the error) and the end of the reply. */
+static void reply_end(http_req *r)
+{
+    int ok = r->err_st == PD_OK;
     if (r->gone) {
         /* libevent detached the request when the client left (or will fail the write); the
          * send frees it either way */
@@ -550,25 +593,17 @@ static void msg_done(http_msg *m)
             evhttp_send_error(r->req, 499, "client closed request");
     } else if (r->stream && (r->started || ok)) {
         sse_start(r);
-        if (ok) {
+        if (ok && r->include_usage) {
             cJSON *o = resp_base(r, 1);
-            add_choice(o, r, r->chat ? NULL : "", 0, 1, finish, 0,
-                       r->lp_sent < r->n_lps ? r->lp_sent : -1, r->n_lps);
-            add_usage(o, m->prompt_tokens, m->n_tokens, m->rounds, m->tau, m->block_size, m->accepted);
+            cJSON_AddArrayToObject(o, "choices");
+            add_usage_all(o, r);
             sse_send(r, o);
-            if (r->include_usage) {
-                o = resp_base(r, 1);
-                cJSON_AddArrayToObject(o, "choices");
-                add_usage(o, m->prompt_tokens, m->n_tokens, m->rounds, m->tau, m->block_size,
-                          m->accepted);
-                sse_send(r, o);
-            }
-        } else {
+        } else if (!ok) {
             /* the status line is gone: the error travels as an event (as vLLM does) */
             cJSON *o = cJSON_CreateObject();
             cJSON *e = cJSON_AddObjectToObject(o, "error");
-            int code = http_code_of(m->st);
-            cJSON_AddStringToObject(e, "message", m->error);
+            int code = http_code_of(r->err_st);
+            cJSON_AddStringToObject(e, "message", r->err_msg);
             cJSON_AddStringToObject(e, "type", err_type_of(code));
             cJSON_AddNullToObject(e, "param");
             cJSON_AddNumberToObject(e, "code", code);
@@ -583,8 +618,11 @@ static void msg_done(http_msg *m)
         evhttp_send_reply_end(r->req);
     } else if (ok) {
         cJSON *o = resp_base(r, 0);
-        add_choice(o, r, r->gen != NULL ? r->gen : "", r->gen_len, 0, finish, 1, 0, r->n_lps);
-        add_usage(o, m->prompt_tokens, m->n_tokens, m->rounds, m->tau, m->block_size, m->accepted);
+        for (int i = 0; i < r->n_choice; i++) {
+            http_choice *c = &r->ch[i];
+            add_choice(o, c, c->gen != NULL ? c->gen : "", c->gen_len, 0, c->finish, 1, 0, c->n_lps);
+        }
+        add_usage_all(o, r);
         char *s = cJSON_PrintUnformatted(o);
         cJSON_Delete(o);
         if (s != NULL) {
@@ -594,13 +632,59 @@ static void msg_done(http_msg *m)
             send_error(r->req, 500, NULL, "out of memory encoding the response");
         }
     } else {
-        int code = http_code_of(m->st);
-        if (m->st == PD_ERR_CANCELLED)
+        int code = http_code_of(r->err_st);
+        if (r->err_st == PD_ERR_CANCELLED)
             code = 503;   /* the server is stopping */
-        send_error(r->req, code, NULL, m->error[0] != '\0' ? m->error : pd_status_str(m->st));
+        send_error(r->req, code, NULL, r->err_msg[0] != '\0' ? r->err_msg : pd_status_str(r->err_st));
     }
     req_finish(r);
-    req_unref(r);   /* the engine's reference */
+}
+
+static void msg_done(http_msg *m)
+{
+    http_choice *c = m->c;
+    http_req *r = c->r;
+    if (r->req == NULL) {   /* unreachable: the reply is only completed here */
+        req_unref(r);
+        return;
+    }
+    c->done = 1;
+    r->n_done++;
+    int ok = m->st == PD_OK || (m->st == PD_ERR_CANCELLED && c->stopped);
+    if (ok && !c->stopped && m->len > 0 && gen_append(c, m->text, m->len) != 0) {
+        ok = 0;
+        m->st = PD_ERR_NOMEM;
+        snprintf(m->error, sizeof(m->error), "out of memory");
+    }
+    c->n_tokens = m->n_tokens > c->n_gen ? m->n_tokens : c->n_gen;
+    c->prompt_tokens = m->prompt_tokens;
+    c->rounds = m->rounds;
+    c->block_size = m->block_size;
+    c->accepted = m->accepted;
+    if (!ok && r->err_st == PD_OK) {
+        /* the first failure is the request's answer; the other choices are not needed */
+        r->err_st = m->st;
+        snprintf(r->err_msg, sizeof(r->err_msg), "%s", m->error);
+        cancel_all(r);
+    }
+    if (ok && r->err_st == PD_OK) {
+        emit_safe(c, stop_scan(c, 1));
+        c->finish = !c->stopped && m->finish == PD_FINISH_LENGTH ? "length" : "stop";
+        if (r->stream && !r->gone) {
+            /* this choice's last event: its finish reason and the logprobs not sent yet (the
+             * last choice's carries the usage of all, as with one choice) */
+            sse_start(r);
+            cJSON *o = resp_base(r, 1);
+            add_choice(o, c, r->chat ? NULL : "", 0, 1, c->finish, 0,
+                       c->lp_sent < c->n_lps ? c->lp_sent : -1, c->n_lps);
+            if (r->n_done == r->n_choice)
+                add_usage_all(o, r);
+            sse_send(r, o);
+        }
+    }
+    if (r->n_done == r->n_choice)
+        reply_end(r);
+    req_unref(r);   /* this choice's engine reference */
 }
 
 static void msg_run(void *arg)
@@ -620,7 +704,7 @@ static void msg_run(void *arg)
 
 static void cb_token(void *ud, const decode_chunk *c)
 {
-    http_req *r = ud;
+    http_choice *ch = ud;
     http_msg *m = calloc(1, sizeof(*m));
     char *t = malloc(c->text_len + 1);
     if (m == NULL || t == NULL) {
@@ -643,11 +727,11 @@ static void cb_token(void *ud, const decode_chunk *c)
         }
     }
     m->n_ids = c->n_ids;
-    m->dh = r->dh;
-    m->r = r;
+    m->dh = ch->r->dh;
+    m->c = ch;
     m->text = t;
     m->len = c->text_len;
-    if (pd_loop_post(pd_http_loop(r->dh->http), msg_run, m) != PD_OK) {
+    if (pd_loop_post(pd_http_loop(ch->r->dh->http), msg_run, m) != PD_OK) {
         free(t);
         free(m->lps);
         free(m);
@@ -656,7 +740,8 @@ static void cb_token(void *ud, const decode_chunk *c)
 
 static void cb_done(void *ud, const decode_result *res)
 {
-    http_req *r = ud;
+    http_choice *ch = ud;
+    http_req *r = ch->r;
     http_msg *m = calloc(1, sizeof(*m));
     if (m == NULL) {
         /* cannot tell the HTTP side; the client gets nothing more (its connection closes at
@@ -666,7 +751,7 @@ static void cb_done(void *ud, const decode_result *res)
         return;
     }
     m->dh = r->dh;
-    m->r = r;
+    m->c = ch;
     m->done = 1;
     if (res->text_tail_len > 0) {
         m->text = malloc(res->text_tail_len + 1);
@@ -683,7 +768,6 @@ static void cb_done(void *ud, const decode_result *res)
     m->prompt_tokens = res->prompt_tokens;
     m->rounds = res->rounds;
     m->block_size = res->block_size;
-    m->tau = res->tau;
     for (int i = 0; i < res->rounds && res->accepted_per_round != NULL; i++)
         m->accepted += res->accepted_per_round[i];
     if (pd_loop_post(pd_http_loop(r->dh->http), msg_run, m) != PD_OK) {
@@ -832,18 +916,23 @@ static int parse_common(const cJSON *root, int chat, decode_req *dr, req_opts *o
         }
         dr->verify_threshold = (float)d;
     }
+    /* n choices: n engine requests of the same prompt, choice i sampling with seed + i */
     *param = "n";
-    if ((rc = get_int(root, "n", -1e18, 1e18, &ll, msg, cap)) < 0)
+    o->n = 1;
+    if ((rc = get_int(root, "n", 1, MAX_N, &ll, msg, cap)) < 0)
         return -1;
-    if (rc > 0 && ll != 1) {
-        snprintf(msg, cap, "only n=1 is supported, got %lld", ll);
-        return -1;
-    }
+    if (rc > 0)
+        o->n = (int)ll;
     *param = "best_of";
     if ((rc = get_int(root, "best_of", -1e18, 1e18, &ll, msg, cap)) < 0)
         return -1;
-    if (rc > 0 && ll != 1) {
-        snprintf(msg, cap, "only best_of=1 is supported");
+    if (rc > 0 && ll < o->n) {
+        snprintf(msg, cap, "'best_of' (%lld) must be >= 'n' (%d)", ll, o->n);
+        return -1;
+    }
+    if (rc > 0 && ll > o->n) {
+        snprintf(msg, cap, "'best_of' > 'n' is not supported (it ranks extra completions by "
+                 "likelihood and returns n of them)");
         return -1;
     }
     *param = "stream";
@@ -1154,8 +1243,13 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
         send_error(req, 500, NULL, "out of memory");
         goto out;
     }
-    atomic_init(&r->refs, 2);   /* HTTP side, engine side */
+    r->n_choice = o.n > 0 ? o.n : 1;
+    atomic_init(&r->refs, 1 + r->n_choice);   /* HTTP side, each choice's engine side */
     r->dh = dh;
+    for (int i = 0; i < r->n_choice; i++) {
+        r->ch[i].r = r;
+        r->ch[i].idx = i;
+    }
     r->req = req;
     r->chat = chat;
     r->stream = o.stream;
@@ -1183,15 +1277,36 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     pthread_mutex_unlock(&dh->mu);
     atomic_fetch_add(&dh->inflight, 1);
     pd_err err = {0};
-    pd_status st = decode_submit(dh->s, &dr, cb_token, cb_done, r, &r->h, &err);
+    pd_status st = PD_OK;
+    char cid[80];
+    uint64_t seed0 = dr.seed;
+    int sub = 0;
+    for (; sub < r->n_choice && st == PD_OK; sub++) {
+        if (r->n_choice > 1) {
+            snprintf(cid, sizeof(cid), "%s-%d", r->id, sub);
+            dr.request_id = cid;
+        }
+        dr.seed = seed0 + (uint64_t)sub;
+        st = decode_submit(dh->s, &dr, cb_token, cb_done, &r->ch[sub], &r->ch[sub].h, &err);
+    }
     if (st != PD_OK) {
-        int code = http_code_of(st);
         decode_metrics_refused(dh->dm, st == PD_ERR_INVALID ? "invalid" : st == PD_ERR_CANCELLED
                                        ? "draining" : "error");
-        send_error(req, code, NULL, err.msg);
-        atomic_fetch_sub(&r->refs, 1);   /* the engine never calls back */
-        req_finish(r);
-        goto out;
+        /* choices from sub - 1 on never reach the engine: they are done, with no reference */
+        int failed = sub - 1;
+        r->err_st = st;
+        snprintf(r->err_msg, sizeof(r->err_msg), "%s", err.msg);
+        r->n_done += r->n_choice - failed;
+        for (int i = failed; i < r->n_choice; i++) {
+            r->ch[i].done = 1;
+            atomic_fetch_sub(&r->refs, 1);
+        }
+        if (failed == 0) {
+            send_error(req, http_code_of(st), NULL, err.msg);
+            req_finish(r);
+            goto out;
+        }
+        cancel_all(r);   /* the answer is the error once the submitted ones end */
     }
     r->evcon = evhttp_request_get_connection(req);
     if (r->evcon != NULL)
@@ -1410,12 +1525,7 @@ void decode_http_destroy(decode_http *h)
         if (h->live != NULL)
             h->live->prev = NULL;
         r->next = r->prev = NULL;
-        decode_handle_release(r->h);
-        r->h = NULL;
-        for (int i = 0; i < r->n_stop; i++)
-            free(r->stop[i]);
-        free(r->gen);
-        free(r);
+        req_contents_free(r);
     }
     pd_http_destroy(h->http);
     pthread_mutex_destroy(&h->mu);

@@ -421,6 +421,53 @@ def test_penalties(bin_dir, model, draft, node, prompt, n, want):
     check(st == 200 and b["usage"]["completion_tokens"] >= 1, "sampled chat with penalties %s" % b)
 
 
+def test_n(node, prompt):
+    """n choices: choice i is what one request with seed + i gives; usage sums them; streams
+    tag every event with its choice; each choice stops at its own stop string."""
+    singles = []
+    for seed in (7, 8, 9):
+        st, b = post_json(node, "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0.9,
+                                                    "seed": seed, "ignore_eos": True})
+        singles.append(b["choices"][0]["text"] if st == 200 else None)
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0.9, "seed": 7, "ignore_eos": True, "n": 3,
+            "best_of": 3, "logprobs": 1}
+    st, b = post_json(node, "/v1/completions", body)
+    ch = b.get("choices", []) if st == 200 else []
+    check(st == 200 and [c["index"] for c in ch] == [0, 1, 2] and [c["text"] for c in ch] == singles,
+          "n=3: choices == single requests with seeds 7, 8, 9: %s vs %s" % ([c.get("text") for c in ch], singles))
+    check(st == 200 and b["usage"]["completion_tokens"] == 36 and
+          all(len(c["logprobs"]["tokens"]) == 12 and c["finish_reason"] == "length" for c in ch),
+          "n=3 usage and per-choice logprobs: %s" % b.get("usage"))
+    st, text, evs, done = read_stream(node, "/v1/completions", dict(body, stream=True), False)
+    per = {}
+    for e in evs:
+        for c in e.get("choices", []):
+            per[c["index"]] = per.get(c["index"], "") + c.get("text", "")
+    finals = [c["index"] for e in evs for c in e.get("choices", []) if c.get("finish_reason")]
+    check(done and [per.get(i) for i in range(3)] == singles and sorted(finals) == [0, 1, 2],
+          "n=3 stream: %s vs %s, finals %s" % (per, singles, finals))
+    check(evs and evs[-1].get("usage", {}).get("completion_tokens") == 36, "n=3 stream usage")
+    # chat, greedy: every choice the same text; a stop string cuts each
+    msgs = [{"role": "user", "content": "Print hello."}]
+    st, b1 = post_json(node, "/v1/chat/completions", {"messages": msgs, "max_tokens": 10, "temperature": 0})
+    one = b1["choices"][0]["message"]["content"] if st == 200 else None
+    st, b = post_json(node, "/v1/chat/completions", {"messages": msgs, "max_tokens": 10, "temperature": 0, "n": 2})
+    check(st == 200 and [c["message"]["content"] for c in b["choices"]] == [one, one] and
+          b["usage"]["completion_tokens"] == 2 * b1["usage"]["completion_tokens"] and
+          b["usage"]["prompt_tokens"] == b1["usage"]["prompt_tokens"], "chat n=2 greedy: %s" % b)
+    if one and len(one) > 4:
+        stop = one[2:4]
+        cut = one[:one.index(stop)]
+        st, text, evs, done = read_stream(node, "/v1/chat/completions",
+                                          {"messages": msgs, "max_tokens": 10, "temperature": 0, "n": 2,
+                                           "stop": stop, "stream": True}, True)
+        per = {}
+        for e in evs:
+            for c in e.get("choices", []):
+                per[c["index"]] = per.get(c["index"], "") + (c.get("delta", {}).get("content") or "")
+        check(done and per == {0: cut, 1: cut}, "chat n=2 stop %r: %s want %r" % (stop, per, cut))
+
+
 def test_prefill_http(bin_dir, model, draft):
     """prefill_node --http: /health, /ready, /metrics that parse and move as a disaggregated
     decode node uses it."""
@@ -771,6 +818,7 @@ def main():
         # ---- logprobs: the same numbers over gRPC, HTTP, streamed or not, cut at a stop string
         test_logprobs(bin_dir, node, prompt, N, want)
         test_penalties(bin_dir, model, draft, node, prompt, N, want)
+        test_n(node, prompt)
 
         # ---- errors: OpenAI shape, right status, server keeps serving
         bad = [
@@ -782,7 +830,10 @@ def main():
             ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": "4"}).encode(), 400, "max_tokens"),
             ("/v1/completions", json.dumps({"prompt": "x", "temperature": "hot"}).encode(), 400, "temperature"),
             ("/v1/completions", json.dumps({"prompt": "x", "stream": "yes"}).encode(), 400, "stream"),
-            ("/v1/completions", json.dumps({"prompt": "x", "n": 2}).encode(), 400, "n"),
+            ("/v1/completions", json.dumps({"prompt": "x", "n": 17}).encode(), 400, "n"),
+            ("/v1/completions", json.dumps({"prompt": "x", "n": 0}).encode(), 400, "n"),
+            ("/v1/completions", json.dumps({"prompt": "x", "n": 2, "best_of": 3}).encode(), 400, "best_of"),
+            ("/v1/completions", json.dumps({"prompt": "x", "n": 2, "best_of": 1}).encode(), 400, "best_of"),
             ("/v1/completions", json.dumps({"prompt": "x", "stop": [1]}).encode(), 400, "stop"),
             ("/v1/completions", json.dumps({"prompt": "x", "top_p": 0}).encode(), 400, "top_p"),
             ("/v1/completions", json.dumps({"prompt": "x", "verify": "sometimes"}).encode(), 400, "verify"),
