@@ -394,6 +394,7 @@ static void request_free(pd_engine *e, pd_request *r)
     free(r->lps);
     free(r->pen);
     free(r->pen_tok);
+    free(r->prompt_lps);
     free(r->accepted);
     free(r);
 }
@@ -507,6 +508,9 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
                           (double)params->verify_threshold);
     TRY(pd_penalties_check(params->presence_penalty, params->frequency_penalty,
                            params->repetition_penalty, err));
+    if (params->prompt_logprobs && (external || e->cp != NULL))
+        return pd_err_set(err, PD_ERR_INVALID, "prompt logprobs need the prompt prefilled here %s",
+                          external ? "(not by a prefill node)" : "without context parallelism");
     if (params->top_logprobs < 0 || params->top_logprobs > PD_MAX_TOP_LOGPROBS)
         return pd_err_set(err, PD_ERR_INVALID, "top_logprobs %d must be in 0..%d",
                           params->top_logprobs, PD_MAX_TOP_LOGPROBS);
@@ -530,6 +534,11 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
     r->n_prompt = n_prompt;
     if ((st = pen_init(e, r, err)) != PD_OK)
         goto err_free;
+    if (params->prompt_logprobs &&
+        (r->prompt_lps = calloc((size_t)n_prompt, sizeof(*r->prompt_lps))) == NULL) {
+        st = pd_err_set(err, PD_ERR_NOMEM, "prompt logprobs of %d tokens", n_prompt);
+        goto err_free;
+    }
     if (params->capture_aux && e->draft != NULL) {
         r->aux = malloc((size_t)n_prompt * e->aux_dim * sizeof(float));
         if (r->aux == NULL) {
@@ -1433,6 +1442,16 @@ pd_status pd_engine_complete_prefill_mode(pd_engine *e, pd_request *r, int32_t f
 
 /* One prefill forward of up to budget prompt tokens from at most max_seq requests; *n_out = the
  * tokens it took (0: nothing to prefill). */
+/* Prompt tokens r may prefill in one forward: the rest of its prompt, at most
+ * PROMPT_LP_CHUNK when it keeps prompt logprobs (one logits row per token: the rows of a forward
+ * stay within PROMPT_LP_CHUNK x vocabulary floats). */
+#define PROMPT_LP_CHUNK 256
+static int prefill_take(const pd_request *r)
+{
+    int take = r->n_prompt - r->prefilled;
+    return r->prompt_lps != NULL && take > PROMPT_LP_CHUNK ? PROMPT_LP_CHUNK : take;
+}
+
 static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_out, pd_err *err)
 {
     int n_tok = 0, n_seq = 0;
@@ -1441,7 +1460,7 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
         pd_request *r = e->reqs[i];
         if (r->finish != PD_FINISH_NONE || r->external || r->prefilled >= r->n_prompt)
             continue;
-        int take = r->n_prompt - r->prefilled;
+        int take = prefill_take(r);
         n_tok += take < budget - n_tok ? take : budget - n_tok;
         n_seq++;
     }
@@ -1450,7 +1469,7 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
     *n_out = n_tok;
     int32_t *ids = malloc((size_t)n_tok * 4), *pos = malloc((size_t)n_tok * 4),
             *seq = malloc((size_t)n_tok * 4), *rows = malloc((size_t)n_tok * 4),
-            *lrows = malloc((size_t)n_seq * 4), *first = malloc((size_t)n_seq * 4);
+            *lrows = malloc((size_t)(n_seq + n_tok) * 4), *first = malloc((size_t)n_seq * 4);
     pd_kv_seq **seqs = malloc((size_t)n_seq * sizeof(*seqs));
     pd_request **owner = malloc((size_t)n_tok * sizeof(*owner));
     pd_request **done = malloc((size_t)n_seq * sizeof(*done));
@@ -1464,7 +1483,7 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
         pd_request *r = e->reqs[i];
         if (r->finish != PD_FINISH_NONE || r->external || r->prefilled >= r->n_prompt)
             continue;
-        int take = r->n_prompt - r->prefilled;
+        int take = prefill_take(r);
         if (take > n_tok - t)
             take = n_tok - t;
         seqs[s] = &r->tkv;
@@ -1482,15 +1501,28 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
         }
         s++;
     }
+    /* prompt logprobs: the rows of every token that predicts a later prompt token, after the
+     * first-token rows */
+    int n_rows = n_done;
+    for (int i = 0; i < n_tok; i++)
+        if (owner[i]->prompt_lps != NULL && pos[i] + 1 < owner[i]->n_prompt)
+            lrows[n_rows++] = i;
     pd_tok_batch b = { .n_tok = n_tok, .ids = ids, .pos = pos, .seq = seq, .n_seq = s, .seqs = seqs };
     const float *logits = NULL, *aux = NULL;
     double t_fwd = now_s();
     if (e->cp != NULL) {
         st = cp_prefill(e, &b, owner, lrows, n_done, &logits, &aux, err);
     } else {
-        st = target_forward(e, &b, lrows, n_done, err);
+        st = target_forward(e, &b, lrows, n_rows, err);
         logits = pd_target_logits(e->target);
         aux = pd_target_aux(e->target);
+    }
+    if (st != PD_OK)
+        goto out;
+    for (int k = n_done; k < n_rows && st == PD_OK; k++) {
+        pd_request *r = owner[lrows[k]];
+        int p = pos[lrows[k]];
+        st = logprobs_rows(e, r, logits, k, &r->prompt[p + 1], 1, &r->prompt_lps[p + 1], err);
     }
     if (st != PD_OK)
         goto out;

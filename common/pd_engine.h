@@ -106,6 +106,10 @@ typedef struct {
                               * target's log_softmax, before temperature and filtering) */
     int top_logprobs;        /* with logprobs: also the 0..PD_MAX_TOP_LOGPROBS most likely tokens
                               * of each position */
+    int prompt_logprobs;     /* 1: r->prompt_lps[i] = the logprobs of prompt token i given the
+                              * ones before (i >= 1; with top_logprobs likeliest), from the
+                              * prefill's rows (in chunks of at most 256 tokens then); not for
+                              * external prefills nor with context parallelism */
     /* penalties on the target's logits before every pick (kern_penalty_entry: vLLM's meaning),
      * verify rows included, so speculative decoding stays lossless for the penalised
      * distribution; logprobs are then those of the penalised logits */
@@ -136,6 +140,7 @@ typedef struct pd_request {
     int32_t *out;            /* generated tokens (the first one comes from prefill) */
     int n_out;
     pd_token_logprobs *lps;  /* [n_out] when params.logprobs: out[i]'s logprobs */
+    pd_token_logprobs *prompt_lps; /* [n_prompt] when params.prompt_logprobs ([0] is zeros) */
     uint32_t *pen;           /* [vocab] with penalties: occurrences in out (bits 0-30) and
                               * whether the prompt holds the token (bit 31) ... */
     int32_t *pen_tok;        /* ... and the tokens whose entry is not 0 */

@@ -109,6 +109,8 @@ typedef struct {
     float repetition_penalty;       /* (0, 10]; 0 or 1 = off */
     int logprobs;                   /* 1: chunks carry each token's logprob (pd_sample.h) */
     int top_logprobs;               /* with logprobs: and its 0..PD_MAX_TOP_LOGPROBS likeliest */
+    int prompt_logprobs;            /* 1: the first chunk carries the prompt's logprobs (a
+                                     * colocated node without context parallelism only) */
 } decode_req;
 
 typedef struct {
@@ -120,6 +122,10 @@ typedef struct {
     const size_t *piece_len;        /* [n_ids]: the bytes of text each id completed, in order
                                      * (an id that starts a UTF-8 sequence completes none) */
     const pd_token_logprobs *logprobs;  /* [n_ids] when the request asked for them, else NULL */
+    const pd_token_logprobs *prompt_logprobs;  /* first chunk of a request with prompt_logprobs:
+                                     * [n_prompt], entry i that of prompt_ids[i] ([0] zeros) */
+    const int32_t *prompt_ids;      /* with prompt_logprobs: the prompt as tokenized */
+    int n_prompt;
 } decode_chunk;
 
 typedef struct {

@@ -88,6 +88,8 @@ typedef struct http_req {
     int started;                     /* SSE headers sent */
     int gone;
     int logprobs, top_logprobs;      /* the request asked for logprobs (and this many likeliest) */
+    int echo, no_gen;                /* echo: every choice's text starts with the prompt (and its
+                                      * logprobs with the prompt's); no_gen: max_tokens 0 */
     int n_choice, n_done;            /* choices, and those whose result arrived */
     http_choice ch[MAX_N];
     pd_status err_st;                /* the first choice that failed: the request's answer */
@@ -99,6 +101,7 @@ typedef struct http_req {
 typedef struct lp_tok {
     int32_t id;
     size_t off;
+    int none;                        /* the prompt's first token: no logprob (null) */
     pd_token_logprobs lp;
 } lp_tok;
 
@@ -107,10 +110,48 @@ typedef struct {
     char *stop[MAX_STOP];
     int stream, include_usage;
     int n;                           /* choices */
+    int echo, max0;                  /* "echo"; "max_tokens": 0 (with echo only) */
 } req_opts;
 
 /* ---------------------------------------------------------------------------------------------
  * Request contexts */
+
+/* echo: every choice's text starts as the prompt (its string, or its ids decoded); stop strings
+ * are looked for after it only */
+static int echo_init(http_req *r, const decode_req *dr, char *msg, size_t cap)
+{
+    char *txt = NULL;
+    size_t len = 0;
+    pd_err err;
+    if (dr->prompt_text != NULL) {
+        txt = malloc(dr->prompt_text_len + 1);
+        if (txt != NULL) {
+            memcpy(txt, dr->prompt_text, dr->prompt_text_len);
+            txt[dr->prompt_text_len] = '\0';
+            len = dr->prompt_text_len;
+        }
+    } else if (pd_tokenizer_decode(decode_server_tokenizer(r->dh->s), dr->prompt_ids,
+                                   (size_t)dr->n_prompt_ids, 0, &txt, &len, &err) != PD_OK) {
+        snprintf(msg, cap, "echo: %.400s", err.msg);
+        return -1;
+    }
+    for (int i = 0; i < r->n_choice && txt != NULL; i++) {
+        http_choice *c = &r->ch[i];
+        c->gen = malloc(len + 1);
+        if (c->gen == NULL)
+            break;
+        memcpy(c->gen, txt, len + 1);
+        c->gen_len = len;
+        c->gen_cap = len + 1;
+        c->scan = len;
+    }
+    free(txt);
+    if (txt == NULL || r->ch[r->n_choice - 1].gen == NULL) {
+        snprintf(msg, cap, "out of memory echoing the prompt");
+        return -1;
+    }
+    return 0;
+}
 
 static void req_contents_free(http_req *r)
 {
@@ -312,6 +353,12 @@ static cJSON *logprobs_json(const http_choice *r, int from, int to)
     for (int i = from; i < to; i++) {
         const lp_tok *k = &r->lps[i];
         cJSON_AddItemToArray(toks, tok_text(t, k->id));
+        if (k->none) {   /* the prompt's first token has nothing before it */
+            cJSON_AddItemToArray(lps, cJSON_CreateNull());
+            cJSON_AddItemToArray(tops, cJSON_CreateNull());
+            cJSON_AddItemToArray(offs, cJSON_CreateNumber(0));
+            continue;
+        }
         cJSON_AddItemToArray(lps, cJSON_CreateNumber(k->lp.logprob));
         cJSON *d = cJSON_CreateObject();
         int chosen_in = 0;
@@ -499,6 +546,8 @@ typedef struct {
     int n_ids;
     lp_tok *lps;                     /* [n_ids] when the request asked for logprobs; off = the
                                       * token's start within text */
+    lp_tok *plps;                    /* [n_prompt]: the first chunk of an echo with logprobs */
+    int n_prompt;
     /* done */
     pd_status st;
     char error[512];
@@ -539,13 +588,26 @@ static void msg_chunk(http_msg *m)
 {
     http_choice *c = m->c;
     http_req *r = c->r;
-    c->n_gen += m->n_ids;
+    if (!r->no_gen)
+        c->n_gen += m->n_ids;
     if (c->stopped || r->gone || r->req == NULL || r->err_st != PD_OK)
         return;
     if (!r->stream && peer_closed(r->evcon)) {
         PD_LOG_DEBUG("http", "%s: client went away, cancelling", r->id);
         r->gone = 1;   /* still attached: the final send below fails quietly */
         cancel_all(r);
+        return;
+    }
+    if (m->plps != NULL) {   /* the prompt's own, in front (offsets within the echoed prompt) */
+        if (lps_reserve(c, c->n_lps + m->n_prompt) != 0) {
+            decode_cancel(c->h);
+            return;
+        }
+        memcpy(c->lps + c->n_lps, m->plps, (size_t)m->n_prompt * sizeof(*m->plps));
+        c->n_lps += m->n_prompt;
+    }
+    if (r->no_gen) {   /* max_tokens 0: the prompt only */
+        emit_safe(c, stop_scan(c, 0));
         return;
     }
     size_t base = c->gen_len;
@@ -651,6 +713,11 @@ static void msg_done(http_msg *m)
     c->done = 1;
     r->n_done++;
     int ok = m->st == PD_OK || (m->st == PD_ERR_CANCELLED && c->stopped);
+    if (r->no_gen) {
+        m->len = 0;
+        m->n_tokens = 0;
+        m->finish = PD_FINISH_LENGTH;
+    }
     if (ok && !c->stopped && m->len > 0 && gen_append(c, m->text, m->len) != 0) {
         ok = 0;
         m->st = PD_ERR_NOMEM;
@@ -699,6 +766,7 @@ static void msg_run(void *arg)
     }
     free(m->text);
     free(m->lps);
+    free(m->plps);
     free(m);
 }
 
@@ -726,6 +794,23 @@ static void cb_token(void *ud, const decode_chunk *c)
             off += c->piece_len != NULL ? c->piece_len[i] : 0;
         }
     }
+    if (c->prompt_logprobs != NULL && c->n_prompt > 0) {
+        const pd_tokenizer *tk = decode_server_tokenizer(ch->r->dh->s);
+        if ((m->plps = malloc((size_t)c->n_prompt * sizeof(*m->plps))) == NULL) {
+            free(m->lps);
+            free(m);
+            free(t);
+            return;
+        }
+        size_t off = 0, bl = 0;
+        for (int i = 0; i < c->n_prompt; i++) {
+            m->plps[i] = (lp_tok){ .id = c->prompt_ids[i], .off = off, .none = i == 0,
+                                   .lp = c->prompt_logprobs[i] };
+            if (pd_tokenizer_token_bytes(tk, c->prompt_ids[i], &bl) != NULL)
+                off += bl;
+        }
+        m->n_prompt = c->n_prompt;
+    }
     m->n_ids = c->n_ids;
     m->dh = ch->r->dh;
     m->c = ch;
@@ -734,6 +819,7 @@ static void cb_token(void *ud, const decode_chunk *c)
     if (pd_loop_post(pd_http_loop(ch->r->dh->http), msg_run, m) != PD_OK) {
         free(t);
         free(m->lps);
+        free(m->plps);
         free(m);
     }
 }
@@ -853,11 +939,12 @@ static int parse_common(const cJSON *root, int chat, decode_req *dr, req_opts *o
     if ((rc = get_int(root, mt, -1e18, 1e18, &ll, msg, cap)) < 0)
         return -1;
     if (rc > 0) {
-        if (ll < 1) {
+        if (ll < 0 || (ll == 0 && chat)) {
             snprintf(msg, cap, "'%s' must be at least 1, got %lld", mt, ll);
             return -1;
         }
-        dr->max_new_tokens = ll > 1000000000 ? 1000000000 : (int)ll;
+        o->max0 = ll == 0;   /* allowed with echo (scoring a prompt), checked below */
+        dr->max_new_tokens = ll == 0 ? 1 : ll > 1000000000 ? 1000000000 : (int)ll;
     }
     *param = "temperature";
     if ((rc = get_number(root, "temperature", &d, msg, cap)) < 0)
@@ -942,12 +1029,20 @@ static int parse_common(const cJSON *root, int chat, decode_req *dr, req_opts *o
     if (get_bool(root, "ignore_eos", &b, msg, cap) < 0)
         return -1;
     dr->ignore_eos = b;
+    /* completions: the prompt comes back in front of the text (and, with logprobs, its own
+     * logprobs in front of the completion's: scoring a text, as evaluation harnesses do) */
     *param = "echo";
     b = 0;
     if (get_bool(root, "echo", &b, msg, cap) < 0)
         return -1;
-    if (b) {
-        snprintf(msg, cap, "'echo' is not supported");
+    if (b && chat) {
+        snprintf(msg, cap, "'echo' applies to /v1/completions only");
+        return -1;
+    }
+    o->echo = b;
+    if (o->max0 && !b) {
+        *param = mt;
+        snprintf(msg, cap, "'%s' must be at least 1 (0 only with 'echo': true), got 0", mt);
         return -1;
     }
     /* completions: "logprobs": N (0..20) asks for them and the N likeliest; chat: "logprobs":
@@ -971,6 +1066,7 @@ static int parse_common(const cJSON *root, int chat, decode_req *dr, req_opts *o
             return -1;
         dr->logprobs = rc > 0;
         dr->top_logprobs = rc > 0 ? (int)ll : 0;
+        dr->prompt_logprobs = dr->logprobs && o->echo;
     }
     /* OpenAI's presence/frequency penalties and the repetition penalty (extension, vLLM) */
     const char *pens[] = {"presence_penalty", "frequency_penalty", "repetition_penalty"};
@@ -1256,6 +1352,13 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     r->include_usage = o.include_usage;
     r->logprobs = dr.logprobs;
     r->top_logprobs = dr.top_logprobs;
+    r->echo = o.echo;
+    r->no_gen = o.max0;
+    if (r->echo && echo_init(r, &dr, msg, sizeof(msg)) != 0) {
+        send_error(req, 500, NULL, msg);
+        req_contents_free(r);
+        goto out;
+    }
     r->created = (long)time(NULL);
     unsigned long long seq = atomic_fetch_add(&dh->next_id, 1);
     snprintf(r->id, sizeof(r->id), "%s-%llx%04llx", chat ? "chatcmpl" : "cmpl",

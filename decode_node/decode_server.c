@@ -335,6 +335,11 @@ static void emit_new(decode_server *s, decode_handle *h)
     decode_chunk c = { .request_id = h->id, .ids = nt, .n_ids = n, .text = text ? text : "",
                        .text_len = text ? len : 0, .piece_len = plen,
                        .logprobs = h->r->lps != NULL ? h->r->lps + (nt - h->r->out) : NULL };
+    if (first && h->r->prompt_lps != NULL) {
+        c.prompt_logprobs = h->r->prompt_lps;
+        c.prompt_ids = h->r->prompt;
+        c.n_prompt = h->r->n_prompt;
+    }
     const decode_observer *ob = s->cfg.observer;
     if (ob != NULL && ob->on_token != NULL)
         ob->on_token(ob->ud, &c, gap, first);
@@ -1155,6 +1160,12 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
                                        req->repetition_penalty, err);
     if (pst != PD_OK)
         return pst;
+    if (req->prompt_logprobs && !s->cfg.colocated)
+        return pd_err_set(err, PD_ERR_INVALID, "prompt logprobs (echo with logprobs) need a "
+                          "--colocated decode node: prefill nodes do not return them");
+    if (req->prompt_logprobs && s->cfg.cp_size > 1)
+        return pd_err_set(err, PD_ERR_INVALID, "prompt logprobs (echo with logprobs) are not "
+                          "available with context-parallel prefill (--cp-size %d)", s->cfg.cp_size);
     if (req->top_logprobs < 0 || req->top_logprobs > PD_MAX_TOP_LOGPROBS)
         return pd_err_set(err, PD_ERR_INVALID, "top_logprobs %d must be in 0..%d", req->top_logprobs,
                           PD_MAX_TOP_LOGPROBS);
@@ -1258,6 +1269,7 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
     h->gp.frequency_penalty = req->frequency_penalty;
     h->gp.repetition_penalty = req->repetition_penalty;
     h->gp.logprobs = req->logprobs != 0;
+    h->gp.prompt_logprobs = req->prompt_logprobs != 0;
     h->gp.top_logprobs = req->logprobs ? req->top_logprobs : 0;
     h->on_token = on_token;
     h->on_done = on_done;

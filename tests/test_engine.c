@@ -654,6 +654,67 @@ static void test_engine_deferred_compact(void)
     free(kv1);
 }
 
+/* Prompt logprobs of a 600-token prompt: prefilled in chunks of at most 256 tokens (the cap for
+ * such requests) and in chunks of 100, with another request sharing the forwards; the same
+ * numbers either way, the same output as without them; refused for an external prefill. */
+static void test_engine_prompt_logprobs(void)
+{
+    enum { LONG = 600 };
+    pd_err err;
+    int32_t longp[LONG];
+    for (int i = 0; i < LONG; i++)
+        longp[i] = prompt_a[i % (int)(sizeof(prompt_a) / 4)] + (i / 22) % 5;
+    pd_gen_params gp = greedy(8);
+    gp.prompt_logprobs = 1;
+    gp.logprobs = 1;
+    gp.top_logprobs = 2;
+    pd_token_logprobs *first = NULL;
+    int32_t out0[8] = {0};
+    for (int pass = 0; pass < 3; pass++) {
+        pd_engine *e = NULL;
+        pd_engine_config ec = { .target = tm, .draft = dm, .page_size = 16, .n_pages = 128,
+                                .max_prefill_tokens = pass == 1 ? 100 : 4096 };
+        TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);
+        if (e == NULL)
+            break;
+        pd_gen_params p = gp;
+        p.prompt_logprobs = pass < 2;
+        pd_request *r = NULL, *other = NULL;
+        pd_gen_params og = greedy(4);
+        TEST_CHECK(pd_engine_add(e, 1, longp, LONG, &p, &r, &err) == PD_OK);
+        TEST_CHECK(pd_engine_add(e, 2, prompt_b, 9, &og, &other, &err) == PD_OK);
+        if (pass == 0) {
+            TEST_CHECK(pd_engine_step(e, &err) == PD_OK);
+            TEST_CHECK_MSG(r->prefilled == 256, "prompt logprobs: %d tokens in the first step", r->prefilled);
+        }
+        TEST_CHECK(run_to_end(e) == 0 && r->n_out == 8);
+        if (pass == 0) {
+            first = r->prompt_lps;
+            r->prompt_lps = NULL;   /* kept for the next pass (ours now) */
+            memcpy(out0, r->out, sizeof(out0));
+            for (int i = 1; i < LONG && first != NULL; i++)
+                TEST_CHECK(first[i].n_top == 2 && first[i].logprob <= first[i].top_logprob[0] &&
+                           first[i].logprob < 0.0f);
+        } else if (pass == 1) {
+            double worst = 0.0;
+            for (int i = 1; i < LONG && first != NULL && r->prompt_lps != NULL; i++) {
+                worst = fmax(worst, fabs(first[i].logprob - r->prompt_lps[i].logprob));
+                TEST_CHECK(first[i].top_id[0] == r->prompt_lps[i].top_id[0]);
+            }
+            TEST_CHECK_MSG(worst < 1e-4, "prompt logprobs depend on the chunking: %.3g", worst);
+        } else {
+            TEST_CHECK(r->prompt_lps == NULL && memcmp(r->out, out0, sizeof(out0)) == 0);
+        }
+        pd_engine_release(e, r);
+        pd_engine_release(e, other);
+        pd_request *rx = NULL;
+        TEST_CHECK(pd_engine_add_external(e, 3, prompt_b, 9, &gp, &rx, &err) == PD_ERR_INVALID &&
+                   strstr(err.msg, "prompt logprobs") != NULL);
+        pd_engine_destroy(e);
+    }
+    free(first);
+}
+
 /* A speculative engine and a target-only one over the same target; 0 when both exist. */
 static int spec_and_plain(pd_engine **spec, pd_engine **plain)
 {
@@ -933,6 +994,7 @@ int main(void)
     test_engine_gap_chunks();
     test_engine_logprobs();
     test_engine_penalties();
+    test_engine_prompt_logprobs();
     pd_dspark_free(dm);
     pd_qwen3_free(tm);
     kern_backend_destroy(be);

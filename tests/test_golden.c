@@ -434,7 +434,7 @@ static void test_golden_logprobs(const pd_qwen3_model *tm, const pd_st_set *g)
     pd_engine_config ec = { .target = tm, .draft = dm, .page_size = 16, .n_pages = 64 };
     pd_engine *e = NULL;
     TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);
-    int V = tm->cfg.vocab_size, checked = 0, followed = 0;
+    int V = tm->cfg.vocab_size, checked = 0, followed = 0, n_prompt_lp = 0;
     double worst = 0.0;
     /* bf16 logits (steps of 1/16 at magnitude 16) move a logprob by a few steps */
     double tol = strcmp(be->ops->name, "cpu") == 0 && !be->act_bf16 ? 2e-3 : 0.3;
@@ -488,10 +488,34 @@ static void test_golden_logprobs(const pd_qwen3_model *tm, const pd_st_set *g)
             }
             pd_engine_release(e, r);
         }
+        /* the prompt's own logprobs (echo): token i from golden row i - 1 */
+        pd_gen_params pp = { .sample = { .top_p = 1.0f }, .max_new_tokens = 1, .logprobs = 1,
+                             .top_logprobs = 3, .prompt_logprobs = 1 };
+        pd_request *r = NULL;
+        if (pd_engine_add(e, (uint64_t)(p * 100 + 99), ids, T, &pp, &r, &err) != PD_OK) {
+            TEST_CHECK_MSG(0, "add with prompt logprobs: %s", err.msg);
+            continue;
+        }
+        while (pd_engine_active(e) > 0 && pd_engine_step(e, &err) == PD_OK)
+            ;
+        TEST_CHECK(r->prompt_lps != NULL && r->prompt_lps[0].n_top == 0 && r->prompt_lps[0].logprob == 0.0f);
+        for (int i = off + 1; i < T && r->prompt_lps != NULL; i++) {
+            const float *row = gl + (size_t)(i - 1 - off) * V;
+            const pd_token_logprobs *lp = &r->prompt_lps[i];
+            double d = fabs(lp->logprob - ref_logprob(row, V, ids[i]));
+            worst = d > worst ? d : worst;
+            TEST_CHECK_MSG(d <= tol && lp->n_top == 3 && lp->top_logprob[0] >= lp->logprob,
+                           "g%d prompt token %d: logprob %.5f, golden %.5f", p, i, lp->logprob,
+                           ref_logprob(row, V, ids[i]));
+            for (int t = 0; t < lp->n_top; t++)
+                TEST_CHECK(fabs(lp->top_logprob[t] - ref_logprob(row, V, lp->top_id[t])) <= tol);
+            n_prompt_lp++;
+        }
+        pd_engine_release(e, r);
     }
-    printf("logprobs: %d tokens against golden rows (%d after the first), worst |diff| %.2e\n",
-           checked, followed, worst);
-    TEST_CHECK(checked >= 8);
+    printf("logprobs: %d tokens against golden rows (%d after the first), %d prompt tokens, worst "
+           "|diff| %.2e\n", checked, followed, n_prompt_lp, worst);
+    TEST_CHECK(checked >= 8 && n_prompt_lp >= 60);
     pd_engine_destroy(e);
     pd_dspark_free(dm);
 }

@@ -311,7 +311,7 @@ def chatml(messages):
 LP_REF = {}   # prompt -> token_logprobs of the colocated node (the disaggregated test compares)
 
 
-def test_logprobs(bin_dir, node, prompt, n, want):
+def test_logprobs(bin_dir, model, node, prompt, n, want):
     out = subprocess.run([os.path.join(bin_dir, "pdspark-client"), "--server", node.grpc,
                           "--prompt", prompt, "--max-new-tokens", str(n), "--temperature", "0",
                           "--json", "--logprobs", "3"], capture_output=True, text=True, timeout=60)
@@ -390,6 +390,39 @@ def test_logprobs(bin_dir, node, prompt, n, want):
     # without logprobs: null
     st, b = post_json(node, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
     check(st == 200 and b["choices"][0]["logprobs"] is None, "no logprobs asked: null")
+    # echo: scoring prompt + completion (as evaluation harnesses do) gives the completion's own
+    # logprobs at its positions (prefill rows against decode and verify rows)
+    ids = [int(x) for x in subprocess.run([os.path.join(bin_dir, "pdspark-tokenize"), "--tokenizer",
+                                           model], input=prompt, capture_output=True, text=True,
+                                          timeout=30).stdout.split()]
+    full = ids + g["tokens"]
+    st, b = post_json(node, "/v1/completions", {"prompt": full, "max_tokens": 0, "echo": True, "logprobs": 2})
+    c = b["choices"][0] if st == 200 else {"logprobs": {"token_logprobs": [], "tokens": []}, "text": ""}
+    l = c["logprobs"]
+    check(st == 200 and c["text"] == prompt + want and "".join(l["tokens"]) == prompt + want and
+          b["usage"]["completion_tokens"] == 0 and b["usage"]["prompt_tokens"] == len(full),
+          "echo, max_tokens 0: %s" % b)
+    check(len(l["token_logprobs"]) == len(full) and l["token_logprobs"][0] is None and
+          l["top_logprobs"][0] is None and all(v is not None and v <= 0 for v in l["token_logprobs"][1:]),
+          "echo logprobs: one per prompt token, the first null")
+    tail = l["token_logprobs"][len(ids):]
+    check(len(tail) == len(glp) and all(abs(a - e["logprob"]) < 1e-4 for a, e in zip(tail, glp)),
+          "echo scoring == the completion's logprobs: %s vs %s" % (tail[:4], [e["logprob"] for e in glp[:4]]))
+    # echo with a completion, streamed and not: prompt first, then the text
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 1}
+    st, b = post_json(node, "/v1/completions", body)
+    c = b["choices"][0] if st == 200 else {"text": "", "logprobs": {"tokens": []}}
+    check(st == 200 and c["text"].startswith(prompt) and want.startswith(c["text"][len(prompt):]) and
+          len(c["logprobs"]["tokens"]) == len(ids) + 4 and b["usage"]["completion_tokens"] == 4,
+          "echo + 4 tokens: %s" % b)
+    st, text, evs, done = read_stream(node, "/v1/completions", dict(body, stream=True), False)
+    stoks = sum((e["choices"][0]["logprobs"]["tokens"] for e in evs
+                 if e.get("choices") and e["choices"][0].get("logprobs")), [])
+    check(done and text == c["text"] and stoks == c["logprobs"]["tokens"], "streamed echo %r" % text)
+    st, b = post_json(node, "/v1/completions", {"prompt": prompt, "max_tokens": 3, "temperature": 0,
+                                                "echo": True})
+    check(st == 200 and b["choices"][0]["text"] == prompt + want[:len(b["choices"][0]["text"]) - len(prompt)]
+          and b["choices"][0]["logprobs"] is None, "echo without logprobs %s" % b)
 
 
 PEN_REF = {}  # the colocated node's penalised completion (the disaggregated test compares)
@@ -537,6 +570,15 @@ def test_prefill_http(bin_dir, model, draft):
         check(ref is not None and len(got) == 8 and
               all(abs(a - b) < 1e-5 for a, b in zip(got, ref)),
               "disaggregated logprobs %s == colocated %s" % (got, ref and ref[:8]))
+        # echo with logprobs needs the prompt's rows: refused by name on a disaggregated node
+        st, body = post_json(dn, "/v1/completions", {"prompt": "def fib(n):", "max_tokens": 0,
+                                                     "echo": True, "logprobs": 1})
+        check(st == 400 and "colocated" in body.get("error", {}).get("message", ""),
+              "disaggregated echo + logprobs refused: %d %s" % (st, body))
+        st, body = post_json(dn, "/v1/completions", {"prompt": "def fib(n):", "max_tokens": 2,
+                                                     "temperature": 0, "echo": True})
+        check(st == 200 and body["choices"][0]["text"].startswith("def fib(n):"),
+              "disaggregated echo without logprobs %s" % body)
         # penalties: the repetition penalty reaches the prefill node's first token too
         n, ptext = PEN_REF.get("def fib(n):", (8, None))
         st, body = post_json(dn, "/v1/completions", dict({"prompt": "def fib(n):", "max_tokens": n,
@@ -816,7 +858,7 @@ def main():
         check(evs and evs[-1]["choices"] == [] and "usage" in evs[-1], "include_usage chunk")
 
         # ---- logprobs: the same numbers over gRPC, HTTP, streamed or not, cut at a stop string
-        test_logprobs(bin_dir, node, prompt, N, want)
+        test_logprobs(bin_dir, model, node, prompt, N, want)
         test_penalties(bin_dir, model, draft, node, prompt, N, want)
         test_n(node, prompt)
 
@@ -846,6 +888,9 @@ def main():
             ("/v1/chat/completions", json.dumps({"messages": [{"role": "user"}]}).encode(), 400, "messages"),
             ("/v1/chat/completions", json.dumps({"messages": [{"role": 1, "content": "x"}]}).encode(), 400, "messages"),
             ("/v1/completions", json.dumps({"prompt": "x", "logprobs": 21}).encode(), 400, "logprobs"),
+            ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": 0}).encode(), 400, "max_tokens"),
+            ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                                 "echo": True}).encode(), 400, "echo"),
             ("/v1/completions", json.dumps({"prompt": "x", "presence_penalty": 3}).encode(), 400,
              "presence_penalty"),
             ("/v1/completions", json.dumps({"prompt": "x", "frequency_penalty": "a"}).encode(), 400,
