@@ -508,9 +508,9 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
                           (double)params->verify_threshold);
     TRY(pd_penalties_check(params->presence_penalty, params->frequency_penalty,
                            params->repetition_penalty, err));
-    if (params->prompt_logprobs && (external || e->cp != NULL))
-        return pd_err_set(err, PD_ERR_INVALID, "prompt logprobs need the prompt prefilled here %s",
-                          external ? "(not by a prefill node)" : "without context parallelism");
+    if (params->prompt_logprobs && !external && e->cp != NULL)
+        return pd_err_set(err, PD_ERR_INVALID, "prompt logprobs are not available with "
+                          "context-parallel prefill");
     if (params->top_logprobs < 0 || params->top_logprobs > PD_MAX_TOP_LOGPROBS)
         return pd_err_set(err, PD_ERR_INVALID, "top_logprobs %d must be in 0..%d",
                           params->top_logprobs, PD_MAX_TOP_LOGPROBS);
@@ -1412,6 +1412,35 @@ static pd_status extend_prompt_context(pd_engine *e, pd_request *r, pd_aux_mode 
     return st;
 }
 
+/* Logprobs that came from elsewhere: tops within the request's count and the vocabulary. */
+static pd_status lp_check(const pd_engine *e, const pd_request *r, const pd_token_logprobs *lp,
+                          const char *what, pd_err *err)
+{
+    if (lp->n_top < 0 || lp->n_top > r->params.top_logprobs)
+        return pd_err_set(err, PD_ERR_INVALID, "%s: %d top logprobs, the request asked for %d", what,
+                          lp->n_top, r->params.top_logprobs);
+    for (int i = 0; i < lp->n_top; i++)
+        if (lp->top_id[i] < 0 || lp->top_id[i] >= e->V)
+            return pd_err_set(err, PD_ERR_INVALID, "%s: top logprob id %d outside the vocabulary "
+                              "(0..%d)", what, lp->top_id[i], e->V - 1);
+    return PD_OK;
+}
+
+pd_status pd_engine_set_prompt_logprobs(pd_engine *e, pd_request *r, const pd_token_logprobs *lps,
+                                        int n, pd_err *err)
+{
+    if (r->prompt_lps == NULL || !r->external)
+        return pd_err_set(err, PD_ERR_INVALID, "request %llu keeps no prompt logprobs from outside",
+                          (unsigned long long)r->id);
+    if (n != r->n_prompt)
+        return pd_err_set(err, PD_ERR_INVALID, "%d prompt logprobs for a prompt of %d tokens", n,
+                          r->n_prompt);
+    for (int i = 0; i < n; i++)
+        TRY(lp_check(e, r, &lps[i], "prompt token", err));
+    memcpy(r->prompt_lps, lps, (size_t)n * sizeof(*lps));
+    return PD_OK;
+}
+
 pd_status pd_engine_complete_prefill_mode(pd_engine *e, pd_request *r, int32_t first_token,
                                           pd_aux_mode mode, const float *aux_host,
                                           const pd_token_logprobs *first_lp, pd_err *err)
@@ -1428,15 +1457,8 @@ pd_status pd_engine_complete_prefill_mode(pd_engine *e, pd_request *r, int32_t f
                               (unsigned long long)r->id, mode == PD_AUX_CTX ? "context" : "aux");
         TRY(extend_prompt_context(e, r, mode, aux_host, err));
     }
-    if (first_lp != NULL && r->params.logprobs) {
-        if (first_lp->n_top < 0 || first_lp->n_top > r->params.top_logprobs)
-            return pd_err_set(err, PD_ERR_INVALID, "first token: %d top logprobs, the request asked "
-                              "for %d", first_lp->n_top, r->params.top_logprobs);
-        for (int i = 0; i < first_lp->n_top; i++)
-            if (first_lp->top_id[i] < 0 || first_lp->top_id[i] >= e->V)
-                return pd_err_set(err, PD_ERR_INVALID, "first token: top logprob id %d outside "
-                                  "the vocabulary (0..%d)", first_lp->top_id[i], e->V - 1);
-    }
+    if (first_lp != NULL && r->params.logprobs)
+        TRY(lp_check(e, r, first_lp, "first token", err));
     return commit_first(e, r, first_token, r->params.logprobs ? first_lp : NULL, err);
 }
 

@@ -108,8 +108,9 @@ typedef struct {
                               * of each position */
     int prompt_logprobs;     /* 1: r->prompt_lps[i] = the logprobs of prompt token i given the
                               * ones before (i >= 1; with top_logprobs likeliest), from the
-                              * prefill's rows (in chunks of at most 256 tokens then); not for
-                              * external prefills nor with context parallelism */
+                              * prefill's rows (in chunks of at most 256 tokens then; not with
+                              * context parallelism); an external prefill brings them
+                              * (pd_engine_set_prompt_logprobs) */
     /* penalties on the target's logits before every pick (kern_penalty_entry: vLLM's meaning),
      * verify rows included, so speculative decoding stays lossless for the penalised
      * distribution; logprobs are then those of the penalised logits */
@@ -231,6 +232,11 @@ const char *pd_aux_mode_name(pd_aux_mode m);
 pd_status pd_engine_complete_prefill_mode(pd_engine *e, pd_request *r, int32_t first_token,
                                           pd_aux_mode mode, const float *rows_host,
                                           const pd_token_logprobs *first_lp, pd_err *err);
+/* An external prefill's prompt logprobs (params.prompt_logprobs): lps[n_prompt] into
+ * r->prompt_lps, before pd_engine_complete_prefill. PD_ERR_INVALID for a count other than the
+ * prompt's, top ids outside the vocabulary or more tops than the request asked for. */
+pd_status pd_engine_set_prompt_logprobs(pd_engine *e, pd_request *r, const pd_token_logprobs *lps,
+                                        int n, pd_err *err);
 /* Ends a request with PD_FINISH_ERROR and msg (e.g. its prefill node failed). */
 void pd_engine_fail(pd_engine *e, pd_request *r, const char *msg);
 /* Width of one packed aux row (K * hidden; 0 without a draft). */

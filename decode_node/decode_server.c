@@ -686,6 +686,7 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
     pr.dest = &d;
     pr.logprobs = h->gp.logprobs != 0;
     pr.top_logprobs = (uint32_t)h->gp.top_logprobs;
+    pr.prompt_logprobs = h->gp.prompt_logprobs != 0;
     int64_t tmo = s->cfg.transfer_timeout_ms;
     h->prefill_by_deadline = 0;
     if (h->deadline > 0) {
@@ -802,6 +803,37 @@ static pd_status complete_external(decode_server *s, decode_handle *h, int32_t f
     return pd_engine_complete_prefill_mode(s->eng, h->r, first, am, rows, first_lp, err);
 }
 
+/* A Prefill reply's prompt logprobs into the engine request (PrefillRequest.prompt_logprobs). */
+static pd_status take_prompt_logprobs(decode_server *s, decode_handle *h, const Pdspark__PrefillReply *rep,
+                                      pd_err *err)
+{
+    if (rep->n_prompt_logprobs != (size_t)h->n_prompt)
+        return pd_err_set(err, PD_ERR_PEER, "prefill reply: %zu prompt logprobs for %d prompt tokens",
+                          rep->n_prompt_logprobs, h->n_prompt);
+    pd_token_logprobs *lps = calloc((size_t)h->n_prompt, sizeof(*lps));
+    if (lps == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "prompt logprobs");
+    pd_status st = PD_OK;
+    for (int i = 0; i < h->n_prompt && st == PD_OK; i++) {
+        const Pdspark__TokenLogprobs *t = rep->prompt_logprobs[i];
+        if (t == NULL || t->n_top_ids != t->n_top_logprobs || t->n_top_ids > PD_MAX_TOP_LOGPROBS ||
+            t->token_id != (uint32_t)h->prompt[i]) {
+            st = pd_err_set(err, PD_ERR_PEER, "prefill reply: prompt logprobs of token %d malformed", i);
+            break;
+        }
+        lps[i].logprob = t->logprob;
+        lps[i].n_top = (int)t->n_top_ids;
+        for (size_t k = 0; k < t->n_top_ids; k++) {
+            lps[i].top_id[k] = t->top_ids[k] > INT32_MAX ? -1 : (int32_t)t->top_ids[k];
+            lps[i].top_logprob[k] = t->top_logprobs[k];
+        }
+    }
+    if (st == PD_OK && (st = pd_engine_set_prompt_logprobs(s->eng, h->r, lps, h->n_prompt, err)) != PD_OK)
+        st = PD_ERR_PEER;
+    free(lps);
+    return st;
+}
+
 static void on_reply_loop(void *arg)
 {
     reply_msg *m = arg;
@@ -845,6 +877,13 @@ static void on_reply_loop(void *arg)
             for (int i = 0; i < first_lp.n_top; i++) {
                 first_lp.top_id[i] = rep->first_top_ids[i] > INT32_MAX ? -1 : (int32_t)rep->first_top_ids[i];
                 first_lp.top_logprob[i] = rep->first_top_logprobs[i];
+            }
+            if (h->gp.prompt_logprobs && h->state == H_PREFILL) {
+                pd_err perr;
+                if (take_prompt_logprobs(s, h, rep, &perr) != PD_OK) {
+                    st = PD_ERR_PEER;
+                    snprintf(msg, sizeof(msg), "%s", perr.msg);
+                }
             }
         }
     }
@@ -1160,10 +1199,7 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
                                        req->repetition_penalty, err);
     if (pst != PD_OK)
         return pst;
-    if (req->prompt_logprobs && !s->cfg.colocated)
-        return pd_err_set(err, PD_ERR_INVALID, "prompt logprobs (echo with logprobs) need a "
-                          "--colocated decode node: prefill nodes do not return them");
-    if (req->prompt_logprobs && s->cfg.cp_size > 1)
+    if (req->prompt_logprobs && s->cfg.colocated && s->cfg.cp_size > 1)
         return pd_err_set(err, PD_ERR_INVALID, "prompt logprobs (echo with logprobs) are not "
                           "available with context-parallel prefill (--cp-size %d)", s->cfg.cp_size);
     if (req->top_logprobs < 0 || req->top_logprobs > PD_MAX_TOP_LOGPROBS)

@@ -282,6 +282,26 @@ static void job_answer(prefill_server *ps, job *j, pd_status st, const char *msg
             rep.first_top_ids = top_ids;
             rep.first_top_logprobs = (float *)lp->top_logprob;
         }
+        Pdspark__TokenLogprobs *plm = NULL, **plp = NULL;
+        if (j->gp.prompt_logprobs && j->r->prompt_lps != NULL) {
+            plm = calloc((size_t)j->n, sizeof(*plm));
+            plp = calloc((size_t)j->n, sizeof(*plp));
+            for (int i = 0; plm != NULL && plp != NULL && i < j->n; i++) {
+                const pd_token_logprobs *lp = &j->r->prompt_lps[i];
+                pdspark__token_logprobs__init(&plm[i]);
+                plm[i].version = PD_PROTO_VERSION;
+                plm[i].token_id = (uint32_t)j->ids[i];
+                plm[i].logprob = lp->logprob;
+                plm[i].n_top_ids = plm[i].n_top_logprobs = (size_t)lp->n_top;
+                plm[i].top_ids = (uint32_t *)(uintptr_t)lp->top_id;   /* ids >= 0: same bits */
+                plm[i].top_logprobs = (float *)(uintptr_t)lp->top_logprob;
+                plp[i] = &plm[i];
+            }
+            if (plm != NULL && plp != NULL) {
+                rep.n_prompt_logprobs = (size_t)j->n;
+                rep.prompt_logprobs = plp;
+            }
+        }
         rep.prompt_tokens = (uint32_t)j->n;
         rep.cp_size = (uint32_t)ps->cp_n;
         rep.timings = &tm;
@@ -292,6 +312,8 @@ static void job_answer(prefill_server *ps, job *j, pd_status st, const char *msg
         PD_LOG_DEBUG("prefill", "%s: done, %d tokens, %llu bytes, forward %.1f ms, transfer %.1f ms",
                      j->id, j->n, (unsigned long long)j->bytes, j->t_xfer - j->t_fwd, now - j->t_xfer);
         pd_rpc_reply(j->call, &rep.base);
+        free(plm);
+        free(plp);
     } else {
         PD_LOG_DEBUG("prefill", "%s: ended %s: %s", j->id, pd_status_str(st), msg);
         pd_rpc_finish(j->call, st, msg);
@@ -1058,6 +1080,7 @@ static pd_status handle_prefill(void *ud, const ProtobufCMessage *msg, pd_rpc_ca
     j->gp.hold_kv = 1;
     j->gp.ignore_eos = 1;
     j->gp.logprobs = rq->logprobs;
+    j->gp.prompt_logprobs = rq->prompt_logprobs;
     j->gp.top_logprobs = rq->logprobs ? (int)rq->top_logprobs : 0;
     j->gp.sample.top_p = 1.0f;
     if (rq->sampling != NULL) {

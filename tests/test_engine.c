@@ -656,7 +656,8 @@ static void test_engine_deferred_compact(void)
 
 /* Prompt logprobs of a 600-token prompt: prefilled in chunks of at most 256 tokens (the cap for
  * such requests) and in chunks of 100, with another request sharing the forwards; the same
- * numbers either way, the same output as without them; refused for an external prefill. */
+ * numbers either way, the same output as without them; an external prefill's are checked and
+ * kept. */
 static void test_engine_prompt_logprobs(void)
 {
     enum { LONG = 600 };
@@ -707,9 +708,20 @@ static void test_engine_prompt_logprobs(void)
         }
         pd_engine_release(e, r);
         pd_engine_release(e, other);
+        /* an external prefill brings them: checked, then kept */
         pd_request *rx = NULL;
-        TEST_CHECK(pd_engine_add_external(e, 3, prompt_b, 9, &gp, &rx, &err) == PD_ERR_INVALID &&
-                   strstr(err.msg, "prompt logprobs") != NULL);
+        TEST_CHECK(pd_engine_add_external(e, 3, prompt_b, 9, &gp, &rx, &err) == PD_OK);
+        if (rx != NULL && first != NULL) {
+            TEST_CHECK(pd_engine_set_prompt_logprobs(e, rx, first, 8, &err) == PD_ERR_INVALID &&
+                       strstr(err.msg, "prompt of 9") != NULL);
+            pd_token_logprobs bad[9];
+            memcpy(bad, first, sizeof(bad));
+            bad[4].n_top = 3;   /* the request asked for 2 */
+            TEST_CHECK(pd_engine_set_prompt_logprobs(e, rx, bad, 9, &err) == PD_ERR_INVALID);
+            TEST_CHECK(pd_engine_set_prompt_logprobs(e, rx, first, 9, &err) == PD_OK &&
+                       memcmp(rx->prompt_lps, first, 9 * sizeof(*first)) == 0);
+            pd_engine_release(e, rx);
+        }
         pd_engine_destroy(e);
     }
     free(first);

@@ -405,6 +405,7 @@ def test_logprobs(bin_dir, model, node, prompt, n, want):
     check(len(l["token_logprobs"]) == len(full) and l["token_logprobs"][0] is None and
           l["top_logprobs"][0] is None and all(v is not None and v <= 0 for v in l["token_logprobs"][1:]),
           "echo logprobs: one per prompt token, the first null")
+    LP_REF["echo"] = (full, l["token_logprobs"])
     tail = l["token_logprobs"][len(ids):]
     check(len(tail) == len(glp) and all(abs(a - e["logprob"]) < 1e-4 for a, e in zip(tail, glp)),
           "echo scoring == the completion's logprobs: %s vs %s" % (tail[:4], [e["logprob"] for e in glp[:4]]))
@@ -570,11 +571,14 @@ def test_prefill_http(bin_dir, model, draft):
         check(ref is not None and len(got) == 8 and
               all(abs(a - b) < 1e-5 for a, b in zip(got, ref)),
               "disaggregated logprobs %s == colocated %s" % (got, ref and ref[:8]))
-        # echo with logprobs needs the prompt's rows: refused by name on a disaggregated node
-        st, body = post_json(dn, "/v1/completions", {"prompt": "def fib(n):", "max_tokens": 0,
-                                                     "echo": True, "logprobs": 1})
-        check(st == 400 and "colocated" in body.get("error", {}).get("message", ""),
-              "disaggregated echo + logprobs refused: %d %s" % (st, body))
+        # echo with logprobs: the prompt's logprobs come from the prefill node
+        full, eref = LP_REF.get("echo", ([1, 2], None))
+        st, body = post_json(dn, "/v1/completions", {"prompt": full, "max_tokens": 0, "echo": True,
+                                                     "logprobs": 2})
+        got = body["choices"][0]["logprobs"]["token_logprobs"] if st == 200 else []
+        check(eref is not None and len(got) == len(eref) and got[0] is None and
+              all(abs(a - b) < 1e-5 for a, b in zip(got[1:], eref[1:])),
+              "disaggregated echo logprobs == colocated: %s vs %s" % (got[:4], eref and eref[:4]))
         st, body = post_json(dn, "/v1/completions", {"prompt": "def fib(n):", "max_tokens": 2,
                                                      "temperature": 0, "echo": True})
         check(st == 200 and body["choices"][0]["text"].startswith("def fib(n):"),
