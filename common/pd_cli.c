@@ -108,6 +108,39 @@ int pd_cli_parse_float(const char *prog, const char *flag, const char *s, float 
     return 0;
 }
 
+int pd_cli_parse_logit_bias(const char *prog, const char *flag, const char *s, pd_logit_bias **b, int *n)
+{
+    const char *p = s;
+    while (*p != '\0') {
+        char *end;
+        errno = 0;
+        long id = strtol(p, &end, 10);
+        if (errno != 0 || end == p || *end != ':' || id < 0 || id > INT32_MAX) {
+            fprintf(stderr, "%s: %s: '%s' is not ID:BIAS[,ID:BIAS...]\n", prog, flag, s);
+            return -1;
+        }
+        p = end + 1;
+        float v = strtof(p, &end);
+        if (errno != 0 || end == p || (*end != ',' && *end != '\0')) {
+            fprintf(stderr, "%s: %s: '%s' is not ID:BIAS[,ID:BIAS...]\n", prog, flag, s);
+            return -1;
+        }
+        if (*n >= PD_MAX_LOGIT_BIAS) {
+            fprintf(stderr, "%s: %s: more than %d entries\n", prog, flag, PD_MAX_LOGIT_BIAS);
+            return -1;
+        }
+        pd_logit_bias *nb = realloc(*b, (size_t)(*n + 1) * sizeof(**b));
+        if (nb == NULL) {
+            fprintf(stderr, "%s: out of memory\n", prog);
+            return -1;
+        }
+        *b = nb;
+        (*b)[(*n)++] = (pd_logit_bias){ .tok = (int32_t)id, .bias = v };
+        p = *end == ',' ? end + 1 : end;
+    }
+    return 0;
+}
+
 int pd_cli_read_ids(const char *prog, const char *path, int32_t **ids, int *n)
 {
     FILE *f = strcmp(path, "-") == 0 ? stdin : fopen(path, "r");

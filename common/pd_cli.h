@@ -11,6 +11,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "pd_sample.h"
 #include "pd_status.h"
 
 /* Milliseconds of CLOCK_MONOTONIC. */
@@ -21,6 +22,10 @@ int pd_cli_parse_i64(const char *prog, const char *flag, const char *s, int64_t 
                      int64_t *out);
 int pd_cli_parse_int(const char *prog, const char *flag, const char *s, int lo, int hi, int *out);
 int pd_cli_parse_float(const char *prog, const char *flag, const char *s, float *out);
+/* "ID:BIAS[,ID:BIAS...]" appended to *b / *n (malloc'd, the caller frees *b); -1 with a message
+ * naming flag for a malformed entry or more than PD_MAX_LOGIT_BIAS of them (ranges are checked
+ * where the request is). */
+int pd_cli_parse_logit_bias(const char *prog, const char *flag, const char *s, pd_logit_bias **b, int *n);
 /* --dtype bf16|f32 (the weights and KV cache of a cuda backend; the cpu backend always is fp32):
  * *f32 = 1 for f32. Prints "prog: --dtype: ..." and returns -1 on anything else. */
 int pd_cli_parse_dtype(const char *prog, const char *s, int *f32);

@@ -11,6 +11,7 @@
 #include "pd_log.h"
 
 #include <limits.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -395,6 +396,7 @@ static void request_free(pd_engine *e, pd_request *r)
     free(r->pen);
     free(r->pen_tok);
     free(r->prompt_lps);
+    free(r->bias);
     free(r->accepted);
     free(r);
 }
@@ -450,6 +452,7 @@ int pd_engine_active(const pd_engine *e)
 }
 
 static pd_status pen_init(pd_engine *e, pd_request *r, pd_err *err);
+static pd_status bias_init(pd_request *r, pd_err *err);
 static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, int n_prompt,
                              const pd_gen_params *params, int external, pd_request **out, pd_err *err);
 
@@ -508,6 +511,10 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
                           (double)params->verify_threshold);
     TRY(pd_penalties_check(params->presence_penalty, params->frequency_penalty,
                            params->repetition_penalty, err));
+    TRY(pd_logit_bias_check(params->logit_bias, params->n_logit_bias, e->V, err));
+    if (params->min_tokens < 0 || params->min_tokens > params->max_new_tokens)
+        return pd_err_set(err, PD_ERR_INVALID, "min_tokens %d must be in 0..max_new_tokens (%d)",
+                          params->min_tokens, params->max_new_tokens);
     if (params->prompt_logprobs && !external && e->cp != NULL)
         return pd_err_set(err, PD_ERR_INVALID, "prompt logprobs are not available with "
                           "context-parallel prefill");
@@ -532,7 +539,7 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
     }
     memcpy(r->prompt, prompt, (size_t)n_prompt * sizeof(int32_t));
     r->n_prompt = n_prompt;
-    if ((st = pen_init(e, r, err)) != PD_OK)
+    if ((st = pen_init(e, r, err)) != PD_OK || (st = bias_init(r, err)) != PD_OK)
         goto err_free;
     if (params->prompt_logprobs &&
         (r->prompt_lps = calloc((size_t)n_prompt, sizeof(*r->prompt_lps))) == NULL) {
@@ -621,6 +628,32 @@ static pd_status pen_init(pd_engine *e, pd_request *r, pd_err *err)
     return PD_OK;
 }
 
+static int by_tok(const void *a, const void *b)
+{
+    int32_t x = ((const pd_logit_bias *)a)->tok, y = ((const pd_logit_bias *)b)->tok;
+    return x < y ? -1 : x > y;
+}
+
+/* The request's own sorted copy of its logit_bias (params.logit_bias then points at it);
+ * a token named twice is refused. */
+static pd_status bias_init(pd_request *r, pd_err *err)
+{
+    int n = r->params.n_logit_bias;
+    if (n == 0) {
+        r->params.logit_bias = NULL;
+        return PD_OK;
+    }
+    if ((r->bias = malloc((size_t)n * sizeof(*r->bias))) == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "logit_bias of %d tokens", n);
+    memcpy(r->bias, r->params.logit_bias, (size_t)n * sizeof(*r->bias));
+    qsort(r->bias, (size_t)n, sizeof(*r->bias), by_tok);
+    r->params.logit_bias = r->bias;
+    for (int i = 1; i < n; i++)
+        if (r->bias[i].tok == r->bias[i - 1].tok)
+            return pd_err_set(err, PD_ERR_INVALID, "logit_bias names token %d twice", r->bias[i].tok);
+    return PD_OK;
+}
+
 static pd_status pen_push(pd_engine *e, const kern_penalty_entry *en, pd_err *err)
 {
     TRY(grow_host((void **)&e->pen_host, &e->cap_pen_host, e->n_pen + 1, sizeof(*en), err));
@@ -628,16 +661,38 @@ static pd_status pen_push(pd_engine *e, const kern_penalty_entry *en, pd_err *er
     return PD_OK;
 }
 
+/* r's logit_bias entry of token t (sorted by token at admission), or NULL */
+static const pd_logit_bias *bias_find(const pd_request *r, int32_t t)
+{
+    int lo = 0, hi = r->params.n_logit_bias - 1;
+    const pd_logit_bias *b = r->params.logit_bias;
+    while (lo <= hi) {
+        int mid = (lo + hi) / 2;
+        if (b[mid].tok == t)
+            return &b[mid];
+        if (b[mid].tok < t)
+            lo = mid + 1;
+        else
+            hi = mid - 1;
+    }
+    return NULL;
+}
+
 /* Queues the entries of logits row `row` of r, whose history is r's output followed by
- * extra[0..n_extra) (the drafts before that row of a verify block). */
+ * extra[0..n_extra) (the drafts before that row of a verify block): the penalties of every
+ * token seen, the logit bias, and while the output is shorter than min_tokens the stop (eos)
+ * tokens masked. One entry per token. */
 static pd_status pen_row(pd_engine *e, const pd_request *r, int row, const int32_t *extra, int n_extra,
                          pd_err *err)
 {
-    if (r->pen == NULL)
+    int mask_eos = r->params.min_tokens > r->n_out + n_extra;
+    if (r->pen == NULL && r->params.n_logit_bias == 0 && !mask_eos)
         return PD_OK;
     kern_penalty_entry en = { .row = row, .rep = pen_rep_on(&r->params) ? r->params.repetition_penalty : 1.0f,
                               .freq = r->params.frequency_penalty, .pres = r->params.presence_penalty };
-    for (int i = 0; i < r->n_pen_tok; i++) {
+#define ENTRY_BIAS(t) ((bias_find(r, (t)) != NULL ? bias_find(r, (t))->bias : 0.0f) + \
+                       (mask_eos && is_eos(e, (t)) ? -INFINITY : 0.0f))
+    for (int i = 0; r->pen != NULL && i < r->n_pen_tok; i++) {
         int32_t t = r->pen_tok[i];
         int cnt = (int)(r->pen[t] & ~PEN_PROMPT);
         for (int j = 0; j < n_extra; j++)
@@ -645,10 +700,11 @@ static pd_status pen_row(pd_engine *e, const pd_request *r, int row, const int32
         en.tok = t;
         en.count = cnt;
         en.seen = 1;
+        en.bias = ENTRY_BIAS(t);
         TRY(pen_push(e, &en, err));
     }
     /* drafts of this block not in the output yet: each distinct one once */
-    for (int j = 0; j < n_extra; j++) {
+    for (int j = 0; r->pen != NULL && j < n_extra; j++) {
         int32_t t = extra[j], first = r->pen[t] == 0;
         for (int k = 0; k < j && first; k++)
             first = extra[k] != t;
@@ -660,8 +716,24 @@ static pd_status pen_row(pd_engine *e, const pd_request *r, int row, const int32
         en.tok = t;
         en.count = cnt;
         en.seen = 1;
+        en.bias = ENTRY_BIAS(t);
         TRY(pen_push(e, &en, err));
     }
+    /* biased and masked tokens the penalties did not name */
+    en.count = en.seen = 0;
+    for (int i = 0; i < r->params.n_logit_bias + (mask_eos ? e->tm->cfg.n_eos : 0); i++) {
+        int bias_list = i < r->params.n_logit_bias;
+        int32_t t = bias_list ? r->params.logit_bias[i].tok : e->tm->cfg.eos_ids[i - r->params.n_logit_bias];
+        int named = r->pen != NULL && r->pen[t] != 0;
+        for (int j = 0; r->pen != NULL && j < n_extra && !named; j++)
+            named = extra[j] == t;
+        if (named || (!bias_list && bias_find(r, t) != NULL))
+            continue;
+        en.tok = t;
+        en.bias = ENTRY_BIAS(t);
+        TRY(pen_push(e, &en, err));
+    }
+#undef ENTRY_BIAS
     return PD_OK;
 }
 

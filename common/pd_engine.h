@@ -117,6 +117,10 @@ typedef struct {
     float presence_penalty;  /* [-2, 2]; 0 = off */
     float frequency_penalty; /* [-2, 2]; 0 = off */
     float repetition_penalty;/* (0, 10]; 0 or 1 = off */
+    const pd_logit_bias *logit_bias; /* [n_logit_bias] distinct tokens (copied at admission) */
+    int n_logit_bias;        /* 0..PD_MAX_LOGIT_BIAS */
+    int min_tokens;          /* 0..max_new_tokens: the eos tokens are masked (-inf) while fewer
+                              * tokens were generated (ignore_eos or not, as vLLM) */
 } pd_gen_params;
 
 typedef enum {
@@ -142,6 +146,7 @@ typedef struct pd_request {
     int n_out;
     pd_token_logprobs *lps;  /* [n_out] when params.logprobs: out[i]'s logprobs */
     pd_token_logprobs *prompt_lps; /* [n_prompt] when params.prompt_logprobs ([0] is zeros) */
+    pd_logit_bias *bias;     /* the request's copy of params.logit_bias, sorted by token */
     uint32_t *pen;           /* [vocab] with penalties: occurrences in out (bits 0-30) and
                               * whether the prompt holds the token (bit 31) ... */
     int32_t *pen_tok;        /* ... and the tokens whose entry is not 0 */

@@ -69,6 +69,21 @@ pd_status pd_penalties_check(float presence, float frequency, float repetition, 
     return PD_OK;
 }
 
+pd_status pd_logit_bias_check(const pd_logit_bias *b, int n, int vocab, pd_err *err)
+{
+    if (n < 0 || n > PD_MAX_LOGIT_BIAS || (n > 0 && b == NULL))
+        return pd_err_set(err, PD_ERR_INVALID, "logit_bias: %d entries (at most %d)", n, PD_MAX_LOGIT_BIAS);
+    for (int i = 0; i < n; i++) {
+        if (b[i].tok < 0 || b[i].tok >= vocab)
+            return pd_err_set(err, PD_ERR_INVALID, "logit_bias: token %d is outside the vocabulary "
+                              "(0..%d)", b[i].tok, vocab - 1);
+        if (!(b[i].bias >= -100.0f && b[i].bias <= 100.0f))
+            return pd_err_set(err, PD_ERR_INVALID, "logit_bias: the bias of token %d, %g, must be "
+                              "in [-100, 100]", b[i].tok, (double)b[i].bias);
+    }
+    return PD_OK;
+}
+
 int32_t pd_argmax(const float *x, int n)
 {
     int best = 0;

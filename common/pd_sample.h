@@ -44,6 +44,17 @@ int32_t pd_sample_from_probs(const float *probs, int n, pd_rng *rng);
 int32_t pd_sample_logits(const float *logits, int n, const pd_sample_params *p, pd_rng *rng,
                          float *fscratch, int32_t *iscratch);
 
+/* OpenAI logit_bias: added to the token's logit before anything else (kern_penalty_entry). */
+#define PD_MAX_LOGIT_BIAS 1024
+typedef struct {
+    int32_t tok;
+    float bias;              /* [-100, 100] */
+} pd_logit_bias;
+
+/* PD_ERR_INVALID naming the entry unless n is 0..PD_MAX_LOGIT_BIAS, every token in 0..vocab-1
+ * and every bias in [-100, 100] (a token named twice: pd_engine_add). */
+pd_status pd_logit_bias_check(const pd_logit_bias *b, int n, int vocab, pd_err *err);
+
 /* Log-probabilities of one position for a request that asks for them (the OpenAI `logprobs`):
  * the model's own distribution, log_softmax(logits) before temperature and top-k/top-p (as
  * vLLM's default raw logprobs), so a greedy and a sampled request report the same numbers. */

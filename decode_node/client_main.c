@@ -26,7 +26,7 @@ static void usage(FILE *f)
             "                      [--stop STR]... [--json] [--stream] [--disconnect-after N]\n"
             "                      [--verify full|threshold|scheduled] [--verify-threshold T]\n"
             "                      [--logprobs N] [--presence-penalty P] [--frequency-penalty F]\n"
-            "                      [--repetition-penalty R]\n"
+            "                      [--repetition-penalty R] [--logit-bias ID:BIAS[,...]] [--min-tokens N]\n"
             "\n"
             "Streams one completion from a decode node. Text is printed as it arrives; --json\n"
             "prints instead one object at the end with the fields of pdspark-generate --json\n"
@@ -126,10 +126,12 @@ int main(int argc, char **argv)
     int64_t seed = 0, timeout_ms = 0;
     float temperature = 0.0f, top_p = 1.0f, verify_threshold = 0.0f;
     float presence = 0.0f, frequency = 0.0f, repetition = 0.0f;
+    pd_logit_bias *bias = NULL;
+    int n_bias = 0, min_tokens = 0;
     const char *verify = NULL;
     enum { O_SERVER = 256, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_IGNORE,
            O_TMO, O_RID, O_JSON, O_STREAM, O_DISC, O_HEALTH, O_STOP, O_VERIFY, O_VTHRESH, O_LOGPROBS,
-           O_PRES, O_FREQ, O_REP, O_HELP };
+           O_PRES, O_FREQ, O_REP, O_BIAS, O_MINTOK, O_HELP };
     static const struct option opts[] = {
         {"server", required_argument, 0, O_SERVER}, {"prompt", required_argument, 0, O_PROMPT},
         {"prompt-ids", required_argument, 0, O_IDS}, {"max-new-tokens", required_argument, 0, O_MAXNEW},
@@ -145,6 +147,7 @@ int main(int argc, char **argv)
         {"presence-penalty", required_argument, 0, O_PRES},
         {"frequency-penalty", required_argument, 0, O_FREQ},
         {"repetition-penalty", required_argument, 0, O_REP},
+        {"logit-bias", required_argument, 0, O_BIAS}, {"min-tokens", required_argument, 0, O_MINTOK},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0},
     };
     opterr = 0;
@@ -172,6 +175,8 @@ int main(int argc, char **argv)
         case O_PRES: bad = pd_cli_parse_float(PROG, "--presence-penalty", optarg, &presence); break;
         case O_FREQ: bad = pd_cli_parse_float(PROG, "--frequency-penalty", optarg, &frequency); break;
         case O_REP: bad = pd_cli_parse_float(PROG, "--repetition-penalty", optarg, &repetition); break;
+        case O_BIAS: bad = pd_cli_parse_logit_bias(PROG, "--logit-bias", optarg, &bias, &n_bias); break;
+        case O_MINTOK: bad = pd_cli_parse_int(PROG, "--min-tokens", optarg, 0, INT_MAX, &min_tokens); break;
         case O_LOGPROBS: bad = pd_cli_parse_int(PROG, "--logprobs", optarg, 0, 20, &logprobs); break;
         case O_STOP:
             if (n_stops == sizeof(stops) / sizeof(stops[0])) {
@@ -238,6 +243,17 @@ int main(int argc, char **argv)
     sp.presence_penalty = presence;
     sp.frequency_penalty = frequency;
     sp.repetition_penalty = repetition;
+    sp.min_tokens = (uint32_t)min_tokens;
+    Pdspark__LogitBias lbm[PD_MAX_LOGIT_BIAS], *lbp[PD_MAX_LOGIT_BIAS];
+    for (int i = 0; i < n_bias; i++) {
+        pdspark__logit_bias__init(&lbm[i]);
+        lbm[i].version = PD_PROTO_VERSION;
+        lbm[i].token_id = (uint32_t)bias[i].tok;
+        lbm[i].bias = bias[i].bias;
+        lbp[i] = &lbm[i];
+    }
+    sp.n_logit_bias = (size_t)n_bias;
+    sp.logit_bias = lbp;
     sp.n_stop = n_stops;
     sp.stop = stops;
     Pdspark__GenerateRequest rq = PDSPARK__GENERATE_REQUEST__INIT;
@@ -384,6 +400,7 @@ out:
     pd_rpc_stream_close(s);
     pd_rpc_channel_destroy(ch);
     cJSON_Delete(lps);
+    free(bias);
     free(a.tokens);
     free(a.text);
     free(uids);

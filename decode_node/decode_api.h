@@ -107,6 +107,9 @@ typedef struct {
     float presence_penalty;         /* [-2, 2] (pd_gen_params); 0 = off */
     float frequency_penalty;        /* [-2, 2]; 0 = off */
     float repetition_penalty;       /* (0, 10]; 0 or 1 = off */
+    const pd_logit_bias *logit_bias;  /* [n_logit_bias], borrowed for the call (copied) */
+    int n_logit_bias;
+    int min_tokens;                 /* 0..max_new_tokens (of the default 128 when that is 0) */
     int logprobs;                   /* 1: chunks carry each token's logprob (pd_sample.h) */
     int top_logprobs;               /* with logprobs: and its 0..PD_MAX_TOP_LOGPROBS likeliest */
     int prompt_logprobs;            /* 1: the first chunk carries the prompt's logprobs (a
@@ -201,6 +204,8 @@ void decode_server_stats(decode_server *s, decode_stats *out);
 /* The tokenizer the server loaded (immutable; its decode functions may be called from any
  * thread while the server lives). */
 const pd_tokenizer *decode_server_tokenizer(const decode_server *s);
+/* The model's vocabulary size (token ids 0..vocab-1). */
+int decode_server_vocab(const decode_server *s);
 /* "cpu"/"cuda" and "colocated"/"disaggregated", for reports. */
 const char *decode_server_device(const decode_server *s);
 const char *decode_server_mode(const decode_server *s);

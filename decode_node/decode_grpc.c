@@ -279,6 +279,7 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
     const Pdspark__GenerateRequest *rq = (const Pdspark__GenerateRequest *)msg;
     pd_err err = {0};
     decode_req dr = {0};
+    pd_logit_bias bias[PD_MAX_LOGIT_BIAS];   /* SamplingParams.logit_bias, for the call */
     dr.request_id = rq->request_id;
     if (rq->prompt_text != NULL && rq->prompt_text[0] != '\0') {
         dr.prompt_text = rq->prompt_text;
@@ -322,6 +323,15 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
         dr.presence_penalty = sp->presence_penalty;
         dr.frequency_penalty = sp->frequency_penalty;
         dr.repetition_penalty = sp->repetition_penalty;
+        dr.min_tokens = sp->min_tokens > (uint32_t)INT32_MAX ? -1 : (int)sp->min_tokens;
+        /* more than PD_MAX_LOGIT_BIAS entries: decode_submit refuses the count */
+        for (size_t i = 0; i < sp->n_logit_bias && i < PD_MAX_LOGIT_BIAS; i++) {
+            const Pdspark__LogitBias *lb = sp->logit_bias[i];
+            bias[i] = (pd_logit_bias){ .tok = lb == NULL || lb->token_id > INT32_MAX ? -1 : (int32_t)lb->token_id,
+                                       .bias = lb != NULL ? lb->bias : 0.0f };
+        }
+        dr.logit_bias = bias;
+        dr.n_logit_bias = sp->n_logit_bias > INT32_MAX ? INT32_MAX : (int)sp->n_logit_bias;
     }
     if (rq->verify_policy != NULL && rq->verify_policy[0] != '\0') {
         pd_verify_policy vp;

@@ -111,6 +111,8 @@ typedef struct {
     int stream, include_usage;
     int n;                           /* choices */
     int echo, max0;                  /* "echo"; "max_tokens": 0 (with echo only) */
+    pd_logit_bias *bias;             /* "logit_bias" (decode_req.logit_bias points here) */
+    int vocab;                       /* the model's, to check token ids */
 } req_opts;
 
 /* ---------------------------------------------------------------------------------------------
@@ -917,6 +919,8 @@ static int get_bool(const cJSON *o, const char *k, int *v, char *msg, size_t cap
 
 static void opts_free(req_opts *o)
 {
+    free(o->bias);
+    o->bias = NULL;
     for (int i = 0; i < o->n_stop; i++)
         free(o->stop[i]);
     o->n_stop = 0;
@@ -1083,6 +1087,49 @@ static int parse_common(const cJSON *root, int chat, decode_req *dr, req_opts *o
             snprintf(msg, cap, "%s", perr.msg);
             return -1;
         }
+    }
+    /* OpenAI's logit_bias: {"token id": bias in [-100, 100]}; min_tokens (vLLM): no eos before */
+    *param = "logit_bias";
+    const cJSON *lb = cJSON_GetObjectItemCaseSensitive(root, "logit_bias");
+    if (lb != NULL && !cJSON_IsNull(lb)) {
+        int n = cJSON_GetArraySize(lb);
+        if (!cJSON_IsObject(lb) || n > PD_MAX_LOGIT_BIAS) {
+            snprintf(msg, cap, "'logit_bias' must be an object of at most %d \"token id\": bias pairs",
+                     PD_MAX_LOGIT_BIAS);
+            return -1;
+        }
+        if (n > 0 && (o->bias = calloc((size_t)n, sizeof(*o->bias))) == NULL) {
+            snprintf(msg, cap, "out of memory");
+            return -1;
+        }
+        int i = 0;
+        for (const cJSON *it = lb->child; it != NULL; it = it->next, i++) {
+            char *end = NULL;
+            long id = strtol(it->string, &end, 10);
+            if (it->string[0] == '\0' || *end != '\0' || id < 0 || id > INT32_MAX || !cJSON_IsNumber(it)) {
+                snprintf(msg, cap, "'logit_bias': \"%.40s\" must be a token id with a number", it->string);
+                return -1;
+            }
+            o->bias[i] = (pd_logit_bias){ .tok = (int32_t)id, .bias = (float)it->valuedouble };
+        }
+        pd_err berr;
+        if (pd_logit_bias_check(o->bias, n, o->vocab, &berr) != PD_OK) {
+            snprintf(msg, cap, "%s", berr.msg);
+            return -1;
+        }
+        dr->logit_bias = o->bias;
+        dr->n_logit_bias = n;
+    }
+    *param = "min_tokens";
+    if ((rc = get_int(root, "min_tokens", 0, 1e9, &ll, msg, cap)) < 0)
+        return -1;
+    if (rc > 0) {
+        int mx = dr->max_new_tokens > 0 ? dr->max_new_tokens : 128;
+        if (ll > mx) {
+            snprintf(msg, cap, "'min_tokens' (%lld) must not exceed the maximum (%d)", ll, mx);
+            return -1;
+        }
+        dr->min_tokens = (int)ll;
     }
     *param = "stream_options";
     const cJSON *so = cJSON_GetObjectItemCaseSensitive(root, "stream_options");
@@ -1316,6 +1363,7 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
                       model->valuestring, dh->model);
         goto out;
     }
+    o.vocab = decode_server_vocab(dh->s);
     if (parse_common(root, chat, &dr, &o, &param, msg, sizeof(msg)) != 0) {
         decode_metrics_refused(dh->dm, "invalid");
         send_error(req, 400, param, msg);

@@ -64,6 +64,7 @@ struct decode_handle {
     char id[96];
     uint64_t eid;
     int32_t *prompt;
+    pd_logit_bias *bias;             /* the request's logit_bias (gp.logit_bias points here) */
     int n_prompt;
     pd_gen_params gp;
     decode_token_fn on_token;
@@ -169,6 +170,7 @@ static void handle_unref(decode_handle *h)
         return;
     if (atomic_fetch_sub(&h->refs, 1) == 1) {
         free(h->prompt);
+        free(h->bias);
         free(h);
     }
 }
@@ -236,6 +238,11 @@ void decode_server_stats(decode_server *s, decode_stats *out)
 const pd_tokenizer *decode_server_tokenizer(const decode_server *s)
 {
     return s->tok;
+}
+
+int decode_server_vocab(const decode_server *s)
+{
+    return s->vocab;
 }
 
 const char *decode_server_device(const decode_server *s)
@@ -616,6 +623,29 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
     sp.presence_penalty = h->gp.presence_penalty;
     sp.frequency_penalty = h->gp.frequency_penalty;
     sp.repetition_penalty = h->gp.repetition_penalty;
+    sp.min_tokens = (uint32_t)h->gp.min_tokens;
+    Pdspark__LogitBias *lbm = NULL, **lbp = NULL;
+    if (h->gp.n_logit_bias > 0) {
+        lbm = calloc((size_t)h->gp.n_logit_bias, sizeof(*lbm));
+        lbp = calloc((size_t)h->gp.n_logit_bias, sizeof(*lbp));
+        if (lbm == NULL || lbp == NULL) {
+            free(lbm);
+            free(lbp);
+            free(pages);
+            free(ids);
+            free(dpages);
+            return pd_err_set(err, PD_ERR_NOMEM, "prefill request");
+        }
+        for (int i = 0; i < h->gp.n_logit_bias; i++) {
+            pdspark__logit_bias__init(&lbm[i]);
+            lbm[i].version = PD_PROTO_VERSION;
+            lbm[i].token_id = (uint32_t)h->gp.logit_bias[i].tok;
+            lbm[i].bias = h->gp.logit_bias[i].bias;
+            lbp[i] = &lbm[i];
+        }
+        sp.n_logit_bias = (size_t)h->gp.n_logit_bias;
+        sp.logit_bias = lbp;
+    }
     Pdspark__PageLayout pl = PDSPARK__PAGE_LAYOUT__INIT;
     pl.version = PD_PROTO_VERSION;
     pl.page_size = (uint32_t)lay->page_size;
@@ -708,6 +738,8 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
     free(pages);
     free(dpages);
     free(ids);
+    free(lbm);
+    free(lbp);
     if (st != PD_OK) {
         h->node = NULL;
         node_failed(s, nd, err->msg);
@@ -1199,6 +1231,11 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
                                        req->repetition_penalty, err);
     if (pst != PD_OK)
         return pst;
+    if ((pst = pd_logit_bias_check(req->logit_bias, req->n_logit_bias, s->vocab, err)) != PD_OK)
+        return pst;
+    if (req->min_tokens < 0 || req->min_tokens > (req->max_new_tokens > 0 ? req->max_new_tokens : 128))
+        return pd_err_set(err, PD_ERR_INVALID, "min_tokens %d must be in 0..max_new_tokens (%d)",
+                          req->min_tokens, req->max_new_tokens > 0 ? req->max_new_tokens : 128);
     if (req->prompt_logprobs && s->cfg.colocated && s->cfg.cp_size > 1)
         return pd_err_set(err, PD_ERR_INVALID, "prompt logprobs (echo with logprobs) are not "
                           "available with context-parallel prefill (--cp-size %d)", s->cfg.cp_size);
@@ -1304,6 +1341,18 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
     h->gp.presence_penalty = req->presence_penalty;
     h->gp.frequency_penalty = req->frequency_penalty;
     h->gp.repetition_penalty = req->repetition_penalty;
+    h->gp.min_tokens = req->min_tokens;
+    if (req->n_logit_bias > 0) {
+        if ((h->bias = malloc((size_t)req->n_logit_bias * sizeof(*h->bias))) == NULL) {
+            atomic_fetch_sub(&s->n_waiting, 1);
+            free(h);
+            st = pd_err_set(err, PD_ERR_NOMEM, "logit_bias");
+            goto err_ids;
+        }
+        memcpy(h->bias, req->logit_bias, (size_t)req->n_logit_bias * sizeof(*h->bias));
+        h->gp.logit_bias = h->bias;
+        h->gp.n_logit_bias = req->n_logit_bias;
+    }
     h->gp.logprobs = req->logprobs != 0;
     h->gp.prompt_logprobs = req->prompt_logprobs != 0;
     h->gp.top_logprobs = req->logprobs ? req->top_logprobs : 0;
@@ -1318,6 +1367,7 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
     if (pd_detok_create(s->tok, &h->detok, err) != PD_OK) {
         atomic_fetch_sub(&s->n_waiting, 1);
         st = err->code;
+        free(h->bias);
         free(h);
         goto err_ids;
     }
@@ -1325,6 +1375,7 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
     if (pd_loop_post(s->loop, submit_cb, h) != PD_OK) {
         atomic_fetch_sub(&s->n_waiting, 1);
         pd_detok_destroy(h->detok);
+        free(h->bias);
         free(h);
         st = pd_err_set(err, PD_ERR_CANCELLED, "server is shutting down");
         goto err_ids;

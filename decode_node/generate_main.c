@@ -36,6 +36,7 @@ static void usage(FILE *f)
             "                        [--verify full|threshold|scheduled] [--threshold T] [--fast-kernels]\n"
             "                        [--graphs auto|off|pad]\n"
             "                        [--presence-penalty P] [--frequency-penalty F] [--repetition-penalty R]\n"
+            "                        [--logit-bias ID:BIAS[,ID:BIAS...]] [--min-tokens N]\n"
             "                        [--cp-size N] [--cp-strategy round-robin-split|interleave|zigzag]\n"
             "                        [--tp N]\n"
             "\n"
@@ -55,7 +56,9 @@ static void usage(FILE *f)
             "bytes); the cpu device always computes in fp32.\n"
             "Penalties (vLLM's meaning, on the target's logits, drafts verified against the\n"
             "penalised ones): --presence-penalty and --frequency-penalty in [-2, 2] on the output's\n"
-            "tokens, --repetition-penalty in (0, 10] on the prompt's and the output's.\n");
+            "tokens, --repetition-penalty in (0, 10] on the prompt's and the output's; --logit-bias\n"
+            "adds BIAS in [-100, 100] to token ID's logit first; --min-tokens N masks the eos tokens\n"
+            "until N tokens were generated.\n");
 }
 
 int main(int argc, char **argv)
@@ -68,12 +71,14 @@ int main(int argc, char **argv)
     pd_cp_strategy cp_strategy = PD_CP_STRATEGY_ROUND_ROBIN;
     float temperature = 0.0f, top_p = 1.0f, threshold = 0.0f;
     float presence = 0.0f, frequency = 0.0f, repetition = 0.0f;
+    pd_logit_bias *bias = NULL;
+    int n_bias = 0, min_tokens = 0;
     pd_verify_policy verify = PD_VERIFY_FULL;
     pd_graph_mode graphs = PD_GRAPHS_AUTO;
     enum { O_MODEL = 256, O_DRAFT, O_NO_DRAFT, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP,
            O_SEED, O_BLOCK, O_JSON, O_IGNORE, O_DEVICE, O_PAGE, O_PAGES, O_STREAM, O_CP_SIZE,
            O_CP_STRATEGY, O_VERIFY, O_THRESHOLD, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_PRES, O_FREQ,
-           O_REP, O_HELP };
+           O_REP, O_BIAS, O_MINTOK, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"no-draft", no_argument, 0, O_NO_DRAFT}, {"prompt", required_argument, 0, O_PROMPT},
@@ -91,6 +96,7 @@ int main(int argc, char **argv)
         {"presence-penalty", required_argument, 0, O_PRES},
         {"frequency-penalty", required_argument, 0, O_FREQ},
         {"repetition-penalty", required_argument, 0, O_REP},
+        {"logit-bias", required_argument, 0, O_BIAS}, {"min-tokens", required_argument, 0, O_MINTOK},
         {"cp-strategy", required_argument, 0, O_CP_STRATEGY}, {"help", no_argument, 0, O_HELP},
         {0, 0, 0, 0},
     };
@@ -111,6 +117,8 @@ int main(int argc, char **argv)
         case O_PRES: bad = pd_cli_parse_float(PROG, "--presence-penalty", optarg, &presence); break;
         case O_FREQ: bad = pd_cli_parse_float(PROG, "--frequency-penalty", optarg, &frequency); break;
         case O_REP: bad = pd_cli_parse_float(PROG, "--repetition-penalty", optarg, &repetition); break;
+        case O_BIAS: bad = pd_cli_parse_logit_bias(PROG, "--logit-bias", optarg, &bias, &n_bias); break;
+        case O_MINTOK: bad = pd_cli_parse_int(PROG, "--min-tokens", optarg, 0, INT_MAX, &min_tokens); break;
         case O_SEED: bad = pd_cli_parse_int(PROG, "--seed", optarg, 0, INT_MAX, &seed); break;
         case O_BLOCK: bad = pd_cli_parse_int(PROG, "--block-size", optarg, 1, 31, &block); break;
         case O_JSON: json = 1; break;
@@ -244,7 +252,8 @@ int main(int argc, char **argv)
                                      .seed = (uint64_t)seed },
                          .max_new_tokens = max_new, .ignore_eos = ignore_eos,
                          .presence_penalty = presence, .frequency_penalty = frequency,
-                         .repetition_penalty = repetition };
+                         .repetition_penalty = repetition, .logit_bias = bias,
+                         .n_logit_bias = n_bias, .min_tokens = min_tokens };
     pd_request *req = NULL;
     double t0 = pd_cli_now_ms();
     if (pd_engine_add(eng, 1, ids, n_ids, &gp, &req, &err) != PD_OK)
@@ -346,6 +355,7 @@ out:
     pd_detok_destroy(detok);
     free(text);
     free(ids);
+    free(bias);
     pd_engine_destroy(eng);
     pd_sps_cleanup(&sps);
     pd_tokenizer_free(tok);

@@ -414,8 +414,10 @@ typedef struct {
     int32_t *out;            /* [n_req, 2] */
 } kern_spec_verify_args;
 
-/* Sampling penalties on logits, in place, before the argmax / kern_probs (vLLM's order and
- * meaning): for each entry, with v = x[row * ld_x + tok]:
+/* Logit processing, in place, before the argmax / kern_probs (vLLM's order and meaning): for
+ * each entry, with v = x[row * ld_x + tok]:
+ *   the bias first (OpenAI logit_bias; -inf masks the token, as min_tokens does the stop tokens):
+ *   v += bias;
  *   the repetition penalty (HF / vLLM; 1 = off) when the token is in the prompt or the output
  *   so far (seen): v = v > 0 ? v / rep : v * rep;
  *   then the OpenAI penalties on its count in the output so far: v -= freq * count, and
@@ -427,7 +429,7 @@ typedef struct {
                               * same verify block) */
     int32_t seen;            /* 1: in the prompt or the output */
     float rep, freq, pres;
-    int32_t reserved;        /* 0 */
+    float bias;              /* 0 = none */
 } kern_penalty_entry;
 
 typedef struct {
@@ -444,6 +446,8 @@ __host__ __device__
 #endif
 static inline float kern_penalize_one(float v, const kern_penalty_entry *e)
 {
+    if (e->bias != 0.0f)
+        v = v + e->bias;
     if (e->seen && e->rep != 1.0f)
         v = v > 0.0f ? v / e->rep : v * e->rep;
     if (e->count > 0)

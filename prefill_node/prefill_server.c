@@ -47,6 +47,7 @@ typedef struct job {
     int32_t *ids;
     int n;
     pd_gen_params gp;
+    pd_logit_bias *bias;     /* gp.logit_bias points here */
     /* destination */
     void *waddr;
     size_t waddr_len;
@@ -143,6 +144,7 @@ static void job_unref(job *j)
     if (atomic_fetch_sub(&j->refs, 1) != 1)
         return;
     free(j->ids);
+    free(j->bias);
     free(j->waddr);
     free(j->pages);
     free(j->kv_rkey);
@@ -977,6 +979,16 @@ static pd_status validate(prefill_server *ps, const Pdspark__PrefillRequest *rq,
         if ((st = pd_penalties_check(rq->sampling->presence_penalty, rq->sampling->frequency_penalty,
                                      rq->sampling->repetition_penalty, err)) != PD_OK)
             return st;
+        if (rq->sampling->n_logit_bias > PD_MAX_LOGIT_BIAS)
+            return pd_err_set(err, PD_ERR_INVALID, "logit_bias: %zu entries (at most %d)",
+                              rq->sampling->n_logit_bias, PD_MAX_LOGIT_BIAS);
+        for (size_t i = 0; i < rq->sampling->n_logit_bias; i++) {
+            const Pdspark__LogitBias *lb = rq->sampling->logit_bias[i];
+            pd_logit_bias one = { .tok = lb == NULL || lb->token_id > INT32_MAX ? -1 : (int32_t)lb->token_id,
+                                  .bias = lb != NULL ? lb->bias : 0.0f };
+            if ((st = pd_logit_bias_check(&one, 1, ps->vocab, err)) != PD_OK)
+                return st;
+        }
     }
     return PD_OK;
 }
@@ -1088,6 +1100,21 @@ static pd_status handle_prefill(void *ud, const ProtobufCMessage *msg, pd_rpc_ca
         j->gp.sample.top_p = rq->sampling->top_p > 0.0f ? rq->sampling->top_p : 1.0f;
         j->gp.sample.top_k = (int)rq->sampling->top_k;
         j->gp.sample.seed = rq->sampling->seed;
+        /* the first token: its bias, and no eos when the request wants any minimum */
+        j->gp.min_tokens = rq->sampling->min_tokens > 0;
+        size_t nb = rq->sampling->n_logit_bias;
+        if (nb > 0 && (j->bias = malloc(nb * sizeof(*j->bias))) == NULL) {
+            atomic_store(&j->refs, 1);
+            job_unref(j);
+            return PD_ERR_NOMEM;
+        }
+        if (nb > 0) {
+            for (size_t i = 0; i < nb; i++)
+                j->bias[i] = (pd_logit_bias){ .tok = (int32_t)rq->sampling->logit_bias[i]->token_id,
+                                              .bias = rq->sampling->logit_bias[i]->bias };
+            j->gp.logit_bias = j->bias;
+            j->gp.n_logit_bias = (int)nb;
+        }
         /* only the repetition penalty can touch the first token (the output is still empty) */
         j->gp.presence_penalty = rq->sampling->presence_penalty;
         j->gp.frequency_penalty = rq->sampling->frequency_penalty;

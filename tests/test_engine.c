@@ -866,6 +866,12 @@ static void ref_penalised(const int32_t *prompt, int n_prompt, const pd_gen_para
         int best = 0;
         for (int v = 0; v < V; v++) {
             float x = row[v];
+            for (int q = 0; q < gp->n_logit_bias; q++)
+                if (gp->logit_bias[q].tok == v && gp->logit_bias[q].bias != 0.0f)
+                    x = x + gp->logit_bias[q].bias;
+            for (int q = 0; q < tm->cfg.n_eos && k < gp->min_tokens; q++)
+                if (tm->cfg.eos_ids[q] == v)
+                    x = -INFINITY;
             if ((in_prompt[v] || cnt[v] > 0) && rep != 1.0f)
                 x = x > 0.0f ? x / rep : x * rep;
             if (cnt[v] > 0)
@@ -900,9 +906,11 @@ static int repeats(const int32_t *t, int n)
     return r;
 }
 
-/* Penalties: greedy speculative output equals target-only output equals the hand-made
- * reference (the verify rows count the block's earlier drafts); they change what is generated
- * (fewer repeats); a sampled request with penalties runs; bad values are refused by name. */
+/* Penalties, logit bias and min_tokens: greedy speculative output equals target-only output
+ * equals the hand-made reference (the verify rows count the block's earlier drafts); they change
+ * what is generated (fewer repeats; a -100 bias keeps a token out); min_tokens holds back an eos
+ * pushed by +100 until exactly then; a sampled request with penalties runs; bad values are
+ * refused by name. */
 static void test_engine_penalties(void)
 {
     pd_err err;
@@ -910,12 +918,17 @@ static void test_engine_penalties(void)
     if (spec_and_plain(&spec, &plain) != 0)
         goto done;
     enum { N = 40 };
+    const pd_logit_bias bias[] = { {1966, 4.0f}, {362, -100.0f}, {220, 2.5f}, {13, -3.0f} };
     const pd_gen_params cases[] = {
         { .sample = { .top_p = 1.0f }, .max_new_tokens = N, .ignore_eos = 1, .frequency_penalty = 0.7f },
         { .sample = { .top_p = 1.0f }, .max_new_tokens = N, .ignore_eos = 1, .presence_penalty = 1.5f },
         { .sample = { .top_p = 1.0f }, .max_new_tokens = N, .ignore_eos = 1, .repetition_penalty = 1.3f },
         { .sample = { .top_p = 1.0f }, .max_new_tokens = N, .ignore_eos = 1, .repetition_penalty = 0.8f,
           .presence_penalty = -0.5f, .frequency_penalty = 0.3f, .logprobs = 1, .top_logprobs = 2 },
+        { .sample = { .top_p = 1.0f }, .max_new_tokens = N, .ignore_eos = 1, .logit_bias = bias,
+          .n_logit_bias = 4, .min_tokens = 7 },
+        { .sample = { .top_p = 1.0f }, .max_new_tokens = N, .ignore_eos = 1, .logit_bias = bias + 1,
+          .n_logit_bias = 3, .frequency_penalty = 0.4f, .repetition_penalty = 1.2f },
     };
     pd_gen_params none = greedy(N);
     none.ignore_eos = 1;
@@ -944,6 +957,8 @@ static void test_engine_penalties(void)
         for (int i = 0; i < N && r0 != NULL; i++)
             diff |= r0->out[i] != rs->out[i];
         TEST_CHECK_MSG(diff, "case %zu: the penalties changed nothing", c);
+        for (int i = 0; i < N && cases[c].n_logit_bias > 0; i++)
+            TEST_CHECK_MSG(rs->out[i] != 362, "case %zu: token 362 (bias -100) at %d", c, i);
         if (c < 3)
             TEST_CHECK_MSG(repeats(rs->out, N) < rep0, "case %zu: %d repeats, %d without penalties", c,
                            repeats(rs->out, N), rep0);
@@ -963,6 +978,25 @@ static void test_engine_penalties(void)
     TEST_CHECK(pd_engine_add(spec, 20, prompt_b, 9, &sp, &rx, &err) == PD_OK);
     TEST_CHECK(run_to_end(spec) == 0 && rx != NULL && rx->n_out == N && rx->finish == PD_FINISH_LENGTH);
     pd_engine_release(spec, rx);
+    /* min_tokens: the eos token, pushed by a bias of +100, comes exactly when allowed */
+    for (int eng = 0; eng < 2; eng++) {
+        pd_logit_bias eb = { tm->cfg.eos_ids[0], 100.0f };
+        pd_gen_params mg = greedy(20);
+        mg.logit_bias = &eb;
+        mg.n_logit_bias = 1;
+        mg.min_tokens = 5;
+        pd_request *rm = NULL;
+        pd_engine *en = eng == 0 ? spec : plain;
+        TEST_CHECK(pd_engine_add(en, 40, prompt_b, 9, &mg, &rm, &err) == PD_OK);
+        TEST_CHECK(run_to_end(en) == 0);
+        TEST_CHECK_MSG(rm != NULL && rm->n_out == 6 && rm->finish == PD_FINISH_STOP &&
+                       rm->out[5] == tm->cfg.eos_ids[0],
+                       "min_tokens 5 with eos pushed: %d tokens, finish %d", rm ? rm->n_out : -1,
+                       rm ? (int)rm->finish : -1);
+        for (int i = 0; rm != NULL && i < 5 && i < rm->n_out; i++)
+            TEST_CHECK(!(rm->out[i] == tm->cfg.eos_ids[0]));
+        pd_engine_release(en, rm);
+    }
     /* bad values */
     struct { float pres, freq, rep; const char *name; } bad[] = {
         {2.5f, 0, 0, "presence_penalty"}, {0, -3.0f, 0, "frequency_penalty"},
@@ -978,6 +1012,22 @@ static void test_engine_penalties(void)
         TEST_CHECK_MSG(pd_engine_add(spec, 30, prompt_b, 9, &b, &rb, &err) == PD_ERR_INVALID &&
                        strstr(err.msg, bad[i].name) != NULL, "bad %s accepted", bad[i].name);
     }
+    pd_logit_bias badb[][2] = { {{5, 1.0f}, {5, 2.0f}}, {{-1, 1.0f}, {2, 0.0f}}, {{3, 101.0f}, {2, 0.0f}},
+                                {{3, NAN}, {2, 0.0f}} };
+    const char *why[] = {"twice", "vocabulary", "[-100, 100]", "[-100, 100]"};
+    for (int i = 0; i < 4; i++) {
+        pd_gen_params b = greedy(4);
+        b.logit_bias = badb[i];
+        b.n_logit_bias = 2;
+        pd_request *rb = NULL;
+        TEST_CHECK_MSG(pd_engine_add(spec, 31, prompt_b, 9, &b, &rb, &err) == PD_ERR_INVALID &&
+                       strstr(err.msg, why[i]) != NULL, "bad logit_bias %d: %s", i, err.msg);
+    }
+    pd_gen_params bm = greedy(4);
+    bm.min_tokens = 5;
+    pd_request *rbm = NULL;
+    TEST_CHECK(pd_engine_add(spec, 32, prompt_b, 9, &bm, &rbm, &err) == PD_ERR_INVALID &&
+               strstr(err.msg, "min_tokens") != NULL);
 done:
     pd_engine_destroy(spec);
     pd_engine_destroy(plain);

@@ -428,6 +428,10 @@ def test_logprobs(bin_dir, model, node, prompt, n, want):
 
 PEN_REF = {}  # the colocated node's penalised completion (the disaggregated test compares)
 PEN = {"frequency_penalty": 0.5, "repetition_penalty": 1.3, "presence_penalty": 0.25}
+# the greedy first token of "def fib(n):" (" return", 362) kept out, another pushed: the prefill
+# node's first token changes too
+BIAS = {"logit_bias": {"362": -100, "220": 2.5}, "min_tokens": 6}
+EOS = 8188   # tiny-code-qwen3's eos_token_id
 
 
 def test_penalties(bin_dir, model, draft, node, prompt, n, want):
@@ -448,6 +452,28 @@ def test_penalties(bin_dir, model, draft, node, prompt, n, want):
                         timeout=60)
     check(gr.returncode == 0 and json.loads(gr.stdout.strip().splitlines()[-1])["text"] == ref,
           "gRPC with penalties == pdspark-generate: %s" % (gr.stdout[-300:] + gr.stderr[-300:]))
+    # logit_bias and min_tokens: the same through every front end
+    gen = subprocess.run([os.path.join(bin_dir, "pdspark-generate"), "--model", model, "--draft", draft,
+                          "--prompt", prompt, "--max-new-tokens", str(n), "--json", "--logit-bias",
+                          "362:-100,220:2.5", "--min-tokens", "6"] + DEV, capture_output=True, text=True,
+                         timeout=120)
+    check(gen.returncode == 0, "pdspark-generate --logit-bias: " + gen.stderr[-300:])
+    bref = json.loads(gen.stdout.strip().splitlines()[-1]) if gen.returncode == 0 else {"tokens": [], "text": None}
+    check(362 not in bref["tokens"] and bref["text"] != want, "logit_bias keeps 362 out: %s" % bref["tokens"])
+    st, b = post_json(node, "/v1/completions", dict({"prompt": prompt, "max_tokens": n, "temperature": 0}, **BIAS))
+    check(st == 200 and b["choices"][0]["text"] == bref["text"],
+          "HTTP logit_bias == pdspark-generate: %s vs %r" % (b, bref["text"]))
+    PEN_REF["bias"] = (n, b["choices"][0]["text"] if st == 200 else None)
+    gr = subprocess.run([os.path.join(bin_dir, "pdspark-client"), "--server", node.grpc, "--prompt", prompt,
+                         "--max-new-tokens", str(n), "--json", "--logit-bias", "362:-100,220:2.5",
+                         "--min-tokens", "6"], capture_output=True, text=True, timeout=60)
+    check(gr.returncode == 0 and json.loads(gr.stdout.strip().splitlines()[-1])["tokens"] == bref["tokens"],
+          "gRPC logit_bias == pdspark-generate: %s" % (gr.stdout[-300:] + gr.stderr[-300:]))
+    # min_tokens holds back an eos pushed by +100 until the sixth token
+    st, b = post_json(node, "/v1/completions", {"prompt": prompt, "max_tokens": 20, "temperature": 0,
+                                                "logit_bias": {str(EOS): 100}, "min_tokens": 5})
+    check(st == 200 and b["choices"][0]["finish_reason"] == "stop" and b["usage"]["completion_tokens"] == 6,
+          "min_tokens 5 with eos pushed: %s" % b)
     # sampled with penalties: served (the lossless check is test_engine's, greedy)
     st, b = post_json(node, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                      "max_tokens": 8, "temperature": 0.8, "seed": 5,
@@ -589,6 +615,11 @@ def test_prefill_http(bin_dir, model, draft):
                                                           "temperature": 0}, **PEN))
         check(ptext is not None and st == 200 and body["choices"][0]["text"] == ptext,
               "disaggregated penalties == colocated: %s vs %r" % (body, ptext))
+        n, btext = PEN_REF.get("bias", (8, None))
+        st, body = post_json(dn, "/v1/completions", dict({"prompt": "def fib(n):", "max_tokens": n,
+                                                          "temperature": 0}, **BIAS))
+        check(btext is not None and st == 200 and body["choices"][0]["text"] == btext,
+              "disaggregated logit_bias/min_tokens == colocated: %s vs %r" % (body, btext))
         # drain: an idle prefill node exits 0 on SIGTERM; the decode node then answers requests
         # with a clear error instead of hanging, and keeps serving
         pf.p.send_signal(signal.SIGTERM)
@@ -893,6 +924,13 @@ def main():
             ("/v1/chat/completions", json.dumps({"messages": [{"role": 1, "content": "x"}]}).encode(), 400, "messages"),
             ("/v1/completions", json.dumps({"prompt": "x", "logprobs": 21}).encode(), 400, "logprobs"),
             ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": 0}).encode(), 400, "max_tokens"),
+            ("/v1/completions", json.dumps({"prompt": "x", "logit_bias": {"abc": 1}}).encode(), 400, "logit_bias"),
+            ("/v1/completions", json.dumps({"prompt": "x", "logit_bias": {"99999999": 1}}).encode(), 400,
+             "logit_bias"),
+            ("/v1/completions", json.dumps({"prompt": "x", "logit_bias": {"5": 101}}).encode(), 400, "logit_bias"),
+            ("/v1/completions", json.dumps({"prompt": "x", "logit_bias": [1]}).encode(), 400, "logit_bias"),
+            ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": 4, "min_tokens": 5}).encode(), 400,
+             "min_tokens"),
             ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
                                                  "echo": True}).encode(), 400, "echo"),
             ("/v1/completions", json.dumps({"prompt": "x", "presence_penalty": 3}).encode(), 400,

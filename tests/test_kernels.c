@@ -2123,7 +2123,13 @@ static double run_penalty(run_ctx *x)
         used[(size_t)r * n + t] = 1;
         en[i] = (kern_penalty_entry){ .row = r, .tok = t, .count = rng_int(4), .seen = 1,
                                       .rep = i % 3 == 0 ? 1.0f : rng_uniform(0.5f, 2.0f),
-                                      .freq = rng_uniform(-2.0f, 2.0f), .pres = rng_uniform(-2.0f, 2.0f) };
+                                      .freq = rng_uniform(-2.0f, 2.0f), .pres = rng_uniform(-2.0f, 2.0f),
+                                      .bias = i % 5 == 0 ? 0.0f : i % 7 == 0 ? -INFINITY
+                                                                : rng_uniform(-100.0f, 100.0f) };
+        if (i % 4 == 1) {   /* a bias alone: not seen, no count */
+            en[i].seen = 0;
+            en[i].count = 0;
+        }
     }
     kern_penalty_args ac = { .ld_x = ld, .n = n, .n_entries = ne }, ag = ac;
     outbuf o = out_make(x->cpu, x->gpu, (size_t)rows * ld, v);
