@@ -206,6 +206,8 @@ void decode_server_stats(decode_server *s, decode_stats *out);
 const pd_tokenizer *decode_server_tokenizer(const decode_server *s);
 /* The model's vocabulary size (token ids 0..vocab-1). */
 int decode_server_vocab(const decode_server *s);
+/* The context length: prompt plus generated tokens at most. */
+int decode_server_max_ctx(const decode_server *s);
 /* "cpu"/"cuda" and "colocated"/"disaggregated", for reports. */
 const char *decode_server_device(const decode_server *s);
 const char *decode_server_mode(const decode_server *s);

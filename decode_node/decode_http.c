@@ -1479,6 +1479,19 @@ static void h_chat(struct evhttp_request *req, void *ud)
     handle_generate(req, ud, 1);
 }
 
+/* Sends o as a 200 JSON reply (frees it). */
+static void reply_json(struct evhttp_request *req, cJSON *o)
+{
+    char *s = cJSON_PrintUnformatted(o);
+    cJSON_Delete(o);
+    if (s == NULL) {
+        send_error(req, 500, NULL, "out of memory");
+        return;
+    }
+    pd_http_reply(req, 200, NULL, s, strlen(s));
+    free(s);
+}
+
 static void h_models(struct evhttp_request *req, void *ud)
 {
     decode_http *dh = ud;
@@ -1491,14 +1504,130 @@ static void h_models(struct evhttp_request *req, void *ud)
     cJSON_AddStringToObject(m, "object", "model");
     cJSON_AddNumberToObject(m, "created", 0);
     cJSON_AddStringToObject(m, "owned_by", "pdspark");
-    char *s = cJSON_PrintUnformatted(o);
-    cJSON_Delete(o);
-    if (s == NULL) {
-        send_error(req, 500, NULL, "out of memory");
-        return;
+    cJSON_AddNumberToObject(m, "max_model_len", decode_server_max_ctx(dh->s));
+    reply_json(req, o);
+}
+
+/* The JSON object of a POST body, or NULL after answering 400 / 404 (the model checked). */
+static cJSON *body_object(struct evhttp_request *req, decode_http *dh)
+{
+    size_t blen = 0;
+    char *body = pd_http_body(req, &blen);
+    if (body == NULL) {
+        send_error(req, 500, NULL, "out of memory reading the body");
+        return NULL;
     }
-    pd_http_reply(req, 200, NULL, s, strlen(s));
-    free(s);
+    cJSON *root = cJSON_ParseWithLength(body, blen);
+    free(body);
+    if (root == NULL || !cJSON_IsObject(root)) {
+        send_error(req, 400, NULL, root == NULL ? "the request body is not valid JSON"
+                                                : "the request body must be a JSON object");
+        cJSON_Delete(root);
+        return NULL;
+    }
+    const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
+    if (cJSON_IsString(model) && strcmp(model->valuestring, dh->model) != 0) {
+        pd_http_error(req, 404, "invalid_request_error", "model", "model_not_found",
+                      "the model '%.200s' does not exist; this server serves '%s' (GET /v1/models)",
+                      model->valuestring, dh->model);
+        cJSON_Delete(root);
+        return NULL;
+    }
+    return root;
+}
+
+/* POST /tokenize (vLLM's): {"prompt": text} or {"messages": [...]} (rendered as chat requests
+ * are) -> {"count", "max_model_len", "tokens"}. */
+static void h_tokenize(struct evhttp_request *req, void *ud)
+{
+    decode_http *dh = ud;
+    cJSON *root = body_object(req, dh);
+    if (root == NULL)
+        return;
+    char msg[512];
+    sbuf chatml = {0};
+    const char *text = NULL;
+    size_t len = 0;
+    const cJSON *p = cJSON_GetObjectItemCaseSensitive(root, "prompt");
+    if (cJSON_GetObjectItemCaseSensitive(root, "messages") != NULL) {
+        if (!dh->chat_ok) {
+            pd_http_error(req, 400, "invalid_request_error", "messages", "chat_template_unsupported",
+                          "%s", dh->chat_why);
+            goto out;
+        }
+        if (render_chatml(root, &chatml, msg, sizeof(msg)) != 0) {
+            send_error(req, 400, "messages", msg);
+            goto out;
+        }
+        text = chatml.p;
+        len = chatml.len;
+    } else if (cJSON_IsString(p)) {
+        text = p->valuestring;
+        len = strlen(text);
+    } else {
+        send_error(req, 400, "prompt", "'prompt' (a string) or 'messages' is required");
+        goto out;
+    }
+    int32_t *ids = NULL;
+    size_t n = 0;
+    pd_err err;
+    if (pd_tokenizer_encode(decode_server_tokenizer(dh->s), text, len, 1, &ids, &n, &err) != PD_OK) {
+        send_error(req, 500, NULL, err.msg);
+        goto out;
+    }
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddNumberToObject(o, "count", (double)n);
+    cJSON_AddNumberToObject(o, "max_model_len", decode_server_max_ctx(dh->s));
+    cJSON *arr = cJSON_AddArrayToObject(o, "tokens");
+    for (size_t i = 0; i < n; i++)
+        cJSON_AddItemToArray(arr, cJSON_CreateNumber(ids[i]));
+    free(ids);
+    reply_json(req, o);
+out:
+    free(chatml.p);
+    cJSON_Delete(root);
+}
+
+/* POST /detokenize (vLLM's): {"tokens": [ids]} -> {"prompt": text}. */
+static void h_detokenize(struct evhttp_request *req, void *ud)
+{
+    decode_http *dh = ud;
+    cJSON *root = body_object(req, dh);
+    if (root == NULL)
+        return;
+    const cJSON *t = cJSON_GetObjectItemCaseSensitive(root, "tokens");
+    int n = cJSON_IsArray(t) ? cJSON_GetArraySize(t) : -1;
+    int32_t *ids = n > 0 ? malloc((size_t)n * sizeof(int32_t)) : NULL;
+    if (n < 0 || (n > 0 && ids == NULL)) {
+        send_error(req, n < 0 ? 400 : 500, "tokens", n < 0 ? "'tokens' (an array of token ids) is required"
+                                                           : "out of memory");
+        goto out;
+    }
+    int i = 0;
+    for (const cJSON *it = t->child; it != NULL; it = it->next, i++) {
+        if (!cJSON_IsNumber(it) || it->valuedouble != floor(it->valuedouble) || it->valuedouble < 0 ||
+            it->valuedouble >= decode_server_vocab(dh->s)) {
+            char msg[160];
+            snprintf(msg, sizeof(msg), "'tokens'[%d] is not a token id in 0..%d", i,
+                     decode_server_vocab(dh->s) - 1);
+            send_error(req, 400, "tokens", msg);
+            goto out;
+        }
+        ids[i] = (int32_t)it->valuedouble;
+    }
+    char *txt = NULL;
+    pd_err err;
+    if (pd_tokenizer_decode(decode_server_tokenizer(dh->s), ids, (size_t)n, 0, &txt, NULL, &err) != PD_OK) {
+        send_error(req, 400, "tokens", err.msg);
+        goto out;
+    }
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "prompt", txt);
+    free(txt);
+    reply_json(req, o);
+out:
+    free(ids);
+    cJSON_Delete(root);
 }
 
 static int ready_fn(void *ud, char *why, size_t cap)
@@ -1611,7 +1740,7 @@ pd_status decode_http_create(decode_server *s, const decode_http_config *cfg, de
         while (l > 1 && tmp[l - 1] == '/')
             tmp[--l] = '\0';
         const char *base = strrchr(tmp, '/');
-        snprintf(dh->model, sizeof(dh->model), "%s", base != NULL ? base + 1 : tmp);
+        snprintf(dh->model, sizeof(dh->model), "%.255s", base != NULL ? base + 1 : tmp);
     }
     check_template(dh, cfg->model_dir != NULL ? cfg->model_dir : ".");
     pd_http_config hc = {
@@ -1624,6 +1753,8 @@ pd_status decode_http_create(decode_server *s, const decode_http_config *cfg, de
     if ((st = pd_http_route(dh->http, "/v1/completions", PD_HTTP_POST, h_completions, dh, err)) != PD_OK ||
         (st = pd_http_route(dh->http, "/v1/chat/completions", PD_HTTP_POST, h_chat, dh, err)) != PD_OK ||
         (st = pd_http_route(dh->http, "/v1/models", PD_HTTP_GET, h_models, dh, err)) != PD_OK ||
+        (st = pd_http_route(dh->http, "/tokenize", PD_HTTP_POST, h_tokenize, dh, err)) != PD_OK ||
+        (st = pd_http_route(dh->http, "/detokenize", PD_HTTP_POST, h_detokenize, dh, err)) != PD_OK ||
         (st = pd_http_start(dh->http, err)) != PD_OK)
         goto err_http;
     *out = dh;

@@ -245,6 +245,11 @@ int decode_server_vocab(const decode_server *s)
     return s->vocab;
 }
 
+int decode_server_max_ctx(const decode_server *s)
+{
+    return s->max_ctx;
+}
+
 const char *decode_server_device(const decode_server *s)
 {
     return s->device;

@@ -896,6 +896,22 @@ def main():
         test_logprobs(bin_dir, model, node, prompt, N, want)
         test_penalties(bin_dir, model, draft, node, prompt, N, want)
         test_n(node, prompt)
+        # /tokenize and /detokenize (vLLM's): pdspark-tokenize's ids, and back
+        st, b = post_json(node, "/tokenize", {"prompt": prompt})
+        check(st == 200 and b["tokens"] == ids and b["count"] == len(ids) and b["max_model_len"] > 0,
+              "/tokenize %s vs %s" % (b, ids))
+        st, b = post_json(node, "/tokenize", {"messages": msgs})
+        check(st == 200 and b["count"] == (gc or {}).get("prompt_tokens"), "/tokenize messages %s" % b)
+        st, b = post_json(node, "/detokenize", {"tokens": ids})
+        check(st == 200 and b["prompt"] == prompt, "/detokenize %s" % b)
+        for path, body, param in (("/detokenize", {"tokens": [1, 99999999]}, "tokens"),
+                                  ("/detokenize", {"tokens": "x"}, "tokens"),
+                                  ("/tokenize", {"prompt": 5}, "prompt")):
+            st, b = post_json(node, path, body)
+            check(st == 400 and is_error_shape(b) and b["error"]["param"] == param,
+                  "%s %s -> %d %s" % (path, body, st, b))
+        st, b = request(node, "GET", "/v1/models")[0], json.loads(request(node, "GET", "/v1/models")[2])
+        check(b["data"][0].get("max_model_len", 0) > 0, "/v1/models max_model_len %s" % b)
 
         # ---- errors: OpenAI shape, right status, server keeps serving
         bad = [
