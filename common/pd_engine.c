@@ -512,6 +512,7 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
     TRY(pd_penalties_check(params->presence_penalty, params->frequency_penalty,
                            params->repetition_penalty, err));
     TRY(pd_logit_bias_check(params->logit_bias, params->n_logit_bias, e->V, err));
+    TRY(pd_stop_ids_check(params->stop_ids, params->n_stop_ids, PD_MAX_STOP_IDS, e->V, err));
     if (params->min_tokens < 0 || params->min_tokens > params->max_new_tokens)
         return pd_err_set(err, PD_ERR_INVALID, "min_tokens %d must be in 0..max_new_tokens (%d)",
                           params->min_tokens, params->max_new_tokens);
@@ -593,6 +594,20 @@ static int is_eos(const pd_engine *e, int32_t tok)
         if (e->tm->cfg.eos_ids[i] == tok)
             return 1;
     return 0;
+}
+
+static int is_stop_id(const pd_request *r, int32_t tok)
+{
+    for (int i = 0; i < r->params.n_stop_ids; i++)
+        if (r->params.stop_ids[i] == tok)
+            return 1;
+    return 0;
+}
+
+/* tok ends r: an eos (unless ignore_eos) or one of its stop_ids */
+static int ends(const pd_engine *e, const pd_request *r, int32_t tok)
+{
+    return (!r->params.ignore_eos && is_eos(e, tok)) || is_stop_id(r, tok);
 }
 
 /* ---- penalties (pd_gen_params presence/frequency/repetition) ------------------------------ */
@@ -691,7 +706,7 @@ static pd_status pen_row(pd_engine *e, const pd_request *r, int row, const int32
     kern_penalty_entry en = { .row = row, .rep = pen_rep_on(&r->params) ? r->params.repetition_penalty : 1.0f,
                               .freq = r->params.frequency_penalty, .pres = r->params.presence_penalty };
 #define ENTRY_BIAS(t) ((bias_find(r, (t)) != NULL ? bias_find(r, (t))->bias : 0.0f) + \
-                       (mask_eos && is_eos(e, (t)) ? -INFINITY : 0.0f))
+                       (mask_eos && (is_eos(e, (t)) || is_stop_id(r, (t))) ? -INFINITY : 0.0f))
     for (int i = 0; r->pen != NULL && i < r->n_pen_tok; i++) {
         int32_t t = r->pen_tok[i];
         int cnt = (int)(r->pen[t] & ~PEN_PROMPT);
@@ -721,12 +736,17 @@ static pd_status pen_row(pd_engine *e, const pd_request *r, int row, const int32
     }
     /* biased and masked tokens the penalties did not name */
     en.count = en.seen = 0;
-    for (int i = 0; i < r->params.n_logit_bias + (mask_eos ? e->tm->cfg.n_eos : 0); i++) {
-        int bias_list = i < r->params.n_logit_bias;
-        int32_t t = bias_list ? r->params.logit_bias[i].tok : e->tm->cfg.eos_ids[i - r->params.n_logit_bias];
+    int n_masked = mask_eos ? e->tm->cfg.n_eos + r->params.n_stop_ids : 0;
+    for (int i = 0; i < r->params.n_logit_bias + n_masked; i++) {
+        int bias_list = i < r->params.n_logit_bias, k = i - r->params.n_logit_bias;
+        int32_t t = bias_list ? r->params.logit_bias[i].tok
+                  : k < e->tm->cfg.n_eos ? e->tm->cfg.eos_ids[k] : r->params.stop_ids[k - e->tm->cfg.n_eos];
         int named = r->pen != NULL && r->pen[t] != 0;
         for (int j = 0; r->pen != NULL && j < n_extra && !named; j++)
             named = extra[j] == t;
+        /* a masked token also in the bias list, or named twice among eos and stop ids */
+        for (int q = 0; !bias_list && q < k && !named; q++)
+            named = (q < e->tm->cfg.n_eos ? e->tm->cfg.eos_ids[q] : r->params.stop_ids[q - e->tm->cfg.n_eos]) == t;
         if (named || (!bias_list && bias_find(r, t) != NULL))
             continue;
         en.tok = t;
@@ -1425,7 +1445,7 @@ static pd_status commit_first(pd_engine *e, pd_request *r, int32_t tok, const pd
     r->dkv.len = r->n_prompt;
     r->anchor_pos = r->n_prompt;
     TRY(push_out(r, tok, lp, err));
-    if (!r->params.ignore_eos && is_eos(e, tok))
+    if (ends(e, r, tok))
         r->finish = PD_FINISH_STOP;
     else if (r->n_out >= r->params.max_new_tokens)
         r->finish = PD_FINISH_LENGTH;
@@ -2264,12 +2284,11 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             bonus = sl->next;
         }
         int stop_at = -1;
-        if (!r->params.ignore_eos)
-            for (int j = 0; j < a; j++)
-                if (is_eos(e, sl->d[j])) {
-                    stop_at = j;
-                    break;
-                }
+        for (int j = 0; j < a; j++)
+            if (ends(e, r, sl->d[j])) {
+                stop_at = j;
+                break;
+            }
         for (int k = 0; k < (stop_at >= 0 ? stop_at + 1 : a); k++)
             r->accepted_at_pos[k]++;
         int commit = stop_at >= 0 ? stop_at + 1 : a;
@@ -2333,7 +2352,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             r->tkv.len = r->anchor_pos + a + 1;
             r->dkv.len = r->tkv.len;
             r->anchor_pos += a + 1;
-            if (!r->params.ignore_eos && is_eos(e, bonus))
+            if (ends(e, r, bonus))
                 r->finish = PD_FINISH_STOP;
         }
         if (r->n_out >= r->params.max_new_tokens) {

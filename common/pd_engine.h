@@ -92,6 +92,8 @@ typedef struct {
                                         * guard exists for); the prefill must then fail */
 } pd_engine_config;
 
+#define PD_MAX_STOP_IDS 16
+
 typedef struct {
     pd_sample_params sample;
     int max_new_tokens;
@@ -119,8 +121,11 @@ typedef struct {
     float repetition_penalty;/* (0, 10]; 0 or 1 = off */
     const pd_logit_bias *logit_bias; /* [n_logit_bias] distinct tokens (copied at admission) */
     int n_logit_bias;        /* 0..PD_MAX_LOGIT_BIAS */
-    int min_tokens;          /* 0..max_new_tokens: the eos tokens are masked (-inf) while fewer
-                              * tokens were generated (ignore_eos or not, as vLLM) */
+    int min_tokens;          /* 0..max_new_tokens: the eos and stop tokens are masked (-inf) while
+                              * fewer tokens were generated (ignore_eos or not, as vLLM) */
+    int32_t stop_ids[PD_MAX_STOP_IDS]; /* vLLM's stop_token_ids: each ends the request as an eos
+                              * does (finish STOP, the token kept in out), ignore_eos or not */
+    int n_stop_ids;
 } pd_gen_params;
 
 typedef enum {

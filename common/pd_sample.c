@@ -84,6 +84,17 @@ pd_status pd_logit_bias_check(const pd_logit_bias *b, int n, int vocab, pd_err *
     return PD_OK;
 }
 
+pd_status pd_stop_ids_check(const int32_t *ids, int n, int max, int vocab, pd_err *err)
+{
+    if (n < 0 || n > max)
+        return pd_err_set(err, PD_ERR_INVALID, "stop_token_ids: %d (at most %d)", n, max);
+    for (int i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= vocab)
+            return pd_err_set(err, PD_ERR_INVALID, "stop_token_ids: %d is outside the vocabulary (0..%d)",
+                              ids[i], vocab - 1);
+    return PD_OK;
+}
+
 int32_t pd_argmax(const float *x, int n)
 {
     int best = 0;

@@ -55,6 +55,10 @@ typedef struct {
  * and every bias in [-100, 100] (a token named twice: pd_engine_add). */
 pd_status pd_logit_bias_check(const pd_logit_bias *b, int n, int vocab, pd_err *err);
 
+/* PD_ERR_INVALID naming the entry unless n is 0..max and every id in 0..vocab-1 (vLLM's
+ * stop_token_ids). */
+pd_status pd_stop_ids_check(const int32_t *ids, int n, int max, int vocab, pd_err *err);
+
 /* Log-probabilities of one position for a request that asks for them (the OpenAI `logprobs`):
  * the model's own distribution, log_softmax(logits) before temperature and top-k/top-p (as
  * vLLM's default raw logprobs), so a greedy and a sampled request report the same numbers. */

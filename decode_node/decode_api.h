@@ -110,6 +110,8 @@ typedef struct {
     const pd_logit_bias *logit_bias;  /* [n_logit_bias], borrowed for the call (copied) */
     int n_logit_bias;
     int min_tokens;                 /* 0..max_new_tokens (of the default 128 when that is 0) */
+    const int32_t *stop_token_ids;  /* [n_stop_token_ids] (<= PD_MAX_STOP_IDS), borrowed */
+    int n_stop_token_ids;
     int logprobs;                   /* 1: chunks carry each token's logprob (pd_sample.h) */
     int top_logprobs;               /* with logprobs: and its 0..PD_MAX_TOP_LOGPROBS likeliest */
     int prompt_logprobs;            /* 1: the first chunk carries the prompt's logprobs (a

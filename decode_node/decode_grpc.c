@@ -280,6 +280,7 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
     pd_err err = {0};
     decode_req dr = {0};
     pd_logit_bias bias[PD_MAX_LOGIT_BIAS];   /* SamplingParams.logit_bias, for the call */
+    int32_t stop_ids[PD_MAX_STOP_IDS];       /* SamplingParams.stop_token_ids (more: refused) */
     dr.request_id = rq->request_id;
     if (rq->prompt_text != NULL && rq->prompt_text[0] != '\0') {
         dr.prompt_text = rq->prompt_text;
@@ -324,6 +325,10 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
         dr.frequency_penalty = sp->frequency_penalty;
         dr.repetition_penalty = sp->repetition_penalty;
         dr.min_tokens = sp->min_tokens > (uint32_t)INT32_MAX ? -1 : (int)sp->min_tokens;
+        for (size_t i = 0; i < sp->n_stop_token_ids && i < PD_MAX_STOP_IDS; i++)
+            stop_ids[i] = sp->stop_token_ids[i] > (uint32_t)INT32_MAX ? -1 : (int32_t)sp->stop_token_ids[i];
+        dr.stop_token_ids = stop_ids;
+        dr.n_stop_token_ids = sp->n_stop_token_ids > INT32_MAX ? INT32_MAX : (int)sp->n_stop_token_ids;
         /* more than PD_MAX_LOGIT_BIAS entries: decode_submit refuses the count */
         for (size_t i = 0; i < sp->n_logit_bias && i < PD_MAX_LOGIT_BIAS; i++) {
             const Pdspark__LogitBias *lb = sp->logit_bias[i];

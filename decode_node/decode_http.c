@@ -113,6 +113,7 @@ typedef struct {
     int echo, max0;                  /* "echo"; "max_tokens": 0 (with echo only) */
     pd_logit_bias *bias;             /* "logit_bias" (decode_req.logit_bias points here) */
     int vocab;                       /* the model's, to check token ids */
+    int32_t stop_ids[PD_MAX_STOP_IDS];   /* "stop_token_ids" */
 } req_opts;
 
 /* ---------------------------------------------------------------------------------------------
@@ -1119,6 +1120,26 @@ static int parse_common(const cJSON *root, int chat, decode_req *dr, req_opts *o
         }
         dr->logit_bias = o->bias;
         dr->n_logit_bias = n;
+    }
+    *param = "stop_token_ids";   /* extension (vLLM) */
+    const cJSON *sti = cJSON_GetObjectItemCaseSensitive(root, "stop_token_ids");
+    if (sti != NULL && !cJSON_IsNull(sti)) {
+        int n = cJSON_IsArray(sti) ? cJSON_GetArraySize(sti) : -1;
+        if (n < 0 || n > PD_MAX_STOP_IDS) {
+            snprintf(msg, cap, "'stop_token_ids' must be an array of at most %d token ids", PD_MAX_STOP_IDS);
+            return -1;
+        }
+        int i = 0;
+        for (const cJSON *it = sti->child; it != NULL; it = it->next, i++) {
+            if (!cJSON_IsNumber(it) || it->valuedouble != floor(it->valuedouble) || it->valuedouble < 0 ||
+                it->valuedouble >= o->vocab) {
+                snprintf(msg, cap, "'stop_token_ids'[%d] is not a token id in 0..%d", i, o->vocab - 1);
+                return -1;
+            }
+            o->stop_ids[i] = (int32_t)it->valuedouble;
+        }
+        dr->stop_token_ids = o->stop_ids;
+        dr->n_stop_token_ids = n;
     }
     *param = "min_tokens";
     if ((rc = get_int(root, "min_tokens", 0, 1e9, &ll, msg, cap)) < 0)

@@ -302,6 +302,17 @@ static void aux_free(decode_server *s, int start)
 
 static void kick(decode_server *s);
 
+/* tok is the stop_token_ids token that ended h (its last token) */
+static int ended_by_stop_id(const decode_handle *h, int32_t tok)
+{
+    if (h->r->finish != PD_FINISH_STOP || h->r->n_out == 0 || h->r->out[h->r->n_out - 1] != tok)
+        return 0;
+    for (int i = 0; i < h->gp.n_stop_ids; i++)
+        if (h->gp.stop_ids[i] == tok)
+            return 1;
+    return 0;
+}
+
 static void emit_new(decode_server *s, decode_handle *h)
 {
     if (h->r == NULL || h->done_called)
@@ -322,6 +333,8 @@ static void emit_new(decode_server *s, decode_handle *h)
     for (int i = 0; i < n && text != NULL && plen != NULL; i++) {
         char *piece = NULL;
         pd_err err;
+        if (i == n - 1 && ended_by_stop_id(h, nt[i]))
+            continue;   /* a stop_token_ids token ends the text without being part of it */
         if (h->detok == NULL || pd_detok_push(h->detok, nt[i], &piece, &err) != PD_OK)
             continue;
         size_t pl = strlen(piece);
@@ -629,6 +642,11 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
     sp.frequency_penalty = h->gp.frequency_penalty;
     sp.repetition_penalty = h->gp.repetition_penalty;
     sp.min_tokens = (uint32_t)h->gp.min_tokens;
+    uint32_t stop_ids[PD_MAX_STOP_IDS];
+    for (int i = 0; i < h->gp.n_stop_ids; i++)
+        stop_ids[i] = (uint32_t)h->gp.stop_ids[i];
+    sp.n_stop_token_ids = (size_t)h->gp.n_stop_ids;
+    sp.stop_token_ids = stop_ids;
     Pdspark__LogitBias *lbm = NULL, **lbp = NULL;
     if (h->gp.n_logit_bias > 0) {
         lbm = calloc((size_t)h->gp.n_logit_bias, sizeof(*lbm));
@@ -1238,6 +1256,9 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
         return pst;
     if ((pst = pd_logit_bias_check(req->logit_bias, req->n_logit_bias, s->vocab, err)) != PD_OK)
         return pst;
+    if ((pst = pd_stop_ids_check(req->stop_token_ids, req->n_stop_token_ids, PD_MAX_STOP_IDS, s->vocab,
+                                 err)) != PD_OK)
+        return pst;
     if (req->min_tokens < 0 || req->min_tokens > (req->max_new_tokens > 0 ? req->max_new_tokens : 128))
         return pd_err_set(err, PD_ERR_INVALID, "min_tokens %d must be in 0..max_new_tokens (%d)",
                           req->min_tokens, req->max_new_tokens > 0 ? req->max_new_tokens : 128);
@@ -1347,6 +1368,9 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
     h->gp.frequency_penalty = req->frequency_penalty;
     h->gp.repetition_penalty = req->repetition_penalty;
     h->gp.min_tokens = req->min_tokens;
+    for (int i = 0; i < req->n_stop_token_ids; i++)
+        h->gp.stop_ids[i] = req->stop_token_ids[i];
+    h->gp.n_stop_ids = req->n_stop_token_ids;
     if (req->n_logit_bias > 0) {
         if ((h->bias = malloc((size_t)req->n_logit_bias * sizeof(*h->bias))) == NULL) {
             atomic_fetch_sub(&s->n_waiting, 1);

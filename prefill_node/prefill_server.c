@@ -979,6 +979,13 @@ static pd_status validate(prefill_server *ps, const Pdspark__PrefillRequest *rq,
         if ((st = pd_penalties_check(rq->sampling->presence_penalty, rq->sampling->frequency_penalty,
                                      rq->sampling->repetition_penalty, err)) != PD_OK)
             return st;
+        if (rq->sampling->n_stop_token_ids > PD_MAX_STOP_IDS)
+            return pd_err_set(err, PD_ERR_INVALID, "stop_token_ids: %zu (at most %d)",
+                              rq->sampling->n_stop_token_ids, PD_MAX_STOP_IDS);
+        for (size_t i = 0; i < rq->sampling->n_stop_token_ids; i++)
+            if (rq->sampling->stop_token_ids[i] >= (uint32_t)ps->vocab)
+                return pd_err_set(err, PD_ERR_INVALID, "stop_token_ids: %u is outside the vocabulary",
+                                  rq->sampling->stop_token_ids[i]);
         if (rq->sampling->n_logit_bias > PD_MAX_LOGIT_BIAS)
             return pd_err_set(err, PD_ERR_INVALID, "logit_bias: %zu entries (at most %d)",
                               rq->sampling->n_logit_bias, PD_MAX_LOGIT_BIAS);
@@ -1102,6 +1109,10 @@ static pd_status handle_prefill(void *ud, const ProtobufCMessage *msg, pd_rpc_ca
         j->gp.sample.seed = rq->sampling->seed;
         /* the first token: its bias, and no eos when the request wants any minimum */
         j->gp.min_tokens = rq->sampling->min_tokens > 0;
+        for (size_t i = 0; i < rq->sampling->n_stop_token_ids && i < PD_MAX_STOP_IDS; i++)
+            j->gp.stop_ids[i] = (int32_t)rq->sampling->stop_token_ids[i];
+        j->gp.n_stop_ids = rq->sampling->n_stop_token_ids < PD_MAX_STOP_IDS ? (int)rq->sampling->n_stop_token_ids
+                                                                              : PD_MAX_STOP_IDS;
         size_t nb = rq->sampling->n_logit_bias;
         if (nb > 0 && (j->bias = malloc(nb * sizeof(*j->bias))) == NULL) {
             atomic_store(&j->refs, 1);

@@ -997,6 +997,49 @@ static void test_engine_penalties(void)
             TEST_CHECK(!(rm->out[i] == tm->cfg.eos_ids[0]));
         pd_engine_release(en, rm);
     }
+    /* stop_token_ids: the request ends at the first one it generates (kept in out), on both
+     * engines; with min_tokens past it, it is masked until then */
+    pd_gen_params sg = greedy(16);
+    sg.ignore_eos = 1;
+    pd_request *r1 = NULL;
+    TEST_CHECK(pd_engine_add(plain, 50, prompt_b, 9, &sg, &r1, &err) == PD_OK);
+    TEST_CHECK(run_to_end(plain) == 0 && r1 != NULL && r1->n_out == 16);
+    int at = 3;
+    while (r1 != NULL && at < 16) {   /* a token whose first occurrence is at 'at' */
+        int seen = 0;
+        for (int i = 0; i < at; i++)
+            seen |= r1->out[i] == r1->out[at];
+        if (!seen)
+            break;
+        at++;
+    }
+    for (int eng = 0; eng < 2 && r1 != NULL && at < 16; eng++) {
+        pd_engine *en = eng == 0 ? spec : plain;
+        pd_gen_params st = sg;
+        st.stop_ids[0] = 12345 % tm->cfg.vocab_size;
+        st.stop_ids[1] = r1->out[at];
+        st.n_stop_ids = 2;
+        pd_request *rs = NULL;
+        TEST_CHECK(pd_engine_add(en, 51, prompt_b, 9, &st, &rs, &err) == PD_OK);
+        TEST_CHECK(run_to_end(en) == 0);
+        TEST_CHECK_MSG(rs != NULL && rs->n_out == at + 1 && rs->finish == PD_FINISH_STOP &&
+                       rs->out[at] == r1->out[at], "stop id at %d: %d tokens", at, rs ? rs->n_out : -1);
+        pd_engine_release(en, rs);
+        st.min_tokens = at + 2;
+        TEST_CHECK(pd_engine_add(en, 52, prompt_b, 9, &st, &rs, &err) == PD_OK);
+        TEST_CHECK(run_to_end(en) == 0);
+        for (int i = 0; rs != NULL && i < at + 2 && i < rs->n_out; i++)
+            TEST_CHECK_MSG(rs->out[i] != r1->out[at], "masked stop id generated at %d", i);
+        pd_engine_release(en, rs);
+    }
+    TEST_CHECK(at < 16);
+    pd_engine_release(plain, r1);
+    pd_gen_params bs = greedy(4);
+    bs.stop_ids[0] = tm->cfg.vocab_size;
+    bs.n_stop_ids = 1;
+    pd_request *rbs = NULL;
+    TEST_CHECK(pd_engine_add(spec, 53, prompt_b, 9, &bs, &rbs, &err) == PD_ERR_INVALID &&
+               strstr(err.msg, "stop_token_ids") != NULL);
     /* bad values */
     struct { float pres, freq, rep; const char *name; } bad[] = {
         {2.5f, 0, 0, "presence_penalty"}, {0, -3.0f, 0, "frequency_penalty"},

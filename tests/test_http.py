@@ -387,6 +387,20 @@ def test_logprobs(bin_dir, model, node, prompt, n, want):
                                                      "temperature": 0, "logprobs": True})
     check(st == 200 and all(e["top_logprobs"] == [] for e in
                             b["choices"][0]["logprobs"]["content"]), "chat logprobs without tops")
+    # stop_token_ids (vLLM): ends at the first one generated, its text left out
+    toks_g = g["tokens"]
+    k = next((i for i in range(3, len(toks_g)) if toks_g[i] not in toks_g[:i]), None)
+    check(k is not None, "a token first generated after the third: %s" % toks_g)
+    if k is not None:
+        st, d = post_json(node, "/detokenize", {"tokens": toks_g[:k]})
+        st2, b = post_json(node, "/v1/completions", {"prompt": prompt, "max_tokens": n, "temperature": 0,
+                                                     "stop_token_ids": [toks_g[k]]})
+        check(st == 200 and st2 == 200 and b["choices"][0]["text"] == d["prompt"] and
+              b["choices"][0]["finish_reason"] == "stop" and b["usage"]["completion_tokens"] == k + 1,
+              "stop_token_ids [%d]: %s, want %r" % (toks_g[k], b, d.get("prompt")))
+        st, b = post_json(node, "/v1/completions", {"prompt": prompt, "max_tokens": 4,
+                                                    "stop_token_ids": [1, "x"]})
+        check(st == 400 and b["error"]["param"] == "stop_token_ids", "bad stop_token_ids %s" % b)
     # without logprobs: null
     st, b = post_json(node, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
     check(st == 200 and b["choices"][0]["logprobs"] is None, "no logprobs asked: null")
