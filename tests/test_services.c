@@ -136,6 +136,7 @@ typedef struct {
     pd_status st;
     char msg[512];
     int chunks, tokens;
+    atomic_int decoding;      /* a token arrived (read by other threads while it runs) */
     int finish;               /* finish reason of the final chunk */
     char out[4096];           /* the streamed text */
     double ms;
@@ -175,6 +176,8 @@ static void gen_run(pd_rpc_channel *ch, gen_call *g)
         g->chunks++;
         const Pdspark__GenerateChunk *ck = (const Pdspark__GenerateChunk *)m;
         g->tokens += (int)ck->n_token_ids;
+        if (g->tokens > 0)
+            atomic_store(&g->decoding, 1);
         if (ck->final)
             g->finish = (int)ck->finish_reason;
         strncat(g->out, ck->text_delta != NULL ? ck->text_delta : "", sizeof(g->out) - strlen(g->out) - 1);
@@ -853,10 +856,14 @@ static void test_services_lifecycle(void)
         ae[i] = (thr_arg){ ch, &early[i] };
         pthread_create(&te[i], NULL, gen_thread, &ae[i]);
     }
-    /* wait until both decode (their pages are in use and prefill is done) */
+    /* wait until both decode: their first tokens arrived (so their prefill is done; a slow
+     * machine, e.g. under ASan beside other tests, may take seconds) */
     double t0 = now_ms();
-    while (now_ms() - t0 < 10000) {
-        if (health(ch, &h) == 0 && h.active_requests == N_EARLY && h.free_kv_pages < baseline)
+    while (now_ms() - t0 < 30000) {
+        int all = 1;
+        for (int i = 0; i < N_EARLY; i++)
+            all &= atomic_load(&early[i].decoding);
+        if (all)
             break;
         usleep(20000);
     }
