@@ -9,6 +9,7 @@
 #include "pd_graph.h"
 
 #include "pd_log.h"
+#include "pd_prefix.h"
 
 #include <limits.h>
 #include <math.h>
@@ -89,6 +90,8 @@ struct pd_engine {
     pd_cp_group *cp;
     /* tensor-parallel decode (tp_size > 1): tm/dm are rank 0's shards, owned by the group */
     pd_tp_group *tp;
+    pd_prefix *prefix;          /* cfg.prefix_cache */
+    uint64_t prefix_hits;       /* prompt tokens served from it */
 };
 
 static double now_s(void)
@@ -354,6 +357,16 @@ pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err 
     st = pd_target_create(e->tm, e->tpool, taps, n_taps, &e->target, err);
     if (st != PD_OK)
         goto err_free;
+    if (e->cfg.prefix_cache) {
+        if (e->cfg.cp_size > 1 || e->cfg.tp_size > 1) {
+            st = pd_err_set(err, PD_ERR_INVALID, "the prefix cache does not combine with %s (the "
+                            "ranks' page tables would have to share pages too)",
+                            e->cfg.cp_size > 1 ? "context-parallel prefill" : "tensor-parallel decode");
+            goto err_free;
+        }
+        if ((st = pd_prefix_create(e->tpool, e->dpool, &e->prefix, err)) != PD_OK)
+            goto err_free;
+    }
     /* tensor parallel: rank 0 runs eagerly like its workers, so the ranks' collectives are
      * issued in step (a capture records rank 0's without running them) */
     int gmode = e->tp != NULL ? PD_GRAPHS_OFF : e->cfg.graphs;
@@ -419,6 +432,7 @@ void pd_engine_destroy(pd_engine *e)
     pd_sps_cleanup(&e->sps_default);
     pd_target_destroy(e->target);
     pd_draft_destroy(e->draft);
+    pd_prefix_destroy(e->prefix);   /* drops its page references: before the pools */
     pd_kv_pool_destroy(e->tpool);
     pd_kv_pool_destroy(e->dpool);
     kern_buf_free(e->smp_p);
@@ -438,7 +452,11 @@ void pd_engine_destroy(pd_engine *e)
     free(e);
 }
 
-int pd_engine_kv_free_pages(const pd_engine *e) { return pd_kv_pool_free_pages(e->tpool); }
+/* pages in the cache that only it holds are as good as free: a reservation takes them back */
+int pd_engine_kv_free_pages(const pd_engine *e)
+{
+    return pd_kv_pool_free_pages(e->tpool) + (e->prefix != NULL ? pd_prefix_evictable(e->prefix) : 0);
+}
 int pd_engine_block_size(const pd_engine *e) { return e->B; }
 pd_target *pd_engine_target(pd_engine *e) { return e->target; }
 pd_draft *pd_engine_draft(pd_engine *e) { return e->draft; }
@@ -453,6 +471,7 @@ int pd_engine_active(const pd_engine *e)
 
 static pd_status pen_init(pd_engine *e, pd_request *r, pd_err *err);
 static pd_status bias_init(pd_request *r, pd_err *err);
+static pd_status prefix_take(pd_engine *e, pd_request *r, pd_err *err);
 static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, int n_prompt,
                              const pd_gen_params *params, int external, pd_request **out, pd_err *err);
 
@@ -564,9 +583,13 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
     /* Admission reserves the request's whole worst case (prompt, every new token and one draft
      * block past the last), so a running request never meets an empty pool mid-decode; a full
      * pool answers BUSY here instead, where the caller can queue. */
+    if (st == PD_OK && e->prefix != NULL && !external && !params->capture_aux && !params->capture_ctx &&
+        !params->prompt_logprobs)
+        st = prefix_take(e, r, err);
     long worst = (long)n_prompt + params->max_new_tokens + e->B + 1;
     int reserve = worst < e->tm->cfg.max_position_embeddings ? (int)worst : e->tm->cfg.max_position_embeddings;
-    st = pd_kv_seq_reserve(e->tpool, &r->tkv, reserve, err);
+    if (st == PD_OK)
+        st = pd_kv_seq_reserve(e->tpool, &r->tkv, reserve, err);
     if (st == PD_OK && e->dpool != NULL)
         st = pd_kv_seq_reserve(e->dpool, &r->dkv, reserve, err);
     if (st == PD_OK && e->cp_n > 1 && !external) {
@@ -586,6 +609,54 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
 err_free:
     request_free(e, r);
     return st;
+}
+
+/* ---- prefix cache ------------------------------------------------------------------------- */
+
+/* A new request takes the cached full pages its prompt starts with (at most all but the last
+ * prompt token: the first token needs one row of the prompt prefilled). */
+static pd_status prefix_take(pd_engine *e, pd_request *r, pd_err *err)
+{
+    int ps = pd_kv_pool_layout(e->tpool)->page_size, max_pages = (r->n_prompt - 1) / ps;
+    if (max_pages <= 0)
+        return PD_OK;
+    int32_t *tp = malloc((size_t)max_pages * 2 * sizeof(int32_t));
+    if (tp == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "prefix lookup");
+    int32_t *dp = tp + max_pages;
+    int k = pd_prefix_lookup(e->prefix, r->prompt, r->n_prompt, max_pages, tp, e->dpool != NULL ? dp : NULL);
+    pd_status st = PD_OK;
+    if (k > 0) {
+        st = pd_kv_seq_share(e->tpool, &r->tkv, tp, k, err);
+        if (st == PD_OK && e->dpool != NULL)
+            st = pd_kv_seq_share(e->dpool, &r->dkv, dp, k, err);
+        if (st == PD_OK) {
+            r->prefilled = r->cached = k * ps;
+            e->prefix_hits += (uint64_t)r->cached;
+        }
+    }
+    free(tp);
+    return st;
+}
+
+/* Offers r's full prompt pages to the cache once their target and draft K/V are final (the
+ * prompt prefilled here and no draft context row of r still deferred). */
+static void prefix_offer(pd_engine *e, const pd_request *r)
+{
+    if (e->prefix == NULL || r->external || r->prefilled < r->n_prompt || r->n_pend > 0)
+        return;
+    int n = r->n_prompt / pd_kv_pool_layout(e->tpool)->page_size;
+    if (n > r->tkv.n_pages)
+        n = r->tkv.n_pages;
+    if (n > 0)
+        pd_prefix_insert(e->prefix, r->prompt, n, r->tkv.pages, e->dpool != NULL ? r->dkv.pages : NULL);
+}
+
+void pd_engine_prefix_stats(const pd_engine *e, int *evictable, int *entries, uint64_t *hit_tokens)
+{
+    *evictable = e->prefix != NULL ? pd_prefix_evictable(e->prefix) : 0;
+    *entries = e->prefix != NULL ? pd_prefix_entries(e->prefix) : 0;
+    *hit_tokens = e->prefix_hits;
 }
 
 static int is_eos(const pd_engine *e, int32_t tok)
@@ -1699,6 +1770,7 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
             goto out;
         if ((st = commit_first(e, done[i], first[i], done[i]->params.logprobs ? &lp : NULL, err)) != PD_OK)
             goto out;
+        prefix_offer(e, done[i]);
     }
 out:
     free(ids);
@@ -2411,6 +2483,8 @@ pd_status pd_engine_step(pd_engine *e, pd_err *err)
         /* a finished request's deferred context rows: a request that keeps its KV gets them
          * (its draft KV is then complete), the others' are dropped, so nothing writes into
          * pages given back */
+        if (r->finish != PD_FINISH_NONE && r->tkv.n_pages > 0)
+            prefix_offer(e, r);
         if (r->finish != PD_FINISH_NONE && r->n_pend > 0) {
             if (r->params.hold_kv)
                 TRY(pend_flush(e, PD_FLUSH_REQUEST, r, err));

@@ -81,6 +81,10 @@ typedef struct {
                                         * chunk of recomputed gap rows when less than 1024 */
     int gap_min_batch;                 /* tests only: rounds of at least this many requests
                                         * leave waiting decode rows as gaps (0: 8) */
+    int prefix_cache;                  /* 1: keep the full pages of finished prompts (target and draft
+                                        * K/V) and give a later prompt that starts with the same
+                                        * tokens those pages instead of prefilling them
+                                        * (pd_prefix.h); not with cp_size or tp_size > 1 */
     int tp_debug_fail_rank;            /* tests only: pd_tp_group_config.debug_fail_rank/cmd */
     int tp_debug_fail_cmd;
     /* Tests and debugging: called on the engine thread with exactly the aux tensor (backend
@@ -150,6 +154,7 @@ typedef struct pd_request {
     int32_t *out;            /* generated tokens (the first one comes from prefill) */
     int n_out;
     pd_token_logprobs *lps;  /* [n_out] when params.logprobs: out[i]'s logprobs */
+    int cached;              /* prompt tokens whose K/V came from the prefix cache */
     pd_token_logprobs *prompt_lps; /* [n_prompt] when params.prompt_logprobs ([0] is zeros) */
     pd_logit_bias *bias;     /* the request's copy of params.logit_bias, sorted by token */
     uint32_t *pen;           /* [vocab] with penalties: occurrences in out (bits 0-30) and
@@ -266,6 +271,9 @@ pd_status pd_engine_profile_sps(pd_engine *e, int max_tokens, int ctx_len, const
  * build; a cached curve that covers the range is reused. */
 pd_status pd_engine_profile_sps_cached(pd_engine *e, const char *model_dir, const char *device,
                                        int max_batch, pd_sps *out, pd_err *err);
+/* The prefix cache (pd_engine_config.prefix_cache): pages only it holds (free for the asking),
+ * entries, and prompt tokens served from it so far. Zeros without one. */
+void pd_engine_prefix_stats(const pd_engine *e, int *evictable, int *entries, uint64_t *hit_tokens);
 /* Steps run eagerly, graphs captured and graph replays so far (target and draft runners). */
 void pd_engine_graph_stats(const pd_engine *e, uint64_t *eager, uint64_t *captures, uint64_t *replays);
 /* Step shapes warmed up so far (target and draft graph caches: new keys, captures, stale

@@ -11,6 +11,9 @@ struct pd_kv_pool {
     kern_buf *mem;
     int32_t *free_list;
     int n_free;
+    uint16_t *refs;          /* [n_pages] sequences (and caches) holding each page */
+    int (*reclaim)(void *ud, int need);
+    void *reclaim_ud;
 };
 
 size_t pd_kv_page_bytes(const pd_kv_layout *lay)
@@ -46,7 +49,8 @@ pd_status pd_kv_pool_create(kern_backend *be, const pd_kv_layout *lay, pd_kv_poo
     pool->lay = *lay;
     pool->be = be;
     pool->free_list = malloc((size_t)lay->n_pages * sizeof(int32_t));
-    if (pool->free_list == NULL) {
+    pool->refs = calloc((size_t)lay->n_pages, sizeof(uint16_t));
+    if (pool->free_list == NULL || pool->refs == NULL) {
         st = pd_err_set(err, PD_ERR_NOMEM, "kv free list: %d pages", lay->n_pages);
         goto err_free_pool;
     }
@@ -67,6 +71,7 @@ err_free_mem:
     kern_buf_free(pool->mem);
 err_free_list:
     free(pool->free_list);
+    free(pool->refs);
 err_free_pool:
     free(pool);
     return st;
@@ -78,6 +83,7 @@ void pd_kv_pool_destroy(pd_kv_pool *pool)
         return;
     kern_buf_free(pool->mem);
     free(pool->free_list);
+    free(pool->refs);
     free(pool);
 }
 
@@ -111,6 +117,8 @@ pd_status pd_kv_seq_reserve(pd_kv_pool *pool, pd_kv_seq *seq, int n_tokens, pd_e
     if (need <= seq->n_pages)
         return PD_OK;
     int more = need - seq->n_pages;
+    if (more > pool->n_free && pool->reclaim != NULL)
+        pool->reclaim(pool->reclaim_ud, more - pool->n_free);
     if (more > pool->n_free)
         return pd_err_set(err, PD_ERR_BUSY, "kv pool exhausted: need %d pages, %d free", more,
                           pool->n_free);
@@ -124,9 +132,55 @@ pd_status pd_kv_seq_reserve(pd_kv_pool *pool, pd_kv_seq *seq, int n_tokens, pd_e
         seq->pages = p;
         seq->cap = cap;
     }
-    for (int i = 0; i < more; i++)
-        seq->pages[seq->n_pages++] = pool->free_list[--pool->n_free];
+    for (int i = 0; i < more; i++) {
+        int32_t p = pool->free_list[--pool->n_free];
+        pool->refs[p] = 1;
+        seq->pages[seq->n_pages++] = p;
+    }
     return PD_OK;
+}
+
+pd_status pd_kv_seq_share(pd_kv_pool *pool, pd_kv_seq *seq, const int32_t *pages, int n, pd_err *err)
+{
+    if (seq->n_pages != 0)
+        return pd_err_set(err, PD_ERR_INVALID, "kv share: the sequence holds %d pages already", seq->n_pages);
+    if (n > seq->cap) {
+        int32_t *p = realloc(seq->pages, (size_t)n * sizeof(int32_t));
+        if (p == NULL)
+            return pd_err_set(err, PD_ERR_NOMEM, "page table: %d entries", n);
+        seq->pages = p;
+        seq->cap = n;
+    }
+    for (int i = 0; i < n; i++) {
+        PD_ASSERT(pool->refs[pages[i]] > 0 && pool->refs[pages[i]] < UINT16_MAX);
+        pool->refs[pages[i]]++;
+        seq->pages[seq->n_pages++] = pages[i];
+    }
+    return PD_OK;
+}
+
+void pd_kv_page_ref(pd_kv_pool *pool, int32_t page)
+{
+    PD_ASSERT(pool->refs[page] > 0 && pool->refs[page] < UINT16_MAX);
+    pool->refs[page]++;
+}
+
+int pd_kv_page_refs(const pd_kv_pool *pool, int32_t page)
+{
+    return pool->refs[page];
+}
+
+void pd_kv_page_unref(pd_kv_pool *pool, int32_t page)
+{
+    PD_ASSERT(pool->refs[page] > 0);
+    if (--pool->refs[page] == 0)
+        pool->free_list[pool->n_free++] = page;
+}
+
+void pd_kv_pool_set_reclaim(pd_kv_pool *pool, int (*fn)(void *ud, int need), void *ud)
+{
+    pool->reclaim = fn;
+    pool->reclaim_ud = ud;
 }
 
 void pd_kv_seq_release(pd_kv_pool *pool, pd_kv_seq *seq)
@@ -136,7 +190,7 @@ void pd_kv_seq_release(pd_kv_pool *pool, pd_kv_seq *seq)
     /* last page first, so the next reservation pops them in the order they had: a sequence's
      * pages stay in ascending runs, which transfers and staging copies take in one piece */
     for (int i = seq->n_pages - 1; i >= 0; i--)
-        pool->free_list[pool->n_free++] = seq->pages[i];
+        pd_kv_page_unref(pool, seq->pages[i]);
     free(seq->pages);
     pd_kv_seq_init(seq);
 }

@@ -50,7 +50,19 @@ void pd_kv_seq_init(pd_kv_seq *seq);
 /* Makes seq hold pages for at least n_tokens positions. PD_ERR_BUSY when the pool is out of
  * pages (seq unchanged). */
 pd_status pd_kv_seq_reserve(pd_kv_pool *pool, pd_kv_seq *seq, int n_tokens, pd_err *err);
-/* Returns every page to the pool and empties seq. */
+/* seq (empty) takes pages[0..n) that other sequences or a cache hold already (a shared prefix:
+ * full pages nobody writes again); each gains a reference. */
+pd_status pd_kv_seq_share(pd_kv_pool *pool, pd_kv_seq *seq, const int32_t *pages, int n, pd_err *err);
+/* A page's references: a holder outside any sequence (the prefix cache) takes and drops its
+ * own; a page returns to the free list when its last reference goes. */
+void pd_kv_page_ref(pd_kv_pool *pool, int32_t page);
+void pd_kv_page_unref(pd_kv_pool *pool, int32_t page);
+int pd_kv_page_refs(const pd_kv_pool *pool, int32_t page);
+/* Called by pd_kv_seq_reserve when the free list is `need` pages short, before it answers BUSY
+ * (the prefix cache drops entries nobody else holds). NULL = none. */
+void pd_kv_pool_set_reclaim(pd_kv_pool *pool, int (*fn)(void *ud, int need), void *ud);
+/* Drops seq's reference to every page (a page nobody else holds returns to the pool) and
+ * empties seq. */
 void pd_kv_seq_release(pd_kv_pool *pool, pd_kv_seq *seq);
 /* Slot index (page * page_size + offset) of position pos; pos must be reserved. */
 int32_t pd_kv_seq_slot(const pd_kv_pool *pool, const pd_kv_seq *seq, int pos);

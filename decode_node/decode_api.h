@@ -61,6 +61,7 @@ typedef struct {
     int max_batch;                  /* running requests at most (0 = 64) */
     int max_prefill_tokens;         /* colocated: prompt tokens prefilled per engine step, a decode
                                      * round between steps (0 = the engine's 2048) */
+    int prefix_cache;               /* colocated: pd_engine_config.prefix_cache */
     int max_queue;                  /* requests waiting for pages at most (0 = 256) */
     int64_t queue_timeout_ms;       /* longest wait for pages before RESOURCE_EXHAUSTED (0 = 30000) */
     int64_t request_timeout_ms;     /* default deadline per request (0 = none) */
@@ -143,6 +144,7 @@ typedef struct {
     const int32_t *tokens;          /* every generated token */
     int n_tokens;
     int prompt_tokens;
+    int cached_tokens;              /* of them, served from the prefix cache */
     int rounds;                     /* DSpark verify rounds */
     const int *accepted_per_round;  /* [rounds]: accepted drafts + the bonus (DeepSpec's
                                      * acceptance_length; tau is their mean) */

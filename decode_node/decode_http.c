@@ -70,7 +70,7 @@ typedef struct http_choice {
     int n_lps, cap_lps, lp_sent;     /* ... of which the first lp_sent went out in stream events */
     int done;                        /* its result arrived (below) */
     const char *finish;              /* "stop" / "length" when it ended well */
-    int n_tokens, prompt_tokens, rounds, block_size;
+    int n_tokens, prompt_tokens, cached_tokens, rounds, block_size;
     long accepted;
 } http_choice;
 
@@ -266,21 +266,6 @@ static void send_error(struct evhttp_request *req, int code, const char *param, 
 
 /* ---------------------------------------------------------------------------------------------
  * Responses */
-
-static void add_usage(cJSON *o, int prompt, int completion, int rounds, double tau, int block,
-                      long accepted)
-{
-    cJSON *u = cJSON_AddObjectToObject(o, "usage");
-    cJSON_AddNumberToObject(u, "prompt_tokens", prompt);
-    cJSON_AddNumberToObject(u, "completion_tokens", completion);
-    cJSON_AddNumberToObject(u, "total_tokens", prompt + completion);
-    /* extension: the DSpark loop's statistics for this request */
-    cJSON *d = cJSON_AddObjectToObject(u, "dspark");
-    cJSON_AddNumberToObject(d, "rounds", rounds);
-    cJSON_AddNumberToObject(d, "tau", tau);
-    cJSON_AddNumberToObject(d, "block_size", block);
-    cJSON_AddNumberToObject(d, "accepted_tokens", (double)accepted);
-}
 
 static cJSON *resp_base(const http_req *r, int chunk)
 {
@@ -555,7 +540,7 @@ typedef struct {
     pd_status st;
     char error[512];
     pd_finish_reason finish;
-    int n_tokens, prompt_tokens, rounds, block_size;
+    int n_tokens, prompt_tokens, cached_tokens, rounds, block_size;
     long accepted;
 } http_msg;
 
@@ -632,7 +617,7 @@ static void msg_chunk(http_msg *m)
  * then accepted tokens over rounds of all of them) */
 static void add_usage_all(cJSON *o, const http_req *r)
 {
-    int completion = 0, rounds = 0, block = 0;
+    int completion = 0, rounds = 0, block = 0, prompt = r->ch[0].prompt_tokens;
     long accepted = 0;
     for (int i = 0; i < r->n_choice; i++) {
         completion += r->ch[i].n_tokens;
@@ -640,8 +625,19 @@ static void add_usage_all(cJSON *o, const http_req *r)
         accepted += r->ch[i].accepted;
         block = r->ch[i].block_size;
     }
-    add_usage(o, r->ch[0].prompt_tokens, completion, rounds,
-              rounds > 0 ? (double)accepted / rounds : 0.0, block, accepted);
+    cJSON *u = cJSON_AddObjectToObject(o, "usage");
+    cJSON_AddNumberToObject(u, "prompt_tokens", prompt);
+    cJSON_AddNumberToObject(u, "completion_tokens", completion);
+    cJSON_AddNumberToObject(u, "total_tokens", prompt + completion);
+    /* the prompt tokens the prefix cache served (choice 0's: the prompt is one) */
+    cJSON *pd = cJSON_AddObjectToObject(u, "prompt_tokens_details");
+    cJSON_AddNumberToObject(pd, "cached_tokens", r->ch[0].cached_tokens);
+    /* extension: the DSpark loop's statistics of the request (all choices) */
+    cJSON *d = cJSON_AddObjectToObject(u, "dspark");
+    cJSON_AddNumberToObject(d, "rounds", rounds);
+    cJSON_AddNumberToObject(d, "tau", rounds > 0 ? (double)accepted / rounds : 0.0);
+    cJSON_AddNumberToObject(d, "block_size", block);
+    cJSON_AddNumberToObject(d, "accepted_tokens", (double)accepted);
 }
 
 /* Every choice has its result: the rest of the answer (stream: the usage event and [DONE];
@@ -728,6 +724,7 @@ static void msg_done(http_msg *m)
     }
     c->n_tokens = m->n_tokens > c->n_gen ? m->n_tokens : c->n_gen;
     c->prompt_tokens = m->prompt_tokens;
+    c->cached_tokens = m->cached_tokens;
     c->rounds = m->rounds;
     c->block_size = m->block_size;
     c->accepted = m->accepted;
@@ -855,6 +852,7 @@ static void cb_done(void *ud, const decode_result *res)
     m->finish = res->finish;
     m->n_tokens = res->n_tokens;
     m->prompt_tokens = res->prompt_tokens;
+    m->cached_tokens = res->cached_tokens;
     m->rounds = res->rounds;
     m->block_size = res->block_size;
     for (int i = 0; i < res->rounds && res->accepted_per_round != NULL; i++)

@@ -59,7 +59,11 @@ static void usage(FILE *f)
             "nodes must use the same (a KV layout that differs is refused by name).\n"
             "--chunked-prefill-size N (colocated): prompt tokens prefilled per engine step (default\n"
             "2048); a longer prompt is prefilled in chunks with a decode round after each, so the\n"
-            "running requests keep streaming (prefill nodes: --max-batch-tokens).\n");
+            "running requests keep streaming (prefill nodes: --max-batch-tokens).\n"
+            "--prefix-cache (colocated): keep the full KV pages of finished prompts and let a later\n"
+            "prompt that starts with the same tokens skip prefilling them (usage reports\n"
+            "prompt_tokens_details.cached_tokens); pages only the cache holds count as free and go\n"
+            "back when a request needs them. Not with --cp-size / --tp > 1.\n");
 }
 
 int main(int argc, char **argv)
@@ -72,7 +76,7 @@ int main(int argc, char **argv)
     int64_t drain_ms = 30000;
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_PREFILL, O_COLO, O_DEVICE, O_PAGES, O_PAGE, O_BATCH,
            O_QUEUE, O_QTMO, O_RTMO, O_XTMO, O_CP, O_CPS, O_LOG, O_HELP, O_HTTP, O_LOGFMT, O_DRAIN,
-           O_VERIFY, O_THRESH, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_CHUNK, O_REFRESH };
+           O_VERIFY, O_THRESH, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_CHUNK, O_REFRESH, O_PREFIX };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"prefill", required_argument, 0, O_PREFILL},
@@ -86,6 +90,7 @@ int main(int argc, char **argv)
         {"verify", required_argument, 0, O_VERIFY}, {"threshold", required_argument, 0, O_THRESH},
         {"fast-kernels", no_argument, 0, O_FAST}, {"graphs", required_argument, 0, O_GRAPHS},
         {"chunked-prefill-size", required_argument, 0, O_CHUNK},
+        {"prefix-cache", no_argument, 0, O_PREFIX},
         {"prefill-refresh-ms", required_argument, 0, O_REFRESH},
         {"tp", required_argument, 0, O_TP}, {"dtype", required_argument, 0, O_DTYPE},
         {"log-level", required_argument, 0, O_LOG}, {"help", no_argument, 0, O_HELP},
@@ -112,6 +117,7 @@ int main(int argc, char **argv)
             refresh_given = 1;
             bad = pd_cli_parse_i64(PROG, "--prefill-refresh-ms", optarg, 0, INT32_MAX, &cfg.prefill_refresh_ms);
             break;
+        case O_PREFIX: cfg.prefix_cache = 1; break;
         case O_CHUNK:
             bad = pd_cli_parse_int(PROG, "--chunked-prefill-size", optarg, 1, 1 << 20, &cfg.max_prefill_tokens);
             break;
@@ -183,6 +189,11 @@ int main(int argc, char **argv)
     if (!colocated && cfg.tp_size > 1) {
         fprintf(stderr, PROG ": --tp applies to --colocated only (a prefill node's KV would reach "
                         "rank 0's shard only)\n");
+        return 2;
+    }
+    if (!colocated && cfg.prefix_cache) {
+        fprintf(stderr, PROG ": --prefix-cache applies to --colocated only (a disaggregated decode "
+                        "node prefills nothing itself)\n");
         return 2;
     }
     if (colocated && refresh_given) {

@@ -32,7 +32,7 @@ struct decode_metrics {
     /* series */
     pd_metric *req_ok, *req_cancelled, *req_timeout, *req_busy, *req_peer, *req_invalid, *req_error;
     pd_metric *fin_stop, *fin_length;
-    pd_metric *prompt_tokens, *gen_tokens;
+    pd_metric *prompt_tokens, *gen_tokens, *cached_tokens;
     pd_metric *running, *queued, *kv_used, *kv_free, *kv_total, *prefill_inflight, *serving,
               *draining_g;
     pd_metric *ttft, *itl, *e2e, *apr, *rounds_c, *accepted_c, *tau;
@@ -94,6 +94,7 @@ static void log_request(const decode_result *r, const char *outcome)
     cJSON_AddStringToObject(o, "outcome", outcome);
     cJSON_AddStringToObject(o, "finish", pd_finish_reason_str(r->finish));
     cJSON_AddNumberToObject(o, "prompt_tokens", r->prompt_tokens);
+    cJSON_AddNumberToObject(o, "cached_tokens", r->cached_tokens);
     cJSON_AddNumberToObject(o, "generated_tokens", r->n_tokens);
     cJSON_AddNumberToObject(o, "rounds", r->rounds);
     cJSON_AddNumberToObject(o, "tau", (double)(long)(r->tau * 1000.0 + 0.5) / 1000.0);
@@ -147,6 +148,7 @@ static void obs_done(void *ud, const decode_result *r)
     if (r->status == PD_OK)
         pd_metric_inc(r->finish == PD_FINISH_LENGTH ? m->fin_length : m->fin_stop);
     pd_metric_add(m->prompt_tokens, r->prompt_tokens);
+    pd_metric_add(m->cached_tokens, r->cached_tokens);
     pd_metric_add(m->gen_tokens, r->n_tokens);
     if (r->n_tokens > 0)
         pd_metric_observe(m->ttft, r->ttft_ms / 1000.0);
@@ -236,6 +238,9 @@ pd_status decode_metrics_create(pd_metrics *reg, decode_metrics **out, pd_err *e
     m->fin_length = pd_metrics_counter(reg, "pdspark_request_finish_total", fh, "reason=\"length\"");
     m->prompt_tokens = pd_metrics_counter(reg, "pdspark_prompt_tokens_total",
                                           "Prompt tokens of finished requests", NULL);
+    m->cached_tokens = pd_metrics_counter(reg, "pdspark_prompt_cached_tokens_total",
+                                          "Prompt tokens of finished requests served from the prefix cache",
+                                          NULL);
     m->gen_tokens = pd_metrics_counter(reg, "pdspark_generation_tokens_total",
                                        "Generated tokens of finished requests", NULL);
     m->running = pd_metrics_gauge(reg, "pdspark_requests_running",

@@ -396,6 +396,7 @@ static void call_done(decode_server *s, decode_handle *h, pd_status st, const ch
         .tokens = running ? r->out : NULL,
         .n_tokens = running ? r->n_out : 0,
         .prompt_tokens = h->n_prompt,
+        .cached_tokens = r != NULL ? r->cached : 0,
         .rounds = running ? r->n_rounds : 0,
         .accepted_per_round = running ? r->accepted : NULL,
         .block_size = s->block_size,
@@ -1759,7 +1760,8 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
     pd_engine_config ec = { .target = s->tm, .draft = s->dm, .page_size = cfg->page_size,
                             .n_pages = cfg->kv_pages, .fast_kernels = cfg->fast_kernels,
                             .graphs = cfg->graphs, .max_prefill_tokens = cfg->max_prefill_tokens,
-                            .verify_threshold = cfg->verify_threshold };
+                            .verify_threshold = cfg->verify_threshold,
+                            .prefix_cache = cfg->colocated && cfg->prefix_cache };
     if (cfg->verify != NULL && (st = pd_verify_policy_parse(cfg->verify, &ec.verify_policy, err)) != PD_OK)
         goto err_destroy;
     pd_err cerr;

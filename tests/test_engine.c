@@ -727,6 +727,98 @@ static void test_engine_prompt_logprobs(void)
     free(first);
 }
 
+/* The prefix cache: a prompt that starts with a finished prompt's full pages takes them (its
+ * prefill starts after them) and decodes exactly as without the cache, speculative and
+ * target-only; the same prompt again takes all but its last page; a small pool full of cached
+ * pages still admits a large request (the cache gives its pages back), and at rest every page
+ * counts as free. */
+static void test_engine_prefix_cache(void)
+{
+    enum { P = 100, N = 24 };
+    pd_err err;
+    int32_t a[P], b[P];
+    for (int i = 0; i < P; i++) {
+        a[i] = prompt_a[i % 22] + (i / 22) % 7;
+        b[i] = i < 80 ? a[i] : prompt_b[i % 9] + 3;
+    }
+    pd_gen_params gp = greedy(N);
+    gp.ignore_eos = 1;
+    int32_t ref_a[N], ref_b[N];
+    pd_engine *e = NULL;
+    pd_engine_config ec = { .target = tm, .draft = dm, .page_size = 16, .n_pages = 64 };
+    TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);   /* reference: no cache */
+    pd_request *r = NULL;
+    for (int k = 0; k < 2 && e != NULL; k++) {
+        TEST_CHECK(pd_engine_add(e, 1, k == 0 ? a : b, P, &gp, &r, &err) == PD_OK && r->cached == 0);
+        TEST_CHECK(run_to_end(e) == 0 && r->n_out == N);
+        memcpy(k == 0 ? ref_a : ref_b, r->out, sizeof(ref_a));
+        pd_engine_release(e, r);
+    }
+    pd_engine_destroy(e);
+    for (int spec = 0; spec < 2; spec++) {
+        ec.draft = spec ? dm : NULL;
+        ec.prefix_cache = 1;
+        e = NULL;
+        TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);
+        if (e == NULL)
+            break;
+        const int32_t *seqs[3] = {a, b, a};
+        const int want_cached[3] = {0, 80, 96};
+        for (int k = 0; k < 3; k++) {
+            r = NULL;
+            TEST_CHECK(pd_engine_add(e, 10 + k, seqs[k], P, &gp, &r, &err) == PD_OK);
+            if (r == NULL)
+                continue;
+            TEST_CHECK_MSG(r->cached == want_cached[k] && r->prefilled == want_cached[k],
+                           "spec %d request %d: %d tokens from the cache, want %d", spec, k, r->cached,
+                           want_cached[k]);
+            TEST_CHECK(run_to_end(e) == 0 && r->n_out == N);
+            if (spec == 0) {   /* target-only: equal to the reference's greedy tokens */
+                TEST_CHECK_MSG(memcmp(r->out, k == 1 ? ref_b : ref_a, sizeof(ref_a)) == 0,
+                               "request %d with cached pages decodes differently", k);
+            } else {           /* speculative: lossless against the same */
+                TEST_CHECK_MSG(memcmp(r->out, k == 1 ? ref_b : ref_a, sizeof(ref_a)) == 0,
+                               "speculative request %d with cached pages differs", k);
+            }
+            pd_engine_release(e, r);
+        }
+        int ev = 0, ent = 0;
+        uint64_t hits = 0;
+        pd_engine_prefix_stats(e, &ev, &ent, &hits);
+        TEST_CHECK_MSG(hits == 176 && ent == 6 + 1 && ev == ent, "prefix stats: %d evictable, %d entries, "
+                       "%llu hit tokens", ev, ent, (unsigned long long)hits);
+        TEST_CHECK(pd_engine_kv_free_pages(e) == 64);
+        pd_engine_destroy(e);
+    }
+    /* a small pool: cached pages go back when a request needs them */
+    ec.draft = dm;
+    ec.n_pages = 24;
+    e = NULL;
+    TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);
+    for (int k = 0; k < 4 && e != NULL; k++) {
+        int32_t p[P];
+        for (int i = 0; i < P; i++)
+            p[i] = a[i] + k + 1;
+        pd_gen_params g8 = greedy(8);
+        r = NULL;
+        TEST_CHECK_MSG(pd_engine_add(e, 20 + k, p, P, &g8, &r, &err) == PD_OK, "small pool %d: %s", k, err.msg);
+        TEST_CHECK(run_to_end(e) == 0);
+        pd_engine_release(e, r);
+    }
+    if (e != NULL) {
+        int ev = 0, ent = 0;
+        uint64_t hits = 0;
+        pd_engine_prefix_stats(e, &ev, &ent, &hits);
+        TEST_CHECK_MSG(ent > 0 && ent < 4 * 6 && pd_engine_kv_free_pages(e) == 24,
+                       "small pool: %d entries, %d free pages", ent, pd_engine_kv_free_pages(e));
+    }
+    pd_engine_destroy(e);
+    /* not with tensor parallelism */
+    ec.tp_size = 2;
+    e = NULL;
+    TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_ERR_INVALID && strstr(err.msg, "prefix cache") != NULL);
+}
+
 /* A speculative engine and a target-only one over the same target; 0 when both exist. */
 static int spec_and_plain(pd_engine **spec, pd_engine **plain)
 {
@@ -1100,6 +1192,7 @@ int main(void)
     test_engine_logprobs();
     test_engine_penalties();
     test_engine_prompt_logprobs();
+    test_engine_prefix_cache();
     pd_dspark_free(dm);
     pd_qwen3_free(tm);
     kern_backend_destroy(be);

@@ -712,6 +712,50 @@ def test_prefill_list(bin_dir, model, draft):
                 n.stop()
 
 
+def test_prefix_cache(bin_dir, model, draft):
+    """decode_node --colocated --prefix-cache: a prompt that starts with a finished one's full
+    pages is served from them (usage.prompt_tokens_details.cached_tokens, the metric) and
+    decodes the same text as the first time and as a node without the cache."""
+    prompt = "import os\nimport sys\nimport json\n\n\ndef load(path):\n    with open(path) as f:\n" * 3
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    node = Node(bin_dir, model, draft, ("--colocated", "--prefix-cache"))
+    try:
+        outs = []
+        for k in range(3):
+            st, b = post_json(node, "/v1/completions", body if k < 2 else dict(body, stream=False, n=2))
+            check(st == 200, "prefix cache request %d: %d %s" % (k, st, b))
+            outs.append(b if st == 200 else None)
+        first, again, two = outs
+        if first and again and two:
+            n_prompt = first["usage"]["prompt_tokens"]
+            c0 = first["usage"]["prompt_tokens_details"]["cached_tokens"]
+            c1 = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+            check(c0 == 0 and c1 >= 16 and c1 == (n_prompt - 1) // 16 * 16,
+                  "cached tokens %d then %d of %d" % (c0, c1, n_prompt))
+            check(again["choices"][0]["text"] == first["choices"][0]["text"] and
+                  all(c["text"] == first["choices"][0]["text"] for c in two["choices"]),
+                  "cached prompt decodes the same: %r vs %r" % (again["choices"][0]["text"],
+                                                                 first["choices"][0]["text"]))
+            # a prompt sharing the first pages only
+            st, b = post_json(node, "/v1/completions", dict(body, prompt=prompt[:130] + "# other\n" * 8))
+            check(st == 200 and 0 < b["usage"]["prompt_tokens_details"]["cached_tokens"] < c1,
+                  "shared beginning: %s" % (b.get("usage") if st == 200 else b))
+            m = metrics(node)
+            check((sample(m, "pdspark_prompt_cached_tokens_total") or 0) >= c1 * 3,
+                  "cached tokens counter %s" % sample(m, "pdspark_prompt_cached_tokens_total"))
+    finally:
+        node.stop()
+    plain = Node(bin_dir, model, draft, ("--colocated",))
+    try:
+        st, b = post_json(plain, "/v1/completions", body)
+        check(st == 200 and first is not None and b["choices"][0]["text"] == first["choices"][0]["text"] and
+              b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0,
+              "the same text without the cache: %s" % b)
+    finally:
+        plain.stop()
+    log("--prefix-cache checked")
+
+
 def test_verify_policies(bin_dir, model, draft):
     """decode_node --verify threshold|scheduled: the same greedy text as full verification
     (every policy is lossless), with the DSpark stats reported."""
@@ -1111,6 +1155,8 @@ def main():
         test_prefill_list(bin_dir, model, draft)
     if FAILS == 0:
         test_verify_policies(bin_dir, model, draft)
+    if FAILS == 0:
+        test_prefix_cache(bin_dir, model, draft)
     if FAILS == 0 and DEV:
         log("--tp 2 left out: it needs a GPU per rank (PD_HTTP_DEVICE)")
     elif FAILS == 0:
