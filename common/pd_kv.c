@@ -111,6 +111,22 @@ void pd_kv_seq_init(pd_kv_seq *seq)
     memset(seq, 0, sizeof(*seq));
 }
 
+/* room for need page ids in seq's table */
+static pd_status seq_grow(pd_kv_seq *seq, int need, pd_err *err)
+{
+    if (need <= seq->cap)
+        return PD_OK;
+    int cap = seq->cap > 0 ? seq->cap : 8;
+    while (cap < need)
+        cap *= 2;
+    int32_t *p = realloc(seq->pages, (size_t)cap * sizeof(int32_t));
+    if (p == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "page table: %d entries", cap);
+    seq->pages = p;
+    seq->cap = cap;
+    return PD_OK;
+}
+
 pd_status pd_kv_seq_reserve(pd_kv_pool *pool, pd_kv_seq *seq, int n_tokens, pd_err *err)
 {
     int need = (n_tokens + pool->lay.page_size - 1) / pool->lay.page_size;
@@ -122,16 +138,9 @@ pd_status pd_kv_seq_reserve(pd_kv_pool *pool, pd_kv_seq *seq, int n_tokens, pd_e
     if (more > pool->n_free)
         return pd_err_set(err, PD_ERR_BUSY, "kv pool exhausted: need %d pages, %d free", more,
                           pool->n_free);
-    if (need > seq->cap) {
-        int cap = seq->cap > 0 ? seq->cap : 8;
-        while (cap < need)
-            cap *= 2;
-        int32_t *p = realloc(seq->pages, (size_t)cap * sizeof(int32_t));
-        if (p == NULL)
-            return pd_err_set(err, PD_ERR_NOMEM, "page table: %d entries", cap);
-        seq->pages = p;
-        seq->cap = cap;
-    }
+    pd_status st = seq_grow(seq, need, err);
+    if (st != PD_OK)
+        return st;
     for (int i = 0; i < more; i++) {
         int32_t p = pool->free_list[--pool->n_free];
         pool->refs[p] = 1;
@@ -144,13 +153,9 @@ pd_status pd_kv_seq_share(pd_kv_pool *pool, pd_kv_seq *seq, const int32_t *pages
 {
     if (seq->n_pages != 0)
         return pd_err_set(err, PD_ERR_INVALID, "kv share: the sequence holds %d pages already", seq->n_pages);
-    if (n > seq->cap) {
-        int32_t *p = realloc(seq->pages, (size_t)n * sizeof(int32_t));
-        if (p == NULL)
-            return pd_err_set(err, PD_ERR_NOMEM, "page table: %d entries", n);
-        seq->pages = p;
-        seq->cap = n;
-    }
+    pd_status st = seq_grow(seq, n, err);
+    if (st != PD_OK)
+        return st;
     for (int i = 0; i < n; i++) {
         PD_ASSERT(pool->refs[pages[i]] > 0 && pool->refs[pages[i]] < UINT16_MAX);
         pool->refs[pages[i]]++;
