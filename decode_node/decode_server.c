@@ -65,6 +65,7 @@ struct decode_handle {
     uint64_t eid;
     int32_t *prompt;
     pd_logit_bias *bias;             /* the request's logit_bias (gp.logit_bias points here) */
+    int cached_remote;               /* disaggregated: prompt tokens the prefill node's cache served */
     int n_prompt;
     pd_gen_params gp;
     decode_token_fn on_token;
@@ -396,7 +397,7 @@ static void call_done(decode_server *s, decode_handle *h, pd_status st, const ch
         .tokens = running ? r->out : NULL,
         .n_tokens = running ? r->n_out : 0,
         .prompt_tokens = h->n_prompt,
-        .cached_tokens = r != NULL ? r->cached : 0,
+        .cached_tokens = r != NULL ? (r->external ? h->cached_remote : r->cached) : 0,
         .rounds = running ? r->n_rounds : 0,
         .accepted_per_round = running ? r->accepted : NULL,
         .block_size = s->block_size,
@@ -928,6 +929,7 @@ static void on_reply_loop(void *arg)
         } else {
             first = (int32_t)rep->first_token_id;
             aux_mode = rep->aux_mode;
+            h->cached_remote = rep->cached_tokens > (uint32_t)h->n_prompt ? h->n_prompt : (int)rep->cached_tokens;
             first_lp.logprob = rep->first_token_logprob;
             first_lp.n_top = (int)rep->n_first_top_ids;
             for (int i = 0; i < first_lp.n_top; i++) {

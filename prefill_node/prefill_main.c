@@ -29,7 +29,7 @@ static void usage(FILE *f)
             "                    [--xfer-err-mode peer|none]\n"
             "                    [--log-level error|warn|info|debug|trace] [--log-format text|json]\n"
             "                    [--http HOST:PORT]\n"
-            "                    [--drain-timeout-ms N] [--fast-kernels]\n"
+            "                    [--drain-timeout-ms N] [--fast-kernels] [--prefix-cache]\n"
             "\n"
             "Serves pdspark.Prefill: batches queued prompts into engine steps (context-parallel\n"
             "over --cp-size ranks; on cuda rank r on GPU r %% (visible GPUs) with its own copy of\n"
@@ -51,6 +51,9 @@ static void usage(FILE *f)
             "--fast-kernels (cuda) batches queued prompts into one forward: faster under load,\n"
             "but a prompt's bf16 KV then depends on the prompts beside it, so the tokens may\n"
             "part from a solo prefill's at near-ties (default: one prompt per forward).\n"
+            "--prefix-cache keeps the full KV pages (target and drafter) of prefilled prompts and\n"
+            "gives a later prompt with the same beginning those pages instead of prefilling them;\n"
+            "with --aux-transfer draft-kv (or no --draft) only, not with --cp-size.\n"
             "SIGTERM drains: new Prefill calls get UNAVAILABLE and /ready 503 while queued and\n"
             "running prefills finish (at most --drain-timeout-ms, default 30000), then it exits 0.\n"
             "SIGINT stops at once.\n");
@@ -75,7 +78,8 @@ int main(int argc, char **argv)
     int drain_ms = 30000;
     int tmo = 0;
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_CP, O_CPS, O_DEVICE, O_MBT, O_PAGES, O_PAGE, O_XTMO,
-           O_AUX, O_LOG, O_HELP, O_HTTP, O_XERR, O_DRAIN, O_DTYPE, O_FAST, O_LOGFMT };
+           O_AUX, O_LOG, O_HELP, O_HTTP, O_XERR, O_DRAIN, O_DTYPE, O_FAST, O_LOGFMT,
+           O_PREFIX };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"cp-size", required_argument, 0, O_CP},
@@ -86,6 +90,7 @@ int main(int argc, char **argv)
         {"help", no_argument, 0, O_HELP}, {"http", required_argument, 0, O_HTTP},
         {"drain-timeout-ms", required_argument, 0, O_DRAIN}, {"dtype", required_argument, 0, O_DTYPE},
         {"xfer-err-mode", required_argument, 0, O_XERR}, {"fast-kernels", no_argument, 0, O_FAST},
+        {"prefix-cache", no_argument, 0, O_PREFIX},
         {"log-format", required_argument, 0, O_LOGFMT},
         {0, 0, 0, 0},
     };
@@ -107,6 +112,7 @@ int main(int argc, char **argv)
         case O_XTMO: bad = pd_cli_parse_int(PROG, "--transfer-timeout-ms", optarg, 1, INT32_MAX, &tmo); cfg.transfer_timeout_ms = tmo; break;
         case O_AUX: cfg.aux_transfer = optarg; break;
         case O_FAST: cfg.fast_kernels = 1; break;
+        case O_PREFIX: cfg.prefix_cache = 1; break;
         case O_XERR:
             if (strcmp(optarg, "peer") != 0 && strcmp(optarg, "none") != 0) {
                 fprintf(stderr, PROG ": --xfer-err-mode: expected peer or none, got '%s'\n", optarg);

@@ -15,7 +15,7 @@ struct prefill_metrics {
     pthread_mutex_t mu;
     prefill_server *ps;              /* under mu */
     pd_metric *req_ok, *req_cancelled, *req_timeout, *req_invalid, *req_peer, *req_busy, *req_error;
-    pd_metric *prompt_tokens, *bytes, *xfer_seconds, *forward_seconds_total;
+    pd_metric *prompt_tokens, *cached_tokens, *bytes, *xfer_seconds, *forward_seconds_total;
     pd_metric *queue_h, *forward_h, *xfer_h, *total_h;
     pd_metric *running, *queued, *kv_used, *kv_free, *kv_total, *cp_size;
 };
@@ -32,6 +32,7 @@ static void obs_done(void *ud, const prefill_event *ev)
     if (ev->status != PD_OK)
         return;
     pd_metric_add(m->prompt_tokens, ev->prompt_tokens);
+    pd_metric_add(m->cached_tokens, ev->cached_tokens);
     pd_metric_add(m->bytes, (double)ev->bytes);
     pd_metric_add(m->xfer_seconds, ev->transfer_ms / 1000.0);
     pd_metric_add(m->forward_seconds_total, ev->forward_ms / 1000.0);
@@ -76,6 +77,8 @@ pd_status prefill_metrics_create(pd_metrics *reg, prefill_metrics **out, pd_err 
     m->req_peer = pd_metrics_counter(reg, rq, REQ_HELP, "outcome=\"peer_error\"");
     m->req_busy = pd_metrics_counter(reg, rq, REQ_HELP, "outcome=\"busy\"");
     m->req_error = pd_metrics_counter(reg, rq, REQ_HELP, "outcome=\"error\"");
+    m->cached_tokens = pd_metrics_counter(reg, "pdspark_prefill_cached_tokens_total",
+                                          "Prompt tokens served from the prefix cache", NULL);
     m->prompt_tokens = pd_metrics_counter(reg, "pdspark_prefill_prompt_tokens_total",
                                           "Prompt tokens prefilled and shipped", NULL);
     m->bytes = pd_metrics_counter(reg, "pdspark_prefill_transfer_bytes_total",

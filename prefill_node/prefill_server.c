@@ -255,7 +255,7 @@ static void job_answer(prefill_server *ps, job *j, pd_status st, const char *msg
     if (j->call == NULL)
         return;
     prefill_event ev = { .request_id = j->id, .status = st, .prompt_tokens = j->n,
-                         .cp_size = ps->cp_n };
+                         .cached_tokens = j->r != NULL ? j->r->cached : 0, .cp_size = ps->cp_n };
     if (st == PD_OK) {
         double now = now_ms();
         ev.queue_ms = j->t_fwd - j->t_recv;
@@ -305,6 +305,7 @@ static void job_answer(prefill_server *ps, job *j, pd_status st, const char *msg
             }
         }
         rep.prompt_tokens = (uint32_t)j->n;
+        rep.cached_tokens = (uint32_t)j->r->cached;
         rep.cp_size = (uint32_t)ps->cp_n;
         rep.timings = &tm;
         rep.aux_mode = !j->want_aux ? PDSPARK__AUX_MODE__AUX_MODE_NONE
@@ -1206,6 +1207,12 @@ pd_status prefill_server_create(const prefill_config *cfg, prefill_server **out,
     pd_aux_mode am;
     if (pd_aux_mode_parse(aux, &am, NULL) != PD_OK)
         return pd_err_set(err, PD_ERR_INVALID, "--aux-transfer '%s': expected raw, ctx or draft-kv", aux);
+    if (cfg->prefix_cache && cfg->draft_dir != NULL && am != PD_AUX_DRAFT_KV)
+        return pd_err_set(err, PD_ERR_INVALID, "--prefix-cache needs --aux-transfer draft-kv (%s ships "
+                          "per-token rows of every prompt token, which cached pages do not keep)", aux);
+    if (cfg->prefix_cache && cfg->cp_size > 1)
+        return pd_err_set(err, PD_ERR_INVALID, "--prefix-cache does not combine with --cp-size %d",
+                          cfg->cp_size);
     if (am != PD_AUX_RAW && cfg->draft_dir == NULL)
         return pd_err_set(err, PD_ERR_INVALID, "--aux-transfer %s needs --draft DIR (the drafter's %s runs "
                           "on the prefill node)", aux, am == PD_AUX_CTX ? "fc + hidden_norm" : "context K/V");
@@ -1238,7 +1245,7 @@ pd_status prefill_server_create(const prefill_config *cfg, prefill_server **out,
         goto err_destroy;
     pd_engine_config ec = { .target = ps->tm, .draft = ps->dm, .page_size = cfg->page_size,
                             .n_pages = cfg->kv_pages, .max_prefill_tokens = ps->cfg.max_batch_tokens,
-                            .fast_kernels = cfg->fast_kernels };
+                            .fast_kernels = cfg->fast_kernels, .prefix_cache = cfg->prefix_cache };
     if ((st = pd_cp_targets_load(&ps->cp_targets, ps->be, ps->model_dir, cfg->cp_size, err)) != PD_OK)
         goto err_destroy;
     if (cfg->cp_size > 1) {

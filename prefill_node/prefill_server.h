@@ -24,6 +24,7 @@ typedef struct {
     const char *request_id;
     pd_status status;
     int prompt_tokens;
+    int cached_tokens;              /* of them, served from the prefix cache */
     int cp_size;
     double queue_ms, forward_ms, transfer_ms, total_ms;
     uint64_t bytes;                 /* KV + aux bytes put into the decode node */
@@ -54,6 +55,9 @@ typedef struct {
                                      * one forward with the fastest kernels; 0 (default): one prompt
                                      * per forward, so a prompt's KV does not depend on the others
                                      * (pd_engine_config.fast_kernels) */
+    int prefix_cache;               /* 1 (--prefix-cache): pd_engine_config.prefix_cache; with
+                                     * --aux-transfer draft-kv or without a drafter only (raw and
+                                     * ctx ship per-token rows the cache does not keep) */
     const prefill_observer *observer;   /* optional, borrowed: sees every finished call */
 } prefill_config;
 

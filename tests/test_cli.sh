@@ -141,6 +141,8 @@ if [ -x "$bin/decode_node" ]; then
         --draft "$D" --listen 127.0.0.1:0 --colocated --dtype f16
 fi
 if [ -x "$bin/prefill_node" ]; then
+    expect_fail "prefill_node --prefix-cache with raw aux" "prefix-cache needs --aux-transfer draft-kv" \
+        $bin/prefill_node --model "$T" --draft "$D" --listen 127.0.0.1:0 --prefix-cache
     expect_fail "prefill_node unknown dtype" "dtype: 'f16' is not bf16 or f32" $bin/prefill_node --model "$T" \
         --draft "$D" --listen 127.0.0.1:0 --dtype f16
 fi

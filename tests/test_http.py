@@ -754,6 +754,29 @@ def test_prefix_cache(bin_dir, model, draft):
     finally:
         plain.stop()
     log("--prefix-cache checked")
+    # on a prefill node (draft-kv: the drafter's context pages are cached with the target's)
+    pf = Node(bin_dir, model, draft, ("--aux-transfer", "draft-kv", "--prefix-cache"), binary="prefill_node")
+    dn = None
+    try:
+        dn = Node(bin_dir, model, draft, ("--prefill", pf.grpc))
+        outs = []
+        for k in range(2):
+            st, b = post_json(dn, "/v1/completions", body)
+            check(st == 200, "disaggregated prefix cache request %d: %d %s" % (k, st, b))
+            outs.append(b if st == 200 else None)
+        if outs[0] and outs[1]:
+            c1 = outs[1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+            check(outs[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and c1 >= 16 and
+                  outs[1]["choices"][0]["text"] == outs[0]["choices"][0]["text"] == first["choices"][0]["text"],
+                  "prefill node prefix cache: cached %d, %r vs %r" % (c1, outs[1]["choices"][0]["text"],
+                                                                     outs[0]["choices"][0]["text"]))
+            m = metrics(pf)
+            check(sample(m, "pdspark_prefill_cached_tokens_total") == c1, "prefill cached tokens counter")
+    finally:
+        if dn is not None:
+            dn.stop()
+        pf.stop()
+    log("prefill_node --prefix-cache checked")
 
 
 def test_verify_policies(bin_dir, model, draft):
