@@ -392,8 +392,12 @@ err_free:
 
 static void pend_drop(pd_engine *e, pd_request *r);
 
+static void prefix_offer(pd_engine *e, const pd_request *r);
+
 static void request_free(pd_engine *e, pd_request *r)
 {
+    if (r->tkv.n_pages > 0)
+        prefix_offer(e, r);   /* a request released before a step gave its pages back */
     pend_drop(e, r);   /* its pages go back: its deferred rows are not needed */
     cp_release(e, r);
     pd_kv_seq_release(e->tpool, &r->tkv);
@@ -639,17 +643,38 @@ static pd_status prefix_take(pd_engine *e, pd_request *r, pd_err *err)
     return st;
 }
 
-/* Offers r's full prompt pages to the cache once their target and draft K/V are final (the
- * prompt prefilled here and no draft context row of r still deferred). */
+/* Offers r's full pages to the cache once their target and draft K/V are final: the prompt
+ * prefilled here, no draft context row of r still deferred, and only pages below the committed
+ * length (a finished request's output too, so a conversation's next turn, which repeats it,
+ * finds it). */
 static void prefix_offer(pd_engine *e, const pd_request *r)
 {
     if (e->prefix == NULL || r->external || r->prefilled < r->n_prompt || r->n_pend > 0)
         return;
-    int n = r->n_prompt / pd_kv_pool_layout(e->tpool)->page_size;
+    int ps = pd_kv_pool_layout(e->tpool)->page_size;
+    int len = r->tkv.len;
+    if (e->dpool != NULL && r->dkv.len < len)
+        len = r->dkv.len;
+    if (len > r->n_prompt + r->n_out)
+        len = r->n_prompt + r->n_out;
+    int n = len / ps;
     if (n > r->tkv.n_pages)
         n = r->tkv.n_pages;
-    if (n > 0)
-        pd_prefix_insert(e->prefix, r->prompt, n, r->tkv.pages, e->dpool != NULL ? r->dkv.pages : NULL);
+    if (e->dpool != NULL && n > r->dkv.n_pages)
+        n = r->dkv.n_pages;
+    if (n <= 0)
+        return;
+    const int32_t *toks = r->prompt;
+    int32_t *all = NULL;
+    if (n * ps > r->n_prompt) {   /* prompt + output */
+        if ((all = malloc((size_t)n * ps * sizeof(int32_t))) == NULL)
+            return;   /* nothing is lost: the pages are simply not cached */
+        memcpy(all, r->prompt, (size_t)r->n_prompt * sizeof(int32_t));
+        memcpy(all + r->n_prompt, r->out, (size_t)(n * ps - r->n_prompt) * sizeof(int32_t));
+        toks = all;
+    }
+    pd_prefix_insert(e->prefix, toks, n, r->tkv.pages, e->dpool != NULL ? r->dkv.pages : NULL);
+    free(all);
 }
 
 void pd_engine_prefix_stats(const pd_engine *e, int *evictable, int *entries, uint64_t *hit_tokens)

@@ -81,9 +81,9 @@ typedef struct {
                                         * chunk of recomputed gap rows when less than 1024 */
     int gap_min_batch;                 /* tests only: rounds of at least this many requests
                                         * leave waiting decode rows as gaps (0: 8) */
-    int prefix_cache;                  /* 1: keep the full pages of finished prompts (target and draft
-                                        * K/V) and give a later prompt that starts with the same
-                                        * tokens those pages instead of prefilling them
+    int prefix_cache;                  /* 1: keep the full pages of prompts and finished answers
+                                        * (target and draft K/V) and give a later prompt that starts
+                                        * with the same tokens those pages instead of prefilling them
                                         * (pd_prefix.h); not with cp_size or tp_size > 1 */
     int tp_debug_fail_rank;            /* tests only: pd_tp_group_config.debug_fail_rank/cmd */
     int tp_debug_fail_cmd;

@@ -729,29 +729,37 @@ static void test_engine_prompt_logprobs(void)
 
 /* The prefix cache: a prompt that starts with a finished prompt's full pages takes them (its
  * prefill starts after them) and decodes exactly as without the cache, speculative and
- * target-only; the same prompt again takes all but its last page; a small pool full of cached
+ * target-only; the same prompt again takes all but its last page; a prompt that repeats a
+ * finished request's prompt and answer takes the answer's pages too; a small pool full of cached
  * pages still admits a large request (the cache gives its pages back), and at rest every page
  * counts as free. */
 static void test_engine_prefix_cache(void)
 {
     enum { P = 100, N = 24 };
     pd_err err;
-    int32_t a[P], b[P];
+    int32_t a[P], b[P], c[P + N];
     for (int i = 0; i < P; i++) {
         a[i] = prompt_a[i % 22] + (i / 22) % 7;
         b[i] = i < 80 ? a[i] : prompt_b[i % 9] + 3;
     }
     pd_gen_params gp = greedy(N);
     gp.ignore_eos = 1;
-    int32_t ref_a[N], ref_b[N];
+    int32_t ref[3][N];
     pd_engine *e = NULL;
     pd_engine_config ec = { .target = tm, .draft = dm, .page_size = 16, .n_pages = 64 };
     TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);   /* reference: no cache */
     pd_request *r = NULL;
-    for (int k = 0; k < 2 && e != NULL; k++) {
-        TEST_CHECK(pd_engine_add(e, 1, k == 0 ? a : b, P, &gp, &r, &err) == PD_OK && r->cached == 0);
+    /* c: a conversation's next turn, a's prompt and a's answer */
+    const int32_t *prompts[3] = {a, b, c};
+    const int lens[3] = {P, P, P + N};
+    for (int k = 0; k < 3 && e != NULL; k++) {
+        TEST_CHECK(pd_engine_add(e, 1, prompts[k], lens[k], &gp, &r, &err) == PD_OK && r->cached == 0);
         TEST_CHECK(run_to_end(e) == 0 && r->n_out == N);
-        memcpy(k == 0 ? ref_a : ref_b, r->out, sizeof(ref_a));
+        memcpy(ref[k], r->out, sizeof(ref[k]));
+        if (k == 0) {
+            memcpy(c, a, sizeof(a));
+            memcpy(c + P, r->out, N * sizeof(int32_t));
+        }
         pd_engine_release(e, r);
     }
     pd_engine_destroy(e);
@@ -762,30 +770,31 @@ static void test_engine_prefix_cache(void)
         TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);
         if (e == NULL)
             break;
-        const int32_t *seqs[3] = {a, b, a};
-        const int want_cached[3] = {0, 80, 96};
-        for (int k = 0; k < 3; k++) {
+        /* a; b (shares 80 tokens); a again (all but its last page); c (a's prompt and answer:
+         * the pages of a's output too) */
+        const int32_t *seqs[4] = {a, b, a, c};
+        const int slen[4] = {P, P, P, P + N}, want_cached[4] = {0, 80, 96, 112}, which[4] = {0, 1, 0, 2};
+        for (int k = 0; k < 4; k++) {
             r = NULL;
-            TEST_CHECK(pd_engine_add(e, 10 + k, seqs[k], P, &gp, &r, &err) == PD_OK);
+            TEST_CHECK(pd_engine_add(e, 10 + k, seqs[k], slen[k], &gp, &r, &err) == PD_OK);
             if (r == NULL)
                 continue;
             TEST_CHECK_MSG(r->cached == want_cached[k] && r->prefilled == want_cached[k],
                            "spec %d request %d: %d tokens from the cache, want %d", spec, k, r->cached,
                            want_cached[k]);
             TEST_CHECK(run_to_end(e) == 0 && r->n_out == N);
-            if (spec == 0) {   /* target-only: equal to the reference's greedy tokens */
-                TEST_CHECK_MSG(memcmp(r->out, k == 1 ? ref_b : ref_a, sizeof(ref_a)) == 0,
-                               "request %d with cached pages decodes differently", k);
-            } else {           /* speculative: lossless against the same */
-                TEST_CHECK_MSG(memcmp(r->out, k == 1 ? ref_b : ref_a, sizeof(ref_a)) == 0,
-                               "speculative request %d with cached pages differs", k);
-            }
+            /* target-only and speculative: the reference's (uncached, speculative) tokens */
+            TEST_CHECK_MSG(memcmp(r->out, ref[which[k]], sizeof(ref[0])) == 0,
+                           "%s request %d with cached pages decodes differently",
+                           spec ? "speculative" : "target-only", k);
             pd_engine_release(e, r);
         }
         int ev = 0, ent = 0;
         uint64_t hits = 0;
         pd_engine_prefix_stats(e, &ev, &ent, &hits);
-        TEST_CHECK_MSG(hits == 176 && ent == 6 + 1 && ev == ent, "prefix stats: %d evictable, %d entries, "
+        /* a: 7 pages (6 of prompt, 1 with its answer), b: 2 of its own, c (148 tokens with
+         * its answer): 2 beyond a's 7 */
+        TEST_CHECK_MSG(hits == 288 && ent == 11 && ev == ent, "prefix stats: %d evictable, %d entries, "
                        "%llu hit tokens", ev, ent, (unsigned long long)hits);
         TEST_CHECK(pd_engine_kv_free_pages(e) == 64);
         pd_engine_destroy(e);
