@@ -789,6 +789,14 @@ static const pd_logit_bias *bias_find(const pd_request *r, int32_t t)
     return NULL;
 }
 
+/* What row entries add to token t's logit: its bias, and -inf while its stop ids are masked */
+static float entry_bias(const pd_engine *e, const pd_request *r, int32_t t, int mask_eos)
+{
+    const pd_logit_bias *b = bias_find(r, t);
+    float v = b != NULL ? b->bias : 0.0f;
+    return mask_eos && (is_eos(e, t) || is_stop_id(r, t)) ? -INFINITY : v;
+}
+
 /* Queues the entries of logits row `row` of r, whose history is r's output followed by
  * extra[0..n_extra) (the drafts before that row of a verify block): the penalties of every
  * token seen, the logit bias, and while the output is shorter than min_tokens the stop (eos)
@@ -801,8 +809,6 @@ static pd_status pen_row(pd_engine *e, const pd_request *r, int row, const int32
         return PD_OK;
     kern_penalty_entry en = { .row = row, .rep = pen_rep_on(&r->params) ? r->params.repetition_penalty : 1.0f,
                               .freq = r->params.frequency_penalty, .pres = r->params.presence_penalty };
-#define ENTRY_BIAS(t) ((bias_find(r, (t)) != NULL ? bias_find(r, (t))->bias : 0.0f) + \
-                       (mask_eos && (is_eos(e, (t)) || is_stop_id(r, (t))) ? -INFINITY : 0.0f))
     for (int i = 0; r->pen != NULL && i < r->n_pen_tok; i++) {
         int32_t t = r->pen_tok[i];
         int cnt = (int)(r->pen[t] & ~PEN_PROMPT);
@@ -811,7 +817,7 @@ static pd_status pen_row(pd_engine *e, const pd_request *r, int row, const int32
         en.tok = t;
         en.count = cnt;
         en.seen = 1;
-        en.bias = ENTRY_BIAS(t);
+        en.bias = entry_bias(e, r, t, mask_eos);
         TRY(pen_push(e, &en, err));
     }
     /* drafts of this block not in the output yet: each distinct one once */
@@ -827,7 +833,7 @@ static pd_status pen_row(pd_engine *e, const pd_request *r, int row, const int32
         en.tok = t;
         en.count = cnt;
         en.seen = 1;
-        en.bias = ENTRY_BIAS(t);
+        en.bias = entry_bias(e, r, t, mask_eos);
         TRY(pen_push(e, &en, err));
     }
     /* biased and masked tokens the penalties did not name */
@@ -846,10 +852,9 @@ static pd_status pen_row(pd_engine *e, const pd_request *r, int row, const int32
         if (named || (!bias_list && bias_find(r, t) != NULL))
             continue;
         en.tok = t;
-        en.bias = ENTRY_BIAS(t);
+        en.bias = entry_bias(e, r, t, mask_eos);
         TRY(pen_push(e, &en, err));
     }
-#undef ENTRY_BIAS
     return PD_OK;
 }
 
