@@ -644,15 +644,22 @@ static pd_status prefix_take(pd_engine *e, pd_request *r, pd_err *err)
 }
 
 /* Offers r's full pages to the cache once their target and draft K/V are final: the prompt
- * prefilled here, no draft context row of r still deferred, and only pages below the committed
- * length (a finished request's output too, so a conversation's next turn, which repeats it,
- * finds it). */
+ * prefilled here, and only pages below the committed length (a finished request's output too,
+ * so a conversation's next turn, which repeats it, finds it) and below r's first draft context
+ * row still deferred. */
 static void prefix_offer(pd_engine *e, const pd_request *r)
 {
-    if (e->prefix == NULL || r->external || r->prefilled < r->n_prompt || r->n_pend > 0)
+    if (e->prefix == NULL || r->external || r->prefilled < r->n_prompt)
         return;
     int ps = pd_kv_pool_layout(e->tpool)->page_size;
     int len = r->tkv.len;
+    if (r->n_pend > 0) {
+        if (r->n_gap > 0 && r->gap_lo < len)
+            len = r->gap_lo;
+        for (int i = 0; i < e->n_pend; i++)
+            if (e->pend_owner[i] == r && e->pend_pos[i] < len)
+                len = e->pend_pos[i];
+    }
     if (e->dpool != NULL && r->dkv.len < len)
         len = r->dkv.len;
     if (len > r->n_prompt + r->n_out)
