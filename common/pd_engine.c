@@ -91,6 +91,7 @@ struct pd_engine {
     /* tensor-parallel decode (tp_size > 1): tm/dm are rank 0's shards, owned by the group */
     pd_tp_group *tp;
     pd_prefix *prefix;          /* cfg.prefix_cache */
+    int prefix_free;            /* pages only the cache holds (prefix_count) */
     uint64_t prefix_hits;       /* prompt tokens served from it */
 };
 
@@ -392,7 +393,8 @@ err_free:
 
 static void pend_drop(pd_engine *e, pd_request *r);
 
-static void prefix_offer(pd_engine *e, const pd_request *r);
+static void prefix_offer(pd_engine *e, pd_request *r);
+static void prefix_count(pd_engine *e);
 
 static void request_free(pd_engine *e, pd_request *r)
 {
@@ -456,10 +458,16 @@ void pd_engine_destroy(pd_engine *e)
     free(e);
 }
 
-/* pages in the cache that only it holds are as good as free: a reservation takes them back */
+/* pages in the cache that only it holds are as good as free: a reservation takes them back
+ * (counted after each step, admission and release, not at every read: a scan of the cache) */
 int pd_engine_kv_free_pages(const pd_engine *e)
 {
-    return pd_kv_pool_free_pages(e->tpool) + (e->prefix != NULL ? pd_prefix_evictable(e->prefix) : 0);
+    return pd_kv_pool_free_pages(e->tpool) + e->prefix_free;
+}
+
+static void prefix_count(pd_engine *e)
+{
+    e->prefix_free = e->prefix != NULL ? pd_prefix_evictable(e->prefix) : 0;
 }
 int pd_engine_block_size(const pd_engine *e) { return e->B; }
 pd_target *pd_engine_target(pd_engine *e) { return e->target; }
@@ -482,7 +490,9 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
 pd_status pd_engine_add(pd_engine *e, uint64_t id, const int32_t *prompt, int n_prompt,
                         const pd_gen_params *params, pd_request **out, pd_err *err)
 {
-    return add_request(e, id, prompt, n_prompt, params, 0, out, err);
+    pd_status st = add_request(e, id, prompt, n_prompt, params, 0, out, err);
+    prefix_count(e);   /* pages it took from the cache (or the cache gave back) */
+    return st;
 }
 
 pd_status pd_engine_add_external(pd_engine *e, uint64_t id, const int32_t *prompt, int n_prompt,
@@ -647,7 +657,7 @@ static pd_status prefix_take(pd_engine *e, pd_request *r, pd_err *err)
  * prefilled here, and only pages below the committed length (a finished request's output too,
  * so a conversation's next turn, which repeats it, finds it) and below r's first draft context
  * row still deferred. */
-static void prefix_offer(pd_engine *e, const pd_request *r)
+static void prefix_offer(pd_engine *e, pd_request *r)
 {
     if (e->prefix == NULL || r->external || r->prefilled < r->n_prompt)
         return;
@@ -669,8 +679,9 @@ static void prefix_offer(pd_engine *e, const pd_request *r)
         n = r->tkv.n_pages;
     if (e->dpool != NULL && n > r->dkv.n_pages)
         n = r->dkv.n_pages;
-    if (n <= 0)
+    if (n <= r->offered)   /* nothing new since the last offer (a held request, every step) */
         return;
+    r->offered = n;
     const int32_t *toks = r->prompt;
     int32_t *all = NULL;
     if (n * ps > r->n_prompt) {   /* prompt + output */
@@ -804,6 +815,17 @@ static float entry_bias(const pd_engine *e, const pd_request *r, int32_t t, int 
     return mask_eos && (is_eos(e, t) || is_stop_id(r, t)) ? -INFINITY : v;
 }
 
+/* Queues en (its row and penalties set) for token t, seen with cnt occurrences in the output */
+static pd_status pen_push_tok(pd_engine *e, const pd_request *r, kern_penalty_entry *en, int32_t t,
+                              int cnt, int mask_eos, pd_err *err)
+{
+    en->tok = t;
+    en->count = cnt;
+    en->seen = 1;
+    en->bias = entry_bias(e, r, t, mask_eos);
+    return pen_push(e, en, err);
+}
+
 /* Queues the entries of logits row `row` of r, whose history is r's output followed by
  * extra[0..n_extra) (the drafts before that row of a verify block): the penalties of every
  * token seen, the logit bias, and while the output is shorter than min_tokens the stop (eos)
@@ -821,11 +843,7 @@ static pd_status pen_row(pd_engine *e, const pd_request *r, int row, const int32
         int cnt = (int)(r->pen[t] & ~PEN_PROMPT);
         for (int j = 0; j < n_extra; j++)
             cnt += extra[j] == t;
-        en.tok = t;
-        en.count = cnt;
-        en.seen = 1;
-        en.bias = entry_bias(e, r, t, mask_eos);
-        TRY(pen_push(e, &en, err));
+        TRY(pen_push_tok(e, r, &en, t, cnt, mask_eos, err));
     }
     /* drafts of this block not in the output yet: each distinct one once */
     for (int j = 0; r->pen != NULL && j < n_extra; j++) {
@@ -837,11 +855,7 @@ static pd_status pen_row(pd_engine *e, const pd_request *r, int row, const int32
         int cnt = 0;
         for (int k = j; k < n_extra; k++)
             cnt += extra[k] == t;
-        en.tok = t;
-        en.count = cnt;
-        en.seen = 1;
-        en.bias = entry_bias(e, r, t, mask_eos);
-        TRY(pen_push(e, &en, err));
+        TRY(pen_push_tok(e, r, &en, t, cnt, mask_eos, err));
     }
     /* biased and masked tokens the penalties did not name */
     en.count = en.seen = 0;
@@ -2548,6 +2562,7 @@ pd_status pd_engine_step(pd_engine *e, pd_err *err)
         be->batch_invariant = 0;
     }
     e->times.step += now_s() - t0;
+    prefix_count(e);
     return st;
 }
 
@@ -2573,6 +2588,7 @@ void pd_engine_release(pd_engine *e, pd_request *r)
             memmove(&e->reqs[i], &e->reqs[i + 1], (size_t)(e->n_reqs - i - 1) * sizeof(*e->reqs));
             e->n_reqs--;
             request_free(e, r);
+            prefix_count(e);
             return;
         }
 }

@@ -193,6 +193,7 @@ typedef struct pd_request {
     int n_probed;            /* times the scheduled policy considered trying it with all drafts */
     int ext_seq;             /* scratch of extend_draft: this request's sequence slot ... */
     uint64_t ext_epoch;      /* ... valid while equal to the engine's extend counter */
+    int offered;             /* full pages offered to the prefix cache so far */
 } pd_request;
 
 /* The targets of context-parallel ranks 1..cp_size-1 on a device backend

@@ -15,6 +15,7 @@
 #include "pd_log.h"
 #include "pd_proto_version.h"
 #include "pd_verify_policy.h"
+#include "pd_wire.h"
 #include "pdspark.pb-c.h"
 
 typedef struct {
@@ -160,17 +161,7 @@ static void gen_on_token(void *ud, const decode_chunk *ch)
             free(sendbuf);
             return;
         }
-        for (int i = 0; i < ch->n_ids; i++) {
-            const pd_token_logprobs *lp = &ch->logprobs[i];
-            pdspark__token_logprobs__init(&lpm[i]);
-            lpm[i].version = PD_PROTO_VERSION;
-            lpm[i].token_id = (uint32_t)ch->ids[i];
-            lpm[i].logprob = lp->logprob;
-            lpm[i].n_top_ids = lpm[i].n_top_logprobs = (size_t)lp->n_top;
-            lpm[i].top_ids = (uint32_t *)(uintptr_t)lp->top_id;   /* ids >= 0: same bits */
-            lpm[i].top_logprobs = (float *)(uintptr_t)lp->top_logprob;
-            lpp[i] = &lpm[i];
-        }
+        pd_wire_logprobs_out(ch->logprobs, ch->ids, ch->n_ids, lpm, lpp);
         m.n_logprobs = (size_t)ch->n_ids;
         m.logprobs = lpp;
     }

@@ -30,6 +30,7 @@
 #include "pd_proto_version.h"
 #include "pd_rpc.h"
 #include "pd_tokenizer.h"
+#include "pd_wire.h"
 #include "pd_xfer.h"
 #include "pd_xfer_thread.h"
 #include "pdspark.pb-c.h"
@@ -873,17 +874,11 @@ static pd_status take_prompt_logprobs(decode_server *s, decode_handle *h, const 
     pd_status st = PD_OK;
     for (int i = 0; i < h->n_prompt && st == PD_OK; i++) {
         const Pdspark__TokenLogprobs *t = rep->prompt_logprobs[i];
-        if (t == NULL || t->n_top_ids != t->n_top_logprobs || t->n_top_ids > PD_MAX_TOP_LOGPROBS ||
-            t->token_id != (uint32_t)h->prompt[i]) {
-            st = pd_err_set(err, PD_ERR_PEER, "prefill reply: prompt logprobs of token %d malformed", i);
-            break;
-        }
-        lps[i].logprob = t->logprob;
-        lps[i].n_top = (int)t->n_top_ids;
-        for (size_t k = 0; k < t->n_top_ids; k++) {
-            lps[i].top_id[k] = t->top_ids[k] > INT32_MAX ? -1 : (int32_t)t->top_ids[k];
-            lps[i].top_logprob[k] = t->top_logprobs[k];
-        }
+        if (t != NULL && t->token_id != (uint32_t)h->prompt[i])
+            st = pd_err_set(err, PD_ERR_PEER, "prefill reply: prompt logprobs of token %d name token %u",
+                            i, t->token_id);
+        else
+            st = pd_wire_logprobs_in(t, &lps[i], "prefill reply: prompt token", err);
     }
     if (st == PD_OK && (st = pd_engine_set_prompt_logprobs(s->eng, h->r, lps, h->n_prompt, err)) != PD_OK)
         st = PD_ERR_PEER;

@@ -20,6 +20,7 @@
 
 #include "pd_engine.h"
 #include "pd_log.h"
+#include "pd_wire.h"
 #include "pd_loop.h"
 #include "pd_proto_version.h"
 #include "pd_xfer.h"
@@ -288,18 +289,8 @@ static void job_answer(prefill_server *ps, job *j, pd_status st, const char *msg
         if (j->gp.prompt_logprobs && j->r->prompt_lps != NULL) {
             plm = calloc((size_t)j->n, sizeof(*plm));
             plp = calloc((size_t)j->n, sizeof(*plp));
-            for (int i = 0; plm != NULL && plp != NULL && i < j->n; i++) {
-                const pd_token_logprobs *lp = &j->r->prompt_lps[i];
-                pdspark__token_logprobs__init(&plm[i]);
-                plm[i].version = PD_PROTO_VERSION;
-                plm[i].token_id = (uint32_t)j->ids[i];
-                plm[i].logprob = lp->logprob;
-                plm[i].n_top_ids = plm[i].n_top_logprobs = (size_t)lp->n_top;
-                plm[i].top_ids = (uint32_t *)(uintptr_t)lp->top_id;   /* ids >= 0: same bits */
-                plm[i].top_logprobs = (float *)(uintptr_t)lp->top_logprob;
-                plp[i] = &plm[i];
-            }
             if (plm != NULL && plp != NULL) {
+                pd_wire_logprobs_out(j->r->prompt_lps, j->ids, j->n, plm, plp);
                 rep.n_prompt_logprobs = (size_t)j->n;
                 rep.prompt_logprobs = plp;
             }
