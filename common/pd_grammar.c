@@ -1,0 +1,1567 @@
+/* pd_grammar.c - grammars for structured output, their compilers (JSON schema, choices, regex)
+ * and the token matcher (see pd_grammar.h).
+ *
+ * A compiled grammar is one array of elements: [0] refers to the root rule and [1] ends it;
+ * then every rule's alternatives, each a run of elements ended by G_END. A position is an index
+ * into that array. The matcher's state is a set of stacks of positions (the top is the next
+ * element to match; the ones below are where each enclosing rule continues), expanded until
+ * every top is a byte class: advancing by a byte keeps the stacks whose class holds it. A stack
+ * that empties means the grammar may end there (complete). A reference that ends its
+ * alternative replaces the caller's position instead of pushing (a tail call), so repetition
+ * (X* = X X* | empty) does not grow the stacks. */
+#include "pd_grammar.h"
+
+#include <cjson/cJSON.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { G_END = 0, G_CLASS, G_REF };
+
+typedef struct {
+    uint32_t w[8];
+} gset;
+
+typedef struct {
+    uint8_t kind;
+    int32_t ref;      /* G_REF: the rule */
+    gset set;         /* G_CLASS: the bytes it takes */
+} gel;
+
+struct pd_grammar {
+    atomic_int refs;
+    gel *el;
+    int n_el;
+    int32_t *alt;     /* alternative start positions; rule r's: alt[alt_off[r] .. alt_off[r + 1]) */
+    int32_t *alt_off;
+    int n_rules;
+};
+
+#define G_MAX_STACK 256      /* positions on one stack (nesting deeper is not allowed) */
+#define G_MAX_CHAIN 64       /* rule references expanded without a byte between them */
+#define G_MAX_STACKS 4096    /* stacks alive at once */
+
+static void set_add(gset *s, int c) { s->w[c >> 5] |= 1u << (c & 31); }
+static int set_has(const gset *s, int c) { return (s->w[c >> 5] >> (c & 31)) & 1u; }
+static void set_range(gset *s, int lo, int hi)
+{
+    for (int c = lo; c <= hi; c++)
+        set_add(s, c);
+}
+
+/* ---- building ------------------------------------------------------------------------------ */
+
+typedef struct {
+    gel *el;
+    int n, cap;
+} gb_seq;
+
+typedef struct {
+    gb_seq *alt;
+    int n, cap;
+} gb_rule;
+
+typedef struct {
+    gb_rule *r;
+    int n, cap;
+    pd_status st;     /* the first failure; every later call is a no-op */
+    pd_err *err;
+} gb;
+
+static int gb_fail(gb *b, pd_status code, const char *what)
+{
+    if (b->st == PD_OK)
+        b->st = pd_err_set(b->err, code, "%s", what);
+    return -1;
+}
+
+static int grow(void **p, int *cap, int need, size_t sz)
+{
+    if (need <= *cap)
+        return 0;
+    int nc = *cap ? *cap * 2 : 4;
+    while (nc < need)
+        nc *= 2;
+    void *np = realloc(*p, (size_t)nc * sz);
+    if (np == NULL)
+        return -1;
+    *p = np;
+    *cap = nc;
+    return 0;
+}
+
+static int gb_rule_new(gb *b)
+{
+    if (b->st != PD_OK)
+        return -1;
+    if (b->n >= PD_GRAMMAR_MAX_RULES) {
+        char m[160];
+        snprintf(m, sizeof(m), "structured output: the grammar needs more than %d rules (a large "
+                 "bound such as maxLength, maxItems or {m,n} unrolls into rules)", PD_GRAMMAR_MAX_RULES);
+        return gb_fail(b, PD_ERR_INVALID, m);
+    }
+    if (grow((void **)&b->r, &b->cap, b->n + 1, sizeof(gb_rule)) != 0)
+        return gb_fail(b, PD_ERR_NOMEM, "grammar rules");
+    memset(&b->r[b->n], 0, sizeof(gb_rule));
+    return b->n++;
+}
+
+/* a new (empty) alternative of rule r */
+static int gb_alt(gb *b, int r)
+{
+    if (b->st != PD_OK || r < 0)
+        return -1;
+    gb_rule *ru = &b->r[r];
+    if (grow((void **)&ru->alt, &ru->cap, ru->n + 1, sizeof(gb_seq)) != 0)
+        return gb_fail(b, PD_ERR_NOMEM, "grammar alternatives");
+    memset(&ru->alt[ru->n], 0, sizeof(gb_seq));
+    return ru->n++;
+}
+
+static void gb_put(gb *b, int r, int a, const gel *e)
+{
+    if (b->st != PD_OK || r < 0 || a < 0)
+        return;
+    gb_seq *s = &b->r[r].alt[a];
+    if (grow((void **)&s->el, &s->cap, s->n + 1, sizeof(gel)) != 0) {
+        gb_fail(b, PD_ERR_NOMEM, "grammar elements");
+        return;
+    }
+    s->el[s->n++] = *e;
+}
+
+static void gb_cls(gb *b, int r, int a, const gset *s)
+{
+    gel e = { .kind = G_CLASS, .set = *s };
+    gb_put(b, r, a, &e);
+}
+
+static void gb_ref(gb *b, int r, int a, int rule)
+{
+    if (rule < 0) {
+        gb_fail(b, PD_ERR_INTERNAL, "grammar: reference to a rule that failed");
+        return;
+    }
+    gel e = { .kind = G_REF, .ref = rule };
+    gb_put(b, r, a, &e);
+}
+
+static void gb_lit(gb *b, int r, int a, const char *s, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        gset c = { { 0 } };
+        set_add(&c, (uint8_t)s[i]);
+        gb_cls(b, r, a, &c);
+    }
+}
+
+/* rules made of one alternative */
+static int gb_cls_rule(gb *b, const gset *s)
+{
+    int r = gb_rule_new(b);
+    gb_cls(b, r, gb_alt(b, r), s);
+    return r;
+}
+
+static int gb_lit_rule(gb *b, const char *s, size_t n)
+{
+    int r = gb_rule_new(b);
+    gb_lit(b, r, gb_alt(b, r), s, n);
+    return r;
+}
+
+/* x? */
+static int gb_opt(gb *b, int x)
+{
+    int r = gb_rule_new(b);
+    gb_alt(b, r);
+    gb_ref(b, r, gb_alt(b, r), x);
+    return r;
+}
+
+/* x* */
+static int gb_star(gb *b, int x)
+{
+    int r = gb_rule_new(b);
+    int a = gb_alt(b, r);
+    gb_ref(b, r, a, x);
+    gb_ref(b, r, a, r);
+    gb_alt(b, r);
+    return r;
+}
+
+/* x{min,max}; max < 0: unbounded */
+static int gb_rep(gb *b, int x, int min, int max)
+{
+    int tail = -1;   /* x{0, max - min}: t_k = empty | x t_(k-1) */
+    if (max < 0)
+        tail = gb_star(b, x);
+    else
+        for (int k = 1; k <= max - min; k++) {
+            int t = gb_rule_new(b);
+            gb_alt(b, t);
+            int a = gb_alt(b, t);
+            gb_ref(b, t, a, x);
+            if (tail >= 0)
+                gb_ref(b, t, a, tail);
+            tail = t;
+        }
+    int r = gb_rule_new(b);
+    int a = gb_alt(b, r);
+    for (int i = 0; i < min; i++)
+        gb_ref(b, r, a, x);
+    if (tail >= 0)
+        gb_ref(b, r, a, tail);
+    return r;
+}
+
+static void gb_free(gb *b)
+{
+    for (int i = 0; i < b->n; i++) {
+        for (int a = 0; a < b->r[i].n; a++)
+            free(b->r[i].alt[a].el);
+        free(b->r[i].alt);
+    }
+    free(b->r);
+}
+
+/* the flat form, rule `root` at the top */
+static pd_status gb_finish(gb *b, int root, pd_grammar **out)
+{
+    if (b->st == PD_OK && root < 0)
+        gb_fail(b, PD_ERR_INTERNAL, "grammar without a root");
+    if (b->st != PD_OK) {
+        gb_free(b);
+        return b->st;
+    }
+    int n_el = 2, n_alt = 0;
+    for (int i = 0; i < b->n; i++) {
+        n_alt += b->r[i].n;
+        for (int a = 0; a < b->r[i].n; a++)
+            n_el += b->r[i].alt[a].n + 1;
+    }
+    pd_grammar *g = calloc(1, sizeof(*g));
+    if (g != NULL) {
+        g->el = calloc((size_t)n_el, sizeof(gel));
+        g->alt = malloc((size_t)(n_alt + 1) * sizeof(int32_t));
+        g->alt_off = malloc((size_t)(b->n + 1) * sizeof(int32_t));
+    }
+    if (g == NULL || g->el == NULL || g->alt == NULL || g->alt_off == NULL) {
+        if (g != NULL) {
+            free(g->el);
+            free(g->alt);
+            free(g->alt_off);
+            free(g);
+        }
+        gb_free(b);
+        return pd_err_set(b->err, PD_ERR_NOMEM, "grammar of %d elements", n_el);
+    }
+    g->el[0] = (gel){ .kind = G_REF, .ref = root };
+    g->el[1] = (gel){ .kind = G_END };
+    int p = 2, k = 0;
+    for (int i = 0; i < b->n; i++) {
+        g->alt_off[i] = k;
+        for (int a = 0; a < b->r[i].n; a++) {
+            g->alt[k++] = p;
+            memcpy(&g->el[p], b->r[i].alt[a].el, (size_t)b->r[i].alt[a].n * sizeof(gel));
+            p += b->r[i].alt[a].n;
+            g->el[p++] = (gel){ .kind = G_END };
+        }
+    }
+    g->alt_off[b->n] = k;
+    g->n_el = n_el;
+    g->n_rules = b->n;
+    atomic_init(&g->refs, 1);
+    gb_free(b);
+    *out = g;
+    return PD_OK;
+}
+
+pd_grammar *pd_grammar_ref(pd_grammar *g)
+{
+    if (g != NULL)
+        atomic_fetch_add(&g->refs, 1);
+    return g;
+}
+
+void pd_grammar_unref(pd_grammar *g)
+{
+    if (g == NULL || atomic_fetch_sub(&g->refs, 1) != 1)
+        return;
+    free(g->el);
+    free(g->alt);
+    free(g->alt_off);
+    free(g);
+}
+
+/* ---- JSON ---------------------------------------------------------------------------------- */
+
+typedef struct {
+    gb *b;
+    const cJSON *root;
+    int ws, str_char, string, integer, number, boolean, null, value, member, obj_any, arr_any;
+    struct jref {
+        char *name;
+        int rule;
+    } *refs;
+    int n_refs, cap_refs;
+} jctx;
+
+static int j_err(jctx *j, const char *path, const char *fmt, const char *what)
+{
+    char m[400];
+    char w[200];
+    snprintf(w, sizeof(w), fmt, what);
+    snprintf(m, sizeof(m), "JSON schema at %s: %s", path[0] ? path : "the root", w);
+    return gb_fail(j->b, PD_ERR_INVALID, m);
+}
+
+/* whitespace between tokens: none, one space, or a newline and up to 20 spaces or tabs (a
+ * bound, so that a model cannot pad forever) */
+static int j_ws(jctx *j)
+{
+    if (j->ws >= 0)
+        return j->ws;
+    gb *b = j->b;
+    gset ind = { { 0 } };
+    set_add(&ind, ' ');
+    set_add(&ind, '\t');
+    int tail = gb_rep(b, gb_cls_rule(b, &ind), 0, 20);
+    int r = gb_rule_new(b);
+    gb_alt(b, r);
+    gb_lit(b, r, gb_alt(b, r), " ", 1);
+    int a = gb_alt(b, r);
+    gb_lit(b, r, a, "\n", 1);
+    gb_ref(b, r, a, tail);
+    return j->ws = r;
+}
+
+/* one character of a JSON string: printable ASCII but " and \, an escape, or a UTF-8 sequence */
+static int j_str_char(jctx *j)
+{
+    if (j->str_char >= 0)
+        return j->str_char;
+    gb *b = j->b;
+    int r = gb_rule_new(b);
+    gset plain = { { 0 } }, esc = { { 0 } }, hex = { { 0 } }, cont = { { 0 } }, l2 = { { 0 } },
+         l3 = { { 0 } }, l4 = { { 0 } };
+    set_range(&plain, 0x20, 0x7f);
+    plain.w['"' >> 5] &= ~(1u << ('"' & 31));
+    plain.w['\\' >> 5] &= ~(1u << ('\\' & 31));
+    for (const char *c = "\"\\/bfnrt"; *c; c++)
+        set_add(&esc, (uint8_t)*c);
+    set_range(&hex, '0', '9');
+    set_range(&hex, 'a', 'f');
+    set_range(&hex, 'A', 'F');
+    set_range(&cont, 0x80, 0xbf);
+    set_range(&l2, 0xc2, 0xdf);
+    set_range(&l3, 0xe0, 0xef);
+    set_range(&l4, 0xf0, 0xf4);
+    gb_cls(b, r, gb_alt(b, r), &plain);
+    int a = gb_alt(b, r);
+    gb_lit(b, r, a, "\\", 1);
+    gb_cls(b, r, a, &esc);
+    a = gb_alt(b, r);
+    gb_lit(b, r, a, "\\u", 2);
+    for (int i = 0; i < 4; i++)
+        gb_cls(b, r, a, &hex);
+    a = gb_alt(b, r);
+    gb_cls(b, r, a, &l2);
+    gb_cls(b, r, a, &cont);
+    a = gb_alt(b, r);
+    gb_cls(b, r, a, &l3);
+    gb_cls(b, r, a, &cont);
+    gb_cls(b, r, a, &cont);
+    a = gb_alt(b, r);
+    gb_cls(b, r, a, &l4);
+    for (int i = 0; i < 3; i++)
+        gb_cls(b, r, a, &cont);
+    return j->str_char = r;
+}
+
+static int j_string_len(jctx *j, int min, int max)
+{
+    gb *b = j->b;
+    int body = min == 0 && max < 0 ? gb_star(b, j_str_char(j)) : gb_rep(b, j_str_char(j), min, max);
+    int r = gb_rule_new(b);
+    int a = gb_alt(b, r);
+    gb_lit(b, r, a, "\"", 1);
+    gb_ref(b, r, a, body);
+    gb_lit(b, r, a, "\"", 1);
+    return r;
+}
+
+static int j_string(jctx *j)
+{
+    if (j->string < 0)
+        j->string = j_string_len(j, 0, -1);
+    return j->string;
+}
+
+/* -?(0|[1-9][0-9]{0,15}) */
+static int j_integer(jctx *j)
+{
+    if (j->integer >= 0)
+        return j->integer;
+    gb *b = j->b;
+    gset d = { { 0 } }, d19 = { { 0 } };
+    set_range(&d, '0', '9');
+    set_range(&d19, '1', '9');
+    int digits = gb_rep(b, gb_cls_rule(b, &d), 0, 15);
+    int mag = gb_rule_new(b);
+    gb_lit(b, mag, gb_alt(b, mag), "0", 1);
+    int a = gb_alt(b, mag);
+    gb_cls(b, mag, a, &d19);
+    gb_ref(b, mag, a, digits);
+    int r = gb_rule_new(b);
+    a = gb_alt(b, r);
+    gb_ref(b, r, a, gb_opt(b, gb_lit_rule(b, "-", 1)));
+    gb_ref(b, r, a, mag);
+    return j->integer = r;
+}
+
+/* integer (.[0-9]{1,16})? ([eE][-+]?[0-9]{1,3})? */
+static int j_number(jctx *j)
+{
+    if (j->number >= 0)
+        return j->number;
+    gb *b = j->b;
+    gset d = { { 0 } }, e = { { 0 } }, sign = { { 0 } };
+    set_range(&d, '0', '9');
+    set_add(&e, 'e');
+    set_add(&e, 'E');
+    set_add(&sign, '+');
+    set_add(&sign, '-');
+    int dig = gb_cls_rule(b, &d);
+    int frac = gb_rule_new(b);
+    int a = gb_alt(b, frac);
+    gb_lit(b, frac, a, ".", 1);
+    gb_ref(b, frac, a, gb_rep(b, dig, 1, 16));
+    int ex = gb_rule_new(b);
+    a = gb_alt(b, ex);
+    gb_cls(b, ex, a, &e);
+    gb_ref(b, ex, a, gb_opt(b, gb_cls_rule(b, &sign)));
+    gb_ref(b, ex, a, gb_rep(b, dig, 1, 3));
+    int r = gb_rule_new(b);
+    a = gb_alt(b, r);
+    gb_ref(b, r, a, j_integer(j));
+    gb_ref(b, r, a, gb_opt(b, frac));
+    gb_ref(b, r, a, gb_opt(b, ex));
+    return j->number = r;
+}
+
+static int j_boolean(jctx *j)
+{
+    if (j->boolean >= 0)
+        return j->boolean;
+    int r = gb_rule_new(j->b);
+    gb_lit(j->b, r, gb_alt(j->b, r), "true", 4);
+    gb_lit(j->b, r, gb_alt(j->b, r), "false", 5);
+    return j->boolean = r;
+}
+
+static int j_null(jctx *j)
+{
+    if (j->null < 0)
+        j->null = gb_lit_rule(j->b, "null", 4);
+    return j->null;
+}
+
+/* open ws [item (ws "," ws item){min-1, max-1}] ws close, with a bound on the items (max < 0:
+ * none); `item` may be made after this call (a forward reference through its rule id) */
+static int j_list(jctx *j, const char *open, const char *close, int item, int min, int max)
+{
+    gb *b = j->b;
+    int ws = j_ws(j);
+    int r = gb_rule_new(b);
+    int a = gb_alt(b, r);
+    gb_lit(b, r, a, open, 1);
+    gb_ref(b, r, a, ws);
+    if (max != 0) {
+        int more = gb_rule_new(b);
+        int m = gb_alt(b, more);
+        gb_ref(b, more, m, ws);
+        gb_lit(b, more, m, ",", 1);
+        gb_ref(b, more, m, ws);
+        gb_ref(b, more, m, item);
+        int list = gb_rule_new(b);
+        int la = gb_alt(b, list);
+        gb_ref(b, list, la, item);
+        gb_ref(b, list, la, gb_rep(b, more, min > 1 ? min - 1 : 0, max < 0 ? -1 : max - 1));
+        gb_ref(b, r, a, min == 0 ? gb_opt(b, list) : list);
+        gb_ref(b, r, a, ws);
+    }
+    gb_lit(b, r, a, close, 1);
+    return r;
+}
+
+/* string ws ":" ws value */
+static int j_member(jctx *j, int value)
+{
+    gb *b = j->b;
+    int r = gb_rule_new(b);
+    int a = gb_alt(b, r);
+    gb_ref(b, r, a, j_string(j));
+    gb_ref(b, r, a, j_ws(j));
+    gb_lit(b, r, a, ":", 1);
+    gb_ref(b, r, a, j_ws(j));
+    gb_ref(b, r, a, value);
+    return r;
+}
+
+/* any JSON value; the object and array rules refer back to it */
+static int j_value(jctx *j)
+{
+    if (j->value >= 0)
+        return j->value;
+    gb *b = j->b;
+    int v = j->value = gb_rule_new(b);
+    j->obj_any = j_list(j, "{", "}", j_member(j, v), 0, -1);
+    j->arr_any = j_list(j, "[", "]", v, 0, -1);
+    int parts[6] = { j->obj_any, j->arr_any, j_string(j), j_number(j), j_boolean(j), j_null(j) };
+    for (int i = 0; i < 6; i++)
+        gb_ref(b, v, gb_alt(b, v), parts[i]);
+    return v;
+}
+
+static int j_literal(jctx *j, const cJSON *v, const char *path)
+{
+    char *s = cJSON_PrintUnformatted(v);
+    if (s == NULL)
+        return j_err(j, path, "%s", "a value that cannot be printed");
+    int r = gb_lit_rule(j->b, s, strlen(s));
+    cJSON_free(s);
+    return r;
+}
+
+static int j_schema(jctx *j, const cJSON *s, const char *path, int depth);
+
+/* the rule of a $ref, made once (recursive schemas refer to it while it is being made) */
+static int j_ref(jctx *j, const char *ref, const char *path, int depth)
+{
+    for (int i = 0; i < j->n_refs; i++)
+        if (strcmp(j->refs[i].name, ref) == 0)
+            return j->refs[i].rule;
+    const cJSON *target = NULL;
+    if (strcmp(ref, "#") == 0)
+        target = j->root;
+    else if (strncmp(ref, "#/$defs/", 8) == 0)
+        target = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(j->root, "$defs"), ref + 8);
+    else if (strncmp(ref, "#/definitions/", 14) == 0)
+        target = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(j->root, "definitions"),
+                                                  ref + 14);
+    if (target == NULL)
+        return j_err(j, path, "$ref '%s' does not name #, #/$defs/NAME or #/definitions/NAME of this schema", ref);
+    if (grow((void **)&j->refs, &j->cap_refs, j->n_refs + 1, sizeof(*j->refs)) != 0)
+        return gb_fail(j->b, PD_ERR_NOMEM, "schema references");
+    int r = gb_rule_new(j->b);
+    j->refs[j->n_refs].name = strdup(ref);
+    j->refs[j->n_refs].rule = r;
+    if (j->refs[j->n_refs].name == NULL)
+        return gb_fail(j->b, PD_ERR_NOMEM, "schema references");
+    j->n_refs++;
+    int body = j_schema(j, target, ref, depth + 1);
+    gb_ref(j->b, r, gb_alt(j->b, r), body);
+    return r;
+}
+
+static int j_count(jctx *j, const cJSON *s, const char *key, const char *path, int *out)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(s, key);
+    if (v == NULL)
+        return 0;
+    if (!cJSON_IsNumber(v) || v->valuedouble < 0 || v->valuedouble > 100000 ||
+        v->valuedouble != (double)(int)v->valuedouble)
+        return j_err(j, path, "'%s' must be an integer in 0..100000", key);
+    *out = (int)v->valuedouble;
+    return 0;
+}
+
+/* an object: the listed properties in their order (the required ones always, the others
+ * optional), then, when additionalProperties allows, any other members */
+static int j_object(jctx *j, const cJSON *s, const char *path, int depth)
+{
+    gb *b = j->b;
+    const cJSON *props = cJSON_GetObjectItemCaseSensitive(s, "properties");
+    const cJSON *req = cJSON_GetObjectItemCaseSensitive(s, "required");
+    const cJSON *addl = cJSON_GetObjectItemCaseSensitive(s, "additionalProperties");
+    if (props != NULL && !cJSON_IsObject(props))
+        return j_err(j, path, "'%s' must be an object", "properties");
+    if (req != NULL && !cJSON_IsArray(req))
+        return j_err(j, path, "'%s' must be an array of names", "required");
+    int n = props != NULL ? cJSON_GetArraySize(props) : 0;
+    cJSON *it;
+    cJSON_ArrayForEach(it, req) {
+        if (!cJSON_IsString(it) || cJSON_GetObjectItemCaseSensitive(props, it->valuestring) == NULL)
+            return j_err(j, path, "'required' names '%s', which is not in 'properties'",
+                         cJSON_IsString(it) ? it->valuestring : "a non-string");
+    }
+    /* extra members: additionalProperties true or a schema; absent means none when properties
+     * are listed (OpenAI's strict mode) and any when not */
+    int extra_value = -1;
+    if (addl == NULL ? n == 0 : !cJSON_IsFalse(addl)) {
+        char p[256];
+        snprintf(p, sizeof(p), "%s.additionalProperties", path);
+        extra_value = addl == NULL || cJSON_IsTrue(addl) ? j_value(j) : j_schema(j, addl, p, depth + 1);
+    }
+    if (n == 0)
+        return extra_value >= 0 ? j_list(j, "{", "}", j_member(j, extra_value), 0, -1) : gb_lit_rule(b, "{}", 2);
+    int ws = j_ws(j);
+    /* rest_i: properties i.. after at least one member; first_i: before any */
+    int rest = gb_rule_new(b), first = gb_rule_new(b);
+    if (extra_value >= 0) {
+        int em = j_member(j, extra_value);
+        int more = gb_rule_new(b);
+        int a = gb_alt(b, more);
+        gb_ref(b, more, a, ws);
+        gb_lit(b, more, a, ",", 1);
+        gb_ref(b, more, a, ws);
+        gb_ref(b, more, a, em);
+        int star = gb_star(b, more);
+        gb_ref(b, rest, gb_alt(b, rest), star);
+        a = gb_alt(b, first);
+        gb_ref(b, first, a, em);
+        gb_ref(b, first, a, star);
+        gb_alt(b, first);
+    } else {
+        gb_alt(b, rest);
+        gb_alt(b, first);
+    }
+    const cJSON **list = malloc((size_t)n * sizeof(*list));
+    if (list == NULL)
+        return gb_fail(b, PD_ERR_NOMEM, "schema properties");
+    int k = 0;
+    cJSON_ArrayForEach(it, props) list[k++] = it;
+    for (int i = n - 1; i >= 0 && b->st == PD_OK; i--) {
+        const cJSON *pr = list[i];
+        int required = 0;
+        cJSON_ArrayForEach(it, req) required |= strcmp(it->valuestring, pr->string) == 0;
+        char p[256];
+        snprintf(p, sizeof(p), "%s.properties.%s", path, pr->string);
+        cJSON *key = cJSON_CreateString(pr->string);
+        char *ks = key != NULL ? cJSON_PrintUnformatted(key) : NULL;
+        cJSON_Delete(key);
+        if (ks == NULL) {
+            gb_fail(b, PD_ERR_NOMEM, "schema property name");
+            break;
+        }
+        int kv = gb_rule_new(b);
+        int a = gb_alt(b, kv);
+        gb_lit(b, kv, a, ks, strlen(ks));
+        cJSON_free(ks);
+        gb_ref(b, kv, a, ws);
+        gb_lit(b, kv, a, ":", 1);
+        gb_ref(b, kv, a, ws);
+        gb_ref(b, kv, a, j_schema(j, pr, p, depth + 1));
+        int nrest = gb_rule_new(b), nfirst = gb_rule_new(b);
+        a = gb_alt(b, nrest);
+        gb_ref(b, nrest, a, ws);
+        gb_lit(b, nrest, a, ",", 1);
+        gb_ref(b, nrest, a, ws);
+        gb_ref(b, nrest, a, kv);
+        gb_ref(b, nrest, a, rest);
+        a = gb_alt(b, nfirst);
+        gb_ref(b, nfirst, a, kv);
+        gb_ref(b, nfirst, a, rest);
+        if (!required) {
+            gb_ref(b, nrest, gb_alt(b, nrest), rest);
+            gb_ref(b, nfirst, gb_alt(b, nfirst), first);
+        }
+        rest = nrest;
+        first = nfirst;
+    }
+    free(list);
+    int r = gb_rule_new(b);
+    int a = gb_alt(b, r);
+    gb_lit(b, r, a, "{", 1);
+    gb_ref(b, r, a, ws);
+    gb_ref(b, r, a, first);
+    gb_ref(b, r, a, ws);
+    gb_lit(b, r, a, "}", 1);
+    return r;
+}
+
+static int j_typed(jctx *j, const cJSON *s, const char *type, const char *path, int depth)
+{
+    if (strcmp(type, "string") == 0) {
+        int min = 0, max = -1;
+        j_count(j, s, "minLength", path, &min);
+        j_count(j, s, "maxLength", path, &max);
+        if (max >= 0 && max < min)
+            return j_err(j, path, "%s", "maxLength is below minLength");
+        return min == 0 && max < 0 ? j_string(j) : j_string_len(j, min, max);
+    }
+    if (strcmp(type, "integer") == 0)
+        return j_integer(j);
+    if (strcmp(type, "number") == 0)
+        return j_number(j);
+    if (strcmp(type, "boolean") == 0)
+        return j_boolean(j);
+    if (strcmp(type, "null") == 0)
+        return j_null(j);
+    if (strcmp(type, "object") == 0)
+        return j_object(j, s, path, depth);
+    if (strcmp(type, "array") == 0) {
+        int min = 0, max = -1;
+        j_count(j, s, "minItems", path, &min);
+        j_count(j, s, "maxItems", path, &max);
+        if (max >= 0 && max < min)
+            return j_err(j, path, "%s", "maxItems is below minItems");
+        const cJSON *items = cJSON_GetObjectItemCaseSensitive(s, "items");
+        char p[256];
+        snprintf(p, sizeof(p), "%s.items", path);
+        int item = items == NULL || cJSON_IsTrue(items) ? j_value(j) : j_schema(j, items, p, depth + 1);
+        return j_list(j, "[", "]", item, min, max);
+    }
+    return j_err(j, path, "unknown type '%s'", type);
+}
+
+static const char *const j_known[] = {
+    "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
+    "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions", "minLength",
+    "maxLength", "title", "description", "default", "examples", "$schema", "$id", "$comment",
+    "format", NULL
+};
+
+static int j_schema(jctx *j, const cJSON *s, const char *path, int depth)
+{
+    gb *b = j->b;
+    if (b->st != PD_OK)
+        return -1;
+    if (depth > 64)
+        return j_err(j, path, "%s", "nested more than 64 deep");
+    if (cJSON_IsTrue(s))
+        return j_value(j);
+    if (!cJSON_IsObject(s))
+        return j_err(j, path, "%s", "a schema must be an object or true");
+    const cJSON *it;
+    cJSON_ArrayForEach(it, s) {
+        int known = 0;
+        for (int i = 0; j_known[i] != NULL && !known; i++)
+            known = strcmp(it->string, j_known[i]) == 0;
+        if (!known)
+            return j_err(j, path, "keyword '%s' is not supported", it->string);
+    }
+    const cJSON *v;
+    if ((v = cJSON_GetObjectItemCaseSensitive(s, "$ref")) != NULL) {
+        if (!cJSON_IsString(v))
+            return j_err(j, path, "'%s' must be a string", "$ref");
+        return j_ref(j, v->valuestring, path, depth);
+    }
+    if ((v = cJSON_GetObjectItemCaseSensitive(s, "const")) != NULL)
+        return j_literal(j, v, path);
+    if ((v = cJSON_GetObjectItemCaseSensitive(s, "enum")) != NULL) {
+        if (!cJSON_IsArray(v) || cJSON_GetArraySize(v) == 0)
+            return j_err(j, path, "'%s' must be a non-empty array", "enum");
+        int r = gb_rule_new(b);
+        cJSON_ArrayForEach(it, v) gb_ref(b, r, gb_alt(b, r), j_literal(j, it, path));
+        return r;
+    }
+    const char *alts[] = { "anyOf", "oneOf", "allOf" };
+    for (int k = 0; k < 3; k++) {
+        if ((v = cJSON_GetObjectItemCaseSensitive(s, alts[k])) == NULL)
+            continue;
+        if (!cJSON_IsArray(v) || cJSON_GetArraySize(v) == 0)
+            return j_err(j, path, "'%s' must be a non-empty array of schemas", alts[k]);
+        if (k == 2 && cJSON_GetArraySize(v) != 1)
+            return j_err(j, path, "%s", "allOf of more than one schema is not supported");
+        if (cJSON_GetObjectItemCaseSensitive(s, "type") != NULL ||
+            cJSON_GetObjectItemCaseSensitive(s, "properties") != NULL)
+            return j_err(j, path, "'%s' beside type or properties is not supported", alts[k]);
+        int r = gb_rule_new(b), i = 0;
+        cJSON_ArrayForEach(it, v) {
+            char p[256];
+            snprintf(p, sizeof(p), "%s.%s[%d]", path, alts[k], i++);
+            gb_ref(b, r, gb_alt(b, r), j_schema(j, it, p, depth + 1));
+        }
+        return r;
+    }
+    v = cJSON_GetObjectItemCaseSensitive(s, "type");
+    if (v == NULL) {
+        if (cJSON_GetObjectItemCaseSensitive(s, "properties") != NULL ||
+            cJSON_GetObjectItemCaseSensitive(s, "additionalProperties") != NULL)
+            return j_object(j, s, path, depth);
+        if (cJSON_GetObjectItemCaseSensitive(s, "items") != NULL)
+            return j_typed(j, s, "array", path, depth);
+        return j_value(j);
+    }
+    if (cJSON_IsString(v))
+        return j_typed(j, s, v->valuestring, path, depth);
+    if (!cJSON_IsArray(v) || cJSON_GetArraySize(v) == 0)
+        return j_err(j, path, "%s", "'type' must be a name or a non-empty array of names");
+    int r = gb_rule_new(b);
+    cJSON_ArrayForEach(it, v) {
+        if (!cJSON_IsString(it))
+            return j_err(j, path, "%s", "'type' lists a non-string");
+        gb_ref(b, r, gb_alt(b, r), j_typed(j, s, it->valuestring, path, depth));
+    }
+    return r;
+}
+
+pd_status pd_grammar_json(const char *schema, size_t len, pd_grammar **out, pd_err *err)
+{
+    gb b = { .err = err };
+    jctx j = { .b = &b, .ws = -1, .str_char = -1, .string = -1, .integer = -1, .number = -1,
+               .boolean = -1, .null = -1, .value = -1, .member = -1, .obj_any = -1, .arr_any = -1 };
+    cJSON *doc = NULL;
+    int root;
+    if (schema == NULL) {
+        j_value(&j);
+        root = j.obj_any;
+    } else {
+        if (len > PD_GRAMMAR_MAX_SPEC)
+            return pd_err_set(err, PD_ERR_INVALID, "JSON schema of %zu bytes (at most %d)", len,
+                              PD_GRAMMAR_MAX_SPEC);
+        doc = cJSON_ParseWithLength(schema, len);
+        if (doc == NULL)
+            return pd_err_set(err, PD_ERR_INVALID, "JSON schema: not valid JSON");
+        j.root = doc;
+        root = j_schema(&j, doc, "", 0);
+    }
+    for (int i = 0; i < j.n_refs; i++)
+        free(j.refs[i].name);
+    free(j.refs);
+    cJSON_Delete(doc);
+    return gb_finish(&b, root, out);
+}
+
+/* ---- choices -------------------------------------------------------------------------------- */
+
+pd_status pd_grammar_choice(const char *const *choices, int n, pd_grammar **out, pd_err *err)
+{
+    if (n < 1 || n > PD_GRAMMAR_MAX_CHOICES)
+        return pd_err_set(err, PD_ERR_INVALID, "%d choices (1..%d)", n, PD_GRAMMAR_MAX_CHOICES);
+    size_t total = 0;
+    for (int i = 0; i < n; i++) {
+        if (choices[i] == NULL || choices[i][0] == '\0')
+            return pd_err_set(err, PD_ERR_INVALID, "choice %d is empty", i);
+        total += strlen(choices[i]);
+    }
+    if (total > PD_GRAMMAR_MAX_SPEC)
+        return pd_err_set(err, PD_ERR_INVALID, "choices of %zu bytes (at most %d)", total, PD_GRAMMAR_MAX_SPEC);
+    gb b = { .err = err };
+    int r = gb_rule_new(&b);
+    for (int i = 0; i < n; i++)
+        gb_lit(&b, r, gb_alt(&b, r), choices[i], strlen(choices[i]));
+    return gb_finish(&b, r, out);
+}
+
+/* ---- regular expressions -------------------------------------------------------------------- */
+
+typedef struct {
+    gb *b;
+    const char *s;
+    size_t n, i;
+    int utf8;        /* rule: any UTF-8 sequence of two to four bytes */
+} rctx;
+
+static int r_err(rctx *r, const char *what)
+{
+    char m[300];
+    snprintf(m, sizeof(m), "regex at offset %zu: %s", r->i, what);
+    return gb_fail(r->b, PD_ERR_INVALID, m);
+}
+
+static int r_utf8(rctx *r)
+{
+    if (r->utf8 >= 0)
+        return r->utf8;
+    gb *b = r->b;
+    gset cont = { { 0 } }, l2 = { { 0 } }, l3 = { { 0 } }, l4 = { { 0 } };
+    set_range(&cont, 0x80, 0xbf);
+    set_range(&l2, 0xc2, 0xdf);
+    set_range(&l3, 0xe0, 0xef);
+    set_range(&l4, 0xf0, 0xf4);
+    int u = gb_rule_new(b);
+    int a = gb_alt(b, u);
+    gb_cls(b, u, a, &l2);
+    gb_cls(b, u, a, &cont);
+    a = gb_alt(b, u);
+    gb_cls(b, u, a, &l3);
+    gb_cls(b, u, a, &cont);
+    gb_cls(b, u, a, &cont);
+    a = gb_alt(b, u);
+    gb_cls(b, u, a, &l4);
+    for (int k = 0; k < 3; k++)
+        gb_cls(b, u, a, &cont);
+    return r->utf8 = u;
+}
+
+/* an ASCII set, plus every non-ASCII character when `wide` (negated classes, \D \W \S, .) */
+static int r_set_rule(rctx *r, const gset *s, int wide)
+{
+    if (!wide)
+        return gb_cls_rule(r->b, s);
+    int u = r_utf8(r);
+    int x = gb_rule_new(r->b);
+    gb_cls(r->b, x, gb_alt(r->b, x), s);
+    gb_ref(r->b, x, gb_alt(r->b, x), u);
+    return x;
+}
+
+/* \d \w \s (and their complements within ASCII) into s; 1 when it was one of them */
+static int r_class_escape(char c, gset *s, int *neg)
+{
+    gset t = { { 0 } };
+    switch (c | 0x20) {
+    case 'd': set_range(&t, '0', '9'); break;
+    case 'w': set_range(&t, '0', '9'); set_range(&t, 'a', 'z'); set_range(&t, 'A', 'Z'); set_add(&t, '_'); break;
+    case 's': for (const char *p = " \t\n\r\f\v"; *p; p++) set_add(&t, (uint8_t)*p); break;
+    default: return 0;
+    }
+    *neg = c >= 'A' && c <= 'Z';
+    for (int k = 0; k < 4; k++)
+        s->w[k] |= *neg ? ~t.w[k] : t.w[k];
+    return 1;
+}
+
+/* the byte an escape stands for, or -1 */
+static int r_escape_byte(rctx *r, char c)
+{
+    switch (c) {
+    case 'n': return '\n';
+    case 't': return '\t';
+    case 'r': return '\r';
+    case 'f': return '\f';
+    case 'v': return '\v';
+    case '0': return 0;
+    default: break;
+    }
+    if (c >= '1' && c <= '9') {
+        r_err(r, "backreferences are not supported");
+        return -1;
+    }
+    if (c == 'b' || c == 'B' || c == 'A' || c == 'z' || c == 'Z') {
+        r_err(r, "anchors inside the pattern (\\b \\B \\A \\z) are not supported");
+        return -1;
+    }
+    if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z')) {
+        r_err(r, "unknown escape");
+        return -1;
+    }
+    return (uint8_t)c;
+}
+
+static int r_class(rctx *r)
+{
+    gset s = { { 0 } };
+    int neg = 0, wide = 0;
+    if (r->i < r->n && r->s[r->i] == '^') {
+        neg = 1;
+        r->i++;
+    }
+    int first = 1;
+    while (r->i < r->n && (r->s[r->i] != ']' || first)) {
+        first = 0;
+        int lo;
+        char c = r->s[r->i++];
+        if ((uint8_t)c >= 0x80)
+            return r_err(r, "non-ASCII characters in a [...] class are not supported");
+        if (c == '\\') {
+            if (r->i >= r->n)
+                return r_err(r, "a class ends in \\");
+            char e = r->s[r->i++];
+            int en = 0;
+            if (r_class_escape(e, &s, &en)) {
+                wide |= en;
+                continue;
+            }
+            if (e == 'x' && r->i + 2 <= r->n) {
+                unsigned v;
+                char h[3] = { r->s[r->i], r->s[r->i + 1], 0 };
+                if (sscanf(h, "%2x", &v) != 1 || v >= 0x80)
+                    return r_err(r, "\\x in a class must be ASCII (00-7f)");
+                r->i += 2;
+                lo = (int)v;
+            } else if ((lo = r_escape_byte(r, e)) < 0)
+                return -1;
+        } else
+            lo = (uint8_t)c;
+        int hi = lo;
+        if (r->i + 1 < r->n && r->s[r->i] == '-' && r->s[r->i + 1] != ']') {
+            char h = r->s[r->i + 1];
+            if ((uint8_t)h >= 0x80 || h == '\\')
+                return r_err(r, "a class range must end in a plain ASCII character");
+            hi = (uint8_t)h;
+            r->i += 2;
+            if (hi < lo)
+                return r_err(r, "a class range runs backwards");
+        }
+        set_range(&s, lo, hi);
+    }
+    if (r->i >= r->n)
+        return r_err(r, "unterminated [");
+    r->i++;   /* ] */
+    if (neg) {
+        for (int k = 0; k < 4; k++)
+            s.w[k] = ~s.w[k];
+        wide = 1;
+    }
+    for (int k = 4; k < 8; k++)
+        s.w[k] = 0;   /* non-ASCII bytes come only as whole UTF-8 sequences */
+    return r_set_rule(r, &s, wide);
+}
+
+static int r_alt(rctx *r, int depth);
+
+static int r_atom(rctx *r, int depth)
+{
+    char c = r->s[r->i++];
+    if (c == '(') {
+        if (r->i < r->n && r->s[r->i] == '?') {
+            if (r->i + 1 < r->n && r->s[r->i + 1] == ':')
+                r->i += 2;
+            else if (r->i + 1 < r->n && (r->s[r->i + 1] == 'P' || r->s[r->i + 1] == '<') &&
+                     r->i + 2 < r->n && r->s[r->i + 2] != '=' && r->s[r->i + 2] != '!') {
+                const char *gt = memchr(r->s + r->i, '>', r->n - r->i);
+                if (gt == NULL)
+                    return r_err(r, "unterminated group name");
+                r->i = (size_t)(gt - r->s) + 1;
+            } else
+                return r_err(r, "lookaround and inline flags are not supported");
+        }
+        int x = r_alt(r, depth + 1);
+        if (r->i >= r->n || r->s[r->i] != ')')
+            return r_err(r, "unterminated (");
+        r->i++;
+        return x;
+    }
+    if (c == '[')
+        return r_class(r);
+    if (c == '.') {
+        gset s = { { 0 } };
+        set_range(&s, 0, 0x7f);
+        s.w['\n' >> 5] &= ~(1u << ('\n' & 31));
+        return r_set_rule(r, &s, 1);
+    }
+    if (c == '\\') {
+        if (r->i >= r->n)
+            return r_err(r, "the pattern ends in \\");
+        char e = r->s[r->i++];
+        gset s = { { 0 } };
+        int neg = 0;
+        if (r_class_escape(e, &s, &neg)) {
+            for (int k = 4; k < 8; k++)
+                s.w[k] = 0;
+            return r_set_rule(r, &s, neg);
+        }
+        int byte;
+        if (e == 'x' && r->i + 2 <= r->n) {
+            unsigned v;
+            char h[3] = { r->s[r->i], r->s[r->i + 1], 0 };
+            if (sscanf(h, "%2x", &v) != 1 || v >= 0x80)
+                return r_err(r, "\\x must be ASCII (00-7f)");
+            r->i += 2;
+            byte = (int)v;
+        } else if ((byte = r_escape_byte(r, e)) < 0)
+            return -1;
+        char ch = (char)byte;
+        return gb_lit_rule(r->b, &ch, 1);
+    }
+    if (c == ')' || c == '*' || c == '+' || c == '?' || c == '{')
+        return r_err(r, "a quantifier or ) with nothing before it");
+    if (c == '^' || c == '$')
+        return r_err(r, "^ and $ are supported only at the ends of the pattern");
+    /* a literal character: a whole UTF-8 sequence */
+    size_t st = r->i - 1, len = 1;
+    uint8_t u = (uint8_t)c;
+    if (u >= 0xc0)
+        len = u >= 0xf0 ? 4 : u >= 0xe0 ? 3 : 2;
+    if (st + len > r->n)
+        return r_err(r, "a truncated UTF-8 character");
+    r->i = st + len;
+    return gb_lit_rule(r->b, r->s + st, len);
+}
+
+static int r_number(rctx *r, int *out)
+{
+    int v = 0, any = 0;
+    while (r->i < r->n && r->s[r->i] >= '0' && r->s[r->i] <= '9') {
+        v = v * 10 + (r->s[r->i++] - '0');
+        if (v > 100000)
+            return r_err(r, "a repeat bound above 100000");
+        any = 1;
+    }
+    *out = v;
+    return any ? 0 : -1;
+}
+
+static int r_concat(rctx *r, int depth)
+{
+    gb *b = r->b;
+    int seq = gb_rule_new(b);
+    int a = gb_alt(b, seq);
+    while (r->i < r->n && r->s[r->i] != '|' && r->s[r->i] != ')' && b->st == PD_OK) {
+        if (r->s[r->i] == '$' && r->i + 1 == r->n && depth == 0) {
+            r->i++;
+            break;
+        }
+        int x = r_atom(r, depth);
+        for (;;) {   /* quantifiers (several in a row nest) */
+            if (r->i >= r->n || b->st != PD_OK)
+                break;
+            char q = r->s[r->i];
+            int min = 0, max = -1;
+            if (q == '*' || q == '+' || q == '?') {
+                r->i++;
+                min = q == '+';
+                max = q == '?' ? 1 : -1;
+            } else if (q == '{') {
+                size_t save = r->i++;
+                if (r_number(r, &min) != 0) {
+                    r->i = save;   /* a literal { as in most engines */
+                    break;
+                }
+                max = min;
+                if (r->i < r->n && r->s[r->i] == ',') {
+                    r->i++;
+                    if (r_number(r, &max) != 0)
+                        max = -1;
+                }
+                if (r->i >= r->n || r->s[r->i] != '}')
+                    return r_err(r, "unterminated {m,n}");
+                r->i++;
+                if (max >= 0 && max < min)
+                    return r_err(r, "{m,n} with n below m");
+            } else
+                break;
+            if (r->i < r->n && r->s[r->i] == '?')
+                r->i++;   /* lazy: the same language */
+            else if (r->i < r->n && r->s[r->i] == '+')
+                return r_err(r, "possessive quantifiers are not supported");
+            x = max == 1 && min == 0 ? gb_opt(b, x) : min == 0 && max < 0 ? gb_star(b, x) : gb_rep(b, x, min, max);
+        }
+        gb_ref(b, seq, a, x);
+    }
+    return seq;
+}
+
+static int r_alt(rctx *r, int depth)
+{
+    if (depth > 64)
+        return r_err(r, "groups nested more than 64 deep");
+    int x = gb_rule_new(r->b);
+    for (;;) {
+        gb_ref(r->b, x, gb_alt(r->b, x), r_concat(r, depth));
+        if (r->b->st != PD_OK || r->i >= r->n || r->s[r->i] != '|')
+            break;
+        r->i++;
+    }
+    return x;
+}
+
+pd_status pd_grammar_regex(const char *re, size_t len, pd_grammar **out, pd_err *err)
+{
+    if (len > PD_GRAMMAR_MAX_SPEC)
+        return pd_err_set(err, PD_ERR_INVALID, "regex of %zu bytes (at most %d)", len, PD_GRAMMAR_MAX_SPEC);
+    gb b = { .err = err };
+    rctx r = { .b = &b, .s = re, .n = len, .utf8 = -1 };
+    if (r.n > 0 && r.s[0] == '^')
+        r.i = 1;
+    int root = r_alt(&r, 0);
+    if (b.st == PD_OK && r.i < r.n)
+        r_err(&r, r.s[r.i] == ')' ? "unbalanced )" : "unexpected character");
+    return gb_finish(&b, root, out);
+}
+
+/* ---- the vocabulary ------------------------------------------------------------------------- */
+
+struct pd_gvocab {
+    int n_vocab, words;
+    int n_nodes, cap_nodes;
+    int32_t *child, *sib, *tok_head;   /* per trie node: first child, next sibling, first token */
+    uint8_t *byte;                     /* per node: the byte that leads to it */
+    int32_t *tok_next;                 /* per token: the next token of the same node */
+    int32_t *tok_node;                 /* per token: its node, -1 when not in the trie */
+    uint8_t *bytes;                    /* every token's bytes, token t's at boff[t] .. boff[t + 1] */
+    size_t *boff;
+    int32_t *eos;
+    int n_eos;
+    int max_len;
+};
+
+static int v_node(pd_gvocab *v, int parent, uint8_t c)
+{
+    for (int k = v->child[parent]; k >= 0; k = v->sib[k])
+        if (v->byte[k] == c)
+            return k;
+    if (v->n_nodes == v->cap_nodes) {
+        int nc = v->cap_nodes * 2;
+        int32_t *a = realloc(v->child, (size_t)nc * 4), *b2 = a ? realloc(v->sib, (size_t)nc * 4) : NULL;
+        if (a) v->child = a;
+        if (b2) v->sib = b2;
+        int32_t *c3 = b2 ? realloc(v->tok_head, (size_t)nc * 4) : NULL;
+        if (c3) v->tok_head = c3;
+        uint8_t *d = c3 ? realloc(v->byte, (size_t)nc) : NULL;
+        if (d == NULL)
+            return -1;
+        v->byte = d;
+        v->cap_nodes = nc;
+    }
+    int k = v->n_nodes++;
+    v->child[k] = -1;
+    v->tok_head[k] = -1;
+    v->byte[k] = c;
+    v->sib[k] = v->child[parent];
+    v->child[parent] = k;
+    return k;
+}
+
+pd_status pd_gvocab_create_raw(const uint8_t *const *tok, const size_t *len, int n_vocab,
+                               const int32_t *eos, int n_eos, pd_gvocab **out, pd_err *err)
+{
+    if (n_vocab <= 0 || n_eos < 0)
+        return pd_err_set(err, PD_ERR_INVALID, "grammar vocabulary of %d tokens", n_vocab);
+    pd_gvocab *v = calloc(1, sizeof(*v));
+    if (v == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "grammar vocabulary");
+    v->n_vocab = n_vocab;
+    v->words = (n_vocab + 31) / 32;
+    v->cap_nodes = 1024;
+    v->child = malloc((size_t)v->cap_nodes * 4);
+    v->sib = malloc((size_t)v->cap_nodes * 4);
+    v->tok_head = malloc((size_t)v->cap_nodes * 4);
+    v->byte = malloc((size_t)v->cap_nodes);
+    v->tok_next = malloc((size_t)n_vocab * 4);
+    v->tok_node = malloc((size_t)n_vocab * 4);
+    v->eos = malloc((size_t)(n_eos + 1) * 4);
+    v->boff = calloc((size_t)n_vocab + 1, sizeof(size_t));
+    size_t total = 0;
+    for (int t = 0; t < n_vocab; t++)
+        total += tok[t] != NULL ? len[t] : 0;
+    v->bytes = malloc(total + 1);
+    int ok = v->child && v->sib && v->tok_head && v->byte && v->tok_next && v->tok_node && v->eos &&
+             v->boff && v->bytes;
+    if (ok) {
+        v->n_nodes = 1;
+        v->child[0] = -1;
+        v->sib[0] = -1;
+        v->tok_head[0] = -1;
+        v->byte[0] = 0;
+        memcpy(v->eos, eos, (size_t)n_eos * 4);
+        v->n_eos = n_eos;
+    }
+    for (int t = 0; t < n_vocab && ok; t++) {
+        v->tok_node[t] = -1;
+        v->boff[t + 1] = v->boff[t];
+        int is_eos = 0;
+        for (int e = 0; e < n_eos; e++)
+            is_eos |= eos[e] == t;
+        if (tok[t] == NULL || len[t] == 0 || is_eos)
+            continue;
+        int node = 0;
+        for (size_t i = 0; i < len[t] && node >= 0; i++)
+            node = v_node(v, node, tok[t][i]);
+        if (node < 0) {
+            ok = 0;
+            break;
+        }
+        memcpy(v->bytes + v->boff[t], tok[t], len[t]);
+        v->boff[t + 1] += len[t];
+        v->tok_node[t] = node;
+        v->tok_next[t] = v->tok_head[node];
+        v->tok_head[node] = t;
+        if ((int)len[t] > v->max_len)
+            v->max_len = (int)len[t];
+    }
+    if (!ok) {
+        pd_gvocab_destroy(v);
+        return pd_err_set(err, PD_ERR_NOMEM, "grammar vocabulary trie");
+    }
+    *out = v;
+    return PD_OK;
+}
+
+pd_status pd_gvocab_create(const pd_tokenizer *t, int n_vocab, const int32_t *eos, int n_eos,
+                           pd_gvocab **out, pd_err *err)
+{
+    const uint8_t **tok = calloc((size_t)(n_vocab > 0 ? n_vocab : 1), sizeof(*tok));
+    size_t *len = calloc((size_t)(n_vocab > 0 ? n_vocab : 1), sizeof(*len));
+    if (tok == NULL || len == NULL) {
+        free(tok);
+        free(len);
+        return pd_err_set(err, PD_ERR_NOMEM, "grammar vocabulary");
+    }
+    for (int i = 0; i < n_vocab; i++)
+        if (!pd_tokenizer_is_special(t, i))
+            tok[i] = pd_tokenizer_token_bytes(t, i, &len[i]);
+    pd_status st = pd_gvocab_create_raw(tok, len, n_vocab, eos, n_eos, out, err);
+    free(tok);
+    free(len);
+    return st;
+}
+
+void pd_gvocab_destroy(pd_gvocab *v)
+{
+    if (v == NULL)
+        return;
+    free(v->child);
+    free(v->sib);
+    free(v->tok_head);
+    free(v->byte);
+    free(v->tok_next);
+    free(v->tok_node);
+    free(v->eos);
+    free(v->bytes);
+    free(v->boff);
+    free(v);
+}
+
+int pd_gvocab_words(const pd_gvocab *v) { return v->words; }
+
+/* ---- matching ------------------------------------------------------------------------------- */
+
+typedef struct {
+    int32_t *pos;     /* stack i: pos[off[i] .. off[i + 1]), its top last */
+    int32_t *off;     /* [n + 1] */
+    int n, cap_off, n_pos, cap_pos;
+    int complete;     /* a stack emptied: the grammar may end here */
+} gstate;
+
+struct pd_gmatch {
+    pd_grammar *g;
+    gstate st, a, b;
+    int32_t *scratch; /* [G_MAX_CHAIN + 2][G_MAX_STACK] */
+};
+
+static void gs_free(gstate *s)
+{
+    free(s->pos);
+    free(s->off);
+}
+
+static void gs_clear(gstate *s)
+{
+    s->n = 0;
+    s->n_pos = 0;
+    s->complete = 0;
+    if (s->off != NULL)
+        s->off[0] = 0;
+}
+
+/* -1 NOMEM, -2 too many stacks */
+static int gs_emit(gstate *s, const int32_t *w, int len)
+{
+    if (len == 0) {
+        s->complete = 1;
+        return 0;
+    }
+    for (int i = 0; i < s->n; i++)
+        if (s->off[i + 1] - s->off[i] == len && memcmp(s->pos + s->off[i], w, (size_t)len * 4) == 0)
+            return 0;
+    if (s->n >= G_MAX_STACKS)
+        return -2;
+    if (grow((void **)&s->off, &s->cap_off, s->n + 2, 4) != 0 ||
+        grow((void **)&s->pos, &s->cap_pos, s->n_pos + len, 4) != 0)
+        return -1;
+    if (s->n == 0)
+        s->off[0] = 0;
+    memcpy(s->pos + s->n_pos, w, (size_t)len * 4);
+    s->n_pos += len;
+    s->off[++s->n] = s->n_pos;
+    return 0;
+}
+
+static int gs_copy(gstate *d, const gstate *s)
+{
+    gs_clear(d);
+    if (grow((void **)&d->off, &d->cap_off, s->n + 1, 4) != 0 ||
+        grow((void **)&d->pos, &d->cap_pos, s->n_pos > 0 ? s->n_pos : 1, 4) != 0)
+        return -1;
+    d->off[0] = 0;
+    if (s->n > 0) {
+        memcpy(d->off, s->off, (size_t)(s->n + 1) * 4);
+        memcpy(d->pos, s->pos, (size_t)s->n_pos * 4);
+    }
+    d->n = s->n;
+    d->n_pos = s->n_pos;
+    d->complete = s->complete;
+    return 0;
+}
+
+/* expand the stack w[0..len) (scratch row `chain`, which it may overwrite) until its top is a
+ * byte class, into dst. -1 NOMEM, -2 too many stacks, -3 references chain without bytes */
+static int expand(const pd_grammar *g, gstate *dst, int32_t *scratch, int chain, int len)
+{
+    int32_t *w = scratch + (size_t)chain * G_MAX_STACK;
+    for (;;) {
+        if (len == 0)
+            return gs_emit(dst, w, 0);
+        int p = w[len - 1];
+        const gel *e = &g->el[p];
+        if (e->kind == G_END) {
+            len--;
+            continue;
+        }
+        if (e->kind == G_CLASS)
+            return gs_emit(dst, w, len);
+        if (chain + 1 >= G_MAX_CHAIN + 2)
+            return -3;
+        int base = len;
+        if (g->el[p + 1].kind == G_END)
+            base = len - 1;      /* a tail call */
+        else
+            w[len - 1] = p + 1;
+        if (base + 1 > G_MAX_STACK)
+            return 0;            /* nested too deep: this way is not taken */
+        int32_t *nw = w + G_MAX_STACK;
+        for (int k = g->alt_off[e->ref]; k < g->alt_off[e->ref + 1]; k++) {
+            memcpy(nw, w, (size_t)base * 4);
+            nw[base] = g->alt[k];
+            int rc = expand(g, dst, scratch, chain + 1, base + 1);
+            if (rc != 0)
+                return rc;
+        }
+        return 0;
+    }
+}
+
+static int advance_byte(const pd_grammar *g, gstate *dst, const gstate *src, uint8_t c, int32_t *scratch)
+{
+    gs_clear(dst);
+    for (int i = 0; i < src->n; i++) {
+        int len = src->off[i + 1] - src->off[i];
+        const int32_t *s = src->pos + src->off[i];
+        const gel *e = &g->el[s[len - 1]];
+        if (!set_has(&e->set, c))
+            continue;
+        memcpy(scratch, s, (size_t)len * 4);
+        scratch[len - 1]++;
+        int rc = expand(g, dst, scratch, 0, len);
+        if (rc != 0)
+            return rc;
+    }
+    return 0;
+}
+
+static pd_status match_err(int rc, pd_err *err)
+{
+    if (rc == -1)
+        return pd_err_set(err, PD_ERR_NOMEM, "grammar matcher stacks");
+    if (rc == -2)
+        return pd_err_set(err, PD_ERR_INVALID, "structured output: the grammar is too ambiguous "
+                          "(more than %d ways to read the text at once)", G_MAX_STACKS);
+    return pd_err_set(err, PD_ERR_INVALID, "structured output: the grammar chains more than %d rules "
+                      "without text (left recursion?)", G_MAX_CHAIN);
+}
+
+pd_status pd_gmatch_create(pd_grammar *g, pd_gmatch **out, pd_err *err)
+{
+    pd_gmatch *m = calloc(1, sizeof(*m));
+    if (m == NULL || (m->scratch = malloc((size_t)(G_MAX_CHAIN + 2) * G_MAX_STACK * 4)) == NULL) {
+        free(m);
+        return pd_err_set(err, PD_ERR_NOMEM, "grammar matcher");
+    }
+    m->g = pd_grammar_ref(g);
+    m->scratch[0] = 0;   /* the root reference */
+    int rc = expand(g, &m->st, m->scratch, 0, 1);
+    if (rc != 0) {
+        pd_gmatch_destroy(m);
+        return match_err(rc, err);
+    }
+    *out = m;
+    return PD_OK;
+}
+
+void pd_gmatch_destroy(pd_gmatch *m)
+{
+    if (m == NULL)
+        return;
+    gs_free(&m->st);
+    gs_free(&m->a);
+    gs_free(&m->b);
+    free(m->scratch);
+    pd_grammar_unref(m->g);
+    free(m);
+}
+
+pd_status pd_gmatch_copy(pd_gmatch *dst, const pd_gmatch *src, pd_err *err)
+{
+    if (gs_copy(&dst->st, &src->st) != 0)
+        return pd_err_set(err, PD_ERR_NOMEM, "grammar matcher copy");
+    return PD_OK;
+}
+
+int pd_gmatch_complete(const pd_gmatch *m) { return m->st.complete; }
+
+static int is_eos(const pd_gvocab *v, int32_t t)
+{
+    for (int i = 0; i < v->n_eos; i++)
+        if (v->eos[i] == t)
+            return 1;
+    return 0;
+}
+
+int pd_gmatch_advance(pd_gmatch *m, const pd_gvocab *v, int32_t tok, pd_err *err)
+{
+    if (tok < 0 || tok >= v->n_vocab)
+        return 0;
+    if (is_eos(v, tok))
+        return m->st.complete ? 1 : 0;
+    if (v->tok_node[tok] < 0)
+        return 0;
+    const uint8_t *bytes = v->bytes + v->boff[tok];
+    int depth = (int)(v->boff[tok + 1] - v->boff[tok]);
+    gstate *cur = &m->st, *nx = &m->a;
+    int ok = depth > 0, rc = 0;
+    for (int i = 0; i < depth && ok; i++) {
+        rc = advance_byte(m->g, nx, cur, bytes[i], m->scratch);
+        if (rc != 0)
+            break;
+        ok = nx->n > 0 || (nx->complete && i == depth - 1);
+        cur = nx;
+        nx = cur == &m->a ? &m->b : &m->a;
+    }
+    if (rc != 0) {
+        match_err(rc, err);
+        return -1;
+    }
+    if (!ok)
+        return 0;
+    if (gs_copy(&m->st, cur) != 0) {
+        pd_err_set(err, PD_ERR_NOMEM, "grammar matcher");
+        return -1;
+    }
+    return 1;
+}
+
+/* the tokens below trie node `node`, the text so far leaving the matcher at st[0] */
+static int allowed_dfs(const pd_grammar *g, const pd_gvocab *v, int node, gstate *st, uint32_t *bits,
+                       int32_t *scratch)
+{
+    for (int k = v->child[node]; k >= 0; k = v->sib[k]) {
+        int rc = advance_byte(g, &st[1], &st[0], v->byte[k], scratch);
+        if (rc != 0)
+            return rc;
+        if (st[1].n == 0 && !st[1].complete)
+            continue;
+        for (int t = v->tok_head[k]; t >= 0; t = v->tok_next[t])
+            bits[t >> 5] |= 1u << (t & 31);
+        if (st[1].n > 0 && v->child[k] >= 0 && (rc = allowed_dfs(g, v, k, st + 1, bits, scratch)) != 0)
+            return rc;
+    }
+    return 0;
+}
+
+pd_status pd_gmatch_allowed(const pd_gmatch *m, const pd_gvocab *v, uint32_t *bits, pd_err *err)
+{
+    memset(bits, 0, (size_t)v->words * 4);
+    if (m->st.complete)
+        for (int i = 0; i < v->n_eos; i++)
+            if (v->eos[i] >= 0 && v->eos[i] < v->n_vocab)
+                bits[v->eos[i] >> 5] |= 1u << (v->eos[i] & 31);
+    if (m->st.n == 0)
+        return PD_OK;
+    gstate *st = calloc((size_t)v->max_len + 2, sizeof(gstate));
+    int32_t *scratch = malloc((size_t)(G_MAX_CHAIN + 2) * G_MAX_STACK * 4);
+    int rc = st == NULL || scratch == NULL ? -1 : gs_copy(&st[0], &m->st);
+    if (rc == 0)
+        rc = allowed_dfs(m->g, v, 0, st, bits, scratch);
+    if (st != NULL)
+        for (int i = 0; i < v->max_len + 2; i++)
+            gs_free(&st[i]);
+    free(st);
+    free(scratch);
+    return rc != 0 ? match_err(rc, err) : PD_OK;
+}

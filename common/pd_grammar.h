@@ -1,0 +1,72 @@
+/* pd_grammar.h - structured output: which tokens may come next.
+ * Owns: a grammar over bytes (rules of alternatives; an alternative is a sequence of byte
+ *   classes and rule references; right recursion only), built from a JSON schema, from "any JSON
+ *   object" (OpenAI response_format json_object), from a list of strings (vLLM guided_choice) or
+ *   from a regular expression (vLLM guided_regex); the vocabulary as a byte trie; a matcher
+ *   that follows a token sequence through the grammar (a set of rule stacks, as an Earley-style
+ *   recogniser without left recursion) and gives the tokens allowed next as a bitmask.
+ * Not here: applying the mask to logits (kern_token_mask) and when (pd_engine.c).
+ * Threading: a grammar and a vocabulary are immutable once built and may be shared between
+ *   threads (pd_grammar_ref / _unref are atomic); a matcher belongs to one request. */
+#ifndef PD_GRAMMAR_H
+#define PD_GRAMMAR_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "pd_status.h"
+#include "pd_tokenizer.h"
+
+typedef struct pd_grammar pd_grammar;
+typedef struct pd_gvocab pd_gvocab;
+typedef struct pd_gmatch pd_gmatch;
+
+/* Limits of what a request may ask (PD_ERR_INVALID beyond them, naming the limit). */
+#define PD_GRAMMAR_MAX_SPEC (64 * 1024)   /* bytes of a schema, a regex or all the choices */
+#define PD_GRAMMAR_MAX_CHOICES 256
+#define PD_GRAMMAR_MAX_RULES 20000        /* rules after compilation (bounded repeats unroll) */
+
+/* The schema text (JSON; the schema object of OpenAI's json_schema response format or vLLM's
+ * guided_json). Supported: type (one or a list), properties (in their order), required,
+ * additionalProperties, items, minItems, maxItems, enum, const, anyOf, oneOf, allOf of one
+ * schema, $ref to #/$defs/... or #/definitions/... (recursion allowed), minLength, maxLength;
+ * title, description, default, examples, $schema, $id, $comment and format are annotations
+ * (format is not enforced). Any other keyword: PD_ERR_INVALID naming it. NULL = any JSON
+ * object (json_object). */
+pd_status pd_grammar_json(const char *schema, size_t len, pd_grammar **out, pd_err *err);
+/* Exactly one of the n strings (1..PD_GRAMMAR_MAX_CHOICES, each non-empty). */
+pd_status pd_grammar_choice(const char *const *choices, int n, pd_grammar **out, pd_err *err);
+/* A whole match of the regular expression: literals, ., [...] and [^...] (ASCII ranges),
+ * \d \w \s \D \W \S and escaped punctuation, groups (...) and (?:...), |, * + ? {m} {m,}
+ * {m,n} (a lazy ? after them is accepted: only the language matters), ^ and $ at the ends.
+ * Backreferences and lookaround: PD_ERR_INVALID. */
+pd_status pd_grammar_regex(const char *re, size_t len, pd_grammar **out, pd_err *err);
+pd_grammar *pd_grammar_ref(pd_grammar *g);
+void pd_grammar_unref(pd_grammar *g);   /* NULL is fine */
+
+/* The vocabulary's token bytes (pd_tokenizer_token_bytes) as a trie, special added tokens left
+ * out; eos ids are allowed exactly where the grammar is complete. n_vocab: the logits' width
+ * (ids past the tokenizer's are never allowed). */
+pd_status pd_gvocab_create(const pd_tokenizer *t, int n_vocab, const int32_t *eos, int n_eos,
+                           pd_gvocab **out, pd_err *err);
+/* The same from explicit token byte strings (tests): tok[i] of len[i] bytes, NULL = none. */
+pd_status pd_gvocab_create_raw(const uint8_t *const *tok, const size_t *len, int n_vocab,
+                               const int32_t *eos, int n_eos, pd_gvocab **out, pd_err *err);
+void pd_gvocab_destroy(pd_gvocab *v);   /* NULL is fine */
+int pd_gvocab_words(const pd_gvocab *v); /* uint32 words of a mask: (n_vocab + 31) / 32 */
+
+/* A matcher at the grammar's start; it keeps a reference to g. */
+pd_status pd_gmatch_create(pd_grammar *g, pd_gmatch **out, pd_err *err);
+void pd_gmatch_destroy(pd_gmatch *m);   /* NULL is fine */
+/* dst takes src's position (both of the same grammar). */
+pd_status pd_gmatch_copy(pd_gmatch *dst, const pd_gmatch *src, pd_err *err);
+/* Follows token tok: 1 and m moved when the grammar allows it here (an eos id: when m is
+ * complete; m then stays), 0 and m unchanged when not. -1 with err set on NOMEM or when the
+ * grammar's stacks exceed their bounds (PD_ERR_INVALID naming it). */
+int pd_gmatch_advance(pd_gmatch *m, const pd_gvocab *v, int32_t tok, pd_err *err);
+/* 1 when the text so far is a whole match (the grammar may end here). */
+int pd_gmatch_complete(const pd_gmatch *m);
+/* bits[pd_gvocab_words(v)]: bit t set when token t may come next. */
+pd_status pd_gmatch_allowed(const pd_gmatch *m, const pd_gvocab *v, uint32_t *bits, pd_err *err);
+
+#endif

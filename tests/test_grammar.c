@@ -1,0 +1,385 @@
+/* test_grammar: structured output grammars (JSON schema, json_object, choices, regex) and the
+ * token matcher, on a small vocabulary (every byte, some multi-byte tokens, an eos) and on the
+ * bundled model's tokenizer: whole texts accepted or refused as the grammar says, the allowed
+ * mask equal to trying every token, random walks through the mask ending in texts that parse
+ * (cJSON) and obey the schema, and bad specs refused with the keyword or offset named. */
+#include "pd_grammar.h"
+#include "test_util.h"
+
+#define N_SMALL (256 + 12 + 1)
+static const char *const multi[12] = { "{\"", "\":", "true", "null", "  ", "\n  ", "abc",
+                                       "12", "\"}", "\", \"", "yes", "e\u00e9" };
+static pd_gvocab *small_vocab(void)
+{
+    static uint8_t single[256];
+    const uint8_t *tok[N_SMALL];
+    size_t len[N_SMALL];
+    for (int i = 0; i < 256; i++) {
+        single[i] = (uint8_t)i;
+        tok[i] = &single[i];
+        len[i] = 1;
+    }
+    for (int i = 0; i < 12; i++) {
+        tok[256 + i] = (const uint8_t *)multi[i];
+        len[256 + i] = strlen(multi[i]);
+    }
+    tok[N_SMALL - 1] = NULL;   /* eos */
+    len[N_SMALL - 1] = 0;
+    int32_t eos = N_SMALL - 1;
+    pd_gvocab *v = NULL;
+    pd_err err;
+    TEST_CHECK(pd_gvocab_create_raw(tok, len, N_SMALL, &eos, 1, &v, &err) == PD_OK);
+    return v;
+}
+
+/* 1: the whole text is a match, 0: refused on the way or incomplete at the end */
+static int accepts(pd_grammar *g, const pd_gvocab *v, const char *text)
+{
+    pd_gmatch *m = NULL;
+    pd_err err;
+    if (pd_gmatch_create(g, &m, &err) != PD_OK)
+        return -1;
+    int ok = 1;
+    for (const char *p = text; *p && ok; p++)
+        ok = pd_gmatch_advance(m, v, (uint8_t)*p, &err) == 1;
+    ok = ok && pd_gmatch_complete(m) && pd_gmatch_advance(m, v, N_SMALL - 1, &err) == 1;
+    pd_gmatch_destroy(m);
+    return ok;
+}
+
+static pd_grammar *json(const char *schema)
+{
+    pd_grammar *g = NULL;
+    pd_err err;
+    pd_status st = pd_grammar_json(schema, schema ? strlen(schema) : 0, &g, &err);
+    TEST_CHECK_MSG(st == PD_OK, "%s: %s", schema ? schema : "json_object", err.msg);
+    return g;
+}
+
+static pd_grammar *regex(const char *re)
+{
+    pd_grammar *g = NULL;
+    pd_err err;
+    TEST_CHECK_MSG(pd_grammar_regex(re, strlen(re), &g, &err) == PD_OK, "%s: %s", re, err.msg);
+    return g;
+}
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+static uint32_t rnd(void)
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (uint32_t)(rng_state >> 11);
+}
+
+/* random walks: at every step the mask equals trying each token on a copy; the walk takes a
+ * random allowed token (eos with some weight when allowed) and ends at eos or after max steps.
+ * Returns the text of the last walk that ended at eos (malloc'd) or NULL. */
+static char *walks(pd_grammar *g, const pd_gvocab *v, int n_vocab, const uint8_t *const *tb,
+                   const size_t *tl, int n_walks, int max_steps, int *mask_ok, int *ended)
+{
+    pd_err err;
+    int words = pd_gvocab_words(v);
+    uint32_t *bits = malloc((size_t)words * 4);
+    int32_t *cand = malloc((size_t)n_vocab * 4);
+    char *last = NULL;
+    *mask_ok = 1;
+    *ended = 0;
+    for (int w = 0; w < n_walks; w++) {
+        pd_gmatch *m = NULL, *c = NULL;
+        if (pd_gmatch_create(g, &m, &err) != PD_OK || pd_gmatch_create(g, &c, &err) != PD_OK) {
+            *mask_ok = 0;
+            break;
+        }
+        size_t cap = 4096, n = 0;
+        char *text = malloc(cap);
+        int done = 0;
+        for (int s = 0; s < max_steps && !done; s++) {
+            if (pd_gmatch_allowed(m, v, bits, &err) != PD_OK) {
+                *mask_ok = 0;
+                break;
+            }
+            int nc = 0, has_eos = 0;
+            for (int t = 0; t < n_vocab; t++) {
+                pd_gmatch_copy(c, m, &err);
+                int a = pd_gmatch_advance(c, v, t, &err);
+                int bit = (bits[t >> 5] >> (t & 31)) & 1;
+                if (a != bit) {
+                    if (*mask_ok)
+                        fprintf(stderr, "mask %d vs advance %d for token %d at step %d\n", bit, a, t, s);
+                    *mask_ok = 0;
+                }
+                if (bit) {
+                    if (tb[t] == NULL)
+                        has_eos = 1;
+                    else
+                        cand[nc++] = t;
+                }
+            }
+            if (nc == 0 && !has_eos) {
+                *mask_ok = 0;   /* a dead end: the grammar must always go on or end */
+                break;
+            }
+            if (has_eos && (nc == 0 || rnd() % 4 == 0)) {
+                done = 1;
+                break;
+            }
+            int t = cand[rnd() % (uint32_t)nc];
+            if (pd_gmatch_advance(m, v, t, &err) != 1)
+                *mask_ok = 0;
+            if (n + tl[t] + 1 > cap)
+                text = realloc(text, cap *= 2);
+            memcpy(text + n, tb[t], tl[t]);
+            n += tl[t];
+        }
+        text[n] = '\0';
+        if (done) {
+            (*ended)++;
+            free(last);
+            last = text;
+        } else
+            free(text);
+        pd_gmatch_destroy(m);
+        pd_gmatch_destroy(c);
+    }
+    free(bits);
+    free(cand);
+    return last;
+}
+
+static void small_tables(const uint8_t **tb, size_t *tl)
+{
+    static uint8_t single[256];
+    for (int i = 0; i < 256; i++) {
+        single[i] = (uint8_t)i;
+        tb[i] = &single[i];
+        tl[i] = 1;
+    }
+    for (int i = 0; i < 12; i++) {
+        tb[256 + i] = (const uint8_t *)multi[i];
+        tl[256 + i] = strlen(multi[i]);
+    }
+    tb[N_SMALL - 1] = NULL;
+    tl[N_SMALL - 1] = 0;
+}
+
+static void test_json_object(const pd_gvocab *v, const uint8_t **tb, const size_t *tl)
+{
+    pd_grammar *g = json(NULL);
+    if (g == NULL)
+        return;
+    const char *good[] = { "{}", "{\"a\":1}", "{ \"a\": [1, 2.5e3, -0, true, null, \"x\\n\\u00e9\"], \"b\": {} }",
+                           "{\n  \"k\": \"\xc3\xa9\xe2\x82\xac\"\n}", "{\"a\":{\"b\":{\"c\":[[]]}}}" };
+    const char *bad[] = { "", "[]", "{", "{\"a\"}", "{\"a\":01}", "{\"a\":1,}", "{'a':1}", "{\"a\":tru}",
+                          "{\"a\":\"\x01\"}", "{\"a\":1} ", "{\"a\":\"\xc3\"}", "{\"a\":1.}" };
+    for (size_t i = 0; i < sizeof(good) / sizeof(*good); i++)
+        TEST_CHECK_MSG(accepts(g, v, good[i]) == 1, "json_object accepts %s", good[i]);
+    for (size_t i = 0; i < sizeof(bad) / sizeof(*bad); i++)
+        TEST_CHECK_MSG(accepts(g, v, bad[i]) == 0, "json_object refuses %s", bad[i]);
+    int mask_ok, ended;
+    char *t = walks(g, v, N_SMALL, tb, tl, 30, 60, &mask_ok, &ended);
+    TEST_CHECK(mask_ok);
+    TEST_CHECK_MSG(ended > 0, "%d walks ended", ended);
+    cJSON *doc = t != NULL ? cJSON_Parse(t) : NULL;
+    TEST_CHECK_MSG(doc != NULL && cJSON_IsObject(doc), "a walk's text parses as an object: %s", t ? t : "(none)");
+    cJSON_Delete(doc);
+    free(t);
+    pd_grammar_unref(g);
+}
+
+static const char *person =
+    "{\"type\":\"object\",\"properties\":{"
+    "\"name\":{\"type\":\"string\",\"maxLength\":5,\"title\":\"Name\"},"
+    "\"age\":{\"type\":\"integer\"},"
+    "\"tags\":{\"type\":\"array\",\"items\":{\"enum\":[\"a\",\"b\"]},\"maxItems\":2},"
+    "\"ok\":{\"type\":[\"boolean\",\"null\"]}},"
+    "\"required\":[\"name\",\"ok\"]}";
+
+static void test_schema(const pd_gvocab *v, const uint8_t **tb, const size_t *tl)
+{
+    pd_grammar *g = json(person);
+    if (g == NULL)
+        return;
+    const char *good[] = { "{\"name\":\"bob\",\"ok\":true}", "{\"name\": \"\", \"age\": -3, \"ok\": null}",
+                           "{\"name\":\"x\",\"tags\":[\"a\",\"b\"],\"ok\":false}",
+                           "{\"name\":\"x\",\"age\":0,\"tags\":[],\"ok\":true}" };
+    const char *bad[] = { "{\"age\":3,\"ok\":true}", "{\"name\":\"toolong\",\"ok\":true}",
+                          "{\"name\":\"x\",\"tags\":[\"a\",\"b\",\"a\"],\"ok\":true}",
+                          "{\"name\":\"x\",\"extra\":1,\"ok\":true}", "{\"ok\":true,\"name\":\"x\"}",
+                          "{\"name\":\"x\",\"age\":1.5,\"ok\":true}", "{\"name\":\"x\",\"tags\":[\"c\"],\"ok\":true}",
+                          "{\"name\":\"x\"}" };
+    for (size_t i = 0; i < sizeof(good) / sizeof(*good); i++)
+        TEST_CHECK_MSG(accepts(g, v, good[i]) == 1, "schema accepts %s", good[i]);
+    for (size_t i = 0; i < sizeof(bad) / sizeof(*bad); i++)
+        TEST_CHECK_MSG(accepts(g, v, bad[i]) == 0, "schema refuses %s", bad[i]);
+    int mask_ok, ended, parsed = 0, obeys = 0;
+    for (int k = 0; k < 5; k++) {
+        char *t = walks(g, v, N_SMALL, tb, tl, 4, 80, &mask_ok, &ended);
+        TEST_CHECK(mask_ok);
+        cJSON *doc = t != NULL ? cJSON_Parse(t) : NULL;
+        if (doc != NULL) {
+            parsed++;
+            cJSON *name = cJSON_GetObjectItemCaseSensitive(doc, "name");
+            cJSON *ok = cJSON_GetObjectItemCaseSensitive(doc, "ok");
+            cJSON *tags = cJSON_GetObjectItemCaseSensitive(doc, "tags");
+            obeys += cJSON_IsString(name) && (cJSON_IsBool(ok) || cJSON_IsNull(ok)) &&
+                     (tags == NULL || cJSON_GetArraySize(tags) <= 2);
+        }
+        cJSON_Delete(doc);
+        free(t);
+    }
+    TEST_CHECK_MSG(parsed > 0 && obeys == parsed, "walks: %d parsed, %d obey the schema", parsed, obeys);
+    pd_grammar_unref(g);
+
+    /* $defs, $ref and recursion (pydantic's form), anyOf, const, additionalProperties schema */
+    g = json("{\"$defs\":{\"Node\":{\"type\":\"object\",\"properties\":{\"v\":{\"type\":\"integer\"},"
+             "\"kids\":{\"type\":\"array\",\"items\":{\"$ref\":\"#/$defs/Node\"}}},\"required\":[\"v\"]}},"
+             "\"anyOf\":[{\"$ref\":\"#/$defs/Node\"},{\"const\":\"leaf\"},"
+             "{\"type\":\"object\",\"additionalProperties\":{\"type\":\"number\"}}]}");
+    if (g != NULL) {
+        TEST_CHECK(accepts(g, v, "{\"v\":1,\"kids\":[{\"v\":2},{\"v\":3,\"kids\":[]}]}") == 1);
+        TEST_CHECK(accepts(g, v, "\"leaf\"") == 1);
+        TEST_CHECK(accepts(g, v, "{\"x\":1.5,\"y\":2}") == 1);
+        TEST_CHECK(accepts(g, v, "{\"x\":\"s\"}") == 0);
+        TEST_CHECK(accepts(g, v, "{\"v\":1,\"kids\":[{\"w\":2}]}") == 0);
+        pd_grammar_unref(g);
+    }
+
+    /* refused by name */
+    struct { const char *schema, *needle; } refused[] = {
+        { "{\"type\":\"string\",\"pattern\":\"^a\"}", "'pattern'" },
+        { "{\"type\":\"integer\",\"minimum\":0}", "'minimum'" },
+        { "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"strin\"}}}", "strin" },
+        { "{\"type\":\"object\",\"properties\":{\"a\":{}},\"required\":[\"b\"]}", "'b'" },
+        { "{\"$ref\":\"#/$defs/Missing\"}", "Missing" },
+        { "{\"type\":", "not valid JSON" },
+        { "{\"type\":\"array\",\"maxItems\":1,\"minItems\":2}", "maxItems" },
+        { "{\"type\":\"string\",\"maxLength\":100000}", "rules" },
+    };
+    for (size_t i = 0; i < sizeof(refused) / sizeof(*refused); i++) {
+        pd_err err = { 0 };
+        pd_grammar *x = NULL;
+        pd_status st = pd_grammar_json(refused[i].schema, strlen(refused[i].schema), &x, &err);
+        TEST_CHECK_MSG(st == PD_ERR_INVALID && strstr(err.msg, refused[i].needle) != NULL && x == NULL,
+                       "%s -> %d %s", refused[i].schema, st, err.msg);
+        pd_grammar_unref(x);
+    }
+}
+
+static void test_choice_regex(const pd_gvocab *v, const uint8_t **tb, const size_t *tl)
+{
+    const char *ch[] = { "yes", "no", "yes please" };
+    pd_grammar *g = NULL;
+    pd_err err;
+    TEST_CHECK(pd_grammar_choice(ch, 3, &g, &err) == PD_OK);
+    if (g != NULL) {
+        TEST_CHECK(accepts(g, v, "yes") == 1 && accepts(g, v, "no") == 1 && accepts(g, v, "yes please") == 1);
+        TEST_CHECK(accepts(g, v, "ye") == 0 && accepts(g, v, "yess") == 0 && accepts(g, v, "") == 0);
+        int mask_ok, ended;
+        char *t = walks(g, v, N_SMALL, tb, tl, 20, 20, &mask_ok, &ended);
+        TEST_CHECK(mask_ok && ended == 20);
+        TEST_CHECK_MSG(t != NULL && (!strcmp(t, "yes") || !strcmp(t, "no") || !strcmp(t, "yes please")),
+                       "a walk is a choice: %s", t ? t : "(none)");
+        free(t);
+        pd_grammar_unref(g);
+    }
+    const char *empty[] = { "a", "" };
+    TEST_CHECK(pd_grammar_choice(empty, 2, &g, &err) == PD_ERR_INVALID && strstr(err.msg, "choice 1") != NULL);
+    TEST_CHECK(pd_grammar_choice(empty, 0, &g, &err) == PD_ERR_INVALID);
+
+    struct { const char *re, *yes[3], *no[3]; } cases[] = {
+        { "^\\d{3}-\\d{4}$", { "555-1234", "000-0000", NULL }, { "55-1234", "555-12345", "abc-defg" } },
+        { "[a-z]+@[a-z]+\\.com", { "a@b.com", "xyz@ab.com", NULL }, { "@b.com", "a@b.co", "A@b.com" } },
+        { "(ab|cd)*e?", { "", "abcd", "cdabe" }, { "abc", "ee", "x" } },
+        { "(?:x[^0-9]){2,3}", { "xaxb", "xaxbx\xc3\xa9", NULL }, { "xa", "x1xa", "xaxbxcxd" } },
+        { "a.c|\\(\\)", { "abc", "a\xe2\x82\xac" "c", "()" }, { "a\nc", "ac", "(" } },
+        { "colou?r{1,}", { "color", "colourrr", NULL }, { "colo", "colouur", NULL } },
+        { "[\\w.-]+", { "a_b.c-d", NULL, NULL }, { "a b", "", NULL } },
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(*cases); i++) {
+        pd_grammar *r = regex(cases[i].re);
+        if (r == NULL)
+            continue;
+        for (int k = 0; k < 3; k++) {
+            if (cases[i].yes[k] != NULL)
+                TEST_CHECK_MSG(accepts(r, v, cases[i].yes[k]) == 1, "/%s/ accepts '%s'", cases[i].re, cases[i].yes[k]);
+            if (cases[i].no[k] != NULL)
+                TEST_CHECK_MSG(accepts(r, v, cases[i].no[k]) == 0, "/%s/ refuses '%s'", cases[i].re, cases[i].no[k]);
+        }
+        int mask_ok, ended;
+        char *t = walks(r, v, N_SMALL, tb, tl, 3, 30, &mask_ok, &ended);
+        TEST_CHECK_MSG(mask_ok, "/%s/ mask", cases[i].re);
+        free(t);
+        pd_grammar_unref(r);
+    }
+    struct { const char *re, *needle; } refused[] = {
+        { "(a)\\1", "backreferences" }, { "(?=a)b", "lookaround" }, { "(ab", "unterminated (" },
+        { "ab)", "unbalanced )" }, { "*a", "nothing before" }, { "[b-a]", "backwards" }, { "a{3,2}", "below" },
+        { "a^b", "^ and $" }, { "[\xc3\xa9]", "non-ASCII" }, { "a++", "possessive" },
+    };
+    for (size_t i = 0; i < sizeof(refused) / sizeof(*refused); i++) {
+        pd_grammar *x = NULL;
+        memset(&err, 0, sizeof(err));
+        pd_status st = pd_grammar_regex(refused[i].re, strlen(refused[i].re), &x, &err);
+        TEST_CHECK_MSG(st == PD_ERR_INVALID && strstr(err.msg, refused[i].needle) != NULL,
+                       "/%s/ -> %d %s", refused[i].re, st, err.msg);
+        pd_grammar_unref(x);
+    }
+}
+
+/* the bundled model's tokenizer: a schema walk through real tokens (multi-byte, byte-level
+ * pieces), the mask against trying every token */
+static void test_real_vocab(void)
+{
+    pd_tokenizer *tk = NULL;
+    pd_err err;
+    if (pd_tokenizer_load(PD_MODELS "/tiny-code-qwen3", &tk, &err) != PD_OK) {
+        TEST_CHECK_MSG(0, "tokenizer: %s", err.msg);
+        return;
+    }
+    int n = (int)pd_tokenizer_vocab_size(tk);
+    int32_t eos = pd_tokenizer_token_to_id(tk, "<|endoftext|>");
+    if (eos < 0)
+        eos = n - 1;
+    pd_gvocab *v = NULL;
+    TEST_CHECK(pd_gvocab_create(tk, n, &eos, 1, &v, &err) == PD_OK);
+    const uint8_t **tb = calloc((size_t)n, sizeof(*tb));
+    size_t *tl = calloc((size_t)n, sizeof(*tl));
+    for (int i = 0; i < n; i++)
+        if (!pd_tokenizer_is_special(tk, i) && i != eos)
+            tb[i] = pd_tokenizer_token_bytes(tk, i, &tl[i]);
+    pd_grammar *g = json(person);
+    if (v != NULL && g != NULL) {
+        int mask_ok, ended;
+        char *t = walks(g, v, n, tb, tl, 2, 40, &mask_ok, &ended);
+        TEST_CHECK(mask_ok);
+        if (t != NULL) {
+            cJSON *doc = cJSON_Parse(t);
+            TEST_CHECK_MSG(doc != NULL, "real-vocabulary walk parses: %s", t);
+            cJSON_Delete(doc);
+        }
+        free(t);
+    }
+    pd_grammar_unref(g);
+    free(tb);
+    free(tl);
+    pd_gvocab_destroy(v);
+    pd_tokenizer_free(tk);
+}
+
+int main(void)
+{
+    const uint8_t *tb[N_SMALL];
+    size_t tl[N_SMALL];
+    small_tables(tb, tl);
+    pd_gvocab *v = small_vocab();
+    if (v != NULL) {
+        test_json_object(v, tb, tl);
+        test_schema(v, tb, tl);
+        test_choice_regex(v, tb, tl);
+    }
+    pd_gvocab_destroy(v);
+    test_real_vocab();
+    TEST_DONE();
+}
