@@ -440,6 +440,18 @@ typedef struct {
     const kern_penalty_entry *e;   /* [n_entries], backend memory */
 } kern_penalty_args;
 
+/* Structured output: every logit of row rows[i] whose bit in mask i is clear becomes -inf
+ * (bit t of mask i: bits[i * words + t / 32] >> (t % 32) & 1; pd_grammar's mask). */
+typedef struct {
+    float *x;                /* [*, ld_x] logits, changed in place */
+    int ld_x;
+    int n;                   /* vocabulary: the masks cover tokens 0..n-1 */
+    int n_rows;
+    const int32_t *rows;     /* [n_rows], backend memory */
+    const uint32_t *bits;    /* [n_rows, words], backend memory */
+    int words;               /* >= (n + 31) / 32 */
+} kern_token_mask_args;
+
 /* One logit under one entry's penalties: the arithmetic of every backend (float, this order). */
 #ifdef __CUDACC__
 __host__ __device__
@@ -500,6 +512,7 @@ struct kern_backend_ops {
     pd_status (*sample)(kern_backend *be, const kern_sample_args *a, pd_err *err);
     pd_status (*spec_verify)(kern_backend *be, const kern_spec_verify_args *a, pd_err *err);
     pd_status (*penalty)(kern_backend *be, const kern_penalty_args *a, pd_err *err);
+    pd_status (*token_mask)(kern_backend *be, const kern_token_mask_args *a, pd_err *err);
     void (*destroy)(kern_backend *be);
 };
 
@@ -632,6 +645,7 @@ pd_status kern_probs(kern_backend *be, const kern_probs_args *a, pd_err *err);
 pd_status kern_sample(kern_backend *be, const kern_sample_args *a, pd_err *err);
 pd_status kern_spec_verify(kern_backend *be, const kern_spec_verify_args *a, pd_err *err);
 pd_status kern_penalty(kern_backend *be, const kern_penalty_args *a, pd_err *err);
+pd_status kern_token_mask(kern_backend *be, const kern_token_mask_args *a, pd_err *err);
 
 /* Host helpers for dtype conversion (used by loaders and the CPU backend). */
 float kern_bf16_to_f32(uint16_t h);

@@ -615,3 +615,13 @@ pd_status kern_penalty(kern_backend *be, const kern_penalty_args *a, pd_err *err
           "penalty: bad view (%d entries, n %d, ld %d)", a->n_entries, a->n, a->ld_x);
     return be->ops->penalty(be, a, err);
 }
+
+pd_status kern_token_mask(kern_backend *be, const kern_token_mask_args *a, pd_err *err)
+{
+    if (a->n_rows == 0)
+        return PD_OK;
+    CHECK(a->x != NULL && a->rows != NULL && a->bits != NULL && a->n_rows > 0 && a->n > 0 &&
+              a->ld_x >= a->n && a->words >= (a->n + 31) / 32,
+          "token_mask: bad view (%d rows, n %d, ld %d, %d words)", a->n_rows, a->n, a->ld_x, a->words);
+    return be->ops->token_mask(be, a, err);
+}

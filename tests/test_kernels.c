@@ -2165,6 +2165,68 @@ static double run_penalty(run_ctx *x)
     return e;
 }
 
+/* token_mask: random bit masks on distinct rows (some all-clear, some all-set words): both sides
+ * exact, masked logits -inf, the rest and the rows without a mask untouched */
+static pd_status fn_token_mask(kern_backend *be, const void *a, pd_err *e) { return kern_token_mask(be, a, e); }
+
+static double run_token_mask(run_ctx *x)
+{
+    const kcase *c = x->c;
+    int rows = c->rows, n = c->cols, ld = n + c->pad, nm = c->m, words = (n + 31) / 32 + c->k;
+    float *v = host_rand((size_t)rows * ld, -8.0f, 8.0f, 0);
+    int32_t *mrow = malloc((size_t)nm * sizeof(int32_t));
+    uint32_t *bits = malloc((size_t)nm * words * sizeof(uint32_t));
+    char *used = calloc((size_t)rows, 1);
+    for (int i = 0; i < nm; i++) {
+        int r;
+        do
+            r = rng_int(rows);
+        while (used[r]);
+        used[r] = 1;
+        mrow[i] = r;
+        for (int w = 0; w < words; w++) {
+            uint32_t b = (uint32_t)rng_int(1 << 16) << 16 | (uint32_t)rng_int(1 << 16);
+            bits[(size_t)i * words + w] = w % 7 == 3 ? 0u : w % 11 == 5 ? ~0u : b;
+        }
+    }
+    kern_token_mask_args ac = { .ld_x = ld, .n = n, .n_rows = nm, .words = words }, ag = ac;
+    outbuf o = out_make(x->cpu, x->gpu, (size_t)rows * ld, v);
+    ac.x = o.cpu;
+    ag.x = o.gpu;
+    ac.rows = side_bytes(x->cpu, mrow, (size_t)nm * sizeof(int32_t));
+    ag.rows = side_bytes(x->gpu, mrow, (size_t)nm * sizeof(int32_t));
+    ac.bits = side_bytes(x->cpu, bits, (size_t)nm * words * sizeof(uint32_t));
+    ag.bits = side_bytes(x->gpu, bits, (size_t)nm * words * sizeof(uint32_t));
+    double e = run_both(x, fn_token_mask, &ac, &ag);
+    if (e == 0.0) {
+        float *hc = side_download(x->cpu, o.cpu, (size_t)rows * ld * sizeof(float));
+        float *hg = side_download(x->gpu, o.gpu, (size_t)rows * ld * sizeof(float));
+        int mism = 0;
+        for (int r = 0; r < rows; r++) {
+            int mi = -1;
+            for (int i = 0; i < nm; i++)
+                mi = mrow[i] == r ? i : mi;
+            for (int t = 0; t < ld; t++) {
+                size_t k = (size_t)r * ld + t;
+                int allowed = mi < 0 || t >= n || ((bits[(size_t)mi * words + t / 32] >> (t % 32)) & 1u);
+                float want = allowed ? v[k] : -INFINITY;
+                mism += memcmp(&hc[k], &hg[k], sizeof(float)) != 0 || memcmp(&hc[k], &want, sizeof(float)) != 0;
+            }
+        }
+        if (mism)
+            printf("      %d logits differ\n", mism);
+        e = mism ? 1.0 : 0.0;
+        free(hc);
+        free(hg);
+    }
+    free(o.init);
+    free(v);
+    free(mrow);
+    free(bits);
+    free(used);
+    return e;
+}
+
 typedef double (*runner)(run_ctx *x);
 
 static const struct {
@@ -2177,6 +2239,7 @@ static const struct {
     {"argmax", run_argmax}, {"convert", run_convert}, {"linear", run_linear},
     {"qk_post", run_qk_post}, {"mlp", run_mlp}, {"qkv", run_qkv}, {"attn_block", run_attn_block}, {"markov_step", run_markov_step}, {"markov_chain", run_markov_chain}, {"probs", run_probs},
     {"sample", run_sample}, {"spec_verify", run_spec_verify}, {"penalty", run_penalty},
+    {"token_mask", run_token_mask},
 };
 
 /* Shapes are odd on purpose; F32 paths are held to ~1e-5, bf16 GEMMs (x rounded to bf16 on the
@@ -2308,6 +2371,9 @@ static const kcase cases[] = {
     {"spec_verify", 9, 8192, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
     {"penalty", 8, 151936, 0, 3000, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
     {"penalty", 5, 1001, 3, 700, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
+    /* token_mask: rows x vocab, pad, m masks, k extra words per mask */
+    {"token_mask", 9, 151936, 0, 6, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
+    {"token_mask", 4, 1001, 3, 4, 0, 2, 0, 0, 0, 0, 0, NULL, 0, 0},
     /* attention: heads, kv heads, head_dim, page size, ragged batch */
     {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "d:4095+1", 1e-4, 0},
     {"attn", 0, 0, 4, 0, 0, 0, 0, 32, 8, 128, 16, "d:0+1,d:15+1,d:998+1,d:2999+1,d:63+1", 1e-4, 0},

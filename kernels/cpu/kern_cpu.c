@@ -628,6 +628,21 @@ static pd_status cpu_penalty(kern_backend *be, const kern_penalty_args *a, pd_er
     return PD_OK;
 }
 
+static pd_status cpu_token_mask(kern_backend *be, const kern_token_mask_args *a, pd_err *err)
+{
+    (void)be;
+    for (int i = 0; i < a->n_rows; i++) {
+        if (a->rows[i] < 0)
+            return pd_err_set(err, PD_ERR_INVALID, "token_mask: mask %d names row %d", i, a->rows[i]);
+        float *x = a->x + (size_t)a->rows[i] * a->ld_x;
+        const uint32_t *b = a->bits + (size_t)i * a->words;
+        for (int t = 0; t < a->n; t++)
+            if (!((b[t >> 5] >> (t & 31)) & 1u))
+                x[t] = -INFINITY;
+    }
+    return PD_OK;
+}
+
 static pd_status cpu_spec_verify(kern_backend *be, const kern_spec_verify_args *a, pd_err *err)
 {
     (void)be;
@@ -725,6 +740,7 @@ static const kern_backend_ops cpu_ops = {
     .sample = cpu_sample,
     .spec_verify = cpu_spec_verify,
     .penalty = cpu_penalty,
+    .token_mask = cpu_token_mask,
     .destroy = cpu_destroy,
 };
 

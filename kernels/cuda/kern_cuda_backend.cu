@@ -295,6 +295,7 @@ static const kern_backend_ops cuda_ops = {
     .sample = kern_cuda_sample_launch,
     .spec_verify = kern_cuda_spec_verify_launch,
     .penalty = kern_cuda_penalty_launch,
+    .token_mask = kern_cuda_token_mask_launch,
     .destroy = cuda_destroy,
 };
 

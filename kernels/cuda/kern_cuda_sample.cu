@@ -1,7 +1,8 @@
 /* kern_cuda_sample.cu - sampling on the device: tempered / filtered probabilities, inverse-CDF
  *   sampling and rejection-sampling verification (the rules of pd_sample.h, kern_backend.h).
  * Owns: kern_cuda_probs_launch, kern_cuda_sample_launch, kern_cuda_spec_verify_launch,
- *   kern_cuda_penalty_launch (one thread per entry: the entries are distinct logits).
+ *   kern_cuda_penalty_launch (one thread per entry: the entries are distinct logits),
+ *   kern_cuda_token_mask_launch (a row of CTAs per mask).
  *   One block per row (probs, sample) or per request (spec_verify); every sum runs in a fixed
  *   order, so a result depends only on its inputs (seeds reproduce on the device too).
  *   probs: softmax with exp in double as the CPU reference (the float probabilities then match
@@ -556,6 +557,32 @@ extern "C" pd_status kern_cuda_penalty_launch(kern_backend *be, const kern_penal
     kern_cuda_ctx *c = kern_cuda_ctx_of(be);
     int blocks = (a->n_entries + 255) / 256;
     penalty_kernel<<<blocks < 1024 ? blocks : 1024, 256, 0, c->stream>>>(*a);
+    KERN_CUDA_LAUNCH_CHECK(err);
+    return PD_OK;
+}
+
+/* ---- token mask ------------------------------------------------------------------------------- */
+
+__global__ void __launch_bounds__(256)
+token_mask_kernel(kern_token_mask_args a)
+{
+    int i = blockIdx.y;
+    int row = a.rows[i];
+    if (row < 0)
+        return;   /* the engine builds valid rows; the CPU op names a bad one */
+    float *x = a.x + (size_t)row * a.ld_x;
+    const uint32_t *b = a.bits + (size_t)i * a.words;
+    for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < a.n; t += gridDim.x * blockDim.x)
+        if (!((b[t >> 5] >> (t & 31)) & 1u))
+            x[t] = -INFINITY;
+}
+
+extern "C" pd_status kern_cuda_token_mask_launch(kern_backend *be, const kern_token_mask_args *a, pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    int blocks = (a->n + 255) / 256;
+    dim3 grid(blocks < 64 ? blocks : 64, a->n_rows);
+    token_mask_kernel<<<grid, 256, 0, c->stream>>>(*a);
     KERN_CUDA_LAUNCH_CHECK(err);
     return PD_OK;
 }
