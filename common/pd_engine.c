@@ -5,6 +5,7 @@
  *   from their own rng here; only token ids come back.
  * Threading: one thread drives an engine. */
 #include "pd_engine.h"
+#include "pd_grammar.h"
 
 #include "pd_graph.h"
 
@@ -54,6 +55,12 @@ struct pd_engine {
     int cap_pen;
     kern_penalty_entry *pen_host;  /* ... and their host copy */
     int n_pen, cap_pen_host;
+    kern_buf *mask_dev;         /* structured output: a step's masks, [n_mask] rows then
+                                 * [n_mask, mask_words] bits ... */
+    int cap_mask;
+    int32_t *mask_rows;         /* ... and their host copies */
+    uint32_t *mask_bits;
+    int n_mask, cap_mask_rows, cap_mask_bits, mask_words;
     int cap_ids;
     kern_buf *aux_dev;          /* compacted aux rows for draft extension */
     int cap_aux;
@@ -417,6 +424,9 @@ static void request_free(pd_engine *e, pd_request *r)
     free(r->prompt_lps);
     free(r->bias);
     free(r->accepted);
+    pd_gmatch_destroy(r->gm);
+    pd_gmatch_destroy(r->gm_row);
+    free(r->first_allow);
     free(r);
 }
 
@@ -448,6 +458,9 @@ void pd_engine_destroy(pd_engine *e)
     free(e->lp_row);
     kern_buf_free(e->ids_dev);
     kern_buf_free(e->pen_dev);
+    kern_buf_free(e->mask_dev);
+    free(e->mask_rows);
+    free(e->mask_bits);
     free(e->pen_host);
     kern_buf_free(e->aux_dev);
     kern_buf_free(e->idx_dev);
@@ -482,6 +495,7 @@ int pd_engine_active(const pd_engine *e)
 }
 
 static pd_status pen_init(pd_engine *e, pd_request *r, pd_err *err);
+static pd_status grammar_init(pd_engine *e, pd_request *r, pd_err *err);
 static pd_status bias_init(pd_request *r, pd_err *err);
 static pd_status prefix_take(pd_engine *e, pd_request *r, pd_err *err);
 static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, int n_prompt,
@@ -549,6 +563,13 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
     if (params->min_tokens < 0 || params->min_tokens > params->max_new_tokens)
         return pd_err_set(err, PD_ERR_INVALID, "min_tokens %d must be in 0..max_new_tokens (%d)",
                           params->min_tokens, params->max_new_tokens);
+    if (params->grammar != NULL && params->min_tokens > 0)
+        return pd_err_set(err, PD_ERR_INVALID, "min_tokens cannot be combined with structured output "
+                          "(the grammar decides where the output may end)");
+    if (params->grammar != NULL &&
+        (params->gvocab == NULL || pd_gvocab_words(params->gvocab) != (e->V + 31) / 32))
+        return pd_err_set(err, PD_ERR_INVALID, "structured output: the grammar's vocabulary does not "
+                          "match the model's %d tokens", e->V);
     if (params->prompt_logprobs && !external && e->cp != NULL)
         return pd_err_set(err, PD_ERR_INVALID, "prompt logprobs are not available with "
                           "context-parallel prefill");
@@ -573,7 +594,8 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
     }
     memcpy(r->prompt, prompt, (size_t)n_prompt * sizeof(int32_t));
     r->n_prompt = n_prompt;
-    if ((st = pen_init(e, r, err)) != PD_OK || (st = bias_init(r, err)) != PD_OK)
+    if ((st = pen_init(e, r, err)) != PD_OK || (st = bias_init(r, err)) != PD_OK ||
+        (st = grammar_init(e, r, err)) != PD_OK)
         goto err_free;
     if (params->prompt_logprobs &&
         (r->prompt_lps = calloc((size_t)n_prompt, sizeof(*r->prompt_lps))) == NULL) {
@@ -894,6 +916,87 @@ static pd_status pen_apply(pd_engine *e, const float *logits, pd_err *err)
     return kern_penalty(e->tm->be, &pa, err);
 }
 
+/* ---- structured output ---- */
+
+static pd_status grammar_init(pd_engine *e, pd_request *r, pd_err *err)
+{
+    const uint32_t *first = r->params.first_allow;
+    pd_grammar *g = r->params.grammar;
+    r->params.first_allow = NULL;
+    r->params.grammar = NULL;   /* the matchers hold their references */
+    if (g != NULL) {
+        TRY(pd_gmatch_create(g, &r->gm, err));
+        return pd_gmatch_create(g, &r->gm_row, err);
+    }
+    if (first != NULL) {
+        size_t bytes = (size_t)((e->V + 31) / 32) * sizeof(uint32_t);
+        if ((r->first_allow = malloc(bytes)) == NULL)
+            return pd_err_set(err, PD_ERR_NOMEM, "first-token mask");
+        memcpy(r->first_allow, first, bytes);
+    }
+    return PD_OK;
+}
+
+/* the mask slot of logits row `row`, queued */
+static pd_status mask_slot(pd_engine *e, int row, uint32_t **bits, pd_err *err)
+{
+    int words = (e->V + 31) / 32;
+    TRY(grow_host((void **)&e->mask_rows, &e->cap_mask_rows, e->n_mask + 1, sizeof(int32_t), err));
+    TRY(grow_host((void **)&e->mask_bits, &e->cap_mask_bits, (e->n_mask + 1) * words, sizeof(uint32_t), err));
+    e->mask_rows[e->n_mask] = row;
+    *bits = e->mask_bits + (size_t)e->n_mask * words;
+    e->n_mask++;
+    return PD_OK;
+}
+
+/* Queues the masks of r's rows row0 .. row0 + n_extra: row row0 + j follows the output and
+ * extra[0..j) (a verify block's drafts). Past a draft the grammar refuses no row is masked:
+ * that draft's own row is, so the block is accepted no further than it. */
+static pd_status mask_rows(pd_engine *e, pd_request *r, int row0, const int32_t *extra, int n_extra,
+                           pd_err *err)
+{
+    uint32_t *bits;
+    if (r->gm == NULL) {
+        if (r->first_allow == NULL || r->n_out > 0)
+            return PD_OK;
+        TRY(mask_slot(e, row0, &bits, err));
+        memcpy(bits, r->first_allow, (size_t)((e->V + 31) / 32) * sizeof(uint32_t));
+        return PD_OK;
+    }
+    TRY(pd_gmatch_copy(r->gm_row, r->gm, err));
+    for (int j = 0; j <= n_extra; j++) {
+        TRY(mask_slot(e, row0 + j, &bits, err));
+        TRY(pd_gmatch_allowed(r->gm_row, r->params.gvocab, bits, err));
+        if (j == n_extra)
+            break;
+        int ok = pd_gmatch_advance(r->gm_row, r->params.gvocab, extra[j], err);
+        if (ok < 0)
+            return err != NULL ? err->code : PD_ERR_INTERNAL;
+        if (ok == 0)
+            break;
+    }
+    return PD_OK;
+}
+
+/* Applies the queued masks to logits (backend memory, [*, V]) and empties the queue. */
+static pd_status mask_apply(pd_engine *e, const float *logits, pd_err *err)
+{
+    int n = e->n_mask, words = (e->V + 31) / 32;
+    e->n_mask = 0;
+    if (n == 0)
+        return PD_OK;
+    size_t rows_bytes = ((size_t)n * sizeof(int32_t) + 255) & ~(size_t)255;
+    size_t bytes = rows_bytes + (size_t)n * words * sizeof(uint32_t);
+    TRY(kern_buf_grow(e->tm->be, &e->mask_dev, &e->cap_mask, (int)bytes, 1, err));
+    char *dev = e->mask_dev->ptr;
+    TRY(kern_upload(e->tm->be, dev, e->mask_rows, (size_t)n * sizeof(int32_t), err));
+    TRY(kern_upload(e->tm->be, dev + rows_bytes, e->mask_bits, (size_t)n * words * sizeof(uint32_t), err));
+    kern_token_mask_args ma = { .x = (float *)(uintptr_t)logits, .ld_x = e->V, .n = e->V, .n_rows = n,
+                                .rows = (const int32_t *)dev, .bits = (const uint32_t *)(dev + rows_bytes),
+                                .words = words };
+    return kern_token_mask(e->tm->be, &ma, err);
+}
+
 /* Appends tok (with its logprobs lp when the request keeps them; NULL: zeros). */
 static pd_status push_out(pd_request *r, int32_t tok, const pd_token_logprobs *lp, pd_err *err)
 {
@@ -915,6 +1018,14 @@ static pd_status push_out(pd_request *r, int32_t tok, const pd_token_logprobs *l
         if (r->pen[tok] == 0)
             TRY(pen_track(r, tok, err));
         r->pen[tok]++;
+    }
+    if (r->gm != NULL) {
+        int ok = pd_gmatch_advance(r->gm, r->params.gvocab, tok, err);
+        if (ok < 0)
+            return err != NULL ? err->code : PD_ERR_INTERNAL;
+        if (ok == 0)
+            return pd_err_set(err, PD_ERR_INVALID, "structured output: token %d does not fit the grammar "
+                              "after %d tokens", tok, r->n_out);
     }
     r->out[r->n_out++] = tok;
     return PD_OK;
@@ -1796,9 +1907,12 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
     }
     /* penalties (the prompt's tokens, for the repetition penalty) */
     for (int i = 0; i < n_done && st == PD_OK; i++)
-        st = pen_row(e, done[i], i, NULL, 0, err);
+        if ((st = pen_row(e, done[i], i, NULL, 0, err)) == PD_OK)
+            st = mask_rows(e, done[i], i, NULL, 0, err);
     if (st == PD_OK)
         st = pen_apply(e, logits, err);
+    if (st == PD_OK)
+        st = mask_apply(e, logits, err);
     if (st != PD_OK)
         goto out;
     /* first tokens: the backend's argmax, or its sampling ops when a request samples */
@@ -2371,11 +2485,16 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         }
         const float *vl = pd_target_logits(e->target);
         vl_rows = vl;
-        for (int i = 0; i < m && st == PD_OK; i++)
+        for (int i = 0; i < m && st == PD_OK; i++) {
             for (int j = 0; j <= slots[i].l && st == PD_OK; j++)
                 st = pen_row(e, slots[i].r, slots[i].base + j, slots[i].d, j, err);
+            if (st == PD_OK)
+                st = mask_rows(e, slots[i].r, slots[i].base, slots[i].d, slots[i].l, err);
+        }
         if (st == PD_OK)
             st = pen_apply(e, vl, err);
+        if (st == PD_OK)
+            st = mask_apply(e, vl, err);
         if (st == PD_OK)
             st = argmax_rows(e, vl, n_v, vargmax, err);
         if (st == PD_OK && any_sampled)

@@ -98,6 +98,10 @@ typedef struct {
 
 #define PD_MAX_STOP_IDS 16
 
+typedef struct pd_grammar pd_grammar;
+typedef struct pd_gvocab pd_gvocab;
+typedef struct pd_gmatch pd_gmatch;
+
 typedef struct {
     pd_sample_params sample;
     int max_new_tokens;
@@ -130,6 +134,17 @@ typedef struct {
     int32_t stop_ids[PD_MAX_STOP_IDS]; /* vLLM's stop_token_ids: each ends the request as an eos
                               * does (finish STOP, the token kept in out), ignore_eos or not */
     int n_stop_ids;
+    /* structured output (pd_grammar.h): every pick (the first token, every verify row) is
+     * masked to the tokens the grammar allows after the output so far and the drafts before
+     * the row (kern_token_mask), so greedy speculative decoding stays exactly the masked
+     * greedy decoding; eos only where the grammar may end. The engine takes its own reference
+     * to grammar; gvocab (of the engine's vocabulary) must outlive the request. Not with
+     * min_tokens. */
+    pd_grammar *grammar;
+    const pd_gvocab *gvocab;
+    /* the first token's mask alone (a prefill node: the decode node computed it), words
+     * (V + 31) / 32, copied at admission; ignored with grammar */
+    const uint32_t *first_allow;
 } pd_gen_params;
 
 typedef enum {
@@ -194,6 +209,9 @@ typedef struct pd_request {
     int ext_seq;             /* scratch of extend_draft: this request's sequence slot ... */
     uint64_t ext_epoch;      /* ... valid while equal to the engine's extend counter */
     int offered;             /* full pages offered to the prefix cache so far */
+    pd_gmatch *gm;           /* params.grammar: where the output so far leaves it ... */
+    pd_gmatch *gm_row;       /* ... and a copy walked along a verify block's drafts */
+    uint32_t *first_allow;   /* the copy of params.first_allow */
 } pd_request;
 
 /* The targets of context-parallel ranks 1..cp_size-1 on a device backend

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "pd_engine.h"
+#include "pd_grammar.h"
 #include "test_util.h"
 
 static kern_backend *be;
@@ -931,9 +932,10 @@ done:
 }
 
 /* Greedy decoding with penalties by hand: a fresh forward over prompt + output for every token,
- * the penalties applied to the whole logits row on the host (vLLM's rules), the argmax. */
-static void ref_penalised(const int32_t *prompt, int n_prompt, const pd_gen_params *gp, int n_new,
-                          int32_t *out)
+ * the penalties applied to the whole logits row on the host (vLLM's rules), the argmax; with a
+ * matcher gm, the row masked to what the grammar allows (ending at eos). Returns the tokens made. */
+static int ref_penalised(const int32_t *prompt, int n_prompt, const pd_gen_params *gp, int n_new,
+                         int32_t *out, pd_gmatch *gm, const pd_gvocab *gv)
 {
     pd_err err;
     int V = tm->cfg.vocab_size, T = n_prompt + n_new;
@@ -953,6 +955,8 @@ static void ref_penalised(const int32_t *prompt, int n_prompt, const pd_gen_para
     for (int i = 0; i < T; i++)
         pos[i] = i;
     float rep = gp->repetition_penalty == 0.0f ? 1.0f : gp->repetition_penalty;
+    uint32_t *bits = gm != NULL ? malloc((size_t)pd_gvocab_words(gv) * 4) : NULL;
+    int made = 0;
     for (int k = 0; k < n_new && t != NULL; k++) {
         int n = n_prompt + k;
         pd_kv_seq seq;
@@ -977,6 +981,10 @@ static void ref_penalised(const int32_t *prompt, int n_prompt, const pd_gen_para
                 x = x > 0.0f ? x / rep : x * rep;
             if (cnt[v] > 0)
                 x = x - gp->frequency_penalty * (float)cnt[v] - gp->presence_penalty;
+            if (v == 0 && bits != NULL)
+                TEST_CHECK(pd_gmatch_allowed(gm, gv, bits, &err) == PD_OK);
+            if (bits != NULL && !((bits[v >> 5] >> (v & 31)) & 1u))
+                x = -INFINITY;
             row[v] = x;
             if (x > row[best])
                 best = v;
@@ -984,7 +992,17 @@ static void ref_penalised(const int32_t *prompt, int n_prompt, const pd_gen_para
         out[k] = best;
         ids[n] = best;
         cnt[best]++;
+        made++;
+        if (gm != NULL) {
+            TEST_CHECK(pd_gmatch_advance(gm, gv, best, &err) == 1);
+            int stop = 0;
+            for (int q = 0; q < tm->cfg.n_eos; q++)
+                stop |= tm->cfg.eos_ids[q] == best;
+            if (stop)
+                break;
+        }
     }
+    free(bits);
     free(ids);
     free(pos);
     free(sq);
@@ -993,6 +1011,7 @@ static void ref_penalised(const int32_t *prompt, int n_prompt, const pd_gen_para
     free(row);
     pd_target_destroy(t);
     pd_kv_pool_destroy(pool);
+    return made;
 }
 
 static int repeats(const int32_t *t, int n)
@@ -1045,7 +1064,7 @@ static void test_engine_penalties(void)
         if (rs == NULL || rp == NULL)
             continue;
         int32_t ref[N];
-        ref_penalised(prompt_a, 22, &cases[c], N, ref);
+        ref_penalised(prompt_a, 22, &cases[c], N, ref, NULL, NULL);
         int same_sp = rs->n_out == N && rp->n_out == N, same_ref = same_sp;
         for (int i = 0; i < N && same_sp; i++)
             same_sp = rs->out[i] == rp->out[i];
@@ -1177,6 +1196,146 @@ done:
     pd_engine_destroy(plain);
 }
 
+/* the first index of out[0..n) the grammar refuses (a fresh matcher), -1 when all fit; *complete:
+ * whether the text is a whole match after them */
+static int grammar_check(pd_grammar *g, const pd_gvocab *gv, const int32_t *out, int n, int *complete)
+{
+    pd_err err;
+    pd_gmatch *m = NULL;
+    if (pd_gmatch_create(g, &m, &err) != PD_OK)
+        return 0;
+    int bad = -1;
+    for (int i = 0; i < n && bad < 0; i++)
+        if (pd_gmatch_advance(m, gv, out[i], &err) != 1)
+            bad = i;
+    *complete = pd_gmatch_complete(m);
+    pd_gmatch_destroy(m);
+    return bad;
+}
+
+/* Structured output: with a JSON schema, json_object, choices and a regex, greedy speculative
+ * output equals target-only output, which equals greedy decoding by hand over the masked rows
+ * (the schema); every token fits the grammar, a choice ends (eos) on one of the choices, a
+ * finished JSON text parses; a sampled request fits too; a prefill node's first-token mask
+ * decides the first token; min_tokens with a grammar and a foreign vocabulary are refused. */
+static void test_engine_grammar(void)
+{
+    pd_err err;
+    pd_engine *spec = NULL, *plain = NULL;
+    pd_tokenizer *tk = NULL;
+    pd_gvocab *gv = NULL;
+    pd_grammar *gs[4] = { NULL };
+    if (spec_and_plain(&spec, &plain) != 0)
+        goto done;
+    int V = tm->cfg.vocab_size;
+    TEST_CHECK(pd_tokenizer_load(PD_MODELS "/tiny-code-qwen3", &tk, &err) == PD_OK);
+    if (tk == NULL || pd_gvocab_create(tk, V, tm->cfg.eos_ids, tm->cfg.n_eos, &gv, &err) != PD_OK) {
+        TEST_CHECK_MSG(0, "vocabulary: %s", err.msg);
+        goto done;
+    }
+    const char *schema = "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\",\"maxLength\":12},"
+                         "\"n\":{\"type\":\"integer\"},\"ok\":{\"type\":\"boolean\"}},\"required\":[\"name\",\"n\",\"ok\"]}";
+    const char *choices[] = { "def", "class", "import os" };
+    TEST_CHECK(pd_grammar_json(schema, strlen(schema), &gs[0], &err) == PD_OK);
+    TEST_CHECK(pd_grammar_json(NULL, 0, &gs[1], &err) == PD_OK);
+    TEST_CHECK(pd_grammar_choice(choices, 3, &gs[2], &err) == PD_OK);
+    TEST_CHECK(pd_grammar_regex("[0-9]{2,4}-[a-z_]+", 18, &gs[3], &err) == PD_OK);
+    enum { N = 48 };
+    for (int c = 0; c < 4; c++) {
+        if (gs[c] == NULL)
+            continue;
+        pd_gen_params gp = greedy(N);
+        gp.grammar = gs[c];
+        gp.gvocab = gv;
+        pd_request *rs = NULL, *rp = NULL;
+        TEST_CHECK(pd_engine_add(spec, 60 + c, prompt_a, 22, &gp, &rs, &err) == PD_OK);
+        TEST_CHECK(pd_engine_add(plain, 60 + c, prompt_a, 22, &gp, &rp, &err) == PD_OK);
+        TEST_CHECK(run_to_end(spec) == 0 && run_to_end(plain) == 0);
+        if (rs == NULL || rp == NULL)
+            continue;
+        int same = rs->n_out == rp->n_out && rs->finish == rp->finish;
+        for (int i = 0; i < rs->n_out && same; i++)
+            same = rs->out[i] == rp->out[i];
+        TEST_CHECK_MSG(same, "grammar %d: speculative output (%d tokens) differs from target-only (%d)", c,
+                       rs->n_out, rp->n_out);
+        int complete = 0, bad = grammar_check(gs[c], gv, rs->out, rs->n_out, &complete);
+        TEST_CHECK_MSG(bad < 0, "grammar %d: token %d of the output does not fit", c, bad);
+        char *text = NULL;
+        size_t tl = 0;
+        TEST_CHECK(pd_tokenizer_decode(tk, rs->out, (size_t)rs->n_out, 1, &text, &tl, &err) == PD_OK);
+        printf("  grammar %d: %d tokens, %d rounds, finish %s: %s\n", c, rs->n_out, rs->n_rounds,
+               pd_finish_reason_str(rs->finish), text ? text : "");
+        if (c == 2)
+            TEST_CHECK_MSG(rs->finish == PD_FINISH_STOP && complete && text != NULL &&
+                           (!strcmp(text, "def") || !strcmp(text, "class") || !strcmp(text, "import os")),
+                           "a choice: %s", text ? text : "");
+        if ((c == 0 || c == 1) && rs->finish == PD_FINISH_STOP) {
+            cJSON *doc = text != NULL ? cJSON_Parse(text) : NULL;
+            TEST_CHECK_MSG(cJSON_IsObject(doc), "finished JSON parses: %s", text ? text : "");
+            if (c == 0 && doc != NULL)
+                TEST_CHECK(cJSON_IsString(cJSON_GetObjectItem(doc, "name")) &&
+                           cJSON_IsNumber(cJSON_GetObjectItem(doc, "n")) && cJSON_IsBool(cJSON_GetObjectItem(doc, "ok")));
+            cJSON_Delete(doc);
+        }
+        if (c == 0) {   /* the hand-made reference: masked greedy decoding */
+            pd_gmatch *m = NULL;
+            int32_t ref[N];
+            TEST_CHECK(pd_gmatch_create(gs[c], &m, &err) == PD_OK);
+            int n_ref = m != NULL ? ref_penalised(prompt_a, 22, &gp, N, ref, m, gv) : 0;
+            int eq = n_ref == rp->n_out;
+            for (int i = 0; i < n_ref && eq; i++)
+                eq = ref[i] == rp->out[i];
+            TEST_CHECK_MSG(eq, "schema: target-only output (%d tokens) differs from masked greedy by hand (%d)",
+                           rp->n_out, n_ref);
+            pd_gmatch_destroy(m);
+        }
+        free(text);
+        /* sampled */
+        pd_gen_params sp = gp;
+        sp.sample.temperature = 0.9f;
+        sp.sample.seed = 7 + (uint64_t)c;
+        pd_request *rr = NULL;
+        TEST_CHECK(pd_engine_add(spec, 70 + c, prompt_b, 9, &sp, &rr, &err) == PD_OK);
+        TEST_CHECK(run_to_end(spec) == 0);
+        if (rr != NULL)
+            TEST_CHECK_MSG(rr->finish != PD_FINISH_ERROR && grammar_check(gs[c], gv, rr->out, rr->n_out, &complete) < 0,
+                           "grammar %d sampled: %s", c, rr->error);
+    }
+    /* a prefill node's first-token mask: only token 1966 */
+    uint32_t *first = calloc((size_t)(V + 31) / 32, 4);
+    first[1966 >> 5] |= 1u << (1966 & 31);
+    pd_gen_params fp = greedy(3);
+    fp.first_allow = first;
+    pd_request *rf = NULL;
+    TEST_CHECK(pd_engine_add(plain, 80, prompt_b, 9, &fp, &rf, &err) == PD_OK);
+    free(first);   /* copied at admission */
+    TEST_CHECK(run_to_end(plain) == 0);
+    TEST_CHECK(rf != NULL && rf->n_out >= 1 && rf->out[0] == 1966);
+    /* refused */
+    pd_gen_params bm = greedy(8);
+    bm.grammar = gs[1];
+    bm.gvocab = gv;
+    bm.min_tokens = 2;
+    pd_request *rb = NULL;
+    TEST_CHECK(pd_engine_add(spec, 81, prompt_b, 9, &bm, &rb, &err) == PD_ERR_INVALID && strstr(err.msg, "min_tokens"));
+    pd_gvocab *small = NULL;
+    const uint8_t *one[1] = { (const uint8_t *)"a" };
+    size_t onel[1] = { 1 };
+    int32_t e0 = 0;
+    TEST_CHECK(pd_gvocab_create_raw(one, onel, 1, &e0, 0, &small, &err) == PD_OK);
+    bm.min_tokens = 0;
+    bm.gvocab = small;
+    TEST_CHECK(pd_engine_add(spec, 82, prompt_b, 9, &bm, &rb, &err) == PD_ERR_INVALID && strstr(err.msg, "vocabulary"));
+    pd_gvocab_destroy(small);
+done:
+    pd_engine_destroy(spec);
+    pd_engine_destroy(plain);
+    for (int i = 0; i < 4; i++)
+        pd_grammar_unref(gs[i]);
+    pd_gvocab_destroy(gv);
+    pd_tokenizer_free(tk);
+}
+
 int main(void)
 {
     pd_err err;
@@ -1202,6 +1361,7 @@ int main(void)
     test_engine_penalties();
     test_engine_prompt_logprobs();
     test_engine_prefix_cache();
+    test_engine_grammar();
     pd_dspark_free(dm);
     pd_qwen3_free(tm);
     kern_backend_destroy(be);
