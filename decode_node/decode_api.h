@@ -117,6 +117,14 @@ typedef struct {
     int top_logprobs;               /* with logprobs: and its 0..PD_MAX_TOP_LOGPROBS likeliest */
     int prompt_logprobs;            /* 1: the first chunk carries the prompt's logprobs (a
                                      * colocated node without context parallelism only) */
+    /* structured output (pd_grammar.h), at most one: */
+    int json_object;                /* 1: any JSON object */
+    const char *json_schema;        /* a JSON schema's text ... */
+    size_t json_schema_len;
+    const char *const *choices;     /* one of these strings ... */
+    int n_choices;
+    const char *regex;              /* a whole match of this regular expression */
+    size_t regex_len;
 } decode_req;
 
 typedef struct {

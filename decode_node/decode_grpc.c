@@ -328,6 +328,20 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
         }
         dr.logit_bias = bias;
         dr.n_logit_bias = sp->n_logit_bias > INT32_MAX ? INT32_MAX : (int)sp->n_logit_bias;
+        /* structured output: decode_submit compiles it and refuses more than one */
+        dr.json_object = sp->json_object;
+        if (sp->json_schema != NULL && sp->json_schema[0] != '\0') {
+            dr.json_schema = sp->json_schema;
+            dr.json_schema_len = strlen(sp->json_schema);
+        }
+        if (sp->n_choice > 0) {
+            dr.choices = (const char *const *)sp->choice;
+            dr.n_choices = sp->n_choice > INT32_MAX ? INT32_MAX : (int)sp->n_choice;
+        }
+        if (sp->regex != NULL && sp->regex[0] != '\0') {
+            dr.regex = sp->regex;
+            dr.regex_len = strlen(sp->regex);
+        }
     }
     if (rq->verify_policy != NULL && rq->verify_policy[0] != '\0') {
         pd_verify_policy vp;

@@ -32,6 +32,7 @@
 
 #include "decode_metrics.h"
 #include "pd_cli.h"
+#include "pd_grammar.h"
 #include "pd_http.h"
 #include "pd_log.h"
 #include "pd_verify_policy.h"
@@ -114,6 +115,12 @@ typedef struct {
     pd_logit_bias *bias;             /* "logit_bias" (decode_req.logit_bias points here) */
     int vocab;                       /* the model's, to check token ids */
     int32_t stop_ids[PD_MAX_STOP_IDS];   /* "stop_token_ids" */
+    char *schema;                    /* structured output: a JSON schema's text, or ... */
+    char *regex;                     /* ... a regex, or ... */
+    char **choices;                  /* ... the choices (decode_req points at these) */
+    int n_choices;
+    int n_guides;                    /* fields that asked for structured output */
+    const char *guide_param;         /* the (last) one of them */
 } req_opts;
 
 /* ---------------------------------------------------------------------------------------------
@@ -920,9 +927,191 @@ static void opts_free(req_opts *o)
 {
     free(o->bias);
     o->bias = NULL;
+    free(o->schema);
+    free(o->regex);
+    for (int i = 0; i < o->n_choices; i++)
+        free(o->choices[i]);
+    free(o->choices);
+    o->schema = o->regex = NULL;
+    o->choices = NULL;
+    o->n_choices = 0;
     for (int i = 0; i < o->n_stop; i++)
         free(o->stop[i]);
     o->n_stop = 0;
+}
+
+/* structured output, one field's worth: a JSON schema (an object, or its text), choices (an array
+ * of strings) or a regex (a string); the text compiles in decode_submit */
+enum { GUIDE_SCHEMA, GUIDE_CHOICE, GUIDE_REGEX };
+
+static int guide_set(const cJSON *v, int kind, const char *name, decode_req *dr, req_opts *o, char *msg,
+                     size_t cap)
+{
+    o->guide_param = strchr(name, '.') != NULL && strncmp(name, "response_format", 15) == 0 ? "response_format"
+                   : strncmp(name, "structured_outputs", 18) == 0 ? "structured_outputs" : name;
+    if (++o->n_guides > 1) {
+        snprintf(msg, cap, "'%s': give only one of response_format, guided_json, guided_choice, "
+                 "guided_regex and structured_outputs", name);
+        return -1;
+    }
+    if (kind == GUIDE_SCHEMA) {
+        if (cJSON_IsString(v))
+            o->schema = strdup(v->valuestring);
+        else if (cJSON_IsObject(v))
+            o->schema = cJSON_PrintUnformatted(v);
+        else {
+            snprintf(msg, cap, "'%s' must be a JSON schema (an object, or its text)", name);
+            return -1;
+        }
+        if (o->schema == NULL)
+            goto nomem;
+        dr->json_schema = o->schema;
+        dr->json_schema_len = strlen(o->schema);
+        return 0;
+    }
+    if (kind == GUIDE_REGEX) {
+        if (!cJSON_IsString(v)) {
+            snprintf(msg, cap, "'%s' must be a string (a regular expression)", name);
+            return -1;
+        }
+        if ((o->regex = strdup(v->valuestring)) == NULL)
+            goto nomem;
+        dr->regex = o->regex;
+        dr->regex_len = strlen(o->regex);
+        return 0;
+    }
+    int n = cJSON_IsArray(v) ? cJSON_GetArraySize(v) : 0;
+    if (n < 1 || n > PD_GRAMMAR_MAX_CHOICES) {
+        snprintf(msg, cap, "'%s' must be an array of 1..%d strings", name, PD_GRAMMAR_MAX_CHOICES);
+        return -1;
+    }
+    if ((o->choices = calloc((size_t)n, sizeof(char *))) == NULL)
+        goto nomem;
+    for (const cJSON *it = v->child; it != NULL; it = it->next) {
+        if (!cJSON_IsString(it)) {
+            snprintf(msg, cap, "'%s' must be an array of strings", name);
+            return -1;
+        }
+        if ((o->choices[o->n_choices++] = strdup(it->valuestring)) == NULL)
+            goto nomem;
+    }
+    dr->choices = (const char *const *)o->choices;
+    dr->n_choices = n;
+    return 0;
+nomem:
+    snprintf(msg, cap, "out of memory");
+    return -1;
+}
+
+/* OpenAI's response_format ({"type": "text" | "json_object" | "json_schema", "json_schema":
+ * {"name", "schema", "strict"}}), vLLM's guided_json / guided_choice / guided_regex and its
+ * structured_outputs {"json" | "choice" | "regex" | "json_object"}; grammars (guided_grammar,
+ * structured_outputs.grammar) are refused by name */
+static int parse_guides(const cJSON *root, decode_req *dr, req_opts *o, const char **param, char *msg,
+                        size_t cap)
+{
+    *param = "response_format";
+    const cJSON *rf = cJSON_GetObjectItemCaseSensitive(root, "response_format");
+    if (rf != NULL && !cJSON_IsNull(rf)) {
+        const cJSON *ty = cJSON_IsObject(rf) ? cJSON_GetObjectItemCaseSensitive(rf, "type") : NULL;
+        const char *t = cJSON_IsString(ty) ? ty->valuestring : "";
+        if (strcmp(t, "json_object") == 0) {
+            o->n_guides++;
+            o->guide_param = "response_format";
+            dr->json_object = 1;
+        } else if (strcmp(t, "json_schema") == 0) {
+            const cJSON *js = cJSON_GetObjectItemCaseSensitive(rf, "json_schema");
+            const cJSON *sc = cJSON_IsObject(js) ? cJSON_GetObjectItemCaseSensitive(js, "schema") : NULL;
+            if (sc == NULL) {
+                snprintf(msg, cap, "'response_format': type json_schema needs json_schema.schema");
+                return -1;
+            }
+            if (guide_set(sc, GUIDE_SCHEMA, "response_format.json_schema.schema", dr, o, msg, cap) < 0)
+                return -1;
+        } else if (strcmp(t, "text") != 0) {
+            snprintf(msg, cap, "'response_format' must be an object whose type is text, json_object or json_schema");
+            return -1;
+        }
+    }
+    static const struct { const char *key; int kind; } vllm[] = {
+        { "guided_json", GUIDE_SCHEMA }, { "guided_choice", GUIDE_CHOICE }, { "guided_regex", GUIDE_REGEX },
+    };
+    for (size_t i = 0; i < sizeof(vllm) / sizeof(vllm[0]); i++) {
+        *param = vllm[i].key;
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, vllm[i].key);
+        if (v != NULL && !cJSON_IsNull(v) && guide_set(v, vllm[i].kind, vllm[i].key, dr, o, msg, cap) < 0)
+            return -1;
+    }
+    *param = "guided_grammar";
+    const cJSON *gg = cJSON_GetObjectItemCaseSensitive(root, "guided_grammar");
+    if (gg != NULL && !cJSON_IsNull(gg)) {
+        snprintf(msg, cap, "'guided_grammar' (EBNF grammars) is not supported; use a JSON schema, choices or a regex");
+        return -1;
+    }
+    *param = "structured_outputs";
+    const cJSON *so = cJSON_GetObjectItemCaseSensitive(root, "structured_outputs");
+    if (so != NULL && !cJSON_IsNull(so)) {
+        if (!cJSON_IsObject(so)) {
+            snprintf(msg, cap, "'structured_outputs' must be an object");
+            return -1;
+        }
+        static const struct { const char *key; int kind; } keys[] = {
+            { "json", GUIDE_SCHEMA }, { "choice", GUIDE_CHOICE }, { "regex", GUIDE_REGEX },
+        };
+        for (const cJSON *it = so->child; it != NULL; it = it->next) {
+            if (cJSON_IsNull(it))
+                continue;
+            int k = -1;
+            for (int q = 0; q < 3 && k < 0; q++)
+                k = strcmp(it->string, keys[q].key) == 0 ? q : -1;
+            if (k >= 0) {
+                if (guide_set(it, keys[k].kind, k == 0 ? "structured_outputs.json" : k == 1 ? "structured_outputs.choice"
+                              : "structured_outputs.regex", dr, o, msg, cap) < 0)
+                    return -1;
+            } else if (strcmp(it->string, "json_object") == 0) {
+                if (cJSON_IsTrue(it)) {
+                    if (++o->n_guides > 1) {
+                        snprintf(msg, cap, "'structured_outputs': give only one kind of structured output");
+                        return -1;
+                    }
+                    o->guide_param = "structured_outputs";
+                    dr->json_object = 1;
+                }
+            } else {
+                snprintf(msg, cap, "'structured_outputs.%.40s' is not supported (json, choice, regex, json_object)",
+                         it->string);
+                return -1;
+            }
+        }
+    }
+    if (o->n_guides > 1) {
+        snprintf(msg, cap, "give only one of response_format, guided_json, guided_choice, guided_regex and "
+                 "structured_outputs");
+        return -1;
+    }
+    if (o->n_guides == 0)
+        return 0;
+    if (dr->min_tokens > 0) {
+        *param = "min_tokens";
+        snprintf(msg, cap, "'min_tokens' cannot be combined with structured output (the grammar decides where "
+                 "the output may end)");
+        return -1;
+    }
+    /* compiled here too, so that a bad schema or regex is answered with its parameter's name
+     * (decode_submit compiles the request's own) */
+    pd_grammar *g = NULL;
+    pd_err gerr;
+    pd_status gst = dr->json_object ? pd_grammar_json(NULL, 0, &g, &gerr)
+                  : dr->json_schema != NULL ? pd_grammar_json(dr->json_schema, dr->json_schema_len, &g, &gerr)
+                  : dr->n_choices > 0 ? pd_grammar_choice(dr->choices, dr->n_choices, &g, &gerr)
+                  : pd_grammar_regex(dr->regex, dr->regex_len, &g, &gerr);
+    pd_grammar_unref(g);
+    if (gst != PD_OK) {
+        *param = o->guide_param;
+        snprintf(msg, cap, "%s", gerr.msg);
+        return -1;
+    }
+    return 0;
 }
 
 /* The sampling fields shared by both endpoints. Returns 0 or -1 with msg and *param set. */
@@ -1150,6 +1339,8 @@ static int parse_common(const cJSON *root, int chat, decode_req *dr, req_opts *o
         }
         dr->min_tokens = (int)ll;
     }
+    if (parse_guides(root, dr, o, param, msg, cap) < 0)
+        return -1;
     *param = "stream_options";
     const cJSON *so = cJSON_GetObjectItemCaseSensitive(root, "stream_options");
     if (so != NULL && !cJSON_IsNull(so)) {

@@ -29,6 +29,7 @@
 #include "pd_loop.h"
 #include "pd_proto_version.h"
 #include "pd_rpc.h"
+#include "pd_grammar.h"
 #include "pd_tokenizer.h"
 #include "pd_wire.h"
 #include "pd_xfer.h"
@@ -66,6 +67,7 @@ struct decode_handle {
     uint64_t eid;
     int32_t *prompt;
     pd_logit_bias *bias;             /* the request's logit_bias (gp.logit_bias points here) */
+    pd_grammar *grammar;             /* structured output (gp.grammar points here), or NULL */
     int cached_remote;               /* disaggregated: prompt tokens the prefill node's cache served */
     int n_prompt;
     pd_gen_params gp;
@@ -100,6 +102,7 @@ struct decode_server {
     pd_cp_targets cp_targets;   /* --colocated CP on a device backend: the targets of ranks 1.. */
     pd_dspark_model *dm;
     pd_tokenizer *tok;
+    pd_gvocab *gvocab;              /* the vocabulary for structured output's token masks */
     pd_engine *eng;
     pd_calib calib;                 /* confidence calibration (identity when none is shipped) */
     pd_sps sps;                     /* scheduled verification: this device's step-time curve */
@@ -173,6 +176,7 @@ static void handle_unref(decode_handle *h)
     if (atomic_fetch_sub(&h->refs, 1) == 1) {
         free(h->prompt);
         free(h->bias);
+        pd_grammar_unref(h->grammar);
         free(h);
     }
 }
@@ -304,13 +308,17 @@ static void aux_free(decode_server *s, int start)
 
 static void kick(decode_server *s);
 
-/* tok is the stop_token_ids token that ended h (its last token) */
-static int ended_by_stop_id(const decode_handle *h, int32_t tok)
+/* tok is the eos or stop_token_ids token that ended h (its last token): its text is not part
+ * of the output (vLLM's default) */
+static int ended_by_stop_id(const decode_server *s, const decode_handle *h, int32_t tok)
 {
     if (h->r->finish != PD_FINISH_STOP || h->r->n_out == 0 || h->r->out[h->r->n_out - 1] != tok)
         return 0;
     for (int i = 0; i < h->gp.n_stop_ids; i++)
         if (h->gp.stop_ids[i] == tok)
+            return 1;
+    for (int i = 0; i < s->tm->cfg.n_eos && !h->gp.ignore_eos; i++)
+        if (s->tm->cfg.eos_ids[i] == tok)
             return 1;
     return 0;
 }
@@ -335,8 +343,8 @@ static void emit_new(decode_server *s, decode_handle *h)
     for (int i = 0; i < n && text != NULL && plen != NULL; i++) {
         char *piece = NULL;
         pd_err err;
-        if (i == n - 1 && ended_by_stop_id(h, nt[i]))
-            continue;   /* a stop_token_ids token ends the text without being part of it */
+        if (i == n - 1 && ended_by_stop_id(s, h, nt[i]))
+            continue;   /* an eos or stop_token_ids token ends the text without being part of it */
         if (h->detok == NULL || pd_detok_push(h->detok, nt[i], &piece, &err) != PD_OK)
             continue;
         size_t pl = strlen(piece);
@@ -603,6 +611,29 @@ static Pdspark__KvDtype kern_dtype_to_proto(kern_dtype d)
 
 /* Reserve pages + aux rows and send Prefill. PD_ERR_BUSY: no room now (nothing held). */
 /* Send h's Prefill (pages and aux rows already reserved) to nd. On error nothing is in flight. */
+/* The tokens a grammar allows first, as SamplingParams.first_token_mask's bytes (malloc'd) */
+static pd_status first_token_mask(decode_server *s, pd_grammar *g, uint8_t **out, pd_err *err)
+{
+    pd_gmatch *m = NULL;
+    int words = pd_gvocab_words(s->gvocab);
+    uint32_t *bits = malloc((size_t)words * sizeof(uint32_t));
+    uint8_t *bytes = malloc((size_t)words * sizeof(uint32_t));
+    pd_status st = bits == NULL || bytes == NULL ? pd_err_set(err, PD_ERR_NOMEM, "first-token mask")
+                                                 : pd_gmatch_create(g, &m, err);
+    if (st == PD_OK)
+        st = pd_gmatch_allowed(m, s->gvocab, bits, err);
+    for (int i = 0; st == PD_OK && i < words * 4; i++)
+        bytes[i] = (uint8_t)(bits[i / 4] >> (8 * (i % 4)));
+    pd_gmatch_destroy(m);
+    free(bits);
+    if (st != PD_OK) {
+        free(bytes);
+        return st;
+    }
+    *out = bytes;
+    return PD_OK;
+}
+
 static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *nd, pd_err *err)
 {
     if (nd == NULL)
@@ -650,6 +681,20 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
         stop_ids[i] = (uint32_t)h->gp.stop_ids[i];
     sp.n_stop_token_ids = (size_t)h->gp.n_stop_ids;
     sp.stop_token_ids = stop_ids;
+    /* structured output: the prefill node samples the first token, from the tokens the grammar
+     * allows at its start */
+    uint8_t *first_mask = NULL;
+    if (h->grammar != NULL) {
+        pd_status gst = first_token_mask(s, h->grammar, &first_mask, err);
+        if (gst != PD_OK) {
+            free(pages);
+            free(ids);
+            free(dpages);
+            return gst;
+        }
+        sp.first_token_mask.data = first_mask;
+        sp.first_token_mask.len = (size_t)(s->vocab + 7) / 8;
+    }
     Pdspark__LogitBias *lbm = NULL, **lbp = NULL;
     if (h->gp.n_logit_bias > 0) {
         lbm = calloc((size_t)h->gp.n_logit_bias, sizeof(*lbm));
@@ -660,6 +705,7 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
             free(pages);
             free(ids);
             free(dpages);
+            free(first_mask);
             return pd_err_set(err, PD_ERR_NOMEM, "prefill request");
         }
         for (int i = 0; i < h->gp.n_logit_bias; i++) {
@@ -766,6 +812,7 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
     free(ids);
     free(lbm);
     free(lbp);
+    free(first_mask);
     if (st != PD_OK) {
         h->node = NULL;
         node_failed(s, nd, err->msg);
@@ -1279,6 +1326,13 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
     if (!isfinite(req->verify_threshold) || req->verify_threshold < 0.0f || req->verify_threshold > 1.0f)
         return pd_err_set(err, PD_ERR_INVALID, "verify_threshold %g must be in (0, 1] (0 = the node's)",
                           (double)req->verify_threshold);
+    int n_guides = (req->json_object != 0) + (req->json_schema != NULL) + (req->n_choices > 0) + (req->regex != NULL);
+    if (n_guides > 1)
+        return pd_err_set(err, PD_ERR_INVALID, "structured output: give at most one of a JSON object, "
+                          "a JSON schema, choices and a regex");
+    if (n_guides > 0 && req->min_tokens > 0)
+        return pd_err_set(err, PD_ERR_INVALID, "min_tokens cannot be combined with structured output "
+                          "(the grammar decides where the output may end)");
     int32_t *ids = NULL;
     int n = 0;
     if (has_text) {
@@ -1333,17 +1387,34 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
                         n, s->aux_rows);
         goto err_ids;
     }
+    pd_grammar *grammar = NULL;
+    st = PD_OK;
+    if (req->json_object)
+        st = pd_grammar_json(NULL, 0, &grammar, err);
+    else if (req->json_schema != NULL)
+        st = pd_grammar_json(req->json_schema, req->json_schema_len, &grammar, err);
+    else if (req->n_choices > 0)
+        st = pd_grammar_choice(req->choices, req->n_choices, &grammar, err);
+    else if (req->regex != NULL)
+        st = pd_grammar_regex(req->regex, req->regex_len, &grammar, err);
+    if (n_guides > 0 && st != PD_OK)
+        goto err_ids;
     if (atomic_fetch_add(&s->n_waiting, 1) >= s->cfg.max_queue) {
         atomic_fetch_sub(&s->n_waiting, 1);
+        pd_grammar_unref(grammar);
         st = pd_err_set(err, PD_ERR_BUSY, "%d requests already waiting for KV pages", s->cfg.max_queue);
         goto err_ids;
     }
     decode_handle *h = calloc(1, sizeof(*h));
     if (h == NULL) {
         atomic_fetch_sub(&s->n_waiting, 1);
+        pd_grammar_unref(grammar);
         st = pd_err_set(err, PD_ERR_NOMEM, "request handle");
         goto err_ids;
     }
+    h->grammar = grammar;
+    h->gp.grammar = grammar;
+    h->gp.gvocab = grammar != NULL ? s->gvocab : NULL;
     atomic_init(&h->refs, 2);
     atomic_init(&h->cancel_asked, 0);
     h->s = s;
@@ -1372,6 +1443,7 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
     if (req->n_logit_bias > 0) {
         if ((h->bias = malloc((size_t)req->n_logit_bias * sizeof(*h->bias))) == NULL) {
             atomic_fetch_sub(&s->n_waiting, 1);
+            pd_grammar_unref(h->grammar);
             free(h);
             st = pd_err_set(err, PD_ERR_NOMEM, "logit_bias");
             goto err_ids;
@@ -1395,6 +1467,7 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
         atomic_fetch_sub(&s->n_waiting, 1);
         st = err->code;
         free(h->bias);
+        pd_grammar_unref(h->grammar);
         free(h);
         goto err_ids;
     }
@@ -1788,6 +1861,8 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
     const pd_kv_layout *lay = pd_kv_pool_layout(pd_engine_target_pool(s->eng));
     s->vocab = s->tm->cfg.vocab_size;
     s->max_ctx = s->tm->cfg.max_position_embeddings;
+    if ((st = pd_gvocab_create(s->tok, s->vocab, s->tm->cfg.eos_ids, s->tm->cfg.n_eos, &s->gvocab, err)) != PD_OK)
+        goto err_destroy;
     s->page_size = lay->page_size;
     s->total_pages = lay->n_pages;
     s->block_size = pd_engine_block_size(s->eng);
@@ -1880,6 +1955,7 @@ void decode_server_destroy(decode_server *s)
     pd_engine_destroy(s->eng);
     pd_sps_cleanup(&s->sps);
     pd_tokenizer_free(s->tok);
+    pd_gvocab_destroy(s->gvocab);
     pd_dspark_free(s->dm);
     pd_cp_targets_free(&s->cp_targets);
     pd_qwen3_free(s->tm);

@@ -49,6 +49,7 @@ typedef struct job {
     int n;
     pd_gen_params gp;
     pd_logit_bias *bias;     /* gp.logit_bias points here */
+    uint32_t *first_allow;   /* gp.first_allow points here (SamplingParams.first_token_mask) */
     /* destination */
     void *waddr;
     size_t waddr_len;
@@ -146,6 +147,7 @@ static void job_unref(job *j)
         return;
     free(j->ids);
     free(j->bias);
+    free(j->first_allow);
     free(j->waddr);
     free(j->pages);
     free(j->kv_rkey);
@@ -988,6 +990,17 @@ static pd_status validate(prefill_server *ps, const Pdspark__PrefillRequest *rq,
             if ((st = pd_logit_bias_check(&one, 1, ps->vocab, err)) != PD_OK)
                 return st;
         }
+        const ProtobufCBinaryData *fm = &rq->sampling->first_token_mask;
+        if (fm->len > 0) {
+            if (fm->len != (size_t)(ps->vocab + 7) / 8)
+                return pd_err_set(err, PD_ERR_INVALID, "first_token_mask of %zu bytes (the vocabulary of %d "
+                                  "tokens needs %d)", fm->len, ps->vocab, (ps->vocab + 7) / 8);
+            int any = 0;
+            for (size_t i = 0; i < fm->len && !any; i++)
+                any = fm->data[i] != 0;
+            if (!any)
+                return pd_err_set(err, PD_ERR_INVALID, "first_token_mask allows no token");
+        }
     }
     return PD_OK;
 }
@@ -1122,6 +1135,19 @@ static pd_status handle_prefill(void *ud, const ProtobufCMessage *msg, pd_rpc_ca
         j->gp.presence_penalty = rq->sampling->presence_penalty;
         j->gp.frequency_penalty = rq->sampling->frequency_penalty;
         j->gp.repetition_penalty = rq->sampling->repetition_penalty;
+        /* structured output: the decode node sends the tokens its grammar allows first */
+        const ProtobufCBinaryData *fm = &rq->sampling->first_token_mask;
+        if (fm->len > 0) {
+            int words = (ps->vocab + 31) / 32;
+            if ((j->first_allow = calloc((size_t)words, sizeof(uint32_t))) == NULL) {
+                atomic_store(&j->refs, 1);
+                job_unref(j);
+                return PD_ERR_NOMEM;
+            }
+            for (size_t i = 0; i < fm->len; i++)
+                j->first_allow[i / 4] |= (uint32_t)fm->data[i] << (8 * (i % 4));
+            j->gp.first_allow = j->first_allow;
+        }
     }
     j->t_recv = now_ms();
     int64_t tmo = (int64_t)(rq->timeout_ms > (uint64_t)INT32_MAX ? INT32_MAX : rq->timeout_ms);

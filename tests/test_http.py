@@ -495,6 +495,68 @@ def test_penalties(bin_dir, model, draft, node, prompt, n, want):
     check(st == 200 and b["usage"]["completion_tokens"] >= 1, "sampled chat with penalties %s" % b)
 
 
+STRUCT_REF = {}  # the colocated node's structured outputs (the disaggregated test compares)
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer"},
+                                           "ok": {"type": "boolean"}}, "required": ["name", "n", "ok"]}
+STRUCT = {
+    "schema": {"prompt": "def fib(n):", "max_tokens": 48, "temperature": 0,
+               "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}},
+    "choice": {"prompt": "def fib(n):", "max_tokens": 8, "temperature": 0, "guided_choice": ["yes", "no", "maybe"]},
+    "regex": {"prompt": "def fib(n):", "max_tokens": 12, "temperature": 0, "guided_regex": "[0-9]{3}-[a-z]+"},
+}
+
+
+def test_structured(node, label):
+    """Structured output: a JSON schema's output parses and obeys it when it ends, a choice is one
+    of the choices, a regex's output matches; json_object on chat; vLLM's structured_outputs form;
+    a stream's text is the whole answer's. Each is recorded (colocated) or compared with the
+    colocated node's (disaggregated: the prefill node picks the first token from the mask)."""
+    got = {}
+    for k, body in STRUCT.items():
+        st, b = post_json(node, "/v1/completions", body)
+        c = b["choices"][0] if st == 200 else {}
+        got[k] = c.get("text")
+        check(st == 200, "%s structured %s: %s" % (label, k, b))
+        if st != 200:
+            continue
+        if k == "schema" and c["finish_reason"] == "stop":
+            d = json.loads(c["text"])
+            check(isinstance(d.get("name"), str) and len(d["name"]) <= 12 and isinstance(d.get("n"), int) and
+                  isinstance(d.get("ok"), bool), "%s schema output obeys it: %r" % (label, c["text"]))
+        elif k == "schema":
+            check(c["text"].lstrip().startswith("{"), "%s schema output starts an object: %r" % (label, c["text"]))
+        if k == "choice":
+            check(c["text"] in ("yes", "no", "maybe") and c["finish_reason"] == "stop",
+                  "%s guided_choice: %r %s" % (label, c["text"], c["finish_reason"]))
+        if k == "regex":
+            ok = re.fullmatch("[0-9]{3}-[a-z]+", c["text"]) if c["finish_reason"] == "stop" else \
+                re.fullmatch("[0-9]{0,3}(-[a-z]*)?", c["text"])
+            check(ok is not None, "%s guided_regex: %r %s" % (label, c["text"], c["finish_reason"]))
+    if label == "colocated":
+        STRUCT_REF.update(got)
+    else:
+        check(got == STRUCT_REF, "%s structured outputs == colocated: %s vs %s" % (label, got, STRUCT_REF))
+    st, b = post_json(node, "/v1/completions", {"prompt": "def fib(n):", "max_tokens": 8, "temperature": 0,
+                                                "structured_outputs": {"choice": ["yes", "no", "maybe"]}})
+    check(st == 200 and b["choices"][0]["text"] == got.get("choice"),
+          "%s structured_outputs.choice == guided_choice: %s" % (label, b))
+    st, b = post_json(node, "/v1/chat/completions", {"messages": [{"role": "user", "content": "fib as json"}],
+                                                     "max_tokens": 40, "temperature": 0,
+                                                     "response_format": {"type": "json_object"}})
+    if st == 200:
+        m = b["choices"][0]["message"]["content"]
+        check(m.startswith("{") and (b["choices"][0]["finish_reason"] != "stop" or isinstance(json.loads(m), dict)),
+              "%s chat json_object: %r" % (label, m))
+    else:
+        check(False, "%s chat json_object: %s" % (label, b))
+    st, text, evs, done = read_stream(node, "/v1/completions", dict(STRUCT["schema"], stream=True), False)
+    check(st == 200 and done and text == got.get("schema"), "%s streamed schema output == whole: %r vs %r" %
+          (label, text, got.get("schema")))
+    # sampled: still inside the grammar
+    st, b = post_json(node, "/v1/completions", dict(STRUCT["choice"], temperature=1.0, seed=3))
+    check(st == 200 and b["choices"][0]["text"] in ("yes", "no", "maybe"), "%s sampled choice %s" % (label, b))
+
+
 def test_n(node, prompt):
     """n choices: choice i is what one request with seed + i gives; usage sums them; streams
     tag every event with its choice; each choice stops at its own stop string."""
@@ -629,6 +691,7 @@ def test_prefill_http(bin_dir, model, draft):
                                                           "temperature": 0}, **PEN))
         check(ptext is not None and st == 200 and body["choices"][0]["text"] == ptext,
               "disaggregated penalties == colocated: %s vs %r" % (body, ptext))
+        test_structured(dn, "disaggregated")
         n, btext = PEN_REF.get("bias", (8, None))
         st, body = post_json(dn, "/v1/completions", dict({"prompt": "def fib(n):", "max_tokens": n,
                                                           "temperature": 0}, **BIAS))
@@ -977,6 +1040,7 @@ def main():
         test_logprobs(bin_dir, model, node, prompt, N, want)
         test_penalties(bin_dir, model, draft, node, prompt, N, want)
         test_n(node, prompt)
+        test_structured(node, "colocated")
         # /tokenize and /detokenize (vLLM's): pdspark-tokenize's ids, and back
         st, b = post_json(node, "/tokenize", {"prompt": prompt})
         check(st == 200 and b["tokens"] == ids and b["count"] == len(ids) and b["max_model_len"] > 0,
@@ -1027,6 +1091,23 @@ def main():
             ("/v1/completions", json.dumps({"prompt": "x", "logit_bias": {"5": 101}}).encode(), 400, "logit_bias"),
             ("/v1/completions", json.dumps({"prompt": "x", "logit_bias": [1]}).encode(), 400, "logit_bias"),
             ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": 4, "min_tokens": 5}).encode(), 400,
+             "min_tokens"),
+            ("/v1/completions", json.dumps({"prompt": "x", "response_format": {"type": "xml"}}).encode(), 400,
+             "response_format"),
+            ("/v1/completions", json.dumps({"prompt": "x", "response_format": {"type": "json_schema"}}).encode(),
+             400, "response_format"),
+            ("/v1/completions", json.dumps({"prompt": "x", "guided_choice": ["a"], "guided_regex": "b"}).encode(),
+             400, "guided_regex"),
+            ("/v1/completions", json.dumps({"prompt": "x", "guided_json": {"type": "string", "pattern": "a+"}}).encode(),
+             400, "guided_json"),
+            ("/v1/completions", json.dumps({"prompt": "x", "guided_json": "{not json"}).encode(), 400, "guided_json"),
+            ("/v1/completions", json.dumps({"prompt": "x", "guided_regex": "(ab"}).encode(), 400, "guided_regex"),
+            ("/v1/completions", json.dumps({"prompt": "x", "guided_choice": []}).encode(), 400, "guided_choice"),
+            ("/v1/completions", json.dumps({"prompt": "x", "guided_grammar": "root ::= x"}).encode(), 400,
+             "guided_grammar"),
+            ("/v1/completions", json.dumps({"prompt": "x", "structured_outputs": {"grammar": "x"}}).encode(), 400,
+             "structured_outputs"),
+            ("/v1/completions", json.dumps({"prompt": "x", "guided_choice": ["a"], "min_tokens": 1}).encode(), 400,
              "min_tokens"),
             ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
                                                  "echo": True}).encode(), 400, "echo"),
