@@ -141,6 +141,77 @@ int pd_cli_parse_logit_bias(const char *prog, const char *flag, const char *s, p
     return 0;
 }
 
+int pd_cli_parse_guide(const char *prog, const char *flag, const char *arg, pd_cli_guide *g)
+{
+    int kinds = g->json_object + (g->schema != NULL) + (g->n_choices > 0) + (g->regex != NULL);
+    int same = (strcmp(flag, "--choice") == 0 && g->n_choices > 0);
+    if (kinds > 0 && !same) {
+        fprintf(stderr, "%s: %s: give only one of --json-object, --json-schema, --choice and --regex\n", prog, flag);
+        return -1;
+    }
+    if (strcmp(flag, "--json-object") == 0) {
+        g->json_object = 1;
+        return 0;
+    }
+    if (strcmp(flag, "--regex") == 0) {
+        g->regex = arg;
+        return 0;
+    }
+    if (strcmp(flag, "--choice") == 0) {
+        char **nc = realloc(g->choices, (size_t)(g->n_choices + 1) * sizeof(char *));
+        if (nc == NULL || (nc[g->n_choices] = strdup(arg)) == NULL) {
+            if (nc != NULL)
+                g->choices = nc;
+            fprintf(stderr, "%s: out of memory\n", prog);
+            return -1;
+        }
+        g->choices = nc;
+        g->n_choices++;
+        return 0;
+    }
+    FILE *f = strcmp(arg, "-") == 0 ? stdin : fopen(arg, "rb");
+    if (f == NULL) {
+        fprintf(stderr, "%s: %s %s: %s\n", prog, flag, arg, strerror(errno));
+        return -1;
+    }
+    size_t cap = 4096, n = 0;
+    char *buf = malloc(cap);
+    while (buf != NULL) {
+        size_t got = fread(buf + n, 1, cap - n - 1, f);
+        n += got;
+        if (got == 0)
+            break;
+        if (n + 1 == cap) {
+            char *nb = cap < (1u << 20) ? realloc(buf, cap * 2) : NULL;
+            if (nb == NULL) {
+                free(buf);
+                buf = NULL;
+                break;
+            }
+            buf = nb;
+            cap *= 2;
+        }
+    }
+    if (f != stdin)
+        fclose(f);
+    if (buf == NULL) {
+        fprintf(stderr, "%s: %s %s: out of memory or larger than 1 MiB\n", prog, flag, arg);
+        return -1;
+    }
+    buf[n] = '\0';
+    g->schema = buf;
+    return 0;
+}
+
+void pd_cli_guide_free(pd_cli_guide *g)
+{
+    free(g->schema);
+    for (int i = 0; i < g->n_choices; i++)
+        free(g->choices[i]);
+    free(g->choices);
+    memset(g, 0, sizeof(*g));
+}
+
 int pd_cli_read_ids(const char *prog, const char *path, int32_t **ids, int *n)
 {
     FILE *f = strcmp(path, "-") == 0 ? stdin : fopen(path, "r");

@@ -26,6 +26,19 @@ int pd_cli_parse_float(const char *prog, const char *flag, const char *s, float 
  * naming flag for a malformed entry or more than PD_MAX_LOGIT_BIAS of them (ranges are checked
  * where the request is). */
 int pd_cli_parse_logit_bias(const char *prog, const char *flag, const char *s, pd_logit_bias **b, int *n);
+/* Structured output flags of pdspark-generate / pdspark-client: --json-object, --json-schema FILE
+ * ("-" = stdin; the schema's text), --choice TEXT (repeated), --regex RE. */
+typedef struct {
+    int json_object;
+    char *schema;             /* malloc'd */
+    char **choices;           /* malloc'd, n_choices strings */
+    int n_choices;
+    const char *regex;        /* borrowed from argv */
+} pd_cli_guide;
+/* One of those flags (flag as written, arg its argument or NULL); -1 with a message on an
+ * unreadable schema file or a second kind of guide. */
+int pd_cli_parse_guide(const char *prog, const char *flag, const char *arg, pd_cli_guide *g);
+void pd_cli_guide_free(pd_cli_guide *g);
 /* --dtype bf16|f32 (the weights and KV cache of a cuda backend; the cpu backend always is fp32):
  * *f32 = 1 for f32. Prints "prog: --dtype: ..." and returns -1 on anything else. */
 int pd_cli_parse_dtype(const char *prog, const char *s, int *f32);

@@ -27,6 +27,7 @@ static void usage(FILE *f)
             "                      [--verify full|threshold|scheduled] [--verify-threshold T]\n"
             "                      [--logprobs N] [--presence-penalty P] [--frequency-penalty F]\n"
             "                      [--repetition-penalty R] [--logit-bias ID:BIAS[,...]] [--min-tokens N]\n"
+            "                      [--json-object | --json-schema FILE | --choice TEXT... | --regex RE]\n"
             "\n"
             "Streams one completion from a decode node. Text is printed as it arrives; --json\n"
             "prints instead one object at the end with the fields of pdspark-generate --json\n"
@@ -128,10 +129,11 @@ int main(int argc, char **argv)
     float presence = 0.0f, frequency = 0.0f, repetition = 0.0f;
     pd_logit_bias *bias = NULL;
     int n_bias = 0, min_tokens = 0;
+    pd_cli_guide guide = { 0 };
     const char *verify = NULL;
     enum { O_SERVER = 256, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_IGNORE,
            O_TMO, O_RID, O_JSON, O_STREAM, O_DISC, O_HEALTH, O_STOP, O_VERIFY, O_VTHRESH, O_LOGPROBS,
-           O_PRES, O_FREQ, O_REP, O_BIAS, O_MINTOK, O_HELP };
+           O_PRES, O_FREQ, O_REP, O_BIAS, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_HELP };
     static const struct option opts[] = {
         {"server", required_argument, 0, O_SERVER}, {"prompt", required_argument, 0, O_PROMPT},
         {"prompt-ids", required_argument, 0, O_IDS}, {"max-new-tokens", required_argument, 0, O_MAXNEW},
@@ -148,6 +150,8 @@ int main(int argc, char **argv)
         {"frequency-penalty", required_argument, 0, O_FREQ},
         {"repetition-penalty", required_argument, 0, O_REP},
         {"logit-bias", required_argument, 0, O_BIAS}, {"min-tokens", required_argument, 0, O_MINTOK},
+        {"json-object", no_argument, 0, O_JOBJ}, {"json-schema", required_argument, 0, O_JSCHEMA},
+        {"choice", required_argument, 0, O_CHOICE}, {"regex", required_argument, 0, O_REGEX},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0},
     };
     opterr = 0;
@@ -177,6 +181,10 @@ int main(int argc, char **argv)
         case O_REP: bad = pd_cli_parse_float(PROG, "--repetition-penalty", optarg, &repetition); break;
         case O_BIAS: bad = pd_cli_parse_logit_bias(PROG, "--logit-bias", optarg, &bias, &n_bias); break;
         case O_MINTOK: bad = pd_cli_parse_int(PROG, "--min-tokens", optarg, 0, INT_MAX, &min_tokens); break;
+        case O_JOBJ: bad = pd_cli_parse_guide(PROG, "--json-object", NULL, &guide); break;
+        case O_JSCHEMA: bad = pd_cli_parse_guide(PROG, "--json-schema", optarg, &guide); break;
+        case O_CHOICE: bad = pd_cli_parse_guide(PROG, "--choice", optarg, &guide); break;
+        case O_REGEX: bad = pd_cli_parse_guide(PROG, "--regex", optarg, &guide); break;
         case O_LOGPROBS: bad = pd_cli_parse_int(PROG, "--logprobs", optarg, 0, 20, &logprobs); break;
         case O_STOP:
             if (n_stops == sizeof(stops) / sizeof(stops[0])) {
@@ -244,6 +252,13 @@ int main(int argc, char **argv)
     sp.frequency_penalty = frequency;
     sp.repetition_penalty = repetition;
     sp.min_tokens = (uint32_t)min_tokens;
+    sp.json_object = guide.json_object;
+    if (guide.schema != NULL)
+        sp.json_schema = guide.schema;
+    sp.n_choice = (size_t)guide.n_choices;
+    sp.choice = guide.choices;
+    if (guide.regex != NULL)
+        sp.regex = (char *)guide.regex;
     Pdspark__LogitBias lbm[PD_MAX_LOGIT_BIAS], *lbp[PD_MAX_LOGIT_BIAS];
     for (int i = 0; i < n_bias; i++) {
         pdspark__logit_bias__init(&lbm[i]);
@@ -401,6 +416,7 @@ out:
     pd_rpc_channel_destroy(ch);
     cJSON_Delete(lps);
     free(bias);
+    pd_cli_guide_free(&guide);
     free(a.tokens);
     free(a.text);
     free(uids);

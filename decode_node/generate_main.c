@@ -16,6 +16,7 @@
 #include "pd_cp.h"
 #include "pd_cli.h"
 #include "pd_engine.h"
+#include "pd_grammar.h"
 #include "pd_graph.h"
 #include "pd_log.h"
 #include "pd_model.h"
@@ -37,6 +38,7 @@ static void usage(FILE *f)
             "                        [--graphs auto|off|pad]\n"
             "                        [--presence-penalty P] [--frequency-penalty F] [--repetition-penalty R]\n"
             "                        [--logit-bias ID:BIAS[,ID:BIAS...]] [--min-tokens N]\n"
+            "                        [--json-object | --json-schema FILE | --choice TEXT... | --regex RE]\n"
             "                        [--cp-size N] [--cp-strategy round-robin-split|interleave|zigzag]\n"
             "                        [--tp N]\n"
             "\n"
@@ -58,7 +60,10 @@ static void usage(FILE *f)
             "penalised ones): --presence-penalty and --frequency-penalty in [-2, 2] on the output's\n"
             "tokens, --repetition-penalty in (0, 10] on the prompt's and the output's; --logit-bias\n"
             "adds BIAS in [-100, 100] to token ID's logit first; --min-tokens N masks the eos tokens\n"
-            "until N tokens were generated.\n");
+            "until N tokens were generated.\n"
+            "Structured output: the output is any JSON object (--json-object), follows the JSON\n"
+            "schema in FILE (--json-schema, - = stdin), is one of the --choice strings (repeat the\n"
+            "flag) or a whole match of --regex; every pick is masked to what the grammar allows.\n");
 }
 
 int main(int argc, char **argv)
@@ -73,12 +78,15 @@ int main(int argc, char **argv)
     float presence = 0.0f, frequency = 0.0f, repetition = 0.0f;
     pd_logit_bias *bias = NULL;
     int n_bias = 0, min_tokens = 0;
+    pd_cli_guide guide = { 0 };
+    pd_grammar *grammar = NULL;
+    pd_gvocab *gvocab = NULL;
     pd_verify_policy verify = PD_VERIFY_FULL;
     pd_graph_mode graphs = PD_GRAPHS_AUTO;
     enum { O_MODEL = 256, O_DRAFT, O_NO_DRAFT, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP,
            O_SEED, O_BLOCK, O_JSON, O_IGNORE, O_DEVICE, O_PAGE, O_PAGES, O_STREAM, O_CP_SIZE,
            O_CP_STRATEGY, O_VERIFY, O_THRESHOLD, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_PRES, O_FREQ,
-           O_REP, O_BIAS, O_MINTOK, O_HELP };
+           O_REP, O_BIAS, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"no-draft", no_argument, 0, O_NO_DRAFT}, {"prompt", required_argument, 0, O_PROMPT},
@@ -97,6 +105,8 @@ int main(int argc, char **argv)
         {"frequency-penalty", required_argument, 0, O_FREQ},
         {"repetition-penalty", required_argument, 0, O_REP},
         {"logit-bias", required_argument, 0, O_BIAS}, {"min-tokens", required_argument, 0, O_MINTOK},
+        {"json-object", no_argument, 0, O_JOBJ}, {"json-schema", required_argument, 0, O_JSCHEMA},
+        {"choice", required_argument, 0, O_CHOICE}, {"regex", required_argument, 0, O_REGEX},
         {"cp-strategy", required_argument, 0, O_CP_STRATEGY}, {"help", no_argument, 0, O_HELP},
         {0, 0, 0, 0},
     };
@@ -119,6 +129,10 @@ int main(int argc, char **argv)
         case O_REP: bad = pd_cli_parse_float(PROG, "--repetition-penalty", optarg, &repetition); break;
         case O_BIAS: bad = pd_cli_parse_logit_bias(PROG, "--logit-bias", optarg, &bias, &n_bias); break;
         case O_MINTOK: bad = pd_cli_parse_int(PROG, "--min-tokens", optarg, 0, INT_MAX, &min_tokens); break;
+        case O_JOBJ: bad = pd_cli_parse_guide(PROG, "--json-object", NULL, &guide); break;
+        case O_JSCHEMA: bad = pd_cli_parse_guide(PROG, "--json-schema", optarg, &guide); break;
+        case O_CHOICE: bad = pd_cli_parse_guide(PROG, "--choice", optarg, &guide); break;
+        case O_REGEX: bad = pd_cli_parse_guide(PROG, "--regex", optarg, &guide); break;
         case O_SEED: bad = pd_cli_parse_int(PROG, "--seed", optarg, 0, INT_MAX, &seed); break;
         case O_BLOCK: bad = pd_cli_parse_int(PROG, "--block-size", optarg, 1, 31, &block); break;
         case O_JSON: json = 1; break;
@@ -254,6 +268,23 @@ int main(int argc, char **argv)
                          .presence_penalty = presence, .frequency_penalty = frequency,
                          .repetition_penalty = repetition, .logit_bias = bias,
                          .n_logit_bias = n_bias, .min_tokens = min_tokens };
+    if (guide.json_object || guide.schema != NULL || guide.n_choices > 0 || guide.regex != NULL) {
+        pd_status gs = guide.json_object ? pd_grammar_json(NULL, 0, &grammar, &err)
+                     : guide.schema != NULL ? pd_grammar_json(guide.schema, strlen(guide.schema), &grammar, &err)
+                     : guide.n_choices > 0 ? pd_grammar_choice((const char *const *)guide.choices, guide.n_choices,
+                                                               &grammar, &err)
+                     : pd_grammar_regex(guide.regex, strlen(guide.regex), &grammar, &err);
+        if (gs != PD_OK)
+            goto fail;
+        if (tok == NULL) {
+            pd_err_set(&err, PD_ERR_INVALID, "structured output needs the model's tokenizer.json");
+            goto fail;
+        }
+        if (pd_gvocab_create(tok, tm->cfg.vocab_size, tm->cfg.eos_ids, tm->cfg.n_eos, &gvocab, &err) != PD_OK)
+            goto fail;
+        gp.grammar = grammar;
+        gp.gvocab = gvocab;
+    }
     pd_request *req = NULL;
     double t0 = pd_cli_now_ms();
     if (pd_engine_add(eng, 1, ids, n_ids, &gp, &req, &err) != PD_OK)
@@ -357,6 +388,9 @@ out:
     free(ids);
     free(bias);
     pd_engine_destroy(eng);
+    pd_grammar_unref(grammar);
+    pd_gvocab_destroy(gvocab);
+    pd_cli_guide_free(&guide);
     pd_sps_cleanup(&sps);
     pd_tokenizer_free(tok);
     pd_dspark_free(dm);

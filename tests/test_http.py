@@ -506,7 +506,7 @@ STRUCT = {
 }
 
 
-def test_structured(node, label):
+def test_structured(bin_dir, node, label):
     """Structured output: a JSON schema's output parses and obeys it when it ends, a choice is one
     of the choices, a regex's output matches; json_object on chat; vLLM's structured_outputs form;
     a stream's text is the whole answer's. Each is recorded (colocated) or compared with the
@@ -552,6 +552,19 @@ def test_structured(node, label):
     st, text, evs, done = read_stream(node, "/v1/completions", dict(STRUCT["schema"], stream=True), False)
     check(st == 200 and done and text == got.get("schema"), "%s streamed schema output == whole: %r vs %r" %
           (label, text, got.get("schema")))
+    # gRPC: the same regex output; a bad schema refused by name
+    client = os.path.join(bin_dir, "pdspark-client")
+    gr = subprocess.run([client, "--server", node.grpc, "--prompt", "def fib(n):", "--max-new-tokens", "12",
+                         "--temperature", "0", "--json", "--regex", "[0-9]{3}-[a-z]+"],
+                        capture_output=True, text=True, timeout=60)
+    check(gr.returncode == 0 and json.loads(gr.stdout.strip().splitlines()[-1])["text"] == got.get("regex"),
+          "%s gRPC --regex == HTTP guided_regex: %s" % (label, gr.stdout[-300:] + gr.stderr[-300:]))
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"type": "integer", "minimum": 3}, f)
+    gr = subprocess.run([client, "--server", node.grpc, "--prompt", "x", "--json-schema", f.name],
+                        capture_output=True, text=True, timeout=60)
+    os.unlink(f.name)
+    check(gr.returncode == 1 and "'minimum'" in gr.stderr, "%s gRPC bad schema: %s" % (label, gr.stderr[-300:]))
     # sampled: still inside the grammar
     st, b = post_json(node, "/v1/completions", dict(STRUCT["choice"], temperature=1.0, seed=3))
     check(st == 200 and b["choices"][0]["text"] in ("yes", "no", "maybe"), "%s sampled choice %s" % (label, b))
@@ -691,7 +704,7 @@ def test_prefill_http(bin_dir, model, draft):
                                                           "temperature": 0}, **PEN))
         check(ptext is not None and st == 200 and body["choices"][0]["text"] == ptext,
               "disaggregated penalties == colocated: %s vs %r" % (body, ptext))
-        test_structured(dn, "disaggregated")
+        test_structured(bin_dir, dn, "disaggregated")
         n, btext = PEN_REF.get("bias", (8, None))
         st, body = post_json(dn, "/v1/completions", dict({"prompt": "def fib(n):", "max_tokens": n,
                                                           "temperature": 0}, **BIAS))
@@ -1040,7 +1053,7 @@ def main():
         test_logprobs(bin_dir, model, node, prompt, N, want)
         test_penalties(bin_dir, model, draft, node, prompt, N, want)
         test_n(node, prompt)
-        test_structured(node, "colocated")
+        test_structured(bin_dir, node, "colocated")
         # /tokenize and /detokenize (vLLM's): pdspark-tokenize's ids, and back
         st, b = post_json(node, "/tokenize", {"prompt": prompt})
         check(st == 200 and b["tokens"] == ids and b["count"] == len(ids) and b["max_model_len"] > 0,
