@@ -1323,6 +1323,14 @@ struct pd_gmatch {
     pd_grammar *g;
     gstate st, a, b;
     int32_t *scratch; /* [G_MAX_CHAIN + 2][G_MAX_STACK] */
+    struct {          /* pd_gmatch_allowed's recent masks, by state */
+        gstate key;
+        uint64_t hash;
+        const pd_gvocab *vocab;
+        uint32_t *bits;
+        int words;
+    } cache[8];
+    int cache_next;
 };
 
 static void gs_free(gstate *s)
@@ -1471,6 +1479,10 @@ void pd_gmatch_destroy(pd_gmatch *m)
     gs_free(&m->st);
     gs_free(&m->a);
     gs_free(&m->b);
+    for (int i = 0; i < 8; i++) {
+        gs_free(&m->cache[i].key);
+        free(m->cache[i].bits);
+    }
     free(m->scratch);
     pd_grammar_unref(m->g);
     free(m);
@@ -1526,42 +1538,159 @@ int pd_gmatch_advance(pd_gmatch *m, const pd_gvocab *v, int32_t tok, pd_err *err
     return 1;
 }
 
-/* the tokens below trie node `node`, the text so far leaving the matcher at st[0] */
-static int allowed_dfs(const pd_grammar *g, const pd_gvocab *v, int node, gstate *st, uint32_t *bits,
-                       int32_t *scratch)
+/* ---- the allowed mask ----------------------------------------------------------------------
+ * A walk of the vocabulary trie in which every distinct matcher state met is interned once and
+ * each (state, byte) transition computed once: inside a JSON string most bytes lead back to the
+ * same state, so a node costs a table lookup instead of a stack expansion. Masks are kept per
+ * state in a small cache of the matcher (a string's body repeats its state token after token). */
+
+#define MASK_CACHE 8
+#define T_UNKNOWN (-2)
+#define T_DEAD (-1)
+
+typedef struct {
+    gstate *st;         /* interned states */
+    uint64_t *hash;
+    int32_t *trans;     /* [n, 256] */
+    int n, cap;
+    int32_t *scratch;
+    const pd_grammar *g;
+} intern_tab;
+
+static uint64_t gs_hash(const gstate *s)
 {
+    uint64_t h = 1469598103934665603ull ^ (uint64_t)s->complete;
+    for (int i = 0; i <= s->n && s->n > 0; i++)
+        h = (h ^ (uint64_t)(uint32_t)s->off[i]) * 1099511628211ull;
+    for (int i = 0; i < s->n_pos; i++)
+        h = (h ^ (uint64_t)(uint32_t)s->pos[i]) * 1099511628211ull;
+    return h;
+}
+
+static int gs_equal(const gstate *a, const gstate *b)
+{
+    return a->complete == b->complete && a->n == b->n && a->n_pos == b->n_pos &&
+           (a->n == 0 || (memcmp(a->off, b->off, (size_t)(a->n + 1) * 4) == 0 &&
+                          memcmp(a->pos, b->pos, (size_t)a->n_pos * 4) == 0));
+}
+
+/* the id of state s (copied in when new); -1 NOMEM */
+static int intern(intern_tab *t, const gstate *s)
+{
+    uint64_t h = gs_hash(s);
+    for (int i = 0; i < t->n; i++)
+        if (t->hash[i] == h && gs_equal(&t->st[i], s))
+            return i;
+    if (t->n == t->cap) {
+        int nc = t->cap ? t->cap * 2 : 16;
+        gstate *ns = realloc(t->st, (size_t)nc * sizeof(gstate));
+        if (ns == NULL)
+            return -1;
+        t->st = ns;
+        uint64_t *nh = realloc(t->hash, (size_t)nc * sizeof(uint64_t));
+        if (nh == NULL)
+            return -1;
+        t->hash = nh;
+        int32_t *ntr = realloc(t->trans, (size_t)nc * 256 * sizeof(int32_t));
+        if (ntr == NULL)
+            return -1;
+        t->trans = ntr;
+        t->cap = nc;
+    }
+    gstate *d = &t->st[t->n];
+    memset(d, 0, sizeof(*d));
+    if (gs_copy(d, s) != 0) {
+        gs_free(d);
+        return -1;
+    }
+    t->hash[t->n] = h;
+    for (int c = 0; c < 256; c++)
+        t->trans[(size_t)t->n * 256 + c] = T_UNKNOWN;
+    return t->n++;
+}
+
+/* the state after byte c from state id; T_DEAD when nothing matches; < T_DEAD on an error */
+static int transition(intern_tab *t, gstate *tmp, int id, uint8_t c, int *rc)
+{
+    int32_t *slot = &t->trans[(size_t)id * 256 + c];
+    if (*slot != T_UNKNOWN)
+        return *slot;
+    if ((*rc = advance_byte(t->g, tmp, &t->st[id], c, t->scratch)) != 0)
+        return -3;
+    int nid = T_DEAD;
+    if (tmp->n > 0 || tmp->complete) {
+        nid = intern(t, tmp);
+        if (nid < 0) {
+            *rc = -1;
+            return -3;
+        }
+    }
+    t->trans[(size_t)id * 256 + c] = nid;   /* re-read: intern may have moved the table */
+    return nid;
+}
+
+static int allowed_walk(intern_tab *t, gstate *tmp, const pd_gvocab *v, int node, int id, uint32_t *bits)
+{
+    int rc = 0;
     for (int k = v->child[node]; k >= 0; k = v->sib[k]) {
-        int rc = advance_byte(g, &st[1], &st[0], v->byte[k], scratch);
-        if (rc != 0)
-            return rc;
-        if (st[1].n == 0 && !st[1].complete)
+        int nid = transition(t, tmp, id, v->byte[k], &rc);
+        if (nid == T_DEAD)
             continue;
-        for (int t = v->tok_head[k]; t >= 0; t = v->tok_next[t])
-            bits[t >> 5] |= 1u << (t & 31);
-        if (st[1].n > 0 && v->child[k] >= 0 && (rc = allowed_dfs(g, v, k, st + 1, bits, scratch)) != 0)
+        if (nid < T_DEAD)
+            return rc;
+        for (int tk = v->tok_head[k]; tk >= 0; tk = v->tok_next[tk])
+            bits[tk >> 5] |= 1u << (tk & 31);
+        if (v->child[k] >= 0 && t->st[nid].n > 0 && (rc = allowed_walk(t, tmp, v, k, nid, bits)) != 0)
             return rc;
     }
     return 0;
 }
 
-pd_status pd_gmatch_allowed(const pd_gmatch *m, const pd_gvocab *v, uint32_t *bits, pd_err *err)
+pd_status pd_gmatch_allowed(pd_gmatch *m, const pd_gvocab *v, uint32_t *bits, pd_err *err)
 {
-    memset(bits, 0, (size_t)v->words * 4);
+    size_t bytes = (size_t)v->words * 4;
+    uint64_t h = gs_hash(&m->st);
+    for (int i = 0; i < MASK_CACHE; i++)
+        if (m->cache[i].bits != NULL && m->cache[i].hash == h && m->cache[i].vocab == v &&
+            gs_equal(&m->cache[i].key, &m->st)) {
+            memcpy(bits, m->cache[i].bits, bytes);
+            return PD_OK;
+        }
+    memset(bits, 0, bytes);
     if (m->st.complete)
         for (int i = 0; i < v->n_eos; i++)
             if (v->eos[i] >= 0 && v->eos[i] < v->n_vocab)
                 bits[v->eos[i] >> 5] |= 1u << (v->eos[i] & 31);
-    if (m->st.n == 0)
-        return PD_OK;
-    gstate *st = calloc((size_t)v->max_len + 2, sizeof(gstate));
-    int32_t *scratch = malloc((size_t)(G_MAX_CHAIN + 2) * G_MAX_STACK * 4);
-    int rc = st == NULL || scratch == NULL ? -1 : gs_copy(&st[0], &m->st);
-    if (rc == 0)
-        rc = allowed_dfs(m->g, v, 0, st, bits, scratch);
-    if (st != NULL)
-        for (int i = 0; i < v->max_len + 2; i++)
-            gs_free(&st[i]);
-    free(st);
-    free(scratch);
-    return rc != 0 ? match_err(rc, err) : PD_OK;
+    int rc = 0;
+    if (m->st.n > 0) {
+        intern_tab t = { .scratch = m->scratch, .g = m->g };
+        gstate tmp = { 0 };
+        int id = intern(&t, &m->st);
+        rc = id < 0 ? -1 : allowed_walk(&t, &tmp, v, 0, id, bits);
+        for (int i = 0; i < t.n; i++)
+            gs_free(&t.st[i]);
+        free(t.st);
+        free(t.hash);
+        free(t.trans);
+        gs_free(&tmp);
+    }
+    if (rc != 0)
+        return match_err(rc, err);
+    /* keep it (round robin) */
+    int slot = m->cache_next;
+    m->cache_next = (m->cache_next + 1) % MASK_CACHE;
+    if (m->cache[slot].bits == NULL || m->cache[slot].words != v->words) {
+        free(m->cache[slot].bits);
+        m->cache[slot].bits = malloc(bytes);
+        m->cache[slot].words = v->words;
+    }
+    if (m->cache[slot].bits != NULL && gs_copy(&m->cache[slot].key, &m->st) == 0) {
+        memcpy(m->cache[slot].bits, bits, bytes);
+        m->cache[slot].hash = h;
+        m->cache[slot].vocab = v;
+    } else if (m->cache[slot].bits != NULL) {
+        free(m->cache[slot].bits);
+        m->cache[slot].bits = NULL;
+    }
+    return PD_OK;
 }

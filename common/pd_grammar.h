@@ -66,7 +66,8 @@ pd_status pd_gmatch_copy(pd_gmatch *dst, const pd_gmatch *src, pd_err *err);
 int pd_gmatch_advance(pd_gmatch *m, const pd_gvocab *v, int32_t tok, pd_err *err);
 /* 1 when the text so far is a whole match (the grammar may end here). */
 int pd_gmatch_complete(const pd_gmatch *m);
-/* bits[pd_gvocab_words(v)]: bit t set when token t may come next. */
-pd_status pd_gmatch_allowed(const pd_gmatch *m, const pd_gvocab *v, uint32_t *bits, pd_err *err);
+/* bits[pd_gvocab_words(v)]: bit t set when token t may come next (m keeps its last few masks:
+ * a state met again costs a copy). */
+pd_status pd_gmatch_allowed(pd_gmatch *m, const pd_gvocab *v, uint32_t *bits, pd_err *err);
 
 #endif
