@@ -1170,7 +1170,9 @@ pd_status pd_grammar_regex(const char *re, size_t len, pd_grammar **out, pd_err 
 struct pd_gvocab {
     int n_vocab, words;
     int n_nodes, cap_nodes;
-    int32_t *child, *sib, *tok_head;   /* per trie node: first child, next sibling, first token */
+    int32_t *child, *sib, *tok_head;   /* per trie node: first child, next sibling, first token
+                                        * (while building; then breadth-first order, ... */
+    int32_t *first, *nchild;           /* ... a node's children at first .. first + nchild) */
     uint8_t *byte;                     /* per node: the byte that leads to it */
     int32_t *tok_next;                 /* per token: the next token of the same node */
     int32_t *tok_node;                 /* per token: its node, -1 when not in the trie */
@@ -1265,6 +1267,49 @@ pd_status pd_gvocab_create_raw(const uint8_t *const *tok, const size_t *len, int
         if ((int)len[t] > v->max_len)
             v->max_len = (int)len[t];
     }
+    /* breadth-first renumbering: a node's children side by side (the mask walk reads them in
+     * order instead of chasing sibling links) */
+    int32_t *order = ok ? malloc((size_t)v->n_nodes * 4) : NULL, *newid = ok ? malloc((size_t)v->n_nodes * 4) : NULL;
+    v->first = ok ? malloc((size_t)v->n_nodes * 4) : NULL;
+    v->nchild = ok ? malloc((size_t)v->n_nodes * 4) : NULL;
+    uint8_t *nbyte = ok ? malloc((size_t)v->n_nodes) : NULL;
+    int32_t *nhead = ok ? malloc((size_t)v->n_nodes * 4) : NULL;
+    ok = ok && order && newid && v->first && v->nchild && nbyte && nhead;
+    if (ok) {
+        int n = 1;
+        order[0] = 0;
+        newid[0] = 0;
+        for (int q = 0; q < n; q++) {
+            int old = order[q];
+            v->first[q] = n;
+            int c = 0;
+            for (int k = v->child[old]; k >= 0; k = v->sib[k], c++) {
+                newid[k] = n;
+                order[n++] = k;
+            }
+            v->nchild[q] = c;
+        }
+        for (int q = 0; q < n; q++) {
+            nbyte[q] = v->byte[order[q]];
+            nhead[q] = v->tok_head[order[q]];
+        }
+        for (int t = 0; t < n_vocab; t++)
+            if (v->tok_node[t] >= 0)
+                v->tok_node[t] = newid[v->tok_node[t]];
+        free(v->byte);
+        free(v->tok_head);
+        v->byte = nbyte;
+        v->tok_head = nhead;
+        nbyte = NULL;
+        nhead = NULL;
+    }
+    free(order);
+    free(newid);
+    free(nbyte);
+    free(nhead);
+    free(v->child);
+    free(v->sib);
+    v->child = v->sib = NULL;
     if (!ok) {
         pd_gvocab_destroy(v);
         return pd_err_set(err, PD_ERR_NOMEM, "grammar vocabulary trie");
@@ -1298,6 +1343,8 @@ void pd_gvocab_destroy(pd_gvocab *v)
         return;
     free(v->child);
     free(v->sib);
+    free(v->first);
+    free(v->nchild);
     free(v->tok_head);
     free(v->byte);
     free(v->tok_next);
@@ -1632,7 +1679,7 @@ static int transition(intern_tab *t, gstate *tmp, int id, uint8_t c, int *rc)
 static int allowed_walk(intern_tab *t, gstate *tmp, const pd_gvocab *v, int node, int id, uint32_t *bits)
 {
     int rc = 0;
-    for (int k = v->child[node]; k >= 0; k = v->sib[k]) {
+    for (int k = v->first[node], end = k + v->nchild[node]; k < end; k++) {
         int nid = transition(t, tmp, id, v->byte[k], &rc);
         if (nid == T_DEAD)
             continue;
@@ -1640,7 +1687,7 @@ static int allowed_walk(intern_tab *t, gstate *tmp, const pd_gvocab *v, int node
             return rc;
         for (int tk = v->tok_head[k]; tk >= 0; tk = v->tok_next[tk])
             bits[tk >> 5] |= 1u << (tk & 31);
-        if (v->child[k] >= 0 && t->st[nid].n > 0 && (rc = allowed_walk(t, tmp, v, k, nid, bits)) != 0)
+        if (v->nchild[k] > 0 && t->st[nid].n > 0 && (rc = allowed_walk(t, tmp, v, k, nid, bits)) != 0)
             return rc;
     }
     return 0;

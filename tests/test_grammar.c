@@ -368,8 +368,89 @@ static void test_real_vocab(void)
     pd_tokenizer_free(tk);
 }
 
-int main(void)
+/* --bench: mask times along a JSON text at a vocabulary of Qwen3's size (the bundled
+ * tokenizer's tokens, then pairs of them up to 151936 entries); prints, asserts nothing */
+#include <time.h>
+static double ms_now(void)
 {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+}
+
+static int bench(void)
+{
+    pd_tokenizer *tk = NULL;
+    pd_err err;
+    if (pd_tokenizer_load(PD_MODELS "/tiny-code-qwen3", &tk, &err) != PD_OK)
+        return 1;
+    int n0 = (int)pd_tokenizer_vocab_size(tk), n = 151936;
+    const uint8_t **tb = calloc((size_t)n, sizeof(*tb));
+    size_t *tl = calloc((size_t)n, sizeof(*tl));
+    uint8_t *pool = malloc((size_t)n * 64);
+    srand(1);
+    for (int i = 0; i < n; i++) {
+        if (i < n0) {
+            if (!pd_tokenizer_is_special(tk, i))
+                tb[i] = pd_tokenizer_token_bytes(tk, i, &tl[i]);
+            continue;
+        }
+        size_t l1, l2;
+        const uint8_t *a = pd_tokenizer_token_bytes(tk, rand() % 8000, &l1);
+        const uint8_t *b = pd_tokenizer_token_bytes(tk, rand() % 8000, &l2);
+        if (l1 + l2 > 64)
+            l2 = 64 - l1;
+        memcpy(pool + (size_t)i * 64, a, l1);
+        memcpy(pool + (size_t)i * 64 + l1, b, l2);
+        tb[i] = pool + (size_t)i * 64;
+        tl[i] = l1 + l2;
+    }
+    int32_t eos = pd_tokenizer_token_to_id(tk, "<|endoftext|>");
+    pd_gvocab *v = NULL;
+    double t = ms_now();
+    if (pd_gvocab_create_raw(tb, tl, n, &eos, 1, &v, &err) != PD_OK)
+        return 1;
+    printf("vocabulary of %d tokens: trie built in %.1f ms\n", n, ms_now() - t);
+    pd_grammar *g = json(person);
+    pd_gmatch *m = NULL;
+    pd_gmatch_create(g, &m, &err);
+    uint32_t *bits = malloc((size_t)pd_gvocab_words(v) * 4);
+    const char *text = "{\"name\": \"ab\", \"age\": 12";
+    for (const char *p = text;; p++) {
+        for (int rep = 0; rep < 2; rep++) {
+            t = ms_now();
+            pd_gmatch_allowed(m, v, bits, &err);
+            double dt = ms_now() - t;
+            int cnt = 0;
+            for (int w = 0; w < pd_gvocab_words(v); w++)
+                cnt += __builtin_popcount(bits[w]);
+            printf("after '%.*s': %s mask %.3f ms, %d tokens allowed\n", (int)(p - text), text,
+                   rep ? "again:" : "first:", dt, cnt);
+        }
+        if (*p == '\0')
+            break;
+        int tok = -1;
+        for (int i = 0; i < n0 && tok < 0; i++)
+            if (tl[i] == 1 && tb[i][0] == (uint8_t)*p)
+                tok = i;
+        if (pd_gmatch_advance(m, v, tok, &err) != 1)
+            break;
+    }
+    free(bits);
+    pd_gmatch_destroy(m);
+    pd_grammar_unref(g);
+    pd_gvocab_destroy(v);
+    free(pool);
+    free(tb);
+    free(tl);
+    pd_tokenizer_free(tk);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc > 1 && strcmp(argv[1], "--bench") == 0)
+        return bench();
     const uint8_t *tb[N_SMALL];
     size_t tl[N_SMALL];
     small_tables(tb, tl);
