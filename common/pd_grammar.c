@@ -264,7 +264,8 @@ static pd_status gb_finish(gb *b, int root, pd_grammar **out)
         g->alt_off[i] = k;
         for (int a = 0; a < b->r[i].n; a++) {
             g->alt[k++] = p;
-            memcpy(&g->el[p], b->r[i].alt[a].el, (size_t)b->r[i].alt[a].n * sizeof(gel));
+            if (b->r[i].alt[a].n > 0)
+                memcpy(&g->el[p], b->r[i].alt[a].el, (size_t)b->r[i].alt[a].n * sizeof(gel));
             p += b->r[i].alt[a].n;
             g->el[p++] = (gel){ .kind = G_END };
         }
