@@ -951,8 +951,11 @@ static pd_status mask_slot(pd_engine *e, int row, uint32_t **bits, pd_err *err)
 
 /* Queues the masks of r's rows row0 .. row0 + n_extra: row row0 + j follows the output and
  * extra[0..j) (a verify block's drafts). Past a draft the grammar refuses no row is masked:
- * that draft's own row is, so the block is accepted no further than it. */
-static pd_status mask_rows(pd_engine *e, pd_request *r, int row0, const int32_t *extra, int n_extra,
+ * that draft's own row is, so the block is accepted no further than it. With `force` (a greedy
+ * request), a draft at a row where the grammar allows one token only becomes that token: the
+ * masked argmax there can be nothing else, so the block goes on through the text the grammar
+ * dictates (keys, punctuation) whatever the drafter proposed. */
+static pd_status mask_rows(pd_engine *e, pd_request *r, int row0, int32_t *extra, int n_extra, int force,
                            pd_err *err)
 {
     uint32_t *bits;
@@ -964,11 +967,20 @@ static pd_status mask_rows(pd_engine *e, pd_request *r, int row0, const int32_t 
         return PD_OK;
     }
     TRY(pd_gmatch_copy(r->gm_row, r->gm, err));
+    int words = (e->V + 31) / 32;
     for (int j = 0; j <= n_extra; j++) {
         TRY(mask_slot(e, row0 + j, &bits, err));
         TRY(pd_gmatch_allowed(r->gm_row, r->params.gvocab, bits, err));
         if (j == n_extra)
             break;
+        int n_allowed = 0, only = -1;
+        for (int w = 0; force && w < words && n_allowed < 2; w++)
+            if (bits[w] != 0) {
+                n_allowed += __builtin_popcount(bits[w]);
+                only = w * 32 + __builtin_ctz(bits[w]);
+            }
+        if (n_allowed == 1 && only < e->V)
+            extra[j] = only;
         int ok = pd_gmatch_advance(r->gm_row, r->params.gvocab, extra[j], err);
         if (ok < 0)
             return err != NULL ? err->code : PD_ERR_INTERNAL;
@@ -1908,7 +1920,7 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
     /* penalties (the prompt's tokens, for the repetition penalty) */
     for (int i = 0; i < n_done && st == PD_OK; i++)
         if ((st = pen_row(e, done[i], i, NULL, 0, err)) == PD_OK)
-            st = mask_rows(e, done[i], i, NULL, 0, err);
+            st = mask_rows(e, done[i], i, NULL, 0, 0, err);
     if (st == PD_OK)
         st = pen_apply(e, logits, err);
     if (st == PD_OK)
@@ -2446,6 +2458,13 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         st = pd_err_set(err, PD_ERR_NOMEM, "verify batch of %d tokens", n_v);
         goto out;
     }
+    /* structured output: each verify row's mask (queued, applied after the forward), the drafts
+     * the grammar forces replaced first */
+    for (int i = 0; i < m && st == PD_OK; i++)
+        st = mask_rows(e, slots[i].r, slots[i].base, slots[i].d, slots[i].l,
+                       pd_sample_is_greedy(&slots[i].r->params.sample), err);
+    if (st != PD_OK)
+        goto out;
     for (int i = 0; i < m; i++) {
         pd_request *r = slots[i].r;
         vseqs[i] = &r->tkv;
@@ -2485,12 +2504,9 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         }
         const float *vl = pd_target_logits(e->target);
         vl_rows = vl;
-        for (int i = 0; i < m && st == PD_OK; i++) {
+        for (int i = 0; i < m && st == PD_OK; i++)
             for (int j = 0; j <= slots[i].l && st == PD_OK; j++)
                 st = pen_row(e, slots[i].r, slots[i].base + j, slots[i].d, j, err);
-            if (st == PD_OK)
-                st = mask_rows(e, slots[i].r, slots[i].base, slots[i].d, slots[i].l, err);
-        }
         if (st == PD_OK)
             st = pen_apply(e, vl, err);
         if (st == PD_OK)
