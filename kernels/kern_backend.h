@@ -458,12 +458,22 @@ __host__ __device__
 #endif
 static inline float kern_penalize_one(float v, const kern_penalty_entry *e)
 {
+#ifdef __CUDA_ARCH__
+    /* each operation rounded on its own, as the host does (nvcc would fuse a multiply-add) */
+    if (e->bias != 0.0f)
+        v = __fadd_rn(v, e->bias);
+    if (e->seen && e->rep != 1.0f)
+        v = v > 0.0f ? __fdiv_rn(v, e->rep) : __fmul_rn(v, e->rep);
+    if (e->count > 0)
+        v = __fsub_rn(__fsub_rn(v, __fmul_rn(e->freq, (float)e->count)), e->pres);
+#else
     if (e->bias != 0.0f)
         v = v + e->bias;
     if (e->seen && e->rep != 1.0f)
         v = v > 0.0f ? v / e->rep : v * e->rep;
     if (e->count > 0)
         v = v - e->freq * (float)e->count - e->pres;
+#endif
     return v;
 }
 

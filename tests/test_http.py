@@ -421,7 +421,10 @@ def test_logprobs(bin_dir, model, node, prompt, n, want):
           "echo logprobs: one per prompt token, the first null")
     LP_REF["echo"] = (full, l["token_logprobs"])
     tail = l["token_logprobs"][len(ids):]
-    check(len(tail) == len(glp) and all(abs(a - e["logprob"]) < 1e-4 for a, e in zip(tail, glp)),
+    # on a GPU the prompt's rows (prefill GEMMs) and the generated tokens' (decode kernels) round
+    # differently in bf16 (H200, 2026-12-05: up to 0.04 apart)
+    row_tol = 0.25 if DEV else 1e-4
+    check(len(tail) == len(glp) and all(abs(a - e["logprob"]) < row_tol for a, e in zip(tail, glp)),
           "echo scoring == the completion's logprobs: %s vs %s" % (tail[:4], [e["logprob"] for e in glp[:4]]))
     # echo with a completion, streamed and not: prompt first, then the text
     body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 1}
