@@ -171,6 +171,23 @@ static int gb_lit_rule(gb *b, const char *s, size_t n)
     return r;
 }
 
+/* the alternatives of rule r that take one UTF-8 sequence of two to four bytes (lead byte
+ * C2-F4, continuation bytes 80-BF) */
+static void gb_utf8_alts(gb *b, int r)
+{
+    gset cont = { { 0 } }, lead[3] = { { { 0 } }, { { 0 } }, { { 0 } } };
+    set_range(&cont, 0x80, 0xbf);
+    set_range(&lead[0], 0xc2, 0xdf);
+    set_range(&lead[1], 0xe0, 0xef);
+    set_range(&lead[2], 0xf0, 0xf4);
+    for (int n = 0; n < 3; n++) {
+        int a = gb_alt(b, r);
+        gb_cls(b, r, a, &lead[n]);
+        for (int i = 0; i <= n; i++)
+            gb_cls(b, r, a, &cont);
+    }
+}
+
 /* x? */
 static int gb_opt(gb *b, int x)
 {
@@ -345,8 +362,7 @@ static int j_str_char(jctx *j)
         return j->str_char;
     gb *b = j->b;
     int r = gb_rule_new(b);
-    gset plain = { { 0 } }, esc = { { 0 } }, hex = { { 0 } }, cont = { { 0 } }, l2 = { { 0 } },
-         l3 = { { 0 } }, l4 = { { 0 } };
+    gset plain = { { 0 } }, esc = { { 0 } }, hex = { { 0 } };
     set_range(&plain, 0x20, 0x7f);
     plain.w['"' >> 5] &= ~(1u << ('"' & 31));
     plain.w['\\' >> 5] &= ~(1u << ('\\' & 31));
@@ -355,10 +371,6 @@ static int j_str_char(jctx *j)
     set_range(&hex, '0', '9');
     set_range(&hex, 'a', 'f');
     set_range(&hex, 'A', 'F');
-    set_range(&cont, 0x80, 0xbf);
-    set_range(&l2, 0xc2, 0xdf);
-    set_range(&l3, 0xe0, 0xef);
-    set_range(&l4, 0xf0, 0xf4);
     gb_cls(b, r, gb_alt(b, r), &plain);
     int a = gb_alt(b, r);
     gb_lit(b, r, a, "\\", 1);
@@ -367,17 +379,7 @@ static int j_str_char(jctx *j)
     gb_lit(b, r, a, "\\u", 2);
     for (int i = 0; i < 4; i++)
         gb_cls(b, r, a, &hex);
-    a = gb_alt(b, r);
-    gb_cls(b, r, a, &l2);
-    gb_cls(b, r, a, &cont);
-    a = gb_alt(b, r);
-    gb_cls(b, r, a, &l3);
-    gb_cls(b, r, a, &cont);
-    gb_cls(b, r, a, &cont);
-    a = gb_alt(b, r);
-    gb_cls(b, r, a, &l4);
-    for (int i = 0; i < 3; i++)
-        gb_cls(b, r, a, &cont);
+    gb_utf8_alts(b, r);
     return j->str_char = r;
 }
 
@@ -868,24 +870,8 @@ static int r_utf8(rctx *r)
 {
     if (r->utf8 >= 0)
         return r->utf8;
-    gb *b = r->b;
-    gset cont = { { 0 } }, l2 = { { 0 } }, l3 = { { 0 } }, l4 = { { 0 } };
-    set_range(&cont, 0x80, 0xbf);
-    set_range(&l2, 0xc2, 0xdf);
-    set_range(&l3, 0xe0, 0xef);
-    set_range(&l4, 0xf0, 0xf4);
-    int u = gb_rule_new(b);
-    int a = gb_alt(b, u);
-    gb_cls(b, u, a, &l2);
-    gb_cls(b, u, a, &cont);
-    a = gb_alt(b, u);
-    gb_cls(b, u, a, &l3);
-    gb_cls(b, u, a, &cont);
-    gb_cls(b, u, a, &cont);
-    a = gb_alt(b, u);
-    gb_cls(b, u, a, &l4);
-    for (int k = 0; k < 3; k++)
-        gb_cls(b, u, a, &cont);
+    int u = gb_rule_new(r->b);
+    gb_utf8_alts(r->b, u);
     return r->utf8 = u;
 }
 

@@ -9,22 +9,13 @@
 #define N_SMALL (256 + 12 + 1)
 static const char *const multi[12] = { "{\"", "\":", "true", "null", "  ", "\n  ", "abc",
                                        "12", "\"}", "\", \"", "yes", "e\u00e9" };
+static void small_tables(const uint8_t **tb, size_t *tl);
+
 static pd_gvocab *small_vocab(void)
 {
-    static uint8_t single[256];
     const uint8_t *tok[N_SMALL];
     size_t len[N_SMALL];
-    for (int i = 0; i < 256; i++) {
-        single[i] = (uint8_t)i;
-        tok[i] = &single[i];
-        len[i] = 1;
-    }
-    for (int i = 0; i < 12; i++) {
-        tok[256 + i] = (const uint8_t *)multi[i];
-        len[256 + i] = strlen(multi[i]);
-    }
-    tok[N_SMALL - 1] = NULL;   /* eos */
-    len[N_SMALL - 1] = 0;
+    small_tables(tok, len);
     int32_t eos = N_SMALL - 1;
     pd_gvocab *v = NULL;
     pd_err err;
