@@ -426,6 +426,7 @@ static void request_free(pd_engine *e, pd_request *r)
     free(r->accepted);
     pd_gmatch_destroy(r->gm);
     pd_gmatch_destroy(r->gm_row);
+    pd_gmatch_destroy(r->gm_draft);
     free(r->first_allow);
     free(r);
 }
@@ -926,6 +927,7 @@ static pd_status grammar_init(pd_engine *e, pd_request *r, pd_err *err)
     r->params.grammar = NULL;   /* the matchers hold their references */
     if (g != NULL) {
         TRY(pd_gmatch_create(g, &r->gm, err));
+        TRY(pd_gmatch_create(g, &r->gm_draft, err));
         return pd_gmatch_create(g, &r->gm_row, err);
     }
     if (first != NULL) {
@@ -2018,11 +2020,26 @@ static pd_status draft_steps(pd_engine *e, round_slot **dslot, int n_draft, cons
                            (size_t)e->V * sizeof(float), err);
     }
     memcpy(prev, anchor, (size_t)n_draft * sizeof(int32_t));
+    /* structured output: each step's pick masked by the grammar after the drafts before it, so
+     * the drafter proposes only text the grammar allows (the verify rows are masked anyway) */
+    for (int j = 0; j < n_draft && st == PD_OK; j++)
+        if (dslot[j]->r->gm != NULL)
+            st = pd_gmatch_copy(dslot[j]->r->gm_draft, dslot[j]->r->gm, err);
     for (int k = 0; k < e->B && st == PD_OK; k++) {
         st = markov_step(e, k, prev, want_conf ? conf_k : NULL, err);
         if (st != PD_OK)
             break;
         const float *sl = pd_draft_step_logits(e->draft);
+        for (int j = 0; j < n_draft && st == PD_OK; j++) {
+            pd_request *r = dslot[j]->r;
+            uint32_t *bits;
+            if (r->gm != NULL && (st = mask_slot(e, j, &bits, err)) == PD_OK)
+                st = pd_gmatch_allowed(r->gm_draft, r->params.gvocab, bits, err);
+        }
+        if (st == PD_OK)
+            st = mask_apply(e, sl, err);
+        if (st != PD_OK)
+            break;
         if (any_sampled)
             st = sample_rows(e, sl, owner, n_draft, (float *)e->smp_q->ptr + (size_t)k * e->V,
                              e->B * e->V, tok, err);
@@ -2033,6 +2050,10 @@ static pd_status draft_steps(pd_engine *e, round_slot **dslot, int n_draft, cons
             prev[j] = tok[j];
             if (want_conf)
                 conf[(size_t)j * e->B + k] = conf_k[j];
+            /* past the end of the grammar (an eos drafted) its mask stays that of the end */
+            if (dslot[j]->r->gm != NULL &&
+                pd_gmatch_advance(dslot[j]->r->gm_draft, dslot[j]->r->params.gvocab, tok[j], err) < 0)
+                st = err != NULL ? err->code : PD_ERR_INTERNAL;
         }
     }
     free(owner);
@@ -2391,9 +2412,13 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     }
     double t_draft = now_s(), draft_sec = 0.0;
     uint64_t cold_draft = graph_cold(e);
-    if (n_draft > 0 && !any_sampled && e->tp == NULL) {
+    int any_grammar = 0;
+    for (int j = 0; j < n_draft; j++)
+        any_grammar |= dslot[j]->r->gm != NULL;
+    if (n_draft > 0 && !any_sampled && e->tp == NULL && !any_grammar) {
         /* greedy drafts: the whole round chained on the device, one download (tensor-parallel
-         * ranks take the step-by-step path below: each step's logits are gathered over them) */
+         * ranks take the step-by-step path below: each step's logits are gathered over them;
+         * so do rounds with structured output, whose picks are masked step by step) */
         int dB = e->dm->cfg.block_size;
         int32_t *ids = malloc((size_t)n_draft * dB * sizeof(int32_t));
         float *cf = want_conf ? malloc((size_t)n_draft * dB * sizeof(float)) : NULL;

@@ -210,7 +210,8 @@ typedef struct pd_request {
     uint64_t ext_epoch;      /* ... valid while equal to the engine's extend counter */
     int offered;             /* full pages offered to the prefix cache so far */
     pd_gmatch *gm;           /* params.grammar: where the output so far leaves it ... */
-    pd_gmatch *gm_row;       /* ... and a copy walked along a verify block's drafts */
+    pd_gmatch *gm_row;       /* ... a copy walked along a verify block's drafts ... */
+    pd_gmatch *gm_draft;     /* ... and one along the drafter's steps (its picks masked too) */
     uint32_t *first_allow;   /* the copy of params.first_allow */
 } pd_request;
 
