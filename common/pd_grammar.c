@@ -292,6 +292,15 @@ static pd_status gb_finish(gb *b, int root, pd_grammar **out)
     g->n_rules = b->n;
     atomic_init(&g->refs, 1);
     gb_free(b);
+    /* a grammar that cannot even start (a rule that refers to itself first) is refused here,
+     * not when a request meets it */
+    pd_gmatch *m = NULL;
+    pd_status st = pd_gmatch_create(g, &m, b->err);
+    pd_gmatch_destroy(m);
+    if (st != PD_OK) {
+        pd_grammar_unref(g);
+        return st;
+    }
     *out = g;
     return PD_OK;
 }

@@ -247,6 +247,7 @@ static void test_schema(const pd_gvocab *v, const uint8_t **tb, const size_t *tl
         { "{\"type\":", "not valid JSON" },
         { "{\"type\":\"array\",\"maxItems\":1,\"minItems\":2}", "maxItems" },
         { "{\"type\":\"string\",\"maxLength\":100000}", "rules" },
+        { "{\"anyOf\":[{\"$ref\":\"#\"},{\"type\":\"null\"}]}", "left recursion" },
     };
     for (size_t i = 0; i < sizeof(refused) / sizeof(*refused); i++) {
         pd_err err = { 0 };
