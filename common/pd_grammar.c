@@ -694,9 +694,20 @@ static int j_object(jctx *j, const cJSON *s, const char *path, int depth)
     return r;
 }
 
+static int j_pattern(jctx *j, const char *pat, const char *path);
+
 static int j_typed(jctx *j, const cJSON *s, const char *type, const char *path, int depth)
 {
     if (strcmp(type, "string") == 0) {
+        const cJSON *pat = cJSON_GetObjectItemCaseSensitive(s, "pattern");
+        if (pat != NULL) {
+            if (!cJSON_IsString(pat))
+                return j_err(j, path, "'%s' must be a string", "pattern");
+            if (cJSON_GetObjectItemCaseSensitive(s, "minLength") != NULL ||
+                cJSON_GetObjectItemCaseSensitive(s, "maxLength") != NULL)
+                return j_err(j, path, "%s", "pattern with minLength or maxLength is not supported");
+            return j_pattern(j, pat->valuestring, path);
+        }
         int min = 0, max = -1;
         j_count(j, s, "minLength", path, &min);
         j_count(j, s, "maxLength", path, &max);
@@ -732,8 +743,8 @@ static int j_typed(jctx *j, const cJSON *s, const char *type, const char *path, 
 static const char *const j_known[] = {
     "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
     "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions", "minLength",
-    "maxLength", "title", "description", "default", "examples", "$schema", "$id", "$comment",
-    "format", NULL
+    "maxLength", "pattern", "title", "description", "default", "examples", "$schema", "$id",
+    "$comment", "format", NULL
 };
 
 static int j_schema(jctx *j, const cJSON *s, const char *path, int depth)
@@ -866,7 +877,47 @@ typedef struct {
     const char *s;
     size_t n, i;
     int utf8;        /* rule: any UTF-8 sequence of two to four bytes */
+    int json;        /* the text is a JSON string's body (a schema's pattern): characters that
+                      * JSON escapes are matched as their escapes */
 } rctx;
+
+/* the JSON escape of byte c when a JSON string must escape it, else NULL */
+static const char *json_escape(uint8_t c, char buf[8])
+{
+    switch (c) {
+    case '"': return "\\\"";
+    case '\\': return "\\\\";
+    case '\n': return "\\n";
+    case '\t': return "\\t";
+    case '\r': return "\\r";
+    case '\b': return "\\b";
+    case '\f': return "\\f";
+    default: break;
+    }
+    if (c < 0x20) {
+        snprintf(buf, 8, "\\u%04x", c);
+        return buf;
+    }
+    return NULL;
+}
+
+/* a literal run of bytes (escaped where a JSON string must) */
+static int r_lit(rctx *r, const char *s, size_t n)
+{
+    if (!r->json)
+        return gb_lit_rule(r->b, s, n);
+    int x = gb_rule_new(r->b);
+    int a = gb_alt(r->b, x);
+    for (size_t i = 0; i < n; i++) {
+        char buf[8];
+        const char *e = json_escape((uint8_t)s[i], buf);
+        if (e != NULL)
+            gb_lit(r->b, x, a, e, strlen(e));
+        else
+            gb_lit(r->b, x, a, s + i, 1);
+    }
+    return x;
+}
 
 static int r_err(rctx *r, const char *what)
 {
@@ -887,6 +938,22 @@ static int r_utf8(rctx *r)
 /* an ASCII set, plus every non-ASCII character when `wide` (negated classes, \D \W \S, .) */
 static int r_set_rule(rctx *r, const gset *s, int wide)
 {
+    if (r->json) {   /* the bytes JSON escapes: their escapes instead */
+        gset plain = *s;
+        int x = gb_rule_new(r->b);
+        for (int c = 0; c < 0x80; c++) {
+            char buf[8];
+            const char *e = json_escape((uint8_t)c, buf);
+            if (e == NULL || !set_has(s, c))
+                continue;
+            plain.w[c >> 5] &= ~(1u << (c & 31));
+            gb_lit(r->b, x, gb_alt(r->b, x), e, strlen(e));
+        }
+        gb_cls(r->b, x, gb_alt(r->b, x), &plain);
+        if (wide)
+            gb_ref(r->b, x, gb_alt(r->b, x), r_utf8(r));
+        return x;
+    }
     if (!wide)
         return gb_cls_rule(r->b, s);
     int u = r_utf8(r);
@@ -1053,7 +1120,7 @@ static int r_atom(rctx *r, int depth)
         } else if ((byte = r_escape_byte(r, e)) < 0)
             return -1;
         char ch = (char)byte;
-        return gb_lit_rule(r->b, &ch, 1);
+        return r_lit(r, &ch, 1);
     }
     if (c == ')' || c == '*' || c == '+' || c == '?' || c == '{')
         return r_err(r, "a quantifier or ) with nothing before it");
@@ -1067,7 +1134,7 @@ static int r_atom(rctx *r, int depth)
     if (st + len > r->n)
         return r_err(r, "a truncated UTF-8 character");
     r->i = st + len;
-    return gb_lit_rule(r->b, r->s + st, len);
+    return r_lit(r, r->s + st, len);
 }
 
 static int r_number(rctx *r, int *out)
@@ -1159,6 +1226,34 @@ pd_status pd_grammar_regex(const char *re, size_t len, pd_grammar **out, pd_err 
     if (b.st == PD_OK && r.i < r.n)
         r_err(&r, r.s[r.i] == ')' ? "unbalanced )" : "unexpected character");
     return gb_finish(&b, root, out);
+}
+
+/* A schema's pattern: a JSON string whose (unescaped) text the regex finds (ECMA-262 search: an
+ * end without ^ or $ may have any text beyond it) */
+static int j_pattern(jctx *j, const char *pat, const char *path)
+{
+    (void)path;
+    size_t n = strlen(pat);
+    if (n > PD_GRAMMAR_MAX_SPEC)
+        return j_err(j, path, "%s", "a pattern longer than 64 KiB");
+    int head = n > 0 && pat[0] == '^';
+    int tail = n > (size_t)head && pat[n - 1] == '$' && (n < 2 || pat[n - 2] != '\\');
+    rctx r = { .b = j->b, .s = pat, .n = n, .i = (size_t)head, .utf8 = -1, .json = 1 };
+    int body = r_alt(&r, 0);
+    if (j->b->st == PD_OK && r.i < r.n)
+        r_err(&r, r.s[r.i] == ')' ? "unbalanced )" : "unexpected character");
+    gb *b = j->b;
+    int any = gb_star(b, j_str_char(j));
+    int x = gb_rule_new(b);
+    int a = gb_alt(b, x);
+    gb_lit(b, x, a, "\"", 1);
+    if (!head)
+        gb_ref(b, x, a, any);
+    gb_ref(b, x, a, body);
+    if (!tail)
+        gb_ref(b, x, a, any);
+    gb_lit(b, x, a, "\"", 1);
+    return x;
 }
 
 /* ---- the vocabulary ------------------------------------------------------------------------- */

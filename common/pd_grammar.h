@@ -29,7 +29,9 @@ typedef struct pd_gmatch pd_gmatch;
 /* The schema text (JSON; the schema object of OpenAI's json_schema response format or vLLM's
  * guided_json). Supported: type (one or a list), properties (in their order), required,
  * additionalProperties, items, minItems, maxItems, enum, const, anyOf, oneOf, allOf of one
- * schema, $ref to #/$defs/... or #/definitions/... (recursion allowed), minLength, maxLength;
+ * schema, $ref to #/$defs/... or #/definitions/... (recursion allowed), minLength, maxLength,
+ * pattern (the regex subset below, searched in the string's text as ECMA-262 does: unanchored
+ * ends take any text; not with min/maxLength);
  * title, description, default, examples, $schema, $id, $comment and format are annotations
  * (format is not enforced). Any other keyword: PD_ERR_INVALID naming it. NULL = any JSON
  * object (json_object). */

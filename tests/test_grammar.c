@@ -237,9 +237,39 @@ static void test_schema(const pd_gvocab *v, const uint8_t **tb, const size_t *tl
         pd_grammar_unref(g);
     }
 
+    /* pattern: the string's unescaped text is searched by the regex (anchors as written); a
+     * quote or backslash in it is matched as its JSON escape */
+    g = json("{\"type\":\"string\",\"pattern\":\"a\\\"b\"}");
+    if (g != NULL) {
+        TEST_CHECK(accepts(g, v, "\"a\\\"b\"") == 1);
+        TEST_CHECK(accepts(g, v, "\"xxa\\\"byy\"") == 1);   /* unanchored: found inside */
+        TEST_CHECK(accepts(g, v, "\"ab\"") == 0 && accepts(g, v, "\"a\"b\"") == 0);
+        pd_grammar_unref(g);
+    }
+    g = json("{\"type\":\"object\",\"properties\":{\"d\":{\"type\":\"string\",\"pattern\":\"^[0-9]{4}-[0-9]{2}$\"},"
+             "\"q\":{\"type\":\"string\",\"pattern\":\"^a\\\"b+$\"}},\"required\":[\"d\",\"q\"]}");
+    if (g != NULL) {
+        TEST_CHECK(accepts(g, v, "{\"d\":\"2026-12\",\"q\":\"a\\\"bb\"}") == 1);
+        TEST_CHECK(accepts(g, v, "{\"d\":\"2026-1\",\"q\":\"a\\\"b\"}") == 0);
+        TEST_CHECK(accepts(g, v, "{\"d\":\"x2026-12\",\"q\":\"a\\\"b\"}") == 0);    /* anchored */
+        TEST_CHECK(accepts(g, v, "{\"d\":\"2026-12\",\"q\":\"a\\\"bx\"}") == 0);
+        char *t = walks(g, v, N_SMALL, tb, tl, 10, 120, &mask_ok, &ended);
+        TEST_CHECK(mask_ok);
+        cJSON *doc = t != NULL ? cJSON_Parse(t) : NULL;
+        cJSON *d = cJSON_GetObjectItemCaseSensitive(doc, "d"), *q = cJSON_GetObjectItemCaseSensitive(doc, "q");
+        TEST_CHECK_MSG(ended > 0 && cJSON_IsString(d) && strlen(d->valuestring) == 7 && d->valuestring[4] == '-' &&
+                       cJSON_IsString(q) && strncmp(q->valuestring, "a\"b", 3) == 0,
+                       "a pattern walk obeys it (%d ended): %s", ended, t ? t : "");
+        cJSON_Delete(doc);
+        free(t);
+        pd_grammar_unref(g);
+    }
+
     /* refused by name */
     struct { const char *schema, *needle; } refused[] = {
-        { "{\"type\":\"string\",\"pattern\":\"^a\"}", "'pattern'" },
+        { "{\"type\":\"number\",\"multipleOf\":2}", "'multipleOf'" },
+        { "{\"type\":\"string\",\"pattern\":\"a\",\"maxLength\":3}", "pattern with" },
+        { "{\"type\":\"string\",\"pattern\":\"(a\"}", "unterminated (" },
         { "{\"type\":\"integer\",\"minimum\":0}", "'minimum'" },
         { "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"strin\"}}}", "strin" },
         { "{\"type\":\"object\",\"properties\":{\"a\":{}},\"required\":[\"b\"]}", "'b'" },

@@ -1114,7 +1114,7 @@ def main():
              400, "response_format"),
             ("/v1/completions", json.dumps({"prompt": "x", "guided_choice": ["a"], "guided_regex": "b"}).encode(),
              400, "guided_regex"),
-            ("/v1/completions", json.dumps({"prompt": "x", "guided_json": {"type": "string", "pattern": "a+"}}).encode(),
+            ("/v1/completions", json.dumps({"prompt": "x", "guided_json": {"type": "integer", "minimum": 0}}).encode(),
              400, "guided_json"),
             ("/v1/completions", json.dumps({"prompt": "x", "guided_json": "{not json"}).encode(), 400, "guided_json"),
             ("/v1/completions", json.dumps({"prompt": "x", "guided_regex": "(ab"}).encode(), 400, "guided_regex"),
