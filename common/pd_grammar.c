@@ -12,6 +12,7 @@
 #include "pd_grammar.h"
 
 #include <cjson/cJSON.h>
+#include <math.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -696,6 +697,100 @@ static int j_object(jctx *j, const cJSON *s, const char *path, int depth)
 
 static int j_pattern(jctx *j, const char *pat, const char *path);
 
+/* ---- integer ranges: the decimal strings of [lo, hi] ---- */
+
+#define J_INT_MAX 9999999999999999LL   /* 16 digits, the integer rule's bound */
+
+/* the digit strings from lo to hi, both of n digits (leading zeros included) */
+static int j_digit_range(jctx *j, const char *lo, const char *hi, int n)
+{
+    gb *b = j->b;
+    int r = gb_rule_new(b);
+    int a = gb_alt(b, r);
+    gset d09 = { { 0 } };
+    set_range(&d09, '0', '9');
+    int all = 1;
+    for (int i = 0; i < n && all; i++)
+        all = lo[i] == '0' && hi[i] == '9';
+    if (n == 0 || all) {
+        for (int i = 0; i < n; i++)
+            gb_cls(b, r, a, &d09);
+        return r;
+    }
+    if (lo[0] == hi[0]) {
+        gb_lit(b, r, a, lo, 1);
+        gb_ref(b, r, a, j_digit_range(j, lo + 1, hi + 1, n - 1));
+        return r;
+    }
+    char nines[17], zeros[17];
+    memset(nines, '9', sizeof(nines));
+    memset(zeros, '0', sizeof(zeros));
+    gb_lit(b, r, a, lo, 1);
+    gb_ref(b, r, a, j_digit_range(j, lo + 1, nines, n - 1));
+    if (hi[0] - lo[0] > 1) {
+        gset mid = { { 0 } };
+        set_range(&mid, lo[0] + 1, hi[0] - 1);
+        a = gb_alt(b, r);
+        gb_cls(b, r, a, &mid);
+        for (int i = 1; i < n; i++)
+            gb_cls(b, r, a, &d09);
+    }
+    a = gb_alt(b, r);
+    gb_lit(b, r, a, hi, 1);
+    gb_ref(b, r, a, j_digit_range(j, zeros, hi + 1, n - 1));
+    return r;
+}
+
+/* alternatives of rule r: the integers lo..hi (0 <= lo <= hi), no leading zeros */
+static void j_nonneg_range(jctx *j, int r, long long lo, long long hi)
+{
+    long long p10 = 1;
+    for (int n = 1; n <= 16; n++, p10 *= 10) {
+        long long a = lo > (n == 1 ? 0 : p10) ? lo : (n == 1 ? 0 : p10), z = hi < p10 * 10 - 1 ? hi : p10 * 10 - 1;
+        if (a > z)
+            continue;
+        char sa[24], sz[24];
+        snprintf(sa, sizeof(sa), "%0*lld", n, a);
+        snprintf(sz, sizeof(sz), "%0*lld", n, z);
+        gb_ref(j->b, r, gb_alt(j->b, r), j_digit_range(j, sa, sz, n));
+    }
+}
+
+/* an integer within minimum / maximum / exclusiveMinimum / exclusiveMaximum (16 digits at most) */
+static int j_int_range(jctx *j, const cJSON *s, const char *path)
+{
+    long long lo = -J_INT_MAX, hi = J_INT_MAX;
+    static const char *const keys[4] = { "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum" };
+    for (int k = 0; k < 4; k++) {
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(s, keys[k]);
+        if (v == NULL)
+            continue;
+        if (!cJSON_IsNumber(v) || !(fabs(v->valuedouble) < 1e16))
+            return j_err(j, path, "'%s' must be a number of at most 16 digits", keys[k]);
+        double x = v->valuedouble;
+        long long b = k == 0 ? (long long)ceil(x) : k == 1 ? (long long)floor(x)
+                    : k == 2 ? (long long)floor(x) + 1 : (long long)ceil(x) - 1;
+        if (k % 2 == 0 && b > lo)
+            lo = b;
+        if (k % 2 == 1 && b < hi)
+            hi = b;
+    }
+    if (lo > hi)
+        return j_err(j, path, "%s", "the integer range minimum..maximum is empty");
+    gb *b = j->b;
+    int r = gb_rule_new(b);
+    if (hi >= 0)
+        j_nonneg_range(j, r, lo > 0 ? lo : 0, hi);
+    if (lo < 0) {   /* "-" and the magnitudes max(1, -hi) .. -lo */
+        int neg = gb_rule_new(b);
+        j_nonneg_range(j, neg, hi < 0 ? -hi : 1, -lo);
+        int a = gb_alt(b, r);
+        gb_lit(b, r, a, "-", 1);
+        gb_ref(b, r, a, neg);
+    }
+    return r;
+}
+
 static int j_typed(jctx *j, const cJSON *s, const char *type, const char *path, int depth)
 {
     if (strcmp(type, "string") == 0) {
@@ -715,10 +810,17 @@ static int j_typed(jctx *j, const cJSON *s, const char *type, const char *path, 
             return j_err(j, path, "%s", "maxLength is below minLength");
         return min == 0 && max < 0 ? j_string(j) : j_string_len(j, min, max);
     }
+    int ranged = cJSON_GetObjectItemCaseSensitive(s, "minimum") != NULL ||
+                 cJSON_GetObjectItemCaseSensitive(s, "maximum") != NULL ||
+                 cJSON_GetObjectItemCaseSensitive(s, "exclusiveMinimum") != NULL ||
+                 cJSON_GetObjectItemCaseSensitive(s, "exclusiveMaximum") != NULL;
     if (strcmp(type, "integer") == 0)
-        return j_integer(j);
-    if (strcmp(type, "number") == 0)
+        return ranged ? j_int_range(j, s, path) : j_integer(j);
+    if (strcmp(type, "number") == 0) {
+        if (ranged)
+            return j_err(j, path, "%s", "minimum/maximum on a number is not supported (on an integer it is)");
         return j_number(j);
+    }
     if (strcmp(type, "boolean") == 0)
         return j_boolean(j);
     if (strcmp(type, "null") == 0)
@@ -743,7 +845,7 @@ static int j_typed(jctx *j, const cJSON *s, const char *type, const char *path, 
 static const char *const j_known[] = {
     "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
     "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions", "minLength",
-    "maxLength", "pattern", "title", "description", "default", "examples", "$schema", "$id",
+    "maxLength", "pattern", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "title", "description", "default", "examples", "$schema", "$id",
     "$comment", "format", NULL
 };
 

@@ -265,12 +265,44 @@ static void test_schema(const pd_gvocab *v, const uint8_t **tb, const size_t *tl
         pd_grammar_unref(g);
     }
 
+    /* integer ranges: every integer in -300..300 (and a few far ones) accepted exactly when in
+     * range, for closed, one-sided and exclusive bounds */
+    struct { const char *schema; long long lo, hi; } ranges[] = {
+        { "{\"type\":\"integer\",\"minimum\":-15,\"maximum\":123}", -15, 123 },
+        { "{\"type\":\"integer\",\"minimum\":5}", 5, 9999999999999999LL },
+        { "{\"type\":\"integer\",\"exclusiveMinimum\":0,\"exclusiveMaximum\":100}", 1, 99 },
+        { "{\"type\":\"integer\",\"maximum\":-20}", -9999999999999999LL, -20 },
+        { "{\"type\":\"integer\",\"minimum\":0.5,\"maximum\":10.5}", 1, 10 },
+        { "{\"type\":\"integer\",\"minimum\":7,\"maximum\":7}", 7, 7 },
+    };
+    for (size_t i = 0; i < sizeof(ranges) / sizeof(*ranges); i++) {
+        pd_grammar *r = json(ranges[i].schema);
+        if (r == NULL)
+            continue;
+        int wrong = 0;
+        long long probe[] = { 1000, 12345, 99999, 1000000000LL, -1000, -123456 };
+        for (long long x = -300; x <= 300 + 6; x++) {
+            long long y = x <= 300 ? x : probe[x - 301];
+            char txt[32];
+            snprintf(txt, sizeof(txt), "%lld", y);
+            int want = y >= ranges[i].lo && y <= ranges[i].hi;
+            if (accepts(r, v, txt) != want) {
+                if (!wrong)
+                    fprintf(stderr, "%s: %s gives %d\n", ranges[i].schema, txt, !want);
+                wrong = 1;
+            }
+        }
+        TEST_CHECK_MSG(!wrong && accepts(r, v, "-0") == 0 && accepts(r, v, "05") == 0, "%s", ranges[i].schema);
+        pd_grammar_unref(r);
+    }
+
     /* refused by name */
     struct { const char *schema, *needle; } refused[] = {
         { "{\"type\":\"number\",\"multipleOf\":2}", "'multipleOf'" },
         { "{\"type\":\"string\",\"pattern\":\"a\",\"maxLength\":3}", "pattern with" },
         { "{\"type\":\"string\",\"pattern\":\"(a\"}", "unterminated (" },
-        { "{\"type\":\"integer\",\"minimum\":0}", "'minimum'" },
+        { "{\"type\":\"number\",\"minimum\":0}", "minimum/maximum on a number" },
+        { "{\"type\":\"integer\",\"minimum\":3,\"maximum\":2}", "empty" },
         { "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"strin\"}}}", "strin" },
         { "{\"type\":\"object\",\"properties\":{\"a\":{}},\"required\":[\"b\"]}", "'b'" },
         { "{\"$ref\":\"#/$defs/Missing\"}", "Missing" },

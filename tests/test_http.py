@@ -563,11 +563,11 @@ def test_structured(bin_dir, node, label):
     check(gr.returncode == 0 and json.loads(gr.stdout.strip().splitlines()[-1])["text"] == got.get("regex"),
           "%s gRPC --regex == HTTP guided_regex: %s" % (label, gr.stdout[-300:] + gr.stderr[-300:]))
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"type": "integer", "minimum": 3}, f)
+        json.dump({"type": "integer", "multipleOf": 3}, f)
     gr = subprocess.run([client, "--server", node.grpc, "--prompt", "x", "--json-schema", f.name],
                         capture_output=True, text=True, timeout=60)
     os.unlink(f.name)
-    check(gr.returncode == 1 and "'minimum'" in gr.stderr, "%s gRPC bad schema: %s" % (label, gr.stderr[-300:]))
+    check(gr.returncode == 1 and "'multipleOf'" in gr.stderr, "%s gRPC bad schema: %s" % (label, gr.stderr[-300:]))
     # sampled: still inside the grammar
     st, b = post_json(node, "/v1/completions", dict(STRUCT["choice"], temperature=1.0, seed=3))
     check(st == 200 and b["choices"][0]["text"] in ("yes", "no", "maybe"), "%s sampled choice %s" % (label, b))
@@ -1114,7 +1114,7 @@ def main():
              400, "response_format"),
             ("/v1/completions", json.dumps({"prompt": "x", "guided_choice": ["a"], "guided_regex": "b"}).encode(),
              400, "guided_regex"),
-            ("/v1/completions", json.dumps({"prompt": "x", "guided_json": {"type": "integer", "minimum": 0}}).encode(),
+            ("/v1/completions", json.dumps({"prompt": "x", "guided_json": {"type": "number", "multipleOf": 2}}).encode(),
              400, "guided_json"),
             ("/v1/completions", json.dumps({"prompt": "x", "guided_json": "{not json"}).encode(), 400, "guided_json"),
             ("/v1/completions", json.dumps({"prompt": "x", "guided_regex": "(ab"}).encode(), 400, "guided_regex"),
