@@ -244,6 +244,8 @@ static void gb_free(gb *b)
     free(b->r);
 }
 
+static int gmatch_dead(const pd_gmatch *m);
+
 /* the flat form, rule `root` at the top */
 static pd_status gb_finish(gb *b, int root, pd_grammar **out)
 {
@@ -297,6 +299,8 @@ static pd_status gb_finish(gb *b, int root, pd_grammar **out)
      * not when a request meets it */
     pd_gmatch *m = NULL;
     pd_status st = pd_gmatch_create(g, &m, b->err);
+    if (st == PD_OK && gmatch_dead(m))
+        st = pd_err_set(b->err, PD_ERR_INVALID, "structured output: the grammar matches no text at all");
     pd_gmatch_destroy(m);
     if (st != PD_OK) {
         pd_grammar_unref(g);
@@ -1562,7 +1566,8 @@ typedef struct {
 struct pd_gmatch {
     pd_grammar *g;
     gstate st, a, b;
-    int32_t *scratch; /* [G_MAX_CHAIN + 2][G_MAX_STACK] */
+    int32_t *scratch; /* [G_MAX_CHAIN + 2][G_MAX_STACK] stacks, then [G_MAX_CHAIN + 2][2]
+                       * (rule, stack length) of each chain level (expand) */
     struct {          /* pd_gmatch_allowed's recent masks, by state */
         gstate key;
         uint64_t hash;
@@ -1653,6 +1658,15 @@ static int expand(const pd_grammar *g, gstate *dst, int32_t *scratch, int chain,
             w[len - 1] = p + 1;
         if (base + 1 > G_MAX_STACK)
             return 0;            /* nested too deep: this way is not taken */
+        /* the same rule over the same stack earlier in this chain, no byte between: a loop
+         * through rules that can be empty ((a?)*, (a*)*); what it leads to was found there */
+        int32_t *seen = scratch + (size_t)(G_MAX_CHAIN + 2) * G_MAX_STACK;   /* [chain][2] */
+        for (int c = 0; c < chain; c++)
+            if (seen[2 * c] == e->ref && seen[2 * c + 1] == base &&
+                memcmp(scratch + (size_t)c * G_MAX_STACK, w, (size_t)base * 4) == 0)
+                return 0;
+        seen[2 * chain] = e->ref;
+        seen[2 * chain + 1] = base;
         int32_t *nw = w + G_MAX_STACK;
         for (int k = g->alt_off[e->ref]; k < g->alt_off[e->ref + 1]; k++) {
             memcpy(nw, w, (size_t)base * 4);
@@ -1697,7 +1711,7 @@ static pd_status match_err(int rc, pd_err *err)
 pd_status pd_gmatch_create(pd_grammar *g, pd_gmatch **out, pd_err *err)
 {
     pd_gmatch *m = calloc(1, sizeof(*m));
-    if (m == NULL || (m->scratch = malloc((size_t)(G_MAX_CHAIN + 2) * G_MAX_STACK * 4)) == NULL) {
+    if (m == NULL || (m->scratch = malloc((size_t)(G_MAX_CHAIN + 2) * (G_MAX_STACK + 2) * 4)) == NULL) {
         free(m);
         return pd_err_set(err, PD_ERR_NOMEM, "grammar matcher");
     }
@@ -1736,6 +1750,9 @@ pd_status pd_gmatch_copy(pd_gmatch *dst, const pd_gmatch *src, pd_err *err)
 }
 
 int pd_gmatch_complete(const pd_gmatch *m) { return m->st.complete; }
+
+/* no way on and not complete: the text so far (or the grammar) matches nothing */
+static int gmatch_dead(const pd_gmatch *m) { return m->st.n == 0 && !m->st.complete; }
 
 static int is_eos(const pd_gvocab *v, int32_t t)
 {

@@ -296,6 +296,13 @@ static void test_schema(const pd_gvocab *v, const uint8_t **tb, const size_t *tl
         pd_grammar_unref(r);
     }
 
+    /* a schema that refers to itself first: its other branch is its language */
+    g = json("{\"anyOf\":[{\"$ref\":\"#\"},{\"type\":\"null\"}]}");
+    if (g != NULL) {
+        TEST_CHECK(accepts(g, v, "null") == 1 && accepts(g, v, "nul") == 0 && accepts(g, v, "1") == 0);
+        pd_grammar_unref(g);
+    }
+
     /* refused by name */
     struct { const char *schema, *needle; } refused[] = {
         { "{\"type\":\"number\",\"multipleOf\":2}", "'multipleOf'" },
@@ -309,7 +316,7 @@ static void test_schema(const pd_gvocab *v, const uint8_t **tb, const size_t *tl
         { "{\"type\":", "not valid JSON" },
         { "{\"type\":\"array\",\"maxItems\":1,\"minItems\":2}", "maxItems" },
         { "{\"type\":\"string\",\"maxLength\":100000}", "rules" },
-        { "{\"anyOf\":[{\"$ref\":\"#\"},{\"type\":\"null\"}]}", "left recursion" },
+        { "{\"allOf\":[{\"$ref\":\"#\"}]}", "matches no text" },
     };
     for (size_t i = 0; i < sizeof(refused) / sizeof(*refused); i++) {
         pd_err err = { 0 };
@@ -350,6 +357,9 @@ static void test_choice_regex(const pd_gvocab *v, const uint8_t **tb, const size
         { "a.c|\\(\\)", { "abc", "a\xe2\x82\xac" "c", "()" }, { "a\nc", "ac", "(" } },
         { "colou?r{1,}", { "color", "colourrr", NULL }, { "colo", "colouur", NULL } },
         { "[\\w.-]+", { "a_b.c-d", NULL, NULL }, { "a b", "", NULL } },
+        /* starred parts that can be empty: the loop through them is cut, not refused */
+        { "(a|b?)+", { "", "abba", "b" }, { "c", "abc", NULL } },
+        { "((a*)*b?)*c", { "c", "aabac", "bbc" }, { "", "ab", "ca" } },
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(*cases); i++) {
         pd_grammar *r = regex(cases[i].re);
