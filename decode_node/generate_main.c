@@ -301,6 +301,11 @@ int main(int argc, char **argv)
             t_first = pd_cli_now_ms();
         for (int i = 0; detok != NULL && i < n_new; i++) {
             char *piece = NULL;
+            int is_end = 0;
+            for (int q = 0; q < tm->cfg.n_eos && !ignore_eos; q++)
+                is_end |= nt[i] == tm->cfg.eos_ids[q];
+            if (is_end)
+                continue;   /* the ending eos is not printed */
             if (pd_detok_push(detok, nt[i], &piece, &err) != PD_OK)
                 goto fail;
             fputs(piece, stdout);
@@ -321,7 +326,14 @@ int main(int argc, char **argv)
         fputc('\n', stdout);
         free(piece);
     }
-    if (tok != NULL && pd_tokenizer_decode(tok, req->out, (size_t)req->n_out, 0, &text, &text_len, &err) != PD_OK)
+    /* the eos that ended the request is not part of the text (as the servers answer) */
+    size_t n_text = (size_t)req->n_out;
+    for (int q = 0; q < tm->cfg.n_eos && req->finish == PD_FINISH_STOP && !ignore_eos && n_text > 0; q++)
+        if (req->out[n_text - 1] == tm->cfg.eos_ids[q]) {
+            n_text--;
+            break;
+        }
+    if (tok != NULL && pd_tokenizer_decode(tok, req->out, n_text, 0, &text, &text_len, &err) != PD_OK)
         goto fail;
     long acc_sum = 0;
     for (int i = 0; i < req->n_rounds; i++)
