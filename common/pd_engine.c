@@ -56,11 +56,11 @@ struct pd_engine {
     kern_penalty_entry *pen_host;  /* ... and their host copy */
     int n_pen, cap_pen_host;
     kern_buf *mask_dev;         /* structured output: a step's masks, [n_mask] rows then
-                                 * [n_mask, mask_words] bits ... */
+                                 * [n_mask, (V + 31) / 32] bits ... */
     int cap_mask;
     int32_t *mask_rows;         /* ... and their host copies */
     uint32_t *mask_bits;
-    int n_mask, cap_mask_rows, cap_mask_bits, mask_words;
+    int n_mask, cap_mask_rows, cap_mask_bits;
     int cap_ids;
     kern_buf *aux_dev;          /* compacted aux rows for draft extension */
     int cap_aux;
@@ -426,7 +426,6 @@ static void request_free(pd_engine *e, pd_request *r)
     free(r->accepted);
     pd_gmatch_destroy(r->gm);
     pd_gmatch_destroy(r->gm_row);
-    pd_gmatch_destroy(r->gm_draft);
     free(r->first_allow);
     free(r);
 }
@@ -927,7 +926,6 @@ static pd_status grammar_init(pd_engine *e, pd_request *r, pd_err *err)
     r->params.grammar = NULL;   /* the matchers hold their references */
     if (g != NULL) {
         TRY(pd_gmatch_create(g, &r->gm, err));
-        TRY(pd_gmatch_create(g, &r->gm_draft, err));
         return pd_gmatch_create(g, &r->gm_row, err);
     }
     if (first != NULL) {
@@ -2024,7 +2022,7 @@ static pd_status draft_steps(pd_engine *e, round_slot **dslot, int n_draft, cons
      * the drafter proposes only text the grammar allows (the verify rows are masked anyway) */
     for (int j = 0; j < n_draft && st == PD_OK; j++)
         if (dslot[j]->r->gm != NULL)
-            st = pd_gmatch_copy(dslot[j]->r->gm_draft, dslot[j]->r->gm, err);
+            st = pd_gmatch_copy(dslot[j]->r->gm_row, dslot[j]->r->gm, err);
     for (int k = 0; k < e->B && st == PD_OK; k++) {
         st = markov_step(e, k, prev, want_conf ? conf_k : NULL, err);
         if (st != PD_OK)
@@ -2034,7 +2032,7 @@ static pd_status draft_steps(pd_engine *e, round_slot **dslot, int n_draft, cons
             pd_request *r = dslot[j]->r;
             uint32_t *bits;
             if (r->gm != NULL && (st = mask_slot(e, j, &bits, err)) == PD_OK)
-                st = pd_gmatch_allowed(r->gm_draft, r->params.gvocab, bits, err);
+                st = pd_gmatch_allowed(r->gm_row, r->params.gvocab, bits, err);
         }
         if (st == PD_OK)
             st = mask_apply(e, sl, err);
@@ -2052,7 +2050,7 @@ static pd_status draft_steps(pd_engine *e, round_slot **dslot, int n_draft, cons
                 conf[(size_t)j * e->B + k] = conf_k[j];
             /* past the end of the grammar (an eos drafted) its mask stays that of the end */
             if (dslot[j]->r->gm != NULL &&
-                pd_gmatch_advance(dslot[j]->r->gm_draft, dslot[j]->r->params.gvocab, tok[j], err) < 0)
+                pd_gmatch_advance(dslot[j]->r->gm_row, dslot[j]->r->params.gvocab, tok[j], err) < 0)
                 st = err != NULL ? err->code : PD_ERR_INTERNAL;
         }
     }

@@ -210,8 +210,9 @@ typedef struct pd_request {
     uint64_t ext_epoch;      /* ... valid while equal to the engine's extend counter */
     int offered;             /* full pages offered to the prefix cache so far */
     pd_gmatch *gm;           /* params.grammar: where the output so far leaves it ... */
-    pd_gmatch *gm_row;       /* ... a copy walked along a verify block's drafts ... */
-    pd_gmatch *gm_draft;     /* ... and one along the drafter's steps (its picks masked too) */
+    pd_gmatch *gm_row;       /* ... and a copy walked along the drafter's steps (its picks
+                              * masked too), then along the verify block's drafts: one mask
+                              * cache serves both, since their states are the same */
     uint32_t *first_allow;   /* the copy of params.first_allow */
 } pd_request;
 

@@ -332,7 +332,7 @@ void pd_grammar_unref(pd_grammar *g)
 typedef struct {
     gb *b;
     const cJSON *root;
-    int ws, str_char, string, integer, number, boolean, null, value, member, obj_any, arr_any;
+    int ws, str_char, string, integer, number, boolean, null, value, obj_any;
     struct jref {
         char *name;
         int rule;
@@ -535,8 +535,7 @@ static int j_value(jctx *j)
     gb *b = j->b;
     int v = j->value = gb_rule_new(b);
     j->obj_any = j_list(j, "{", "}", j_member(j, v), 0, -1);
-    j->arr_any = j_list(j, "[", "]", v, 0, -1);
-    int parts[6] = { j->obj_any, j->arr_any, j_string(j), j_number(j), j_boolean(j), j_null(j) };
+    int parts[6] = { j->obj_any, j_list(j, "[", "]", v, 0, -1), j_string(j), j_number(j), j_boolean(j), j_null(j) };
     for (int i = 0; i < 6; i++)
         gb_ref(b, v, gb_alt(b, v), parts[i]);
     return v;
@@ -932,7 +931,7 @@ pd_status pd_grammar_json(const char *schema, size_t len, pd_grammar **out, pd_e
 {
     gb b = { .err = err };
     jctx j = { .b = &b, .ws = -1, .str_char = -1, .string = -1, .integer = -1, .number = -1,
-               .boolean = -1, .null = -1, .value = -1, .member = -1, .obj_any = -1, .arr_any = -1 };
+               .boolean = -1, .null = -1, .value = -1, .obj_any = -1 };
     cJSON *doc = NULL;
     int root;
     if (schema == NULL) {

@@ -125,6 +125,8 @@ typedef struct {
     int n_choices;
     const char *regex;              /* a whole match of this regular expression */
     size_t regex_len;
+    struct pd_grammar *grammar;     /* or one of them already compiled (borrowed; the request
+                                     * takes its own reference) */
 } decode_req;
 
 typedef struct {

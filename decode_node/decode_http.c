@@ -120,6 +120,7 @@ typedef struct {
     char **choices;                  /* ... the choices (decode_req points at these) */
     int n_choices;
     int n_guides;                    /* fields that asked for structured output */
+    pd_grammar *grammar;             /* theirs, compiled once (decode_req.grammar) */
     const char *guide_param;         /* the (last) one of them */
 } req_opts;
 
@@ -929,6 +930,8 @@ static void opts_free(req_opts *o)
     o->bias = NULL;
     free(o->schema);
     free(o->regex);
+    pd_grammar_unref(o->grammar);
+    o->grammar = NULL;
     for (int i = 0; i < o->n_choices; i++)
         free(o->choices[i]);
     free(o->choices);
@@ -1097,16 +1100,21 @@ static int parse_guides(const cJSON *root, decode_req *dr, req_opts *o, const ch
                  "the output may end)");
         return -1;
     }
-    /* compiled here too, so that a bad schema or regex is answered with its parameter's name
-     * (decode_submit compiles the request's own) */
+    /* compiled here, so that a bad schema or regex is answered with its parameter's name, and
+     * once for every choice of the request */
     pd_grammar *g = NULL;
     pd_err gerr;
     pd_status gst = dr->json_object ? pd_grammar_json(NULL, 0, &g, &gerr)
                   : dr->json_schema != NULL ? pd_grammar_json(dr->json_schema, dr->json_schema_len, &g, &gerr)
                   : dr->n_choices > 0 ? pd_grammar_choice(dr->choices, dr->n_choices, &g, &gerr)
                   : pd_grammar_regex(dr->regex, dr->regex_len, &g, &gerr);
-    pd_grammar_unref(g);
-    if (gst != PD_OK) {
+    if (gst == PD_OK) {
+        o->grammar = dr->grammar = g;
+        dr->json_object = 0;
+        dr->json_schema = dr->regex = NULL;
+        dr->choices = NULL;
+        dr->n_choices = 0;
+    } else {
         *param = o->guide_param;
         snprintf(msg, cap, "%s", gerr.msg);
         return -1;

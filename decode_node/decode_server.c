@@ -1326,7 +1326,8 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
     if (!isfinite(req->verify_threshold) || req->verify_threshold < 0.0f || req->verify_threshold > 1.0f)
         return pd_err_set(err, PD_ERR_INVALID, "verify_threshold %g must be in (0, 1] (0 = the node's)",
                           (double)req->verify_threshold);
-    int n_guides = (req->json_object != 0) + (req->json_schema != NULL) + (req->n_choices > 0) + (req->regex != NULL);
+    int n_guides = (req->json_object != 0) + (req->json_schema != NULL) + (req->n_choices > 0) +
+                   (req->regex != NULL) + (req->grammar != NULL);
     if (n_guides > 1)
         return pd_err_set(err, PD_ERR_INVALID, "structured output: give at most one of a JSON object, "
                           "a JSON schema, choices and a regex");
@@ -1389,7 +1390,9 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
     }
     pd_grammar *grammar = NULL;
     st = PD_OK;
-    if (req->json_object)
+    if (req->grammar != NULL)
+        grammar = pd_grammar_ref(req->grammar);
+    else if (req->json_object)
         st = pd_grammar_json(NULL, 0, &grammar, err);
     else if (req->json_schema != NULL)
         st = pd_grammar_json(req->json_schema, req->json_schema_len, &grammar, err);
