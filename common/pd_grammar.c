@@ -954,6 +954,74 @@ pd_status pd_grammar_json(const char *schema, size_t len, pd_grammar **out, pd_e
     return gb_finish(&b, root, out);
 }
 
+/* ---- tool calls ----------------------------------------------------------------------------- */
+
+pd_status pd_grammar_tool_calls(const char *const *names, const char *const *schemas, int n, int parallel,
+                                pd_grammar **out, pd_err *err)
+{
+    if (n < 1 || n > PD_GRAMMAR_MAX_CHOICES)
+        return pd_err_set(err, PD_ERR_INVALID, "%d tools (1..%d)", n, PD_GRAMMAR_MAX_CHOICES);
+    size_t total = 0;
+    for (int i = 0; i < n; i++) {
+        if (names[i] == NULL || names[i][0] == '\0')
+            return pd_err_set(err, PD_ERR_INVALID, "tool %d has no name", i);
+        for (const char *c = names[i]; *c; c++)
+            if (*c == '"' || *c == '\\' || (uint8_t)*c < 0x20)
+                return pd_err_set(err, PD_ERR_INVALID, "tool %d: its name needs JSON escapes", i);
+        total += strlen(names[i]) + (schemas[i] != NULL ? strlen(schemas[i]) : 0);
+    }
+    if (total > PD_GRAMMAR_MAX_SPEC)
+        return pd_err_set(err, PD_ERR_INVALID, "tools of %zu bytes (at most %d)", total, PD_GRAMMAR_MAX_SPEC);
+    gb b = { .err = err };
+    jctx j = { .b = &b, .ws = -1, .str_char = -1, .string = -1, .integer = -1, .number = -1,
+               .boolean = -1, .null = -1, .value = -1, .obj_any = -1 };
+    int call = gb_rule_new(&b);
+    for (int i = 0; i < n && b.st == PD_OK; i++) {
+        cJSON *doc = NULL;
+        int args;
+        if (schemas[i] == NULL) {
+            j_value(&j);
+            args = j.obj_any;
+        } else if ((doc = cJSON_Parse(schemas[i])) == NULL) {
+            args = gb_fail(&b, PD_ERR_INVALID, "JSON schema: not valid JSON");
+        } else {
+            j.root = doc;
+            args = j_schema(&j, doc, "", 0);
+        }
+        for (int k = 0; k < j.n_refs; k++)   /* $refs are the tool's own */
+            free(j.refs[k].name);
+        j.n_refs = 0;
+        cJSON_Delete(doc);
+        if (b.st == PD_ERR_INVALID) {   /* which tool's parameters */
+            char m[sizeof(err->msg)];
+            snprintf(m, sizeof(m), "tool '%.64s' parameters: %.400s", names[i], err->msg);
+            snprintf(err->msg, sizeof(err->msg), "%s", m);
+        }
+        int a = gb_alt(&b, call);
+        static const char pre[] = "<tool_call>\n{\"name\": \"", mid[] = "\", \"arguments\": ",
+                          post[] = "}\n</tool_call>";
+        gb_lit(&b, call, a, pre, sizeof(pre) - 1);
+        gb_lit(&b, call, a, names[i], strlen(names[i]));
+        gb_lit(&b, call, a, mid, sizeof(mid) - 1);
+        gb_ref(&b, call, a, args);
+        gb_lit(&b, call, a, post, sizeof(post) - 1);
+    }
+    free(j.refs);
+    int root = call;
+    if (parallel) {   /* call ("\n" call)* */
+        int more = gb_rule_new(&b);
+        int a = gb_alt(&b, more);
+        gb_lit(&b, more, a, "\n", 1);
+        gb_ref(&b, more, a, call);
+        int tail = gb_star(&b, more);
+        root = gb_rule_new(&b);
+        a = gb_alt(&b, root);
+        gb_ref(&b, root, a, call);
+        gb_ref(&b, root, a, tail);
+    }
+    return gb_finish(&b, root, out);
+}
+
 /* ---- choices -------------------------------------------------------------------------------- */
 
 pd_status pd_grammar_choice(const char *const *choices, int n, pd_grammar **out, pd_err *err)

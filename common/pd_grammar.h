@@ -44,6 +44,13 @@ pd_status pd_grammar_choice(const char *const *choices, int n, pd_grammar **out,
  * {m,n} (a lazy ? after them is accepted: only the language matters), ^ and $ at the ends.
  * Backreferences and lookaround: PD_ERR_INVALID. */
 pd_status pd_grammar_regex(const char *re, size_t len, pd_grammar **out, pd_err *err);
+/* Tool calls as Qwen's (Hermes) chat templates teach them:
+ *   <tool_call>\n{"name": "NAME", "arguments": ARGS}\n</tool_call>
+ * NAME one of names[0..n), ARGS an object that matches schemas[i] (a JSON schema's text as for
+ * pd_grammar_json; NULL = any object). parallel: one or more calls, each after the first
+ * preceded by "\n"; else exactly one. A bad schema: PD_ERR_INVALID naming the tool. */
+pd_status pd_grammar_tool_calls(const char *const *names, const char *const *schemas, int n, int parallel,
+                                pd_grammar **out, pd_err *err);
 pd_grammar *pd_grammar_ref(pd_grammar *g);
 void pd_grammar_unref(pd_grammar *g);   /* NULL is fine */
 

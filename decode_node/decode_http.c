@@ -31,6 +31,7 @@
 #include <event2/keyvalq_struct.h>
 
 #include "decode_metrics.h"
+#include "pd_chat.h"
 #include "pd_cli.h"
 #include "pd_grammar.h"
 #include "pd_http.h"
@@ -46,7 +47,10 @@ struct decode_http {
     pd_http *http;
     decode_metrics *dm;
     char model[256];
-    int chat_ok;                     /* the checkpoint's template is ChatML-shaped */
+    int chat_ok;                     /* the checkpoint's template is ChatML-shaped ... */
+    pd_chat_template tmpl;           /* ... and what it does (Qwen3's <think> handling) */
+    int reasoning;                   /* --reasoning-parser qwen3: <think> text becomes
+                                      * reasoning_content */
     char chat_why[256];              /* why chat is refused otherwise */
     atomic_int draining;
     atomic_int inflight;
@@ -70,7 +74,10 @@ typedef struct http_choice {
     struct lp_tok *lps;              /* [n_lps] logprobs of the tokens kept so far ... */
     int n_lps, cap_lps, lp_sent;     /* ... of which the first lp_sent went out in stream events */
     int done;                        /* its result arrived (below) */
-    const char *finish;              /* "stop" / "length" when it ended well */
+    pd_chat_parser *cp;              /* a streamed chat with tools or reasoning: the text split
+                                      * into content, reasoning and tool calls as it comes */
+    size_t lp_end;                   /* with cp: the logprobs of tokens before here went out */
+    const char *finish;              /* "stop" / "length" / "tool_calls" when it ended well */
     int n_tokens, prompt_tokens, cached_tokens, rounds, block_size;
     long accepted;
 } http_choice;
@@ -91,6 +98,7 @@ typedef struct http_req {
     int logprobs, top_logprobs;      /* the request asked for logprobs (and this many likeliest) */
     int echo, no_gen;                /* echo: every choice's text starts with the prompt (and its
                                       * logprobs with the prompt's); no_gen: max_tokens 0 */
+    int tools, reasoning;            /* chat: parse <tool_call> blocks; <think>: pd_chat_parser_create's */
     int n_choice, n_done;            /* choices, and those whose result arrived */
     http_choice ch[MAX_N];
     pd_status err_st;                /* the first choice that failed: the request's answer */
@@ -171,6 +179,7 @@ static void req_contents_free(http_req *r)
         r->ch[i].h = NULL;
         free(r->ch[i].gen);
         free(r->ch[i].lps);
+        pd_chat_parser_destroy(r->ch[i].cp);
     }
     for (int i = 0; i < r->n_stop; i++)
         free(r->stop[i]);
@@ -376,37 +385,35 @@ static cJSON *logprobs_json(const http_choice *r, int from, int to)
     return o;
 }
 
-/* Appends choice ch to o's "choices"; text NULL = no text field (chat role-only / final
- * chunk). Logprobs of tokens ch->lps[lp_from..lp_to) when the request asked for them (else
- * null). */
-static void add_choice(cJSON *o, const http_choice *ch, const char *text, size_t len, int chunk,
-                       const char *finish, int role, int lp_from, int lp_to)
+static cJSON *string_n(const char *s, size_t n)
 {
-    const http_req *r = ch->r;
+    char *t = malloc(n + 1);
+    if (t == NULL)
+        return cJSON_CreateNull();
+    memcpy(t, s, n);
+    t[n] = '\0';
+    cJSON *j = cJSON_CreateString(t);
+    free(t);
+    return j;
+}
+
+/* A new element of o's "choices" for choice ch, with its index. */
+static cJSON *choice_begin(cJSON *o, const http_choice *ch)
+{
     cJSON *arr = cJSON_GetObjectItemCaseSensitive(o, "choices");
     if (arr == NULL)
         arr = cJSON_AddArrayToObject(o, "choices");
     cJSON *c = cJSON_CreateObject();
     cJSON_AddItemToArray(arr, c);
     cJSON_AddNumberToObject(c, "index", ch->idx);
-    char *t = NULL;
-    if (text != NULL) {
-        t = malloc(len + 1);
-        if (t != NULL) {
-            memcpy(t, text, len);
-            t[len] = '\0';
-        }
-    }
-    if (r->chat) {
-        cJSON *m = cJSON_AddObjectToObject(c, chunk ? "delta" : "message");
-        if (role)
-            cJSON_AddStringToObject(m, "role", "assistant");
-        if (t != NULL)
-            cJSON_AddStringToObject(m, "content", t);
-    } else {
-        cJSON_AddStringToObject(c, "text", t != NULL ? t : "");
-    }
-    if (r->logprobs && lp_from >= 0)
+    return c;
+}
+
+/* The end of a choice element: the logprobs of tokens ch->lps[lp_from..lp_to) when the
+ * request asked for them (else null), and the finish reason (NULL: null). */
+static void choice_end(cJSON *c, const http_choice *ch, const char *finish, int lp_from, int lp_to)
+{
+    if (ch->r->logprobs && lp_from >= 0)
         cJSON_AddItemToObject(c, "logprobs", logprobs_json(ch, lp_from, lp_to));
     else
         cJSON_AddNullToObject(c, "logprobs");
@@ -414,7 +421,118 @@ static void add_choice(cJSON *o, const http_choice *ch, const char *text, size_t
         cJSON_AddStringToObject(c, "finish_reason", finish);
     else
         cJSON_AddNullToObject(c, "finish_reason");
-    free(t);
+}
+
+/* a tool call's id: call_ and 24 hex digits from the request id, the choice and the call */
+static void call_id(const http_choice *ch, int k, char out[40])
+{
+    uint64_t h[2] = { 1469598103934665603ull, 1099511628211ull * 7 };
+    for (int w = 0; w < 2; w++) {
+        for (const char *p = ch->r->id; *p; p++)
+            h[w] = (h[w] ^ (uint8_t)*p) * 1099511628211ull;
+        h[w] = (h[w] ^ (uint64_t)(ch->idx * 1000 + k + w * 77)) * 1099511628211ull;
+        h[w] ^= h[w] >> 29;
+    }
+    snprintf(out, 40, "call_%016llx%08llx", (unsigned long long)h[0], (unsigned long long)(h[1] & 0xffffffffull));
+}
+
+static cJSON *tool_call_json(const http_choice *ch, const pd_chat_piece *p, int stream)
+{
+    char id[40];
+    call_id(ch, p->index, id);
+    cJSON *tc = cJSON_CreateObject();
+    if (stream)
+        cJSON_AddNumberToObject(tc, "index", p->index);
+    cJSON_AddStringToObject(tc, "id", id);
+    cJSON_AddStringToObject(tc, "type", "function");
+    cJSON *fn = cJSON_AddObjectToObject(tc, "function");
+    cJSON_AddItemToObject(fn, "name", string_n(p->text, p->len));
+    cJSON_AddItemToObject(fn, "arguments", string_n(p->args, p->args_len));
+    return tc;
+}
+
+/* a whole reply split (non-streamed): content, reasoning and tool calls gathered */
+typedef struct {
+    const http_choice *ch;
+    char *content, *reasoning;
+    size_t cl, cc, rl, rc;
+    cJSON *calls;
+} split_acc;
+
+static void acc_add(char **b, size_t *len, size_t *cap, const char *s, size_t n)
+{
+    if (*len + n + 1 > *cap) {
+        size_t c = *cap ? *cap * 2 : 256;
+        while (*len + n + 1 > c)
+            c *= 2;
+        char *nb = realloc(*b, c);
+        if (nb == NULL)
+            return;   /* the text is cut: only on NOMEM */
+        *b = nb;
+        *cap = c;
+    }
+    memcpy(*b + *len, s, n);
+    *len += n;
+    (*b)[*len] = '\0';
+}
+
+static void split_piece(void *ud, const pd_chat_piece *p)
+{
+    split_acc *a = ud;
+    if (p->kind == PD_CHAT_CONTENT)
+        acc_add(&a->content, &a->cl, &a->cc, p->text, p->len);
+    else if (p->kind == PD_CHAT_REASONING)
+        acc_add(&a->reasoning, &a->rl, &a->rc, p->text, p->len);
+    else
+        cJSON_AddItemToArray(a->calls, tool_call_json(a->ch, p, 0));
+}
+
+/* Appends choice ch to o's "choices"; text NULL = no text field (chat role-only / final
+ * chunk). Logprobs of tokens ch->lps[lp_from..lp_to) when the request asked for them (else
+ * null). A whole chat reply of a request with tools or reasoning is split: content (null when
+ * there are tool calls and no text), reasoning_content, tool_calls (finish "tool_calls"). */
+static void add_choice(cJSON *o, const http_choice *ch, const char *text, size_t len, int chunk,
+                       const char *finish, int role, int lp_from, int lp_to)
+{
+    const http_req *r = ch->r;
+    cJSON *c = choice_begin(o, ch);
+    if (!r->chat) {
+        cJSON_AddItemToObject(c, "text", string_n(text != NULL ? text : "", text != NULL ? len : 0));
+    } else {
+        cJSON *m = cJSON_AddObjectToObject(c, chunk ? "delta" : "message");
+        if (role)
+            cJSON_AddStringToObject(m, "role", "assistant");
+        if (text != NULL && !chunk && (r->tools || r->reasoning)) {
+            split_acc a = { .ch = ch, .calls = cJSON_CreateArray() };
+            pd_chat_parser *p = pd_chat_parser_create(r->tools, r->reasoning);
+            if (p != NULL)
+                pd_chat_parser_feed(p, text, len, 1, split_piece, &a);
+            pd_chat_parser_destroy(p);
+            int calls = cJSON_GetArraySize(a.calls);
+            if (a.cl == 0 && calls > 0)
+                cJSON_AddNullToObject(m, "content");
+            else
+                cJSON_AddItemToObject(m, "content", string_n(a.content != NULL ? a.content : "", a.cl));
+            if (r->reasoning) {
+                if (a.rl > 0)
+                    cJSON_AddItemToObject(m, "reasoning_content", string_n(a.reasoning, a.rl));
+                else
+                    cJSON_AddNullToObject(m, "reasoning_content");
+            }
+            if (calls > 0) {
+                cJSON_AddItemToObject(m, "tool_calls", a.calls);
+                if (finish != NULL && strcmp(finish, "stop") == 0)
+                    finish = "tool_calls";
+            } else {
+                cJSON_Delete(a.calls);
+            }
+            free(a.content);
+            free(a.reasoning);
+        } else if (text != NULL) {
+            cJSON_AddItemToObject(m, "content", string_n(text, len));
+        }
+    }
+    choice_end(c, ch, finish, lp_from, lp_to);
 }
 
 static void sse_send(http_req *r, cJSON *o)
@@ -463,6 +581,27 @@ static void sse_delta(http_choice *c, size_t safe)
     add_choice(o, c, c->gen + c->sent, safe - c->sent, 1, NULL, 0, c->lp_sent, to);
     c->lp_sent = to;
     sse_send(c->r, o);
+}
+
+/* A streamed piece of a split chat reply: a delta of content, reasoning_content or one whole
+ * tool call, with the logprobs of the tokens whose text starts before the piece's end. */
+static void sse_piece(void *ud, const pd_chat_piece *p)
+{
+    http_choice *ch = ud;
+    int to = ch->lp_sent;
+    while (to < ch->n_lps && ch->lps[to].off < p->end)
+        to++;
+    cJSON *o = resp_base(ch->r, 1);
+    cJSON *c = choice_begin(o, ch);
+    cJSON *d = cJSON_AddObjectToObject(c, "delta");
+    if (p->kind == PD_CHAT_TOOL_CALL)
+        cJSON_AddItemToArray(cJSON_AddArrayToObject(d, "tool_calls"), tool_call_json(ch, p, 1));
+    else
+        cJSON_AddItemToObject(d, p->kind == PD_CHAT_CONTENT ? "content" : "reasoning_content",
+                              string_n(p->text, p->len));
+    choice_end(c, ch, NULL, ch->lp_sent, to);
+    ch->lp_sent = to;
+    sse_send(ch->r, o);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -517,14 +656,18 @@ static size_t stop_scan(http_choice *c, int final)
     return c->gen_len - hold;
 }
 
-static void emit_safe(http_choice *c, size_t safe)
+/* gen[0..safe) may go out (final: all of it has come) */
+static void emit_safe(http_choice *c, size_t safe, int final)
 {
     http_req *r = c->r;
-    if (safe <= c->sent)
+    if (safe <= c->sent && !(final && c->cp != NULL))
         return;
     if (r->stream && !r->gone) {
         sse_start(r);
-        sse_delta(c, safe);
+        if (c->cp != NULL)
+            pd_chat_parser_feed(c->cp, c->gen != NULL ? c->gen : "", safe, final, sse_piece, c);
+        else
+            sse_delta(c, safe);
     }
     c->sent = safe;
 }
@@ -603,7 +746,7 @@ static void msg_chunk(http_msg *m)
         c->n_lps += m->n_prompt;
     }
     if (r->no_gen) {   /* max_tokens 0: the prompt only */
-        emit_safe(c, stop_scan(c, 0));
+        emit_safe(c, stop_scan(c, 0), 0);
         return;
     }
     size_t base = c->gen_len;
@@ -618,7 +761,7 @@ static void msg_chunk(http_msg *m)
     }
     if (r->stream)
         sse_start(r);   /* the first chunk commits the stream to 200 */
-    emit_safe(c, stop_scan(c, 0));
+    emit_safe(c, stop_scan(c, 0), 0);
 }
 
 /* usage over every choice: the prompt once, the completions and DSpark rounds summed (tau is
@@ -743,8 +886,10 @@ static void msg_done(http_msg *m)
         cancel_all(r);
     }
     if (ok && r->err_st == PD_OK) {
-        emit_safe(c, stop_scan(c, 1));
+        emit_safe(c, stop_scan(c, 1), 1);
         c->finish = !c->stopped && m->finish == PD_FINISH_LENGTH ? "length" : "stop";
+        if (c->cp != NULL && pd_chat_parser_calls(c->cp) > 0 && strcmp(c->finish, "stop") == 0)
+            c->finish = "tool_calls";
         if (r->stream && !r->gone) {
             /* this choice's last event: its finish reason and the logprobs not sent yet (the
              * last choice's carries the usage of all, as with one choice) */
@@ -1446,89 +1591,49 @@ static int parse_prompt(const cJSON *root, decode_req *dr, int32_t **ids, char *
     return 0;
 }
 
-typedef struct {
-    char *p;
-    size_t len, cap;
-} sbuf;
-
-static int sb_add(sbuf *b, const char *s, size_t n)
+/* A chat request's tools and chat_template_kwargs. tool_choice "required" or a named function
+ * forces the call through a grammar (as structured output, so not with it or min_tokens; not
+ * made when dr is NULL: /tokenize). -1 with *param and msg set. */
+static int chat_setup(const cJSON *root, decode_req *dr, req_opts *o, pd_chat_tools *t,
+                      int *think, const char **param, char *msg, size_t cap)
 {
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 1024;
-        while (b->len + n + 1 > cap)
-            cap *= 2;
-        char *np = realloc(b->p, cap);
-        if (np == NULL)
-            return -1;
-        b->p = np;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = '\0';
-    return 0;
-}
-
-/* Render messages as ChatML plus the assistant prefix (Qwen's template with
- * add_generation_prompt). Content: a string or an array of {"type":"text","text":...} parts. */
-static int render_chatml(const cJSON *root, sbuf *out, char *msg, size_t cap)
-{
-    const cJSON *ms = cJSON_GetObjectItemCaseSensitive(root, "messages");
-    if (ms == NULL || cJSON_IsNull(ms)) {
-        snprintf(msg, cap, "'messages' is required");
+    *param = "messages";
+    if (pd_chat_tools_parse(root, t, param, msg, cap) != 0)
         return -1;
-    }
-    if (!cJSON_IsArray(ms) || cJSON_GetArraySize(ms) == 0) {
-        snprintf(msg, cap, "'messages' must be a non-empty array");
-        return -1;
-    }
-    int i = 0;
-    for (const cJSON *m = ms->child; m != NULL; m = m->next, i++) {
-        const cJSON *role = cJSON_GetObjectItemCaseSensitive(m, "role");
-        const cJSON *content = cJSON_GetObjectItemCaseSensitive(m, "content");
-        if (!cJSON_IsObject(m) || !cJSON_IsString(role)) {
-            snprintf(msg, cap, "messages[%d] must be an object with a string 'role'", i);
+    *param = "chat_template_kwargs";
+    const cJSON *kw = cJSON_GetObjectItemCaseSensitive(root, "chat_template_kwargs");
+    if (kw != NULL && !cJSON_IsNull(kw)) {
+        const cJSON *et = cJSON_GetObjectItemCaseSensitive(kw, "enable_thinking");
+        if (!cJSON_IsObject(kw) || (et != NULL && !cJSON_IsNull(et) && !cJSON_IsBool(et))) {
+            snprintf(msg, cap, "'chat_template_kwargs' must be an object; its enable_thinking a boolean");
             return -1;
         }
-        const char *rs = role->valuestring;
-        if (strcmp(rs, "system") != 0 && strcmp(rs, "user") != 0 && strcmp(rs, "assistant") != 0 &&
-            strcmp(rs, "developer") != 0) {
-            snprintf(msg, cap, "messages[%d].role '%.32s' is not one of system, developer, user, "
-                     "assistant", i, rs);
-            return -1;
-        }
-        if (strcmp(rs, "developer") == 0)
-            rs = "system";
-        if (sb_add(out, "<|im_start|>", 12) != 0 || sb_add(out, rs, strlen(rs)) != 0 ||
-            sb_add(out, "\n", 1) != 0)
-            goto oom;
-        if (cJSON_IsString(content)) {
-            if (sb_add(out, content->valuestring, strlen(content->valuestring)) != 0)
-                goto oom;
-        } else if (cJSON_IsArray(content)) {
-            for (const cJSON *part = content->child; part != NULL; part = part->next) {
-                const cJSON *ty = cJSON_GetObjectItemCaseSensitive(part, "type");
-                const cJSON *tx = cJSON_GetObjectItemCaseSensitive(part, "text");
-                if (!cJSON_IsString(ty) || strcmp(ty->valuestring, "text") != 0 || !cJSON_IsString(tx)) {
-                    snprintf(msg, cap, "messages[%d].content: only text parts are supported", i);
-                    return -1;
-                }
-                if (sb_add(out, tx->valuestring, strlen(tx->valuestring)) != 0)
-                    goto oom;
-            }
-        } else if (!(cJSON_IsNull(content) && strcmp(rs, "assistant") == 0)) {
-            snprintf(msg, cap, "messages[%d].content must be a string or an array of text parts", i);
-            return -1;
-        }
-        if (sb_add(out, "<|im_end|>\n", 11) != 0)
-            goto oom;
+        if (cJSON_IsBool(et))
+            *think = cJSON_IsTrue(et);
     }
-    if (sb_add(out, "<|im_start|>assistant\n", 22) != 0)
-        goto oom;
+    *param = "tool_choice";
+    if (dr != NULL && (t->choice == PD_TOOLS_REQUIRED || t->choice == PD_TOOLS_NAMED)) {
+        if (o->n_guides > 0) {
+            snprintf(msg, cap, "'tool_choice' %s cannot be combined with %s (both constrain the output)",
+                     t->choice == PD_TOOLS_REQUIRED ? "\"required\"" : "naming a function", o->guide_param);
+            return -1;
+        }
+        if (dr->min_tokens > 0) {
+            *param = "min_tokens";
+            snprintf(msg, cap, "'min_tokens' cannot be combined with a forced tool call (the grammar decides "
+                     "where the output may end)");
+            return -1;
+        }
+        pd_err gerr;
+        if (pd_chat_tools_grammar(t, &o->grammar, &gerr) != PD_OK) {
+            *param = "tools";
+            snprintf(msg, cap, "%s", gerr.msg);
+            return -1;
+        }
+        dr->grammar = o->grammar;
+    }
+    *param = "messages";
     return 0;
-oom:
-    snprintf(msg, cap, "out of memory");
-    return -1;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -1560,7 +1665,10 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     decode_req dr = {0};
     req_opts o = {0};
     int32_t *ids = NULL;
-    sbuf chatml = {0};
+    char *chat_text = NULL;
+    size_t chat_len = 0;
+    pd_chat_tools tools = {0};
+    int think = -1;
     http_req *r = NULL;
     if (root == NULL || !cJSON_IsObject(root)) {
         decode_metrics_refused(dh->dm, "invalid");
@@ -1588,13 +1696,15 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
         goto out;
     }
     if (chat) {
-        if (render_chatml(root, &chatml, msg, sizeof(msg)) != 0) {
+        if (chat_setup(root, &dr, &o, &tools, &think, &param, msg, sizeof(msg)) != 0 ||
+            pd_chat_render(&dh->tmpl, cJSON_GetObjectItemCaseSensitive(root, "messages"), &tools, think,
+                           &chat_text, &chat_len, msg, sizeof(msg)) != 0) {
             decode_metrics_refused(dh->dm, "invalid");
-            send_error(req, 400, "messages", msg);
+            send_error(req, 400, param != NULL ? param : "messages", msg);
             goto out;
         }
-        dr.prompt_text = chatml.p;
-        dr.prompt_text_len = chatml.len;
+        dr.prompt_text = chat_text;
+        dr.prompt_text_len = chat_len;
     } else if (parse_prompt(root, &dr, &ids, msg, sizeof(msg)) != 0) {
         decode_metrics_refused(dh->dm, "invalid");
         send_error(req, 400, "prompt", msg);
@@ -1614,7 +1724,15 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     }
     r->req = req;
     r->chat = chat;
+    r->tools = chat && tools.choice != PD_TOOLS_NONE;
+    r->reasoning = chat && dh->reasoning && think != 0 ? 1 : 0;
     r->stream = o.stream;
+    for (int i = 0; r->stream && (r->tools || r->reasoning) && i < r->n_choice; i++)
+        if ((r->ch[i].cp = pd_chat_parser_create(r->tools, r->reasoning)) == NULL) {
+            send_error(req, 500, NULL, "out of memory");
+            req_contents_free(r);
+            goto out;
+        }
     r->include_usage = o.include_usage;
     r->logprobs = dr.logprobs;
     r->top_logprobs = dr.top_logprobs;
@@ -1683,7 +1801,8 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
 out:
     opts_free(&o);
     free(ids);
-    free(chatml.p);
+    free(chat_text);
+    pd_chat_tools_free(&tools);
     cJSON_Delete(root);
 }
 
@@ -1763,7 +1882,10 @@ static void h_tokenize(struct evhttp_request *req, void *ud)
     if (root == NULL)
         return;
     char msg[512];
-    sbuf chatml = {0};
+    char *chat_text = NULL;
+    pd_chat_tools tools = {0};
+    int think = -1;
+    const char *param = NULL;
     const char *text = NULL;
     size_t len = 0;
     const cJSON *p = cJSON_GetObjectItemCaseSensitive(root, "prompt");
@@ -1773,12 +1895,13 @@ static void h_tokenize(struct evhttp_request *req, void *ud)
                           "%s", dh->chat_why);
             goto out;
         }
-        if (render_chatml(root, &chatml, msg, sizeof(msg)) != 0) {
-            send_error(req, 400, "messages", msg);
+        if (chat_setup(root, NULL, NULL, &tools, &think, &param, msg, sizeof(msg)) != 0 ||
+            pd_chat_render(&dh->tmpl, cJSON_GetObjectItemCaseSensitive(root, "messages"), &tools, think,
+                           &chat_text, &len, msg, sizeof(msg)) != 0) {
+            send_error(req, 400, param != NULL ? param : "messages", msg);
             goto out;
         }
-        text = chatml.p;
-        len = chatml.len;
+        text = chat_text;
     } else if (cJSON_IsString(p)) {
         text = p->valuestring;
         len = strlen(text);
@@ -1802,7 +1925,8 @@ static void h_tokenize(struct evhttp_request *req, void *ud)
     free(ids);
     reply_json(req, o);
 out:
-    free(chatml.p);
+    free(chat_text);
+    pd_chat_tools_free(&tools);
     cJSON_Delete(root);
 }
 
@@ -1882,21 +2006,13 @@ static char *read_file(const char *path)
     return pd_cli_read_text(path, &t, &err) == PD_OK ? t : NULL;   /* absent: look elsewhere */
 }
 
-/* ChatML-shaped: turns open with <|im_start|> followed by the role and a newline, close with
- * <|im_end|>, and the generation prompt is <|im_start|>assistant. */
-static int template_is_chatml(const char *t)
-{
-    const char *s = strstr(t, "<|im_start|>");
-    return s != NULL && strstr(t, "<|im_end|>") != NULL && strstr(t, "role") != NULL &&
-           strstr(t, "<|im_start|>assistant") != NULL;
-}
-
 static void check_template(decode_http *dh, const char *model_dir)
 {
     char path[4096];
     snprintf(path, sizeof(path), "%s/chat_template.jinja", model_dir);
     char *t = read_file(path);
     char *from = "chat_template.jinja";
+    char why[128];
     if (t == NULL) {
         snprintf(path, sizeof(path), "%s/tokenizer_config.json", model_dir);
         char *cfg = read_file(path);
@@ -1921,7 +2037,7 @@ static void check_template(decode_http *dh, const char *model_dir)
         snprintf(dh->chat_why, sizeof(dh->chat_why),
                  "chat completions are unavailable: the checkpoint ships no chat template "
                  "(chat_template.jinja or tokenizer_config.json); use /v1/completions");
-    } else if (!template_is_chatml(t)) {
+    } else if (pd_chat_template_detect(t, &dh->tmpl, why, sizeof(why)) != 0) {
         snprintf(dh->chat_why, sizeof(dh->chat_why),
                  "chat completions are unavailable: the checkpoint's chat template (%s) is not "
                  "ChatML (<|im_start|>role ... <|im_end|>), the only format this server renders; "
@@ -1945,6 +2061,7 @@ pd_status decode_http_create(decode_server *s, const decode_http_config *cfg, de
         return pd_err_set(err, PD_ERR_NOMEM, "http front end");
     dh->s = s;
     dh->dm = cfg->dm;
+    dh->reasoning = cfg->reasoning;
     pthread_mutex_init(&dh->mu, NULL);
     atomic_init(&dh->draining, 0);
     atomic_init(&dh->inflight, 0);

@@ -1,7 +1,8 @@
 /* decode_http.h - the decode node's OpenAI-compatible HTTP front end.
  * Owns: POST /v1/completions, POST /v1/chat/completions (JSON or SSE with stream: true),
  *   GET /v1/models, plus /health, /ready and /metrics through the pd_http server it owns; the
- *   request JSON validation, ChatML rendering (after checking the checkpoint's chat template),
+ *   request JSON validation, the chat prompt and the reply's split into content, reasoning and
+ *   tool calls (through pd_chat, after checking the checkpoint's chat template),
  *   stop strings, the OpenAI response and error shapes, and draining for the HTTP side.
  * Not here: scheduling and admission (decode_server.c through decode_api.h), the metric values
  *   (decode_metrics.c), the HTTP plumbing (common/pd_http.c).
@@ -28,6 +29,8 @@ typedef struct {
     pd_metrics *metrics;           /* borrowed: served on /metrics */
     decode_metrics *dm;            /* borrowed, may be NULL: refusals at admission are counted */
     size_t max_body;               /* bytes; 0 = 8 MiB */
+    int reasoning;                 /* --reasoning-parser qwen3: a chat reply's <think>...</think>
+                                    * is returned as reasoning_content */
 } decode_http_config;
 
 /* Reads the chat template, binds, starts the HTTP thread. s is borrowed and must outlive

@@ -36,6 +36,7 @@ static void usage(FILE *f)
             "                   [--http HOST:PORT] [--log-format text|json] [--drain-timeout-ms N]\n"
             "                   [--verify full|threshold|scheduled] [--threshold T] [--fast-kernels]\n"
             "                   [--graphs auto|off|pad] [--chunked-prefill-size N]\n"
+            "                   [--reasoning-parser qwen3]\n"
             "\n"
             "Serves pdspark.Generate (gRPC, server-streaming) with DSpark speculative decoding.\n"
             "--colocated runs the prefill in this process (--cp-size/--cp-strategy apply there; on\n"
@@ -52,6 +53,9 @@ static void usage(FILE *f)
             "Port 0 picks a free port; the address is printed as 'listening grpc HOST:PORT'.\n"
             "--http serves the OpenAI-compatible API (/v1/completions, /v1/chat/completions,\n"
             "/v1/models) and /health, /ready, /metrics; printed as 'listening http HOST:PORT'.\n"
+            "Chat requests with 'tools' get the tools in the prompt as Qwen's templates write them\n"
+            "and <tool_call> blocks back as tool_calls; --reasoning-parser qwen3 returns the\n"
+            "<think> text of a reply as reasoning_content instead of content.\n"
             "SIGTERM drains: new requests are refused (HTTP 503, /ready 503), running ones\n"
             "finish for up to --drain-timeout-ms (default 30000), then the node exits 0.\n"
             "--log-format json writes every log line (and the per-request line) as JSON.\n"
@@ -73,10 +77,12 @@ int main(int argc, char **argv)
     const char *listen = NULL;
     int colocated = 0, refresh_given = 0;
     const char *http_addr = NULL;
+    int reasoning = 0;
     int64_t drain_ms = 30000;
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_PREFILL, O_COLO, O_DEVICE, O_PAGES, O_PAGE, O_BATCH,
            O_QUEUE, O_QTMO, O_RTMO, O_XTMO, O_CP, O_CPS, O_LOG, O_HELP, O_HTTP, O_LOGFMT, O_DRAIN,
-           O_VERIFY, O_THRESH, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_CHUNK, O_REFRESH, O_PREFIX };
+           O_VERIFY, O_THRESH, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_CHUNK, O_REFRESH, O_PREFIX,
+           O_REASON };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"prefill", required_argument, 0, O_PREFILL},
@@ -91,6 +97,7 @@ int main(int argc, char **argv)
         {"fast-kernels", no_argument, 0, O_FAST}, {"graphs", required_argument, 0, O_GRAPHS},
         {"chunked-prefill-size", required_argument, 0, O_CHUNK},
         {"prefix-cache", no_argument, 0, O_PREFIX},
+        {"reasoning-parser", required_argument, 0, O_REASON},
         {"prefill-refresh-ms", required_argument, 0, O_REFRESH},
         {"tp", required_argument, 0, O_TP}, {"dtype", required_argument, 0, O_DTYPE},
         {"log-level", required_argument, 0, O_LOG}, {"help", no_argument, 0, O_HELP},
@@ -157,6 +164,13 @@ int main(int argc, char **argv)
             break;
         }
         case O_HTTP: http_addr = optarg; break;
+        case O_REASON:
+            if (strcmp(optarg, "qwen3") != 0 && strcmp(optarg, "none") != 0) {
+                fprintf(stderr, PROG ": --reasoning-parser '%s': known parsers are qwen3 and none\n", optarg);
+                return 2;
+            }
+            reasoning = strcmp(optarg, "qwen3") == 0;
+            break;
         case O_DRAIN: bad = pd_cli_parse_i64(PROG, "--drain-timeout-ms", optarg, 0, INT32_MAX, &drain_ms); break;
         case O_LOGFMT:
             if (pd_cli_parse_log_format(PROG, optarg) != 0)
@@ -248,7 +262,7 @@ int main(int argc, char **argv)
                 decode_server_mode(s));
     if (http_addr != NULL) {
         decode_http_config hc = { .addr = http_addr, .model_dir = cfg.model_dir, .metrics = reg,
-                                  .dm = dm };
+                                  .dm = dm, .reasoning = reasoning };
         if (decode_http_create(s, &hc, &http, &err) != PD_OK) {
             fprintf(stderr, PROG ": --http %s: %s\n", http_addr, err.msg);
             pd_rpc_server_destroy(rpc);

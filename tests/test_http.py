@@ -31,6 +31,9 @@ LOADGEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "script
 DEV = ["--device", os.environ["PD_HTTP_DEVICE"]] if os.environ.get("PD_HTTP_DEVICE") else []
 
 
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+
+
 def check(cond, what):
     global FAILS
     if not cond:
@@ -573,6 +576,105 @@ def test_structured(bin_dir, node, label):
     check(st == 200 and b["choices"][0]["text"] in ("yes", "no", "maybe"), "%s sampled choice %s" % (label, b))
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+NOW = {"type": "function", "function": {"name": "now", "parameters": {
+    "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
+    "additionalProperties": False}}}
+
+
+def test_tools(node, fixtures):
+    """Tool calling: the tools in the prompt as Qwen's template writes them (/tokenize equals the
+    jinja2 render's tokens), tool_choice required / named forcing a call that comes back as
+    tool_calls (arguments that obey the schema, finish_reason tool_calls, content null), the
+    streamed calls equal to the whole answer's, auto leaving ordinary text as content, a tool
+    round in the messages, and bad tools / tool_choice refused by name. With --reasoning-parser
+    qwen3, a reply that opens with <think> (forced here by a regex) is split into
+    reasoning_content and content."""
+    cases = {c["name"]: c for c in json.load(open(os.path.join(fixtures, "chat", "chat_cases.json")))
+             if c["template"] == "qwen3"}
+    c = cases["tools_system"]
+    st, a = post_json(node, "/tokenize", {"messages": c["messages"], "tools": c["tools"]})
+    st2, b = post_json(node, "/tokenize", {"prompt": c["prompt"]})
+    check(st == 200 and st2 == 200 and a["tokens"] == b["tokens"],
+          "tools rendered as the template's jinja2 render: %s %s" % (a.get("count"), b.get("count")))
+    msgs = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
+    body = {"messages": msgs, "tools": [WEATHER, NOW], "tool_choice": "required", "parallel_tool_calls": False,
+            "max_tokens": 64, "temperature": 0}
+    st, r = post_json(node, "/v1/chat/completions", body)
+    ch = r["choices"][0] if st == 200 else {}
+    m = ch.get("message", {})
+    calls = m.get("tool_calls") or []
+    check(st == 200 and ch.get("finish_reason") == "tool_calls" and m.get("content") is None and len(calls) == 1,
+          "tool_choice required: one call, finish tool_calls: %s" % r)
+    if calls:
+        tc = calls[0]
+        args = json.loads(tc["function"]["arguments"])
+        check(tc["type"] == "function" and re.fullmatch(r"call_[0-9a-f]{24}", tc["id"]) and
+              tc["function"]["name"] in ("get_weather", "now"), "tool call shape %s" % tc)
+        if tc["function"]["name"] == "get_weather":
+            check(args["city"] in ("Paris", "Rome", "Oslo") and 1 <= args["days"] <= 7 and len(args) == 2,
+                  "arguments obey the schema: %s" % args)
+        else:
+            check(args == {"tz": "UTC"} or args == {"tz": "CET"}, "arguments obey the schema: %s" % args)
+    st, text, evs, done = read_stream(node, "/v1/chat/completions", dict(body, stream=True), True)
+    scalls = [t for e in evs for c in e.get("choices", []) for t in (c.get("delta", {}).get("tool_calls") or [])]
+    fins = [c.get("finish_reason") for e in evs for c in e.get("choices", []) if c.get("finish_reason")]
+    check(st == 200 and done and text == "" and fins == ["tool_calls"] and len(scalls) == len(calls) and
+          all(x["index"] == i and x["function"] == calls[i]["function"] for i, x in enumerate(scalls)),
+          "streamed tool calls == whole: %s vs %s (%s)" % (scalls, calls, fins))
+    # a named function: that one; parallel allowed (the grammar still gives one call)
+    st, r = post_json(node, "/v1/chat/completions", dict(body, tool_choice={"type": "function", "function":
+                                                                           {"name": "now"}}, parallel_tool_calls=True))
+    calls = r["choices"][0]["message"].get("tool_calls") if st == 200 else None
+    check(st == 200 and calls and len(calls) == 1 and calls[0]["function"]["name"] == "now" and
+          json.loads(calls[0]["function"]["arguments"])["tz"] in ("UTC", "CET"), "named tool_choice: %s" % r)
+    # auto: the model writes text (this one knows no tools), which stays content
+    st, r = post_json(node, "/v1/chat/completions", dict(body, tool_choice="auto", max_tokens=8))
+    m = r["choices"][0]["message"] if st == 200 else {}
+    check(st == 200 and isinstance(m.get("content"), str) and not m.get("tool_calls") and
+          r["choices"][0]["finish_reason"] in ("stop", "length"), "tool_choice auto, no call: %s" % r)
+    # a whole tool round in the history renders and runs
+    hist = msgs + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": "{\"city\": \"Paris\", \"days\": 3}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21C"}]
+    st, r = post_json(node, "/v1/chat/completions", {"messages": hist, "tools": [WEATHER], "max_tokens": 4,
+                                                     "temperature": 0})
+    check(st == 200 and r["usage"]["prompt_tokens"] > 100, "tool round in messages: %s" % r)
+    bad = [({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
+           ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+           ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+           ({"tool_choice": "required"}, "tool_choice"),
+           ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+           ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+               "type": "object", "properties": {"x": {"type": "number", "multipleOf": 2}}}}}],
+             "tool_choice": "required"}, "tools"),
+           ({"chat_template_kwargs": {"enable_thinking": "yes"}}, "chat_template_kwargs"),
+           ({"messages": [{"role": "tool"}]}, "messages")]
+    for extra, param in bad:
+        st, r = post_json(node, "/v1/chat/completions", dict({"messages": msgs, "max_tokens": 4}, **extra))
+        check(st == 400 and is_error_shape(r) and r["error"]["param"] == param,
+              "bad %s refused naming %s: %s %s" % (list(extra), param, st, r))
+    # reasoning (the node runs --reasoning-parser qwen3): forced <think> text splits off
+    rb = {"messages": msgs, "max_tokens": 40, "temperature": 0, "guided_regex": "<think>\nab\n</think>\n\n[a-z]{1,3}"}
+    st, r = post_json(node, "/v1/chat/completions", rb)
+    m = r["choices"][0]["message"] if st == 200 else {}
+    check(st == 200 and m.get("reasoning_content") == "ab" and re.fullmatch("[a-z]{1,3}", m.get("content", "")),
+          "reasoning_content split: %s" % r)
+    st, text, evs, done = read_stream(node, "/v1/chat/completions", dict(rb, stream=True), True)
+    rs = "".join(c.get("delta", {}).get("reasoning_content") or "" for e in evs for c in e.get("choices", []))
+    check(st == 200 and done and rs == "ab" and text == m.get("content"), "streamed reasoning: %r %r" % (rs, text))
+    st, r = post_json(node, "/v1/chat/completions", dict(rb, chat_template_kwargs={"enable_thinking": False}))
+    m = r["choices"][0]["message"] if st == 200 else {}
+    check(st == 200 and m.get("content", "").startswith("<think>") and "reasoning_content" not in m,
+          "enable_thinking false: no reasoning split: %s" % r)
+    log("tools: rendering, required/named/auto, streamed calls, tool rounds, errors; reasoning split")
+
+
 def test_n(node, prompt):
     """n choices: choice i is what one request with seed + i gives; usage sums them; streams
     tag every event with its choice; each choice stops at its own stop string."""
@@ -953,7 +1055,7 @@ def main():
     with open(os.path.join(odd, "chat_template.jinja"), "w") as f:
         f.write("{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}")
 
-    node = Node(bin_dir, model, draft, ["--colocated", "--drain-timeout-ms", "60000"])
+    node = Node(bin_dir, model, draft, ["--colocated", "--drain-timeout-ms", "60000", "--reasoning-parser", "qwen3"])
     odd_node = None
     try:
         odd_node = Node(bin_dir, odd, draft)
@@ -1057,6 +1159,7 @@ def main():
         test_penalties(bin_dir, model, draft, node, prompt, N, want)
         test_n(node, prompt)
         test_structured(bin_dir, node, "colocated")
+        test_tools(node, FIXTURES)
         # /tokenize and /detokenize (vLLM's): pdspark-tokenize's ids, and back
         st, b = post_json(node, "/tokenize", {"prompt": prompt})
         check(st == 200 and b["tokens"] == ids and b["count"] == len(ids) and b["max_model_len"] > 0,

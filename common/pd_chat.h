@@ -1,0 +1,94 @@
+/* pd_chat.h - chat completions' text, both ways.
+ * Owns: the prompt of an OpenAI chat request (messages, tools, chat_template_kwargs) rendered
+ *   as ChatML the way Qwen's chat templates write it (tools in <tools>, calls in <tool_call>,
+ *   results in <tool_response>, Qwen3's <think> handling); the request's tools and tool_choice
+ *   (and the grammar that forces a call); the generated text split back into content,
+ *   reasoning (<think>...</think>) and tool calls, piece by piece as it streams.
+ * Not here: the HTTP request and response shapes (decode_node/decode_http.c), the grammar
+ *   machinery (pd_grammar.c), tokenization.
+ * Threading: a pd_chat_template is immutable once detected; a parser belongs to one choice of
+ *   one request. Everything else is a pure function. */
+#ifndef PD_CHAT_H
+#define PD_CHAT_H
+
+#include <stddef.h>
+
+#include <cjson/cJSON.h>
+
+#include "pd_grammar.h"
+#include "pd_status.h"
+
+/* What the checkpoint's chat template does, as far as this renderer follows it. */
+typedef struct {
+    int think;                     /* Qwen3: reasoning of earlier turns dropped, the last turns'
+                                    * rendered in <think>; enable_thinking false closes an empty
+                                    * <think> block after the generation prompt */
+} pd_chat_template;
+
+/* 0 and *out filled when tmpl is ChatML-shaped (<|im_start|>ROLE\n ... <|im_end|>), the only
+ * shape this renderer writes; -1 with why otherwise. */
+int pd_chat_template_detect(const char *tmpl, pd_chat_template *out, char *why, size_t cap);
+
+/* The request's tools. */
+enum { PD_TOOLS_NONE, PD_TOOLS_AUTO, PD_TOOLS_REQUIRED, PD_TOOLS_NAMED };
+
+typedef struct {
+    const cJSON *list;             /* the request's "tools" (borrowed; rendered into the prompt
+                                    * unless choice is PD_TOOLS_NONE); NULL = none */
+    int n;
+    char **names;                  /* [n] */
+    char **schemas;                /* [n] each tool's parameters as JSON text, NULL = none given */
+    int choice;                    /* PD_TOOLS_*; "auto" when tools came without tool_choice */
+    int named;                     /* PD_TOOLS_NAMED: the index of the tool */
+    int parallel;                  /* parallel_tool_calls (default true) */
+} pd_chat_tools;
+
+/* Reads "tools", "tool_choice" and "parallel_tool_calls" of a chat request (root). -1 with
+ * *param (the field at fault) and msg set when they are malformed. */
+int pd_chat_tools_parse(const cJSON *root, pd_chat_tools *out, const char **param, char *msg, size_t cap);
+void pd_chat_tools_free(pd_chat_tools *t);
+/* The grammar that forces tool calls: PD_TOOLS_REQUIRED (any of the tools, one or, with
+ * parallel, more) or PD_TOOLS_NAMED (that one, once). *out NULL for the other choices. */
+pd_status pd_chat_tools_grammar(const pd_chat_tools *t, pd_grammar **out, pd_err *err);
+
+/* The prompt: messages (system/developer, user, assistant with content and/or tool_calls and
+ * reasoning_content, tool) and tools (t may be NULL) rendered as ChatML, then the assistant's
+ * generation prompt. enable_thinking: -1 unset, 0 or 1 (chat_template_kwargs). *out is
+ * malloc'd. -1 with msg naming the message at fault. */
+int pd_chat_render(const pd_chat_template *tp, const cJSON *messages, const pd_chat_tools *t,
+                   int enable_thinking, char **out, size_t *out_len, char *msg, size_t cap);
+
+/* Python's json.dumps(v, ensure_ascii=False) (what Jinja's tojson writes in HF templates):
+ * ", " and ": " separators, members in their order. Appends to *buf (malloc'd, NUL-ended). */
+int pd_chat_pyjson(const cJSON *v, char **buf, size_t *len, size_t *cap);
+
+/* The generated text split back. */
+typedef enum { PD_CHAT_CONTENT, PD_CHAT_REASONING, PD_CHAT_TOOL_CALL } pd_chat_kind;
+
+typedef struct {
+    pd_chat_kind kind;
+    const char *text;              /* CONTENT / REASONING: the text; TOOL_CALL: the function */
+    size_t len;
+    const char *args;              /* TOOL_CALL: the arguments, compact JSON */
+    size_t args_len;
+    int index;                     /* TOOL_CALL: 0, 1, ... within the output */
+    size_t end;                    /* the output's bytes this piece accounts for: [0, end) */
+} pd_chat_piece;
+
+typedef void (*pd_chat_emit)(void *ud, const pd_chat_piece *p);
+
+typedef struct pd_chat_parser pd_chat_parser;
+
+/* tools: <tool_call>{"name", "arguments"}</tool_call> blocks become calls (a block that does not
+ * parse stays content); reasoning: 0 none, 1 the output may open with <think>, 2 the output
+ * starts inside <think> (the prompt opened it). NULL on NOMEM. */
+pd_chat_parser *pd_chat_parser_create(int tools, int reasoning);
+void pd_chat_parser_destroy(pd_chat_parser *p);   /* NULL is fine */
+/* text[0..len) is all the output so far (it only grows); final: it is complete. Calls emit for
+ * every piece that is certain (text that may begin a tag is held back until it is not).
+ * -1 on NOMEM. */
+int pd_chat_parser_feed(pd_chat_parser *p, const char *text, size_t len, int final, pd_chat_emit emit,
+                        void *ud);
+int pd_chat_parser_calls(const pd_chat_parser *p);   /* tool calls emitted so far */
+
+#endif

@@ -1,0 +1,293 @@
+/* test_chat: chat prompts and the chat output parser.
+ * - pd_chat_render against the prompts Hugging Face's apply_chat_template makes from Qwen3's
+ *   template and from the bundled model's ChatML template (tests/fixtures/chat/chat_cases.json,
+ *   made by make_chat_cases.py with jinja2): tools, tool calls and responses, reasoning in
+ *   history, enable_thinking;
+ * - tools / tool_choice / parallel_tool_calls parsing and its errors;
+ * - the tool-call grammar (Hermes format): calls that follow the schema accepted, others not;
+ * - the output parser: content, <think> reasoning and <tool_call> blocks split the same whether
+ *   the text comes whole or a byte at a time, tags split across feeds held back, bad blocks kept
+ *   as content. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "pd_chat.h"
+#include "test_util.h"
+
+static void test_render_fixture(void)
+{
+    size_t len = 0;
+    char *txt = test_read_file(PD_FIXTURES "/chat/chat_cases.json", &len);
+    TEST_CHECK(txt != NULL);
+    cJSON *cases = txt != NULL ? cJSON_Parse(txt) : NULL;
+    free(txt);
+    TEST_CHECK(cJSON_IsArray(cases) && cJSON_GetArraySize(cases) >= 10);
+    int n = 0;
+    for (const cJSON *c = cases != NULL ? cases->child : NULL; c != NULL; c = c->next, n++) {
+        const char *name = cJSON_GetObjectItem(c, "name")->valuestring;
+        pd_chat_template tp = { .think = strcmp(cJSON_GetObjectItem(c, "template")->valuestring, "qwen3") == 0 };
+        const cJSON *kw = cJSON_GetObjectItem(c, "chat_template_kwargs");
+        const cJSON *et = cJSON_GetObjectItem(kw, "enable_thinking");
+        int think = et == NULL ? -1 : cJSON_IsTrue(et);
+        cJSON *root = cJSON_CreateObject();
+        const cJSON *tools = cJSON_GetObjectItem(c, "tools");
+        if (!cJSON_IsNull(tools))
+            cJSON_AddItemReferenceToObject(root, "tools", (cJSON *)tools);
+        pd_chat_tools t;
+        const char *param = NULL;
+        char msg[256] = "";
+        TEST_CHECK_MSG(pd_chat_tools_parse(root, &t, &param, msg, sizeof(msg)) == 0, "%s: %s", name, msg);
+        char *out = NULL;
+        size_t out_len = 0;
+        int rc = pd_chat_render(&tp, cJSON_GetObjectItem(c, "messages"), &t, think, &out, &out_len, msg, sizeof(msg));
+        const char *want = cJSON_GetObjectItem(c, "prompt")->valuestring;
+        TEST_CHECK_MSG(rc == 0 && out != NULL && strcmp(out, want) == 0 && out_len == strlen(want),
+                       "%s/%s: rc %d %s\n--- got\n%s\n--- want\n%s", name,
+                       cJSON_GetObjectItem(c, "template")->valuestring, rc, msg, out ? out : "(null)", want);
+        free(out);
+        pd_chat_tools_free(&t);
+        cJSON_Delete(root);
+    }
+    printf("render: %d fixture cases\n", n);
+    cJSON_Delete(cases);
+}
+
+/* parse a request body and expect an error naming param and containing `has` */
+static void tools_bad(const char *body, const char *param, const char *has)
+{
+    cJSON *root = cJSON_Parse(body);
+    pd_chat_tools t;
+    const char *p = NULL;
+    char msg[256] = "";
+    int rc = pd_chat_tools_parse(root, &t, &p, msg, sizeof(msg));
+    TEST_CHECK_MSG(rc == -1 && p != NULL && strcmp(p, param) == 0 && strstr(msg, has) != NULL,
+                   "%s -> rc %d param %s msg %s", body, rc, p ? p : "-", msg);
+    pd_chat_tools_free(&t);
+    cJSON_Delete(root);
+}
+
+static void test_tools_parse(void)
+{
+    const char *tw = "{\"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", "
+                     "\"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}},"
+                     " \"required\": [\"city\"]}}}, {\"type\": \"function\", \"function\": {\"name\": \"now\"}}]";
+    char body[1024];
+    struct { const char *tail; int choice, named, parallel; } ok[] = {
+        { "}", PD_TOOLS_AUTO, 0, 1 },
+        { ", \"tool_choice\": \"none\"}", PD_TOOLS_NONE, 0, 1 },
+        { ", \"tool_choice\": \"required\", \"parallel_tool_calls\": false}", PD_TOOLS_REQUIRED, 0, 0 },
+        { ", \"tool_choice\": {\"type\": \"function\", \"function\": {\"name\": \"now\"}}}", PD_TOOLS_NAMED, 1, 1 },
+    };
+    for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++) {
+        snprintf(body, sizeof(body), "%s%s", tw, ok[i].tail);
+        cJSON *root = cJSON_Parse(body);
+        pd_chat_tools t;
+        const char *p = NULL;
+        char msg[256] = "";
+        TEST_CHECK_MSG(pd_chat_tools_parse(root, &t, &p, msg, sizeof(msg)) == 0, "%s: %s", body, msg);
+        TEST_CHECK(t.n == 2 && t.choice == ok[i].choice && t.parallel == ok[i].parallel);
+        TEST_CHECK(strcmp(t.names[0], "get_weather") == 0 && strcmp(t.names[1], "now") == 0);
+        TEST_CHECK(t.schemas[0] != NULL && strstr(t.schemas[0], "\"city\"") != NULL && t.schemas[1] == NULL);
+        if (ok[i].choice == PD_TOOLS_NAMED)
+            TEST_CHECK(t.named == ok[i].named);
+        pd_grammar *g = NULL;
+        pd_err err;
+        TEST_CHECK(pd_chat_tools_grammar(&t, &g, &err) == PD_OK);
+        TEST_CHECK((g != NULL) == (ok[i].choice >= PD_TOOLS_REQUIRED));
+        pd_grammar_unref(g);
+        pd_chat_tools_free(&t);
+        cJSON_Delete(root);
+    }
+    tools_bad("{\"tools\": {}}", "tools", "array");
+    tools_bad("{\"tools\": [{\"type\": \"retrieval\"}]}", "tools", "tools[0]");
+    tools_bad("{\"tools\": [{\"function\": {\"name\": \"a b\"}}]}", "tools", "tools[0].function.name");
+    tools_bad("{\"tools\": [{\"function\": {\"name\": \"a\"}}, {\"function\": {\"name\": \"a\"}}]}", "tools",
+              "second tool named 'a'");
+    tools_bad("{\"tools\": [{\"function\": {\"name\": \"a\", \"parameters\": 3}}]}", "tools", "parameters");
+    tools_bad("{\"tools\": [{\"function\": {\"name\": \"a\"}}], \"tool_choice\": \"always\"}", "tool_choice", "\"required\"");
+    tools_bad("{\"tools\": [{\"function\": {\"name\": \"a\"}}], \"tool_choice\": {\"type\": \"function\", "
+              "\"function\": {\"name\": \"b\"}}}", "tool_choice", "'b'");
+    tools_bad("{\"tool_choice\": \"required\"}", "tool_choice", "needs 'tools'");
+    tools_bad("{\"tools\": [{\"function\": {\"name\": \"a\"}}], \"parallel_tool_calls\": 1}", "parallel_tool_calls",
+              "boolean");
+    /* a schema the grammar cannot take is refused naming the tool */
+    cJSON *root = cJSON_Parse("{\"tools\": [{\"function\": {\"name\": \"f\", \"parameters\": {\"type\": \"object\", "
+                              "\"properties\": {\"x\": {\"type\": \"number\", \"multipleOf\": 2}}}}}], "
+                              "\"tool_choice\": \"required\"}");
+    pd_chat_tools t;
+    const char *p;
+    char msg[256];
+    TEST_CHECK(pd_chat_tools_parse(root, &t, &p, msg, sizeof(msg)) == 0);
+    pd_grammar *g = NULL;
+    pd_err err;
+    TEST_CHECK(pd_chat_tools_grammar(&t, &g, &err) == PD_ERR_INVALID && g == NULL);
+    TEST_CHECK_MSG(strstr(err.msg, "tool 'f'") != NULL && strstr(err.msg, "multipleOf") != NULL, "%s", err.msg);
+    pd_chat_tools_free(&t);
+    cJSON_Delete(root);
+}
+
+/* ---- the grammar, on a byte vocabulary (token b = byte b, 256 = eos) ---- */
+
+static pd_gvocab *byte_vocab(void)
+{
+    static uint8_t bytes[256];
+    const uint8_t *tok[257];
+    size_t len[257];
+    for (int i = 0; i < 256; i++) {
+        bytes[i] = (uint8_t)i;
+        tok[i] = &bytes[i];
+        len[i] = 1;
+    }
+    tok[256] = NULL;
+    len[256] = 0;
+    int32_t eos = 256;
+    pd_gvocab *v = NULL;
+    pd_err err;
+    TEST_CHECK(pd_gvocab_create_raw(tok, len, 257, &eos, 1, &v, &err) == PD_OK);
+    return v;
+}
+
+static int accepts(pd_grammar *g, const pd_gvocab *v, const char *text)
+{
+    pd_gmatch *m = NULL;
+    pd_err err;
+    if (pd_gmatch_create(g, &m, &err) != PD_OK)
+        return -1;
+    int ok = 1;
+    for (const char *p = text; *p && ok; p++)
+        ok = pd_gmatch_advance(m, v, (uint8_t)*p, &err) == 1;
+    ok = ok && pd_gmatch_complete(m);
+    pd_gmatch_destroy(m);
+    return ok;
+}
+
+static void test_grammar(void)
+{
+    pd_gvocab *v = byte_vocab();
+    const char *names[2] = { "get_weather", "now" };
+    const char *schemas[2] = { "{\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}, "
+                               "\"required\": [\"city\"], \"additionalProperties\": false}", NULL };
+    pd_grammar *one = NULL, *par = NULL, *named = NULL;
+    pd_err err;
+    TEST_CHECK(pd_grammar_tool_calls(names, schemas, 2, 0, &one, &err) == PD_OK);
+    TEST_CHECK(pd_grammar_tool_calls(names, schemas, 2, 1, &par, &err) == PD_OK);
+    TEST_CHECK(pd_grammar_tool_calls(names + 1, schemas + 1, 1, 0, &named, &err) == PD_OK);
+    const char *a = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+    const char *b = "<tool_call>\n{\"name\": \"now\", \"arguments\": {\"tz\": [1, 2]}}\n</tool_call>";
+    char two[512];
+    snprintf(two, sizeof(two), "%s\n%s", a, b);
+    TEST_CHECK(accepts(one, v, a) == 1 && accepts(one, v, b) == 1 && accepts(one, v, two) == 0);
+    TEST_CHECK(accepts(par, v, a) == 1 && accepts(par, v, two) == 1);
+    TEST_CHECK(accepts(named, v, b) == 1 && accepts(named, v, a) == 0);
+    /* the schema holds inside: city required, nothing else, a string */
+    TEST_CHECK(accepts(one, v, "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}\n</tool_call>") == 0);
+    TEST_CHECK(accepts(one, v, "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": 3}}\n</tool_call>") == 0);
+    TEST_CHECK(accepts(one, v, "<tool_call>\n{\"name\": \"other\", \"arguments\": {}}\n</tool_call>") == 0);
+    TEST_CHECK(accepts(one, v, "Sure! <tool_call>") == 0);
+    /* what a forced call produces parses back into that call */
+    pd_grammar_unref(one);
+    pd_grammar_unref(par);
+    pd_grammar_unref(named);
+    const char *bad[1] = { "x\"y" };
+    TEST_CHECK(pd_grammar_tool_calls(bad, schemas, 1, 0, &one, &err) == PD_ERR_INVALID);
+    pd_gvocab_destroy(v);
+}
+
+/* ---- the output parser ---- */
+
+typedef struct {
+    char content[1024], reasoning[1024], calls[1024];
+    size_t last_end;
+    int ends_ok;
+} collect;
+
+static void on_piece(void *ud, const pd_chat_piece *p)
+{
+    collect *c = ud;
+    char *dst = p->kind == PD_CHAT_CONTENT ? c->content : p->kind == PD_CHAT_REASONING ? c->reasoning : c->calls;
+    size_t l = strlen(dst);
+    if (p->kind == PD_CHAT_TOOL_CALL)
+        snprintf(dst + l, 1024 - l, "[%d %.*s %.*s]", p->index, (int)p->len, p->text, (int)p->args_len, p->args);
+    else
+        snprintf(dst + l, 1024 - l, "%.*s", (int)p->len, p->text);
+    if (p->end < c->last_end)
+        c->ends_ok = 0;
+    c->last_end = p->end;
+}
+
+/* the same text whole and byte by byte: the same pieces */
+static void parse_case(int tools, int reasoning, const char *text, const char *content, const char *reason,
+                       const char *calls)
+{
+    for (int bytewise = 0; bytewise < 2; bytewise++) {
+        collect c = { .ends_ok = 1 };
+        pd_chat_parser *p = pd_chat_parser_create(tools, reasoning);
+        size_t n = strlen(text);
+        if (bytewise)
+            for (size_t i = 0; i <= n; i++)
+                TEST_CHECK(pd_chat_parser_feed(p, text, i, 0, on_piece, &c) == 0);
+        TEST_CHECK(pd_chat_parser_feed(p, text, n, 1, on_piece, &c) == 0);
+        TEST_CHECK_MSG(strcmp(c.content, content) == 0 && strcmp(c.reasoning, reason) == 0 &&
+                       strcmp(c.calls, calls) == 0 && c.ends_ok && (n == 0 || c.last_end <= n),
+                       "%s (bytewise %d): content [%s] reasoning [%s] calls [%s]", text, bytewise, c.content,
+                       c.reasoning, c.calls);
+        pd_chat_parser_destroy(p);
+    }
+}
+
+static void test_parser(void)
+{
+    parse_case(0, 0, "plain <tool_call> text", "plain <tool_call> text", "", "");
+    parse_case(1, 0, "no calls here\n", "no calls here\n", "", "");
+    parse_case(1, 0, "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1, \"b\": \"x y\"}}\n</tool_call>", "", "",
+               "[0 f {\"a\":1,\"b\":\"x y\"}]");
+    parse_case(1, 0, "Let me check.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>\n"
+               "<tool_call>\n{\"name\": \"g\"}\n</tool_call>", "Let me check.", "", "[0 f {}][1 g {}]");
+    /* a block that is not a call stays text; an unfinished one too */
+    parse_case(1, 0, "a <tool_call>oops</tool_call> b", "a <tool_call>oops</tool_call> b", "", "");
+    parse_case(1, 0, "x <tool_call>\n{\"name\": \"f\"", "x <tool_call>\n{\"name\": \"f\"", "", "");
+    parse_case(1, 0, "ends with <tool_ca", "ends with <tool_ca", "", "");
+    /* reasoning */
+    parse_case(0, 1, "<think>\nstep 1\nstep 2\n</think>\n\nThe answer.", "The answer.", "step 1\nstep 2", "");
+    parse_case(0, 1, "No thinking <think>x</think>", "No thinking <think>x</think>", "", "");
+    parse_case(0, 1, "<thin", "<thin", "", "");
+    parse_case(0, 1, "<think>\ncut off", "", "cut off", "");
+    parse_case(0, 2, "already inside\n</think>\n\nout", "out", "already inside", "");
+    parse_case(1, 1, "<think>\nuse f\n</think>\n\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"q\": \"<think>\"}}\n"
+               "</tool_call>", "", "use f", "[0 f {\"q\":\"<think>\"}]");
+}
+
+static void test_pyjson(void)
+{
+    cJSON *v = cJSON_Parse("{\"a\": [1, 2.5, -0.001, 1e300, true, null], \"b\": \"\\u00e9\\t\\\"\\u0001/\", \"c\": {}}");
+    char *buf = NULL;
+    size_t len = 0, cap = 0;
+    TEST_CHECK(pd_chat_pyjson(v, &buf, &len, &cap) == 0);
+    const char *want = "{\"a\": [1, 2.5, -0.001, 1e+300, true, null], \"b\": \"\xc3\xa9\\t\\\"\\u0001/\", \"c\": {}}";
+    TEST_CHECK_MSG(buf != NULL && strcmp(buf, want) == 0, "got %s", buf ? buf : "(null)");
+    free(buf);
+    cJSON_Delete(v);
+}
+
+static void test_detect(void)
+{
+    pd_chat_template tp;
+    char why[128];
+    TEST_CHECK(pd_chat_template_detect("{{'<|im_start|>' + message['role']}}<|im_end|><|im_start|>assistant", &tp, why,
+                                       sizeof(why)) == 0 && tp.think == 0);
+    TEST_CHECK(pd_chat_template_detect("<|im_start|>role<|im_end|><|im_start|>assistant reasoning_content </think>",
+                                       &tp, why, sizeof(why)) == 0 && tp.think == 1);
+    TEST_CHECK(pd_chat_template_detect("[INST] {{ message['content'] }} [/INST]", &tp, why, sizeof(why)) == -1 &&
+               strstr(why, "ChatML") != NULL);
+}
+
+int main(void)
+{
+    test_detect();
+    test_render_fixture();
+    test_tools_parse();
+    test_grammar();
+    test_parser();
+    test_pyjson();
+    TEST_DONE();
+}
