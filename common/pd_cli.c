@@ -143,10 +143,11 @@ int pd_cli_parse_logit_bias(const char *prog, const char *flag, const char *s, p
 
 int pd_cli_parse_guide(const char *prog, const char *flag, const char *arg, pd_cli_guide *g)
 {
-    int kinds = g->json_object + (g->schema != NULL) + (g->n_choices > 0) + (g->regex != NULL);
+    int kinds = g->json_object + (g->schema != NULL) + (g->n_choices > 0) + (g->regex != NULL) + (g->grammar != NULL);
     int same = (strcmp(flag, "--choice") == 0 && g->n_choices > 0);
     if (kinds > 0 && !same) {
-        fprintf(stderr, "%s: %s: give only one of --json-object, --json-schema, --choice and --regex\n", prog, flag);
+        fprintf(stderr, "%s: %s: give only one of --json-object, --json-schema, --choice, --regex and --grammar\n",
+                prog, flag);
         return -1;
     }
     if (strcmp(flag, "--json-object") == 0) {
@@ -199,13 +200,17 @@ int pd_cli_parse_guide(const char *prog, const char *flag, const char *arg, pd_c
         return -1;
     }
     buf[n] = '\0';
-    g->schema = buf;
+    if (strcmp(flag, "--grammar") == 0)
+        g->grammar = buf;
+    else
+        g->schema = buf;
     return 0;
 }
 
 void pd_cli_guide_free(pd_cli_guide *g)
 {
     free(g->schema);
+    free(g->grammar);
     for (int i = 0; i < g->n_choices; i++)
         free(g->choices[i]);
     free(g->choices);

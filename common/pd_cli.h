@@ -27,13 +27,14 @@ int pd_cli_parse_float(const char *prog, const char *flag, const char *s, float 
  * where the request is). */
 int pd_cli_parse_logit_bias(const char *prog, const char *flag, const char *s, pd_logit_bias **b, int *n);
 /* Structured output flags of pdspark-generate / pdspark-client: --json-object, --json-schema FILE
- * ("-" = stdin; the schema's text), --choice TEXT (repeated), --regex RE. */
+ * ("-" = stdin; the schema's text), --choice TEXT (repeated), --regex RE, --grammar FILE (GBNF). */
 typedef struct {
     int json_object;
     char *schema;             /* malloc'd */
     char **choices;           /* malloc'd, n_choices strings */
     int n_choices;
     const char *regex;        /* borrowed from argv */
+    char *grammar;            /* malloc'd: the GBNF file's text */
 } pd_cli_guide;
 /* One of those flags (flag as written, arg its argument or NULL); -1 with a message on an
  * unreadable schema file or a second kind of guide. */

@@ -51,6 +51,13 @@ pd_status pd_grammar_regex(const char *re, size_t len, pd_grammar **out, pd_err 
  * preceded by "\n"; else exactly one. A bad schema: PD_ERR_INVALID naming the tool. */
 pd_status pd_grammar_tool_calls(const char *const *names, const char *const *schemas, int n, int parallel,
                                 pd_grammar **out, pd_err *err);
+/* A grammar in GBNF (llama.cpp's EBNF, also what vLLM's guided_grammar takes through xgrammar):
+ * rules `name ::= body`, the output a whole match of `root`; bodies of "literals", [classes]
+ * and [^negated] ones (code points and ranges, any Unicode), `.`, rule names, (groups), `|`,
+ * `* + ? {m} {m,} {m,n}`, # comments; escapes \n \t \r \\ \" \xHH \uHHHH \UHHHHHHHH.
+ * Undefined rules, left recursion (`a ::= a "x"`), a missing root: PD_ERR_INVALID naming the
+ * rule; syntax errors name the line and column. */
+pd_status pd_grammar_ebnf(const char *text, size_t len, pd_grammar **out, pd_err *err);
 pd_grammar *pd_grammar_ref(pd_grammar *g);
 void pd_grammar_unref(pd_grammar *g);   /* NULL is fine */
 

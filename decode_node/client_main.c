@@ -27,7 +27,8 @@ static void usage(FILE *f)
             "                      [--verify full|threshold|scheduled] [--verify-threshold T]\n"
             "                      [--logprobs N] [--presence-penalty P] [--frequency-penalty F]\n"
             "                      [--repetition-penalty R] [--logit-bias ID:BIAS[,...]] [--min-tokens N]\n"
-            "                      [--json-object | --json-schema FILE | --choice TEXT... | --regex RE]\n"
+            "                      [--json-object | --json-schema FILE | --choice TEXT... | --regex RE\n"
+            "                       | --grammar FILE]\n"
             "\n"
             "Streams one completion from a decode node. Text is printed as it arrives; --json\n"
             "prints instead one object at the end with the fields of pdspark-generate --json\n"
@@ -133,7 +134,7 @@ int main(int argc, char **argv)
     const char *verify = NULL;
     enum { O_SERVER = 256, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_IGNORE,
            O_TMO, O_RID, O_JSON, O_STREAM, O_DISC, O_HEALTH, O_STOP, O_VERIFY, O_VTHRESH, O_LOGPROBS,
-           O_PRES, O_FREQ, O_REP, O_BIAS, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_HELP };
+           O_PRES, O_FREQ, O_REP, O_BIAS, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_GRAMMAR, O_HELP };
     static const struct option opts[] = {
         {"server", required_argument, 0, O_SERVER}, {"prompt", required_argument, 0, O_PROMPT},
         {"prompt-ids", required_argument, 0, O_IDS}, {"max-new-tokens", required_argument, 0, O_MAXNEW},
@@ -152,6 +153,7 @@ int main(int argc, char **argv)
         {"logit-bias", required_argument, 0, O_BIAS}, {"min-tokens", required_argument, 0, O_MINTOK},
         {"json-object", no_argument, 0, O_JOBJ}, {"json-schema", required_argument, 0, O_JSCHEMA},
         {"choice", required_argument, 0, O_CHOICE}, {"regex", required_argument, 0, O_REGEX},
+        {"grammar", required_argument, 0, O_GRAMMAR},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0},
     };
     opterr = 0;
@@ -185,6 +187,7 @@ int main(int argc, char **argv)
         case O_JSCHEMA: bad = pd_cli_parse_guide(PROG, "--json-schema", optarg, &guide); break;
         case O_CHOICE: bad = pd_cli_parse_guide(PROG, "--choice", optarg, &guide); break;
         case O_REGEX: bad = pd_cli_parse_guide(PROG, "--regex", optarg, &guide); break;
+        case O_GRAMMAR: bad = pd_cli_parse_guide(PROG, "--grammar", optarg, &guide); break;
         case O_LOGPROBS: bad = pd_cli_parse_int(PROG, "--logprobs", optarg, 0, 20, &logprobs); break;
         case O_STOP:
             if (n_stops == sizeof(stops) / sizeof(stops[0])) {
@@ -259,6 +262,8 @@ int main(int argc, char **argv)
     sp.choice = guide.choices;
     if (guide.regex != NULL)
         sp.regex = (char *)guide.regex;
+    if (guide.grammar != NULL)
+        sp.grammar = guide.grammar;
     Pdspark__LogitBias lbm[PD_MAX_LOGIT_BIAS], *lbp[PD_MAX_LOGIT_BIAS];
     for (int i = 0; i < n_bias; i++) {
         pdspark__logit_bias__init(&lbm[i]);

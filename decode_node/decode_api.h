@@ -123,8 +123,10 @@ typedef struct {
     size_t json_schema_len;
     const char *const *choices;     /* one of these strings ... */
     int n_choices;
-    const char *regex;              /* a whole match of this regular expression */
+    const char *regex;              /* a whole match of this regular expression ... */
     size_t regex_len;
+    const char *ebnf;               /* ... or of this GBNF grammar's rule root */
+    size_t ebnf_len;
     struct pd_grammar *grammar;     /* or one of them already compiled (borrowed; the request
                                      * takes its own reference) */
 } decode_req;

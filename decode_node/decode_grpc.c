@@ -342,6 +342,10 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
             dr.regex = sp->regex;
             dr.regex_len = strlen(sp->regex);
         }
+        if (sp->grammar != NULL && sp->grammar[0] != '\0') {
+            dr.ebnf = sp->grammar;
+            dr.ebnf_len = strlen(sp->grammar);
+        }
     }
     if (rq->verify_policy != NULL && rq->verify_policy[0] != '\0') {
         pd_verify_policy vp;

@@ -125,6 +125,7 @@ typedef struct {
     int32_t stop_ids[PD_MAX_STOP_IDS];   /* "stop_token_ids" */
     char *schema;                    /* structured output: a JSON schema's text, or ... */
     char *regex;                     /* ... a regex, or ... */
+    char *ebnf;                      /* ... a GBNF grammar, or ... */
     char **choices;                  /* ... the choices (decode_req points at these) */
     int n_choices;
     int n_guides;                    /* fields that asked for structured output */
@@ -1075,12 +1076,13 @@ static void opts_free(req_opts *o)
     o->bias = NULL;
     free(o->schema);
     free(o->regex);
+    free(o->ebnf);
     pd_grammar_unref(o->grammar);
     o->grammar = NULL;
     for (int i = 0; i < o->n_choices; i++)
         free(o->choices[i]);
     free(o->choices);
-    o->schema = o->regex = NULL;
+    o->schema = o->regex = o->ebnf = NULL;
     o->choices = NULL;
     o->n_choices = 0;
     for (int i = 0; i < o->n_stop; i++)
@@ -1090,7 +1092,7 @@ static void opts_free(req_opts *o)
 
 /* structured output, one field's worth: a JSON schema (an object, or its text), choices (an array
  * of strings) or a regex (a string); the text compiles in decode_submit */
-enum { GUIDE_SCHEMA, GUIDE_CHOICE, GUIDE_REGEX };
+enum { GUIDE_SCHEMA, GUIDE_CHOICE, GUIDE_REGEX, GUIDE_GRAMMAR };
 
 static int guide_set(const cJSON *v, int kind, const char *name, decode_req *dr, req_opts *o, char *msg,
                      size_t cap)
@@ -1099,7 +1101,7 @@ static int guide_set(const cJSON *v, int kind, const char *name, decode_req *dr,
                    : strncmp(name, "structured_outputs", 18) == 0 ? "structured_outputs" : name;
     if (++o->n_guides > 1) {
         snprintf(msg, cap, "'%s': give only one of response_format, guided_json, guided_choice, "
-                 "guided_regex and structured_outputs", name);
+                 "guided_regex, guided_grammar and structured_outputs", name);
         return -1;
     }
     if (kind == GUIDE_SCHEMA) {
@@ -1115,6 +1117,17 @@ static int guide_set(const cJSON *v, int kind, const char *name, decode_req *dr,
             goto nomem;
         dr->json_schema = o->schema;
         dr->json_schema_len = strlen(o->schema);
+        return 0;
+    }
+    if (kind == GUIDE_GRAMMAR) {
+        if (!cJSON_IsString(v)) {
+            snprintf(msg, cap, "'%s' must be a string (a GBNF grammar)", name);
+            return -1;
+        }
+        if ((o->ebnf = strdup(v->valuestring)) == NULL)
+            goto nomem;
+        dr->ebnf = o->ebnf;
+        dr->ebnf_len = strlen(o->ebnf);
         return 0;
     }
     if (kind == GUIDE_REGEX) {
@@ -1152,9 +1165,9 @@ nomem:
 }
 
 /* OpenAI's response_format ({"type": "text" | "json_object" | "json_schema", "json_schema":
- * {"name", "schema", "strict"}}), vLLM's guided_json / guided_choice / guided_regex and its
- * structured_outputs {"json" | "choice" | "regex" | "json_object"}; grammars (guided_grammar,
- * structured_outputs.grammar) are refused by name */
+ * {"name", "schema", "strict"}}), vLLM's guided_json / guided_choice / guided_regex /
+ * guided_grammar (GBNF) and its structured_outputs {"json" | "choice" | "regex" | "grammar" |
+ * "json_object"} */
 static int parse_guides(const cJSON *root, decode_req *dr, req_opts *o, const char **param, char *msg,
                         size_t cap)
 {
@@ -1183,18 +1196,13 @@ static int parse_guides(const cJSON *root, decode_req *dr, req_opts *o, const ch
     }
     static const struct { const char *key; int kind; } vllm[] = {
         { "guided_json", GUIDE_SCHEMA }, { "guided_choice", GUIDE_CHOICE }, { "guided_regex", GUIDE_REGEX },
+        { "guided_grammar", GUIDE_GRAMMAR },
     };
     for (size_t i = 0; i < sizeof(vllm) / sizeof(vllm[0]); i++) {
         *param = vllm[i].key;
         const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, vllm[i].key);
         if (v != NULL && !cJSON_IsNull(v) && guide_set(v, vllm[i].kind, vllm[i].key, dr, o, msg, cap) < 0)
             return -1;
-    }
-    *param = "guided_grammar";
-    const cJSON *gg = cJSON_GetObjectItemCaseSensitive(root, "guided_grammar");
-    if (gg != NULL && !cJSON_IsNull(gg)) {
-        snprintf(msg, cap, "'guided_grammar' (EBNF grammars) is not supported; use a JSON schema, choices or a regex");
-        return -1;
     }
     *param = "structured_outputs";
     const cJSON *so = cJSON_GetObjectItemCaseSensitive(root, "structured_outputs");
@@ -1203,18 +1211,20 @@ static int parse_guides(const cJSON *root, decode_req *dr, req_opts *o, const ch
             snprintf(msg, cap, "'structured_outputs' must be an object");
             return -1;
         }
-        static const struct { const char *key; int kind; } keys[] = {
-            { "json", GUIDE_SCHEMA }, { "choice", GUIDE_CHOICE }, { "regex", GUIDE_REGEX },
+        static const struct { const char *key, *name; int kind; } keys[] = {
+            { "json", "structured_outputs.json", GUIDE_SCHEMA },
+            { "choice", "structured_outputs.choice", GUIDE_CHOICE },
+            { "regex", "structured_outputs.regex", GUIDE_REGEX },
+            { "grammar", "structured_outputs.grammar", GUIDE_GRAMMAR },
         };
         for (const cJSON *it = so->child; it != NULL; it = it->next) {
             if (cJSON_IsNull(it))
                 continue;
             int k = -1;
-            for (int q = 0; q < 3 && k < 0; q++)
+            for (int q = 0; q < 4 && k < 0; q++)
                 k = strcmp(it->string, keys[q].key) == 0 ? q : -1;
             if (k >= 0) {
-                if (guide_set(it, keys[k].kind, k == 0 ? "structured_outputs.json" : k == 1 ? "structured_outputs.choice"
-                              : "structured_outputs.regex", dr, o, msg, cap) < 0)
+                if (guide_set(it, keys[k].kind, keys[k].name, dr, o, msg, cap) < 0)
                     return -1;
             } else if (strcmp(it->string, "json_object") == 0) {
                 if (cJSON_IsTrue(it)) {
@@ -1226,15 +1236,16 @@ static int parse_guides(const cJSON *root, decode_req *dr, req_opts *o, const ch
                     dr->json_object = 1;
                 }
             } else {
-                snprintf(msg, cap, "'structured_outputs.%.40s' is not supported (json, choice, regex, json_object)",
+                snprintf(msg, cap, "'structured_outputs.%.40s' is not supported (json, choice, regex, grammar, "
+                         "json_object)",
                          it->string);
                 return -1;
             }
         }
     }
     if (o->n_guides > 1) {
-        snprintf(msg, cap, "give only one of response_format, guided_json, guided_choice, guided_regex and "
-                 "structured_outputs");
+        snprintf(msg, cap, "give only one of response_format, guided_json, guided_choice, guided_regex, "
+                 "guided_grammar and structured_outputs");
         return -1;
     }
     if (o->n_guides == 0)
@@ -1252,11 +1263,12 @@ static int parse_guides(const cJSON *root, decode_req *dr, req_opts *o, const ch
     pd_status gst = dr->json_object ? pd_grammar_json(NULL, 0, &g, &gerr)
                   : dr->json_schema != NULL ? pd_grammar_json(dr->json_schema, dr->json_schema_len, &g, &gerr)
                   : dr->n_choices > 0 ? pd_grammar_choice(dr->choices, dr->n_choices, &g, &gerr)
+                  : dr->ebnf != NULL ? pd_grammar_ebnf(dr->ebnf, dr->ebnf_len, &g, &gerr)
                   : pd_grammar_regex(dr->regex, dr->regex_len, &g, &gerr);
     if (gst == PD_OK) {
         o->grammar = dr->grammar = g;
         dr->json_object = 0;
-        dr->json_schema = dr->regex = NULL;
+        dr->json_schema = dr->regex = dr->ebnf = NULL;
         dr->choices = NULL;
         dr->n_choices = 0;
     } else {

@@ -1327,10 +1327,10 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
         return pd_err_set(err, PD_ERR_INVALID, "verify_threshold %g must be in (0, 1] (0 = the node's)",
                           (double)req->verify_threshold);
     int n_guides = (req->json_object != 0) + (req->json_schema != NULL) + (req->n_choices > 0) +
-                   (req->regex != NULL) + (req->grammar != NULL);
+                   (req->regex != NULL) + (req->ebnf != NULL) + (req->grammar != NULL);
     if (n_guides > 1)
         return pd_err_set(err, PD_ERR_INVALID, "structured output: give at most one of a JSON object, "
-                          "a JSON schema, choices and a regex");
+                          "a JSON schema, choices, a regex and a grammar");
     if (n_guides > 0 && req->min_tokens > 0)
         return pd_err_set(err, PD_ERR_INVALID, "min_tokens cannot be combined with structured output "
                           "(the grammar decides where the output may end)");
@@ -1400,6 +1400,8 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
         st = pd_grammar_choice(req->choices, req->n_choices, &grammar, err);
     else if (req->regex != NULL)
         st = pd_grammar_regex(req->regex, req->regex_len, &grammar, err);
+    else if (req->ebnf != NULL)
+        st = pd_grammar_ebnf(req->ebnf, req->ebnf_len, &grammar, err);
     if (n_guides > 0 && st != PD_OK)
         goto err_ids;
     if (atomic_fetch_add(&s->n_waiting, 1) >= s->cfg.max_queue) {

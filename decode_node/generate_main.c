@@ -38,7 +38,8 @@ static void usage(FILE *f)
             "                        [--graphs auto|off|pad]\n"
             "                        [--presence-penalty P] [--frequency-penalty F] [--repetition-penalty R]\n"
             "                        [--logit-bias ID:BIAS[,ID:BIAS...]] [--min-tokens N]\n"
-            "                        [--json-object | --json-schema FILE | --choice TEXT... | --regex RE]\n"
+            "                        [--json-object | --json-schema FILE | --choice TEXT... | --regex RE\n"
+            "                         | --grammar FILE]\n"
             "                        [--cp-size N] [--cp-strategy round-robin-split|interleave|zigzag]\n"
             "                        [--tp N]\n"
             "\n"
@@ -63,7 +64,8 @@ static void usage(FILE *f)
             "until N tokens were generated.\n"
             "Structured output: the output is any JSON object (--json-object), follows the JSON\n"
             "schema in FILE (--json-schema, - = stdin), is one of the --choice strings (repeat the\n"
-            "flag) or a whole match of --regex; every pick is masked to what the grammar allows.\n");
+            "flag), a whole match of --regex or of the GBNF grammar in FILE (--grammar, rule root);\n"
+            "every pick is masked to what the grammar allows.\n");
 }
 
 int main(int argc, char **argv)
@@ -86,7 +88,7 @@ int main(int argc, char **argv)
     enum { O_MODEL = 256, O_DRAFT, O_NO_DRAFT, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP,
            O_SEED, O_BLOCK, O_JSON, O_IGNORE, O_DEVICE, O_PAGE, O_PAGES, O_STREAM, O_CP_SIZE,
            O_CP_STRATEGY, O_VERIFY, O_THRESHOLD, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_PRES, O_FREQ,
-           O_REP, O_BIAS, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_HELP };
+           O_REP, O_BIAS, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_GRAMMAR, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"no-draft", no_argument, 0, O_NO_DRAFT}, {"prompt", required_argument, 0, O_PROMPT},
@@ -107,6 +109,7 @@ int main(int argc, char **argv)
         {"logit-bias", required_argument, 0, O_BIAS}, {"min-tokens", required_argument, 0, O_MINTOK},
         {"json-object", no_argument, 0, O_JOBJ}, {"json-schema", required_argument, 0, O_JSCHEMA},
         {"choice", required_argument, 0, O_CHOICE}, {"regex", required_argument, 0, O_REGEX},
+        {"grammar", required_argument, 0, O_GRAMMAR},
         {"cp-strategy", required_argument, 0, O_CP_STRATEGY}, {"help", no_argument, 0, O_HELP},
         {0, 0, 0, 0},
     };
@@ -133,6 +136,7 @@ int main(int argc, char **argv)
         case O_JSCHEMA: bad = pd_cli_parse_guide(PROG, "--json-schema", optarg, &guide); break;
         case O_CHOICE: bad = pd_cli_parse_guide(PROG, "--choice", optarg, &guide); break;
         case O_REGEX: bad = pd_cli_parse_guide(PROG, "--regex", optarg, &guide); break;
+        case O_GRAMMAR: bad = pd_cli_parse_guide(PROG, "--grammar", optarg, &guide); break;
         case O_SEED: bad = pd_cli_parse_int(PROG, "--seed", optarg, 0, INT_MAX, &seed); break;
         case O_BLOCK: bad = pd_cli_parse_int(PROG, "--block-size", optarg, 1, 31, &block); break;
         case O_JSON: json = 1; break;
@@ -268,8 +272,10 @@ int main(int argc, char **argv)
                          .presence_penalty = presence, .frequency_penalty = frequency,
                          .repetition_penalty = repetition, .logit_bias = bias,
                          .n_logit_bias = n_bias, .min_tokens = min_tokens };
-    if (guide.json_object || guide.schema != NULL || guide.n_choices > 0 || guide.regex != NULL) {
+    if (guide.json_object || guide.schema != NULL || guide.n_choices > 0 || guide.regex != NULL ||
+        guide.grammar != NULL) {
         pd_status gs = guide.json_object ? pd_grammar_json(NULL, 0, &grammar, &err)
+                     : guide.grammar != NULL ? pd_grammar_ebnf(guide.grammar, strlen(guide.grammar), &grammar, &err)
                      : guide.schema != NULL ? pd_grammar_json(guide.schema, strlen(guide.schema), &grammar, &err)
                      : guide.n_choices > 0 ? pd_grammar_choice((const char *const *)guide.choices, guide.n_choices,
                                                                &grammar, &err)

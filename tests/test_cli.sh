@@ -89,6 +89,23 @@ expect_fail "negative token id" "-5" $gen --model "$T" --prompt-ids "$tmp/negid.
 echo "1 two 3" >"$tmp/word.txt"
 expect_fail "non-numeric token id" "two" $gen --model "$T" --prompt-ids "$tmp/word.txt"
 expect_fail "empty prompt" "empty prompt" $gen --model "$T" --draft "$D" --prompt ''
+# --grammar (GBNF): the output is a whole match, speculative == target-only; bad grammars by name
+printf 'root ::= "return " term (" + " term)* "\\n"\nterm ::= [a-z]+ | [0-9]+\n' >"$tmp/g.gbnf"
+ga=$($gen --model "$T" --draft "$D" --prompt "def f(a, b):
+    " --max-new-tokens 30 --grammar "$tmp/g.gbnf" --json 2>/dev/null)
+gb=$($gen --model "$T" --no-draft --prompt "def f(a, b):
+    " --max-new-tokens 30 --grammar "$tmp/g.gbnf" --json 2>/dev/null)
+if python3 -c "
+import json, re, sys
+a, b = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+assert a['tokens'] == b['tokens'], (a['tokens'], b['tokens'])
+assert a['finish_reason'] == 'stop' and re.fullmatch(r'return [a-z0-9]+( \+ [a-z0-9]+)*\n', a['text']), a
+" "$ga" "$gb"; then echo "ok   --grammar: a whole match, DSpark == target-only"; ok
+else bad "--grammar: $ga / $gb"; fi
+printf 'root ::= x\n' >"$tmp/bad.gbnf"
+expect_fail "grammar with an undefined rule" "'x' is used but not defined" $gen --model "$T" --prompt hi --grammar "$tmp/bad.gbnf"
+expect_fail "grammar and regex together" "only one of" $gen --model "$T" --prompt hi --grammar "$tmp/g.gbnf" --regex a
+
 python3 -c "print(' '.join(['220']*5000))" >"$tmp/long.txt"
 expect_fail "prompt longer than the context" "context" $gen --model "$T" --draft "$D" --prompt-ids "$tmp/long.txt"
 expect_fail "bad flag value" "max-new-tokens" $gen --model "$T" --prompt hi --max-new-tokens abc

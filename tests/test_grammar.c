@@ -392,6 +392,70 @@ static void test_choice_regex(const pd_gvocab *v, const uint8_t **tb, const size
     }
 }
 
+/* EBNF (GBNF): whole texts, Unicode classes, multi-line rules, comments, the mask along random
+ * walks; undefined rules, left recursion, no root and syntax errors refused by name */
+static void test_ebnf(const pd_gvocab *v, const uint8_t **tb, const size_t *tl)
+{
+    struct { const char *g, *yes[3], *no[3]; } cases[] = {
+        { "root ::= \"yes\" | \"no\"", { "yes", "no", NULL }, { "", "yesno", "maybe" } },
+        /* a list grammar over several lines, with comments and a rule used before it is defined */
+        { "# a call\nroot ::= name \"(\" args? \")\"\nargs ::= arg (\", \" arg)*   # one or more\n"
+          "arg ::= [0-9]+ | name\nname ::= [a-z_] [a-z0-9_]*\n",
+          { "f()", "f(1, x, 22)", "g_2(a)" }, { "f(", "f(1,2)", "2f()" } },
+        { "root ::= [^\"\\\\]{2,3} \"!\"?", { "ab", "x\xc3\xa9z!", "\xe4\xb8\xad\xe6\x96\x87" },
+          { "a", "abcd", "a\"b" } },
+        { "root ::= [\\u4e00-\\u9fa5]+ [\xc3\xa0-\xc3\xbf]", { "\xe4\xb8\xad\xe6\x96\x87\xc3\xa9", NULL, NULL },
+          { "\xe4\xb8\xad", "a\xc3\xa9", "\xc3\xa9" } },
+        { "root ::= . \"\\x41\\u00e9\" ( ( \"a\" | \"b\"? ) )*", { "\xf0\x9f\x98\x80" "A\xc3\xa9", "\nA\xc3\xa9" "ab", NULL },
+          { "A\xc3\xa9", "xA\xc3\xa9" "c", NULL } },
+        { "root ::= ws obj ws\nobj ::= \"{\" ws (pair (\",\" ws pair)*)? \"}\"\npair ::= key \":\" ws value ws\n"
+          "key ::= \"\\\"\" [a-z]+ \"\\\"\"\nvalue ::= obj | [0-9]+ | key\nws ::= [ \\t\\n]*",
+          { "{}", " {\"a\": 1, \"b\":{\"c\":\"d\"}} ", NULL }, { "{", "{\"a\"}", "{'a': 1}" } },
+        /* right recursion is fine */
+        { "root ::= \"(\" root \")\" | \"x\"", { "x", "((x))", NULL }, { "(x", "()", NULL } },
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(*cases); i++) {
+        pd_grammar *g = NULL;
+        pd_err err;
+        TEST_CHECK_MSG(pd_grammar_ebnf(cases[i].g, strlen(cases[i].g), &g, &err) == PD_OK, "%s: %s", cases[i].g, err.msg);
+        if (g == NULL)
+            continue;
+        for (int k = 0; k < 3; k++) {
+            if (cases[i].yes[k] != NULL)
+                TEST_CHECK_MSG(accepts(g, v, cases[i].yes[k]) == 1, "[%s] accepts '%s'", cases[i].g, cases[i].yes[k]);
+            if (cases[i].no[k] != NULL)
+                TEST_CHECK_MSG(accepts(g, v, cases[i].no[k]) == 0, "[%s] refuses '%s'", cases[i].g, cases[i].no[k]);
+        }
+        int mask_ok, ended;
+        char *t = walks(g, v, N_SMALL, tb, tl, 3, 30, &mask_ok, &ended);
+        TEST_CHECK_MSG(mask_ok, "[%s] mask", cases[i].g);
+        free(t);
+        pd_grammar_unref(g);
+    }
+    struct { const char *g, *needle; } refused[] = {
+        { "root ::= item\n", "'item' is used but not defined" },
+        { "root ::= list\nlist ::= list \",\" \"x\" | \"x\"", "'list' is left-recursive" },
+        { "root ::= a \"x\"\na ::= b? root\nb ::= \"y\"", "left-recursive" },
+        { "start ::= \"x\"", "no rule named 'root'" },
+        { "root ::= \"a\"\nroot ::= \"b\"", "defined twice" },
+        { "root ::= \"a\"\n  \"b\" )", "line 2 column 7: unbalanced )" },
+        { "root ::= \"abc", "unterminated string" },
+        { "root ::= [z-a]", "backwards" },
+        { "root ::= \"\\q\"", "unknown escape \\q" },
+        { "root ::= [^\\x00-\\U0010FFFF]", "matches no character" },
+        { "root = \"x\"", "expected a rule definition" },
+    };
+    for (size_t i = 0; i < sizeof(refused) / sizeof(*refused); i++) {
+        pd_grammar *x = NULL;
+        pd_err err;
+        memset(&err, 0, sizeof(err));
+        pd_status st = pd_grammar_ebnf(refused[i].g, strlen(refused[i].g), &x, &err);
+        TEST_CHECK_MSG(st == PD_ERR_INVALID && strstr(err.msg, refused[i].needle) != NULL,
+                       "[%s] -> %d %s", refused[i].g, st, err.msg);
+        pd_grammar_unref(x);
+    }
+}
+
 /* the bundled model's tokenizer: a schema walk through real tokens (multi-byte, byte-level
  * pieces), the mask against trying every token */
 static void test_real_vocab(void)
@@ -523,6 +587,7 @@ int main(int argc, char **argv)
         test_json_object(v, tb, tl);
         test_schema(v, tb, tl);
         test_choice_regex(v, tb, tl);
+        test_ebnf(v, tb, tl);
     }
     pd_gvocab_destroy(v);
     test_real_vocab();

@@ -502,6 +502,12 @@ def test_penalties(bin_dir, model, draft, node, prompt, n, want):
 
 
 STRUCT_REF = {}  # the colocated node's structured outputs (the disaggregated test compares)
+GBNF = """# an expression statement
+root ::= "return " expr "\\n"
+expr ::= term (" " op " " term)*
+term ::= [a-z] [a-z0-9_]{0,6} | [0-9]{1,3}
+op   ::= "+" | "-" | "*"
+"""
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer"},
                                            "ok": {"type": "boolean"}}, "required": ["name", "n", "ok"]}
 STRUCT = {
@@ -509,7 +515,9 @@ STRUCT = {
                "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}},
     "choice": {"prompt": "def fib(n):", "max_tokens": 8, "temperature": 0, "guided_choice": ["yes", "no", "maybe"]},
     "regex": {"prompt": "def fib(n):", "max_tokens": 12, "temperature": 0, "guided_regex": "[0-9]{3}-[a-z]+"},
+    "grammar": {"prompt": "def fib(n):\n    ", "max_tokens": 24, "temperature": 0, "guided_grammar": GBNF},
 }
+GBNF_RE = r"return (?:[a-z][a-z0-9_]{0,6}|[0-9]{1,3})(?: [-+*] (?:[a-z][a-z0-9_]{0,6}|[0-9]{1,3}))*\n"
 
 
 def test_structured(bin_dir, node, label):
@@ -538,6 +546,9 @@ def test_structured(bin_dir, node, label):
             ok = re.fullmatch("[0-9]{3}-[a-z]+", c["text"]) if c["finish_reason"] == "stop" else \
                 re.fullmatch("[0-9]{0,3}(-[a-z]*)?", c["text"])
             check(ok is not None, "%s guided_regex: %r %s" % (label, c["text"], c["finish_reason"]))
+        if k == "grammar":
+            check(c["finish_reason"] == "stop" and re.fullmatch(GBNF_RE, c["text"]) is not None,
+                  "%s guided_grammar: %r %s" % (label, c["text"], c["finish_reason"]))
     if label == "colocated":
         STRUCT_REF.update(got)
     else:
@@ -546,6 +557,10 @@ def test_structured(bin_dir, node, label):
                                                 "structured_outputs": {"choice": ["yes", "no", "maybe"]}})
     check(st == 200 and b["choices"][0]["text"] == got.get("choice"),
           "%s structured_outputs.choice == guided_choice: %s" % (label, b))
+    st, b = post_json(node, "/v1/completions", dict(STRUCT["grammar"], guided_grammar=None,
+                                                    structured_outputs={"grammar": GBNF}))
+    check(st == 200 and b["choices"][0]["text"] == got.get("grammar"),
+          "%s structured_outputs.grammar == guided_grammar: %s" % (label, b))
     st, b = post_json(node, "/v1/chat/completions", {"messages": [{"role": "user", "content": "fib as json"}],
                                                      "max_tokens": 40, "temperature": 0,
                                                      "response_format": {"type": "json_object"}})
@@ -565,6 +580,19 @@ def test_structured(bin_dir, node, label):
                         capture_output=True, text=True, timeout=60)
     check(gr.returncode == 0 and json.loads(gr.stdout.strip().splitlines()[-1])["text"] == got.get("regex"),
           "%s gRPC --regex == HTTP guided_regex: %s" % (label, gr.stdout[-300:] + gr.stderr[-300:]))
+    with tempfile.NamedTemporaryFile("w", suffix=".gbnf", delete=False) as f:
+        f.write(GBNF)
+    gr = subprocess.run([client, "--server", node.grpc, "--prompt", "def fib(n):\n    ", "--max-new-tokens", "24",
+                         "--temperature", "0", "--json", "--grammar", f.name], capture_output=True, text=True, timeout=60)
+    check(gr.returncode == 0 and json.loads(gr.stdout.strip().splitlines()[-1])["text"] == got.get("grammar"),
+          "%s gRPC --grammar == HTTP guided_grammar: %s" % (label, gr.stdout[-300:] + gr.stderr[-300:]))
+    with open(f.name, "w") as g:
+        g.write("root ::= list\nlist ::= list \",\" item | item\nitem ::= \"x\"\n")
+    gr = subprocess.run([client, "--server", node.grpc, "--prompt", "x", "--grammar", f.name],
+                        capture_output=True, text=True, timeout=60)
+    os.unlink(f.name)
+    check(gr.returncode == 1 and "'list' is left-recursive" in gr.stderr,
+          "%s gRPC left-recursive grammar refused: %s" % (label, gr.stderr[-300:]))
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"type": "integer", "multipleOf": 3}, f)
     gr = subprocess.run([client, "--server", node.grpc, "--prompt", "x", "--json-schema", f.name],
@@ -1223,7 +1251,9 @@ def main():
             ("/v1/completions", json.dumps({"prompt": "x", "guided_regex": "(ab"}).encode(), 400, "guided_regex"),
             ("/v1/completions", json.dumps({"prompt": "x", "guided_choice": []}).encode(), 400, "guided_choice"),
             ("/v1/completions", json.dumps({"prompt": "x", "guided_grammar": "root ::= x"}).encode(), 400,
-             "guided_grammar"),
+             "guided_grammar"),   # x is not defined
+            ("/v1/completions", json.dumps({"prompt": "x", "guided_grammar": "root ::= \"a\"",
+                                            "guided_regex": "a"}).encode(), 400, "guided_grammar"),
             ("/v1/completions", json.dumps({"prompt": "x", "structured_outputs": {"grammar": "x"}}).encode(), 400,
              "structured_outputs"),
             ("/v1/completions", json.dumps({"prompt": "x", "guided_choice": ["a"], "min_tokens": 1}).encode(), 400,
