@@ -129,6 +129,10 @@ typedef struct {
     size_t ebnf_len;
     struct pd_grammar *grammar;     /* or one of them already compiled (borrowed; the request
                                      * takes its own reference) */
+    uint64_t group;                 /* 0, or an id shared by requests of one prompt (the choices
+                                     * of an "n" request): with the prefix cache the first one
+                                     * admitted is prefilled alone and the others wait for its
+                                     * first token, then take its prompt pages from the cache */
 } decode_req;
 
 typedef struct {

@@ -1779,6 +1779,8 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     pd_status st = PD_OK;
     char cid[80];
     uint64_t seed0 = dr.seed;
+    if (r->n_choice > 1)   /* one prompt: with the prefix cache it is prefilled once */
+        dr.group = ((uint64_t)r->created << 16) ^ seq ^ 0x8000000000000000ull;
     int sub = 0;
     for (; sub < r->n_choice && st == PD_OK; sub++) {
         if (r->n_choice > 1) {

@@ -65,6 +65,7 @@ struct decode_handle {
     decode_server *s;
     char id[96];
     uint64_t eid;
+    uint64_t group;                  /* decode_req.group */
     int32_t *prompt;
     pd_logit_bias *bias;             /* the request's logit_bias (gp.logit_bias points here) */
     pd_grammar *grammar;             /* structured output (gp.grammar points here), or NULL */
@@ -1062,6 +1063,18 @@ static void on_reply_loop(void *arg)
 /* ---------------------------------------------------------------------------------------------
  * The engine loop */
 
+/* A request of h's group is being prefilled (admitted, no token yet): h waits, so that its
+ * prompt's pages come from the prefix cache once that one's prefill offered them. */
+static int sibling_prefilling(const decode_server *s, const decode_handle *h)
+{
+    if (h->group == 0 || !s->cfg.colocated || !s->cfg.prefix_cache)
+        return 0;
+    for (const decode_handle *g = s->head; g != NULL; g = g->next)
+        if (g != h && g->group == h->group && g->state == H_RUNNING && g->t_first == 0.0)
+            return 1;
+    return 0;
+}
+
 static void admit(decode_server *s)
 {
     double now = pd_cli_now_ms();
@@ -1076,6 +1089,8 @@ static void admit(decode_server *s)
         }
         if (s->n_running + s->n_prefill >= s->cfg.max_batch)
             break;
+        if (sibling_prefilling(s, h))
+            continue;
         pd_err err = {0};
         pd_status st;
         if (s->cfg.colocated) {
@@ -1424,6 +1439,7 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
     atomic_init(&h->cancel_asked, 0);
     h->s = s;
     h->eid = atomic_fetch_add(&s->next_id, 1);
+    h->group = req->group;
     if (req->request_id != NULL && req->request_id[0] != '\0')
         snprintf(h->id, sizeof(h->id), "%s", req->request_id);
     else

@@ -924,7 +924,8 @@ def test_prefill_list(bin_dir, model, draft):
 def test_prefix_cache(bin_dir, model, draft):
     """decode_node --colocated --prefix-cache: a prompt that starts with a finished one's full
     pages is served from them (usage.prompt_tokens_details.cached_tokens, the metric) and
-    decodes the same text as the first time and as a node without the cache."""
+    decodes the same text as the first time and as a node without the cache; the choices of an
+    n request take the first one's prompt pages."""
     prompt = "import os\nimport sys\nimport json\n\n\ndef load(path):\n    with open(path) as f:\n" * 3
     body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     node = Node(bin_dir, model, draft, ("--colocated", "--prefix-cache"))
@@ -952,6 +953,14 @@ def test_prefix_cache(bin_dir, model, draft):
             m = metrics(node)
             check((sample(m, "pdspark_prompt_cached_tokens_total") or 0) >= c1 * 3,
                   "cached tokens counter %s" % sample(m, "pdspark_prompt_cached_tokens_total"))
+            # n choices of a new prompt: the first is prefilled alone, the others take its pages
+            before = sample(m, "pdspark_prompt_cached_tokens_total") or 0
+            fresh = "class Queue:\n    def put(self, item):\n        self.items.append(item)\n" * 4
+            st, b = post_json(node, "/v1/completions", dict(body, prompt=fresh, n=4, temperature=0.8, seed=5))
+            after = sample(metrics(node), "pdspark_prompt_cached_tokens_total") or 0
+            npf = b["usage"]["prompt_tokens"] if st == 200 else 0
+            check(st == 200 and len(b["choices"]) == 4 and after - before == 3 * ((npf - 1) // 16 * 16) > 0,
+                  "n=4 prefills the prompt once: %d cached tokens of %d-token prompts" % (after - before, npf))
     finally:
         node.stop()
     plain = Node(bin_dir, model, draft, ("--colocated",))
