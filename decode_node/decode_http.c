@@ -10,7 +10,7 @@
  *   1 + n references: the HTTP side (until its reply is complete) and each choice's engine
  *   request (until its on_done message ran, or dropped at once when the post is refused because
  *   the HTTP loop has stopped). "n" > 1 runs n engine requests of the prompt (choice i samples
- *   with seed + i); the reply completes when the last of them ended. evhttp requests whose client went away stay ours (libevent detaches them) and are
+ *   with seed + i), a batch of prompts n of each; the reply completes when the last ended. evhttp requests whose client went away stay ours (libevent detaches them) and are
  *   freed by the final send. */
 #include "decode_http.h"
 
@@ -60,7 +60,8 @@ struct decode_http {
     struct http_req *live;
 };
 
-#define MAX_N 16                     /* choices per request ("n") */
+#define MAX_N 16                     /* choices per prompt ("n") */
+#define MAX_CHOICES 128              /* choices per request: prompts x n */
 
 /* One choice of a request: an engine request of its own ("n" > 1 runs n of them). */
 typedef struct http_choice {
@@ -100,7 +101,8 @@ typedef struct http_req {
                                       * logprobs with the prompt's); no_gen: max_tokens 0 */
     int tools, reasoning;            /* chat: parse <tool_call> blocks; <think>: pd_chat_parser_create's */
     int n_choice, n_done;            /* choices, and those whose result arrived */
-    http_choice ch[MAX_N];
+    int n_per_prompt;                /* "n": choices i*n .. i*n+n-1 are those of prompt i */
+    http_choice ch[MAX_CHOICES];
     pd_status err_st;                /* the first choice that failed: the request's answer */
     char err_msg[512];
     struct http_req *prev, *next;
@@ -138,7 +140,7 @@ typedef struct {
 
 /* echo: every choice's text starts as the prompt (its string, or its ids decoded); stop strings
  * are looked for after it only */
-static int echo_init(http_req *r, const decode_req *dr, char *msg, size_t cap)
+static int echo_one(http_req *r, const decode_req *dr, int from, int to, char *msg, size_t cap)
 {
     char *txt = NULL;
     size_t len = 0;
@@ -155,7 +157,7 @@ static int echo_init(http_req *r, const decode_req *dr, char *msg, size_t cap)
         snprintf(msg, cap, "echo: %.400s", err.msg);
         return -1;
     }
-    for (int i = 0; i < r->n_choice && txt != NULL; i++) {
+    for (int i = from; i < to && txt != NULL; i++) {
         http_choice *c = &r->ch[i];
         c->gen = malloc(len + 1);
         if (c->gen == NULL)
@@ -166,7 +168,7 @@ static int echo_init(http_req *r, const decode_req *dr, char *msg, size_t cap)
         c->scan = len;
     }
     free(txt);
-    if (txt == NULL || r->ch[r->n_choice - 1].gen == NULL) {
+    if (txt == NULL || r->ch[to - 1].gen == NULL) {
         snprintf(msg, cap, "out of memory echoing the prompt");
         return -1;
     }
@@ -765,13 +767,17 @@ static void msg_chunk(http_msg *m)
     emit_safe(c, stop_scan(c, 0), 0);
 }
 
-/* usage over every choice: the prompt once, the completions and DSpark rounds summed (tau is
+/* usage over every choice: each prompt once, the completions and DSpark rounds summed (tau is
  * then accepted tokens over rounds of all of them) */
 static void add_usage_all(cJSON *o, const http_req *r)
 {
-    int completion = 0, rounds = 0, block = 0, prompt = r->ch[0].prompt_tokens;
+    int completion = 0, rounds = 0, block = 0, prompt = 0, cached = 0;
     long accepted = 0;
     for (int i = 0; i < r->n_choice; i++) {
+        if (i % r->n_per_prompt == 0) {   /* the prompt's first choice */
+            prompt += r->ch[i].prompt_tokens;
+            cached += r->ch[i].cached_tokens;
+        }
         completion += r->ch[i].n_tokens;
         rounds += r->ch[i].rounds;
         accepted += r->ch[i].accepted;
@@ -781,9 +787,9 @@ static void add_usage_all(cJSON *o, const http_req *r)
     cJSON_AddNumberToObject(u, "prompt_tokens", prompt);
     cJSON_AddNumberToObject(u, "completion_tokens", completion);
     cJSON_AddNumberToObject(u, "total_tokens", prompt + completion);
-    /* the prompt tokens the prefix cache served (choice 0's: the prompt is one) */
+    /* the prompt tokens the prefix cache served (each prompt's first choice's) */
     cJSON *pd = cJSON_AddObjectToObject(u, "prompt_tokens_details");
-    cJSON_AddNumberToObject(pd, "cached_tokens", r->ch[0].cached_tokens);
+    cJSON_AddNumberToObject(pd, "cached_tokens", cached);
     /* extension: the DSpark loop's statistics of the request (all choices) */
     cJSON *d = cJSON_AddObjectToObject(u, "dspark");
     cJSON_AddNumberToObject(d, "rounds", rounds);
@@ -1551,56 +1557,105 @@ static int parse_common(const cJSON *root, int chat, decode_req *dr, req_opts *o
     return 0;
 }
 
-/* /v1/completions "prompt": a string, an array of token ids, or a one-element array of either. */
-static int parse_prompt(const cJSON *root, decode_req *dr, int32_t **ids, char *msg, size_t cap)
+/* One prompt of a completions request: its text (borrowed from the request JSON) or its ids. */
+typedef struct {
+    const char *text;
+    size_t len;
+    int32_t *ids;                    /* malloc'd */
+    int n_ids;
+} prompt_in;
+
+static int parse_one_prompt(const cJSON *p, prompt_in *out, char *msg, size_t cap)
 {
-    const cJSON *p = cJSON_GetObjectItemCaseSensitive(root, "prompt");
-    if (p == NULL || cJSON_IsNull(p)) {
-        snprintf(msg, cap, "'prompt' is required");
-        return -1;
-    }
-    if (cJSON_IsArray(p) && cJSON_GetArraySize(p) == 1 &&
-        (cJSON_IsString(p->child) || cJSON_IsArray(p->child)))
-        p = p->child;
     if (cJSON_IsString(p)) {
         if (p->valuestring[0] == '\0') {
             snprintf(msg, cap, "'prompt' must not be empty");
             return -1;
         }
-        dr->prompt_text = p->valuestring;
-        dr->prompt_text_len = strlen(p->valuestring);
+        out->text = p->valuestring;
+        out->len = strlen(p->valuestring);
         return 0;
     }
-    if (!cJSON_IsArray(p)) {
-        snprintf(msg, cap, "'prompt' must be a string or an array of token ids");
+    int n = cJSON_IsArray(p) ? cJSON_GetArraySize(p) : -1;
+    if (n < 0) {
+        snprintf(msg, cap, "'prompt' must be a string, an array of token ids, or an array of either");
         return -1;
     }
-    int n = cJSON_GetArraySize(p);
     if (n == 0) {
         snprintf(msg, cap, "'prompt' must not be empty");
         return -1;
     }
-    *ids = malloc((size_t)n * sizeof(int32_t));
-    if (*ids == NULL) {
+    if ((out->ids = malloc((size_t)n * sizeof(int32_t))) == NULL) {
         snprintf(msg, cap, "out of memory");
         return -1;
     }
     int i = 0;
     for (const cJSON *it = p->child; it != NULL; it = it->next, i++) {
-        if (cJSON_IsString(it) || cJSON_IsArray(it)) {
-            snprintf(msg, cap, "only one prompt per request is supported");
-            return -1;
-        }
         if (!cJSON_IsNumber(it) || it->valuedouble != floor(it->valuedouble) ||
             it->valuedouble < 0 || it->valuedouble > 2147483647.0) {
             snprintf(msg, cap, "'prompt' token ids must be non-negative integers");
             return -1;
         }
-        (*ids)[i] = (int32_t)it->valuedouble;
+        out->ids[i] = (int32_t)it->valuedouble;
     }
-    dr->prompt_ids = *ids;
-    dr->n_prompt_ids = n;
+    out->n_ids = n;
     return 0;
+}
+
+/* /v1/completions "prompt": a string, an array of token ids, or an array of either (a batch: the
+ * choices of prompt i come after those of prompt i - 1); at most max of them. *out is
+ * calloc'd, *n_out set. */
+static int parse_prompts(const cJSON *root, int max, prompt_in **out, int *n_out, char *msg, size_t cap)
+{
+    const cJSON *p = cJSON_GetObjectItemCaseSensitive(root, "prompt");
+    *out = NULL;
+    *n_out = 0;
+    if (p == NULL || cJSON_IsNull(p)) {
+        snprintf(msg, cap, "'prompt' is required");
+        return -1;
+    }
+    int batch = cJSON_IsArray(p) && p->child != NULL && (cJSON_IsString(p->child) || cJSON_IsArray(p->child));
+    int n = batch ? cJSON_GetArraySize(p) : 1;
+    if (n > max) {
+        snprintf(msg, cap, "%d prompts with n=%d make more than %d choices", n, MAX_CHOICES / max, MAX_CHOICES);
+        return -1;
+    }
+    if ((*out = calloc((size_t)n, sizeof(prompt_in))) == NULL) {
+        snprintf(msg, cap, "out of memory");
+        return -1;
+    }
+    *n_out = n;
+    if (!batch)
+        return parse_one_prompt(p, &(*out)[0], msg, cap);
+    int i = 0;
+    for (const cJSON *it = p->child; it != NULL; it = it->next, i++) {
+        if (cJSON_IsString(it) != cJSON_IsString(p->child) || (!cJSON_IsString(it) && !cJSON_IsArray(it))) {
+            snprintf(msg, cap, "'prompt' batch entries must all be strings or all be arrays of token ids");
+            return -1;
+        }
+        if (parse_one_prompt(it, &(*out)[i], msg, cap) != 0) {
+            char m2[300];
+            snprintf(m2, sizeof(m2), "prompt[%d]: %s", i, msg);
+            snprintf(msg, cap, "%s", m2);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void prompts_free(prompt_in *p, int n)
+{
+    for (int i = 0; p != NULL && i < n; i++)
+        free(p[i].ids);
+    free(p);
+}
+
+static void prompt_use(decode_req *dr, const prompt_in *p)
+{
+    dr->prompt_text = p->text;
+    dr->prompt_text_len = p->text != NULL ? p->len : 0;
+    dr->prompt_ids = p->ids;
+    dr->n_prompt_ids = p->ids != NULL ? p->n_ids : 0;
 }
 
 /* A chat request's tools and chat_template_kwargs. tool_choice "required" or a named function
@@ -1676,7 +1731,8 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     const char *param = NULL;
     decode_req dr = {0};
     req_opts o = {0};
-    int32_t *ids = NULL;
+    prompt_in *prompts = NULL;
+    int n_prompts = 1;
     char *chat_text = NULL;
     size_t chat_len = 0;
     pd_chat_tools tools = {0};
@@ -1717,7 +1773,7 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
         }
         dr.prompt_text = chat_text;
         dr.prompt_text_len = chat_len;
-    } else if (parse_prompt(root, &dr, &ids, msg, sizeof(msg)) != 0) {
+    } else if (parse_prompts(root, MAX_CHOICES / (o.n > 0 ? o.n : 1), &prompts, &n_prompts, msg, sizeof(msg)) != 0) {
         decode_metrics_refused(dh->dm, "invalid");
         send_error(req, 400, "prompt", msg);
         goto out;
@@ -1727,7 +1783,8 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
         send_error(req, 500, NULL, "out of memory");
         goto out;
     }
-    r->n_choice = o.n > 0 ? o.n : 1;
+    r->n_per_prompt = o.n > 0 ? o.n : 1;
+    r->n_choice = r->n_per_prompt * n_prompts;
     atomic_init(&r->refs, 1 + r->n_choice);   /* HTTP side, each choice's engine side */
     r->dh = dh;
     for (int i = 0; i < r->n_choice; i++) {
@@ -1750,10 +1807,14 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     r->top_logprobs = dr.top_logprobs;
     r->echo = o.echo;
     r->no_gen = o.max0;
-    if (r->echo && echo_init(r, &dr, msg, sizeof(msg)) != 0) {
-        send_error(req, 500, NULL, msg);
-        req_contents_free(r);
-        goto out;
+    for (int p = 0; r->echo && p < n_prompts; p++) {
+        if (prompts != NULL)
+            prompt_use(&dr, &prompts[p]);
+        if (echo_one(r, &dr, p * r->n_per_prompt, (p + 1) * r->n_per_prompt, msg, sizeof(msg)) != 0) {
+            send_error(req, 500, NULL, msg);
+            req_contents_free(r);
+            goto out;
+        }
     }
     r->created = (long)time(NULL);
     unsigned long long seq = atomic_fetch_add(&dh->next_id, 1);
@@ -1779,15 +1840,19 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     pd_status st = PD_OK;
     char cid[80];
     uint64_t seed0 = dr.seed;
-    if (r->n_choice > 1)   /* one prompt: with the prefix cache it is prefilled once */
-        dr.group = ((uint64_t)r->created << 16) ^ seq ^ 0x8000000000000000ull;
+    uint64_t group0 = (((uint64_t)r->created << 16) ^ seq) << 8 | 0x8000000000000000ull;
     int sub = 0;
     for (; sub < r->n_choice && st == PD_OK; sub++) {
+        int p = sub / r->n_per_prompt;
+        if (prompts != NULL)
+            prompt_use(&dr, &prompts[p]);
+        /* the choices of one prompt: with the prefix cache it is prefilled once */
+        dr.group = r->n_per_prompt > 1 ? group0 + (uint64_t)p + 1 : 0;
         if (r->n_choice > 1) {
             snprintf(cid, sizeof(cid), "%s-%d", r->id, sub);
             dr.request_id = cid;
         }
-        dr.seed = seed0 + (uint64_t)sub;
+        dr.seed = seed0 + (uint64_t)(sub % r->n_per_prompt);   /* a batched prompt samples as alone */
         st = decode_submit(dh->s, &dr, cb_token, cb_done, &r->ch[sub], &r->ch[sub].h, &err);
     }
     if (st != PD_OK) {
@@ -1814,7 +1879,7 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
         evhttp_connection_set_closecb(r->evcon, on_close, r);
 out:
     opts_free(&o);
-    free(ids);
+    prompts_free(prompts, n_prompts);
     free(chat_text);
     pd_chat_tools_free(&tools);
     cJSON_Delete(root);

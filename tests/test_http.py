@@ -748,6 +748,36 @@ def test_n(node, prompt):
             for c in e.get("choices", []):
                 per[c["index"]] = per.get(c["index"], "") + (c.get("delta", {}).get("content") or "")
         check(done and per == {0: cut, 1: cut}, "chat n=2 stop %r: %s want %r" % (stop, per, cut))
+    # a batch of prompts (strings, or arrays of ids): prompt i's n choices come after prompt i-1's,
+    # each as its prompt alone gives them; usage counts every prompt once
+    batch = [prompt, "class Stack:", "import numpy as np\n"]
+    alone = []
+    for pr in batch:
+        st, b = post_json(node, "/v1/completions", {"prompt": pr, "max_tokens": 6, "temperature": 0.9, "seed": 3,
+                                                    "ignore_eos": True, "n": 2, "echo": True})
+        alone.append(b if st == 200 else None)
+    st, b = post_json(node, "/v1/completions", {"prompt": batch, "max_tokens": 6, "temperature": 0.9, "seed": 3,
+                                                "ignore_eos": True, "n": 2, "echo": True})
+    want = [c["text"] for a in alone if a for c in a["choices"]]
+    check(st == 200 and [c["index"] for c in b["choices"]] == list(range(6)) and
+          [c["text"] for c in b["choices"]] == want and
+          b["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone if a) and
+          b["usage"]["completion_tokens"] == 36, "batched prompts == each alone: %s vs %s" % (b, want))
+    st, ids = post_json(node, "/tokenize", {"prompt": "class Stack:"})
+    st2, one = post_json(node, "/v1/completions", {"prompt": "class Stack:", "max_tokens": 4, "temperature": 0})
+    st, text, evs, done = read_stream(node, "/v1/completions", {"prompt": [ids["tokens"], ids["tokens"]],
+                                                                "max_tokens": 4, "temperature": 0, "stream": True}, False)
+    per = {}
+    for e in evs:
+        for c in e.get("choices", []):
+            per[c["index"]] = per.get(c["index"], "") + c.get("text", "")
+    check(done and st2 == 200 and per == {0: one["choices"][0]["text"], 1: one["choices"][0]["text"]},
+          "batched id prompts, streamed == the text alone: %s vs %s" % (per, one))
+    for bad, needle in ((["a", [1, 2]], "all be strings"), ([["x"]], "token ids"), (["ok", ""], "prompt[1]"),
+                        (["p"] * 65, "more than 128 choices")):
+        st, b = post_json(node, "/v1/completions", {"prompt": bad, "max_tokens": 2, "n": 2})
+        check(st == 400 and b["error"]["param"] == "prompt" and needle in b["error"]["message"],
+              "bad batch %r: %s" % (bad[:3], b))
 
 
 def test_prefill_http(bin_dir, model, draft):
