@@ -23,6 +23,8 @@ typedef struct {
     int think;                     /* Qwen3: reasoning of earlier turns dropped, the last turns'
                                     * rendered in <think>; enable_thinking false closes an empty
                                     * <think> block after the generation prompt */
+    int open_think;                /* the generation prompt opens <think> itself (Qwen3 Thinking
+                                    * 2507, QwQ): the reply starts inside it */
 } pd_chat_template;
 
 /* 0 and *out filled when tmpl is ChatML-shaped (<|im_start|>ROLE\n ... <|im_end|>), the only

@@ -1794,7 +1794,8 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     r->req = req;
     r->chat = chat;
     r->tools = chat && tools.choice != PD_TOOLS_NONE;
-    r->reasoning = chat && dh->reasoning && think != 0 ? 1 : 0;
+    /* 1: the reply may open <think>; 2: the prompt opened it (the reply starts inside) */
+    r->reasoning = !chat || !dh->reasoning ? 0 : dh->tmpl.open_think ? 2 : think != 0 ? 1 : 0;
     r->stream = o.stream;
     for (int i = 0; r->stream && (r->tools || r->reasoning) && i < r->n_choice; i++)
         if ((r->ch[i].cp = pd_chat_parser_create(r->tools, r->reasoning)) == NULL) {

@@ -279,6 +279,17 @@ static void test_detect(void)
                                        &tp, why, sizeof(why)) == 0 && tp.think == 1);
     TEST_CHECK(pd_chat_template_detect("[INST] {{ message['content'] }} [/INST]", &tp, why, sizeof(why)) == -1 &&
                strstr(why, "ChatML") != NULL);
+    /* a template whose generation prompt opens <think> (Qwen3 Thinking 2507, QwQ) */
+    const char *qwq = "{{'<|im_start|>' + m['role']}}<|im_end|>{%- if add_generation_prompt %}"
+                      "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %} reasoning_content </think>";
+    TEST_CHECK(pd_chat_template_detect(qwq, &tp, why, sizeof(why)) == 0 && tp.think == 1 && tp.open_think == 1);
+    cJSON *ms = cJSON_Parse("[{\"role\": \"user\", \"content\": \"hi\"}]");
+    char *out = NULL;
+    size_t len = 0;
+    TEST_CHECK(pd_chat_render(&tp, ms, NULL, 0, &out, &len, why, sizeof(why)) == 0 && out != NULL &&
+               strcmp(out, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n") == 0);
+    free(out);
+    cJSON_Delete(ms);
 }
 
 int main(void)
