@@ -94,6 +94,7 @@ typedef struct http_req {
     char *stop[MAX_STOP];
     int n_stop;
     size_t max_stop;
+    int keep_stop;                   /* include_stop_str_in_output (vLLM) */
     int started;                     /* SSE headers sent */
     int gone;
     int logprobs, top_logprobs;      /* the request asked for logprobs (and this many likeliest) */
@@ -119,6 +120,7 @@ typedef struct lp_tok {
 typedef struct {
     int n_stop;
     char *stop[MAX_STOP];
+    int keep_stop;                   /* include_stop_str_in_output */
     int stream, include_usage;
     int n;                           /* choices */
     int echo, max0;                  /* "echo"; "max_tokens": 0 (with echo only) */
@@ -626,13 +628,17 @@ static size_t stop_scan(http_choice *c, int final)
     http_req *r = c->r;
     if (r->n_stop == 0 || c->stopped)
         return c->gen_len;
-    size_t best = (size_t)-1;
+    size_t best = (size_t)-1, best_len = 0;
     for (int i = 0; i < r->n_stop; i++) {
         const char *p = find_bytes(c->gen + c->scan, c->gen_len - c->scan, r->stop[i], strlen(r->stop[i]));
-        if (p != NULL && (size_t)(p - c->gen) < best)
+        if (p != NULL && (size_t)(p - c->gen) < best) {
             best = (size_t)(p - c->gen);
+            best_len = strlen(r->stop[i]);
+        }
     }
     if (best != (size_t)-1) {
+        if (r->keep_stop)   /* include_stop_str_in_output: the text ends with the stop string */
+            best += best_len;
         c->gen_len = best;
         c->gen[best] = '\0';
         c->stopped = 1;
@@ -1553,6 +1559,9 @@ static int parse_common(const cJSON *root, int chat, decode_req *dr, req_opts *o
             o->n_stop++;
         }
     }
+    *param = "include_stop_str_in_output";
+    if (get_bool(root, "include_stop_str_in_output", &o->keep_stop, msg, cap) < 0)
+        return -1;
     *param = NULL;
     return 0;
 }
@@ -1828,6 +1837,7 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
             r->max_stop = l;
     }
     r->n_stop = o.n_stop;
+    r->keep_stop = o.keep_stop;
     o.n_stop = 0;
     dr.request_id = r->id;
     pthread_mutex_lock(&dh->mu);

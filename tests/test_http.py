@@ -748,6 +748,16 @@ def test_n(node, prompt):
             for c in e.get("choices", []):
                 per[c["index"]] = per.get(c["index"], "") + (c.get("delta", {}).get("content") or "")
         check(done and per == {0: cut, 1: cut}, "chat n=2 stop %r: %s want %r" % (stop, per, cut))
+        # vLLM's include_stop_str_in_output: the text ends with the stop string
+        keep = one[:one.index(stop) + len(stop)]
+        st, b = post_json(node, "/v1/chat/completions", {"messages": msgs, "max_tokens": 10, "temperature": 0,
+                                                         "stop": stop, "include_stop_str_in_output": True})
+        st2, text, evs, done = read_stream(node, "/v1/chat/completions",
+                                           {"messages": msgs, "max_tokens": 10, "temperature": 0, "stop": stop,
+                                            "include_stop_str_in_output": True, "stream": True}, True)
+        check(st == 200 and b["choices"][0]["message"]["content"] == keep and b["choices"][0]["finish_reason"] ==
+              "stop" and done and text == keep, "include_stop_str_in_output: %r / %r want %r" %
+              (b["choices"][0]["message"]["content"] if st == 200 else b, text, keep))
     # a batch of prompts (strings, or arrays of ids): prompt i's n choices come after prompt i-1's,
     # each as its prompt alone gives them; usage counts every prompt once
     batch = [prompt, "class Stack:", "import numpy as np\n"]
