@@ -794,6 +794,108 @@ static int j_int_range(jctx *j, const cJSON *s, const char *path)
     return r;
 }
 
+/* the magnitudes x in [a, b] (integers, 0 <= a <= b; b = J_INT_MAX: no upper bound), either
+ * end exclusive, as decimal strings with a fraction of up to 16 digits, no exponent */
+static void j_mag_range(jctx *j, int r, long long a, int a_ex, long long b, int b_ex)
+{
+    gb *g = j->b;
+    gset d = { { 0 } }, d19 = { { 0 } };
+    set_range(&d, '0', '9');
+    set_range(&d19, '1', '9');
+    int dig = gb_cls_rule(g, &d);
+    int any = gb_rule_new(g);   /* ("." [0-9]{1,16})? */
+    gb_alt(g, any);
+    int al = gb_alt(g, any);
+    gb_lit(g, any, al, ".", 1);
+    gb_ref(g, any, al, gb_rep(g, dig, 1, 16));
+    int zero = gb_rule_new(g);  /* ("." 0{1,16})? */
+    gb_alt(g, zero);
+    al = gb_alt(g, zero);
+    gb_lit(g, zero, al, ".", 1);
+    gb_ref(g, zero, al, gb_rep(g, gb_lit_rule(g, "0", 1), 1, 16));
+    int pos = gb_rule_new(g);   /* "." 0{0,15} [1-9] [0-9]{0,15}: above zero */
+    al = gb_alt(g, pos);
+    gb_lit(g, pos, al, ".", 1);
+    gb_ref(g, pos, al, gb_rep(g, gb_lit_rule(g, "0", 1), 0, 15));
+    gb_cls(g, pos, al, &d19);
+    gb_ref(g, pos, al, gb_rep(g, dig, 0, 15));
+    /* the whole part: a + (any fraction, or above zero when a is excluded); a+1 .. b-1 with any
+     * fraction; b with a zero fraction unless excluded */
+    if (a == b) {
+        if (!a_ex && !b_ex) {
+            int w = gb_rule_new(g);
+            j_nonneg_range(j, w, a, a);
+            al = gb_alt(g, r);
+            gb_ref(g, r, al, w);
+            gb_ref(g, r, al, zero);
+        }
+        return;
+    }
+    int w = gb_rule_new(g);
+    j_nonneg_range(j, w, a, a);
+    al = gb_alt(g, r);
+    gb_ref(g, r, al, w);
+    gb_ref(g, r, al, a_ex ? pos : any);
+    long long mid_hi = b == J_INT_MAX ? J_INT_MAX : b - 1;
+    if (a + 1 <= mid_hi) {
+        int m = gb_rule_new(g);
+        j_nonneg_range(j, m, a + 1, mid_hi);
+        al = gb_alt(g, r);
+        gb_ref(g, r, al, m);
+        gb_ref(g, r, al, any);
+    }
+    if (b != J_INT_MAX && !b_ex) {
+        int e = gb_rule_new(g);
+        j_nonneg_range(j, e, b, b);
+        al = gb_alt(g, r);
+        gb_ref(g, r, al, e);
+        gb_ref(g, r, al, zero);
+    }
+}
+
+/* a number within minimum / maximum / exclusiveMinimum / exclusiveMaximum whose bounds are whole
+ * numbers (of up to 15 digits); written without an exponent */
+static int j_num_range(jctx *j, const cJSON *s, const char *path)
+{
+    long long lo = -J_INT_MAX, hi = J_INT_MAX;
+    int lo_ex = 0, hi_ex = 0, has_lo = 0, has_hi = 0;
+    static const char *const keys[4] = { "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum" };
+    for (int k = 0; k < 4; k++) {
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(s, keys[k]);
+        if (v == NULL)
+            continue;
+        if (!cJSON_IsNumber(v) || !(fabs(v->valuedouble) < 1e15) || v->valuedouble != floor(v->valuedouble))
+            return j_err(j, path, "'%s' on a number must be a whole number of at most 15 digits (fractional "
+                         "bounds are not supported)", keys[k]);
+        long long x = (long long)v->valuedouble;
+        int ex = k >= 2;
+        if (k % 2 == 0 && (!has_lo || x > lo || (x == lo && ex))) {
+            lo = x;
+            lo_ex = ex;
+            has_lo = 1;
+        }
+        if (k % 2 == 1 && (!has_hi || x < hi || (x == hi && ex))) {
+            hi = x;
+            hi_ex = ex;
+            has_hi = 1;
+        }
+    }
+    if (lo > hi || (lo == hi && (lo_ex || hi_ex)))
+        return j_err(j, path, "%s", "the number range minimum..maximum is empty");
+    gb *b = j->b;
+    int r = gb_rule_new(b);
+    if (hi > 0 || (hi == 0 && !hi_ex))   /* v >= 0: x = v in [max(lo, 0), hi] */
+        j_mag_range(j, r, lo > 0 ? lo : 0, lo >= 0 && lo_ex, hi, hi_ex);
+    if (lo < 0) {   /* v < 0: "-" and x = -v in (max(-hi, 0), -lo] */
+        int neg = gb_rule_new(b);
+        j_mag_range(j, neg, hi < 0 ? -hi : 0, hi < 0 ? hi_ex : 1, has_lo ? -lo : J_INT_MAX, lo_ex);
+        int a = gb_alt(b, r);
+        gb_lit(b, r, a, "-", 1);
+        gb_ref(b, r, a, neg);
+    }
+    return r;
+}
+
 static int j_typed(jctx *j, const cJSON *s, const char *type, const char *path, int depth)
 {
     if (strcmp(type, "string") == 0) {
@@ -820,9 +922,7 @@ static int j_typed(jctx *j, const cJSON *s, const char *type, const char *path, 
     if (strcmp(type, "integer") == 0)
         return ranged ? j_int_range(j, s, path) : j_integer(j);
     if (strcmp(type, "number") == 0) {
-        if (ranged)
-            return j_err(j, path, "%s", "minimum/maximum on a number is not supported (on an integer it is)");
-        return j_number(j);
+        return ranged ? j_num_range(j, s, path) : j_number(j);
     }
     if (strcmp(type, "boolean") == 0)
         return j_boolean(j);

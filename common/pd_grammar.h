@@ -32,7 +32,8 @@ typedef struct pd_gmatch pd_gmatch;
  * schema, $ref to #/$defs/... or #/definitions/... (recursion allowed), minLength, maxLength,
  * pattern (the regex subset below, searched in the string's text as ECMA-262 does: unanchored
  * ends take any text; not with min/maxLength), minimum / maximum / exclusiveMinimum /
- * exclusiveMaximum on integers (not on numbers);
+ * exclusiveMaximum on integers, and on numbers when the bounds are whole numbers (the number
+ * then has no exponent);
  * title, description, default, examples, $schema, $id, $comment and format are annotations
  * (format is not enforced). Any other keyword: PD_ERR_INVALID naming it. NULL = any JSON
  * object (json_object). */

@@ -296,6 +296,44 @@ static void test_schema(const pd_gvocab *v, const uint8_t **tb, const size_t *tl
         pd_grammar_unref(r);
     }
 
+    /* number ranges (whole-number bounds): every quarter in -40..40, written as "x", "x.0" and
+     * "x.25" / "x.5" / "x.75", accepted exactly when in range */
+    struct { const char *schema; int lo4, lo_ex, hi4, hi_ex; } nranges[] = {   /* bounds x4; +-9999: none */
+        { "{\"type\":\"number\",\"minimum\":0,\"maximum\":1}", 0, 0, 4, 0 },
+        { "{\"type\":\"number\",\"exclusiveMinimum\":0}", 0, 1, 9999, 0 },
+        { "{\"type\":\"number\",\"minimum\":-2,\"exclusiveMaximum\":3}", -8, 0, 12, 1 },
+        { "{\"type\":\"number\",\"maximum\":-1}", -9999, 0, -4, 0 },
+        { "{\"type\":\"number\",\"exclusiveMinimum\":-5,\"exclusiveMaximum\":-1}", -20, 1, -4, 1 },
+        { "{\"type\":\"number\",\"minimum\":2,\"maximum\":2}", 8, 0, 8, 0 },
+        { "{\"type\":[\"number\",\"null\"],\"minimum\":-1,\"maximum\":12}", -4, 0, 48, 0 },
+    };
+    for (size_t i = 0; i < sizeof(nranges) / sizeof(*nranges); i++) {
+        pd_grammar *r = json(nranges[i].schema);
+        if (r == NULL)
+            continue;
+        int wrong = 0;
+        for (int q = -160; q <= 160 && !wrong; q++) {
+            int in = (q > nranges[i].lo4 || (q == nranges[i].lo4 && !nranges[i].lo_ex)) &&
+                     (q < nranges[i].hi4 || (q == nranges[i].hi4 && !nranges[i].hi_ex));
+            int aq = q < 0 ? -q : q;
+            static const char *const fr[4] = { "", ".25", ".5", ".75" };
+            char t1[32], t2[48];
+            snprintf(t1, sizeof(t1), "%s%d%s", q < 0 ? "-" : "", aq / 4, fr[aq % 4]);
+            snprintf(t2, sizeof(t2), "%s%s", t1, aq % 4 == 0 ? ".0" : "0");
+            if (accepts(r, v, t1) != in || accepts(r, v, t2) != in) {
+                fprintf(stderr, "%s: %s / %s gives %d / %d\n", nranges[i].schema, t1, t2, accepts(r, v, t1),
+                        accepts(r, v, t2));
+                wrong = 1;
+            }
+        }
+        TEST_CHECK_MSG(!wrong && accepts(r, v, "1e2") == 0, "%s", nranges[i].schema);
+        int walk_ok, walk_ended;
+        char *t = walks(r, v, N_SMALL, tb, tl, 3, 30, &walk_ok, &walk_ended);
+        TEST_CHECK_MSG(walk_ok, "%s mask", nranges[i].schema);
+        free(t);
+        pd_grammar_unref(r);
+    }
+
     /* a schema that refers to itself first: its other branch is its language */
     g = json("{\"anyOf\":[{\"$ref\":\"#\"},{\"type\":\"null\"}]}");
     if (g != NULL) {
@@ -308,7 +346,8 @@ static void test_schema(const pd_gvocab *v, const uint8_t **tb, const size_t *tl
         { "{\"type\":\"number\",\"multipleOf\":2}", "'multipleOf'" },
         { "{\"type\":\"string\",\"pattern\":\"a\",\"maxLength\":3}", "pattern with" },
         { "{\"type\":\"string\",\"pattern\":\"(a\"}", "unterminated (" },
-        { "{\"type\":\"number\",\"minimum\":0}", "minimum/maximum on a number" },
+        { "{\"type\":\"number\",\"minimum\":0.5}", "whole number" },
+        { "{\"type\":\"number\",\"minimum\":1,\"exclusiveMaximum\":1}", "empty" },
         { "{\"type\":\"integer\",\"minimum\":3,\"maximum\":2}", "empty" },
         { "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"strin\"}}}", "strin" },
         { "{\"type\":\"object\",\"properties\":{\"a\":{}},\"required\":[\"b\"]}", "'b'" },
