@@ -614,6 +614,12 @@ NOW = {"type": "function", "function": {"name": "now", "parameters": {
     "additionalProperties": False}}}
 
 
+TOOL_BODY = {"messages": [{"role": "user", "content": "What is the weather in Paris for 3 days?"}],
+             "tools": [WEATHER, NOW], "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 64,
+             "temperature": 0}
+TOOLS_REF = []   # the colocated node's forced call (the disaggregated test compares)
+
+
 def test_tools(node, fixtures):
     """Tool calling: the tools in the prompt as Qwen's template writes them (/tokenize equals the
     jinja2 render's tokens), tool_choice required / named forcing a call that comes back as
@@ -629,15 +635,15 @@ def test_tools(node, fixtures):
     st2, b = post_json(node, "/tokenize", {"prompt": c["prompt"]})
     check(st == 200 and st2 == 200 and a["tokens"] == b["tokens"],
           "tools rendered as the template's jinja2 render: %s %s" % (a.get("count"), b.get("count")))
-    msgs = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
-    body = {"messages": msgs, "tools": [WEATHER, NOW], "tool_choice": "required", "parallel_tool_calls": False,
-            "max_tokens": 64, "temperature": 0}
+    msgs = TOOL_BODY["messages"]
+    body = TOOL_BODY
     st, r = post_json(node, "/v1/chat/completions", body)
     ch = r["choices"][0] if st == 200 else {}
     m = ch.get("message", {})
     calls = m.get("tool_calls") or []
     check(st == 200 and ch.get("finish_reason") == "tool_calls" and m.get("content") is None and len(calls) == 1,
           "tool_choice required: one call, finish tool_calls: %s" % r)
+    TOOLS_REF[:] = [c["function"] for c in calls]
     if calls:
         tc = calls[0]
         args = json.loads(tc["function"]["arguments"])
@@ -878,6 +884,9 @@ def test_prefill_http(bin_dir, model, draft):
         check(ptext is not None and st == 200 and body["choices"][0]["text"] == ptext,
               "disaggregated penalties == colocated: %s vs %r" % (body, ptext))
         test_structured(bin_dir, dn, "disaggregated")
+        st, body = post_json(dn, "/v1/chat/completions", TOOL_BODY)
+        got = [c["function"] for c in body["choices"][0]["message"].get("tool_calls") or []] if st == 200 else None
+        check(TOOLS_REF and got == TOOLS_REF, "disaggregated forced tool call == colocated: %s vs %s" % (got, TOOLS_REF))
         n, btext = PEN_REF.get("bias", (8, None))
         st, body = post_json(dn, "/v1/completions", dict({"prompt": "def fib(n):", "max_tokens": n,
                                                           "temperature": 0}, **BIAS))
