@@ -40,7 +40,7 @@ struct pd_grammar {
 };
 
 #define G_MAX_STACK 256      /* positions on one stack (nesting deeper is not allowed) */
-#define G_MAX_CHAIN 64       /* rule references expanded without a byte between them */
+#define G_MAX_CHAIN 256      /* rule references expanded without a byte between them */
 #define G_MAX_STACKS 4096    /* stacks alive at once */
 
 static void set_add(gset *s, int c) { s->w[c >> 5] |= 1u << (c & 31); }

@@ -88,6 +88,7 @@ static char *walks(pd_grammar *g, const pd_gvocab *v, int n_vocab, const uint8_t
         int done = 0;
         for (int s = 0; s < max_steps && !done; s++) {
             if (pd_gmatch_allowed(m, v, bits, &err) != PD_OK) {
+                fprintf(stderr, "allowed: %s\n", err.msg);
                 *mask_ok = 0;
                 break;
             }
@@ -545,6 +546,71 @@ static double ms_now(void)
     return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
 }
 
+/* Malformed specs: random mutations (bytes replaced, dropped, duplicated; cut) of valid
+ * schemas, regexes and grammars compile or are refused with PD_ERR_INVALID and a message, never
+ * anything else (run under ASan in CI); what compiles gives a matcher whose masks equal trying
+ * every token along a short walk. */
+static void test_mutations(const pd_gvocab *v, const uint8_t **tb, const size_t *tl)
+{
+    static const char *const seeds[3][3] = {
+        { "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\",\"minimum\":-3,\"maximum\":40},"
+          "\"b\":{\"type\":\"array\",\"items\":{\"enum\":[\"x\",1,null]},\"maxItems\":3},\"c\":{\"anyOf\":"
+          "[{\"type\":\"string\",\"pattern\":\"^[a-z]+$\"},{\"$ref\":\"#/$defs/n\"}]}},\"required\":[\"a\"],"
+          "\"$defs\":{\"n\":{\"type\":\"number\",\"exclusiveMinimum\":0}}}",
+          "{\"type\":\"string\",\"minLength\":2,\"maxLength\":5}", "{\"oneOf\":[{\"const\":\"a\"},{\"type\":\"boolean\"}]}" },
+        { "^(ab|c[d-f]+)*\\d{2,3}(?:x|y)?$", "[^a-c]\\w+\\s?.{1,4}", "(a|b?)+c{0,2}" },
+        { "root ::= item (\",\" ws item)*\nitem ::= [a-z]+ | \"(\" root \")\" | num\nnum ::= [0-9]{1,3}\nws ::= [ \\t]*\n",
+          "root ::= [^\"\\\\\\u0100-\\uFFFF]{1,4} \"\\u00e9\"? # c\n", "root ::= (\"a\" | \"b\")+ . \"x\"*" },
+    };
+    static const char junk[] = "{}[]()\":,\\|*+?.^$-#=:09az \n\t\xc3\xa9\xff";
+    int compiled = 0, refused = 0, bad = 0;
+    for (int iter = 0; iter < 4000; iter++) {
+        int kind = iter % 3;
+        const char *src = seeds[kind][(iter / 3) % 3];
+        char buf[1024];
+        size_t n = strlen(src);
+        memcpy(buf, src, n);
+        int edits = 1 + (int)(rnd() % 4);
+        for (int e = 0; e < edits && n > 0; e++) {
+            size_t at = rnd() % n;
+            switch (rnd() % 4) {
+            case 0: buf[at] = junk[rnd() % (sizeof(junk) - 1)]; break;
+            case 1: memmove(buf + at, buf + at + 1, n - at - 1); n--; break;
+            case 2:
+                if (n + 1 < sizeof(buf)) {
+                    memmove(buf + at + 1, buf + at, n - at);
+                    n++;
+                }
+                break;
+            default: n = at; break;
+            }
+        }
+        buf[n] = '\0';
+        pd_grammar *g = NULL;
+        pd_err err = { 0 };
+        pd_status st = kind == 0 ? pd_grammar_json(buf, n, &g, &err)
+                     : kind == 1 ? pd_grammar_regex(buf, n, &g, &err) : pd_grammar_ebnf(buf, n, &g, &err);
+        if (st == PD_OK && g != NULL) {
+            compiled++;
+            int ok, ended;
+            char *t = walks(g, v, N_SMALL, tb, tl, 1, 8, &ok, &ended);
+            free(t);
+            if (!ok) {
+                fprintf(stderr, "mutation %d (kind %d): mask differs: %s\n", iter, kind, buf);
+                bad++;
+            }
+        } else if (st == PD_ERR_INVALID && g == NULL && err.msg[0] != '\0') {
+            refused++;
+        } else {
+            fprintf(stderr, "mutation %d (kind %d): status %d (%s): %s\n", iter, kind, st, err.msg, buf);
+            bad++;
+        }
+        pd_grammar_unref(g);
+    }
+    printf("mutations: %d compiled, %d refused\n", compiled, refused);
+    TEST_CHECK(bad == 0 && compiled > 50 && refused > 50);
+}
+
 static int bench(void)
 {
     pd_tokenizer *tk = NULL;
@@ -627,6 +693,7 @@ int main(int argc, char **argv)
         test_schema(v, tb, tl);
         test_choice_regex(v, tb, tl);
         test_ebnf(v, tb, tl);
+        test_mutations(v, tb, tl);
     }
     pd_gvocab_destroy(v);
     test_real_vocab();
