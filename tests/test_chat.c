@@ -257,6 +257,69 @@ static void test_parser(void)
                "</tool_call>", "", "use f", "[0 f {\"q\":\"<think>\"}]");
 }
 
+/* random texts of tag fragments: the pieces are the same whichever way the text is cut into
+ * feeds (whole, byte by byte, random chunks), and content + reasoning + calls account for it */
+static uint64_t rs = 0x243f6a8885a308d3ull;
+static uint32_t rnd(void)
+{
+    rs ^= rs << 13;
+    rs ^= rs >> 7;
+    rs ^= rs << 17;
+    return (uint32_t)(rs >> 11);
+}
+
+static void test_parser_random(void)
+{
+    static const char *const frag[] = { "<tool_call>", "</tool_call>", "<think>", "</think>", "\n",
+                                        "{\"name\": \"f\", \"arguments\": {\"a\": 1}}", "a", " ", "<", "</",
+                                        "<tool_", "think>", "{\"name\": 3}", "\xc3\xa9" };
+    int bad = 0;
+    for (int iter = 0; iter < 3000 && !bad; iter++) {
+        char text[512];
+        size_t n = 0;
+        int parts = 1 + (int)(rnd() % 12);
+        for (int k = 0; k < parts; k++) {
+            const char *f = frag[rnd() % (sizeof(frag) / sizeof(frag[0]))];
+            size_t l = strlen(f);
+            if (n + l >= sizeof(text))
+                break;
+            memcpy(text + n, f, l);
+            n += l;
+        }
+        text[n] = '\0';
+        int tools = (int)(rnd() % 2), reasoning = (int)(rnd() % 3);
+        collect want = { .ends_ok = 1 };
+        for (int way = 0; way < 3; way++) {
+            collect c = { .ends_ok = 1 };
+            pd_chat_parser *p = pd_chat_parser_create(tools, reasoning);
+            size_t at = 0;
+            while (way > 0 && at < n) {
+                at += way == 1 ? 1 : 1 + rnd() % 7;
+                if (at > n)
+                    at = n;
+                pd_chat_parser_feed(p, text, at, 0, on_piece, &c);
+            }
+            pd_chat_parser_feed(p, text, n, 1, on_piece, &c);
+            pd_chat_parser_destroy(p);
+            if (way == 0)
+                want = c;
+            else if (strcmp(c.content, want.content) != 0 || strcmp(c.reasoning, want.reasoning) != 0 ||
+                     strcmp(c.calls, want.calls) != 0 || !c.ends_ok || c.last_end > n) {
+                fprintf(stderr, "tools %d reasoning %d way %d: [%s]\n  content [%s] vs [%s]\n  reasoning [%s] vs "
+                        "[%s]\n  calls [%s] vs [%s]\n", tools, reasoning, way, text, c.content, want.content,
+                        c.reasoning, want.reasoning, c.calls, want.calls);
+                bad = 1;
+            }
+        }
+        /* without tools or reasoning the text comes back whole */
+        if (!tools && reasoning == 0 && strcmp(want.content, text) != 0) {
+            fprintf(stderr, "plain text changed: [%s] -> [%s]\n", text, want.content);
+            bad = 1;
+        }
+    }
+    TEST_CHECK(!bad);
+}
+
 static void test_pyjson(void)
 {
     cJSON *v = cJSON_Parse("{\"a\": [1, 2.5, -0.001, 1e300, true, null], \"b\": \"\\u00e9\\t\\\"\\u0001/\", \"c\": {}}");
@@ -299,6 +362,7 @@ int main(void)
     test_tools_parse();
     test_grammar();
     test_parser();
+    test_parser_random();
     test_pyjson();
     TEST_DONE();
 }
