@@ -1144,7 +1144,7 @@ def main():
     node = Node(bin_dir, model, draft, ["--colocated", "--drain-timeout-ms", "60000", "--reasoning-parser", "qwen3"])
     odd_node = None
     try:
-        odd_node = Node(bin_dir, odd, draft)
+        odd_node = Node(bin_dir, odd, draft, ("--colocated", "--served-model-name", "qwen3-served"))
         log("nodes up in %.1f s (http %s, grpc %s)" % (time.time() - t0, node.http, node.grpc))
 
         # ---- ops endpoints
@@ -1360,6 +1360,12 @@ def main():
                                                            "temperature": 0})
         check(st == 200 and body["choices"][0]["text"] == want[:len(body["choices"][0]["text"])],
               "non-ChatML completions %s" % body)
+        # --served-model-name: the id listed, answered and asked for
+        st, _, out = request(odd_node, "GET", "/v1/models")
+        st2, body = post_json(odd_node, "/v1/completions", {"model": "qwen3-served", "prompt": prompt, "max_tokens": 2})
+        st3, b3 = post_json(odd_node, "/v1/completions", {"model": "odd-template", "prompt": prompt, "max_tokens": 2})
+        check(st == 200 and json.loads(out)["data"][0]["id"] == "qwen3-served" and st2 == 200 and
+              body["model"] == "qwen3-served" and st3 == 404, "--served-model-name: %s %s %s" % (out, body, b3))
         odd_node.stop()
         odd_node = None
 
