@@ -47,6 +47,7 @@ int pd_chat_template_detect(const char *t, pd_chat_template *out, char *why, siz
     }
     out->think = strstr(t, "</think>") != NULL && strstr(t, "reasoning_content") != NULL;
     out->open_think = strstr(t, "'<|im_start|>assistant\\n<think>\\n'") != NULL;
+    out->think_switch = out->think && strstr(t, "enable_thinking") != NULL;
     return 0;
 }
 
@@ -527,7 +528,7 @@ int pd_chat_render(const pd_chat_template *tp, const cJSON *ms, const pd_chat_to
         }
     }
     if (cb_str(&o, "<|im_start|>assistant\n") != 0 || (tp->open_think && cb_str(&o, "<think>\n") != 0) ||
-        (tp->think && !tp->open_think && enable_thinking == 0 && cb_str(&o, "<think>\n\n</think>\n\n") != 0))
+        (tp->think_switch && !tp->open_think && enable_thinking == 0 && cb_str(&o, "<think>\n\n</think>\n\n") != 0))
         goto nomem;
     *out = o.p;
     *out_len = o.len;

@@ -21,8 +21,9 @@
 /* What the checkpoint's chat template does, as far as this renderer follows it. */
 typedef struct {
     int think;                     /* Qwen3: reasoning of earlier turns dropped, the last turns'
-                                    * rendered in <think>; enable_thinking false closes an empty
-                                    * <think> block after the generation prompt */
+                                    * rendered in <think> */
+    int think_switch;              /* it reads enable_thinking: false closes an empty <think>
+                                    * block after the generation prompt */
     int open_think;                /* the generation prompt opens <think> itself (Qwen3 Thinking
                                     * 2507, QwQ): the reply starts inside it */
 } pd_chat_template;

@@ -25,7 +25,8 @@ static void test_render_fixture(void)
     int n = 0;
     for (const cJSON *c = cases != NULL ? cases->child : NULL; c != NULL; c = c->next, n++) {
         const char *name = cJSON_GetObjectItem(c, "name")->valuestring;
-        pd_chat_template tp = { .think = strcmp(cJSON_GetObjectItem(c, "template")->valuestring, "qwen3") == 0 };
+        int q3 = strcmp(cJSON_GetObjectItem(c, "template")->valuestring, "qwen3") == 0;
+        pd_chat_template tp = { .think = q3, .think_switch = q3 };
         const cJSON *kw = cJSON_GetObjectItem(c, "chat_template_kwargs");
         const cJSON *et = cJSON_GetObjectItem(kw, "enable_thinking");
         int think = et == NULL ? -1 : cJSON_IsTrue(et);
@@ -339,7 +340,9 @@ static void test_detect(void)
     TEST_CHECK(pd_chat_template_detect("{{'<|im_start|>' + message['role']}}<|im_end|><|im_start|>assistant", &tp, why,
                                        sizeof(why)) == 0 && tp.think == 0);
     TEST_CHECK(pd_chat_template_detect("<|im_start|>role<|im_end|><|im_start|>assistant reasoning_content </think>",
-                                       &tp, why, sizeof(why)) == 0 && tp.think == 1);
+                                       &tp, why, sizeof(why)) == 0 && tp.think == 1 && tp.think_switch == 0);
+    TEST_CHECK(pd_chat_template_detect("<|im_start|>role<|im_end|><|im_start|>assistant reasoning_content </think>"
+                                       " enable_thinking", &tp, why, sizeof(why)) == 0 && tp.think_switch == 1);
     TEST_CHECK(pd_chat_template_detect("[INST] {{ message['content'] }} [/INST]", &tp, why, sizeof(why)) == -1 &&
                strstr(why, "ChatML") != NULL);
     /* a template whose generation prompt opens <think> (Qwen3 Thinking 2507, QwQ) */
