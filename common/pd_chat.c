@@ -256,16 +256,35 @@ nomem:
     return -1;
 }
 
-pd_status pd_chat_tools_grammar(const pd_chat_tools *t, pd_grammar **out, pd_err *err)
+static pd_status tools_compile(void *ud, pd_grammar **out, pd_err *err)
 {
-    *out = NULL;
+    const pd_chat_tools *t = ud;
     if (t->choice == PD_TOOLS_REQUIRED)
         return pd_grammar_tool_calls((const char *const *)t->names, (const char *const *)t->schemas, t->n,
                                      t->parallel, out, err);
-    if (t->choice == PD_TOOLS_NAMED)
-        return pd_grammar_tool_calls((const char *const *)t->names + t->named,
-                                     (const char *const *)t->schemas + t->named, 1, 0, out, err);
-    return PD_OK;
+    return pd_grammar_tool_calls((const char *const *)t->names + t->named,
+                                 (const char *const *)t->schemas + t->named, 1, 0, out, err);
+}
+
+pd_status pd_chat_tools_grammar(const pd_chat_tools *t, pd_gcache *cache, pd_grammar **out, pd_err *err)
+{
+    *out = NULL;
+    if (t->choice != PD_TOOLS_REQUIRED && t->choice != PD_TOOLS_NAMED)
+        return PD_OK;
+    /* the key: "t", the choice, parallel, then each tool that counts as name NUL schema NUL */
+    cbuf k = { 0 };
+    char head[4] = { 't', (char)('0' + t->choice), (char)('0' + (t->parallel && t->choice == PD_TOOLS_REQUIRED)), 0 };
+    int ok = cb_add(&k, head, 4) == 0;
+    for (int i = 0; i < t->n && ok; i++) {
+        if (t->choice == PD_TOOLS_NAMED && i != t->named)
+            continue;
+        ok = cb_add(&k, t->names[i], strlen(t->names[i]) + 1) == 0 &&
+             cb_add(&k, t->schemas[i] != NULL ? t->schemas[i] : "", t->schemas[i] != NULL ? strlen(t->schemas[i]) + 1 : 1) == 0;
+    }
+    pd_status st = ok ? pd_gcache_get(cache, k.p, k.len, tools_compile, (void *)t, out, err)
+                      : pd_err_set(err, PD_ERR_NOMEM, "tool grammar key");
+    free(k.p);
+    return st;
 }
 
 /* ---- rendering ------------------------------------------------------------------------------- */

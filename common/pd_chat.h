@@ -51,8 +51,9 @@ typedef struct {
 int pd_chat_tools_parse(const cJSON *root, pd_chat_tools *out, const char **param, char *msg, size_t cap);
 void pd_chat_tools_free(pd_chat_tools *t);
 /* The grammar that forces tool calls: PD_TOOLS_REQUIRED (any of the tools, one or, with
- * parallel, more) or PD_TOOLS_NAMED (that one, once). *out NULL for the other choices. */
-pd_status pd_chat_tools_grammar(const pd_chat_tools *t, pd_grammar **out, pd_err *err);
+ * parallel, more) or PD_TOOLS_NAMED (that one, once), from cache when it holds the same tools
+ * (cache may be NULL). *out NULL for the other choices. */
+pd_status pd_chat_tools_grammar(const pd_chat_tools *t, pd_gcache *cache, pd_grammar **out, pd_err *err);
 
 /* The prompt: messages (system/developer, user, assistant with content and/or tool_calls and
  * reasoning_content, tool) and tools (t may be NULL) rendered as ChatML, then the assistant's

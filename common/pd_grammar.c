@@ -13,6 +13,7 @@
 
 #include <cjson/cJSON.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -30,8 +31,11 @@ typedef struct {
     gset set;         /* G_CLASS: the bytes it takes */
 } gel;
 
+struct gshared;
+
 struct pd_grammar {
     atomic_int refs;
+    struct gshared *shared;   /* masks by state, shared by every matcher of the grammar */
     gel *el;
     int n_el;
     int32_t *alt;     /* alternative start positions; rule r's: alt[alt_off[r] .. alt_off[r + 1]) */
@@ -245,6 +249,7 @@ static void gb_free(gb *b)
 }
 
 static int gmatch_dead(const pd_gmatch *m);
+static struct gshared *gshared_new(void);
 
 /* the flat form, rule `root` at the top */
 static pd_status gb_finish(gb *b, int root, pd_grammar **out)
@@ -294,6 +299,7 @@ static pd_status gb_finish(gb *b, int root, pd_grammar **out)
     g->n_el = n_el;
     g->n_rules = b->n;
     atomic_init(&g->refs, 1);
+    g->shared = gshared_new();
     gb_free(b);
     /* a grammar that cannot even start (a rule that refers to itself first) is refused here,
      * not when a request meets it */
@@ -317,10 +323,13 @@ pd_grammar *pd_grammar_ref(pd_grammar *g)
     return g;
 }
 
+static void gshared_free(struct gshared *c);
+
 void pd_grammar_unref(pd_grammar *g)
 {
     if (g == NULL || atomic_fetch_sub(&g->refs, 1) != 1)
         return;
+    gshared_free(g->shared);
     free(g->el);
     free(g->alt);
     free(g->alt_off);
@@ -2142,6 +2151,111 @@ pd_status pd_grammar_ebnf(const char *text, size_t len, pd_grammar **out, pd_err
     return gb_finish(&b, root, out);
 }
 
+/* ---- compiled grammars by spec ------------------------------------------------------------ */
+
+struct pd_gcache {
+    pthread_mutex_t mu;
+    struct gentry {
+        void *key;
+        size_t len;
+        pd_grammar *g;
+        uint64_t used;
+    } *e;
+    int n, cap, max;
+    uint64_t tick, hits, misses;
+};
+
+pd_status pd_gcache_create(int max_entries, pd_gcache **out, pd_err *err)
+{
+    pd_gcache *c = calloc(1, sizeof(*c));
+    if (c == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "grammar cache");
+    pthread_mutex_init(&c->mu, NULL);
+    c->max = max_entries > 0 ? max_entries : 64;
+    *out = c;
+    return PD_OK;
+}
+
+void pd_gcache_destroy(pd_gcache *c)
+{
+    if (c == NULL)
+        return;
+    for (int i = 0; i < c->n; i++) {
+        free(c->e[i].key);
+        pd_grammar_unref(c->e[i].g);
+    }
+    free(c->e);
+    pthread_mutex_destroy(&c->mu);
+    free(c);
+}
+
+void pd_gcache_stats(pd_gcache *c, uint64_t *hits, uint64_t *misses)
+{
+    pthread_mutex_lock(&c->mu);
+    *hits = c->hits;
+    *misses = c->misses;
+    pthread_mutex_unlock(&c->mu);
+}
+
+static pd_grammar *gcache_find(pd_gcache *c, const void *key, size_t len)
+{
+    for (int i = 0; i < c->n; i++)
+        if (c->e[i].len == len && memcmp(c->e[i].key, key, len) == 0) {
+            c->e[i].used = ++c->tick;
+            return pd_grammar_ref(c->e[i].g);
+        }
+    return NULL;
+}
+
+pd_status pd_gcache_get(pd_gcache *c, const void *key, size_t len, pd_gcompile_fn compile, void *ud,
+                        pd_grammar **out, pd_err *err)
+{
+    *out = NULL;
+    if (c == NULL)
+        return compile(ud, out, err);
+    pthread_mutex_lock(&c->mu);
+    pd_grammar *g = gcache_find(c, key, len);
+    if (g != NULL)
+        c->hits++;
+    else
+        c->misses++;
+    pthread_mutex_unlock(&c->mu);
+    if (g != NULL) {
+        *out = g;
+        return PD_OK;
+    }
+    pd_status st = compile(ud, &g, err);   /* outside the lock: compiling may take a while */
+    if (st != PD_OK)
+        return st;   /* failures are not kept: the next request gets the same message */
+    void *k = malloc(len > 0 ? len : 1);
+    pthread_mutex_lock(&c->mu);
+    pd_grammar *other = gcache_find(c, key, len);   /* another thread was faster */
+    if (other == NULL && k != NULL) {
+        if (c->n >= c->max) {   /* the least recently used goes */
+            int lru = 0;
+            for (int i = 1; i < c->n; i++)
+                if (c->e[i].used < c->e[lru].used)
+                    lru = i;
+            free(c->e[lru].key);
+            pd_grammar_unref(c->e[lru].g);
+            c->e[lru] = c->e[--c->n];
+        }
+        if (grow((void **)&c->e, &c->cap, c->n + 1, sizeof(*c->e)) == 0) {
+            memcpy(k, key, len);
+            c->e[c->n++] = (struct gentry){ .key = k, .len = len, .g = pd_grammar_ref(g), .used = ++c->tick };
+            k = NULL;
+        }
+    }
+    pthread_mutex_unlock(&c->mu);
+    free(k);
+    if (other != NULL) {
+        pd_grammar_unref(g);
+        g = other;
+    }
+    *out = g;
+    return PD_OK;
+}
+
 /* ---- the vocabulary ------------------------------------------------------------------------- */
 
 struct pd_gvocab {
@@ -2158,7 +2272,10 @@ struct pd_gvocab {
     int32_t *eos;
     int n_eos;
     int max_len;
+    uint64_t id;                       /* unique in the process (the shared mask cache's key) */
 };
+
+static atomic_ullong next_vocab_id = 1;
 
 static int v_node(pd_gvocab *v, int parent, uint8_t c)
 {
@@ -2197,6 +2314,7 @@ pd_status pd_gvocab_create_raw(const uint8_t *const *tok, const size_t *len, int
         return pd_err_set(err, PD_ERR_NOMEM, "grammar vocabulary");
     v->n_vocab = n_vocab;
     v->words = (n_vocab + 31) / 32;
+    v->id = atomic_fetch_add(&next_vocab_id, 1);
     v->cap_nodes = 1024;
     v->child = malloc((size_t)v->cap_nodes * 4);
     v->sib = malloc((size_t)v->cap_nodes * 4);
@@ -2683,6 +2801,99 @@ static int allowed_walk(intern_tab *t, gstate *tmp, const pd_gvocab *v, int node
     return 0;
 }
 
+/* ---- masks shared by every matcher of a grammar ------------------------------------------- */
+
+/* A grammar used by many requests (one schema for all of a service's calls, through
+ * pd_gcache) meets the same states again: their masks are kept here, least recently used
+ * dropped past SHARED_MASK_BYTES. */
+#define SHARED_MASK_BYTES ((size_t)32 << 20)
+
+struct gshared {
+    pthread_mutex_t mu;
+    struct smask {
+        gstate key;
+        uint64_t hash, vocab, used;
+        uint32_t *bits;
+        size_t bytes;
+    } *e;
+    int n, cap;
+    size_t bytes;
+    uint64_t tick;
+};
+
+static struct gshared *gshared_new(void)
+{
+    struct gshared *c = calloc(1, sizeof(*c));
+    if (c != NULL)
+        pthread_mutex_init(&c->mu, NULL);
+    return c;   /* NULL: the grammar simply shares nothing */
+}
+
+static void gshared_free(struct gshared *c)
+{
+    if (c == NULL)
+        return;
+    for (int i = 0; i < c->n; i++) {
+        gs_free(&c->e[i].key);
+        free(c->e[i].bits);
+    }
+    free(c->e);
+    pthread_mutex_destroy(&c->mu);
+    free(c);
+}
+
+static int gshared_get(struct gshared *c, const gstate *st, uint64_t h, const pd_gvocab *v, uint32_t *bits)
+{
+    if (c == NULL)
+        return 0;
+    int hit = 0;
+    pthread_mutex_lock(&c->mu);
+    for (int i = 0; i < c->n && !hit; i++)
+        if (c->e[i].hash == h && c->e[i].vocab == v->id && gs_equal(&c->e[i].key, st)) {
+            memcpy(bits, c->e[i].bits, c->e[i].bytes);
+            c->e[i].used = ++c->tick;
+            hit = 1;
+        }
+    pthread_mutex_unlock(&c->mu);
+    return hit;
+}
+
+static void gshared_put(struct gshared *c, const gstate *st, uint64_t h, const pd_gvocab *v, const uint32_t *bits)
+{
+    size_t bytes = (size_t)v->words * 4;
+    if (c == NULL || bytes > SHARED_MASK_BYTES)
+        return;
+    struct smask e = { .hash = h, .vocab = v->id, .bytes = bytes, .bits = malloc(bytes) };
+    if (e.bits == NULL || gs_copy(&e.key, st) != 0) {
+        free(e.bits);
+        gs_free(&e.key);
+        return;   /* not shared: only slower */
+    }
+    memcpy(e.bits, bits, bytes);
+    pthread_mutex_lock(&c->mu);
+    while (c->n > 0 && c->bytes + bytes > SHARED_MASK_BYTES) {   /* the least recently used go */
+        int lru = 0;
+        for (int i = 1; i < c->n; i++)
+            if (c->e[i].used < c->e[lru].used)
+                lru = i;
+        c->bytes -= c->e[lru].bytes;
+        gs_free(&c->e[lru].key);
+        free(c->e[lru].bits);
+        c->e[lru] = c->e[--c->n];
+    }
+    if (grow((void **)&c->e, &c->cap, c->n + 1, sizeof(*c->e)) == 0) {
+        e.used = ++c->tick;
+        c->e[c->n++] = e;
+        c->bytes += bytes;
+        e.bits = NULL;
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (e.bits != NULL) {
+        gs_free(&e.key);
+        free(e.bits);
+    }
+}
+
 pd_status pd_gmatch_allowed(pd_gmatch *m, const pd_gvocab *v, uint32_t *bits, pd_err *err)
 {
     size_t bytes = (size_t)v->words * 4;
@@ -2693,6 +2904,8 @@ pd_status pd_gmatch_allowed(pd_gmatch *m, const pd_gvocab *v, uint32_t *bits, pd
             memcpy(bits, m->cache[i].bits, bytes);
             return PD_OK;
         }
+    if (gshared_get(m->g->shared, &m->st, h, v, bits))
+        goto keep;
     memset(bits, 0, bytes);
     if (m->st.complete)
         for (int i = 0; i < v->n_eos; i++)
@@ -2713,7 +2926,8 @@ pd_status pd_gmatch_allowed(pd_gmatch *m, const pd_gvocab *v, uint32_t *bits, pd
     }
     if (rc != 0)
         return match_err(rc, err);
-    /* keep it (round robin) */
+    gshared_put(m->g->shared, &m->st, h, v, bits);
+keep:;   /* in the matcher's own cache too (round robin) */
     int slot = m->cache_next;
     m->cache_next = (m->cache_next + 1) % MASK_CACHE;
     if (m->cache[slot].bits == NULL || m->cache[slot].words != v->words) {

@@ -62,6 +62,20 @@ pd_status pd_grammar_ebnf(const char *text, size_t len, pd_grammar **out, pd_err
 pd_grammar *pd_grammar_ref(pd_grammar *g);
 void pd_grammar_unref(pd_grammar *g);   /* NULL is fine */
 
+/* Compiled grammars kept by their spec: a service that sends one schema (or one set of tools)
+ * with every request compiles it once, and its matchers share the masks of the states they
+ * met (a grammar keeps up to 32 MiB of masks, least recently used dropped). Thread-safe. */
+typedef struct pd_gcache pd_gcache;
+typedef pd_status (*pd_gcompile_fn)(void *ud, pd_grammar **out, pd_err *err);
+pd_status pd_gcache_create(int max_entries, pd_gcache **out, pd_err *err);   /* 0 = 64 */
+void pd_gcache_destroy(pd_gcache *c);   /* NULL is fine; grammars in use live on */
+/* *out: a new reference to the grammar kept under key[0..len), else compile(ud)'s, kept (the
+ * least recently used entry goes past max_entries; a failed compile is not kept). c NULL:
+ * compile only. */
+pd_status pd_gcache_get(pd_gcache *c, const void *key, size_t len, pd_gcompile_fn compile, void *ud,
+                        pd_grammar **out, pd_err *err);
+void pd_gcache_stats(pd_gcache *c, uint64_t *hits, uint64_t *misses);
+
 /* The vocabulary's token bytes (pd_tokenizer_token_bytes) as a trie, special added tokens left
  * out; eos ids are allowed exactly where the grammar is complete. n_vocab: the logits' width
  * (ids past the tokenizer's are never allowed). */

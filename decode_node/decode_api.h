@@ -224,6 +224,12 @@ void decode_server_stats(decode_server *s, decode_stats *out);
 /* The tokenizer the server loaded (immutable; its decode functions may be called from any
  * thread while the server lives). */
 const pd_tokenizer *decode_server_tokenizer(const decode_server *s);
+/* The structured output req asks for (json_object / json_schema / choices / regex / ebnf),
+ * compiled, or the same grammar compiled for an earlier request (the server keeps the last 64
+ * by spec; their matchers share masks). PD_ERR_INVALID naming what is wrong. Any thread. */
+pd_status decode_compile_guide(decode_server *s, const decode_req *req, struct pd_grammar **out, pd_err *err);
+/* That cache (for grammars other front ends build, e.g. forced tool calls). Any thread. */
+struct pd_gcache *decode_server_grammars(decode_server *s);
 /* The model's vocabulary size (token ids 0..vocab-1). */
 int decode_server_vocab(const decode_server *s);
 /* The context length: prompt plus generated tokens at most. */

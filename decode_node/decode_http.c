@@ -126,6 +126,7 @@ typedef struct {
     int echo, max0;                  /* "echo"; "max_tokens": 0 (with echo only) */
     pd_logit_bias *bias;             /* "logit_bias" (decode_req.logit_bias points here) */
     int vocab;                       /* the model's, to check token ids */
+    decode_server *srv;              /* its grammar cache */
     int32_t stop_ids[PD_MAX_STOP_IDS];   /* "stop_token_ids" */
     char *schema;                    /* structured output: a JSON schema's text, or ... */
     char *regex;                     /* ... a regex, or ... */
@@ -1272,11 +1273,7 @@ static int parse_guides(const cJSON *root, decode_req *dr, req_opts *o, const ch
      * once for every choice of the request */
     pd_grammar *g = NULL;
     pd_err gerr;
-    pd_status gst = dr->json_object ? pd_grammar_json(NULL, 0, &g, &gerr)
-                  : dr->json_schema != NULL ? pd_grammar_json(dr->json_schema, dr->json_schema_len, &g, &gerr)
-                  : dr->n_choices > 0 ? pd_grammar_choice(dr->choices, dr->n_choices, &g, &gerr)
-                  : dr->ebnf != NULL ? pd_grammar_ebnf(dr->ebnf, dr->ebnf_len, &g, &gerr)
-                  : pd_grammar_regex(dr->regex, dr->regex_len, &g, &gerr);
+    pd_status gst = decode_compile_guide(o->srv, dr, &g, &gerr);
     if (gst == PD_OK) {
         o->grammar = dr->grammar = g;
         dr->json_object = 0;
@@ -1701,7 +1698,7 @@ static int chat_setup(const cJSON *root, decode_req *dr, req_opts *o, pd_chat_to
             return -1;
         }
         pd_err gerr;
-        if (pd_chat_tools_grammar(t, &o->grammar, &gerr) != PD_OK) {
+        if (pd_chat_tools_grammar(t, decode_server_grammars(o->srv), &o->grammar, &gerr) != PD_OK) {
             *param = "tools";
             snprintf(msg, cap, "%s", gerr.msg);
             return -1;
@@ -1767,6 +1764,7 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
         goto out;
     }
     o.vocab = decode_server_vocab(dh->s);
+    o.srv = dh->s;
     if (parse_common(root, chat, &dr, &o, &param, msg, sizeof(msg)) != 0) {
         decode_metrics_refused(dh->dm, "invalid");
         send_error(req, 400, param, msg);

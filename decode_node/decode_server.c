@@ -104,6 +104,7 @@ struct decode_server {
     pd_dspark_model *dm;
     pd_tokenizer *tok;
     pd_gvocab *gvocab;              /* the vocabulary for structured output's token masks */
+    pd_gcache *grammars;            /* compiled structured-output grammars by spec */
     pd_engine *eng;
     pd_calib calib;                 /* confidence calibration (identity when none is shipped) */
     pd_sps sps;                     /* scheduled verification: this device's step-time curve */
@@ -269,6 +270,58 @@ const char *decode_server_mode(const decode_server *s)
 
 /* ---------------------------------------------------------------------------------------------
  * Aux arena: contiguous row ranges, first fit */
+
+/* ---- structured output -------------------------------------------------------------------- */
+
+static pd_status compile_guide(void *ud, pd_grammar **out, pd_err *err)
+{
+    const decode_req *r = ud;
+    return r->json_object ? pd_grammar_json(NULL, 0, out, err)
+         : r->json_schema != NULL ? pd_grammar_json(r->json_schema, r->json_schema_len, out, err)
+         : r->n_choices > 0 ? pd_grammar_choice(r->choices, r->n_choices, out, err)
+         : r->regex != NULL ? pd_grammar_regex(r->regex, r->regex_len, out, err)
+         : r->ebnf != NULL ? pd_grammar_ebnf(r->ebnf, r->ebnf_len, out, err)
+         : pd_err_set(err, PD_ERR_INVALID, "no structured output asked");
+}
+
+pd_status decode_compile_guide(decode_server *s, const decode_req *req, pd_grammar **out, pd_err *err)
+{
+    /* the key: the kind, then the spec (choices each ended by a NUL) */
+    size_t len = 1;
+    const char *spec = req->json_schema != NULL ? req->json_schema : req->regex != NULL ? req->regex : req->ebnf;
+    size_t spec_len = req->json_schema != NULL ? req->json_schema_len : req->regex != NULL ? req->regex_len
+                    : req->ebnf_len;
+    if (req->json_object)
+        spec = NULL;
+    if (req->n_choices > 0 && !req->json_object && req->json_schema == NULL)
+        for (int i = 0; i < req->n_choices; i++)
+            len += (req->choices[i] != NULL ? strlen(req->choices[i]) : 0) + 1;
+    else if (spec != NULL)
+        len += spec_len;
+    char *key = malloc(len);
+    if (key == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "grammar key");
+    key[0] = req->json_object ? 'o' : req->json_schema != NULL ? 'j' : req->n_choices > 0 ? 'c'
+           : req->regex != NULL ? 'r' : 'e';
+    size_t at = 1;
+    if (key[0] == 'c')
+        for (int i = 0; i < req->n_choices; i++) {
+            size_t l = req->choices[i] != NULL ? strlen(req->choices[i]) : 0;
+            memcpy(key + at, req->choices[i] != NULL ? req->choices[i] : "", l);
+            key[at + l] = '\0';
+            at += l + 1;
+        }
+    else if (spec != NULL)
+        memcpy(key + at, spec, spec_len);
+    pd_status st = pd_gcache_get(s->grammars, key, len, compile_guide, (void *)req, out, err);
+    free(key);
+    return st;
+}
+
+pd_gcache *decode_server_grammars(decode_server *s)
+{
+    return s->grammars;
+}
 
 static int aux_alloc(decode_server *s, int n)
 {
@@ -1407,17 +1460,7 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
     st = PD_OK;
     if (req->grammar != NULL)
         grammar = pd_grammar_ref(req->grammar);
-    else if (req->json_object)
-        st = pd_grammar_json(NULL, 0, &grammar, err);
-    else if (req->json_schema != NULL)
-        st = pd_grammar_json(req->json_schema, req->json_schema_len, &grammar, err);
-    else if (req->n_choices > 0)
-        st = pd_grammar_choice(req->choices, req->n_choices, &grammar, err);
-    else if (req->regex != NULL)
-        st = pd_grammar_regex(req->regex, req->regex_len, &grammar, err);
-    else if (req->ebnf != NULL)
-        st = pd_grammar_ebnf(req->ebnf, req->ebnf_len, &grammar, err);
-    if (n_guides > 0 && st != PD_OK)
+    else if (n_guides > 0 && (st = decode_compile_guide(s, req, &grammar, err)) != PD_OK)
         goto err_ids;
     if (atomic_fetch_add(&s->n_waiting, 1) >= s->cfg.max_queue) {
         atomic_fetch_sub(&s->n_waiting, 1);
@@ -1848,6 +1891,8 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
         goto err_destroy;
     if ((st = pd_tokenizer_load(s->model_dir, &s->tok, err)) != PD_OK)
         goto err_destroy;
+    if ((st = pd_gcache_create(64, &s->grammars, err)) != PD_OK)
+        goto err_destroy;
     pd_engine_config ec = { .target = s->tm, .draft = s->dm, .page_size = cfg->page_size,
                             .n_pages = cfg->kv_pages, .fast_kernels = cfg->fast_kernels,
                             .graphs = cfg->graphs, .max_prefill_tokens = cfg->max_prefill_tokens,
@@ -1977,6 +2022,7 @@ void decode_server_destroy(decode_server *s)
     pd_sps_cleanup(&s->sps);
     pd_tokenizer_free(s->tok);
     pd_gvocab_destroy(s->gvocab);
+    pd_gcache_destroy(s->grammars);
     pd_dspark_free(s->dm);
     pd_cp_targets_free(&s->cp_targets);
     pd_qwen3_free(s->tm);

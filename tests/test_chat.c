@@ -93,7 +93,7 @@ static void test_tools_parse(void)
             TEST_CHECK(t.named == ok[i].named);
         pd_grammar *g = NULL;
         pd_err err;
-        TEST_CHECK(pd_chat_tools_grammar(&t, &g, &err) == PD_OK);
+        TEST_CHECK(pd_chat_tools_grammar(&t, NULL, &g, &err) == PD_OK);
         TEST_CHECK((g != NULL) == (ok[i].choice >= PD_TOOLS_REQUIRED));
         pd_grammar_unref(g);
         pd_chat_tools_free(&t);
@@ -121,7 +121,7 @@ static void test_tools_parse(void)
     TEST_CHECK(pd_chat_tools_parse(root, &t, &p, msg, sizeof(msg)) == 0);
     pd_grammar *g = NULL;
     pd_err err;
-    TEST_CHECK(pd_chat_tools_grammar(&t, &g, &err) == PD_ERR_INVALID && g == NULL);
+    TEST_CHECK(pd_chat_tools_grammar(&t, NULL, &g, &err) == PD_ERR_INVALID && g == NULL);
     TEST_CHECK_MSG(strstr(err.msg, "tool 'f'") != NULL && strstr(err.msg, "multipleOf") != NULL, "%s", err.msg);
     pd_chat_tools_free(&t);
     cJSON_Delete(root);

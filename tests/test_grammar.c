@@ -611,6 +611,66 @@ static void test_mutations(const pd_gvocab *v, const uint8_t **tb, const size_t 
     TEST_CHECK(bad == 0 && compiled > 50 && refused > 50);
 }
 
+/* the compile cache: the same key gives the same grammar, a failed compile is not kept, the
+ * least recently used entry goes; two matchers of one grammar (the second served from the
+ * masks the first left) give equal masks along the same walk */
+static int n_compiles;
+static pd_status compile_regex(void *ud, pd_grammar **out, pd_err *err)
+{
+    n_compiles++;
+    const char *re = ud;
+    return pd_grammar_regex(re, strlen(re), out, err);
+}
+
+static void test_gcache(const pd_gvocab *v)
+{
+    pd_gcache *c = NULL;
+    pd_err err;
+    TEST_CHECK(pd_gcache_create(2, &c, &err) == PD_OK);
+    pd_grammar *a = NULL, *b = NULL, *x = NULL, *y = NULL;
+    n_compiles = 0;
+    TEST_CHECK(pd_gcache_get(c, "ra+b", 4, compile_regex, "a+b", &a, &err) == PD_OK);
+    TEST_CHECK(pd_gcache_get(c, "ra+b", 4, compile_regex, "a+b", &b, &err) == PD_OK);
+    TEST_CHECK(a != NULL && a == b && n_compiles == 1);
+    TEST_CHECK(pd_gcache_get(c, "r(a", 3, compile_regex, "(a", &x, &err) == PD_ERR_INVALID && x == NULL);
+    TEST_CHECK(pd_gcache_get(c, "r(a", 3, compile_regex, "(a", &x, &err) == PD_ERR_INVALID && n_compiles == 3);
+    TEST_CHECK(pd_gcache_get(c, "rc", 2, compile_regex, "c", &x, &err) == PD_OK);
+    TEST_CHECK(pd_gcache_get(c, "rd", 2, compile_regex, "d", &y, &err) == PD_OK);   /* a+b goes (max 2) */
+    pd_grammar_unref(b);
+    TEST_CHECK(pd_gcache_get(c, "ra+b", 4, compile_regex, "a+b", &b, &err) == PD_OK && b != a && n_compiles == 6);
+    uint64_t hits, misses;
+    pd_gcache_stats(c, &hits, &misses);
+    TEST_CHECK(hits == 1 && misses == 6);
+    pd_grammar_unref(x);
+    pd_grammar_unref(y);
+    pd_grammar_unref(b);
+    pd_gcache_destroy(c);
+    /* a still works after the cache is gone */
+    TEST_CHECK(accepts(a, v, "aab") == 1 && accepts(a, v, "b") == 0);
+    pd_grammar_unref(a);
+
+    pd_grammar *g = json("{\"type\":\"object\",\"properties\":{\"s\":{\"type\":\"string\"},\"n\":{\"type\":\"integer\"}}}");
+    pd_gmatch *m1 = NULL, *m2 = NULL;
+    int words = pd_gvocab_words(v), same = 1;
+    uint32_t *b1 = malloc((size_t)words * 4), *b2 = malloc((size_t)words * 4);
+    const char *text = "{\"s\": \"hello\", \"n\": 12}";
+    if (g != NULL && pd_gmatch_create(g, &m1, &err) == PD_OK && pd_gmatch_create(g, &m2, &err) == PD_OK) {
+        for (const char *p = text;; p++) {
+            same = same && pd_gmatch_allowed(m1, v, b1, &err) == PD_OK && pd_gmatch_allowed(m2, v, b2, &err) == PD_OK &&
+                   memcmp(b1, b2, (size_t)words * 4) == 0;
+            if (*p == '\0' || pd_gmatch_advance(m1, v, (uint8_t)*p, &err) != 1 ||
+                pd_gmatch_advance(m2, v, (uint8_t)*p, &err) != 1)
+                break;
+        }
+    }
+    TEST_CHECK(same && pd_gmatch_complete(m2));
+    free(b1);
+    free(b2);
+    pd_gmatch_destroy(m1);
+    pd_gmatch_destroy(m2);
+    pd_grammar_unref(g);
+}
+
 static int bench(void)
 {
     pd_tokenizer *tk = NULL;
@@ -669,6 +729,27 @@ static int bench(void)
         if (pd_gmatch_advance(m, v, tok, &err) != 1)
             break;
     }
+    /* a second request's matcher of the same grammar (pd_gcache gives it): the masks the first
+     * met are shared */
+    pd_gmatch *m2 = NULL;
+    pd_gmatch_create(g, &m2, &err);
+    double total = 0;
+    int steps = 0;
+    for (const char *p = text;; p++, steps++) {
+        t = ms_now();
+        pd_gmatch_allowed(m2, v, bits, &err);
+        total += ms_now() - t;
+        if (*p == '\0')
+            break;
+        int tok = -1;
+        for (int i = 0; i < n0 && tok < 0; i++)
+            if (tl[i] == 1 && tb[i][0] == (uint8_t)*p)
+                tok = i;
+        if (pd_gmatch_advance(m2, v, tok, &err) != 1)
+            break;
+    }
+    printf("a second matcher of the grammar: %d masks in %.3f ms (shared)\n", steps + 1, total);
+    pd_gmatch_destroy(m2);
     free(bits);
     pd_gmatch_destroy(m);
     pd_grammar_unref(g);
@@ -694,6 +775,7 @@ int main(int argc, char **argv)
         test_choice_regex(v, tb, tl);
         test_ebnf(v, tb, tl);
         test_mutations(v, tb, tl);
+        test_gcache(v);
     }
     pd_gvocab_destroy(v);
     test_real_vocab();
