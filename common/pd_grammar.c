@@ -2806,7 +2806,7 @@ static int allowed_walk(intern_tab *t, gstate *tmp, const pd_gvocab *v, int node
 /* A grammar used by many requests (one schema for all of a service's calls, through
  * pd_gcache) meets the same states again: their masks are kept here, least recently used
  * dropped past SHARED_MASK_BYTES. */
-#define SHARED_MASK_BYTES ((size_t)32 << 20)
+#define SHARED_MASK_BYTES ((size_t)4 << 20)   /* ~200 masks of a 152k vocabulary; 64 grammars cached: 256 MiB at most */
 
 struct gshared {
     pthread_mutex_t mu;

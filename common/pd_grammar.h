@@ -64,7 +64,7 @@ void pd_grammar_unref(pd_grammar *g);   /* NULL is fine */
 
 /* Compiled grammars kept by their spec: a service that sends one schema (or one set of tools)
  * with every request compiles it once, and its matchers share the masks of the states they
- * met (a grammar keeps up to 32 MiB of masks, least recently used dropped). Thread-safe. */
+ * met (a grammar keeps up to 4 MiB of masks, least recently used dropped). Thread-safe. */
 typedef struct pd_gcache pd_gcache;
 typedef pd_status (*pd_gcompile_fn)(void *ud, pd_grammar **out, pd_err *err);
 pd_status pd_gcache_create(int max_entries, pd_gcache **out, pd_err *err);   /* 0 = 64 */
