@@ -1419,17 +1419,30 @@ static int r_atom(rctx *r, int depth)
     return r_lit(r, r->s + st, len);
 }
 
-static int r_number(rctx *r, int *out)
+/* a repeat bound's digits at s[*i..]: 1 read (at most 100000), 0 none, -1 too large */
+static int repeat_bound(const char *s, size_t n, size_t *i, int *out)
 {
     int v = 0, any = 0;
-    while (r->i < r->n && r->s[r->i] >= '0' && r->s[r->i] <= '9') {
-        v = v * 10 + (r->s[r->i++] - '0');
+    while (*i < n && s[*i] >= '0' && s[*i] <= '9') {
+        v = v * 10 + (s[(*i)++] - '0');
         if (v > 100000)
-            return r_err(r, "a repeat bound above 100000");
+            return -1;
         any = 1;
     }
     *out = v;
-    return any ? 0 : -1;
+    return any;
+}
+
+/* x{min,max} (max < 0: unbounded) with the smallest rules for ? and * */
+static int gb_quant(gb *b, int x, int min, int max)
+{
+    return max == 1 && min == 0 ? gb_opt(b, x) : min == 0 && max < 0 ? gb_star(b, x) : gb_rep(b, x, min, max);
+}
+
+static int r_number(rctx *r, int *out)
+{
+    int rc = repeat_bound(r->s, r->n, &r->i, out);
+    return rc < 0 ? r_err(r, "a repeat bound above 100000") : rc ? 0 : -1;
 }
 
 static int r_concat(rctx *r, int depth)
@@ -1475,7 +1488,7 @@ static int r_concat(rctx *r, int depth)
                 r->i++;   /* lazy: the same language */
             else if (r->i < r->n && r->s[r->i] == '+')
                 return r_err(r, "possessive quantifiers are not supported");
-            x = max == 1 && min == 0 ? gb_opt(b, x) : min == 0 && max < 0 ? gb_star(b, x) : gb_rep(b, x, min, max);
+            x = gb_quant(b, x, min, max);
         }
         gb_ref(b, seq, a, x);
     }
@@ -1899,15 +1912,8 @@ static int e_atom(ectx *e, int depth)
 
 static int e_number(ectx *e, int *out)
 {
-    int v = 0, any = 0;
-    while (e->i < e->n && e->s[e->i] >= '0' && e->s[e->i] <= '9') {
-        v = v * 10 + (e->s[e->i++] - '0');
-        if (v > 100000)
-            return e_err(e, "%s", "a repeat bound above 100000");
-        any = 1;
-    }
-    *out = v;
-    return any ? 0 : -1;
+    int rc = repeat_bound(e->s, e->n, &e->i, out);
+    return rc < 0 ? e_err(e, "%s", "a repeat bound above 100000") : rc ? 0 : -1;
 }
 
 static int e_seq(ectx *e, int depth)
@@ -1953,7 +1959,7 @@ static int e_seq(ectx *e, int depth)
             } else {
                 break;
             }
-            x = max == 1 && min == 0 ? gb_opt(b, x) : min == 0 && max < 0 ? gb_star(b, x) : gb_rep(b, x, min, max);
+            x = gb_quant(b, x, min, max);
         }
         gb_ref(b, seq, a, x);
     }

@@ -368,6 +368,26 @@ static void test_schema(const pd_gvocab *v, const uint8_t **tb, const size_t *tl
     }
 }
 
+/* g (NULL: nothing to check; released here) accepts yes[0..3) and refuses no[0..3) (NULL
+ * entries skipped), and its masks equal trying every token along a few walks */
+static void check_cases(pd_grammar *g, const char *spec, const char *const yes[3], const char *const no[3],
+                        const pd_gvocab *v, const uint8_t **tb, const size_t *tl)
+{
+    if (g == NULL)
+        return;
+    for (int k = 0; k < 3; k++) {
+        if (yes[k] != NULL)
+            TEST_CHECK_MSG(accepts(g, v, yes[k]) == 1, "[%s] accepts '%s'", spec, yes[k]);
+        if (no[k] != NULL)
+            TEST_CHECK_MSG(accepts(g, v, no[k]) == 0, "[%s] refuses '%s'", spec, no[k]);
+    }
+    int mask_ok, ended;
+    char *t = walks(g, v, N_SMALL, tb, tl, 3, 30, &mask_ok, &ended);
+    TEST_CHECK_MSG(mask_ok, "[%s] mask", spec);
+    free(t);
+    pd_grammar_unref(g);
+}
+
 static void test_choice_regex(const pd_gvocab *v, const uint8_t **tb, const size_t *tl)
 {
     const char *ch[] = { "yes", "no", "yes please" };
@@ -402,20 +422,7 @@ static void test_choice_regex(const pd_gvocab *v, const uint8_t **tb, const size
         { "((a*)*b?)*c", { "c", "aabac", "bbc" }, { "", "ab", "ca" } },
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(*cases); i++) {
-        pd_grammar *r = regex(cases[i].re);
-        if (r == NULL)
-            continue;
-        for (int k = 0; k < 3; k++) {
-            if (cases[i].yes[k] != NULL)
-                TEST_CHECK_MSG(accepts(r, v, cases[i].yes[k]) == 1, "/%s/ accepts '%s'", cases[i].re, cases[i].yes[k]);
-            if (cases[i].no[k] != NULL)
-                TEST_CHECK_MSG(accepts(r, v, cases[i].no[k]) == 0, "/%s/ refuses '%s'", cases[i].re, cases[i].no[k]);
-        }
-        int mask_ok, ended;
-        char *t = walks(r, v, N_SMALL, tb, tl, 3, 30, &mask_ok, &ended);
-        TEST_CHECK_MSG(mask_ok, "/%s/ mask", cases[i].re);
-        free(t);
-        pd_grammar_unref(r);
+        check_cases(regex(cases[i].re), cases[i].re, cases[i].yes, cases[i].no, v, tb, tl);
     }
     struct { const char *re, *needle; } refused[] = {
         { "(a)\\1", "backreferences" }, { "(?=a)b", "lookaround" }, { "(ab", "unterminated (" },
@@ -458,19 +465,7 @@ static void test_ebnf(const pd_gvocab *v, const uint8_t **tb, const size_t *tl)
         pd_grammar *g = NULL;
         pd_err err;
         TEST_CHECK_MSG(pd_grammar_ebnf(cases[i].g, strlen(cases[i].g), &g, &err) == PD_OK, "%s: %s", cases[i].g, err.msg);
-        if (g == NULL)
-            continue;
-        for (int k = 0; k < 3; k++) {
-            if (cases[i].yes[k] != NULL)
-                TEST_CHECK_MSG(accepts(g, v, cases[i].yes[k]) == 1, "[%s] accepts '%s'", cases[i].g, cases[i].yes[k]);
-            if (cases[i].no[k] != NULL)
-                TEST_CHECK_MSG(accepts(g, v, cases[i].no[k]) == 0, "[%s] refuses '%s'", cases[i].g, cases[i].no[k]);
-        }
-        int mask_ok, ended;
-        char *t = walks(g, v, N_SMALL, tb, tl, 3, 30, &mask_ok, &ended);
-        TEST_CHECK_MSG(mask_ok, "[%s] mask", cases[i].g);
-        free(t);
-        pd_grammar_unref(g);
+        check_cases(g, cases[i].g, cases[i].yes, cases[i].no, v, tb, tl);
     }
     struct { const char *g, *needle; } refused[] = {
         { "root ::= item\n", "'item' is used but not defined" },
