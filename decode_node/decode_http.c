@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <time.h>
 
@@ -51,6 +52,7 @@ struct decode_http {
     pd_chat_template tmpl;           /* ... and what it does (Qwen3's <think> handling) */
     int reasoning;                   /* --reasoning-parser qwen3: <think> text becomes
                                       * reasoning_content */
+    char *api_key;                   /* NULL: requests need no key */
     char chat_why[256];              /* why chat is refused otherwise */
     atomic_int draining;
     atomic_int inflight;
@@ -1894,14 +1896,40 @@ out:
     cJSON_Delete(root);
 }
 
+/* --api-key: "Authorization: Bearer <key>" (the comparison takes the same time wherever the
+ * key differs); else a 401 in OpenAI's shape. */
+static int authorized(struct evhttp_request *req, const decode_http *dh)
+{
+    if (dh->api_key == NULL)
+        return 1;
+    const char *h = evhttp_find_header(evhttp_request_get_input_headers(req), "Authorization");
+    int ok = 0;
+    if (h != NULL && strncasecmp(h, "Bearer ", 7) == 0) {
+        const char *k = h + 7;
+        size_t kl = strlen(k), want = strlen(dh->api_key);
+        unsigned diff = kl != want;
+        for (size_t i = 0; i < want; i++)
+            diff |= (unsigned)(uint8_t)dh->api_key[i] ^ (unsigned)(uint8_t)(i < kl ? k[i] : 0);
+        ok = diff == 0;
+    }
+    if (!ok) {
+        evhttp_add_header(evhttp_request_get_output_headers(req), "WWW-Authenticate", "Bearer");
+        pd_http_error(req, 401, "invalid_request_error", NULL, "invalid_api_key", "%s",
+                      h == NULL ? "no API key: send 'Authorization: Bearer <key>'" : "incorrect API key");
+    }
+    return ok;
+}
+
 static void h_completions(struct evhttp_request *req, void *ud)
 {
-    handle_generate(req, ud, 0);
+    if (authorized(req, ud))
+        handle_generate(req, ud, 0);
 }
 
 static void h_chat(struct evhttp_request *req, void *ud)
 {
-    handle_generate(req, ud, 1);
+    if (authorized(req, ud))
+        handle_generate(req, ud, 1);
 }
 
 /* Sends o as a 200 JSON reply (frees it). */
@@ -1920,6 +1948,8 @@ static void reply_json(struct evhttp_request *req, cJSON *o)
 static void h_models(struct evhttp_request *req, void *ud)
 {
     decode_http *dh = ud;
+    if (!authorized(req, dh))
+        return;
     cJSON *o = cJSON_CreateObject();
     cJSON_AddStringToObject(o, "object", "list");
     cJSON *arr = cJSON_AddArrayToObject(o, "data");
@@ -1933,9 +1963,12 @@ static void h_models(struct evhttp_request *req, void *ud)
     reply_json(req, o);
 }
 
-/* The JSON object of a POST body, or NULL after answering 400 / 404 (the model checked). */
+/* The JSON object of a POST body, or NULL after answering 400 / 401 / 404 (the key and the
+ * model checked). */
 static cJSON *body_object(struct evhttp_request *req, decode_http *dh)
 {
+    if (!authorized(req, dh))
+        return NULL;
     size_t blen = 0;
     char *body = pd_http_body(req, &blen);
     if (body == NULL) {
@@ -2150,6 +2183,11 @@ pd_status decode_http_create(decode_server *s, const decode_http_config *cfg, de
     dh->s = s;
     dh->dm = cfg->dm;
     dh->reasoning = cfg->reasoning;
+    if (cfg->api_key != NULL && cfg->api_key[0] != '\0' && (dh->api_key = strdup(cfg->api_key)) == NULL) {
+        pthread_mutex_destroy(&dh->mu);
+        free(dh);
+        return pd_err_set(err, PD_ERR_NOMEM, "http front end");
+    }
     pthread_mutex_init(&dh->mu, NULL);
     atomic_init(&dh->draining, 0);
     atomic_init(&dh->inflight, 0);
@@ -2186,6 +2224,7 @@ err_http:
     pd_http_destroy(dh->http);
 err_free:
     pthread_mutex_destroy(&dh->mu);
+    free(dh->api_key);
     free(dh);
     return st;
 }
@@ -2234,5 +2273,6 @@ void decode_http_destroy(decode_http *h)
     }
     pd_http_destroy(h->http);
     pthread_mutex_destroy(&h->mu);
+    free(h->api_key);
     free(h);
 }

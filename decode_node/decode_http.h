@@ -31,6 +31,9 @@ typedef struct {
     size_t max_body;               /* bytes; 0 = 8 MiB */
     int reasoning;                 /* --reasoning-parser qwen3: a chat reply's <think>...</think>
                                     * is returned as reasoning_content */
+    const char *api_key;           /* NULL/"": none; else the /v1 routes and /tokenize, /detokenize need
+                                    * "Authorization: Bearer <key>" (/health, /ready, /metrics
+                                    * stay open) */
 } decode_http_config;
 
 /* Reads the chat template, binds, starts the HTTP thread. s is borrowed and must outlive

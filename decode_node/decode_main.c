@@ -36,7 +36,7 @@ static void usage(FILE *f)
             "                   [--http HOST:PORT] [--log-format text|json] [--drain-timeout-ms N]\n"
             "                   [--verify full|threshold|scheduled] [--threshold T] [--fast-kernels]\n"
             "                   [--graphs auto|off|pad] [--chunked-prefill-size N]\n"
-            "                   [--reasoning-parser qwen3] [--served-model-name NAME]\n"
+            "                   [--reasoning-parser qwen3] [--served-model-name NAME] [--api-key KEY]\n"
             "\n"
             "Serves pdspark.Generate (gRPC, server-streaming) with DSpark speculative decoding.\n"
             "--colocated runs the prefill in this process (--cp-size/--cp-strategy apply there; on\n"
@@ -58,6 +58,9 @@ static void usage(FILE *f)
             "<think> text of a reply as reasoning_content instead of content.\n"
             "--served-model-name sets the model id of /v1/models and the replies (default: the\n"
             "--model directory's name); a request naming another model gets 404.\n"
+            "--api-key KEY (or the PDSPARK_API_KEY environment variable, which keeps it out of\n"
+            "the process list) makes /v1/* and /tokenize, /detokenize require 'Authorization:\n"
+            "Bearer KEY' (401 otherwise); /health, /ready and /metrics stay open.\n"
             "SIGTERM drains: new requests are refused (HTTP 503, /ready 503), running ones\n"
             "finish for up to --drain-timeout-ms (default 30000), then the node exits 0.\n"
             "--log-format json writes every log line (and the per-request line) as JSON.\n"
@@ -81,11 +84,12 @@ int main(int argc, char **argv)
     const char *http_addr = NULL;
     int reasoning = 0;
     const char *served_name = NULL;
+    const char *api_key = getenv("PDSPARK_API_KEY");
     int64_t drain_ms = 30000;
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_PREFILL, O_COLO, O_DEVICE, O_PAGES, O_PAGE, O_BATCH,
            O_QUEUE, O_QTMO, O_RTMO, O_XTMO, O_CP, O_CPS, O_LOG, O_HELP, O_HTTP, O_LOGFMT, O_DRAIN,
            O_VERIFY, O_THRESH, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_CHUNK, O_REFRESH, O_PREFIX,
-           O_REASON, O_SERVED };
+           O_REASON, O_SERVED, O_APIKEY };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"prefill", required_argument, 0, O_PREFILL},
@@ -102,6 +106,7 @@ int main(int argc, char **argv)
         {"prefix-cache", no_argument, 0, O_PREFIX},
         {"reasoning-parser", required_argument, 0, O_REASON},
         {"served-model-name", required_argument, 0, O_SERVED},
+        {"api-key", required_argument, 0, O_APIKEY},
         {"prefill-refresh-ms", required_argument, 0, O_REFRESH},
         {"tp", required_argument, 0, O_TP}, {"dtype", required_argument, 0, O_DTYPE},
         {"log-level", required_argument, 0, O_LOG}, {"help", no_argument, 0, O_HELP},
@@ -168,6 +173,7 @@ int main(int argc, char **argv)
             break;
         }
         case O_HTTP: http_addr = optarg; break;
+        case O_APIKEY: api_key = optarg; break;
         case O_SERVED:
             if (optarg[0] == '\0' || strlen(optarg) > 255) {
                 fprintf(stderr, PROG ": --served-model-name must have 1 to 255 bytes\n");
@@ -273,7 +279,8 @@ int main(int argc, char **argv)
                 decode_server_mode(s));
     if (http_addr != NULL) {
         decode_http_config hc = { .addr = http_addr, .model_dir = cfg.model_dir, .metrics = reg,
-                                  .dm = dm, .reasoning = reasoning, .model_name = served_name };
+                                  .dm = dm, .reasoning = reasoning, .model_name = served_name,
+                                  .api_key = api_key };
         if (decode_http_create(s, &hc, &http, &err) != PD_OK) {
             fprintf(stderr, PROG ": --http %s: %s\n", http_addr, err.msg);
             pd_rpc_server_destroy(rpc);

@@ -57,8 +57,11 @@ def log(msg):
 
 
 class Node:
-    def __init__(self, bin_dir, model, draft, extra=("--colocated",), binary="decode_node"):
+    def __init__(self, bin_dir, model, draft, extra=("--colocated",), binary="decode_node", key=None):
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+        self.key = key   # sent as the bearer token by request()
+        if key is not None:
+            env["PDSPARK_API_KEY"] = key
         self.errf = tempfile.TemporaryFile()
         self.p = subprocess.Popen(
             [os.path.join(bin_dir, binary), "--model", model, "--draft", draft,
@@ -98,6 +101,8 @@ def request(node, method, path, body=None, raw=None, timeout=60):
     c = http.client.HTTPConnection(*node.http, timeout=timeout * SCALE)
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     hdr = {"Content-Type": "application/json"} if data is not None else {}
+    if getattr(node, "key", None) is not None:
+        hdr["Authorization"] = "Bearer " + node.key
     c.request(method, path, body=data, headers=hdr)
     r = c.getresponse()
     out = r.read()
@@ -1154,7 +1159,7 @@ def main():
     node = Node(bin_dir, model, draft, ["--colocated", "--drain-timeout-ms", "60000", "--reasoning-parser", "qwen3"])
     odd_node = None
     try:
-        odd_node = Node(bin_dir, odd, draft, ("--colocated", "--served-model-name", "qwen3-served"))
+        odd_node = Node(bin_dir, odd, draft, ("--colocated", "--served-model-name", "qwen3-served"), key="s3cret")
         log("nodes up in %.1f s (http %s, grpc %s)" % (time.time() - t0, node.http, node.grpc))
 
         # ---- ops endpoints
@@ -1376,6 +1381,25 @@ def main():
         st3, b3 = post_json(odd_node, "/v1/completions", {"model": "odd-template", "prompt": prompt, "max_tokens": 2})
         check(st == 200 and json.loads(out)["data"][0]["id"] == "qwen3-served" and st2 == 200 and
               body["model"] == "qwen3-served" and st3 == 404, "--served-model-name: %s %s %s" % (out, body, b3))
+        # PDSPARK_API_KEY: every request above carried the key; without it or with another, 401
+        # on the API routes, while /health and /metrics stay open
+        for hdr in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer s3cret2"},
+                    {"Authorization": "Basic s3cret"}):
+            for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models"), ("POST", "/tokenize")):
+                c = http.client.HTTPConnection(*odd_node.http, timeout=30)
+                c.request(method, path, body=json.dumps({"prompt": "x"}) if method == "POST" else None, headers=hdr)
+                r = c.getresponse()
+                b = json.loads(r.read())
+                c.close()
+                check(r.status == 401 and b["error"]["code"] == "invalid_api_key" and
+                      r.getheader("WWW-Authenticate") == "Bearer", "%s %s with %s: %d %s" % (method, path, hdr, r.status, b))
+        for path in ("/health", "/metrics"):
+            c = http.client.HTTPConnection(*odd_node.http, timeout=30)
+            c.request("GET", path)
+            r = c.getresponse()
+            r.read()
+            c.close()
+            check(r.status == 200, "%s open with an API key: %d" % (path, r.status))
         odd_node.stop()
         odd_node = None
 
