@@ -14,6 +14,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "pd_grammar.h"
 #include "pd_log.h"
 
 #define MAX_POS 64
@@ -33,6 +34,8 @@ struct decode_metrics {
     pd_metric *req_ok, *req_cancelled, *req_timeout, *req_busy, *req_peer, *req_invalid, *req_error;
     pd_metric *fin_stop, *fin_length;
     pd_metric *prompt_tokens, *gen_tokens, *cached_tokens;
+    pd_metric *gcache_hits, *gcache_misses;  /* structured-output grammars reused / compiled */
+    uint64_t gc_hits_seen, gc_misses_seen;
     pd_metric *running, *queued, *kv_used, *kv_free, *kv_total, *prefill_inflight, *serving,
               *draining_g;
     pd_metric *ttft, *itl, *e2e, *apr, *rounds_c, *accepted_c, *tau;
@@ -198,6 +201,12 @@ static void collect(void *ud)
         pd_metric_set(m->kv_total, st.total_kv_pages);
         pd_metric_set(m->prefill_inflight, st.prefill_inflight);
         pd_metric_set(m->serving, st.serving && !atomic_load(&m->draining));
+        uint64_t hits = 0, misses = 0;
+        pd_gcache_stats(decode_server_grammars(m->s), &hits, &misses);
+        pd_metric_add(m->gcache_hits, (double)(hits - m->gc_hits_seen));
+        pd_metric_add(m->gcache_misses, (double)(misses - m->gc_misses_seen));
+        m->gc_hits_seen = hits;
+        m->gc_misses_seen = misses;
     }
     pd_metric_set(m->draining_g, atomic_load(&m->draining));
     pd_metric_set(m->tau, m->rounds > 0 ? m->accepted / m->rounds : 0.0);
@@ -240,6 +249,11 @@ pd_status decode_metrics_create(pd_metrics *reg, decode_metrics **out, pd_err *e
                                           "Prompt tokens of finished requests", NULL);
     m->cached_tokens = pd_metrics_counter(reg, "pdspark_prompt_cached_tokens_total",
                                           "Prompt tokens of finished requests served from the prefix cache",
+                                          NULL);
+    m->gcache_hits = pd_metrics_counter(reg, "pdspark_grammar_cache_hits_total",
+                                        "Structured-output grammars served from the compile cache", NULL);
+    m->gcache_misses = pd_metrics_counter(reg, "pdspark_grammar_cache_misses_total",
+                                          "Structured-output grammars compiled (cache misses, failures included)",
                                           NULL);
     m->gen_tokens = pd_metrics_counter(reg, "pdspark_generation_tokens_total",
                                        "Generated tokens of finished requests", NULL);

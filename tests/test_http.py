@@ -1261,6 +1261,10 @@ def main():
         test_n(node, prompt)
         test_structured(bin_dir, node, "colocated")
         test_tools(node, FIXTURES)
+        mg = metrics(node)
+        gh, gm = sample(mg, "pdspark_grammar_cache_hits_total"), sample(mg, "pdspark_grammar_cache_misses_total")
+        check(gh is not None and gm is not None and gh >= 3 and gm >= 5,
+              "grammar cache: %s hits (the same schema and tools again), %s compiles" % (gh, gm))
         # /tokenize and /detokenize (vLLM's): pdspark-tokenize's ids, and back
         st, b = post_json(node, "/tokenize", {"prompt": prompt})
         check(st == 200 and b["tokens"] == ids and b["count"] == len(ids) and b["max_model_len"] > 0,
