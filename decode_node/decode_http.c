@@ -1945,6 +1945,17 @@ static void reply_json(struct evhttp_request *req, cJSON *o)
     free(s);
 }
 
+static cJSON *model_json(const decode_http *dh)
+{
+    cJSON *m = cJSON_CreateObject();
+    cJSON_AddStringToObject(m, "id", dh->model);
+    cJSON_AddStringToObject(m, "object", "model");
+    cJSON_AddNumberToObject(m, "created", 0);
+    cJSON_AddStringToObject(m, "owned_by", "pdspark");
+    cJSON_AddNumberToObject(m, "max_model_len", decode_server_max_ctx(dh->s));
+    return m;
+}
+
 static void h_models(struct evhttp_request *req, void *ud)
 {
     decode_http *dh = ud;
@@ -1952,15 +1963,17 @@ static void h_models(struct evhttp_request *req, void *ud)
         return;
     cJSON *o = cJSON_CreateObject();
     cJSON_AddStringToObject(o, "object", "list");
-    cJSON *arr = cJSON_AddArrayToObject(o, "data");
-    cJSON *m = cJSON_CreateObject();
-    cJSON_AddItemToArray(arr, m);
-    cJSON_AddStringToObject(m, "id", dh->model);
-    cJSON_AddStringToObject(m, "object", "model");
-    cJSON_AddNumberToObject(m, "created", 0);
-    cJSON_AddStringToObject(m, "owned_by", "pdspark");
-    cJSON_AddNumberToObject(m, "max_model_len", decode_server_max_ctx(dh->s));
+    cJSON_AddItemToArray(cJSON_AddArrayToObject(o, "data"), model_json(dh));
     reply_json(req, o);
+}
+
+/* GET /v1/models/{id} (OpenAI's retrieve): this node's model; any other id is the 404 of an
+ * unknown path */
+static void h_model(struct evhttp_request *req, void *ud)
+{
+    decode_http *dh = ud;
+    if (authorized(req, dh))
+        reply_json(req, model_json(dh));
 }
 
 /* The JSON object of a POST body, or NULL after answering 400 / 401 / 404 (the key and the
@@ -2204,6 +2217,8 @@ pd_status decode_http_create(decode_server *s, const decode_http_config *cfg, de
         snprintf(dh->model, sizeof(dh->model), "%.255s", base != NULL ? base + 1 : tmp);
     }
     check_template(dh, cfg->model_dir != NULL ? cfg->model_dir : ".");
+    char model_path[300];
+    snprintf(model_path, sizeof(model_path), "/v1/models/%s", dh->model);
     pd_http_config hc = {
         .addr = cfg->addr, .node = "decode", .metrics = cfg->metrics,
         .ready = ready_fn, .ready_ud = dh, .max_body = cfg->max_body,
@@ -2214,6 +2229,7 @@ pd_status decode_http_create(decode_server *s, const decode_http_config *cfg, de
     if ((st = pd_http_route(dh->http, "/v1/completions", PD_HTTP_POST, h_completions, dh, err)) != PD_OK ||
         (st = pd_http_route(dh->http, "/v1/chat/completions", PD_HTTP_POST, h_chat, dh, err)) != PD_OK ||
         (st = pd_http_route(dh->http, "/v1/models", PD_HTTP_GET, h_models, dh, err)) != PD_OK ||
+        (st = pd_http_route(dh->http, model_path, PD_HTTP_GET, h_model, dh, err)) != PD_OK ||
         (st = pd_http_route(dh->http, "/tokenize", PD_HTTP_POST, h_tokenize, dh, err)) != PD_OK ||
         (st = pd_http_route(dh->http, "/detokenize", PD_HTTP_POST, h_detokenize, dh, err)) != PD_OK ||
         (st = pd_http_start(dh->http, err)) != PD_OK)

@@ -1171,6 +1171,10 @@ def main():
         mods = json.loads(out)
         check(st == 200 and mods["object"] == "list" and mods["data"][0]["id"] == "tiny-code-qwen3",
               "/v1/models: %s" % out)
+        st, _, out = request(node, "GET", "/v1/models/tiny-code-qwen3")
+        st2, _, out2 = request(node, "GET", "/v1/models/other")
+        check(st == 200 and json.loads(out) == mods["data"][0] and st2 == 404 and is_error_shape(json.loads(out2)),
+              "/v1/models/{id}: %d %s, other %d %s" % (st, out, st2, out2))
         m0 = metrics(node)
         check(bool(m0), "metrics parse at start")
         ok0 = sample(m0, "pdspark_requests_total", outcome="ok")
