@@ -1390,6 +1390,20 @@ static int parse_common(const cJSON *root, int chat, decode_req *dr, req_opts *o
                  "likelihood and returns n of them)");
         return -1;
     }
+    /* fields that would change the answer if they were honoured: refused, not ignored */
+    static const struct { const char *key, *why; int chat; } unsupported[] = {
+        { "suffix", "'suffix' (text after the insertion) is not supported", 0 },
+        { "functions", "'functions' (the legacy function calling) is not supported; send 'tools'", 1 },
+        { "function_call", "'function_call' (the legacy function calling) is not supported; send 'tool_choice'", 1 },
+    };
+    for (size_t k = 0; k < sizeof(unsupported) / sizeof(unsupported[0]); k++) {
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, unsupported[k].key);
+        if (unsupported[k].chat == chat && v != NULL && !cJSON_IsNull(v)) {
+            *param = unsupported[k].key;
+            snprintf(msg, cap, "%s", unsupported[k].why);
+            return -1;
+        }
+    }
     *param = "stream";
     if (get_bool(root, "stream", &o->stream, msg, cap) < 0)
         return -1;

@@ -1333,6 +1333,11 @@ def main():
             ("/v1/completions", json.dumps({"prompt": "x", "guided_choice": []}).encode(), 400, "guided_choice"),
             ("/v1/completions", json.dumps({"prompt": "x", "guided_grammar": "root ::= x"}).encode(), 400,
              "guided_grammar"),   # x is not defined
+            ("/v1/completions", json.dumps({"prompt": "x", "suffix": "y"}).encode(), 400, "suffix"),
+            ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                                 "functions": [{"name": "f"}]}).encode(), 400, "functions"),
+            ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                                 "function_call": "auto"}).encode(), 400, "function_call"),
             ("/v1/completions", json.dumps({"prompt": "x", "guided_grammar": "root ::= \"a\"",
                                             "guided_regex": "a"}).encode(), 400, "guided_grammar"),
             ("/v1/completions", json.dumps({"prompt": "x", "structured_outputs": {"grammar": "x"}}).encode(), 400,
