@@ -2262,6 +2262,56 @@ pd_status pd_gcache_get(pd_gcache *c, const void *key, size_t len, pd_gcompile_f
     return PD_OK;
 }
 
+/* ---- a request's spec ---------------------------------------------------------------------- */
+
+int pd_grammar_spec_kinds(const pd_grammar_spec *s)
+{
+    return (s->json_object != 0) + (s->json_schema != NULL) + (s->n_choices > 0) + (s->regex != NULL) +
+           (s->ebnf != NULL);
+}
+
+static pd_status spec_compile(void *ud, pd_grammar **out, pd_err *err)
+{
+    const pd_grammar_spec *s = ud;
+    return s->json_object ? pd_grammar_json(NULL, 0, out, err)
+         : s->json_schema != NULL ? pd_grammar_json(s->json_schema, s->json_schema_len, out, err)
+         : s->n_choices > 0 ? pd_grammar_choice(s->choices, s->n_choices, out, err)
+         : s->regex != NULL ? pd_grammar_regex(s->regex, s->regex_len, out, err)
+         : s->ebnf != NULL ? pd_grammar_ebnf(s->ebnf, s->ebnf_len, out, err)
+         : pd_err_set(err, PD_ERR_INVALID, "no structured output asked");
+}
+
+pd_status pd_grammar_compile(const pd_grammar_spec *s, pd_gcache *cache, pd_grammar **out, pd_err *err)
+{
+    *out = NULL;
+    if (cache == NULL)
+        return spec_compile((void *)s, out, err);
+    /* the key: the kind, then its text (choices each ended by a NUL) */
+    char kind = s->json_object ? 'o' : s->json_schema != NULL ? 'j' : s->n_choices > 0 ? 'c'
+              : s->regex != NULL ? 'r' : 'e';
+    const char *text = kind == 'j' ? s->json_schema : kind == 'r' ? s->regex : kind == 'e' ? s->ebnf : NULL;
+    size_t text_len = kind == 'j' ? s->json_schema_len : kind == 'r' ? s->regex_len : kind == 'e' ? s->ebnf_len : 0;
+    size_t len = 1 + text_len;
+    for (int i = 0; kind == 'c' && i < s->n_choices; i++)
+        len += (s->choices[i] != NULL ? strlen(s->choices[i]) : 0) + 1;
+    char *key = malloc(len);
+    if (key == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "grammar key");
+    key[0] = kind;
+    size_t at = 1;
+    if (text != NULL)
+        memcpy(key + at, text, text_len);
+    for (int i = 0; kind == 'c' && i < s->n_choices; i++) {
+        const char *c = s->choices[i] != NULL ? s->choices[i] : "";
+        size_t l = strlen(c) + 1;
+        memcpy(key + at, c, l);
+        at += l;
+    }
+    pd_status st = pd_gcache_get(cache, key, len, spec_compile, (void *)s, out, err);
+    free(key);
+    return st;
+}
+
 /* ---- the vocabulary ------------------------------------------------------------------------- */
 
 struct pd_gvocab {

@@ -76,6 +76,24 @@ pd_status pd_gcache_get(pd_gcache *c, const void *key, size_t len, pd_gcompile_f
                         pd_grammar **out, pd_err *err);
 void pd_gcache_stats(pd_gcache *c, uint64_t *hits, uint64_t *misses);
 
+/* One request's structured output as the front ends take it (at most one kind set; the first
+ * set of json_object, json_schema, choices, regex, ebnf is compiled). */
+typedef struct {
+    int json_object;
+    const char *json_schema;
+    size_t json_schema_len;
+    const char *const *choices;
+    int n_choices;
+    const char *regex;
+    size_t regex_len;
+    const char *ebnf;
+    size_t ebnf_len;
+} pd_grammar_spec;
+/* How many kinds s sets (0: no structured output asked). */
+int pd_grammar_spec_kinds(const pd_grammar_spec *s);
+/* s compiled, or taken from cache (NULL: compile only) under a key of its kind and text. */
+pd_status pd_grammar_compile(const pd_grammar_spec *s, pd_gcache *cache, pd_grammar **out, pd_err *err);
+
 /* The vocabulary's token bytes (pd_tokenizer_token_bytes) as a trie, special added tokens left
  * out; eos ids are allowed exactly where the grammar is complete. n_vocab: the logits' width
  * (ids past the tokenizer's are never allowed). */

@@ -273,49 +273,13 @@ const char *decode_server_mode(const decode_server *s)
 
 /* ---- structured output -------------------------------------------------------------------- */
 
-static pd_status compile_guide(void *ud, pd_grammar **out, pd_err *err)
-{
-    const decode_req *r = ud;
-    return r->json_object ? pd_grammar_json(NULL, 0, out, err)
-         : r->json_schema != NULL ? pd_grammar_json(r->json_schema, r->json_schema_len, out, err)
-         : r->n_choices > 0 ? pd_grammar_choice(r->choices, r->n_choices, out, err)
-         : r->regex != NULL ? pd_grammar_regex(r->regex, r->regex_len, out, err)
-         : r->ebnf != NULL ? pd_grammar_ebnf(r->ebnf, r->ebnf_len, out, err)
-         : pd_err_set(err, PD_ERR_INVALID, "no structured output asked");
-}
-
 pd_status decode_compile_guide(decode_server *s, const decode_req *req, pd_grammar **out, pd_err *err)
 {
-    /* the key: the kind, then the spec (choices each ended by a NUL) */
-    size_t len = 1;
-    const char *spec = req->json_schema != NULL ? req->json_schema : req->regex != NULL ? req->regex : req->ebnf;
-    size_t spec_len = req->json_schema != NULL ? req->json_schema_len : req->regex != NULL ? req->regex_len
-                    : req->ebnf_len;
-    if (req->json_object)
-        spec = NULL;
-    if (req->n_choices > 0 && !req->json_object && req->json_schema == NULL)
-        for (int i = 0; i < req->n_choices; i++)
-            len += (req->choices[i] != NULL ? strlen(req->choices[i]) : 0) + 1;
-    else if (spec != NULL)
-        len += spec_len;
-    char *key = malloc(len);
-    if (key == NULL)
-        return pd_err_set(err, PD_ERR_NOMEM, "grammar key");
-    key[0] = req->json_object ? 'o' : req->json_schema != NULL ? 'j' : req->n_choices > 0 ? 'c'
-           : req->regex != NULL ? 'r' : 'e';
-    size_t at = 1;
-    if (key[0] == 'c')
-        for (int i = 0; i < req->n_choices; i++) {
-            size_t l = req->choices[i] != NULL ? strlen(req->choices[i]) : 0;
-            memcpy(key + at, req->choices[i] != NULL ? req->choices[i] : "", l);
-            key[at + l] = '\0';
-            at += l + 1;
-        }
-    else if (spec != NULL)
-        memcpy(key + at, spec, spec_len);
-    pd_status st = pd_gcache_get(s->grammars, key, len, compile_guide, (void *)req, out, err);
-    free(key);
-    return st;
+    pd_grammar_spec spec = { .json_object = req->json_object, .json_schema = req->json_schema,
+                             .json_schema_len = req->json_schema_len, .choices = req->choices,
+                             .n_choices = req->n_choices, .regex = req->regex, .regex_len = req->regex_len,
+                             .ebnf = req->ebnf, .ebnf_len = req->ebnf_len };
+    return pd_grammar_compile(&spec, s->grammars, out, err);
 }
 
 pd_gcache *decode_server_grammars(decode_server *s)

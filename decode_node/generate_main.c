@@ -272,15 +272,13 @@ int main(int argc, char **argv)
                          .presence_penalty = presence, .frequency_penalty = frequency,
                          .repetition_penalty = repetition, .logit_bias = bias,
                          .n_logit_bias = n_bias, .min_tokens = min_tokens };
-    if (guide.json_object || guide.schema != NULL || guide.n_choices > 0 || guide.regex != NULL ||
-        guide.grammar != NULL) {
-        pd_status gs = guide.json_object ? pd_grammar_json(NULL, 0, &grammar, &err)
-                     : guide.grammar != NULL ? pd_grammar_ebnf(guide.grammar, strlen(guide.grammar), &grammar, &err)
-                     : guide.schema != NULL ? pd_grammar_json(guide.schema, strlen(guide.schema), &grammar, &err)
-                     : guide.n_choices > 0 ? pd_grammar_choice((const char *const *)guide.choices, guide.n_choices,
-                                                               &grammar, &err)
-                     : pd_grammar_regex(guide.regex, strlen(guide.regex), &grammar, &err);
-        if (gs != PD_OK)
+    pd_grammar_spec spec = { .json_object = guide.json_object, .json_schema = guide.schema,
+                             .json_schema_len = guide.schema != NULL ? strlen(guide.schema) : 0,
+                             .choices = (const char *const *)guide.choices, .n_choices = guide.n_choices,
+                             .regex = guide.regex, .regex_len = guide.regex != NULL ? strlen(guide.regex) : 0,
+                             .ebnf = guide.grammar, .ebnf_len = guide.grammar != NULL ? strlen(guide.grammar) : 0 };
+    if (pd_grammar_spec_kinds(&spec) > 0) {
+        if (pd_grammar_compile(&spec, NULL, &grammar, &err) != PD_OK)
             goto fail;
         if (tok == NULL) {
             pd_err_set(&err, PD_ERR_INVALID, "structured output needs the model's tokenizer.json");
