@@ -242,22 +242,29 @@ static void req_finish(http_req *r)
     req_unref(r);
 }
 
+/* s[0..n) appended to the NUL-ended *b (of *len bytes in *cap); -1 on NOMEM (b unchanged) */
+static int buf_append(char **b, size_t *len, size_t *cap, const char *s, size_t n)
+{
+    if (*len + n + 1 > *cap) {
+        size_t c = *cap ? *cap : 256;
+        while (*len + n + 1 > c)
+            c *= 2;
+        char *nb = realloc(*b, c);
+        if (nb == NULL)
+            return -1;
+        *b = nb;
+        *cap = c;
+    }
+    if (n > 0)
+        memcpy(*b + *len, s, n);
+    *len += n;
+    (*b)[*len] = '\0';
+    return 0;
+}
+
 static int gen_append(http_choice *r, const char *t, size_t n)
 {
-    if (r->gen_len + n + 1 > r->gen_cap) {
-        size_t cap = r->gen_cap ? r->gen_cap : 1024;
-        while (r->gen_len + n + 1 > cap)
-            cap *= 2;
-        char *p = realloc(r->gen, cap);
-        if (p == NULL)
-            return -1;
-        r->gen = p;
-        r->gen_cap = cap;
-    }
-    memcpy(r->gen + r->gen_len, t, n);
-    r->gen_len += n;
-    r->gen[r->gen_len] = '\0';
-    return 0;
+    return buf_append(&r->gen, &r->gen_len, &r->gen_cap, t, n);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -467,30 +474,13 @@ typedef struct {
     cJSON *calls;
 } split_acc;
 
-static void acc_add(char **b, size_t *len, size_t *cap, const char *s, size_t n)
-{
-    if (*len + n + 1 > *cap) {
-        size_t c = *cap ? *cap * 2 : 256;
-        while (*len + n + 1 > c)
-            c *= 2;
-        char *nb = realloc(*b, c);
-        if (nb == NULL)
-            return;   /* the text is cut: only on NOMEM */
-        *b = nb;
-        *cap = c;
-    }
-    memcpy(*b + *len, s, n);
-    *len += n;
-    (*b)[*len] = '\0';
-}
-
 static void split_piece(void *ud, const pd_chat_piece *p)
 {
     split_acc *a = ud;
     if (p->kind == PD_CHAT_CONTENT)
-        acc_add(&a->content, &a->cl, &a->cc, p->text, p->len);
+        buf_append(&a->content, &a->cl, &a->cc, p->text, p->len);   /* NOMEM: the text is cut */
     else if (p->kind == PD_CHAT_REASONING)
-        acc_add(&a->reasoning, &a->rl, &a->rc, p->text, p->len);
+        buf_append(&a->reasoning, &a->rl, &a->rc, p->text, p->len);
     else
         cJSON_AddItemToArray(a->calls, tool_call_json(a->ch, p, 0));
 }
