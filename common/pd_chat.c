@@ -2,6 +2,7 @@
  * split back into content, reasoning and tool calls. See pd_chat.h. */
 #include "pd_chat.h"
 
+#include <ctype.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,6 +38,41 @@ static int cb_str(cbuf *b, const char *s) { return cb_add(b, s, strlen(s)); }
 
 /* ---- the template ---------------------------------------------------------------------------- */
 
+/* The system prompt a template writes when the messages bring none: the text of a string literal
+ * '<|im_start|>system\n TEXT <|im_end|>\n' (Qwen2.5's templates); "" when the template has none
+ * (its system literals end at the newline: Qwen3's). The literal's escapes are undone. */
+static int default_system(const char *t, char *out, size_t n, char *why, size_t cap)
+{
+    static const char head[] = "<|im_start|>system\\n";
+    out[0] = '\0';
+    for (const char *p = strstr(t, head); p != NULL; p = strstr(p + 1, head)) {
+        char quote = p > t ? p[-1] : '\0';
+        if (quote != '\'' && quote != '"')
+            continue;
+        const char *s = p + strlen(head);
+        size_t k = 0;
+        for (; *s != '\0' && *s != quote; s++) {
+            char c = *s;
+            if (c == '\\' && s[1] != '\0')
+                c = *++s == 'n' ? '\n' : *s == 't' ? '\t' : *s;
+            if (k + 1 >= n) {
+                snprintf(why, cap, "the template's default system prompt is longer than %zu bytes", n - 1);
+                return -1;
+            }
+            out[k++] = c;
+        }
+        out[k] = '\0';
+        static const char tail[] = "<|im_end|>\n";
+        size_t tl = strlen(tail);
+        if (*s == quote && k > tl && strcmp(out + k - tl, tail) == 0) {
+            out[k - tl] = '\0';
+            return 0;
+        }
+        out[0] = '\0';
+    }
+    return 0;
+}
+
 int pd_chat_template_detect(const char *t, pd_chat_template *out, char *why, size_t cap)
 {
     memset(out, 0, sizeof(*out));
@@ -48,7 +84,7 @@ int pd_chat_template_detect(const char *t, pd_chat_template *out, char *why, siz
     out->think = strstr(t, "</think>") != NULL && strstr(t, "reasoning_content") != NULL;
     out->open_think = strstr(t, "'<|im_start|>assistant\\n<think>\\n'") != NULL;
     out->think_switch = out->think && strstr(t, "enable_thinking") != NULL;
-    return 0;
+    return default_system(t, out->default_system, sizeof(out->default_system), why, cap);
 }
 
 /* ---- Python's json.dumps --------------------------------------------------------------------- */
@@ -370,8 +406,20 @@ static int render_calls(cbuf *o, const cJSON *calls, int i, int has_content, cha
         if (cb_str(o, "<tool_call>\n{\"name\": \"") != 0 || cb_str(o, nm->valuestring) != 0 ||
             cb_str(o, "\", \"arguments\": ") != 0)
             goto nomem;
-        if (cJSON_IsString(args) ? cb_str(o, args->valuestring) != 0
-                                 : args == NULL ? cb_str(o, "{}") != 0 : py_json(o, args) != 0)
+        /* JSON text is parsed and written again (what vLLM and SGLang hand the template); none or
+         * "" is {} */
+        cJSON *parsed = NULL;
+        if (cJSON_IsString(args) && args->valuestring[0] != '\0') {
+            parsed = cJSON_Parse(args->valuestring);
+            if (parsed == NULL) {
+                snprintf(msg, cap, "messages[%d].tool_calls[%d].function.arguments is not valid JSON", i, k);
+                return -1;
+            }
+            args = parsed;
+        }
+        int bad = parsed != NULL || cJSON_IsObject(args) ? py_json(o, args) : cb_str(o, "{}");
+        cJSON_Delete(parsed);
+        if (bad != 0)
             goto nomem;
         if (cb_str(o, "}\n</tool_call>") != 0)
             goto nomem;
@@ -457,9 +505,38 @@ static int render_tools(cbuf *o, const cJSON *tools)
                      "<function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n");
 }
 
-int pd_chat_render(const pd_chat_template *tp, const cJSON *ms, const pd_chat_tools *t, int enable_thinking,
+static int is_space(char c) { return c == ' ' || c == '\n' || c == '\t' || c == '\r' || c == '\f' || c == '\v'; }
+
+/* continue_final_message: the render r[0..*n) cut after the final message's text f, as Hugging
+ * Face's apply_chat_template cuts it (at the last place f.strip() occurs; f.lstrip() long when
+ * the render keeps f whole there, else f.strip() long). -1 when f.strip() is not in it. */
+static int cut_after_final(const char *r, size_t *n, const char *f)
+{
+    size_t fl = strlen(f), a = 0, b = fl;
+    while (a < fl && is_space(f[a]))
+        a++;
+    while (b > a && is_space(f[b - 1]))
+        b--;
+    size_t sl = b - a;   /* f.strip() is f[a..b) */
+    size_t loc = (size_t)-1;
+    for (size_t i = 0; i + sl <= *n; i++)
+        if (memcmp(r + i, f + a, sl) == 0)
+            loc = i;
+    if (loc == (size_t)-1)
+        return -1;
+    size_t ll = fl - a;   /* len(f.lstrip()) */
+    int whole = loc + ll <= *n && ll == fl && memcmp(r + loc, f, fl) == 0;
+    *n = loc + (whole ? ll : sl);
+    return 0;
+}
+
+int pd_chat_render(const pd_chat_template *tp, const cJSON *ms, const pd_chat_tools *t, const pd_chat_opts *opt,
                    char **out, size_t *out_len, char *msg, size_t cap)
 {
+    static const pd_chat_opts defaults = PD_CHAT_OPTS_DEFAULT;
+    if (opt == NULL)
+        opt = &defaults;
+    int enable_thinking = opt->enable_thinking;
     *out = NULL;
     *out_len = 0;
     if (ms == NULL || cJSON_IsNull(ms)) {
@@ -494,14 +571,18 @@ int pd_chat_render(const pd_chat_template *tp, const cJSON *ms, const pd_chat_to
         goto nomem;
     if (first_system && content_of(first, 0, 0, &content, msg, cap) != 0)
         goto out;
+    /* the template's own system prompt stands in for a missing one (Qwen2.5) */
+    int has_system = first_system || tp->default_system[0] != '\0';
+    if (!first_system && has_system && (cb_add(&content, "", 0) != 0 || cb_str(&content, tp->default_system) != 0))
+        goto nomem;
     if (tools != NULL) {
         if (cb_str(&o, "<|im_start|>system\n") != 0)
             goto nomem;
-        if (first_system && (cb_str(&o, content.p) != 0 || cb_str(&o, "\n\n") != 0))
+        if (has_system && (cb_str(&o, content.p) != 0 || cb_str(&o, "\n\n") != 0))
             goto nomem;
         if (render_tools(&o, tools) != 0)
             goto nomem;
-    } else if (first_system) {
+    } else if (has_system) {
         if (cb_str(&o, "<|im_start|>system\n") != 0 || cb_str(&o, content.p) != 0 ||
             cb_str(&o, "<|im_end|>\n") != 0)
             goto nomem;
@@ -546,9 +627,30 @@ int pd_chat_render(const pd_chat_template *tp, const cJSON *ms, const pd_chat_to
             goto nomem;
         }
     }
-    if (cb_str(&o, "<|im_start|>assistant\n") != 0 || (tp->open_think && cb_str(&o, "<think>\n") != 0) ||
-        (tp->think_switch && !tp->open_think && enable_thinking == 0 && cb_str(&o, "<think>\n\n</think>\n\n") != 0))
+    if (opt->continue_final) {
+        const cJSON *last = cJSON_GetArrayItem(ms, n - 1);
+        if (opt->add_generation_prompt) {
+            snprintf(msg, cap, "continue_final_message and add_generation_prompt cannot both be true");
+            goto out;
+        }
+        if (strcmp(role_of(last), "assistant") != 0) {
+            snprintf(msg, cap, "continue_final_message needs the last message (messages[%d]) to be the assistant's",
+                     n - 1);
+            goto out;
+        }
+        if (content_of(last, n - 1, 1, &content, msg, cap) != 0)
+            goto out;
+        if (cut_after_final(o.p, &o.len, content.p) != 0) {
+            snprintf(msg, cap, "continue_final_message: the text of messages[%d] is not in the rendered prompt", n - 1);
+            goto out;
+        }
+        o.p[o.len] = '\0';
+    } else if (opt->add_generation_prompt &&
+               (cb_str(&o, "<|im_start|>assistant\n") != 0 || (tp->open_think && cb_str(&o, "<think>\n") != 0) ||
+                (tp->think_switch && !tp->open_think && enable_thinking == 0 &&
+                 cb_str(&o, "<think>\n\n</think>\n\n") != 0))) {
         goto nomem;
+    }
     *out = o.p;
     *out_len = o.len;
     o.p = NULL;
@@ -564,7 +666,157 @@ out:
 
 /* ---- the output parser ----------------------------------------------------------------------- */
 
+/* A JSON value checked a byte at a time (RFC 8259 grammar; UTF-8 inside strings not checked):
+ * what lets a call's arguments stream as they are written and stop at their first bad byte. */
+enum { J_VALUE, J_AFTER, J_KEY, J_KEY_OR_END, J_VALUE_OR_END, J_COLON, J_STRING, J_ESC, J_HEX, J_NUM,
+       J_LIT, J_DONE };
+enum { J_MORE, J_END, J_BAD };
+#define J_DEPTH 128
+
+typedef struct {
+    int st;
+    int key;             /* J_STRING: the string is an object key */
+    int k;               /* J_HEX: hex digits left; J_NUM: number state; J_LIT: letters matched */
+    const char *lit;     /* J_LIT: true / false / null */
+    int depth;
+    char stack[J_DEPTH]; /* '{' or '[' */
+} jscan;
+
+/* the value that just ended: what may follow */
+static int j_after(jscan *j)
+{
+    j->st = j->depth == 0 ? J_DONE : J_AFTER;
+    return j->depth == 0 ? J_END : J_MORE;
+}
+
+/* number states: 1 '-', 2 '0', 3 int digits, 4 '.', 5 frac digits, 6 'e', 7 e sign, 8 exp digits */
+static int j_num(jscan *j, unsigned char c)
+{
+    int d = c >= '0' && c <= '9';
+    switch (j->k) {
+    case 1: return d ? (j->k = c == '0' ? 2 : 3, 1) : 0;
+    case 2: return c == '.' ? (j->k = 4, 1) : (c == 'e' || c == 'E') ? (j->k = 6, 1) : 0;
+    case 3: return d ? 1 : c == '.' ? (j->k = 4, 1) : (c == 'e' || c == 'E') ? (j->k = 6, 1) : 0;
+    case 4: return d ? (j->k = 5, 1) : 0;
+    case 5: return d ? 1 : (c == 'e' || c == 'E') ? (j->k = 6, 1) : 0;
+    case 6: return d ? (j->k = 8, 1) : (c == '+' || c == '-') ? (j->k = 7, 1) : 0;
+    case 7: return d ? (j->k = 8, 1) : 0;
+    default: return d;
+    }
+}
+
+static int j_feed(jscan *j, unsigned char c)
+{
+    switch (j->st) {
+    case J_STRING:
+        if (c == '"') {
+            if (j->key) {
+                j->st = J_COLON;
+                return J_MORE;
+            }
+            return j_after(j);
+        }
+        if (c == '\\')
+            j->st = J_ESC;
+        return c < 0x20 ? J_BAD : J_MORE;
+    case J_ESC:
+        if (c == 'u') {
+            j->st = J_HEX;
+            j->k = 4;
+            return J_MORE;
+        }
+        j->st = J_STRING;
+        return strchr("\"\\/bfnrt", c) != NULL && c != '\0' ? J_MORE : J_BAD;
+    case J_HEX:
+        if (!isxdigit(c))
+            return J_BAD;
+        if (--j->k == 0)
+            j->st = J_STRING;
+        return J_MORE;
+    case J_NUM:
+        if (j_num(j, c))
+            return J_MORE;
+        if (j->k == 1 || j->k == 4 || j->k == 6 || j->k == 7)
+            return J_BAD;
+        if (j_after(j) == J_END)
+            return J_BAD;   /* a top-level number ends only at the end of the text: not here */
+        return j_feed(j, c);
+    case J_LIT:
+        if (c != (unsigned char)j->lit[j->k])
+            return J_BAD;
+        if (j->lit[++j->k] == '\0')
+            return j_after(j);
+        return J_MORE;
+    case J_DONE:
+        return J_BAD;
+    }
+    if (c == ' ' || c == '\t' || c == '\n' || c == '\r')
+        return J_MORE;
+    switch (j->st) {
+    case J_COLON:
+        if (c != ':')
+            return J_BAD;
+        j->st = J_VALUE;
+        return J_MORE;
+    case J_KEY_OR_END:
+    case J_KEY:
+        if (c == '}' && j->st == J_KEY_OR_END) {
+            j->depth--;
+            return j_after(j);
+        }
+        if (c != '"')
+            return J_BAD;
+        j->st = J_STRING;
+        j->key = 1;
+        return J_MORE;
+    case J_AFTER: {
+        char top = j->stack[j->depth - 1];
+        if (c == ',') {
+            j->st = top == '{' ? J_KEY : J_VALUE;
+            return J_MORE;
+        }
+        if (c != (top == '{' ? '}' : ']'))
+            return J_BAD;
+        j->depth--;
+        return j_after(j);
+    }
+    case J_VALUE_OR_END:
+        if (c == ']') {
+            j->depth--;
+            return j_after(j);
+        }
+        break;
+    }
+    /* J_VALUE (or the first of an array) */
+    if (c == '{' || c == '[') {
+        if (j->depth == J_DEPTH)
+            return J_BAD;
+        j->stack[j->depth++] = (char)c;
+        j->st = c == '{' ? J_KEY_OR_END : J_VALUE_OR_END;
+        return J_MORE;
+    }
+    if (c == '"') {
+        j->st = J_STRING;
+        j->key = 0;
+        return J_MORE;
+    }
+    if (c == '-' || (c >= '0' && c <= '9')) {
+        j->st = J_NUM;
+        j->k = c == '-' ? 1 : c == '0' ? 2 : 3;
+        return J_MORE;
+    }
+    j->lit = c == 't' ? "true" : c == 'f' ? "false" : c == 'n' ? "null" : NULL;
+    if (j->lit == NULL)
+        return J_BAD;
+    j->st = J_LIT;
+    j->k = 1;
+    return J_MORE;
+}
+
 enum { P_START, P_REASONING, P_CONTENT, P_CALL };
+/* a <tool_call> block: its head {"name": "F", "arguments": read first; from the arguments' '{'
+ * on the call streams; a block of another shape is judged whole at its end */
+enum { C_HEAD, C_ARGS, C_TAIL, C_WHOLE };
 
 struct pd_chat_parser {
     int tools;
@@ -572,6 +824,11 @@ struct pd_chat_parser {
     size_t pos;          /* bytes of the output consumed */
     size_t call_at;      /* P_CALL: where its <tool_call> began ... */
     size_t ws_at;        /* ... and the whitespace before it (text again if the call is not one) */
+    int cst;             /* P_CALL: C_* */
+    int tail_brace;      /* C_TAIL: the call object's '}' has come */
+    int first;           /* C_ARGS: nothing of the call emitted yet */
+    char *name;          /* the current call's function */
+    jscan js;            /* C_ARGS: the arguments so far */
     int skip;            /* P_CONTENT: leading characters to drop (1 '\n', 2 any whitespace) */
     int first_reason;    /* P_REASONING: nothing emitted yet (its leading '\n' is dropped) */
     int calls;
@@ -591,7 +848,12 @@ pd_chat_parser *pd_chat_parser_create(int tools, int reasoning)
     return p;
 }
 
-void pd_chat_parser_destroy(pd_chat_parser *p) { free(p); }
+void pd_chat_parser_destroy(pd_chat_parser *p)
+{
+    if (p != NULL)
+        free(p->name);
+    free(p);
+}
 
 int pd_chat_parser_calls(const pd_chat_parser *p) { return p->calls; }
 
@@ -626,8 +888,21 @@ static void emit_text(pd_chat_parser *p, pd_chat_kind kind, const char *s, size_
     emit(ud, &pc);
 }
 
-/* a whole <tool_call> block s[0..n) (tags included): a call when its body is
- * {"name": STRING, "arguments": OBJECT or absent}, else content */
+/* a call's arguments a[0..n) (its first piece, with the function, when p->first) */
+static void emit_args(pd_chat_parser *p, const char *a, size_t n, size_t end, pd_chat_emit emit, void *ud)
+{
+    p->pos = end;
+    if (n == 0 && !p->first)
+        return;
+    pd_chat_piece pc = { .kind = PD_CHAT_TOOL_CALL, .text = p->name, .len = strlen(p->name), .args = a,
+                         .args_len = n, .index = p->calls - 1, .first = p->first, .end = end };
+    p->first = 0;
+    emit(ud, &pc);
+}
+
+/* a whole <tool_call> block of another shape than the streamed one, text[call_at..end) (tags
+ * included): a call when its body is {"name": STRING, "arguments": OBJECT or absent} (any member
+ * order; the arguments written again as json.dumps does), else content */
 static int emit_call(pd_chat_parser *p, const char *text, size_t end, pd_chat_emit emit, void *ud)
 {
     const char *body = text + p->call_at + sizeof(T_CALL) - 1;
@@ -642,19 +917,172 @@ static int emit_call(pd_chat_parser *p, const char *text, size_t end, pd_chat_em
         emit_text(p, PD_CHAT_CONTENT, text + p->ws_at, end - p->ws_at, end, emit, ud);
         return 0;
     }
-    char *a = args != NULL ? cJSON_PrintUnformatted(args) : strdup("{}");
-    if (a == NULL) {
+    cbuf a = { 0 };
+    free(p->name);
+    p->name = strdup(nm->valuestring);
+    if (p->name == NULL || (args != NULL ? py_json(&a, args) : cb_str(&a, "{}")) != 0) {
+        free(a.p);
         cJSON_Delete(j);
         return -1;
     }
-    p->pos = end;
-    pd_chat_piece pc = { .kind = PD_CHAT_TOOL_CALL, .text = nm->valuestring, .len = strlen(nm->valuestring),
-                         .args = a, .args_len = strlen(a), .index = p->calls++, .end = end };
-    emit(ud, &pc);
-    free(a);
+    p->calls++;
+    p->first = 1;
+    emit_args(p, a.p, a.len, end, emit, ud);
+    free(a.p);
     cJSON_Delete(j);
     p->skip = 2;   /* the "\n" between calls */
     return 0;
+}
+
+/* the head of a block's body s[0..n): 1 (*args_at: the arguments' '{', *name malloc'd) when it
+ * is {"name": STRING, "arguments" (or "parameters"): {, 0 when it may still be, -1 when it is
+ * not, -2 on NOMEM */
+static int call_head(const char *s, size_t n, size_t *args_at, char **name)
+{
+    size_t i = 0, name_at = 0, name_end = 0;
+    static const char *const step[] = { "{", "\"name\"", ":", NULL, ",", "\"arguments\"", ":", "{" };
+    for (int k = 0; k < 8; k++) {
+        while (i < n && is_ws(s[i]))
+            i++;
+        if (i == n)
+            return 0;
+        if (k == 3) {   /* the name: a JSON string */
+            if (s[i] != '"')
+                return -1;
+            name_at = i++;
+            while (i < n && s[i] != '"')
+                i += s[i] == '\\' ? 2 : 1;
+            if (i >= n)
+                return 0;
+            name_end = ++i;
+            continue;
+        }
+        const char *w = step[k];
+        if (k == 5 && s[i + 1 < n ? i + 1 : i] == 'p')
+            w = "\"parameters\"";
+        size_t l = strlen(w), m = n - i < l ? n - i : l;
+        if (memcmp(s + i, w, m) != 0)
+            return -1;
+        if (m < l)
+            return 0;
+        i += l;
+    }
+    cJSON *nm = cJSON_ParseWithLength(s + name_at, name_end - name_at);
+    if (!cJSON_IsString(nm)) {
+        cJSON_Delete(nm);
+        return -1;
+    }
+    free(*name);
+    *name = strdup(nm->valuestring);
+    cJSON_Delete(nm);
+    if (*name == NULL)
+        return -2;
+    *args_at = i - 1;
+    return 1;
+}
+
+/* bytes at the end of s[0..n) that begin a UTF-8 character not yet whole */
+static size_t utf8_tail(const char *s, size_t n)
+{
+    for (size_t h = 1; h <= 3 && h <= n; h++) {
+        unsigned char c = (unsigned char)s[n - h];
+        if ((c & 0xC0) != 0x80) {
+            size_t need = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 1;
+            return need > h ? h : 0;
+        }
+    }
+    return 0;
+}
+
+/* P_CALL: the block from p->pos on; 1 when the parser moved on to content (go on), 0 when it
+ * waits for more text, -1 on NOMEM */
+static int feed_call(pd_chat_parser *p, const char *text, size_t len, int final, pd_chat_emit emit, void *ud)
+{
+    const char *s = text + p->pos;
+    size_t n = len - p->pos;
+    if (p->cst == C_HEAD) {
+        size_t at = 0;
+        int h = call_head(s, n, &at, &p->name);
+        if (h == -2)
+            return -1;
+        if (h == 0 && !final)
+            return 0;
+        if (h == 1) {
+            memset(&p->js, 0, sizeof(p->js));
+            p->cst = C_ARGS;
+            p->first = 1;
+            p->calls++;
+            p->pos += at;
+            s += at;
+            n -= at;
+        } else {
+            p->cst = C_WHOLE;
+        }
+    }
+    if (p->cst == C_WHOLE) {
+        const char *e = find(s, n, T_CALL_END);
+        if (e == NULL && !final)
+            return 0;
+        p->mode = P_CONTENT;
+        if (e != NULL)
+            return emit_call(p, text, (size_t)(e - text) + sizeof(T_CALL_END) - 1, emit, ud) != 0 ? -1 : 1;
+        /* an unfinished block of another shape is text */
+        emit_text(p, PD_CHAT_CONTENT, text + p->ws_at, len - p->ws_at, len, emit, ud);
+        return 1;
+    }
+    if (p->cst == C_ARGS) {
+        size_t i = 0;
+        int r = J_MORE;
+        while (i < n && r == J_MORE)
+            r = j_feed(&p->js, (unsigned char)s[i++]);
+        if (r == J_BAD) {   /* the call ends at its arguments' last good byte; the rest is text */
+            emit_args(p, s, i - 1, p->pos + i - 1, emit, ud);
+            p->mode = P_CONTENT;
+            return 1;
+        }
+        size_t out = r == J_END || final ? i : i - utf8_tail(s, i);
+        emit_args(p, s, out, p->pos + out, emit, ud);
+        if (r != J_END) {
+            if (final)
+                p->mode = P_CONTENT;   /* cut off: the call is what came */
+            return final;
+        }
+        p->cst = C_TAIL;
+        p->tail_brace = 0;
+        s += out;
+        n -= out;
+    }
+    /* C_TAIL: the call object's '}', then </tool_call> */
+    size_t i = 0;
+    for (;;) {
+        while (i < n && is_ws(s[i]))
+            i++;
+        if (i < n && s[i] == '}' && !p->tail_brace) {
+            p->tail_brace = 1;
+            i++;
+            continue;
+        }
+        break;
+    }
+    size_t k = sizeof(T_CALL_END) - 1, m = n - i < k ? n - i : k;
+    if (p->tail_brace && memcmp(s + i, T_CALL_END, m) == 0) {
+        if (m < k && !final) {   /* the tag may be coming: wait at its start */
+            p->pos += i;
+            return 0;
+        }
+        p->pos += i + m;   /* (cut off inside the tag: the call is whole all the same) */
+        p->mode = P_CONTENT;
+        p->skip = 2;   /* the "\n" between calls */
+        return 1;
+    }
+    if (i == n && !final) {
+        p->pos += i;
+        return 0;
+    }
+    /* anything else ends the call here: it is text */
+    p->pos += i;
+    p->mode = P_CONTENT;
+    return 1;
 }
 
 int pd_chat_parser_feed(pd_chat_parser *p, const char *text, size_t len, int final, pd_chat_emit emit, void *ud)
@@ -718,6 +1146,7 @@ int pd_chat_parser_feed(pd_chat_parser *p, const char *text, size_t len, int fin
                 p->call_at = (size_t)(c - text);
                 p->pos = p->call_at + sizeof(T_CALL) - 1;
                 p->mode = P_CALL;
+                p->cst = C_HEAD;
                 continue;
             }
             size_t keep = n;
@@ -730,16 +1159,8 @@ int pd_chat_parser_feed(pd_chat_parser *p, const char *text, size_t len, int fin
             return 0;
         }
         /* P_CALL */
-        const char *e = find(s, n, T_CALL_END);
-        if (e != NULL) {
-            size_t end = (size_t)(e - text) + sizeof(T_CALL_END) - 1;
-            p->mode = P_CONTENT;
-            if (emit_call(p, text, end, emit, ud) != 0)
-                return -1;
-            continue;
-        }
-        if (final)   /* an unfinished call is text */
-            emit_text(p, PD_CHAT_CONTENT, text + p->ws_at, len - p->ws_at, len, emit, ud);
-        return 0;
+        int r = feed_call(p, text, len, final, emit, ud);
+        if (r <= 0)
+            return r;
     }
 }

@@ -26,10 +26,14 @@ typedef struct {
                                     * block after the generation prompt */
     int open_think;                /* the generation prompt opens <think> itself (Qwen3 Thinking
                                     * 2507, QwQ): the reply starts inside it */
+    char default_system[1024];     /* the system turn written when the messages bring none
+                                    * (Qwen2.5: "You are Qwen, created by Alibaba Cloud. ..."); ""
+                                    * = none (Qwen3) */
 } pd_chat_template;
 
 /* 0 and *out filled when tmpl is ChatML-shaped (<|im_start|>ROLE\n ... <|im_end|>), the only
- * shape this renderer writes; -1 with why otherwise. */
+ * shape this renderer writes; -1 with why otherwise. The default system prompt is the text of a
+ * literal '<|im_start|>system\n...<|im_end|>\n' in the template. */
 int pd_chat_template_detect(const char *tmpl, pd_chat_template *out, char *why, size_t cap);
 
 /* The request's tools. */
@@ -55,12 +59,24 @@ void pd_chat_tools_free(pd_chat_tools *t);
  * (cache may be NULL). *out NULL for the other choices. */
 pd_status pd_chat_tools_grammar(const pd_chat_tools *t, pd_gcache *cache, pd_grammar **out, pd_err *err);
 
+/* How a chat request asks for its prompt (vLLM's request fields). */
+typedef struct {
+    int enable_thinking;           /* chat_template_kwargs.enable_thinking: -1 unset, 0 or 1 */
+    int add_generation_prompt;     /* the assistant's generation prompt after the messages */
+    int continue_final;            /* continue_final_message: the prompt ends inside the last
+                                    * (assistant) message, cut after its text as Hugging Face's
+                                    * apply_chat_template cuts it */
+} pd_chat_opts;
+
+#define PD_CHAT_OPTS_DEFAULT { .enable_thinking = -1, .add_generation_prompt = 1, .continue_final = 0 }
+
 /* The prompt: messages (system/developer, user, assistant with content and/or tool_calls and
- * reasoning_content, tool) and tools (t may be NULL) rendered as ChatML, then the assistant's
- * generation prompt. enable_thinking: -1 unset, 0 or 1 (chat_template_kwargs). *out is
- * malloc'd. -1 with msg naming the message at fault. */
+ * reasoning_content, tool) and tools (t may be NULL) rendered as ChatML, then (o) the assistant's
+ * generation prompt or the last message left open. A call's arguments given as JSON text are
+ * parsed and written again as json.dumps writes them (as vLLM and SGLang hand them to the
+ * template). *out is malloc'd. -1 with msg naming the message at fault. */
 int pd_chat_render(const pd_chat_template *tp, const cJSON *messages, const pd_chat_tools *t,
-                   int enable_thinking, char **out, size_t *out_len, char *msg, size_t cap);
+                   const pd_chat_opts *o, char **out, size_t *out_len, char *msg, size_t cap);
 
 /* Python's json.dumps(v, ensure_ascii=False) (what Jinja's tojson writes in HF templates):
  * ", " and ": " separators, members in their order. Appends to *buf (malloc'd, NUL-ended). */
@@ -73,9 +89,11 @@ typedef struct {
     pd_chat_kind kind;
     const char *text;              /* CONTENT / REASONING: the text; TOOL_CALL: the function */
     size_t len;
-    const char *args;              /* TOOL_CALL: the arguments, compact JSON */
+    const char *args;              /* TOOL_CALL: the next bytes of the arguments (a call's pieces
+                                    * joined are its arguments, a JSON object as written) */
     size_t args_len;
     int index;                     /* TOOL_CALL: 0, 1, ... within the output */
+    int first;                     /* TOOL_CALL: the call's first piece */
     size_t end;                    /* the output's bytes this piece accounts for: [0, end) */
 } pd_chat_piece;
 
@@ -83,9 +101,14 @@ typedef void (*pd_chat_emit)(void *ud, const pd_chat_piece *p);
 
 typedef struct pd_chat_parser pd_chat_parser;
 
-/* tools: <tool_call>{"name", "arguments"}</tool_call> blocks become calls (a block that does not
- * parse stays content); reasoning: 0 none, 1 the output may open with <think>, 2 the output
- * starts inside <think> (the prompt opened it). NULL on NOMEM. */
+/* tools: <tool_call> blocks become calls. A block that opens {"name": "F", "arguments": { is a
+ * call from there on: its arguments stream as they are written, checked byte by byte as JSON;
+ * at a bad byte (or at the end of the output) the call ends with what came, and the rest of the
+ * block is content. A block of another shape is a call when it parses whole as {"name": STRING,
+ * "arguments": OBJECT or none} (arguments written again as json.dumps does), else content.
+ * Whole or cut into any feeds, the text gives the same pieces joined.
+ * reasoning: 0 none, 1 the output may open with <think>, 2 the output starts inside <think> (the
+ * prompt opened it). NULL on NOMEM. */
 pd_chat_parser *pd_chat_parser_create(int tools, int reasoning);
 void pd_chat_parser_destroy(pd_chat_parser *p);   /* NULL is fine */
 /* text[0..len) is all the output so far (it only grows); final: it is complete. Calls emit for

@@ -905,10 +905,45 @@ static int j_num_range(jctx *j, const cJSON *s, const char *path)
     return r;
 }
 
+/* The string formats enforced (as regular expressions over the unescaped text, none needing a
+ * JSON escape); other formats are annotations, as JSON Schema has them by default. */
+#define J_HEX4 "[0-9a-fA-F]{1,4}"
+#define J_LABEL "[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?"
+#define J_DATE "[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+#define J_TIME "([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\\.[0-9]+)?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+#define J_IPV4_PART "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+static const struct {
+    const char *name, *re;
+} j_formats[] = {
+    { "date", "^" J_DATE "$" },
+    { "time", "^" J_TIME "$" },
+    { "date-time", "^" J_DATE "[Tt]" J_TIME "$" },
+    { "uuid", "^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$" },
+    { "ipv4", "^(" J_IPV4_PART "\\.){3}" J_IPV4_PART "$" },
+    { "ipv6", "^((" J_HEX4 ":){7}" J_HEX4 "|(" J_HEX4 ":){1,7}:|(" J_HEX4 ":){1,6}:" J_HEX4 "|(" J_HEX4
+              ":){1,5}(:" J_HEX4 "){1,2}|(" J_HEX4 ":){1,4}(:" J_HEX4 "){1,3}|(" J_HEX4 ":){1,3}(:" J_HEX4
+              "){1,4}|(" J_HEX4 ":){1,2}(:" J_HEX4 "){1,5}|" J_HEX4 ":(:" J_HEX4 "){1,6}|:((:" J_HEX4
+              "){1,7}|:))$" },
+    { "hostname", "^" J_LABEL "(\\." J_LABEL ")*$" },
+    { "email", "^[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+(\\.[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+)*@" J_LABEL "(\\." J_LABEL ")+$" },
+    { "uri", "^[A-Za-z][A-Za-z0-9+.-]*:[!#-Z\\[\\]^-~]+$" },
+};
+
 static int j_typed(jctx *j, const cJSON *s, const char *type, const char *path, int depth)
 {
     if (strcmp(type, "string") == 0) {
         const cJSON *pat = cJSON_GetObjectItemCaseSensitive(s, "pattern");
+        const cJSON *fmt = cJSON_GetObjectItemCaseSensitive(s, "format");
+        if (fmt != NULL && !cJSON_IsString(fmt))
+            return j_err(j, path, "'%s' must be a string", "format");
+        for (size_t k = 0; pat == NULL && fmt != NULL && k < sizeof(j_formats) / sizeof(j_formats[0]); k++) {
+            if (strcmp(fmt->valuestring, j_formats[k].name) != 0)
+                continue;
+            if (cJSON_GetObjectItemCaseSensitive(s, "minLength") != NULL ||
+                cJSON_GetObjectItemCaseSensitive(s, "maxLength") != NULL)
+                return j_err(j, path, "format '%s' with minLength or maxLength is not supported", fmt->valuestring);
+            return j_pattern(j, j_formats[k].re, path);
+        }
         if (pat != NULL) {
             if (!cJSON_IsString(pat))
                 return j_err(j, path, "'%s' must be a string", "pattern");

@@ -451,17 +451,22 @@ static void call_id(const http_choice *ch, int k, char out[40])
     snprintf(out, 40, "call_%016llx%08llx", (unsigned long long)h[0], (unsigned long long)(h[1] & 0xffffffffull));
 }
 
+/* A tool call's JSON from its first piece: id, type, function name and the arguments so far
+ * (streamed: with its index); a later piece streamed: index and the next arguments only. */
 static cJSON *tool_call_json(const http_choice *ch, const pd_chat_piece *p, int stream)
 {
-    char id[40];
-    call_id(ch, p->index, id);
     cJSON *tc = cJSON_CreateObject();
     if (stream)
         cJSON_AddNumberToObject(tc, "index", p->index);
-    cJSON_AddStringToObject(tc, "id", id);
-    cJSON_AddStringToObject(tc, "type", "function");
+    if (p->first) {
+        char id[40];
+        call_id(ch, p->index, id);
+        cJSON_AddStringToObject(tc, "id", id);
+        cJSON_AddStringToObject(tc, "type", "function");
+    }
     cJSON *fn = cJSON_AddObjectToObject(tc, "function");
-    cJSON_AddItemToObject(fn, "name", string_n(p->text, p->len));
+    if (p->first)
+        cJSON_AddItemToObject(fn, "name", string_n(p->text, p->len));
     cJSON_AddItemToObject(fn, "arguments", string_n(p->args, p->args_len));
     return tc;
 }
@@ -469,20 +474,35 @@ static cJSON *tool_call_json(const http_choice *ch, const pd_chat_piece *p, int 
 /* a whole reply split (non-streamed): content, reasoning and tool calls gathered */
 typedef struct {
     const http_choice *ch;
-    char *content, *reasoning;
-    size_t cl, cc, rl, rc;
+    char *content, *reasoning, *args;
+    size_t cl, cc, rl, rc, al, ac;
     cJSON *calls;
 } split_acc;
+
+/* the last call's arguments: what came of them */
+static void split_args_done(split_acc *a)
+{
+    cJSON *tc = cJSON_GetArrayItem(a->calls, cJSON_GetArraySize(a->calls) - 1);
+    if (tc != NULL)
+        cJSON_ReplaceItemInObjectCaseSensitive(cJSON_GetObjectItemCaseSensitive(tc, "function"), "arguments",
+                                               string_n(a->args != NULL ? a->args : "", a->al));
+    a->al = 0;
+}
 
 static void split_piece(void *ud, const pd_chat_piece *p)
 {
     split_acc *a = ud;
-    if (p->kind == PD_CHAT_CONTENT)
+    if (p->kind == PD_CHAT_CONTENT) {
         buf_append(&a->content, &a->cl, &a->cc, p->text, p->len);   /* NOMEM: the text is cut */
-    else if (p->kind == PD_CHAT_REASONING)
+    } else if (p->kind == PD_CHAT_REASONING) {
         buf_append(&a->reasoning, &a->rl, &a->rc, p->text, p->len);
-    else
-        cJSON_AddItemToArray(a->calls, tool_call_json(a->ch, p, 0));
+    } else {
+        if (p->first) {
+            split_args_done(a);
+            cJSON_AddItemToArray(a->calls, tool_call_json(a->ch, p, 0));
+        }
+        buf_append(&a->args, &a->al, &a->ac, p->args, p->args_len);
+    }
 }
 
 /* Appends choice ch to o's "choices"; text NULL = no text field (chat role-only / final
@@ -505,6 +525,7 @@ static void add_choice(cJSON *o, const http_choice *ch, const char *text, size_t
             pd_chat_parser *p = pd_chat_parser_create(r->tools, r->reasoning);
             if (p != NULL)
                 pd_chat_parser_feed(p, text, len, 1, split_piece, &a);
+            split_args_done(&a);
             pd_chat_parser_destroy(p);
             int calls = cJSON_GetArraySize(a.calls);
             if (a.cl == 0 && calls > 0)
@@ -526,6 +547,7 @@ static void add_choice(cJSON *o, const http_choice *ch, const char *text, size_t
             }
             free(a.content);
             free(a.reasoning);
+            free(a.args);
         } else if (text != NULL) {
             cJSON_AddItemToObject(m, "content", string_n(text, len));
         }
@@ -581,8 +603,9 @@ static void sse_delta(http_choice *c, size_t safe)
     sse_send(c->r, o);
 }
 
-/* A streamed piece of a split chat reply: a delta of content, reasoning_content or one whole
- * tool call, with the logprobs of the tokens whose text starts before the piece's end. */
+/* A streamed piece of a split chat reply: a delta of content, reasoning_content or a tool call
+ * (its first: id, type, name and the arguments so far; then the arguments as they come), with
+ * the logprobs of the tokens whose text starts before the piece's end. */
 static void sse_piece(void *ud, const pd_chat_piece *p)
 {
     http_choice *ch = ud;
@@ -1670,12 +1693,30 @@ static void prompt_use(decode_req *dr, const prompt_in *p)
     dr->n_prompt_ids = p->ids != NULL ? p->n_ids : 0;
 }
 
-/* A chat request's tools and chat_template_kwargs. tool_choice "required" or a named function
- * forces the call through a grammar (as structured output, so not with it or min_tokens; not
- * made when dr is NULL: /tokenize). -1 with *param and msg set. */
+/* A chat request's tools, chat_template_kwargs, add_generation_prompt and
+ * continue_final_message. tool_choice "required" or a named function forces the call through a
+ * grammar (as structured output, so not with it or min_tokens; not made when dr is NULL:
+ * /tokenize). -1 with *param and msg set. */
 static int chat_setup(const cJSON *root, decode_req *dr, req_opts *o, pd_chat_tools *t,
-                      int *think, const char **param, char *msg, size_t cap)
+                      pd_chat_opts *co, const char **param, char *msg, size_t cap)
 {
+    static const char *const flags[2] = { "add_generation_prompt", "continue_final_message" };
+    for (int k = 0; k < 2; k++) {
+        const cJSON *f = cJSON_GetObjectItemCaseSensitive(root, flags[k]);
+        if (f == NULL || cJSON_IsNull(f))
+            continue;
+        *param = flags[k];
+        if (!cJSON_IsBool(f)) {
+            snprintf(msg, cap, "'%s' must be a boolean", flags[k]);
+            return -1;
+        }
+        *(k == 0 ? &co->add_generation_prompt : &co->continue_final) = cJSON_IsTrue(f);
+    }
+    if (co->add_generation_prompt && co->continue_final) {
+        snprintf(msg, cap, "'continue_final_message' needs 'add_generation_prompt': false (the prompt ends in the "
+                 "last message, not in a new one)");
+        return -1;
+    }
     *param = "messages";
     if (pd_chat_tools_parse(root, t, param, msg, cap) != 0)
         return -1;
@@ -1688,7 +1729,7 @@ static int chat_setup(const cJSON *root, decode_req *dr, req_opts *o, pd_chat_to
             return -1;
         }
         if (cJSON_IsBool(et))
-            *think = cJSON_IsTrue(et);
+            co->enable_thinking = cJSON_IsTrue(et);
     }
     *param = "tool_choice";
     if (dr != NULL && (t->choice == PD_TOOLS_REQUIRED || t->choice == PD_TOOLS_NAMED)) {
@@ -1748,7 +1789,7 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     char *chat_text = NULL;
     size_t chat_len = 0;
     pd_chat_tools tools = {0};
-    int think = -1;
+    pd_chat_opts copts = PD_CHAT_OPTS_DEFAULT;
     http_req *r = NULL;
     if (root == NULL || !cJSON_IsObject(root)) {
         decode_metrics_refused(dh->dm, "invalid");
@@ -1777,8 +1818,8 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
         goto out;
     }
     if (chat) {
-        if (chat_setup(root, &dr, &o, &tools, &think, &param, msg, sizeof(msg)) != 0 ||
-            pd_chat_render(&dh->tmpl, cJSON_GetObjectItemCaseSensitive(root, "messages"), &tools, think,
+        if (chat_setup(root, &dr, &o, &tools, &copts, &param, msg, sizeof(msg)) != 0 ||
+            pd_chat_render(&dh->tmpl, cJSON_GetObjectItemCaseSensitive(root, "messages"), &tools, &copts,
                            &chat_text, &chat_len, msg, sizeof(msg)) != 0) {
             decode_metrics_refused(dh->dm, "invalid");
             send_error(req, 400, param != NULL ? param : "messages", msg);
@@ -1807,8 +1848,11 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     r->req = req;
     r->chat = chat;
     r->tools = chat && tools.choice != PD_TOOLS_NONE;
-    /* 1: the reply may open <think>; 2: the prompt opened it (the reply starts inside) */
-    r->reasoning = !chat || !dh->reasoning ? 0 : dh->tmpl.open_think ? 2 : think != 0 ? 1 : 0;
+    /* 1: the reply may open <think>; 2: the generation prompt opened it (the reply starts inside) */
+    r->reasoning = !chat || !dh->reasoning                              ? 0
+                   : dh->tmpl.open_think && copts.add_generation_prompt ? 2
+                   : copts.enable_thinking != 0                         ? 1
+                                                                        : 0;
     r->stream = o.stream;
     for (int i = 0; r->stream && (r->tools || r->reasoning) && i < r->n_choice; i++)
         if ((r->ch[i].cp = pd_chat_parser_create(r->tools, r->reasoning)) == NULL) {
@@ -2022,7 +2066,7 @@ static void h_tokenize(struct evhttp_request *req, void *ud)
     char msg[512];
     char *chat_text = NULL;
     pd_chat_tools tools = {0};
-    int think = -1;
+    pd_chat_opts copts = PD_CHAT_OPTS_DEFAULT;
     const char *param = NULL;
     const char *text = NULL;
     size_t len = 0;
@@ -2033,8 +2077,8 @@ static void h_tokenize(struct evhttp_request *req, void *ud)
                           "%s", dh->chat_why);
             goto out;
         }
-        if (chat_setup(root, NULL, NULL, &tools, &think, &param, msg, sizeof(msg)) != 0 ||
-            pd_chat_render(&dh->tmpl, cJSON_GetObjectItemCaseSensitive(root, "messages"), &tools, think,
+        if (chat_setup(root, NULL, NULL, &tools, &copts, &param, msg, sizeof(msg)) != 0 ||
+            pd_chat_render(&dh->tmpl, cJSON_GetObjectItemCaseSensitive(root, "messages"), &tools, &copts,
                            &chat_text, &len, msg, sizeof(msg)) != 0) {
             send_error(req, 400, param != NULL ? param : "messages", msg);
             goto out;

@@ -1,8 +1,10 @@
 /* test_chat: chat prompts and the chat output parser.
- * - pd_chat_render against the prompts Hugging Face's apply_chat_template makes from Qwen3's
- *   template and from the bundled model's ChatML template (tests/fixtures/chat/chat_cases.json,
- *   made by make_chat_cases.py with jinja2): tools, tool calls and responses, reasoning in
- *   history, enable_thinking;
+ * - pd_chat_render against the prompts Hugging Face's apply_chat_template makes from Qwen3's and
+ *   Qwen2.5's templates and from the bundled model's ChatML template
+ *   (tests/fixtures/chat/chat_cases.json, made by make_chat_cases.py with jinja2): tools, tool
+ *   calls (arguments as objects, JSON text, none) and responses, reasoning in history,
+ *   enable_thinking, Qwen2.5's default system prompt, add_generation_prompt false and
+ *   continue_final_message;
  * - tools / tool_choice / parallel_tool_calls parsing and its errors;
  * - the tool-call grammar (Hermes format): calls that follow the schema accepted, others not;
  * - the output parser: content, <think> reasoning and <tool_call> blocks split the same whether
@@ -13,6 +15,9 @@
 
 #include "pd_chat.h"
 #include "test_util.h"
+
+/* what Qwen2.5-Instruct's chat template writes when the messages bring no system turn */
+#define QWEN25_SYSTEM "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
 static void test_render_fixture(void)
 {
@@ -25,11 +30,18 @@ static void test_render_fixture(void)
     int n = 0;
     for (const cJSON *c = cases != NULL ? cases->child : NULL; c != NULL; c = c->next, n++) {
         const char *name = cJSON_GetObjectItem(c, "name")->valuestring;
-        int q3 = strcmp(cJSON_GetObjectItem(c, "template")->valuestring, "qwen3") == 0;
+        const char *flavour = cJSON_GetObjectItem(c, "template")->valuestring;
+        int q3 = strcmp(flavour, "qwen3") == 0;
         pd_chat_template tp = { .think = q3, .think_switch = q3 };
+        if (strcmp(flavour, "qwen25") == 0)
+            snprintf(tp.default_system, sizeof(tp.default_system), "%s", QWEN25_SYSTEM);
         const cJSON *kw = cJSON_GetObjectItem(c, "chat_template_kwargs");
         const cJSON *et = cJSON_GetObjectItem(kw, "enable_thinking");
-        int think = et == NULL ? -1 : cJSON_IsTrue(et);
+        const cJSON *cf = cJSON_GetObjectItem(kw, "continue_final_message");
+        const cJSON *gp = cJSON_GetObjectItem(kw, "add_generation_prompt");
+        pd_chat_opts co = { .enable_thinking = et == NULL ? -1 : cJSON_IsTrue(et),
+                            .add_generation_prompt = gp == NULL || cJSON_IsTrue(gp),
+                            .continue_final = cJSON_IsTrue(cf) };
         cJSON *root = cJSON_CreateObject();
         const cJSON *tools = cJSON_GetObjectItem(c, "tools");
         if (!cJSON_IsNull(tools))
@@ -40,7 +52,7 @@ static void test_render_fixture(void)
         TEST_CHECK_MSG(pd_chat_tools_parse(root, &t, &param, msg, sizeof(msg)) == 0, "%s: %s", name, msg);
         char *out = NULL;
         size_t out_len = 0;
-        int rc = pd_chat_render(&tp, cJSON_GetObjectItem(c, "messages"), &t, think, &out, &out_len, msg, sizeof(msg));
+        int rc = pd_chat_render(&tp, cJSON_GetObjectItem(c, "messages"), &t, &co, &out, &out_len, msg, sizeof(msg));
         const char *want = cJSON_GetObjectItem(c, "prompt")->valuestring;
         TEST_CHECK_MSG(rc == 0 && out != NULL && strcmp(out, want) == 0 && out_len == strlen(want),
                        "%s/%s: rc %d %s\n--- got\n%s\n--- want\n%s", name,
@@ -207,8 +219,10 @@ static void on_piece(void *ud, const pd_chat_piece *p)
     collect *c = ud;
     char *dst = p->kind == PD_CHAT_CONTENT ? c->content : p->kind == PD_CHAT_REASONING ? c->reasoning : c->calls;
     size_t l = strlen(dst);
-    if (p->kind == PD_CHAT_TOOL_CALL)
-        snprintf(dst + l, 1024 - l, "[%d %.*s %.*s]", p->index, (int)p->len, p->text, (int)p->args_len, p->args);
+    if (p->kind == PD_CHAT_TOOL_CALL && p->first)   /* "[index name]" then the arguments' pieces */
+        snprintf(dst + l, 1024 - l, "[%d %.*s]%.*s", p->index, (int)p->len, p->text, (int)p->args_len, p->args);
+    else if (p->kind == PD_CHAT_TOOL_CALL)
+        snprintf(dst + l, 1024 - l, "%.*s", (int)p->args_len, p->args);
     else
         snprintf(dst + l, 1024 - l, "%.*s", (int)p->len, p->text);
     if (p->end < c->last_end)
@@ -236,14 +250,24 @@ static void parse_case(int tools, int reasoning, const char *text, const char *c
     }
 }
 
+/* a xorshift stream: the random tests are the same on every run */
+static uint64_t rs = 0x243f6a8885a308d3ull;
+static uint32_t rnd(void)
+{
+    rs ^= rs << 13;
+    rs ^= rs >> 7;
+    rs ^= rs << 17;
+    return (uint32_t)(rs >> 11);
+}
+
 static void test_parser(void)
 {
     parse_case(0, 0, "plain <tool_call> text", "plain <tool_call> text", "", "");
     parse_case(1, 0, "no calls here\n", "no calls here\n", "", "");
     parse_case(1, 0, "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1, \"b\": \"x y\"}}\n</tool_call>", "", "",
-               "[0 f {\"a\":1,\"b\":\"x y\"}]");
+               "[0 f]{\"a\": 1, \"b\": \"x y\"}");
     parse_case(1, 0, "Let me check.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>\n"
-               "<tool_call>\n{\"name\": \"g\"}\n</tool_call>", "Let me check.", "", "[0 f {}][1 g {}]");
+               "<tool_call>\n{\"name\": \"g\"}\n</tool_call>", "Let me check.", "", "[0 f]{}[1 g]{}");
     /* a block that is not a call stays text; an unfinished one too */
     parse_case(1, 0, "a <tool_call>oops</tool_call> b", "a <tool_call>oops</tool_call> b", "", "");
     parse_case(1, 0, "x <tool_call>\n{\"name\": \"f\"", "x <tool_call>\n{\"name\": \"f\"", "", "");
@@ -255,25 +279,119 @@ static void test_parser(void)
     parse_case(0, 1, "<think>\ncut off", "", "cut off", "");
     parse_case(0, 2, "already inside\n</think>\n\nout", "out", "already inside", "");
     parse_case(1, 1, "<think>\nuse f\n</think>\n\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"q\": \"<think>\"}}\n"
-               "</tool_call>", "", "use f", "[0 f {\"q\":\"<think>\"}]");
+               "</tool_call>", "", "use f", "[0 f]{\"q\": \"<think>\"}");
+    /* arguments stream as written: strings with braces and escapes, nesting, numbers, literals */
+    parse_case(1, 0, "<tool_call>\n{\"name\": \"f\\\"x\", \"arguments\": {\"s\": \"a}\\\"]b\\u00e9\", \"n\": [1, {\"x\": "
+               "-2.5e3}, []], \"t\": true, \"z\": null}}\n</tool_call>", "", "",
+               "[0 f\"x]{\"s\": \"a}\\\"]b\\u00e9\", \"n\": [1, {\"x\": -2.5e3}, []], \"t\": true, \"z\": null}");
+    parse_case(1, 0, "<tool_call>{\"name\":\"f\",\"parameters\":{\"a\":0.5}}</tool_call>", "", "", "[0 f]{\"a\":0.5}");
+    /* another member order: judged whole, the arguments written again as json.dumps does */
+    parse_case(1, 0, "<tool_call>\n{\"arguments\": {\"a\":1,\"b\":[true]}, \"name\": \"f\"}\n</tool_call>", "", "",
+               "[0 f]{\"a\": 1, \"b\": [true]}");
+    /* a bad byte ends the call there: the rest of the block is content */
+    parse_case(1, 0, "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1,}}\n</tool_call> after",
+               "}}\n</tool_call> after", "", "[0 f]{\"a\": 1,");
+    parse_case(1, 0, "<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": 01}}</tool_call>",
+               "1}}</tool_call>", "", "[0 f]{\"a\": 0");
+    parse_case(1, 0, "<tool_call>{\"name\": \"f\", \"arguments\": {}} junk</tool_call>", "junk</tool_call>", "",
+               "[0 f]{}");
+    /* cut off inside the arguments: the call is what came */
+    parse_case(1, 0, "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": \"x", "", "", "[0 f]{\"a\": \"x");
+    parse_case(1, 0, "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_", "", "", "[0 f]{}");
+}
+
+typedef struct {
+    int pieces;
+    char last;   /* the last byte of the last arguments piece */
+} args_seen;
+
+static void on_args(void *ud, const pd_chat_piece *p)
+{
+    args_seen *a = ud;
+    if (p->kind == PD_CHAT_TOOL_CALL && p->args_len > 0) {
+        a->pieces++;
+        a->last = p->args[p->args_len - 1];
+    }
+}
+
+/* streamed arguments: each piece as soon as it is checked, never half a UTF-8 character */
+static void test_args_stream(void)
+{
+    const char *t = "<tool_call>\n{\"name\": \"write\", \"arguments\": {\"text\": \"caf\xc3\xa9 \xe2\x82\xac\"}}";
+    size_t n = strlen(t);
+    pd_chat_parser *p = pd_chat_parser_create(1, 0);
+    args_seen a = { 0 };
+    int split = 0;
+    for (size_t i = 1; i <= n; i++) {
+        a.last = 0;
+        TEST_CHECK(pd_chat_parser_feed(p, t, i, 0, on_args, &a) == 0);
+        if (a.last != 0 && ((unsigned char)a.last & 0xC0) == 0xC0)
+            split = 1;   /* a piece ended with a UTF-8 lead byte */
+    }
+    TEST_CHECK(!split);
+    TEST_CHECK_MSG(a.pieces == 18, "%d pieces", a.pieces);   /* a piece per character (18), not one at the end */
+    TEST_CHECK(pd_chat_parser_calls(p) == 1);
+    pd_chat_parser_destroy(p);
+}
+
+/* the arguments' byte check against cJSON: random JSON objects, then bytes of them changed:
+ * what the check lets through whole is what cJSON reads, and the objects it was given whole pass */
+static void test_args_check(void)
+{
+    static const char *const frag[] = { "{", "}", "[", "]", "\"k\"", ":", ",", " ", "1", "-0.5e+2", "true", "null",
+                                        "\"s\\n\\u00e9\"", "0", "\"", "\\", "e", "." };
+    int bad = 0, whole = 0;
+    for (int iter = 0; iter < 4000 && !bad; iter++) {
+        char a[256] = "{";
+        size_t n = 1;
+        int parts = (int)(rnd() % 14);
+        for (int k = 0; k < parts; k++) {
+            const char *f = frag[rnd() % (sizeof(frag) / sizeof(frag[0]))];
+            if (n + strlen(f) + 2 >= sizeof(a))
+                break;
+            memcpy(a + n, f, strlen(f));
+            n += strlen(f);
+        }
+        a[n] = '\0';
+        if (iter % 2 == 0 && n + 2 < sizeof(a)) {   /* half of them: a valid object */
+            snprintf(a, sizeof(a), "{\"k%d\": [%d, {\"x\": \"y\\\"\"}, -%d.25], \"t\": %s}", iter, iter % 7, iter % 3,
+                     iter % 4 == 0 ? "false" : "{}");
+            n = strlen(a);
+        }
+        char text[400];
+        snprintf(text, sizeof(text), "<tool_call>{\"name\": \"f\", \"arguments\": %s}</tool_call>", a);
+        collect c = { .ends_ok = 1 };
+        pd_chat_parser *p = pd_chat_parser_create(1, 0);
+        pd_chat_parser_feed(p, text, strlen(text), 1, on_piece, &c);
+        pd_chat_parser_destroy(p);
+        char want[300];
+        snprintf(want, sizeof(want), "[0 f]%s", a);
+        int passed = strcmp(c.calls, want) == 0 && c.content[0] == '\0';
+        cJSON *j = cJSON_Parse(a);
+        if (passed && !cJSON_IsObject(j)) {
+            fprintf(stderr, "the check let through what cJSON does not read: %s\n", a);
+            bad = 1;
+        }
+        if (iter % 2 == 0 && !passed) {
+            fprintf(stderr, "a valid object was stopped: %s -> calls [%s] content [%s]\n", a, c.calls, c.content);
+            bad = 1;
+        }
+        whole += passed;
+        cJSON_Delete(j);
+    }
+    TEST_CHECK(!bad);
+    TEST_CHECK(whole >= 2000);
 }
 
 /* random texts of tag fragments: the pieces are the same whichever way the text is cut into
  * feeds (whole, byte by byte, random chunks), and content + reasoning + calls account for it */
-static uint64_t rs = 0x243f6a8885a308d3ull;
-static uint32_t rnd(void)
-{
-    rs ^= rs << 13;
-    rs ^= rs >> 7;
-    rs ^= rs << 17;
-    return (uint32_t)(rs >> 11);
-}
-
 static void test_parser_random(void)
 {
     static const char *const frag[] = { "<tool_call>", "</tool_call>", "<think>", "</think>", "\n",
                                         "{\"name\": \"f\", \"arguments\": {\"a\": 1}}", "a", " ", "<", "</",
-                                        "<tool_", "think>", "{\"name\": 3}", "\xc3\xa9" };
+                                        "<tool_", "think>", "{\"name\": 3}", "\xc3\xa9",
+                                        "{\"name\": \"g\", \"arguments\": {", "}", "\"s\": \"}\\\"\"", ",", "[1, 2]",
+                                        "\"x\": " };
     int bad = 0;
     for (int iter = 0; iter < 3000 && !bad; iter++) {
         char text[512];
@@ -348,24 +466,76 @@ static void test_detect(void)
     /* a template whose generation prompt opens <think> (Qwen3 Thinking 2507, QwQ) */
     const char *qwq = "{{'<|im_start|>' + m['role']}}<|im_end|>{%- if add_generation_prompt %}"
                       "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %} reasoning_content </think>";
-    TEST_CHECK(pd_chat_template_detect(qwq, &tp, why, sizeof(why)) == 0 && tp.think == 1 && tp.open_think == 1);
+    TEST_CHECK(pd_chat_template_detect(qwq, &tp, why, sizeof(why)) == 0 && tp.think == 1 && tp.open_think == 1 &&
+               tp.default_system[0] == '\0');
+    /* a default system prompt (Qwen2.5's shape): the literal's text, escapes undone; literals that
+     * end at the newline (Qwen3's) give none */
+    const char *q25 = "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + "
+                      "'<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou are \\'X\\'.\\nBe kind."
+                      "<|im_end|>\\n' }}{%- endif %}{{'<|im_start|>' + m['role']}}<|im_start|>assistant";
+    TEST_CHECK_MSG(pd_chat_template_detect(q25, &tp, why, sizeof(why)) == 0 &&
+                   strcmp(tp.default_system, "You are 'X'.\nBe kind.") == 0, "got '%s'", tp.default_system);
+    const char *q3 = "{{- '<|im_start|>system\\n' }}{{- '<|im_start|>system\\n' + messages[0].content + "
+                     "'<|im_end|>\\n' }}<|im_start|>assistant role";
+    TEST_CHECK(pd_chat_template_detect(q3, &tp, why, sizeof(why)) == 0 && tp.default_system[0] == '\0');
+    TEST_CHECK(pd_chat_template_detect(qwq, &tp, why, sizeof(why)) == 0);
     cJSON *ms = cJSON_Parse("[{\"role\": \"user\", \"content\": \"hi\"}]");
     char *out = NULL;
     size_t len = 0;
-    TEST_CHECK(pd_chat_render(&tp, ms, NULL, 0, &out, &len, why, sizeof(why)) == 0 && out != NULL &&
+    pd_chat_opts off = { .enable_thinking = 0, .add_generation_prompt = 1 };
+    TEST_CHECK(pd_chat_render(&tp, ms, NULL, &off, &out, &len, why, sizeof(why)) == 0 && out != NULL &&
                strcmp(out, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n") == 0);
     free(out);
     cJSON_Delete(ms);
+}
+
+/* messages the renderer refuses, each with an error naming the message at fault */
+static void test_render_errors(void)
+{
+    static const struct { const char *messages, *has; } bad[] = {
+        { "[]", "non-empty array" },
+        { "[{\"content\": \"x\"}]", "messages[0] must be an object with a string 'role'" },
+        { "[{\"role\": \"robot\", \"content\": \"x\"}]", "messages[0].role 'robot'" },
+        { "[{\"role\": \"user\", \"content\": 3}]", "messages[0].content must be" },
+        { "[{\"role\": \"user\", \"content\": \"x\"}, {\"role\": \"assistant\", \"tool_calls\": {}}]",
+          "messages[1].tool_calls must be an array" },
+        { "[{\"role\": \"user\", \"content\": \"x\"}, {\"role\": \"assistant\", \"tool_calls\": "
+          "[{\"function\": {\"arguments\": \"{}\"}}]}]", "messages[1].tool_calls[0] needs function.name" },
+        { "[{\"role\": \"user\", \"content\": \"x\"}, {\"role\": \"assistant\", \"tool_calls\": "
+          "[{\"function\": {\"name\": \"f\", \"arguments\": \"{}\"}}, {\"function\": {\"name\": \"f\", "
+          "\"arguments\": \"{\\\"a\\\": \"}}]}]", "messages[1].tool_calls[1].function.arguments is not valid JSON" },
+        { "[{\"role\": \"user\", \"content\": \"x\"}]", "continue_final_message needs the last message (messages[0])" },
+        { "[{\"role\": \"assistant\", \"content\": \"x\"}]", "continue_final_message and add_generation_prompt cannot both" },
+    };
+    pd_chat_template tp = { .think = 1 };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        cJSON *ms = cJSON_Parse(bad[i].messages);
+        TEST_CHECK_MSG(ms != NULL, "case %zu does not parse", i);
+        char msg[256] = "", *out = NULL;
+        size_t len = 0;
+        pd_chat_opts co = PD_CHAT_OPTS_DEFAULT;
+        if (strstr(bad[i].has, "continue_final") != NULL) {
+            co.continue_final = 1;
+            co.add_generation_prompt = strstr(bad[i].has, "cannot both") != NULL;
+        }
+        int rc = pd_chat_render(&tp, ms, NULL, &co, &out, &len, msg, sizeof(msg));
+        TEST_CHECK_MSG(rc == -1 && out == NULL && strstr(msg, bad[i].has) != NULL, "case %zu: rc %d '%s'", i, rc, msg);
+        free(out);
+        cJSON_Delete(ms);
+    }
 }
 
 int main(void)
 {
     test_detect();
     test_render_fixture();
+    test_render_errors();
     test_tools_parse();
     test_grammar();
     test_parser();
     test_parser_random();
+    test_args_stream();
+    test_args_check();
     test_pyjson();
     TEST_DONE();
 }

@@ -342,8 +342,61 @@ static void test_schema(const pd_gvocab *v, const uint8_t **tb, const size_t *tl
         pd_grammar_unref(g);
     }
 
+    /* string formats: each a regular language of the text; other formats are annotations */
+    static const struct { const char *format, *yes[4], *no[4]; } formats[] = {
+        { "date", { "2026-12-05", "0001-01-31", "1999-02-29", "2000-10-01" },
+          { "2026-13-01", "2026-1-01", "2026-12-32", "26-12-05" } },
+        { "time", { "23:59:60Z", "00:00:00.125+05:30", "12:30:00z", "08:00:00-00:00" },
+          { "24:00:00Z", "12:30Z", "12:30:00", "12:60:00Z" } },
+        { "date-time", { "2026-12-05T08:45:00Z", "2026-12-05t08:45:00.5+01:00", "1970-01-01T00:00:00Z", NULL },
+          { "2026-12-05 08:45:00Z", "2026-12-05T08:45Z", "2026-12-05", "T08:45:00Z" } },
+        { "uuid", { "123e4567-e89b-12d3-a456-426614174000", "00000000-0000-0000-0000-000000000000",
+                    "ABCDEF01-2345-6789-abcd-ef0123456789", NULL },
+          { "123e4567e89b12d3a456426614174000", "123e4567-e89b-12d3-a456-42661417400", "g23e4567-e89b-12d3-a456-426614174000",
+            NULL } },
+        { "ipv4", { "127.0.0.1", "255.255.255.255", "0.0.0.0", "10.20.30.40" },
+          { "256.1.1.1", "1.2.3", "01.2.3.4", "1.2.3.4.5" } },
+        { "ipv6", { "::1", "2001:db8::8a2e:370:7334", "fe80:0:0:0:0:0:0:1", "::" },
+          { ":::", "1:2:3:4:5:6:7:8:9", "2001:db8::g", "1::2::3" } },
+        { "hostname", { "example.com", "a", "my-host.local", "x1.y-2.z3" },
+          { "-bad.com", "bad-.com", "a..b", "sp ace" } },
+        { "email", { "a@b.co", "first.last+tag@mail.example.org", "x_y@h-1.io", NULL },
+          { "a@b", "@b.com", "a..b@c.com", "a b@c.com" } },
+        { "uri", { "https://example.com/a?b=c#d", "urn:isbn:0451450523", "mailto:a@b.c", NULL },
+          { "example.com", "1http://x", "http://a b", "http:" } },
+    };
+    for (size_t i = 0; i < sizeof(formats) / sizeof(formats[0]); i++) {
+        char schema[128];
+        snprintf(schema, sizeof(schema), "{\"type\":\"string\",\"format\":\"%s\"}", formats[i].format);
+        pd_grammar *fg = json(schema);
+        for (int k = 0; fg != NULL && k < 4; k++) {
+            char q[96];
+            if (formats[i].yes[k] != NULL) {
+                snprintf(q, sizeof(q), "\"%s\"", formats[i].yes[k]);
+                TEST_CHECK_MSG(accepts(fg, v, q) == 1, "format %s accepts %s", formats[i].format, q);
+            }
+            if (formats[i].no[k] != NULL) {
+                snprintf(q, sizeof(q), "\"%s\"", formats[i].no[k]);
+                TEST_CHECK_MSG(accepts(fg, v, q) == 0, "format %s refuses %s", formats[i].format, q);
+            }
+        }
+        int walk_ok, walk_ended;
+        char *t = fg != NULL ? walks(fg, v, N_SMALL, tb, tl, 3, 40, &walk_ok, &walk_ended) : NULL;
+        TEST_CHECK_MSG(fg == NULL || walk_ok, "format %s mask", formats[i].format);
+        free(t);
+        pd_grammar_unref(fg);
+    }
+    g = json("{\"type\":\"string\",\"format\":\"color\"}");   /* unknown: any string */
+    TEST_CHECK(g != NULL && accepts(g, v, "\"red\"") == 1);
+    pd_grammar_unref(g);
+    g = json("{\"type\":\"string\",\"format\":\"date\",\"pattern\":\"^x$\"}");   /* pattern before format */
+    TEST_CHECK(g != NULL && accepts(g, v, "\"x\"") == 1 && accepts(g, v, "\"2026-12-05\"") == 0);
+    pd_grammar_unref(g);
+
     /* refused by name */
     struct { const char *schema, *needle; } refused[] = {
+        { "{\"type\":\"string\",\"format\":\"date\",\"maxLength\":3}", "format 'date' with" },
+        { "{\"type\":\"string\",\"format\":7}", "'format' must be a string" },
         { "{\"type\":\"number\",\"multipleOf\":2}", "'multipleOf'" },
         { "{\"type\":\"string\",\"pattern\":\"a\",\"maxLength\":3}", "pattern with" },
         { "{\"type\":\"string\",\"pattern\":\"(a\"}", "unterminated (" },

@@ -639,7 +639,8 @@ def test_tools(node, fixtures):
     """Tool calling: the tools in the prompt as Qwen's template writes them (/tokenize equals the
     jinja2 render's tokens), tool_choice required / named forcing a call that comes back as
     tool_calls (arguments that obey the schema, finish_reason tool_calls, content null), the
-    streamed calls equal to the whole answer's, auto leaving ordinary text as content, a tool
+    streamed calls (arguments in pieces as they are written) joined equal to the whole answer's,
+    arguments given as JSON text in the history rendered as json.dumps writes them, auto leaving ordinary text as content, a tool
     round in the messages, and bad tools / tool_choice refused by name. With --reasoning-parser
     qwen3, a reply that opens with <think> (forced here by a regex) is split into
     reasoning_content and content."""
@@ -670,11 +671,21 @@ def test_tools(node, fixtures):
         else:
             check(args == {"tz": "UTC"} or args == {"tz": "CET"}, "arguments obey the schema: %s" % args)
     st, text, evs, done = read_stream(node, "/v1/chat/completions", dict(body, stream=True), True)
-    scalls = [t for e in evs for c in e.get("choices", []) for t in (c.get("delta", {}).get("tool_calls") or [])]
+    deltas = [t for e in evs for c in e.get("choices", []) for t in (c.get("delta", {}).get("tool_calls") or [])]
     fins = [c.get("finish_reason") for e in evs for c in e.get("choices", []) if c.get("finish_reason")]
+    scalls = []   # the deltas joined as an OpenAI client joins them: the first of a call names it
+    for d in deltas:
+        if "id" in d:
+            scalls.append({"id": d["id"], "type": d["type"], "function": dict(d["function"])})
+        elif scalls and d["index"] == len(scalls) - 1 and set(d["function"]) == {"arguments"}:
+            scalls[-1]["function"]["arguments"] += d["function"]["arguments"]
+        else:
+            scalls.append({"bad delta": d})
     check(st == 200 and done and text == "" and fins == ["tool_calls"] and len(scalls) == len(calls) and
-          all(x["index"] == i and x["function"] == calls[i]["function"] for i, x in enumerate(scalls)),
+          all(x.get("function") == y["function"] and re.fullmatch(r"call_[0-9a-f]{24}", x.get("id", ""))
+              for x, y in zip(scalls, calls)),
           "streamed tool calls == whole: %s vs %s (%s)" % (scalls, calls, fins))
+    check(len(deltas) >= 2 * len(calls), "the arguments stream in pieces: %s" % deltas)
     # a named function: that one; parallel allowed (the grammar still gives one call)
     st, r = post_json(node, "/v1/chat/completions", dict(body, tool_choice={"type": "function", "function":
                                                                            {"name": "now"}}, parallel_tool_calls=True))
@@ -694,6 +705,20 @@ def test_tools(node, fixtures):
     st, r = post_json(node, "/v1/chat/completions", {"messages": hist, "tools": [WEATHER], "max_tokens": 4,
                                                      "temperature": 0})
     check(st == 200 and r["usage"]["prompt_tokens"] > 100, "tool round in messages: %s" % r)
+    # arguments as JSON text are parsed and written again (as vLLM does): compact == spaced == an object
+    toks = []
+    for a in ("{\"city\":\"Paris\",\"days\":3}", {"city": "Paris", "days": 3}):
+        h = json.loads(json.dumps(hist))
+        h[len(msgs)]["tool_calls"][0]["function"]["arguments"] = a
+        st, t = post_json(node, "/tokenize", {"messages": h, "tools": [WEATHER]})
+        toks.append(t.get("tokens") if st == 200 else st)
+    st, t = post_json(node, "/tokenize", {"messages": hist, "tools": [WEATHER]})
+    check(toks[0] == toks[1] == t.get("tokens"), "tool-call arguments rendered as json.dumps writes them")
+    h = json.loads(json.dumps(hist))
+    h[len(msgs)]["tool_calls"][0]["function"]["arguments"] = "{\"city\": "
+    st, r = post_json(node, "/v1/chat/completions", {"messages": h, "tools": [WEATHER], "max_tokens": 4})
+    check(st == 400 and is_error_shape(r) and r["error"]["param"] == "messages" and
+          "arguments is not valid JSON" in r["error"]["message"], "bad arguments JSON refused: %s %s" % (st, r))
     bad = [({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
            ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
            ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
@@ -721,7 +746,28 @@ def test_tools(node, fixtures):
     m = r["choices"][0]["message"] if st == 200 else {}
     check(st == 200 and m.get("content", "").startswith("<think>") and "reasoning_content" not in m,
           "enable_thinking false: no reasoning split: %s" % r)
-    log("tools: rendering, required/named/auto, streamed calls, tool rounds, errors; reasoning split")
+    # add_generation_prompt false and continue_final_message: the prompt as the template's jinja2 render
+    ml = {c["name"]: c for c in json.load(open(os.path.join(fixtures, "chat", "chat_cases.json")))
+          if c["template"] == "chatml"}
+    for name in ("no_generation_prompt", "continue_final", "continue_final_spaces"):
+        c = ml[name]
+        st, a = post_json(node, "/tokenize", dict({"messages": c["messages"]}, **c["chat_template_kwargs"]))
+        st2, b = post_json(node, "/tokenize", {"prompt": c["prompt"]})
+        check(st == 200 and st2 == 200 and a["tokens"] == b["tokens"], "%s rendered as jinja2 does" % name)
+    c = ml["continue_final"]
+    st, r = post_json(node, "/v1/chat/completions", dict({"messages": c["messages"], "max_tokens": 6, "temperature": 0},
+                                                         **c["chat_template_kwargs"]))
+    st2, r2 = post_json(node, "/v1/completions", {"prompt": c["prompt"], "max_tokens": 6, "temperature": 0})
+    check(st == 200 and st2 == 200 and r["choices"][0]["message"]["content"] == r2["choices"][0]["text"],
+          "continue_final_message continues the assistant's text: %s vs %s" % (r, r2))
+    for extra, param in (({"continue_final_message": True}, "continue_final_message"),
+                         ({"add_generation_prompt": "no"}, "add_generation_prompt"),
+                         ({"continue_final_message": True, "add_generation_prompt": False}, "messages")):
+        st, r = post_json(node, "/v1/chat/completions", dict({"messages": msgs, "max_tokens": 4}, **extra))
+        check(st == 400 and is_error_shape(r) and r["error"]["param"] == param,
+              "bad %s refused naming %s: %s %s" % (extra, param, st, r))
+    log("tools: rendering, required/named/auto, streamed calls, tool rounds, errors; reasoning split; "
+        "add_generation_prompt, continue_final_message")
 
 
 def test_n(node, prompt):
