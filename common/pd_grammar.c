@@ -12,6 +12,7 @@
 #include "pd_grammar.h"
 
 #include <cjson/cJSON.h>
+#include <ctype.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -803,80 +804,192 @@ static int j_int_range(jctx *j, const cJSON *s, const char *path)
     return r;
 }
 
-/* the magnitudes x in [a, b] (integers, 0 <= a <= b; b = J_INT_MAX: no upper bound), either
- * end exclusive, as decimal strings with a fraction of up to 16 digits, no exponent */
-static void j_mag_range(jctx *j, int r, long long a, int a_ex, long long b, int b_ex)
+/* ---- number ranges: decimals between two bounds, no exponent ---- */
+
+/* a bound's magnitude w.f: its whole part and its fraction digits (trailing zeros dropped) */
+typedef struct {
+    long long w;
+    char f[17];
+} jdec;
+
+/* v (0 <= v < 1e15) as the shortest decimal that reads back as v; -1 past 16 fraction digits */
+static int j_dec(double v, jdec *d)
 {
-    gb *g = j->b;
-    gset d = { { 0 } }, d19 = { { 0 } };
-    set_range(&d, '0', '9');
-    set_range(&d19, '1', '9');
-    int dig = gb_cls_rule(g, &d);
-    int any = gb_rule_new(g);   /* ("." [0-9]{1,16})? */
-    gb_alt(g, any);
-    int al = gb_alt(g, any);
-    gb_lit(g, any, al, ".", 1);
-    gb_ref(g, any, al, gb_rep(g, dig, 1, 16));
-    int zero = gb_rule_new(g);  /* ("." 0{1,16})? */
-    gb_alt(g, zero);
-    al = gb_alt(g, zero);
-    gb_lit(g, zero, al, ".", 1);
-    gb_ref(g, zero, al, gb_rep(g, gb_lit_rule(g, "0", 1), 1, 16));
-    int pos = gb_rule_new(g);   /* "." 0{0,15} [1-9] [0-9]{0,15}: above zero */
-    al = gb_alt(g, pos);
-    gb_lit(g, pos, al, ".", 1);
-    gb_ref(g, pos, al, gb_rep(g, gb_lit_rule(g, "0", 1), 0, 15));
-    gb_cls(g, pos, al, &d19);
-    gb_ref(g, pos, al, gb_rep(g, dig, 0, 15));
-    /* the whole part: a + (any fraction, or above zero when a is excluded); a+1 .. b-1 with any
-     * fraction; b with a zero fraction unless excluded */
-    if (a == b) {
-        if (!a_ex && !b_ex) {
-            int w = gb_rule_new(g);
-            j_nonneg_range(j, w, a, a);
-            al = gb_alt(g, r);
-            gb_ref(g, r, al, w);
-            gb_ref(g, r, al, zero);
-        }
-        return;
+    char s[40];
+    for (int p = 1; p <= 17; p++) {
+        snprintf(s, sizeof(s), "%.*e", p - 1, v);
+        if (strtod(s, NULL) == v)
+            break;
     }
-    int w = gb_rule_new(g);
-    j_nonneg_range(j, w, a, a);
-    al = gb_alt(g, r);
-    gb_ref(g, r, al, w);
-    gb_ref(g, r, al, a_ex ? pos : any);
-    long long mid_hi = b == J_INT_MAX ? J_INT_MAX : b - 1;
-    if (a + 1 <= mid_hi) {
-        int m = gb_rule_new(g);
-        j_nonneg_range(j, m, a + 1, mid_hi);
-        al = gb_alt(g, r);
-        gb_ref(g, r, al, m);
-        gb_ref(g, r, al, any);
-    }
-    if (b != J_INT_MAX && !b_ex) {
-        int e = gb_rule_new(g);
-        j_nonneg_range(j, e, b, b);
-        al = gb_alt(g, r);
-        gb_ref(g, r, al, e);
-        gb_ref(g, r, al, zero);
-    }
+    char m[24];   /* the mantissa's digits: value 0.m * 10^(exp + 1) */
+    size_t k = 0;
+    const char *e = s;
+    for (; *e != '\0' && *e != 'e'; e++)
+        if (isdigit((unsigned char)*e) && k + 1 < sizeof(m))
+            m[k++] = *e;
+    m[k] = '\0';
+    int point = 1 + (*e == 'e' ? atoi(e + 1) : 0);   /* digits of m before the point */
+    d->w = 0;
+    for (int i = 0; i < point; i++)
+        d->w = d->w * 10 + (i < (int)k ? m[i] - '0' : 0);
+    char f[64];
+    size_t n = 0;
+    for (int i = point; i < 0 && n + 1 < sizeof(f); i++)
+        f[n++] = '0';
+    for (int i = point > 0 ? point : 0; i < (int)k && n + 1 < sizeof(f); i++)
+        f[n++] = m[i];
+    while (n > 0 && f[n - 1] == '0')
+        n--;
+    if (n > 16)
+        return -1;
+    memcpy(d->f, f, n);
+    d->f[n] = '\0';
+    return 0;
 }
 
-/* a number within minimum / maximum / exclusiveMinimum / exclusiveMaximum whose bounds are whole
- * numbers (of up to 15 digits); written without an exponent */
-static int j_num_range(jctx *j, const cJSON *s, const char *path)
+/* Fraction digits d (0.d) against bounds: F_GE 0.d >= 0.fa (> when sa), F_LE 0.d <= 0.fb (<
+ * when sb), F_BT both (0.fa <= 0.fb). A bound past its digits reads as zeros. */
+enum { F_GE, F_LE, F_BT };
+
+static int j_frac_empty_ok(int kind, const char *fa, int sa, const char *fb, int sb)
 {
-    long long lo = -J_INT_MAX, hi = J_INT_MAX;
+    int ge = fa[0] == '\0' && !sa, le = fb[0] != '\0' || !sb;
+    return kind == F_GE ? ge : kind == F_LE ? le : ge && le;
+}
+
+static int j_frac_ne(jctx *j, int kind, const char *fa, int sa, const char *fb, int sb, int n);
+
+typedef struct {
+    char lo, hi;
+    int kind;
+} jfstep;
+
+/* the digit strings of 0..n digits that keep the comparison; -1 when there are none */
+static int j_frac_rest(jctx *j, int kind, const char *fa, int sa, const char *fb, int sb, int n)
+{
+    int ne = j_frac_ne(j, kind, fa, sa, fb, sb, n);
+    int empty = j_frac_empty_ok(kind, fa, sa, fb, sb);
+    if (ne < 0 && !empty)
+        return -1;
+    int r = gb_rule_new(j->b);
+    if (empty)
+        gb_alt(j->b, r);
+    if (ne >= 0)
+        gb_ref(j->b, r, gb_alt(j->b, r), ne);
+    return r;
+}
+
+/* the same, of 1..n digits, by the first digit */
+static int j_frac_ne(jctx *j, int kind, const char *fa, int sa, const char *fb, int sb, int n)
+{
+    gb *b = j->b;
+    if (n == 0)
+        return -1;
+    gset dig = { { 0 } };
+    set_range(&dig, '0', '9');
+    if (kind == F_GE && fa[0] == '\0' && !sa)   /* anything */
+        return gb_rep(b, gb_cls_rule(b, &dig), 1, n);
+    if (kind == F_LE && fb[0] == '\0')          /* zeros, or nothing */
+        return sb ? -1 : gb_rep(b, gb_lit_rule(b, "0", 1), 1, n);
+    int any = gb_rep(b, gb_cls_rule(b, &dig), 0, n - 1);
+    const char *na = fa[0] != '\0' ? fa + 1 : fa, *nb = fb[0] != '\0' ? fb + 1 : fb;
+    char a1 = fa[0] != '\0' ? fa[0] : '0', b1 = fb[0] != '\0' ? fb[0] : '0';
+    int r = gb_rule_new(b), alts = 0;
+    /* the first digit: a class [lo, hi] followed by any digits (kind < 0) or one digit followed
+     * by what keeps the comparison (kind) */
+    jfstep step[3];
+    int k = 0;
+    if (kind == F_GE) {
+        step[k++] = (jfstep){ a1, a1, F_GE };
+        step[k++] = (jfstep){ (char)(a1 + 1), '9', -1 };
+    } else if (kind == F_LE) {
+        step[k++] = (jfstep){ '0', (char)(b1 - 1), -1 };
+        step[k++] = (jfstep){ b1, b1, F_LE };
+    } else if (a1 == b1) {
+        step[k++] = (jfstep){ a1, a1, F_BT };
+    } else {
+        step[k++] = (jfstep){ a1, a1, F_GE };
+        step[k++] = (jfstep){ (char)(a1 + 1), (char)(b1 - 1), -1 };
+        step[k++] = (jfstep){ b1, b1, F_LE };
+    }
+    for (int i = 0; i < k; i++) {
+        if (step[i].lo > step[i].hi)
+            continue;
+        int rest = step[i].kind < 0 ? any : j_frac_rest(j, step[i].kind, na, sa, nb, sb, n - 1);
+        if (rest < 0)
+            continue;
+        gset c = { { 0 } };
+        set_range(&c, (uint8_t)step[i].lo, (uint8_t)step[i].hi);
+        int a = gb_alt(b, r);
+        gb_cls(b, r, a, &c);
+        gb_ref(b, r, a, rest);
+        alts++;
+    }
+    return alts > 0 ? r : -1;
+}
+
+/* the fraction after a whole part: none or "." and 1..fdig digits, as kind asks; -1 when none */
+static int j_frac(jctx *j, int kind, const char *fa, int sa, const char *fb, int sb, int fdig)
+{
+    int ne = j_frac_ne(j, kind, fa, sa, fb, sb, fdig);
+    int empty = j_frac_empty_ok(kind, fa, sa, fb, sb);
+    if (ne < 0 && !empty)
+        return -1;
+    gb *b = j->b;
+    int r = gb_rule_new(b);
+    if (empty)
+        gb_alt(b, r);
+    if (ne >= 0) {
+        int a = gb_alt(b, r);
+        gb_lit(b, r, a, ".", 1);
+        gb_ref(b, r, a, ne);
+    }
+    return r;
+}
+
+/* alternatives of r: whole part w (one integer) followed by fraction rule fr (none when < 0) */
+static void j_whole_frac(jctx *j, int r, long long lo, long long hi, int fr)
+{
+    if (fr < 0 || lo > hi)
+        return;
+    int w = gb_rule_new(j->b);
+    j_nonneg_range(j, w, lo, hi);
+    int a = gb_alt(j->b, r);
+    gb_ref(j->b, r, a, w);
+    gb_ref(j->b, r, a, fr);
+}
+
+/* alternatives of r: the magnitudes x in [a, b] (0 <= a <= b; b NULL: no upper bound), either
+ * end exclusive, as decimal strings with a fraction of up to fdig digits, no exponent */
+static void j_mag_range(jctx *j, int r, const jdec *a, int a_ex, const jdec *b, int b_ex, int fdig)
+{
+    if (b != NULL && a->w == b->w) {
+        j_whole_frac(j, r, a->w, a->w, j_frac(j, F_BT, a->f, a_ex, b->f, b_ex, fdig));
+        return;
+    }
+    j_whole_frac(j, r, a->w, a->w, j_frac(j, F_GE, a->f, a_ex, "", 0, fdig));
+    j_whole_frac(j, r, a->w + 1, b != NULL ? b->w - 1 : J_INT_MAX, j_frac(j, F_GE, "", 0, "", 0, fdig));
+    if (b != NULL)
+        j_whole_frac(j, r, b->w, b->w, j_frac(j, F_LE, "", 0, b->f, b_ex, fdig));
+}
+
+/* a number within minimum / maximum / exclusiveMinimum / exclusiveMaximum (bounds below 1e15
+ * with up to 16 fraction digits; none: unbounded) with up to fdig fraction digits; written
+ * without an exponent */
+static int j_num_range(jctx *j, const cJSON *s, const char *path, int fdig)
+{
+    double lo = 0, hi = 0;
     int lo_ex = 0, hi_ex = 0, has_lo = 0, has_hi = 0;
     static const char *const keys[4] = { "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum" };
     for (int k = 0; k < 4; k++) {
         const cJSON *v = cJSON_GetObjectItemCaseSensitive(s, keys[k]);
         if (v == NULL)
             continue;
-        if (!cJSON_IsNumber(v) || !(fabs(v->valuedouble) < 1e15) || v->valuedouble != floor(v->valuedouble))
-            return j_err(j, path, "'%s' on a number must be a whole number of at most 15 digits (fractional "
-                         "bounds are not supported)", keys[k]);
-        long long x = (long long)v->valuedouble;
+        jdec d;
+        if (!cJSON_IsNumber(v) || !(fabs(v->valuedouble) < 1e15) || j_dec(fabs(v->valuedouble), &d) != 0)
+            return j_err(j, path, "'%s' on a number must be below 1e15 with at most 16 fractional digits",
+                         keys[k]);
+        double x = v->valuedouble;
         int ex = k >= 2;
         if (k % 2 == 0 && (!has_lo || x > lo || (x == lo && ex))) {
             lo = x;
@@ -889,15 +1002,19 @@ static int j_num_range(jctx *j, const cJSON *s, const char *path)
             has_hi = 1;
         }
     }
-    if (lo > hi || (lo == hi && (lo_ex || hi_ex)))
+    if (has_lo && has_hi && (lo > hi || (lo == hi && (lo_ex || hi_ex))))
         return j_err(j, path, "%s", "the number range minimum..maximum is empty");
+    jdec alo, ahi, zero = { 0, "" };
+    j_dec(fabs(lo), &alo);
+    j_dec(fabs(hi), &ahi);
     gb *b = j->b;
     int r = gb_rule_new(b);
-    if (hi > 0 || (hi == 0 && !hi_ex))   /* v >= 0: x = v in [max(lo, 0), hi] */
-        j_mag_range(j, r, lo > 0 ? lo : 0, lo >= 0 && lo_ex, hi, hi_ex);
-    if (lo < 0) {   /* v < 0: "-" and x = -v in (max(-hi, 0), -lo] */
+    if (!has_hi || hi > 0 || (hi == 0 && !hi_ex))   /* v >= 0: x = v in [max(lo, 0), hi] */
+        j_mag_range(j, r, has_lo && lo > 0 ? &alo : &zero, has_lo && lo >= 0 && lo_ex, has_hi ? &ahi : NULL, hi_ex, fdig);
+    if (!has_lo || lo < 0) {   /* v < 0: "-" and x = -v in (max(-hi, 0), -lo] */
         int neg = gb_rule_new(b);
-        j_mag_range(j, neg, hi < 0 ? -hi : 0, hi < 0 ? hi_ex : 1, has_lo ? -lo : J_INT_MAX, lo_ex);
+        int hi_neg = has_hi && hi < 0;
+        j_mag_range(j, neg, hi_neg ? &ahi : &zero, hi_neg ? hi_ex : 1, has_lo ? &alo : NULL, lo_ex, fdig);
         int a = gb_alt(b, r);
         gb_lit(b, r, a, "-", 1);
         gb_ref(b, r, a, neg);
@@ -963,11 +1080,30 @@ static int j_typed(jctx *j, const cJSON *s, const char *type, const char *path, 
                  cJSON_GetObjectItemCaseSensitive(s, "maximum") != NULL ||
                  cJSON_GetObjectItemCaseSensitive(s, "exclusiveMinimum") != NULL ||
                  cJSON_GetObjectItemCaseSensitive(s, "exclusiveMaximum") != NULL;
+    /* multipleOf: a power of ten up to 1 (0.01: two decimal places at most) on a number, 1 on an
+     * integer */
+    int fdig = 16;
+    const cJSON *mo = cJSON_GetObjectItemCaseSensitive(s, "multipleOf");
+    if (mo != NULL) {
+        jdec d;
+        if (!cJSON_IsNumber(mo) || !(mo->valuedouble > 0 && mo->valuedouble <= 1) || j_dec(mo->valuedouble, &d) != 0)
+            return j_err(j, path, "%s", "'multipleOf' must be 1 or a power of ten below it (0.1, 0.01, ...); "
+                         "other steps are not supported");
+        size_t k = strlen(d.f);
+        if (d.w == 1)
+            fdig = 0;
+        else if (k > 0 && d.f[k - 1] == '1' && strspn(d.f, "0") == k - 1)
+            fdig = (int)k;
+        else
+            return j_err(j, path, "%s", "'multipleOf' must be 1 or a power of ten below it (0.1, 0.01, ...); "
+                         "other steps are not supported");
+        if (strcmp(type, "integer") == 0 && fdig != 0)
+            return j_err(j, path, "%s", "'multipleOf' on an integer must be 1 (other steps are not supported)");
+    }
     if (strcmp(type, "integer") == 0)
         return ranged ? j_int_range(j, s, path) : j_integer(j);
-    if (strcmp(type, "number") == 0) {
-        return ranged ? j_num_range(j, s, path) : j_number(j);
-    }
+    if (strcmp(type, "number") == 0)
+        return ranged || mo != NULL ? j_num_range(j, s, path, fdig) : j_number(j);
     if (strcmp(type, "boolean") == 0)
         return j_boolean(j);
     if (strcmp(type, "null") == 0)
@@ -991,7 +1127,7 @@ static int j_typed(jctx *j, const cJSON *s, const char *type, const char *path, 
 
 static const char *const j_known[] = {
     "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
-    "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions", "minLength",
+    "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions", "minLength", "multipleOf",
     "maxLength", "pattern", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "title", "description", "default", "examples", "$schema", "$id",
     "$comment", "format", NULL
 };
@@ -1795,7 +1931,8 @@ static int cp_cmp(const void *a, const void *b)
 /* a rule for a set of code point ranges iv[n][2] (negated: its complement); surrogates never */
 static int e_set(ectx *e, uint32_t (*iv)[2], int n, int neg)
 {
-    qsort(iv, (size_t)n, sizeof(*iv), cp_cmp);
+    if (n > 0)   /* (an empty class: iv may be NULL) */
+        qsort(iv, (size_t)n, sizeof(*iv), cp_cmp);
     uint32_t (*out)[2] = malloc(((size_t)n + 2) * 2 * sizeof(*out));   /* merged, then the complement */
     if (out == NULL)
         return gb_fail(e->b, PD_ERR_NOMEM, "grammar classes");

@@ -297,7 +297,7 @@ static void test_schema(const pd_gvocab *v, const uint8_t **tb, const size_t *tl
         pd_grammar_unref(r);
     }
 
-    /* number ranges (whole-number bounds): every quarter in -40..40, written as "x", "x.0" and
+    /* number ranges (whole-number bounds; fractional ones below): every quarter in -40..40, written as "x", "x.0" and
      * "x.25" / "x.5" / "x.75", accepted exactly when in range */
     struct { const char *schema; int lo4, lo_ex, hi4, hi_ex; } nranges[] = {   /* bounds x4; +-9999: none */
         { "{\"type\":\"number\",\"minimum\":0,\"maximum\":1}", 0, 0, 4, 0 },
@@ -334,6 +334,89 @@ static void test_schema(const pd_gvocab *v, const uint8_t **tb, const size_t *tl
         free(t);
         pd_grammar_unref(r);
     }
+
+    /* fractional bounds: random bounds of up to 3 fraction digits (either end open, exclusive or
+     * not), random decimals of up to 4; accepted exactly when in range (compared x 10^4) */
+    int frac_wrong = 0;
+    for (int iter = 0; iter < 60 && !frac_wrong; iter++) {
+        long long bnd[2];
+        for (int e = 0; e < 2; e++)
+            bnd[e] = ((long long)(rnd() % 10001) - 5000) * 10;
+        if (bnd[0] > bnd[1]) {
+            long long t = bnd[0];
+            bnd[0] = bnd[1];
+            bnd[1] = t;
+        }
+        int kind[2] = { (int)(rnd() % 3), (int)(rnd() % 3) };   /* 0 none, 1 inclusive, 2 exclusive */
+        if (bnd[0] == bnd[1] && (kind[0] == 2 || kind[1] == 2))
+            bnd[1] += 10;
+        char schema[160] = "{\"type\":\"number\"";
+        static const char *const key[2][3] = { { "", "minimum", "exclusiveMinimum" },
+                                               { "", "maximum", "exclusiveMaximum" } };
+        for (int e = 0; e < 2; e++)
+            if (kind[e] != 0) {
+                long long a = bnd[e] < 0 ? -bnd[e] : bnd[e];
+                size_t l = strlen(schema);
+                snprintf(schema + l, sizeof(schema) - l, ",\"%s\":%s%lld.%03lld", key[e][kind[e]], bnd[e] < 0 ? "-" : "",
+                         a / 10000, a % 10000 / 10);
+            }
+        strcat(schema, "}");
+        pd_grammar *r = json(schema);
+        if (r == NULL) {
+            frac_wrong = 1;
+            break;
+        }
+        for (int t = 0; t < 200 && !frac_wrong; t++) {
+            int nd = (int)(rnd() % 5);   /* fraction digits written */
+            long long step = 1;
+            for (int d = nd; d < 4; d++)
+                step *= 10;
+            long long x = ((long long)(rnd() % 120001) - 60000) / step * step;
+            if (t < 8)   /* the bounds themselves and their neighbours */
+                x = bnd[t % 2] + (t / 2 % 2 ? 0 : (t / 4 ? 1 : -1)), nd = 4;
+            int in = (kind[0] == 0 || x > bnd[0] || (x == bnd[0] && kind[0] == 1)) &&
+                     (kind[1] == 0 || x < bnd[1] || (x == bnd[1] && kind[1] == 1));
+            long long ax = x < 0 ? -x : x;
+            char txt[40];
+            snprintf(txt, sizeof(txt), "%s%lld", x < 0 ? "-" : "", ax / 10000);
+            if (nd > 0) {
+                char f[8];
+                snprintf(f, sizeof(f), "%04lld", ax % 10000);
+                f[nd] = '\0';
+                strcat(txt, ".");
+                strcat(txt, f);
+            }
+            if (accepts(r, v, txt) != in) {
+                fprintf(stderr, "%s: %s gives %d, in range %d\n", schema, txt, accepts(r, v, txt), in);
+                frac_wrong = 1;
+            }
+        }
+        pd_grammar_unref(r);
+    }
+    TEST_CHECK(!frac_wrong);
+    /* a bound of 16 fraction digits and one that is not exact in binary */
+    g = json("{\"type\":\"number\",\"minimum\":0.1,\"exclusiveMaximum\":0.2000000000000001}");
+    TEST_CHECK(g != NULL && accepts(g, v, "0.1") == 1 && accepts(g, v, "0.0999999999999999") == 0 &&
+               accepts(g, v, "0.1000000000000001") == 1 && accepts(g, v, "0.2") == 1 &&
+               accepts(g, v, "0.2000000000000001") == 0 && accepts(g, v, "0.19999") == 1);
+    pd_grammar_unref(g);
+
+    /* multipleOf a power of ten: at most that many decimal places, with bounds or without */
+    g = json("{\"type\":\"number\",\"multipleOf\":0.01,\"minimum\":0.005,\"maximum\":100}");
+    TEST_CHECK(g != NULL && accepts(g, v, "0.01") == 1 && accepts(g, v, "99.99") == 1 && accepts(g, v, "100") == 1 &&
+               accepts(g, v, "100.00") == 1 && accepts(g, v, "0.00") == 0 && accepts(g, v, "1.005") == 0 &&
+               accepts(g, v, "100.01") == 0 && accepts(g, v, "-1") == 0 && accepts(g, v, "1e1") == 0);
+    pd_grammar_unref(g);
+    g = json("{\"type\":\"number\",\"multipleOf\":1}");
+    TEST_CHECK(g != NULL && accepts(g, v, "-12") == 1 && accepts(g, v, "0") == 1 && accepts(g, v, "1.5") == 0 &&
+               accepts(g, v, "3.") == 0);
+    pd_grammar_unref(g);
+    g = json("{\"type\":\"number\",\"multipleOf\":0.1}");
+    TEST_CHECK(g != NULL && accepts(g, v, "-0.5") == 1 && accepts(g, v, "7") == 1 && accepts(g, v, "0.55") == 0);
+    pd_grammar_unref(g);
+    g = json("{\"type\":\"integer\",\"multipleOf\":1,\"minimum\":2}");
+    TEST_CHECK(g != NULL && accepts(g, v, "2") == 1 && accepts(g, v, "1") == 0);
+    pd_grammar_unref(g);
 
     /* a schema that refers to itself first: its other branch is its language */
     g = json("{\"anyOf\":[{\"$ref\":\"#\"},{\"type\":\"null\"}]}");
@@ -398,9 +481,12 @@ static void test_schema(const pd_gvocab *v, const uint8_t **tb, const size_t *tl
         { "{\"type\":\"string\",\"format\":\"date\",\"maxLength\":3}", "format 'date' with" },
         { "{\"type\":\"string\",\"format\":7}", "'format' must be a string" },
         { "{\"type\":\"number\",\"multipleOf\":2}", "'multipleOf'" },
+        { "{\"type\":\"number\",\"multipleOf\":0.25}", "power of ten" },
+        { "{\"type\":\"integer\",\"multipleOf\":0.1}", "on an integer must be 1" },
+        { "{\"type\":\"number\",\"multipleOf\":\"x\"}", "'multipleOf'" },
         { "{\"type\":\"string\",\"pattern\":\"a\",\"maxLength\":3}", "pattern with" },
         { "{\"type\":\"string\",\"pattern\":\"(a\"}", "unterminated (" },
-        { "{\"type\":\"number\",\"minimum\":0.5}", "whole number" },
+        { "{\"type\":\"number\",\"minimum\":0.12345678901234567}", "16 fractional digits" },
         { "{\"type\":\"number\",\"minimum\":1,\"exclusiveMaximum\":1}", "empty" },
         { "{\"type\":\"integer\",\"minimum\":3,\"maximum\":2}", "empty" },
         { "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"strin\"}}}", "strin" },
