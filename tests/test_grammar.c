@@ -684,23 +684,27 @@ static double ms_now(void)
  * schemas, regexes and grammars compile or are refused with PD_ERR_INVALID and a message, never
  * anything else (run under ASan in CI); what compiles gives a matcher whose masks equal trying
  * every token along a short walk. */
-static void test_mutations(const pd_gvocab *v, const uint8_t **tb, const size_t *tl)
+static void test_mutations(const pd_gvocab *v, const uint8_t **tb, const size_t *tl, int iters)
 {
-    static const char *const seeds[3][3] = {
+    static const char *const seeds[3][4] = {
         { "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\",\"minimum\":-3,\"maximum\":40},"
           "\"b\":{\"type\":\"array\",\"items\":{\"enum\":[\"x\",1,null]},\"maxItems\":3},\"c\":{\"anyOf\":"
           "[{\"type\":\"string\",\"pattern\":\"^[a-z]+$\"},{\"$ref\":\"#/$defs/n\"}]}},\"required\":[\"a\"],"
           "\"$defs\":{\"n\":{\"type\":\"number\",\"exclusiveMinimum\":0}}}",
-          "{\"type\":\"string\",\"minLength\":2,\"maxLength\":5}", "{\"oneOf\":[{\"const\":\"a\"},{\"type\":\"boolean\"}]}" },
-        { "^(ab|c[d-f]+)*\\d{2,3}(?:x|y)?$", "[^a-c]\\w+\\s?.{1,4}", "(a|b?)+c{0,2}" },
+          "{\"type\":\"string\",\"minLength\":2,\"maxLength\":5}", "{\"oneOf\":[{\"const\":\"a\"},{\"type\":\"boolean\"}]}",
+          "{\"type\":\"object\",\"properties\":{\"p\":{\"type\":\"number\",\"minimum\":-0.25,\"maximum\":12.5,"
+          "\"multipleOf\":0.01},\"q\":{\"type\":\"string\",\"format\":\"ipv6\"},\"r\":{\"type\":\"string\","
+          "\"format\":\"date-time\"}}}" },
+        { "^(ab|c[d-f]+)*\\d{2,3}(?:x|y)?$", "[^a-c]\\w+\\s?.{1,4}", "(a|b?)+c{0,2}", "-?\\d+(\\.\\d{1,2})?" },
         { "root ::= item (\",\" ws item)*\nitem ::= [a-z]+ | \"(\" root \")\" | num\nnum ::= [0-9]{1,3}\nws ::= [ \\t]*\n",
-          "root ::= [^\"\\\\\\u0100-\\uFFFF]{1,4} \"\\u00e9\"? # c\n", "root ::= (\"a\" | \"b\")+ . \"x\"*" },
+          "root ::= [^\"\\\\\\u0100-\\uFFFF]{1,4} \"\\u00e9\"? # c\n", "root ::= (\"a\" | \"b\")+ . \"x\"*",
+          "root ::= num (\",\" num)*\nnum ::= [0-9]+ (\".\" [0-9]+)?\n" },
     };
     static const char junk[] = "{}[]()\":,\\|*+?.^$-#=:09az \n\t\xc3\xa9\xff";
     int compiled = 0, refused = 0, bad = 0;
-    for (int iter = 0; iter < 4000; iter++) {
+    for (int iter = 0; iter < iters; iter++) {
         int kind = iter % 3;
-        const char *src = seeds[kind][(iter / 3) % 3];
+        const char *src = seeds[kind][(iter / 3) % 4];
         char buf[1024];
         size_t n = strlen(src);
         memcpy(buf, src, n);
@@ -899,6 +903,17 @@ int main(int argc, char **argv)
 {
     if (argc > 1 && strcmp(argv[1], "--bench") == 0)
         return bench();
+    if (argc == 4 && strcmp(argv[1], "--fuzz") == 0) {   /* --fuzz ITERATIONS SEED: more mutations, by hand */
+        const uint8_t *tb[N_SMALL];
+        size_t tl[N_SMALL];
+        small_tables(tb, tl);
+        pd_gvocab *v = small_vocab();
+        rng_state = strtoull(argv[3], NULL, 0) | 1;
+        if (v != NULL)
+            test_mutations(v, tb, tl, atoi(argv[2]));
+        pd_gvocab_destroy(v);
+        TEST_DONE();
+    }
     const uint8_t *tb[N_SMALL];
     size_t tl[N_SMALL];
     small_tables(tb, tl);
@@ -908,7 +923,7 @@ int main(int argc, char **argv)
         test_schema(v, tb, tl);
         test_choice_regex(v, tb, tl);
         test_ebnf(v, tb, tl);
-        test_mutations(v, tb, tl);
+        test_mutations(v, tb, tl, 4000);
         test_gcache(v);
     }
     pd_gvocab_destroy(v);
