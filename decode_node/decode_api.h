@@ -102,6 +102,8 @@ typedef struct {
     uint64_t seed;
     int max_new_tokens;             /* 0 = 128 */
     int ignore_eos;
+    int skip_special;               /* 1: special tokens (<|im_start|>, ...) add no text (vLLM's
+                                     * skip_special_tokens, the HTTP default); 0: their content */
     int64_t timeout_ms;             /* deadline from submission; 0 = the server default */
     int verify_policy;              /* pd_verify_policy; PD_VERIFY_DEFAULT (0) = the node's */
     float verify_threshold;         /* threshold policy: (0, 1]; 0 = the node's */

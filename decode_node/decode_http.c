@@ -1403,19 +1403,32 @@ static int parse_common(const cJSON *root, int chat, decode_req *dr, req_opts *o
                  "likelihood and returns n of them)");
         return -1;
     }
-    /* fields that would change the answer if they were honoured: refused, not ignored */
-    static const struct { const char *key, *why; int chat; } unsupported[] = {
-        { "suffix", "'suffix' (text after the insertion) is not supported", 0 },
-        { "functions", "'functions' (the legacy function calling) is not supported; send 'tools'", 1 },
-        { "function_call", "'function_call' (the legacy function calling) is not supported; send 'tool_choice'", 1 },
+    /* fields that would change the answer if they were honoured: refused, not ignored (a number
+     * equal to its no-op value, false and [] pass) */
+    enum { ONLY_COMPLETIONS, ONLY_CHAT, BOTH };
+    static const struct { const char *key, *why; int scope; double noop; } unsupported[] = {
+        { "suffix", "'suffix' (text after the insertion) is not supported", ONLY_COMPLETIONS, 0 },
+        { "functions", "'functions' (the legacy function calling) is not supported; send 'tools'", ONLY_CHAT, 0 },
+        { "function_call", "'function_call' (the legacy function calling) is not supported; send 'tool_choice'",
+          ONLY_CHAT, 0 },
+        { "min_p", "'min_p' is not supported (0 is accepted: off)", BOTH, 0 },
+        { "typical_p", "'typical_p' is not supported (1 is accepted: off)", BOTH, 1 },
+        { "use_beam_search", "beam search is not supported", BOTH, 0 },
+        { "bad_words", "'bad_words' is not supported", BOTH, 0 },
+        { "allowed_token_ids", "'allowed_token_ids' is not supported (logit_bias can favour tokens)", BOTH, 0 },
+        { "logits_processors", "'logits_processors' are not supported", BOTH, 0 },
+        { "truncate_prompt_tokens", "'truncate_prompt_tokens' is not supported (a prompt over the context is a "
+          "400)", BOTH, 0 },
     };
     for (size_t k = 0; k < sizeof(unsupported) / sizeof(unsupported[0]); k++) {
         const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, unsupported[k].key);
-        if (unsupported[k].chat == chat && v != NULL && !cJSON_IsNull(v)) {
-            *param = unsupported[k].key;
-            snprintf(msg, cap, "%s", unsupported[k].why);
-            return -1;
-        }
+        if (v == NULL || cJSON_IsNull(v) || cJSON_IsFalse(v) || (cJSON_IsArray(v) && cJSON_GetArraySize(v) == 0) ||
+            (cJSON_IsNumber(v) && v->valuedouble == unsupported[k].noop) ||
+            (unsupported[k].scope != BOTH && unsupported[k].scope != (chat ? ONLY_CHAT : ONLY_COMPLETIONS)))
+            continue;
+        *param = unsupported[k].key;
+        snprintf(msg, cap, "%s", unsupported[k].why);
+        return -1;
     }
     *param = "stream";
     if (get_bool(root, "stream", &o->stream, msg, cap) < 0)
@@ -1424,6 +1437,11 @@ static int parse_common(const cJSON *root, int chat, decode_req *dr, req_opts *o
     if (get_bool(root, "ignore_eos", &b, msg, cap) < 0)
         return -1;
     dr->ignore_eos = b;
+    *param = "skip_special_tokens";   /* extension (vLLM): special tokens add no text unless false */
+    b = 1;
+    if (get_bool(root, "skip_special_tokens", &b, msg, cap) < 0)
+        return -1;
+    dr->skip_special = b;
     /* completions: the prompt comes back in front of the text (and, with logprobs, its own
      * logprobs in front of the completion's: scoring a text, as evaluation harnesses do) */
     *param = "echo";

@@ -1499,6 +1499,7 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
         free(h);
         goto err_ids;
     }
+    pd_detok_set_skip_special(h->detok, req->skip_special);
     h->state = H_QUEUED;
     if (pd_loop_post(s->loop, submit_cb, h) != PD_OK) {
         atomic_fetch_sub(&s->n_waiting, 1);

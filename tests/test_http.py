@@ -770,6 +770,19 @@ def test_tools(node, fixtures):
         "add_generation_prompt, continue_final_message")
 
 
+def test_special_tokens(node, prompt):
+    """skip_special_tokens (vLLM, default true): a special token the model writes (forced here by a
+    logit bias) adds no text unless it is false; no-op values of refused fields pass."""
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {"8189": 100}, "min_p": 0, "typical_p": 1, "use_beam_search": False}
+    st, r = post_json(node, "/v1/completions", body)
+    st2, r2 = post_json(node, "/v1/completions", dict(body, skip_special_tokens=False))
+    check(st == 200 and st2 == 200 and r["choices"][0]["text"] == "" and
+          r2["choices"][0]["text"] == "<|im_start|>" * 3 and r["usage"]["completion_tokens"] == 3,
+          "skip_special_tokens: %s / %s" % (r, r2))
+    log("skip_special_tokens: special tokens add no text by default")
+
+
 def test_n(node, prompt):
     """n choices: choice i is what one request with seed + i gives; usage sums them; streams
     tag every event with its choice; each choice stops at its own stop string."""
@@ -1309,6 +1322,7 @@ def main():
         test_logprobs(bin_dir, model, node, prompt, N, want)
         test_penalties(bin_dir, model, draft, node, prompt, N, want)
         test_n(node, prompt)
+        test_special_tokens(node, prompt)
         test_structured(bin_dir, node, "colocated")
         test_tools(node, FIXTURES)
         mg = metrics(node)
@@ -1380,6 +1394,12 @@ def main():
             ("/v1/completions", json.dumps({"prompt": "x", "guided_grammar": "root ::= x"}).encode(), 400,
              "guided_grammar"),   # x is not defined
             ("/v1/completions", json.dumps({"prompt": "x", "suffix": "y"}).encode(), 400, "suffix"),
+            ("/v1/completions", json.dumps({"prompt": "x", "min_p": 0.05}).encode(), 400, "min_p"),
+            ("/v1/completions", json.dumps({"prompt": "x", "typical_p": 0.9}).encode(), 400, "typical_p"),
+            ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                                 "use_beam_search": True}).encode(), 400, "use_beam_search"),
+            ("/v1/completions", json.dumps({"prompt": "x", "skip_special_tokens": "no"}).encode(), 400,
+             "skip_special_tokens"),
             ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
                                                  "functions": [{"name": "f"}]}).encode(), 400, "functions"),
             ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
