@@ -676,12 +676,12 @@ static pd_status prefix_take(pd_engine *e, pd_request *r, pd_err *err)
 }
 
 /* Offers r's full pages to the cache once their target and draft K/V are final: the prompt
- * prefilled here, and only pages below the committed length (a finished request's output too,
+ * prefilled here or brought by a prefill node, and only pages below the committed length (a finished request's output too,
  * so a conversation's next turn, which repeats it, finds it) and below r's first draft context
  * row still deferred. */
 static void prefix_offer(pd_engine *e, pd_request *r)
 {
-    if (e->prefix == NULL || r->external || r->prefilled < r->n_prompt)
+    if (e->prefix == NULL || r->prefilled < r->n_prompt)
         return;
     int ps = pd_kv_pool_layout(e->tpool)->page_size;
     int len = r->tkv.len;
@@ -715,6 +715,19 @@ static void prefix_offer(pd_engine *e, pd_request *r)
     }
     pd_prefix_insert(e->prefix, toks, n, r->tkv.pages, e->dpool != NULL ? r->dkv.pages : NULL);
     free(all);
+}
+
+int pd_engine_prefix_covers(pd_engine *e, const int32_t *prompt, int n)
+{
+    int ps = pd_kv_pool_layout(e->tpool)->page_size, want = (n - 1) / ps;
+    if (e->prefix == NULL || want <= 0)
+        return 0;
+    int32_t *tp = malloc((size_t)want * 2 * sizeof(int32_t));
+    if (tp == NULL)
+        return 0;
+    int k = pd_prefix_lookup(e->prefix, prompt, n, want, tp, e->dpool != NULL ? tp + want : NULL);
+    free(tp);
+    return k == want;
 }
 
 void pd_engine_prefix_stats(const pd_engine *e, int *evictable, int *entries, uint64_t *hit_tokens)
@@ -1796,7 +1809,14 @@ pd_status pd_engine_complete_prefill_mode(pd_engine *e, pd_request *r, int32_t f
     }
     if (first_lp != NULL && r->params.logprobs)
         TRY(lp_check(e, r, first_lp, "first token", err));
-    return commit_first(e, r, first_token, r->params.logprobs ? first_lp : NULL, err);
+    /* the prefill node drew the first token's uniform from the same seed: skip it, so the rest
+     * of the stream is what a request prefilled here draws (the same text for a seed colocated,
+     * disaggregated, or prefilled here from the prefix cache) */
+    if (!pd_sample_is_greedy(&r->params.sample))
+        (void)pd_rng_uniform(&r->rng);
+    TRY(commit_first(e, r, first_token, r->params.logprobs ? first_lp : NULL, err));
+    prefix_offer(e, r);   /* its prompt pages are final: a sibling may take them at once */
+    return PD_OK;
 }
 
 /* One prefill forward of up to budget prompt tokens from at most max_seq requests; *n_out = the

@@ -82,9 +82,11 @@ typedef struct {
     int gap_min_batch;                 /* tests only: rounds of at least this many requests
                                         * leave waiting decode rows as gaps (0: 8) */
     int prefix_cache;                  /* 1: keep the full pages of prompts and finished answers
-                                        * (target and draft K/V) and give a later prompt that starts
-                                        * with the same tokens those pages instead of prefilling them
-                                        * (pd_prefix.h); not with cp_size or tp_size > 1 */
+                                        * (target and draft K/V; prompts prefilled here or brought
+                                        * by pd_engine_complete_prefill*) and give a later prompt
+                                        * that starts with the same tokens those pages instead of
+                                        * prefilling them (pd_prefix.h); not with cp_size or
+                                        * tp_size > 1 */
     int tp_debug_fail_rank;            /* tests only: pd_tp_group_config.debug_fail_rank/cmd */
     int tp_debug_fail_cmd;
     /* Tests and debugging: called on the engine thread with exactly the aux tensor (backend
@@ -295,6 +297,10 @@ pd_status pd_engine_profile_sps_cached(pd_engine *e, const char *model_dir, cons
 /* The prefix cache (pd_engine_config.prefix_cache): pages only it holds (free for the asking),
  * entries, and prompt tokens served from it so far. Zeros without one. */
 void pd_engine_prefix_stats(const pd_engine *e, int *evictable, int *entries, uint64_t *hit_tokens);
+/* 1 when the prefix cache holds every full page pd_engine_add would take for prompt[0..n) (all
+ * but the last, partial or not, page's tokens: less than a page is left to prefill), at least
+ * one; 0 otherwise or without a cache. */
+int pd_engine_prefix_covers(pd_engine *e, const int32_t *prompt, int n);
 /* Steps run eagerly, graphs captured and graph replays so far (target and draft runners). */
 void pd_engine_graph_stats(const pd_engine *e, uint64_t *eager, uint64_t *captures, uint64_t *replays);
 /* Step shapes warmed up so far (target and draft graph caches: new keys, captures, stale

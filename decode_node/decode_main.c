@@ -69,10 +69,13 @@ static void usage(FILE *f)
             "--chunked-prefill-size N (colocated): prompt tokens prefilled per engine step (default\n"
             "2048); a longer prompt is prefilled in chunks with a decode round after each, so the\n"
             "running requests keep streaming (prefill nodes: --max-batch-tokens).\n"
-            "--prefix-cache (colocated): keep the full KV pages of finished prompts and let a later\n"
+            "--prefix-cache: keep the full KV pages of finished prompts and let a later\n"
             "prompt that starts with the same tokens skip prefilling them (usage reports\n"
             "prompt_tokens_details.cached_tokens); pages only the cache holds count as free and go\n"
-            "back when a request needs them. Not with --cp-size / --tp > 1.\n");
+            "back when a request needs them. Not with --cp-size / --tp > 1. Disaggregated, the\n"
+            "pages prefill nodes send are kept, and a prompt whose every full page is cached (the\n"
+            "later choices of an n request, which wait for the first one's pages; a repeated\n"
+            "prompt) is prefilled here (less than a page) instead of on a prefill node.\n");
 }
 
 int main(int argc, char **argv)
@@ -220,11 +223,6 @@ int main(int argc, char **argv)
     if (!colocated && cfg.tp_size > 1) {
         fprintf(stderr, PROG ": --tp applies to --colocated only (a prefill node's KV would reach "
                         "rank 0's shard only)\n");
-        return 2;
-    }
-    if (!colocated && cfg.prefix_cache) {
-        fprintf(stderr, PROG ": --prefix-cache applies to --colocated only (a disaggregated decode "
-                        "node prefills nothing itself)\n");
         return 2;
     }
     if (colocated && refresh_given) {

@@ -1080,16 +1080,27 @@ static void on_reply_loop(void *arg)
 /* ---------------------------------------------------------------------------------------------
  * The engine loop */
 
-/* A request of h's group is being prefilled (admitted, no token yet): h waits, so that its
- * prompt's pages come from the prefix cache once that one's prefill offered them. */
+/* A request of h's group is being prefilled (admitted, no token yet; here or on a prefill
+ * node): h waits, so that its prompt's pages come from the prefix cache once that one's prefill
+ * offered them. */
 static int sibling_prefilling(const decode_server *s, const decode_handle *h)
 {
-    if (h->group == 0 || !s->cfg.colocated || !s->cfg.prefix_cache)
+    if (h->group == 0 || !s->cfg.prefix_cache)
         return 0;
     for (const decode_handle *g = s->head; g != NULL; g = g->next)
-        if (g != h && g->group == h->group && g->state == H_RUNNING && g->t_first == 0.0)
+        if (g != h && g->group == h->group && g->t_first == 0.0 &&
+            (g->state == H_RUNNING || g->state == H_PREFILL))
             return 1;
     return 0;
+}
+
+/* Disaggregated with the prefix cache: h is prefilled here when the cache holds every full page
+ * of its prompt (less than a page is left: an n request's later choices, a prompt repeated),
+ * else by a prefill node. */
+static int prefill_here(decode_server *s, const decode_handle *h)
+{
+    return s->cfg.colocated || (s->cfg.prefix_cache && !h->gp.prompt_logprobs &&
+                                pd_engine_prefix_covers(s->eng, h->prompt, h->n_prompt));
 }
 
 static void admit(decode_server *s)
@@ -1110,11 +1121,11 @@ static void admit(decode_server *s)
             continue;
         pd_err err = {0};
         pd_status st;
-        if (s->cfg.colocated) {
+        int here = prefill_here(s, h);
+        if (here)
             st = pd_engine_add(s->eng, h->eid, h->prompt, h->n_prompt, &h->gp, &h->r, &err);
-        } else {
+        else
             st = start_external(s, h, &err);
-        }
         if (st == PD_ERR_BUSY) {
             if (s->cfg.queue_timeout_ms > 0 && now - h->t_submit > (double)s->cfg.queue_timeout_ms) {
                 char msg[256];
@@ -1134,8 +1145,9 @@ static void admit(decode_server *s)
         s->n_queued--;
         atomic_fetch_sub(&s->n_waiting, 1);
         h->t_admit = pd_cli_now_ms();
-        PD_LOG_DEBUG("decode", "%s: admitted (%d prompt tokens)", h->id, h->n_prompt);
-        if (s->cfg.colocated) {
+        PD_LOG_DEBUG("decode", "%s: admitted (%d prompt tokens%s)", h->id, h->n_prompt,
+                     here && !s->cfg.colocated ? ", its full pages cached: prefilled here" : "");
+        if (here) {
             h->state = H_RUNNING;
             s->n_running++;
         } else {
@@ -1862,7 +1874,7 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
                             .n_pages = cfg->kv_pages, .fast_kernels = cfg->fast_kernels,
                             .graphs = cfg->graphs, .max_prefill_tokens = cfg->max_prefill_tokens,
                             .verify_threshold = cfg->verify_threshold,
-                            .prefix_cache = cfg->colocated && cfg->prefix_cache };
+                            .prefix_cache = cfg->prefix_cache };
     if (cfg->verify != NULL && (st = pd_verify_policy_parse(cfg->verify, &ec.verify_policy, err)) != PD_OK)
         goto err_destroy;
     pd_err cerr;

@@ -1048,7 +1048,9 @@ def test_prefix_cache(bin_dir, model, draft):
     """decode_node --colocated --prefix-cache: a prompt that starts with a finished one's full
     pages is served from them (usage.prompt_tokens_details.cached_tokens, the metric) and
     decodes the same text as the first time and as a node without the cache; the choices of an
-    n request take the first one's prompt pages."""
+    n request take the first one's prompt pages. Disaggregated: the prefill node's cache, and the
+    decode node's own (the pages prefill nodes sent; an n request prefilled once there, its
+    later choices here; sampled choices the texts single requests give, colocated too)."""
     prompt = "import os\nimport sys\nimport json\n\n\ndef load(path):\n    with open(path) as f:\n" * 3
     body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     node = Node(bin_dir, model, draft, ("--colocated", "--prefix-cache"))
@@ -1118,6 +1120,57 @@ def test_prefix_cache(bin_dir, model, draft):
             dn.stop()
         pf.stop()
     log("prefill_node --prefix-cache checked")
+    # a disaggregated decode node's own cache: the pages a prefill node sent are kept; the later
+    # choices of an n request (and a repeated prompt) are prefilled here from them
+    pf = Node(bin_dir, model, draft, (), binary="prefill_node")
+    dn = None
+    try:
+        dn = Node(bin_dir, model, draft, ("--prefill", pf.grpc, "--prefix-cache"))
+        fresh = "class Stack:\n    def push(self, item):\n        self.items.append(item)\n" * 4
+        st, b = post_json(dn, "/v1/completions", dict(body, prompt=fresh, n=4))
+        npf = b["usage"]["prompt_tokens"] if st == 200 else 0
+        texts = [c["text"] for c in b["choices"]] if st == 200 else []
+        calls = sample(metrics(pf), "pdspark_prefill_requests_total")
+        cached = sample(metrics(dn), "pdspark_prompt_cached_tokens_total") or 0
+        check(st == 200 and len(set(texts)) == 1 and len(texts) == 4 and calls == 1 and
+              cached == 3 * ((npf - 1) // 16 * 16) > 0,
+              "disaggregated n=4: %s Prefill call(s), %d cached tokens of %d-token prompts, texts %s" %
+              (calls, cached, npf, texts))
+        st, b2 = post_json(dn, "/v1/completions", dict(body, prompt=fresh))
+        check(st == 200 and b2["choices"][0]["text"] == texts[0] and
+              sample(metrics(pf), "pdspark_prefill_requests_total") == 1 and
+              b2["usage"]["prompt_tokens_details"]["cached_tokens"] == (npf - 1) // 16 * 16,
+              "a repeated prompt is prefilled here from the cache: %s" % b2)
+        # sampled: choice i is what a single request with seed + i gives (on a node without the cache)
+        st, bs = post_json(dn, "/v1/completions", dict(body, n=3, temperature=0.8, seed=11))
+        many = [c["text"] for c in bs["choices"]] if st == 200 else None
+    finally:
+        if dn is not None:
+            dn.stop()
+    dn = None
+    try:
+        dn = Node(bin_dir, model, draft, ("--prefill", pf.grpc))
+        singles = []
+        for sd in (11, 12, 13):
+            st, b1 = post_json(dn, "/v1/completions", dict(body, temperature=0.8, seed=sd))
+            singles.append(b1["choices"][0]["text"] if st == 200 else None)
+        check(many == singles, "disaggregated sampled n=3 with the cache == single requests: %s vs %s" %
+              (many, singles))
+    finally:
+        if dn is not None:
+            dn.stop()
+        pf.stop()
+    # and a seed gives the same text colocated (the decode node skips the uniform the prefill
+    # node drew for the first token)
+    node = Node(bin_dir, model, draft, ("--colocated",))
+    try:
+        st, b = post_json(node, "/v1/completions", dict(body, temperature=0.8, seed=12))
+        check(st == 200 and b["choices"][0]["text"] == singles[1],
+              "sampled, seed 12: colocated == disaggregated: %r vs %r" % (b["choices"][0]["text"] if st == 200
+                                                                         else b, singles[1]))
+    finally:
+        node.stop()
+    log("decode_node --prefix-cache (disaggregated) checked")
 
 
 def test_verify_policies(bin_dir, model, draft):
