@@ -22,7 +22,8 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: pdspark-client --server HOST:PORT (--prompt TEXT | --prompt-ids FILE | --health)\n"
             "                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
-            "                      [--seed S] [--ignore-eos] [--timeout-ms N] [--request-id ID]\n"
+            "                      [--seed S] [--ignore-eos] [--skip-special-tokens] [--timeout-ms N]\n"
+            "                      [--request-id ID]\n"
             "                      [--stop STR]... [--json] [--stream] [--disconnect-after N]\n"
             "                      [--verify full|threshold|scheduled] [--verify-threshold T]\n"
             "                      [--logprobs N] [--presence-penalty P] [--frequency-penalty F]\n"
@@ -121,7 +122,7 @@ static int do_health(pd_rpc_channel *ch, int64_t timeout_ms)
 int main(int argc, char **argv)
 {
     const char *server = NULL, *prompt = NULL, *ids_path = NULL, *req_id = NULL;
-    int max_new = 128, top_k = 0, json = 0, stream = 0, ignore_eos = 0, health = 0;
+    int max_new = 128, top_k = 0, json = 0, stream = 0, ignore_eos = 0, health = 0, skip_special = 0;
     int disconnect_after = -1, logprobs = -1;
     char *stops[16];
     size_t n_stops = 0;
@@ -134,13 +135,15 @@ int main(int argc, char **argv)
     const char *verify = NULL;
     enum { O_SERVER = 256, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_IGNORE,
            O_TMO, O_RID, O_JSON, O_STREAM, O_DISC, O_HEALTH, O_STOP, O_VERIFY, O_VTHRESH, O_LOGPROBS,
-           O_PRES, O_FREQ, O_REP, O_BIAS, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_GRAMMAR, O_HELP };
+           O_PRES, O_FREQ, O_REP, O_BIAS, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_GRAMMAR, O_SKIPSP,
+           O_HELP };
     static const struct option opts[] = {
         {"server", required_argument, 0, O_SERVER}, {"prompt", required_argument, 0, O_PROMPT},
         {"prompt-ids", required_argument, 0, O_IDS}, {"max-new-tokens", required_argument, 0, O_MAXNEW},
         {"temperature", required_argument, 0, O_TEMP}, {"top-k", required_argument, 0, O_TOPK},
         {"top-p", required_argument, 0, O_TOPP}, {"seed", required_argument, 0, O_SEED},
         {"ignore-eos", no_argument, 0, O_IGNORE}, {"timeout-ms", required_argument, 0, O_TMO},
+        {"skip-special-tokens", no_argument, 0, O_SKIPSP},
         {"request-id", required_argument, 0, O_RID}, {"json", no_argument, 0, O_JSON},
         {"stream", no_argument, 0, O_STREAM}, {"disconnect-after", required_argument, 0, O_DISC},
         {"health", no_argument, 0, O_HEALTH}, {"stop", required_argument, 0, O_STOP},
@@ -170,6 +173,7 @@ int main(int argc, char **argv)
         case O_TOPP: bad = pd_cli_parse_float(PROG, "--top-p", optarg, &top_p); break;
         case O_SEED: bad = pd_cli_parse_i64(PROG, "--seed", optarg, 0, INT64_MAX, &seed); break;
         case O_IGNORE: ignore_eos = 1; break;
+        case O_SKIPSP: skip_special = 1; break;
         case O_TMO: bad = pd_cli_parse_i64(PROG, "--timeout-ms", optarg, 0, INT32_MAX, &timeout_ms); break;
         case O_RID: req_id = optarg; break;
         case O_JSON: json = 1; break;
@@ -289,6 +293,7 @@ int main(int argc, char **argv)
     rq.verify_policy = (char *)(verify != NULL ? verify : "");
     rq.verify_threshold = verify_threshold;
     rq.logprobs = logprobs >= 0;
+    rq.skip_special_tokens = skip_special;
     rq.top_logprobs = logprobs >= 0 ? (uint32_t)logprobs : 0;
     cJSON *lps = cJSON_CreateArray();
 

@@ -359,6 +359,7 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
     }
     dr.verify_threshold = rq->verify_threshold;
     dr.logprobs = rq->logprobs;
+    dr.skip_special = rq->skip_special_tokens;
     dr.top_logprobs = rq->top_logprobs > (uint32_t)INT32_MAX ? INT32_MAX : (int)rq->top_logprobs;
     int64_t tmo = rq->timeout_ms > (uint64_t)INT64_MAX ? INT64_MAX : (int64_t)rq->timeout_ms;
     int64_t left = pd_rpc_call_deadline_ms(call);

@@ -770,7 +770,7 @@ def test_tools(node, fixtures):
         "add_generation_prompt, continue_final_message")
 
 
-def test_special_tokens(node, prompt):
+def test_special_tokens(bin_dir, node, prompt):
     """skip_special_tokens (vLLM, default true): a special token the model writes (forced here by a
     logit bias) adds no text unless it is false; no-op values of refused fields pass."""
     body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
@@ -780,7 +780,14 @@ def test_special_tokens(node, prompt):
     check(st == 200 and st2 == 200 and r["choices"][0]["text"] == "" and
           r2["choices"][0]["text"] == "<|im_start|>" * 3 and r["usage"]["completion_tokens"] == 3,
           "skip_special_tokens: %s / %s" % (r, r2))
-    log("skip_special_tokens: special tokens add no text by default")
+    for flag, want in ((None, "<|im_start|>" * 3), ("--skip-special-tokens", "")):   # gRPC: off unless asked
+        out = subprocess.run([os.path.join(bin_dir, "pdspark-client"), "--server", node.grpc, "--prompt", prompt,
+                              "--max-new-tokens", "3", "--temperature", "0", "--ignore-eos", "--logit-bias",
+                              "8189:100", "--json"] + ([flag] if flag else []),
+                             capture_output=True, text=True, timeout=60)
+        got = json.loads(out.stdout.strip().splitlines()[-1])["text"] if out.returncode == 0 else out.stderr
+        check(got == want, "gRPC skip_special_tokens %s: %r" % (flag, got))
+    log("skip_special_tokens: special tokens add no text by default (HTTP), when asked (gRPC)")
 
 
 def test_n(node, prompt):
@@ -1375,7 +1382,7 @@ def main():
         test_logprobs(bin_dir, model, node, prompt, N, want)
         test_penalties(bin_dir, model, draft, node, prompt, N, want)
         test_n(node, prompt)
-        test_special_tokens(node, prompt)
+        test_special_tokens(bin_dir, node, prompt)
         test_structured(bin_dir, node, "colocated")
         test_tools(node, FIXTURES)
         mg = metrics(node)
