@@ -827,6 +827,7 @@ struct pd_chat_parser {
     int cst;             /* P_CALL: C_* */
     int tail_brace;      /* C_TAIL: the call object's '}' has come */
     int first;           /* C_ARGS: nothing of the call emitted yet */
+    size_t scanned;      /* C_ARGS: the output's bytes js has checked (pos may be behind it) */
     char *name;          /* the current call's function */
     jscan js;            /* C_ARGS: the arguments so far */
     int skip;            /* P_CONTENT: leading characters to drop (1 '\n', 2 any whitespace) */
@@ -1013,6 +1014,7 @@ static int feed_call(pd_chat_parser *p, const char *text, size_t len, int final,
             p->first = 1;
             p->calls++;
             p->pos += at;
+            p->scanned = p->pos;
             s += at;
             n -= at;
         } else {
@@ -1031,10 +1033,12 @@ static int feed_call(pd_chat_parser *p, const char *text, size_t len, int final,
         return 1;
     }
     if (p->cst == C_ARGS) {
-        size_t i = 0;
+        /* bytes held back (half a UTF-8 character) were checked already: go on after them */
+        size_t i = p->scanned > p->pos ? p->scanned - p->pos : 0;
         int r = J_MORE;
         while (i < n && r == J_MORE)
             r = j_feed(&p->js, (unsigned char)s[i++]);
+        p->scanned = p->pos + i;
         if (r == J_BAD) {   /* the call ends at its arguments' last good byte; the rest is text */
             emit_args(p, s, i - 1, p->pos + i - 1, emit, ud);
             p->mode = P_CONTENT;
