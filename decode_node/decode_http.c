@@ -1419,6 +1419,8 @@ static int parse_common(const cJSON *root, int chat, decode_req *dr, req_opts *o
         { "logits_processors", "'logits_processors' are not supported", BOTH, 0 },
         { "truncate_prompt_tokens", "'truncate_prompt_tokens' is not supported (a prompt over the context is a "
           "400)", BOTH, 0 },
+        { "chat_template", "'chat_template' per request is not supported (the node's template is used; "
+          "decode_node --chat-template sets it)", ONLY_CHAT, 0 },
     };
     for (size_t k = 0; k < sizeof(unsupported) / sizeof(unsupported[0]); k++) {
         const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, unsupported[k].key);
@@ -2206,13 +2208,31 @@ static char *read_file(const char *path)
     return pd_cli_read_text(path, &t, &err) == PD_OK ? t : NULL;   /* absent: look elsewhere */
 }
 
-static void check_template(decode_http *dh, const char *model_dir)
+/* The checkpoint's template (or the --chat-template one: then a template that cannot be read or
+ * is not ChatML is an error, not a warning). */
+static pd_status check_template(decode_http *dh, const char *model_dir, const char *given, pd_err *err)
 {
     char path[4096];
-    snprintf(path, sizeof(path), "%s/chat_template.jinja", model_dir);
-    char *t = read_file(path);
+    char *t = NULL;
     char *from = "chat_template.jinja";
     char why[128];
+    if (given != NULL) {
+        from = "--chat-template";
+        t = strstr(given, "{{") != NULL || strstr(given, "{%") != NULL ? strdup(given) : read_file(given);
+        if (t == NULL)
+            return pd_err_set(err, PD_ERR_IO, "--chat-template '%.200s': no such file (or give the template "
+                              "text itself)", given);
+        if (pd_chat_template_detect(t, &dh->tmpl, why, sizeof(why)) != 0) {
+            free(t);
+            return pd_err_set(err, PD_ERR_INVALID, "--chat-template: %s; this server renders ChatML "
+                              "(<|im_start|>role ... <|im_end|>) templates only", why);
+        }
+        free(t);
+        dh->chat_ok = 1;
+        return PD_OK;
+    }
+    snprintf(path, sizeof(path), "%s/chat_template.jinja", model_dir);
+    t = read_file(path);
     if (t == NULL) {
         snprintf(path, sizeof(path), "%s/tokenizer_config.json", model_dir);
         char *cfg = read_file(path);
@@ -2248,6 +2268,7 @@ static void check_template(decode_http *dh, const char *model_dir)
     if (!dh->chat_ok)
         PD_LOG_WARN("http", "%s", dh->chat_why);
     free(t);
+    return PD_OK;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -2282,15 +2303,16 @@ pd_status decode_http_create(decode_server *s, const decode_http_config *cfg, de
         const char *base = strrchr(tmp, '/');
         snprintf(dh->model, sizeof(dh->model), "%.255s", base != NULL ? base + 1 : tmp);
     }
-    check_template(dh, cfg->model_dir != NULL ? cfg->model_dir : ".");
+    pd_status st = check_template(dh, cfg->model_dir != NULL ? cfg->model_dir : ".", cfg->chat_template, err);
+    if (st != PD_OK)
+        goto err_free;
     char model_path[300];
     snprintf(model_path, sizeof(model_path), "/v1/models/%s", dh->model);
     pd_http_config hc = {
         .addr = cfg->addr, .node = "decode", .metrics = cfg->metrics,
         .ready = ready_fn, .ready_ud = dh, .max_body = cfg->max_body,
     };
-    pd_status st = pd_http_create(&hc, &dh->http, err);
-    if (st != PD_OK)
+    if ((st = pd_http_create(&hc, &dh->http, err)) != PD_OK)
         goto err_free;
     if ((st = pd_http_route(dh->http, "/v1/completions", PD_HTTP_POST, h_completions, dh, err)) != PD_OK ||
         (st = pd_http_route(dh->http, "/v1/chat/completions", PD_HTTP_POST, h_chat, dh, err)) != PD_OK ||

@@ -31,13 +31,17 @@ typedef struct {
     size_t max_body;               /* bytes; 0 = 8 MiB */
     int reasoning;                 /* --reasoning-parser qwen3: a chat reply's <think>...</think>
                                     * is returned as reasoning_content */
+    const char *chat_template;     /* --chat-template: a template file, or the template itself
+                                    * (text with "{{" or "{%"), instead of the checkpoint's; NULL:
+                                    * the checkpoint's */
     const char *api_key;           /* NULL/"": none; else the /v1 routes and /tokenize, /detokenize need
                                     * "Authorization: Bearer <key>" (/health, /ready, /metrics
                                     * stay open) */
 } decode_http_config;
 
 /* Reads the chat template, binds, starts the HTTP thread. s is borrowed and must outlive
- * decode_http_stop. Errors: PD_ERR_INVALID / PD_ERR_IO (address, bind), PD_ERR_NOMEM. */
+ * decode_http_stop. Errors: PD_ERR_INVALID / PD_ERR_IO (address, bind; a --chat-template that
+ * cannot be read or is not ChatML), PD_ERR_NOMEM. */
 pd_status decode_http_create(decode_server *s, const decode_http_config *cfg, decode_http **out,
                              pd_err *err);
 int decode_http_port(const decode_http *h);

@@ -169,6 +169,10 @@ fi
 if [ -x "$bin/decode_node" ] && [ -x "$bin/pdspark-client" ]; then
     expect_fail "decode_node --chunked-prefill-size 0" "chunked-prefill-size" $bin/decode_node --model "$T" \
         --draft "$D" --listen 127.0.0.1:0 --colocated --chunked-prefill-size 0
+    expect_fail "decode_node --chat-template missing" "no such file" $bin/decode_node --model "$T" \
+        --draft "$D" --listen 127.0.0.1:0 --colocated --http 127.0.0.1:0 --chat-template "$tmp/nope.jinja"
+    expect_fail "decode_node --chat-template not ChatML" "renders ChatML" $bin/decode_node --model "$T" \
+        --draft "$D" --listen 127.0.0.1:0 --colocated --http 127.0.0.1:0 --chat-template '[INST] {{ m }} [/INST]'
     expect_fail "decode_node --prefix-cache with --tp" "prefix cache does not combine" \
         $bin/decode_node --model "$T" --draft "$D" --listen 127.0.0.1:0 --colocated --prefix-cache --tp 2
     expect_fail "decode_node --prefill-refresh-ms colocated" "prefill-refresh-ms applies to --prefill only" \

@@ -790,6 +790,31 @@ def test_special_tokens(bin_dir, node, prompt):
     log("skip_special_tokens: special tokens add no text by default (HTTP), when asked (gRPC)")
 
 
+def test_chat_template(bin_dir, model, draft):
+    """decode_node --chat-template: a template of one's own (here a file whose generation prompt
+    comes after a default system turn) replaces the checkpoint's; a request's own chat_template
+    is refused by name."""
+    tmp = tempfile.TemporaryDirectory()
+    path = os.path.join(tmp.name, "t.jinja")
+    with open(path, "w") as f:
+        f.write("{%- if messages[0]['role'] != 'system' %}{{- '<|im_start|>system\\nBe terse.<|im_end|>\\n' }}"
+                "{%- endif %}{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + "
+                "message['content'] + '<|im_end|>\\n' }}{%- endfor %}{{- '<|im_start|>assistant\\n' }}")
+    node = Node(bin_dir, model, draft, ("--colocated", "--chat-template", path))
+    try:
+        msgs = [{"role": "user", "content": "hi"}]
+        st, a = post_json(node, "/tokenize", {"messages": msgs})
+        st2, b = post_json(node, "/tokenize", {"prompt": "<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\n"
+                                                         "hi<|im_end|>\n<|im_start|>assistant\n"})
+        check(st == 200 and st2 == 200 and a["tokens"] == b["tokens"], "--chat-template's default system turn")
+        st, r = post_json(node, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2, "chat_template": "x"})
+        check(st == 400 and r["error"]["param"] == "chat_template", "per-request chat_template refused: %s" % r)
+    finally:
+        node.stop()
+        tmp.cleanup()
+    log("--chat-template checked")
+
+
 def test_n(node, prompt):
     """n choices: choice i is what one request with seed + i gives; usage sums them; streams
     tag every event with its choice; each choice stops at its own stop string."""
@@ -1651,6 +1676,7 @@ def main():
         test_verify_policies(bin_dir, model, draft)
     if FAILS == 0:
         test_prefix_cache(bin_dir, model, draft)
+        test_chat_template(bin_dir, model, draft)
     if FAILS == 0 and DEV:
         log("--tp 2 left out: it needs a GPU per rank (PD_HTTP_DEVICE)")
     elif FAILS == 0:
