@@ -717,7 +717,7 @@ static void prefix_offer(pd_engine *e, pd_request *r)
     free(all);
 }
 
-int pd_engine_prefix_covers(pd_engine *e, const int32_t *prompt, int n)
+int pd_engine_prefix_cached(pd_engine *e, const int32_t *prompt, int n)
 {
     int ps = pd_kv_pool_layout(e->tpool)->page_size, want = (n - 1) / ps;
     if (e->prefix == NULL || want <= 0)
@@ -727,7 +727,7 @@ int pd_engine_prefix_covers(pd_engine *e, const int32_t *prompt, int n)
         return 0;
     int k = pd_prefix_lookup(e->prefix, prompt, n, want, tp, e->dpool != NULL ? tp + want : NULL);
     free(tp);
-    return k == want;
+    return k * ps;
 }
 
 void pd_engine_prefix_stats(const pd_engine *e, int *evictable, int *entries, uint64_t *hit_tokens)

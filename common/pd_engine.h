@@ -297,10 +297,9 @@ pd_status pd_engine_profile_sps_cached(pd_engine *e, const char *model_dir, cons
 /* The prefix cache (pd_engine_config.prefix_cache): pages only it holds (free for the asking),
  * entries, and prompt tokens served from it so far. Zeros without one. */
 void pd_engine_prefix_stats(const pd_engine *e, int *evictable, int *entries, uint64_t *hit_tokens);
-/* 1 when the prefix cache holds every full page pd_engine_add would take for prompt[0..n) (all
- * but the last, partial or not, page's tokens: less than a page is left to prefill), at least
- * one; 0 otherwise or without a cache. */
-int pd_engine_prefix_covers(pd_engine *e, const int32_t *prompt, int n);
+/* The prompt tokens pd_engine_add would take from the prefix cache for prompt[0..n) (whole
+ * pages, never the last token); 0 without a cache. */
+int pd_engine_prefix_cached(pd_engine *e, const int32_t *prompt, int n);
 /* Steps run eagerly, graphs captured and graph replays so far (target and draft runners). */
 void pd_engine_graph_stats(const pd_engine *e, uint64_t *eager, uint64_t *captures, uint64_t *replays);
 /* Step shapes warmed up so far (target and draft graph caches: new keys, captures, stale

@@ -61,7 +61,11 @@ typedef struct {
     int max_batch;                  /* running requests at most (0 = 64) */
     int max_prefill_tokens;         /* colocated: prompt tokens prefilled per engine step, a decode
                                      * round between steps (0 = the engine's 2048) */
-    int prefix_cache;               /* colocated: pd_engine_config.prefix_cache */
+    int prefix_cache;               /* pd_engine_config.prefix_cache (disaggregated too: the
+                                     * pages prefill nodes send are kept) */
+    int max_local_prefill;          /* disaggregated: a prompt whose uncached part is at most this
+                                     * many tokens is prefilled here, not on a prefill node; -1 =
+                                     * the page size with prefix_cache, else 0 (never) */
     int max_queue;                  /* requests waiting for pages at most (0 = 256) */
     int64_t queue_timeout_ms;       /* longest wait for pages before RESOURCE_EXHAUSTED (0 = 30000) */
     int64_t request_timeout_ms;     /* default deadline per request (0 = none) */

@@ -37,7 +37,7 @@ static void usage(FILE *f)
             "                   [--verify full|threshold|scheduled] [--threshold T] [--fast-kernels]\n"
             "                   [--graphs auto|off|pad] [--chunked-prefill-size N]\n"
             "                   [--reasoning-parser qwen3] [--served-model-name NAME] [--api-key KEY]\n"
-            "                   [--chat-template FILE|TEXT]\n"
+            "                   [--chat-template FILE|TEXT] [--max-local-prefill N]\n"
             "\n"
             "Serves pdspark.Generate (gRPC, server-streaming) with DSpark speculative decoding.\n"
             "--colocated runs the prefill in this process (--cp-size/--cp-strategy apply there; on\n"
@@ -78,7 +78,11 @@ static void usage(FILE *f)
             "back when a request needs them. Not with --cp-size / --tp > 1. Disaggregated, the\n"
             "pages prefill nodes send are kept, and a prompt whose every full page is cached (the\n"
             "later choices of an n request, which wait for the first one's pages; a repeated\n"
-            "prompt) is prefilled here (less than a page) instead of on a prefill node.\n");
+            "prompt) is prefilled here (less than a page) instead of on a prefill node.\n"
+            "--max-local-prefill N (disaggregated): a prompt whose part the prefix cache does not\n"
+            "hold (all of it without --prefix-cache) is at most N tokens is prefilled here instead\n"
+            "of on a prefill node (a conversation's next turn, short prompts); default: the page\n"
+            "size with --prefix-cache, else 0 (never).\n");
 }
 
 int main(int argc, char **argv)
@@ -95,7 +99,7 @@ int main(int argc, char **argv)
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_PREFILL, O_COLO, O_DEVICE, O_PAGES, O_PAGE, O_BATCH,
            O_QUEUE, O_QTMO, O_RTMO, O_XTMO, O_CP, O_CPS, O_LOG, O_HELP, O_HTTP, O_LOGFMT, O_DRAIN,
            O_VERIFY, O_THRESH, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_CHUNK, O_REFRESH, O_PREFIX,
-           O_REASON, O_SERVED, O_APIKEY, O_CHATTMPL };
+           O_REASON, O_SERVED, O_APIKEY, O_CHATTMPL, O_LOCALPF };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"prefill", required_argument, 0, O_PREFILL},
@@ -112,6 +116,7 @@ int main(int argc, char **argv)
         {"prefix-cache", no_argument, 0, O_PREFIX},
         {"reasoning-parser", required_argument, 0, O_REASON},
         {"chat-template", required_argument, 0, O_CHATTMPL},
+        {"max-local-prefill", required_argument, 0, O_LOCALPF},
         {"served-model-name", required_argument, 0, O_SERVED},
         {"api-key", required_argument, 0, O_APIKEY},
         {"prefill-refresh-ms", required_argument, 0, O_REFRESH},
@@ -189,6 +194,9 @@ int main(int argc, char **argv)
             served_name = optarg;
             break;
         case O_CHATTMPL: chat_template = optarg; break;
+        case O_LOCALPF:
+            bad = pd_cli_parse_int(PROG, "--max-local-prefill", optarg, 0, 1 << 20, &cfg.max_local_prefill);
+            break;
         case O_REASON:
             if (strcmp(optarg, "qwen3") != 0 && strcmp(optarg, "none") != 0) {
                 fprintf(stderr, PROG ": --reasoning-parser '%s': known parsers are qwen3 and none\n", optarg);
@@ -228,6 +236,11 @@ int main(int argc, char **argv)
     if (!colocated && cfg.tp_size > 1) {
         fprintf(stderr, PROG ": --tp applies to --colocated only (a prefill node's KV would reach "
                         "rank 0's shard only)\n");
+        return 2;
+    }
+    if (colocated && cfg.max_local_prefill >= 0) {
+        fprintf(stderr, PROG ": --max-local-prefill applies to --prefill only (a --colocated node "
+                        "prefills every prompt itself)\n");
         return 2;
     }
     if (colocated && refresh_given) {

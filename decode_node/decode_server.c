@@ -166,6 +166,7 @@ void decode_config_default(decode_config *cfg)
     cfg->max_queue = 256;
     cfg->queue_timeout_ms = 30000;
     cfg->transfer_timeout_ms = 30000;
+    cfg->max_local_prefill = -1;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -1094,13 +1095,17 @@ static int sibling_prefilling(const decode_server *s, const decode_handle *h)
     return 0;
 }
 
-/* Disaggregated with the prefix cache: h is prefilled here when the cache holds every full page
- * of its prompt (less than a page is left: an n request's later choices, a prompt repeated),
- * else by a prefill node. */
+/* Disaggregated: h is prefilled here when what the prefix cache does not hold of its prompt is
+ * at most max_local_prefill tokens (with the cache's default, less than a page: an n request's
+ * later choices, a prompt repeated), else by a prefill node. */
 static int prefill_here(decode_server *s, const decode_handle *h)
 {
-    return s->cfg.colocated || (s->cfg.prefix_cache && !h->gp.prompt_logprobs &&
-                                pd_engine_prefix_covers(s->eng, h->prompt, h->n_prompt));
+    if (s->cfg.colocated)
+        return 1;
+    int max = s->cfg.max_local_prefill >= 0 ? s->cfg.max_local_prefill : s->cfg.prefix_cache ? s->page_size : 0;
+    if (max <= 0 || h->gp.prompt_logprobs)
+        return 0;
+    return h->n_prompt - pd_engine_prefix_cached(s->eng, h->prompt, h->n_prompt) <= max;
 }
 
 static void admit(decode_server *s)

@@ -173,6 +173,8 @@ if [ -x "$bin/decode_node" ] && [ -x "$bin/pdspark-client" ]; then
         --draft "$D" --listen 127.0.0.1:0 --colocated --http 127.0.0.1:0 --chat-template "$tmp/nope.jinja"
     expect_fail "decode_node --chat-template not ChatML" "renders ChatML" $bin/decode_node --model "$T" \
         --draft "$D" --listen 127.0.0.1:0 --colocated --http 127.0.0.1:0 --chat-template '[INST] {{ m }} [/INST]'
+    expect_fail "decode_node --max-local-prefill colocated" "max-local-prefill applies to --prefill only" \
+        $bin/decode_node --model "$T" --draft "$D" --listen 127.0.0.1:0 --colocated --max-local-prefill 64
     expect_fail "decode_node --prefix-cache with --tp" "prefix cache does not combine" \
         $bin/decode_node --model "$T" --draft "$D" --listen 127.0.0.1:0 --colocated --prefix-cache --tp 2
     expect_fail "decode_node --prefill-refresh-ms colocated" "prefill-refresh-ms applies to --prefill only" \

@@ -790,6 +790,44 @@ def test_special_tokens(bin_dir, node, prompt):
     log("skip_special_tokens: special tokens add no text by default (HTTP), when asked (gRPC)")
 
 
+def test_local_prefill(bin_dir, model, draft):
+    """decode_node --prefill ... --max-local-prefill N: a prompt whose uncached part is at most N
+    tokens is prefilled on the decode node (a conversation's next turn over the cached pages of
+    the last one; a short prompt without the cache), the rest on the prefill node; greedy text as
+    a colocated node gives it."""
+    first = "def area(r):\n    return 3.14159 * r * r\n\n\n" * 4
+    turn = first + "def perimeter(r):\n"
+    body = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    want = {}
+    node = Node(bin_dir, model, draft, ("--colocated",))
+    try:
+        for p in (first, turn, "x = 1\n"):
+            st, b = post_json(node, "/v1/completions", dict(body, prompt=p))
+            want[p] = b["choices"][0]["text"] if st == 200 else None
+    finally:
+        node.stop()
+    pf = Node(bin_dir, model, draft, (), binary="prefill_node")
+    try:
+        for extra, prompts, calls in ((("--prefix-cache", "--max-local-prefill", "64"), (first, turn), 1),
+                                      (("--max-local-prefill", "1000"), ("x = 1\n",), 0)):
+            before = sample(metrics(pf), "pdspark_prefill_requests_total") or 0
+            dn = Node(bin_dir, model, draft, ("--prefill", pf.grpc) + extra)
+            try:
+                got = []
+                for p in prompts:
+                    st, b = post_json(dn, "/v1/completions", dict(body, prompt=p))
+                    got.append(b["choices"][0]["text"] if st == 200 else b)
+                after = sample(metrics(pf), "pdspark_prefill_requests_total") or 0
+                check(got == [want[p] for p in prompts] and after - before == calls,
+                      "%s: %d Prefill call(s) (want %d), texts %s vs %s" % (" ".join(extra), after - before, calls,
+                                                                          got, [want[p] for p in prompts]))
+            finally:
+                dn.stop()
+    finally:
+        pf.stop()
+    log("decode_node --max-local-prefill checked")
+
+
 def test_chat_template(bin_dir, model, draft):
     """decode_node --chat-template: a template of one's own (here a file whose generation prompt
     comes after a default system turn) replaces the checkpoint's; a request's own chat_template
@@ -1677,6 +1715,7 @@ def main():
     if FAILS == 0:
         test_prefix_cache(bin_dir, model, draft)
         test_chat_template(bin_dir, model, draft)
+        test_local_prefill(bin_dir, model, draft)
     if FAILS == 0 and DEV:
         log("--tp 2 left out: it needs a GPU per rank (PD_HTTP_DEVICE)")
     elif FAILS == 0:
