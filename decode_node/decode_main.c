@@ -69,7 +69,7 @@ static void usage(FILE *f)
             "--log-format json writes every log line (and the per-request line) as JSON.\n"
             "--dtype f32 keeps the weights and KV cache in fp32 on cuda (default bf16); prefill\n"
             "nodes must use the same (a KV layout that differs is refused by name).\n"
-            "--chunked-prefill-size N (colocated): prompt tokens prefilled per engine step (default\n"
+            "--chunked-prefill-size N (prompts prefilled here): prompt tokens per engine step (default\n"
             "2048); a longer prompt is prefilled in chunks with a decode round after each, so the\n"
             "running requests keep streaming (prefill nodes: --max-batch-tokens).\n"
             "--prefix-cache: keep the full KV pages of finished prompts and let a later\n"
@@ -248,9 +248,10 @@ int main(int argc, char **argv)
                         "has no prefill nodes to resolve)\n");
         return 2;
     }
-    if (!colocated && cfg.max_prefill_tokens > 0) {
-        fprintf(stderr, PROG ": --chunked-prefill-size applies to --colocated only (prefill nodes "
-                        "take --max-batch-tokens)\n");
+    if (!colocated && cfg.max_prefill_tokens > 0 && !cfg.prefix_cache && cfg.max_local_prefill <= 0) {
+        fprintf(stderr, PROG ": --chunked-prefill-size applies to prompts prefilled here: --colocated, or "
+                        "disaggregated with --prefix-cache or --max-local-prefill (prefill nodes take "
+                        "--max-batch-tokens)\n");
         return 2;
     }
     cfg.colocated = colocated;

@@ -179,7 +179,7 @@ if [ -x "$bin/decode_node" ] && [ -x "$bin/pdspark-client" ]; then
         $bin/decode_node --model "$T" --draft "$D" --listen 127.0.0.1:0 --colocated --prefix-cache --tp 2
     expect_fail "decode_node --prefill-refresh-ms colocated" "prefill-refresh-ms applies to --prefill only" \
         $bin/decode_node --model "$T" --draft "$D" --listen 127.0.0.1:0 --colocated --prefill-refresh-ms 100
-    expect_fail "decode_node --chunked-prefill-size disaggregated" "chunked-prefill-size applies to --colocated only" \
+    expect_fail "decode_node --chunked-prefill-size disaggregated" "chunked-prefill-size applies to prompts prefilled here" \
         $bin/decode_node --model "$T" --draft "$D" --listen 127.0.0.1:0 --prefill 127.0.0.1:1 --chunked-prefill-size 64
     prompt='import os
 import sys
