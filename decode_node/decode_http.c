@@ -43,6 +43,14 @@
 #define MAX_STOP_LEN 256
 #define COMPLETIONS_DEFAULT_MAX_TOKENS 16   /* OpenAI's default for /v1/completions */
 
+/* The model's recommended sampling (its generation_config.json): what a request that leaves a
+ * field out gets, as vLLM's --generation-config auto gives it. */
+typedef struct {
+    int has_temp, has_top_p, has_top_k, has_rep, has_max;
+    float temperature, top_p, repetition_penalty;
+    int top_k, max_new_tokens;
+} gen_defaults;
+
 struct decode_http {
     decode_server *s;
     pd_http *http;
@@ -54,6 +62,7 @@ struct decode_http {
                                       * reasoning_content */
     char *api_key;                   /* NULL: requests need no key */
     char chat_why[256];              /* why chat is refused otherwise */
+    gen_defaults gd;                 /* --generation-config */
     atomic_int draining;
     atomic_int inflight;
     atomic_ullong next_id;
@@ -129,6 +138,7 @@ typedef struct {
     pd_logit_bias *bias;             /* "logit_bias" (decode_req.logit_bias points here) */
     int vocab;                       /* the model's, to check token ids */
     decode_server *srv;              /* its grammar cache */
+    const gen_defaults *gd;          /* the fields' defaults (the model's generation config) */
     int32_t stop_ids[PD_MAX_STOP_IDS];   /* "stop_token_ids" */
     char *schema;                    /* structured output: a JSON schema's text, or ... */
     char *regex;                     /* ... a regex, or ... */
@@ -1326,6 +1336,8 @@ static int parse_common(const cJSON *root, int chat, decode_req *dr, req_opts *o
         }
         o->max0 = ll == 0;   /* allowed with echo (scoring a prompt), checked below */
         dr->max_new_tokens = ll == 0 ? 1 : ll > 1000000000 ? 1000000000 : (int)ll;
+    } else if (o->gd->has_max) {
+        dr->max_new_tokens = o->gd->max_new_tokens;
     }
     *param = "temperature";
     if ((rc = get_number(root, "temperature", &d, msg, cap)) < 0)
@@ -1337,7 +1349,7 @@ static int parse_common(const cJSON *root, int chat, decode_req *dr, req_opts *o
         }
         dr->temperature = (float)d;
     } else {
-        dr->temperature = 1.0f;   /* OpenAI's default */
+        dr->temperature = o->gd->has_temp ? o->gd->temperature : 1.0f;   /* the model's, else OpenAI's */
     }
     *param = "top_p";
     if ((rc = get_number(root, "top_p", &d, msg, cap)) < 0)
@@ -1348,12 +1360,16 @@ static int parse_common(const cJSON *root, int chat, decode_req *dr, req_opts *o
             return -1;
         }
         dr->top_p = (float)d;
+    } else if (o->gd->has_top_p) {
+        dr->top_p = o->gd->top_p;
     }
     *param = "top_k";   /* extension (vLLM, llama.cpp) */
     if ((rc = get_int(root, "top_k", -1, 1e9, &ll, msg, cap)) < 0)
         return -1;
     if (rc > 0)
         dr->top_k = ll < 0 ? 0 : (int)ll;
+    else if (o->gd->has_top_k)
+        dr->top_k = o->gd->top_k;
     *param = "seed";
     if ((rc = get_int(root, "seed", -9.2e18, 9.2e18, &ll, msg, cap)) < 0)
         return -1;
@@ -1488,7 +1504,7 @@ static int parse_common(const cJSON *root, int chat, decode_req *dr, req_opts *o
     float *pv[] = {&dr->presence_penalty, &dr->frequency_penalty, &dr->repetition_penalty};
     for (int i = 0; i < 3; i++) {
         *param = pens[i];
-        d = 0;
+        d = i == 2 && o->gd->has_rep ? o->gd->repetition_penalty : 0;
         if (get_number(root, pens[i], &d, msg, cap) < 0)
             return -1;
         float one[3] = {0.0f, 0.0f, 0.0f};
@@ -1832,6 +1848,7 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     }
     o.vocab = decode_server_vocab(dh->s);
     o.srv = dh->s;
+    o.gd = &dh->gd;
     if (parse_common(root, chat, &dr, &o, &param, msg, sizeof(msg)) != 0) {
         decode_metrics_refused(dh->dm, "invalid");
         send_error(req, 400, param, msg);
@@ -2271,6 +2288,68 @@ static pd_status check_template(decode_http *dh, const char *model_dir, const ch
     return PD_OK;
 }
 
+/* --generation-config: "auto" (NULL) reads model_dir/generation_config.json, "none" nothing,
+ * else DIR/generation_config.json; its temperature, top_p, top_k, repetition_penalty and
+ * max_new_tokens become the defaults of requests that leave them out (vLLM's defaults). A file
+ * that is absent is no error with "auto"; a value out of range is. */
+static pd_status load_gen_defaults(decode_http *dh, const char *model_dir, const char *which, pd_err *err)
+{
+    if (which != NULL && strcmp(which, "none") == 0)
+        return PD_OK;
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/generation_config.json", which == NULL || strcmp(which, "auto") == 0
+                                                                  ? model_dir : which);
+    char *txt = read_file(path);
+    if (txt == NULL) {
+        if (which == NULL || strcmp(which, "auto") == 0)
+            return PD_OK;
+        return pd_err_set(err, PD_ERR_IO, "--generation-config: cannot read %.300s", path);
+    }
+    cJSON *j = cJSON_Parse(txt);
+    free(txt);
+    if (!cJSON_IsObject(j)) {
+        cJSON_Delete(j);
+        return pd_err_set(err, PD_ERR_INVALID, "%.300s: not a JSON object", path);
+    }
+    static const struct { const char *key; double lo, hi; } f[5] = {
+        { "temperature", 0, 2 }, { "top_p", 1e-9, 1 }, { "top_k", -1, 1e9 }, { "repetition_penalty", 1e-9, 10 },
+        { "max_new_tokens", 1, 1e9 },
+    };
+    gen_defaults *g = &dh->gd;
+    int *has[5] = { &g->has_temp, &g->has_top_p, &g->has_top_k, &g->has_rep, &g->has_max };
+    pd_status st = PD_OK;
+    char used[256] = "";
+    for (int k = 0; k < 5 && st == PD_OK; k++) {
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(j, f[k].key);
+        if (v == NULL || cJSON_IsNull(v))
+            continue;
+        if (!cJSON_IsNumber(v) || !(v->valuedouble >= f[k].lo && v->valuedouble <= f[k].hi)) {
+            st = pd_err_set(err, PD_ERR_INVALID, "%.300s: '%s' must be a number in [%g, %g]", path, f[k].key,
+                            f[k].lo, f[k].hi);
+            break;
+        }
+        double x = v->valuedouble;
+        *has[k] = 1;
+        switch (k) {
+        case 0: g->temperature = (float)x; break;
+        case 1: g->top_p = (float)x; break;
+        case 2: g->top_k = x < 0 ? 0 : (int)x; break;
+        case 3: g->repetition_penalty = (float)x; break;
+        default: g->max_new_tokens = (int)x; break;
+        }
+        size_t l = strlen(used);
+        snprintf(used + l, sizeof(used) - l, "%s%s %g", l > 0 ? ", " : "", f[k].key, x);
+    }
+    const cJSON *mp = cJSON_GetObjectItemCaseSensitive(j, "min_p");
+    if (st == PD_OK && cJSON_IsNumber(mp) && mp->valuedouble != 0)
+        PD_LOG_WARN("http", "%s: min_p %g is not supported: requests sample without it", path, mp->valuedouble);
+    if (st == PD_OK && used[0] != '\0')
+        PD_LOG_INFO("http", "request defaults from %s: %s (a request's own values win; --generation-config "
+                    "none for OpenAI's)", path, used);
+    cJSON_Delete(j);
+    return st;
+}
+
 /* ---------------------------------------------------------------------------------------------
  * Lifetime */
 
@@ -2304,6 +2383,8 @@ pd_status decode_http_create(decode_server *s, const decode_http_config *cfg, de
         snprintf(dh->model, sizeof(dh->model), "%.255s", base != NULL ? base + 1 : tmp);
     }
     pd_status st = check_template(dh, cfg->model_dir != NULL ? cfg->model_dir : ".", cfg->chat_template, err);
+    if (st == PD_OK)
+        st = load_gen_defaults(dh, cfg->model_dir != NULL ? cfg->model_dir : ".", cfg->generation_config, err);
     if (st != PD_OK)
         goto err_free;
     char model_path[300];

@@ -34,6 +34,9 @@ typedef struct {
     const char *chat_template;     /* --chat-template: a template file, or the template itself
                                     * (text with "{{" or "{%"), instead of the checkpoint's; NULL:
                                     * the checkpoint's */
+    const char *generation_config; /* --generation-config: NULL/"auto" (the model's
+                                    * generation_config.json), "none", or a directory: the
+                                    * sampling defaults of requests that leave fields out */
     const char *api_key;           /* NULL/"": none; else the /v1 routes and /tokenize, /detokenize need
                                     * "Authorization: Bearer <key>" (/health, /ready, /metrics
                                     * stay open) */

@@ -38,6 +38,7 @@ static void usage(FILE *f)
             "                   [--graphs auto|off|pad] [--chunked-prefill-size N]\n"
             "                   [--reasoning-parser qwen3] [--served-model-name NAME] [--api-key KEY]\n"
             "                   [--chat-template FILE|TEXT] [--max-local-prefill N]\n"
+            "                   [--generation-config auto|none|DIR]\n"
             "\n"
             "Serves pdspark.Generate (gRPC, server-streaming) with DSpark speculative decoding.\n"
             "--colocated runs the prefill in this process (--cp-size/--cp-strategy apply there; on\n"
@@ -57,6 +58,10 @@ static void usage(FILE *f)
             "Chat requests with 'tools' get the tools in the prompt as Qwen's templates write them\n"
             "and <tool_call> blocks back as tool_calls; --reasoning-parser qwen3 returns the\n"
             "<think> text of a reply as reasoning_content instead of content.\n"
+            "--generation-config auto (default) takes the temperature, top_p, top_k,\n"
+            "repetition_penalty and max_new_tokens of the model's generation_config.json as the\n"
+            "defaults of HTTP requests that leave them out, as vLLM does; none keeps OpenAI's\n"
+            "(temperature 1); DIR reads DIR/generation_config.json.\n"
             "--chat-template FILE (or the template text itself) replaces the checkpoint's chat\n"
             "template; it must be ChatML-shaped, as the checkpoint's must for chat requests.\n"
             "--served-model-name sets the model id of /v1/models and the replies (default: the\n"
@@ -93,13 +98,13 @@ int main(int argc, char **argv)
     int colocated = 0, refresh_given = 0;
     const char *http_addr = NULL;
     int reasoning = 0;
-    const char *served_name = NULL, *chat_template = NULL;
+    const char *served_name = NULL, *chat_template = NULL, *generation_config = NULL;
     const char *api_key = getenv("PDSPARK_API_KEY");
     int64_t drain_ms = 30000;
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_PREFILL, O_COLO, O_DEVICE, O_PAGES, O_PAGE, O_BATCH,
            O_QUEUE, O_QTMO, O_RTMO, O_XTMO, O_CP, O_CPS, O_LOG, O_HELP, O_HTTP, O_LOGFMT, O_DRAIN,
            O_VERIFY, O_THRESH, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_CHUNK, O_REFRESH, O_PREFIX,
-           O_REASON, O_SERVED, O_APIKEY, O_CHATTMPL, O_LOCALPF };
+           O_REASON, O_SERVED, O_APIKEY, O_CHATTMPL, O_LOCALPF, O_GENCFG };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"prefill", required_argument, 0, O_PREFILL},
@@ -117,6 +122,7 @@ int main(int argc, char **argv)
         {"reasoning-parser", required_argument, 0, O_REASON},
         {"chat-template", required_argument, 0, O_CHATTMPL},
         {"max-local-prefill", required_argument, 0, O_LOCALPF},
+        {"generation-config", required_argument, 0, O_GENCFG},
         {"served-model-name", required_argument, 0, O_SERVED},
         {"api-key", required_argument, 0, O_APIKEY},
         {"prefill-refresh-ms", required_argument, 0, O_REFRESH},
@@ -194,6 +200,7 @@ int main(int argc, char **argv)
             served_name = optarg;
             break;
         case O_CHATTMPL: chat_template = optarg; break;
+        case O_GENCFG: generation_config = optarg; break;
         case O_LOCALPF:
             bad = pd_cli_parse_int(PROG, "--max-local-prefill", optarg, 0, 1 << 20, &cfg.max_local_prefill);
             break;
@@ -297,7 +304,8 @@ int main(int argc, char **argv)
     if (http_addr != NULL) {
         decode_http_config hc = { .addr = http_addr, .model_dir = cfg.model_dir, .metrics = reg,
                                   .dm = dm, .reasoning = reasoning, .model_name = served_name,
-                                  .api_key = api_key, .chat_template = chat_template };
+                                  .api_key = api_key, .chat_template = chat_template,
+                                  .generation_config = generation_config };
         if (decode_http_create(s, &hc, &http, &err) != PD_OK) {
             fprintf(stderr, PROG ": --http %s: %s\n", http_addr, err.msg);
             pd_rpc_server_destroy(rpc);

@@ -828,6 +828,40 @@ def test_local_prefill(bin_dir, model, draft):
     log("decode_node --max-local-prefill checked")
 
 
+def test_generation_config(bin_dir, model, draft):
+    """decode_node --generation-config (auto by default): the model's generation_config.json
+    gives the defaults of requests that leave fields out (here top_k 1, so sampling is greedy,
+    and max_new_tokens 5); a request's own values win; none keeps OpenAI's."""
+    tmp = tempfile.TemporaryDirectory()
+    for f in os.listdir(model):
+        if f != "generation_config.json":
+            os.symlink(os.path.abspath(os.path.join(model, f)), os.path.join(tmp.name, f))
+    with open(os.path.join(tmp.name, "generation_config.json"), "w") as f:
+        json.dump({"temperature": 0.7, "top_k": 1, "max_new_tokens": 5, "do_sample": True}, f)
+    prompt = "def main():\n"
+    try:
+        node = Node(bin_dir, tmp.name, draft, ("--colocated",))
+        try:
+            st, g = post_json(node, "/v1/completions", {"prompt": prompt, "max_tokens": 5, "temperature": 0})
+            st2, d = post_json(node, "/v1/completions", {"prompt": prompt, "seed": 3})
+            check(st == 200 and st2 == 200 and d["usage"]["completion_tokens"] == 5 and
+                  d["choices"][0]["text"] == g["choices"][0]["text"],
+                  "generation_config defaults (top_k 1, max_new_tokens 5): %s vs %s" % (d, g))
+            st, e = post_json(node, "/v1/completions", {"prompt": prompt, "max_tokens": 7, "ignore_eos": True})
+            check(st == 200 and e["usage"]["completion_tokens"] == 7, "a request's max_tokens wins: %s" % e)
+        finally:
+            node.stop()
+        node = Node(bin_dir, tmp.name, draft, ("--colocated", "--generation-config", "none"))
+        try:
+            st, d = post_json(node, "/v1/completions", {"prompt": prompt, "ignore_eos": True})
+            check(st == 200 and d["usage"]["completion_tokens"] == 16, "--generation-config none: OpenAI's 16: %s" % d)
+        finally:
+            node.stop()
+    finally:
+        tmp.cleanup()
+    log("--generation-config checked")
+
+
 def test_chat_template(bin_dir, model, draft):
     """decode_node --chat-template: a template of one's own (here a file whose generation prompt
     comes after a default system turn) replaces the checkpoint's; a request's own chat_template
@@ -1716,6 +1750,7 @@ def main():
         test_prefix_cache(bin_dir, model, draft)
         test_chat_template(bin_dir, model, draft)
         test_local_prefill(bin_dir, model, draft)
+        test_generation_config(bin_dir, model, draft)
     if FAILS == 0 and DEV:
         log("--tp 2 left out: it needs a GPU per rank (PD_HTTP_DEVICE)")
     elif FAILS == 0:
