@@ -813,7 +813,7 @@ static int j_feed(jscan *j, unsigned char c)
     return J_MORE;
 }
 
-enum { P_START, P_REASONING, P_CONTENT, P_CALL };
+enum { P_START, P_REASONING, P_CONTENT, P_CALL, P_DONE };
 /* a <tool_call> block: its head {"name": "F", "arguments": read first; from the arguments' '{'
  * on the call streams; a block of another shape is judged whole at its end */
 enum { C_HEAD, C_ARGS, C_TAIL, C_WHOLE };
@@ -889,6 +889,9 @@ static void emit_text(pd_chat_parser *p, pd_chat_kind kind, const char *s, size_
     emit(ud, &pc);
 }
 
+/* where the output goes on after a call: content, or nowhere when one call is the most */
+static int after_call(const pd_chat_parser *p) { return p->tools == 2 ? P_DONE : P_CONTENT; }
+
 /* a call's arguments a[0..n) (its first piece, with the function, when p->first) */
 static void emit_args(pd_chat_parser *p, const char *a, size_t n, size_t end, pd_chat_emit emit, void *ud)
 {
@@ -932,6 +935,7 @@ static int emit_call(pd_chat_parser *p, const char *text, size_t end, pd_chat_em
     free(a.p);
     cJSON_Delete(j);
     p->skip = 2;   /* the "\n" between calls */
+    p->mode = after_call(p);
     return 0;
 }
 
@@ -1041,14 +1045,14 @@ static int feed_call(pd_chat_parser *p, const char *text, size_t len, int final,
         p->scanned = p->pos + i;
         if (r == J_BAD) {   /* the call ends at its arguments' last good byte; the rest is text */
             emit_args(p, s, i - 1, p->pos + i - 1, emit, ud);
-            p->mode = P_CONTENT;
+            p->mode = after_call(p);
             return 1;
         }
         size_t out = r == J_END || final ? i : i - utf8_tail(s, i);
         emit_args(p, s, out, p->pos + out, emit, ud);
         if (r != J_END) {
             if (final)
-                p->mode = P_CONTENT;   /* cut off: the call is what came */
+                p->mode = after_call(p);   /* cut off: the call is what came */
             return final;
         }
         p->cst = C_TAIL;
@@ -1075,7 +1079,7 @@ static int feed_call(pd_chat_parser *p, const char *text, size_t len, int final,
             return 0;
         }
         p->pos += i + m;   /* (cut off inside the tag: the call is whole all the same) */
-        p->mode = P_CONTENT;
+        p->mode = after_call(p);
         p->skip = 2;   /* the "\n" between calls */
         return 1;
     }
@@ -1085,7 +1089,7 @@ static int feed_call(pd_chat_parser *p, const char *text, size_t len, int final,
     }
     /* anything else ends the call here: it is text */
     p->pos += i;
-    p->mode = P_CONTENT;
+    p->mode = after_call(p);
     return 1;
 }
 
@@ -1160,6 +1164,10 @@ int pd_chat_parser_feed(pd_chat_parser *p, const char *text, size_t len, int fin
                     keep--;
             }
             emit_text(p, PD_CHAT_CONTENT, s, keep, p->pos + keep, emit, ud);
+            return 0;
+        }
+        if (p->mode == P_DONE) {   /* one call at most: what follows it is not part of the reply */
+            p->pos = len;
             return 0;
         }
         /* P_CALL */

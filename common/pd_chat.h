@@ -101,7 +101,8 @@ typedef void (*pd_chat_emit)(void *ud, const pd_chat_piece *p);
 
 typedef struct pd_chat_parser pd_chat_parser;
 
-/* tools: <tool_call> blocks become calls. A block that opens {"name": "F", "arguments": { is a
+/* tools: 1 <tool_call> blocks become calls; 2 the same, one call at most (parallel_tool_calls
+ * false: the output after the first call is dropped). A block that opens {"name": "F", "arguments": { is a
  * call from there on: its arguments stream as they are written, checked byte by byte as JSON;
  * at a bad byte (or at the end of the output) the call ends with what came, and the rest of the
  * block is content. A block of another shape is a call when it parses whole as {"name": STRING,

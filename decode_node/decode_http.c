@@ -1884,7 +1884,8 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     }
     r->req = req;
     r->chat = chat;
-    r->tools = chat && tools.choice != PD_TOOLS_NONE;
+    /* parallel_tool_calls false: one call at most (the splitter drops what follows it) */
+    r->tools = !chat || tools.choice == PD_TOOLS_NONE ? 0 : tools.parallel ? 1 : 2;
     /* 1: the reply may open <think>; 2: the generation prompt opened it (the reply starts inside) */
     r->reasoning = !chat || !dh->reasoning                              ? 0
                    : dh->tmpl.open_think && copts.add_generation_prompt ? 2

@@ -295,6 +295,11 @@ static void test_parser(void)
                "1}}</tool_call>", "", "[0 f]{\"a\": 0");
     parse_case(1, 0, "<tool_call>{\"name\": \"f\", \"arguments\": {}} junk</tool_call>", "junk</tool_call>", "",
                "[0 f]{}");
+    /* one call at most (parallel_tool_calls false): what follows the first is dropped */
+    parse_case(2, 0, "Sure.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>\n<tool_call>\n"
+               "{\"name\": \"g\", \"arguments\": {}}\n</tool_call> bye", "Sure.", "", "[0 f]{}");
+    parse_case(2, 0, "<tool_call>{\"arguments\": {}, \"name\": \"f\"}</tool_call>more", "", "", "[0 f]{}");
+    parse_case(2, 0, "<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": x}}</tool_call>", "", "", "[0 f]{\"a\": ");
     /* cut off inside the arguments: the call is what came */
     parse_case(1, 0, "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": \"x", "", "", "[0 f]{\"a\": \"x");
     parse_case(1, 0, "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_", "", "", "[0 f]{}");
@@ -406,7 +411,7 @@ static void test_parser_random(void)
             n += l;
         }
         text[n] = '\0';
-        int tools = (int)(rnd() % 2), reasoning = (int)(rnd() % 3);
+        int tools = (int)(rnd() % 3), reasoning = (int)(rnd() % 3);
         collect want = { .ends_ok = 1 };
         for (int way = 0; way < 3; way++) {
             collect c = { .ends_ok = 1 };

@@ -746,6 +746,18 @@ def test_tools(node, fixtures):
     m = r["choices"][0]["message"] if st == 200 else {}
     check(st == 200 and m.get("content", "").startswith("<think>") and "reasoning_content" not in m,
           "enable_thinking false: no reasoning split: %s" % r)
+    # parallel_tool_calls false: one call at most, streamed or not (two forced here by a regex under "auto")
+    two = "(<tool_call>\\n\\{\"name\": \"now\", \"arguments\": \\{\"tz\": \"UTC\"\\}\\}\\n</tool_call>\\n){2}"
+    for par, want in ((True, 2), (False, 1)):
+        pb = dict(body, tool_choice="auto", parallel_tool_calls=par, guided_regex=two, max_tokens=80)
+        st, r = post_json(node, "/v1/chat/completions", pb)
+        calls = (r["choices"][0]["message"].get("tool_calls") or []) if st == 200 else []
+        st2, text, evs, done = read_stream(node, "/v1/chat/completions", dict(pb, stream=True), True)
+        sc = [t for e in evs for c in e.get("choices", []) for t in (c.get("delta", {}).get("tool_calls") or [])
+              if "id" in t]
+        check(st == 200 and len(calls) == want and len(sc) == want and text == "" and
+              r["choices"][0]["finish_reason"] == "tool_calls",
+              "parallel_tool_calls %s: %d calls, %d streamed: %s" % (par, len(calls), len(sc), r))
     # add_generation_prompt false and continue_final_message: the prompt as the template's jinja2 render
     ml = {c["name"]: c for c in json.load(open(os.path.join(fixtures, "chat", "chat_cases.json")))
           if c["template"] == "chatml"}
