@@ -649,23 +649,34 @@ err_free:
 
 /* ---- prefix cache ------------------------------------------------------------------------- */
 
-/* A new request takes the cached full pages its prompt starts with (at most all but the last
- * prompt token: the first token needs one row of the prompt prefilled). */
+/* The cached full pages prompt[0..n) starts with, at most all but the last prompt token's (the
+ * first token needs one row of the prompt prefilled): their count; *pages (malloc'd, target
+ * pages then at [max] the draft pages; NULL when there is nothing to look for) -1 on NOMEM. */
+static int prefix_find(pd_engine *e, const int32_t *prompt, int n, int32_t **pages, int *max)
+{
+    int ps = pd_kv_pool_layout(e->tpool)->page_size;
+    *max = (n - 1) / ps;
+    *pages = NULL;
+    if (*max <= 0)
+        return 0;
+    if ((*pages = malloc((size_t)*max * 2 * sizeof(int32_t))) == NULL)
+        return -1;
+    return pd_prefix_lookup(e->prefix, prompt, n, *max, *pages, e->dpool != NULL ? *pages + *max : NULL);
+}
+
+/* A new request takes the cached full pages its prompt starts with. */
 static pd_status prefix_take(pd_engine *e, pd_request *r, pd_err *err)
 {
-    int ps = pd_kv_pool_layout(e->tpool)->page_size, max_pages = (r->n_prompt - 1) / ps;
-    if (max_pages <= 0)
-        return PD_OK;
-    int32_t *tp = malloc((size_t)max_pages * 2 * sizeof(int32_t));
-    if (tp == NULL)
+    int ps = pd_kv_pool_layout(e->tpool)->page_size, max_pages;
+    int32_t *tp;
+    int k = prefix_find(e, r->prompt, r->n_prompt, &tp, &max_pages);
+    if (k < 0)
         return pd_err_set(err, PD_ERR_NOMEM, "prefix lookup");
-    int32_t *dp = tp + max_pages;
-    int k = pd_prefix_lookup(e->prefix, r->prompt, r->n_prompt, max_pages, tp, e->dpool != NULL ? dp : NULL);
     pd_status st = PD_OK;
     if (k > 0) {
         st = pd_kv_seq_share(e->tpool, &r->tkv, tp, k, err);
         if (st == PD_OK && e->dpool != NULL)
-            st = pd_kv_seq_share(e->dpool, &r->dkv, dp, k, err);
+            st = pd_kv_seq_share(e->dpool, &r->dkv, tp + max_pages, k, err);
         if (st == PD_OK) {
             r->prefilled = r->cached = k * ps;
             e->prefix_hits += (uint64_t)r->cached;
@@ -719,15 +730,12 @@ static void prefix_offer(pd_engine *e, pd_request *r)
 
 int pd_engine_prefix_cached(pd_engine *e, const int32_t *prompt, int n)
 {
-    int ps = pd_kv_pool_layout(e->tpool)->page_size, want = (n - 1) / ps;
-    if (e->prefix == NULL || want <= 0)
+    if (e->prefix == NULL)
         return 0;
-    int32_t *tp = malloc((size_t)want * 2 * sizeof(int32_t));
-    if (tp == NULL)
-        return 0;
-    int k = pd_prefix_lookup(e->prefix, prompt, n, want, tp, e->dpool != NULL ? tp + want : NULL);
-    free(tp);
-    return k * ps;
+    int32_t *pages;
+    int max, k = prefix_find(e, prompt, n, &pages, &max);
+    free(pages);
+    return k > 0 ? k * pd_kv_pool_layout(e->tpool)->page_size : 0;
 }
 
 void pd_engine_prefix_stats(const pd_engine *e, int *evictable, int *entries, uint64_t *hit_tokens)

@@ -864,8 +864,9 @@ typedef struct {
     int kind;
 } jfstep;
 
-/* the digit strings of 0..n digits that keep the comparison; -1 when there are none */
-static int j_frac_rest(jctx *j, int kind, const char *fa, int sa, const char *fb, int sb, int n)
+/* the digit strings of 0..n digits that keep the comparison, each after `lead` when it is not
+ * empty ("." for a number's fraction, "" inside one); -1 when there are none */
+static int j_frac_rest(jctx *j, int kind, const char *fa, int sa, const char *fb, int sb, int n, const char *lead)
 {
     int ne = j_frac_ne(j, kind, fa, sa, fb, sb, n);
     int empty = j_frac_empty_ok(kind, fa, sa, fb, sb);
@@ -874,8 +875,11 @@ static int j_frac_rest(jctx *j, int kind, const char *fa, int sa, const char *fb
     int r = gb_rule_new(j->b);
     if (empty)
         gb_alt(j->b, r);
-    if (ne >= 0)
-        gb_ref(j->b, r, gb_alt(j->b, r), ne);
+    if (ne >= 0) {
+        int a = gb_alt(j->b, r);
+        gb_lit(j->b, r, a, lead, strlen(lead));
+        gb_ref(j->b, r, a, ne);
+    }
     return r;
 }
 
@@ -915,7 +919,7 @@ static int j_frac_ne(jctx *j, int kind, const char *fa, int sa, const char *fb, 
     for (int i = 0; i < k; i++) {
         if (step[i].lo > step[i].hi)
             continue;
-        int rest = step[i].kind < 0 ? any : j_frac_rest(j, step[i].kind, na, sa, nb, sb, n - 1);
+        int rest = step[i].kind < 0 ? any : j_frac_rest(j, step[i].kind, na, sa, nb, sb, n - 1, "");
         if (rest < 0)
             continue;
         gset c = { { 0 } };
@@ -931,20 +935,7 @@ static int j_frac_ne(jctx *j, int kind, const char *fa, int sa, const char *fb, 
 /* the fraction after a whole part: none or "." and 1..fdig digits, as kind asks; -1 when none */
 static int j_frac(jctx *j, int kind, const char *fa, int sa, const char *fb, int sb, int fdig)
 {
-    int ne = j_frac_ne(j, kind, fa, sa, fb, sb, fdig);
-    int empty = j_frac_empty_ok(kind, fa, sa, fb, sb);
-    if (ne < 0 && !empty)
-        return -1;
-    gb *b = j->b;
-    int r = gb_rule_new(b);
-    if (empty)
-        gb_alt(b, r);
-    if (ne >= 0) {
-        int a = gb_alt(b, r);
-        gb_lit(b, r, a, ".", 1);
-        gb_ref(b, r, a, ne);
-    }
-    return r;
+    return j_frac_rest(j, kind, fa, sa, fb, sb, fdig, ".");
 }
 
 /* alternatives of r: whole part w (one integer) followed by fraction rule fr (none when < 0) */
