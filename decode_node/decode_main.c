@@ -83,7 +83,7 @@ static void usage(FILE *f)
             "back when a request needs them. Not with --cp-size / --tp > 1. Disaggregated, the\n"
             "pages prefill nodes send are kept, and a prompt whose every full page is cached (the\n"
             "later choices of an n request, which wait for the first one's pages; a repeated\n"
-            "prompt) is prefilled here (less than a page) instead of on a prefill node.\n"
+            "prompt) is prefilled here (at most a page) instead of on a prefill node.\n"
             "--max-local-prefill N (disaggregated): a prompt whose part the prefix cache does not\n"
             "hold (all of it without --prefix-cache) is at most N tokens is prefilled here instead\n"
             "of on a prefill node (a conversation's next turn, short prompts); default: the page\n"

@@ -1096,7 +1096,7 @@ static int sibling_prefilling(const decode_server *s, const decode_handle *h)
 }
 
 /* Disaggregated: h is prefilled here when what the prefix cache does not hold of its prompt is
- * at most max_local_prefill tokens (with the cache's default, less than a page: an n request's
+ * at most max_local_prefill tokens (with the cache's default, at most a page: an n request's
  * later choices, a prompt repeated), else by a prefill node. */
 static int prefill_here(decode_server *s, const decode_handle *h)
 {
