@@ -1,7 +1,8 @@
 /* pd_sample.c - sampling and lossless verification (see pd_sample.h).
  * The RNG is xoshiro256** seeded through splitmix64, so a seed reproduces a run exactly. */
-#define _GNU_SOURCE   /* qsort_r */
 #include "pd_sample.h"
+
+#include "kern_backend.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -52,6 +53,8 @@ pd_status pd_sample_params_check(const pd_sample_params *p, pd_err *err)
         return pd_err_set(err, PD_ERR_INVALID, "top_k %d must be >= 0", p->top_k);
     if (!(p->top_p > 0.0f && p->top_p <= 1.0f))
         return pd_err_set(err, PD_ERR_INVALID, "top_p %g must be in (0, 1]", (double)p->top_p);
+    if (!(p->min_p >= 0.0f && p->min_p <= 1.0f))
+        return pd_err_set(err, PD_ERR_INVALID, "min_p %g must be in [0, 1] (0 = off)", (double)p->min_p);
     return PD_OK;
 }
 
@@ -138,60 +141,12 @@ void pd_logprobs_row(const float *logits, int n, int32_t tok, int n_top, pd_toke
         out->top_logprob[j] = (float)((double)logits[out->top_id[j]] - lse);
 }
 
-static int by_prob_desc(const void *a, const void *b, void *ctx)
-{
-    const float *base = ctx;
-    float pa = base[*(const int32_t *)a], pb = base[*(const int32_t *)b];
-    if (pa != pb)
-        return pa < pb ? 1 : -1;
-    return *(const int32_t *)a - *(const int32_t *)b;
-}
-
 void pd_probs_from_logits(const float *logits, int n, const pd_sample_params *p, float *probs,
                           int32_t *scratch)
 {
-    if (pd_sample_is_greedy(p)) {
-        memset(probs, 0, (size_t)n * sizeof(float));
-        probs[pd_argmax(logits, n)] = 1.0f;
-        return;
-    }
-    float mx = logits[0];
-    for (int i = 1; i < n; i++)
-        if (logits[i] > mx)
-            mx = logits[i];
-    double sum = 0.0;
-    for (int i = 0; i < n; i++) {
-        double e = exp(((double)logits[i] - mx) / p->temperature);
-        probs[i] = (float)e;
-        sum += e;
-    }
-    for (int i = 0; i < n; i++)
-        probs[i] = (float)(probs[i] / sum);
-    int k = p->top_k > 0 && p->top_k < n ? p->top_k : n;
-    if (k == n && p->top_p >= 1.0f)
-        return;
-    /* keep the k most likely, then the smallest prefix reaching top_p; renormalise. top_p = 1 is
-     * off: with top-k on, the running sum would otherwise stop wherever rounding first takes it
-     * to 1 (deep in the tail, at a point no other summation order reproduces) */
-    for (int i = 0; i < n; i++)
-        scratch[i] = i;
-    qsort_r(scratch, (size_t)n, sizeof(int32_t), by_prob_desc, probs);
-    double cum = 0.0;
-    int keep = 0;
-    for (; keep < k; keep++) {
-        cum += probs[scratch[keep]];
-        if (p->top_p < 1.0f && cum >= p->top_p) {
-            keep++;
-            break;
-        }
-    }
-    double kept = 0.0;
-    for (int i = 0; i < keep; i++)
-        kept += probs[scratch[i]];
-    for (int i = keep; i < n; i++)
-        probs[scratch[i]] = 0.0f;
-    for (int i = 0; i < keep; i++)
-        probs[scratch[i]] = (float)(probs[scratch[i]] / kept);
+    kern_sample_cfg c = { .temperature = pd_sample_is_greedy(p) ? 0.0f : p->temperature,
+                          .top_k = p->top_k, .top_p = p->top_p, .min_p = p->min_p };
+    kern_probs_row_host(logits, n, &c, probs, scratch);
 }
 
 int32_t pd_sample_from_probs(const float *probs, int n, pd_rng *rng)

@@ -1,7 +1,7 @@
 /* pd_sample.h - sampling and speculative verification on host logits.
- * Owns: the seeded RNG, temperature / top-k / top-p filtering, greedy argmax (lowest index wins
- *   ties), and the lossless acceptance rules (greedy prefix match; rejection sampling with
- *   residual resampling for temperature > 0).
+ * Owns: the seeded RNG, temperature / min-p / top-k / top-p filtering (the rule is kern_probs's,
+ *   kern_backend.h), greedy argmax (lowest index wins ties), and the lossless acceptance rules
+ *   (greedy prefix match; rejection sampling with residual resampling for temperature > 0).
  * Not here: producing logits (pd_qwen3.c, pd_dspark.c). The engine samples with the backend ops
  *   kern_probs / kern_sample / kern_spec_verify (kern_backend.h), which follow these rules; the
  *   functions here are their reference (test_sampling holds the CPU ops to them bit for bit).
@@ -17,6 +17,7 @@ typedef struct {
     float temperature;   /* < 1e-5 means greedy */
     int top_k;           /* 0 = off */
     float top_p;         /* >= 1 = off */
+    float min_p;         /* 0 = off; tokens below min_p times the most likely one's p drop */
     uint64_t seed;
 } pd_sample_params;
 
@@ -27,7 +28,7 @@ uint64_t pd_rng_next(pd_rng *r);
 double pd_rng_uniform(pd_rng *r);   /* [0, 1) */
 
 /* PD_ERR_INVALID naming the field when out of range (temperature < 0 or not finite, top_k < 0,
- * top_p <= 0 or > 1). */
+ * top_p <= 0 or > 1, min_p outside [0, 1]). */
 pd_status pd_sample_params_check(const pd_sample_params *p, pd_err *err);
 int pd_sample_is_greedy(const pd_sample_params *p);
 /* PD_ERR_INVALID naming the field unless presence and frequency are in [-2, 2] and repetition
@@ -35,8 +36,8 @@ int pd_sample_is_greedy(const pd_sample_params *p);
 pd_status pd_penalties_check(float presence, float frequency, float repetition, pd_err *err);
 
 int32_t pd_argmax(const float *x, int n);
-/* probs[n] = the filtered, tempered distribution of logits (greedy: one-hot at the argmax).
- * scratch must hold n ints. */
+/* probs[n] = the filtered, tempered distribution of logits (greedy: one-hot at the argmax), by
+ * kern_probs's rule (kern_probs_row_host). scratch must hold n ints. */
 void pd_probs_from_logits(const float *logits, int n, const pd_sample_params *p, float *probs,
                           int32_t *scratch);
 int32_t pd_sample_from_probs(const float *probs, int n, pd_rng *rng);

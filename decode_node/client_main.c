@@ -22,7 +22,7 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: pdspark-client --server HOST:PORT (--prompt TEXT | --prompt-ids FILE | --health)\n"
             "                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
-            "                      [--seed S] [--ignore-eos] [--skip-special-tokens] [--timeout-ms N]\n"
+            "                      [--min-p P] [--seed S] [--ignore-eos] [--skip-special-tokens] [--timeout-ms N]\n"
             "                      [--request-id ID]\n"
             "                      [--stop STR]... [--json] [--stream] [--disconnect-after N]\n"
             "                      [--verify full|threshold|scheduled] [--verify-threshold T]\n"
@@ -127,7 +127,7 @@ int main(int argc, char **argv)
     char *stops[16];
     size_t n_stops = 0;
     int64_t seed = 0, timeout_ms = 0;
-    float temperature = 0.0f, top_p = 1.0f, verify_threshold = 0.0f;
+    float temperature = 0.0f, top_p = 1.0f, min_p = 0.0f, verify_threshold = 0.0f;
     float presence = 0.0f, frequency = 0.0f, repetition = 0.0f;
     pd_logit_bias *bias = NULL;
     int n_bias = 0, min_tokens = 0;
@@ -136,12 +136,13 @@ int main(int argc, char **argv)
     enum { O_SERVER = 256, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_IGNORE,
            O_TMO, O_RID, O_JSON, O_STREAM, O_DISC, O_HEALTH, O_STOP, O_VERIFY, O_VTHRESH, O_LOGPROBS,
            O_PRES, O_FREQ, O_REP, O_BIAS, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_GRAMMAR, O_SKIPSP,
-           O_HELP };
+           O_MINP, O_HELP };
     static const struct option opts[] = {
         {"server", required_argument, 0, O_SERVER}, {"prompt", required_argument, 0, O_PROMPT},
         {"prompt-ids", required_argument, 0, O_IDS}, {"max-new-tokens", required_argument, 0, O_MAXNEW},
         {"temperature", required_argument, 0, O_TEMP}, {"top-k", required_argument, 0, O_TOPK},
         {"top-p", required_argument, 0, O_TOPP}, {"seed", required_argument, 0, O_SEED},
+        {"min-p", required_argument, 0, O_MINP},
         {"ignore-eos", no_argument, 0, O_IGNORE}, {"timeout-ms", required_argument, 0, O_TMO},
         {"skip-special-tokens", no_argument, 0, O_SKIPSP},
         {"request-id", required_argument, 0, O_RID}, {"json", no_argument, 0, O_JSON},
@@ -171,6 +172,7 @@ int main(int argc, char **argv)
         case O_TEMP: bad = pd_cli_parse_float(PROG, "--temperature", optarg, &temperature); break;
         case O_TOPK: bad = pd_cli_parse_int(PROG, "--top-k", optarg, 0, INT_MAX, &top_k); break;
         case O_TOPP: bad = pd_cli_parse_float(PROG, "--top-p", optarg, &top_p); break;
+        case O_MINP: bad = pd_cli_parse_float(PROG, "--min-p", optarg, &min_p); break;
         case O_SEED: bad = pd_cli_parse_i64(PROG, "--seed", optarg, 0, INT64_MAX, &seed); break;
         case O_IGNORE: ignore_eos = 1; break;
         case O_SKIPSP: skip_special = 1; break;
@@ -251,6 +253,7 @@ int main(int argc, char **argv)
     sp.version = PD_PROTO_VERSION;
     sp.temperature = temperature;
     sp.top_p = top_p;
+    sp.min_p = min_p;
     sp.top_k = (uint32_t)top_k;
     sp.seed = (uint64_t)seed;
     sp.max_new_tokens = (uint32_t)max_new;

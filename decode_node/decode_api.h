@@ -102,6 +102,7 @@ typedef struct {
     int n_prompt_ids;
     float temperature;              /* 0 = greedy; must be finite and >= 0 */
     float top_p;                    /* 0 or 1 = off; else in (0, 1] */
+    float min_p;                    /* 0 = off; else in (0, 1] */
     int top_k;                      /* 0 = off */
     uint64_t seed;
     int max_new_tokens;             /* 0 = 128 */

@@ -308,6 +308,7 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
             }
         dr.temperature = sp->temperature;
         dr.top_p = sp->top_p;
+        dr.min_p = sp->min_p;
         dr.top_k = sp->top_k > (uint32_t)INT32_MAX ? -1 : (int)sp->top_k;
         dr.seed = sp->seed;
         dr.max_new_tokens = sp->max_new_tokens > (uint32_t)INT32_MAX ? -1 : (int)sp->max_new_tokens;

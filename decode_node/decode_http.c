@@ -46,8 +46,8 @@
 /* The model's recommended sampling (its generation_config.json): what a request that leaves a
  * field out gets, as vLLM's --generation-config auto gives it. */
 typedef struct {
-    int has_temp, has_top_p, has_top_k, has_rep, has_max;
-    float temperature, top_p, repetition_penalty;
+    int has_temp, has_top_p, has_top_k, has_rep, has_max, has_min_p;
+    float temperature, top_p, repetition_penalty, min_p;
     int top_k, max_new_tokens;
 } gen_defaults;
 
@@ -1363,6 +1363,18 @@ static int parse_common(const cJSON *root, int chat, decode_req *dr, req_opts *o
     } else if (o->gd->has_top_p) {
         dr->top_p = o->gd->top_p;
     }
+    *param = "min_p";   /* extension (vLLM, SGLang, llama.cpp) */
+    if ((rc = get_number(root, "min_p", &d, msg, cap)) < 0)
+        return -1;
+    if (rc > 0) {
+        if (!(d >= 0 && d <= 1)) {
+            snprintf(msg, cap, "'min_p' must be in [0, 1], got %g", d);
+            return -1;
+        }
+        dr->min_p = (float)d;
+    } else if (o->gd->has_min_p) {
+        dr->min_p = o->gd->min_p;
+    }
     *param = "top_k";   /* extension (vLLM, llama.cpp) */
     if ((rc = get_int(root, "top_k", -1, 1e9, &ll, msg, cap)) < 0)
         return -1;
@@ -1427,7 +1439,6 @@ static int parse_common(const cJSON *root, int chat, decode_req *dr, req_opts *o
         { "functions", "'functions' (the legacy function calling) is not supported; send 'tools'", ONLY_CHAT, 0 },
         { "function_call", "'function_call' (the legacy function calling) is not supported; send 'tool_choice'",
           ONLY_CHAT, 0 },
-        { "min_p", "'min_p' is not supported (0 is accepted: off)", BOTH, 0 },
         { "typical_p", "'typical_p' is not supported (1 is accepted: off)", BOTH, 1 },
         { "use_beam_search", "beam search is not supported", BOTH, 0 },
         { "bad_words", "'bad_words' is not supported", BOTH, 0 },
@@ -2290,8 +2301,8 @@ static pd_status check_template(decode_http *dh, const char *model_dir, const ch
 }
 
 /* --generation-config: "auto" (NULL) reads model_dir/generation_config.json, "none" nothing,
- * else DIR/generation_config.json; its temperature, top_p, top_k, repetition_penalty and
- * max_new_tokens become the defaults of requests that leave them out (vLLM's defaults). A file
+ * else DIR/generation_config.json; its temperature, top_p, top_k, min_p, repetition_penalty
+ * and max_new_tokens become the defaults of requests that leave them out (vLLM's defaults). A file
  * that is absent is no error with "auto"; a value out of range is. */
 static pd_status load_gen_defaults(decode_http *dh, const char *model_dir, const char *which, pd_err *err)
 {
@@ -2312,15 +2323,15 @@ static pd_status load_gen_defaults(decode_http *dh, const char *model_dir, const
         cJSON_Delete(j);
         return pd_err_set(err, PD_ERR_INVALID, "%.300s: not a JSON object", path);
     }
-    static const struct { const char *key; double lo, hi; } f[5] = {
+    static const struct { const char *key; double lo, hi; } f[6] = {
         { "temperature", 0, 2 }, { "top_p", 1e-9, 1 }, { "top_k", -1, 1e9 }, { "repetition_penalty", 1e-9, 10 },
-        { "max_new_tokens", 1, 1e9 },
+        { "max_new_tokens", 1, 1e9 }, { "min_p", 0, 1 },
     };
     gen_defaults *g = &dh->gd;
-    int *has[5] = { &g->has_temp, &g->has_top_p, &g->has_top_k, &g->has_rep, &g->has_max };
+    int *has[6] = { &g->has_temp, &g->has_top_p, &g->has_top_k, &g->has_rep, &g->has_max, &g->has_min_p };
     pd_status st = PD_OK;
     char used[256] = "";
-    for (int k = 0; k < 5 && st == PD_OK; k++) {
+    for (int k = 0; k < 6 && st == PD_OK; k++) {
         const cJSON *v = cJSON_GetObjectItemCaseSensitive(j, f[k].key);
         if (v == NULL || cJSON_IsNull(v))
             continue;
@@ -2336,14 +2347,12 @@ static pd_status load_gen_defaults(decode_http *dh, const char *model_dir, const
         case 1: g->top_p = (float)x; break;
         case 2: g->top_k = x < 0 ? 0 : (int)x; break;
         case 3: g->repetition_penalty = (float)x; break;
+        case 5: g->min_p = (float)x; break;
         default: g->max_new_tokens = (int)x; break;
         }
         size_t l = strlen(used);
         snprintf(used + l, sizeof(used) - l, "%s%s %g", l > 0 ? ", " : "", f[k].key, x);
     }
-    const cJSON *mp = cJSON_GetObjectItemCaseSensitive(j, "min_p");
-    if (st == PD_OK && cJSON_IsNumber(mp) && mp->valuedouble != 0)
-        PD_LOG_WARN("http", "%s: min_p %g is not supported: requests sample without it", path, mp->valuedouble);
     if (st == PD_OK && used[0] != '\0')
         PD_LOG_INFO("http", "request defaults from %s: %s (a request's own values win; --generation-config "
                     "none for OpenAI's)", path, used);

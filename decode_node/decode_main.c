@@ -58,7 +58,7 @@ static void usage(FILE *f)
             "Chat requests with 'tools' get the tools in the prompt as Qwen's templates write them\n"
             "and <tool_call> blocks back as tool_calls; --reasoning-parser qwen3 returns the\n"
             "<think> text of a reply as reasoning_content instead of content.\n"
-            "--generation-config auto (default) takes the temperature, top_p, top_k,\n"
+            "--generation-config auto (default) takes the temperature, top_p, top_k, min_p,\n"
             "repetition_penalty and max_new_tokens of the model's generation_config.json as the\n"
             "defaults of HTTP requests that leave them out, as vLLM does; none keeps OpenAI's\n"
             "(temperature 1); DIR reads DIR/generation_config.json.\n"

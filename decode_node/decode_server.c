@@ -688,6 +688,7 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
     sp.version = PD_PROTO_VERSION;
     sp.temperature = h->gp.sample.temperature;
     sp.top_p = h->gp.sample.top_p;
+    sp.min_p = h->gp.sample.min_p;
     sp.top_k = (uint32_t)h->gp.sample.top_k;
     sp.seed = h->gp.sample.seed;
     sp.max_new_tokens = 1;
@@ -1342,6 +1343,8 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
     if (!isfinite(req->top_p) || req->top_p < 0.0f || req->top_p > 1.0f)
         return pd_err_set(err, PD_ERR_INVALID, "top_p %g must be in [0, 1] (0 = off)",
                           (double)req->top_p);
+    if (!(req->min_p >= 0.0f && req->min_p <= 1.0f))
+        return pd_err_set(err, PD_ERR_INVALID, "min_p %g must be in [0, 1] (0 = off)", (double)req->min_p);
     if (req->top_k < 0 || req->top_k > s->vocab)
         return pd_err_set(err, PD_ERR_INVALID, "top_k %d must be in 0..%d", req->top_k, s->vocab);
     pd_status pst = pd_penalties_check(req->presence_penalty, req->frequency_penalty,
@@ -1472,6 +1475,7 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
     h->n_prompt = n;
     h->gp.sample.temperature = req->temperature;
     h->gp.sample.top_p = req->top_p > 0.0f ? req->top_p : 1.0f;
+    h->gp.sample.min_p = req->min_p;
     h->gp.sample.top_k = req->top_k;
     h->gp.sample.seed = req->seed;
     h->gp.max_new_tokens = req->max_new_tokens > 0 ? req->max_new_tokens : 128;

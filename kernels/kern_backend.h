@@ -359,15 +359,21 @@ typedef struct {
     float temperature;       /* < 1e-5: greedy, the row becomes one-hot at its argmax */
     int32_t top_k;           /* <= 0 or >= n: off */
     float top_p;             /* >= 1: off */
-    int32_t reserved;        /* 0 */
+    float min_p;             /* <= 0: off */
 } kern_sample_cfg;
 
-/* out[r, 0:n] = the sampling distribution of logits row x[idx ? idx[r] : r] under cfg[r]:
+/* out[r, 0:n] = the sampling distribution of logits row x[idx ? idx[r] : r] under cfg[r], in
+ * vLLM's order and meaning:
  *   greedy: one-hot at the argmax (lowest index wins a tie, as kern_argmax);
- *   else p = softmax(x / T) (exp in double, as the reference), then, when filtering is on, the
- *   tokens in order of (p descending, index ascending) are kept up to the first k, or up to and
- *   including the first whose running mass reaches top_p if that comes earlier; the kept ones
- *   are renormalised and the rest set to 0. out must not overlap x. */
+ *   else p = softmax(x / T) (exp in double, as the reference); then the candidates are the
+ *   tokens with p >= min_p * max(p) (in double) and p >= the k-th largest p (ties with it stay,
+ *   as vLLM's and transformers' top-k keep them); then top-p runs over the candidates'
+ *   renormalised distribution: in order of (p descending, index ascending) they are kept up to
+ *   and including the first whose running mass reaches top_p times theirs. Masses are integers
+ *   in units of 2^-60 (p rounded to the nearest unit), so every backend keeps the same tokens:
+ *   the first whose running mass m satisfies m >= ceil((double)top_p * (double)M), M the
+ *   candidates' mass. The kept ones are divided by their mass (the integer over 2^60, a double)
+ *   and the rest set to 0. out must not overlap x. */
 typedef struct {
     const float *x;          /* [*, ld_x] logits */
     int ld_x;
@@ -378,6 +384,10 @@ typedef struct {
     float *out;              /* [rows, ld_out] */
     int ld_out;
 } kern_probs_args;
+
+/* One row of kern_probs on the host, as the CPU backend computes it (pd_probs_from_logits is
+ * this). order: n ints of scratch. */
+void kern_probs_row_host(const float *x, int n, const kern_sample_cfg *c, float *p, int32_t *order);
 
 /* out[r] = the token that inverse-CDF sampling of probs row r picks for u[r] in [0, 1): the
  * first token i (index order, zero entries skipped) whose running mass exceeds u[r]; when

@@ -802,6 +802,34 @@ def test_special_tokens(bin_dir, node, prompt):
     log("skip_special_tokens: special tokens add no text by default (HTTP), when asked (gRPC)")
 
 
+def test_min_p(bin_dir, node, prompt):
+    """min_p (vLLM's meaning): at 1 only the most likely token stays, so a sampled request writes
+    the greedy text (HTTP and gRPC); a small min_p samples, reproducibly with a seed; out of
+    [0, 1] is a 400 / INVALID_ARGUMENT naming it."""
+    body = {"prompt": prompt, "max_tokens": 12, "ignore_eos": True}
+    st, g = post_json(node, "/v1/completions", dict(body, temperature=0))
+    st2, m = post_json(node, "/v1/completions", dict(body, temperature=1.5, min_p=1, seed=11))
+    check(st == 200 and st2 == 200 and m["choices"][0]["text"] == g["choices"][0]["text"],
+          "min_p 1 is greedy: %s vs %s" % (m, g))
+    runs = [post_json(node, "/v1/completions", dict(body, temperature=1.5, min_p=0.02, seed=5)) for _ in range(2)]
+    check(all(s == 200 for s, _ in runs) and runs[0][1]["choices"][0]["text"] == runs[1][1]["choices"][0]["text"],
+          "min_p 0.02 with a seed reproduces: %s" % runs)
+    for bad in (1.5, -0.1, "x"):
+        st, r = post_json(node, "/v1/completions", dict(body, min_p=bad))
+        check(st == 400 and "min_p" in json.dumps(r), "min_p %r: %s %s" % (bad, st, r))
+    client = os.path.join(bin_dir, "pdspark-client")
+    texts = []
+    for extra in (["--temperature", "0"], ["--temperature", "1.5", "--min-p", "1", "--seed", "4"]):
+        out = subprocess.run([client, "--server", node.grpc, "--prompt", prompt, "--max-new-tokens", "12",
+                              "--ignore-eos", "--json"] + extra, capture_output=True, text=True, timeout=60)
+        texts.append(json.loads(out.stdout.strip().splitlines()[-1])["text"] if out.returncode == 0 else out.stderr)
+    check(texts[0] == texts[1] == g["choices"][0]["text"], "gRPC min_p 1 is greedy: %s" % texts)
+    out = subprocess.run([client, "--server", node.grpc, "--prompt", prompt, "--min-p", "2"],
+                         capture_output=True, text=True, timeout=60)
+    check(out.returncode != 0 and "min_p" in out.stderr, "gRPC min_p 2: rc %d %s" % (out.returncode, out.stderr))
+    log("min_p: 1 is greedy, seeds reproduce, out of range refused (HTTP, gRPC)")
+
+
 def test_local_prefill(bin_dir, model, draft):
     """decode_node --prefill ... --max-local-prefill N: a prompt whose uncached part is at most N
     tokens is prefilled on the decode node (a conversation's next turn over the cached pages of
@@ -1023,6 +1051,11 @@ def test_prefill_http(bin_dir, model, draft):
               sample(m, "pdspark_prefill_request_seconds", "pdspark_prefill_request_seconds_sum"),
               "the decode node's Prefill call outlasts the prefill node's own handling of it")
         log("prefill_node --http checked (disaggregated pair)")
+        # min_p reaches the prefill node, which samples the first token: at 1 it is the argmax
+        st, mb = post_json(dn, "/v1/completions", {"prompt": "def fib(n):", "max_tokens": 8, "temperature": 1.5,
+                                                   "min_p": 1, "seed": 2})
+        check(st == 200 and mb["choices"][0]["text"] == body["choices"][0]["text"],
+              "disaggregated min_p 1 is greedy: %s vs %s" % (mb, body))
         # the load generator through the pair, splitting first-token time by the prefill
         # node's histograms (--prefill-metrics)
         tmpd = tempfile.mkdtemp(prefix="pd_loadgen_")
@@ -1045,7 +1078,8 @@ def test_prefill_http(bin_dir, model, draft):
               "pdspark-loadgen decode split %s" % rows)
         check(lg.stdout.count("decode per request: queue") == 2, "pdspark-loadgen prints the decode split")
         m2 = metrics(pf)
-        check(sample(m2, "pdspark_prefill_requests_total", outcome="ok") == 7, "prefill ok counter after the sweep")
+        check(sample(m2, "pdspark_prefill_requests_total", outcome="ok") == 8,
+              "prefill ok counter after the sweep (1 + min_p + 6)")
         log("pdspark-loadgen --prefill-metrics checked")
         # logprobs: the first token's comes from the prefill node, the rest from the decode node
         ref = LP_REF.get("def fib(n):")
@@ -1492,6 +1526,7 @@ def main():
         test_penalties(bin_dir, model, draft, node, prompt, N, want)
         test_n(node, prompt)
         test_special_tokens(bin_dir, node, prompt)
+        test_min_p(bin_dir, node, prompt)
         test_structured(bin_dir, node, "colocated")
         test_tools(node, FIXTURES)
         mg = metrics(node)
@@ -1563,7 +1598,6 @@ def main():
             ("/v1/completions", json.dumps({"prompt": "x", "guided_grammar": "root ::= x"}).encode(), 400,
              "guided_grammar"),   # x is not defined
             ("/v1/completions", json.dumps({"prompt": "x", "suffix": "y"}).encode(), 400, "suffix"),
-            ("/v1/completions", json.dumps({"prompt": "x", "min_p": 0.05}).encode(), 400, "min_p"),
             ("/v1/completions", json.dumps({"prompt": "x", "typical_p": 0.9}).encode(), 400, "typical_p"),
             ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
                                                  "use_beam_search": True}).encode(), 400, "use_beam_search"),

@@ -1,14 +1,16 @@
 /* test_sampling.c - sampling and lossless speculative sampling.
- * 1. pd_sample units: params validation, greedy tie rule, top-k / top-p filtering, seeded
- *    reproducibility; the CPU backend's sampling ops (kern_probs, kern_sample,
- *    kern_spec_verify) give bit for bit what pd_sample.c gives.
+ * 1. pd_sample units: params validation, greedy tie rule, min-p / top-k / top-p filtering
+ *    (vLLM's meaning: top-k keeps the k-th's ties, top-p runs over the candidates renormalised;
+ *    held to a plain rewrite of vLLM's steps on random rows), seeded reproducibility; the CPU
+ *    backend's sampling ops (kern_probs, kern_sample, kern_spec_verify) give bit for bit what
+ *    pd_sample.c gives.
  * 2. pd_verify_sampled, and kern_spec_verify on the backend under test, on synthetic
  *    distributions: the first committed token of a round is distributed as the target p,
  *    whatever the draft q (chi-square, fixed seed).
  * 3. End to end on the tiny pair on the backend under test (the engine samples with the
  *    backend's ops): the second generated token (the first one a speculative round commits)
  *    follows the target's distribution given the first, over many seeded runs (chi-square,
- *    fixed seeds), at temperature 1 and with top-k / top-p; the first token follows the
+ *    fixed seeds), at temperature 1, with top-k / top-p and with min-p; the first token follows the
  *    prefill distribution.
  * Usage: test_sampling [--backend cpu|cuda]; cuda without a GPU exits 77 (skipped). */
 #include <math.h>
@@ -92,6 +94,32 @@ static void test_sampling_units(void)
     pd_sample_params g = { .temperature = 0.0f, .top_p = 1.0f };
     pd_probs_from_logits(logits, 6, &g, probs, scratch);
     TEST_CHECK(probs[5] == 1.0f && probs[0] == 0.0f);
+    /* top-k keeps the k-th's ties (vLLM, transformers): 5, and both 3s for k = 2 */
+    float tied[6] = {0.0f, 1.0f, 2.0f, 3.0f, 3.0f, 5.0f};
+    pd_probs_from_logits(tied, 6, &k2, probs, scratch);
+    TEST_CHECK(probs[3] > 0.0f && probs[3] == probs[4] && probs[5] > probs[3] && probs[2] == 0.0f);
+    TEST_CHECK(fabsf(probs[3] + probs[4] + probs[5] - 1.0f) < 1e-6f);
+    /* top-p over the top-k candidates renormalised: 5 alone holds e / (e + 1) = 0.731 of the
+     * two, but only 0.717 of the whole row; top_p 0.72 keeps it alone */
+    pd_sample_params kp = { .temperature = 1.0f, .top_k = 2, .top_p = 0.72f };
+    pd_probs_from_logits(logits, 6, &kp, probs, scratch);
+    TEST_CHECK(probs[5] == 1.0f && probs[4] == 0.0f);
+    kp.top_p = 0.74f;
+    pd_probs_from_logits(logits, 6, &kp, probs, scratch);
+    TEST_CHECK(probs[5] > 0.7f && probs[4] > 0.2f && probs[3] == 0.0f);
+    /* min_p: p_4 / p_5 = e^-1 = 0.37 stays at 0.3, p_3 / p_5 = 0.14 goes */
+    pd_sample_params mp = { .temperature = 1.0f, .top_p = 1.0f, .min_p = 0.3f };
+    pd_probs_from_logits(logits, 6, &mp, probs, scratch);
+    TEST_CHECK(probs[5] > 0.0f && probs[4] > 0.0f && probs[3] == 0.0f && probs[0] == 0.0f);
+    TEST_CHECK(fabsf(probs[4] + probs[5] - 1.0f) < 1e-6f);
+    mp.min_p = 0.37f;   /* just above e^-1: the top token alone */
+    pd_probs_from_logits(logits, 6, &mp, probs, scratch);
+    TEST_CHECK(probs[5] == 1.0f);
+    bad = ok;
+    bad.min_p = 1.5f;
+    TEST_CHECK(pd_sample_params_check(&bad, &err) == PD_ERR_INVALID && strstr(err.msg, "min_p"));
+    bad.min_p = -0.1f;
+    TEST_CHECK(pd_sample_params_check(&bad, &err) == PD_ERR_INVALID && strstr(err.msg, "min_p"));
 
     pd_rng a, b;
     pd_rng_seed(&a, 42);
@@ -104,11 +132,60 @@ static void test_sampling_units(void)
     TEST_CHECK(u >= 0.0 && u < 1.0);
 }
 
-/* The CPU backend's sampling ops against pd_sample.c on random rows (ties included): the same
- * floats and the same tokens, bit for bit (they are the reference the CUDA ops are held to). */
+/* vLLM's filters as vLLM writes them, independently of the engine's: a mask per step over the
+ * whole row (min-p against the max p, top-k against the k-th largest value, both in p), then
+ * top-p over the candidates renormalised, by an ascending sort and a running sum of the
+ * normalised values that drops what stays <= 1 - top_p (the largest never); long double. p: the
+ * tempered softmax (no filter); out: the result; order: n ints. */
+static const float *plain_p;
+static int plain_asc(const void *a, const void *b)
+{
+    int ia = *(const int32_t *)a, ib = *(const int32_t *)b;
+    if (plain_p[ia] != plain_p[ib])
+        return plain_p[ia] < plain_p[ib] ? -1 : 1;
+    return ib - ia;   /* equal values: the higher index first, so the lower survives longer */
+}
+
+static void probs_plain(const float *p, int n, const pd_sample_params *sp, float *out, int32_t *order)
+{
+    float pmax = 0.0f;
+    for (int i = 0; i < n; i++)
+        pmax = p[i] > pmax ? p[i] : pmax;
+    plain_p = p;
+    for (int i = 0; i < n; i++)
+        order[i] = i;
+    qsort(order, (size_t)n, sizeof(int32_t), plain_asc);
+    float kth = sp->top_k > 0 && sp->top_k < n ? p[order[n - sp->top_k]] : 0.0f;
+    int m = 0;
+    for (int i = 0; i < n; i++) {
+        int t = order[i];
+        int cand = p[t] >= kth && (sp->min_p <= 0.0f || (double)p[t] >= (double)sp->min_p * pmax);
+        if (cand)
+            order[m++] = t;   /* still ascending */
+        out[t] = 0.0f;
+    }
+    long double mass = 0.0L, run = 0.0L, kept = 0.0L;
+    for (int i = 0; i < m; i++)
+        mass += p[order[i]];
+    int first = 0;
+    if (sp->top_p < 1.0f)
+        for (; first < m - 1; first++) {
+            run += p[order[first]] / mass;
+            if (run > 1.0L - (long double)sp->top_p)
+                break;
+        }
+    for (int i = first; i < m; i++)
+        kept += p[order[i]];
+    for (int i = first; i < m; i++)
+        out[order[i]] = (float)(p[order[i]] / kept);
+}
+
+/* kern_probs (cpu, which pd_probs_from_logits is) against probs_plain on random rows, ties
+ * included: the same tokens kept, the same values to rounding; the CPU backend's other sampling
+ * ops against pd_sample.c bit for bit (they are the reference the CUDA ops are held to). */
 static void test_sampling_cpu_ops(void)
 {
-    enum { N = 3001, ROWS = 12, L = 4 };
+    enum { N = 3001, ROWS = 16, L = 4 };
     pd_err err;
     kern_backend *cpu = NULL;
     kern_backend_config bc = { .name = "cpu" };
@@ -116,28 +193,54 @@ static void test_sampling_cpu_ops(void)
         TEST_CHECK_MSG(0, "cpu backend: %s", err.msg);
         return;
     }
-    static const pd_sample_params kinds[6] = {
+    static const pd_sample_params kinds[8] = {
         { .temperature = 0.0f, .top_p = 1.0f }, { .temperature = 1.0f, .top_p = 1.0f },
         { .temperature = 0.7f, .top_k = 40, .top_p = 1.0f }, { .temperature = 1.2f, .top_p = 0.8f },
         { .temperature = 0.9f, .top_k = 300, .top_p = 0.95f }, { .temperature = 2.0f, .top_k = 1, .top_p = 0.5f },
+        { .temperature = 1.0f, .top_p = 1.0f, .min_p = 0.05f },
+        { .temperature = 0.8f, .top_k = 50, .top_p = 0.9f, .min_p = 0.1f },
     };
     pd_rng rng;
     pd_rng_seed(&rng, 99);
     float *x = malloc((size_t)ROWS * N * sizeof(float)), *ref = malloc((size_t)ROWS * N * sizeof(float));
     float *got = malloc((size_t)ROWS * N * sizeof(float)), *res = malloc((size_t)N * sizeof(float));
+    float *base = malloc((size_t)N * sizeof(float));
     int32_t *scratch = malloc((size_t)N * sizeof(int32_t)), ids[ROWS];
     kern_sample_cfg cfg[ROWS];
     double u[ROWS];
+    int plain_same = 1;
     for (int r = 0; r < ROWS; r++) {
         for (int i = 0; i < N; i++) {
             float v = (float)(pd_rng_uniform(&rng) * 8.0 - 4.0);
             x[(size_t)r * N + i] = r % 2 ? (float)(int)(v * 2.0f) * 0.5f : v;   /* odd rows tie */
         }
-        const pd_sample_params *sp = &kinds[r % 6];
-        cfg[r] = (kern_sample_cfg){ .temperature = sp->temperature, .top_k = sp->top_k, .top_p = sp->top_p };
+        const pd_sample_params *sp = &kinds[(r / 2) % 8];
+        cfg[r] = (kern_sample_cfg){ .temperature = sp->temperature, .top_k = sp->top_k, .top_p = sp->top_p,
+                                    .min_p = sp->min_p };
         pd_probs_from_logits(x + (size_t)r * N, N, sp, ref + (size_t)r * N, scratch);
         u[r] = pd_rng_uniform(&rng);
+        if (pd_sample_is_greedy(sp))
+            continue;
+        pd_sample_params soft = { .temperature = sp->temperature, .top_p = 1.0f };
+        pd_probs_from_logits(x + (size_t)r * N, N, &soft, base, scratch);
+        probs_plain(base, N, sp, got, scratch);
+        int kept = 0;
+        for (int i = 0; i < N; i++) {
+            float a = ref[(size_t)r * N + i], b = got[i];
+            kept += a > 0.0f;
+            if ((a > 0.0f) != (b > 0.0f) || fabsf(a - b) > 1e-6f * b) {
+                TEST_CHECK_MSG(0, "row %d (T %g k %d p %g min_p %g) token %d: %g, vLLM's steps %g", r,
+                               (double)sp->temperature, sp->top_k, (double)sp->top_p, (double)sp->min_p, i,
+                               (double)a, (double)b);
+                plain_same = 0;
+                break;
+            }
+        }
+        if (sp->top_k != 1 && (sp->top_k > 1 || sp->top_p < 1.0f || sp->min_p > 0.0f))
+            TEST_CHECK_MSG(kept > 1 && kept < N, "row %d keeps %d of %d: the filter is not exercised", r, kept, N);
     }
+    TEST_CHECK_MSG(plain_same, "pd_probs_from_logits differs from vLLM's steps");
+    free(base);
     kern_probs_args pa = { .x = x, .ld_x = N, .cfg = cfg, .rows = ROWS, .n = N, .out = got, .ld_out = N };
     TEST_CHECK(kern_probs(cpu, &pa, &err) == PD_OK);
     TEST_CHECK_MSG(memcmp(got, ref, (size_t)ROWS * N * sizeof(float)) == 0,
@@ -158,7 +261,7 @@ static void test_sampling_cpu_ops(void)
     TEST_CHECK_MSG(same, "kern_sample (cpu) differs from pd_sample_from_probs");
     /* verification: rows 0..L of ref as p, the next L rows (tempered differently) as q */
     for (int trial = 0; trial < 50; trial++) {
-        const float *p = ref + (size_t)(trial % 2) * N, *q = ref + (size_t)6 * N;
+        const float *p = ref + (size_t)(trial % 2) * N, *q = ref + (size_t)8 * N;
         int32_t d[L];
         pd_rng a;
         pd_rng_seed(&a, 500 + trial);
@@ -405,8 +508,9 @@ static int target_probs(const pd_qwen3_model *tm, const int32_t *ids, int n, con
  * requests' sampling parameters (the seed is set per run) */
 static void test_sampling_end_to_end(pd_verify_policy policy, int waves, pd_sample_params sp)
 {
-    printf("end to end on %s, verify %s, temperature %g top-k %d top-p %g\n", backend_name,
-           pd_verify_policy_name(policy), (double)sp.temperature, sp.top_k, (double)sp.top_p);
+    printf("end to end on %s, verify %s, temperature %g top-k %d top-p %g min-p %g\n", backend_name,
+           pd_verify_policy_name(policy), (double)sp.temperature, sp.top_k, (double)sp.top_p,
+           (double)sp.min_p);
     pd_err err;
     kern_backend *be = NULL;
     kern_backend_config bc = { .name = backend_name };
@@ -511,5 +615,7 @@ int main(int argc, char **argv)
     /* top-k and top-p: speculative sampling follows the filtered target distribution */
     pd_sample_params filt = { .temperature = 1.5f, .top_k = 12, .top_p = 0.9f };
     test_sampling_end_to_end(PD_VERIFY_FULL, 12, filt);
+    pd_sample_params minp = { .temperature = 1.5f, .top_p = 1.0f, .min_p = 0.1f };
+    test_sampling_end_to_end(PD_VERIFY_FULL, 12, minp);
     TEST_DONE();
 }

@@ -526,8 +526,13 @@ static int probs_desc(const void *a, const void *b, void *ctx)
     return *(const int32_t *)a - *(const int32_t *)b;
 }
 
-/* One row, exactly as pd_probs_from_logits. order: n ints of scratch. */
-static void probs_row(const float *x, int n, const kern_sample_cfg *c, float *p, int32_t *order)
+/* a probability in integer units of 2^-60, rounded to the nearest (even on a tie) */
+static uint64_t mass_fix(float p)
+{
+    return (uint64_t)llrint(ldexp((double)p, 60));
+}
+
+void kern_probs_row_host(const float *x, int n, const kern_sample_cfg *c, float *p, int32_t *order)
 {
     if (c->temperature < 1e-5f) {
         int best = 0;
@@ -550,28 +555,49 @@ static void probs_row(const float *x, int n, const kern_sample_cfg *c, float *p,
     }
     for (int i = 0; i < n; i++)
         p[i] = (float)(p[i] / sum);
-    int k = c->top_k > 0 && c->top_k < n ? c->top_k : n;
-    if (k == n && c->top_p >= 1.0f)
+    const int k = c->top_k > 0 && c->top_k < n ? c->top_k : n;
+    const int use_p = c->top_p < 1.0f, use_m = c->min_p > 0.0f;
+    if (k == n && !use_p && !use_m)
         return;
     for (int i = 0; i < n; i++)
         order[i] = i;
     qsort_r(order, (size_t)n, sizeof(int32_t), probs_desc, p);
-    double cum = 0.0;
-    int keep = 0;
-    for (; keep < k; keep++) {
-        cum += p[order[keep]];
-        if (c->top_p < 1.0f && cum >= c->top_p) {
-            keep++;
-            break;
+    /* the candidates, a prefix of the order: min-p, then top-k with the k-th's ties */
+    int cand = n;
+    if (k < n) {
+        const float pk = p[order[k - 1]];
+        for (cand = k; cand < n && p[order[cand]] == pk; cand++)
+            ;
+    }
+    if (use_m) {
+        const double thr = (double)c->min_p * (double)p[order[0]];
+        int m = 0;
+        while (m < cand && (double)p[order[m]] >= thr)
+            m++;
+        cand = m;
+    }
+    uint64_t mass = 0;
+    for (int i = 0; i < cand; i++)
+        mass += mass_fix(p[order[i]]);
+    int keep = cand;
+    uint64_t kept = mass;
+    if (use_p) {
+        const uint64_t target = (uint64_t)ceil((double)c->top_p * (double)mass);
+        uint64_t run = 0;
+        for (int i = 0; i < cand; i++) {
+            run += mass_fix(p[order[i]]);
+            if (run >= target) {
+                keep = i + 1;
+                kept = run;
+                break;
+            }
         }
     }
-    double kept = 0.0;
-    for (int i = 0; i < keep; i++)
-        kept += p[order[i]];
+    const double kept_d = ldexp((double)kept, -60);
     for (int i = keep; i < n; i++)
         p[order[i]] = 0.0f;
     for (int i = 0; i < keep; i++)
-        p[order[i]] = (float)(p[order[i]] / kept);
+        p[order[i]] = (float)((double)p[order[i]] / kept_d);
 }
 
 static pd_status cpu_probs(kern_backend *be, const kern_probs_args *a, pd_err *err)
@@ -582,7 +608,7 @@ static pd_status cpu_probs(kern_backend *be, const kern_probs_args *a, pd_err *e
         return pd_err_set(err, PD_ERR_NOMEM, "probs: scratch of %d ints", a->n);
     for (int r = 0; r < a->rows; r++) {
         int xr = a->idx != NULL ? a->idx[r] : r;
-        probs_row(a->x + (size_t)xr * a->ld_x, a->n, &a->cfg[r], a->out + (size_t)r * a->ld_out, order);
+        kern_probs_row_host(a->x + (size_t)xr * a->ld_x, a->n, &a->cfg[r], a->out + (size_t)r * a->ld_out, order);
     }
     free(order);
     return PD_OK;

@@ -6,15 +6,17 @@
  *   One block per row (probs, sample) or per request (spec_verify); every sum runs in a fixed
  *   order, so a result depends only on its inputs (seeds reproduce on the device too).
  *   probs: softmax with exp in double as the CPU reference (the float probabilities then match
- *     it to an ulp, so the same tokens survive the filter). top-k / top-p need no sort: the
- *     kept tokens are a prefix of the order (p desc, index asc), found by a 3-pass radix select
- *     over the bits of p (11, 11, 9 bits) whose histograms count tokens and their mass. Masses
- *     are integers in units of 2^-60 (two 32-bit words per bin, lanes with equal values adding
- *     once): exact for every p >= 2^-37 and the same whatever order the atomics land in. The select stops at the highest value t
- *     whose "tokens >= t" reach k or carry top_p; of the tokens equal to t, the lowest indices
- *     are kept (a block-wide rank in index order) until k or the mass is reached, as the
- *     reference's sorted scan does. Tokens with p = 0 stay out of the histograms: whether one
- *     is kept changes no output.
+ *     it to an ulp, so the same tokens survive the filter). min-p / top-k / top-p need no sort:
+ *     the candidates (p >= min_p * max p, p >= the k-th largest) and the kept tokens are
+ *     prefixes of the order (p desc, index asc), found by 3-pass radix selects over the bits of
+ *     p (11, 11, 9 bits) whose histograms count tokens and their mass. Masses are integers in
+ *     units of 2^-60 (two 32-bit words per bin, lanes with equal values adding once), as the
+ *     rule defines them, so the sums are the same whatever order the atomics land in. A select
+ *     stops at the highest value t whose "tokens >= t" reach k (top-k: its ties stay) or carry
+ *     ceil(top_p * the candidates' mass) (top-p: of the tokens equal to t, the lowest indices are
+ *     kept, a block-wide rank in index order, until the mass is reached, as the reference's
+ *     sorted scan does). Tokens with p = 0 stay out of the histograms: whether one is kept
+ *     changes no output.
  *   sample: the running sum in index order is split over the block in contiguous segments
  *     (double, block-wide exclusive scan); the first token whose running sum exceeds u wins.
  *     Sums differ from the CPU's sequential ones by rounding, so a u within ~1e-15 of a CDF
@@ -253,16 +255,142 @@ static __device__ __forceinline__ ull sp_mass(const unsigned int *lo, const unsi
     return ((ull)hi[b] << 32) + lo[b];
 }
 
+static __device__ ull sp_block_sum_u(ull v, ull *sh)
+{
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    if ((threadIdx.x & 31) == 0)
+        sh[threadIdx.x >> 5] = v;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        v = sh[threadIdx.x];
+        for (int o = 16; o > 0; o >>= 1)
+            v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (threadIdx.x == 0)
+            sh[0] = v;
+    }
+    __syncthreads();
+    v = sh[0];
+    __syncthreads();
+    return v;
+}
+
+/* The shared memory of one radix select. */
+struct sp_select_smem {
+    unsigned int hc[SP_BINS], hml[SP_BINS], hmh[SP_BINS];
+    int digit, found, cnt_t;
+    unsigned int cnt_above;
+    ull mass_above;
+};
+
+/* A select's answer: the highest value t (its bits) whose tokens "p >= t" number at least k or
+ * carry at least mass (tokens with p = 0 never count); found = 0 when none does. */
+struct sp_cut {
+    int found;
+    unsigned int t_bits;
+    unsigned int cnt_above;   /* tokens with p > t */
+    ull mass_above;           /* and their mass */
+    int cnt_t;                /* tokens with p == t */
+};
+
+static __device__ sp_cut sp_select(const float *p_row, int n, unsigned int k, ull mass, sp_select_smem *sm)
+{
+    sp_cut cut = {1, 0, 0, 0, 0};
+    unsigned int pref_mask = 0;
+    const int shifts[3] = {20, 9, 0}, widths[3] = {11, 11, 9};
+#pragma unroll 1
+    for (int pass = 0; pass < 3; pass++) {
+        const int shift = shifts[pass], nb = 1 << widths[pass];
+        for (int b = threadIdx.x; b < nb; b += SP_THREADS) {
+            sm->hc[b] = 0;
+            sm->hml[b] = 0;
+            sm->hmh[b] = 0;
+        }
+        __syncthreads();
+        for (int i0 = 0; i0 < n; i0 += SP_THREADS) {
+            int i = i0 + threadIdx.x;
+            float p = i < n ? p_row[i] : 0.0f;
+            unsigned int bits = __float_as_uint(p);
+            bool in = p > 0.0f && (bits & pref_mask) == cut.t_bits;
+            /* lanes holding the same value add once (rows with many equal probabilities would
+             * otherwise queue on a few bins); 0xffffffff is a NaN, never a value that is in */
+            unsigned int peers = __match_any_sync(0xffffffffu, in ? bits : 0xffffffffu);
+            if (in && (threadIdx.x & 31) == __ffs(peers) - 1) {
+                unsigned int cnt = __popc(peers), d = (bits >> shift) & (unsigned)(nb - 1);
+                atomicAdd(&sm->hc[d], cnt);
+                sp_mass_add(&sm->hml[d], &sm->hmh[d], (ull)cnt * sp_fix(p));
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            /* lane l takes the l-th run of bins from the top; the running totals of the runs
+             * above come from a warp scan, then each lane walks its run downwards */
+            const int lane = threadIdx.x, per = nb / 32;
+            const int top = nb - 1 - lane * per;
+            unsigned int lc = 0;
+            ull lm = 0;
+            for (int b = top; b > top - per; b--) {
+                lc += sm->hc[b];
+                lm += sp_mass(sm->hml, sm->hmh, b);
+            }
+            unsigned int ic = lc;
+            ull im = lm;
+            for (int o = 1; o < 32; o <<= 1) {
+                unsigned int tc = __shfl_up_sync(0xffffffffu, ic, o);
+                ull tm = __shfl_up_sync(0xffffffffu, im, o);
+                if (lane >= o) {
+                    ic += tc;
+                    im += tm;
+                }
+            }
+            unsigned int rc = cut.cnt_above + ic - lc;
+            ull rm = cut.mass_above + im - lm;
+            int digit = -1;
+            for (int b = top; b > top - per; b--) {
+                ull mb = sp_mass(sm->hml, sm->hmh, b);
+                if (rc + sm->hc[b] >= k || rm + mb >= mass) {
+                    digit = b;
+                    break;
+                }
+                rc += sm->hc[b];
+                rm += mb;
+            }
+            unsigned int hit = __ballot_sync(0xffffffffu, digit >= 0);
+            if (hit == 0) {
+                if (lane == 0)
+                    sm->found = 0;
+            } else if (lane == __ffs(hit) - 1) {
+                sm->found = 1;
+                sm->digit = digit;
+                sm->cnt_above = rc;
+                sm->mass_above = rm;
+                sm->cnt_t = (int)sm->hc[digit];
+            }
+        }
+        __syncthreads();
+        if (!sm->found) {
+            cut.found = 0;   /* only in pass 0: no value reaches the limits */
+            __syncthreads();
+            return cut;
+        }
+        pref_mask |= (unsigned)(nb - 1) << shift;
+        cut.t_bits |= (unsigned)sm->digit << shift;
+        cut.cnt_above = sm->cnt_above;
+        cut.mass_above = sm->mass_above;
+        cut.cnt_t = sm->cnt_t;
+        __syncthreads();
+    }
+    return cut;
+}
+
 __global__ void __launch_bounds__(SP_THREADS)
 probs_kernel(kern_probs_args a)
 {
-    __shared__ unsigned int hc[SP_BINS], hml[SP_BINS], hmh[SP_BINS];
+    __shared__ sp_select_smem sm;
     __shared__ float shf[SP_WARPS];
     __shared__ int shi[SP_WARPS];
     __shared__ double shd[2 * SP_WARPS];
-    __shared__ int s_digit, s_found, s_cnt_t;
-    __shared__ unsigned int s_cnt_above;
-    __shared__ ull s_mass_above, s_total;
+    __shared__ ull shu[SP_WARPS];
     __shared__ int s_wbase[SP_WARPS];
 
     const int n = a.n;
@@ -290,120 +418,57 @@ probs_kernel(kern_probs_args a)
         s += e;
     }
     const double sum = sp_block_sum_d(s, shd);
-    for (int i = threadIdx.x; i < n; i += SP_THREADS)
+    float pmax = 0.0f;
+    for (int i = threadIdx.x; i < n; i += SP_THREADS) {
         out[i] = (float)((double)out[i] / sum);
+        pmax = fmaxf(pmax, out[i]);
+    }
     const int k = c.top_k > 0 && c.top_k < n ? c.top_k : n;
-    if (k == n && c.top_p >= 1.0f)
+    /* top_p >= 1 is off: no running mass need reach it */
+    const bool use_p = c.top_p < 1.0f, use_m = c.min_p > 0.0f;
+    if (k == n && !use_p && !use_m)
         return;
-    __syncthreads();   /* every p is in out before any thread reads another's */
+    pmax = sp_block_max(pmax, shf);   /* its barriers also put every p in out before reads */
 
-    /* top_p >= 1 is off (pd_sample.c): no running mass reaches it */
-    const bool use_p = c.top_p < 1.0f;
-    const ull tp_fix = use_p ? (ull)ceil((double)c.top_p * SP_FIX_SCALE) : ~0ull;
-    unsigned int pref_mask = 0, pref_val = 0, cnt_above = 0;
-    ull mass_above = 0;
-    bool keep_all = false;
-    const int shifts[3] = {20, 9, 0}, widths[3] = {11, 11, 9};
-#pragma unroll 1
-    for (int pass = 0; pass < 3; pass++) {
-        const int shift = shifts[pass], nb = 1 << widths[pass];
-        for (int b = threadIdx.x; b < nb; b += SP_THREADS) {
-            hc[b] = 0;
-            hml[b] = 0;
-            hmh[b] = 0;
-        }
-        __syncthreads();
-        for (int i0 = 0; i0 < n; i0 += SP_THREADS) {
-            int i = i0 + threadIdx.x;
-            float p = i < n ? out[i] : 0.0f;
-            unsigned int bits = __float_as_uint(p);
-            bool in = p > 0.0f && (bits & pref_mask) == pref_val;
-            /* lanes holding the same value add once (rows with many equal probabilities would
-             * otherwise queue on a few bins); 0xffffffff is a NaN, never a value that is in */
-            unsigned int peers = __match_any_sync(0xffffffffu, in ? bits : 0xffffffffu);
-            if (in && (threadIdx.x & 31) == __ffs(peers) - 1) {
-                unsigned int cnt = __popc(peers), d = (bits >> shift) & (unsigned)(nb - 1);
-                atomicAdd(&hc[d], cnt);
-                sp_mass_add(&hml[d], &hmh[d], (ull)cnt * sp_fix(p));
-            }
-        }
-        __syncthreads();
-        if (threadIdx.x < 32) {
-            /* lane l takes the l-th run of bins from the top; the running totals of the runs
-             * above come from a warp scan, then each lane walks its run downwards */
-            const int lane = threadIdx.x, per = nb / 32;
-            const int top = nb - 1 - lane * per;
-            unsigned int lc = 0;
-            ull lm = 0;
-            for (int b = top; b > top - per; b--) {
-                lc += hc[b];
-                lm += sp_mass(hml, hmh, b);
-            }
-            unsigned int ic = lc;
-            ull im = lm;
-            for (int o = 1; o < 32; o <<= 1) {
-                unsigned int tc = __shfl_up_sync(0xffffffffu, ic, o);
-                ull tm = __shfl_up_sync(0xffffffffu, im, o);
-                if (lane >= o) {
-                    ic += tc;
-                    im += tm;
-                }
-            }
-            unsigned int rc = cnt_above + ic - lc;
-            ull rm = mass_above + im - lm;
-            int digit = -1;
-            for (int b = top; b > top - per; b--) {
-                ull mb = sp_mass(hml, hmh, b);
-                if (rc + hc[b] >= (unsigned)k || rm + mb >= tp_fix) {
-                    digit = b;
-                    break;
-                }
-                rc += hc[b];
-                rm += mb;
-            }
-            unsigned int hit = __ballot_sync(0xffffffffu, digit >= 0);
-            ull total = __shfl_sync(0xffffffffu, im, 31);
-            if (hit == 0) {
-                if (lane == 0) {
-                    s_found = 0;
-                    s_total = mass_above + total;
-                }
-            } else if (lane == __ffs(hit) - 1) {
-                s_found = 1;
-                s_digit = digit;
-                s_cnt_above = rc;
-                s_mass_above = rm;
-                s_cnt_t = (int)hc[digit];
-            }
-        }
-        __syncthreads();
-        if (!s_found) {
-            keep_all = true;   /* only in pass 0: the whole mass never reaches top_p */
-            break;
-        }
-        pref_mask |= (unsigned)(nb - 1) << shift;
-        pref_val |= (unsigned)s_digit << shift;
-        cnt_above = s_cnt_above;
-        mass_above = s_mass_above;
-        __syncthreads();
+    /* the candidates: p >= the k-th largest p (its ties too) and p >= min_p * max p */
+    unsigned int tk_bits = 0;
+    if (k < n) {
+        sp_cut ck = sp_select(out, n, (unsigned)k, ~0ull, &sm);
+        if (ck.found)
+            tk_bits = ck.t_bits;   /* else fewer than k tokens have mass: all are candidates */
     }
-    /* the kept set: every p > t, and the first j tokens (index order) with p == t */
-    ull kept_fix;
-    int j = 0, c_t = 0;
-    const unsigned int t_bits = pref_val;
-    if (keep_all) {
-        kept_fix = s_total;
-    } else {
-        c_t = s_cnt_t;
-        const ull t_fix = sp_fix(__uint_as_float(t_bits));
-        long long jk = (long long)k - cnt_above;
-        long long jp = use_p && t_fix > 0 ? (long long)((tp_fix - mass_above + t_fix - 1) / t_fix) : c_t;
-        long long jj = jk < jp ? jk : jp;
-        j = (int)(jj < c_t ? jj : c_t);
-        kept_fix = mass_above + (ull)j * t_fix;
+    const double thr_m = use_m ? (double)c.min_p * (double)pmax : 0.0;
+    ull mass = 0;
+    for (int i = threadIdx.x; i < n; i += SP_THREADS) {
+        float p = out[i];
+        if (p > 0.0f && __float_as_uint(p) >= tk_bits && (double)p >= thr_m)
+            mass += sp_fix(p);
     }
-    const double kept = (double)kept_fix / SP_FIX_SCALE;
-    if (keep_all || j >= c_t) {
+    mass = sp_block_sum_u(mass, shu);
+
+    /* top-p over the candidates: the kept set is every p > t and the first j (index order) of
+     * the tokens with p == t, t found by a select for ceil(top_p * mass). It lies inside the
+     * candidates (theirs is a set "p >= value" of that mass) */
+    sp_cut cp = {0, 0, 0, 0, 0};
+    if (use_p)
+        cp = sp_select(out, n, ~0u, (ull)ceil((double)c.top_p * (double)mass), &sm);
+    if (!cp.found) {
+        const double kept = (double)mass / SP_FIX_SCALE;
+        for (int i = threadIdx.x; i < n; i += SP_THREADS) {
+            float p = out[i];
+            bool keep = p > 0.0f && __float_as_uint(p) >= tk_bits && (double)p >= thr_m;
+            out[i] = keep ? (float)((double)p / kept) : 0.0f;
+        }
+        return;
+    }
+    const ull tp_fix = (ull)ceil((double)c.top_p * (double)mass);
+    const unsigned int t_bits = cp.t_bits;
+    const ull t_fix = sp_fix(__uint_as_float(t_bits));
+    const int c_t = cp.cnt_t;
+    long long jp = t_fix > 0 ? (long long)((tp_fix - cp.mass_above + t_fix - 1) / t_fix) : c_t;
+    const int j = (int)(jp < c_t ? jp : c_t);
+    const double kept = (double)(cp.mass_above + (ull)j * t_fix) / SP_FIX_SCALE;
+    if (j >= c_t) {
         for (int i = threadIdx.x; i < n; i += SP_THREADS) {
             float p = out[i];
             out[i] = p > 0.0f && __float_as_uint(p) >= t_bits ? (float)((double)p / kept) : 0.0f;
