@@ -40,7 +40,6 @@ struct pd_engine {
     int n_reqs, cap_reqs;
     /* sampled requests: distributions on the backend (target rows, and the round's drafts at
      * row j * B + k), the small inputs of each launch staged on the host and uploaded at once */
-    float *lp_row;              /* host copy of one logits row (requests that keep logprobs) */
     kern_buf *smp_p;            /* [cap_smp_p, V] */
     int cap_smp_p;
     kern_buf *smp_q;            /* [cap_smp_q, V] */
@@ -455,7 +454,6 @@ void pd_engine_destroy(pd_engine *e)
     kern_buf_free(e->smp_q);
     kern_buf_free(e->smp_dev);
     free(e->smp_host);
-    free(e->lp_row);
     kern_buf_free(e->ids_dev);
     kern_buf_free(e->pen_dev);
     kern_buf_free(e->mask_dev);
@@ -1064,20 +1062,57 @@ static pd_status push_out(pd_request *r, int32_t tok, const pd_token_logprobs *l
     return PD_OK;
 }
 
-/* out[i] = the logprobs of toks[i] from logits row row0 + i of dev ([*, V], backend memory), for
- * a request that keeps them: each row comes to the host (V floats) and pd_logprobs_row reads it
- * there, so only requests that ask pay for it. */
+static size_t align16(size_t n) { return (n + 15) & ~(size_t)15; }
+
+/* Host and backend staging of bytes for one launch's small inputs (16-byte aligned parts). */
+static pd_status stage_get(pd_engine *e, size_t bytes, char **host, char **dev, pd_err *err)
+{
+    if (bytes > INT_MAX / 2)
+        return pd_err_set(err, PD_ERR_INVALID, "sampling inputs of %zu bytes", bytes);
+    TRY(grow_host(&e->smp_host, &e->cap_smp_host, (int)bytes, 1, err));
+    TRY(kern_buf_grow(e->tm->be, &e->smp_dev, &e->cap_smp_dev, (int)bytes, 1, err));
+    *host = e->smp_host;
+    *dev = e->smp_dev->ptr;
+    return PD_OK;
+}
+
+/* out[i] = the logprobs of toks[i] from logits row rows[i] of dev ([*, V], backend memory), with
+ * the n_top most likely tokens: kern_logprobs on the backend, only the entries come back. */
+static pd_status logprobs_entries(pd_engine *e, const float *dev, const int32_t *rows, const int32_t *toks,
+                                  int n, int n_top, pd_token_logprobs *out, pd_err *err)
+{
+    if (n <= 0)
+        return PD_OK;
+    size_t ib = align16((size_t)n * sizeof(int32_t)), ob = (size_t)n * sizeof(kern_logprobs_row);
+    char *h = NULL, *d = NULL;
+    TRY(stage_get(e, 2 * ib + ob, &h, &d, err));
+    memcpy(h, rows, (size_t)n * sizeof(int32_t));
+    memcpy(h + ib, toks, (size_t)n * sizeof(int32_t));
+    TRY(kern_upload(e->tm->be, d, h, 2 * ib, err));
+    kern_logprobs_args la = { .x = dev, .ld_x = e->V, .n = e->V, .n_rows = n, .rows = (const int32_t *)d,
+                              .tok = (const int32_t *)(d + ib), .n_top = n_top < e->V ? n_top : e->V,
+                              .out = (kern_logprobs_row *)(d + 2 * ib) };
+    TRY(kern_logprobs(e->tm->be, &la, err));
+    TRY(kern_download(e->tm->be, out, d + 2 * ib, ob, err));
+    for (int i = 0; i < n; i++)   /* past the list: zeros, so equal answers compare equal */
+        for (int j = out[i].n_top; j < PD_MAX_TOP_LOGPROBS; j++) {
+            out[i].top_id[j] = 0;
+            out[i].top_logprob[j] = 0.0f;
+        }
+    return PD_OK;
+}
+
+/* out[i] = the logprobs of toks[i] from logits row row0 + i of dev, for a request that keeps
+ * them (n <= 33: a round's drafts and its bonus). */
 static pd_status logprobs_rows(pd_engine *e, const pd_request *r, const float *dev, int row0,
                                const int32_t *toks, int n, pd_token_logprobs *out, pd_err *err)
 {
-    if (n > 0 && e->lp_row == NULL && (e->lp_row = malloc((size_t)e->V * sizeof(float))) == NULL)
-        return pd_err_set(err, PD_ERR_NOMEM, "logprobs row");
-    for (int i = 0; i < n; i++) {
-        TRY(kern_download(e->tm->be, e->lp_row, dev + (size_t)(row0 + i) * e->V,
-                          (size_t)e->V * sizeof(float), err));
-        pd_logprobs_row(e->lp_row, e->V, toks[i], r->params.top_logprobs, &out[i]);
-    }
-    return PD_OK;
+    int32_t rows[64];
+    if (n > 64)
+        return pd_err_set(err, PD_ERR_INTERNAL, "logprobs of %d rows at once", n);
+    for (int i = 0; i < n; i++)
+        rows[i] = row0 + i;
+    return logprobs_entries(e, dev, rows, toks, n, r->params.top_logprobs, out, err);
 }
 
 static void fail_request(pd_request *r, const pd_err *why)
@@ -1105,20 +1140,6 @@ static kern_sample_cfg sample_cfg(const pd_sample_params *p)
                           .top_k = p->top_k, .top_p = p->top_p, .min_p = p->min_p };
     return c;
 }
-
-/* Host and backend staging of bytes for one launch's small inputs (16-byte aligned parts). */
-static pd_status stage_get(pd_engine *e, size_t bytes, char **host, char **dev, pd_err *err)
-{
-    if (bytes > INT_MAX / 2)
-        return pd_err_set(err, PD_ERR_INVALID, "sampling inputs of %zu bytes", bytes);
-    TRY(grow_host(&e->smp_host, &e->cap_smp_host, (int)bytes, 1, err));
-    TRY(kern_buf_grow(e->tm->be, &e->smp_dev, &e->cap_smp_dev, (int)bytes, 1, err));
-    *host = e->smp_host;
-    *dev = e->smp_dev->ptr;
-    return PD_OK;
-}
-
-static size_t align16(size_t n) { return (n + 15) & ~(size_t)15; }
 
 /* One token for each of n rows of backend logits [n, V], row i owned by owner[i]: its
  * distribution goes to probs + i * ld_probs (backend), a sampled owner's uniform comes from its
@@ -1827,8 +1848,6 @@ pd_status pd_engine_complete_prefill_mode(pd_engine *e, pd_request *r, int32_t f
     return PD_OK;
 }
 
-/* One prefill forward of up to budget prompt tokens from at most max_seq requests; *n_out = the
- * tokens it took (0: nothing to prefill). */
 /* Prompt tokens r may prefill in one forward: the rest of its prompt, at most
  * PROMPT_LP_CHUNK when it keeps prompt logprobs (one logits row per token: the rows of a forward
  * stay within PROMPT_LP_CHUNK x vocabulary floats). */
@@ -1839,6 +1858,46 @@ static int prefill_take(const pd_request *r)
     return r->prompt_lps != NULL && take > PROMPT_LP_CHUNK ? PROMPT_LP_CHUNK : take;
 }
 
+/* The prompt logprobs of a prefill forward: logits row k (n_done <= k < n_rows) is that of
+ * token lrows[k], which predicts the prompt token after it; one kern_logprobs for them all, the
+ * longest top list asked for, each request's cut to its own. */
+static pd_status prompt_logprobs(pd_engine *e, const float *logits, pd_request *const *owner,
+                                 const int32_t *pos, const int32_t *lrows, int n_done, int n_rows, pd_err *err)
+{
+    int n = n_rows - n_done, top = 0;
+    int32_t *rows = malloc((size_t)n * 2 * sizeof(int32_t));
+    pd_token_logprobs *lp = malloc((size_t)n * sizeof(*lp));
+    if (rows == NULL || lp == NULL) {
+        free(rows);
+        free(lp);
+        return pd_err_set(err, PD_ERR_NOMEM, "prompt logprobs of %d rows", n);
+    }
+    int32_t *toks = rows + n;
+    for (int i = 0; i < n; i++) {
+        const pd_request *r = owner[lrows[n_done + i]];
+        rows[i] = n_done + i;
+        toks[i] = r->prompt[pos[lrows[n_done + i]] + 1];
+        top = r->params.top_logprobs > top ? r->params.top_logprobs : top;
+    }
+    pd_status st = logprobs_entries(e, logits, rows, toks, n, top, lp, err);
+    for (int i = 0; i < n && st == PD_OK; i++) {
+        pd_request *r = owner[lrows[n_done + i]];
+        pd_token_logprobs *d = &r->prompt_lps[pos[lrows[n_done + i]] + 1];
+        *d = lp[i];
+        for (int j = r->params.top_logprobs; j < d->n_top; j++) {
+            d->top_id[j] = 0;
+            d->top_logprob[j] = 0.0f;
+        }
+        if (d->n_top > r->params.top_logprobs)
+            d->n_top = r->params.top_logprobs;
+    }
+    free(rows);
+    free(lp);
+    return st;
+}
+
+/* One prefill forward of up to budget prompt tokens from at most max_seq requests; *n_out = the
+ * tokens it took (0: nothing to prefill). */
 static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_out, pd_err *err)
 {
     int n_tok = 0, n_seq = 0;
@@ -1906,11 +1965,8 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
     }
     if (st != PD_OK)
         goto out;
-    for (int k = n_done; k < n_rows && st == PD_OK; k++) {
-        pd_request *r = owner[lrows[k]];
-        int p = pos[lrows[k]];
-        st = logprobs_rows(e, r, logits, k, &r->prompt[p + 1], 1, &r->prompt_lps[p + 1], err);
-    }
+    if (n_rows > n_done)
+        st = prompt_logprobs(e, logits, owner, pos, lrows, n_done, n_rows, err);
     if (st != PD_OK)
         goto out;
     if (e->draft != NULL && e->cfg.prefill_aux_hook != NULL)

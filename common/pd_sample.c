@@ -107,40 +107,6 @@ int32_t pd_argmax(const float *x, int n)
     return best;
 }
 
-void pd_logprobs_row(const float *logits, int n, int32_t tok, int n_top, pd_token_logprobs *out)
-{
-    float mx = logits[0];
-    for (int i = 1; i < n; i++)
-        if (logits[i] > mx)
-            mx = logits[i];
-    double sum = 0.0;
-    for (int i = 0; i < n; i++)
-        sum += exp((double)logits[i] - mx);
-    double lse = mx + log(sum);
-    out->logprob = (float)((double)logits[tok] - lse);
-    if (n_top > PD_MAX_TOP_LOGPROBS)
-        n_top = PD_MAX_TOP_LOGPROBS;
-    if (n_top > n)
-        n_top = n;
-    /* insertion into a short sorted list: (value descending, id ascending); a later id with an
-     * equal value never displaces an earlier one */
-    int k = 0;
-    for (int i = 0; i < n && n_top > 0; i++) {
-        float v = logits[i];
-        if (k == n_top && !(v > logits[out->top_id[k - 1]]))
-            continue;
-        int j = k < n_top ? k++ : k - 1;
-        while (j > 0 && v > logits[out->top_id[j - 1]]) {
-            out->top_id[j] = out->top_id[j - 1];
-            j--;
-        }
-        out->top_id[j] = i;
-    }
-    out->n_top = k;
-    for (int j = 0; j < k; j++)
-        out->top_logprob[j] = (float)((double)logits[out->top_id[j]] - lse);
-}
-
 void pd_probs_from_logits(const float *logits, int n, const pd_sample_params *p, float *probs,
                           int32_t *scratch)
 {

@@ -11,6 +11,7 @@
 
 #include <stdint.h>
 
+#include "kern_backend.h"
 #include "pd_status.h"
 
 typedef struct {
@@ -62,19 +63,12 @@ pd_status pd_stop_ids_check(const int32_t *ids, int n, int max, int vocab, pd_er
 
 /* Log-probabilities of one position for a request that asks for them (the OpenAI `logprobs`):
  * the model's own distribution, log_softmax(logits) before temperature and top-k/top-p (as
- * vLLM's default raw logprobs), so a greedy and a sampled request report the same numbers. */
-#define PD_MAX_TOP_LOGPROBS 20
-typedef struct {
-    float logprob;                           /* of the token that was committed */
-    int n_top;                               /* entries below */
-    int32_t top_id[PD_MAX_TOP_LOGPROBS];     /* the most likely tokens, most likely first (a tie:
-                                              * lower id first, as the argmax) */
-    float top_logprob[PD_MAX_TOP_LOGPROBS];
-} pd_token_logprobs;
-
-/* out = the logprob of tok under log_softmax(logits[0..n)) (log-sum-exp in double) and the
- * n_top (0..PD_MAX_TOP_LOGPROBS) most likely tokens with theirs. */
-void pd_logprobs_row(const float *logits, int n, int32_t tok, int n_top, pd_token_logprobs *out);
+ * vLLM's default raw logprobs), so a greedy and a sampled request report the same numbers;
+ * kern_logprobs computes them on the backend. */
+#define PD_MAX_TOP_LOGPROBS KERN_MAX_TOP_LOGPROBS
+/* logprob: of the token that was committed; top_id / top_logprob[0..n_top): the most likely
+ * tokens, most likely first (a tie: lower id first, as the argmax) */
+typedef kern_logprobs_row pd_token_logprobs;
 
 /* Rejection-sampling verification of draft tokens d[0..l-1] with target distributions
  * p_rows[(l+1) * n] and draft distributions q_rows[l * n]. Returns the number accepted and the

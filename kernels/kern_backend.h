@@ -462,6 +462,33 @@ typedef struct {
     int words;               /* >= (n + 31) / 32 */
 } kern_token_mask_args;
 
+/* Log-probabilities (the OpenAI `logprobs`): for row i, the logits x[rows[i]] (log_softmax
+ * with lse = max + log(sum of exp(x - max) in double)): out[i].logprob = x[tok[i]] - lse, and
+ * the n_top most likely tokens with theirs, most likely first (equal logits: lower id first, as
+ * the argmax). Only the entries come back to the host, not the rows. */
+#define KERN_MAX_TOP_LOGPROBS 20
+typedef struct {
+    float logprob;                              /* of tok[i] */
+    int32_t n_top;                              /* entries below */
+    int32_t top_id[KERN_MAX_TOP_LOGPROBS];
+    float top_logprob[KERN_MAX_TOP_LOGPROBS];
+} kern_logprobs_row;
+
+typedef struct {
+    const float *x;          /* [*, ld_x] logits */
+    int ld_x;
+    int n;                   /* vocabulary */
+    int n_rows;
+    const int32_t *rows;     /* [n_rows] rows of x, backend memory */
+    const int32_t *tok;      /* [n_rows] tokens in 0..n-1, backend memory */
+    int n_top;               /* 0..KERN_MAX_TOP_LOGPROBS (at most n) */
+    kern_logprobs_row *out;  /* [n_rows], backend memory */
+} kern_logprobs_args;
+
+/* One row of kern_logprobs on the host, as the CPU backend computes it (pd_logprobs_row is
+ * this). */
+void kern_logprobs_row_host(const float *x, int n, int32_t tok, int n_top, kern_logprobs_row *out);
+
 /* One logit under one entry's penalties: the arithmetic of every backend (float, this order). */
 #ifdef __CUDACC__
 __host__ __device__
@@ -533,6 +560,7 @@ struct kern_backend_ops {
     pd_status (*spec_verify)(kern_backend *be, const kern_spec_verify_args *a, pd_err *err);
     pd_status (*penalty)(kern_backend *be, const kern_penalty_args *a, pd_err *err);
     pd_status (*token_mask)(kern_backend *be, const kern_token_mask_args *a, pd_err *err);
+    pd_status (*logprobs)(kern_backend *be, const kern_logprobs_args *a, pd_err *err);
     void (*destroy)(kern_backend *be);
 };
 
@@ -666,6 +694,7 @@ pd_status kern_sample(kern_backend *be, const kern_sample_args *a, pd_err *err);
 pd_status kern_spec_verify(kern_backend *be, const kern_spec_verify_args *a, pd_err *err);
 pd_status kern_penalty(kern_backend *be, const kern_penalty_args *a, pd_err *err);
 pd_status kern_token_mask(kern_backend *be, const kern_token_mask_args *a, pd_err *err);
+pd_status kern_logprobs(kern_backend *be, const kern_logprobs_args *a, pd_err *err);
 
 /* Host helpers for dtype conversion (used by loaders and the CPU backend). */
 float kern_bf16_to_f32(uint16_t h);

@@ -625,3 +625,15 @@ pd_status kern_token_mask(kern_backend *be, const kern_token_mask_args *a, pd_er
           "token_mask: bad view (%d rows, n %d, ld %d, %d words)", a->n_rows, a->n, a->ld_x, a->words);
     return be->ops->token_mask(be, a, err);
 }
+
+pd_status kern_logprobs(kern_backend *be, const kern_logprobs_args *a, pd_err *err)
+{
+    if (a->n_rows == 0)
+        return PD_OK;
+    CHECK(a->x != NULL && a->rows != NULL && a->tok != NULL && a->out != NULL && a->n_rows > 0 &&
+              a->n > 0 && a->ld_x >= a->n,
+          "logprobs: bad view (%d rows, n %d, ld %d)", a->n_rows, a->n, a->ld_x);
+    CHECK(a->n_top >= 0 && a->n_top <= KERN_MAX_TOP_LOGPROBS && a->n_top <= a->n,
+          "logprobs: n_top %d must be in 0..%d", a->n_top, KERN_MAX_TOP_LOGPROBS);
+    return be->ops->logprobs(be, a, err);
+}

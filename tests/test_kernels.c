@@ -2229,6 +2229,67 @@ static double run_token_mask(run_ctx *x)
     return e;
 }
 
+static pd_status fn_logprobs(kern_backend *be, const void *a, pd_err *e) { return kern_logprobs(be, a, e); }
+
+/* logprobs: m entries (row, token) over rows x cols logits (pad = extra stride), n_top = sub;
+ * logits like a model's with ties on odd rows and a masked (-inf) stretch on every third row.
+ * The top ids must be the same list on both sides; the values agree to tol. */
+static double run_logprobs(run_ctx *x)
+{
+    const kcase *c = x->c;
+    int rows = c->rows, n = c->cols, ld = n + c->pad, m = c->m, n_top = c->sub;
+    float *v = sample_logits(rows, n, ld);
+    for (int r = 2; r < rows; r += 3)
+        for (int t = n / 4; t < n / 2; t++)
+            v[(size_t)r * ld + t] = -INFINITY;
+    int32_t *er = malloc((size_t)m * sizeof(int32_t)), *tok = malloc((size_t)m * sizeof(int32_t));
+    for (int i = 0; i < m; i++) {
+        er[i] = rng_int(rows);
+        const float *xr = v + (size_t)er[i] * ld;
+        int best = 0;
+        for (int t = 1; t < n; t++)
+            best = xr[t] > xr[best] ? t : best;
+        tok[i] = i % 4 == 0 ? best : rng_int(n);
+    }
+    kern_logprobs_args ac = { .ld_x = ld, .n = n, .n_rows = m, .n_top = n_top }, ag = ac;
+    ac.x = side_bytes(x->cpu, v, (size_t)rows * ld * sizeof(float));
+    ag.x = side_bytes(x->gpu, v, (size_t)rows * ld * sizeof(float));
+    ac.rows = side_bytes(x->cpu, er, (size_t)m * sizeof(int32_t));
+    ag.rows = side_bytes(x->gpu, er, (size_t)m * sizeof(int32_t));
+    ac.tok = side_bytes(x->cpu, tok, (size_t)m * sizeof(int32_t));
+    ag.tok = side_bytes(x->gpu, tok, (size_t)m * sizeof(int32_t));
+    ac.out = side_alloc(x->cpu, (size_t)m * sizeof(kern_logprobs_row));
+    ag.out = side_alloc(x->gpu, (size_t)m * sizeof(kern_logprobs_row));
+    double e = run_both(x, fn_logprobs, &ac, &ag);
+    if (e == 0.0) {
+        kern_logprobs_row *hc = side_download(x->cpu, ac.out, (size_t)m * sizeof(kern_logprobs_row));
+        kern_logprobs_row *hg = side_download(x->gpu, ag.out, (size_t)m * sizeof(kern_logprobs_row));
+        int bad = 0;
+        for (int i = 0; i < m; i++) {
+            double d = fabs((double)hc[i].logprob - hg[i].logprob);
+            int same = hc[i].n_top == hg[i].n_top;
+            for (int j = 0; same && j < hc[i].n_top; j++) {
+                same = hc[i].top_id[j] == hg[i].top_id[j];
+                double dj = fabs((double)hc[i].top_logprob[j] - hg[i].top_logprob[j]);
+                d = dj > d ? dj : d;
+            }
+            e = d > e ? d : e;
+            if (!same && bad++ < 3)
+                printf("      entry %d (row %d): top lists differ (cpu %d entries, first %d; cuda %d, first %d)\n",
+                       i, er[i], hc[i].n_top, hc[i].n_top > 0 ? hc[i].top_id[0] : -1, hg[i].n_top,
+                       hg[i].n_top > 0 ? hg[i].top_id[0] : -1);
+        }
+        if (bad)
+            e = 1e30;
+        free(hc);
+        free(hg);
+    }
+    free(v);
+    free(er);
+    free(tok);
+    return e;
+}
+
 typedef double (*runner)(run_ctx *x);
 
 static const struct {
@@ -2241,7 +2302,7 @@ static const struct {
     {"argmax", run_argmax}, {"convert", run_convert}, {"linear", run_linear},
     {"qk_post", run_qk_post}, {"mlp", run_mlp}, {"qkv", run_qkv}, {"attn_block", run_attn_block}, {"markov_step", run_markov_step}, {"markov_chain", run_markov_chain}, {"probs", run_probs},
     {"sample", run_sample}, {"spec_verify", run_spec_verify}, {"penalty", run_penalty},
-    {"token_mask", run_token_mask},
+    {"token_mask", run_token_mask}, {"logprobs", run_logprobs},
 };
 
 /* Shapes are odd on purpose; F32 paths are held to ~1e-5, bf16 GEMMs (x rounded to bf16 on the
@@ -2376,6 +2437,10 @@ static const kcase cases[] = {
     /* token_mask: rows x vocab, pad, m masks, k extra words per mask */
     {"token_mask", 9, 151936, 0, 6, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
     {"token_mask", 4, 1001, 3, 4, 0, 2, 0, 0, 0, 0, 0, NULL, 0, 0},
+    {"logprobs", 7, 151936, 0, 24, 0, 0, 20, 0, 0, 0, 0, NULL, 1e-5, 0},
+    {"logprobs", 9, 8192, 5, 33, 0, 0, 5, 0, 0, 0, 0, NULL, 1e-5, 0},
+    {"logprobs", 4, 50, 1, 6, 0, 0, 0, 0, 0, 0, 0, NULL, 1e-5, 0},
+    {"logprobs", 3, 17, 0, 5, 0, 0, 17, 0, 0, 0, 0, NULL, 1e-5, 0},
     /* attention: heads, kv heads, head_dim, page size, ragged batch */
     {"attn", 0, 0, 0, 0, 0, 0, 0, 32, 8, 128, 16, "d:4095+1", 1e-4, 0},
     {"attn", 0, 0, 4, 0, 0, 0, 0, 32, 8, 128, 16, "d:0+1,d:15+1,d:998+1,d:2999+1,d:63+1", 1e-4, 0},

@@ -669,6 +669,48 @@ static pd_status cpu_token_mask(kern_backend *be, const kern_token_mask_args *a,
     return PD_OK;
 }
 
+void kern_logprobs_row_host(const float *x, int n, int32_t tok, int n_top, kern_logprobs_row *out)
+{
+    float mx = x[0];
+    for (int i = 1; i < n; i++)
+        if (x[i] > mx)
+            mx = x[i];
+    double sum = 0.0;
+    for (int i = 0; i < n; i++)
+        sum += exp((double)x[i] - mx);
+    double lse = mx + log(sum);
+    out->logprob = (float)((double)x[tok] - lse);
+    /* insertion into a short sorted list: (value descending, id ascending); a later id with an
+     * equal value never displaces an earlier one */
+    int k = 0;
+    for (int i = 0; i < n && n_top > 0; i++) {
+        float v = x[i];
+        if (k == n_top && !(v > x[out->top_id[k - 1]]))
+            continue;
+        int j = k < n_top ? k++ : k - 1;
+        while (j > 0 && v > x[out->top_id[j - 1]]) {
+            out->top_id[j] = out->top_id[j - 1];
+            j--;
+        }
+        out->top_id[j] = i;
+    }
+    out->n_top = k;
+    for (int j = 0; j < k; j++)
+        out->top_logprob[j] = (float)((double)x[out->top_id[j]] - lse);
+}
+
+static pd_status cpu_logprobs(kern_backend *be, const kern_logprobs_args *a, pd_err *err)
+{
+    (void)be;
+    for (int i = 0; i < a->n_rows; i++) {
+        if (a->rows[i] < 0 || a->tok[i] < 0 || a->tok[i] >= a->n)
+            return pd_err_set(err, PD_ERR_INVALID, "logprobs: entry %d names row %d, token %d (vocabulary %d)",
+                              i, a->rows[i], a->tok[i], a->n);
+        kern_logprobs_row_host(a->x + (size_t)a->rows[i] * a->ld_x, a->n, a->tok[i], a->n_top, &a->out[i]);
+    }
+    return PD_OK;
+}
+
 static pd_status cpu_spec_verify(kern_backend *be, const kern_spec_verify_args *a, pd_err *err)
 {
     (void)be;
@@ -767,6 +809,7 @@ static const kern_backend_ops cpu_ops = {
     .spec_verify = cpu_spec_verify,
     .penalty = cpu_penalty,
     .token_mask = cpu_token_mask,
+    .logprobs = cpu_logprobs,
     .destroy = cpu_destroy,
 };
 

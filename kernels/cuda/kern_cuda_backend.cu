@@ -296,6 +296,7 @@ static const kern_backend_ops cuda_ops = {
     .spec_verify = kern_cuda_spec_verify_launch,
     .penalty = kern_cuda_penalty_launch,
     .token_mask = kern_cuda_token_mask_launch,
+    .logprobs = kern_cuda_logprobs_launch,
     .destroy = cuda_destroy,
 };
 

@@ -430,6 +430,7 @@ pd_status kern_cuda_sample_launch(kern_backend *be, const kern_sample_args *a, p
 pd_status kern_cuda_spec_verify_launch(kern_backend *be, const kern_spec_verify_args *a, pd_err *err);
 pd_status kern_cuda_penalty_launch(kern_backend *be, const kern_penalty_args *a, pd_err *err);
 pd_status kern_cuda_token_mask_launch(kern_backend *be, const kern_token_mask_args *a, pd_err *err);
+pd_status kern_cuda_logprobs_launch(kern_backend *be, const kern_logprobs_args *a, pd_err *err);
 /* The skinny tensor-core GEMM behind op linear (kern_cuda_linear.cu), also used by matmul:
  * fits = bf16 weights, k % 8 == 0, 16-byte aligned x/weights/norm and ld_x % 4 == 0. Without
  * be->batch_invariant it is used up to KERN_CUDA_SKINNY_FAST_MAX_M rows, cuBLAS above: after

@@ -2,7 +2,9 @@
  *   sampling and rejection-sampling verification (the rules of pd_sample.h, kern_backend.h).
  * Owns: kern_cuda_probs_launch, kern_cuda_sample_launch, kern_cuda_spec_verify_launch,
  *   kern_cuda_penalty_launch (one thread per entry: the entries are distinct logits),
- *   kern_cuda_token_mask_launch (a row of CTAs per mask).
+ *   kern_cuda_token_mask_launch (a row of CTAs per mask), kern_cuda_logprobs_launch (a block per
+ *   row: log-sum-exp in double, the top entries by a radix select over the logits' order keys,
+ *   ties at the cut by lowest index, then sorted as the reference's list).
  *   One block per row (probs, sample) or per request (spec_verify); every sum runs in a fixed
  *   order, so a result depends only on its inputs (seeds reproduce on the device too).
  *   probs: softmax with exp in double as the CPU reference (the float probabilities then match
@@ -648,6 +650,133 @@ extern "C" pd_status kern_cuda_token_mask_launch(kern_backend *be, const kern_to
     int blocks = (a->n + 255) / 256;
     dim3 grid(blocks < 64 ? blocks : 64, a->n_rows);
     token_mask_kernel<<<grid, 256, 0, c->stream>>>(*a);
+    KERN_CUDA_LAUNCH_CHECK(err);
+    return PD_OK;
+}
+
+/* ---- logprobs ------------------------------------------------------------------------------ */
+
+/* a float's order as an unsigned key (larger float, larger key; -0 as +0, as the comparisons) */
+static __device__ __forceinline__ unsigned int lp_key(float v)
+{
+    unsigned int u = v == 0.0f ? 0u : __float_as_uint(v);
+    return (u & 0x80000000u) ? ~u : u | 0x80000000u;
+}
+
+__global__ void __launch_bounds__(SP_THREADS)
+logprobs_kernel(kern_logprobs_args a)
+{
+    __shared__ unsigned int hist[SP_BINS];
+    __shared__ float shf[SP_WARPS];
+    __shared__ double shd[2 * SP_WARPS];
+    __shared__ int s_digit, s_wbase[SP_WARPS], s_tiles;
+    __shared__ unsigned int s_above;
+    __shared__ int s_n_list;
+    __shared__ int s_list[KERN_MAX_TOP_LOGPROBS];
+
+    const int n = a.n;
+    const float *x = a.x + (size_t)a.rows[blockIdx.x] * a.ld_x;
+    kern_logprobs_row *out = a.out + blockIdx.x;
+    float mx = -INFINITY;
+    for (int i = threadIdx.x; i < n; i += SP_THREADS)
+        mx = fmaxf(mx, x[i]);
+    mx = sp_block_max(mx, shf);
+    double s = 0.0;
+    for (int i = threadIdx.x; i < n; i += SP_THREADS)
+        s += exp((double)x[i] - (double)mx);
+    const double lse = (double)mx + log(sp_block_sum_d(s, shd));
+    const int tok = a.tok[blockIdx.x];
+    if (threadIdx.x == 0) {
+        out->logprob = tok >= 0 && tok < n ? (float)((double)x[tok] - lse) : NAN;
+        out->n_top = a.n_top;
+    }
+    const int k = a.n_top;
+    if (k == 0)
+        return;
+    /* the k-th largest key t by a radix select (11, 11, 10 bits), counting tokens only */
+    unsigned int pref = 0, mask = 0, above = 0;
+    const int shifts[3] = {21, 10, 0}, widths[3] = {11, 11, 10};
+#pragma unroll 1
+    for (int pass = 0; pass < 3; pass++) {
+        const int shift = shifts[pass], nb = 1 << widths[pass];
+        for (int b = threadIdx.x; b < nb; b += SP_THREADS)
+            hist[b] = 0;
+        __syncthreads();
+        for (int i = threadIdx.x; i < n; i += SP_THREADS) {
+            unsigned int key = lp_key(x[i]);
+            if ((key & mask) == pref)
+                atomicAdd(&hist[(key >> shift) & (unsigned)(nb - 1)], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned int run = above;
+            int d = nb - 1;
+            for (; d > 0 && run + hist[d] < (unsigned)k; d--)
+                run += hist[d];
+            s_digit = d;
+            s_above = run;
+        }
+        __syncthreads();
+        pref |= (unsigned)s_digit << shift;
+        mask |= (unsigned)(nb - 1) << shift;
+        above = s_above;
+        __syncthreads();
+    }
+    /* the list: every key > t (fewer than k), then the lowest indices with key == t */
+    if (threadIdx.x == 0)
+        s_n_list = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += SP_THREADS)
+        if (lp_key(x[i]) > pref)
+            s_list[atomicAdd(&s_n_list, 1)] = i;
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int have = (int)above;
+    for (int i0 = 0; i0 < n && have < k; i0 += SP_THREADS) {
+        int i = i0 + threadIdx.x;
+        bool tie = i < n && lp_key(x[i]) == pref;
+        unsigned int bal = __ballot_sync(0xffffffffu, tie);
+        if (lane == 0)
+            s_wbase[warp] = __popc(bal);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int acc = 0;
+            for (int w = 0; w < SP_WARPS; w++) {
+                int c = s_wbase[w];
+                s_wbase[w] = acc;
+                acc += c;
+            }
+            s_tiles = acc;
+        }
+        __syncthreads();
+        int rank = have + s_wbase[warp] + __popc(bal & ((1u << lane) - 1u));
+        if (tie && rank < k)
+            s_list[rank] = i;
+        have += s_tiles;
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        /* at most 20 entries: insertion sort by (value desc, index asc) */
+        for (int a1 = 1; a1 < k; a1++) {
+            int id = s_list[a1], j = a1;
+            float v = x[id];
+            while (j > 0 && (x[s_list[j - 1]] < v || (x[s_list[j - 1]] == v && s_list[j - 1] > id))) {
+                s_list[j] = s_list[j - 1];
+                j--;
+            }
+            s_list[j] = id;
+        }
+        for (int j = 0; j < k; j++) {
+            out->top_id[j] = s_list[j];
+            out->top_logprob[j] = (float)((double)x[s_list[j]] - lse);
+        }
+    }
+}
+
+extern "C" pd_status kern_cuda_logprobs_launch(kern_backend *be, const kern_logprobs_args *a, pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    logprobs_kernel<<<a->n_rows, SP_THREADS, 0, c->stream>>>(*a);
     KERN_CUDA_LAUNCH_CHECK(err);
     return PD_OK;
 }
