@@ -180,6 +180,31 @@ static __device__ int sp_block_max_i(int v, int *sh)
     return -sp_block_min_i(-v, sh);
 }
 
+/* One tile of a block-wide rank in thread order: *rank = how many threads below this one have
+ * flag set; returns how many threads have it. sh: SP_WARPS + 1 ints. */
+static __device__ int sp_block_rank(bool flag, int *rank, int *sh)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    unsigned int bal = __ballot_sync(0xffffffffu, flag);
+    if (lane == 0)
+        sh[warp] = __popc(bal);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int acc = 0;
+        for (int w = 0; w < SP_WARPS; w++) {
+            int cnt = sh[w];
+            sh[w] = acc;
+            acc += cnt;
+        }
+        sh[SP_WARPS] = acc;
+    }
+    __syncthreads();
+    *rank = sh[warp] + __popc(bal & ((1u << lane) - 1u));
+    int total = sh[SP_WARPS];
+    __syncthreads();
+    return total;
+}
+
 /* Inverse CDF over val(0..n-1) in index order (entries <= 0 skipped): the first i whose running
  * sum exceeds u, else the last i with mass (0 when none). Thread t owns a contiguous segment. */
 template <class F>
@@ -393,7 +418,7 @@ probs_kernel(kern_probs_args a)
     __shared__ int shi[SP_WARPS];
     __shared__ double shd[2 * SP_WARPS];
     __shared__ ull shu[SP_WARPS];
-    __shared__ int s_wbase[SP_WARPS];
+    __shared__ int s_rank[SP_WARPS + 1];
 
     const int n = a.n;
     const int xr = a.idx != NULL ? a.idx[blockIdx.x] : (int)blockIdx.x;
@@ -478,34 +503,18 @@ probs_kernel(kern_probs_args a)
         return;
     }
     /* ties at t: rank them in index order, tile by tile */
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int base = 0;
     for (int i0 = 0; i0 < n; i0 += SP_THREADS) {
-        int i = i0 + threadIdx.x;
+        int i = i0 + threadIdx.x, rank;
         float p = i < n ? out[i] : 0.0f;
         unsigned int bits = __float_as_uint(p);
         bool tie = i < n && bits == t_bits;
-        unsigned int bal = __ballot_sync(0xffffffffu, tie);
-        if (lane == 0)
-            s_wbase[warp] = __popc(bal);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            int acc = 0;
-            for (int w = 0; w < SP_WARPS; w++) {
-                int cnt = s_wbase[w];
-                s_wbase[w] = acc;
-                acc += cnt;
-            }
-            shi[0] = acc;
-        }
-        __syncthreads();
+        int tiles = sp_block_rank(tie, &rank, s_rank);
         if (i < n) {
-            bool keep = bits > t_bits ||
-                        (tie && base + s_wbase[warp] + __popc(bal & ((1u << lane) - 1u)) < j);
+            bool keep = bits > t_bits || (tie && base + rank < j);
             out[i] = keep ? (float)((double)p / kept) : 0.0f;
         }
-        base += shi[0];
-        __syncthreads();
+        base += tiles;
     }
 }
 
@@ -669,7 +678,7 @@ logprobs_kernel(kern_logprobs_args a)
     __shared__ unsigned int hist[SP_BINS];
     __shared__ float shf[SP_WARPS];
     __shared__ double shd[2 * SP_WARPS];
-    __shared__ int s_digit, s_wbase[SP_WARPS], s_tiles;
+    __shared__ int s_digit, s_rank[SP_WARPS + 1];
     __shared__ unsigned int s_above;
     __shared__ int s_n_list;
     __shared__ int s_list[KERN_MAX_TOP_LOGPROBS];
@@ -730,30 +739,14 @@ logprobs_kernel(kern_logprobs_args a)
         if (lp_key(x[i]) > pref)
             s_list[atomicAdd(&s_n_list, 1)] = i;
     __syncthreads();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int have = (int)above;
     for (int i0 = 0; i0 < n && have < k; i0 += SP_THREADS) {
-        int i = i0 + threadIdx.x;
+        int i = i0 + threadIdx.x, rank;
         bool tie = i < n && lp_key(x[i]) == pref;
-        unsigned int bal = __ballot_sync(0xffffffffu, tie);
-        if (lane == 0)
-            s_wbase[warp] = __popc(bal);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            int acc = 0;
-            for (int w = 0; w < SP_WARPS; w++) {
-                int c = s_wbase[w];
-                s_wbase[w] = acc;
-                acc += c;
-            }
-            s_tiles = acc;
-        }
-        __syncthreads();
-        int rank = have + s_wbase[warp] + __popc(bal & ((1u << lane) - 1u));
-        if (tie && rank < k)
-            s_list[rank] = i;
-        have += s_tiles;
-        __syncthreads();
+        int tiles = sp_block_rank(tie, &rank, s_rank);
+        if (tie && have + rank < k)
+            s_list[have + rank] = i;
+        have += tiles;
     }
     if (threadIdx.x == 0) {
         /* at most 20 entries: insertion sort by (value desc, index asc) */
