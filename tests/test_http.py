@@ -1062,7 +1062,8 @@ def test_prefill_http(bin_dir, model, draft):
         csv_path = os.path.join(tmpd, "l.csv")
         lg = subprocess.run([sys.executable, LOADGEN, "--url", "http://127.0.0.1:%d" % dn.http[1],
                              "--prefill-metrics", "http://127.0.0.1:%d" % pf.http[1], "--concurrency", "1,2",
-                             "--requests", "3", "--max-tokens", "4", "--ignore-eos", "--csv", csv_path,
+                             "--requests", "3", "--max-tokens", "4", "--ignore-eos", "--logprobs", "2",
+                             "--csv", csv_path,
                              "--svg", os.path.join(tmpd, "l.svg")], capture_output=True, text=True, timeout=120)
         check(lg.returncode == 0, "pdspark-loadgen through the pair: rc %d %s" % (lg.returncode, lg.stderr[-500:]))
         with open(csv_path) as f:
