@@ -1446,6 +1446,10 @@ static int parse_common(const cJSON *root, int chat, decode_req *dr, req_opts *o
         { "logits_processors", "'logits_processors' are not supported", BOTH, 0 },
         { "truncate_prompt_tokens", "'truncate_prompt_tokens' is not supported (a prompt over the context is a "
           "400)", BOTH, 0 },
+        { "prompt_logprobs", "'prompt_logprobs' (vLLM's per-token dicts) is not supported; /v1/completions with "
+          "'echo': true and 'logprobs' gives the prompt's logprobs", BOTH, -1 },
+        { "return_tokens_as_token_ids", "'return_tokens_as_token_ids' is not supported (the gRPC API returns ids)",
+          BOTH, 0 },
         { "chat_template", "'chat_template' per request is not supported (the node's template is used; "
           "decode_node --chat-template sets it)", ONLY_CHAT, 0 },
     };

@@ -1600,6 +1600,10 @@ def main():
              "guided_grammar"),   # x is not defined
             ("/v1/completions", json.dumps({"prompt": "x", "suffix": "y"}).encode(), 400, "suffix"),
             ("/v1/completions", json.dumps({"prompt": "x", "typical_p": 0.9}).encode(), 400, "typical_p"),
+            ("/v1/completions", json.dumps({"prompt": "x", "prompt_logprobs": 0}).encode(), 400, "prompt_logprobs"),
+            ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                                 "return_tokens_as_token_ids": True}).encode(), 400,
+             "return_tokens_as_token_ids"),
             ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
                                                  "use_beam_search": True}).encode(), 400, "use_beam_search"),
             ("/v1/completions", json.dumps({"prompt": "x", "skip_special_tokens": "no"}).encode(), 400,
