@@ -30,6 +30,7 @@
 #include <event2/bufferevent.h>
 #include <event2/http.h>
 #include <event2/keyvalq_struct.h>
+#include <utf8proc.h>
 
 #include "decode_metrics.h"
 #include "pd_chat.h"
@@ -1807,6 +1808,41 @@ static int chat_setup(const cJSON *root, decode_req *dr, req_opts *o, pd_chat_to
     return 0;
 }
 
+/* The request's body as a JSON object, or NULL after answering 400 (why: not UTF-8, not JSON,
+ * not an object) or 500. JSON text must be UTF-8 (RFC 8259) and cJSON does not check it, so
+ * the bytes are checked first: an error message that quotes a field stays valid JSON. */
+static cJSON *json_body(struct evhttp_request *req)
+{
+    size_t blen = 0;
+    char *body = pd_http_body(req, &blen);
+    if (body == NULL) {
+        send_error(req, 500, NULL, "out of memory reading the body");
+        return NULL;
+    }
+    for (size_t i = 0; i < blen;) {
+        utf8proc_int32_t cp;
+        utf8proc_ssize_t k = (unsigned char)body[i] < 0x80 ? 1
+                             : utf8proc_iterate((const utf8proc_uint8_t *)body + i,
+                                                (utf8proc_ssize_t)(blen - i), &cp);
+        if (k <= 0) {
+            free(body);
+            pd_http_error(req, 400, "invalid_request_error", NULL, NULL,
+                          "the request body is not valid UTF-8 (byte %zu)", i);
+            return NULL;
+        }
+        i += (size_t)k;
+    }
+    cJSON *root = cJSON_ParseWithLength(body, blen);
+    free(body);
+    if (root == NULL || !cJSON_IsObject(root)) {
+        send_error(req, 400, NULL, root == NULL ? "the request body is not valid JSON"
+                                                : "the request body must be a JSON object");
+        cJSON_Delete(root);
+        return NULL;
+    }
+    return root;
+}
+
 /* ---------------------------------------------------------------------------------------------
  * Handlers */
 
@@ -1823,14 +1859,7 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
                       "%s", dh->chat_why);
         return;
     }
-    size_t blen = 0;
-    char *body = pd_http_body(req, &blen);
-    if (body == NULL) {
-        send_error(req, 500, NULL, "out of memory reading the body");
-        return;
-    }
-    cJSON *root = cJSON_ParseWithLength(body, blen);
-    free(body);
+    cJSON *root = json_body(req);
     char msg[512] = "";
     const char *param = NULL;
     decode_req dr = {0};
@@ -1842,10 +1871,8 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     pd_chat_tools tools = {0};
     pd_chat_opts copts = PD_CHAT_OPTS_DEFAULT;
     http_req *r = NULL;
-    if (root == NULL || !cJSON_IsObject(root)) {
+    if (root == NULL) {
         decode_metrics_refused(dh->dm, "invalid");
-        send_error(req, 400, NULL, root == NULL ? "the request body is not valid JSON"
-                                                : "the request body must be a JSON object");
         goto out;
     }
     const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
@@ -2083,20 +2110,9 @@ static cJSON *body_object(struct evhttp_request *req, decode_http *dh)
 {
     if (!authorized(req, dh))
         return NULL;
-    size_t blen = 0;
-    char *body = pd_http_body(req, &blen);
-    if (body == NULL) {
-        send_error(req, 500, NULL, "out of memory reading the body");
+    cJSON *root = json_body(req);
+    if (root == NULL)
         return NULL;
-    }
-    cJSON *root = cJSON_ParseWithLength(body, blen);
-    free(body);
-    if (root == NULL || !cJSON_IsObject(root)) {
-        send_error(req, 400, NULL, root == NULL ? "the request body is not valid JSON"
-                                                : "the request body must be a JSON object");
-        cJSON_Delete(root);
-        return NULL;
-    }
     const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
     if (cJSON_IsString(model) && strcmp(model->valuestring, dh->model) != 0) {
         pd_http_error(req, 404, "invalid_request_error", "model", "model_not_found",

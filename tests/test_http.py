@@ -18,6 +18,7 @@ import http.client
 import json
 import math
 import os
+import random
 import re
 import signal
 import subprocess
@@ -830,6 +831,79 @@ def test_min_p(bin_dir, node, prompt):
     log("min_p: 1 is greedy, seeds reproduce, out of range refused (HTTP, gRPC)")
 
 
+FUZZ_FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+               "min_p", "seed", "stop", "stream", "stream_options", "logprobs", "top_logprobs", "echo", "n",
+               "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+               "min_tokens", "stop_token_ids", "ignore_eos", "response_format", "guided_json", "guided_regex",
+               "guided_choice", "guided_grammar", "tools", "tool_choice", "parallel_tool_calls",
+               "skip_special_tokens", "model", "user", "chat_template_kwargs", "add_generation_prompt",
+               "continue_final_message", "include_stop_str_in_output", "structured_outputs", "typical_p"]
+FUZZ_VALUES = [None, True, False, 0, -1, 1, 3, 2 ** 31, -2 ** 63, 2 ** 64, 1e308, -1e-300, 0.5, 1.5, "", "x" * 3000,
+               "\ud800", "<|im_start|>", "\u0000a", [], [1, "a"], [[[[[[]]]]]], {}, {"a": {"b": [None]}},
+               {"type": "object"}, {"type": "json_schema", "json_schema": {"schema": {"type": "integer"}}},
+               {"8189": 5}, {"-3": 1}, ["a", "b"], [{"role": "user", "content": "x"}],
+               [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}],
+               [{"role": "tool", "content": [1]}], [{"type": "function", "function": {"name": 3}}],
+               {"enable_thinking": "yes"}, "required", "auto", "[a-z]+", "root ::= \"a\" | root"]
+
+
+def fuzz_body(rng, prompt):
+    """A request built from a valid one by one to three random field changes, sometimes cut or
+    with bytes changed (numbers that would only make it long are kept small)."""
+    chat = rng.random() < 0.5
+    body = ({"messages": [{"role": "user", "content": "Print hello."}], "max_tokens": 4} if chat
+            else {"prompt": prompt, "max_tokens": 4, "temperature": 0})
+    for _ in range(rng.randint(1, 3)):
+        k = rng.choice(FUZZ_FIELDS)
+        if rng.random() < 0.15:
+            body.pop(k, None)
+        else:
+            body[k] = rng.choice(FUZZ_VALUES)
+    for k, top in (("max_tokens", 8), ("max_completion_tokens", 8), ("n", 2), ("best_of", 2), ("min_tokens", 4)):
+        if isinstance(body.get(k), int) and not isinstance(body.get(k), bool) and body[k] > top:
+            body[k] = top
+    raw = json.dumps(body).encode()
+    r = rng.random()
+    if r < 0.1:
+        raw = raw[:rng.randrange(len(raw))]
+    elif r < 0.2:
+        b = bytearray(raw)
+        for _ in range(rng.randint(1, 4)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        raw = bytes(b)
+    return ("/v1/chat/completions" if chat else "/v1/completions"), raw
+
+
+def test_fuzz(node, prompt, want, n=250, seed=20261205):
+    """Mutated requests (fields set to values of every JSON type, removed, bodies cut or with
+    bytes changed): every answer is a status below 500 (a 4xx with the error shape, or a
+    result), the node never drops a connection, and afterwards a normal request gives the same
+    text as before. PD_HTTP_FUZZ_N and PD_HTTP_FUZZ_SEED run more, or others, by hand."""
+    n = int(os.environ.get("PD_HTTP_FUZZ_N", n))
+    seed = int(os.environ.get("PD_HTTP_FUZZ_SEED", seed))
+    rng = random.Random(seed)
+    codes = {}
+    for i in range(n):
+        path, raw = fuzz_body(rng, prompt)
+        try:
+            st, ct, out = request(node, "POST", path, raw=raw, timeout=60)
+        except (OSError, http.client.HTTPException) as e:
+            check(False, "fuzz %d: %s %r: no answer (%s)" % (i, path, raw[:200], e))
+            break
+        codes[st] = codes.get(st, 0) + 1
+        ok = 200 <= st < 500
+        if ok and st != 200:
+            try:
+                ok = is_error_shape(json.loads(out))
+            except ValueError:
+                ok = False
+        if not ok:
+            check(False, "fuzz %d: %s %r -> %d %s" % (i, path, raw[:300], st, out[:300]))
+    st, body = post_json(node, "/v1/completions", {"prompt": prompt, "max_tokens": 24, "temperature": 0})
+    check(st == 200 and body["choices"][0]["text"] == want, "serving after the fuzz: %s" % body)
+    log("fuzz: %d mutated requests (seed %d), answers %s" % (n, seed, sorted(codes.items())))
+
+
 def test_local_prefill(bin_dir, model, draft):
     """decode_node --prefill ... --max-local-prefill N: a prompt whose uncached part is at most N
     tokens is prefilled on the decode node (a conversation's next turn over the cached pages of
@@ -1528,6 +1602,7 @@ def main():
         test_n(node, prompt)
         test_special_tokens(bin_dir, node, prompt)
         test_min_p(bin_dir, node, prompt)
+        test_fuzz(node, prompt, want)
         test_structured(bin_dir, node, "colocated")
         test_tools(node, FIXTURES)
         mg = metrics(node)
@@ -1601,6 +1676,9 @@ def main():
             ("/v1/completions", json.dumps({"prompt": "x", "suffix": "y"}).encode(), 400, "suffix"),
             ("/v1/completions", json.dumps({"prompt": "x", "typical_p": 0.9}).encode(), 400, "typical_p"),
             ("/v1/completions", json.dumps({"prompt": "x", "prompt_logprobs": 0}).encode(), 400, "prompt_logprobs"),
+            ("/v1/completions", b'{"prompt": "x\xff", "model": "m\xc3"}', 400, None),   # not UTF-8
+            ("/v1/completions", b'{"prompt": "\xed\xa0\x80"}', 400, None),   # a surrogate in UTF-8
+            ("/tokenize", b'{"prompt": "\xc0\xaf"}', 400, None),   # an overlong form
             ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
                                                  "return_tokens_as_token_ids": True}).encode(), 400,
              "return_tokens_as_token_ids"),
