@@ -14,6 +14,8 @@
  *   progressed now, is answered OK with the prompt's KV in the given pages; a destination process
  *   killed while the puts wait for it ends its Prefill UNAVAILABLE soon after, and the node
  *   serves the next one.
+ * Fuzz (decode_node --colocated): Generate requests with random field values of their own types
+ *   (test_services_fuzz) get results or client errors, never a dropped connection.
  * Aux transfer modes: prefill_node --aux-transfer ctx|draft-kv without --draft refuses to start
  *   with one clear line; a draft-kv prefill node refuses a descriptor with no draft pool or a
  *   draft layout that differs (INVALID_ARGUMENT). (Decoding through ctx/draft-kv: test_e2e.py.)
@@ -390,6 +392,120 @@ static void test_services_bad_input(void)
     pd_rpc_channel_destroy(pch);
     node_stop(&dn, SIGTERM);
     node_stop(&pn, SIGTERM);
+}
+
+/* ---- fuzz ------------------------------------------------------------------------------------ */
+
+/* Mutated Generate requests: a request with most fields set is packed, 1-4 of its bytes changed
+ * (or it is cut), and what still parses as a GenerateRequest is sent (so fields take random
+ * values of their own types: ids, floats, strings, nested messages). Every answer is a result
+ * or an error the client caused (INVALID_ARGUMENT, a deadline, busy), never a dropped
+ * connection or an internal error; the node then serves a normal request. PD_FUZZ_N sets the
+ * count (default 600). */
+static void test_services_fuzz(void)
+{
+    node dn = {0};
+    char *dargv[] = { PD_BIN_DIR "/decode_node", "--model", TARGET, "--draft", DRAFT, "--listen",
+                      "127.0.0.1:0", "--colocated", NULL };
+    if (node_start(dargv, &dn) != 0) {
+        TEST_CHECK_MSG(0, "decode node did not start");
+        return;
+    }
+    pd_err err;
+    pd_rpc_channel *ch = NULL;
+    TEST_CHECK(pd_rpc_channel_create(dn.addr, &ch, &err) == PD_OK);
+    char *stop = "return";
+    uint32_t stop_ids[2] = { 8188, 8190 };
+    Pdspark__LogitBias lb = PDSPARK__LOGIT_BIAS__INIT;
+    lb.version = PD_PROTO_VERSION;
+    lb.token_id = 8189;
+    lb.bias = -2.0f;
+    Pdspark__LogitBias *lbs = &lb;
+    Pdspark__SamplingParams sp = PDSPARK__SAMPLING_PARAMS__INIT;
+    sp.version = PD_PROTO_VERSION;
+    sp.temperature = 0.7f;
+    sp.top_p = 0.9f;
+    sp.top_k = 20;
+    sp.min_p = 0.05f;
+    sp.seed = 5;
+    sp.max_new_tokens = 6;
+    sp.n_stop = 1;
+    sp.stop = &stop;
+    sp.presence_penalty = 0.5f;
+    sp.frequency_penalty = 0.25f;
+    sp.repetition_penalty = 1.1f;
+    sp.n_logit_bias = 1;
+    sp.logit_bias = &lbs;
+    sp.n_stop_token_ids = 2;
+    sp.stop_token_ids = stop_ids;
+    sp.regex = "[a-z (]+";
+    Pdspark__GenerateRequest rq = PDSPARK__GENERATE_REQUEST__INIT;
+    rq.version = PD_PROTO_VERSION;
+    rq.request_id = "fuzz";
+    rq.prompt_text = "def fib(n):";
+    rq.sampling = &sp;
+    rq.timeout_ms = 20000;
+    rq.return_token_ids = 1;
+    rq.logprobs = 1;
+    rq.top_logprobs = 3;
+    size_t len = protobuf_c_message_get_packed_size(&rq.base);
+    uint8_t *base = malloc(len), *buf = malloc(len);
+    protobuf_c_message_pack(&rq.base, base);
+    const char *env = getenv("PD_FUZZ_N");
+    int n = env != NULL ? atoi(env) : 600, sent = 0, counts[PD_ERR_INTERNAL + 1] = {0};
+    uint64_t x = 0x9e3779b97f4a7c15ull;
+    for (int i = 0; i < n; i++) {
+        memcpy(buf, base, len);
+        size_t used = len;
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        int k = 1 + (int)((x >> 33) % 4);
+        for (int j = 0; j < k; j++) {
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            buf[(x >> 20) % len] = (uint8_t)(x >> 50);
+        }
+        if ((x >> 40) % 10 == 0)
+            used = (size_t)((x >> 8) % len);
+        Pdspark__GenerateRequest *m = (Pdspark__GenerateRequest *)protobuf_c_message_unpack(
+            &pdspark__generate_request__descriptor, NULL, used, buf);
+        if (m == NULL)
+            continue;   /* malformed bytes: bad_input's case */
+        /* only what would make a case long is bounded */
+        if (m->sampling != NULL && (m->sampling->max_new_tokens == 0 || m->sampling->max_new_tokens > 12))
+            m->sampling->max_new_tokens = 12;
+        if (m->timeout_ms == 0 || m->timeout_ms > 20000)
+            m->timeout_ms = 20000;
+        pd_rpc_stream *s = NULL;
+        pd_status st = pd_rpc_stream_open(ch, "/pdspark.Generate/Generate", &m->base,
+                                          &pdspark__generate_chunk__descriptor, 60000, &s, &err);
+        while (st == PD_OK) {
+            ProtobufCMessage *c = NULL;
+            st = pd_rpc_stream_read(s, &c, &err);
+            if (st != PD_OK || c == NULL)
+                break;
+            protobuf_c_message_free_unpacked(c, NULL);
+        }
+        pd_rpc_stream_close(s);
+        sent++;
+        counts[st]++;
+        TEST_CHECK_MSG(st == PD_OK || st == PD_ERR_INVALID || st == PD_ERR_TIMEOUT || st == PD_ERR_BUSY ||
+                           st == PD_ERR_NOT_FOUND,
+                       "fuzz %d: %s %s", i, pd_status_str(st), err.msg);
+        protobuf_c_message_free_unpacked(&m->base, NULL);
+    }
+    printf("fuzz: %d of %d mutated requests parsed and sent: ok %d, invalid %d, deadline %d, busy %d\n",
+           sent, n, counts[PD_OK], counts[PD_ERR_INVALID], counts[PD_ERR_TIMEOUT], counts[PD_ERR_BUSY]);
+    TEST_CHECK_MSG(sent > n / 4 && counts[PD_OK] > 0 && counts[PD_ERR_INVALID] > 0,
+                   "fuzz: %d sent, %d ok, %d invalid: the mutations did not exercise both", sent,
+                   counts[PD_OK], counts[PD_ERR_INVALID]);
+    TEST_CHECK_MSG(waitpid(dn.pid, NULL, WNOHANG) == 0, "the decode node died during the fuzz");
+    gen_call ok = { .max_new = 8, .top_p = 1.0f, .text = "def fib(n):" };
+    gen_run(ch, &ok);
+    TEST_CHECK_MSG(ok.st == PD_OK && ok.tokens >= 1, "serving after the fuzz: %s %s", pd_status_str(ok.st),
+                   ok.msg);
+    free(base);
+    free(buf);
+    pd_rpc_channel_destroy(ch);
+    node_stop(&dn, SIGTERM);
 }
 
 /* ---- aux transfer modes --------------------------------------------------------------------- */
@@ -1027,6 +1143,8 @@ int main(int argc, char **argv)
         TEST_SKIP("decode_node / prefill_node not built");
     if (strcmp(only, "all") == 0 || strcmp(only, "bad-input") == 0)
         test_services_bad_input();
+    if (strcmp(only, "all") == 0 || strcmp(only, "fuzz") == 0)
+        test_services_fuzz();
     if (strcmp(only, "all") == 0 || strcmp(only, "aux-modes") == 0)
         test_services_aux_modes();
     if (strcmp(only, "all") == 0 || strcmp(only, "transfer") == 0)
