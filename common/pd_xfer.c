@@ -27,6 +27,8 @@ struct pd_xfer {
     int efd;
     ucp_address_t *addr;
     size_t addr_len;
+    uint8_t *sealed_addr;       /* addr in a seal (seal_wrap), what peers are given */
+    size_t sealed_len;
     bool cuda;
     uint32_t window;
     uint32_t timeout_ms;
@@ -82,6 +84,53 @@ struct pd_xfer_op {
     void *ud;
     pd_xfer_op *prev_op, *next_op;
 };
+
+/* UCX trusts the worker address and remote key bytes it is given (malformed ones abort the
+ * process inside ucp_ep_create / ucp_ep_rkey_unpack), and they arrive in a Prefill request. So
+ * the bytes a node hands out are sealed: a 16-byte header (a 4-byte tag, the payload's length,
+ * a 64-bit FNV-1a of the payload) before them, and what comes in is checked against it before
+ * UCX sees it. It catches corruption and strangers, not a forger. */
+#define SEAL_HEADER 16
+
+static uint64_t seal_hash(const uint8_t *p, size_t n)
+{
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ p[i]) * 0x100000001b3ull;
+    return h;
+}
+
+/* malloc'd tag + header + payload; NULL on NOMEM */
+static uint8_t *seal_wrap(const char tag[4], const void *payload, size_t n, size_t *out_len)
+{
+    uint8_t *b = malloc(SEAL_HEADER + n);
+    if (b == NULL)
+        return NULL;
+    uint32_t len = (uint32_t)n;
+    uint64_t h = seal_hash(payload, n);
+    memcpy(b, tag, 4);
+    memcpy(b + 4, &len, 4);
+    memcpy(b + 8, &h, 8);
+    memcpy(b + SEAL_HEADER, payload, n);
+    *out_len = SEAL_HEADER + n;
+    return b;
+}
+
+/* The payload of sealed bytes, or NULL when they are not a seal of this tag. */
+static const void *seal_open(const char tag[4], const void *buf, size_t len, size_t *payload_len)
+{
+    const uint8_t *b = buf;
+    uint32_t n;
+    uint64_t h;
+    if (buf == NULL || len < SEAL_HEADER || memcmp(b, tag, 4) != 0)
+        return NULL;
+    memcpy(&n, b + 4, 4);
+    memcpy(&h, b + 8, 8);
+    if ((size_t)n != len - SEAL_HEADER || seal_hash(b + SEAL_HEADER, n) != h)
+        return NULL;
+    *payload_len = n;
+    return b + SEAL_HEADER;
+}
 
 static uint64_t now_ns(void)
 {
@@ -184,6 +233,12 @@ pd_status pd_xfer_create(const pd_xfer_config *cfg, pd_xfer **out, pd_err *err)
                         ucs_status_string(us));
         goto err_worker;
     }
+    x->sealed_addr = seal_wrap("PDXA", x->addr, x->addr_len, &x->sealed_len);
+    if (x->sealed_addr == NULL) {
+        st = pd_err_set(err, PD_ERR_NOMEM, "xfer %s: worker address", x->name);
+        ucp_worker_release_address(x->worker, x->addr);
+        goto err_worker;
+    }
     PD_LOG_INFO("xfer", "%s: ucp worker up, address %zu bytes, cuda memory %s", x->name,
                 x->addr_len, x->cuda ? "yes" : "no (host staging)");
     *out = x;
@@ -214,8 +269,8 @@ size_t pd_xfer_active(const pd_xfer *x)
 
 void pd_xfer_address(const pd_xfer *x, const void **addr, size_t *len)
 {
-    *addr = x->addr;
-    *len = x->addr_len;
+    *addr = x->sealed_addr;
+    *len = x->sealed_len;
 }
 
 /* Wait for a UCX request (close, flush) by progressing, at most timeout_ms. Returns its status
@@ -490,6 +545,11 @@ pd_status pd_xfer_peer_create(pd_xfer *x, const void *addr, size_t len, pd_xfer_
     static unsigned next_id = 1;
     if (addr == NULL || len == 0)
         return pd_err_set(err, PD_ERR_INVALID, "xfer %s: empty peer address", x->name);
+    size_t ucx_len;
+    const void *ucx_addr = seal_open("PDXA", addr, len, &ucx_len);
+    if (ucx_addr == NULL)
+        return pd_err_set(err, PD_ERR_INVALID, "xfer %s: a %zu-byte worker address that no pdspark node "
+                          "sealed (corrupt, or a node of another version)", x->name, len);
     pd_xfer_peer *p = calloc(1, sizeof(*p));
     if (p == NULL)
         return pd_err_set(err, PD_ERR_NOMEM, "xfer %s: peer", x->name);
@@ -499,7 +559,7 @@ pd_status pd_xfer_peer_create(pd_xfer *x, const void *addr, size_t len, pd_xfer_
     memset(&ep, 0, sizeof(ep));
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                     UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    ep.address = addr;
+    ep.address = ucx_addr;
     ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     ep.err_handler.cb = peer_on_error;
     ep.err_handler.arg = p;
@@ -522,7 +582,7 @@ pd_status pd_xfer_peer_create(pd_xfer *x, const void *addr, size_t len, pd_xfer_
     if (us != UCS_OK) {
         free(p);
         return pd_err_set(err, us == UCS_ERR_INVALID_PARAM ? PD_ERR_INVALID : PD_ERR_PEER,
-                          "xfer %s: connect to a %zu-byte worker address: %s", x->name, len,
+                          "xfer %s: connect to a %zu-byte worker address: %s", x->name, ucx_len,
                           ucs_status_string(us));
     }
     p->next = x->peers;
@@ -727,15 +787,13 @@ pd_status pd_xfer_mem_pack(const pd_xfer_mem *m, void **buf, size_t *len, pd_err
     if (us != UCS_OK)
         return pd_err_set(err, PD_ERR_INTERNAL, "xfer %s: rkey pack: %s", m->x->name,
                           ucs_status_string(us));
-    void *copy = malloc(n);
-    if (copy == NULL) {
-        ucp_rkey_buffer_release(rb);
-        return pd_err_set(err, PD_ERR_NOMEM, "xfer %s: rkey of %zu bytes", m->x->name, n);
-    }
-    memcpy(copy, rb, n);
+    size_t sealed = 0;
+    uint8_t *copy = seal_wrap("PDXK", rb, n, &sealed);
     ucp_rkey_buffer_release(rb);
+    if (copy == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "xfer %s: rkey of %zu bytes", m->x->name, n);
     *buf = copy;
-    *len = n;
+    *len = sealed;
     return PD_OK;
 }
 
@@ -749,10 +807,15 @@ pd_status pd_xfer_rkey_unpack(pd_xfer_peer *p, const void *buf, size_t len, uint
         return pd_err_set(err, PD_ERR_INVALID, "xfer %s: empty remote key", x->name);
     if (base + region_len < base)
         return pd_err_set(err, PD_ERR_INVALID, "xfer %s: remote region wraps around", x->name);
+    size_t ucx_len;
+    const void *ucx_key = seal_open("PDXK", buf, len, &ucx_len);
+    if (ucx_key == NULL)
+        return pd_err_set(err, PD_ERR_INVALID, "xfer %s: peer %u: a %zu-byte remote key that no pdspark node "
+                          "sealed (corrupt, or a node of another version)", x->name, p->id, len);
     pd_xfer_rkey *rk = calloc(1, sizeof(*rk));
     if (rk == NULL)
         return pd_err_set(err, PD_ERR_NOMEM, "xfer %s: rkey", x->name);
-    ucs_status_t us = ucp_ep_rkey_unpack(p->ep, buf, &rk->rkey);
+    ucs_status_t us = ucp_ep_rkey_unpack(p->ep, ucx_key, &rk->rkey);
     if (us != UCS_OK) {
         free(rk);
         return pd_err_set(err, PD_ERR_INVALID, "xfer %s: peer %u: bad remote key (%zu bytes): %s",
@@ -879,6 +942,7 @@ void pd_xfer_destroy(pd_xfer *x)
         pd_xfer_mem_deregister(x->mems);
     }
     ucp_worker_release_address(x->worker, x->addr);
+    free(x->sealed_addr);
     ucp_worker_destroy(x->worker);
     ucp_cleanup(x->ctx);
     while (x->orphans != NULL) {

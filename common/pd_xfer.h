@@ -77,13 +77,15 @@ unsigned pd_xfer_wait(pd_xfer *x, int timeout_ms);
 /* Transfers not yet done. */
 size_t pd_xfer_active(const pd_xfer *x);
 
-/* This worker's address (owned by x) for the peer to connect to. */
+/* This worker's address (owned by x) for the peer to connect to: UCX's bytes in a checked seal
+ * (pd_xfer.c), as the remote keys of pd_xfer_mem_pack are. */
 void pd_xfer_address(const pd_xfer *x, const void **addr, size_t *len);
 
 /* Connect to a remote worker address (borrowed bytes). The endpoint has a peer-failure handler:
  * a peer that dies fails its transfers with PD_ERR_PEER and later puts return PD_ERR_PEER
  * (unless the config's err_mode_none: then the transfer timeout is the only bound).
- * Errors: PD_ERR_INVALID (bad address), PD_ERR_PEER, PD_ERR_NOMEM. */
+ * Errors: PD_ERR_INVALID (bad address: bytes that are not a seal of pd_xfer_address never reach
+ * UCX, which would abort on malformed ones), PD_ERR_PEER, PD_ERR_NOMEM. */
 pd_status pd_xfer_peer_create(pd_xfer *x, const void *addr, size_t len, pd_xfer_peer **out,
                               pd_err *err);
 /* True once the peer failed (error, timeout); destroy it and connect again. */

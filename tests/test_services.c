@@ -372,6 +372,31 @@ static void test_services_bad_input(void)
                       5000, &m, &err);
     TEST_CHECK_MSG(st == PD_ERR_INVALID && strstr(err.msg, "layer count") != NULL,
                    "layer mismatch: %s %s", pd_status_str(st), err.msg);
+    if (m != NULL)
+        protobuf_c_message_free_unpacked(m, NULL);
+    /* the right layout, but a worker address and an rkey of garbage bytes: an error, not a crash */
+    uint8_t junk_addr[96], junk_rkey[40];
+    for (size_t i = 0; i < sizeof(junk_addr); i++)
+        junk_addr[i] = (uint8_t)(i * 37u + 11u);
+    for (size_t i = 0; i < sizeof(junk_rkey); i++)
+        junk_rkey[i] = (uint8_t)(i * 53u + 7u);
+    pl.n_layers = 8;
+    pl.bytes_per_page = 8192;
+    d.worker_address.data = junk_addr;
+    d.worker_address.len = sizeof(junk_addr);
+    kv.rkey.data = junk_rkey;
+    kv.rkey.len = sizeof(junk_rkey);
+    kv.base_addr = 0x10000;
+    kv.length = 1 << 20;
+    pr.request_id = "junk-address";
+    pr.timeout_ms = 5000;
+    m = NULL;
+    st = pd_rpc_unary(pch, "/pdspark.Prefill/Prefill", &pr.base, &pdspark__prefill_reply__descriptor,
+                      15000, &m, &err);
+    TEST_CHECK_MSG(st != PD_OK && waitpid(pn.pid, NULL, WNOHANG) == 0,
+                   "garbage worker address: %s %s (the prefill node must answer and live)", pd_status_str(st),
+                   err.msg);
+    printf("garbage worker address and rkey: %s: %s\n", pd_status_str(st), err.msg);
 
     /* a stop string ends the text before it, finish reason STOP */
     gen_call sg = { .max_new = 60, .ignore_eos = 1, .top_p = 1.0f, .text = "def fib(n):", .stop = "return" };
@@ -560,6 +585,7 @@ static void test_services_aux_modes(void)
     pl.page_size = 16;
     pl.dtype = PDSPARK__KV_DTYPE__KV_DTYPE_F32;
     pl.n_layers = 8;
+    pl.bytes_per_page = 8192;
     pl.n_kv_heads = 2;
     pl.head_dim = 64;
     pl.bytes_per_page = 16 * 2 * 64 * 4;

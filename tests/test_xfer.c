@@ -327,6 +327,37 @@ static void test_pair(void)
     pd_xfer_rkey *bad = NULL;
     if (p != NULL)
         TEST_CHECK(pd_xfer_rkey_unpack(p, junk, 0, rbase, 64, &bad, &err) == PD_ERR_INVALID);
+    /* bytes that are not what a node sealed never reach UCX (it aborts on malformed ones): a
+     * changed byte, a cut, the other kind of blob, garbage */
+    unsigned char *alt = malloc(rkl > rx_addr_len ? rkl : rx_addr_len);
+    for (int k = 0; k < 4 && p != NULL && alt != NULL; k++) {
+        memcpy(alt, rkb, rkl);
+        size_t n = rkl;
+        if (k == 0)
+            alt[rkl - 1] ^= 0x40;
+        else if (k == 1)
+            n = rkl - 3;
+        else if (k == 2)
+            alt[3] = 'A';   /* an address's tag */
+        else
+            memset(alt, 0x5a, rkl);
+        TEST_CHECK_MSG(pd_xfer_rkey_unpack(p, alt, n, rbase, 64, &bad, &err) == PD_ERR_INVALID &&
+                           strstr(err.msg, "sealed") != NULL, "altered rkey %d: %s", k, err.msg);
+        memcpy(alt, rx_addr, rx_addr_len);
+        n = rx_addr_len;
+        if (k == 0)
+            alt[rx_addr_len / 2] ^= 1;
+        else if (k == 1)
+            n = rx_addr_len - 1;
+        else if (k == 2)
+            alt[3] = 'K';   /* a key's tag */
+        else
+            memset(alt, 0xa5, rx_addr_len);
+        pd_xfer_peer *bp = NULL;
+        TEST_CHECK_MSG(pd_xfer_peer_create(tx, alt, n, &bp, &err) == PD_ERR_INVALID &&
+                           strstr(err.msg, "sealed") != NULL, "altered address %d: %s", k, err.msg);
+    }
+    free(alt);
 
     if (st == PD_OK) {
         /* scattered: source page i -> destination page (i * 37 + 5) mod N, 100 pages */
