@@ -20,6 +20,7 @@ import math
 import os
 import random
 import re
+import socket
 import signal
 import subprocess
 import sys
@@ -899,9 +900,37 @@ def test_fuzz(node, prompt, want, n=250, seed=20261205):
                 ok = False
         if not ok:
             check(False, "fuzz %d: %s %r -> %d %s" % (i, path, raw[:300], st, out[:300]))
+    # below JSON: malformed HTTP (bad lengths and chunks, huge lines, pipelining, bytes changed)
+    raw_cases = [b"GARBAGE\r\n\r\n", b"GET /health\r\n\r\n", b"GET /health HTTP/9.9\r\n\r\n",
+                 b"\x00\x01\xff\r\n\r\n", b"GET /" + b"a" * 100000 + b" HTTP/1.1\r\n\r\n",
+                 b"GET / HTTP/1.1\r\nX: " + b"b" * 200000 + b"\r\n\r\n",
+                 b"GET /health HTTP/1.1\r\n\r\nGET /health HTTP/1.1\r\n\r\nGET /nope HTTP/1.1\r\n\r\n"]
+    for cl in (b"abc", b"-5", b"99999999999999999999", b"10"):
+        raw_cases.append(b"POST /v1/completions HTTP/1.1\r\nContent-Length: " + cl + b"\r\n\r\n{\"prompt\"")
+    for ch in (b"zz", b"ffffffffffffffff"):
+        raw_cases.append(b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + ch +
+                         b"\r\n{}\r\n0\r\n\r\n")
+    good = (b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n'
+            b'Content-Length: 44\r\n\r\n{"prompt": "def f():", "max_tokens": 2, "x": 1}')
+    for _ in range(n // 2):
+        b = bytearray(good)
+        for _ in range(rng.randint(1, 5)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        raw_cases.append(bytes(b))
+    for raw in raw_cases:
+        s = socket.create_connection(node.http, timeout=10 * SCALE)
+        try:
+            s.sendall(raw)
+            s.shutdown(socket.SHUT_WR)
+            while s.recv(65536):
+                pass
+        except OSError:
+            pass   # the node may close first; whether it lives is checked below
+        s.close()
     st, body = post_json(node, "/v1/completions", {"prompt": prompt, "max_tokens": 24, "temperature": 0})
     check(st == 200 and body["choices"][0]["text"] == want, "serving after the fuzz: %s" % body)
-    log("fuzz: %d mutated requests (seed %d), answers %s" % (n, seed, sorted(codes.items())))
+    log("fuzz: %d mutated requests (seed %d), answers %s; %d malformed HTTP messages" %
+        (n, seed, sorted(codes.items()), len(raw_cases)))
 
 
 def test_local_prefill(bin_dir, model, draft):
