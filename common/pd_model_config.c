@@ -166,8 +166,9 @@ static pd_status get_float_opt(const cJSON *o, const char *file, const char *key
         *out = (float)dflt;
         return PD_OK;
     }
-    if (!cJSON_IsNumber(j) || !(j->valuedouble > 0.0) || !isfinite(j->valuedouble))
-        return pd_err_set(err, PD_ERR_INVALID, "%s: field %s must be a positive number", file,
+    /* positive as the float it is used as (1e-96 is 0 there, 1e39 infinite) */
+    if (!cJSON_IsNumber(j) || !((float)j->valuedouble > 0.0f) || !isfinite((float)j->valuedouble))
+        return pd_err_set(err, PD_ERR_INVALID, "%s: field %s must be a positive number (as a float)", file,
                           key);
     *out = (float)j->valuedouble;
     return PD_OK;
@@ -315,8 +316,8 @@ static pd_status parse_qwen3(const cJSON *o, const char *file, const char *want_
     }
     c->rope_theta = 10000.0f;   /* the Qwen3Config default */
     if (th != NULL) {
-        if (!cJSON_IsNumber(th) || !(th->valuedouble > 0.0) || !isfinite(th->valuedouble))
-            return pd_err_set(err, PD_ERR_INVALID, "%s: field %s must be a positive number",
+        if (!cJSON_IsNumber(th) || !((float)th->valuedouble > 0.0f) || !isfinite((float)th->valuedouble))
+            return pd_err_set(err, PD_ERR_INVALID, "%s: field %s must be a positive number (as a float)",
                               file, th_key);
         c->rope_theta = (float)th->valuedouble;
     }

@@ -653,6 +653,87 @@ static void test_model_bad_weights(const pd_qwen3_model *t)
     }
 }
 
+/* Mutated config.json files (the target's and a draft's; 1-3 bytes changed, digits mostly into
+ * other digits, or cut), 800 each: the load fails with PD_ERR_INVALID / PD_ERR_UNSUPPORTED
+ * naming config.json, or it
+ * gives shapes a model can be built on (every size positive, heads a multiple of the KV heads,
+ * the eos ids inside the vocabulary). */
+static void test_model_config_fuzz(void)
+{
+    static const char *srcs[2] = { TARGET_DIR "/config.json", PD_MODELS "/tiny-code-dspark/config.json" };
+    uint64_t x = 77;
+    for (int which = 0; which < 2; which++) {
+        FILE *fp = fopen(srcs[which], "rb");
+        char base[16384];
+        size_t len = fp != NULL ? fread(base, 1, sizeof(base) - 1, fp) : 0;
+        if (fp != NULL)
+            fclose(fp);
+        TEST_CHECK(len > 100 && len < sizeof(base) - 1);
+        const char *dir = test_path(which ? "fuzz-draft" : "fuzz-target");
+        char path[600];
+        mkdir(dir, 0700);
+        snprintf(path, sizeof(path), "%s/config.json", dir);
+        int opened = 0, refused = 0, other = 0, insane = 0;
+        for (int it = 0; it < 800 && len > 100; it++) {
+            char m[16384];
+            memcpy(m, base, len);
+            size_t n = len;
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            int k = 1 + (int)((x >> 33) % 3);
+            for (int j = 0; j < k; j++) {
+                x = x * 6364136223846793005ull + 1442695040888963407ull;
+                size_t at = (size_t)((x >> 20) % len);
+                int digit = m[at] >= '0' && m[at] <= '9';
+                m[at] = digit && (x >> 60) < 12 ? (char)('0' + (x >> 40) % 10)
+                        : (x >> 60) < 14        ? "-.e9\"{}[],:"[(x >> 44) % 12]
+                                                : (char)(x >> 48);
+            }
+            if ((x >> 8) % 10 == 0)
+                n = (size_t)((x >> 12) % len);
+            m[n] = '\0';
+            test_write_text(path, m);
+            pd_err err = {0};
+            pd_status st;
+            pd_qwen3_config c;
+            pd_dspark_config d;
+            if (which == 0) {
+                st = pd_qwen3_config_load(dir, &c, &err);
+            } else {
+                st = pd_dspark_config_load(dir, &d, &err);
+                c = d.base;
+            }
+            if (st == PD_OK) {
+                opened++;
+                int ok = c.vocab_size > 0 && c.hidden_size > 0 && c.intermediate_size > 0 &&
+                         c.num_hidden_layers > 0 && c.num_attention_heads > 0 && c.num_key_value_heads > 0 &&
+                         c.num_attention_heads % c.num_key_value_heads == 0 && c.head_dim > 0 &&
+                         c.max_position_embeddings > 0 && c.rms_norm_eps > 0.0f && c.rope_theta > 0.0f;
+                for (int e = 0; e < c.n_eos; e++)
+                    ok &= c.eos_ids[e] >= 0 && c.eos_ids[e] < c.vocab_size;
+                if (which == 1)
+                    ok &= d.block_size > 0 && d.n_target_layers > 0 && d.mask_token_id >= 0 &&
+                          d.mask_token_id < c.vocab_size;
+                if (!ok && insane++ < 3)
+                    printf("  config fuzz %d/%d: accepted but not buildable: vocab %d hidden %d inter %d layers %d "
+                           "heads %d/%d head_dim %d eps %g theta %g max_pos %d eos %d (%d)\n", which, it,
+                           c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers,
+                           c.num_attention_heads, c.num_key_value_heads, c.head_dim, (double)c.rms_norm_eps,
+                           (double)c.rope_theta, c.max_position_embeddings, c.n_eos ? c.eos_ids[0] : -1, c.n_eos);
+            } else if ((st == PD_ERR_INVALID || st == PD_ERR_UNSUPPORTED) &&
+                       strstr(err.msg, "config.json") != NULL) {
+                refused++;
+            } else if (other++ < 3) {
+                printf("  config fuzz %d/%d: %s %s\n", which, it, pd_status_str(st), err.msg);
+            }
+        }
+        printf("config fuzz (%s): 800 mutated files: %d loaded, %d refused, %d otherwise, %d not buildable\n",
+               which ? "draft" : "target", opened, refused, other, insane);
+        TEST_CHECK_MSG(other == 0 && insane == 0 && opened > 0 && refused > 0,
+                       "config fuzz %d: %d loaded, %d refused, %d other, %d not buildable", which, opened, refused,
+                       other, insane);
+    }
+}
+
 int main(void)
 {
     snprintf(tmp_root, sizeof(tmp_root), "%s/pd_test_model_XXXXXX",
@@ -668,6 +749,7 @@ int main(void)
     pd_qwen3_model *target = NULL;
     test_model_configs();
     test_model_bad_configs();
+    test_model_config_fuzz();
     test_model_target_and_drafts(&target);
     test_model_draft_own_embed(target);
     test_model_bad_weights(target);
