@@ -366,6 +366,65 @@ static void test_tokenizer_invalid_utf8(const pd_tokenizer *t)
     TEST_CHECK(test_encode_same(t, "\xc0\xaf<|im_end|>", 12, "\xef\xbf\xbd\xef\xbf\xbd<|im_end|>"));
 }
 
+/* Random texts from pieces (ASCII, whitespace runs, digits, contractions, 2-4 byte characters,
+ * special-token text) round-trip through encode and decode byte for byte (special text as plain
+ * text: parse_special 0; pieces are NFC already, which the normalizer would change), and random
+ * id lists (special ids and byte pieces that split characters included) decode the same whole as
+ * streamed. 2000 of each. */
+static void test_tokenizer_fuzz(const pd_tokenizer *t)
+{
+    static const char *pieces[] = { "a", "Z", "q", " ", "  ", "\n", "\n\n", "\t", "\r\n", "7", "42", "3.14",
+                                    "'s", "'LL", "don't", "é", "ß", "中", "日本", "😀", "👨‍👩‍👧", "\xc2\xa0",
+                                    "<|im_end|>", "<|im_start|>", "<think>", "def ", "():", "    ", "ー", "\xe2\x80\xaf",
+                                    "!", "?!", "...", "—", "ǅ", "ﬁ", "\xc3\x85" };
+    const int n_pieces = (int)(sizeof(pieces) / sizeof(pieces[0]));
+    uint64_t x = 2026;
+    int bad_rt = 0;
+    /* the byte 0 token: streamed pieces are C strings, so a NUL byte is not carried (a known
+     * limit of pd_detok) */
+    const int32_t nul_id = pd_tokenizer_token_to_id(t, "\xc4\x80");
+    for (int it = 0; it < 2000; it++) {
+        char text[1024];
+        size_t len = 0;
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        int k = (int)((x >> 33) % 24);
+        for (int j = 0; j < k; j++) {
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            const char *p = pieces[(x >> 35) % (uint64_t)n_pieces];
+            size_t pl = strlen(p);
+            memcpy(text + len, p, pl);
+            len += pl;
+        }
+        pd_err err;
+        int32_t *ids = NULL;
+        size_t n = 0;
+        char *back = NULL;
+        size_t blen = 0;
+        int ok = pd_tokenizer_encode(t, text, len, 0, &ids, &n, &err) == PD_OK &&
+                 pd_tokenizer_decode(t, ids, n, 0, &back, &blen, &err) == PD_OK && blen == len &&
+                 memcmp(back, text, len) == 0;
+        if (!ok && bad_rt++ < 3) {
+            printf("  round trip %d: %zu bytes ->", it, len);
+            for (size_t j = 0; back != NULL && j < blen; j++)
+                printf(" %02x%s", (unsigned char)back[j], j < len && back[j] == text[j] ? "" : "*");
+            printf("\n");
+        }
+        free(ids);
+        free(back);
+        /* random ids */
+        int32_t rid[48];
+        int m = (int)((x >> 20) % 48);
+        for (int j = 0; j < m; j++) {
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            rid[j] = (x >> 61) == 0 ? 8188 + (int32_t)((x >> 30) % 4) : (int32_t)((x >> 30) % 8192);
+            if (rid[j] == nul_id)
+                rid[j] = 97;
+        }
+        test_stream_check(t, rid, (size_t)m, (int)(x & 1));   /* checks stream == decode itself */
+    }
+    TEST_CHECK_MSG(bad_rt == 0, "%d of 2000 random texts did not round-trip", bad_rt);
+}
+
 static void test_tokenizer_load_errors(void)
 {
     pd_err err;
@@ -747,6 +806,7 @@ int main(void)
     test_tokenizer_streaming(t);
     test_tokenizer_api(t);
     test_tokenizer_invalid_utf8(t);
+    test_tokenizer_fuzz(t);
     test_tokenizer_load_errors();
     test_tokenizer_variants(t);
     test_tokenizer_speed_and_threads(t);
