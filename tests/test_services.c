@@ -16,6 +16,8 @@
  *   serves the next one.
  * Fuzz (decode_node --colocated): Generate requests with random field values of their own types
  *   (test_services_fuzz) get results or client errors, never a dropped connection.
+ * Prefill fuzz (in the transfers part): mutated Prefill requests into a live destination, its
+ *   memory claims kept, get results or client errors and never a put outside the pool.
  * Aux transfer modes: prefill_node --aux-transfer ctx|draft-kv without --draft refuses to start
  *   with one clear line; a draft-kv prefill node refuses a descriptor with no draft pool or a
  *   draft layout that differs (INVALID_ARGUMENT). (Decoding through ctx/draft-kv: test_e2e.py.)
@@ -901,6 +903,83 @@ static void test_services_transfer(void)
         if (c4.rep != NULL)
             protobuf_c_message_free_unpacked(&c4.rep->base, NULL);
     }
+
+    /* mutated Prefill requests into the live destination: the packed request with 1-4 bytes
+     * changed, sent when it still parses, with the decode node's own claims about its memory
+     * (worker address, the pool's key, base and length) put back, since a decode node is trusted
+     * with those; page ids, layouts, tokens, sampling, aux and draft fields stay mutated. The
+     * prefill node answers each (a result or a client error), never writes outside the pool (a
+     * put outside it would fault here) and lives. PD_FUZZ_N sets the count (default 300). */
+    pr.request_id = "fuzz";
+    pr.timeout_ms = 20000;
+    size_t plen = protobuf_c_message_get_packed_size(&pr.base);
+    uint8_t *pbase = malloc(plen), *pbuf = malloc(plen);
+    protobuf_c_message_pack(&pr.base, pbase);
+    uint64_t fx = 0x51ed270b27c0ffeeull;
+    int sent = 0, ok_n = 0, bad_n = 0, n_fuzz = getenv("PD_FUZZ_N") != NULL ? atoi(getenv("PD_FUZZ_N")) : 300;
+    for (int it = 0; it < n_fuzz && pbase != NULL && pbuf != NULL; it++) {
+        memcpy(pbuf, pbase, plen);
+        fx = fx * 6364136223846793005ull + 1442695040888963407ull;
+        int k = 1 + (int)((fx >> 33) % 4);
+        for (int j = 0; j < k; j++) {
+            fx = fx * 6364136223846793005ull + 1442695040888963407ull;
+            pbuf[(fx >> 20) % plen] = (uint8_t)(fx >> 50);
+        }
+        Pdspark__PrefillRequest *fm = (Pdspark__PrefillRequest *)protobuf_c_message_unpack(
+            &pdspark__prefill_request__descriptor, NULL, plen, pbuf);
+        if (fm == NULL)
+            continue;
+        Pdspark__Destination *fd = fm->dest;
+        ProtobufCBinaryData keep_addr = { 0 }, keep_rkey = { 0 };
+        uint64_t keep_base = 0, keep_len = 0;
+        if (fd != NULL) {
+            keep_addr = fd->worker_address;
+            fd->worker_address.data = (uint8_t *)waddr;
+            fd->worker_address.len = waddr_len;
+            if (fd->kv_pool != NULL) {
+                keep_rkey = fd->kv_pool->rkey;
+                keep_base = fd->kv_pool->base_addr;
+                keep_len = fd->kv_pool->length;
+                fd->kv_pool->rkey.data = rkey;
+                fd->kv_pool->rkey.len = rkey_len;
+                fd->kv_pool->base_addr = (uint64_t)(uintptr_t)pool;
+                fd->kv_pool->length = pool_bytes;
+            }
+        }
+        if (fm->timeout_ms == 0 || fm->timeout_ms > 20000)
+            fm->timeout_ms = 20000;
+        prefill_call cf = { .ch = pch, .rq = fm };
+        prefill_thread(&cf);
+        sent++;
+        ok_n += cf.st == PD_OK;
+        bad_n += cf.st == PD_ERR_INVALID;
+        TEST_CHECK_MSG(cf.st == PD_OK || cf.st == PD_ERR_INVALID || cf.st == PD_ERR_TIMEOUT ||
+                           cf.st == PD_ERR_BUSY || cf.st == PD_ERR_UNSUPPORTED,
+                       "prefill fuzz %d: %s %s", it, pd_status_str(cf.st), cf.err.msg);
+        if (cf.rep != NULL)
+            protobuf_c_message_free_unpacked(&cf.rep->base, NULL);
+        if (fd != NULL) {   /* the unpacked message owns what it had */
+            fd->worker_address = keep_addr;
+            if (fd->kv_pool != NULL) {
+                fd->kv_pool->rkey = keep_rkey;
+                fd->kv_pool->base_addr = keep_base;
+                fd->kv_pool->length = keep_len;
+            }
+        }
+        protobuf_c_message_free_unpacked(&fm->base, NULL);
+    }
+    printf("prefill fuzz: %d mutated requests sent, %d answered OK, %d INVALID_ARGUMENT\n", sent, ok_n, bad_n);
+    TEST_CHECK_MSG(sent > 50 && ok_n > 0 && bad_n > 0, "prefill fuzz: %d sent, %d ok, %d invalid", sent, ok_n,
+                   bad_n);
+    TEST_CHECK_MSG(waitpid(pn.pid, NULL, WNOHANG) == 0, "the prefill node died during the fuzz");
+    free(pbase);
+    free(pbuf);
+    pr.request_id = "after-fuzz";
+    prefill_call c5 = { .ch = pch, .rq = &pr };
+    prefill_thread(&c5);
+    TEST_CHECK_MSG(c5.st == PD_OK, "prefill after the fuzz: %s %s", pd_status_str(c5.st), c5.err.msg);
+    if (c5.rep != NULL)
+        protobuf_c_message_free_unpacked(&c5.rep->base, NULL);
     pd_rpc_channel_destroy(pch);
     node_stop(&pn, SIGTERM);
     pd_xfer_thread_stop(xt);
