@@ -51,7 +51,8 @@ typedef struct {
 } pd_chat_tools;
 
 /* Reads "tools", "tool_choice" and "parallel_tool_calls" of a chat request (root). -1 with
- * *param (the field at fault) and msg set when they are malformed. */
+ * *param (the field at fault) and msg set when they are malformed. pd_chat_tools_free(out)
+ * either way. */
 int pd_chat_tools_parse(const cJSON *root, pd_chat_tools *out, const char **param, char *msg, size_t cap);
 void pd_chat_tools_free(pd_chat_tools *t);
 /* The grammar that forces tool calls: PD_TOOLS_REQUIRED (any of the tools, one or, with

@@ -5,11 +5,13 @@
  *   calls (arguments as objects, JSON text, none) and responses, reasoning in history,
  *   enable_thinking, Qwen2.5's default system prompt, add_generation_prompt false and
  *   continue_final_message;
- * - tools / tool_choice / parallel_tool_calls parsing and its errors;
+ * - tools / tool_choice / parallel_tool_calls parsing and its errors; 3000 random requests
+ *   (messages and tools of random shapes) rendered or refused with a message, never more;
  * - the tool-call grammar (Hermes format): calls that follow the schema accepted, others not;
  * - the output parser: content, <think> reasoning and <tool_call> blocks split the same whether
  *   the text comes whole or a byte at a time, tags split across feeds held back, bad blocks kept
  *   as content. */
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -530,11 +532,105 @@ static void test_render_errors(void)
     }
 }
 
+/* A random JSON value of the shapes chat fields take, and of others: strings (with template
+ * tags and quotes), numbers, null, booleans, arrays of parts, objects of call shape. */
+static cJSON *fz_value(uint64_t *x, int depth)
+{
+    static const char *strs[] = { "", "x", "hi there", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                                  "<think>", "\"quoted\"", "{\"a\": 1}", "{", "\\", "中文😀", "user", "assistant",
+                                  "system", "tool", "developer", "f", "text", "function" };
+    *x = *x * 6364136223846793005ull + 1442695040888963407ull;
+    int kind = (int)((*x >> 33) % (depth > 2 ? 4 : 7));
+    switch (kind) {
+    case 0: return cJSON_CreateString(strs[(*x >> 40) % (sizeof(strs) / sizeof(strs[0]))]);
+    case 1: return cJSON_CreateNumber((double)(int64_t)(*x >> 40) - 5e5);
+    case 2: return cJSON_CreateNull();
+    case 3: return cJSON_CreateBool((*x >> 45) & 1);
+    case 4: {
+        cJSON *a = cJSON_CreateArray();
+        int n = (int)((*x >> 50) % 4);
+        for (int i = 0; i < n; i++)
+            cJSON_AddItemToArray(a, fz_value(x, depth + 1));
+        return a;
+    }
+    default: {
+        static const char *keys[] = { "type", "text", "function", "name", "arguments", "id", "content", "role" };
+        cJSON *o = cJSON_CreateObject();
+        int n = (int)((*x >> 50) % 4);
+        for (int i = 0; i < n; i++) {
+            *x = *x * 6364136223846793005ull + 1442695040888963407ull;
+            cJSON_AddItemToObject(o, keys[(*x >> 40) % 8], fz_value(x, depth + 1));
+        }
+        return o;
+    }
+    }
+}
+
+/* Random message lists (roles, content of every type, tool_calls and reasoning of random
+ * shapes) and random tools, 3000, through tools parsing and rendering with the Qwen3 and the
+ * Qwen2.5 behaviour: each renders (a NUL-free ChatML text) or is refused with a message. */
+static void test_render_fuzz(void)
+{
+    static const char *fields[] = { "role", "content", "tool_calls", "reasoning_content", "name", "tool_call_id" };
+    static const char *roles[] = { "system", "developer", "user", "assistant", "tool", "robot" };
+    uint64_t x = 4242;
+    int rendered = 0, refused = 0, bad = 0;
+    for (int it = 0; it < 3000; it++) {
+        cJSON *root = cJSON_CreateObject(), *ms = cJSON_AddArrayToObject(root, "messages");
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        int n = 1 + (int)((x >> 33) % 5);
+        for (int i = 0; i < n; i++) {
+            cJSON *m = cJSON_CreateObject();
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            cJSON_AddStringToObject(m, "role", roles[(x >> 40) % 6]);
+            if ((x >> 45) % 4 != 0)
+                cJSON_AddItemToObject(m, "content", (x >> 47) % 2 ? cJSON_CreateString("hello") : fz_value(&x, 1));
+            for (int f = 2; f < 6; f++)
+                if ((x >> (48 + f)) % 5 == 0)
+                    cJSON_AddItemToObject(m, fields[f], fz_value(&x, 1));
+            cJSON_AddItemToArray(ms, m);
+        }
+        if ((x >> 60) % 3 == 0)
+            cJSON_AddItemToObject(root, "tools", fz_value(&x, 0));
+        if ((x >> 58) % 4 == 0)
+            cJSON_AddItemToObject(root, "tool_choice", fz_value(&x, 1));
+        pd_chat_tools tools = { 0 };
+        const char *param = NULL;
+        char msg[256] = "";
+        int trc = pd_chat_tools_parse(root, &tools, &param, msg, sizeof(msg));
+        if (trc != 0 && (param == NULL || msg[0] == '\0'))
+            bad++;
+        pd_chat_template tp = { .think = (int)(it & 1), .think_switch = (int)(it & 1) };
+        if (!(it & 1))
+            snprintf(tp.default_system, sizeof(tp.default_system), "You are a helpful assistant.");
+        pd_chat_opts co = PD_CHAT_OPTS_DEFAULT;
+        co.enable_thinking = (int)((x >> 20) % 3) - 1;
+        char *out = NULL;
+        size_t len = 0;
+        msg[0] = '\0';
+        int rc = pd_chat_render(&tp, ms, trc == 0 ? &tools : NULL, &co, &out, &len, msg, sizeof(msg));
+        if (rc == 0) {
+            rendered++;
+            bad += out == NULL || strlen(out) != len || strncmp(out, "<|im_start|>", 12) != 0;
+        } else {
+            refused++;
+            bad += out != NULL || msg[0] == '\0';
+        }
+        free(out);
+        pd_chat_tools_free(&tools);   /* also after a refusal (the contract) */
+        cJSON_Delete(root);
+    }
+    printf("render fuzz: 3000 random requests: %d rendered, %d refused\n", rendered, refused);
+    TEST_CHECK_MSG(bad == 0 && rendered > 100 && refused > 100, "render fuzz: %d bad, %d rendered, %d refused", bad,
+                   rendered, refused);
+}
+
 int main(void)
 {
     test_detect();
     test_render_fixture();
     test_render_errors();
+    test_render_fuzz();
     test_tools_parse();
     test_grammar();
     test_parser();
