@@ -22,7 +22,8 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: pdspark-client --server HOST:PORT (--prompt TEXT | --prompt-ids FILE | --health)\n"
             "                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
-            "                      [--min-p P] [--seed S] [--ignore-eos] [--skip-special-tokens] [--timeout-ms N]\n"
+            "                      [--min-p P] [--seed S] [--ignore-eos] [--skip-special-tokens]\n"
+            "                      [--timeout-ms N]\n"
             "                      [--request-id ID]\n"
             "                      [--stop STR]... [--json] [--stream] [--disconnect-after N]\n"
             "                      [--verify full|threshold|scheduled] [--verify-threshold T]\n"
