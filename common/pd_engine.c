@@ -2078,6 +2078,101 @@ typedef struct {
     int32_t next;     /* ... and the token after them */
 } round_slot;
 
+/* What a slot's verify decided: *a drafts accepted, the bonus token after them, *stop_at the
+ * first accepted draft that ends the request (-1: none). */
+static void slot_accept(const pd_engine *e, const round_slot *sl, const int32_t *vargmax, int *a, int32_t *bonus,
+                        int *stop_at)
+{
+    const pd_request *r = sl->r;
+    *a = 0;
+    if (pd_sample_is_greedy(&r->params.sample)) {
+        while (*a < sl->l && sl->d[*a] == vargmax[sl->base + *a])
+            (*a)++;
+        *bonus = vargmax[sl->base + *a];
+    } else {
+        *a = sl->acc;   /* rejection sampling on the backend (verify_sampled) */
+        *bonus = sl->next;
+    }
+    *stop_at = -1;
+    for (int j = 0; j < *a; j++)
+        if (ends(e, r, sl->d[j])) {
+            *stop_at = j;
+            break;
+        }
+}
+
+/* The logprobs of every committed token of the round's requests that keep them, in one
+ * kern_logprobs over the verify logits vl: *lps (malloc'd) holds them request after request,
+ * off[i] = slot i's first (-1: none). The list is as long as the longest asked for; each
+ * request's is cut to its own. */
+static pd_status round_logprobs(pd_engine *e, const round_slot *slots, int m, const int32_t *vargmax,
+                                const float *vl, int *off, pd_token_logprobs **lps, pd_err *err)
+{
+    int n = 0, top = 0;
+    *lps = NULL;
+    for (int i = 0; i < m; i++) {
+        off[i] = -1;
+        const pd_request *r = slots[i].r;
+        if (!r->params.logprobs)
+            continue;
+        int a, stop_at;
+        int32_t bonus;
+        slot_accept(e, &slots[i], vargmax, &a, &bonus, &stop_at);
+        off[i] = n;
+        n += stop_at >= 0 ? stop_at + 1 : a + 1;
+        top = r->params.top_logprobs > top ? r->params.top_logprobs : top;
+    }
+    if (n == 0)
+        return PD_OK;
+    int32_t *rows = malloc((size_t)n * 2 * sizeof(int32_t));
+    *lps = malloc((size_t)n * sizeof(**lps));
+    if (rows == NULL || *lps == NULL) {
+        free(rows);
+        free(*lps);
+        *lps = NULL;
+        return pd_err_set(err, PD_ERR_NOMEM, "logprobs of a round: %d tokens", n);
+    }
+    int32_t *toks = rows + n;
+    for (int i = 0; i < m; i++) {
+        if (off[i] < 0)
+            continue;
+        int a, stop_at;
+        int32_t bonus;
+        slot_accept(e, &slots[i], vargmax, &a, &bonus, &stop_at);
+        int k = stop_at >= 0 ? stop_at + 1 : a + 1;   /* the bonus's row is base + a */
+        for (int j = 0; j < k; j++) {
+            rows[off[i] + j] = slots[i].base + j;
+            toks[off[i] + j] = j < a ? slots[i].d[j] : bonus;
+        }
+    }
+    pd_status st = logprobs_entries(e, vl, rows, toks, n, top, *lps, err);
+    for (int i = 0; i < m && st == PD_OK; i++) {
+        if (off[i] < 0)
+            continue;
+        int want = slots[i].r->params.top_logprobs, next = n;
+        for (int j = i + 1; j < m; j++)
+            if (off[j] >= 0) {
+                next = off[j];
+                break;
+            }
+        for (int t = off[i]; t < next; t++) {
+            pd_token_logprobs *d = &(*lps)[t];
+            for (int q = want; q < d->n_top; q++) {
+                d->top_id[q] = 0;
+                d->top_logprob[q] = 0.0f;
+            }
+            if (d->n_top > want)
+                d->n_top = want;
+        }
+    }
+    free(rows);
+    if (st != PD_OK) {
+        free(*lps);
+        *lps = NULL;
+    }
+    return st;
+}
+
 /* The step-by-step draft loop after the block forward (sampled drafts, or tensor-parallel ranks,
  * whose step logits are gathered after each step): B Markov steps from the anchors, each
  * picking one token per drafting request, the backend's argmax or, when any request samples,
@@ -2635,25 +2730,17 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         st = pd_err_set(err, PD_ERR_NOMEM, "commit metadata");
         goto out;
     }
+    int *lp_off = malloc((size_t)m * sizeof(int));
+    pd_token_logprobs *round_lps = NULL;
+    pd_err lp_err;
+    pd_status lp_st = lp_off == NULL ? pd_err_set(&lp_err, PD_ERR_NOMEM, "logprobs offsets")
+                                     : round_logprobs(e, slots, m, vargmax, vl_rows, lp_off, &round_lps, &lp_err);
     for (int i = 0; i < m; i++) {
         round_slot *sl = &slots[i];
         pd_request *r = sl->r;
-        int l = sl->l, a = 0;
+        int l = sl->l, a, stop_at;
         int32_t bonus;
-        if (pd_sample_is_greedy(&r->params.sample)) {
-            while (a < l && sl->d[a] == vargmax[sl->base + a])
-                a++;
-            bonus = vargmax[sl->base + a];
-        } else {
-            a = sl->acc;   /* rejection sampling on the backend (verify_sampled) */
-            bonus = sl->next;
-        }
-        int stop_at = -1;
-        for (int j = 0; j < a; j++)
-            if (ends(e, r, sl->d[j])) {
-                stop_at = j;
-                break;
-            }
+        slot_accept(e, sl, vargmax, &a, &bonus, &stop_at);
         for (int k = 0; k < (stop_at >= 0 ? stop_at + 1 : a); k++)
             r->accepted_at_pos[k]++;
         int commit = stop_at >= 0 ? stop_at + 1 : a;
@@ -2669,23 +2756,21 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         }
         if (rs == PD_OK)
             r->verified[r->n_rounds] = l;
-        /* logprobs of the committed tokens: verify rows base.. (the bonus's is row base + a) */
-        int n_lp = r->params.logprobs ? (stop_at >= 0 ? commit : a + 1) : 0;
-        pd_token_logprobs *lp = NULL;
-        if (rs == PD_OK && n_lp > 0) {
-            int32_t toks[33];   /* B <= 31 drafts, then the bonus */
-            for (int j = 0; j < n_lp; j++)
-                toks[j] = j < a ? sl->d[j] : bonus;
-            lp = malloc((size_t)n_lp * sizeof(*lp));
-            rs = lp == NULL ? pd_err_set(&rerr, PD_ERR_NOMEM, "logprobs of a round")
-                            : logprobs_rows(e, r, vl_rows, sl->base, toks, n_lp, lp, &rerr);
+        /* logprobs of the committed tokens (round_logprobs) */
+        const pd_token_logprobs *lp = NULL;
+        if (rs == PD_OK && r->params.logprobs) {
+            if (lp_st != PD_OK) {
+                rs = lp_st;
+                rerr = lp_err;
+            } else {
+                lp = round_lps + lp_off[i];
+            }
         }
         for (int j = 0; j < commit && rs == PD_OK; j++)
             rs = push_out(r, sl->d[j], lp != NULL ? &lp[j] : NULL, &rerr);
         pd_token_logprobs bonus_lp;
         if (lp != NULL && stop_at < 0)
             bonus_lp = lp[a];
-        free(lp);
         if (rs != PD_OK) {
             fail_request(r, &rerr);
             continue;
@@ -2703,7 +2788,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             r->finish = PD_FINISH_STOP;
         } else {
             r->accepted[r->n_rounds++] = a + 1;
-            if ((rs = push_out(r, bonus, n_lp > 0 ? &bonus_lp : NULL, &rerr)) != PD_OK) {
+            if ((rs = push_out(r, bonus, lp != NULL ? &bonus_lp : NULL, &rerr)) != PD_OK) {
                 fail_request(r, &rerr);
                 continue;
             }
@@ -2727,6 +2812,8 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
                 r->finish = PD_FINISH_LENGTH;
         }
     }
+    free(round_lps);
+    free(lp_off);
     double t_extend = now_s();
     e->times.commit += t_extend - t_commit;
     if (!pended && n_ext > 0)

@@ -717,13 +717,27 @@ logprobs_kernel(kern_logprobs_args a)
                 atomicAdd(&hist[(key >> shift) & (unsigned)(nb - 1)], 1u);
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
-            unsigned int run = above;
-            int d = nb - 1;
-            for (; d > 0 && run + hist[d] < (unsigned)k; d--)
-                run += hist[d];
-            s_digit = d;
-            s_above = run;
+        if (threadIdx.x < 32) {
+            /* lane l sums the l-th run of bins from the top; a warp scan gives the counts above
+             * each run, and the lane whose run holds the k-th key walks it */
+            const int lane = threadIdx.x, per = nb / 32, top = nb - 1 - lane * per;
+            unsigned int lc = 0;
+            for (int b = top; b > top - per; b--)
+                lc += hist[b];
+            unsigned int ic = lc;
+            for (int o = 1; o < 32; o <<= 1) {
+                unsigned int t = __shfl_up_sync(0xffffffffu, ic, o);
+                if (lane >= o)
+                    ic += t;
+            }
+            unsigned int run = above + ic - lc;
+            if (run < (unsigned)k && run + lc >= (unsigned)k) {
+                int d = top;
+                for (; d > top - per + 1 && run + hist[d] < (unsigned)k; d--)
+                    run += hist[d];
+                s_digit = d;
+                s_above = run;
+            }
         }
         __syncthreads();
         pref |= (unsigned)s_digit << shift;
