@@ -1076,6 +1076,17 @@ static pd_status stage_get(pd_engine *e, size_t bytes, char **host, char **dev, 
     return PD_OK;
 }
 
+/* A logprobs entry cut to want top entries, the rest zeros (equal answers compare equal). */
+static void lp_cut(pd_token_logprobs *d, int want)
+{
+    if (d->n_top > want)
+        d->n_top = want;
+    for (int j = d->n_top; j < PD_MAX_TOP_LOGPROBS; j++) {
+        d->top_id[j] = 0;
+        d->top_logprob[j] = 0.0f;
+    }
+}
+
 /* out[i] = the logprobs of toks[i] from logits row rows[i] of dev ([*, V], backend memory), with
  * the n_top most likely tokens: kern_logprobs on the backend, only the entries come back. */
 static pd_status logprobs_entries(pd_engine *e, const float *dev, const int32_t *rows, const int32_t *toks,
@@ -1094,11 +1105,8 @@ static pd_status logprobs_entries(pd_engine *e, const float *dev, const int32_t 
                               .out = (kern_logprobs_row *)(d + 2 * ib) };
     TRY(kern_logprobs(e->tm->be, &la, err));
     TRY(kern_download(e->tm->be, out, d + 2 * ib, ob, err));
-    for (int i = 0; i < n; i++)   /* past the list: zeros, so equal answers compare equal */
-        for (int j = out[i].n_top; j < PD_MAX_TOP_LOGPROBS; j++) {
-            out[i].top_id[j] = 0;
-            out[i].top_logprob[j] = 0.0f;
-        }
+    for (int i = 0; i < n; i++)
+        lp_cut(&out[i], n_top);
     return PD_OK;
 }
 
@@ -1884,12 +1892,7 @@ static pd_status prompt_logprobs(pd_engine *e, const float *logits, pd_request *
         pd_request *r = owner[lrows[n_done + i]];
         pd_token_logprobs *d = &r->prompt_lps[pos[lrows[n_done + i]] + 1];
         *d = lp[i];
-        for (int j = r->params.top_logprobs; j < d->n_top; j++) {
-            d->top_id[j] = 0;
-            d->top_logprob[j] = 0.0f;
-        }
-        if (d->n_top > r->params.top_logprobs)
-            d->n_top = r->params.top_logprobs;
+        lp_cut(d, r->params.top_logprobs);
     }
     free(rows);
     free(lp);
@@ -2076,55 +2079,52 @@ typedef struct {
     int qrow;         /* sampled drafts: row of d[0]'s distribution in e->smp_q */
     int acc;          /* sampled requests: drafts accepted (verify_sampled) ... */
     int32_t next;     /* ... and the token after them */
+    int n_acc;        /* slot_accept: drafts accepted, */
+    int32_t bonus;    /* the token after them, */
+    int stop_at;      /* the first accepted draft that ends the request (-1: none) */
 } round_slot;
 
-/* What a slot's verify decided: *a drafts accepted, the bonus token after them, *stop_at the
- * first accepted draft that ends the request (-1: none). */
-static void slot_accept(const pd_engine *e, const round_slot *sl, const int32_t *vargmax, int *a, int32_t *bonus,
-                        int *stop_at)
+/* What a slot's verify decided, into sl->n_acc, bonus and stop_at. */
+static void slot_accept(const pd_engine *e, round_slot *sl, const int32_t *vargmax)
 {
     const pd_request *r = sl->r;
-    *a = 0;
+    int a = 0;
     if (pd_sample_is_greedy(&r->params.sample)) {
-        while (*a < sl->l && sl->d[*a] == vargmax[sl->base + *a])
-            (*a)++;
-        *bonus = vargmax[sl->base + *a];
+        while (a < sl->l && sl->d[a] == vargmax[sl->base + a])
+            a++;
+        sl->bonus = vargmax[sl->base + a];
     } else {
-        *a = sl->acc;   /* rejection sampling on the backend (verify_sampled) */
-        *bonus = sl->next;
+        a = sl->acc;   /* rejection sampling on the backend (verify_sampled) */
+        sl->bonus = sl->next;
     }
-    *stop_at = -1;
-    for (int j = 0; j < *a; j++)
+    sl->n_acc = a;
+    sl->stop_at = -1;
+    for (int j = 0; j < a; j++)
         if (ends(e, r, sl->d[j])) {
-            *stop_at = j;
+            sl->stop_at = j;
             break;
         }
 }
 
-/* The logprobs of every committed token of the round's requests that keep them, in one
- * kern_logprobs over the verify logits vl: *lps (malloc'd) holds them request after request,
- * off[i] = slot i's first (-1: none). The list is as long as the longest asked for; each
- * request's is cut to its own. */
-static pd_status round_logprobs(pd_engine *e, const round_slot *slots, int m, const int32_t *vargmax,
-                                const float *vl, int *off, pd_token_logprobs **lps, pd_err *err)
+/* The logprobs of every committed token of the round's requests that keep them (slot_accept
+ * done), in one kern_logprobs over the verify logits vl: *lps (malloc'd) holds them request
+ * after request, off[i] = slot i's first (-1: none); each request's top list cut to its own. */
+static pd_status round_logprobs(pd_engine *e, const round_slot *slots, int m, const float *vl, int *off,
+                                pd_token_logprobs **lps, pd_err *err)
 {
     int n = 0, top = 0;
     *lps = NULL;
     for (int i = 0; i < m; i++) {
-        off[i] = -1;
         const pd_request *r = slots[i].r;
-        if (!r->params.logprobs)
-            continue;
-        int a, stop_at;
-        int32_t bonus;
-        slot_accept(e, &slots[i], vargmax, &a, &bonus, &stop_at);
-        off[i] = n;
-        n += stop_at >= 0 ? stop_at + 1 : a + 1;
-        top = r->params.top_logprobs > top ? r->params.top_logprobs : top;
+        off[i] = r->params.logprobs ? n : -1;
+        if (r->params.logprobs) {
+            n += slots[i].stop_at >= 0 ? slots[i].stop_at + 1 : slots[i].n_acc + 1;
+            top = r->params.top_logprobs > top ? r->params.top_logprobs : top;
+        }
     }
     if (n == 0)
         return PD_OK;
-    int32_t *rows = malloc((size_t)n * 2 * sizeof(int32_t));
+    int32_t *rows = malloc((size_t)n * 3 * sizeof(int32_t));
     *lps = malloc((size_t)n * sizeof(**lps));
     if (rows == NULL || *lps == NULL) {
         free(rows);
@@ -2132,39 +2132,19 @@ static pd_status round_logprobs(pd_engine *e, const round_slot *slots, int m, co
         *lps = NULL;
         return pd_err_set(err, PD_ERR_NOMEM, "logprobs of a round: %d tokens", n);
     }
-    int32_t *toks = rows + n;
+    int32_t *toks = rows + n, *want = rows + 2 * n;
     for (int i = 0; i < m; i++) {
-        if (off[i] < 0)
-            continue;
-        int a, stop_at;
-        int32_t bonus;
-        slot_accept(e, &slots[i], vargmax, &a, &bonus, &stop_at);
-        int k = stop_at >= 0 ? stop_at + 1 : a + 1;   /* the bonus's row is base + a */
-        for (int j = 0; j < k; j++) {
-            rows[off[i] + j] = slots[i].base + j;
-            toks[off[i] + j] = j < a ? slots[i].d[j] : bonus;
+        const round_slot *sl = &slots[i];
+        int a = sl->n_acc, k = sl->stop_at >= 0 ? sl->stop_at + 1 : a + 1;   /* the bonus's row: base + a */
+        for (int j = 0; off[i] >= 0 && j < k; j++) {
+            rows[off[i] + j] = sl->base + j;
+            toks[off[i] + j] = j < a ? sl->d[j] : sl->bonus;
+            want[off[i] + j] = sl->r->params.top_logprobs;
         }
     }
     pd_status st = logprobs_entries(e, vl, rows, toks, n, top, *lps, err);
-    for (int i = 0; i < m && st == PD_OK; i++) {
-        if (off[i] < 0)
-            continue;
-        int want = slots[i].r->params.top_logprobs, next = n;
-        for (int j = i + 1; j < m; j++)
-            if (off[j] >= 0) {
-                next = off[j];
-                break;
-            }
-        for (int t = off[i]; t < next; t++) {
-            pd_token_logprobs *d = &(*lps)[t];
-            for (int q = want; q < d->n_top; q++) {
-                d->top_id[q] = 0;
-                d->top_logprob[q] = 0.0f;
-            }
-            if (d->n_top > want)
-                d->n_top = want;
-        }
-    }
+    for (int t = 0; t < n && st == PD_OK; t++)
+        lp_cut(&(*lps)[t], want[t]);
     free(rows);
     if (st != PD_OK) {
         free(*lps);
@@ -2730,17 +2710,18 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         st = pd_err_set(err, PD_ERR_NOMEM, "commit metadata");
         goto out;
     }
+    for (int i = 0; i < m; i++)
+        slot_accept(e, &slots[i], vargmax);
     int *lp_off = malloc((size_t)m * sizeof(int));
     pd_token_logprobs *round_lps = NULL;
     pd_err lp_err;
     pd_status lp_st = lp_off == NULL ? pd_err_set(&lp_err, PD_ERR_NOMEM, "logprobs offsets")
-                                     : round_logprobs(e, slots, m, vargmax, vl_rows, lp_off, &round_lps, &lp_err);
+                                     : round_logprobs(e, slots, m, vl_rows, lp_off, &round_lps, &lp_err);
     for (int i = 0; i < m; i++) {
         round_slot *sl = &slots[i];
         pd_request *r = sl->r;
-        int l = sl->l, a, stop_at;
-        int32_t bonus;
-        slot_accept(e, sl, vargmax, &a, &bonus, &stop_at);
+        int l = sl->l, a = sl->n_acc, stop_at = sl->stop_at;
+        int32_t bonus = sl->bonus;
         for (int k = 0; k < (stop_at >= 0 ? stop_at + 1 : a); k++)
             r->accepted_at_pos[k]++;
         int commit = stop_at >= 0 ? stop_at + 1 : a;
