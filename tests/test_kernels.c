@@ -2510,6 +2510,7 @@ static const kcase cases[] = {
     {"linear", 0, 0, 0, 1, 4096, 2560, 4, 3, 0, 0, 0, NULL, 1e-2, 1},
     {"linear", 0, 0, 0, 1, 2560, 4096, 1, 1, 0, 0, 0, NULL, 1e-2, 1},
     {"linear", 0, 0, 0, 1, 9728, 2560, 6, 2, 0, 0, 0, NULL, 1e-2, 1},
+    /* down-sized products of exactly one and two tiles per SM (132 SMs): balance vs rate */
     {"linear", 0, 0, 0, 1, 2112, 9728, 1, 1, 0, 0, 0, NULL, 1e-2, 1},
     {"linear", 0, 0, 0, 1, 4224, 9728, 1, 1, 0, 0, 0, NULL, 1e-2, 1},
     {"linear", 0, 0, 0, 1, 2560, 9728, 1, 1, 0, 0, 0, NULL, 1e-2, 1},
@@ -2825,8 +2826,7 @@ static void test_batch_invariance(kern_backend *g)
     lin &= linear_invariance_one(g, KERN_LINEAR_STORE, 1, 3, qkv4, 264);
     lin &= linear_invariance_one(g, KERN_LINEAR_SWIGLU, 1, 2, gu2, 200);
     lin &= linear_invariance_one(g, KERN_LINEAR_ACCUMULATE, 0, 1, wide, 136);
-    /* Qwen3-4B's products (1 to 8 rows take the shared-memory ring form, 9 and more the
-     * register ring: the same bits either way) */
+    /* Qwen3-4B's products (the K split of each: QKV 4 warps, o_proj and down 8, gate/up 2) */
     static const int q4b[3] = {4096, 1024, 1024}, gu4b[2] = {9728, 9728}, h4b[1] = {2560};
     lin &= linear_invariance_one(g, KERN_LINEAR_STORE, 1, 3, q4b, 2560);
     lin &= linear_invariance_one(g, KERN_LINEAR_ACCUMULATE, 0, 1, h4b, 4096);

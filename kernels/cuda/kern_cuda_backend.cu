@@ -426,15 +426,6 @@ static pd_status ctx_init(kern_cuda_ctx *c, int device, pd_err *err)
     const char *skw = getenv("PD_SK_WIDE_WARPS");
     int w = skw != NULL ? atoi(skw) : 2;
     c->sk_wide_warps = w == 1 || w == 2 || w == 4 || w == 8 ? w : 2;
-    const char *rk = getenv("PD_SK_RING_KB"), *rc = getenv("PD_SK_RING_CTAS");
-    c->sk_ring_kb = rk != NULL ? atoi(rk) : 0;
-    c->sk_ring_kb = c->sk_ring_kb < 0 ? 0 : c->sk_ring_kb > 200 ? 200 : c->sk_ring_kb;
-    const char *rcol = getenv("PD_SK_RING_COLS");
-    c->sk_ring_cols = rcol != NULL && atoi(rcol) >= 512 && atoi(rcol) % 512 == 0 ? atoi(rcol) : 512;
-    c->sk_ring_lsu = getenv("PD_SK_RING_LSU") != NULL && atoi(getenv("PD_SK_RING_LSU")) == 1;
-    const char *rw = getenv("PD_SK_RING_WARPS");
-    c->sk_ring_warps = rw != NULL && atoi(rw) >= 1 && atoi(rw) <= 24 ? atoi(rw) : 8;
-    c->sk_ring_ctas = rc != NULL && atoi(rc) >= 1 && atoi(rc) <= 4 ? atoi(rc) : 1;
     return PD_OK;
 }
 

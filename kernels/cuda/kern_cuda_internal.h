@@ -70,15 +70,6 @@ typedef struct kern_cuda_ctx {
     int sk_batch;              /* 1 unless PD_SK_BATCH=0 at creation: a one-tile skinny GEMM other
                                   than SwiGLU loads W and x in batches of 2 steps instead of its
                                   3-step register ring (skinny_kernel's BT form) */
-    int sk_ring_kb;            /* PD_SK_RING_KB at creation (default 0: off): a one-tile
-                                  skinny GEMM streams its weights through a shared-memory ring of
-                                  about this many KB per CTA (skinny_ring_kernel) */
-    int sk_ring_ctas;          /* PD_SK_RING_CTAS at creation (default 1): its CTAs per SM */
-    int sk_ring_cols;          /* PD_SK_RING_COLS (default 512): k per stage of that ring */
-    int sk_ring_warps;         /* PD_SK_RING_WARPS (default 8): consumer warps per CTA (tiles in
-                                  flight = this / the K split) */
-    int sk_ring_lsu;           /* PD_SK_RING_LSU=1: its weights by 16-byte cp.async */
-    size_t sk_ring_smem[3];    /* per epilogue: the shared-memory limit set for its ring kernel */
     size_t ws_bytes;
     unsigned ws_epoch;         /* bumped whenever ws moves: graphs captured before are stale */
     unsigned capture_epoch;    /* ws_epoch when the capture in progress began */

@@ -75,11 +75,6 @@ typedef struct {
                                               * residual sum) rounded to bf16 */
     int batch;                               /* kern_cuda_ctx.sk_batch: one-tile products other
                                               * than SwiGLU load in batches of 2 steps (BT) */
-    int ring;                                /* skinny_ring_kernel: stages of its ring */
-    int ring_cols;                           /* k per stage */
-    int ring_groups;                         /* tiles in flight per CTA, each with W + 1 warps */
-    int ring_group_bytes;                    /* shared memory per group */
-    int ring_lsu;                            /* weights by 16-byte cp.async instead of bulk copies */
     signed char (*occ)[SK_MAX_WARPS + 1][SK_MAX_WARPS + 1];   /* host only: kern_cuda_ctx.sk_occ */
 } sk_params;
 
@@ -219,106 +214,6 @@ static __device__ __forceinline__ void mma_step(float *acc, const wfrag &ra, con
         mma_bf16(acc, wa[2 * q], wb[2 * q], wa[2 * q + 1], wb[2 * q + 1], b[2 * q], b[2 * q + 1]);
 }
 
-/* The weight whose output tile (16 features) is tile number `tile` */
-static __device__ __forceinline__ int sk_weight_of(const sk_params &p, int tile)
-{
-    int wi = 0;
-#pragma unroll
-    for (int i = 1; i < KERN_LINEAR_MAX_W; i++)
-        if (i < p.n_w && tile >= p.tile0[i])
-            wi = i;
-    return wi;
-}
-
-/* The consumer threads of a tile meet: every thread of the CTA (bar 0), or the `threads` of
- * named barrier `bar` (a group of skinny_ring_kernel: its producer warp keeps streaming and
- * the other groups run on) */
-static __device__ __forceinline__ void sk_sync(int bar, int threads)
-{
-    if (bar == 0)
-        __syncthreads();
-    else
-        asm volatile("bar.sync %0, %1;" ::"r"(bar), "r"(threads) : "memory");
-}
-
-/* The end of a tile, shared by both skinny kernels: a row's sum of squares from its 4 lanes (xor
- * butterfly: every lane gets the same bits), then the warps in warp order; the warps' partial
- * sums, also in warp order; the epilogue, stored. part [SK_MAX_WARPS][SK_MAX_TILES * 8] and
- * smem (red [warps][NT * 128], gate [NT * 128]) are shared; tid is the thread's index among the
- * tile's threads; bar as for sk_sync. */
-template <int NT, int EPI, int NWT>
-static __device__ __forceinline__ void sk_reduce_store(const sk_params &p, float (&acc)[NWT][NT][4],
-                                                       const float (&ss)[NT],
-                                                       float (*part)[SK_MAX_TILES * 8], float *smem,
-                                                       bool busy, int wi, int n, int row0, int chunk0,
-                                                       int rows, int tid, int bar)
-{
-    constexpr int NE = NT * 4 * 32;
-    const int W = p.warps;
-    const int lane = tid & 31, warp = tid >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    if (p.norm != NULL) {
-#pragma unroll
-        for (int i = 0; i < NT; i++) {
-            float v = ss[i];
-            v += __shfl_xor_sync(0xffffffffu, v, 1);
-            v += __shfl_xor_sync(0xffffffffu, v, 2);
-            if (t == 0 && busy)
-                part[warp][i * 8 + g] = v;
-        }
-    }
-    float *red = smem, *gate = smem + W * NE;
-#pragma unroll
-    for (int j = 0; j < NWT; j++) {
-        if (j > 0)
-            sk_sync(bar, W * 32);
-        if (busy)
-#pragma unroll
-            for (int i = 0; i < NT; i++)
-#pragma unroll
-                for (int r = 0; r < 4; r++)
-                    red[(warp * NT * 4 + i * 4 + r) * 32 + lane] = acc[j][i][r];
-        sk_sync(bar, W * 32);
-        /* element e = (tile * 4 + reg) * 32 + lane */
-        for (int e = busy ? tid : NE; e < NE; e += W * 32) {
-            float v = 0.0f;
-            for (int w = 0; w < W; w++)
-                v += red[w * NE + e];
-            if (j + 1 < NWT) {
-                gate[e] = v;                  /* read back by this thread only */
-                continue;
-            }
-            int l = e & 31, reg = (e >> 5) & 3, tile = e >> 7;
-            int feat = row0 + (l >> 2) + (reg >= 2 ? 8 : 0);
-            int r = tile * 8 + 2 * (l & 3) + (reg & 1);
-            if (feat >= n || r >= rows)
-                continue;
-            float inv = 1.0f;
-            if (p.norm != NULL) {
-                float s2 = 0.0f;
-                for (int w = 0; w < W; w++)
-                    s2 += part[w][r];
-                inv = rsqrtf(s2 / (float)p.k + p.eps);
-            }
-            float *yo = p.y[wi] + (size_t)(chunk0 + r) * p.ld_y[wi] + feat;
-            float out;
-            if (EPI == KERN_LINEAR_SWIGLU && p.rnd) {
-                float gv = kern_cuda_rnd(gate[e] * inv, 1);
-                out = kern_cuda_rnd(kern_cuda_rnd(silu_f(gv), 1) * kern_cuda_rnd(v * inv, 1), 1);
-            } else if (EPI == KERN_LINEAR_SWIGLU) {
-                out = silu_f(gate[e] * inv) * (v * inv);
-            } else if (EPI == KERN_LINEAR_ACCUMULATE) {
-                out = kern_cuda_rnd(*yo + kern_cuda_rnd(v * inv, p.rnd), p.rnd);
-            } else {
-                out = kern_cuda_rnd(v * inv, p.rnd);
-            }
-            *yo = out;
-            if (p.tee != NULL)
-                p.tee[(size_t)(chunk0 + r) * p.ld_tee + feat] = out;
-        }
-    }
-}
-
 /* NT: n8 tiles per chunk; EPI: kern_linear_epilogue; D: steps of W loads in flight per warp (a
  * ring of registers, refilled right after each step's mmas); XP: 1 loads x (and the norm) one
  * step ahead (one tile only: registers), 0 when used; BT: 1 (one tile) loads W and x in
@@ -330,7 +225,8 @@ skinny_kernel(sk_params p)
 {
     KT_DECL;
     constexpr int NWT = EPI == KERN_LINEAR_SWIGLU ? 2 : 1;   /* W tiles per CTA */
-    extern __shared__ float sk_smem[];                       /* red[warps][NT * 128], gate */
+    constexpr int NE = NT * 4 * 32;                          /* accumulators per warp */
+    extern __shared__ float sk_smem[];                       /* red[warps][NE], gate[NE] */
     __shared__ float part[SK_MAX_WARPS][SK_MAX_TILES * 8];   /* sums of squares per warp, row */
     const int W = p.warps;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -338,7 +234,11 @@ skinny_kernel(sk_params p)
     const int chunk0 = blockIdx.y * NT * 8;
     const int rows = p.m - chunk0 < NT * 8 ? p.m - chunk0 : NT * 8;
 
-    const int wi = sk_weight_of(p, (int)blockIdx.x);
+    int wi = 0;
+#pragma unroll
+    for (int i = 1; i < KERN_LINEAR_MAX_W; i++)
+        if (i < p.n_w && (int)blockIdx.x >= p.tile0[i])
+            wi = i;
     const int n = p.n[wi], row0 = ((int)blockIdx.x - p.tile0[wi]) * 16;
     const int ra = row0 + g < n ? row0 + g : n - 1;          /* clamped: results dropped */
     const int rb = row0 + g + 8 < n ? row0 + g + 8 : n - 1;
@@ -453,224 +353,69 @@ skinny_kernel(sk_params p)
         }
     }
 
-    sk_reduce_store<NT, EPI, NWT>(p, acc, ss, part, sk_smem, busy, wi, n, row0, chunk0, rows,
-                                  (int)threadIdx.x, 0);
+    /* a row's sum of squares: its 4 lanes (xor butterfly: every lane gets the same bits), then
+     * the warps in warp order (below); the partial sums of the warps, also in warp order */
+    if (p.norm != NULL) {
+#pragma unroll
+        for (int i = 0; i < NT; i++) {
+            float v = ss[i];
+            v += __shfl_xor_sync(0xffffffffu, v, 1);
+            v += __shfl_xor_sync(0xffffffffu, v, 2);
+            if (t == 0 && busy)
+                part[warp][i * 8 + g] = v;
+        }
+    }
+    float *red = sk_smem, *gate = sk_smem + W * NE;
+#pragma unroll
+    for (int j = 0; j < NWT; j++) {
+        if (j > 0)
+            __syncthreads();
+        if (busy)
+#pragma unroll
+            for (int i = 0; i < NT; i++)
+#pragma unroll
+                for (int r = 0; r < 4; r++)
+                    red[(warp * NT * 4 + i * 4 + r) * 32 + lane] = acc[j][i][r];
+        __syncthreads();
+        /* element e = (tile * 4 + reg) * 32 + lane */
+        for (int e = busy ? (int)threadIdx.x : NE; e < NE; e += W * 32) {
+            float v = 0.0f;
+            for (int w = 0; w < W; w++)
+                v += red[w * NE + e];
+            if (j + 1 < NWT) {
+                gate[e] = v;                  /* read back by this thread only */
+                continue;
+            }
+            int l = e & 31, reg = (e >> 5) & 3, tile = e >> 7;
+            int feat = row0 + (l >> 2) + (reg >= 2 ? 8 : 0);
+            int r = tile * 8 + 2 * (l & 3) + (reg & 1);
+            if (feat >= n || r >= rows)
+                continue;
+            float inv = 1.0f;
+            if (p.norm != NULL) {
+                float s2 = 0.0f;
+                for (int w = 0; w < W; w++)
+                    s2 += part[w][r];
+                inv = rsqrtf(s2 / (float)p.k + p.eps);
+            }
+            float *yo = p.y[wi] + (size_t)(chunk0 + r) * p.ld_y[wi] + feat;
+            float out;
+            if (EPI == KERN_LINEAR_SWIGLU && p.rnd) {
+                float gv = kern_cuda_rnd(gate[e] * inv, 1);
+                out = kern_cuda_rnd(kern_cuda_rnd(silu_f(gv), 1) * kern_cuda_rnd(v * inv, 1), 1);
+            } else if (EPI == KERN_LINEAR_SWIGLU) {
+                out = silu_f(gate[e] * inv) * (v * inv);
+            } else if (EPI == KERN_LINEAR_ACCUMULATE) {
+                out = kern_cuda_rnd(*yo + kern_cuda_rnd(v * inv, p.rnd), p.rnd);
+            } else {
+                out = kern_cuda_rnd(v * inv, p.rnd);
+            }
+            *yo = out;
+            if (p.tee != NULL)
+                p.tee[(size_t)(chunk0 + r) * p.ld_tee + feat] = out;
+        }
+    }
     KT_EMIT(10 + EPI, p.w[0]);
-}
-
-/* ---- the shared-memory ring form (one n8 tile: m <= 8) ------------------------------------
- * skinny_ring_kernel computes what skinny_kernel<1, EPI, ...> computes, bit for bit: the same
- * K split (p.warps = W warps, warp w takes steps w, w + W, ... in order), the same fragments,
- * the same mma sequence and the same sk_reduce_store. What differs is where the operands come
- * from: every one is in shared memory when a consumer warp uses it, streamed there by bulk
- * copies (cp.async.bulk, completion counted on an mbarrier per stage), and the CTAs are
- * persistent: about one CTA per SM, each running G groups, a group walking its own tiles
- * (gr + G * blockIdx.x, then + G * gridDim.x), so its stream runs on from one tile into the
- * next. A group is W consumer warps and two producer warps: one streams the weight rows (and a
- * bf16 norm's slice) and never waits for the previous kernel, so it fills the whole ring while
- * that kernel drains; the other waits for it (griddepcontrol.wait) and streams the x rows. A
- * stage holds p.ring_cols k of: the tile's rows (both weights' for SwiGLU), the norm, the m x
- * rows (fp32); rows are padded so that the 8 lanes of a 16-byte shared load hit distinct
- * banks. (A first form loaded x from global memory in the consumer loop: ptxas waits for every
- * global load in flight at a use, so each step paid a full L2 round trip and a CTA streamed at
- * ~20 GB/s; H100 ncu, docs/BENCHMARKS.md.) Measured slower than skinny_kernel on every
- * Qwen3-4B layer product (a CTA's stream stays near 16-22 GB/s; docs/BENCHMARKS.md, 2026-12-05),
- * so it runs only when PD_SK_RING_KB asks for it. */
-#define SKR_PAD 64                          /* bytes after a weight row: 2 rows hit distinct banks */
-#define SKR_XPAD 16                         /* bytes after an x row */
-#define SKR_MAX_STAGES 16
-#define SKR_MAX_WARPS 12                    /* groups x (W + 2) warps per CTA */
-
-static __device__ __forceinline__ void skr_wait(uint32_t bar, uint32_t parity)
-{
-    uint32_t done = 0;
-    while (!done)
-        asm volatile("{ .reg .pred q; mbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2; selp.u32 %0, 1, 0, q; }"
-                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-}
-
-static __device__ __forceinline__ void skr_expect(uint32_t bar, int bytes)
-{
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-static __device__ __forceinline__ void skr_copy(uint32_t dst, const void *src, int bytes, uint32_t bar)
-{
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
-/* A stage's layout (bytes from its start) for cols k, m x rows and NWT weights */
-struct skr_layout {
-    int rowb, xrowb, norm_off, x_off, stage;
-};
-
-static __host__ __device__ __forceinline__ skr_layout skr_layout_of(int nwt, int cols, int m)
-{
-    skr_layout l;
-    l.rowb = cols * 2 + SKR_PAD;
-    l.xrowb = cols * 4 + SKR_XPAD;
-    l.norm_off = nwt * 16 * l.rowb;
-    l.x_off = l.norm_off + cols * 2;
-    l.stage = l.x_off + m * l.xrowb;
-    return l;
-}
-
-template <int EPI>
-__global__ void __launch_bounds__(SKR_MAX_WARPS * 32, 1)
-skinny_ring_kernel(sk_params p)
-{
-    constexpr int NWT = EPI == KERN_LINEAR_SWIGLU ? 2 : 1;
-    constexpr int ROWS = NWT * 16;                           /* weight rows per stage */
-    const int COLS = p.ring_cols, W = p.warps, S = p.ring, G = p.ring_groups;
-    const int rows = p.m < 8 ? p.m : 8;
-    const skr_layout L = skr_layout_of(NWT, COLS, rows);
-    const bool norm_smem = p.norm != NULL && p.norm_bf16;
-    /* group gr: warps gr * (W + 2) .. + W - 1 consume, the next two produce; its shared
-     * memory: the ring, red and gate, part, then the barriers */
-    extern __shared__ __align__(128) unsigned char skr_smem[];
-    const int gr = (int)threadIdx.x / ((W + 2) * 32), tid = (int)threadIdx.x - gr * (W + 2) * 32;
-    const int lane = tid & 31, warp = tid >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int tiles = p.tile0[p.n_w];
-    unsigned char *base = skr_smem + (size_t)gr * p.ring_group_bytes;
-    float *red = (float *)(base + (size_t)S * L.stage);
-    float (*part)[SK_MAX_TILES * 8] = (float (*)[SK_MAX_TILES * 8])(red + W * 128 + 128);
-    unsigned long long *full = (unsigned long long *)(part + SK_MAX_WARPS), *empty = full + S;
-    const uint32_t ring = (uint32_t)__cvta_generic_to_shared(base);
-
-    if (tid == 0) {
-        for (int i = 0; i < S; i++) {
-            /* full: the two producers' arrivals (and their bytes; p.ring_lsu: each lane of the
-             * weight producer arrives); empty: the consumer warps */
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"((uint32_t)__cvta_generic_to_shared(&full[i])),
-                         "r"(p.ring_lsu ? 33 : 2));
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"((uint32_t)__cvta_generic_to_shared(&empty[i])),
-                         "r"(W));
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    }
-    __syncthreads();
-    if (!p.trigger_late)
-        kern_cuda_pdl_launch_next();
-    const int tile0 = gr + G * (int)blockIdx.x, tstep = G * (int)gridDim.x;
-
-    if (warp >= W) {
-        /* the producers. Weights (warp W): lane r copies weight row r of the stage (SwiGLU: gate
-         * rows 0..15, up rows 16..31), lane 31 the norm's slice; never waits for the previous
-         * kernel. x (warp W + 1): waits for it, then lane r < m copies x row r. */
-        const bool wprod = warp == W;
-        if (!wprod) {
-            kern_cuda_pdl_wait_prev();
-            if (p.trigger_late)
-                kern_cuda_pdl_launch_next();
-        }
-        int it = 0;
-        for (int tile = tile0; tile < tiles; tile += tstep) {
-            const int wi = sk_weight_of(p, tile);
-            const int n = p.n[wi], row0 = (tile - p.tile0[wi]) * 16;
-            const int rr = row0 + (lane & 15) < n ? row0 + (lane & 15) : n - 1;   /* clamped */
-            const __nv_bfloat16 *src = p.w[EPI == KERN_LINEAR_SWIGLU ? (lane >> 4) : wi] + (size_t)rr * p.k;
-            for (int k0 = 0; k0 < p.k; k0 += COLS, it++) {
-                const int s = it % S;
-                const uint32_t fb = (uint32_t)__cvta_generic_to_shared(&full[s]);
-                const uint32_t st = ring + (uint32_t)(s * L.stage);
-                if (it >= S)
-                    skr_wait((uint32_t)__cvta_generic_to_shared(&empty[s]), (uint32_t)((it / S - 1) & 1));
-                const int kw = p.k - k0 < COLS ? p.k - k0 : COLS;
-                if (wprod && p.ring_lsu) {
-                    /* 16-byte cp.async per lane (the LSU path), one arrival per lane */
-                    const int cpr = kw / 8, nrow = ROWS + (norm_smem ? 1 : 0);
-                    for (int i = lane; i < nrow * cpr; i += 32) {
-                        const int r = i / cpr, cch = i - r * cpr;
-                        const __nv_bfloat16 *gsrc;
-                        uint32_t dst;
-                        if (r < ROWS) {
-                            const int rw = row0 + (r & 15) < n ? row0 + (r & 15) : n - 1;
-                            gsrc = p.w[EPI == KERN_LINEAR_SWIGLU ? (r >> 4) : wi] + (size_t)rw * p.k + k0 + cch * 8;
-                            dst = st + (uint32_t)(r * L.rowb + cch * 16);
-                        } else {
-                            gsrc = (const __nv_bfloat16 *)p.norm + k0 + cch * 8;
-                            dst = st + (uint32_t)(L.norm_off + cch * 16);
-                        }
-                        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gsrc) : "memory");
-                    }
-                    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(fb) : "memory");
-                    continue;
-                }
-                if (lane == 0)
-                    skr_expect(fb, wprod ? kw * 2 * (ROWS + (norm_smem ? 1 : 0)) : kw * 4 * rows);
-                __syncwarp();
-                if (wprod) {
-                    if (lane < ROWS)
-                        skr_copy(st + (uint32_t)(lane * L.rowb), src + k0, kw * 2, fb);
-                    if (lane == 31 && norm_smem)
-                        skr_copy(st + (uint32_t)L.norm_off, (const __nv_bfloat16 *)p.norm + k0, kw * 2, fb);
-                } else if (lane < rows) {
-                    skr_copy(st + (uint32_t)(L.x_off + lane * L.xrowb), p.x + (size_t)lane * p.ld_x + k0, kw * 4, fb);
-                }
-            }
-        }
-        return;
-    }
-
-    kern_cuda_pdl_wait_prev();               /* the consumers write y (and read it: ACCUMULATE) */
-    if (p.trigger_late)
-        kern_cuda_pdl_launch_next();
-    const int nsteps = (p.k + SK_STEP - 1) / SK_STEP;
-    int it = 0;
-    for (int tile = tile0; tile < tiles; tile += tstep) {
-        const int wi = sk_weight_of(p, tile);
-        const int n = p.n[wi], row0 = (tile - p.tile0[wi]) * 16;
-        float acc[NWT][1][4], ss[1] = {0.0f};
-#pragma unroll
-        for (int j = 0; j < NWT; j++)
-#pragma unroll
-            for (int r = 0; r < 4; r++)
-                acc[j][0][r] = 0.0f;
-        /* the warp's steps w, w + W, ... in order (a stage's first k is a multiple of W steps) */
-        int step = warp;
-        for (int k0 = 0; k0 < p.k; k0 += COLS, it++) {
-            const int s = it % S;
-            skr_wait((uint32_t)__cvta_generic_to_shared(&full[s]), (uint32_t)((it / S) & 1));
-            const unsigned char *st = base + (size_t)s * L.stage;
-            for (; step < nsteps && step * SK_STEP < k0 + COLS; step += W) {
-                const int kk = step * SK_STEP + t * 8, kl = kk - k0;
-                /* x row g and the norm at [kk, kk + 8) and [kk + 32, kk + 40), zero past k */
-                xraw xr;
-                const unsigned char *xp = st + L.x_off + g * L.xrowb + kl * 4, *np = st + L.norm_off + kl * 2;
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const bool in = g < rows && kk + 32 * h < p.k;
-                    const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
-                    xr.v[2 * h] = in ? *(const float4 *)(xp + 128 * h) : z;
-                    xr.v[2 * h + 1] = in ? *(const float4 *)(xp + 128 * h + 16) : z;
-                    xr.g[h] = in && norm_smem ? *(const uint4 *)(np + 64 * h) : make_uint4(0, 0, 0, 0);
-                }
-                wfrag wf[NWT][2];
-#pragma unroll
-                for (int q = 0; q < NWT; q++)
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        const unsigned char *rp = st + (q * 16 + g + 8 * h) * L.rowb + kl * 2;
-                        wf[q][h].lo = kk < p.k ? *(const uint4 *)rp : make_uint4(0, 0, 0, 0);
-                        wf[q][h].hi = kk + 32 < p.k ? *(const uint4 *)(rp + 64) : make_uint4(0, 0, 0, 0);
-                    }
-                uint32_t b[8];
-                build_b(p, xr, kk, b, ss[0]);
-#pragma unroll
-                for (int q = 0; q < NWT; q++)
-                    mma_step(acc[q][0], wf[q][0], wf[q][1], b);
-            }
-            __syncwarp();
-            if (lane == 0)
-                asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"((uint32_t)__cvta_generic_to_shared(&empty[s]))
-                             : "memory");
-        }
-        sk_reduce_store<1, EPI, NWT>(p, acc, ss, part, red, true, wi, n, row0, 0, rows, tid, 1 + gr);
-        sk_sync(1 + gr, W * 32);             /* red and part are written again by the next tile */
-    }
 }
 
 KT_TU_SETTER(linear)
@@ -780,57 +525,6 @@ static int skinny_warps(const kern_cuda_ctx *c, int tiles)
     return w;
 }
 
-/* The shared-memory ring form of a one-tile product (skinny_ring_kernel): about c->sk_ring_kb KB
- * of stages, c->sk_ring_ctas CTAs per SM (at most one per tile), W + 1 warps each. */
-template <int EPI>
-static cudaError_t ring_launch_epi(kern_cuda_ctx *c, sk_params p)
-{
-    constexpr int NWT = EPI == KERN_LINEAR_SWIGLU ? 2 : 1;
-    int G = c->sk_ring_warps / p.warps > 0 ? c->sk_ring_warps / p.warps : 1, cols = c->sk_ring_cols;
-    if (G * (p.warps + 2) > SKR_MAX_WARPS)
-        G = SKR_MAX_WARPS / (p.warps + 2);
-    const size_t fixed = ((size_t)p.warps * 128 + 128 + SK_MAX_WARPS * SK_MAX_TILES * 8) * sizeof(float) +
-                         2 * SKR_MAX_STAGES * 8;
-    const int m = p.m;
-    auto stage_of = [m](int cl) { return (size_t)skr_layout_of(NWT, cl, m).stage; };
-    /* at least 3 stages per group: narrower stages (down to one round of the K split, 128 k),
-     * then fewer groups */
-    while (3 * stage_of(cols) + fixed > (size_t)c->sk_ring_kb * 1024 / G && cols / 2 >= p.warps * SK_STEP &&
-           cols / 2 >= 128)
-        cols /= 2;
-    while (2 * stage_of(cols) + fixed > (size_t)c->sk_ring_kb * 1024 / G && G > 1)
-        G--;
-    p.ring_cols = cols;
-    p.ring_groups = G;
-    p.ring_lsu = c->sk_ring_lsu;
-    const size_t stage = stage_of(cols);
-    int stages = (int)(((size_t)c->sk_ring_kb * 1024 / G - fixed) / stage);
-    p.ring = stages < 2 ? 2 : stages > SKR_MAX_STAGES ? SKR_MAX_STAGES : stages;
-    p.ring_group_bytes = (int)kern_cuda_align256(p.ring * stage + fixed);
-    size_t smem = (size_t)p.ring_groups * p.ring_group_bytes;
-    if (smem > c->sk_ring_smem[EPI]) {       /* the limit is raised on this device once */
-        cudaError_t e = cudaFuncSetAttribute(skinny_ring_kernel<EPI>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             (int)smem);
-        if (e != cudaSuccess)
-            return e;
-        c->sk_ring_smem[EPI] = smem;
-    }
-    const int tiles = p.tile0[p.n_w], per_cta = p.ring_groups;
-    long ctas = (long)c->n_sm * c->sk_ring_ctas, need = (tiles + per_cta - 1) / per_cta;
-    dim3 grid((unsigned)(need < ctas ? need : ctas));
-    return kern_cuda_launch(c->stream, grid, dim3((unsigned)(p.ring_groups * (p.warps + 2) * 32)), smem, 1,
-                            skinny_ring_kernel<EPI>, p);
-}
-
-static cudaError_t ring_launch(kern_cuda_ctx *c, const sk_params &p, kern_linear_epilogue epi)
-{
-    switch (epi) {
-    case KERN_LINEAR_STORE: return ring_launch_epi<KERN_LINEAR_STORE>(c, p);
-    case KERN_LINEAR_ACCUMULATE: return ring_launch_epi<KERN_LINEAR_ACCUMULATE>(c, p);
-    default: return ring_launch_epi<KERN_LINEAR_SWIGLU>(c, p);
-    }
-}
-
 static pd_status skinny_launch(kern_cuda_ctx *c, const kern_linear_args *a, int rnd, int trigger_late, pd_err *err)
 {
     sk_params p;
@@ -873,9 +567,7 @@ static pd_status skinny_launch(kern_cuda_ctx *c, const kern_linear_args *a, int 
     if (c->sk_spread && ctas <= wave)
         p.spread_cap = (int)((ctas + c->n_sm - 1) / c->n_sm);
     cudaError_t e;
-    if (c->sk_ring_kb > 0 && nt == 1 && grid.y == 1)
-        e = ring_launch(c, p, a->epilogue);
-    else switch (a->epilogue) {
+    switch (a->epilogue) {
     case KERN_LINEAR_STORE: e = launch_epi<KERN_LINEAR_STORE>(p, nt, grid, c->stream); break;
     case KERN_LINEAR_ACCUMULATE: e = launch_epi<KERN_LINEAR_ACCUMULATE>(p, nt, grid, c->stream); break;
     default: e = launch_epi<KERN_LINEAR_SWIGLU>(p, nt, grid, c->stream); break;
