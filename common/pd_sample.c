@@ -117,17 +117,7 @@ void pd_probs_from_logits(const float *logits, int n, const pd_sample_params *p,
 
 int32_t pd_sample_from_probs(const float *probs, int n, pd_rng *rng)
 {
-    double u = pd_rng_uniform(rng), cum = 0.0;
-    int last = 0;
-    for (int i = 0; i < n; i++) {
-        if (probs[i] <= 0.0f)
-            continue;
-        cum += probs[i];
-        last = i;
-        if (u < cum)
-            return i;
-    }
-    return last;   /* rounding left u above the total: the last token with mass */
+    return kern_sample_row_host(probs, n, pd_rng_uniform(rng));
 }
 
 int32_t pd_sample_logits(const float *logits, int n, const pd_sample_params *p, pd_rng *rng,
@@ -137,32 +127,4 @@ int32_t pd_sample_logits(const float *logits, int n, const pd_sample_params *p, 
         return pd_argmax(logits, n);
     pd_probs_from_logits(logits, n, p, fscratch, iscratch);
     return pd_sample_from_probs(fscratch, n, rng);
-}
-
-int pd_verify_sampled(const int32_t *d, int l, const float *p_rows, const float *q_rows, int n,
-                      pd_rng *rng, float *residual, int32_t *next_out)
-{
-    for (int i = 0; i < l; i++) {
-        const float *p = p_rows + (size_t)i * n, *q = q_rows + (size_t)i * n;
-        double pq = p[d[i]], qq = q[d[i]] > 1e-8f ? q[d[i]] : 1e-8;
-        double accept = pq / qq < 1.0 ? pq / qq : 1.0;
-        if (pd_rng_uniform(rng) < accept)
-            continue;
-        double mass = 0.0;
-        for (int j = 0; j < n; j++) {
-            float r = p[j] - q[j];
-            residual[j] = r > 0.0f ? r : 0.0f;
-            mass += residual[j];
-        }
-        if (mass <= 1e-8) {
-            memcpy(residual, p, (size_t)n * sizeof(float));
-            mass = 1.0;
-        }
-        for (int j = 0; j < n; j++)
-            residual[j] = (float)(residual[j] / mass);
-        *next_out = pd_sample_from_probs(residual, n, rng);
-        return i;
-    }
-    *next_out = pd_sample_from_probs(p_rows + (size_t)l * n, n, rng);
-    return l;
 }

@@ -70,11 +70,4 @@ pd_status pd_stop_ids_check(const int32_t *ids, int n, int max, int vocab, pd_er
  * tokens, most likely first (a tie: lower id first, as the argmax) */
 typedef kern_logprobs_row pd_token_logprobs;
 
-/* Rejection-sampling verification of draft tokens d[0..l-1] with target distributions
- * p_rows[(l+1) * n] and draft distributions q_rows[l * n]. Returns the number accepted and the
- * token to commit after them (residual resample at the first rejection, else a sample of
- * p_rows[l]). residual: n floats of scratch. */
-int pd_verify_sampled(const int32_t *d, int l, const float *p_rows, const float *q_rows, int n,
-                      pd_rng *rng, float *residual, int32_t *next_out);
-
 #endif

@@ -270,9 +270,9 @@ static size_t utf8_lossy_append(tok_buf *out, const uint8_t *s, size_t n, int fi
     return n;
 }
 
-/* Length of the valid UTF-8 prefix of s. */
-static size_t utf8_valid_prefix(const uint8_t *s, size_t n)
+size_t pd_utf8_valid_prefix(const void *text, size_t n)
 {
+    const uint8_t *s = text;
     size_t i = 0;
     while (i < n) {
         if (s[i] < 0x80) {
@@ -678,7 +678,7 @@ static pd_status load_added(pd_tokenizer *t, const cJSON *list, tok_buf *strs, t
         a->normalized = (uint8_t)json_flag(e, "normalized", !a->special);
         const char *s = content->valuestring;
         size_t len = strlen(s);
-        if (utf8_valid_prefix((const uint8_t *)s, len) != len)
+        if (pd_utf8_valid_prefix(s, len) != len)
             return pd_err_set(err, PD_ERR_INVALID,
                               "tokenizer %s: added_tokens[%zu].content: invalid UTF-8", t->path,
                               t->n_added - 1);
@@ -1380,7 +1380,7 @@ pd_status pd_tokenizer_encode(const pd_tokenizer *t, const char *text, size_t le
     const uint8_t *s = (const uint8_t *)text;
     if (len > 0 && text == NULL)
         return pd_err_set(err, PD_ERR_INVALID, "tokenizer encode: NULL text of %zu bytes", len);
-    if (utf8_valid_prefix(s, len) != len) {
+    if (pd_utf8_valid_prefix(s, len) != len) {
         tok_buf b = {0};
         if (utf8_lossy_append(&b, s, len, 1) == (size_t)-1) {
             free(b.p);

@@ -39,6 +39,11 @@ typedef struct pd_detok pd_detok;
 pd_status pd_tokenizer_load(const char *path, pd_tokenizer **out, pd_err *err);
 void pd_tokenizer_free(pd_tokenizer *t);   /* NULL is fine */
 
+/* Length of the longest prefix of text[0..n) that is valid UTF-8 (RFC 3629: no overlong forms,
+ * surrogates or code points past U+10FFFF); n when all of it is. The tokenizer's input check and
+ * the HTTP body check are this. */
+size_t pd_utf8_valid_prefix(const void *text, size_t n);
+
 /* Encodes text[0..len) (need not be NUL-terminated). parse_special: match special added tokens
  * such as <|im_start|> in the text (1) or treat them as plain text (0). On success *ids_out is
  * a malloc'd array the caller frees with free() (non-NULL even when *n_out == 0).

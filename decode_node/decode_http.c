@@ -30,7 +30,6 @@
 #include <event2/bufferevent.h>
 #include <event2/http.h>
 #include <event2/keyvalq_struct.h>
-#include <utf8proc.h>
 
 #include "decode_metrics.h"
 #include "pd_chat.h"
@@ -38,6 +37,7 @@
 #include "pd_grammar.h"
 #include "pd_http.h"
 #include "pd_log.h"
+#include "pd_tokenizer.h"
 #include "pd_verify_policy.h"
 
 #define MAX_STOP 4
@@ -1819,18 +1819,12 @@ static cJSON *json_body(struct evhttp_request *req)
         send_error(req, 500, NULL, "out of memory reading the body");
         return NULL;
     }
-    for (size_t i = 0; i < blen;) {
-        utf8proc_int32_t cp;
-        utf8proc_ssize_t k = (unsigned char)body[i] < 0x80 ? 1
-                             : utf8proc_iterate((const utf8proc_uint8_t *)body + i,
-                                                (utf8proc_ssize_t)(blen - i), &cp);
-        if (k <= 0) {
-            free(body);
-            pd_http_error(req, 400, "invalid_request_error", NULL, NULL,
-                          "the request body is not valid UTF-8 (byte %zu)", i);
-            return NULL;
-        }
-        i += (size_t)k;
+    size_t valid = pd_utf8_valid_prefix(body, blen);
+    if (valid != blen) {
+        free(body);
+        pd_http_error(req, 400, "invalid_request_error", NULL, NULL,
+                      "the request body is not valid UTF-8 (byte %zu)", valid);
+        return NULL;
     }
     cJSON *root = cJSON_ParseWithLength(body, blen);
     free(body);

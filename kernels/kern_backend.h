@@ -349,9 +349,9 @@ typedef struct {
 
 /* ---- sampling (temperature / top-k / top-p) and speculative verification ------------------
  * The rules are pd_sample.h's, so a sampled request gives the same tokens on every backend up
- * to float rounding: the CPU entries compute exactly what pd_probs_from_logits,
- * pd_sample_from_probs and pd_verify_sampled compute. Uniforms come from the caller (drawn from
- * the request's seeded rng on the host), so seeds reproduce. */
+ * to float rounding: the CPU entries are the host functions below (kern_probs_row_host,
+ * kern_sample_row_host), which pd_probs_from_logits and pd_sample_from_probs call. Uniforms come
+ * from the caller (drawn from the request's seeded rng on the host), so seeds reproduce. */
 
 /* Sampling parameters of one row (backend memory; the caller validated them with
  * pd_sample_params_check). */
@@ -401,7 +401,11 @@ typedef struct {
     int32_t *out;            /* [rows] */
 } kern_sample_args;
 
-/* Rejection-sampling verification of n_req requests (pd_verify_sampled for each, in one launch):
+/* One row of kern_sample on the host, as the CPU backend computes it (pd_sample_from_probs is
+ * this with a uniform from its generator). */
+int32_t kern_sample_row_host(const float *p, int n, double u);
+
+/* Rejection-sampling verification of n_req requests in one launch (Leviathan et al.):
  * request r checked drafts d = draft[r, 0:len[r]] against target rows p[p_row[r] + i] and draft
  * rows q[q_row[r] + i]: draft i is accepted when u[r, i] < min(1, p_i[d_i] / max(q_i[d_i], 1e-8));
  * at the first rejection a the next token is sampled (with u[r, len[r]]) from

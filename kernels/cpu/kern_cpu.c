@@ -614,8 +614,7 @@ static pd_status cpu_probs(kern_backend *be, const kern_probs_args *a, pd_err *e
     return PD_OK;
 }
 
-/* pd_sample_from_probs with a given uniform */
-static int32_t sample_row(const float *p, int n, double u)
+int32_t kern_sample_row_host(const float *p, int n, double u)
 {
     double cum = 0.0;
     int last = 0;
@@ -627,7 +626,7 @@ static int32_t sample_row(const float *p, int n, double u)
         if (u < cum)
             return i;
     }
-    return last;
+    return last;   /* rounding left u above the total: the last token with mass */
 }
 
 static pd_status cpu_sample(kern_backend *be, const kern_sample_args *a, pd_err *err)
@@ -635,11 +634,10 @@ static pd_status cpu_sample(kern_backend *be, const kern_sample_args *a, pd_err 
     (void)be;
     (void)err;
     for (int r = 0; r < a->rows; r++)
-        a->out[r] = sample_row(a->probs + (size_t)r * a->ld, a->n, a->u[r]);
+        a->out[r] = kern_sample_row_host(a->probs + (size_t)r * a->ld, a->n, a->u[r]);
     return PD_OK;
 }
 
-/* pd_verify_sampled for each request, its uniforms taken in order from u[r, :] */
 static pd_status cpu_penalty(kern_backend *be, const kern_penalty_args *a, pd_err *err)
 {
     (void)be;
@@ -711,6 +709,7 @@ static pd_status cpu_logprobs(kern_backend *be, const kern_logprobs_args *a, pd_
     return PD_OK;
 }
 
+/* kern_spec_verify per request, its uniforms taken in order from u[r, :] */
 static pd_status cpu_spec_verify(kern_backend *be, const kern_spec_verify_args *a, pd_err *err)
 {
     (void)be;
@@ -743,11 +742,11 @@ static pd_status cpu_spec_verify(kern_backend *be, const kern_spec_verify_args *
             }
             for (int j = 0; j < n; j++)
                 res[j] = (float)(res[j] / mass);
-            next = sample_row(res, n, u[l]);
+            next = kern_sample_row_host(res, n, u[l]);
             break;
         }
         if (next < 0)
-            next = sample_row(prow + (size_t)l * a->ld_p, n, u[l]);
+            next = kern_sample_row_host(prow + (size_t)l * a->ld_p, n, u[l]);
         a->out[2 * r] = acc;
         a->out[2 * r + 1] = next;
     }
