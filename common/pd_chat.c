@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pd_cli.h"
+
 /* ---- a growing string ------------------------------------------------------------------------ */
 
 typedef struct {
@@ -85,6 +87,77 @@ int pd_chat_template_detect(const char *t, pd_chat_template *out, char *why, siz
     out->open_think = strstr(t, "'<|im_start|>assistant\\n<think>\\n'") != NULL;
     out->think_switch = out->think && strstr(t, "enable_thinking") != NULL;
     return default_system(t, out->default_system, sizeof(out->default_system), why, cap);
+}
+
+/* The text of path, NULL when it cannot be read (an absent file means: look elsewhere) */
+static char *read_text(const char *path)
+{
+    char *t = NULL;
+    pd_err err;
+    return pd_cli_read_text(path, &t, &err) == PD_OK ? t : NULL;
+}
+
+/* tokenizer_config.json's chat_template: a string, or a list of {"name", "template"} (the one
+ * named "default", else the first) */
+static char *config_template(const char *model_dir)
+{
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/tokenizer_config.json", model_dir);
+    char *cfg = read_text(path);
+    cJSON *j = cfg != NULL ? cJSON_Parse(cfg) : NULL;
+    free(cfg);
+    const cJSON *ct = cJSON_GetObjectItemCaseSensitive(j, "chat_template");
+    if (cJSON_IsArray(ct)) {
+        const cJSON *pick = NULL;
+        for (const cJSON *it = ct->child; it != NULL; it = it->next) {
+            const cJSON *nm = cJSON_GetObjectItemCaseSensitive(it, "name");
+            if (pick == NULL || (cJSON_IsString(nm) && strcmp(nm->valuestring, "default") == 0))
+                pick = it;
+        }
+        ct = pick != NULL ? cJSON_GetObjectItemCaseSensitive(pick, "template") : NULL;
+    }
+    char *t = cJSON_IsString(ct) ? strdup(ct->valuestring) : NULL;
+    cJSON_Delete(j);
+    return t;
+}
+
+pd_status pd_chat_template_load(const char *model_dir, const char *given, pd_chat_template *out, int *usable,
+                                char *why, size_t cap, pd_err *err)
+{
+    char d[128];
+    *usable = 0;
+    if (given != NULL) {
+        char *t = strstr(given, "{{") != NULL || strstr(given, "{%") != NULL ? strdup(given) : read_text(given);
+        if (t == NULL)
+            return pd_err_set(err, PD_ERR_IO, "--chat-template '%.200s': no such file (or give the template "
+                              "text itself)", given);
+        int rc = pd_chat_template_detect(t, out, d, sizeof(d));
+        free(t);
+        if (rc != 0)
+            return pd_err_set(err, PD_ERR_INVALID, "--chat-template: %s; this server renders ChatML "
+                              "(<|im_start|>role ... <|im_end|>) templates only", d);
+        *usable = 1;
+        return PD_OK;
+    }
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/chat_template.jinja", model_dir);
+    const char *from = "chat_template.jinja";
+    char *t = read_text(path);
+    if (t == NULL) {
+        t = config_template(model_dir);
+        from = "tokenizer_config.json";
+    }
+    if (t == NULL)
+        snprintf(why, cap, "chat is unavailable: the checkpoint ships no chat template "
+                 "(chat_template.jinja or tokenizer_config.json); send a prompt you format yourself");
+    else if (pd_chat_template_detect(t, out, d, sizeof(d)) != 0)
+        snprintf(why, cap, "chat is unavailable: the checkpoint's chat template (%s) is not ChatML "
+                 "(<|im_start|>role ... <|im_end|>), the only format this server renders; send a "
+                 "prompt you format yourself", from);
+    else
+        *usable = 1;
+    free(t);
+    return PD_OK;
 }
 
 /* ---- Python's json.dumps --------------------------------------------------------------------- */

@@ -36,6 +36,15 @@ typedef struct {
  * literal '<|im_start|>system\n...<|im_end|>\n' in the template. */
 int pd_chat_template_detect(const char *tmpl, pd_chat_template *out, char *why, size_t cap);
 
+/* The template chat requests are rendered by: `given` (--chat-template: a file, or the template
+ * text itself when it holds '{{' or '{%'), else the checkpoint's (model_dir/chat_template.jinja,
+ * else tokenizer_config.json's chat_template, the one named "default" of a list). PD_OK with
+ * *usable 1 and *out filled, or *usable 0 and why (a sentence for the client: the checkpoint has
+ * no template, or it is not ChatML). A `given` template that cannot be read or is not ChatML is
+ * an error (PD_ERR_IO / PD_ERR_INVALID). */
+pd_status pd_chat_template_load(const char *model_dir, const char *given, pd_chat_template *out, int *usable,
+                                char *why, size_t cap, pd_err *err);
+
 /* The request's tools. */
 enum { PD_TOOLS_NONE, PD_TOOLS_AUTO, PD_TOOLS_REQUIRED, PD_TOOLS_NAMED };
 

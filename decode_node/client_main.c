@@ -21,7 +21,7 @@ static void usage(FILE *f)
 {
     fprintf(f,
             "usage: pdspark-client --server HOST:PORT (--prompt TEXT | --prompt-ids FILE | --health)\n"
-            "                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
+            "                      [--chat [--system TEXT] [--thinking on|off]] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
             "                      [--min-p P] [--seed S] [--ignore-eos] [--skip-special-tokens]\n"
             "                      [--timeout-ms N]\n"
             "                      [--request-id ID]\n"
@@ -37,7 +37,10 @@ static void usage(FILE *f)
             "(tokens, text, rounds, accepted_per_round, tau, ...); --stream with --json prints\n"
             "both. --health prints the node's Health as JSON. --disconnect-after N drops the\n"
             "connection after N chunks (tests). --verify / --verify-threshold pick this request's\n"
-            "DSpark verification policy (default: the node's). --logprobs N (0..20) asks for each\n"
+            "DSpark verification policy (default: the node's). --chat sends --prompt as a user\n"
+            "message (after a --system message) that the node renders with its chat template\n"
+            "(the reply is the raw text, <think> included); --thinking sets enable_thinking.\n"
+            "--logprobs N (0..20) asks for each\n"
             "token's logprob and its N likeliest alternatives: --json then adds \"logprobs\": [{\"id\",\n"
             "\"logprob\", \"top\": [[id, logprob], ...]}, ...]. Errors print 'pdspark-client: CODE: message'\n"
             "and exit 1 (2 for bad flags).\n");
@@ -122,7 +125,8 @@ static int do_health(pd_rpc_channel *ch, int64_t timeout_ms)
 
 int main(int argc, char **argv)
 {
-    const char *server = NULL, *prompt = NULL, *ids_path = NULL, *req_id = NULL;
+    const char *server = NULL, *prompt = NULL, *ids_path = NULL, *req_id = NULL, *system_text = NULL;
+    int chat = 0, thinking = 0;   /* thinking: GenerateRequest.enable_thinking */
     int max_new = 128, top_k = 0, json = 0, stream = 0, ignore_eos = 0, health = 0, skip_special = 0;
     int disconnect_after = -1, logprobs = -1;
     char *stops[16];
@@ -137,13 +141,15 @@ int main(int argc, char **argv)
     enum { O_SERVER = 256, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_IGNORE,
            O_TMO, O_RID, O_JSON, O_STREAM, O_DISC, O_HEALTH, O_STOP, O_VERIFY, O_VTHRESH, O_LOGPROBS,
            O_PRES, O_FREQ, O_REP, O_BIAS, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_GRAMMAR, O_SKIPSP,
-           O_MINP, O_HELP };
+           O_MINP, O_CHAT, O_SYSTEM, O_THINK, O_HELP };
     static const struct option opts[] = {
         {"server", required_argument, 0, O_SERVER}, {"prompt", required_argument, 0, O_PROMPT},
         {"prompt-ids", required_argument, 0, O_IDS}, {"max-new-tokens", required_argument, 0, O_MAXNEW},
         {"temperature", required_argument, 0, O_TEMP}, {"top-k", required_argument, 0, O_TOPK},
         {"top-p", required_argument, 0, O_TOPP}, {"seed", required_argument, 0, O_SEED},
         {"min-p", required_argument, 0, O_MINP},
+        {"chat", no_argument, 0, O_CHAT}, {"system", required_argument, 0, O_SYSTEM},
+        {"thinking", required_argument, 0, O_THINK},
         {"ignore-eos", no_argument, 0, O_IGNORE}, {"timeout-ms", required_argument, 0, O_TMO},
         {"skip-special-tokens", no_argument, 0, O_SKIPSP},
         {"request-id", required_argument, 0, O_RID}, {"json", no_argument, 0, O_JSON},
@@ -174,6 +180,15 @@ int main(int argc, char **argv)
         case O_TOPK: bad = pd_cli_parse_int(PROG, "--top-k", optarg, 0, INT_MAX, &top_k); break;
         case O_TOPP: bad = pd_cli_parse_float(PROG, "--top-p", optarg, &top_p); break;
         case O_MINP: bad = pd_cli_parse_float(PROG, "--min-p", optarg, &min_p); break;
+        case O_CHAT: chat = 1; break;
+        case O_SYSTEM: system_text = optarg; break;
+        case O_THINK:
+            if (strcmp(optarg, "on") != 0 && strcmp(optarg, "off") != 0) {
+                fprintf(stderr, PROG ": --thinking takes on or off, not '%s'\n", optarg);
+                return 2;
+            }
+            thinking = strcmp(optarg, "on") == 0 ? 2 : 1;
+            break;
         case O_SEED: bad = pd_cli_parse_i64(PROG, "--seed", optarg, 0, INT64_MAX, &seed); break;
         case O_IGNORE: ignore_eos = 1; break;
         case O_SKIPSP: skip_special = 1; break;
@@ -220,6 +235,14 @@ int main(int argc, char **argv)
     }
     if (!health && (prompt == NULL) == (ids_path == NULL)) {
         fprintf(stderr, PROG ": give exactly one of --prompt TEXT or --prompt-ids FILE\n");
+        return 2;
+    }
+    if ((system_text != NULL || thinking != 0) && !chat) {
+        fprintf(stderr, PROG ": --system and --thinking need --chat\n");
+        return 2;
+    }
+    if (chat && prompt == NULL) {
+        fprintf(stderr, PROG ": --chat sends --prompt TEXT as the user's message\n");
         return 2;
     }
     if (!json)
@@ -287,7 +310,28 @@ int main(int argc, char **argv)
     Pdspark__GenerateRequest rq = PDSPARK__GENERATE_REQUEST__INIT;
     rq.version = PD_PROTO_VERSION;
     rq.request_id = (char *)(req_id != NULL ? req_id : "");
-    rq.prompt_text = (char *)(prompt != NULL ? prompt : "");
+    rq.prompt_text = (char *)(prompt != NULL && !chat ? prompt : "");
+    Pdspark__ChatMessage cm[2], *cmp[2];
+    if (chat) {
+        for (int i = 0; i < 2; i++) {
+            pdspark__chat_message__init(&cm[i]);
+            cm[i].version = PD_PROTO_VERSION;
+        }
+        size_t nm = 0;
+        if (system_text != NULL) {
+            cm[nm].role = "system";
+            cm[nm].content = (char *)system_text;
+            cmp[nm] = &cm[nm];
+            nm++;
+        }
+        cm[nm].role = "user";
+        cm[nm].content = (char *)prompt;
+        cmp[nm] = &cm[nm];
+        nm++;
+        rq.n_messages = nm;
+        rq.messages = cmp;
+        rq.enable_thinking = (uint32_t)thinking;
+    }
     rq.n_prompt_token_ids = (size_t)n_ids;
     rq.prompt_token_ids = uids;
     rq.sampling = &sp;

@@ -37,6 +37,7 @@
 #include <stdint.h>
 
 #include "pd_engine.h"
+#include "pd_chat.h"
 #include "pd_status.h"
 #include "pd_tokenizer.h"
 
@@ -80,6 +81,9 @@ typedef struct {
     float verify_threshold;         /* threshold policy: minimum prefix survival (0 = 0.5) */
     int fast_kernels;               /* 1: fastest GPU kernels instead of batch-invariant ones */
     int graphs;                     /* pd_graph_mode (0 = auto: CUDA graphs where available) */
+    const char *chat_template;      /* --chat-template: a template file, or the template itself
+                                     * (text with "{{" or "{%"), instead of the checkpoint's; NULL:
+                                     * the checkpoint's (pd_chat_template_load) */
     const struct decode_observer *observer;  /* optional, borrowed: sees every request */
 } decode_config;
 
@@ -93,6 +97,11 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
  * calls in flight (bounded by the transfer timeout), joins the engine thread, frees. Handles not
  * yet released stay valid for decode_cancel / decode_handle_release. NULL is a no-op. */
 void decode_server_destroy(decode_server *s);
+
+/* The chat template that HTTP chat requests and gRPC Generate's messages are rendered by; NULL
+ * with *why (a sentence for the client) when chat is unavailable: the checkpoint has none, or it
+ * is not ChatML. */
+const pd_chat_template *decode_server_chat_template(const decode_server *s, const char **why);
 
 typedef struct {
     const char *request_id;         /* for logs and echo; NULL/"" = the server assigns one */

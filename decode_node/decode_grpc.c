@@ -264,6 +264,51 @@ static void gen_rpc_done(void *arg, pd_rpc_call *call, bool cancelled)
     ctx_unref(c);
 }
 
+/* GenerateRequest.messages rendered by the node's chat template into *out (malloc'd); -1 with
+ * why otherwise (chat unavailable, another prompt field also set, a bad message). */
+static int chat_prompt(decode_server *s, const Pdspark__GenerateRequest *rq, char **out, size_t *len, char *why,
+                       size_t cap)
+{
+    const char *unavailable = NULL;
+    const pd_chat_template *tp = decode_server_chat_template(s, &unavailable);
+    if (tp == NULL) {
+        snprintf(why, cap, "%s", unavailable);
+        return -1;
+    }
+    if ((rq->prompt_text != NULL && rq->prompt_text[0] != '\0') || rq->n_prompt_token_ids > 0) {
+        snprintf(why, cap, "set one of prompt_text, prompt_token_ids and messages");
+        return -1;
+    }
+    if (rq->enable_thinking > 2) {
+        snprintf(why, cap, "enable_thinking must be 0 (the template's default), 1 (off) or 2 (on)");
+        return -1;
+    }
+    cJSON *msgs = cJSON_CreateArray();
+    for (size_t i = 0; msgs != NULL && i < rq->n_messages; i++) {
+        const Pdspark__ChatMessage *m = rq->messages[i];
+        if (m->version != PD_PROTO_VERSION) {
+            snprintf(why, cap, "messages[%zu]: protocol version mismatch", i);
+            cJSON_Delete(msgs);
+            return -1;
+        }
+        cJSON *o = cJSON_CreateObject();
+        if (o == NULL || !cJSON_AddItemToArray(msgs, o) || cJSON_AddStringToObject(o, "role", m->role) == NULL ||
+            cJSON_AddStringToObject(o, "content", m->content) == NULL) {
+            cJSON_Delete(msgs);
+            msgs = NULL;
+        }
+    }
+    if (msgs == NULL) {
+        snprintf(why, cap, "out of memory rendering the messages");
+        return -1;
+    }
+    pd_chat_opts o = PD_CHAT_OPTS_DEFAULT;
+    o.enable_thinking = rq->enable_thinking == 0 ? -1 : (int)rq->enable_thinking - 1;
+    int rc = pd_chat_render(tp, msgs, NULL, &o, out, len, why, cap);
+    cJSON_Delete(msgs);
+    return rc;
+}
+
 static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_call *call)
 {
     decode_server *s = ud;
@@ -367,9 +412,20 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
     if (left != INT64_MAX && (tmo == 0 || left < tmo))
         tmo = left > 0 ? left : 1;
     dr.timeout_ms = tmo;
+    char *chat_text = NULL;
+    if (rq->n_messages > 0) {
+        char why[256];
+        if (chat_prompt(s, rq, &chat_text, &dr.prompt_text_len, why, sizeof(why)) != 0) {
+            free(ids);
+            pd_rpc_finish(call, PD_ERR_INVALID, why);
+            return PD_OK;
+        }
+        dr.prompt_text = chat_text;
+    }
     gen_ctx *c = calloc(1, sizeof(*c));
     if (c == NULL) {
         free(ids);
+        free(chat_text);
         return pd_err_set(&err, PD_ERR_NOMEM, "call context");
     }
     atomic_init(&c->refs, 3);   /* handler, call on-done, request on_done */
@@ -389,6 +445,7 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
         }
         if (c->n_stop != (int)n_stop) {
             free(ids);
+            free(chat_text);
             atomic_store(&c->refs, 1);
             ctx_unref(c);
             return pd_err_set(&err, PD_ERR_NOMEM, "stop strings");
@@ -398,6 +455,7 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
     decode_handle *h = NULL;
     pd_status st = decode_submit(s, &dr, gen_on_token, gen_on_done, c, &h, &err);
     free(ids);
+    free(chat_text);
     if (st != PD_OK) {
         PD_LOG_DEBUG("grpc", "generate refused: %s", err.msg);
         pd_rpc_finish(call, st, err.msg);

@@ -57,12 +57,9 @@ struct decode_http {
     pd_http *http;
     decode_metrics *dm;
     char model[256];
-    int chat_ok;                     /* the checkpoint's template is ChatML-shaped ... */
-    pd_chat_template tmpl;           /* ... and what it does (Qwen3's <think> handling) */
     int reasoning;                   /* --reasoning-parser qwen3: <think> text becomes
                                       * reasoning_content */
     char *api_key;                   /* NULL: requests need no key */
-    char chat_why[256];              /* why chat is refused otherwise */
     gen_defaults gd;                 /* --generation-config */
     atomic_int draining;
     atomic_int inflight;
@@ -1848,9 +1845,11 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
                       "the server is draining and accepts no new requests");
         return;
     }
-    if (chat && !dh->chat_ok) {
+    const char *chat_why = NULL;
+    const pd_chat_template *tmpl = decode_server_chat_template(dh->s, &chat_why);
+    if (chat && tmpl == NULL) {
         pd_http_error(req, 400, "invalid_request_error", "messages", "chat_template_unsupported",
-                      "%s", dh->chat_why);
+                      "%s", chat_why);
         return;
     }
     cJSON *root = json_body(req);
@@ -1892,7 +1891,7 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     }
     if (chat) {
         if (chat_setup(root, &dr, &o, &tools, &copts, &param, msg, sizeof(msg)) != 0 ||
-            pd_chat_render(&dh->tmpl, cJSON_GetObjectItemCaseSensitive(root, "messages"), &tools, &copts,
+            pd_chat_render(tmpl, cJSON_GetObjectItemCaseSensitive(root, "messages"), &tools, &copts,
                            &chat_text, &chat_len, msg, sizeof(msg)) != 0) {
             decode_metrics_refused(dh->dm, "invalid");
             send_error(req, 400, param != NULL ? param : "messages", msg);
@@ -1924,7 +1923,7 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     r->tools = !chat || tools.choice == PD_TOOLS_NONE ? 0 : tools.parallel ? 1 : 2;
     /* 1: the reply may open <think>; 2: the generation prompt opened it (the reply starts inside) */
     r->reasoning = !chat || !dh->reasoning                              ? 0
-                   : dh->tmpl.open_think && copts.add_generation_prompt ? 2
+                   : tmpl->open_think && copts.add_generation_prompt ? 2
                    : copts.enable_thinking != 0                         ? 1
                                                                         : 0;
     r->stream = o.stream;
@@ -2135,13 +2134,15 @@ static void h_tokenize(struct evhttp_request *req, void *ud)
     size_t len = 0;
     const cJSON *p = cJSON_GetObjectItemCaseSensitive(root, "prompt");
     if (cJSON_GetObjectItemCaseSensitive(root, "messages") != NULL) {
-        if (!dh->chat_ok) {
+        const char *chat_why = NULL;
+        const pd_chat_template *tmpl = decode_server_chat_template(dh->s, &chat_why);
+        if (tmpl == NULL) {
             pd_http_error(req, 400, "invalid_request_error", "messages", "chat_template_unsupported",
-                          "%s", dh->chat_why);
+                          "%s", chat_why);
             goto out;
         }
         if (chat_setup(root, NULL, NULL, &tools, &copts, &param, msg, sizeof(msg)) != 0 ||
-            pd_chat_render(&dh->tmpl, cJSON_GetObjectItemCaseSensitive(root, "messages"), &tools, &copts,
+            pd_chat_render(tmpl, cJSON_GetObjectItemCaseSensitive(root, "messages"), &tools, &copts,
                            &chat_text, &len, msg, sizeof(msg)) != 0) {
             send_error(req, 400, param != NULL ? param : "messages", msg);
             goto out;
@@ -2241,77 +2242,11 @@ static int ready_fn(void *ud, char *why, size_t cap)
     return 1;
 }
 
-/* ---------------------------------------------------------------------------------------------
- * Chat template */
-
 static char *read_file(const char *path)
 {
     char *t = NULL;
     pd_err err;
     return pd_cli_read_text(path, &t, &err) == PD_OK ? t : NULL;   /* absent: look elsewhere */
-}
-
-/* The checkpoint's template (or the --chat-template one: then a template that cannot be read or
- * is not ChatML is an error, not a warning). */
-static pd_status check_template(decode_http *dh, const char *model_dir, const char *given, pd_err *err)
-{
-    char path[4096];
-    char *t = NULL;
-    char *from = "chat_template.jinja";
-    char why[128];
-    if (given != NULL) {
-        from = "--chat-template";
-        t = strstr(given, "{{") != NULL || strstr(given, "{%") != NULL ? strdup(given) : read_file(given);
-        if (t == NULL)
-            return pd_err_set(err, PD_ERR_IO, "--chat-template '%.200s': no such file (or give the template "
-                              "text itself)", given);
-        if (pd_chat_template_detect(t, &dh->tmpl, why, sizeof(why)) != 0) {
-            free(t);
-            return pd_err_set(err, PD_ERR_INVALID, "--chat-template: %s; this server renders ChatML "
-                              "(<|im_start|>role ... <|im_end|>) templates only", why);
-        }
-        free(t);
-        dh->chat_ok = 1;
-        return PD_OK;
-    }
-    snprintf(path, sizeof(path), "%s/chat_template.jinja", model_dir);
-    t = read_file(path);
-    if (t == NULL) {
-        snprintf(path, sizeof(path), "%s/tokenizer_config.json", model_dir);
-        char *cfg = read_file(path);
-        cJSON *j = cfg != NULL ? cJSON_Parse(cfg) : NULL;
-        free(cfg);
-        const cJSON *ct = cJSON_GetObjectItemCaseSensitive(j, "chat_template");
-        if (cJSON_IsArray(ct)) {   /* [{"name": "default", "template": ...}, ...] */
-            const cJSON *pick = NULL;
-            for (const cJSON *it = ct->child; it != NULL; it = it->next) {
-                const cJSON *nm = cJSON_GetObjectItemCaseSensitive(it, "name");
-                if (pick == NULL || (cJSON_IsString(nm) && strcmp(nm->valuestring, "default") == 0))
-                    pick = it;
-            }
-            ct = pick != NULL ? cJSON_GetObjectItemCaseSensitive(pick, "template") : NULL;
-        }
-        if (cJSON_IsString(ct))
-            t = strdup(ct->valuestring);
-        cJSON_Delete(j);
-        from = "tokenizer_config.json";
-    }
-    if (t == NULL) {
-        snprintf(dh->chat_why, sizeof(dh->chat_why),
-                 "chat completions are unavailable: the checkpoint ships no chat template "
-                 "(chat_template.jinja or tokenizer_config.json); use /v1/completions");
-    } else if (pd_chat_template_detect(t, &dh->tmpl, why, sizeof(why)) != 0) {
-        snprintf(dh->chat_why, sizeof(dh->chat_why),
-                 "chat completions are unavailable: the checkpoint's chat template (%s) is not "
-                 "ChatML (<|im_start|>role ... <|im_end|>), the only format this server renders; "
-                 "use /v1/completions with a prompt you format yourself", from);
-    } else {
-        dh->chat_ok = 1;
-    }
-    if (!dh->chat_ok)
-        PD_LOG_WARN("http", "%s", dh->chat_why);
-    free(t);
-    return PD_OK;
 }
 
 /* --generation-config: "auto" (NULL) reads model_dir/generation_config.json, "none" nothing,
@@ -2406,9 +2341,7 @@ pd_status decode_http_create(decode_server *s, const decode_http_config *cfg, de
         const char *base = strrchr(tmp, '/');
         snprintf(dh->model, sizeof(dh->model), "%.255s", base != NULL ? base + 1 : tmp);
     }
-    pd_status st = check_template(dh, cfg->model_dir != NULL ? cfg->model_dir : ".", cfg->chat_template, err);
-    if (st == PD_OK)
-        st = load_gen_defaults(dh, cfg->model_dir != NULL ? cfg->model_dir : ".", cfg->generation_config, err);
+    pd_status st = load_gen_defaults(dh, cfg->model_dir != NULL ? cfg->model_dir : ".", cfg->generation_config, err);
     if (st != PD_OK)
         goto err_free;
     char model_path[300];

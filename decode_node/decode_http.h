@@ -31,9 +31,6 @@ typedef struct {
     size_t max_body;               /* bytes; 0 = 8 MiB */
     int reasoning;                 /* --reasoning-parser qwen3: a chat reply's <think>...</think>
                                     * is returned as reasoning_content */
-    const char *chat_template;     /* --chat-template: a template file, or the template itself
-                                    * (text with "{{" or "{%"), instead of the checkpoint's; NULL:
-                                    * the checkpoint's */
     const char *generation_config; /* --generation-config: NULL/"auto" (the model's
                                     * generation_config.json), "none", or a directory: the
                                     * sampling defaults of requests that leave fields out */

@@ -282,6 +282,7 @@ int main(int argc, char **argv)
         return 1;
     }
     cfg.observer = decode_metrics_observer(dm);
+    cfg.chat_template = chat_template;
     if (decode_server_create(&cfg, &s, &err) != PD_OK) {
         fprintf(stderr, PROG ": %s\n", err.msg);
         return 1;
@@ -304,8 +305,7 @@ int main(int argc, char **argv)
     if (http_addr != NULL) {
         decode_http_config hc = { .addr = http_addr, .model_dir = cfg.model_dir, .metrics = reg,
                                   .dm = dm, .reasoning = reasoning, .model_name = served_name,
-                                  .api_key = api_key, .chat_template = chat_template,
-                                  .generation_config = generation_config };
+                                  .api_key = api_key, .generation_config = generation_config };
         if (decode_http_create(s, &hc, &http, &err) != PD_OK) {
             fprintf(stderr, PROG ": --http %s: %s\n", http_addr, err.msg);
             pd_rpc_server_destroy(rpc);

@@ -98,6 +98,9 @@ typedef struct { int start, n; } aux_seg;
 struct decode_server {
     decode_config cfg;
     char *model_dir, *draft_dir, *device, *prefill;
+    pd_chat_template chat;          /* decode_server_chat_template, when chat_ok */
+    int chat_ok;
+    char chat_why[256];
     kern_backend *be;
     pd_qwen3_model *tm;
     pd_cp_targets cp_targets;   /* --colocated CP on a device backend: the targets of ranks 1.. */
@@ -1829,6 +1832,13 @@ static char *dup_or_null(const char *p)
     return p != NULL ? strdup(p) : NULL;
 }
 
+const pd_chat_template *decode_server_chat_template(const decode_server *s, const char **why)
+{
+    if (why != NULL)
+        *why = s->chat_ok ? NULL : s->chat_why;
+    return s->chat_ok ? &s->chat : NULL;
+}
+
 pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd_err *err)
 {
     if (cfg->model_dir == NULL || cfg->draft_dir == NULL)
@@ -1849,6 +1859,7 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
     s->cfg.device = s->device;
     s->cfg.prefill = s->prefill;
     s->cfg.cp_strategy = NULL;
+    s->cfg.chat_template = NULL;
     if (s->cfg.max_batch <= 0)
         s->cfg.max_batch = 64;
     if (s->cfg.max_queue <= 0)
@@ -1868,6 +1879,11 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
         st = pd_err_set(err, PD_ERR_NOMEM, "decode config");
         goto err_destroy;
     }
+    if ((st = pd_chat_template_load(s->model_dir, cfg->chat_template, &s->chat, &s->chat_ok, s->chat_why,
+                                    sizeof(s->chat_why), err)) != PD_OK)
+        goto err_destroy;
+    if (!s->chat_ok)
+        PD_LOG_WARN("decode", "%s", s->chat_why);
     kern_backend_config bc = { .name = s->device, .f32 = cfg->f32 };
     if ((st = kern_backend_create(&bc, &s->be, err)) != PD_OK)
         goto err_destroy;

@@ -10,10 +10,14 @@
  * - the tool-call grammar (Hermes format): calls that follow the schema accepted, others not;
  * - the output parser: content, <think> reasoning and <tool_call> blocks split the same whether
  *   the text comes whole or a byte at a time, tags split across feeds held back, bad blocks kept
- *   as content. */
+ *   as content;
+ * - pd_chat_template_load: chat_template.jinja, tokenizer_config.json (string and named list),
+ *   none, not ChatML, and --chat-template given as text or a file. */
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "pd_chat.h"
 #include "test_util.h"
@@ -625,8 +629,81 @@ static void test_render_fuzz(void)
                    rendered, refused);
 }
 
+static void write_text(const char *dir, const char *name, const char *text)
+{
+    char path[512];
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    FILE *f = fopen(path, "w");
+    TEST_CHECK(f != NULL);
+    if (f != NULL) {
+        fputs(text, f);
+        fclose(f);
+    }
+}
+
+static void remove_text(const char *dir, const char *name)
+{
+    char path[512];
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    unlink(path);
+}
+
+/* pd_chat_template_load from a checkpoint directory and from --chat-template */
+static void test_template_load(void)
+{
+    static const char *chatml = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+                                "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+                                "{{ '<|im_start|>assistant\\n' }}{% endif %}";
+    char dir[] = "/tmp/pd_chat_XXXXXX";
+    TEST_CHECK(mkdtemp(dir) != NULL);
+    pd_chat_template t;
+    pd_err err;
+    char why[256];
+    int usable = -1;
+    /* no template at all: chat unavailable, said so */
+    TEST_CHECK(pd_chat_template_load(dir, NULL, &t, &usable, why, sizeof(why), &err) == PD_OK);
+    TEST_CHECK_MSG(usable == 0 && strstr(why, "no chat template") != NULL, "no template: %d '%s'", usable, why);
+    /* tokenizer_config.json, a list: the one named "default" */
+    cJSON *cj = cJSON_CreateObject(), *list = cJSON_AddArrayToObject(cj, "chat_template");
+    cJSON *other = cJSON_CreateObject(), *def = cJSON_CreateObject();
+    cJSON_AddStringToObject(other, "name", "tool_use");
+    cJSON_AddStringToObject(other, "template", "[INST] {{ m }} [/INST]");
+    cJSON_AddStringToObject(def, "name", "default");
+    cJSON_AddStringToObject(def, "template", chatml);
+    cJSON_AddItemToArray(list, other);
+    cJSON_AddItemToArray(list, def);
+    char *cfg = cJSON_PrintUnformatted(cj);
+    write_text(dir, "tokenizer_config.json", cfg);
+    free(cfg);
+    cJSON_Delete(cj);
+    TEST_CHECK(pd_chat_template_load(dir, NULL, &t, &usable, why, sizeof(why), &err) == PD_OK);
+    TEST_CHECK_MSG(usable == 1, "tokenizer_config.json list: %d '%s'", usable, why);
+    /* chat_template.jinja wins; not ChatML: unavailable, naming the file */
+    write_text(dir, "chat_template.jinja", "{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}");
+    TEST_CHECK(pd_chat_template_load(dir, NULL, &t, &usable, why, sizeof(why), &err) == PD_OK);
+    TEST_CHECK_MSG(usable == 0 && strstr(why, "chat_template.jinja") != NULL && strstr(why, "ChatML") != NULL,
+                   "non-ChatML template: %d '%s'", usable, why);
+    write_text(dir, "chat_template.jinja", chatml);
+    TEST_CHECK(pd_chat_template_load(dir, NULL, &t, &usable, why, sizeof(why), &err) == PD_OK && usable == 1);
+    /* --chat-template: text, a file, a missing file, not ChatML */
+    TEST_CHECK(pd_chat_template_load(dir, chatml, &t, &usable, why, sizeof(why), &err) == PD_OK && usable == 1);
+    char path[512];
+    snprintf(path, sizeof(path), "%s/chat_template.jinja", dir);
+    TEST_CHECK(pd_chat_template_load("/nonexistent", path, &t, &usable, why, sizeof(why), &err) == PD_OK &&
+               usable == 1);
+    snprintf(path, sizeof(path), "%s/nope.jinja", dir);
+    pd_status st = pd_chat_template_load(dir, path, &t, &usable, why, sizeof(why), &err);
+    TEST_CHECK_MSG(st == PD_ERR_IO && strstr(err.msg, "no such file") != NULL, "missing file: %s", err.msg);
+    st = pd_chat_template_load(dir, "[INST] {{ m }} [/INST]", &t, &usable, why, sizeof(why), &err);
+    TEST_CHECK_MSG(st == PD_ERR_INVALID && strstr(err.msg, "ChatML") != NULL, "given non-ChatML: %s", err.msg);
+    remove_text(dir, "chat_template.jinja");
+    remove_text(dir, "tokenizer_config.json");
+    rmdir(dir);
+}
+
 int main(void)
 {
+    test_template_load();
     test_detect();
     test_render_fixture();
     test_render_errors();

@@ -328,6 +328,28 @@ def chatml(messages):
                    for m in messages) + "<|im_start|>assistant\n"
 
 
+def test_grpc_chat(bin_dir, node, odd_node):
+    """gRPC Generate's messages (pdspark-client --chat): the node renders them with its chat
+    template, so the reply is the completion of that ChatML text; a node whose template is not
+    ChatML refuses them by name."""
+    client = os.path.join(bin_dir, "pdspark-client")
+    msgs = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+    st, b = post_json(node, "/v1/completions", {"prompt": chatml(msgs), "max_tokens": 12, "temperature": 0})
+    want = b["choices"][0]["text"] if st == 200 else None
+    out = subprocess.run([client, "--server", node.grpc, "--chat", "--system", msgs[0]["content"],
+                          "--prompt", msgs[1]["content"], "--max-new-tokens", "12", "--temperature", "0",
+                          "--skip-special-tokens", "--json"], capture_output=True, text=True, timeout=60)
+    got = json.loads(out.stdout.strip().splitlines()[-1])["text"] if out.returncode == 0 else None
+    check(want is not None and got == want, "gRPC chat %r == completion of its ChatML %r (%s)" % (got, want, out.stderr))
+    out = subprocess.run([client, "--server", odd_node.grpc, "--chat", "--prompt", "hi"],
+                         capture_output=True, text=True, timeout=60)
+    check(out.returncode == 1 and "ChatML" in out.stderr, "gRPC chat on a non-ChatML node: %d %s" %
+          (out.returncode, out.stderr))
+    out = subprocess.run([client, "--server", node.grpc, "--system", "x", "--prompt", "hi"],
+                         capture_output=True, text=True, timeout=60)
+    check(out.returncode == 2 and "--chat" in out.stderr, "pdspark-client --system without --chat: %s" % out.stderr)
+
+
 LP_REF = {}   # prompt -> token_logprobs of the colocated node (the disaggregated test compares)
 
 
@@ -1767,6 +1789,8 @@ def main():
         st, body = post_json(node, "/v1/completions", {"prompt": prompt, "max_tokens": N,
                                                        "temperature": 0})
         check(st == 200 and body["choices"][0]["text"] == want, "serving after errors")
+
+        test_grpc_chat(bin_dir, node, odd_node)
 
         # ---- chat refused for a non-ChatML checkpoint; completions still work there
         st, body = post_json(odd_node, "/v1/chat/completions", {"messages": msgs, "max_tokens": 4})

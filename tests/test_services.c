@@ -34,6 +34,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "pd_chat.h"
 #include "pd_proto_version.h"
 #include "pd_rpc.h"
 #include "pd_xfer.h"
@@ -136,6 +137,9 @@ typedef struct {
     uint32_t version;         /* 0 = PD_PROTO_VERSION */
     int disconnect_after;     /* > 0: cancel after this many chunks */
     char *stop;               /* one stop string, or NULL */
+    Pdspark__ChatMessage **msgs;   /* GenerateRequest.messages */
+    size_t n_msgs;
+    uint32_t thinking;        /* GenerateRequest.enable_thinking */
     /* results */
     pd_status st;
     char msg[512];
@@ -167,6 +171,9 @@ static void gen_run(pd_rpc_channel *ch, gen_call *g)
     rq.sampling = &sp;
     rq.timeout_ms = g->timeout_ms;
     rq.return_token_ids = 1;
+    rq.n_messages = g->n_msgs;
+    rq.messages = g->msgs;
+    rq.enable_thinking = g->thinking;
     pd_err err = {0};
     pd_rpc_stream *s = NULL;
     double t0 = now_ms();
@@ -407,6 +414,52 @@ static void test_services_bad_input(void)
                    strstr(sg.out, "return") == NULL && sg.out[0] != 0,
                    "stop string: %s %s finish %d text '%s'", pd_status_str(sg.st), sg.msg, sg.finish, sg.out);
 
+    /* chat messages: rendered by the node's chat template, so the reply is the one the same
+     * text sent as the prompt gets (rendered here from the checkpoint's template) */
+    pd_chat_template tp;
+    int usable = 0;
+    char why[256];
+    TEST_CHECK(pd_chat_template_load(TARGET, NULL, &tp, &usable, why, sizeof(why), &err) == PD_OK && usable);
+    Pdspark__ChatMessage cm[2], *cmp[2] = { &cm[0], &cm[1] };
+    for (int i = 0; i < 2; i++) {
+        pdspark__chat_message__init(&cm[i]);
+        cm[i].version = PD_PROTO_VERSION;
+    }
+    cm[0].role = "system";
+    cm[0].content = "You write Python.";
+    cm[1].role = "user";
+    cm[1].content = "def fib(n):";
+    gen_call cg = { .max_new = 24, .top_p = 1.0f, .msgs = cmp, .n_msgs = 2 };
+    gen_run(ch, &cg);
+    cJSON *arr = cJSON_Parse("[{\"role\": \"system\", \"content\": \"You write Python.\"},"
+                             " {\"role\": \"user\", \"content\": \"def fib(n):\"}]");
+    pd_chat_opts co = PD_CHAT_OPTS_DEFAULT;
+    char *ctext = NULL;
+    size_t clen = 0;
+    TEST_CHECK(pd_chat_render(&tp, arr, NULL, &co, &ctext, &clen, why, sizeof(why)) == 0);
+    cJSON_Delete(arr);
+    gen_call pg = { .max_new = 24, .top_p = 1.0f, .text = ctext };
+    gen_run(ch, &pg);
+    TEST_CHECK_MSG(cg.st == PD_OK && pg.st == PD_OK && cg.tokens > 0 && strcmp(cg.out, pg.out) == 0,
+                   "chat messages: %s %s '%s', its rendered text as the prompt: %s '%s'", pd_status_str(cg.st),
+                   cg.msg, cg.out, pd_status_str(pg.st), pg.out);
+    free(ctext);
+    cg.text = "hello";
+    gen_run(ch, &cg);
+    expect(&cg, PD_ERR_INVALID, "one of prompt_text", "messages and prompt_text");
+    cg.text = NULL;
+    cm[1].version = PD_PROTO_VERSION + 3;
+    gen_run(ch, &cg);
+    expect(&cg, PD_ERR_INVALID, "messages[1]: protocol version", "a message of another version");
+    cm[1].version = PD_PROTO_VERSION;
+    cm[1].role = "wizard";
+    gen_run(ch, &cg);
+    expect(&cg, PD_ERR_INVALID, "wizard", "an unknown role");
+    cm[1].role = "user";
+    cg.thinking = 3;
+    gen_run(ch, &cg);
+    expect(&cg, PD_ERR_INVALID, "enable_thinking", "enable_thinking 3");
+
     /* the decode node keeps serving */
     gen_call ok = { .max_new = 16, .top_p = 1.0f };
     prompt_ids(&ok, 40, 3);
@@ -425,7 +478,8 @@ static void test_services_bad_input(void)
 
 /* Mutated Generate requests: a request with most fields set is packed, 1-4 of its bytes changed
  * (or it is cut), and what still parses as a GenerateRequest is sent (so fields take random
- * values of their own types: ids, floats, strings, nested messages). Every answer is a result
+ * values of their own types: ids, floats, strings, nested messages); every other case starts
+ * from the same request as chat messages. Every answer is a result
  * or an error the client caused (INVALID_ARGUMENT, a deadline, busy), never a dropped
  * connection or an internal error; the node then serves a normal request. PD_FUZZ_N sets the
  * count (default 600). */
@@ -475,15 +529,31 @@ static void test_services_fuzz(void)
     rq.return_token_ids = 1;
     rq.logprobs = 1;
     rq.top_logprobs = 3;
-    size_t len = protobuf_c_message_get_packed_size(&rq.base);
-    uint8_t *base = malloc(len), *buf = malloc(len);
-    protobuf_c_message_pack(&rq.base, base);
+    /* and the same request as a chat (every other case): two messages instead of the text */
+    Pdspark__ChatMessage cm[2], *cmp[2] = { &cm[0], &cm[1] };
+    for (int i = 0; i < 2; i++) {
+        pdspark__chat_message__init(&cm[i]);
+        cm[i].version = PD_PROTO_VERSION;
+        cm[i].role = i == 0 ? "system" : "user";
+        cm[i].content = i == 0 ? "You write Python." : "def fib(n):";
+    }
+    Pdspark__GenerateRequest rc = rq;
+    rc.prompt_text = "";
+    rc.n_messages = 2;
+    rc.messages = cmp;
+    rc.enable_thinking = 1;
+    size_t len_t = protobuf_c_message_get_packed_size(&rq.base), len_c = protobuf_c_message_get_packed_size(&rc.base);
+    size_t cap = len_t > len_c ? len_t : len_c;
+    uint8_t *base_t = malloc(cap), *base_c = malloc(cap), *buf = malloc(cap);
+    protobuf_c_message_pack(&rq.base, base_t);
+    protobuf_c_message_pack(&rc.base, base_c);
     const char *env = getenv("PD_FUZZ_N");
     int n = env != NULL ? atoi(env) : 600, sent = 0, counts[PD_ERR_INTERNAL + 1] = {0};
     uint64_t x = 0x9e3779b97f4a7c15ull;
     for (int i = 0; i < n; i++) {
+        const uint8_t *base = i % 2 ? base_c : base_t;
+        size_t len = i % 2 ? len_c : len_t, used = len;
         memcpy(buf, base, len);
-        size_t used = len;
         x = x * 6364136223846793005ull + 1442695040888963407ull;
         int k = 1 + (int)((x >> 33) % 4);
         for (int j = 0; j < k; j++) {
@@ -529,7 +599,8 @@ static void test_services_fuzz(void)
     gen_run(ch, &ok);
     TEST_CHECK_MSG(ok.st == PD_OK && ok.tokens >= 1, "serving after the fuzz: %s %s", pd_status_str(ok.st),
                    ok.msg);
-    free(base);
+    free(base_t);
+    free(base_c);
     free(buf);
     pd_rpc_channel_destroy(ch);
     node_stop(&dn, SIGTERM);
