@@ -20,8 +20,9 @@
 static void usage(FILE *f)
 {
     fprintf(f,
-            "usage: pdspark-client --server HOST:PORT (--prompt TEXT | --prompt-ids FILE | --health)\n"
-            "                      [--chat [--system TEXT] [--thinking on|off]] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
+            "usage: pdspark-client --server HOST:PORT (--prompt TEXT | --prompt-ids FILE | --messages FILE\n"
+            "                      | --health) [--chat [--system TEXT]] [--thinking on|off]\n"
+            "                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
             "                      [--min-p P] [--seed S] [--ignore-eos] [--skip-special-tokens]\n"
             "                      [--timeout-ms N]\n"
             "                      [--request-id ID]\n"
@@ -38,12 +39,92 @@ static void usage(FILE *f)
             "both. --health prints the node's Health as JSON. --disconnect-after N drops the\n"
             "connection after N chunks (tests). --verify / --verify-threshold pick this request's\n"
             "DSpark verification policy (default: the node's). --chat sends --prompt as a user\n"
-            "message (after a --system message) that the node renders with its chat template\n"
-            "(the reply is the raw text, <think> included); --thinking sets enable_thinking.\n"
+            "message (after a --system message), --messages FILE a JSON array of {\"role\",\n"
+            "\"content\"} turns; the node renders them with its chat template (the reply is the raw\n"
+            "text, <think> included); --thinking sets enable_thinking.\n"
             "--logprobs N (0..20) asks for each\n"
             "token's logprob and its N likeliest alternatives: --json then adds \"logprobs\": [{\"id\",\n"
             "\"logprob\", \"top\": [[id, logprob], ...]}, ...]. Errors print 'pdspark-client: CODE: message'\n"
             "and exit 1 (2 for bad flags).\n");
+}
+
+/* GenerateRequest.messages of --chat / --messages */
+typedef struct {
+    Pdspark__ChatMessage *m, **ptr;
+    int n;
+    cJSON *doc;                      /* --messages: the strings point into it */
+} chat_turns;
+
+static int turns_alloc(chat_turns *t, int n)
+{
+    t->m = calloc((size_t)n, sizeof(*t->m));
+    t->ptr = calloc((size_t)n, sizeof(*t->ptr));
+    if (t->m == NULL || t->ptr == NULL) {
+        fprintf(stderr, PROG ": out of memory\n");
+        return -1;
+    }
+    for (int i = 0; i < n; i++) {
+        pdspark__chat_message__init(&t->m[i]);
+        t->m[i].version = PD_PROTO_VERSION;
+        t->ptr[i] = &t->m[i];
+    }
+    t->n = n;
+    return 0;
+}
+
+static void turns_free(chat_turns *t)
+{
+    free(t->m);
+    free(t->ptr);
+    cJSON_Delete(t->doc);
+}
+
+/* --chat: [system,] user */
+static int chat_from_prompt(chat_turns *t, const char *system_text, const char *prompt)
+{
+    if (turns_alloc(t, system_text != NULL ? 2 : 1) != 0)
+        return -1;
+    int i = 0;
+    if (system_text != NULL) {
+        t->m[i].role = "system";
+        t->m[i++].content = (char *)system_text;
+    }
+    t->m[i].role = "user";
+    t->m[i].content = (char *)prompt;
+    return 0;
+}
+
+/* --messages FILE: a JSON array of {"role": string, "content": string} (the server checks the
+ * roles and the order) */
+static int chat_from_file(chat_turns *t, const char *path)
+{
+    char *text = NULL;
+    pd_err err;
+    if (pd_cli_read_text(path, &text, &err) != PD_OK) {
+        fprintf(stderr, PROG ": --messages: %s\n", err.msg);
+        return -1;
+    }
+    t->doc = cJSON_Parse(text);
+    free(text);
+    int n = cJSON_GetArraySize(t->doc);
+    if (!cJSON_IsArray(t->doc) || n == 0) {
+        fprintf(stderr, PROG ": --messages %s: not a JSON array of messages\n", path);
+        return -1;
+    }
+    if (turns_alloc(t, n) != 0)
+        return -1;
+    int i = 0;
+    for (const cJSON *m = t->doc->child; m != NULL; m = m->next, i++) {
+        const cJSON *role = cJSON_GetObjectItemCaseSensitive(m, "role");
+        const cJSON *content = cJSON_GetObjectItemCaseSensitive(m, "content");
+        if (!cJSON_IsString(role) || !cJSON_IsString(content)) {
+            fprintf(stderr, PROG ": --messages %s: message %d needs a string \"role\" and \"content\"\n", path, i);
+            return -1;
+        }
+        t->m[i].role = role->valuestring;
+        t->m[i].content = content->valuestring;
+    }
+    return 0;
 }
 
 typedef struct {
@@ -126,6 +207,7 @@ static int do_health(pd_rpc_channel *ch, int64_t timeout_ms)
 int main(int argc, char **argv)
 {
     const char *server = NULL, *prompt = NULL, *ids_path = NULL, *req_id = NULL, *system_text = NULL;
+    const char *msgs_path = NULL;
     int chat = 0, thinking = 0;   /* thinking: GenerateRequest.enable_thinking */
     int max_new = 128, top_k = 0, json = 0, stream = 0, ignore_eos = 0, health = 0, skip_special = 0;
     int disconnect_after = -1, logprobs = -1;
@@ -141,7 +223,7 @@ int main(int argc, char **argv)
     enum { O_SERVER = 256, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_IGNORE,
            O_TMO, O_RID, O_JSON, O_STREAM, O_DISC, O_HEALTH, O_STOP, O_VERIFY, O_VTHRESH, O_LOGPROBS,
            O_PRES, O_FREQ, O_REP, O_BIAS, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_GRAMMAR, O_SKIPSP,
-           O_MINP, O_CHAT, O_SYSTEM, O_THINK, O_HELP };
+           O_MINP, O_CHAT, O_SYSTEM, O_THINK, O_MSGS, O_HELP };
     static const struct option opts[] = {
         {"server", required_argument, 0, O_SERVER}, {"prompt", required_argument, 0, O_PROMPT},
         {"prompt-ids", required_argument, 0, O_IDS}, {"max-new-tokens", required_argument, 0, O_MAXNEW},
@@ -149,7 +231,7 @@ int main(int argc, char **argv)
         {"top-p", required_argument, 0, O_TOPP}, {"seed", required_argument, 0, O_SEED},
         {"min-p", required_argument, 0, O_MINP},
         {"chat", no_argument, 0, O_CHAT}, {"system", required_argument, 0, O_SYSTEM},
-        {"thinking", required_argument, 0, O_THINK},
+        {"thinking", required_argument, 0, O_THINK}, {"messages", required_argument, 0, O_MSGS},
         {"ignore-eos", no_argument, 0, O_IGNORE}, {"timeout-ms", required_argument, 0, O_TMO},
         {"skip-special-tokens", no_argument, 0, O_SKIPSP},
         {"request-id", required_argument, 0, O_RID}, {"json", no_argument, 0, O_JSON},
@@ -182,6 +264,7 @@ int main(int argc, char **argv)
         case O_MINP: bad = pd_cli_parse_float(PROG, "--min-p", optarg, &min_p); break;
         case O_CHAT: chat = 1; break;
         case O_SYSTEM: system_text = optarg; break;
+        case O_MSGS: msgs_path = optarg; break;
         case O_THINK:
             if (strcmp(optarg, "on") != 0 && strcmp(optarg, "off") != 0) {
                 fprintf(stderr, PROG ": --thinking takes on or off, not '%s'\n", optarg);
@@ -233,12 +316,12 @@ int main(int argc, char **argv)
         fprintf(stderr, PROG ": --server HOST:PORT is required\n");
         return 2;
     }
-    if (!health && (prompt == NULL) == (ids_path == NULL)) {
-        fprintf(stderr, PROG ": give exactly one of --prompt TEXT or --prompt-ids FILE\n");
+    if (!health && (prompt != NULL) + (ids_path != NULL) + (msgs_path != NULL) != 1) {
+        fprintf(stderr, PROG ": give exactly one of --prompt TEXT, --prompt-ids FILE or --messages FILE\n");
         return 2;
     }
-    if ((system_text != NULL || thinking != 0) && !chat) {
-        fprintf(stderr, PROG ": --system and --thinking need --chat\n");
+    if ((system_text != NULL && !chat) || (thinking != 0 && !chat && msgs_path == NULL)) {
+        fprintf(stderr, PROG ": --system needs --chat, --thinking --chat or --messages\n");
         return 2;
     }
     if (chat && prompt == NULL) {
@@ -272,6 +355,15 @@ int main(int argc, char **argv)
         }
         for (int i = 0; i < n_ids; i++)
             uids[i] = (uint32_t)ids[i];   /* negative ids wrap and the server refuses them */
+    }
+    chat_turns turns = {0};
+    if (chat ? chat_from_prompt(&turns, system_text, prompt) : msgs_path != NULL ? chat_from_file(&turns, msgs_path)
+                                                                                 : 0) {
+        turns_free(&turns);
+        free(uids);
+        free(ids);
+        pd_rpc_channel_destroy(ch);
+        return 2;
     }
     Pdspark__SamplingParams sp = PDSPARK__SAMPLING_PARAMS__INIT;
     sp.version = PD_PROTO_VERSION;
@@ -311,27 +403,9 @@ int main(int argc, char **argv)
     rq.version = PD_PROTO_VERSION;
     rq.request_id = (char *)(req_id != NULL ? req_id : "");
     rq.prompt_text = (char *)(prompt != NULL && !chat ? prompt : "");
-    Pdspark__ChatMessage cm[2], *cmp[2];
-    if (chat) {
-        for (int i = 0; i < 2; i++) {
-            pdspark__chat_message__init(&cm[i]);
-            cm[i].version = PD_PROTO_VERSION;
-        }
-        size_t nm = 0;
-        if (system_text != NULL) {
-            cm[nm].role = "system";
-            cm[nm].content = (char *)system_text;
-            cmp[nm] = &cm[nm];
-            nm++;
-        }
-        cm[nm].role = "user";
-        cm[nm].content = (char *)prompt;
-        cmp[nm] = &cm[nm];
-        nm++;
-        rq.n_messages = nm;
-        rq.messages = cmp;
-        rq.enable_thinking = (uint32_t)thinking;
-    }
+    rq.n_messages = (size_t)turns.n;
+    rq.messages = turns.ptr;
+    rq.enable_thinking = (uint32_t)thinking;
     rq.n_prompt_token_ids = (size_t)n_ids;
     rq.prompt_token_ids = uids;
     rq.sampling = &sp;
@@ -479,5 +553,6 @@ out:
     free(a.text);
     free(uids);
     free(ids);
+    turns_free(&turns);
     return rc;
 }

@@ -21,6 +21,7 @@ import os
 import random
 import re
 import socket
+import shutil
 import signal
 import subprocess
 import sys
@@ -341,13 +342,30 @@ def test_grpc_chat(bin_dir, node, odd_node):
                           "--skip-special-tokens", "--json"], capture_output=True, text=True, timeout=60)
     got = json.loads(out.stdout.strip().splitlines()[-1])["text"] if out.returncode == 0 else None
     check(want is not None and got == want, "gRPC chat %r == completion of its ChatML %r (%s)" % (got, want, out.stderr))
+    # the same turns from a file (--messages), and a file that is not an array of messages
+    tmp = tempfile.mkdtemp(prefix="pd_chatmsgs_")
+    path = os.path.join(tmp, "msgs.json")
+    with open(path, "w") as f:
+        json.dump(msgs, f)
+    out = subprocess.run([client, "--server", node.grpc, "--messages", path, "--max-new-tokens", "12",
+                          "--temperature", "0", "--skip-special-tokens", "--json"],
+                         capture_output=True, text=True, timeout=60)
+    got_f = json.loads(out.stdout.strip().splitlines()[-1])["text"] if out.returncode == 0 else None
+    check(got_f == want, "pdspark-client --messages %r == --chat %r (%s)" % (got_f, want, out.stderr))
+    with open(path, "w") as f:
+        json.dump({"role": "user", "content": "hi"}, f)
+    out = subprocess.run([client, "--server", node.grpc, "--messages", path], capture_output=True, text=True,
+                         timeout=60)
+    check(out.returncode == 2 and "not a JSON array" in out.stderr, "--messages not an array: %s" % out.stderr)
+    shutil.rmtree(tmp, ignore_errors=True)
     out = subprocess.run([client, "--server", odd_node.grpc, "--chat", "--prompt", "hi"],
                          capture_output=True, text=True, timeout=60)
     check(out.returncode == 1 and "ChatML" in out.stderr, "gRPC chat on a non-ChatML node: %d %s" %
           (out.returncode, out.stderr))
     out = subprocess.run([client, "--server", node.grpc, "--system", "x", "--prompt", "hi"],
                          capture_output=True, text=True, timeout=60)
-    check(out.returncode == 2 and "--chat" in out.stderr, "pdspark-client --system without --chat: %s" % out.stderr)
+    check(out.returncode == 2 and "--system needs --chat" in out.stderr,
+          "pdspark-client --system without --chat: %s" % out.stderr)
 
 
 LP_REF = {}   # prompt -> token_logprobs of the colocated node (the disaggregated test compares)
