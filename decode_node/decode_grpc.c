@@ -1,6 +1,7 @@
 /* decode_grpc.c - pdspark.Generate over gRPC (decode_grpc.h).
  * Owns: per-call contexts tying a pd_rpc_call to a decode_handle (reference counted: the
- *   handler, the call's on-done and the request's on_done each hold one), chunk encoding.
+ *   handler, the call's on-done and the request's on_done each hold one), chunk encoding, a
+ *   request's chat messages rendered into its prompt (by the server's chat template).
  * Not here: scheduling, validation rules (decode_server.c).
  * Threading: handlers and on-done on the pd_rpc poller thread, on_token/on_done on the engine
  *   thread; the context's mutex orders "handle known" against "client gone". */
