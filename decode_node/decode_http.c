@@ -1,9 +1,9 @@
 /* decode_http.c - OpenAI-compatible HTTP on the decode node (decode_http.h).
  * Owns: the pd_http server (its own libevent thread: see decode_http.h for why not the engine
  *   loop), per-request contexts (http_req) tying an evhttp_request to a decode_handle, request
- *   JSON validation, ChatML rendering and the template check, stop strings (matched on the
- *   detokenized text, a possible partial match held back while streaming), response/SSE/error
- *   encoding, HTTP-side draining.
+ *   JSON validation, chat requests rendered by the server's template
+ *   (decode_server_chat_template), stop strings (matched on the detokenized text, a possible
+ *   partial match held back while streaming), response/SSE/error encoding, HTTP-side draining.
  * Not here: admission and generation (decode_server.c), metrics values (decode_metrics.c).
  * Threading: handlers and every http_req field except refs run on the HTTP thread. Engine
  *   callbacks copy a chunk / result into a message and pd_loop_post it there. An http_req holds

@@ -2,7 +2,8 @@
  * Owns: the pd_engine and its KV pools, the engine thread's pd_loop (steps, a 20 ms tick for
  *   deadlines and UCX progress), the request table (queued -> prefilling -> running -> ended),
  *   admission bounded by free KV pages (FIFO queue, then RESOURCE_EXHAUSTED), streaming
- *   detokenization, and in disaggregated mode the UCX worker (target KV pool, draft KV pool and
+ *   detokenization, the chat template both front ends render by, and in disaggregated mode the
+ *   UCX worker (target KV pool, draft KV pool and
  *   aux arena registered once; every --aux-transfer mode is offered, the reply says which one
  *   the prefill node used), the prefill-node clients (least-loaded choice, reconnect after a
  *   failure) and the Prefill / CancelPrefill calls.
