@@ -134,7 +134,7 @@ pd_status pd_chat_template_load(const char *model_dir, const char *given, pd_cha
         int rc = pd_chat_template_detect(t, out, d, sizeof(d));
         free(t);
         if (rc != 0)
-            return pd_err_set(err, PD_ERR_INVALID, "--chat-template: %s; this server renders ChatML "
+            return pd_err_set(err, PD_ERR_INVALID, "--chat-template: %s; pdspark renders ChatML "
                               "(<|im_start|>role ... <|im_end|>) templates only", d);
         *usable = 1;
         return PD_OK;

@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 #include <time.h>
 
+#include "pd_chat.h"
 #include "pd_cp.h"
 #include "pd_cli.h"
 #include "pd_engine.h"
@@ -30,6 +31,7 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: pdspark-generate --model DIR [--draft DIR | --no-draft]\n"
             "                        (--prompt TEXT | --prompt-ids FILE)\n"
+            "                        [--chat [--system TEXT] [--chat-template FILE|TEXT]]\n"
             "                        [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
             "                        [--min-p P] [--seed S] [--block-size B] [--ignore-eos] [--json]\n"
             "                        [--device cpu|cuda] [--dtype bf16|f32] [--page-size N]\n"
@@ -46,6 +48,8 @@ static void usage(FILE *f)
             "Runs DSpark speculative decoding (or plain target decoding with --no-draft) on one\n"
             "prompt. --prompt-ids reads whitespace-separated token ids. --json prints one object:\n"
             "tokens, text, rounds, accepted_per_round, tau, prompt_tokens, time_ms and more.\n"
+            "--chat makes --prompt a user message (after a --system one) rendered by the\n"
+            "checkpoint's chat template (or --chat-template), as decode_node renders chat requests.\n"
             "--cp-size N > 1 runs the prefill context-parallel over N ranks (threads of this process;\n"
             "on cuda rank r runs on GPU r %% (visible GPUs) with its own copy of the target, NCCL\n"
             "when every rank has a GPU of its own), split by --cp-strategy (default\n"
@@ -68,9 +72,40 @@ static void usage(FILE *f)
             "every pick is masked to what the grammar allows.\n");
 }
 
+/* --chat: [system,] user rendered by the checkpoint's chat template (or --chat-template) */
+static pd_status chat_prompt(const char *model_dir, const char *given, const char *system_text, const char *prompt,
+                             char **out, pd_err *err)
+{
+    pd_chat_template t;
+    int usable = 0;
+    char why[256];
+    pd_status st = pd_chat_template_load(model_dir, given, &t, &usable, why, sizeof(why), err);
+    if (st != PD_OK)
+        return st;
+    if (!usable)
+        return pd_err_set(err, PD_ERR_INVALID, "--chat: %s", why);
+    cJSON *msgs = cJSON_CreateArray();
+    cJSON *sys = system_text != NULL ? cJSON_CreateObject() : NULL, *user = cJSON_CreateObject();
+    if (sys != NULL) {
+        cJSON_AddStringToObject(sys, "role", "system");
+        cJSON_AddStringToObject(sys, "content", system_text);
+        cJSON_AddItemToArray(msgs, sys);
+    }
+    cJSON_AddStringToObject(user, "role", "user");
+    cJSON_AddStringToObject(user, "content", prompt);
+    cJSON_AddItemToArray(msgs, user);
+    pd_chat_opts o = PD_CHAT_OPTS_DEFAULT;
+    size_t len = 0;
+    int rc = pd_chat_render(&t, msgs, NULL, &o, out, &len, why, sizeof(why));
+    cJSON_Delete(msgs);
+    return rc == 0 ? PD_OK : pd_err_set(err, PD_ERR_INVALID, "--chat: %s", why);
+}
+
 int main(int argc, char **argv)
 {
     const char *model_dir = NULL, *draft_dir = NULL, *prompt = NULL, *ids_path = NULL;
+    const char *system_text = NULL, *chat_template = NULL;
+    int chat = 0;
     const char *device = "cpu";
     int no_draft = 0, json = 0, ignore_eos = 0, stream = 0, fast_kernels = 0;
     int max_new = 128, block = 0, page_size = 16, kv_pages = 0, seed = 0, top_k = 0, cp_size = 1;
@@ -88,7 +123,8 @@ int main(int argc, char **argv)
     enum { O_MODEL = 256, O_DRAFT, O_NO_DRAFT, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP,
            O_SEED, O_BLOCK, O_JSON, O_IGNORE, O_DEVICE, O_PAGE, O_PAGES, O_STREAM, O_CP_SIZE,
            O_CP_STRATEGY, O_VERIFY, O_THRESHOLD, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_PRES, O_FREQ,
-           O_REP, O_BIAS, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_GRAMMAR, O_MINP, O_HELP };
+           O_REP, O_BIAS, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_GRAMMAR, O_MINP, O_CHAT,
+           O_SYSTEM, O_CHATTMPL, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"no-draft", no_argument, 0, O_NO_DRAFT}, {"prompt", required_argument, 0, O_PROMPT},
@@ -96,6 +132,8 @@ int main(int argc, char **argv)
         {"temperature", required_argument, 0, O_TEMP}, {"top-k", required_argument, 0, O_TOPK},
         {"top-p", required_argument, 0, O_TOPP}, {"seed", required_argument, 0, O_SEED},
         {"min-p", required_argument, 0, O_MINP},
+        {"chat", no_argument, 0, O_CHAT}, {"system", required_argument, 0, O_SYSTEM},
+        {"chat-template", required_argument, 0, O_CHATTMPL},
         {"block-size", required_argument, 0, O_BLOCK}, {"json", no_argument, 0, O_JSON},
         {"ignore-eos", no_argument, 0, O_IGNORE}, {"device", required_argument, 0, O_DEVICE},
         {"dtype", required_argument, 0, O_DTYPE},
@@ -123,6 +161,9 @@ int main(int argc, char **argv)
         case O_DRAFT: draft_dir = optarg; break;
         case O_NO_DRAFT: no_draft = 1; break;
         case O_PROMPT: prompt = optarg; break;
+        case O_CHAT: chat = 1; break;
+        case O_SYSTEM: system_text = optarg; break;
+        case O_CHATTMPL: chat_template = optarg; break;
         case O_IDS: ids_path = optarg; break;
         case O_MAXNEW: bad = pd_cli_parse_int(PROG, "--max-new-tokens", optarg, 1, 1 << 20, &max_new); break;
         case O_TEMP: bad = pd_cli_parse_float(PROG, "--temperature", optarg, &temperature); break;
@@ -205,6 +246,14 @@ int main(int argc, char **argv)
         fprintf(stderr, "pdspark-generate: give exactly one of --prompt TEXT or --prompt-ids FILE\n");
         return 2;
     }
+    if ((system_text != NULL || chat_template != NULL) && !chat) {
+        fprintf(stderr, "pdspark-generate: --system and --chat-template need --chat\n");
+        return 2;
+    }
+    if (chat && prompt == NULL) {
+        fprintf(stderr, "pdspark-generate: --chat makes --prompt TEXT the user's message\n");
+        return 2;
+    }
 
     pd_err err = {0};
     int rc = 1;
@@ -216,11 +265,13 @@ int main(int argc, char **argv)
     pd_cp_targets cpt = {0};   /* CP on a device backend: the targets of ranks 1.. */
     int32_t *ids = NULL;
     int n_ids = 0;
-    char *text = NULL;
+    char *text = NULL, *chat_text = NULL;
     size_t text_len = 0;
     pd_detok *detok = NULL;
     pd_sps sps = {0};
 
+    if (chat && chat_prompt(model_dir, chat_template, system_text, prompt, &chat_text, &err) != PD_OK)
+        goto fail;
     kern_backend_config bc = { .name = device, .f32 = f32 };
     if (kern_backend_create(&bc, &be, &err) != PD_OK)
         goto fail;
@@ -235,8 +286,9 @@ int main(int argc, char **argv)
         tok = NULL;
     }
     if (prompt != NULL) {
+        const char *pt = chat_text != NULL ? chat_text : prompt;
         size_t n = 0;
-        if (pd_tokenizer_encode(tok, prompt, strlen(prompt), 1, &ids, &n, &err) != PD_OK)
+        if (pd_tokenizer_encode(tok, pt, strlen(pt), 1, &ids, &n, &err) != PD_OK)
             goto fail;
         n_ids = (int)n;
     } else if (pd_cli_read_ids(PROG, ids_path, &ids, &n_ids) != 0) {
@@ -403,6 +455,7 @@ fail:
 out:
     pd_detok_destroy(detok);
     free(text);
+    free(chat_text);
     free(ids);
     free(bias);
     pd_engine_destroy(eng);

@@ -152,6 +152,20 @@ expect_fail "loadsim bad concurrency" "concurrency.*'0'" $ls --model "$T" --conc
 expect_fail "loadsim bad policy" "verify policy 'fast'" $ls --model "$T" --policies target,fast
 expect_fail "loadsim unknown flag" "unknown or incomplete flag '--bogus'" $ls --bogus
 
+# --chat: the prompt as a user message rendered by the checkpoint's template gives the tokens of
+# that ChatML text as the prompt; a non-ChatML --chat-template and --system without --chat refused
+chat_toks=$($gen --model "$T" --draft "$D" --chat --system "You write Python." --prompt "def add(a, b):" \
+    --max-new-tokens 12 --json 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin)["tokens"])')
+raw_toks=$($gen --model "$T" --draft "$D" --prompt $'<|im_start|>system\nYou write Python.<|im_end|>\n<|im_start|>user\ndef add(a, b):<|im_end|>\n<|im_start|>assistant\n' \
+    --max-new-tokens 12 --json 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin)["tokens"])')
+if [ -n "$chat_toks" ] && [ "$chat_toks" = "$raw_toks" ]
+then echo "ok   pdspark-generate --chat equals its ChatML text as the prompt"; ok
+else bad "pdspark-generate --chat: '$chat_toks' vs '$raw_toks'"; fi
+expect_fail "generate --chat-template not ChatML" "renders ChatML" $gen --model "$T" --draft "$D" --chat \
+    --prompt hi --chat-template '[INST] {{ m }} [/INST]'
+expect_fail "generate --system without --chat" "need --chat" $gen --model "$T" --draft "$D" --prompt hi \
+    --system x
+
 # the servers take --dtype too (built with the network stack only)
 if [ -x "$bin/decode_node" ]; then
     expect_fail "decode_node unknown dtype" "dtype: 'f16' is not bf16 or f32" $bin/decode_node --model "$T" \
