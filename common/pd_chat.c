@@ -160,6 +160,27 @@ pd_status pd_chat_template_load(const char *model_dir, const char *given, pd_cha
     return PD_OK;
 }
 
+int pd_chat_render_text(const pd_chat_template *tp, const char *const *roles, const char *const *contents, int n,
+                        const pd_chat_opts *o, char **out, size_t *out_len, char *msg, size_t cap)
+{
+    cJSON *ms = cJSON_CreateArray();
+    for (int i = 0; ms != NULL && i < n; i++) {
+        cJSON *m = cJSON_CreateObject();
+        if (m == NULL || !cJSON_AddItemToArray(ms, m) || cJSON_AddStringToObject(m, "role", roles[i]) == NULL ||
+            cJSON_AddStringToObject(m, "content", contents[i]) == NULL) {
+            cJSON_Delete(ms);
+            ms = NULL;
+        }
+    }
+    if (ms == NULL) {
+        snprintf(msg, cap, "out of memory rendering the messages");
+        return -1;
+    }
+    int rc = pd_chat_render(tp, ms, NULL, o, out, out_len, msg, cap);
+    cJSON_Delete(ms);
+    return rc;
+}
+
 /* ---- Python's json.dumps --------------------------------------------------------------------- */
 
 static int py_string(cbuf *b, const char *s)

@@ -88,6 +88,11 @@ typedef struct {
 int pd_chat_render(const pd_chat_template *tp, const cJSON *messages, const pd_chat_tools *t,
                    const pd_chat_opts *o, char **out, size_t *out_len, char *msg, size_t cap);
 
+/* pd_chat_render of n text turns (roles[i], contents[i]) without tools: what gRPC's
+ * GenerateRequest.messages and pdspark-generate --chat give. */
+int pd_chat_render_text(const pd_chat_template *tp, const char *const *roles, const char *const *contents, int n,
+                        const pd_chat_opts *o, char **out, size_t *out_len, char *msg, size_t cap);
+
 /* Python's json.dumps(v, ensure_ascii=False) (what Jinja's tojson writes in HF templates):
  * ", " and ": " separators, members in their order. Appends to *buf (malloc'd, NUL-ended). */
 int pd_chat_pyjson(const cJSON *v, char **buf, size_t *len, size_t *cap);

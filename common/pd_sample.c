@@ -6,7 +6,6 @@
 
 #include <math.h>
 #include <stdlib.h>
-#include <string.h>
 
 static uint64_t splitmix64(uint64_t *x)
 {

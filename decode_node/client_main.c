@@ -41,11 +41,10 @@ static void usage(FILE *f)
             "DSpark verification policy (default: the node's). --chat sends --prompt as a user\n"
             "message (after a --system message), --messages FILE a JSON array of {\"role\",\n"
             "\"content\"} turns; the node renders them with its chat template (the reply is the raw\n"
-            "text, <think> included); --thinking sets enable_thinking.\n"
-            "--logprobs N (0..20) asks for each\n"
-            "token's logprob and its N likeliest alternatives: --json then adds \"logprobs\": [{\"id\",\n"
-            "\"logprob\", \"top\": [[id, logprob], ...]}, ...]. Errors print 'pdspark-client: CODE: message'\n"
-            "and exit 1 (2 for bad flags).\n");
+            "text, <think> included); --thinking sets enable_thinking. --logprobs N (0..20) asks\n"
+            "for each token's logprob and its N likeliest alternatives: --json then adds\n"
+            "\"logprobs\": [{\"id\", \"logprob\", \"top\": [[id, logprob], ...]}, ...]. Errors print\n"
+            "'pdspark-client: CODE: message' and exit 1 (2 for bad flags).\n");
 }
 
 /* GenerateRequest.messages of --chat / --messages */

@@ -284,29 +284,25 @@ static int chat_prompt(decode_server *s, const Pdspark__GenerateRequest *rq, cha
         snprintf(why, cap, "enable_thinking must be 0 (the template's default), 1 (off) or 2 (on)");
         return -1;
     }
-    cJSON *msgs = cJSON_CreateArray();
-    for (size_t i = 0; msgs != NULL && i < rq->n_messages; i++) {
-        const Pdspark__ChatMessage *m = rq->messages[i];
-        if (m->version != PD_PROTO_VERSION) {
-            snprintf(why, cap, "messages[%zu]: protocol version mismatch", i);
-            cJSON_Delete(msgs);
-            return -1;
-        }
-        cJSON *o = cJSON_CreateObject();
-        if (o == NULL || !cJSON_AddItemToArray(msgs, o) || cJSON_AddStringToObject(o, "role", m->role) == NULL ||
-            cJSON_AddStringToObject(o, "content", m->content) == NULL) {
-            cJSON_Delete(msgs);
-            msgs = NULL;
-        }
-    }
-    if (msgs == NULL) {
+    const char **roles = malloc(rq->n_messages * 2 * sizeof(char *));
+    if (roles == NULL) {
         snprintf(why, cap, "out of memory rendering the messages");
         return -1;
     }
+    const char **contents = roles + rq->n_messages;
+    for (size_t i = 0; i < rq->n_messages; i++) {
+        if (rq->messages[i]->version != PD_PROTO_VERSION) {
+            snprintf(why, cap, "messages[%zu]: protocol version mismatch", i);
+            free(roles);
+            return -1;
+        }
+        roles[i] = rq->messages[i]->role;
+        contents[i] = rq->messages[i]->content;
+    }
     pd_chat_opts o = PD_CHAT_OPTS_DEFAULT;
     o.enable_thinking = rq->enable_thinking == 0 ? -1 : (int)rq->enable_thinking - 1;
-    int rc = pd_chat_render(tp, msgs, NULL, &o, out, len, why, cap);
-    cJSON_Delete(msgs);
+    int rc = pd_chat_render_text(tp, roles, contents, (int)rq->n_messages, &o, out, len, why, cap);
+    free(roles);
     return rc;
 }
 

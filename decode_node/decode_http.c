@@ -1922,10 +1922,10 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     /* parallel_tool_calls false: one call at most (the splitter drops what follows it) */
     r->tools = !chat || tools.choice == PD_TOOLS_NONE ? 0 : tools.parallel ? 1 : 2;
     /* 1: the reply may open <think>; 2: the generation prompt opened it (the reply starts inside) */
-    r->reasoning = !chat || !dh->reasoning                              ? 0
+    r->reasoning = !chat || !dh->reasoning                           ? 0
                    : tmpl->open_think && copts.add_generation_prompt ? 2
-                   : copts.enable_thinking != 0                         ? 1
-                                                                        : 0;
+                   : copts.enable_thinking != 0                      ? 1
+                                                                     : 0;
     r->stream = o.stream;
     for (int i = 0; r->stream && (r->tools || r->reasoning) && i < r->n_choice; i++)
         if ((r->ch[i].cp = pd_chat_parser_create(r->tools, r->reasoning)) == NULL) {
@@ -2242,13 +2242,6 @@ static int ready_fn(void *ud, char *why, size_t cap)
     return 1;
 }
 
-static char *read_file(const char *path)
-{
-    char *t = NULL;
-    pd_err err;
-    return pd_cli_read_text(path, &t, &err) == PD_OK ? t : NULL;   /* absent: look elsewhere */
-}
-
 /* --generation-config: "auto" (NULL) reads model_dir/generation_config.json, "none" nothing,
  * else DIR/generation_config.json; its temperature, top_p, top_k, min_p, repetition_penalty
  * and max_new_tokens become the defaults of requests that leave them out (vLLM's defaults). A file
@@ -2260,8 +2253,9 @@ static pd_status load_gen_defaults(decode_http *dh, const char *model_dir, const
     char path[4096];
     snprintf(path, sizeof(path), "%s/generation_config.json", which == NULL || strcmp(which, "auto") == 0
                                                                   ? model_dir : which);
-    char *txt = read_file(path);
-    if (txt == NULL) {
+    char *txt = NULL;
+    pd_err rerr;
+    if (pd_cli_read_text(path, &txt, &rerr) != PD_OK) {
         if (which == NULL || strcmp(which, "auto") == 0)
             return PD_OK;
         return pd_err_set(err, PD_ERR_IO, "--generation-config: cannot read %.300s", path);

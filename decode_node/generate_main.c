@@ -84,20 +84,11 @@ static pd_status chat_prompt(const char *model_dir, const char *given, const cha
         return st;
     if (!usable)
         return pd_err_set(err, PD_ERR_INVALID, "--chat: %s", why);
-    cJSON *msgs = cJSON_CreateArray();
-    cJSON *sys = system_text != NULL ? cJSON_CreateObject() : NULL, *user = cJSON_CreateObject();
-    if (sys != NULL) {
-        cJSON_AddStringToObject(sys, "role", "system");
-        cJSON_AddStringToObject(sys, "content", system_text);
-        cJSON_AddItemToArray(msgs, sys);
-    }
-    cJSON_AddStringToObject(user, "role", "user");
-    cJSON_AddStringToObject(user, "content", prompt);
-    cJSON_AddItemToArray(msgs, user);
+    const char *roles[2] = { "system", "user" }, *contents[2] = { system_text, prompt };
+    const int first = system_text != NULL ? 0 : 1;
     pd_chat_opts o = PD_CHAT_OPTS_DEFAULT;
     size_t len = 0;
-    int rc = pd_chat_render(&t, msgs, NULL, &o, out, &len, why, sizeof(why));
-    cJSON_Delete(msgs);
+    int rc = pd_chat_render_text(&t, roles + first, contents + first, 2 - first, &o, out, &len, why, sizeof(why));
     return rc == 0 ? PD_OK : pd_err_set(err, PD_ERR_INVALID, "--chat: %s", why);
 }
 
