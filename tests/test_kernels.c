@@ -11,7 +11,9 @@
  *              markov_step, markov_chain, probs, sample, spec_verify; invariance: only the
  *              bit-for-bit batch-invariance checks)
  *   --perf     also run the large perf cases and time every case on CUDA (median of 5 runs of
- *              20 back-to-back calls), printing GB/s, TFLOP/s and the fraction of the roofline
+ *              20 back-to-back calls), printing GB/s, TFLOP/s and the fraction of the roofline;
+ *              linear cases also as a CUDA graph of 100 calls, with the weights hot in the L2
+ *              and cold (rotated copies), see perf_linear_graph
  *   --invariant  run the cases with be->batch_invariant set on the CUDA backend (the kernels of
  *              decode rounds; e.g. linear uses the skinny kernel for every m, not only m = 1)
  *   --self     compare the CPU backend with itself (checks this harness on a machine without
@@ -175,7 +177,7 @@ typedef struct {
 } options;
 
 static options opts;
-static char perf_note[512];
+static char perf_note[1024];
 /* 1 in the bf16-activation pass: every element an op wrote must be a bf16 value */
 static int expect_bf16;
 
@@ -228,6 +230,71 @@ static void perf_report(kern_backend *be, op_fn fn, const void *args, double byt
              "      perf: %9.2f us  %8.1f GB/s  %7.2f TFLOP/s  roofline %5.1f%% (floor %.2f us, %s)\n",
              s * 1e6, bytes / s * 1e-9, flops / s * 1e-12, 100.0 * floor_s / s, floor_s * 1e6,
              bytes / ROOF_BW > flops / ROOF_BF16 ? "bytes" : "flops");
+}
+
+/* --perf for the linear op, as a decode step runs it: 100 calls captured in one graph (each a
+ * programmatic dependent launch of the previous, as in the engine), replayed; median of 5
+ * replays over 100. "hot" repeats the same weights, so weights that fit the L2 (50 MB on an
+ * H200) come from it; "cold" rotates through copies of them (>= 256 MB in all, or 1 copy of a
+ * larger weight), so every call reads its weights from DRAM as a step's layers do. Skipped on
+ * host backends (--self). */
+static void perf_linear_graph(kern_backend *be, const kern_linear_args *ag, double wbytes, double bytes)
+{
+    if (!opts.opt_perf || kern_backend_stream(be) == NULL)
+        return;
+    enum { CALLS = 100, MAX_COPIES = 32 };
+    int copies = wbytes >= 256e6 ? 1 : (int)(256e6 / wbytes) + 1;
+    copies = copies > MAX_COPIES ? MAX_COPIES : copies;
+    kern_linear_args a[MAX_COPIES];
+    kern_buf *bufs[MAX_COPIES * KERN_LINEAR_MAX_W] = {0};
+    int nb = 0;
+    pd_err err;
+    a[0] = *ag;
+    for (int r = 1; r < copies; r++) {
+        a[r] = *ag;
+        for (int i = 0; i < ag->n_w; i++) {
+            size_t n = (size_t)(ag->w[i].rows * ag->w[i].cols) * kern_dtype_size(ag->w[i].dtype);
+            void *h = malloc(n);
+            kern_buf *b = NULL;
+            if (h == NULL || fatal_status(kern_buf_alloc(be, n, &b, &err), &err, "perf copy alloc") ||
+                fatal_status(kern_download(be, h, ag->w[i].data, n, &err), &err, "perf copy") ||
+                fatal_status(kern_upload(be, b->ptr, h, n, &err), &err, "perf copy"))
+                exit(1);
+            free(h);
+            bufs[nb++] = b;
+            a[r].w[i].data = b->ptr;
+        }
+    }
+    double med[2];
+    for (int cold = 0; cold < 2; cold++) {
+        void *graph = NULL;
+        if (fatal_status(kern_graph_begin(be, &err), &err, "perf capture"))
+            exit(1);
+        for (int i = 0; i < CALLS; i++)
+            if (kern_linear(be, &a[cold ? i % copies : 0], &err) != PD_OK)
+                break;
+        if (fatal_status(kern_graph_end(be, &graph, &err), &err, "perf capture"))
+            exit(1);
+        double t[5];
+        for (int r = -1; r < 5; r++) {
+            double t0 = now_s();
+            if (fatal_status(kern_graph_launch(be, graph, &err), &err, "perf replay") ||
+                fatal_status(kern_sync(be, &err), &err, "perf sync"))
+                exit(1);
+            if (r >= 0)
+                t[r] = (now_s() - t0) / CALLS;
+        }
+        kern_graph_free(be, graph);
+        qsort(t, 5, sizeof(double), cmp_double);
+        med[cold] = t[2];
+    }
+    for (int i = 0; i < nb; i++)
+        kern_buf_free(bufs[i]);
+    size_t used = strlen(perf_note);
+    snprintf(perf_note + used, sizeof(perf_note) - used,
+             "      graph: hot %8.2f us %7.1f GB/s | cold (%d copies) %8.2f us %7.1f GB/s  roofline %5.1f%%\n",
+             med[0] * 1e6, bytes / med[0] * 1e-9, copies, med[1] * 1e6, bytes / med[1] * 1e-9,
+             100.0 * bytes / ROOF_BW / med[1]);
 }
 
 /* Compares an F32 output of n_total elements (valid region: rows x cols with stride ld starting
@@ -552,6 +619,7 @@ static double run_linear(run_ctx *x)
     }
     perf_report(x->gpu->be, fn_linear, &ag, wbytes + (double)m * k * 4 + ybytes,
                 2.0 * m * k * (wbytes / 2.0 / k));
+    perf_linear_graph(x->gpu->be, &ag, wbytes, wbytes + (double)m * k * 4 + ybytes);
     free(xin);
     free(g);
     return e;
