@@ -31,7 +31,7 @@ static void usage(FILE *f)
             "                      [--logprobs N] [--presence-penalty P] [--frequency-penalty F]\n"
             "                      [--repetition-penalty R] [--logit-bias ID:BIAS[,...]] [--min-tokens N]\n"
             "                      [--json-object | --json-schema FILE | --choice TEXT... | --regex RE\n"
-            "                       | --grammar FILE]\n"
+            "                       | --grammar FILE] [--n N]\n"
             "\n"
             "Streams one completion from a decode node. Text is printed as it arrives; --json\n"
             "prints instead one object at the end with the fields of pdspark-generate --json\n"
@@ -43,8 +43,11 @@ static void usage(FILE *f)
             "\"content\"} turns; the node renders them with its chat template (the reply is the raw\n"
             "text, <think> included); --thinking sets enable_thinking. --logprobs N (0..20) asks\n"
             "for each token's logprob and its N likeliest alternatives: --json then adds\n"
-            "\"logprobs\": [{\"id\", \"logprob\", \"top\": [[id, logprob], ...]}, ...]. Errors print\n"
-            "'pdspark-client: CODE: message' and exit 1 (2 for bad flags).\n");
+            "\"logprobs\": [{\"id\", \"logprob\", \"top\": [[id, logprob], ...]}, ...]. --n N (1..16)\n"
+            "asks for N choices of the prompt (choice i samples with --seed + i): each one's text is\n"
+            "printed when all have ended, after a '[choice i]' line, and --json prints one object per\n"
+            "choice and line, with its \"index\". Errors print 'pdspark-client: CODE: message' and\n"
+            "exit 1 (2 for bad flags).\n");
 }
 
 /* GenerateRequest.messages of --chat / --messages */
@@ -164,6 +167,14 @@ static int acc_add(acc *a, const Pdspark__GenerateChunk *c)
     return 0;
 }
 
+/* One choice of the call (GenerateChunk.index) */
+typedef struct {
+    acc a;
+    Pdspark__GenerateChunk *fin;     /* its final chunk */
+    cJSON *lps;                      /* --logprobs: its entries */
+    double t_first;                  /* ms of its first token, -1 before */
+} choice;
+
 static const char *finish_str(Pdspark__FinishReason f)
 {
     switch (f) {
@@ -203,13 +214,80 @@ static int do_health(pd_rpc_channel *ch, int64_t timeout_ms)
     return 0;
 }
 
+/* Prints one choice's result: --json one object (with "index" when index >= 0), else its text
+ * (after a '[choice i]' line when index >= 0; streamed already otherwise) and a summary line on
+ * stderr. t0: when the call started, ms: how long it took (all choices). */
+static void report(choice *c, int index, int json, int logprobs, double t0, double ms)
+{
+    const Pdspark__GenerateChunk *fin = c->fin;
+    const Pdspark__DSparkStats *ds = fin->stats;
+    double tps = ms > 0 ? c->a.n / (ms / 1e3) : 0.0;
+    if (json) {
+        cJSON *o = cJSON_CreateObject();
+        if (index >= 0)
+            cJSON_AddNumberToObject(o, "index", index);
+        cJSON *toks = cJSON_AddArrayToObject(o, "tokens");
+        for (int i = 0; i < c->a.n; i++)
+            cJSON_AddItemToArray(toks, cJSON_CreateNumber(c->a.tokens[i]));
+        cJSON_AddStringToObject(o, "text", c->a.text != NULL ? c->a.text : "");
+        uint32_t rounds = ds != NULL ? ds->rounds : 0;
+        cJSON_AddNumberToObject(o, "rounds", rounds);
+        cJSON *apr = cJSON_AddArrayToObject(o, "accepted_per_round");
+        long sum = 0;
+        for (size_t i = 0; ds != NULL && i < ds->n_accepted_per_round; i++) {
+            cJSON_AddItemToArray(apr, cJSON_CreateNumber(ds->accepted_per_round[i]));
+            sum += ds->accepted_per_round[i];
+        }
+        /* tau from the exact counts (the float in the message is rounded) */
+        cJSON_AddNumberToObject(o, "tau", rounds > 0 ? (double)sum / rounds : 0.0);
+        cJSON *pos = cJSON_AddArrayToObject(o, "acceptance_by_position");
+        for (size_t k = 0; ds != NULL && k < ds->n_accepted_at_position; k++)
+            cJSON_AddItemToArray(pos, cJSON_CreateNumber(
+                rounds > 0 ? (double)ds->accepted_at_position[k] / rounds : 0.0));
+        cJSON_AddNumberToObject(o, "prompt_tokens", fin->usage != NULL ? fin->usage->prompt_tokens : 0);
+        cJSON_AddNumberToObject(o, "completion_tokens", c->a.n);
+        cJSON_AddStringToObject(o, "finish_reason", finish_str(fin->finish_reason));
+        cJSON_AddNumberToObject(o, "time_ms", ms);
+        cJSON_AddNumberToObject(o, "ttft_ms", c->t_first >= 0 ? c->t_first - t0 : ms);
+        cJSON_AddNumberToObject(o, "tokens_per_s", tps);
+        cJSON_AddStringToObject(o, "device", fin->device != NULL ? fin->device : "");
+        cJSON_AddStringToObject(o, "mode", "dspark");
+        cJSON_AddStringToObject(o, "request_id", fin->request_id != NULL ? fin->request_id : "");
+        if (logprobs) {
+            cJSON_AddItemToObject(o, "logprobs", c->lps);
+            c->lps = NULL;
+        }
+        char *js = cJSON_PrintUnformatted(o);
+        puts(js);
+        free(js);
+        cJSON_Delete(o);
+        return;
+    }
+    if (index >= 0) {
+        printf("[choice %d]\n%s\n", index, c->a.text != NULL ? c->a.text : "");
+        fflush(stdout);
+    }
+    long sum = 0;
+    for (size_t i = 0; ds != NULL && i < ds->n_accepted_per_round; i++)
+        sum += ds->accepted_per_round[i];
+    if (index >= 0)
+        fprintf(stderr, PROG ": choice %d: ", index);
+    else
+        fprintf(stderr, PROG ": ");
+    fprintf(stderr, "%u prompt tokens, %d generated (%s) in %.1f ms, %.1f tokens/s",
+            fin->usage != NULL ? fin->usage->prompt_tokens : 0, c->a.n, finish_str(fin->finish_reason), ms, tps);
+    if (ds != NULL && ds->rounds > 0)
+        fprintf(stderr, ", %u rounds, tau %.3f", ds->rounds, (double)sum / ds->rounds);
+    fputc('\n', stderr);
+}
+
 int main(int argc, char **argv)
 {
     const char *server = NULL, *prompt = NULL, *ids_path = NULL, *req_id = NULL, *system_text = NULL;
     const char *msgs_path = NULL;
     int chat = 0, thinking = 0;   /* thinking: GenerateRequest.enable_thinking */
     int max_new = 128, top_k = 0, json = 0, stream = 0, ignore_eos = 0, health = 0, skip_special = 0;
-    int disconnect_after = -1, logprobs = -1;
+    int disconnect_after = -1, logprobs = -1, n_choices = 1;
     char *stops[16];
     size_t n_stops = 0;
     int64_t seed = 0, timeout_ms = 0;
@@ -222,7 +300,7 @@ int main(int argc, char **argv)
     enum { O_SERVER = 256, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_IGNORE,
            O_TMO, O_RID, O_JSON, O_STREAM, O_DISC, O_HEALTH, O_STOP, O_VERIFY, O_VTHRESH, O_LOGPROBS,
            O_PRES, O_FREQ, O_REP, O_BIAS, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_GRAMMAR, O_SKIPSP,
-           O_MINP, O_CHAT, O_SYSTEM, O_THINK, O_MSGS, O_HELP };
+           O_MINP, O_CHAT, O_SYSTEM, O_THINK, O_MSGS, O_N, O_HELP };
     static const struct option opts[] = {
         {"server", required_argument, 0, O_SERVER}, {"prompt", required_argument, 0, O_PROMPT},
         {"prompt-ids", required_argument, 0, O_IDS}, {"max-new-tokens", required_argument, 0, O_MAXNEW},
@@ -245,7 +323,7 @@ int main(int argc, char **argv)
         {"logit-bias", required_argument, 0, O_BIAS}, {"min-tokens", required_argument, 0, O_MINTOK},
         {"json-object", no_argument, 0, O_JOBJ}, {"json-schema", required_argument, 0, O_JSCHEMA},
         {"choice", required_argument, 0, O_CHOICE}, {"regex", required_argument, 0, O_REGEX},
-        {"grammar", required_argument, 0, O_GRAMMAR},
+        {"grammar", required_argument, 0, O_GRAMMAR}, {"n", required_argument, 0, O_N},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0},
     };
     opterr = 0;
@@ -293,6 +371,7 @@ int main(int argc, char **argv)
         case O_REGEX: bad = pd_cli_parse_guide(PROG, "--regex", optarg, &guide); break;
         case O_GRAMMAR: bad = pd_cli_parse_guide(PROG, "--grammar", optarg, &guide); break;
         case O_LOGPROBS: bad = pd_cli_parse_int(PROG, "--logprobs", optarg, 0, 20, &logprobs); break;
+        case O_N: bad = pd_cli_parse_int(PROG, "--n", optarg, 1, 16, &n_choices); break;
         case O_STOP:
             if (n_stops == sizeof(stops) / sizeof(stops[0])) {
                 fprintf(stderr, PROG ": at most 16 --stop strings\n");
@@ -328,7 +407,7 @@ int main(int argc, char **argv)
         return 2;
     }
     if (!json)
-        stream = 1;
+        stream = n_choices == 1;   /* several choices: each one's text when all have ended */
 
     pd_err err = {0};
     pd_rpc_channel *ch = NULL;
@@ -416,16 +495,23 @@ int main(int argc, char **argv)
     rq.logprobs = logprobs >= 0;
     rq.skip_special_tokens = skip_special;
     rq.top_logprobs = logprobs >= 0 ? (uint32_t)logprobs : 0;
-    cJSON *lps = cJSON_CreateArray();
+    rq.n = (uint32_t)n_choices;
+    choice *cs = calloc((size_t)n_choices, sizeof(*cs));
+    if (cs == NULL) {
+        fprintf(stderr, PROG ": out of memory\n");
+        return 1;
+    }
+    for (int i = 0; i < n_choices; i++) {
+        cs[i].lps = cJSON_CreateArray();
+        cs[i].t_first = -1.0;
+    }
 
-    double t0 = pd_cli_now_ms(), t_first = -1.0;
+    double t0 = pd_cli_now_ms();
     pd_rpc_stream *s = NULL;
     pd_status st = pd_rpc_stream_open(ch, "/pdspark.Generate/Generate", &rq.base,
                                       &pdspark__generate_chunk__descriptor,
                                       timeout_ms > 0 ? timeout_ms + 1000 : 0, &s, &err);
     int rc = 1;
-    acc a = {0};
-    Pdspark__GenerateChunk *fin = NULL;
     int chunks = 0;
     while (st == PD_OK) {
         ProtobufCMessage *m = NULL;
@@ -433,8 +519,14 @@ int main(int argc, char **argv)
         if (st != PD_OK || m == NULL)
             break;
         Pdspark__GenerateChunk *ck = (Pdspark__GenerateChunk *)m;
-        if (ck->n_token_ids > 0 && t_first < 0)
-            t_first = pd_cli_now_ms();
+        if (ck->index >= (uint32_t)n_choices) {
+            protobuf_c_message_free_unpacked(m, NULL);
+            st = pd_err_set(&err, PD_ERR_INTERNAL, "a chunk of choice %u (asked for %d)", ck->index, n_choices);
+            break;
+        }
+        choice *cc = &cs[ck->index];
+        if (ck->n_token_ids > 0 && cc->t_first < 0)
+            cc->t_first = pd_cli_now_ms();
         for (size_t i = 0; i < ck->n_logprobs; i++) {
             const Pdspark__TokenLogprobs *l = ck->logprobs[i];
             cJSON *e = cJSON_CreateObject(), *top = cJSON_CreateArray();
@@ -447,9 +539,9 @@ int main(int argc, char **argv)
                 cJSON_AddItemToArray(top, pair);
             }
             cJSON_AddItemToObject(e, "top", top);
-            cJSON_AddItemToArray(lps, e);
+            cJSON_AddItemToArray(cc->lps, e);
         }
-        if (acc_add(&a, ck) != 0) {
+        if (acc_add(&cc->a, ck) != 0) {
             st = pd_err_set(&err, PD_ERR_NOMEM, "out of memory");
             protobuf_c_message_free_unpacked(m, NULL);
             break;
@@ -460,9 +552,9 @@ int main(int argc, char **argv)
         }
         chunks++;
         if (ck->final) {
-            if (fin != NULL)
-                protobuf_c_message_free_unpacked(&fin->base, NULL);
-            fin = ck;
+            if (cc->fin != NULL)
+                protobuf_c_message_free_unpacked(&cc->fin->base, NULL);
+            cc->fin = ck;
         } else {
             protobuf_c_message_free_unpacked(m, NULL);
         }
@@ -473,83 +565,38 @@ int main(int argc, char **argv)
             goto out;
         }
     }
-    double t1 = pd_cli_now_ms();
+    double ms = pd_cli_now_ms() - t0;
     if (st != PD_OK) {
         if (stream)
             fputc('\n', stdout);
         rc = fail(st, &err);
         goto out;
     }
-    if (fin == NULL) {
-        fprintf(stderr, PROG ": INTERNAL: the stream ended without a final chunk\n");
-        goto out;
-    }
-    const Pdspark__DSparkStats *ds = fin->stats;
-    double ms = t1 - t0;
-    double tps = ms > 0 ? a.n / (ms / 1e3) : 0.0;
+    for (int i = 0; i < n_choices; i++)
+        if (cs[i].fin == NULL) {
+            fprintf(stderr, PROG ": INTERNAL: the stream ended without a final chunk of choice %d\n", i);
+            goto out;
+        }
     if (stream) {
         fputc('\n', stdout);
         fflush(stdout);
     }
-    if (json) {
-        cJSON *o = cJSON_CreateObject();
-        cJSON *toks = cJSON_AddArrayToObject(o, "tokens");
-        for (int i = 0; i < a.n; i++)
-            cJSON_AddItemToArray(toks, cJSON_CreateNumber(a.tokens[i]));
-        cJSON_AddStringToObject(o, "text", a.text != NULL ? a.text : "");
-        uint32_t rounds = ds != NULL ? ds->rounds : 0;
-        cJSON_AddNumberToObject(o, "rounds", rounds);
-        cJSON *apr = cJSON_AddArrayToObject(o, "accepted_per_round");
-        long sum = 0;
-        for (size_t i = 0; ds != NULL && i < ds->n_accepted_per_round; i++) {
-            cJSON_AddItemToArray(apr, cJSON_CreateNumber(ds->accepted_per_round[i]));
-            sum += ds->accepted_per_round[i];
-        }
-        /* tau from the exact counts (the float in the message is rounded) */
-        cJSON_AddNumberToObject(o, "tau", rounds > 0 ? (double)sum / rounds : 0.0);
-        cJSON *pos = cJSON_AddArrayToObject(o, "acceptance_by_position");
-        for (size_t k = 0; ds != NULL && k < ds->n_accepted_at_position; k++)
-            cJSON_AddItemToArray(pos, cJSON_CreateNumber(
-                rounds > 0 ? (double)ds->accepted_at_position[k] / rounds : 0.0));
-        cJSON_AddNumberToObject(o, "prompt_tokens", fin->usage != NULL ? fin->usage->prompt_tokens : 0);
-        cJSON_AddNumberToObject(o, "completion_tokens", a.n);
-        cJSON_AddStringToObject(o, "finish_reason", finish_str(fin->finish_reason));
-        cJSON_AddNumberToObject(o, "time_ms", ms);
-        cJSON_AddNumberToObject(o, "ttft_ms", t_first >= 0 ? t_first - t0 : ms);
-        cJSON_AddNumberToObject(o, "tokens_per_s", tps);
-        cJSON_AddStringToObject(o, "device", fin->device != NULL ? fin->device : "");
-        cJSON_AddStringToObject(o, "mode", "dspark");
-        cJSON_AddStringToObject(o, "request_id", fin->request_id != NULL ? fin->request_id : "");
-        if (logprobs >= 0) {
-            cJSON_AddItemToObject(o, "logprobs", lps);
-            lps = NULL;
-        }
-        char *js = cJSON_PrintUnformatted(o);
-        puts(js);
-        free(js);
-        cJSON_Delete(o);
-    } else {
-        long sum = 0;
-        for (size_t i = 0; ds != NULL && i < ds->n_accepted_per_round; i++)
-            sum += ds->accepted_per_round[i];
-        fprintf(stderr, PROG ": %u prompt tokens, %d generated (%s) in %.1f ms, %.1f tokens/s",
-                fin->usage != NULL ? fin->usage->prompt_tokens : 0, a.n,
-                finish_str(fin->finish_reason), ms, tps);
-        if (ds != NULL && ds->rounds > 0)
-            fprintf(stderr, ", %u rounds, tau %.3f", ds->rounds, (double)sum / ds->rounds);
-        fputc('\n', stderr);
-    }
+    for (int i = 0; i < n_choices; i++)
+        report(&cs[i], n_choices > 1 ? i : -1, json, logprobs >= 0, t0, ms);
     rc = 0;
 out:
-    if (fin != NULL)
-        protobuf_c_message_free_unpacked(&fin->base, NULL);
+    for (int i = 0; cs != NULL && i < n_choices; i++) {
+        if (cs[i].fin != NULL)
+            protobuf_c_message_free_unpacked(&cs[i].fin->base, NULL);
+        cJSON_Delete(cs[i].lps);
+        free(cs[i].a.tokens);
+        free(cs[i].a.text);
+    }
+    free(cs);
     pd_rpc_stream_close(s);
     pd_rpc_channel_destroy(ch);
-    cJSON_Delete(lps);
     free(bias);
     pd_cli_guide_free(&guide);
-    free(a.tokens);
-    free(a.text);
     free(uids);
     free(ids);
     turns_free(&turns);

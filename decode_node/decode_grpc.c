@@ -1,10 +1,12 @@
 /* decode_grpc.c - pdspark.Generate over gRPC (decode_grpc.h).
- * Owns: per-call contexts tying a pd_rpc_call to a decode_handle (reference counted: the
- *   handler, the call's on-done and the request's on_done each hold one), chunk encoding, a
+ * Owns: per-call contexts tying a pd_rpc_call to its choices' decode_handles (GenerateRequest.n:
+ *   n engine requests of the prompt on one stream; the group is reference counted: the handler,
+ *   the call's on-done and each submitted choice's on_done hold one), chunk encoding, a
  *   request's chat messages rendered into its prompt (by the server's chat template).
  * Not here: scheduling, validation rules (decode_server.c).
  * Threading: handlers and on-done on the pd_rpc poller thread, on_token/on_done on the engine
- *   thread; the context's mutex orders "handle known" against "client gone". */
+ *   thread; the group's mutex orders "handle known" against "client gone" and collects the
+ *   choices' ends. */
 #include "decode_grpc.h"
 
 #include <pthread.h>
@@ -19,38 +21,80 @@
 #include "pd_wire.h"
 #include "pdspark.pb-c.h"
 
+#define MAX_STOP 16
+#define MAX_STOP_LEN 256
+#define MAX_N 16               /* GenerateRequest.n */
+
+typedef struct gen_group gen_group;
+
+/* One choice of a call */
 typedef struct {
+    gen_group *g;
+    uint32_t index;
+    decode_handle *h;      /* under g->mu */
+    int stopped;           /* under g->mu: a stop string matched (the request is being cancelled) */
+    /* stop strings (engine thread): text is held back while it may still start a match */
+    char *pend;            /* received, not yet sent */
+    size_t pend_len, pend_cap;
+    uint32_t n_sent_ids;
+    char id[96];           /* the choice's request id when n > 1 */
+} gen_ctx;
+
+struct gen_group {
     atomic_int refs;
     pthread_mutex_t mu;
     pd_rpc_call *call;
     decode_server *s;
-    decode_handle *h;      /* under mu */
-    int gone;              /* under mu: the client went away before h was known */
-    int stopped;           /* under mu: a stop string matched (the request is being cancelled) */
+    int gone;              /* under mu: the client went away */
+    int n;                 /* choices submitted or being submitted */
+    int n_open;            /* under mu: choices whose on_done has not run */
+    pd_status err_st;      /* under mu: the first choice that failed (PD_OK: none) */
+    char err_msg[sizeof(((pd_err *)0)->msg)];
     int want_ids;
     int want_stats;
-    /* stop strings (engine thread): text is held back while it may still start a match */
     char **stop;
     int n_stop;
-    char *pend;            /* received, not yet sent */
-    size_t pend_len, pend_cap;
-    uint32_t n_sent_ids;
-} gen_ctx;
+    gen_ctx ch[];          /* [n] */
+};
 
-#define MAX_STOP 16
-#define MAX_STOP_LEN 256
-
-static void ctx_unref(gen_ctx *c)
+static void group_unref(gen_group *g, int k)
 {
-    if (atomic_fetch_sub(&c->refs, 1) != 1)
+    if (atomic_fetch_sub(&g->refs, k) != k)
         return;
-    decode_handle_release(c->h);
-    pthread_mutex_destroy(&c->mu);
-    for (int i = 0; i < c->n_stop; i++)
-        free(c->stop[i]);
-    free(c->stop);
-    free(c->pend);
-    free(c);
+    for (int i = 0; i < g->n; i++) {
+        decode_handle_release(g->ch[i].h);
+        free(g->ch[i].pend);
+    }
+    pthread_mutex_destroy(&g->mu);
+    for (int i = 0; i < g->n_stop; i++)
+        free(g->stop[i]);
+    free(g->stop);
+    free(g);
+}
+
+/* Cancels every choice whose handle is known (NULL-safe: one not yet known is cancelled by the
+ * handler once it is, as it sees g->gone or g->err_st) */
+static void group_cancel(gen_group *g)
+{
+    decode_handle *hs[MAX_N];
+    pthread_mutex_lock(&g->mu);
+    for (int i = 0; i < g->n; i++)
+        hs[i] = g->ch[i].h;
+    pthread_mutex_unlock(&g->mu);
+    for (int i = 0; i < g->n; i++)
+        decode_cancel(hs[i]);
+}
+
+/* A choice has ended (its on_done ran, or it was never submitted): the call ends with the last */
+static void group_choice_end(gen_group *g, int k)
+{
+    pthread_mutex_lock(&g->mu);
+    g->n_open -= k;
+    int last = g->n_open == 0;
+    pd_status st = g->err_st;
+    pthread_mutex_unlock(&g->mu);
+    if (last)
+        pd_rpc_finish(g->call, st, st != PD_OK ? g->err_msg : NULL);
 }
 
 static Pdspark__FinishReason finish_to_proto(pd_finish_reason f)
@@ -88,11 +132,12 @@ static int pend_add(gen_ctx *c, const char *t, size_t n)
 static size_t stop_safe(gen_ctx *c, int final, int *hit)
 {
     *hit = 0;
+    const gen_group *g = c->g;
     size_t best = c->pend_len;
-    for (int i = 0; i < c->n_stop; i++) {
-        size_t sl = strlen(c->stop[i]);
+    for (int i = 0; i < g->n_stop; i++) {
+        size_t sl = strlen(g->stop[i]);
         for (size_t at = 0; at + sl <= c->pend_len && at < best; at++)
-            if (memcmp(c->pend + at, c->stop[i], sl) == 0) {
+            if (memcmp(c->pend + at, g->stop[i], sl) == 0) {
                 best = at;
                 *hit = 1;
                 break;
@@ -102,10 +147,10 @@ static size_t stop_safe(gen_ctx *c, int final, int *hit)
         return best;
     /* hold back the longest tail that is a proper prefix of a stop string */
     size_t keep = 0;
-    for (int i = 0; i < c->n_stop; i++) {
-        size_t sl = strlen(c->stop[i]);
+    for (int i = 0; i < g->n_stop; i++) {
+        size_t sl = strlen(g->stop[i]);
         for (size_t k = sl - 1; k > keep; k--)
-            if (k <= c->pend_len && memcmp(c->pend + c->pend_len - k, c->stop[i], k) == 0) {
+            if (k <= c->pend_len && memcmp(c->pend + c->pend_len - k, g->stop[i], k) == 0) {
                 keep = k;
                 break;
             }
@@ -116,15 +161,17 @@ static size_t stop_safe(gen_ctx *c, int final, int *hit)
 static void gen_on_token(void *ud, const decode_chunk *ch)
 {
     gen_ctx *c = ud;
+    gen_group *g = c->g;
     Pdspark__GenerateChunk m = PDSPARK__GENERATE_CHUNK__INIT;
     m.version = PD_PROTO_VERSION;
     m.request_id = (char *)ch->request_id;
     m.text_delta = (char *)ch->text;
+    m.index = c->index;
     char *sendbuf = NULL;
-    if (c->n_stop > 0) {
-        pthread_mutex_lock(&c->mu);
+    if (g->n_stop > 0) {
+        pthread_mutex_lock(&g->mu);
         int stopped = c->stopped;
-        pthread_mutex_unlock(&c->mu);
+        pthread_mutex_unlock(&g->mu);
         if (stopped)
             return;
         int hit = 0;
@@ -136,10 +183,10 @@ static void gen_on_token(void *ud, const decode_chunk *ch)
             return;
         if (hit) {
             c->pend_len = 0;
-            pthread_mutex_lock(&c->mu);
+            pthread_mutex_lock(&g->mu);
             c->stopped = 1;
             decode_handle *h = c->h;
-            pthread_mutex_unlock(&c->mu);
+            pthread_mutex_unlock(&g->mu);
             decode_cancel(h);   /* NULL before the handler knows h: it cancels then */
         } else {
             memmove(c->pend, c->pend + safe, c->pend_len - safe + 1);
@@ -148,7 +195,7 @@ static void gen_on_token(void *ud, const decode_chunk *ch)
         m.text_delta = sendbuf;
         c->n_sent_ids += (uint32_t)ch->n_ids;
     }
-    if (c->want_ids) {
+    if (g->want_ids) {
         m.n_token_ids = (size_t)ch->n_ids;
         m.token_ids = (uint32_t *)(uintptr_t)ch->ids;   /* int32 ids >= 0: same bits */
     }
@@ -166,34 +213,41 @@ static void gen_on_token(void *ud, const decode_chunk *ch)
         m.n_logprobs = (size_t)ch->n_ids;
         m.logprobs = lpp;
     }
-    pd_status st = pd_rpc_stream_write(c->call, &m.base);
+    pd_status st = pd_rpc_stream_write(g->call, &m.base);
     free(sendbuf);
     free(lpm);
     free(lpp);
-    pthread_mutex_lock(&c->mu);
-    decode_handle *h = c->h;
-    pthread_mutex_unlock(&c->mu);
     if (st == PD_ERR_BUSY) {
         PD_LOG_WARN("grpc", "%s: client reads too slowly, cancelling", ch->request_id);
-        decode_cancel(h);
+        group_cancel(g);
     } else if (st == PD_ERR_CANCELLED) {
-        decode_cancel(h);
+        group_cancel(g);
     }
 }
 
 static void gen_on_done(void *ud, const decode_result *res)
 {
     gen_ctx *c = ud;
-    pthread_mutex_lock(&c->mu);
+    gen_group *g = c->g;
+    pthread_mutex_lock(&g->mu);
     int stopped = c->stopped;
-    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_unlock(&g->mu);
     if (res->status != PD_OK && !(stopped && res->status == PD_ERR_CANCELLED)) {
-        pd_rpc_finish(c->call, res->status, res->error);
-        ctx_unref(c);
+        pthread_mutex_lock(&g->mu);
+        int first = g->err_st == PD_OK;
+        if (first) {
+            g->err_st = res->status;
+            snprintf(g->err_msg, sizeof(g->err_msg), "%s", res->error != NULL ? res->error : "");
+        }
+        pthread_mutex_unlock(&g->mu);
+        if (first && g->n > 1)
+            group_cancel(g);   /* the call's answer is this error once the others end */
+        group_choice_end(g, 1);
+        group_unref(g, 1);
         return;
     }
     char *tail = NULL;
-    if (c->n_stop > 0 && !stopped) {
+    if (g->n_stop > 0 && !stopped) {
         int hit = 0;
         if (pend_add(c, res->text_tail, res->text_tail_len) == 0) {
             tail = strndup(c->pend, stop_safe(c, 1, &hit));
@@ -207,19 +261,20 @@ static void gen_on_done(void *ud, const decode_result *res)
     m.request_id = (char *)res->request_id;
     m.text_delta = (char *)res->text_tail;
     m.final = 1;
+    m.index = c->index;
     m.finish_reason = finish_to_proto(res->finish);
-    if (c->n_stop > 0) {
+    if (g->n_stop > 0) {
         m.text_delta = tail != NULL ? tail : "";
         if (stopped)
             m.finish_reason = PDSPARK__FINISH_REASON__FINISH_REASON_STOP;
     }
-    m.device = (char *)decode_server_device(c->s);
+    m.device = (char *)decode_server_device(g->s);
     u.version = PD_PROTO_VERSION;
     u.prompt_tokens = (uint32_t)res->prompt_tokens;
     u.completion_tokens = stopped ? c->n_sent_ids : (uint32_t)res->n_tokens;
     m.usage = &u;
     uint32_t *apr = NULL, *pos = NULL;
-    if (c->want_stats) {
+    if (g->want_stats) {
         ds.version = PD_PROTO_VERSION;
         ds.rounds = (uint32_t)res->rounds;
         ds.tau = (float)res->tau;
@@ -243,26 +298,25 @@ static void gen_on_done(void *ud, const decode_result *res)
         }
         m.stats = &ds;
     }
-    pd_rpc_stream_write(c->call, &m.base);
+    pd_rpc_stream_write(g->call, &m.base);
     free(apr);
     free(pos);
     free(tail);
-    pd_rpc_finish(c->call, PD_OK, NULL);
-    ctx_unref(c);
+    group_choice_end(g, 1);
+    group_unref(g, 1);
 }
 
 static void gen_rpc_done(void *arg, pd_rpc_call *call, bool cancelled)
 {
     (void)call;
-    gen_ctx *c = arg;
+    gen_group *g = arg;
     if (cancelled) {
-        pthread_mutex_lock(&c->mu);
-        decode_handle *h = c->h;
-        c->gone = 1;
-        pthread_mutex_unlock(&c->mu);
-        decode_cancel(h);   /* NULL-safe; a no-op once the request ended */
+        pthread_mutex_lock(&g->mu);
+        g->gone = 1;
+        pthread_mutex_unlock(&g->mu);
+        group_cancel(g);   /* a no-op for requests that ended */
     }
-    ctx_unref(c);
+    group_unref(g, 1);
 }
 
 /* GenerateRequest.messages rendered by the node's chat template into *out (malloc'd); -1 with
@@ -419,54 +473,93 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
         }
         dr.prompt_text = chat_text;
     }
-    gen_ctx *c = calloc(1, sizeof(*c));
-    if (c == NULL) {
+    if (rq->n > MAX_N) {
+        free(ids);
+        free(chat_text);
+        pd_rpc_finish(call, PD_ERR_INVALID, "n must be 1..16 choices");
+        return PD_OK;
+    }
+    const int n = rq->n > 1 ? (int)rq->n : 1;
+    gen_group *g = calloc(1, sizeof(*g) + (size_t)n * sizeof(gen_ctx));
+    if (g == NULL) {
         free(ids);
         free(chat_text);
         return pd_err_set(&err, PD_ERR_NOMEM, "call context");
     }
-    atomic_init(&c->refs, 3);   /* handler, call on-done, request on_done */
-    pthread_mutex_init(&c->mu, NULL);
-    c->call = call;
-    c->s = s;
-    c->want_ids = rq->return_token_ids;
-    c->want_stats = rq->return_stats;
+    atomic_init(&g->refs, 2 + n);   /* handler, call on-done, each choice's on_done */
+    pthread_mutex_init(&g->mu, NULL);
+    g->call = call;
+    g->s = s;
+    g->n = n;
+    g->n_open = n;
+    g->want_ids = rq->return_token_ids;
+    g->want_stats = rq->return_stats;
+    for (int i = 0; i < n; i++) {
+        g->ch[i].g = g;
+        g->ch[i].index = (uint32_t)i;
+    }
     size_t n_stop = rq->sampling != NULL ? rq->sampling->n_stop : 0;
     if (n_stop > 0) {
-        c->stop = calloc(n_stop, sizeof(char *));
-        for (size_t i = 0; c->stop != NULL && i < n_stop; i++) {
-            c->stop[i] = strdup(rq->sampling->stop[i]);
-            if (c->stop[i] == NULL)
+        g->stop = calloc(n_stop, sizeof(char *));
+        for (size_t i = 0; g->stop != NULL && i < n_stop; i++) {
+            g->stop[i] = strdup(rq->sampling->stop[i]);
+            if (g->stop[i] == NULL)
                 break;
-            c->n_stop++;
+            g->n_stop++;
         }
-        if (c->n_stop != (int)n_stop) {
+        if (g->n_stop != (int)n_stop) {
             free(ids);
             free(chat_text);
-            atomic_store(&c->refs, 1);
-            ctx_unref(c);
+            group_unref(g, 2 + n);
             return pd_err_set(&err, PD_ERR_NOMEM, "stop strings");
         }
     }
-    pd_rpc_call_on_done(call, gen_rpc_done, c);
-    decode_handle *h = NULL;
-    pd_status st = decode_submit(s, &dr, gen_on_token, gen_on_done, c, &h, &err);
+    pd_rpc_call_on_done(call, gen_rpc_done, g);
+    /* the choices of one prompt share a group id (with the prefix cache it is prefilled once);
+     * bit 62 set and bit 63 clear keeps these apart from the HTTP front end's */
+    static atomic_uint_fast64_t next_group;
+    const uint64_t group = n > 1 ? 0x4000000000000000ull | (atomic_fetch_add(&next_group, 1) + 1) : 0;
+    const uint64_t seed0 = dr.seed;
+    const char *id0 = dr.request_id;
+    pd_status st = PD_OK;
+    int sub = 0;
+    for (; sub < n; sub++) {
+        gen_ctx *c = &g->ch[sub];
+        if (n > 1) {
+            dr.group = group;
+            dr.seed = seed0 + (uint64_t)sub;
+            if (id0 != NULL && id0[0] != '\0') {
+                snprintf(c->id, sizeof(c->id), "%.80s-%d", id0, sub);
+                dr.request_id = c->id;
+            }
+        }
+        decode_handle *h = NULL;
+        if ((st = decode_submit(s, &dr, gen_on_token, gen_on_done, c, &h, &err)) != PD_OK)
+            break;
+        pthread_mutex_lock(&g->mu);
+        c->h = h;
+        int gone = g->gone || c->stopped || g->err_st != PD_OK;
+        pthread_mutex_unlock(&g->mu);
+        if (gone)
+            decode_cancel(h);
+    }
     free(ids);
     free(chat_text);
     if (st != PD_OK) {
+        /* choices from sub on never reach the engine: they end here, with no on_done */
         PD_LOG_DEBUG("grpc", "generate refused: %s", err.msg);
-        pd_rpc_finish(call, st, err.msg);
-        atomic_fetch_sub(&c->refs, 1);   /* the request's on_done never runs */
-        ctx_unref(c);
-        return PD_OK;
+        pthread_mutex_lock(&g->mu);
+        if (g->err_st == PD_OK) {
+            g->err_st = st;
+            snprintf(g->err_msg, sizeof(g->err_msg), "%s", err.msg);
+        }
+        pthread_mutex_unlock(&g->mu);
+        if (sub > 0)
+            group_cancel(g);
+        group_choice_end(g, n - sub);
+        group_unref(g, n - sub);
     }
-    pthread_mutex_lock(&c->mu);
-    c->h = h;
-    int gone = c->gone || c->stopped;
-    pthread_mutex_unlock(&c->mu);
-    if (gone)
-        decode_cancel(h);
-    ctx_unref(c);
+    group_unref(g, 1);
     return PD_OK;
 }
 

@@ -368,6 +368,31 @@ def test_grpc_chat(bin_dir, node, odd_node):
           "pdspark-client --system without --chat: %s" % out.stderr)
 
 
+def test_grpc_n(bin_dir, node):
+    """gRPC Generate's n (pdspark-client --n): the choices come on one stream, each with its
+    index, and choice i is what HTTP's choice i is (both sample choice i with seed + i)."""
+    client = os.path.join(bin_dir, "pdspark-client")
+    st, b = post_json(node, "/v1/completions", {"prompt": "def fib(n):", "max_tokens": 10, "temperature": 0.8,
+                                                "seed": 21, "n": 3})
+    want = [c["text"] for c in sorted(b["choices"], key=lambda c: c["index"])] if st == 200 else None
+    out = subprocess.run([client, "--server", node.grpc, "--prompt", "def fib(n):", "--max-new-tokens", "10",
+                          "--temperature", "0.8", "--seed", "21", "--n", "3", "--json"],
+                         capture_output=True, text=True, timeout=60)
+    rows = [json.loads(l) for l in out.stdout.strip().splitlines()] if out.returncode == 0 else []
+    got = [r["text"] for r in rows]
+    check(want is not None and [r.get("index") for r in rows] == [0, 1, 2] and got == want,
+          "gRPC n 3 %r == HTTP n 3 %r (%s)" % (got, want, out.stderr))
+    out = subprocess.run([client, "--server", node.grpc, "--prompt", "def fib(n):", "--max-new-tokens", "10",
+                          "--temperature", "0.8", "--seed", "21", "--n", "2"], capture_output=True, text=True,
+                         timeout=60)
+    check(out.returncode == 0 and want is not None and
+          out.stdout == "[choice 0]\n%s\n[choice 1]\n%s\n" % (want[0], want[1]),
+          "pdspark-client --n 2 text: %r (%s)" % (out.stdout, out.stderr))
+    out = subprocess.run([client, "--server", node.grpc, "--prompt", "x", "--n", "0"], capture_output=True,
+                         text=True, timeout=60)
+    check(out.returncode == 2 and "--n" in out.stderr, "pdspark-client --n 0: %s" % out.stderr)
+
+
 LP_REF = {}   # prompt -> token_logprobs of the colocated node (the disaggregated test compares)
 
 
@@ -1809,6 +1834,7 @@ def main():
         check(st == 200 and body["choices"][0]["text"] == want, "serving after errors")
 
         test_grpc_chat(bin_dir, node, odd_node)
+        test_grpc_n(bin_dir, node)
 
         # ---- chat refused for a non-ChatML checkpoint; completions still work there
         st, body = post_json(odd_node, "/v1/chat/completions", {"messages": msgs, "max_tokens": 4})

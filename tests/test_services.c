@@ -140,6 +140,8 @@ typedef struct {
     Pdspark__ChatMessage **msgs;   /* GenerateRequest.messages */
     size_t n_msgs;
     uint32_t thinking;        /* GenerateRequest.enable_thinking */
+    uint32_t n;               /* GenerateRequest.n */
+    uint64_t seed;
     /* results */
     pd_status st;
     char msg[512];
@@ -147,6 +149,9 @@ typedef struct {
     atomic_int decoding;      /* a token arrived (read by other threads while it runs) */
     int finish;               /* finish reason of the final chunk */
     char out[4096];           /* the streamed text */
+    char outs[4][1024];       /* the text of choices 0..3 (GenerateRequest.n) */
+    int finals;               /* final chunks */
+    int bad_index;            /* chunks of a choice past n */
     double ms;
 } gen_call;
 
@@ -158,11 +163,14 @@ static void gen_run(pd_rpc_channel *ch, gen_call *g)
     sp.top_p = g->top_p;
     sp.max_new_tokens = g->max_new;
     sp.ignore_eos = g->ignore_eos;
+    sp.seed = g->seed;
     if (g->stop != NULL) {
         sp.n_stop = 1;
         sp.stop = &g->stop;
     }
     g->out[0] = '\0';
+    memset(g->outs, 0, sizeof(g->outs));
+    g->finals = g->bad_index = 0;
     Pdspark__GenerateRequest rq = PDSPARK__GENERATE_REQUEST__INIT;
     rq.version = g->version ? g->version : PD_PROTO_VERSION;
     rq.prompt_text = (char *)(g->text != NULL ? g->text : "");
@@ -174,6 +182,7 @@ static void gen_run(pd_rpc_channel *ch, gen_call *g)
     rq.n_messages = g->n_msgs;
     rq.messages = g->msgs;
     rq.enable_thinking = g->thinking;
+    rq.n = g->n;
     pd_err err = {0};
     pd_rpc_stream *s = NULL;
     double t0 = now_ms();
@@ -189,9 +198,15 @@ static void gen_run(pd_rpc_channel *ch, gen_call *g)
         g->tokens += (int)ck->n_token_ids;
         if (g->tokens > 0)
             atomic_store(&g->decoding, 1);
-        if (ck->final)
+        if (ck->final) {
             g->finish = (int)ck->finish_reason;
-        strncat(g->out, ck->text_delta != NULL ? ck->text_delta : "", sizeof(g->out) - strlen(g->out) - 1);
+            g->finals++;
+        }
+        g->bad_index += ck->index >= (g->n > 1 ? g->n : 1);
+        const char *t = ck->text_delta != NULL ? ck->text_delta : "";
+        strncat(g->out, t, sizeof(g->out) - strlen(g->out) - 1);
+        if (ck->index < 4)
+            strncat(g->outs[ck->index], t, sizeof(g->outs[0]) - strlen(g->outs[ck->index]) - 1);
         protobuf_c_message_free_unpacked(m, NULL);
         if (g->disconnect_after > 0 && g->chunks >= g->disconnect_after) {
             pd_rpc_stream_cancel(s);
@@ -459,6 +474,37 @@ static void test_services_bad_input(void)
     cg.thinking = 3;
     gen_run(ch, &cg);
     expect(&cg, PD_ERR_INVALID, "enable_thinking", "enable_thinking 3");
+
+    /* n choices on one stream: choice i is the request with seed + i; greedy choices are equal */
+    gen_call ng = { .max_new = 12, .top_p = 1.0f, .text = "def fib(n):", .n = 3 };
+    gen_run(ch, &ng);
+    gen_call one = { .max_new = 12, .top_p = 1.0f, .text = "def fib(n):" };
+    gen_run(ch, &one);
+    TEST_CHECK_MSG(ng.st == PD_OK && one.st == PD_OK && ng.finals == 3 && ng.bad_index == 0 &&
+                   one.out[0] != '\0' && strcmp(ng.outs[0], one.out) == 0 && strcmp(ng.outs[1], one.out) == 0 &&
+                   strcmp(ng.outs[2], one.out) == 0,
+                   "n 3 greedy: %s %s, %d finals, %d bad indexes, '%s' '%s' '%s', one request '%s'",
+                   pd_status_str(ng.st), ng.msg, ng.finals, ng.bad_index, ng.outs[0], ng.outs[1], ng.outs[2], one.out);
+    gen_call ns = { .max_new = 16, .top_p = 1.0f, .temperature = 0.9f, .text = "def fib(n):", .n = 3, .seed = 11 };
+    gen_run(ch, &ns);
+    TEST_CHECK_MSG(ns.st == PD_OK && ns.finals == 3, "n 3 sampled: %s %s, %d finals", pd_status_str(ns.st),
+                   ns.msg, ns.finals);
+    for (int i = 0; i < 3; i++) {
+        gen_call si = { .max_new = 16, .top_p = 1.0f, .temperature = 0.9f, .text = "def fib(n):",
+                        .seed = 11 + (uint64_t)i };
+        gen_run(ch, &si);
+        TEST_CHECK_MSG(si.st == PD_OK && strcmp(ns.outs[i], si.out) == 0,
+                       "n 3 sampled, choice %d '%s' against seed %d alone: %s '%s'", i, ns.outs[i], 11 + i,
+                       pd_status_str(si.st), si.out);
+    }
+    ng.n = 17;
+    gen_run(ch, &ng);
+    expect(&ng, PD_ERR_INVALID, "n must be 1..16", "n 17");
+    ng.n = 2;
+    ng.max_new = 0x7fffffffu + 5u;   /* refused by decode_submit for the first choice */
+    gen_run(ch, &ng);
+    TEST_CHECK_MSG(ng.st != PD_OK && ng.finals == 0, "n 2 of a refused request: %s %s, %d finals",
+                   pd_status_str(ng.st), ng.msg, ng.finals);
 
     /* the decode node keeps serving */
     gen_call ok = { .max_new = 16, .top_p = 1.0f };
@@ -1108,6 +1154,15 @@ static void test_services_lifecycle(void)
     int fp = wait_free_pages(ch, baseline, 5000);
     TEST_CHECK_MSG(fp == (int)baseline, "after disconnect: %d pages free, baseline %u", fp, baseline);
     free(g1.ids);
+
+    /* a client that disconnects from three choices: all three end, their pages come back */
+    gen_call g1n = { .max_new = 1500, .ignore_eos = 1, .top_p = 1.0f, .disconnect_after = 4, .n = 3 };
+    prompt_ids(&g1n, 120, 9);
+    gen_run(ch, &g1n);
+    TEST_CHECK_MSG(g1n.chunks == 4, "disconnect from n 3: %d chunks (%s)", g1n.chunks, g1n.msg);
+    fp = wait_free_pages(ch, baseline, 5000);
+    TEST_CHECK_MSG(fp == (int)baseline, "after disconnect from n 3: %d pages free, baseline %u", fp, baseline);
+    free(g1n.ids);
 
     /* a request past its deadline */
     gen_call g2 = { .max_new = 3000, .ignore_eos = 1, .top_p = 1.0f, .timeout_ms = 400 };
