@@ -1460,6 +1460,17 @@ def test_prefix_cache(bin_dir, model, draft):
               sample(metrics(pf), "pdspark_prefill_requests_total") == 1 and
               b2["usage"]["prompt_tokens_details"]["cached_tokens"] == (npf - 1) // 16 * 16,
               "a repeated prompt is prefilled here from the cache: %s" % b2)
+        # gRPC n shares the prompt the same way: one Prefill call for its four choices
+        fresh2 = "class Queue:\n    def put(self, item):\n        self.items.insert(0, item)\n" * 4
+        calls0 = sample(metrics(pf), "pdspark_prefill_requests_total")
+        out = subprocess.run([os.path.join(bin_dir, "pdspark-client"), "--server", dn.grpc, "--prompt", fresh2,
+                              "--max-new-tokens", "8", "--temperature", "0", "--n", "4", "--json"],
+                             capture_output=True, text=True, timeout=60)
+        gt = [json.loads(l)["text"] for l in out.stdout.strip().splitlines()] if out.returncode == 0 else []
+        calls1 = sample(metrics(pf), "pdspark_prefill_requests_total")
+        check(len(gt) == 4 and len(set(gt)) == 1 and calls1 - calls0 == 1,
+              "disaggregated gRPC n 4 with the cache: %s Prefill call(s), texts %s (%s)" %
+              (calls1 - calls0, gt, out.stderr))
         # sampled: choice i is what a single request with seed + i gives (on a node without the cache)
         st, bs = post_json(dn, "/v1/completions", dict(body, n=3, temperature=0.8, seed=11))
         many = [c["text"] for c in bs["choices"]] if st == 200 else None
