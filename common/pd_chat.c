@@ -932,6 +932,11 @@ struct pd_chat_parser {
 static const char T_THINK[] = "<think>", T_THINK_END[] = "</think>", T_CALL[] = "<tool_call>",
                   T_CALL_END[] = "</tool_call>";
 
+int pd_chat_reasoning_mode(const pd_chat_template *tp, const pd_chat_opts *o)
+{
+    return tp->open_think && o->add_generation_prompt ? 2 : o->enable_thinking != 0 ? 1 : 0;
+}
+
 pd_chat_parser *pd_chat_parser_create(int tools, int reasoning)
 {
     pd_chat_parser *p = calloc(1, sizeof(*p));

@@ -126,6 +126,10 @@ typedef struct pd_chat_parser pd_chat_parser;
  * reasoning: 0 none, 1 the output may open with <think>, 2 the output starts inside <think> (the
  * prompt opened it). NULL on NOMEM. */
 pd_chat_parser *pd_chat_parser_create(int tools, int reasoning);
+/* pd_chat_parser_create's reasoning for a reply to a prompt rendered by tp with o, on a node that
+ * splits reasoning off (--reasoning-parser qwen3): 2 when the generation prompt opened <think>,
+ * 1 unless the request turned thinking off, else 0. */
+int pd_chat_reasoning_mode(const pd_chat_template *tp, const pd_chat_opts *o);
 void pd_chat_parser_destroy(pd_chat_parser *p);   /* NULL is fine */
 /* text[0..len) is all the output so far (it only grows); final: it is complete. Calls emit for
  * every piece that is certain (text that may begin a tag is held back until it is not).

@@ -41,7 +41,8 @@ static void usage(FILE *f)
             "DSpark verification policy (default: the node's). --chat sends --prompt as a user\n"
             "message (after a --system message), --messages FILE a JSON array of {\"role\",\n"
             "\"content\"} turns; the node renders them with its chat template (the reply is the raw\n"
-            "text, <think> included); --thinking sets enable_thinking. --logprobs N (0..20) asks\n"
+            "text, <think> included, unless the node splits reasoning off: --json then adds it as\n"
+            "\"reasoning\"); --thinking sets enable_thinking. --logprobs N (0..20) asks\n"
             "for each token's logprob and its N likeliest alternatives: --json then adds\n"
             "\"logprobs\": [{\"id\", \"logprob\", \"top\": [[id, logprob], ...]}, ...]. --n N (1..16)\n"
             "asks for N choices of the prompt (choice i samples with --seed + i): each one's text is\n"
@@ -134,7 +135,29 @@ typedef struct {
     int n, cap;
     char *text;
     size_t len, tcap;
+    char *reasoning;                 /* GenerateChunk.reasoning_delta joined (NULL: none came) */
+    size_t rlen, rcap;
 } acc;
+
+/* Appends t (may be NULL) to the NUL-terminated *b. -1 on NOMEM. */
+static int text_add(char **b, size_t *len, size_t *cap, const char *t)
+{
+    size_t dl = t != NULL ? strlen(t) : 0;
+    if (*len + dl + 1 > *cap) {
+        size_t nc = *cap ? *cap : 1024;
+        while (*len + dl + 1 > nc)
+            nc *= 2;
+        char *nb = realloc(*b, nc);
+        if (nb == NULL)
+            return -1;
+        *b = nb;
+        *cap = nc;
+    }
+    memcpy(*b + *len, t != NULL ? t : "", dl);
+    *len += dl;
+    (*b)[*len] = '\0';
+    return 0;
+}
 
 static int acc_add(acc *a, const Pdspark__GenerateChunk *c)
 {
@@ -150,21 +173,10 @@ static int acc_add(acc *a, const Pdspark__GenerateChunk *c)
     }
     for (size_t i = 0; i < c->n_token_ids; i++)
         a->tokens[a->n++] = (int32_t)c->token_ids[i];
-    size_t dl = c->text_delta != NULL ? strlen(c->text_delta) : 0;
-    if (a->len + dl + 1 > a->tcap) {
-        size_t cap = a->tcap ? a->tcap : 1024;
-        while (a->len + dl + 1 > cap)
-            cap *= 2;
-        char *nt = realloc(a->text, cap);
-        if (nt == NULL)
-            return -1;
-        a->text = nt;
-        a->tcap = cap;
-    }
-    memcpy(a->text + a->len, c->text_delta != NULL ? c->text_delta : "", dl);
-    a->len += dl;
-    a->text[a->len] = '\0';
-    return 0;
+    if (c->reasoning_delta != NULL && c->reasoning_delta[0] != '\0' &&
+        text_add(&a->reasoning, &a->rlen, &a->rcap, c->reasoning_delta) != 0)
+        return -1;
+    return text_add(&a->text, &a->len, &a->tcap, c->text_delta);
 }
 
 /* One choice of the call (GenerateChunk.index) */
@@ -230,6 +242,8 @@ static void report(choice *c, int index, int json, int logprobs, double t0, doub
         for (int i = 0; i < c->a.n; i++)
             cJSON_AddItemToArray(toks, cJSON_CreateNumber(c->a.tokens[i]));
         cJSON_AddStringToObject(o, "text", c->a.text != NULL ? c->a.text : "");
+        if (c->a.reasoning != NULL)
+            cJSON_AddStringToObject(o, "reasoning", c->a.reasoning);
         uint32_t rounds = ds != NULL ? ds->rounds : 0;
         cJSON_AddNumberToObject(o, "rounds", rounds);
         cJSON *apr = cJSON_AddArrayToObject(o, "accepted_per_round");
@@ -591,6 +605,7 @@ out:
         cJSON_Delete(cs[i].lps);
         free(cs[i].a.tokens);
         free(cs[i].a.text);
+        free(cs[i].a.reasoning);
     }
     free(cs);
     pd_rpc_stream_close(s);

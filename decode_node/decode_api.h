@@ -84,6 +84,9 @@ typedef struct {
     const char *chat_template;      /* --chat-template: a template file, or the template itself
                                      * (text with "{{" or "{%"), instead of the checkpoint's; NULL:
                                      * the checkpoint's (pd_chat_template_load) */
+    int reasoning;                  /* --reasoning-parser qwen3: a chat reply's <think>...</think>
+                                     * goes out apart from its content (HTTP reasoning_content, gRPC
+                                     * GenerateChunk.reasoning_delta) */
     const struct decode_observer *observer;  /* optional, borrowed: sees every request */
 } decode_config;
 
@@ -102,6 +105,8 @@ void decode_server_destroy(decode_server *s);
  * with *why (a sentence for the client) when chat is unavailable: the checkpoint has none, or it
  * is not ChatML. */
 const pd_chat_template *decode_server_chat_template(const decode_server *s, const char **why);
+/* decode_config.reasoning */
+int decode_server_reasoning(const decode_server *s);
 
 typedef struct {
     const char *request_id;         /* for logs and echo; NULL/"" = the server assigns one */

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pd_chat.h"
 #include "pd_log.h"
 #include "pd_proto_version.h"
 #include "pd_verify_policy.h"
@@ -38,6 +39,10 @@ typedef struct {
     size_t pend_len, pend_cap;
     uint32_t n_sent_ids;
     char id[96];           /* the choice's request id when n > 1 */
+    /* a chat reply split into content and reasoning (gen_group.reasoning; engine thread) */
+    pd_chat_parser *cp;
+    char *sent;            /* the reply's text sent so far (before the split) */
+    size_t sent_len, sent_cap;
 } gen_ctx;
 
 struct gen_group {
@@ -52,6 +57,7 @@ struct gen_group {
     char err_msg[sizeof(((pd_err *)0)->msg)];
     int want_ids;
     int want_stats;
+    int reasoning;         /* pd_chat_parser_create's reasoning for the reply (0: no split) */
     char **stop;
     int n_stop;
     gen_ctx ch[];          /* [n] */
@@ -64,6 +70,8 @@ static void group_unref(gen_group *g, int k)
     for (int i = 0; i < g->n; i++) {
         decode_handle_release(g->ch[i].h);
         free(g->ch[i].pend);
+        free(g->ch[i].sent);
+        pd_chat_parser_destroy(g->ch[i].cp);
     }
     pthread_mutex_destroy(&g->mu);
     for (int i = 0; i < g->n_stop; i++)
@@ -108,22 +116,52 @@ static Pdspark__FinishReason finish_to_proto(pd_finish_reason f)
     }
 }
 
+/* Appends t[0..n) to the NUL-terminated buffer *b (*len bytes, *cap allocated). -1 on NOMEM. */
+static int buf_add(char **b, size_t *len, size_t *cap, const char *t, size_t n)
+{
+    if (*len + n + 1 > *cap) {
+        size_t nc = *cap ? *cap : 256;
+        while (*len + n + 1 > nc)
+            nc *= 2;
+        char *nb = realloc(*b, nc);
+        if (nb == NULL)
+            return -1;
+        *b = nb;
+        *cap = nc;
+    }
+    memcpy(*b + *len, t, n);
+    *len += n;
+    (*b)[*len] = '\0';
+    return 0;
+}
+
 static int pend_add(gen_ctx *c, const char *t, size_t n)
 {
-    if (c->pend_len + n + 1 > c->pend_cap) {
-        size_t cap = c->pend_cap ? c->pend_cap : 256;
-        while (c->pend_len + n + 1 > cap)
-            cap *= 2;
-        char *np = realloc(c->pend, cap);
-        if (np == NULL)
-            return -1;
-        c->pend = np;
-        c->pend_cap = cap;
-    }
-    memcpy(c->pend + c->pend_len, t, n);
-    c->pend_len += n;
-    c->pend[c->pend_len] = '\0';
-    return 0;
+    return buf_add(&c->pend, &c->pend_len, &c->pend_cap, t, n);
+}
+
+/* A chat reply split as it is sent: the content and the reasoning certain so far */
+typedef struct {
+    char *text[2];         /* [0] content, [1] reasoning (NULL: none) */
+    size_t len[2], cap[2];
+    int oom;
+} split_out;
+
+static void split_emit(void *ud, const pd_chat_piece *p)
+{
+    split_out *o = ud;
+    int k = p->kind == PD_CHAT_REASONING;   /* no tools: content or reasoning */
+    if (buf_add(&o->text[k], &o->len[k], &o->cap[k], p->text, p->len) != 0)
+        o->oom = 1;
+}
+
+/* t[0..n) is the reply's next text; -1 on NOMEM */
+static int split_feed(gen_ctx *c, const char *t, size_t n, int final, split_out *o)
+{
+    if (buf_add(&c->sent, &c->sent_len, &c->sent_cap, t, n) != 0 ||
+        pd_chat_parser_feed(c->cp, c->sent, c->sent_len, final, split_emit, o) != 0)
+        return -1;
+    return o->oom ? -1 : 0;
 }
 
 /* With stop strings: how many bytes of pend may be sent now. *hit is set when a stop string
@@ -213,7 +251,22 @@ static void gen_on_token(void *ud, const decode_chunk *ch)
         m.n_logprobs = (size_t)ch->n_ids;
         m.logprobs = lpp;
     }
+    split_out so = {0};
+    if (c->cp != NULL) {
+        if (split_feed(c, m.text_delta, strlen(m.text_delta), 0, &so) != 0) {
+            free(so.text[0]);
+            free(so.text[1]);
+            free(sendbuf);
+            free(lpm);
+            free(lpp);
+            return;
+        }
+        m.text_delta = so.text[0] != NULL ? so.text[0] : "";
+        m.reasoning_delta = so.text[1] != NULL ? so.text[1] : "";
+    }
     pd_status st = pd_rpc_stream_write(g->call, &m.base);
+    free(so.text[0]);
+    free(so.text[1]);
     free(sendbuf);
     free(lpm);
     free(lpp);
@@ -298,7 +351,16 @@ static void gen_on_done(void *ud, const decode_result *res)
         }
         m.stats = &ds;
     }
+    split_out so = {0};
+    if (m.text_delta == NULL)
+        m.text_delta = "";
+    if (c->cp != NULL && split_feed(c, m.text_delta, strlen(m.text_delta), 1, &so) == 0) {
+        m.text_delta = so.text[0] != NULL ? so.text[0] : "";
+        m.reasoning_delta = so.text[1] != NULL ? so.text[1] : "";
+    }
     pd_rpc_stream_write(g->call, &m.base);
+    free(so.text[0]);
+    free(so.text[1]);
     free(apr);
     free(pos);
     free(tail);
@@ -321,8 +383,8 @@ static void gen_rpc_done(void *arg, pd_rpc_call *call, bool cancelled)
 
 /* GenerateRequest.messages rendered by the node's chat template into *out (malloc'd); -1 with
  * why otherwise (chat unavailable, another prompt field also set, a bad message). */
-static int chat_prompt(decode_server *s, const Pdspark__GenerateRequest *rq, char **out, size_t *len, char *why,
-                       size_t cap)
+static int chat_prompt(decode_server *s, const Pdspark__GenerateRequest *rq, char **out, size_t *len,
+                       int *reasoning, char *why, size_t cap)
 {
     const char *unavailable = NULL;
     const pd_chat_template *tp = decode_server_chat_template(s, &unavailable);
@@ -357,6 +419,7 @@ static int chat_prompt(decode_server *s, const Pdspark__GenerateRequest *rq, cha
     o.enable_thinking = rq->enable_thinking == 0 ? -1 : (int)rq->enable_thinking - 1;
     int rc = pd_chat_render_text(tp, roles, contents, (int)rq->n_messages, &o, out, len, why, cap);
     free(roles);
+    *reasoning = decode_server_reasoning(s) ? pd_chat_reasoning_mode(tp, &o) : 0;
     return rc;
 }
 
@@ -464,9 +527,10 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
         tmo = left > 0 ? left : 1;
     dr.timeout_ms = tmo;
     char *chat_text = NULL;
+    int reasoning = 0;
     if (rq->n_messages > 0) {
         char why[256];
-        if (chat_prompt(s, rq, &chat_text, &dr.prompt_text_len, why, sizeof(why)) != 0) {
+        if (chat_prompt(s, rq, &chat_text, &dr.prompt_text_len, &reasoning, why, sizeof(why)) != 0) {
             free(ids);
             pd_rpc_finish(call, PD_ERR_INVALID, why);
             return PD_OK;
@@ -494,9 +558,19 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
     g->n_open = n;
     g->want_ids = rq->return_token_ids;
     g->want_stats = rq->return_stats;
+    g->reasoning = reasoning;
+    int oom = 0;
     for (int i = 0; i < n; i++) {
         g->ch[i].g = g;
         g->ch[i].index = (uint32_t)i;
+        if (reasoning && (g->ch[i].cp = pd_chat_parser_create(0, reasoning)) == NULL)
+            oom = 1;
+    }
+    if (oom) {
+        free(ids);
+        free(chat_text);
+        group_unref(g, 2 + n);
+        return pd_err_set(&err, PD_ERR_NOMEM, "reply parser");
     }
     size_t n_stop = rq->sampling != NULL ? rq->sampling->n_stop : 0;
     if (n_stop > 0) {

@@ -1922,10 +1922,7 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     /* parallel_tool_calls false: one call at most (the splitter drops what follows it) */
     r->tools = !chat || tools.choice == PD_TOOLS_NONE ? 0 : tools.parallel ? 1 : 2;
     /* 1: the reply may open <think>; 2: the generation prompt opened it (the reply starts inside) */
-    r->reasoning = !chat || !dh->reasoning                           ? 0
-                   : tmpl->open_think && copts.add_generation_prompt ? 2
-                   : copts.enable_thinking != 0                      ? 1
-                                                                     : 0;
+    r->reasoning = chat && dh->reasoning ? pd_chat_reasoning_mode(tmpl, &copts) : 0;
     r->stream = o.stream;
     for (int i = 0; r->stream && (r->tools || r->reasoning) && i < r->n_choice; i++)
         if ((r->ch[i].cp = pd_chat_parser_create(r->tools, r->reasoning)) == NULL) {
@@ -2314,7 +2311,7 @@ pd_status decode_http_create(decode_server *s, const decode_http_config *cfg, de
         return pd_err_set(err, PD_ERR_NOMEM, "http front end");
     dh->s = s;
     dh->dm = cfg->dm;
-    dh->reasoning = cfg->reasoning;
+    dh->reasoning = decode_server_reasoning(s);
     if (cfg->api_key != NULL && cfg->api_key[0] != '\0' && (dh->api_key = strdup(cfg->api_key)) == NULL) {
         pthread_mutex_destroy(&dh->mu);
         free(dh);

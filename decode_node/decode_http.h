@@ -29,8 +29,6 @@ typedef struct {
     pd_metrics *metrics;           /* borrowed: served on /metrics */
     decode_metrics *dm;            /* borrowed, may be NULL: refusals at admission are counted */
     size_t max_body;               /* bytes; 0 = 8 MiB */
-    int reasoning;                 /* --reasoning-parser qwen3: a chat reply's <think>...</think>
-                                    * is returned as reasoning_content */
     const char *generation_config; /* --generation-config: NULL/"auto" (the model's
                                     * generation_config.json), "none", or a directory: the
                                     * sampling defaults of requests that leave fields out */

@@ -57,7 +57,8 @@ static void usage(FILE *f)
             "/v1/models) and /health, /ready, /metrics; printed as 'listening http HOST:PORT'.\n"
             "Chat requests with 'tools' get the tools in the prompt as Qwen's templates write them\n"
             "and <tool_call> blocks back as tool_calls; --reasoning-parser qwen3 returns the\n"
-            "<think> text of a reply as reasoning_content instead of content.\n"
+            "<think> text of a chat reply as reasoning_content instead of content (gRPC: as\n"
+            "GenerateChunk.reasoning_delta instead of text_delta).\n"
             "--generation-config auto (default) takes the temperature, top_p, top_k, min_p,\n"
             "repetition_penalty and max_new_tokens of the model's generation_config.json as the\n"
             "defaults of HTTP requests that leave them out, as vLLM does; none keeps OpenAI's\n"
@@ -283,6 +284,7 @@ int main(int argc, char **argv)
     }
     cfg.observer = decode_metrics_observer(dm);
     cfg.chat_template = chat_template;
+    cfg.reasoning = reasoning;
     if (decode_server_create(&cfg, &s, &err) != PD_OK) {
         fprintf(stderr, PROG ": %s\n", err.msg);
         return 1;
@@ -304,7 +306,7 @@ int main(int argc, char **argv)
                 decode_server_mode(s));
     if (http_addr != NULL) {
         decode_http_config hc = { .addr = http_addr, .model_dir = cfg.model_dir, .metrics = reg,
-                                  .dm = dm, .reasoning = reasoning, .model_name = served_name,
+                                  .dm = dm, .model_name = served_name,
                                   .api_key = api_key, .generation_config = generation_config };
         if (decode_http_create(s, &hc, &http, &err) != PD_OK) {
             fprintf(stderr, PROG ": --http %s: %s\n", http_addr, err.msg);

@@ -1840,6 +1840,11 @@ const pd_chat_template *decode_server_chat_template(const decode_server *s, cons
     return s->chat_ok ? &s->chat : NULL;
 }
 
+int decode_server_reasoning(const decode_server *s)
+{
+    return s->cfg.reasoning;
+}
+
 pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd_err *err)
 {
     if (cfg->model_dir == NULL || cfg->draft_dir == NULL)

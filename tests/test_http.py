@@ -366,6 +366,24 @@ def test_grpc_chat(bin_dir, node, odd_node):
                          capture_output=True, text=True, timeout=60)
     check(out.returncode == 2 and "--system needs --chat" in out.stderr,
           "pdspark-client --system without --chat: %s" % out.stderr)
+    # the node runs --reasoning-parser qwen3: forced <think> text comes as reasoning_delta, the
+    # rest as text_delta, as the HTTP chat route splits it; not with thinking turned off
+    forced = ["--regex", "<think>\nab\n</think>\n\n[a-z]{1,3}", "--max-new-tokens", "40", "--temperature", "0"]
+    out = subprocess.run([client, "--server", node.grpc, "--chat", "--prompt", "def add(a, b):", "--json"] + forced,
+                         capture_output=True, text=True, timeout=60)
+    r = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {}
+    st, h = post_json(node, "/v1/chat/completions", {"messages": [{"role": "user", "content": "def add(a, b):"}],
+                                                     "max_tokens": 40, "temperature": 0,
+                                                     "guided_regex": "<think>\nab\n</think>\n\n[a-z]{1,3}"})
+    hm = h["choices"][0]["message"] if st == 200 else {}
+    check(r.get("reasoning") == "ab" and re.fullmatch("[a-z]{1,3}", r.get("text", "")) and
+          r.get("text") == hm.get("content") and hm.get("reasoning_content") == "ab",
+          "gRPC chat reasoning split: %s, HTTP %s (%s)" % (r, hm, out.stderr))
+    out = subprocess.run([client, "--server", node.grpc, "--chat", "--prompt", "def add(a, b):", "--thinking", "off",
+                          "--json"] + forced, capture_output=True, text=True, timeout=60)
+    r = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {}
+    check(r.get("text", "").startswith("<think>") and "reasoning" not in r,
+          "gRPC chat with thinking off: no split: %s (%s)" % (r, out.stderr))
 
 
 def test_grpc_n(bin_dir, node):
