@@ -108,6 +108,19 @@ int pd_cli_parse_float(const char *prog, const char *flag, const char *s, float 
     return 0;
 }
 
+int pd_cli_parse_fraction(const char *prog, const char *flag, const char *s, double *out)
+{
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno != 0 || *end != '\0' || end == s || !(v > 0.0 && v < 1.0)) {
+        fprintf(stderr, "%s: %s: '%s' is not a fraction in (0, 1)\n", prog, flag, s);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
 int pd_cli_parse_logit_bias(const char *prog, const char *flag, const char *s, pd_logit_bias **b, int *n)
 {
     const char *p = s;

@@ -22,6 +22,8 @@ int pd_cli_parse_i64(const char *prog, const char *flag, const char *s, int64_t 
                      int64_t *out);
 int pd_cli_parse_int(const char *prog, const char *flag, const char *s, int lo, int hi, int *out);
 int pd_cli_parse_float(const char *prog, const char *flag, const char *s, float *out);
+/* A fraction strictly between 0 and 1 (--kv-memory-fraction); -1 with a message otherwise. */
+int pd_cli_parse_fraction(const char *prog, const char *flag, const char *s, double *out);
 /* "ID:BIAS[,ID:BIAS...]" appended to *b / *n (malloc'd, the caller frees *b); -1 with a message
  * naming flag for a malformed entry or more than PD_MAX_LOGIT_BIAS of them (ranges are checked
  * where the request is). */

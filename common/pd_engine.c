@@ -270,6 +270,44 @@ static void cp_release(pd_engine *e, pd_request *r)
     r->cp_kv = NULL;
 }
 
+/* The pages kv_mem_fraction gives: the target and draft pools together take that fraction of
+ * the device memory free now, as many pages of each (a page of each per token slot run). */
+static pd_status pages_from_memory(const pd_engine *e, int *n_pages, pd_err *err)
+{
+    const double f = e->cfg.kv_mem_fraction;
+    if (!(f > 0.0 && f < 1.0))
+        return pd_err_set(err, PD_ERR_INVALID, "kv memory fraction %g: give one in (0, 1)", f);
+    if (e->cfg.tp_size > 1 || e->cfg.cp_size > 1)
+        return pd_err_set(err, PD_ERR_INVALID, "a kv memory fraction with %s %d: size the pools in "
+                          "pages instead (each rank holds pools of its own)", e->cfg.tp_size > 1 ? "tp" : "cp",
+                          e->cfg.tp_size > 1 ? e->cfg.tp_size : e->cfg.cp_size);
+    kern_backend *be = e->tm->be;
+    size_t free_b = 0, total_b = 0;
+    pd_err merr;
+    if (kern_mem_info(be, &free_b, &total_b, &merr) != PD_OK)
+        return pd_err_set(err, PD_ERR_INVALID, "a kv memory fraction needs a GPU backend (%s): size the "
+                          "pool in pages instead", merr.msg);
+    const pd_qwen3_config *tc = &e->tm->cfg;
+    pd_kv_layout tl = { .n_layers = tc->num_hidden_layers, .n_kv_heads = tc->num_key_value_heads,
+                        .head_dim = tc->head_dim, .page_size = e->cfg.page_size, .dtype = be->kv_dtype };
+    double per = (double)pd_kv_page_bytes(&tl) * 2.0 * tl.n_layers;   /* K and V of every layer */
+    if (e->dm != NULL) {
+        const pd_qwen3_config *dc = &e->dm->cfg.base;
+        pd_kv_layout dl = { .n_layers = dc->num_hidden_layers, .n_kv_heads = dc->num_key_value_heads,
+                            .head_dim = dc->head_dim, .page_size = e->cfg.page_size, .dtype = be->kv_dtype };
+        per += (double)pd_kv_page_bytes(&dl) * 2.0 * dl.n_layers;
+    }
+    double n = (double)free_b * f / per;
+    if (n < 64.0)
+        return pd_err_set(err, PD_ERR_NOMEM, "kv memory fraction %g of %.2f GiB free gives %.0f pages of %d "
+                          "tokens (%.1f KiB each): fewer than 64", f, free_b / 1073741824.0, n, e->cfg.page_size,
+                          per / 1024.0);
+    *n_pages = n > (double)(INT_MAX / 2) ? INT_MAX / 2 : (int)n;
+    PD_LOG_INFO("engine", "kv memory fraction %g of %.2f GiB free (%.2f GiB total): %d pages of %d tokens",
+                f, free_b / 1073741824.0, total_b / 1073741824.0, *n_pages, e->cfg.page_size);
+    return PD_OK;
+}
+
 pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err *err)
 {
     if (cfg->target == NULL)
@@ -294,6 +332,9 @@ pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err 
     if (e->cfg.page_size <= 0)
         e->cfg.page_size = 16;
     int pages_per_ctx = (tc->max_position_embeddings + e->cfg.page_size - 1) / e->cfg.page_size;
+    if (e->cfg.n_pages <= 0 && e->cfg.kv_mem_fraction > 0.0 &&
+        (st = pages_from_memory(e, &e->cfg.n_pages, err)) != PD_OK)
+        goto err_free;
     if (e->cfg.n_pages <= 0)
         e->cfg.n_pages = 2 * pages_per_ctx + 64;
     if (e->cfg.draft_n_pages <= 0)

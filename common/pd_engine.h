@@ -27,8 +27,14 @@ typedef struct {
     const pd_qwen3_model *target;      /* borrowed */
     const pd_dspark_model *draft;      /* borrowed; NULL = target-only decoding */
     int page_size;                     /* token slots per KV page (default 16) */
-    int n_pages;                       /* target pool pages (default: 64 requests x context) */
+    int n_pages;                       /* target pool pages (default: kv_mem_fraction's, else
+                                        * two contexts + 64) */
     int draft_n_pages;                 /* draft pool pages (default = n_pages) */
+    double kv_mem_fraction;            /* in (0, 1) with n_pages 0: the target and draft pools
+                                        * together take this fraction of the device memory that
+                                        * is free when the engine is created (after the models
+                                        * are loaded), as many pages of each (GPU backends, no CP
+                                        * or TP; vLLM's --gpu-memory-utilization, for the cache) */
     int block_size;                    /* drafts per round, <= the draft's block size (0 = it) */
     int max_prefill_tokens;            /* tokens per prefill forward (chunking; default 2048) */
     pd_verify_policy verify_policy;    /* for requests that name none (DEFAULT = full) */

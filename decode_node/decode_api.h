@@ -58,6 +58,7 @@ typedef struct {
                                      * become nodes, vanished ones are no longer picked (0 = at
                                      * start only; default 10000) */
     int kv_pages;                   /* target pool pages (0 = engine default) */
+    double kv_mem_fraction;         /* --kv-memory-fraction: pd_engine_config.kv_mem_fraction */
     int page_size;                  /* tokens per page (0 = 16) */
     int max_batch;                  /* running requests at most (0 = 64) */
     int max_prefill_tokens;         /* colocated: prompt tokens prefilled per engine step, a decode

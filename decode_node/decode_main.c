@@ -29,7 +29,8 @@ static void usage(FILE *f)
             "usage: decode_node --model DIR --draft DIR --listen HOST:PORT\n"
             "                   (--prefill HOST:PORT[,HOST:PORT...]|file:PATH [--prefill-refresh-ms N]\n"
             "                    | --colocated)\n"
-            "                   [--device cpu|cuda] [--dtype bf16|f32] [--kv-pages N] [--page-size N] [--max-batch N]\n"
+            "                   [--device cpu|cuda] [--dtype bf16|f32] [--kv-pages N | --kv-memory-fraction F]\n"
+            "                   [--page-size N] [--max-batch N]\n"
             "                   [--max-queue N] [--queue-timeout-ms N] [--request-timeout-ms N]\n"
             "                   [--transfer-timeout-ms N] [--cp-size N --cp-strategy S] [--tp N]\n"
             "                   [--log-level error|warn|info|debug|trace]\n"
@@ -73,6 +74,10 @@ static void usage(FILE *f)
             "SIGTERM drains: new requests are refused (HTTP 503, /ready 503), running ones\n"
             "finish for up to --drain-timeout-ms (default 30000), then the node exits 0.\n"
             "--log-format json writes every log line (and the per-request line) as JSON.\n"
+            "--kv-memory-fraction F (cuda, 0 < F < 1): the KV pools (target and draft) take F of\n"
+            "the GPU memory free once the models are loaded, instead of --kv-pages (default: two\n"
+            "contexts + 64 pages); not with --cp-size or --tp > 1. Disaggregated, the host mirror\n"
+            "the KV pages arrive in is as large.\n"
             "--dtype f32 keeps the weights and KV cache in fp32 on cuda (default bf16); prefill\n"
             "nodes must use the same (a KV layout that differs is refused by name).\n"
             "--chunked-prefill-size N (prompts prefilled here): prompt tokens per engine step (default\n"
@@ -105,12 +110,13 @@ int main(int argc, char **argv)
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_PREFILL, O_COLO, O_DEVICE, O_PAGES, O_PAGE, O_BATCH,
            O_QUEUE, O_QTMO, O_RTMO, O_XTMO, O_CP, O_CPS, O_LOG, O_HELP, O_HTTP, O_LOGFMT, O_DRAIN,
            O_VERIFY, O_THRESH, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_CHUNK, O_REFRESH, O_PREFIX,
-           O_REASON, O_SERVED, O_APIKEY, O_CHATTMPL, O_LOCALPF, O_GENCFG };
+           O_REASON, O_SERVED, O_APIKEY, O_CHATTMPL, O_LOCALPF, O_GENCFG, O_KVFRAC };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"prefill", required_argument, 0, O_PREFILL},
         {"colocated", no_argument, 0, O_COLO}, {"device", required_argument, 0, O_DEVICE},
         {"kv-pages", required_argument, 0, O_PAGES}, {"page-size", required_argument, 0, O_PAGE},
+        {"kv-memory-fraction", required_argument, 0, O_KVFRAC},
         {"max-batch", required_argument, 0, O_BATCH}, {"max-queue", required_argument, 0, O_QUEUE},
         {"queue-timeout-ms", required_argument, 0, O_QTMO},
         {"request-timeout-ms", required_argument, 0, O_RTMO},
@@ -146,6 +152,9 @@ int main(int argc, char **argv)
         case O_DEVICE: cfg.device = optarg; break;
         case O_DTYPE: bad = pd_cli_parse_dtype(PROG, optarg, &cfg.f32); break;
         case O_PAGES: bad = pd_cli_parse_int(PROG, "--kv-pages", optarg, 1, INT_MAX / 2, &cfg.kv_pages); break;
+        case O_KVFRAC:
+            bad = pd_cli_parse_fraction(PROG, "--kv-memory-fraction", optarg, &cfg.kv_mem_fraction);
+            break;
         case O_PAGE: bad = pd_cli_parse_int(PROG, "--page-size", optarg, 1, 4096, &cfg.page_size); break;
         case O_BATCH: bad = pd_cli_parse_int(PROG, "--max-batch", optarg, 1, 65536, &cfg.max_batch); break;
         case O_REFRESH:
@@ -226,6 +235,10 @@ int main(int argc, char **argv)
     }
     if (optind < argc) {
         fprintf(stderr, PROG ": unexpected argument '%s'\n", argv[optind]);
+        return 2;
+    }
+    if (cfg.kv_pages > 0 && cfg.kv_mem_fraction > 0.0) {
+        fprintf(stderr, PROG ": give --kv-pages N or --kv-memory-fraction F, not both\n");
         return 2;
     }
     if (cfg.model_dir == NULL || cfg.draft_dir == NULL || listen == NULL) {

@@ -531,6 +531,9 @@ struct kern_backend_ops {
     pd_status (*upload_convert)(kern_backend *be, void *dst, kern_dtype dst_dtype,
                                 const void *src, kern_dtype src_dtype, size_t n, pd_err *err);
     pd_status (*sync)(kern_backend *be, pd_err *err);
+    /* The backend device's memory: what is free now and its total (bytes). PD_ERR_UNSUPPORTED
+     * on host backends (cpu: host memory is not the backend's to size). */
+    pd_status (*mem_info)(kern_backend *be, size_t *free_bytes, size_t *total_bytes, pd_err *err);
     /* Stream capture (CUDA graphs, DESIGN.md section 6). graph_begin: the ops that follow are
      * recorded, not run, until graph_end, which instantiates them as *out (the caller then runs
      * it with graph_launch: nothing recorded has run yet). PD_ERR_UNSUPPORTED from graph_begin:
@@ -632,6 +635,7 @@ pd_status kern_memset0(kern_backend *be, void *dst, size_t n, pd_err *err);
 pd_status kern_upload_convert(kern_backend *be, void *dst, kern_dtype dst_dtype, const void *src,
                               kern_dtype src_dtype, size_t n, pd_err *err);
 pd_status kern_sync(kern_backend *be, pd_err *err);
+pd_status kern_mem_info(kern_backend *be, size_t *free_bytes, size_t *total_bytes, pd_err *err);
 pd_status kern_graph_begin(kern_backend *be, pd_err *err);
 pd_status kern_graph_end(kern_backend *be, void **out, pd_err *err);
 pd_status kern_graph_launch(kern_backend *be, void *graph, pd_err *err);

@@ -83,6 +83,12 @@ pd_status kern_sync(kern_backend *be, pd_err *err)
     return be->ops->sync(be, err);
 }
 
+pd_status kern_mem_info(kern_backend *be, size_t *free_bytes, size_t *total_bytes, pd_err *err)
+{
+    *free_bytes = *total_bytes = 0;
+    return be->ops->mem_info(be, free_bytes, total_bytes, err);
+}
+
 pd_status kern_graph_begin(kern_backend *be, pd_err *err) { return be->ops->graph_begin(be, err); }
 
 pd_status kern_graph_end(kern_backend *be, void **out, pd_err *err)

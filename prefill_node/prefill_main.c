@@ -24,7 +24,7 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: prefill_node --model DIR [--draft DIR] --listen HOST:PORT\n"
             "                    [--cp-size N --cp-strategy S] [--device cpu|cuda] [--dtype bf16|f32]\n"
-            "                    [--max-batch-tokens N] [--kv-pages N] [--page-size N]\n"
+            "                    [--max-batch-tokens N] [--kv-pages N | --kv-memory-fraction F] [--page-size N]\n"
             "                    [--transfer-timeout-ms N] [--aux-transfer raw|ctx|draft-kv]\n"
             "                    [--xfer-err-mode peer|none]\n"
             "                    [--log-level error|warn|info|debug|trace] [--log-format text|json]\n"
@@ -46,6 +46,8 @@ static void usage(FILE *f)
             "that dies is then noticed only by --transfer-timeout-ms (default peer: at once).\n"
             "--http serves GET /health, /ready and /metrics (Prometheus text), printed as\n"
             "'listening http HOST:PORT'.\n"
+            "--kv-memory-fraction F (cuda, 0 < F < 1): the KV pools take F of the GPU memory free\n"
+            "once the models are loaded, instead of --kv-pages; not with --cp-size > 1.\n"
             "--dtype f32 keeps the weights and KV cache in fp32 on cuda (default bf16); the\n"
             "decode nodes must use the same.\n"
             "--fast-kernels (cuda) batches queued prompts into one forward: faster under load,\n"
@@ -79,12 +81,13 @@ int main(int argc, char **argv)
     int tmo = 0;
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_CP, O_CPS, O_DEVICE, O_MBT, O_PAGES, O_PAGE, O_XTMO,
            O_AUX, O_LOG, O_HELP, O_HTTP, O_XERR, O_DRAIN, O_DTYPE, O_FAST, O_LOGFMT,
-           O_PREFIX };
+           O_PREFIX, O_KVFRAC };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"cp-size", required_argument, 0, O_CP},
         {"cp-strategy", required_argument, 0, O_CPS}, {"device", required_argument, 0, O_DEVICE},
         {"max-batch-tokens", required_argument, 0, O_MBT}, {"kv-pages", required_argument, 0, O_PAGES},
+        {"kv-memory-fraction", required_argument, 0, O_KVFRAC},
         {"page-size", required_argument, 0, O_PAGE}, {"transfer-timeout-ms", required_argument, 0, O_XTMO},
         {"aux-transfer", required_argument, 0, O_AUX}, {"log-level", required_argument, 0, O_LOG},
         {"help", no_argument, 0, O_HELP}, {"http", required_argument, 0, O_HTTP},
@@ -108,6 +111,9 @@ int main(int argc, char **argv)
         case O_DTYPE: bad = pd_cli_parse_dtype(PROG, optarg, &cfg.f32); break;
         case O_MBT: bad = pd_cli_parse_int(PROG, "--max-batch-tokens", optarg, 1, INT_MAX / 2, &cfg.max_batch_tokens); break;
         case O_PAGES: bad = pd_cli_parse_int(PROG, "--kv-pages", optarg, 1, INT_MAX / 2, &cfg.kv_pages); break;
+        case O_KVFRAC:
+            bad = pd_cli_parse_fraction(PROG, "--kv-memory-fraction", optarg, &cfg.kv_mem_fraction);
+            break;
         case O_PAGE: bad = pd_cli_parse_int(PROG, "--page-size", optarg, 1, 4096, &cfg.page_size); break;
         case O_XTMO: bad = pd_cli_parse_int(PROG, "--transfer-timeout-ms", optarg, 1, INT32_MAX, &tmo); cfg.transfer_timeout_ms = tmo; break;
         case O_AUX: cfg.aux_transfer = optarg; break;
@@ -144,6 +150,10 @@ int main(int argc, char **argv)
     }
     if (optind < argc) {
         fprintf(stderr, PROG ": unexpected argument '%s'\n", argv[optind]);
+        return 2;
+    }
+    if (cfg.kv_pages > 0 && cfg.kv_mem_fraction > 0.0) {
+        fprintf(stderr, PROG ": give --kv-pages N or --kv-memory-fraction F, not both\n");
         return 2;
     }
     if (cfg.model_dir == NULL || listen == NULL) {

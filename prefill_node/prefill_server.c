@@ -1263,7 +1263,8 @@ pd_status prefill_server_create(const prefill_config *cfg, prefill_server **out,
     if (ps->draft_dir != NULL && (st = pd_dspark_load(ps->be, ps->draft_dir, ps->tm, &ps->dm, err)) != PD_OK)
         goto err_destroy;
     pd_engine_config ec = { .target = ps->tm, .draft = ps->dm, .page_size = cfg->page_size,
-                            .n_pages = cfg->kv_pages, .max_prefill_tokens = ps->cfg.max_batch_tokens,
+                            .n_pages = cfg->kv_pages, .kv_mem_fraction = cfg->kv_mem_fraction,
+                            .max_prefill_tokens = ps->cfg.max_batch_tokens,
                             .fast_kernels = cfg->fast_kernels, .prefix_cache = cfg->prefix_cache };
     if ((st = pd_cp_targets_load(&ps->cp_targets, ps->be, ps->model_dir, cfg->cp_size, err)) != PD_OK)
         goto err_destroy;

@@ -44,6 +44,7 @@ typedef struct {
     int cp_size;                    /* context-parallel ranks (0/1 = off) */
     const char *cp_strategy;        /* NULL = engine default */
     int kv_pages;                   /* 0 = engine default */
+    double kv_mem_fraction;         /* --kv-memory-fraction: pd_engine_config.kv_mem_fraction */
     int page_size;                  /* 0 = 16 (must match the decode nodes) */
     int max_batch_tokens;           /* prompt tokens per batch / forward (0 = 8192) */
     int64_t transfer_timeout_ms;    /* bound on one KV+aux transfer (0 = 30000) */

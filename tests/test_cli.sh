@@ -196,6 +196,14 @@ if [ -x "$bin/decode_node" ] && [ -x "$bin/pdspark-client" ]; then
         $bin/decode_node --model "$T" --draft "$D" --listen 127.0.0.1:0 --colocated --max-local-prefill 64
     expect_fail "decode_node --prefix-cache with --tp" "prefix cache does not combine" \
         $bin/decode_node --model "$T" --draft "$D" --listen 127.0.0.1:0 --colocated --prefix-cache --tp 2
+    expect_fail "decode_node --kv-memory-fraction 1.5" "not a fraction in \\(0, 1\\)" $bin/decode_node --model "$T" \
+        --draft "$D" --listen 127.0.0.1:0 --colocated --kv-memory-fraction 1.5
+    expect_fail "decode_node --kv-memory-fraction with --kv-pages" "kv-pages N or --kv-memory-fraction F, not both" \
+        $bin/decode_node --model "$T" --draft "$D" --listen 127.0.0.1:0 --colocated --kv-memory-fraction 0.5 --kv-pages 64
+    expect_fail "decode_node --kv-memory-fraction on the cpu" "needs a GPU backend" $bin/decode_node --model "$T" \
+        --draft "$D" --listen 127.0.0.1:0 --colocated --kv-memory-fraction 0.5
+    expect_fail "prefill_node --kv-memory-fraction on the cpu" "needs a GPU backend" $bin/prefill_node --model "$T" \
+        --draft "$D" --listen 127.0.0.1:0 --kv-memory-fraction 0.5
     expect_fail "decode_node --prefill-refresh-ms colocated" "prefill-refresh-ms applies to --prefill only" \
         $bin/decode_node --model "$T" --draft "$D" --listen 127.0.0.1:0 --colocated --prefill-refresh-ms 100
     expect_fail "decode_node --chunked-prefill-size disaggregated" "chunked-prefill-size applies to prompts prefilled here" \

@@ -177,6 +177,20 @@ def main():
             serve("colocated (cp 2)", addr, paths[:8], refs_cp[:8])
         finally:
             stop(dn)
+        if DEV:
+            # the KV pool sized from the GPU's free memory (--kv-memory-fraction): far more pages
+            # than the default (two contexts + 64), the same tokens; 8 prompts
+            dn, addr = start([f"{BIN}/decode_node", "--model", TARGET, "--draft", DRAFT, "--listen",
+                              "127.0.0.1:0", "--colocated", "--kv-memory-fraction", "0.2"] + DEV, "decode_kvfrac")
+            try:
+                r = subprocess.run([f"{BIN}/pdspark-client", "--server", addr, "--health"], capture_output=True,
+                                   text=True, timeout=30)
+                h = json.loads(r.stdout) if r.returncode == 0 else {}
+                print(f"colocated --kv-memory-fraction 0.2: {h.get('total_kv_pages')} KV pages", flush=True)
+                check(h.get("total_kv_pages", 0) > 4096 // 16 * 2 + 64, f"--kv-memory-fraction 0.2: health {h}")
+                serve("colocated (--kv-memory-fraction 0.2)", addr, paths[:8], refs[:8])
+            finally:
+                stop(dn)
     # CP prefill in a node: ranks as threads; on a GPU rank r runs on GPU r % (visible GPUs)
     # with its own copy of the target (one GPU: both ranks on it, the local communicator)
     if WHICH in ("disagg", "all"):

@@ -109,6 +109,14 @@ static pd_status cpu_graph_launch(kern_backend *be, void *graph, pd_err *err)
     return pd_err_set(err, PD_ERR_UNSUPPORTED, "backend cpu: no graph capture");
 }
 
+static pd_status cpu_mem_info(kern_backend *be, size_t *free_bytes, size_t *total_bytes, pd_err *err)
+{
+    (void)be;
+    (void)free_bytes;
+    (void)total_bytes;
+    return pd_err_set(err, PD_ERR_UNSUPPORTED, "the cpu backend has no device memory to size");
+}
+
 static void cpu_graph_free(kern_backend *be, void *graph)
 {
     (void)be;
@@ -782,6 +790,7 @@ static const kern_backend_ops cpu_ops = {
     .memset0 = cpu_memset0,
     .upload_convert = cpu_upload_convert,
     .sync = cpu_sync,
+    .mem_info = cpu_mem_info,
     .graph_begin = cpu_graph_begin,
     .graph_end = cpu_graph_end,
     .graph_launch = cpu_graph_launch,

@@ -122,6 +122,14 @@ typedef struct {
     unsigned ws_epoch;
 } cuda_graph;
 
+static pd_status cuda_mem_info(kern_backend *be, size_t *free_bytes, size_t *total_bytes, pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    PD_CUDA_TRY(cudaSetDevice(c->device), err);
+    PD_CUDA_TRY(cudaMemGetInfo(free_bytes, total_bytes), err);
+    return PD_OK;
+}
+
 static pd_status cuda_graph_begin(kern_backend *be, pd_err *err)
 {
     kern_cuda_ctx *c = kern_cuda_ctx_of(be);
@@ -270,6 +278,7 @@ static const kern_backend_ops cuda_ops = {
     .memset0 = cuda_memset0,
     .upload_convert = cuda_upload_convert,
     .sync = cuda_sync,
+    .mem_info = cuda_mem_info,
     .graph_begin = cuda_graph_begin,
     .graph_end = cuda_graph_end,
     .graph_launch = cuda_graph_launch,
