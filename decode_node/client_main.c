@@ -47,8 +47,8 @@ static void usage(FILE *f)
             "\"logprobs\": [{\"id\", \"logprob\", \"top\": [[id, logprob], ...]}, ...]. --n N (1..16)\n"
             "asks for N choices of the prompt (choice i samples with --seed + i): each one's text is\n"
             "printed when all have ended, after a '[choice i]' line, and --json prints one object per\n"
-            "choice and line, with its \"index\". Errors print 'pdspark-client: CODE: message' and\n"
-            "exit 1 (2 for bad flags).\n");
+            "choice and line, with its \"index\" (not with --stream). Errors print\n"
+            "'pdspark-client: CODE: message' and exit 1 (2 for bad flags).\n");
 }
 
 /* GenerateRequest.messages of --chat / --messages */
@@ -418,6 +418,10 @@ int main(int argc, char **argv)
     }
     if (chat && prompt == NULL) {
         fprintf(stderr, PROG ": --chat sends --prompt TEXT as the user's message\n");
+        return 2;
+    }
+    if (stream && n_choices > 1) {
+        fprintf(stderr, PROG ": --stream prints one choice as it arrives, not --n %d of them\n", n_choices);
         return 2;
     }
     if (!json)

@@ -409,6 +409,9 @@ def test_grpc_n(bin_dir, node):
     out = subprocess.run([client, "--server", node.grpc, "--prompt", "x", "--n", "0"], capture_output=True,
                          text=True, timeout=60)
     check(out.returncode == 2 and "--n" in out.stderr, "pdspark-client --n 0: %s" % out.stderr)
+    out = subprocess.run([client, "--server", node.grpc, "--prompt", "x", "--n", "2", "--json", "--stream"],
+                         capture_output=True, text=True, timeout=60)
+    check(out.returncode == 2 and "--stream" in out.stderr, "pdspark-client --n 2 --stream: %s" % out.stderr)
 
 
 LP_REF = {}   # prompt -> token_logprobs of the colocated node (the disaggregated test compares)
