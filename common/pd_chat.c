@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pd_buf.h"
 #include "pd_cli.h"
 
 /* ---- a growing string ------------------------------------------------------------------------ */
@@ -17,24 +18,7 @@ typedef struct {
     size_t len, cap;
 } cbuf;
 
-static int cb_add(cbuf *b, const char *s, size_t n)
-{
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 256;
-        while (b->len + n + 1 > cap)
-            cap *= 2;
-        char *np = realloc(b->p, cap);
-        if (np == NULL)
-            return -1;
-        b->p = np;
-        b->cap = cap;
-    }
-    if (n > 0)
-        memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = '\0';
-    return 0;
-}
+static int cb_add(cbuf *b, const char *s, size_t n) { return pd_buf_append(&b->p, &b->len, &b->cap, s, n); }
 
 static int cb_str(cbuf *b, const char *s) { return cb_add(b, s, strlen(s)); }
 

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pd_buf.h"
 #include "pd_cli.h"
 #include "pd_proto_version.h"
 #include "pd_rpc.h"
@@ -139,26 +140,6 @@ typedef struct {
     size_t rlen, rcap;
 } acc;
 
-/* Appends t (may be NULL) to the NUL-terminated *b. -1 on NOMEM. */
-static int text_add(char **b, size_t *len, size_t *cap, const char *t)
-{
-    size_t dl = t != NULL ? strlen(t) : 0;
-    if (*len + dl + 1 > *cap) {
-        size_t nc = *cap ? *cap : 1024;
-        while (*len + dl + 1 > nc)
-            nc *= 2;
-        char *nb = realloc(*b, nc);
-        if (nb == NULL)
-            return -1;
-        *b = nb;
-        *cap = nc;
-    }
-    memcpy(*b + *len, t != NULL ? t : "", dl);
-    *len += dl;
-    (*b)[*len] = '\0';
-    return 0;
-}
-
 static int acc_add(acc *a, const Pdspark__GenerateChunk *c)
 {
     if (a->n + (int)c->n_token_ids > a->cap) {
@@ -174,9 +155,10 @@ static int acc_add(acc *a, const Pdspark__GenerateChunk *c)
     for (size_t i = 0; i < c->n_token_ids; i++)
         a->tokens[a->n++] = (int32_t)c->token_ids[i];
     if (c->reasoning_delta != NULL && c->reasoning_delta[0] != '\0' &&
-        text_add(&a->reasoning, &a->rlen, &a->rcap, c->reasoning_delta) != 0)
+        pd_buf_append(&a->reasoning, &a->rlen, &a->rcap, c->reasoning_delta, strlen(c->reasoning_delta)) != 0)
         return -1;
-    return text_add(&a->text, &a->len, &a->tcap, c->text_delta);
+    return pd_buf_append(&a->text, &a->len, &a->tcap, c->text_delta,
+                         c->text_delta != NULL ? strlen(c->text_delta) : 0);
 }
 
 /* One choice of the call (GenerateChunk.index) */

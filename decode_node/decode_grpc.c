@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pd_buf.h"
 #include "pd_chat.h"
 #include "pd_log.h"
 #include "pd_proto_version.h"
@@ -116,28 +117,9 @@ static Pdspark__FinishReason finish_to_proto(pd_finish_reason f)
     }
 }
 
-/* Appends t[0..n) to the NUL-terminated buffer *b (*len bytes, *cap allocated). -1 on NOMEM. */
-static int buf_add(char **b, size_t *len, size_t *cap, const char *t, size_t n)
-{
-    if (*len + n + 1 > *cap) {
-        size_t nc = *cap ? *cap : 256;
-        while (*len + n + 1 > nc)
-            nc *= 2;
-        char *nb = realloc(*b, nc);
-        if (nb == NULL)
-            return -1;
-        *b = nb;
-        *cap = nc;
-    }
-    memcpy(*b + *len, t, n);
-    *len += n;
-    (*b)[*len] = '\0';
-    return 0;
-}
-
 static int pend_add(gen_ctx *c, const char *t, size_t n)
 {
-    return buf_add(&c->pend, &c->pend_len, &c->pend_cap, t, n);
+    return pd_buf_append(&c->pend, &c->pend_len, &c->pend_cap, t, n);
 }
 
 /* A chat reply split as it is sent: the content and the reasoning certain so far */
@@ -151,14 +133,14 @@ static void split_emit(void *ud, const pd_chat_piece *p)
 {
     split_out *o = ud;
     int k = p->kind == PD_CHAT_REASONING;   /* no tools: content or reasoning */
-    if (buf_add(&o->text[k], &o->len[k], &o->cap[k], p->text, p->len) != 0)
+    if (pd_buf_append(&o->text[k], &o->len[k], &o->cap[k], p->text, p->len) != 0)
         o->oom = 1;
 }
 
 /* t[0..n) is the reply's next text; -1 on NOMEM */
 static int split_feed(gen_ctx *c, const char *t, size_t n, int final, split_out *o)
 {
-    if (buf_add(&c->sent, &c->sent_len, &c->sent_cap, t, n) != 0 ||
+    if (pd_buf_append(&c->sent, &c->sent_len, &c->sent_cap, t, n) != 0 ||
         pd_chat_parser_feed(c->cp, c->sent, c->sent_len, final, split_emit, o) != 0)
         return -1;
     return o->oom ? -1 : 0;

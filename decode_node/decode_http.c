@@ -32,6 +32,7 @@
 #include <event2/keyvalq_struct.h>
 
 #include "decode_metrics.h"
+#include "pd_buf.h"
 #include "pd_chat.h"
 #include "pd_cli.h"
 #include "pd_grammar.h"
@@ -250,29 +251,9 @@ static void req_finish(http_req *r)
     req_unref(r);
 }
 
-/* s[0..n) appended to the NUL-ended *b (of *len bytes in *cap); -1 on NOMEM (b unchanged) */
-static int buf_append(char **b, size_t *len, size_t *cap, const char *s, size_t n)
-{
-    if (*len + n + 1 > *cap) {
-        size_t c = *cap ? *cap : 256;
-        while (*len + n + 1 > c)
-            c *= 2;
-        char *nb = realloc(*b, c);
-        if (nb == NULL)
-            return -1;
-        *b = nb;
-        *cap = c;
-    }
-    if (n > 0)
-        memcpy(*b + *len, s, n);
-    *len += n;
-    (*b)[*len] = '\0';
-    return 0;
-}
-
 static int gen_append(http_choice *r, const char *t, size_t n)
 {
-    return buf_append(&r->gen, &r->gen_len, &r->gen_cap, t, n);
+    return pd_buf_append(&r->gen, &r->gen_len, &r->gen_cap, t, n);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -501,15 +482,15 @@ static void split_piece(void *ud, const pd_chat_piece *p)
 {
     split_acc *a = ud;
     if (p->kind == PD_CHAT_CONTENT) {
-        buf_append(&a->content, &a->cl, &a->cc, p->text, p->len);   /* NOMEM: the text is cut */
+        pd_buf_append(&a->content, &a->cl, &a->cc, p->text, p->len);   /* NOMEM: the text is cut */
     } else if (p->kind == PD_CHAT_REASONING) {
-        buf_append(&a->reasoning, &a->rl, &a->rc, p->text, p->len);
+        pd_buf_append(&a->reasoning, &a->rl, &a->rc, p->text, p->len);
     } else {
         if (p->first) {
             split_args_done(a);
             cJSON_AddItemToArray(a->calls, tool_call_json(a->ch, p, 0));
         }
-        buf_append(&a->args, &a->al, &a->ac, p->args, p->args_len);
+        pd_buf_append(&a->args, &a->al, &a->ac, p->args, p->args_len);
     }
 }
 
