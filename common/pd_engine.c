@@ -270,6 +270,14 @@ static void cp_release(pd_engine *e, pd_request *r)
     r->cp_kv = NULL;
 }
 
+/* The layout of a KV pool of n_pages for a model of config c */
+static pd_kv_layout pool_layout(const pd_engine *e, const pd_qwen3_config *c, int n_pages)
+{
+    return (pd_kv_layout){ .n_layers = c->num_hidden_layers, .n_kv_heads = c->num_key_value_heads,
+                           .head_dim = c->head_dim, .page_size = e->cfg.page_size, .n_pages = n_pages,
+                           .dtype = e->tm->be->kv_dtype };
+}
+
 /* The pages kv_mem_fraction gives: the target and draft pools together take that fraction of
  * the device memory free now, as many pages of each (a page of each per token slot run). */
 static pd_status pages_from_memory(const pd_engine *e, int *n_pages, pd_err *err)
@@ -287,15 +295,11 @@ static pd_status pages_from_memory(const pd_engine *e, int *n_pages, pd_err *err
     if (kern_mem_info(be, &free_b, &total_b, &merr) != PD_OK)
         return pd_err_set(err, PD_ERR_INVALID, "a kv memory fraction needs a GPU backend (%s): size the "
                           "pool in pages instead", merr.msg);
-    const pd_qwen3_config *tc = &e->tm->cfg;
-    pd_kv_layout tl = { .n_layers = tc->num_hidden_layers, .n_kv_heads = tc->num_key_value_heads,
-                        .head_dim = tc->head_dim, .page_size = e->cfg.page_size, .dtype = be->kv_dtype };
-    double per = (double)pd_kv_page_bytes(&tl) * 2.0 * tl.n_layers;   /* K and V of every layer */
+    pd_kv_layout one = pool_layout(e, &e->tm->cfg, 1);
+    double per = (double)pd_kv_pool_bytes(&one);
     if (e->dm != NULL) {
-        const pd_qwen3_config *dc = &e->dm->cfg.base;
-        pd_kv_layout dl = { .n_layers = dc->num_hidden_layers, .n_kv_heads = dc->num_key_value_heads,
-                            .head_dim = dc->head_dim, .page_size = e->cfg.page_size, .dtype = be->kv_dtype };
-        per += (double)pd_kv_page_bytes(&dl) * 2.0 * dl.n_layers;
+        one = pool_layout(e, &e->dm->cfg.base, 1);
+        per += (double)pd_kv_pool_bytes(&one);
     }
     double n = (double)free_b * f / per;
     if (n < 64.0)
@@ -380,19 +384,14 @@ pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err 
         goto err_free;
     }
     kern_backend *be = e->tm->be;
-    pd_kv_layout tl = { .n_layers = tc->num_hidden_layers, .n_kv_heads = tc->num_key_value_heads,
-                        .head_dim = tc->head_dim, .page_size = e->cfg.page_size,
-                        .n_pages = e->cfg.n_pages, .dtype = be->kv_dtype };
+    pd_kv_layout tl = pool_layout(e, tc, e->cfg.n_pages);
     st = pd_kv_pool_create(be, &tl, &e->tpool, err);
     if (st != PD_OK)
         goto err_free;
     const int *taps = NULL;
     int n_taps = 0;
     if (e->dm != NULL) {
-        const pd_qwen3_config *dc = &e->dm->cfg.base;
-        pd_kv_layout dl = { .n_layers = dc->num_hidden_layers, .n_kv_heads = dc->num_key_value_heads,
-                            .head_dim = dc->head_dim, .page_size = e->cfg.page_size,
-                            .n_pages = e->cfg.draft_n_pages, .dtype = be->kv_dtype };
+        pd_kv_layout dl = pool_layout(e, &e->dm->cfg.base, e->cfg.draft_n_pages);
         st = pd_kv_pool_create(be, &dl, &e->dpool, err);
         if (st != PD_OK)
             goto err_free;

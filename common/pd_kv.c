@@ -21,6 +21,11 @@ size_t pd_kv_page_bytes(const pd_kv_layout *lay)
     return (size_t)lay->page_size * lay->n_kv_heads * lay->head_dim * kern_dtype_size(lay->dtype);
 }
 
+size_t pd_kv_pool_bytes(const pd_kv_layout *lay)
+{
+    return pd_kv_page_bytes(lay) * (size_t)lay->n_pages * 2 * (size_t)lay->n_layers;
+}
+
 pd_status pd_kv_layout_match(const pd_kv_layout *a, const pd_kv_layout *b, pd_err *err)
 {
 #define FIELD(f) \
@@ -54,7 +59,7 @@ pd_status pd_kv_pool_create(kern_backend *be, const pd_kv_layout *lay, pd_kv_poo
         st = pd_err_set(err, PD_ERR_NOMEM, "kv free list: %d pages", lay->n_pages);
         goto err_free_pool;
     }
-    size_t bytes = pd_kv_page_bytes(lay) * (size_t)lay->n_pages * 2 * (size_t)lay->n_layers;
+    size_t bytes = pd_kv_pool_bytes(lay);
     st = kern_buf_alloc(be, bytes, &pool->mem, err);
     if (st != PD_OK)
         goto err_free_list;

@@ -35,6 +35,8 @@ typedef struct {
 
 /* Bytes of one page of one layer's K (equal to V). */
 size_t pd_kv_page_bytes(const pd_kv_layout *lay);
+/* Bytes of a pool of this layout: K and V pages of every layer. */
+size_t pd_kv_pool_bytes(const pd_kv_layout *lay);
 /* Two layouts can exchange pages iff this returns PD_OK; the message names the first field
  * that differs. */
 pd_status pd_kv_layout_match(const pd_kv_layout *a, const pd_kv_layout *b, pd_err *err);

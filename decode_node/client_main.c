@@ -216,6 +216,9 @@ static void report(choice *c, int index, int json, int logprobs, double t0, doub
     const Pdspark__GenerateChunk *fin = c->fin;
     const Pdspark__DSparkStats *ds = fin->stats;
     double tps = ms > 0 ? c->a.n / (ms / 1e3) : 0.0;
+    long sum = 0;   /* accepted drafts: tau from the exact counts (the float in the message is rounded) */
+    for (size_t i = 0; ds != NULL && i < ds->n_accepted_per_round; i++)
+        sum += ds->accepted_per_round[i];
     if (json) {
         cJSON *o = cJSON_CreateObject();
         if (index >= 0)
@@ -229,12 +232,8 @@ static void report(choice *c, int index, int json, int logprobs, double t0, doub
         uint32_t rounds = ds != NULL ? ds->rounds : 0;
         cJSON_AddNumberToObject(o, "rounds", rounds);
         cJSON *apr = cJSON_AddArrayToObject(o, "accepted_per_round");
-        long sum = 0;
-        for (size_t i = 0; ds != NULL && i < ds->n_accepted_per_round; i++) {
+        for (size_t i = 0; ds != NULL && i < ds->n_accepted_per_round; i++)
             cJSON_AddItemToArray(apr, cJSON_CreateNumber(ds->accepted_per_round[i]));
-            sum += ds->accepted_per_round[i];
-        }
-        /* tau from the exact counts (the float in the message is rounded) */
         cJSON_AddNumberToObject(o, "tau", rounds > 0 ? (double)sum / rounds : 0.0);
         cJSON *pos = cJSON_AddArrayToObject(o, "acceptance_by_position");
         for (size_t k = 0; ds != NULL && k < ds->n_accepted_at_position; k++)
@@ -263,9 +262,6 @@ static void report(choice *c, int index, int json, int logprobs, double t0, doub
         printf("[choice %d]\n%s\n", index, c->a.text != NULL ? c->a.text : "");
         fflush(stdout);
     }
-    long sum = 0;
-    for (size_t i = 0; ds != NULL && i < ds->n_accepted_per_round; i++)
-        sum += ds->accepted_per_round[i];
     if (index >= 0)
         fprintf(stderr, PROG ": choice %d: ", index);
     else

@@ -40,7 +40,7 @@ typedef struct {
     size_t pend_len, pend_cap;
     uint32_t n_sent_ids;
     char id[96];           /* the choice's request id when n > 1 */
-    /* a chat reply split into content and reasoning (gen_group.reasoning; engine thread) */
+    /* a chat reply split into content and reasoning (engine thread; NULL: no split) */
     pd_chat_parser *cp;
     char *sent;            /* the reply's text sent so far (before the split) */
     size_t sent_len, sent_cap;
@@ -58,7 +58,6 @@ struct gen_group {
     char err_msg[sizeof(((pd_err *)0)->msg)];
     int want_ids;
     int want_stats;
-    int reasoning;         /* pd_chat_parser_create's reasoning for the reply (0: no split) */
     char **stop;
     int n_stop;
     gen_ctx ch[];          /* [n] */
@@ -92,6 +91,19 @@ static void group_cancel(gen_group *g)
     pthread_mutex_unlock(&g->mu);
     for (int i = 0; i < g->n; i++)
         decode_cancel(hs[i]);
+}
+
+/* Records st (and msg) as the call's answer unless a choice failed before; 1 when it is the first */
+static int group_fail(gen_group *g, pd_status st, const char *msg)
+{
+    pthread_mutex_lock(&g->mu);
+    int first = g->err_st == PD_OK;
+    if (first) {
+        g->err_st = st;
+        snprintf(g->err_msg, sizeof(g->err_msg), "%s", msg != NULL ? msg : "");
+    }
+    pthread_mutex_unlock(&g->mu);
+    return first;
 }
 
 /* A choice has ended (its on_done ran, or it was never submitted): the call ends with the last */
@@ -137,13 +149,17 @@ static void split_emit(void *ud, const pd_chat_piece *p)
         o->oom = 1;
 }
 
-/* t[0..n) is the reply's next text; -1 on NOMEM */
-static int split_feed(gen_ctx *c, const char *t, size_t n, int final, split_out *o)
+/* m's text_delta is the reply's next text: m then carries the content certain so far as its
+ * text_delta and the reasoning as its reasoning_delta, both in o (free them after the write).
+ * -1 on NOMEM (m unchanged). */
+static int split_chunk(gen_ctx *c, Pdspark__GenerateChunk *m, int final, split_out *o)
 {
-    if (pd_buf_append(&c->sent, &c->sent_len, &c->sent_cap, t, n) != 0 ||
-        pd_chat_parser_feed(c->cp, c->sent, c->sent_len, final, split_emit, o) != 0)
+    if (pd_buf_append(&c->sent, &c->sent_len, &c->sent_cap, m->text_delta, strlen(m->text_delta)) != 0 ||
+        pd_chat_parser_feed(c->cp, c->sent, c->sent_len, final, split_emit, o) != 0 || o->oom)
         return -1;
-    return o->oom ? -1 : 0;
+    m->text_delta = o->text[0] != NULL ? o->text[0] : "";
+    m->reasoning_delta = o->text[1] != NULL ? o->text[1] : "";
+    return 0;
 }
 
 /* With stop strings: how many bytes of pend may be sent now. *hit is set when a stop string
@@ -234,19 +250,8 @@ static void gen_on_token(void *ud, const decode_chunk *ch)
         m.logprobs = lpp;
     }
     split_out so = {0};
-    if (c->cp != NULL) {
-        if (split_feed(c, m.text_delta, strlen(m.text_delta), 0, &so) != 0) {
-            free(so.text[0]);
-            free(so.text[1]);
-            free(sendbuf);
-            free(lpm);
-            free(lpp);
-            return;
-        }
-        m.text_delta = so.text[0] != NULL ? so.text[0] : "";
-        m.reasoning_delta = so.text[1] != NULL ? so.text[1] : "";
-    }
-    pd_status st = pd_rpc_stream_write(g->call, &m.base);
+    pd_status st = c->cp != NULL && split_chunk(c, &m, 0, &so) != 0 ? PD_ERR_NOMEM
+                                                                    : pd_rpc_stream_write(g->call, &m.base);
     free(so.text[0]);
     free(so.text[1]);
     free(sendbuf);
@@ -268,14 +273,7 @@ static void gen_on_done(void *ud, const decode_result *res)
     int stopped = c->stopped;
     pthread_mutex_unlock(&g->mu);
     if (res->status != PD_OK && !(stopped && res->status == PD_ERR_CANCELLED)) {
-        pthread_mutex_lock(&g->mu);
-        int first = g->err_st == PD_OK;
-        if (first) {
-            g->err_st = res->status;
-            snprintf(g->err_msg, sizeof(g->err_msg), "%s", res->error != NULL ? res->error : "");
-        }
-        pthread_mutex_unlock(&g->mu);
-        if (first && g->n > 1)
+        if (group_fail(g, res->status, res->error) && g->n > 1)
             group_cancel(g);   /* the call's answer is this error once the others end */
         group_choice_end(g, 1);
         group_unref(g, 1);
@@ -336,10 +334,8 @@ static void gen_on_done(void *ud, const decode_result *res)
     split_out so = {0};
     if (m.text_delta == NULL)
         m.text_delta = "";
-    if (c->cp != NULL && split_feed(c, m.text_delta, strlen(m.text_delta), 1, &so) == 0) {
-        m.text_delta = so.text[0] != NULL ? so.text[0] : "";
-        m.reasoning_delta = so.text[1] != NULL ? so.text[1] : "";
-    }
+    if (c->cp != NULL)
+        (void)split_chunk(c, &m, 1, &so);   /* NOMEM: the unsplit text goes */
     pd_rpc_stream_write(g->call, &m.base);
     free(so.text[0]);
     free(so.text[1]);
@@ -540,7 +536,6 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
     g->n_open = n;
     g->want_ids = rq->return_token_ids;
     g->want_stats = rq->return_stats;
-    g->reasoning = reasoning;
     int oom = 0;
     for (int i = 0; i < n; i++) {
         g->ch[i].g = g;
@@ -604,12 +599,7 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
     if (st != PD_OK) {
         /* choices from sub on never reach the engine: they end here, with no on_done */
         PD_LOG_DEBUG("grpc", "generate refused: %s", err.msg);
-        pthread_mutex_lock(&g->mu);
-        if (g->err_st == PD_OK) {
-            g->err_st = st;
-            snprintf(g->err_msg, sizeof(g->err_msg), "%s", err.msg);
-        }
-        pthread_mutex_unlock(&g->mu);
+        (void)group_fail(g, st, err.msg);
         if (sub > 0)
             group_cancel(g);
         group_choice_end(g, n - sub);
