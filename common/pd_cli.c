@@ -121,6 +121,19 @@ int pd_cli_parse_fraction(const char *prog, const char *flag, const char *s, dou
     return 0;
 }
 
+int pd_cli_parse_gib(const char *prog, const char *flag, const char *s, int64_t *bytes)
+{
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno != 0 || *end != '\0' || end == s || !(v >= 0.0 && v <= 65536.0)) {
+        fprintf(stderr, "%s: %s: '%s' is not a size in GiB in [0, 65536]\n", prog, flag, s);
+        return -1;
+    }
+    *bytes = (int64_t)(v * 1073741824.0);
+    return 0;
+}
+
 int pd_cli_parse_logit_bias(const char *prog, const char *flag, const char *s, pd_logit_bias **b, int *n)
 {
     const char *p = s;

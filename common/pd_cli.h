@@ -24,6 +24,9 @@ int pd_cli_parse_int(const char *prog, const char *flag, const char *s, int lo, 
 int pd_cli_parse_float(const char *prog, const char *flag, const char *s, float *out);
 /* A fraction strictly between 0 and 1 (--kv-memory-fraction); -1 with a message otherwise. */
 int pd_cli_parse_fraction(const char *prog, const char *flag, const char *s, double *out);
+/* A size in GiB (a number >= 0, at most 65536; fractions allowed: --swap-space) as bytes; -1
+ * with a message otherwise. */
+int pd_cli_parse_gib(const char *prog, const char *flag, const char *s, int64_t *bytes);
 /* "ID:BIAS[,ID:BIAS...]" appended to *b / *n (malloc'd, the caller frees *b); -1 with a message
  * naming flag for a malformed entry or more than PD_MAX_LOGIT_BIAS of them (ranges are checked
  * where the request is). */

@@ -96,6 +96,9 @@ struct pd_engine {
     pd_cp_group *cp;
     /* tensor-parallel decode (tp_size > 1): tm/dm are rank 0's shards, owned by the group */
     pd_tp_group *tp;
+    size_t swap_used;           /* host bytes of preempted requests' KV (cfg.swap_bytes) */
+    int n_swapped;              /* requests preempted now */
+    uint64_t n_preempt;         /* preemptions so far */
     pd_prefix *prefix;          /* cfg.prefix_cache */
     int prefix_free;            /* pages only the cache holds (prefix_count) */
     uint64_t prefix_hits;       /* prompt tokens served from it */
@@ -345,6 +348,8 @@ pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err 
         e->cfg.draft_n_pages = e->cfg.n_pages;
     if (e->cfg.max_prefill_tokens <= 0)
         e->cfg.max_prefill_tokens = 2048;
+    if (e->cfg.tp_size > 1)
+        e->cfg.swap_bytes = 0;   /* the workers' KV shards would have to move too */
     if (e->dm != NULL) {
         int db = e->dm->cfg.block_size;
         e->B = e->cfg.block_size > 0 ? e->cfg.block_size : db;
@@ -466,6 +471,11 @@ static void request_free(pd_engine *e, pd_request *r)
     pd_gmatch_destroy(r->gm);
     pd_gmatch_destroy(r->gm_row);
     free(r->first_allow);
+    if (r->swap != NULL) {
+        e->swap_used -= r->swap_bytes;
+        e->n_swapped--;
+        free(r->swap);
+    }
     free(r);
 }
 
@@ -660,8 +670,21 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
     if (st == PD_OK && e->prefix != NULL && !external && !params->capture_aux && !params->capture_ctx &&
         !params->prompt_logprobs)
         st = prefix_take(e, r, err);
-    long worst = (long)n_prompt + params->max_new_tokens + e->B + 1;
+    /* with preemption (cfg.swap_bytes) only the prompt and a block: the pages grow round by
+     * round; a new request waits while a preempted one does, and leaves a little room */
+    int grows = e->cfg.swap_bytes > 0 && !params->hold_kv;
+    long worst = (long)n_prompt + (grows ? 0 : params->max_new_tokens) + e->B + 1;
     int reserve = worst < e->tm->cfg.max_position_embeddings ? (int)worst : e->tm->cfg.max_position_embeddings;
+    if (st == PD_OK && grows && e->n_swapped > 0)
+        st = pd_err_set(err, PD_ERR_BUSY, "%d preempted requests resume first", e->n_swapped);
+    if (st == PD_OK && grows && pd_engine_active(e) > 0) {
+        const pd_kv_layout *tl = pd_kv_pool_layout(e->tpool);
+        int need = (reserve + tl->page_size - 1) / tl->page_size - r->tkv.n_pages;
+        int watermark = tl->n_pages / 100 > 0 ? tl->n_pages / 100 : 1;
+        if (pd_engine_kv_free_pages(e) - need < watermark)
+            st = pd_err_set(err, PD_ERR_BUSY, "kv pool: %d pages needed, %d free (%d kept for running "
+                            "requests)", need, pd_engine_kv_free_pages(e), watermark);
+    }
     if (st == PD_OK)
         st = pd_kv_seq_reserve(e->tpool, &r->tkv, reserve, err);
     if (st == PD_OK && e->dpool != NULL)
@@ -2109,6 +2132,138 @@ static pd_status prefill_step(pd_engine *e, pd_err *err)
     return PD_OK;
 }
 
+/* ---- preemption (cfg.swap_bytes): a running request's KV to host memory and back ---------- */
+
+/* r runs decode rounds (prefilled, a first token, not preempted) */
+static int decoding(const pd_request *r)
+{
+    return r->finish == PD_FINISH_NONE && r->swap == NULL && r->prefilled == r->n_prompt && r->n_out > 0;
+}
+
+static int pages_of(const pd_kv_pool *pool, int len)
+{
+    int ps = pd_kv_pool_layout(pool)->page_size;
+    return (len + ps - 1) / ps;
+}
+
+/* Preempts r: its deferred draft rows are added first (its draft KV is then whole), then the
+ * pages holding its committed positions are copied to host memory and every page is given back.
+ * PD_ERR_BUSY when the swap space cannot take it (nothing changed then). */
+static pd_status swap_out(pd_engine *e, pd_request *r, pd_err *err)
+{
+    if (r->n_pend > 0)
+        TRY(pend_flush(e, PD_FLUSH_REQUEST, r, err));
+    int nt = pages_of(e->tpool, r->tkv.len), nd = e->dpool != NULL ? pages_of(e->dpool, r->dkv.len) : 0;
+    size_t tb = (size_t)nt * pd_kv_page_set_bytes(pd_kv_pool_layout(e->tpool));
+    size_t bytes = tb + (nd > 0 ? (size_t)nd * pd_kv_page_set_bytes(pd_kv_pool_layout(e->dpool)) : 0);
+    if (e->swap_used + bytes > e->cfg.swap_bytes)
+        return pd_err_set(err, PD_ERR_BUSY, "swap space full: %zu of %zu bytes used, %zu more needed",
+                          e->swap_used, e->cfg.swap_bytes, bytes);
+    char *host = malloc(bytes > 0 ? bytes : 1);
+    if (host == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "swap: %zu bytes", bytes);
+    pd_status st = pd_kv_seq_copy(e->tpool, &r->tkv, nt, host, 1, err);
+    if (st == PD_OK && nd > 0)
+        st = pd_kv_seq_copy(e->dpool, &r->dkv, nd, host + tb, 1, err);
+    if (st != PD_OK) {
+        free(host);
+        return st;
+    }
+    r->swap = host;
+    r->swap_bytes = bytes;
+    r->swap_tlen = r->tkv.len;
+    r->swap_dlen = r->dkv.len;
+    pd_kv_seq_release(e->tpool, &r->tkv);
+    if (e->dpool != NULL)
+        pd_kv_seq_release(e->dpool, &r->dkv);
+    e->swap_used += bytes;
+    e->n_swapped++;
+    e->n_preempt++;
+    PD_LOG_INFO("engine", "request %llu preempted: %d + %d KV pages (%zu bytes) to host memory, %d "
+                "preempted now", (unsigned long long)r->id, nt, nd, bytes, e->n_swapped);
+    return PD_OK;
+}
+
+/* Resumes r when the pools have room for its pages and its next round, leaving spare free
+ * pages; 1 when it did, 0 when it must wait. */
+static int swap_in(pd_engine *e, pd_request *r, int spare, pd_err *err, pd_status *st)
+{
+    *st = PD_OK;
+    int want = r->anchor_pos + e->B + 1;
+    if (pd_engine_kv_free_pages(e) - pages_of(e->tpool, want) < spare ||
+        (e->dpool != NULL && pd_kv_pool_free_pages(e->dpool) - pages_of(e->dpool, want) < spare))
+        return 0;
+    pd_status rs = pd_kv_seq_reserve(e->tpool, &r->tkv, want, err);
+    if (rs == PD_OK && e->dpool != NULL)
+        rs = pd_kv_seq_reserve(e->dpool, &r->dkv, want, err);
+    if (rs == PD_ERR_BUSY) {
+        pd_kv_seq_release(e->tpool, &r->tkv);
+        if (e->dpool != NULL)
+            pd_kv_seq_release(e->dpool, &r->dkv);
+        return 0;
+    }
+    int nt = pages_of(e->tpool, r->swap_tlen);
+    char *host = r->swap;
+    if (rs == PD_OK)
+        rs = pd_kv_seq_copy(e->tpool, &r->tkv, nt, host, 0, err);
+    if (rs == PD_OK && e->dpool != NULL)
+        rs = pd_kv_seq_copy(e->dpool, &r->dkv, pages_of(e->dpool, r->swap_dlen),
+                            host + (size_t)nt * pd_kv_page_set_bytes(pd_kv_pool_layout(e->tpool)), 0, err);
+    if (rs != PD_OK) {
+        *st = rs;
+        return 0;
+    }
+    r->tkv.len = r->swap_tlen;
+    r->dkv.len = r->swap_dlen;
+    e->swap_used -= r->swap_bytes;
+    e->n_swapped--;
+    free(r->swap);
+    r->swap = NULL;
+    r->swap_bytes = 0;
+    PD_LOG_INFO("engine", "request %llu resumed: its KV back from host memory (%d preempted now)",
+                (unsigned long long)r->id, e->n_swapped);
+    return 1;
+}
+
+/* Preempted requests resume in admission order (none passes one that waits), each leaving
+ * free the pages that a round may add to every running request (so that it is not preempted
+ * again at once). */
+static pd_status swap_in_waiting(pd_engine *e, pd_err *err)
+{
+    if (e->n_swapped == 0)
+        return PD_OK;
+    int running = 0, per_round = pages_of(e->tpool, e->B + 1) + 1;
+    for (int i = 0; i < e->n_reqs; i++)
+        running += decoding(e->reqs[i]);
+    for (int i = 0; i < e->n_reqs && e->n_swapped > 0; i++) {
+        pd_request *r = e->reqs[i];
+        if (r->swap == NULL || r->finish != PD_FINISH_NONE)
+            continue;
+        pd_status st;
+        if (!swap_in(e, r, running * per_round, err, &st))
+            return st;
+        running++;
+    }
+    return PD_OK;
+}
+
+/* The victim when the pool runs out for reqs[i]: the running request admitted last (from i on,
+ * so no request already in the round's batch), possibly reqs[i] itself; NULL: none. */
+static pd_request *swap_victim(pd_engine *e, int i)
+{
+    for (int j = e->n_reqs - 1; j >= i; j--)
+        if (decoding(e->reqs[j]) && !e->reqs[j]->params.hold_kv)
+            return e->reqs[j];
+    return NULL;
+}
+
+void pd_engine_swap_stats(const pd_engine *e, uint64_t *preemptions, int *swapped, size_t *bytes)
+{
+    *preemptions = e->n_preempt;
+    *swapped = e->n_swapped;
+    *bytes = e->swap_used;
+}
+
 /* ---- one speculative round over every running request ------------------------------------ */
 
 typedef struct {
@@ -2494,9 +2649,13 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         return pd_err_set(err, PD_ERR_NOMEM, "round slots");
     pd_status st = PD_OK;
     int m = 0;
+    if ((st = swap_in_waiting(e, err)) != PD_OK) {
+        free(slots);
+        return st;
+    }
     for (int i = 0; i < e->n_reqs; i++) {
         pd_request *r = e->reqs[i];
-        if (!(r->finish == PD_FINISH_NONE && r->prefilled == r->n_prompt && r->n_out > 0))
+        if (!decoding(r))
             continue;
         int p = r->anchor_pos;
         if (p >= max_pos) {
@@ -2507,10 +2666,35 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         if (p + l + 1 > max_pos)
             l = max_pos - 1 - p;
         pd_err rerr;
-        pd_status rs = pd_kv_seq_reserve(e->tpool, &r->tkv, p + l + 1, &rerr);
-        if (rs == PD_OK && e->dpool != NULL && l > 0)
-            /* block positions p..p+B-1, and after a full accept the context reaches p+B */
-            rs = pd_kv_seq_reserve(e->dpool, &r->dkv, p + e->B + 1, &rerr);
+        pd_status rs;
+        for (;;) {
+            rs = pd_kv_seq_reserve(e->tpool, &r->tkv, p + l + 1, &rerr);
+            if (rs == PD_OK && e->dpool != NULL && l > 0)
+                /* block positions p..p+B-1, and after a full accept the context reaches p+B */
+                rs = pd_kv_seq_reserve(e->dpool, &r->dkv, p + e->B + 1, &rerr);
+            if (rs != PD_ERR_BUSY || e->cfg.swap_bytes == 0)
+                break;
+            /* the pool ran out: preempt the request admitted last (r itself when it is) */
+            pd_request *v = swap_victim(e, i);
+            pd_err serr;
+            pd_status ss = v != NULL ? swap_out(e, v, &serr) : PD_ERR_BUSY;
+            if (ss != PD_OK) {
+                char why[sizeof(rerr.msg)];
+                snprintf(why, sizeof(why), "%.200s; %.300s", rerr.msg,
+                         v != NULL ? serr.msg : "no running request to preempt");
+                snprintf(rerr.msg, sizeof(rerr.msg), "%s", why);
+                if (ss != PD_ERR_BUSY) {
+                    free(slots);
+                    *err = serr;
+                    return ss;
+                }
+                break;
+            }
+            if (v == r)
+                break;
+        }
+        if (r->swap != NULL)
+            continue;
         if (rs != PD_OK) {
             fail_request(r, &rerr);
             continue;
@@ -2891,6 +3075,13 @@ pd_status pd_engine_step(pd_engine *e, pd_err *err)
                 TRY(pend_flush(e, PD_FLUSH_REQUEST, r, err));
             else
                 pend_drop(e, r);
+        }
+        if (r->finish != PD_FINISH_NONE && r->swap != NULL) {
+            /* a preempted request that was cancelled or failed */
+            e->swap_used -= r->swap_bytes;
+            e->n_swapped--;
+            free(r->swap);
+            r->swap = NULL;
         }
         if (r->finish != PD_FINISH_NONE && !r->params.hold_kv) {
             /* finished requests give their pages back at once */

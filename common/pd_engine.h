@@ -93,6 +93,17 @@ typedef struct {
                                         * that starts with the same tokens those pages instead of
                                         * prefilling them (pd_prefix.h); not with cp_size or
                                         * tp_size > 1 */
+    size_t swap_bytes;                 /* host memory for preempted requests' KV (vLLM's
+                                        * --swap-space): > 0 admits a request with its prompt's
+                                        * pages (and a draft block's) only, and grows its pages
+                                        * round by round; when the pool runs out, the running
+                                        * request admitted last is preempted: its KV pages (target
+                                        * and draft) are copied to host memory bit for bit and
+                                        * given back, and it resumes (copied back) before any new
+                                        * request is admitted, so its output is the one it would
+                                        * have had. 0: every request reserves its worst case
+                                        * (prompt + max_new_tokens + a block) at admission and is
+                                        * never preempted. Not with tp_size > 1 (0 there). */
     int tp_debug_fail_rank;            /* tests only: pd_tp_group_config.debug_fail_rank/cmd */
     int tp_debug_fail_cmd;
     /* Tests and debugging: called on the engine thread with exactly the aux tensor (backend
@@ -222,6 +233,10 @@ typedef struct pd_request {
                               * masked too), then along the verify block's drafts: one mask
                               * cache serves both, since their states are the same */
     uint32_t *first_allow;   /* the copy of params.first_allow */
+    void *swap;              /* preempted (pd_engine_config.swap_bytes): its target then draft
+                              * KV pages in host memory (pd_kv_seq_copy), NULL while it runs */
+    size_t swap_bytes;
+    int swap_tlen, swap_dlen; /* its tkv.len and dkv.len when it was preempted */
 } pd_request;
 
 /* The targets of context-parallel ranks 1..cp_size-1 on a device backend
@@ -348,6 +363,9 @@ void pd_engine_cancel(pd_engine *e, pd_request *r);
 /* Frees a finished (or cancelled) request. */
 void pd_engine_release(pd_engine *e, pd_request *r);
 int pd_engine_kv_free_pages(const pd_engine *e);
+/* Preemptions so far (pd_engine_config.swap_bytes), requests preempted now, and the host bytes
+ * their KV takes. */
+void pd_engine_swap_stats(const pd_engine *e, uint64_t *preemptions, int *swapped, size_t *bytes);
 int pd_engine_block_size(const pd_engine *e);
 pd_target *pd_engine_target(pd_engine *e);
 pd_draft *pd_engine_draft(pd_engine *e);

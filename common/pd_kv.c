@@ -205,6 +205,34 @@ void pd_kv_seq_release(pd_kv_pool *pool, pd_kv_seq *seq)
     pd_kv_seq_init(seq);
 }
 
+size_t pd_kv_page_set_bytes(const pd_kv_layout *lay)
+{
+    return pd_kv_page_bytes(lay) * 2 * (size_t)lay->n_layers;
+}
+
+pd_status pd_kv_seq_copy(pd_kv_pool *pool, const pd_kv_seq *seq, int n, void *host, int to_host, pd_err *err)
+{
+    PD_ASSERT(n >= 0 && n <= seq->n_pages);
+    size_t pb = pd_kv_page_bytes(&pool->lay);
+    char *h = host;
+    for (int part = 0; part < 2 * pool->lay.n_layers; part++) {   /* layer l's K, then its V */
+        char *base = (char *)pool->mem->ptr + (size_t)part * pb * (size_t)pool->lay.n_pages;
+        for (int i = 0; i < n;) {
+            int run = 1;
+            while (i + run < n && seq->pages[i + run] == seq->pages[i] + run)
+                run++;
+            char *dev = base + (size_t)seq->pages[i] * pb;
+            pd_status st = to_host ? kern_download(pool->be, h, dev, (size_t)run * pb, err)
+                                   : kern_upload(pool->be, dev, h, (size_t)run * pb, err);
+            if (st != PD_OK)
+                return st;
+            h += (size_t)run * pb;
+            i += run;
+        }
+    }
+    return PD_OK;
+}
+
 int32_t pd_kv_seq_slot(const pd_kv_pool *pool, const pd_kv_seq *seq, int pos)
 {
     int ps = pool->lay.page_size;

@@ -66,6 +66,12 @@ void pd_kv_pool_set_reclaim(pd_kv_pool *pool, int (*fn)(void *ud, int need), voi
 /* Drops seq's reference to every page (a page nobody else holds returns to the pool) and
  * empties seq. */
 void pd_kv_seq_release(pd_kv_pool *pool, pd_kv_seq *seq);
+/* Bytes one page holds over every layer (K and V): what pd_kv_seq_copy moves per page. */
+size_t pd_kv_page_set_bytes(const pd_kv_layout *lay);
+/* Copies the contents of seq's first n pages between the pool and host memory (n *
+ * pd_kv_page_set_bytes bytes at host, [layer][K, V][page]): to_host 1 downloads, 0 uploads into
+ * the pages seq holds now. Runs of consecutive page ids move in one piece. Bit for bit. */
+pd_status pd_kv_seq_copy(pd_kv_pool *pool, const pd_kv_seq *seq, int n, void *host, int to_host, pd_err *err);
 /* Slot index (page * page_size + offset) of position pos; pos must be reserved. */
 int32_t pd_kv_seq_slot(const pd_kv_pool *pool, const pd_kv_seq *seq, int pos);
 

@@ -59,6 +59,8 @@ typedef struct {
                                      * start only; default 10000) */
     int kv_pages;                   /* target pool pages (0 = engine default) */
     double kv_mem_fraction;         /* --kv-memory-fraction: pd_engine_config.kv_mem_fraction */
+    int64_t swap_bytes;             /* --swap-space: pd_engine_config.swap_bytes (default 4 GiB;
+                                     * 0 = every request reserves its worst case, no preemption) */
     int page_size;                  /* tokens per page (0 = 16) */
     int max_batch;                  /* running requests at most (0 = 64) */
     int max_prefill_tokens;         /* colocated: prompt tokens prefilled per engine step, a decode
@@ -120,7 +122,7 @@ typedef struct {
     float min_p;                    /* 0 = off; else in (0, 1] */
     int top_k;                      /* 0 = off */
     uint64_t seed;
-    int max_new_tokens;             /* 0 = 128 */
+    int max_new_tokens;             /* 0 = the rest of the context (decode_server_max_new) */
     int ignore_eos;
     int skip_special;               /* 1: special tokens (<|im_start|>, ...) add no text (vLLM's
                                      * skip_special_tokens, the HTTP default); 0: their content */
@@ -132,7 +134,7 @@ typedef struct {
     float repetition_penalty;       /* (0, 10]; 0 or 1 = off */
     const pd_logit_bias *logit_bias;  /* [n_logit_bias], borrowed for the call (copied) */
     int n_logit_bias;
-    int min_tokens;                 /* 0..max_new_tokens (of the default 128 when that is 0) */
+    int min_tokens;                 /* 0..max_new_tokens (its default when that is 0) */
     const int32_t *stop_token_ids;  /* [n_stop_token_ids] (<= PD_MAX_STOP_IDS), borrowed */
     int n_stop_token_ids;
     int logprobs;                   /* 1: chunks carry each token's logprob (pd_sample.h) */
@@ -231,6 +233,9 @@ typedef struct {
     int total_kv_pages;
     int pages_in_use;               /* total - free: includes pages held for in-flight puts */
     int prefill_inflight;           /* Prefill calls in flight */
+    uint64_t preemptions;           /* requests preempted so far (--swap-space) ... */
+    int swapped_requests;           /* ... preempted now, and the host bytes of their KV */
+    size_t swap_bytes;
     int disaggregated;              /* 1 unless colocated */
     int prefill_nodes;              /* disaggregated: prefill nodes --prefill resolves to now */
     int prefill_nodes_up;           /* not marked down after a failure (at the update) */

@@ -1565,9 +1565,8 @@ static int parse_common(const cJSON *root, int chat, decode_req *dr, req_opts *o
     if ((rc = get_int(root, "min_tokens", 0, 1e9, &ll, msg, cap)) < 0)
         return -1;
     if (rc > 0) {
-        int mx = dr->max_new_tokens > 0 ? dr->max_new_tokens : 128;
-        if (ll > mx) {
-            snprintf(msg, cap, "'min_tokens' (%lld) must not exceed the maximum (%d)", ll, mx);
+        if (dr->max_new_tokens > 0 && ll > dr->max_new_tokens) {
+            snprintf(msg, cap, "'min_tokens' (%lld) must not exceed the maximum (%d)", ll, dr->max_new_tokens);
             return -1;
         }
         dr->min_tokens = (int)ll;

@@ -30,7 +30,7 @@ static void usage(FILE *f)
             "                   (--prefill HOST:PORT[,HOST:PORT...]|file:PATH [--prefill-refresh-ms N]\n"
             "                    | --colocated)\n"
             "                   [--device cpu|cuda] [--dtype bf16|f32] [--kv-pages N | --kv-memory-fraction F]\n"
-            "                   [--page-size N] [--max-batch N]\n"
+            "                   [--page-size N] [--max-batch N] [--swap-space GIB]\n"
             "                   [--max-queue N] [--queue-timeout-ms N] [--request-timeout-ms N]\n"
             "                   [--transfer-timeout-ms N] [--cp-size N --cp-strategy S] [--tp N]\n"
             "                   [--log-level error|warn|info|debug|trace]\n"
@@ -78,6 +78,12 @@ static void usage(FILE *f)
             "the GPU memory free once the models are loaded, instead of --kv-pages (default: two\n"
             "contexts + 64 pages); not with --cp-size or --tp > 1. Disaggregated, the host mirror\n"
             "the KV pages arrive in is as large.\n"
+            "--swap-space GIB (default 4; 0 = off): host memory for preempted requests' KV. A\n"
+            "request gets KV pages for its prompt at admission and more as it generates; when the\n"
+            "pool runs out, the request admitted last is preempted (its KV copied to host memory\n"
+            "bit for bit, as vLLM's swap) and resumes before new requests are admitted, with the\n"
+            "output it would have had. With 0 every request reserves its prompt + max_tokens at\n"
+            "admission. A request without max_tokens may generate to the end of the context.\n"
             "--dtype f32 keeps the weights and KV cache in fp32 on cuda (default bf16); prefill\n"
             "nodes must use the same (a KV layout that differs is refused by name).\n"
             "--chunked-prefill-size N (prompts prefilled here): prompt tokens per engine step (default\n"
@@ -110,13 +116,14 @@ int main(int argc, char **argv)
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_PREFILL, O_COLO, O_DEVICE, O_PAGES, O_PAGE, O_BATCH,
            O_QUEUE, O_QTMO, O_RTMO, O_XTMO, O_CP, O_CPS, O_LOG, O_HELP, O_HTTP, O_LOGFMT, O_DRAIN,
            O_VERIFY, O_THRESH, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_CHUNK, O_REFRESH, O_PREFIX,
-           O_REASON, O_SERVED, O_APIKEY, O_CHATTMPL, O_LOCALPF, O_GENCFG, O_KVFRAC };
+           O_REASON, O_SERVED, O_APIKEY, O_CHATTMPL, O_LOCALPF, O_GENCFG, O_KVFRAC, O_SWAP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"prefill", required_argument, 0, O_PREFILL},
         {"colocated", no_argument, 0, O_COLO}, {"device", required_argument, 0, O_DEVICE},
         {"kv-pages", required_argument, 0, O_PAGES}, {"page-size", required_argument, 0, O_PAGE},
         {"kv-memory-fraction", required_argument, 0, O_KVFRAC},
+        {"swap-space", required_argument, 0, O_SWAP},
         {"max-batch", required_argument, 0, O_BATCH}, {"max-queue", required_argument, 0, O_QUEUE},
         {"queue-timeout-ms", required_argument, 0, O_QTMO},
         {"request-timeout-ms", required_argument, 0, O_RTMO},
@@ -155,6 +162,7 @@ int main(int argc, char **argv)
         case O_KVFRAC:
             bad = pd_cli_parse_fraction(PROG, "--kv-memory-fraction", optarg, &cfg.kv_mem_fraction);
             break;
+        case O_SWAP: bad = pd_cli_parse_gib(PROG, "--swap-space", optarg, &cfg.swap_bytes); break;
         case O_PAGE: bad = pd_cli_parse_int(PROG, "--page-size", optarg, 1, 4096, &cfg.page_size); break;
         case O_BATCH: bad = pd_cli_parse_int(PROG, "--max-batch", optarg, 1, 65536, &cfg.max_batch); break;
         case O_REFRESH:

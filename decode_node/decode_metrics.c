@@ -35,6 +35,8 @@ struct decode_metrics {
     pd_metric *fin_stop, *fin_length;
     pd_metric *prompt_tokens, *gen_tokens, *cached_tokens;
     pd_metric *gcache_hits, *gcache_misses;  /* structured-output grammars reused / compiled */
+    pd_metric *preempt, *swapped, *swap_bytes;   /* --swap-space */
+    uint64_t preempt_seen;
     uint64_t gc_hits_seen, gc_misses_seen;
     pd_metric *running, *queued, *kv_used, *kv_free, *kv_total, *prefill_inflight, *serving,
               *draining_g;
@@ -205,6 +207,10 @@ static void collect(void *ud)
         pd_gcache_stats(decode_server_grammars(m->s), &hits, &misses);
         pd_metric_add(m->gcache_hits, (double)(hits - m->gc_hits_seen));
         pd_metric_add(m->gcache_misses, (double)(misses - m->gc_misses_seen));
+        pd_metric_add(m->preempt, (double)(st.preemptions - m->preempt_seen));
+        m->preempt_seen = st.preemptions;
+        pd_metric_set(m->swapped, st.swapped_requests);
+        pd_metric_set(m->swap_bytes, (double)st.swap_bytes);
         m->gc_hits_seen = hits;
         m->gc_misses_seen = misses;
     }
@@ -255,6 +261,13 @@ pd_status decode_metrics_create(pd_metrics *reg, decode_metrics **out, pd_err *e
     m->gcache_misses = pd_metrics_counter(reg, "pdspark_grammar_cache_misses_total",
                                           "Structured-output grammars compiled (cache misses, failures included)",
                                           NULL);
+    m->preempt = pd_metrics_counter(reg, "pdspark_preemptions_total",
+                                    "Requests preempted when the KV pool ran out (their KV swapped to host "
+                                    "memory, resumed later)", NULL);
+    m->swapped = pd_metrics_gauge(reg, "pdspark_requests_swapped",
+                                  "Requests preempted now (their KV in host memory)", NULL);
+    m->swap_bytes = pd_metrics_gauge(reg, "pdspark_swap_bytes", "Host bytes holding preempted requests' KV",
+                                     NULL);
     m->gen_tokens = pd_metrics_counter(reg, "pdspark_generation_tokens_total",
                                        "Generated tokens of finished requests", NULL);
     m->running = pd_metrics_gauge(reg, "pdspark_requests_running",

@@ -171,6 +171,18 @@ void decode_config_default(decode_config *cfg)
     cfg->queue_timeout_ms = 30000;
     cfg->transfer_timeout_ms = 30000;
     cfg->max_local_prefill = -1;
+    cfg->swap_bytes = (int64_t)4 << 30;   /* vLLM's --swap-space default */
+}
+
+/* max_new_tokens 0: what a prompt of n tokens leaves of the context, as vLLM gives a request
+ * without max_tokens, and no more than the KV pool holds beside the prompt and a block (so the
+ * request fits the pool alone) */
+static int max_new_default(const decode_server *s, int n)
+{
+    long ctx = (long)s->max_ctx - n;
+    long pool = (long)s->total_pages * s->page_size - n - s->block_size - 1;
+    long v = ctx < pool ? ctx : pool;
+    return v >= 1 ? (int)v : 1;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -215,6 +227,7 @@ static void update_stats(decode_server *s)
     st.total_kv_pages = s->total_pages;
     st.free_kv_pages = pd_engine_kv_free_pages(s->eng);
     st.pages_in_use = st.total_kv_pages - st.free_kv_pages;
+    pd_engine_swap_stats(s->eng, &st.preemptions, &st.swapped_requests, &st.swap_bytes);
     double now = pd_cli_now_ms();
     st.disaggregated = !s->cfg.colocated;
     for (int i = 0; i < s->n_nodes; i++) {
@@ -1360,9 +1373,9 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
     if ((pst = pd_stop_ids_check(req->stop_token_ids, req->n_stop_token_ids, PD_MAX_STOP_IDS, s->vocab,
                                  err)) != PD_OK)
         return pst;
-    if (req->min_tokens < 0 || req->min_tokens > (req->max_new_tokens > 0 ? req->max_new_tokens : 128))
+    if (req->min_tokens < 0 || (req->max_new_tokens > 0 && req->min_tokens > req->max_new_tokens))
         return pd_err_set(err, PD_ERR_INVALID, "min_tokens %d must be in 0..max_new_tokens (%d)",
-                          req->min_tokens, req->max_new_tokens > 0 ? req->max_new_tokens : 128);
+                          req->min_tokens, req->max_new_tokens);
     if (req->prompt_logprobs && s->cfg.colocated && s->cfg.cp_size > 1)
         return pd_err_set(err, PD_ERR_INVALID, "prompt logprobs (echo with logprobs) are not "
                           "available with context-parallel prefill (--cp-size %d)", s->cfg.cp_size);
@@ -1370,7 +1383,8 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
         return pd_err_set(err, PD_ERR_INVALID, "top_logprobs %d must be in 0..%d", req->top_logprobs,
                           PD_MAX_TOP_LOGPROBS);
     if (req->max_new_tokens < 0 || req->max_new_tokens > s->max_ctx)
-        return pd_err_set(err, PD_ERR_INVALID, "max_new_tokens %d must be in 0..%d (0 = 128)",
+        return pd_err_set(err, PD_ERR_INVALID, "max_new_tokens %d must be in 0..%d (0 = the rest of "
+                          "the context)",
                           req->max_new_tokens, s->max_ctx);
     if (req->timeout_ms < 0)
         return pd_err_set(err, PD_ERR_INVALID, "timeout_ms %lld must be >= 0",
@@ -1429,7 +1443,12 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
     }
     /* the engine admits a request with its worst case reserved (prompt, every new token, one
      * draft block): one that can never fit is refused now instead of waiting in the queue */
-    long max_new = req->max_new_tokens > 0 ? req->max_new_tokens : 128;
+    long max_new = req->max_new_tokens > 0 ? req->max_new_tokens : max_new_default(s, n);
+    if (req->min_tokens > max_new) {
+        st = pd_err_set(err, PD_ERR_INVALID, "min_tokens %d exceeds the %ld tokens the context leaves "
+                        "after a prompt of %d tokens", req->min_tokens, max_new, n);
+        goto err_ids;
+    }
     long worst = (long)n + max_new + s->block_size + 1;
     if (worst > s->max_ctx)
         worst = s->max_ctx;
@@ -1482,7 +1501,7 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
     h->gp.sample.min_p = req->min_p;
     h->gp.sample.top_k = req->top_k;
     h->gp.sample.seed = req->seed;
-    h->gp.max_new_tokens = req->max_new_tokens > 0 ? req->max_new_tokens : 128;
+    h->gp.max_new_tokens = (int)max_new;
     h->gp.ignore_eos = req->ignore_eos;
     h->gp.verify_policy = (pd_verify_policy)req->verify_policy;
     h->gp.verify_threshold = req->verify_threshold;
@@ -1906,7 +1925,8 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
                             .fast_kernels = cfg->fast_kernels, .graphs = cfg->graphs,
                             .max_prefill_tokens = cfg->max_prefill_tokens,
                             .verify_threshold = cfg->verify_threshold,
-                            .prefix_cache = cfg->prefix_cache };
+                            .prefix_cache = cfg->prefix_cache,
+                            .swap_bytes = cfg->swap_bytes > 0 ? (size_t)cfg->swap_bytes : 0 };
     if (cfg->verify != NULL && (st = pd_verify_policy_parse(cfg->verify, &ec.verify_policy, err)) != PD_OK)
         goto err_destroy;
     pd_err cerr;

@@ -1341,6 +1341,146 @@ done:
     pd_tokenizer_free(tk);
 }
 
+
+/* Preemption (pd_engine_config.swap_bytes): with a pool too small for every request's whole
+ * answer, requests are admitted with their prompt's pages, grow round by round, and the one
+ * admitted last is preempted (its KV to host memory) when the pool runs out, then resumed: every
+ * answer equals the one it gets in a pool large enough (greedy and sampled, speculative and
+ * target-only, with the scheduled policy's deferred draft rows); all pages and swap bytes come
+ * back; a swap space too small for a victim fails the request that needed pages by name and
+ * keeps the others; a preempted request can be cancelled. */
+static void test_engine_preemption(void)
+{
+    enum { NR = 5, NEW = 48 };
+    pd_err err;
+    int32_t prompts[NR][22];
+    int np = (int)(sizeof(prompt_a) / 4);
+    for (int k = 0; k < NR; k++)
+        for (int i = 0; i < np; i++)
+            prompts[k][i] = (prompt_a[i] + 7 * k) % 4000 + 1;
+    for (int variant = 0; variant < 4; variant++) {
+        int spec = variant != 1, sampled = variant == 2, sched = variant == 3;
+        pd_engine_config ec = { .target = tm, .draft = spec ? dm : NULL, .page_size = 4, .n_pages = 256,
+                                .gap_min_batch = sched ? 2 : 0 };
+        pd_gen_params gp = greedy(NEW);
+        if (sampled) {
+            gp.sample.temperature = 0.8f;
+            gp.sample.top_k = 40;
+        }
+        if (sched)
+            gp.verify_policy = PD_VERIFY_SCHEDULED;
+        int32_t ref[NR][NEW];
+        int n_ref[NR];
+        pd_engine *e = NULL;
+        TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);
+        pd_request *r[NR];
+        for (int k = 0; k < NR && e != NULL; k++) {
+            gp.sample.seed = 100 + k;
+            r[k] = NULL;
+            TEST_CHECK(pd_engine_add(e, k + 1, prompts[k], np, &gp, &r[k], &err) == PD_OK);
+        }
+        TEST_CHECK(e != NULL && run_to_end(e) == 0);
+        for (int k = 0; k < NR && e != NULL; k++) {
+            n_ref[k] = r[k] != NULL ? r[k]->n_out : 0;
+            if (r[k] != NULL)
+                memcpy(ref[k], r[k]->out, (size_t)n_ref[k] * 4);
+            pd_engine_release(e, r[k]);
+        }
+        pd_engine_destroy(e);
+        /* (22 + 48 + a block) tokens = ~20 pages each: 5 need ~100, the pool has 48 */
+        ec.n_pages = 48;
+        ec.swap_bytes = (size_t)1 << 30;
+        e = NULL;
+        TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);
+        int admitted = 0;
+        for (int k = 0; k < NR && e != NULL; k++) {
+            gp.sample.seed = 100 + k;
+            r[k] = NULL;
+            admitted += pd_engine_add(e, k + 1, prompts[k], np, &gp, &r[k], &err) == PD_OK;
+        }
+        TEST_CHECK_MSG(admitted == NR, "variant %d: %d of %d admitted with their prompt's pages", variant,
+                       admitted, NR);
+        TEST_CHECK(e != NULL && run_to_end(e) == 0);
+        uint64_t pre = 0;
+        int swapped = -1;
+        size_t bytes = 1;
+        if (e != NULL)
+            pd_engine_swap_stats(e, &pre, &swapped, &bytes);
+        TEST_CHECK_MSG(pre > 0 && swapped == 0 && bytes == 0, "variant %d: %llu preemptions, %d swapped, "
+                       "%zu bytes", variant, (unsigned long long)pre, swapped, bytes);
+        for (int k = 0; k < NR && e != NULL; k++) {
+            if (r[k] == NULL)
+                continue;
+            TEST_CHECK_MSG(r[k]->finish == PD_FINISH_LENGTH || r[k]->finish == PD_FINISH_STOP,
+                           "variant %d request %d: finish %s (%s)", variant, k,
+                           pd_finish_reason_str(r[k]->finish), r[k]->error);
+            TEST_CHECK_MSG(r[k]->n_out == n_ref[k] && memcmp(r[k]->out, ref[k], (size_t)n_ref[k] * 4) == 0,
+                           "variant %d request %d: %d tokens with preemption, %d without, or other tokens",
+                           variant, k, r[k]->n_out, n_ref[k]);
+            pd_engine_release(e, r[k]);
+        }
+        TEST_CHECK(e == NULL || pd_engine_kv_free_pages(e) == 48);
+        pd_engine_destroy(e);
+    }
+    /* a swap space that holds nothing: the request that needs pages fails by name, the others
+     * finish as they would */
+    pd_engine_config ec = { .target = tm, .draft = dm, .page_size = 4, .n_pages = 48, .swap_bytes = 1 };
+    pd_engine *e = NULL;
+    TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);
+    pd_gen_params gp = greedy(NEW);
+    pd_request *r[NR] = {0};
+    for (int k = 0; k < NR && e != NULL; k++)
+        TEST_CHECK(pd_engine_add(e, k + 1, prompts[k], np, &gp, &r[k], &err) == PD_OK);
+    TEST_CHECK(e != NULL && run_to_end(e) == 0);
+    int failed = 0, done = 0;
+    for (int k = 0; k < NR && e != NULL; k++) {
+        if (r[k] == NULL)
+            continue;
+        if (r[k]->finish == PD_FINISH_ERROR) {
+            failed++;
+            TEST_CHECK_MSG(strstr(r[k]->error, "kv pool exhausted") != NULL &&
+                           strstr(r[k]->error, "swap space full") != NULL, "failure: %s", r[k]->error);
+        } else {
+            done += r[k]->n_out == NEW;
+        }
+        pd_engine_release(e, r[k]);
+    }
+    TEST_CHECK_MSG(failed > 0 && done > 0 && failed + done == NR, "swap 1 byte: %d failed, %d finished", failed,
+                   done);
+    TEST_CHECK(e == NULL || pd_engine_kv_free_pages(e) == 48);
+    /* a preempted request cancelled: its host copy goes at the next step */
+    pd_engine_destroy(e);
+    ec.swap_bytes = (size_t)1 << 30;
+    e = NULL;
+    TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);
+    for (int k = 0; k < NR && e != NULL; k++)
+        TEST_CHECK(pd_engine_add(e, k + 1, prompts[k], np, &gp, &r[k], &err) == PD_OK);
+    int victim = -1;
+    for (int step = 0; step < 200 && victim < 0 && e != NULL && pd_engine_active(e) > 0; step++) {
+        TEST_CHECK(pd_engine_step(e, &err) == PD_OK);
+        for (int k = 0; k < NR; k++)
+            if (r[k] != NULL && r[k]->swap != NULL)
+                victim = k;
+    }
+    TEST_CHECK_MSG(victim >= 0, "no request was preempted");
+    if (victim >= 0) {
+        pd_engine_cancel(e, r[victim]);
+        TEST_CHECK(pd_engine_step(e, &err) == PD_OK);
+        uint64_t pre = 0;
+        int swapped = -1;
+        size_t bytes = 1;
+        pd_engine_swap_stats(e, &pre, &swapped, &bytes);
+        TEST_CHECK_MSG(r[victim]->swap == NULL && swapped == 0 && bytes == 0 &&
+                       r[victim]->finish == PD_FINISH_CANCELLED, "cancelled while preempted: %d swapped, %zu bytes",
+                       swapped, bytes);
+    }
+    TEST_CHECK(e == NULL || run_to_end(e) == 0);
+    for (int k = 0; k < NR && e != NULL; k++)
+        pd_engine_release(e, r[k]);
+    TEST_CHECK(e == NULL || pd_engine_kv_free_pages(e) == 48);
+    pd_engine_destroy(e);
+}
+
 int main(void)
 {
     pd_err err;
@@ -1367,6 +1507,7 @@ int main(void)
     test_engine_prompt_logprobs();
     test_engine_prefix_cache();
     test_engine_grammar();
+    test_engine_preemption();
     pd_dspark_free(dm);
     pd_qwen3_free(tm);
     kern_backend_destroy(be);

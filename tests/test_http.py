@@ -946,6 +946,8 @@ def fuzz_body(rng, prompt):
             body.pop(k, None)
         else:
             body[k] = rng.choice(FUZZ_VALUES)
+    if chat and "max_tokens" not in body and "max_completion_tokens" not in body:
+        body["max_completion_tokens"] = 4   # the default is the rest of the context: long on a CPU
     for k, top in (("max_tokens", 8), ("max_completion_tokens", 8), ("n", 2), ("best_of", 2), ("min_tokens", 4)):
         if isinstance(body.get(k), int) and not isinstance(body.get(k), bool) and body[k] > top:
             body[k] = top

@@ -1329,6 +1329,79 @@ static void test_services_admission(void)
     node_stop(&dn, SIGTERM);
 }
 
+
+/* Preemption (--swap-space, on by default): three requests whose answers need twice the pool
+ * run together, colocated and disaggregated; each is admitted with its prompt's pages, the
+ * pool runs out, requests are preempted (KV to host memory) and resumed, and every answer is
+ * the one the request gets alone; afterwards every page is free. */
+static void preempt_case(const char *decode_addr, const char *what)
+{
+    enum { NQ = 3 };
+    pd_err err;
+    pd_rpc_channel *ch = NULL;
+    TEST_CHECK(pd_rpc_channel_create(decode_addr, &ch, &err) == PD_OK);
+    if (ch == NULL)
+        return;
+    gen_call g[NQ], alone[NQ];
+    thr_arg ta[NQ];
+    pthread_t th[NQ];
+    for (int i = 0; i < NQ; i++) {
+        /* 100 + 140 + a block: 16 pages of 16 each, 48 for the three; the pool has 24 */
+        g[i] = (gen_call){ .max_new = 140, .ignore_eos = 1, .top_p = 1.0f, .timeout_ms = 60000 };
+        prompt_ids(&g[i], 100, 60 + i);
+        alone[i] = g[i];
+        ta[i] = (thr_arg){ ch, &g[i] };
+        pthread_create(&th[i], NULL, gen_thread, &ta[i]);
+    }
+    for (int i = 0; i < NQ; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < NQ; i++) {
+        gen_run(ch, &alone[i]);
+        TEST_CHECK_MSG(g[i].st == PD_OK && g[i].tokens == 140, "%s request %d together: %s %s (%d tokens)",
+                       what, i, pd_status_str(g[i].st), g[i].msg, g[i].tokens);
+        TEST_CHECK_MSG(alone[i].st == PD_OK && strcmp(g[i].out, alone[i].out) == 0,
+                       "%s request %d: the answer with preemption differs from the one alone", what, i);
+        free(g[i].ids);
+    }
+    Pdspark__HealthReply h = PDSPARK__HEALTH_REPLY__INIT;
+    double t0 = now_ms();
+    while (now_ms() - t0 < 5000 && !(health(ch, &h) == 0 && h.free_kv_pages == 24))
+        usleep(5000);
+    TEST_CHECK_MSG(h.free_kv_pages == 24 && h.active_requests == 0, "%s: %u pages free of 24 afterwards",
+                   what, h.free_kv_pages);
+    pd_rpc_channel_destroy(ch);
+}
+
+static void test_services_preemption(void)
+{
+    node dn = {0};
+    char *dargv[] = { PD_BIN_DIR "/decode_node", "--model", TARGET, "--draft", DRAFT, "--listen",
+                      "127.0.0.1:0", "--colocated", "--kv-pages", "24", NULL };
+    if (node_start(dargv, &dn) != 0) {
+        TEST_CHECK_MSG(0, "decode node did not start");
+        return;
+    }
+    preempt_case(dn.addr, "colocated");
+    node_stop(&dn, SIGTERM);
+    node pn = {0};
+    char *pargv[] = { PD_BIN_DIR "/prefill_node", "--model", TARGET, "--draft", DRAFT, "--listen",
+                      "127.0.0.1:0", NULL };
+    if (node_start(pargv, &pn) != 0) {
+        TEST_CHECK_MSG(0, "prefill node did not start");
+        return;
+    }
+    char *d2[] = { PD_BIN_DIR "/decode_node", "--model", TARGET, "--draft", DRAFT, "--listen",
+                   "127.0.0.1:0", "--prefill", pn.addr, "--kv-pages", "24", NULL };
+    if (node_start(d2, &dn) != 0) {
+        TEST_CHECK_MSG(0, "decode node did not start");
+        node_stop(&pn, SIGKILL);
+        return;
+    }
+    preempt_case(dn.addr, "disaggregated");
+    node_stop(&dn, SIGTERM);
+    node_stop(&pn, SIGTERM);
+}
+
 /* Several prefill addresses, one of them dead: a name that resolves to several addresses counts
  * as several nodes, and a Prefill that never reached its node is re-sent to another one. */
 static void test_services_multi_node(void)
@@ -1386,5 +1459,7 @@ int main(int argc, char **argv)
         test_services_multi_node();
     if (strcmp(only, "all") == 0 || strcmp(only, "admission") == 0)
         test_services_admission();
+    if (strcmp(only, "all") == 0 || strcmp(only, "preemption") == 0)
+        test_services_preemption();
     TEST_DONE();
 }
