@@ -198,6 +198,10 @@ if [ -x "$bin/decode_node" ] && [ -x "$bin/pdspark-client" ]; then
         $bin/decode_node --model "$T" --draft "$D" --listen 127.0.0.1:0 --colocated --prefix-cache --tp 2
     expect_fail "decode_node --kv-memory-fraction 1.5" "not a fraction in \\(0, 1\\)" $bin/decode_node --model "$T" \
         --draft "$D" --listen 127.0.0.1:0 --colocated --kv-memory-fraction 1.5
+    expect_fail "decode_node --swap-space -1" "not a size in GiB in \\[0, 65536\\]" $bin/decode_node --model "$T" \
+        --draft "$D" --listen 127.0.0.1:0 --colocated --swap-space -1
+    expect_fail "decode_node --swap-space abc" "--swap-space: 'abc' is not a size in GiB" $bin/decode_node \
+        --model "$T" --draft "$D" --listen 127.0.0.1:0 --colocated --swap-space abc
     expect_fail "decode_node --kv-memory-fraction with --kv-pages" "kv-pages N or --kv-memory-fraction F, not both" \
         $bin/decode_node --model "$T" --draft "$D" --listen 127.0.0.1:0 --colocated --kv-memory-fraction 0.5 --kv-pages 64
     expect_fail "decode_node --kv-memory-fraction on the cpu" "needs a GPU backend" $bin/decode_node --model "$T" \
