@@ -530,6 +530,13 @@ static void prefix_count(pd_engine *e)
 {
     e->prefix_free = e->prefix != NULL ? pd_prefix_evictable(e->prefix) : 0;
 }
+/* pages that hold len positions */
+static int pages_of(const pd_kv_pool *pool, int len)
+{
+    int ps = pd_kv_pool_layout(pool)->page_size;
+    return (len + ps - 1) / ps;
+}
+
 int pd_engine_block_size(const pd_engine *e) { return e->B; }
 pd_target *pd_engine_target(pd_engine *e) { return e->target; }
 pd_draft *pd_engine_draft(pd_engine *e) { return e->draft; }
@@ -675,6 +682,16 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
     int grows = e->cfg.swap_bytes > 0 && !params->hold_kv;
     long worst = (long)n_prompt + (grows ? 0 : params->max_new_tokens) + e->B + 1;
     int reserve = worst < e->tm->cfg.max_position_embeddings ? (int)worst : e->tm->cfg.max_position_embeddings;
+    if (st == PD_OK && grows) {
+        /* a request that could not finish alone in the pool would wait preempted for ever */
+        long full = (long)n_prompt + params->max_new_tokens + e->B + 1;
+        int whole = pages_of(e->tpool, full < e->tm->cfg.max_position_embeddings ? (int)full
+                                                                                 : e->tm->cfg.max_position_embeddings);
+        if (whole > pd_kv_pool_layout(e->tpool)->n_pages)
+            st = pd_err_set(err, PD_ERR_INVALID, "prompt of %d tokens with max_new_tokens %d needs %d KV "
+                            "pages, the pool has %d", n_prompt, params->max_new_tokens, whole,
+                            pd_kv_pool_layout(e->tpool)->n_pages);
+    }
     if (st == PD_OK && grows && e->n_swapped > 0)
         st = pd_err_set(err, PD_ERR_BUSY, "%d preempted requests resume first", e->n_swapped);
     if (st == PD_OK && grows && pd_engine_active(e) > 0) {
@@ -2140,12 +2157,6 @@ static int decoding(const pd_request *r)
     return r->finish == PD_FINISH_NONE && r->swap == NULL && r->prefilled == r->n_prompt && r->n_out > 0;
 }
 
-static int pages_of(const pd_kv_pool *pool, int len)
-{
-    int ps = pd_kv_pool_layout(pool)->page_size;
-    return (len + ps - 1) / ps;
-}
-
 /* Preempts r: its deferred draft rows are added first (its draft KV is then whole), then the
  * pages holding its committed positions are copied to host memory and every page is given back.
  * PD_ERR_BUSY when the swap space cannot take it (nothing changed then). */
@@ -2190,8 +2201,9 @@ static int swap_in(pd_engine *e, pd_request *r, int spare, pd_err *err, pd_statu
 {
     *st = PD_OK;
     int want = r->anchor_pos + e->B + 1;
+    /* the cache's evictable entries hold a target and a draft page each: free for the asking */
     if (pd_engine_kv_free_pages(e) - pages_of(e->tpool, want) < spare ||
-        (e->dpool != NULL && pd_kv_pool_free_pages(e->dpool) - pages_of(e->dpool, want) < spare))
+        (e->dpool != NULL && pd_kv_pool_free_pages(e->dpool) + e->prefix_free - pages_of(e->dpool, want) < spare))
         return 0;
     pd_status rs = pd_kv_seq_reserve(e->tpool, &r->tkv, want, err);
     if (rs == PD_OK && e->dpool != NULL)

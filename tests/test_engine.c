@@ -1448,6 +1448,11 @@ static void test_engine_preemption(void)
     TEST_CHECK_MSG(failed > 0 && done > 0 && failed + done == NR, "swap 1 byte: %d failed, %d finished", failed,
                    done);
     TEST_CHECK(e == NULL || pd_engine_kv_free_pages(e) == 48);
+    /* one that could not finish alone in the pool is refused: it would wait preempted for ever */
+    pd_gen_params huge = greedy(300);
+    pd_request *rh = NULL;
+    TEST_CHECK(e == NULL || (pd_engine_add(e, 99, prompts[0], np, &huge, &rh, &err) == PD_ERR_INVALID &&
+                             strstr(err.msg, "the pool has 48") != NULL));
     /* a preempted request cancelled: its host copy goes at the next step */
     pd_engine_destroy(e);
     ec.swap_bytes = (size_t)1 << 30;
