@@ -348,8 +348,6 @@ pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err 
         e->cfg.draft_n_pages = e->cfg.n_pages;
     if (e->cfg.max_prefill_tokens <= 0)
         e->cfg.max_prefill_tokens = 2048;
-    if (e->cfg.tp_size > 1)
-        e->cfg.swap_bytes = 0;   /* the workers' KV shards would have to move too */
     if (e->dm != NULL) {
         int db = e->dm->cfg.block_size;
         e->B = e->cfg.block_size > 0 ? e->cfg.block_size : db;
@@ -2157,6 +2155,44 @@ static int decoding(const pd_request *r)
     return r->finish == PD_FINISH_NONE && r->swap == NULL && r->prefilled == r->n_prompt && r->n_out > 0;
 }
 
+/* The host layout of a preempted request's nt target and nd draft pages: this engine's pools
+ * (rank 0's), then each tensor-parallel worker's; part[k] = where rank k's part starts (NULL: not
+ * wanted). Returns the total bytes. */
+static size_t swap_layout(const pd_engine *e, int nt, int nd, size_t *part)
+{
+    size_t off = (size_t)nt * pd_kv_page_set_bytes(pd_kv_pool_layout(e->tpool));
+    if (e->dpool != NULL)
+        off += (size_t)nd * pd_kv_page_set_bytes(pd_kv_pool_layout(e->dpool));
+    if (part != NULL)
+        part[0] = 0;
+    for (int k = 1; e->tp != NULL && k < pd_tp_group_size(e->tp); k++) {
+        if (part != NULL)
+            part[k] = off;
+        off += pd_tp_group_kv_bytes(e->tp, k, nt, nd);
+    }
+    return off;
+}
+
+/* Copies r's first nt target and nd draft pages of every rank between the pools and host
+ * (swap_layout), to_host 1 downloading. */
+static pd_status swap_copy(pd_engine *e, pd_request *r, int nt, int nd, char *host, int to_host, pd_err *err)
+{
+    size_t part[PD_TP_MAX_SIZE];
+    swap_layout(e, nt, nd, part);
+    TRY(pd_kv_seq_copy(e->tpool, &r->tkv, nt, host, to_host, err));
+    if (nd > 0)
+        TRY(pd_kv_seq_copy(e->dpool, &r->dkv, nd,
+                           host + (size_t)nt * pd_kv_page_set_bytes(pd_kv_pool_layout(e->tpool)), to_host, err));
+    if (e->tp == NULL)
+        return PD_OK;
+    char *at[PD_TP_MAX_SIZE] = { 0 };
+    for (int k = 1; k < pd_tp_group_size(e->tp); k++)
+        at[k] = host + part[k];
+    pd_tp_cmd c = { .op = PD_TP_KV_COPY, .tseq = &r->tkv, .dseq = &r->dkv, .n_tpages = nt, .n_dpages = nd,
+                    .host = at, .to_host = to_host };
+    return tp_run(e, &c, err);
+}
+
 /* Preempts r: its deferred draft rows are added first (its draft KV is then whole), then the
  * pages holding its committed positions are copied to host memory and every page is given back.
  * PD_ERR_BUSY when the swap space cannot take it (nothing changed then). */
@@ -2165,17 +2201,14 @@ static pd_status swap_out(pd_engine *e, pd_request *r, pd_err *err)
     if (r->n_pend > 0)
         TRY(pend_flush(e, PD_FLUSH_REQUEST, r, err));
     int nt = pages_of(e->tpool, r->tkv.len), nd = e->dpool != NULL ? pages_of(e->dpool, r->dkv.len) : 0;
-    size_t tb = (size_t)nt * pd_kv_page_set_bytes(pd_kv_pool_layout(e->tpool));
-    size_t bytes = tb + (nd > 0 ? (size_t)nd * pd_kv_page_set_bytes(pd_kv_pool_layout(e->dpool)) : 0);
+    size_t bytes = swap_layout(e, nt, nd, NULL);
     if (e->swap_used + bytes > e->cfg.swap_bytes)
         return pd_err_set(err, PD_ERR_BUSY, "swap space full: %zu of %zu bytes used, %zu more needed",
                           e->swap_used, e->cfg.swap_bytes, bytes);
     char *host = malloc(bytes > 0 ? bytes : 1);
     if (host == NULL)
         return pd_err_set(err, PD_ERR_NOMEM, "swap: %zu bytes", bytes);
-    pd_status st = pd_kv_seq_copy(e->tpool, &r->tkv, nt, host, 1, err);
-    if (st == PD_OK && nd > 0)
-        st = pd_kv_seq_copy(e->dpool, &r->dkv, nd, host + tb, 1, err);
+    pd_status st = swap_copy(e, r, nt, nd, host, 1, err);
     if (st != PD_OK) {
         free(host);
         return st;
@@ -2214,13 +2247,9 @@ static int swap_in(pd_engine *e, pd_request *r, int spare, pd_err *err, pd_statu
             pd_kv_seq_release(e->dpool, &r->dkv);
         return 0;
     }
-    int nt = pages_of(e->tpool, r->swap_tlen);
-    char *host = r->swap;
     if (rs == PD_OK)
-        rs = pd_kv_seq_copy(e->tpool, &r->tkv, nt, host, 0, err);
-    if (rs == PD_OK && e->dpool != NULL)
-        rs = pd_kv_seq_copy(e->dpool, &r->dkv, pages_of(e->dpool, r->swap_dlen),
-                            host + (size_t)nt * pd_kv_page_set_bytes(pd_kv_pool_layout(e->tpool)), 0, err);
+        rs = swap_copy(e, r, pages_of(e->tpool, r->swap_tlen),
+                       e->dpool != NULL ? pages_of(e->dpool, r->swap_dlen) : 0, r->swap, 0, err);
     if (rs != PD_OK) {
         *st = rs;
         return 0;

@@ -103,7 +103,8 @@ typedef struct {
                                         * request is admitted, so its output is the one it would
                                         * have had. 0: every request reserves its worst case
                                         * (prompt + max_new_tokens + a block) at admission and is
-                                        * never preempted. Not with tp_size > 1 (0 there). */
+                                        * never preempted. With tp_size > 1 every rank's shard of
+                                        * the pages moves (PD_TP_KV_COPY). */
     int tp_debug_fail_rank;            /* tests only: pd_tp_group_config.debug_fail_rank/cmd */
     int tp_debug_fail_cmd;
     /* Tests and debugging: called on the engine thread with exactly the aux tensor (backend
@@ -234,7 +235,8 @@ typedef struct pd_request {
                               * cache serves both, since their states are the same */
     uint32_t *first_allow;   /* the copy of params.first_allow */
     void *swap;              /* preempted (pd_engine_config.swap_bytes): its target then draft
-                              * KV pages in host memory (pd_kv_seq_copy), NULL while it runs */
+                              * KV pages in host memory (pd_kv_seq_copy; then each tensor-
+                              * parallel worker's), NULL while it runs */
     size_t swap_bytes;
     int swap_tlen, swap_dlen; /* its tkv.len and dkv.len when it was preempted */
 } pd_request;

@@ -101,7 +101,11 @@ typedef enum {
     PD_TP_DRAFT_EXTEND,           /* rank 0's aux [b->n_tok, ld_aux] is broadcast, then
                                    * pd_draft_extend on every rank */
     PD_TP_DRAFT_BLOCK,            /* pd_draft_block(n_req, anchor, start, seqs) */
-    PD_TP_MARKOV_STEP             /* pd_draft_markov_step(k, prev); conf_out on rank 0 only */
+    PD_TP_MARKOV_STEP,            /* pd_draft_markov_step(k, prev); conf_out on rank 0 only */
+    PD_TP_KV_COPY                 /* the workers copy the first n_tpages / n_dpages pages of
+                                   * tseq / dseq (rank 0's tables) between their pools and
+                                   * host[rank] (pd_kv_seq_copy: target pages, then draft
+                                   * pages); rank 0's pools are the engine's, copied by it */
 } pd_tp_op;
 
 /* One forward for every rank; pointers are rank 0's, borrowed for pd_tp_group_run. Page tables
@@ -120,6 +124,10 @@ typedef struct {
     int k;                        /* MARKOV_STEP */
     const int32_t *prev;
     float *conf_out;
+    const pd_kv_seq *tseq, *dseq; /* KV_COPY */
+    int n_tpages, n_dpages;
+    char *const *host;            /* [size]; [0] unused */
+    int to_host;
 } pd_tp_cmd;
 
 typedef struct {
@@ -154,5 +162,8 @@ void pd_tp_group_attach(pd_tp_group *g, pd_target *target, pd_draft *draft);
 /* Runs c on every rank; rank 0's part on the calling thread. See "Failure" above. */
 pd_status pd_tp_group_run(pd_tp_group *g, const pd_tp_cmd *c, pd_err *err);
 int pd_tp_group_size(const pd_tp_group *g);
+/* Host bytes rank (1..size-1) needs for n_t target and n_d draft pages of its own pools (the
+ * PD_TP_KV_COPY layout). */
+size_t pd_tp_group_kv_bytes(const pd_tp_group *g, int rank, int n_t, int n_d);
 
 #endif

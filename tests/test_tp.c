@@ -51,6 +51,9 @@ typedef struct {
     float threshold;
     float temperature;
     const pd_qwen3_model *target;   /* NULL: tm */
+    int preempt;                    /* tp > 1 runs get a pool of 40 pages (two prompts) and swap
+                                     * space, so that requests are preempted (tp 1, the
+                                     * reference, is not) */
 } scenario;
 
 /* All prompts through one engine with tp ranks, CONCURRENCY at a time. */
@@ -58,9 +61,10 @@ static int run_all(const scenario *sc, int tp, result *res)
 {
     pd_err err;
     pd_engine *e = NULL;
+    int pages = sc->preempt && tp > 1 ? 40 : 512;
     pd_engine_config ec = { .target = sc->target != NULL ? sc->target : tm,
-                            .draft = sc->with_draft ? dm : NULL, .page_size = 16, .n_pages = 512,
-                            .tp_size = tp };
+                            .draft = sc->with_draft ? dm : NULL, .page_size = 16, .n_pages = pages,
+                            .tp_size = tp, .swap_bytes = sc->preempt && tp > 1 ? (size_t)1 << 30 : 0 };
     if (pd_engine_create(&ec, &e, &err) != PD_OK) {
         TEST_CHECK_MSG(0, "%s tp %d: engine: %s", sc->name, tp, err.msg);
         return -1;
@@ -75,8 +79,11 @@ static int run_all(const scenario *sc, int tp, result *res)
                                                  .seed = 1234u + (uint64_t)next },
                                      .max_new_tokens = max_new, .verify_policy = sc->policy,
                                      .verify_threshold = sc->threshold };
-                if (pd_engine_add(e, (uint64_t)next, prompts[next].ids, prompts[next].n, &gp,
-                                  &live[s], &err) != PD_OK) {
+                pd_status st = pd_engine_add(e, (uint64_t)next, prompts[next].ids, prompts[next].n, &gp,
+                                             &live[s], &err);
+                if (st == PD_ERR_BUSY && sc->preempt)
+                    break;   /* no pages now (a server queues it): again after the next step */
+                if (st != PD_OK) {
                     TEST_CHECK_MSG(0, "%s tp %d: add %d: %s", sc->name, tp, next, err.msg);
                     rc = -1;
                     break;
@@ -106,8 +113,18 @@ static int run_all(const scenario *sc, int tp, result *res)
         }
     }
     if (rc == 0)
-        TEST_CHECK_MSG(pd_engine_kv_free_pages(e) == 512, "%s tp %d: kv pages leaked: %d of 512",
-                       sc->name, tp, pd_engine_kv_free_pages(e));
+        TEST_CHECK_MSG(pd_engine_kv_free_pages(e) == pages, "%s tp %d: kv pages leaked: %d of %d",
+                       sc->name, tp, pd_engine_kv_free_pages(e), pages);
+    if (rc == 0 && sc->preempt && tp > 1) {
+        uint64_t pre = 0;
+        int swapped = -1;
+        size_t bytes = 1;
+        pd_engine_swap_stats(e, &pre, &swapped, &bytes);
+        printf("%-30s tp %d: %llu preemptions in a pool of %d pages\n", sc->name, tp, (unsigned long long)pre,
+               pages);
+        TEST_CHECK_MSG(pre > 0 && swapped == 0 && bytes == 0, "%s tp %d: %llu preemptions, %d swapped, %zu bytes",
+                       sc->name, tp, (unsigned long long)pre, swapped, bytes);
+    }
     pd_engine_destroy(e);
     return rc;
 }
@@ -115,13 +132,15 @@ static int run_all(const scenario *sc, int tp, result *res)
 static void test_tp_same_tokens(const int *tps, int n_tps)
 {
     const scenario scs[] = {
-        { "vanilla greedy full", 1, PD_VERIFY_FULL, 0.0f, 0.0f, NULL },
-        { "vanilla greedy scheduled", 1, PD_VERIFY_SCHEDULED, 0.0f, 0.0f, NULL },
-        { "vanilla greedy threshold 0.3", 1, PD_VERIFY_THRESHOLD, 0.3f, 0.0f, NULL },
-        { "target-only greedy", 0, PD_VERIFY_FULL, 0.0f, 0.0f, NULL },
-        { "vanilla sampled t=0.8 seed", 1, PD_VERIFY_FULL, 0.0f, 0.8f, NULL },
+        { "vanilla greedy full", 1, PD_VERIFY_FULL, 0.0f, 0.0f, NULL, 0 },
+        { "vanilla greedy scheduled", 1, PD_VERIFY_SCHEDULED, 0.0f, 0.0f, NULL, 0 },
+        { "vanilla greedy threshold 0.3", 1, PD_VERIFY_THRESHOLD, 0.3f, 0.0f, NULL, 0 },
+        { "target-only greedy", 0, PD_VERIFY_FULL, 0.0f, 0.0f, NULL, 0 },
+        { "vanilla sampled t=0.8 seed", 1, PD_VERIFY_FULL, 0.0f, 0.8f, NULL, 0 },
         /* vocab 8190 over 4 ranks: slices of 2048, the last one 2046 */
-        { "target-only greedy, vocab 8190", 0, PD_VERIFY_FULL, 0.0f, 0.0f, &tm_cut },
+        { "target-only greedy, vocab 8190", 0, PD_VERIFY_FULL, 0.0f, 0.0f, &tm_cut, 0 },
+        /* every rank's KV shard goes to host memory and back */
+        { "vanilla greedy full, preempted", 1, PD_VERIFY_FULL, 0.0f, 0.0f, NULL, 1 },
     };
     static result ref[N_PROMPTS], got[N_PROMPTS];
     for (size_t i = 0; i < sizeof(scs) / sizeof(scs[0]); i++) {
@@ -301,8 +320,8 @@ static void test_tp_rank_failure(int fail_cmd)
  * decoding (batch-invariant kernels on every rank and the fixed-order all-reduce). */
 static void test_tp_gpu_lossless(const int *tps, int n_tps)
 {
-    const scenario spec = { "vanilla greedy full", 1, PD_VERIFY_FULL, 0.0f, 0.0f, NULL };
-    const scenario plain = { "target-only greedy", 0, PD_VERIFY_FULL, 0.0f, 0.0f, NULL };
+    const scenario spec = { "vanilla greedy full", 1, PD_VERIFY_FULL, 0.0f, 0.0f, NULL, 0 };
+    const scenario plain = { "target-only greedy", 0, PD_VERIFY_FULL, 0.0f, 0.0f, NULL, 0 };
     static result a[N_PROMPTS], b[N_PROMPTS], one[N_PROMPTS];
     memset(one, 0, sizeof(one));
     if (run_all(&plain, 1, one) != 0)
