@@ -2744,6 +2744,10 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         slots[m].l = l;
         m++;
     }
+    if (m == 0) {   /* every request ended, failed or waits preempted */
+        free(slots);
+        return PD_OK;
+    }
     /* ---- scheduled requests: draft this round or not ---- */
     double t_round = now_s();
     uint64_t cold0 = graph_cold(e);
