@@ -2223,8 +2223,12 @@ static pd_status swap_out(pd_engine *e, pd_request *r, pd_err *err)
     e->swap_used += bytes;
     e->n_swapped++;
     e->n_preempt++;
-    PD_LOG_INFO("engine", "request %llu preempted: %d + %d KV pages (%zu bytes) to host memory, %d "
-                "preempted now", (unsigned long long)r->id, nt, nd, bytes, e->n_swapped);
+    PD_LOG_DEBUG("engine", "request %llu preempted: %d + %d KV pages (%zu bytes) to host memory, %d "
+                 "preempted now", (unsigned long long)r->id, nt, nd, bytes, e->n_swapped);
+    if (e->n_preempt == 1 || e->n_preempt % 1000 == 0)   /* as vLLM: a warning, not one per event */
+        PD_LOG_WARN("engine", "the KV pool ran out: %llu preemptions so far (a request's KV waits in host "
+                    "memory until pages free up); more pages make them rarer",
+                    (unsigned long long)e->n_preempt);
     return PD_OK;
 }
 
@@ -2261,8 +2265,8 @@ static int swap_in(pd_engine *e, pd_request *r, int spare, pd_err *err, pd_statu
     free(r->swap);
     r->swap = NULL;
     r->swap_bytes = 0;
-    PD_LOG_INFO("engine", "request %llu resumed: its KV back from host memory (%d preempted now)",
-                (unsigned long long)r->id, e->n_swapped);
+    PD_LOG_DEBUG("engine", "request %llu resumed: its KV back from host memory (%d preempted now)",
+                 (unsigned long long)r->id, e->n_swapped);
     return 1;
 }
 
