@@ -97,7 +97,8 @@ struct pd_engine {
     /* tensor-parallel decode (tp_size > 1): tm/dm are rank 0's shards, owned by the group */
     pd_tp_group *tp;
     size_t swap_used;           /* host bytes of preempted requests' KV (cfg.swap_bytes) */
-    int n_swapped;              /* requests preempted now */
+    int n_swapped;              /* requests preempted now, KV in host memory ... */
+    int n_recompute;            /* ... or KV given up (the swap space full): prefilled again */
     uint64_t n_preempt;         /* preemptions so far */
     pd_prefix *prefix;          /* cfg.prefix_cache */
     int prefix_free;            /* pages only the cache holds (prefix_count) */
@@ -469,6 +470,8 @@ static void request_free(pd_engine *e, pd_request *r)
     pd_gmatch_destroy(r->gm);
     pd_gmatch_destroy(r->gm_row);
     free(r->first_allow);
+    if (r->recompute)
+        e->n_recompute--;
     if (r->swap != NULL) {
         e->swap_used -= r->swap_bytes;
         e->n_swapped--;
@@ -690,8 +693,8 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
                             "pages, the pool has %d", n_prompt, params->max_new_tokens, whole,
                             pd_kv_pool_layout(e->tpool)->n_pages);
     }
-    if (st == PD_OK && grows && e->n_swapped > 0)
-        st = pd_err_set(err, PD_ERR_BUSY, "%d preempted requests resume first", e->n_swapped);
+    if (st == PD_OK && grows && e->n_swapped + e->n_recompute > 0)
+        st = pd_err_set(err, PD_ERR_BUSY, "%d preempted requests resume first", e->n_swapped + e->n_recompute);
     if (st == PD_OK && grows && pd_engine_active(e) > 0) {
         const pd_kv_layout *tl = pd_kv_pool_layout(e->tpool);
         int need = (reserve + tl->page_size - 1) / tl->page_size - r->tkv.n_pages;
@@ -1938,9 +1941,24 @@ pd_status pd_engine_complete_prefill_mode(pd_engine *e, pd_request *r, int32_t f
  * PROMPT_LP_CHUNK when it keeps prompt logprobs (one logits row per token: the rows of a forward
  * stay within PROMPT_LP_CHUNK x vocabulary floats). */
 #define PROMPT_LP_CHUNK 256
+/* Positions the prefill covers: the prompt, or for a request preempted without a host copy
+ * (recompute 2) every committed position before its anchor. */
+static int prefill_len(const pd_request *r)
+{
+    return r->recompute ? r->anchor_pos : r->n_prompt;
+}
+
+/* r waits for prefill work here: its own prompt, or a recompute whose pages are reserved */
+static int prefill_wants(const pd_request *r)
+{
+    return r->finish == PD_FINISH_NONE && !r->external && r->recompute != 1 && r->prefilled < prefill_len(r);
+}
+
 static int prefill_take(const pd_request *r)
 {
-    int take = r->n_prompt - r->prefilled;
+    int take = prefill_len(r) - r->prefilled;
+    if (r->recompute)
+        return take;
     return r->prompt_lps != NULL && take > PROMPT_LP_CHUNK ? PROMPT_LP_CHUNK : take;
 }
 
@@ -1985,7 +2003,7 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
     *n_out = 0;
     for (int i = 0; i < e->n_reqs && n_tok < budget && n_seq < max_seq; i++) {
         pd_request *r = e->reqs[i];
-        if (r->finish != PD_FINISH_NONE || r->external || r->prefilled >= r->n_prompt)
+        if (!prefill_wants(r))
             continue;
         int take = prefill_take(r);
         n_tok += take < budget - n_tok ? take : budget - n_tok;
@@ -1999,30 +2017,33 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
             *lrows = malloc((size_t)(n_seq + n_tok) * 4), *first = malloc((size_t)n_seq * 4);
     pd_kv_seq **seqs = malloc((size_t)n_seq * sizeof(*seqs));
     pd_request **owner = malloc((size_t)n_tok * sizeof(*owner));
-    pd_request **done = malloc((size_t)n_seq * sizeof(*done));
+    pd_request **done = malloc((size_t)n_seq * sizeof(*done)), **back = malloc((size_t)n_seq * sizeof(*back));
     pd_status st = PD_OK;
-    if (!ids || !pos || !seq || !rows || !lrows || !first || !seqs || !owner || !done) {
+    if (!ids || !pos || !seq || !rows || !lrows || !first || !seqs || !owner || !done || !back) {
         st = pd_err_set(err, PD_ERR_NOMEM, "prefill batch of %d tokens", n_tok);
         goto out;
     }
     int t = 0, s = 0, n_done = 0;
+    int n_back = 0;   /* recomputed requests whose context is whole again (back[]) */
     for (int i = 0; i < e->n_reqs && t < n_tok; i++) {
         pd_request *r = e->reqs[i];
-        if (r->finish != PD_FINISH_NONE || r->external || r->prefilled >= r->n_prompt)
+        if (!prefill_wants(r))
             continue;
         int take = prefill_take(r);
         if (take > n_tok - t)
             take = n_tok - t;
         seqs[s] = &r->tkv;
         for (int j = 0; j < take; j++, t++) {
-            ids[t] = r->prompt[r->prefilled + j];
+            ids[t] = token_at(r, r->prefilled + j);
             pos[t] = r->prefilled + j;
             seq[t] = s;
             rows[t] = t;
             owner[t] = r;
         }
         r->prefilled += take;
-        if (r->prefilled == r->n_prompt) {
+        if (r->prefilled == prefill_len(r) && r->recompute) {
+            back[n_back++] = r;
+        } else if (r->prefilled == r->n_prompt) {
             lrows[n_done] = t - 1;
             done[n_done++] = r;
         }
@@ -2032,7 +2053,7 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
      * first-token rows */
     int n_rows = n_done;
     for (int i = 0; i < n_tok; i++)
-        if (owner[i]->prompt_lps != NULL && pos[i] + 1 < owner[i]->n_prompt)
+        if (owner[i]->prompt_lps != NULL && !owner[i]->recompute && pos[i] + 1 < owner[i]->n_prompt)
             lrows[n_rows++] = i;
     pd_tok_batch b = { .n_tok = n_tok, .ids = ids, .pos = pos, .seq = seq, .n_seq = s, .seqs = seqs };
     const float *logits = NULL, *aux = NULL;
@@ -2062,6 +2083,15 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
     e->times.prefill_draft += now_s() - t_ext;
     if (st != PD_OK)
         goto out;
+    /* recomputed requests decode again from their anchor (their first token is long out) */
+    for (int i = 0; i < n_back; i++) {
+        pd_request *r = back[i];
+        r->tkv.len = r->anchor_pos;
+        r->dkv.len = r->anchor_pos;
+        r->prefilled = r->n_prompt;
+        r->recompute = 0;
+        e->n_recompute--;
+    }
     /* prefill nodes keep the packed aux rows (or the draft context features) of their prompts,
      * in global token order */
     for (int i = 0; i < n_tok; i++) {
@@ -2124,6 +2154,7 @@ out:
     free(seqs);
     free(owner);
     free(done);
+    free(back);
     return st;
 }
 
@@ -2152,7 +2183,8 @@ static pd_status prefill_step(pd_engine *e, pd_err *err)
 /* r runs decode rounds (prefilled, a first token, not preempted) */
 static int decoding(const pd_request *r)
 {
-    return r->finish == PD_FINISH_NONE && r->swap == NULL && r->prefilled == r->n_prompt && r->n_out > 0;
+    return r->finish == PD_FINISH_NONE && r->swap == NULL && !r->recompute && r->prefilled == r->n_prompt &&
+           r->n_out > 0;
 }
 
 /* The host layout of a preempted request's nt target and nd draft pages: this engine's pools
@@ -2232,6 +2264,27 @@ static pd_status swap_out(pd_engine *e, pd_request *r, pd_err *err)
     return PD_OK;
 }
 
+/* Preempts r without a host copy (the swap space is full): its deferred draft rows and every
+ * page go back; it waits for pages (recompute 1), then the prefill computes its positions
+ * before the anchor again (recompute 2) and it decodes on. */
+static void recompute_out(pd_engine *e, pd_request *r)
+{
+    pend_drop(e, r);
+    pd_kv_seq_release(e->tpool, &r->tkv);
+    if (e->dpool != NULL)
+        pd_kv_seq_release(e->dpool, &r->dkv);
+    r->recompute = 1;
+    r->prefilled = 0;
+    r->external = 0;   /* its prefill is done here now */
+    e->n_recompute++;
+    e->n_preempt++;
+    PD_LOG_DEBUG("engine", "request %llu preempted for recompute (%d positions; the swap space is full)",
+                 (unsigned long long)r->id, r->anchor_pos);
+    if (e->n_preempt == 1 || e->n_preempt % 1000 == 0)
+        PD_LOG_WARN("engine", "the KV pool ran out: %llu preemptions so far; more pages make them rarer",
+                    (unsigned long long)e->n_preempt);
+}
+
 /* Resumes r when the pools have room for its pages and its next round, leaving spare free
  * pages; 1 when it did, 0 when it must wait. */
 static int swap_in(pd_engine *e, pd_request *r, int spare, pd_err *err, pd_status *st)
@@ -2275,18 +2328,35 @@ static int swap_in(pd_engine *e, pd_request *r, int spare, pd_err *err, pd_statu
  * again at once). */
 static pd_status swap_in_waiting(pd_engine *e, pd_err *err)
 {
-    if (e->n_swapped == 0)
+    if (e->n_swapped + e->n_recompute == 0)
         return PD_OK;
     int running = 0, per_round = pages_of(e->tpool, e->B + 1) + 1;
     for (int i = 0; i < e->n_reqs; i++)
         running += decoding(e->reqs[i]);
-    for (int i = 0; i < e->n_reqs && e->n_swapped > 0; i++) {
+    for (int i = 0; i < e->n_reqs && e->n_swapped + e->n_recompute > 0; i++) {
         pd_request *r = e->reqs[i];
-        if (r->swap == NULL || r->finish != PD_FINISH_NONE)
+        if (r->finish != PD_FINISH_NONE || (r->swap == NULL && r->recompute != 1))
             continue;
-        pd_status st;
-        if (!swap_in(e, r, running * per_round, err, &st))
+        pd_status st = PD_OK;
+        if (r->swap != NULL && !swap_in(e, r, running * per_round, err, &st))
             return st;
+        if (r->recompute == 1) {
+            /* pages for its context and a round; the prefill fills them */
+            int want = r->anchor_pos + e->B + 1;
+            if (pd_engine_kv_free_pages(e) - pages_of(e->tpool, want) < running * per_round ||
+                (e->dpool != NULL &&
+                 pd_kv_pool_free_pages(e->dpool) + e->prefix_free - pages_of(e->dpool, want) < running * per_round))
+                return PD_OK;
+            pd_err rerr;
+            if (pd_kv_seq_reserve(e->tpool, &r->tkv, want, &rerr) != PD_OK ||
+                (e->dpool != NULL && pd_kv_seq_reserve(e->dpool, &r->dkv, want, &rerr) != PD_OK)) {
+                pd_kv_seq_release(e->tpool, &r->tkv);
+                if (e->dpool != NULL)
+                    pd_kv_seq_release(e->dpool, &r->dkv);
+                return PD_OK;
+            }
+            r->recompute = 2;
+        }
         running++;
     }
     return PD_OK;
@@ -2694,10 +2764,6 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         return pd_err_set(err, PD_ERR_NOMEM, "round slots");
     pd_status st = PD_OK;
     int m = 0;
-    if ((st = swap_in_waiting(e, err)) != PD_OK) {
-        free(slots);
-        return st;
-    }
     for (int i = 0; i < e->n_reqs; i++) {
         pd_request *r = e->reqs[i];
         if (!decoding(r))
@@ -2723,6 +2789,10 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             pd_request *v = swap_victim(e, i);
             pd_err serr;
             pd_status ss = v != NULL ? swap_out(e, v, &serr) : PD_ERR_BUSY;
+            if (ss == PD_ERR_BUSY && v != NULL && e->cp_n <= 1) {
+                recompute_out(e, v);   /* no room in the swap space: its KV is given up */
+                ss = PD_OK;
+            }
             if (ss != PD_OK) {
                 char why[sizeof(rerr.msg)];
                 snprintf(why, sizeof(why), "%.200s; %.300s", rerr.msg,
@@ -2738,7 +2808,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             if (v == r)
                 break;
         }
-        if (r->swap != NULL)
+        if (r->swap != NULL || r->recompute)
             continue;
         if (rs != PD_OK) {
             fail_request(r, &rerr);
@@ -3125,6 +3195,10 @@ pd_status pd_engine_step(pd_engine *e, pd_err *err)
             else
                 pend_drop(e, r);
         }
+        if (r->finish != PD_FINISH_NONE && r->recompute) {
+            e->n_recompute--;
+            r->recompute = 0;
+        }
         if (r->finish != PD_FINISH_NONE && r->swap != NULL) {
             /* a preempted request that was cancelled or failed */
             e->swap_used -= r->swap_bytes;
@@ -3142,7 +3216,10 @@ pd_status pd_engine_step(pd_engine *e, pd_err *err)
     }
     be->batch_invariant = 0;
     double t0 = now_s();
-    pd_status st = prefill_step(e, err);
+    /* preempted requests resume (or get pages for their recompute) before new prefill work */
+    pd_status st = swap_in_waiting(e, err);
+    if (st == PD_OK)
+        st = prefill_step(e, err);
     double t1 = now_s();
     e->times.prefill += t1 - t0;
     if (st == PD_OK) {

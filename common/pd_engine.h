@@ -104,7 +104,13 @@ typedef struct {
                                         * have had. 0: every request reserves its worst case
                                         * (prompt + max_new_tokens + a block) at admission and is
                                         * never preempted. With tp_size > 1 every rank's shard of
-                                        * the pages moves (PD_TP_KV_COPY). */
+                                        * the pages moves (PD_TP_KV_COPY). When the swap space is
+                                        * full, the victim's KV is given up instead and prefilled
+                                        * again before it resumes (vLLM's recompute; its KV then
+                                        * comes from the prefill kernels, so on a GPU its later
+                                        * tokens may part from the unpreempted ones at a
+                                        * near-tie). Not with cp_size > 1 (the request fails
+                                        * there, naming the full swap space). */
     int tp_debug_fail_rank;            /* tests only: pd_tp_group_config.debug_fail_rank/cmd */
     int tp_debug_fail_cmd;
     /* Tests and debugging: called on the engine thread with exactly the aux tensor (backend
@@ -239,6 +245,9 @@ typedef struct pd_request {
                               * parallel worker's), NULL while it runs */
     size_t swap_bytes;
     int swap_tlen, swap_dlen; /* its tkv.len and dkv.len when it was preempted */
+    int recompute;           /* preempted when the swap space was full: its KV given up; 1 waits
+                              * for pages, 2 has them and is prefilled again (positions before
+                              * its anchor), then it decodes on (0) */
 } pd_request;
 
 /* The targets of context-parallel ranks 1..cp_size-1 on a device backend

@@ -1347,8 +1347,8 @@ done:
  * admitted last is preempted (its KV to host memory) when the pool runs out, then resumed: every
  * answer equals the one it gets in a pool large enough (greedy and sampled, speculative and
  * target-only, with the scheduled policy's deferred draft rows); all pages and swap bytes come
- * back; a swap space too small for a victim fails the request that needed pages by name and
- * keeps the others; a preempted request can be cancelled. */
+ * back; with a swap space too small for a victim its KV is given up and recomputed (the
+ * answers still finish); a preempted request can be cancelled. */
 static void test_engine_preemption(void)
 {
     enum { NR = 5, NEW = 48 };
@@ -1358,6 +1358,8 @@ static void test_engine_preemption(void)
     for (int k = 0; k < NR; k++)
         for (int i = 0; i < np; i++)
             prompts[k][i] = (prompt_a[i] + 7 * k) % 4000 + 1;
+    int32_t ref0[NR][NEW];   /* variant 0's answers (speculative greedy) */
+    int n_ref0[NR];
     for (int variant = 0; variant < 4; variant++) {
         int spec = variant != 1, sampled = variant == 2, sched = variant == 3;
         pd_engine_config ec = { .target = tm, .draft = spec ? dm : NULL, .page_size = 4, .n_pages = 256,
@@ -1384,6 +1386,10 @@ static void test_engine_preemption(void)
             n_ref[k] = r[k] != NULL ? r[k]->n_out : 0;
             if (r[k] != NULL)
                 memcpy(ref[k], r[k]->out, (size_t)n_ref[k] * 4);
+            if (variant == 0) {
+                n_ref0[k] = n_ref[k];
+                memcpy(ref0[k], ref[k], (size_t)n_ref[k] * 4);
+            }
             pd_engine_release(e, r[k]);
         }
         pd_engine_destroy(e);
@@ -1422,8 +1428,8 @@ static void test_engine_preemption(void)
         TEST_CHECK(e == NULL || pd_engine_kv_free_pages(e) == 48);
         pd_engine_destroy(e);
     }
-    /* a swap space that holds nothing: the request that needs pages fails by name, the others
-     * finish as they would */
+    /* a swap space that holds nothing: the victims' KV is given up and prefilled again before
+     * they resume (recompute); every request finishes, here (fp32 CPU) with the same tokens */
     pd_engine_config ec = { .target = tm, .draft = dm, .page_size = 4, .n_pages = 48, .swap_bytes = 1 };
     pd_engine *e = NULL;
     TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);
@@ -1432,21 +1438,24 @@ static void test_engine_preemption(void)
     for (int k = 0; k < NR && e != NULL; k++)
         TEST_CHECK(pd_engine_add(e, k + 1, prompts[k], np, &gp, &r[k], &err) == PD_OK);
     TEST_CHECK(e != NULL && run_to_end(e) == 0);
-    int failed = 0, done = 0;
+    int same = 0;
     for (int k = 0; k < NR && e != NULL; k++) {
         if (r[k] == NULL)
             continue;
-        if (r[k]->finish == PD_FINISH_ERROR) {
-            failed++;
-            TEST_CHECK_MSG(strstr(r[k]->error, "kv pool exhausted") != NULL &&
-                           strstr(r[k]->error, "swap space full") != NULL, "failure: %s", r[k]->error);
-        } else {
-            done += r[k]->n_out == NEW;
-        }
+        TEST_CHECK_MSG(r[k]->finish == PD_FINISH_LENGTH || r[k]->finish == PD_FINISH_STOP,
+                       "recompute: request %d %s (%s)", k, pd_finish_reason_str(r[k]->finish), r[k]->error);
+        same += r[k]->n_out == n_ref0[k] && memcmp(r[k]->out, ref0[k], (size_t)n_ref0[k] * 4) == 0;
         pd_engine_release(e, r[k]);
     }
-    TEST_CHECK_MSG(failed > 0 && done > 0 && failed + done == NR, "swap 1 byte: %d failed, %d finished", failed,
-                   done);
+    uint64_t pre = 0;
+    int swapped = -1;
+    size_t bytes = 1;
+    if (e != NULL)
+        pd_engine_swap_stats(e, &pre, &swapped, &bytes);
+    printf("preemption with a full swap space: %llu recomputes, %d of %d answers as without\n",
+           (unsigned long long)pre, same, NR);
+    TEST_CHECK_MSG(pre > 0 && swapped == 0 && bytes == 0 && same == NR,
+                   "recompute: %llu preemptions, %d of %d answers as without", (unsigned long long)pre, same, NR);
     TEST_CHECK(e == NULL || pd_engine_kv_free_pages(e) == 48);
     /* one that could not finish alone in the pool is refused: it would wait preempted for ever */
     pd_gen_params huge = greedy(300);
@@ -1471,9 +1480,8 @@ static void test_engine_preemption(void)
     if (victim >= 0) {
         pd_engine_cancel(e, r[victim]);
         TEST_CHECK(pd_engine_step(e, &err) == PD_OK);
-        uint64_t pre = 0;
-        int swapped = -1;
-        size_t bytes = 1;
+        swapped = -1;
+        bytes = 1;
         pd_engine_swap_stats(e, &pre, &swapped, &bytes);
         TEST_CHECK_MSG(r[victim]->swap == NULL && swapped == 0 && bytes == 0 &&
                        r[victim]->finish == PD_FINISH_CANCELLED, "cancelled while preempted: %d swapped, %zu bytes",
