@@ -1332,8 +1332,9 @@ static void test_services_admission(void)
 
 /* Preemption (--swap-space, on by default): three requests whose answers need twice the pool
  * run together, colocated and disaggregated; each is admitted with its prompt's pages, the
- * pool runs out, requests are preempted (KV to host memory) and resumed, and every answer is
- * the one the request gets alone; afterwards every page is free. */
+ * pool runs out, requests are preempted (KV to host memory, or with no swap space to spare
+ * given up and prefilled again on the decode node) and resumed, and every answer is the one
+ * the request gets alone (fp32 CPU); afterwards every page is free. */
 static void preempt_case(const char *decode_addr, const char *what)
 {
     enum { NQ = 3 };
@@ -1398,6 +1399,16 @@ static void test_services_preemption(void)
         return;
     }
     preempt_case(dn.addr, "disaggregated");
+    node_stop(&dn, SIGTERM);
+    /* a swap space of ~1 KB holds no victim: their KV is prefilled again on the decode node */
+    char *d3[] = { PD_BIN_DIR "/decode_node", "--model", TARGET, "--draft", DRAFT, "--listen",
+                   "127.0.0.1:0", "--prefill", pn.addr, "--kv-pages", "24", "--swap-space", "0.000001", NULL };
+    if (node_start(d3, &dn) != 0) {
+        TEST_CHECK_MSG(0, "decode node did not start");
+        node_stop(&pn, SIGKILL);
+        return;
+    }
+    preempt_case(dn.addr, "disaggregated, recomputed");
     node_stop(&dn, SIGTERM);
     node_stop(&pn, SIGTERM);
 }
