@@ -589,8 +589,9 @@ int main(int argc, char **argv)
     double copy_tbs = 2.0 * g_bytes / (cms * 1e-3) / 1e12;
     printf("device %s, %d SMs; copy %.3f ms = %.3f TB/s (read + written)\n", prop.name, g_sm, cms, copy_tbs);
     printf("%-28s %10s %10s %10s %12s\n", "case", "ms", "TB/s", "of copy", "GB/s per SM");
-#define REPORT(name, ms) printf("%-28s %10.3f %10.3f %9.1f%% %12.1f\n", name, ms, g_bytes / ((ms) * 1e-3) / 1e12, \
-                                100.0 * (g_bytes / ((ms) * 1e-3) / 1e12) / copy_tbs, g_bytes / ((ms) * 1e-3) / 1e9 / g_sm)
+#define TBS(ms) (g_bytes / ((ms) * 1e-3) / 1e12)
+#define REPORT(name, ms) printf("%-28s %10.3f %10.3f %9.1f%% %12.1f\n", name, ms, TBS(ms), \
+                                100.0 * TBS(ms) / copy_tbs, TBS(ms) * 1e3 / g_sm)
     char name[64];
     if (only_skel) {
         skel_cases(copy_tbs);
