@@ -446,6 +446,8 @@ static void pend_drop(pd_engine *e, pd_request *r);
 static void prefix_offer(pd_engine *e, pd_request *r);
 static void prefix_count(pd_engine *e);
 
+static void preempt_clear(pd_engine *e, pd_request *r);
+
 static void request_free(pd_engine *e, pd_request *r)
 {
     if (r->tkv.n_pages > 0)
@@ -470,13 +472,7 @@ static void request_free(pd_engine *e, pd_request *r)
     pd_gmatch_destroy(r->gm);
     pd_gmatch_destroy(r->gm_row);
     free(r->first_allow);
-    if (r->recompute)
-        e->n_recompute--;
-    if (r->swap != NULL) {
-        e->swap_used -= r->swap_bytes;
-        e->n_swapped--;
-        free(r->swap);
-    }
+    preempt_clear(e, r);
     free(r);
 }
 
@@ -696,9 +692,10 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
     if (st == PD_OK && grows && e->n_swapped + e->n_recompute > 0)
         st = pd_err_set(err, PD_ERR_BUSY, "%d preempted requests resume first", e->n_swapped + e->n_recompute);
     if (st == PD_OK && grows && pd_engine_active(e) > 0) {
-        const pd_kv_layout *tl = pd_kv_pool_layout(e->tpool);
-        int need = (reserve + tl->page_size - 1) / tl->page_size - r->tkv.n_pages;
-        int watermark = tl->n_pages / 100 > 0 ? tl->n_pages / 100 : 1;
+        int need = pages_of(e->tpool, reserve) - r->tkv.n_pages;
+        int watermark = pd_kv_pool_layout(e->tpool)->n_pages / 100;
+        if (watermark < 1)
+            watermark = 1;
         if (pd_engine_kv_free_pages(e) - need < watermark)
             st = pd_err_set(err, PD_ERR_BUSY, "kv pool: %d pages needed, %d free (%d kept for running "
                             "requests)", need, pd_engine_kv_free_pages(e), watermark);
@@ -2089,8 +2086,7 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
         r->tkv.len = r->anchor_pos;
         r->dkv.len = r->anchor_pos;
         r->prefilled = r->n_prompt;
-        r->recompute = 0;
-        e->n_recompute--;
+        preempt_clear(e, r);
     }
     /* prefill nodes keep the packed aux rows (or the draft context features) of their prompts,
      * in global token order */
@@ -2187,14 +2183,55 @@ static int decoding(const pd_request *r)
            r->n_out > 0;
 }
 
+/* Counts a preemption; warns at the first and every 1000th (as vLLM warns, not per event). */
+static void preempt_note(pd_engine *e, const char *how)
+{
+    e->n_preempt++;
+    if (e->n_preempt == 1 || e->n_preempt % 1000 == 0)
+        PD_LOG_WARN("engine", "the KV pool ran out: %llu preemptions so far (%s); more pages make them rarer",
+                    (unsigned long long)e->n_preempt, how);
+}
+
+/* r is preempted no more (resumed, ended or freed): its host copy goes, its counts drop. */
+static void preempt_clear(pd_engine *e, pd_request *r)
+{
+    if (r->recompute) {
+        e->n_recompute--;
+        r->recompute = 0;
+    }
+    if (r->swap != NULL) {
+        e->swap_used -= r->swap_bytes;
+        e->n_swapped--;
+        free(r->swap);
+        r->swap = NULL;
+        r->swap_bytes = 0;
+    }
+}
+
+/* r (without pages) gets pages for want positions in both pools if that leaves spare free
+ * pages (the cache's evictable entries hold a target and a draft page each: free for the
+ * asking); 1 when it did, 0 (nothing held) when it must wait. */
+static int take_pages(pd_engine *e, pd_request *r, int want, int spare)
+{
+    if (pd_engine_kv_free_pages(e) - pages_of(e->tpool, want) < spare ||
+        (e->dpool != NULL && pd_kv_pool_free_pages(e->dpool) + e->prefix_free - pages_of(e->dpool, want) < spare))
+        return 0;
+    pd_err rerr;
+    if (pd_kv_seq_reserve(e->tpool, &r->tkv, want, &rerr) == PD_OK &&
+        (e->dpool == NULL || pd_kv_seq_reserve(e->dpool, &r->dkv, want, &rerr) == PD_OK))
+        return 1;
+    pd_kv_seq_release(e->tpool, &r->tkv);
+    if (e->dpool != NULL)
+        pd_kv_seq_release(e->dpool, &r->dkv);
+    return 0;
+}
+
 /* The host layout of a preempted request's nt target and nd draft pages: this engine's pools
  * (rank 0's), then each tensor-parallel worker's; part[k] = where rank k's part starts (NULL: not
  * wanted). Returns the total bytes. */
 static size_t swap_layout(const pd_engine *e, int nt, int nd, size_t *part)
 {
-    size_t off = (size_t)nt * pd_kv_page_set_bytes(pd_kv_pool_layout(e->tpool));
-    if (e->dpool != NULL)
-        off += (size_t)nd * pd_kv_page_set_bytes(pd_kv_pool_layout(e->dpool));
+    size_t off = pd_kv_pair_bytes(e->tpool, nt, e->dpool, nd);
     if (part != NULL)
         part[0] = 0;
     for (int k = 1; e->tp != NULL && k < pd_tp_group_size(e->tp); k++) {
@@ -2211,10 +2248,7 @@ static pd_status swap_copy(pd_engine *e, pd_request *r, int nt, int nd, char *ho
 {
     size_t part[PD_TP_MAX_SIZE];
     swap_layout(e, nt, nd, part);
-    TRY(pd_kv_seq_copy(e->tpool, &r->tkv, nt, host, to_host, err));
-    if (nd > 0)
-        TRY(pd_kv_seq_copy(e->dpool, &r->dkv, nd,
-                           host + (size_t)nt * pd_kv_page_set_bytes(pd_kv_pool_layout(e->tpool)), to_host, err));
+    TRY(pd_kv_pair_copy(e->tpool, &r->tkv, nt, e->dpool, &r->dkv, nd, host, to_host, err));
     if (e->tp == NULL)
         return PD_OK;
     char *at[PD_TP_MAX_SIZE] = { 0 };
@@ -2254,13 +2288,9 @@ static pd_status swap_out(pd_engine *e, pd_request *r, pd_err *err)
         pd_kv_seq_release(e->dpool, &r->dkv);
     e->swap_used += bytes;
     e->n_swapped++;
-    e->n_preempt++;
     PD_LOG_DEBUG("engine", "request %llu preempted: %d + %d KV pages (%zu bytes) to host memory, %d "
                  "preempted now", (unsigned long long)r->id, nt, nd, bytes, e->n_swapped);
-    if (e->n_preempt == 1 || e->n_preempt % 1000 == 0)   /* as vLLM: a warning, not one per event */
-        PD_LOG_WARN("engine", "the KV pool ran out: %llu preemptions so far (a request's KV waits in host "
-                    "memory until pages free up); more pages make them rarer",
-                    (unsigned long long)e->n_preempt);
+    preempt_note(e, "a request's KV waits in host memory until pages free up");
     return PD_OK;
 }
 
@@ -2277,47 +2307,25 @@ static void recompute_out(pd_engine *e, pd_request *r)
     r->prefilled = 0;
     r->external = 0;   /* its prefill is done here now */
     e->n_recompute++;
-    e->n_preempt++;
     PD_LOG_DEBUG("engine", "request %llu preempted for recompute (%d positions; the swap space is full)",
                  (unsigned long long)r->id, r->anchor_pos);
-    if (e->n_preempt == 1 || e->n_preempt % 1000 == 0)
-        PD_LOG_WARN("engine", "the KV pool ran out: %llu preemptions so far; more pages make them rarer",
-                    (unsigned long long)e->n_preempt);
+    preempt_note(e, "the swap space is full: a request's KV is prefilled again");
 }
 
 /* Resumes r when the pools have room for its pages and its next round, leaving spare free
- * pages; 1 when it did, 0 when it must wait. */
+ * pages; 1 when it did, 0 when it must wait (*st: an error of the copy). */
 static int swap_in(pd_engine *e, pd_request *r, int spare, pd_err *err, pd_status *st)
 {
     *st = PD_OK;
-    int want = r->anchor_pos + e->B + 1;
-    /* the cache's evictable entries hold a target and a draft page each: free for the asking */
-    if (pd_engine_kv_free_pages(e) - pages_of(e->tpool, want) < spare ||
-        (e->dpool != NULL && pd_kv_pool_free_pages(e->dpool) + e->prefix_free - pages_of(e->dpool, want) < spare))
+    if (!take_pages(e, r, r->anchor_pos + e->B + 1, spare))
         return 0;
-    pd_status rs = pd_kv_seq_reserve(e->tpool, &r->tkv, want, err);
-    if (rs == PD_OK && e->dpool != NULL)
-        rs = pd_kv_seq_reserve(e->dpool, &r->dkv, want, err);
-    if (rs == PD_ERR_BUSY) {
-        pd_kv_seq_release(e->tpool, &r->tkv);
-        if (e->dpool != NULL)
-            pd_kv_seq_release(e->dpool, &r->dkv);
+    *st = swap_copy(e, r, pages_of(e->tpool, r->swap_tlen), e->dpool != NULL ? pages_of(e->dpool, r->swap_dlen) : 0,
+                    r->swap, 0, err);
+    if (*st != PD_OK)
         return 0;
-    }
-    if (rs == PD_OK)
-        rs = swap_copy(e, r, pages_of(e->tpool, r->swap_tlen),
-                       e->dpool != NULL ? pages_of(e->dpool, r->swap_dlen) : 0, r->swap, 0, err);
-    if (rs != PD_OK) {
-        *st = rs;
-        return 0;
-    }
     r->tkv.len = r->swap_tlen;
     r->dkv.len = r->swap_dlen;
-    e->swap_used -= r->swap_bytes;
-    e->n_swapped--;
-    free(r->swap);
-    r->swap = NULL;
-    r->swap_bytes = 0;
+    preempt_clear(e, r);
     PD_LOG_DEBUG("engine", "request %llu resumed: its KV back from host memory (%d preempted now)",
                  (unsigned long long)r->id, e->n_swapped);
     return 1;
@@ -2342,19 +2350,8 @@ static pd_status swap_in_waiting(pd_engine *e, pd_err *err)
             return st;
         if (r->recompute == 1) {
             /* pages for its context and a round; the prefill fills them */
-            int want = r->anchor_pos + e->B + 1;
-            if (pd_engine_kv_free_pages(e) - pages_of(e->tpool, want) < running * per_round ||
-                (e->dpool != NULL &&
-                 pd_kv_pool_free_pages(e->dpool) + e->prefix_free - pages_of(e->dpool, want) < running * per_round))
+            if (!take_pages(e, r, r->anchor_pos + e->B + 1, running * per_round))
                 return PD_OK;
-            pd_err rerr;
-            if (pd_kv_seq_reserve(e->tpool, &r->tkv, want, &rerr) != PD_OK ||
-                (e->dpool != NULL && pd_kv_seq_reserve(e->dpool, &r->dkv, want, &rerr) != PD_OK)) {
-                pd_kv_seq_release(e->tpool, &r->tkv);
-                if (e->dpool != NULL)
-                    pd_kv_seq_release(e->dpool, &r->dkv);
-                return PD_OK;
-            }
             r->recompute = 2;
         }
         running++;
@@ -3195,17 +3192,8 @@ pd_status pd_engine_step(pd_engine *e, pd_err *err)
             else
                 pend_drop(e, r);
         }
-        if (r->finish != PD_FINISH_NONE && r->recompute) {
-            e->n_recompute--;
-            r->recompute = 0;
-        }
-        if (r->finish != PD_FINISH_NONE && r->swap != NULL) {
-            /* a preempted request that was cancelled or failed */
-            e->swap_used -= r->swap_bytes;
-            e->n_swapped--;
-            free(r->swap);
-            r->swap = NULL;
-        }
+        if (r->finish != PD_FINISH_NONE)
+            preempt_clear(e, r);   /* a preempted request that was cancelled or failed */
         if (r->finish != PD_FINISH_NONE && !r->params.hold_kv) {
             /* finished requests give their pages back at once */
             pd_kv_seq_release(e->tpool, &r->tkv);

@@ -205,7 +205,8 @@ void pd_kv_seq_release(pd_kv_pool *pool, pd_kv_seq *seq)
     pd_kv_seq_init(seq);
 }
 
-size_t pd_kv_page_set_bytes(const pd_kv_layout *lay)
+/* bytes one page holds over every layer (K and V) */
+static size_t page_set_bytes(const pd_kv_layout *lay)
 {
     return pd_kv_page_bytes(lay) * 2 * (size_t)lay->n_layers;
 }
@@ -231,6 +232,21 @@ pd_status pd_kv_seq_copy(pd_kv_pool *pool, const pd_kv_seq *seq, int n, void *ho
         }
     }
     return PD_OK;
+}
+
+size_t pd_kv_pair_bytes(const pd_kv_pool *tpool, int nt, const pd_kv_pool *dpool, int nd)
+{
+    size_t b = (size_t)nt * page_set_bytes(&tpool->lay);
+    return dpool != NULL ? b + (size_t)nd * page_set_bytes(&dpool->lay) : b;
+}
+
+pd_status pd_kv_pair_copy(pd_kv_pool *tpool, const pd_kv_seq *tseq, int nt, pd_kv_pool *dpool,
+                          const pd_kv_seq *dseq, int nd, char *host, int to_host, pd_err *err)
+{
+    pd_status st = pd_kv_seq_copy(tpool, tseq, nt, host, to_host, err);
+    if (st != PD_OK || dpool == NULL || nd == 0)
+        return st;
+    return pd_kv_seq_copy(dpool, dseq, nd, host + pd_kv_pair_bytes(tpool, nt, NULL, 0), to_host, err);
 }
 
 int32_t pd_kv_seq_slot(const pd_kv_pool *pool, const pd_kv_seq *seq, int pos)

@@ -66,12 +66,16 @@ void pd_kv_pool_set_reclaim(pd_kv_pool *pool, int (*fn)(void *ud, int need), voi
 /* Drops seq's reference to every page (a page nobody else holds returns to the pool) and
  * empties seq. */
 void pd_kv_seq_release(pd_kv_pool *pool, pd_kv_seq *seq);
-/* Bytes one page holds over every layer (K and V): what pd_kv_seq_copy moves per page. */
-size_t pd_kv_page_set_bytes(const pd_kv_layout *lay);
-/* Copies the contents of seq's first n pages between the pool and host memory (n *
- * pd_kv_page_set_bytes bytes at host, [layer][K, V][page]): to_host 1 downloads, 0 uploads into
+/* Copies the contents of seq's first n pages between the pool and host memory (n pages' K and
+ * V of every layer at host, [layer][K, V][page]): to_host 1 downloads, 0 uploads into
  * the pages seq holds now. Runs of consecutive page ids move in one piece. Bit for bit. */
 pd_status pd_kv_seq_copy(pd_kv_pool *pool, const pd_kv_seq *seq, int n, void *host, int to_host, pd_err *err);
+/* A request's target and draft KV in one host block: the first nt pages of tseq in tpool, then
+ * (dpool non-NULL) the first nd pages of dseq in dpool. pd_kv_pair_bytes gives its size,
+ * pd_kv_pair_copy moves it (pd_kv_seq_copy's direction). */
+size_t pd_kv_pair_bytes(const pd_kv_pool *tpool, int nt, const pd_kv_pool *dpool, int nd);
+pd_status pd_kv_pair_copy(pd_kv_pool *tpool, const pd_kv_seq *tseq, int nt, pd_kv_pool *dpool,
+                          const pd_kv_seq *dseq, int nd, char *host, int to_host, pd_err *err);
 /* Slot index (page * page_size + offset) of position pos; pos must be reserved. */
 int32_t pd_kv_seq_slot(const pd_kv_pool *pool, const pd_kv_seq *seq, int pos);
 

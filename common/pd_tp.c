@@ -424,12 +424,8 @@ static pd_status rank_exec(tp_rank *rs, const pd_tp_cmd *c, unsigned long seq, p
     case PD_TP_KV_COPY:
         if (me == 0)
             return PD_OK;
-        TRY(pd_kv_seq_copy(rs->tpool, c->tseq, c->n_tpages, c->host[me], c->to_host, err));
-        if (rs->dpool == NULL || c->n_dpages == 0)
-            return PD_OK;
-        return pd_kv_seq_copy(rs->dpool, c->dseq, c->n_dpages,
-                              c->host[me] + (size_t)c->n_tpages * pd_kv_page_set_bytes(pd_kv_pool_layout(rs->tpool)),
-                              c->to_host, err);
+        return pd_kv_pair_copy(rs->tpool, c->tseq, c->n_tpages, rs->dpool, c->dseq, c->n_dpages, c->host[me],
+                               c->to_host, err);
     }
     return pd_err_set(err, PD_ERR_INTERNAL, "tp command %d unknown", (int)c->op);
 }
@@ -645,11 +641,7 @@ int pd_tp_group_size(const pd_tp_group *g) { return g->n; }
 
 size_t pd_tp_group_kv_bytes(const pd_tp_group *g, int rank, int n_t, int n_d)
 {
-    const tp_rank *rs = &g->ranks[rank];
-    size_t b = (size_t)n_t * pd_kv_page_set_bytes(pd_kv_pool_layout(rs->tpool));
-    if (rs->dpool != NULL)
-        b += (size_t)n_d * pd_kv_page_set_bytes(pd_kv_pool_layout(rs->dpool));
-    return b;
+    return pd_kv_pair_bytes(g->ranks[rank].tpool, n_t, g->ranks[rank].dpool, n_d);
 }
 
 void pd_tp_group_attach(pd_tp_group *g, pd_target *target, pd_draft *draft)
