@@ -14,8 +14,9 @@
  *   cpasync S U  16 warps, each its own ring of S stages of U x 512 bytes (16-byte cp.async per
  *                lane, commit/wait_group), reading back its own stages
  * Built as pdspark-stream-probe (kernels/cuda/CMakeLists.txt). Run: pdspark-stream-probe [skel]
- *   (skel: the skeleton cases only).
+ *   (skel, tiles: the skeleton or the tile cases only).
  * Not part of the engine; bench only. */
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -519,8 +520,10 @@ static void skel_cases(double copy_tbs)
     CK(cudaMalloc(&c.xword, 256));
     CK(cudaMemset(c.xword, 0, 256));
     c.out = g_out;
-    CK(cudaFuncSetAttribute(skel_decoupled<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
-    CK(cudaFuncSetAttribute(skel_decoupled<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
+    /* the largest ring below (13 stages), not the device's limit, which the static word lowers */
+    const int ring_max = 1024 + 13 * 16384;
+    CK(cudaFuncSetAttribute(skel_decoupled<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, ring_max));
+    CK(cudaFuncSetAttribute(skel_decoupled<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, ring_max));
     /* bytes actually read: each CTA's slice is rounded down to 16 KB units */
     double read = 0;
     for (int i = 0; i < SK_PHASES; i++)
@@ -558,6 +561,331 @@ static void skel_cases(double copy_tbs)
     CK(cudaFree(w));
 }
 
+
+/* ---- the products in skinny tiles, one persistent launch (pdspark-stream-probe tiles) -----
+ * The decode step's four products of a Qwen3-4B layer at batch 1, computed the way
+ * skinny_kernel splits them (16 output rows per tile, the tile's K steps of 64 split over W
+ * warps: split w takes steps w, w + W, ...; W from the tile count as skinny_warps picks it), but
+ * in one cooperative launch of one 16-warp CTA per SM: every (tile, split) pair of a phase goes
+ * to one warp (pair p to warp p / grid of CTA p % grid, so an SM takes ~pairs / SMs of them),
+ * each warp streams its pairs' weight rows (lane (g, t): rows g and g + 8 at k 64 s + 8 t and
+ * + 32, 16-byte loads) through a ring of D steps in registers that runs on across pairs, phases
+ * and layers (weights never wait for a barrier), and does the step's 4 mmas with x once its
+ * phase began. A pair's partial sums go to global memory; the last of a tile's W pairs to
+ * arrive (a counter) adds them in split order (so the sum's bits do not depend on who came
+ * last). A grid barrier ends every phase; the attention phase spins att_ns on att_ctas CTAs. */
+#define TL_PHASES 5
+#define TL_WARPS 16
+struct tl_phase {
+    int tiles, W, k, nwt;     /* nwt 2: gate and up, a pair's steps alternate between them */
+    size_t off, wstride;      /* bytes into a layer; between the two weights */
+    int pair0;                /* first partial slot of the phase in a layer */
+};
+struct tl_cfg {
+    const char *w;
+    size_t layer_bytes;
+    int layers;
+    tl_phase ph[TL_PHASES];
+    long att_ns;
+    int att_ctas;
+    int reduce;               /* 0: partial sums dropped (timing of the stream alone) */
+    unsigned *bar, *out;
+    const float *x;           /* 16384 activations */
+    float4 *part;             /* [pairs of a layer x 2][32 lanes] */
+    unsigned *cnt;            /* [layers][phase][tile] arrivals, zeroed before the launch */
+    int cnt_phase;            /* counters per phase */
+    float *y;
+};
+
+struct tl_it {
+    int l, ph, pair, st, nst; /* l == layers: done */
+};
+
+static __device__ __forceinline__ int tl_pairs(const tl_phase &p) { return p.tiles * p.W; }
+
+static __device__ __forceinline__ void tl_pair_start(const tl_cfg &c, tl_it &it)
+{
+    const tl_phase &p = c.ph[it.ph];
+    int split = it.pair % p.W, ks = p.k / 64;
+    it.st = 0;
+    it.nst = p.nwt * ((ks - split + p.W - 1) / p.W);
+}
+
+/* from (l, ph) on: the first phase with a pair for warp gw */
+static __device__ __forceinline__ void tl_seek(const tl_cfg &c, tl_it &it, int gw)
+{
+    while (it.l < c.layers) {
+        if (c.ph[it.ph].tiles > 0 && gw < tl_pairs(c.ph[it.ph])) {
+            it.pair = gw;
+            tl_pair_start(c, it);
+            return;
+        }
+        if (++it.ph == TL_PHASES) {
+            it.ph = 0;
+            it.l++;
+        }
+    }
+}
+
+static __device__ __forceinline__ void tl_adv(const tl_cfg &c, tl_it &it, int gw, int G)
+{
+    if (++it.st < it.nst)
+        return;
+    it.pair += G;
+    if (it.pair < tl_pairs(c.ph[it.ph])) {
+        tl_pair_start(c, it);
+        return;
+    }
+    if (++it.ph == TL_PHASES) {
+        it.ph = 0;
+        it.l++;
+    }
+    tl_seek(c, it, gw);
+}
+
+static __device__ __forceinline__ void tl_addr(const tl_cfg &c, const tl_it &it, int lane, const char **ra,
+                                               const char **rb, int *kk)
+{
+    const tl_phase &p = c.ph[it.ph];
+    int tile = it.pair / p.W, split = it.pair % p.W, j = it.st % p.nwt;
+    int ks = split + (it.st / p.nwt) * p.W;
+    const char *base = c.w + (size_t)it.l * c.layer_bytes + p.off + (size_t)j * p.wstride;
+    int g = lane >> 2, t = lane & 3;
+    *kk = ks * 64 + t * 8;
+    *ra = base + ((size_t)(tile * 16 + g) * p.k + *kk) * 2;
+    *rb = *ra + (size_t)8 * p.k * 2;
+}
+
+static __device__ __forceinline__ void tl_load(const tl_cfg &c, const tl_it &it, int lane, uint4 *w)
+{
+    const char *ra, *rb;
+    int kk;
+    tl_addr(c, it, lane, &ra, &rb, &kk);
+    w[0] = ldg_nc((const uint4 *)ra);
+    w[1] = ldg_nc((const uint4 *)(ra + 64));
+    w[2] = ldg_nc((const uint4 *)rb);
+    w[3] = ldg_nc((const uint4 *)(rb + 64));
+}
+
+static __device__ __forceinline__ uint32_t tl_pack(float lo, float hi)
+{
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *(uint32_t *)&v;
+}
+
+static __device__ __forceinline__ void tl_mma(float *acc, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                              uint32_t b0, uint32_t b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+/* the step's 4 mmas: words 2q, 2q + 1 of rows g (w[0..1]) and g + 8 (w[2..3]), x of lane's k */
+static __device__ __forceinline__ void tl_compute(const tl_cfg &c, const tl_it &it, int lane, const uint4 *w,
+                                                  float *acc)
+{
+    const tl_phase &p = c.ph[it.ph];
+    int split = it.pair % p.W, ks = split + (it.st / p.nwt) * p.W;
+    int kk = ks * 64 + (lane & 3) * 8;
+    const float4 *xp = (const float4 *)(c.x + (kk & 8191));
+    float4 v0 = __ldg(xp), v1 = __ldg(xp + 1), v2 = __ldg(xp + 8), v3 = __ldg(xp + 9);
+    uint32_t b[8] = {tl_pack(v0.x, v0.y), tl_pack(v0.z, v0.w), tl_pack(v1.x, v1.y), tl_pack(v1.z, v1.w),
+                     tl_pack(v2.x, v2.y), tl_pack(v2.z, v2.w), tl_pack(v3.x, v3.y), tl_pack(v3.z, v3.w)};
+    const uint32_t *wa = (const uint32_t *)&w[0], *wb = (const uint32_t *)&w[2];
+#pragma unroll
+    for (int q = 0; q < 4; q++)
+        tl_mma(acc, wa[2 * q], wb[2 * q], wa[2 * q + 1], wb[2 * q + 1], b[2 * q], b[2 * q + 1]);
+}
+
+/* a pair's end: its partial sums out; the tile's last pair adds all W in split order */
+static __device__ __forceinline__ void tl_reduce(const tl_cfg &c, const tl_it &it, int lane, float acc[2][4])
+{
+    const tl_phase &p = c.ph[it.ph];
+    int tile = it.pair / p.W;
+    for (int j = 0; j < p.nwt; j++)
+        c.part[((size_t)(p.pair0 + it.pair) * 2 + j) * 32 + lane] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+    __syncwarp();
+    unsigned old = 0;
+    if (lane == 0) {
+        __threadfence();
+        old = atomicAdd(&c.cnt[((size_t)it.l * TL_PHASES + it.ph) * c.cnt_phase + tile], 1u);
+    }
+    old = __shfl_sync(0xffffffffu, old, 0);
+    if (old != (unsigned)p.W - 1)
+        return;
+    __threadfence();
+    float s[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+    for (int w = 0; w < p.W; w++)
+        for (int j = 0; j < p.nwt; j++) {
+            float4 v = __ldcg(&c.part[((size_t)(p.pair0 + tile * p.W + w) * 2 + j) * 32 + lane]);
+            s[j][0] += v.x; s[j][1] += v.y; s[j][2] += v.z; s[j][3] += v.w;
+        }
+    if ((lane & 3) == 0) {
+        int g = lane >> 2;
+        float o0 = s[0][0], o1 = s[0][2];
+        if (p.nwt == 2) {
+            o0 = o0 / (1.0f + __expf(-o0)) * s[1][0];
+            o1 = o1 / (1.0f + __expf(-o1)) * s[1][2];
+        }
+        c.y[(size_t)tile * 16 + g] = o0;
+        c.y[(size_t)tile * 16 + g + 8] = o1;
+    }
+}
+
+/* the end of phase gp (layer gp / 5): the attention stand-in's spin, then a grid barrier */
+static __device__ __forceinline__ void tl_phase_end(const tl_cfg &c, int gp, unsigned *red)
+{
+    if (c.ph[gp % TL_PHASES].tiles == 0 && (int)blockIdx.x < c.att_ctas && threadIdx.x == 0)
+        spin_ns(c.att_ns);
+    asm volatile("bar.sync 1, %0;" ::"r"(TL_WARPS * 32) : "memory");
+    if (threadIdx.x == 0)
+        grid_barrier(c.bar, (unsigned)(gp + 1) * gridDim.x);
+    asm volatile("bar.sync 1, %0;" ::"r"(TL_WARPS * 32) : "memory");
+    (void)red;
+}
+
+template <int D>
+__global__ void __launch_bounds__(TL_WARPS * 32, 1) skel_tiles(tl_cfg c)
+{
+    __shared__ unsigned red[1];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int G = gridDim.x * TL_WARPS, gw = warp * gridDim.x + blockIdx.x;
+    tl_it li = {0, 0, 0, 0, 0};
+    tl_seek(c, li, gw);
+    tl_it ci = li;
+    uint4 ring[D][4];
+#pragma unroll
+    for (int r = 0; r < D; r++)
+        if (li.l < c.layers) {
+            tl_load(c, li, lane, ring[r]);
+            tl_adv(c, li, gw, G);
+        }
+    int gp = 0;
+    float acc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+    while (ci.l < c.layers) {
+#pragma unroll
+        for (int r = 0; r < D; r++) {
+            if (ci.l >= c.layers)
+                break;
+            for (int target = ci.l * TL_PHASES + ci.ph; gp < target; gp++)
+                tl_phase_end(c, gp, red);
+            tl_compute(c, ci, lane, ring[r], acc[c.ph[ci.ph].nwt == 2 ? ci.st & 1 : 0]);
+            if (li.l < c.layers) {
+                tl_load(c, li, lane, ring[r]);
+                tl_adv(c, li, gw, G);
+            }
+            if (ci.st == ci.nst - 1) {
+                if (c.reduce)
+                    tl_reduce(c, ci, lane, acc);
+                else if (acc[0][0] == 1.2345f)
+                    c.out[blockIdx.x] = 1;
+#pragma unroll
+                for (int j = 0; j < 2; j++)
+#pragma unroll
+                    for (int q = 0; q < 4; q++)
+                        acc[j][q] = 0.0f;
+            }
+            tl_adv(c, ci, gw, G);
+        }
+    }
+    for (; gp < c.layers * TL_PHASES; gp++)
+        tl_phase_end(c, gp, red);
+}
+
+struct tl_arg { int d; tl_cfg c; };
+static void run_tiles(void *p)
+{
+    tl_arg *a = (tl_arg *)p;
+    CK(cudaMemsetAsync(a->c.bar, 0, sizeof(unsigned)));
+    CK(cudaMemsetAsync(a->c.cnt, 0, sizeof(unsigned) * a->c.layers * TL_PHASES * a->c.cnt_phase));
+    void *args[] = {&a->c};
+    void *k = a->d == 2 ? (void *)skel_tiles<2> : a->d == 3 ? (void *)skel_tiles<3> : (void *)skel_tiles<4>;
+    CK(cudaLaunchCooperativeKernel(k, g_sm, TL_WARPS * 32, args, 0, 0));
+}
+
+/* W as skinny_warps picks it (16 warps per SM, at most 8 per tile) */
+static int tl_warps(int tiles)
+{
+    int w = 8;
+    while (w > 1 && tiles > g_sm * (16 / w))
+        w /= 2;
+    return w;
+}
+
+static void tile_cases(double copy_tbs)
+{
+    tl_cfg c;
+    memset(&c, 0, sizeof c);
+    /* QKV 6144 x 2560, attention, o_proj 2560 x 4096, gate/up 2 x 9728 x 2560, down 2560 x 9728 */
+    int n[TL_PHASES] = {6144, 0, 2560, 9728, 2560}, k[TL_PHASES] = {2560, 0, 4096, 2560, 9728};
+    int nwt[TL_PHASES] = {1, 0, 1, 2, 1};
+    size_t off = 0;
+    int pairs = 0, maxt = 0;
+    for (int i = 0; i < TL_PHASES; i++) {
+        tl_phase &p = c.ph[i];
+        p.tiles = n[i] / 16;
+        p.k = k[i];
+        p.nwt = nwt[i];
+        p.W = p.tiles ? tl_warps(p.tiles) : 1;
+        p.off = off;
+        p.wstride = (size_t)n[i] * k[i] * 2;
+        p.pair0 = pairs;
+        off += p.wstride * (p.nwt ? p.nwt : 1);
+        pairs += p.tiles * p.W;
+        maxt = std::max(maxt, p.tiles);
+    }
+    c.layer_bytes = off;
+    c.layers = 36;
+    c.att_ctas = 64;
+    c.cnt_phase = maxt;
+    char *w;
+    CK(cudaMalloc(&w, c.layer_bytes * c.layers));
+    CK(cudaMemset(w, 0x3b, c.layer_bytes * c.layers));
+    c.w = w;
+    CK(cudaMalloc(&c.bar, 256));
+    CK(cudaMalloc(&c.cnt, sizeof(unsigned) * c.layers * TL_PHASES * maxt));
+    CK(cudaMalloc(&c.part, sizeof(float4) * 2 * 32 * (size_t)pairs));
+    CK(cudaMalloc(&c.y, sizeof(float) * 16 * maxt));
+    float *x;
+    CK(cudaMalloc(&x, 16384 * sizeof(float)));
+    CK(cudaMemset(x, 0, 16384 * sizeof(float)));
+    c.x = x;
+    c.out = g_out;
+    double read = (double)c.layer_bytes * c.layers;
+    double floor_ms = read / (copy_tbs * 1e12) * 1e3;
+    printf("\ntiles: %d layers, %.1f MB per layer (W: qkv %d, o %d, gate/up %d, down %d), floor at the copy rate "
+           "%.3f ms (%.2f us per layer)\n", c.layers, c.layer_bytes / 1e6, c.ph[0].W, c.ph[2].W, c.ph[3].W, c.ph[4].W,
+           floor_ms, floor_ms * 1e3 / c.layers);
+    printf("%-44s %10s %12s %10s\n", "case", "ms", "us/layer", "x floor");
+    struct { int d; long att; int red; const char *name; } cs[] = {
+        {2, 0, 1, "ring 2 steps, no attention"},
+        {3, 0, 1, "ring 3 steps, no attention"},
+        {4, 0, 1, "ring 4 steps, no attention"},
+        {4, 0, 0, "ring 4 steps, no reduction, no attention"},
+        {2, 8000, 1, "ring 2 steps, attention 8 us"},
+        {3, 8000, 1, "ring 3 steps, attention 8 us"},
+        {4, 8000, 1, "ring 4 steps, attention 8 us"},
+        {4, 12000, 1, "ring 4 steps, attention 12 us"},
+    };
+    for (auto &k2 : cs) {
+        tl_arg a;
+        a.d = k2.d;
+        a.c = c;
+        a.c.att_ns = k2.att;
+        a.c.reduce = k2.red;
+        float ms = median_ms(run_tiles, &a);
+        printf("%-44s %10.3f %12.2f %10.3f\n", k2.name, ms, ms * 1e3 / c.layers, ms / floor_ms);
+    }
+    CK(cudaFree(w));
+    CK(cudaFree(c.bar));
+    CK(cudaFree(c.cnt));
+    CK(cudaFree(c.part));
+    CK(cudaFree(c.y));
+    CK(cudaFree(x));
+}
+
 static char *g_dst;
 static void run_copy(void *p)
 {
@@ -568,6 +896,7 @@ static void run_copy(void *p)
 int main(int argc, char **argv)
 {
     int only_skel = argc > 1 && strcmp(argv[1], "skel") == 0;
+    int only_tiles = argc > 1 && strcmp(argv[1], "tiles") == 0;
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     g_sm = prop.multiProcessorCount;
@@ -595,6 +924,10 @@ int main(int argc, char **argv)
     char name[64];
     if (only_skel) {
         skel_cases(copy_tbs);
+        return 0;
+    }
+    if (only_tiles) {
+        tile_cases(copy_tbs);
         return 0;
     }
     {
@@ -633,5 +966,6 @@ int main(int argc, char **argv)
         REPORT(name, median_ms(run_cpa, &a));
     }
     skel_cases(copy_tbs);
+    tile_cases(copy_tbs);
     return 0;
 }
