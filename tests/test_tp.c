@@ -3,11 +3,12 @@
  * replicated over 2 ranks each) as with --tp 1, for the vanilla drafter (greedy with full,
  * scheduled and threshold verification, whose per-round lengths must vary and match), target-only
  * decoding (also with the vocab cut to 8190, so that tp 4 has an uneven last slice), and
- * sampling at temperature 0.8 with a fixed seed. Bad tp values are refused by
+ * sampling at temperature 0.8 with a fixed seed, and with requests preempted in a small pool
+ * (their KV shards swapped to host memory, or, without swap space, recomputed). Bad tp values are refused by
  * name, external prefills are refused, the shard arithmetic is checked (uneven vocab slices,
  * replicated KV heads), and a rank that fails mid-forward ends the step with its error on rank
  * 0 within seconds instead of hanging the group.
- * Usage: test_tp [--max-new N] [--tp-list 2,4] */
+ * Usage: test_tp [--max-new N] [--tp-list 2,4] [--scenario NAME-PART] */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,6 +38,8 @@ static test_prompt prompts[N_PROMPTS];
 static pd_qwen3_model tm_cut;   /* tm seen through its first 8190 vocab rows (uneven slices) */
 static int max_new = 64;
 
+static const char *only;            /* --scenario: the CPU scenarios whose name holds it */
+
 static double now_s(void)
 {
     struct timespec ts;
@@ -51,9 +54,10 @@ typedef struct {
     float threshold;
     float temperature;
     const pd_qwen3_model *target;   /* NULL: tm */
-    int preempt;                    /* tp > 1 runs get a pool of 40 pages (two prompts) and swap
-                                     * space, so that requests are preempted (tp 1, the
-                                     * reference, is not) */
+    int preempt;                    /* tp > 1 runs get a pool of 40 pages (two prompts), so that
+                                     * requests are preempted (tp 1, the reference, is not): 1
+                                     * with 1 GiB of swap space (every victim's KV shards go to
+                                     * host memory), 2 with 1 byte (every victim is recomputed) */
 } scenario;
 
 /* All prompts through one engine with tp ranks, CONCURRENCY at a time. */
@@ -64,7 +68,8 @@ static int run_all(const scenario *sc, int tp, result *res)
     int pages = sc->preempt && tp > 1 ? 40 : 512;
     pd_engine_config ec = { .target = sc->target != NULL ? sc->target : tm,
                             .draft = sc->with_draft ? dm : NULL, .page_size = 16, .n_pages = pages,
-                            .tp_size = tp, .swap_bytes = sc->preempt && tp > 1 ? (size_t)1 << 30 : 0 };
+                            .tp_size = tp,
+                            .swap_bytes = !sc->preempt || tp == 1 ? 0 : sc->preempt == 1 ? (size_t)1 << 30 : 1 };
     if (pd_engine_create(&ec, &e, &err) != PD_OK) {
         TEST_CHECK_MSG(0, "%s tp %d: engine: %s", sc->name, tp, err.msg);
         return -1;
@@ -120,8 +125,8 @@ static int run_all(const scenario *sc, int tp, result *res)
         int swapped = -1;
         size_t bytes = 1;
         pd_engine_swap_stats(e, &pre, &swapped, &bytes);
-        printf("%-30s tp %d: %llu preemptions in a pool of %d pages\n", sc->name, tp, (unsigned long long)pre,
-               pages);
+        printf("%-30s tp %d: %llu preemptions in a pool of %d pages (%s)\n", sc->name, tp,
+               (unsigned long long)pre, pages, sc->preempt == 1 ? "swapped" : "recomputed: 1 byte of swap space");
         TEST_CHECK_MSG(pre > 0 && swapped == 0 && bytes == 0, "%s tp %d: %llu preemptions, %d swapped, %zu bytes",
                        sc->name, tp, (unsigned long long)pre, swapped, bytes);
     }
@@ -141,10 +146,14 @@ static void test_tp_same_tokens(const int *tps, int n_tps)
         { "target-only greedy, vocab 8190", 0, PD_VERIFY_FULL, 0.0f, 0.0f, &tm_cut, 0 },
         /* every rank's KV shard goes to host memory and back */
         { "vanilla greedy full, preempted", 1, PD_VERIFY_FULL, 0.0f, 0.0f, NULL, 1 },
+        /* no swap space: the victims' positions are prefilled again on every rank */
+        { "vanilla greedy full, recomputed", 1, PD_VERIFY_FULL, 0.0f, 0.0f, NULL, 2 },
     };
     static result ref[N_PROMPTS], got[N_PROMPTS];
     for (size_t i = 0; i < sizeof(scs) / sizeof(scs[0]); i++) {
         const scenario *sc = &scs[i];
+        if (only != NULL && strstr(sc->name, only) == NULL)
+            continue;
         memset(ref, 0, sizeof(ref));
         double t0 = now_s();
         if (run_all(sc, 1, ref) != 0)
@@ -351,6 +360,8 @@ int main(int argc, char **argv)
     for (int i = 1; i + 1 < argc; i += 2) {
         if (strcmp(argv[i], "--backend") == 0) {
             backend = argv[i + 1];
+        } else if (strcmp(argv[i], "--scenario") == 0) {
+            only = argv[i + 1];
         } else if (strcmp(argv[i], "--max-new") == 0) {
             max_new = atoi(argv[i + 1]);
         } else if (strcmp(argv[i], "--tp-list") == 0) {
