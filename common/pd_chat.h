@@ -4,8 +4,8 @@
  *   results in <tool_response>, Qwen3's <think> handling); the request's tools and tool_choice
  *   (and the grammar that forces a call); the generated text split back into content,
  *   reasoning (<think>...</think>) and tool calls, piece by piece as it streams.
- * Not here: the HTTP request and response shapes (decode_node/decode_http.c), the grammar
- *   machinery (pd_grammar.h), tokenization.
+ * Not here: the HTTP request and response shapes (decode_node/decode_http_parse.c,
+ *   decode_http_reply.c), the grammar machinery (pd_grammar.h), tokenization.
  * Threading: a pd_chat_template is immutable once detected; a parser belongs to one choice of
  *   one request. Everything else is a pure function. */
 #ifndef PD_CHAT_H

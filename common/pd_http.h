@@ -3,7 +3,7 @@
  * reply helpers (JSON bodies, OpenAI-shaped errors).
  * Owns: the listening socket, the evhttp object, the HTTP thread and its pd_loop, method and
  *   body-size checks per route, 404 for unknown paths.
- * Not here: the OpenAI API (decode_node/decode_http.c), what /ready means (the node's ready
+ * Not here: the OpenAI API (decode_node/decode_http*.c), what /ready means (the node's ready
  *   callback), the metric values (pd_metrics).
  * Threading: create, route, start, stop and destroy from one control thread (main). Route
  *   handlers, the ready callback and the helpers below run on the HTTP thread; other threads

@@ -3,7 +3,9 @@
  *   GET /v1/models, plus /health, /ready and /metrics through the pd_http server it owns; the
  *   request JSON validation, the chat prompt and the reply's split into content, reasoning and
  *   tool calls (through pd_chat, after checking the checkpoint's chat template),
- *   stop strings, the OpenAI response and error shapes, and draining for the HTTP side.
+ *   stop strings, the OpenAI response and error shapes, and draining for the HTTP side
+ *   (decode_http.c: the server, routes and request contexts; decode_http_parse.c: the request
+ *   bodies; decode_http_reply.c: stop strings, JSON and SSE replies, errors).
  * Not here: scheduling and admission (decode_server.c through decode_api.h), the metric values
  *   (decode_metrics.c), the HTTP plumbing (common/pd_http.c).
  * Threading: the functions below from the control thread (main). Requests are handled on the

@@ -1,0 +1,26 @@
+/* decode_http_reply.h - the replies of the OpenAI-compatible HTTP front end
+ *   (decode_http_reply.c): the engine's callbacks of a choice, and errors.
+ * Owns: decode_http_cb_token / _cb_done (what an engine request of a choice reports, carried to
+ *   the HTTP thread and written out as JSON or SSE), the HTTP status of a pd_status, the
+ *   OpenAI error reply.
+ * Not here: the request's context and its lifetime (decode_http.c).
+ * Threading: the callbacks on the engine thread; the rest on the HTTP thread. */
+#ifndef DECODE_HTTP_REPLY_H
+#define DECODE_HTTP_REPLY_H
+
+#include "decode_api.h"
+#include "pd_status.h"
+
+struct evhttp_request;
+
+/* The HTTP status of an error status (400 invalid, 429 busy, 503, 504, ...). */
+int decode_http_code_of(pd_status st);
+/* Answers req with an OpenAI error object: its message, the type of code and the field
+ * (param, NULL: null). */
+void decode_http_send_error(struct evhttp_request *req, int code, const char *param, const char *msg);
+/* decode_submit's callbacks of one choice (ud: its http_choice): a chunk of tokens, and the
+ * result (after which the choice's reference to its http_req is dropped). */
+void decode_http_cb_token(void *ud, const decode_chunk *c);
+void decode_http_cb_done(void *ud, const decode_result *res);
+
+#endif
