@@ -25,7 +25,7 @@ static void usage(FILE *f)
             "                      | --health) [--chat [--system TEXT]] [--thinking on|off]\n"
             "                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
             "                      [--min-p P] [--seed S] [--ignore-eos] [--skip-special-tokens]\n"
-            "                      [--timeout-ms N]\n"
+            "                      [--timeout-ms N] [--model-defaults]\n"
             "                      [--request-id ID]\n"
             "                      [--stop STR]... [--json] [--stream] [--disconnect-after N]\n"
             "                      [--verify full|threshold|scheduled] [--verify-threshold T]\n"
@@ -48,7 +48,10 @@ static void usage(FILE *f)
             "\"logprobs\": [{\"id\", \"logprob\", \"top\": [[id, logprob], ...]}, ...]. --n N (1..16)\n"
             "asks for N choices of the prompt (choice i samples with --seed + i): each one's text is\n"
             "printed when all have ended, after a '[choice i]' line, and --json prints one object per\n"
-            "choice and line, with its \"index\" (not with --stream). Errors print\n"
+            "choice and line, with its \"index\" (not with --stream). --model-defaults lets the\n"
+            "node fill in the model's generation_config.json values for --temperature, --top-p,\n"
+            "--top-k, --min-p, --repetition-penalty and --max-new-tokens where they are not given\n"
+            "(without it: greedy, top-p 1, 128 new tokens). Errors print\n"
             "'pdspark-client: CODE: message' and exit 1 (2 for bad flags).\n");
 }
 
@@ -279,7 +282,7 @@ int main(int argc, char **argv)
     const char *msgs_path = NULL;
     int chat = 0, thinking = 0;   /* thinking: GenerateRequest.enable_thinking */
     int max_new = 128, top_k = 0, json = 0, stream = 0, ignore_eos = 0, health = 0, skip_special = 0;
-    int disconnect_after = -1, logprobs = -1, n_choices = 1;
+    int disconnect_after = -1, logprobs = -1, n_choices = 1, model_defaults = 0, max_new_set = 0, top_p_set = 0;
     char *stops[16];
     size_t n_stops = 0;
     int64_t seed = 0, timeout_ms = 0;
@@ -292,7 +295,7 @@ int main(int argc, char **argv)
     enum { O_SERVER = 256, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_IGNORE,
            O_TMO, O_RID, O_JSON, O_STREAM, O_DISC, O_HEALTH, O_STOP, O_VERIFY, O_VTHRESH, O_LOGPROBS,
            O_PRES, O_FREQ, O_REP, O_BIAS, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_GRAMMAR, O_SKIPSP,
-           O_MINP, O_CHAT, O_SYSTEM, O_THINK, O_MSGS, O_N, O_HELP };
+           O_MINP, O_CHAT, O_SYSTEM, O_THINK, O_MSGS, O_N, O_MODELDEF, O_HELP };
     static const struct option opts[] = {
         {"server", required_argument, 0, O_SERVER}, {"prompt", required_argument, 0, O_PROMPT},
         {"prompt-ids", required_argument, 0, O_IDS}, {"max-new-tokens", required_argument, 0, O_MAXNEW},
@@ -316,6 +319,7 @@ int main(int argc, char **argv)
         {"json-object", no_argument, 0, O_JOBJ}, {"json-schema", required_argument, 0, O_JSCHEMA},
         {"choice", required_argument, 0, O_CHOICE}, {"regex", required_argument, 0, O_REGEX},
         {"grammar", required_argument, 0, O_GRAMMAR}, {"n", required_argument, 0, O_N},
+        {"model-defaults", no_argument, 0, O_MODELDEF},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0},
     };
     opterr = 0;
@@ -326,10 +330,17 @@ int main(int argc, char **argv)
         case O_SERVER: server = optarg; break;
         case O_PROMPT: prompt = optarg; break;
         case O_IDS: ids_path = optarg; break;
-        case O_MAXNEW: bad = pd_cli_parse_int(PROG, "--max-new-tokens", optarg, 0, INT_MAX, &max_new); break;
+        case O_MAXNEW:
+            bad = pd_cli_parse_int(PROG, "--max-new-tokens", optarg, 0, INT_MAX, &max_new);
+            max_new_set = 1;
+            break;
         case O_TEMP: bad = pd_cli_parse_float(PROG, "--temperature", optarg, &temperature); break;
         case O_TOPK: bad = pd_cli_parse_int(PROG, "--top-k", optarg, 0, INT_MAX, &top_k); break;
-        case O_TOPP: bad = pd_cli_parse_float(PROG, "--top-p", optarg, &top_p); break;
+        case O_TOPP:
+            bad = pd_cli_parse_float(PROG, "--top-p", optarg, &top_p);
+            top_p_set = 1;
+            break;
+        case O_MODELDEF: model_defaults = 1; break;
         case O_MINP: bad = pd_cli_parse_float(PROG, "--min-p", optarg, &min_p); break;
         case O_CHAT: chat = 1; break;
         case O_SYSTEM: system_text = optarg; break;
@@ -442,11 +453,13 @@ int main(int argc, char **argv)
     Pdspark__SamplingParams sp = PDSPARK__SAMPLING_PARAMS__INIT;
     sp.version = PD_PROTO_VERSION;
     sp.temperature = temperature;
-    sp.top_p = top_p;
+    /* with the model's defaults, what was not given goes as 0: the node fills it in */
+    sp.model_defaults = model_defaults;
+    sp.top_p = model_defaults && !top_p_set ? 0.0f : top_p;
     sp.min_p = min_p;
     sp.top_k = (uint32_t)top_k;
     sp.seed = (uint64_t)seed;
-    sp.max_new_tokens = (uint32_t)max_new;
+    sp.max_new_tokens = (uint32_t)(model_defaults && !max_new_set ? 0 : max_new);
     sp.ignore_eos = ignore_eos;
     sp.presence_penalty = presence;
     sp.frequency_penalty = frequency;

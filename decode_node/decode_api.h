@@ -90,8 +90,20 @@ typedef struct {
     int reasoning;                  /* --reasoning-parser qwen3: a chat reply's <think>...</think>
                                      * goes out apart from its content (HTTP reasoning_content, gRPC
                                      * GenerateChunk.reasoning_delta) */
+    const char *generation_config;  /* --generation-config: NULL/"auto" (the model's
+                                     * generation_config.json, absent is no error), "none", or a
+                                     * directory holding one: decode_server_gen_defaults */
     const struct decode_observer *observer;  /* optional, borrowed: sees every request */
 } decode_config;
+
+/* The model's recommended sampling (its generation_config.json): what a request that leaves a
+ * field out gets (HTTP; gRPC with SamplingParams.model_defaults), as vLLM's --generation-config
+ * auto gives it. has_* = 0: the file does not set it. */
+typedef struct {
+    int has_temp, has_top_p, has_top_k, has_rep, has_max, has_min_p;
+    float temperature, top_p, repetition_penalty, min_p;
+    int top_k, max_new_tokens;
+} decode_gen_defaults;
 
 void decode_config_default(decode_config *cfg);
 
@@ -110,6 +122,9 @@ void decode_server_destroy(decode_server *s);
 const pd_chat_template *decode_server_chat_template(const decode_server *s, const char **why);
 /* decode_config.reasoning */
 int decode_server_reasoning(const decode_server *s);
+/* The request defaults of decode_config.generation_config (all has_* 0 with "none" or no file);
+ * valid until decode_server_destroy. */
+const decode_gen_defaults *decode_server_gen_defaults(const decode_server *s);
 
 typedef struct {
     const char *request_id;         /* for logs and echo; NULL/"" = the server assigns one */

@@ -401,6 +401,23 @@ static int chat_prompt(decode_server *s, const Pdspark__GenerateRequest *rq, cha
     return rc;
 }
 
+/* SamplingParams.model_defaults: the fields left 0 take the model's values where it has them */
+static void apply_model_defaults(const decode_gen_defaults *gd, decode_req *dr)
+{
+    if (dr->temperature == 0.0f && gd->has_temp)
+        dr->temperature = gd->temperature;
+    if (dr->top_p == 0.0f && gd->has_top_p)
+        dr->top_p = gd->top_p;
+    if (dr->top_k == 0 && gd->has_top_k)
+        dr->top_k = gd->top_k;
+    if (dr->min_p == 0.0f && gd->has_min_p)
+        dr->min_p = gd->min_p;
+    if (dr->repetition_penalty == 0.0f && gd->has_rep)
+        dr->repetition_penalty = gd->repetition_penalty;
+    if (dr->max_new_tokens == 0 && gd->has_max)
+        dr->max_new_tokens = gd->max_new_tokens;
+}
+
 static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_call *call)
 {
     decode_server *s = ud;
@@ -454,6 +471,8 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
         dr.frequency_penalty = sp->frequency_penalty;
         dr.repetition_penalty = sp->repetition_penalty;
         dr.min_tokens = sp->min_tokens > (uint32_t)INT32_MAX ? -1 : (int)sp->min_tokens;
+        if (sp->model_defaults)
+            apply_model_defaults(decode_server_gen_defaults(s), &dr);
         for (size_t i = 0; i < sp->n_stop_token_ids && i < PD_MAX_STOP_IDS; i++)
             stop_ids[i] = sp->stop_token_ids[i] > (uint32_t)INT32_MAX ? -1 : (int32_t)sp->stop_token_ids[i];
         dr.stop_token_ids = stop_ids;

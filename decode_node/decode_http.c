@@ -190,7 +190,7 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     }
     o.vocab = decode_server_vocab(dh->s);
     o.srv = dh->s;
-    o.gd = &dh->gd;
+    o.gd = decode_server_gen_defaults(dh->s);
     if (decode_http_parse_common(root, chat, &dr, &o, &param, msg, sizeof(msg)) != 0) {
         decode_metrics_refused(dh->dm, "invalid");
         decode_http_send_error(req, 400, param, msg);
@@ -547,67 +547,6 @@ static int ready_fn(void *ud, char *why, size_t cap)
     return 1;
 }
 
-/* --generation-config: "auto" (NULL) reads model_dir/generation_config.json, "none" nothing,
- * else DIR/generation_config.json; its temperature, top_p, top_k, min_p, repetition_penalty
- * and max_new_tokens become the defaults of requests that leave them out (vLLM's defaults). A file
- * that is absent is no error with "auto"; a value out of range is. */
-static pd_status load_gen_defaults(decode_http *dh, const char *model_dir, const char *which, pd_err *err)
-{
-    if (which != NULL && strcmp(which, "none") == 0)
-        return PD_OK;
-    char path[4096];
-    snprintf(path, sizeof(path), "%s/generation_config.json", which == NULL || strcmp(which, "auto") == 0
-                                                                  ? model_dir : which);
-    char *txt = NULL;
-    pd_err rerr;
-    if (pd_cli_read_text(path, &txt, &rerr) != PD_OK) {
-        if (which == NULL || strcmp(which, "auto") == 0)
-            return PD_OK;
-        return pd_err_set(err, PD_ERR_IO, "--generation-config: cannot read %.300s", path);
-    }
-    cJSON *j = cJSON_Parse(txt);
-    free(txt);
-    if (!cJSON_IsObject(j)) {
-        cJSON_Delete(j);
-        return pd_err_set(err, PD_ERR_INVALID, "%.300s: not a JSON object", path);
-    }
-    static const struct { const char *key; double lo, hi; } f[6] = {
-        { "temperature", 0, 2 }, { "top_p", 1e-9, 1 }, { "top_k", -1, 1e9 }, { "repetition_penalty", 1e-9, 10 },
-        { "max_new_tokens", 1, 1e9 }, { "min_p", 0, 1 },
-    };
-    gen_defaults *g = &dh->gd;
-    int *has[6] = { &g->has_temp, &g->has_top_p, &g->has_top_k, &g->has_rep, &g->has_max, &g->has_min_p };
-    pd_status st = PD_OK;
-    char used[256] = "";
-    for (int k = 0; k < 6 && st == PD_OK; k++) {
-        const cJSON *v = cJSON_GetObjectItemCaseSensitive(j, f[k].key);
-        if (v == NULL || cJSON_IsNull(v))
-            continue;
-        if (!cJSON_IsNumber(v) || !(v->valuedouble >= f[k].lo && v->valuedouble <= f[k].hi)) {
-            st = pd_err_set(err, PD_ERR_INVALID, "%.300s: '%s' must be a number in [%g, %g]", path, f[k].key,
-                            f[k].lo, f[k].hi);
-            break;
-        }
-        double x = v->valuedouble;
-        *has[k] = 1;
-        switch (k) {
-        case 0: g->temperature = (float)x; break;
-        case 1: g->top_p = (float)x; break;
-        case 2: g->top_k = x < 0 ? 0 : (int)x; break;
-        case 3: g->repetition_penalty = (float)x; break;
-        case 5: g->min_p = (float)x; break;
-        default: g->max_new_tokens = (int)x; break;
-        }
-        size_t l = strlen(used);
-        snprintf(used + l, sizeof(used) - l, "%s%s %g", l > 0 ? ", " : "", f[k].key, x);
-    }
-    if (st == PD_OK && used[0] != '\0')
-        PD_LOG_INFO("http", "request defaults from %s: %s (a request's own values win; --generation-config "
-                    "none for OpenAI's)", path, used);
-    cJSON_Delete(j);
-    return st;
-}
-
 /* ---------------------------------------------------------------------------------------------
  * Lifetime */
 
@@ -640,9 +579,7 @@ pd_status decode_http_create(decode_server *s, const decode_http_config *cfg, de
         const char *base = strrchr(tmp, '/');
         snprintf(dh->model, sizeof(dh->model), "%.255s", base != NULL ? base + 1 : tmp);
     }
-    pd_status st = load_gen_defaults(dh, cfg->model_dir != NULL ? cfg->model_dir : ".", cfg->generation_config, err);
-    if (st != PD_OK)
-        goto err_free;
+    pd_status st;
     char model_path[300];
     snprintf(model_path, sizeof(model_path), "/v1/models/%s", dh->model);
     pd_http_config hc = {

@@ -31,9 +31,6 @@ typedef struct {
     pd_metrics *metrics;           /* borrowed: served on /metrics */
     decode_metrics *dm;            /* borrowed, may be NULL: refusals at admission are counted */
     size_t max_body;               /* bytes; 0 = 8 MiB */
-    const char *generation_config; /* --generation-config: NULL/"auto" (the model's
-                                    * generation_config.json), "none", or a directory: the
-                                    * sampling defaults of requests that leave fields out */
     const char *api_key;           /* NULL/"": none; else the /v1 routes and /tokenize, /detokenize need
                                     * "Authorization: Bearer <key>" (/health, /ready, /metrics
                                     * stay open) */

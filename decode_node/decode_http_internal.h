@@ -1,8 +1,7 @@
 /* decode_http_internal.h - private to decode_http.c and the decode_http_*.c parts it is split
  *   into, as kern_cuda_internal.h is to the .cu files.
  * Owns: struct decode_http (the front end's state), a request's context (http_req) and its
- *   choices (http_choice, lp_tok), the model's request defaults (gen_defaults), the limits on
- *   choices and stop strings, and the functions of decode_http.c that the parts call on a
+ *   choices (http_choice, lp_tok), the limits on choices and stop strings, and the functions of decode_http.c that the parts call on a
  *   request's context.
  * Not here: the public API (decode_http.h); each part's own functions are declared in its own
  *   header (decode_http_parse.h, decode_http_reply.h).
@@ -28,14 +27,6 @@ struct evhttp_connection;
 #define MAX_STOP 4
 #define MAX_STOP_LEN 256
 
-/* The model's recommended sampling (its generation_config.json): what a request that leaves a
- * field out gets, as vLLM's --generation-config auto gives it. */
-typedef struct {
-    int has_temp, has_top_p, has_top_k, has_rep, has_max, has_min_p;
-    float temperature, top_p, repetition_penalty, min_p;
-    int top_k, max_new_tokens;
-} gen_defaults;
-
 struct decode_http {
     decode_server *s;
     pd_http *http;
@@ -44,7 +35,6 @@ struct decode_http {
     int reasoning;                   /* --reasoning-parser qwen3: <think> text becomes
                                       * reasoning_content */
     char *api_key;                   /* NULL: requests need no key */
-    gen_defaults gd;                 /* --generation-config */
     atomic_int draining;
     atomic_int inflight;
     atomic_ullong next_id;

@@ -25,7 +25,7 @@ typedef struct {
     pd_logit_bias *bias;             /* "logit_bias" (decode_req.logit_bias points here) */
     int vocab;                       /* the model's, to check token ids */
     decode_server *srv;              /* its grammar cache */
-    const gen_defaults *gd;          /* the fields' defaults (the model's generation config) */
+    const decode_gen_defaults *gd;          /* the fields' defaults (the model's generation config) */
     int32_t stop_ids[PD_MAX_STOP_IDS];   /* "stop_token_ids" */
     char *schema;                    /* structured output: a JSON schema's text, or ... */
     char *regex;                     /* ... a regex, or ... */

@@ -62,7 +62,8 @@ static void usage(FILE *f)
             "GenerateChunk.reasoning_delta instead of text_delta).\n"
             "--generation-config auto (default) takes the temperature, top_p, top_k, min_p,\n"
             "repetition_penalty and max_new_tokens of the model's generation_config.json as the\n"
-            "defaults of HTTP requests that leave them out, as vLLM does; none keeps OpenAI's\n"
+            "defaults of HTTP requests that leave them out, as vLLM does, and of gRPC requests\n"
+            "with SamplingParams.model_defaults that leave them 0; none keeps OpenAI's\n"
             "(temperature 1); DIR reads DIR/generation_config.json.\n"
             "--chat-template FILE (or the template text itself) replaces the checkpoint's chat\n"
             "template; it must be ChatML-shaped, as the checkpoint's must for chat requests.\n"
@@ -307,6 +308,7 @@ int main(int argc, char **argv)
     cfg.observer = decode_metrics_observer(dm);
     cfg.chat_template = chat_template;
     cfg.reasoning = reasoning;
+    cfg.generation_config = generation_config;
     if (decode_server_create(&cfg, &s, &err) != PD_OK) {
         fprintf(stderr, PROG ": %s\n", err.msg);
         return 1;
@@ -329,7 +331,7 @@ int main(int argc, char **argv)
     if (http_addr != NULL) {
         decode_http_config hc = { .addr = http_addr, .model_dir = cfg.model_dir, .metrics = reg,
                                   .dm = dm, .model_name = served_name,
-                                  .api_key = api_key, .generation_config = generation_config };
+                                  .api_key = api_key };
         if (decode_http_create(s, &hc, &http, &err) != PD_OK) {
             fprintf(stderr, PROG ": --http %s: %s\n", http_addr, err.msg);
             pd_rpc_server_destroy(rpc);

@@ -892,6 +892,67 @@ void decode_cancel(decode_handle *h)
 /* ---------------------------------------------------------------------------------------------
  * Create / destroy */
 
+/* --generation-config: "auto" (NULL) reads model_dir/generation_config.json, "none" nothing,
+ * else DIR/generation_config.json; its temperature, top_p, top_k, min_p, repetition_penalty
+ * and max_new_tokens become the defaults of requests that leave them out (vLLM's defaults; gRPC
+ * requests with SamplingParams.model_defaults). A file
+ * that is absent is no error with "auto"; a value out of range is. */
+static pd_status load_gen_defaults(decode_gen_defaults *g, const char *model_dir, const char *which, pd_err *err)
+{
+    if (which != NULL && strcmp(which, "none") == 0)
+        return PD_OK;
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/generation_config.json", which == NULL || strcmp(which, "auto") == 0
+                                                                  ? model_dir : which);
+    char *txt = NULL;
+    pd_err rerr;
+    if (pd_cli_read_text(path, &txt, &rerr) != PD_OK) {
+        if (which == NULL || strcmp(which, "auto") == 0)
+            return PD_OK;
+        return pd_err_set(err, PD_ERR_IO, "--generation-config: cannot read %.300s", path);
+    }
+    cJSON *j = cJSON_Parse(txt);
+    free(txt);
+    if (!cJSON_IsObject(j)) {
+        cJSON_Delete(j);
+        return pd_err_set(err, PD_ERR_INVALID, "%.300s: not a JSON object", path);
+    }
+    static const struct { const char *key; double lo, hi; } f[6] = {
+        { "temperature", 0, 2 }, { "top_p", 1e-9, 1 }, { "top_k", -1, 1e9 }, { "repetition_penalty", 1e-9, 10 },
+        { "max_new_tokens", 1, 1e9 }, { "min_p", 0, 1 },
+    };
+    int *has[6] = { &g->has_temp, &g->has_top_p, &g->has_top_k, &g->has_rep, &g->has_max, &g->has_min_p };
+    pd_status st = PD_OK;
+    char used[256] = "";
+    for (int k = 0; k < 6 && st == PD_OK; k++) {
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(j, f[k].key);
+        if (v == NULL || cJSON_IsNull(v))
+            continue;
+        if (!cJSON_IsNumber(v) || !(v->valuedouble >= f[k].lo && v->valuedouble <= f[k].hi)) {
+            st = pd_err_set(err, PD_ERR_INVALID, "%.300s: '%s' must be a number in [%g, %g]", path, f[k].key,
+                            f[k].lo, f[k].hi);
+            break;
+        }
+        double x = v->valuedouble;
+        *has[k] = 1;
+        switch (k) {
+        case 0: g->temperature = (float)x; break;
+        case 1: g->top_p = (float)x; break;
+        case 2: g->top_k = x < 0 ? 0 : (int)x; break;
+        case 3: g->repetition_penalty = (float)x; break;
+        case 5: g->min_p = (float)x; break;
+        default: g->max_new_tokens = (int)x; break;
+        }
+        size_t l = strlen(used);
+        snprintf(used + l, sizeof(used) - l, "%s%s %g", l > 0 ? ", " : "", f[k].key, x);
+    }
+    if (st == PD_OK && used[0] != '\0')
+        PD_LOG_INFO("decode", "request defaults from %s: %s (a request's own values win; --generation-config "
+                    "none for OpenAI's)", path, used);
+    cJSON_Delete(j);
+    return st;
+}
+
 static char *dup_or_null(const char *p)
 {
     return p != NULL ? strdup(p) : NULL;
@@ -902,6 +963,11 @@ const pd_chat_template *decode_server_chat_template(const decode_server *s, cons
     if (why != NULL)
         *why = s->chat_ok ? NULL : s->chat_why;
     return s->chat_ok ? &s->chat : NULL;
+}
+
+const decode_gen_defaults *decode_server_gen_defaults(const decode_server *s)
+{
+    return &s->gen;
 }
 
 int decode_server_reasoning(const decode_server *s)
@@ -930,6 +996,7 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
     s->cfg.prefill = s->prefill;
     s->cfg.cp_strategy = NULL;
     s->cfg.chat_template = NULL;
+    s->cfg.generation_config = NULL;
     if (s->cfg.max_batch <= 0)
         s->cfg.max_batch = 64;
     if (s->cfg.max_queue <= 0)
@@ -954,6 +1021,8 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
         goto err_destroy;
     if (!s->chat_ok)
         PD_LOG_WARN("decode", "%s", s->chat_why);
+    if ((st = load_gen_defaults(&s->gen, s->model_dir, cfg->generation_config, err)) != PD_OK)
+        goto err_destroy;
     kern_backend_config bc = { .name = s->device, .f32 = cfg->f32 };
     if ((st = kern_backend_create(&bc, &s->be, err)) != PD_OK)
         goto err_destroy;

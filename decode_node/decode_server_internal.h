@@ -83,6 +83,7 @@ struct decode_server {
     decode_config cfg;
     char *model_dir, *draft_dir, *device, *prefill;
     pd_chat_template chat;          /* decode_server_chat_template, when chat_ok */
+    decode_gen_defaults gen;        /* decode_server_gen_defaults */
     int chat_ok;
     char chat_why[256];
     kern_backend *be;

@@ -179,11 +179,13 @@ def read_stream(node, path, body, chat):
     return 200, text, events, done
 
 
-def grpc_generate(bin_dir, node, prompt, max_tokens):
-    out = subprocess.run([os.path.join(bin_dir, "pdspark-client"), "--server", node.grpc,
-                          "--prompt", prompt, "--max-new-tokens", str(max_tokens),
-                          "--temperature", "0", "--json"],
-                         capture_output=True, text=True, timeout=60)
+def grpc_generate(bin_dir, node, prompt, max_tokens, extra=None):
+    """pdspark-client's --json object; max_tokens None with extra ["--model-defaults"]: the node
+    fills in the model's values"""
+    args = [os.path.join(bin_dir, "pdspark-client"), "--server", node.grpc, "--prompt", prompt, "--json"]
+    if max_tokens is not None:
+        args += ["--max-new-tokens", str(max_tokens), "--temperature", "0"]
+    out = subprocess.run(args + (extra or []), capture_output=True, text=True, timeout=60)
     if not check(out.returncode == 0, "pdspark-client: " + out.stderr):
         return None
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -1062,7 +1064,8 @@ def test_local_prefill(bin_dir, model, draft):
 def test_generation_config(bin_dir, model, draft):
     """decode_node --generation-config (auto by default): the model's generation_config.json
     gives the defaults of requests that leave fields out (here top_k 1, so sampling is greedy,
-    and max_new_tokens 5); a request's own values win; none keeps OpenAI's."""
+    and max_new_tokens 5), over HTTP and over gRPC with SamplingParams.model_defaults
+    (pdspark-client --model-defaults); a request's own values win; none keeps OpenAI's."""
     tmp = tempfile.TemporaryDirectory()
     for f in os.listdir(model):
         if f != "generation_config.json":
@@ -1080,6 +1083,12 @@ def test_generation_config(bin_dir, model, draft):
                   "generation_config defaults (top_k 1, max_new_tokens 5): %s vs %s" % (d, g))
             st, e = post_json(node, "/v1/completions", {"prompt": prompt, "max_tokens": 7, "ignore_eos": True})
             check(st == 200 and e["usage"]["completion_tokens"] == 7, "a request's max_tokens wins: %s" % e)
+            r = grpc_generate(bin_dir, node, prompt, None, ["--model-defaults", "--seed", "3"])
+            check(r is not None and r["completion_tokens"] == 5 and r["text"] == g["choices"][0]["text"],
+                  "gRPC with model_defaults (top_k 1, max_new_tokens 5): %s vs %s" % (r, g))
+            r = grpc_generate(bin_dir, node, prompt, None, ["--model-defaults", "--max-new-tokens", "7",
+                                                            "--ignore-eos"])
+            check(r is not None and r["completion_tokens"] == 7, "gRPC: a request's max_new_tokens wins: %s" % r)
         finally:
             node.stop()
         node = Node(bin_dir, tmp.name, draft, ("--colocated", "--generation-config", "none"))
