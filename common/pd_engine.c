@@ -5,6 +5,8 @@
  *   from their own rng here; only token ids come back.
  * Threading: one thread drives an engine. */
 #include "pd_engine.h"
+#include "pd_engine_internal.h"
+#include "pd_engine_logits.h"
 #include "pd_grammar.h"
 
 #include "pd_graph.h"
@@ -21,97 +23,6 @@
 #include <sys/stat.h>
 #include <time.h>
 
-#include "pd_cp_prefill.h"
-
-#define TRY(expr) \
-    do { pd_status st_ = (expr); if (st_ != PD_OK) return st_; } while (0)
-
-
-struct pd_engine {
-    pd_engine_config cfg;
-    const pd_qwen3_model *tm;
-    const pd_dspark_model *dm;
-    int B;                      /* drafts per round (0 without a draft) */
-    int V, H, aux_dim;
-    pd_kv_pool *tpool, *dpool;
-    pd_target *target;
-    pd_draft *draft;
-    pd_request **reqs;
-    int n_reqs, cap_reqs;
-    /* sampled requests: distributions on the backend (target rows, and the round's drafts at
-     * row j * B + k), the small inputs of each launch staged on the host and uploaded at once */
-    kern_buf *smp_p;            /* [cap_smp_p, V] */
-    int cap_smp_p;
-    kern_buf *smp_q;            /* [cap_smp_q, V] */
-    int cap_smp_q;
-    kern_buf *smp_dev;          /* staging, bytes */
-    int cap_smp_dev;
-    void *smp_host;
-    int cap_smp_host;
-    /* backend scratch */
-    kern_buf *ids_dev;          /* int32 argmax outputs */
-    kern_buf *pen_dev;          /* [cap_pen] kern_penalty_entry of a step's penalised rows ... */
-    int cap_pen;
-    kern_penalty_entry *pen_host;  /* ... and their host copy */
-    int n_pen, cap_pen_host;
-    kern_buf *mask_dev;         /* structured output: a step's masks, [n_mask] rows then
-                                 * [n_mask, (V + 31) / 32] bits ... */
-    int cap_mask;
-    int32_t *mask_rows;         /* ... and their host copies */
-    uint32_t *mask_bits;
-    int n_mask, cap_mask_rows, cap_mask_bits;
-    int cap_ids;
-    kern_buf *aux_dev;          /* compacted aux rows for draft extension */
-    int cap_aux;
-    kern_buf *idx_dev;
-    int cap_idx;
-    /* deferred draft context: context rows of scheduled requests that do not draft wait here
-     * (aux rows on the backend, positions and owners on the host) or, among 8+ requests, only
-     * as positions (pd_request.gap_lo) that are recomputed; either way they are added to the
-     * draft KV before their request's next drafting round. A round without drafts then costs
-     * what a target-only step costs. */
-    kern_buf *pend_aux;         /* [cap_pend, aux_dim] */
-    int cap_pend;
-    int n_pend;                 /* entries, rows of ended requests (owner NULL) included */
-    int pend_live;              /* rows still wanted, gaps included (the sum of the requests' n_pend) */
-    int32_t *pend_pos;          /* [cap_pend_host] */
-    pd_request **pend_owner;
-    int cap_pend_host;
-    uint64_t ext_epoch;         /* extend_draft calls so far (pd_request.ext_epoch) */
-    double flush_row_s;         /* host seconds per buffer row added, smoothed over flushes */
-    int gap_live;               /* rows in the requests' gaps (part of pend_live) */
-    double gap_row_s;           /* seconds per gap row recomputed and added, smoothed (0: none
-                                 * yet; switch_cost takes the profile's forward then) */
-    pd_sps sps_default;         /* linear step-time model when no profile is given */
-    pd_sched_ctl sched;         /* the scheduled policy's arms (pd_verify_policy.h) */
-    int trace_head;             /* the trace's header line was written */
-    pd_engine_times times;      /* host time per part of a step (diagnostics) */
-    /* context-parallel prefill (cp_size > 1): ranks 1.. have their own backend handle and KV
-     * replica; rank 0 is the target's backend and pool */
-    int cp_n;
-    kern_backend **cp_be;       /* [cp_n], [0] borrowed; 1.. owned when cp_owns_be (host
-                                 * handles), else the cp_targets' backends */
-    int cp_owns_be;
-    pd_kv_pool **cp_pool;       /* [cp_n], [0] = tpool */
-    pd_cp_group *cp;
-    /* tensor-parallel decode (tp_size > 1): tm/dm are rank 0's shards, owned by the group */
-    pd_tp_group *tp;
-    size_t swap_used;           /* host bytes of preempted requests' KV (cfg.swap_bytes) */
-    int n_swapped;              /* requests preempted now, KV in host memory ... */
-    int n_recompute;            /* ... or KV given up (the swap space full): prefilled again */
-    uint64_t n_preempt;         /* preemptions so far */
-    pd_prefix *prefix;          /* cfg.prefix_cache */
-    int prefix_free;            /* pages only the cache holds (prefix_count) */
-    uint64_t prefix_hits;       /* prompt tokens served from it */
-};
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 const char *pd_finish_reason_str(pd_finish_reason r)
 {
     switch (r) {
@@ -124,7 +35,7 @@ const char *pd_finish_reason_str(pd_finish_reason r)
     return "?";
 }
 
-static pd_status grow_host(void **p, int *cap, int need, size_t per, pd_err *err)
+pd_status pd_engine_grow_host(void **p, int *cap, int need, size_t per, pd_err *err)
 {
     if (need <= *cap)
         return PD_OK;
@@ -546,9 +457,6 @@ int pd_engine_active(const pd_engine *e)
     return n;
 }
 
-static pd_status pen_init(pd_engine *e, pd_request *r, pd_err *err);
-static pd_status grammar_init(pd_engine *e, pd_request *r, pd_err *err);
-static pd_status bias_init(pd_request *r, pd_err *err);
 static pd_status prefix_take(pd_engine *e, pd_request *r, pd_err *err);
 static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, int n_prompt,
                              const pd_gen_params *params, int external, pd_request **out, pd_err *err);
@@ -628,7 +536,7 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
     if (params->top_logprobs < 0 || params->top_logprobs > PD_MAX_TOP_LOGPROBS)
         return pd_err_set(err, PD_ERR_INVALID, "top_logprobs %d must be in 0..%d",
                           params->top_logprobs, PD_MAX_TOP_LOGPROBS);
-    TRY(grow_host((void **)&e->reqs, &e->cap_reqs, e->n_reqs + 1, sizeof(pd_request *), err));
+    TRY(pd_engine_grow_host((void **)&e->reqs, &e->cap_reqs, e->n_reqs + 1, sizeof(pd_request *), err));
     pd_request *r = calloc(1, sizeof(*r));
     if (r == NULL)
         return pd_err_set(err, PD_ERR_NOMEM, "request");
@@ -646,8 +554,8 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
     }
     memcpy(r->prompt, prompt, (size_t)n_prompt * sizeof(int32_t));
     r->n_prompt = n_prompt;
-    if ((st = pen_init(e, r, err)) != PD_OK || (st = bias_init(r, err)) != PD_OK ||
-        (st = grammar_init(e, r, err)) != PD_OK)
+    if ((st = pd_engine_pen_init(e, r, err)) != PD_OK || (st = pd_engine_bias_init(r, err)) != PD_OK ||
+        (st = pd_engine_grammar_init(e, r, err)) != PD_OK)
         goto err_free;
     if (params->prompt_logprobs &&
         (r->prompt_lps = calloc((size_t)n_prompt, sizeof(*r->prompt_lps))) == NULL) {
@@ -821,438 +729,11 @@ void pd_engine_prefix_stats(const pd_engine *e, int *evictable, int *entries, ui
     *hit_tokens = e->prefix_hits;
 }
 
-static int is_eos(const pd_engine *e, int32_t tok)
-{
-    for (int i = 0; i < e->tm->cfg.n_eos; i++)
-        if (e->tm->cfg.eos_ids[i] == tok)
-            return 1;
-    return 0;
-}
-
-static int is_stop_id(const pd_request *r, int32_t tok)
-{
-    for (int i = 0; i < r->params.n_stop_ids; i++)
-        if (r->params.stop_ids[i] == tok)
-            return 1;
-    return 0;
-}
-
-/* tok ends r: an eos (unless ignore_eos) or one of its stop_ids */
-static int ends(const pd_engine *e, const pd_request *r, int32_t tok)
-{
-    return (!r->params.ignore_eos && is_eos(e, tok)) || is_stop_id(r, tok);
-}
-
-/* ---- penalties (pd_gen_params presence/frequency/repetition) ------------------------------ */
-
-#define PEN_PROMPT 0x80000000u
-
-static int pen_rep_on(const pd_gen_params *p)
-{
-    return p->repetition_penalty != 0.0f && p->repetition_penalty != 1.0f;
-}
-
-static pd_status pen_track(pd_request *r, int32_t tok, pd_err *err)
-{
-    TRY(grow_host((void **)&r->pen_tok, &r->cap_pen_tok, r->n_pen_tok + 1, sizeof(int32_t), err));
-    r->pen_tok[r->n_pen_tok++] = tok;
-    return PD_OK;
-}
-
-/* A request with penalties gets its per-token state; the prompt's tokens count for the
- * repetition penalty only. */
-static pd_status pen_init(pd_engine *e, pd_request *r, pd_err *err)
-{
-    const pd_gen_params *p = &r->params;
-    if (p->presence_penalty == 0.0f && p->frequency_penalty == 0.0f && !pen_rep_on(p))
-        return PD_OK;
-    if ((r->pen = calloc((size_t)e->V, sizeof(uint32_t))) == NULL)
-        return pd_err_set(err, PD_ERR_NOMEM, "penalty state");
-    for (int i = 0; i < r->n_prompt && pen_rep_on(p); i++)
-        if (r->pen[r->prompt[i]] == 0) {
-            TRY(pen_track(r, r->prompt[i], err));
-            r->pen[r->prompt[i]] = PEN_PROMPT;
-        }
-    return PD_OK;
-}
-
-static int by_tok(const void *a, const void *b)
-{
-    int32_t x = ((const pd_logit_bias *)a)->tok, y = ((const pd_logit_bias *)b)->tok;
-    return x < y ? -1 : x > y;
-}
-
-/* The request's own sorted copy of its logit_bias (params.logit_bias then points at it);
- * a token named twice is refused. */
-static pd_status bias_init(pd_request *r, pd_err *err)
-{
-    int n = r->params.n_logit_bias;
-    if (n == 0) {
-        r->params.logit_bias = NULL;
-        return PD_OK;
-    }
-    if ((r->bias = malloc((size_t)n * sizeof(*r->bias))) == NULL)
-        return pd_err_set(err, PD_ERR_NOMEM, "logit_bias of %d tokens", n);
-    memcpy(r->bias, r->params.logit_bias, (size_t)n * sizeof(*r->bias));
-    qsort(r->bias, (size_t)n, sizeof(*r->bias), by_tok);
-    r->params.logit_bias = r->bias;
-    for (int i = 1; i < n; i++)
-        if (r->bias[i].tok == r->bias[i - 1].tok)
-            return pd_err_set(err, PD_ERR_INVALID, "logit_bias names token %d twice", r->bias[i].tok);
-    return PD_OK;
-}
-
-static pd_status pen_push(pd_engine *e, const kern_penalty_entry *en, pd_err *err)
-{
-    TRY(grow_host((void **)&e->pen_host, &e->cap_pen_host, e->n_pen + 1, sizeof(*en), err));
-    e->pen_host[e->n_pen++] = *en;
-    return PD_OK;
-}
-
-/* r's logit_bias entry of token t (sorted by token at admission), or NULL */
-static const pd_logit_bias *bias_find(const pd_request *r, int32_t t)
-{
-    int lo = 0, hi = r->params.n_logit_bias - 1;
-    const pd_logit_bias *b = r->params.logit_bias;
-    while (lo <= hi) {
-        int mid = (lo + hi) / 2;
-        if (b[mid].tok == t)
-            return &b[mid];
-        if (b[mid].tok < t)
-            lo = mid + 1;
-        else
-            hi = mid - 1;
-    }
-    return NULL;
-}
-
-/* What row entries add to token t's logit: its bias, and -inf while its stop ids are masked */
-static float entry_bias(const pd_engine *e, const pd_request *r, int32_t t, int mask_eos)
-{
-    const pd_logit_bias *b = bias_find(r, t);
-    float v = b != NULL ? b->bias : 0.0f;
-    return mask_eos && (is_eos(e, t) || is_stop_id(r, t)) ? -INFINITY : v;
-}
-
-/* Queues en (its row and penalties set) for token t, seen with cnt occurrences in the output */
-static pd_status pen_push_tok(pd_engine *e, const pd_request *r, kern_penalty_entry *en, int32_t t,
-                              int cnt, int mask_eos, pd_err *err)
-{
-    en->tok = t;
-    en->count = cnt;
-    en->seen = 1;
-    en->bias = entry_bias(e, r, t, mask_eos);
-    return pen_push(e, en, err);
-}
-
-/* Queues the entries of logits row `row` of r, whose history is r's output followed by
- * extra[0..n_extra) (the drafts before that row of a verify block): the penalties of every
- * token seen, the logit bias, and while the output is shorter than min_tokens the stop (eos)
- * tokens masked. One entry per token. */
-static pd_status pen_row(pd_engine *e, const pd_request *r, int row, const int32_t *extra, int n_extra,
-                         pd_err *err)
-{
-    int mask_eos = r->params.min_tokens > r->n_out + n_extra;
-    if (r->pen == NULL && r->params.n_logit_bias == 0 && !mask_eos)
-        return PD_OK;
-    kern_penalty_entry en = { .row = row, .rep = pen_rep_on(&r->params) ? r->params.repetition_penalty : 1.0f,
-                              .freq = r->params.frequency_penalty, .pres = r->params.presence_penalty };
-    for (int i = 0; r->pen != NULL && i < r->n_pen_tok; i++) {
-        int32_t t = r->pen_tok[i];
-        int cnt = (int)(r->pen[t] & ~PEN_PROMPT);
-        for (int j = 0; j < n_extra; j++)
-            cnt += extra[j] == t;
-        TRY(pen_push_tok(e, r, &en, t, cnt, mask_eos, err));
-    }
-    /* drafts of this block not in the output yet: each distinct one once */
-    for (int j = 0; r->pen != NULL && j < n_extra; j++) {
-        int32_t t = extra[j], first = r->pen[t] == 0;
-        for (int k = 0; k < j && first; k++)
-            first = extra[k] != t;
-        if (!first)
-            continue;
-        int cnt = 0;
-        for (int k = j; k < n_extra; k++)
-            cnt += extra[k] == t;
-        TRY(pen_push_tok(e, r, &en, t, cnt, mask_eos, err));
-    }
-    /* biased and masked tokens the penalties did not name */
-    en.count = en.seen = 0;
-    int n_masked = mask_eos ? e->tm->cfg.n_eos + r->params.n_stop_ids : 0;
-    for (int i = 0; i < r->params.n_logit_bias + n_masked; i++) {
-        int bias_list = i < r->params.n_logit_bias, k = i - r->params.n_logit_bias;
-        int32_t t = bias_list ? r->params.logit_bias[i].tok
-                  : k < e->tm->cfg.n_eos ? e->tm->cfg.eos_ids[k] : r->params.stop_ids[k - e->tm->cfg.n_eos];
-        int named = r->pen != NULL && r->pen[t] != 0;
-        for (int j = 0; r->pen != NULL && j < n_extra && !named; j++)
-            named = extra[j] == t;
-        /* a masked token also in the bias list, or named twice among eos and stop ids */
-        for (int q = 0; !bias_list && q < k && !named; q++)
-            named = (q < e->tm->cfg.n_eos ? e->tm->cfg.eos_ids[q] : r->params.stop_ids[q - e->tm->cfg.n_eos]) == t;
-        if (named || (!bias_list && bias_find(r, t) != NULL))
-            continue;
-        en.tok = t;
-        en.bias = entry_bias(e, r, t, mask_eos);
-        TRY(pen_push(e, &en, err));
-    }
-    return PD_OK;
-}
-
-/* Applies the queued entries to logits (backend memory, [*, V]) and empties the queue. */
-static pd_status pen_apply(pd_engine *e, const float *logits, pd_err *err)
-{
-    int n = e->n_pen;
-    e->n_pen = 0;
-    if (n == 0)
-        return PD_OK;
-    TRY(kern_buf_grow(e->tm->be, &e->pen_dev, &e->cap_pen, n, sizeof(kern_penalty_entry), err));
-    TRY(kern_upload(e->tm->be, e->pen_dev->ptr, e->pen_host, (size_t)n * sizeof(kern_penalty_entry), err));
-    /* the target's logits buffer: ours to change until its next forward */
-    kern_penalty_args pa = { .x = (float *)(uintptr_t)logits, .ld_x = e->V, .n = e->V, .n_entries = n,
-                             .e = (const kern_penalty_entry *)e->pen_dev->ptr };
-    return kern_penalty(e->tm->be, &pa, err);
-}
-
-/* ---- structured output ---- */
-
-static pd_status grammar_init(pd_engine *e, pd_request *r, pd_err *err)
-{
-    const uint32_t *first = r->params.first_allow;
-    pd_grammar *g = r->params.grammar;
-    r->params.first_allow = NULL;
-    r->params.grammar = NULL;   /* the matchers hold their references */
-    if (g != NULL) {
-        TRY(pd_gmatch_create(g, &r->gm, err));
-        return pd_gmatch_create(g, &r->gm_row, err);
-    }
-    if (first != NULL) {
-        size_t bytes = (size_t)((e->V + 31) / 32) * sizeof(uint32_t);
-        if ((r->first_allow = malloc(bytes)) == NULL)
-            return pd_err_set(err, PD_ERR_NOMEM, "first-token mask");
-        memcpy(r->first_allow, first, bytes);
-    }
-    return PD_OK;
-}
-
-/* the mask slot of logits row `row`, queued */
-static pd_status mask_slot(pd_engine *e, int row, uint32_t **bits, pd_err *err)
-{
-    int words = (e->V + 31) / 32;
-    TRY(grow_host((void **)&e->mask_rows, &e->cap_mask_rows, e->n_mask + 1, sizeof(int32_t), err));
-    TRY(grow_host((void **)&e->mask_bits, &e->cap_mask_bits, (e->n_mask + 1) * words, sizeof(uint32_t), err));
-    e->mask_rows[e->n_mask] = row;
-    *bits = e->mask_bits + (size_t)e->n_mask * words;
-    e->n_mask++;
-    return PD_OK;
-}
-
-/* Queues the masks of r's rows row0 .. row0 + n_extra: row row0 + j follows the output and
- * extra[0..j) (a verify block's drafts). Past a draft the grammar refuses no row is masked:
- * that draft's own row is, so the block is accepted no further than it. With `force` (a greedy
- * request), a draft at a row where the grammar allows one token only becomes that token: the
- * masked argmax there can be nothing else, so the block goes on through the text the grammar
- * dictates (keys, punctuation) whatever the drafter proposed. */
-static pd_status mask_rows(pd_engine *e, pd_request *r, int row0, int32_t *extra, int n_extra, int force,
-                           pd_err *err)
-{
-    uint32_t *bits;
-    if (r->gm == NULL) {
-        if (r->first_allow == NULL || r->n_out > 0)
-            return PD_OK;
-        TRY(mask_slot(e, row0, &bits, err));
-        memcpy(bits, r->first_allow, (size_t)((e->V + 31) / 32) * sizeof(uint32_t));
-        return PD_OK;
-    }
-    TRY(pd_gmatch_copy(r->gm_row, r->gm, err));
-    int words = (e->V + 31) / 32;
-    for (int j = 0; j <= n_extra; j++) {
-        TRY(mask_slot(e, row0 + j, &bits, err));
-        TRY(pd_gmatch_allowed(r->gm_row, r->params.gvocab, bits, err));
-        if (j == n_extra)
-            break;
-        int n_allowed = 0, only = -1;
-        for (int w = 0; force && w < words && n_allowed < 2; w++)
-            if (bits[w] != 0) {
-                n_allowed += __builtin_popcount(bits[w]);
-                only = w * 32 + __builtin_ctz(bits[w]);
-            }
-        if (n_allowed == 1 && only < e->V)
-            extra[j] = only;
-        int ok = pd_gmatch_advance(r->gm_row, r->params.gvocab, extra[j], err);
-        if (ok < 0)
-            return err != NULL ? err->code : PD_ERR_INTERNAL;
-        if (ok == 0)
-            break;
-    }
-    return PD_OK;
-}
-
-/* Applies the queued masks to logits (backend memory, [*, V]) and empties the queue. */
-static pd_status mask_apply(pd_engine *e, const float *logits, pd_err *err)
-{
-    int n = e->n_mask, words = (e->V + 31) / 32;
-    e->n_mask = 0;
-    if (n == 0)
-        return PD_OK;
-    size_t rows_bytes = ((size_t)n * sizeof(int32_t) + 255) & ~(size_t)255;
-    size_t bytes = rows_bytes + (size_t)n * words * sizeof(uint32_t);
-    TRY(kern_buf_grow(e->tm->be, &e->mask_dev, &e->cap_mask, (int)bytes, 1, err));
-    char *dev = e->mask_dev->ptr;
-    TRY(kern_upload(e->tm->be, dev, e->mask_rows, (size_t)n * sizeof(int32_t), err));
-    TRY(kern_upload(e->tm->be, dev + rows_bytes, e->mask_bits, (size_t)n * words * sizeof(uint32_t), err));
-    kern_token_mask_args ma = { .x = (float *)(uintptr_t)logits, .ld_x = e->V, .n = e->V, .n_rows = n,
-                                .rows = (const int32_t *)dev, .bits = (const uint32_t *)(dev + rows_bytes),
-                                .words = words };
-    return kern_token_mask(e->tm->be, &ma, err);
-}
-
-/* Appends tok (with its logprobs lp when the request keeps them; NULL: zeros). */
-static pd_status push_out(pd_request *r, int32_t tok, const pd_token_logprobs *lp, pd_err *err)
-{
-    int cap = r->cap_out;
-    TRY(grow_host((void **)&r->out, &r->cap_out, r->n_out + 1, sizeof(int32_t), err));
-    if (r->params.logprobs && (r->lps == NULL || r->cap_out != cap)) {
-        pd_token_logprobs *n = realloc(r->lps, (size_t)r->cap_out * sizeof(*n));
-        if (n == NULL)
-            return pd_err_set(err, PD_ERR_NOMEM, "logprobs of %d tokens", r->cap_out);
-        r->lps = n;
-    }
-    if (r->params.logprobs) {
-        if (lp != NULL)
-            r->lps[r->n_out] = *lp;
-        else
-            memset(&r->lps[r->n_out], 0, sizeof(r->lps[0]));
-    }
-    if (r->pen != NULL) {
-        if (r->pen[tok] == 0)
-            TRY(pen_track(r, tok, err));
-        r->pen[tok]++;
-    }
-    if (r->gm != NULL) {
-        int ok = pd_gmatch_advance(r->gm, r->params.gvocab, tok, err);
-        if (ok < 0)
-            return err != NULL ? err->code : PD_ERR_INTERNAL;
-        if (ok == 0)
-            return pd_err_set(err, PD_ERR_INVALID, "structured output: token %d does not fit the grammar "
-                              "after %d tokens", tok, r->n_out);
-    }
-    r->out[r->n_out++] = tok;
-    return PD_OK;
-}
-
-static size_t align16(size_t n) { return (n + 15) & ~(size_t)15; }
-
-/* Host and backend staging of bytes for one launch's small inputs (16-byte aligned parts). */
-static pd_status stage_get(pd_engine *e, size_t bytes, char **host, char **dev, pd_err *err)
-{
-    if (bytes > INT_MAX / 2)
-        return pd_err_set(err, PD_ERR_INVALID, "sampling inputs of %zu bytes", bytes);
-    TRY(grow_host(&e->smp_host, &e->cap_smp_host, (int)bytes, 1, err));
-    TRY(kern_buf_grow(e->tm->be, &e->smp_dev, &e->cap_smp_dev, (int)bytes, 1, err));
-    *host = e->smp_host;
-    *dev = e->smp_dev->ptr;
-    return PD_OK;
-}
-
-/* A logprobs entry cut to want top entries, the rest zeros (equal answers compare equal). */
-static void lp_cut(pd_token_logprobs *d, int want)
-{
-    if (d->n_top > want)
-        d->n_top = want;
-    for (int j = d->n_top; j < PD_MAX_TOP_LOGPROBS; j++) {
-        d->top_id[j] = 0;
-        d->top_logprob[j] = 0.0f;
-    }
-}
-
-/* out[i] = the logprobs of toks[i] from logits row rows[i] of dev ([*, V], backend memory), with
- * the n_top most likely tokens: kern_logprobs on the backend, only the entries come back. */
-static pd_status logprobs_entries(pd_engine *e, const float *dev, const int32_t *rows, const int32_t *toks,
-                                  int n, int n_top, pd_token_logprobs *out, pd_err *err)
-{
-    if (n <= 0)
-        return PD_OK;
-    size_t ib = align16((size_t)n * sizeof(int32_t)), ob = (size_t)n * sizeof(kern_logprobs_row);
-    char *h = NULL, *d = NULL;
-    TRY(stage_get(e, 2 * ib + ob, &h, &d, err));
-    memcpy(h, rows, (size_t)n * sizeof(int32_t));
-    memcpy(h + ib, toks, (size_t)n * sizeof(int32_t));
-    TRY(kern_upload(e->tm->be, d, h, 2 * ib, err));
-    kern_logprobs_args la = { .x = dev, .ld_x = e->V, .n = e->V, .n_rows = n, .rows = (const int32_t *)d,
-                              .tok = (const int32_t *)(d + ib), .n_top = n_top < e->V ? n_top : e->V,
-                              .out = (kern_logprobs_row *)(d + 2 * ib) };
-    TRY(kern_logprobs(e->tm->be, &la, err));
-    TRY(kern_download(e->tm->be, out, d + 2 * ib, ob, err));
-    for (int i = 0; i < n; i++)
-        lp_cut(&out[i], n_top);
-    return PD_OK;
-}
-
-/* out[i] = the logprobs of toks[i] from logits row row0 + i of dev, for a request that keeps
- * them (n <= 33: a round's drafts and its bonus). */
-static pd_status logprobs_rows(pd_engine *e, const pd_request *r, const float *dev, int row0,
-                               const int32_t *toks, int n, pd_token_logprobs *out, pd_err *err)
-{
-    int32_t rows[64];
-    if (n > 64)
-        return pd_err_set(err, PD_ERR_INTERNAL, "logprobs of %d rows at once", n);
-    for (int i = 0; i < n; i++)
-        rows[i] = row0 + i;
-    return logprobs_entries(e, dev, rows, toks, n, r->params.top_logprobs, out, err);
-}
-
 static void fail_request(pd_request *r, const pd_err *why)
 {
     r->finish = PD_FINISH_ERROR;
     memcpy(r->error, why->msg, sizeof(r->error));
     r->error[sizeof(r->error) - 1] = '\0';
-}
-
-/* Row-wise argmax on the backend, ids to host. */
-static pd_status argmax_rows(pd_engine *e, const float *dev, int n, int32_t *out, pd_err *err)
-{
-    kern_backend *be = e->tm->be;
-    TRY(kern_buf_grow(be, &e->ids_dev, &e->cap_ids, n, sizeof(int32_t), err));
-    kern_argmax_args am = { .x = dev, .ld_x = e->V, .rows = n, .n = e->V, .out = e->ids_dev->ptr };
-    TRY(kern_argmax(be, &am, err));
-    return kern_download(be, out, e->ids_dev->ptr, (size_t)n * sizeof(int32_t), err);
-}
-
-/* ---- sampled requests on the backend ------------------------------------------------------ */
-
-static kern_sample_cfg sample_cfg(const pd_sample_params *p)
-{
-    kern_sample_cfg c = { .temperature = pd_sample_is_greedy(p) ? 0.0f : p->temperature,
-                          .top_k = p->top_k, .top_p = p->top_p, .min_p = p->min_p };
-    return c;
-}
-
-/* One token for each of n rows of backend logits [n, V], row i owned by owner[i]: its
- * distribution goes to probs + i * ld_probs (backend), a sampled owner's uniform comes from its
- * rng (greedy owners: the argmax, their rng untouched), and only the ids come back into out. */
-static pd_status sample_rows(pd_engine *e, const float *logits, pd_request *const *owner, int n,
-                             float *probs, int ld_probs, int32_t *out, pd_err *err)
-{
-    kern_backend *be = e->tm->be;
-    size_t cfg_b = align16((size_t)n * sizeof(kern_sample_cfg));
-    char *h = NULL, *d = NULL;
-    TRY(stage_get(e, cfg_b + (size_t)n * sizeof(double), &h, &d, err));
-    kern_sample_cfg *cfg = (kern_sample_cfg *)h;
-    double *u = (double *)(h + cfg_b);
-    for (int i = 0; i < n; i++) {
-        const pd_sample_params *sp = &owner[i]->params.sample;
-        cfg[i] = sample_cfg(sp);
-        u[i] = pd_sample_is_greedy(sp) ? 0.0 : pd_rng_uniform(&owner[i]->rng);
-    }
-    TRY(kern_upload(be, d, h, cfg_b + (size_t)n * sizeof(double), err));
-    TRY(kern_buf_grow(be, &e->ids_dev, &e->cap_ids, n, sizeof(int32_t), err));
-    kern_probs_args pa = { .x = logits, .ld_x = e->V, .cfg = (const kern_sample_cfg *)d, .rows = n,
-                           .n = e->V, .out = probs, .ld_out = ld_probs };
-    TRY(kern_probs(be, &pa, err));
-    kern_sample_args sa = { .probs = probs, .ld = ld_probs, .rows = n, .n = e->V,
-                            .u = (const double *)(d + cfg_b), .out = e->ids_dev->ptr };
-    TRY(kern_sample(be, &sa, err));
-    return kern_download(be, out, e->ids_dev->ptr, (size_t)n * sizeof(int32_t), err);
 }
 
 /* ---- forwards: on this thread, or handed to every rank of the tensor-parallel group ------- */
@@ -1555,13 +1036,13 @@ static pd_status pend_flush(pd_engine *e, pd_flush_mode mode, const pd_request *
     int inv = be->batch_invariant;
     be->batch_invariant = 0;
     int gaps0 = e->gap_live;
-    double t0 = now_s();
+    double t0 = pd_engine_now_s();
     pd_status st = mode == PD_FLUSH_BUFFER ? PD_OK : gap_flush(e, mode, one, err);
     /* a recompute is a forward: wait for it, so its time (the controller's switch cost) is
      * not taken for the draft round that follows */
     if (st == PD_OK && e->gap_live != gaps0)
         st = kern_sync(be, err);
-    double t1 = now_s();
+    double t1 = pd_engine_now_s();
     if (st == PD_OK && e->gap_live != gaps0)
         smooth(&e->gap_row_s, (t1 - t0) / (gaps0 - e->gap_live));
     int buf0 = e->pend_live;
@@ -1570,7 +1051,7 @@ static pd_status pend_flush(pd_engine *e, pd_flush_mode mode, const pd_request *
     /* host seconds per buffer row (captures included: the last chunk's size varies, so a flush
      * often captures one) */
     if (st == PD_OK && e->pend_live != buf0)
-        smooth(&e->flush_row_s, (now_s() - t1) / (buf0 - e->pend_live));
+        smooth(&e->flush_row_s, (pd_engine_now_s() - t1) / (buf0 - e->pend_live));
     be->batch_invariant = inv;
     return st;
 }
@@ -1667,9 +1148,9 @@ static pd_status pend_add(pd_engine *e, const float *aux, const int32_t *rows, c
     }
     if (e->n_pend + n > e->cap_pend_host) {
         int cap = e->cap_pend_host;
-        TRY(grow_host((void **)&e->pend_pos, &cap, e->n_pend + n, sizeof(int32_t), err));
+        TRY(pd_engine_grow_host((void **)&e->pend_pos, &cap, e->n_pend + n, sizeof(int32_t), err));
         int cap2 = e->cap_pend_host;
-        TRY(grow_host((void **)&e->pend_owner, &cap2, e->n_pend + n, sizeof(pd_request *), err));
+        TRY(pd_engine_grow_host((void **)&e->pend_owner, &cap2, e->n_pend + n, sizeof(pd_request *), err));
         e->cap_pend_host = cap < cap2 ? cap : cap2;
     }
     TRY(gather_aux(e, aux, rows, n, (float *)e->pend_aux->ptr + (size_t)e->n_pend * e->aux_dim, err));
@@ -1817,8 +1298,8 @@ static pd_status commit_first(pd_engine *e, pd_request *r, int32_t tok, const pd
     r->tkv.len = r->n_prompt;
     r->dkv.len = r->n_prompt;
     r->anchor_pos = r->n_prompt;
-    TRY(push_out(r, tok, lp, err));
-    if (ends(e, r, tok))
+    TRY(pd_engine_push_out(r, tok, lp, err));
+    if (pd_engine_token_ends(e, r, tok))
         r->finish = PD_FINISH_STOP;
     else if (r->n_out >= r->params.max_new_tokens)
         r->finish = PD_FINISH_LENGTH;
@@ -1980,12 +1461,12 @@ static pd_status prompt_logprobs(pd_engine *e, const float *logits, pd_request *
         toks[i] = r->prompt[pos[lrows[n_done + i]] + 1];
         top = r->params.top_logprobs > top ? r->params.top_logprobs : top;
     }
-    pd_status st = logprobs_entries(e, logits, rows, toks, n, top, lp, err);
+    pd_status st = pd_engine_logprobs_entries(e, logits, rows, toks, n, top, lp, err);
     for (int i = 0; i < n && st == PD_OK; i++) {
         pd_request *r = owner[lrows[n_done + i]];
         pd_token_logprobs *d = &r->prompt_lps[pos[lrows[n_done + i]] + 1];
         *d = lp[i];
-        lp_cut(d, r->params.top_logprobs);
+        pd_engine_lp_cut(d, r->params.top_logprobs);
     }
     free(rows);
     free(lp);
@@ -2054,7 +1535,7 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
             lrows[n_rows++] = i;
     pd_tok_batch b = { .n_tok = n_tok, .ids = ids, .pos = pos, .seq = seq, .n_seq = s, .seqs = seqs };
     const float *logits = NULL, *aux = NULL;
-    double t_fwd = now_s();
+    double t_fwd = pd_engine_now_s();
     if (e->cp != NULL) {
         st = cp_prefill(e, &b, owner, lrows, n_done, &logits, &aux, err);
     } else {
@@ -2070,14 +1551,14 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
         goto out;
     if (e->draft != NULL && e->cfg.prefill_aux_hook != NULL)
         e->cfg.prefill_aux_hook(e->cfg.prefill_aux_hook_ud, aux, n_tok, e->aux_dim, e->aux_dim);
-    double t_ext = now_s();
+    double t_ext = pd_engine_now_s();
     e->times.prefill_target += t_ext - t_fwd;
     /* prompt rows wait as gaps too among enough requests, as decode rows do */
     int active = 0;
     for (int i = 0; i < e->n_reqs; i++)
         active += e->reqs[i]->finish == PD_FINISH_NONE;
     st = extend_or_defer(e, aux, rows, pos, owner, n_tok, 1, active >= gap_min_batch(e), err);
-    e->times.prefill_draft += now_s() - t_ext;
+    e->times.prefill_draft += pd_engine_now_s() - t_ext;
     if (st != PD_OK)
         goto out;
     /* recomputed requests decode again from their anchor (their first token is long out) */
@@ -2110,31 +1591,31 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
     }
     /* penalties (the prompt's tokens, for the repetition penalty) */
     for (int i = 0; i < n_done && st == PD_OK; i++)
-        if ((st = pen_row(e, done[i], i, NULL, 0, err)) == PD_OK)
-            st = mask_rows(e, done[i], i, NULL, 0, 0, err);
+        if ((st = pd_engine_pen_row(e, done[i], i, NULL, 0, err)) == PD_OK)
+            st = pd_engine_mask_rows(e, done[i], i, NULL, 0, 0, err);
     if (st == PD_OK)
-        st = pen_apply(e, logits, err);
+        st = pd_engine_pen_apply(e, logits, err);
     if (st == PD_OK)
-        st = mask_apply(e, logits, err);
+        st = pd_engine_mask_apply(e, logits, err);
     if (st != PD_OK)
         goto out;
     /* first tokens: the backend's argmax, or its sampling ops when a request samples */
     int any_sampled = 0;
     for (int i = 0; i < n_done; i++)
         any_sampled |= !pd_sample_is_greedy(&done[i]->params.sample);
-    double t_first = now_s();
+    double t_first = pd_engine_now_s();
     if (n_done > 0 && !any_sampled)
-        st = argmax_rows(e, logits, n_done, first, err);
+        st = pd_engine_argmax_rows(e, logits, n_done, first, err);
     else if (n_done > 0 &&
              (st = kern_buf_grow(e->tm->be, &e->smp_p, &e->cap_smp_p, n_done, (size_t)e->V * sizeof(float), err)) == PD_OK)
-        st = sample_rows(e, logits, done, n_done, e->smp_p->ptr, e->V, first, err);
-    e->times.prefill_target += now_s() - t_first;
+        st = pd_engine_sample_rows(e, logits, done, n_done, e->smp_p->ptr, e->V, first, err);
+    e->times.prefill_target += pd_engine_now_s() - t_first;
     if (st != PD_OK)
         goto out;
     for (int i = 0; i < n_done; i++) {
         pd_token_logprobs lp;
         if (done[i]->params.logprobs &&
-            (st = logprobs_rows(e, done[i], logits, i, &first[i], 1, &lp, err)) != PD_OK)
+            (st = pd_engine_logprobs_rows(e, done[i], logits, i, &first[i], 1, &lp, err)) != PD_OK)
             goto out;
         if ((st = commit_first(e, done[i], first[i], done[i]->params.logprobs ? &lp : NULL, err)) != PD_OK)
             goto out;
@@ -2378,21 +1859,8 @@ void pd_engine_swap_stats(const pd_engine *e, uint64_t *preemptions, int *swappe
 
 /* ---- one speculative round over every running request ------------------------------------ */
 
-typedef struct {
-    pd_request *r;
-    int l;            /* drafts verified this round */
-    int base;         /* first row of this request in the verify batch */
-    int32_t d[32];    /* draft tokens */
-    int qrow;         /* sampled drafts: row of d[0]'s distribution in e->smp_q */
-    int acc;          /* sampled requests: drafts accepted (verify_sampled) ... */
-    int32_t next;     /* ... and the token after them */
-    int n_acc;        /* slot_accept: drafts accepted, */
-    int32_t bonus;    /* the token after them, */
-    int stop_at;      /* the first accepted draft that ends the request (-1: none) */
-} round_slot;
-
 /* What a slot's verify decided, into sl->n_acc, bonus and stop_at. */
-static void slot_accept(const pd_engine *e, round_slot *sl, const int32_t *vargmax)
+static void slot_accept(const pd_engine *e, pd_round_slot *sl, const int32_t *vargmax)
 {
     const pd_request *r = sl->r;
     int a = 0;
@@ -2407,57 +1875,10 @@ static void slot_accept(const pd_engine *e, round_slot *sl, const int32_t *vargm
     sl->n_acc = a;
     sl->stop_at = -1;
     for (int j = 0; j < a; j++)
-        if (ends(e, r, sl->d[j])) {
+        if (pd_engine_token_ends(e, r, sl->d[j])) {
             sl->stop_at = j;
             break;
         }
-}
-
-/* The logprobs of every committed token of the round's requests that keep them (slot_accept
- * done), in one kern_logprobs over the verify logits vl: *lps (malloc'd) holds them request
- * after request, off[i] = slot i's first (-1: none); each request's top list cut to its own. */
-static pd_status round_logprobs(pd_engine *e, const round_slot *slots, int m, const float *vl, int *off,
-                                pd_token_logprobs **lps, pd_err *err)
-{
-    int n = 0, top = 0;
-    *lps = NULL;
-    for (int i = 0; i < m; i++) {
-        const pd_request *r = slots[i].r;
-        off[i] = r->params.logprobs ? n : -1;
-        if (r->params.logprobs) {
-            n += slots[i].stop_at >= 0 ? slots[i].stop_at + 1 : slots[i].n_acc + 1;
-            top = r->params.top_logprobs > top ? r->params.top_logprobs : top;
-        }
-    }
-    if (n == 0)
-        return PD_OK;
-    int32_t *rows = malloc((size_t)n * 3 * sizeof(int32_t));
-    *lps = malloc((size_t)n * sizeof(**lps));
-    if (rows == NULL || *lps == NULL) {
-        free(rows);
-        free(*lps);
-        *lps = NULL;
-        return pd_err_set(err, PD_ERR_NOMEM, "logprobs of a round: %d tokens", n);
-    }
-    int32_t *toks = rows + n, *want = rows + 2 * n;
-    for (int i = 0; i < m; i++) {
-        const round_slot *sl = &slots[i];
-        int a = sl->n_acc, k = sl->stop_at >= 0 ? sl->stop_at + 1 : a + 1;   /* the bonus's row: base + a */
-        for (int j = 0; off[i] >= 0 && j < k; j++) {
-            rows[off[i] + j] = sl->base + j;
-            toks[off[i] + j] = j < a ? sl->d[j] : sl->bonus;
-            want[off[i] + j] = sl->r->params.top_logprobs;
-        }
-    }
-    pd_status st = logprobs_entries(e, vl, rows, toks, n, top, *lps, err);
-    for (int t = 0; t < n && st == PD_OK; t++)
-        lp_cut(&(*lps)[t], want[t]);
-    free(rows);
-    if (st != PD_OK) {
-        free(*lps);
-        *lps = NULL;
-    }
-    return st;
 }
 
 /* The step-by-step draft loop after the block forward (sampled drafts, or tensor-parallel ranks,
@@ -2466,7 +1887,7 @@ static pd_status round_logprobs(pd_engine *e, const round_slot *slots, int m, co
  * kern_sample's pick (greedy rows get their argmax there too) with the distribution kept at row
  * j * B + k of e->smp_q for verification. One download of n_draft ids per step. prev and tok:
  * n_draft ids of scratch; conf_k: n_draft floats when want_conf. */
-static pd_status draft_steps(pd_engine *e, round_slot **dslot, int n_draft, const int32_t *anchor,
+static pd_status draft_steps(pd_engine *e, pd_round_slot **dslot, int n_draft, const int32_t *anchor,
                              int any_sampled, int32_t *prev, int32_t *tok, float *conf_k,
                              float *conf, int want_conf, pd_err *err)
 {
@@ -2497,18 +1918,18 @@ static pd_status draft_steps(pd_engine *e, round_slot **dslot, int n_draft, cons
         for (int j = 0; j < n_draft && st == PD_OK; j++) {
             pd_request *r = dslot[j]->r;
             uint32_t *bits;
-            if (r->gm != NULL && (st = mask_slot(e, j, &bits, err)) == PD_OK)
+            if (r->gm != NULL && (st = pd_engine_mask_slot(e, j, &bits, err)) == PD_OK)
                 st = pd_gmatch_allowed(r->gm_row, r->params.gvocab, bits, err);
         }
         if (st == PD_OK)
-            st = mask_apply(e, sl, err);
+            st = pd_engine_mask_apply(e, sl, err);
         if (st != PD_OK)
             break;
         if (any_sampled)
-            st = sample_rows(e, sl, owner, n_draft, (float *)e->smp_q->ptr + (size_t)k * e->V,
-                             e->B * e->V, tok, err);
+            st = pd_engine_sample_rows(e, sl, owner, n_draft, (float *)e->smp_q->ptr + (size_t)k * e->V,
+                                       e->B * e->V, tok, err);
         else
-            st = argmax_rows(e, sl, n_draft, tok, err);
+            st = pd_engine_argmax_rows(e, sl, n_draft, tok, err);
         for (int j = 0; j < n_draft && st == PD_OK; j++) {
             dslot[j]->d[k] = tok[j];
             prev[j] = tok[j];
@@ -2524,79 +1945,6 @@ static pd_status draft_steps(pd_engine *e, round_slot **dslot, int n_draft, cons
     return st;
 }
 
-/* Verifies every sampled request of the round on the backend: its target rows of the verify
- * logits vl become distributions (kern_probs), and kern_spec_verify checks its drafts against
- * them and the round's draft distributions (e->smp_q); one upload, one download of two ints per
- * request into slots[i].acc / .next. Each request's uniforms (l accept tests, then the final
- * draw) come from its rng in that order. */
-static pd_status verify_sampled(pd_engine *e, const float *vl, round_slot *slots, int m, pd_err *err)
-{
-    kern_backend *be = e->tm->be;
-    enum { LD = 32 };   /* round_slot.d */
-    int ns = 0, nrow = 0;
-    for (int i = 0; i < m; i++)
-        if (!pd_sample_is_greedy(&slots[i].r->params.sample)) {
-            ns++;
-            nrow += slots[i].l + 1;
-        }
-    if (ns == 0)
-        return PD_OK;
-    /* staging: idx, cfg (per target row), p_row, q_row, len, draft (per request), u, out */
-    size_t o_cfg = align16((size_t)nrow * sizeof(int32_t));
-    size_t o_req = o_cfg + align16((size_t)nrow * sizeof(kern_sample_cfg));
-    size_t o_draft = o_req + align16((size_t)3 * ns * sizeof(int32_t));
-    size_t o_u = o_draft + align16((size_t)ns * LD * sizeof(int32_t));
-    size_t o_out = o_u + align16((size_t)ns * (LD + 1) * sizeof(double));
-    size_t bytes = o_out + (size_t)2 * ns * sizeof(int32_t);
-    char *h = NULL, *d = NULL;
-    TRY(stage_get(e, bytes, &h, &d, err));
-    int32_t *idx = (int32_t *)h, *req = (int32_t *)(h + o_req), *draft = (int32_t *)(h + o_draft);
-    kern_sample_cfg *cfg = (kern_sample_cfg *)(h + o_cfg);
-    double *u = (double *)(h + o_u);
-    int c = 0, row = 0;
-    for (int i = 0; i < m; i++) {
-        round_slot *sl = &slots[i];
-        pd_request *r = sl->r;
-        if (pd_sample_is_greedy(&r->params.sample))
-            continue;
-        req[c] = row;
-        req[ns + c] = sl->l > 0 ? sl->qrow : 0;
-        req[2 * ns + c] = sl->l;
-        for (int j = 0; j <= sl->l; j++, row++) {
-            idx[row] = sl->base + j;
-            cfg[row] = sample_cfg(&r->params.sample);
-        }
-        memcpy(draft + (size_t)c * LD, sl->d, (size_t)sl->l * sizeof(int32_t));
-        for (int j = 0; j <= sl->l; j++)
-            u[(size_t)c * (LD + 1) + j] = pd_rng_uniform(&r->rng);
-        c++;
-    }
-    TRY(kern_upload(be, d, h, o_out, err));
-    TRY(kern_buf_grow(be, &e->smp_p, &e->cap_smp_p, nrow, (size_t)e->V * sizeof(float), err));
-    kern_probs_args pa = { .x = vl, .ld_x = e->V, .idx = (const int32_t *)d,
-                           .cfg = (const kern_sample_cfg *)(d + o_cfg), .rows = nrow, .n = e->V,
-                           .out = e->smp_p->ptr, .ld_out = e->V };
-    TRY(kern_probs(be, &pa, err));
-    const int32_t *dreq = (const int32_t *)(d + o_req);
-    kern_spec_verify_args va = { .p = e->smp_p->ptr, .ld_p = e->V,
-                                 .q = e->smp_q != NULL ? e->smp_q->ptr : NULL, .ld_q = e->V,
-                                 .n = e->V, .n_req = ns, .p_row = dreq, .q_row = dreq + ns,
-                                 .len = dreq + 2 * ns, .draft = (const int32_t *)(d + o_draft),
-                                 .ld_draft = LD, .u = (const double *)(d + o_u), .ld_u = LD + 1,
-                                 .out = (int32_t *)(d + o_out) };
-    TRY(kern_spec_verify(be, &va, err));
-    int32_t *out = (int32_t *)(h + o_out);
-    TRY(kern_download(be, out, d + o_out, (size_t)2 * ns * sizeof(int32_t), err));
-    c = 0;
-    for (int i = 0; i < m; i++)
-        if (!pd_sample_is_greedy(&slots[i].r->params.sample)) {
-            slots[i].acc = out[2 * c];
-            slots[i].next = out[2 * c + 1];
-            c++;
-        }
-    return PD_OK;
-}
-
 static pd_verify_policy request_policy(const pd_engine *e, const pd_request *r)
 {
     if (r->params.verify_policy != PD_VERIFY_DEFAULT)
@@ -2606,13 +1954,13 @@ static pd_verify_policy request_policy(const pd_engine *e, const pd_request *r)
 
 /* Verification lengths from the drafts' confidences: scheduled requests are planned together
  * (Algorithm 1 over the step's batch), threshold requests one by one, full ones keep all. */
-static void choose_lengths(pd_engine *e, round_slot **dslot, int n, const float *conf, double overhead_s,
+static void choose_lengths(pd_engine *e, pd_round_slot **dslot, int n, const float *conf, double overhead_s,
                            int scheduled_all)
 {
     int B = e->B;
     int *maxl = malloc((size_t)n * sizeof(int)), *len = malloc((size_t)n * sizeof(int));
     float *sc = malloc((size_t)n * B * sizeof(float));
-    round_slot **ss = malloc((size_t)n * sizeof(*ss));
+    pd_round_slot **ss = malloc((size_t)n * sizeof(*ss));
     if (maxl == NULL || len == NULL || sc == NULL || ss == NULL)
         goto out;   /* keep full lengths: still lossless */
     int ns = 0;
@@ -2651,7 +1999,7 @@ out:
  * arm is expected to give (pd_sched_set_all_tau); against the arm's record it scales Algorithm
  * 1's accepted part (pd_sched_set_accept; 1 while that record has accepted nothing). Returns 0
  * when the arm has no record yet (nothing set). */
-static int sched_accept(pd_engine *e, const round_slot *slots, int m, const pd_request *hope)
+static int sched_accept(pd_engine *e, const pd_round_slot *slots, int m, const pd_request *hope)
 {
     pd_sched_set_accept(&e->sched, 1.0);
     pd_sched_parts p;
@@ -2685,7 +2033,7 @@ static int sched_accept(pd_engine *e, const round_slot *slots, int m, const pd_r
  * controller's next trial, typically most of a request at batch 1. Returns the request when this
  * round is such a probe (NULL when not); leaves the acceptance factor to the caller's
  * sched_accept. */
-static pd_request *sched_probe(pd_engine *e, const round_slot *slots, int m)
+static pd_request *sched_probe(pd_engine *e, const pd_round_slot *slots, int m)
 {
     /* only small batches: there one request's acceptance moves the choice, and their rows wait
      * in the buffer; a probe of a batch whose rows wait as gaps recomputed them all (6.6 ms at
@@ -2751,12 +2099,12 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     }
     if (n == 0)
         return PD_OK;
-    double t_enter = now_s();
+    double t_enter = pd_engine_now_s();
     e->times.rounds++;
     /* confidence logits are needed only when some request verifies less than everything */
     int want_conf = 0;
     float *conf = NULL, *conf_k = NULL;
-    round_slot *slots = calloc((size_t)n, sizeof(*slots));
+    pd_round_slot *slots = calloc((size_t)n, sizeof(*slots));
     if (slots == NULL)
         return pd_err_set(err, PD_ERR_NOMEM, "round slots");
     pd_status st = PD_OK;
@@ -2820,7 +2168,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         return PD_OK;
     }
     /* ---- scheduled requests: draft this round or not ---- */
-    double t_round = now_s();
+    double t_round = pd_engine_now_s();
     uint64_t cold0 = graph_cold(e);
     int n_sched = 0, sched_mode = -1, sched_probed = 0;
     for (int i = 0; i < m && e->dm != NULL; i++)
@@ -2856,7 +2204,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     int32_t *anchor = malloc((size_t)(n_draft + 1) * 4), *start = malloc((size_t)(n_draft + 1) * 4),
             *prev = malloc((size_t)(n_draft + 1) * 4), *tok = malloc((size_t)(n_draft + 1) * 4);
     pd_kv_seq **dseqs = malloc((size_t)(n_draft + 1) * sizeof(*dseqs));
-    round_slot **dslot = malloc((size_t)(n_draft + 1) * sizeof(*dslot));
+    pd_round_slot **dslot = malloc((size_t)(n_draft + 1) * sizeof(*dslot));
     int32_t *vids = NULL, *vpos = NULL, *vseq = NULL, *vrows = NULL, *vargmax = NULL;
     const float *vl_rows = NULL;   /* the verify logits (backend), for logprobs */
     pd_kv_seq **vseqs = NULL;
@@ -2893,21 +2241,21 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             goto out;
         }
     }
-    e->times.reserve += now_s() - t_enter;
+    e->times.reserve += pd_engine_now_s() - t_enter;
     double flush_sec = 0.0;
     int pend_drafting = 0;
     for (int j = 0; j < n_draft; j++)
         pend_drafting += dslot[j]->r->n_pend;
     if (pend_drafting > 0) {
-        double t_flush = now_s();
+        double t_flush = pd_engine_now_s();
         /* the drafts must see every committed position of their request */
         st = pend_flush(e, PD_FLUSH_DRAFTING, NULL, err);
-        flush_sec = now_s() - t_flush;
+        flush_sec = pd_engine_now_s() - t_flush;
         e->times.flush += flush_sec;
         if (st != PD_OK)
             goto out;
     }
-    double t_draft = now_s(), draft_sec = 0.0;
+    double t_draft = pd_engine_now_s(), draft_sec = 0.0;
     uint64_t cold_draft = graph_cold(e);
     int any_grammar = 0;
     for (int j = 0; j < n_draft; j++)
@@ -2945,7 +2293,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     }
     if (n_draft > 0) {
         /* the draft round just ended with a download, so the host clock saw all of it */
-        draft_sec = now_s() - t_draft;
+        draft_sec = pd_engine_now_s() - t_draft;
         e->times.draft += draft_sec;
         if (graph_cold(e) == cold_draft)   /* a capture says little about the next rounds */
             pd_sched_add_draft(&e->sched, n_draft, draft_sec);
@@ -2983,8 +2331,8 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     /* structured output: each verify row's mask (queued, applied after the forward), the drafts
      * the grammar forces replaced first */
     for (int i = 0; i < m && st == PD_OK; i++)
-        st = mask_rows(e, slots[i].r, slots[i].base, slots[i].d, slots[i].l,
-                       pd_sample_is_greedy(&slots[i].r->params.sample), err);
+        st = pd_engine_mask_rows(e, slots[i].r, slots[i].base, slots[i].d, slots[i].l,
+                                 pd_sample_is_greedy(&slots[i].r->params.sample), err);
     if (st != PD_OK)
         goto out;
     for (int i = 0; i < m; i++) {
@@ -2998,7 +2346,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             vrows[t] = t;
         }
     }
-    double t_verify = now_s();
+    double t_verify = pd_engine_now_s();
     int pended = 0;
     if (m > 0) {
         pd_tok_batch vb = { .n_tok = n_v, .ids = vids, .pos = vpos, .seq = vseq, .n_seq = m,
@@ -3028,19 +2376,19 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         vl_rows = vl;
         for (int i = 0; i < m && st == PD_OK; i++)
             for (int j = 0; j <= slots[i].l && st == PD_OK; j++)
-                st = pen_row(e, slots[i].r, slots[i].base + j, slots[i].d, j, err);
+                st = pd_engine_pen_row(e, slots[i].r, slots[i].base + j, slots[i].d, j, err);
         if (st == PD_OK)
-            st = pen_apply(e, vl, err);
+            st = pd_engine_pen_apply(e, vl, err);
         if (st == PD_OK)
-            st = mask_apply(e, vl, err);
+            st = pd_engine_mask_apply(e, vl, err);
         if (st == PD_OK)
-            st = argmax_rows(e, vl, n_v, vargmax, err);
+            st = pd_engine_argmax_rows(e, vl, n_v, vargmax, err);
         if (st == PD_OK && any_sampled)
-            st = verify_sampled(e, vl, slots, m, err);
+            st = pd_engine_verify_sampled(e, vl, slots, m, err);
         if (st != PD_OK)
             goto out;
     }
-    double t_commit = now_s();
+    double t_commit = pd_engine_now_s();
     e->times.verify += t_commit - t_verify;
     /* ---- accept and commit ---- */
     int n_ext = 0;
@@ -3056,9 +2404,9 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     pd_token_logprobs *round_lps = NULL;
     pd_err lp_err;
     pd_status lp_st = lp_off == NULL ? pd_err_set(&lp_err, PD_ERR_NOMEM, "logprobs offsets")
-                                     : round_logprobs(e, slots, m, vl_rows, lp_off, &round_lps, &lp_err);
+                                     : pd_engine_round_logprobs(e, slots, m, vl_rows, lp_off, &round_lps, &lp_err);
     for (int i = 0; i < m; i++) {
-        round_slot *sl = &slots[i];
+        pd_round_slot *sl = &slots[i];
         pd_request *r = sl->r;
         int l = sl->l, a = sl->n_acc, stop_at = sl->stop_at;
         int32_t bonus = sl->bonus;
@@ -3067,7 +2415,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         int commit = stop_at >= 0 ? stop_at + 1 : a;
         pd_err rerr;
         int cap_before = r->cap_rounds;
-        pd_status rs = grow_host((void **)&r->accepted, &r->cap_rounds, r->n_rounds + 1, sizeof(int), &rerr);
+        pd_status rs = pd_engine_grow_host((void **)&r->accepted, &r->cap_rounds, r->n_rounds + 1, sizeof(int), &rerr);
         if (rs == PD_OK && (r->verified == NULL || r->cap_rounds != cap_before)) {
             int *nv = realloc(r->verified, (size_t)r->cap_rounds * sizeof(int));
             if (nv == NULL)
@@ -3088,7 +2436,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             }
         }
         for (int j = 0; j < commit && rs == PD_OK; j++)
-            rs = push_out(r, sl->d[j], lp != NULL ? &lp[j] : NULL, &rerr);
+            rs = pd_engine_push_out(r, sl->d[j], lp != NULL ? &lp[j] : NULL, &rerr);
         pd_token_logprobs bonus_lp;
         if (lp != NULL && stop_at < 0)
             bonus_lp = lp[a];
@@ -3109,7 +2457,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             r->finish = PD_FINISH_STOP;
         } else {
             r->accepted[r->n_rounds++] = a + 1;
-            if ((rs = push_out(r, bonus, lp != NULL ? &bonus_lp : NULL, &rerr)) != PD_OK) {
+            if ((rs = pd_engine_push_out(r, bonus, lp != NULL ? &bonus_lp : NULL, &rerr)) != PD_OK) {
                 fail_request(r, &rerr);
                 continue;
             }
@@ -3123,7 +2471,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             r->tkv.len = r->anchor_pos + a + 1;
             r->dkv.len = r->tkv.len;
             r->anchor_pos += a + 1;
-            if (ends(e, r, bonus))
+            if (pd_engine_token_ends(e, r, bonus))
                 r->finish = PD_FINISH_STOP;
         }
         if (r->n_out >= r->params.max_new_tokens) {
@@ -3135,20 +2483,20 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     }
     free(round_lps);
     free(lp_off);
-    double t_extend = now_s();
+    double t_extend = pd_engine_now_s();
     e->times.commit += t_extend - t_commit;
     if (!pended && n_ext > 0)
         /* rows of scheduled requests that did not draft wait (until their next drafting round);
          * the others' go in now */
         st = extend_or_defer(e, pd_target_aux(e->target), ext_rows, ext_pos, ext_owner, n_ext, 0, gaps, err);
     free(ext_owner);
-    e->times.extend += now_s() - t_extend;
+    e->times.extend += pd_engine_now_s() - t_extend;
     if (st == PD_OK && sched_mode >= 0) {
         /* the flush is left out: it adds rows that the rounds without drafts put off, work a
          * drafting arm does anyway in its own rounds' extend (which is counted); charging a
          * trial round with every row deferred since the last one made drafting arms look slow
          * in proportion to how long they were not picked */
-        double dt = now_s() - t_round - flush_sec;
+        double dt = pd_engine_now_s() - t_round - flush_sec;
         int cold = graph_cold(e) != cold0;
         if (e->cfg.sched_trace != NULL)
             sched_trace(e, sched_mode, sched_probed, m, slots[0].r->id, round_tokens, n_v, dt, draft_sec,
@@ -3157,7 +2505,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             pd_sched_add(&e->sched, (pd_sched_arm)sched_mode, m, round_tokens, dt, draft_sec, n_v, cold);
     }
 out:
-    e->times.round += now_s() - t_enter;
+    e->times.round += pd_engine_now_s() - t_enter;
     free(conf);
     free(conf_k);
     free(slots);
@@ -3203,12 +2551,12 @@ pd_status pd_engine_step(pd_engine *e, pd_err *err)
         }
     }
     be->batch_invariant = 0;
-    double t0 = now_s();
+    double t0 = pd_engine_now_s();
     /* preempted requests resume (or get pages for their recompute) before new prefill work */
     pd_status st = swap_in_waiting(e, err);
     if (st == PD_OK)
         st = prefill_step(e, err);
-    double t1 = now_s();
+    double t1 = pd_engine_now_s();
     e->times.prefill += t1 - t0;
     if (st == PD_OK) {
         /* decode rounds: a token's numbers must not depend on its batch (lossless in bf16) */
@@ -3216,7 +2564,7 @@ pd_status pd_engine_step(pd_engine *e, pd_err *err)
         st = decode_round(e, err);
         be->batch_invariant = 0;
     }
-    e->times.step += now_s() - t0;
+    e->times.step += pd_engine_now_s() - t0;
     prefix_count(e);
     return st;
 }
@@ -3285,14 +2633,14 @@ static pd_status time_verify(pd_engine *e, int b, int ctx_len, double *out, pd_e
     e->tm->be->batch_invariant = 1;   /* time the kernels decode rounds use */
     for (int it = 0; it < 6 && st == PD_OK; it++) {
         pd_tok_batch vb = { .n_tok = b, .ids = ids, .pos = pos, .seq = seq, .n_seq = n_seq, .seqs = sp };
-        double t0 = now_s();
+        double t0 = pd_engine_now_s();
         st = target_forward(e, &vb, rows, b, err);
         if (st == PD_OK)
-            st = argmax_rows(e, pd_target_logits(e->target), b, rows, err);   /* includes the sync */
+            st = pd_engine_argmax_rows(e, pd_target_logits(e->target), b, rows, err);   /* includes the sync */
         for (int t = 0; t < b; t++)
             rows[t] = t;
         if (it > 0)   /* the first run warms up */
-            times[it - 1] = now_s() - t0;
+            times[it - 1] = pd_engine_now_s() - t0;
     }
     e->tm->be->batch_invariant = inv;
     if (st == PD_OK) {
