@@ -122,4 +122,13 @@ static inline double pd_engine_now_s(void)
  * elements; contents kept. PD_ERR_NOMEM leaves *p and *cap as they were. */
 pd_status pd_engine_grow_host(void **p, int *cap, int need, size_t per, pd_err *err);
 
+/* The forwards of the engine's models: on this thread, or handed to every rank of the
+ * tensor-parallel group (the same batch on each). */
+pd_status pd_engine_target_forward(pd_engine *e, const pd_tok_batch *b, const int32_t *rows, int n,
+                                   pd_err *err);
+pd_status pd_engine_draft_extend(pd_engine *e, const float *aux, const pd_tok_batch *b, pd_err *err);
+
+/* r's verification policy: its own, else the engine's, else full. */
+pd_verify_policy pd_engine_request_policy(const pd_engine *e, const pd_request *r);
+
 #endif
