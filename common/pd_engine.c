@@ -7,6 +7,7 @@
 #include "pd_engine.h"
 #include "pd_engine_internal.h"
 #include "pd_engine_ctx.h"
+#include "pd_engine_kv.h"
 #include "pd_engine_logits.h"
 #include "pd_grammar.h"
 
@@ -353,15 +354,12 @@ err_free:
     return st;
 }
 
-static void prefix_offer(pd_engine *e, pd_request *r);
-static void prefix_count(pd_engine *e);
 
-static void preempt_clear(pd_engine *e, pd_request *r);
 
 static void request_free(pd_engine *e, pd_request *r)
 {
     if (r->tkv.n_pages > 0)
-        prefix_offer(e, r);   /* a request released before a step gave its pages back */
+        pd_engine_prefix_offer(e, r);   /* a request released before a step gave its pages back */
     pd_engine_pend_drop(e, r);   /* its pages go back: its deferred rows are not needed */
     cp_release(e, r);
     pd_kv_seq_release(e->tpool, &r->tkv);
@@ -382,7 +380,7 @@ static void request_free(pd_engine *e, pd_request *r)
     pd_gmatch_destroy(r->gm);
     pd_gmatch_destroy(r->gm_row);
     free(r->first_allow);
-    preempt_clear(e, r);
+    pd_engine_preempt_clear(e, r);
     free(r);
 }
 
@@ -426,24 +424,6 @@ void pd_engine_destroy(pd_engine *e)
     free(e);
 }
 
-/* pages in the cache that only it holds are as good as free: a reservation takes them back
- * (counted after each step, admission and release, not at every read: a scan of the cache) */
-int pd_engine_kv_free_pages(const pd_engine *e)
-{
-    return pd_kv_pool_free_pages(e->tpool) + e->prefix_free;
-}
-
-static void prefix_count(pd_engine *e)
-{
-    e->prefix_free = e->prefix != NULL ? pd_prefix_evictable(e->prefix) : 0;
-}
-/* pages that hold len positions */
-static int pages_of(const pd_kv_pool *pool, int len)
-{
-    int ps = pd_kv_pool_layout(pool)->page_size;
-    return (len + ps - 1) / ps;
-}
-
 int pd_engine_block_size(const pd_engine *e) { return e->B; }
 pd_target *pd_engine_target(pd_engine *e) { return e->target; }
 pd_draft *pd_engine_draft(pd_engine *e) { return e->draft; }
@@ -456,7 +436,6 @@ int pd_engine_active(const pd_engine *e)
     return n;
 }
 
-static pd_status prefix_take(pd_engine *e, pd_request *r, pd_err *err);
 static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, int n_prompt,
                              const pd_gen_params *params, int external, pd_request **out, pd_err *err);
 
@@ -464,7 +443,7 @@ pd_status pd_engine_add(pd_engine *e, uint64_t id, const int32_t *prompt, int n_
                         const pd_gen_params *params, pd_request **out, pd_err *err)
 {
     pd_status st = add_request(e, id, prompt, n_prompt, params, 0, out, err);
-    prefix_count(e);   /* pages it took from the cache (or the cache gave back) */
+    pd_engine_prefix_count(e);   /* pages it took from the cache (or the cache gave back) */
     return st;
 }
 
@@ -580,7 +559,7 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
      * pool answers BUSY here instead, where the caller can queue. */
     if (st == PD_OK && e->prefix != NULL && !external && !params->capture_aux && !params->capture_ctx &&
         !params->prompt_logprobs)
-        st = prefix_take(e, r, err);
+        st = pd_engine_prefix_take(e, r, err);
     /* with preemption (cfg.swap_bytes) only the prompt and a block: the pages grow round by
      * round; a new request waits while a preempted one does, and leaves a little room */
     int grows = e->cfg.swap_bytes > 0 && !params->hold_kv;
@@ -589,8 +568,8 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
     if (st == PD_OK && grows) {
         /* a request that could not finish alone in the pool would wait preempted for ever */
         long full = (long)n_prompt + params->max_new_tokens + e->B + 1;
-        int whole = pages_of(e->tpool, full < e->tm->cfg.max_position_embeddings ? (int)full
-                                                                                 : e->tm->cfg.max_position_embeddings);
+        int whole = pd_engine_pages_of(e->tpool, full < e->tm->cfg.max_position_embeddings
+                                                 ? (int)full : e->tm->cfg.max_position_embeddings);
         if (whole > pd_kv_pool_layout(e->tpool)->n_pages)
             st = pd_err_set(err, PD_ERR_INVALID, "prompt of %d tokens with max_new_tokens %d needs %d KV "
                             "pages, the pool has %d", n_prompt, params->max_new_tokens, whole,
@@ -599,7 +578,7 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
     if (st == PD_OK && grows && e->n_swapped + e->n_recompute > 0)
         st = pd_err_set(err, PD_ERR_BUSY, "%d preempted requests resume first", e->n_swapped + e->n_recompute);
     if (st == PD_OK && grows && pd_engine_active(e) > 0) {
-        int need = pages_of(e->tpool, reserve) - r->tkv.n_pages;
+        int need = pd_engine_pages_of(e->tpool, reserve) - r->tkv.n_pages;
         int watermark = pd_kv_pool_layout(e->tpool)->n_pages / 100;
         if (watermark < 1)
             watermark = 1;
@@ -630,104 +609,6 @@ err_free:
     return st;
 }
 
-/* ---- prefix cache ------------------------------------------------------------------------- */
-
-/* The cached full pages prompt[0..n) starts with, at most all but the last prompt token's (the
- * first token needs one row of the prompt prefilled): their count; *pages (malloc'd, target
- * pages then at [max] the draft pages; NULL when there is nothing to look for) -1 on NOMEM. */
-static int prefix_find(pd_engine *e, const int32_t *prompt, int n, int32_t **pages, int *max)
-{
-    int ps = pd_kv_pool_layout(e->tpool)->page_size;
-    *max = (n - 1) / ps;
-    *pages = NULL;
-    if (*max <= 0)
-        return 0;
-    if ((*pages = malloc((size_t)*max * 2 * sizeof(int32_t))) == NULL)
-        return -1;
-    return pd_prefix_lookup(e->prefix, prompt, n, *max, *pages, e->dpool != NULL ? *pages + *max : NULL);
-}
-
-/* A new request takes the cached full pages its prompt starts with. */
-static pd_status prefix_take(pd_engine *e, pd_request *r, pd_err *err)
-{
-    int ps = pd_kv_pool_layout(e->tpool)->page_size, max_pages;
-    int32_t *tp;
-    int k = prefix_find(e, r->prompt, r->n_prompt, &tp, &max_pages);
-    if (k < 0)
-        return pd_err_set(err, PD_ERR_NOMEM, "prefix lookup");
-    pd_status st = PD_OK;
-    if (k > 0) {
-        st = pd_kv_seq_share(e->tpool, &r->tkv, tp, k, err);
-        if (st == PD_OK && e->dpool != NULL)
-            st = pd_kv_seq_share(e->dpool, &r->dkv, tp + max_pages, k, err);
-        if (st == PD_OK) {
-            r->prefilled = r->cached = k * ps;
-            e->prefix_hits += (uint64_t)r->cached;
-        }
-    }
-    free(tp);
-    return st;
-}
-
-/* Offers r's full pages to the cache once their target and draft K/V are final: the prompt
- * prefilled here or brought by a prefill node, and only pages below the committed length (a finished request's output too,
- * so a conversation's next turn, which repeats it, finds it) and below r's first draft context
- * row still deferred. */
-static void prefix_offer(pd_engine *e, pd_request *r)
-{
-    if (e->prefix == NULL || r->prefilled < r->n_prompt)
-        return;
-    int ps = pd_kv_pool_layout(e->tpool)->page_size;
-    int len = r->tkv.len;
-    if (r->n_pend > 0) {
-        if (r->n_gap > 0 && r->gap_lo < len)
-            len = r->gap_lo;
-        for (int i = 0; i < e->n_pend; i++)
-            if (e->pend_owner[i] == r && e->pend_pos[i] < len)
-                len = e->pend_pos[i];
-    }
-    if (e->dpool != NULL && r->dkv.len < len)
-        len = r->dkv.len;
-    if (len > r->n_prompt + r->n_out)
-        len = r->n_prompt + r->n_out;
-    int n = len / ps;
-    if (n > r->tkv.n_pages)
-        n = r->tkv.n_pages;
-    if (e->dpool != NULL && n > r->dkv.n_pages)
-        n = r->dkv.n_pages;
-    if (n <= r->offered)   /* nothing new since the last offer (a held request, every step) */
-        return;
-    r->offered = n;
-    const int32_t *toks = r->prompt;
-    int32_t *all = NULL;
-    if (n * ps > r->n_prompt) {   /* prompt + output */
-        if ((all = malloc((size_t)n * ps * sizeof(int32_t))) == NULL)
-            return;   /* nothing is lost: the pages are simply not cached */
-        memcpy(all, r->prompt, (size_t)r->n_prompt * sizeof(int32_t));
-        memcpy(all + r->n_prompt, r->out, (size_t)(n * ps - r->n_prompt) * sizeof(int32_t));
-        toks = all;
-    }
-    pd_prefix_insert(e->prefix, toks, n, r->tkv.pages, e->dpool != NULL ? r->dkv.pages : NULL);
-    free(all);
-}
-
-int pd_engine_prefix_cached(pd_engine *e, const int32_t *prompt, int n)
-{
-    if (e->prefix == NULL)
-        return 0;
-    int32_t *pages;
-    int max, k = prefix_find(e, prompt, n, &pages, &max);
-    free(pages);
-    return k > 0 ? k * pd_kv_pool_layout(e->tpool)->page_size : 0;
-}
-
-void pd_engine_prefix_stats(const pd_engine *e, int *evictable, int *entries, uint64_t *hit_tokens)
-{
-    *evictable = e->prefix != NULL ? pd_prefix_evictable(e->prefix) : 0;
-    *entries = e->prefix != NULL ? pd_prefix_entries(e->prefix) : 0;
-    *hit_tokens = e->prefix_hits;
-}
-
 static void fail_request(pd_request *r, const pd_err *why)
 {
     r->finish = PD_FINISH_ERROR;
@@ -737,7 +618,7 @@ static void fail_request(pd_request *r, const pd_err *why)
 
 /* ---- forwards: on this thread, or handed to every rank of the tensor-parallel group ------- */
 
-static pd_status tp_run(pd_engine *e, pd_tp_cmd *c, pd_err *err)
+pd_status pd_engine_tp_run(pd_engine *e, pd_tp_cmd *c, pd_err *err)
 {
     c->batch_invariant = e->tm->be->batch_invariant;
     return pd_tp_group_run(e->tp, c, err);
@@ -749,7 +630,7 @@ pd_status pd_engine_target_forward(pd_engine *e, const pd_tok_batch *b, const in
     if (e->tp == NULL)
         return pd_target_forward(e->target, b, rows, n, err);
     pd_tp_cmd c = { .op = PD_TP_TARGET_FORWARD, .b = b, .rows = rows, .n_rows = n };
-    return tp_run(e, &c, err);
+    return pd_engine_tp_run(e, &c, err);
 }
 
 pd_status pd_engine_draft_extend(pd_engine *e, const float *aux, const pd_tok_batch *b, pd_err *err)
@@ -757,7 +638,7 @@ pd_status pd_engine_draft_extend(pd_engine *e, const float *aux, const pd_tok_ba
     if (e->tp == NULL)
         return pd_draft_extend(e->draft, aux, e->aux_dim, b, err);
     pd_tp_cmd c = { .op = PD_TP_DRAFT_EXTEND, .b = b, .aux = aux, .ld_aux = e->aux_dim };
-    return tp_run(e, &c, err);
+    return pd_engine_tp_run(e, &c, err);
 }
 
 static pd_status draft_block(pd_engine *e, int n_req, const int32_t *anchor, const int32_t *start,
@@ -767,7 +648,7 @@ static pd_status draft_block(pd_engine *e, int n_req, const int32_t *anchor, con
         return pd_draft_block(e->draft, n_req, anchor, start, seqs, err);
     pd_tp_cmd c = { .op = PD_TP_DRAFT_BLOCK, .n_req = n_req, .anchor = anchor, .start = start,
                     .seqs = seqs };
-    return tp_run(e, &c, err);
+    return pd_engine_tp_run(e, &c, err);
 }
 
 static pd_status markov_step(pd_engine *e, int k, const int32_t *prev, float *conf_out, pd_err *err)
@@ -775,7 +656,7 @@ static pd_status markov_step(pd_engine *e, int k, const int32_t *prev, float *co
     if (e->tp == NULL)
         return pd_draft_markov_step(e->draft, k, prev, conf_out, err);
     pd_tp_cmd c = { .op = PD_TP_MARKOV_STEP, .k = k, .prev = prev, .conf_out = conf_out };
-    return tp_run(e, &c, err);
+    return pd_engine_tp_run(e, &c, err);
 }
 
 /* The scheduled policy's per-request acceptance (sched_accept): discount per whole-block round
@@ -968,7 +849,7 @@ pd_status pd_engine_complete_prefill_mode(pd_engine *e, pd_request *r, int32_t f
     if (!pd_sample_is_greedy(&r->params.sample))
         (void)pd_rng_uniform(&r->rng);
     TRY(commit_first(e, r, first_token, r->params.logprobs ? first_lp : NULL, err));
-    prefix_offer(e, r);   /* its prompt pages are final: a sibling may take them at once */
+    pd_engine_prefix_offer(e, r);   /* its prompt pages are final: a sibling may take them at once */
     return PD_OK;
 }
 
@@ -1124,7 +1005,7 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
         r->tkv.len = r->anchor_pos;
         r->dkv.len = r->anchor_pos;
         r->prefilled = r->n_prompt;
-        preempt_clear(e, r);
+        pd_engine_preempt_clear(e, r);
     }
     /* prefill nodes keep the packed aux rows (or the draft context features) of their prompts,
      * in global token order */
@@ -1176,7 +1057,7 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
             goto out;
         if ((st = commit_first(e, done[i], first[i], done[i]->params.logprobs ? &lp : NULL, err)) != PD_OK)
             goto out;
-        prefix_offer(e, done[i]);
+        pd_engine_prefix_offer(e, done[i]);
     }
 out:
     free(ids);
@@ -1210,208 +1091,6 @@ static pd_status prefill_step(pd_engine *e, pd_err *err)
         total += n;
     } while (solo && n > 0 && total < budget);
     return PD_OK;
-}
-
-/* ---- preemption (cfg.swap_bytes): a running request's KV to host memory and back ---------- */
-
-/* r runs decode rounds (prefilled, a first token, not preempted) */
-static int decoding(const pd_request *r)
-{
-    return r->finish == PD_FINISH_NONE && r->swap == NULL && !r->recompute && r->prefilled == r->n_prompt &&
-           r->n_out > 0;
-}
-
-/* Counts a preemption; warns at the first and every 1000th (as vLLM warns, not per event). */
-static void preempt_note(pd_engine *e, const char *how)
-{
-    e->n_preempt++;
-    if (e->n_preempt == 1 || e->n_preempt % 1000 == 0)
-        PD_LOG_WARN("engine", "the KV pool ran out: %llu preemptions so far (%s); more pages make them rarer",
-                    (unsigned long long)e->n_preempt, how);
-}
-
-/* r is preempted no more (resumed, ended or freed): its host copy goes, its counts drop. */
-static void preempt_clear(pd_engine *e, pd_request *r)
-{
-    if (r->recompute) {
-        e->n_recompute--;
-        r->recompute = 0;
-    }
-    if (r->swap != NULL) {
-        e->swap_used -= r->swap_bytes;
-        e->n_swapped--;
-        free(r->swap);
-        r->swap = NULL;
-        r->swap_bytes = 0;
-    }
-}
-
-/* r (without pages) gets pages for want positions in both pools if that leaves spare free
- * pages (the cache's evictable entries hold a target and a draft page each: free for the
- * asking); 1 when it did, 0 (nothing held) when it must wait. */
-static int take_pages(pd_engine *e, pd_request *r, int want, int spare)
-{
-    if (pd_engine_kv_free_pages(e) - pages_of(e->tpool, want) < spare ||
-        (e->dpool != NULL && pd_kv_pool_free_pages(e->dpool) + e->prefix_free - pages_of(e->dpool, want) < spare))
-        return 0;
-    pd_err rerr;
-    if (pd_kv_seq_reserve(e->tpool, &r->tkv, want, &rerr) == PD_OK &&
-        (e->dpool == NULL || pd_kv_seq_reserve(e->dpool, &r->dkv, want, &rerr) == PD_OK))
-        return 1;
-    pd_kv_seq_release(e->tpool, &r->tkv);
-    if (e->dpool != NULL)
-        pd_kv_seq_release(e->dpool, &r->dkv);
-    return 0;
-}
-
-/* The host layout of a preempted request's nt target and nd draft pages: this engine's pools
- * (rank 0's), then each tensor-parallel worker's; part[k] = where rank k's part starts (NULL: not
- * wanted). Returns the total bytes. */
-static size_t swap_layout(const pd_engine *e, int nt, int nd, size_t *part)
-{
-    size_t off = pd_kv_pair_bytes(e->tpool, nt, e->dpool, nd);
-    if (part != NULL)
-        part[0] = 0;
-    for (int k = 1; e->tp != NULL && k < pd_tp_group_size(e->tp); k++) {
-        if (part != NULL)
-            part[k] = off;
-        off += pd_tp_group_kv_bytes(e->tp, k, nt, nd);
-    }
-    return off;
-}
-
-/* Copies r's first nt target and nd draft pages of every rank between the pools and host
- * (swap_layout), to_host 1 downloading. */
-static pd_status swap_copy(pd_engine *e, pd_request *r, int nt, int nd, char *host, int to_host, pd_err *err)
-{
-    size_t part[PD_TP_MAX_SIZE];
-    swap_layout(e, nt, nd, part);
-    TRY(pd_kv_pair_copy(e->tpool, &r->tkv, nt, e->dpool, &r->dkv, nd, host, to_host, err));
-    if (e->tp == NULL)
-        return PD_OK;
-    char *at[PD_TP_MAX_SIZE] = { 0 };
-    for (int k = 1; k < pd_tp_group_size(e->tp); k++)
-        at[k] = host + part[k];
-    pd_tp_cmd c = { .op = PD_TP_KV_COPY, .tseq = &r->tkv, .dseq = &r->dkv, .n_tpages = nt, .n_dpages = nd,
-                    .host = at, .to_host = to_host };
-    return tp_run(e, &c, err);
-}
-
-/* Preempts r: its deferred draft rows are added first (its draft KV is then whole), then the
- * pages holding its committed positions are copied to host memory and every page is given back.
- * PD_ERR_BUSY when the swap space cannot take it (nothing changed then). */
-static pd_status swap_out(pd_engine *e, pd_request *r, pd_err *err)
-{
-    if (r->n_pend > 0)
-        TRY(pd_engine_pend_flush(e, PD_FLUSH_REQUEST, r, err));
-    int nt = pages_of(e->tpool, r->tkv.len), nd = e->dpool != NULL ? pages_of(e->dpool, r->dkv.len) : 0;
-    size_t bytes = swap_layout(e, nt, nd, NULL);
-    if (e->swap_used + bytes > e->cfg.swap_bytes)
-        return pd_err_set(err, PD_ERR_BUSY, "swap space full: %zu of %zu bytes used, %zu more needed",
-                          e->swap_used, e->cfg.swap_bytes, bytes);
-    char *host = malloc(bytes > 0 ? bytes : 1);
-    if (host == NULL)
-        return pd_err_set(err, PD_ERR_NOMEM, "swap: %zu bytes", bytes);
-    pd_status st = swap_copy(e, r, nt, nd, host, 1, err);
-    if (st != PD_OK) {
-        free(host);
-        return st;
-    }
-    r->swap = host;
-    r->swap_bytes = bytes;
-    r->swap_tlen = r->tkv.len;
-    r->swap_dlen = r->dkv.len;
-    pd_kv_seq_release(e->tpool, &r->tkv);
-    if (e->dpool != NULL)
-        pd_kv_seq_release(e->dpool, &r->dkv);
-    e->swap_used += bytes;
-    e->n_swapped++;
-    PD_LOG_DEBUG("engine", "request %llu preempted: %d + %d KV pages (%zu bytes) to host memory, %d "
-                 "preempted now", (unsigned long long)r->id, nt, nd, bytes, e->n_swapped);
-    preempt_note(e, "a request's KV waits in host memory until pages free up");
-    return PD_OK;
-}
-
-/* Preempts r without a host copy (the swap space is full): its deferred draft rows and every
- * page go back; it waits for pages (recompute 1), then the prefill computes its positions
- * before the anchor again (recompute 2) and it decodes on. */
-static void recompute_out(pd_engine *e, pd_request *r)
-{
-    pd_engine_pend_drop(e, r);
-    pd_kv_seq_release(e->tpool, &r->tkv);
-    if (e->dpool != NULL)
-        pd_kv_seq_release(e->dpool, &r->dkv);
-    r->recompute = 1;
-    r->prefilled = 0;
-    r->external = 0;   /* its prefill is done here now */
-    e->n_recompute++;
-    PD_LOG_DEBUG("engine", "request %llu preempted for recompute (%d positions; the swap space is full)",
-                 (unsigned long long)r->id, r->anchor_pos);
-    preempt_note(e, "the swap space is full: a request's KV is prefilled again");
-}
-
-/* Resumes r when the pools have room for its pages and its next round, leaving spare free
- * pages; 1 when it did, 0 when it must wait (*st: an error of the copy). */
-static int swap_in(pd_engine *e, pd_request *r, int spare, pd_err *err, pd_status *st)
-{
-    *st = PD_OK;
-    if (!take_pages(e, r, r->anchor_pos + e->B + 1, spare))
-        return 0;
-    *st = swap_copy(e, r, pages_of(e->tpool, r->swap_tlen), e->dpool != NULL ? pages_of(e->dpool, r->swap_dlen) : 0,
-                    r->swap, 0, err);
-    if (*st != PD_OK)
-        return 0;
-    r->tkv.len = r->swap_tlen;
-    r->dkv.len = r->swap_dlen;
-    preempt_clear(e, r);
-    PD_LOG_DEBUG("engine", "request %llu resumed: its KV back from host memory (%d preempted now)",
-                 (unsigned long long)r->id, e->n_swapped);
-    return 1;
-}
-
-/* Preempted requests resume in admission order (none passes one that waits), each leaving
- * free the pages that a round may add to every running request (so that it is not preempted
- * again at once). */
-static pd_status swap_in_waiting(pd_engine *e, pd_err *err)
-{
-    if (e->n_swapped + e->n_recompute == 0)
-        return PD_OK;
-    int running = 0, per_round = pages_of(e->tpool, e->B + 1) + 1;
-    for (int i = 0; i < e->n_reqs; i++)
-        running += decoding(e->reqs[i]);
-    for (int i = 0; i < e->n_reqs && e->n_swapped + e->n_recompute > 0; i++) {
-        pd_request *r = e->reqs[i];
-        if (r->finish != PD_FINISH_NONE || (r->swap == NULL && r->recompute != 1))
-            continue;
-        pd_status st = PD_OK;
-        if (r->swap != NULL && !swap_in(e, r, running * per_round, err, &st))
-            return st;
-        if (r->recompute == 1) {
-            /* pages for its context and a round; the prefill fills them */
-            if (!take_pages(e, r, r->anchor_pos + e->B + 1, running * per_round))
-                return PD_OK;
-            r->recompute = 2;
-        }
-        running++;
-    }
-    return PD_OK;
-}
-
-/* The victim when the pool runs out for reqs[i]: the running request admitted last (from i on,
- * so no request already in the round's batch), possibly reqs[i] itself; NULL: none. */
-static pd_request *swap_victim(pd_engine *e, int i)
-{
-    for (int j = e->n_reqs - 1; j >= i; j--)
-        if (decoding(e->reqs[j]) && !e->reqs[j]->params.hold_kv)
-            return e->reqs[j];
-    return NULL;
-}
-
-void pd_engine_swap_stats(const pd_engine *e, uint64_t *preemptions, int *swapped, size_t *bytes)
-{
-    *preemptions = e->n_preempt;
-    *swapped = e->n_swapped;
-    *bytes = e->swap_used;
 }
 
 /* ---- one speculative round over every running request ------------------------------------ */
@@ -1668,7 +1347,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     int m = 0;
     for (int i = 0; i < e->n_reqs; i++) {
         pd_request *r = e->reqs[i];
-        if (!decoding(r))
+        if (!pd_engine_request_decoding(r))
             continue;
         int p = r->anchor_pos;
         if (p >= max_pos) {
@@ -1688,11 +1367,11 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             if (rs != PD_ERR_BUSY || e->cfg.swap_bytes == 0)
                 break;
             /* the pool ran out: preempt the request admitted last (r itself when it is) */
-            pd_request *v = swap_victim(e, i);
+            pd_request *v = pd_engine_swap_victim(e, i);
             pd_err serr;
-            pd_status ss = v != NULL ? swap_out(e, v, &serr) : PD_ERR_BUSY;
+            pd_status ss = v != NULL ? pd_engine_swap_out(e, v, &serr) : PD_ERR_BUSY;
             if (ss == PD_ERR_BUSY && v != NULL && e->cp_n <= 1) {
-                recompute_out(e, v);   /* no room in the swap space: its KV is given up */
+                pd_engine_recompute_out(e, v);   /* no room in the swap space: its KV is given up */
                 ss = PD_OK;
             }
             if (ss != PD_OK) {
@@ -2090,7 +1769,7 @@ pd_status pd_engine_step(pd_engine *e, pd_err *err)
          * (its draft KV is then complete), the others' are dropped, so nothing writes into
          * pages given back */
         if (r->finish != PD_FINISH_NONE && r->tkv.n_pages > 0)
-            prefix_offer(e, r);
+            pd_engine_prefix_offer(e, r);
         if (r->finish != PD_FINISH_NONE && r->n_pend > 0) {
             if (r->params.hold_kv)
                 TRY(pd_engine_pend_flush(e, PD_FLUSH_REQUEST, r, err));
@@ -2098,7 +1777,7 @@ pd_status pd_engine_step(pd_engine *e, pd_err *err)
                 pd_engine_pend_drop(e, r);
         }
         if (r->finish != PD_FINISH_NONE)
-            preempt_clear(e, r);   /* a preempted request that was cancelled or failed */
+            pd_engine_preempt_clear(e, r);   /* a preempted request that was cancelled or failed */
         if (r->finish != PD_FINISH_NONE && !r->params.hold_kv) {
             /* finished requests give their pages back at once */
             pd_kv_seq_release(e->tpool, &r->tkv);
@@ -2110,7 +1789,7 @@ pd_status pd_engine_step(pd_engine *e, pd_err *err)
     be->batch_invariant = 0;
     double t0 = pd_engine_now_s();
     /* preempted requests resume (or get pages for their recompute) before new prefill work */
-    pd_status st = swap_in_waiting(e, err);
+    pd_status st = pd_engine_swap_in_waiting(e, err);
     if (st == PD_OK)
         st = prefill_step(e, err);
     double t1 = pd_engine_now_s();
@@ -2122,7 +1801,7 @@ pd_status pd_engine_step(pd_engine *e, pd_err *err)
         be->batch_invariant = 0;
     }
     e->times.step += pd_engine_now_s() - t0;
-    prefix_count(e);
+    pd_engine_prefix_count(e);
     return st;
 }
 
@@ -2148,7 +1827,7 @@ void pd_engine_release(pd_engine *e, pd_request *r)
             memmove(&e->reqs[i], &e->reqs[i + 1], (size_t)(e->n_reqs - i - 1) * sizeof(*e->reqs));
             e->n_reqs--;
             request_free(e, r);
-            prefix_count(e);
+            pd_engine_prefix_count(e);
             return;
         }
 }
