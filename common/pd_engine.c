@@ -10,6 +10,7 @@
 #include "pd_engine_kv.h"
 #include "pd_engine_logits.h"
 #include "pd_engine_prefill.h"
+#include "pd_engine_sched.h"
 #include "pd_grammar.h"
 
 #include "pd_graph.h"
@@ -525,20 +526,6 @@ static pd_status markov_step(pd_engine *e, int k, const int32_t *prev, float *co
     return pd_engine_tp_run(e, &c, err);
 }
 
-/* The scheduled policy's per-request acceptance (sched_accept): discount per whole-block round
- * of the request, and the rounds of the arm's own figure a request starts from. */
-#define PD_REQ_ACCEPT_DECAY 0.9
-#define PD_REQ_ACCEPT_PRIOR 2.0
-/* the share of its drafts a probed request is hoped to accept, and the whole-block rounds a
- * request is probed for (sched_probe): one round's acceptance says little (a request that
- * accepts 3 of 7 drafts on average accepts none in about a third of its rounds) */
-#define PD_PROBE_ACCEPT 0.75
-#define PD_PROBE_ROUNDS 3
-/* a request that ran this many rounds in a row without drafts is probed again: without drafts
- * its record never changes, and a few unlucky rounds had kept well-accepting requests off
- * drafts for the rest of their lives (batch 1 on the H200) */
-#define PD_REPROBE_PLAIN 16
-
 /* ---- one speculative round over every running request ------------------------------------ */
 
 /* What a slot's verify decided, into sl->n_acc, bonus and stop_at. */
@@ -625,145 +612,6 @@ static pd_status draft_steps(pd_engine *e, pd_round_slot **dslot, int n_draft, c
     }
     free(owner);
     return st;
-}
-
-pd_verify_policy pd_engine_request_policy(const pd_engine *e, const pd_request *r)
-{
-    if (r->params.verify_policy != PD_VERIFY_DEFAULT)
-        return r->params.verify_policy;
-    return e->cfg.verify_policy != PD_VERIFY_DEFAULT ? e->cfg.verify_policy : PD_VERIFY_FULL;
-}
-
-/* Verification lengths from the drafts' confidences: scheduled requests are planned together
- * (Algorithm 1 over the step's batch), threshold requests one by one, full ones keep all. */
-static void choose_lengths(pd_engine *e, pd_round_slot **dslot, int n, const float *conf, double overhead_s,
-                           int scheduled_all)
-{
-    int B = e->B;
-    int *maxl = malloc((size_t)n * sizeof(int)), *len = malloc((size_t)n * sizeof(int));
-    float *sc = malloc((size_t)n * B * sizeof(float));
-    pd_round_slot **ss = malloc((size_t)n * sizeof(*ss));
-    if (maxl == NULL || len == NULL || sc == NULL || ss == NULL)
-        goto out;   /* keep full lengths: still lossless */
-    int ns = 0;
-    for (int j = 0; j < n; j++) {
-        pd_request *r = dslot[j]->r;
-        pd_verify_policy p = pd_engine_request_policy(e, r);
-        if (p == PD_VERIFY_THRESHOLD) {
-            float t = r->params.verify_threshold > 0.0f ? r->params.verify_threshold
-                      : (e->cfg.verify_threshold > 0.0f ? e->cfg.verify_threshold : 0.5f);
-            int ml = dslot[j]->l, l = ml;
-            pd_verify_choose(p, 1, B, conf + (size_t)j * B, &ml, e->cfg.calib, t, NULL, 0.0, &l);
-            dslot[j]->l = l;
-        } else if (p == PD_VERIFY_SCHEDULED && !scheduled_all) {
-            memcpy(sc + (size_t)ns * B, conf + (size_t)j * B, (size_t)B * sizeof(float));
-            maxl[ns] = dslot[j]->l;
-            ss[ns++] = dslot[j];
-        }
-    }
-    if (ns > 0) {
-        pd_verify_choose(PD_VERIFY_SCHEDULED, ns, B, sc, maxl, e->cfg.calib, 0.0f,
-                         e->cfg.sps != NULL ? e->cfg.sps : &e->sps_default, overhead_s, len);
-        for (int j = 0; j < ns; j++)
-            ss[j]->l = len[j];
-    }
-out:
-    free(maxl);
-    free(len);
-    free(sc);
-    free(ss);
-}
-
-/* How the scheduled requests of this round accept drafts, for the drafting arms' estimates:
- * each request's tokens per whole-block round, with PD_REQ_ACCEPT_PRIOR rounds of the
- * all-drafts arm's own figure mixed in (a new request is average); a request named in hope
- * instead counts as accepting PD_PROBE_ACCEPT of its drafts. Their mean is what the all-drafts
- * arm is expected to give (pd_sched_set_all_tau); against the arm's record it scales Algorithm
- * 1's accepted part (pd_sched_set_accept; 1 while that record has accepted nothing). Returns 0
- * when the arm has no record yet (nothing set). */
-static int sched_accept(pd_engine *e, const pd_round_slot *slots, int m, const pd_request *hope)
-{
-    pd_sched_set_accept(&e->sched, 1.0);
-    pd_sched_parts p;
-    pd_sched_parts_of(&e->sched, PD_SCHED_ALL, m, &p);
-    if (p.rate < 0.0)
-        return 0;
-    double sum = 0.0;
-    int n = 0;
-    for (int i = 0; i < m; i++) {
-        const pd_request *r = slots[i].r;
-        if (slots[i].l == 0 || pd_engine_request_policy(e, r) != PD_VERIFY_SCHEDULED)
-            continue;
-        sum += r == hope ? 1.0 + PD_PROBE_ACCEPT * e->B
-                         : (PD_REQ_ACCEPT_PRIOR * p.tau + r->acc_tok) / (PD_REQ_ACCEPT_PRIOR + r->acc_rounds);
-        n++;
-    }
-    if (n > 0) {
-        double tau = sum / n;
-        pd_sched_set_accept(&e->sched, p.tau > 1.0 + 1e-6 ? (tau - 1.0) / (p.tau - 1.0) : 1.0);
-        pd_sched_set_all_tau(&e->sched, tau);
-    }
-    return 1;
-}
-
-/* A scheduled request that has decoded without verifying PD_PROBE_ROUNDS whole blocks is tried
- * with all drafts (up to PD_PROBE_ROUNDS times, the later ones only while its whole blocks gave
- * 1.5 tokens a round or more; again after PD_REPROBE_PLAIN rounds without drafts) when, were it
- * to accept most of them, the all-drafts arm would beat no drafts for this round's batch (one
- * request in a batch of many never tips it; alone it may): its own acceptance then steers
- * sched_accept, where it would otherwise start from the arm's record and wait for the
- * controller's next trial, typically most of a request at batch 1. Returns the request when this
- * round is such a probe (NULL when not); leaves the acceptance factor to the caller's
- * sched_accept. */
-static pd_request *sched_probe(pd_engine *e, const pd_round_slot *slots, int m)
-{
-    /* only small batches: there one request's acceptance moves the choice, and their rows wait
-     * in the buffer; a probe of a batch whose rows wait as gaps recomputed them all (6.6 ms at
-     * C = 32 on the tiny pair), and probing requests one by one there made them a third of
-     * the rounds at C = 8 */
-    if (m >= pd_engine_gap_min_batch(e))
-        return NULL;
-    for (int i = 0; i < m; i++)
-        if (slots[i].r->n_gap > 0)
-            return NULL;
-    pd_request *cand = NULL;
-    for (int i = 0; i < m && cand == NULL; i++) {
-        pd_request *r = slots[i].r;
-        if (slots[i].l > 0 && r->n_rounds >= 1 && pd_engine_request_policy(e, r) == PD_VERIFY_SCHEDULED &&
-            ((r->n_probed < PD_PROBE_ROUNDS && r->n_whole < PD_PROBE_ROUNDS &&
-              (r->n_whole == 0 || r->acc_tok >= 1.5 * r->acc_rounds)) ||
-             r->plain_streak >= PD_REPROBE_PLAIN))
-            cand = r;
-    }
-    if (cand == NULL)
-        return NULL;
-    if (!sched_accept(e, slots, m, cand))   /* no record yet: the controller tries the arm */
-        return NULL;
-    if (cand->n_probed < PD_PROBE_ROUNDS && cand->n_whole < PD_PROBE_ROUNDS)
-        cand->n_probed++;   /* PD_PROBE_ROUNDS first chances, whatever the answers */
-    else
-        cand->plain_streak = 0;   /* and one per PD_REPROBE_PLAIN rounds without drafts (a
-                                   * re-probe never counted as a first one: that had made the
-                                   * count depend on timing, test_engine under load) */
-    return e->cfg.sched_probe_always || pd_sched_all_wins(&e->sched, m) ? cand : NULL;
-}
-
-/* One line of the scheduled policy's trace (pd_engine_config.sched_trace): the round, its
- * requests, the arm (p = a probe), the estimates of the three arms at this batch and the
- * acceptance factor they were taken at, then what the round gave and took. */
-static void sched_trace(pd_engine *e, int arm, int probe, int m, uint64_t first_id, int tokens, int n_v,
-                        double dt, double draft_s, double flush_s, int cold)
-{
-    FILE *f = e->cfg.sched_trace;
-    if (!e->trace_head++)
-        fprintf(f, "round m arm est_plain est_algo1 est_all accept_f tokens verify_tok round_us draft_us "
-                   "flush_us cold pend_live first_id\n");
-    static const char arm_name[PD_SCHED_ARMS] = { 'P', 'A', 'F' };
-    fprintf(f, "%ld %d %c%s %.0f %.0f %.0f %.3f %d %d %.1f %.1f %.1f %d %d %llu\n", e->times.rounds, m,
-            arm_name[arm], probe ? "p" : "", pd_sched_estimate(&e->sched, PD_SCHED_PLAIN, m),
-            pd_sched_estimate(&e->sched, PD_SCHED_ALGO1, m), pd_sched_estimate(&e->sched, PD_SCHED_ALL, m),
-            e->sched.accept_f, tokens, n_v, dt * 1e6, draft_s * 1e6, flush_s * 1e6, cold, e->pend_live,
-            (unsigned long long)first_id);
 }
 
 static uint64_t graph_cold(const pd_engine *e)
@@ -856,9 +704,9 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     for (int i = 0; i < m && e->dm != NULL; i++)
         n_sched += slots[i].l > 0 && pd_engine_request_policy(e, slots[i].r) == PD_VERIFY_SCHEDULED;
     if (n_sched > 0) {
-        pd_request *probe = e->cfg.sched_debug_arm <= 0 ? sched_probe(e, slots, m) : NULL;
+        pd_request *probe = e->cfg.sched_debug_arm <= 0 ? pd_engine_sched_probe(e, slots, m) : NULL;
         sched_probed = probe != NULL;
-        sched_accept(e, slots, m, NULL);
+        pd_engine_sched_accept(e, slots, m, NULL);
         pd_sched_set_switch(&e->sched, pd_engine_switch_cost(e));
         if (e->cfg.sched_debug_arm > 0) {
             sched_mode = e->cfg.sched_debug_arm - 1;
@@ -980,7 +828,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         if (graph_cold(e) == cold_draft)   /* a capture says little about the next rounds */
             pd_sched_add_draft(&e->sched, n_draft, draft_sec);
         if (want_conf) {
-            choose_lengths(e, dslot, n_draft, conf, pd_sched_draft_s(&e->sched, m), sched_mode == PD_SCHED_ALL);
+            pd_engine_choose_lengths(e, dslot, n_draft, conf, pd_sched_draft_s(&e->sched, m), sched_mode == PD_SCHED_ALL);
             for (int j = 0; j < n_draft; j++) {
                 pd_request *r = dslot[j]->r;
                 if (!r->params.record_confidence)
@@ -1181,8 +1029,8 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         double dt = pd_engine_now_s() - t_round - flush_sec;
         int cold = graph_cold(e) != cold0;
         if (e->cfg.sched_trace != NULL)
-            sched_trace(e, sched_mode, sched_probed, m, slots[0].r->id, round_tokens, n_v, dt, draft_sec,
-                        flush_sec, cold);
+            pd_engine_sched_trace(e, sched_mode, sched_probed, m, slots[0].r->id, round_tokens, n_v, dt, draft_sec,
+                                  flush_sec, cold);
         if (dt > 0.0)
             pd_sched_add(&e->sched, (pd_sched_arm)sched_mode, m, round_tokens, dt, draft_sec, n_v, cold);
     }

@@ -7,11 +7,12 @@
  *   full buffer is compacted or flushed.
  * Owns: the deferred buffer (e->pend_*), the requests' gaps and counts of waiting rows, the
  *   measured seconds per added row (the scheduler's switch cost), the draft KV extension.
- * Not here: when a round drafts and each request's policy (pd_engine.c), the forwards
- *   themselves (pd_engine.c, pd_dspark.c).
+ * Not here: when a round drafts (pd_engine.c) and each request's policy (pd_engine_sched.c),
+ *   the forwards themselves (pd_engine.c, pd_dspark.c).
  * Threading: the engine's thread only. */
 #include "pd_engine_ctx.h"
 
+#include "pd_engine_sched.h"
 #include "pd_graph.h"
 
 #include <stdint.h>

@@ -130,7 +130,4 @@ pd_status pd_engine_draft_extend(pd_engine *e, const float *aux, const pd_tok_ba
 /* Runs c on every rank of the tensor-parallel group (e->tp), with this round's kernels. */
 pd_status pd_engine_tp_run(pd_engine *e, pd_tp_cmd *c, pd_err *err);
 
-/* r's verification policy: its own, else the engine's, else full. */
-pd_verify_policy pd_engine_request_policy(const pd_engine *e, const pd_request *r);
-
 #endif
