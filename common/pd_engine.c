@@ -2,30 +2,35 @@
  *   + Markov loop, one ragged verify forward, lossless acceptance, commit (see pd_engine.h).
  * No request moves logits to the host: greedy ones take the backend's argmax, sampled ones
  *   the backend's sampling ops (kern_probs, kern_sample, kern_spec_verify) with uniforms drawn
- *   from their own rng here; only token ids come back.
+ *   from their own rng on the host; only token ids come back.
+ * Owns: an engine's creation and destruction, admission (checks, page reservation), the step
+ *   (finished requests' pages, then prefill, then one decode round), the decode round (pages or
+ *   preemption, draft block and Markov steps, verify, acceptance, commit), the forwards on this
+ *   thread or the tensor-parallel group, the public accessors.
+ * Not here: the engine's other parts, which share pd_engine_internal.h: the logits pipeline
+ *   (pd_engine_logits.c), the draft context rows not added yet (pd_engine_ctx.c), the prefix
+ *   cache's part and preemption (pd_engine_kv.c), prefill and context parallelism
+ *   (pd_engine_prefill.c), the verification policies (pd_engine_sched.c), the SPS profile
+ *   (pd_engine_sps.c).
  * Threading: one thread drives an engine. */
 #include "pd_engine.h"
-#include "pd_engine_internal.h"
+
 #include "pd_engine_ctx.h"
+#include "pd_engine_internal.h"
 #include "pd_engine_kv.h"
 #include "pd_engine_logits.h"
 #include "pd_engine_prefill.h"
 #include "pd_engine_sched.h"
 #include "pd_grammar.h"
-
 #include "pd_graph.h"
-
 #include "pd_log.h"
 #include "pd_prefix.h"
 
 #include <limits.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
-#include <time.h>
 
 const char *pd_finish_reason_str(pd_finish_reason r)
 {
@@ -538,7 +543,7 @@ static void slot_accept(const pd_engine *e, pd_round_slot *sl, const int32_t *va
             a++;
         sl->bonus = vargmax[sl->base + a];
     } else {
-        a = sl->acc;   /* rejection sampling on the backend (verify_sampled) */
+        a = sl->acc;   /* rejection sampling on the backend (pd_engine_verify_sampled) */
         sl->bonus = sl->next;
     }
     sl->n_acc = a;
@@ -945,7 +950,8 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         int commit = stop_at >= 0 ? stop_at + 1 : a;
         pd_err rerr;
         int cap_before = r->cap_rounds;
-        pd_status rs = pd_engine_grow_host((void **)&r->accepted, &r->cap_rounds, r->n_rounds + 1, sizeof(int), &rerr);
+        pd_status rs = pd_engine_grow_host((void **)&r->accepted, &r->cap_rounds, r->n_rounds + 1, sizeof(int),
+                                           &rerr);
         if (rs == PD_OK && (r->verified == NULL || r->cap_rounds != cap_before)) {
             int *nv = realloc(r->verified, (size_t)r->cap_rounds * sizeof(int));
             if (nv == NULL)
@@ -955,7 +961,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         }
         if (rs == PD_OK)
             r->verified[r->n_rounds] = l;
-        /* logprobs of the committed tokens (round_logprobs) */
+        /* logprobs of the committed tokens (pd_engine_round_logprobs) */
         const pd_token_logprobs *lp = NULL;
         if (rs == PD_OK && r->params.logprobs) {
             if (lp_st != PD_OK) {
@@ -1018,7 +1024,8 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     if (!pended && n_ext > 0)
         /* rows of scheduled requests that did not draft wait (until their next drafting round);
          * the others' go in now */
-        st = pd_engine_extend_or_defer(e, pd_target_aux(e->target), ext_rows, ext_pos, ext_owner, n_ext, 0, gaps, err);
+        st = pd_engine_extend_or_defer(e, pd_target_aux(e->target), ext_rows, ext_pos, ext_owner, n_ext, 0, gaps,
+                                       err);
     free(ext_owner);
     e->times.extend += pd_engine_now_s() - t_extend;
     if (st == PD_OK && sched_mode >= 0) {

@@ -73,7 +73,7 @@ struct pd_engine {
     double flush_row_s;         /* host seconds per buffer row added, smoothed over flushes */
     int gap_live;               /* rows in the requests' gaps (part of pend_live) */
     double gap_row_s;           /* seconds per gap row recomputed and added, smoothed (0: none
-                                 * yet; switch_cost takes the profile's forward then) */
+                                 * yet; pd_engine_switch_cost takes the profile's forward then) */
     pd_sps sps_default;         /* linear step-time model when no profile is given */
     pd_sched_ctl sched;         /* the scheduled policy's arms (pd_verify_policy.h) */
     int trace_head;             /* the trace's header line was written */
@@ -93,7 +93,7 @@ struct pd_engine {
     int n_recompute;            /* ... or KV given up (the swap space full): prefilled again */
     uint64_t n_preempt;         /* preemptions so far */
     pd_prefix *prefix;          /* cfg.prefix_cache */
-    int prefix_free;            /* pages only the cache holds (prefix_count) */
+    int prefix_free;            /* pages only the cache holds (pd_engine_prefix_count) */
     uint64_t prefix_hits;       /* prompt tokens served from it */
 };
 
@@ -103,7 +103,7 @@ typedef struct {
     int base;         /* first row of this request in the verify batch */
     int32_t d[32];    /* draft tokens */
     int qrow;         /* sampled drafts: row of d[0]'s distribution in e->smp_q */
-    int acc;          /* sampled requests: drafts accepted (verify_sampled) ... */
+    int acc;          /* sampled requests: drafts accepted (pd_engine_verify_sampled) ... */
     int32_t next;     /* ... and the token after them */
     int n_acc;        /* slot_accept: drafts accepted, */
     int32_t bonus;    /* the token after them, */
@@ -127,7 +127,7 @@ pd_status pd_engine_grow_host(void **p, int *cap, int need, size_t per, pd_err *
 pd_status pd_engine_target_forward(pd_engine *e, const pd_tok_batch *b, const int32_t *rows, int n,
                                    pd_err *err);
 pd_status pd_engine_draft_extend(pd_engine *e, const float *aux, const pd_tok_batch *b, pd_err *err);
-/* Runs c on every rank of the tensor-parallel group (e->tp), with this round's kernels. */
+/* Runs c on every rank of the tensor-parallel group (e->tp), rank 0's batch_invariant set. */
 pd_status pd_engine_tp_run(pd_engine *e, pd_tp_cmd *c, pd_err *err);
 
 #endif

@@ -175,7 +175,8 @@ void pd_engine_preempt_clear(pd_engine *e, pd_request *r)
 static int take_pages(pd_engine *e, pd_request *r, int want, int spare)
 {
     if (pd_engine_kv_free_pages(e) - pd_engine_pages_of(e->tpool, want) < spare ||
-        (e->dpool != NULL && pd_kv_pool_free_pages(e->dpool) + e->prefix_free - pd_engine_pages_of(e->dpool, want) < spare))
+        (e->dpool != NULL &&
+         pd_kv_pool_free_pages(e->dpool) + e->prefix_free - pd_engine_pages_of(e->dpool, want) < spare))
         return 0;
     pd_err rerr;
     if (pd_kv_seq_reserve(e->tpool, &r->tkv, want, &rerr) == PD_OK &&
@@ -227,7 +228,8 @@ pd_status pd_engine_swap_out(pd_engine *e, pd_request *r, pd_err *err)
 {
     if (r->n_pend > 0)
         TRY(pd_engine_pend_flush(e, PD_FLUSH_REQUEST, r, err));
-    int nt = pd_engine_pages_of(e->tpool, r->tkv.len), nd = e->dpool != NULL ? pd_engine_pages_of(e->dpool, r->dkv.len) : 0;
+    int nt = pd_engine_pages_of(e->tpool, r->tkv.len),
+        nd = e->dpool != NULL ? pd_engine_pages_of(e->dpool, r->dkv.len) : 0;
     size_t bytes = swap_layout(e, nt, nd, NULL);
     if (e->swap_used + bytes > e->cfg.swap_bytes)
         return pd_err_set(err, PD_ERR_BUSY, "swap space full: %zu of %zu bytes used, %zu more needed",
@@ -280,8 +282,8 @@ static int swap_in(pd_engine *e, pd_request *r, int spare, pd_err *err, pd_statu
     *st = PD_OK;
     if (!take_pages(e, r, r->anchor_pos + e->B + 1, spare))
         return 0;
-    *st = swap_copy(e, r, pd_engine_pages_of(e->tpool, r->swap_tlen), e->dpool != NULL ? pd_engine_pages_of(e->dpool, r->swap_dlen) : 0,
-                    r->swap, 0, err);
+    *st = swap_copy(e, r, pd_engine_pages_of(e->tpool, r->swap_tlen),
+                    e->dpool != NULL ? pd_engine_pages_of(e->dpool, r->swap_dlen) : 0, r->swap, 0, err);
     if (*st != PD_OK)
         return 0;
     r->tkv.len = r->swap_tlen;

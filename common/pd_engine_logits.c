@@ -235,7 +235,8 @@ pd_status pd_engine_mask_slot(pd_engine *e, int row, uint32_t **bits, pd_err *er
 {
     int words = (e->V + 31) / 32;
     TRY(pd_engine_grow_host((void **)&e->mask_rows, &e->cap_mask_rows, e->n_mask + 1, sizeof(int32_t), err));
-    TRY(pd_engine_grow_host((void **)&e->mask_bits, &e->cap_mask_bits, (e->n_mask + 1) * words, sizeof(uint32_t), err));
+    TRY(pd_engine_grow_host((void **)&e->mask_bits, &e->cap_mask_bits, (e->n_mask + 1) * words,
+                            sizeof(uint32_t), err));
     e->mask_rows[e->n_mask] = row;
     *bits = e->mask_bits + (size_t)e->n_mask * words;
     e->n_mask++;

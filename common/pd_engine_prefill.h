@@ -3,7 +3,8 @@
  *   prefilled elsewhere.
  * Owns: the CP group's creation and a request's CP page tables; the public prefill functions
  *   are declared in pd_engine.h.
- * Not here: the CP forward itself (pd_cp_prefill.c), the draft context of the rows (pd_engine_ctx.c).
+ * Not here: the CP forward itself (pd_cp_prefill.c), the draft context of the rows
+ *   (pd_engine_ctx.c).
  * Threading: the engine's thread only (the CP ranks' threads run inside pd_cp_group_prefill). */
 #ifndef PD_ENGINE_PREFILL_H
 #define PD_ENGINE_PREFILL_H

@@ -9,12 +9,13 @@
 
 #include "pd_engine_internal.h"
 
-/* The scheduled policy's per-request acceptance (sched_accept): discount per whole-block round
- * of the request, and the rounds of the arm's own figure a request starts from. */
+/* The scheduled policy's per-request acceptance (pd_engine_sched_accept): discount per
+ * whole-block round of the request, and the rounds of the arm's own figure a request starts
+ * from. */
 #define PD_REQ_ACCEPT_DECAY 0.9
 #define PD_REQ_ACCEPT_PRIOR 2.0
 /* the share of its drafts a probed request is hoped to accept, and the whole-block rounds a
- * request is probed for (sched_probe): one round's acceptance says little (a request that
+ * request is probed for (pd_engine_sched_probe): one round's acceptance says little (a request that
  * accepts 3 of 7 drafts on average accepts none in about a third of its rounds) */
 #define PD_PROBE_ACCEPT 0.75
 #define PD_PROBE_ROUNDS 3
