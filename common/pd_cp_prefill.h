@@ -7,7 +7,7 @@
  *   per rank).
  * Not here: the split plans (pd_cp.h), the collectives (pd_comm.h), the layer math (pd_qwen3.c:
  *   pd_layer_qkv / pd_layer_attn_mlp / pd_layer_forward are shared with the plain path),
- *   scheduling (pd_engine.c).
+ *   scheduling (pd_engine_prefill.c).
  * Threading: a pd_cp_rank is used by one thread at a time, the worker of its rank; every rank of
  *   a group calls pd_cp_rank_forward with the same plan and the same batch (except seqs, which
  *   are the rank's own page tables) - the collectives require it. A pd_cp_group is driven by

@@ -2,115 +2,35 @@
  *   + Markov loop, one ragged verify forward, lossless acceptance, commit (see pd_engine.h).
  * No request moves logits to the host: greedy ones take the backend's argmax, sampled ones
  *   the backend's sampling ops (kern_probs, kern_sample, kern_spec_verify) with uniforms drawn
- *   from their own rng here; only token ids come back.
+ *   from their own rng on the host; only token ids come back.
+ * Owns: an engine's creation and destruction, admission (checks, page reservation), the step
+ *   (finished requests' pages, then prefill, then one decode round), the decode round (pages or
+ *   preemption, draft block and Markov steps, verify, acceptance, commit), the forwards on this
+ *   thread or the tensor-parallel group, the public accessors.
+ * Not here: the engine's other parts, which share pd_engine_internal.h: the logits pipeline
+ *   (pd_engine_logits.c), the draft context rows not added yet (pd_engine_ctx.c), the prefix
+ *   cache's part and preemption (pd_engine_kv.c), prefill and context parallelism
+ *   (pd_engine_prefill.c), the verification policies (pd_engine_sched.c), the SPS profile
+ *   (pd_engine_sps.c).
  * Threading: one thread drives an engine. */
 #include "pd_engine.h"
+
+#include "pd_engine_ctx.h"
+#include "pd_engine_internal.h"
+#include "pd_engine_kv.h"
+#include "pd_engine_logits.h"
+#include "pd_engine_prefill.h"
+#include "pd_engine_sched.h"
 #include "pd_grammar.h"
-
 #include "pd_graph.h"
-
 #include "pd_log.h"
 #include "pd_prefix.h"
 
 #include <limits.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
-#include <time.h>
-
-#include "pd_cp_prefill.h"
-
-#define TRY(expr) \
-    do { pd_status st_ = (expr); if (st_ != PD_OK) return st_; } while (0)
-
-
-struct pd_engine {
-    pd_engine_config cfg;
-    const pd_qwen3_model *tm;
-    const pd_dspark_model *dm;
-    int B;                      /* drafts per round (0 without a draft) */
-    int V, H, aux_dim;
-    pd_kv_pool *tpool, *dpool;
-    pd_target *target;
-    pd_draft *draft;
-    pd_request **reqs;
-    int n_reqs, cap_reqs;
-    /* sampled requests: distributions on the backend (target rows, and the round's drafts at
-     * row j * B + k), the small inputs of each launch staged on the host and uploaded at once */
-    kern_buf *smp_p;            /* [cap_smp_p, V] */
-    int cap_smp_p;
-    kern_buf *smp_q;            /* [cap_smp_q, V] */
-    int cap_smp_q;
-    kern_buf *smp_dev;          /* staging, bytes */
-    int cap_smp_dev;
-    void *smp_host;
-    int cap_smp_host;
-    /* backend scratch */
-    kern_buf *ids_dev;          /* int32 argmax outputs */
-    kern_buf *pen_dev;          /* [cap_pen] kern_penalty_entry of a step's penalised rows ... */
-    int cap_pen;
-    kern_penalty_entry *pen_host;  /* ... and their host copy */
-    int n_pen, cap_pen_host;
-    kern_buf *mask_dev;         /* structured output: a step's masks, [n_mask] rows then
-                                 * [n_mask, (V + 31) / 32] bits ... */
-    int cap_mask;
-    int32_t *mask_rows;         /* ... and their host copies */
-    uint32_t *mask_bits;
-    int n_mask, cap_mask_rows, cap_mask_bits;
-    int cap_ids;
-    kern_buf *aux_dev;          /* compacted aux rows for draft extension */
-    int cap_aux;
-    kern_buf *idx_dev;
-    int cap_idx;
-    /* deferred draft context: context rows of scheduled requests that do not draft wait here
-     * (aux rows on the backend, positions and owners on the host) or, among 8+ requests, only
-     * as positions (pd_request.gap_lo) that are recomputed; either way they are added to the
-     * draft KV before their request's next drafting round. A round without drafts then costs
-     * what a target-only step costs. */
-    kern_buf *pend_aux;         /* [cap_pend, aux_dim] */
-    int cap_pend;
-    int n_pend;                 /* entries, rows of ended requests (owner NULL) included */
-    int pend_live;              /* rows still wanted, gaps included (the sum of the requests' n_pend) */
-    int32_t *pend_pos;          /* [cap_pend_host] */
-    pd_request **pend_owner;
-    int cap_pend_host;
-    uint64_t ext_epoch;         /* extend_draft calls so far (pd_request.ext_epoch) */
-    double flush_row_s;         /* host seconds per buffer row added, smoothed over flushes */
-    int gap_live;               /* rows in the requests' gaps (part of pend_live) */
-    double gap_row_s;           /* seconds per gap row recomputed and added, smoothed (0: none
-                                 * yet; switch_cost takes the profile's forward then) */
-    pd_sps sps_default;         /* linear step-time model when no profile is given */
-    pd_sched_ctl sched;         /* the scheduled policy's arms (pd_verify_policy.h) */
-    int trace_head;             /* the trace's header line was written */
-    pd_engine_times times;      /* host time per part of a step (diagnostics) */
-    /* context-parallel prefill (cp_size > 1): ranks 1.. have their own backend handle and KV
-     * replica; rank 0 is the target's backend and pool */
-    int cp_n;
-    kern_backend **cp_be;       /* [cp_n], [0] borrowed; 1.. owned when cp_owns_be (host
-                                 * handles), else the cp_targets' backends */
-    int cp_owns_be;
-    pd_kv_pool **cp_pool;       /* [cp_n], [0] = tpool */
-    pd_cp_group *cp;
-    /* tensor-parallel decode (tp_size > 1): tm/dm are rank 0's shards, owned by the group */
-    pd_tp_group *tp;
-    size_t swap_used;           /* host bytes of preempted requests' KV (cfg.swap_bytes) */
-    int n_swapped;              /* requests preempted now, KV in host memory ... */
-    int n_recompute;            /* ... or KV given up (the swap space full): prefilled again */
-    uint64_t n_preempt;         /* preemptions so far */
-    pd_prefix *prefix;          /* cfg.prefix_cache */
-    int prefix_free;            /* pages only the cache holds (prefix_count) */
-    uint64_t prefix_hits;       /* prompt tokens served from it */
-};
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 const char *pd_finish_reason_str(pd_finish_reason r)
 {
@@ -124,7 +44,7 @@ const char *pd_finish_reason_str(pd_finish_reason r)
     return "?";
 }
 
-static pd_status grow_host(void **p, int *cap, int need, size_t per, pd_err *err)
+pd_status pd_engine_grow_host(void **p, int *cap, int need, size_t per, pd_err *err)
 {
     if (need <= *cap)
         return PD_OK;
@@ -137,141 +57,6 @@ static pd_status grow_host(void **p, int *cap, int need, size_t per, pd_err *err
     *p = n;
     *cap = c;
     return PD_OK;
-}
-
-/* m is rank 0's target t loaded on another backend of t's kind and precision */
-static int cp_target_ok(const pd_qwen3_model *m, const pd_qwen3_model *t)
-{
-    const pd_qwen3_config *a = m != NULL ? &m->cfg : NULL, *b = &t->cfg;
-    return m != NULL && m->be != NULL && m->be->ops == t->be->ops &&
-           m->be->act_bf16 == t->be->act_bf16 && m->be->weight_dtype == t->be->weight_dtype &&
-           m->be->kv_dtype == t->be->kv_dtype && a->hidden_size == b->hidden_size &&
-           a->num_hidden_layers == b->num_hidden_layers &&
-           a->num_attention_heads == b->num_attention_heads &&
-           a->num_key_value_heads == b->num_key_value_heads && a->head_dim == b->head_dim &&
-           a->intermediate_size == b->intermediate_size && a->vocab_size == b->vocab_size;
-}
-
-/* The CP group: a host backend gets one more backend handle and KV replica per extra rank (the
- * weights shared); a device backend takes the ranks' targets from cfg.cp_targets (each on its
- * own backend) and a KV replica on each: NCCL when every rank has a device of its own, the
- * local communicator with device copies when ranks share one. */
-static pd_status cp_create(pd_engine *e, const pd_kv_layout *tl, const int *taps, int n_taps,
-                           pd_err *err)
-{
-    kern_backend *be = e->tm->be;
-    int n = e->cfg.cp_size;
-    if (!be->is_host && e->cfg.cp_targets == NULL)
-        return pd_err_set(err, PD_ERR_UNSUPPORTED,
-                          "cp prefill on backend %s needs the target loaded once per rank "
-                          "(pd_engine_config.cp_targets)", be->ops->name);
-    if (e->cfg.cp_strategy < 0 || e->cfg.cp_strategy >= PD_CP_STRATEGY_COUNT)
-        return pd_err_set(err, PD_ERR_INVALID, "cp strategy %d unknown", (int)e->cfg.cp_strategy);
-    e->cp_be = calloc((size_t)n, sizeof(*e->cp_be));
-    e->cp_pool = calloc((size_t)n, sizeof(*e->cp_pool));
-    pd_cp_rank_res *res = calloc((size_t)n, sizeof(*res));
-    if (e->cp_be == NULL || e->cp_pool == NULL || res == NULL) {
-        free(res);
-        return pd_err_set(err, PD_ERR_NOMEM, "cp group of %d ranks", n);
-    }
-    e->cp_n = n;
-    e->cp_owns_be = be->is_host;
-    e->cp_be[0] = be;
-    e->cp_pool[0] = e->tpool;
-    res[0] = (pd_cp_rank_res){ .be = be, .model = e->tm, .pool = e->tpool };
-    pd_status st = kern_backend_bind_thread(be, &res[0].device, err);
-    int distinct = 1;
-    for (int r = 1; r < n && st == PD_OK; r++) {
-        const pd_qwen3_model *m = e->tm;
-        if (be->is_host) {
-            kern_backend_config bc = { .name = be->ops->name, .f32 = be->weight_dtype == KERN_DTYPE_F32,
-                                       .act_bf16 = be->act_bf16 };
-            st = kern_backend_create(&bc, &e->cp_be[r], err);
-        } else if (!cp_target_ok(e->cfg.cp_targets[r - 1], e->tm)) {
-            st = pd_err_set(err, PD_ERR_INVALID, "cp rank %d: no target, or not the rank 0 target's "
-                            "shapes on a %s backend of the same precision", r, be->ops->name);
-        } else {
-            m = e->cfg.cp_targets[r - 1];
-            e->cp_be[r] = m->be;
-            st = kern_backend_bind_thread(m->be, &res[r].device, err);
-            for (int q = 0; q < r && st == PD_OK; q++)
-                distinct &= res[q].device != res[r].device;
-        }
-        if (st == PD_OK)
-            st = pd_kv_pool_create(e->cp_be[r], tl, &e->cp_pool[r], err);
-        if (st == PD_OK)
-            res[r] = (pd_cp_rank_res){ .be = e->cp_be[r], .model = m, .pool = e->cp_pool[r],
-                                       .device = res[r].device };
-    }
-    /* this thread goes on with rank 0's device */
-    if (st == PD_OK)
-        st = kern_backend_bind_thread(be, NULL, err);
-    pd_cp_group_config gc = { .opts = { .strategy = e->cfg.cp_strategy, .cp_size = n },
-                              .comm = PD_CP_COMM_LOCAL, .ranks = res, .taps = taps,
-                              .n_taps = n_taps };
-    if (!be->is_host) {
-        gc.comm = distinct && pd_comm_nccl_available() ? PD_CP_COMM_NCCL : PD_CP_COMM_LOCAL;
-        gc.copy = gc.comm == PD_CP_COMM_LOCAL ? pd_comm_cuda_copy : NULL;
-    }
-    if (st == PD_OK)
-        st = pd_cp_group_create(&gc, &e->cp, err);
-    free(res);
-    return st;
-}
-
-pd_status pd_cp_targets_load(pd_cp_targets *t, kern_backend *be0, const char *dir, int cp_size,
-                             pd_err *err)
-{
-    memset(t, 0, sizeof(*t));
-    if (be0->is_host || cp_size <= 1)
-        return PD_OK;
-    int ndev = kern_backend_device_count(be0->ops->name);
-    if (ndev < 1)
-        return pd_err_set(err, PD_ERR_UNSUPPORTED, "cp prefill: no %s device", be0->ops->name);
-    t->be = calloc((size_t)cp_size - 1, sizeof(*t->be));
-    t->tm = calloc((size_t)cp_size - 1, sizeof(*t->tm));
-    if (t->be == NULL || t->tm == NULL)
-        return pd_err_set(err, PD_ERR_NOMEM, "cp prefill: %d ranks", cp_size);
-    t->n = cp_size;
-    pd_status st = PD_OK;
-    for (int r = 1; r < cp_size && st == PD_OK; r++) {
-        kern_backend_config bc = { .name = be0->ops->name, .device = r % ndev,
-                                   .f32 = be0->weight_dtype == KERN_DTYPE_F32 };
-        st = kern_backend_create(&bc, &t->be[r - 1], err);
-        if (st == PD_OK)
-            st = pd_qwen3_load(t->be[r - 1], dir, &t->tm[r - 1], err);
-    }
-    /* creating a backend selects its device: the caller goes on with rank 0's */
-    pd_err berr;
-    pd_status sb = kern_backend_bind_thread(be0, NULL, &berr);
-    if (st == PD_OK && sb != PD_OK) {
-        *err = berr;
-        st = sb;
-    }
-    return st;
-}
-
-void pd_cp_targets_free(pd_cp_targets *t)
-{
-    for (int r = 0; r + 1 < t->n; r++) {
-        if (t->tm != NULL)
-            pd_qwen3_free(t->tm[r]);
-        if (t->be != NULL)
-            kern_backend_destroy(t->be[r]);
-    }
-    free(t->tm);
-    free(t->be);
-    memset(t, 0, sizeof(*t));
-}
-
-static void cp_release(pd_engine *e, pd_request *r)
-{
-    if (r->cp_kv == NULL)
-        return;
-    for (int k = 1; k < e->cp_n; k++)
-        pd_kv_seq_release(e->cp_pool[k], &r->cp_kv[k - 1]);
-    free(r->cp_kv);
-    r->cp_kv = NULL;
 }
 
 /* The layout of a KV pool of n_pages for a model of config c */
@@ -432,7 +217,7 @@ pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err 
     if (st != PD_OK)
         goto err_free;
     pd_sched_init(&e->sched, e->cfg.sps);
-    if (e->cfg.cp_size > 1 && (st = cp_create(e, &tl, taps, n_taps, err)) != PD_OK)
+    if (e->cfg.cp_size > 1 && (st = pd_engine_cp_create(e, &tl, taps, n_taps, err)) != PD_OK)
         goto err_free;
     *out = e;
     return PD_OK;
@@ -441,19 +226,14 @@ err_free:
     return st;
 }
 
-static void pend_drop(pd_engine *e, pd_request *r);
 
-static void prefix_offer(pd_engine *e, pd_request *r);
-static void prefix_count(pd_engine *e);
-
-static void preempt_clear(pd_engine *e, pd_request *r);
 
 static void request_free(pd_engine *e, pd_request *r)
 {
     if (r->tkv.n_pages > 0)
-        prefix_offer(e, r);   /* a request released before a step gave its pages back */
-    pend_drop(e, r);   /* its pages go back: its deferred rows are not needed */
-    cp_release(e, r);
+        pd_engine_prefix_offer(e, r);   /* a request released before a step gave its pages back */
+    pd_engine_pend_drop(e, r);   /* its pages go back: its deferred rows are not needed */
+    pd_engine_cp_release(e, r);
     pd_kv_seq_release(e->tpool, &r->tkv);
     if (e->dpool != NULL)
         pd_kv_seq_release(e->dpool, &r->dkv);
@@ -472,7 +252,7 @@ static void request_free(pd_engine *e, pd_request *r)
     pd_gmatch_destroy(r->gm);
     pd_gmatch_destroy(r->gm_row);
     free(r->first_allow);
-    preempt_clear(e, r);
+    pd_engine_preempt_clear(e, r);
     free(r);
 }
 
@@ -516,24 +296,6 @@ void pd_engine_destroy(pd_engine *e)
     free(e);
 }
 
-/* pages in the cache that only it holds are as good as free: a reservation takes them back
- * (counted after each step, admission and release, not at every read: a scan of the cache) */
-int pd_engine_kv_free_pages(const pd_engine *e)
-{
-    return pd_kv_pool_free_pages(e->tpool) + e->prefix_free;
-}
-
-static void prefix_count(pd_engine *e)
-{
-    e->prefix_free = e->prefix != NULL ? pd_prefix_evictable(e->prefix) : 0;
-}
-/* pages that hold len positions */
-static int pages_of(const pd_kv_pool *pool, int len)
-{
-    int ps = pd_kv_pool_layout(pool)->page_size;
-    return (len + ps - 1) / ps;
-}
-
 int pd_engine_block_size(const pd_engine *e) { return e->B; }
 pd_target *pd_engine_target(pd_engine *e) { return e->target; }
 pd_draft *pd_engine_draft(pd_engine *e) { return e->draft; }
@@ -546,10 +308,6 @@ int pd_engine_active(const pd_engine *e)
     return n;
 }
 
-static pd_status pen_init(pd_engine *e, pd_request *r, pd_err *err);
-static pd_status grammar_init(pd_engine *e, pd_request *r, pd_err *err);
-static pd_status bias_init(pd_request *r, pd_err *err);
-static pd_status prefix_take(pd_engine *e, pd_request *r, pd_err *err);
 static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, int n_prompt,
                              const pd_gen_params *params, int external, pd_request **out, pd_err *err);
 
@@ -557,7 +315,7 @@ pd_status pd_engine_add(pd_engine *e, uint64_t id, const int32_t *prompt, int n_
                         const pd_gen_params *params, pd_request **out, pd_err *err)
 {
     pd_status st = add_request(e, id, prompt, n_prompt, params, 0, out, err);
-    prefix_count(e);   /* pages it took from the cache (or the cache gave back) */
+    pd_engine_prefix_count(e);   /* pages it took from the cache (or the cache gave back) */
     return st;
 }
 
@@ -628,7 +386,7 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
     if (params->top_logprobs < 0 || params->top_logprobs > PD_MAX_TOP_LOGPROBS)
         return pd_err_set(err, PD_ERR_INVALID, "top_logprobs %d must be in 0..%d",
                           params->top_logprobs, PD_MAX_TOP_LOGPROBS);
-    TRY(grow_host((void **)&e->reqs, &e->cap_reqs, e->n_reqs + 1, sizeof(pd_request *), err));
+    TRY(pd_engine_grow_host((void **)&e->reqs, &e->cap_reqs, e->n_reqs + 1, sizeof(pd_request *), err));
     pd_request *r = calloc(1, sizeof(*r));
     if (r == NULL)
         return pd_err_set(err, PD_ERR_NOMEM, "request");
@@ -646,8 +404,8 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
     }
     memcpy(r->prompt, prompt, (size_t)n_prompt * sizeof(int32_t));
     r->n_prompt = n_prompt;
-    if ((st = pen_init(e, r, err)) != PD_OK || (st = bias_init(r, err)) != PD_OK ||
-        (st = grammar_init(e, r, err)) != PD_OK)
+    if ((st = pd_engine_pen_init(e, r, err)) != PD_OK || (st = pd_engine_bias_init(r, err)) != PD_OK ||
+        (st = pd_engine_grammar_init(e, r, err)) != PD_OK)
         goto err_free;
     if (params->prompt_logprobs &&
         (r->prompt_lps = calloc((size_t)n_prompt, sizeof(*r->prompt_lps))) == NULL) {
@@ -673,7 +431,7 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
      * pool answers BUSY here instead, where the caller can queue. */
     if (st == PD_OK && e->prefix != NULL && !external && !params->capture_aux && !params->capture_ctx &&
         !params->prompt_logprobs)
-        st = prefix_take(e, r, err);
+        st = pd_engine_prefix_take(e, r, err);
     /* with preemption (cfg.swap_bytes) only the prompt and a block: the pages grow round by
      * round; a new request waits while a preempted one does, and leaves a little room */
     int grows = e->cfg.swap_bytes > 0 && !params->hold_kv;
@@ -682,8 +440,8 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
     if (st == PD_OK && grows) {
         /* a request that could not finish alone in the pool would wait preempted for ever */
         long full = (long)n_prompt + params->max_new_tokens + e->B + 1;
-        int whole = pages_of(e->tpool, full < e->tm->cfg.max_position_embeddings ? (int)full
-                                                                                 : e->tm->cfg.max_position_embeddings);
+        int whole = pd_engine_pages_of(e->tpool, full < e->tm->cfg.max_position_embeddings
+                                                 ? (int)full : e->tm->cfg.max_position_embeddings);
         if (whole > pd_kv_pool_layout(e->tpool)->n_pages)
             st = pd_err_set(err, PD_ERR_INVALID, "prompt of %d tokens with max_new_tokens %d needs %d KV "
                             "pages, the pool has %d", n_prompt, params->max_new_tokens, whole,
@@ -692,7 +450,7 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
     if (st == PD_OK && grows && e->n_swapped + e->n_recompute > 0)
         st = pd_err_set(err, PD_ERR_BUSY, "%d preempted requests resume first", e->n_swapped + e->n_recompute);
     if (st == PD_OK && grows && pd_engine_active(e) > 0) {
-        int need = pages_of(e->tpool, reserve) - r->tkv.n_pages;
+        int need = pd_engine_pages_of(e->tpool, reserve) - r->tkv.n_pages;
         int watermark = pd_kv_pool_layout(e->tpool)->n_pages / 100;
         if (watermark < 1)
             watermark = 1;
@@ -723,484 +481,6 @@ err_free:
     return st;
 }
 
-/* ---- prefix cache ------------------------------------------------------------------------- */
-
-/* The cached full pages prompt[0..n) starts with, at most all but the last prompt token's (the
- * first token needs one row of the prompt prefilled): their count; *pages (malloc'd, target
- * pages then at [max] the draft pages; NULL when there is nothing to look for) -1 on NOMEM. */
-static int prefix_find(pd_engine *e, const int32_t *prompt, int n, int32_t **pages, int *max)
-{
-    int ps = pd_kv_pool_layout(e->tpool)->page_size;
-    *max = (n - 1) / ps;
-    *pages = NULL;
-    if (*max <= 0)
-        return 0;
-    if ((*pages = malloc((size_t)*max * 2 * sizeof(int32_t))) == NULL)
-        return -1;
-    return pd_prefix_lookup(e->prefix, prompt, n, *max, *pages, e->dpool != NULL ? *pages + *max : NULL);
-}
-
-/* A new request takes the cached full pages its prompt starts with. */
-static pd_status prefix_take(pd_engine *e, pd_request *r, pd_err *err)
-{
-    int ps = pd_kv_pool_layout(e->tpool)->page_size, max_pages;
-    int32_t *tp;
-    int k = prefix_find(e, r->prompt, r->n_prompt, &tp, &max_pages);
-    if (k < 0)
-        return pd_err_set(err, PD_ERR_NOMEM, "prefix lookup");
-    pd_status st = PD_OK;
-    if (k > 0) {
-        st = pd_kv_seq_share(e->tpool, &r->tkv, tp, k, err);
-        if (st == PD_OK && e->dpool != NULL)
-            st = pd_kv_seq_share(e->dpool, &r->dkv, tp + max_pages, k, err);
-        if (st == PD_OK) {
-            r->prefilled = r->cached = k * ps;
-            e->prefix_hits += (uint64_t)r->cached;
-        }
-    }
-    free(tp);
-    return st;
-}
-
-/* Offers r's full pages to the cache once their target and draft K/V are final: the prompt
- * prefilled here or brought by a prefill node, and only pages below the committed length (a finished request's output too,
- * so a conversation's next turn, which repeats it, finds it) and below r's first draft context
- * row still deferred. */
-static void prefix_offer(pd_engine *e, pd_request *r)
-{
-    if (e->prefix == NULL || r->prefilled < r->n_prompt)
-        return;
-    int ps = pd_kv_pool_layout(e->tpool)->page_size;
-    int len = r->tkv.len;
-    if (r->n_pend > 0) {
-        if (r->n_gap > 0 && r->gap_lo < len)
-            len = r->gap_lo;
-        for (int i = 0; i < e->n_pend; i++)
-            if (e->pend_owner[i] == r && e->pend_pos[i] < len)
-                len = e->pend_pos[i];
-    }
-    if (e->dpool != NULL && r->dkv.len < len)
-        len = r->dkv.len;
-    if (len > r->n_prompt + r->n_out)
-        len = r->n_prompt + r->n_out;
-    int n = len / ps;
-    if (n > r->tkv.n_pages)
-        n = r->tkv.n_pages;
-    if (e->dpool != NULL && n > r->dkv.n_pages)
-        n = r->dkv.n_pages;
-    if (n <= r->offered)   /* nothing new since the last offer (a held request, every step) */
-        return;
-    r->offered = n;
-    const int32_t *toks = r->prompt;
-    int32_t *all = NULL;
-    if (n * ps > r->n_prompt) {   /* prompt + output */
-        if ((all = malloc((size_t)n * ps * sizeof(int32_t))) == NULL)
-            return;   /* nothing is lost: the pages are simply not cached */
-        memcpy(all, r->prompt, (size_t)r->n_prompt * sizeof(int32_t));
-        memcpy(all + r->n_prompt, r->out, (size_t)(n * ps - r->n_prompt) * sizeof(int32_t));
-        toks = all;
-    }
-    pd_prefix_insert(e->prefix, toks, n, r->tkv.pages, e->dpool != NULL ? r->dkv.pages : NULL);
-    free(all);
-}
-
-int pd_engine_prefix_cached(pd_engine *e, const int32_t *prompt, int n)
-{
-    if (e->prefix == NULL)
-        return 0;
-    int32_t *pages;
-    int max, k = prefix_find(e, prompt, n, &pages, &max);
-    free(pages);
-    return k > 0 ? k * pd_kv_pool_layout(e->tpool)->page_size : 0;
-}
-
-void pd_engine_prefix_stats(const pd_engine *e, int *evictable, int *entries, uint64_t *hit_tokens)
-{
-    *evictable = e->prefix != NULL ? pd_prefix_evictable(e->prefix) : 0;
-    *entries = e->prefix != NULL ? pd_prefix_entries(e->prefix) : 0;
-    *hit_tokens = e->prefix_hits;
-}
-
-static int is_eos(const pd_engine *e, int32_t tok)
-{
-    for (int i = 0; i < e->tm->cfg.n_eos; i++)
-        if (e->tm->cfg.eos_ids[i] == tok)
-            return 1;
-    return 0;
-}
-
-static int is_stop_id(const pd_request *r, int32_t tok)
-{
-    for (int i = 0; i < r->params.n_stop_ids; i++)
-        if (r->params.stop_ids[i] == tok)
-            return 1;
-    return 0;
-}
-
-/* tok ends r: an eos (unless ignore_eos) or one of its stop_ids */
-static int ends(const pd_engine *e, const pd_request *r, int32_t tok)
-{
-    return (!r->params.ignore_eos && is_eos(e, tok)) || is_stop_id(r, tok);
-}
-
-/* ---- penalties (pd_gen_params presence/frequency/repetition) ------------------------------ */
-
-#define PEN_PROMPT 0x80000000u
-
-static int pen_rep_on(const pd_gen_params *p)
-{
-    return p->repetition_penalty != 0.0f && p->repetition_penalty != 1.0f;
-}
-
-static pd_status pen_track(pd_request *r, int32_t tok, pd_err *err)
-{
-    TRY(grow_host((void **)&r->pen_tok, &r->cap_pen_tok, r->n_pen_tok + 1, sizeof(int32_t), err));
-    r->pen_tok[r->n_pen_tok++] = tok;
-    return PD_OK;
-}
-
-/* A request with penalties gets its per-token state; the prompt's tokens count for the
- * repetition penalty only. */
-static pd_status pen_init(pd_engine *e, pd_request *r, pd_err *err)
-{
-    const pd_gen_params *p = &r->params;
-    if (p->presence_penalty == 0.0f && p->frequency_penalty == 0.0f && !pen_rep_on(p))
-        return PD_OK;
-    if ((r->pen = calloc((size_t)e->V, sizeof(uint32_t))) == NULL)
-        return pd_err_set(err, PD_ERR_NOMEM, "penalty state");
-    for (int i = 0; i < r->n_prompt && pen_rep_on(p); i++)
-        if (r->pen[r->prompt[i]] == 0) {
-            TRY(pen_track(r, r->prompt[i], err));
-            r->pen[r->prompt[i]] = PEN_PROMPT;
-        }
-    return PD_OK;
-}
-
-static int by_tok(const void *a, const void *b)
-{
-    int32_t x = ((const pd_logit_bias *)a)->tok, y = ((const pd_logit_bias *)b)->tok;
-    return x < y ? -1 : x > y;
-}
-
-/* The request's own sorted copy of its logit_bias (params.logit_bias then points at it);
- * a token named twice is refused. */
-static pd_status bias_init(pd_request *r, pd_err *err)
-{
-    int n = r->params.n_logit_bias;
-    if (n == 0) {
-        r->params.logit_bias = NULL;
-        return PD_OK;
-    }
-    if ((r->bias = malloc((size_t)n * sizeof(*r->bias))) == NULL)
-        return pd_err_set(err, PD_ERR_NOMEM, "logit_bias of %d tokens", n);
-    memcpy(r->bias, r->params.logit_bias, (size_t)n * sizeof(*r->bias));
-    qsort(r->bias, (size_t)n, sizeof(*r->bias), by_tok);
-    r->params.logit_bias = r->bias;
-    for (int i = 1; i < n; i++)
-        if (r->bias[i].tok == r->bias[i - 1].tok)
-            return pd_err_set(err, PD_ERR_INVALID, "logit_bias names token %d twice", r->bias[i].tok);
-    return PD_OK;
-}
-
-static pd_status pen_push(pd_engine *e, const kern_penalty_entry *en, pd_err *err)
-{
-    TRY(grow_host((void **)&e->pen_host, &e->cap_pen_host, e->n_pen + 1, sizeof(*en), err));
-    e->pen_host[e->n_pen++] = *en;
-    return PD_OK;
-}
-
-/* r's logit_bias entry of token t (sorted by token at admission), or NULL */
-static const pd_logit_bias *bias_find(const pd_request *r, int32_t t)
-{
-    int lo = 0, hi = r->params.n_logit_bias - 1;
-    const pd_logit_bias *b = r->params.logit_bias;
-    while (lo <= hi) {
-        int mid = (lo + hi) / 2;
-        if (b[mid].tok == t)
-            return &b[mid];
-        if (b[mid].tok < t)
-            lo = mid + 1;
-        else
-            hi = mid - 1;
-    }
-    return NULL;
-}
-
-/* What row entries add to token t's logit: its bias, and -inf while its stop ids are masked */
-static float entry_bias(const pd_engine *e, const pd_request *r, int32_t t, int mask_eos)
-{
-    const pd_logit_bias *b = bias_find(r, t);
-    float v = b != NULL ? b->bias : 0.0f;
-    return mask_eos && (is_eos(e, t) || is_stop_id(r, t)) ? -INFINITY : v;
-}
-
-/* Queues en (its row and penalties set) for token t, seen with cnt occurrences in the output */
-static pd_status pen_push_tok(pd_engine *e, const pd_request *r, kern_penalty_entry *en, int32_t t,
-                              int cnt, int mask_eos, pd_err *err)
-{
-    en->tok = t;
-    en->count = cnt;
-    en->seen = 1;
-    en->bias = entry_bias(e, r, t, mask_eos);
-    return pen_push(e, en, err);
-}
-
-/* Queues the entries of logits row `row` of r, whose history is r's output followed by
- * extra[0..n_extra) (the drafts before that row of a verify block): the penalties of every
- * token seen, the logit bias, and while the output is shorter than min_tokens the stop (eos)
- * tokens masked. One entry per token. */
-static pd_status pen_row(pd_engine *e, const pd_request *r, int row, const int32_t *extra, int n_extra,
-                         pd_err *err)
-{
-    int mask_eos = r->params.min_tokens > r->n_out + n_extra;
-    if (r->pen == NULL && r->params.n_logit_bias == 0 && !mask_eos)
-        return PD_OK;
-    kern_penalty_entry en = { .row = row, .rep = pen_rep_on(&r->params) ? r->params.repetition_penalty : 1.0f,
-                              .freq = r->params.frequency_penalty, .pres = r->params.presence_penalty };
-    for (int i = 0; r->pen != NULL && i < r->n_pen_tok; i++) {
-        int32_t t = r->pen_tok[i];
-        int cnt = (int)(r->pen[t] & ~PEN_PROMPT);
-        for (int j = 0; j < n_extra; j++)
-            cnt += extra[j] == t;
-        TRY(pen_push_tok(e, r, &en, t, cnt, mask_eos, err));
-    }
-    /* drafts of this block not in the output yet: each distinct one once */
-    for (int j = 0; r->pen != NULL && j < n_extra; j++) {
-        int32_t t = extra[j], first = r->pen[t] == 0;
-        for (int k = 0; k < j && first; k++)
-            first = extra[k] != t;
-        if (!first)
-            continue;
-        int cnt = 0;
-        for (int k = j; k < n_extra; k++)
-            cnt += extra[k] == t;
-        TRY(pen_push_tok(e, r, &en, t, cnt, mask_eos, err));
-    }
-    /* biased and masked tokens the penalties did not name */
-    en.count = en.seen = 0;
-    int n_masked = mask_eos ? e->tm->cfg.n_eos + r->params.n_stop_ids : 0;
-    for (int i = 0; i < r->params.n_logit_bias + n_masked; i++) {
-        int bias_list = i < r->params.n_logit_bias, k = i - r->params.n_logit_bias;
-        int32_t t = bias_list ? r->params.logit_bias[i].tok
-                  : k < e->tm->cfg.n_eos ? e->tm->cfg.eos_ids[k] : r->params.stop_ids[k - e->tm->cfg.n_eos];
-        int named = r->pen != NULL && r->pen[t] != 0;
-        for (int j = 0; r->pen != NULL && j < n_extra && !named; j++)
-            named = extra[j] == t;
-        /* a masked token also in the bias list, or named twice among eos and stop ids */
-        for (int q = 0; !bias_list && q < k && !named; q++)
-            named = (q < e->tm->cfg.n_eos ? e->tm->cfg.eos_ids[q] : r->params.stop_ids[q - e->tm->cfg.n_eos]) == t;
-        if (named || (!bias_list && bias_find(r, t) != NULL))
-            continue;
-        en.tok = t;
-        en.bias = entry_bias(e, r, t, mask_eos);
-        TRY(pen_push(e, &en, err));
-    }
-    return PD_OK;
-}
-
-/* Applies the queued entries to logits (backend memory, [*, V]) and empties the queue. */
-static pd_status pen_apply(pd_engine *e, const float *logits, pd_err *err)
-{
-    int n = e->n_pen;
-    e->n_pen = 0;
-    if (n == 0)
-        return PD_OK;
-    TRY(kern_buf_grow(e->tm->be, &e->pen_dev, &e->cap_pen, n, sizeof(kern_penalty_entry), err));
-    TRY(kern_upload(e->tm->be, e->pen_dev->ptr, e->pen_host, (size_t)n * sizeof(kern_penalty_entry), err));
-    /* the target's logits buffer: ours to change until its next forward */
-    kern_penalty_args pa = { .x = (float *)(uintptr_t)logits, .ld_x = e->V, .n = e->V, .n_entries = n,
-                             .e = (const kern_penalty_entry *)e->pen_dev->ptr };
-    return kern_penalty(e->tm->be, &pa, err);
-}
-
-/* ---- structured output ---- */
-
-static pd_status grammar_init(pd_engine *e, pd_request *r, pd_err *err)
-{
-    const uint32_t *first = r->params.first_allow;
-    pd_grammar *g = r->params.grammar;
-    r->params.first_allow = NULL;
-    r->params.grammar = NULL;   /* the matchers hold their references */
-    if (g != NULL) {
-        TRY(pd_gmatch_create(g, &r->gm, err));
-        return pd_gmatch_create(g, &r->gm_row, err);
-    }
-    if (first != NULL) {
-        size_t bytes = (size_t)((e->V + 31) / 32) * sizeof(uint32_t);
-        if ((r->first_allow = malloc(bytes)) == NULL)
-            return pd_err_set(err, PD_ERR_NOMEM, "first-token mask");
-        memcpy(r->first_allow, first, bytes);
-    }
-    return PD_OK;
-}
-
-/* the mask slot of logits row `row`, queued */
-static pd_status mask_slot(pd_engine *e, int row, uint32_t **bits, pd_err *err)
-{
-    int words = (e->V + 31) / 32;
-    TRY(grow_host((void **)&e->mask_rows, &e->cap_mask_rows, e->n_mask + 1, sizeof(int32_t), err));
-    TRY(grow_host((void **)&e->mask_bits, &e->cap_mask_bits, (e->n_mask + 1) * words, sizeof(uint32_t), err));
-    e->mask_rows[e->n_mask] = row;
-    *bits = e->mask_bits + (size_t)e->n_mask * words;
-    e->n_mask++;
-    return PD_OK;
-}
-
-/* Queues the masks of r's rows row0 .. row0 + n_extra: row row0 + j follows the output and
- * extra[0..j) (a verify block's drafts). Past a draft the grammar refuses no row is masked:
- * that draft's own row is, so the block is accepted no further than it. With `force` (a greedy
- * request), a draft at a row where the grammar allows one token only becomes that token: the
- * masked argmax there can be nothing else, so the block goes on through the text the grammar
- * dictates (keys, punctuation) whatever the drafter proposed. */
-static pd_status mask_rows(pd_engine *e, pd_request *r, int row0, int32_t *extra, int n_extra, int force,
-                           pd_err *err)
-{
-    uint32_t *bits;
-    if (r->gm == NULL) {
-        if (r->first_allow == NULL || r->n_out > 0)
-            return PD_OK;
-        TRY(mask_slot(e, row0, &bits, err));
-        memcpy(bits, r->first_allow, (size_t)((e->V + 31) / 32) * sizeof(uint32_t));
-        return PD_OK;
-    }
-    TRY(pd_gmatch_copy(r->gm_row, r->gm, err));
-    int words = (e->V + 31) / 32;
-    for (int j = 0; j <= n_extra; j++) {
-        TRY(mask_slot(e, row0 + j, &bits, err));
-        TRY(pd_gmatch_allowed(r->gm_row, r->params.gvocab, bits, err));
-        if (j == n_extra)
-            break;
-        int n_allowed = 0, only = -1;
-        for (int w = 0; force && w < words && n_allowed < 2; w++)
-            if (bits[w] != 0) {
-                n_allowed += __builtin_popcount(bits[w]);
-                only = w * 32 + __builtin_ctz(bits[w]);
-            }
-        if (n_allowed == 1 && only < e->V)
-            extra[j] = only;
-        int ok = pd_gmatch_advance(r->gm_row, r->params.gvocab, extra[j], err);
-        if (ok < 0)
-            return err != NULL ? err->code : PD_ERR_INTERNAL;
-        if (ok == 0)
-            break;
-    }
-    return PD_OK;
-}
-
-/* Applies the queued masks to logits (backend memory, [*, V]) and empties the queue. */
-static pd_status mask_apply(pd_engine *e, const float *logits, pd_err *err)
-{
-    int n = e->n_mask, words = (e->V + 31) / 32;
-    e->n_mask = 0;
-    if (n == 0)
-        return PD_OK;
-    size_t rows_bytes = ((size_t)n * sizeof(int32_t) + 255) & ~(size_t)255;
-    size_t bytes = rows_bytes + (size_t)n * words * sizeof(uint32_t);
-    TRY(kern_buf_grow(e->tm->be, &e->mask_dev, &e->cap_mask, (int)bytes, 1, err));
-    char *dev = e->mask_dev->ptr;
-    TRY(kern_upload(e->tm->be, dev, e->mask_rows, (size_t)n * sizeof(int32_t), err));
-    TRY(kern_upload(e->tm->be, dev + rows_bytes, e->mask_bits, (size_t)n * words * sizeof(uint32_t), err));
-    kern_token_mask_args ma = { .x = (float *)(uintptr_t)logits, .ld_x = e->V, .n = e->V, .n_rows = n,
-                                .rows = (const int32_t *)dev, .bits = (const uint32_t *)(dev + rows_bytes),
-                                .words = words };
-    return kern_token_mask(e->tm->be, &ma, err);
-}
-
-/* Appends tok (with its logprobs lp when the request keeps them; NULL: zeros). */
-static pd_status push_out(pd_request *r, int32_t tok, const pd_token_logprobs *lp, pd_err *err)
-{
-    int cap = r->cap_out;
-    TRY(grow_host((void **)&r->out, &r->cap_out, r->n_out + 1, sizeof(int32_t), err));
-    if (r->params.logprobs && (r->lps == NULL || r->cap_out != cap)) {
-        pd_token_logprobs *n = realloc(r->lps, (size_t)r->cap_out * sizeof(*n));
-        if (n == NULL)
-            return pd_err_set(err, PD_ERR_NOMEM, "logprobs of %d tokens", r->cap_out);
-        r->lps = n;
-    }
-    if (r->params.logprobs) {
-        if (lp != NULL)
-            r->lps[r->n_out] = *lp;
-        else
-            memset(&r->lps[r->n_out], 0, sizeof(r->lps[0]));
-    }
-    if (r->pen != NULL) {
-        if (r->pen[tok] == 0)
-            TRY(pen_track(r, tok, err));
-        r->pen[tok]++;
-    }
-    if (r->gm != NULL) {
-        int ok = pd_gmatch_advance(r->gm, r->params.gvocab, tok, err);
-        if (ok < 0)
-            return err != NULL ? err->code : PD_ERR_INTERNAL;
-        if (ok == 0)
-            return pd_err_set(err, PD_ERR_INVALID, "structured output: token %d does not fit the grammar "
-                              "after %d tokens", tok, r->n_out);
-    }
-    r->out[r->n_out++] = tok;
-    return PD_OK;
-}
-
-static size_t align16(size_t n) { return (n + 15) & ~(size_t)15; }
-
-/* Host and backend staging of bytes for one launch's small inputs (16-byte aligned parts). */
-static pd_status stage_get(pd_engine *e, size_t bytes, char **host, char **dev, pd_err *err)
-{
-    if (bytes > INT_MAX / 2)
-        return pd_err_set(err, PD_ERR_INVALID, "sampling inputs of %zu bytes", bytes);
-    TRY(grow_host(&e->smp_host, &e->cap_smp_host, (int)bytes, 1, err));
-    TRY(kern_buf_grow(e->tm->be, &e->smp_dev, &e->cap_smp_dev, (int)bytes, 1, err));
-    *host = e->smp_host;
-    *dev = e->smp_dev->ptr;
-    return PD_OK;
-}
-
-/* A logprobs entry cut to want top entries, the rest zeros (equal answers compare equal). */
-static void lp_cut(pd_token_logprobs *d, int want)
-{
-    if (d->n_top > want)
-        d->n_top = want;
-    for (int j = d->n_top; j < PD_MAX_TOP_LOGPROBS; j++) {
-        d->top_id[j] = 0;
-        d->top_logprob[j] = 0.0f;
-    }
-}
-
-/* out[i] = the logprobs of toks[i] from logits row rows[i] of dev ([*, V], backend memory), with
- * the n_top most likely tokens: kern_logprobs on the backend, only the entries come back. */
-static pd_status logprobs_entries(pd_engine *e, const float *dev, const int32_t *rows, const int32_t *toks,
-                                  int n, int n_top, pd_token_logprobs *out, pd_err *err)
-{
-    if (n <= 0)
-        return PD_OK;
-    size_t ib = align16((size_t)n * sizeof(int32_t)), ob = (size_t)n * sizeof(kern_logprobs_row);
-    char *h = NULL, *d = NULL;
-    TRY(stage_get(e, 2 * ib + ob, &h, &d, err));
-    memcpy(h, rows, (size_t)n * sizeof(int32_t));
-    memcpy(h + ib, toks, (size_t)n * sizeof(int32_t));
-    TRY(kern_upload(e->tm->be, d, h, 2 * ib, err));
-    kern_logprobs_args la = { .x = dev, .ld_x = e->V, .n = e->V, .n_rows = n, .rows = (const int32_t *)d,
-                              .tok = (const int32_t *)(d + ib), .n_top = n_top < e->V ? n_top : e->V,
-                              .out = (kern_logprobs_row *)(d + 2 * ib) };
-    TRY(kern_logprobs(e->tm->be, &la, err));
-    TRY(kern_download(e->tm->be, out, d + 2 * ib, ob, err));
-    for (int i = 0; i < n; i++)
-        lp_cut(&out[i], n_top);
-    return PD_OK;
-}
-
-/* out[i] = the logprobs of toks[i] from logits row row0 + i of dev, for a request that keeps
- * them (n <= 33: a round's drafts and its bonus). */
-static pd_status logprobs_rows(pd_engine *e, const pd_request *r, const float *dev, int row0,
-                               const int32_t *toks, int n, pd_token_logprobs *out, pd_err *err)
-{
-    int32_t rows[64];
-    if (n > 64)
-        return pd_err_set(err, PD_ERR_INTERNAL, "logprobs of %d rows at once", n);
-    for (int i = 0; i < n; i++)
-        rows[i] = row0 + i;
-    return logprobs_entries(e, dev, rows, toks, n, r->params.top_logprobs, out, err);
-}
-
 static void fail_request(pd_request *r, const pd_err *why)
 {
     r->finish = PD_FINISH_ERROR;
@@ -1208,76 +488,29 @@ static void fail_request(pd_request *r, const pd_err *why)
     r->error[sizeof(r->error) - 1] = '\0';
 }
 
-/* Row-wise argmax on the backend, ids to host. */
-static pd_status argmax_rows(pd_engine *e, const float *dev, int n, int32_t *out, pd_err *err)
-{
-    kern_backend *be = e->tm->be;
-    TRY(kern_buf_grow(be, &e->ids_dev, &e->cap_ids, n, sizeof(int32_t), err));
-    kern_argmax_args am = { .x = dev, .ld_x = e->V, .rows = n, .n = e->V, .out = e->ids_dev->ptr };
-    TRY(kern_argmax(be, &am, err));
-    return kern_download(be, out, e->ids_dev->ptr, (size_t)n * sizeof(int32_t), err);
-}
-
-/* ---- sampled requests on the backend ------------------------------------------------------ */
-
-static kern_sample_cfg sample_cfg(const pd_sample_params *p)
-{
-    kern_sample_cfg c = { .temperature = pd_sample_is_greedy(p) ? 0.0f : p->temperature,
-                          .top_k = p->top_k, .top_p = p->top_p, .min_p = p->min_p };
-    return c;
-}
-
-/* One token for each of n rows of backend logits [n, V], row i owned by owner[i]: its
- * distribution goes to probs + i * ld_probs (backend), a sampled owner's uniform comes from its
- * rng (greedy owners: the argmax, their rng untouched), and only the ids come back into out. */
-static pd_status sample_rows(pd_engine *e, const float *logits, pd_request *const *owner, int n,
-                             float *probs, int ld_probs, int32_t *out, pd_err *err)
-{
-    kern_backend *be = e->tm->be;
-    size_t cfg_b = align16((size_t)n * sizeof(kern_sample_cfg));
-    char *h = NULL, *d = NULL;
-    TRY(stage_get(e, cfg_b + (size_t)n * sizeof(double), &h, &d, err));
-    kern_sample_cfg *cfg = (kern_sample_cfg *)h;
-    double *u = (double *)(h + cfg_b);
-    for (int i = 0; i < n; i++) {
-        const pd_sample_params *sp = &owner[i]->params.sample;
-        cfg[i] = sample_cfg(sp);
-        u[i] = pd_sample_is_greedy(sp) ? 0.0 : pd_rng_uniform(&owner[i]->rng);
-    }
-    TRY(kern_upload(be, d, h, cfg_b + (size_t)n * sizeof(double), err));
-    TRY(kern_buf_grow(be, &e->ids_dev, &e->cap_ids, n, sizeof(int32_t), err));
-    kern_probs_args pa = { .x = logits, .ld_x = e->V, .cfg = (const kern_sample_cfg *)d, .rows = n,
-                           .n = e->V, .out = probs, .ld_out = ld_probs };
-    TRY(kern_probs(be, &pa, err));
-    kern_sample_args sa = { .probs = probs, .ld = ld_probs, .rows = n, .n = e->V,
-                            .u = (const double *)(d + cfg_b), .out = e->ids_dev->ptr };
-    TRY(kern_sample(be, &sa, err));
-    return kern_download(be, out, e->ids_dev->ptr, (size_t)n * sizeof(int32_t), err);
-}
-
 /* ---- forwards: on this thread, or handed to every rank of the tensor-parallel group ------- */
 
-static pd_status tp_run(pd_engine *e, pd_tp_cmd *c, pd_err *err)
+pd_status pd_engine_tp_run(pd_engine *e, pd_tp_cmd *c, pd_err *err)
 {
     c->batch_invariant = e->tm->be->batch_invariant;
     return pd_tp_group_run(e->tp, c, err);
 }
 
-static pd_status target_forward(pd_engine *e, const pd_tok_batch *b, const int32_t *rows, int n,
-                                pd_err *err)
+pd_status pd_engine_target_forward(pd_engine *e, const pd_tok_batch *b, const int32_t *rows, int n,
+                                   pd_err *err)
 {
     if (e->tp == NULL)
         return pd_target_forward(e->target, b, rows, n, err);
     pd_tp_cmd c = { .op = PD_TP_TARGET_FORWARD, .b = b, .rows = rows, .n_rows = n };
-    return tp_run(e, &c, err);
+    return pd_engine_tp_run(e, &c, err);
 }
 
-static pd_status draft_extend(pd_engine *e, const float *aux, const pd_tok_batch *b, pd_err *err)
+pd_status pd_engine_draft_extend(pd_engine *e, const float *aux, const pd_tok_batch *b, pd_err *err)
 {
     if (e->tp == NULL)
         return pd_draft_extend(e->draft, aux, e->aux_dim, b, err);
     pd_tp_cmd c = { .op = PD_TP_DRAFT_EXTEND, .b = b, .aux = aux, .ld_aux = e->aux_dim };
-    return tp_run(e, &c, err);
+    return pd_engine_tp_run(e, &c, err);
 }
 
 static pd_status draft_block(pd_engine *e, int n_req, const int32_t *anchor, const int32_t *start,
@@ -1287,7 +520,7 @@ static pd_status draft_block(pd_engine *e, int n_req, const int32_t *anchor, con
         return pd_draft_block(e->draft, n_req, anchor, start, seqs, err);
     pd_tp_cmd c = { .op = PD_TP_DRAFT_BLOCK, .n_req = n_req, .anchor = anchor, .start = start,
                     .seqs = seqs };
-    return tp_run(e, &c, err);
+    return pd_engine_tp_run(e, &c, err);
 }
 
 static pd_status markov_step(pd_engine *e, int k, const int32_t *prev, float *conf_out, pd_err *err)
@@ -1295,1104 +528,13 @@ static pd_status markov_step(pd_engine *e, int k, const int32_t *prev, float *co
     if (e->tp == NULL)
         return pd_draft_markov_step(e->draft, k, prev, conf_out, err);
     pd_tp_cmd c = { .op = PD_TP_MARKOV_STEP, .k = k, .prev = prev, .conf_out = conf_out };
-    return tp_run(e, &c, err);
-}
-
-/* dst[i] = aux[rows[i]] for n aux rows on the backend; a run of consecutive rows (every row of
- * a round without drafts) is one copy with no index upload. */
-static int rows_consecutive(const int32_t *rows, int n)
-{
-    for (int i = 1; i < n; i++)
-        if (rows[i] != rows[0] + i)
-            return 0;
-    return 1;
-}
-
-static pd_status gather_aux(pd_engine *e, const float *aux, const int32_t *rows, int n, float *dst,
-                            pd_err *err)
-{
-    kern_backend *be = e->tm->be;
-    int run = rows_consecutive(rows, n);
-    kern_copy_rows_args cp = { .src = aux, .ld_src = e->aux_dim, .idx = NULL, .dst = dst,
-                               .ld_dst = e->aux_dim, .rows = n, .cols = e->aux_dim };
-    if (run) {
-        cp.src = aux + (size_t)rows[0] * e->aux_dim;
-    } else {
-        TRY(kern_buf_grow(be, &e->idx_dev, &e->cap_idx, n, sizeof(int32_t), err));
-        TRY(kern_upload(be, e->idx_dev->ptr, rows, (size_t)n * sizeof(int32_t), err));
-        cp.idx = e->idx_dev->ptr;
-    }
-    return kern_copy_rows(be, &cp, err);
-}
-
-/* Adds aux rows rows[0..n-1] of aux (backend, [*, aux_dim] packed) to the draft context of the
- * given requests at the given positions. */
-static pd_status extend_draft(pd_engine *e, const float *aux, const int32_t *rows,
-                              const int32_t *pos, pd_request *const *owner, int n, pd_err *err)
-{
-    if (e->draft == NULL || n == 0)
-        return PD_OK;
-    const float *src = aux + (size_t)rows[0] * e->aux_dim;
-    if (!rows_consecutive(rows, n) || e->tp != NULL) {
-        /* tensor-parallel ranks read the rows from the engine's own scratch */
-        TRY(kern_buf_grow(e->tm->be, &e->aux_dev, &e->cap_aux, n, (size_t)e->aux_dim * sizeof(float), err));
-        TRY(gather_aux(e, aux, rows, n, e->aux_dev->ptr, err));
-        src = e->aux_dev->ptr;
-    }
-    /* sequences: one slot per distinct owner, in order of first appearance (the deferred
-     * buffer interleaves requests round by round; context rows attend nowhere, so their order
-     * within the batch is free and the page table holds each request once) */
-    int32_t *seq = malloc((size_t)n * sizeof(int32_t));
-    pd_kv_seq **seqs = malloc((size_t)n * sizeof(pd_kv_seq *));
-    if (seq == NULL || seqs == NULL) {
-        free(seq);
-        free(seqs);
-        return pd_err_set(err, PD_ERR_NOMEM, "draft extend metadata");
-    }
-    int n_seq = 0;
-    uint64_t epoch = ++e->ext_epoch;
-    for (int i = 0; i < n; i++) {
-        pd_request *r = owner[i];
-        if (r->ext_epoch != epoch) {
-            r->ext_epoch = epoch;
-            r->ext_seq = n_seq;
-            seqs[n_seq++] = &r->dkv;
-        }
-        seq[i] = r->ext_seq;
-    }
-    pd_tok_batch b = { .n_tok = n, .pos = pos, .seq = seq, .n_seq = n_seq, .seqs = seqs };
-    pd_status st = draft_extend(e, src, &b, err);
-    free(seq);
-    free(seqs);
-    return st;
-}
-
-/* The scheduled policy's per-request acceptance (sched_accept): discount per whole-block round
- * of the request, and the rounds of the arm's own figure a request starts from. */
-#define PD_REQ_ACCEPT_DECAY 0.9
-#define PD_REQ_ACCEPT_PRIOR 2.0
-/* the share of its drafts a probed request is hoped to accept, and the whole-block rounds a
- * request is probed for (sched_probe): one round's acceptance says little (a request that
- * accepts 3 of 7 drafts on average accepts none in about a third of its rounds) */
-#define PD_PROBE_ACCEPT 0.75
-#define PD_PROBE_ROUNDS 3
-/* a request that ran this many rounds in a row without drafts is probed again: without drafts
- * its record never changes, and a few unlucky rounds had kept well-accepting requests off
- * drafts for the rest of their lives (batch 1 on the H200) */
-#define PD_REPROBE_PLAIN 16
-
-/* The deferred-context buffer grows up to this many rows or PD_PEND_MAX_BYTES, whichever is
- * less; a full buffer is compacted (rows of ended requests removed) when at most three quarters
- * of it are still wanted, else flushed. */
-#define PD_PEND_MAX_ROWS 65536
-#define PD_PEND_MAX_BYTES ((size_t)256 << 20)
-/* Rounds of at least this many requests leave their waiting rows as gaps (decode_round,
- * prefill_forward). */
-#define PD_GAP_MIN_BATCH 8
-
-static int gap_min_batch(const pd_engine *e)
-{
-    return e->cfg.gap_min_batch > 0 ? e->cfg.gap_min_batch : PD_GAP_MIN_BATCH;
-}
-
-/* The token at position p of r (prompt, then output). */
-static int32_t token_at(const pd_request *r, int p)
-{
-    return p < r->n_prompt ? r->prompt[p] : r->out[p - r->n_prompt];
-}
-
-/* One chunk of gap rows: the target forward of n committed tokens reads their keys from the
- * cache and writes nothing (they are there already; re-storing them with other kernels could
- * change them), then their aux rows extend the draft KV. */
-static pd_status gap_chunk(pd_engine *e, const int32_t *ids, const int32_t *pos, const int32_t *seq,
-                           const int32_t *rows, pd_request *const *own, int n, pd_kv_seq *const *seqs,
-                           int n_seq, pd_err *err)
-{
-    pd_tok_batch b = { .n_tok = n, .ids = ids, .pos = pos, .seq = seq, .n_seq = n_seq, .seqs = seqs,
-                       .no_store = 1 };
-    TRY(target_forward(e, &b, NULL, 0, err));
-    return extend_draft(e, pd_target_aux(e->target), rows, pos, own, n, err);
-}
-
-/* Which waiting rows a flush adds (pend_flush). */
-typedef enum {
-    PD_FLUSH_DRAFTING,      /* the rows of requests that draft this round (pd_request.drafting) */
-    PD_FLUSH_REQUEST,       /* the rows of one request */
-    PD_FLUSH_BUFFER,        /* the buffer's rows (it is full), no gaps */
-} pd_flush_mode;
-
-static int flush_takes(pd_flush_mode mode, const pd_request *one, const pd_request *r)
-{
-    return mode == PD_FLUSH_DRAFTING ? r->drafting : mode == PD_FLUSH_REQUEST ? r == one : 1;
-}
-
-/* Recomputes the gaps (decode rows of rounds without drafts, which kept no aux row) of the
- * requests mode takes and adds the rows to the draft KV, in chunks of at most
- * PD_DRAFT_EXTEND_GRAPH_MAX tokens; the gaps are closed. */
-static pd_status gap_flush(pd_engine *e, pd_flush_mode mode, const pd_request *one, pd_err *err)
-{
-    int total = 0;
-    for (int i = 0; i < e->n_reqs; i++)
-        if (flush_takes(mode, one, e->reqs[i]))
-            total += e->reqs[i]->n_gap;
-    if (total == 0)
-        return PD_OK;
-    /* chunks the target's forward takes without growing its scratch (a grown buffer moves and
-     * every target graph is captured again; with the recompute's own graphs that cost -5 % at
-     * C = 8 on the tiny pair, 14:02 UTC) */
-    int cap = PD_DRAFT_EXTEND_GRAPH_MAX, tcap = e->tp == NULL ? pd_target_capacity(e->target) : 0;
-    if (e->cfg.pend_max_rows > 0 && e->cfg.pend_max_rows < cap)
-        cap = e->cfg.pend_max_rows;
-    if (tcap > 0 && tcap < cap)
-        cap = tcap;
-    while (tcap > 0 && cap > 1 && pd_graph_bucket(cap) > tcap)   /* padded to a graph bucket */
-        cap--;
-    if (total < cap)
-        cap = total;
-    int32_t *ids = malloc((size_t)cap * 4 * sizeof(int32_t));
-    pd_request **own = malloc((size_t)cap * sizeof(*own));
-    pd_kv_seq **seqs = malloc((size_t)cap * sizeof(*seqs));
-    if (ids == NULL || own == NULL || seqs == NULL) {
-        free(ids);
-        free(own);
-        free(seqs);
-        return pd_err_set(err, PD_ERR_NOMEM, "recomputed draft context: %d rows", total);
-    }
-    int32_t *pos = ids + cap, *seq = pos + cap, *rows = seq + cap;
-    pd_status st = PD_OK;
-    int c = 0, ns = 0;
-    for (int i = 0; i < e->n_reqs && st == PD_OK; i++) {
-        pd_request *r = e->reqs[i];
-        if (!flush_takes(mode, one, r))
-            continue;
-        for (int j = 0; j < r->n_gap && st == PD_OK; j++) {
-            if (j == 0 || c == 0)
-                seqs[ns++] = &r->tkv;
-            pos[c] = r->gap_lo + j;
-            ids[c] = token_at(r, pos[c]);
-            seq[c] = ns - 1;
-            rows[c] = c;
-            own[c++] = r;
-            if (c == cap) {
-                st = gap_chunk(e, ids, pos, seq, rows, own, c, seqs, ns, err);
-                c = ns = 0;
-            }
-        }
-        e->pend_live -= r->n_gap;
-        e->gap_live -= r->n_gap;
-        r->n_pend -= r->n_gap;
-        r->n_gap = 0;
-    }
-    if (st == PD_OK && c > 0)
-        st = gap_chunk(e, ids, pos, seq, rows, own, c, seqs, ns, err);
-    free(ids);
-    free(own);
-    free(seqs);
-    return st;
-}
-
-/* The deferred buffer's rows of the requests mode takes to the draft KV; their entries are
- * left as those of ended requests (owner NULL), and the buffer empties when none is wanted. */
-static pd_status buf_flush(pd_engine *e, pd_flush_mode mode, const pd_request *one, pd_err *err)
-{
-    int n = e->n_pend;
-    if (n == 0)
-        return PD_OK;
-    int32_t *idx = malloc((size_t)n * sizeof(int32_t)), *pos = malloc((size_t)n * sizeof(int32_t));
-    pd_request **own = malloc((size_t)n * sizeof(*own));
-    if (idx == NULL || pos == NULL || own == NULL) {
-        free(idx);
-        free(pos);
-        free(own);
-        return pd_err_set(err, PD_ERR_NOMEM, "deferred draft context metadata");
-    }
-    int k = 0, kept = 0;
-    for (int i = 0; i < n; i++) {
-        pd_request *r = e->pend_owner[i];
-        if (r == NULL)
-            continue;
-        if (!flush_takes(mode, one, r)) {
-            kept++;
-            continue;
-        }
-        idx[k] = i;
-        pos[k] = e->pend_pos[i];
-        own[k++] = r;
-    }
-    /* in chunks the graph-replayed extension takes: its buffers stay at that size, where one
-     * batch of every row (thousands) grew device scratch, which also made every graph stale */
-    pd_status st = PD_OK;
-    for (int c0 = 0; c0 < k && st == PD_OK; c0 += PD_DRAFT_EXTEND_GRAPH_MAX) {
-        int c = k - c0 < PD_DRAFT_EXTEND_GRAPH_MAX ? k - c0 : PD_DRAFT_EXTEND_GRAPH_MAX;
-        st = extend_draft(e, e->pend_aux->ptr, idx + c0, pos + c0, own + c0, c, err);
-    }
-    for (int j = 0; j < k; j++) {
-        e->pend_owner[idx[j]] = NULL;
-        own[j]->n_pend--;
-    }
-    e->pend_live -= k;
-    if (kept == 0)
-        e->n_pend = 0;
-    free(idx);
-    free(pos);
-    free(own);
-    return st;
-}
-
-static void smooth(double *avg, double x) { *avg = *avg > 0.0 ? 0.7 * *avg + 0.3 * x : x; }
-
-/* Adds the context rows the draft KV still lacks, those mode takes (gaps and buffer rows),
- * with the fast (cuBLAS) kernels, and keeps the seconds per row of each kind. The
- * batch-invariant kernels are for the target's logits, which decide the output; the drafter's
- * context only changes which drafts are proposed, and a flush of thousands of rows through the
- * skinny invariant kernel cost milliseconds on the tiny pair (docs/BENCHMARKS.md). */
-static pd_status pend_flush(pd_engine *e, pd_flush_mode mode, const pd_request *one, pd_err *err)
-{
-    if (e->n_pend == 0 && e->pend_live == 0)
-        return PD_OK;
-    e->times.pend_flushes++;
-    kern_backend *be = e->tm->be;
-    int inv = be->batch_invariant;
-    be->batch_invariant = 0;
-    int gaps0 = e->gap_live;
-    double t0 = now_s();
-    pd_status st = mode == PD_FLUSH_BUFFER ? PD_OK : gap_flush(e, mode, one, err);
-    /* a recompute is a forward: wait for it, so its time (the controller's switch cost) is
-     * not taken for the draft round that follows */
-    if (st == PD_OK && e->gap_live != gaps0)
-        st = kern_sync(be, err);
-    double t1 = now_s();
-    if (st == PD_OK && e->gap_live != gaps0)
-        smooth(&e->gap_row_s, (t1 - t0) / (gaps0 - e->gap_live));
-    int buf0 = e->pend_live;
-    if (st == PD_OK)
-        st = buf_flush(e, mode, one, err);
-    /* host seconds per buffer row (captures included: the last chunk's size varies, so a flush
-     * often captures one) */
-    if (st == PD_OK && e->pend_live != buf0)
-        smooth(&e->flush_row_s, (now_s() - t1) / (buf0 - e->pend_live));
-    be->batch_invariant = inv;
-    return st;
-}
-
-/* What adding every waiting row would cost now (a drafting round for the whole batch flushes
- * them first): buffer rows at their measured rate, gap rows at theirs or, before any was
- * recomputed, at the profile's forward of up to a chunk of tokens. */
-static double switch_cost(const pd_engine *e)
-{
-    double gap_row = e->gap_row_s;
-    if (gap_row <= 0.0 && e->gap_live > 0 && e->sched.sps != NULL) {
-        int n = e->gap_live < PD_DRAFT_EXTEND_GRAPH_MAX ? e->gap_live : PD_DRAFT_EXTEND_GRAPH_MAX;
-        gap_row = 1.0 / pd_sps_at(e->sched.sps, n) / n;
-    }
-    return (e->pend_live - e->gap_live) * e->flush_row_s + e->gap_live * gap_row;
-}
-
-/* Forgets r's deferred rows: r ended and its draft KV goes back unread. */
-static void pend_drop(pd_engine *e, pd_request *r)
-{
-    e->pend_live -= r->n_pend;
-    e->gap_live -= r->n_gap;
-    r->n_pend -= r->n_gap;
-    r->n_gap = 0;
-    for (int i = 0; i < e->n_pend && r->n_pend > 0; i++)
-        if (e->pend_owner[i] == r) {
-            e->pend_owner[i] = NULL;
-            r->n_pend--;
-        }
-    r->n_pend = 0;
-}
-
-/* Removes the rows of ended requests from the deferred buffer when at most three quarters of it
- * are still wanted (two copies of the rows kept, through e->aux_dev, which grows to hold them);
- * otherwise (or without memory for the index) leaves it as it is. */
-static pd_status pend_compact(pd_engine *e, pd_err *err)
-{
-    int live = 0;
-    for (int i = 0; i < e->n_pend; i++)
-        live += e->pend_owner[i] != NULL;
-    if (live > e->cap_pend / 4 * 3)
-        return PD_OK;
-    pd_status st = PD_OK;
-    if (live > 0) {
-        int32_t *idx = malloc((size_t)live * sizeof(int32_t));
-        if (idx == NULL)
-            return PD_OK;
-        for (int i = 0, k = 0; i < e->n_pend; i++)
-            if (e->pend_owner[i] != NULL)
-                idx[k++] = i;
-        kern_backend *be = e->tm->be;
-        float *pend = e->pend_aux->ptr;
-        st = kern_buf_grow(be, &e->aux_dev, &e->cap_aux, live, (size_t)e->aux_dim * sizeof(float), err);
-        if (st == PD_OK)
-            st = gather_aux(e, pend, idx, live, e->aux_dev->ptr, err);
-        if (st == PD_OK) {
-            kern_copy_rows_args cp = { .src = e->aux_dev->ptr, .ld_src = e->aux_dim, .dst = pend,
-                                       .ld_dst = e->aux_dim, .rows = live, .cols = e->aux_dim };
-            st = kern_copy_rows(be, &cp, err);
-        }
-        for (int k = 0; k < live && st == PD_OK; k++) {
-            e->pend_pos[k] = e->pend_pos[idx[k]];
-            e->pend_owner[k] = e->pend_owner[idx[k]];
-        }
-        free(idx);
-        if (st != PD_OK)
-            return st;
-    }
-    e->n_pend = live;
-    e->times.pend_compactions++;
-    return PD_OK;
-}
-
-/* Defers n committed context rows (rows of the target's aux tensor aux, at positions pos of
- * owner[i]) instead of adding them to the draft KV now. */
-static pd_status pend_add(pd_engine *e, const float *aux, const int32_t *rows, const int32_t *pos,
-                          pd_request *const *owner, int n, pd_err *err)
-{
-    if (n == 0)
-        return PD_OK;
-    size_t row_bytes = (size_t)e->aux_dim * sizeof(float);
-    int max_rows = e->cfg.pend_max_rows > 0 ? e->cfg.pend_max_rows : PD_PEND_MAX_ROWS;   /* a power of
-                                                           * two: kern_buf_grow sizes in those */
-    while (max_rows > 64 && (size_t)max_rows * row_bytes > PD_PEND_MAX_BYTES)
-        max_rows /= 2;
-    if (e->n_pend + n > e->cap_pend && e->n_pend > 0)
-        TRY(pend_compact(e, err));
-    if (e->n_pend + n > e->cap_pend) {   /* still full (or not allocated yet) */
-        TRY(pend_flush(e, PD_FLUSH_BUFFER, NULL, err));
-        if (n > max_rows)
-            return extend_draft(e, aux, rows, pos, owner, n, err);
-        /* sized once, at its largest: growing would drop the contents */
-        TRY(kern_buf_grow(e->tm->be, &e->pend_aux, &e->cap_pend, max_rows, row_bytes, err));
-    }
-    if (e->n_pend + n > e->cap_pend_host) {
-        int cap = e->cap_pend_host;
-        TRY(grow_host((void **)&e->pend_pos, &cap, e->n_pend + n, sizeof(int32_t), err));
-        int cap2 = e->cap_pend_host;
-        TRY(grow_host((void **)&e->pend_owner, &cap2, e->n_pend + n, sizeof(pd_request *), err));
-        e->cap_pend_host = cap < cap2 ? cap : cap2;
-    }
-    TRY(gather_aux(e, aux, rows, n, (float *)e->pend_aux->ptr + (size_t)e->n_pend * e->aux_dim, err));
-    for (int i = 0; i < n; i++) {
-        e->pend_pos[e->n_pend + i] = pos[i];
-        e->pend_owner[e->n_pend + i] = owner[i];
-        owner[i]->n_pend++;
-    }
-    e->n_pend += n;
-    e->pend_live += n;
-    return PD_OK;
-}
-
-/* ---- prefill ----------------------------------------------------------------------------- */
-
-/* Which committed context rows wait instead of extending the draft KV now: a scheduled
- * request's rows of a round in which it does not draft, and its prompt rows (when the
- * scheduler then decodes without drafts the request may end before its next drafting round and
- * they are never computed) unless the prompt's context is handed on (prefill nodes: aux or ctx
- * rows kept, KV held). */
-static pd_verify_policy request_policy(const pd_engine *e, const pd_request *r);
-
-static int row_defers(const pd_engine *e, const pd_request *r, int prompt)
-{
-    return request_policy(e, r) == PD_VERIFY_SCHEDULED &&
-           (prompt ? r->aux == NULL && r->ctx == NULL && !r->params.hold_kv : !r->drafting);
-}
-
-/* Puts r's context row at position p into its gap (pd_request.gap_lo) when it extends it. */
-static int gap_add(pd_engine *e, pd_request *r, int p)
-{
-    if (r->n_gap > 0 && p != r->gap_lo + r->n_gap)
-        return 0;
-    if (r->n_gap == 0)
-        r->gap_lo = p;
-    r->n_gap++;
-    r->n_pend++;
-    e->pend_live++;
-    e->gap_live++;
-    return 1;
-}
-
-/* Adds context rows to the draft KV, except those row_defers picks, which wait: as their
- * request's gap when gaps is set (no copy at all: a flush recomputes them), else, or when a row
- * does not extend the gap, in the deferred buffer (with the aux they were computed with). */
-static pd_status extend_or_defer(pd_engine *e, const float *aux, const int32_t *rows, const int32_t *pos,
-                                 pd_request *const *owner, int n, int prompt, int gaps, pd_err *err)
-{
-    if (e->draft == NULL || n == 0)
-        return PD_OK;
-    int any = 0;
-    for (int i = 0; i < n && !any; i++)
-        any = row_defers(e, owner[i], prompt);
-    if (!any)
-        return extend_draft(e, aux, rows, pos, owner, n, err);
-    /* rows, positions and owners of the buffered rows [0, d) and of those added now [n, n + k) */
-    int32_t *row2 = malloc((size_t)n * 4 * sizeof(int32_t));
-    pd_request **own2 = malloc((size_t)n * 2 * sizeof(*own2));
-    if (row2 == NULL || own2 == NULL) {
-        free(row2);
-        free(own2);
-        return extend_draft(e, aux, rows, pos, owner, n, err);
-    }
-    int32_t *pos2 = row2 + 2 * (size_t)n;
-    int d = 0, k = 0;
-    for (int i = 0; i < n; i++) {
-        pd_request *r = owner[i];
-        int at;
-        if (!row_defers(e, r, prompt))
-            at = n + k++;
-        else if (gaps && gap_add(e, r, pos[i]))
-            continue;
-        else
-            at = d++;
-        row2[at] = rows[i];
-        pos2[at] = pos[i];
-        own2[at] = r;
-    }
-    pd_status st = pend_add(e, aux, row2, pos2, own2, d, err);
-    if (st == PD_OK && k > 0)
-        st = extend_draft(e, aux, row2 + n, pos2 + n, own2 + n, k, err);
-    free(row2);
-    free(own2);
-    return st;
-}
-
-/* The CP forward of a packed prefill batch (tokens of one sequence are contiguous, in order).
- * Sets the logits of lrows and the aux tensor the drafter gets, after the hand-off guard. */
-static pd_status cp_prefill(pd_engine *e, const pd_tok_batch *b, pd_request *const *owner,
-                            const int32_t *lrows, int n_logits, const float **logits,
-                            const float **aux, pd_err *err)
-{
-    int n = e->cp_n, ns = b->n_seq;
-    int32_t *lens = calloc((size_t)ns, sizeof(int32_t)), *prefix = calloc((size_t)ns, sizeof(int32_t));
-    pd_kv_seq **tabs = calloc((size_t)n * ns, sizeof(*tabs));
-    pd_kv_seq *const **rank_tabs = calloc((size_t)n, sizeof(*rank_tabs));
-    pd_status st = PD_OK;
-    if (lens == NULL || prefix == NULL || tabs == NULL || rank_tabs == NULL) {
-        st = pd_err_set(err, PD_ERR_NOMEM, "cp prefill metadata: %d sequences", ns);
-        goto out;
-    }
-    for (int t = 0; t < b->n_tok; t++) {
-        int s = b->seq[t];
-        if (lens[s]++ == 0) {
-            prefix[s] = b->pos[t];
-            tabs[s] = b->seqs[s];
-            for (int k = 1; k < n; k++)
-                tabs[(size_t)k * ns + s] = &owner[t]->cp_kv[k - 1];
-        }
-    }
-    for (int k = 0; k < n; k++)
-        rank_tabs[k] = tabs + (size_t)k * ns;
-    pd_cp_group_batch gb = { .n_seqs = ns, .seq_lens = lens, .prefix_lens = prefix, .ids = b->ids,
-                             .seqs = rank_tabs, .logit_rows = lrows, .n_logits = n_logits };
-    st = pd_cp_group_prefill(e->cp, &gb, err);
-    if (st != PD_OK)
-        goto out;
-    const pd_cp_rank *r0 = pd_cp_group_rank(e->cp, 0);
-    *logits = pd_cp_rank_logits(r0);
-    *aux = NULL;
-    if (e->draft != NULL) {
-        pd_cp_aux a = pd_cp_rank_aux(r0);
-        if (e->cfg.cp_debug_aux_hidden)
-            a = (pd_cp_aux){ .data = pd_cp_rank_hidden(r0), .rows = b->n_tok, .cols = e->H,
-                             .ld = e->H };
-        st = pd_cp_aux_check(&a, b->n_tok, e->aux_dim, pd_cp_rank_hidden(r0), err);
-        if (st == PD_OK && a.ld != e->aux_dim)
-            st = pd_err_set(err, PD_ERR_INTERNAL, "cp aux row stride %d, want %d", a.ld, e->aux_dim);
-        *aux = a.data;
-    }
-out:
-    free(lens);
-    free(prefix);
-    free(tabs);
-    free(rank_tabs);
-    return st;
-}
-
-/* The prompt is in the pages and the draft context: commit the first token. */
-static pd_status commit_first(pd_engine *e, pd_request *r, int32_t tok, const pd_token_logprobs *lp,
-                              pd_err *err)
-{
-    cp_release(e, r);   /* decode is single-rank: the CP replicas' pages are not needed now */
-    r->prefilled = r->n_prompt;
-    r->tkv.len = r->n_prompt;
-    r->dkv.len = r->n_prompt;
-    r->anchor_pos = r->n_prompt;
-    TRY(push_out(r, tok, lp, err));
-    if (ends(e, r, tok))
-        r->finish = PD_FINISH_STOP;
-    else if (r->n_out >= r->params.max_new_tokens)
-        r->finish = PD_FINISH_LENGTH;
-    return PD_OK;
-}
-
-pd_status pd_aux_mode_parse(const char *s, pd_aux_mode *out, pd_err *err)
-{
-    if (strcmp(s, "raw") == 0)
-        *out = PD_AUX_RAW;
-    else if (strcmp(s, "ctx") == 0)
-        *out = PD_AUX_CTX;
-    else if (strcmp(s, "draft-kv") == 0)
-        *out = PD_AUX_DRAFT_KV;
-    else
-        return pd_err_set(err, PD_ERR_INVALID, "aux transfer '%s' (expected raw, ctx or draft-kv)", s);
-    return PD_OK;
-}
-
-const char *pd_aux_mode_name(pd_aux_mode m)
-{
-    return m == PD_AUX_CTX ? "ctx" : m == PD_AUX_DRAFT_KV ? "draft-kv" : "raw";
-}
-
-pd_status pd_engine_complete_prefill(pd_engine *e, pd_request *r, int32_t first_token,
-                                     const float *aux_host, pd_err *err)
-{
-    return pd_engine_complete_prefill_mode(e, r, first_token, PD_AUX_RAW, aux_host, NULL, err);
-}
-
-/* The draft context of a prompt prefilled elsewhere: positions 0..n-1 of r->dkv from the raw aux
- * rows (uploaded first) or from ready context features (host rows). */
-static pd_status extend_prompt_context(pd_engine *e, pd_request *r, pd_aux_mode mode, const float *rows,
-                                       pd_err *err)
-{
-    int n = r->n_prompt;
-    if (mode == PD_AUX_RAW) {
-        kern_backend *be = e->tm->be;
-        TRY(kern_buf_grow(be, &e->aux_dev, &e->cap_aux, n, (size_t)e->aux_dim * sizeof(float), err));
-        TRY(kern_upload(be, e->aux_dev->ptr, rows, (size_t)n * e->aux_dim * sizeof(float), err));
-    }
-    int32_t *pos = malloc((size_t)n * sizeof(int32_t)), *seq = calloc((size_t)n, sizeof(int32_t));
-    if (pos == NULL || seq == NULL) {
-        free(pos);
-        free(seq);
-        return pd_err_set(err, PD_ERR_NOMEM, "prefill completion metadata");
-    }
-    for (int i = 0; i < n; i++)
-        pos[i] = i;
-    pd_kv_seq *seqs[1] = {&r->dkv};
-    pd_tok_batch b = { .n_tok = n, .pos = pos, .seq = seq, .n_seq = 1, .seqs = seqs };
-    pd_status st = mode == PD_AUX_RAW ? pd_draft_extend(e->draft, e->aux_dev->ptr, e->aux_dim, &b, err)
-                                      : pd_draft_extend_ctx(e->draft, rows, &b, err);
-    free(pos);
-    free(seq);
-    return st;
-}
-
-/* Logprobs that came from elsewhere: tops within the request's count and the vocabulary. */
-static pd_status lp_check(const pd_engine *e, const pd_request *r, const pd_token_logprobs *lp,
-                          const char *what, pd_err *err)
-{
-    if (lp->n_top < 0 || lp->n_top > r->params.top_logprobs)
-        return pd_err_set(err, PD_ERR_INVALID, "%s: %d top logprobs, the request asked for %d", what,
-                          lp->n_top, r->params.top_logprobs);
-    for (int i = 0; i < lp->n_top; i++)
-        if (lp->top_id[i] < 0 || lp->top_id[i] >= e->V)
-            return pd_err_set(err, PD_ERR_INVALID, "%s: top logprob id %d outside the vocabulary "
-                              "(0..%d)", what, lp->top_id[i], e->V - 1);
-    return PD_OK;
-}
-
-pd_status pd_engine_set_prompt_logprobs(pd_engine *e, pd_request *r, const pd_token_logprobs *lps,
-                                        int n, pd_err *err)
-{
-    if (r->prompt_lps == NULL || !r->external)
-        return pd_err_set(err, PD_ERR_INVALID, "request %llu keeps no prompt logprobs from outside",
-                          (unsigned long long)r->id);
-    if (n != r->n_prompt)
-        return pd_err_set(err, PD_ERR_INVALID, "%d prompt logprobs for a prompt of %d tokens", n,
-                          r->n_prompt);
-    for (int i = 0; i < n; i++)
-        TRY(lp_check(e, r, &lps[i], "prompt token", err));
-    memcpy(r->prompt_lps, lps, (size_t)n * sizeof(*lps));
-    return PD_OK;
-}
-
-pd_status pd_engine_complete_prefill_mode(pd_engine *e, pd_request *r, int32_t first_token,
-                                          pd_aux_mode mode, const float *aux_host,
-                                          const pd_token_logprobs *first_lp, pd_err *err)
-{
-    if (!r->external || r->prefilled == r->n_prompt || r->finish != PD_FINISH_NONE)
-        return pd_err_set(err, PD_ERR_INVALID, "request %llu is not waiting for a prefill",
-                          (unsigned long long)r->id);
-    if (first_token < 0 || first_token >= e->V)
-        return pd_err_set(err, PD_ERR_INVALID, "first token %d outside the vocabulary (0..%d)",
-                          first_token, e->V - 1);
-    if (e->draft != NULL && mode != PD_AUX_DRAFT_KV) {
-        if (aux_host == NULL)
-            return pd_err_set(err, PD_ERR_INVALID, "request %llu: prefill brought no %s rows",
-                              (unsigned long long)r->id, mode == PD_AUX_CTX ? "context" : "aux");
-        TRY(extend_prompt_context(e, r, mode, aux_host, err));
-    }
-    if (first_lp != NULL && r->params.logprobs)
-        TRY(lp_check(e, r, first_lp, "first token", err));
-    /* the prefill node drew the first token's uniform from the same seed: skip it, so the rest
-     * of the stream is what a request prefilled here draws (the same text for a seed colocated,
-     * disaggregated, or prefilled here from the prefix cache) */
-    if (!pd_sample_is_greedy(&r->params.sample))
-        (void)pd_rng_uniform(&r->rng);
-    TRY(commit_first(e, r, first_token, r->params.logprobs ? first_lp : NULL, err));
-    prefix_offer(e, r);   /* its prompt pages are final: a sibling may take them at once */
-    return PD_OK;
-}
-
-/* Prompt tokens r may prefill in one forward: the rest of its prompt, at most
- * PROMPT_LP_CHUNK when it keeps prompt logprobs (one logits row per token: the rows of a forward
- * stay within PROMPT_LP_CHUNK x vocabulary floats). */
-#define PROMPT_LP_CHUNK 256
-/* Positions the prefill covers: the prompt, or for a request preempted without a host copy
- * (recompute 2) every committed position before its anchor. */
-static int prefill_len(const pd_request *r)
-{
-    return r->recompute ? r->anchor_pos : r->n_prompt;
-}
-
-/* r waits for prefill work here: its own prompt, or a recompute whose pages are reserved */
-static int prefill_wants(const pd_request *r)
-{
-    return r->finish == PD_FINISH_NONE && !r->external && r->recompute != 1 && r->prefilled < prefill_len(r);
-}
-
-static int prefill_take(const pd_request *r)
-{
-    int take = prefill_len(r) - r->prefilled;
-    if (r->recompute)
-        return take;
-    return r->prompt_lps != NULL && take > PROMPT_LP_CHUNK ? PROMPT_LP_CHUNK : take;
-}
-
-/* The prompt logprobs of a prefill forward: logits row k (n_done <= k < n_rows) is that of
- * token lrows[k], which predicts the prompt token after it; one kern_logprobs for them all, the
- * longest top list asked for, each request's cut to its own. */
-static pd_status prompt_logprobs(pd_engine *e, const float *logits, pd_request *const *owner,
-                                 const int32_t *pos, const int32_t *lrows, int n_done, int n_rows, pd_err *err)
-{
-    int n = n_rows - n_done, top = 0;
-    int32_t *rows = malloc((size_t)n * 2 * sizeof(int32_t));
-    pd_token_logprobs *lp = malloc((size_t)n * sizeof(*lp));
-    if (rows == NULL || lp == NULL) {
-        free(rows);
-        free(lp);
-        return pd_err_set(err, PD_ERR_NOMEM, "prompt logprobs of %d rows", n);
-    }
-    int32_t *toks = rows + n;
-    for (int i = 0; i < n; i++) {
-        const pd_request *r = owner[lrows[n_done + i]];
-        rows[i] = n_done + i;
-        toks[i] = r->prompt[pos[lrows[n_done + i]] + 1];
-        top = r->params.top_logprobs > top ? r->params.top_logprobs : top;
-    }
-    pd_status st = logprobs_entries(e, logits, rows, toks, n, top, lp, err);
-    for (int i = 0; i < n && st == PD_OK; i++) {
-        pd_request *r = owner[lrows[n_done + i]];
-        pd_token_logprobs *d = &r->prompt_lps[pos[lrows[n_done + i]] + 1];
-        *d = lp[i];
-        lp_cut(d, r->params.top_logprobs);
-    }
-    free(rows);
-    free(lp);
-    return st;
-}
-
-/* One prefill forward of up to budget prompt tokens from at most max_seq requests; *n_out = the
- * tokens it took (0: nothing to prefill). */
-static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_out, pd_err *err)
-{
-    int n_tok = 0, n_seq = 0;
-    *n_out = 0;
-    for (int i = 0; i < e->n_reqs && n_tok < budget && n_seq < max_seq; i++) {
-        pd_request *r = e->reqs[i];
-        if (!prefill_wants(r))
-            continue;
-        int take = prefill_take(r);
-        n_tok += take < budget - n_tok ? take : budget - n_tok;
-        n_seq++;
-    }
-    if (n_tok == 0)
-        return PD_OK;
-    *n_out = n_tok;
-    int32_t *ids = malloc((size_t)n_tok * 4), *pos = malloc((size_t)n_tok * 4),
-            *seq = malloc((size_t)n_tok * 4), *rows = malloc((size_t)n_tok * 4),
-            *lrows = malloc((size_t)(n_seq + n_tok) * 4), *first = malloc((size_t)n_seq * 4);
-    pd_kv_seq **seqs = malloc((size_t)n_seq * sizeof(*seqs));
-    pd_request **owner = malloc((size_t)n_tok * sizeof(*owner));
-    pd_request **done = malloc((size_t)n_seq * sizeof(*done)), **back = malloc((size_t)n_seq * sizeof(*back));
-    pd_status st = PD_OK;
-    if (!ids || !pos || !seq || !rows || !lrows || !first || !seqs || !owner || !done || !back) {
-        st = pd_err_set(err, PD_ERR_NOMEM, "prefill batch of %d tokens", n_tok);
-        goto out;
-    }
-    int t = 0, s = 0, n_done = 0;
-    int n_back = 0;   /* recomputed requests whose context is whole again (back[]) */
-    for (int i = 0; i < e->n_reqs && t < n_tok; i++) {
-        pd_request *r = e->reqs[i];
-        if (!prefill_wants(r))
-            continue;
-        int take = prefill_take(r);
-        if (take > n_tok - t)
-            take = n_tok - t;
-        seqs[s] = &r->tkv;
-        for (int j = 0; j < take; j++, t++) {
-            ids[t] = token_at(r, r->prefilled + j);
-            pos[t] = r->prefilled + j;
-            seq[t] = s;
-            rows[t] = t;
-            owner[t] = r;
-        }
-        r->prefilled += take;
-        if (r->prefilled == prefill_len(r) && r->recompute) {
-            back[n_back++] = r;
-        } else if (r->prefilled == r->n_prompt) {
-            lrows[n_done] = t - 1;
-            done[n_done++] = r;
-        }
-        s++;
-    }
-    /* prompt logprobs: the rows of every token that predicts a later prompt token, after the
-     * first-token rows */
-    int n_rows = n_done;
-    for (int i = 0; i < n_tok; i++)
-        if (owner[i]->prompt_lps != NULL && !owner[i]->recompute && pos[i] + 1 < owner[i]->n_prompt)
-            lrows[n_rows++] = i;
-    pd_tok_batch b = { .n_tok = n_tok, .ids = ids, .pos = pos, .seq = seq, .n_seq = s, .seqs = seqs };
-    const float *logits = NULL, *aux = NULL;
-    double t_fwd = now_s();
-    if (e->cp != NULL) {
-        st = cp_prefill(e, &b, owner, lrows, n_done, &logits, &aux, err);
-    } else {
-        st = target_forward(e, &b, lrows, n_rows, err);
-        logits = pd_target_logits(e->target);
-        aux = pd_target_aux(e->target);
-    }
-    if (st != PD_OK)
-        goto out;
-    if (n_rows > n_done)
-        st = prompt_logprobs(e, logits, owner, pos, lrows, n_done, n_rows, err);
-    if (st != PD_OK)
-        goto out;
-    if (e->draft != NULL && e->cfg.prefill_aux_hook != NULL)
-        e->cfg.prefill_aux_hook(e->cfg.prefill_aux_hook_ud, aux, n_tok, e->aux_dim, e->aux_dim);
-    double t_ext = now_s();
-    e->times.prefill_target += t_ext - t_fwd;
-    /* prompt rows wait as gaps too among enough requests, as decode rows do */
-    int active = 0;
-    for (int i = 0; i < e->n_reqs; i++)
-        active += e->reqs[i]->finish == PD_FINISH_NONE;
-    st = extend_or_defer(e, aux, rows, pos, owner, n_tok, 1, active >= gap_min_batch(e), err);
-    e->times.prefill_draft += now_s() - t_ext;
-    if (st != PD_OK)
-        goto out;
-    /* recomputed requests decode again from their anchor (their first token is long out) */
-    for (int i = 0; i < n_back; i++) {
-        pd_request *r = back[i];
-        r->tkv.len = r->anchor_pos;
-        r->dkv.len = r->anchor_pos;
-        r->prefilled = r->n_prompt;
-        preempt_clear(e, r);
-    }
-    /* prefill nodes keep the packed aux rows (or the draft context features) of their prompts,
-     * in global token order */
-    for (int i = 0; i < n_tok; i++) {
-        pd_request *r = owner[i];
-        if ((r->aux == NULL && r->ctx == NULL) || (i > 0 && owner[i - 1] == r))
-            continue;
-        int cnt = 1;
-        while (i + cnt < n_tok && owner[i + cnt] == r)
-            cnt++;
-        if (r->aux != NULL)
-            st = kern_download(e->tm->be, r->aux + (size_t)pos[i] * e->aux_dim,
-                               aux + (size_t)i * e->aux_dim,
-                               (size_t)cnt * e->aux_dim * sizeof(float), err);
-        if (st == PD_OK && r->ctx != NULL)
-            st = kern_download(e->tm->be, r->ctx + (size_t)pos[i] * e->H,
-                               pd_draft_ctx_feature(e->draft) + (size_t)i * e->H,
-                               (size_t)cnt * e->H * sizeof(float), err);
-        if (st != PD_OK)
-            goto out;
-    }
-    /* penalties (the prompt's tokens, for the repetition penalty) */
-    for (int i = 0; i < n_done && st == PD_OK; i++)
-        if ((st = pen_row(e, done[i], i, NULL, 0, err)) == PD_OK)
-            st = mask_rows(e, done[i], i, NULL, 0, 0, err);
-    if (st == PD_OK)
-        st = pen_apply(e, logits, err);
-    if (st == PD_OK)
-        st = mask_apply(e, logits, err);
-    if (st != PD_OK)
-        goto out;
-    /* first tokens: the backend's argmax, or its sampling ops when a request samples */
-    int any_sampled = 0;
-    for (int i = 0; i < n_done; i++)
-        any_sampled |= !pd_sample_is_greedy(&done[i]->params.sample);
-    double t_first = now_s();
-    if (n_done > 0 && !any_sampled)
-        st = argmax_rows(e, logits, n_done, first, err);
-    else if (n_done > 0 &&
-             (st = kern_buf_grow(e->tm->be, &e->smp_p, &e->cap_smp_p, n_done, (size_t)e->V * sizeof(float), err)) == PD_OK)
-        st = sample_rows(e, logits, done, n_done, e->smp_p->ptr, e->V, first, err);
-    e->times.prefill_target += now_s() - t_first;
-    if (st != PD_OK)
-        goto out;
-    for (int i = 0; i < n_done; i++) {
-        pd_token_logprobs lp;
-        if (done[i]->params.logprobs &&
-            (st = logprobs_rows(e, done[i], logits, i, &first[i], 1, &lp, err)) != PD_OK)
-            goto out;
-        if ((st = commit_first(e, done[i], first[i], done[i]->params.logprobs ? &lp : NULL, err)) != PD_OK)
-            goto out;
-        prefix_offer(e, done[i]);
-    }
-out:
-    free(ids);
-    free(pos);
-    free(seq);
-    free(rows);
-    free(lrows);
-    free(first);
-    free(seqs);
-    free(owner);
-    free(done);
-    free(back);
-    return st;
-}
-
-/* Prefill work of one engine step, about max_prefill_tokens. On a GPU with batch-invariant
- * decoding every forward holds one request's tokens only: the prefill kernels (cuBLAS, the
- * tensor-core attention) are not batch-invariant, so a prompt's KV must not depend on which
- * other prompts shared its forward - the same prompt then gets bit-identical KV whether it is
- * decoded speculatively or not, and greedy speculative output equals greedy decoding. CP
- * forwards too: the ranks' pieces (and so their kernels) follow from the forward's tokens, so a
- * node serving a burst and pdspark-generate serving one prompt prefill it the same way. */
-static pd_status prefill_step(pd_engine *e, pd_err *err)
-{
-    int budget = e->cfg.max_prefill_tokens;
-    int solo = !e->cfg.fast_kernels && !e->tm->be->is_host;
-    int n = 0, total = 0;
-    do {
-        /* a request's chunks are max_prefill_tokens long whatever else is waiting */
-        TRY(prefill_forward(e, budget, solo ? 1 : INT_MAX, &n, err));
-        total += n;
-    } while (solo && n > 0 && total < budget);
-    return PD_OK;
-}
-
-/* ---- preemption (cfg.swap_bytes): a running request's KV to host memory and back ---------- */
-
-/* r runs decode rounds (prefilled, a first token, not preempted) */
-static int decoding(const pd_request *r)
-{
-    return r->finish == PD_FINISH_NONE && r->swap == NULL && !r->recompute && r->prefilled == r->n_prompt &&
-           r->n_out > 0;
-}
-
-/* Counts a preemption; warns at the first and every 1000th (as vLLM warns, not per event). */
-static void preempt_note(pd_engine *e, const char *how)
-{
-    e->n_preempt++;
-    if (e->n_preempt == 1 || e->n_preempt % 1000 == 0)
-        PD_LOG_WARN("engine", "the KV pool ran out: %llu preemptions so far (%s); more pages make them rarer",
-                    (unsigned long long)e->n_preempt, how);
-}
-
-/* r is preempted no more (resumed, ended or freed): its host copy goes, its counts drop. */
-static void preempt_clear(pd_engine *e, pd_request *r)
-{
-    if (r->recompute) {
-        e->n_recompute--;
-        r->recompute = 0;
-    }
-    if (r->swap != NULL) {
-        e->swap_used -= r->swap_bytes;
-        e->n_swapped--;
-        free(r->swap);
-        r->swap = NULL;
-        r->swap_bytes = 0;
-    }
-}
-
-/* r (without pages) gets pages for want positions in both pools if that leaves spare free
- * pages (the cache's evictable entries hold a target and a draft page each: free for the
- * asking); 1 when it did, 0 (nothing held) when it must wait. */
-static int take_pages(pd_engine *e, pd_request *r, int want, int spare)
-{
-    if (pd_engine_kv_free_pages(e) - pages_of(e->tpool, want) < spare ||
-        (e->dpool != NULL && pd_kv_pool_free_pages(e->dpool) + e->prefix_free - pages_of(e->dpool, want) < spare))
-        return 0;
-    pd_err rerr;
-    if (pd_kv_seq_reserve(e->tpool, &r->tkv, want, &rerr) == PD_OK &&
-        (e->dpool == NULL || pd_kv_seq_reserve(e->dpool, &r->dkv, want, &rerr) == PD_OK))
-        return 1;
-    pd_kv_seq_release(e->tpool, &r->tkv);
-    if (e->dpool != NULL)
-        pd_kv_seq_release(e->dpool, &r->dkv);
-    return 0;
-}
-
-/* The host layout of a preempted request's nt target and nd draft pages: this engine's pools
- * (rank 0's), then each tensor-parallel worker's; part[k] = where rank k's part starts (NULL: not
- * wanted). Returns the total bytes. */
-static size_t swap_layout(const pd_engine *e, int nt, int nd, size_t *part)
-{
-    size_t off = pd_kv_pair_bytes(e->tpool, nt, e->dpool, nd);
-    if (part != NULL)
-        part[0] = 0;
-    for (int k = 1; e->tp != NULL && k < pd_tp_group_size(e->tp); k++) {
-        if (part != NULL)
-            part[k] = off;
-        off += pd_tp_group_kv_bytes(e->tp, k, nt, nd);
-    }
-    return off;
-}
-
-/* Copies r's first nt target and nd draft pages of every rank between the pools and host
- * (swap_layout), to_host 1 downloading. */
-static pd_status swap_copy(pd_engine *e, pd_request *r, int nt, int nd, char *host, int to_host, pd_err *err)
-{
-    size_t part[PD_TP_MAX_SIZE];
-    swap_layout(e, nt, nd, part);
-    TRY(pd_kv_pair_copy(e->tpool, &r->tkv, nt, e->dpool, &r->dkv, nd, host, to_host, err));
-    if (e->tp == NULL)
-        return PD_OK;
-    char *at[PD_TP_MAX_SIZE] = { 0 };
-    for (int k = 1; k < pd_tp_group_size(e->tp); k++)
-        at[k] = host + part[k];
-    pd_tp_cmd c = { .op = PD_TP_KV_COPY, .tseq = &r->tkv, .dseq = &r->dkv, .n_tpages = nt, .n_dpages = nd,
-                    .host = at, .to_host = to_host };
-    return tp_run(e, &c, err);
-}
-
-/* Preempts r: its deferred draft rows are added first (its draft KV is then whole), then the
- * pages holding its committed positions are copied to host memory and every page is given back.
- * PD_ERR_BUSY when the swap space cannot take it (nothing changed then). */
-static pd_status swap_out(pd_engine *e, pd_request *r, pd_err *err)
-{
-    if (r->n_pend > 0)
-        TRY(pend_flush(e, PD_FLUSH_REQUEST, r, err));
-    int nt = pages_of(e->tpool, r->tkv.len), nd = e->dpool != NULL ? pages_of(e->dpool, r->dkv.len) : 0;
-    size_t bytes = swap_layout(e, nt, nd, NULL);
-    if (e->swap_used + bytes > e->cfg.swap_bytes)
-        return pd_err_set(err, PD_ERR_BUSY, "swap space full: %zu of %zu bytes used, %zu more needed",
-                          e->swap_used, e->cfg.swap_bytes, bytes);
-    char *host = malloc(bytes > 0 ? bytes : 1);
-    if (host == NULL)
-        return pd_err_set(err, PD_ERR_NOMEM, "swap: %zu bytes", bytes);
-    pd_status st = swap_copy(e, r, nt, nd, host, 1, err);
-    if (st != PD_OK) {
-        free(host);
-        return st;
-    }
-    r->swap = host;
-    r->swap_bytes = bytes;
-    r->swap_tlen = r->tkv.len;
-    r->swap_dlen = r->dkv.len;
-    pd_kv_seq_release(e->tpool, &r->tkv);
-    if (e->dpool != NULL)
-        pd_kv_seq_release(e->dpool, &r->dkv);
-    e->swap_used += bytes;
-    e->n_swapped++;
-    PD_LOG_DEBUG("engine", "request %llu preempted: %d + %d KV pages (%zu bytes) to host memory, %d "
-                 "preempted now", (unsigned long long)r->id, nt, nd, bytes, e->n_swapped);
-    preempt_note(e, "a request's KV waits in host memory until pages free up");
-    return PD_OK;
-}
-
-/* Preempts r without a host copy (the swap space is full): its deferred draft rows and every
- * page go back; it waits for pages (recompute 1), then the prefill computes its positions
- * before the anchor again (recompute 2) and it decodes on. */
-static void recompute_out(pd_engine *e, pd_request *r)
-{
-    pend_drop(e, r);
-    pd_kv_seq_release(e->tpool, &r->tkv);
-    if (e->dpool != NULL)
-        pd_kv_seq_release(e->dpool, &r->dkv);
-    r->recompute = 1;
-    r->prefilled = 0;
-    r->external = 0;   /* its prefill is done here now */
-    e->n_recompute++;
-    PD_LOG_DEBUG("engine", "request %llu preempted for recompute (%d positions; the swap space is full)",
-                 (unsigned long long)r->id, r->anchor_pos);
-    preempt_note(e, "the swap space is full: a request's KV is prefilled again");
-}
-
-/* Resumes r when the pools have room for its pages and its next round, leaving spare free
- * pages; 1 when it did, 0 when it must wait (*st: an error of the copy). */
-static int swap_in(pd_engine *e, pd_request *r, int spare, pd_err *err, pd_status *st)
-{
-    *st = PD_OK;
-    if (!take_pages(e, r, r->anchor_pos + e->B + 1, spare))
-        return 0;
-    *st = swap_copy(e, r, pages_of(e->tpool, r->swap_tlen), e->dpool != NULL ? pages_of(e->dpool, r->swap_dlen) : 0,
-                    r->swap, 0, err);
-    if (*st != PD_OK)
-        return 0;
-    r->tkv.len = r->swap_tlen;
-    r->dkv.len = r->swap_dlen;
-    preempt_clear(e, r);
-    PD_LOG_DEBUG("engine", "request %llu resumed: its KV back from host memory (%d preempted now)",
-                 (unsigned long long)r->id, e->n_swapped);
-    return 1;
-}
-
-/* Preempted requests resume in admission order (none passes one that waits), each leaving
- * free the pages that a round may add to every running request (so that it is not preempted
- * again at once). */
-static pd_status swap_in_waiting(pd_engine *e, pd_err *err)
-{
-    if (e->n_swapped + e->n_recompute == 0)
-        return PD_OK;
-    int running = 0, per_round = pages_of(e->tpool, e->B + 1) + 1;
-    for (int i = 0; i < e->n_reqs; i++)
-        running += decoding(e->reqs[i]);
-    for (int i = 0; i < e->n_reqs && e->n_swapped + e->n_recompute > 0; i++) {
-        pd_request *r = e->reqs[i];
-        if (r->finish != PD_FINISH_NONE || (r->swap == NULL && r->recompute != 1))
-            continue;
-        pd_status st = PD_OK;
-        if (r->swap != NULL && !swap_in(e, r, running * per_round, err, &st))
-            return st;
-        if (r->recompute == 1) {
-            /* pages for its context and a round; the prefill fills them */
-            if (!take_pages(e, r, r->anchor_pos + e->B + 1, running * per_round))
-                return PD_OK;
-            r->recompute = 2;
-        }
-        running++;
-    }
-    return PD_OK;
-}
-
-/* The victim when the pool runs out for reqs[i]: the running request admitted last (from i on,
- * so no request already in the round's batch), possibly reqs[i] itself; NULL: none. */
-static pd_request *swap_victim(pd_engine *e, int i)
-{
-    for (int j = e->n_reqs - 1; j >= i; j--)
-        if (decoding(e->reqs[j]) && !e->reqs[j]->params.hold_kv)
-            return e->reqs[j];
-    return NULL;
-}
-
-void pd_engine_swap_stats(const pd_engine *e, uint64_t *preemptions, int *swapped, size_t *bytes)
-{
-    *preemptions = e->n_preempt;
-    *swapped = e->n_swapped;
-    *bytes = e->swap_used;
+    return pd_engine_tp_run(e, &c, err);
 }
 
 /* ---- one speculative round over every running request ------------------------------------ */
 
-typedef struct {
-    pd_request *r;
-    int l;            /* drafts verified this round */
-    int base;         /* first row of this request in the verify batch */
-    int32_t d[32];    /* draft tokens */
-    int qrow;         /* sampled drafts: row of d[0]'s distribution in e->smp_q */
-    int acc;          /* sampled requests: drafts accepted (verify_sampled) ... */
-    int32_t next;     /* ... and the token after them */
-    int n_acc;        /* slot_accept: drafts accepted, */
-    int32_t bonus;    /* the token after them, */
-    int stop_at;      /* the first accepted draft that ends the request (-1: none) */
-} round_slot;
-
 /* What a slot's verify decided, into sl->n_acc, bonus and stop_at. */
-static void slot_accept(const pd_engine *e, round_slot *sl, const int32_t *vargmax)
+static void slot_accept(const pd_engine *e, pd_round_slot *sl, const int32_t *vargmax)
 {
     const pd_request *r = sl->r;
     int a = 0;
@@ -2401,63 +543,16 @@ static void slot_accept(const pd_engine *e, round_slot *sl, const int32_t *vargm
             a++;
         sl->bonus = vargmax[sl->base + a];
     } else {
-        a = sl->acc;   /* rejection sampling on the backend (verify_sampled) */
+        a = sl->acc;   /* rejection sampling on the backend (pd_engine_verify_sampled) */
         sl->bonus = sl->next;
     }
     sl->n_acc = a;
     sl->stop_at = -1;
     for (int j = 0; j < a; j++)
-        if (ends(e, r, sl->d[j])) {
+        if (pd_engine_token_ends(e, r, sl->d[j])) {
             sl->stop_at = j;
             break;
         }
-}
-
-/* The logprobs of every committed token of the round's requests that keep them (slot_accept
- * done), in one kern_logprobs over the verify logits vl: *lps (malloc'd) holds them request
- * after request, off[i] = slot i's first (-1: none); each request's top list cut to its own. */
-static pd_status round_logprobs(pd_engine *e, const round_slot *slots, int m, const float *vl, int *off,
-                                pd_token_logprobs **lps, pd_err *err)
-{
-    int n = 0, top = 0;
-    *lps = NULL;
-    for (int i = 0; i < m; i++) {
-        const pd_request *r = slots[i].r;
-        off[i] = r->params.logprobs ? n : -1;
-        if (r->params.logprobs) {
-            n += slots[i].stop_at >= 0 ? slots[i].stop_at + 1 : slots[i].n_acc + 1;
-            top = r->params.top_logprobs > top ? r->params.top_logprobs : top;
-        }
-    }
-    if (n == 0)
-        return PD_OK;
-    int32_t *rows = malloc((size_t)n * 3 * sizeof(int32_t));
-    *lps = malloc((size_t)n * sizeof(**lps));
-    if (rows == NULL || *lps == NULL) {
-        free(rows);
-        free(*lps);
-        *lps = NULL;
-        return pd_err_set(err, PD_ERR_NOMEM, "logprobs of a round: %d tokens", n);
-    }
-    int32_t *toks = rows + n, *want = rows + 2 * n;
-    for (int i = 0; i < m; i++) {
-        const round_slot *sl = &slots[i];
-        int a = sl->n_acc, k = sl->stop_at >= 0 ? sl->stop_at + 1 : a + 1;   /* the bonus's row: base + a */
-        for (int j = 0; off[i] >= 0 && j < k; j++) {
-            rows[off[i] + j] = sl->base + j;
-            toks[off[i] + j] = j < a ? sl->d[j] : sl->bonus;
-            want[off[i] + j] = sl->r->params.top_logprobs;
-        }
-    }
-    pd_status st = logprobs_entries(e, vl, rows, toks, n, top, *lps, err);
-    for (int t = 0; t < n && st == PD_OK; t++)
-        lp_cut(&(*lps)[t], want[t]);
-    free(rows);
-    if (st != PD_OK) {
-        free(*lps);
-        *lps = NULL;
-    }
-    return st;
 }
 
 /* The step-by-step draft loop after the block forward (sampled drafts, or tensor-parallel ranks,
@@ -2466,7 +561,7 @@ static pd_status round_logprobs(pd_engine *e, const round_slot *slots, int m, co
  * kern_sample's pick (greedy rows get their argmax there too) with the distribution kept at row
  * j * B + k of e->smp_q for verification. One download of n_draft ids per step. prev and tok:
  * n_draft ids of scratch; conf_k: n_draft floats when want_conf. */
-static pd_status draft_steps(pd_engine *e, round_slot **dslot, int n_draft, const int32_t *anchor,
+static pd_status draft_steps(pd_engine *e, pd_round_slot **dslot, int n_draft, const int32_t *anchor,
                              int any_sampled, int32_t *prev, int32_t *tok, float *conf_k,
                              float *conf, int want_conf, pd_err *err)
 {
@@ -2497,18 +592,18 @@ static pd_status draft_steps(pd_engine *e, round_slot **dslot, int n_draft, cons
         for (int j = 0; j < n_draft && st == PD_OK; j++) {
             pd_request *r = dslot[j]->r;
             uint32_t *bits;
-            if (r->gm != NULL && (st = mask_slot(e, j, &bits, err)) == PD_OK)
+            if (r->gm != NULL && (st = pd_engine_mask_slot(e, j, &bits, err)) == PD_OK)
                 st = pd_gmatch_allowed(r->gm_row, r->params.gvocab, bits, err);
         }
         if (st == PD_OK)
-            st = mask_apply(e, sl, err);
+            st = pd_engine_mask_apply(e, sl, err);
         if (st != PD_OK)
             break;
         if (any_sampled)
-            st = sample_rows(e, sl, owner, n_draft, (float *)e->smp_q->ptr + (size_t)k * e->V,
-                             e->B * e->V, tok, err);
+            st = pd_engine_sample_rows(e, sl, owner, n_draft, (float *)e->smp_q->ptr + (size_t)k * e->V,
+                                       e->B * e->V, tok, err);
         else
-            st = argmax_rows(e, sl, n_draft, tok, err);
+            st = pd_engine_argmax_rows(e, sl, n_draft, tok, err);
         for (int j = 0; j < n_draft && st == PD_OK; j++) {
             dslot[j]->d[k] = tok[j];
             prev[j] = tok[j];
@@ -2522,218 +617,6 @@ static pd_status draft_steps(pd_engine *e, round_slot **dslot, int n_draft, cons
     }
     free(owner);
     return st;
-}
-
-/* Verifies every sampled request of the round on the backend: its target rows of the verify
- * logits vl become distributions (kern_probs), and kern_spec_verify checks its drafts against
- * them and the round's draft distributions (e->smp_q); one upload, one download of two ints per
- * request into slots[i].acc / .next. Each request's uniforms (l accept tests, then the final
- * draw) come from its rng in that order. */
-static pd_status verify_sampled(pd_engine *e, const float *vl, round_slot *slots, int m, pd_err *err)
-{
-    kern_backend *be = e->tm->be;
-    enum { LD = 32 };   /* round_slot.d */
-    int ns = 0, nrow = 0;
-    for (int i = 0; i < m; i++)
-        if (!pd_sample_is_greedy(&slots[i].r->params.sample)) {
-            ns++;
-            nrow += slots[i].l + 1;
-        }
-    if (ns == 0)
-        return PD_OK;
-    /* staging: idx, cfg (per target row), p_row, q_row, len, draft (per request), u, out */
-    size_t o_cfg = align16((size_t)nrow * sizeof(int32_t));
-    size_t o_req = o_cfg + align16((size_t)nrow * sizeof(kern_sample_cfg));
-    size_t o_draft = o_req + align16((size_t)3 * ns * sizeof(int32_t));
-    size_t o_u = o_draft + align16((size_t)ns * LD * sizeof(int32_t));
-    size_t o_out = o_u + align16((size_t)ns * (LD + 1) * sizeof(double));
-    size_t bytes = o_out + (size_t)2 * ns * sizeof(int32_t);
-    char *h = NULL, *d = NULL;
-    TRY(stage_get(e, bytes, &h, &d, err));
-    int32_t *idx = (int32_t *)h, *req = (int32_t *)(h + o_req), *draft = (int32_t *)(h + o_draft);
-    kern_sample_cfg *cfg = (kern_sample_cfg *)(h + o_cfg);
-    double *u = (double *)(h + o_u);
-    int c = 0, row = 0;
-    for (int i = 0; i < m; i++) {
-        round_slot *sl = &slots[i];
-        pd_request *r = sl->r;
-        if (pd_sample_is_greedy(&r->params.sample))
-            continue;
-        req[c] = row;
-        req[ns + c] = sl->l > 0 ? sl->qrow : 0;
-        req[2 * ns + c] = sl->l;
-        for (int j = 0; j <= sl->l; j++, row++) {
-            idx[row] = sl->base + j;
-            cfg[row] = sample_cfg(&r->params.sample);
-        }
-        memcpy(draft + (size_t)c * LD, sl->d, (size_t)sl->l * sizeof(int32_t));
-        for (int j = 0; j <= sl->l; j++)
-            u[(size_t)c * (LD + 1) + j] = pd_rng_uniform(&r->rng);
-        c++;
-    }
-    TRY(kern_upload(be, d, h, o_out, err));
-    TRY(kern_buf_grow(be, &e->smp_p, &e->cap_smp_p, nrow, (size_t)e->V * sizeof(float), err));
-    kern_probs_args pa = { .x = vl, .ld_x = e->V, .idx = (const int32_t *)d,
-                           .cfg = (const kern_sample_cfg *)(d + o_cfg), .rows = nrow, .n = e->V,
-                           .out = e->smp_p->ptr, .ld_out = e->V };
-    TRY(kern_probs(be, &pa, err));
-    const int32_t *dreq = (const int32_t *)(d + o_req);
-    kern_spec_verify_args va = { .p = e->smp_p->ptr, .ld_p = e->V,
-                                 .q = e->smp_q != NULL ? e->smp_q->ptr : NULL, .ld_q = e->V,
-                                 .n = e->V, .n_req = ns, .p_row = dreq, .q_row = dreq + ns,
-                                 .len = dreq + 2 * ns, .draft = (const int32_t *)(d + o_draft),
-                                 .ld_draft = LD, .u = (const double *)(d + o_u), .ld_u = LD + 1,
-                                 .out = (int32_t *)(d + o_out) };
-    TRY(kern_spec_verify(be, &va, err));
-    int32_t *out = (int32_t *)(h + o_out);
-    TRY(kern_download(be, out, d + o_out, (size_t)2 * ns * sizeof(int32_t), err));
-    c = 0;
-    for (int i = 0; i < m; i++)
-        if (!pd_sample_is_greedy(&slots[i].r->params.sample)) {
-            slots[i].acc = out[2 * c];
-            slots[i].next = out[2 * c + 1];
-            c++;
-        }
-    return PD_OK;
-}
-
-static pd_verify_policy request_policy(const pd_engine *e, const pd_request *r)
-{
-    if (r->params.verify_policy != PD_VERIFY_DEFAULT)
-        return r->params.verify_policy;
-    return e->cfg.verify_policy != PD_VERIFY_DEFAULT ? e->cfg.verify_policy : PD_VERIFY_FULL;
-}
-
-/* Verification lengths from the drafts' confidences: scheduled requests are planned together
- * (Algorithm 1 over the step's batch), threshold requests one by one, full ones keep all. */
-static void choose_lengths(pd_engine *e, round_slot **dslot, int n, const float *conf, double overhead_s,
-                           int scheduled_all)
-{
-    int B = e->B;
-    int *maxl = malloc((size_t)n * sizeof(int)), *len = malloc((size_t)n * sizeof(int));
-    float *sc = malloc((size_t)n * B * sizeof(float));
-    round_slot **ss = malloc((size_t)n * sizeof(*ss));
-    if (maxl == NULL || len == NULL || sc == NULL || ss == NULL)
-        goto out;   /* keep full lengths: still lossless */
-    int ns = 0;
-    for (int j = 0; j < n; j++) {
-        pd_request *r = dslot[j]->r;
-        pd_verify_policy p = request_policy(e, r);
-        if (p == PD_VERIFY_THRESHOLD) {
-            float t = r->params.verify_threshold > 0.0f ? r->params.verify_threshold
-                      : (e->cfg.verify_threshold > 0.0f ? e->cfg.verify_threshold : 0.5f);
-            int ml = dslot[j]->l, l = ml;
-            pd_verify_choose(p, 1, B, conf + (size_t)j * B, &ml, e->cfg.calib, t, NULL, 0.0, &l);
-            dslot[j]->l = l;
-        } else if (p == PD_VERIFY_SCHEDULED && !scheduled_all) {
-            memcpy(sc + (size_t)ns * B, conf + (size_t)j * B, (size_t)B * sizeof(float));
-            maxl[ns] = dslot[j]->l;
-            ss[ns++] = dslot[j];
-        }
-    }
-    if (ns > 0) {
-        pd_verify_choose(PD_VERIFY_SCHEDULED, ns, B, sc, maxl, e->cfg.calib, 0.0f,
-                         e->cfg.sps != NULL ? e->cfg.sps : &e->sps_default, overhead_s, len);
-        for (int j = 0; j < ns; j++)
-            ss[j]->l = len[j];
-    }
-out:
-    free(maxl);
-    free(len);
-    free(sc);
-    free(ss);
-}
-
-/* How the scheduled requests of this round accept drafts, for the drafting arms' estimates:
- * each request's tokens per whole-block round, with PD_REQ_ACCEPT_PRIOR rounds of the
- * all-drafts arm's own figure mixed in (a new request is average); a request named in hope
- * instead counts as accepting PD_PROBE_ACCEPT of its drafts. Their mean is what the all-drafts
- * arm is expected to give (pd_sched_set_all_tau); against the arm's record it scales Algorithm
- * 1's accepted part (pd_sched_set_accept; 1 while that record has accepted nothing). Returns 0
- * when the arm has no record yet (nothing set). */
-static int sched_accept(pd_engine *e, const round_slot *slots, int m, const pd_request *hope)
-{
-    pd_sched_set_accept(&e->sched, 1.0);
-    pd_sched_parts p;
-    pd_sched_parts_of(&e->sched, PD_SCHED_ALL, m, &p);
-    if (p.rate < 0.0)
-        return 0;
-    double sum = 0.0;
-    int n = 0;
-    for (int i = 0; i < m; i++) {
-        const pd_request *r = slots[i].r;
-        if (slots[i].l == 0 || request_policy(e, r) != PD_VERIFY_SCHEDULED)
-            continue;
-        sum += r == hope ? 1.0 + PD_PROBE_ACCEPT * e->B
-                         : (PD_REQ_ACCEPT_PRIOR * p.tau + r->acc_tok) / (PD_REQ_ACCEPT_PRIOR + r->acc_rounds);
-        n++;
-    }
-    if (n > 0) {
-        double tau = sum / n;
-        pd_sched_set_accept(&e->sched, p.tau > 1.0 + 1e-6 ? (tau - 1.0) / (p.tau - 1.0) : 1.0);
-        pd_sched_set_all_tau(&e->sched, tau);
-    }
-    return 1;
-}
-
-/* A scheduled request that has decoded without verifying PD_PROBE_ROUNDS whole blocks is tried
- * with all drafts (up to PD_PROBE_ROUNDS times, the later ones only while its whole blocks gave
- * 1.5 tokens a round or more; again after PD_REPROBE_PLAIN rounds without drafts) when, were it
- * to accept most of them, the all-drafts arm would beat no drafts for this round's batch (one
- * request in a batch of many never tips it; alone it may): its own acceptance then steers
- * sched_accept, where it would otherwise start from the arm's record and wait for the
- * controller's next trial, typically most of a request at batch 1. Returns the request when this
- * round is such a probe (NULL when not); leaves the acceptance factor to the caller's
- * sched_accept. */
-static pd_request *sched_probe(pd_engine *e, const round_slot *slots, int m)
-{
-    /* only small batches: there one request's acceptance moves the choice, and their rows wait
-     * in the buffer; a probe of a batch whose rows wait as gaps recomputed them all (6.6 ms at
-     * C = 32 on the tiny pair), and probing requests one by one there made them a third of
-     * the rounds at C = 8 */
-    if (m >= gap_min_batch(e))
-        return NULL;
-    for (int i = 0; i < m; i++)
-        if (slots[i].r->n_gap > 0)
-            return NULL;
-    pd_request *cand = NULL;
-    for (int i = 0; i < m && cand == NULL; i++) {
-        pd_request *r = slots[i].r;
-        if (slots[i].l > 0 && r->n_rounds >= 1 && request_policy(e, r) == PD_VERIFY_SCHEDULED &&
-            ((r->n_probed < PD_PROBE_ROUNDS && r->n_whole < PD_PROBE_ROUNDS &&
-              (r->n_whole == 0 || r->acc_tok >= 1.5 * r->acc_rounds)) ||
-             r->plain_streak >= PD_REPROBE_PLAIN))
-            cand = r;
-    }
-    if (cand == NULL)
-        return NULL;
-    if (!sched_accept(e, slots, m, cand))   /* no record yet: the controller tries the arm */
-        return NULL;
-    if (cand->n_probed < PD_PROBE_ROUNDS && cand->n_whole < PD_PROBE_ROUNDS)
-        cand->n_probed++;   /* PD_PROBE_ROUNDS first chances, whatever the answers */
-    else
-        cand->plain_streak = 0;   /* and one per PD_REPROBE_PLAIN rounds without drafts (a
-                                   * re-probe never counted as a first one: that had made the
-                                   * count depend on timing, test_engine under load) */
-    return e->cfg.sched_probe_always || pd_sched_all_wins(&e->sched, m) ? cand : NULL;
-}
-
-/* One line of the scheduled policy's trace (pd_engine_config.sched_trace): the round, its
- * requests, the arm (p = a probe), the estimates of the three arms at this batch and the
- * acceptance factor they were taken at, then what the round gave and took. */
-static void sched_trace(pd_engine *e, int arm, int probe, int m, uint64_t first_id, int tokens, int n_v,
-                        double dt, double draft_s, double flush_s, int cold)
-{
-    FILE *f = e->cfg.sched_trace;
-    if (!e->trace_head++)
-        fprintf(f, "round m arm est_plain est_algo1 est_all accept_f tokens verify_tok round_us draft_us "
-                   "flush_us cold pend_live first_id\n");
-    static const char arm_name[PD_SCHED_ARMS] = { 'P', 'A', 'F' };
-    fprintf(f, "%ld %d %c%s %.0f %.0f %.0f %.3f %d %d %.1f %.1f %.1f %d %d %llu\n", e->times.rounds, m,
-            arm_name[arm], probe ? "p" : "", pd_sched_estimate(&e->sched, PD_SCHED_PLAIN, m),
-            pd_sched_estimate(&e->sched, PD_SCHED_ALGO1, m), pd_sched_estimate(&e->sched, PD_SCHED_ALL, m),
-            e->sched.accept_f, tokens, n_v, dt * 1e6, draft_s * 1e6, flush_s * 1e6, cold, e->pend_live,
-            (unsigned long long)first_id);
 }
 
 static uint64_t graph_cold(const pd_engine *e)
@@ -2751,19 +634,19 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     }
     if (n == 0)
         return PD_OK;
-    double t_enter = now_s();
+    double t_enter = pd_engine_now_s();
     e->times.rounds++;
     /* confidence logits are needed only when some request verifies less than everything */
     int want_conf = 0;
     float *conf = NULL, *conf_k = NULL;
-    round_slot *slots = calloc((size_t)n, sizeof(*slots));
+    pd_round_slot *slots = calloc((size_t)n, sizeof(*slots));
     if (slots == NULL)
         return pd_err_set(err, PD_ERR_NOMEM, "round slots");
     pd_status st = PD_OK;
     int m = 0;
     for (int i = 0; i < e->n_reqs; i++) {
         pd_request *r = e->reqs[i];
-        if (!decoding(r))
+        if (!pd_engine_request_decoding(r))
             continue;
         int p = r->anchor_pos;
         if (p >= max_pos) {
@@ -2783,11 +666,11 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             if (rs != PD_ERR_BUSY || e->cfg.swap_bytes == 0)
                 break;
             /* the pool ran out: preempt the request admitted last (r itself when it is) */
-            pd_request *v = swap_victim(e, i);
+            pd_request *v = pd_engine_swap_victim(e, i);
             pd_err serr;
-            pd_status ss = v != NULL ? swap_out(e, v, &serr) : PD_ERR_BUSY;
+            pd_status ss = v != NULL ? pd_engine_swap_out(e, v, &serr) : PD_ERR_BUSY;
             if (ss == PD_ERR_BUSY && v != NULL && e->cp_n <= 1) {
-                recompute_out(e, v);   /* no room in the swap space: its KV is given up */
+                pd_engine_recompute_out(e, v);   /* no room in the swap space: its KV is given up */
                 ss = PD_OK;
             }
             if (ss != PD_OK) {
@@ -2820,16 +703,16 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         return PD_OK;
     }
     /* ---- scheduled requests: draft this round or not ---- */
-    double t_round = now_s();
+    double t_round = pd_engine_now_s();
     uint64_t cold0 = graph_cold(e);
     int n_sched = 0, sched_mode = -1, sched_probed = 0;
     for (int i = 0; i < m && e->dm != NULL; i++)
-        n_sched += slots[i].l > 0 && request_policy(e, slots[i].r) == PD_VERIFY_SCHEDULED;
+        n_sched += slots[i].l > 0 && pd_engine_request_policy(e, slots[i].r) == PD_VERIFY_SCHEDULED;
     if (n_sched > 0) {
-        pd_request *probe = e->cfg.sched_debug_arm <= 0 ? sched_probe(e, slots, m) : NULL;
+        pd_request *probe = e->cfg.sched_debug_arm <= 0 ? pd_engine_sched_probe(e, slots, m) : NULL;
         sched_probed = probe != NULL;
-        sched_accept(e, slots, m, NULL);
-        pd_sched_set_switch(&e->sched, switch_cost(e));
+        pd_engine_sched_accept(e, slots, m, NULL);
+        pd_sched_set_switch(&e->sched, pd_engine_switch_cost(e));
         if (e->cfg.sched_debug_arm > 0) {
             sched_mode = e->cfg.sched_debug_arm - 1;
         } else if (probe != NULL) {
@@ -2840,14 +723,14 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             sched_mode = (int)pd_sched_pick(&e->sched, m);
         }
         for (int i = 0; i < m && sched_mode == PD_SCHED_PLAIN; i++)
-            if (request_policy(e, slots[i].r) == PD_VERIFY_SCHEDULED)
+            if (pd_engine_request_policy(e, slots[i].r) == PD_VERIFY_SCHEDULED)
                 slots[i].l = 0;
     }
     /* rows of scheduled requests that do not draft this round wait: at small batches in the
      * deferred buffer (a copy per round; drafting rounds and probes come often there, and
      * recomputing a gap costs a forward, a whole step on a large model), at larger ones as
      * gaps (nothing per round; drafting rarely resumes there) */
-    int gaps = m >= gap_min_batch(e);
+    int gaps = m >= pd_engine_gap_min_batch(e);
     int round_tokens = 0;
     /* ---- draft: one block forward for every request that drafts, then the Markov loop ---- */
     int n_draft = 0;
@@ -2856,7 +739,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     int32_t *anchor = malloc((size_t)(n_draft + 1) * 4), *start = malloc((size_t)(n_draft + 1) * 4),
             *prev = malloc((size_t)(n_draft + 1) * 4), *tok = malloc((size_t)(n_draft + 1) * 4);
     pd_kv_seq **dseqs = malloc((size_t)(n_draft + 1) * sizeof(*dseqs));
-    round_slot **dslot = malloc((size_t)(n_draft + 1) * sizeof(*dslot));
+    pd_round_slot **dslot = malloc((size_t)(n_draft + 1) * sizeof(*dslot));
     int32_t *vids = NULL, *vpos = NULL, *vseq = NULL, *vrows = NULL, *vargmax = NULL;
     const float *vl_rows = NULL;   /* the verify logits (backend), for logprobs */
     pd_kv_seq **vseqs = NULL;
@@ -2879,7 +762,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     /* confidences are read by threshold requests, by scheduled ones when the round runs
      * Algorithm 1 (not when every draft is verified), and by requests that record them */
     for (int i = 0; i < m && e->dm != NULL && e->dm->cfg.enable_confidence_head; i++) {
-        pd_verify_policy p = request_policy(e, slots[i].r);
+        pd_verify_policy p = pd_engine_request_policy(e, slots[i].r);
         want_conf |= slots[i].l > 0 && (p == PD_VERIFY_THRESHOLD || slots[i].r->params.record_confidence ||
                                         (p == PD_VERIFY_SCHEDULED && sched_mode != PD_SCHED_ALL));
     }
@@ -2893,21 +776,21 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             goto out;
         }
     }
-    e->times.reserve += now_s() - t_enter;
+    e->times.reserve += pd_engine_now_s() - t_enter;
     double flush_sec = 0.0;
     int pend_drafting = 0;
     for (int j = 0; j < n_draft; j++)
         pend_drafting += dslot[j]->r->n_pend;
     if (pend_drafting > 0) {
-        double t_flush = now_s();
+        double t_flush = pd_engine_now_s();
         /* the drafts must see every committed position of their request */
-        st = pend_flush(e, PD_FLUSH_DRAFTING, NULL, err);
-        flush_sec = now_s() - t_flush;
+        st = pd_engine_pend_flush(e, PD_FLUSH_DRAFTING, NULL, err);
+        flush_sec = pd_engine_now_s() - t_flush;
         e->times.flush += flush_sec;
         if (st != PD_OK)
             goto out;
     }
-    double t_draft = now_s(), draft_sec = 0.0;
+    double t_draft = pd_engine_now_s(), draft_sec = 0.0;
     uint64_t cold_draft = graph_cold(e);
     int any_grammar = 0;
     for (int j = 0; j < n_draft; j++)
@@ -2945,12 +828,12 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     }
     if (n_draft > 0) {
         /* the draft round just ended with a download, so the host clock saw all of it */
-        draft_sec = now_s() - t_draft;
+        draft_sec = pd_engine_now_s() - t_draft;
         e->times.draft += draft_sec;
         if (graph_cold(e) == cold_draft)   /* a capture says little about the next rounds */
             pd_sched_add_draft(&e->sched, n_draft, draft_sec);
         if (want_conf) {
-            choose_lengths(e, dslot, n_draft, conf, pd_sched_draft_s(&e->sched, m), sched_mode == PD_SCHED_ALL);
+            pd_engine_choose_lengths(e, dslot, n_draft, conf, pd_sched_draft_s(&e->sched, m), sched_mode == PD_SCHED_ALL);
             for (int j = 0; j < n_draft; j++) {
                 pd_request *r = dslot[j]->r;
                 if (!r->params.record_confidence)
@@ -2983,8 +866,8 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     /* structured output: each verify row's mask (queued, applied after the forward), the drafts
      * the grammar forces replaced first */
     for (int i = 0; i < m && st == PD_OK; i++)
-        st = mask_rows(e, slots[i].r, slots[i].base, slots[i].d, slots[i].l,
-                       pd_sample_is_greedy(&slots[i].r->params.sample), err);
+        st = pd_engine_mask_rows(e, slots[i].r, slots[i].base, slots[i].d, slots[i].l,
+                                 pd_sample_is_greedy(&slots[i].r->params.sample), err);
     if (st != PD_OK)
         goto out;
     for (int i = 0; i < m; i++) {
@@ -2998,12 +881,12 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             vrows[t] = t;
         }
     }
-    double t_verify = now_s();
+    double t_verify = pd_engine_now_s();
     int pended = 0;
     if (m > 0) {
         pd_tok_batch vb = { .n_tok = n_v, .ids = vids, .pos = vpos, .seq = vseq, .n_seq = m,
                             .seqs = vseqs };
-        st = target_forward(e, &vb, vrows, n_v, err);
+        st = pd_engine_target_forward(e, &vb, vrows, n_v, err);
         if (st != PD_OK)
             goto out;
         /* a round without drafts in which every request verifies only its anchor commits
@@ -3018,7 +901,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             }
             for (int i = 0; i < m; i++)
                 own[i] = slots[i].r;
-            st = extend_or_defer(e, pd_target_aux(e->target), vrows, vpos, own, m, 0, gaps, err);
+            st = pd_engine_extend_or_defer(e, pd_target_aux(e->target), vrows, vpos, own, m, 0, gaps, err);
             free(own);
             if (st != PD_OK)
                 goto out;
@@ -3028,19 +911,19 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         vl_rows = vl;
         for (int i = 0; i < m && st == PD_OK; i++)
             for (int j = 0; j <= slots[i].l && st == PD_OK; j++)
-                st = pen_row(e, slots[i].r, slots[i].base + j, slots[i].d, j, err);
+                st = pd_engine_pen_row(e, slots[i].r, slots[i].base + j, slots[i].d, j, err);
         if (st == PD_OK)
-            st = pen_apply(e, vl, err);
+            st = pd_engine_pen_apply(e, vl, err);
         if (st == PD_OK)
-            st = mask_apply(e, vl, err);
+            st = pd_engine_mask_apply(e, vl, err);
         if (st == PD_OK)
-            st = argmax_rows(e, vl, n_v, vargmax, err);
+            st = pd_engine_argmax_rows(e, vl, n_v, vargmax, err);
         if (st == PD_OK && any_sampled)
-            st = verify_sampled(e, vl, slots, m, err);
+            st = pd_engine_verify_sampled(e, vl, slots, m, err);
         if (st != PD_OK)
             goto out;
     }
-    double t_commit = now_s();
+    double t_commit = pd_engine_now_s();
     e->times.verify += t_commit - t_verify;
     /* ---- accept and commit ---- */
     int n_ext = 0;
@@ -3056,9 +939,9 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     pd_token_logprobs *round_lps = NULL;
     pd_err lp_err;
     pd_status lp_st = lp_off == NULL ? pd_err_set(&lp_err, PD_ERR_NOMEM, "logprobs offsets")
-                                     : round_logprobs(e, slots, m, vl_rows, lp_off, &round_lps, &lp_err);
+                                     : pd_engine_round_logprobs(e, slots, m, vl_rows, lp_off, &round_lps, &lp_err);
     for (int i = 0; i < m; i++) {
-        round_slot *sl = &slots[i];
+        pd_round_slot *sl = &slots[i];
         pd_request *r = sl->r;
         int l = sl->l, a = sl->n_acc, stop_at = sl->stop_at;
         int32_t bonus = sl->bonus;
@@ -3067,7 +950,8 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         int commit = stop_at >= 0 ? stop_at + 1 : a;
         pd_err rerr;
         int cap_before = r->cap_rounds;
-        pd_status rs = grow_host((void **)&r->accepted, &r->cap_rounds, r->n_rounds + 1, sizeof(int), &rerr);
+        pd_status rs = pd_engine_grow_host((void **)&r->accepted, &r->cap_rounds, r->n_rounds + 1, sizeof(int),
+                                           &rerr);
         if (rs == PD_OK && (r->verified == NULL || r->cap_rounds != cap_before)) {
             int *nv = realloc(r->verified, (size_t)r->cap_rounds * sizeof(int));
             if (nv == NULL)
@@ -3077,7 +961,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         }
         if (rs == PD_OK)
             r->verified[r->n_rounds] = l;
-        /* logprobs of the committed tokens (round_logprobs) */
+        /* logprobs of the committed tokens (pd_engine_round_logprobs) */
         const pd_token_logprobs *lp = NULL;
         if (rs == PD_OK && r->params.logprobs) {
             if (lp_st != PD_OK) {
@@ -3088,7 +972,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             }
         }
         for (int j = 0; j < commit && rs == PD_OK; j++)
-            rs = push_out(r, sl->d[j], lp != NULL ? &lp[j] : NULL, &rerr);
+            rs = pd_engine_push_out(r, sl->d[j], lp != NULL ? &lp[j] : NULL, &rerr);
         pd_token_logprobs bonus_lp;
         if (lp != NULL && stop_at < 0)
             bonus_lp = lp[a];
@@ -3109,7 +993,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             r->finish = PD_FINISH_STOP;
         } else {
             r->accepted[r->n_rounds++] = a + 1;
-            if ((rs = push_out(r, bonus, lp != NULL ? &bonus_lp : NULL, &rerr)) != PD_OK) {
+            if ((rs = pd_engine_push_out(r, bonus, lp != NULL ? &bonus_lp : NULL, &rerr)) != PD_OK) {
                 fail_request(r, &rerr);
                 continue;
             }
@@ -3123,7 +1007,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             r->tkv.len = r->anchor_pos + a + 1;
             r->dkv.len = r->tkv.len;
             r->anchor_pos += a + 1;
-            if (ends(e, r, bonus))
+            if (pd_engine_token_ends(e, r, bonus))
                 r->finish = PD_FINISH_STOP;
         }
         if (r->n_out >= r->params.max_new_tokens) {
@@ -3135,29 +1019,30 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     }
     free(round_lps);
     free(lp_off);
-    double t_extend = now_s();
+    double t_extend = pd_engine_now_s();
     e->times.commit += t_extend - t_commit;
     if (!pended && n_ext > 0)
         /* rows of scheduled requests that did not draft wait (until their next drafting round);
          * the others' go in now */
-        st = extend_or_defer(e, pd_target_aux(e->target), ext_rows, ext_pos, ext_owner, n_ext, 0, gaps, err);
+        st = pd_engine_extend_or_defer(e, pd_target_aux(e->target), ext_rows, ext_pos, ext_owner, n_ext, 0, gaps,
+                                       err);
     free(ext_owner);
-    e->times.extend += now_s() - t_extend;
+    e->times.extend += pd_engine_now_s() - t_extend;
     if (st == PD_OK && sched_mode >= 0) {
         /* the flush is left out: it adds rows that the rounds without drafts put off, work a
          * drafting arm does anyway in its own rounds' extend (which is counted); charging a
          * trial round with every row deferred since the last one made drafting arms look slow
          * in proportion to how long they were not picked */
-        double dt = now_s() - t_round - flush_sec;
+        double dt = pd_engine_now_s() - t_round - flush_sec;
         int cold = graph_cold(e) != cold0;
         if (e->cfg.sched_trace != NULL)
-            sched_trace(e, sched_mode, sched_probed, m, slots[0].r->id, round_tokens, n_v, dt, draft_sec,
-                        flush_sec, cold);
+            pd_engine_sched_trace(e, sched_mode, sched_probed, m, slots[0].r->id, round_tokens, n_v, dt, draft_sec,
+                                  flush_sec, cold);
         if (dt > 0.0)
             pd_sched_add(&e->sched, (pd_sched_arm)sched_mode, m, round_tokens, dt, draft_sec, n_v, cold);
     }
 out:
-    e->times.round += now_s() - t_enter;
+    e->times.round += pd_engine_now_s() - t_enter;
     free(conf);
     free(conf_k);
     free(slots);
@@ -3185,30 +1070,30 @@ pd_status pd_engine_step(pd_engine *e, pd_err *err)
          * (its draft KV is then complete), the others' are dropped, so nothing writes into
          * pages given back */
         if (r->finish != PD_FINISH_NONE && r->tkv.n_pages > 0)
-            prefix_offer(e, r);
+            pd_engine_prefix_offer(e, r);
         if (r->finish != PD_FINISH_NONE && r->n_pend > 0) {
             if (r->params.hold_kv)
-                TRY(pend_flush(e, PD_FLUSH_REQUEST, r, err));
+                TRY(pd_engine_pend_flush(e, PD_FLUSH_REQUEST, r, err));
             else
-                pend_drop(e, r);
+                pd_engine_pend_drop(e, r);
         }
         if (r->finish != PD_FINISH_NONE)
-            preempt_clear(e, r);   /* a preempted request that was cancelled or failed */
+            pd_engine_preempt_clear(e, r);   /* a preempted request that was cancelled or failed */
         if (r->finish != PD_FINISH_NONE && !r->params.hold_kv) {
             /* finished requests give their pages back at once */
             pd_kv_seq_release(e->tpool, &r->tkv);
             if (e->dpool != NULL)
                 pd_kv_seq_release(e->dpool, &r->dkv);
-            cp_release(e, r);
+            pd_engine_cp_release(e, r);
         }
     }
     be->batch_invariant = 0;
-    double t0 = now_s();
+    double t0 = pd_engine_now_s();
     /* preempted requests resume (or get pages for their recompute) before new prefill work */
-    pd_status st = swap_in_waiting(e, err);
+    pd_status st = pd_engine_swap_in_waiting(e, err);
     if (st == PD_OK)
-        st = prefill_step(e, err);
-    double t1 = now_s();
+        st = pd_engine_prefill_step(e, err);
+    double t1 = pd_engine_now_s();
     e->times.prefill += t1 - t0;
     if (st == PD_OK) {
         /* decode rounds: a token's numbers must not depend on its batch (lossless in bf16) */
@@ -3216,8 +1101,8 @@ pd_status pd_engine_step(pd_engine *e, pd_err *err)
         st = decode_round(e, err);
         be->batch_invariant = 0;
     }
-    e->times.step += now_s() - t0;
-    prefix_count(e);
+    e->times.step += pd_engine_now_s() - t0;
+    pd_engine_prefix_count(e);
     return st;
 }
 
@@ -3243,72 +1128,9 @@ void pd_engine_release(pd_engine *e, pd_request *r)
             memmove(&e->reqs[i], &e->reqs[i + 1], (size_t)(e->n_reqs - i - 1) * sizeof(*e->reqs));
             e->n_reqs--;
             request_free(e, r);
-            prefix_count(e);
+            pd_engine_prefix_count(e);
             return;
         }
-}
-
-/* ---- SPS profile ------------------------------------------------------------------------- */
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-/* median wall time of one verify-shaped forward of b tokens (one sequence per 8 tokens) */
-static pd_status time_verify(pd_engine *e, int b, int ctx_len, double *out, pd_err *err)
-{
-    int n_seq = (b + 7) / 8;
-    pd_kv_seq *seqs = calloc((size_t)n_seq, sizeof(*seqs));
-    pd_kv_seq **sp = calloc((size_t)n_seq, sizeof(*sp));
-    int32_t *ids = malloc((size_t)b * 4), *pos = malloc((size_t)b * 4), *seq = malloc((size_t)b * 4),
-            *rows = malloc((size_t)b * 4);
-    pd_status st = PD_OK;
-    if (!seqs || !sp || !ids || !pos || !seq || !rows) {
-        st = pd_err_set(err, PD_ERR_NOMEM, "sps profile");
-        goto out;
-    }
-    for (int s = 0; s < n_seq && st == PD_OK; s++) {
-        pd_kv_seq_init(&seqs[s]);
-        sp[s] = &seqs[s];
-        st = pd_kv_seq_reserve(e->tpool, &seqs[s], ctx_len + 8, err);
-    }
-    for (int t = 0; t < b; t++) {
-        ids[t] = (t * 7919) % e->V;
-        seq[t] = t / 8;
-        pos[t] = ctx_len + t % 8;
-        rows[t] = t;
-    }
-    double times[5];
-    int inv = e->tm->be->batch_invariant;
-    e->tm->be->batch_invariant = 1;   /* time the kernels decode rounds use */
-    for (int it = 0; it < 6 && st == PD_OK; it++) {
-        pd_tok_batch vb = { .n_tok = b, .ids = ids, .pos = pos, .seq = seq, .n_seq = n_seq, .seqs = sp };
-        double t0 = now_s();
-        st = target_forward(e, &vb, rows, b, err);
-        if (st == PD_OK)
-            st = argmax_rows(e, pd_target_logits(e->target), b, rows, err);   /* includes the sync */
-        for (int t = 0; t < b; t++)
-            rows[t] = t;
-        if (it > 0)   /* the first run warms up */
-            times[it - 1] = now_s() - t0;
-    }
-    e->tm->be->batch_invariant = inv;
-    if (st == PD_OK) {
-        qsort(times, 5, sizeof(double), cmp_double);
-        *out = times[2];
-    }
-out:
-    for (int s = 0; seqs != NULL && s < n_seq; s++)
-        pd_kv_seq_release(e->tpool, &seqs[s]);
-    free(seqs);
-    free(sp);
-    free(ids);
-    free(pos);
-    free(seq);
-    free(rows);
-    return st;
 }
 
 uint64_t pd_engine_graph_cold(const pd_engine *e) { return graph_cold(e); }
@@ -3336,65 +1158,4 @@ void pd_engine_set_sps(pd_engine *e, const pd_sps *sps)
 {
     e->cfg.sps = sps;
     pd_sched_init(&e->sched, sps);   /* rates measured against another curve do not carry over */
-}
-
-pd_status pd_engine_profile_sps(pd_engine *e, int max_tokens, int ctx_len, const char *cache_path,
-                                const char *key, pd_sps *out, pd_err *err)
-{
-    if (max_tokens < 1 || ctx_len < 0 || ctx_len + 8 >= e->tm->cfg.max_position_embeddings)
-        return pd_err_set(err, PD_ERR_INVALID, "sps profile: %d tokens over a context of %d", max_tokens, ctx_len);
-    if (cache_path != NULL && pd_sps_load(cache_path, key, out, NULL) == PD_OK && out->max_tokens >= max_tokens)
-        return PD_OK;
-    double *t = calloc((size_t)max_tokens + 1, sizeof(double));
-    if (t == NULL)
-        return pd_err_set(err, PD_ERR_NOMEM, "sps profile table");
-    /* measured points: 1, 2, 3, 4, 6, 8, 12, 16, 24, ... up to max_tokens */
-    int pts[64], n_pts = 0;
-    for (int p = 1; p <= max_tokens && n_pts < 62; p = p < 4 ? p + 1 : (p & (p - 1)) == 0 ? p + p / 2 : (p / 3) * 4)
-        pts[n_pts++] = p;
-    if (pts[n_pts - 1] != max_tokens)
-        pts[n_pts++] = max_tokens;
-    pd_status st = PD_OK;
-    for (int i = 0; i < n_pts && st == PD_OK; i++)
-        st = time_verify(e, pts[i], ctx_len, &t[pts[i]], err);
-    if (st == PD_OK) {
-        for (int i = 0; i + 1 < n_pts; i++)
-            for (int b = pts[i] + 1; b < pts[i + 1]; b++)
-                t[b] = t[pts[i]] + (t[pts[i + 1]] - t[pts[i]]) * (b - pts[i]) / (double)(pts[i + 1] - pts[i]);
-        st = pd_sps_from_times(t, max_tokens, out, err);
-    }
-    if (st == PD_OK && cache_path != NULL) {
-        pd_err cerr;
-        if (pd_sps_save(cache_path, key, t, max_tokens, &cerr) != PD_OK)
-            PD_LOG_WARN("engine", "sps cache not written: %s", cerr.msg);
-    }
-    free(t);
-    return st;
-}
-
-pd_status pd_engine_profile_sps_cached(pd_engine *e, const char *model_dir, const char *device,
-                                       int max_batch, pd_sps *out, pd_err *err)
-{
-    char key[PATH_MAX + 256], real[PATH_MAX], dir[1024], cache[1100];
-    if (realpath(model_dir, real) == NULL)
-        snprintf(real, sizeof(real), "%s", model_dir);
-    snprintf(key, sizeof(key), "model=%s device=%s dtype=%s build=%s %s", real, device,
-             kern_dtype_name(e->tm->be->weight_dtype), __DATE__, __TIME__);
-    uint64_t h = 1469598103934665603ull;   /* FNV-1a of the key names the file */
-    for (const char *ch = key; *ch != '\0'; ch++)
-        h = (h ^ (unsigned char)*ch) * 1099511628211ull;
-    const char *home = getenv("HOME");
-    snprintf(dir, sizeof(dir), "%s/.cache", home != NULL ? home : "/tmp");
-    mkdir(dir, 0755);
-    snprintf(dir, sizeof(dir), "%s/.cache/pdspark", home != NULL ? home : "/tmp");
-    mkdir(dir, 0755);
-    snprintf(cache, sizeof(cache), "%s/sps-%016llx.json", dir, (unsigned long long)h);
-    int b = e->B > 0 ? e->B : 7;
-    /* time_verify holds one 264-token sequence per 8 tokens */
-    const pd_kv_layout *lay = pd_kv_pool_layout(e->tpool);
-    int seqs = pd_kv_pool_free_pages(e->tpool) / ((256 + 8 + lay->page_size - 1) / lay->page_size);
-    int max_tok = (max_batch > 8 ? max_batch : 8) * (b + 1);
-    if (max_tok > seqs * 8)
-        max_tok = seqs * 8 > 8 * (b + 1) ? seqs * 8 : 8 * (b + 1);
-    return pd_engine_profile_sps(e, max_tok, 256, cache, key, out, err);
 }

@@ -222,8 +222,8 @@ typedef struct pd_request {
                               * only while the prompt is being prefilled */
     int cap_out, cap_rounds;
     int n_pend;              /* committed context rows the draft KV still lacks (rounds
-                              * without drafts, see pd_engine.c): rows in the engine's deferred
-                              * buffer plus the n_gap rows below */
+                              * without drafts, see pd_engine_ctx.c): rows in the engine's
+                              * deferred buffer plus the n_gap rows below */
     int gap_lo, n_gap;       /* positions gap_lo .. gap_lo + n_gap - 1: decode rows of rounds
                               * without drafts, recomputed by a target forward when needed */
     int drafting;            /* it drafts in the current round */

@@ -5,7 +5,7 @@
  *   from a regular expression (vLLM guided_regex); the vocabulary as a byte trie; a matcher
  *   that follows a token sequence through the grammar (a set of rule stacks, as an Earley-style
  *   recogniser without left recursion) and gives the tokens allowed next as a bitmask.
- * Not here: applying the mask to logits (kern_token_mask) and when (pd_engine.c).
+ * Not here: applying the mask to logits (kern_token_mask) and when (pd_engine_logits.c).
  * Threading: a grammar and a vocabulary are immutable once built and may be shared between
  *   threads (pd_grammar_ref / _unref are atomic); a matcher belongs to one request.
  *

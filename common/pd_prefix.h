@@ -4,8 +4,8 @@
  *   draft page holding their K/V, the entry of the page before it), their lookup by (previous
  *   entry, tokens), their references on the pools' pages, and eviction (least recently used
  *   leaves that no sequence holds) when a pool runs short.
- * Not here: what may be cached and when (pd_engine.c: pages whose target and draft K/V are final);
- *   the pages themselves (pd_kv.c).
+ * Not here: what may be cached and when (pd_engine_kv.c: pages whose target and draft K/V are
+ *   final); the pages themselves (pd_kv.c).
  * Threading: used by the engine thread only. */
 #ifndef PD_PREFIX_H
 #define PD_PREFIX_H

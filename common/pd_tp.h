@@ -7,7 +7,7 @@
  *   down_proj, lm_head and markov_w2; the worker threads of ranks 1..N-1 and the hand-off of
  *   every forward from rank 0 to them.
  * Not here: the layer math (pd_qwen3.c), the drafter math (pd_dspark.c); scheduling, sampling,
- *   acceptance and verification lengths (pd_engine.c, on rank 0 only).
+ *   acceptance and verification lengths (pd_engine*.c, on rank 0 only).
  * Threading: a pd_tp_rank is used by the thread of its rank. A pd_tp_group is driven by one
  *   thread (the engine's, which is rank 0); its workers touch only their own rank's state.
  *

@@ -133,7 +133,7 @@ typedef struct {
     long n_picks;
     long n_arm[PD_SCHED_ARMS];      /* picks of each arm (diagnostics) */
     long n_probes;                  /* all-drafts rounds the caller chose to try a new request
-                                     * (pd_engine.c sched_probe; counted in n_arm too) */
+                                     * (pd_engine_sched_probe; counted in n_arm too) */
     double accept_f;                /* the round's requests' acceptance against the arms' (1: as
                                      * recorded); see pd_sched_set_accept */
     double all_tau;                 /* tokens per request the all-drafts arm is expected to give
@@ -149,15 +149,16 @@ pd_sched_arm pd_sched_pick(pd_sched_ctl *c, int m);
 /* Acceptance differs a lot between requests (by content): f scales the accepted-draft part of
  * the drafting arms' tokens per request (tau' = 1 + (tau - 1) f) for the picks that follow, so
  * the caller can say how this round's requests accepted drafts so far against the arms' own
- * record (pd_engine.c: each request's record, pulled toward the arm's by a prior). */
+ * record (pd_engine_sched.c: each request's record, pulled toward the arm's by a prior). */
 void pd_sched_set_accept(pd_sched_ctl *c, double f);
 /* The all-drafts arm's tokens per request for the picks that follow, as the caller expects them
- * from the round's requests' own records (pd_engine.c); it replaces the arm's record scaled by
- * f, which says nothing when that record is one token (a first round that accepted nothing).
+ * from the round's requests' own records (pd_engine_sched.c); it replaces the arm's record
+ * scaled by f, which says nothing when that record is one token (a first round that accepted
+ * nothing).
  * Reset by pd_sched_set_accept; tau < 1 unsets it. */
 void pd_sched_set_all_tau(pd_sched_ctl *c, double tau);
 /* A drafting round picked now first adds the context rows that rounds without drafts put off
- * (pd_engine.c); s seconds of that count in the loss of trying a drafting arm, so exploration
+ * (pd_engine_ctx.c); s seconds of that count in the loss of trying a drafting arm, so exploration
  * waits longer while much context waits. */
 void pd_sched_set_switch(pd_sched_ctl *c, double s);
 /* 1 when, at the acceptance factor set now, the all-drafts arm is expected to beat no drafts

@@ -2,7 +2,7 @@
  * Owns: request validation (the destination descriptor against our own KV layout), the job
  *   table (queued -> forward -> transfer -> answered), batching of queued prompts into engine
  *   steps, the KV + aux puts, deadlines, CancelPrefill, Health, and the decode-node peer cache.
- * Not here: the forward (common/pd_engine.c, CP inside it), the wire contract (proto/).
+ * Not here: the forward (common/pd_engine_prefill.c, CP inside it), the wire contract (proto/).
  * Threading: handlers on pd_rpc's poller thread (validation only, then pd_loop_post); the rest
  *   on the engine thread, except the puts: the pd_xfer, its peers and remote keys live on a
  *   transfer thread (pd_xfer_thread), to which a job goes for its transfer and from which it
