@@ -5,7 +5,7 @@
  *   token, and the allowed-token mask: a walk of the trie over interned states, the matcher's
  *   own recent masks, and the masks every matcher of a grammar shares (struct pd_gshared).
  * Not here: building grammars (pd_grammar.c and the compilers), applying a mask to logits
- *   (kern_token_mask, pd_engine.c).
+ *   (kern_token_mask, pd_engine_logits.c).
  * Threading: a vocabulary is immutable once built and may be shared between threads; a
  *   matcher belongs to one request; a grammar's shared masks are behind their own lock. */
 #include "pd_grammar_match.h"

@@ -3,7 +3,7 @@
  *   pd_grammar.h includes it.
  * Owns: pd_gvocab and pd_gmatch.
  * Not here: making grammars (pd_grammar.h and the compilers' headers), applying a mask to
- *   logits (kern_token_mask, pd_engine.c).
+ *   logits (kern_token_mask, pd_engine_logits.c).
  * Threading: a vocabulary is immutable once built and may be shared between threads; a
  *   matcher belongs to one request. */
 #ifndef PD_GRAMMAR_MATCH_H
