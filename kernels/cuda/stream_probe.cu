@@ -13,7 +13,7 @@
  *                all of it from shared memory (16 bytes a lane), then free it
  *   cpasync S U  16 warps, each its own ring of S stages of U x 512 bytes (16-byte cp.async per
  *                lane, commit/wait_group), reading back its own stages
- * Built as pdspark-stream-probe (kernels/cuda/CMakeLists.txt). Run: pdspark-stream-probe [skel]
+ * Built as pdspark-stream-probe (kernels/cuda/CMakeLists.txt). Run: pdspark-stream-probe [skel|tiles]
  *   (skel, tiles: the skeleton or the tile cases only).
  * Not part of the engine; bench only. */
 #include <cuda_bf16.h>
@@ -328,6 +328,16 @@ __global__ void __launch_bounds__(512, 1) skel_coupled(skel_cfg c)
         c.out[blockIdx.x] = acc;
 }
 
+/* acc += A (16 x 16 bf16, a0..a3) x B (16 x 8 bf16, b0..b1) */
+static __device__ __forceinline__ void mma_bf16(float *acc, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                uint32_t b0, uint32_t b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 /* MATH: each consumer warp takes its 128 of a stage's 1024 16-byte words as the A fragments of
  * 4 mma.m16n8k16 (weights pre-packed in fragment order: a lane's 16 bytes at lane * 16), with a
  * fixed B fragment (x) in registers: the instruction mix of a one-row product per stage */
@@ -373,10 +383,7 @@ __global__ void __launch_bounds__(288, 1) skel_decoupled(skel_cfg c)
 #pragma unroll
                         for (int j = 0; j < 4; j++) {
                             uint4 a = st[warp * 128 + j * 32 + lane];
-                            asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                                         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                                         : "+f"(mac[0]), "+f"(mac[1]), "+f"(mac[2]), "+f"(mac[3])
-                                         : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(bx0), "r"(bx1));
+                            mma_bf16(mac, a.x, a.y, a.z, a.w, bx0, bx1);
                         }
                     } else {
 #pragma unroll
@@ -673,15 +680,6 @@ static __device__ __forceinline__ uint32_t tl_pack(float lo, float hi)
     return *(uint32_t *)&v;
 }
 
-static __device__ __forceinline__ void tl_mma(float *acc, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                              uint32_t b0, uint32_t b1)
-{
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 /* the step's 4 mmas: words 2q, 2q + 1 of rows g (w[0..1]) and g + 8 (w[2..3]), x of lane's k */
 static __device__ __forceinline__ void tl_compute(const tl_cfg &c, const tl_it &it, int lane, const uint4 *w,
                                                   float *acc)
@@ -696,7 +694,7 @@ static __device__ __forceinline__ void tl_compute(const tl_cfg &c, const tl_it &
     const uint32_t *wa = (const uint32_t *)&w[0], *wb = (const uint32_t *)&w[2];
 #pragma unroll
     for (int q = 0; q < 4; q++)
-        tl_mma(acc, wa[2 * q], wb[2 * q], wa[2 * q + 1], wb[2 * q + 1], b[2 * q], b[2 * q + 1]);
+        mma_bf16(acc, wa[2 * q], wb[2 * q], wa[2 * q + 1], wb[2 * q + 1], b[2 * q], b[2 * q + 1]);
 }
 
 /* a pair's end: its partial sums out; the tile's last pair adds all W in split order */
@@ -735,7 +733,7 @@ static __device__ __forceinline__ void tl_reduce(const tl_cfg &c, const tl_it &i
 }
 
 /* the end of phase gp (layer gp / 5): the attention stand-in's spin, then a grid barrier */
-static __device__ __forceinline__ void tl_phase_end(const tl_cfg &c, int gp, unsigned *red)
+static __device__ __forceinline__ void tl_phase_end(const tl_cfg &c, int gp)
 {
     if (c.ph[gp % TL_PHASES].tiles == 0 && (int)blockIdx.x < c.att_ctas && threadIdx.x == 0)
         spin_ns(c.att_ns);
@@ -743,13 +741,11 @@ static __device__ __forceinline__ void tl_phase_end(const tl_cfg &c, int gp, uns
     if (threadIdx.x == 0)
         grid_barrier(c.bar, (unsigned)(gp + 1) * gridDim.x);
     asm volatile("bar.sync 1, %0;" ::"r"(TL_WARPS * 32) : "memory");
-    (void)red;
 }
 
 template <int D>
 __global__ void __launch_bounds__(TL_WARPS * 32, 1) skel_tiles(tl_cfg c)
 {
-    __shared__ unsigned red[1];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int G = gridDim.x * TL_WARPS, gw = warp * gridDim.x + blockIdx.x;
     tl_it li = {0, 0, 0, 0, 0};
@@ -770,7 +766,7 @@ __global__ void __launch_bounds__(TL_WARPS * 32, 1) skel_tiles(tl_cfg c)
             if (ci.l >= c.layers)
                 break;
             for (int target = ci.l * TL_PHASES + ci.ph; gp < target; gp++)
-                tl_phase_end(c, gp, red);
+                tl_phase_end(c, gp);
             tl_compute(c, ci, lane, ring[r], acc[c.ph[ci.ph].nwt == 2 ? ci.st & 1 : 0]);
             if (li.l < c.layers) {
                 tl_load(c, li, lane, ring[r]);
@@ -791,7 +787,7 @@ __global__ void __launch_bounds__(TL_WARPS * 32, 1) skel_tiles(tl_cfg c)
         }
     }
     for (; gp < c.layers * TL_PHASES; gp++)
-        tl_phase_end(c, gp, red);
+        tl_phase_end(c, gp);
 }
 
 struct tl_arg { int d; tl_cfg c; };
