@@ -1,95 +1,34 @@
-/* pd_tokenizer.c - Hugging Face tokenizer.json byte-level BPE: load, encode, decode, stream.
- * Owns: the tokenizer.json reader, the vocab and merge hash tables, added-token matching,
- *       NFC normalization (utf8proc), regex pre-tokenization (PCRE2, the pattern read from the
- *       file), the GPT-2 byte <-> unicode mapping, rank-ordered BPE merging, lossy UTF-8
- *       output and the streaming detokenizer.
- * Not here: chat templates and BOS/EOS insertion (callers), stop strings (decode_node/).
+/* pd_tokenizer.c - Hugging Face tokenizer.json byte-level BPE: load, decode, stream.
+ * Owns: the tokenizer.json reader, the vocab and merge hash tables, the added-token sets,
+ *       the normalizer and pre-tokenizer setup (utf8proc NFC, the PCRE2 patterns read from the
+ *       file), the GPT-2 byte <-> unicode mapping, lossy UTF-8 output and the streaming
+ *       detokenizer.
+ * Not here: encoding (pd_tokenizer_encode.c: added-token matching, pre-tokenization,
+ *       rank-ordered BPE merging), chat templates and BOS/EOS insertion (callers), stop strings
+ *       (decode_node/).
  * Threading: after pd_tokenizer_load returns, the tokenizer is read-only; every encode call
  *       keeps its scratch (regex match data, BPE heap, word cache) in its own context, so
  *       calls from many threads need no lock. A pd_detok is single-threaded. */
-#define PCRE2_CODE_UNIT_WIDTH 8
-
-#include "pd_tokenizer.h"
+#include "pd_tokenizer_internal.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <limits.h>
-#include <pcre2.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <utf8proc.h>
 
-#define TOK_MAX_SPLITS 8          /* regex pre-tokenizer levels we chain */
-#define TOK_CACHE_MAX_WORD 256    /* longer words are not worth caching */
-#define TOK_CACHE_MAX_ENTRIES (1u << 17)   /* bounds the per-call cache to a few MB */
 #define TOK_MAX_ID (1 << 24)      /* real vocabularies stay under 300k ids */
-#define TOK_BYTE_CPS 324          /* bytes_to_unicode maps into U+0000..U+0143 */
 
 /* HF ByteLevel(use_regex=true) splits with the GPT-2 pattern before mapping bytes. */
 static const char TOK_GPT2_PATTERN[] =
     "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
 
-/* Per-id flags; an added token may also be a vocab entry (GPT-2's <|endoftext|>). */
-enum { TOK_KIND_NONE = 0, TOK_KIND_VOCAB = 1, TOK_KIND_ADDED = 2, TOK_KIND_SPECIAL = 4 };
-
-typedef struct {
-    char *content;        /* as matched in the text (NFC'd when normalized) */
-    size_t len;
-    int32_t id;
-    uint8_t special, lstrip, rstrip, single_word, normalized;
-} tok_added;
-
-/* Added tokens of one matching pass, bucketed by first byte, longest first inside a bucket,
- * so the first hit at a position is the leftmost-longest match. */
-typedef struct {
-    uint32_t *idx;        /* indices into pd_tokenizer.added */
-    uint32_t start[257];
-} tok_added_set;
-
-typedef struct {
-    uint64_t key;         /* (left id << 32) | right id */
-    int32_t rank;
-    int32_t new_id;
-} tok_merge;
-
-struct pd_tokenizer {
-    char *path;
-    size_t n_ids;                 /* 1 + largest id */
-    uint8_t *kind;                /* TOK_KIND_* flags per id */
-    uint32_t *str_off;            /* tokenizer.json form of each id, into strs */
-    uint32_t *byte_off;           /* raw bytes of each id, into bytes */
-    uint32_t *byte_len;
-    char *strs;
-    uint8_t *bytes;
-    int32_t *vocab_tab;           /* open addressing over raw bytes -> id, -1 empty */
-    size_t vocab_mask;
-    tok_merge *merge_tab;         /* open addressing, key 0 never used (ids pair 0,0 excluded) */
-    uint8_t *merge_used;
-    size_t merge_mask;
-    int32_t *rank_new_id;         /* merged id of each merge rank */
-    int32_t byte_id[256];         /* single-byte token of each byte */
-    int32_t b2c[256];             /* GPT-2 bytes_to_unicode */
-    int16_t c2b[TOK_BYTE_CPS];    /* its inverse, -1 where no byte maps */
-    int ignore_merges;
-    tok_added *added;
-    size_t n_added;
-    tok_added_set raw_set;        /* normalized == false: matched on the input text */
-    tok_added_set norm_set;       /* normalized == true: matched after NFC */
-    int nfc;
-    pcre2_code *split[TOK_MAX_SPLITS];
-    size_t n_split;
-};
-
 /* ---------- small helpers ---------- */
 
-typedef struct {
-    uint8_t *p;
-    size_t n, cap;
-} tok_buf;
-
-static int buf_reserve(tok_buf *b, size_t extra)
+int pd_tok_buf_reserve(pd_tok_buf *b, size_t extra)
 {
     if (b->n + extra <= b->cap)
         return 0;
@@ -104,9 +43,9 @@ static int buf_reserve(tok_buf *b, size_t extra)
     return 0;
 }
 
-static int buf_put(tok_buf *b, const void *src, size_t n)
+int pd_tok_buf_put(pd_tok_buf *b, const void *src, size_t n)
 {
-    if (buf_reserve(b, n) != 0)
+    if (pd_tok_buf_reserve(b, n) != 0)
         return -1;
     if (n > 0)
         memcpy(b->p + b->n, src, n);
@@ -114,12 +53,8 @@ static int buf_put(tok_buf *b, const void *src, size_t n)
     return 0;
 }
 
-typedef struct {
-    int32_t *v;
-    size_t n, cap;
-} tok_ids;
 
-static int ids_push(tok_ids *a, int32_t id)
+int pd_tok_ids_push(pd_tok_ids *a, int32_t id)
 {
     if (a->n == a->cap) {
         size_t cap = a->cap ? a->cap * 2 : 64;
@@ -133,7 +68,7 @@ static int ids_push(tok_ids *a, int32_t id)
     return 0;
 }
 
-static uint64_t hash_bytes(const uint8_t *s, size_t n)
+uint64_t pd_tok_hash_bytes(const uint8_t *s, size_t n)
 {
     uint64_t h = 1469598103934665603ull;
     for (size_t i = 0; i < n; i++) {
@@ -161,7 +96,7 @@ static size_t pow2_at_least(size_t n)
 }
 
 /* Unicode White_Space (what Rust's char::is_whitespace tests for lstrip/rstrip). */
-static int is_white_space(int32_t c)
+int pd_tok_is_white_space(int32_t c)
 {
     return (c >= 0x09 && c <= 0x0D) || c == 0x20 || c == 0x85 || c == 0xA0 || c == 0x1680 ||
            (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F ||
@@ -170,7 +105,7 @@ static int is_white_space(int32_t c)
 
 /* Unicode \w as HF's single_word check uses it (Rust regex): letters, marks, decimal digits,
  * letter numbers, connector punctuation such as '_', and the two join controls. */
-static int is_word_char(int32_t c)
+int pd_tok_is_word_char(int32_t c)
 {
     if (c == 0x200C || c == 0x200D)
         return 1;
@@ -181,7 +116,7 @@ static int is_word_char(int32_t c)
 }
 
 /* Decodes the code point that ends at s[end) (s valid UTF-8); returns its start. */
-static size_t utf8_prev(const uint8_t *s, size_t end, int32_t *cp)
+size_t pd_tok_utf8_prev(const uint8_t *s, size_t end, int32_t *cp)
 {
     size_t i = end - 1;
     while (i > 0 && (s[i] & 0xC0) == 0x80)
@@ -236,7 +171,7 @@ static int utf8_classify(const uint8_t *s, size_t n)
 /* Appends s[0..n) to out with invalid subparts replaced by U+FFFD. With final == 0 an
  * incomplete sequence at the very end is left unconsumed; returns the bytes consumed, or
  * (size_t)-1 when out of memory. */
-static size_t utf8_lossy_append(tok_buf *out, const uint8_t *s, size_t n, int final)
+size_t pd_tok_utf8_lossy_append(pd_tok_buf *out, const uint8_t *s, size_t n, int final)
 {
     static const uint8_t repl[3] = {0xEF, 0xBF, 0xBD};
     size_t i = 0;
@@ -245,24 +180,24 @@ static size_t utf8_lossy_append(tok_buf *out, const uint8_t *s, size_t n, int fi
         while (j < n && s[j] < 0x80)
             j++;
         if (j > i) {
-            if (buf_put(out, s + i, j - i) != 0)
+            if (pd_tok_buf_put(out, s + i, j - i) != 0)
                 return (size_t)-1;
             i = j;
             continue;
         }
         int k = utf8_classify(s + i, n - i);
         if (k > 0) {
-            if (buf_put(out, s + i, (size_t)k) != 0)
+            if (pd_tok_buf_put(out, s + i, (size_t)k) != 0)
                 return (size_t)-1;
             i += (size_t)k;
         } else if (k < 0) {
-            if (buf_put(out, repl, 3) != 0)
+            if (pd_tok_buf_put(out, repl, 3) != 0)
                 return (size_t)-1;
             i += (size_t)-k;
         } else {
             if (!final)
                 return i;
-            if (buf_put(out, repl, 3) != 0)
+            if (pd_tok_buf_put(out, repl, 3) != 0)
                 return (size_t)-1;
             return n;
         }
@@ -289,9 +224,9 @@ size_t pd_utf8_valid_prefix(const void *text, size_t n)
 
 /* GPT-2 bytes_to_unicode: printable Latin-1 bytes map to themselves, the other 68 bytes to
  * U+0100.. in byte order. */
-static void byte_map_build(int32_t b2c[256], int16_t c2b[TOK_BYTE_CPS])
+static void byte_map_build(int32_t b2c[256], int16_t c2b[PD_TOK_BYTE_CPS])
 {
-    for (int i = 0; i < TOK_BYTE_CPS; i++)
+    for (int i = 0; i < PD_TOK_BYTE_CPS; i++)
         c2b[i] = -1;
     int extra = 0;
     for (int b = 0; b < 256; b++) {
@@ -309,9 +244,9 @@ static const uint8_t *tok_bytes(const pd_tokenizer *t, int32_t id, size_t *len)
     return t->bytes + t->byte_off[id];
 }
 
-static int32_t vocab_find(const pd_tokenizer *t, const uint8_t *s, size_t n)
+int32_t pd_tok_vocab_find(const pd_tokenizer *t, const uint8_t *s, size_t n)
 {
-    size_t i = (size_t)hash_bytes(s, n) & t->vocab_mask;
+    size_t i = (size_t)pd_tok_hash_bytes(s, n) & t->vocab_mask;
     for (;;) {
         int32_t id = t->vocab_tab[i];
         if (id < 0)
@@ -329,7 +264,7 @@ static void vocab_insert(pd_tokenizer *t, int32_t id)
 {
     size_t n;
     const uint8_t *s = tok_bytes(t, id, &n);
-    size_t i = (size_t)hash_bytes(s, n) & t->vocab_mask;
+    size_t i = (size_t)pd_tok_hash_bytes(s, n) & t->vocab_mask;
     for (;;) {
         int32_t other = t->vocab_tab[i];
         if (other < 0) {
@@ -344,7 +279,7 @@ static void vocab_insert(pd_tokenizer *t, int32_t id)
     }
 }
 
-static const tok_merge *merge_find(const pd_tokenizer *t, int32_t a, int32_t b)
+const pd_tok_merge *pd_tok_merge_find(const pd_tokenizer *t, int32_t a, int32_t b)
 {
     uint64_t key = ((uint64_t)(uint32_t)a << 32) | (uint32_t)b;
     size_t i = (size_t)hash_u64(key) & t->merge_mask;
@@ -380,9 +315,9 @@ static pd_status read_file(const char *path, char **data, size_t *len, pd_err *e
     if (f == NULL)
         return pd_err_set(err, errno == ENOENT || errno == ENOTDIR ? PD_ERR_NOT_FOUND : PD_ERR_IO,
                           "tokenizer %s: %s", path, strerror(errno));
-    tok_buf b = {0};
+    pd_tok_buf b = {0};
     for (;;) {
-        if (buf_reserve(&b, 1 << 16) != 0) {
+        if (pd_tok_buf_reserve(&b, 1 << 16) != 0) {
             fclose(f);
             free(b.p);
             return pd_err_set(err, PD_ERR_NOMEM, "tokenizer %s: out of memory reading", path);
@@ -405,7 +340,7 @@ static pd_status read_file(const char *path, char **data, size_t *len, pd_err *e
 
 /* Converts a tokenizer.json token string to raw bytes through the byte-level map; a string
  * with a character outside the map keeps its UTF-8 bytes (what HF's ByteLevel decoder does). */
-static int token_str_to_bytes(const char *s, const int16_t c2b[TOK_BYTE_CPS], tok_buf *out)
+static int token_str_to_bytes(const char *s, const int16_t c2b[PD_TOK_BYTE_CPS], pd_tok_buf *out)
 {
     size_t n = strlen(s), start = out->n;
     const uint8_t *p = (const uint8_t *)s;
@@ -413,12 +348,12 @@ static int token_str_to_bytes(const char *s, const int16_t c2b[TOK_BYTE_CPS], to
     while (i < n) {
         int32_t cp;
         utf8proc_ssize_t k = utf8proc_iterate(p + i, (utf8proc_ssize_t)(n - i), &cp);
-        if (k <= 0 || cp < 0 || cp >= TOK_BYTE_CPS || c2b[cp] < 0) {
+        if (k <= 0 || cp < 0 || cp >= PD_TOK_BYTE_CPS || c2b[cp] < 0) {
             out->n = start;
-            return buf_put(out, s, n);
+            return pd_tok_buf_put(out, s, n);
         }
         uint8_t byte = (uint8_t)c2b[cp];
-        if (buf_put(out, &byte, 1) != 0)
+        if (pd_tok_buf_put(out, &byte, 1) != 0)
             return -1;
         i += (size_t)k;
     }
@@ -426,16 +361,16 @@ static int token_str_to_bytes(const char *s, const int16_t c2b[TOK_BYTE_CPS], to
 }
 
 static pd_status set_token(pd_tokenizer *t, int32_t id, const char *str, const uint8_t *raw,
-                           size_t raw_len, tok_buf *strs, tok_buf *bytes, pd_err *err)
+                           size_t raw_len, pd_tok_buf *strs, pd_tok_buf *bytes, pd_err *err)
 {
     if (strs->n > UINT32_MAX - strlen(str) - 1 || bytes->n > UINT32_MAX - raw_len)
         return pd_err_set(err, PD_ERR_INVALID, "tokenizer %s: vocabulary too large", t->path);
     t->str_off[id] = (uint32_t)strs->n;
-    if (buf_put(strs, str, strlen(str) + 1) != 0)
+    if (pd_tok_buf_put(strs, str, strlen(str) + 1) != 0)
         return pd_err_set(err, PD_ERR_NOMEM, "tokenizer %s: out of memory", t->path);
     t->byte_off[id] = (uint32_t)bytes->n;
     t->byte_len[id] = (uint32_t)raw_len;
-    if (buf_put(bytes, raw, raw_len) != 0)
+    if (pd_tok_buf_put(bytes, raw, raw_len) != 0)
         return pd_err_set(err, PD_ERR_NOMEM, "tokenizer %s: out of memory", t->path);
     return PD_OK;
 }
@@ -465,7 +400,7 @@ static const char *json_type(const cJSON *obj)
     return cJSON_IsString(v) ? v->valuestring : NULL;
 }
 
-static pd_status nfc(const uint8_t *s, size_t n, uint8_t **out, size_t *out_len)
+pd_status pd_tok_nfc(const uint8_t *s, size_t n, uint8_t **out, size_t *out_len)
 {
     utf8proc_uint8_t *dst = NULL;
     utf8proc_ssize_t r = utf8proc_map(s, (utf8proc_ssize_t)n, &dst,
@@ -513,9 +448,9 @@ static pd_status load_normalizer(pd_tokenizer *t, const cJSON *norm, pd_err *err
 static pd_status add_split(pd_tokenizer *t, const char *pattern, size_t len, int literal,
                            pd_err *err)
 {
-    if (t->n_split == TOK_MAX_SPLITS)
+    if (t->n_split == PD_TOK_MAX_SPLITS)
         return pd_err_set(err, PD_ERR_UNSUPPORTED, "tokenizer %s: more than %d split pre-tokenizers",
-                          t->path, TOK_MAX_SPLITS);
+                          t->path, PD_TOK_MAX_SPLITS);
     int code;
     PCRE2_SIZE off;
     uint32_t opts = PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : 0);
@@ -604,7 +539,7 @@ static pd_status load_pretok(pd_tokenizer *t, const cJSON *p, pd_err *err)
     return PD_OK;
 }
 
-static int added_cmp_ctx_len(const tok_added *a, const tok_added *b)
+static int added_cmp_ctx_len(const pd_tok_added *a, const pd_tok_added *b)
 {
     uint8_t fa = (uint8_t)a->content[0], fb = (uint8_t)b->content[0];
     if (fa != fb)
@@ -628,7 +563,7 @@ static void added_set_build_sort(const pd_tokenizer *t, uint32_t *idx, size_t n)
     }
 }
 
-static pd_status added_set_build(pd_tokenizer *t, tok_added_set *set, int normalized, pd_err *err)
+static pd_status added_set_build(pd_tokenizer *t, pd_tok_added_set *set, int normalized, pd_err *err)
 {
     size_t n = 0;
     set->idx = malloc((t->n_added ? t->n_added : 1) * sizeof(*set->idx));
@@ -648,7 +583,7 @@ static pd_status added_set_build(pd_tokenizer *t, tok_added_set *set, int normal
     return PD_OK;
 }
 
-static pd_status load_added(pd_tokenizer *t, const cJSON *list, tok_buf *strs, tok_buf *bytes,
+static pd_status load_added(pd_tokenizer *t, const cJSON *list, pd_tok_buf *strs, pd_tok_buf *bytes,
                             pd_err *err)
 {
     pd_status st;
@@ -669,7 +604,7 @@ static pd_status load_added(pd_tokenizer *t, const cJSON *list, tok_buf *strs, t
         if ((st = get_id(t, cJSON_GetObjectItemCaseSensitive(e, "id"), field, &id, err)) != PD_OK)
             return st;
         PD_ASSERT((size_t)id < t->n_ids);
-        tok_added *a = &t->added[t->n_added++];
+        pd_tok_added *a = &t->added[t->n_added++];
         a->id = id;
         a->special = (uint8_t)json_flag(e, "special", 0);
         a->lstrip = (uint8_t)json_flag(e, "lstrip", 0);
@@ -685,7 +620,7 @@ static pd_status load_added(pd_tokenizer *t, const cJSON *list, tok_buf *strs, t
         if (a->normalized && t->nfc) {
             uint8_t *norm;
             size_t nlen;
-            if ((st = nfc((const uint8_t *)s, len, &norm, &nlen)) != PD_OK)
+            if ((st = pd_tok_nfc((const uint8_t *)s, len, &norm, &nlen)) != PD_OK)
                 return pd_err_set(err, st, "tokenizer %s: added token %s: normalization failed",
                                   t->path, s);
             a->content = (char *)norm;
@@ -698,8 +633,8 @@ static pd_status load_added(pd_tokenizer *t, const cJSON *list, tok_buf *strs, t
             return pd_err_set(err, PD_ERR_NOMEM, "tokenizer %s: out of memory", t->path);
         /* An added token may reuse a vocab id (GPT-2's <|endoftext|>): the vocab entry keeps
          * its bytes, which the vocab table is keyed on and BPE can still produce. */
-        int in_vocab = t->kind[id] & TOK_KIND_VOCAB;
-        t->kind[id] |= TOK_KIND_ADDED | (a->special ? TOK_KIND_SPECIAL : 0);
+        int in_vocab = t->kind[id] & PD_TOK_KIND_VOCAB;
+        t->kind[id] |= PD_TOK_KIND_ADDED | (a->special ? PD_TOK_KIND_SPECIAL : 0);
         if (!in_vocab && (st = set_token(t, id, s, (const uint8_t *)s, len, strs, bytes, err)) != PD_OK)
             return st;
     }
@@ -773,10 +708,10 @@ static pd_status load_vocab(pd_tokenizer *t, const cJSON *vocab, const cJSON *ad
     memset(t->vocab_tab, 0xff, vcap * sizeof(*t->vocab_tab));
     t->vocab_mask = vcap - 1;
 
-    tok_buf strs = {0}, bytes = {0}, raw = {0};
+    pd_tok_buf strs = {0}, bytes = {0}, raw = {0};
     cJSON_ArrayForEach(e, vocab) {
         id = (int32_t)e->valuedouble;
-        if (t->kind[id] != TOK_KIND_NONE) {
+        if (t->kind[id] != PD_TOK_KIND_NONE) {
             st = pd_err_set(err, PD_ERR_INVALID, "tokenizer %s: model.vocab: id %d used twice",
                             t->path, id);
             goto err_bufs;
@@ -784,23 +719,23 @@ static pd_status load_vocab(pd_tokenizer *t, const cJSON *vocab, const cJSON *ad
         raw.n = 0;
         if (token_str_to_bytes(e->string, t->c2b, &raw) != 0)
             goto err_nomem;
-        t->kind[id] = TOK_KIND_VOCAB;
+        t->kind[id] = PD_TOK_KIND_VOCAB;
         if ((st = set_token(t, id, e->string, raw.p, raw.n, &strs, &bytes, err)) != PD_OK)
             goto err_bufs;
     }
     if ((st = load_added(t, added, &strs, &bytes, err)) != PD_OK)
         goto err_bufs;
-    if (bytes.p == NULL && buf_reserve(&bytes, 1) != 0)
+    if (bytes.p == NULL && pd_tok_buf_reserve(&bytes, 1) != 0)
         goto err_nomem;
     t->strs = (char *)strs.p;
     t->bytes = bytes.p;
     free(raw.p);
     for (size_t i = 0; i < t->n_ids; i++)
-        if (t->kind[i] & TOK_KIND_VOCAB)
+        if (t->kind[i] & PD_TOK_KIND_VOCAB)
             vocab_insert(t, (int32_t)i);
     for (int b = 0; b < 256; b++) {
         uint8_t byte = (uint8_t)b;
-        if ((t->byte_id[b] = vocab_find(t, &byte, 1)) < 0)
+        if ((t->byte_id[b] = pd_tok_vocab_find(t, &byte, 1)) < 0)
             return pd_err_set(err, PD_ERR_UNSUPPORTED,
                               "tokenizer %s: model.vocab lacks the byte-level token for byte 0x%02x "
                               "(only byte-level BPE is supported)", t->path, b);
@@ -827,7 +762,7 @@ static pd_status load_merges(pd_tokenizer *t, const cJSON *merges, pd_err *err)
         return pd_err_set(err, PD_ERR_NOMEM, "tokenizer %s: out of memory for %zu merges", t->path,
                           n_merges);
     t->merge_mask = mcap - 1;
-    tok_buf raw = {0};
+    pd_tok_buf raw = {0};
     const cJSON *e;
     cJSON_ArrayForEach(e, merges) {
         const char *a = NULL, *b = NULL;
@@ -841,9 +776,9 @@ static pd_status load_merges(pd_tokenizer *t, const cJSON *merges, pd_err *err)
             st = pd_err_set(err, PD_ERR_NOMEM, "tokenizer %s: out of memory", t->path);
             break;
         }
-        int32_t left = vocab_find(t, raw.p, alen);
-        int32_t right = vocab_find(t, raw.p + alen, raw.n - alen);
-        int32_t merged = vocab_find(t, raw.p, raw.n);
+        int32_t left = pd_tok_vocab_find(t, raw.p, alen);
+        int32_t right = pd_tok_vocab_find(t, raw.p + alen, raw.n - alen);
+        int32_t merged = pd_tok_vocab_find(t, raw.p, raw.n);
         if (left < 0 || right < 0 || merged < 0) {
             st = pd_err_set(err, PD_ERR_INVALID,
                             "tokenizer %s: model.merges[%zu] \"%s %s\": %s not in model.vocab",
@@ -989,444 +924,11 @@ void pd_tokenizer_free(pd_tokenizer *t)
     free(t);
 }
 
-/* ---------- encode ---------- */
-
-typedef struct {
-    int32_t id;
-    int32_t prev, next;
-    int alive;
-} bpe_sym;
-
-/* A queued merge: (rank << 32) | position, so one integer compare orders by rank, then
- * leftmost; the merged id comes from pd_tokenizer.rank_new_id. */
-typedef uint64_t bpe_cand;
-
-typedef struct {
-    uint64_t h;
-    uint32_t key_off, key_len;   /* key_len 0: empty slot */
-    uint32_t ids_off, ids_n;
-} cache_slot;
-
-typedef struct {
-    const pd_tokenizer *t;
-    int parse_special;
-    tok_ids out;
-    pcre2_match_data *md[TOK_MAX_SPLITS];
-    bpe_sym *sym;
-    size_t sym_cap;
-    bpe_cand *heap;
-    size_t heap_n, heap_cap;
-    cache_slot *cache;
-    size_t cache_cap, cache_n;
-    tok_buf cache_keys;
-    tok_ids cache_ids;
-    pd_err *err;
-} enc_ctx;
-
-static pd_status enc_nomem(enc_ctx *c)
-{
-    return pd_err_set(c->err, PD_ERR_NOMEM, "tokenizer encode: out of memory");
-}
-
-static int heap_reserve(enc_ctx *c, size_t n)
-{
-    if (n <= c->heap_cap)
-        return 0;
-    size_t cap = c->heap_cap ? c->heap_cap : 64;
-    while (cap < n)
-        cap *= 2;
-    bpe_cand *h = realloc(c->heap, cap * sizeof(*h));
-    if (h == NULL)
-        return -1;
-    c->heap = h;
-    c->heap_cap = cap;
-    return 0;
-}
-
-/* A 4-ary min-heap: half the levels of a binary one, and the four children of a node share
- * a cache line, which matters for the million-candidate heaps of a huge pre-token. */
-static void heap_sift_down(bpe_cand *h, size_t n, size_t i)
-{
-    bpe_cand v = h[i];
-    for (;;) {
-        size_t first = 4 * i + 1, m = first;
-        if (first >= n)
-            break;
-        size_t end = first + 4 < n ? first + 4 : n;
-        for (size_t k = first + 1; k < end; k++)
-            if (h[k] < h[m])
-                m = k;
-        if (h[m] >= v)
-            break;
-        h[i] = h[m];
-        i = m;
-    }
-    h[i] = v;
-}
-
-static int heap_push(enc_ctx *c, bpe_cand v)
-{
-    if (heap_reserve(c, c->heap_n + 1) != 0)
-        return -1;
-    size_t i = c->heap_n++;
-    while (i > 0 && v < c->heap[(i - 1) / 4]) {
-        c->heap[i] = c->heap[(i - 1) / 4];
-        i = (i - 1) / 4;
-    }
-    c->heap[i] = v;
-    return 0;
-}
-
-static bpe_cand heap_pop(enc_ctx *c)
-{
-    bpe_cand top = c->heap[0];
-    c->heap[0] = c->heap[--c->heap_n];
-    if (c->heap_n > 1)
-        heap_sift_down(c->heap, c->heap_n, 0);
-    return top;
-}
-
-/* The candidate for merging sym[left] with its right neighbour, or 0 when there is none
- * (a real candidate is never 0: rank 0 at position 0 is stored with the +1 bias below). */
-static bpe_cand pair_cand(const enc_ctx *c, int32_t left)
-{
-    int32_t right = c->sym[left].next;
-    if (right < 0)
-        return 0;
-    const tok_merge *m = merge_find(c->t, c->sym[left].id, c->sym[right].id);
-    if (m == NULL)
-        return 0;
-    return ((uint64_t)(uint32_t)m->rank << 32 | (uint32_t)left) + 1;
-}
-
-static int push_pair(enc_ctx *c, int32_t left)
-{
-    bpe_cand v = pair_cand(c, left);
-    return v == 0 ? 0 : heap_push(c, v);
-}
-
-/* Rank-ordered BPE over one pre-token, as HF's Word::merge_all: always apply the lowest-rank
- * applicable merge, leftmost first on ties; a queued candidate is stale when its left symbol
- * died, lost its neighbour, or the pair no longer merges to the same id. */
-static pd_status bpe_word(enc_ctx *c, const uint8_t *s, size_t n, tok_ids *dst)
-{
-    const pd_tokenizer *t = c->t;
-    if (n > (size_t)INT32_MAX)
-        return pd_err_set(c->err, PD_ERR_INVALID, "tokenizer encode: pre-token of %zu bytes", n);
-    if (n > c->sym_cap) {
-        bpe_sym *sym = realloc(c->sym, n * sizeof(*sym));
-        if (sym == NULL)
-            return enc_nomem(c);
-        c->sym = sym;
-        c->sym_cap = n;
-    }
-    for (size_t i = 0; i < n; i++) {
-        c->sym[i].id = t->byte_id[s[i]];
-        c->sym[i].prev = (int32_t)i - 1;
-        c->sym[i].next = (i + 1 < n) ? (int32_t)i + 1 : -1;
-        c->sym[i].alive = 1;
-    }
-    /* the first candidates arrive in position order: heapify them in O(n) */
-    if (heap_reserve(c, n) != 0)
-        return enc_nomem(c);
-    c->heap_n = 0;
-    for (size_t i = 0; i + 1 < n; i++) {
-        bpe_cand v = pair_cand(c, (int32_t)i);
-        if (v != 0)
-            c->heap[c->heap_n++] = v;
-    }
-    for (size_t i = c->heap_n / 4 + 1; i-- > 0;)
-        if (i < c->heap_n)
-            heap_sift_down(c->heap, c->heap_n, i);
-    while (c->heap_n > 0) {
-        bpe_cand top = heap_pop(c) - 1;
-        int32_t pos = (int32_t)(uint32_t)top;
-        int32_t new_id = t->rank_new_id[top >> 32];
-        bpe_sym *l = &c->sym[pos];
-        if (!l->alive || l->next < 0)
-            continue;
-        bpe_sym *r = &c->sym[l->next];
-        const tok_merge *m = merge_find(t, l->id, r->id);
-        if (m == NULL || m->new_id != new_id)
-            continue;
-        l->id = new_id;
-        r->alive = 0;
-        l->next = r->next;
-        if (r->next >= 0)
-            c->sym[r->next].prev = pos;
-        if (l->prev >= 0 && push_pair(c, l->prev) != 0)
-            return enc_nomem(c);
-        if (push_pair(c, pos) != 0)
-            return enc_nomem(c);
-    }
-    for (int32_t i = 0; i >= 0; i = c->sym[i].next)
-        if (ids_push(dst, c->sym[i].id) != 0)
-            return enc_nomem(c);
-    return PD_OK;
-}
-
-static pd_status cache_grow(enc_ctx *c)
-{
-    size_t cap = c->cache_cap ? c->cache_cap * 2 : 1024;
-    cache_slot *tab = calloc(cap, sizeof(*tab));
-    if (tab == NULL)
-        return enc_nomem(c);
-    for (size_t i = 0; i < c->cache_cap; i++) {
-        if (c->cache[i].key_len == 0)
-            continue;
-        size_t j = (size_t)c->cache[i].h & (cap - 1);
-        while (tab[j].key_len != 0)
-            j = (j + 1) & (cap - 1);
-        tab[j] = c->cache[i];
-    }
-    free(c->cache);
-    c->cache = tab;
-    c->cache_cap = cap;
-    return PD_OK;
-}
-
-/* One pre-token: the per-call cache first (text repeats words a lot), then BPE. */
-static pd_status enc_word(enc_ctx *c, const uint8_t *s, size_t n)
-{
-    const pd_tokenizer *t = c->t;
-    pd_status st;
-    if (n == 0)
-        return PD_OK;
-    if (n == 1)
-        return ids_push(&c->out, t->byte_id[s[0]]) == 0 ? PD_OK : enc_nomem(c);
-    if (t->ignore_merges) {
-        int32_t id = vocab_find(t, s, n);
-        if (id >= 0)
-            return ids_push(&c->out, id) == 0 ? PD_OK : enc_nomem(c);
-    }
-    if (n > TOK_CACHE_MAX_WORD || c->cache_n >= TOK_CACHE_MAX_ENTRIES)
-        return bpe_word(c, s, n, &c->out);
-    if (c->cache_cap == 0 && (st = cache_grow(c)) != PD_OK)
-        return st;
-    uint64_t h = hash_bytes(s, n);
-    size_t j = (size_t)h & (c->cache_cap - 1);
-    while (c->cache[j].key_len != 0) {
-        cache_slot *e = &c->cache[j];
-        if (e->h == h && e->key_len == n && memcmp(c->cache_keys.p + e->key_off, s, n) == 0) {
-            for (uint32_t k = 0; k < e->ids_n; k++)
-                if (ids_push(&c->out, c->cache_ids.v[e->ids_off + k]) != 0)
-                    return enc_nomem(c);
-            return PD_OK;
-        }
-        j = (j + 1) & (c->cache_cap - 1);
-    }
-    size_t ids_off = c->cache_ids.n;
-    if ((st = bpe_word(c, s, n, &c->cache_ids)) != PD_OK)
-        return st;
-    for (size_t k = ids_off; k < c->cache_ids.n; k++)
-        if (ids_push(&c->out, c->cache_ids.v[k]) != 0)
-            return enc_nomem(c);
-    if (c->cache_keys.n + n > UINT32_MAX || c->cache_ids.n > UINT32_MAX)
-        return PD_OK;
-    size_t key_off = c->cache_keys.n;
-    if (buf_put(&c->cache_keys, s, n) != 0)
-        return enc_nomem(c);
-    c->cache[j] = (cache_slot){h, (uint32_t)key_off, (uint32_t)n, (uint32_t)ids_off,
-                               (uint32_t)(c->cache_ids.n - ids_off)};
-    c->cache_n++;
-    if (c->cache_n * 2 > c->cache_cap)
-        return cache_grow(c);
-    return PD_OK;
-}
-
-/* Split level `level` (Isolated: matches and the gaps between them are both pieces). */
-static pd_status enc_split(enc_ctx *c, size_t level, const uint8_t *s, size_t n)
-{
-    if (level == c->t->n_split)
-        return enc_word(c, s, n);
-    pd_status st;
-    pcre2_code *re = c->t->split[level];
-    size_t last = 0, off = 0;
-    while (off < n) {
-        int rc = pcre2_match(re, s, n, off, PCRE2_NO_UTF_CHECK, c->md[level], NULL);
-        if (rc == PCRE2_ERROR_NOMATCH)
-            break;
-        if (rc < 0) {
-            PCRE2_UCHAR msg[160];
-            pcre2_get_error_message(rc, msg, sizeof(msg));
-            return pd_err_set(c->err, PD_ERR_INTERNAL, "tokenizer encode: regex match: %s",
-                              (const char *)msg);
-        }
-        PCRE2_SIZE *ov = pcre2_get_ovector_pointer(c->md[level]);
-        size_t ms = ov[0], me = ov[1];
-        if (me == ms) {
-            /* an empty match yields no piece; step over one character */
-            off = ms + 1;
-            while (off < n && (s[off] & 0xC0) == 0x80)
-                off++;
-            continue;
-        }
-        if (ms > last && (st = enc_split(c, level + 1, s + last, ms - last)) != PD_OK)
-            return st;
-        if ((st = enc_split(c, level + 1, s + ms, me - ms)) != PD_OK)
-            return st;
-        last = off = me;
-    }
-    if (last < n)
-        return enc_split(c, level + 1, s + last, n - last);
-    return PD_OK;
-}
-
-typedef pd_status (*seg_fn)(enc_ctx *c, const uint8_t *s, size_t n);
-
-/* Finds the added tokens of `set` in s (leftmost-longest, non-overlapping, like HF's
- * Aho-Corasick pass), emits their ids and hands the text between them to fn. A match that is
- * skipped (special with parse_special off, or a single_word token inside a word) still
- * consumes its bytes, as in HF. */
-static pd_status enc_added(enc_ctx *c, const tok_added_set *set, const uint8_t *s, size_t n,
-                           seg_fn fn)
-{
-    const pd_tokenizer *t = c->t;
-    pd_status st;
-    size_t start_off = 0, i = 0;
-    if (set->start[256] == 0)
-        return fn(c, s, n);
-    while (i < n) {
-        uint8_t b = s[i];
-        const tok_added *hit = NULL;
-        for (uint32_t k = set->start[b]; k < set->start[b + 1]; k++) {
-            const tok_added *a = &t->added[set->idx[k]];
-            if (a->len <= n - i && memcmp(s + i, a->content, a->len) == 0) {
-                hit = a;
-                break;
-            }
-        }
-        if (hit == NULL) {
-            i++;
-            continue;
-        }
-        size_t ms = i, me = i + hit->len;
-        i = me;
-        if (hit->special && !c->parse_special)
-            continue;
-        if (hit->single_word) {
-            int32_t cp;
-            int word_before = ms > 0 && (utf8_prev(s, ms, &cp), is_word_char(cp));
-            int word_after = me < n && utf8proc_iterate(s + me, (utf8proc_ssize_t)(n - me), &cp) > 0 &&
-                             is_word_char(cp);
-            if (word_before || word_after)
-                continue;
-        }
-        if (hit->lstrip) {
-            size_t ns = ms;
-            while (ns > 0) {
-                int32_t cp;
-                size_t p = utf8_prev(s, ns, &cp);
-                if (!is_white_space(cp))
-                    break;
-                ns = p;
-            }
-            ms = ns > start_off ? ns : start_off;
-        }
-        if (hit->rstrip) {
-            while (me < n) {
-                int32_t cp;
-                utf8proc_ssize_t k = utf8proc_iterate(s + me, (utf8proc_ssize_t)(n - me), &cp);
-                if (k <= 0 || !is_white_space(cp))
-                    break;
-                me += (size_t)k;
-            }
-            i = me;
-        }
-        if (ms > start_off && (st = fn(c, s + start_off, ms - start_off)) != PD_OK)
-            return st;
-        if (ids_push(&c->out, hit->id) != 0)
-            return enc_nomem(c);
-        start_off = me;
-    }
-    if (start_off < n)
-        return fn(c, s + start_off, n - start_off);
-    return PD_OK;
-}
-
-static pd_status enc_pretok(enc_ctx *c, const uint8_t *s, size_t n)
-{
-    return enc_split(c, 0, s, n);
-}
-
-/* Text between raw added tokens: NFC, then normalized added tokens, then pre-tokenize. */
-static pd_status enc_segment(enc_ctx *c, const uint8_t *s, size_t n)
-{
-    size_t ascii = 0;
-    while (ascii < n && s[ascii] < 0x80)
-        ascii++;
-    if (!c->t->nfc || ascii == n)   /* ASCII text is already NFC */
-        return enc_added(c, &c->t->norm_set, s, n, enc_pretok);
-    uint8_t *norm;
-    size_t nlen;
-    pd_status st = nfc(s, n, &norm, &nlen);
-    if (st != PD_OK)
-        return pd_err_set(c->err, st, "tokenizer encode: NFC normalization failed");
-    st = enc_added(c, &c->t->norm_set, norm, nlen, enc_pretok);
-    free(norm);
-    return st;
-}
-
-pd_status pd_tokenizer_encode(const pd_tokenizer *t, const char *text, size_t len,
-                              int parse_special, int32_t **ids_out, size_t *n_out, pd_err *err)
-{
-    pd_status st = PD_OK;
-    enc_ctx c;
-    memset(&c, 0, sizeof(c));
-    c.t = t;
-    c.parse_special = parse_special;
-    c.err = err;
-    uint8_t *fixed = NULL;
-    const uint8_t *s = (const uint8_t *)text;
-    if (len > 0 && text == NULL)
-        return pd_err_set(err, PD_ERR_INVALID, "tokenizer encode: NULL text of %zu bytes", len);
-    if (pd_utf8_valid_prefix(s, len) != len) {
-        tok_buf b = {0};
-        if (utf8_lossy_append(&b, s, len, 1) == (size_t)-1) {
-            free(b.p);
-            return enc_nomem(&c);
-        }
-        fixed = b.p;
-        s = fixed;
-        len = b.n;
-    }
-    for (size_t i = 0; i < t->n_split; i++) {
-        c.md[i] = pcre2_match_data_create_from_pattern(t->split[i], NULL);
-        if (c.md[i] == NULL) {
-            st = enc_nomem(&c);
-            goto out;
-        }
-    }
-    if (ids_push(&c.out, 0) != 0) {   /* guarantees a non-NULL array for empty text */
-        st = enc_nomem(&c);
-        goto out;
-    }
-    c.out.n = 0;
-    if (len > 0)
-        st = enc_added(&c, &t->raw_set, s, len, enc_segment);
-out:
-    for (size_t i = 0; i < t->n_split; i++)
-        pcre2_match_data_free(c.md[i]);
-    free(c.sym);
-    free(c.heap);
-    free(c.cache);
-    free(c.cache_keys.p);
-    free(c.cache_ids.v);
-    free(fixed);
-    if (st != PD_OK) {
-        free(c.out.v);
-        return st;
-    }
-    *ids_out = c.out.v;
-    *n_out = c.out.n;
-    return PD_OK;
-}
-
 /* ---------- decode ---------- */
 
 static pd_status id_check(const pd_tokenizer *t, int32_t id, pd_err *err)
 {
-    if (id < 0 || (size_t)id >= t->n_ids || t->kind[id] == TOK_KIND_NONE)
+    if (id < 0 || (size_t)id >= t->n_ids || t->kind[id] == PD_TOK_KIND_NONE)
         return pd_err_set(err, PD_ERR_INVALID,
                           "tokenizer decode: token id %d is not in the vocabulary (size %zu)", id,
                           t->n_ids);
@@ -1437,20 +939,20 @@ pd_status pd_tokenizer_decode(const pd_tokenizer *t, const int32_t *ids, size_t 
                               int skip_special, char **text_out, size_t *len_out, pd_err *err)
 {
     pd_status st;
-    tok_buf raw = {0}, txt = {0};
+    pd_tok_buf raw = {0}, txt = {0};
     for (size_t i = 0; i < n; i++) {
         if ((st = id_check(t, ids[i], err)) != PD_OK)
             goto err_free;
-        if (skip_special && (t->kind[ids[i]] & TOK_KIND_SPECIAL))
+        if (skip_special && (t->kind[ids[i]] & PD_TOK_KIND_SPECIAL))
             continue;
         size_t blen;
         const uint8_t *b = tok_bytes(t, ids[i], &blen);
-        if (buf_put(&raw, b, blen) != 0) {
+        if (pd_tok_buf_put(&raw, b, blen) != 0) {
             st = pd_err_set(err, PD_ERR_NOMEM, "tokenizer decode: out of memory");
             goto err_free;
         }
     }
-    if (utf8_lossy_append(&txt, raw.p, raw.n, 1) == (size_t)-1 || buf_reserve(&txt, 1) != 0) {
+    if (pd_tok_utf8_lossy_append(&txt, raw.p, raw.n, 1) == (size_t)-1 || pd_tok_buf_reserve(&txt, 1) != 0) {
         st = pd_err_set(err, PD_ERR_NOMEM, "tokenizer decode: out of memory");
         goto err_free;
     }
@@ -1473,7 +975,7 @@ size_t pd_tokenizer_vocab_size(const pd_tokenizer *t)
 
 const char *pd_tokenizer_id_to_token(const pd_tokenizer *t, int32_t id)
 {
-    if (id < 0 || (size_t)id >= t->n_ids || t->kind[id] == TOK_KIND_NONE)
+    if (id < 0 || (size_t)id >= t->n_ids || t->kind[id] == PD_TOK_KIND_NONE)
         return NULL;
     return t->strs + t->str_off[id];
 }
@@ -1481,7 +983,7 @@ const char *pd_tokenizer_id_to_token(const pd_tokenizer *t, int32_t id)
 const uint8_t *pd_tokenizer_token_bytes(const pd_tokenizer *t, int32_t id, size_t *len)
 {
     *len = 0;
-    if (id < 0 || (size_t)id >= t->n_ids || t->kind[id] == TOK_KIND_NONE)
+    if (id < 0 || (size_t)id >= t->n_ids || t->kind[id] == PD_TOK_KIND_NONE)
         return NULL;
     return tok_bytes(t, id, len);
 }
@@ -1496,12 +998,12 @@ int32_t pd_tokenizer_token_to_id(const pd_tokenizer *t, const char *token)
         if (strcmp(s, token) == 0)
             return t->added[i].id;
     }
-    tok_buf raw = {0};
+    pd_tok_buf raw = {0};
     if (token_str_to_bytes(token, t->c2b, &raw) != 0) {
         free(raw.p);
         return -1;
     }
-    int32_t id = vocab_find(t, raw.p ? raw.p : (const uint8_t *)"", raw.n);
+    int32_t id = pd_tok_vocab_find(t, raw.p ? raw.p : (const uint8_t *)"", raw.n);
     free(raw.p);
     /* several strings can share raw bytes; only the exact string names the id */
     if (id >= 0 && strncmp(t->strs + t->str_off[id], token, len + 1) != 0)
@@ -1511,7 +1013,7 @@ int32_t pd_tokenizer_token_to_id(const pd_tokenizer *t, const char *token)
 
 int pd_tokenizer_is_special(const pd_tokenizer *t, int32_t id)
 {
-    return id >= 0 && (size_t)id < t->n_ids && (t->kind[id] & TOK_KIND_SPECIAL) != 0;
+    return id >= 0 && (size_t)id < t->n_ids && (t->kind[id] & PD_TOK_KIND_SPECIAL) != 0;
 }
 
 /* ---------- streaming detokenizer ---------- */
@@ -1541,11 +1043,11 @@ void pd_detok_set_skip_special(pd_detok *d, int skip_special)
 static pd_status detok_emit(pd_detok *d, const uint8_t *b, size_t blen, int final,
                             char **text_out, pd_err *err)
 {
-    tok_buf in = {0}, txt = {0};
-    if (buf_put(&in, d->pend, d->n_pend) != 0 || buf_put(&in, b, blen) != 0)
+    pd_tok_buf in = {0}, txt = {0};
+    if (pd_tok_buf_put(&in, d->pend, d->n_pend) != 0 || pd_tok_buf_put(&in, b, blen) != 0)
         goto err_nomem;
-    size_t used = utf8_lossy_append(&txt, in.p, in.n, final);
-    if (used == (size_t)-1 || buf_reserve(&txt, 1) != 0)
+    size_t used = pd_tok_utf8_lossy_append(&txt, in.p, in.n, final);
+    if (used == (size_t)-1 || pd_tok_buf_reserve(&txt, 1) != 0)
         goto err_nomem;
     PD_ASSERT(in.n - used < sizeof(d->pend));
     d->n_pend = in.n - used;
@@ -1568,7 +1070,7 @@ pd_status pd_detok_push(pd_detok *d, int32_t id, char **text_out, pd_err *err)
         return st;
     size_t blen = 0;
     const uint8_t *b = tok_bytes(d->t, id, &blen);
-    if (d->skip_special && (d->t->kind[id] & TOK_KIND_SPECIAL))
+    if (d->skip_special && (d->t->kind[id] & PD_TOK_KIND_SPECIAL))
         blen = 0;
     return detok_emit(d, b, blen, 0, text_out, err);
 }
