@@ -462,15 +462,8 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
         st = pd_kv_seq_reserve(e->tpool, &r->tkv, reserve, err);
     if (st == PD_OK && e->dpool != NULL)
         st = pd_kv_seq_reserve(e->dpool, &r->dkv, reserve, err);
-    if (st == PD_OK && e->cp_n > 1 && !external) {
-        r->cp_kv = calloc((size_t)e->cp_n - 1, sizeof(*r->cp_kv));
-        if (r->cp_kv == NULL)
-            st = pd_err_set(err, PD_ERR_NOMEM, "cp page tables");
-        for (int k = 1; k < e->cp_n && st == PD_OK; k++) {
-            pd_kv_seq_init(&r->cp_kv[k - 1]);
-            st = pd_kv_seq_reserve(e->cp_pool[k], &r->cp_kv[k - 1], n_prompt, err);
-        }
-    }
+    if (st == PD_OK && !external)
+        st = pd_engine_cp_reserve(e, r, n_prompt, err);
     if (st != PD_OK)
         goto err_free;
     e->reqs[e->n_reqs++] = r;
@@ -669,7 +662,7 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
             pd_request *v = pd_engine_swap_victim(e, i);
             pd_err serr;
             pd_status ss = v != NULL ? pd_engine_swap_out(e, v, &serr) : PD_ERR_BUSY;
-            if (ss == PD_ERR_BUSY && v != NULL && e->cp_n <= 1) {
+            if (ss == PD_ERR_BUSY && v != NULL) {
                 pd_engine_recompute_out(e, v);   /* no room in the swap space: its KV is given up */
                 ss = PD_OK;
             }

@@ -109,8 +109,8 @@ typedef struct {
                                         * again before it resumes (vLLM's recompute; its KV then
                                         * comes from the prefill kernels, so on a GPU its later
                                         * tokens may part from the unpreempted ones at a
-                                        * near-tie). Not with cp_size > 1 (the request fails
-                                        * there, naming the full swap space). */
+                                        * near-tie). With cp_size > 1 that prefill runs over the
+                                        * CP ranks, as a prompt's does. */
     int tp_debug_fail_rank;            /* tests only: pd_tp_group_config.debug_fail_rank/cmd */
     int tp_debug_fail_cmd;
     /* Tests and debugging: called on the engine thread with exactly the aux tensor (backend

@@ -13,6 +13,7 @@
 #include "pd_engine_kv.h"
 
 #include "pd_engine_ctx.h"
+#include "pd_engine_prefill.h"
 #include "pd_log.h"
 
 #include <stdint.h>
@@ -315,6 +316,17 @@ pd_status pd_engine_swap_in_waiting(pd_engine *e, pd_err *err)
             /* pages for its context and a round; the prefill fills them */
             if (!take_pages(e, r, r->anchor_pos + e->B + 1, running * per_round))
                 return PD_OK;
+            /* and, with CP, each rank's pages for the prefill of its context */
+            pd_err cerr;
+            if ((st = pd_engine_cp_reserve(e, r, r->anchor_pos, &cerr)) != PD_OK) {
+                pd_kv_seq_release(e->tpool, &r->tkv);
+                if (e->dpool != NULL)
+                    pd_kv_seq_release(e->dpool, &r->dkv);
+                if (st == PD_ERR_BUSY)
+                    return PD_OK;
+                *err = cerr;
+                return st;
+            }
             r->recompute = 2;
         }
         running++;

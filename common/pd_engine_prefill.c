@@ -154,6 +154,25 @@ void pd_engine_cp_release(pd_engine *e, pd_request *r)
     r->cp_kv = NULL;
 }
 
+pd_status pd_engine_cp_reserve(pd_engine *e, pd_request *r, int n_tok, pd_err *err)
+{
+    if (e->cp_n <= 1)
+        return PD_OK;
+    if (r->cp_kv == NULL) {
+        r->cp_kv = calloc((size_t)e->cp_n - 1, sizeof(*r->cp_kv));
+        if (r->cp_kv == NULL)
+            return pd_err_set(err, PD_ERR_NOMEM, "cp page tables");
+        for (int k = 1; k < e->cp_n; k++)
+            pd_kv_seq_init(&r->cp_kv[k - 1]);
+    }
+    pd_status st = PD_OK;
+    for (int k = 1; k < e->cp_n && st == PD_OK; k++)
+        st = pd_kv_seq_reserve(e->cp_pool[k], &r->cp_kv[k - 1], n_tok, err);
+    if (st != PD_OK)
+        pd_engine_cp_release(e, r);
+    return st;
+}
+
 /* ---- prefill ----------------------------------------------------------------------------- */
 
 /* The CP forward of a packed prefill batch (tokens of one sequence are contiguous, in order).
@@ -486,6 +505,7 @@ static pd_status prefill_forward(pd_engine *e, int budget, int max_seq, int *n_o
         r->tkv.len = r->anchor_pos;
         r->dkv.len = r->anchor_pos;
         r->prefilled = r->n_prompt;
+        pd_engine_cp_release(e, r);
         pd_engine_preempt_clear(e, r);
     }
     /* prefill nodes keep the packed aux rows (or the draft context features) of their prompts,

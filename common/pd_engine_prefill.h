@@ -18,6 +18,10 @@ pd_status pd_engine_cp_create(pd_engine *e, const pd_kv_layout *tl, const int *t
                               pd_err *err);
 /* Gives back r's pages in the CP ranks' KV replicas (held only while it is prefilled). */
 void pd_engine_cp_release(pd_engine *e, pd_request *r);
+/* Pages for n_tok positions of r on every CP rank but 0 (none when cp_size is 1): a prompt's at
+ * admission, a recomputed request's context when it resumes. On an error none stay reserved
+ * (PD_ERR_BUSY: a rank's pool is full now). */
+pd_status pd_engine_cp_reserve(pd_engine *e, pd_request *r, int n_tok, pd_err *err);
 /* The prefill work of one engine step, about cfg.max_prefill_tokens tokens. */
 pd_status pd_engine_prefill_step(pd_engine *e, pd_err *err);
 

@@ -470,15 +470,20 @@ typedef struct {
     int n_rounds[4];
     int acc[4][64];
     aux_log aux;
+    uint64_t preemptions;
+    int free_pages;          /* the target pool's free pages at the end */
 } gen_result;
 
-/* cp_targets: NULL on the cpu; the targets of ranks 1.. on a device backend */
+/* cp_targets: NULL on the cpu; the targets of ranks 1.. on a device backend. n_pages: the target
+ * pool (0: 256); swap_bytes: pd_engine_config's (preemption) */
 static pd_status generate(int cp, pd_cp_strategy strat, int chunk, int debug_hidden,
                           const int32_t *const *prompts, const int32_t *lens, int n,
-                          const pd_qwen3_model *const *cp_targets, gen_result *res, pd_err *err)
+                          const pd_qwen3_model *const *cp_targets, int n_pages, size_t swap_bytes,
+                          gen_result *res, pd_err *err)
 {
     memset(res, 0, sizeof(*res));
-    pd_engine_config ec = { .target = tm, .draft = dm, .page_size = PAGE, .n_pages = 256,
+    pd_engine_config ec = { .target = tm, .draft = dm, .page_size = PAGE,
+                            .n_pages = n_pages > 0 ? n_pages : 256, .swap_bytes = swap_bytes,
                             .max_prefill_tokens = chunk, .cp_size = cp, .cp_strategy = strat,
                             .cp_targets = cp_targets,
                             .prefill_aux_hook = aux_hook, .prefill_aux_hook_ud = &res->aux,
@@ -487,7 +492,7 @@ static pd_status generate(int cp, pd_cp_strategy strat, int chunk, int debug_hid
     pd_status st = pd_engine_create(&ec, &e, err);
     if (st != PD_OK)
         return st;
-    pd_request *req[4];
+    pd_request *req[4] = {0};
     pd_gen_params gp = { .sample = { .top_p = 1.0f }, .max_new_tokens = 32, .ignore_eos = 1 };
     for (int i = 0; i < n && st == PD_OK; i++)
         st = pd_engine_add(e, (uint64_t)i + 1, prompts[i], lens[i], &gp, &req[i], err);
@@ -501,6 +506,13 @@ static pd_status generate(int cp, pd_cp_strategy strat, int chunk, int debug_hid
         res->n_rounds[i] = req[i]->n_rounds < 64 ? req[i]->n_rounds : 64;
         memcpy(res->acc[i], req[i]->accepted, (size_t)res->n_rounds[i] * sizeof(int));
     }
+    int swapped;
+    size_t bytes;
+    pd_engine_swap_stats(e, &res->preemptions, &swapped, &bytes);
+    for (int i = 0; i < n; i++)
+        if (req[i] != NULL)
+            pd_engine_release(e, req[i]);
+    res->free_pages = pd_engine_kv_free_pages(e);
     pd_engine_destroy(e);
     return st;
 }
@@ -515,12 +527,12 @@ static void test_engine(const pd_st_set *g, int max_cp)
     const int chunks[2] = {2048, 24};
     for (int c = 0; c < 2; c++) {
         gen_result ref;
-        pd_status st = generate(1, PD_CP_STRATEGY_ROUND_ROBIN, chunks[c], 0, prompts, lens, 3, NULL, &ref, &err);
+        pd_status st = generate(1, PD_CP_STRATEGY_ROUND_ROBIN, chunks[c], 0, prompts, lens, 3, NULL, 0, 0, &ref, &err);
         TEST_CHECK_MSG(st == PD_OK, "engine cp 1: %s", err.msg);
         for (int cp = 2; cp <= max_cp; cp++)
             for (int s = 0; s < PD_CP_STRATEGY_COUNT; s++) {
                 gen_result got;
-                st = generate(cp, (pd_cp_strategy)s, chunks[c], 0, prompts, lens, 3, NULL, &got, &err);
+                st = generate(cp, (pd_cp_strategy)s, chunks[c], 0, prompts, lens, 3, NULL, 0, 0, &got, &err);
                 TEST_CHECK_MSG(st == PD_OK, "engine cp %d %s: %s", cp, pd_cp_strategy_name(s), err.msg);
                 int same = 1;
                 for (int i = 0; i < 3; i++) {
@@ -545,6 +557,45 @@ static void test_engine(const pd_st_set *g, int max_cp)
             }
         free(ref.aux.rows);
     }
+}
+
+/* Preemption under CP: a target pool too small for the three answers at once and a swap space
+ * that holds nothing, so a victim's KV is given up and prefilled again over the CP ranks before
+ * it resumes (recompute); every answer equals cp 1's in a large pool, and every page comes back. */
+static void test_engine_recompute(const pd_st_set *g, int max_cp)
+{
+    const int32_t *prompts[3];
+    int32_t lens[3];
+    golden_prompts(g, 3, prompts, lens);
+    int need = 0, held = 0;   /* pages of the three answers (prompt, 32 tokens and a block) and prompts */
+    for (int i = 0; i < 3; i++) {
+        need += (lens[i] + 32 + dm->cfg.block_size + PAGE) / PAGE;
+        held += (lens[i] + PAGE) / PAGE;
+    }
+    const int pool = held + 4;   /* all admitted (a prompt's pages, a position more and the
+                                  * watermark), far from all finished at once */
+    pd_err err;
+    gen_result ref;
+    pd_status st = generate(1, PD_CP_STRATEGY_ROUND_ROBIN, 2048, 0, prompts, lens, 3, NULL, 0, 0, &ref, &err);
+    TEST_CHECK_MSG(st == PD_OK, "engine cp 1: %s", err.msg);
+    free(ref.aux.rows);
+    for (int cp = 2; cp <= max_cp && st == PD_OK; cp++)
+        for (int chunk = 2048; chunk >= 24; chunk = chunk == 2048 ? 24 : 0) {
+            gen_result got;
+            pd_status gs = generate(cp, PD_CP_STRATEGY_ZIGZAG, chunk, 0, prompts, lens, 3, NULL, pool, 1, &got, &err);
+            TEST_CHECK_MSG(gs == PD_OK, "engine cp %d, %d pages, no swap space: %s", cp, pool, err.msg);
+            int same = gs == PD_OK;
+            for (int i = 0; i < 3; i++)
+                same &= got.n_out[i] == 32 && memcmp(got.out[i], ref.out[i], 32 * 4) == 0;
+            TEST_CHECK_MSG(same, "engine cp %d chunk %d with recompute: tokens differ from cp 1's", cp, chunk);
+            TEST_CHECK_MSG(got.preemptions > 0, "engine cp %d chunk %d: no preemption in %d pages (the "
+                           "answers need %d)", cp, chunk, pool, need);
+            TEST_CHECK_MSG(got.free_pages == pool, "engine cp %d chunk %d: %d of %d pages free at the end",
+                           cp, chunk, got.free_pages, pool);
+            printf("engine cp %d chunk %4d, %d pages for %d: %llu preemptions (recompute), %s\n", cp, chunk,
+                   pool, need, (unsigned long long)got.preemptions, same ? "same tokens as cp 1" : "DIFFERENT");
+            free(got.aux.rows);
+        }
 }
 
 /* ---- the seed's bug: the pre-norm hidden state handed to the DSpark path ------------------ */
@@ -592,7 +643,7 @@ static void test_hidden_handoff(const pd_st_set *g)
     /* through the engine: a CP run that hands the drafter the hidden state must fail loudly */
     const int32_t *prompts[1] = {t->data};
     gen_result res;
-    pd_status st = generate(2, PD_CP_STRATEGY_ROUND_ROBIN, 2048, 1, prompts, &len, 1, NULL, &res, &err);
+    pd_status st = generate(2, PD_CP_STRATEGY_ROUND_ROBIN, 2048, 1, prompts, &len, 1, NULL, 0, 0, &res, &err);
     TEST_CHECK_MSG(st == PD_ERR_INTERNAL, "engine with the hidden hand-off: %s", pd_status_str(st));
     TEST_CHECK(res.aux.calls == 0);   /* the drafter never saw it */
     free(res.aux.rows);
@@ -827,10 +878,10 @@ static int test_gpu_group(int n, int local)
     for (int c = 0; c < 2; c++) {
         const int chunk = c ? 24 : 2048;
         gen_result r1, rn;
-        pd_status s1 = generate(1, PD_CP_STRATEGY_ROUND_ROBIN, chunk, 0, gsrc, glens, 3, NULL, &r1, &err);
+        pd_status s1 = generate(1, PD_CP_STRATEGY_ROUND_ROBIN, chunk, 0, gsrc, glens, 3, NULL, 0, 0, &r1, &err);
         TEST_CHECK_MSG(s1 == PD_OK, "engine cp 1 on cuda: %s", err.msg);
         pd_status sn = generate(n, PD_CP_STRATEGY_ROUND_ROBIN, chunk, 0, gsrc, glens, 3,
-                                (const pd_qwen3_model *const *)(ms + 1), &rn, &err);
+                                (const pd_qwen3_model *const *)(ms + 1), 0, 0, &rn, &err);
         TEST_CHECK_MSG(sn == PD_OK, "engine cp %d on cuda: %s", n, err.msg);
         int same = s1 == PD_OK && sn == PD_OK, lead[3] = {0, 0, 0};
         for (int i = 0; i < 3; i++) {
@@ -901,6 +952,7 @@ int main(int argc, char **argv)
     test_hidden_handoff(g);
     test_forward(g, max_cp);
     test_engine(g, max_cp);
+    test_engine_recompute(g, max_cp);
     test_waves(g);
     pd_st_close(g);
     pd_dspark_free(dm);
