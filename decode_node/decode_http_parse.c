@@ -482,6 +482,7 @@ int decode_http_parse_common(const cJSON *root, int chat, decode_req *dr, req_op
         dr->logprobs = rc > 0;
         dr->top_logprobs = rc > 0 ? (int)ll : 0;
         dr->prompt_logprobs = dr->logprobs && o->echo;
+        dr->prompt_top_logprobs = dr->prompt_logprobs ? dr->top_logprobs : 0;
     }
     /* OpenAI's presence/frequency penalties and the repetition penalty (extension, vLLM) */
     const char *pens[] = {"presence_penalty", "frequency_penalty", "repetition_penalty"};
