@@ -386,6 +386,9 @@ static pd_status add_request(pd_engine *e, uint64_t id, const int32_t *prompt, i
     if (params->top_logprobs < 0 || params->top_logprobs > PD_MAX_TOP_LOGPROBS)
         return pd_err_set(err, PD_ERR_INVALID, "top_logprobs %d must be in 0..%d",
                           params->top_logprobs, PD_MAX_TOP_LOGPROBS);
+    if (params->prompt_top_logprobs < 0 || params->prompt_top_logprobs > PD_MAX_TOP_LOGPROBS)
+        return pd_err_set(err, PD_ERR_INVALID, "prompt_top_logprobs %d must be in 0..%d",
+                          params->prompt_top_logprobs, PD_MAX_TOP_LOGPROBS);
     TRY(pd_engine_grow_host((void **)&e->reqs, &e->cap_reqs, e->n_reqs + 1, sizeof(pd_request *), err));
     pd_request *r = calloc(1, sizeof(*r));
     if (r == NULL)

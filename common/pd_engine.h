@@ -143,10 +143,12 @@ typedef struct {
     int top_logprobs;        /* with logprobs: also the 0..PD_MAX_TOP_LOGPROBS most likely tokens
                               * of each position */
     int prompt_logprobs;     /* 1: r->prompt_lps[i] = the logprobs of prompt token i given the
-                              * ones before (i >= 1; with top_logprobs likeliest), from the
-                              * prefill's rows (in chunks of at most 256 tokens then; not with
-                              * context parallelism); an external prefill brings them
+                              * ones before (i >= 1; with prompt_top_logprobs likeliest), from
+                              * the prefill's rows (in chunks of at most 256 tokens then; not
+                              * with context parallelism); an external prefill brings them
                               * (pd_engine_set_prompt_logprobs) */
+    int prompt_top_logprobs; /* with prompt_logprobs: the 0..PD_MAX_TOP_LOGPROBS most likely
+                              * tokens of each prompt position (top_logprobs is the output's) */
     /* penalties on the target's logits before every pick (kern_penalty_entry: vLLM's meaning),
      * verify rows included, so speculative decoding stays lossless for the penalised
      * distribution; logprobs are then those of the penalised logits */
@@ -196,7 +198,8 @@ typedef struct pd_request {
     int n_out;
     pd_token_logprobs *lps;  /* [n_out] when params.logprobs: out[i]'s logprobs */
     int cached;              /* prompt tokens whose K/V came from the prefix cache */
-    pd_token_logprobs *prompt_lps; /* [n_prompt] when params.prompt_logprobs ([0] is zeros) */
+    pd_token_logprobs *prompt_lps; /* [n_prompt] when params.prompt_logprobs ([0] is zeros, rank
+                              * 0 too: nothing comes before it) */
     pd_logit_bias *bias;     /* the request's copy of params.logit_bias, sorted by token */
     uint32_t *pen;           /* [vocab] with penalties: occurrences in out (bits 0-30) and
                               * whether the prompt holds the token (bit 31) ... */
@@ -304,7 +307,8 @@ pd_status pd_engine_complete_prefill_mode(pd_engine *e, pd_request *r, int32_t f
                                           const pd_token_logprobs *first_lp, pd_err *err);
 /* An external prefill's prompt logprobs (params.prompt_logprobs): lps[n_prompt] into
  * r->prompt_lps, before pd_engine_complete_prefill. PD_ERR_INVALID for a count other than the
- * prompt's, top ids outside the vocabulary or more tops than the request asked for. */
+ * prompt's, top ids outside the vocabulary, more tops than the request asked for
+ * (prompt_top_logprobs) or a rank outside 0..vocabulary. */
 pd_status pd_engine_set_prompt_logprobs(pd_engine *e, pd_request *r, const pd_token_logprobs *lps,
                                         int n, pd_err *err);
 /* Ends a request with PD_FINISH_ERROR and msg (e.g. its prefill node failed). */

@@ -296,13 +296,16 @@ static pd_status extend_prompt_context(pd_engine *e, pd_request *r, pd_aux_mode 
     return st;
 }
 
-/* Logprobs that came from elsewhere: tops within the request's count and the vocabulary. */
-static pd_status lp_check(const pd_engine *e, const pd_request *r, const pd_token_logprobs *lp,
-                          const char *what, pd_err *err)
+/* Logprobs that came from elsewhere: at most max_top tops (the request's count), ids and the
+ * rank within the vocabulary. */
+static pd_status lp_check(const pd_engine *e, const pd_token_logprobs *lp, int max_top, const char *what,
+                          pd_err *err)
 {
-    if (lp->n_top < 0 || lp->n_top > r->params.top_logprobs)
+    if (lp->n_top < 0 || lp->n_top > max_top)
         return pd_err_set(err, PD_ERR_INVALID, "%s: %d top logprobs, the request asked for %d", what,
-                          lp->n_top, r->params.top_logprobs);
+                          lp->n_top, max_top);
+    if (lp->rank < 0 || lp->rank > e->V)
+        return pd_err_set(err, PD_ERR_INVALID, "%s: rank %d outside 0..%d", what, lp->rank, e->V);
     for (int i = 0; i < lp->n_top; i++)
         if (lp->top_id[i] < 0 || lp->top_id[i] >= e->V)
             return pd_err_set(err, PD_ERR_INVALID, "%s: top logprob id %d outside the vocabulary "
@@ -320,7 +323,7 @@ pd_status pd_engine_set_prompt_logprobs(pd_engine *e, pd_request *r, const pd_to
         return pd_err_set(err, PD_ERR_INVALID, "%d prompt logprobs for a prompt of %d tokens", n,
                           r->n_prompt);
     for (int i = 0; i < n; i++)
-        TRY(lp_check(e, r, &lps[i], "prompt token", err));
+        TRY(lp_check(e, &lps[i], r->params.prompt_top_logprobs, "prompt token", err));
     memcpy(r->prompt_lps, lps, (size_t)n * sizeof(*lps));
     return PD_OK;
 }
@@ -342,7 +345,7 @@ pd_status pd_engine_complete_prefill_mode(pd_engine *e, pd_request *r, int32_t f
         TRY(extend_prompt_context(e, r, mode, aux_host, err));
     }
     if (first_lp != NULL && r->params.logprobs)
-        TRY(lp_check(e, r, first_lp, "first token", err));
+        TRY(lp_check(e, first_lp, r->params.top_logprobs, "first token", err));
     /* the prefill node drew the first token's uniform from the same seed: skip it, so the rest
      * of the stream is what a request prefilled here draws (the same text for a seed colocated,
      * disaggregated, or prefilled here from the prefix cache) */
@@ -397,14 +400,14 @@ static pd_status prompt_logprobs(pd_engine *e, const float *logits, pd_request *
         const pd_request *r = owner[lrows[n_done + i]];
         rows[i] = n_done + i;
         toks[i] = r->prompt[pos[lrows[n_done + i]] + 1];
-        top = r->params.top_logprobs > top ? r->params.top_logprobs : top;
+        top = r->params.prompt_top_logprobs > top ? r->params.prompt_top_logprobs : top;
     }
     pd_status st = pd_engine_logprobs_entries(e, logits, rows, toks, n, top, lp, err);
     for (int i = 0; i < n && st == PD_OK; i++) {
         pd_request *r = owner[lrows[n_done + i]];
         pd_token_logprobs *d = &r->prompt_lps[pos[lrows[n_done + i]] + 1];
         *d = lp[i];
-        pd_engine_lp_cut(d, r->params.top_logprobs);
+        pd_engine_lp_cut(d, r->params.prompt_top_logprobs);
     }
     free(rows);
     free(lp);

@@ -66,7 +66,8 @@ pd_status pd_stop_ids_check(const int32_t *ids, int n, int max, int vocab, pd_er
  * vLLM's default raw logprobs), so a greedy and a sampled request report the same numbers;
  * kern_logprobs computes them on the backend. */
 #define PD_MAX_TOP_LOGPROBS KERN_MAX_TOP_LOGPROBS
-/* logprob: of the token that was committed; top_id / top_logprob[0..n_top): the most likely
+/* logprob: of the token that was committed; rank: its rank (vLLM's: how many logits are >= its
+ * own, itself included; kern_backend.h); top_id / top_logprob[0..n_top): the most likely
  * tokens, most likely first (a tie: lower id first, as the argmax) */
 typedef kern_logprobs_row pd_token_logprobs;
 

@@ -18,8 +18,8 @@
 void pd_wire_logprobs_out(const pd_token_logprobs *lps, const int32_t *ids, int n,
                           Pdspark__TokenLogprobs *msgs, Pdspark__TokenLogprobs **ptrs);
 /* One message into *out; PD_ERR_PEER naming `what` when it is missing, its two top arrays differ
- * in length or hold more than PD_MAX_TOP_LOGPROBS (ids beyond int32 become -1, which the engine
- * refuses as outside the vocabulary). */
+ * in length or hold more than PD_MAX_TOP_LOGPROBS (ids and a rank beyond int32 become -1, which
+ * the engine refuses as outside the vocabulary). */
 pd_status pd_wire_logprobs_in(const Pdspark__TokenLogprobs *m, pd_token_logprobs *out, const char *what,
                               pd_err *err);
 

@@ -44,8 +44,9 @@ static void usage(FILE *f)
             "\"content\"} turns; the node renders them with its chat template (the reply is the raw\n"
             "text, <think> included, unless the node splits reasoning off: --json then adds it as\n"
             "\"reasoning\"); --thinking sets enable_thinking. --logprobs N (0..20) asks\n"
-            "for each token's logprob and its N likeliest alternatives: --json then adds\n"
-            "\"logprobs\": [{\"id\", \"logprob\", \"top\": [[id, logprob], ...]}, ...]. --n N (1..16)\n"
+            "for each token's logprob, its rank (vLLM's: 1 + the other tokens at least as likely)\n"
+            "and its N likeliest alternatives: --json then adds \"logprobs\": [{\"id\", \"logprob\",\n"
+            "\"rank\", \"top\": [[id, logprob], ...]}, ...]. --n N (1..16)\n"
             "asks for N choices of the prompt (choice i samples with --seed + i): each one's text is\n"
             "printed when all have ended, after a '[choice i]' line, and --json prints one object per\n"
             "choice and line, with its \"index\" (not with --stream). --model-defaults lets the\n"
@@ -541,6 +542,7 @@ int main(int argc, char **argv)
             cJSON *e = cJSON_CreateObject(), *top = cJSON_CreateArray();
             cJSON_AddNumberToObject(e, "id", l->token_id);
             cJSON_AddNumberToObject(e, "logprob", l->logprob);
+            cJSON_AddNumberToObject(e, "rank", l->rank);
             for (size_t j = 0; j < l->n_top_ids && j < l->n_top_logprobs; j++) {
                 cJSON *pair = cJSON_CreateArray();
                 cJSON_AddItemToArray(pair, cJSON_CreateNumber(l->top_ids[j]));

@@ -154,8 +154,10 @@ typedef struct {
     int n_stop_token_ids;
     int logprobs;                   /* 1: chunks carry each token's logprob (pd_sample.h) */
     int top_logprobs;               /* with logprobs: and its 0..PD_MAX_TOP_LOGPROBS likeliest */
-    int prompt_logprobs;            /* 1: the first chunk carries the prompt's logprobs (a
-                                     * colocated node without context parallelism only) */
+    int prompt_logprobs;            /* 1: the first chunk carries the prompt's logprobs (not on
+                                     * a colocated node with context parallelism) */
+    int prompt_top_logprobs;        /* with prompt_logprobs: and each position's
+                                     * 0..PD_MAX_TOP_LOGPROBS likeliest */
     /* structured output (pd_grammar.h), at most one: */
     int json_object;                /* 1: any JSON object */
     const char *json_schema;        /* a JSON schema's text ... */

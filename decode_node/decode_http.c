@@ -86,6 +86,7 @@ static void req_contents_free(http_req *r)
         r->ch[i].h = NULL;
         free(r->ch[i].gen);
         free(r->ch[i].lps);
+        free(r->ch[i].plps);
         pd_chat_parser_destroy(r->ch[i].cp);
     }
     for (int i = 0; i < r->n_stop; i++)
@@ -241,6 +242,8 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     r->include_usage = o.include_usage;
     r->logprobs = dr.logprobs;
     r->top_logprobs = dr.top_logprobs;
+    r->prompt_lp = o.prompt_lp;
+    r->prompt_lp_top = o.prompt_lp_top;
     r->echo = o.echo;
     r->no_gen = o.max0;
     for (int p = 0; r->echo && p < n_prompts; p++) {

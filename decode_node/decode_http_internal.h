@@ -1,8 +1,8 @@
 /* decode_http_internal.h - private to decode_http.c and the decode_http_*.c parts it is split
  *   into, as kern_cuda_internal.h is to the .cu files.
  * Owns: struct decode_http (the front end's state), a request's context (http_req) and its
- *   choices (http_choice, lp_tok), the limits on choices and stop strings, and the functions of decode_http.c that the parts call on a
- *   request's context.
+ *   choices (http_choice, lp_tok), the limits on choices and stop strings, and the functions of
+ *   decode_http.c that the parts call on a request's context.
  * Not here: the public API (decode_http.h); each part's own functions are declared in its own
  *   header (decode_http_parse.h, decode_http_reply.h).
  * Threading: as decode_http.c says: the HTTP thread owns every http_req field but refs; the
@@ -57,6 +57,8 @@ typedef struct http_choice {
     int n_gen;                       /* tokens received (usage when a stop string ended it) */
     struct lp_tok *lps;              /* [n_lps] logprobs of the tokens kept so far ... */
     int n_lps, cap_lps, lp_sent;     /* ... of which the first lp_sent went out in stream events */
+    struct lp_tok *plps;             /* [n_plps] with prompt_lp: the prompt's, for its field */
+    int n_plps;
     int done;                        /* its result arrived (below) */
     pd_chat_parser *cp;              /* a streamed chat with tools or reasoning: the text split
                                       * into content, reasoning and tool calls as it comes */
@@ -81,6 +83,7 @@ typedef struct http_req {
     int started;                     /* SSE headers sent */
     int gone;
     int logprobs, top_logprobs;      /* the request asked for logprobs (and this many likeliest) */
+    int prompt_lp, prompt_lp_top;    /* vLLM's prompt_logprobs: asked, and this many likeliest */
     int echo, no_gen;                /* echo: every choice's text starts with the prompt (and its
                                       * logprobs with the prompt's); no_gen: max_tokens 0 */
     int tools, reasoning;            /* chat: parse <tool_call> blocks; <think>: pd_chat_parser_create's */

@@ -415,8 +415,6 @@ int decode_http_parse_common(const cJSON *root, int chat, decode_req *dr, req_op
         { "logits_processors", "'logits_processors' are not supported", BOTH, 0 },
         { "truncate_prompt_tokens", "'truncate_prompt_tokens' is not supported (a prompt over the context is a "
           "400)", BOTH, 0 },
-        { "prompt_logprobs", "'prompt_logprobs' (vLLM's per-token dicts) is not supported; /v1/completions with "
-          "'echo': true and 'logprobs' gives the prompt's logprobs", BOTH, -1 },
         { "return_tokens_as_token_ids", "'return_tokens_as_token_ids' is not supported (the gRPC API returns ids)",
           BOTH, 0 },
         { "chat_template", "'chat_template' per request is not supported (the node's template is used; "
@@ -483,6 +481,29 @@ int decode_http_parse_common(const cJSON *root, int chat, decode_req *dr, req_op
         dr->top_logprobs = rc > 0 ? (int)ll : 0;
         dr->prompt_logprobs = dr->logprobs && o->echo;
     }
+    /* vLLM's prompt_logprobs: N (0..20) answers each prompt token's logprob and rank with the N
+     * likeliest tokens of its position (decode_http_reply.c writes them); with stream, only 0,
+     * which gives nothing (vLLM's rule: streamed chunks have no such field). With echo and
+     * logprobs too, one computation serves both, with the longer top list, each cut to its own. */
+    *param = "prompt_logprobs";
+    if ((rc = get_int(root, "prompt_logprobs", -1e18, 1e18, &ll, msg, cap)) < 0)
+        return -1;
+    if (rc > 0 && (ll < 0 || ll > PD_MAX_TOP_LOGPROBS)) {
+        snprintf(msg, cap, "'prompt_logprobs' must be in [0, %d], got %lld%s", PD_MAX_TOP_LOGPROBS, ll,
+                 ll == -1 ? " (-1, the whole vocabulary, is not supported)" : "");
+        return -1;
+    }
+    if (rc > 0 && ll > 0 && o->stream) {
+        snprintf(msg, cap, "'prompt_logprobs' is not available with 'stream': true (as in vLLM; 0 is "
+                 "accepted and gives none)");
+        return -1;
+    }
+    o->prompt_lp = rc > 0 && !o->stream;
+    o->prompt_lp_top = o->prompt_lp ? (int)ll : 0;
+    dr->prompt_top_logprobs = dr->prompt_logprobs ? dr->top_logprobs : 0;
+    if (o->prompt_lp && o->prompt_lp_top > dr->prompt_top_logprobs)
+        dr->prompt_top_logprobs = o->prompt_lp_top;
+    dr->prompt_logprobs |= o->prompt_lp;
     /* OpenAI's presence/frequency penalties and the repetition penalty (extension, vLLM) */
     const char *pens[] = {"presence_penalty", "frequency_penalty", "repetition_penalty"};
     float *pv[] = {&dr->presence_penalty, &dr->frequency_penalty, &dr->repetition_penalty};

@@ -3,8 +3,8 @@
  * Owns: the engine's chunks and results carried to the HTTP thread (copied into a message and
  *   pd_loop_post-ed), stop strings (matched on the detokenized text, a possible partial match
  *   held back while streaming), the response JSON of completions and chat (choices, logprobs,
- *   a chat reply split into content, reasoning and tool calls, usage), SSE events, and the
- *   OpenAI error shape with the HTTP status of a pd_status.
+ *   vLLM's prompt_logprobs, a chat reply split into content, reasoning and tool calls, usage),
+ *   SSE events, and the OpenAI error shape with the HTTP status of a pd_status.
  * Not here: the requests' contexts and their lifetime (decode_http.c), reading a request
  *   (decode_http_parse.c).
  * Threading: decode_http_cb_token / _cb_done run on the engine thread and only copy what they
@@ -13,6 +13,7 @@
 
 #include <cjson/cJSON.h>
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -163,6 +164,49 @@ static cJSON *logprobs_json(const http_choice *r, int from, int to)
     return o;
 }
 
+/* vLLM's prompt_logprobs of a choice: one element per prompt token, null for the first (nothing
+ * comes before it), else a dict keyed by token id: the prompt token first, then the likeliest of
+ * the position in order, each {"logprob", "rank", "decoded_token"}. As vLLM builds the dict, the
+ * prompt token's rank is its place in the list when it is there (with ties the place can be less
+ * than kern_logprobs' count), else that count; -inf logprobs become -9999 (vLLM's clamp). */
+static cJSON *prompt_lp_entry(const pd_tokenizer *t, int32_t id, float lp, int rank)
+{
+    cJSON *e = cJSON_CreateObject();
+    cJSON_AddNumberToObject(e, "logprob", lp == -INFINITY ? -9999.0 : (double)lp);
+    cJSON_AddNumberToObject(e, "rank", rank);
+    cJSON_AddItemToObject(e, "decoded_token", tok_text(t, id));
+    return e;
+}
+
+static cJSON *prompt_logprobs_json(const http_choice *ch)
+{
+    const pd_tokenizer *t = decode_server_tokenizer(ch->r->dh->s);
+    cJSON *a = cJSON_CreateArray();
+    for (int i = 0; i < ch->n_plps; i++) {
+        const lp_tok *k = &ch->plps[i];
+        if (k->none) {
+            cJSON_AddItemToArray(a, cJSON_CreateNull());
+            continue;
+        }
+        cJSON *d = cJSON_CreateObject();
+        char key[16];
+        int place = -1;
+        for (int j = 0; j < k->lp.n_top; j++)
+            if (k->lp.top_id[j] == k->id && place < 0)
+                place = j;
+        snprintf(key, sizeof(key), "%d", (int)k->id);
+        cJSON_AddItemToObject(d, key, prompt_lp_entry(t, k->id, k->lp.logprob, place >= 0 ? place + 1 : k->lp.rank));
+        for (int j = 0; j < k->lp.n_top; j++) {
+            if (j == place)
+                continue;
+            snprintf(key, sizeof(key), "%d", (int)k->lp.top_id[j]);
+            cJSON_AddItemToObject(d, key, prompt_lp_entry(t, k->lp.top_id[j], k->lp.top_logprob[j], j + 1));
+        }
+        cJSON_AddItemToArray(a, d);
+    }
+    return a;
+}
+
 static cJSON *string_n(const char *s, size_t n)
 {
     char *t = malloc(n + 1);
@@ -199,6 +243,8 @@ static void choice_end(cJSON *c, const http_choice *ch, const char *finish, int 
         cJSON_AddStringToObject(c, "finish_reason", finish);
     else
         cJSON_AddNullToObject(c, "finish_reason");
+    if (ch->r->prompt_lp && !ch->r->chat && !ch->r->stream)   /* chat: the response's (reply_end) */
+        cJSON_AddItemToObject(c, "prompt_logprobs", prompt_logprobs_json(ch));
 }
 
 /* a tool call's id: call_ and 24 hex digits from the request id, the choice and the call */
@@ -473,7 +519,8 @@ typedef struct {
     int n_ids;
     lp_tok *lps;                     /* [n_ids] when the request asked for logprobs; off = the
                                       * token's start within text */
-    lp_tok *plps;                    /* [n_prompt]: the first chunk of an echo with logprobs */
+    lp_tok *plps;                    /* [n_prompt]: the first chunk of a request with the
+                                      * prompt's logprobs (echo with logprobs, prompt_logprobs) */
     int n_prompt;
     /* done */
     pd_status st;
@@ -511,6 +558,13 @@ static int lps_reserve(http_choice *c, int need)
     return 0;
 }
 
+/* an entry's top list cut to at most want (the rest of the list is not read) */
+static void lp_cut(pd_token_logprobs *lp, int want)
+{
+    if (lp->n_top > want)
+        lp->n_top = want;
+}
+
 static int gen_append(http_choice *r, const char *t, size_t n)
 {
     return pd_buf_append(&r->gen, &r->gen_len, &r->gen_cap, t, n);
@@ -530,13 +584,28 @@ static void msg_chunk(http_msg *m)
         decode_http_cancel_all(r);
         return;
     }
-    if (m->plps != NULL) {   /* the prompt's own, in front (offsets within the echoed prompt) */
+    /* the prompt's own: with echo and logprobs in front of the output's (offsets within the
+     * echoed prompt); with prompt_logprobs for that field; each cut to its own top count (the
+     * engine computed the longer) */
+    if (m->plps != NULL && r->echo && r->logprobs) {
         if (lps_reserve(c, c->n_lps + m->n_prompt) != 0) {
             decode_cancel(c->h);
             return;
         }
         memcpy(c->lps + c->n_lps, m->plps, (size_t)m->n_prompt * sizeof(*m->plps));
+        for (int i = 0; i < m->n_prompt; i++)
+            lp_cut(&c->lps[c->n_lps + i].lp, r->top_logprobs);
         c->n_lps += m->n_prompt;
+    }
+    if (m->plps != NULL && r->prompt_lp && c->plps == NULL) {
+        if ((c->plps = malloc((size_t)m->n_prompt * sizeof(*c->plps))) == NULL) {
+            decode_cancel(c->h);
+            return;
+        }
+        memcpy(c->plps, m->plps, (size_t)m->n_prompt * sizeof(*m->plps));
+        for (int i = 0; i < m->n_prompt; i++)
+            lp_cut(&c->plps[i].lp, r->prompt_lp_top);
+        c->n_plps = m->n_prompt;
     }
     if (r->no_gen) {   /* max_tokens 0: the prompt only */
         emit_safe(c, stop_scan(c, 0), 0);
@@ -632,6 +701,9 @@ static void reply_end(http_req *r)
             add_choice(o, c, c->gen != NULL ? c->gen : "", c->gen_len, 0, c->finish, 1, 0, c->n_lps);
         }
         add_usage_all(o, r);
+        /* chat: vLLM answers the prompt's once, beside the choices (they share the prompt) */
+        if (r->chat && r->prompt_lp)
+            cJSON_AddItemToObject(o, "prompt_logprobs", prompt_logprobs_json(&r->ch[0]));
         char *s = cJSON_PrintUnformatted(o);
         cJSON_Delete(o);
         if (s != NULL) {

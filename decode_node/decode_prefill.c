@@ -309,6 +309,7 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
     pr.logprobs = h->gp.logprobs != 0;
     pr.top_logprobs = (uint32_t)h->gp.top_logprobs;
     pr.prompt_logprobs = h->gp.prompt_logprobs != 0;
+    pr.prompt_top_logprobs = (uint32_t)h->gp.prompt_top_logprobs;
     int64_t tmo = s->cfg.transfer_timeout_ms;
     h->prefill_by_deadline = 0;
     if (h->deadline > 0) {
@@ -493,6 +494,7 @@ static void on_reply_loop(void *arg)
             aux_mode = rep->aux_mode;
             h->cached_remote = rep->cached_tokens > (uint32_t)h->n_prompt ? h->n_prompt : (int)rep->cached_tokens;
             first_lp.logprob = rep->first_token_logprob;
+            first_lp.rank = rep->first_token_rank > INT32_MAX ? -1 : (int32_t)rep->first_token_rank;
             first_lp.n_top = (int)rep->n_first_top_ids;
             for (int i = 0; i < first_lp.n_top; i++) {
                 first_lp.top_id[i] = rep->first_top_ids[i] > INT32_MAX ? -1 : (int32_t)rep->first_top_ids[i];

@@ -695,11 +695,14 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
         return pd_err_set(err, PD_ERR_INVALID, "min_tokens %d must be in 0..max_new_tokens (%d)",
                           req->min_tokens, req->max_new_tokens);
     if (req->prompt_logprobs && s->cfg.colocated && s->cfg.cp_size > 1)
-        return pd_err_set(err, PD_ERR_INVALID, "prompt logprobs (echo with logprobs) are not "
-                          "available with context-parallel prefill (--cp-size %d)", s->cfg.cp_size);
+        return pd_err_set(err, PD_ERR_INVALID, "prompt logprobs (prompt_logprobs, or echo with logprobs) "
+                          "are not available with context-parallel prefill (--cp-size %d)", s->cfg.cp_size);
     if (req->top_logprobs < 0 || req->top_logprobs > PD_MAX_TOP_LOGPROBS)
         return pd_err_set(err, PD_ERR_INVALID, "top_logprobs %d must be in 0..%d", req->top_logprobs,
                           PD_MAX_TOP_LOGPROBS);
+    if (req->prompt_top_logprobs < 0 || req->prompt_top_logprobs > PD_MAX_TOP_LOGPROBS)
+        return pd_err_set(err, PD_ERR_INVALID, "prompt_logprobs %d must be in 0..%d",
+                          req->prompt_top_logprobs, PD_MAX_TOP_LOGPROBS);
     if (req->max_new_tokens < 0 || req->max_new_tokens > s->max_ctx)
         return pd_err_set(err, PD_ERR_INVALID, "max_new_tokens %d must be in 0..%d (0 = the rest of "
                           "the context)",
@@ -845,6 +848,7 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
     h->gp.logprobs = req->logprobs != 0;
     h->gp.prompt_logprobs = req->prompt_logprobs != 0;
     h->gp.top_logprobs = req->logprobs ? req->top_logprobs : 0;
+    h->gp.prompt_top_logprobs = req->prompt_logprobs ? req->prompt_top_logprobs : 0;
     h->on_token = on_token;
     h->on_done = on_done;
     h->ud = ud;

@@ -467,12 +467,17 @@ typedef struct {
 } kern_token_mask_args;
 
 /* Log-probabilities (the OpenAI `logprobs`): for row i, the logits x[rows[i]] (log_softmax
- * with lse = max + log(sum of exp(x - max) in double)): out[i].logprob = x[tok[i]] - lse, and
- * the n_top most likely tokens with theirs, most likely first (equal logits: lower id first, as
- * the argmax). Only the entries come back to the host, not the rows. */
+ * with lse = max + log(sum of exp(x - max) in double)): out[i].logprob = x[tok[i]] - lse, its
+ * rank, and the n_top most likely tokens with theirs, most likely first (equal logits: lower id
+ * first, as the argmax). Only the entries come back to the host, not the rows.
+ * rank (vLLM's token rank): how many of the n logits are >= x[tok[i]], tok[i] itself included:
+ * 1 + the tokens above it, plus every other token tied with it (a tie ranks behind all of its
+ * ties, whatever their ids); 0 when x[tok[i]] is NaN. Counted on the logits, so it orders as
+ * the logprobs do before their rounding to float. */
 #define KERN_MAX_TOP_LOGPROBS 20
 typedef struct {
     float logprob;                              /* of tok[i] */
+    int32_t rank;                               /* of tok[i]: 1..n (above) */
     int32_t n_top;                              /* entries below */
     int32_t top_id[KERN_MAX_TOP_LOGPROBS];
     float top_logprob[KERN_MAX_TOP_LOGPROBS];

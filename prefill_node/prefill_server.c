@@ -281,6 +281,7 @@ static void job_answer(prefill_server *ps, job *j, pd_status st, const char *msg
         if (j->gp.logprobs && j->r->lps != NULL) {
             const pd_token_logprobs *lp = &j->r->lps[0];
             rep.first_token_logprob = lp->logprob;
+            rep.first_token_rank = lp->rank > 0 ? (uint32_t)lp->rank : 0;
             for (int i = 0; i < lp->n_top; i++)
                 top_ids[i] = (uint32_t)lp->top_id[i];
             rep.n_first_top_ids = rep.n_first_top_logprobs = (size_t)lp->n_top;
@@ -964,6 +965,9 @@ static pd_status validate(prefill_server *ps, const Pdspark__PrefillRequest *rq,
     if (rq->top_logprobs > PD_MAX_TOP_LOGPROBS)
         return pd_err_set(err, PD_ERR_INVALID, "top_logprobs %u must be in 0..%d", rq->top_logprobs,
                           PD_MAX_TOP_LOGPROBS);
+    if (rq->prompt_top_logprobs > PD_MAX_TOP_LOGPROBS)
+        return pd_err_set(err, PD_ERR_INVALID, "prompt_top_logprobs %u must be in 0..%d",
+                          rq->prompt_top_logprobs, PD_MAX_TOP_LOGPROBS);
     if (rq->sampling != NULL) {
         pd_sample_params sp = { .temperature = rq->sampling->temperature,
                                 .top_k = (int)(rq->sampling->top_k > (uint32_t)ps->vocab ? -1 : (int)rq->sampling->top_k),
@@ -1107,6 +1111,7 @@ static pd_status handle_prefill(void *ud, const ProtobufCMessage *msg, pd_rpc_ca
     j->gp.logprobs = rq->logprobs;
     j->gp.prompt_logprobs = rq->prompt_logprobs;
     j->gp.top_logprobs = rq->logprobs ? (int)rq->top_logprobs : 0;
+    j->gp.prompt_top_logprobs = rq->prompt_logprobs ? (int)rq->prompt_top_logprobs : 0;
     j->gp.sample.top_p = 1.0f;
     if (rq->sampling != NULL) {
         j->gp.sample.temperature = rq->sampling->temperature;

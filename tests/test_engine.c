@@ -655,10 +655,23 @@ static void test_engine_deferred_compact(void)
     free(kv1);
 }
 
+/* An entry's rank against its own top list (kern_backend.h's rank: logits >= the token's): a
+ * token at place t of the list has at least t + 1 (the ones before it are not below it), one
+ * outside a full list more than the list holds, and rank 1 is the list's head. */
+static int rank_fits(const pd_token_logprobs *a, int32_t tok, int V)
+{
+    if (a->rank < 1 || a->rank > V)
+        return 0;
+    for (int t = 0; t < a->n_top; t++)
+        if (a->top_id[t] == tok)
+            return a->rank >= t + 1 && (a->rank != 1 || t == 0);
+    return a->rank > a->n_top;
+}
+
 /* Prompt logprobs of a 600-token prompt: prefilled in chunks of at most 256 tokens (the cap for
  * such requests) and in chunks of 100, with another request sharing the forwards; the same
- * numbers either way, the same output as without them; an external prefill's are checked and
- * kept. */
+ * numbers either way, the same output as without them; prompt_top_logprobs likeliest each, not
+ * the output's count, and ranks that fit them; an external prefill's are checked and kept. */
 static void test_engine_prompt_logprobs(void)
 {
     enum { LONG = 600 };
@@ -668,8 +681,9 @@ static void test_engine_prompt_logprobs(void)
         longp[i] = prompt_a[i % (int)(sizeof(prompt_a) / 4)] + (i / 22) % 5;
     pd_gen_params gp = greedy(8);
     gp.prompt_logprobs = 1;
+    gp.prompt_top_logprobs = 2;
     gp.logprobs = 1;
-    gp.top_logprobs = 2;
+    gp.top_logprobs = 1;   /* the output's own count: the prompt's is prompt_top_logprobs */
     pd_token_logprobs *first = NULL;
     int32_t out0[8] = {0};
     for (int pass = 0; pass < 3; pass++) {
@@ -694,9 +708,15 @@ static void test_engine_prompt_logprobs(void)
             first = r->prompt_lps;
             r->prompt_lps = NULL;   /* kept for the next pass (ours now) */
             memcpy(out0, r->out, sizeof(out0));
-            for (int i = 1; i < LONG && first != NULL; i++)
+            int ranks_ok = first != NULL && first[0].rank == 0, top1 = 0;
+            for (int i = 1; i < LONG && first != NULL; i++) {
                 TEST_CHECK(first[i].n_top == 2 && first[i].logprob <= first[i].top_logprob[0] &&
                            first[i].logprob < 0.0f);
+                ranks_ok &= rank_fits(&first[i], longp[i], tm->cfg.vocab_size);
+                top1 += first[i].rank == 1;
+            }
+            TEST_CHECK_MSG(ranks_ok, "a prompt token's rank does not fit its top list");
+            TEST_CHECK_MSG(top1 > 0 && top1 < LONG - 1, "prompt ranks: %d of %d first", top1, LONG - 1);
         } else if (pass == 1) {
             double worst = 0.0;
             for (int i = 1; i < LONG && first != NULL && r->prompt_lps != NULL; i++) {
@@ -719,6 +739,10 @@ static void test_engine_prompt_logprobs(void)
             memcpy(bad, first, sizeof(bad));
             bad[4].n_top = 3;   /* the request asked for 2 */
             TEST_CHECK(pd_engine_set_prompt_logprobs(e, rx, bad, 9, &err) == PD_ERR_INVALID);
+            bad[4].n_top = 2;
+            bad[4].rank = tm->cfg.vocab_size + 1;
+            TEST_CHECK(pd_engine_set_prompt_logprobs(e, rx, bad, 9, &err) == PD_ERR_INVALID &&
+                       strstr(err.msg, "rank") != NULL);
             TEST_CHECK(pd_engine_set_prompt_logprobs(e, rx, first, 9, &err) == PD_OK &&
                        memcmp(rx->prompt_lps, first, 9 * sizeof(*first)) == 0);
             pd_engine_release(e, rx);
@@ -843,8 +867,8 @@ static int spec_and_plain(pd_engine **spec, pd_engine **plain)
 /* Logprobs: speculative decoding reports what target-only decoding reports for the same greedy
  * tokens (its verify rows against single-token rows); a sampled request's are consistent (its
  * token among the tops carries the same value, tops descend); a request that does not ask keeps
- * none; out-of-range counts are refused; an external prefill's first-token logprobs are kept as
- * given and checked. */
+ * none; every token's rank fits its top list (greedy: first unless tied); out-of-range counts
+ * are refused; an external prefill's first-token logprobs are kept as given and checked. */
 static void test_engine_logprobs(void)
 {
     pd_err err;
@@ -873,6 +897,9 @@ static void test_engine_logprobs(void)
         const pd_token_logprobs *a = &rs->lps[i], *b = &rp->lps[i];
         double d = fabs(a->logprob - b->logprob);
         TEST_CHECK(a->n_top == 3 && b->n_top == 3 && a->logprob <= 0.0f);
+        /* greedy: the argmax, first unless tied */
+        TEST_CHECK(rank_fits(a, rs->out[i], tm->cfg.vocab_size) &&
+                   (a->rank == 1 || a->top_logprob[1] == a->top_logprob[0]));
         for (int t = 0; t < a->n_top; t++) {
             TEST_CHECK(a->top_id[t] == b->top_id[t]);
             d = fmax(d, fabs(a->top_logprob[t] - b->top_logprob[t]));
@@ -885,6 +912,7 @@ static void test_engine_logprobs(void)
     for (int i = 0; i < rx->n_out && rx->lps != NULL; i++) {
         const pd_token_logprobs *a = &rx->lps[i];
         TEST_CHECK(a->n_top == 20 && a->logprob <= a->top_logprob[0]);
+        TEST_CHECK(rank_fits(a, rx->out[i], tm->cfg.vocab_size));
         for (int t = 0; t < a->n_top; t++) {
             TEST_CHECK(t == 0 || a->top_logprob[t] <= a->top_logprob[t - 1]);
             if (a->top_id[t] == rx->out[i]) {
@@ -905,6 +933,11 @@ static void test_engine_logprobs(void)
     pd_request *rb = NULL;
     TEST_CHECK(pd_engine_add(spec, 4, prompt_b, 9, &bad, &rb, &err) == PD_ERR_INVALID &&
                strstr(err.msg, "top_logprobs") != NULL);
+    bad = gp;
+    bad.prompt_logprobs = 1;
+    bad.prompt_top_logprobs = PD_MAX_TOP_LOGPROBS + 1;
+    TEST_CHECK(pd_engine_add(spec, 4, prompt_b, 9, &bad, &rb, &err) == PD_ERR_INVALID &&
+               strstr(err.msg, "prompt_top_logprobs") != NULL);
     /* an external prefill's first-token logprobs */
     gp.max_new_tokens = 1;
     pd_request *re = NULL;
@@ -921,9 +954,13 @@ static void test_engine_logprobs(void)
         lp.top_id[1] = 12;
         lp.top_logprob[0] = -0.25f;
         lp.top_logprob[1] = -2.0f;
+        lp.rank = -1;
+        TEST_CHECK(pd_engine_complete_prefill_mode(plain, re, 11, PD_AUX_RAW, NULL, &lp, &err) == PD_ERR_INVALID &&
+                   strstr(err.msg, "rank") != NULL);
+        lp.rank = 1;
         TEST_CHECK(pd_engine_complete_prefill_mode(plain, re, 11, PD_AUX_RAW, NULL, &lp, &err) == PD_OK);
         TEST_CHECK(re->n_out == 1 && re->lps != NULL && re->lps[0].logprob == -0.25f &&
-                   re->lps[0].n_top == 2 && re->lps[0].top_id[1] == 12);
+                   re->lps[0].n_top == 2 && re->lps[0].top_id[1] == 12 && re->lps[0].rank == 1);
         pd_engine_release(plain, re);
     }
 done:

@@ -490,7 +490,7 @@ static void test_golden_logprobs(const pd_qwen3_model *tm, const pd_st_set *g)
         }
         /* the prompt's own logprobs (echo): token i from golden row i - 1 */
         pd_gen_params pp = { .sample = { .top_p = 1.0f }, .max_new_tokens = 1, .logprobs = 1,
-                             .top_logprobs = 3, .prompt_logprobs = 1 };
+                             .top_logprobs = 3, .prompt_logprobs = 1, .prompt_top_logprobs = 3 };
         pd_request *r = NULL;
         if (pd_engine_add(e, (uint64_t)(p * 100 + 99), ids, T, &pp, &r, &err) != PD_OK) {
             TEST_CHECK_MSG(0, "add with prompt logprobs: %s", err.msg);

@@ -431,8 +431,9 @@ def test_logprobs(bin_dir, model, node, prompt, n, want):
           "gRPC logprobs: one per token %s" % glp[:2])
     for e in glp:
         check(len(e["top"]) == 3 and e["top"][0][0] == e["id"] and e["top"][0][1] == e["logprob"]
-              and e["logprob"] <= 0 and all(e["top"][i][1] >= e["top"][i + 1][1] for i in range(2)),
-              "greedy token is the top one, tops descend: %s" % e)
+              and e["logprob"] <= 0 and all(e["top"][i][1] >= e["top"][i + 1][1] for i in range(2))
+              and (e.get("rank") == 1 or (e.get("rank") == 2 and e["top"][1][1] == e["logprob"])),
+              "greedy token is the top one (rank 1 but for a tie), tops descend: %s" % e)
     body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 3}
     st, b = post_json(node, "/v1/completions", body)
     ch = b.get("choices", [{}])[0] if st == 200 else {}
@@ -551,6 +552,128 @@ def test_logprobs(bin_dir, model, node, prompt, n, want):
           and b["choices"][0]["logprobs"] is None, "echo without logprobs %s" % b)
 
 
+def check_prompt_lps(pl, ids, n_top, what):
+    """vLLM's prompt_logprobs shape: one element per prompt token, null first, then a dict keyed by
+    token id (a string): the prompt token first, then the n_top likeliest with ranks 1..n_top, each
+    {"logprob", "rank", "decoded_token"}; the prompt token's rank fits (at least 1 + the entries
+    above it). True when it holds."""
+    ok = check(isinstance(pl, list) and len(pl) == len(ids) and pl[0] is None,
+               "%s: one per prompt token (%d), the first null: %s" % (what, len(ids), str(pl)[:200]))
+    for i in range(1, len(pl) if ok else 0):
+        d, key = pl[i], str(ids[i])
+        if not check(isinstance(d, dict) and d and next(iter(d)) == key,
+                     "%s: entry %d is a dict led by the prompt token %s: %s" % (what, i, key, d)):
+            return False
+        ents = list(d.items())
+        tok = d[key]
+        tops = sorted((e for k, e in ents if k != key), key=lambda e: e["rank"])
+        in_top = tok["rank"] <= n_top and len(tops) == n_top - 1
+        ok &= check(all(k.isdigit() and set(e) == {"logprob", "rank", "decoded_token"} and
+                        isinstance(e["rank"], int) and isinstance(e["decoded_token"], str) and
+                        e["logprob"] <= 0 for k, e in ents) and
+                    len(ents) in (n_top, n_top + 1) and tok["rank"] >= 1 and
+                    sorted([e["rank"] for e in tops] + ([tok["rank"]] if in_top else [])) ==
+                    list(range(1, n_top + 1)) and
+                    all(a["logprob"] >= b["logprob"] for a, b in zip(tops, tops[1:])) and
+                    tok["rank"] >= 1 + sum(e["logprob"] > tok["logprob"] for e in tops),
+                    "%s: entry %d %s" % (what, i, d))
+        if not ok:
+            return False
+    return ok
+
+
+def plp_close(a, b, tol=1e-5):
+    """Two prompt_logprobs lists alike: the same keys in order, ranks, texts, logprobs to tol."""
+    return (isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and a[:1] == b[:1] == [None] and
+            all(list(x) == list(y) and all(x[k]["rank"] == y[k]["rank"] and
+                                           x[k]["decoded_token"] == y[k]["decoded_token"] and
+                                           abs(x[k]["logprob"] - y[k]["logprob"]) <= tol for k in x)
+                for x, y in zip(a[1:], b[1:])))
+
+
+# vLLM's prompt_logprobs: the list in each completions choice (the chat response's own field),
+# its values those of echo with logprobs for the same prompt, its checks 400s naming the field
+def test_prompt_logprobs(bin_dir, node, prompt):
+    full, eref = LP_REF.get("echo", ([1, 2], None))
+    st, e = post_json(node, "/v1/completions", {"prompt": full, "max_tokens": 0, "echo": True, "logprobs": 3})
+    el = e["choices"][0]["logprobs"] if st == 200 else {"token_logprobs": [], "tokens": [], "top_logprobs": []}
+    check(st == 200 and eref is not None and len(el["token_logprobs"]) == len(eref) and
+          all(abs(a - b) < 1e-5 for a, b in zip(el["token_logprobs"][1:], eref[1:])),
+          "echo with logprobs 3 == with 2: %s" % str(e)[:300])
+    st, b = post_json(node, "/v1/completions", {"prompt": full, "max_tokens": 2, "temperature": 0,
+                                                "prompt_logprobs": 3})
+    c = b["choices"][0] if st == 200 else {}
+    pl = c.get("prompt_logprobs")
+    check(st == 200 and c.get("logprobs") is None and "prompt_logprobs" not in b, "prompt_logprobs 3: %s" % str(b)[:300])
+    if check_prompt_lps(pl, full, 3, "prompt_logprobs 3"):
+        worst, same_tops, same_text = 0.0, True, True
+        for i in range(1, len(full)):
+            d, tok = pl[i], pl[i][str(full[i])]
+            worst = max(worst, abs(tok["logprob"] - el["token_logprobs"][i]))
+            same_text &= tok["decoded_token"] == el["tokens"][i]
+            # echo's top dict: the 3 likeliest by text (a text two of them share is left out)
+            texts = [x["decoded_token"] for x in d.values()]
+            tops = {x["decoded_token"]: x["logprob"] for x in d.values()
+                    if x["rank"] <= 3 and texts.count(x["decoded_token"]) == 1}
+            same_tops &= all(abs(el["top_logprobs"][i].get(t, 1.0) - v) < 1e-5 for t, v in tops.items())
+        check(worst < 1e-5 and same_text and same_tops,
+              "prompt_logprobs == echo's logprobs: worst %.3g, texts %s, tops %s" % (worst, same_text, same_tops))
+        ranks = [pl[i][str(full[i])]["rank"] for i in range(1, len(full))]
+        check(any(r == 1 for r in ranks) and any(r > 3 for r in ranks),
+              "prompt ranks both first and beyond the tops: %s" % ranks[:20])
+        log("prompt_logprobs: %d prompt tokens, ranks %s..." % (len(full), ranks[:8]))
+    PLP_REF["prompt_logprobs"] = (full, pl)
+    # 0: the prompt token alone; with echo and logprobs 1 the two lists are cut each to its own
+    st, b = post_json(node, "/v1/completions", {"prompt": full, "max_tokens": 1, "prompt_logprobs": 0})
+    pl0 = b["choices"][0].get("prompt_logprobs") if st == 200 else None
+    check(st == 200 and check_prompt_lps(pl0, full, 0, "prompt_logprobs 0") and pl is not None and
+          plp_close([None] + [{str(full[i]): pl[i][str(full[i])]} for i in range(1, len(full))
+                              if pl[i][str(full[i])]["rank"] > 3],
+                    [None] + [pl0[i] for i in range(1, len(full)) if pl[i][str(full[i])]["rank"] > 3]),
+          "prompt_logprobs 0: %s" % str(b)[:300])
+    st, b = post_json(node, "/v1/completions", {"prompt": full, "max_tokens": 0, "echo": True, "logprobs": 1,
+                                                "prompt_logprobs": 4})
+    c = b["choices"][0] if st == 200 else {"logprobs": {"top_logprobs": [None], "token_logprobs": [None]}}
+    check(st == 200 and check_prompt_lps(c.get("prompt_logprobs"), full, 4, "echo + prompt_logprobs 4") and
+          all(1 <= len(d) <= 2 for d in c["logprobs"]["top_logprobs"][1:]) and
+          all(abs(a - b) < 1e-5 for a, b in zip(c["logprobs"]["token_logprobs"][1:], eref[1:])),
+          "echo, logprobs 1, prompt_logprobs 4: %s" % str(b)[:300])
+    # n 2 and a batch of prompts: every choice its own prompt's list
+    st, b = post_json(node, "/v1/completions", {"prompt": [full, full[:5]], "max_tokens": 1, "n": 2,
+                                                "prompt_logprobs": 1})
+    chs = b.get("choices", []) if st == 200 else []
+    check(len(chs) == 4 and plp_close(chs[0]["prompt_logprobs"], chs[1]["prompt_logprobs"]) and
+          check_prompt_lps(chs[0]["prompt_logprobs"], full, 1, "n 2") and
+          check_prompt_lps(chs[3]["prompt_logprobs"], full[:5], 1, "batch") and
+          plp_close(chs[3]["prompt_logprobs"], chs[0]["prompt_logprobs"][:5], 1e-4),
+          "prompt_logprobs with n 2 and two prompts: %s" % str(b)[:300])
+    # chat: the response's field (vLLM's), over the rendered prompt
+    msgs = [{"role": "user", "content": "def fib(n):"}]
+    st, b = post_json(node, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2, "prompt_logprobs": 2})
+    st2, tk = post_json(node, "/tokenize", {"messages": msgs})
+    check(st == 200 and st2 == 200 and "prompt_logprobs" not in b["choices"][0] and
+          b["usage"]["prompt_tokens"] == len(tk["tokens"]) and
+          check_prompt_lps(b.get("prompt_logprobs"), tk["tokens"], 2, "chat"), "chat prompt_logprobs: %s" % str(b)[:300])
+    # streamed: refused but for 0 (vLLM's rule), which adds nothing
+    for path, base in (("/v1/completions", {"prompt": prompt}), ("/v1/chat/completions", {"messages": msgs})):
+        st, b = post_json(node, path, dict(base, max_tokens=2, stream=True, prompt_logprobs=1))
+        check(st == 400 and is_error_shape(b) and b["error"]["param"] == "prompt_logprobs" and
+              "stream" in b["error"]["message"], "%s streamed prompt_logprobs 1: %s" % (path, b))
+        st, text, evs, done = read_stream(node, path, dict(base, max_tokens=2, stream=True, prompt_logprobs=0),
+                                          path.endswith("chat/completions"))
+        check(st == 200 and done and evs and not any("prompt_logprobs" in json.dumps(ev) for ev in evs),
+              "%s streamed prompt_logprobs 0: %s" % (path, evs[:2]))
+    # out of range or not an integer: 400 naming the field
+    for v in (21, -1, -2, 1.5, "2", True, [1]):
+        for path, base in (("/v1/completions", {"prompt": prompt}), ("/v1/chat/completions", {"messages": msgs})):
+            st, b = post_json(node, path, dict(base, max_tokens=1, prompt_logprobs=v))
+            check(st == 400 and is_error_shape(b) and b["error"]["param"] == "prompt_logprobs" and
+                  "prompt_logprobs" in b["error"]["message"], "%s prompt_logprobs %r: %s" % (path, v, b))
+    st, b = post_json(node, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "prompt_logprobs": None})
+    check(st == 200 and "prompt_logprobs" not in b["choices"][0], "prompt_logprobs null: none %s" % b)
+
+
+PLP_REF = {}  # the colocated node's prompt_logprobs (the disaggregated test compares)
 PEN_REF = {}  # the colocated node's penalised completion (the disaggregated test compares)
 PEN = {"frequency_penalty": 0.5, "repetition_penalty": 1.3, "presence_penalty": 0.25}
 # the greedy first token of "def fib(n):" (" return", 362) kept out, another pushed: the prefill
@@ -1302,6 +1425,11 @@ def test_prefill_http(bin_dir, model, draft):
                                                      "temperature": 0, "echo": True})
         check(st == 200 and body["choices"][0]["text"].startswith("def fib(n):"),
               "disaggregated echo without logprobs %s" % body)
+        # prompt_logprobs: the prefill node's, ranks included (PrefillRequest.prompt_top_logprobs)
+        pfull, pref = PLP_REF.get("prompt_logprobs", ([1, 2], None))
+        st, body = post_json(dn, "/v1/completions", {"prompt": pfull, "max_tokens": 1, "prompt_logprobs": 3})
+        got = body["choices"][0].get("prompt_logprobs") if st == 200 else None
+        check(plp_close(got, pref), "disaggregated prompt_logprobs == colocated: %s vs %s" % (str(got)[:200], str(pref)[:200]))
         # penalties: the repetition penalty reaches the prefill node's first token too
         n, ptext = PEN_REF.get("def fib(n):", (8, None))
         st, body = post_json(dn, "/v1/completions", dict({"prompt": "def fib(n):", "max_tokens": n,
@@ -1742,6 +1870,7 @@ def main():
 
         # ---- logprobs: the same numbers over gRPC, HTTP, streamed or not, cut at a stop string
         test_logprobs(bin_dir, model, node, prompt, N, want)
+        test_prompt_logprobs(bin_dir, node, prompt)
         test_penalties(bin_dir, model, draft, node, prompt, N, want)
         test_n(node, prompt)
         test_special_tokens(bin_dir, node, prompt)
@@ -1819,7 +1948,7 @@ def main():
              "guided_grammar"),   # x is not defined
             ("/v1/completions", json.dumps({"prompt": "x", "suffix": "y"}).encode(), 400, "suffix"),
             ("/v1/completions", json.dumps({"prompt": "x", "typical_p": 0.9}).encode(), 400, "typical_p"),
-            ("/v1/completions", json.dumps({"prompt": "x", "prompt_logprobs": 0}).encode(), 400, "prompt_logprobs"),
+            ("/v1/completions", json.dumps({"prompt": "x", "prompt_logprobs": 21}).encode(), 400, "prompt_logprobs"),
             ("/v1/completions", b'{"prompt": "x\xff", "model": "m\xc3"}', 400, None),   # not UTF-8
             ("/v1/completions", b'{"prompt": "\xed\xa0\x80"}', 400, None),   # a surrogate in UTF-8
             ("/tokenize", b'{"prompt": "\xc0\xaf"}', 400, None),   # an overlong form

@@ -2300,8 +2300,9 @@ static double run_token_mask(run_ctx *x)
 static pd_status fn_logprobs(kern_backend *be, const void *a, pd_err *e) { return kern_logprobs(be, a, e); }
 
 /* logprobs: m entries (row, token) over rows x cols logits (pad = extra stride), n_top = sub;
- * logits like a model's with ties on odd rows and a masked (-inf) stretch on every third row.
- * The top ids must be the same list on both sides; the values agree to tol. */
+ * logits like a model's with ties on odd rows and a masked (-inf) stretch on every third row
+ * (some entries' tokens fall in it: rank = every token). The top ids and every token's rank
+ * must be the same on both sides; the values agree to tol. */
 static double run_logprobs(run_ctx *x)
 {
     const kcase *c = x->c;
@@ -2332,9 +2333,12 @@ static double run_logprobs(run_ctx *x)
     if (e == 0.0) {
         kern_logprobs_row *hc = side_download(x->cpu, ac.out, (size_t)m * sizeof(kern_logprobs_row));
         kern_logprobs_row *hg = side_download(x->gpu, ag.out, (size_t)m * sizeof(kern_logprobs_row));
-        int bad = 0;
+        int bad = 0, bad_rank = 0;
         for (int i = 0; i < m; i++) {
             double d = fabs((double)hc[i].logprob - hg[i].logprob);
+            if (hc[i].rank != hg[i].rank && bad_rank++ < 3)
+                printf("      entry %d (row %d, token %d): rank cpu %d, cuda %d\n", i, er[i], tok[i], hc[i].rank,
+                       hg[i].rank);
             int same = hc[i].n_top == hg[i].n_top;
             for (int j = 0; same && j < hc[i].n_top; j++) {
                 same = hc[i].top_id[j] == hg[i].top_id[j];
@@ -2347,7 +2351,7 @@ static double run_logprobs(run_ctx *x)
                        i, er[i], hc[i].n_top, hc[i].n_top > 0 ? hc[i].top_id[0] : -1, hg[i].n_top,
                        hg[i].n_top > 0 ? hg[i].top_id[0] : -1);
         }
-        if (bad)
+        if (bad || bad_rank)
             e = 1e30;
         free(hc);
         free(hg);

@@ -2,7 +2,8 @@
  * 1. pd_sample units: params validation, greedy tie rule, min-p / top-k / top-p filtering
  *    (vLLM's meaning: top-k keeps the k-th's ties, top-p runs over the candidates renormalised;
  *    held to a plain rewrite of vLLM's steps on random rows), seeded reproducibility; the CPU
- *    backend's sampling ops (kern_probs, kern_sample) give bit for bit what pd_sample.c gives.
+ *    backend's sampling ops (kern_probs, kern_sample) give bit for bit what pd_sample.c gives;
+ *    kern_logprobs' rank on the backend under test is a brute-force count.
  * 2. kern_spec_verify on the backend under test, on synthetic distributions: the first
  *    committed token of a round is distributed as the target p, whatever the draft q, and the
  *    second as p_1 given the first draft token's acceptance (chi-square, fixed seed).
@@ -265,6 +266,107 @@ static void test_sampling_cpu_ops(void)
     kern_backend_destroy(cpu);
 }
 
+/* kern_logprobs on the backend under test: each entry's rank against a brute-force count of the
+ * row's logits at or above the token's (kern_backend.h: ties rank the token behind all of them,
+ * -inf tokens rank last), and its logprob against a plain log_softmax in double. Rows with ties
+ * (odd) and a masked stretch (every third); per row the argmax, a token tied with another, a
+ * masked one and random ones, so each case of the rule is met. */
+static void test_sampling_logprobs_rank(void)
+{
+    enum { N = 3001, ROWS = 12, PER = 6, M = ROWS * PER, TOP = 5 };
+    pd_err err;
+    kern_backend *be = NULL;
+    kern_backend_config bc = { .name = backend_name };
+    if (kern_backend_create(&bc, &be, &err) != PD_OK) {
+        TEST_CHECK_MSG(0, "backend %s: %s", backend_name, err.msg);
+        return;
+    }
+    pd_rng rng;
+    pd_rng_seed(&rng, 2718);
+    float *x = malloc((size_t)ROWS * N * sizeof(float));
+    int32_t rows[M], toks[M];
+    for (int r = 0; r < ROWS; r++) {
+        float *xr = x + (size_t)r * N;
+        for (int i = 0; i < N; i++) {
+            float v = (float)(pd_rng_uniform(&rng) * 8.0 - 4.0);
+            xr[i] = r % 2 ? (float)(int)(v * 4.0f) * 0.25f : v;
+        }
+        if (r % 3 == 2)
+            for (int i = N / 4; i < N / 2; i++)
+                xr[i] = -INFINITY;
+        int best = 0;
+        for (int i = 1; i < N; i++)
+            best = xr[i] > xr[best] ? i : best;
+        for (int k = 0; k < PER; k++) {
+            int t = (int)(pd_rng_uniform(&rng) * N) % N;
+            if (k == 0)
+                t = best;
+            else if (k == 1 && r % 3 == 2)
+                t = N / 3;   /* masked */
+            else if (k == 2)
+                t = (best + 1) % N, xr[t] = xr[(t + 7) % N];   /* tied with another token */
+            rows[r * PER + k] = r;
+            toks[r * PER + k] = t;
+        }
+    }
+    kern_buf *bx = NULL, *bi = NULL, *bo = NULL;
+    kern_logprobs_row *out = calloc(M, sizeof(*out));
+    pd_status st = kern_buf_alloc(be, (size_t)ROWS * N * sizeof(float), &bx, &err);
+    if (st == PD_OK)
+        st = kern_buf_alloc(be, 2 * M * sizeof(int32_t), &bi, &err);
+    if (st == PD_OK)
+        st = kern_buf_alloc(be, M * sizeof(kern_logprobs_row), &bo, &err);
+    if (st == PD_OK)
+        st = kern_upload(be, bx->ptr, x, (size_t)ROWS * N * sizeof(float), &err);
+    if (st == PD_OK)
+        st = kern_upload(be, bi->ptr, rows, M * sizeof(int32_t), &err);
+    if (st == PD_OK)
+        st = kern_upload(be, (int32_t *)bi->ptr + M, toks, M * sizeof(int32_t), &err);
+    if (st == PD_OK) {
+        kern_logprobs_args la = { .x = bx->ptr, .ld_x = N, .n = N, .n_rows = M, .rows = bi->ptr,
+                                  .tok = (const int32_t *)bi->ptr + M, .n_top = TOP, .out = bo->ptr };
+        st = kern_logprobs(be, &la, &err);
+    }
+    if (st == PD_OK)
+        st = kern_download(be, out, bo->ptr, M * sizeof(kern_logprobs_row), &err);
+    TEST_CHECK_MSG(st == PD_OK, "kern_logprobs on %s: %s", backend_name, err.msg);
+    int wrong = 0, tied = 0, masked = 0, first = 0;
+    double worst = 0.0;
+    for (int e = 0; st == PD_OK && e < M; e++) {
+        const float *xr = x + (size_t)rows[e] * N;
+        float xt = xr[toks[e]];
+        int ge = 0, gt = 0;
+        double mx = -INFINITY, sum = 0.0;
+        for (int i = 0; i < N; i++) {
+            ge += xr[i] >= xt;
+            gt += xr[i] > xt;
+            mx = xr[i] > mx ? xr[i] : mx;
+        }
+        for (int i = 0; i < N; i++)
+            sum += exp((double)xr[i] - mx);
+        if (out[e].rank != ge && wrong++ < 3)
+            fprintf(stderr, "entry %d (row %d, token %d): rank %d, %d logits >= its own\n", e, rows[e], toks[e],
+                    out[e].rank, ge);
+        tied += ge > gt + 1;
+        masked += xt == -INFINITY && ge == N;
+        first += ge == 1;
+        if (xt > -INFINITY)
+            worst = fmax(worst, fabs(out[e].logprob - (xt - (mx + log(sum)))));
+    }
+    TEST_CHECK_MSG(wrong == 0, "%d of %d ranks on %s differ from the brute-force count", wrong, M, backend_name);
+    TEST_CHECK_MSG(tied > 0 && masked > 0 && first > 0, "the cases are not all met: %d tied, %d masked, %d first",
+                   tied, masked, first);
+    TEST_CHECK_MSG(worst < 1e-5, "logprobs on %s differ from log_softmax by %.3g", backend_name, worst);
+    printf("kern_logprobs on %s: %d ranks as counted (%d with ties, %d masked, %d first), logprobs within %.2g\n",
+           backend_name, M - wrong, tied, masked, first, worst);
+    kern_buf_free(bx);
+    kern_buf_free(bi);
+    kern_buf_free(bo);
+    free(out);
+    free(x);
+    kern_backend_destroy(be);
+}
+
 /* kern_spec_verify on the backend under test: REQ requests per launch share one p (L + 1 rows)
  * and one q (L rows, a third of q's tokens cut away as top-k would), their drafts sampled from
  * q on the host. The first committed token of each must follow p_0, and given that draft 0 was
@@ -523,6 +625,7 @@ int main(int argc, char **argv)
         TEST_SKIP("no device for the backend under test (a GPU for cuda)");
     test_sampling_units();
     test_sampling_cpu_ops();
+    test_sampling_logprobs_rank();
     test_sampling_verify_op();
     pd_sample_params t1 = { .temperature = 1.0f, .top_p = 1.0f };
     test_sampling_end_to_end(PD_VERIFY_FULL, 40, t1);

@@ -686,6 +686,10 @@ void kern_logprobs_row_host(const float *x, int n, int32_t tok, int n_top, kern_
         sum += exp((double)x[i] - mx);
     double lse = mx + log(sum);
     out->logprob = (float)((double)x[tok] - lse);
+    int32_t rank = 0;
+    for (int i = 0; i < n; i++)
+        rank += x[i] >= x[tok];
+    out->rank = rank;
     /* insertion into a short sorted list: (value descending, id ascending); a later id with an
      * equal value never displaces an earlier one */
     int k = 0;

@@ -3,8 +3,9 @@
  * Owns: kern_cuda_probs_launch, kern_cuda_sample_launch, kern_cuda_spec_verify_launch,
  *   kern_cuda_penalty_launch (one thread per entry: the entries are distinct logits),
  *   kern_cuda_token_mask_launch (a row of CTAs per mask), kern_cuda_logprobs_launch (a block per
- *   row: log-sum-exp in double, the top entries by a radix select over the logits' order keys,
- *   ties at the cut by lowest index, then sorted as the reference's list).
+ *   row: log-sum-exp in double, the token's rank as a count of the logits at or above its own,
+ *   the top entries by a radix select over the logits' order keys, ties at the cut by lowest
+ *   index, then sorted as the reference's list).
  *   One block per row (probs, sample) or per request (spec_verify); every sum runs in a fixed
  *   order, so a result depends only on its inputs (seeds reproduce on the device too).
  *   probs: softmax with exp in double as the CPU reference (the float probabilities then match
@@ -695,8 +696,18 @@ logprobs_kernel(kern_logprobs_args a)
         s += exp((double)x[i] - (double)mx);
     const double lse = (double)mx + log(sp_block_sum_d(s, shd));
     const int tok = a.tok[blockIdx.x];
+    const bool tok_ok = tok >= 0 && tok < n;
+    /* the rank: logits >= the token's (kern_backend.h), counted as a double sum (exact) */
+    double n_ge = 0.0;
+    if (tok_ok) {
+        const float xt = x[tok];
+        for (int i = threadIdx.x; i < n; i += SP_THREADS)
+            n_ge += x[i] >= xt ? 1.0 : 0.0;
+    }
+    n_ge = sp_block_sum_d(n_ge, shd);
     if (threadIdx.x == 0) {
-        out->logprob = tok >= 0 && tok < n ? (float)((double)x[tok] - lse) : NAN;
+        out->logprob = tok_ok ? (float)((double)x[tok] - lse) : NAN;
+        out->rank = (int32_t)n_ge;
         out->n_top = a.n_top;
     }
     const int k = a.n_top;
