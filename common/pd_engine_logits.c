@@ -413,7 +413,8 @@ pd_status pd_engine_argmax_rows(pd_engine *e, const float *dev, int n, int32_t *
 static kern_sample_cfg sample_cfg(const pd_sample_params *p)
 {
     kern_sample_cfg c = { .temperature = pd_sample_is_greedy(p) ? 0.0f : p->temperature,
-                          .top_k = p->top_k, .top_p = p->top_p, .min_p = p->min_p };
+                          .top_k = p->top_k, .top_p = p->top_p, .min_p = p->min_p,
+                          .typical_p = p->typical_p };
     return c;
 }
 

@@ -54,6 +54,9 @@ pd_status pd_sample_params_check(const pd_sample_params *p, pd_err *err)
         return pd_err_set(err, PD_ERR_INVALID, "top_p %g must be in (0, 1]", (double)p->top_p);
     if (!(p->min_p >= 0.0f && p->min_p <= 1.0f))
         return pd_err_set(err, PD_ERR_INVALID, "min_p %g must be in [0, 1] (0 = off)", (double)p->min_p);
+    if (!(p->typical_p >= 0.0f && p->typical_p <= 1.0f))
+        return pd_err_set(err, PD_ERR_INVALID, "typical_p %g must be in [0, 1] (0 and 1 = off)",
+                          (double)p->typical_p);
     return PD_OK;
 }
 
@@ -107,11 +110,12 @@ int32_t pd_argmax(const float *x, int n)
 }
 
 void pd_probs_from_logits(const float *logits, int n, const pd_sample_params *p, float *probs,
-                          int32_t *scratch)
+                          int32_t *scratch, double *dscratch)
 {
     kern_sample_cfg c = { .temperature = pd_sample_is_greedy(p) ? 0.0f : p->temperature,
-                          .top_k = p->top_k, .top_p = p->top_p, .min_p = p->min_p };
-    kern_probs_row_host(logits, n, &c, probs, scratch);
+                          .top_k = p->top_k, .top_p = p->top_p, .min_p = p->min_p,
+                          .typical_p = p->typical_p };
+    kern_probs_row_host(logits, n, &c, probs, scratch, dscratch);
 }
 
 int32_t pd_sample_from_probs(const float *probs, int n, pd_rng *rng)
@@ -120,10 +124,10 @@ int32_t pd_sample_from_probs(const float *probs, int n, pd_rng *rng)
 }
 
 int32_t pd_sample_logits(const float *logits, int n, const pd_sample_params *p, pd_rng *rng,
-                         float *fscratch, int32_t *iscratch)
+                         float *fscratch, int32_t *iscratch, double *dscratch)
 {
     if (pd_sample_is_greedy(p))
         return pd_argmax(logits, n);
-    pd_probs_from_logits(logits, n, p, fscratch, iscratch);
+    pd_probs_from_logits(logits, n, p, fscratch, iscratch, dscratch);
     return pd_sample_from_probs(fscratch, n, rng);
 }

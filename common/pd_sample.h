@@ -1,6 +1,6 @@
 /* pd_sample.h - sampling and speculative verification on host logits.
- * Owns: the seeded RNG, temperature / min-p / top-k / top-p filtering (the rule is kern_probs's,
- *   kern_backend.h), greedy argmax (lowest index wins ties), and the lossless acceptance rules
+ * Owns: the seeded RNG, temperature / min-p / top-k / top-p / typical-p filtering (the rule is
+ *   kern_probs's, kern_backend.h), greedy argmax (lowest index wins ties), and the lossless acceptance rules
  *   (greedy prefix match; rejection sampling with residual resampling for temperature > 0).
  * Not here: producing logits (pd_qwen3.c, pd_dspark.c). The engine samples with the backend ops
  *   kern_probs / kern_sample / kern_spec_verify (kern_backend.h), which follow these rules; the
@@ -19,6 +19,9 @@ typedef struct {
     int top_k;           /* 0 = off */
     float top_p;         /* >= 1 = off */
     float min_p;         /* 0 = off; tokens below min_p times the most likely one's p drop */
+    float typical_p;     /* 0 and 1 = off; else locally typical sampling keeps the tokens whose
+                          * surprisal is nearest the entropy, typical_p of the mass (after the
+                          * others; transformers' typical_p) */
     uint64_t seed;
 } pd_sample_params;
 
@@ -29,7 +32,7 @@ uint64_t pd_rng_next(pd_rng *r);
 double pd_rng_uniform(pd_rng *r);   /* [0, 1) */
 
 /* PD_ERR_INVALID naming the field when out of range (temperature < 0 or not finite, top_k < 0,
- * top_p <= 0 or > 1, min_p outside [0, 1]). */
+ * top_p <= 0 or > 1, min_p outside [0, 1], typical_p outside [0, 1]). */
 pd_status pd_sample_params_check(const pd_sample_params *p, pd_err *err);
 int pd_sample_is_greedy(const pd_sample_params *p);
 /* PD_ERR_INVALID naming the field unless presence and frequency are in [-2, 2] and repetition
@@ -38,13 +41,15 @@ pd_status pd_penalties_check(float presence, float frequency, float repetition, 
 
 int32_t pd_argmax(const float *x, int n);
 /* probs[n] = the filtered, tempered distribution of logits (greedy: one-hot at the argmax), by
- * kern_probs's rule (kern_probs_row_host). scratch must hold n ints. */
+ * kern_probs's rule (kern_probs_row_host). scratch must hold n ints; dscratch n doubles when
+ * typical_p is on (in (0, 1)), else it may be NULL. */
 void pd_probs_from_logits(const float *logits, int n, const pd_sample_params *p, float *probs,
-                          int32_t *scratch);
+                          int32_t *scratch, double *dscratch);
 int32_t pd_sample_from_probs(const float *probs, int n, pd_rng *rng);
-/* One token from logits (argmax when greedy). scratch: n floats + n ints. */
+/* One token from logits (argmax when greedy). scratch: n floats + n ints (+ n doubles when
+ * typical_p is on, else dscratch may be NULL). */
 int32_t pd_sample_logits(const float *logits, int n, const pd_sample_params *p, pd_rng *rng,
-                         float *fscratch, int32_t *iscratch);
+                         float *fscratch, int32_t *iscratch, double *dscratch);
 
 /* OpenAI logit_bias: added to the token's logit before anything else (kern_penalty_entry). */
 #define PD_MAX_LOGIT_BIAS 1024

@@ -24,7 +24,8 @@ static void usage(FILE *f)
             "usage: pdspark-client --server HOST:PORT (--prompt TEXT | --prompt-ids FILE | --messages FILE\n"
             "                      | --health) [--chat [--system TEXT]] [--thinking on|off]\n"
             "                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
-            "                      [--min-p P] [--seed S] [--ignore-eos] [--skip-special-tokens]\n"
+            "                      [--min-p P] [--typical-p P] [--seed S] [--ignore-eos]\n"
+            "                      [--skip-special-tokens]\n"
             "                      [--timeout-ms N] [--model-defaults]\n"
             "                      [--request-id ID]\n"
             "                      [--stop STR]... [--json] [--stream] [--disconnect-after N]\n"
@@ -51,7 +52,8 @@ static void usage(FILE *f)
             "printed when all have ended, after a '[choice i]' line, and --json prints one object per\n"
             "choice and line, with its \"index\" (not with --stream). --model-defaults lets the\n"
             "node fill in the model's generation_config.json values for --temperature, --top-p,\n"
-            "--top-k, --min-p, --repetition-penalty and --max-new-tokens where they are not given\n"
+            "--top-k, --min-p, --typical-p, --repetition-penalty and --max-new-tokens where they are\n"
+            "not given\n"
             "(without it: greedy, top-p 1, 128 new tokens). Errors print\n"
             "'pdspark-client: CODE: message' and exit 1 (2 for bad flags).\n");
 }
@@ -287,7 +289,7 @@ int main(int argc, char **argv)
     char *stops[16];
     size_t n_stops = 0;
     int64_t seed = 0, timeout_ms = 0;
-    float temperature = 0.0f, top_p = 1.0f, min_p = 0.0f, verify_threshold = 0.0f;
+    float temperature = 0.0f, top_p = 1.0f, min_p = 0.0f, typical_p = 0.0f, verify_threshold = 0.0f;
     float presence = 0.0f, frequency = 0.0f, repetition = 0.0f;
     pd_logit_bias *bias = NULL;
     int n_bias = 0, min_tokens = 0;
@@ -296,13 +298,13 @@ int main(int argc, char **argv)
     enum { O_SERVER = 256, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_IGNORE,
            O_TMO, O_RID, O_JSON, O_STREAM, O_DISC, O_HEALTH, O_STOP, O_VERIFY, O_VTHRESH, O_LOGPROBS,
            O_PRES, O_FREQ, O_REP, O_BIAS, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_GRAMMAR, O_SKIPSP,
-           O_MINP, O_CHAT, O_SYSTEM, O_THINK, O_MSGS, O_N, O_MODELDEF, O_HELP };
+           O_MINP, O_TYPP, O_CHAT, O_SYSTEM, O_THINK, O_MSGS, O_N, O_MODELDEF, O_HELP };
     static const struct option opts[] = {
         {"server", required_argument, 0, O_SERVER}, {"prompt", required_argument, 0, O_PROMPT},
         {"prompt-ids", required_argument, 0, O_IDS}, {"max-new-tokens", required_argument, 0, O_MAXNEW},
         {"temperature", required_argument, 0, O_TEMP}, {"top-k", required_argument, 0, O_TOPK},
         {"top-p", required_argument, 0, O_TOPP}, {"seed", required_argument, 0, O_SEED},
-        {"min-p", required_argument, 0, O_MINP},
+        {"min-p", required_argument, 0, O_MINP}, {"typical-p", required_argument, 0, O_TYPP},
         {"chat", no_argument, 0, O_CHAT}, {"system", required_argument, 0, O_SYSTEM},
         {"thinking", required_argument, 0, O_THINK}, {"messages", required_argument, 0, O_MSGS},
         {"ignore-eos", no_argument, 0, O_IGNORE}, {"timeout-ms", required_argument, 0, O_TMO},
@@ -343,6 +345,7 @@ int main(int argc, char **argv)
             break;
         case O_MODELDEF: model_defaults = 1; break;
         case O_MINP: bad = pd_cli_parse_float(PROG, "--min-p", optarg, &min_p); break;
+        case O_TYPP: bad = pd_cli_parse_float(PROG, "--typical-p", optarg, &typical_p); break;
         case O_CHAT: chat = 1; break;
         case O_SYSTEM: system_text = optarg; break;
         case O_MSGS: msgs_path = optarg; break;
@@ -458,6 +461,7 @@ int main(int argc, char **argv)
     sp.model_defaults = model_defaults;
     sp.top_p = model_defaults && !top_p_set ? 0.0f : top_p;
     sp.min_p = min_p;
+    sp.typical_p = typical_p;
     sp.top_k = (uint32_t)top_k;
     sp.seed = (uint64_t)seed;
     sp.max_new_tokens = (uint32_t)(model_defaults && !max_new_set ? 0 : max_new);

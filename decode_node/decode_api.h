@@ -100,8 +100,8 @@ typedef struct {
  * field out gets (HTTP; gRPC with SamplingParams.model_defaults), as vLLM's --generation-config
  * auto gives it. has_* = 0: the file does not set it. */
 typedef struct {
-    int has_temp, has_top_p, has_top_k, has_rep, has_max, has_min_p;
-    float temperature, top_p, repetition_penalty, min_p;
+    int has_temp, has_top_p, has_top_k, has_rep, has_max, has_min_p, has_typical_p;
+    float temperature, top_p, repetition_penalty, min_p, typical_p;
     int top_k, max_new_tokens;
 } decode_gen_defaults;
 
@@ -135,6 +135,7 @@ typedef struct {
     float temperature;              /* 0 = greedy; must be finite and >= 0 */
     float top_p;                    /* 0 or 1 = off; else in (0, 1] */
     float min_p;                    /* 0 = off; else in (0, 1] */
+    float typical_p;                /* 0 or 1 = off; else in (0, 1) (pd_sample_params) */
     int top_k;                      /* 0 = off */
     uint64_t seed;
     int max_new_tokens;             /* 0 = the rest of the context (decode_server_max_new) */

@@ -412,6 +412,8 @@ static void apply_model_defaults(const decode_gen_defaults *gd, decode_req *dr)
         dr->top_k = gd->top_k;
     if (dr->min_p == 0.0f && gd->has_min_p)
         dr->min_p = gd->min_p;
+    if (dr->typical_p == 0.0f && gd->has_typical_p)
+        dr->typical_p = gd->typical_p;
     if (dr->repetition_penalty == 0.0f && gd->has_rep)
         dr->repetition_penalty = gd->repetition_penalty;
     if (dr->max_new_tokens == 0 && gd->has_max)
@@ -463,6 +465,7 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
         dr.temperature = sp->temperature;
         dr.top_p = sp->top_p;
         dr.min_p = sp->min_p;
+        dr.typical_p = sp->typical_p;
         dr.top_k = sp->top_k > (uint32_t)INT32_MAX ? -1 : (int)sp->top_k;
         dr.seed = sp->seed;
         dr.max_new_tokens = sp->max_new_tokens > (uint32_t)INT32_MAX ? -1 : (int)sp->max_new_tokens;

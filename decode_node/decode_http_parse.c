@@ -344,6 +344,18 @@ int decode_http_parse_common(const cJSON *root, int chat, decode_req *dr, req_op
     } else if (o->gd->has_min_p) {
         dr->min_p = o->gd->min_p;
     }
+    *param = "typical_p";   /* extension (transformers, TGI, llama.cpp); 1 = off */
+    if ((rc = get_number(root, "typical_p", &d, msg, cap)) < 0)
+        return -1;
+    if (rc > 0) {
+        if (!(d > 0 && d <= 1)) {
+            snprintf(msg, cap, "'typical_p' must be in (0, 1], got %g", d);
+            return -1;
+        }
+        dr->typical_p = (float)d;
+    } else if (o->gd->has_typical_p) {
+        dr->typical_p = o->gd->typical_p;
+    }
     *param = "top_k";   /* extension (vLLM, llama.cpp) */
     if ((rc = get_int(root, "top_k", -1, 1e9, &ll, msg, cap)) < 0)
         return -1;
@@ -408,7 +420,6 @@ int decode_http_parse_common(const cJSON *root, int chat, decode_req *dr, req_op
         { "functions", "'functions' (the legacy function calling) is not supported; send 'tools'", ONLY_CHAT, 0 },
         { "function_call", "'function_call' (the legacy function calling) is not supported; send 'tool_choice'",
           ONLY_CHAT, 0 },
-        { "typical_p", "'typical_p' is not supported (1 is accepted: off)", BOTH, 1 },
         { "use_beam_search", "beam search is not supported", BOTH, 0 },
         { "bad_words", "'bad_words' is not supported", BOTH, 0 },
         { "allowed_token_ids", "'allowed_token_ids' is not supported (logit_bias can favour tokens)", BOTH, 0 },

@@ -189,6 +189,7 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
     sp.temperature = h->gp.sample.temperature;
     sp.top_p = h->gp.sample.top_p;
     sp.min_p = h->gp.sample.min_p;
+    sp.typical_p = h->gp.sample.typical_p;
     sp.top_k = (uint32_t)h->gp.sample.top_k;
     sp.seed = h->gp.sample.seed;
     sp.max_new_tokens = 1;

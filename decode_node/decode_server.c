@@ -680,6 +680,9 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
                           (double)req->top_p);
     if (!(req->min_p >= 0.0f && req->min_p <= 1.0f))
         return pd_err_set(err, PD_ERR_INVALID, "min_p %g must be in [0, 1] (0 = off)", (double)req->min_p);
+    if (!(req->typical_p >= 0.0f && req->typical_p <= 1.0f))
+        return pd_err_set(err, PD_ERR_INVALID, "typical_p %g must be in [0, 1] (0 and 1 = off)",
+                          (double)req->typical_p);
     if (req->top_k < 0 || req->top_k > s->vocab)
         return pd_err_set(err, PD_ERR_INVALID, "top_k %d must be in 0..%d", req->top_k, s->vocab);
     pd_status pst = pd_penalties_check(req->presence_penalty, req->frequency_penalty,
@@ -820,6 +823,7 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
     h->gp.sample.temperature = req->temperature;
     h->gp.sample.top_p = req->top_p > 0.0f ? req->top_p : 1.0f;
     h->gp.sample.min_p = req->min_p;
+    h->gp.sample.typical_p = req->typical_p;
     h->gp.sample.top_k = req->top_k;
     h->gp.sample.seed = req->seed;
     h->gp.max_new_tokens = (int)max_new;
@@ -897,9 +901,9 @@ void decode_cancel(decode_handle *h)
  * Create / destroy */
 
 /* --generation-config: "auto" (NULL) reads model_dir/generation_config.json, "none" nothing,
- * else DIR/generation_config.json; its temperature, top_p, top_k, min_p, repetition_penalty
- * and max_new_tokens become the defaults of requests that leave them out (vLLM's defaults; gRPC
- * requests with SamplingParams.model_defaults). A file
+ * else DIR/generation_config.json; its temperature, top_p, top_k, min_p, typical_p,
+ * repetition_penalty and max_new_tokens become the defaults of requests that leave them out
+ * (vLLM's defaults; gRPC requests with SamplingParams.model_defaults). A file
  * that is absent is no error with "auto"; a value out of range is. */
 static pd_status load_gen_defaults(decode_gen_defaults *g, const char *model_dir, const char *which, pd_err *err)
 {
@@ -921,14 +925,15 @@ static pd_status load_gen_defaults(decode_gen_defaults *g, const char *model_dir
         cJSON_Delete(j);
         return pd_err_set(err, PD_ERR_INVALID, "%.300s: not a JSON object", path);
     }
-    static const struct { const char *key; double lo, hi; } f[6] = {
+    static const struct { const char *key; double lo, hi; } f[7] = {
         { "temperature", 0, 2 }, { "top_p", 1e-9, 1 }, { "top_k", -1, 1e9 }, { "repetition_penalty", 1e-9, 10 },
-        { "max_new_tokens", 1, 1e9 }, { "min_p", 0, 1 },
+        { "max_new_tokens", 1, 1e9 }, { "min_p", 0, 1 }, { "typical_p", 1e-9, 1 },
     };
-    int *has[6] = { &g->has_temp, &g->has_top_p, &g->has_top_k, &g->has_rep, &g->has_max, &g->has_min_p };
+    int *has[7] = { &g->has_temp, &g->has_top_p, &g->has_top_k, &g->has_rep, &g->has_max, &g->has_min_p,
+                    &g->has_typical_p };
     pd_status st = PD_OK;
     char used[256] = "";
-    for (int k = 0; k < 6 && st == PD_OK; k++) {
+    for (int k = 0; k < 7 && st == PD_OK; k++) {
         const cJSON *v = cJSON_GetObjectItemCaseSensitive(j, f[k].key);
         if (v == NULL || cJSON_IsNull(v))
             continue;
@@ -945,6 +950,7 @@ static pd_status load_gen_defaults(decode_gen_defaults *g, const char *model_dir
         case 2: g->top_k = x < 0 ? 0 : (int)x; break;
         case 3: g->repetition_penalty = (float)x; break;
         case 5: g->min_p = (float)x; break;
+        case 6: g->typical_p = (float)x; break;
         default: g->max_new_tokens = (int)x; break;
         }
         size_t l = strlen(used);

@@ -33,7 +33,8 @@ static void usage(FILE *f)
             "                        (--prompt TEXT | --prompt-ids FILE)\n"
             "                        [--chat [--system TEXT] [--chat-template FILE|TEXT]]\n"
             "                        [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
-            "                        [--min-p P] [--seed S] [--block-size B] [--ignore-eos] [--json]\n"
+            "                        [--min-p P] [--typical-p P] [--seed S] [--block-size B]\n"
+            "                        [--ignore-eos] [--json]\n"
             "                        [--device cpu|cuda] [--dtype bf16|f32] [--page-size N]\n"
             "                        [--kv-pages N] [--stream]\n"
             "                        [--verify full|threshold|scheduled] [--threshold T] [--fast-kernels]\n"
@@ -102,7 +103,7 @@ int main(int argc, char **argv)
     int max_new = 128, block = 0, page_size = 16, kv_pages = 0, seed = 0, top_k = 0, cp_size = 1;
     int tp = 1, f32 = 0;
     pd_cp_strategy cp_strategy = PD_CP_STRATEGY_ROUND_ROBIN;
-    float temperature = 0.0f, top_p = 1.0f, min_p = 0.0f, threshold = 0.0f;
+    float temperature = 0.0f, top_p = 1.0f, min_p = 0.0f, typical_p = 0.0f, threshold = 0.0f;
     float presence = 0.0f, frequency = 0.0f, repetition = 0.0f;
     pd_logit_bias *bias = NULL;
     int n_bias = 0, min_tokens = 0;
@@ -114,15 +115,15 @@ int main(int argc, char **argv)
     enum { O_MODEL = 256, O_DRAFT, O_NO_DRAFT, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP,
            O_SEED, O_BLOCK, O_JSON, O_IGNORE, O_DEVICE, O_PAGE, O_PAGES, O_STREAM, O_CP_SIZE,
            O_CP_STRATEGY, O_VERIFY, O_THRESHOLD, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_PRES, O_FREQ,
-           O_REP, O_BIAS, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_GRAMMAR, O_MINP, O_CHAT,
-           O_SYSTEM, O_CHATTMPL, O_HELP };
+           O_REP, O_BIAS, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_GRAMMAR, O_MINP, O_TYPP,
+           O_CHAT, O_SYSTEM, O_CHATTMPL, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"no-draft", no_argument, 0, O_NO_DRAFT}, {"prompt", required_argument, 0, O_PROMPT},
         {"prompt-ids", required_argument, 0, O_IDS}, {"max-new-tokens", required_argument, 0, O_MAXNEW},
         {"temperature", required_argument, 0, O_TEMP}, {"top-k", required_argument, 0, O_TOPK},
         {"top-p", required_argument, 0, O_TOPP}, {"seed", required_argument, 0, O_SEED},
-        {"min-p", required_argument, 0, O_MINP},
+        {"min-p", required_argument, 0, O_MINP}, {"typical-p", required_argument, 0, O_TYPP},
         {"chat", no_argument, 0, O_CHAT}, {"system", required_argument, 0, O_SYSTEM},
         {"chat-template", required_argument, 0, O_CHATTMPL},
         {"block-size", required_argument, 0, O_BLOCK}, {"json", no_argument, 0, O_JSON},
@@ -161,6 +162,7 @@ int main(int argc, char **argv)
         case O_TOPK: bad = pd_cli_parse_int(PROG, "--top-k", optarg, 0, INT_MAX, &top_k); break;
         case O_TOPP: bad = pd_cli_parse_float(PROG, "--top-p", optarg, &top_p); break;
         case O_MINP: bad = pd_cli_parse_float(PROG, "--min-p", optarg, &min_p); break;
+        case O_TYPP: bad = pd_cli_parse_float(PROG, "--typical-p", optarg, &typical_p); break;
         case O_PRES: bad = pd_cli_parse_float(PROG, "--presence-penalty", optarg, &presence); break;
         case O_FREQ: bad = pd_cli_parse_float(PROG, "--frequency-penalty", optarg, &frequency); break;
         case O_REP: bad = pd_cli_parse_float(PROG, "--repetition-penalty", optarg, &repetition); break;
@@ -312,7 +314,7 @@ int main(int argc, char **argv)
         pd_engine_set_sps(eng, &sps);
     }
     pd_gen_params gp = { .sample = { .temperature = temperature, .top_k = top_k, .top_p = top_p,
-                                     .min_p = min_p, .seed = (uint64_t)seed },
+                                     .min_p = min_p, .typical_p = typical_p, .seed = (uint64_t)seed },
                          .max_new_tokens = max_new, .ignore_eos = ignore_eos,
                          .presence_penalty = presence, .frequency_penalty = frequency,
                          .repetition_penalty = repetition, .logit_bias = bias,

@@ -13,6 +13,7 @@
 #ifndef KERN_BACKEND_H
 #define KERN_BACKEND_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -347,7 +348,7 @@ typedef struct {
     float *scratch;          /* gated, rnn: [kern_markov_chain_scratch(args)] */
 } kern_markov_chain_args;
 
-/* ---- sampling (temperature / top-k / top-p) and speculative verification ------------------
+/* ---- sampling (temperature / min-p / top-k / top-p / typical-p) and speculative verification
  * The rules are pd_sample.h's, so a sampled request gives the same tokens on every backend up
  * to float rounding: the CPU entries are the host functions below (kern_probs_row_host,
  * kern_sample_row_host), which pd_probs_from_logits and pd_sample_from_probs call. Uniforms come
@@ -360,6 +361,7 @@ typedef struct {
     int32_t top_k;           /* <= 0 or >= n: off */
     float top_p;             /* >= 1: off */
     float min_p;             /* <= 0: off */
+    float typical_p;         /* <= 0 or >= 1: off */
 } kern_sample_cfg;
 
 /* out[r, 0:n] = the sampling distribution of logits row x[idx ? idx[r] : r] under cfg[r], in
@@ -372,8 +374,17 @@ typedef struct {
  *   and including the first whose running mass reaches top_p times theirs. Masses are integers
  *   in units of 2^-60 (p rounded to the nearest unit), so every backend keeps the same tokens:
  *   the first whose running mass m satisfies m >= ceil((double)top_p * (double)M), M the
- *   candidates' mass. The kept ones are divided by their mass (the integer over 2^60, a double)
- *   and the rest set to 0. out must not overlap x. */
+ *   candidates' mass; then, when 0 < typical_p < 1, locally typical sampling (transformers'
+ *   TypicalLogitsWarper) runs over the tokens top-p kept, of mass K (an integer) and
+ *   distribution q = p / (K / 2^60) (doubles): their entropy H is the sum of
+ *   kern_typical_term(p, K / 2^60) (integers in units of 2^-56, so the sum has no order) over
+ *   2^56, each token's score is kern_typical_score(p, K / 2^60, H) = |log q + H| (the distance
+ *   of its surprisal from H; a function of p alone), and in order of (score ascending, index
+ *   ascending) they are kept up to and including the first whose running mass m satisfies
+ *   m >= ceil((double)typical_p * (double)K). Logarithms are kern_typical_log's, the same
+ *   arithmetic on every backend, so the scores and the kept tokens are too. The kept ones are
+ *   divided by their mass (the integer over 2^60, a double) and the rest set to 0. out must not
+ *   overlap x. */
 typedef struct {
     const float *x;          /* [*, ld_x] logits */
     int ld_x;
@@ -386,8 +397,65 @@ typedef struct {
 } kern_probs_args;
 
 /* One row of kern_probs on the host, as the CPU backend computes it (pd_probs_from_logits is
- * this). order: n ints of scratch. */
-void kern_probs_row_host(const float *x, int n, const kern_sample_cfg *c, float *p, int32_t *order);
+ * this). order: n ints of scratch; score: n doubles of scratch when typical-p is on (0 <
+ * c->typical_p < 1), else unused (NULL is fine). */
+void kern_probs_row_host(const float *x, int n, const kern_sample_cfg *c, float *p, int32_t *order,
+                         double *score);
+
+/* typical-p's arithmetic (kern_probs), one body for every backend: each step is a single IEEE
+ * operation (fma where a product meets a sum, so no compiler contracts it differently), so the
+ * host and the device get the same bits. */
+#ifdef __CUDACC__
+#define KERN_SAMPLE_HD __host__ __device__
+#else
+#define KERN_SAMPLE_HD
+#endif
+
+/* The natural logarithm of a finite x > 0 to a few ulps, without libm's log (whose last bit
+ * differs between the host and the device): x = m 2^e with m in [sqrt(1/2), sqrt(2)), and
+ * log m = 2 atanh(s), s = (m - 1) / (m + 1), |s| < 0.172, by its series through s^19. */
+KERN_SAMPLE_HD static inline double kern_typical_log(double x)
+{
+    int e;
+    double m = frexp(x, &e);
+    if (m < 0.70710678118654757) {
+        m = m * 2.0;
+        e = e - 1;
+    }
+    const double s = (m - 1.0) / (m + 1.0), z = s * s;
+    double a = 0.052631578947368418131;                 /* 1/19 */
+    a = fma(a, z, 0.058823529411764705066);             /* 1/17 */
+    a = fma(a, z, 0.066666666666666665741);             /* 1/15 */
+    a = fma(a, z, 0.076923076923076927347);             /* 1/13 */
+    a = fma(a, z, 0.090909090909090911614);             /* 1/11 */
+    a = fma(a, z, 0.11111111111111110494);              /* 1/9 */
+    a = fma(a, z, 0.14285714285714284921);              /* 1/7 */
+    a = fma(a, z, 0.2000000000000000111);               /* 1/5 */
+    a = fma(a, z, 0.33333333333333331483);              /* 1/3 */
+    const double r = 2.0 * fma(s * z, a, s);
+    /* ln 2 split as fdlibm's: e * hi is exact for |e| < 2^11 */
+    return fma((double)e, 6.93147180369123816490e-01, fma((double)e, 1.90821492927058770002e-10, r));
+}
+
+/* -q log q for q = p / kept, in integer units of 2^-56 (the entropy of a distribution over at
+ * most 2^31 tokens, < 22, fits an int64). p > 0. */
+KERN_SAMPLE_HD static inline long long kern_typical_term(float p, double kept)
+{
+    const double q = (double)p / kept;
+    return llrint(ldexp(-q * kern_typical_log(q), 56));
+}
+
+/* H = the sum of the kern_typical_term's over 2^56 */
+KERN_SAMPLE_HD static inline double kern_typical_entropy(long long sum)
+{
+    return ldexp((double)sum, -56);
+}
+
+/* |log q + H| for q = p / kept, p > 0: a token's typical-p score (lower is kept first) */
+KERN_SAMPLE_HD static inline double kern_typical_score(float p, double kept, double h)
+{
+    return fabs(kern_typical_log((double)p / kept) + h);
+}
 
 /* out[r] = the token that inverse-CDF sampling of probs row r picks for u[r] in [0, 1): the
  * first token i (index order, zero entries skipped) whose running mass exceeds u[r]; when

@@ -972,7 +972,7 @@ static pd_status validate(prefill_server *ps, const Pdspark__PrefillRequest *rq,
         pd_sample_params sp = { .temperature = rq->sampling->temperature,
                                 .top_k = (int)(rq->sampling->top_k > (uint32_t)ps->vocab ? -1 : (int)rq->sampling->top_k),
                                 .top_p = rq->sampling->top_p > 0.0f ? rq->sampling->top_p : 1.0f,
-                                .min_p = rq->sampling->min_p };
+                                .min_p = rq->sampling->min_p, .typical_p = rq->sampling->typical_p };
         if ((st = pd_sample_params_check(&sp, err)) != PD_OK)
             return st;
         if ((st = pd_penalties_check(rq->sampling->presence_penalty, rq->sampling->frequency_penalty,
@@ -1117,6 +1117,7 @@ static pd_status handle_prefill(void *ud, const ProtobufCMessage *msg, pd_rpc_ca
         j->gp.sample.temperature = rq->sampling->temperature;
         j->gp.sample.top_p = rq->sampling->top_p > 0.0f ? rq->sampling->top_p : 1.0f;
         j->gp.sample.min_p = rq->sampling->min_p;
+        j->gp.sample.typical_p = rq->sampling->typical_p;
         j->gp.sample.top_k = (int)rq->sampling->top_k;
         j->gp.sample.seed = rq->sampling->seed;
         /* the first token: its bias, and no eos when the request wants any minimum */

@@ -190,6 +190,9 @@ if [ -x "$bin/decode_node" ] && [ -x "$bin/pdspark-client" ]; then
     mkdir -p "$tmp/badgen" && echo '{"top_p": 5}' > "$tmp/badgen/generation_config.json"
     expect_fail "decode_node --generation-config out of range" "top_p.*must be a number" $bin/decode_node \
         --model "$T" --draft "$D" --listen 127.0.0.1:0 --colocated --http 127.0.0.1:0 --generation-config "$tmp/badgen"
+    echo '{"typical_p": 0}' > "$tmp/badgen/generation_config.json"
+    expect_fail "decode_node --generation-config typical_p 0" "typical_p.*must be a number" $bin/decode_node \
+        --model "$T" --draft "$D" --listen 127.0.0.1:0 --colocated --http 127.0.0.1:0 --generation-config "$tmp/badgen"
     expect_fail "decode_node --generation-config missing" "cannot read" $bin/decode_node --model "$T" \
         --draft "$D" --listen 127.0.0.1:0 --colocated --http 127.0.0.1:0 --generation-config "$tmp/nogen"
     expect_fail "decode_node --max-local-prefill colocated" "max-local-prefill applies to --prefill only" \

@@ -1043,6 +1043,52 @@ def test_min_p(bin_dir, node, prompt):
     log("min_p: 1 is greedy, seeds reproduce, out of range refused (HTTP, gRPC)")
 
 
+TYP_REF = {}   # the colocated node's first token of "def fib(n):" under a tiny typical_p
+
+
+def test_typical_p(bin_dir, node, prompt):
+    """typical_p (transformers' meaning, after the other filters): a tiny one keeps only the most
+    typical token, so a sampled request writes one text whatever its seed (HTTP and gRPC); 1 is
+    off (the same text as without it, seed for seed); 0.5 samples, reproducibly with a seed; out
+    of (0, 1] is a 400 / INVALID_ARGUMENT naming it."""
+    body = {"prompt": prompt, "max_tokens": 12, "ignore_eos": True, "temperature": 1.5}
+    tiny = [post_json(node, "/v1/completions", dict(body, typical_p=1e-6, seed=s)) for s in (1, 2, 3)]
+    tiny_text = [r["choices"][0]["text"] if s == 200 else None for s, r in tiny]
+    check(tiny_text[0] is not None and len(set(tiny_text)) == 1,
+          "typical_p 1e-6 keeps one token a step, whatever the seed: %s" % tiny)
+    st, plain = post_json(node, "/v1/completions", dict(body, seed=9))
+    st2, one = post_json(node, "/v1/completions", dict(body, seed=9, typical_p=1))
+    check(st == 200 and st2 == 200 and plain["choices"][0]["text"] == one["choices"][0]["text"],
+          "typical_p 1 is off: %s vs %s" % (one, plain))
+    runs = [post_json(node, "/v1/completions", dict(body, typical_p=0.5, seed=5)) for _ in range(2)]
+    check(all(s == 200 for s, _ in runs) and runs[0][1]["choices"][0]["text"] == runs[1][1]["choices"][0]["text"],
+          "typical_p 0.5 with a seed reproduces: %s" % runs)
+    st, c = post_json(node, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                     "max_tokens": 4, "typical_p": 0.9})
+    check(st == 200, "chat accepts typical_p: %s %s" % (st, c))
+    for bad in (0, -0.1, 1.5, "x"):
+        st, r = post_json(node, "/v1/completions", dict(body, typical_p=bad))
+        check(st == 400 and r["error"]["param"] == "typical_p" and "typical_p" in r["error"]["message"],
+              "typical_p %r: %s %s" % (bad, st, r))
+    client = os.path.join(bin_dir, "pdspark-client")
+    texts = []
+    for seed in ("4", "8"):
+        out = subprocess.run([client, "--server", node.grpc, "--prompt", prompt, "--max-new-tokens", "12",
+                              "--ignore-eos", "--temperature", "1.5", "--typical-p", "1e-6", "--seed", seed,
+                              "--skip-special-tokens", "--json"], capture_output=True, text=True, timeout=60)
+        texts.append(json.loads(out.stdout.strip().splitlines()[-1])["text"] if out.returncode == 0 else out.stderr)
+    check(texts[0] == texts[1] == tiny_text[0], "gRPC typical_p 1e-6: %s vs %s" % (texts, tiny_text[0]))
+    out = subprocess.run([client, "--server", node.grpc, "--prompt", prompt, "--typical-p", "2"],
+                         capture_output=True, text=True, timeout=60)
+    check(out.returncode != 0 and "typical_p" in out.stderr,
+          "gRPC typical_p 2: rc %d %s" % (out.returncode, out.stderr))
+    st, r = post_json(node, "/v1/completions", {"prompt": "def fib(n):", "max_tokens": 1, "temperature": 1.5,
+                                                "typical_p": 1e-6, "seed": 1})
+    TYP_REF["def fib(n):"] = r["choices"][0]["text"] if st == 200 else None
+    log("typical_p: a tiny one is one text whatever the seed, 1 is off, seeds reproduce, out of range refused "
+        "(HTTP, gRPC)")
+
+
 FUZZ_FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
                "min_p", "seed", "stop", "stream", "stream_options", "logprobs", "top_logprobs", "echo", "n",
                "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
@@ -1187,14 +1233,15 @@ def test_local_prefill(bin_dir, model, draft):
 def test_generation_config(bin_dir, model, draft):
     """decode_node --generation-config (auto by default): the model's generation_config.json
     gives the defaults of requests that leave fields out (here top_k 1, so sampling is greedy,
-    and max_new_tokens 5), over HTTP and over gRPC with SamplingParams.model_defaults
+    max_new_tokens 5 and a tiny typical_p, which a request that turns top-k off sees: one text
+    whatever its seed), over HTTP and over gRPC with SamplingParams.model_defaults
     (pdspark-client --model-defaults); a request's own values win; none keeps OpenAI's."""
     tmp = tempfile.TemporaryDirectory()
     for f in os.listdir(model):
         if f != "generation_config.json":
             os.symlink(os.path.abspath(os.path.join(model, f)), os.path.join(tmp.name, f))
     with open(os.path.join(tmp.name, "generation_config.json"), "w") as f:
-        json.dump({"temperature": 0.7, "top_k": 1, "max_new_tokens": 5, "do_sample": True}, f)
+        json.dump({"temperature": 0.7, "top_k": 1, "max_new_tokens": 5, "typical_p": 1e-6, "do_sample": True}, f)
     prompt = "def main():\n"
     try:
         node = Node(bin_dir, tmp.name, draft, ("--colocated",))
@@ -1212,6 +1259,16 @@ def test_generation_config(bin_dir, model, draft):
             r = grpc_generate(bin_dir, node, prompt, None, ["--model-defaults", "--max-new-tokens", "7",
                                                             "--ignore-eos"])
             check(r is not None and r["completion_tokens"] == 7, "gRPC: a request's max_new_tokens wins: %s" % r)
+            ty = [post_json(node, "/v1/completions", {"prompt": prompt, "temperature": 1.5, "top_k": -1, "seed": s})
+                  for s in (1, 2)]
+            st, te = post_json(node, "/v1/completions", {"prompt": prompt, "temperature": 1.5, "top_k": -1,
+                                                         "typical_p": 1e-6, "seed": 3})
+            check(st == 200 and all(s == 200 and r["choices"][0]["text"] == te["choices"][0]["text"] for s, r in ty),
+                  "generation_config typical_p 1e-6: %s vs %s" % (ty, te))
+            r = grpc_generate(bin_dir, node, prompt, None, ["--model-defaults", "--temperature", "1.5", "--top-k",
+                                                            "8192", "--seed", "4", "--skip-special-tokens"])
+            check(r is not None and r["text"] == te["choices"][0]["text"],
+                  "gRPC with model_defaults (typical_p 1e-6): %s vs %s" % (r, te))
         finally:
             node.stop()
         node = Node(bin_dir, tmp.name, draft, ("--colocated", "--generation-config", "none"))
@@ -1379,6 +1436,11 @@ def test_prefill_http(bin_dir, model, draft):
                                                    "min_p": 1, "seed": 2})
         check(st == 200 and mb["choices"][0]["text"] == body["choices"][0]["text"],
               "disaggregated min_p 1 is greedy: %s vs %s" % (mb, body))
+        # so does typical_p: a tiny one picks the colocated node's first token whatever the seed
+        tb = [post_json(dn, "/v1/completions", {"prompt": "def fib(n):", "max_tokens": 1, "temperature": 1.5,
+                                                "typical_p": 1e-6, "seed": s}) for s in (2, 3)]
+        check(all(s == 200 and r["choices"][0]["text"] == TYP_REF.get("def fib(n):") for s, r in tb),
+              "disaggregated typical_p 1e-6: %s vs colocated %r" % (tb, TYP_REF.get("def fib(n):")))
         # the load generator through the pair, splitting first-token time by the prefill
         # node's histograms (--prefill-metrics)
         tmpd = tempfile.mkdtemp(prefix="pd_loadgen_")
@@ -1402,8 +1464,8 @@ def test_prefill_http(bin_dir, model, draft):
               "pdspark-loadgen decode split %s" % rows)
         check(lg.stdout.count("decode per request: queue") == 2, "pdspark-loadgen prints the decode split")
         m2 = metrics(pf)
-        check(sample(m2, "pdspark_prefill_requests_total", outcome="ok") == 8,
-              "prefill ok counter after the sweep (1 + min_p + 6)")
+        check(sample(m2, "pdspark_prefill_requests_total", outcome="ok") == 10,
+              "prefill ok counter after the sweep (1 + min_p + 2 typical_p + 6)")
         log("pdspark-loadgen --prefill-metrics checked")
         # logprobs: the first token's comes from the prefill node, the rest from the decode node
         ref = LP_REF.get("def fib(n):")
@@ -1875,6 +1937,7 @@ def main():
         test_n(node, prompt)
         test_special_tokens(bin_dir, node, prompt)
         test_min_p(bin_dir, node, prompt)
+        test_typical_p(bin_dir, node, prompt)
         test_fuzz(node, prompt, want)
         test_structured(bin_dir, node, "colocated")
         test_tools(node, FIXTURES)
@@ -1947,7 +2010,8 @@ def main():
             ("/v1/completions", json.dumps({"prompt": "x", "guided_grammar": "root ::= x"}).encode(), 400,
              "guided_grammar"),   # x is not defined
             ("/v1/completions", json.dumps({"prompt": "x", "suffix": "y"}).encode(), 400, "suffix"),
-            ("/v1/completions", json.dumps({"prompt": "x", "typical_p": 0.9}).encode(), 400, "typical_p"),
+            ("/v1/completions", json.dumps({"prompt": "x", "typical_p": 0}).encode(), 400, "typical_p"),
+            ("/v1/completions", json.dumps({"prompt": "x", "typical_p": 1.01}).encode(), 400, "typical_p"),
             ("/v1/completions", json.dumps({"prompt": "x", "prompt_logprobs": 21}).encode(), 400, "prompt_logprobs"),
             ("/v1/completions", b'{"prompt": "x\xff", "model": "m\xc3"}', 400, None),   # not UTF-8
             ("/v1/completions", b'{"prompt": "\xed\xa0\x80"}', 400, None),   # a surrogate in UTF-8

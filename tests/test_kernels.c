@@ -1593,14 +1593,19 @@ static pd_status fn_spec_verify(kern_backend *be, const void *a, pd_err *e) { re
 static pd_status fn_penalty(kern_backend *be, const void *a, pd_err *e) { return kern_penalty(be, a, e); }
 
 /* The sampling parameters of row r of a case: every kind (greedy, plain, top-k, top-p, both,
- * k = 1, k above n, min-p alone and with the others, low and high temperature) in turn. */
+ * k = 1, k above n, min-p alone and with the others, typical-p alone, with each of the others,
+ * tiny (one token) and 1 (off), low and high temperature) in turn; 24 kinds. */
 static kern_sample_cfg case_cfg(int r, int n)
 {
     static const kern_sample_cfg kinds[] = {
-        {0.0f, 0, 1.0f, 0.0f},    {1.0f, 0, 1.0f, 0.0f},     {0.7f, 50, 1.0f, 0.0f},   {1.3f, 0, 0.9f, 0.0f},
-        {0.8f, 200, 0.95f, 0.0f}, {1.0f, 1, 1.0f, 0.0f},     {2.0f, 0, 0.5f, 0.0f},    {0.5f, -1, 1.0f, 0.0f},
-        {1.0f, -2, 0.999f, 0.0f}, {0.05f, 0, 0.9f, 0.0f},    {1.0f, 7, 0.3f, 0.0f},    {0.9f, 1000, 0.99f, 0.0f},
-        {1.0f, 0, 1.0f, 0.05f},   {1.5f, 100, 0.9f, 0.01f},  {0.8f, 0, 0.95f, 0.2f},   {2.0f, 30, 1.0f, 0.5f},
+        {0.0f, 0, 1.0f, 0.0f, 0.0f},    {1.0f, 0, 1.0f, 0.0f, 0.0f},     {0.7f, 50, 1.0f, 0.0f, 0.0f},
+        {1.3f, 0, 0.9f, 0.0f, 0.0f},    {0.8f, 200, 0.95f, 0.0f, 0.0f},  {1.0f, 1, 1.0f, 0.0f, 0.0f},
+        {2.0f, 0, 0.5f, 0.0f, 0.0f},    {0.5f, -1, 1.0f, 0.0f, 0.0f},    {1.0f, -2, 0.999f, 0.0f, 0.0f},
+        {0.05f, 0, 0.9f, 0.0f, 0.0f},   {1.0f, 7, 0.3f, 0.0f, 0.0f},     {0.9f, 1000, 0.99f, 0.0f, 0.0f},
+        {1.0f, 0, 1.0f, 0.05f, 0.0f},   {1.5f, 100, 0.9f, 0.01f, 0.0f},  {0.8f, 0, 0.95f, 0.2f, 0.0f},
+        {2.0f, 30, 1.0f, 0.5f, 0.0f},   {1.0f, 0, 1.0f, 0.0f, 0.9f},     {1.2f, 0, 1.0f, 0.0f, 0.2f},
+        {0.7f, 50, 1.0f, 0.0f, 0.5f},   {1.3f, 0, 0.9f, 0.0f, 0.95f},    {1.0f, 0, 1.0f, 0.05f, 0.7f},
+        {0.8f, 200, 0.95f, 0.01f, 0.8f}, {2.0f, 0, 1.0f, 0.0f, 1e-6f},   {1.5f, 0, 1.0f, 0.0f, 1.0f},
     };
     kern_sample_cfg c = kinds[r % (int)(sizeof(kinds) / sizeof(kinds[0]))];
     if (c.top_k == -1)
@@ -1673,10 +1678,10 @@ static double run_probs(run_ctx *x)
                 first = i;
         }
         if (differ) {
-            printf("      row %d (T %g k %d p %g min_p %g): %d tokens kept on one side only (cpu %d, "
-                   "cuda %d; first %d: cpu %g cuda %g)\n", r, (double)cfg[r].temperature, cfg[r].top_k,
-                   (double)cfg[r].top_p, (double)cfg[r].min_p, differ, kept_c, kept_g, first,
-                   (double)pc[first], (double)pg[first]);
+            printf("      row %d (T %g k %d p %g min_p %g typical_p %g): %d tokens kept on one side only "
+                   "(cpu %d, cuda %d; first %d: cpu %g cuda %g)\n", r, (double)cfg[r].temperature, cfg[r].top_k,
+                   (double)cfg[r].top_p, (double)cfg[r].min_p, (double)cfg[r].typical_p, differ, kept_c, kept_g,
+                   first, (double)pc[first], (double)pg[first]);
             e = 1e30;
         }
         if (cfg[r].temperature < 1e-5f) {
@@ -2489,11 +2494,12 @@ static const kcase cases[] = {
     {"markov_chain", 3, 40, 0, 3, 3000, 12, 1, 0, 0, 0, 0, NULL, 0, 0},
     {"markov_chain", 3, 40, 0, 3, 3000, 12, 2, 0, 0, 0, 0, NULL, 0, 0},
     /* probs: rows x vocab, pad, sub 1 = rows gathered through idx (per-row parameters cycle
-     * through every kind: greedy, plain, top-k, top-p, both, k = 1, k >= n, T 0.05..2) */
+     * through every kind: greedy, plain, top-k, top-p, both, k = 1, k >= n, min-p, typical-p
+     * alone and with the others, T 0.05..2; 24 rows see them all) */
     {"probs", 24, 151936, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 1e-5, 0},
     {"probs", 37, 1001, 3, 0, 0, 0, 1, 0, 0, 0, 0, NULL, 1e-5, 0},
-    {"probs", 16, 8192, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 1e-5, 0},
-    {"probs", 13, 50, 1, 0, 0, 0, 1, 0, 0, 0, 0, NULL, 1e-5, 0},
+    {"probs", 24, 8192, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 1e-5, 0},
+    {"probs", 26, 50, 1, 0, 0, 0, 1, 0, 0, 0, 0, NULL, 1e-5, 0},
     /* sample: rows x vocab, pad, sub 1 = probs then sample from the same logits on each side */
     {"sample", 40, 151936, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
     {"sample", 64, 1001, 5, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},

@@ -1,7 +1,10 @@
 /* test_sampling.c - sampling and lossless speculative sampling.
  * 1. pd_sample units: params validation, greedy tie rule, min-p / top-k / top-p filtering
  *    (vLLM's meaning: top-k keeps the k-th's ties, top-p runs over the candidates renormalised;
- *    held to a plain rewrite of vLLM's steps on random rows), seeded reproducibility; the CPU
+ *    held to a plain rewrite of vLLM's steps on random rows), typical-p after them (held to a
+ *    plain rewrite of transformers' TypicalLogitsWarper on the same rows; 1 is off, a tiny one
+ *    keeps the most typical token alone, ties go by index, the mode can drop), the logarithm
+ *    typical-p shares between backends against libm's, seeded reproducibility; the CPU
  *    backend's sampling ops (kern_probs, kern_sample) give bit for bit what pd_sample.c gives;
  *    kern_logprobs' rank on the backend under test is a brute-force count.
  * 2. kern_spec_verify on the backend under test, on synthetic distributions: the first
@@ -10,8 +13,8 @@
  * 3. End to end on the tiny pair on the backend under test (the engine samples with the
  *    backend's ops): the second generated token (the first one a speculative round commits)
  *    follows the target's distribution given the first, over many seeded runs (chi-square,
- *    fixed seeds), at temperature 1, with top-k / top-p and with min-p; the first token follows the
- *    prefill distribution.
+ *    fixed seeds), at temperature 1, with top-k / top-p, with min-p and with typical-p; the first
+ *    token follows the prefill distribution.
  * Usage: test_sampling [--backend cpu|cuda]; cuda without a GPU exits 77 (skipped). */
 #include <math.h>
 #include <stdio.h>
@@ -85,41 +88,53 @@ static void test_sampling_units(void)
     float logits[6] = {0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f}, probs[6];
     int32_t scratch[6];
     pd_sample_params k2 = { .temperature = 1.0f, .top_k = 2, .top_p = 1.0f };
-    pd_probs_from_logits(logits, 6, &k2, probs, scratch);
+    pd_probs_from_logits(logits, 6, &k2, probs, scratch, NULL);
     TEST_CHECK(probs[0] == 0.0f && probs[3] == 0.0f && probs[4] > 0.0f && probs[5] > probs[4]);
     TEST_CHECK(fabsf(probs[4] + probs[5] - 1.0f) < 1e-6f);
     pd_sample_params p5 = { .temperature = 1.0f, .top_k = 0, .top_p = 0.5f };
-    pd_probs_from_logits(logits, 6, &p5, probs, scratch);
+    pd_probs_from_logits(logits, 6, &p5, probs, scratch, NULL);
     TEST_CHECK(probs[5] == 1.0f);   /* the top token alone holds 0.63 >= 0.5 */
     pd_sample_params g = { .temperature = 0.0f, .top_p = 1.0f };
-    pd_probs_from_logits(logits, 6, &g, probs, scratch);
+    pd_probs_from_logits(logits, 6, &g, probs, scratch, NULL);
     TEST_CHECK(probs[5] == 1.0f && probs[0] == 0.0f);
     /* top-k keeps the k-th's ties (vLLM, transformers): 5, and both 3s for k = 2 */
     float tied[6] = {0.0f, 1.0f, 2.0f, 3.0f, 3.0f, 5.0f};
-    pd_probs_from_logits(tied, 6, &k2, probs, scratch);
+    pd_probs_from_logits(tied, 6, &k2, probs, scratch, NULL);
     TEST_CHECK(probs[3] > 0.0f && probs[3] == probs[4] && probs[5] > probs[3] && probs[2] == 0.0f);
     TEST_CHECK(fabsf(probs[3] + probs[4] + probs[5] - 1.0f) < 1e-6f);
     /* top-p over the top-k candidates renormalised: 5 alone holds e / (e + 1) = 0.731 of the
      * two, but only 0.717 of the whole row; top_p 0.72 keeps it alone */
     pd_sample_params kp = { .temperature = 1.0f, .top_k = 2, .top_p = 0.72f };
-    pd_probs_from_logits(logits, 6, &kp, probs, scratch);
+    pd_probs_from_logits(logits, 6, &kp, probs, scratch, NULL);
     TEST_CHECK(probs[5] == 1.0f && probs[4] == 0.0f);
     kp.top_p = 0.74f;
-    pd_probs_from_logits(logits, 6, &kp, probs, scratch);
+    pd_probs_from_logits(logits, 6, &kp, probs, scratch, NULL);
     TEST_CHECK(probs[5] > 0.7f && probs[4] > 0.2f && probs[3] == 0.0f);
     /* min_p: p_4 / p_5 = e^-1 = 0.37 stays at 0.3, p_3 / p_5 = 0.14 goes */
     pd_sample_params mp = { .temperature = 1.0f, .top_p = 1.0f, .min_p = 0.3f };
-    pd_probs_from_logits(logits, 6, &mp, probs, scratch);
+    pd_probs_from_logits(logits, 6, &mp, probs, scratch, NULL);
     TEST_CHECK(probs[5] > 0.0f && probs[4] > 0.0f && probs[3] == 0.0f && probs[0] == 0.0f);
     TEST_CHECK(fabsf(probs[4] + probs[5] - 1.0f) < 1e-6f);
     mp.min_p = 0.37f;   /* just above e^-1: the top token alone */
-    pd_probs_from_logits(logits, 6, &mp, probs, scratch);
+    pd_probs_from_logits(logits, 6, &mp, probs, scratch, NULL);
     TEST_CHECK(probs[5] == 1.0f);
     bad = ok;
     bad.min_p = 1.5f;
     TEST_CHECK(pd_sample_params_check(&bad, &err) == PD_ERR_INVALID && strstr(err.msg, "min_p"));
     bad.min_p = -0.1f;
     TEST_CHECK(pd_sample_params_check(&bad, &err) == PD_ERR_INVALID && strstr(err.msg, "min_p"));
+    bad = ok;
+    bad.typical_p = 1.5f;
+    TEST_CHECK(pd_sample_params_check(&bad, &err) == PD_ERR_INVALID && strstr(err.msg, "typical_p"));
+    bad.typical_p = -0.1f;
+    TEST_CHECK(pd_sample_params_check(&bad, &err) == PD_ERR_INVALID && strstr(err.msg, "typical_p"));
+    bad.typical_p = NAN;
+    TEST_CHECK(pd_sample_params_check(&bad, &err) == PD_ERR_INVALID && strstr(err.msg, "typical_p"));
+    pd_sample_params typ = ok;
+    for (int i = 0; i < 3; i++) {
+        typ.typical_p = (float[]){ 0.0f, 0.5f, 1.0f }[i];   /* 0 = unset, 1 = off */
+        TEST_CHECK(pd_sample_params_check(&typ, &err) == PD_OK);
+    }
 
     pd_rng a, b;
     pd_rng_seed(&a, 42);
@@ -132,11 +147,57 @@ static void test_sampling_units(void)
     TEST_CHECK(u >= 0.0 && u < 1.0);
 }
 
+/* transformers' TypicalLogitsWarper as it reads, independently of the engine's, on a
+ * distribution q (the filters before it applied, renormalised), in place: the entropy
+ * H = -sum q log q (libm's log, double), each token's score |-log q - H|, a sort by (score,
+ * index), then the tokens up to and including the first whose running sum (of q over their
+ * total, long double) reaches typical_p, renormalised. */
+typedef struct { double score; int32_t tok; } plain_scored;
+static int plain_score_asc(const void *a, const void *b)
+{
+    const plain_scored *x = a, *y = b;
+    if (x->score != y->score)
+        return x->score < y->score ? -1 : 1;
+    return x->tok - y->tok;
+}
+
+static void typical_plain(float *q, int n, float typical_p)
+{
+    plain_scored *s = malloc((size_t)n * sizeof(*s));
+    double h = 0.0;
+    long double total = 0.0L;
+    int m = 0;
+    for (int i = 0; i < n; i++)
+        if (q[i] > 0.0f) {
+            h -= (double)q[i] * log((double)q[i]);
+            total += q[i];
+        }
+    for (int i = 0; i < n; i++)
+        if (q[i] > 0.0f)
+            s[m++] = (plain_scored){ fabs(-log((double)q[i]) - h), i };
+    qsort(s, (size_t)m, sizeof(*s), plain_score_asc);
+    long double run = 0.0L;
+    int keep = m;
+    for (int i = 0; i < m; i++) {
+        run += q[s[i].tok];
+        if (run / total >= (long double)typical_p) {
+            keep = i + 1;
+            break;
+        }
+    }
+    for (int i = keep; i < m; i++)
+        q[s[i].tok] = 0.0f;
+    for (int i = 0; i < keep; i++)
+        q[s[i].tok] = (float)(q[s[i].tok] / run);
+    free(s);
+}
+
 /* vLLM's filters as vLLM writes them, independently of the engine's: a mask per step over the
  * whole row (min-p against the max p, top-k against the k-th largest value, both in p), then
  * top-p over the candidates renormalised, by an ascending sort and a running sum of the
- * normalised values that drops what stays <= 1 - top_p (the largest never); long double. p: the
- * tempered softmax (no filter); out: the result; order: n ints. */
+ * normalised values that drops what stays <= 1 - top_p (the largest never); long double; then
+ * typical_plain when typical_p is on. p: the tempered softmax (no filter); out: the result;
+ * order: n ints. */
 static const float *plain_p;
 static int plain_asc(const void *a, const void *b)
 {
@@ -178,6 +239,102 @@ static void probs_plain(const float *p, int n, const pd_sample_params *sp, float
         kept += p[order[i]];
     for (int i = first; i < m; i++)
         out[order[i]] = (float)(p[order[i]] / kept);
+    if (sp->typical_p > 0.0f && sp->typical_p < 1.0f)
+        typical_plain(out, n, sp->typical_p);
+}
+
+/* typical-p's edge cases on pd_probs_from_logits (the host rule), and kern_typical_log (the
+ * logarithm every backend shares) against libm's */
+static void test_sampling_typical(void)
+{
+    enum { N = 2000 };
+    pd_rng rng;
+    pd_rng_seed(&rng, 7);
+    double worst = 0.0;
+    for (int i = 0; i < 200000; i++) {
+        /* q over (0, 2): the typical-p arguments, from 2^-60 up, a few ulps above 1 included */
+        double x = i % 4 == 0 ? pd_rng_uniform(&rng) * 2.0 : ldexp(pd_rng_uniform(&rng) + 0.5, -(i % 61));
+        if (x <= 0.0)
+            continue;
+        double a = kern_typical_log(x), b = log(x);
+        double err = fabs(a - b) / fmax(fabs(b), 1e-300);
+        if (b == 0.0)
+            err = fabs(a);
+        worst = fmax(worst, err);
+    }
+    printf("kern_typical_log: worst relative error %.3g against libm over (0, 2)\n", worst);
+    TEST_CHECK_MSG(worst < 1e-15, "kern_typical_log is off libm's log by %.3g", worst);
+    TEST_CHECK(kern_typical_log(1.0) == 0.0 && kern_typical_log(0.5) == -log(2.0));
+
+    float *x = malloc((size_t)N * sizeof(float)), *a = malloc((size_t)N * sizeof(float));
+    float *b = malloc((size_t)N * sizeof(float));
+    int32_t *scratch = malloc((size_t)N * sizeof(int32_t));
+    double *dscratch = malloc((size_t)N * sizeof(double));
+    for (int i = 0; i < N; i++)
+        x[i] = (float)(pd_rng_uniform(&rng) * 8.0 - 4.0);
+    /* 1 and 0 (unset) are off: the same bits as no typical_p, with and without other filters */
+    static const pd_sample_params base[3] = {
+        { .temperature = 1.0f, .top_p = 1.0f }, { .temperature = 0.8f, .top_k = 100, .top_p = 0.9f },
+        { .temperature = 1.3f, .top_p = 1.0f, .min_p = 0.05f },
+    };
+    for (int k = 0; k < 3; k++) {
+        pd_sample_params off = base[k], one = base[k];
+        one.typical_p = 1.0f;
+        pd_probs_from_logits(x, N, &off, a, scratch, NULL);
+        pd_probs_from_logits(x, N, &one, b, scratch, dscratch);
+        TEST_CHECK_MSG(memcmp(a, b, (size_t)N * sizeof(float)) == 0, "typical_p 1 changes kind %d", k);
+    }
+    /* a tiny typical_p keeps exactly one token: the one whose surprisal is nearest the entropy */
+    pd_sample_params tiny = { .temperature = 1.0f, .top_p = 1.0f, .typical_p = 1e-7f };
+    pd_probs_from_logits(x, N, &tiny, a, scratch, dscratch);
+    pd_sample_params soft = { .temperature = 1.0f, .top_p = 1.0f };
+    pd_probs_from_logits(x, N, &soft, b, scratch, NULL);
+    double h = 0.0;
+    for (int i = 0; i < N; i++)
+        h -= (double)b[i] * log((double)b[i]);
+    int kept = 0, one_tok = -1, best = 0;
+    for (int i = 0; i < N; i++) {
+        if (a[i] > 0.0f) {
+            kept++;
+            one_tok = i;
+        }
+        if (fabs(-log((double)b[i]) - h) < fabs(-log((double)b[best]) - h))
+            best = i;
+    }
+    TEST_CHECK_MSG(kept == 1 && one_tok == best && a[one_tok] == 1.0f,
+                   "typical_p 1e-7 keeps %d tokens (token %d), the most typical is %d", kept, one_tok, best);
+    /* greedy stays greedy */
+    pd_sample_params g = { .temperature = 0.0f, .top_p = 1.0f, .typical_p = 0.3f };
+    pd_probs_from_logits(x, N, &g, a, scratch, dscratch);
+    TEST_CHECK(a[pd_argmax(x, N)] == 1.0f);
+    /* ties go by index: a uniform row has every score equal, so typical_p 0.5 of 4 (masses
+     * exact) keeps tokens 0 and 1; of 8, 0.25 keeps 0 and 1 too */
+    float flat[8] = {2.0f, 2.0f, 2.0f, 2.0f, 2.0f, 2.0f, 2.0f, 2.0f}, pf[8];
+    pd_sample_params half = { .temperature = 1.0f, .top_p = 1.0f, .typical_p = 0.5f };
+    pd_probs_from_logits(flat, 4, &half, pf, scratch, dscratch);
+    TEST_CHECK(pf[0] == 0.5f && pf[1] == 0.5f && pf[2] == 0.0f && pf[3] == 0.0f);
+    half.typical_p = 0.25f;
+    pd_probs_from_logits(flat, 8, &half, pf, scratch, dscratch);
+    TEST_CHECK(pf[0] == 0.5f && pf[1] == 0.5f && pf[2] == 0.0f && pf[7] == 0.0f);
+    /* unlike top-p it may drop the mode: logit 3 and fifty 0s give the mode q 0.287
+     * (surprisal 1.25) and the rest 0.0143 each (4.25) around H = 3.39, so the flat tokens
+     * come first and 36 of them (the lowest indices) reach 0.5 (35 hold 0.499) */
+    float mode[51];
+    mode[0] = 3.0f;
+    for (int i = 1; i < 51; i++)
+        mode[i] = 0.0f;
+    half.typical_p = 0.5f;
+    pd_probs_from_logits(mode, 51, &half, a, scratch, dscratch);
+    kept = 0;
+    for (int i = 0; i < 51; i++)
+        kept += a[i] > 0.0f;
+    TEST_CHECK_MSG(a[0] == 0.0f && kept == 36 && a[36] > 0.0f && a[37] == 0.0f && fabsf(a[1] - 1.0f / 36) < 1e-6f,
+                   "typical_p 0.5 over a mode and a flat bulk: mode %g, %d kept", (double)a[0], kept);
+    free(x);
+    free(a);
+    free(b);
+    free(scratch);
+    free(dscratch);
 }
 
 /* kern_probs (cpu, which pd_probs_from_logits is) against probs_plain on random rows, ties
@@ -185,7 +342,7 @@ static void probs_plain(const float *p, int n, const pd_sample_params *sp, float
  * ops against pd_sample.c bit for bit (they are the reference the CUDA ops are held to). */
 static void test_sampling_cpu_ops(void)
 {
-    enum { N = 3001, ROWS = 16 };
+    enum { N = 3001, KINDS = 13, ROWS = 2 * KINDS };
     pd_err err;
     kern_backend *cpu = NULL;
     kern_backend_config bc = { .name = "cpu" };
@@ -193,12 +350,17 @@ static void test_sampling_cpu_ops(void)
         TEST_CHECK_MSG(0, "cpu backend: %s", err.msg);
         return;
     }
-    static const pd_sample_params kinds[8] = {
+    static const pd_sample_params kinds[KINDS] = {
         { .temperature = 0.0f, .top_p = 1.0f }, { .temperature = 1.0f, .top_p = 1.0f },
         { .temperature = 0.7f, .top_k = 40, .top_p = 1.0f }, { .temperature = 1.2f, .top_p = 0.8f },
         { .temperature = 0.9f, .top_k = 300, .top_p = 0.95f }, { .temperature = 2.0f, .top_k = 1, .top_p = 0.5f },
         { .temperature = 1.0f, .top_p = 1.0f, .min_p = 0.05f },
         { .temperature = 0.8f, .top_k = 50, .top_p = 0.9f, .min_p = 0.1f },
+        { .temperature = 1.0f, .top_p = 1.0f, .typical_p = 0.9f },
+        { .temperature = 1.5f, .top_p = 1.0f, .typical_p = 0.2f },
+        { .temperature = 0.9f, .top_k = 300, .top_p = 0.95f, .typical_p = 0.5f },
+        { .temperature = 1.2f, .top_p = 1.0f, .min_p = 0.02f, .typical_p = 0.8f },
+        { .temperature = 0.0f, .top_p = 1.0f, .typical_p = 0.3f },   /* greedy stays greedy */
     };
     pd_rng rng;
     pd_rng_seed(&rng, 99);
@@ -206,6 +368,7 @@ static void test_sampling_cpu_ops(void)
     float *got = malloc((size_t)ROWS * N * sizeof(float));
     float *base = malloc((size_t)N * sizeof(float));
     int32_t *scratch = malloc((size_t)N * sizeof(int32_t)), ids[ROWS];
+    double *dscratch = malloc((size_t)N * sizeof(double));
     kern_sample_cfg cfg[ROWS];
     double u[ROWS];
     int plain_same = 1;
@@ -214,32 +377,33 @@ static void test_sampling_cpu_ops(void)
             float v = (float)(pd_rng_uniform(&rng) * 8.0 - 4.0);
             x[(size_t)r * N + i] = r % 2 ? (float)(int)(v * 2.0f) * 0.5f : v;   /* odd rows tie */
         }
-        const pd_sample_params *sp = &kinds[(r / 2) % 8];
-        cfg[r] = (kern_sample_cfg){ .temperature = sp->temperature, .top_k = sp->top_k, .top_p = sp->top_p,
-                                    .min_p = sp->min_p };
-        pd_probs_from_logits(x + (size_t)r * N, N, sp, ref + (size_t)r * N, scratch);
+        const pd_sample_params *sp = &kinds[(r / 2) % KINDS];
+        cfg[r] = (kern_sample_cfg){ .temperature = pd_sample_is_greedy(sp) ? 0.0f : sp->temperature,
+                                    .top_k = sp->top_k, .top_p = sp->top_p, .min_p = sp->min_p,
+                                    .typical_p = sp->typical_p };
+        pd_probs_from_logits(x + (size_t)r * N, N, sp, ref + (size_t)r * N, scratch, dscratch);
         u[r] = pd_rng_uniform(&rng);
         if (pd_sample_is_greedy(sp))
             continue;
         pd_sample_params soft = { .temperature = sp->temperature, .top_p = 1.0f };
-        pd_probs_from_logits(x + (size_t)r * N, N, &soft, base, scratch);
+        pd_probs_from_logits(x + (size_t)r * N, N, &soft, base, scratch, NULL);
         probs_plain(base, N, sp, got, scratch);
         int kept = 0;
         for (int i = 0; i < N; i++) {
             float a = ref[(size_t)r * N + i], b = got[i];
             kept += a > 0.0f;
             if ((a > 0.0f) != (b > 0.0f) || fabsf(a - b) > 1e-6f * b) {
-                TEST_CHECK_MSG(0, "row %d (T %g k %d p %g min_p %g) token %d: %g, vLLM's steps %g", r,
-                               (double)sp->temperature, sp->top_k, (double)sp->top_p, (double)sp->min_p, i,
-                               (double)a, (double)b);
+                TEST_CHECK_MSG(0, "row %d (T %g k %d p %g min_p %g typical_p %g) token %d: %g, vLLM's and "
+                               "transformers' steps %g", r, (double)sp->temperature, sp->top_k, (double)sp->top_p,
+                               (double)sp->min_p, (double)sp->typical_p, i, (double)a, (double)b);
                 plain_same = 0;
                 break;
             }
         }
-        if (sp->top_k != 1 && (sp->top_k > 1 || sp->top_p < 1.0f || sp->min_p > 0.0f))
+        if (sp->top_k != 1 && (sp->top_k > 1 || sp->top_p < 1.0f || sp->min_p > 0.0f || sp->typical_p > 0.0f))
             TEST_CHECK_MSG(kept > 1 && kept < N, "row %d keeps %d of %d: the filter is not exercised", r, kept, N);
     }
-    TEST_CHECK_MSG(plain_same, "pd_probs_from_logits differs from vLLM's steps");
+    TEST_CHECK_MSG(plain_same, "pd_probs_from_logits differs from vLLM's and transformers' steps");
     free(base);
     kern_probs_args pa = { .x = x, .ld_x = N, .cfg = cfg, .rows = ROWS, .n = N, .out = got, .ld_out = N };
     TEST_CHECK(kern_probs(cpu, &pa, &err) == PD_OK);
@@ -263,6 +427,7 @@ static void test_sampling_cpu_ops(void)
     free(ref);
     free(got);
     free(scratch);
+    free(dscratch);
     kern_backend_destroy(cpu);
 }
 
@@ -508,8 +673,9 @@ static int target_probs(const pd_qwen3_model *tm, const int32_t *ids, int n, con
             int V = tm->cfg.vocab_size;
             float *l = malloc((size_t)V * 4), *pf = malloc((size_t)V * 4);
             int32_t *scratch = malloc((size_t)V * 4);
+            double *dscratch = malloc((size_t)V * sizeof(double));
             if (kern_download(tm->be, l, pd_target_logits(pd_engine_target(e)), (size_t)V * 4, &err) == PD_OK) {
-                pd_probs_from_logits(l, V, sp, pf, scratch);
+                pd_probs_from_logits(l, V, sp, pf, scratch, dscratch);
                 for (int i = 0; i < V; i++)
                     p[i] = pf[i];
                 rc = 0;
@@ -517,6 +683,7 @@ static int target_probs(const pd_qwen3_model *tm, const int32_t *ids, int n, con
             free(l);
             free(pf);
             free(scratch);
+            free(dscratch);
         }
         pd_kv_seq_release(pool, &seq);
     }
@@ -528,9 +695,9 @@ static int target_probs(const pd_qwen3_model *tm, const int32_t *ids, int n, con
  * requests' sampling parameters (the seed is set per run) */
 static void test_sampling_end_to_end(pd_verify_policy policy, int waves, pd_sample_params sp)
 {
-    printf("end to end on %s, verify %s, temperature %g top-k %d top-p %g min-p %g\n", backend_name,
-           pd_verify_policy_name(policy), (double)sp.temperature, sp.top_k, (double)sp.top_p,
-           (double)sp.min_p);
+    printf("end to end on %s, verify %s, temperature %g top-k %d top-p %g min-p %g typical-p %g\n",
+           backend_name, pd_verify_policy_name(policy), (double)sp.temperature, sp.top_k, (double)sp.top_p,
+           (double)sp.min_p, (double)sp.typical_p);
     pd_err err;
     kern_backend *be = NULL;
     kern_backend_config bc = { .name = backend_name };
@@ -624,6 +791,7 @@ int main(int argc, char **argv)
     if (kern_backend_device_count(backend_name) == 0)
         TEST_SKIP("no device for the backend under test (a GPU for cuda)");
     test_sampling_units();
+    test_sampling_typical();
     test_sampling_cpu_ops();
     test_sampling_logprobs_rank();
     test_sampling_verify_op();
@@ -637,5 +805,7 @@ int main(int argc, char **argv)
     test_sampling_end_to_end(PD_VERIFY_FULL, 12, filt);
     pd_sample_params minp = { .temperature = 1.5f, .top_p = 1.0f, .min_p = 0.1f };
     test_sampling_end_to_end(PD_VERIFY_FULL, 12, minp);
+    pd_sample_params typ = { .temperature = 1.5f, .top_p = 1.0f, .typical_p = 0.9f };
+    test_sampling_end_to_end(PD_VERIFY_FULL, 12, typ);
     TEST_DONE();
 }

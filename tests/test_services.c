@@ -130,7 +130,7 @@ typedef struct {
     uint32_t *ids;
     size_t n_ids;
     const char *text;
-    float temperature, top_p;
+    float temperature, top_p, typical_p;
     uint32_t max_new;
     int ignore_eos;
     uint64_t timeout_ms;
@@ -161,6 +161,7 @@ static void gen_run(pd_rpc_channel *ch, gen_call *g)
     sp.version = PD_PROTO_VERSION;
     sp.temperature = g->temperature;
     sp.top_p = g->top_p;
+    sp.typical_p = g->typical_p;
     sp.max_new_tokens = g->max_new;
     sp.ignore_eos = g->ignore_eos;
     sp.seed = g->seed;
@@ -339,6 +340,13 @@ static void test_services_bad_input(void)
     gen_run(ch, &g);
     expect(&g, PD_ERR_INVALID, "top_p", "top_p 2");
     g.top_p = 1.0f;
+    g.typical_p = 1.5f;
+    gen_run(ch, &g);
+    expect(&g, PD_ERR_INVALID, "typical_p", "typical_p 1.5");
+    g.typical_p = -0.5f;
+    gen_run(ch, &g);
+    expect(&g, PD_ERR_INVALID, "typical_p", "typical_p -0.5");
+    g.typical_p = 0.0f;
     /* both text and ids */
     g.text = "hello";
     gen_run(ch, &g);
@@ -554,6 +562,7 @@ static void test_services_fuzz(void)
     sp.top_p = 0.9f;
     sp.top_k = 20;
     sp.min_p = 0.05f;
+    sp.typical_p = 0.95f;
     sp.seed = 5;
     sp.max_new_tokens = 6;
     sp.n_stop = 1;

@@ -540,7 +540,46 @@ static uint64_t mass_fix(float p)
     return (uint64_t)llrint(ldexp((double)p, 60));
 }
 
-void kern_probs_row_host(const float *x, int n, const kern_sample_cfg *c, float *p, int32_t *order)
+static int score_asc(const void *a, const void *b, void *ctx)
+{
+    const double *score = ctx;
+    double sa = score[*(const int32_t *)a], sb = score[*(const int32_t *)b];
+    if (sa != sb)
+        return sa < sb ? -1 : 1;
+    return *(const int32_t *)a - *(const int32_t *)b;
+}
+
+/* typical-p over the tokens order[0..keep) of mass *kept (kern_backend.h): reorders them by
+ * (score, index), returns how many of that order stay and sets *kept to their mass. score:
+ * n doubles, indexed by token. */
+static int typical_cut(const float *p, int32_t *order, int keep, float typical_p, uint64_t *kept,
+                       double *score)
+{
+    const double kd = ldexp((double)*kept, -60);
+    long long hsum = 0;
+    for (int i = 0; i < keep; i++)
+        if (p[order[i]] > 0.0f)
+            hsum += kern_typical_term(p[order[i]], kd);
+    const double h = kern_typical_entropy(hsum);
+    for (int i = 0; i < keep; i++) {
+        const float pi = p[order[i]];
+        score[order[i]] = pi > 0.0f ? kern_typical_score(pi, kd, h) : INFINITY;
+    }
+    qsort_r(order, (size_t)keep, sizeof(int32_t), score_asc, score);
+    const uint64_t target = (uint64_t)ceil((double)typical_p * (double)*kept);
+    uint64_t run = 0;
+    for (int i = 0; i < keep; i++) {
+        run += mass_fix(p[order[i]]);
+        if (run >= target) {
+            *kept = run;
+            return i + 1;
+        }
+    }
+    return keep;   /* not reached: target <= *kept */
+}
+
+void kern_probs_row_host(const float *x, int n, const kern_sample_cfg *c, float *p, int32_t *order,
+                         double *score)
 {
     if (c->temperature < 1e-5f) {
         int best = 0;
@@ -565,7 +604,8 @@ void kern_probs_row_host(const float *x, int n, const kern_sample_cfg *c, float 
         p[i] = (float)(p[i] / sum);
     const int k = c->top_k > 0 && c->top_k < n ? c->top_k : n;
     const int use_p = c->top_p < 1.0f, use_m = c->min_p > 0.0f;
-    if (k == n && !use_p && !use_m)
+    const int use_t = c->typical_p > 0.0f && c->typical_p < 1.0f;
+    if (k == n && !use_p && !use_m && !use_t)
         return;
     for (int i = 0; i < n; i++)
         order[i] = i;
@@ -601,6 +641,8 @@ void kern_probs_row_host(const float *x, int n, const kern_sample_cfg *c, float 
             }
         }
     }
+    if (use_t)
+        keep = typical_cut(p, order, keep, c->typical_p, &kept, score);
     const double kept_d = ldexp((double)kept, -60);
     for (int i = keep; i < n; i++)
         p[order[i]] = 0.0f;
@@ -611,14 +653,23 @@ void kern_probs_row_host(const float *x, int n, const kern_sample_cfg *c, float 
 static pd_status cpu_probs(kern_backend *be, const kern_probs_args *a, pd_err *err)
 {
     (void)be;
+    int typical = 0;
+    for (int r = 0; r < a->rows; r++)
+        typical |= a->cfg[r].typical_p > 0.0f && a->cfg[r].typical_p < 1.0f;
     int32_t *order = malloc((size_t)a->n * sizeof(int32_t));
-    if (order == NULL)
-        return pd_err_set(err, PD_ERR_NOMEM, "probs: scratch of %d ints", a->n);
+    double *score = typical ? malloc((size_t)a->n * sizeof(double)) : NULL;
+    if (order == NULL || (typical && score == NULL)) {
+        free(order);
+        free(score);
+        return pd_err_set(err, PD_ERR_NOMEM, "probs: scratch of %d ints and doubles", a->n);
+    }
     for (int r = 0; r < a->rows; r++) {
         int xr = a->idx != NULL ? a->idx[r] : r;
-        kern_probs_row_host(a->x + (size_t)xr * a->ld_x, a->n, &a->cfg[r], a->out + (size_t)r * a->ld_out, order);
+        kern_probs_row_host(a->x + (size_t)xr * a->ld_x, a->n, &a->cfg[r], a->out + (size_t)r * a->ld_out, order,
+                            score);
     }
     free(order);
+    free(score);
     return PD_OK;
 }
 

@@ -9,17 +9,21 @@
  *   One block per row (probs, sample) or per request (spec_verify); every sum runs in a fixed
  *   order, so a result depends only on its inputs (seeds reproduce on the device too).
  *   probs: softmax with exp in double as the CPU reference (the float probabilities then match
- *     it to an ulp, so the same tokens survive the filter). min-p / top-k / top-p need no sort:
- *     the candidates (p >= min_p * max p, p >= the k-th largest) and the kept tokens are
- *     prefixes of the order (p desc, index asc), found by 3-pass radix selects over the bits of
- *     p (11, 11, 9 bits) whose histograms count tokens and their mass. Masses are integers in
- *     units of 2^-60 (two 32-bit words per bin, lanes with equal values adding once), as the
- *     rule defines them, so the sums are the same whatever order the atomics land in. A select
- *     stops at the highest value t whose "tokens >= t" reach k (top-k: its ties stay) or carry
- *     ceil(top_p * the candidates' mass) (top-p: of the tokens equal to t, the lowest indices are
- *     kept, a block-wide rank in index order, until the mass is reached, as the reference's
- *     sorted scan does). Tokens with p = 0 stay out of the histograms: whether one is kept
- *     changes no output.
+ *     it to an ulp, so the same tokens survive the filter). min-p / top-k / top-p / typical-p
+ *     need no sort: each stage's survivors are a prefix of an order over a key of p alone (p's
+ *     bits descending for the first three; typical-p's score ascending, its double's bits
+ *     reversed) with index ascending, found by radix selects over the key's bits (11 a pass:
+ *     3 passes for p, 6 for a score) whose histograms count tokens and their mass. Masses are
+ *     integers in units of 2^-60 (two 32-bit words per bin, lanes with equal p adding once), as
+ *     the rule defines them, so the sums are the same whatever order the atomics land in. A
+ *     select stops at the highest key t whose "tokens >= t" reach k (top-k: its ties stay) or
+ *     carry ceil(top_p or typical_p * the survivors' mass); of the tokens at t the lowest
+ *     indices are kept (a block-wide scan of their masses in index order) until the mass is
+ *     reached, as the reference's sorted scan does. Each stage leaves its survivors undivided
+ *     and the rest 0 for the next; one pass divides at the end. typical-p's entropy is a sum
+ *     of integer terms and its logarithms kern_typical_log's (kern_backend.h), the host's
+ *     arithmetic, so the scores are the reference's bits. Tokens with p = 0 stay out of the
+ *     histograms: whether one is kept changes no output.
  *   sample: the running sum in index order is split over the block in contiguous segments
  *     (double, block-wide exclusive scan); the first token whose running sum exceeds u wins.
  *     Sums differ from the CPU's sequential ones by rounding, so a u within ~1e-15 of a CDF
@@ -124,34 +128,38 @@ static __device__ double sp_block_sum_d(double v, double *sh)
     return v;
 }
 
-/* Exclusive prefix sum over the block in thread order. */
-static __device__ double sp_block_excl_scan_d(double v, double *sh)
+/* Exclusive prefix sum over the block in thread order (double: the sampling CDF; ull: integer
+ * masses); *total (nullable) gets the block's sum. sh: 2 * SP_WARPS values. */
+template <class T>
+static __device__ T sp_block_excl_scan(T v, T *sh, T *total)
 {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    double incl = v;
+    T incl = v;
     for (int o = 1; o < 32; o <<= 1) {
-        double t = __shfl_up_sync(0xffffffffu, incl, o);
+        T t = __shfl_up_sync(0xffffffffu, incl, o);
         if (lane >= o)
             incl += t;
     }
-    double excl = __shfl_up_sync(0xffffffffu, incl, 1);
+    T excl = __shfl_up_sync(0xffffffffu, incl, 1);
     if (lane == 0)
-        excl = 0.0;
+        excl = 0;
     if (lane == 31)
         sh[warp] = incl;
     __syncthreads();
     if (warp == 0) {
-        double w = sh[lane], wi = w;
+        T w = sh[lane], wi = w;
         for (int o = 1; o < 32; o <<= 1) {
-            double t = __shfl_up_sync(0xffffffffu, wi, o);
+            T t = __shfl_up_sync(0xffffffffu, wi, o);
             if (lane >= o)
                 wi += t;
         }
-        double we = __shfl_up_sync(0xffffffffu, wi, 1);
-        sh[32 + lane] = lane == 0 ? 0.0 : we;
+        T we = __shfl_up_sync(0xffffffffu, wi, 1);
+        sh[32 + lane] = lane == 0 ? 0 : we;
     }
     __syncthreads();
-    double r = sh[32 + warp] + excl;
+    T r = sh[32 + warp] + excl;
+    if (total != NULL)
+        *total = sh[32 + SP_WARPS - 1] + sh[SP_WARPS - 1];
     __syncthreads();
     return r;
 }
@@ -222,7 +230,7 @@ static __device__ int sp_block_icdf(F val, int n, double u, double *shd, int *sh
             last = i;
         }
     }
-    double cum = sp_block_excl_scan_d(s, shd);
+    double cum = sp_block_excl_scan(s, shd, (double *)NULL);
     int found = n;
     if (last >= 0 && !(u >= cum + s)) {
         for (int i = lo; i < hi; i++) {
@@ -311,24 +319,43 @@ struct sp_select_smem {
     ull mass_above;
 };
 
-/* A select's answer: the highest value t (its bits) whose tokens "p >= t" number at least k or
- * carry at least mass (tokens with p = 0 never count); found = 0 when none does. */
+/* A select's answer: the highest key t whose tokens "key >= t" number at least k or carry at
+ * least mass (tokens with p = 0 never count); found = 0 when none does. */
 struct sp_cut {
     int found;
-    unsigned int t_bits;
-    unsigned int cnt_above;   /* tokens with p > t */
+    ull t;                    /* the key t */
+    unsigned int cnt_above;   /* tokens with key > t */
     ull mass_above;           /* and their mass */
-    int cnt_t;                /* tokens with p == t */
+    int cnt_t;                /* tokens with key == t */
 };
 
-static __device__ sp_cut sp_select(const float *p_row, int n, unsigned int k, ull mass, sp_select_smem *sm)
+/* The order keys of a select, functions of p alone (so lanes with equal p hold equal keys):
+ * p's own bits (31 of them: p >= 0), for min-p / top-k / top-p, whose order is p descending ... */
+struct sp_key_p {
+    static constexpr int bits = 31;
+    __device__ ull operator()(float p) const { return __float_as_uint(p); }
+};
+
+/* ... and typical-p's (63 bits): the score's bits reversed, so the highest key is the lowest
+ * score (a score is >= 0, its bits are ordered as its value) */
+struct sp_key_typical {
+    static constexpr int bits = 63;
+    double kept, h;
+    __device__ ull operator()(float p) const
+    {
+        return 0x7fffffffffffffffull - (ull)__double_as_longlong(kern_typical_score(p, kept, h));
+    }
+};
+
+/* Radix select over the keys of the tokens with p > 0, 11 bits a pass from the top. */
+template <class K>
+static __device__ sp_cut sp_select(const float *p_row, int n, unsigned int k, ull mass, K key, sp_select_smem *sm)
 {
     sp_cut cut = {1, 0, 0, 0, 0};
-    unsigned int pref_mask = 0;
-    const int shifts[3] = {20, 9, 0}, widths[3] = {11, 11, 9};
+    ull pref_mask = 0;
 #pragma unroll 1
-    for (int pass = 0; pass < 3; pass++) {
-        const int shift = shifts[pass], nb = 1 << widths[pass];
+    for (int hi = K::bits; hi > 0; hi -= 11) {
+        const int width = hi < 11 ? hi : 11, shift = hi - width, nb = 1 << width;
         for (int b = threadIdx.x; b < nb; b += SP_THREADS) {
             sm->hc[b] = 0;
             sm->hml[b] = 0;
@@ -339,12 +366,13 @@ static __device__ sp_cut sp_select(const float *p_row, int n, unsigned int k, ul
             int i = i0 + threadIdx.x;
             float p = i < n ? p_row[i] : 0.0f;
             unsigned int bits = __float_as_uint(p);
-            bool in = p > 0.0f && (bits & pref_mask) == cut.t_bits;
+            ull kv = p > 0.0f ? key(p) : 0;
+            bool in = p > 0.0f && (kv & pref_mask) == cut.t;
             /* lanes holding the same value add once (rows with many equal probabilities would
              * otherwise queue on a few bins); 0xffffffff is a NaN, never a value that is in */
             unsigned int peers = __match_any_sync(0xffffffffu, in ? bits : 0xffffffffu);
             if (in && (threadIdx.x & 31) == __ffs(peers) - 1) {
-                unsigned int cnt = __popc(peers), d = (bits >> shift) & (unsigned)(nb - 1);
+                unsigned int cnt = __popc(peers), d = (unsigned int)(kv >> shift) & (unsigned)(nb - 1);
                 atomicAdd(&sm->hc[d], cnt);
                 sp_mass_add(&sm->hml[d], &sm->hmh[d], (ull)cnt * sp_fix(p));
             }
@@ -401,14 +429,45 @@ static __device__ sp_cut sp_select(const float *p_row, int n, unsigned int k, ul
             __syncthreads();
             return cut;
         }
-        pref_mask |= (unsigned)(nb - 1) << shift;
-        cut.t_bits |= (unsigned)sm->digit << shift;
+        pref_mask |= (ull)(nb - 1) << shift;
+        cut.t |= (ull)sm->digit << shift;
         cut.cnt_above = sm->cnt_above;
         cut.mass_above = sm->mass_above;
         cut.cnt_t = sm->cnt_t;
         __syncthreads();
     }
     return cut;
+}
+
+/* After a select for target that found its cut: keeps of the tokens with p > 0 in out those
+ * whose key is above the cut's and, of those at it, the lowest indices while the mass before
+ * them (the ones above, then the ones at the cut in index order) is short of target, as the
+ * reference's scan in (key, index) order keeps them; zeroes the rest and leaves the kept
+ * undivided. Returns the kept mass. The tokens at the cut are ranked (an exclusive scan of
+ * their masses in index order, tile by tile) only when there are several: equal keys may carry
+ * unequal masses (typical-p: one token above the typical probability and one below). */
+template <class K>
+static __device__ ull sp_keep(float *out, int n, K key, const sp_cut &cut, ull target, ull *shu, ull *shs)
+{
+    const ull need = target - cut.mass_above;   /* > 0: the tokens above the cut fall short */
+    const bool rank = cut.cnt_t > 1;            /* block-uniform */
+    ull base = 0, mine = 0;
+    for (int i0 = 0; i0 < n; i0 += SP_THREADS) {
+        int i = i0 + threadIdx.x;
+        float p = i < n ? out[i] : 0.0f;
+        ull kv = p > 0.0f ? key(p) : 0;
+        bool at = p > 0.0f && kv == cut.t;
+        ull before = 0, tile = 0;
+        if (rank)
+            before = sp_block_excl_scan(at ? sp_fix(p) : 0ull, shs, &tile);
+        bool keep = p > 0.0f && (kv > cut.t || (at && base + before < need));
+        if (keep)
+            mine += sp_fix(p);
+        else if (i < n)
+            out[i] = 0.0f;
+        base += tile;
+    }
+    return sp_block_sum_u(mine, shu);
 }
 
 __global__ void __launch_bounds__(SP_THREADS)
@@ -418,8 +477,7 @@ probs_kernel(kern_probs_args a)
     __shared__ float shf[SP_WARPS];
     __shared__ int shi[SP_WARPS];
     __shared__ double shd[2 * SP_WARPS];
-    __shared__ ull shu[SP_WARPS];
-    __shared__ int s_rank[SP_WARPS + 1];
+    __shared__ ull shu[SP_WARPS], shs[2 * SP_WARPS];
 
     const int n = a.n;
     const int xr = a.idx != NULL ? a.idx[blockIdx.x] : (int)blockIdx.x;
@@ -452,18 +510,21 @@ probs_kernel(kern_probs_args a)
         pmax = fmaxf(pmax, out[i]);
     }
     const int k = c.top_k > 0 && c.top_k < n ? c.top_k : n;
-    /* top_p >= 1 is off: no running mass need reach it */
+    /* top_p >= 1 and typical_p outside (0, 1) are off */
     const bool use_p = c.top_p < 1.0f, use_m = c.min_p > 0.0f;
-    if (k == n && !use_p && !use_m)
+    const bool use_t = c.typical_p > 0.0f && c.typical_p < 1.0f;
+    if (k == n && !use_p && !use_m && !use_t)
         return;
     pmax = sp_block_max(pmax, shf);   /* its barriers also put every p in out before reads */
 
-    /* the candidates: p >= the k-th largest p (its ties too) and p >= min_p * max p */
+    /* Each stage leaves its survivors in out undivided and the rest 0, and their mass in kept;
+     * the next runs over them. The candidates: p >= the k-th largest p (its ties too) and
+     * p >= min_p * max p */
     unsigned int tk_bits = 0;
     if (k < n) {
-        sp_cut ck = sp_select(out, n, (unsigned)k, ~0ull, &sm);
+        sp_cut ck = sp_select(out, n, (unsigned)k, ~0ull, sp_key_p{}, &sm);
         if (ck.found)
-            tk_bits = ck.t_bits;   /* else fewer than k tokens have mass: all are candidates */
+            tk_bits = (unsigned int)ck.t;   /* else fewer than k tokens have mass: all are candidates */
     }
     const double thr_m = use_m ? (double)c.min_p * (double)pmax : 0.0;
     ull mass = 0;
@@ -471,51 +532,40 @@ probs_kernel(kern_probs_args a)
         float p = out[i];
         if (p > 0.0f && __float_as_uint(p) >= tk_bits && (double)p >= thr_m)
             mass += sp_fix(p);
+        else
+            out[i] = 0.0f;
     }
-    mass = sp_block_sum_u(mass, shu);
+    ull kept = sp_block_sum_u(mass, shu);   /* its barriers publish the zeros */
 
-    /* top-p over the candidates: the kept set is every p > t and the first j (index order) of
-     * the tokens with p == t, t found by a select for ceil(top_p * mass). It lies inside the
-     * candidates (theirs is a set "p >= value" of that mass) */
-    sp_cut cp = {0, 0, 0, 0, 0};
-    if (use_p)
-        cp = sp_select(out, n, ~0u, (ull)ceil((double)c.top_p * (double)mass), &sm);
-    if (!cp.found) {
-        const double kept = (double)mass / SP_FIX_SCALE;
+    /* top-p: the tokens of p > t and the first of those with p == t in index order, t found by
+     * a select for ceil(top_p * kept) */
+    if (use_p) {
+        const ull target = (ull)ceil((double)c.top_p * (double)kept);
+        sp_cut cp = sp_select(out, n, ~0u, target, sp_key_p{}, &sm);
+        if (cp.found)
+            kept = sp_keep(out, n, sp_key_p{}, cp, target, shu, shs);
+    }
+    /* typical-p: the entropy of the survivors (integer terms: the sum has no order), then the
+     * same over the score keys for ceil(typical_p * kept) */
+    if (use_t) {
+        const double kd = (double)kept / SP_FIX_SCALE;
+        long long hs = 0;
         for (int i = threadIdx.x; i < n; i += SP_THREADS) {
             float p = out[i];
-            bool keep = p > 0.0f && __float_as_uint(p) >= tk_bits && (double)p >= thr_m;
-            out[i] = keep ? (float)((double)p / kept) : 0.0f;
+            if (p > 0.0f)
+                hs += kern_typical_term(p, kd);
         }
-        return;
+        /* the int64 sum as ull: two's complement gives the same bits */
+        const sp_key_typical key = {kd, kern_typical_entropy((long long)sp_block_sum_u((ull)hs, shu))};
+        const ull target = (ull)ceil((double)c.typical_p * (double)kept);
+        sp_cut ct = sp_select(out, n, ~0u, target, key, &sm);
+        if (ct.found)
+            kept = sp_keep(out, n, key, ct, target, shu, shs);
     }
-    const ull tp_fix = (ull)ceil((double)c.top_p * (double)mass);
-    const unsigned int t_bits = cp.t_bits;
-    const ull t_fix = sp_fix(__uint_as_float(t_bits));
-    const int c_t = cp.cnt_t;
-    long long jp = t_fix > 0 ? (long long)((tp_fix - cp.mass_above + t_fix - 1) / t_fix) : c_t;
-    const int j = (int)(jp < c_t ? jp : c_t);
-    const double kept = (double)(cp.mass_above + (ull)j * t_fix) / SP_FIX_SCALE;
-    if (j >= c_t) {
-        for (int i = threadIdx.x; i < n; i += SP_THREADS) {
-            float p = out[i];
-            out[i] = p > 0.0f && __float_as_uint(p) >= t_bits ? (float)((double)p / kept) : 0.0f;
-        }
-        return;
-    }
-    /* ties at t: rank them in index order, tile by tile */
-    int base = 0;
-    for (int i0 = 0; i0 < n; i0 += SP_THREADS) {
-        int i = i0 + threadIdx.x, rank;
-        float p = i < n ? out[i] : 0.0f;
-        unsigned int bits = __float_as_uint(p);
-        bool tie = i < n && bits == t_bits;
-        int tiles = sp_block_rank(tie, &rank, s_rank);
-        if (i < n) {
-            bool keep = bits > t_bits || (tie && base + rank < j);
-            out[i] = keep ? (float)((double)p / kept) : 0.0f;
-        }
-        base += tiles;
+    const double kd = (double)kept / SP_FIX_SCALE;
+    for (int i = threadIdx.x; i < n; i += SP_THREADS) {
+        float p = out[i];
+        out[i] = p > 0.0f ? (float)((double)p / kd) : 0.0f;
     }
 }
 
