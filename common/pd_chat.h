@@ -91,8 +91,8 @@ typedef struct {
 int pd_chat_render(const pd_chat_template *tp, const cJSON *messages, const pd_chat_tools *t,
                    const pd_chat_opts *o, char **out, size_t *out_len, char *msg, size_t cap);
 
-/* pd_chat_render of n text turns (roles[i], contents[i]) without tools: what gRPC's
- * GenerateRequest.messages and pdspark-generate --chat give. */
+/* pd_chat_render of n text turns (roles[i], contents[i]) without tools: what pdspark-generate
+ * --chat gives. */
 int pd_chat_render_text(const pd_chat_template *tp, const char *const *roles, const char *const *contents, int n,
                         const pd_chat_opts *o, char **out, size_t *out_len, char *msg, size_t cap);
 
