@@ -4,6 +4,7 @@
 
 #include <ctype.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -368,6 +369,11 @@ int pd_chat_tools_parse(const cJSON *root, pd_chat_tools *t, const char **param,
 nomem:
     snprintf(msg, cap, "out of memory");
     return -1;
+}
+
+int pd_chat_tools_mode(const pd_chat_tools *t)
+{
+    return t->choice == PD_TOOLS_NONE ? 0 : t->parallel ? 1 : 2;
 }
 
 static pd_status tools_compile(void *ud, pd_grammar **out, pd_err *err)
@@ -940,6 +946,25 @@ void pd_chat_parser_destroy(pd_chat_parser *p)
 }
 
 int pd_chat_parser_calls(const pd_chat_parser *p) { return p->calls; }
+
+int pd_chat_parser_calls_done(const pd_chat_parser *p)
+{
+    /* only a streamed call's arguments can be open (C_ARGS); a whole block is emitted done */
+    return p->calls - (p->mode == P_CALL && p->cst == C_ARGS);
+}
+
+void pd_chat_call_id(const char *request_id, int choice, int call, char out[PD_CHAT_CALL_ID_SIZE])
+{
+    uint64_t h[2] = { 1469598103934665603ull, 1099511628211ull * 7 };
+    for (int w = 0; w < 2; w++) {
+        for (const char *p = request_id; *p; p++)
+            h[w] = (h[w] ^ (uint8_t)*p) * 1099511628211ull;
+        h[w] = (h[w] ^ (uint64_t)(choice * 1000 + call + w * 77)) * 1099511628211ull;
+        h[w] ^= h[w] >> 29;
+    }
+    snprintf(out, PD_CHAT_CALL_ID_SIZE, "call_%016llx%08llx", (unsigned long long)h[0],
+             (unsigned long long)(h[1] & 0xffffffffull));
+}
 
 static const char *find(const char *s, size_t n, const char *needle)
 {

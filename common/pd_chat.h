@@ -64,6 +64,9 @@ typedef struct {
  * either way. */
 int pd_chat_tools_parse(const cJSON *root, pd_chat_tools *out, const char **param, char *msg, size_t cap);
 void pd_chat_tools_free(pd_chat_tools *t);
+/* pd_chat_parser_create's tools for a reply to a request with t: 0 when its tool_choice is
+ * "none" (or it has no tools), 2 when parallel_tool_calls is false, else 1. */
+int pd_chat_tools_mode(const pd_chat_tools *t);
 /* The grammar that forces tool calls: PD_TOOLS_REQUIRED (any of the tools, one or, with
  * parallel, more) or PD_TOOLS_NAMED (that one, once), from cache when it holds the same tools
  * (cache may be NULL). *out NULL for the other choices. */
@@ -88,8 +91,8 @@ typedef struct {
 int pd_chat_render(const pd_chat_template *tp, const cJSON *messages, const pd_chat_tools *t,
                    const pd_chat_opts *o, char **out, size_t *out_len, char *msg, size_t cap);
 
-/* pd_chat_render of n text turns (roles[i], contents[i]) without tools: what gRPC's
- * GenerateRequest.messages and pdspark-generate --chat give. */
+/* pd_chat_render of n text turns (roles[i], contents[i]) without tools: what pdspark-generate
+ * --chat gives. */
 int pd_chat_render_text(const pd_chat_template *tp, const char *const *roles, const char *const *contents, int n,
                         const pd_chat_opts *o, char **out, size_t *out_len, char *msg, size_t cap);
 
@@ -137,5 +140,13 @@ void pd_chat_parser_destroy(pd_chat_parser *p);   /* NULL is fine */
 int pd_chat_parser_feed(pd_chat_parser *p, const char *text, size_t len, int final, pd_chat_emit emit,
                         void *ud);
 int pd_chat_parser_calls(const pd_chat_parser *p);   /* tool calls emitted so far */
+/* Of them, those whose arguments are whole (all of them after a final feed): a call is done when
+ * its arguments' JSON object closed, or the output went on with something else. */
+int pd_chat_parser_calls_done(const pd_chat_parser *p);
+
+#define PD_CHAT_CALL_ID_SIZE 40
+/* A tool call's id, "call_" and 24 hex digits, from the request's id, the choice and the call's
+ * index (the same three give the same id). */
+void pd_chat_call_id(const char *request_id, int choice, int call, char out[PD_CHAT_CALL_ID_SIZE]);
 
 #endif

@@ -34,6 +34,8 @@ static void usage(FILE *f)
             "                      [--repetition-penalty R] [--logit-bias ID:BIAS[,...]] [--min-tokens N]\n"
             "                      [--json-object | --json-schema FILE | --choice TEXT... | --regex RE\n"
             "                       | --grammar FILE] [--n N]\n"
+            "                      [--tools FILE [--tool-choice auto|none|required|NAME]\n"
+            "                       [--parallel-tool-calls on|off]]\n"
             "\n"
             "Streams one completion from a decode node. Text is printed as it arrives; --json\n"
             "prints instead one object at the end with the fields of pdspark-generate --json\n"
@@ -41,10 +43,16 @@ static void usage(FILE *f)
             "both. --health prints the node's Health as JSON. --disconnect-after N drops the\n"
             "connection after N chunks (tests). --verify / --verify-threshold pick this request's\n"
             "DSpark verification policy (default: the node's). --chat sends --prompt as a user\n"
-            "message (after a --system message), --messages FILE a JSON array of {\"role\",\n"
-            "\"content\"} turns; the node renders them with its chat template (the reply is the raw\n"
-            "text, <think> included, unless the node splits reasoning off: --json then adds it as\n"
-            "\"reasoning\"); --thinking sets enable_thinking. --logprobs N (0..20) asks\n"
+            "message (after a --system message), --messages FILE a JSON array of OpenAI chat\n"
+            "messages ({\"role\", \"content\"}, an assistant's \"tool_calls\", a tool's\n"
+            "\"tool_call_id\" and \"name\"); the node renders them with its chat template (the reply\n"
+            "is the raw text, <think> included, unless the node splits reasoning off: --json then\n"
+            "adds it as \"reasoning\"); --thinking sets enable_thinking. --tools FILE (a JSON array of\n"
+            "OpenAI tools) offers the chat tools: the reply's calls are printed as they close, one\n"
+            "'[tool call I] NAME ARGUMENTS' line each (--json: \"tool_calls\" as the HTTP API writes\n"
+            "them, finish_reason \"tool_calls\"); --tool-choice required forces a call, NAME a call\n"
+            "of that function (or give the choice's JSON), none leaves the tools out;\n"
+            "--parallel-tool-calls off allows one call at most. --logprobs N (0..20) asks\n"
             "for each token's logprob, its rank (vLLM's: 1 + the other tokens at least as likely)\n"
             "and its N likeliest alternatives: --json then adds \"logprobs\": [{\"id\", \"logprob\",\n"
             "\"rank\", \"top\": [[id, logprob], ...]}, ...]. --n N (1..16)\n"
@@ -61,6 +69,7 @@ static void usage(FILE *f)
 /* GenerateRequest.messages of --chat / --messages */
 typedef struct {
     Pdspark__ChatMessage *m, **ptr;
+    char **calls;                    /* [n] the tool_calls_json of each (malloc'd, NULL: none) */
     int n;
     cJSON *doc;                      /* --messages: the strings point into it */
 } chat_turns;
@@ -69,7 +78,8 @@ static int turns_alloc(chat_turns *t, int n)
 {
     t->m = calloc((size_t)n, sizeof(*t->m));
     t->ptr = calloc((size_t)n, sizeof(*t->ptr));
-    if (t->m == NULL || t->ptr == NULL) {
+    t->calls = calloc((size_t)n, sizeof(*t->calls));
+    if (t->m == NULL || t->ptr == NULL || t->calls == NULL) {
         fprintf(stderr, PROG ": out of memory\n");
         return -1;
     }
@@ -84,6 +94,9 @@ static int turns_alloc(chat_turns *t, int n)
 
 static void turns_free(chat_turns *t)
 {
+    for (int i = 0; t->calls != NULL && i < t->n; i++)
+        free(t->calls[i]);
+    free(t->calls);
     free(t->m);
     free(t->ptr);
     cJSON_Delete(t->doc);
@@ -104,8 +117,9 @@ static int chat_from_prompt(chat_turns *t, const char *system_text, const char *
     return 0;
 }
 
-/* --messages FILE: a JSON array of {"role": string, "content": string} (the server checks the
- * roles and the order) */
+/* --messages FILE: a JSON array of OpenAI chat messages: {"role": string, "content": string
+ * (null or absent: ""), "tool_calls": array, "tool_call_id": string, "name": string} (the server
+ * checks the roles, the order and the calls) */
 static int chat_from_file(chat_turns *t, const char *path)
 {
     char *text = NULL;
@@ -127,12 +141,52 @@ static int chat_from_file(chat_turns *t, const char *path)
     for (const cJSON *m = t->doc->child; m != NULL; m = m->next, i++) {
         const cJSON *role = cJSON_GetObjectItemCaseSensitive(m, "role");
         const cJSON *content = cJSON_GetObjectItemCaseSensitive(m, "content");
-        if (!cJSON_IsString(role) || !cJSON_IsString(content)) {
-            fprintf(stderr, PROG ": --messages %s: message %d needs a string \"role\" and \"content\"\n", path, i);
+        const cJSON *calls = cJSON_GetObjectItemCaseSensitive(m, "tool_calls");
+        const cJSON *call_id = cJSON_GetObjectItemCaseSensitive(m, "tool_call_id");
+        const cJSON *name = cJSON_GetObjectItemCaseSensitive(m, "name");
+        if (!cJSON_IsString(role) || !(cJSON_IsString(content) || content == NULL || cJSON_IsNull(content)) ||
+            !(calls == NULL || cJSON_IsNull(calls) || cJSON_IsArray(calls)) ||
+            !(call_id == NULL || cJSON_IsString(call_id)) || !(name == NULL || cJSON_IsString(name))) {
+            fprintf(stderr, PROG ": --messages %s: message %d needs a string \"role\" and \"content\" (or null), "
+                    "an array \"tool_calls\", string \"tool_call_id\" and \"name\"\n", path, i);
             return -1;
         }
         t->m[i].role = role->valuestring;
-        t->m[i].content = content->valuestring;
+        if (cJSON_IsString(content))
+            t->m[i].content = content->valuestring;
+        if (cJSON_IsArray(calls)) {
+            if ((t->calls[i] = cJSON_PrintUnformatted(calls)) == NULL) {
+                fprintf(stderr, PROG ": out of memory\n");
+                return -1;
+            }
+            t->m[i].tool_calls_json = t->calls[i];
+        }
+        if (call_id != NULL)
+            t->m[i].tool_call_id = call_id->valuestring;
+        if (name != NULL)
+            t->m[i].name = name->valuestring;
+    }
+    return 0;
+}
+
+/* --tool-choice: a keyword or the choice's JSON as given, a function's name as that JSON (*out
+ * malloc'd) */
+static int tool_choice_of(const char *arg, char **out)
+{
+    int word = strcmp(arg, "auto") == 0 || strcmp(arg, "none") == 0 || strcmp(arg, "required") == 0;
+    if (word || arg[0] == '{') {
+        *out = strdup(arg);
+    } else {
+        cJSON *o = cJSON_CreateObject();
+        cJSON *fn = NULL;
+        *out = cJSON_AddStringToObject(o, "type", "function") != NULL &&
+               (fn = cJSON_AddObjectToObject(o, "function")) != NULL &&
+               cJSON_AddStringToObject(fn, "name", arg) != NULL ? cJSON_PrintUnformatted(o) : NULL;
+        cJSON_Delete(o);
+    }
+    if (*out == NULL) {
+        fprintf(stderr, PROG ": out of memory\n");
+        return -1;
     }
     return 0;
 }
@@ -144,7 +198,15 @@ typedef struct {
     size_t len, tcap;
     char *reasoning;                 /* GenerateChunk.reasoning_delta joined (NULL: none came) */
     size_t rlen, rcap;
+    cJSON *calls;                    /* GenerateChunk.tool_calls as the HTTP API writes them (NULL:
+                                      * none came) */
 } acc;
+
+/* a tool call's line, as printed without --json */
+static void print_call(int index, const char *name, const char *args)
+{
+    printf("[tool call %d] %s %s\n", index, name, args);
+}
 
 static int acc_add(acc *a, const Pdspark__GenerateChunk *c)
 {
@@ -163,6 +225,18 @@ static int acc_add(acc *a, const Pdspark__GenerateChunk *c)
     if (c->reasoning_delta != NULL && c->reasoning_delta[0] != '\0' &&
         pd_buf_append(&a->reasoning, &a->rlen, &a->rcap, c->reasoning_delta, strlen(c->reasoning_delta)) != 0)
         return -1;
+    for (size_t i = 0; i < c->n_tool_calls; i++) {
+        const Pdspark__ToolCall *t = c->tool_calls[i];
+        if (a->calls == NULL && (a->calls = cJSON_CreateArray()) == NULL)
+            return -1;
+        cJSON *o = cJSON_CreateObject(), *fn = NULL;
+        if (o == NULL || !cJSON_AddItemToArray(a->calls, o) || cJSON_AddStringToObject(o, "id", t->id) == NULL ||
+            cJSON_AddStringToObject(o, "type", "function") == NULL ||
+            (fn = cJSON_AddObjectToObject(o, "function")) == NULL ||
+            cJSON_AddStringToObject(fn, "name", t->name) == NULL ||
+            cJSON_AddStringToObject(fn, "arguments", t->arguments_json) == NULL)
+            return -1;
+    }
     return pd_buf_append(&a->text, &a->len, &a->tcap, c->text_delta,
                          c->text_delta != NULL ? strlen(c->text_delta) : 0);
 }
@@ -183,6 +257,7 @@ static const char *finish_str(Pdspark__FinishReason f)
     case PDSPARK__FINISH_REASON__FINISH_REASON_STOP: return "stop_string";
     case PDSPARK__FINISH_REASON__FINISH_REASON_CANCELLED: return "cancelled";
     case PDSPARK__FINISH_REASON__FINISH_REASON_ERROR: return "error";
+    case PDSPARK__FINISH_REASON__FINISH_REASON_TOOL_CALLS: return "tool_calls";
     default: return "none";
     }
 }
@@ -235,6 +310,10 @@ static void report(choice *c, int index, int json, int logprobs, double t0, doub
         cJSON_AddStringToObject(o, "text", c->a.text != NULL ? c->a.text : "");
         if (c->a.reasoning != NULL)
             cJSON_AddStringToObject(o, "reasoning", c->a.reasoning);
+        if (c->a.calls != NULL) {
+            cJSON_AddItemToObject(o, "tool_calls", c->a.calls);
+            c->a.calls = NULL;
+        }
         uint32_t rounds = ds != NULL ? ds->rounds : 0;
         cJSON_AddNumberToObject(o, "rounds", rounds);
         cJSON *apr = cJSON_AddArrayToObject(o, "accepted_per_round");
@@ -266,6 +345,12 @@ static void report(choice *c, int index, int json, int logprobs, double t0, doub
     }
     if (index >= 0) {
         printf("[choice %d]\n%s\n", index, c->a.text != NULL ? c->a.text : "");
+        int k = 0;
+        for (const cJSON *t = c->a.calls != NULL ? c->a.calls->child : NULL; t != NULL; t = t->next, k++) {
+            const cJSON *fn = cJSON_GetObjectItemCaseSensitive(t, "function");
+            print_call(k, cJSON_GetObjectItemCaseSensitive(fn, "name")->valuestring,
+                       cJSON_GetObjectItemCaseSensitive(fn, "arguments")->valuestring);
+        }
         fflush(stdout);
     }
     if (index >= 0)
@@ -282,8 +367,9 @@ static void report(choice *c, int index, int json, int logprobs, double t0, doub
 int main(int argc, char **argv)
 {
     const char *server = NULL, *prompt = NULL, *ids_path = NULL, *req_id = NULL, *system_text = NULL;
-    const char *msgs_path = NULL;
+    const char *msgs_path = NULL, *tools_path = NULL, *tool_choice = NULL;
     int chat = 0, thinking = 0;   /* thinking: GenerateRequest.enable_thinking */
+    int par_tools = 0;            /* GenerateRequest.parallel_tool_calls */
     int max_new = 128, top_k = 0, json = 0, stream = 0, ignore_eos = 0, health = 0, skip_special = 0;
     int disconnect_after = -1, logprobs = -1, n_choices = 1, model_defaults = 0, max_new_set = 0, top_p_set = 0;
     char *stops[16];
@@ -298,7 +384,8 @@ int main(int argc, char **argv)
     enum { O_SERVER = 256, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_IGNORE,
            O_TMO, O_RID, O_JSON, O_STREAM, O_DISC, O_HEALTH, O_STOP, O_VERIFY, O_VTHRESH, O_LOGPROBS,
            O_PRES, O_FREQ, O_REP, O_BIAS, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_GRAMMAR, O_SKIPSP,
-           O_MINP, O_TYPP, O_CHAT, O_SYSTEM, O_THINK, O_MSGS, O_N, O_MODELDEF, O_HELP };
+           O_MINP, O_TYPP, O_CHAT, O_SYSTEM, O_THINK, O_MSGS, O_N, O_MODELDEF, O_TOOLS, O_TOOLCH, O_PARTOOLS,
+           O_HELP };
     static const struct option opts[] = {
         {"server", required_argument, 0, O_SERVER}, {"prompt", required_argument, 0, O_PROMPT},
         {"prompt-ids", required_argument, 0, O_IDS}, {"max-new-tokens", required_argument, 0, O_MAXNEW},
@@ -323,6 +410,8 @@ int main(int argc, char **argv)
         {"choice", required_argument, 0, O_CHOICE}, {"regex", required_argument, 0, O_REGEX},
         {"grammar", required_argument, 0, O_GRAMMAR}, {"n", required_argument, 0, O_N},
         {"model-defaults", no_argument, 0, O_MODELDEF},
+        {"tools", required_argument, 0, O_TOOLS}, {"tool-choice", required_argument, 0, O_TOOLCH},
+        {"parallel-tool-calls", required_argument, 0, O_PARTOOLS},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0},
     };
     opterr = 0;
@@ -355,6 +444,15 @@ int main(int argc, char **argv)
                 return 2;
             }
             thinking = strcmp(optarg, "on") == 0 ? 2 : 1;
+            break;
+        case O_TOOLS: tools_path = optarg; break;
+        case O_TOOLCH: tool_choice = optarg; break;   /* checked by the server */
+        case O_PARTOOLS:
+            if (strcmp(optarg, "on") != 0 && strcmp(optarg, "off") != 0) {
+                fprintf(stderr, PROG ": --parallel-tool-calls takes on or off, not '%s'\n", optarg);
+                return 2;
+            }
+            par_tools = strcmp(optarg, "on") == 0 ? 2 : 1;
             break;
         case O_SEED: bad = pd_cli_parse_i64(PROG, "--seed", optarg, 0, INT64_MAX, &seed); break;
         case O_IGNORE: ignore_eos = 1; break;
@@ -409,6 +507,10 @@ int main(int argc, char **argv)
         fprintf(stderr, PROG ": --system needs --chat, --thinking --chat or --messages\n");
         return 2;
     }
+    if ((tools_path != NULL || tool_choice != NULL || par_tools != 0) && !chat && msgs_path == NULL) {
+        fprintf(stderr, PROG ": --tools, --tool-choice and --parallel-tool-calls need --chat or --messages\n");
+        return 2;
+    }
     if (chat && prompt == NULL) {
         fprintf(stderr, PROG ": --chat sends --prompt TEXT as the user's message\n");
         return 2;
@@ -446,9 +548,18 @@ int main(int argc, char **argv)
             uids[i] = (uint32_t)ids[i];   /* negative ids wrap and the server refuses them */
     }
     chat_turns turns = {0};
-    if (chat ? chat_from_prompt(&turns, system_text, prompt) : msgs_path != NULL ? chat_from_file(&turns, msgs_path)
-                                                                                 : 0) {
+    char *tools_text = NULL, *choice_json = NULL;   /* GenerateRequest.tools_json, tool_choice */
+    int bad_in = chat ? chat_from_prompt(&turns, system_text, prompt)
+               : msgs_path != NULL ? chat_from_file(&turns, msgs_path) : 0;
+    if (bad_in == 0 && tools_path != NULL && pd_cli_read_text(tools_path, &tools_text, &err) != PD_OK) {
+        fprintf(stderr, PROG ": --tools: %s\n", err.msg);   /* the node checks what the file says */
+        bad_in = -1;
+    }
+    if (bad_in == 0 && tool_choice != NULL)
+        bad_in = tool_choice_of(tool_choice, &choice_json);
+    if (bad_in != 0) {
         turns_free(&turns);
+        free(tools_text);
         free(uids);
         free(ids);
         pd_rpc_channel_destroy(ch);
@@ -498,6 +609,9 @@ int main(int argc, char **argv)
     rq.n_messages = (size_t)turns.n;
     rq.messages = turns.ptr;
     rq.enable_thinking = (uint32_t)thinking;
+    rq.tools_json = tools_text != NULL ? tools_text : "";
+    rq.tool_choice = choice_json != NULL ? choice_json : "";
+    rq.parallel_tool_calls = (uint32_t)par_tools;
     rq.n_prompt_token_ids = (size_t)n_ids;
     rq.prompt_token_ids = uids;
     rq.sampling = &sp;
@@ -526,7 +640,7 @@ int main(int argc, char **argv)
                                       &pdspark__generate_chunk__descriptor,
                                       timeout_ms > 0 ? timeout_ms + 1000 : 0, &s, &err);
     int rc = 1;
-    int chunks = 0;
+    int chunks = 0, mid_line = 0;   /* --stream: the text printed last did not end a line */
     while (st == PD_OK) {
         ProtobufCMessage *m = NULL;
         st = pd_rpc_stream_read(s, &m, &err);
@@ -563,6 +677,14 @@ int main(int argc, char **argv)
         }
         if (stream && ck->text_delta != NULL && ck->text_delta[0] != '\0') {
             fputs(ck->text_delta, stdout);
+            fflush(stdout);
+            mid_line = ck->text_delta[strlen(ck->text_delta) - 1] != '\n';
+        }
+        for (size_t i = 0; stream && i < ck->n_tool_calls; i++) {
+            if (mid_line)
+                fputc('\n', stdout);
+            mid_line = 0;
+            print_call((int)ck->tool_calls[i]->index, ck->tool_calls[i]->name, ck->tool_calls[i]->arguments_json);
             fflush(stdout);
         }
         chunks++;
@@ -607,6 +729,7 @@ out:
         free(cs[i].a.tokens);
         free(cs[i].a.text);
         free(cs[i].a.reasoning);
+        cJSON_Delete(cs[i].a.calls);
     }
     free(cs);
     pd_rpc_stream_close(s);
@@ -616,5 +739,7 @@ out:
     free(uids);
     free(ids);
     turns_free(&turns);
+    free(tools_text);
+    free(choice_json);
     return rc;
 }

@@ -273,8 +273,16 @@ const pd_tokenizer *decode_server_tokenizer(const decode_server *s);
  * compiled, or the same grammar compiled for an earlier request (the server keeps the last 64
  * by spec; their matchers share masks). PD_ERR_INVALID naming what is wrong. Any thread. */
 pd_status decode_compile_guide(decode_server *s, const decode_req *req, struct pd_grammar **out, pd_err *err);
-/* That cache (for grammars other front ends build, e.g. forced tool calls). Any thread. */
+/* That cache (for grammars other front ends build). Any thread. */
 struct pd_gcache *decode_server_grammars(decode_server *s);
+/* The grammar that forces a chat request's tool calls (t's tool_choice "required" or a named
+ * function), from that cache, into *out (NULL, with PD_OK, for the other choices): what both
+ * front ends use. guide: the field by which the request also asks for structured output (NULL:
+ * none); min_tokens: the request's. PD_ERR_INVALID with *param the field at fault: "tool_choice"
+ * (with structured output: both constrain the output), "min_tokens", or "tools" (a tool's
+ * parameters do not compile). Any thread. */
+pd_status decode_tools_grammar(decode_server *s, const pd_chat_tools *t, const char *guide, int min_tokens,
+                               struct pd_grammar **out, const char **param, pd_err *err);
 /* The model's vocabulary size (token ids 0..vocab-1). */
 int decode_server_vocab(const decode_server *s);
 /* The context length: prompt plus generated tokens at most. */

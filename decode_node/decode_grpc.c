@@ -2,13 +2,18 @@
  * Owns: per-call contexts tying a pd_rpc_call to its choices' decode_handles (GenerateRequest.n:
  *   n engine requests of the prompt on one stream; the group is reference counted: the handler,
  *   the call's on-done and each submitted choice's on_done hold one), chunk encoding, a
- *   request's chat messages rendered into its prompt (by the server's chat template).
- * Not here: scheduling, validation rules (decode_server.c).
+ *   request's chat (messages and tools) made into its prompt and a forced call's grammar the way
+ *   the HTTP API makes a chat request's (read as that body by pd_wire_chat_in, then pd_chat and
+ *   decode_tools_grammar), and the reply split by pd_chat's parser into text, reasoning and
+ *   whole tool calls.
+ * Not here: scheduling, validation rules (decode_server.c), what a chat's fields must say
+ *   (pd_chat.c).
  * Threading: handlers and on-done on the pd_rpc poller thread, on_token/on_done on the engine
  *   thread; the group's mutex orders "handle known" against "client gone" and collects the
  *   choices' ends. */
 #include "decode_grpc.h"
 
+#include <cjson/cJSON.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -17,6 +22,7 @@
 
 #include "pd_buf.h"
 #include "pd_chat.h"
+#include "pd_grammar.h"
 #include "pd_log.h"
 #include "pd_proto_version.h"
 #include "pd_verify_policy.h"
@@ -29,6 +35,12 @@
 
 typedef struct gen_group gen_group;
 
+/* A tool call of a choice's reply, gathered until its arguments are whole */
+typedef struct {
+    char *name, *args;
+    size_t name_len, name_cap, args_len, args_cap;
+} gen_call;
+
 /* One choice of a call */
 typedef struct {
     gen_group *g;
@@ -40,10 +52,12 @@ typedef struct {
     size_t pend_len, pend_cap;
     uint32_t n_sent_ids;
     char id[96];           /* the choice's request id when n > 1 */
-    /* a chat reply split into content and reasoning (engine thread; NULL: no split) */
+    /* a chat reply split into content, reasoning and tool calls (engine thread; NULL: no split) */
     pd_chat_parser *cp;
     char *sent;            /* the reply's text sent so far (before the split) */
     size_t sent_len, sent_cap;
+    gen_call *calls;       /* [n_calls] the reply's tool calls; the first calls_sent went out */
+    int n_calls, cap_calls, calls_sent;
 } gen_ctx;
 
 struct gen_group {
@@ -72,6 +86,11 @@ static void group_unref(gen_group *g, int k)
         free(g->ch[i].pend);
         free(g->ch[i].sent);
         pd_chat_parser_destroy(g->ch[i].cp);
+        for (int j = 0; j < g->ch[i].n_calls; j++) {
+            free(g->ch[i].calls[j].name);
+            free(g->ch[i].calls[j].args);
+        }
+        free(g->ch[i].calls);
     }
     pthread_mutex_destroy(&g->mu);
     for (int i = 0; i < g->n_stop; i++)
@@ -134,29 +153,93 @@ static int pend_add(gen_ctx *c, const char *t, size_t n)
     return pd_buf_append(&c->pend, &c->pend_len, &c->pend_cap, t, n);
 }
 
-/* A chat reply split as it is sent: the content and the reasoning certain so far */
+/* A chat reply split as it is sent: the content and the reasoning certain so far, and the tool
+ * calls that became whole */
 typedef struct {
+    gen_ctx *c;
     char *text[2];         /* [0] content, [1] reasoning (NULL: none) */
     size_t len[2], cap[2];
+    Pdspark__ToolCall *tc, **tcp;   /* [n] the calls (their strings borrowed from c->calls) */
+    char (*ids)[PD_CHAT_CALL_ID_SIZE];
     int oom;
 } split_out;
+
+static void split_out_free(split_out *o)
+{
+    free(o->text[0]);
+    free(o->text[1]);
+    free(o->tc);
+    free(o->tcp);
+    free(o->ids);
+}
 
 static void split_emit(void *ud, const pd_chat_piece *p)
 {
     split_out *o = ud;
-    int k = p->kind == PD_CHAT_REASONING;   /* no tools: content or reasoning */
-    if (pd_buf_append(&o->text[k], &o->len[k], &o->cap[k], p->text, p->len) != 0)
+    if (p->kind != PD_CHAT_TOOL_CALL) {
+        int k = p->kind == PD_CHAT_REASONING;
+        if (pd_buf_append(&o->text[k], &o->len[k], &o->cap[k], p->text, p->len) != 0)
+            o->oom = 1;
+        return;
+    }
+    gen_ctx *c = o->c;
+    if (p->first) {
+        if (c->n_calls == c->cap_calls) {
+            int cap = c->cap_calls > 0 ? 2 * c->cap_calls : 4;
+            gen_call *nc = realloc(c->calls, (size_t)cap * sizeof(*nc));
+            if (nc == NULL) {
+                o->oom = 1;
+                return;
+            }
+            c->calls = nc;
+            c->cap_calls = cap;
+        }
+        gen_call *nk = &c->calls[c->n_calls++];
+        memset(nk, 0, sizeof(*nk));
+        if (pd_buf_append(&nk->name, &nk->name_len, &nk->name_cap, p->text, p->len) != 0)
+            o->oom = 1;
+    }
+    if (c->n_calls == 0) {   /* its first piece found no room */
+        o->oom = 1;
+        return;
+    }
+    gen_call *k = &c->calls[c->n_calls - 1];
+    if (pd_buf_append(&k->args, &k->args_len, &k->args_cap, p->args, p->args_len) != 0)
         o->oom = 1;
 }
 
 /* m's text_delta is the reply's next text: m then carries the content certain so far as its
- * text_delta and the reasoning as its reasoning_delta, both in o (free them after the write).
- * -1 on NOMEM (m unchanged). */
+ * text_delta, the reasoning as its reasoning_delta and the calls whose arguments became whole as
+ * its tool_calls, all in o (split_out_free after the write). -1 on NOMEM (m unchanged). */
 static int split_chunk(gen_ctx *c, Pdspark__GenerateChunk *m, int final, split_out *o)
 {
+    o->c = c;
     if (pd_buf_append(&c->sent, &c->sent_len, &c->sent_cap, m->text_delta, strlen(m->text_delta)) != 0 ||
         pd_chat_parser_feed(c->cp, c->sent, c->sent_len, final, split_emit, o) != 0 || o->oom)
         return -1;
+    int from = c->calls_sent, to = pd_chat_parser_calls_done(c->cp);
+    if (to > from) {
+        size_t n = (size_t)(to - from);
+        o->tc = calloc(n, sizeof(*o->tc));
+        o->tcp = calloc(n, sizeof(*o->tcp));
+        o->ids = calloc(n, sizeof(*o->ids));
+        if (o->tc == NULL || o->tcp == NULL || o->ids == NULL)
+            return -1;
+        for (int k = from; k < to; k++) {
+            Pdspark__ToolCall *t = &o->tc[k - from];
+            pdspark__tool_call__init(t);
+            t->version = PD_PROTO_VERSION;
+            pd_chat_call_id(m->request_id, (int)c->index, k, o->ids[k - from]);
+            t->id = o->ids[k - from];
+            t->name = c->calls[k].name != NULL ? c->calls[k].name : "";
+            t->arguments_json = c->calls[k].args != NULL ? c->calls[k].args : "";
+            t->index = (uint32_t)k;
+            o->tcp[k - from] = t;
+        }
+        m->n_tool_calls = n;
+        m->tool_calls = o->tcp;
+        c->calls_sent = to;
+    }
     m->text_delta = o->text[0] != NULL ? o->text[0] : "";
     m->reasoning_delta = o->text[1] != NULL ? o->text[1] : "";
     return 0;
@@ -252,8 +335,7 @@ static void gen_on_token(void *ud, const decode_chunk *ch)
     split_out so = {0};
     pd_status st = c->cp != NULL && split_chunk(c, &m, 0, &so) != 0 ? PD_ERR_NOMEM
                                                                     : pd_rpc_stream_write(g->call, &m.base);
-    free(so.text[0]);
-    free(so.text[1]);
+    split_out_free(&so);
     free(sendbuf);
     free(lpm);
     free(lpp);
@@ -336,9 +418,14 @@ static void gen_on_done(void *ud, const decode_result *res)
         m.text_delta = "";
     if (c->cp != NULL)
         (void)split_chunk(c, &m, 1, &so);   /* NOMEM: the unsplit text goes */
+    /* a reply that made calls and ended where it chose to (eos, a stop string) ends for them, as
+     * the HTTP API's finish_reason "tool_calls" */
+    if (c->cp != NULL && pd_chat_parser_calls(c->cp) > 0 &&
+        (m.finish_reason == PDSPARK__FINISH_REASON__FINISH_REASON_EOS ||
+         m.finish_reason == PDSPARK__FINISH_REASON__FINISH_REASON_STOP))
+        m.finish_reason = PDSPARK__FINISH_REASON__FINISH_REASON_TOOL_CALLS;
     pd_rpc_stream_write(g->call, &m.base);
-    free(so.text[0]);
-    free(so.text[1]);
+    split_out_free(&so);
     free(apr);
     free(pos);
     free(tail);
@@ -359,46 +446,64 @@ static void gen_rpc_done(void *arg, pd_rpc_call *call, bool cancelled)
     group_unref(g, 1);
 }
 
-/* GenerateRequest.messages rendered by the node's chat template into *out (malloc'd); -1 with
- * why otherwise (chat unavailable, another prompt field also set, a bad message). */
-static int chat_prompt(decode_server *s, const Pdspark__GenerateRequest *rq, char **out, size_t *len,
-                       int *reasoning, char *why, size_t cap)
+/* the SamplingParams field by which dr asks for structured output, NULL when none does */
+static const char *guide_field(const decode_req *dr)
+{
+    return dr->json_object ? "json_object" : dr->json_schema != NULL ? "json_schema"
+         : dr->n_choices > 0 ? "choice" : dr->regex != NULL ? "regex" : dr->ebnf != NULL ? "grammar" : NULL;
+}
+
+/* A chat (GenerateRequest.messages and its tools) read as the HTTP API reads a chat request's
+ * body, so that both render it and force its calls alike: the prompt the node's chat template
+ * writes (*out, malloc'd, and *len), the grammar that forces a call (*grammar, NULL when none: the
+ * caller unrefs it), and the reply parser's tools and reasoning modes (pd_chat_parser_create).
+ * PD_ERR_INVALID with the field at fault (chat unavailable, another prompt field also set, a bad
+ * message, bad tools), PD_ERR_NOMEM. */
+static pd_status chat_setup(decode_server *s, const Pdspark__GenerateRequest *rq, const decode_req *dr, char **out,
+                            size_t *len, pd_grammar **grammar, int *tools, int *reasoning, pd_err *err)
 {
     const char *unavailable = NULL;
     const pd_chat_template *tp = decode_server_chat_template(s, &unavailable);
-    if (tp == NULL) {
-        snprintf(why, cap, "%s", unavailable);
-        return -1;
-    }
-    if ((rq->prompt_text != NULL && rq->prompt_text[0] != '\0') || rq->n_prompt_token_ids > 0) {
-        snprintf(why, cap, "set one of prompt_text, prompt_token_ids and messages");
-        return -1;
-    }
-    if (rq->enable_thinking > 2) {
-        snprintf(why, cap, "enable_thinking must be 0 (the template's default), 1 (off) or 2 (on)");
-        return -1;
-    }
-    const char **roles = malloc(rq->n_messages * 2 * sizeof(char *));
-    if (roles == NULL) {
-        snprintf(why, cap, "out of memory rendering the messages");
-        return -1;
-    }
-    const char **contents = roles + rq->n_messages;
-    for (size_t i = 0; i < rq->n_messages; i++) {
-        if (rq->messages[i]->version != PD_PROTO_VERSION) {
-            snprintf(why, cap, "messages[%zu]: protocol version mismatch", i);
-            free(roles);
-            return -1;
-        }
-        roles[i] = rq->messages[i]->role;
-        contents[i] = rq->messages[i]->content;
-    }
+    if (tp == NULL)
+        return pd_err_set(err, PD_ERR_INVALID, "%s", unavailable);
+    if ((rq->prompt_text != NULL && rq->prompt_text[0] != '\0') || rq->n_prompt_token_ids > 0)
+        return pd_err_set(err, PD_ERR_INVALID, "set one of prompt_text, prompt_token_ids and messages");
+    if (rq->enable_thinking > 2)
+        return pd_err_set(err, PD_ERR_INVALID, "enable_thinking must be 0 (the template's default), 1 (off) or "
+                          "2 (on)");
+    cJSON *body = NULL;
+    pd_status st = pd_wire_chat_in(rq, &body, err);
+    if (st != PD_OK)
+        return st;
+    pd_chat_tools t;
+    const char *param = NULL;
+    char msg[sizeof(err->msg)];
     pd_chat_opts o = PD_CHAT_OPTS_DEFAULT;
     o.enable_thinking = rq->enable_thinking == 0 ? -1 : (int)rq->enable_thinking - 1;
-    int rc = pd_chat_render_text(tp, roles, contents, (int)rq->n_messages, &o, out, len, why, cap);
-    free(roles);
+    /* the HTTP API's 'tools' is this API's tools_json (tool_choice is named alike) */
+    if (pd_chat_tools_parse(body, &t, &param, msg, sizeof(msg)) != 0) {
+        st = pd_err_set(err, PD_ERR_INVALID, "%s%s", strcmp(param, "tools") == 0 ? "tools_json: " : "", msg);
+        goto out;
+    }
+    if (pd_chat_render(tp, cJSON_GetObjectItemCaseSensitive(body, "messages"), &t, &o, out, len, msg,
+                       sizeof(msg)) != 0) {
+        st = pd_err_set(err, PD_ERR_INVALID, "%s", msg);
+        goto out;
+    }
+    pd_err gerr;
+    st = decode_tools_grammar(s, &t, guide_field(dr), dr->min_tokens, grammar, &param, &gerr);
+    if (st != PD_OK) {
+        pd_err_set(err, st, "%s%s", strcmp(param, "tools") == 0 ? "tools_json: " : "", gerr.msg);
+        free(*out);
+        *out = NULL;
+        goto out;
+    }
+    *tools = pd_chat_tools_mode(&t);
     *reasoning = decode_server_reasoning(s) ? pd_chat_reasoning_mode(tp, &o) : 0;
-    return rc;
+out:
+    pd_chat_tools_free(&t);
+    cJSON_Delete(body);
+    return st;
 }
 
 /* SamplingParams.model_defaults: the fields left 0 take the model's values where it has them */
@@ -526,28 +631,40 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
     if (left != INT64_MAX && (tmo == 0 || left < tmo))
         tmo = left > 0 ? left : 1;
     dr.timeout_ms = tmo;
-    char *chat_text = NULL;
-    int reasoning = 0;
-    if (rq->n_messages > 0) {
-        char why[256];
-        if (chat_prompt(s, rq, &chat_text, &dr.prompt_text_len, &reasoning, why, sizeof(why)) != 0) {
-            free(ids);
-            pd_rpc_finish(call, PD_ERR_INVALID, why);
-            return PD_OK;
-        }
-        dr.prompt_text = chat_text;
+    if (rq->n_messages == 0 && ((rq->tools_json != NULL && rq->tools_json[0] != '\0') ||
+                                (rq->tool_choice != NULL && rq->tool_choice[0] != '\0') ||
+                                rq->parallel_tool_calls != 0)) {
+        free(ids);
+        pd_rpc_finish(call, PD_ERR_INVALID, "tools_json, tool_choice and parallel_tool_calls need messages (a chat)");
+        return PD_OK;
     }
     if (rq->n > MAX_N) {
         free(ids);
-        free(chat_text);
         pd_rpc_finish(call, PD_ERR_INVALID, "n must be 1..16 choices");
         return PD_OK;
+    }
+    char *chat_text = NULL;
+    pd_grammar *tools_grammar = NULL;   /* a forced tool call's (decode_submit takes its own ref) */
+    int tools = 0, reasoning = 0;
+    if (rq->n_messages > 0) {
+        pd_err cerr;
+        pd_status cst = chat_setup(s, rq, &dr, &chat_text, &dr.prompt_text_len, &tools_grammar, &tools, &reasoning,
+                                   &cerr);
+        if (cst != PD_OK) {
+            free(ids);
+            pd_rpc_finish(call, cst, cerr.msg);
+            return PD_OK;
+        }
+        dr.prompt_text = chat_text;
+        if (tools_grammar != NULL)
+            dr.grammar = tools_grammar;
     }
     const int n = rq->n > 1 ? (int)rq->n : 1;
     gen_group *g = calloc(1, sizeof(*g) + (size_t)n * sizeof(gen_ctx));
     if (g == NULL) {
         free(ids);
         free(chat_text);
+        pd_grammar_unref(tools_grammar);
         return pd_err_set(&err, PD_ERR_NOMEM, "call context");
     }
     atomic_init(&g->refs, 2 + n);   /* handler, call on-done, each choice's on_done */
@@ -562,12 +679,13 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
     for (int i = 0; i < n; i++) {
         g->ch[i].g = g;
         g->ch[i].index = (uint32_t)i;
-        if (reasoning && (g->ch[i].cp = pd_chat_parser_create(0, reasoning)) == NULL)
+        if ((tools || reasoning) && (g->ch[i].cp = pd_chat_parser_create(tools, reasoning)) == NULL)
             oom = 1;
     }
     if (oom) {
         free(ids);
         free(chat_text);
+        pd_grammar_unref(tools_grammar);
         group_unref(g, 2 + n);
         return pd_err_set(&err, PD_ERR_NOMEM, "reply parser");
     }
@@ -583,6 +701,7 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
         if (g->n_stop != (int)n_stop) {
             free(ids);
             free(chat_text);
+            pd_grammar_unref(tools_grammar);
             group_unref(g, 2 + n);
             return pd_err_set(&err, PD_ERR_NOMEM, "stop strings");
         }
@@ -618,6 +737,7 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
     }
     free(ids);
     free(chat_text);
+    pd_grammar_unref(tools_grammar);
     if (st != PD_OK) {
         /* choices from sub on never reach the engine: they end here, with no on_done */
         PD_LOG_DEBUG("grpc", "generate refused: %s", err.msg);

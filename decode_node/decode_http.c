@@ -229,7 +229,7 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     r->req = req;
     r->chat = chat;
     /* parallel_tool_calls false: one call at most (the splitter drops what follows it) */
-    r->tools = !chat || tools.choice == PD_TOOLS_NONE ? 0 : tools.parallel ? 1 : 2;
+    r->tools = chat ? pd_chat_tools_mode(&tools) : 0;
     /* 1: the reply may open <think>; 2: the generation prompt opened it (the reply starts inside) */
     r->reasoning = chat && dh->reasoning ? pd_chat_reasoning_mode(tmpl, &copts) : 0;
     r->stream = o.stream;

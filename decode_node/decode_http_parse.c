@@ -774,26 +774,16 @@ int decode_http_chat_setup(const cJSON *root, decode_req *dr, req_opts *o, pd_ch
         if (cJSON_IsBool(et))
             co->enable_thinking = cJSON_IsTrue(et);
     }
-    *param = "tool_choice";
-    if (dr != NULL && (t->choice == PD_TOOLS_REQUIRED || t->choice == PD_TOOLS_NAMED)) {
-        if (o->n_guides > 0) {
-            snprintf(msg, cap, "'tool_choice' %s cannot be combined with %s (both constrain the output)",
-                     t->choice == PD_TOOLS_REQUIRED ? "\"required\"" : "naming a function", o->guide_param);
-            return -1;
-        }
-        if (dr->min_tokens > 0) {
-            *param = "min_tokens";
-            snprintf(msg, cap, "'min_tokens' cannot be combined with a forced tool call (the grammar decides "
-                     "where the output may end)");
-            return -1;
-        }
+    if (dr != NULL) {
+        pd_grammar *g = NULL;
         pd_err gerr;
-        if (pd_chat_tools_grammar(t, decode_server_grammars(o->srv), &o->grammar, &gerr) != PD_OK) {
-            *param = "tools";
+        if (decode_tools_grammar(o->srv, t, o->n_guides > 0 ? o->guide_param : NULL, dr->min_tokens, &g, param,
+                                 &gerr) != PD_OK) {
             snprintf(msg, cap, "%s", gerr.msg);
             return -1;
         }
-        dr->grammar = o->grammar;
+        if (g != NULL)
+            o->grammar = dr->grammar = g;
     }
     *param = "messages";
     return 0;

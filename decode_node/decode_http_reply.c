@@ -247,19 +247,6 @@ static void choice_end(cJSON *c, const http_choice *ch, const char *finish, int 
         cJSON_AddItemToObject(c, "prompt_logprobs", prompt_logprobs_json(ch));
 }
 
-/* a tool call's id: call_ and 24 hex digits from the request id, the choice and the call */
-static void call_id(const http_choice *ch, int k, char out[40])
-{
-    uint64_t h[2] = { 1469598103934665603ull, 1099511628211ull * 7 };
-    for (int w = 0; w < 2; w++) {
-        for (const char *p = ch->r->id; *p; p++)
-            h[w] = (h[w] ^ (uint8_t)*p) * 1099511628211ull;
-        h[w] = (h[w] ^ (uint64_t)(ch->idx * 1000 + k + w * 77)) * 1099511628211ull;
-        h[w] ^= h[w] >> 29;
-    }
-    snprintf(out, 40, "call_%016llx%08llx", (unsigned long long)h[0], (unsigned long long)(h[1] & 0xffffffffull));
-}
-
 /* A tool call's JSON from its first piece: id, type, function name and the arguments so far
  * (streamed: with its index); a later piece streamed: index and the next arguments only. */
 static cJSON *tool_call_json(const http_choice *ch, const pd_chat_piece *p, int stream)
@@ -268,8 +255,8 @@ static cJSON *tool_call_json(const http_choice *ch, const pd_chat_piece *p, int 
     if (stream)
         cJSON_AddNumberToObject(tc, "index", p->index);
     if (p->first) {
-        char id[40];
-        call_id(ch, p->index, id);
+        char id[PD_CHAT_CALL_ID_SIZE];
+        pd_chat_call_id(ch->r->id, ch->idx, p->index, id);
         cJSON_AddStringToObject(tc, "id", id);
         cJSON_AddStringToObject(tc, "type", "function");
     }

@@ -2,8 +2,9 @@
  * Owns: the pd_engine and its KV pools, the engine thread's pd_loop (steps, a 20 ms tick for
  *   deadlines and UCX progress), the request table (queued -> prefilling -> running -> ended),
  *   admission bounded by free KV pages (FIFO queue, then RESOURCE_EXHAUSTED), streaming
- *   detokenization, the chat template both front ends render by, the aux arena's rows, and the
- *   CancelPrefill of a request that ends while its Prefill is in flight.
+ *   detokenization, the chat template both front ends render by, the structured-output grammar
+ *   cache (with the forced tool calls of both front ends' chat requests), the aux arena's rows,
+ *   and the CancelPrefill of a request that ends while its Prefill is in flight.
  * Not here: the prefill-node side of disaggregated mode (decode_prefill.c: the UCX worker, the
  *   Prefill calls and their replies, --prefill resolution), the wire format of Generate
  *   (decode_grpc.c), the engine math (common/pd_engine.c).
@@ -179,6 +180,27 @@ pd_status decode_compile_guide(decode_server *s, const decode_req *req, pd_gramm
 pd_gcache *decode_server_grammars(decode_server *s)
 {
     return s->grammars;
+}
+
+pd_status decode_tools_grammar(decode_server *s, const pd_chat_tools *t, const char *guide, int min_tokens,
+                               pd_grammar **out, const char **param, pd_err *err)
+{
+    *out = NULL;
+    if (t->choice != PD_TOOLS_REQUIRED && t->choice != PD_TOOLS_NAMED)
+        return PD_OK;
+    *param = "tool_choice";
+    if (guide != NULL)
+        return pd_err_set(err, PD_ERR_INVALID, "'tool_choice' %s cannot be combined with %s (both constrain the "
+                          "output)", t->choice == PD_TOOLS_REQUIRED ? "\"required\"" : "naming a function", guide);
+    if (min_tokens > 0) {
+        *param = "min_tokens";
+        return pd_err_set(err, PD_ERR_INVALID, "'min_tokens' cannot be combined with a forced tool call (the "
+                          "grammar decides where the output may end)");
+    }
+    pd_status st = pd_chat_tools_grammar(t, s->grammars, out, err);
+    if (st != PD_OK)
+        *param = "tools";
+    return st;
 }
 
 int decode_server_aux_alloc(decode_server *s, int n)

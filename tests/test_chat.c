@@ -10,7 +10,7 @@
  * - the tool-call grammar (Hermes format): calls that follow the schema accepted, others not;
  * - the output parser: content, <think> reasoning and <tool_call> blocks split the same whether
  *   the text comes whole or a byte at a time, tags split across feeds held back, bad blocks kept
- *   as content;
+ *   as content; when each call's arguments are whole (pd_chat_parser_calls_done), call ids;
  * - pd_chat_template_load: chat_template.jinja, tokenizer_config.json (string and named list),
  *   none, not ChatML, and --chat-template given as text or a file. */
 #include <stdint.h>
@@ -343,6 +343,47 @@ static void test_args_stream(void)
     TEST_CHECK_MSG(a.pieces == 18, "%d pieces", a.pieces);   /* a piece per character (18), not one at the end */
     TEST_CHECK(pd_chat_parser_calls(p) == 1);
     pd_chat_parser_destroy(p);
+}
+
+/* pd_chat_parser_calls_done: a streamed call is done once its arguments close (before its tags
+ * end), a block of another shape when it is whole, a call cut off at the end when the output ends;
+ * pd_chat_call_id: the same id from the same request, choice and call, another from another */
+static void test_calls_done(void)
+{
+    const char *t = "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": [1, 2]}}\n</tool_call>\n"
+                    "<tool_call>\n{\"arguments\": {}, \"name\": \"g\"}\n</tool_call>\n"
+                    "<tool_call>\n{\"name\": \"h\", \"arguments\": {\"b\": ";
+    const char *head = "\"arguments\": {";
+    size_t n = strlen(t);
+    size_t open1 = (size_t)(strstr(t, head) - t) + strlen(head);          /* call 1 begins (its '{') */
+    size_t close1 = (size_t)(strstr(t, "]}") - t) + 2;                     /* its arguments close */
+    size_t whole2 = (size_t)(strstr(t, "g\"}\n</tool_call>") - t) + strlen("g\"}\n</tool_call>");
+    size_t open3 = (size_t)(strstr(t + whole2, head) - t) + strlen(head);
+    pd_chat_parser *p = pd_chat_parser_create(1, 0);
+    args_seen a = { 0 };
+    int ok = 1;
+    for (size_t i = 1; i <= n && ok; i++) {
+        TEST_CHECK(pd_chat_parser_feed(p, t, i, 0, on_args, &a) == 0);
+        int calls = pd_chat_parser_calls(p), done = pd_chat_parser_calls_done(p);
+        int want_calls = (i >= open1) + (i >= whole2) + (i >= open3), want_done = (i >= close1) + (i >= whole2);
+        if (done != want_done || calls != want_calls) {
+            TEST_CHECK_MSG(0, "at %zu bytes: %d calls, %d done; expected %d, %d", i, calls, done, want_calls,
+                           want_done);
+            ok = 0;
+        }
+    }
+    /* the output ends inside call 3's arguments: it is done with what came */
+    TEST_CHECK(ok && pd_chat_parser_feed(p, t, n, 1, on_args, &a) == 0 && pd_chat_parser_calls(p) == 3 &&
+               pd_chat_parser_calls_done(p) == 3);
+    pd_chat_parser_destroy(p);
+    char id[PD_CHAT_CALL_ID_SIZE], same[PD_CHAT_CALL_ID_SIZE], other[PD_CHAT_CALL_ID_SIZE];
+    pd_chat_call_id("chatcmpl-1", 0, 0, id);
+    pd_chat_call_id("chatcmpl-1", 0, 0, same);
+    pd_chat_call_id("chatcmpl-1", 1, 0, other);
+    TEST_CHECK(strlen(id) == 29 && strncmp(id, "call_", 5) == 0 && strspn(id + 5, "0123456789abcdef") == 24 &&
+               strcmp(id, same) == 0 && strcmp(id, other) != 0);
+    pd_chat_call_id("chatcmpl-1", 0, 1, other);
+    TEST_CHECK(strcmp(id, other) != 0);
 }
 
 /* the arguments' byte check against cJSON: random JSON objects, then bytes of them changed:
@@ -713,6 +754,7 @@ int main(void)
     test_parser();
     test_parser_random();
     test_args_stream();
+    test_calls_done();
     test_args_check();
     test_pyjson();
     TEST_DONE();

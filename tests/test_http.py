@@ -416,6 +416,75 @@ def test_grpc_n(bin_dir, node):
     check(out.returncode == 2 and "--stream" in out.stderr, "pdspark-client --n 2 --stream: %s" % out.stderr)
 
 
+def test_grpc_tools(bin_dir, node):
+    """Tool calling over gRPC (pdspark-client --tools / --tool-choice / --parallel-tool-calls): a
+    call forced by a named function or "required" is the HTTP API's forced call (the same function
+    and arguments, finish_reason tool_calls, no text), printed as a '[tool call 0] NAME ARGS' line
+    without --json; a tool round given with --messages (an assistant's tool_calls, a tool's result)
+    is the prompt the HTTP API renders of it (the prompt tokens of /tokenize, the same greedy
+    reply); malformed tools are refused naming tools_json, and the node serves on."""
+    client = os.path.join(bin_dir, "pdspark-client")
+    tmp = tempfile.mkdtemp(prefix="pd_grpctools_")
+    paths = {k: os.path.join(tmp, k + ".json") for k in ("tools", "msgs", "hist", "bad")}
+    hist = TOOL_BODY["messages"] + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": "{\"city\": \"Paris\", \"days\": 3}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny, 21C"}]
+    for k, v in (("tools", [WEATHER, NOW]), ("msgs", TOOL_BODY["messages"]), ("hist", hist)):
+        with open(paths[k], "w") as f:
+            json.dump(v, f)
+    with open(paths["bad"], "w") as f:
+        f.write("[{\"type\": \"function\"")
+    base = [client, "--server", node.grpc, "--tools", paths["tools"], "--temperature", "0", "--skip-special-tokens"]
+    forced = base + ["--messages", paths["msgs"], "--max-new-tokens", "64", "--parallel-tool-calls", "off"]
+    for arg, choice in (("get_weather", {"type": "function", "function": {"name": "get_weather"}}),
+                        ("required", "required")):
+        st, r = post_json(node, "/v1/chat/completions", dict(TOOL_BODY, tool_choice=choice))
+        want = [c["function"] for c in r["choices"][0]["message"].get("tool_calls") or []] if st == 200 else None
+        out = subprocess.run(forced + ["--tool-choice", arg, "--json"], capture_output=True, text=True, timeout=60)
+        g = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {}
+        calls = g.get("tool_calls") or []
+        check(want and [c.get("function") for c in calls] == want and g.get("finish_reason") == "tool_calls" and
+              g.get("text") == "" and all(c.get("type") == "function" and re.fullmatch(r"call_[0-9a-f]{24}", c["id"])
+                                          for c in calls),
+              "gRPC tool_choice %s: %s == HTTP's %s (%s)" % (arg, calls, want, out.stderr))
+        if arg == "get_weather" and want:
+            out = subprocess.run(forced + ["--tool-choice", arg], capture_output=True, text=True, timeout=60)
+            line = "[tool call 0] get_weather %s" % want[0]["arguments"]
+            check(out.returncode == 0 and line in out.stdout.splitlines(),
+                  "pdspark-client prints the call: %r (%s)" % (out.stdout, out.stderr))
+    # a tool round in the messages: the prompt HTTP renders, the reply HTTP gives
+    st, t = post_json(node, "/tokenize", {"messages": hist, "tools": [WEATHER, NOW]})
+    st2, h = post_json(node, "/v1/chat/completions", {"messages": hist, "tools": [WEATHER, NOW], "max_tokens": 8,
+                                                      "temperature": 0})
+    out = subprocess.run(base + ["--messages", paths["hist"], "--max-new-tokens", "8", "--json"],
+                         capture_output=True, text=True, timeout=60)
+    g = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {}
+    hm = h["choices"][0]["message"] if st2 == 200 else {}
+    check(st == 200 and g.get("prompt_tokens") == t["count"] and g.get("prompt_tokens", 0) > 100 and
+          g.get("text") == (hm.get("content") or "") and not g.get("tool_calls") and not hm.get("tool_calls"),
+          "gRPC tool round: %s prompt tokens %r, HTTP /tokenize %s, chat %r (%s)" %
+          (g.get("prompt_tokens"), g.get("text"), t.get("count"), hm.get("content"), out.stderr))
+    # malformed tools: INVALID_ARGUMENT naming tools_json; flags without a chat; the node serves on
+    out = subprocess.run([client, "--server", node.grpc, "--tools", paths["bad"], "--messages", paths["msgs"]],
+                         capture_output=True, text=True, timeout=60)
+    check(out.returncode == 1 and "INVALID_ARGUMENT" in out.stderr and "tools_json" in out.stderr,
+          "gRPC malformed tools_json: %d %s" % (out.returncode, out.stderr))
+    out = subprocess.run(forced + ["--tool-choice", "nope"], capture_output=True, text=True, timeout=60)
+    check(out.returncode == 1 and "INVALID_ARGUMENT" in out.stderr and "tool_choice" in out.stderr,
+          "gRPC tool_choice naming no tool: %d %s" % (out.returncode, out.stderr))
+    out = subprocess.run([client, "--server", node.grpc, "--tools", paths["tools"], "--prompt", "x"],
+                         capture_output=True, text=True, timeout=60)
+    check(out.returncode == 2 and "--tools" in out.stderr, "pdspark-client --tools without a chat: %s" % out.stderr)
+    out = subprocess.run(forced + ["--tool-choice", "get_weather", "--json"], capture_output=True, text=True,
+                         timeout=60)
+    check(out.returncode == 0 and json.loads(out.stdout.strip().splitlines()[-1]).get("finish_reason") == "tool_calls",
+          "gRPC tools served after bad ones: %s" % out.stderr)
+    shutil.rmtree(tmp, ignore_errors=True)
+    log("gRPC tools: forced calls == HTTP's, a tool round == HTTP's prompt and reply, errors by name")
+
+
 LP_REF = {}   # prompt -> token_logprobs of the colocated node (the disaggregated test compares)
 
 
@@ -2071,6 +2140,7 @@ def main():
 
         test_grpc_chat(bin_dir, node, odd_node)
         test_grpc_n(bin_dir, node)
+        test_grpc_tools(bin_dir, node)
 
         # ---- chat refused for a non-ChatML checkpoint; completions still work there
         st, body = post_json(odd_node, "/v1/chat/completions", {"messages": msgs, "max_tokens": 4})

@@ -1,10 +1,15 @@
 /* test_proto.c - the wire contract: every message carries `uint32 version = 1`, round trips of
  * the messages with the most structure (PrefillRequest with its destination, the final
- * GenerateChunk), the version check helper, and malformed bytes failing to unpack. */
+ * GenerateChunk with its tool calls), the version check helper, malformed bytes failing to
+ * unpack, and GenerateRequest's chat (messages with tool calls and results, tools, tool_choice)
+ * read as the HTTP API's chat body: the same tools and the same rendered prompt, and each
+ * malformed field refused by name (pd_wire_chat_in). */
 #include <stdbool.h>
 #include <string.h>
 
+#include "pd_chat.h"
 #include "pd_proto_version.h"
+#include "pd_wire.h"
 #include "pdspark.pb-c.h"
 #include "test_util.h"
 
@@ -17,6 +22,8 @@ static const ProtobufCMessageDescriptor *const all_messages[] = {
     &pdspark__destination__descriptor,       &pdspark__prefill_request__descriptor,
     &pdspark__prefill_timings__descriptor,   &pdspark__prefill_reply__descriptor,
     &pdspark__cancel_prefill_request__descriptor, &pdspark__cancel_prefill_reply__descriptor,
+    &pdspark__logit_bias__descriptor,        &pdspark__chat_message__descriptor,
+    &pdspark__token_logprobs__descriptor,    &pdspark__tool_call__descriptor,
 };
 
 static void test_version_fields(void)
@@ -133,13 +140,27 @@ static void test_chunk_roundtrip(void)
     st.tau = 4.75f;
     c.usage = &u;
     c.stats = &st;
+    Pdspark__ToolCall tc = PDSPARK__TOOL_CALL__INIT, *tcp = &tc;
+    tc.version = PD_PROTO_VERSION;
+    tc.id = "call_0123456789abcdef01234567";
+    tc.name = "get_weather";
+    tc.arguments_json = "{\"city\": \"Paris\"}";
+    tc.index = 1;
+    c.n_tool_calls = 1;
+    c.tool_calls = &tcp;
+    c.finish_reason = PDSPARK__FINISH_REASON__FINISH_REASON_TOOL_CALLS;
     uint8_t buf[256];
+    TEST_CHECK(pdspark__generate_chunk__get_packed_size(&c) <= sizeof(buf));
     size_t n = pdspark__generate_chunk__pack(&c, buf);
     Pdspark__GenerateChunk *r = pdspark__generate_chunk__unpack(NULL, n, buf);
     TEST_CHECK(r != NULL && r->final && r->usage != NULL && r->usage->completion_tokens == 30 &&
                r->stats != NULL && r->stats->n_accepted_per_round == 4 &&
                r->stats->accepted_per_round[2] == 3 && r->stats->tau == 4.75f &&
-               r->finish_reason == PDSPARK__FINISH_REASON__FINISH_REASON_STOP);
+               r->finish_reason == PDSPARK__FINISH_REASON__FINISH_REASON_TOOL_CALLS);
+    TEST_CHECK(r != NULL && r->n_tool_calls == 1 && r->tool_calls[0]->version == PD_PROTO_VERSION &&
+               strcmp(r->tool_calls[0]->name, "get_weather") == 0 && r->tool_calls[0]->index == 1 &&
+               strcmp(r->tool_calls[0]->arguments_json, tc.arguments_json) == 0 &&
+               strcmp(r->tool_calls[0]->id, tc.id) == 0);
     if (r != NULL)
         pdspark__generate_chunk__free_unpacked(r, NULL);
 }
@@ -166,11 +187,167 @@ static void test_version_check(void)
         pdspark__health_request__free_unpacked(r, NULL);
 }
 
+/* ---- GenerateRequest's chat as the HTTP API's chat body ------------------------------------ */
+
+#define WEATHER "{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": " \
+                "\"Weather of a city\", \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": " \
+                "{\"enum\": [\"Paris\", \"Rome\"]}, \"days\": {\"type\": \"integer\"}}, \"required\": " \
+                "[\"city\"]}}}"
+#define NOW "{\"type\": \"function\", \"function\": {\"name\": \"now\", \"parameters\": {\"type\": " \
+            "\"object\", \"properties\": {\"tz\": {\"enum\": [\"UTC\", \"CET\"]}}}}}"
+/* an assistant turn's calls: the arguments as JSON text, compact (rendered as json.dumps writes them) */
+#define CALLS "[{\"id\": \"call_1\", \"type\": \"function\", \"function\": {\"name\": \"get_weather\", " \
+              "\"arguments\": \"{\\\"city\\\":\\\"Paris\\\",\\\"days\\\":3}\"}}, {\"id\": \"call_2\", " \
+              "\"type\": \"function\", \"function\": {\"name\": \"now\", \"arguments\": \"{}\"}}]"
+
+/* the prompt and the tools pd_chat makes of a chat body (what decode_http does with a request's) */
+static int render_body(const pd_chat_template *tp, const cJSON *body, int thinking, pd_chat_tools *t, char **out)
+{
+    const char *param = NULL;
+    char msg[256];
+    size_t len = 0;
+    pd_chat_opts o = PD_CHAT_OPTS_DEFAULT;
+    o.enable_thinking = thinking;
+    *out = NULL;
+    if (pd_chat_tools_parse(body, t, &param, msg, sizeof(msg)) != 0 ||
+        pd_chat_render(tp, cJSON_GetObjectItemCaseSensitive(body, "messages"), t, &o, out, &len, msg,
+                       sizeof(msg)) != 0) {
+        fprintf(stderr, "render: %s: %s\n", param != NULL ? param : "", msg);
+        return -1;
+    }
+    return 0;
+}
+
+static void test_chat_in(void)
+{
+    /* a tool round: system, user, the assistant's two calls, their two results, the user again */
+    static const char *const roles[] = { "system", "user", "assistant", "tool", "tool", "user" };
+    static const char *const contents[] = { "You are terse.", "Weather in Paris for 3 days, and the time?", "",
+                                            "sunny, 21C", "12:00", "Thanks. And Rome?" };
+    Pdspark__ChatMessage cm[6], *cmp[6];
+    for (int i = 0; i < 6; i++) {
+        pdspark__chat_message__init(&cm[i]);
+        cm[i].version = PD_PROTO_VERSION;
+        cm[i].role = (char *)roles[i];
+        cm[i].content = (char *)contents[i];
+        cmp[i] = &cm[i];
+    }
+    cm[2].tool_calls_json = CALLS;
+    cm[3].tool_call_id = "call_1";
+    cm[3].name = "get_weather";
+    cm[4].tool_call_id = "call_2";
+    Pdspark__GenerateRequest rq = PDSPARK__GENERATE_REQUEST__INIT;
+    rq.version = PD_PROTO_VERSION;
+    rq.n_messages = 6;
+    rq.messages = cmp;
+    rq.tools_json = "[" WEATHER ", " NOW "]";
+    rq.tool_choice = "{\"type\": \"function\", \"function\": {\"name\": \"now\"}}";
+    rq.parallel_tool_calls = 1;
+    /* the same conversation as an HTTP client sends it (an assistant's content null) */
+    cJSON *http = cJSON_Parse("{\"messages\": [{\"role\": \"system\", \"content\": \"You are terse.\"}, "
+                              "{\"role\": \"user\", \"content\": \"Weather in Paris for 3 days, and the time?\"}, "
+                              "{\"role\": \"assistant\", \"content\": null, \"tool_calls\": " CALLS "}, "
+                              "{\"role\": \"tool\", \"tool_call_id\": \"call_1\", \"content\": \"sunny, 21C\"}, "
+                              "{\"role\": \"tool\", \"tool_call_id\": \"call_2\", \"content\": \"12:00\"}, "
+                              "{\"role\": \"user\", \"content\": \"Thanks. And Rome?\"}], "
+                              "\"tools\": [" WEATHER ", " NOW "], \"tool_choice\": {\"type\": \"function\", "
+                              "\"function\": {\"name\": \"now\"}}, \"parallel_tool_calls\": false}");
+    TEST_CHECK(http != NULL);
+    /* a Qwen2.5-like template and a Qwen3 one (reasoning of earlier turns dropped, enable_thinking) */
+    pd_chat_template plain = { 0 }, think = { .think = 1, .think_switch = 1 };
+    snprintf(plain.default_system, sizeof(plain.default_system), "You are a helpful assistant.");
+    const pd_chat_template *tps[2] = { &plain, &think };
+    for (int k = 0; k < 2; k++) {
+        for (int thinking = 0; thinking < 2; thinking++) {
+            cJSON *body = NULL;
+            pd_err err = { 0 };
+            TEST_CHECK_MSG(pd_wire_chat_in(&rq, &body, &err) == PD_OK, "%s", err.msg);
+            pd_chat_tools tg, th;
+            char *pg = NULL, *ph = NULL;
+            TEST_CHECK(body != NULL && render_body(tps[k], body, thinking, &tg, &pg) == 0);
+            TEST_CHECK(render_body(tps[k], http, thinking, &th, &ph) == 0);
+            TEST_CHECK_MSG(pg != NULL && ph != NULL && strcmp(pg, ph) == 0,
+                           "template %d: gRPC's chat renders\n%s\nthe HTTP body's\n%s", k, pg, ph);
+            TEST_CHECK(pg != NULL && strstr(pg, "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", "
+                                                "\"days\": 3}}") != NULL && strstr(pg, "<tools>") != NULL &&
+                       strstr(pg, "<tool_response>\n12:00\n</tool_response>") != NULL);
+            TEST_CHECK(tg.choice == PD_TOOLS_NAMED && th.choice == PD_TOOLS_NAMED && tg.named == 1 && th.named == 1 &&
+                       tg.n == 2 && th.n == 2 && tg.parallel == 0 && th.parallel == 0 &&
+                       strcmp(tg.schemas[0], th.schemas[0]) == 0 && pd_chat_tools_mode(&tg) == 2);
+            free(pg);
+            free(ph);
+            pd_chat_tools_free(&tg);
+            pd_chat_tools_free(&th);
+            cJSON_Delete(body);
+        }
+    }
+    cJSON_Delete(http);
+    /* the keywords go as strings; parallel_tool_calls 0 and 2 are on */
+    static const char *const words[] = { "auto", "required", "none", "" };
+    static const int want[] = { PD_TOOLS_AUTO, PD_TOOLS_REQUIRED, PD_TOOLS_NONE, PD_TOOLS_AUTO };
+    for (int i = 0; i < 4; i++) {
+        rq.tool_choice = (char *)words[i];
+        rq.parallel_tool_calls = (uint32_t)(i % 2 == 0 ? 0 : 2);
+        cJSON *body = NULL;
+        pd_err err = { 0 };
+        pd_chat_tools t;
+        const char *param = NULL;
+        char msg[256];
+        TEST_CHECK(pd_wire_chat_in(&rq, &body, &err) == PD_OK &&
+                   pd_chat_tools_parse(body, &t, &param, msg, sizeof(msg)) == 0);
+        TEST_CHECK_MSG(t.choice == want[i] && t.parallel == 1, "tool_choice '%s': %d", words[i], t.choice);
+        pd_chat_tools_free(&t);
+        cJSON_Delete(body);
+    }
+    /* malformed fields, each refused naming itself */
+    struct { const char *tools, *choice, *calls; uint32_t par, version; const char *needle; } bad[] = {
+        { "[" WEATHER, "", NULL, 0, PD_PROTO_VERSION, "tools_json is not valid JSON" },
+        { "[" WEATHER "]", "{\"type\": \"function\"", NULL, 0, PD_PROTO_VERSION, "tool_choice is not valid JSON" },
+        { "[" WEATHER "]", "", "{\"id\": 1}", 0, PD_PROTO_VERSION, "messages[2].tool_calls_json is not a JSON array" },
+        { "[" WEATHER "]", "", "[{\"id\"", 0, PD_PROTO_VERSION, "messages[2].tool_calls_json is not a JSON array" },
+        { "[" WEATHER "]", "", NULL, 3, PD_PROTO_VERSION, "parallel_tool_calls" },
+        { "[" WEATHER "]", "", NULL, 0, PD_PROTO_VERSION + 1, "messages[4]: protocol version" },
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        rq.tools_json = (char *)bad[i].tools;
+        rq.tool_choice = (char *)bad[i].choice;
+        cm[2].tool_calls_json = (char *)(bad[i].calls != NULL ? bad[i].calls : CALLS);
+        rq.parallel_tool_calls = bad[i].par;
+        cm[4].version = bad[i].version;
+        cJSON *body = (cJSON *)&rq;   /* must stay untouched */
+        pd_err err = { 0 };
+        pd_status st = pd_wire_chat_in(&rq, &body, &err);
+        TEST_CHECK_MSG(st == PD_ERR_INVALID && strstr(err.msg, bad[i].needle) != NULL && body == (cJSON *)&rq,
+                       "bad case %zu: %s '%s', expected '%s'", i, pd_status_str(st), err.msg, bad[i].needle);
+    }
+    /* JSON that reads but says the wrong thing is pd_chat_tools_parse's to refuse, as for HTTP */
+    cm[2].tool_calls_json = CALLS;
+    cm[4].version = PD_PROTO_VERSION;
+    rq.parallel_tool_calls = 0;
+    rq.tools_json = "{\"type\": \"function\"}";
+    rq.tool_choice = "sometimes";
+    cJSON *body = NULL;
+    pd_err err = { 0 };
+    pd_chat_tools t;
+    const char *param = NULL;
+    char msg[256];
+    TEST_CHECK(pd_wire_chat_in(&rq, &body, &err) == PD_OK);
+    TEST_CHECK(pd_chat_tools_parse(body, &t, &param, msg, sizeof(msg)) != 0 && strcmp(param, "tools") == 0);
+    pd_chat_tools_free(&t);
+    cJSON_Delete(body);
+    rq.tools_json = "[" NOW "]";
+    TEST_CHECK(pd_wire_chat_in(&rq, &body, &err) == PD_OK);
+    TEST_CHECK(pd_chat_tools_parse(body, &t, &param, msg, sizeof(msg)) != 0 && strcmp(param, "tool_choice") == 0);
+    pd_chat_tools_free(&t);
+    cJSON_Delete(body);
+}
+
 int main(void)
 {
     test_version_fields();
     test_prefill_roundtrip();
     test_chunk_roundtrip();
     test_version_check();
+    test_chat_in();
     TEST_DONE();
 }

@@ -14,6 +14,7 @@
  *   progressed now, is answered OK with the prompt's KV in the given pages; a destination process
  *   killed while the puts wait for it ends its Prefill UNAVAILABLE soon after, and the node
  *   serves the next one.
+ * Tools (decode_node --colocated): tool calling over gRPC (test_services_tools says what).
  * Fuzz (decode_node --colocated): Generate requests with random field values of their own types
  *   (test_services_fuzz) get results or client errors, never a dropped connection.
  * Prefill fuzz (in the transfers part): mutated Prefill requests into a live destination, its
@@ -142,6 +143,9 @@ typedef struct {
     uint32_t thinking;        /* GenerateRequest.enable_thinking */
     uint32_t n;               /* GenerateRequest.n */
     uint64_t seed;
+    const char *tools_json;   /* GenerateRequest.tools_json, tool_choice, parallel_tool_calls */
+    const char *tool_choice;
+    uint32_t par_tools;
     /* results */
     pd_status st;
     char msg[512];
@@ -152,6 +156,9 @@ typedef struct {
     char outs[4][1024];       /* the text of choices 0..3 (GenerateRequest.n) */
     int finals;               /* final chunks */
     int bad_index;            /* chunks of a choice past n */
+    uint32_t prompt_tokens;   /* the final chunk's usage */
+    struct { char id[48], name[64], args[512]; uint32_t index, version; } calls[4];   /* tool calls */
+    int n_calls;
     double ms;
 } gen_call;
 
@@ -184,6 +191,10 @@ static void gen_run(pd_rpc_channel *ch, gen_call *g)
     rq.messages = g->msgs;
     rq.enable_thinking = g->thinking;
     rq.n = g->n;
+    rq.tools_json = (char *)(g->tools_json != NULL ? g->tools_json : "");
+    rq.tool_choice = (char *)(g->tool_choice != NULL ? g->tool_choice : "");
+    rq.parallel_tool_calls = g->par_tools;
+    g->n_calls = 0;
     pd_err err = {0};
     pd_rpc_stream *s = NULL;
     double t0 = now_ms();
@@ -202,6 +213,15 @@ static void gen_run(pd_rpc_channel *ch, gen_call *g)
         if (ck->final) {
             g->finish = (int)ck->finish_reason;
             g->finals++;
+            g->prompt_tokens = ck->usage != NULL ? ck->usage->prompt_tokens : 0;
+        }
+        for (size_t i = 0; i < ck->n_tool_calls && g->n_calls < 4; i++, g->n_calls++) {
+            const Pdspark__ToolCall *t = ck->tool_calls[i];
+            snprintf(g->calls[g->n_calls].id, sizeof(g->calls[0].id), "%s", t->id);
+            snprintf(g->calls[g->n_calls].name, sizeof(g->calls[0].name), "%s", t->name);
+            snprintf(g->calls[g->n_calls].args, sizeof(g->calls[0].args), "%s", t->arguments_json);
+            g->calls[g->n_calls].index = t->index;
+            g->calls[g->n_calls].version = t->version;
         }
         g->bad_index += ck->index >= (g->n > 1 ? g->n : 1);
         const char *t = ck->text_delta != NULL ? ck->text_delta : "";
@@ -528,12 +548,176 @@ static void test_services_bad_input(void)
     node_stop(&pn, SIGTERM);
 }
 
+/* ---- tool calling -------------------------------------------------------------------------- */
+
+#define T_WEATHER "{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": " \
+                  "\"Weather of a city\", \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": " \
+                  "{\"enum\": [\"Paris\", \"Rome\", \"Oslo\"]}, \"days\": {\"type\": \"integer\", \"minimum\": 1, " \
+                  "\"maximum\": 7}}, \"required\": [\"city\", \"days\"], \"additionalProperties\": false}}}"
+#define T_NOW "{\"type\": \"function\", \"function\": {\"name\": \"now\", \"parameters\": {\"type\": \"object\", " \
+              "\"properties\": {\"tz\": {\"enum\": [\"UTC\", \"CET\"]}}, \"required\": [\"tz\"], " \
+              "\"additionalProperties\": false}}}"
+#define T_TOOLS "[" T_WEATHER ", " T_NOW "]"
+#define T_QUESTION "What is the weather in Paris for 3 days?"
+
+/* a call's id as the HTTP API writes them: call_ and 24 hex digits */
+static int call_id_ok(const char *id)
+{
+    if (strncmp(id, "call_", 5) != 0 || strlen(id) != 29)
+        return 0;
+    for (const char *c = id + 5; *c; c++)
+        if (!((*c >= '0' && *c <= '9') || (*c >= 'a' && *c <= 'f')))
+            return 0;
+    return 1;
+}
+
+/* get_weather's arguments obey its schema: city one of three, days 1..7, nothing else */
+static int weather_args_ok(const char *args)
+{
+    cJSON *a = cJSON_Parse(args);
+    const cJSON *city = cJSON_GetObjectItemCaseSensitive(a, "city");
+    const cJSON *days = cJSON_GetObjectItemCaseSensitive(a, "days");
+    int ok = cJSON_IsObject(a) && cJSON_GetArraySize(a) == 2 && cJSON_IsString(city) &&
+             (strcmp(city->valuestring, "Paris") == 0 || strcmp(city->valuestring, "Rome") == 0 ||
+              strcmp(city->valuestring, "Oslo") == 0) &&
+             cJSON_IsNumber(days) && days->valuedouble == (int)days->valuedouble && days->valuedouble >= 1 &&
+             days->valuedouble <= 7;
+    cJSON_Delete(a);
+    return ok;
+}
+
+/* Tool calling over gRPC (decode_node --colocated): tools_json with tool_choice naming a function
+ * forces that call, which comes back as a ToolCall (id, name, arguments obeying the schema) with
+ * finish reason TOOL_CALLS and no text; "required" forces one of the tools; a multi-turn chat with
+ * an assistant's tool_calls turn and tool turns is the prompt the HTTP path renders of the same
+ * conversation (same usage and greedy reply as that text sent as the prompt); malformed
+ * tools_json / tool_choice, tools without messages and a tool schema that does not compile get
+ * INVALID_ARGUMENT naming the field, and the next request is served. */
+static void test_services_tools(void)
+{
+    node dn = {0};
+    char *dargv[] = { PD_BIN_DIR "/decode_node", "--model", TARGET, "--draft", DRAFT, "--listen",
+                      "127.0.0.1:0", "--colocated", NULL };
+    if (node_start(dargv, &dn) != 0) {
+        TEST_CHECK_MSG(0, "decode node did not start");
+        return;
+    }
+    pd_err err;
+    pd_rpc_channel *ch = NULL;
+    TEST_CHECK(pd_rpc_channel_create(dn.addr, &ch, &err) == PD_OK);
+    Pdspark__ChatMessage q = PDSPARK__CHAT_MESSAGE__INIT, *qp = &q;
+    q.version = PD_PROTO_VERSION;
+    q.role = "user";
+    q.content = T_QUESTION;
+
+    /* a named function: that call, whole, and no text */
+    gen_call fc = { .max_new = 64, .top_p = 1.0f, .msgs = &qp, .n_msgs = 1, .tools_json = T_TOOLS,
+                    .tool_choice = "{\"type\": \"function\", \"function\": {\"name\": \"get_weather\"}}" };
+    gen_run(ch, &fc);
+    TEST_CHECK_MSG(fc.st == PD_OK && fc.n_calls == 1 && strcmp(fc.calls[0].name, "get_weather") == 0 &&
+                   fc.calls[0].index == 0 && fc.calls[0].version == PD_PROTO_VERSION && call_id_ok(fc.calls[0].id) &&
+                   weather_args_ok(fc.calls[0].args) && fc.out[0] == '\0' &&
+                   fc.finish == PDSPARK__FINISH_REASON__FINISH_REASON_TOOL_CALLS,
+                   "named tool_choice: %s %s, %d calls, first %s %s(%s), text '%s', finish %d", pd_status_str(fc.st),
+                   fc.msg, fc.n_calls, fc.calls[0].id, fc.calls[0].name, fc.calls[0].args, fc.out, fc.finish);
+    printf("forced call: %s(%s) %s\n", fc.calls[0].name, fc.calls[0].args, fc.calls[0].id);
+    /* "required" with parallel_tool_calls off: one call of one of the tools */
+    gen_call rc = fc;
+    rc.tool_choice = "required";
+    rc.par_tools = 1;
+    gen_run(ch, &rc);
+    TEST_CHECK_MSG(rc.st == PD_OK && rc.n_calls == 1 && rc.finish == PDSPARK__FINISH_REASON__FINISH_REASON_TOOL_CALLS &&
+                   (strcmp(rc.calls[0].name, "now") == 0 || weather_args_ok(rc.calls[0].args)) &&
+                   (strcmp(rc.calls[0].name, "get_weather") == 0 || strcmp(rc.calls[0].name, "now") == 0),
+                   "tool_choice required: %s %s, %d calls, first %s(%s), finish %d", pd_status_str(rc.st), rc.msg,
+                   rc.n_calls, rc.calls[0].name, rc.calls[0].args, rc.finish);
+
+    /* a tool round in the history: the prompt the HTTP path renders of the same conversation */
+    static const char *const roles[] = { "user", "assistant", "tool", "user" };
+    static const char *const contents[] = { T_QUESTION, "", "sunny, 21C", "And in Rome?" };
+    Pdspark__ChatMessage cm[4], *cmp[4];
+    for (int i = 0; i < 4; i++) {
+        pdspark__chat_message__init(&cm[i]);
+        cm[i].version = PD_PROTO_VERSION;
+        cm[i].role = (char *)roles[i];
+        cm[i].content = (char *)contents[i];
+        cmp[i] = &cm[i];
+    }
+    cm[1].tool_calls_json = "[{\"id\": \"call_1\", \"type\": \"function\", \"function\": {\"name\": \"get_weather\", "
+                            "\"arguments\": \"{\\\"city\\\":\\\"Paris\\\",\\\"days\\\":3}\"}}]";
+    cm[2].tool_call_id = "call_1";
+    cm[2].name = "get_weather";
+    gen_call hg = { .max_new = 24, .top_p = 1.0f, .msgs = cmp, .n_msgs = 4, .tools_json = T_TOOLS,
+                    .tool_choice = "auto" };
+    gen_run(ch, &hg);
+    pd_chat_template tp;
+    int usable = 0;
+    char why[256];
+    TEST_CHECK(pd_chat_template_load(TARGET, NULL, &tp, &usable, why, sizeof(why), &err) == PD_OK && usable);
+    cJSON *body = cJSON_Parse("{\"messages\": [{\"role\": \"user\", \"content\": \"" T_QUESTION "\"}, "
+                              "{\"role\": \"assistant\", \"content\": null, \"tool_calls\": [{\"id\": \"call_1\", "
+                              "\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"arguments\": "
+                              "\"{\\\"city\\\":\\\"Paris\\\",\\\"days\\\":3}\"}}]}, {\"role\": \"tool\", "
+                              "\"tool_call_id\": \"call_1\", \"content\": \"sunny, 21C\"}, {\"role\": \"user\", "
+                              "\"content\": \"And in Rome?\"}], \"tools\": " T_TOOLS ", \"tool_choice\": \"auto\"}");
+    pd_chat_tools tools;
+    pd_chat_opts co = PD_CHAT_OPTS_DEFAULT;
+    const char *param = NULL;
+    char *ctext = NULL;
+    size_t clen = 0;
+    TEST_CHECK(body != NULL && pd_chat_tools_parse(body, &tools, &param, why, sizeof(why)) == 0 &&
+               pd_chat_render(&tp, cJSON_GetObjectItemCaseSensitive(body, "messages"), &tools, &co, &ctext, &clen,
+                              why, sizeof(why)) == 0);
+    pd_chat_tools_free(&tools);
+    cJSON_Delete(body);
+    gen_call pg = { .max_new = 24, .top_p = 1.0f, .text = ctext };
+    gen_run(ch, &pg);
+    TEST_CHECK_MSG(hg.st == PD_OK && pg.st == PD_OK && hg.tokens > 0 && hg.prompt_tokens > 100 &&
+                   hg.prompt_tokens == pg.prompt_tokens && strcmp(hg.out, pg.out) == 0 && hg.n_calls == 0,
+                   "tool round: gRPC chat %s %s, %u prompt tokens '%s'; HTTP's render as the prompt: %s %u '%s'",
+                   pd_status_str(hg.st), hg.msg, hg.prompt_tokens, hg.out, pd_status_str(pg.st), pg.prompt_tokens,
+                   pg.out);
+    free(ctext);
+
+    /* malformed fields: INVALID_ARGUMENT naming the field, and the next request is served */
+    struct { const char *tools, *choice; int chat; const char *needle; } bad[] = {
+        { "[{\"type\": \"function\"", "", 1, "tools_json is not valid JSON" },
+        { "[{\"type\": \"function\", \"function\": {\"name\": \"a b\"}}]", "", 1, "tools_json: tools[0]" },
+        { T_TOOLS, "{\"type\": \"function\", \"function\": {\"name\": \"nope\"}}", 1, "'tool_choice' names 'nope'" },
+        { T_TOOLS, "{\"type\": \"function\",", 1, "tool_choice is not valid JSON" },
+        { T_TOOLS, "sometimes", 1, "'tool_choice' must be" },
+        { "", "required", 1, "needs 'tools'" },
+        { T_TOOLS, "required", 0, "need messages" },
+        { "[{\"type\": \"function\", \"function\": {\"name\": \"f\", \"parameters\": {\"type\": \"object\", "
+          "\"properties\": {\"x\": {\"type\": \"number\", \"multipleOf\": 2}}}}}]", "required", 1, "tools_json: " },
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        gen_call bg = { .max_new = 8, .top_p = 1.0f, .tools_json = bad[i].tools, .tool_choice = bad[i].choice };
+        if (bad[i].chat) {
+            bg.msgs = &qp;
+            bg.n_msgs = 1;
+        } else {
+            bg.text = T_QUESTION;
+        }
+        gen_run(ch, &bg);
+        char what[64];
+        snprintf(what, sizeof(what), "bad tools case %zu", i);
+        expect(&bg, PD_ERR_INVALID, bad[i].needle, what);
+        gen_call next = fc;
+        gen_run(ch, &next);
+        TEST_CHECK_MSG(next.st == PD_OK && next.n_calls == 1 && strcmp(next.calls[0].args, fc.calls[0].args) == 0,
+                       "after bad tools case %zu: %s %s, %d calls", i, pd_status_str(next.st), next.msg, next.n_calls);
+    }
+    pd_rpc_channel_destroy(ch);
+    node_stop(&dn, SIGTERM);
+}
+
 /* ---- fuzz ------------------------------------------------------------------------------------ */
 
 /* Mutated Generate requests: a request with most fields set is packed, 1-4 of its bytes changed
  * (or it is cut), and what still parses as a GenerateRequest is sent (so fields take random
  * values of their own types: ids, floats, strings, nested messages); every other case starts
- * from the same request as chat messages. Every answer is a result
+ * from the same request as chat messages (with tools). Every answer is a result
  * or an error the client caused (INVALID_ARGUMENT, a deadline, busy), never a dropped
  * connection or an internal error; the node then serves a normal request. PD_FUZZ_N sets the
  * count (default 600). */
@@ -597,6 +781,8 @@ static void test_services_fuzz(void)
     rc.n_messages = 2;
     rc.messages = cmp;
     rc.enable_thinking = 1;
+    rc.tools_json = T_TOOLS;   /* the regex keeps it from calls; mutated, it must be refused cleanly */
+    rc.tool_choice = "auto";
     size_t len_t = protobuf_c_message_get_packed_size(&rq.base), len_c = protobuf_c_message_get_packed_size(&rc.base);
     size_t cap = len_t > len_c ? len_t : len_c;
     uint8_t *base_t = malloc(cap), *base_c = malloc(cap), *buf = malloc(cap);
@@ -1467,6 +1653,8 @@ int main(int argc, char **argv)
         TEST_SKIP("decode_node / prefill_node not built");
     if (strcmp(only, "all") == 0 || strcmp(only, "bad-input") == 0)
         test_services_bad_input();
+    if (strcmp(only, "all") == 0 || strcmp(only, "tools") == 0)
+        test_services_tools();
     if (strcmp(only, "all") == 0 || strcmp(only, "fuzz") == 0)
         test_services_fuzz();
     if (strcmp(only, "all") == 0 || strcmp(only, "aux-modes") == 0)
