@@ -30,8 +30,9 @@ static void usage(FILE *f)
             "                      [--request-id ID]\n"
             "                      [--stop STR]... [--json] [--stream] [--disconnect-after N]\n"
             "                      [--verify full|threshold|scheduled] [--verify-threshold T]\n"
-            "                      [--logprobs N] [--presence-penalty P] [--frequency-penalty F]\n"
-            "                      [--repetition-penalty R] [--logit-bias ID:BIAS[,...]] [--min-tokens N]\n"
+            "                      [--logprobs N] [--prompt-logprobs N] [--presence-penalty P]\n"
+            "                      [--frequency-penalty F] [--repetition-penalty R]\n"
+            "                      [--logit-bias ID:BIAS[,...]] [--min-tokens N]\n"
             "                      [--json-object | --json-schema FILE | --choice TEXT... | --regex RE\n"
             "                       | --grammar FILE] [--n N]\n"
             "                      [--tools FILE [--tool-choice auto|none|required|NAME]\n"
@@ -55,7 +56,9 @@ static void usage(FILE *f)
             "--parallel-tool-calls off allows one call at most. --logprobs N (0..20) asks\n"
             "for each token's logprob, its rank (vLLM's: 1 + the other tokens at least as likely)\n"
             "and its N likeliest alternatives: --json then adds \"logprobs\": [{\"id\", \"logprob\",\n"
-            "\"rank\", \"top\": [[id, logprob], ...]}, ...]. --n N (1..16)\n"
+            "\"rank\", \"top\": [[id, logprob], ...]}, ...]. --prompt-logprobs N (0..20) asks the\n"
+            "same of each prompt token from the second on: --json adds them as \"prompt_logprobs\"\n"
+            "(the first prompt token has none). --n N (1..16)\n"
             "asks for N choices of the prompt (choice i samples with --seed + i): each one's text is\n"
             "printed when all have ended, after a '[choice i]' line, and --json prints one object per\n"
             "choice and line, with its \"index\" (not with --stream). --model-defaults lets the\n"
@@ -246,6 +249,7 @@ typedef struct {
     acc a;
     Pdspark__GenerateChunk *fin;     /* its final chunk */
     cJSON *lps;                      /* --logprobs: its entries */
+    cJSON *plps;                     /* --prompt-logprobs: the prompt's entries */
     double t_first;                  /* ms of its first token, -1 before */
 } choice;
 
@@ -289,10 +293,29 @@ static int do_health(pd_rpc_channel *ch, int64_t timeout_ms)
     return 0;
 }
 
+/* Appends {"id", "logprob", "rank", "top": [[id, logprob], ...]} for each of l[n] to arr. */
+static void lps_json_add(cJSON *arr, Pdspark__TokenLogprobs *const *l, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        cJSON *e = cJSON_CreateObject(), *top = cJSON_CreateArray();
+        cJSON_AddNumberToObject(e, "id", l[i]->token_id);
+        cJSON_AddNumberToObject(e, "logprob", l[i]->logprob);
+        cJSON_AddNumberToObject(e, "rank", l[i]->rank);
+        for (size_t j = 0; j < l[i]->n_top_ids && j < l[i]->n_top_logprobs; j++) {
+            cJSON *pair = cJSON_CreateArray();
+            cJSON_AddItemToArray(pair, cJSON_CreateNumber(l[i]->top_ids[j]));
+            cJSON_AddItemToArray(pair, cJSON_CreateNumber(l[i]->top_logprobs[j]));
+            cJSON_AddItemToArray(top, pair);
+        }
+        cJSON_AddItemToObject(e, "top", top);
+        cJSON_AddItemToArray(arr, e);
+    }
+}
+
 /* Prints one choice's result: --json one object (with "index" when index >= 0), else its text
  * (after a '[choice i]' line when index >= 0; streamed already otherwise) and a summary line on
  * stderr. t0: when the call started, ms: how long it took (all choices). */
-static void report(choice *c, int index, int json, int logprobs, double t0, double ms)
+static void report(choice *c, int index, int json, int logprobs, int prompt_logprobs, double t0, double ms)
 {
     const Pdspark__GenerateChunk *fin = c->fin;
     const Pdspark__DSparkStats *ds = fin->stats;
@@ -337,6 +360,10 @@ static void report(choice *c, int index, int json, int logprobs, double t0, doub
             cJSON_AddItemToObject(o, "logprobs", c->lps);
             c->lps = NULL;
         }
+        if (prompt_logprobs) {
+            cJSON_AddItemToObject(o, "prompt_logprobs", c->plps);
+            c->plps = NULL;
+        }
         char *js = cJSON_PrintUnformatted(o);
         puts(js);
         free(js);
@@ -371,7 +398,7 @@ int main(int argc, char **argv)
     int chat = 0, thinking = 0;   /* thinking: GenerateRequest.enable_thinking */
     int par_tools = 0;            /* GenerateRequest.parallel_tool_calls */
     int max_new = 128, top_k = 0, json = 0, stream = 0, ignore_eos = 0, health = 0, skip_special = 0;
-    int disconnect_after = -1, logprobs = -1, n_choices = 1, model_defaults = 0, max_new_set = 0, top_p_set = 0;
+    int disconnect_after = -1, logprobs = -1, prompt_logprobs = -1, n_choices = 1, model_defaults = 0, max_new_set = 0, top_p_set = 0;
     char *stops[16];
     size_t n_stops = 0;
     int64_t seed = 0, timeout_ms = 0;
@@ -385,7 +412,7 @@ int main(int argc, char **argv)
            O_TMO, O_RID, O_JSON, O_STREAM, O_DISC, O_HEALTH, O_STOP, O_VERIFY, O_VTHRESH, O_LOGPROBS,
            O_PRES, O_FREQ, O_REP, O_BIAS, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_GRAMMAR, O_SKIPSP,
            O_MINP, O_TYPP, O_CHAT, O_SYSTEM, O_THINK, O_MSGS, O_N, O_MODELDEF, O_TOOLS, O_TOOLCH, O_PARTOOLS,
-           O_HELP };
+           O_PROMPTLP, O_HELP };
     static const struct option opts[] = {
         {"server", required_argument, 0, O_SERVER}, {"prompt", required_argument, 0, O_PROMPT},
         {"prompt-ids", required_argument, 0, O_IDS}, {"max-new-tokens", required_argument, 0, O_MAXNEW},
@@ -402,6 +429,7 @@ int main(int argc, char **argv)
         {"verify", required_argument, 0, O_VERIFY},
         {"verify-threshold", required_argument, 0, O_VTHRESH},
         {"logprobs", required_argument, 0, O_LOGPROBS},
+        {"prompt-logprobs", required_argument, 0, O_PROMPTLP},
         {"presence-penalty", required_argument, 0, O_PRES},
         {"frequency-penalty", required_argument, 0, O_FREQ},
         {"repetition-penalty", required_argument, 0, O_REP},
@@ -476,6 +504,9 @@ int main(int argc, char **argv)
         case O_REGEX: bad = pd_cli_parse_guide(PROG, "--regex", optarg, &guide); break;
         case O_GRAMMAR: bad = pd_cli_parse_guide(PROG, "--grammar", optarg, &guide); break;
         case O_LOGPROBS: bad = pd_cli_parse_int(PROG, "--logprobs", optarg, 0, 20, &logprobs); break;
+        case O_PROMPTLP:
+            bad = pd_cli_parse_int(PROG, "--prompt-logprobs", optarg, 0, 20, &prompt_logprobs);
+            break;
         case O_N: bad = pd_cli_parse_int(PROG, "--n", optarg, 1, 16, &n_choices); break;
         case O_STOP:
             if (n_stops == sizeof(stops) / sizeof(stops[0])) {
@@ -623,6 +654,8 @@ int main(int argc, char **argv)
     rq.logprobs = logprobs >= 0;
     rq.skip_special_tokens = skip_special;
     rq.top_logprobs = logprobs >= 0 ? (uint32_t)logprobs : 0;
+    rq.prompt_logprobs = prompt_logprobs >= 0;
+    rq.prompt_top_logprobs = prompt_logprobs >= 0 ? (uint32_t)prompt_logprobs : 0;
     rq.n = (uint32_t)n_choices;
     choice *cs = calloc((size_t)n_choices, sizeof(*cs));
     if (cs == NULL) {
@@ -631,6 +664,7 @@ int main(int argc, char **argv)
     }
     for (int i = 0; i < n_choices; i++) {
         cs[i].lps = cJSON_CreateArray();
+        cs[i].plps = cJSON_CreateArray();
         cs[i].t_first = -1.0;
     }
 
@@ -655,21 +689,8 @@ int main(int argc, char **argv)
         choice *cc = &cs[ck->index];
         if (ck->n_token_ids > 0 && cc->t_first < 0)
             cc->t_first = pd_cli_now_ms();
-        for (size_t i = 0; i < ck->n_logprobs; i++) {
-            const Pdspark__TokenLogprobs *l = ck->logprobs[i];
-            cJSON *e = cJSON_CreateObject(), *top = cJSON_CreateArray();
-            cJSON_AddNumberToObject(e, "id", l->token_id);
-            cJSON_AddNumberToObject(e, "logprob", l->logprob);
-            cJSON_AddNumberToObject(e, "rank", l->rank);
-            for (size_t j = 0; j < l->n_top_ids && j < l->n_top_logprobs; j++) {
-                cJSON *pair = cJSON_CreateArray();
-                cJSON_AddItemToArray(pair, cJSON_CreateNumber(l->top_ids[j]));
-                cJSON_AddItemToArray(pair, cJSON_CreateNumber(l->top_logprobs[j]));
-                cJSON_AddItemToArray(top, pair);
-            }
-            cJSON_AddItemToObject(e, "top", top);
-            cJSON_AddItemToArray(cc->lps, e);
-        }
+        lps_json_add(cc->lps, ck->logprobs, ck->n_logprobs);
+        lps_json_add(cc->plps, ck->prompt_logprobs, ck->n_prompt_logprobs);
         if (acc_add(&cc->a, ck) != 0) {
             st = pd_err_set(&err, PD_ERR_NOMEM, "out of memory");
             protobuf_c_message_free_unpacked(m, NULL);
@@ -719,13 +740,14 @@ int main(int argc, char **argv)
         fflush(stdout);
     }
     for (int i = 0; i < n_choices; i++)
-        report(&cs[i], n_choices > 1 ? i : -1, json, logprobs >= 0, t0, ms);
+        report(&cs[i], n_choices > 1 ? i : -1, json, logprobs >= 0, prompt_logprobs >= 0, t0, ms);
     rc = 0;
 out:
     for (int i = 0; cs != NULL && i < n_choices; i++) {
         if (cs[i].fin != NULL)
             protobuf_c_message_free_unpacked(&cs[i].fin->base, NULL);
         cJSON_Delete(cs[i].lps);
+        cJSON_Delete(cs[i].plps);
         free(cs[i].a.tokens);
         free(cs[i].a.text);
         free(cs[i].a.reasoning);

@@ -332,6 +332,24 @@ static void gen_on_token(void *ud, const decode_chunk *ch)
         m.n_logprobs = (size_t)ch->n_ids;
         m.logprobs = lpp;
     }
+    /* the prompt's first token has no logprobs (nothing comes before it): entries 1.. only */
+    Pdspark__TokenLogprobs *plm = NULL, **plp = NULL;
+    if (ch->prompt_logprobs != NULL && ch->n_prompt > 1) {
+        size_t np = (size_t)ch->n_prompt - 1;
+        plm = calloc(np, sizeof(*plm));
+        plp = calloc(np, sizeof(*plp));
+        if (plm == NULL || plp == NULL) {
+            free(plm);
+            free(plp);
+            free(lpm);
+            free(lpp);
+            free(sendbuf);
+            return;
+        }
+        pd_wire_logprobs_out(ch->prompt_logprobs + 1, ch->prompt_ids + 1, ch->n_prompt - 1, plm, plp);
+        m.n_prompt_logprobs = np;
+        m.prompt_logprobs = plp;
+    }
     split_out so = {0};
     pd_status st = c->cp != NULL && split_chunk(c, &m, 0, &so) != 0 ? PD_ERR_NOMEM
                                                                     : pd_rpc_stream_write(g->call, &m.base);
@@ -339,6 +357,8 @@ static void gen_on_token(void *ud, const decode_chunk *ch)
     free(sendbuf);
     free(lpm);
     free(lpp);
+    free(plm);
+    free(plp);
     if (st == PD_ERR_BUSY) {
         PD_LOG_WARN("grpc", "%s: client reads too slowly, cancelling", ch->request_id);
         group_cancel(g);
@@ -626,6 +646,17 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
     dr.logprobs = rq->logprobs;
     dr.skip_special = rq->skip_special_tokens;
     dr.top_logprobs = rq->top_logprobs > (uint32_t)INT32_MAX ? INT32_MAX : (int)rq->top_logprobs;
+    /* checked here rather than by decode_submit, whose message names the HTTP API's field */
+    if (rq->prompt_top_logprobs > PD_MAX_TOP_LOGPROBS) {
+        free(ids);
+        char m[96];
+        snprintf(m, sizeof(m), "prompt_top_logprobs %u must be in 0..%d", rq->prompt_top_logprobs,
+                 PD_MAX_TOP_LOGPROBS);
+        pd_rpc_finish(call, PD_ERR_INVALID, m);
+        return PD_OK;
+    }
+    dr.prompt_logprobs = rq->prompt_logprobs;
+    dr.prompt_top_logprobs = rq->prompt_logprobs ? (int)rq->prompt_top_logprobs : 0;
     int64_t tmo = rq->timeout_ms > (uint64_t)INT64_MAX ? INT64_MAX : (int64_t)rq->timeout_ms;
     int64_t left = pd_rpc_call_deadline_ms(call);
     if (left != INT64_MAX && (tmo == 0 || left < tmo))

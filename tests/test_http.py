@@ -692,6 +692,17 @@ def test_prompt_logprobs(bin_dir, node, prompt):
               "prompt ranks both first and beyond the tops: %s" % ranks[:20])
         log("prompt_logprobs: %d prompt tokens, ranks %s..." % (len(full), ranks[:8]))
     PLP_REF["prompt_logprobs"] = (full, pl)
+    # gRPC (pdspark-client --prompt-logprobs 3): the same values, one entry per token from the second
+    out = subprocess.run([os.path.join(bin_dir, "pdspark-client"), "--server", node.grpc, "--prompt-ids", "-",
+                          "--max-new-tokens", "2", "--json", "--prompt-logprobs", "3"],
+                         input=" ".join(str(t) for t in full), capture_output=True, text=True, timeout=60)
+    gp = json.loads(out.stdout.strip().splitlines()[-1]).get("prompt_logprobs") if out.returncode == 0 else None
+    check(isinstance(gp, list) and pl is not None and len(gp) == len(full) - 1 and
+          all(e["id"] == full[i + 1] and e["rank"] >= 1 and len(e["top"]) == 3 and
+              abs(e["logprob"] - pl[i + 1][str(full[i + 1])]["logprob"]) < 1e-5 and
+              all(abs(v - pl[i + 1][str(t)]["logprob"]) < 1e-5 for t, v in e["top"])
+              for i, e in enumerate(gp)),
+          "gRPC prompt_logprobs == HTTP's: %s %s" % (out.stderr[-300:], str(gp)[:300]))
     # 0: the prompt token alone; with echo and logprobs 1 the two lists are cut each to its own
     st, b = post_json(node, "/v1/completions", {"prompt": full, "max_tokens": 1, "prompt_logprobs": 0})
     pl0 = b["choices"][0].get("prompt_logprobs") if st == 200 else None

@@ -1,8 +1,12 @@
 /* test_services.c - the two services as real processes on loopback: bad input and lifecycle.
  * Bad input (decode_node --colocated and prefill_node): malformed protobuf bytes, a wrong
  *   protocol version, an oversized prompt, token ids outside the vocabulary, bad sampling params,
- *   a layout mismatch in a Prefill descriptor, an unknown id in CancelPrefill -> INVALID_ARGUMENT /
- *   NOT_FOUND with a message, and the next good request still succeeds.
+ *   a layout mismatch in a Prefill descriptor, an unknown id in CancelPrefill, a prompt top
+ *   logprobs count past 20 -> INVALID_ARGUMENT / NOT_FOUND with a message, and the next good
+ *   request still succeeds.
+ * Prompt logprobs (GenerateRequest.prompt_logprobs), colocated and disaggregated: each choice's
+ *   first chunk carries n_prompt - 1 entries, the prompt's next tokens, ranked, with the asked
+ *   top count (prompt_lps_case).
  * Lifecycle (prefill_node + decode_node): a client that disconnects mid-stream gives its pages
  *   back (Health's free pages return to the baseline); a request past its deadline gets
  *   DEADLINE_EXCEEDED; a prefill node SIGKILLed while prefills are in flight fails only those
@@ -146,6 +150,8 @@ typedef struct {
     const char *tools_json;   /* GenerateRequest.tools_json, tool_choice, parallel_tool_calls */
     const char *tool_choice;
     uint32_t par_tools;
+    int prompt_lp;            /* GenerateRequest.prompt_logprobs, with prompt_top_logprobs: */
+    uint32_t prompt_top;
     /* results */
     pd_status st;
     char msg[512];
@@ -159,8 +165,32 @@ typedef struct {
     uint32_t prompt_tokens;   /* the final chunk's usage */
     struct { char id[48], name[64], args[512]; uint32_t index, version; } calls[4];   /* tool calls */
     int n_calls;
+    int plp_n[4];             /* prompt logprobs in the first chunk of choices 0..3 */
+    int plp_late;             /* prompt logprobs in any later chunk */
+    int plp_bad;              /* entries that broke a rule (plp_why says the first) */
+    char plp_why[160];
     double ms;
 } gen_call;
+
+/* The prompt logprobs of a choice's first chunk: entry i is prompt token i + 1's (with g->ids),
+ * a rank >= 1, a logprob <= 0, g->prompt_top alternatives, most likely first, the likeliest at
+ * least as likely as the token. Breaks are counted in g->plp_bad. */
+static void prompt_lps_check(gen_call *g, const Pdspark__GenerateChunk *ck)
+{
+    for (size_t i = 0; i < ck->n_prompt_logprobs; i++) {
+        const Pdspark__TokenLogprobs *l = ck->prompt_logprobs[i];
+        int ok = l->version == PD_PROTO_VERSION && l->rank >= 1 && l->logprob <= 0.0f &&
+                 l->n_top_ids == g->prompt_top && l->n_top_logprobs == g->prompt_top &&
+                 (g->ids == NULL || (i + 1 < g->n_ids && l->token_id == g->ids[i + 1])) &&
+                 (l->n_top_logprobs == 0 || l->top_logprobs[0] >= l->logprob - 1e-4f);
+        for (size_t k = 1; ok && k < l->n_top_logprobs; k++)
+            ok = l->top_logprobs[k] <= l->top_logprobs[k - 1];
+        if (!ok && g->plp_bad++ == 0)
+            snprintf(g->plp_why, sizeof(g->plp_why), "entry %zu: id %u (prompt %u), logprob %g, rank %u, %zu/%zu top",
+                     i, l->token_id, g->ids != NULL && i + 1 < g->n_ids ? g->ids[i + 1] : 0, l->logprob, l->rank,
+                     l->n_top_ids, l->n_top_logprobs);
+    }
+}
 
 static void gen_run(pd_rpc_channel *ch, gen_call *g)
 {
@@ -194,7 +224,12 @@ static void gen_run(pd_rpc_channel *ch, gen_call *g)
     rq.tools_json = (char *)(g->tools_json != NULL ? g->tools_json : "");
     rq.tool_choice = (char *)(g->tool_choice != NULL ? g->tool_choice : "");
     rq.parallel_tool_calls = g->par_tools;
+    rq.prompt_logprobs = g->prompt_lp;
+    rq.prompt_top_logprobs = g->prompt_top;
     g->n_calls = 0;
+    int seen[4] = {0};
+    memset(g->plp_n, 0, sizeof(g->plp_n));
+    g->plp_late = g->plp_bad = 0;
     pd_err err = {0};
     pd_rpc_stream *s = NULL;
     double t0 = now_ms();
@@ -224,6 +259,12 @@ static void gen_run(pd_rpc_channel *ch, gen_call *g)
             g->calls[g->n_calls].version = t->version;
         }
         g->bad_index += ck->index >= (g->n > 1 ? g->n : 1);
+        if (ck->index < 4 && !seen[ck->index]++) {
+            g->plp_n[ck->index] = (int)ck->n_prompt_logprobs;
+            prompt_lps_check(g, ck);
+        } else {
+            g->plp_late += (int)ck->n_prompt_logprobs;
+        }
         const char *t = ck->text_delta != NULL ? ck->text_delta : "";
         strncat(g->out, t, sizeof(g->out) - strlen(g->out) - 1);
         if (ck->index < 4)
@@ -299,6 +340,34 @@ static void expect(gen_call *g, pd_status st, const char *needle, const char *wh
                    g->msg, pd_status_str(st));
     TEST_CHECK_MSG(needle == NULL || strstr(g->msg, needle) != NULL,
                    "%s: message '%s' does not mention '%s'", what, g->msg, needle);
+}
+
+/* GenerateRequest.prompt_logprobs on a 24-token prompt, two choices: each choice's first chunk
+ * has 23 entries (prompt_lps_check's rules), no later chunk has any. */
+static void prompt_lps_case(pd_rpc_channel *ch, const char *what)
+{
+    gen_call g = { .max_new = 4, .ignore_eos = 1, .top_p = 1.0f, .timeout_ms = 20000, .n = 2,
+                   .prompt_lp = 1, .prompt_top = 3 };
+    prompt_ids(&g, 24, 11);
+    gen_run(ch, &g);
+    TEST_CHECK_MSG(g.st == PD_OK && g.plp_n[0] == 23 && g.plp_n[1] == 23 && g.plp_late == 0 && g.plp_bad == 0,
+                   "%s prompt logprobs: %s %s, first chunks %d and %d entries (want 23), %d later, %d bad (%s)",
+                   what, pd_status_str(g.st), g.msg, g.plp_n[0], g.plp_n[1], g.plp_late, g.plp_bad, g.plp_why);
+    /* without prompt_top_logprobs: the token's own logprob and rank only */
+    gen_call z = { .max_new = 2, .ignore_eos = 1, .top_p = 1.0f, .timeout_ms = 20000, .prompt_lp = 1 };
+    z.ids = g.ids;
+    z.n_ids = g.n_ids;
+    gen_run(ch, &z);
+    TEST_CHECK_MSG(z.st == PD_OK && z.plp_n[0] == 23 && z.plp_bad == 0, "%s prompt logprobs, no top: %s %s, %d "
+                   "entries, %d bad (%s)", what, pd_status_str(z.st), z.msg, z.plp_n[0], z.plp_bad, z.plp_why);
+    /* not asked: none */
+    gen_call off = { .max_new = 2, .ignore_eos = 1, .top_p = 1.0f, .timeout_ms = 20000, .prompt_top = 5 };
+    off.ids = g.ids;
+    off.n_ids = g.n_ids;
+    gen_run(ch, &off);
+    TEST_CHECK_MSG(off.st == PD_OK && off.plp_n[0] == 0 && off.plp_late == 0, "%s prompt logprobs not asked: %s "
+                   "%s, %d entries", what, pd_status_str(off.st), off.msg, off.plp_n[0]);
+    free(g.ids);
 }
 
 static void test_services_bad_input(void)
@@ -537,6 +606,11 @@ static void test_services_bad_input(void)
     /* the decode node keeps serving */
     gen_call ok = { .max_new = 16, .top_p = 1.0f };
     prompt_ids(&ok, 40, 3);
+    /* prompt logprobs: a top count past 20 is refused naming the field; then they are served */
+    gen_call plb = { .max_new = 2, .top_p = 1.0f, .text = "def fib(n):", .prompt_lp = 1, .prompt_top = 21 };
+    gen_run(ch, &plb);
+    expect(&plb, PD_ERR_INVALID, "prompt_top_logprobs", "prompt_top_logprobs 21");
+    prompt_lps_case(ch, "colocated");
     gen_run(ch, &ok);
     TEST_CHECK_MSG(ok.st == PD_OK && ok.tokens >= 1, "good request after bad ones: %s %s",
                    pd_status_str(ok.st), ok.msg);
@@ -1640,6 +1714,7 @@ static void test_services_multi_node(void)
                        pd_status_str(g.st), g.msg);
         free(g.ids);
     }
+    prompt_lps_case(ch, "disaggregated");
     pd_rpc_channel_destroy(ch);
     node_stop(&dn, SIGTERM);
     node_stop(&pn, SIGTERM);
