@@ -646,17 +646,9 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
     dr.logprobs = rq->logprobs;
     dr.skip_special = rq->skip_special_tokens;
     dr.top_logprobs = rq->top_logprobs > (uint32_t)INT32_MAX ? INT32_MAX : (int)rq->top_logprobs;
-    /* checked here rather than by decode_submit, whose message names the HTTP API's field */
-    if (rq->prompt_top_logprobs > PD_MAX_TOP_LOGPROBS) {
-        free(ids);
-        char m[96];
-        snprintf(m, sizeof(m), "prompt_top_logprobs %u must be in 0..%d", rq->prompt_top_logprobs,
-                 PD_MAX_TOP_LOGPROBS);
-        pd_rpc_finish(call, PD_ERR_INVALID, m);
-        return PD_OK;
-    }
     dr.prompt_logprobs = rq->prompt_logprobs;
-    dr.prompt_top_logprobs = rq->prompt_logprobs ? (int)rq->prompt_top_logprobs : 0;
+    /* decode_submit checks its range, and drops it without prompt_logprobs */
+    dr.prompt_top_logprobs = rq->prompt_top_logprobs > (uint32_t)INT32_MAX ? INT32_MAX : (int)rq->prompt_top_logprobs;
     int64_t tmo = rq->timeout_ms > (uint64_t)INT64_MAX ? INT64_MAX : (int64_t)rq->timeout_ms;
     int64_t left = pd_rpc_call_deadline_ms(call);
     if (left != INT64_MAX && (tmo == 0 || left < tmo))

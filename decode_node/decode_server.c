@@ -694,21 +694,20 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
         return pd_err_set(err, PD_ERR_INVALID, "give either prompt text or prompt token ids, not both");
     if (!has_text && !has_ids)
         return pd_err_set(err, PD_ERR_INVALID, "empty prompt");
-    if (!isfinite(req->temperature) || req->temperature < 0.0f)
-        return pd_err_set(err, PD_ERR_INVALID, "temperature %g must be finite and >= 0",
-                          (double)req->temperature);
+    /* a request's top_p 0 means off (proto3's unset); the rest as the engine checks them */
     if (!isfinite(req->top_p) || req->top_p < 0.0f || req->top_p > 1.0f)
         return pd_err_set(err, PD_ERR_INVALID, "top_p %g must be in [0, 1] (0 = off)",
                           (double)req->top_p);
-    if (!(req->min_p >= 0.0f && req->min_p <= 1.0f))
-        return pd_err_set(err, PD_ERR_INVALID, "min_p %g must be in [0, 1] (0 = off)", (double)req->min_p);
-    if (!(req->typical_p >= 0.0f && req->typical_p <= 1.0f))
-        return pd_err_set(err, PD_ERR_INVALID, "typical_p %g must be in [0, 1] (0 and 1 = off)",
-                          (double)req->typical_p);
-    if (req->top_k < 0 || req->top_k > s->vocab)
+    if (req->top_k > s->vocab)
         return pd_err_set(err, PD_ERR_INVALID, "top_k %d must be in 0..%d", req->top_k, s->vocab);
-    pd_status pst = pd_penalties_check(req->presence_penalty, req->frequency_penalty,
-                                       req->repetition_penalty, err);
+    pd_sample_params sp = { .temperature = req->temperature, .top_k = req->top_k,
+                            .top_p = req->top_p > 0.0f ? req->top_p : 1.0f, .min_p = req->min_p,
+                            .typical_p = req->typical_p, .seed = req->seed };
+    pd_status pst = pd_sample_params_check(&sp, err);
+    if (pst != PD_OK)
+        return pst;
+    pst = pd_penalties_check(req->presence_penalty, req->frequency_penalty,
+                             req->repetition_penalty, err);
     if (pst != PD_OK)
         return pst;
     if ((pst = pd_logit_bias_check(req->logit_bias, req->n_logit_bias, s->vocab, err)) != PD_OK)
@@ -726,7 +725,7 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
         return pd_err_set(err, PD_ERR_INVALID, "top_logprobs %d must be in 0..%d", req->top_logprobs,
                           PD_MAX_TOP_LOGPROBS);
     if (req->prompt_top_logprobs < 0 || req->prompt_top_logprobs > PD_MAX_TOP_LOGPROBS)
-        return pd_err_set(err, PD_ERR_INVALID, "prompt_logprobs %d must be in 0..%d",
+        return pd_err_set(err, PD_ERR_INVALID, "prompt_top_logprobs %d must be in 0..%d",
                           req->prompt_top_logprobs, PD_MAX_TOP_LOGPROBS);
     if (req->max_new_tokens < 0 || req->max_new_tokens > s->max_ctx)
         return pd_err_set(err, PD_ERR_INVALID, "max_new_tokens %d must be in 0..%d (0 = the rest of "
@@ -842,12 +841,7 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
         snprintf(h->id, sizeof(h->id), "req-%llu", (unsigned long long)h->eid);
     h->prompt = ids;
     h->n_prompt = n;
-    h->gp.sample.temperature = req->temperature;
-    h->gp.sample.top_p = req->top_p > 0.0f ? req->top_p : 1.0f;
-    h->gp.sample.min_p = req->min_p;
-    h->gp.sample.typical_p = req->typical_p;
-    h->gp.sample.top_k = req->top_k;
-    h->gp.sample.seed = req->seed;
+    h->gp.sample = sp;
     h->gp.max_new_tokens = (int)max_new;
     h->gp.ignore_eos = req->ignore_eos;
     h->gp.verify_policy = (pd_verify_policy)req->verify_policy;

@@ -741,19 +741,17 @@ logprobs_kernel(kern_logprobs_args a)
     for (int i = threadIdx.x; i < n; i += SP_THREADS)
         mx = fmaxf(mx, x[i]);
     mx = sp_block_max(mx, shf);
-    double s = 0.0;
-    for (int i = threadIdx.x; i < n; i += SP_THREADS)
-        s += exp((double)x[i] - (double)mx);
-    const double lse = (double)mx + log(sp_block_sum_d(s, shd));
     const int tok = a.tok[blockIdx.x];
     const bool tok_ok = tok >= 0 && tok < n;
-    /* the rank: logits >= the token's (kern_backend.h), counted as a double sum (exact) */
-    double n_ge = 0.0;
-    if (tok_ok) {
-        const float xt = x[tok];
-        for (int i = threadIdx.x; i < n; i += SP_THREADS)
-            n_ge += x[i] >= xt ? 1.0 : 0.0;
+    /* in the same pass: the rank, the logits >= the token's (kern_backend.h; no token: none
+     * is, as NaN compares), counted as a double sum (exact) */
+    const float xt = tok_ok ? x[tok] : NAN;
+    double s = 0.0, n_ge = 0.0;
+    for (int i = threadIdx.x; i < n; i += SP_THREADS) {
+        s += exp((double)x[i] - (double)mx);
+        n_ge += x[i] >= xt ? 1.0 : 0.0;
     }
+    const double lse = (double)mx + log(sp_block_sum_d(s, shd));
     n_ge = sp_block_sum_d(n_ge, shd);
     if (threadIdx.x == 0) {
         out->logprob = tok_ok ? (float)((double)x[tok] - lse) : NAN;
