@@ -216,6 +216,12 @@ pd_status pd_kv_seq_copy(pd_kv_pool *pool, const pd_kv_seq *seq, int n, void *ho
     PD_ASSERT(n >= 0 && n <= seq->n_pages);
     size_t pb = pd_kv_page_bytes(&pool->lay);
     char *h = host;
+    /* downloads go as one batch (a wait per span would idle the stream thousands of times for
+     * a long sequence's scattered pages); uploads are queued one by one without waiting */
+    kern_copy_span *sp = NULL;
+    int nsp = 0;
+    if (to_host && n > 0 && (sp = malloc((size_t)2 * pool->lay.n_layers * (size_t)n * sizeof(*sp))) == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "kv copy: %d spans", 2 * pool->lay.n_layers * n);
     for (int part = 0; part < 2 * pool->lay.n_layers; part++) {   /* layer l's K, then its V */
         char *base = (char *)pool->mem->ptr + (size_t)part * pb * (size_t)pool->lay.n_pages;
         for (int i = 0; i < n;) {
@@ -223,15 +229,20 @@ pd_status pd_kv_seq_copy(pd_kv_pool *pool, const pd_kv_seq *seq, int n, void *ho
             while (i + run < n && seq->pages[i + run] == seq->pages[i] + run)
                 run++;
             char *dev = base + (size_t)seq->pages[i] * pb;
-            pd_status st = to_host ? kern_download(pool->be, h, dev, (size_t)run * pb, err)
-                                   : kern_upload(pool->be, dev, h, (size_t)run * pb, err);
-            if (st != PD_OK)
-                return st;
+            if (to_host) {
+                sp[nsp++] = (kern_copy_span){ h, dev, (size_t)run * pb };
+            } else {
+                pd_status st = kern_upload(pool->be, dev, h, (size_t)run * pb, err);
+                if (st != PD_OK)
+                    return st;
+            }
             h += (size_t)run * pb;
             i += run;
         }
     }
-    return PD_OK;
+    pd_status st = nsp > 0 ? kern_download_spans(pool->be, sp, nsp, err) : PD_OK;
+    free(sp);
+    return st;
 }
 
 size_t pd_kv_pair_bytes(const pd_kv_pool *tpool, int nt, const pd_kv_pool *dpool, int nd)

@@ -1155,7 +1155,10 @@ static pd_status bench_e2e(bench *b, const pd_qwen3_model *tm, const pd_dspark_m
             free(ids);
             return st;
         }
-        pd_gen_params gp = { .sample = { .top_p = 1.0f }, .max_new_tokens = 4096, .ignore_eos = 1 };
+        /* within the pages above: the engine reserves a request's whole worst case at admission
+         * (no swap space) */
+        pd_gen_params gp = { .sample = { .top_p = 1.0f }, .max_new_tokens = (warm + rounds + 4) * 32,
+                             .ignore_eos = 1 };
         for (int r = 0; r < n && st == PD_OK; r++) {
             random_ids(ids, prompt, tm->cfg.vocab_size);
             st = pd_engine_add(e, (uint64_t)r + 1, ids, prompt, &gp, &reqs[r], err);

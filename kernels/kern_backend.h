@@ -593,12 +593,23 @@ static inline float kern_penalize_one(float v, const kern_penalty_entry *e)
 
 /* ---- the backend ------------------------------------------------------------------------- */
 
+/* One piece of a batched copy: n bytes from src to dst. */
+typedef struct {
+    void *dst;
+    const void *src;
+    size_t n;
+} kern_copy_span;
+
 struct kern_backend_ops {
     const char *name;
     pd_status (*buf_alloc)(kern_backend *be, size_t bytes, kern_buf **out, pd_err *err);
     void (*buf_free)(kern_backend *be, kern_buf *buf);
     pd_status (*upload)(kern_backend *be, void *dst, const void *src, size_t n, pd_err *err);
     pd_status (*download)(kern_backend *be, void *dst, const void *src, size_t n, pd_err *err);
+    /* n downloads at once (backend memory to host), all landed when it returns; a backend may
+     * overlap them (cuda: through its pinned ring, one wait per ring fill instead of one per
+     * span). For many small scattered pieces: a sequence's KV pages. */
+    pd_status (*download_spans)(kern_backend *be, const kern_copy_span *spans, int n, pd_err *err);
     pd_status (*memset0)(kern_backend *be, void *dst, size_t n, pd_err *err);
     /* Converts n values of src_dtype (host memory) into dst (backend memory, dst_dtype). */
     pd_status (*upload_convert)(kern_backend *be, void *dst, kern_dtype dst_dtype,
@@ -704,6 +715,7 @@ void kern_buf_free(kern_buf *buf);
 pd_status kern_buf_grow(kern_backend *be, kern_buf **buf, int *cap, int need, size_t per, pd_err *err);
 pd_status kern_upload(kern_backend *be, void *dst, const void *src, size_t n, pd_err *err);
 pd_status kern_download(kern_backend *be, void *dst, const void *src, size_t n, pd_err *err);
+pd_status kern_download_spans(kern_backend *be, const kern_copy_span *spans, int n, pd_err *err);
 pd_status kern_memset0(kern_backend *be, void *dst, size_t n, pd_err *err);
 pd_status kern_upload_convert(kern_backend *be, void *dst, kern_dtype dst_dtype, const void *src,
                               kern_dtype src_dtype, size_t n, pd_err *err);

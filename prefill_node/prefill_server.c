@@ -507,11 +507,12 @@ static void job_abort(prefill_server *ps, job *j, pd_status st, const char *msg)
 
 /* Spans for every layer's K and V of pages[0..np) of pool, to the remote pool at rbase of
  * rpages pages per layer half (pd_kv.h layout), remote page ids rids. With stage set, the pages
- * are downloaded there first (stage advances), a run of consecutive page ids in one copy. Runs
- * contiguous on both sides are merged. */
-static pd_status page_spans(prefill_server *ps, pd_kv_pool *pool, const int32_t *pages, int np,
-                            uint64_t rbase, uint64_t rpages, const uint32_t *rids, char **stage,
-                            pd_xfer_span *sp, size_t *n, pd_err *err)
+ * are to be downloaded there first (stage advances): their copies, a run of consecutive page ids
+ * in one, are added to dl[*ndl] for one kern_download_spans before the puts. Runs contiguous on
+ * both sides are merged. */
+static void page_spans(pd_kv_pool *pool, const int32_t *pages, int np, uint64_t rbase, uint64_t rpages,
+                       const uint32_t *rids, char **stage, kern_copy_span *dl, size_t *ndl, pd_xfer_span *sp,
+                       size_t *n)
 {
     const pd_kv_layout *lay = pd_kv_pool_layout(pool);
     size_t pb = pd_kv_page_bytes(lay);
@@ -526,9 +527,7 @@ static pd_status page_spans(prefill_server *ps, pd_kv_pool *pool, const int32_t 
                     if (run == 0) {
                         while (p + run < np && pages[p + run] == pages[p] + run)
                             run++;
-                        pd_status st = kern_download(ps->be, *stage, s, (size_t)run * pb, err);
-                        if (st != PD_OK)
-                            return st;
+                        dl[(*ndl)++] = (kern_copy_span){ *stage, s, (size_t)run * pb };
                     }
                     run--;
                     s = *stage;
@@ -544,7 +543,6 @@ static pd_status page_spans(prefill_server *ps, pd_kv_pool *pool, const int32_t 
             }
         }
     }
-    return PD_OK;
 }
 
 /* engine thread: the job's forward is done; make its spans and hand it to the transfer thread */
@@ -572,17 +570,24 @@ static void start_transfer(prefill_server *ps, job *j)
         goto fail;
     }
     char *stage = j->stage;
-    size_t n = 0, nd = 0;
-    if ((st = page_spans(ps, pd_engine_target_pool(ps->eng), j->r->tkv.pages, j->n_pages, j->kv_base,
-                         j->remote_pool_pages, j->pages, &stage, j->sp, &n, &err)) != PD_OK)
+    kern_copy_span *dl = NULL;
+    if (ps->stage && (dl = malloc((t_spans + d_spans) * sizeof(*dl))) == NULL) {
+        st = pd_err_set(&err, PD_ERR_NOMEM, "kv staging: %zu copies", t_spans + d_spans);
         goto fail;
+    }
+    size_t n = 0, nd = 0, ndl = 0;
+    page_spans(pd_engine_target_pool(ps->eng), j->r->tkv.pages, j->n_pages, j->kv_base, j->remote_pool_pages,
+               j->pages, &stage, dl, &ndl, j->sp, &n);
     pd_xfer_span *asp = j->sp + n;
-    if (dkv) {
-        if ((st = page_spans(ps, pd_engine_draft_pool(ps->eng), j->r->dkv.pages, j->n_pages,
-                             j->dkv_base, j->remote_dpool_pages, j->dpages, &stage, asp, &nd,
-                             &err)) != PD_OK)
-            goto fail;
-    } else if (j->want_aux) {
+    if (dkv)
+        page_spans(pd_engine_draft_pool(ps->eng), j->r->dkv.pages, j->n_pages, j->dkv_base,
+                   j->remote_dpool_pages, j->dpages, &stage, dl, &ndl, asp, &nd);
+    /* every staged page in one batch of downloads (target and draft pools share the backend) */
+    st = ndl > 0 ? kern_download_spans(ps->be, dl, (int)ndl, &err) : PD_OK;
+    free(dl);
+    if (st != PD_OK)
+        goto fail;
+    if (!dkv && j->want_aux) {
         /* raw: [n, K*hidden] rows; ctx: [n, hidden] rows, packed from the request's offset */
         int ctx = j->aux_mode == PD_AUX_CTX;
         asp[0] = (pd_xfer_span){ .src = ctx ? j->r->ctx : j->r->aux, .raddr = j->aux_base + j->aux_off,

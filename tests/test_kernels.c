@@ -866,6 +866,93 @@ static double run_convert(run_ctx *x)
     return worst;
 }
 
+/* download_spans: c->rows spans of random sizes (c->cols the largest; sizes 0, 1, odd, 32 KB
+ * pages, ring-sized and larger ones mixed in) at random places of a device buffer, each to its
+ * own place of a host buffer; every byte must equal a whole-buffer download's, the gaps between
+ * destinations untouched. --perf: the KV pages of one 2048-token sequence of Qwen3-4B (36
+ * layers x K, V x 128 pages of 32 KB, the pages scattered) as one call against one kern_download
+ * per page. */
+static double run_download_spans(run_ctx *x)
+{
+    const kcase *c = x->c;
+    const int n = c->rows;
+    const size_t dev_bytes = (size_t)24 << 20;
+    unsigned char *h = malloc(dev_bytes);
+    for (size_t i = 0; i < dev_bytes; i++)
+        h[i] = (unsigned char)(rng_next() >> 56);
+    unsigned char *d = side_bytes(x->gpu, h, dev_bytes);
+    kern_copy_span *sp = malloc((size_t)n * sizeof(*sp));
+    size_t *at = malloc((size_t)n * sizeof(*at)), host_bytes = 0;
+    const size_t sizes[] = { 0, 1, 255, 256, 4097, 32768, 32768, 32768, (size_t)1 << 20, ((size_t)1 << 20) + 1 };
+    for (int i = 0; i < n; i++) {
+        size_t m = i % 499 == 5 ? (size_t)c->cols : sizes[rng_int((int)(sizeof(sizes) / sizeof(sizes[0])))];
+        sp[i].n = m;
+        sp[i].src = d + (size_t)rng_int((int)(dev_bytes - m + 1));
+        at[i] = host_bytes;
+        host_bytes += m + 16;   /* a 16-byte gap after each destination */
+    }
+    unsigned char *got = malloc(host_bytes);
+    memset(got, 0xa5, host_bytes);
+    for (int i = 0; i < n; i++)
+        sp[i].dst = got + at[i];
+    pd_err err;
+    double e = 0.0;
+    if (fatal_status(kern_download_spans(x->gpu->be, sp, n, &err), &err, "download_spans")) {
+        e = 1e30;
+    } else {
+        size_t bad = 0;
+        for (int i = 0; i < n; i++) {
+            size_t off = (size_t)((const unsigned char *)sp[i].src - d);
+            bad += memcmp(got + at[i], h + off, sp[i].n) != 0;
+            for (int g = 0; g < 16; g++)
+                bad += got[at[i] + sp[i].n + (size_t)g] != 0xa5;
+        }
+        if (bad > 0) {
+            printf("      %zu spans or gaps differ\n", bad);
+            e = 1.0;
+        }
+    }
+    if (opts.opt_perf && e == 0.0) {
+        /* one sequence's pages: 72 layer halves x 128 pages of 32 KB, each from a random page
+         * slot of the 24 MB buffer (a scattered pool) */
+        const int halves = 72, pages = 128, np = halves * pages;
+        const size_t pb = 32768;
+        kern_copy_span *ps = malloc((size_t)np * sizeof(*ps));
+        unsigned char *dst = malloc((size_t)np * pb);
+        int slots = (int)(dev_bytes / pb);
+        for (int i = 0; i < np; i++)
+            ps[i] = (kern_copy_span){ dst + (size_t)i * pb, d + (size_t)rng_int(slots) * pb, pb };
+        double t_one[5], t_many[5];
+        for (int r = 0; r < 6; r++) {
+            double t0 = now_s();
+            for (int i = 0; i < np; i++)
+                kern_download(x->gpu->be, ps[i].dst, ps[i].src, pb, &err);
+            double t1 = now_s();
+            kern_download_spans(x->gpu->be, ps, np, &err);
+            double t2 = now_s();
+            if (r > 0) {   /* the first is a warm-up */
+                t_one[r - 1] = t1 - t0;
+                t_many[r - 1] = t2 - t1;
+            }
+        }
+        qsort(t_one, 5, sizeof(double), cmp_double);
+        qsort(t_many, 5, sizeof(double), cmp_double);
+        double bytes = (double)np * (double)pb;
+        size_t used = strlen(perf_note);
+        snprintf(perf_note + used, sizeof(perf_note) - used,
+                 "      perf: %d pages of 32 KB (%.0f MB): one download each %.2f ms (%.1f GB/s), "
+                 "download_spans %.2f ms (%.1f GB/s)\n", np, bytes / 1e6, t_one[2] * 1e3,
+                 bytes / t_one[2] * 1e-9, t_many[2] * 1e3, bytes / t_many[2] * 1e-9);
+        free(ps);
+        free(dst);
+    }
+    free(h);
+    free(sp);
+    free(at);
+    free(got);
+    return e;
+}
+
 /* ---- paged KV: ragged batches -------------------------------------------------------------- */
 
 /* spec: comma-separated sequences "K:CTX+N" (K: d decode, p prefill chunk, v verify block,
@@ -2379,7 +2466,7 @@ static const struct {
     {"argmax", run_argmax}, {"convert", run_convert}, {"linear", run_linear},
     {"qk_post", run_qk_post}, {"mlp", run_mlp}, {"qkv", run_qkv}, {"attn_block", run_attn_block}, {"markov_step", run_markov_step}, {"markov_chain", run_markov_chain}, {"probs", run_probs},
     {"sample", run_sample}, {"spec_verify", run_spec_verify}, {"penalty", run_penalty},
-    {"token_mask", run_token_mask}, {"logprobs", run_logprobs},
+    {"token_mask", run_token_mask}, {"logprobs", run_logprobs}, {"download_spans", run_download_spans},
 };
 
 /* Shapes are odd on purpose; F32 paths are held to ~1e-5, bf16 GEMMs (x rounded to bf16 on the
@@ -2387,6 +2474,9 @@ static const struct {
 static const kcase cases[] = {
     /* op          rows  cols pad  m n k sub  heads kv hd ps spec tol */
     {"convert", 0, 100003, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
+    /* download_spans: rows spans, cols the largest (> the CUDA ring of 8 MB) */
+    {"download_spans", 3000, 9 << 20, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
+    {"download_spans", 7, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
     {"embed", 37, 257, 5, 0, 0, 0, 1000, 0, 0, 0, 0, NULL, 0, 0},
     {"embed", 300, 4096, 0, 0, 0, 0, 151, 0, 0, 0, 0, NULL, 0, 0},
     {"rmsnorm", 1, 4096, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 1e-5, 0},

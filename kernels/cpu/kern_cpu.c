@@ -66,6 +66,15 @@ static pd_status cpu_copy(kern_backend *be, void *dst, const void *src, size_t n
     return PD_OK;
 }
 
+static pd_status cpu_download_spans(kern_backend *be, const kern_copy_span *spans, int n, pd_err *err)
+{
+    (void)be;
+    (void)err;
+    for (int i = 0; i < n; i++)
+        memmove(spans[i].dst, spans[i].src, spans[i].n);
+    return PD_OK;
+}
+
 static pd_status cpu_memset0(kern_backend *be, void *dst, size_t n, pd_err *err)
 {
     (void)be;
@@ -842,6 +851,7 @@ static const kern_backend_ops cpu_ops = {
     .buf_free = cpu_buf_free,
     .upload = cpu_copy,
     .download = cpu_copy,
+    .download_spans = cpu_download_spans,
     .memset0 = cpu_memset0,
     .upload_convert = cpu_upload_convert,
     .sync = cpu_sync,

@@ -7,7 +7,9 @@
  *   the copy completed; uploads up to KERN_CUDA_STAGE_MAX bytes are copied into a pinned staging
  *   ring and then to the device in stream order, without waiting for the stream (the engine's
  *   per-step metadata: a wait there idled the host until the GPU caught up, several times a
- *   round). Ops are asynchronous on the backend's stream until sync or download. */
+ *   round). download_spans queues its small spans into the same ring and waits once per ring
+ *   fill (a sequence's KV pages: thousands of 32 KB pieces). Ops are asynchronous on the
+ *   backend's stream until sync or download. */
 #include "kern_cuda_internal.h"
 
 #include <stdio.h>
@@ -78,16 +80,23 @@ static void cuda_buf_free(kern_backend *be, kern_buf *b)
     free(b);
 }
 
-static pd_status cuda_upload(kern_backend *be, void *dst, const void *src, size_t n, pd_err *err)
+/* The pinned ring, allocated at first use; NULL when pinned memory could not be had (copies
+ * then go from pageable memory and wait for themselves). */
+static char *stage_ring(kern_cuda_ctx *c)
 {
-    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
-    if (n <= KERN_CUDA_STAGE_MAX && c->stage == NULL && !c->stage_failed &&
+    if (c->stage == NULL && !c->stage_failed &&
         cudaHostAlloc((void **)&c->stage, KERN_CUDA_STAGE_BYTES, cudaHostAllocDefault) != cudaSuccess) {
         (void)cudaGetLastError();
         c->stage = NULL;
-        c->stage_failed = 1;   /* no pinned memory: every upload waits for its copy */
+        c->stage_failed = 1;
     }
-    if (n <= KERN_CUDA_STAGE_MAX && c->stage != NULL) {
+    return c->stage;
+}
+
+static pd_status cuda_upload(kern_backend *be, void *dst, const void *src, size_t n, pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    if (n <= KERN_CUDA_STAGE_MAX && stage_ring(c) != NULL) {
         /* a staged copy inside a capture would be recorded and replay stale ring contents */
         if (c->capturing)
             return pd_err_set(err, PD_ERR_INTERNAL, "cuda upload of %zu bytes during a graph capture", n);
@@ -114,6 +123,75 @@ static pd_status cuda_download(kern_backend *be, void *dst, const void *src, siz
     PD_CUDA_TRY(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, c->stream), err);
     PD_CUDA_TRY(cudaStreamSynchronize(c->stream), err);
     return PD_OK;
+}
+
+/* Pieces of spans copied into the ring, waiting to be copied out to their host addresses. */
+typedef struct {
+    void *dst;
+    size_t at, n;
+} stage_piece;
+
+#define STAGE_PIECES 1024
+
+/* Waits for the stream, then copies the landed pieces out of the ring, which is empty again
+ * (every copy queued before has finished, uploads' included). */
+static pd_status stage_drain(kern_cuda_ctx *c, stage_piece *p, int *np, pd_err *err)
+{
+    PD_CUDA_TRY(cudaStreamSynchronize(c->stream), err);
+    for (int i = 0; i < *np; i++)
+        memcpy(p[i].dst, c->stage + p[i].at, p[i].n);
+    *np = 0;
+    c->stage_head = 0;
+    return PD_OK;
+}
+
+/* Spans of <= KERN_CUDA_STAGE_MAX bytes go through the pinned ring, queued without a wait; the
+ * stream is waited for when the ring (or the piece list) is full and at the end. Larger spans
+ * are copied straight to their pageable destination (the driver stages those itself; the copy
+ * returns when it has landed, and with it every piece queued before). */
+static pd_status cuda_download_spans(kern_backend *be, const kern_copy_span *spans, int n, pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    if (c->capturing)
+        return pd_err_set(err, PD_ERR_INTERNAL, "cuda download of %d spans during a graph capture", n);
+    if (stage_ring(c) == NULL) {
+        for (int i = 0; i < n; i++)
+            PD_CUDA_TRY(cudaMemcpyAsync(spans[i].dst, spans[i].src, spans[i].n, cudaMemcpyDeviceToHost,
+                                        c->stream), err);
+        PD_CUDA_TRY(cudaStreamSynchronize(c->stream), err);
+        return PD_OK;
+    }
+    stage_piece *p = (stage_piece *)malloc(STAGE_PIECES * sizeof(*p));
+    if (p == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "download spans: piece list");
+    int np = 0;
+    pd_status st = PD_OK;
+    for (int i = 0; i < n && st == PD_OK; i++) {
+        size_t m = spans[i].n, need = (m + 255) & ~(size_t)255;
+        if (m == 0)
+            continue;
+        if (m > KERN_CUDA_STAGE_MAX) {
+            cudaError_t e = cudaMemcpyAsync(spans[i].dst, spans[i].src, m, cudaMemcpyDeviceToHost, c->stream);
+            if (e != cudaSuccess)
+                st = pd_err_set(err, PD_ERR_CUDA, "cudaMemcpyAsync of a download span: %s", cudaGetErrorString(e));
+            continue;
+        }
+        if ((c->stage_head + need > KERN_CUDA_STAGE_BYTES || np == STAGE_PIECES) &&
+            (st = stage_drain(c, p, &np, err)) != PD_OK)
+            break;
+        cudaError_t e = cudaMemcpyAsync(c->stage + c->stage_head, spans[i].src, m, cudaMemcpyDeviceToHost,
+                                        c->stream);
+        if (e != cudaSuccess) {
+            st = pd_err_set(err, PD_ERR_CUDA, "cudaMemcpyAsync of a download span: %s", cudaGetErrorString(e));
+            break;
+        }
+        p[np++] = (stage_piece){ spans[i].dst, c->stage_head, m };
+        c->stage_head += need;
+    }
+    if (st == PD_OK)
+        st = stage_drain(c, p, &np, err);
+    free(p);
+    return st;
 }
 
 /* An instantiated graph and the scratch epoch it was captured in. */
@@ -275,6 +353,7 @@ static const kern_backend_ops cuda_ops = {
     .buf_free = cuda_buf_free,
     .upload = cuda_upload,
     .download = cuda_download,
+    .download_spans = cuda_download_spans,
     .memset0 = cuda_memset0,
     .upload_convert = cuda_upload_convert,
     .sync = cuda_sync,
@@ -432,6 +511,7 @@ static pd_status ctx_init(kern_cuda_ctx *c, int device, pd_err *err)
     c->attn_one_tile = env_on("PD_ATTN_ONE_TILE");
     c->small_pdl = env_on("PD_SMALL_PDL");
     c->sk_batch = env_on("PD_SK_BATCH");
+    c->sk_xpack = env_on("PD_SK_XPACK");
     const char *skw = getenv("PD_SK_WIDE_WARPS");
     int w = skw != NULL ? atoi(skw) : 2;
     c->sk_wide_warps = w == 1 || w == 2 || w == 4 || w == 8 ? w : 2;

@@ -70,6 +70,10 @@ typedef struct kern_cuda_ctx {
     int sk_batch;              /* 1 unless PD_SK_BATCH=0 at creation: a one-tile skinny GEMM other
                                   than SwiGLU loads W and x in batches of 2 steps instead of its
                                   3-step register ring (skinny_kernel's BT form) */
+    int sk_xpack;              /* 1 unless PD_SK_XPACK=0 at creation: a skinny GEMM of more than
+                                  one 8-row tile reads x packed once to bf16 (norm applied, each
+                                  row's sums of squares made the kernel's way) by a prologue
+                                  kernel, a step ahead, instead of f32 x and the norm at use */
     size_t ws_bytes;
     unsigned ws_epoch;         /* bumped whenever ws moves: graphs captured before are stale */
     unsigned capture_epoch;    /* ws_epoch when the capture in progress began */
