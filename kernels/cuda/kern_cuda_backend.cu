@@ -512,6 +512,12 @@ static pd_status ctx_init(kern_cuda_ctx *c, int device, pd_err *err)
     c->small_pdl = env_on("PD_SMALL_PDL");
     c->sk_batch = env_on("PD_SK_BATCH");
     c->sk_xpack = env_on("PD_SK_XPACK");
+    const char *skr = getenv("PD_SK_R");
+    c->sk_r = skr != NULL && atoi(skr) == 1 ? 1 : 2;
+    c->sk_chunk_major = env_on("PD_SK_CHUNK_MAJOR");
+    const char *skt = getenv("PD_SK_MAX_TILES");
+    int mt = skt != NULL ? atoi(skt) : 8;
+    c->sk_max_tiles = mt == 2 || mt == 4 ? mt : 8;
     const char *skw = getenv("PD_SK_WIDE_WARPS");
     int w = skw != NULL ? atoi(skw) : 2;
     c->sk_wide_warps = w == 1 || w == 2 || w == 4 || w == 8 ? w : 2;

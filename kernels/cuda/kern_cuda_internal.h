@@ -22,7 +22,8 @@ extern "C" {
 
 #include "kern_cuda.h"
 
-#define KERN_CUDA_SK_FORMS 24   /* skinny_kernel forms: 4 tile counts x 3 epilogues x 2 load forms */
+#define KERN_CUDA_SK_FORMS 30   /* skinny_kernel forms: 4 tile counts x 3 epilogues x 2 load forms,
+                                   then 3 tile counts x 2 epilogues with two W tiles per CTA */
 
 typedef struct kern_cuda_ctx {
     int device;
@@ -74,6 +75,12 @@ typedef struct kern_cuda_ctx {
                                   one 8-row tile reads x packed once to bf16 (norm applied, each
                                   row's sums of squares made the kernel's way) by a prologue
                                   kernel, a step ahead, instead of f32 x and the norm at use */
+    int sk_r;                  /* 2 unless PD_SK_R=1 at creation: W tiles per CTA of the skinny
+                                  GEMM's XB form at >= 4 x tiles (kern_cuda_linear.cu) */
+    int sk_max_tiles;          /* 8-row x tiles per chunk of the skinny GEMM (2, 4 or 8):
+                                  PD_SK_MAX_TILES at creation, 8 without it */
+    int sk_chunk_major;        /* 1 unless PD_SK_CHUNK_MAJOR=0 at creation: a skinny GEMM of
+                                  several 64-row chunks runs a tile's chunks side by side */
     size_t ws_bytes;
     unsigned ws_epoch;         /* bumped whenever ws moves: graphs captured before are stale */
     unsigned capture_epoch;    /* ws_epoch when the capture in progress began */

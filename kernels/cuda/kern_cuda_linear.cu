@@ -21,6 +21,15 @@
  *   split (a function of K and the tile count only); the mma computes each output element from
  *   its own column of B only, so neither the number of rows nor where a row sits in its tile
  *   changes its bits. M > 64 streams W once per 64-row chunk; each row's arithmetic is unchanged.
+ *   Several tiles (M > 8): every CTA reads the whole x of its chunk, so f32 x (and the norm) at
+ *   64 rows moved 8x the weights' bytes through the L2, loaded when used; there (the XB form,
+ *   PD_SK_XPACK) a prologue kernel (sk_xpack_kernel) first packs x once into bf16 fragments with
+ *   the norm applied and each row's per-warp sums of squares made exactly as the kernel makes
+ *   them, and the CTAs read those 16-byte fragments a step ahead: the same operands and sums,
+ *   so the same bits. At >= 4 x tiles a CTA also takes two W tiles of one weight (R = 2, where
+ *   every weight's tile count is even) that share x's fragments, halving x's traffic again; and
+ *   a grid of several 64-row chunks runs chunk-major, a tile's chunks side by side, so its
+ *   weights come from DRAM once. Which CTA computes a tile never changes its arithmetic.
  *   RMSNorm: the fragments are bf16(norm[k] * x) and each lane also sums x^2 over its k; the
  *   row's sum of squares (its 4 lanes, then the warps in warp order) gives 1/rms, applied to the
  *   fp32 sums in the epilogue - no prologue pass over x before the weights stream.
@@ -76,6 +85,11 @@ typedef struct {
     int batch;                               /* kern_cuda_ctx.sk_batch: one-tile products other
                                               * than SwiGLU load in batches of 2 steps (BT) */
     signed char (*occ)[SK_MAX_WARPS + 1][SK_MAX_WARPS + 1];   /* host only: kern_cuda_ctx.sk_occ */
+    const __nv_bfloat16 *xb;                 /* XB form: x packed by sk_xpack_kernel, [m][ld_xb] */
+    int ld_xb;                               /* the steps' k, nsteps * 64 (zeros past k) */
+    const float *xss;                        /* XB form with a norm: [m][warps] sums of squares */
+    int r;                                   /* XB form: W tiles per CTA (1, 2; not SwiGLU) */
+    int chunk_major;                         /* grid (chunks, tiles) instead of (tiles, chunks) */
 } sk_params;
 
 static __device__ __forceinline__ uint4 ld_stream(const __nv_bfloat16 *p)
@@ -214,38 +228,89 @@ static __device__ __forceinline__ void mma_step(float *acc, const wfrag &ra, con
         mma_bf16(acc, wa[2 * q], wb[2 * q], wa[2 * q + 1], wb[2 * q + 1], b[2 * q], b[2 * q + 1]);
 }
 
+/* The XB form's prologue: row blockIdx.x of x packed to bf16 as build_b makes its fragments
+ * (bf16(norm * x), or bf16(x); zeros from k to ld_xb), and with a norm the sum of squares that
+ * warp w of the skinny kernel would find for the row: lane t of it adds x^2 over k = 64 s + 8 t
+ * + {0..7, 32..39} for its steps s = w, w + W, ... in order (build_half's fmaf chain), then the
+ * xor butterfly over the row's 4 lanes - the same operations in the same order, so the same
+ * bits. Thread w * 4 + t of warp 0 runs lane t of warp w (W <= 8: 32 threads). */
+__global__ void __launch_bounds__(256) sk_xpack_kernel(sk_params p)
+{
+    kern_cuda_pdl_wait_prev();
+    kern_cuda_pdl_launch_next();
+    const int row = blockIdx.x;
+    const float *xr = p.x + (size_t)row * p.ld_x;
+    __nv_bfloat16 *out = (__nv_bfloat16 *)p.xb + (size_t)row * p.ld_xb;
+    for (int k0 = (int)threadIdx.x * 8; k0 < p.ld_xb; k0 += (int)blockDim.x * 8) {
+        const bool in = k0 < p.k;
+        const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+        float4 v0 = in ? __ldg((const float4 *)(xr + k0)) : z, v1 = in ? __ldg((const float4 *)(xr + k0 + 4)) : z;
+        uint4 gr = make_uint4(0, 0, 0, 0);
+        if (p.norm != NULL && p.norm_bf16 && in)
+            gr = __ldg((const uint4 *)((const __nv_bfloat16 *)p.norm + k0));
+        uint32_t b[4];
+        float ss = 0.0f;
+        build_half(p, v0, v1, gr, k0, b, ss);
+        *(uint4 *)(out + k0) = make_uint4(b[0], b[1], b[2], b[3]);
+    }
+    if (p.norm == NULL || threadIdx.x >= 32)
+        return;
+    const int w = (int)threadIdx.x >> 2, t = (int)threadIdx.x & 3, W = p.warps;
+    const int nsteps = (p.k + SK_STEP - 1) / SK_STEP;
+    float ss = 0.0f;
+    if (w < W)
+        for (int s0 = w; s0 < nsteps; s0 += W) {
+            int kk = s0 * SK_STEP + t * 8;
+            xraw r;
+            load_xraw(p, xr, kk, r);
+            uint32_t b[8];
+            build_b(p, r, kk, b, ss);
+        }
+    ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+    ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+    if (w < W && t == 0)
+        ((float *)p.xss)[(size_t)row * W + w] = ss;
+}
+
 /* NT: n8 tiles per chunk; EPI: kern_linear_epilogue; D: steps of W loads in flight per warp (a
  * ring of registers, refilled right after each step's mmas); XP: 1 loads x (and the norm) one
  * step ahead (one tile only: registers), 0 when used; BT: 1 (one tile) loads W and x in
  * batches of D steps instead (below). Load scheduling only: the arithmetic is the same
  * whatever D, XP and BT. */
-template <int NT, int EPI, int D, int XP, int BT = 0>
+template <int NT, int EPI, int D, int XP, int BT = 0, int XB = 0, int R = 1>
 __global__ void __launch_bounds__(SK_MAX_WARPS * 32, NT <= 2 ? 2 : 1)
 skinny_kernel(sk_params p)
 {
     KT_DECL;
-    constexpr int NWT = EPI == KERN_LINEAR_SWIGLU ? 2 : 1;   /* W tiles per CTA */
+    /* W tiles per CTA: SwiGLU's gate and up, or R consecutive tiles of one weight */
+    constexpr int NWT = EPI == KERN_LINEAR_SWIGLU ? 2 : R;
     constexpr int NE = NT * 4 * 32;                          /* accumulators per warp */
     extern __shared__ float sk_smem[];                       /* red[warps][NE], gate[NE] */
     __shared__ float part[SK_MAX_WARPS][SK_MAX_TILES * 8];   /* sums of squares per warp, row */
     const int W = p.warps;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int chunk0 = blockIdx.y * NT * 8;
+    /* chunk-major grids (several 64-row chunks): a tile's chunks run side by side, so its
+     * weights come from DRAM once and from the L2 for the other chunks */
+    const int bx = p.chunk_major ? (int)blockIdx.y : (int)blockIdx.x;
+    const int by = p.chunk_major ? (int)blockIdx.x : (int)blockIdx.y;
+    const int chunk0 = by * NT * 8;
     const int rows = p.m - chunk0 < NT * 8 ? p.m - chunk0 : NT * 8;
 
+    const int tile = bx * R;   /* R > 1: every weight's tile count is a multiple */
     int wi = 0;
 #pragma unroll
     for (int i = 1; i < KERN_LINEAR_MAX_W; i++)
-        if (i < p.n_w && (int)blockIdx.x >= p.tile0[i])
+        if (i < p.n_w && tile >= p.tile0[i])
             wi = i;
-    const int n = p.n[wi], row0 = ((int)blockIdx.x - p.tile0[wi]) * 16;
-    const int ra = row0 + g < n ? row0 + g : n - 1;          /* clamped: results dropped */
-    const int rb = row0 + g + 8 < n ? row0 + g + 8 : n - 1;
+    const int n = p.n[wi], row0 = (tile - p.tile0[wi]) * 16;
     const __nv_bfloat16 *wrow[NWT][2];
 #pragma unroll
     for (int j = 0; j < NWT; j++) {
         const __nv_bfloat16 *w = p.w[EPI == KERN_LINEAR_SWIGLU ? j : wi];
+        const int rj = row0 + (EPI == KERN_LINEAR_SWIGLU ? 0 : 16 * j);
+        const int ra = rj + g < n ? rj + g : n - 1;          /* clamped: results dropped */
+        const int rb = rj + g + 8 < n ? rj + g + 8 : n - 1;
         wrow[j][0] = w + (size_t)ra * p.k;
         wrow[j][1] = w + (size_t)rb * p.k;
     }
@@ -288,6 +353,21 @@ skinny_kernel(sk_params p)
         int r = i * 8 + g;
         xrow[i] = r < rows ? p.x + (size_t)(chunk0 + r) * p.ld_x : NULL;
     }
+    /* XB: the packed rows (NULL past the chunk's rows: zero fragments), a step ahead */
+    const __nv_bfloat16 *xbrow[XB ? NT : 1];
+    uint4 xq[XB ? NT : 1][2];
+    if (XB) {
+#pragma unroll
+        for (int i = 0; i < NT; i++) {
+            int r = i * 8 + g;
+            xbrow[i] = r < rows ? p.xb + (size_t)(chunk0 + r) * p.ld_xb : NULL;
+            xq[i][0] = xq[i][1] = make_uint4(0, 0, 0, 0);
+            if (busy && xbrow[i] != NULL && kk < p.ld_xb) {
+                xq[i][0] = __ldg((const uint4 *)(xbrow[i] + kk));
+                xq[i][1] = __ldg((const uint4 *)(xbrow[i] + kk + 32));
+            }
+        }
+    }
 
     /* warp w takes steps w, w + W, w + 2W, ... in order; ring slot r holds the step r ahead */
     if (BT) {
@@ -328,7 +408,28 @@ skinny_kernel(sk_params p)
             if (s0 + r * W >= nsteps)
                 break;
             uint32_t b[NT][8];
-            if (XP) {
+            if (XB) {
+                /* tile by tile: its fragments, the next step's load, its mmas */
+#pragma unroll
+                for (int i = 0; i < NT; i++) {
+                    uint32_t bi[8];
+                    const uint32_t *q0 = (const uint32_t *)&xq[i][0], *q1 = (const uint32_t *)&xq[i][1];
+#pragma unroll
+                    for (int u = 0; u < 4; u++) {
+                        bi[u] = q0[u];
+                        bi[4 + u] = q1[u];
+                    }
+                    const int kn = kk + stride;
+                    xq[i][0] = xq[i][1] = make_uint4(0, 0, 0, 0);
+                    if (xbrow[i] != NULL && kn < p.ld_xb) {
+                        xq[i][0] = __ldg((const uint4 *)(xbrow[i] + kn));
+                        xq[i][1] = __ldg((const uint4 *)(xbrow[i] + kn + 32));
+                    }
+#pragma unroll
+                    for (int j = 0; j < NWT; j++)
+                        mma_step(acc[j][i], wf[r][j][0], wf[r][j][1], bi);
+                }
+            } else if (XP) {
                 build_b(p, xn, kk, b[0], ss[0]);
                 load_xraw(p, xrow[0], kk + stride, xn);
             } else {
@@ -339,11 +440,12 @@ skinny_kernel(sk_params p)
                     build_b(p, xi, kk, b[i], ss[i]);
                 }
             }
+            if (!XB)
 #pragma unroll
-            for (int i = 0; i < NT; i++)
+                for (int i = 0; i < NT; i++)
 #pragma unroll
-                for (int j = 0; j < NWT; j++)
-                    mma_step(acc[j][i], wf[r][j][0], wf[r][j][1], b[i]);
+                    for (int j = 0; j < NWT; j++)
+                        mma_step(acc[j][i], wf[r][j][0], wf[r][j][1], b[i]);
 #pragma unroll
             for (int j = 0; j < NWT; j++) {
                 wf[r][j][0] = load_w(wrow[j][0], kk + D * stride, p.k);
@@ -355,7 +457,11 @@ skinny_kernel(sk_params p)
 
     /* a row's sum of squares: its 4 lanes (xor butterfly: every lane gets the same bits), then
      * the warps in warp order (below); the partial sums of the warps, also in warp order */
-    if (p.norm != NULL) {
+    if (p.norm != NULL && XB) {
+        /* made by sk_xpack_kernel the same way */
+        for (int e = threadIdx.x; e < W * rows; e += blockDim.x)
+            part[e % W][e / W] = p.xss[(size_t)(chunk0 + e / W) * W + e % W];
+    } else if (p.norm != NULL) {
 #pragma unroll
         for (int i = 0; i < NT; i++) {
             float v = ss[i];
@@ -382,13 +488,13 @@ skinny_kernel(sk_params p)
             float v = 0.0f;
             for (int w = 0; w < W; w++)
                 v += red[w * NE + e];
-            if (j + 1 < NWT) {
+            if (EPI == KERN_LINEAR_SWIGLU && j + 1 < NWT) {
                 gate[e] = v;                  /* read back by this thread only */
                 continue;
             }
-            int l = e & 31, reg = (e >> 5) & 3, tile = e >> 7;
-            int feat = row0 + (l >> 2) + (reg >= 2 ? 8 : 0);
-            int r = tile * 8 + 2 * (l & 3) + (reg & 1);
+            int l = e & 31, reg = (e >> 5) & 3, xt = e >> 7;
+            int feat = row0 + (EPI == KERN_LINEAR_SWIGLU ? 0 : 16 * j) + (l >> 2) + (reg >= 2 ? 8 : 0);
+            int r = xt * 8 + 2 * (l & 3) + (reg & 1);
             if (feat >= n || r >= rows)
                 continue;
             float inv = 1.0f;
@@ -435,10 +541,10 @@ extern "C" int kern_cuda_skinny_fits(const kern_linear_args *a)
     return 1;
 }
 
-template <int NT, int EPI, int D, int XP, int BT = 0>
+template <int NT, int EPI, int D, int XP, int BT = 0, int XB = 0, int R = 1>
 static cudaError_t launch_one(const sk_params &p, dim3 grid, cudaStream_t s)
 {
-    constexpr int NWT = EPI == KERN_LINEAR_SWIGLU ? 2 : 1;
+    constexpr int NWT = EPI == KERN_LINEAR_SWIGLU ? 2 : R;
     /* the warps' partial sums (and SWIGLU's gate sums): at most 36 KB, under the default limit */
     size_t smem = ((size_t)p.warps * NT * 128 + (NWT > 1 ? NT * 128 : 0)) * sizeof(float);
     /* idle warps: the block scheduler fills an SM to its occupancy before the next, so a grid
@@ -447,13 +553,15 @@ static cudaError_t launch_one(const sk_params &p, dim3 grid, cudaStream_t s)
      * per kernel form and block size) */
     int threads = p.warps * 32;
     if (p.spread_cap > 0) {
-        constexpr int form = ((NT == 1 ? 0 : NT == 2 ? 1 : NT == 4 ? 2 : 3) * 3 + EPI) * 2 + BT;
+        /* BT (one tile) and XB (several) never meet: one load-form bit */
+        constexpr int form = R == 1 ? ((NT == 1 ? 0 : NT == 2 ? 1 : NT == 4 ? 2 : 3) * 3 + EPI) * 2 + (BT | XB)
+                                    : 24 + (NT == 2 ? 0 : NT == 4 ? 1 : 2) * 2 + EPI;
         static_assert(form < KERN_CUDA_SK_FORMS, "kern_cuda_ctx.sk_occ holds every form");
         for (int wq = p.warps; wq <= SK_MAX_WARPS; wq++) {
             signed char *oc = &p.occ[form][p.warps][wq];
             if (*oc == 0) {
                 int occ = 0;
-                if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, skinny_kernel<NT, EPI, D, XP, BT>, wq * 32,
+                if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, skinny_kernel<NT, EPI, D, XP, BT, XB, R>, wq * 32,
                                                                   smem) != cudaSuccess)
                     occ = -1;
                 (void)cudaGetLastError();
@@ -468,7 +576,7 @@ static cudaError_t launch_one(const sk_params &p, dim3 grid, cudaStream_t s)
     }
     /* programmatic dependent launch: this kernel's weight loads start while the previous kernel
      * drains (griddepcontrol.wait in the kernel; captured into graphs as programmatic edges) */
-    return kern_cuda_launch(s, grid, dim3((unsigned)threads), smem, 1, skinny_kernel<NT, EPI, D, XP, BT>, p);
+    return kern_cuda_launch(s, grid, dim3((unsigned)threads), smem, 1, skinny_kernel<NT, EPI, D, XP, BT, XB, R>, p);
 }
 
 /* W loads in flight per warp: 3 steps (12 x 16 bytes per thread) with x one step ahead for one
@@ -493,6 +601,10 @@ static cudaError_t launch_nt(const sk_params &p, dim3 grid, cudaStream_t s)
         return launch_one<NT, EPI, EPI == KERN_LINEAR_SWIGLU ? 1 : 3, 1>(p, grid, s);
     } else {
         constexpr int D = NT == 2 ? (EPI == KERN_LINEAR_SWIGLU ? 1 : 2) : NT == 4 ? 2 : 1;
+        if (p.xb != NULL && p.r == 2 && EPI != KERN_LINEAR_SWIGLU)
+            return launch_one<NT, EPI, D, 0, 0, 1, EPI != KERN_LINEAR_SWIGLU ? 2 : 1>(p, grid, s);
+        if (p.xb != NULL)
+            return launch_one<NT, EPI, D, 0, 0, 1>(p, grid, s);
         return launch_one<NT, EPI, D, 0>(p, grid, s);
     }
 }
@@ -557,11 +669,35 @@ static pd_status skinny_launch(kern_cuda_ctx *c, const kern_linear_args *a, int 
     }
     p.tile0[p.n_w] = tiles;
     p.warps = skinny_warps(c, tiles);
-    int rows = a->m < SK_MAX_TILES * 8 ? a->m : SK_MAX_TILES * 8;
+    int rows = a->m < c->sk_max_tiles * 8 ? a->m : c->sk_max_tiles * 8;
     int nt = 1;
     while (nt * 8 < rows)
         nt *= 2;
     dim3 grid((unsigned)tiles, (unsigned)((a->m + nt * 8 - 1) / (nt * 8)));
+    if (nt > 1 && c->sk_xpack) {
+        /* XB: every CTA reads x as bf16 fragments, a step ahead, instead of f32 x and the norm
+         * at use (the CTAs of all tiles read all of x: at 64 rows, 8x the weights' bytes in f32) */
+        p.ld_xb = (a->k + SK_STEP - 1) / SK_STEP * SK_STEP;
+        size_t xb_bytes = kern_cuda_align256((size_t)a->m * p.ld_xb * 2);
+        void *ws = NULL;
+        pd_status st = kern_cuda_ws_get(c, xb_bytes + (size_t)a->m * p.warps * sizeof(float) + 256, &ws, err);
+        if (st != PD_OK)
+            return st;
+        p.xb = (const __nv_bfloat16 *)ws;
+        p.xss = (const float *)((char *)ws + xb_bytes);
+        PD_CUDA_TRY(kern_cuda_launch(c->stream, dim3((unsigned)a->m), dim3(256), 0, 1, sk_xpack_kernel, p), err);
+        /* two tiles of one weight per CTA share x's fragments (half the L2 traffic of x), where
+         * every weight's tile count is even */
+        p.r = c->sk_r == 2 && !swiglu && nt >= 4 ? 2 : 1;
+        for (int i = 0; i < p.n_w; i++)
+            if ((p.tile0[i + 1] - p.tile0[i]) % 2 != 0)
+                p.r = 1;
+        grid.x = (unsigned)(tiles / p.r);
+    }
+    if (grid.y > 1 && c->sk_chunk_major) {
+        p.chunk_major = 1;
+        grid = dim3(grid.y, grid.x);
+    }
     /* a one-wave grid: at most ceil(CTAs / SMs) CTAs per SM (launch_one) */
     const long ctas = (long)grid.x * grid.y, wave = (long)c->n_sm * (SK_WARPS_PER_SM / p.warps);
     if (c->sk_spread && ctas <= wave)
