@@ -216,11 +216,11 @@ pd_status pd_kv_seq_copy(pd_kv_pool *pool, const pd_kv_seq *seq, int n, void *ho
     PD_ASSERT(n >= 0 && n <= seq->n_pages);
     size_t pb = pd_kv_page_bytes(&pool->lay);
     char *h = host;
-    /* downloads go as one batch (a wait per span would idle the stream thousands of times for
-     * a long sequence's scattered pages); uploads are queued one by one without waiting */
+    /* one batched copy (a copy call per run would cost thousands of calls and waits for a long
+     * sequence's scattered pages) */
     kern_copy_span *sp = NULL;
     int nsp = 0;
-    if (to_host && n > 0 && (sp = malloc((size_t)2 * pool->lay.n_layers * (size_t)n * sizeof(*sp))) == NULL)
+    if (n > 0 && (sp = malloc((size_t)2 * pool->lay.n_layers * (size_t)n * sizeof(*sp))) == NULL)
         return pd_err_set(err, PD_ERR_NOMEM, "kv copy: %d spans", 2 * pool->lay.n_layers * n);
     for (int part = 0; part < 2 * pool->lay.n_layers; part++) {   /* layer l's K, then its V */
         char *base = (char *)pool->mem->ptr + (size_t)part * pb * (size_t)pool->lay.n_pages;
@@ -229,18 +229,14 @@ pd_status pd_kv_seq_copy(pd_kv_pool *pool, const pd_kv_seq *seq, int n, void *ho
             while (i + run < n && seq->pages[i + run] == seq->pages[i] + run)
                 run++;
             char *dev = base + (size_t)seq->pages[i] * pb;
-            if (to_host) {
-                sp[nsp++] = (kern_copy_span){ h, dev, (size_t)run * pb };
-            } else {
-                pd_status st = kern_upload(pool->be, dev, h, (size_t)run * pb, err);
-                if (st != PD_OK)
-                    return st;
-            }
+            sp[nsp++] = to_host ? (kern_copy_span){ h, dev, (size_t)run * pb }
+                                : (kern_copy_span){ dev, h, (size_t)run * pb };
             h += (size_t)run * pb;
             i += run;
         }
     }
-    pd_status st = nsp > 0 ? kern_download_spans(pool->be, sp, nsp, err) : PD_OK;
+    pd_status st = nsp == 0 ? PD_OK
+                   : to_host ? kern_download_spans(pool->be, sp, nsp, err) : kern_upload_spans(pool->be, sp, nsp, err);
     free(sp);
     return st;
 }

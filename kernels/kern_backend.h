@@ -607,9 +607,13 @@ struct kern_backend_ops {
     pd_status (*upload)(kern_backend *be, void *dst, const void *src, size_t n, pd_err *err);
     pd_status (*download)(kern_backend *be, void *dst, const void *src, size_t n, pd_err *err);
     /* n downloads at once (backend memory to host), all landed when it returns; a backend may
-     * overlap them (cuda: through its pinned ring, one wait per ring fill instead of one per
-     * span). For many small scattered pieces: a sequence's KV pages. */
+     * batch them (cuda: through its pinned ring, one copy kernel and one wait per ring fill
+     * instead of a copy and a wait per span). For many small scattered pieces: a sequence's KV
+     * pages. */
     pd_status (*download_spans)(kern_backend *be, const kern_copy_span *spans, int n, pd_err *err);
+    /* n uploads at once (host memory to the backend's); the host buffers may be reused when it
+     * returns */
+    pd_status (*upload_spans)(kern_backend *be, const kern_copy_span *spans, int n, pd_err *err);
     pd_status (*memset0)(kern_backend *be, void *dst, size_t n, pd_err *err);
     /* Converts n values of src_dtype (host memory) into dst (backend memory, dst_dtype). */
     pd_status (*upload_convert)(kern_backend *be, void *dst, kern_dtype dst_dtype,
@@ -716,6 +720,7 @@ pd_status kern_buf_grow(kern_backend *be, kern_buf **buf, int *cap, int need, si
 pd_status kern_upload(kern_backend *be, void *dst, const void *src, size_t n, pd_err *err);
 pd_status kern_download(kern_backend *be, void *dst, const void *src, size_t n, pd_err *err);
 pd_status kern_download_spans(kern_backend *be, const kern_copy_span *spans, int n, pd_err *err);
+pd_status kern_upload_spans(kern_backend *be, const kern_copy_span *spans, int n, pd_err *err);
 pd_status kern_memset0(kern_backend *be, void *dst, size_t n, pd_err *err);
 pd_status kern_upload_convert(kern_backend *be, void *dst, kern_dtype dst_dtype, const void *src,
                               kern_dtype src_dtype, size_t n, pd_err *err);

@@ -59,13 +59,25 @@ pd_status kern_download(kern_backend *be, void *dst, const void *src, size_t n, 
     return be->ops->download(be, dst, src, n, err);
 }
 
-pd_status kern_download_spans(kern_backend *be, const kern_copy_span *spans, int n, pd_err *err)
+static pd_status spans_check(const kern_copy_span *spans, int n, const char *op, pd_err *err)
 {
-    CHECK(n >= 0 && (n == 0 || spans != NULL), "download_spans: %d spans", n);
+    CHECK(n >= 0 && (n == 0 || spans != NULL), "%s: %d spans", op, n);
     for (int i = 0; i < n; i++)
         CHECK(spans[i].n == 0 || (spans[i].dst != NULL && spans[i].src != NULL),
-              "download_spans: span %d has a NULL pointer", i);
-    return n > 0 ? be->ops->download_spans(be, spans, n, err) : PD_OK;
+              "%s: span %d has a NULL pointer", op, i);
+    return PD_OK;
+}
+
+pd_status kern_download_spans(kern_backend *be, const kern_copy_span *spans, int n, pd_err *err)
+{
+    pd_status st = spans_check(spans, n, "download_spans", err);
+    return st != PD_OK || n == 0 ? st : be->ops->download_spans(be, spans, n, err);
+}
+
+pd_status kern_upload_spans(kern_backend *be, const kern_copy_span *spans, int n, pd_err *err)
+{
+    pd_status st = spans_check(spans, n, "upload_spans", err);
+    return st != PD_OK || n == 0 ? st : be->ops->upload_spans(be, spans, n, err);
 }
 
 pd_status kern_memset0(kern_backend *be, void *dst, size_t n, pd_err *err)

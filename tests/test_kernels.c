@@ -869,9 +869,10 @@ static double run_convert(run_ctx *x)
 /* download_spans: c->rows spans of random sizes (c->cols the largest; sizes 0, 1, odd, 32 KB
  * pages, ring-sized and larger ones mixed in) at random places of a device buffer, each to its
  * own place of a host buffer; every byte must equal a whole-buffer download's, the gaps between
- * destinations untouched. --perf: the KV pages of one 2048-token sequence of Qwen3-4B (36
- * layers x K, V x 128 pages of 32 KB, the pages scattered) as one call against one kern_download
- * per page. */
+ * destinations untouched. upload_spans: as many of those as fit back to disjoint places of the
+ * device buffer, the gaps untouched. --perf: the KV pages of one 2048-token sequence of
+ * Qwen3-4B (36 layers x K, V x 128 pages of 32 KB, the pages scattered) each way, as one call
+ * against one kern_download / kern_upload per page. */
 static double run_download_spans(run_ctx *x)
 {
     const kcase *c = x->c;
@@ -911,6 +912,31 @@ static double run_download_spans(run_ctx *x)
             printf("      %zu spans or gaps differ\n", bad);
             e = 1.0;
         }
+        /* upload_spans: the same sizes from the host buffer to disjoint places of the device
+         * buffer (as many as fit), then the whole buffer back */
+        int nu = 0;
+        size_t off = 0;
+        for (; nu < n && off + sp[nu].n <= dev_bytes; nu++) {
+            sp[nu].src = got + at[nu];
+            sp[nu].dst = d + off;
+            off += sp[nu].n + 16;
+        }
+        if (fatal_status(kern_upload_spans(x->gpu->be, sp, nu, &err), &err, "upload_spans")) {
+            e = 1e30;
+        } else {
+            unsigned char *back = side_download(x->gpu, d, dev_bytes);
+            bad = 0;
+            for (int i = 0; i < nu; i++)
+                bad += memcmp((unsigned char *)sp[i].dst - d + back, sp[i].src, sp[i].n) != 0;
+            for (size_t i = 0, o = 0; i < (size_t)nu; o += sp[i].n + 16, i++)
+                for (int g = 0; g < 16 && o + sp[i].n + (size_t)g < dev_bytes; g++)
+                    bad += back[o + sp[i].n + (size_t)g] != h[o + sp[i].n + (size_t)g];
+            if (bad > 0) {
+                printf("      upload: %zu of %d spans or gaps differ\n", bad, nu);
+                e = 1.0;
+            }
+            free(back);
+        }
     }
     if (opts.opt_perf && e == 0.0) {
         /* one sequence's pages: 72 layer halves x 128 pages of 32 KB, each from a random page
@@ -922,7 +948,8 @@ static double run_download_spans(run_ctx *x)
         int slots = (int)(dev_bytes / pb);
         for (int i = 0; i < np; i++)
             ps[i] = (kern_copy_span){ dst + (size_t)i * pb, d + (size_t)rng_int(slots) * pb, pb };
-        double t_one[5], t_many[5];
+        double t[4][5];   /* download one by one, download_spans, upload one by one (then a
+                           * sync: uploads may return before landing), upload_spans */
         for (int r = 0; r < 6; r++) {
             double t0 = now_s();
             for (int i = 0; i < np; i++)
@@ -930,19 +957,40 @@ static double run_download_spans(run_ctx *x)
             double t1 = now_s();
             kern_download_spans(x->gpu->be, ps, np, &err);
             double t2 = now_s();
+            /* the same pages back (sources now host, destinations the device slots) */
+            for (int i = 0; i < np; i++) {
+                void *dv = (void *)ps[i].src;
+                ps[i].src = ps[i].dst;
+                ps[i].dst = dv;
+            }
+            for (int i = 0; i < np; i++)
+                kern_upload(x->gpu->be, ps[i].dst, ps[i].src, pb, &err);
+            kern_sync(x->gpu->be, &err);
+            double t3 = now_s();
+            kern_upload_spans(x->gpu->be, ps, np, &err);
+            double t4 = now_s();
+            for (int i = 0; i < np; i++) {
+                void *hv = (void *)ps[i].src;
+                ps[i].src = ps[i].dst;
+                ps[i].dst = hv;
+            }
             if (r > 0) {   /* the first is a warm-up */
-                t_one[r - 1] = t1 - t0;
-                t_many[r - 1] = t2 - t1;
+                t[0][r - 1] = t1 - t0;
+                t[1][r - 1] = t2 - t1;
+                t[2][r - 1] = t3 - t2;
+                t[3][r - 1] = t4 - t3;
             }
         }
-        qsort(t_one, 5, sizeof(double), cmp_double);
-        qsort(t_many, 5, sizeof(double), cmp_double);
+        for (int k = 0; k < 4; k++)
+            qsort(t[k], 5, sizeof(double), cmp_double);
         double bytes = (double)np * (double)pb;
         size_t used = strlen(perf_note);
         snprintf(perf_note + used, sizeof(perf_note) - used,
-                 "      perf: %d pages of 32 KB (%.0f MB): one download each %.2f ms (%.1f GB/s), "
-                 "download_spans %.2f ms (%.1f GB/s)\n", np, bytes / 1e6, t_one[2] * 1e3,
-                 bytes / t_one[2] * 1e-9, t_many[2] * 1e3, bytes / t_many[2] * 1e-9);
+                 "      perf: %d pages of 32 KB (%.0f MB): download one each %.2f ms (%.1f GB/s), "
+                 "download_spans %.2f ms (%.1f GB/s); upload one each %.2f ms (%.1f GB/s), upload_spans "
+                 "%.2f ms (%.1f GB/s)\n", np, bytes / 1e6, t[0][2] * 1e3, bytes / t[0][2] * 1e-9,
+                 t[1][2] * 1e3, bytes / t[1][2] * 1e-9, t[2][2] * 1e3, bytes / t[2][2] * 1e-9,
+                 t[3][2] * 1e3, bytes / t[3][2] * 1e-9);
         free(ps);
         free(dst);
     }

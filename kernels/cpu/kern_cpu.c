@@ -66,7 +66,8 @@ static pd_status cpu_copy(kern_backend *be, void *dst, const void *src, size_t n
     return PD_OK;
 }
 
-static pd_status cpu_download_spans(kern_backend *be, const kern_copy_span *spans, int n, pd_err *err)
+/* download_spans and upload_spans: host memory both ways */
+static pd_status cpu_copy_spans(kern_backend *be, const kern_copy_span *spans, int n, pd_err *err)
 {
     (void)be;
     (void)err;
@@ -851,7 +852,8 @@ static const kern_backend_ops cpu_ops = {
     .buf_free = cpu_buf_free,
     .upload = cpu_copy,
     .download = cpu_copy,
-    .download_spans = cpu_download_spans,
+    .download_spans = cpu_copy_spans,
+    .upload_spans = cpu_copy_spans,
     .memset0 = cpu_memset0,
     .upload_convert = cpu_upload_convert,
     .sync = cpu_sync,
