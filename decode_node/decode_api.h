@@ -58,6 +58,11 @@ typedef struct {
                                      * become nodes, vanished ones are no longer picked (0 = at
                                      * start only; default 10000) */
     int kv_pages;                   /* target pool pages (0 = engine default) */
+    int kv_staging_pages;           /* disaggregated, where prefill nodes cannot put into the KV
+                                     * pools (device memory without UCX CUDA support): host pages
+                                     * their puts land in, uploaded on the reply; at least the
+                                     * longest admissible prompt's pages (0 = the pages of the aux
+                                     * arena's rows + max_batch, at most the pool) */
     double kv_mem_fraction;         /* --kv-memory-fraction: pd_engine_config.kv_mem_fraction */
     int64_t swap_bytes;             /* --swap-space: pd_engine_config.swap_bytes (default 4 GiB;
                                      * 0 = every request reserves its worst case, no preemption) */
@@ -251,6 +256,11 @@ typedef struct {
     int total_kv_pages;
     int pages_in_use;               /* total - free: includes pages held for in-flight puts */
     int prefill_inflight;           /* Prefill calls in flight */
+    int staging_pages;              /* the KV staging pool's pages (0 = no staging) ... */
+    int staging_pages_used;         /* ... held by requests (in prefill, or ended with a put
+                                     * that may still land) ... */
+    uint64_t staging_waits;         /* ... and the requests that waited for them at the head
+                                     * of the queue so far */
     uint64_t preemptions;           /* requests preempted so far (--swap-space) ... */
     int swapped_requests;           /* ... preempted now, and the host bytes of their KV */
     size_t swap_bytes;

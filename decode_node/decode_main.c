@@ -30,7 +30,7 @@ static void usage(FILE *f)
             "                   (--prefill HOST:PORT[,HOST:PORT...]|file:PATH [--prefill-refresh-ms N]\n"
             "                    | --colocated)\n"
             "                   [--device cpu|cuda] [--dtype bf16|f32] [--kv-pages N | --kv-memory-fraction F]\n"
-            "                   [--page-size N] [--max-batch N] [--swap-space GIB]\n"
+            "                   [--page-size N] [--max-batch N] [--swap-space GIB] [--kv-staging-pages N]\n"
             "                   [--max-queue N] [--queue-timeout-ms N] [--request-timeout-ms N]\n"
             "                   [--transfer-timeout-ms N] [--cp-size N --cp-strategy S] [--tp N]\n"
             "                   [--log-level error|warn|info|debug|trace]\n"
@@ -77,8 +77,13 @@ static void usage(FILE *f)
             "--log-format json writes every log line (and the per-request line) as JSON.\n"
             "--kv-memory-fraction F (cuda, 0 < F < 1): the KV pools (target and draft) take F of\n"
             "the GPU memory free once the models are loaded, instead of --kv-pages (default: two\n"
-            "contexts + 64 pages); not with --cp-size or --tp > 1. Disaggregated, the host mirror\n"
-            "the KV pages arrive in is as large.\n"
+            "contexts + 64 pages); not with --cp-size or --tp > 1.\n"
+            "--kv-staging-pages N (disaggregated, cuda without UCX CUDA support): prefill nodes put\n"
+            "a prompt's KV into N pages of host memory (the pool's page layout, target and draft),\n"
+            "held from the Prefill call until its reply and then uploaded into the pool; requests\n"
+            "wait for free staging pages. At least the longest admissible prompt's pages (the\n"
+            "node refuses less at start); default: the aux arena's rows in pages plus --max-batch,\n"
+            "at most the pool (as many as the prompts in prefill at once can use). Logged at start.\n"
             "--swap-space GIB (default 4; 0 = off): host memory for preempted requests' KV. A\n"
             "request gets KV pages for its prompt at admission and more as it generates; when the\n"
             "pool runs out, the request admitted last is preempted (its KV copied to host memory\n"
@@ -118,7 +123,8 @@ int main(int argc, char **argv)
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_PREFILL, O_COLO, O_DEVICE, O_PAGES, O_PAGE, O_BATCH,
            O_QUEUE, O_QTMO, O_RTMO, O_XTMO, O_CP, O_CPS, O_LOG, O_HELP, O_HTTP, O_LOGFMT, O_DRAIN,
            O_VERIFY, O_THRESH, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_CHUNK, O_REFRESH, O_PREFIX,
-           O_REASON, O_SERVED, O_APIKEY, O_CHATTMPL, O_LOCALPF, O_GENCFG, O_KVFRAC, O_SWAP };
+           O_REASON, O_SERVED, O_APIKEY, O_CHATTMPL, O_LOCALPF, O_GENCFG, O_KVFRAC, O_SWAP,
+           O_STAGE };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"prefill", required_argument, 0, O_PREFILL},
@@ -126,6 +132,7 @@ int main(int argc, char **argv)
         {"kv-pages", required_argument, 0, O_PAGES}, {"page-size", required_argument, 0, O_PAGE},
         {"kv-memory-fraction", required_argument, 0, O_KVFRAC},
         {"swap-space", required_argument, 0, O_SWAP},
+        {"kv-staging-pages", required_argument, 0, O_STAGE},
         {"max-batch", required_argument, 0, O_BATCH}, {"max-queue", required_argument, 0, O_QUEUE},
         {"queue-timeout-ms", required_argument, 0, O_QTMO},
         {"request-timeout-ms", required_argument, 0, O_RTMO},
@@ -165,6 +172,9 @@ int main(int argc, char **argv)
             bad = pd_cli_parse_fraction(PROG, "--kv-memory-fraction", optarg, &cfg.kv_mem_fraction);
             break;
         case O_SWAP: bad = pd_cli_parse_gib(PROG, "--swap-space", optarg, &cfg.swap_bytes); break;
+        case O_STAGE:
+            bad = pd_cli_parse_int(PROG, "--kv-staging-pages", optarg, 1, INT_MAX / 2, &cfg.kv_staging_pages);
+            break;
         case O_PAGE: bad = pd_cli_parse_int(PROG, "--page-size", optarg, 1, 4096, &cfg.page_size); break;
         case O_BATCH: bad = pd_cli_parse_int(PROG, "--max-batch", optarg, 1, 65536, &cfg.max_batch); break;
         case O_REFRESH:
@@ -272,6 +282,11 @@ int main(int argc, char **argv)
     if (colocated && cfg.max_local_prefill >= 0) {
         fprintf(stderr, PROG ": --max-local-prefill applies to --prefill only (a --colocated node "
                         "prefills every prompt itself)\n");
+        return 2;
+    }
+    if (colocated && cfg.kv_staging_pages > 0) {
+        fprintf(stderr, PROG ": --kv-staging-pages applies to --prefill only (a --colocated node "
+                        "writes its pages in place)\n");
         return 2;
     }
     if (colocated && refresh_given) {

@@ -37,6 +37,8 @@ struct decode_metrics {
     pd_metric *gcache_hits, *gcache_misses;  /* structured-output grammars reused / compiled */
     pd_metric *preempt, *swapped, *swap_bytes;   /* --swap-space */
     uint64_t preempt_seen;
+    pd_metric *stage_used, *stage_total, *stage_waits;   /* the KV staging pool */
+    uint64_t stage_waits_seen;
     uint64_t gc_hits_seen, gc_misses_seen;
     pd_metric *running, *queued, *kv_used, *kv_free, *kv_total, *prefill_inflight, *serving,
               *draining_g;
@@ -210,6 +212,10 @@ static void collect(void *ud)
         pd_metric_add(m->preempt, (double)(st.preemptions - m->preempt_seen));
         m->preempt_seen = st.preemptions;
         pd_metric_set(m->swapped, st.swapped_requests);
+        pd_metric_set(m->stage_used, st.staging_pages_used);
+        pd_metric_set(m->stage_total, st.staging_pages);
+        pd_metric_add(m->stage_waits, (double)(st.staging_waits - m->stage_waits_seen));
+        m->stage_waits_seen = st.staging_waits;
         pd_metric_set(m->swap_bytes, (double)st.swap_bytes);
         m->gc_hits_seen = hits;
         m->gc_misses_seen = misses;
@@ -268,6 +274,15 @@ pd_status decode_metrics_create(pd_metrics *reg, decode_metrics **out, pd_err *e
                                   "Requests preempted now (their KV in host memory)", NULL);
     m->swap_bytes = pd_metrics_gauge(reg, "pdspark_swap_bytes", "Host bytes holding preempted requests' KV",
                                      NULL);
+    m->stage_used = pd_metrics_gauge(reg, "pdspark_kv_staging_pages_used",
+                                     "KV staging pages held by requests (from their Prefill call until "
+                                     "no put of it can land)", NULL);
+    m->stage_total = pd_metrics_gauge(reg, "pdspark_kv_staging_pages_total",
+                                      "Host pages prefill nodes put KV into where they cannot reach the "
+                                      "pool (0 = no staging)", NULL);
+    m->stage_waits = pd_metrics_counter(reg, "pdspark_kv_staging_waits_total",
+                                        "Requests that waited at the head of the queue for KV staging "
+                                        "pages (the ones behind it wait with it)", NULL);
     m->gen_tokens = pd_metrics_counter(reg, "pdspark_generation_tokens_total",
                                        "Generated tokens of finished requests", NULL);
     m->running = pd_metrics_gauge(reg, "pdspark_requests_running",
@@ -316,7 +331,7 @@ pd_status decode_metrics_create(pd_metrics *reg, decode_metrics **out, pd_err *e
                               "Mean tokens committed per round (tau) over finished requests", NULL);
     if (m->req_ok == NULL || m->req_error == NULL || m->ttft == NULL || m->itl == NULL ||
         m->queue == NULL || m->pf_call == NULL || m->pf_join == NULL ||
-        m->apr == NULL || m->tau == NULL || m->draining_g == NULL) {
+        m->apr == NULL || m->tau == NULL || m->draining_g == NULL || m->stage_waits == NULL) {
         decode_metrics_destroy(m);
         return pd_err_set(err, PD_ERR_NOMEM, "decode metrics: registering series");
     }

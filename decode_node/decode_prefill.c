@@ -3,9 +3,12 @@
  *   resolved again on a thread of its own when asked), the Prefill call of a request (pages and
  *   aux rows reserved here, the first-token mask of a grammar, the KV layout and keys), its
  *   reply on the engine thread (staged KV uploaded, prompt logprobs taken, the request handed to
- *   the engine or failed, a retry on another node when the first was never reached), and the
- *   UCX worker (target KV pool, draft KV pool and aux arena registered once; every
- *   --aux-transfer mode is offered, the reply says which one the prefill node used).
+ *   the engine or failed, a retry on another node when the first was never reached), the
+ *   staging pool's pages (device KV that UCX cannot reach: bounded host pages the prefill nodes
+ *   put into, held per request from its Prefill until no put can land), and the UCX worker
+ *   (target KV pool or its staging pool, the same for the draft pool, and the aux arena
+ *   registered once; every --aux-transfer mode is offered, the reply says which one the prefill
+ *   node used).
  * Not here: the request lifecycle and admission (decode_server.c), CancelPrefill's sending
  *   (decode_server.c, when a request ends), the prefill node itself (prefill_node/).
  * Threading: engine thread; replies arrive on a pd_rpc poller thread and are posted to it; the
@@ -168,8 +171,11 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
         free(ids);
         return pd_err_set(err, PD_ERR_NOMEM, "prefill request");
     }
+    /* staging: the prefill node puts into staging pages (the staging pool is the remote pool
+     * it sees, same layout, stage_n pages), target and draft under the same ids */
+    PD_ASSERT(s->kv_stage == NULL || h->n_stage == np);
     for (int i = 0; i < np; i++)
-        pages[i] = (uint32_t)h->r->tkv.pages[i];
+        pages[i] = (uint32_t)(s->kv_stage != NULL ? h->stage_pages[i] : h->r->tkv.pages[i]);
     uint32_t *dpages = NULL;
     if (s->dkv_mem != NULL) {
         PD_ASSERT(h->r->dkv.n_pages >= np);
@@ -180,7 +186,7 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
             return pd_err_set(err, PD_ERR_NOMEM, "prefill request");
         }
         for (int i = 0; i < np; i++)
-            dpages[i] = (uint32_t)h->r->dkv.pages[i];
+            dpages[i] = (uint32_t)(s->kv_stage != NULL ? h->stage_pages[i] : h->r->dkv.pages[i]);
     }
     for (int i = 0; i < h->n_prompt; i++)
         ids[i] = (uint32_t)h->prompt[i];
@@ -347,22 +353,76 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
     return PD_OK;
 }
 
-/* Reserve pages + aux rows and send Prefill. PD_ERR_BUSY: no room now (nothing held). */
+/* ---------------------------------------------------------------------------------------------
+ * Staging pool */
+
+/* np staging pages for h, the lowest free ids in order (a mostly free pool gives consecutive
+ * ids, which the prefill node's puts and the upload move as runs). PD_ERR_BUSY when fewer are
+ * free (they come back within a transfer); nothing held on error. */
+static pd_status stage_alloc(decode_server *s, decode_handle *h, int np, pd_err *err)
+{
+    PD_ASSERT(h->stage_pages == NULL && np > 0);
+    if (s->stage_n - s->stage_used < np)
+        return pd_err_set(err, PD_ERR_BUSY, "kv staging pool: %d of %d pages free, %d needed",
+                          s->stage_n - s->stage_used, s->stage_n, np);
+    int32_t *ids = malloc((size_t)np * sizeof(*ids));
+    if (ids == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "kv staging pages: %d", np);
+    for (int i = 0, k = 0; k < np; i++)
+        if (!s->stage_busy[i]) {
+            s->stage_busy[i] = 1;
+            ids[k++] = i;
+        }
+    s->stage_used += np;
+    h->stage_pages = ids;
+    h->n_stage = np;
+    return PD_OK;
+}
+
+void decode_prefill_stage_release(decode_server *s, decode_handle *h)
+{
+    if (h->stage_pages == NULL)
+        return;
+    for (int i = 0; i < h->n_stage; i++) {
+        PD_ASSERT(s->stage_busy[h->stage_pages[i]]);
+        s->stage_busy[h->stage_pages[i]] = 0;
+    }
+    s->stage_used -= h->n_stage;
+    free(h->stage_pages);
+    h->stage_pages = NULL;
+    h->n_stage = 0;
+}
+
+/* Reserve aux rows, staging pages (when staging) and KV pages, and send Prefill. PD_ERR_BUSY: no
+ * room now (nothing held). */
 pd_status decode_prefill_start(decode_server *s, decode_handle *h, pd_err *err)
 {
     int row = decode_server_aux_alloc(s, h->n_prompt);
     if (row < 0)
         return pd_err_set(err, PD_ERR_BUSY, "aux arena full");
-    pd_status st = pd_engine_add_external(s->eng, h->eid, h->prompt, h->n_prompt, &h->gp, &h->r, err);
+    pd_status st = PD_OK;
+    if (s->kv_stage != NULL) {
+        st = stage_alloc(s, h, (h->n_prompt + s->page_size - 1) / s->page_size, err);
+        if (st == PD_ERR_BUSY && !h->stage_waited) {
+            h->stage_waited = 1;
+            s->stage_waits++;
+            PD_LOG_DEBUG("decode", "%s: waits for staging pages (%s)", h->id, err->msg);
+        }
+    }
+    if (st == PD_OK)
+        st = pd_engine_add_external(s->eng, h->eid, h->prompt, h->n_prompt, &h->gp, &h->r, err);
     if (st != PD_OK) {
+        decode_prefill_stage_release(s, h);
         decode_server_aux_free(s, row);
         return st;
     }
     h->aux_row = row;
     st = send_prefill(s, h, pick_node(s), err);
     if (st != PD_OK) {
+        /* nothing is in flight: no put can land in the staging pages */
         pd_engine_release(s->eng, h->r);
         h->r = NULL;
+        decode_prefill_stage_release(s, h);
         decode_server_aux_free(s, h->aux_row);
         h->aux_row = -1;
     }
@@ -376,7 +436,8 @@ static int never_delivered(const char *msg)
     return strstr(msg, "failed to connect") != NULL || strstr(msg, "Connection refused") != NULL;
 }
 
-/* Staging: copy the prompt's pages (every layer's K and V) of pool from its host mirror. */
+/* Staging: copy the prompt's pages (every layer's K and V) from h's staging pages of stage (the
+ * staging pool of pool's layout) into its pool pages seq->pages. */
 static pd_status upload_staged(decode_server *s, decode_handle *h, pd_kv_pool *pool, const void *stage,
                                const pd_kv_seq *seq, pd_err *err)
 {
@@ -385,16 +446,20 @@ static pd_status upload_staged(decode_server *s, decode_handle *h, pd_kv_pool *p
     const pd_kv_layout *lay = pd_kv_pool_layout(pool);
     const kern_buf *kb = pd_kv_pool_buf(pool);
     size_t pb = pd_kv_page_bytes(lay);
-    int np = (h->n_prompt + lay->page_size - 1) / lay->page_size;
+    int np = h->n_stage;
+    const int32_t *sp = h->stage_pages;
+    PD_ASSERT(np == (h->n_prompt + lay->page_size - 1) / lay->page_size && seq->n_pages >= np);
     for (int l = 0; l < lay->n_layers; l++)
         for (int half = 0; half < 2; half++)
             for (int p = 0, run; p < np; p += run) {
-                /* a run of consecutive page ids in one copy */
+                /* a run of consecutive ids on both sides in one copy */
                 run = 1;
-                while (p + run < np && seq->pages[p + run] == seq->pages[p] + run)
+                while (p + run < np && seq->pages[p + run] == seq->pages[p] + run &&
+                       sp[p + run] == sp[p] + run)
                     run++;
-                size_t off = ((size_t)(2 * l + half) * (size_t)lay->n_pages + (size_t)seq->pages[p]) * pb;
-                pd_status st = kern_upload(s->be, (char *)kb->ptr + off, (const char *)stage + off,
+                size_t dst = ((size_t)(2 * l + half) * (size_t)lay->n_pages + (size_t)seq->pages[p]) * pb;
+                size_t src = ((size_t)(2 * l + half) * (size_t)s->stage_n + (size_t)sp[p]) * pb;
+                pd_status st = kern_upload(s->be, (char *)kb->ptr + dst, (const char *)stage + src,
                                            (size_t)run * pb, err);
                 if (st != PD_OK)
                     return st;
@@ -535,6 +600,7 @@ static void on_reply_loop(void *arg)
         if (complete_external(s, h, first, aux_mode, &first_lp, &err) == PD_OK) {
             decode_server_aux_free(s, h->aux_row);
             h->aux_row = -1;
+            decode_prefill_stage_release(s, h);   /* uploaded; the node has answered */
             s->n_prefill--;
             s->n_running++;
             h->state = H_RUNNING;
@@ -801,6 +867,54 @@ pd_status decode_prefill_resolve_nodes(decode_server *s, pd_err *err)
     return apply_addrs(s, addrs, n, err);
 }
 
+/* The pages of the longest prompt decode_submit admits (its tokens in *tokens): shorter than the
+ * context, within the aux arena, and with a new token and a draft block within the pool. */
+static int longest_prompt_pages(const decode_server *s, long *tokens)
+{
+    long n = (long)s->max_ctx - 1;
+    if (n > s->aux_rows)
+        n = s->aux_rows;
+    if (((long)s->max_ctx + s->page_size - 1) / s->page_size > s->total_pages) {
+        long pool = (long)s->total_pages * s->page_size - s->block_size - 2;
+        if (n > pool)
+            n = pool;
+    }
+    if (n < 1)
+        n = 1;
+    *tokens = n;
+    return (int)((n + s->page_size - 1) / s->page_size);
+}
+
+/* The staging pool's pages: --kv-staging-pages, else as many as the prompts in prefill at once
+ * can use: the aux arena's rows in pages (every prompt in prefill holds its rows) plus one page
+ * per batch slot (each prompt's last page may be partly used), at most the pool. A value below
+ * the longest admissible prompt's pages is refused (that prompt could never be staged); one
+ * above the pool is cut to it (a request in prefill holds as many pool pages). */
+static pd_status stage_pages_config(const decode_server *s, int *out, pd_err *err)
+{
+    long longest_tokens = 0;
+    int longest = longest_prompt_pages(s, &longest_tokens);
+    int want = s->cfg.kv_staging_pages;
+    if (want > 0 && want < longest)
+        return pd_err_set(err, PD_ERR_INVALID, "--kv-staging-pages %d: the longest prompt this node admits "
+                          "(%ld tokens) needs %d pages of %d tokens; give at least %d, or leave the flag out",
+                          want, longest_tokens, longest, s->page_size, longest);
+    long n = want;
+    if (want <= 0) {
+        n = ((long)s->aux_rows + s->page_size - 1) / s->page_size + s->cfg.max_batch;
+        if (n < longest)
+            n = longest;
+    }
+    if (n > s->total_pages) {
+        if (want > 0)
+            PD_LOG_INFO("decode", "--kv-staging-pages %d is more than the kv pool's %d pages: using %d",
+                        want, s->total_pages, s->total_pages);
+        n = s->total_pages;
+    }
+    *out = (int)n;
+    return PD_OK;
+}
+
 pd_status decode_prefill_setup_xfer(decode_server *s, pd_err *err)
 {
     pd_xfer_config xc;
@@ -810,39 +924,6 @@ pd_status decode_prefill_setup_xfer(decode_server *s, pd_err *err)
     pd_status st = pd_xfer_create(&xc, &s->x, err);
     if (st != PD_OK)
         return st;
-    const kern_buf *kb = pd_kv_pool_buf(pd_engine_target_pool(s->eng));
-    /* device KV that UCX cannot reach: prefill nodes put into a host mirror of the pool and the
-     * prompt's pages are uploaded when the Prefill reply arrives (PD_XFER_FORCE_STAGING=1 takes
-     * this path with host memory too, for tests) */
-    const char *force = getenv("PD_XFER_FORCE_STAGING");
-    if ((!s->be->is_host && !pd_xfer_supports_cuda(s->x)) || (force != NULL && strcmp(force, "1") == 0)) {
-        s->kv_stage = calloc(1, kb->bytes);
-        if (s->kv_stage == NULL)
-            return pd_err_set(err, PD_ERR_NOMEM, "kv staging mirror: %zu bytes", kb->bytes);
-        PD_LOG_INFO("decode", "kv pages arrive in a host mirror (%zu bytes) and are uploaded",
-                    kb->bytes);
-    }
-    st = pd_xfer_mem_register(s->x, s->kv_stage != NULL ? s->kv_stage : kb->ptr, kb->bytes,
-                              &s->kv_mem, err);
-    if (st != PD_OK)
-        return st;
-    st = pd_xfer_mem_pack(s->kv_mem, &s->kv_rkey, &s->kv_rkey_len, err);
-    if (st != PD_OK)
-        return st;
-    /* draft pool: offered to prefill nodes that ship draft-kv (staged like the target pool) */
-    pd_kv_pool *dpool = pd_engine_draft_pool(s->eng);
-    if (dpool != NULL) {
-        const kern_buf *db = pd_kv_pool_buf(dpool);
-        if (s->kv_stage != NULL && (s->dkv_stage = calloc(1, db->bytes)) == NULL)
-            return pd_err_set(err, PD_ERR_NOMEM, "draft kv staging mirror: %zu bytes", db->bytes);
-        st = pd_xfer_mem_register(s->x, s->dkv_stage != NULL ? s->dkv_stage : db->ptr, db->bytes,
-                                  &s->dkv_mem, err);
-        if (st != PD_OK)
-            return st;
-        st = pd_xfer_mem_pack(s->dkv_mem, &s->dkv_rkey, &s->dkv_rkey_len, err);
-        if (st != PD_OK)
-            return st;
-    }
     /* aux arena: enough rows for every prompt the pool can hold, capped at 256 MiB; rows are
      * sized for raw (K*hidden floats), the largest payload, since the prefill node picks the
      * mode; ctx rows (hidden floats) are packed into the same reservation */
@@ -851,6 +932,59 @@ pd_status decode_prefill_setup_xfer(decode_server *s, pd_err *err)
     if (rows * row_bytes > ((size_t)256 << 20))
         rows = ((size_t)256 << 20) / row_bytes;
     s->aux_rows = (int)rows;
+    int stage_n = 0;
+    if ((st = stage_pages_config(s, &stage_n, err)) != PD_OK)
+        return st;
+    pd_kv_pool *tpool = pd_engine_target_pool(s->eng), *dpool = pd_engine_draft_pool(s->eng);
+    const kern_buf *kb = pd_kv_pool_buf(tpool);
+    /* device KV that UCX cannot reach: prefill nodes put into the staging pool and the prompt's
+     * pages are uploaded when the Prefill reply arrives (PD_XFER_FORCE_STAGING=1 takes this
+     * path with host memory too, for tests) */
+    const char *force = getenv("PD_XFER_FORCE_STAGING");
+    size_t stage_bytes = 0, dstage_bytes = 0;
+    if ((!s->be->is_host && !pd_xfer_supports_cuda(s->x)) || (force != NULL && strcmp(force, "1") == 0)) {
+        pd_kv_layout sl = *pd_kv_pool_layout(tpool);
+        sl.n_pages = stage_n;
+        stage_bytes = pd_kv_pool_bytes(&sl);
+        if (dpool != NULL) {
+            pd_kv_layout dl = *pd_kv_pool_layout(dpool);
+            dl.n_pages = stage_n;
+            dstage_bytes = pd_kv_pool_bytes(&dl);
+        }
+        s->stage_busy = calloc((size_t)stage_n, 1);
+        s->kv_stage = calloc(1, stage_bytes);
+        if (dpool != NULL)
+            s->dkv_stage = calloc(1, dstage_bytes);
+        if (s->stage_busy == NULL || s->kv_stage == NULL || (dpool != NULL && s->dkv_stage == NULL))
+            return pd_err_set(err, PD_ERR_NOMEM, "kv staging pool: %d pages, %zu + %zu bytes", stage_n,
+                              stage_bytes, dstage_bytes);
+        s->stage_n = stage_n;
+        PD_LOG_INFO("decode", "kv staging: %d pages (%.1f MiB of host memory%s) receive the prompts' kv, "
+                    "uploaded into the pool of %d pages on the reply (--kv-staging-pages)", stage_n,
+                    (double)(stage_bytes + dstage_bytes) / (1 << 20), dpool != NULL ? ", target and draft" : "",
+                    s->total_pages);
+    } else if (s->cfg.kv_staging_pages > 0) {
+        PD_LOG_INFO("decode", "--kv-staging-pages %d unused: prefill nodes put into the kv pools directly",
+                    s->cfg.kv_staging_pages);
+    }
+    st = pd_xfer_mem_register(s->x, s->kv_stage != NULL ? s->kv_stage : kb->ptr,
+                              s->kv_stage != NULL ? stage_bytes : kb->bytes, &s->kv_mem, err);
+    if (st != PD_OK)
+        return st;
+    st = pd_xfer_mem_pack(s->kv_mem, &s->kv_rkey, &s->kv_rkey_len, err);
+    if (st != PD_OK)
+        return st;
+    /* draft pool: offered to prefill nodes that ship draft-kv (staged like the target pool) */
+    if (dpool != NULL) {
+        const kern_buf *db = pd_kv_pool_buf(dpool);
+        st = pd_xfer_mem_register(s->x, s->dkv_stage != NULL ? s->dkv_stage : db->ptr,
+                                  s->dkv_stage != NULL ? dstage_bytes : db->bytes, &s->dkv_mem, err);
+        if (st != PD_OK)
+            return st;
+        st = pd_xfer_mem_pack(s->dkv_mem, &s->dkv_rkey, &s->dkv_rkey_len, err);
+        if (st != PD_OK)
+            return st;
+    }
     s->aux_arena = calloc(rows, row_bytes);
     if (s->aux_arena == NULL)
         return pd_err_set(err, PD_ERR_NOMEM, "aux arena: %zu rows of %zu bytes", rows, row_bytes);

@@ -8,7 +8,8 @@
 
 #include "decode_server_internal.h"
 
-/* Reserve pages + aux rows and send Prefill. PD_ERR_BUSY: no room now (nothing held). */
+/* Reserve aux rows, staging pages (when staging) and KV pages, and send Prefill. PD_ERR_BUSY:
+ * no room now (nothing held). */
 pd_status decode_prefill_start(decode_server *s, decode_handle *h, pd_err *err);
 /* pd_rpc callback of a CancelPrefill call (ud: its prefill_node): posts the reply to the engine
  * thread. */
@@ -20,8 +21,13 @@ pd_status decode_prefill_resolve_nodes(decode_server *s, pd_err *err);
 /* The thread that resolves --prefill again every cfg.prefill_refresh_ms and posts the
  * addresses to the engine thread (stopped and joined by decode_server_destroy). */
 pd_status decode_prefill_resolver_start(decode_server *s, pd_err *err);
-/* The UCX worker: the target and draft KV pools and the aux arena registered once, their keys
- * packed for the Prefill calls, the worker progressed on its own thread from here on. */
+/* The UCX worker: the target and draft KV pools (or, where prefill nodes cannot put into them,
+ * their staging pool of cfg.kv_staging_pages host pages) and the aux arena registered once, their
+ * keys packed for the Prefill calls, the worker progressed on its own thread from here on.
+ * PD_ERR_INVALID: cfg.kv_staging_pages below the longest admissible prompt's pages. */
 pd_status decode_prefill_setup_xfer(decode_server *s, pd_err *err);
+/* Give back h's staging pages (none: nothing happens). Only once no put of h's Prefill can land
+ * in them: after its reply, or its hold. */
+void decode_prefill_stage_release(decode_server *s, decode_handle *h);
 
 #endif

@@ -104,6 +104,9 @@ void decode_server_update_stats(decode_server *s)
     st.total_kv_pages = s->total_pages;
     st.free_kv_pages = pd_engine_kv_free_pages(s->eng);
     st.pages_in_use = st.total_kv_pages - st.free_kv_pages;
+    st.staging_pages = s->stage_n;
+    st.staging_pages_used = s->stage_used;
+    st.staging_waits = s->stage_waits;
     pd_engine_swap_stats(s->eng, &st.preemptions, &st.swapped_requests, &st.swap_bytes);
     double now = pd_cli_now_ms();
     st.disaggregated = !s->cfg.colocated;
@@ -372,7 +375,7 @@ void decode_server_call_done(decode_server *s, decode_handle *h, pd_status st, c
     h->detok = NULL;
 }
 
-/* Drop the server's hold on h: engine request, aux rows, list entry, reference. */
+/* Drop the server's hold on h: engine request, aux rows, staging pages, list entry, reference. */
 void decode_server_handle_retire(decode_server *s, decode_handle *h)
 {
     if (h->r != NULL) {
@@ -383,6 +386,7 @@ void decode_server_handle_retire(decode_server *s, decode_handle *h)
         decode_server_aux_free(s, h->aux_row);
         h->aux_row = -1;
     }
+    decode_prefill_stage_release(s, h);
     h->state = H_GONE;
     s->admit_blocked = 0;   /* pages or rows came back */
     list_remove(s, h);
@@ -492,9 +496,9 @@ static void admit(decode_server *s)
         if (st == PD_ERR_BUSY) {
             if (s->cfg.queue_timeout_ms > 0 && now - h->t_submit > (double)s->cfg.queue_timeout_ms) {
                 char msg[256];
-                snprintf(msg, sizeof(msg), "no KV capacity for %lld ms (%d pages free, %d queued)",
+                snprintf(msg, sizeof(msg), "no KV capacity for %lld ms (%d pages free, %d queued; %.120s)",
                          (long long)s->cfg.queue_timeout_ms, pd_engine_kv_free_pages(s->eng),
-                         s->n_queued);
+                         s->n_queued, err.msg);
                 end_request(s, h, PD_ERR_BUSY, msg);
                 continue;
             }
@@ -806,6 +810,12 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
     if (!s->cfg.colocated && n > s->aux_rows) {
         st = pd_err_set(err, PD_ERR_INVALID, "prompt of %d tokens exceeds the aux arena (%d rows)",
                         n, s->aux_rows);
+        goto err_ids;
+    }
+    /* (the staging pool holds the longest prompt admitted here: decode_prefill_setup_xfer) */
+    if (s->stage_n > 0 && (n + s->page_size - 1) / s->page_size > s->stage_n) {
+        st = pd_err_set(err, PD_ERR_INVALID, "prompt of %d tokens exceeds the kv staging pool (%d pages "
+                        "of %d tokens)", n, s->stage_n, s->page_size);
         goto err_ids;
     }
     pd_grammar *grammar = NULL;
@@ -1182,6 +1192,7 @@ void decode_server_destroy(decode_server *s)
     free(s->aux_arena);
     free(s->kv_stage);
     free(s->dkv_stage);
+    free(s->stage_busy);
     free(s->segs);
     free(s->nodes);
     pd_engine_destroy(s->eng);

@@ -71,6 +71,10 @@ struct decode_handle {
     int prefill_by_deadline;         /* its Prefill call is bounded by the request's deadline */
     pd_rpc_pending *pending;
     int aux_row;                     /* first row in the aux arena, -1 = none */
+    int32_t *stage_pages;            /* staging: the staging page of each prompt page, from its
+                                      * Prefill until no put of it can land (NULL = none) */
+    int n_stage;
+    int stage_waited;                /* it waited for staging pages (counted once) */
     double hold_until;
     pd_status fail_st;               /* status for an engine-side PD_FINISH_ERROR */
     int retries;                     /* Prefill re-sent after a node that was never reached */
@@ -121,12 +125,18 @@ struct decode_server {
     const void *waddr;
     size_t waddr_len;
     float *aux_arena;
-    void *kv_stage;                  /* host mirror of the KV pool when it is device memory */
+    /* staging (device KV that UCX cannot reach, or PD_XFER_FORCE_STAGING=1): prefill nodes put
+     * a prompt's pages into stage_n host pages of the pools' layouts (kv_stage, dkv_stage), the
+     * Prefill naming staging page ids; the reply uploads them into the request's pool pages */
+    void *kv_stage;                  /* target layout, stage_n pages; NULL = no staging */
+    int stage_n, stage_used;
+    uint8_t *stage_busy;             /* [stage_n]: 1 = held by a request */
+    uint64_t stage_waits;            /* requests that waited for staging pages (queue heads) */
     /* draft pool (--aux-transfer draft-kv on a prefill node puts the draft context K/V here) */
     pd_xfer_mem *dkv_mem;
     void *dkv_rkey;
     size_t dkv_rkey_len;
-    void *dkv_stage;                 /* host mirror of the draft pool when it is device memory */
+    void *dkv_stage;                 /* draft layout, stage_n pages (with kv_stage) */
     int aux_rows;
     aux_seg *segs;
     int n_segs, cap_segs;

@@ -7,7 +7,11 @@ them --colocated --cp-size 2), and checks that tokens, text, rounds, accepted_pe
 equal pdspark-generate --prompt-ids (with --cp-size 2 for CP on a GPU). Then 8 of them through
 the other drafter payloads (prefill_node --aux-transfer ctx and draft-kv, cp 2), and 8 through
 draft-kv with host staging forced (target and draft pools staged), and 8 with --fast-kernels on
-both nodes (equal on the cpu; on a GPU only complete answers are required).
+both nodes (equal on the cpu; on a GPU only complete answers are required). The staged run
+takes 20 prompts at once into a staging pool of 16 prompts' pages (4 wait for staging pages,
+then get the same tokens), cancels one whose Prefill is in flight (its staging pages stay held
+until the prefill node's reply), and checks that --kv-staging-pages is refused by name when
+bad.
 
 usage: test_e2e.py BIN_DIR MODELS_DIR FIXTURES_DIR [colocated|disagg|aux|all]
 PD_E2E_DEVICE=cuda runs every node and pdspark-generate with --device cuda (a GPU run by hand;
@@ -15,10 +19,12 @@ ctest runs the CPU).
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 BIN, MODELS, FIX = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -40,17 +46,23 @@ def check(cond, msg):
         print("FAIL:", msg, flush=True)
 
 
-def start(args, name, timeout=60, env=None):
-    """Start a node, return (proc, 'HOST:PORT') from its 'listening grpc' line."""
+def start(args, name, timeout=60, env=None, http=False):
+    """Start a node, return (proc, 'HOST:PORT') from its 'listening grpc' line (with http, also
+    the 'listening http' line's address: (proc, grpc, http))."""
     p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=open(f"{TMP}/{name}.log", "w"),
                          env=dict(ENV, **(env or {})), text=True)
     t0 = time.time()
+    grpc = None
     while time.time() - t0 < timeout:
         line = p.stdout.readline()
         if not line:
             break
         if line.startswith("listening grpc "):
-            return p, line.split()[2]
+            grpc = line.split()[2]
+            if not http:
+                return p, grpc
+        if line.startswith("listening http ") and grpc is not None:
+            return p, grpc, line.split()[2]
     p.kill()
     with open(f"{TMP}/{name}.log") as f:   # the temporary directory goes with the exit
         tail = "".join(f.readlines()[-5:])
@@ -117,6 +129,116 @@ def serve(mode, addr, paths, refs, strict=True):
     compare(mode, refs, outs, strict)
 
 
+def metrics(http):
+    """The decode node's /metrics as {'name{labels}': value}."""
+    with urllib.request.urlopen(f"http://{http}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, val = line.rpartition(" ")
+            out[name] = float(val)
+    return out
+
+
+def wait_metrics(http, pred, timeout=30.0):
+    """Poll /metrics until pred(m) holds; the last scrape either way."""
+    t0 = time.time()
+    while True:
+        m = metrics(http)
+        if pred(m) or time.time() - t0 > timeout:
+            return m
+        time.sleep(0.05)
+
+
+STAGED = "pdspark_kv_staging_pages_used"
+CANCELLED = 'pdspark_requests_total{outcome="cancelled"}'
+
+
+def staged(paths, refs):
+    """The host-staging path forced on host memory (what device KV takes without UCX CUDA
+    support), draft-kv so that both pools are staged, with a staging pool smaller than the
+    demand: 256 pages, the least the node takes (the longest prompt: 4095 tokens of 16-token
+    pages), against 20 prompts of 256 tokens (16 pages each) at once. The prefill node is
+    stopped while they are admitted, so exactly 16 hold staging pages and 4 wait in the queue;
+    then all 20 must give pdspark-generate's tokens and every staging page must come back. Then
+    a request cancelled while its Prefill is in flight (the prefill node stopped again): it
+    ends at once for its caller, its staging pages stay held until the prefill node answers.
+    paths: 22 prompts (20 at once, the cancelled one, one after)."""
+    env = {"PD_XFER_FORCE_STAGING": "1"}
+    base = [f"{BIN}/decode_node", "--model", TARGET, "--draft", DRAFT, "--listen", "127.0.0.1:0"] + DEV
+    # bad values, refused by name: not a count, fewer pages than the longest prompt, colocated
+    for extra, code, needle in ((["--prefill", "127.0.0.1:1", "--kv-staging-pages", "0"], 2, "--kv-staging-pages"),
+                                (["--prefill", "127.0.0.1:1", "--kv-staging-pages", "255"], 1,
+                                 "--kv-staging-pages 255: the longest prompt this node admits (4095 tokens) needs 256"),
+                                (["--colocated", "--kv-staging-pages", "300"], 2, "--kv-staging-pages")):
+        r = subprocess.run(base + extra, capture_output=True, text=True, env=dict(ENV, **env), timeout=120)
+        check(r.returncode == code and needle in r.stderr,
+              f"decode_node {' '.join(extra)}: exit {r.returncode}, stderr {r.stderr.strip()[-300:]!r}")
+    pn, paddr = start([f"{BIN}/prefill_node", "--model", TARGET, "--draft", DRAFT, "--listen",
+                       "127.0.0.1:0", "--aux-transfer", "draft-kv"] + DEV, "prefill_staged", env=env)
+    stopped = False
+    try:
+        dn, addr, http = start(base + ["--prefill", paddr, "--kv-staging-pages", "256",
+                                       "--transfer-timeout-ms", "30000", "--http", "127.0.0.1:0"],
+                               "decode_staged", env=env, http=True)
+        try:
+            m = metrics(http)
+            check(m.get("pdspark_kv_staging_pages_total") == 256 and m.get(STAGED) == 0,
+                  f"staging pool at start: {m.get('pdspark_kv_staging_pages_total')} pages, {m.get(STAGED)} used")
+            n_at_once = len(paths) - 2
+            t0 = time.time()
+            pn.send_signal(signal.SIGSTOP)
+            stopped = True
+            with ThreadPoolExecutor(n_at_once) as ex:
+                futs = [ex.submit(run_client, addr, p) for p in paths[:n_at_once]]
+                m = wait_metrics(http, lambda m: m.get(STAGED) == 256 and m.get("pdspark_requests_queued") == 4)
+                check(m.get(STAGED) == 256 and m.get("pdspark_requests_queued") == 4 and
+                      m.get("pdspark_kv_staging_waits_total", 0) >= 1,
+                      f"staging pool exhausted: {m.get(STAGED)} of 256 pages used, "
+                      f"{m.get('pdspark_requests_queued')} queued, {m.get('pdspark_kv_staging_waits_total')} waited")
+                pn.send_signal(signal.SIGCONT)
+                stopped = False
+                outs = [f.result() for f in futs]
+            print(f"staged: {n_at_once} prompts at once through 256 staging pages: {time.time() - t0:.1f} s",
+                  flush=True)
+            compare("disaggregated (aux draft-kv, host staging of 256 pages)", refs[:n_at_once], outs)
+            m = wait_metrics(http, lambda m: m.get(STAGED) == 0 and m.get("pdspark_kv_pages_used") == 0)
+            check(m.get(STAGED) == 0 and m.get("pdspark_kv_pages_used") == 0,
+                  f"after the staged run: {m.get(STAGED)} staging pages, {m.get('pdspark_kv_pages_used')} kv pages used")
+            # a cancel while the Prefill is in flight (the prefill node stopped: no reply yet)
+            cancelled0 = m.get(CANCELLED, 0)
+            pn.send_signal(signal.SIGSTOP)
+            stopped = True
+            c = subprocess.Popen([f"{BIN}/pdspark-client", "--server", addr, "--prompt-ids", paths[-2],
+                                  "--max-new-tokens", "8"], stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL, env=ENV)
+            m = wait_metrics(http, lambda m: m.get(STAGED) == 16)
+            check(m.get(STAGED) == 16, f"cancel: its Prefill holds {m.get(STAGED)} staging pages, not 16")
+            c.kill()
+            c.wait()
+            m = wait_metrics(http, lambda m: m.get(CANCELLED, 0) > cancelled0)
+            check(m.get(CANCELLED, 0) == cancelled0 + 1, f"cancel: {m.get(CANCELLED)} cancelled, {cancelled0} before")
+            time.sleep(0.5)
+            m = metrics(http)
+            check(m.get(STAGED) == 16 and m.get("pdspark_kv_pages_used", 0) > 0,
+                  f"cancelled, no reply yet: {m.get(STAGED)} staging pages held (16 expected), "
+                  f"{m.get('pdspark_kv_pages_used')} kv pages")
+            pn.send_signal(signal.SIGCONT)
+            stopped = False
+            m = wait_metrics(http, lambda m: m.get(STAGED) == 0 and m.get("pdspark_kv_pages_used") == 0)
+            check(m.get(STAGED) == 0 and m.get("pdspark_kv_pages_used") == 0,
+                  f"after the reply: {m.get(STAGED)} staging pages, {m.get('pdspark_kv_pages_used')} kv pages used")
+            # and the pair serves on
+            compare("disaggregated (host staging, after a cancel)", refs[-1:], [run_client(addr, paths[-1])])
+        finally:
+            if stopped:
+                pn.send_signal(signal.SIGCONT)
+            stop(dn)
+    finally:
+        stop(pn)
+
+
 def disagg(prefill_args, env, mode, name, paths, refs, decode_args=(), strict=True):
     """prefill_node (with prefill_args) + decode_node (with decode_args), both with env; serve
     paths."""
@@ -143,7 +265,7 @@ def main():
             f.write(" ".join(map(str, p["input_ids"])))
         paths.append(path)
     if WHICH == "aux":
-        paths = paths[:16]
+        paths = paths[:22]
     t0 = time.time()
     with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as ex:
         refs = list(ex.map(run_ref, paths))
@@ -203,9 +325,9 @@ def main():
                    f"disaggregated (aux {aux}, prefill cp 2)", f"prefill_{aux}", paths[:8], refs_cp[:8])
         # the host-staging path (what device KV memory takes without UCX CUDA support), forced
         # on host memory: the prefill node downloads pages before the puts, the decode node
-        # receives them in host mirrors (target and draft pool) and uploads them; 8 prompts
-        disagg(["--aux-transfer", "draft-kv"], {"PD_XFER_FORCE_STAGING": "1"},
-               "disaggregated (aux draft-kv, host staging)", "prefill_staged", paths[8:16], refs[8:16])
+        # receives them in its staging pool (target and draft layout) and uploads them; 20
+        # prompts at once into a pool of 16 prompts' pages, a cancel, bad flag values
+        staged(paths[:22], refs[:22])
     if WHICH in ("disagg", "all"):
         # both nodes with the fastest kernels (prompts batched into one prefill forward): on the
         # cpu every kernel is exact, so the tokens still equal pdspark-generate's; on a GPU bf16
