@@ -449,22 +449,27 @@ static pd_status upload_staged(decode_server *s, decode_handle *h, pd_kv_pool *p
     int np = h->n_stage;
     const int32_t *sp = h->stage_pages;
     PD_ASSERT(np == (h->n_prompt + lay->page_size - 1) / lay->page_size && seq->n_pages >= np);
+    if (np == 0)
+        return PD_OK;
+    /* one batched copy of every run (consecutive ids on both sides) */
+    kern_copy_span *cp = malloc((size_t)2 * lay->n_layers * (size_t)np * sizeof(*cp));
+    if (cp == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "staged upload: %d copies", 2 * lay->n_layers * np);
+    int n = 0;
     for (int l = 0; l < lay->n_layers; l++)
         for (int half = 0; half < 2; half++)
             for (int p = 0, run; p < np; p += run) {
-                /* a run of consecutive ids on both sides in one copy */
                 run = 1;
                 while (p + run < np && seq->pages[p + run] == seq->pages[p] + run &&
                        sp[p + run] == sp[p] + run)
                     run++;
                 size_t dst = ((size_t)(2 * l + half) * (size_t)lay->n_pages + (size_t)seq->pages[p]) * pb;
                 size_t src = ((size_t)(2 * l + half) * (size_t)s->stage_n + (size_t)sp[p]) * pb;
-                pd_status st = kern_upload(s->be, (char *)kb->ptr + dst, (const char *)stage + src,
-                                           (size_t)run * pb, err);
-                if (st != PD_OK)
-                    return st;
+                cp[n++] = (kern_copy_span){ (char *)kb->ptr + dst, (const char *)stage + src, (size_t)run * pb };
             }
-    return PD_OK;
+    pd_status st = kern_upload_spans(s->be, cp, n, err);
+    free(cp);
+    return st;
 }
 
 /* The prompt's pages and the drafter's payload arrived (the prefill node used mode): move the
