@@ -70,6 +70,17 @@ typedef struct kern_cuda_ctx {
     int sk_batch;              /* 1 unless PD_SK_BATCH=0 at creation: a one-tile skinny GEMM other
                                   than SwiGLU loads W and x in batches of 2 steps instead of its
                                   3-step register ring (skinny_kernel's BT form) */
+    int probs_setup;           /* probs/sample kernels: limits asked on this device (kern_cuda_sample.cu,
+                                  at their first launch) */
+    int probs_smem_max;        /* opt-in shared memory of one CTA, bytes */
+    int probs_cl_max[5];       /* [l]: clusters of 2^l probs CTAs (1024 threads each) the device runs
+                                  at once (0: none); [0] the SM count */
+    int probs_cl_force;        /* PD_PROBS_CLUSTER at their first launch: 1, 2, 4, 8 or 16 CTAs per
+                                  row for every probs/sample launch (A/B runs, tests), 0 chosen per
+                                  launch from the rows */
+    int probs_gather;          /* 1 unless PD_PROBS_GATHER=0 at their first launch: once at most
+                                  PR_GATHER tokens of a row survive, each CTA of its cluster
+                                  gathers them and finishes alone */
     size_t ws_bytes;
     unsigned ws_epoch;         /* bumped whenever ws moves: graphs captured before are stale */
     unsigned capture_epoch;    /* ws_epoch when the capture in progress began */
