@@ -5,7 +5,7 @@
  * the values the CUDA backend stores and the tolerance measures the kernel, not the storage.
  * Every output buffer is pre-filled with a sentinel and carries guard elements after it: the
  * parts an op must not touch (row padding, guards, unused KV slots) have to come back bit-equal.
- * Usage: test_kernels [--op NAME] [--perf] [--seed N]
+ * Usage: test_kernels [--op NAME] [--perf] [--perf-only] [--seed N]
  *   --op NAME  run only cases of op NAME (embed, rmsnorm, matmul, rope, unary, binary,
  *              copy_rows, kv_store, attn, argmax, convert, linear, mlp, qkv, attn_block, qk_post,
  *              markov_step, markov_chain, probs, sample, spec_verify; invariance: only the
@@ -14,6 +14,7 @@
  *              20 back-to-back calls), printing GB/s, TFLOP/s and the fraction of the roofline;
  *              linear cases also as a CUDA graph of 100 calls, with the weights hot in the L2
  *              and cold (rotated copies), see perf_linear_graph
+ *   --perf-only  --perf with the perf-only cases alone
  *   --invariant  run the cases with be->batch_invariant set on the CUDA backend (the kernels of
  *              decode rounds; e.g. linear uses the skinny kernel for every m, not only m = 1)
  *   --self     compare the CPU backend with itself (checks this harness on a machine without
@@ -169,6 +170,7 @@ typedef struct {
 
 typedef struct {
     int opt_perf;
+    int opt_perf_only;       /* --perf-only: only the perf-only cases */
     int opt_self;
     int opt_invariant;
     int opt_f32;             /* the CUDA backend keeps weights and KV in fp32 (--dtype f32) */
@@ -230,6 +232,40 @@ static void perf_report(kern_backend *be, op_fn fn, const void *args, double byt
              "      perf: %9.2f us  %8.1f GB/s  %7.2f TFLOP/s  roofline %5.1f%% (floor %.2f us, %s)\n",
              s * 1e6, bytes / s * 1e-9, flops / s * 1e-12, 100.0 * floor_s / s, floor_s * 1e6,
              bytes / ROOF_BW > flops / ROOF_BF16 ? "bytes" : "flops");
+}
+
+/* --perf of an op as a graph replays it: 20 calls captured once, the median of 5 replays, so
+ * the host's launch cost drops out (skipped on host backends) */
+static void perf_graph(kern_backend *be, op_fn fn, const void *args, double bytes)
+{
+    if (!opts.opt_perf || kern_backend_stream(be) == NULL)
+        return;
+    enum { CALLS = 20 };
+    pd_err err;
+    void *graph = NULL;
+    if (fatal_status(kern_graph_begin(be, &err), &err, "perf capture"))
+        return;
+    for (int i = 0; i < CALLS; i++)
+        if (fn(be, args, &err) != PD_OK)
+            break;
+    if (fatal_status(kern_graph_end(be, &graph, &err), &err, "perf capture"))
+        return;
+    double t[5];
+    for (int r = -1; r < 5; r++) {
+        double t0 = now_s();
+        if (fatal_status(kern_graph_launch(be, graph, &err), &err, "perf replay") ||
+            fatal_status(kern_sync(be, &err), &err, "perf sync")) {
+            kern_graph_free(be, graph);
+            return;
+        }
+        if (r >= 0)
+            t[r] = (now_s() - t0) / CALLS;
+    }
+    kern_graph_free(be, graph);
+    qsort(t, 5, sizeof(double), cmp_double);
+    size_t used = strlen(perf_note);
+    snprintf(perf_note + used, sizeof(perf_note) - used, "      graph: %9.2f us  %8.1f GB/s  roofline %5.1f%%\n",
+             t[2] * 1e6, bytes / t[2] * 1e-9, 100.0 * bytes / ROOF_BW / t[2]);
 }
 
 /* --perf for the linear op, as a decode step runs it: 100 calls captured in one graph (each a
@@ -1766,19 +1802,125 @@ static float *sample_logits(int rows, int n, int ld)
     return v;
 }
 
-/* probs: rows x n logits (pad = extra stride of x and out), sub 1 = rows gathered through idx.
- * Besides the relative error: the same tokens must survive the filter on both sides, and a
- * greedy row must be one-hot at the host argmax (kern_argmax's rule). */
+/* Sampling parameters every row of a case shares (probs, sub >> 3): Qwen3's generation_config
+ * defaults (the engine applies them by default), top-p, min-p and typical-p alone, greedy. */
+static const kern_sample_cfg probs_presets[] = {
+    {0.0f, 0, 1.0f, 0.0f, 0.0f},   /* 0: none, rows cycle through case_cfg */
+    {0.6f, 20, 0.95f, 0.0f, 0.0f}, {1.0f, 0, 0.9f, 0.0f, 0.0f}, {1.0f, 0, 1.0f, 0.05f, 0.0f},
+    {1.0f, 0, 1.0f, 0.0f, 0.9f},   {0.0f, 0, 1.0f, 0.0f, 0.0f},
+};
+static const char *const probs_preset_names[] = {"", " qwen3 (T .6 k 20 p .95)", " top_p .9", " min_p .05",
+                                                 " typical_p .9", " greedy"};
+#define N_PROBS_PRESETS ((int)(sizeof(probs_presets) / sizeof(probs_presets[0])))
+
+/* Rows at the filters' edges (probs sub 2), kind r % 9 of a row from sample_logits: a NaN (never
+ * at index 0, where the CPU's argmax starts), a +inf, all -inf, 90 % masked to -inf, three
+ * values only (ties everywhere, also at every cut), all equal, one dominant token, two tied
+ * dominant tokens, the plain row. */
+static void special_logits(float *x, int n, int kind)
+{
+    switch (kind) {
+    case 0:
+        x[n > 1 ? 1 + rng_int(n - 1) : 0] = NAN;
+        break;
+    case 1:
+        x[rng_int(n)] = INFINITY;
+        break;
+    case 2:
+        for (int i = 0; i < n; i++)
+            x[i] = -INFINITY;
+        break;
+    case 3: {
+        int keep = rng_int(n);
+        for (int i = 0; i < n; i++)
+            if (i != keep && rng_int(10) < 9)
+                x[i] = -INFINITY;
+        break;
+    }
+    case 4:
+        for (int i = 0; i < n; i++)
+            x[i] = 0.5f * (float)rng_int(3);
+        break;
+    case 5:
+        for (int i = 0; i < n; i++)
+            x[i] = 0.25f;
+        break;
+    case 6:
+        x[rng_int(n)] = 40.0f;
+        break;
+    case 7: {
+        int t1 = rng_int(n), t2 = rng_int(n);
+        x[t1] = x[t2] = 20.0f;
+        break;
+    }
+    default:
+        break;
+    }
+}
+
+/* 1 when the softmax of row x is NaN everywhere (a NaN or +inf logit, or nothing but -inf),
+ * which the reference leaves undefined past the softmax (its sort meets NaN) */
+static int probs_nan_row(const float *x, int n)
+{
+    int finite_or_minf = 0;
+    for (int i = 0; i < n; i++) {
+        if (x[i] != x[i] || x[i] == INFINITY)
+            return 1;
+        finite_or_minf += x[i] != -INFINITY;
+    }
+    return finite_or_minf == 0;
+}
+
+static int probs_filters_on(const kern_sample_cfg *c, int n)
+{
+    return (c->top_k > 0 && c->top_k < n) || c->top_p < 1.0f || c->min_p > 0.0f ||
+           (c->typical_p > 0.0f && c->typical_p < 1.0f);
+}
+
+/* The distance of two non-negative floats in ulps (their bits are ordered as their values) */
+static long long ulp_dist(float a, float b)
+{
+    uint32_t ua, ub;
+    memcpy(&ua, &a, 4);
+    memcpy(&ub, &b, 4);
+    return ua > ub ? (long long)(ua - ub) : (long long)(ub - ua);
+}
+
+/* probs: rows x n logits (pad = extra stride of x and out); sub 1 = rows gathered through idx,
+ * sub 2 = special_logits rows (row r of kind r % 9 with parameters case_cfg(5 (r / 9) + r % 9):
+ * at 216 rows every kind meets every parameter set), sub >> 3 = a probs_presets entry for all
+ * rows (else they cycle through case_cfg). Checks, besides the relative error: the same tokens
+ * survive on both sides; every probability equals the CPU's or is within 4 ulps of it (a sum
+ * of 10^5 doubles in another order moves a float by an ulp now and then; the count is
+ * printed); a greedy row is one-hot at the host argmax (kern_argmax's rule); a row whose
+ * softmax is NaN is NaN everywhere on CUDA without a filter and 0 everywhere with one (the CPU
+ * side runs such rows without filters: its sort is undefined on NaN); row padding and guards
+ * untouched; and each row computed again alone (other cluster sizes, kern_cuda_sample.cu) is
+ * bit-equal to its row in the batch. */
 static double run_probs(run_ctx *x)
 {
     const kcase *c = x->c;
     int rows = c->rows, n = c->cols, ld = n + c->pad, n_src = c->sub & 1 ? rows + 3 : rows;
+    int special = c->sub & 2, preset = c->sub >> 3;
     float *v = sample_logits(n_src, n, ld);
-    kern_sample_cfg *cfg = malloc((size_t)rows * sizeof(*cfg));
+    kern_sample_cfg *cfg = malloc((size_t)rows * sizeof(*cfg)), *cfg_cpu = malloc((size_t)rows * sizeof(*cfg));
     int32_t *idx = malloc((size_t)rows * sizeof(int32_t));
+    int *nan_row = calloc((size_t)rows, sizeof(int));
     for (int r = 0; r < rows; r++) {
-        cfg[r] = case_cfg(r, n);
         idx[r] = (r * 7 + 2) % n_src;
+        cfg[r] = preset > 0 && preset < N_PROBS_PRESETS ? probs_presets[preset]
+                 : special                              ? case_cfg(5 * (r / 9) + r % 9, n)
+                                                        : case_cfg(r, n);
+    }
+    if (special)
+        for (int r = 0; r < n_src; r++)
+            special_logits(v + (size_t)r * ld, n, r % 9);
+    for (int r = 0; r < rows; r++) {
+        const float *xr = v + (size_t)(c->sub & 1 ? idx[r] : r) * ld;
+        cfg_cpu[r] = cfg[r];
+        nan_row[r] = cfg[r].temperature >= 1e-5f && probs_nan_row(xr, n);
+        if (nan_row[r])
+            cfg_cpu[r] = (kern_sample_cfg){cfg[r].temperature, 0, 1.0f, 0.0f, 0.0f};
     }
     kern_probs_args ac = {0}, ag;
     ac.ld_x = ld;
@@ -1788,8 +1930,8 @@ static double run_probs(run_ctx *x)
     ag = ac;
     ac.x = side_bytes(x->cpu, v, (size_t)n_src * ld * 4);
     ag.x = side_bytes(x->gpu, v, (size_t)n_src * ld * 4);
-    ac.cfg = side_bytes(x->cpu, cfg, (size_t)rows * sizeof(*cfg));
-    ag.cfg = side_bytes(x->gpu, cfg, (size_t)rows * sizeof(*cfg));
+    ac.cfg = side_bytes(x->cpu, cfg_cpu, (size_t)rows * sizeof(*cfg));
+    ag.cfg = side_bytes(x->gpu, opts.opt_self ? cfg_cpu : cfg, (size_t)rows * sizeof(*cfg));
     if (c->sub & 1) {
         ac.idx = side_bytes(x->cpu, idx, (size_t)rows * 4);
         ag.idx = side_bytes(x->gpu, idx, (size_t)rows * 4);
@@ -1797,26 +1939,73 @@ static double run_probs(run_ctx *x)
     outbuf o = out_make(x->cpu, x->gpu, (size_t)rows * ld, NULL);
     ac.out = o.cpu;
     ag.out = o.gpu;
-    double e = run_both(x, fn_probs, &ac, &ag);
-    float *hc = e == 0.0 ? side_download(x->cpu, o.cpu, (size_t)rows * ld * 4) : NULL;
-    float *hg = e == 0.0 ? side_download(x->gpu, o.gpu, (size_t)rows * ld * 4) : NULL;
-    if (e == 0.0)
-        e = out_check(x->cpu, x->gpu, &o, "out", rows, n, ld);
+    /* perf_only 2: timed on CUDA only, nothing compared */
+    pd_err perr;
+    double e = c->perf_only == 2 ? (fatal_status(kern_probs(x->gpu->be, &ag, &perr), &perr, "cuda op") ? 1e30 : 0.0)
+                                 : run_both(x, fn_probs, &ac, &ag);
+    float *hc = e == 0.0 && c->perf_only != 2 ? side_download(x->cpu, o.cpu, o.n_total * 4) : NULL;
+    float *hg = e == 0.0 && c->perf_only != 2 ? side_download(x->gpu, o.gpu, o.n_total * 4) : NULL;
+    double num = 0.0, den = 0.0;
+    long long n_diff = 0, max_ulp = 0;
+    for (size_t i = (size_t)rows * ld; hc != NULL && i < o.n_total; i++)
+        if (memcmp(&hc[i], &o.init[i], 4) != 0 || memcmp(&hg[i], &o.init[i], 4) != 0) {
+            printf("      guard %zu written\n", i - (size_t)rows * ld);
+            e = 1e30;
+            break;
+        }
     for (int r = 0; hc != NULL && r < rows; r++) {
         const float *pc = hc + (size_t)r * ld, *pg = hg + (size_t)r * ld;
         const float *xr = v + (size_t)(c->sub & 1 ? idx[r] : r) * ld;
-        int kept_c = 0, kept_g = 0, differ = 0, first = -1;
+        for (int i = n; i < ld; i++)
+            if (memcmp(&pc[i], &o.init[(size_t)r * ld + i], 4) != 0 ||
+                memcmp(&pg[i], &o.init[(size_t)r * ld + i], 4) != 0) {
+                printf("      row %d: padding %d written\n", r, i - n);
+                e = 1e30;
+                break;
+            }
+        if (nan_row[r] && opts.opt_self)
+            continue;
+        if (nan_row[r]) {
+            /* the CUDA rule (the reference has none past the softmax): NaN everywhere without a
+             * filter, 0 everywhere with one */
+            int filt = probs_filters_on(&cfg[r], n), bad = 0;
+            for (int i = 0; i < n; i++)
+                bad += filt ? !(pg[i] == 0.0f) : pg[i] == pg[i];
+            if (bad) {
+                printf("      row %d (NaN softmax, filters %s): %d entries are not %s\n", r, filt ? "on" : "off", bad,
+                       filt ? "0" : "NaN");
+                e = 1e30;
+            }
+            continue;
+        }
+        int kept_c = 0, kept_g = 0, differ = 0, first = -1, nans = 0;
         for (int i = 0; i < n; i++) {
             kept_c += pc[i] > 0.0f;
             kept_g += pg[i] > 0.0f;
             if ((pc[i] > 0.0f) != (pg[i] > 0.0f) && differ++ == 0)
                 first = i;
+            if (pc[i] != pc[i] || pg[i] != pg[i]) {
+                nans++;
+                continue;
+            }
+            if (memcmp(&pc[i], &pg[i], 4) != 0) {
+                long long d = ulp_dist(pc[i], pg[i]);
+                n_diff++;
+                max_ulp = d > max_ulp ? d : max_ulp;
+            }
+            double dd = (double)pg[i] - (double)pc[i];
+            num += dd * dd;
+            den += (double)pc[i] * pc[i];
         }
         if (differ) {
             printf("      row %d (T %g k %d p %g min_p %g typical_p %g): %d tokens kept on one side only "
                    "(cpu %d, cuda %d; first %d: cpu %g cuda %g)\n", r, (double)cfg[r].temperature, cfg[r].top_k,
                    (double)cfg[r].top_p, (double)cfg[r].min_p, (double)cfg[r].typical_p, differ, kept_c, kept_g,
                    first, (double)pc[first], (double)pg[first]);
+            e = 1e30;
+        }
+        if (nans) {
+            printf("      row %d: %d NaN probabilities\n", r, nans);
             e = 1e30;
         }
         if (cfg[r].temperature < 1e-5f) {
@@ -1830,14 +2019,87 @@ static double run_probs(run_ctx *x)
             }
         }
     }
-    if (o.init != NULL)
-        free(o.init);
-    perf_report(x->gpu->be, fn_probs, &ag, (double)rows * n * 4 * 6, 0);
+    if (n_diff > 0)
+        printf("      %lld of %lld probabilities differ from the cpu's, by %lld ulp at most\n", n_diff,
+               (long long)rows * n, max_ulp);
+    if (max_ulp > 4)
+        e = 1e30;
+    if (hc != NULL && e == 0.0)
+        e = sqrt(num) / (den > 1e-30 ? sqrt(den) : 1e-15);
+    /* each row again alone: bit-equal to the batch's (on CUDA the row then spreads over a
+     * cluster of CTAs; in the batch, depending on the rows, over fewer) */
+    if (hg != NULL && !opts.opt_self && !c->perf_only) {
+        float *one = side_alloc(x->gpu, (size_t)n * 4);
+        int bad_rows = 0;
+        for (int r = 0; r < rows; r++) {
+            kern_probs_args a1 = ag;
+            a1.rows = 1;
+            a1.cfg = ag.cfg + r;
+            if (ag.idx != NULL)
+                a1.idx = ag.idx + r;
+            else
+                a1.x = ag.x + (size_t)r * ld;
+            a1.out = one;
+            a1.ld_out = n;
+            pd_err err;
+            if (fatal_status(kern_probs(x->gpu->be, &a1, &err), &err, "cuda probs, one row")) {
+                e = 1e30;
+                break;
+            }
+            float *h1 = side_download(x->gpu, one, (size_t)n * 4);
+            if (memcmp(h1, hg + (size_t)r * ld, (size_t)n * 4) != 0 && bad_rows++ == 0)
+                printf("      row %d alone differs from the batch's\n", r);
+            free(h1);
+        }
+        if (bad_rows) {
+            printf("      %d of %d rows alone differ from the batch's\n", bad_rows, rows);
+            e = 1e30;
+        }
+    }
+    /* captured in a CUDA graph (a launch neither syncs nor allocates): the same bits */
+    if (hg != NULL && kern_backend_stream(x->gpu->be) != NULL && !c->perf_only) {
+        kern_probs_args a2 = ag;
+        a2.out = side_alloc(x->gpu, (size_t)rows * ld * 4);
+        void *graph = NULL;
+        pd_err err;
+        pd_status st = kern_graph_begin(x->gpu->be, &err);
+        if (st == PD_OK) {
+            pd_status st2 = kern_probs(x->gpu->be, &a2, &err);
+            pd_err eerr;
+            st = kern_graph_end(x->gpu->be, &graph, &eerr);
+            if (st2 != PD_OK)
+                st = st2;
+            else if (st != PD_OK)
+                err = eerr;
+        }
+        if (st == PD_OK)
+            st = kern_graph_launch(x->gpu->be, graph, &err);
+        if (st == PD_OK)
+            st = kern_sync(x->gpu->be, &err);
+        if (fatal_status(st, &err, "cuda probs in a graph")) {
+            e = 1e30;
+        } else {
+            float *h2 = side_download(x->gpu, a2.out, (size_t)rows * ld * 4);
+            for (int r = 0; r < rows; r++)
+                if (memcmp(h2 + (size_t)r * ld, hg + (size_t)r * ld, (size_t)n * 4) != 0) {
+                    printf("      row %d from a graph replay differs from the eager launch's\n", r);
+                    e = 1e30;
+                    break;
+                }
+            free(h2);
+        }
+        kern_graph_free(x->gpu->be, graph);
+    }
+    free(o.init);
+    perf_report(x->gpu->be, fn_probs, &ag, (double)rows * n * 8, 0);
+    perf_graph(x->gpu->be, fn_probs, &ag, (double)rows * n * 8);
     free(hc);
     free(hg);
     free(v);
     free(cfg);
+    free(cfg_cpu);
     free(idx);
+    free(nan_row);
     return e;
 }
 
@@ -1976,7 +2238,8 @@ static double run_sample(run_ctx *x)
         free(ic);
         free(ig);
     }
-    perf_report(x->gpu->be, fn_sample, &ag, (double)rows * n * 4 * 2, 0);
+    perf_report(x->gpu->be, fn_sample, &ag, (double)rows * n * 4, 0);
+    perf_graph(x->gpu->be, fn_sample, &ag, (double)rows * n * 4);
     free(p);
     free(u);
     return e;
@@ -2638,6 +2901,14 @@ static const kcase cases[] = {
     {"probs", 37, 1001, 3, 0, 0, 0, 1, 0, 0, 0, 0, NULL, 1e-5, 0},
     {"probs", 24, 8192, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 1e-5, 0},
     {"probs", 26, 50, 1, 0, 0, 0, 1, 0, 0, 0, 0, NULL, 1e-5, 0},
+    /* sub 2: rows at the filters' edges (NaN, +inf, all -inf, masked, ties, equal, dominant);
+     * many rows (one CTA each on CUDA), tiny and huge vocabularies */
+    {"probs", 216, 1000, 2, 0, 0, 0, 2, 0, 0, 0, 0, NULL, 1e-5, 0},
+    {"probs", 27, 151936, 0, 0, 0, 0, 2, 0, 0, 0, 0, NULL, 1e-5, 0},
+    {"probs", 70, 151936, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 1e-5, 0},
+    {"probs", 18, 1, 0, 0, 0, 0, 2, 0, 0, 0, 0, NULL, 1e-5, 0},
+    {"probs", 27, 3, 1, 0, 0, 0, 3, 0, 0, 0, 0, NULL, 1e-5, 0},
+    {"probs", 9, 600000, 0, 0, 0, 0, 2, 0, 0, 0, 0, NULL, 1e-5, 0},
     /* sample: rows x vocab, pad, sub 1 = probs then sample from the same logits on each side */
     {"sample", 40, 151936, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
     {"sample", 64, 1001, 5, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
@@ -2751,6 +3022,24 @@ static const kcase cases[] = {
     {"markov_chain", 8, 2560, 0, 7, 151936, 64, 2, 0, 0, 0, 0, NULL, 0, 1},
     {"probs", 8, 151936, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 1e-5, 1},
     {"probs", 64, 151936, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 1e-5, 1},
+    /* probs with one parameter set for all rows (sub >> 3: probs_presets) at 1, 8 and 64 rows
+     * (64: timed only, the CPU reference's sorts would take seconds) */
+    {"probs", 1, 151936, 0, 0, 0, 0, 1 << 3, 0, 0, 0, 0, NULL, 1e-5, 1},
+    {"probs", 8, 151936, 0, 0, 0, 0, 1 << 3, 0, 0, 0, 0, NULL, 1e-5, 1},
+    {"probs", 64, 151936, 0, 0, 0, 0, 1 << 3, 0, 0, 0, 0, NULL, 1e-5, 2},
+    {"probs", 1, 151936, 0, 0, 0, 0, 2 << 3, 0, 0, 0, 0, NULL, 1e-5, 1},
+    {"probs", 8, 151936, 0, 0, 0, 0, 2 << 3, 0, 0, 0, 0, NULL, 1e-5, 1},
+    {"probs", 64, 151936, 0, 0, 0, 0, 2 << 3, 0, 0, 0, 0, NULL, 1e-5, 2},
+    {"probs", 1, 151936, 0, 0, 0, 0, 3 << 3, 0, 0, 0, 0, NULL, 1e-5, 1},
+    {"probs", 8, 151936, 0, 0, 0, 0, 3 << 3, 0, 0, 0, 0, NULL, 1e-5, 1},
+    {"probs", 64, 151936, 0, 0, 0, 0, 3 << 3, 0, 0, 0, 0, NULL, 1e-5, 2},
+    {"probs", 1, 151936, 0, 0, 0, 0, 4 << 3, 0, 0, 0, 0, NULL, 1e-5, 1},
+    {"probs", 8, 151936, 0, 0, 0, 0, 4 << 3, 0, 0, 0, 0, NULL, 1e-5, 1},
+    {"probs", 64, 151936, 0, 0, 0, 0, 4 << 3, 0, 0, 0, 0, NULL, 1e-5, 2},
+    {"probs", 1, 151936, 0, 0, 0, 0, 5 << 3, 0, 0, 0, 0, NULL, 1e-5, 1},
+    {"probs", 8, 151936, 0, 0, 0, 0, 5 << 3, 0, 0, 0, 0, NULL, 1e-5, 1},
+    {"sample", 1, 151936, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 1},
+    {"sample", 8, 151936, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 1},
     {"sample", 64, 151936, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 1},
     {"spec_verify", 32, 151936, 0, 0, 0, 7, 0, 0, 0, 0, 0, NULL, 0, 1},
     {"matmul", 0, 0, 0, 17, 9728, 2560, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
@@ -2781,9 +3070,11 @@ static void case_name(const kcase *c, char *buf, size_t n)
                  c->sub == 1 ? " gated" : c->sub == 2 ? " rnn" : "");
     else if (strcmp(c->op, "spec_verify") == 0)
         snprintf(buf, n, "requests %d V %d drafts <= %d pad %d", c->rows, c->cols, c->k, c->pad);
-    else if (strcmp(c->op, "probs") == 0 || strcmp(c->op, "sample") == 0)
-        snprintf(buf, n, "rows %d V %d pad %d%s", c->rows, c->cols, c->pad,
-                 c->sub & 1 ? (c->op[0] == 'p' ? " idx" : " from probs") : "");
+    else if (strcmp(c->op, "probs") == 0)
+        snprintf(buf, n, "rows %d V %d pad %d%s%s%s", c->rows, c->cols, c->pad, c->sub & 1 ? " idx" : "",
+                 c->sub & 2 ? " edges" : "", c->sub >> 3 < N_PROBS_PRESETS ? probs_preset_names[c->sub >> 3] : " ?");
+    else if (strcmp(c->op, "sample") == 0)
+        snprintf(buf, n, "rows %d V %d pad %d%s", c->rows, c->cols, c->pad, c->sub & 1 ? " from probs" : "");
     else if (strcmp(c->op, "linear") == 0)
         snprintf(buf, n, "m %d n %d k %d pad %d w %d %s%s%s", c->m, c->n, c->k, c->pad, c->n_heads,
                  (c->sub & 3) == 0 ? "store" : (c->sub & 3) == 1 ? "acc" : "swiglu",
@@ -3064,6 +3355,8 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--perf") == 0) {
             opts.opt_perf = 1;
+        } else if (strcmp(argv[i], "--perf-only") == 0) {
+            opts.opt_perf = opts.opt_perf_only = 1;
         } else if (strcmp(argv[i], "--invariant") == 0) {
             opts.opt_invariant = 1;
         } else if (strcmp(argv[i], "--f32") == 0) {
@@ -3075,7 +3368,7 @@ int main(int argc, char **argv)
         } else if (strcmp(argv[i], "--seed") == 0 && i + 1 < argc) {
             opts.seed = strtoull(argv[++i], NULL, 10);
         } else {
-            fprintf(stderr, "usage: %s [--op NAME] [--perf] [--seed N] [--self] [--invariant] [--f32]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--op NAME] [--perf] [--perf-only] [--seed N] [--self] [--invariant] [--f32]\n", argv[0]);
             return 2;
         }
     }
@@ -3110,7 +3403,7 @@ int main(int argc, char **argv)
         const kcase *c = &cb;
         if (opts.opt_op != NULL && strcmp(opts.opt_op, c->op) != 0)
             continue;
-        if (c->perf_only && (!opts.opt_perf || pass))
+        if ((c->perf_only && (!opts.opt_perf || pass)) || (!c->perf_only && opts.opt_perf_only))
             continue;
         if (pass) {
             int rounds = 0;

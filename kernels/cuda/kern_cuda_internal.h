@@ -81,6 +81,17 @@ typedef struct kern_cuda_ctx {
                                   PD_SK_MAX_TILES at creation, 8 without it */
     int sk_chunk_major;        /* 1 unless PD_SK_CHUNK_MAJOR=0 at creation: a skinny GEMM of
                                   several 64-row chunks runs a tile's chunks side by side */
+    int probs_setup;           /* probs/sample kernels: limits asked on this device (kern_cuda_sample.cu,
+                                  at their first launch) */
+    int probs_smem_max;        /* opt-in shared memory of one CTA, bytes */
+    int probs_cl_max[5];       /* [l]: clusters of 2^l probs CTAs (1024 threads each) the device runs
+                                  at once (0: none); [0] the SM count */
+    int probs_cl_force;        /* PD_PROBS_CLUSTER at their first launch: 1, 2, 4, 8 or 16 CTAs per
+                                  row for every probs/sample launch (A/B runs, tests), 0 chosen per
+                                  launch from the rows */
+    int probs_gather;          /* 1 unless PD_PROBS_GATHER=0 at their first launch: once at most
+                                  PR_GATHER tokens of a row survive, each CTA of its cluster
+                                  gathers them and finishes alone */
     size_t ws_bytes;
     unsigned ws_epoch;         /* bumped whenever ws moves: graphs captured before are stale */
     unsigned capture_epoch;    /* ws_epoch when the capture in progress began */
