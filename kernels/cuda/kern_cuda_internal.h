@@ -89,8 +89,8 @@ typedef struct kern_cuda_ctx {
     int probs_cl_force;        /* PD_PROBS_CLUSTER at their first launch: 1, 2, 4, 8 or 16 CTAs per
                                   row for every probs/sample launch (A/B runs, tests), 0 chosen per
                                   launch from the rows */
-    int probs_gather;          /* 1 unless PD_PROBS_GATHER=0 at their first launch: once at most
-                                  PR_GATHER tokens of a row survive, each CTA of its cluster
+    int probs_gather;          /* PD_PROBS_GATHER=1 at their first launch (default 0): once at
+                                  most PR_GATHER tokens of a row survive, each CTA of its cluster
                                   gathers them and finishes alone */
     size_t ws_bytes;
     unsigned ws_epoch;         /* bumped whenever ws moves: graphs captured before are stale */
