@@ -1,6 +1,9 @@
 /* kern_cuda_elementwise.cu - unary (sigmoid, tanh, silu) and binary (add, sub, mul, swiglu) ops
- *   over strided [rows, cols] views, and the device-side dtype conversion behind upload_convert.
- * Owns: kern_cuda_unary_launch, kern_cuda_binary_launch, kern_cuda_convert_launch.
+ *   over strided [rows, cols] views, the device-side dtype conversion behind upload_convert, and
+ *   the two in-place edits of logits before sampling (penalties, allowed-token masks).
+ * Owns: kern_cuda_unary_launch, kern_cuda_binary_launch, kern_cuda_convert_launch,
+ *   kern_cuda_penalty_launch (one thread per entry: the entries are distinct logits),
+ *   kern_cuda_token_mask_launch (a row of CTAs per mask).
  *   One element per iteration over the [rows, cols] grid (KERN_CUDA_FOR_RC); each output element is written by the thread
  *   that read its inputs, so out may alias an input.
  * Not here: shape checks (kern_ops.c). Threading: enqueues on the backend stream. */
@@ -117,6 +120,55 @@ extern "C" pd_status kern_cuda_convert_launch(kern_backend *be, void *dst, kern_
         return PD_OK;
     convert_kernel<<<kern_cuda_blocks(n, EW_THREADS), EW_THREADS, 0, c->stream>>>(
         dst, dst_dtype, src, src_dtype, n);
+    KERN_CUDA_LAUNCH_CHECK(err);
+    return PD_OK;
+}
+
+/* ---- penalty ---------------------------------------------------------------------------------- */
+
+__global__ void __launch_bounds__(256)
+penalty_kernel(kern_penalty_args a)
+{
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < a.n_entries; i += gridDim.x * blockDim.x) {
+        kern_penalty_entry e = a.e[i];
+        if (e.tok < 0 || e.tok >= a.n || e.row < 0)
+            continue;   /* the engine builds valid entries; the CPU op names a bad one */
+        float *v = a.x + (size_t)e.row * a.ld_x + e.tok;
+        *v = kern_penalize_one(*v, &e);
+    }
+}
+
+extern "C" pd_status kern_cuda_penalty_launch(kern_backend *be, const kern_penalty_args *a, pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    int blocks = (a->n_entries + 255) / 256;
+    penalty_kernel<<<blocks < 1024 ? blocks : 1024, 256, 0, c->stream>>>(*a);
+    KERN_CUDA_LAUNCH_CHECK(err);
+    return PD_OK;
+}
+
+/* ---- token mask ------------------------------------------------------------------------------- */
+
+__global__ void __launch_bounds__(256)
+token_mask_kernel(kern_token_mask_args a)
+{
+    int i = blockIdx.y;
+    int row = a.rows[i];
+    if (row < 0)
+        return;   /* the engine builds valid rows; the CPU op names a bad one */
+    float *x = a.x + (size_t)row * a.ld_x;
+    const uint32_t *b = a.bits + (size_t)i * a.words;
+    for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < a.n; t += gridDim.x * blockDim.x)
+        if (!((b[t >> 5] >> (t & 31)) & 1u))
+            x[t] = -INFINITY;
+}
+
+extern "C" pd_status kern_cuda_token_mask_launch(kern_backend *be, const kern_token_mask_args *a, pd_err *err)
+{
+    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
+    int blocks = (a->n + 255) / 256;
+    dim3 grid(blocks < 64 ? blocks : 64, a->n_rows);
+    token_mask_kernel<<<grid, 256, 0, c->stream>>>(*a);
     KERN_CUDA_LAUNCH_CHECK(err);
     return PD_OK;
 }

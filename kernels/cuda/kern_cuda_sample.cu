@@ -1,8 +1,7 @@
 /* kern_cuda_sample.cu - sampling on the device: tempered / filtered probabilities, inverse-CDF
  *   sampling and rejection-sampling verification (the rules of pd_sample.h, kern_backend.h).
  * Owns: kern_cuda_probs_launch, kern_cuda_sample_launch, kern_cuda_spec_verify_launch,
- *   kern_cuda_penalty_launch (one thread per entry: the entries are distinct logits),
- *   kern_cuda_token_mask_launch (a row of CTAs per mask), kern_cuda_logprobs_launch (a block per
+ *   kern_cuda_logprobs_launch (a block per
  *   row: log-sum-exp in double, the token's rank as a count of the logits at or above its own,
  *   the top entries by a radix select over the logits' order keys, ties at the cut by lowest
  *   index, then sorted as the reference's list).
@@ -1331,55 +1330,6 @@ extern "C" pd_status kern_cuda_spec_verify_launch(kern_backend *be, const kern_s
     if (a->n_req <= 0)
         return PD_OK;
     spec_verify_kernel<<<a->n_req, SP_THREADS, 0, c->stream>>>(*a);
-    KERN_CUDA_LAUNCH_CHECK(err);
-    return PD_OK;
-}
-
-/* ---- penalty ---------------------------------------------------------------------------------- */
-
-__global__ void __launch_bounds__(256)
-penalty_kernel(kern_penalty_args a)
-{
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < a.n_entries; i += gridDim.x * blockDim.x) {
-        kern_penalty_entry e = a.e[i];
-        if (e.tok < 0 || e.tok >= a.n || e.row < 0)
-            continue;   /* the engine builds valid entries; the CPU op names a bad one */
-        float *v = a.x + (size_t)e.row * a.ld_x + e.tok;
-        *v = kern_penalize_one(*v, &e);
-    }
-}
-
-extern "C" pd_status kern_cuda_penalty_launch(kern_backend *be, const kern_penalty_args *a, pd_err *err)
-{
-    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
-    int blocks = (a->n_entries + 255) / 256;
-    penalty_kernel<<<blocks < 1024 ? blocks : 1024, 256, 0, c->stream>>>(*a);
-    KERN_CUDA_LAUNCH_CHECK(err);
-    return PD_OK;
-}
-
-/* ---- token mask ------------------------------------------------------------------------------- */
-
-__global__ void __launch_bounds__(256)
-token_mask_kernel(kern_token_mask_args a)
-{
-    int i = blockIdx.y;
-    int row = a.rows[i];
-    if (row < 0)
-        return;   /* the engine builds valid rows; the CPU op names a bad one */
-    float *x = a.x + (size_t)row * a.ld_x;
-    const uint32_t *b = a.bits + (size_t)i * a.words;
-    for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < a.n; t += gridDim.x * blockDim.x)
-        if (!((b[t >> 5] >> (t & 31)) & 1u))
-            x[t] = -INFINITY;
-}
-
-extern "C" pd_status kern_cuda_token_mask_launch(kern_backend *be, const kern_token_mask_args *a, pd_err *err)
-{
-    kern_cuda_ctx *c = kern_cuda_ctx_of(be);
-    int blocks = (a->n + 255) / 256;
-    dim3 grid(blocks < 64 ? blocks : 64, a->n_rows);
-    token_mask_kernel<<<grid, 256, 0, c->stream>>>(*a);
     KERN_CUDA_LAUNCH_CHECK(err);
     return PD_OK;
 }
