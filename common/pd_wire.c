@@ -87,7 +87,9 @@ pd_status pd_wire_chat_in(const Pdspark__GenerateRequest *rq, cJSON **out, pd_er
         }
         if ((str_of(m->tool_call_id)[0] != '\0' &&
              cJSON_AddStringToObject(o, "tool_call_id", m->tool_call_id) == NULL) ||
-            (str_of(m->name)[0] != '\0' && cJSON_AddStringToObject(o, "name", m->name) == NULL))
+            (str_of(m->name)[0] != '\0' && cJSON_AddStringToObject(o, "name", m->name) == NULL) ||
+            (str_of(m->reasoning_content)[0] != '\0' &&
+             cJSON_AddStringToObject(o, "reasoning_content", m->reasoning_content) == NULL))
             goto err_nomem;
     }
     if (str_of(rq->tools_json)[0] != '\0' &&

@@ -45,8 +45,8 @@ static void usage(FILE *f)
             "connection after N chunks (tests). --verify / --verify-threshold pick this request's\n"
             "DSpark verification policy (default: the node's). --chat sends --prompt as a user\n"
             "message (after a --system message), --messages FILE a JSON array of OpenAI chat\n"
-            "messages ({\"role\", \"content\"}, an assistant's \"tool_calls\", a tool's\n"
-            "\"tool_call_id\" and \"name\"); the node renders them with its chat template (the reply\n"
+            "messages ({\"role\", \"content\"}, an assistant's \"tool_calls\" and\n"
+            "\"reasoning_content\", a tool's \"tool_call_id\" and \"name\"); the node renders them with its chat template (the reply\n"
             "is the raw text, <think> included, unless the node splits reasoning off: --json then\n"
             "adds it as \"reasoning\"); --thinking sets enable_thinking. --tools FILE (a JSON array of\n"
             "OpenAI tools) offers the chat tools: the reply's calls are printed as they close, one\n"
@@ -121,8 +121,8 @@ static int chat_from_prompt(chat_turns *t, const char *system_text, const char *
 }
 
 /* --messages FILE: a JSON array of OpenAI chat messages: {"role": string, "content": string
- * (null or absent: ""), "tool_calls": array, "tool_call_id": string, "name": string} (the server
- * checks the roles, the order and the calls) */
+ * (null or absent: ""), "tool_calls": array, "tool_call_id": string, "name": string,
+ * "reasoning_content": string} (the server checks the roles, the order and the calls) */
 static int chat_from_file(chat_turns *t, const char *path)
 {
     char *text = NULL;
@@ -147,13 +147,18 @@ static int chat_from_file(chat_turns *t, const char *path)
         const cJSON *calls = cJSON_GetObjectItemCaseSensitive(m, "tool_calls");
         const cJSON *call_id = cJSON_GetObjectItemCaseSensitive(m, "tool_call_id");
         const cJSON *name = cJSON_GetObjectItemCaseSensitive(m, "name");
+        const cJSON *rs = cJSON_GetObjectItemCaseSensitive(m, "reasoning_content");
         if (!cJSON_IsString(role) || !(cJSON_IsString(content) || content == NULL || cJSON_IsNull(content)) ||
             !(calls == NULL || cJSON_IsNull(calls) || cJSON_IsArray(calls)) ||
-            !(call_id == NULL || cJSON_IsString(call_id)) || !(name == NULL || cJSON_IsString(name))) {
+            !(call_id == NULL || cJSON_IsString(call_id)) || !(name == NULL || cJSON_IsString(name)) ||
+            !(rs == NULL || cJSON_IsNull(rs) || cJSON_IsString(rs))) {
             fprintf(stderr, PROG ": --messages %s: message %d needs a string \"role\" and \"content\" (or null), "
-                    "an array \"tool_calls\", string \"tool_call_id\" and \"name\"\n", path, i);
+                    "an array \"tool_calls\", string \"tool_call_id\", \"name\" and \"reasoning_content\"\n",
+                    path, i);
             return -1;
         }
+        if (cJSON_IsString(rs))
+            t->m[i].reasoning_content = rs->valuestring;
         t->m[i].role = role->valuestring;
         if (cJSON_IsString(content))
             t->m[i].content = content->valuestring;

@@ -299,6 +299,50 @@ static void test_chat_in(void)
         pd_chat_tools_free(&t);
         cJSON_Delete(body);
     }
+    /* an assistant's reasoning (ChatMessage.reasoning_content, the HTTP API's reasoning_content):
+     * a reasoning template renders it for the turn after the last user message */
+    {
+        Pdspark__ChatMessage rm[3], *rmp[3];
+        static const char *const rroles[] = { "user", "assistant", "tool" };
+        static const char *const rcontents[] = { "Weather in Paris?", "", "sunny, 21C" };
+        for (int i = 0; i < 3; i++) {
+            pdspark__chat_message__init(&rm[i]);
+            rm[i].version = PD_PROTO_VERSION;
+            rm[i].role = (char *)rroles[i];
+            rm[i].content = (char *)rcontents[i];
+            rmp[i] = &rm[i];
+        }
+        rm[1].tool_calls_json = CALLS;
+        rm[1].reasoning_content = "The user wants the weather: call get_weather.";
+        rm[2].tool_call_id = "call_1";
+        Pdspark__GenerateRequest rr = PDSPARK__GENERATE_REQUEST__INIT;
+        rr.version = PD_PROTO_VERSION;
+        rr.n_messages = 3;
+        rr.messages = rmp;
+        rr.tools_json = "[" WEATHER "]";
+        cJSON *hb = cJSON_Parse("{\"messages\": [{\"role\": \"user\", \"content\": \"Weather in Paris?\"}, "
+                                "{\"role\": \"assistant\", \"content\": \"\", \"tool_calls\": " CALLS ", "
+                                "\"reasoning_content\": \"The user wants the weather: call get_weather.\"}, "
+                                "{\"role\": \"tool\", \"tool_call_id\": \"call_1\", \"content\": \"sunny, 21C\"}], "
+                                "\"tools\": [" WEATHER "]}");
+        cJSON *gb = NULL;
+        pd_err err = { 0 };
+        TEST_CHECK_MSG(hb != NULL && pd_wire_chat_in(&rr, &gb, &err) == PD_OK, "%s", err.msg);
+        pd_chat_template thk = { .think = 1, .think_switch = 1 };
+        pd_chat_tools tg, th;
+        char *pg = NULL, *ph = NULL;
+        TEST_CHECK(gb != NULL && render_body(&thk, gb, 1, &tg, &pg) == 0 && render_body(&thk, hb, 1, &th, &ph) == 0);
+        TEST_CHECK_MSG(pg != NULL && ph != NULL && strcmp(pg, ph) == 0, "reasoning: gRPC's chat renders\n%s\nHTTP's\n%s",
+                       pg, ph);
+        TEST_CHECK_MSG(pg != NULL && strstr(pg, "<think>\nThe user wants the weather: call get_weather.\n</think>") != NULL,
+                       "the reasoning is not in the prompt:\n%s", pg != NULL ? pg : "");
+        free(pg);
+        free(ph);
+        pd_chat_tools_free(&tg);
+        pd_chat_tools_free(&th);
+        cJSON_Delete(gb);
+        cJSON_Delete(hb);
+    }
     /* malformed fields, each refused naming itself */
     struct { const char *tools, *choice, *calls; uint32_t par, version; const char *needle; } bad[] = {
         { "[" WEATHER, "", NULL, 0, PD_PROTO_VERSION, "tools_json is not valid JSON" },
