@@ -218,6 +218,19 @@ static int render_body(const pd_chat_template *tp, const cJSON *body, int thinki
     return 0;
 }
 
+/* n chat messages of these roles and contents (version set, the rest empty) and their pointers */
+static void chat_msgs(Pdspark__ChatMessage *cm, Pdspark__ChatMessage **cmp, const char *const *roles,
+                      const char *const *contents, int n)
+{
+    for (int i = 0; i < n; i++) {
+        pdspark__chat_message__init(&cm[i]);
+        cm[i].version = PD_PROTO_VERSION;
+        cm[i].role = (char *)roles[i];
+        cm[i].content = (char *)contents[i];
+        cmp[i] = &cm[i];
+    }
+}
+
 static void test_chat_in(void)
 {
     /* a tool round: system, user, the assistant's two calls, their two results, the user again */
@@ -225,13 +238,7 @@ static void test_chat_in(void)
     static const char *const contents[] = { "You are terse.", "Weather in Paris for 3 days, and the time?", "",
                                             "sunny, 21C", "12:00", "Thanks. And Rome?" };
     Pdspark__ChatMessage cm[6], *cmp[6];
-    for (int i = 0; i < 6; i++) {
-        pdspark__chat_message__init(&cm[i]);
-        cm[i].version = PD_PROTO_VERSION;
-        cm[i].role = (char *)roles[i];
-        cm[i].content = (char *)contents[i];
-        cmp[i] = &cm[i];
-    }
+    chat_msgs(cm, cmp, roles, contents, 6);
     cm[2].tool_calls_json = CALLS;
     cm[3].tool_call_id = "call_1";
     cm[3].name = "get_weather";
@@ -305,13 +312,7 @@ static void test_chat_in(void)
         Pdspark__ChatMessage rm[3], *rmp[3];
         static const char *const rroles[] = { "user", "assistant", "tool" };
         static const char *const rcontents[] = { "Weather in Paris?", "", "sunny, 21C" };
-        for (int i = 0; i < 3; i++) {
-            pdspark__chat_message__init(&rm[i]);
-            rm[i].version = PD_PROTO_VERSION;
-            rm[i].role = (char *)rroles[i];
-            rm[i].content = (char *)rcontents[i];
-            rmp[i] = &rm[i];
-        }
+        chat_msgs(rm, rmp, rroles, rcontents, 3);
         rm[1].tool_calls_json = CALLS;
         rm[1].reasoning_content = "The user wants the weather: call get_weather.";
         rm[2].tool_call_id = "call_1";
