@@ -18,7 +18,7 @@
 
 #define KERN_CUDA_CUBLAS_WS_BYTES ((size_t)32 << 20)
 #define KERN_CUDA_CONVERT_CHUNK ((size_t)16 << 20)   /* values per staged chunk */
-#define KERN_CUDA_STAGE_BYTES ((size_t)8 << 20)      /* pinned ring of small uploads */
+#define KERN_CUDA_STAGE_BYTES ((size_t)8 << 20)      /* pinned ring: small uploads, span copies */
 #define KERN_CUDA_STAGE_MAX ((size_t)1 << 20)        /* larger uploads wait for their copy */
 
 /* a batched copy's piece between the ring and device memory (span_copy_kernel) */

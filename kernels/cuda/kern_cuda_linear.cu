@@ -601,8 +601,9 @@ static cudaError_t launch_nt(const sk_params &p, dim3 grid, cudaStream_t s)
         return launch_one<NT, EPI, EPI == KERN_LINEAR_SWIGLU ? 1 : 3, 1>(p, grid, s);
     } else {
         constexpr int D = NT == 2 ? (EPI == KERN_LINEAR_SWIGLU ? 1 : 2) : NT == 4 ? 2 : 1;
-        if (p.xb != NULL && p.r == 2 && EPI != KERN_LINEAR_SWIGLU)
-            return launch_one<NT, EPI, D, 0, 0, 1, EPI != KERN_LINEAR_SWIGLU ? 2 : 1>(p, grid, s);
+        if constexpr (EPI != KERN_LINEAR_SWIGLU)   /* SwiGLU's CTA holds gate and up: R 1 */
+            if (p.xb != NULL && p.r == 2)
+                return launch_one<NT, EPI, D, 0, 0, 1, 2>(p, grid, s);
         if (p.xb != NULL)
             return launch_one<NT, EPI, D, 0, 0, 1>(p, grid, s);
         return launch_one<NT, EPI, D, 0>(p, grid, s);
