@@ -5,7 +5,8 @@
  *   request's chat (messages and tools) made into its prompt and a forced call's grammar the way
  *   the HTTP API makes a chat request's (read as that body by pd_wire_chat_in, then pd_chat and
  *   decode_tools_grammar), and the reply split by pd_chat's parser into text, reasoning and
- *   whole tool calls.
+ *   tool calls: whole ones, or (GenerateRequest.stream_tool_arguments) the parser's pieces as
+ *   ToolCall deltas, as the HTTP API streams them.
  * Not here: scheduling, validation rules (decode_server.c), what a chat's fields must say
  *   (pd_chat.c).
  * Threading: handlers and on-done on the pd_rpc poller thread, on_token/on_done on the engine
@@ -35,7 +36,8 @@
 
 typedef struct gen_group gen_group;
 
-/* A tool call of a choice's reply, gathered until its arguments are whole */
+/* A tool call of a choice's reply: its arguments gathered until they are whole (or, streamed,
+ * the bytes the deltas point into) */
 typedef struct {
     char *name, *args;
     size_t name_len, name_cap, args_len, args_cap;
@@ -72,6 +74,7 @@ struct gen_group {
     char err_msg[sizeof(((pd_err *)0)->msg)];
     int want_ids;
     int want_stats;
+    int stream_args;       /* GenerateRequest.stream_tool_arguments: calls go as deltas */
     char **stop;
     int n_stop;
     gen_ctx ch[];          /* [n] */
@@ -153,14 +156,25 @@ static int pend_add(gen_ctx *c, const char *t, size_t n)
     return pd_buf_append(&c->pend, &c->pend_len, &c->pend_cap, t, n);
 }
 
+/* Streamed: one call's arguments that came with a feed, c->calls[call].args[from..to) */
+typedef struct {
+    int call;
+    int first;             /* the call's first piece is among them: the delta names it */
+    size_t from, to;
+} split_delta;
+
 /* A chat reply split as it is sent: the content and the reasoning certain so far, and the tool
- * calls that became whole */
+ * calls that became whole (or, streamed, the calls' deltas) */
 typedef struct {
     gen_ctx *c;
+    int stream_args;       /* gen_group.stream_args */
     char *text[2];         /* [0] content, [1] reasoning (NULL: none) */
     size_t len[2], cap[2];
     Pdspark__ToolCall *tc, **tcp;   /* [n] the calls (their strings borrowed from c->calls) */
     char (*ids)[PD_CHAT_CALL_ID_SIZE];
+    split_delta *d;        /* streamed: [n_d] the deltas of this feed, in call order */
+    int n_d, cap_d;
+    char *pieces;          /* streamed: the deltas' arguments, each NUL-ended */
     int oom;
 } split_out;
 
@@ -171,6 +185,29 @@ static void split_out_free(split_out *o)
     free(o->tc);
     free(o->tcp);
     free(o->ids);
+    free(o->d);
+    free(o->pieces);
+}
+
+/* Streamed: a piece of call k, args[from..to) of it, joins that call's delta of this feed (the
+ * parser ends a call before the next one begins, so a call's pieces are adjacent) */
+static void split_delta_add(split_out *o, int k, int first, size_t from, size_t to)
+{
+    if (o->n_d > 0 && o->d[o->n_d - 1].call == k) {
+        o->d[o->n_d - 1].to = to;
+        return;
+    }
+    if (o->n_d == o->cap_d) {
+        int cap = o->cap_d > 0 ? 2 * o->cap_d : 4;
+        split_delta *nd = realloc(o->d, (size_t)cap * sizeof(*nd));
+        if (nd == NULL) {
+            o->oom = 1;
+            return;
+        }
+        o->d = nd;
+        o->cap_d = cap;
+    }
+    o->d[o->n_d++] = (split_delta){ .call = k, .first = first, .from = from, .to = to };
 }
 
 static void split_emit(void *ud, const pd_chat_piece *p)
@@ -204,21 +241,70 @@ static void split_emit(void *ud, const pd_chat_piece *p)
         return;
     }
     gen_call *k = &c->calls[c->n_calls - 1];
-    if (pd_buf_append(&k->args, &k->args_len, &k->args_cap, p->args, p->args_len) != 0)
+    size_t from = k->args_len;
+    if (pd_buf_append(&k->args, &k->args_len, &k->args_cap, p->args, p->args_len) != 0) {
         o->oom = 1;
+        return;
+    }
+    if (o->stream_args)
+        split_delta_add(o, c->n_calls - 1, p->first, from, k->args_len);
+}
+
+/* Streamed: o's deltas as m's tool_calls (their strings in o). -1 on NOMEM. */
+static int split_deltas_out(gen_ctx *c, Pdspark__GenerateChunk *m, split_out *o)
+{
+    if (o->n_d == 0)
+        return 0;
+    size_t n = (size_t)o->n_d, bytes = 0;
+    for (size_t i = 0; i < n; i++)
+        bytes += o->d[i].to - o->d[i].from + 1;
+    o->tc = calloc(n, sizeof(*o->tc));
+    o->tcp = calloc(n, sizeof(*o->tcp));
+    o->ids = calloc(n, sizeof(*o->ids));
+    o->pieces = malloc(bytes);
+    if (o->tc == NULL || o->tcp == NULL || o->ids == NULL || o->pieces == NULL)
+        return -1;
+    char *at = o->pieces;
+    for (size_t i = 0; i < n; i++) {
+        const split_delta *d = &o->d[i];
+        const gen_call *k = &c->calls[d->call];
+        Pdspark__ToolCall *t = &o->tc[i];
+        pdspark__tool_call__init(t);
+        t->version = PD_PROTO_VERSION;
+        t->index = (uint32_t)d->call;
+        if (d->first) {   /* later deltas carry the index only, as OpenAI's streamed calls */
+            pd_chat_call_id(m->request_id, (int)c->index, d->call, o->ids[i]);
+            t->id = o->ids[i];
+            t->name = k->name != NULL ? k->name : "";
+        }
+        if (d->to > d->from)   /* an empty first piece may find args still NULL */
+            memcpy(at, k->args + d->from, d->to - d->from);
+        at[d->to - d->from] = '\0';
+        t->arguments_delta = at;
+        at += d->to - d->from + 1;
+        o->tcp[i] = t;
+    }
+    m->n_tool_calls = n;
+    m->tool_calls = o->tcp;
+    return 0;
 }
 
 /* m's text_delta is the reply's next text: m then carries the content certain so far as its
  * text_delta, the reasoning as its reasoning_delta and the calls whose arguments became whole as
- * its tool_calls, all in o (split_out_free after the write). -1 on NOMEM (m unchanged). */
+ * its tool_calls (streamed: the calls' deltas of this text), all in o (split_out_free after the
+ * write). -1 on NOMEM (m unchanged). */
 static int split_chunk(gen_ctx *c, Pdspark__GenerateChunk *m, int final, split_out *o)
 {
     o->c = c;
+    o->stream_args = c->g->stream_args;
     if (pd_buf_append(&c->sent, &c->sent_len, &c->sent_cap, m->text_delta, strlen(m->text_delta)) != 0 ||
         pd_chat_parser_feed(c->cp, c->sent, c->sent_len, final, split_emit, o) != 0 || o->oom)
         return -1;
     int from = c->calls_sent, to = pd_chat_parser_calls_done(c->cp);
-    if (to > from) {
+    if (o->stream_args) {
+        if (split_deltas_out(c, m, o) != 0)
+            return -1;
+    } else if (to > from) {
         size_t n = (size_t)(to - from);
         o->tc = calloc(n, sizeof(*o->tc));
         o->tcp = calloc(n, sizeof(*o->tcp));
@@ -698,6 +784,7 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
     g->n_open = n;
     g->want_ids = rq->return_token_ids;
     g->want_stats = rq->return_stats;
+    g->stream_args = rq->stream_tool_arguments;
     int oom = 0;
     for (int i = 0; i < n; i++) {
         g->ch[i].g = g;

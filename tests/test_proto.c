@@ -1,7 +1,7 @@
 /* test_proto.c - the wire contract: every message carries `uint32 version = 1`, round trips of
  * the messages with the most structure (PrefillRequest with its destination, the final
- * GenerateChunk with its tool calls), the version check helper, malformed bytes failing to
- * unpack, and GenerateRequest's chat (messages with tool calls and results, tools, tool_choice)
+ * GenerateChunk with its tool calls, whole or as stream_tool_arguments deltas), the version
+ * check helper, malformed bytes failing to unpack, and GenerateRequest's chat (messages with tool calls and results, tools, tool_choice)
  * read as the HTTP API's chat body: the same tools and the same rendered prompt, and each
  * malformed field refused by name (pd_wire_chat_in). */
 #include <stdbool.h>
@@ -163,6 +163,60 @@ static void test_chunk_roundtrip(void)
                strcmp(r->tool_calls[0]->id, tc.id) == 0);
     if (r != NULL)
         pdspark__generate_chunk__free_unpacked(r, NULL);
+}
+
+/* stream_tool_arguments: a chunk with a call's first delta (index, id, name, a piece) and a later
+ * delta of another call (index and piece only) round trips, the unset strings read as empty; a
+ * whole call carries no delta; the request flag round trips and is off unless set */
+static void test_tool_deltas(void)
+{
+    Pdspark__GenerateChunk c = PDSPARK__GENERATE_CHUNK__INIT;
+    c.version = PD_PROTO_VERSION;
+    Pdspark__ToolCall d0 = PDSPARK__TOOL_CALL__INIT, d1 = PDSPARK__TOOL_CALL__INIT, *dp[2] = { &d0, &d1 };
+    d0.version = d1.version = PD_PROTO_VERSION;
+    d0.index = 0;
+    d0.arguments_delta = "\"Paris\"}";
+    d1.index = 1;
+    d1.id = "call_0123456789abcdef01234567";
+    d1.name = "now";
+    d1.arguments_delta = "{\"tz\": ";
+    c.n_tool_calls = 2;
+    c.tool_calls = dp;
+    uint8_t buf[256];
+    TEST_CHECK(pdspark__generate_chunk__get_packed_size(&c) <= sizeof(buf));
+    size_t n = pdspark__generate_chunk__pack(&c, buf);
+    Pdspark__GenerateChunk *r = pdspark__generate_chunk__unpack(NULL, n, buf);
+    TEST_CHECK(r != NULL && r->n_tool_calls == 2);
+    if (r != NULL && r->n_tool_calls == 2) {
+        const Pdspark__ToolCall *a = r->tool_calls[0], *b = r->tool_calls[1];
+        TEST_CHECK(a->index == 0 && a->id[0] == '\0' && a->name[0] == '\0' && a->arguments_json[0] == '\0' &&
+                   strcmp(a->arguments_delta, d0.arguments_delta) == 0);
+        TEST_CHECK(b->index == 1 && strcmp(b->id, d1.id) == 0 && strcmp(b->name, "now") == 0 &&
+                   b->arguments_json[0] == '\0' && strcmp(b->arguments_delta, d1.arguments_delta) == 0);
+    }
+    if (r != NULL)
+        pdspark__generate_chunk__free_unpacked(r, NULL);
+    /* a whole call leaves arguments_delta empty (proto3: not on the wire) */
+    Pdspark__ToolCall w = PDSPARK__TOOL_CALL__INIT;
+    w.version = PD_PROTO_VERSION;
+    w.id = d1.id;
+    w.name = "now";
+    w.arguments_json = "{\"tz\": \"UTC\"}";
+    size_t wn = pdspark__tool_call__pack(&w, buf);
+    Pdspark__ToolCall *wr = pdspark__tool_call__unpack(NULL, wn, buf);
+    TEST_CHECK(wr != NULL && wr->arguments_delta[0] == '\0' &&
+               strcmp(wr->arguments_json, w.arguments_json) == 0);
+    if (wr != NULL)
+        pdspark__tool_call__free_unpacked(wr, NULL);
+    Pdspark__GenerateRequest q = PDSPARK__GENERATE_REQUEST__INIT;
+    q.version = PD_PROTO_VERSION;
+    TEST_CHECK(!q.stream_tool_arguments);
+    q.stream_tool_arguments = true;
+    n = pdspark__generate_request__pack(&q, buf);
+    Pdspark__GenerateRequest *qr = pdspark__generate_request__unpack(NULL, n, buf);
+    TEST_CHECK(qr != NULL && qr->stream_tool_arguments);
+    if (qr != NULL)
+        pdspark__generate_request__free_unpacked(qr, NULL);
 }
 
 static void test_version_check(void)
@@ -392,6 +446,7 @@ int main(void)
     test_version_fields();
     test_prefill_roundtrip();
     test_chunk_roundtrip();
+    test_tool_deltas();
     test_version_check();
     test_chat_in();
     TEST_DONE();

@@ -152,6 +152,8 @@ typedef struct {
     uint32_t par_tools;
     int prompt_lp;            /* GenerateRequest.prompt_logprobs, with prompt_top_logprobs: */
     uint32_t prompt_top;
+    int stream_args;          /* GenerateRequest.stream_tool_arguments: calls[] joins the deltas */
+    const char *request_id;   /* GenerateRequest.request_id (NULL: the server's) */
     /* results */
     pd_status st;
     char msg[512];
@@ -165,6 +167,10 @@ typedef struct {
     uint32_t prompt_tokens;   /* the final chunk's usage */
     struct { char id[48], name[64], args[512]; uint32_t index, version; } calls[4];   /* tool calls */
     int n_calls;
+    int deltas;               /* ToolCall messages that came (stream_args: deltas) */
+    int delta_chunks;         /* chunks that carried any */
+    int delta_bad;            /* ToolCall messages that broke their mode's rules (delta_why: the first) */
+    char delta_why[160];
     int plp_n[4];             /* prompt logprobs in the first chunk of choices 0..3 */
     int plp_late;             /* prompt logprobs in any later chunk */
     int plp_bad;              /* entries that broke a rule (plp_why says the first) */
@@ -189,6 +195,64 @@ static void prompt_lps_check(gen_call *g, const Pdspark__GenerateChunk *ck)
             snprintf(g->plp_why, sizeof(g->plp_why), "entry %zu: id %u (prompt %u), logprob %g, rank %u, %zu/%zu top",
                      i, l->token_id, g->ids != NULL && i + 1 < g->n_ids ? g->ids[i + 1] : 0, l->logprob, l->rank,
                      l->n_top_ids, l->n_top_logprobs);
+    }
+}
+
+static void delta_fail(gen_call *g, const char *why, const Pdspark__ToolCall *t)
+{
+    if (g->delta_bad++ == 0)
+        snprintf(g->delta_why, sizeof(g->delta_why), "%s: index %u, id '%s', name '%s', json '%.24s', delta '%.24s'",
+                 why, t->index, t->id, t->name, t->arguments_json, t->arguments_delta);
+}
+
+/* A chunk's ToolCall messages into g->calls. Whole calls (the default): every field set, no
+ * arguments_delta. Deltas (g->stream_args): a call's first names it (id, name) at the next index,
+ * later ones only carry its index and the next piece, which is joined to its arguments; never
+ * arguments_json, at most one per call in a chunk. */
+static void tool_calls_take(gen_call *g, const Pdspark__GenerateChunk *ck)
+{
+    uint32_t in_chunk = 0;   /* bit i: call i had a delta in this chunk */
+    g->delta_chunks += ck->n_tool_calls > 0;
+    for (size_t i = 0; i < ck->n_tool_calls; i++) {
+        const Pdspark__ToolCall *t = ck->tool_calls[i];
+        g->deltas++;
+        if (!g->stream_args) {
+            if (t->arguments_delta[0] != '\0' || t->id[0] == '\0' || t->name[0] == '\0')
+                delta_fail(g, "whole call with a delta or without its id or name", t);
+            if (g->n_calls == 4)
+                continue;
+            snprintf(g->calls[g->n_calls].id, sizeof(g->calls[0].id), "%s", t->id);
+            snprintf(g->calls[g->n_calls].name, sizeof(g->calls[0].name), "%s", t->name);
+            snprintf(g->calls[g->n_calls].args, sizeof(g->calls[0].args), "%s", t->arguments_json);
+            g->calls[g->n_calls].index = t->index;
+            g->calls[g->n_calls].version = t->version;
+            g->n_calls++;
+            continue;
+        }
+        if (t->arguments_json[0] != '\0')
+            delta_fail(g, "a delta with arguments_json", t);
+        if (t->index < 32 && (in_chunk & (1u << t->index)))
+            delta_fail(g, "two deltas of one call in a chunk", t);
+        in_chunk |= t->index < 32 ? 1u << t->index : 0;
+        if (t->id[0] != '\0') {
+            if (t->index != (uint32_t)g->n_calls || t->name[0] == '\0') {
+                delta_fail(g, "a first delta out of order or without a name", t);
+                continue;
+            }
+            if (g->n_calls == 4)
+                continue;
+            snprintf(g->calls[g->n_calls].id, sizeof(g->calls[0].id), "%s", t->id);
+            snprintf(g->calls[g->n_calls].name, sizeof(g->calls[0].name), "%s", t->name);
+            snprintf(g->calls[g->n_calls].args, sizeof(g->calls[0].args), "%s", t->arguments_delta);
+            g->calls[g->n_calls].index = t->index;
+            g->calls[g->n_calls].version = t->version;
+            g->n_calls++;
+        } else if (t->index >= (uint32_t)g->n_calls || t->name[0] != '\0') {
+            delta_fail(g, "a later delta before its first, or naming the call again", t);
+        } else {
+            char *a = g->calls[t->index].args;
+            strncat(a, t->arguments_delta, sizeof(g->calls[0].args) - strlen(a) - 1);
+        }
     }
 }
 
@@ -226,7 +290,11 @@ static void gen_run(pd_rpc_channel *ch, gen_call *g)
     rq.parallel_tool_calls = g->par_tools;
     rq.prompt_logprobs = g->prompt_lp;
     rq.prompt_top_logprobs = g->prompt_top;
+    rq.stream_tool_arguments = g->stream_args;
+    rq.request_id = (char *)(g->request_id != NULL ? g->request_id : "");
     g->n_calls = 0;
+    g->deltas = g->delta_chunks = g->delta_bad = 0;
+    g->delta_why[0] = '\0';
     int seen[4] = {0};
     memset(g->plp_n, 0, sizeof(g->plp_n));
     g->plp_late = g->plp_bad = 0;
@@ -250,14 +318,7 @@ static void gen_run(pd_rpc_channel *ch, gen_call *g)
             g->finals++;
             g->prompt_tokens = ck->usage != NULL ? ck->usage->prompt_tokens : 0;
         }
-        for (size_t i = 0; i < ck->n_tool_calls && g->n_calls < 4; i++, g->n_calls++) {
-            const Pdspark__ToolCall *t = ck->tool_calls[i];
-            snprintf(g->calls[g->n_calls].id, sizeof(g->calls[0].id), "%s", t->id);
-            snprintf(g->calls[g->n_calls].name, sizeof(g->calls[0].name), "%s", t->name);
-            snprintf(g->calls[g->n_calls].args, sizeof(g->calls[0].args), "%s", t->arguments_json);
-            g->calls[g->n_calls].index = t->index;
-            g->calls[g->n_calls].version = t->version;
-        }
+        tool_calls_take(g, ck);
         g->bad_index += ck->index >= (g->n > 1 ? g->n : 1);
         if (ck->index < 4 && !seen[ck->index]++) {
             g->plp_n[ck->index] = (int)ck->n_prompt_logprobs;
@@ -662,7 +723,10 @@ static int weather_args_ok(const char *args)
 
 /* Tool calling over gRPC (decode_node --colocated): tools_json with tool_choice naming a function
  * forces that call, which comes back as a ToolCall (id, name, arguments obeying the schema) with
- * finish reason TOOL_CALLS and no text; "required" forces one of the tools; a multi-turn chat with
+ * finish reason TOOL_CALLS and no text; "required" forces one of the tools; with
+ * stream_tool_arguments the same requests give the calls as deltas (index, id and name first, then
+ * pieces over several chunks) whose pieces join to the whole calls' arguments, and the flag
+ * without tools changes nothing; a multi-turn chat with
  * an assistant's tool_calls turn and tool turns is the prompt the HTTP path renders of the same
  * conversation (same usage and greedy reply as that text sent as the prompt); malformed
  * tools_json / tool_choice, tools without messages and a tool schema that does not compile get
@@ -684,10 +748,13 @@ static void test_services_tools(void)
     q.role = "user";
     q.content = T_QUESTION;
 
-    /* a named function: that call, whole, and no text */
+    /* a named function: that call, whole (one ToolCall, no arguments_delta), and no text */
     gen_call fc = { .max_new = 64, .top_p = 1.0f, .msgs = &qp, .n_msgs = 1, .tools_json = T_TOOLS,
-                    .tool_choice = "{\"type\": \"function\", \"function\": {\"name\": \"get_weather\"}}" };
+                    .tool_choice = "{\"type\": \"function\", \"function\": {\"name\": \"get_weather\"}}",
+                    .request_id = "tools-named" };
     gen_run(ch, &fc);
+    TEST_CHECK_MSG(fc.deltas == 1 && fc.delta_bad == 0, "named tool_choice, whole: %d ToolCall messages, %s",
+                   fc.deltas, fc.delta_why);
     TEST_CHECK_MSG(fc.st == PD_OK && fc.n_calls == 1 && strcmp(fc.calls[0].name, "get_weather") == 0 &&
                    fc.calls[0].index == 0 && fc.calls[0].version == PD_PROTO_VERSION && call_id_ok(fc.calls[0].id) &&
                    weather_args_ok(fc.calls[0].args) && fc.out[0] == '\0' &&
@@ -695,6 +762,48 @@ static void test_services_tools(void)
                    "named tool_choice: %s %s, %d calls, first %s %s(%s), text '%s', finish %d", pd_status_str(fc.st),
                    fc.msg, fc.n_calls, fc.calls[0].id, fc.calls[0].name, fc.calls[0].args, fc.out, fc.finish);
     printf("forced call: %s(%s) %s\n", fc.calls[0].name, fc.calls[0].args, fc.calls[0].id);
+    /* the same request with stream_tool_arguments, and "required" with parallel calls on both
+     * ways: the calls come as deltas over several chunks, index, id and name on each call's first,
+     * and each call's pieces joined are the whole call's arguments (same ids: same request id) */
+    gen_call rw = fc;
+    rw.tool_choice = "required";
+    rw.par_tools = 2;
+    rw.max_new = 96;
+    rw.request_id = "tools-required";
+    gen_run(ch, &rw);
+    TEST_CHECK_MSG(rw.st == PD_OK && rw.n_calls >= 1 && rw.deltas == rw.n_calls && rw.delta_bad == 0,
+                   "required, parallel, whole: %s %s, %d calls in %d messages, %s", pd_status_str(rw.st), rw.msg,
+                   rw.n_calls, rw.deltas, rw.delta_why);
+    const gen_call *whole[] = { &fc, &rw };
+    for (int w = 0; w < 2; w++) {
+        gen_call sd = *whole[w];
+        sd.stream_args = 1;
+        gen_run(ch, &sd);
+        int same = sd.n_calls == whole[w]->n_calls;
+        for (int k = 0; same && k < sd.n_calls; k++)
+            same = sd.calls[k].index == (uint32_t)k && sd.calls[k].version == PD_PROTO_VERSION &&
+                   strcmp(sd.calls[k].id, whole[w]->calls[k].id) == 0 &&
+                   strcmp(sd.calls[k].name, whole[w]->calls[k].name) == 0 &&
+                   strcmp(sd.calls[k].args, whole[w]->calls[k].args) == 0;
+        TEST_CHECK_MSG(sd.st == PD_OK && sd.delta_bad == 0 && same && sd.deltas > sd.n_calls &&
+                       sd.delta_chunks > 1 && strcmp(sd.out, whole[w]->out) == 0 && sd.finish == whole[w]->finish,
+                       "%s, deltas: %s %s, %d calls (whole: %d), first %s %s(%s) vs %s(%s), %d deltas in %d chunks, "
+                       "finish %d (%d), text '%s', %s", w == 0 ? "named" : "required", pd_status_str(sd.st), sd.msg,
+                       sd.n_calls, whole[w]->n_calls, sd.calls[0].id, sd.calls[0].name, sd.calls[0].args,
+                       whole[w]->calls[0].name, whole[w]->calls[0].args, sd.deltas, sd.delta_chunks, sd.finish,
+                       whole[w]->finish, sd.out, sd.delta_why);
+        if (w == 0)
+            printf("streamed call: %d deltas in %d chunks, joined %s\n", sd.deltas, sd.delta_chunks, sd.calls[0].args);
+    }
+    /* the flag without tools changes nothing */
+    gen_call plain = { .max_new = 12, .top_p = 1.0f, .msgs = &qp, .n_msgs = 1 }, plain_s = plain;
+    plain_s.stream_args = 1;
+    gen_run(ch, &plain);
+    gen_run(ch, &plain_s);
+    TEST_CHECK_MSG(plain.st == PD_OK && plain_s.st == PD_OK && plain.out[0] != '\0' &&
+                   strcmp(plain.out, plain_s.out) == 0 && plain_s.deltas == 0 && plain.finish == plain_s.finish,
+                   "stream_tool_arguments without tools: '%s' vs '%s', %d ToolCall messages", plain_s.out, plain.out,
+                   plain_s.deltas);
     /* "required" with parallel_tool_calls off: one call of one of the tools */
     gen_call rc = fc;
     rc.tool_choice = "required";
