@@ -36,7 +36,7 @@ static void usage(FILE *f)
             "                      [--json-object | --json-schema FILE | --choice TEXT... | --regex RE\n"
             "                       | --grammar FILE] [--n N]\n"
             "                      [--tools FILE [--tool-choice auto|none|required|NAME]\n"
-            "                       [--parallel-tool-calls on|off]]\n"
+            "                       [--parallel-tool-calls on|off] [--stream-tool-arguments]]\n"
             "\n"
             "Streams one completion from a decode node. Text is printed as it arrives; --json\n"
             "prints instead one object at the end with the fields of pdspark-generate --json\n"
@@ -53,7 +53,9 @@ static void usage(FILE *f)
             "'[tool call I] NAME ARGUMENTS' line each (--json: \"tool_calls\" as the HTTP API writes\n"
             "them, finish_reason \"tool_calls\"); --tool-choice required forces a call, NAME a call\n"
             "of that function (or give the choice's JSON), none leaves the tools out;\n"
-            "--parallel-tool-calls off allows one call at most. --logprobs N (0..20) asks\n"
+            "--parallel-tool-calls off allows one call at most; --stream-tool-arguments asks for\n"
+            "the calls as deltas (stream_tool_arguments): a call's line is printed as its arguments\n"
+            "arrive, and the deltas are joined into the same \"tool_calls\". --logprobs N (0..20) asks\n"
             "for each token's logprob, its rank (vLLM's: 1 + the other tokens at least as likely)\n"
             "and its N likeliest alternatives: --json then adds \"logprobs\": [{\"id\", \"logprob\",\n"
             "\"rank\", \"top\": [[id, logprob], ...]}, ...]. --prompt-logprobs N (0..20) asks the\n"
@@ -216,7 +218,48 @@ static void print_call(int index, const char *name, const char *args)
     printf("[tool call %d] %s %s\n", index, name, args);
 }
 
-static int acc_add(acc *a, const Pdspark__GenerateChunk *c)
+/* A streamed call's delta (stream_tool_arguments) joined into a->calls: its first (an id) adds the
+ * call, a later one appends its piece to the arguments of the call of its index. -1 on NOMEM, -2
+ * when the delta names no call that came before. */
+static int acc_delta(acc *a, const Pdspark__ToolCall *t)
+{
+    const char *piece = t->arguments_delta != NULL ? t->arguments_delta : "";
+    if (t->id != NULL && t->id[0] != '\0') {
+        if (a->calls == NULL && (a->calls = cJSON_CreateArray()) == NULL)
+            return -1;
+        if (t->index != (uint32_t)cJSON_GetArraySize(a->calls))
+            return -2;   /* a call's index is its place among the calls */
+        cJSON *o = cJSON_CreateObject(), *fn = NULL;
+        if (o == NULL || !cJSON_AddItemToArray(a->calls, o) || cJSON_AddStringToObject(o, "id", t->id) == NULL ||
+            cJSON_AddStringToObject(o, "type", "function") == NULL ||
+            (fn = cJSON_AddObjectToObject(o, "function")) == NULL ||
+            cJSON_AddStringToObject(fn, "name", t->name != NULL ? t->name : "") == NULL ||
+            cJSON_AddStringToObject(fn, "arguments", piece) == NULL)
+            return -1;
+        return 0;
+    }
+    cJSON *o = a->calls != NULL && t->index < (uint32_t)cJSON_GetArraySize(a->calls)
+             ? cJSON_GetArrayItem(a->calls, (int)t->index) : NULL;
+    cJSON *fn = cJSON_GetObjectItemCaseSensitive(o, "function");
+    const cJSON *args = cJSON_GetObjectItemCaseSensitive(fn, "arguments");
+    if (!cJSON_IsString(args))
+        return -2;
+    char *joined = NULL;
+    size_t len = 0, cap = 0;
+    cJSON *js = NULL;
+    if (pd_buf_append(&joined, &len, &cap, args->valuestring, strlen(args->valuestring)) != 0 ||
+        pd_buf_append(&joined, &len, &cap, piece, strlen(piece)) != 0 || (js = cJSON_CreateString(joined != NULL ? joined : "")) == NULL ||
+        !cJSON_ReplaceItemInObjectCaseSensitive(fn, "arguments", js)) {
+        cJSON_Delete(js);
+        free(joined);
+        return -1;
+    }
+    free(joined);
+    return 0;
+}
+
+/* -1 on NOMEM, -2 (deltas) on a delta of no call */
+static int acc_add(acc *a, const Pdspark__GenerateChunk *c, int deltas)
 {
     if (a->n + (int)c->n_token_ids > a->cap) {
         int cap = a->cap ? a->cap : 256;
@@ -235,6 +278,12 @@ static int acc_add(acc *a, const Pdspark__GenerateChunk *c)
         return -1;
     for (size_t i = 0; i < c->n_tool_calls; i++) {
         const Pdspark__ToolCall *t = c->tool_calls[i];
+        if (deltas) {
+            int rc = acc_delta(a, t);
+            if (rc != 0)
+                return rc;
+            continue;
+        }
         if (a->calls == NULL && (a->calls = cJSON_CreateArray()) == NULL)
             return -1;
         cJSON *o = cJSON_CreateObject(), *fn = NULL;
@@ -402,6 +451,7 @@ int main(int argc, char **argv)
     const char *msgs_path = NULL, *tools_path = NULL, *tool_choice = NULL;
     int chat = 0, thinking = 0;   /* thinking: GenerateRequest.enable_thinking */
     int par_tools = 0;            /* GenerateRequest.parallel_tool_calls */
+    int stream_args = 0;          /* GenerateRequest.stream_tool_arguments */
     int max_new = 128, top_k = 0, json = 0, stream = 0, ignore_eos = 0, health = 0, skip_special = 0;
     int disconnect_after = -1, logprobs = -1, prompt_logprobs = -1, n_choices = 1, model_defaults = 0, max_new_set = 0, top_p_set = 0;
     char *stops[16];
@@ -417,7 +467,7 @@ int main(int argc, char **argv)
            O_TMO, O_RID, O_JSON, O_STREAM, O_DISC, O_HEALTH, O_STOP, O_VERIFY, O_VTHRESH, O_LOGPROBS,
            O_PRES, O_FREQ, O_REP, O_BIAS, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_GRAMMAR, O_SKIPSP,
            O_MINP, O_TYPP, O_CHAT, O_SYSTEM, O_THINK, O_MSGS, O_N, O_MODELDEF, O_TOOLS, O_TOOLCH, O_PARTOOLS,
-           O_PROMPTLP, O_HELP };
+           O_PROMPTLP, O_STREAMARGS, O_HELP };
     static const struct option opts[] = {
         {"server", required_argument, 0, O_SERVER}, {"prompt", required_argument, 0, O_PROMPT},
         {"prompt-ids", required_argument, 0, O_IDS}, {"max-new-tokens", required_argument, 0, O_MAXNEW},
@@ -445,6 +495,7 @@ int main(int argc, char **argv)
         {"model-defaults", no_argument, 0, O_MODELDEF},
         {"tools", required_argument, 0, O_TOOLS}, {"tool-choice", required_argument, 0, O_TOOLCH},
         {"parallel-tool-calls", required_argument, 0, O_PARTOOLS},
+        {"stream-tool-arguments", no_argument, 0, O_STREAMARGS},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0},
     };
     opterr = 0;
@@ -487,6 +538,7 @@ int main(int argc, char **argv)
             }
             par_tools = strcmp(optarg, "on") == 0 ? 2 : 1;
             break;
+        case O_STREAMARGS: stream_args = 1; break;
         case O_SEED: bad = pd_cli_parse_i64(PROG, "--seed", optarg, 0, INT64_MAX, &seed); break;
         case O_IGNORE: ignore_eos = 1; break;
         case O_SKIPSP: skip_special = 1; break;
@@ -545,6 +597,10 @@ int main(int argc, char **argv)
     }
     if ((tools_path != NULL || tool_choice != NULL || par_tools != 0) && !chat && msgs_path == NULL) {
         fprintf(stderr, PROG ": --tools, --tool-choice and --parallel-tool-calls need --chat or --messages\n");
+        return 2;
+    }
+    if (stream_args && tools_path == NULL) {
+        fprintf(stderr, PROG ": --stream-tool-arguments needs --tools (it streams their calls)\n");
         return 2;
     }
     if (chat && prompt == NULL) {
@@ -648,6 +704,7 @@ int main(int argc, char **argv)
     rq.tools_json = tools_text != NULL ? tools_text : "";
     rq.tool_choice = choice_json != NULL ? choice_json : "";
     rq.parallel_tool_calls = (uint32_t)par_tools;
+    rq.stream_tool_arguments = stream_args;
     rq.n_prompt_token_ids = (size_t)n_ids;
     rq.prompt_token_ids = uids;
     rq.sampling = &sp;
@@ -680,6 +737,7 @@ int main(int argc, char **argv)
                                       timeout_ms > 0 ? timeout_ms + 1000 : 0, &s, &err);
     int rc = 1;
     int chunks = 0, mid_line = 0;   /* --stream: the text printed last did not end a line */
+    int call_open = 0;              /* --stream with deltas: a call's line awaits more arguments */
     while (st == PD_OK) {
         ProtobufCMessage *m = NULL;
         st = pd_rpc_stream_read(s, &m, &err);
@@ -696,21 +754,38 @@ int main(int argc, char **argv)
             cc->t_first = pd_cli_now_ms();
         lps_json_add(cc->lps, ck->logprobs, ck->n_logprobs);
         lps_json_add(cc->plps, ck->prompt_logprobs, ck->n_prompt_logprobs);
-        if (acc_add(&cc->a, ck) != 0) {
-            st = pd_err_set(&err, PD_ERR_NOMEM, "out of memory");
+        int arc = acc_add(&cc->a, ck, stream_args);
+        if (arc != 0) {
+            st = arc == -1 ? pd_err_set(&err, PD_ERR_NOMEM, "out of memory")
+                           : pd_err_set(&err, PD_ERR_INTERNAL, "a tool call delta of index %u before its first",
+                                        ck->tool_calls[0]->index);
             protobuf_c_message_free_unpacked(m, NULL);
             break;
         }
         if (stream && ck->text_delta != NULL && ck->text_delta[0] != '\0') {
+            if (call_open)   /* the call's line ends where other text begins */
+                fputc('\n', stdout);
+            call_open = 0;
             fputs(ck->text_delta, stdout);
             fflush(stdout);
             mid_line = ck->text_delta[strlen(ck->text_delta) - 1] != '\n';
         }
         for (size_t i = 0; stream && i < ck->n_tool_calls; i++) {
-            if (mid_line)
-                fputc('\n', stdout);
-            mid_line = 0;
-            print_call((int)ck->tool_calls[i]->index, ck->tool_calls[i]->name, ck->tool_calls[i]->arguments_json);
+            const Pdspark__ToolCall *t = ck->tool_calls[i];
+            if (!stream_args || (t->id != NULL && t->id[0] != '\0')) {
+                if (mid_line || call_open)
+                    fputc('\n', stdout);
+                mid_line = call_open = 0;
+            }
+            if (!stream_args) {
+                print_call((int)t->index, t->name, t->arguments_json);
+            } else {
+                /* the whole call's line, written as its pieces come */
+                if (t->id != NULL && t->id[0] != '\0')
+                    printf("[tool call %u] %s ", t->index, t->name);
+                fputs(t->arguments_delta != NULL ? t->arguments_delta : "", stdout);
+                call_open = 1;
+            }
             fflush(stdout);
         }
         chunks++;
@@ -741,6 +816,8 @@ int main(int argc, char **argv)
             goto out;
         }
     if (stream) {
+        if (call_open)
+            fputc('\n', stdout);
         fputc('\n', stdout);
         fflush(stdout);
     }

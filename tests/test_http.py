@@ -420,7 +420,8 @@ def test_grpc_tools(bin_dir, node):
     """Tool calling over gRPC (pdspark-client --tools / --tool-choice / --parallel-tool-calls): a
     call forced by a named function or "required" is the HTTP API's forced call (the same function
     and arguments, finish_reason tool_calls, no text), printed as a '[tool call 0] NAME ARGS' line
-    without --json; a tool round given with --messages (an assistant's tool_calls, a tool's result)
+    without --json; with --stream-tool-arguments (the calls as deltas) the same calls joined, the
+    same printed lines; a tool round given with --messages (an assistant's tool_calls, a tool's result)
     is the prompt the HTTP API renders of it (the prompt tokens of /tokenize, the same greedy
     reply); malformed tools are refused naming tools_json, and the node serves on."""
     client = os.path.join(bin_dir, "pdspark-client")
@@ -449,11 +450,26 @@ def test_grpc_tools(bin_dir, node):
               g.get("text") == "" and all(c.get("type") == "function" and re.fullmatch(r"call_[0-9a-f]{24}", c["id"])
                                           for c in calls),
               "gRPC tool_choice %s: %s == HTTP's %s (%s)" % (arg, calls, want, out.stderr))
+        # the calls as deltas: joined by pdspark-client, the same calls (ids too: same request id)
+        rid = ["--tool-choice", arg, "--json", "--request-id", "grpc-tools-" + arg]
+        outs = [subprocess.run(forced + rid + extra, capture_output=True, text=True, timeout=60)
+                for extra in ([], ["--stream-tool-arguments"])]
+        gs = [json.loads(o.stdout.strip().splitlines()[-1]) if o.returncode == 0 else {} for o in outs]
+        check(gs[0].get("tool_calls") and gs[1].get("tool_calls") == gs[0].get("tool_calls") and
+              [c["function"] for c in gs[1]["tool_calls"]] == want and
+              all(gs[1].get(k) == gs[0].get(k) for k in ("text", "finish_reason", "tokens")),
+              "gRPC tool_choice %s with --stream-tool-arguments: %s, whole %s (%s)" %
+              (arg, gs[1].get("tool_calls"), gs[0].get("tool_calls"), outs[1].stderr))
         if arg == "get_weather" and want:
             out = subprocess.run(forced + ["--tool-choice", arg], capture_output=True, text=True, timeout=60)
             line = "[tool call 0] get_weather %s" % want[0]["arguments"]
             check(out.returncode == 0 and line in out.stdout.splitlines(),
                   "pdspark-client prints the call: %r (%s)" % (out.stdout, out.stderr))
+            out2 = subprocess.run(forced + ["--tool-choice", arg, "--stream-tool-arguments"], capture_output=True,
+                                  text=True, timeout=60)
+            check(out2.returncode == 0 and out2.stdout == out.stdout,
+                  "pdspark-client prints the streamed call as the whole one: %r vs %r (%s)" %
+                  (out2.stdout, out.stdout, out2.stderr))
     # a tool round in the messages: the prompt HTTP renders, the reply HTTP gives
     st, t = post_json(node, "/tokenize", {"messages": hist, "tools": [WEATHER, NOW]})
     st2, h = post_json(node, "/v1/chat/completions", {"messages": hist, "tools": [WEATHER, NOW], "max_tokens": 8,
@@ -477,12 +493,17 @@ def test_grpc_tools(bin_dir, node):
     out = subprocess.run([client, "--server", node.grpc, "--tools", paths["tools"], "--prompt", "x"],
                          capture_output=True, text=True, timeout=60)
     check(out.returncode == 2 and "--tools" in out.stderr, "pdspark-client --tools without a chat: %s" % out.stderr)
+    out = subprocess.run([client, "--server", node.grpc, "--messages", paths["msgs"], "--stream-tool-arguments"],
+                         capture_output=True, text=True, timeout=60)
+    check(out.returncode == 2 and "--stream-tool-arguments needs --tools" in out.stderr,
+          "pdspark-client --stream-tool-arguments without tools: %s" % out.stderr)
     out = subprocess.run(forced + ["--tool-choice", "get_weather", "--json"], capture_output=True, text=True,
                          timeout=60)
     check(out.returncode == 0 and json.loads(out.stdout.strip().splitlines()[-1]).get("finish_reason") == "tool_calls",
           "gRPC tools served after bad ones: %s" % out.stderr)
     shutil.rmtree(tmp, ignore_errors=True)
-    log("gRPC tools: forced calls == HTTP's, a tool round == HTTP's prompt and reply, errors by name")
+    log("gRPC tools: forced calls == HTTP's (whole and as deltas), a tool round == HTTP's prompt and reply, "
+        "errors by name")
 
 
 LP_REF = {}   # prompt -> token_logprobs of the colocated node (the disaggregated test compares)
