@@ -339,10 +339,12 @@ static int do_health(pd_rpc_channel *ch, int64_t timeout_ms)
         return fail(st, &err);
     const Pdspark__HealthReply *r = (const Pdspark__HealthReply *)out;
     printf("{\"serving\":%s,\"node\":\"%s\",\"active_requests\":%u,\"queued_requests\":%u,"
-           "\"free_kv_pages\":%u,\"total_kv_pages\":%u,\"pages_in_use\":%u}\n",
+           "\"free_kv_pages\":%u,\"total_kv_pages\":%u,\"pages_in_use\":%u,\"staging_pages_used\":%u,"
+           "\"staging_pages_total\":%u,\"staging_waits\":%llu}\n",
            r->status == PDSPARK__HEALTH_REPLY__SERVING_STATUS__SERVING_STATUS_SERVING ? "true" : "false",
            r->node, r->active_requests, r->queued_requests, r->free_kv_pages, r->total_kv_pages,
-           r->total_kv_pages - r->free_kv_pages);
+           r->total_kv_pages - r->free_kv_pages, r->staging_pages_used, r->staging_pages_total,
+           (unsigned long long)r->staging_waits);
     protobuf_c_message_free_unpacked(out, NULL);
     return 0;
 }

@@ -879,6 +879,9 @@ static pd_status handle_health(void *ud, const ProtobufCMessage *msg, pd_rpc_cal
     r.queued_requests = (uint32_t)st.queued_requests;
     r.free_kv_pages = (uint32_t)st.free_kv_pages;
     r.total_kv_pages = (uint32_t)st.total_kv_pages;
+    r.staging_pages_used = (uint32_t)st.staging_pages_used;
+    r.staging_pages_total = (uint32_t)st.staging_pages;
+    r.staging_waits = st.staging_waits;
     pd_rpc_reply(call, &r.base);
     return PD_OK;
 }

@@ -152,6 +152,13 @@ def wait_metrics(http, pred, timeout=30.0):
 
 
 STAGED = "pdspark_kv_staging_pages_used"
+
+
+def health(addr):
+    """The node's gRPC Health as pdspark-client --health prints it ({} when that fails)."""
+    r = subprocess.run([f"{BIN}/pdspark-client", "--server", addr, "--health"], capture_output=True,
+                       text=True, timeout=30, env=ENV)
+    return json.loads(r.stdout) if r.returncode == 0 else {}
 CANCELLED = 'pdspark_requests_total{outcome="cancelled"}'
 
 
@@ -164,6 +171,7 @@ def staged(paths, refs):
     then all 20 must give pdspark-generate's tokens and every staging page must come back. Then
     a request cancelled while its Prefill is in flight (the prefill node stopped again): it
     ends at once for its caller, its staging pages stay held until the prefill node answers.
+    gRPC Health reports the pool as /metrics does (pages used and total, waits).
     paths: 22 prompts (20 at once, the cancelled one, one after)."""
     env = {"PD_XFER_FORCE_STAGING": "1"}
     base = [f"{BIN}/decode_node", "--model", TARGET, "--draft", DRAFT, "--listen", "127.0.0.1:0"] + DEV
@@ -186,6 +194,9 @@ def staged(paths, refs):
             m = metrics(http)
             check(m.get("pdspark_kv_staging_pages_total") == 256 and m.get(STAGED) == 0,
                   f"staging pool at start: {m.get('pdspark_kv_staging_pages_total')} pages, {m.get(STAGED)} used")
+            h = health(addr)
+            check(h.get("staging_pages_total") == 256 and h.get("staging_pages_used") == 0 and
+                  h.get("staging_waits") == 0, f"Health at start: {h}")
             n_at_once = len(paths) - 2
             t0 = time.time()
             pn.send_signal(signal.SIGSTOP)
@@ -197,6 +208,12 @@ def staged(paths, refs):
                       m.get("pdspark_kv_staging_waits_total", 0) >= 1,
                       f"staging pool exhausted: {m.get(STAGED)} of 256 pages used, "
                       f"{m.get('pdspark_requests_queued')} queued, {m.get('pdspark_kv_staging_waits_total')} waited")
+                h = health(addr)   # the prefill node is still stopped: nothing moved since
+                check(h.get("staging_pages_total") == 256 and h.get("staging_pages_used") == 256 and
+                      h.get("queued_requests") == 4 and
+                      h.get("staging_waits") == m.get("pdspark_kv_staging_waits_total"),
+                      f"Health with the staging pool exhausted: {h}, /metrics "
+                      f"{m.get('pdspark_kv_staging_waits_total')} waits")
                 pn.send_signal(signal.SIGCONT)
                 stopped = False
                 outs = [f.result() for f in futs]
@@ -206,6 +223,9 @@ def staged(paths, refs):
             m = wait_metrics(http, lambda m: m.get(STAGED) == 0 and m.get("pdspark_kv_pages_used") == 0)
             check(m.get(STAGED) == 0 and m.get("pdspark_kv_pages_used") == 0,
                   f"after the staged run: {m.get(STAGED)} staging pages, {m.get('pdspark_kv_pages_used')} kv pages used")
+            h = health(addr)
+            check(h.get("staging_pages_total") == 256 and h.get("staging_pages_used") == 0 and
+                  h.get("staging_waits", 0) >= 1, f"Health after the staged run: {h}")
             # a cancel while the Prefill is in flight (the prefill node stopped: no reply yet)
             cancelled0 = m.get(CANCELLED, 0)
             pn.send_signal(signal.SIGSTOP)

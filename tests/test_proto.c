@@ -1,7 +1,8 @@
 /* test_proto.c - the wire contract: every message carries `uint32 version = 1`, round trips of
  * the messages with the most structure (PrefillRequest with its destination, the final
- * GenerateChunk with its tool calls, whole or as stream_tool_arguments deltas), the version
- * check helper, malformed bytes failing to unpack, and GenerateRequest's chat (messages with tool calls and results, tools, tool_choice)
+ * GenerateChunk with its tool calls, whole or as stream_tool_arguments deltas), HealthReply's
+ * staging pool fields (0 from a sender that has none), the version check helper, malformed bytes
+ * failing to unpack, and GenerateRequest's chat (messages with tool calls and results, tools, tool_choice)
  * read as the HTTP API's chat body: the same tools and the same rendered prompt, and each
  * malformed field refused by name (pd_wire_chat_in). */
 #include <stdbool.h>
@@ -217,6 +218,33 @@ static void test_tool_deltas(void)
     TEST_CHECK(qr != NULL && qr->stream_tool_arguments);
     if (qr != NULL)
         pdspark__generate_request__free_unpacked(qr, NULL);
+}
+
+/* HealthReply's staging pool: the numbers round trip (waits past 32 bits); a reply with the
+ * older fields only reads 0 of 0 */
+static void test_health_staging(void)
+{
+    Pdspark__HealthReply h = PDSPARK__HEALTH_REPLY__INIT;
+    h.version = PD_PROTO_VERSION;
+    h.status = PDSPARK__HEALTH_REPLY__SERVING_STATUS__SERVING_STATUS_SERVING;
+    h.free_kv_pages = 100;
+    h.total_kv_pages = 400;
+    uint8_t buf[128];
+    size_t n = pdspark__health_reply__pack(&h, buf);
+    Pdspark__HealthReply *r = pdspark__health_reply__unpack(NULL, n, buf);
+    TEST_CHECK(r != NULL && r->total_kv_pages == 400 && r->staging_pages_used == 0 && r->staging_pages_total == 0 &&
+               r->staging_waits == 0);
+    if (r != NULL)
+        pdspark__health_reply__free_unpacked(r, NULL);
+    h.staging_pages_used = 16;
+    h.staging_pages_total = 256;
+    h.staging_waits = 5000000000ull;
+    n = pdspark__health_reply__pack(&h, buf);
+    r = pdspark__health_reply__unpack(NULL, n, buf);
+    TEST_CHECK(r != NULL && r->staging_pages_used == 16 && r->staging_pages_total == 256 &&
+               r->staging_waits == 5000000000ull && r->free_kv_pages == 100);
+    if (r != NULL)
+        pdspark__health_reply__free_unpacked(r, NULL);
 }
 
 static void test_version_check(void)
@@ -447,6 +475,7 @@ int main(void)
     test_prefill_roundtrip();
     test_chunk_roundtrip();
     test_tool_deltas();
+    test_health_staging();
     test_version_check();
     test_chat_in();
     TEST_DONE();

@@ -726,7 +726,7 @@ static int weather_args_ok(const char *args)
  * finish reason TOOL_CALLS and no text; "required" forces one of the tools; with
  * stream_tool_arguments the same requests give the calls as deltas (index, id and name first, then
  * pieces over several chunks) whose pieces join to the whole calls' arguments, and the flag
- * without tools changes nothing; a multi-turn chat with
+ * without tools changes nothing; Health reports no staging pool; a multi-turn chat with
  * an assistant's tool_calls turn and tool turns is the prompt the HTTP path renders of the same
  * conversation (same usage and greedy reply as that text sent as the prompt); malformed
  * tools_json / tool_choice, tools without messages and a tool schema that does not compile get
@@ -804,6 +804,12 @@ static void test_services_tools(void)
                    strcmp(plain.out, plain_s.out) == 0 && plain_s.deltas == 0 && plain.finish == plain_s.finish,
                    "stream_tool_arguments without tools: '%s' vs '%s', %d ToolCall messages", plain_s.out, plain.out,
                    plain_s.deltas);
+    /* a colocated node has no KV staging pool: Health says 0 of 0 */
+    Pdspark__HealthReply hh = PDSPARK__HEALTH_REPLY__INIT;
+    TEST_CHECK_MSG(health(ch, &hh) == 0 && hh.staging_pages_total == 0 && hh.staging_pages_used == 0 &&
+                   hh.staging_waits == 0 && hh.total_kv_pages > 0,
+                   "colocated Health: staging %u of %u pages, %llu waits", hh.staging_pages_used,
+                   hh.staging_pages_total, (unsigned long long)hh.staging_waits);
     /* "required" with parallel_tool_calls off: one call of one of the tools */
     gen_call rc = fc;
     rc.tool_choice = "required";
@@ -1523,6 +1529,11 @@ static void test_services_lifecycle(void)
     uint32_t baseline = h.free_kv_pages;
     TEST_CHECK_MSG(h.total_kv_pages == 400 && baseline == 400, "baseline %u of %u pages free",
                    baseline, h.total_kv_pages);
+    /* prefill nodes put into the (host) KV pool directly: no staging pool (test_e2e.py's staged
+     * run checks one that exists) */
+    TEST_CHECK_MSG(h.staging_pages_total == 0 && h.staging_pages_used == 0 && h.staging_waits == 0,
+                   "disaggregated Health without staging: %u of %u staging pages", h.staging_pages_used,
+                   h.staging_pages_total);
 
     /* a client that disconnects mid-stream */
     gen_call g1 = { .max_new = 1500, .ignore_eos = 1, .top_p = 1.0f, .disconnect_after = 3 };
