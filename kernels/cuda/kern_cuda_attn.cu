@@ -444,24 +444,6 @@ static __device__ __forceinline__ int tc_swz(int r, int c, int hd)
     return r * hd + ((c ^ (r & 7)) << 3);
 }
 
-static __device__ __forceinline__ void tc_cp_async16(void *dst, const void *src, bool valid)
-{
-    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    int n = valid ? 16 : 0;   /* src-size 0: the 16 bytes are zero-filled, nothing is read */
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(n));
-}
-
-static __device__ __forceinline__ void tc_cp_commit()
-{
-    asm volatile("cp.async.commit_group;\n" ::);
-}
-
-template <int N>
-static __device__ __forceinline__ void tc_cp_wait()
-{
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 static __device__ __forceinline__ void tc_ldsm_x4(unsigned (&r)[4], const void *p)
 {
     unsigned a = (unsigned)__cvta_generic_to_shared(p);
@@ -645,20 +627,20 @@ attn_tc_kernel(attn_params p)
                     off = slot * krow + (size_t)kvh * HD + c * 8;
                 }
                 int so = stage * BN * HD + tc_swz(r, c, HD);
-                tc_cp_async16(&k_s[so], kc + off, ok);
-                tc_cp_async16(&v_s[so], vc + off, ok);
+                kern_cuda_cp_async16(&k_s[so], kc + off, ok);
+                kern_cuda_cp_async16(&v_s[so], vc + off, ok);
             }
         };
 
         if (kb < ke)
             load_tile(kb, 0);
-        tc_cp_commit();
+        kern_cuda_cp_commit();
         for (int j0 = kb, it = 0; j0 < ke; j0 += BN, it++) {
             const int st = it & 1;
             if (j0 + BN < ke)
                 load_tile(j0 + BN, st ^ 1);
-            tc_cp_commit();
-            tc_cp_wait<1>();   /* everything but the group just committed: tile j0 is here */
+            kern_cuda_cp_commit();
+            kern_cuda_cp_wait<1>();   /* everything but the group just committed: tile j0 is here */
             __syncthreads();
             const __nv_bfloat16 *ks = k_s + st * BN * HD, *vs = v_s + st * BN * HD;
             {
@@ -1032,8 +1014,8 @@ attn_inv_kernel(attn_params p)
                     off = slot * krow + (size_t)kvh * HD + c * 8;
                 }
                 const int so = stage * INV_BN * HD + tc_swz(r, c, HD);
-                tc_cp_async16(&k_s[so], kc + off, ok);
-                tc_cp_async16(&v_s[so], vc + off, ok);
+                kern_cuda_cp_async16(&k_s[so], kc + off, ok);
+                kern_cuda_cp_async16(&v_s[so], vc + off, ok);
             }
         };
 
@@ -1047,7 +1029,7 @@ attn_inv_kernel(attn_params p)
         int jc = next_tile(0);
         if (jc != INT_MAX)
             load_tile(jc, 0);
-        tc_cp_commit();
+        kern_cuda_cp_commit();
         int jpre = INT_MAX;   /* the second tile when it was loaded here, into stage 1 */
         if (!q_ready) {
             /* keys below len - n_new of each row were stored before the previous kernel, so the
@@ -1059,19 +1041,19 @@ attn_inv_kernel(attn_params p)
                 if (jpre != INT_MAX)
                     load_tile(jpre, 1);
             }
-            tc_cp_commit();
+            kern_cuda_cp_commit();
             int nl = INT_MAX;
             if (tid < INV_ROWS && seq_s[tid] == cur)
                 nl = max(len_s[tid] - p.n_new, 0);
             const int new_lo = inv_block_min(nl, red_s);
             kern_cuda_pdl_wait_prev();
             KT_WAITED;
-            tc_cp_wait<0>();
+            kern_cuda_cp_wait<0>();
             if (jc != INT_MAX && jc + INV_BN > new_lo)
                 load_tile(jc, 0, new_lo);
             if (jpre != INT_MAX && jpre + INV_BN > new_lo)
                 load_tile(jpre, 1, new_lo);
-            tc_cp_commit();
+            kern_cuda_cp_commit();
             load_q();
             __syncthreads();
             frag_q();
@@ -1131,8 +1113,8 @@ attn_inv_kernel(attn_params p)
                 if (jn != INT_MAX)
                     load_tile(jn, st ^ 1);
             }
-            tc_cp_commit();
-            tc_cp_wait<1>();   /* everything but the group just committed: tile jc is here */
+            kern_cuda_cp_commit();
+            kern_cuda_cp_wait<1>();   /* everything but the group just committed: tile jc is here */
             __syncthreads();
             if (coop) {
                 /* one m-tile, four warps: warp w forms the scores of keys 16w..16w+15 (the
@@ -1318,7 +1300,7 @@ attn_inv_kernel(attn_params p)
     /* a CTA with no rows never waited above, and must before it writes */
     kern_cuda_pdl_wait_prev();
     KT_WAITED;
-    tc_cp_wait<0>();
+    kern_cuda_cp_wait<0>();
     /* Merge. Counter mode: arrive; the last CTA of this column merges every item (the fences
      * make every CTA's partials visible before its arrival is counted, and the counted arrivals
      * before the reads). Cluster mode: the cluster barrier publishes each CTA's partials in its

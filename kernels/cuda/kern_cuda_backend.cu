@@ -553,6 +553,10 @@ static pd_status ctx_init(kern_cuda_ctx *c, int device, pd_err *err)
     const char *skr = getenv("PD_SK_R");
     c->sk_r = skr != NULL && atoi(skr) == 1 ? 1 : 2;
     c->sk_chunk_major = env_on("PD_SK_CHUNK_MAJOR");
+    const char *stm = getenv("PD_SK_TILED_MIN");
+    c->sk_tiled_min = stm != NULL ? atoi(stm) : 24;
+    const char *sta = getenv("PD_SK_TILED_ANY");
+    c->sk_tiled_any = sta != NULL && atoi(sta) == 1;
     const char *skt = getenv("PD_SK_MAX_TILES");
     int mt = skt != NULL ? atoi(skt) : 8;
     c->sk_max_tiles = mt == 2 || mt == 4 ? mt : 8;

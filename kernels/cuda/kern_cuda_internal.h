@@ -79,6 +79,12 @@ typedef struct kern_cuda_ctx {
                                   GEMM's XB form at >= 4 x tiles (kern_cuda_linear.cu) */
     int sk_max_tiles;          /* 8-row x tiles per chunk of the skinny GEMM (2, 4 or 8):
                                   PD_SK_MAX_TILES at creation, 8 without it */
+    int sk_tiled_min;          /* rows from which a batch-invariant product may run the tiled
+                                  form (sk_tiled_kernel, same bits; tiled_wanted): PD_SK_TILED_MIN
+                                  at creation (0: never), 24 without it */
+    int sk_tiled_any;          /* PD_SK_TILED_ANY=1 at creation: the tiled form from sk_tiled_min
+                                  rows whatever the K split */
+    int sk_tiled_smem;         /* bit e: sk_tiled_kernel<e>'s shared-memory limit raised */
     int sk_chunk_major;        /* 1 unless PD_SK_CHUNK_MAJOR=0 at creation: a skinny GEMM of
                                   several 64-row chunks runs a tile's chunks side by side */
     int probs_setup;           /* probs/sample kernels: limits asked on this device (kern_cuda_sample.cu,
@@ -233,6 +239,40 @@ static inline cudaLaunchConfig_t kern_cuda_pdl_cfg(cudaStream_t s, dim3 grid, di
     cfg.attrs = at;
     cfg.numAttrs = pdl ? 1 : 0;
     return cfg;
+}
+
+/* 16 bytes global -> shared by cp.async (L2 only; dst a generic pointer, or for ..16s a shared
+ * address); !valid: zero-filled, nothing read (src must still be a mapped address). Completion
+ * by commit groups: kern_cuda_cp_wait<N> returns once at
+ * most N of this thread's committed groups are still in flight. */
+static __device__ __forceinline__ void kern_cuda_cp_async16s(unsigned dst, const void *src, bool valid)
+{
+    int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+
+static __device__ __forceinline__ void kern_cuda_cp_async16(void *dst, const void *src, bool valid)
+{
+    kern_cuda_cp_async16s((unsigned)__cvta_generic_to_shared(dst), src, valid);
+}
+
+/* 16 bytes from a shared-memory address (as __cvta_generic_to_shared makes it) */
+static __device__ __forceinline__ uint4 kern_cuda_lds16(unsigned a)
+{
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+    return v;
+}
+
+static __device__ __forceinline__ void kern_cuda_cp_commit()
+{
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+
+template <int N>
+static __device__ __forceinline__ void kern_cuda_cp_wait()
+{
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 /* kern<<<grid, block, smem, s>>>(args...), a programmatic dependent launch when pdl != 0 */

@@ -90,6 +90,15 @@ typedef struct {
     const float *xss;                        /* XB form with a norm: [m][warps] sums of squares */
     int r;                                   /* XB form: W tiles per CTA (1, 2; not SwiGLU) */
     int chunk_major;                         /* grid (chunks, tiles) instead of (tiles, chunks) */
+    /* the tiled form (sk_tiled_kernel) */
+    int fb0[KERN_LINEAR_MAX_W + 1];          /* first block of weight i (TL_ROWS rows; SwiGLU
+                                              * half of gate, half of up); fb0[n_w] = all */
+    int pc0[KERN_LINEAR_MAX_W];              /* first column of weight i's sums in part */
+    int np;                                  /* columns of part (SwiGLU: gate's, then up's) */
+    int nch;                                 /* TL_CHUNK-row chunks */
+    int tl_all;                              /* 1: a CTA runs every split of its block and stores
+                                              * y; 0: two splits, their sums to part */
+    float *part;                             /* tl_all 0: [warps][m][np] each split's sums */
 } sk_params;
 
 static __device__ __forceinline__ uint4 ld_stream(const __nv_bfloat16 *p)
@@ -117,6 +126,38 @@ static __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi)
 }
 
 static __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
+
+/* 1/rms of a row from its sum of squares (the warps' sums added in warp order) */
+static __device__ __forceinline__ float sk_inv(const sk_params &p, float s2)
+{
+    return rsqrtf(s2 / (float)p.k + p.eps);
+}
+
+/* One output element of weight wi: v (and SwiGLU's gate) the K split's sums added in split
+ * order, inv the row's 1/rms (1 without a norm). Both forms of the product end here, so their
+ * epilogues are the same operations; the products are __fmul_rn so that no compiler contracts
+ * one into an add in one form and not in the other. */
+template <int EPI>
+static __device__ __forceinline__ void sk_out(const sk_params &p, int wi, int row, int feat, float v,
+                                              float gate, float inv)
+{
+    float *yo = p.y[wi] + (size_t)row * p.ld_y[wi] + feat;
+    const float vi = __fmul_rn(v, inv);
+    float out;
+    if (EPI == KERN_LINEAR_SWIGLU && p.rnd) {
+        float gv = kern_cuda_rnd(__fmul_rn(gate, inv), 1);
+        out = kern_cuda_rnd(kern_cuda_rnd(silu_f(gv), 1) * kern_cuda_rnd(vi, 1), 1);
+    } else if (EPI == KERN_LINEAR_SWIGLU) {
+        out = silu_f(__fmul_rn(gate, inv)) * vi;
+    } else if (EPI == KERN_LINEAR_ACCUMULATE) {
+        out = kern_cuda_rnd(*yo + kern_cuda_rnd(vi, p.rnd), p.rnd);
+    } else {
+        out = kern_cuda_rnd(vi, p.rnd);
+    }
+    *yo = out;
+    if (p.tee != NULL)
+        p.tee[(size_t)row * p.ld_tee + feat] = out;
+}
 
 /* A lane's 16 k of a step: [kk, kk + 8) and [kk + 32, kk + 40), kk = 64 s + 8 t, so the four
  * lanes of a row read 64 contiguous bytes per load (whole sectors). Zero past k (k % 8 == 0). */
@@ -233,12 +274,23 @@ static __device__ __forceinline__ void mma_step(float *acc, const wfrag &ra, con
  * warp w of the skinny kernel would find for the row: lane t of it adds x^2 over k = 64 s + 8 t
  * + {0..7, 32..39} for its steps s = w, w + W, ... in order (build_half's fmaf chain), then the
  * xor butterfly over the row's 4 lanes - the same operations in the same order, so the same
- * bits. Thread w * 4 + t of warp 0 runs lane t of warp w (W <= 8: 32 threads). */
+ * bits. Thread w * 4 + t of warp 0 runs lane t of warp w (W <= 8: 32 threads); the row's x is
+ * kept in shared memory for it where it fits (XP_SMEM_MAX), so the chain waits on no global
+ * load (the row read again from the L2 step by step took ~2 us of a ~6 us prologue, H100). */
+#define XP_SMEM_MAX (48 * 1024)
+
+static __host__ __device__ bool xpack_smem(const sk_params &p)
+{
+    return p.norm != NULL && (size_t)p.k * sizeof(float) <= XP_SMEM_MAX;
+}
+
 __global__ void __launch_bounds__(256) sk_xpack_kernel(sk_params p)
 {
+    extern __shared__ float xp_row[];   /* [k] when xpack_smem */
     kern_cuda_pdl_wait_prev();
     kern_cuda_pdl_launch_next();
     const int row = blockIdx.x;
+    const bool keep = xpack_smem(p);
     const float *xr = p.x + (size_t)row * p.ld_x;
     __nv_bfloat16 *out = (__nv_bfloat16 *)p.xb + (size_t)row * p.ld_xb;
     for (int k0 = (int)threadIdx.x * 8; k0 < p.ld_xb; k0 += (int)blockDim.x * 8) {
@@ -248,12 +300,20 @@ __global__ void __launch_bounds__(256) sk_xpack_kernel(sk_params p)
         uint4 gr = make_uint4(0, 0, 0, 0);
         if (p.norm != NULL && p.norm_bf16 && in)
             gr = __ldg((const uint4 *)((const __nv_bfloat16 *)p.norm + k0));
+        if (keep && in) {
+            *(float4 *)(xp_row + k0) = v0;
+            *(float4 *)(xp_row + k0 + 4) = v1;
+        }
         uint32_t b[4];
         float ss = 0.0f;
         build_half(p, v0, v1, gr, k0, b, ss);
         *(uint4 *)(out + k0) = make_uint4(b[0], b[1], b[2], b[3]);
     }
-    if (p.norm == NULL || threadIdx.x >= 32)
+    if (p.norm == NULL)
+        return;
+    if (keep)
+        __syncthreads();
+    if (threadIdx.x >= 32)
         return;
     const int w = (int)threadIdx.x >> 2, t = (int)threadIdx.x & 3, W = p.warps;
     const int nsteps = (p.k + SK_STEP - 1) / SK_STEP;
@@ -261,10 +321,28 @@ __global__ void __launch_bounds__(256) sk_xpack_kernel(sk_params p)
     if (w < W)
         for (int s0 = w; s0 < nsteps; s0 += W) {
             int kk = s0 * SK_STEP + t * 8;
-            xraw r;
-            load_xraw(p, xr, kk, r);
-            uint32_t b[8];
-            build_b(p, r, kk, b, ss);
+            if (keep) {
+                /* build_half's chain: the 8 x of [kk, kk + 8), then of [kk + 32, kk + 40); zero
+                 * past k */
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int k0 = kk + 32 * h;
+                    float4 a = make_float4(0.f, 0.f, 0.f, 0.f), c = a;
+                    if (k0 < p.k) {
+                        a = *(const float4 *)(xp_row + k0);
+                        c = *(const float4 *)(xp_row + k0 + 4);
+                    }
+                    const float v[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+#pragma unroll
+                    for (int i = 0; i < 8; i++)
+                        ss = fmaf(v[i], v[i], ss);
+                }
+            } else {
+                xraw r;
+                load_xraw(p, xr, kk, r);
+                uint32_t b[8];
+                build_b(p, r, kk, b, ss);
+            }
         }
     ss += __shfl_xor_sync(0xffffffffu, ss, 1);
     ss += __shfl_xor_sync(0xffffffffu, ss, 2);
@@ -502,26 +580,299 @@ skinny_kernel(sk_params p)
                 float s2 = 0.0f;
                 for (int w = 0; w < W; w++)
                     s2 += part[w][r];
-                inv = rsqrtf(s2 / (float)p.k + p.eps);
+                inv = sk_inv(p, s2);
             }
-            float *yo = p.y[wi] + (size_t)(chunk0 + r) * p.ld_y[wi] + feat;
-            float out;
-            if (EPI == KERN_LINEAR_SWIGLU && p.rnd) {
-                float gv = kern_cuda_rnd(gate[e] * inv, 1);
-                out = kern_cuda_rnd(kern_cuda_rnd(silu_f(gv), 1) * kern_cuda_rnd(v * inv, 1), 1);
-            } else if (EPI == KERN_LINEAR_SWIGLU) {
-                out = silu_f(gate[e] * inv) * (v * inv);
-            } else if (EPI == KERN_LINEAR_ACCUMULATE) {
-                out = kern_cuda_rnd(*yo + kern_cuda_rnd(v * inv, p.rnd), p.rnd);
-            } else {
-                out = kern_cuda_rnd(v * inv, p.rnd);
-            }
-            *yo = out;
-            if (p.tee != NULL)
-                p.tee[(size_t)(chunk0 + r) * p.ld_tee + feat] = out;
+            sk_out<EPI>(p, wi, chunk0 + r, feat, v, EPI == KERN_LINEAR_SWIGLU ? gate[e] : 0.0f, inv);
         }
     }
     KT_EMIT(10 + EPI, p.w[0]);
+}
+
+/* ---- the tiled form: many rows -------------------------------------------------------------
+ * From a few 8-row tiles up, skinny_kernel's CTAs each read their x fragments from the L2 (every
+ * CTA all of its chunk's x) and keep them in registers, so a batch of 64 ran at a fraction of
+ * the weight stream. sk_tiled_kernel computes the same sums from shared memory: a CTA takes
+ * TL_ROWS weight rows (four 16-row tiles; SwiGLU two of gate and the same two of up) and a
+ * TL_CHUNK-row chunk of the packed x (sk_xpack_kernel's fragments), and streams the steps of 64
+ * k of both through a TL_STAGES-deep cp.async ring; warp (ft, rh) multiplies tile ft with x
+ * tiles 4 rh .. 4 rh + 3. The arithmetic is skinny_kernel's, operand for operand: lane (g, t)
+ * builds its W and x fragments from the same 16 k of the step (pieces t and t + 4), the four
+ * mmas of a step run in the same order, split w's steps are w, w + W, ... in order on one
+ * accumulator starting at +0, and the splits' sums are added in split order to +0 (W = p.warps,
+ * skinny_warps of the tile count, as there). So every row's bits equal skinny_kernel's for any
+ * batch; `test_kernels --op invariance` compares both forms across batch sizes 1..100.
+ * Splits: a CTA runs two consecutive splits side by side (steps s of both in increasing order,
+ * each on its own accumulators); where that is the whole K split (W <= 2: gate/up, lm_head) it
+ * adds them and stores y itself (tl_all), otherwise every pair writes its sums to part and
+ * sk_tiled_epi_kernel adds the W sums in split order and stores y (ncu, H100, 64 rows: one split
+ * per CTA, in split order, left the warps waiting on their chains of dependent mmas). */
+#define TL_ROWS 64
+#define TL_CHUNK 64
+#define TL_STAGES 4
+#define TL_STAGE_U4 (2 * 64 * 8)            /* a stage: W and x, 64 rows x 8 pieces of 16 bytes */
+#define TL_SMEM (TL_STAGES * TL_STAGE_U4 * 16)
+
+/* a row's piece c (k 8c .. 8c + 7 of the step) in a stage: odd rows swap their halves, so the
+ * eight lanes of a 16-byte load phase (rows g, g + 1, pieces t or t + 4) hit 32 distinct banks */
+static __device__ __forceinline__ int tl_at(int row, int c)
+{
+    return row * 8 + (c ^ ((row & 1) << 2));
+}
+
+/* The CTA's steps: those of its NS consecutive splits w0 .. w0 + NS - 1 (s % W among them), in
+ * increasing order, so a weight row is read front to back; step s goes to accumulator s - base. */
+struct tl_cursor {
+    int base, j;   /* step base + j; base = w0 + W * i */
+};
+
+template <int NS>
+static __device__ __forceinline__ void tl_next(tl_cursor &c, int W)
+{
+    if (++c.j == NS) {
+        c.j = 0;
+        c.base += W;
+    }
+}
+
+/* NS: splits per CTA (1 or 2; p.warps / NS CTAs per block and chunk, tl_all when that is 1),
+ * run side by side on accumulators of their own: twice the independent mma chains per warp
+ * for NS 2 (a chain's mmas wait for each other) and the weights read in order. */
+template <int EPI, int NS>
+__global__ void __launch_bounds__(256, 3) sk_tiled_kernel(sk_params p)
+{
+    extern __shared__ uint4 tl_smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3, ft = warp & 3, rh = warp >> 2;
+    const int W = p.warps, groups = W / NS;
+    int b = (int)blockIdx.x;
+    const int chunk = b % p.nch;
+    b /= p.nch;
+    const int w0 = b % groups * NS, fb = b / groups;
+    int wi = 0;
+#pragma unroll
+    for (int i = 1; i < KERN_LINEAR_MAX_W; i++)
+        if (i < p.n_w && fb >= p.fb0[i])
+            wi = i;
+    constexpr int PER = EPI == KERN_LINEAR_SWIGLU ? TL_ROWS / 2 : TL_ROWS;   /* features per block */
+    const int n = p.n[wi], f0 = (fb - p.fb0[wi]) * PER;
+    const int chunk0 = chunk * TL_CHUNK, rows = p.m - chunk0 < TL_CHUNK ? p.m - chunk0 : TL_CHUNK;
+    const int ntv = (rows + 7) >> 3, nsteps = (p.k + SK_STEP - 1) / SK_STEP;
+
+    /* loads: thread i copies piece i % 8 of rows i / 8 and i / 8 + 32 of W and of x; rows past
+     * n or the chunk, and k past p.k, are zero-filled (x is zero past k already) */
+    const int lr = threadIdx.x >> 3, lc = threadIdx.x & 7;
+    const __nv_bfloat16 *wsrc[2], *xsrc[2];
+    bool wok[2], xok[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int r = lr + 32 * h;
+        const int feat = EPI == KERN_LINEAR_SWIGLU ? f0 + (r & 31) : f0 + r;
+        const __nv_bfloat16 *w = p.w[EPI == KERN_LINEAR_SWIGLU ? h : wi];
+        wok[h] = feat < n;
+        wsrc[h] = w + (size_t)(wok[h] ? feat : 0) * p.k + lc * 8;
+        xok[h] = r < rows;
+        xsrc[h] = p.xb + (size_t)(chunk0 + (xok[h] ? r : 0)) * p.ld_xb + lc * 8;
+    }
+    int T = 0;                                   /* the CTA's steps */
+    for (int j = 0; j < NS; j++)
+        if (w0 + j < nsteps)
+            T += (nsteps - w0 - j + W - 1) / W;
+
+    /* shared addresses, formed once (the loop's integer work otherwise outnumbered its mmas
+     * 20 to 1 and the warps issued most cycles, ncu H100): this thread's copy targets and its
+     * fragments' pieces within a stage, and the stages' base */
+    const unsigned s0 = (unsigned)__cvta_generic_to_shared(tl_smem);
+    constexpr unsigned STAGE = TL_STAGE_U4 * 16, XOFF = 512 * 16;
+    /* rows 8 apart share their swizzle: a fragment row's pieces t and t + 4 sit at fa and fa +
+     * dh (dh = +-64: the odd rows' halves are swapped), row + 8 at +1024, x tile i at +1024 i */
+    const unsigned cw = (unsigned)tl_at(lr, lc) * 16;     /* copies: rows lr and lr + 32 (+4096) */
+    const unsigned fa = (unsigned)tl_at(ft * 16 + g, t) * 16;
+    const unsigned fx = XOFF + (unsigned)tl_at(rh * 32 + g, t) * 16;
+    const int dh = (g & 1) ? -64 : 64;
+    /* step st's copies into the stage at sb: W (zero past n and k) and x (zero past the chunk) */
+    const int kw = p.k - lc * 8;
+    auto copy_w = [&](unsigned sb, int st) {
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+            kern_cuda_cp_async16s(sb + cw + 4096 * h, wsrc[h] + st * SK_STEP, wok[h] && st * SK_STEP < kw);
+    };
+    auto copy_x = [&](unsigned sb, int st) {
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+            kern_cuda_cp_async16s(sb + XOFF + cw + 4096 * h, xsrc[h] + st * SK_STEP, xok[h]);
+    };
+
+    tl_cursor ld = {w0, 0};
+    int first[TL_STAGES - 1];
+    /* the weights never depend on the previous kernel: their first stages before the wait */
+#pragma unroll
+    for (int j = 0; j < TL_STAGES - 1; j++) {
+        first[j] = ld.base + ld.j;
+        if (j < T) {
+            copy_w(s0 + j * STAGE, first[j]);
+            tl_next<NS>(ld, W);
+        }
+    }
+    kern_cuda_cp_commit();
+    if (!p.trigger_late)
+        kern_cuda_pdl_launch_next();
+    kern_cuda_pdl_wait_prev();
+    if (p.trigger_late)
+        kern_cuda_pdl_launch_next();
+#pragma unroll
+    for (int j = 0; j < TL_STAGES - 1; j++) {
+        if (j < T)
+            copy_x(s0 + j * STAGE, first[j]);
+        kern_cuda_cp_commit();
+    }
+
+    float acc[NS][4][4];
+#pragma unroll
+    for (int a = 0; a < NS; a++)
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int r = 0; r < 4; r++)
+                acc[a][i][r] = 0.0f;
+    const int nt_mine = ntv - rh * 4;            /* x tiles of this warp with rows (<= 0: none) */
+    unsigned sc = s0, sl = s0 + (TL_STAGES - 1) * STAGE;   /* stage computed, stage loaded */
+    int acur = 0;                                /* accumulator of the step computed */
+    for (int j = 0; j < T; j++) {
+        kern_cuda_cp_wait<TL_STAGES - 2>();
+        __syncthreads();
+        /* the stage computed last iteration is free again: the step TL_STAGES - 1 ahead into it */
+        if (j + TL_STAGES - 1 < T) {
+            const int st = ld.base + ld.j;
+            copy_w(sl, st);
+            copy_x(sl, st);
+            tl_next<NS>(ld, W);
+        }
+        kern_cuda_cp_commit();
+        sl = sl + STAGE == s0 + TL_STAGES * STAGE ? s0 : sl + STAGE;
+        /* every fragment of the step first, then the mmas */
+        const unsigned pa = sc + fa, px = sc + fx;
+        wfrag wa, wb;
+        wa.lo = kern_cuda_lds16(pa);
+        wa.hi = kern_cuda_lds16(pa + dh);
+        wb.lo = kern_cuda_lds16(pa + 1024);
+        wb.hi = kern_cuda_lds16(pa + dh + 1024);
+        /* x's fragments: all before the mmas with one accumulator set (registers allow it),
+         * tile by tile with two */
+        constexpr bool PRE = NS == 1;
+        uint4 q[4][2];
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            if (PRE && i < nt_mine) {
+                q[i][0] = kern_cuda_lds16(px + 1024 * i);
+                q[i][1] = kern_cuda_lds16(px + dh + 1024 * i);
+            }
+#pragma unroll
+        for (int a = 0; a < NS; a++) {
+            if (a != acur)
+                continue;
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                if (i < nt_mine) {
+                    if (!PRE) {
+                        q[i][0] = kern_cuda_lds16(px + 1024 * i);
+                        q[i][1] = kern_cuda_lds16(px + dh + 1024 * i);
+                    }
+                    const uint32_t bi[8] = {q[i][0].x, q[i][0].y, q[i][0].z, q[i][0].w,
+                                            q[i][1].x, q[i][1].y, q[i][1].z, q[i][1].w};
+                    mma_step(acc[a][i], wa, wb, bi);
+                }
+        }
+        sc = sc + STAGE == s0 + TL_STAGES * STAGE ? s0 : sc + STAGE;
+        acur = NS == 1 || acur == NS - 1 ? 0 : acur + 1;
+    }
+
+    /* accumulator r of x tile i: weight row ft * 16 + g (+ 8 for r >= 2), x row 8 i' + 2 t (+ 1
+     * for odd r) */
+    if (!p.tl_all) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            if (rh * 4 + i >= ntv)
+                continue;
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                const int fl = ft * 16 + g + (r >= 2 ? 8 : 0), xr = (rh * 4 + i) * 8 + 2 * t + (r & 1);
+                const int feat = f0 + (EPI == KERN_LINEAR_SWIGLU ? (fl & 31) : fl);
+                if (xr >= rows || feat >= n)
+                    continue;
+                const int col = EPI == KERN_LINEAR_SWIGLU ? (fl >= 32 ? n : 0) + feat : p.pc0[wi] + feat;
+#pragma unroll
+                for (int a = 0; a < NS; a++)
+                    p.part[((size_t)(w0 + a) * p.m + chunk0 + xr) * p.np + col] = acc[a][i][r];
+            }
+        }
+        return;
+    }
+    kern_cuda_cp_wait<0>();
+    __syncthreads();                             /* the ring's memory holds the sums now */
+    float *tot_s = (float *)tl_smem;             /* [TL_CHUNK][TL_ROWS + 1] */
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const int fl = ft * 16 + g + (r >= 2 ? 8 : 0), xr = (rh * 4 + i) * 8 + 2 * t + (r & 1);
+            float v = 0.0f;                      /* the splits in split order, from +0 */
+#pragma unroll
+            for (int a = 0; a < NS; a++)
+                v += acc[a][i][r];
+            tot_s[xr * (TL_ROWS + 1) + fl] = v;
+        }
+    __syncthreads();
+    for (int e = (int)threadIdx.x; e < rows * PER; e += (int)blockDim.x) {
+        const int r = e / PER, fo = e % PER, feat = f0 + fo;
+        if (feat >= n)
+            continue;
+        float inv = 1.0f;
+        if (p.norm != NULL) {
+            float s2 = 0.0f;
+            for (int w = 0; w < W; w++)
+                s2 += p.xss[(size_t)(chunk0 + r) * W + w];
+            inv = sk_inv(p, s2);
+        }
+        const float *tr = tot_s + r * (TL_ROWS + 1);
+        if (EPI == KERN_LINEAR_SWIGLU)
+            sk_out<EPI>(p, wi, chunk0 + r, feat, tr[32 + fo], tr[fo], inv);
+        else
+            sk_out<EPI>(p, wi, chunk0 + r, feat, tr[fo], 0.0f, inv);
+    }
+}
+
+/* The split form's end: element (row blockIdx.y, output column c) adds the splits' sums in
+ * split order to +0 (SwiGLU: gate's and up's) and stores as skinny_kernel does. It triggers
+ * the next kernel only after its wait, so the early attention after a QKV projection starts
+ * with every kernel before the projection complete (as skinny_kernel's trigger_late). */
+template <int EPI>
+__global__ void __launch_bounds__(256) sk_tiled_epi_kernel(sk_params p)
+{
+    kern_cuda_pdl_wait_prev();
+    kern_cuda_pdl_launch_next();
+    const int row = (int)blockIdx.y, c = (int)(blockIdx.x * blockDim.x + threadIdx.x);
+    const int nout = EPI == KERN_LINEAR_SWIGLU ? p.n[0] : p.np;
+    if (c >= nout)
+        return;
+    int wi = 0;
+#pragma unroll
+    for (int i = 1; i < KERN_LINEAR_MAX_W; i++)
+        if (i < p.n_w && c >= p.pc0[i])
+            wi = i;
+    const int feat = c - p.pc0[wi], W = p.warps;
+    float v = 0.0f, gate = 0.0f, s2 = 0.0f;
+    for (int w = 0; w < W; w++) {
+        const float *pr = p.part + ((size_t)w * p.m + row) * p.np;
+        if (EPI == KERN_LINEAR_SWIGLU) {
+            gate += pr[feat];
+            v += pr[p.n[0] + feat];
+        } else {
+            v += pr[c];
+        }
+        if (p.norm != NULL)
+            s2 += p.xss[(size_t)row * W + w];
+    }
+    sk_out<EPI>(p, wi, row, feat, v, gate, p.norm != NULL ? sk_inv(p, s2) : 1.0f);
 }
 
 KT_TU_SETTER(linear)
@@ -638,6 +989,96 @@ static int skinny_warps(const kern_cuda_ctx *c, int tiles)
     return w;
 }
 
+/* The XB form's operand: sk_xpack_kernel packs x (and each row's per-warp sums of squares) into
+ * scratch, p->xb and p->xss; extra bytes after them for the caller (*extra). */
+static pd_status pack_x(kern_cuda_ctx *c, const kern_linear_args *a, sk_params *p, size_t extra, void **out,
+                        pd_err *err)
+{
+    p->ld_xb = (a->k + SK_STEP - 1) / SK_STEP * SK_STEP;
+    size_t xb_bytes = kern_cuda_align256((size_t)a->m * p->ld_xb * 2);
+    size_t ss_bytes = kern_cuda_align256((size_t)a->m * p->warps * sizeof(float));
+    void *ws = NULL;
+    pd_status st = kern_cuda_ws_get(c, xb_bytes + ss_bytes + extra + 256, &ws, err);
+    if (st != PD_OK)
+        return st;
+    p->xb = (const __nv_bfloat16 *)ws;
+    p->xss = (const float *)((char *)ws + xb_bytes);
+    if (out != NULL)
+        *out = (char *)ws + xb_bytes + ss_bytes;
+    PD_CUDA_TRY(kern_cuda_launch(c->stream, dim3((unsigned)a->m), dim3(256),
+                                 xpack_smem(*p) ? (size_t)a->k * sizeof(float) : 0, 1, sk_xpack_kernel, *p), err);
+    return PD_OK;
+}
+
+template <int EPI>
+static cudaError_t tiled_launch_epi(kern_cuda_ctx *c, const sk_params &p, int blocks)
+{
+    const int ns = p.warps >= 2 ? 2 : 1, bit = 1 << (EPI * 2 + ns - 1);
+    void (*kern)(sk_params) = ns == 2 ? sk_tiled_kernel<EPI, 2> : sk_tiled_kernel<EPI, 1>;
+    if (!(c->sk_tiled_smem & bit)) {
+        cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, TL_SMEM);
+        if (e != cudaSuccess)
+            return e;
+        c->sk_tiled_smem |= bit;
+    }
+    cudaError_t e = kern_cuda_launch(c->stream, dim3((unsigned)blocks), dim3(256), TL_SMEM, 1, kern, p);
+    if (e != cudaSuccess || p.tl_all)
+        return e;
+    const int nout = EPI == KERN_LINEAR_SWIGLU ? p.n[0] : p.np;
+    return kern_cuda_launch(c->stream, dim3((unsigned)((nout + 255) / 256), (unsigned)p.m), dim3(256), 0, 1,
+                            sk_tiled_epi_kernel<EPI>, p);
+}
+
+/* Which form a batch-invariant product of m rows and a K split over W warps takes (the bits are
+ * the same either way). The tiled form wins where a CTA runs all splits (W <= 2: gate/up,
+ * lm_head) from a few tiles of x up; with W = 4 or 8 its CTAs hold split pairs and their sums
+ * go through scratch, which pays only at more rows (H100, Qwen3-4B products: docs/BENCHMARKS.md,
+ * "The tiled form"). PD_SK_TILED_MIN sets the first row count (0: never), PD_SK_TILED_ANY=1
+ * takes it for every W from there. */
+static int tiled_wanted(const kern_cuda_ctx *c, int m, int W)
+{
+    const int m0 = c->sk_tiled_min;
+    if (!c->sk_xpack || m0 <= 0 || m < m0)
+        return 0;
+    return c->sk_tiled_any || W <= 2 || (W == 4 && m >= 2 * m0) || m >= 5 * m0;
+}
+
+/* The tiled form (sk_tiled_kernel) for p, whose weights, outputs and K split skinny_launch has
+ * set: blocks of TL_ROWS weight rows per weight, x packed, and one CTA per block and chunk
+ * when they fill the machine, else one per block, chunk and split (their sums in scratch). */
+static pd_status tiled_launch(kern_cuda_ctx *c, const kern_linear_args *a, sk_params *p, int swiglu, pd_err *err)
+{
+    const int per = swiglu ? TL_ROWS / 2 : TL_ROWS;
+    int blocks = 0, cols = 0;
+    for (int i = 0; i < p->n_w; i++) {
+        p->fb0[i] = blocks;
+        p->pc0[i] = cols;
+        blocks += (p->n[i] + per - 1) / per;
+        cols += p->n[i];
+    }
+    p->fb0[p->n_w] = blocks;
+    p->np = swiglu ? 2 * p->n[0] : cols;
+    p->nch = (a->m + TL_CHUNK - 1) / TL_CHUNK;
+    /* two splits per CTA (one where W is 1): all of them where that is the K split */
+    p->tl_all = p->warps <= 2;
+    size_t part = p->tl_all ? 0 : (size_t)p->warps * a->m * p->np * sizeof(float);
+    void *pp = NULL;
+    pd_status st = pack_x(c, a, p, part, &pp, err);
+    if (st != PD_OK)
+        return st;
+    p->part = (float *)pp;
+    const int ctas = blocks * p->nch * (p->warps >= 2 ? p->warps / 2 : 1);
+    cudaError_t e;
+    switch (a->epilogue) {
+    case KERN_LINEAR_STORE: e = tiled_launch_epi<KERN_LINEAR_STORE>(c, *p, ctas); break;
+    case KERN_LINEAR_ACCUMULATE: e = tiled_launch_epi<KERN_LINEAR_ACCUMULATE>(c, *p, ctas); break;
+    default: e = tiled_launch_epi<KERN_LINEAR_SWIGLU>(c, *p, ctas); break;
+    }
+    PD_CUDA_TRY(e, err);
+    KERN_CUDA_LAUNCH_CHECK(err);
+    return PD_OK;
+}
+
 static pd_status skinny_launch(kern_cuda_ctx *c, const kern_linear_args *a, int rnd, int trigger_late, pd_err *err)
 {
     sk_params p;
@@ -675,18 +1116,14 @@ static pd_status skinny_launch(kern_cuda_ctx *c, const kern_linear_args *a, int 
     while (nt * 8 < rows)
         nt *= 2;
     dim3 grid((unsigned)tiles, (unsigned)((a->m + nt * 8 - 1) / (nt * 8)));
+    if (tiled_wanted(c, a->m, p.warps))
+        return tiled_launch(c, a, &p, swiglu, err);
     if (nt > 1 && c->sk_xpack) {
         /* XB: every CTA reads x as bf16 fragments, a step ahead, instead of f32 x and the norm
          * at use (the CTAs of all tiles read all of x: at 64 rows, 8x the weights' bytes in f32) */
-        p.ld_xb = (a->k + SK_STEP - 1) / SK_STEP * SK_STEP;
-        size_t xb_bytes = kern_cuda_align256((size_t)a->m * p.ld_xb * 2);
-        void *ws = NULL;
-        pd_status st = kern_cuda_ws_get(c, xb_bytes + (size_t)a->m * p.warps * sizeof(float) + 256, &ws, err);
+        pd_status st = pack_x(c, a, &p, 0, NULL, err);
         if (st != PD_OK)
             return st;
-        p.xb = (const __nv_bfloat16 *)ws;
-        p.xss = (const float *)((char *)ws + xb_bytes);
-        PD_CUDA_TRY(kern_cuda_launch(c->stream, dim3((unsigned)a->m), dim3(256), 0, 1, sk_xpack_kernel, p), err);
         /* two tiles of one weight per CTA share x's fragments (half the L2 traffic of x), where
          * every weight's tile count is even */
         p.r = c->sk_r == 2 && !swiglu && nt >= 4 ? 2 : 1;
