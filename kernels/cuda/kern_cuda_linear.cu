@@ -756,31 +756,32 @@ __global__ void __launch_bounds__(256, 3) sk_tiled_kernel(sk_params p)
         wa.hi = kern_cuda_lds16(pa + dh);
         wb.lo = kern_cuda_lds16(pa + 1024);
         wb.hi = kern_cuda_lds16(pa + dh + 1024);
-        /* x's fragments: all before the mmas with one accumulator set (registers allow it),
-         * tile by tile with two */
-        constexpr bool PRE = NS == 1;
-        uint4 q[4][2];
+        /* mma q takes words 2q, 2q + 1 of both W rows (an A fragment made of two loads: four
+         * moves) and of each x tile: so q outside, the x tiles inside, each A fragment made once
+         * per step; x's pieces of k [8t, 8t + 8) (mmas 0, 1), then of [8t + 32, 8t + 40) (2, 3).
+         * Every accumulator still takes its step's mmas in the order 0..3. */
+        const uint32_t *la = (const uint32_t *)&wa, *lb = (const uint32_t *)&wb;
 #pragma unroll
-        for (int i = 0; i < 4; i++)
-            if (PRE && i < nt_mine) {
-                q[i][0] = kern_cuda_lds16(px + 1024 * i);
-                q[i][1] = kern_cuda_lds16(px + dh + 1024 * i);
-            }
-#pragma unroll
-        for (int a = 0; a < NS; a++) {
-            if (a != acur)
-                continue;
+        for (int h = 0; h < 2; h++) {
+            uint4 q[4];
 #pragma unroll
             for (int i = 0; i < 4; i++)
-                if (i < nt_mine) {
-                    if (!PRE) {
-                        q[i][0] = kern_cuda_lds16(px + 1024 * i);
-                        q[i][1] = kern_cuda_lds16(px + dh + 1024 * i);
-                    }
-                    const uint32_t bi[8] = {q[i][0].x, q[i][0].y, q[i][0].z, q[i][0].w,
-                                            q[i][1].x, q[i][1].y, q[i][1].z, q[i][1].w};
-                    mma_step(acc[a][i], wa, wb, bi);
+                if (i < nt_mine)
+                    q[i] = kern_cuda_lds16(px + (h ? dh : 0) + 1024 * i);
+#pragma unroll
+            for (int qq = 0; qq < 2; qq++) {
+                const int qm = 2 * h + qq;
+                const uint32_t a0 = la[2 * qm], a1 = lb[2 * qm], a2 = la[2 * qm + 1], a3 = lb[2 * qm + 1];
+#pragma unroll
+                for (int a = 0; a < NS; a++) {
+                    if (a != acur)
+                        continue;
+#pragma unroll
+                    for (int i = 0; i < 4; i++)
+                        if (i < nt_mine)
+                            mma_bf16(acc[a][i], a0, a1, a2, a3, qq ? q[i].z : q[i].x, qq ? q[i].w : q[i].y);
                 }
+            }
         }
         sc = sc + STAGE == s0 + TL_STAGES * STAGE ? s0 : sc + STAGE;
         acur = NS == 1 || acur == NS - 1 ? 0 : acur + 1;
