@@ -1190,16 +1190,22 @@ static pd_status pr_setup(kern_cuda_ctx *c, pd_err *err)
     return PD_OK;
 }
 
-/* CTAs per row: the most (16, 8, 4, 2) whose clusters all run at once for this many rows, with
- * slices of PR_MIN_SLICE tokens at least; 1 when rows fill the device anyway */
+/* CTAs per row: the most (16, 8, 4) whose clusters all run at once for this many rows, with
+ * slices of PR_MIN_SLICE tokens at least; past that 4, in several waves: at 32-256 rows four
+ * CTAs a row in waves beat two or one in fewer (H100, Qwen3's defaults, V 151936: 32 rows 314.6
+ * against 563.0 us, 64 475.4 / 723.3, 128 795.2 / 1472.4, 256 1425.5 / 2856.7;
+ * docs/BENCHMARKS.md) */
 static int pr_cluster_size(const kern_cuda_ctx *c, int rows, int n)
 {
     if (c->probs_cl_force != 0) {
         int l = __builtin_ctz((unsigned int)c->probs_cl_force);
         return c->probs_cl_max[l] > 0 ? c->probs_cl_force : 1;
     }
-    for (int l = 4; l >= 1; l--)
+    for (int l = 4; l >= 2; l--)
         if (n >= (PR_MIN_SLICE << l) && rows <= c->probs_cl_max[l])
+            return 1 << l;
+    for (int l = 2; l >= 1; l--)
+        if (n >= (PR_MIN_SLICE << l) && c->probs_cl_max[l] > 0)
             return 1 << l;
     return 1;
 }
