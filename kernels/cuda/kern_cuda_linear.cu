@@ -604,8 +604,9 @@ skinny_kernel(sk_params p)
  * Splits: a CTA runs two consecutive splits side by side (steps s of both in increasing order,
  * each on its own accumulators); where that is the whole K split (W <= 2: gate/up, lm_head) it
  * adds them and stores y itself (tl_all), otherwise every pair writes its sums to part and
- * sk_tiled_epi_kernel adds the W sums in split order and stores y (ncu, H100, 64 rows: one split
- * per CTA, in split order, left the warps waiting on their chains of dependent mmas). */
+ * sk_tiled_epi_kernel adds the W sums in split order and stores y. Addresses and A fragments are
+ * formed once per step (ncu, H100: a first form spent 20 integer instructions per mma re-forming
+ * them, and ran at half its present rate). Where it is taken: tiled_wanted. */
 #define TL_ROWS 64
 #define TL_CHUNK 64
 #define TL_STAGES 4
@@ -635,8 +636,8 @@ static __device__ __forceinline__ void tl_next(tl_cursor &c, int W)
 }
 
 /* NS: splits per CTA (1 or 2; p.warps / NS CTAs per block and chunk, tl_all when that is 1),
- * run side by side on accumulators of their own: twice the independent mma chains per warp
- * for NS 2 (a chain's mmas wait for each other) and the weights read in order. */
+ * run side by side on accumulators of their own, so a K split of 2 (gate/up, lm_head) needs no
+ * scratch and every CTA reads its weight rows in order. */
 template <int EPI, int NS>
 __global__ void __launch_bounds__(256, 3) sk_tiled_kernel(sk_params p)
 {
