@@ -1036,11 +1036,17 @@ static cudaError_t tiled_launch_epi(kern_cuda_ctx *c, const sk_params &p, int bl
  * lm_head) from a few tiles of x up; with W = 4 or 8 its CTAs hold split pairs and their sums
  * go through scratch, which pays only at more rows (H100, Qwen3-4B products: docs/BENCHMARKS.md,
  * "The tiled form"). PD_SK_TILED_MIN sets the first row count (0: never), PD_SK_TILED_ANY=1
- * takes it for every W from there. */
-static int tiled_wanted(const kern_cuda_ctx *c, int m, int W)
+ * takes it for every W from there. With W > 2 the splits' sums go through scratch, W x m x cols
+ * floats: past TL_PART_MAX bytes (a verify of many long blocks) the skinny form takes the product,
+ * so the scratch stays bounded. */
+#define TL_PART_MAX ((size_t)128 << 20)
+
+static int tiled_wanted(const kern_cuda_ctx *c, int m, int W, int cols)
 {
     const int m0 = c->sk_tiled_min;
     if (!c->sk_xpack || m0 <= 0 || m < m0)
+        return 0;
+    if (W > 2 && (size_t)W * m * cols * sizeof(float) > TL_PART_MAX)
         return 0;
     return c->sk_tiled_any || W <= 2 || (W == 4 && m >= 2 * m0) || m >= 5 * m0;
 }
@@ -1118,7 +1124,7 @@ static pd_status skinny_launch(kern_cuda_ctx *c, const kern_linear_args *a, int 
     while (nt * 8 < rows)
         nt *= 2;
     dim3 grid((unsigned)tiles, (unsigned)((a->m + nt * 8 - 1) / (nt * 8)));
-    if (tiled_wanted(c, a->m, p.warps))
+    if (tiled_wanted(c, a->m, p.warps, tiles * 16 * (swiglu ? 2 : 1)))
         return tiled_launch(c, a, &p, swiglu, err);
     if (nt > 1 && c->sk_xpack) {
         /* XB: every CTA reads x as bf16 fragments, a step ahead, instead of f32 x and the norm
