@@ -153,6 +153,7 @@ typedef struct {
     int prompt_lp;            /* GenerateRequest.prompt_logprobs, with prompt_top_logprobs: */
     uint32_t prompt_top;
     int stream_args;          /* GenerateRequest.stream_tool_arguments: calls[] joins the deltas */
+    uint32_t calls_choice;    /* the choice (GenerateRequest.n) whose tool calls go to calls[] */
     const char *request_id;   /* GenerateRequest.request_id (NULL: the server's) */
     /* results */
     pd_status st;
@@ -212,6 +213,8 @@ static void delta_fail(gen_call *g, const char *why, const Pdspark__ToolCall *t)
 static void tool_calls_take(gen_call *g, const Pdspark__GenerateChunk *ck)
 {
     uint32_t in_chunk = 0;   /* bit i: call i had a delta in this chunk */
+    if (ck->index != g->calls_choice)
+        return;
     g->delta_chunks += ck->n_tool_calls > 0;
     for (size_t i = 0; i < ck->n_tool_calls; i++) {
         const Pdspark__ToolCall *t = ck->tool_calls[i];
@@ -794,6 +797,24 @@ static void test_services_tools(void)
                        whole[w]->finish, sd.out, sd.delta_why);
         if (w == 0)
             printf("streamed call: %d deltas in %d chunks, joined %s\n", sd.deltas, sd.delta_chunks, sd.calls[0].args);
+    }
+    /* deltas with two choices (greedy: the same reply twice): each choice's deltas join to the
+     * whole call, under a call id of its own */
+    char id0[48] = "";
+    for (uint32_t c = 0; c < 2; c++) {
+        gen_call sn = fc;
+        sn.stream_args = 1;
+        sn.n = 2;
+        sn.calls_choice = c;
+        gen_run(ch, &sn);
+        TEST_CHECK_MSG(sn.st == PD_OK && sn.delta_bad == 0 && sn.n_calls == 1 && sn.finals == 2 &&
+                       sn.calls[0].index == 0 && strcmp(sn.calls[0].name, fc.calls[0].name) == 0 &&
+                       strcmp(sn.calls[0].args, fc.calls[0].args) == 0 && call_id_ok(sn.calls[0].id) &&
+                       strcmp(sn.calls[0].id, id0) != 0 && sn.deltas > 1,
+                       "n 2, choice %u, deltas: %s %s, %d calls, %d finals, %s(%s) id %s (choice 0: %s), %d deltas, %s",
+                       c, pd_status_str(sn.st), sn.msg, sn.n_calls, sn.finals, sn.calls[0].name, sn.calls[0].args,
+                       sn.calls[0].id, id0, sn.deltas, sn.delta_why);
+        snprintf(id0, sizeof(id0), "%s", sn.calls[0].id);
     }
     /* the flag without tools changes nothing */
     gen_call plain = { .max_new = 12, .top_p = 1.0f, .msgs = &qp, .n_msgs = 1 }, plain_s = plain;
