@@ -218,6 +218,21 @@ static void print_call(int index, const char *name, const char *args)
     printf("[tool call %d] %s %s\n", index, name, args);
 }
 
+/* A call appended to a->calls as the HTTP API writes one. -1 on NOMEM. */
+static int acc_call(acc *a, const char *id, const char *name, const char *args)
+{
+    if (a->calls == NULL && (a->calls = cJSON_CreateArray()) == NULL)
+        return -1;
+    cJSON *o = cJSON_CreateObject(), *fn = NULL;
+    if (o == NULL || !cJSON_AddItemToArray(a->calls, o) || cJSON_AddStringToObject(o, "id", id) == NULL ||
+        cJSON_AddStringToObject(o, "type", "function") == NULL ||
+        (fn = cJSON_AddObjectToObject(o, "function")) == NULL ||
+        cJSON_AddStringToObject(fn, "name", name != NULL ? name : "") == NULL ||
+        cJSON_AddStringToObject(fn, "arguments", args != NULL ? args : "") == NULL)
+        return -1;
+    return 0;
+}
+
 /* A streamed call's delta (stream_tool_arguments) joined into a->calls: its first (an id) adds the
  * call, a later one appends its piece to the arguments of the call of its index. -1 on NOMEM, -2
  * when the delta names no call that came before. */
@@ -225,18 +240,9 @@ static int acc_delta(acc *a, const Pdspark__ToolCall *t)
 {
     const char *piece = t->arguments_delta != NULL ? t->arguments_delta : "";
     if (t->id != NULL && t->id[0] != '\0') {
-        if (a->calls == NULL && (a->calls = cJSON_CreateArray()) == NULL)
-            return -1;
-        if (t->index != (uint32_t)cJSON_GetArraySize(a->calls))
+        if (t->index != (uint32_t)(a->calls != NULL ? cJSON_GetArraySize(a->calls) : 0))
             return -2;   /* a call's index is its place among the calls */
-        cJSON *o = cJSON_CreateObject(), *fn = NULL;
-        if (o == NULL || !cJSON_AddItemToArray(a->calls, o) || cJSON_AddStringToObject(o, "id", t->id) == NULL ||
-            cJSON_AddStringToObject(o, "type", "function") == NULL ||
-            (fn = cJSON_AddObjectToObject(o, "function")) == NULL ||
-            cJSON_AddStringToObject(fn, "name", t->name != NULL ? t->name : "") == NULL ||
-            cJSON_AddStringToObject(fn, "arguments", piece) == NULL)
-            return -1;
-        return 0;
+        return acc_call(a, t->id, t->name, piece);
     }
     cJSON *o = a->calls != NULL && t->index < (uint32_t)cJSON_GetArraySize(a->calls)
              ? cJSON_GetArrayItem(a->calls, (int)t->index) : NULL;
@@ -284,14 +290,7 @@ static int acc_add(acc *a, const Pdspark__GenerateChunk *c, int deltas)
                 return rc;
             continue;
         }
-        if (a->calls == NULL && (a->calls = cJSON_CreateArray()) == NULL)
-            return -1;
-        cJSON *o = cJSON_CreateObject(), *fn = NULL;
-        if (o == NULL || !cJSON_AddItemToArray(a->calls, o) || cJSON_AddStringToObject(o, "id", t->id) == NULL ||
-            cJSON_AddStringToObject(o, "type", "function") == NULL ||
-            (fn = cJSON_AddObjectToObject(o, "function")) == NULL ||
-            cJSON_AddStringToObject(fn, "name", t->name) == NULL ||
-            cJSON_AddStringToObject(fn, "arguments", t->arguments_json) == NULL)
+        if (acc_call(a, t->id, t->name, t->arguments_json) != 0)
             return -1;
     }
     return pd_buf_append(&a->text, &a->len, &a->tcap, c->text_delta,

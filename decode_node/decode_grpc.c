@@ -250,6 +250,38 @@ static void split_emit(void *ud, const pd_chat_piece *p)
         split_delta_add(o, c->n_calls - 1, p->first, from, k->args_len);
 }
 
+/* Room in o for n ToolCall messages of m (o->tc, o->tcp, o->ids), set as m's tool_calls. -1 on
+ * NOMEM. */
+static int split_calls_alloc(split_out *o, Pdspark__GenerateChunk *m, size_t n)
+{
+    o->tc = calloc(n, sizeof(*o->tc));
+    o->tcp = calloc(n, sizeof(*o->tcp));
+    o->ids = calloc(n, sizeof(*o->ids));
+    if (o->tc == NULL || o->tcp == NULL || o->ids == NULL)
+        return -1;
+    for (size_t i = 0; i < n; i++)
+        o->tcp[i] = &o->tc[i];
+    m->n_tool_calls = n;
+    m->tool_calls = o->tcp;
+    return 0;
+}
+
+/* o's message i: call k of the choice, named (its id and name) when named */
+static Pdspark__ToolCall *split_call(gen_ctx *c, const Pdspark__GenerateChunk *m, split_out *o, size_t i,
+                                     int k, int named)
+{
+    Pdspark__ToolCall *t = &o->tc[i];
+    pdspark__tool_call__init(t);
+    t->version = PD_PROTO_VERSION;
+    t->index = (uint32_t)k;
+    if (named) {
+        pd_chat_call_id(m->request_id, (int)c->index, k, o->ids[i]);
+        t->id = o->ids[i];
+        t->name = c->calls[k].name != NULL ? c->calls[k].name : "";
+    }
+    return t;
+}
+
 /* Streamed: o's deltas as m's tool_calls (their strings in o). -1 on NOMEM. */
 static int split_deltas_out(gen_ctx *c, Pdspark__GenerateChunk *m, split_out *o)
 {
@@ -258,34 +290,21 @@ static int split_deltas_out(gen_ctx *c, Pdspark__GenerateChunk *m, split_out *o)
     size_t n = (size_t)o->n_d, bytes = 0;
     for (size_t i = 0; i < n; i++)
         bytes += o->d[i].to - o->d[i].from + 1;
-    o->tc = calloc(n, sizeof(*o->tc));
-    o->tcp = calloc(n, sizeof(*o->tcp));
-    o->ids = calloc(n, sizeof(*o->ids));
     o->pieces = malloc(bytes);
-    if (o->tc == NULL || o->tcp == NULL || o->ids == NULL || o->pieces == NULL)
+    if (o->pieces == NULL || split_calls_alloc(o, m, n) != 0)
         return -1;
     char *at = o->pieces;
     for (size_t i = 0; i < n; i++) {
         const split_delta *d = &o->d[i];
         const gen_call *k = &c->calls[d->call];
-        Pdspark__ToolCall *t = &o->tc[i];
-        pdspark__tool_call__init(t);
-        t->version = PD_PROTO_VERSION;
-        t->index = (uint32_t)d->call;
-        if (d->first) {   /* later deltas carry the index only, as OpenAI's streamed calls */
-            pd_chat_call_id(m->request_id, (int)c->index, d->call, o->ids[i]);
-            t->id = o->ids[i];
-            t->name = k->name != NULL ? k->name : "";
-        }
+        /* later deltas carry the index only, as OpenAI's streamed calls */
+        Pdspark__ToolCall *t = split_call(c, m, o, i, d->call, d->first);
         if (d->to > d->from)   /* an empty first piece may find args still NULL */
             memcpy(at, k->args + d->from, d->to - d->from);
         at[d->to - d->from] = '\0';
         t->arguments_delta = at;
         at += d->to - d->from + 1;
-        o->tcp[i] = t;
     }
-    m->n_tool_calls = n;
-    m->tool_calls = o->tcp;
     return 0;
 }
 
@@ -305,25 +324,12 @@ static int split_chunk(gen_ctx *c, Pdspark__GenerateChunk *m, int final, split_o
         if (split_deltas_out(c, m, o) != 0)
             return -1;
     } else if (to > from) {
-        size_t n = (size_t)(to - from);
-        o->tc = calloc(n, sizeof(*o->tc));
-        o->tcp = calloc(n, sizeof(*o->tcp));
-        o->ids = calloc(n, sizeof(*o->ids));
-        if (o->tc == NULL || o->tcp == NULL || o->ids == NULL)
+        if (split_calls_alloc(o, m, (size_t)(to - from)) != 0)
             return -1;
         for (int k = from; k < to; k++) {
-            Pdspark__ToolCall *t = &o->tc[k - from];
-            pdspark__tool_call__init(t);
-            t->version = PD_PROTO_VERSION;
-            pd_chat_call_id(m->request_id, (int)c->index, k, o->ids[k - from]);
-            t->id = o->ids[k - from];
-            t->name = c->calls[k].name != NULL ? c->calls[k].name : "";
+            Pdspark__ToolCall *t = split_call(c, m, o, (size_t)(k - from), k, 1);
             t->arguments_json = c->calls[k].args != NULL ? c->calls[k].args : "";
-            t->index = (uint32_t)k;
-            o->tcp[k - from] = t;
         }
-        m->n_tool_calls = n;
-        m->tool_calls = o->tcp;
         c->calls_sent = to;
     }
     m->text_delta = o->text[0] != NULL ? o->text[0] : "";

@@ -274,23 +274,12 @@ static __device__ __forceinline__ void mma_step(float *acc, const wfrag &ra, con
  * warp w of the skinny kernel would find for the row: lane t of it adds x^2 over k = 64 s + 8 t
  * + {0..7, 32..39} for its steps s = w, w + W, ... in order (build_half's fmaf chain), then the
  * xor butterfly over the row's 4 lanes - the same operations in the same order, so the same
- * bits. Thread w * 4 + t of warp 0 runs lane t of warp w (W <= 8: 32 threads); the row's x is
- * kept in shared memory for it where it fits (XP_SMEM_MAX), so the chain waits on no global
- * load (the row read again from the L2 step by step took ~2 us of a ~6 us prologue, H100). */
-#define XP_SMEM_MAX (48 * 1024)
-
-static __host__ __device__ bool xpack_smem(const sk_params &p)
-{
-    return p.norm != NULL && (size_t)p.k * sizeof(float) <= XP_SMEM_MAX;
-}
-
+ * bits. Thread w * 4 + t of warp 0 runs lane t of warp w (W <= 8: 32 threads). */
 __global__ void __launch_bounds__(256) sk_xpack_kernel(sk_params p)
 {
-    extern __shared__ float xp_row[];   /* [k] when xpack_smem */
     kern_cuda_pdl_wait_prev();
     kern_cuda_pdl_launch_next();
     const int row = blockIdx.x;
-    const bool keep = xpack_smem(p);
     const float *xr = p.x + (size_t)row * p.ld_x;
     __nv_bfloat16 *out = (__nv_bfloat16 *)p.xb + (size_t)row * p.ld_xb;
     for (int k0 = (int)threadIdx.x * 8; k0 < p.ld_xb; k0 += (int)blockDim.x * 8) {
@@ -300,20 +289,12 @@ __global__ void __launch_bounds__(256) sk_xpack_kernel(sk_params p)
         uint4 gr = make_uint4(0, 0, 0, 0);
         if (p.norm != NULL && p.norm_bf16 && in)
             gr = __ldg((const uint4 *)((const __nv_bfloat16 *)p.norm + k0));
-        if (keep && in) {
-            *(float4 *)(xp_row + k0) = v0;
-            *(float4 *)(xp_row + k0 + 4) = v1;
-        }
         uint32_t b[4];
         float ss = 0.0f;
         build_half(p, v0, v1, gr, k0, b, ss);
         *(uint4 *)(out + k0) = make_uint4(b[0], b[1], b[2], b[3]);
     }
-    if (p.norm == NULL)
-        return;
-    if (keep)
-        __syncthreads();
-    if (threadIdx.x >= 32)
+    if (p.norm == NULL || threadIdx.x >= 32)
         return;
     const int w = (int)threadIdx.x >> 2, t = (int)threadIdx.x & 3, W = p.warps;
     const int nsteps = (p.k + SK_STEP - 1) / SK_STEP;
@@ -321,28 +302,10 @@ __global__ void __launch_bounds__(256) sk_xpack_kernel(sk_params p)
     if (w < W)
         for (int s0 = w; s0 < nsteps; s0 += W) {
             int kk = s0 * SK_STEP + t * 8;
-            if (keep) {
-                /* build_half's chain: the 8 x of [kk, kk + 8), then of [kk + 32, kk + 40); zero
-                 * past k */
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int k0 = kk + 32 * h;
-                    float4 a = make_float4(0.f, 0.f, 0.f, 0.f), c = a;
-                    if (k0 < p.k) {
-                        a = *(const float4 *)(xp_row + k0);
-                        c = *(const float4 *)(xp_row + k0 + 4);
-                    }
-                    const float v[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-#pragma unroll
-                    for (int i = 0; i < 8; i++)
-                        ss = fmaf(v[i], v[i], ss);
-                }
-            } else {
-                xraw r;
-                load_xraw(p, xr, kk, r);
-                uint32_t b[8];
-                build_b(p, r, kk, b, ss);
-            }
+            xraw r;
+            load_xraw(p, xr, kk, r);
+            uint32_t b[8];
+            build_b(p, r, kk, b, ss);
         }
     ss += __shfl_xor_sync(0xffffffffu, ss, 1);
     ss += __shfl_xor_sync(0xffffffffu, ss, 2);
@@ -1007,8 +970,7 @@ static pd_status pack_x(kern_cuda_ctx *c, const kern_linear_args *a, sk_params *
     p->xss = (const float *)((char *)ws + xb_bytes);
     if (out != NULL)
         *out = (char *)ws + xb_bytes + ss_bytes;
-    PD_CUDA_TRY(kern_cuda_launch(c->stream, dim3((unsigned)a->m), dim3(256),
-                                 xpack_smem(*p) ? (size_t)a->k * sizeof(float) : 0, 1, sk_xpack_kernel, *p), err);
+    PD_CUDA_TRY(kern_cuda_launch(c->stream, dim3((unsigned)a->m), dim3(256), 0, 1, sk_xpack_kernel, *p), err);
     return PD_OK;
 }
 
