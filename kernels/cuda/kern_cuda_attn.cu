@@ -105,6 +105,8 @@ struct attn_params {
                           * per CTA column, merged through distributed shared memory */
     int coop;            /* attn_inv_kernel: a CTA of one m-tile spreads it over its four warps
                           * (same bits; PD_ATTN_COOP=0 turns it off) */
+    int spc;             /* attn_inv_kernel: key splits per CTA (grid.y = ceil(n_split / spc));
+                          * 1 in a cluster */
     int n_new;           /* attn_inv_kernel: > 0 in a programmatic dependent launch whose previous
                           * kernel stores this round's keys: a row's keys from its length - n_new
                           * on may be new, every earlier one was stored before (0: none early) */
@@ -802,7 +804,8 @@ attn_tc_kernel(attn_params p)
  * prefill chunk alike), so a query's bits are the same whatever batch it is in and whatever path
  * its neighbours take.
  * A CTA of 4 warps takes one kv head (or a chunk of <= 64 of its query heads), QG consecutive
- * query tokens and one key split: its rows are (token, query head) pairs, up to 64, one 16-row
+ * query tokens and one key split (in a large grid spc splits in turn, each with its own state
+ * and partial, the tile pipeline running on across them; attn_inv_launch): its rows are (token, query head) pairs, up to 64, one 16-row
  * m-tile per warp, so each K/V tile is loaded once for the whole GQA group of all QG tokens
  * (decode: 4 rows; verify and draft blocks: as many tokens as fill one m-tile, 16 rows at
  * GQA 4, so the four warps share it; longer chunks: up to 64 rows). Keys come through the page table in
@@ -870,7 +873,7 @@ attn_inv_kernel(attn_params p)
     __nv_bfloat16 *k_s = (__nv_bfloat16 *)inv_smem;   /* [2][BN][HD] */
     __nv_bfloat16 *v_s = k_s + 2 * INV_BN * HD;        /* [2][BN][HD] */
     __nv_bfloat16 *qh_s = v_s + 2 * INV_BN * HD;       /* [rows_pad][HD], hi terms */
-    __shared__ int seq_s[INV_ROWS], len_s[INV_ROWS], rb_s[INV_ROWS], re_s[INV_ROWS];
+    __shared__ int seq_s[INV_ROWS], len_s[INV_ROWS];
     __shared__ int cur_s, last_s, red_s[4];
     __shared__ int ns_s[INV_ROWS];
     __shared__ float w_s[INV_ROWS][ATT_INV_SPLITS], inv_s[INV_ROWS];   /* counter-mode merge */
@@ -884,7 +887,9 @@ attn_inv_kernel(attn_params p)
     const size_t t0 = (size_t)(bx / p.n_kv + p.grp0) * p.qg;
     const int h0 = kvh * p.group + hc * p.hb;
     const int hb = p.hb, n_rows = p.qg * hb, rows_pad = (n_rows + 15) / 16 * 16;
-    const int split = blockIdx.y;
+    /* this CTA's key splits [sp0, sp1): one, or p.spc in turn in a large grid (each its own
+     * partial, as one split per CTA would make it) */
+    const int sp0 = blockIdx.y * p.spc, sp1 = min(sp0 + p.spc, p.n_split);
     __nv_bfloat16 *ql_s = qh_s + rows_pad * HD;          /* [rows_pad][HD], lo terms */
     float *part_s = (float *)(ql_s + rows_pad * HD);        /* cluster: [rows_pad][HD] acc */
     float2 *ml_s = (float2 *)(part_s + rows_pad * HD);      /* cluster: [rows_pad] (max, sum) */
@@ -971,35 +976,47 @@ attn_inv_kernel(attn_params p)
         const int cur = cur_s;
         if (cur < 0)
             break;
-        /* this split's keys [rb, re) of each row of the pass (empty for the other rows) */
-        int rb = 0, re = 0;
-        if (tid < INV_ROWS && seq_s[tid] == cur) {
-            const int len = len_s[tid], ch = attn_inv_chunk(len, ATT_INV_SPLITS);
-            rb = split * ch;
-            re = min(len, rb + ch);
-            re = re > rb ? re : rb;
-        }
-        if (tid < INV_ROWS) {
-            rb_s[tid] = rb;
-            re_s[tid] = re;
-        }
-        /* keys below kmax exist in the sequence's pages; later ones are zero-filled */
-        const int kmax = -inv_block_min(-re, red_s);   /* its barrier publishes rb_s, re_s */
+        /* split sp's keys [rb, re) of row r of the pass (empty for the other rows) */
+        auto row_range = [&](int r, int sp, int &rb, int &re) {
+            rb = re = 0;
+            if (seq_s[r] == cur) {
+                const int len = len_s[r], ch = attn_inv_chunk(len, ATT_INV_SPLITS);
+                rb = sp * ch;
+                re = min(len, rb + ch);
+                re = re > rb ? re : rb;
+            }
+        };
+        /* the pass's tiles, split by split: the first tile at or after j of split sp that some
+         * row of the pass sees, else the first of a later split of this CTA (INT_MAX: none;
+         * split starts are multiples of INV_BN, so the answer is a tile start). spo gets its
+         * split and km its kmax: keys below it exist in the sequence's pages, later ones of
+         * the tile are zero-filled */
+        auto next_pos = [&](int sp, int j, int &spo, int &km) -> int {
+            for (; sp < sp1; sp++, j = 0) {
+                int rb = 0, re = 0;
+                if (tid < INV_ROWS)
+                    row_range(tid, sp, rb, re);
+                const int v = inv_block_min(re > rb && re > j ? max(j, rb) : INT_MAX, red_s);
+                if (v != INT_MAX) {
+                    spo = sp;
+                    km = -inv_block_min(-re, red_s);
+                    return v;
+                }
+            }
+            spo = sp1;
+            km = 0;
+            return INT_MAX;
+        };
+        /* this thread's fragment rows' keys [lo, hi) in split sp */
         int lo[2], hi[2];
+        auto frag_range = [&](int sp) {
 #pragma unroll
-        for (int hf = 0; hf < 2; hf++) {
-            lo[hf] = rb_s[wrow + g + 8 * hf];
-            hi[hf] = re_s[wrow + g + 8 * hf];
-        }
-        /* first tile at or after j that some row of the pass sees (INT_MAX: none); split
-         * starts are multiples of INV_BN, so the answer is a tile start */
-        auto next_tile = [&](int j) {
-            int v = re > rb && re > j ? max(j, rb) : INT_MAX;
-            return inv_block_min(v, red_s);
+            for (int hf = 0; hf < 2; hf++)
+                row_range(wrow + g + 8 * hf, sp, lo[hf], hi[hf]);
         };
         const int32_t *pt = p.page_table + (size_t)cur * p.pt_stride;
         /* tile j0 into stage; only its keys from j_from on when given (the reload above) */
-        auto load_tile = [&](int j0, int stage, int j_from = 0) {
+        auto load_tile = [&](int j0, int stage, int kmax, int j_from = 0) {
             const int c = tid % CH;
 #pragma unroll
             for (int i = 0; i < LD_ITERS; i++) {
@@ -1020,26 +1037,30 @@ attn_inv_kernel(attn_params p)
         };
 
         float m[2], l[2], acc[ND][4];
-        m[0] = m[1] = -INFINITY;
-        l[0] = l[1] = 0.0f;
+        auto reset = [&]() {
+            m[0] = m[1] = -INFINITY;
+            l[0] = l[1] = 0.0f;
 #pragma unroll
-        for (int n = 0; n < ND; n++)
-            acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+            for (int n = 0; n < ND; n++)
+                acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+        };
 
-        int jc = next_tile(0);
+        int sc, kc;   /* the current tile's split and kmax */
+        int jc = next_pos(sp0, 0, sc, kc);
         if (jc != INT_MAX)
-            load_tile(jc, 0);
+            load_tile(jc, 0, kc);
         kern_cuda_cp_commit();
-        int jpre = INT_MAX;   /* the second tile when it was loaded here, into stage 1 */
+        /* the second tile when it was loaded here, into stage 1, its split and kmax */
+        int jpre = INT_MAX, spre = sp1, kpre = 0;
         if (!q_ready) {
             /* keys below len - n_new of each row were stored before the previous kernel, so the
              * pass's first two tiles are loaded before it ends; after the wait, their rows that
              * may hold this round's keys are loaded again (each thread its own rows, once its
              * first copies have landed), then q */
             if (jc != INT_MAX) {
-                jpre = next_tile(jc + INV_BN);
+                jpre = next_pos(sc, jc + INV_BN, spre, kpre);
                 if (jpre != INT_MAX)
-                    load_tile(jpre, 1);
+                    load_tile(jpre, 1, kpre);
             }
             kern_cuda_cp_commit();
             int nl = INT_MAX;
@@ -1050,15 +1071,17 @@ attn_inv_kernel(attn_params p)
             KT_WAITED;
             kern_cuda_cp_wait<0>();
             if (jc != INT_MAX && jc + INV_BN > new_lo)
-                load_tile(jc, 0, new_lo);
+                load_tile(jc, 0, kc, new_lo);
             if (jpre != INT_MAX && jpre + INV_BN > new_lo)
-                load_tile(jpre, 1, new_lo);
+                load_tile(jpre, 1, kpre, new_lo);
             kern_cuda_cp_commit();
             load_q();
             __syncthreads();
             frag_q();
             q_ready = true;
         }
+        reset();
+        frag_range(sc);
         /* the pieces both forms of the tile's math below use (the same operations, so the
          * same bits): the scores of keys 16 np .. 16 np + 15 (n-tiles 2 np, 2 np + 1), the hi
          * then the lo term of q per k-step; -inf where row g + 8 hf does not see a key of
@@ -1103,15 +1126,66 @@ attn_inv_kernel(attn_params p)
             tc_mma(a0, alo, b[0], b[1]);
             tc_mma(a1, alo, b[2], b[3]);
         };
+        /* split sp's partials of the rows that have keys in it: (acc, raw max, sum) */
+        auto flush = [&](int sp) {
+            if (coop) {
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    float lr = l[hf];   /* the row's 4 lanes each hold part of its sum */
+                    lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+                    lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+                    const int r = g + 8 * hf;
+                    if (hi[hf] <= lo[hf])   /* not in this pass, or nothing in this split */
+                        continue;
+                    const size_t t = t0 + r / hb;
+                    const size_t pi = (t * p.n_heads + h0 + r % hb) * p.n_split + sp;
+                    float *o = (p.cluster ? part_s + (size_t)r * HD : p.part_acc + pi * HD) + 2 * qc +
+                               warp * (ND / 4) * 8;
+#pragma unroll
+                    for (int nn = 0; nn < ND / 4; nn++)
+                        *(float2 *)&o[nn * 8] = make_float2(acc[nn][2 * hf], acc[nn][2 * hf + 1]);
+                    if (qc == 0 && warp == 0) {   /* the raw score max and the sum */
+                        if (p.cluster)
+                            ml_s[r] = make_float2(m[hf], lr);
+                        else
+                            *(float2 *)&p.part_ml[2 * pi] = make_float2(m[hf], lr);
+                    }
+                }
+            } else if (active) {
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    float lr = l[hf];   /* the row's 4 lanes each hold part of its sum */
+                    lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+                    lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+                    const int r = wrow + g + 8 * hf;
+                    if (hi[hf] <= lo[hf])   /* not in this pass, or nothing in this split */
+                        continue;
+                    const size_t t = t0 + r / hb;
+                    const size_t pi = (t * p.n_heads + h0 + r % hb) * p.n_split + sp;
+                    float *o = (p.cluster ? part_s + (size_t)r * HD : p.part_acc + pi * HD) + 2 * qc;
+#pragma unroll
+                    for (int n = 0; n < ND; n++)
+                        *(float2 *)&o[n * 8] = make_float2(acc[n][2 * hf], acc[n][2 * hf + 1]);
+                    if (qc == 0) {   /* the raw score max and the sum */
+                        if (p.cluster)
+                            ml_s[r] = make_float2(m[hf], lr);
+                        else
+                            *(float2 *)&p.part_ml[2 * pi] = make_float2(m[hf], lr);
+                    }
+                }
+            }
+        };
         for (int it = 0; jc != INT_MAX; it++) {
             const int st = it & 1;
-            int jn;
+            int jn, sn, kn;
             if (it == 0 && jpre != INT_MAX) {
                 jn = jpre;   /* in stage 1 already */
+                sn = spre;
+                kn = kpre;
             } else {
-                jn = next_tile(jc + INV_BN);
+                jn = next_pos(sc, jc + INV_BN, sn, kn);
                 if (jn != INT_MAX)
-                    load_tile(jn, st ^ 1);
+                    load_tile(jn, st ^ 1, kn);
             }
             kern_cuda_cp_commit();
             kern_cuda_cp_wait<1>();   /* everything but the group just committed: tile jc is here */
@@ -1242,56 +1316,17 @@ attn_inv_kernel(attn_params p)
                 }
             }
             __syncthreads();   /* the next iteration's load overwrites this stage */
+            if (jn == INT_MAX || sn != sc) {   /* split sc done: its partials, a new state */
+                flush(sc);
+                reset();
+                if (jn != INT_MAX)
+                    frag_range(sn);
+            }
             jc = jn;
+            sc = sn;
+            kc = kn;
         }
-
-        if (coop) {
-#pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-                float lr = l[hf];   /* the row's 4 lanes each hold part of its sum */
-                lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-                lr += __shfl_xor_sync(0xffffffffu, lr, 2);
-                const int r = g + 8 * hf;
-                if (hi[hf] <= lo[hf])   /* not in this pass, or nothing in this split */
-                    continue;
-                const size_t t = t0 + r / hb;
-                const size_t pi = (t * p.n_heads + h0 + r % hb) * p.n_split + split;
-                float *o = (p.cluster ? part_s + (size_t)r * HD : p.part_acc + pi * HD) + 2 * qc +
-                           warp * (ND / 4) * 8;
-#pragma unroll
-                for (int nn = 0; nn < ND / 4; nn++)
-                    *(float2 *)&o[nn * 8] = make_float2(acc[nn][2 * hf], acc[nn][2 * hf + 1]);
-                if (qc == 0 && warp == 0) {   /* the raw score max and the sum */
-                    if (p.cluster)
-                        ml_s[r] = make_float2(m[hf], lr);
-                    else
-                        *(float2 *)&p.part_ml[2 * pi] = make_float2(m[hf], lr);
-                }
-            }
-        } else if (active) {
-#pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-                float lr = l[hf];   /* the row's 4 lanes each hold part of its sum */
-                lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-                lr += __shfl_xor_sync(0xffffffffu, lr, 2);
-                const int r = wrow + g + 8 * hf;
-                if (hi[hf] <= lo[hf])   /* not in this pass, or nothing in this split */
-                    continue;
-                const size_t t = t0 + r / hb;
-                const size_t pi = (t * p.n_heads + h0 + r % hb) * p.n_split + split;
-                float *o = (p.cluster ? part_s + (size_t)r * HD : p.part_acc + pi * HD) + 2 * qc;
-#pragma unroll
-                for (int n = 0; n < ND; n++)
-                    *(float2 *)&o[n * 8] = make_float2(acc[n][2 * hf], acc[n][2 * hf + 1]);
-                if (qc == 0) {   /* the raw score max and the sum */
-                    if (p.cluster)
-                        ml_s[r] = make_float2(m[hf], lr);
-                    else
-                        *(float2 *)&p.part_ml[2 * pi] = make_float2(m[hf], lr);
-                }
-            }
-        }
-        __syncthreads();   /* every thread has read seq_s, cur_s, rb_s and re_s for this pass */
+        __syncthreads();   /* every thread has read seq_s and cur_s for this pass */
         if (tid < INV_ROWS && seq_s[tid] == cur)
             seq_s[tid] = -1;
         __syncthreads();
@@ -1312,7 +1347,7 @@ attn_inv_kernel(attn_params p)
     int first = tid, step = INV_THREADS;
     if (p.cluster) {
         cl.sync();
-        first = tid * p.n_split + split;
+        first = tid * p.n_split + sp0;   /* one split per CTA in a cluster */
         step = INV_THREADS * p.n_split;
     } else {
         __threadfence();
@@ -1585,22 +1620,31 @@ static pd_status attn_inv_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n
     while (p->hb > INV_ROWS || p->group % p->hb != 0)
         p->hb--;
     p->n_hchunk = p->group / p->hb;
-    /* tokens per CTA: a sequence's queries (verify/draft blocks are consecutive tokens) */
-    int qps = (p->n_tok + n_seq - 1) / n_seq;
-    int qg_max = INV_ROWS / p->hb;
-    /* blocks of few tokens per sequence (verify, draft): as many tokens as fill one m-tile of
-     * rows, so that all four warps share it (coop) instead of one warp per m-tile; a row's
-     * arithmetic does not depend on its CTA, so the bits are the same (H200, verify 8 at
-     * GQA 4: 3.44 against 3.72 ms with 8 tokens, 32 rows, per CTA) */
-    if (c->attn_one_tile && qps <= ATT_ONE_TILE_QPS) {
-        const int one = 16 / p->hb;
-        qg_max = min(qg_max, one < 1 ? 1 : one);
-    }
-    p->qg = qps < 1 ? 1 : (qps > qg_max ? qg_max : qps);
     const int max_len = p->max_kv_len > 0 ? p->max_kv_len : 1;
     /* every split any row can use: a row of len keys uses ceil(len / chunk) <= ceil(len / 64) */
     int n_split = (max_len + ATT_INV_MIN_CHUNK - 1) / ATT_INV_MIN_CHUNK;
     p->n_split = n_split > ATT_INV_SPLITS ? ATT_INV_SPLITS : n_split;
+    /* fewer CTAs than this leave SMs idle (the key-split rule below) */
+    const size_t min_ctas = (size_t)c->n_sm * 3 / 2;
+    /* tokens per CTA: a sequence's queries (verify/draft blocks are consecutive tokens) */
+    int qps = (p->n_tok + n_seq - 1) / n_seq;
+    int qg_max = INV_ROWS / p->hb;
+    /* blocks of few tokens per sequence (verify, draft) in a small grid: as many tokens as fill
+     * one m-tile of rows, so that all four warps share it (coop) instead of one warp per
+     * m-tile (H200, verify 8 at GQA 4: 3.44 against 3.72 ms with 8 tokens, 32 rows, per CTA).
+     * Where whole blocks per CTA already give min_ctas CTAs, the keys are read once per block
+     * instead (H100, verify blocks of 8 at 1k keys, 8 / 16 / 64 sequences: 44.6 / 74.6 / 261.8
+     * against 49.9 / 91.8 / 340.0 us). A row's arithmetic does not depend on its CTA, so the
+     * bits are the same either way. */
+    if (c->attn_one_tile && qps <= ATT_ONE_TILE_QPS) {
+        const int qg_whole = qps < 1 ? 1 : (qps < qg_max ? qps : qg_max);
+        const size_t whole = (size_t)p->n_kv * p->n_hchunk * (((size_t)p->n_tok + qg_whole - 1) / qg_whole) *
+                             (size_t)p->n_split;
+        const int one = 16 / p->hb;
+        if (whole < min_ctas)
+            qg_max = min(qg_max, one < 1 ? 1 : one);
+    }
+    p->qg = qps < 1 ? 1 : (qps > qg_max ? qg_max : qps);
     p->chunk = 0;
     p->inv_splits = ATT_INV_SPLITS;
     size_t n_part = (size_t)p->n_tok * p->n_heads * p->n_split;
@@ -1662,6 +1706,23 @@ static pd_status attn_inv_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n
     }
     p->coop = c->attn_coop;
     const size_t smem = p->cluster ? smem_cl : smem_base;
+    /* Key splits per CTA. A large grid of one split per CTA (decode of 64 sequences at 1k keys:
+     * 8192 CTAs of 2 key tiles each, ~30 waves) pays every CTA's start, row set-up and arrival
+     * for little streaming, and its wait for the first tiles is not overlapped; a CTA that takes
+     * spc splits in turn keeps its tile pipeline running across them (each split its own state
+     * and partial, so the same bits). spc is the largest power of two that leaves at least 1.5
+     * CTAs per SM (H100, 8-64 sequences: the fastest of 1..16 within 2 %; fewer CTAs leave SMs
+     * idle); PD_ATTN_SPC forces it. */
+    p->spc = 1;
+    if (!p->cluster) {
+        if (c->attn_spc > 0)
+            p->spc = c->attn_spc;
+        else
+            while (p->spc < p->n_split &&
+                   n_col * (size_t)((p->n_split + 2 * p->spc - 1) / (2 * p->spc)) >= min_ctas)
+                p->spc *= 2;
+    }
+    const int n_y = (p->n_split + p->spc - 1) / p->spc;
     /* one arrival counter per CTA column; launches cover at most KERN_CUDA_ATTN_COUNTERS */
     const size_t cols_per_grp = (size_t)p->n_kv * p->n_hchunk;
     const size_t n_grp = ((size_t)p->n_tok + p->qg - 1) / p->qg;
@@ -1672,7 +1733,7 @@ static pd_status attn_inv_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n
     for (size_t g0 = 0; g0 < n_grp; g0 += grp_per_launch) {
         size_t ng = n_grp - g0 < grp_per_launch ? n_grp - g0 : grp_per_launch;
         p->grp0 = (int)g0;
-        dim3 grid((unsigned)(ng * cols_per_grp), (unsigned)p->n_split);
+        dim3 grid((unsigned)(ng * cols_per_grp), (unsigned)n_y);
         /* n_new > 0: a programmatic dependent launch (row setup and the first key tiles while
          * the previous kernel runs); the kernel never triggers its own dependents early, so the
          * next kernel starts when it ends */

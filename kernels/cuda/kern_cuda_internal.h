@@ -46,6 +46,8 @@ typedef struct kern_cuda_ctx {
     int attn_one_tile;         /* 1 unless PD_ATTN_ONE_TILE=0 at creation: a batch-invariant
                                   attention of verify/draft blocks puts one m-tile of rows in a
                                   CTA (attn_inv_launch) */
+    int attn_spc;              /* PD_ATTN_SPC at creation (1..16): key splits per CTA of the
+                                  batch-invariant attention outside clusters; 0: by grid size */
     int attn_coop;             /* 1 unless PD_ATTN_COOP=0 at creation: a batch-invariant attention
                                   CTA of one m-tile spreads it over its four warps */
     signed char attn_cluster_ok[2][17][5];   /* [hd 64][splits][rows / 16]: 1 such a cluster
