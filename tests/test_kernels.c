@@ -2896,6 +2896,10 @@ static const kcase cases[] = {
     {"markov_chain", 2, 96, 1, 4, 151936, 128, 2, 0, 0, 0, 0, NULL, 0, 0},
     {"markov_chain", 3, 40, 0, 3, 3000, 12, 1, 0, 0, 0, 0, NULL, 0, 0},
     {"markov_chain", 3, 40, 0, 3, 3000, 12, 2, 0, 0, 0, 0, NULL, 0, 0},
+    /* more rows than the resident kernel's shared memory holds base for: a step takes them in
+     * groups (vanilla and gated) */
+    {"markov_chain", 40, 0, 1, 5, 151936, 64, 0, 0, 0, 0, 0, NULL, 0, 0},
+    {"markov_chain", 20, 256, 0, 4, 151936, 64, 1, 0, 0, 0, 0, NULL, 0, 0},
     /* probs: rows x vocab, pad, sub 1 = rows gathered through idx (per-row parameters cycle
      * through every kind: greedy, plain, top-k, top-p, both, k = 1, k >= n, min-p, typical-p
      * alone and with the others, T 0.05..2; 24 rows see them all) */
@@ -3037,6 +3041,18 @@ static const kcase cases[] = {
     {"linear", 0, 0, 0, 128, 4096, 2560, 4, 3, 0, 0, 0, NULL, 1e-2, 1},
     {"linear", 0, 0, 0, 128, 2560, 4096, 1, 1, 0, 0, 0, NULL, 1e-2, 1},
     {"linear", 0, 0, 0, 128, 2560, 9728, 1, 1, 0, 0, 0, NULL, 1e-2, 1},
+    /* ... and the rows of DSpark rounds of 32 and 64 requests: draft blocks (7 tokens each,
+     * with the drafter's lm_head) and verify blocks of 8 */
+    {"linear", 0, 0, 0, 224, 4096, 2560, 4, 3, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 224, 9728, 2560, 6, 2, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 224, 151936, 2560, 0, 1, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 448, 151936, 2560, 0, 1, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 256, 4096, 2560, 4, 3, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 256, 2560, 4096, 1, 1, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 256, 9728, 2560, 6, 2, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 256, 2560, 9728, 1, 1, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 512, 9728, 2560, 6, 2, 0, 0, 0, NULL, 1e-2, 1},
+    {"linear", 0, 0, 0, 512, 2560, 9728, 1, 1, 0, 0, 0, NULL, 1e-2, 1},
     {"matmul", 0, 0, 0, 1, 12288, 4096, 0, 0, 0, 0, 0, NULL, 1e-2, 1},
     {"qk_post", 1, 0, 0, 0, 0, 0, 1, 32, 8, 128, 16, NULL, 1e-5, 1},
     {"qk_post", 8, 0, 0, 0, 0, 0, 1, 32, 8, 128, 16, NULL, 1e-5, 1},
@@ -3047,6 +3063,8 @@ static const kcase cases[] = {
     {"markov_chain", 1, 2560, 0, 7, 151936, 64, 1, 0, 0, 0, 0, NULL, 0, 1},
     {"markov_chain", 1, 2560, 0, 7, 151936, 64, 2, 0, 0, 0, 0, NULL, 0, 1},
     {"markov_chain", 8, 2560, 0, 7, 151936, 64, 2, 0, 0, 0, 0, NULL, 0, 1},
+    {"markov_chain", 32, 0, 0, 7, 151936, 64, 0, 0, 0, 0, 0, NULL, 0, 1},
+    {"markov_chain", 64, 0, 0, 7, 151936, 64, 0, 0, 0, 0, 0, NULL, 0, 1},
     {"probs", 8, 151936, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 1e-5, 1},
     {"probs", 64, 151936, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 1e-5, 1},
     /* probs with one parameter set for all rows (sub >> 3: probs_presets) at 1, 8 and 64 rows

@@ -13,14 +13,15 @@
  *   arithmetic of markov_step (so a vanilla chain's ids are the step-by-step path's):
  *   - markov_chain_res_kernel (first choice, every head): one block per multiprocessor whose
  *     slice of w2 stays in shared memory for the whole chain; partials published with step
- *     tags, so the publication is the grid barrier (see the comment above the kernel). A gated
+ *     tags, so the publication is the grid barrier (see the comment above the kernel). The
+ *     step's base rows are staged next to the slice, in groups when they do not fit at once. A gated
  *     or rnn head's product with h (which does not depend on the previous token) is one matmul
  *     for all steps before the launch (markov_head_in_kernel builds its input rows); in the
  *     chain every block computes the R-wide rest of the head itself (mk_res_head_vec). It is a
  *     programmatic dependent launch (PD_MK_CHAIN_PDL=0 at backend creation: a plain one): the
  *     w2 slice is copied before griddepcontrol.wait, so it overlaps the drain of the kernel
  *     before (the drafter's lm_head); nothing else is read or written before the wait.
- *   - markov_chain_kernel (vanilla, when that slice with the staged base rows does not fit in
+ *   - markov_chain_kernel (vanilla, when that slice with one staged base row does not fit in
  *     shared memory, or PD_MK_CHAIN=old): up to MK_CHAIN_PER_SM blocks per multiprocessor (all
  *     resident), each owning a fixed vocabulary range as above and streaming its w2 rows from L2
  *     every step; per step every block gathers w1[prev] itself, writes its (value, index)
@@ -322,7 +323,9 @@ markov_chain_kernel(kern_markov_chain_args a, int V, int R, int chunk, float *pa
 /* byte offsets of the dynamic shared memory of markov_chain_res_kernel */
 typedef struct {
     int chunk;          /* vocabulary rows per block (the last block may have fewer) */
-    size_t bs;          /* float [n, chunk]: step base, then the step logits in place */
+    int rg;             /* rows whose base bs holds at once (n, or fewer for many rows: a step
+                         * then takes its rows in groups) */
+    size_t bs;          /* float [rg, chunk]: step base, then the step logits in place */
     size_t xs;          /* float [n, R]: the step's vec rows */
     size_t rows;        /* int [steps, n]: rows of base */
     size_t ids;         /* int [n]: previous tokens */
@@ -338,14 +341,15 @@ static size_t mk_align16(size_t x)
     return (x + 15) & ~(size_t)15;
 }
 
-/* J = rows of the head's weight (0: vanilla) */
-static mk_res_layout mk_res_layout_of(int chunk, int n, int R, int steps, int J)
+/* J = rows of the head's weight (0: vanilla); rg = rows of the staged base */
+static mk_res_layout mk_res_layout_of(int chunk, int n, int R, int steps, int J, int rg)
 {
     mk_res_layout l;
     l.chunk = chunk;
+    l.rg = rg;
     size_t o = mk_align16((size_t)chunk * R * sizeof(__nv_bfloat16));   /* w2 slice at 0 */
     l.bs = o;
-    o = mk_align16(o + (size_t)n * chunk * sizeof(float));
+    o = mk_align16(o + (size_t)rg * chunk * sizeof(float));
     l.xs = o;
     o = mk_align16(o + (size_t)n * R * sizeof(float));
     l.rows = o;
@@ -491,14 +495,16 @@ static __device__ __forceinline__ void mk_res_logits(const uint4 *w2s, float *bs
     }
 }
 
-/* base rows of step k for the block's slice, into bs (asynchronous; the caller waits) */
+/* base rows r0 .. r0 + nr - 1 of step k for the block's slice, into bs rows 0 .. nr - 1
+ * (asynchronous; the caller waits) */
 static __device__ __forceinline__ void mk_res_stage_base(const kern_markov_chain_args &a, const int *rows,
-                                                         float *bs, int k, int v0, int cnt, int chunk)
+                                                         float *bs, int k, int v0, int cnt, int chunk, int r0,
+                                                         int nr)
 {
-    for (int i = threadIdx.x; i < a.n * cnt; i += MK_RES_THREADS) {
+    for (int i = threadIdx.x; i < nr * cnt; i += MK_RES_THREADS) {
         int r = i / cnt, lv = i - r * cnt;
         mk_cp_async4(bs + (size_t)r * chunk + lv,
-                     a.base + (size_t)rows[k * a.n + r] * a.ld_base + v0 + lv);
+                     a.base + (size_t)rows[k * a.n + r0 + r] * a.ld_base + v0 + lv);
     }
 }
 
@@ -608,7 +614,8 @@ markov_chain_res_kernel(kern_markov_chain_args a, int V, int R, mk_res_layout la
         __threadfence();   /* the zeroes of the whole block before the arrival */
         mk_red_release(ctr, 1u);
     }
-    mk_res_stage_base(a, rows, bs, 0, v0, cnt, chunk);
+    const int rg = lay.rg;
+    mk_res_stage_base(a, rows, bs, 0, v0, cnt, chunk, 0, min(rg, n));
     mk_cp_async_commit_wait();
     __syncthreads();
     for (int k = 0; k < a.steps; k++) {
@@ -627,29 +634,40 @@ markov_chain_res_kernel(kern_markov_chain_args a, int V, int R, mk_res_layout la
         __syncthreads();
         if (HEAD != KERN_MARKOV_VANILLA)
             mk_res_head_vec<HEAD>(hd, k, n, R, es, ss, ps, xs);
-        mk_res_logits<RC>(w2s, bs, xs, n, R, cnt, chunk, hd.rnd);
-        for (int r = 0; r < n; r++) {
-            float bv = -INFINITY;
-            int bi = V;
-            for (int lv = threadIdx.x; lv < cnt; lv += MK_RES_THREADS) {
-                float val = bs[(size_t)r * chunk + lv];
-                if (mk_better(val, v0 + lv, bv, bi))
-                    bv = val, bi = v0 + lv;
+        /* the rows in groups of rg (one group unless many rows): logits of the block's slice,
+         * then each row's best of it per warp */
+        for (int g0 = 0; g0 < n; g0 += rg) {
+            const int nr = min(rg, n - g0);
+            if (g0 > 0) {   /* this group's base: bs is free once every warp read the last */
+                __syncthreads();
+                mk_res_stage_base(a, rows, bs, k, v0, cnt, chunk, g0, nr);
+                mk_cp_async_commit_wait();
+                __syncthreads();
             }
-            for (int o = 16; o > 0; o >>= 1) {
-                float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-                int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-                if (mk_better(ov, oi, bv, bi))
-                    bv = ov, bi = oi;
-            }
-            if (lane == 0) {
-                red_v[r * MK_RES_WARPS + warp] = bv;
-                red_i[r * MK_RES_WARPS + warp] = bi;
+            mk_res_logits<RC>(w2s, bs, xs + (size_t)g0 * R, nr, R, cnt, chunk, hd.rnd);
+            for (int r = 0; r < nr; r++) {
+                float bv = -INFINITY;
+                int bi = V;
+                for (int lv = threadIdx.x; lv < cnt; lv += MK_RES_THREADS) {
+                    float val = bs[(size_t)r * chunk + lv];
+                    if (mk_better(val, v0 + lv, bv, bi))
+                        bv = val, bi = v0 + lv;
+                }
+                for (int o = 16; o > 0; o >>= 1) {
+                    float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+                    int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+                    if (mk_better(ov, oi, bv, bi))
+                        bv = ov, bi = oi;
+                }
+                if (lane == 0) {
+                    red_v[(g0 + r) * MK_RES_WARPS + warp] = bv;
+                    red_i[(g0 + r) * MK_RES_WARPS + warp] = bi;
+                }
             }
         }
         __syncthreads();   /* every read of bs is done: the next step's base may land there */
         if (k + 1 < a.steps) {
-            mk_res_stage_base(a, rows, bs, k + 1, v0, cnt, chunk);
+            mk_res_stage_base(a, rows, bs, k + 1, v0, cnt, chunk, 0, min(rg, n));
             mk_cp_async_commit();
         }
         const unsigned tag = 1u + ((unsigned)(k >> 1) & 1u);
@@ -787,11 +805,20 @@ static pd_status markov_chain_res(kern_backend *be, const kern_markov_chain_args
         nb = MK_RES_MAX_BLOCKS;
     int chunk = (V + nb - 1) / nb;
     nb = (V + chunk - 1) / chunk;
-    mk_res_layout lay = mk_res_layout_of(chunk, n, R, a->steps, J);
     int optin = 0;
     PD_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, c->device), err);
+    /* the base of as many rows as fit next to the slice (many rows: a step takes them in
+     * groups, each staged in turn; H100, 32 rows: 1.76 ms in the L2-streaming kernel) */
+    mk_res_layout lay = mk_res_layout_of(chunk, n, R, a->steps, J, 0);
+    if (lay.bytes + (size_t)chunk * sizeof(float) > (size_t)optin)
+        return PD_OK;   /* the slice does not fit with one row of base */
+    int rg = (int)(((size_t)optin - lay.bytes) / ((size_t)chunk * sizeof(float)));
+    rg = rg < n ? rg : n;
+    lay = mk_res_layout_of(chunk, n, R, a->steps, J, rg);
+    while (rg > 1 && lay.bytes > (size_t)optin)   /* alignment padding */
+        lay = mk_res_layout_of(chunk, n, R, a->steps, J, --rg);
     if (lay.bytes > (size_t)optin)
-        return PD_OK;   /* the slice (or the staged base of many rows) does not fit */
+        return PD_OK;
     mk_res_fn kern = R == 64 ? mk_res_pick<64>(a->head) : mk_res_pick<0>(a->head);
     /* on every launch: the attribute belongs to the current device (a host call) */
     PD_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)lay.bytes), err);
