@@ -518,7 +518,48 @@ typedef struct {
     int rnd;                      /* kern_backend.act_bf16 (every head): the bias and the biased
                                    * logits rounded to bf16, and each op of a gated/rnn head's
                                    * R-wide arithmetic as the composition's ops round it */
+    int vec16;                    /* w and ld_w allow 16-byte loads of a row */
 } mk_head;
+
+/* One product of the head's s/e part, acc over [bf16(s) ;] e against the row's R (gated) or 2R
+ * (rnn) weights, fp32 in column order. R = 64 with 16-byte rows: the row's loads are all issued
+ * before the first product (one L2 round trip instead of one per element); the same
+ * operations in the same order either way. */
+template <int RNN>
+static __device__ __forceinline__ float mk_head_dot(const mk_head &hd, int j, int R, const float *s, const float *e)
+{
+    const __nv_bfloat16 *w = hd.w + (size_t)j * hd.ld_w;
+    float acc = 0.0f;
+    if (R == 64 && hd.vec16) {
+        constexpr int NQ = RNN ? 16 : 8;
+        uint4 u[NQ];
+#pragma unroll
+        for (int q = 0; q < NQ; q++)
+            u[q] = __ldg((const uint4 *)w + q);
+#pragma unroll
+        for (int q = 0; q < NQ; q++) {
+            const __nv_bfloat16 *h = (const __nv_bfloat16 *)&u[q];
+            const bool sp = RNN && q < 8;   /* s part (rnn), then e */
+            const int c0 = (sp ? q : q - (RNN ? 8 : 0)) * 8;
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const float x = sp ? __bfloat162float(__float2bfloat16_rn(s[c0 + i])) : e[c0 + i];
+                acc = fmaf(__bfloat162float(h[i]), x, acc);
+            }
+        }
+        return acc;
+    }
+    if (RNN) {
+#pragma unroll 8
+        for (int c = 0; c < R; c++)
+            acc = fmaf(__bfloat162float(w[c]), __bfloat162float(__float2bfloat16_rn(s[c])), acc);
+        w += R;
+    }
+#pragma unroll 8
+    for (int c = 0; c < R; c++)
+        acc = fmaf(__bfloat162float(w[c]), e[c], acc);
+    return acc;
+}
 
 static __device__ __forceinline__ float mk_sigmoid(float x)
 {
@@ -538,19 +579,7 @@ static __device__ void mk_res_head_vec(const mk_head &hd, int k, int n, int R, c
     const int J = rnn ? 3 * R : R;
     for (int i = threadIdx.x; i < n * J; i += MK_RES_THREADS) {
         int r = i / J, j = i - r * J;
-        const __nv_bfloat16 *w = hd.w + (size_t)j * hd.ld_w;
-        const float *e = es + (size_t)r * R;
-        float acc = 0.0f;
-        if (rnn) {
-            const float *s = ss + (size_t)r * R;
-#pragma unroll 8
-            for (int c = 0; c < R; c++)
-                acc = fmaf(__bfloat162float(w[c]), __bfloat162float(__float2bfloat16_rn(s[c])), acc);
-            w += R;
-        }
-#pragma unroll 8
-        for (int c = 0; c < R; c++)
-            acc = fmaf(__bfloat162float(w[c]), e[c], acc);
+        const float acc = mk_head_dot<rnn>(hd, j, R, ss + (size_t)r * R, es + (size_t)r * R);
         ps[i] = kern_cuda_rnd(__fadd_rn(hd.pre[((size_t)k * n + r) * J + j], acc), hd.rnd);
     }
     __syncthreads();
@@ -826,7 +855,7 @@ static pd_status markov_chain_res(kern_backend *be, const kern_markov_chain_args
     PD_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, MK_RES_THREADS, lay.bytes), err);
     if (per_sm < 1)
         return PD_OK;
-    mk_head hd = { NULL, NULL, 0, be->act_bf16 };
+    mk_head hd = { NULL, NULL, 0, be->act_bf16, 0 };
     if (head) {
         int gated = a->head == KERN_MARKOV_GATED, H = K - (gated ? R : 2 * R);
         float *in = a->scratch, *pre = in + (size_t)a->steps * n * K;
@@ -842,6 +871,7 @@ static pd_status markov_chain_res(kern_backend *be, const kern_markov_chain_args
         hd.pre = pre;
         hd.w = (const __nv_bfloat16 *)a->head_w.data + (gated ? H : 0);
         hd.ld_w = K;
+        hd.vec16 = ((uintptr_t)hd.w & 15) == 0 && K % 8 == 0;
     }
     void *ws = NULL;
     pd_status st = kern_cuda_ws_get(c, (size_t)2 * n * nb * sizeof(unsigned long long), &ws, err);
