@@ -163,32 +163,62 @@ typedef struct {
     size_t from, to;
 } split_delta;
 
-/* A chat reply split as it is sent: the content and the reasoning certain so far, and the tool
- * calls that became whole (or, streamed, the calls' deltas) */
+/* A run of a chunk's reply pieces, sent as one GenerateChunk: its content and reasoning, then the
+ * calls that became whole (streamed: the calls' deltas) after them. Text that comes after a call
+ * starts the next run, so a client that takes a message's text before its calls keeps the
+ * reply's order (the HTTP route sends an event per piece). */
+typedef struct {
+    char *text[2];         /* [0] content, [1] reasoning (NULL: none) */
+    size_t len[2], cap[2];
+    int d0;                /* streamed: its deltas are split_out.d[d0 .. the next run's d0) */
+    int k0;                /* whole calls: its calls are c->calls[k0 .. the next run's k0) */
+} split_run;
+
+/* A chat reply split as it is sent: the runs of the chunk's text, and the tool calls that became
+ * whole (or, streamed, the calls' deltas) */
 typedef struct {
     gen_ctx *c;
     int stream_args;       /* gen_group.stream_args */
-    char *text[2];         /* [0] content, [1] reasoning (NULL: none) */
-    size_t len[2], cap[2];
-    Pdspark__ToolCall *tc, **tcp;   /* [n] the calls (their strings borrowed from c->calls) */
+    split_run *run;        /* [n_run]: one, or more where text followed a call */
+    int n_run, cap_run;
+    Pdspark__ToolCall *tc, **tcp;   /* [n] the calls of every run (strings borrowed from c->calls) */
     char (*ids)[PD_CHAT_CALL_ID_SIZE];
     split_delta *d;        /* streamed: [n_d] the deltas of this feed, in call order */
     int n_d, cap_d;
     char *pieces;          /* streamed: the deltas' arguments, each NUL-ended */
+    Pdspark__GenerateChunk *more;   /* [n_run - 1] the messages of the runs after the first */
     int oom;
 } split_out;
 
 static void split_out_free(split_out *o)
 {
-    free(o->text[0]);
-    free(o->text[1]);
+    for (int r = 0; r < o->n_run; r++) {
+        free(o->run[r].text[0]);
+        free(o->run[r].text[1]);
+    }
+    free(o->run);
     free(o->tc);
     free(o->tcp);
     free(o->ids);
     free(o->d);
     free(o->pieces);
+    free(o->more);
 }
 
+/* A new run whose calls start at c->calls[k0] and deltas at o->d[o->n_d]. -1 on NOMEM. */
+static int split_run_add(split_out *o, int k0)
+{
+    if (o->n_run == o->cap_run) {
+        int cap = o->cap_run > 0 ? 2 * o->cap_run : 2;
+        split_run *nr = realloc(o->run, (size_t)cap * sizeof(*nr));
+        if (nr == NULL)
+            return -1;
+        o->run = nr;
+        o->cap_run = cap;
+    }
+    o->run[o->n_run++] = (split_run){ .d0 = o->n_d, .k0 = k0 };
+    return 0;
+}
 /* Streamed: a piece of call k, args[from..to) of it, joins that call's delta of this feed (the
  * parser ends a call before the next one begins, so a call's pieces are adjacent) */
 static void split_delta_add(split_out *o, int k, int first, size_t from, size_t to)
@@ -214,8 +244,14 @@ static void split_emit(void *ud, const pd_chat_piece *p)
 {
     split_out *o = ud;
     if (p->kind != PD_CHAT_TOOL_CALL) {
-        int k = p->kind == PD_CHAT_REASONING;
-        if (pd_buf_append(&o->text[k], &o->len[k], &o->cap[k], p->text, p->len) != 0)
+        int k = p->kind == PD_CHAT_REASONING, done = pd_chat_parser_calls_done(o->c->cp);
+        split_run *r = &o->run[o->n_run - 1];
+        if ((o->stream_args ? o->n_d > r->d0 : done > r->k0) && split_run_add(o, done) != 0) {
+            o->oom = 1;
+            return;
+        }
+        r = &o->run[o->n_run - 1];
+        if (pd_buf_append(&r->text[k], &r->len[k], &r->cap[k], p->text, p->len) != 0)
             o->oom = 1;
         return;
     }
@@ -250,9 +286,8 @@ static void split_emit(void *ud, const pd_chat_piece *p)
         split_delta_add(o, c->n_calls - 1, p->first, from, k->args_len);
 }
 
-/* Room in o for n ToolCall messages of m (o->tc, o->tcp, o->ids), set as m's tool_calls. -1 on
- * NOMEM. */
-static int split_calls_alloc(split_out *o, Pdspark__GenerateChunk *m, size_t n)
+/* Room in o for n ToolCall messages (o->tc, o->tcp, o->ids). -1 on NOMEM. */
+static int split_calls_alloc(split_out *o, size_t n)
 {
     o->tc = calloc(n, sizeof(*o->tc));
     o->tcp = calloc(n, sizeof(*o->tcp));
@@ -261,8 +296,6 @@ static int split_calls_alloc(split_out *o, Pdspark__GenerateChunk *m, size_t n)
         return -1;
     for (size_t i = 0; i < n; i++)
         o->tcp[i] = &o->tc[i];
-    m->n_tool_calls = n;
-    m->tool_calls = o->tcp;
     return 0;
 }
 
@@ -282,8 +315,8 @@ static Pdspark__ToolCall *split_call(gen_ctx *c, const Pdspark__GenerateChunk *m
     return t;
 }
 
-/* Streamed: o's deltas as m's tool_calls (their strings in o). -1 on NOMEM. */
-static int split_deltas_out(gen_ctx *c, Pdspark__GenerateChunk *m, split_out *o)
+/* Streamed: o's deltas as ToolCall messages (their strings in o). -1 on NOMEM. */
+static int split_deltas_out(gen_ctx *c, const Pdspark__GenerateChunk *m, split_out *o)
 {
     if (o->n_d == 0)
         return 0;
@@ -291,7 +324,7 @@ static int split_deltas_out(gen_ctx *c, Pdspark__GenerateChunk *m, split_out *o)
     for (size_t i = 0; i < n; i++)
         bytes += o->d[i].to - o->d[i].from + 1;
     o->pieces = malloc(bytes);
-    if (o->pieces == NULL || split_calls_alloc(o, m, n) != 0)
+    if (o->pieces == NULL || split_calls_alloc(o, n) != 0)
         return -1;
     char *at = o->pieces;
     for (size_t i = 0; i < n; i++) {
@@ -308,15 +341,17 @@ static int split_deltas_out(gen_ctx *c, Pdspark__GenerateChunk *m, split_out *o)
     return 0;
 }
 
-/* m's text_delta is the reply's next text: m then carries the content certain so far as its
- * text_delta, the reasoning as its reasoning_delta and the calls whose arguments became whole as
- * its tool_calls (streamed: the calls' deltas of this text), all in o (split_out_free after the
- * write). -1 on NOMEM (m unchanged). */
+/* m's text_delta is the reply's next text: m then carries the first run of it (content certain
+ * so far as its text_delta, reasoning as its reasoning_delta, then the calls whose arguments
+ * became whole, or streamed their deltas, as its tool_calls), and o->more the runs after it (text
+ * that followed a call), all in o (split_write sends them; split_out_free after). -1 on NOMEM
+ * (m unchanged). */
 static int split_chunk(gen_ctx *c, Pdspark__GenerateChunk *m, int final, split_out *o)
 {
     o->c = c;
     o->stream_args = c->g->stream_args;
-    if (pd_buf_append(&c->sent, &c->sent_len, &c->sent_cap, m->text_delta, strlen(m->text_delta)) != 0 ||
+    if (split_run_add(o, c->calls_sent) != 0 ||
+        pd_buf_append(&c->sent, &c->sent_len, &c->sent_cap, m->text_delta, strlen(m->text_delta)) != 0 ||
         pd_chat_parser_feed(c->cp, c->sent, c->sent_len, final, split_emit, o) != 0 || o->oom)
         return -1;
     int from = c->calls_sent, to = pd_chat_parser_calls_done(c->cp);
@@ -324,17 +359,59 @@ static int split_chunk(gen_ctx *c, Pdspark__GenerateChunk *m, int final, split_o
         if (split_deltas_out(c, m, o) != 0)
             return -1;
     } else if (to > from) {
-        if (split_calls_alloc(o, m, (size_t)(to - from)) != 0)
+        if (split_calls_alloc(o, (size_t)(to - from)) != 0)
             return -1;
         for (int k = from; k < to; k++) {
             Pdspark__ToolCall *t = split_call(c, m, o, (size_t)(k - from), k, 1);
             t->arguments_json = c->calls[k].args != NULL ? c->calls[k].args : "";
         }
-        c->calls_sent = to;
     }
-    m->text_delta = o->text[0] != NULL ? o->text[0] : "";
-    m->reasoning_delta = o->text[1] != NULL ? o->text[1] : "";
+    if (o->n_run > 1 && (o->more = calloc((size_t)o->n_run - 1, sizeof(*o->more))) == NULL)
+        return -1;
+    if (!o->stream_args)
+        c->calls_sent = to;
+    for (int r = 0; r < o->n_run; r++) {
+        const split_run *u = &o->run[r];
+        Pdspark__GenerateChunk *ms = m;
+        if (r > 0) {
+            ms = &o->more[r - 1];
+            pdspark__generate_chunk__init(ms);
+            ms->version = m->version;
+            ms->request_id = m->request_id;
+            ms->index = m->index;
+        }
+        /* its ToolCall messages: tcp[a .. b) */
+        int a = o->stream_args ? u->d0 : u->k0 - from;
+        int b = o->stream_args ? (r + 1 < o->n_run ? u[1].d0 : o->n_d) : (r + 1 < o->n_run ? u[1].k0 : to) - from;
+        ms->n_tool_calls = b > a ? (size_t)(b - a) : 0;
+        ms->tool_calls = b > a ? o->tcp + a : NULL;
+        ms->text_delta = u->text[0] != NULL ? u->text[0] : "";
+        ms->reasoning_delta = u->text[1] != NULL ? u->text[1] : "";
+    }
     return 0;
+}
+
+/* m and the runs split_chunk put after it, in order: the first carries the chunk's ids and
+ * logprobs, the last its end (final, finish reason, usage, stats, device) */
+static pd_status split_write(pd_rpc_call *call, Pdspark__GenerateChunk *m, split_out *o)
+{
+    if (o->n_run <= 1 || o->more == NULL)   /* one run, or split_chunk failed: m as it is */
+        return pd_rpc_stream_write(call, &m->base);
+    Pdspark__GenerateChunk *last = &o->more[o->n_run - 2];
+    last->final = m->final;
+    last->finish_reason = m->finish_reason;
+    last->usage = m->usage;
+    last->stats = m->stats;
+    last->device = m->device;
+    m->final = 0;
+    m->finish_reason = PDSPARK__FINISH_REASON__FINISH_REASON_UNSPECIFIED;
+    m->usage = NULL;
+    m->stats = NULL;
+    m->device = (char *)"";
+    pd_status st = pd_rpc_stream_write(call, &m->base);
+    for (int r = 0; r + 1 < o->n_run && st == PD_OK; r++)
+        st = pd_rpc_stream_write(call, &o->more[r].base);
+    return st;
 }
 
 /* With stop strings: how many bytes of pend may be sent now. *hit is set when a stop string
@@ -443,8 +520,7 @@ static void gen_on_token(void *ud, const decode_chunk *ch)
         m.prompt_logprobs = plp;
     }
     split_out so = {0};
-    pd_status st = c->cp != NULL && split_chunk(c, &m, 0, &so) != 0 ? PD_ERR_NOMEM
-                                                                    : pd_rpc_stream_write(g->call, &m.base);
+    pd_status st = c->cp != NULL && split_chunk(c, &m, 0, &so) != 0 ? PD_ERR_NOMEM : split_write(g->call, &m, &so);
     split_out_free(&so);
     free(sendbuf);
     free(lpm);
@@ -536,7 +612,7 @@ static void gen_on_done(void *ud, const decode_result *res)
         (m.finish_reason == PDSPARK__FINISH_REASON__FINISH_REASON_EOS ||
          m.finish_reason == PDSPARK__FINISH_REASON__FINISH_REASON_STOP))
         m.finish_reason = PDSPARK__FINISH_REASON__FINISH_REASON_TOOL_CALLS;
-    pd_rpc_stream_write(g->call, &m.base);
+    (void)split_write(g->call, &m, &so);
     split_out_free(&so);
     free(apr);
     free(pos);

@@ -155,6 +155,7 @@ typedef struct {
     int stream_args;          /* GenerateRequest.stream_tool_arguments: calls[] joins the deltas */
     uint32_t calls_choice;    /* the choice (GenerateRequest.n) whose tool calls go to calls[] */
     const char *request_id;   /* GenerateRequest.request_id (NULL: the server's) */
+    const char *regex;        /* SamplingParams.regex (NULL: none) */
     /* results */
     pd_status st;
     char msg[512];
@@ -170,6 +171,8 @@ typedef struct {
     int n_calls;
     int deltas;               /* ToolCall messages that came (stream_args: deltas) */
     int delta_chunks;         /* chunks that carried any */
+    char seq[1024];           /* choice calls_choice's reply as a client reads it: each chunk's
+                               * text_delta, then "[CALL name]" for each call it names */
     int delta_bad;            /* ToolCall messages that broke their mode's rules (delta_why: the first) */
     char delta_why[160];
     int plp_n[4];             /* prompt logprobs in the first chunk of choices 0..3 */
@@ -215,6 +218,11 @@ static void tool_calls_take(gen_call *g, const Pdspark__GenerateChunk *ck)
     uint32_t in_chunk = 0;   /* bit i: call i had a delta in this chunk */
     if (ck->index != g->calls_choice)
         return;
+    strncat(g->seq, ck->text_delta != NULL ? ck->text_delta : "", sizeof(g->seq) - strlen(g->seq) - 1);
+    for (size_t i = 0; i < ck->n_tool_calls; i++)
+        if (ck->tool_calls[i]->name != NULL && ck->tool_calls[i]->name[0] != '\0')
+            snprintf(g->seq + strlen(g->seq), sizeof(g->seq) - strlen(g->seq), "[CALL %s]",
+                     ck->tool_calls[i]->name);
     g->delta_chunks += ck->n_tool_calls > 0;
     for (size_t i = 0; i < ck->n_tool_calls; i++) {
         const Pdspark__ToolCall *t = ck->tool_calls[i];
@@ -269,6 +277,7 @@ static void gen_run(pd_rpc_channel *ch, gen_call *g)
     sp.max_new_tokens = g->max_new;
     sp.ignore_eos = g->ignore_eos;
     sp.seed = g->seed;
+    sp.regex = (char *)(g->regex != NULL ? g->regex : "");
     if (g->stop != NULL) {
         sp.n_stop = 1;
         sp.stop = &g->stop;
@@ -296,6 +305,7 @@ static void gen_run(pd_rpc_channel *ch, gen_call *g)
     rq.stream_tool_arguments = g->stream_args;
     rq.request_id = (char *)(g->request_id != NULL ? g->request_id : "");
     g->n_calls = 0;
+    g->seq[0] = '\0';
     g->deltas = g->delta_chunks = g->delta_bad = 0;
     g->delta_why[0] = '\0';
     int seen[4] = {0};
@@ -815,6 +825,27 @@ static void test_services_tools(void)
                        c, pd_status_str(sn.st), sn.msg, sn.n_calls, sn.finals, sn.calls[0].name, sn.calls[0].args,
                        sn.calls[0].id, id0, sn.deltas, sn.delta_why);
         snprintf(id0, sizeof(id0), "%s", sn.calls[0].id);
+    }
+    /* text, a call and text again (forced by a regex, tool_choice auto): a client that reads each
+     * message's text before its calls reads them in the reply's order, whole and streamed, also
+     * where the call's end and the next text come in one chunk (a stop string that the end tag
+     * and the text after it begin, but which is not hit, holds them back and sends them together) */
+    char stop_late[] = "}}\n</tool_call>\nDone, that is all!";
+    for (int sa = 0; sa < 2; sa++) {
+        gen_call ta = { .max_new = 96, .top_p = 1.0f, .msgs = &qp, .n_msgs = 1, .tools_json = T_TOOLS,
+                        .thinking = 1, .stream_args = sa, .request_id = "tools-text-after", .stop = stop_late,
+                        .regex = "Let me check\\.\n<tool_call>\n\\{\"name\": \"get_weather\", \"arguments\": "
+                                 "\\{\"city\": \"Paris\", \"days\": 3\\}\\}\n</tool_call>\nDone, that is all\\." };
+        gen_run(ch, &ta);
+        const char *pre = strstr(ta.seq, "Let me check."), *cl = strstr(ta.seq, "[CALL get_weather]");
+        const char *post = strstr(ta.seq, "Done, that is all.");
+        TEST_CHECK_MSG(ta.st == PD_OK && ta.delta_bad == 0 && ta.n_calls == 1 && weather_args_ok(ta.calls[0].args) &&
+                       pre != NULL && cl != NULL && post != NULL && pre < cl && cl < post &&
+                       ta.finish == PDSPARK__FINISH_REASON__FINISH_REASON_TOOL_CALLS,
+                       "text, call, text (%s): %s %s, %d calls, read as '%s', finish %d, %s",
+                       sa ? "deltas" : "whole", pd_status_str(ta.st), ta.msg, ta.n_calls, ta.seq, ta.finish,
+                       ta.delta_why);
+        printf("text, call, text (%s): %d chunks, read as %s\n", sa ? "deltas" : "whole", ta.chunks, ta.seq);
     }
     /* the flag without tools changes nothing */
     gen_call plain = { .max_new = 12, .top_p = 1.0f, .msgs = &qp, .n_msgs = 1 }, plain_s = plain;
