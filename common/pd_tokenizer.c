@@ -1053,6 +1053,13 @@ static pd_status detok_emit(pd_detok *d, const uint8_t *b, size_t blen, int fina
     d->n_pend = in.n - used;
     if (d->n_pend > 0)
         memcpy(d->pend, in.p + used, d->n_pend);
+    /* the text goes out as a C string: a NUL byte (the byte-0 token) is left out, so the text
+     * after it is not cut off */
+    size_t kept = 0;
+    for (size_t i = 0; i < txt.n; i++)
+        if (txt.p[i] != 0)
+            txt.p[kept++] = txt.p[i];
+    txt.n = kept;
     txt.p[txt.n] = '\0';
     free(in.p);
     *text_out = (char *)txt.p;

@@ -75,7 +75,9 @@ int pd_tokenizer_is_special(const pd_tokenizer *t, int32_t id);
 /* Streaming detokenizer: push ids one at a time, get back only complete UTF-8 text. An
  * incomplete trailing UTF-8 sequence is held back until a later id completes it; bytes that
  * can never become valid are replaced with U+FFFD as soon as that is known. The concatenation
- * of every push and the flush equals pd_tokenizer_decode of the same ids.
+ * of every push and the flush equals pd_tokenizer_decode of the same ids, less any NUL bytes
+ * (the byte-0 token): the pieces are C strings, so those are left out and the text after them
+ * kept.
  * t is borrowed and must outlive the detokenizer. */
 pd_status pd_detok_create(const pd_tokenizer *t, pd_detok **out, pd_err *err);
 /* Drop special tokens from the stream (default: emit their content). */

@@ -267,6 +267,26 @@ static void test_tokenizer_streaming(const pd_tokenizer *t)
     pd_detok_destroy(d);
     pd_detok_destroy(NULL);
 
+    /* the byte-0 token ("Ā" in byte-level form): the whole decode keeps its NUL (with the
+     * length), the stream of C strings leaves it out and keeps the text after it */
+    int32_t nul = pd_tokenizer_token_to_id(t, "\xc4\x80");
+    TEST_CHECK(nul >= 0);
+    int32_t with_nul[] = {a, nul, a, nul, a};
+    char *nt = NULL;
+    size_t ntl = 0;
+    TEST_CHECK(pd_tokenizer_decode(t, with_nul, 5, 0, &nt, &ntl, &err) == PD_OK && ntl == 5 &&
+               memcmp(nt, "a\0a\0a", 5) == 0);
+    free(nt);
+    TEST_CHECK(pd_detok_create(t, &d, &err) == PD_OK);
+    char streamed[16] = "";
+    for (int i = 0; i < 5; i++) {
+        TEST_CHECK(pd_detok_push(d, with_nul[i], &s, &err) == PD_OK && s != NULL);
+        strncat(streamed, s != NULL ? s : "", sizeof(streamed) - strlen(streamed) - 1);
+        free(s);
+    }
+    TEST_CHECK_MSG(strcmp(streamed, "aaa") == 0, "NUL tokens streamed as '%s'", streamed);
+    pd_detok_destroy(d);
+
     int32_t bad[] = {e2, a, f0};
     char *full = NULL;
     TEST_CHECK(pd_tokenizer_decode(t, bad, 3, 0, &full, NULL, &err) == PD_OK);
