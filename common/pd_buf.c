@@ -22,3 +22,18 @@ int pd_buf_append(char **buf, size_t *len, size_t *cap, const char *s, size_t n)
     (*buf)[*len] = '\0';
     return 0;
 }
+
+int pd_buf_grow(void **p, int *cap, int need, size_t sz)
+{
+    if (need <= *cap)
+        return 0;
+    int nc = *cap ? *cap * 2 : 4;
+    while (nc < need)
+        nc *= 2;
+    void *np = realloc(*p, (size_t)nc * sz);
+    if (np == NULL)
+        return -1;
+    *p = np;
+    *cap = nc;
+    return 0;
+}

@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "pd_buf.h"
 #include "pd_grammar.h"
 
 enum { PD_GEL_END = 0, PD_GEL_CLASS, PD_GEL_REF };
@@ -58,21 +59,10 @@ static inline void pd_gset_range(pd_gset *s, int lo, int hi)
         pd_gset_add(s, c);
 }
 
-/* *p (capacity *cap elements of sz bytes) made to hold need elements, the capacity doubled;
- * -1 when realloc fails (*p and *cap unchanged) */
+/* the grammar compiler's arrays grow through pd_buf_grow (pd_buf.h) */
 static inline int pd_grammar_grow(void **p, int *cap, int need, size_t sz)
 {
-    if (need <= *cap)
-        return 0;
-    int nc = *cap ? *cap * 2 : 4;
-    while (nc < need)
-        nc *= 2;
-    void *np = realloc(*p, (size_t)nc * sz);
-    if (np == NULL)
-        return -1;
-    *p = np;
-    *cap = nc;
-    return 0;
+    return pd_buf_grow(p, cap, need, sz);
 }
 
 /* ---- the builder (pd_grammar.c) -------------------------------------------------------------

@@ -12,6 +12,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pd_buf.h"
+
 #define MAX_BOUNDS 64
 
 typedef struct family {
@@ -84,20 +86,6 @@ static int name_ok(const char *n)
     return 1;
 }
 
-static int grow(void **arr, int *cap, int need)
-{
-    if (need <= *cap)
-        return 0;
-    int nc = *cap ? *cap * 2 : 16;
-    while (nc < need)
-        nc *= 2;
-    void *p = realloc(*arr, (size_t)nc * sizeof(void *));
-    if (p == NULL)
-        return -1;
-    *arr = p;
-    *cap = nc;
-    return 0;
-}
 
 /* Called with mu held. */
 static pd_metric *reg_series(pd_metrics *m, const char *name, const char *help, const char *labels,
@@ -117,10 +105,10 @@ static pd_metric *reg_series(pd_metrics *m, const char *name, const char *help, 
         for (int i = 0; i < m->n_series; i++)
             if (m->series[i]->fam == f && strcmp(m->series[i]->labels, labels) == 0)
                 return m->series[i];
-    if (grow((void **)&m->series, &m->cap_series, m->n_series + 1) != 0)
+    if (pd_buf_grow((void **)&m->series, &m->cap_series, m->n_series + 1, sizeof(*m->series)) != 0)
         return NULL;
     if (f == NULL) {
-        if (grow((void **)&m->fams, &m->cap_fams, m->n_fams + 1) != 0)
+        if (pd_buf_grow((void **)&m->fams, &m->cap_fams, m->n_fams + 1, sizeof(*m->fams)) != 0)
             return NULL;
         f = calloc(1, sizeof(*f));
         if (f == NULL)

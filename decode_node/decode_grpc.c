@@ -208,17 +208,12 @@ static void split_out_free(split_out *o)
 /* A new run whose calls start at c->calls[k0] and deltas at o->d[o->n_d]. -1 on NOMEM. */
 static int split_run_add(split_out *o, int k0)
 {
-    if (o->n_run == o->cap_run) {
-        int cap = o->cap_run > 0 ? 2 * o->cap_run : 2;
-        split_run *nr = realloc(o->run, (size_t)cap * sizeof(*nr));
-        if (nr == NULL)
-            return -1;
-        o->run = nr;
-        o->cap_run = cap;
-    }
+    if (pd_buf_grow((void **)&o->run, &o->cap_run, o->n_run + 1, sizeof(*o->run)) != 0)
+        return -1;
     o->run[o->n_run++] = (split_run){ .d0 = o->n_d, .k0 = k0 };
     return 0;
 }
+
 /* Streamed: a piece of call k, args[from..to) of it, joins that call's delta of this feed (the
  * parser ends a call before the next one begins, so a call's pieces are adjacent) */
 static void split_delta_add(split_out *o, int k, int first, size_t from, size_t to)
@@ -227,15 +222,9 @@ static void split_delta_add(split_out *o, int k, int first, size_t from, size_t 
         o->d[o->n_d - 1].to = to;
         return;
     }
-    if (o->n_d == o->cap_d) {
-        int cap = o->cap_d > 0 ? 2 * o->cap_d : 4;
-        split_delta *nd = realloc(o->d, (size_t)cap * sizeof(*nd));
-        if (nd == NULL) {
-            o->oom = 1;
-            return;
-        }
-        o->d = nd;
-        o->cap_d = cap;
+    if (pd_buf_grow((void **)&o->d, &o->cap_d, o->n_d + 1, sizeof(*o->d)) != 0) {
+        o->oom = 1;
+        return;
     }
     o->d[o->n_d++] = (split_delta){ .call = k, .first = first, .from = from, .to = to };
 }
@@ -257,15 +246,9 @@ static void split_emit(void *ud, const pd_chat_piece *p)
     }
     gen_ctx *c = o->c;
     if (p->first) {
-        if (c->n_calls == c->cap_calls) {
-            int cap = c->cap_calls > 0 ? 2 * c->cap_calls : 4;
-            gen_call *nc = realloc(c->calls, (size_t)cap * sizeof(*nc));
-            if (nc == NULL) {
-                o->oom = 1;
-                return;
-            }
-            c->calls = nc;
-            c->cap_calls = cap;
+        if (pd_buf_grow((void **)&c->calls, &c->cap_calls, c->n_calls + 1, sizeof(*c->calls)) != 0) {
+            o->oom = 1;
+            return;
         }
         gen_call *nk = &c->calls[c->n_calls++];
         memset(nk, 0, sizeof(*nk));

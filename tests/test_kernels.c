@@ -3298,6 +3298,31 @@ static int attn_invariance_one(kern_backend *g, int nh, int nkv, int hd, int ps,
  * lengths in the batch). This is what keeps greedy speculative decoding lossless in bf16. */
 static int linear_invariance_all(kern_backend *g);
 
+/* check on another batch-invariant CUDA backend made with the knobs env (name, value pairs, NULL
+ * ended; they are read when a backend is made, and unset again after), act_bf16 as g's; 1 when
+ * the check passed (or the backend could not be made, a failure reported by itself) */
+static int invariance_with_env(kern_backend *g, const char *const *env, int (*check)(kern_backend *),
+                               const char *what)
+{
+    for (int i = 0; env[i] != NULL; i += 2)
+        setenv(env[i], env[i + 1], 1);
+    kern_backend_config bc = { .name = "cuda" };
+    kern_backend *b = NULL;
+    pd_err err;
+    char why[96];
+    snprintf(why, sizeof(why), "cuda backend (%s)", what);
+    int same = 1;
+    if (!fatal_status(kern_backend_create(&bc, &b, &err), &err, why)) {
+        b->batch_invariant = 1;
+        b->act_bf16 = g->act_bf16;
+        same = check(b);
+        kern_backend_destroy(b);
+    }
+    for (int i = 0; env[i] != NULL; i += 2)
+        unsetenv(env[i]);
+    return same;
+}
+
 /* attn_invariance_one over GQA 4/8/1/5, head_dim 128/64, pages 16/7/1/3, up to 33000 keys */
 static int attn_invariance_all(kern_backend *g)
 {
@@ -3381,18 +3406,8 @@ static void test_batch_invariance(kern_backend *g)
      * whole verify blocks per CTA (PD_ATTN_SPC, PD_ATTN_ONE_TILE, read when a CUDA backend is
      * made): the default rule takes those only in large grids, which the single-token runs
      * never are, so here both CTA layouts meet the single-token results */
-    setenv("PD_ATTN_SPC", "16", 1);
-    setenv("PD_ATTN_ONE_TILE", "0", 1);
-    kern_backend_config sc = { .name = "cuda" };
-    kern_backend *sa = NULL;
-    if (!fatal_status(kern_backend_create(&sc, &sa, &err), &err, "cuda backend (key splits per CTA)")) {
-        sa->batch_invariant = 1;
-        sa->act_bf16 = g->act_bf16;
-        same_v &= attn_invariance_all(sa);
-        kern_backend_destroy(sa);
-    }
-    unsetenv("PD_ATTN_SPC");
-    unsetenv("PD_ATTN_ONE_TILE");
+    static const char *const spc_env[] = { "PD_ATTN_SPC", "16", "PD_ATTN_ONE_TILE", "0", NULL };
+    same_v &= invariance_with_env(g, spc_env, attn_invariance_all, "key splits per CTA");
     TEST_CHECK_MSG(same_v, "batch-invariant attention: a token of a verify block or mixed batch "
                            "differs from the same token alone");
     printf("%s batch-invariant attention: verify blocks and mixed batches (GQA 1/4/5/8; up to 33000 "
@@ -3401,16 +3416,8 @@ static void test_batch_invariance(kern_backend *g)
     /* again with the tiled form taken for every K split from its first row count on
      * (PD_SK_TILED_ANY, read when a CUDA backend is made): the default takes it only for some
      * splits and row counts, so here every product's two forms meet across the batch sizes */
-    setenv("PD_SK_TILED_ANY", "1", 1);
-    kern_backend_config tc = { .name = "cuda" };
-    kern_backend *ta = NULL;
-    if (!fatal_status(kern_backend_create(&tc, &ta, &err), &err, "cuda backend (tiled)")) {
-        ta->batch_invariant = 1;
-        ta->act_bf16 = g->act_bf16;
-        lin &= linear_invariance_all(ta);
-        kern_backend_destroy(ta);
-    }
-    unsetenv("PD_SK_TILED_ANY");
+    static const char *const tiled_env[] = { "PD_SK_TILED_ANY", "1", NULL };
+    lin &= invariance_with_env(g, tiled_env, linear_invariance_all, "tiled");
     TEST_CHECK_MSG(lin, "batch-invariant linear: a row differs between batch sizes");
     g->batch_invariant = 0;
     side_free(&sg);
