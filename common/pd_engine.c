@@ -32,6 +32,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define SWAP_CHUNK_BYTES ((size_t)256 << 20)   /* pinned at a time as the swap space fills */
+
 const char *pd_finish_reason_str(pd_finish_reason r)
 {
     switch (r) {
@@ -219,6 +221,11 @@ pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err 
     pd_sched_init(&e->sched, e->cfg.sps);
     if (e->cfg.cp_size > 1 && (st = pd_engine_cp_create(e, &tl, taps, n_taps, err)) != PD_OK)
         goto err_free;
+    if (e->cfg.swap_bytes > 0 && (e->cfg.swap_arena > 0 || (e->cfg.swap_arena == 0 && !be->is_host))) {
+        size_t chunk = e->cfg.swap_bytes < SWAP_CHUNK_BYTES ? e->cfg.swap_bytes : SWAP_CHUNK_BYTES;
+        if ((st = pd_host_arena_create(be, e->cfg.swap_bytes, chunk, &e->swap_arena, err)) != PD_OK)
+            goto err_free;
+    }
     *out = e;
     return PD_OK;
 err_free:
@@ -263,6 +270,7 @@ void pd_engine_destroy(pd_engine *e)
     for (int i = 0; i < e->n_reqs; i++)
         request_free(e, e->reqs[i]);
     free(e->reqs);
+    pd_host_arena_destroy(e->swap_arena);   /* its pieces went with the requests */
     pd_cp_group_destroy(e->cp);
     for (int r = 1; r < e->cp_n; r++) {
         pd_kv_pool_destroy(e->cp_pool[r]);

@@ -111,6 +111,12 @@ typedef struct {
                                         * tokens may part from the unpreempted ones at a
                                         * near-tie). With cp_size > 1 that prefill runs over the
                                         * CP ranks, as a prompt's does. */
+    int swap_arena;                    /* where the host copies live: 0 (default) in an arena of
+                                        * the backend's pinned memory on a GPU (chunks of up to
+                                        * 256 MiB pinned as the swap space fills and kept, so a
+                                        * page copy reads and writes them in place), in malloc'ed
+                                        * blocks on the CPU; 1 the arena on any backend (tests);
+                                        * -1 malloc'ed blocks always */
     int tp_debug_fail_rank;            /* tests only: pd_tp_group_config.debug_fail_rank/cmd */
     int tp_debug_fail_cmd;
     /* Tests and debugging: called on the engine thread with exactly the aux tensor (backend
@@ -381,6 +387,9 @@ int pd_engine_kv_free_pages(const pd_engine *e);
 /* Preemptions so far (pd_engine_config.swap_bytes), requests preempted now, and the host bytes
  * their KV takes. */
 void pd_engine_swap_stats(const pd_engine *e, uint64_t *preemptions, int *swapped, size_t *bytes);
+/* Host bytes the swap arena holds (pd_engine_config.swap_arena; pinned on a GPU, kept once
+ * taken), of them in use now; 0 and 0 without an arena. */
+void pd_engine_swap_arena_stats(const pd_engine *e, size_t *held, size_t *used);
 int pd_engine_block_size(const pd_engine *e);
 pd_target *pd_engine_target(pd_engine *e);
 pd_draft *pd_engine_draft(pd_engine *e);

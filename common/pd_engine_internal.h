@@ -14,6 +14,7 @@
 
 #include "pd_cp_prefill.h"
 #include "pd_engine.h"
+#include "pd_host_arena.h"
 #include "pd_prefix.h"
 
 #define TRY(expr) \
@@ -88,6 +89,7 @@ struct pd_engine {
     pd_cp_group *cp;
     /* tensor-parallel decode (tp_size > 1): tm/dm are rank 0's shards, owned by the group */
     pd_tp_group *tp;
+    pd_host_arena *swap_arena;  /* NULL: preempted requests' KV in malloc'ed blocks */
     size_t swap_used;           /* host bytes of preempted requests' KV (cfg.swap_bytes) */
     int n_swapped;              /* requests preempted now, KV in host memory ... */
     int n_recompute;            /* ... or KV given up (the swap space full): prefilled again */

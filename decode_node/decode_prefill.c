@@ -344,7 +344,8 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
     if (st != PD_OK) {
         h->node = NULL;
         node_failed(s, nd, err->msg);
-        return pd_err_set(err, PD_ERR_PEER, "prefill node %s: %s", nd->addr, err->msg);
+        pd_err_prefix(err, "prefill node %s", nd->addr);   /* (its message is an argument: not pd_err_set) */
+        return err->code = PD_ERR_PEER;
     }
     nd->inflight++;
     nd->calls++;
@@ -956,13 +957,17 @@ pd_status decode_prefill_setup_xfer(decode_server *s, pd_err *err)
             dl.n_pages = stage_n;
             dstage_bytes = pd_kv_pool_bytes(&dl);
         }
-        s->stage_busy = calloc((size_t)stage_n, 1);
-        s->kv_stage = calloc(1, stage_bytes);
-        if (dpool != NULL)
-            s->dkv_stage = calloc(1, dstage_bytes);
-        if (s->stage_busy == NULL || s->kv_stage == NULL || (dpool != NULL && s->dkv_stage == NULL))
-            return pd_err_set(err, PD_ERR_NOMEM, "kv staging pool: %d pages, %zu + %zu bytes", stage_n,
-                              stage_bytes, dstage_bytes);
+        /* the backend's host memory (pinned on a GPU: the reply's upload reads the pages in
+         * place instead of through the backend's ring) */
+        if ((s->stage_busy = calloc((size_t)stage_n, 1)) == NULL)
+            return pd_err_set(err, PD_ERR_NOMEM, "kv staging pool: %d pages", stage_n);
+        if ((st = kern_host_alloc(s->be, stage_bytes, &s->kv_stage, err)) != PD_OK ||
+            (dpool != NULL && (st = kern_host_alloc(s->be, dstage_bytes, &s->dkv_stage, err)) != PD_OK))
+            return pd_err_prefix(err, "kv staging pool: %d pages, %zu + %zu bytes", stage_n, stage_bytes,
+                                 dstage_bytes);
+        memset(s->kv_stage, 0, stage_bytes);
+        if (s->dkv_stage != NULL)
+            memset(s->dkv_stage, 0, dstage_bytes);
         s->stage_n = stage_n;
         PD_LOG_INFO("decode", "kv staging: %d pages (%.1f MiB of host memory%s) receive the prompts' kv, "
                     "uploaded into the pool of %d pages on the reply (--kv-staging-pages)", stage_n,

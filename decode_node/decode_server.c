@@ -761,8 +761,12 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
             return pd_err_set(err, PD_ERR_INVALID, "prompt text of %zu bytes is too long for a context of %d tokens",
                               req->prompt_text_len, s->max_ctx);
         pd_status st = pd_tokenizer_encode(s->tok, req->prompt_text, req->prompt_text_len, 1, &ids, &nn, err);
-        if (st != PD_OK)
-            return st == PD_ERR_NOMEM ? st : pd_err_set(err, PD_ERR_INVALID, "prompt text: %s", err->msg);
+        if (st != PD_OK) {
+            if (st == PD_ERR_NOMEM)
+                return st;
+            pd_err_prefix(err, "prompt text");   /* (its message is an argument: not pd_err_set) */
+            return err->code = PD_ERR_INVALID;
+        }
         n = (int)nn;
         if (n == 0) {
             free(ids);
@@ -1190,8 +1194,8 @@ void decode_server_destroy(decode_server *s)
     pd_xfer_mem_deregister(s->dkv_mem);
     pd_xfer_destroy(s->x);
     free(s->aux_arena);
-    free(s->kv_stage);
-    free(s->dkv_stage);
+    kern_host_free(s->be, s->kv_stage);
+    kern_host_free(s->be, s->dkv_stage);
     free(s->stage_busy);
     free(s->segs);
     free(s->nodes);

@@ -615,6 +615,13 @@ struct kern_backend_ops {
      * returns */
     pd_status (*upload_spans)(kern_backend *be, const kern_copy_span *spans, int n, pd_err *err);
     pd_status (*memset0)(kern_backend *be, void *dst, size_t n, pd_err *err);
+    /* Page-aligned host memory that this backend copies to and from fastest (cuda: pinned,
+     * which the batched copies above read and write in place instead of through their ring;
+     * cpu: plain memory). Not zeroed. For buffers that live long (a staging pool, the swap
+     * arena): pinning is slow (~a second per few GB). host_free takes NULL; nothing queued may
+     * still use the block. */
+    pd_status (*host_alloc)(kern_backend *be, size_t bytes, void **out, pd_err *err);
+    void (*host_free)(kern_backend *be, void *p);
     /* Converts n values of src_dtype (host memory) into dst (backend memory, dst_dtype). */
     pd_status (*upload_convert)(kern_backend *be, void *dst, kern_dtype dst_dtype,
                                 const void *src, kern_dtype src_dtype, size_t n, pd_err *err);
@@ -722,6 +729,8 @@ pd_status kern_download(kern_backend *be, void *dst, const void *src, size_t n, 
 pd_status kern_download_spans(kern_backend *be, const kern_copy_span *spans, int n, pd_err *err);
 pd_status kern_upload_spans(kern_backend *be, const kern_copy_span *spans, int n, pd_err *err);
 pd_status kern_memset0(kern_backend *be, void *dst, size_t n, pd_err *err);
+pd_status kern_host_alloc(kern_backend *be, size_t bytes, void **out, pd_err *err);
+void kern_host_free(kern_backend *be, void *p);
 pd_status kern_upload_convert(kern_backend *be, void *dst, kern_dtype dst_dtype, const void *src,
                               kern_dtype src_dtype, size_t n, pd_err *err);
 pd_status kern_sync(kern_backend *be, pd_err *err);

@@ -88,6 +88,19 @@ pd_status kern_memset0(kern_backend *be, void *dst, size_t n, pd_err *err)
     return be->ops->memset0(be, dst, n, err);
 }
 
+pd_status kern_host_alloc(kern_backend *be, size_t bytes, void **out, pd_err *err)
+{
+    CHECK(out != NULL, "host_alloc: NULL result");
+    *out = NULL;
+    return be->ops->host_alloc(be, bytes > 0 ? bytes : 1, out, err);
+}
+
+void kern_host_free(kern_backend *be, void *p)
+{
+    if (p != NULL)
+        be->ops->host_free(be, p);
+}
+
 pd_status kern_upload_convert(kern_backend *be, void *dst, kern_dtype dst_dtype, const void *src,
                               kern_dtype src_dtype, size_t n, pd_err *err)
 {

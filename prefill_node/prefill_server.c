@@ -19,6 +19,7 @@
 #include <time.h>
 
 #include "pd_engine.h"
+#include "pd_host_arena.h"
 #include "pd_log.h"
 #include "pd_wire.h"
 #include "pd_loop.h"
@@ -28,6 +29,8 @@
 #include "pdspark.pb-c.h"
 
 #define TICK_MS 20
+#define STAGE_ARENA_BYTES ((size_t)2 << 30)   /* pinned for staged pages at most */
+#define STAGE_CHUNK_BYTES ((size_t)256 << 20)
 
 typedef enum { J_QUEUED = 0, J_FORWARD, J_XFER, J_DONE } job_state;
 
@@ -104,6 +107,9 @@ struct prefill_server {
     size_t dpage_bytes;
     int hidden;
     int stage;                  /* stage KV pages through host memory before the puts */
+    pd_host_arena *stage_arena; /* with stage: the backend's (pinned) host memory for the staged
+                                 * pages of the jobs in transfer, kept between jobs; a job it
+                                 * cannot hold stages into malloc'ed memory. Engine thread. */
     int vocab, max_ctx, aux_dim, cp_n;
     pd_loop *loop;
     pthread_t thread;
@@ -335,6 +341,10 @@ static void job_retire(prefill_server *ps, job *j)
         pd_engine_release(ps->eng, j->r);
         j->r = NULL;
     }
+    if (pd_host_arena_owns(ps->stage_arena, j->stage)) {
+        pd_host_arena_free(ps->stage_arena, j->stage);   /* (job_unref frees a malloc'ed one) */
+        j->stage = NULL;
+    }
     j->state = J_DONE;
     list_remove(ps, j);
     job_unref(j);
@@ -565,7 +575,9 @@ static void start_transfer(prefill_server *ps, job *j)
         goto fail;
     }
     size_t stage_bytes = t_spans * ps->page_bytes + d_spans * ps->dpage_bytes;
-    if (ps->stage && (j->stage = malloc(stage_bytes)) == NULL) {
+    /* the arena's pinned memory when it has room (the pages are downloaded in place) */
+    if (ps->stage && (j->stage = pd_host_arena_alloc(ps->stage_arena, stage_bytes)) == NULL &&
+        (j->stage = malloc(stage_bytes)) == NULL) {
         st = pd_err_set(&err, PD_ERR_NOMEM, "kv staging: %zu bytes", stage_bytes);
         goto fail;
     }
@@ -1315,6 +1327,9 @@ pd_status prefill_server_create(const prefill_config *cfg, prefill_server **out,
     const char *force = getenv("PD_XFER_FORCE_STAGING");
     ps->stage = (!ps->be->is_host && !pd_xfer_supports_cuda(ps->x)) ||
                 (force != NULL && strcmp(force, "1") == 0);
+    if (ps->stage && (st = pd_host_arena_create(ps->be, STAGE_ARENA_BYTES, STAGE_CHUNK_BYTES, &ps->stage_arena,
+                                                err)) != PD_OK)
+        goto err_destroy;
     if ((st = pd_xfer_thread_start(ps->x, &ps->xt, err)) != PD_OK)
         goto err_destroy;
     pd_loop_timer_start(ps->tick_timer, TICK_MS, true);
@@ -1363,6 +1378,7 @@ void prefill_server_destroy(prefill_server *ps)
     pd_loop_timer_destroy(ps->tick_timer);
     pd_loop_destroy(ps->loop);
     pd_xfer_destroy(ps->x);
+    pd_host_arena_destroy(ps->stage_arena);   /* every job retired, no put left */
     pd_engine_destroy(ps->eng);
     pd_dspark_free(ps->dm);
     pd_cp_targets_free(&ps->cp_targets);

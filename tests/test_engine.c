@@ -1433,6 +1433,7 @@ static void test_engine_preemption(void)
         /* (22 + 48 + a block) tokens = ~20 pages each: 5 need ~100, the pool has 48 */
         ec.n_pages = 48;
         ec.swap_bytes = (size_t)1 << 30;
+        ec.swap_arena = variant % 2 == 0 ? 1 : -1;   /* host copies in the arena, or malloc'ed */
         e = NULL;
         TEST_CHECK(pd_engine_create(&ec, &e, &err) == PD_OK);
         int admitted = 0;
@@ -1451,6 +1452,11 @@ static void test_engine_preemption(void)
             pd_engine_swap_stats(e, &pre, &swapped, &bytes);
         TEST_CHECK_MSG(pre > 0 && swapped == 0 && bytes == 0, "variant %d: %llu preemptions, %d swapped, "
                        "%zu bytes", variant, (unsigned long long)pre, swapped, bytes);
+        size_t held = 1, used = 1;
+        if (e != NULL)
+            pd_engine_swap_arena_stats(e, &held, &used);
+        TEST_CHECK_MSG(used == 0 && (ec.swap_arena > 0 ? held > 0 : held == 0),
+                       "variant %d: swap arena %zu bytes held, %zu used", variant, held, used);
         for (int k = 0; k < NR && e != NULL; k++) {
             if (r[k] == NULL)
                 continue;

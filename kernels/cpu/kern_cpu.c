@@ -76,6 +76,23 @@ static pd_status cpu_copy_spans(kern_backend *be, const kern_copy_span *spans, i
     return PD_OK;
 }
 
+static pd_status cpu_host_alloc(kern_backend *be, size_t bytes, void **out, pd_err *err)
+{
+    (void)be;
+    /* page-aligned, as pinned memory is */
+    if (posix_memalign(out, 4096, bytes) != 0) {
+        *out = NULL;
+        return pd_err_set(err, PD_ERR_NOMEM, "host memory: %zu bytes", bytes);
+    }
+    return PD_OK;
+}
+
+static void cpu_host_free(kern_backend *be, void *p)
+{
+    (void)be;
+    free(p);
+}
+
 static pd_status cpu_memset0(kern_backend *be, void *dst, size_t n, pd_err *err)
 {
     (void)be;
@@ -855,6 +872,8 @@ static const kern_backend_ops cpu_ops = {
     .download_spans = cpu_copy_spans,
     .upload_spans = cpu_copy_spans,
     .memset0 = cpu_memset0,
+    .host_alloc = cpu_host_alloc,
+    .host_free = cpu_host_free,
     .upload_convert = cpu_upload_convert,
     .sync = cpu_sync,
     .mem_info = cpu_mem_info,

@@ -14,6 +14,7 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <pthread.h>
 #include <string.h>
 
 #define KERN_CUDA_CUBLAS_WS_BYTES ((size_t)32 << 20)
@@ -103,6 +104,76 @@ static char *stage_ring(kern_cuda_ctx *c)
     return c->stage;
 }
 
+/* Pinned host blocks handed out by host_alloc, process-wide (allocated portable, so a block one
+ * rank's backend made is pinned for every device's: tensor-parallel ranks copy their parts of
+ * one swap block), looked up by the batched copies to move a span in place. */
+#define PINNED_MAX 256
+static struct {
+    pthread_mutex_t mu;
+    int n;
+    struct { const char *p; size_t n; } b[PINNED_MAX];
+} pinned = { PTHREAD_MUTEX_INITIALIZER, 0, {} };
+
+static pd_status cuda_host_alloc(kern_backend *be, size_t bytes, void **out, pd_err *err)
+{
+    (void)be;
+    void *p = NULL;
+    cudaError_t e = cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped);
+    if (e == cudaSuccess) {
+        pthread_mutex_lock(&pinned.mu);
+        int room = pinned.n < PINNED_MAX;
+        if (room) {
+            pinned.b[pinned.n].p = (const char *)p;
+            pinned.b[pinned.n].n = bytes;
+            pinned.n++;
+        }
+        pthread_mutex_unlock(&pinned.mu);
+        if (room) {
+            *out = p;
+            return PD_OK;
+        }
+        (void)cudaFreeHost(p);   /* host_free must know it: an unregistered block would be free()d */
+    } else {
+        (void)cudaGetLastError();
+    }
+    /* pageable memory still works (through the ring); a locked-memory limit is common in
+     * containers */
+    if (posix_memalign(&p, 4096, bytes) != 0)
+        return pd_err_set(err, PD_ERR_NOMEM, "host memory: %zu bytes (pinned: %s)", bytes, cudaGetErrorString(e));
+    *out = p;
+    return PD_OK;
+}
+
+static void cuda_host_free(kern_backend *be, void *p)
+{
+    (void)be;
+    int found = 0;
+    pthread_mutex_lock(&pinned.mu);
+    for (int i = 0; i < pinned.n; i++)
+        if (pinned.b[i].p == (const char *)p) {
+            pinned.b[i] = pinned.b[--pinned.n];
+            found = 1;
+            break;
+        }
+    pthread_mutex_unlock(&pinned.mu);
+    if (found)
+        (void)cudaFreeHost(p);
+    else
+        free(p);
+}
+
+/* 1 when [p, p + n) lies in one pinned block of host_alloc's */
+static int host_pinned(const void *p, size_t n)
+{
+    const char *c = (const char *)p;
+    int hit = 0;
+    pthread_mutex_lock(&pinned.mu);
+    for (int i = 0; i < pinned.n && !hit; i++)
+        hit = c >= pinned.b[i].p && n <= pinned.b[i].n && (size_t)(c - pinned.b[i].p) <= pinned.b[i].n - n;
+    pthread_mutex_unlock(&pinned.mu);
+    return hit;
+}
+
 static pd_status cuda_upload(kern_backend *be, void *dst, const void *src, size_t n, pd_err *err)
 {
     kern_cuda_ctx *c = kern_cuda_ctx_of(be);
@@ -140,7 +211,9 @@ static pd_status cuda_download(kern_backend *be, void *dst, const void *src, siz
  * between the ring and device memory (the ring is host memory the device reads and writes
  * directly: unified addressing), so a fill costs one launch and one wait instead of a
  * cudaMemcpyAsync per span (~7 us each: 9216 pages of 32 KB took 67 ms that way, H100).
- * Larger spans are copied straight (the driver stages pageable memory itself). The fill's
+ * Larger spans are copied straight (the driver stages pageable memory itself). A span whose
+ * host side lies in pinned memory of host_alloc's skips the ring: its piece reads or writes the
+ * host memory in place (no ring bytes, no host memcpy; only a descriptor). The fill's
  * descriptors sit after the ring; every batched copy waits for its last fill, so they are free
  * when the next one starts. */
 
@@ -167,7 +240,8 @@ static pd_status span_fill(kern_cuda_ctx *c, int *np, const kern_copy_span *out,
     }
     PD_CUDA_TRY(cudaStreamSynchronize(c->stream), err);
     for (int i = 0; out != NULL && i < *np; i++)
-        memcpy(out[i].dst, out[i].src, out[i].n);
+        if (out[i].n > 0)   /* 0: a pinned span, written in place */
+            memcpy(out[i].dst, out[i].src, out[i].n);
     *np = 0;
     c->stage_head = 0;
     return PD_OK;
@@ -201,9 +275,19 @@ static pd_status spans_copy(kern_backend *be, const kern_copy_span *spans, int n
                 st = pd_err_set(err, PD_ERR_CUDA, "cudaMemcpyAsync of a span: %s", cudaGetErrorString(e));
             continue;
         }
+        const int direct = host_pinned(to_host ? spans[i].dst : spans[i].src, m);
+        if (direct)
+            need = 0;
         if ((c->stage_head + need > KERN_CUDA_STAGE_BYTES || np == SPAN_PIECES) &&
             (st = span_fill(c, &np, out, err)) != PD_OK)
             break;
+        if (direct) {
+            d[np] = (span_desc){ (char *)spans[i].dst, (const char *)spans[i].src, m };
+            if (to_host)
+                out[np] = (kern_copy_span){ NULL, NULL, 0 };
+            np++;
+            continue;
+        }
         char *at = c->stage + c->stage_head;
         if (to_host) {
             d[np] = (span_desc){ at, (const char *)spans[i].src, m };
@@ -393,6 +477,8 @@ static const kern_backend_ops cuda_ops = {
     .download_spans = cuda_download_spans,
     .upload_spans = cuda_upload_spans,
     .memset0 = cuda_memset0,
+    .host_alloc = cuda_host_alloc,
+    .host_free = cuda_host_free,
     .upload_convert = cuda_upload_convert,
     .sync = cuda_sync,
     .mem_info = cuda_mem_info,
