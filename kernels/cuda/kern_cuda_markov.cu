@@ -55,8 +55,8 @@ static __device__ __forceinline__ bool mk_better(float v, int i, float bv, int b
     return v > bv || (v == bv && i < bi);
 }
 
-/* block-wide (value, index) reduction; result valid in thread 0 */
-static __device__ void mk_block_best(float &bv, int &bi, float *sv, int *si)
+/* warp-wide (value, index) reduction by mk_better; every lane ends with the result */
+static __device__ __forceinline__ void mk_warp_best(float &bv, int &bi)
 {
     for (int o = 16; o > 0; o >>= 1) {
         float ov = __shfl_xor_sync(0xffffffffu, bv, o);
@@ -64,6 +64,12 @@ static __device__ void mk_block_best(float &bv, int &bi, float *sv, int *si)
         if (mk_better(ov, oi, bv, bi))
             bv = ov, bi = oi;
     }
+}
+
+/* block-wide (value, index) reduction; result valid in thread 0 */
+static __device__ void mk_block_best(float &bv, int &bi, float *sv, int *si)
+{
+    mk_warp_best(bv, bi);
     __syncthreads();   /* sv/si of the previous row are read */
     if ((threadIdx.x & 31) == 0) {
         sv[threadIdx.x >> 5] = bv;
@@ -682,12 +688,7 @@ markov_chain_res_kernel(kern_markov_chain_args a, int V, int R, mk_res_layout la
                     if (mk_better(val, v0 + lv, bv, bi))
                         bv = val, bi = v0 + lv;
                 }
-                for (int o = 16; o > 0; o >>= 1) {
-                    float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-                    int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-                    if (mk_better(ov, oi, bv, bi))
-                        bv = ov, bi = oi;
-                }
+                mk_warp_best(bv, bi);
                 if (lane == 0) {
                     red_v[(g0 + r) * MK_RES_WARPS + warp] = bv;
                     red_i[(g0 + r) * MK_RES_WARPS + warp] = bi;
@@ -711,12 +712,7 @@ markov_chain_res_kernel(kern_markov_chain_args a, int V, int R, mk_res_layout la
         for (int r = warp; r < n; r += MK_RES_WARPS) {
             float bv = lane < MK_RES_WARPS ? red_v[r * MK_RES_WARPS + lane] : -INFINITY;
             int bi = lane < MK_RES_WARPS ? red_i[r * MK_RES_WARPS + lane] : V;
-            for (int o = 16; o > 0; o >>= 1) {
-                float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-                int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-                if (mk_better(ov, oi, bv, bi))
-                    bv = ov, bi = oi;
-            }
+            mk_warp_best(bv, bi);
             unsigned long long *sl = slots + ((size_t)(k & 1) * n + r) * nb;
             if (lane == 0)
                 mk_st_relaxed(sl + blockIdx.x, mk_pack(bv, bi, tag));
@@ -745,12 +741,7 @@ markov_chain_res_kernel(kern_markov_chain_args a, int V, int R, mk_res_layout la
                         bv = v, bi = i;
                 }
             }
-            for (int o = 16; o > 0; o >>= 1) {
-                float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-                int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-                if (mk_better(ov, oi, bv, bi))
-                    bv = ov, bi = oi;
-            }
+            mk_warp_best(bv, bi);
             if (lane == 0) {
                 int id = bi < V ? bi : 0;   /* all -inf/NaN: index 0, as kern_argmax */
                 ids[r] = id;
