@@ -225,6 +225,12 @@ pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err 
         size_t chunk = e->cfg.swap_bytes < SWAP_CHUNK_BYTES ? e->cfg.swap_bytes : SWAP_CHUNK_BYTES;
         if ((st = pd_host_arena_create(be, e->cfg.swap_bytes, chunk, &e->swap_arena, err)) != PD_OK)
             goto err_free;
+        /* the first chunk now: pinning takes tens of ms, which a preemption would add to a step */
+        double t0 = pd_engine_now_s();
+        if (!be->is_host && pd_host_arena_reserve(e->swap_arena, chunk) == 0)
+            PD_LOG_INFO("engine", "swap space: %.0f MiB of pinned host memory taken in %.1f ms (more as "
+                        "preemptions need it, up to %.2f GiB)", (double)chunk / 1048576.0,
+                        (pd_engine_now_s() - t0) * 1e3, (double)e->cfg.swap_bytes / 1073741824.0);
     }
     *out = e;
     return PD_OK;

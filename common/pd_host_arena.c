@@ -114,6 +114,15 @@ static int add_chunk(pd_host_arena *a, size_t n)
     return a->n_chunks++;
 }
 
+int pd_host_arena_reserve(pd_host_arena *a, size_t n)
+{
+    size_t want = a->pinned + n;
+    while (a->pinned < want)
+        if (add_chunk(a, want - a->pinned < a->chunk_bytes ? want - a->pinned : a->chunk_bytes) < 0)
+            return -1;
+    return 0;
+}
+
 void *pd_host_arena_alloc(pd_host_arena *a, size_t n)
 {
     if (a == NULL || n == 0)

@@ -26,6 +26,9 @@ void pd_host_arena_destroy(pd_host_arena *a);
 void *pd_host_arena_alloc(pd_host_arena *a, size_t n);
 /* 1 when p is a piece of this arena (a NULL arena owns nothing). */
 int pd_host_arena_owns(const pd_host_arena *a, const void *p);
+/* Takes chunks for n more bytes now (startup: the first preemption then pays no pinning); 0, or
+ * -1 when the cap or the backend refuses. */
+int pd_host_arena_reserve(pd_host_arena *a, size_t n);
 /* Gives a piece back; its gap joins its neighbours'. p must be a piece of a. */
 void pd_host_arena_free(pd_host_arena *a, void *p);
 /* Bytes of the chunks pinned so far, and of the pieces handed out. */

@@ -54,6 +54,14 @@ static void test_arena_basic(void)
     pd_host_arena_destroy(a);
     pd_host_arena_destroy(NULL);
     TEST_CHECK(pd_host_arena_create(be, 1024 * KB, 0, &a, &err) == PD_ERR_INVALID);
+    /* reserve: whole chunks taken now, up to the cap; pieces then come from them */
+    TEST_CHECK(pd_host_arena_create(be, 600 * KB, 256 * KB, &a, &err) == PD_OK);
+    TEST_CHECK(pd_host_arena_reserve(a, 300 * KB) == 0 && pd_host_arena_chunk_bytes(a) == 512 * KB);
+    char *r1 = pd_host_arena_alloc(a, 256 * KB);
+    TEST_CHECK(r1 != NULL && pd_host_arena_chunk_bytes(a) == 512 * KB);
+    TEST_CHECK(pd_host_arena_reserve(a, 256 * KB) == -1 && pd_host_arena_chunk_bytes(a) == 512 * KB);
+    pd_host_arena_free(a, r1);
+    pd_host_arena_destroy(a);
 }
 
 /* Random pieces in and out against a model: never overlapping, each keeps what was written
