@@ -112,11 +112,11 @@ typedef struct {
                                         * near-tie). With cp_size > 1 that prefill runs over the
                                         * CP ranks, as a prompt's does. */
     int swap_arena;                    /* where the host copies live: 0 (default) in an arena of
-                                        * the backend's pinned memory on a GPU (chunks of up to
-                                        * 256 MiB pinned as the swap space fills and kept, so a
-                                        * page copy reads and writes them in place), in malloc'ed
-                                        * blocks on the CPU; 1 the arena on any backend (tests);
-                                        * -1 malloc'ed blocks always */
+                                        * the backend's pinned memory on a GPU (the first chunk of
+                                        * up to 256 MiB pinned at creation, more as the swap space
+                                        * fills, all kept, so a page copy reads and writes them in
+                                        * place), in malloc'ed blocks on the CPU; 1 the arena on
+                                        * any backend (tests); -1 malloc'ed blocks always */
     int tp_debug_fail_rank;            /* tests only: pd_tp_group_config.debug_fail_rank/cmd */
     int tp_debug_fail_cmd;
     /* Tests and debugging: called on the engine thread with exactly the aux tensor (backend
