@@ -33,8 +33,11 @@ typedef struct {
     double kv_mem_fraction;            /* in (0, 1) with n_pages 0: the target and draft pools
                                         * together take this fraction of the device memory that
                                         * is free when the engine is created (after the models
-                                        * are loaded), as many pages of each (GPU backends, no CP
-                                        * or TP; vLLM's --gpu-memory-utilization, for the cache) */
+                                        * are loaded), as many pages of each; with cp_size > 1
+                                        * every pool on a device (the CP ranks' too) together,
+                                        * the fullest device deciding (GPU backends, not with
+                                        * tp_size > 1; vLLM's --gpu-memory-utilization, for the
+                                        * cache) */
     int block_size;                    /* drafts per round, <= the draft's block size (0 = it) */
     int max_prefill_tokens;            /* tokens per prefill forward (chunking; default 2048) */
     pd_verify_policy verify_policy;    /* for requests that name none (DEFAULT = full) */

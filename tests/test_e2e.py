@@ -333,6 +333,29 @@ def main():
                 serve("colocated (--kv-memory-fraction 0.2)", addr, paths[:8], refs[:8])
             finally:
                 stop(dn)
+            # with cp 2 the ranks' pools on the GPU share the fraction: fewer pages than one
+            # rank's, still far more than the default; the cp 2 tokens
+            dn, addr = start([f"{BIN}/decode_node", "--model", TARGET, "--draft", DRAFT, "--listen",
+                              "127.0.0.1:0", "--colocated", "--cp-size", "2", "--kv-memory-fraction", "0.2"] + DEV,
+                             "decode_kvfrac_cp")
+            try:
+                r = subprocess.run([f"{BIN}/pdspark-client", "--server", addr, "--health"], capture_output=True,
+                                   text=True, timeout=30)
+                h2 = json.loads(r.stdout) if r.returncode == 0 else {}
+                print(f"colocated --cp-size 2 --kv-memory-fraction 0.2: {h2.get('total_kv_pages')} KV pages",
+                      flush=True)
+                check(4096 // 16 * 2 + 64 < h2.get("total_kv_pages", 0) < h.get("total_kv_pages", 0),
+                      f"--cp-size 2 --kv-memory-fraction 0.2: health {h2} (one rank: {h.get('total_kv_pages')})")
+                serve("colocated (cp 2, --kv-memory-fraction 0.2)", addr, paths[:8], refs_cp[:8])
+            finally:
+                stop(dn)
+        else:
+            # the CPU's memory is not the pools' to size: refused by name
+            r = subprocess.run([f"{BIN}/decode_node", "--model", TARGET, "--draft", DRAFT, "--listen",
+                                "127.0.0.1:0", "--colocated", "--kv-memory-fraction", "0.2"],
+                               capture_output=True, text=True, env=ENV, timeout=120)
+            check(r.returncode != 0 and "needs a GPU backend" in r.stderr,
+                  f"--kv-memory-fraction on the cpu: exit {r.returncode}, stderr {r.stderr.strip()[-300:]!r}")
     # CP prefill in a node: ranks as threads; on a GPU rank r runs on GPU r % (visible GPUs)
     # with its own copy of the target (one GPU: both ranks on it, the local communicator)
     if WHICH in ("disagg", "all"):
