@@ -350,12 +350,16 @@ def main():
             finally:
                 stop(dn)
         else:
-            # the CPU's memory is not the pools' to size: refused by name
-            r = subprocess.run([f"{BIN}/decode_node", "--model", TARGET, "--draft", DRAFT, "--listen",
-                                "127.0.0.1:0", "--colocated", "--kv-memory-fraction", "0.2"],
-                               capture_output=True, text=True, env=ENV, timeout=120)
-            check(r.returncode != 0 and "needs a GPU backend" in r.stderr,
-                  f"--kv-memory-fraction on the cpu: exit {r.returncode}, stderr {r.stderr.strip()[-300:]!r}")
+            # refused by name: the CPU's memory is not the pools' to size, pages and a fraction
+            # both, tensor parallel ranks
+            for extra, needle in (([], "needs a GPU backend"), (["--kv-pages", "100"], "not both"),
+                                  (["--tp", "2"], "a kv memory fraction with tp 2")):
+                r = subprocess.run([f"{BIN}/decode_node", "--model", TARGET, "--draft", DRAFT, "--listen",
+                                    "127.0.0.1:0", "--colocated", "--kv-memory-fraction", "0.2"] + extra,
+                                   capture_output=True, text=True, env=ENV, timeout=120)
+                check(r.returncode != 0 and needle in r.stderr,
+                      f"--kv-memory-fraction {extra} on the cpu: exit {r.returncode}, "
+                      f"stderr {r.stderr.strip()[-300:]!r}")
     # CP prefill in a node: ranks as threads; on a GPU rank r runs on GPU r % (visible GPUs)
     # with its own copy of the target (one GPU: both ranks on it, the local communicator)
     if WHICH in ("disagg", "all"):
