@@ -164,10 +164,7 @@ void pd_engine_preempt_clear(pd_engine *e, pd_request *r)
     if (r->swap != NULL) {
         e->swap_used -= r->swap_bytes;
         e->n_swapped--;
-        if (pd_host_arena_owns(e->swap_arena, r->swap))
-            pd_host_arena_free(e->swap_arena, r->swap);
-        else
-            free(r->swap);
+        pd_host_arena_give(e->swap_arena, r->swap);
         r->swap = NULL;
         r->swap_bytes = 0;
     }
@@ -240,21 +237,17 @@ pd_status pd_engine_swap_out(pd_engine *e, pd_request *r, pd_err *err)
                           e->swap_used, e->cfg.swap_bytes, bytes);
     /* the arena's pinned memory when it has room (pages copied in place), else a plain block */
     size_t held = pd_host_arena_chunk_bytes(e->swap_arena);
-    char *host = pd_host_arena_alloc(e->swap_arena, bytes);
-    int in_arena = host != NULL;
+    char *host = pd_host_arena_take(e->swap_arena, bytes);
     if (pd_host_arena_chunk_bytes(e->swap_arena) > held)
         PD_LOG_INFO("engine", "swap space: %.0f MiB of host memory taken for preempted requests' KV (%.0f MiB "
                     "in all; kept for later preemptions, at most --swap-space)",
                     (double)(pd_host_arena_chunk_bytes(e->swap_arena) - held) / 1048576.0,
                     (double)pd_host_arena_chunk_bytes(e->swap_arena) / 1048576.0);
-    if (!in_arena && (host = malloc(bytes > 0 ? bytes : 1)) == NULL)
+    if (host == NULL)
         return pd_err_set(err, PD_ERR_NOMEM, "swap: %zu bytes", bytes);
     pd_status st = swap_copy(e, r, nt, nd, host, 1, err);
     if (st != PD_OK) {
-        if (in_arena)
-            pd_host_arena_free(e->swap_arena, host);
-        else
-            free(host);
+        pd_host_arena_give(e->swap_arena, host);
         return st;
     }
     r->swap = host;

@@ -151,6 +151,20 @@ void *pd_host_arena_alloc(pd_host_arena *a, size_t n)
     return p;
 }
 
+void *pd_host_arena_take(pd_host_arena *a, size_t n)
+{
+    void *p = pd_host_arena_alloc(a, n);
+    return p != NULL ? p : malloc(n > 0 ? n : 1);
+}
+
+void pd_host_arena_give(pd_host_arena *a, void *p)
+{
+    if (pd_host_arena_owns(a, p))
+        pd_host_arena_free(a, p);
+    else
+        free(p);
+}
+
 int pd_host_arena_owns(const pd_host_arena *a, const void *p)
 {
     for (int i = 0; a != NULL && i < a->n_pieces; i++)

@@ -26,6 +26,12 @@ void pd_host_arena_destroy(pd_host_arena *a);
 void *pd_host_arena_alloc(pd_host_arena *a, size_t n);
 /* 1 when p is a piece of this arena (a NULL arena owns nothing). */
 int pd_host_arena_owns(const pd_host_arena *a, const void *p);
+/* A piece of n bytes when the arena has room, else (also with a NULL arena) a malloc'ed block;
+ * NULL when neither can be had. pd_host_arena_give takes either back. */
+void *pd_host_arena_take(pd_host_arena *a, size_t n);
+/* Gives back what pd_host_arena_take gave: a piece to the arena, a malloc'ed block to free().
+ * NULL: no-op. */
+void pd_host_arena_give(pd_host_arena *a, void *p);
 /* Takes chunks for n more bytes now (startup: the first preemption then pays no pinning); 0, or
  * -1 when the cap or the backend refuses. */
 int pd_host_arena_reserve(pd_host_arena *a, size_t n);

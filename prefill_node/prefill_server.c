@@ -341,10 +341,8 @@ static void job_retire(prefill_server *ps, job *j)
         pd_engine_release(ps->eng, j->r);
         j->r = NULL;
     }
-    if (pd_host_arena_owns(ps->stage_arena, j->stage)) {
-        pd_host_arena_free(ps->stage_arena, j->stage);   /* (job_unref frees a malloc'ed one) */
-        j->stage = NULL;
-    }
+    pd_host_arena_give(ps->stage_arena, j->stage);   /* no put reads it now */
+    j->stage = NULL;
     j->state = J_DONE;
     list_remove(ps, j);
     job_unref(j);
@@ -576,8 +574,7 @@ static void start_transfer(prefill_server *ps, job *j)
     }
     size_t stage_bytes = t_spans * ps->page_bytes + d_spans * ps->dpage_bytes;
     /* the arena's pinned memory when it has room (the pages are downloaded in place) */
-    if (ps->stage && (j->stage = pd_host_arena_alloc(ps->stage_arena, stage_bytes)) == NULL &&
-        (j->stage = malloc(stage_bytes)) == NULL) {
+    if (ps->stage && (j->stage = pd_host_arena_take(ps->stage_arena, stage_bytes)) == NULL) {
         st = pd_err_set(&err, PD_ERR_NOMEM, "kv staging: %zu bytes", stage_bytes);
         goto fail;
     }

@@ -636,7 +636,6 @@ static pd_status ctx_init(kern_cuda_ctx *c, int device, pd_err *err)
     const char *spc = getenv("PD_ATTN_SPC");
     int sv = spc != NULL ? atoi(spc) : 0;
     c->attn_spc = sv == 1 || sv == 2 || sv == 4 || sv == 8 || sv == 16 ? sv : 0;
-
     c->small_pdl = env_on("PD_SMALL_PDL");
     c->sk_batch = env_on("PD_SK_BATCH");
     c->sk_xpack = env_on("PD_SK_XPACK");
