@@ -262,8 +262,10 @@ typedef struct {
     uint64_t staging_waits;         /* ... and the requests that waited for them at the head
                                      * of the queue so far */
     uint64_t preemptions;           /* requests preempted so far (--swap-space) ... */
-    int swapped_requests;           /* ... preempted now, and the host bytes of their KV */
+    int swapped_requests;           /* ... preempted now, and the host bytes of their KV ... */
     size_t swap_bytes;
+    size_t swap_held;               /* ... and the host memory the swap space holds (pinned on a
+                                     * GPU, kept once taken; pd_engine_swap_arena_stats) */
     int disaggregated;              /* 1 unless colocated */
     int prefill_nodes;              /* disaggregated: prefill nodes --prefill resolves to now */
     int prefill_nodes_up;           /* not marked down after a failure (at the update) */

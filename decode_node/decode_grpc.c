@@ -947,6 +947,10 @@ static pd_status handle_health(void *ud, const ProtobufCMessage *msg, pd_rpc_cal
     r.staging_pages_used = (uint32_t)st.staging_pages_used;
     r.staging_pages_total = (uint32_t)st.staging_pages;
     r.staging_waits = st.staging_waits;
+    r.preemptions = st.preemptions;
+    r.swapped_requests = (uint32_t)st.swapped_requests;
+    r.swap_bytes = st.swap_bytes;
+    r.swap_space_held_bytes = st.swap_held;
     pd_rpc_reply(call, &r.base);
     return PD_OK;
 }

@@ -35,7 +35,7 @@ struct decode_metrics {
     pd_metric *fin_stop, *fin_length;
     pd_metric *prompt_tokens, *gen_tokens, *cached_tokens;
     pd_metric *gcache_hits, *gcache_misses;  /* structured-output grammars reused / compiled */
-    pd_metric *preempt, *swapped, *swap_bytes;   /* --swap-space */
+    pd_metric *preempt, *swapped, *swap_bytes, *swap_held;   /* --swap-space */
     uint64_t preempt_seen;
     pd_metric *stage_used, *stage_total, *stage_waits;   /* the KV staging pool */
     uint64_t stage_waits_seen;
@@ -217,6 +217,7 @@ static void collect(void *ud)
         pd_metric_add(m->stage_waits, (double)(st.staging_waits - m->stage_waits_seen));
         m->stage_waits_seen = st.staging_waits;
         pd_metric_set(m->swap_bytes, (double)st.swap_bytes);
+        pd_metric_set(m->swap_held, (double)st.swap_held);
         m->gc_hits_seen = hits;
         m->gc_misses_seen = misses;
     }
@@ -274,6 +275,9 @@ pd_status decode_metrics_create(pd_metrics *reg, decode_metrics **out, pd_err *e
                                   "Requests preempted now (their KV in host memory)", NULL);
     m->swap_bytes = pd_metrics_gauge(reg, "pdspark_swap_bytes", "Host bytes holding preempted requests' KV",
                                      NULL);
+    m->swap_held = pd_metrics_gauge(reg, "pdspark_swap_space_held_bytes",
+                                    "Host memory the swap space's pinned arena holds (GPU backends; kept "
+                                    "once taken, 0 without one)", NULL);
     m->stage_used = pd_metrics_gauge(reg, "pdspark_kv_staging_pages_used",
                                      "KV staging pages held by requests (from their Prefill call until "
                                      "no put of it can land)", NULL);

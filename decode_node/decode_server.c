@@ -108,6 +108,8 @@ void decode_server_update_stats(decode_server *s)
     st.staging_pages_used = s->stage_used;
     st.staging_waits = s->stage_waits;
     pd_engine_swap_stats(s->eng, &st.preemptions, &st.swapped_requests, &st.swap_bytes);
+    size_t arena_used = 0;
+    pd_engine_swap_arena_stats(s->eng, &st.swap_held, &arena_used);
     double now = pd_cli_now_ms();
     st.disaggregated = !s->cfg.colocated;
     for (int i = 0; i < s->n_nodes; i++) {

@@ -1811,6 +1811,11 @@ static void preempt_case(const char *decode_addr, const char *what)
         usleep(5000);
     TEST_CHECK_MSG(h.free_kv_pages == 24 && h.active_requests == 0, "%s: %u pages free of 24 afterwards",
                    what, h.free_kv_pages);
+    /* the pool did run out (Health counts preemptions, swapped or recomputed alike), and nothing
+     * is left in host memory */
+    TEST_CHECK_MSG(h.preemptions >= 1 && h.swapped_requests == 0 && h.swap_bytes == 0,
+                   "%s: %llu preemptions, %u requests and %llu bytes swapped afterwards", what,
+                   (unsigned long long)h.preemptions, h.swapped_requests, (unsigned long long)h.swap_bytes);
     pd_rpc_channel_destroy(ch);
 }
 
