@@ -6,7 +6,7 @@
  *   [q heads, k heads] at a time: the lane holds the rotate-half pairs (i, i + hd/2) for
  *   i = lane, lane + 32, ...; sum of squares over the head in fp32 (fixed
  *   order: lane partials, then a butterfly), x = w * (x * inv), RoPE with the angle formed as
- *   kern_cuda_rope.cu forms it (fp32 inv_freq, double angle and sincos), written back in place;
+ *   kern_cuda_rope.cu forms it (kern_cuda_rope_cs), written back in place;
  *   a k-head warp also stores its k and v head into the paged cache at slot[t] (negative slot:
  *   skipped). Each token is processed on its own, so the op is batch-invariant.
  * Not here: shape checks (kern_ops.c); the unfused ops (kern_cuda_norm.cu, kern_cuda_rope.cu).
@@ -50,14 +50,8 @@ static __device__ __forceinline__ void load_head(const T *x, int n_half, int lan
 static __device__ __forceinline__ void rope_angles(const kern_qk_post_args &a, size_t t, int hd,
                                                    float *cs, float *sn)
 {
-    const double pos = (double)a.pos[t];
-    for (int i = threadIdx.x; i < hd / 2; i += blockDim.x) {
-        float inv_freq = (float)(1.0 / pow((double)a.theta, (double)(2 * i) / hd));
-        double sd, cd;
-        sincos(pos * (double)inv_freq, &sd, &cd);
-        cs[i] = (float)cd;
-        sn[i] = (float)sd;
-    }
+    for (int i = threadIdx.x; i < hd / 2; i += blockDim.x)
+        kern_cuda_rope_cs(a.pos[t], a.theta, i, hd, &cs[i], &sn[i]);
     __syncthreads();
 }
 

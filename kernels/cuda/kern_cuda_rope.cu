@@ -16,11 +16,8 @@ __global__ void rope_kernel(float *x, int n_tok, int n_heads, int head_dim, int 
         size_t th = i / half;
         int h = (int)(th % n_heads);
         size_t t = th / n_heads;
-        float inv_freq = (float)(1.0 / pow((double)theta, (double)(2 * k) / head_dim));
-        double ang = (double)pos[t] * (double)inv_freq;
-        double sd, cd;
-        sincos(ang, &sd, &cd);
-        float s = (float)sd, c = (float)cd;
+        float c, s;
+        kern_cuda_rope_cs(pos[t], theta, (int)k, head_dim, &c, &s);
         float *p = x + t * ld + (size_t)h * head_dim;
         float x1 = p[k], x2 = p[k + half];
         kern_cuda_rope_pair(x1, x2, c, s, rnd, p + k, p + k + half);
