@@ -30,6 +30,7 @@ static void usage(FILE *f)
             "                    [--log-level error|warn|info|debug|trace] [--log-format text|json]\n"
             "                    [--http HOST:PORT]\n"
             "                    [--drain-timeout-ms N] [--fast-kernels] [--prefix-cache]\n"
+            "                    [--stage-memory GIB]\n"
             "\n"
             "Serves pdspark.Prefill: batches queued prompts into engine steps (context-parallel\n"
             "over --cp-size ranks; on cuda rank r on GPU r %% (visible GPUs) with its own copy of\n"
@@ -49,6 +50,9 @@ static void usage(FILE *f)
             "--kv-memory-fraction F (cuda, 0 < F < 1): the KV pools take F of the GPU memory free\n"
             "once the models are loaded, instead of --kv-pages; with --cp-size > 1 every rank's\n"
             "pool on a GPU together (the fullest GPU decides).\n"
+            "--stage-memory GIB (default 2; 0 = none): where UCX cannot read GPU memory the KV\n"
+            "pages go to host memory before the puts; up to this much of it is pinned (taken as\n"
+            "prompts need it and kept), larger stagings use plain memory.\n"
             "--dtype f32 keeps the weights and KV cache in fp32 on cuda (default bf16); the\n"
             "decode nodes must use the same.\n"
             "--fast-kernels (cuda) batches queued prompts into one forward: faster under load,\n"
@@ -82,13 +86,14 @@ int main(int argc, char **argv)
     int tmo = 0;
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_CP, O_CPS, O_DEVICE, O_MBT, O_PAGES, O_PAGE, O_XTMO,
            O_AUX, O_LOG, O_HELP, O_HTTP, O_XERR, O_DRAIN, O_DTYPE, O_FAST, O_LOGFMT,
-           O_PREFIX, O_KVFRAC };
+           O_PREFIX, O_KVFRAC, O_STAGEMEM };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"cp-size", required_argument, 0, O_CP},
         {"cp-strategy", required_argument, 0, O_CPS}, {"device", required_argument, 0, O_DEVICE},
         {"max-batch-tokens", required_argument, 0, O_MBT}, {"kv-pages", required_argument, 0, O_PAGES},
         {"kv-memory-fraction", required_argument, 0, O_KVFRAC},
+        {"stage-memory", required_argument, 0, O_STAGEMEM},
         {"page-size", required_argument, 0, O_PAGE}, {"transfer-timeout-ms", required_argument, 0, O_XTMO},
         {"aux-transfer", required_argument, 0, O_AUX}, {"log-level", required_argument, 0, O_LOG},
         {"help", no_argument, 0, O_HELP}, {"http", required_argument, 0, O_HTTP},
@@ -115,6 +120,7 @@ int main(int argc, char **argv)
         case O_KVFRAC:
             bad = pd_cli_parse_fraction(PROG, "--kv-memory-fraction", optarg, &cfg.kv_mem_fraction);
             break;
+        case O_STAGEMEM: bad = pd_cli_parse_gib(PROG, "--stage-memory", optarg, &cfg.stage_bytes); break;
         case O_PAGE: bad = pd_cli_parse_int(PROG, "--page-size", optarg, 1, 4096, &cfg.page_size); break;
         case O_XTMO: bad = pd_cli_parse_int(PROG, "--transfer-timeout-ms", optarg, 1, INT32_MAX, &tmo); cfg.transfer_timeout_ms = tmo; break;
         case O_AUX: cfg.aux_transfer = optarg; break;

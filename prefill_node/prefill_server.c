@@ -29,8 +29,7 @@
 #include "pdspark.pb-c.h"
 
 #define TICK_MS 20
-#define STAGE_ARENA_BYTES ((size_t)2 << 30)   /* pinned for staged pages at most */
-#define STAGE_CHUNK_BYTES ((size_t)256 << 20)
+#define STAGE_CHUNK_BYTES ((size_t)256 << 20)   /* the stage arena's chunks (cfg.stage_bytes) */
 
 typedef enum { J_QUEUED = 0, J_FORWARD, J_XFER, J_DONE } job_state;
 
@@ -107,9 +106,10 @@ struct prefill_server {
     size_t dpage_bytes;
     int hidden;
     int stage;                  /* stage KV pages through host memory before the puts */
-    pd_host_arena *stage_arena; /* with stage: the backend's (pinned) host memory for the staged
-                                 * pages of the jobs in transfer, kept between jobs; a job it
-                                 * cannot hold stages into malloc'ed memory. Engine thread. */
+    pd_host_arena *stage_arena; /* with stage (and cfg.stage_bytes): the backend's (pinned) host
+                                 * memory for the staged pages of the jobs in transfer, kept
+                                 * between jobs; a job it cannot hold (or NULL) stages into
+                                 * malloc'ed memory. Engine thread. */
     int vocab, max_ctx, aux_dim, cp_n;
     pd_loop *loop;
     pthread_t thread;
@@ -145,6 +145,7 @@ void prefill_config_default(prefill_config *cfg)
     cfg->max_batch_tokens = 8192;
     cfg->transfer_timeout_ms = 30000;
     cfg->aux_transfer = "raw";
+    cfg->stage_bytes = (int64_t)2 << 30;
 }
 
 static void job_unref(job *j)
@@ -1324,9 +1325,11 @@ pd_status prefill_server_create(const prefill_config *cfg, prefill_server **out,
     const char *force = getenv("PD_XFER_FORCE_STAGING");
     ps->stage = (!ps->be->is_host && !pd_xfer_supports_cuda(ps->x)) ||
                 (force != NULL && strcmp(force, "1") == 0);
-    if (ps->stage && (st = pd_host_arena_create(ps->be, STAGE_ARENA_BYTES, STAGE_CHUNK_BYTES, &ps->stage_arena,
-                                                err)) != PD_OK)
-        goto err_destroy;
+    if (ps->stage && cfg->stage_bytes > 0) {
+        size_t cap = (size_t)cfg->stage_bytes, chunk = cap < STAGE_CHUNK_BYTES ? cap : STAGE_CHUNK_BYTES;
+        if ((st = pd_host_arena_create(ps->be, cap, chunk, &ps->stage_arena, err)) != PD_OK)
+            goto err_destroy;
+    }
     if ((st = pd_xfer_thread_start(ps->x, &ps->xt, err)) != PD_OK)
         goto err_destroy;
     pd_loop_timer_start(ps->tick_timer, TICK_MS, true);

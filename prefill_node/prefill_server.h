@@ -45,6 +45,9 @@ typedef struct {
     const char *cp_strategy;        /* NULL = engine default */
     int kv_pages;                   /* 0 = engine default */
     double kv_mem_fraction;         /* --kv-memory-fraction: pd_engine_config.kv_mem_fraction */
+    int64_t stage_bytes;            /* --stage-memory: pinned host memory for KV pages staged
+                                     * before their puts (GPU memory UCX cannot read), taken as
+                                     * jobs need it and kept (default 2 GiB; 0 = plain memory) */
     int page_size;                  /* 0 = 16 (must match the decode nodes) */
     int max_batch_tokens;           /* prompt tokens per batch / forward (0 = 8192) */
     int64_t transfer_timeout_ms;    /* bound on one KV+aux transfer (0 = 30000) */

@@ -209,6 +209,8 @@ if [ -x "$bin/decode_node" ] && [ -x "$bin/pdspark-client" ]; then
         $bin/decode_node --model "$T" --draft "$D" --listen 127.0.0.1:0 --colocated --kv-memory-fraction 0.5 --kv-pages 64
     expect_fail "decode_node --kv-memory-fraction on the cpu" "needs a GPU backend" $bin/decode_node --model "$T" \
         --draft "$D" --listen 127.0.0.1:0 --colocated --kv-memory-fraction 0.5
+    expect_fail "prefill_node --stage-memory abc" "--stage-memory: 'abc' is not a size in GiB" $bin/prefill_node \
+        --model "$T" --draft "$D" --listen 127.0.0.1:0 --stage-memory abc
     expect_fail "prefill_node --kv-memory-fraction on the cpu" "needs a GPU backend" $bin/prefill_node --model "$T" \
         --draft "$D" --listen 127.0.0.1:0 --kv-memory-fraction 0.5
     expect_fail "decode_node --prefill-refresh-ms colocated" "prefill-refresh-ms applies to --prefill only" \

@@ -183,8 +183,11 @@ def staged(paths, refs):
         r = subprocess.run(base + extra, capture_output=True, text=True, env=dict(ENV, **env), timeout=120)
         check(r.returncode == code and needle in r.stderr,
               f"decode_node {' '.join(extra)}: exit {r.returncode}, stderr {r.stderr.strip()[-300:]!r}")
+    # --stage-memory of ~10 MB: the node's arena holds the staged pages of about 4 prompts at
+    # once (~2.5 MB each on the cpu), the others stage into plain memory, so both kinds are put
     pn, paddr = start([f"{BIN}/prefill_node", "--model", TARGET, "--draft", DRAFT, "--listen",
-                       "127.0.0.1:0", "--aux-transfer", "draft-kv"] + DEV, "prefill_staged", env=env)
+                       "127.0.0.1:0", "--aux-transfer", "draft-kv", "--stage-memory", "0.01"] + DEV,
+                      "prefill_staged", env=env)
     stopped = False
     try:
         dn, addr, http = start(base + ["--prefill", paddr, "--kv-staging-pages", "256",
