@@ -339,11 +339,13 @@ static int do_health(pd_rpc_channel *ch, int64_t timeout_ms)
     const Pdspark__HealthReply *r = (const Pdspark__HealthReply *)out;
     printf("{\"serving\":%s,\"node\":\"%s\",\"active_requests\":%u,\"queued_requests\":%u,"
            "\"free_kv_pages\":%u,\"total_kv_pages\":%u,\"pages_in_use\":%u,\"staging_pages_used\":%u,"
-           "\"staging_pages_total\":%u,\"staging_waits\":%llu}\n",
+           "\"staging_pages_total\":%u,\"staging_waits\":%llu,\"preemptions\":%llu,\"swapped_requests\":%u,"
+           "\"swap_bytes\":%llu,\"swap_space_held_bytes\":%llu}\n",
            r->status == PDSPARK__HEALTH_REPLY__SERVING_STATUS__SERVING_STATUS_SERVING ? "true" : "false",
            r->node, r->active_requests, r->queued_requests, r->free_kv_pages, r->total_kv_pages,
            r->total_kv_pages - r->free_kv_pages, r->staging_pages_used, r->staging_pages_total,
-           (unsigned long long)r->staging_waits);
+           (unsigned long long)r->staging_waits, (unsigned long long)r->preemptions, r->swapped_requests,
+           (unsigned long long)r->swap_bytes, (unsigned long long)r->swap_space_held_bytes);
     protobuf_c_message_free_unpacked(out, NULL);
     return 0;
 }

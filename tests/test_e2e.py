@@ -313,6 +313,12 @@ def main():
                           "127.0.0.1:0", "--colocated"] + DEV, "decode_colocated")
         try:
             serve("colocated", addr, paths, refs)
+            # Health's preemption fields (default --swap-space 4): nothing preempted here; on a
+            # GPU the swap space's first 256 MiB chunk is pinned at start, on the cpu no arena
+            h = health(addr)
+            held = 256 << 20 if DEV else 0
+            check(h.get("preemptions") == 0 and h.get("swapped_requests") == 0 and h.get("swap_bytes") == 0 and
+                  h.get("swap_space_held_bytes") == held, f"Health after the colocated run: {h} (held {held})")
         finally:
             stop(dn)
         # the in-process prefill context-parallel over 2 ranks; 8 prompts (CI time)
