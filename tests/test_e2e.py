@@ -3,8 +3,8 @@
 
 Runs the 32 public prompts (input_ids, max_new_tokens 128, greedy) through pdspark-client, 8 at a
 time, against (a) prefill_node (cp 2) + decode_node and (b) decode_node --colocated (and 8 of
-them --colocated --cp-size 2), and checks that tokens, text, rounds, accepted_per_round and tau
-equal pdspark-generate --prompt-ids (with --cp-size 2 for CP on a GPU). Then 8 of them through
+them --colocated --cp-size 2, 8 in a pool of 64 KV pages that preempts), and checks that tokens,
+text, rounds, accepted_per_round and tau equal pdspark-generate --prompt-ids (with --cp-size 2 for CP on a GPU). Then 8 of them through
 the other drafter payloads (prefill_node --aux-transfer ctx and draft-kv, cp 2), and 8 through
 draft-kv with host staging forced (target and draft pools staged), and 8 with --fast-kernels on
 both nodes (equal on the cpu; on a GPU only complete answers are required). The staged run
@@ -319,6 +319,20 @@ def main():
             held = 256 << 20 if DEV else 0
             check(h.get("preemptions") == 0 and h.get("swapped_requests") == 0 and h.get("swap_bytes") == 0 and
                   h.get("swap_space_held_bytes") == held, f"Health after the colocated run: {h} (held {held})")
+        finally:
+            stop(dn)
+        # preemption: 8 prompts at once in a pool of 64 pages (each answer needs 25: 256 + 128
+        # tokens and a block), so requests are admitted with their prompts' pages and the pool
+        # runs out as they grow; the ones preempted wait with their KV in host memory (the
+        # pinned swap arena on a GPU) and resume, and every answer must be pdspark-generate's
+        dn, addr = start([f"{BIN}/decode_node", "--model", TARGET, "--draft", DRAFT, "--listen",
+                          "127.0.0.1:0", "--colocated", "--kv-pages", "64"] + DEV, "decode_preempt")
+        try:
+            serve("colocated (64 KV pages, preemption)", addr, paths[:8], refs[:8])
+            h = health(addr)
+            check(h.get("preemptions", 0) >= 1 and h.get("swapped_requests") == 0 and h.get("swap_bytes") == 0 and
+                  h.get("free_kv_pages") == 64, f"Health after the preemption run: {h}")
+            print(f"preemption: {h.get('preemptions')} preemptions, every request resumed", flush=True)
         finally:
             stop(dn)
         # the in-process prefill context-parallel over 2 ranks; 8 prompts (CI time)
