@@ -1,12 +1,14 @@
 /* pd_cli.h - small helpers shared by the command-line tools of both nodes (decode_node,
  * prefill_node, pdspark-client, pdspark-generate, ...): flag parsing, token-id files, the
- * monotonic clock, address splitting.
+ * monotonic clock, address splitting, the nodes' signal setup.
  * Owns: nothing stateful.
  * Not here: anything that talks to the engine or the network.
- * Threading: pure functions (pd_cli_read_ids does file I/O on the caller's thread). */
+ * Threading: pure functions (pd_cli_read_ids does file I/O on the caller's thread;
+ * pd_cli_block_stop_signals sets the calling thread's mask and SIGPIPE's disposition). */
 #ifndef PD_CLI_H
 #define PD_CLI_H
 
+#include <signal.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -16,6 +18,9 @@
 
 /* Milliseconds of CLOCK_MONOTONIC. */
 double pd_cli_now_ms(void);
+/* A node's signals: SIGINT and SIGTERM blocked in the calling thread and every thread it starts
+ * afterwards (the main thread takes them with sigwait on *set), SIGPIPE ignored. */
+void pd_cli_block_stop_signals(sigset_t *set);
 /* Parse an integer flag value in lo..hi; prints "prog: flag: ..." to stderr and returns -1 on
  * a bad value. */
 int pd_cli_parse_i64(const char *prog, const char *flag, const char *s, int64_t lo, int64_t hi,

@@ -308,11 +308,7 @@ int main(int argc, char **argv)
 
     /* block the stop signals in every thread; the main thread waits for them */
     sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGINT);
-    sigaddset(&set, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &set, NULL);
-    signal(SIGPIPE, SIG_IGN);
+    pd_cli_block_stop_signals(&set);
 
     pd_err err = {0};
     decode_server *s = NULL;

@@ -168,11 +168,7 @@ int main(int argc, char **argv)
         return 2;
     }
     sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGINT);
-    sigaddset(&set, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &set, NULL);
-    signal(SIGPIPE, SIG_IGN);
+    pd_cli_block_stop_signals(&set);
 
     pd_err err = {0};
     prefill_server *ps = NULL;
