@@ -51,6 +51,8 @@ pd_status pd_host_arena_create(kern_backend *be, size_t cap, size_t chunk_bytes,
         return pd_err_set(err, PD_ERR_NOMEM, "host arena");
     a->be = be;
     a->cap = cap;
+    if (chunk_bytes > cap && cap > 0)
+        chunk_bytes = cap;   /* a chunk never larger than the whole arena */
     a->chunk_bytes = (chunk_bytes + ARENA_ALIGN - 1) / ARENA_ALIGN * ARENA_ALIGN;
     *out = a;
     return PD_OK;

@@ -15,8 +15,8 @@
 
 typedef struct pd_host_arena pd_host_arena;
 
-/* An arena that pins chunks of chunk_bytes (or one piece's size, if larger) from be, up to cap
- * bytes in all; nothing is allocated before the first piece. */
+/* An arena that pins chunks of chunk_bytes (at most cap; or one piece's size, if larger) from
+ * be, up to cap bytes in all; nothing is allocated before the first piece. */
 pd_status pd_host_arena_create(kern_backend *be, size_t cap, size_t chunk_bytes, pd_host_arena **out,
                                pd_err *err);
 /* Frees every chunk: the pieces must be given back (or no longer used) by then. NULL: no-op. */

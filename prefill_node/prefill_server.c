@@ -1325,11 +1325,10 @@ pd_status prefill_server_create(const prefill_config *cfg, prefill_server **out,
     const char *force = getenv("PD_XFER_FORCE_STAGING");
     ps->stage = (!ps->be->is_host && !pd_xfer_supports_cuda(ps->x)) ||
                 (force != NULL && strcmp(force, "1") == 0);
-    if (ps->stage && cfg->stage_bytes > 0) {
-        size_t cap = (size_t)cfg->stage_bytes, chunk = cap < STAGE_CHUNK_BYTES ? cap : STAGE_CHUNK_BYTES;
-        if ((st = pd_host_arena_create(ps->be, cap, chunk, &ps->stage_arena, err)) != PD_OK)
-            goto err_destroy;
-    }
+    if (ps->stage && cfg->stage_bytes > 0 &&
+        (st = pd_host_arena_create(ps->be, (size_t)cfg->stage_bytes, STAGE_CHUNK_BYTES, &ps->stage_arena,
+                                   err)) != PD_OK)
+        goto err_destroy;
     if ((st = pd_xfer_thread_start(ps->x, &ps->xt, err)) != PD_OK)
         goto err_destroy;
     pd_loop_timer_start(ps->tick_timer, TICK_MS, true);
