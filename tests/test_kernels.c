@@ -2873,6 +2873,11 @@ static const kcase cases[] = {
     {"kv_store", 300, 0, 0, 0, 0, 0, 0, 0, 8, 128, 16, NULL, 0, 0},
     {"argmax", 1, 151936, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
     {"argmax", 17, 1001, 3, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
+    /* a cluster per row (aligned rows of 16-byte loads, and a padded row of scalar ones), and
+     * more rows than a cluster each may take */
+    {"argmax", 8, 151936, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
+    {"argmax", 3, 40001, 1, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
+    {"argmax", 64, 151936, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0, 0},
     /* linear: m n k pad, sub = epilogue (0 store, 1 accumulate, 2 swiglu) | 4 rmsnorm, n_heads = weights */
     {"linear", 0, 0, 0, 1, 1000, 256, 4, 1, 0, 0, 0, NULL, 1e-2, 0},
     {"linear", 0, 0, 3, 3, 517, 1000, 4, 3, 0, 0, 0, NULL, 1e-2, 0},

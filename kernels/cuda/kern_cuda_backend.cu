@@ -629,6 +629,7 @@ static pd_status ctx_init(kern_cuda_ctx *c, int device, pd_err *err)
     c->mk_chain_old = mk != NULL && strcmp(mk, "old") == 0;
     c->mk_chain_pdl = env_on("PD_MK_CHAIN_PDL");
     c->decode_early = env_on("PD_DECODE_EARLY");
+    c->argmax_cluster = env_on("PD_ARGMAX_CLUSTER");
     c->attn_cluster = env_on("PD_ATTN_CLUSTER");
     c->sk_spread = env_on("PD_SK_SPREAD");
     c->attn_coop = env_on("PD_ATTN_COOP");

@@ -86,6 +86,8 @@ typedef struct kern_cuda_ctx {
                                   at creation (0: never), 24 without it */
     int sk_tiled_any;          /* PD_SK_TILED_ANY=1 at creation: the tiled form from sk_tiled_min
                                   rows whatever the K split */
+    int argmax_cluster;        /* 1 unless PD_ARGMAX_CLUSTER=0 at creation: an argmax of few long
+                                  rows spreads each over a cluster of 8 CTAs (kern_cuda_argmax.cu) */
     int sk_tiled_smem;         /* bit e: sk_tiled_kernel<e>'s shared-memory limit raised */
     int sk_chunk_major;        /* 1 unless PD_SK_CHUNK_MAJOR=0 at creation: a skinny GEMM of
                                   several 64-row chunks runs a tile's chunks side by side */
@@ -391,6 +393,25 @@ static __device__ __forceinline__ float kern_cuda_warp_max(float v)
     for (int o = 16; o > 0; o >>= 1)
         v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
+}
+
+/* The argmax rule of kern_argmax (and of every device argmax: greedy sampling, the Markov chain,
+ * the sampling filters): (v, i) beats (bv, bi) when larger, or equal with a lower index; NaN
+ * never wins. A total order, so any reduction order finds the CPU scan's index. */
+static __device__ __forceinline__ bool kern_cuda_better(float v, int i, float bv, int bi)
+{
+    return v > bv || (v == bv && i < bi);
+}
+
+/* warp-wide (value, index) reduction by kern_cuda_better; every lane ends with the result */
+static __device__ __forceinline__ void kern_cuda_warp_best(float &bv, int &bi)
+{
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (kern_cuda_better(ov, oi, bv, bi))
+            bv = ov, bi = oi;
+    }
 }
 
 /* ---- timeline trace (diagnostic builds only: -DPD_KTRACE) ---------------------------------

@@ -50,26 +50,10 @@ static __device__ __forceinline__ float mk_add(float base, float dot, int rnd)
     return rnd ? kern_cuda_rnd(base + kern_cuda_rnd(dot, 1), 1) : base + dot;
 }
 
-static __device__ __forceinline__ bool mk_better(float v, int i, float bv, int bi)
-{
-    return v > bv || (v == bv && i < bi);
-}
-
-/* warp-wide (value, index) reduction by mk_better; every lane ends with the result */
-static __device__ __forceinline__ void mk_warp_best(float &bv, int &bi)
-{
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (mk_better(ov, oi, bv, bi))
-            bv = ov, bi = oi;
-    }
-}
-
 /* block-wide (value, index) reduction; result valid in thread 0 */
 static __device__ void mk_block_best(float &bv, int &bi, float *sv, int *si)
 {
-    mk_warp_best(bv, bi);
+    kern_cuda_warp_best(bv, bi);
     __syncthreads();   /* sv/si of the previous row are read */
     if ((threadIdx.x & 31) == 0) {
         sv[threadIdx.x >> 5] = bv;
@@ -78,7 +62,7 @@ static __device__ void mk_block_best(float &bv, int &bi, float *sv, int *si)
     __syncthreads();
     if (threadIdx.x == 0)
         for (int w = 1; w < MK_THREADS / 32; w++)
-            if (mk_better(sv[w], si[w], bv, bi))
+            if (kern_cuda_better(sv[w], si[w], bv, bi))
                 bv = sv[w], bi = si[w];
 }
 
@@ -146,7 +130,7 @@ markov_step_kernel(kern_markov_step_args a, int V, int R, int chunk, float *part
         for (int v = v0 + threadIdx.x; v < v1; v += MK_THREADS) {
             float val = mk_add(base[v], mk_dot<RC>((const uint4 *)(w2 + (size_t)v * R), xr, R), rnd);
             step[v] = val;
-            if (mk_better(val, v, bv, bi))
+            if (kern_cuda_better(val, v, bv, bi))
                 bv = val, bi = v;
         }
         mk_block_best(bv, bi, sv, si);
@@ -172,7 +156,7 @@ markov_step_kernel(kern_markov_step_args a, int V, int R, int chunk, float *part
         for (int b = threadIdx.x; b < nb; b += MK_THREADS) {
             float v = ((volatile float *)part_v)[(size_t)r * nb + b];
             int i = ((volatile int *)part_i)[(size_t)r * nb + b];
-            if (mk_better(v, i, bv, bi))
+            if (kern_cuda_better(v, i, bv, bi))
                 bv = v, bi = i;
         }
         mk_block_best(bv, bi, sv, si);
@@ -274,7 +258,7 @@ markov_chain_kernel(kern_markov_chain_args a, int V, int R, int chunk, float *pa
             int bi = V;
             for (int v = v0 + threadIdx.x; v < v1; v += MK_THREADS) {
                 float val = mk_add(base[v], mk_dot<RC>((const uint4 *)(w2 + (size_t)v * R), xr, R), rnd);
-                if (mk_better(val, v, bv, bi))
+                if (kern_cuda_better(val, v, bv, bi))
                     bv = val, bi = v;
             }
             mk_block_best(bv, bi, sv, si);
@@ -290,7 +274,7 @@ markov_chain_kernel(kern_markov_chain_args a, int V, int R, int chunk, float *pa
             for (int b = threadIdx.x; b < nb; b += MK_THREADS) {
                 float v = ((volatile float *)pv)[(size_t)r * nb + b];
                 int i = ((volatile int *)pi)[(size_t)r * nb + b];
-                if (mk_better(v, i, bv, bi))
+                if (kern_cuda_better(v, i, bv, bi))
                     bv = v, bi = i;
             }
             mk_block_best(bv, bi, sv, si);
@@ -685,10 +669,10 @@ markov_chain_res_kernel(kern_markov_chain_args a, int V, int R, mk_res_layout la
                 int bi = V;
                 for (int lv = threadIdx.x; lv < cnt; lv += MK_RES_THREADS) {
                     float val = bs[(size_t)r * chunk + lv];
-                    if (mk_better(val, v0 + lv, bv, bi))
+                    if (kern_cuda_better(val, v0 + lv, bv, bi))
                         bv = val, bi = v0 + lv;
                 }
-                mk_warp_best(bv, bi);
+                kern_cuda_warp_best(bv, bi);
                 if (lane == 0) {
                     red_v[(g0 + r) * MK_RES_WARPS + warp] = bv;
                     red_i[(g0 + r) * MK_RES_WARPS + warp] = bi;
@@ -712,7 +696,7 @@ markov_chain_res_kernel(kern_markov_chain_args a, int V, int R, mk_res_layout la
         for (int r = warp; r < n; r += MK_RES_WARPS) {
             float bv = lane < MK_RES_WARPS ? red_v[r * MK_RES_WARPS + lane] : -INFINITY;
             int bi = lane < MK_RES_WARPS ? red_i[r * MK_RES_WARPS + lane] : V;
-            mk_warp_best(bv, bi);
+            kern_cuda_warp_best(bv, bi);
             unsigned long long *sl = slots + ((size_t)(k & 1) * n + r) * nb;
             if (lane == 0)
                 mk_st_relaxed(sl + blockIdx.x, mk_pack(bv, bi, tag));
@@ -737,11 +721,11 @@ markov_chain_res_kernel(kern_markov_chain_args a, int V, int R, mk_res_layout la
                 if (lane + 32 * m < nb) {
                     float v = __uint_as_float((unsigned)(w[m] >> 32));
                     int i = (int)((unsigned)w[m] >> 2);
-                    if (mk_better(v, i, bv, bi))
+                    if (kern_cuda_better(v, i, bv, bi))
                         bv = v, bi = i;
                 }
             }
-            mk_warp_best(bv, bi);
+            kern_cuda_warp_best(bv, bi);
             if (lane == 0) {
                 int id = bi < V ? bi : 0;   /* all -inf/NaN: index 0, as kern_argmax */
                 ids[r] = id;

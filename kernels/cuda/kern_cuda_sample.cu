@@ -65,11 +65,6 @@ typedef unsigned long long ull;
 
 /* ---- block-wide helpers (every thread of the block must call them) ------------------------- */
 
-static __device__ __forceinline__ bool sp_better(float v, int i, float bv, int bi)
-{
-    return v > bv || (v == bv && i < bi);
-}
-
 static __device__ float sp_block_max(float v, float *sh)
 {
     v = kern_cuda_warp_max(v);
@@ -460,21 +455,11 @@ static __device__ ull pr_cl_sum(ull v, pr_smem *sm, int *s, int C)
     return v;
 }
 
-static __device__ __forceinline__ void pr_warp_argmax(float *bv, int *bi)
-{
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, *bv, o);
-        int oi = __shfl_xor_sync(0xffffffffu, *bi, o);
-        if (sp_better(ov, oi, *bv, *bi))
-            *bv = ov, *bi = oi;
-    }
-}
-
 /* The row's argmax with kern_argmax's rule (larger value, then lower index; NaN never wins;
  * all NaN -> 0) from each thread's (bv, bi); a total order, so any reduction order agrees */
 static __device__ int pr_cl_argmax(float bv, int bi, int n, pr_smem *sm, int *s, int C)
 {
-    pr_warp_argmax(&bv, &bi);
+    kern_cuda_warp_best(bv, bi);
     if ((threadIdx.x & 31) == 0) {
         sm->shf[threadIdx.x >> 5] = bv;
         sm->shi[threadIdx.x >> 5] = bi;
@@ -483,13 +468,13 @@ static __device__ int pr_cl_argmax(float bv, int bi, int n, pr_smem *sm, int *s,
     if (threadIdx.x < 32) {
         bv = sm->shf[threadIdx.x];
         bi = sm->shi[threadIdx.x];
-        pr_warp_argmax(&bv, &bi);
+        kern_cuda_warp_best(bv, bi);
     }
     pr_publish(sm, *s, __float_as_uint(bv), (ull)(unsigned int)bi, 0, C);   /* thread 0's */
     const int lane = threadIdx.x & 31;
     bv = lane < C ? __uint_as_float((unsigned int)pr_box(sm, *s, lane, 0, C)) : -INFINITY;
     bi = lane < C ? (int)pr_box(sm, *s, lane, 1, C) : n;
-    pr_warp_argmax(&bv, &bi);
+    kern_cuda_warp_best(bv, bi);
     ++*s;
     return bi < n ? bi : 0;
 }
@@ -831,7 +816,7 @@ probs_kernel(pr_params P)
         int bi = n;
         for (int i = threadIdx.x; i < len; i += SP_THREADS) {
             const float v = x[i];
-            if (sp_better(v, lo + i, bv, bi))
+            if (kern_cuda_better(v, lo + i, bv, bi))
                 bv = v, bi = lo + i;
         }
         const int best = pr_cl_argmax(bv, bi, n, sm, &s, C) - lo;
