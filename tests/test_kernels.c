@@ -3477,6 +3477,10 @@ static void test_batch_invariance(kern_backend *g)
      * splits and row counts, so here every product's two forms meet across the batch sizes */
     static const char *const tiled_env[] = { "PD_SK_TILED_ANY", "1", NULL };
     lin &= invariance_with_env(g, tiled_env, linear_invariance_all, "tiled");
+    /* and with its CTAs of 128 x rows from the same row count (PD_SK_TILED_TALL; by default
+     * only from 224 rows, past the batch sizes here) */
+    static const char *const tall_env[] = { "PD_SK_TILED_ANY", "1", "PD_SK_TILED_TALL", "24", NULL };
+    lin &= invariance_with_env(g, tall_env, linear_invariance_all, "tiled 64 x 128");
     TEST_CHECK_MSG(lin, "batch-invariant linear: a row differs between batch sizes");
     g->batch_invariant = 0;
     side_free(&sg);

@@ -647,6 +647,8 @@ static pd_status ctx_init(kern_cuda_ctx *c, int device, pd_err *err)
     c->sk_tiled_min = stm != NULL ? atoi(stm) : 24;
     const char *sta = getenv("PD_SK_TILED_ANY");
     c->sk_tiled_any = sta != NULL && atoi(sta) == 1;
+    const char *stt = getenv("PD_SK_TILED_TALL");
+    c->sk_tiled_tall = stt != NULL ? atoi(stt) : 224;
     const char *skt = getenv("PD_SK_MAX_TILES");
     int mt = skt != NULL ? atoi(skt) : 8;
     c->sk_max_tiles = mt == 2 || mt == 4 ? mt : 8;

@@ -88,7 +88,12 @@ typedef struct kern_cuda_ctx {
                                   rows whatever the K split */
     int argmax_cluster;        /* 1 unless PD_ARGMAX_CLUSTER=0 at creation: an argmax of few long
                                   rows spreads each over a cluster of 8 CTAs (kern_cuda_argmax.cu) */
-    int sk_tiled_smem;         /* bit e: sk_tiled_kernel<e>'s shared-memory limit raised */
+    int sk_tiled_tall;         /* rows from which the tiled form takes CTAs of 64 weight x 128
+                                  x rows instead of 64 x 64 (same bits; tiled_launch): where the
+                                  K split is at most 2, and for any split from 512 rows (or with
+                                  sk_tiled_any); PD_SK_TILED_TALL at creation (0: never), 224
+                                  without it */
+    int sk_tiled_smem;         /* bit: a sk_tiled_kernel form's shared-memory limit raised */
     int sk_chunk_major;        /* 1 unless PD_SK_CHUNK_MAJOR=0 at creation: a skinny GEMM of
                                   several 64-row chunks runs a tile's chunks side by side */
     int probs_setup;           /* probs/sample kernels: limits asked on this device (kern_cuda_sample.cu,

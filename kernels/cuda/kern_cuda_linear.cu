@@ -91,11 +91,11 @@ typedef struct {
     int r;                                   /* XB form: W tiles per CTA (1, 2; not SwiGLU) */
     int chunk_major;                         /* grid (chunks, tiles) instead of (tiles, chunks) */
     /* the tiled form (sk_tiled_kernel) */
-    int fb0[KERN_LINEAR_MAX_W + 1];          /* first block of weight i (TL_ROWS rows; SwiGLU
+    int fb0[KERN_LINEAR_MAX_W + 1];          /* first block of weight i (tl_shape WR rows; SwiGLU
                                               * half of gate, half of up); fb0[n_w] = all */
     int pc0[KERN_LINEAR_MAX_W];              /* first column of weight i's sums in part */
     int np;                                  /* columns of part (SwiGLU: gate's, then up's) */
-    int nch;                                 /* TL_CHUNK-row chunks */
+    int nch;                                 /* chunks of tl_shape XR rows */
     int tl_all;                              /* 1: a CTA runs every split of its block and stores
                                               * y; 0: two splits, their sums to part */
     float *part;                             /* tl_all 0: [warps][m][np] each split's sums */
@@ -555,26 +555,28 @@ skinny_kernel(sk_params p)
  * From a few 8-row tiles up, skinny_kernel's CTAs each read their x fragments from the L2 (every
  * CTA all of its chunk's x) and keep them in registers, so a batch of 64 ran at a fraction of
  * the weight stream. sk_tiled_kernel computes the same sums from shared memory: a CTA takes
- * TL_ROWS weight rows (four 16-row tiles; SwiGLU two of gate and the same two of up) and a
- * TL_CHUNK-row chunk of the packed x (sk_xpack_kernel's fragments), and streams the steps of 64
- * k of both through a TL_STAGES-deep cp.async ring; warp (ft, rh) multiplies tile ft with x
- * tiles 4 rh .. 4 rh + 3. The arithmetic is skinny_kernel's, operand for operand: lane (g, t)
- * builds its W and x fragments from the same 16 k of the step (pieces t and t + 4), the four
- * mmas of a step run in the same order, split w's steps are w, w + W, ... in order on one
- * accumulator starting at +0, and the splits' sums are added in split order to +0 (W = p.warps,
- * skinny_warps of the tile count, as there). So every row's bits equal skinny_kernel's for any
- * batch; `test_kernels --op invariance` compares both forms across batch sizes 1..100.
+ * WR weight rows (SwiGLU: WR / 2 features of gate and the same of up) and an XR-row chunk of the
+ * packed x (sk_xpack_kernel's fragments), and streams the steps of 64 k of both through a
+ * TL_STAGES-deep cp.async ring; its 8 warps form a WG x (8 / WG) grid, warp (wg, xg) multiplying
+ * TW 16-row weight tiles with TX 8-row x tiles. Two shapes (tl_shape): 64 x 64 (WG 4, TW 1, TX 4;
+ * three CTAs per SM) and, from more rows, 64 x 128 (TX 8; two CTAs per SM at 128 registers).
+ * H100, Qwen3-4B's products (docs/BENCHMARKS.md, 2026-12-06 18:44 UTC): 64 x 128 is 2-7 % faster
+ * where the K split is 2 (gate/up, lm_head) from 224 rows and for the others at 512, slower
+ * below; 128 x 128 (one CTA per SM) was slower at every size measured. The arithmetic is
+ * skinny_kernel's, operand for operand, whatever the shape: lane (g, t) builds its W and x
+ * fragments from the same 16 k of the step (pieces t and t + 4), the four mmas of a step run in
+ * the same order, split w's steps are w, w + W, ... in order on one accumulator starting at +0,
+ * and the splits' sums are added in split order to +0 (W = p.warps, skinny_warps of the tile
+ * count, as there). So every row's bits equal skinny_kernel's for any batch and shape;
+ * `test_kernels --op invariance` compares the forms across batch sizes 1..100.
  * Splits: a CTA runs two consecutive splits side by side (steps s of both in increasing order,
  * each on its own accumulators); where that is the whole K split (W <= 2: gate/up, lm_head) it
  * adds them and stores y itself (tl_all), otherwise every pair writes its sums to part and
- * sk_tiled_epi_kernel adds the W sums in split order and stores y. Addresses and A fragments are
- * formed once per step (ncu, H100: a first form spent 20 integer instructions per mma re-forming
- * them, and ran at half its present rate). Where it is taken: tiled_wanted. */
-#define TL_ROWS 64
-#define TL_CHUNK 64
+ * sk_tiled_epi_kernel adds the W sums in split order and stores y. Shared addresses are formed
+ * once (ncu, H100: a first form spent 20 integer instructions per mma re-forming them, and ran at
+ * half its present rate). Where each is taken: tiled_wanted, tiled_launch. */
 #define TL_STAGES 4
-#define TL_STAGE_U4 (2 * 64 * 8)            /* a stage: W and x, 64 rows x 8 pieces of 16 bytes */
-#define TL_SMEM (TL_STAGES * TL_STAGE_U4 * 16)
+#define TL_TALL_SPLIT_MIN 512   /* rows from which a K split of 4 or 8 takes the 64 x 128 shape */
 
 /* a row's piece c (k 8c .. 8c + 7 of the step) in a stage: odd rows swap their halves, so the
  * eight lanes of a 16-byte load phase (rows g, g + 1, pieces t or t + 4) hit 32 distinct banks */
@@ -582,6 +584,20 @@ static __device__ __forceinline__ int tl_at(int row, int c)
 {
     return row * 8 + (c ^ ((row & 1) << 2));
 }
+
+/* A CTA's shape: WG x (8 / WG) warps, TW weight tiles and TX x tiles per warp. */
+template <int WG_, int TW_, int TX_>
+struct tl_shape {
+    static constexpr int WG = WG_, TW = TW_, TX = TX_;
+    static constexpr int WR = WG * TW * 16;            /* weight rows per CTA */
+    static constexpr int XR = (8 / WG) * TX * 8;       /* x rows per CTA (its chunk) */
+    static constexpr int STAGE = (WR + XR) * 8 * 16;   /* bytes: W and x rows, 8 pieces of 16 */
+    static constexpr int SMEM = TL_STAGES * STAGE;
+    static constexpr int MINB = WR * XR >= 128 * 128 ? 1 : WR * XR >= 64 * 128 ? 2 : 3;   /* CTAs per SM */
+    static_assert(WR % 64 == 0 && XR % 32 == 0 && XR * (WR + 1) * 4 <= SMEM, "tl_shape");
+};
+typedef tl_shape<4, 1, 4> tl_small;
+typedef tl_shape<4, 1, 8> tl_tall;
 
 /* The CTA's steps: those of its NS consecutive splits w0 .. w0 + NS - 1 (s % W among them), in
  * increasing order, so a weight row is read front to back; step s goes to accumulator s - base. */
@@ -600,13 +616,15 @@ static __device__ __forceinline__ void tl_next(tl_cursor &c, int W)
 
 /* NS: splits per CTA (1 or 2; p.warps / NS CTAs per block and chunk, tl_all when that is 1),
  * run side by side on accumulators of their own, so a K split of 2 (gate/up, lm_head) needs no
- * scratch and every CTA reads its weight rows in order. */
-template <int EPI, int NS>
-__global__ void __launch_bounds__(256, 3) sk_tiled_kernel(sk_params p)
+ * scratch and every CTA reads its weight rows in order. S: the CTA's shape (tl_shape). */
+template <int EPI, int NS, class S>
+__global__ void __launch_bounds__(256, S::MINB) sk_tiled_kernel(sk_params p)
 {
+    constexpr int WR = S::WR, XR = S::XR, TW = S::TW, TX = S::TX;
+    constexpr int PER = EPI == KERN_LINEAR_SWIGLU ? WR / 2 : WR;   /* features per block */
     extern __shared__ uint4 tl_smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3, ft = warp & 3, rh = warp >> 2;
+    const int g = lane >> 2, t = lane & 3, wg = warp % S::WG, xg = warp / S::WG;
     const int W = p.warps, groups = W / NS;
     int b = (int)blockIdx.x;
     const int chunk = b % p.nch;
@@ -617,23 +635,27 @@ __global__ void __launch_bounds__(256, 3) sk_tiled_kernel(sk_params p)
     for (int i = 1; i < KERN_LINEAR_MAX_W; i++)
         if (i < p.n_w && fb >= p.fb0[i])
             wi = i;
-    constexpr int PER = EPI == KERN_LINEAR_SWIGLU ? TL_ROWS / 2 : TL_ROWS;   /* features per block */
     const int n = p.n[wi], f0 = (fb - p.fb0[wi]) * PER;
-    const int chunk0 = chunk * TL_CHUNK, rows = p.m - chunk0 < TL_CHUNK ? p.m - chunk0 : TL_CHUNK;
+    const int chunk0 = chunk * XR, rows = p.m - chunk0 < XR ? p.m - chunk0 : XR;
     const int ntv = (rows + 7) >> 3, nsteps = (p.k + SK_STEP - 1) / SK_STEP;
 
-    /* loads: thread i copies piece i % 8 of rows i / 8 and i / 8 + 32 of W and of x; rows past
-     * n or the chunk, and k past p.k, are zero-filled (x is zero past k already) */
+    /* loads: thread i copies piece i % 8 of rows i / 8 + 32 h of W and of x; rows past n or the
+     * chunk, and k past p.k, are zero-filled (x is zero past k already). SwiGLU: rows below PER
+     * are gate's, the others up's (PER is a multiple of 32: a row group is one weight's) */
     const int lr = threadIdx.x >> 3, lc = threadIdx.x & 7;
-    const __nv_bfloat16 *wsrc[2], *xsrc[2];
-    bool wok[2], xok[2];
+    const __nv_bfloat16 *wsrc[WR / 32], *xsrc[XR / 32];
+    bool wok[WR / 32], xok[XR / 32];
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int r = lr + 32 * h;
-        const int feat = EPI == KERN_LINEAR_SWIGLU ? f0 + (r & 31) : f0 + r;
-        const __nv_bfloat16 *w = p.w[EPI == KERN_LINEAR_SWIGLU ? h : wi];
+    for (int h = 0; h < WR / 32; h++) {
+        const int r = lr + 32 * h, up = EPI == KERN_LINEAR_SWIGLU && r >= PER;
+        const int feat = f0 + (up ? r - PER : r);
+        const __nv_bfloat16 *w = p.w[EPI == KERN_LINEAR_SWIGLU ? up : wi];
         wok[h] = feat < n;
         wsrc[h] = w + (size_t)(wok[h] ? feat : 0) * p.k + lc * 8;
+    }
+#pragma unroll
+    for (int h = 0; h < XR / 32; h++) {
+        const int r = lr + 32 * h;
         xok[h] = r < rows;
         xsrc[h] = p.xb + (size_t)(chunk0 + (xok[h] ? r : 0)) * p.ld_xb + lc * 8;
     }
@@ -642,27 +664,27 @@ __global__ void __launch_bounds__(256, 3) sk_tiled_kernel(sk_params p)
         if (w0 + j < nsteps)
             T += (nsteps - w0 - j + W - 1) / W;
 
-    /* shared addresses, formed once (the loop's integer work otherwise outnumbered its mmas
-     * 20 to 1 and the warps issued most cycles, ncu H100): this thread's copy targets and its
-     * fragments' pieces within a stage, and the stages' base */
+    /* shared addresses, formed once: this thread's copy targets and its fragments' pieces
+     * within a stage, and the stages' base */
     const unsigned s0 = (unsigned)__cvta_generic_to_shared(tl_smem);
-    constexpr unsigned STAGE = TL_STAGE_U4 * 16, XOFF = 512 * 16;
+    constexpr unsigned STAGE = S::STAGE, XOFF = WR * 8 * 16;
     /* rows 8 apart share their swizzle: a fragment row's pieces t and t + 4 sit at fa and fa +
-     * dh (dh = +-64: the odd rows' halves are swapped), row + 8 at +1024, x tile i at +1024 i */
-    const unsigned cw = (unsigned)tl_at(lr, lc) * 16;     /* copies: rows lr and lr + 32 (+4096) */
-    const unsigned fa = (unsigned)tl_at(ft * 16 + g, t) * 16;
-    const unsigned fx = XOFF + (unsigned)tl_at(rh * 32 + g, t) * 16;
+     * dh (dh = +-64: the odd rows' halves are swapped), row + 8 at +1024, weight tile i at
+     * +2048 i, x tile i at +1024 i; a copy's rows + 32 h at +4096 h */
+    const unsigned cw = (unsigned)tl_at(lr, lc) * 16;
+    const unsigned fa = (unsigned)tl_at(wg * TW * 16 + g, t) * 16;
+    const unsigned fx = XOFF + (unsigned)tl_at(xg * TX * 8 + g, t) * 16;
     const int dh = (g & 1) ? -64 : 64;
     /* step st's copies into the stage at sb: W (zero past n and k) and x (zero past the chunk) */
     const int kw = p.k - lc * 8;
     auto copy_w = [&](unsigned sb, int st) {
 #pragma unroll
-        for (int h = 0; h < 2; h++)
+        for (int h = 0; h < WR / 32; h++)
             kern_cuda_cp_async16s(sb + cw + 4096 * h, wsrc[h] + st * SK_STEP, wok[h] && st * SK_STEP < kw);
     };
     auto copy_x = [&](unsigned sb, int st) {
 #pragma unroll
-        for (int h = 0; h < 2; h++)
+        for (int h = 0; h < XR / 32; h++)
             kern_cuda_cp_async16s(sb + XOFF + cw + 4096 * h, xsrc[h] + st * SK_STEP, xok[h]);
     };
 
@@ -690,15 +712,17 @@ __global__ void __launch_bounds__(256, 3) sk_tiled_kernel(sk_params p)
         kern_cuda_cp_commit();
     }
 
-    float acc[NS][4][4];
+    float acc[NS][TW][TX][4];
 #pragma unroll
     for (int a = 0; a < NS; a++)
 #pragma unroll
-        for (int i = 0; i < 4; i++)
+        for (int u = 0; u < TW; u++)
 #pragma unroll
-            for (int r = 0; r < 4; r++)
-                acc[a][i][r] = 0.0f;
-    const int nt_mine = ntv - rh * 4;            /* x tiles of this warp with rows (<= 0: none) */
+            for (int i = 0; i < TX; i++)
+#pragma unroll
+                for (int r = 0; r < 4; r++)
+                    acc[a][u][i][r] = 0.0f;
+    const int nt_mine = ntv - xg * TX;           /* x tiles of this warp with rows (<= 0: none) */
     unsigned sc = s0, sl = s0 + (TL_STAGES - 1) * STAGE;   /* stage computed, stage loaded */
     int acur = 0;                                /* accumulator of the step computed */
     for (int j = 0; j < T; j++) {
@@ -713,79 +737,90 @@ __global__ void __launch_bounds__(256, 3) sk_tiled_kernel(sk_params p)
         }
         kern_cuda_cp_commit();
         sl = sl + STAGE == s0 + TL_STAGES * STAGE ? s0 : sl + STAGE;
-        /* every fragment of the step first, then the mmas */
+        /* mma q takes words 2q, 2q + 1 of both W rows' 16 k and of each x tile's: pieces t (mmas
+         * 0, 1), then t + 4 (2, 3); the W fragments of the step first, x's a half at a time, and
+         * every A fragment made once for all x tiles. Every accumulator still takes its step's
+         * mmas in the order 0..3. */
         const unsigned pa = sc + fa, px = sc + fx;
-        wfrag wa, wb;
-        wa.lo = kern_cuda_lds16(pa);
-        wa.hi = kern_cuda_lds16(pa + dh);
-        wb.lo = kern_cuda_lds16(pa + 1024);
-        wb.hi = kern_cuda_lds16(pa + dh + 1024);
-        /* mma q takes words 2q, 2q + 1 of both W rows (an A fragment made of two loads: four
-         * moves) and of each x tile: so q outside, the x tiles inside, each A fragment made once
-         * per step; x's pieces of k [8t, 8t + 8) (mmas 0, 1), then of [8t + 32, 8t + 40) (2, 3).
-         * Every accumulator still takes its step's mmas in the order 0..3. */
-        const uint32_t *la = (const uint32_t *)&wa, *lb = (const uint32_t *)&wb;
+        uint4 wa[2][TW], wb[2][TW];              /* [piece t, t + 4][tile]: rows g and g + 8 */
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int u = 0; u < TW; u++) {
+                wa[h][u] = kern_cuda_lds16(pa + (h ? dh : 0) + 2048 * u);
+                wb[h][u] = kern_cuda_lds16(pa + (h ? dh : 0) + 2048 * u + 1024);
+            }
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            uint4 q[4];
+            uint4 q[TX];
 #pragma unroll
-            for (int i = 0; i < 4; i++)
+            for (int i = 0; i < TX; i++)
                 if (i < nt_mine)
                     q[i] = kern_cuda_lds16(px + (h ? dh : 0) + 1024 * i);
 #pragma unroll
-            for (int qq = 0; qq < 2; qq++) {
-                const int qm = 2 * h + qq;
-                const uint32_t a0 = la[2 * qm], a1 = lb[2 * qm], a2 = la[2 * qm + 1], a3 = lb[2 * qm + 1];
+            for (int qq = 0; qq < 2; qq++)
 #pragma unroll
                 for (int a = 0; a < NS; a++) {
                     if (a != acur)
                         continue;
 #pragma unroll
-                    for (int i = 0; i < 4; i++)
-                        if (i < nt_mine)
-                            mma_bf16(acc[a][i], a0, a1, a2, a3, qq ? q[i].z : q[i].x, qq ? q[i].w : q[i].y);
+                    for (int u = 0; u < TW; u++) {
+                        const uint4 &ra = wa[h][u], &rb = wb[h][u];
+                        const uint32_t a0 = qq ? ra.z : ra.x, a1 = qq ? rb.z : rb.x;
+                        const uint32_t a2 = qq ? ra.w : ra.y, a3 = qq ? rb.w : rb.y;
+#pragma unroll
+                        for (int i = 0; i < TX; i++)
+                            if (i < nt_mine)
+                                mma_bf16(acc[a][u][i], a0, a1, a2, a3, qq ? q[i].z : q[i].x, qq ? q[i].w : q[i].y);
+                    }
                 }
-            }
         }
         sc = sc + STAGE == s0 + TL_STAGES * STAGE ? s0 : sc + STAGE;
         acur = NS == 1 || acur == NS - 1 ? 0 : acur + 1;
     }
 
-    /* accumulator r of x tile i: weight row ft * 16 + g (+ 8 for r >= 2), x row 8 i' + 2 t (+ 1
-     * for odd r) */
+    /* accumulator r of (weight tile u, x tile i): weight row (wg TW + u) 16 + g (+ 8 for r >=
+     * 2), x row (xg TX + i) 8 + 2 t (+ 1 for odd r) */
     if (!p.tl_all) {
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            if (rh * 4 + i >= ntv)
-                continue;
+        for (int u = 0; u < TW; u++)
 #pragma unroll
-            for (int r = 0; r < 4; r++) {
-                const int fl = ft * 16 + g + (r >= 2 ? 8 : 0), xr = (rh * 4 + i) * 8 + 2 * t + (r & 1);
-                const int feat = f0 + (EPI == KERN_LINEAR_SWIGLU ? (fl & 31) : fl);
-                if (xr >= rows || feat >= n)
+            for (int i = 0; i < TX; i++) {
+                if (xg * TX + i >= ntv)
                     continue;
-                const int col = EPI == KERN_LINEAR_SWIGLU ? (fl >= 32 ? n : 0) + feat : p.pc0[wi] + feat;
 #pragma unroll
-                for (int a = 0; a < NS; a++)
-                    p.part[((size_t)(w0 + a) * p.m + chunk0 + xr) * p.np + col] = acc[a][i][r];
+                for (int r = 0; r < 4; r++) {
+                    const int fl = (wg * TW + u) * 16 + g + (r >= 2 ? 8 : 0);
+                    const int xr = (xg * TX + i) * 8 + 2 * t + (r & 1);
+                    const int up = EPI == KERN_LINEAR_SWIGLU && fl >= PER;
+                    const int feat = f0 + (up ? fl - PER : fl);
+                    if (xr >= rows || feat >= n)
+                        continue;
+                    const int col = EPI == KERN_LINEAR_SWIGLU ? (up ? n : 0) + feat : p.pc0[wi] + feat;
+#pragma unroll
+                    for (int a = 0; a < NS; a++)
+                        p.part[((size_t)(w0 + a) * p.m + chunk0 + xr) * p.np + col] = acc[a][u][i][r];
+                }
             }
-        }
         return;
     }
     kern_cuda_cp_wait<0>();
     __syncthreads();                             /* the ring's memory holds the sums now */
-    float *tot_s = (float *)tl_smem;             /* [TL_CHUNK][TL_ROWS + 1] */
+    float *tot_s = (float *)tl_smem;             /* [XR][WR + 1] */
 #pragma unroll
-    for (int i = 0; i < 4; i++)
+    for (int u = 0; u < TW; u++)
 #pragma unroll
-        for (int r = 0; r < 4; r++) {
-            const int fl = ft * 16 + g + (r >= 2 ? 8 : 0), xr = (rh * 4 + i) * 8 + 2 * t + (r & 1);
-            float v = 0.0f;                      /* the splits in split order, from +0 */
+        for (int i = 0; i < TX; i++)
 #pragma unroll
-            for (int a = 0; a < NS; a++)
-                v += acc[a][i][r];
-            tot_s[xr * (TL_ROWS + 1) + fl] = v;
-        }
+            for (int r = 0; r < 4; r++) {
+                const int fl = (wg * TW + u) * 16 + g + (r >= 2 ? 8 : 0);
+                const int xr = (xg * TX + i) * 8 + 2 * t + (r & 1);
+                float v = 0.0f;                  /* the splits in split order, from +0 */
+#pragma unroll
+                for (int a = 0; a < NS; a++)
+                    v += acc[a][u][i][r];
+                tot_s[xr * (WR + 1) + fl] = v;
+            }
     __syncthreads();
     for (int e = (int)threadIdx.x; e < rows * PER; e += (int)blockDim.x) {
         const int r = e / PER, fo = e % PER, feat = f0 + fo;
@@ -798,9 +833,9 @@ __global__ void __launch_bounds__(256, 3) sk_tiled_kernel(sk_params p)
                 s2 += p.xss[(size_t)(chunk0 + r) * W + w];
             inv = sk_inv(p, s2);
         }
-        const float *tr = tot_s + r * (TL_ROWS + 1);
+        const float *tr = tot_s + r * (WR + 1);
         if (EPI == KERN_LINEAR_SWIGLU)
-            sk_out<EPI>(p, wi, chunk0 + r, feat, tr[32 + fo], tr[fo], inv);
+            sk_out<EPI>(p, wi, chunk0 + r, feat, tr[PER + fo], tr[fo], inv);
         else
             sk_out<EPI>(p, wi, chunk0 + r, feat, tr[fo], 0.0f, inv);
     }
@@ -974,23 +1009,34 @@ static pd_status pack_x(kern_cuda_ctx *c, const kern_linear_args *a, sk_params *
     return PD_OK;
 }
 
-template <int EPI>
+template <int EPI, class S>
 static cudaError_t tiled_launch_epi(kern_cuda_ctx *c, const sk_params &p, int blocks)
 {
-    const int ns = p.warps >= 2 ? 2 : 1, bit = 1 << (EPI * 2 + ns - 1);
-    void (*kern)(sk_params) = ns == 2 ? sk_tiled_kernel<EPI, 2> : sk_tiled_kernel<EPI, 1>;
+    const int ns = p.warps >= 2 ? 2 : 1;
+    const int bit = 1 << ((EPI * 2 + ns - 1) * 2 + (S::XR == tl_tall::XR));
+    void (*kern)(sk_params) = ns == 2 ? sk_tiled_kernel<EPI, 2, S> : sk_tiled_kernel<EPI, 1, S>;
     if (!(c->sk_tiled_smem & bit)) {
-        cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, TL_SMEM);
+        cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, S::SMEM);
         if (e != cudaSuccess)
             return e;
         c->sk_tiled_smem |= bit;
     }
-    cudaError_t e = kern_cuda_launch(c->stream, dim3((unsigned)blocks), dim3(256), TL_SMEM, 1, kern, p);
+    cudaError_t e = kern_cuda_launch(c->stream, dim3((unsigned)blocks), dim3(256), S::SMEM, 1, kern, p);
     if (e != cudaSuccess || p.tl_all)
         return e;
     const int nout = EPI == KERN_LINEAR_SWIGLU ? p.n[0] : p.np;
     return kern_cuda_launch(c->stream, dim3((unsigned)((nout + 255) / 256), (unsigned)p.m), dim3(256), 0, 1,
                             sk_tiled_epi_kernel<EPI>, p);
+}
+
+template <class S>
+static cudaError_t tiled_launch_shape(kern_cuda_ctx *c, kern_linear_epilogue epi, const sk_params &p, int blocks)
+{
+    switch (epi) {
+    case KERN_LINEAR_STORE: return tiled_launch_epi<KERN_LINEAR_STORE, S>(c, p, blocks);
+    case KERN_LINEAR_ACCUMULATE: return tiled_launch_epi<KERN_LINEAR_ACCUMULATE, S>(c, p, blocks);
+    default: return tiled_launch_epi<KERN_LINEAR_SWIGLU, S>(c, p, blocks);
+    }
 }
 
 /* Which form a batch-invariant product of m rows and a K split over W warps takes (the bits are
@@ -1014,11 +1060,16 @@ static int tiled_wanted(const kern_cuda_ctx *c, int m, int W, int cols)
 }
 
 /* The tiled form (sk_tiled_kernel) for p, whose weights, outputs and K split skinny_launch has
- * set: blocks of TL_ROWS weight rows per weight, x packed, and one CTA per block and chunk
- * when they fill the machine, else one per block, chunk and split (their sums in scratch). */
+ * set: blocks of a shape's weight rows per weight, x packed, and one CTA per block and chunk
+ * when they fill the machine, else one per block, chunk and split (their sums in scratch). The
+ * shape: 64 x 128 from c->sk_tiled_tall rows where W <= 2 and from TL_TALL_SPLIT_MIN for any W,
+ * else 64 x 64 (the same bits either way). */
 static pd_status tiled_launch(kern_cuda_ctx *c, const kern_linear_args *a, sk_params *p, int swiglu, pd_err *err)
 {
-    const int per = swiglu ? TL_ROWS / 2 : TL_ROWS;
+    const int T = c->sk_tiled_tall;
+    const int tall = T > 0 && a->m >= T && (p->warps <= 2 || c->sk_tiled_any || a->m >= TL_TALL_SPLIT_MIN);
+    const int wr = tall ? tl_tall::WR : tl_small::WR, xr = tall ? tl_tall::XR : tl_small::XR;
+    const int per = swiglu ? wr / 2 : wr;
     int blocks = 0, cols = 0;
     for (int i = 0; i < p->n_w; i++) {
         p->fb0[i] = blocks;
@@ -1028,7 +1079,7 @@ static pd_status tiled_launch(kern_cuda_ctx *c, const kern_linear_args *a, sk_pa
     }
     p->fb0[p->n_w] = blocks;
     p->np = swiglu ? 2 * p->n[0] : cols;
-    p->nch = (a->m + TL_CHUNK - 1) / TL_CHUNK;
+    p->nch = (a->m + xr - 1) / xr;
     /* two splits per CTA (one where W is 1): all of them where that is the K split */
     p->tl_all = p->warps <= 2;
     size_t part = p->tl_all ? 0 : (size_t)p->warps * a->m * p->np * sizeof(float);
@@ -1038,13 +1089,8 @@ static pd_status tiled_launch(kern_cuda_ctx *c, const kern_linear_args *a, sk_pa
         return st;
     p->part = (float *)pp;
     const int ctas = blocks * p->nch * (p->warps >= 2 ? p->warps / 2 : 1);
-    cudaError_t e;
-    switch (a->epilogue) {
-    case KERN_LINEAR_STORE: e = tiled_launch_epi<KERN_LINEAR_STORE>(c, *p, ctas); break;
-    case KERN_LINEAR_ACCUMULATE: e = tiled_launch_epi<KERN_LINEAR_ACCUMULATE>(c, *p, ctas); break;
-    default: e = tiled_launch_epi<KERN_LINEAR_SWIGLU>(c, *p, ctas); break;
-    }
-    PD_CUDA_TRY(e, err);
+    PD_CUDA_TRY(tall ? tiled_launch_shape<tl_tall>(c, a->epilogue, *p, ctas)
+                     : tiled_launch_shape<tl_small>(c, a->epilogue, *p, ctas), err);
     KERN_CUDA_LAUNCH_CHECK(err);
     return PD_OK;
 }
