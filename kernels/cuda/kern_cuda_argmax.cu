@@ -98,10 +98,9 @@ extern "C" pd_status kern_cuda_argmax_launch(kern_backend *be, const kern_argmax
         at[cfg.numAttrs].val.clusterDim.y = 1;
         at[cfg.numAttrs].val.clusterDim.z = 1;
         cfg.numAttrs++;
-        PD_CUDA_TRY(cudaLaunchKernelEx(&cfg, argmax_kernel<ARGMAX_CL>, a->x, a->ld_x, a->n, a->out), err);
-    } else {
-        PD_CUDA_TRY(cudaLaunchKernelEx(&cfg, argmax_kernel<1>, a->x, a->ld_x, a->n, a->out), err);
     }
+    void (*kern)(const float *, int, int, int32_t *) = cl > 1 ? argmax_kernel<ARGMAX_CL> : argmax_kernel<1>;
+    PD_CUDA_TRY(cudaLaunchKernelEx(&cfg, kern, a->x, a->ld_x, a->n, a->out), err);
     KERN_CUDA_LAUNCH_CHECK(err);
     return PD_OK;
 }

@@ -593,7 +593,7 @@ struct tl_shape {
     static constexpr int XR = (8 / WG) * TX * 8;       /* x rows per CTA (its chunk) */
     static constexpr int STAGE = (WR + XR) * 8 * 16;   /* bytes: W and x rows, 8 pieces of 16 */
     static constexpr int SMEM = TL_STAGES * STAGE;
-    static constexpr int MINB = WR * XR >= 128 * 128 ? 1 : WR * XR >= 64 * 128 ? 2 : 3;   /* CTAs per SM */
+    static constexpr int MINB = WR * XR >= 64 * 128 ? 2 : 3;   /* CTAs per SM its registers allow */
     static_assert(WR % 64 == 0 && XR % 32 == 0 && XR * (WR + 1) * 4 <= SMEM, "tl_shape");
 };
 typedef tl_shape<4, 1, 4> tl_small;
