@@ -12,6 +12,7 @@
  *   mma-k8      two m16n8k8 per chunk (k 0..7 then 8..15)
  *   wg8 / wg64  wgmma m64n8k16 / m64n64k16 from shared memory (no swizzle, K-major core
  *               matrices), C0 loaded into the accumulators; wg64's columns 0..7 also against wg8
+ *   wg64-rs     wgmma m64n64k16 with A from registers in mma.sync's A fragment layout
  *   wg8x        wg8 with the descriptor's two byte offsets exchanged (which reading is right is
  *               told by the fp64 reference below, not assumed)
  *   Each form is also checked against fp64 C0 + A B^T (max relative error over the tile's norm),
@@ -179,6 +180,55 @@ __global__ void wg_kernel(const __nv_bfloat16 *A, const __nv_bfloat16 *B, const 
     }
 }
 
+/* wgmma m64n64k16 with A from registers: warp w of the warpgroup holds rows 16 w.. in mma.sync's
+ * A fragment layout (a0 row g k 2t.., a1 row g + 8, a2 row g k 2t + 8.., a3 row g + 8 k 2t + 8..) */
+__global__ void wg_rs_kernel(const __nv_bfloat16 *A, const __nv_bfloat16 *B, const float *C0, float *D)
+{
+    __shared__ __align__(128) __nv_bfloat16 sb[NB * K];
+    const size_t tr = blockIdx.x;
+    A += tr * M * K; B += tr * NB * K; C0 += tr * M * NB; D += tr * M * NB;
+    for (int e = threadIdx.x; e < NB * K; e += blockDim.x)
+        sb[core_off(NB, e / K, e % K) / 2] = B[e];
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    const int w = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, t = l & 3;
+    const int r0 = 16 * w + g, r1 = r0 + 8;
+    float d[NB / 2];
+#pragma unroll
+    for (int nt = 0; nt < NB / 8; nt++) {
+        const int c = 8 * nt + 2 * t;
+        d[4 * nt + 0] = C0[r0 * NB + c]; d[4 * nt + 1] = C0[r0 * NB + c + 1];
+        d[4 * nt + 2] = C0[r1 * NB + c]; d[4 * nt + 3] = C0[r1 * NB + c + 1];
+    }
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+        const int kb = 16 * j, k0 = kb + 2 * t, k2 = kb + 2 * t + 8;
+        uint32_t a0 = pk(A[r0 * K + k0], A[r0 * K + k0 + 1]), a1 = pk(A[r1 * K + k0], A[r1 * K + k0 + 1]);
+        uint32_t a2 = pk(A[r0 * K + k2], A[r0 * K + k2 + 1]), a3 = pk(A[r1 * K + k2], A[r1 * K + k2 + 1]);
+        uint64_t db = desc(sb + j * NB * 16, 128, 256);
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                     "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+                     "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
+                     "{%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+                       "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+                       "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+                       "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+                       "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(0), "r"(1));
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+    for (int nt = 0; nt < NB / 8; nt++) {
+        const int c = 8 * nt + 2 * t;
+        D[r0 * NB + c] = d[4 * nt + 0]; D[r0 * NB + c + 1] = d[4 * nt + 1];
+        D[r1 * NB + c] = d[4 * nt + 2]; D[r1 * NB + c + 1] = d[4 * nt + 3];
+    }
+}
+
 static uint64_t rng = 0x243f6a8885a308d3ull;
 static uint32_t rnd(void)
 {
@@ -264,11 +314,11 @@ int main(int argc, char **argv)
     CK(cudaMemcpy(dB, hb, nb * 2, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(dC, fc, nc * 4, cudaMemcpyHostToDevice));
 
-    const char *names[] = {"mma", "mma-swap", "mma-rev", "mma-k8", "wg8", "wg8x", "wg64"};
-    const int ncols[] = {NB, NB, NB, NB, 8, 8, NB};
+    const char *names[] = {"mma", "mma-swap", "mma-rev", "mma-k8", "wg8", "wg8x", "wg64", "wg64-rs"};
+    const int ncols[] = {NB, NB, NB, NB, 8, 8, NB, NB};
     int only = argc > 2 ? atoi(argv[2]) : -1;          /* run mma and this form only */
-    float *out[7] = {0};
-    for (int f = 0; f < 7; f++) {
+    float *out[8] = {0};
+    for (int f = 0; f < 8; f++) {
         if (only >= 0 && f != 0 && f != only)
             continue;
         fprintf(stderr, "form %s\n", names[f]);
@@ -281,8 +331,10 @@ int main(int argc, char **argv)
             wg_kernel<8><<<trials, 128>>>(dA, dB, dC, dD, 128, 256);
         else if (f == 5)
             wg_kernel<8><<<trials, 128>>>(dA, dB, dC, dD, 256, 128);
-        else
+        else if (f == 6)
             wg_kernel<64><<<trials, 128>>>(dA, dB, dC, dD, 128, 256);
+        else
+            wg_rs_kernel<<<trials, 128>>>(dA, dB, dC, dD);
         CK(cudaGetLastError());
         CK(cudaDeviceSynchronize());
         out[f] = (float *)malloc(nc * 4);
@@ -290,7 +342,7 @@ int main(int argc, char **argv)
     }
     int ref_trials = trials < 64 ? trials : 64;
     printf("%-9s %8s %14s %10s %12s\n", "form", "cols", "differ-from-mma", "max-ulp", "fp64-rel-err");
-    for (int f = 0; f < 7; f++) {
+    for (int f = 0; f < 8; f++) {
         if (out[f] == NULL)
             continue;
         cmp c = compare(out[f], out[0], trials, ncols[f]);
