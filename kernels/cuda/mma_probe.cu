@@ -114,6 +114,39 @@ static __device__ __forceinline__ uint64_t desc(const void *p, int lbo, int sbo)
            ((uint64_t)((sbo >> 4) & 0x3FFF) << 32);
 }
 
+/* An operand of R rows (K-major core-matrix image, core_off) into shared memory, fenced for
+ * wgmma's async-proxy reads */
+template <int R>
+static __device__ __forceinline__ void stage(__nv_bfloat16 *dst, const __nv_bfloat16 *src)
+{
+    for (int e = threadIdx.x; e < R * K; e += blockDim.x)
+        dst[core_off(R, e / K, e % K) / 2] = src[e];
+}
+
+/* The warpgroup's accumulators of columns 0..N-1 of a 64 x NB tile, in mma.sync's C layout per
+ * warp: d[4 nt + r] is row 16 w + g (+ 8 for r >= 2), column 8 nt + 2 t (+ 1 for odd r) */
+static __device__ __forceinline__ int acc_at(int nt, int r)
+{
+    const int w = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, t = l & 3;
+    return (16 * w + g + (r >= 2 ? 8 : 0)) * NB + 8 * nt + 2 * t + (r & 1);
+}
+
+template <int N>
+static __device__ __forceinline__ void acc_load(float *d, const float *tile)
+{
+#pragma unroll
+    for (int i = 0; i < N / 2; i++)
+        d[i] = tile[acc_at(i / 4, i % 4)];
+}
+
+template <int N>
+static __device__ __forceinline__ void acc_store(const float *d, float *tile)
+{
+#pragma unroll
+    for (int i = 0; i < N / 2; i++)
+        tile[acc_at(i / 4, i % 4)] = d[i];
+}
+
 template <int N>
 static __device__ __forceinline__ void wg_mma(float *d, uint64_t da, uint64_t db);
 
@@ -151,33 +184,19 @@ __global__ void wg_kernel(const __nv_bfloat16 *A, const __nv_bfloat16 *B, const 
     __shared__ __align__(128) __nv_bfloat16 sb[N * K];
     const size_t tr = blockIdx.x;
     A += tr * M * K; B += tr * NB * K; C0 += tr * M * NB; D += tr * M * NB;
-    for (int e = threadIdx.x; e < M * K; e += blockDim.x)
-        sa[core_off(M, e / K, e % K) / 2] = A[e];
-    for (int e = threadIdx.x; e < N * K; e += blockDim.x)
-        sb[core_off(N, e / K, e % K) / 2] = B[e];
+    stage<M>(sa, A);
+    stage<N>(sb, B);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncthreads();
-    const int w = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, t = l & 3;
-    const int r0 = 16 * w + g, r1 = r0 + 8;
     float d[N / 2];
-#pragma unroll
-    for (int nt = 0; nt < N / 8; nt++) {
-        const int c = 8 * nt + 2 * t;
-        d[4 * nt + 0] = C0[r0 * NB + c]; d[4 * nt + 1] = C0[r0 * NB + c + 1];
-        d[4 * nt + 2] = C0[r1 * NB + c]; d[4 * nt + 3] = C0[r1 * NB + c + 1];
-    }
+    acc_load<N>(d, C0);
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
     for (int j = 0; j < J; j++)
         wg_mma<N>(d, desc(sa + j * M * 16, lbo, sbo), desc(sb + j * N * 16, lbo, sbo));
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-#pragma unroll
-    for (int nt = 0; nt < N / 8; nt++) {
-        const int c = 8 * nt + 2 * t;
-        D[r0 * NB + c] = d[4 * nt + 0]; D[r0 * NB + c + 1] = d[4 * nt + 1];
-        D[r1 * NB + c] = d[4 * nt + 2]; D[r1 * NB + c + 1] = d[4 * nt + 3];
-    }
+    acc_store<N>(d, D);
 }
 
 /* wgmma m64n64k16 with A from registers: warp w of the warpgroup holds rows 16 w.. in mma.sync's
@@ -187,19 +206,13 @@ __global__ void wg_rs_kernel(const __nv_bfloat16 *A, const __nv_bfloat16 *B, con
     __shared__ __align__(128) __nv_bfloat16 sb[NB * K];
     const size_t tr = blockIdx.x;
     A += tr * M * K; B += tr * NB * K; C0 += tr * M * NB; D += tr * M * NB;
-    for (int e = threadIdx.x; e < NB * K; e += blockDim.x)
-        sb[core_off(NB, e / K, e % K) / 2] = B[e];
+    stage<NB>(sb, B);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncthreads();
     const int w = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, t = l & 3;
     const int r0 = 16 * w + g, r1 = r0 + 8;
     float d[NB / 2];
-#pragma unroll
-    for (int nt = 0; nt < NB / 8; nt++) {
-        const int c = 8 * nt + 2 * t;
-        d[4 * nt + 0] = C0[r0 * NB + c]; d[4 * nt + 1] = C0[r0 * NB + c + 1];
-        d[4 * nt + 2] = C0[r1 * NB + c]; d[4 * nt + 3] = C0[r1 * NB + c + 1];
-    }
+    acc_load<NB>(d, C0);
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
     for (int j = 0; j < J; j++) {
@@ -221,12 +234,7 @@ __global__ void wg_rs_kernel(const __nv_bfloat16 *A, const __nv_bfloat16 *B, con
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-#pragma unroll
-    for (int nt = 0; nt < NB / 8; nt++) {
-        const int c = 8 * nt + 2 * t;
-        D[r0 * NB + c] = d[4 * nt + 0]; D[r0 * NB + c + 1] = d[4 * nt + 1];
-        D[r1 * NB + c] = d[4 * nt + 2]; D[r1 * NB + c + 1] = d[4 * nt + 3];
-    }
+    acc_store<NB>(d, D);
 }
 
 static uint64_t rng = 0x243f6a8885a308d3ull;
