@@ -49,9 +49,10 @@ static __device__ __forceinline__ int slot_k(int perm, int s)
     return s;
 }
 
-/* mma.sync m16n8k16 over all chunks; 4 warps, warp w rows 16w.., every n tile of NB. */
+/* mma.sync over all chunks; 4 warps, warp w rows 16w.., every n tile of NB. form 0..2: one
+ * m16n8k16 per chunk with slot_k's order; 3: two m16n8k8 per chunk (k 0..7, then 8..15). */
 __global__ void mma_kernel(const __nv_bfloat16 *A, const __nv_bfloat16 *B, const float *C0, float *D,
-                           int perm)
+                           int form)
 {
     const size_t tr = blockIdx.x;
     A += tr * M * K; B += tr * NB * K; C0 += tr * M * NB; D += tr * M * NB;
@@ -62,8 +63,20 @@ __global__ void mma_kernel(const __nv_bfloat16 *A, const __nv_bfloat16 *B, const
         float d[4] = {C0[r0 * NB + c], C0[r0 * NB + c + 1], C0[r1 * NB + c], C0[r1 * NB + c + 1]};
         for (int j = 0; j < J; j++) {
             const int kb = 16 * j;
-            const int k0 = kb + slot_k(perm, 2 * t), k1 = kb + slot_k(perm, 2 * t + 1);
-            const int k2 = kb + slot_k(perm, 2 * t + 8), k3 = kb + slot_k(perm, 2 * t + 9);
+            if (form == 3) {
+                for (int h = 0; h < 2; h++) {
+                    const int k0 = kb + 8 * h + 2 * t;
+                    uint32_t a0 = pk(A[r0 * K + k0], A[r0 * K + k0 + 1]), a1 = pk(A[r1 * K + k0], A[r1 * K + k0 + 1]);
+                    uint32_t b0 = pk(B[bn * K + k0], B[bn * K + k0 + 1]);
+                    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                                 "{%4,%5}, {%6}, {%0,%1,%2,%3};"
+                                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                                 : "r"(a0), "r"(a1), "r"(b0));
+                }
+                continue;
+            }
+            const int k0 = kb + slot_k(form, 2 * t), k1 = kb + slot_k(form, 2 * t + 1);
+            const int k2 = kb + slot_k(form, 2 * t + 8), k3 = kb + slot_k(form, 2 * t + 9);
             uint32_t a0 = pk(A[r0 * K + k0], A[r0 * K + k1]), a1 = pk(A[r1 * K + k0], A[r1 * K + k1]);
             uint32_t a2 = pk(A[r0 * K + k2], A[r0 * K + k3]), a3 = pk(A[r1 * K + k2], A[r1 * K + k3]);
             uint32_t b0 = pk(B[bn * K + k0], B[bn * K + k1]), b1 = pk(B[bn * K + k2], B[bn * K + k3]);
@@ -71,29 +84,6 @@ __global__ void mma_kernel(const __nv_bfloat16 *A, const __nv_bfloat16 *B, const
                          "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-        }
-        D[r0 * NB + c] = d[0]; D[r0 * NB + c + 1] = d[1]; D[r1 * NB + c] = d[2]; D[r1 * NB + c + 1] = d[3];
-    }
-}
-
-/* two m16n8k8 per chunk */
-__global__ void mma_k8_kernel(const __nv_bfloat16 *A, const __nv_bfloat16 *B, const float *C0, float *D)
-{
-    const size_t tr = blockIdx.x;
-    A += tr * M * K; B += tr * NB * K; C0 += tr * M * NB; D += tr * M * NB;
-    const int w = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, t = l & 3;
-    const int r0 = 16 * w + g, r1 = r0 + 8;
-    for (int nt = 0; nt < NB / 8; nt++) {
-        const int c = 8 * nt + 2 * t, bn = 8 * nt + g;
-        float d[4] = {C0[r0 * NB + c], C0[r0 * NB + c + 1], C0[r1 * NB + c], C0[r1 * NB + c + 1]};
-        for (int h = 0; h < 2 * J; h++) {
-            const int k0 = 8 * h + 2 * t;
-            uint32_t a0 = pk(A[r0 * K + k0], A[r0 * K + k0 + 1]), a1 = pk(A[r1 * K + k0], A[r1 * K + k0 + 1]);
-            uint32_t b0 = pk(B[bn * K + k0], B[bn * K + k0 + 1]);
-            asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-                         "{%4,%5}, {%6}, {%0,%1,%2,%3};"
-                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                         : "r"(a0), "r"(a1), "r"(b0));
         }
         D[r0 * NB + c] = d[0]; D[r0 * NB + c + 1] = d[1]; D[r1 * NB + c] = d[2]; D[r1 * NB + c + 1] = d[3];
     }
@@ -147,6 +137,15 @@ static __device__ __forceinline__ void acc_store(const float *d, float *tile)
         tile[acc_at(i / 4, i % 4)] = d[i];
 }
 
+/* the 32 accumulators of an m64n64 wgmma: the asm's outputs and their register list */
+#define WG_D32 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
+    "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), \
+    "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), \
+    "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), \
+    "+f"(d[31])
+#define WG_D32_REGS "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
+    "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
+
 template <int N>
 static __device__ __forceinline__ void wg_mma(float *d, uint64_t da, uint64_t db);
 
@@ -163,14 +162,9 @@ __device__ __forceinline__ void wg_mma<64>(float *d, uint64_t da, uint64_t db)
 {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-                 "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
+                 WG_D32_REGS
                  "%32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-                   "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-                   "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
-                   "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
-                   "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : WG_D32
                  : "l"(da), "l"(db), "r"(1));
 }
 
@@ -222,14 +216,9 @@ __global__ void wg_rs_kernel(const __nv_bfloat16 *A, const __nv_bfloat16 *B, con
         uint64_t db = desc(sb + j * NB * 16, 128, 256);
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-                     "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-                     "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
+                     WG_D32_REGS
                      "{%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-                       "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-                       "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
-                       "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
-                       "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                     : WG_D32
                      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(0), "r"(1));
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
@@ -331,10 +320,8 @@ int main(int argc, char **argv)
             continue;
         fprintf(stderr, "form %s\n", names[f]);
         CK(cudaMemset(dD, 0xFF, nc * 4));
-        if (f <= 2)
+        if (f <= 3)
             mma_kernel<<<trials, 128>>>(dA, dB, dC, dD, f);
-        else if (f == 3)
-            mma_k8_kernel<<<trials, 128>>>(dA, dB, dC, dD);
         else if (f == 4)
             wg_kernel<8><<<trials, 128>>>(dA, dB, dC, dD, 128, 256);
         else if (f == 5)
