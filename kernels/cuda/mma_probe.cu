@@ -19,7 +19,8 @@
  *   Each form is also checked against fp64 C0 + A B^T (max relative error over the tile's norm),
  *   so a layout mistake shows as a large error, not as a bit mismatch.
  * Run: pdspark-mma-probe [trials [form]] (default 2048 trials, every form but wg8x; a form index
- *   0..7, in the order above, runs it and mma only, so that a fault names its form). Prints per form: elements that differ from
+ *   runs it and mma only, so that a fault names its form: 1 mma-swap, 2 mma-rev, 3 mma-k8, 4 wg8,
+ *   5 wg8x, 6 wg64, 7 wg64-rs). Prints per form: elements that differ from
  *   `mma` in any bit, the largest difference in units of the last place, and the fp64 error.
  * Not part of the engine; a probe only. */
 #include <cuda_bf16.h>
