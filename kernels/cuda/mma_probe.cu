@@ -51,71 +51,7 @@ static __device__ __forceinline__ int slot_k(int perm, int s)
     return s;
 }
 
-/* mma.sync over all chunks; 4 warps, warp w rows 16w.., every n tile of NB. form 0..2: one
- * m16n8k16 per chunk with slot_k's order; 3: two m16n8k8 per chunk (k 0..7, then 8..15). */
-__global__ void mma_kernel(const __nv_bfloat16 *A, const __nv_bfloat16 *B, const float *C0, float *D,
-                           int form)
-{
-    const size_t tr = blockIdx.x;
-    A += tr * M * K; B += tr * NB * K; C0 += tr * M * NB; D += tr * M * NB;
-    const int w = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, t = l & 3;
-    const int r0 = 16 * w + g, r1 = r0 + 8;
-    for (int nt = 0; nt < NB / 8; nt++) {
-        const int c = 8 * nt + 2 * t, bn = 8 * nt + g;
-        float d[4] = {C0[r0 * NB + c], C0[r0 * NB + c + 1], C0[r1 * NB + c], C0[r1 * NB + c + 1]};
-        for (int j = 0; j < J; j++) {
-            const int kb = 16 * j;
-            if (form == 3) {
-                for (int h = 0; h < 2; h++) {
-                    const int k0 = kb + 8 * h + 2 * t;
-                    uint32_t a0 = pk(A[r0 * K + k0], A[r0 * K + k0 + 1]), a1 = pk(A[r1 * K + k0], A[r1 * K + k0 + 1]);
-                    uint32_t b0 = pk(B[bn * K + k0], B[bn * K + k0 + 1]);
-                    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-                                 "{%4,%5}, {%6}, {%0,%1,%2,%3};"
-                                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                                 : "r"(a0), "r"(a1), "r"(b0));
-                }
-                continue;
-            }
-            const int k0 = kb + slot_k(form, 2 * t), k1 = kb + slot_k(form, 2 * t + 1);
-            const int k2 = kb + slot_k(form, 2 * t + 8), k3 = kb + slot_k(form, 2 * t + 9);
-            uint32_t a0 = pk(A[r0 * K + k0], A[r0 * K + k1]), a1 = pk(A[r1 * K + k0], A[r1 * K + k1]);
-            uint32_t a2 = pk(A[r0 * K + k2], A[r0 * K + k3]), a3 = pk(A[r1 * K + k2], A[r1 * K + k3]);
-            uint32_t b0 = pk(B[bn * K + k0], B[bn * K + k1]), b1 = pk(B[bn * K + k2], B[bn * K + k3]);
-            asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-                         "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-        }
-        D[r0 * NB + c] = d[0]; D[r0 * NB + c + 1] = d[1]; D[r1 * NB + c] = d[2]; D[r1 * NB + c + 1] = d[3];
-    }
-}
-
-/* Shared-memory image of a K-major operand of R rows: chunk j, core matrix (row group i, k half
- * kc) of 8 rows x 16 bytes at j * R * 32 + i * 256 + kc * 128. */
-static __device__ __forceinline__ int core_off(int R, int row, int k)
-{
-    const int j = k >> 4, kc = (k >> 3) & 1, i = row >> 3;
-    return j * R * 32 + i * 256 + kc * 128 + (row & 7) * 16 + (k & 7) * 2;
-}
-
-static __device__ __forceinline__ uint64_t desc(const void *p, int lbo, int sbo)
-{
-    uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
-    return (uint64_t)((a >> 4) & 0x3FFF) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) |
-           ((uint64_t)((sbo >> 4) & 0x3FFF) << 32);
-}
-
-/* An operand of R rows (K-major core-matrix image, core_off) into shared memory, fenced for
- * wgmma's async-proxy reads */
-template <int R>
-static __device__ __forceinline__ void stage(__nv_bfloat16 *dst, const __nv_bfloat16 *src)
-{
-    for (int e = threadIdx.x; e < R * K; e += blockDim.x)
-        dst[core_off(R, e / K, e % K) / 2] = src[e];
-}
-
-/* The warpgroup's accumulators of columns 0..N-1 of a 64 x NB tile, in mma.sync's C layout per
+/* The accumulators (a warpgroup's, or the 4 warps' of mma_kernel) of columns 0..N-1 of a 64 x NB tile, in mma.sync's C layout per
  * warp: d[4 nt + r] is row 16 w + g (+ 8 for r >= 2), column 8 nt + 2 t (+ 1 for odd r) */
 static __device__ __forceinline__ int acc_at(int nt, int r)
 {
@@ -137,6 +73,84 @@ static __device__ __forceinline__ void acc_store(const float *d, float *tile)
 #pragma unroll
     for (int i = 0; i < N / 2; i++)
         tile[acc_at(i / 4, i % 4)] = d[i];
+}
+
+/* mma.sync's A fragment of rows r0, r0 + 8 (a0/a1 at k slots k0, k1; a2/a3 at k2, k3) */
+static __device__ __forceinline__ void frag_a(const __nv_bfloat16 *A, int r0, int k0, int k1, int k2, int k3,
+                                              uint32_t *a)
+{
+    const int r1 = r0 + 8;
+    a[0] = pk(A[r0 * K + k0], A[r0 * K + k1]);
+    a[1] = pk(A[r1 * K + k0], A[r1 * K + k1]);
+    a[2] = pk(A[r0 * K + k2], A[r0 * K + k3]);
+    a[3] = pk(A[r1 * K + k2], A[r1 * K + k3]);
+}
+
+/* mma.sync over all chunks; 4 warps, warp w rows 16w.., every n tile of NB. form 0..2: one
+ * m16n8k16 per chunk with slot_k's order; 3: two m16n8k8 per chunk (k 0..7, then 8..15). */
+__global__ void mma_kernel(const __nv_bfloat16 *A, const __nv_bfloat16 *B, const float *C0, float *D,
+                           int form)
+{
+    const size_t tr = blockIdx.x;
+    A += tr * M * K; B += tr * NB * K; C0 += tr * M * NB; D += tr * M * NB;
+    const int w = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, t = l & 3;
+    const int r0 = 16 * w + g, r1 = r0 + 8;
+    for (int nt = 0; nt < NB / 8; nt++) {
+        const int bn = 8 * nt + g;
+        float d[4];
+        for (int r = 0; r < 4; r++)
+            d[r] = C0[acc_at(nt, r)];
+        for (int j = 0; j < J; j++) {
+            const int kb = 16 * j;
+            if (form == 3) {
+                for (int h = 0; h < 2; h++) {
+                    const int k0 = kb + 8 * h + 2 * t;
+                    uint32_t a0 = pk(A[r0 * K + k0], A[r0 * K + k0 + 1]), a1 = pk(A[r1 * K + k0], A[r1 * K + k0 + 1]);
+                    uint32_t b0 = pk(B[bn * K + k0], B[bn * K + k0 + 1]);
+                    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                                 "{%4,%5}, {%6}, {%0,%1,%2,%3};"
+                                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                                 : "r"(a0), "r"(a1), "r"(b0));
+                }
+                continue;
+            }
+            const int k0 = kb + slot_k(form, 2 * t), k1 = kb + slot_k(form, 2 * t + 1);
+            const int k2 = kb + slot_k(form, 2 * t + 8), k3 = kb + slot_k(form, 2 * t + 9);
+            uint32_t a[4];
+            frag_a(A, r0, k0, k1, k2, k3, a);
+            uint32_t b0 = pk(B[bn * K + k0], B[bn * K + k1]), b1 = pk(B[bn * K + k2], B[bn * K + k3]);
+            asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                         "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+        }
+        for (int r = 0; r < 4; r++)
+            D[acc_at(nt, r)] = d[r];
+    }
+}
+
+/* Shared-memory image of a K-major operand of R rows: chunk j, core matrix (row group i, k half
+ * kc) of 8 rows x 16 bytes at j * R * 32 + i * 256 + kc * 128. */
+static __device__ __forceinline__ int core_off(int R, int row, int k)
+{
+    const int j = k >> 4, kc = (k >> 3) & 1, i = row >> 3;
+    return j * R * 32 + i * 256 + kc * 128 + (row & 7) * 16 + (k & 7) * 2;
+}
+
+static __device__ __forceinline__ uint64_t desc(const void *p, int lbo, int sbo)
+{
+    uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    return (uint64_t)((a >> 4) & 0x3FFF) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) |
+           ((uint64_t)((sbo >> 4) & 0x3FFF) << 32);
+}
+
+/* An operand of R rows into shared memory as core_off's K-major image (the caller fences it for
+ * wgmma's async-proxy reads) */
+template <int R>
+static __device__ __forceinline__ void stage(__nv_bfloat16 *dst, const __nv_bfloat16 *src)
+{
+    for (int e = threadIdx.x; e < R * K; e += blockDim.x)
+        dst[core_off(R, e / K, e % K) / 2] = src[e];
 }
 
 /* the 32 accumulators of an m64n64 wgmma: the asm's outputs and their register list */
@@ -206,22 +220,22 @@ __global__ void wg_rs_kernel(const __nv_bfloat16 *A, const __nv_bfloat16 *B, con
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncthreads();
     const int w = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, t = l & 3;
-    const int r0 = 16 * w + g, r1 = r0 + 8;
+    const int r0 = 16 * w + g;
     float d[NB / 2];
     acc_load<NB>(d, C0);
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
     for (int j = 0; j < J; j++) {
-        const int kb = 16 * j, k0 = kb + 2 * t, k2 = kb + 2 * t + 8;
-        uint32_t a0 = pk(A[r0 * K + k0], A[r0 * K + k0 + 1]), a1 = pk(A[r1 * K + k0], A[r1 * K + k0 + 1]);
-        uint32_t a2 = pk(A[r0 * K + k2], A[r0 * K + k2 + 1]), a3 = pk(A[r1 * K + k2], A[r1 * K + k2 + 1]);
+        const int k0 = 16 * j + 2 * t, k2 = k0 + 8;
+        uint32_t a[4];
+        frag_a(A, r0, k0, k0 + 1, k2, k2 + 1, a);
         uint64_t db = desc(sb + j * NB * 16, 128, 256);
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
                      WG_D32_REGS
                      "{%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
                      : WG_D32
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(0), "r"(1));
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
@@ -294,6 +308,11 @@ int main(int argc, char **argv)
         fprintf(stderr, "pdspark-mma-probe: trials must be 1..65536, got %s\n", argv[1]);
         return 2;
     }
+    int only = argc > 2 ? atoi(argv[2]) : -1;          /* run mma and this form only */
+    if (argc > 2 && (only < 1 || only > 7)) {
+        fprintf(stderr, "pdspark-mma-probe: form must be 1..7, got %s\n", argv[2]);
+        return 2;
+    }
     int dev = 0;
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, dev));
@@ -315,7 +334,6 @@ int main(int argc, char **argv)
 
     const char *names[] = {"mma", "mma-swap", "mma-rev", "mma-k8", "wg8", "wg8x", "wg64", "wg64-rs"};
     const int ncols[] = {NB, NB, NB, NB, 8, 8, NB, NB};
-    int only = argc > 2 ? atoi(argv[2]) : -1;          /* run mma and this form only */
     float *out[8] = {0};
     for (int f = 0; f < 8; f++) {
         if ((only >= 0 && f != 0 && f != only) || (only < 0 && f == 5))
