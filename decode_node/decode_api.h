@@ -137,6 +137,9 @@ typedef struct {
     size_t prompt_text_len;
     const int32_t *prompt_ids;      /* borrowed; copied by decode_submit */
     int n_prompt_ids;
+    int truncate_prompt_tokens;     /* vLLM's: N > 0 keeps only the prompt's last N tokens; -1 its
+                                       last tokens that leave max_new_tokens (at least 1) of the
+                                       context; 0 = off */
     float temperature;              /* 0 = greedy; must be finite and >= 0 */
     float top_p;                    /* 0 or 1 = off; else in (0, 1] */
     float min_p;                    /* 0 = off; else in (0, 1] */

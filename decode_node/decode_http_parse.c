@@ -424,8 +424,6 @@ int decode_http_parse_common(const cJSON *root, int chat, decode_req *dr, req_op
         { "bad_words", "'bad_words' is not supported", BOTH, 0 },
         { "allowed_token_ids", "'allowed_token_ids' is not supported (logit_bias can favour tokens)", BOTH, 0 },
         { "logits_processors", "'logits_processors' are not supported", BOTH, 0 },
-        { "truncate_prompt_tokens", "'truncate_prompt_tokens' is not supported (a prompt over the context is a "
-          "400)", BOTH, 0 },
         { "return_tokens_as_token_ids", "'return_tokens_as_token_ids' is not supported (the gRPC API returns ids)",
           BOTH, 0 },
         { "chat_template", "'chat_template' per request is not supported (the node's template is used; "
@@ -448,6 +446,10 @@ int decode_http_parse_common(const cJSON *root, int chat, decode_req *dr, req_op
     if (get_bool(root, "ignore_eos", &b, msg, cap) < 0)
         return -1;
     dr->ignore_eos = b;
+    *param = "truncate_prompt_tokens";   /* extension (vLLM): the prompt's last N tokens */
+    if ((rc = get_int(root, "truncate_prompt_tokens", -1, 1e9, &ll, msg, cap)) < 0)
+        return -1;
+    dr->truncate_prompt_tokens = rc > 0 ? (int)ll : 0;
     *param = "skip_special_tokens";   /* extension (vLLM): special tokens add no text unless false */
     b = 1;
     if (get_bool(root, "skip_special_tokens", &b, msg, cap) < 0)
@@ -464,6 +466,12 @@ int decode_http_parse_common(const cJSON *root, int chat, decode_req *dr, req_op
         return -1;
     }
     o->echo = b;
+    if (b && dr->truncate_prompt_tokens != 0) {
+        *param = "truncate_prompt_tokens";
+        snprintf(msg, cap, "'truncate_prompt_tokens' cannot be combined with 'echo' (the echoed prompt "
+                 "would not be the one the model saw)");
+        return -1;
+    }
     if (o->max0 && !b) {
         *param = mt;
         snprintf(msg, cap, "'%s' must be at least 1 (0 only with 'echo': true), got 0", mt);

@@ -737,6 +737,17 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
         return pd_err_set(err, PD_ERR_INVALID, "max_new_tokens %d must be in 0..%d (0 = the rest of "
                           "the context)",
                           req->max_new_tokens, s->max_ctx);
+    if (req->truncate_prompt_tokens < -1)
+        return pd_err_set(err, PD_ERR_INVALID, "truncate_prompt_tokens %d must be >= -1 (-1 = what the "
+                          "context leaves, 0 = off)", req->truncate_prompt_tokens);
+    /* the prompt's tokens kept from its end (left truncation); 0: all */
+    const int keep = req->truncate_prompt_tokens > 0 ? req->truncate_prompt_tokens
+                     : req->truncate_prompt_tokens < 0
+                         ? s->max_ctx - (req->max_new_tokens > 0 ? req->max_new_tokens : 1)
+                         : 0;
+    if (req->truncate_prompt_tokens != 0 && keep < 1)
+        return pd_err_set(err, PD_ERR_INVALID, "truncate_prompt_tokens -1 with max_new_tokens %d leaves no "
+                          "prompt in the context of %d tokens", req->max_new_tokens, s->max_ctx);
     if (req->timeout_ms < 0)
         return pd_err_set(err, PD_ERR_INVALID, "timeout_ms %lld must be >= 0",
                           (long long)req->timeout_ms);
@@ -776,7 +787,7 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
         }
     } else {
         n = req->n_prompt_ids;
-        if (n >= s->max_ctx)
+        if (n >= s->max_ctx && (keep == 0 || keep >= s->max_ctx))
             return pd_err_set(err, PD_ERR_INVALID,
                               "prompt of %d tokens leaves no room in the context of %d tokens", n,
                               s->max_ctx);
@@ -789,6 +800,10 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
         if (ids == NULL)
             return pd_err_set(err, PD_ERR_NOMEM, "prompt copy: %d tokens", n);
         memcpy(ids, req->prompt_ids, (size_t)n * sizeof(int32_t));
+    }
+    if (keep > 0 && n > keep) {
+        memmove(ids, ids + (n - keep), (size_t)keep * sizeof(int32_t));
+        n = keep;
     }
     pd_status st;
     if (n >= s->max_ctx) {

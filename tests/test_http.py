@@ -1144,6 +1144,42 @@ def test_min_p(bin_dir, node, prompt):
     log("min_p: 1 is greedy, seeds reproduce, out of range refused (HTTP, gRPC)")
 
 
+def test_truncate(node, prompt):
+    """truncate_prompt_tokens (vLLM's): N keeps the prompt's last N tokens, so a long prompt cut
+    to the tokens of a short one writes the short one's greedy text; -1 keeps what leaves
+    max_tokens of the context (a prompt longer than the context is then served); out of range,
+    not an integer, or with echo: a 400 naming it."""
+    st, t = post_json(node, "/tokenize", {"prompt": prompt})
+    ids = t.get("tokens", []) if st == 200 else []
+    check(st == 200 and len(ids) >= 2, "tokenize %s" % t)
+    body = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    st, short = post_json(node, "/v1/completions", dict(body, prompt=ids))
+    filler = [ids[0]] * 40 + ids[:1]
+    st2, cut = post_json(node, "/v1/completions", dict(body, prompt=filler + ids, truncate_prompt_tokens=len(ids)))
+    check(st == 200 and st2 == 200 and cut["choices"][0]["text"] == short["choices"][0]["text"] and
+          cut["usage"]["prompt_tokens"] == len(ids) == short["usage"]["prompt_tokens"],
+          "truncate_prompt_tokens %d of %d: %s vs %s" % (len(ids), len(filler + ids), cut, short))
+    st, whole = post_json(node, "/v1/completions", dict(body, prompt=ids, truncate_prompt_tokens=1000))
+    check(st == 200 and whole["choices"][0]["text"] == short["choices"][0]["text"] and
+          whole["usage"]["prompt_tokens"] == len(ids), "truncate_prompt_tokens past the prompt: %s" % whole)
+    st, c = post_json(node, "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}],
+                                                     "max_tokens": 2, "truncate_prompt_tokens": 3})
+    check(st == 200 and c["usage"]["prompt_tokens"] == 3, "chat truncate_prompt_tokens 3: %s" % c)
+    st, _, out = request(node, "GET", "/v1/models")
+    ctx = json.loads(out)["data"][0]["max_model_len"] if st == 200 else 0
+    long_ids = (ids * (ctx // len(ids) + 2))[:ctx + 10]
+    st, r = post_json(node, "/v1/completions", dict(body, prompt=long_ids, max_tokens=4))
+    check(st == 400 and "context" in json.dumps(r), "a prompt over the context: %s %s" % (st, r))
+    st, r = post_json(node, "/v1/completions", dict(body, prompt=long_ids, max_tokens=4, truncate_prompt_tokens=-1))
+    check(st == 200 and r["usage"]["prompt_tokens"] == ctx - 4 and r["usage"]["completion_tokens"] == 4,
+          "truncate_prompt_tokens -1 over a context of %d: %s %s" % (ctx, st, r.get("usage", r)))
+    for bad in ({"truncate_prompt_tokens": -2}, {"truncate_prompt_tokens": 1.5}, {"truncate_prompt_tokens": "3"},
+                {"truncate_prompt_tokens": 3, "echo": True}):
+        st, r = post_json(node, "/v1/completions", dict(body, prompt=ids, **bad))
+        check(st == 400 and "truncate_prompt_tokens" in json.dumps(r), "%s: %s %s" % (bad, st, r))
+    log("truncate_prompt_tokens: left truncation of ids and of a chat prompt; -1 fits the context; bad values refused")
+
+
 TYP_REF = {}   # the colocated node's first token of "def fib(n):" under a tiny typical_p
 
 
@@ -2038,6 +2074,7 @@ def main():
         test_n(node, prompt)
         test_special_tokens(bin_dir, node, prompt)
         test_min_p(bin_dir, node, prompt)
+        test_truncate(node, prompt)
         test_typical_p(bin_dir, node, prompt)
         test_fuzz(node, prompt, want)
         test_structured(bin_dir, node, "colocated")
