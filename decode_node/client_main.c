@@ -30,7 +30,8 @@ static void usage(FILE *f)
             "                      [--request-id ID]\n"
             "                      [--stop STR]... [--json] [--stream] [--disconnect-after N]\n"
             "                      [--verify full|threshold|scheduled] [--verify-threshold T]\n"
-            "                      [--logprobs N] [--prompt-logprobs N] [--presence-penalty P]\n"
+            "                      [--logprobs N] [--prompt-logprobs N] [--truncate-prompt-tokens N]\n"
+            "                      [--presence-penalty P]\n"
             "                      [--frequency-penalty F] [--repetition-penalty R]\n"
             "                      [--logit-bias ID:BIAS[,...]] [--min-tokens N]\n"
             "                      [--json-object | --json-schema FILE | --choice TEXT... | --regex RE\n"
@@ -60,7 +61,8 @@ static void usage(FILE *f)
             "and its N likeliest alternatives: --json then adds \"logprobs\": [{\"id\", \"logprob\",\n"
             "\"rank\", \"top\": [[id, logprob], ...]}, ...]. --prompt-logprobs N (0..20) asks the\n"
             "same of each prompt token from the second on: --json adds them as \"prompt_logprobs\"\n"
-            "(the first prompt token has none). --n N (1..16)\n"
+            "(the first prompt token has none). --truncate-prompt-tokens N keeps only the prompt's\n"
+            "last N tokens (-1: those that leave --max-new-tokens of the context). --n N (1..16)\n"
             "asks for N choices of the prompt (choice i samples with --seed + i): each one's text is\n"
             "printed when all have ended, after a '[choice i]' line, and --json prints one object per\n"
             "choice and line, with its \"index\" (not with --stream). --model-defaults lets the\n"
@@ -456,6 +458,7 @@ int main(int argc, char **argv)
     int par_tools = 0;            /* GenerateRequest.parallel_tool_calls */
     int stream_args = 0;          /* GenerateRequest.stream_tool_arguments */
     int max_new = 128, top_k = 0, json = 0, stream = 0, ignore_eos = 0, health = 0, skip_special = 0;
+    int truncate = 0;   /* GenerateRequest.truncate_prompt_tokens */
     int disconnect_after = -1, logprobs = -1, prompt_logprobs = -1, n_choices = 1, model_defaults = 0, max_new_set = 0, top_p_set = 0;
     char *stops[16];
     size_t n_stops = 0;
@@ -470,7 +473,7 @@ int main(int argc, char **argv)
            O_TMO, O_RID, O_JSON, O_STREAM, O_DISC, O_HEALTH, O_STOP, O_VERIFY, O_VTHRESH, O_LOGPROBS,
            O_PRES, O_FREQ, O_REP, O_BIAS, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_GRAMMAR, O_SKIPSP,
            O_MINP, O_TYPP, O_CHAT, O_SYSTEM, O_THINK, O_MSGS, O_N, O_MODELDEF, O_TOOLS, O_TOOLCH, O_PARTOOLS,
-           O_PROMPTLP, O_STREAMARGS, O_HELP };
+           O_PROMPTLP, O_STREAMARGS, O_TRUNC, O_HELP };
     static const struct option opts[] = {
         {"server", required_argument, 0, O_SERVER}, {"prompt", required_argument, 0, O_PROMPT},
         {"prompt-ids", required_argument, 0, O_IDS}, {"max-new-tokens", required_argument, 0, O_MAXNEW},
@@ -488,6 +491,7 @@ int main(int argc, char **argv)
         {"verify-threshold", required_argument, 0, O_VTHRESH},
         {"logprobs", required_argument, 0, O_LOGPROBS},
         {"prompt-logprobs", required_argument, 0, O_PROMPTLP},
+        {"truncate-prompt-tokens", required_argument, 0, O_TRUNC},
         {"presence-penalty", required_argument, 0, O_PRES},
         {"frequency-penalty", required_argument, 0, O_FREQ},
         {"repetition-penalty", required_argument, 0, O_REP},
@@ -566,6 +570,9 @@ int main(int argc, char **argv)
         case O_LOGPROBS: bad = pd_cli_parse_int(PROG, "--logprobs", optarg, 0, 20, &logprobs); break;
         case O_PROMPTLP:
             bad = pd_cli_parse_int(PROG, "--prompt-logprobs", optarg, 0, 20, &prompt_logprobs);
+            break;
+        case O_TRUNC:
+            bad = pd_cli_parse_int(PROG, "--truncate-prompt-tokens", optarg, -1, INT32_MAX, &truncate);
             break;
         case O_N: bad = pd_cli_parse_int(PROG, "--n", optarg, 1, 16, &n_choices); break;
         case O_STOP:
@@ -720,6 +727,7 @@ int main(int argc, char **argv)
     rq.skip_special_tokens = skip_special;
     rq.top_logprobs = logprobs >= 0 ? (uint32_t)logprobs : 0;
     rq.prompt_logprobs = prompt_logprobs >= 0;
+    rq.truncate_prompt_tokens = truncate;
     rq.prompt_top_logprobs = prompt_logprobs >= 0 ? (uint32_t)prompt_logprobs : 0;
     rq.n = (uint32_t)n_choices;
     choice *cs = calloc((size_t)n_choices, sizeof(*cs));

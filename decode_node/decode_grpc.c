@@ -798,6 +798,7 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
     dr.skip_special = rq->skip_special_tokens;
     dr.top_logprobs = rq->top_logprobs > (uint32_t)INT32_MAX ? INT32_MAX : (int)rq->top_logprobs;
     dr.prompt_logprobs = rq->prompt_logprobs;
+    dr.truncate_prompt_tokens = rq->truncate_prompt_tokens;   /* decode_submit checks it */
     /* decode_submit checks its range, and drops it without prompt_logprobs */
     dr.prompt_top_logprobs = rq->prompt_top_logprobs > (uint32_t)INT32_MAX ? INT32_MAX : (int)rq->prompt_top_logprobs;
     int64_t tmo = rq->timeout_ms > (uint64_t)INT64_MAX ? INT64_MAX : (int64_t)rq->timeout_ms;

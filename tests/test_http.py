@@ -1144,7 +1144,7 @@ def test_min_p(bin_dir, node, prompt):
     log("min_p: 1 is greedy, seeds reproduce, out of range refused (HTTP, gRPC)")
 
 
-def test_truncate(node, prompt):
+def test_truncate(bin_dir, node, prompt):
     """truncate_prompt_tokens (vLLM's): N keeps the prompt's last N tokens, so a long prompt cut
     to the tokens of a short one writes the short one's greedy text; -1 keeps what leaves
     max_tokens of the context (a prompt longer than the context is then served); out of range,
@@ -1177,7 +1177,16 @@ def test_truncate(node, prompt):
                 {"truncate_prompt_tokens": 3, "echo": True}):
         st, r = post_json(node, "/v1/completions", dict(body, prompt=ids, **bad))
         check(st == 400 and "truncate_prompt_tokens" in json.dumps(r), "%s: %s %s" % (bad, st, r))
-    log("truncate_prompt_tokens: left truncation of ids and of a chat prompt; -1 fits the context; bad values refused")
+    client = os.path.join(bin_dir, "pdspark-client")
+    outs = [subprocess.run([client, "--server", node.grpc, "--prompt", prompt, "--max-new-tokens", "8", "--ignore-eos",
+                            "--json"] + extra, capture_output=True, text=True, timeout=60)
+            for extra in ([], ["--truncate-prompt-tokens", "2"])]
+    js = [json.loads(o.stdout.strip().splitlines()[-1]) if o.returncode == 0 else {} for o in outs]
+    check(js[0].get("prompt_tokens") == len(ids) and js[1].get("prompt_tokens") == 2 and
+          js[0].get("text") == short["choices"][0]["text"],
+          "gRPC truncate_prompt_tokens 2: %s / %s" % (js, [o.stderr for o in outs]))
+    log("truncate_prompt_tokens: left truncation of ids and of a chat prompt, HTTP and gRPC; -1 fits the "
+        "context; bad values refused")
 
 
 TYP_REF = {}   # the colocated node's first token of "def fib(n):" under a tiny typical_p
@@ -2074,7 +2083,7 @@ def main():
         test_n(node, prompt)
         test_special_tokens(bin_dir, node, prompt)
         test_min_p(bin_dir, node, prompt)
-        test_truncate(node, prompt)
+        test_truncate(bin_dir, node, prompt)
         test_typical_p(bin_dir, node, prompt)
         test_fuzz(node, prompt, want)
         test_structured(bin_dir, node, "colocated")
