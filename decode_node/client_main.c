@@ -458,7 +458,7 @@ int main(int argc, char **argv)
     int par_tools = 0;            /* GenerateRequest.parallel_tool_calls */
     int stream_args = 0;          /* GenerateRequest.stream_tool_arguments */
     int max_new = 128, top_k = 0, json = 0, stream = 0, ignore_eos = 0, health = 0, skip_special = 0;
-    int truncate = 0;   /* GenerateRequest.truncate_prompt_tokens */
+    int truncate_n = 0;   /* GenerateRequest.truncate_prompt_tokens (not `truncate`: unistd.h's) */
     int disconnect_after = -1, logprobs = -1, prompt_logprobs = -1, n_choices = 1, model_defaults = 0, max_new_set = 0, top_p_set = 0;
     char *stops[16];
     size_t n_stops = 0;
@@ -572,7 +572,7 @@ int main(int argc, char **argv)
             bad = pd_cli_parse_int(PROG, "--prompt-logprobs", optarg, 0, 20, &prompt_logprobs);
             break;
         case O_TRUNC:
-            bad = pd_cli_parse_int(PROG, "--truncate-prompt-tokens", optarg, -1, INT32_MAX, &truncate);
+            bad = pd_cli_parse_int(PROG, "--truncate-prompt-tokens", optarg, -1, INT32_MAX, &truncate_n);
             break;
         case O_N: bad = pd_cli_parse_int(PROG, "--n", optarg, 1, 16, &n_choices); break;
         case O_STOP:
@@ -727,7 +727,7 @@ int main(int argc, char **argv)
     rq.skip_special_tokens = skip_special;
     rq.top_logprobs = logprobs >= 0 ? (uint32_t)logprobs : 0;
     rq.prompt_logprobs = prompt_logprobs >= 0;
-    rq.truncate_prompt_tokens = truncate;
+    rq.truncate_prompt_tokens = truncate_n;
     rq.prompt_top_logprobs = prompt_logprobs >= 0 ? (uint32_t)prompt_logprobs : 0;
     rq.n = (uint32_t)n_choices;
     choice *cs = calloc((size_t)n_choices, sizeof(*cs));

@@ -51,8 +51,9 @@ static __device__ __forceinline__ int slot_k(int perm, int s)
     return s;
 }
 
-/* The accumulators (a warpgroup's, or the 4 warps' of mma_kernel) of columns 0..N-1 of a 64 x NB tile, in mma.sync's C layout per
- * warp: d[4 nt + r] is row 16 w + g (+ 8 for r >= 2), column 8 nt + 2 t (+ 1 for odd r) */
+/* The accumulators (a warpgroup's, or the 4 warps' of mma_kernel) of columns 0..N-1 of a 64 x NB
+ * tile, in mma.sync's C layout per warp: d[4 nt + r] is row 16 w + g (+ 8 for r >= 2), column
+ * 8 nt + 2 t (+ 1 for odd r) */
 static __device__ __forceinline__ int acc_at(int nt, int r)
 {
     const int w = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, t = l & 3;
@@ -105,7 +106,8 @@ __global__ void mma_kernel(const __nv_bfloat16 *A, const __nv_bfloat16 *B, const
             if (form == 3) {
                 for (int h = 0; h < 2; h++) {
                     const int k0 = kb + 8 * h + 2 * t;
-                    uint32_t a0 = pk(A[r0 * K + k0], A[r0 * K + k0 + 1]), a1 = pk(A[r1 * K + k0], A[r1 * K + k0 + 1]);
+                    uint32_t a0 = pk(A[r0 * K + k0], A[r0 * K + k0 + 1]);
+                    uint32_t a1 = pk(A[r1 * K + k0], A[r1 * K + k0 + 1]);
                     uint32_t b0 = pk(B[bn * K + k0], B[bn * K + k0 + 1]);
                     asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
                                  "{%4,%5}, {%6}, {%0,%1,%2,%3};"
