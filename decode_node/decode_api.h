@@ -41,6 +41,8 @@
 #include "pd_status.h"
 #include "pd_tokenizer.h"
 
+#define DECODE_TRUNC_TEXT_MAX (64 << 20)   /* bytes of a text prompt with truncate_prompt_tokens */
+
 typedef struct decode_server decode_server;
 typedef struct decode_handle decode_handle;
 
@@ -139,7 +141,9 @@ typedef struct {
     int n_prompt_ids;
     int truncate_prompt_tokens;     /* vLLM's: N > 0 keeps only the prompt's last N tokens; -1 its
                                        last tokens that leave max_new_tokens (at least 1) of the
-                                       context; 0 = off */
+                                       context; 0 = off. Without it a text prompt may
+                                       have at most 64 bytes a context token, with it
+                                       DECODE_TRUNC_TEXT_MAX */
     float temperature;              /* 0 = greedy; must be finite and >= 0 */
     float top_p;                    /* 0 or 1 = off; else in (0, 1] */
     float min_p;                    /* 0 = off; else in (0, 1] */

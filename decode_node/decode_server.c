@@ -770,9 +770,15 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
     int n = 0;
     if (has_text) {
         size_t nn = 0;
-        if (req->prompt_text_len > (size_t)s->max_ctx * 64)
-            return pd_err_set(err, PD_ERR_INVALID, "prompt text of %zu bytes is too long for a context of %d tokens",
-                              req->prompt_text_len, s->max_ctx);
+        /* tokenizing is bounded by what can fit: ~64 bytes a context token, or with left
+         * truncation (whose point is a text longer than the context) DECODE_TRUNC_TEXT_MAX */
+        if (keep == 0 && req->prompt_text_len > (size_t)s->max_ctx * 64)
+            return pd_err_set(err, PD_ERR_INVALID, "prompt text of %zu bytes is too long for a context of %d "
+                              "tokens (truncate_prompt_tokens accepts up to %d MiB)", req->prompt_text_len,
+                              s->max_ctx, DECODE_TRUNC_TEXT_MAX >> 20);
+        if (req->prompt_text_len > DECODE_TRUNC_TEXT_MAX)
+            return pd_err_set(err, PD_ERR_INVALID, "prompt text of %zu bytes is over the %d MiB that "
+                              "truncate_prompt_tokens accepts", req->prompt_text_len, DECODE_TRUNC_TEXT_MAX >> 20);
         pd_status st = pd_tokenizer_encode(s->tok, req->prompt_text, req->prompt_text_len, 1, &ids, &nn, err);
         if (st != PD_OK) {
             if (st == PD_ERR_NOMEM)

@@ -1173,6 +1173,19 @@ def test_truncate(bin_dir, node, prompt):
     st, r = post_json(node, "/v1/completions", dict(body, prompt=long_ids, max_tokens=4, truncate_prompt_tokens=-1))
     check(st == 200 and r["usage"]["prompt_tokens"] == ctx - 4 and r["usage"]["completion_tokens"] == 4,
           "truncate_prompt_tokens -1 over a context of %d: %s %s" % (ctx, st, r.get("usage", r)))
+    # a text over the 64 bytes a context token that bound an untruncated prompt: tokenized whole
+    # when truncation asks for its tail, refused (naming the option) when not
+    line = "x = 1\n"
+    big = line * (ctx * 64 // len(line) + 10) + prompt
+    st, t = post_json(node, "/tokenize", {"prompt": line + prompt})
+    same_tail = st == 200 and t.get("tokens", [])[-len(ids):] == ids
+    st, r = post_json(node, "/v1/completions", dict(body, prompt=big, truncate_prompt_tokens=len(ids)))
+    check(st == 200 and r["usage"]["prompt_tokens"] == len(ids) and
+          (not same_tail or r["choices"][0]["text"] == short["choices"][0]["text"]),
+          "a text prompt of %d bytes (context %d) truncated to %d tokens: %s %s" %
+          (len(big), ctx, len(ids), st, r.get("usage", r)))
+    st, r = post_json(node, "/v1/completions", dict(body, prompt=big))
+    check(st == 400 and "truncate_prompt_tokens" in json.dumps(r), "the same text untruncated: %s %s" % (st, r))
     for bad in ({"truncate_prompt_tokens": -2}, {"truncate_prompt_tokens": 1.5}, {"truncate_prompt_tokens": "3"},
                 {"truncate_prompt_tokens": 3, "echo": True}):
         st, r = post_json(node, "/v1/completions", dict(body, prompt=ids, **bad))
@@ -1185,8 +1198,8 @@ def test_truncate(bin_dir, node, prompt):
     check(js[0].get("prompt_tokens") == len(ids) and js[1].get("prompt_tokens") == 2 and
           js[0].get("text") == short["choices"][0]["text"],
           "gRPC truncate_prompt_tokens 2: %s / %s" % (js, [o.stderr for o in outs]))
-    log("truncate_prompt_tokens: left truncation of ids and of a chat prompt, HTTP and gRPC; -1 fits the "
-        "context; bad values refused")
+    log("truncate_prompt_tokens: left truncation of ids, of a chat prompt and of a text over the context's "
+        "byte bound, HTTP and gRPC; -1 fits the context; bad values refused (same tail tokens: %s)" % same_tail)
 
 
 TYP_REF = {}   # the colocated node's first token of "def fib(n):" under a tiny typical_p
