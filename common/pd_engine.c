@@ -69,18 +69,11 @@ static pd_kv_layout pool_layout(const pd_engine *e, const pd_qwen3_config *c, in
                            .dtype = e->tm->be->kv_dtype };
 }
 
-/* The pages kv_mem_fraction gives: every pool on a device (the target and draft pools of rank 0,
- * the target pool of each context-parallel rank on it) together takes that fraction of the
- * device memory free now; every pool has the same pages, so the device with the least room per
- * page decides. */
+/* The pages kv_mem_fraction gives without tensor parallelism (a TP group sizes its ranks'
+ * pools itself): rank 0's target and draft pools and each context-parallel rank's target pool,
+ * on the backends they will live on. */
 static pd_status pages_from_memory(const pd_engine *e, int *n_pages, pd_err *err)
 {
-    const double f = e->cfg.kv_mem_fraction;
-    if (!(f > 0.0 && f < 1.0))
-        return pd_err_set(err, PD_ERR_INVALID, "kv memory fraction %g: give one in (0, 1)", f);
-    if (e->cfg.tp_size > 1)
-        return pd_err_set(err, PD_ERR_INVALID, "a kv memory fraction with tp %d: size the pools in pages "
-                          "instead (each rank holds pools of its own)", e->cfg.tp_size);
     kern_backend *be = e->tm->be;
     pd_kv_layout one = pool_layout(e, &e->tm->cfg, 1);
     const double tpage = (double)pd_kv_pool_bytes(&one);
@@ -89,62 +82,25 @@ static pd_status pages_from_memory(const pd_engine *e, int *n_pages, pd_err *err
         one = pool_layout(e, &e->dm->cfg.base, 1);
         dpage = (double)pd_kv_pool_bytes(&one);
     }
-    /* the ranks' backends and what a page costs on each device (rank 0 first) */
-    int nr = e->cfg.cp_size > 1 && !be->is_host && e->cfg.cp_targets != NULL ? e->cfg.cp_size : 1;
+    /* the ranks' backends (rank 0 first): a host backend's ranks share its memory */
+    int nr = e->cfg.cp_size > 1 ? e->cfg.cp_size : 1;
     kern_backend **rb = calloc((size_t)nr, sizeof(*rb));
-    int *dev = calloc((size_t)nr, sizeof(*dev));
     double *per = calloc((size_t)nr, sizeof(*per));
-    if (rb == NULL || dev == NULL || per == NULL) {
+    if (rb == NULL || per == NULL) {
         free(rb);
-        free(dev);
         free(per);
         return pd_err_set(err, PD_ERR_NOMEM, "kv memory fraction");
     }
-    pd_status st = PD_OK;
-    for (int r = 0; r < nr && st == PD_OK; r++) {
-        rb[r] = r == 0 ? be : e->cfg.cp_targets[r - 1] != NULL ? e->cfg.cp_targets[r - 1]->be : be;
-        st = kern_backend_bind_thread(rb[r], &dev[r], err);
-        int q = 0;   /* the first rank on this device holds its sum */
-        while (dev[q] != dev[r])
-            q++;
-        per[q] += r == 0 ? tpage + dpage : tpage;
+    for (int r = 0; r < nr; r++) {
+        const pd_qwen3_model *m = r > 0 && e->cfg.cp_targets != NULL ? e->cfg.cp_targets[r - 1] : NULL;
+        rb[r] = m != NULL ? m->be : be;
+        per[r] = r == 0 ? tpage + dpage : tpage;
     }
-    double n = -1.0, per_d = 0.0;   /* the deciding device: pages, bytes a page, its memory */
-    size_t free_d = 0, total_d = 0;
-    for (int r = 0; r < nr && st == PD_OK; r++) {
-        if (per[r] == 0.0)
-            continue;
-        size_t free_b = 0, total_b = 0;
-        pd_err merr;
-        if (kern_mem_info(rb[r], &free_b, &total_b, &merr) != PD_OK) {
-            st = pd_err_set(err, PD_ERR_INVALID, "a kv memory fraction needs a GPU backend (%s): size the "
-                            "pool in pages instead", merr.msg);
-            break;
-        }
-        double nd = (double)free_b * f / per[r];
-        if (n < 0.0 || nd < n) {
-            n = nd;
-            per_d = per[r];
-            free_d = free_b;
-            total_d = total_b;
-        }
-    }
-    if (nr > 1 && st == PD_OK)
-        st = kern_backend_bind_thread(be, NULL, err);   /* this thread goes on with rank 0's device */
+    pd_status st = pd_kv_pages_from_memory(e->cfg.kv_mem_fraction, nr, rb, per, e->cfg.page_size,
+                                           nr > 1 ? "the cp ranks' pools" : "the KV pools", n_pages, err);
     free(rb);
-    free(dev);
     free(per);
-    if (st != PD_OK)
-        return st;
-    if (n < 64.0)
-        return pd_err_set(err, PD_ERR_NOMEM, "kv memory fraction %g of %.2f GiB free gives %.0f pages of %d "
-                          "tokens (%.1f KiB each on that device): fewer than 64", f, free_d / 1073741824.0, n,
-                          e->cfg.page_size, per_d / 1024.0);
-    *n_pages = n > (double)(INT_MAX / 2) ? INT_MAX / 2 : (int)n;
-    PD_LOG_INFO("engine", "kv memory fraction %g of %.2f GiB free (%.2f GiB total%s): %d pages of %d tokens", f,
-                free_d / 1073741824.0, total_d / 1073741824.0, nr > 1 ? ", the fullest device of the cp ranks" : "",
-                *n_pages, e->cfg.page_size);
-    return PD_OK;
+    return st;
 }
 
 pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err *err)
@@ -171,10 +127,12 @@ pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err 
     if (e->cfg.page_size <= 0)
         e->cfg.page_size = 16;
     int pages_per_ctx = (tc->max_position_embeddings + e->cfg.page_size - 1) / e->cfg.page_size;
-    if (e->cfg.n_pages <= 0 && e->cfg.kv_mem_fraction > 0.0 &&
-        (st = pages_from_memory(e, &e->cfg.n_pages, err)) != PD_OK)
+    /* a memory fraction: the pages now, or a TP group's once its ranks' shards are on their
+     * devices */
+    const int frac = e->cfg.n_pages <= 0 && e->cfg.kv_mem_fraction > 0.0;
+    if (frac && e->cfg.tp_size <= 1 && (st = pages_from_memory(e, &e->cfg.n_pages, err)) != PD_OK)
         goto err_free;
-    if (e->cfg.n_pages <= 0)
+    if (e->cfg.n_pages <= 0 && !frac)
         e->cfg.n_pages = 2 * pages_per_ctx + 64;
     if (e->cfg.draft_n_pages <= 0)
         e->cfg.draft_n_pages = e->cfg.n_pages;
@@ -205,6 +163,7 @@ pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err 
         pd_tp_group_config gc = { .target = cfg->target, .draft = cfg->draft, .size = e->cfg.tp_size,
                                   .page_size = e->cfg.page_size, .n_pages = e->cfg.n_pages,
                                   .draft_n_pages = e->cfg.draft_n_pages,
+                                  .kv_mem_fraction = frac ? e->cfg.kv_mem_fraction : 0.0,
                                   .taps = e->dm != NULL ? e->dm->cfg.target_layer_ids : NULL,
                                   .n_taps = e->dm != NULL ? e->dm->cfg.n_target_layers : 0,
                                   .debug_fail_rank = e->cfg.tp_debug_fail_rank,
@@ -213,6 +172,7 @@ pd_status pd_engine_create(const pd_engine_config *cfg, pd_engine **out, pd_err 
             goto err_free;
         e->tm = pd_tp_group_target(e->tp);
         e->dm = pd_tp_group_draft(e->tp);
+        pd_tp_group_pages(e->tp, &e->cfg.n_pages, &e->cfg.draft_n_pages);   /* the fraction's */
         tc = &e->tm->cfg;   /* rank 0's heads: its KV pool holds its KV heads only */
     } else if (e->cfg.tp_size < 0) {
         st = pd_err_set(err, PD_ERR_INVALID, "tp %d must be >= 1", e->cfg.tp_size);

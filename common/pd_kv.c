@@ -2,8 +2,11 @@
  * Threading: owner thread only (see pd_kv.h). */
 #include "pd_kv.h"
 
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "pd_log.h"
 
 struct pd_kv_pool {
     pd_kv_layout lay;
@@ -95,6 +98,73 @@ void pd_kv_pool_destroy(pd_kv_pool *pool)
 const pd_kv_layout *pd_kv_pool_layout(const pd_kv_pool *pool) { return &pool->lay; }
 const kern_buf *pd_kv_pool_buf(const pd_kv_pool *pool) { return pool->mem; }
 int pd_kv_pool_free_pages(const pd_kv_pool *pool) { return pool->n_free; }
+
+pd_status pd_kv_pages_from_memory(double f, int n, kern_backend *const *be, const double *page_bytes,
+                                  int page_size, const char *what, int *n_pages, pd_err *err)
+{
+    if (!(f > 0.0 && f < 1.0))
+        return pd_err_set(err, PD_ERR_INVALID, "kv memory fraction %g: give one in (0, 1)", f);
+    int *dev = calloc((size_t)n, sizeof(*dev));
+    double *per = calloc((size_t)n, sizeof(*per));   /* per[q]: bytes a page on pool q's device */
+    if (dev == NULL || per == NULL) {
+        free(dev);
+        free(per);
+        return pd_err_set(err, PD_ERR_NOMEM, "kv memory fraction");
+    }
+    pd_status st = PD_OK;
+    for (int r = 0; r < n && st == PD_OK; r++) {
+        st = kern_backend_bind_thread(be[r], &dev[r], err);
+        int q = 0;   /* the first pool on this device holds its sum */
+        while (dev[q] != dev[r])
+            q++;
+        per[q] += page_bytes[r];
+    }
+    double pages = -1.0, per_d = 0.0;   /* the deciding device: pages, bytes a page, its memory */
+    size_t free_d = 0, total_d = 0;
+    int n_dev = 0;
+    for (int r = 0; r < n && st == PD_OK; r++) {
+        if (per[r] == 0.0)
+            continue;
+        n_dev++;
+        if ((st = kern_backend_bind_thread(be[r], NULL, err)) != PD_OK)
+            break;
+        size_t free_b = 0, total_b = 0;
+        pd_err merr;
+        if (kern_mem_info(be[r], &free_b, &total_b, &merr) != PD_OK) {
+            st = pd_err_set(err, PD_ERR_INVALID, "a kv memory fraction needs a backend that reports its "
+                            "memory (%s): size the pools in pages instead", merr.msg);
+            break;
+        }
+        double nd = (double)free_b * f / per[r];
+        if (pages < 0.0 || nd < pages) {
+            pages = nd;
+            per_d = per[r];
+            free_d = free_b;
+            total_d = total_b;
+        }
+    }
+    if (n > 1) {   /* this thread goes on with the first pool's device */
+        pd_err berr;
+        pd_status bs = kern_backend_bind_thread(be[0], NULL, &berr);
+        if (st == PD_OK && bs != PD_OK) {
+            *err = berr;
+            st = bs;
+        }
+    }
+    free(dev);
+    free(per);
+    if (st != PD_OK)
+        return st;
+    if (pages < 64.0)
+        return pd_err_set(err, PD_ERR_NOMEM, "kv memory fraction %g of %.2f GiB free gives %.0f pages of %d "
+                          "tokens (%.1f KiB each for %s on that device): fewer than 64", f,
+                          free_d / 1073741824.0, pages, page_size, per_d / 1024.0, what);
+    *n_pages = pages > (double)(INT_MAX / 2) ? INT_MAX / 2 : (int)pages;
+    PD_LOG_INFO("kv", "kv memory fraction %g of %.2f GiB free (%.2f GiB total%s): %d pages of %d tokens for %s", f,
+                free_d / 1073741824.0, total_d / 1073741824.0, n_dev > 1 ? ", the fullest of the devices" : "",
+                *n_pages, page_size, what);
+    return PD_OK;
+}
 
 kern_kv_layer pd_kv_pool_layer(const pd_kv_pool *pool, int layer)
 {

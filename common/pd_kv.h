@@ -48,6 +48,16 @@ kern_kv_layer pd_kv_pool_layer(const pd_kv_pool *pool, int layer);
 const kern_buf *pd_kv_pool_buf(const pd_kv_pool *pool);
 int pd_kv_pool_free_pages(const pd_kv_pool *pool);
 
+/* --kv-memory-fraction: the pages per pool that let every pool on a device take together the
+ * fraction f (in (0, 1)) of the memory its backend reports free now (kern_mem_info: a GPU's,
+ * or the host's available memory). Pool i lives on be[i] and costs page_bytes[i] a page; pools
+ * whose backends bind to the same device share it, and every pool gets the same pages, so the
+ * device with the least room per page decides. what names the pools in the log line.
+ * PD_ERR_INVALID for f out of range or a backend without memory figures, PD_ERR_NOMEM below
+ * 64 pages. Leaves the calling thread bound to be[0]'s device. */
+pd_status pd_kv_pages_from_memory(double f, int n, kern_backend *const *be, const double *page_bytes,
+                                  int page_size, const char *what, int *n_pages, pd_err *err);
+
 void pd_kv_seq_init(pd_kv_seq *seq);
 /* Makes seq hold pages for at least n_tokens positions. PD_ERR_BUSY when the pool is out of
  * pages (seq unchanged). */

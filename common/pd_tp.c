@@ -394,6 +394,7 @@ struct pd_tp_group {
     int quit;
     int broken;
     int debug_fail_rank, debug_fail_cmd;
+    int n_pages, draft_n_pages;   /* every rank's pools */
     char broken_msg[sizeof(((pd_err *)0)->msg) + 32];
 };
 
@@ -480,7 +481,7 @@ static pd_status rank_backend(pd_tp_group *g, const pd_tp_group_config *cfg, int
     return kern_backend_create(&bc, &rs->be, err);
 }
 
-/* The rank's context, shards, and (workers) pools and runners. */
+/* The rank's context and shards. */
 static pd_status rank_build(pd_tp_group *g, const pd_tp_group_config *cfg, int r, pd_err *err)
 {
     tp_rank *rs = &g->ranks[r];
@@ -496,13 +497,42 @@ static pd_status rank_build(pd_tp_group *g, const pd_tp_group_config *cfg, int r
     TRY(pd_tp_qwen3_shard(cfg->target, rs->be, g->n, r, &rs->tm, err));
     if (cfg->draft != NULL)
         TRY(pd_tp_dspark_shard(cfg->draft, cfg->target, rs->tm, rs->be, g->n, r, &rs->dm, err));
-    if (r == 0)
-        return PD_OK;
+    return PD_OK;
+}
+
+/* The layout of a rank's pool of n pages for the model config c (its target or draft shard) */
+static pd_kv_layout rank_layout(const tp_rank *rs, const pd_qwen3_config *c, int page_size, int n)
+{
+    return (pd_kv_layout){ .n_layers = c->num_hidden_layers, .n_kv_heads = c->num_key_value_heads,
+                           .head_dim = c->head_dim, .page_size = page_size, .n_pages = n,
+                           .dtype = rs->be->kv_dtype };
+}
+
+/* The pages kv_mem_fraction gives every rank's pools, now that the shards are on the devices */
+static pd_status group_pages(pd_tp_group *g, const pd_tp_group_config *cfg, pd_err *err)
+{
+    kern_backend *be[PD_TP_MAX_SIZE];
+    double per[PD_TP_MAX_SIZE];
+    for (int r = 0; r < g->n; r++) {
+        const tp_rank *rs = &g->ranks[r];
+        pd_kv_layout one = rank_layout(rs, &rs->tm->cfg, cfg->page_size, 1);
+        be[r] = rs->be;
+        per[r] = (double)pd_kv_pool_bytes(&one);
+        if (rs->dm != NULL) {
+            one = rank_layout(rs, &rs->dm->cfg.base, cfg->page_size, 1);
+            per[r] += (double)pd_kv_pool_bytes(&one);
+        }
+    }
+    return pd_kv_pages_from_memory(cfg->kv_mem_fraction, g->n, be, per, cfg->page_size,
+                                   "the tp ranks' pools", &g->n_pages, err);
+}
+
+/* A worker's pools and runners, and its thread. */
+static pd_status rank_start(pd_tp_group *g, const pd_tp_group_config *cfg, int r, pd_err *err)
+{
+    tp_rank *rs = &g->ranks[r];
     TRY(kern_backend_bind_thread(rs->be, NULL, err));
-    const pd_qwen3_config *tc = &rs->tm->cfg;
-    pd_kv_layout tl = { .n_layers = tc->num_hidden_layers, .n_kv_heads = tc->num_key_value_heads,
-                        .head_dim = tc->head_dim, .page_size = cfg->page_size,
-                        .n_pages = cfg->n_pages, .dtype = rs->be->kv_dtype };
+    pd_kv_layout tl = rank_layout(rs, &rs->tm->cfg, cfg->page_size, g->n_pages);
     TRY(pd_kv_pool_create(rs->be, &tl, &rs->tpool, err));
     TRY(pd_target_create(rs->tm, rs->tpool, cfg->taps, cfg->n_taps, &rs->target, err));
     pd_target_set_tp(rs->target, &rs->ctx);
@@ -510,10 +540,7 @@ static pd_status rank_build(pd_tp_group *g, const pd_tp_group_config *cfg, int r
      * collectives in step with rank 0 */
     pd_target_set_graphs(rs->target, PD_GRAPHS_OFF);
     if (rs->dm != NULL) {
-        const pd_qwen3_config *dc = &rs->dm->cfg.base;
-        pd_kv_layout dl = { .n_layers = dc->num_hidden_layers, .n_kv_heads = dc->num_key_value_heads,
-                            .head_dim = dc->head_dim, .page_size = cfg->page_size,
-                            .n_pages = cfg->draft_n_pages, .dtype = rs->be->kv_dtype };
+        pd_kv_layout dl = rank_layout(rs, &rs->dm->cfg.base, cfg->page_size, g->draft_n_pages);
         TRY(pd_kv_pool_create(rs->be, &dl, &rs->dpool, err));
         TRY(pd_draft_create(rs->dm, rs->dpool, &rs->draft, err));
         pd_draft_set_tp(rs->draft, &rs->ctx);
@@ -580,6 +607,14 @@ pd_status pd_tp_group_create(const pd_tp_group_config *cfg, pd_tp_group **out, p
     }
     for (int r = 0; r < g->n && st == PD_OK; r++)
         st = rank_build(g, cfg, r, err);
+    g->n_pages = cfg->n_pages;
+    if (st == PD_OK && g->n_pages <= 0 && cfg->kv_mem_fraction > 0.0)
+        st = group_pages(g, cfg, err);
+    else if (st == PD_OK && g->n_pages <= 0)
+        st = pd_err_set(err, PD_ERR_INVALID, "tp group: pools of %d pages", g->n_pages);
+    g->draft_n_pages = cfg->draft_n_pages > 0 ? cfg->draft_n_pages : g->n_pages;
+    for (int r = 1; r < g->n && st == PD_OK; r++)
+        st = rank_start(g, cfg, r, err);
     if (gpu) {
         pd_err berr;   /* the engine thread goes on with rank 0's device */
         pd_status bs = kern_backend_bind_thread(be0, NULL, &berr);
@@ -638,6 +673,12 @@ void pd_tp_group_destroy(pd_tp_group *g)
 const pd_qwen3_model *pd_tp_group_target(const pd_tp_group *g) { return g->ranks[0].tm; }
 const pd_dspark_model *pd_tp_group_draft(const pd_tp_group *g) { return g->ranks[0].dm; }
 int pd_tp_group_size(const pd_tp_group *g) { return g->n; }
+
+void pd_tp_group_pages(const pd_tp_group *g, int *n_pages, int *draft_n_pages)
+{
+    *n_pages = g->n_pages;
+    *draft_n_pages = g->draft_n_pages;
+}
 
 size_t pd_tp_group_kv_bytes(const pd_tp_group *g, int rank, int n_t, int n_d)
 {

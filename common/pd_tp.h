@@ -134,7 +134,11 @@ typedef struct {
     const pd_qwen3_model *target;    /* the whole model (borrowed; must outlive the group) */
     const pd_dspark_model *draft;    /* the whole drafter or NULL (borrowed, likewise) */
     int size;                        /* ranks, 2..PD_TP_MAX_SIZE */
-    int page_size, n_pages, draft_n_pages;   /* pools of the workers (as rank 0's) */
+    int page_size, n_pages, draft_n_pages;   /* pools of the workers (as rank 0's); draft 0:
+                                              * n_pages */
+    double kv_mem_fraction;          /* in (0, 1) with n_pages 0: every rank's pools together
+                                      * take this fraction of their devices' free memory, once
+                                      * the shards are there (pd_kv_pages_from_memory) */
     const int *taps;                 /* the target's aux taps (copied) */
     int n_taps;
     int timeout_ms;                  /* longest wait in a collective; 0: 60000 */
@@ -145,10 +149,11 @@ typedef struct {
 
 typedef struct pd_tp_group pd_tp_group;
 
-/* Checks the split (pd_tp_check), builds every rank's shards, and starts ranks 1..size-1 as
- * threads, each with its own backend handle of the target's kind, KV pools and runners. The
- * target's backend must be a host backend (the local communicator's all-reduce adds on the
- * host): PD_ERR_UNSUPPORTED otherwise. PD_ERR_INVALID, PD_ERR_NOMEM, backend errors. */
+/* Checks the split (pd_tp_check), builds every rank's shards, sizes the pools (n_pages, or
+ * kv_mem_fraction once every shard is on its device), and starts ranks 1..size-1 as threads,
+ * each with its own backend handle of the target's kind, KV pools and runners. A host backend
+ * gets the local communicator; cuda one GPU per rank and NCCL (PD_ERR_UNSUPPORTED without).
+ * PD_ERR_INVALID, PD_ERR_NOMEM, backend errors. */
 pd_status pd_tp_group_create(const pd_tp_group_config *cfg, pd_tp_group **out, pd_err *err);
 /* Stops the workers and frees everything the group owns (rank 0's shards included: destroy
  * the runners that use them first). NULL is a no-op. */
@@ -162,6 +167,8 @@ void pd_tp_group_attach(pd_tp_group *g, pd_target *target, pd_draft *draft);
 /* Runs c on every rank; rank 0's part on the calling thread. See "Failure" above. */
 pd_status pd_tp_group_run(pd_tp_group *g, const pd_tp_cmd *c, pd_err *err);
 int pd_tp_group_size(const pd_tp_group *g);
+/* The pages of each rank's target and draft pools (rank 0's pools take the same). */
+void pd_tp_group_pages(const pd_tp_group *g, int *n_pages, int *draft_n_pages);
 /* Host bytes rank (1..size-1) needs for n_t target and n_d draft pages of its own pools (the
  * PD_TP_KV_COPY layout). */
 size_t pd_tp_group_kv_bytes(const pd_tp_group *g, int rank, int n_t, int n_d);

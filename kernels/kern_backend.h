@@ -626,8 +626,8 @@ struct kern_backend_ops {
     pd_status (*upload_convert)(kern_backend *be, void *dst, kern_dtype dst_dtype,
                                 const void *src, kern_dtype src_dtype, size_t n, pd_err *err);
     pd_status (*sync)(kern_backend *be, pd_err *err);
-    /* The backend device's memory: what is free now and its total (bytes). PD_ERR_UNSUPPORTED
-     * on host backends (cpu: host memory is not the backend's to size). */
+    /* The backend device's memory: what is free now and its total (bytes); on the cpu backend
+     * the host's (available memory, total RAM). */
     pd_status (*mem_info)(kern_backend *be, size_t *free_bytes, size_t *total_bytes, pd_err *err);
     /* Stream capture (CUDA graphs, DESIGN.md section 6). graph_begin: the ops that follow are
      * recorded, not run, until graph_end, which instantiates them as *out (the caller then runs

@@ -373,16 +373,27 @@ def main():
             finally:
                 stop(dn)
         else:
-            # refused by name: the CPU's memory is not the pools' to size, pages and a fraction
-            # both, tensor parallel ranks
-            for extra, needle in (([], "needs a GPU backend"), (["--kv-pages", "100"], "not both"),
-                                  (["--tp", "2"], "a kv memory fraction with tp 2")):
-                r = subprocess.run([f"{BIN}/decode_node", "--model", TARGET, "--draft", DRAFT, "--listen",
-                                    "127.0.0.1:0", "--colocated", "--kv-memory-fraction", "0.2"] + extra,
-                                   capture_output=True, text=True, env=ENV, timeout=120)
-                check(r.returncode != 0 and needle in r.stderr,
-                      f"--kv-memory-fraction {extra} on the cpu: exit {r.returncode}, "
-                      f"stderr {r.stderr.strip()[-300:]!r}")
+            # on the cpu the fraction is of the host's available memory; with --tp 2 every
+            # rank's pools (each a shard of the target's KV heads and a whole drafter's) share
+            # it, sized once the shards are built; both serve the same tokens
+            for extra, ps, rs in (([], paths[:4], refs[:4]), (["--tp", "2"], paths[:2], refs[:2])):
+                dn, addr = start([f"{BIN}/decode_node", "--model", TARGET, "--draft", DRAFT, "--listen",
+                                  "127.0.0.1:0", "--colocated", "--kv-memory-fraction", "0.02"] + extra,
+                                 "decode_kvfrac_cpu" + "".join(extra).replace("-", ""))
+                try:
+                    h = health(addr)
+                    print(f"colocated --kv-memory-fraction 0.02{''.join(' ' + a for a in extra)} on the cpu: "
+                          f"{h.get('total_kv_pages')} KV pages", flush=True)
+                    check(h.get("total_kv_pages", 0) >= 64, f"--kv-memory-fraction 0.02 {extra}: health {h}")
+                    serve(f"colocated (--kv-memory-fraction 0.02{''.join(' ' + a for a in extra)}, cpu)", addr, ps, rs)
+                finally:
+                    stop(dn)
+            # refused by name: pages and a fraction both
+            r = subprocess.run([f"{BIN}/decode_node", "--model", TARGET, "--draft", DRAFT, "--listen",
+                                "127.0.0.1:0", "--colocated", "--kv-memory-fraction", "0.2", "--kv-pages", "100"],
+                               capture_output=True, text=True, env=ENV, timeout=120)
+            check(r.returncode != 0 and "not both" in r.stderr,
+                  f"--kv-memory-fraction with --kv-pages: exit {r.returncode}, stderr {r.stderr.strip()[-300:]!r}")
     # CP prefill in a node: ranks as threads; on a GPU rank r runs on GPU r % (visible GPUs)
     # with its own copy of the target (one GPU: both ranks on it, the local communicator)
     if WHICH in ("disagg", "all"):

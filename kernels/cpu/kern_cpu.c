@@ -8,8 +8,10 @@
 
 #include <cblas.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/sysinfo.h>
 
 static float load(const void *p, kern_dtype dt, size_t i)
 {
@@ -136,12 +138,29 @@ static pd_status cpu_graph_launch(kern_backend *be, void *graph, pd_err *err)
     return pd_err_set(err, PD_ERR_UNSUPPORTED, "backend cpu: no graph capture");
 }
 
+/* The host's memory: MemAvailable of /proc/meminfo (what can be allocated without swapping:
+ * free memory plus the page cache it may drop), else sysinfo's free RAM; a cgroup's limit is
+ * not consulted. */
 static pd_status cpu_mem_info(kern_backend *be, size_t *free_bytes, size_t *total_bytes, pd_err *err)
 {
     (void)be;
-    (void)free_bytes;
-    (void)total_bytes;
-    return pd_err_set(err, PD_ERR_UNSUPPORTED, "the cpu backend has no device memory to size");
+    struct sysinfo si;
+    if (sysinfo(&si) != 0)
+        return pd_err_set(err, PD_ERR_UNSUPPORTED, "the host's memory: sysinfo failed");
+    *total_bytes = (size_t)si.totalram * si.mem_unit;
+    *free_bytes = (size_t)si.freeram * si.mem_unit;
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (f != NULL) {
+        char line[128];
+        unsigned long long kb;
+        while (fgets(line, sizeof(line), f) != NULL)
+            if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) {
+                *free_bytes = (size_t)kb * 1024;
+                break;
+            }
+        fclose(f);
+    }
+    return PD_OK;
 }
 
 static void cpu_graph_free(kern_backend *be, void *graph)
