@@ -716,11 +716,19 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
         free(slots);
         return PD_OK;
     }
+    /* ---- a batch past spec_disable_batch drafts nothing (scheduled requests' rows then wait
+     * as in their own rounds without drafts; their controller is left out of the round) ---- */
+    const int spec_off = e->dm != NULL && e->cfg.spec_disable_batch > 0 && m > e->cfg.spec_disable_batch;
+    if (spec_off) {
+        for (int i = 0; i < m; i++)
+            slots[i].l = 0;
+        e->times.spec_off_rounds++;
+    }
     /* ---- scheduled requests: draft this round or not ---- */
     double t_round = pd_engine_now_s();
     uint64_t cold0 = graph_cold(e);
     int n_sched = 0, sched_mode = -1, sched_probed = 0;
-    for (int i = 0; i < m && e->dm != NULL; i++)
+    for (int i = 0; i < m && e->dm != NULL && !spec_off; i++)
         n_sched += slots[i].l > 0 && pd_engine_request_policy(e, slots[i].r) == PD_VERIFY_SCHEDULED;
     if (n_sched > 0) {
         pd_request *probe = e->cfg.sched_debug_arm <= 0 ? pd_engine_sched_probe(e, slots, m) : NULL;

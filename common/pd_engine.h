@@ -44,6 +44,10 @@ typedef struct {
     float verify_threshold;            /* threshold policy: minimum prefix survival (0.5 if 0) */
     const pd_calib *calib;             /* confidence calibration (NULL = identity); borrowed */
     const pd_sps *sps;                 /* steps/s curve for the scheduler (NULL = linear model) */
+    int spec_disable_batch;            /* > 0: a decode round of more running requests than this
+                                        * drafts nothing (every request verifies its anchor only,
+                                        * a plain decode step), as vLLM's speculative
+                                        * disable_by_batch_size; 0 = always draft */
     int fast_kernels;                  /* 1: decode rounds use the fastest kernels instead of the
                                         * batch-invariant ones (0, default): faster on a GPU, but
                                         * bf16 results then depend on the batch, so greedy
@@ -371,6 +375,7 @@ typedef struct {
     double commit;    /* acceptance and output bookkeeping */
     double extend;    /* draft context extension or deferral of the committed rows */
     long rounds;      /* decode rounds with at least one request */
+    long spec_off_rounds;   /* of which ran without drafts for spec_disable_batch */
     long pend_flushes, pend_compactions;   /* of the deferred draft context buffer */
 } pd_engine_times;
 const pd_engine_times *pd_engine_phase_times(const pd_engine *e);

@@ -90,6 +90,7 @@ typedef struct {
                                      * scheduled profiles this device's SPS curve at start-up) */
     float verify_threshold;         /* threshold policy: minimum prefix survival (0 = 0.5) */
     int fast_kernels;               /* 1: fastest GPU kernels instead of batch-invariant ones */
+    int spec_disable_batch;         /* --speculative-disable-by-batch-size (pd_engine_config's) */
     int graphs;                     /* pd_graph_mode (0 = auto: CUDA graphs where available) */
     const char *chat_template;      /* --chat-template: a template file, or the template itself
                                      * (text with "{{" or "{%"), instead of the checkpoint's; NULL:

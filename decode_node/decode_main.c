@@ -36,6 +36,7 @@ static void usage(FILE *f)
             "                   [--log-level error|warn|info|debug|trace]\n"
             "                   [--http HOST:PORT] [--log-format text|json] [--drain-timeout-ms N]\n"
             "                   [--verify full|threshold|scheduled] [--threshold T] [--fast-kernels]\n"
+            "                   [--speculative-disable-by-batch-size N]\n"
             "                   [--graphs auto|off|pad] [--chunked-prefill-size N]\n"
             "                   [--reasoning-parser qwen3] [--served-model-name NAME] [--api-key KEY]\n"
             "                   [--chat-template FILE|TEXT] [--max-local-prefill N]\n"
@@ -75,6 +76,10 @@ static void usage(FILE *f)
             "SIGTERM drains: new requests are refused (HTTP 503, /ready 503), running ones\n"
             "finish for up to --drain-timeout-ms (default 30000), then the node exits 0.\n"
             "--log-format json writes every log line (and the per-request line) as JSON.\n"
+            "--speculative-disable-by-batch-size N (default 0 = never): decode rounds of more than N\n"
+            "running requests draft nothing (plain decode steps; vLLM's disable_by_batch_size),\n"
+            "where drafting costs more than it gains (docs/BENCHMARKS.md: from ~32 requests on an\n"
+            "H100 with the default kernels); --verify scheduled decides this per round instead.\n"
             "--kv-memory-fraction F (0 < F < 1): the KV pools (target and draft) take F of the\n"
             "GPU memory free once the models are loaded (cpu: of the host's available memory),\n"
             "instead of --kv-pages (default: two contexts + 64 pages); with --cp-size or --tp > 1\n"
@@ -128,7 +133,7 @@ int main(int argc, char **argv)
            O_QUEUE, O_QTMO, O_RTMO, O_XTMO, O_CP, O_CPS, O_LOG, O_HELP, O_HTTP, O_LOGFMT, O_DRAIN,
            O_VERIFY, O_THRESH, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_CHUNK, O_REFRESH, O_PREFIX,
            O_REASON, O_SERVED, O_APIKEY, O_CHATTMPL, O_LOCALPF, O_GENCFG, O_KVFRAC, O_SWAP,
-           O_STAGE };
+           O_STAGE, O_SPECOFF };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"prefill", required_argument, 0, O_PREFILL},
@@ -144,6 +149,7 @@ int main(int argc, char **argv)
         {"cp-size", required_argument, 0, O_CP}, {"cp-strategy", required_argument, 0, O_CPS},
         {"verify", required_argument, 0, O_VERIFY}, {"threshold", required_argument, 0, O_THRESH},
         {"fast-kernels", no_argument, 0, O_FAST}, {"graphs", required_argument, 0, O_GRAPHS},
+        {"speculative-disable-by-batch-size", required_argument, 0, O_SPECOFF},
         {"chunked-prefill-size", required_argument, 0, O_CHUNK},
         {"prefix-cache", no_argument, 0, O_PREFIX},
         {"reasoning-parser", required_argument, 0, O_REASON},
@@ -205,6 +211,10 @@ int main(int argc, char **argv)
             }
             break;
         case O_FAST: cfg.fast_kernels = 1; break;
+        case O_SPECOFF:
+            bad = pd_cli_parse_int(PROG, "--speculative-disable-by-batch-size", optarg, 0, 1 << 20,
+                                   &cfg.spec_disable_batch);
+            break;
         case O_GRAPHS: {
             pd_err gerr;
             pd_graph_mode gm = PD_GRAPHS_AUTO;

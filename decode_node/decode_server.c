@@ -1100,6 +1100,7 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
     pd_engine_config ec = { .target = s->tm, .draft = s->dm, .page_size = cfg->page_size,
                             .n_pages = cfg->kv_pages, .kv_mem_fraction = cfg->kv_mem_fraction,
                             .fast_kernels = cfg->fast_kernels, .graphs = cfg->graphs,
+                            .spec_disable_batch = cfg->spec_disable_batch,
                             .max_prefill_tokens = cfg->max_prefill_tokens,
                             .verify_threshold = cfg->verify_threshold,
                             .prefix_cache = cfg->prefix_cache,

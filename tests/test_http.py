@@ -1932,6 +1932,33 @@ def test_verify_policies(bin_dir, model, draft):
     log("decode_node --verify full/threshold/scheduled and per-request verify: same greedy output")
 
 
+def test_spec_disable(bin_dir, model, draft):
+    """--speculative-disable-by-batch-size 1: a request alone drafts (tau well above 1); the four
+    greedy choices of an n=4 request run as one batch of 4 > 1, so their rounds draft nothing
+    (tau near 1, at most the rounds one choice runs alone), and write the same text as the request
+    alone; a negative value is refused at start-up."""
+    body = {"prompt": "def quicksort(xs):", "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+    node = Node(bin_dir, model, draft, ("--colocated", "--speculative-disable-by-batch-size", "1"))
+    try:
+        st, one = post_json(node, "/v1/completions", body)
+        st4, four = post_json(node, "/v1/completions", dict(body, n=4))
+        check(st == 200 and st4 == 200, "requests: %s %s / %s %s" % (st, one, st4, four))
+        if st == 200 and st4 == 200:
+            t1, t4 = one["usage"]["dspark"]["tau"], four["usage"]["dspark"]["tau"]
+            texts = {c["text"] for c in four["choices"]}
+            check(t1 >= 1.5 and t4 < 0.75 * t1 and texts == {one["choices"][0]["text"]},
+                  "spec disabled past batch 1: tau alone %.3f, n=4 %.3f; texts %s vs %r" %
+                  (t1, t4, texts, one["choices"][0]["text"]))
+            log("--speculative-disable-by-batch-size 1: tau %.3f alone, %.3f for a batch of 4, same text" % (t1, t4))
+    finally:
+        node.stop()
+    r = subprocess.run([os.path.join(bin_dir, "decode_node"), "--model", model, "--draft", draft, "--listen",
+                        "127.0.0.1:0", "--colocated", "--speculative-disable-by-batch-size", "-1"],
+                       capture_output=True, text=True, timeout=60)
+    check(r.returncode != 0 and "--speculative-disable-by-batch-size" in r.stderr,
+          "--speculative-disable-by-batch-size -1: rc %d, %s" % (r.returncode, r.stderr.strip()))
+
+
 def test_tensor_parallel(bin_dir, model, draft):
     """decode_node --colocated --tp 2: the same greedy text as --tp 1 with scheduled verification
     (the verification lengths are decided on rank 0 only), and --tp without --colocated or with
@@ -2381,6 +2408,7 @@ def main():
         test_chat_template(bin_dir, model, draft)
         test_local_prefill(bin_dir, model, draft)
         test_generation_config(bin_dir, model, draft)
+        test_spec_disable(bin_dir, model, draft)
     if FAILS == 0 and DEV:
         log("--tp 2 left out: it needs a GPU per rank (PD_HTTP_DEVICE)")
     elif FAILS == 0:
