@@ -177,6 +177,29 @@ int pd_cli_parse_logit_bias(const char *prog, const char *flag, const char *s, p
     return 0;
 }
 
+int pd_cli_parse_ids(const char *prog, const char *flag, const char *s, uint32_t **ids, int *n)
+{
+    const char *p = s;
+    do {
+        char *end;
+        errno = 0;
+        long long id = strtoll(p, &end, 10);
+        if (errno != 0 || end == p || (*end != ',' && *end != '\0') || id < 0 || id > UINT32_MAX) {
+            fprintf(stderr, "%s: %s: '%s' is not ID[,ID...]\n", prog, flag, s);
+            return -1;
+        }
+        uint32_t *nv = realloc(*ids, (size_t)(*n + 1) * sizeof(**ids));
+        if (nv == NULL) {
+            fprintf(stderr, "%s: out of memory\n", prog);
+            return -1;
+        }
+        *ids = nv;
+        (*ids)[(*n)++] = (uint32_t)id;
+        p = *end == ',' ? end + 1 : end;
+    } while (*p != '\0');
+    return 0;
+}
+
 int pd_cli_parse_guide(const char *prog, const char *flag, const char *arg, pd_cli_guide *g)
 {
     int kinds = g->json_object + (g->schema != NULL) + (g->n_choices > 0) + (g->regex != NULL) + (g->grammar != NULL);

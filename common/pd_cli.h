@@ -36,6 +36,10 @@ int pd_cli_parse_gib(const char *prog, const char *flag, const char *s, int64_t 
  * naming flag for a malformed entry or more than PD_MAX_LOGIT_BIAS of them (ranges are checked
  * where the request is). */
 int pd_cli_parse_logit_bias(const char *prog, const char *flag, const char *s, pd_logit_bias **b, int *n);
+/* "ID[,ID...]" (each 0..UINT32_MAX) appended to *ids / *n (malloc'd, the caller frees *ids); -1
+ * with a message naming flag for a malformed one (vocabularies are checked where the request
+ * is). */
+int pd_cli_parse_ids(const char *prog, const char *flag, const char *s, uint32_t **ids, int *n);
 /* Structured output flags of pdspark-generate / pdspark-client: --json-object, --json-schema FILE
  * ("-" = stdin; the schema's text), --choice TEXT (repeated), --regex RE, --grammar FILE (GBNF). */
 typedef struct {

@@ -269,6 +269,7 @@ static void request_free(pd_engine *e, pd_request *r)
     pd_gmatch_destroy(r->gm);
     pd_gmatch_destroy(r->gm_row);
     free(r->first_allow);
+    free(r->allow);
     pd_engine_preempt_clear(e, r);
     free(r);
 }
@@ -603,12 +604,8 @@ static pd_status draft_steps(pd_engine *e, pd_round_slot **dslot, int n_draft, c
         if (st != PD_OK)
             break;
         const float *sl = pd_draft_step_logits(e->draft);
-        for (int j = 0; j < n_draft && st == PD_OK; j++) {
-            pd_request *r = dslot[j]->r;
-            uint32_t *bits;
-            if (r->gm != NULL && (st = pd_engine_mask_slot(e, j, &bits, err)) == PD_OK)
-                st = pd_gmatch_allowed(r->gm_row, r->params.gvocab, bits, err);
-        }
+        for (int j = 0; j < n_draft && st == PD_OK; j++)
+            st = pd_engine_mask_step(e, dslot[j]->r, j, err);
         if (st == PD_OK)
             st = pd_engine_mask_apply(e, sl, err);
         if (st != PD_OK)
@@ -814,9 +811,9 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     }
     double t_draft = pd_engine_now_s(), draft_sec = 0.0;
     uint64_t cold_draft = graph_cold(e);
-    int any_grammar = 0;
+    int any_grammar = 0;   /* or allowed tokens: masked picks */
     for (int j = 0; j < n_draft; j++)
-        any_grammar |= dslot[j]->r->gm != NULL;
+        any_grammar |= dslot[j]->r->gm != NULL || dslot[j]->r->allow != NULL;
     if (n_draft > 0 && !any_sampled && e->tp == NULL && !any_grammar) {
         /* greedy drafts: the whole round chained on the device, one download (tensor-parallel
          * ranks take the step-by-step path below: each step's logits are gathered over them;

@@ -186,6 +186,10 @@ typedef struct {
     /* the first token's mask alone (a prefill node: the decode node computed it), words
      * (V + 31) / 32, copied at admission; ignored with grammar */
     const uint32_t *first_allow;
+    /* vLLM's allowed_token_ids: every pick (the first token, every verify row, every draft) is
+     * masked to these tokens (bit t of word t / 32), with a grammar to those both allow; words
+     * (V + 31) / 32, copied at admission. NULL = any. */
+    const uint32_t *allow;
 } pd_gen_params;
 
 typedef enum {
@@ -256,6 +260,7 @@ typedef struct pd_request {
                               * masked too), then along the verify block's drafts: one mask
                               * cache serves both, since their states are the same */
     uint32_t *first_allow;   /* the copy of params.first_allow */
+    uint32_t *allow;         /* the copy of params.allow */
     void *swap;              /* preempted (pd_engine_config.swap_bytes): its target then draft
                               * KV pages in host memory (pd_kv_seq_copy; then each tensor-
                               * parallel worker's), NULL while it runs */

@@ -213,16 +213,22 @@ pd_status pd_engine_pen_apply(pd_engine *e, const float *logits, pd_err *err)
 
 pd_status pd_engine_grammar_init(pd_engine *e, pd_request *r, pd_err *err)
 {
-    const uint32_t *first = r->params.first_allow;
+    const uint32_t *first = r->params.first_allow, *allow = r->params.allow;
     pd_grammar *g = r->params.grammar;
     r->params.first_allow = NULL;
+    r->params.allow = NULL;
     r->params.grammar = NULL;   /* the matchers hold their references */
+    const size_t bytes = (size_t)((e->V + 31) / 32) * sizeof(uint32_t);
+    if (allow != NULL) {
+        if ((r->allow = malloc(bytes)) == NULL)
+            return pd_err_set(err, PD_ERR_NOMEM, "allowed-token mask");
+        memcpy(r->allow, allow, bytes);
+    }
     if (g != NULL) {
         TRY(pd_gmatch_create(g, &r->gm, err));
         return pd_gmatch_create(g, &r->gm_row, err);
     }
     if (first != NULL) {
-        size_t bytes = (size_t)((e->V + 31) / 32) * sizeof(uint32_t);
         if ((r->first_allow = malloc(bytes)) == NULL)
             return pd_err_set(err, PD_ERR_NOMEM, "first-token mask");
         memcpy(r->first_allow, first, bytes);
@@ -243,21 +249,49 @@ pd_status pd_engine_mask_slot(pd_engine *e, int row, uint32_t **bits, pd_err *er
     return PD_OK;
 }
 
+/* bits &= r's allowed tokens (allowed_token_ids), if any */
+static void and_allow(const pd_engine *e, const pd_request *r, uint32_t *bits)
+{
+    for (int w = 0; r->allow != NULL && w < (e->V + 31) / 32; w++)
+        bits[w] &= r->allow[w];
+}
+
+pd_status pd_engine_mask_step(pd_engine *e, pd_request *r, int row, pd_err *err)
+{
+    if (r->gm == NULL && r->allow == NULL)
+        return PD_OK;
+    uint32_t *bits;
+    TRY(pd_engine_mask_slot(e, row, &bits, err));
+    if (r->gm != NULL)
+        TRY(pd_gmatch_allowed(r->gm_row, r->params.gvocab, bits, err));
+    else
+        memset(bits, 0xff, (size_t)((e->V + 31) / 32) * sizeof(uint32_t));
+    and_allow(e, r, bits);
+    return PD_OK;
+}
+
 /* Queues the masks of r's rows row0 .. row0 + n_extra: row row0 + j follows the output and
  * extra[0..j) (a verify block's drafts). Past a draft the grammar refuses no row is masked:
  * that draft's own row is, so the block is accepted no further than it. With `force` (a greedy
  * request), a draft at a row where the grammar allows one token only becomes that token: the
  * masked argmax there can be nothing else, so the block goes on through the text the grammar
- * dictates (keys, punctuation) whatever the drafter proposed. */
+ * dictates (keys, punctuation) whatever the drafter proposed. Allowed tokens alone
+ * (allowed_token_ids without a grammar) mask every row the same. */
 pd_status pd_engine_mask_rows(pd_engine *e, pd_request *r, int row0, int32_t *extra, int n_extra, int force,
                               pd_err *err)
 {
     uint32_t *bits;
+    const size_t bytes = (size_t)((e->V + 31) / 32) * sizeof(uint32_t);
     if (r->gm == NULL) {
-        if (r->first_allow == NULL || r->n_out > 0)
-            return PD_OK;
-        TRY(pd_engine_mask_slot(e, row0, &bits, err));
-        memcpy(bits, r->first_allow, (size_t)((e->V + 31) / 32) * sizeof(uint32_t));
+        const int first = r->first_allow != NULL && r->n_out == 0;
+        for (int j = 0; j <= n_extra && (r->allow != NULL || (first && j == 0)); j++) {
+            TRY(pd_engine_mask_slot(e, row0 + j, &bits, err));
+            if (first && j == 0)
+                memcpy(bits, r->first_allow, bytes);
+            else
+                memset(bits, 0xff, bytes);
+            and_allow(e, r, bits);
+        }
         return PD_OK;
     }
     TRY(pd_gmatch_copy(r->gm_row, r->gm, err));
@@ -265,6 +299,7 @@ pd_status pd_engine_mask_rows(pd_engine *e, pd_request *r, int row0, int32_t *ex
     for (int j = 0; j <= n_extra; j++) {
         TRY(pd_engine_mask_slot(e, row0 + j, &bits, err));
         TRY(pd_gmatch_allowed(r->gm_row, r->params.gvocab, bits, err));
+        and_allow(e, r, bits);
         if (j == n_extra)
             break;
         int n_allowed = 0, only = -1;

@@ -34,6 +34,7 @@ static void usage(FILE *f)
             "                      [--presence-penalty P]\n"
             "                      [--frequency-penalty F] [--repetition-penalty R]\n"
             "                      [--logit-bias ID:BIAS[,...]] [--min-tokens N]\n"
+            "                      [--allowed-token-ids ID[,ID...]]\n"
             "                      [--json-object | --json-schema FILE | --choice TEXT... | --regex RE\n"
             "                       | --grammar FILE] [--n N]\n"
             "                      [--tools FILE [--tool-choice auto|none|required|NAME]\n"
@@ -467,11 +468,13 @@ int main(int argc, char **argv)
     float presence = 0.0f, frequency = 0.0f, repetition = 0.0f;
     pd_logit_bias *bias = NULL;
     int n_bias = 0, min_tokens = 0;
+    uint32_t *allowed = NULL;   /* SamplingParams.allowed_token_ids */
+    int n_allowed = 0;
     pd_cli_guide guide = { 0 };
     const char *verify = NULL;
     enum { O_SERVER = 256, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_IGNORE,
            O_TMO, O_RID, O_JSON, O_STREAM, O_DISC, O_HEALTH, O_STOP, O_VERIFY, O_VTHRESH, O_LOGPROBS,
-           O_PRES, O_FREQ, O_REP, O_BIAS, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_GRAMMAR, O_SKIPSP,
+           O_PRES, O_FREQ, O_REP, O_BIAS, O_ALLOWED, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_GRAMMAR, O_SKIPSP,
            O_MINP, O_TYPP, O_CHAT, O_SYSTEM, O_THINK, O_MSGS, O_N, O_MODELDEF, O_TOOLS, O_TOOLCH, O_PARTOOLS,
            O_PROMPTLP, O_STREAMARGS, O_TRUNC, O_HELP };
     static const struct option opts[] = {
@@ -496,6 +499,7 @@ int main(int argc, char **argv)
         {"frequency-penalty", required_argument, 0, O_FREQ},
         {"repetition-penalty", required_argument, 0, O_REP},
         {"logit-bias", required_argument, 0, O_BIAS}, {"min-tokens", required_argument, 0, O_MINTOK},
+        {"allowed-token-ids", required_argument, 0, O_ALLOWED},
         {"json-object", no_argument, 0, O_JOBJ}, {"json-schema", required_argument, 0, O_JSCHEMA},
         {"choice", required_argument, 0, O_CHOICE}, {"regex", required_argument, 0, O_REGEX},
         {"grammar", required_argument, 0, O_GRAMMAR}, {"n", required_argument, 0, O_N},
@@ -561,6 +565,9 @@ int main(int argc, char **argv)
         case O_FREQ: bad = pd_cli_parse_float(PROG, "--frequency-penalty", optarg, &frequency); break;
         case O_REP: bad = pd_cli_parse_float(PROG, "--repetition-penalty", optarg, &repetition); break;
         case O_BIAS: bad = pd_cli_parse_logit_bias(PROG, "--logit-bias", optarg, &bias, &n_bias); break;
+        case O_ALLOWED:
+            bad = pd_cli_parse_ids(PROG, "--allowed-token-ids", optarg, &allowed, &n_allowed);
+            break;
         case O_MINTOK: bad = pd_cli_parse_int(PROG, "--min-tokens", optarg, 0, INT_MAX, &min_tokens); break;
         case O_JOBJ: bad = pd_cli_parse_guide(PROG, "--json-object", NULL, &guide); break;
         case O_JSCHEMA: bad = pd_cli_parse_guide(PROG, "--json-schema", optarg, &guide); break;
@@ -702,6 +709,8 @@ int main(int argc, char **argv)
     }
     sp.n_logit_bias = (size_t)n_bias;
     sp.logit_bias = lbp;
+    sp.n_allowed_token_ids = (size_t)n_allowed;
+    sp.allowed_token_ids = allowed;
     sp.n_stop = n_stops;
     sp.stop = stops;
     Pdspark__GenerateRequest rq = PDSPARK__GENERATE_REQUEST__INIT;
@@ -850,6 +859,7 @@ out:
     pd_rpc_stream_close(s);
     pd_rpc_channel_destroy(ch);
     free(bias);
+    free(allowed);
     pd_cli_guide_free(&guide);
     free(uids);
     free(ids);

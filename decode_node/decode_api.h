@@ -166,6 +166,9 @@ typedef struct {
     int min_tokens;                 /* 0..max_new_tokens (its default when that is 0) */
     const int32_t *stop_token_ids;  /* [n_stop_token_ids] (<= PD_MAX_STOP_IDS), borrowed */
     int n_stop_token_ids;
+    const int32_t *allowed_token_ids; /* vLLM's: [n_allowed_token_ids] (1..vocab, repeats
+                                     * allowed), borrowed; every token is one of them */
+    int n_allowed_token_ids;
     int logprobs;                   /* 1: chunks carry each token's logprob (pd_sample.h) */
     int top_logprobs;               /* with logprobs: and its 0..PD_MAX_TOP_LOGPROBS likeliest */
     int prompt_logprobs;            /* 1: the first chunk carries the prompt's logprobs (not on

@@ -756,6 +756,9 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
             stop_ids[i] = sp->stop_token_ids[i] > (uint32_t)INT32_MAX ? -1 : (int32_t)sp->stop_token_ids[i];
         dr.stop_token_ids = stop_ids;
         dr.n_stop_token_ids = sp->n_stop_token_ids > INT32_MAX ? INT32_MAX : (int)sp->n_stop_token_ids;
+        /* ids past INT32_MAX read as negative: decode_submit refuses them as outside the vocabulary */
+        dr.allowed_token_ids = (const int32_t *)sp->allowed_token_ids;
+        dr.n_allowed_token_ids = sp->n_allowed_token_ids > INT32_MAX ? INT32_MAX : (int)sp->n_allowed_token_ids;
         /* more than PD_MAX_LOGIT_BIAS entries: decode_submit refuses the count */
         for (size_t i = 0; i < sp->n_logit_bias && i < PD_MAX_LOGIT_BIAS; i++) {
             const Pdspark__LogitBias *lb = sp->logit_bias[i];

@@ -42,6 +42,31 @@ static int get_number(const cJSON *o, const char *k, double *v, char *msg, size_
     return 1;
 }
 
+/* An array of lo..hi token ids of a vocabulary of vocab at key k into out: their count (0 when
+ * absent or null), or -1 with msg set */
+static int get_ids(const cJSON *o, const char *k, int lo, int hi, int vocab, int32_t *out, char *msg,
+                   size_t cap)
+{
+    const cJSON *a = cJSON_GetObjectItemCaseSensitive(o, k);
+    if (a == NULL || cJSON_IsNull(a))
+        return 0;
+    int n = cJSON_IsArray(a) ? cJSON_GetArraySize(a) : -1;
+    if (n < lo || n > hi) {
+        snprintf(msg, cap, "'%s' must be an array of %d to %d token ids", k, lo, hi);
+        return -1;
+    }
+    int i = 0;
+    for (const cJSON *it = a->child; it != NULL; it = it->next, i++) {
+        if (!cJSON_IsNumber(it) || it->valuedouble != floor(it->valuedouble) || it->valuedouble < 0 ||
+            it->valuedouble >= vocab) {
+            snprintf(msg, cap, "'%s'[%d] is not a token id in 0..%d", k, i, vocab - 1);
+            return -1;
+        }
+        out[i] = (int32_t)it->valuedouble;
+    }
+    return n;
+}
+
 static int get_int(const cJSON *o, const char *k, double lo, double hi, long long *v, char *msg,
                    size_t cap)
 {
@@ -81,6 +106,8 @@ void decode_http_opts_free(req_opts *o)
 {
     free(o->bias);
     o->bias = NULL;
+    free(o->allowed);
+    o->allowed = NULL;
     free(o->schema);
     free(o->regex);
     free(o->ebnf);
@@ -422,7 +449,6 @@ int decode_http_parse_common(const cJSON *root, int chat, decode_req *dr, req_op
           ONLY_CHAT, 0 },
         { "use_beam_search", "beam search is not supported", BOTH, 0 },
         { "bad_words", "'bad_words' is not supported", BOTH, 0 },
-        { "allowed_token_ids", "'allowed_token_ids' is not supported (logit_bias can favour tokens)", BOTH, 0 },
         { "logits_processors", "'logits_processors' are not supported", BOTH, 0 },
         { "return_tokens_as_token_ids", "'return_tokens_as_token_ids' is not supported (the gRPC API returns ids)",
           BOTH, 0 },
@@ -572,25 +598,19 @@ int decode_http_parse_common(const cJSON *root, int chat, decode_req *dr, req_op
         dr->n_logit_bias = n;
     }
     *param = "stop_token_ids";   /* extension (vLLM) */
-    const cJSON *sti = cJSON_GetObjectItemCaseSensitive(root, "stop_token_ids");
-    if (sti != NULL && !cJSON_IsNull(sti)) {
-        int n = cJSON_IsArray(sti) ? cJSON_GetArraySize(sti) : -1;
-        if (n < 0 || n > PD_MAX_STOP_IDS) {
-            snprintf(msg, cap, "'stop_token_ids' must be an array of at most %d token ids", PD_MAX_STOP_IDS);
-            return -1;
-        }
-        int i = 0;
-        for (const cJSON *it = sti->child; it != NULL; it = it->next, i++) {
-            if (!cJSON_IsNumber(it) || it->valuedouble != floor(it->valuedouble) || it->valuedouble < 0 ||
-                it->valuedouble >= o->vocab) {
-                snprintf(msg, cap, "'stop_token_ids'[%d] is not a token id in 0..%d", i, o->vocab - 1);
-                return -1;
-            }
-            o->stop_ids[i] = (int32_t)it->valuedouble;
-        }
-        dr->stop_token_ids = o->stop_ids;
-        dr->n_stop_token_ids = n;
+    if ((dr->n_stop_token_ids = get_ids(root, *param, 0, PD_MAX_STOP_IDS, o->vocab, o->stop_ids, msg, cap)) < 0)
+        return -1;
+    dr->stop_token_ids = o->stop_ids;
+    *param = "allowed_token_ids";   /* extension (vLLM): every token one of these */
+    const cJSON *ati = cJSON_GetObjectItemCaseSensitive(root, *param);
+    int n_at = cJSON_IsArray(ati) ? cJSON_GetArraySize(ati) : 0;
+    if (n_at > 0 && (o->allowed = malloc((size_t)n_at * sizeof(int32_t))) == NULL) {
+        snprintf(msg, cap, "out of memory for 'allowed_token_ids'");
+        return -1;
     }
+    if ((dr->n_allowed_token_ids = get_ids(root, *param, 1, o->vocab, o->vocab, o->allowed, msg, cap)) < 0)
+        return -1;
+    dr->allowed_token_ids = o->allowed;
     *param = "min_tokens";
     if ((rc = get_int(root, "min_tokens", 0, 1e9, &ll, msg, cap)) < 0)
         return -1;

@@ -28,6 +28,7 @@ typedef struct {
     decode_server *srv;              /* its grammar cache */
     const decode_gen_defaults *gd;          /* the fields' defaults (the model's generation config) */
     int32_t stop_ids[PD_MAX_STOP_IDS];   /* "stop_token_ids" */
+    int32_t *allowed;                /* "allowed_token_ids" (vLLM), malloc'd */
     char *schema;                    /* structured output: a JSON schema's text, or ... */
     char *regex;                     /* ... a regex, or ... */
     char *ebnf;                      /* ... a GBNF grammar, or ... */

@@ -133,17 +133,22 @@ static Pdspark__KvDtype kern_dtype_to_proto(kern_dtype d)
 
 /* Reserve pages + aux rows and send Prefill. PD_ERR_BUSY: no room now (nothing held). */
 /* Send h's Prefill (pages and aux rows already reserved) to nd. On error nothing is in flight. */
-/* The tokens a grammar allows first, as SamplingParams.first_token_mask's bytes (malloc'd) */
-static pd_status first_token_mask(decode_server *s, pd_grammar *g, uint8_t **out, pd_err *err)
+/* The tokens a grammar g (or NULL) and the allowed tokens allow (or NULL: all) allow first,
+ * as SamplingParams.first_token_mask's bytes (malloc'd) */
+static pd_status first_token_mask(decode_server *s, pd_grammar *g, const uint32_t *allow, uint8_t **out,
+                                  pd_err *err)
 {
     pd_gmatch *m = NULL;
-    int words = pd_gvocab_words(s->gvocab);
+    int words = (s->vocab + 31) / 32;
     uint32_t *bits = malloc((size_t)words * sizeof(uint32_t));
     uint8_t *bytes = malloc((size_t)words * sizeof(uint32_t));
-    pd_status st = bits == NULL || bytes == NULL ? pd_err_set(err, PD_ERR_NOMEM, "first-token mask")
-                                                 : pd_gmatch_create(g, &m, err);
-    if (st == PD_OK)
+    pd_status st = bits == NULL || bytes == NULL ? pd_err_set(err, PD_ERR_NOMEM, "first-token mask") : PD_OK;
+    if (st == PD_OK && g != NULL && (st = pd_gmatch_create(g, &m, err)) == PD_OK)
         st = pd_gmatch_allowed(m, s->gvocab, bits, err);
+    else if (st == PD_OK)
+        memset(bits, 0xff, (size_t)words * sizeof(uint32_t));
+    for (int w = 0; st == PD_OK && allow != NULL && w < words; w++)
+        bits[w] &= allow[w];
     for (int i = 0; st == PD_OK && i < words * 4; i++)
         bytes[i] = (uint8_t)(bits[i / 4] >> (8 * (i % 4)));
     pd_gmatch_destroy(m);
@@ -208,11 +213,11 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
         stop_ids[i] = (uint32_t)h->gp.stop_ids[i];
     sp.n_stop_token_ids = (size_t)h->gp.n_stop_ids;
     sp.stop_token_ids = stop_ids;
-    /* structured output: the prefill node samples the first token, from the tokens the grammar
-     * allows at its start */
+    /* structured output, allowed_token_ids: the prefill node samples the first token, from the
+     * tokens the grammar and the allowed tokens allow at its start */
     uint8_t *first_mask = NULL;
-    if (h->grammar != NULL) {
-        pd_status gst = first_token_mask(s, h->grammar, &first_mask, err);
+    if (h->grammar != NULL || h->allow != NULL) {
+        pd_status gst = first_token_mask(s, h->grammar, h->allow, &first_mask, err);
         if (gst != PD_OK) {
             free(pages);
             free(ids);

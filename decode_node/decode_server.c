@@ -72,6 +72,7 @@ static void handle_unref(decode_handle *h)
     if (atomic_fetch_sub(&h->refs, 1) == 1) {
         free(h->prompt);
         free(h->bias);
+        free(h->allow);
         pd_grammar_unref(h->grammar);
         free(h);
     }
@@ -721,6 +722,13 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
     if ((pst = pd_stop_ids_check(req->stop_token_ids, req->n_stop_token_ids, PD_MAX_STOP_IDS, s->vocab,
                                  err)) != PD_OK)
         return pst;
+    if (req->n_allowed_token_ids < 0 || req->n_allowed_token_ids > s->vocab)
+        return pd_err_set(err, PD_ERR_INVALID, "allowed_token_ids: %d ids (at most the vocabulary's %d)",
+                          req->n_allowed_token_ids, s->vocab);
+    for (int i = 0; i < req->n_allowed_token_ids; i++)
+        if (req->allowed_token_ids[i] < 0 || req->allowed_token_ids[i] >= s->vocab)
+            return pd_err_set(err, PD_ERR_INVALID, "allowed_token_ids[%d] = %d is outside the vocabulary "
+                              "(0..%d)", i, req->allowed_token_ids[i], s->vocab - 1);
     if (req->min_tokens < 0 || (req->max_new_tokens > 0 && req->min_tokens > req->max_new_tokens))
         return pd_err_set(err, PD_ERR_INVALID, "min_tokens %d must be in 0..max_new_tokens (%d)",
                           req->min_tokens, req->max_new_tokens);
@@ -890,18 +898,24 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
     for (int i = 0; i < req->n_stop_token_ids; i++)
         h->gp.stop_ids[i] = req->stop_token_ids[i];
     h->gp.n_stop_ids = req->n_stop_token_ids;
+    const size_t allow_words = (size_t)(s->vocab + 31) / 32;
+    if ((req->n_logit_bias > 0 && (h->bias = malloc((size_t)req->n_logit_bias * sizeof(*h->bias))) == NULL) ||
+        (req->n_allowed_token_ids > 0 && (h->allow = calloc(allow_words, sizeof(uint32_t))) == NULL)) {
+        atomic_fetch_sub(&s->n_waiting, 1);
+        pd_grammar_unref(h->grammar);
+        free(h->bias);
+        free(h);
+        st = pd_err_set(err, PD_ERR_NOMEM, "logit_bias / allowed_token_ids");
+        goto err_ids;
+    }
     if (req->n_logit_bias > 0) {
-        if ((h->bias = malloc((size_t)req->n_logit_bias * sizeof(*h->bias))) == NULL) {
-            atomic_fetch_sub(&s->n_waiting, 1);
-            pd_grammar_unref(h->grammar);
-            free(h);
-            st = pd_err_set(err, PD_ERR_NOMEM, "logit_bias");
-            goto err_ids;
-        }
         memcpy(h->bias, req->logit_bias, (size_t)req->n_logit_bias * sizeof(*h->bias));
         h->gp.logit_bias = h->bias;
         h->gp.n_logit_bias = req->n_logit_bias;
     }
+    for (int i = 0; i < req->n_allowed_token_ids; i++)
+        h->allow[req->allowed_token_ids[i] / 32] |= 1u << (req->allowed_token_ids[i] % 32);
+    h->gp.allow = h->allow;
     h->gp.logprobs = req->logprobs != 0;
     h->gp.prompt_logprobs = req->prompt_logprobs != 0;
     h->gp.top_logprobs = req->logprobs ? req->top_logprobs : 0;
@@ -918,6 +932,7 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
         atomic_fetch_sub(&s->n_waiting, 1);
         st = err->code;
         free(h->bias);
+        free(h->allow);
         pd_grammar_unref(h->grammar);
         free(h);
         goto err_ids;
@@ -928,6 +943,7 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
         atomic_fetch_sub(&s->n_waiting, 1);
         pd_detok_destroy(h->detok);
         free(h->bias);
+        free(h->allow);
         free(h);
         st = pd_err_set(err, PD_ERR_CANCELLED, "server is shutting down");
         goto err_ids;

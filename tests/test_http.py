@@ -1202,6 +1202,61 @@ def test_truncate(bin_dir, node, prompt):
         "byte bound, HTTP and gRPC; -1 fits the context; bad values refused (same tail tokens: %s)" % same_tail)
 
 
+def test_allowed_token_ids(bin_dir, model, draft, node, prompt):
+    """allowed_token_ids (vLLM's): every token of the answer is one of them, greedy and sampled,
+    the first one too (also when a prefill node picks it, disaggregated: the decode node sends it
+    the mask), over HTTP and gRPC (pdspark-client --allowed-token-ids); one id repeats it; an
+    empty list, an id outside the vocabulary or not a list is a 400 / INVALID_ARGUMENT."""
+    digits = []
+    for d in "0123456789":
+        st, t = post_json(node, "/tokenize", {"prompt": d})
+        digits += t.get("tokens", []) if st == 200 else []
+    check(len(digits) == 10, "the ten digits are ten tokens: %s" % digits)
+    body = {"prompt": prompt, "max_tokens": 12, "ignore_eos": True, "allowed_token_ids": digits}
+
+    def only_digits(n, extra, what):
+        st, r = post_json(n, "/v1/completions", dict(body, **extra))
+        text = r["choices"][0]["text"] if st == 200 else None
+        check(text is not None and re.fullmatch(r"[0-9]{12}", text) is not None and
+              r["usage"]["completion_tokens"] == 12, "%s: %s %s" % (what, st, r))
+        return text
+
+    only_digits(node, {"temperature": 0}, "allowed_token_ids, greedy")
+    a = only_digits(node, {"temperature": 1.2, "seed": 3}, "allowed_token_ids, sampled")
+    b = only_digits(node, {"temperature": 1.2, "seed": 3}, "allowed_token_ids, sampled again")
+    check(a == b, "allowed_token_ids with a seed reproduces: %r vs %r" % (a, b))
+    st, r = post_json(node, "/v1/completions", dict(body, allowed_token_ids=[digits[7]], max_tokens=5))
+    check(st == 200 and r["choices"][0]["text"] == "77777", "one allowed id: %s %s" % (st, r))
+    st, c = post_json(node, "/v1/chat/completions", {"messages": [{"role": "user", "content": "count"}],
+                                                     "max_tokens": 6, "ignore_eos": True, "allowed_token_ids": digits})
+    check(st == 200 and re.fullmatch(r"[0-9]{6}", c["choices"][0]["message"]["content"] or "") is not None,
+          "chat allowed_token_ids: %s %s" % (st, c))
+    for bad in ([], [-1], [10 ** 7], "3", [1.5]):
+        st, r = post_json(node, "/v1/completions", dict(body, allowed_token_ids=bad))
+        check(st == 400 and r["error"]["param"] == "allowed_token_ids", "allowed_token_ids %r: %s %s" % (bad, st, r))
+    client = os.path.join(bin_dir, "pdspark-client")
+    outs = [subprocess.run([client, "--server", node.grpc, "--prompt", prompt, "--max-new-tokens", "8", "--ignore-eos",
+                            "--json", "--allowed-token-ids", ids], capture_output=True, text=True, timeout=60)
+            for ids in (",".join(map(str, digits)), "99999999")]
+    js = json.loads(outs[0].stdout.strip().splitlines()[-1]) if outs[0].returncode == 0 else {}
+    check(re.fullmatch(r"[0-9]{8}", js.get("text", "")) is not None, "gRPC allowed_token_ids: %s %s" %
+          (js, outs[0].stderr))
+    check(outs[1].returncode != 0 and "allowed_token_ids" in outs[1].stderr,
+          "gRPC allowed_token_ids outside the vocabulary: rc %d %s" % (outs[1].returncode, outs[1].stderr))
+    # disaggregated: the prefill node picks the first token under the mask the decode node sends
+    pf = Node(bin_dir, model, draft, (), binary="prefill_node")
+    try:
+        dn = Node(bin_dir, model, draft, ("--prefill", pf.grpc))
+        try:
+            only_digits(dn, {"temperature": 0}, "allowed_token_ids through a prefill node, greedy")
+            only_digits(dn, {"temperature": 1.2, "seed": 4}, "allowed_token_ids through a prefill node, sampled")
+        finally:
+            dn.stop()
+    finally:
+        pf.stop()
+    log("allowed_token_ids: digits only (greedy, sampled, chat, gRPC, through a prefill node); bad lists refused")
+
+
 TYP_REF = {}   # the colocated node's first token of "def fib(n):" under a tiny typical_p
 
 
@@ -2124,6 +2179,7 @@ def main():
         test_special_tokens(bin_dir, node, prompt)
         test_min_p(bin_dir, node, prompt)
         test_truncate(bin_dir, node, prompt)
+        test_allowed_token_ids(bin_dir, model, draft, node, prompt)
         test_typical_p(bin_dir, node, prompt)
         test_fuzz(node, prompt, want)
         test_structured(bin_dir, node, "colocated")
