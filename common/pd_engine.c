@@ -270,6 +270,7 @@ static void request_free(pd_engine *e, pd_request *r)
     pd_gmatch_destroy(r->gm_row);
     free(r->first_allow);
     free(r->allow);
+    free(r->bad);
     pd_engine_preempt_clear(e, r);
     free(r);
 }
@@ -605,7 +606,7 @@ static pd_status draft_steps(pd_engine *e, pd_round_slot **dslot, int n_draft, c
             break;
         const float *sl = pd_draft_step_logits(e->draft);
         for (int j = 0; j < n_draft && st == PD_OK; j++)
-            st = pd_engine_mask_step(e, dslot[j]->r, j, err);
+            st = pd_engine_mask_step(e, dslot[j]->r, j, dslot[j]->d, k, err);
         if (st == PD_OK)
             st = pd_engine_mask_apply(e, sl, err);
         if (st != PD_OK)
@@ -811,9 +812,9 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     }
     double t_draft = pd_engine_now_s(), draft_sec = 0.0;
     uint64_t cold_draft = graph_cold(e);
-    int any_grammar = 0;   /* or allowed tokens: masked picks */
+    int any_grammar = 0;   /* or allowed tokens, bad words: masked picks */
     for (int j = 0; j < n_draft; j++)
-        any_grammar |= dslot[j]->r->gm != NULL || dslot[j]->r->allow != NULL;
+        any_grammar |= dslot[j]->r->gm != NULL || dslot[j]->r->allow != NULL || dslot[j]->r->bad != NULL;
     if (n_draft > 0 && !any_sampled && e->tp == NULL && !any_grammar) {
         /* greedy drafts: the whole round chained on the device, one download (tensor-parallel
          * ranks take the step-by-step path below: each step's logits are gathered over them;

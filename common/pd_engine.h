@@ -190,6 +190,11 @@ typedef struct {
      * masked to these tokens (bit t of word t / 32), with a grammar to those both allow; words
      * (V + 31) / 32, copied at admission. NULL = any. */
     const uint32_t *allow;
+    /* vLLM's bad_words as token sequences, each [len, id_1 .. id_len] one after the other
+     * (n_bad ints in all; copied at admission): a pick whose output so far (drafts included)
+     * ends with id_1 .. id_{len-1} may not be id_len (a one-token word never). NULL = none. */
+    const int32_t *bad;
+    int n_bad;
 } pd_gen_params;
 
 typedef enum {
@@ -261,6 +266,7 @@ typedef struct pd_request {
                               * cache serves both, since their states are the same */
     uint32_t *first_allow;   /* the copy of params.first_allow */
     uint32_t *allow;         /* the copy of params.allow */
+    int32_t *bad;            /* the copy of params.bad (n_bad ints) */
     void *swap;              /* preempted (pd_engine_config.swap_bytes): its target then draft
                               * KV pages in host memory (pd_kv_seq_copy; then each tensor-
                               * parallel worker's), NULL while it runs */

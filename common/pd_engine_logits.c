@@ -224,6 +224,16 @@ pd_status pd_engine_grammar_init(pd_engine *e, pd_request *r, pd_err *err)
             return pd_err_set(err, PD_ERR_NOMEM, "allowed-token mask");
         memcpy(r->allow, allow, bytes);
     }
+    const int32_t *bad = r->params.bad;
+    r->params.bad = NULL;
+    if (bad != NULL && r->params.n_bad > 0) {
+        for (int i = 0; i < r->params.n_bad; i += 1 + bad[i])
+            if (bad[i] < 1 || i + bad[i] >= r->params.n_bad)
+                return pd_err_set(err, PD_ERR_INVALID, "bad words: malformed sequence at %d", i);
+        if ((r->bad = malloc((size_t)r->params.n_bad * sizeof(int32_t))) == NULL)
+            return pd_err_set(err, PD_ERR_NOMEM, "bad words");
+        memcpy(r->bad, bad, (size_t)r->params.n_bad * sizeof(int32_t));
+    }
     if (g != NULL) {
         TRY(pd_gmatch_create(g, &r->gm, err));
         return pd_gmatch_create(g, &r->gm_row, err);
@@ -249,16 +259,36 @@ pd_status pd_engine_mask_slot(pd_engine *e, int row, uint32_t **bits, pd_err *er
     return PD_OK;
 }
 
-/* bits &= r's allowed tokens (allowed_token_ids), if any */
-static void and_allow(const pd_engine *e, const pd_request *r, uint32_t *bits)
+/* The token at position i from the end (0: the last) of r's output followed by extra[0..n),
+ * or -1 before the output's start */
+static int32_t tail_tok(const pd_request *r, const int32_t *extra, int n, int i)
+{
+    if (i < n)
+        return extra[n - 1 - i];
+    i -= n;
+    return i < r->n_out ? r->out[r->n_out - 1 - i] : -1;
+}
+
+/* bits &= what r's allowed tokens (allowed_token_ids) and bad words let follow its output and
+ * extra[0..n) */
+static void and_allow(const pd_engine *e, const pd_request *r, const int32_t *extra, int n, uint32_t *bits)
 {
     for (int w = 0; r->allow != NULL && w < (e->V + 31) / 32; w++)
         bits[w] &= r->allow[w];
+    for (int i = 0; r->bad != NULL && i < r->params.n_bad; i += 1 + r->bad[i]) {
+        const int len = r->bad[i];
+        const int32_t *seq = r->bad + i + 1;
+        int match = 1;
+        for (int k = 0; k < len - 1 && match; k++)   /* seq[len - 2 - k] is k from the end */
+            match = tail_tok(r, extra, n, k) == seq[len - 2 - k];
+        if (match)
+            bits[seq[len - 1] / 32] &= ~(1u << (seq[len - 1] % 32));
+    }
 }
 
-pd_status pd_engine_mask_step(pd_engine *e, pd_request *r, int row, pd_err *err)
+pd_status pd_engine_mask_step(pd_engine *e, pd_request *r, int row, const int32_t *extra, int n, pd_err *err)
 {
-    if (r->gm == NULL && r->allow == NULL)
+    if (r->gm == NULL && r->allow == NULL && r->bad == NULL)
         return PD_OK;
     uint32_t *bits;
     TRY(pd_engine_mask_slot(e, row, &bits, err));
@@ -266,7 +296,7 @@ pd_status pd_engine_mask_step(pd_engine *e, pd_request *r, int row, pd_err *err)
         TRY(pd_gmatch_allowed(r->gm_row, r->params.gvocab, bits, err));
     else
         memset(bits, 0xff, (size_t)((e->V + 31) / 32) * sizeof(uint32_t));
-    and_allow(e, r, bits);
+    and_allow(e, r, extra, n, bits);
     return PD_OK;
 }
 
@@ -275,8 +305,8 @@ pd_status pd_engine_mask_step(pd_engine *e, pd_request *r, int row, pd_err *err)
  * that draft's own row is, so the block is accepted no further than it. With `force` (a greedy
  * request), a draft at a row where the grammar allows one token only becomes that token: the
  * masked argmax there can be nothing else, so the block goes on through the text the grammar
- * dictates (keys, punctuation) whatever the drafter proposed. Allowed tokens alone
- * (allowed_token_ids without a grammar) mask every row the same. */
+ * dictates (keys, punctuation) whatever the drafter proposed. Allowed tokens and bad words
+ * mask the rows too (with a grammar or without). */
 pd_status pd_engine_mask_rows(pd_engine *e, pd_request *r, int row0, int32_t *extra, int n_extra, int force,
                               pd_err *err)
 {
@@ -284,13 +314,13 @@ pd_status pd_engine_mask_rows(pd_engine *e, pd_request *r, int row0, int32_t *ex
     const size_t bytes = (size_t)((e->V + 31) / 32) * sizeof(uint32_t);
     if (r->gm == NULL) {
         const int first = r->first_allow != NULL && r->n_out == 0;
-        for (int j = 0; j <= n_extra && (r->allow != NULL || (first && j == 0)); j++) {
+        for (int j = 0; j <= n_extra && (r->allow != NULL || r->bad != NULL || (first && j == 0)); j++) {
             TRY(pd_engine_mask_slot(e, row0 + j, &bits, err));
             if (first && j == 0)
                 memcpy(bits, r->first_allow, bytes);
             else
                 memset(bits, 0xff, bytes);
-            and_allow(e, r, bits);
+            and_allow(e, r, extra, j, bits);
         }
         return PD_OK;
     }
@@ -299,7 +329,7 @@ pd_status pd_engine_mask_rows(pd_engine *e, pd_request *r, int row0, int32_t *ex
     for (int j = 0; j <= n_extra; j++) {
         TRY(pd_engine_mask_slot(e, row0 + j, &bits, err));
         TRY(pd_gmatch_allowed(r->gm_row, r->params.gvocab, bits, err));
-        and_allow(e, r, bits);
+        and_allow(e, r, extra, j, bits);
         if (j == n_extra)
             break;
         int n_allowed = 0, only = -1;

@@ -25,12 +25,13 @@ pd_status pd_engine_pen_row(pd_engine *e, const pd_request *r, int row, const in
                             pd_err *err);
 pd_status pd_engine_pen_apply(pd_engine *e, const float *logits, pd_err *err);
 /* Structured output and allowed_token_ids: queues a mask slot for logits row `row` (*bits:
- * its words to fill), the mask of a draft step's row of r (what r->gm_row and r's allowed
- * tokens allow; nothing queued for a request without either), or the masks of r's rows row0 ..
+ * its words to fill), the mask of a draft step's row of r (what r->gm_row, r's allowed tokens
+ * and its bad words after the output and extra[0..n) allow; nothing queued for a request
+ * without any of them), or the masks of r's rows row0 ..
  * row0 + n_extra (a verify block; with force a draft where one token only is allowed becomes
  * it); pd_engine_mask_apply applies and empties the queue. */
 pd_status pd_engine_mask_slot(pd_engine *e, int row, uint32_t **bits, pd_err *err);
-pd_status pd_engine_mask_step(pd_engine *e, pd_request *r, int row, pd_err *err);
+pd_status pd_engine_mask_step(pd_engine *e, pd_request *r, int row, const int32_t *extra, int n, pd_err *err);
 pd_status pd_engine_mask_rows(pd_engine *e, pd_request *r, int row0, int32_t *extra, int n_extra, int force,
                               pd_err *err);
 pd_status pd_engine_mask_apply(pd_engine *e, const float *logits, pd_err *err);

@@ -34,7 +34,7 @@ static void usage(FILE *f)
             "                      [--presence-penalty P]\n"
             "                      [--frequency-penalty F] [--repetition-penalty R]\n"
             "                      [--logit-bias ID:BIAS[,...]] [--min-tokens N]\n"
-            "                      [--allowed-token-ids ID[,ID...]]\n"
+            "                      [--allowed-token-ids ID[,ID...]] [--bad-word WORD]...\n"
             "                      [--json-object | --json-schema FILE | --choice TEXT... | --regex RE\n"
             "                       | --grammar FILE] [--n N]\n"
             "                      [--tools FILE [--tool-choice auto|none|required|NAME]\n"
@@ -470,11 +470,13 @@ int main(int argc, char **argv)
     int n_bias = 0, min_tokens = 0;
     uint32_t *allowed = NULL;   /* SamplingParams.allowed_token_ids */
     int n_allowed = 0;
+    char *bad_words[64];        /* SamplingParams.bad_words (the server checks the count) */
+    size_t n_bad_words = 0;
     pd_cli_guide guide = { 0 };
     const char *verify = NULL;
     enum { O_SERVER = 256, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_IGNORE,
            O_TMO, O_RID, O_JSON, O_STREAM, O_DISC, O_HEALTH, O_STOP, O_VERIFY, O_VTHRESH, O_LOGPROBS,
-           O_PRES, O_FREQ, O_REP, O_BIAS, O_ALLOWED, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_GRAMMAR, O_SKIPSP,
+           O_PRES, O_FREQ, O_REP, O_BIAS, O_ALLOWED, O_BADWORD, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_GRAMMAR, O_SKIPSP,
            O_MINP, O_TYPP, O_CHAT, O_SYSTEM, O_THINK, O_MSGS, O_N, O_MODELDEF, O_TOOLS, O_TOOLCH, O_PARTOOLS,
            O_PROMPTLP, O_STREAMARGS, O_TRUNC, O_HELP };
     static const struct option opts[] = {
@@ -499,7 +501,7 @@ int main(int argc, char **argv)
         {"frequency-penalty", required_argument, 0, O_FREQ},
         {"repetition-penalty", required_argument, 0, O_REP},
         {"logit-bias", required_argument, 0, O_BIAS}, {"min-tokens", required_argument, 0, O_MINTOK},
-        {"allowed-token-ids", required_argument, 0, O_ALLOWED},
+        {"allowed-token-ids", required_argument, 0, O_ALLOWED}, {"bad-word", required_argument, 0, O_BADWORD},
         {"json-object", no_argument, 0, O_JOBJ}, {"json-schema", required_argument, 0, O_JSCHEMA},
         {"choice", required_argument, 0, O_CHOICE}, {"regex", required_argument, 0, O_REGEX},
         {"grammar", required_argument, 0, O_GRAMMAR}, {"n", required_argument, 0, O_N},
@@ -582,6 +584,13 @@ int main(int argc, char **argv)
             bad = pd_cli_parse_int(PROG, "--truncate-prompt-tokens", optarg, -1, INT32_MAX, &truncate_n);
             break;
         case O_N: bad = pd_cli_parse_int(PROG, "--n", optarg, 1, 16, &n_choices); break;
+        case O_BADWORD:
+            if (n_bad_words == sizeof(bad_words) / sizeof(bad_words[0])) {
+                fprintf(stderr, PROG ": at most 64 --bad-word words\n");
+                return 2;
+            }
+            bad_words[n_bad_words++] = optarg;
+            break;
         case O_STOP:
             if (n_stops == sizeof(stops) / sizeof(stops[0])) {
                 fprintf(stderr, PROG ": at most 16 --stop strings\n");
@@ -711,6 +720,8 @@ int main(int argc, char **argv)
     sp.logit_bias = lbp;
     sp.n_allowed_token_ids = (size_t)n_allowed;
     sp.allowed_token_ids = allowed;
+    sp.n_bad_words = n_bad_words;
+    sp.bad_words = bad_words;
     sp.n_stop = n_stops;
     sp.stop = stops;
     Pdspark__GenerateRequest rq = PDSPARK__GENERATE_REQUEST__INIT;

@@ -42,6 +42,7 @@
 #include "pd_tokenizer.h"
 
 #define DECODE_TRUNC_TEXT_MAX (64 << 20)   /* bytes of a text prompt with truncate_prompt_tokens */
+#define DECODE_MAX_BAD_WORDS 64            /* decode_req.bad_words */
 
 typedef struct decode_server decode_server;
 typedef struct decode_handle decode_handle;
@@ -169,6 +170,11 @@ typedef struct {
     const int32_t *allowed_token_ids; /* vLLM's: [n_allowed_token_ids] (1..vocab, repeats
                                      * allowed), borrowed; every token is one of them */
     int n_allowed_token_ids;
+    const char *const *bad_words;   /* vLLM's: [n_bad_words] (<= DECODE_MAX_BAD_WORDS, each 1..256
+                                     * bytes), borrowed; no token sequence of one (as vLLM
+                                     * tokenizes it, with and without a leading space) is
+                                     * completed in the output */
+    int n_bad_words;
     int logprobs;                   /* 1: chunks carry each token's logprob (pd_sample.h) */
     int top_logprobs;               /* with logprobs: and its 0..PD_MAX_TOP_LOGPROBS likeliest */
     int prompt_logprobs;            /* 1: the first chunk carries the prompt's logprobs (not on

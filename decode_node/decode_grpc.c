@@ -759,6 +759,8 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
         /* ids past INT32_MAX read as negative: decode_submit refuses them as outside the vocabulary */
         dr.allowed_token_ids = (const int32_t *)sp->allowed_token_ids;
         dr.n_allowed_token_ids = sp->n_allowed_token_ids > INT32_MAX ? INT32_MAX : (int)sp->n_allowed_token_ids;
+        dr.bad_words = (const char *const *)sp->bad_words;   /* decode_submit checks count, sizes */
+        dr.n_bad_words = sp->n_bad_words > INT32_MAX ? INT32_MAX : (int)sp->n_bad_words;
         /* more than PD_MAX_LOGIT_BIAS entries: decode_submit refuses the count */
         for (size_t i = 0; i < sp->n_logit_bias && i < PD_MAX_LOGIT_BIAS; i++) {
             const Pdspark__LogitBias *lb = sp->logit_bias[i];

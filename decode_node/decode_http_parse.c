@@ -448,7 +448,6 @@ int decode_http_parse_common(const cJSON *root, int chat, decode_req *dr, req_op
         { "function_call", "'function_call' (the legacy function calling) is not supported; send 'tool_choice'",
           ONLY_CHAT, 0 },
         { "use_beam_search", "beam search is not supported", BOTH, 0 },
-        { "bad_words", "'bad_words' is not supported", BOTH, 0 },
         { "logits_processors", "'logits_processors' are not supported", BOTH, 0 },
         { "return_tokens_as_token_ids", "'return_tokens_as_token_ids' is not supported (the gRPC API returns ids)",
           BOTH, 0 },
@@ -611,6 +610,25 @@ int decode_http_parse_common(const cJSON *root, int chat, decode_req *dr, req_op
     if ((dr->n_allowed_token_ids = get_ids(root, *param, 1, o->vocab, o->vocab, o->allowed, msg, cap)) < 0)
         return -1;
     dr->allowed_token_ids = o->allowed;
+    *param = "bad_words";   /* extension (vLLM): strings the output never completes */
+    const cJSON *bw = cJSON_GetObjectItemCaseSensitive(root, *param);
+    if (bw != NULL && !cJSON_IsNull(bw)) {
+        int n = cJSON_IsArray(bw) ? cJSON_GetArraySize(bw) : -1;
+        if (n < 0 || n > DECODE_MAX_BAD_WORDS) {
+            snprintf(msg, cap, "'bad_words' must be an array of at most %d strings", DECODE_MAX_BAD_WORDS);
+            return -1;
+        }
+        int i = 0;
+        for (const cJSON *it = bw->child; it != NULL; it = it->next, i++) {
+            if (!cJSON_IsString(it)) {
+                snprintf(msg, cap, "'bad_words'[%d] is not a string", i);
+                return -1;
+            }
+            o->bad_words[i] = it->valuestring;   /* tokenized by decode_submit (sizes checked there) */
+        }
+        dr->bad_words = o->bad_words;
+        dr->n_bad_words = n;
+    }
     *param = "min_tokens";
     if ((rc = get_int(root, "min_tokens", 0, 1e9, &ll, msg, cap)) < 0)
         return -1;

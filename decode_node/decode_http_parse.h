@@ -29,6 +29,7 @@ typedef struct {
     const decode_gen_defaults *gd;          /* the fields' defaults (the model's generation config) */
     int32_t stop_ids[PD_MAX_STOP_IDS];   /* "stop_token_ids" */
     int32_t *allowed;                /* "allowed_token_ids" (vLLM), malloc'd */
+    const char *bad_words[DECODE_MAX_BAD_WORDS];   /* "bad_words" (vLLM): the request JSON's */
     char *schema;                    /* structured output: a JSON schema's text, or ... */
     char *regex;                     /* ... a regex, or ... */
     char *ebnf;                      /* ... a GBNF grammar, or ... */

@@ -133,11 +133,12 @@ static Pdspark__KvDtype kern_dtype_to_proto(kern_dtype d)
 
 /* Reserve pages + aux rows and send Prefill. PD_ERR_BUSY: no room now (nothing held). */
 /* Send h's Prefill (pages and aux rows already reserved) to nd. On error nothing is in flight. */
-/* The tokens a grammar g (or NULL) and the allowed tokens allow (or NULL: all) allow first,
- * as SamplingParams.first_token_mask's bytes (malloc'd) */
-static pd_status first_token_mask(decode_server *s, pd_grammar *g, const uint32_t *allow, uint8_t **out,
-                                  pd_err *err)
+/* The tokens h's grammar, allowed tokens and bad words (one-token words) allow first, as
+ * SamplingParams.first_token_mask's bytes (malloc'd) */
+static pd_status first_token_mask(decode_server *s, const decode_handle *h, uint8_t **out, pd_err *err)
 {
+    pd_grammar *g = h->grammar;
+    const uint32_t *allow = h->allow;
     pd_gmatch *m = NULL;
     int words = (s->vocab + 31) / 32;
     uint32_t *bits = malloc((size_t)words * sizeof(uint32_t));
@@ -149,6 +150,9 @@ static pd_status first_token_mask(decode_server *s, pd_grammar *g, const uint32_
         memset(bits, 0xff, (size_t)words * sizeof(uint32_t));
     for (int w = 0; st == PD_OK && allow != NULL && w < words; w++)
         bits[w] &= allow[w];
+    for (int i = 0; st == PD_OK && h->bad != NULL && i < h->gp.n_bad; i += 1 + h->bad[i])
+        if (h->bad[i] == 1)
+            bits[h->bad[i + 1] / 32] &= ~(1u << (h->bad[i + 1] % 32));
     for (int i = 0; st == PD_OK && i < words * 4; i++)
         bytes[i] = (uint8_t)(bits[i / 4] >> (8 * (i % 4)));
     pd_gmatch_destroy(m);
@@ -213,11 +217,11 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
         stop_ids[i] = (uint32_t)h->gp.stop_ids[i];
     sp.n_stop_token_ids = (size_t)h->gp.n_stop_ids;
     sp.stop_token_ids = stop_ids;
-    /* structured output, allowed_token_ids: the prefill node samples the first token, from the
-     * tokens the grammar and the allowed tokens allow at its start */
+    /* structured output, allowed_token_ids, bad_words: the prefill node samples the first token,
+     * from the tokens they allow at its start */
     uint8_t *first_mask = NULL;
-    if (h->grammar != NULL || h->allow != NULL) {
-        pd_status gst = first_token_mask(s, h->grammar, h->allow, &first_mask, err);
+    if (h->grammar != NULL || h->allow != NULL || h->bad != NULL) {
+        pd_status gst = first_token_mask(s, h, &first_mask, err);
         if (gst != PD_OK) {
             free(pages);
             free(ids);

@@ -73,9 +73,72 @@ static void handle_unref(decode_handle *h)
         free(h->prompt);
         free(h->bias);
         free(h->allow);
+        free(h->bad);
         pd_grammar_unref(h->grammar);
         free(h);
     }
+}
+
+/* req's bad words as pd_gen_params.bad's sequences, as vLLM's NoBadWordsLogitsProcessor makes
+ * them: each word without its leading spaces, and with one space before it when that gives as
+ * many tokens with another first token (the word inside a text) */
+static pd_status bad_words_ids(decode_server *s, const decode_req *req, int32_t **out, int *n_out, pd_err *err)
+{
+    *out = NULL;
+    *n_out = 0;
+    if (req->n_bad_words < 0 || req->n_bad_words > DECODE_MAX_BAD_WORDS)
+        return pd_err_set(err, PD_ERR_INVALID, "bad_words: %d words (at most %d)", req->n_bad_words,
+                          DECODE_MAX_BAD_WORDS);
+    int32_t *v = NULL;
+    int n = 0;
+    pd_status st = PD_OK;
+    for (int w = 0; w < req->n_bad_words && st == PD_OK; w++) {
+        const char *word = req->bad_words[w];
+        size_t len = word != NULL ? strlen(word) : 0;
+        while (len > 0 && (*word == ' ' || *word == '\t' || *word == '\n')) {
+            word++;
+            len--;
+        }
+        if (len == 0 || len > 256) {
+            st = pd_err_set(err, PD_ERR_INVALID, "bad_words[%d] must be 1..256 bytes besides leading spaces", w);
+            break;
+        }
+        char *spaced = malloc(len + 2);
+        int32_t *ids[2] = { NULL, NULL };
+        size_t nid[2] = { 0, 0 };
+        if (spaced == NULL) {
+            st = pd_err_set(err, PD_ERR_NOMEM, "bad words");
+            break;
+        }
+        spaced[0] = ' ';
+        memcpy(spaced + 1, word, len + 1);
+        st = pd_tokenizer_encode(s->tok, word, len, 0, &ids[0], &nid[0], err);
+        if (st == PD_OK)
+            st = pd_tokenizer_encode(s->tok, spaced, len + 1, 0, &ids[1], &nid[1], err);
+        for (int k = 0; k < 2 && st == PD_OK; k++) {
+            if (nid[k] == 0 || (k == 1 && (nid[1] != nid[0] || ids[1][0] == ids[0][0])))
+                continue;
+            int32_t *nv = realloc(v, (size_t)(n + 1 + (int)nid[k]) * sizeof(int32_t));
+            if (nv == NULL) {
+                st = pd_err_set(err, PD_ERR_NOMEM, "bad words");
+                break;
+            }
+            v = nv;
+            v[n++] = (int32_t)nid[k];
+            memcpy(v + n, ids[k], nid[k] * sizeof(int32_t));
+            n += (int)nid[k];
+        }
+        free(ids[0]);
+        free(ids[1]);
+        free(spaced);
+    }
+    if (st != PD_OK) {
+        free(v);
+        return st;
+    }
+    *out = v;
+    *n_out = n;
+    return PD_OK;
 }
 
 void decode_handle_release(decode_handle *h)
@@ -908,6 +971,15 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
         st = pd_err_set(err, PD_ERR_NOMEM, "logit_bias / allowed_token_ids");
         goto err_ids;
     }
+    if ((st = bad_words_ids(s, req, &h->bad, &h->gp.n_bad, err)) != PD_OK) {
+        atomic_fetch_sub(&s->n_waiting, 1);
+        pd_grammar_unref(h->grammar);
+        free(h->bias);
+        free(h->allow);
+        free(h);
+        goto err_ids;
+    }
+    h->gp.bad = h->bad;
     if (req->n_logit_bias > 0) {
         memcpy(h->bias, req->logit_bias, (size_t)req->n_logit_bias * sizeof(*h->bias));
         h->gp.logit_bias = h->bias;
@@ -933,6 +1005,7 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
         st = err->code;
         free(h->bias);
         free(h->allow);
+        free(h->bad);
         pd_grammar_unref(h->grammar);
         free(h);
         goto err_ids;
@@ -944,6 +1017,7 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
         pd_detok_destroy(h->detok);
         free(h->bias);
         free(h->allow);
+        free(h->bad);
         free(h);
         st = pd_err_set(err, PD_ERR_CANCELLED, "server is shutting down");
         goto err_ids;

@@ -53,6 +53,7 @@ struct decode_handle {
     int32_t *prompt;
     pd_logit_bias *bias;             /* the request's logit_bias (gp.logit_bias points here) */
     uint32_t *allow;                 /* allowed_token_ids as bits (gp.allow points here) */
+    int32_t *bad;                    /* bad_words' token sequences (gp.bad points here) */
     pd_grammar *grammar;             /* structured output (gp.grammar points here), or NULL */
     int cached_remote;               /* disaggregated: prompt tokens the prefill node's cache served */
     int n_prompt;

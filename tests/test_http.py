@@ -1257,6 +1257,62 @@ def test_allowed_token_ids(bin_dir, model, draft, node, prompt):
     log("allowed_token_ids: digits only (greedy, sampled, chat, gRPC, through a prefill node); bad lists refused")
 
 
+def test_bad_words(bin_dir, model, draft, node, prompt):
+    """bad_words (vLLM's): a word of the greedy answer, banned, no longer appears as any of its
+    token sequences (the word alone and after a space, as vLLM tokenizes it) in the answer's
+    tokens, which differ from the greedy ones (gRPC, pdspark-client --bad-word, which prints the
+    ids; and over HTTP with a prefill node choosing the first token, disaggregated: a banned
+    one-token word that the greedy answer starts with is not its first token); bad lists are a 400."""
+    client = os.path.join(bin_dir, "pdspark-client")
+
+    def grpc_ids(n, extra):
+        r = subprocess.run([client, "--server", n.grpc, "--prompt", prompt, "--max-new-tokens", "24", "--ignore-eos",
+                            "--json"] + extra, capture_output=True, text=True, timeout=60)
+        js = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {}
+        return js.get("tokens"), js.get("text", ""), r
+
+    base, text, _ = grpc_ids(node, [])
+    words = [w for w in re.findall(r"[A-Za-z_]{3,}", text)]
+    check(base is not None and len(words) > 0, "a word in the greedy answer %r" % text)
+    if not words:
+        return
+    word = words[0]
+    seqs = []
+    for t in (word, " " + word):
+        st, tk = post_json(node, "/tokenize", {"prompt": t})
+        seqs.append(tk.get("tokens", []) if st == 200 else [])
+
+    def has(ids, q):
+        return any(ids[i:i + len(q)] == q for i in range(len(ids) - len(q) + 1))
+
+    got, gtext, r = grpc_ids(node, ["--bad-word", word])
+    check(got is not None and got != base and not any(has(got, q) for q in seqs if q),
+          "bad word %r (sequences %s): %s -> %s (%r) %s" % (word, seqs, base, got, gtext, r.stderr))
+    # the first token (a word for this prompt: "queue" with the bundled model), through a
+    # prefill node
+    body = {"prompt": "import os\nimport ", "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    st, c = post_json(node, "/v1/completions", body)
+    ftext = c["choices"][0]["logprobs"]["tokens"][0] if st == 200 else ""
+    pf = Node(bin_dir, model, draft, (), binary="prefill_node")
+    try:
+        dn = Node(bin_dir, model, draft, ("--prefill", pf.grpc))
+        try:
+            st, a = post_json(dn, "/v1/completions", body)
+            st2, b = post_json(dn, "/v1/completions", dict(body, bad_words=[ftext]))
+            ta = a["choices"][0]["logprobs"]["tokens"] if st == 200 else None
+            tb = b["choices"][0]["logprobs"]["tokens"] if st2 == 200 else None
+            check(ftext.strip() != "" and ta is not None and tb is not None and tb[0] != ta[0],
+                  "bad word %r (the first token) through a prefill node: %s -> %s" % (ftext, ta, tb))
+        finally:
+            dn.stop()
+    finally:
+        pf.stop()
+    for bad in ("x", [1], [""], ["a" * 300], ["w"] * 65):
+        st, r = post_json(node, "/v1/completions", dict(body, bad_words=bad))
+        check(st == 400 and "bad_words" in json.dumps(r), "bad_words %r: %s %s" % (str(bad)[:40], st, r))
+    log("bad_words: %r banned (gRPC), a first token banned through a prefill node; bad lists refused" % word)
+
+
 TYP_REF = {}   # the colocated node's first token of "def fib(n):" under a tiny typical_p
 
 
@@ -2180,6 +2236,7 @@ def main():
         test_min_p(bin_dir, node, prompt)
         test_truncate(bin_dir, node, prompt)
         test_allowed_token_ids(bin_dir, model, draft, node, prompt)
+        test_bad_words(bin_dir, model, draft, node, prompt)
         test_typical_p(bin_dir, node, prompt)
         test_fuzz(node, prompt, want)
         test_structured(bin_dir, node, "colocated")
