@@ -245,6 +245,7 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     r->prompt_lp = o.prompt_lp;
     r->prompt_lp_top = o.prompt_lp_top;
     r->echo = o.echo;
+    r->tok_ids = o.tok_ids;
     r->no_gen = o.max0;
     for (int p = 0; r->echo && p < n_prompts; p++) {
         if (prompts != NULL)

@@ -84,6 +84,7 @@ typedef struct http_req {
     int gone;
     int logprobs, top_logprobs;      /* the request asked for logprobs (and this many likeliest) */
     int prompt_lp, prompt_lp_top;    /* vLLM's prompt_logprobs: asked, and this many likeliest */
+    int tok_ids;                     /* return_tokens_as_token_ids: logprobs' tokens as "token_id:ID" */
     int echo, no_gen;                /* echo: every choice's text starts with the prompt (and its
                                       * logprobs with the prompt's); no_gen: max_tokens 0 */
     int tools, reasoning;            /* chat: parse <tool_call> blocks; <think>: pd_chat_parser_create's */

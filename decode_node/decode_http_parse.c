@@ -449,8 +449,6 @@ int decode_http_parse_common(const cJSON *root, int chat, decode_req *dr, req_op
           ONLY_CHAT, 0 },
         { "use_beam_search", "beam search is not supported", BOTH, 0 },
         { "logits_processors", "'logits_processors' are not supported", BOTH, 0 },
-        { "return_tokens_as_token_ids", "'return_tokens_as_token_ids' is not supported (the gRPC API returns ids)",
-          BOTH, 0 },
         { "chat_template", "'chat_template' per request is not supported (the node's template is used; "
           "decode_node --chat-template sets it)", ONLY_CHAT, 0 },
     };
@@ -482,6 +480,11 @@ int decode_http_parse_common(const cJSON *root, int chat, decode_req *dr, req_op
     dr->skip_special = b;
     /* completions: the prompt comes back in front of the text (and, with logprobs, its own
      * logprobs in front of the completion's: scoring a text, as evaluation harnesses do) */
+    *param = "return_tokens_as_token_ids";   /* vLLM: logprobs name tokens "token_id:ID" */
+    b = 0;
+    if (get_bool(root, *param, &b, msg, cap) < 0)
+        return -1;
+    o->tok_ids = b;
     *param = "echo";
     b = 0;
     if (get_bool(root, "echo", &b, msg, cap) < 0)

@@ -22,6 +22,7 @@ typedef struct {
     int stream, include_usage;
     int n;                           /* choices */
     int echo, max0;                  /* "echo"; "max_tokens": 0 (with echo only) */
+    int tok_ids;                     /* "return_tokens_as_token_ids" (vLLM) */
     int prompt_lp, prompt_lp_top;    /* "prompt_logprobs" asked (not streamed), and its count */
     pd_logit_bias *bias;             /* "logit_bias" (decode_req.logit_bias points here) */
     int vocab;                       /* the model's, to check token ids */

@@ -75,11 +75,17 @@ static cJSON *resp_base(const http_req *r, int chunk)
 }
 
 /* A token's text for logprobs: its bytes as UTF-8, an incomplete sequence as U+FFFD (as the
- * tokenizer decodes one token); "" for an id the tokenizer does not know. */
-static cJSON *tok_text(const pd_tokenizer *t, int32_t id)
+ * tokenizer decodes one token); "" for an id the tokenizer does not know; with as_id (vLLM's
+ * return_tokens_as_token_ids) "token_id:ID" instead. */
+static cJSON *tok_text(const pd_tokenizer *t, int32_t id, int as_id)
 {
     char *txt = NULL;
     pd_err err;
+    if (as_id) {
+        char b[32];
+        snprintf(b, sizeof(b), "token_id:%d", (int)id);
+        return cJSON_CreateString(b);
+    }
     if (t == NULL || pd_tokenizer_decode(t, &id, 1, 0, &txt, NULL, &err) != PD_OK)
         return cJSON_CreateString("");
     cJSON *j = cJSON_CreateString(txt);
@@ -88,10 +94,10 @@ static cJSON *tok_text(const pd_tokenizer *t, int32_t id)
 }
 
 /* chat: {"token", "logprob", "bytes"} of one token */
-static cJSON *chat_lp_entry(const pd_tokenizer *t, int32_t id, float lp)
+static cJSON *chat_lp_entry(const pd_tokenizer *t, int32_t id, float lp, int as_id)
 {
     cJSON *e = cJSON_CreateObject();
-    cJSON_AddItemToObject(e, "token", tok_text(t, id));
+    cJSON_AddItemToObject(e, "token", tok_text(t, id, as_id));
     cJSON_AddNumberToObject(e, "logprob", lp);
     cJSON *b = cJSON_AddArrayToObject(e, "bytes");
     size_t n = 0;
@@ -116,15 +122,16 @@ static size_t utf8_chars(const char *s, size_t n)
 static cJSON *logprobs_json(const http_choice *r, int from, int to)
 {
     const pd_tokenizer *t = decode_server_tokenizer(r->r->dh->s);
+    const int as_id = r->r->tok_ids;
     cJSON *o = cJSON_CreateObject();
     if (r->r->chat) {
         cJSON *c = cJSON_AddArrayToObject(o, "content");
         for (int i = from; i < to; i++) {
             const lp_tok *k = &r->lps[i];
-            cJSON *e = chat_lp_entry(t, k->id, k->lp.logprob);
+            cJSON *e = chat_lp_entry(t, k->id, k->lp.logprob, as_id);
             cJSON *top = cJSON_AddArrayToObject(e, "top_logprobs");
             for (int j = 0; j < k->lp.n_top; j++)
-                cJSON_AddItemToArray(top, chat_lp_entry(t, k->lp.top_id[j], k->lp.top_logprob[j]));
+                cJSON_AddItemToArray(top, chat_lp_entry(t, k->lp.top_id[j], k->lp.top_logprob[j], as_id));
             cJSON_AddItemToArray(c, e);
         }
         cJSON_AddNullToObject(o, "refusal");
@@ -136,7 +143,7 @@ static cJSON *logprobs_json(const http_choice *r, int from, int to)
     cJSON *offs = cJSON_AddArrayToObject(o, "text_offset");
     for (int i = from; i < to; i++) {
         const lp_tok *k = &r->lps[i];
-        cJSON_AddItemToArray(toks, tok_text(t, k->id));
+        cJSON_AddItemToArray(toks, tok_text(t, k->id, as_id));
         if (k->none) {   /* the prompt's first token has nothing before it */
             cJSON_AddItemToArray(lps, cJSON_CreateNull());
             cJSON_AddItemToArray(tops, cJSON_CreateNull());
@@ -147,13 +154,13 @@ static cJSON *logprobs_json(const http_choice *r, int from, int to)
         cJSON *d = cJSON_CreateObject();
         int chosen_in = 0;
         for (int j = 0; j < k->lp.n_top; j++) {
-            cJSON *key = tok_text(t, k->lp.top_id[j]);
+            cJSON *key = tok_text(t, k->lp.top_id[j], as_id);
             cJSON_AddNumberToObject(d, key->valuestring, k->lp.top_logprob[j]);
             cJSON_Delete(key);
             chosen_in |= k->lp.top_id[j] == k->id;
         }
         if (!chosen_in) {
-            cJSON *key = tok_text(t, k->id);
+            cJSON *key = tok_text(t, k->id, as_id);
             cJSON_AddNumberToObject(d, key->valuestring, k->lp.logprob);
             cJSON_Delete(key);
         }
@@ -174,7 +181,7 @@ static cJSON *prompt_lp_entry(const pd_tokenizer *t, int32_t id, float lp, int r
     cJSON *e = cJSON_CreateObject();
     cJSON_AddNumberToObject(e, "logprob", lp == -INFINITY ? -9999.0 : (double)lp);
     cJSON_AddNumberToObject(e, "rank", rank);
-    cJSON_AddItemToObject(e, "decoded_token", tok_text(t, id));
+    cJSON_AddItemToObject(e, "decoded_token", tok_text(t, id, 0));
     return e;
 }
 

@@ -543,6 +543,20 @@ def test_logprobs(bin_dir, model, node, prompt, n, want):
         check(3 <= len(d) <= 4 and d.get(t) == v and max(d.values()) == v,
               "top_logprobs entry %s for %r" % (d, t))
     LP_REF[prompt] = lp.get("token_logprobs", [])
+    # vLLM's return_tokens_as_token_ids: the same logprobs, tokens named "token_id:ID"
+    st, b = post_json(node, "/v1/completions", dict(body, return_tokens_as_token_ids=True))
+    il = (b.get("choices", [{}])[0].get("logprobs") or {}) if st == 200 else {}
+    check(il.get("tokens") == ["token_id:%d" % i for i in g["tokens"]] and
+          il.get("token_logprobs") == lp.get("token_logprobs") and
+          all(k.startswith("token_id:") for d in il.get("top_logprobs", []) for k in d),
+          "return_tokens_as_token_ids: %s (ids %s)" % (il, g["tokens"]))
+    st, c = post_json(node, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                                     "logprobs": True, "top_logprobs": 2,
+                                                     "return_tokens_as_token_ids": True})
+    cl = ((c.get("choices", [{}])[0].get("logprobs") or {}).get("content") or []) if st == 200 else []
+    check(len(cl) > 0 and all(re.fullmatch(r"token_id:\d+", e["token"]) and
+                              all(re.fullmatch(r"token_id:\d+", t["token"]) for t in e["top_logprobs"]) for e in cl),
+          "chat return_tokens_as_token_ids: %s %s" % (st, c))
     # streamed: the events' logprobs add up to the same lists
     st, text, evs, done = read_stream(node, "/v1/completions", dict(body, stream=True), False)
     stoks, slps = [], []
@@ -2317,7 +2331,7 @@ def main():
             ("/v1/completions", b'{"prompt": "\xed\xa0\x80"}', 400, None),   # a surrogate in UTF-8
             ("/tokenize", b'{"prompt": "\xc0\xaf"}', 400, None),   # an overlong form
             ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
-                                                 "return_tokens_as_token_ids": True}).encode(), 400,
+                                                 "return_tokens_as_token_ids": "yes"}).encode(), 400,
              "return_tokens_as_token_ids"),
             ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
                                                  "use_beam_search": True}).encode(), 400, "use_beam_search"),
