@@ -753,14 +753,20 @@ def test_prompt_logprobs(bin_dir, node, prompt):
           all(1 <= len(d) <= 2 for d in c["logprobs"]["top_logprobs"][1:]) and
           all(abs(a - b) < 1e-5 for a, b in zip(c["logprobs"]["token_logprobs"][1:], eref[1:])),
           "echo, logprobs 1, prompt_logprobs 4: %s" % str(b)[:300])
-    # n 2 and a batch of prompts: every choice its own prompt's list
+    # n 2 and a batch of prompts: every choice its own prompt's list. The short prompt is
+    # prefilled beside the long one: on the CPU the same values; on a GPU the bf16 prefill of a
+    # batch is not batch-invariant, so there its prompt tokens' logprobs are held to bf16's
+    # precision and ranks (which near-ties may swap) are not compared
     st, b = post_json(node, "/v1/completions", {"prompt": [full, full[:5]], "max_tokens": 1, "n": 2,
                                                 "prompt_logprobs": 1})
     chs = b.get("choices", []) if st == 200 else []
+    short_ok = len(chs) == 4 and (
+        plp_close(chs[3]["prompt_logprobs"], chs[0]["prompt_logprobs"][:5], 1e-4) if not DEV else
+        all(abs(x[str(t)]["logprob"] - y[str(t)]["logprob"]) <= 0.05
+            for t, x, y in zip(full[1:5], chs[3]["prompt_logprobs"][1:], chs[0]["prompt_logprobs"][1:5])))
     check(len(chs) == 4 and plp_close(chs[0]["prompt_logprobs"], chs[1]["prompt_logprobs"]) and
           check_prompt_lps(chs[0]["prompt_logprobs"], full, 1, "n 2") and
-          check_prompt_lps(chs[3]["prompt_logprobs"], full[:5], 1, "batch") and
-          plp_close(chs[3]["prompt_logprobs"], chs[0]["prompt_logprobs"][:5], 1e-4),
+          check_prompt_lps(chs[3]["prompt_logprobs"], full[:5], 1, "batch") and short_ok,
           "prompt_logprobs with n 2 and two prompts: %s" % str(b)[:300])
     # chat: the response's field (vLLM's), over the rendered prompt
     msgs = [{"role": "user", "content": "def fib(n):"}]
