@@ -755,19 +755,23 @@ def test_prompt_logprobs(bin_dir, node, prompt):
           "echo, logprobs 1, prompt_logprobs 4: %s" % str(b)[:300])
     # n 2 and a batch of prompts: every choice its own prompt's list. The short prompt is
     # prefilled beside the long one: on the CPU the same values; on a GPU the bf16 prefill of a
-    # batch is not batch-invariant, so there its prompt tokens' logprobs are held to bf16's
-    # precision and ranks (which near-ties may swap) are not compared
+    # batch is not batch-invariant, so there its prompt tokens' logprobs are held to 2 % (+ 0.02;
+    # an H100 gave up to 0.056 apart at -5.8) and ranks (which near-ties move) are not compared
     st, b = post_json(node, "/v1/completions", {"prompt": [full, full[:5]], "max_tokens": 1, "n": 2,
                                                 "prompt_logprobs": 1})
     chs = b.get("choices", []) if st == 200 else []
     short_ok = len(chs) == 4 and (
         plp_close(chs[3]["prompt_logprobs"], chs[0]["prompt_logprobs"][:5], 1e-4) if not DEV else
-        all(abs(x[str(t)]["logprob"] - y[str(t)]["logprob"]) <= 0.05
+        all(abs(x[str(t)]["logprob"] - y[str(t)]["logprob"]) <= 0.02 + 0.02 * abs(y[str(t)]["logprob"])
             for t, x, y in zip(full[1:5], chs[3]["prompt_logprobs"][1:], chs[0]["prompt_logprobs"][1:5])))
-    check(len(chs) == 4 and plp_close(chs[0]["prompt_logprobs"], chs[1]["prompt_logprobs"]) and
-          check_prompt_lps(chs[0]["prompt_logprobs"], full, 1, "n 2") and
-          check_prompt_lps(chs[3]["prompt_logprobs"], full[:5], 1, "batch") and short_ok,
-          "prompt_logprobs with n 2 and two prompts: %s" % str(b)[:300])
+    parts = [len(chs) == 4, len(chs) == 4 and plp_close(chs[0]["prompt_logprobs"], chs[1]["prompt_logprobs"]),
+             len(chs) == 4 and check_prompt_lps(chs[0]["prompt_logprobs"], full, 1, "n 2"),
+             len(chs) == 4 and check_prompt_lps(chs[3]["prompt_logprobs"], full[:5], 1, "batch"), short_ok]
+    check(all(parts), "prompt_logprobs with n 2 and two prompts (checks %s): short %s, long %s" %
+          (parts, [[(k, round(v["logprob"], 4), v["rank"]) for k, v in d.items()] for d in chs[3]["prompt_logprobs"][1:]]
+           if len(chs) == 4 else b,
+           [[(k, round(v["logprob"], 4), v["rank"]) for k, v in d.items()] for d in chs[0]["prompt_logprobs"][1:5]]
+           if len(chs) == 4 else None))
     # chat: the response's field (vLLM's), over the rendered prompt
     msgs = [{"role": "user", "content": "def fib(n):"}]
     st, b = post_json(node, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2, "prompt_logprobs": 2})
