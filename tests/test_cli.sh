@@ -207,12 +207,15 @@ if [ -x "$bin/decode_node" ] && [ -x "$bin/pdspark-client" ]; then
         --model "$T" --draft "$D" --listen 127.0.0.1:0 --colocated --swap-space abc
     expect_fail "decode_node --kv-memory-fraction with --kv-pages" "kv-pages N or --kv-memory-fraction F, not both" \
         $bin/decode_node --model "$T" --draft "$D" --listen 127.0.0.1:0 --colocated --kv-memory-fraction 0.5 --kv-pages 64
-    expect_fail "decode_node --kv-memory-fraction on the cpu" "needs a GPU backend" $bin/decode_node --model "$T" \
-        --draft "$D" --listen 127.0.0.1:0 --colocated --kv-memory-fraction 0.5
+    # on the cpu the fraction is of the host's available memory: a tiny one gives too few pages
+    expect_fail "decode_node --kv-memory-fraction too small" "gives [0-9]+ pages of 16 tokens .*fewer than 64" \
+        $bin/decode_node --model "$T" --draft "$D" --listen 127.0.0.1:0 --colocated --kv-memory-fraction 1e-9
+    expect_fail "decode_node --kv-memory-fraction too small with --tp 2" "for the tp ranks' pools on that device" \
+        $bin/decode_node --model "$T" --draft "$D" --listen 127.0.0.1:0 --colocated --kv-memory-fraction 1e-9 --tp 2
     expect_fail "prefill_node --stage-memory abc" "--stage-memory: 'abc' is not a size in GiB" $bin/prefill_node \
         --model "$T" --draft "$D" --listen 127.0.0.1:0 --stage-memory abc
-    expect_fail "prefill_node --kv-memory-fraction on the cpu" "needs a GPU backend" $bin/prefill_node --model "$T" \
-        --draft "$D" --listen 127.0.0.1:0 --kv-memory-fraction 0.5
+    expect_fail "prefill_node --kv-memory-fraction too small" "fewer than 64" $bin/prefill_node --model "$T" \
+        --draft "$D" --listen 127.0.0.1:0 --kv-memory-fraction 1e-9
     expect_fail "decode_node --prefill-refresh-ms colocated" "prefill-refresh-ms applies to --prefill only" \
         $bin/decode_node --model "$T" --draft "$D" --listen 127.0.0.1:0 --colocated --prefill-refresh-ms 100
     expect_fail "decode_node --chunked-prefill-size disaggregated" "chunked-prefill-size applies to prompts prefilled here" \
