@@ -16,6 +16,11 @@
 #include <stdlib.h>
 #include <pthread.h>
 #include <string.h>
+#include <sys/resource.h>
+
+extern "C" {
+#include "pd_log.h"
+}
 
 #define KERN_CUDA_CUBLAS_WS_BYTES ((size_t)32 << 20)
 #define KERN_CUDA_CONVERT_CHUNK ((size_t)16 << 20)   /* values per staged chunk */
@@ -137,9 +142,22 @@ static pd_status cuda_host_alloc(kern_backend *be, size_t bytes, void **out, pd_
         (void)cudaGetLastError();
     }
     /* pageable memory still works (through the ring); a locked-memory limit is common in
-     * containers */
+     * containers, so the first refusal says so, with the limit */
     if (posix_memalign(&p, 4096, bytes) != 0)
         return pd_err_set(err, PD_ERR_NOMEM, "host memory: %zu bytes (pinned: %s)", bytes, cudaGetErrorString(e));
+    static int warned;   /* (a race only repeats the line) */
+    if (!__atomic_exchange_n(&warned, 1, __ATOMIC_RELAXED)) {
+        struct rlimit rl;
+        char lim[48] = "unknown";
+        if (getrlimit(RLIMIT_MEMLOCK, &rl) == 0 && rl.rlim_cur == RLIM_INFINITY)
+            snprintf(lim, sizeof(lim), "unlimited");
+        else if (getrlimit(RLIMIT_MEMLOCK, &rl) == 0)
+            snprintf(lim, sizeof(lim), "%.1f MiB", (double)rl.rlim_cur / 1048576.0);
+        PD_LOG_WARN("cuda", "pinned host memory refused for %.1f MiB (%s; locked-memory limit %s): using "
+                    "pageable memory, so KV page copies through it go through the staging ring (slower); "
+                    "raise the limit (ulimit -l, a container's memlock) to pin", (double)bytes / 1048576.0,
+                    e == cudaSuccess ? "too many pinned blocks" : cudaGetErrorString(e), lim);
+    }
     *out = p;
     return PD_OK;
 }
