@@ -812,10 +812,10 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     }
     double t_draft = pd_engine_now_s(), draft_sec = 0.0;
     uint64_t cold_draft = graph_cold(e);
-    int any_grammar = 0;   /* or allowed tokens, bad words: masked picks */
+    int any_masked = 0;   /* a grammar, allowed tokens or bad words: picks masked step by step */
     for (int j = 0; j < n_draft; j++)
-        any_grammar |= dslot[j]->r->gm != NULL || dslot[j]->r->allow != NULL || dslot[j]->r->bad != NULL;
-    if (n_draft > 0 && !any_sampled && e->tp == NULL && !any_grammar) {
+        any_masked |= dslot[j]->r->gm != NULL || dslot[j]->r->allow != NULL || dslot[j]->r->bad != NULL;
+    if (n_draft > 0 && !any_sampled && e->tp == NULL && !any_masked) {
         /* greedy drafts: the whole round chained on the device, one download (tensor-parallel
          * ranks take the step-by-step path below: each step's logits are gathered over them;
          * so do rounds with structured output, whose picks are masked step by step) */

@@ -271,7 +271,7 @@ static int32_t tail_tok(const pd_request *r, const int32_t *extra, int n, int i)
 
 /* bits &= what r's allowed tokens (allowed_token_ids) and bad words let follow its output and
  * extra[0..n) */
-static void and_allow(const pd_engine *e, const pd_request *r, const int32_t *extra, int n, uint32_t *bits)
+static void and_token_rules(const pd_engine *e, const pd_request *r, const int32_t *extra, int n, uint32_t *bits)
 {
     for (int w = 0; r->allow != NULL && w < (e->V + 31) / 32; w++)
         bits[w] &= r->allow[w];
@@ -296,7 +296,7 @@ pd_status pd_engine_mask_step(pd_engine *e, pd_request *r, int row, const int32_
         TRY(pd_gmatch_allowed(r->gm_row, r->params.gvocab, bits, err));
     else
         memset(bits, 0xff, (size_t)((e->V + 31) / 32) * sizeof(uint32_t));
-    and_allow(e, r, extra, n, bits);
+    and_token_rules(e, r, extra, n, bits);
     return PD_OK;
 }
 
@@ -320,7 +320,7 @@ pd_status pd_engine_mask_rows(pd_engine *e, pd_request *r, int row0, int32_t *ex
                 memcpy(bits, r->first_allow, bytes);
             else
                 memset(bits, 0xff, bytes);
-            and_allow(e, r, extra, j, bits);
+            and_token_rules(e, r, extra, j, bits);
         }
         return PD_OK;
     }
@@ -329,7 +329,7 @@ pd_status pd_engine_mask_rows(pd_engine *e, pd_request *r, int row0, int32_t *ex
     for (int j = 0; j <= n_extra; j++) {
         TRY(pd_engine_mask_slot(e, row0 + j, &bits, err));
         TRY(pd_gmatch_allowed(r->gm_row, r->params.gvocab, bits, err));
-        and_allow(e, r, extra, j, bits);
+        and_token_rules(e, r, extra, j, bits);
         if (j == n_extra)
             break;
         int n_allowed = 0, only = -1;
