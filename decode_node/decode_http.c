@@ -42,6 +42,21 @@
 /* ---------------------------------------------------------------------------------------------
  * Request contexts */
 
+/* The request field a decode_submit message names first (its messages open with the field:
+ * "bad_words[0] must ...", "min_tokens 5 exceeds ..."), or NULL */
+static const char *submit_param(const char *msg)
+{
+    static const char *const fields[] = { "truncate_prompt_tokens", "allowed_token_ids", "bad_words",
+                                          "min_tokens", "max_new_tokens", "top_logprobs", "logit_bias",
+                                          "stop_token_ids" };
+    for (size_t i = 0; i < sizeof(fields) / sizeof(fields[0]); i++) {
+        size_t n = strlen(fields[i]);
+        if (strncmp(msg, fields[i], n) == 0 && (msg[n] == ' ' || msg[n] == '[' || msg[n] == ':'))
+            return strcmp(fields[i], "max_new_tokens") == 0 ? "max_tokens" : fields[i];
+    }
+    return NULL;
+}
+
 /* echo: every choice's text starts as the prompt (its string, or its ids decoded); stop strings
  * are looked for after it only */
 static int echo_one(http_req *r, const decode_req *dr, int from, int to, char *msg, size_t cap)
@@ -309,7 +324,7 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
             atomic_fetch_sub(&r->refs, 1);
         }
         if (failed == 0) {
-            decode_http_send_error(req, decode_http_code_of(st), NULL, err.msg);
+            decode_http_send_error(req, decode_http_code_of(st), submit_param(err.msg), err.msg);
             decode_http_req_finish(r);
             goto out;
         }

@@ -1333,7 +1333,8 @@ def test_bad_words(bin_dir, model, draft, node, prompt):
         pf.stop()
     for bad in ("x", [1], [""], ["a" * 300], ["w"] * 65):
         st, r = post_json(node, "/v1/completions", dict(body, bad_words=bad))
-        check(st == 400 and "bad_words" in json.dumps(r), "bad_words %r: %s %s" % (str(bad)[:40], st, r))
+        check(st == 400 and r.get("error", {}).get("param") == "bad_words" and "bad_words" in r["error"]["message"],
+              "bad_words %r: %s %s" % (str(bad)[:40], st, r))
     log("bad_words: %r banned (gRPC), a first token banned through a prefill node; bad lists refused" % word)
 
 
