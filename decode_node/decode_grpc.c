@@ -756,7 +756,16 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
             stop_ids[i] = sp->stop_token_ids[i] > (uint32_t)INT32_MAX ? -1 : (int32_t)sp->stop_token_ids[i];
         dr.stop_token_ids = stop_ids;
         dr.n_stop_token_ids = sp->n_stop_token_ids > INT32_MAX ? INT32_MAX : (int)sp->n_stop_token_ids;
-        /* ids past INT32_MAX read as negative: decode_submit refuses them as outside the vocabulary */
+        /* decode_submit checks the ids as int32: one past INT32_MAX is refused here, by its value */
+        for (size_t i = 0; i < sp->n_allowed_token_ids; i++)
+            if (sp->allowed_token_ids[i] > (uint32_t)INT32_MAX) {
+                char m[96];
+                snprintf(m, sizeof(m), "allowed_token_ids[%zu] = %u is outside the vocabulary", i,
+                         (unsigned)sp->allowed_token_ids[i]);
+                free(ids);
+                pd_rpc_finish(call, PD_ERR_INVALID, m);
+                return PD_OK;
+            }
         dr.allowed_token_ids = (const int32_t *)sp->allowed_token_ids;
         dr.n_allowed_token_ids = sp->n_allowed_token_ids > INT32_MAX ? INT32_MAX : (int)sp->n_allowed_token_ids;
         dr.bad_words = (const char *const *)sp->bad_words;   /* decode_submit checks count, sizes */

@@ -1261,12 +1261,13 @@ def test_allowed_token_ids(bin_dir, model, draft, node, prompt):
     client = os.path.join(bin_dir, "pdspark-client")
     outs = [subprocess.run([client, "--server", node.grpc, "--prompt", prompt, "--max-new-tokens", "8", "--ignore-eos",
                             "--json", "--allowed-token-ids", ids], capture_output=True, text=True, timeout=60)
-            for ids in (",".join(map(str, digits)), "99999999")]
+            for ids in (",".join(map(str, digits)), "99999999", "4294967295")]
     js = json.loads(outs[0].stdout.strip().splitlines()[-1]) if outs[0].returncode == 0 else {}
     check(re.fullmatch(r"[0-9]{8}", js.get("text", "")) is not None, "gRPC allowed_token_ids: %s %s" %
           (js, outs[0].stderr))
-    check(outs[1].returncode != 0 and "allowed_token_ids" in outs[1].stderr,
-          "gRPC allowed_token_ids outside the vocabulary: rc %d %s" % (outs[1].returncode, outs[1].stderr))
+    for o, v in zip(outs[1:], ("99999999", "4294967295")):
+        check(o.returncode != 0 and "allowed_token_ids[0] = %s is outside the vocabulary" % v in o.stderr,
+              "gRPC allowed_token_ids %s: rc %d %s" % (v, o.returncode, o.stderr))
     # disaggregated: the prefill node picks the first token under the mask the decode node sends
     pf = Node(bin_dir, model, draft, (), binary="prefill_node")
     try:
