@@ -717,11 +717,8 @@ static pd_status decode_round(pd_engine *e, pd_err *err)
     /* ---- a batch past spec_disable_batch drafts nothing (scheduled requests' rows then wait
      * as in their own rounds without drafts; their controller is left out of the round) ---- */
     const int spec_off = e->dm != NULL && e->cfg.spec_disable_batch > 0 && m > e->cfg.spec_disable_batch;
-    if (spec_off) {
-        for (int i = 0; i < m; i++)
-            slots[i].l = 0;
-        e->times.spec_off_rounds++;
-    }
+    for (int i = 0; i < m && spec_off; i++)
+        slots[i].l = 0;
     /* ---- scheduled requests: draft this round or not ---- */
     double t_round = pd_engine_now_s();
     uint64_t cold0 = graph_cold(e);

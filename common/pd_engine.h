@@ -386,7 +386,6 @@ typedef struct {
     double commit;    /* acceptance and output bookkeeping */
     double extend;    /* draft context extension or deferral of the committed rows */
     long rounds;      /* decode rounds with at least one request */
-    long spec_off_rounds;   /* of which ran without drafts for spec_disable_batch */
     long pend_flushes, pend_compactions;   /* of the deferred draft context buffer */
 } pd_engine_times;
 const pd_engine_times *pd_engine_phase_times(const pd_engine *e);

@@ -286,18 +286,30 @@ static void and_token_rules(const pd_engine *e, const pd_request *r, const int32
     }
 }
 
+/* Queues the mask of logits row `row` of r (*bits: its words) after its output and extra[0..n):
+ * what r->gm_row allows (with a grammar), else first (a first-token mask) or every token, less
+ * what r's allowed tokens and bad words rule out */
+static pd_status row_mask(pd_engine *e, pd_request *r, int row, const uint32_t *first, const int32_t *extra,
+                          int n, uint32_t **bits, pd_err *err)
+{
+    const size_t bytes = (size_t)((e->V + 31) / 32) * sizeof(uint32_t);
+    TRY(pd_engine_mask_slot(e, row, bits, err));
+    if (r->gm != NULL)
+        TRY(pd_gmatch_allowed(r->gm_row, r->params.gvocab, *bits, err));
+    else if (first != NULL)
+        memcpy(*bits, first, bytes);
+    else
+        memset(*bits, 0xff, bytes);
+    and_token_rules(e, r, extra, n, *bits);
+    return PD_OK;
+}
+
 pd_status pd_engine_mask_step(pd_engine *e, pd_request *r, int row, const int32_t *extra, int n, pd_err *err)
 {
+    uint32_t *bits;
     if (r->gm == NULL && r->allow == NULL && r->bad == NULL)
         return PD_OK;
-    uint32_t *bits;
-    TRY(pd_engine_mask_slot(e, row, &bits, err));
-    if (r->gm != NULL)
-        TRY(pd_gmatch_allowed(r->gm_row, r->params.gvocab, bits, err));
-    else
-        memset(bits, 0xff, (size_t)((e->V + 31) / 32) * sizeof(uint32_t));
-    and_token_rules(e, r, extra, n, bits);
-    return PD_OK;
+    return row_mask(e, r, row, NULL, extra, n, &bits, err);
 }
 
 /* Queues the masks of r's rows row0 .. row0 + n_extra: row row0 + j follows the output and
@@ -311,25 +323,16 @@ pd_status pd_engine_mask_rows(pd_engine *e, pd_request *r, int row0, int32_t *ex
                               pd_err *err)
 {
     uint32_t *bits;
-    const size_t bytes = (size_t)((e->V + 31) / 32) * sizeof(uint32_t);
     if (r->gm == NULL) {
-        const int first = r->first_allow != NULL && r->n_out == 0;
-        for (int j = 0; j <= n_extra && (r->allow != NULL || r->bad != NULL || (first && j == 0)); j++) {
-            TRY(pd_engine_mask_slot(e, row0 + j, &bits, err));
-            if (first && j == 0)
-                memcpy(bits, r->first_allow, bytes);
-            else
-                memset(bits, 0xff, bytes);
-            and_token_rules(e, r, extra, j, bits);
-        }
+        const uint32_t *first = r->n_out == 0 ? r->first_allow : NULL;
+        for (int j = 0; j <= n_extra && (r->allow != NULL || r->bad != NULL || (first != NULL && j == 0)); j++)
+            TRY(row_mask(e, r, row0 + j, j == 0 ? first : NULL, extra, j, &bits, err));
         return PD_OK;
     }
     TRY(pd_gmatch_copy(r->gm_row, r->gm, err));
     int words = (e->V + 31) / 32;
     for (int j = 0; j <= n_extra; j++) {
-        TRY(pd_engine_mask_slot(e, row0 + j, &bits, err));
-        TRY(pd_gmatch_allowed(r->gm_row, r->params.gvocab, bits, err));
-        and_token_rules(e, r, extra, j, bits);
+        TRY(row_mask(e, r, row0 + j, NULL, extra, j, &bits, err));
         if (j == n_extra)
             break;
         int n_allowed = 0, only = -1;

@@ -79,6 +79,19 @@ static void handle_unref(decode_handle *h)
     }
 }
 
+/* decode_submit's way out for a handle that never reached the engine: what it holds (not its
+ * prompt, which the caller frees), and its place among the waiting requests */
+static void handle_discard(decode_server *s, decode_handle *h)
+{
+    atomic_fetch_sub(&s->n_waiting, 1);
+    pd_detok_destroy(h->detok);
+    free(h->bias);
+    free(h->allow);
+    free(h->bad);
+    pd_grammar_unref(h->grammar);
+    free(h);
+}
+
 /* req's bad words as pd_gen_params.bad's sequences, as vLLM's NoBadWordsLogitsProcessor makes
  * them: each word without its leading spaces, and with one space before it when that gives as
  * many tokens with another first token (the word inside a text) */
@@ -964,19 +977,12 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
     const size_t allow_words = (size_t)(s->vocab + 31) / 32;
     if ((req->n_logit_bias > 0 && (h->bias = malloc((size_t)req->n_logit_bias * sizeof(*h->bias))) == NULL) ||
         (req->n_allowed_token_ids > 0 && (h->allow = calloc(allow_words, sizeof(uint32_t))) == NULL)) {
-        atomic_fetch_sub(&s->n_waiting, 1);
-        pd_grammar_unref(h->grammar);
-        free(h->bias);
-        free(h);
+        handle_discard(s, h);
         st = pd_err_set(err, PD_ERR_NOMEM, "logit_bias / allowed_token_ids");
         goto err_ids;
     }
     if ((st = bad_words_ids(s, req, &h->bad, &h->gp.n_bad, err)) != PD_OK) {
-        atomic_fetch_sub(&s->n_waiting, 1);
-        pd_grammar_unref(h->grammar);
-        free(h->bias);
-        free(h->allow);
-        free(h);
+        handle_discard(s, h);
         goto err_ids;
     }
     h->gp.bad = h->bad;
@@ -1001,24 +1007,14 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
     h->deadline = tmo > 0 ? h->t_submit + (double)tmo : 0.0;
     h->fail_st = PD_ERR_INTERNAL;
     if (pd_detok_create(s->tok, &h->detok, err) != PD_OK) {
-        atomic_fetch_sub(&s->n_waiting, 1);
         st = err->code;
-        free(h->bias);
-        free(h->allow);
-        free(h->bad);
-        pd_grammar_unref(h->grammar);
-        free(h);
+        handle_discard(s, h);
         goto err_ids;
     }
     pd_detok_set_skip_special(h->detok, req->skip_special);
     h->state = H_QUEUED;
     if (pd_loop_post(s->loop, submit_cb, h) != PD_OK) {
-        atomic_fetch_sub(&s->n_waiting, 1);
-        pd_detok_destroy(h->detok);
-        free(h->bias);
-        free(h->allow);
-        free(h->bad);
-        free(h);
+        handle_discard(s, h);
         st = pd_err_set(err, PD_ERR_CANCELLED, "server is shutting down");
         goto err_ids;
     }

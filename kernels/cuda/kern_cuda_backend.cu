@@ -149,10 +149,9 @@ static pd_status cuda_host_alloc(kern_backend *be, size_t bytes, void **out, pd_
     if (!__atomic_exchange_n(&warned, 1, __ATOMIC_RELAXED)) {
         struct rlimit rl;
         char lim[48] = "unknown";
-        if (getrlimit(RLIMIT_MEMLOCK, &rl) == 0 && rl.rlim_cur == RLIM_INFINITY)
-            snprintf(lim, sizeof(lim), "unlimited");
-        else if (getrlimit(RLIMIT_MEMLOCK, &rl) == 0)
-            snprintf(lim, sizeof(lim), "%.1f MiB", (double)rl.rlim_cur / 1048576.0);
+        if (getrlimit(RLIMIT_MEMLOCK, &rl) == 0)
+            snprintf(lim, sizeof(lim), rl.rlim_cur == RLIM_INFINITY ? "unlimited" : "%.1f MiB",
+                     (double)rl.rlim_cur / 1048576.0);
         PD_LOG_WARN("cuda", "pinned host memory refused for %.1f MiB (%s; locked-memory limit %s): using "
                     "pageable memory, so KV page copies through it go through the staging ring (slower); "
                     "raise the limit (ulimit -l, a container's memlock) to pin", (double)bytes / 1048576.0,
