@@ -3467,6 +3467,9 @@ static void test_batch_invariance(kern_backend *g)
      * never are, so here both CTA layouts meet the single-token results */
     static const char *const spc_env[] = { "PD_ATTN_SPC", "16", "PD_ATTN_ONE_TILE", "0", NULL };
     same_v &= invariance_with_env(g, spc_env, attn_invariance_all, "key splits per CTA");
+    /* and with the four-warp form of the one-m-tile CTAs (PD_ATTN_WARPS=4; eight by default) */
+    static const char *const w4_env[] = { "PD_ATTN_WARPS", "4", NULL };
+    same_v &= invariance_with_env(g, w4_env, attn_invariance_all, "four-warp one-tile CTAs");
     TEST_CHECK_MSG(same_v, "batch-invariant attention: a token of a verify block or mixed batch "
                            "differs from the same token alone");
     printf("%s batch-invariant attention: verify blocks and mixed batches (GQA 1/4/5/8; up to 33000 "

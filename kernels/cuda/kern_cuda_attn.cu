@@ -454,6 +454,12 @@ static __device__ __forceinline__ void tc_ldsm_x4(unsigned (&r)[4], const void *
                  : "r"(a));
 }
 
+static __device__ __forceinline__ void tc_ldsm_x2(unsigned (&r)[2], const void *p)
+{
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
+}
+
 static __device__ __forceinline__ void tc_ldsm_x4_t(unsigned (&r)[4], const void *p)
 {
     unsigned a = (unsigned)__cvta_generic_to_shared(p);
@@ -808,7 +814,8 @@ attn_tc_kernel(attn_params p)
  * and partial, the tile pipeline running on across them; attn_inv_launch): its rows are (token, query head) pairs, up to 64, one 16-row
  * m-tile per warp, so each K/V tile is loaded once for the whole GQA group of all QG tokens
  * (decode: 4 rows; verify and draft blocks: as many tokens as fill one m-tile, 16 rows at
- * GQA 4, so the four warps share it; longer chunks: up to 64 rows). Keys come through the page table in
+ * GQA 4, so the four warps share it; longer chunks: up to 64 rows). A CTA of one m-tile takes
+ * eight warps at head_dim 128 instead (attn_inv_launch), all sharing it. Keys come through the page table in
  * tiles of 64 by cp.async, two stages deep; S = Q K^T and O += P V run on mma.sync with Q and P
  * each split into two bf16 terms (hi + lo, 16 significant bits) against the exact bf16 K/V, so
  * the result keeps about fp32 accuracy at twice the (small) mma count.
@@ -827,7 +834,6 @@ attn_tc_kernel(attn_params p)
  * against 0.49 ms, decode unchanged).
  * Early start (attn_params.n_new): see the first pass below and kern_cuda_attn_launch_after_store. */
 #define INV_BN 64
-#define INV_THREADS 128
 #define INV_ROWS 64
 static_assert(sizeof(((kern_cuda_ctx *)0)->attn_cluster_ok[0]) / sizeof(((kern_cuda_ctx *)0)->attn_cluster_ok[0][0]) >
                   ATT_INV_SPLITS &&
@@ -845,39 +851,47 @@ static __device__ __forceinline__ void tc_split_bf16(float x, float y, unsigned 
     lo = *(unsigned *)&l;
 }
 
-/* minimum of v over the CTA (INV_THREADS threads); red holds 4 ints; every thread gets it */
+/* minimum of v over the CTA (NW warps); red holds NW ints; every thread gets it */
+template <int NW>
 static __device__ __forceinline__ int inv_block_min(int v, int *red)
 {
     v = __reduce_min_sync(0xffffffffu, v);
     if ((threadIdx.x & 31) == 0)
         red[threadIdx.x >> 5] = v;
     __syncthreads();
-    int r = min(min(red[0], red[1]), min(red[2], red[3]));
+    int r = red[0];
+#pragma unroll
+    for (int w = 1; w < NW; w++)
+        r = min(r, red[w]);
     __syncthreads();   /* red is written again by the next call */
     return r;
 }
 
-template <int HD>
-__global__ void __launch_bounds__(INV_THREADS)
+template <int HD, int NW>
+__global__ void __launch_bounds__(NW * 32, NW == 4 ? 1 : 2)
 attn_inv_kernel(attn_params p)
 {
     KT_DECL;
+    constexpr int NT = NW * 32;       /* threads */
+    /* warps of a coop tile: score n-tiles and output n-tiles per warp */
+    constexpr int SPW = INV_BN / 8 / NW, OPW = HD / 8 / NW;
+    static_assert(NW == 4 || (NW == 8 && SPW == 1 && OPW % 2 == 0), "8 warps: coop tiles of head_dim 128");
     constexpr int CH = HD / 8;        /* 16-byte chunks per row */
     constexpr int KD = HD / 16;       /* k-steps over head_dim in Q K^T */
     constexpr int NS = INV_BN / 8;    /* score n-tiles */
     constexpr int ND = HD / 8;        /* output n-tiles */
     constexpr int D4 = HD / 4;
-    constexpr int LD_ITERS = INV_BN * CH / INV_THREADS;
-    static_assert(INV_BN * CH % INV_THREADS == 0 && INV_THREADS % CH == 0, "tile load split");
+    constexpr int LD_ITERS = INV_BN * CH / NT;
+    static_assert(INV_BN * CH % NT == 0 && NT % CH == 0, "tile load split");
     extern __shared__ __align__(128) unsigned char inv_smem[];
     __nv_bfloat16 *k_s = (__nv_bfloat16 *)inv_smem;   /* [2][BN][HD] */
     __nv_bfloat16 *v_s = k_s + 2 * INV_BN * HD;        /* [2][BN][HD] */
     __nv_bfloat16 *qh_s = v_s + 2 * INV_BN * HD;       /* [rows_pad][HD], hi terms */
     __shared__ int seq_s[INV_ROWS], len_s[INV_ROWS];
-    __shared__ int cur_s, last_s, red_s[4];
+    __shared__ int cur_s, last_s, red_s[NW];
     __shared__ int ns_s[INV_ROWS];
     __shared__ float w_s[INV_ROWS][ATT_INV_SPLITS], inv_s[INV_ROWS];   /* counter-mode merge */
-    __shared__ float cm_s[4][16], ts_s[INV_BN / 8][2][32], pv_s[INV_BN / 8][4][32];   /* coop exchange */
+    __shared__ float cm_s[NW][16], ts_s[INV_BN / 8][2][32], pv_s[INV_BN / 8][4][32];   /* coop exchange */
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int bx = blockIdx.x;
@@ -911,7 +925,7 @@ attn_inv_kernel(attn_params p)
     /* q of the rows as hi + lo bf16 terms into shared memory (read through the L2: with an early
      * start the previous kernel wrote it while this CTA was resident), then into fragments */
     auto load_q = [&]() {
-        for (int i = tid; i < rows_pad * CH; i += INV_THREADS) {
+        for (int i = tid; i < rows_pad * CH; i += NT) {
             const int r = i / CH, c = i % CH;
             const size_t t = t0 + r / hb;
             unsigned wh[4] = {0u, 0u, 0u, 0u}, wl[4] = {0u, 0u, 0u, 0u};
@@ -926,9 +940,10 @@ attn_inv_kernel(attn_params p)
             *(uint4 *)&ql_s[tc_swz(r, c, HD)] = make_uint4(wl[0], wl[1], wl[2], wl[3]);
         }
     };
-    /* coop: the CTA's rows fit one m-tile, and all four warps work on it (the tile loop);
-     * else warp w takes rows 16w..16w+15 alone, and warps past the rows only load */
-    const bool coop = p.coop && n_rows <= 16;
+    /* coop: the CTA's rows fit one m-tile, and all its warps work on it (the tile loop; eight
+     * warps are launched only for such CTAs); else warp w takes rows 16w..16w+15 alone, and
+     * warps past the rows only load */
+    const bool coop = NW == 8 || (p.coop && n_rows <= 16);
     const int wrow = coop ? 0 : warp * 16;
     const bool active = coop || wrow < n_rows;
     unsigned qh[KD][4], ql[KD][4];
@@ -996,10 +1011,10 @@ attn_inv_kernel(attn_params p)
                 int rb = 0, re = 0;
                 if (tid < INV_ROWS)
                     row_range(tid, sp, rb, re);
-                const int v = inv_block_min(re > rb && re > j ? max(j, rb) : INT_MAX, red_s);
+                const int v = inv_block_min<NW>(re > rb && re > j ? max(j, rb) : INT_MAX, red_s);
                 if (v != INT_MAX) {
                     spo = sp;
-                    km = -inv_block_min(-re, red_s);
+                    km = -inv_block_min<NW>(-re, red_s);
                     return v;
                 }
             }
@@ -1020,7 +1035,7 @@ attn_inv_kernel(attn_params p)
             const int c = tid % CH;
 #pragma unroll
             for (int i = 0; i < LD_ITERS; i++) {
-                const int r = tid / CH + i * (INV_THREADS / CH);
+                const int r = tid / CH + i * (NT / CH);
                 const int j = j0 + r;
                 if (j < j_from)
                     continue;
@@ -1066,7 +1081,7 @@ attn_inv_kernel(attn_params p)
             int nl = INT_MAX;
             if (tid < INV_ROWS && seq_s[tid] == cur)
                 nl = max(len_s[tid] - p.n_new, 0);
-            const int new_lo = inv_block_min(nl, red_s);
+            const int new_lo = inv_block_min<NW>(nl, red_s);
             kern_cuda_pdl_wait_prev();
             KT_WAITED;
             kern_cuda_cp_wait<0>();
@@ -1099,6 +1114,17 @@ attn_inv_kernel(attn_params p)
                     tc_mma(s0, ql[kk], b[0], b[1]);
                     tc_mma(s1, ql[kk], b[2], b[3]);
                 }
+            }
+        };
+        /* the scores of keys 8 n .. 8 n + 7 alone: score_pair's operations for one n-tile */
+        auto score_one = [&](const __nv_bfloat16 *ks, int n, float (&s0)[4]) {
+#pragma unroll
+            for (int kk = 0; kk < KD; kk++) {
+                unsigned b[2];
+                tc_ldsm_x2(b, &ks[tc_swz(n * 8 + (lane & 7), kk * 2 + ((lane >> 3) & 1), HD)]);
+                tc_mma(s0, qh[kk], b[0], b[1]);
+                if (q_lo)
+                    tc_mma(s0, ql[kk], b[0], b[1]);
             }
         };
         auto mask_ntile = [&](float (&sn)[4], int j0, int n) {
@@ -1140,9 +1166,9 @@ attn_inv_kernel(attn_params p)
                     const size_t t = t0 + r / hb;
                     const size_t pi = (t * p.n_heads + h0 + r % hb) * p.n_split + sp;
                     float *o = (p.cluster ? part_s + (size_t)r * HD : p.part_acc + pi * HD) + 2 * qc +
-                               warp * (ND / 4) * 8;
+                               warp * OPW * 8;
 #pragma unroll
-                    for (int nn = 0; nn < ND / 4; nn++)
+                    for (int nn = 0; nn < OPW; nn++)
                         *(float2 *)&o[nn * 8] = make_float2(acc[nn][2 * hf], acc[nn][2 * hf + 1]);
                     if (qc == 0 && warp == 0) {   /* the raw score max and the sum */
                         if (p.cluster)
@@ -1191,23 +1217,30 @@ attn_inv_kernel(attn_params p)
             kern_cuda_cp_wait<1>();   /* everything but the group just committed: tile jc is here */
             __syncthreads();
             if (coop) {
-                /* one m-tile, four warps: warp w forms the scores of keys 16w..16w+15 (the
-                 * original's n-tiles 2w, 2w+1), the row max and the P row sums are exchanged
-                 * through shared memory, and warp w accumulates output columns 32w..32w+31 over
-                 * all 64 keys. Every value is formed by the same operations in the same order as
-                 * in one warp (below), so the bits are the same. */
+                /* one m-tile, NW warps: warp w forms the scores of the original's n-tiles
+                 * SPW w .. SPW w + SPW - 1 (4 warps: keys 16w..16w+15; 8 warps: 8w..8w+7), the
+                 * row max and the P row sums are exchanged through shared memory, and warp w
+                 * accumulates output n-tiles OPW w .. (4 warps: columns 32w..32w+31; 8 warps:
+                 * 16w..16w+15) over all 64 keys. Every value is formed by the same operations in
+                 * the same order as in one warp (below), so the bits are the same. */
                 const __nv_bfloat16 *ks = k_s + st * INV_BN * HD, *vs = v_s + st * INV_BN * HD;
-                float s[2][4];
+                float s[SPW][4];
 #pragma unroll
-                for (int n = 0; n < 2; n++)
+                for (int n = 0; n < SPW; n++)
                     s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-                score_pair(ks, warp, s[0], s[1]);
+                if constexpr (SPW == 2)
+                    score_pair(ks, warp, s[0], s[1]);
+                else
+                    score_one(ks, warp, s[0]);
 #pragma unroll
-                for (int n = 0; n < 2; n++)
-                    mask_ntile(s[n], jc, 2 * warp + n);
+                for (int n = 0; n < SPW; n++)
+                    mask_ntile(s[n], jc, SPW * warp + n);
 #pragma unroll
                 for (int hf = 0; hf < 2; hf++) {
-                    float pm = fmaxf(fmaxf(s[0][2 * hf], s[0][2 * hf + 1]), fmaxf(s[1][2 * hf], s[1][2 * hf + 1]));
+                    float pm = fmaxf(s[0][2 * hf], s[0][2 * hf + 1]);
+#pragma unroll
+                    for (int n = 1; n < SPW; n++)
+                        pm = fmaxf(pm, fmaxf(s[n][2 * hf], s[n][2 * hf + 1]));
                     pm = fmaxf(pm, __shfl_xor_sync(0xffffffffu, pm, 1));
                     pm = fmaxf(pm, __shfl_xor_sync(0xffffffffu, pm, 2));
                     if (qc == 0)
@@ -1219,28 +1252,28 @@ attn_inv_kernel(attn_params p)
                 for (int hf = 0; hf < 2; hf++) {
                     float mx = m[hf];
 #pragma unroll
-                    for (int w = 0; w < 4; w++)
+                    for (int w = 0; w < NW; w++)
                         mx = fmaxf(mx, cm_s[w][g + 8 * hf]);
                     const float base = mx == -INFINITY ? 0.0f : mx * sl2;
                     al[hf] = mx == m[hf] ? 1.0f : tc_ex2(m[hf] * sl2 - base);
                     m[hf] = mx;
 #pragma unroll
-                    for (int n = 0; n < 2; n++) {
+                    for (int n = 0; n < SPW; n++) {
                         s[n][2 * hf] = tc_ex2(fmaf(s[n][2 * hf], sl2, -base));
                         s[n][2 * hf + 1] = tc_ex2(fmaf(s[n][2 * hf + 1], sl2, -base));
-                        ts_s[2 * warp + n][hf][lane] = s[n][2 * hf] + s[n][2 * hf + 1];
+                        ts_s[SPW * warp + n][hf][lane] = s[n][2 * hf] + s[n][2 * hf + 1];
                     }
 #pragma unroll
-                    for (int nn = 0; nn < ND / 4; nn++) {
+                    for (int nn = 0; nn < OPW; nn++) {
                         acc[nn][2 * hf] *= al[hf];
                         acc[nn][2 * hf + 1] *= al[hf];
                     }
                 }
 #pragma unroll
-                for (int n = 0; n < 2; n++)
+                for (int n = 0; n < SPW; n++)
 #pragma unroll
                     for (int e = 0; e < 4; e++)
-                        pv_s[2 * warp + n][e][lane] = s[n][e];
+                        pv_s[SPW * warp + n][e][lane] = s[n][e];
                 __syncthreads();
 #pragma unroll
                 for (int hf = 0; hf < 2; hf++) {
@@ -1261,8 +1294,8 @@ attn_inv_kernel(attn_params p)
                     unsigned ah[4], alo[4];
                     split_p(p0, p1, ah, alo);
 #pragma unroll
-                    for (int dq = 0; dq < ND / 8; dq++)
-                        pv_pair(vs, kk, ah, alo, warp * (ND / 8) + dq, acc[2 * dq], acc[2 * dq + 1]);
+                    for (int dq = 0; dq < OPW / 2; dq++)
+                        pv_pair(vs, kk, ah, alo, warp * (OPW / 2) + dq, acc[2 * dq], acc[2 * dq + 1]);
                 }
             } else if (active) {
                 const __nv_bfloat16 *ks = k_s + st * INV_BN * HD, *vs = v_s + st * INV_BN * HD;
@@ -1344,11 +1377,11 @@ attn_inv_kernel(attn_params p)
      * arithmetic is the same either way. */
     const int last_split = p.n_split - 1;
     cg::cluster_group cl = cg::this_cluster();
-    int first = tid, step = INV_THREADS;
+    int first = tid, step = NT;
     if (p.cluster) {
         cl.sync();
         first = tid * p.n_split + sp0;   /* one split per CTA in a cluster */
-        step = INV_THREADS * p.n_split;
+        step = NT * p.n_split;
     } else {
         __threadfence();
         __syncthreads();
@@ -1505,15 +1538,23 @@ attn_inv_kernel(attn_params p)
             const size_t t = t0 + (i / D4) / hb;
             return t < (size_t)p.n_tok ? t : (size_t)0;
         };
-        for (int i = first; i < n_items; i += 2 * step) {
-            float4 a0[ATT_INV_SPLITS], a1[ATT_INV_SPLITS];
-            const int i1 = i + step;
-            load_acc(i / D4, item_t(i), i % D4, a0);
-            if (i1 < n_items)
-                load_acc(i1 / D4, item_t(i1), i1 % D4, a1);
-            merge_item(i, a0);
-            if (i1 < n_items)
-                merge_item(i1, a1);
+        if constexpr (NW == 8) {   /* twice the threads: one item each holds as many loads */
+            for (int i = first; i < n_items; i += step) {
+                float4 a0[ATT_INV_SPLITS];
+                load_acc(i / D4, item_t(i), i % D4, a0);
+                merge_item(i, a0);
+            }
+        } else {
+            for (int i = first; i < n_items; i += 2 * step) {
+                float4 a0[ATT_INV_SPLITS], a1[ATT_INV_SPLITS];
+                const int i1 = i + step;
+                load_acc(i / D4, item_t(i), i % D4, a0);
+                if (i1 < n_items)
+                    load_acc(i1 / D4, item_t(i1), i1 % D4, a1);
+                merge_item(i, a0);
+                if (i1 < n_items)
+                    merge_item(i1, a1);
+            }
         }
     }
     KT_MARK(1);
@@ -1660,21 +1701,26 @@ static pd_status attn_inv_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n
     /* the shared-memory limit belongs to a device: raised to the largest CTA once per context
      * (a context is one device), not per launch, to keep the host cost of a call small */
     if (!c->attn_inv_smem_set) {
-        const size_t rows = INV_ROWS;
-        PD_CUDA_TRY(cudaFuncSetAttribute(attn_inv_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)(((size_t)4 * INV_BN + 2 * rows) * 64 * sizeof(__nv_bfloat16) +
-                                               rows * (64 + 2) * sizeof(float))),
-                    err);
-        PD_CUDA_TRY(cudaFuncSetAttribute(attn_inv_kernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)(((size_t)4 * INV_BN + 2 * rows) * 128 * sizeof(__nv_bfloat16) +
-                                               rows * (128 + 2) * sizeof(float))),
-                    err);
-        /* clusters of up to ATT_INV_SPLITS CTAs (16: beyond the portable 8) */
-        PD_CUDA_TRY(cudaFuncSetAttribute(attn_inv_kernel<64>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1), err);
-        PD_CUDA_TRY(cudaFuncSetAttribute(attn_inv_kernel<128>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1), err);
+        void (*const kerns[3])(attn_params) = {attn_inv_kernel<64, 4>, attn_inv_kernel<128, 4>,
+                                               attn_inv_kernel<128, 8>};
+        for (int k = 0; k < 3; k++) {
+            const size_t rows = k == 2 ? 16 : INV_ROWS, d = k == 0 ? 64 : 128;
+            PD_CUDA_TRY(cudaFuncSetAttribute(kerns[k], cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             (int)(((size_t)4 * INV_BN + 2 * rows) * d * sizeof(__nv_bfloat16) +
+                                                   rows * (d + 2) * sizeof(float))),
+                        err);
+            /* clusters of up to ATT_INV_SPLITS CTAs (16: beyond the portable 8) */
+            PD_CUDA_TRY(cudaFuncSetAttribute(kerns[k], cudaFuncAttributeNonPortableClusterSizeAllowed, 1), err);
+        }
         c->attn_inv_smem_set = 1;
     }
-    void (*kern)(attn_params) = hd == 64 ? attn_inv_kernel<64> : attn_inv_kernel<128>;
+    /* a CTA of one m-tile of rows (decode: a sequence's GQA group) shared by all its warps
+     * (coop) takes eight warps at head_dim 128: each forms one score n-tile and two output
+     * n-tiles, so the kernel needs fewer registers a thread and an SM holds twice the warps
+     * (same operations per value, same bits; PD_ATTN_WARPS=4 keeps four) */
+    const int nw = hd == 128 && c->attn_coop && c->attn_warps == 8 && p->qg * p->hb <= 16 ? 8 : 4;
+    void (*kern)(attn_params) = hd == 64 ? attn_inv_kernel<64, 4>
+                                         : (nw == 8 ? attn_inv_kernel<128, 8> : attn_inv_kernel<128, 4>);
     /* the splits of a CTA column as one cluster, merged on chip (the merge of many rows then
      * spreads over the column's CTAs instead of running in its last one), where the device can
      * hold such a cluster (asked once per split count and row bucket) and the whole grid is
@@ -1693,7 +1739,7 @@ static pd_status attn_inv_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n
             at[0].val.clusterDim.z = 1;
             cudaLaunchConfig_t cfg = {};
             cfg.gridDim = dim3(1, (unsigned)p->n_split);
-            cfg.blockDim = dim3(INV_THREADS);
+            cfg.blockDim = dim3((unsigned)(32 * nw));
             cfg.dynamicSmemBytes = smem_cl;
             cfg.attrs = at;
             cfg.numAttrs = 1;
@@ -1738,7 +1784,7 @@ static pd_status attn_inv_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n
          * the previous kernel runs); the kernel never triggers its own dependents early, so the
          * next kernel starts when it ends */
         cudaLaunchAttribute at[2];
-        cudaLaunchConfig_t cfg = kern_cuda_pdl_cfg(c->stream, grid, dim3(INV_THREADS), smem, p->n_new > 0, &at[0]);
+        cudaLaunchConfig_t cfg = kern_cuda_pdl_cfg(c->stream, grid, dim3((unsigned)(32 * nw)), smem, p->n_new > 0, &at[0]);
         if (p->cluster) {
             at[cfg.numAttrs].id = cudaLaunchAttributeClusterDimension;
             at[cfg.numAttrs].val.clusterDim.x = 1;

@@ -49,7 +49,9 @@ typedef struct kern_cuda_ctx {
     int attn_spc;              /* PD_ATTN_SPC at creation (1..16): key splits per CTA of the
                                   batch-invariant attention outside clusters; 0: by grid size */
     int attn_coop;             /* 1 unless PD_ATTN_COOP=0 at creation: a batch-invariant attention
-                                  CTA of one m-tile spreads it over its four warps */
+                                  CTA of one m-tile spreads it over all its warps */
+    int attn_warps;            /* 8 unless PD_ATTN_WARPS=4 at creation: such a coop CTA has eight
+                                  warps at head_dim 128 (attn_inv_launch) */
     signed char attn_cluster_ok[2][17][5];   /* [hd 64][splits][rows / 16]: 1 such a cluster
                                   fits on this device, -1 not, 0 not asked yet */
     int mk_chain_old;          /* PD_MK_CHAIN=old at creation: markov_chain keeps its L2-streaming
