@@ -889,7 +889,7 @@ attn_inv_kernel(attn_params p)
     __nv_bfloat16 *qh_s = v_s + 2 * INV_BN * HD;       /* [rows_pad][HD], hi terms */
     __shared__ int seq_s[INV_ROWS], len_s[INV_ROWS];
     __shared__ int cur_s, last_s, red_s[NW];
-    __shared__ int ns_s[INV_ROWS];
+    __shared__ int ns_s[INV_ROWS], slo_s[ATT_INV_SPLITS], shi_s[ATT_INV_SPLITS];
     __shared__ float w_s[INV_ROWS][ATT_INV_SPLITS], inv_s[INV_ROWS];   /* counter-mode merge */
     __shared__ float cm_s[NW][16], ts_s[INV_BN / 8][2][32], pv_s[INV_BN / 8][4][32];   /* coop exchange */
 
@@ -1001,20 +1001,34 @@ attn_inv_kernel(attn_params p)
                 re = re > rb ? re : rb;
             }
         };
-        /* the pass's tiles, split by split: the first tile at or after j of split sp that some
-         * row of the pass sees, else the first of a later split of this CTA (INT_MAX: none;
-         * split starts are multiples of INV_BN, so the answer is a tile start). spo gets its
-         * split and km its kmax: keys below it exist in the sequence's pages, later ones of
-         * the tile are zero-filled */
+        /* each split's keys over the pass's rows that have some in it: [slo_s, shi_s), once
+         * per pass (split starts are multiples of INV_BN, so slo_s is a tile start) */
+        static_assert(INV_ROWS == 64, "warp 0's lane l takes rows l and l + 32");
+        if (warp == 0) {
+            for (int sp = sp0; sp < sp1; sp++) {
+                int rb0, re0, rb1, re1;
+                row_range(lane, sp, rb0, re0);
+                row_range(lane + 32, sp, rb1, re1);
+                const int lo = __reduce_min_sync(0xffffffffu, min(re0 > rb0 ? rb0 : INT_MAX, re1 > rb1 ? rb1 : INT_MAX));
+                const int hi = __reduce_max_sync(0xffffffffu, max(re0 > rb0 ? re0 : 0, re1 > rb1 ? re1 : 0));
+                if (lane == 0) {
+                    slo_s[sp] = lo;
+                    shi_s[sp] = hi;
+                }
+            }
+        }
+        __syncthreads();
+        /* the pass's tiles, split by split: the first tile at or after j of split sp within its
+         * keys, else the first of a later split of this CTA (INT_MAX: none). spo gets its split
+         * and km its kmax: keys below it exist in the sequence's pages, later ones of the tile
+         * are zero-filled. Rows whose keys in the split start later (ragged lengths) see none
+         * of a tile before their start: the mask leaves their state unchanged, bit for bit */
         auto next_pos = [&](int sp, int j, int &spo, int &km) -> int {
             for (; sp < sp1; sp++, j = 0) {
-                int rb = 0, re = 0;
-                if (tid < INV_ROWS)
-                    row_range(tid, sp, rb, re);
-                const int v = inv_block_min<NW>(re > rb && re > j ? max(j, rb) : INT_MAX, red_s);
-                if (v != INT_MAX) {
+                const int v = max(j, slo_s[sp]), e = shi_s[sp];
+                if (v < e) {
                     spo = sp;
-                    km = -inv_block_min<NW>(-re, red_s);
+                    km = e;
                     return v;
                 }
             }
