@@ -94,7 +94,8 @@ static void handle_discard(decode_server *s, decode_handle *h)
 
 /* req's bad words as pd_gen_params.bad's sequences, as vLLM's NoBadWordsLogitsProcessor makes
  * them: each word without its leading spaces, and with one space before it when that gives as
- * many tokens with another first token (the word inside a text) */
+ * many tokens with another first token (the word inside a text); a special token's text (e.g.
+ * "<|im_end|>") is that token */
 static pd_status bad_words_ids(decode_server *s, const decode_req *req, int32_t **out, int *n_out, pd_err *err)
 {
     *out = NULL;
@@ -125,9 +126,10 @@ static pd_status bad_words_ids(decode_server *s, const decode_req *req, int32_t 
         }
         spaced[0] = ' ';
         memcpy(spaced + 1, word, len + 1);
-        st = pd_tokenizer_encode(s->tok, word, len, 0, &ids[0], &nid[0], err);
+        /* special tokens' text is the special token, as a Hugging Face tokenizer's encode reads it */
+        st = pd_tokenizer_encode(s->tok, word, len, 1, &ids[0], &nid[0], err);
         if (st == PD_OK)
-            st = pd_tokenizer_encode(s->tok, spaced, len + 1, 0, &ids[1], &nid[1], err);
+            st = pd_tokenizer_encode(s->tok, spaced, len + 1, 1, &ids[1], &nid[1], err);
         for (int k = 0; k < 2 && st == PD_OK; k++) {
             if (nid[k] == 0 || (k == 1 && (nid[1] != nid[0] || ids[1][0] == ids[0][0])))
                 continue;

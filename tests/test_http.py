@@ -1130,6 +1130,11 @@ def test_special_tokens(bin_dir, node, prompt):
     check(st == 200 and st2 == 200 and r["choices"][0]["text"] == "" and
           r2["choices"][0]["text"] == "<|im_start|>" * 3 and r["usage"]["completion_tokens"] == 3,
           "skip_special_tokens: %s / %s" % (r, r2))
+    # a special token's text among bad_words bans that token (vLLM's tokenizer call reads it so),
+    # stronger than the logit bias that forces it
+    st3, r3 = post_json(node, "/v1/completions", dict(body, skip_special_tokens=False, bad_words=["<|im_start|>"]))
+    check(st3 == 200 and "<|im_start|>" not in r3["choices"][0]["text"] and r3["usage"]["completion_tokens"] == 3,
+          "bad_words <|im_start|>: %s %s" % (st3, r3))
     for flag, want in ((None, "<|im_start|>" * 3), ("--skip-special-tokens", "")):   # gRPC: off unless asked
         out = subprocess.run([os.path.join(bin_dir, "pdspark-client"), "--server", node.grpc, "--prompt", prompt,
                               "--max-new-tokens", "3", "--temperature", "0", "--ignore-eos", "--logit-bias",
