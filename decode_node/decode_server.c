@@ -65,17 +65,23 @@ static int max_new_default(const decode_server *s, int n)
 /* ---------------------------------------------------------------------------------------------
  * Handles */
 
+/* h and the request options it owns (bias, allowed tokens, bad words, grammar reference) */
+static void handle_free(decode_handle *h)
+{
+    free(h->bias);
+    free(h->allow);
+    free(h->bad);
+    pd_grammar_unref(h->grammar);
+    free(h);
+}
+
 static void handle_unref(decode_handle *h)
 {
     if (h == NULL)
         return;
     if (atomic_fetch_sub(&h->refs, 1) == 1) {
         free(h->prompt);
-        free(h->bias);
-        free(h->allow);
-        free(h->bad);
-        pd_grammar_unref(h->grammar);
-        free(h);
+        handle_free(h);
     }
 }
 
@@ -85,11 +91,7 @@ static void handle_discard(decode_server *s, decode_handle *h)
 {
     atomic_fetch_sub(&s->n_waiting, 1);
     pd_detok_destroy(h->detok);
-    free(h->bias);
-    free(h->allow);
-    free(h->bad);
-    pd_grammar_unref(h->grammar);
-    free(h);
+    handle_free(h);
 }
 
 /* req's bad words as pd_gen_params.bad's sequences, as vLLM's NoBadWordsLogitsProcessor makes
