@@ -891,7 +891,8 @@ attn_inv_kernel(attn_params p)
     __shared__ int cur_s, last_s, red_s[NW];
     __shared__ int ns_s[INV_ROWS], slo_s[ATT_INV_SPLITS], shi_s[ATT_INV_SPLITS];
     __shared__ float w_s[INV_ROWS][ATT_INV_SPLITS], inv_s[INV_ROWS];   /* counter-mode merge */
-    __shared__ float cm_s[NW][16], ts_s[INV_BN / 8][2][32], pv_s[INV_BN / 8][4][32];   /* coop exchange */
+    __shared__ float cm_s[NW][16], ts_s[INV_BN / 8][2][32];   /* coop exchange */
+    __shared__ unsigned pv_s[INV_BN / 8][4][32];   /* coop: P's n-tiles as bf16 pairs, hi then lo terms */
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int bx = blockIdx.x;
@@ -1047,6 +1048,14 @@ attn_inv_kernel(attn_params p)
         /* tile j0 into stage; only its keys from j_from on when given (the reload above) */
         auto load_tile = [&](int j0, int stage, int kmax, int j_from = 0) {
             const int c = tid % CH;
+            /* every row's cache slot first, so that the page-table loads are in flight together
+             * (each copy waits for its row's entry) */
+            size_t slot[LD_ITERS];
+#pragma unroll
+            for (int i = 0; i < LD_ITERS; i++) {
+                const int j = j0 + tid / CH + i * (NT / CH);
+                slot[i] = j >= j_from && j < kmax ? attn_slot(p, pt, j) : 0;
+            }
 #pragma unroll
             for (int i = 0; i < LD_ITERS; i++) {
                 const int r = tid / CH + i * (NT / CH);
@@ -1054,11 +1063,7 @@ attn_inv_kernel(attn_params p)
                 if (j < j_from)
                     continue;
                 const bool ok = j < kmax;
-                size_t off = 0;
-                if (ok) {
-                    size_t slot = (size_t)pt[j / p.page_size] * p.page_size + j % p.page_size;
-                    off = slot * krow + (size_t)kvh * HD + c * 8;
-                }
+                const size_t off = ok ? slot[i] * krow + (size_t)kvh * HD + c * 8 : 0;
                 const int so = stage * INV_BN * HD + tc_swz(r, c, HD);
                 kern_cuda_cp_async16(&k_s[so], kc + off, ok);
                 kern_cuda_cp_async16(&v_s[so], vc + off, ok);
@@ -1283,30 +1288,35 @@ attn_inv_kernel(attn_params p)
                         acc[nn][2 * hf + 1] *= al[hf];
                     }
                 }
+                /* each warp splits its own n-tiles of P into the hi + lo A-fragment words
+                 * (split_p's operations, once instead of in every warp) */
 #pragma unroll
-                for (int n = 0; n < SPW; n++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++)
-                        pv_s[SPW * warp + n][e][lane] = s[n][e];
+                for (int n = 0; n < SPW; n++) {
+                    unsigned h0, l0, h1, l1;
+                    tc_split_bf16(s[n][0], s[n][1], h0, l0);
+                    tc_split_bf16(s[n][2], s[n][3], h1, l1);
+                    pv_s[SPW * warp + n][0][lane] = h0;
+                    pv_s[SPW * warp + n][1][lane] = h1;
+                    pv_s[SPW * warp + n][2][lane] = l0;
+                    pv_s[SPW * warp + n][3][lane] = l1;
+                }
                 __syncthreads();
+                if (warp == 0) {   /* the row sums: only warp 0's are written out (flush) */
 #pragma unroll
-                for (int hf = 0; hf < 2; hf++) {
-                    float ps = 0.0f;
+                    for (int hf = 0; hf < 2; hf++) {
+                        float ps = 0.0f;
 #pragma unroll
-                    for (int n = 0; n < NS; n++)
-                        ps += ts_s[n][hf][lane];
-                    l[hf] = l[hf] * al[hf] + ps;
+                        for (int n = 0; n < NS; n++)
+                            ps += ts_s[n][hf][lane];
+                        l[hf] = l[hf] * al[hf] + ps;
+                    }
                 }
 #pragma unroll
                 for (int kk = 0; kk < INV_BN / 16; kk++) {
-                    float p0[4], p1[4];
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        p0[e] = pv_s[2 * kk][e][lane];
-                        p1[e] = pv_s[2 * kk + 1][e][lane];
-                    }
-                    unsigned ah[4], alo[4];
-                    split_p(p0, p1, ah, alo);
+                    const unsigned ah[4] = {pv_s[2 * kk][0][lane], pv_s[2 * kk][1][lane], pv_s[2 * kk + 1][0][lane],
+                                            pv_s[2 * kk + 1][1][lane]};
+                    const unsigned alo[4] = {pv_s[2 * kk][2][lane], pv_s[2 * kk][3][lane], pv_s[2 * kk + 1][2][lane],
+                                             pv_s[2 * kk + 1][3][lane]};
 #pragma unroll
                     for (int dq = 0; dq < OPW / 2; dq++)
                         pv_pair(vs, kk, ah, alo, warp * (OPW / 2) + dq, acc[2 * dq], acc[2 * dq + 1]);
