@@ -1,5 +1,12 @@
 #!/bin/bash
 # h26-attn-load (batched page loads, pow2 pages, coop P split once) against 02268b1: bits, kernel and step A/B
+# The bundle (built here, not tracked): o_test_kernels / o_bench = main's test_kernels / pdspark-bench
+# (kernels of 02268b1), the rest this branch's build-dev:
+#   X=z; rm -rf devbundle/$X && mkdir -p devbundle/$X/bin
+#   cp build-dev/bin/{test_kernels,pdspark-bench,test_golden,test_eval} OLD/{o_test_kernels,o_bench} devbundle/$X/bin/
+#   strip devbundle/$X/bin/* && bash ../shared/tools/device-bundle.sh devbundle/$X devbundle/$X
+#   (cd devbundle/$X && tar cf - bin lib | xz -T1 --lzma2=preset=6,dict=192MiB > ../../devcarry/$X.tar.xz)
+# then run(command="bash devcarry/runZ.sh", carry=["devcarry/z.tar.xz", "devcarry/runZ.sh"]), ~130 s
 
 set -u
 [ -e /work/main ] || { mkdir -p /work && ln -s "$PWD" /work/main; }
