@@ -867,15 +867,16 @@ static __device__ __forceinline__ int inv_block_min(int v, int *red)
     return r;
 }
 
-template <int HD, int NW>
+template <int HD, int NW, int CW>
 __global__ void __launch_bounds__(NW * 32, NW == 4 ? 1 : 2)
 attn_inv_kernel(attn_params p)
 {
     KT_DECL;
     constexpr int NT = NW * 32;       /* threads */
-    /* warps of a coop tile: score n-tiles and output n-tiles per warp */
-    constexpr int SPW = INV_BN / 8 / NW, OPW = HD / 8 / NW;
-    static_assert(NW == 4 || (NW == 8 && SPW == 1 && OPW % 2 == 0), "8 warps: coop tiles of head_dim 128");
+    /* coop: CW warps share an m-tile (NW / CW m-tiles); score and output n-tiles per warp */
+    constexpr int NG = NW / CW, SPW = INV_BN / 8 / CW, OPW = HD / 8 / CW;
+    static_assert((NW == 4 && CW == 4) || (HD == 128 && ((NW == 8 && CW == 8) || (NW == 4 && CW == 2))),
+                  "coop forms: four warps, or at head_dim 128 eight on one m-tile or two pairs on two");
     constexpr int CH = HD / 8;        /* 16-byte chunks per row */
     constexpr int KD = HD / 16;       /* k-steps over head_dim in Q K^T */
     constexpr int NS = INV_BN / 8;    /* score n-tiles */
@@ -891,8 +892,8 @@ attn_inv_kernel(attn_params p)
     __shared__ int cur_s, last_s, red_s[NW];
     __shared__ int ns_s[INV_ROWS], slo_s[ATT_INV_SPLITS], shi_s[ATT_INV_SPLITS];
     __shared__ float w_s[INV_ROWS][ATT_INV_SPLITS], inv_s[INV_ROWS];   /* counter-mode merge */
-    __shared__ float cm_s[NW][16], ts_s[INV_BN / 8][2][32];   /* coop exchange */
-    __shared__ unsigned pv_s[INV_BN / 8][4][32];   /* coop: P's n-tiles as bf16 pairs, hi then lo terms */
+    __shared__ float cm_s[NW][16], ts_s[NG][INV_BN / 8][2][32];   /* coop exchange */
+    __shared__ unsigned pv_s[NG][INV_BN / 8][4][32];   /* coop: P's n-tiles as bf16 pairs, hi then lo terms */
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int bx = blockIdx.x;
@@ -941,11 +942,12 @@ attn_inv_kernel(attn_params p)
             *(uint4 *)&ql_s[tc_swz(r, c, HD)] = make_uint4(wl[0], wl[1], wl[2], wl[3]);
         }
     };
-    /* coop: the CTA's rows fit one m-tile, and all its warps work on it (the tile loop; eight
+    /* coop: the CTA's rows fit its NG m-tiles, and CW warps work on each (the tile loop; eight
      * warps are launched only for such CTAs); else warp w takes rows 16w..16w+15 alone, and
-     * warps past the rows only load */
-    const bool coop = NW == 8 || (p.coop && n_rows <= 16);
-    const int wrow = coop ? 0 : warp * 16;
+     * warps past the rows only load. gw: warp w's m-tile group, wl: its place in it */
+    const bool coop = CW != 4 || (p.coop && n_rows <= 16);
+    const int gw = NG == 1 ? 0 : warp / CW, wl = NG == 1 ? warp : warp % CW;
+    const int wrow = coop ? gw * 16 : warp * 16;
     const bool active = coop || wrow < n_rows;
     unsigned qh[KD][4], ql[KD][4];
     bool q_lo = true;   /* some lo term of q is not zero (q not bf16-exact: fp32 mode) */
@@ -1179,17 +1181,17 @@ attn_inv_kernel(attn_params p)
                     float lr = l[hf];   /* the row's 4 lanes each hold part of its sum */
                     lr += __shfl_xor_sync(0xffffffffu, lr, 1);
                     lr += __shfl_xor_sync(0xffffffffu, lr, 2);
-                    const int r = g + 8 * hf;
+                    const int r = (NG == 1 ? 0 : gw * 16) + g + 8 * hf;
                     if (hi[hf] <= lo[hf])   /* not in this pass, or nothing in this split */
                         continue;
                     const size_t t = t0 + r / hb;
                     const size_t pi = (t * p.n_heads + h0 + r % hb) * p.n_split + sp;
                     float *o = (p.cluster ? part_s + (size_t)r * HD : p.part_acc + pi * HD) + 2 * qc +
-                               warp * OPW * 8;
+                               wl * OPW * 8;
 #pragma unroll
                     for (int nn = 0; nn < OPW; nn++)
                         *(float2 *)&o[nn * 8] = make_float2(acc[nn][2 * hf], acc[nn][2 * hf + 1]);
-                    if (qc == 0 && warp == 0) {   /* the raw score max and the sum */
+                    if (qc == 0 && wl == 0) {   /* the raw score max and the sum */
                         if (p.cluster)
                             ml_s[r] = make_float2(m[hf], lr);
                         else
@@ -1236,9 +1238,9 @@ attn_inv_kernel(attn_params p)
             kern_cuda_cp_wait<1>();   /* everything but the group just committed: tile jc is here */
             __syncthreads();
             if (coop) {
-                /* one m-tile, NW warps: warp w forms the scores of the original's n-tiles
-                 * SPW w .. SPW w + SPW - 1 (4 warps: keys 16w..16w+15; 8 warps: 8w..8w+7), the
-                 * row max and the P row sums are exchanged through shared memory, and warp w
+                /* an m-tile, CW warps: warp w of its group forms the scores of the original's
+                 * n-tiles SPW w .. SPW w + SPW - 1 (4 warps: keys 16w..16w+15; 8 warps: 8w..8w+7),
+                 * the row max and the P row sums are exchanged through shared memory, and warp w
                  * accumulates output n-tiles OPW w .. (4 warps: columns 32w..32w+31; 8 warps:
                  * 16w..16w+15) over all 64 keys. Every value is formed by the same operations in
                  * the same order as in one warp (below), so the bits are the same. */
@@ -1248,12 +1250,12 @@ attn_inv_kernel(attn_params p)
                 for (int n = 0; n < SPW; n++)
                     s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
                 if constexpr (SPW == 2)
-                    score_pair(ks, warp, s[0], s[1]);
+                    score_pair(ks, wl, s[0], s[1]);
                 else
-                    score_one(ks, warp, s[0]);
+                    score_one(ks, wl, s[0]);
 #pragma unroll
                 for (int n = 0; n < SPW; n++)
-                    mask_ntile(s[n], jc, SPW * warp + n);
+                    mask_ntile(s[n], jc, SPW * wl + n);
 #pragma unroll
                 for (int hf = 0; hf < 2; hf++) {
                     float pm = fmaxf(s[0][2 * hf], s[0][2 * hf + 1]);
@@ -1271,8 +1273,8 @@ attn_inv_kernel(attn_params p)
                 for (int hf = 0; hf < 2; hf++) {
                     float mx = m[hf];
 #pragma unroll
-                    for (int w = 0; w < NW; w++)
-                        mx = fmaxf(mx, cm_s[w][g + 8 * hf]);
+                    for (int w = 0; w < CW; w++)
+                        mx = fmaxf(mx, cm_s[gw * CW + w][g + 8 * hf]);
                     const float base = mx == -INFINITY ? 0.0f : mx * sl2;
                     al[hf] = mx == m[hf] ? 1.0f : tc_ex2(m[hf] * sl2 - base);
                     m[hf] = mx;
@@ -1280,7 +1282,7 @@ attn_inv_kernel(attn_params p)
                     for (int n = 0; n < SPW; n++) {
                         s[n][2 * hf] = tc_ex2(fmaf(s[n][2 * hf], sl2, -base));
                         s[n][2 * hf + 1] = tc_ex2(fmaf(s[n][2 * hf + 1], sl2, -base));
-                        ts_s[SPW * warp + n][hf][lane] = s[n][2 * hf] + s[n][2 * hf + 1];
+                        ts_s[gw][SPW * wl + n][hf][lane] = s[n][2 * hf] + s[n][2 * hf + 1];
                     }
 #pragma unroll
                     for (int nn = 0; nn < OPW; nn++) {
@@ -1295,31 +1297,31 @@ attn_inv_kernel(attn_params p)
                     unsigned h0, l0, h1, l1;
                     tc_split_bf16(s[n][0], s[n][1], h0, l0);
                     tc_split_bf16(s[n][2], s[n][3], h1, l1);
-                    pv_s[SPW * warp + n][0][lane] = h0;
-                    pv_s[SPW * warp + n][1][lane] = h1;
-                    pv_s[SPW * warp + n][2][lane] = l0;
-                    pv_s[SPW * warp + n][3][lane] = l1;
+                    pv_s[gw][SPW * wl + n][0][lane] = h0;
+                    pv_s[gw][SPW * wl + n][1][lane] = h1;
+                    pv_s[gw][SPW * wl + n][2][lane] = l0;
+                    pv_s[gw][SPW * wl + n][3][lane] = l1;
                 }
                 __syncthreads();
-                if (warp == 0) {   /* the row sums: only warp 0's are written out (flush) */
+                if (wl == 0) {   /* the row sums: only each group's first warp's are written out (flush) */
 #pragma unroll
                     for (int hf = 0; hf < 2; hf++) {
                         float ps = 0.0f;
 #pragma unroll
                         for (int n = 0; n < NS; n++)
-                            ps += ts_s[n][hf][lane];
+                            ps += ts_s[gw][n][hf][lane];
                         l[hf] = l[hf] * al[hf] + ps;
                     }
                 }
 #pragma unroll
                 for (int kk = 0; kk < INV_BN / 16; kk++) {
-                    const unsigned ah[4] = {pv_s[2 * kk][0][lane], pv_s[2 * kk][1][lane], pv_s[2 * kk + 1][0][lane],
-                                            pv_s[2 * kk + 1][1][lane]};
-                    const unsigned alo[4] = {pv_s[2 * kk][2][lane], pv_s[2 * kk][3][lane], pv_s[2 * kk + 1][2][lane],
-                                             pv_s[2 * kk + 1][3][lane]};
+                    const unsigned ah[4] = {pv_s[gw][2 * kk][0][lane], pv_s[gw][2 * kk][1][lane],
+                                            pv_s[gw][2 * kk + 1][0][lane], pv_s[gw][2 * kk + 1][1][lane]};
+                    const unsigned alo[4] = {pv_s[gw][2 * kk][2][lane], pv_s[gw][2 * kk][3][lane],
+                                             pv_s[gw][2 * kk + 1][2][lane], pv_s[gw][2 * kk + 1][3][lane]};
 #pragma unroll
                     for (int dq = 0; dq < OPW / 2; dq++)
-                        pv_pair(vs, kk, ah, alo, warp * (OPW / 2) + dq, acc[2 * dq], acc[2 * dq + 1]);
+                        pv_pair(vs, kk, ah, alo, wl * (OPW / 2) + dq, acc[2 * dq], acc[2 * dq + 1]);
                 }
             } else if (active) {
                 const __nv_bfloat16 *ks = k_s + st * INV_BN * HD, *vs = v_s + st * INV_BN * HD;
@@ -1725,10 +1727,10 @@ static pd_status attn_inv_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n
     /* the shared-memory limit belongs to a device: raised to the largest CTA once per context
      * (a context is one device), not per launch, to keep the host cost of a call small */
     if (!c->attn_inv_smem_set) {
-        void (*const kerns[3])(attn_params) = {attn_inv_kernel<64, 4>, attn_inv_kernel<128, 4>,
-                                               attn_inv_kernel<128, 8>};
-        for (int k = 0; k < 3; k++) {
-            const size_t rows = k == 2 ? 16 : INV_ROWS, d = k == 0 ? 64 : 128;
+        void (*const kerns[4])(attn_params) = {attn_inv_kernel<64, 4, 4>, attn_inv_kernel<128, 4, 4>,
+                                               attn_inv_kernel<128, 8, 8>, attn_inv_kernel<128, 4, 2>};
+        for (int k = 0; k < 4; k++) {
+            const size_t rows = k == 2 ? 16 : (k == 3 ? 32 : INV_ROWS), d = k == 0 ? 64 : 128;
             PD_CUDA_TRY(cudaFuncSetAttribute(kerns[k], cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              (int)(((size_t)4 * INV_BN + 2 * rows) * d * sizeof(__nv_bfloat16) +
                                                    rows * (d + 2) * sizeof(float))),
@@ -1741,10 +1743,15 @@ static pd_status attn_inv_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n
     /* a CTA of one m-tile of rows (decode: a sequence's GQA group) shared by all its warps
      * (coop) takes eight warps at head_dim 128: each forms one score n-tile and two output
      * n-tiles, so the kernel needs fewer registers a thread and an SM holds twice the warps
-     * (same operations per value, same bits; PD_ATTN_WARPS=4 keeps four) */
-    const int nw = hd == 128 && c->attn_coop && c->attn_warps == 8 && p->qg * p->hb <= 16 ? 8 : 4;
-    void (*kern)(attn_params) = hd == 64 ? attn_inv_kernel<64, 4>
-                                         : (nw == 8 ? attn_inv_kernel<128, 8> : attn_inv_kernel<128, 4>);
+     * (same operations per value, same bits; PD_ATTN_WARPS=4 keeps four). With PD_ATTN_COOP2=1
+     * a CTA of two m-tiles (verify blocks of 8 at GQA 4 in large grids) has its four warps in
+     * two pairs, a pair per m-tile, instead of two warps working and two only loading. */
+    const int n_rows = p->qg * p->hb;
+    const int nw = hd == 128 && c->attn_coop && c->attn_warps == 8 && n_rows <= 16 ? 8 : 4;
+    const int coop2 = hd == 128 && c->attn_coop && c->attn_coop2 && n_rows > 16 && n_rows <= 32;
+    void (*kern)(attn_params) = hd == 64 ? attn_inv_kernel<64, 4, 4>
+                                : nw == 8 ? attn_inv_kernel<128, 8, 8>
+                                : coop2 ? attn_inv_kernel<128, 4, 2> : attn_inv_kernel<128, 4, 4>;
     /* the splits of a CTA column as one cluster, merged on chip (the merge of many rows then
      * spreads over the column's CTAs instead of running in its last one), where the device can
      * hold such a cluster (asked once per split count and row bucket) and the whole grid is
