@@ -1249,10 +1249,13 @@ attn_inv_kernel(attn_params p)
 #pragma unroll
                 for (int n = 0; n < SPW; n++)
                     s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-                if constexpr (SPW == 2)
-                    score_pair(ks, wl, s[0], s[1]);
-                else
+                if constexpr (SPW == 1) {
                     score_one(ks, wl, s[0]);
+                } else {
+#pragma unroll
+                    for (int np = 0; np < SPW / 2; np++)   /* n-tiles SPW wl + 2 np, + 1 */
+                        score_pair(ks, SPW / 2 * wl + np, s[2 * np], s[2 * np + 1]);
+                }
 #pragma unroll
                 for (int n = 0; n < SPW; n++)
                     mask_ntile(s[n], jc, SPW * wl + n);
