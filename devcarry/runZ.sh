@@ -20,6 +20,7 @@ for k in o_test_kernels test_kernels o_test_kernels test_kernels; do echo "== $k
 T
 for v in 0 1 0 1; do echo "== PD_ATTN_COOP2=$v"; PD_ATTN_COOP2=$v timeout 60 $B/test_kernels --op attn --perf-only --invariant --case "*v:1016" 2>&1 | grep -E "attn:|perf:"; done > $O/perf_c2.txt
 PD_ATTN_COOP2=1 timeout 90 $B/test_kernels --op attn --invariant > $O/k_attn_c2.txt 2>&1; echo "rc $?" >> $O/k_attn_c2.txt
+for v in 0 1 0 1; do echo "== PD_ATTN_KV_EF=$v"; for c in "*d:1023" "*v:1016"; do PD_ATTN_KV_EF=$v timeout 60 $B/test_kernels --op attn --perf-only --invariant --case "$c" 2>&1 | grep -E "attn:|perf:"; done; done > $O/perf_ef.txt
 T
 timeout 90 $B/test_kernels --op attn --invariant > $O/k_attn.txt 2>&1; echo "rc $?" >> $O/k_attn.txt
 timeout 60 $B/test_kernels --op attn_block --invariant > $O/k_ab.txt 2>&1; echo "rc $?" >> $O/k_ab.txt

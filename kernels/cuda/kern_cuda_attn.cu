@@ -107,6 +107,9 @@ struct attn_params {
                           * (same bits; PD_ATTN_COOP=0 turns it off) */
     int spc;             /* attn_inv_kernel: key splits per CTA (grid.y = ceil(n_split / spc));
                           * 1 in a cluster */
+    int kv_ef;           /* attn_inv_kernel: K/V loads under an L2 evict-first policy, so that a
+                          * large grid's streamed keys do not push the split partials (written
+                          * early, merged late) out of the L2 */
     int n_new;           /* attn_inv_kernel: > 0 in a programmatic dependent launch whose previous
                           * kernel stores this round's keys: a row's keys from its length - n_new
                           * on may be new, every earlier one was stored before (0: none early) */
@@ -896,6 +899,7 @@ attn_inv_kernel(attn_params p)
     __shared__ unsigned pv_s[NG][INV_BN / 8][4][32];   /* coop: P's n-tiles as bf16 pairs, hi then lo terms */
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const uint64_t l2_pol = p.kv_ef ? kern_cuda_l2_evict_first() : 0;
     int bx = blockIdx.x;
     const int hc = bx % p.n_hchunk;
     bx /= p.n_hchunk;
@@ -1067,8 +1071,13 @@ attn_inv_kernel(attn_params p)
                 const bool ok = j < kmax;
                 const size_t off = ok ? slot[i] * krow + (size_t)kvh * HD + c * 8 : 0;
                 const int so = stage * INV_BN * HD + tc_swz(r, c, HD);
-                kern_cuda_cp_async16(&k_s[so], kc + off, ok);
-                kern_cuda_cp_async16(&v_s[so], vc + off, ok);
+                if (p.kv_ef) {
+                    kern_cuda_cp_async16_pol(&k_s[so], kc + off, ok, l2_pol);
+                    kern_cuda_cp_async16_pol(&v_s[so], vc + off, ok, l2_pol);
+                } else {
+                    kern_cuda_cp_async16(&k_s[so], kc + off, ok);
+                    kern_cuda_cp_async16(&v_s[so], vc + off, ok);
+                }
             }
         };
 
@@ -1785,6 +1794,7 @@ static pd_status attn_inv_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n
         p->cluster = *ok > 0;
     }
     p->coop = c->attn_coop;
+    p->kv_ef = c->attn_kv_ef;
     const size_t smem = p->cluster ? smem_cl : smem_base;
     /* Key splits per CTA. A large grid of one split per CTA (decode of 64 sequences at 1k keys:
      * 8192 CTAs of 2 key tiles each, ~30 waves) pays every CTA's start, row set-up and arrival
@@ -1869,6 +1879,7 @@ static pd_status attn_launch(kern_backend *be, const kern_attn_args *a, const __
     p.qg = 1;
     p.grp0 = 0;
     p.cnt = NULL;
+    p.kv_ef = 0;
     p.n_new = n_new;
     p.cluster = 0;
     p.kc = kv->k;
