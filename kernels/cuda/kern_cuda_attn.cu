@@ -1755,9 +1755,9 @@ static pd_status attn_inv_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n
     /* a CTA of one m-tile of rows (decode: a sequence's GQA group) shared by all its warps
      * (coop) takes eight warps at head_dim 128: each forms one score n-tile and two output
      * n-tiles, so the kernel needs fewer registers a thread and an SM holds twice the warps
-     * (same operations per value, same bits; PD_ATTN_WARPS=4 keeps four). With PD_ATTN_COOP2=1
-     * a CTA of two m-tiles (verify blocks of 8 at GQA 4 in large grids) has its four warps in
-     * two pairs, a pair per m-tile, instead of two warps working and two only loading. */
+     * (same operations per value, same bits; PD_ATTN_WARPS=4 keeps four). A CTA of two m-tiles (verify blocks of 8 at GQA 4 in large grids) has its four warps in
+     * two pairs, a pair per m-tile, instead of two warps working and two only loading
+     * (PD_ATTN_COOP2=0 keeps the latter). */
     const int n_rows = p->qg * p->hb;
     const int nw = hd == 128 && c->attn_coop && c->attn_warps == 8 && n_rows <= 16 ? 8 : 4;
     const int coop2 = hd == 128 && c->attn_coop && c->attn_coop2 && n_rows > 16 && n_rows <= 32;

@@ -52,10 +52,10 @@ typedef struct kern_cuda_ctx {
                                   CTA of one m-tile spreads it over all its warps */
     int attn_warps;            /* 8 unless PD_ATTN_WARPS=4 at creation: such a coop CTA has eight
                                   warps at head_dim 128 (attn_inv_launch) */
-    int attn_coop2;            /* PD_ATTN_COOP2=1 at creation: a CTA of two m-tiles has its four
-                                  warps in a pair per m-tile (attn_inv_launch; default off) */
-    int attn_kv_ef;            /* PD_ATTN_KV_EF=1 at creation: the batch-invariant attention loads
-                                  K/V under an L2 evict-first policy (default off) */
+    int attn_coop2;            /* 1 unless PD_ATTN_COOP2=0 at creation: a CTA of two m-tiles has
+                                  its four warps in a pair per m-tile (attn_inv_launch) */
+    int attn_kv_ef;            /* 1 unless PD_ATTN_KV_EF=0 at creation: the batch-invariant
+                                  attention loads K/V under an L2 evict-first policy */
     signed char attn_cluster_ok[2][17][5];   /* [hd 64][splits][rows / 16]: 1 such a cluster
                                   fits on this device, -1 not, 0 not asked yet */
     int mk_chain_old;          /* PD_MK_CHAIN=old at creation: markov_chain keeps its L2-streaming
