@@ -3470,6 +3470,12 @@ static void test_batch_invariance(kern_backend *g)
     /* and with the four-warp form of the one-m-tile CTAs (PD_ATTN_WARPS=4; eight by default) */
     static const char *const w4_env[] = { "PD_ATTN_WARPS", "4", NULL };
     same_v &= invariance_with_env(g, w4_env, attn_invariance_all, "four-warp one-tile CTAs");
+    /* and with whole verify blocks per CTA in both forms of two-m-tile CTAs: warp pairs
+     * (the default) and two warps computing while two only load (PD_ATTN_COOP2=0) */
+    static const char *const c2_env[] = { "PD_ATTN_ONE_TILE", "0", NULL };
+    same_v &= invariance_with_env(g, c2_env, attn_invariance_all, "warp pairs on two m-tiles");
+    static const char *const c1_env[] = { "PD_ATTN_COOP2", "0", "PD_ATTN_ONE_TILE", "0", NULL };
+    same_v &= invariance_with_env(g, c1_env, attn_invariance_all, "two working warps on two m-tiles");
     TEST_CHECK_MSG(same_v, "batch-invariant attention: a token of a verify block or mixed batch "
                            "differs from the same token alone");
     printf("%s batch-invariant attention: verify blocks and mixed batches (GQA 1/4/5/8; up to 33000 "

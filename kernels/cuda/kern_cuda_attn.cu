@@ -107,6 +107,9 @@ struct attn_params {
                           * (same bits; PD_ATTN_COOP=0 turns it off) */
     int spc;             /* attn_inv_kernel: key splits per CTA (grid.y = ceil(n_split / spc));
                           * 1 in a cluster */
+    int kv_ef;           /* attn_inv_kernel: K/V loads under an L2 evict-first policy, so that a
+                          * large grid's streamed keys do not push the split partials (written
+                          * early, merged late) out of the L2 */
     int n_new;           /* attn_inv_kernel: > 0 in a programmatic dependent launch whose previous
                           * kernel stores this round's keys: a row's keys from its length - n_new
                           * on may be new, every earlier one was stored before (0: none early) */
@@ -867,15 +870,16 @@ static __device__ __forceinline__ int inv_block_min(int v, int *red)
     return r;
 }
 
-template <int HD, int NW>
+template <int HD, int NW, int CW>
 __global__ void __launch_bounds__(NW * 32, NW == 4 ? 1 : 2)
 attn_inv_kernel(attn_params p)
 {
     KT_DECL;
     constexpr int NT = NW * 32;       /* threads */
-    /* warps of a coop tile: score n-tiles and output n-tiles per warp */
-    constexpr int SPW = INV_BN / 8 / NW, OPW = HD / 8 / NW;
-    static_assert(NW == 4 || (NW == 8 && SPW == 1 && OPW % 2 == 0), "8 warps: coop tiles of head_dim 128");
+    /* coop: CW warps share an m-tile (NW / CW m-tiles); score and output n-tiles per warp */
+    constexpr int NG = NW / CW, SPW = INV_BN / 8 / CW, OPW = HD / 8 / CW;
+    static_assert((NW == 4 && CW == 4) || (HD == 128 && ((NW == 8 && CW == 8) || (NW == 4 && CW == 2))),
+                  "coop forms: four warps, or at head_dim 128 eight on one m-tile or two pairs on two");
     constexpr int CH = HD / 8;        /* 16-byte chunks per row */
     constexpr int KD = HD / 16;       /* k-steps over head_dim in Q K^T */
     constexpr int NS = INV_BN / 8;    /* score n-tiles */
@@ -891,9 +895,11 @@ attn_inv_kernel(attn_params p)
     __shared__ int cur_s, last_s, red_s[NW];
     __shared__ int ns_s[INV_ROWS], slo_s[ATT_INV_SPLITS], shi_s[ATT_INV_SPLITS];
     __shared__ float w_s[INV_ROWS][ATT_INV_SPLITS], inv_s[INV_ROWS];   /* counter-mode merge */
-    __shared__ float cm_s[NW][16], ts_s[INV_BN / 8][2][32], pv_s[INV_BN / 8][4][32];   /* coop exchange */
+    __shared__ float cm_s[NW][16], ts_s[NG][INV_BN / 8][2][32];   /* coop exchange */
+    __shared__ unsigned pv_s[NG][INV_BN / 8][4][32];   /* coop: P's n-tiles as bf16 pairs, hi then lo terms */
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const uint64_t l2_pol = p.kv_ef ? kern_cuda_l2_evict_first() : 0;
     int bx = blockIdx.x;
     const int hc = bx % p.n_hchunk;
     bx /= p.n_hchunk;
@@ -940,11 +946,12 @@ attn_inv_kernel(attn_params p)
             *(uint4 *)&ql_s[tc_swz(r, c, HD)] = make_uint4(wl[0], wl[1], wl[2], wl[3]);
         }
     };
-    /* coop: the CTA's rows fit one m-tile, and all its warps work on it (the tile loop; eight
+    /* coop: the CTA's rows fit its NG m-tiles, and CW warps work on each (the tile loop; eight
      * warps are launched only for such CTAs); else warp w takes rows 16w..16w+15 alone, and
-     * warps past the rows only load */
-    const bool coop = NW == 8 || (p.coop && n_rows <= 16);
-    const int wrow = coop ? 0 : warp * 16;
+     * warps past the rows only load. gw: warp w's m-tile group, wl: its place in it */
+    const bool coop = CW != 4 || (p.coop && n_rows <= 16);
+    const int gw = NG == 1 ? 0 : warp / CW, wl = NG == 1 ? warp : warp % CW;
+    const int wrow = coop ? gw * 16 : warp * 16;
     const bool active = coop || wrow < n_rows;
     unsigned qh[KD][4], ql[KD][4];
     bool q_lo = true;   /* some lo term of q is not zero (q not bf16-exact: fp32 mode) */
@@ -1047,6 +1054,14 @@ attn_inv_kernel(attn_params p)
         /* tile j0 into stage; only its keys from j_from on when given (the reload above) */
         auto load_tile = [&](int j0, int stage, int kmax, int j_from = 0) {
             const int c = tid % CH;
+            /* every row's cache slot first, so that the page-table loads are in flight together
+             * (each copy waits for its row's entry) */
+            size_t slot[LD_ITERS];
+#pragma unroll
+            for (int i = 0; i < LD_ITERS; i++) {
+                const int j = j0 + tid / CH + i * (NT / CH);
+                slot[i] = j >= j_from && j < kmax ? attn_slot(p, pt, j) : 0;
+            }
 #pragma unroll
             for (int i = 0; i < LD_ITERS; i++) {
                 const int r = tid / CH + i * (NT / CH);
@@ -1054,14 +1069,15 @@ attn_inv_kernel(attn_params p)
                 if (j < j_from)
                     continue;
                 const bool ok = j < kmax;
-                size_t off = 0;
-                if (ok) {
-                    size_t slot = (size_t)pt[j / p.page_size] * p.page_size + j % p.page_size;
-                    off = slot * krow + (size_t)kvh * HD + c * 8;
-                }
+                const size_t off = ok ? slot[i] * krow + (size_t)kvh * HD + c * 8 : 0;
                 const int so = stage * INV_BN * HD + tc_swz(r, c, HD);
-                kern_cuda_cp_async16(&k_s[so], kc + off, ok);
-                kern_cuda_cp_async16(&v_s[so], vc + off, ok);
+                if (p.kv_ef) {
+                    kern_cuda_cp_async16_pol(&k_s[so], kc + off, ok, l2_pol);
+                    kern_cuda_cp_async16_pol(&v_s[so], vc + off, ok, l2_pol);
+                } else {
+                    kern_cuda_cp_async16(&k_s[so], kc + off, ok);
+                    kern_cuda_cp_async16(&v_s[so], vc + off, ok);
+                }
             }
         };
 
@@ -1174,17 +1190,17 @@ attn_inv_kernel(attn_params p)
                     float lr = l[hf];   /* the row's 4 lanes each hold part of its sum */
                     lr += __shfl_xor_sync(0xffffffffu, lr, 1);
                     lr += __shfl_xor_sync(0xffffffffu, lr, 2);
-                    const int r = g + 8 * hf;
+                    const int r = (NG == 1 ? 0 : gw * 16) + g + 8 * hf;
                     if (hi[hf] <= lo[hf])   /* not in this pass, or nothing in this split */
                         continue;
                     const size_t t = t0 + r / hb;
                     const size_t pi = (t * p.n_heads + h0 + r % hb) * p.n_split + sp;
                     float *o = (p.cluster ? part_s + (size_t)r * HD : p.part_acc + pi * HD) + 2 * qc +
-                               warp * OPW * 8;
+                               wl * OPW * 8;
 #pragma unroll
                     for (int nn = 0; nn < OPW; nn++)
                         *(float2 *)&o[nn * 8] = make_float2(acc[nn][2 * hf], acc[nn][2 * hf + 1]);
-                    if (qc == 0 && warp == 0) {   /* the raw score max and the sum */
+                    if (qc == 0 && wl == 0) {   /* the raw score max and the sum */
                         if (p.cluster)
                             ml_s[r] = make_float2(m[hf], lr);
                         else
@@ -1231,9 +1247,9 @@ attn_inv_kernel(attn_params p)
             kern_cuda_cp_wait<1>();   /* everything but the group just committed: tile jc is here */
             __syncthreads();
             if (coop) {
-                /* one m-tile, NW warps: warp w forms the scores of the original's n-tiles
-                 * SPW w .. SPW w + SPW - 1 (4 warps: keys 16w..16w+15; 8 warps: 8w..8w+7), the
-                 * row max and the P row sums are exchanged through shared memory, and warp w
+                /* an m-tile, CW warps: warp w of its group forms the scores of the original's
+                 * n-tiles SPW w .. SPW w + SPW - 1 (4 warps: keys 16w..16w+15; 8 warps: 8w..8w+7),
+                 * the row max and the P row sums are exchanged through shared memory, and warp w
                  * accumulates output n-tiles OPW w .. (4 warps: columns 32w..32w+31; 8 warps:
                  * 16w..16w+15) over all 64 keys. Every value is formed by the same operations in
                  * the same order as in one warp (below), so the bits are the same. */
@@ -1242,13 +1258,16 @@ attn_inv_kernel(attn_params p)
 #pragma unroll
                 for (int n = 0; n < SPW; n++)
                     s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-                if constexpr (SPW == 2)
-                    score_pair(ks, warp, s[0], s[1]);
-                else
-                    score_one(ks, warp, s[0]);
+                if constexpr (SPW == 1) {
+                    score_one(ks, wl, s[0]);
+                } else {
+#pragma unroll
+                    for (int np = 0; np < SPW / 2; np++)   /* n-tiles SPW wl + 2 np, + 1 */
+                        score_pair(ks, SPW / 2 * wl + np, s[2 * np], s[2 * np + 1]);
+                }
 #pragma unroll
                 for (int n = 0; n < SPW; n++)
-                    mask_ntile(s[n], jc, SPW * warp + n);
+                    mask_ntile(s[n], jc, SPW * wl + n);
 #pragma unroll
                 for (int hf = 0; hf < 2; hf++) {
                     float pm = fmaxf(s[0][2 * hf], s[0][2 * hf + 1]);
@@ -1266,8 +1285,8 @@ attn_inv_kernel(attn_params p)
                 for (int hf = 0; hf < 2; hf++) {
                     float mx = m[hf];
 #pragma unroll
-                    for (int w = 0; w < NW; w++)
-                        mx = fmaxf(mx, cm_s[w][g + 8 * hf]);
+                    for (int w = 0; w < CW; w++)
+                        mx = fmaxf(mx, cm_s[gw * CW + w][g + 8 * hf]);
                     const float base = mx == -INFINITY ? 0.0f : mx * sl2;
                     al[hf] = mx == m[hf] ? 1.0f : tc_ex2(m[hf] * sl2 - base);
                     m[hf] = mx;
@@ -1275,7 +1294,7 @@ attn_inv_kernel(attn_params p)
                     for (int n = 0; n < SPW; n++) {
                         s[n][2 * hf] = tc_ex2(fmaf(s[n][2 * hf], sl2, -base));
                         s[n][2 * hf + 1] = tc_ex2(fmaf(s[n][2 * hf + 1], sl2, -base));
-                        ts_s[SPW * warp + n][hf][lane] = s[n][2 * hf] + s[n][2 * hf + 1];
+                        ts_s[gw][SPW * wl + n][hf][lane] = s[n][2 * hf] + s[n][2 * hf + 1];
                     }
 #pragma unroll
                     for (int nn = 0; nn < OPW; nn++) {
@@ -1283,33 +1302,38 @@ attn_inv_kernel(attn_params p)
                         acc[nn][2 * hf + 1] *= al[hf];
                     }
                 }
+                /* each warp splits its own n-tiles of P into the hi + lo A-fragment words
+                 * (split_p's operations, once instead of in every warp) */
 #pragma unroll
-                for (int n = 0; n < SPW; n++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++)
-                        pv_s[SPW * warp + n][e][lane] = s[n][e];
+                for (int n = 0; n < SPW; n++) {
+                    unsigned h0, l0, h1, l1;
+                    tc_split_bf16(s[n][0], s[n][1], h0, l0);
+                    tc_split_bf16(s[n][2], s[n][3], h1, l1);
+                    pv_s[gw][SPW * wl + n][0][lane] = h0;
+                    pv_s[gw][SPW * wl + n][1][lane] = h1;
+                    pv_s[gw][SPW * wl + n][2][lane] = l0;
+                    pv_s[gw][SPW * wl + n][3][lane] = l1;
+                }
                 __syncthreads();
+                if (wl == 0) {   /* the row sums: only each group's first warp's are written out (flush) */
 #pragma unroll
-                for (int hf = 0; hf < 2; hf++) {
-                    float ps = 0.0f;
+                    for (int hf = 0; hf < 2; hf++) {
+                        float ps = 0.0f;
 #pragma unroll
-                    for (int n = 0; n < NS; n++)
-                        ps += ts_s[n][hf][lane];
-                    l[hf] = l[hf] * al[hf] + ps;
+                        for (int n = 0; n < NS; n++)
+                            ps += ts_s[gw][n][hf][lane];
+                        l[hf] = l[hf] * al[hf] + ps;
+                    }
                 }
 #pragma unroll
                 for (int kk = 0; kk < INV_BN / 16; kk++) {
-                    float p0[4], p1[4];
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        p0[e] = pv_s[2 * kk][e][lane];
-                        p1[e] = pv_s[2 * kk + 1][e][lane];
-                    }
-                    unsigned ah[4], alo[4];
-                    split_p(p0, p1, ah, alo);
+                    const unsigned ah[4] = {pv_s[gw][2 * kk][0][lane], pv_s[gw][2 * kk][1][lane],
+                                            pv_s[gw][2 * kk + 1][0][lane], pv_s[gw][2 * kk + 1][1][lane]};
+                    const unsigned alo[4] = {pv_s[gw][2 * kk][2][lane], pv_s[gw][2 * kk][3][lane],
+                                             pv_s[gw][2 * kk + 1][2][lane], pv_s[gw][2 * kk + 1][3][lane]};
 #pragma unroll
                     for (int dq = 0; dq < OPW / 2; dq++)
-                        pv_pair(vs, kk, ah, alo, warp * (OPW / 2) + dq, acc[2 * dq], acc[2 * dq + 1]);
+                        pv_pair(vs, kk, ah, alo, wl * (OPW / 2) + dq, acc[2 * dq], acc[2 * dq + 1]);
                 }
             } else if (active) {
                 const __nv_bfloat16 *ks = k_s + st * INV_BN * HD, *vs = v_s + st * INV_BN * HD;
@@ -1715,10 +1739,10 @@ static pd_status attn_inv_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n
     /* the shared-memory limit belongs to a device: raised to the largest CTA once per context
      * (a context is one device), not per launch, to keep the host cost of a call small */
     if (!c->attn_inv_smem_set) {
-        void (*const kerns[3])(attn_params) = {attn_inv_kernel<64, 4>, attn_inv_kernel<128, 4>,
-                                               attn_inv_kernel<128, 8>};
-        for (int k = 0; k < 3; k++) {
-            const size_t rows = k == 2 ? 16 : INV_ROWS, d = k == 0 ? 64 : 128;
+        void (*const kerns[4])(attn_params) = {attn_inv_kernel<64, 4, 4>, attn_inv_kernel<128, 4, 4>,
+                                               attn_inv_kernel<128, 8, 8>, attn_inv_kernel<128, 4, 2>};
+        for (int k = 0; k < 4; k++) {
+            const size_t rows = k == 2 ? 16 : (k == 3 ? 32 : INV_ROWS), d = k == 0 ? 64 : 128;
             PD_CUDA_TRY(cudaFuncSetAttribute(kerns[k], cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              (int)(((size_t)4 * INV_BN + 2 * rows) * d * sizeof(__nv_bfloat16) +
                                                    rows * (d + 2) * sizeof(float))),
@@ -1731,10 +1755,15 @@ static pd_status attn_inv_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n
     /* a CTA of one m-tile of rows (decode: a sequence's GQA group) shared by all its warps
      * (coop) takes eight warps at head_dim 128: each forms one score n-tile and two output
      * n-tiles, so the kernel needs fewer registers a thread and an SM holds twice the warps
-     * (same operations per value, same bits; PD_ATTN_WARPS=4 keeps four) */
-    const int nw = hd == 128 && c->attn_coop && c->attn_warps == 8 && p->qg * p->hb <= 16 ? 8 : 4;
-    void (*kern)(attn_params) = hd == 64 ? attn_inv_kernel<64, 4>
-                                         : (nw == 8 ? attn_inv_kernel<128, 8> : attn_inv_kernel<128, 4>);
+     * (same operations per value, same bits; PD_ATTN_WARPS=4 keeps four). A CTA of two m-tiles (verify blocks of 8 at GQA 4 in large grids) has its four warps in
+     * two pairs, a pair per m-tile, instead of two warps working and two only loading
+     * (PD_ATTN_COOP2=0 keeps the latter). */
+    const int n_rows = p->qg * p->hb;
+    const int nw = hd == 128 && c->attn_coop && c->attn_warps == 8 && n_rows <= 16 ? 8 : 4;
+    const int coop2 = hd == 128 && c->attn_coop && c->attn_coop2 && n_rows > 16 && n_rows <= 32;
+    void (*kern)(attn_params) = hd == 64 ? attn_inv_kernel<64, 4, 4>
+                                : nw == 8 ? attn_inv_kernel<128, 8, 8>
+                                : coop2 ? attn_inv_kernel<128, 4, 2> : attn_inv_kernel<128, 4, 4>;
     /* the splits of a CTA column as one cluster, merged on chip (the merge of many rows then
      * spreads over the column's CTAs instead of running in its last one), where the device can
      * hold such a cluster (asked once per split count and row bucket) and the whole grid is
@@ -1765,6 +1794,7 @@ static pd_status attn_inv_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n
         p->cluster = *ok > 0;
     }
     p->coop = c->attn_coop;
+    p->kv_ef = c->attn_kv_ef;
     const size_t smem = p->cluster ? smem_cl : smem_base;
     /* Key splits per CTA. A large grid of one split per CTA (decode of 64 sequences at 1k keys:
      * 8192 CTAs of 2 key tiles each, ~30 waves) pays every CTA's start, row set-up and arrival
@@ -1849,6 +1879,7 @@ static pd_status attn_launch(kern_backend *be, const kern_attn_args *a, const __
     p.qg = 1;
     p.grp0 = 0;
     p.cnt = NULL;
+    p.kv_ef = 0;
     p.n_new = n_new;
     p.cluster = 0;
     p.kc = kv->k;

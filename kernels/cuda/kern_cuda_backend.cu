@@ -652,6 +652,8 @@ static pd_status ctx_init(kern_cuda_ctx *c, int device, pd_err *err)
     c->attn_coop = env_on("PD_ATTN_COOP");
     const char *aw = getenv("PD_ATTN_WARPS");
     c->attn_warps = aw && atoi(aw) == 4 ? 4 : 8;
+    c->attn_coop2 = env_on("PD_ATTN_COOP2");
+    c->attn_kv_ef = env_on("PD_ATTN_KV_EF");
     c->attn_one_tile = env_on("PD_ATTN_ONE_TILE");
     const char *spc = getenv("PD_ATTN_SPC");
     int sv = spc != NULL ? atoi(spc) : 0;

@@ -52,6 +52,10 @@ typedef struct kern_cuda_ctx {
                                   CTA of one m-tile spreads it over all its warps */
     int attn_warps;            /* 8 unless PD_ATTN_WARPS=4 at creation: such a coop CTA has eight
                                   warps at head_dim 128 (attn_inv_launch) */
+    int attn_coop2;            /* 1 unless PD_ATTN_COOP2=0 at creation: a CTA of two m-tiles has
+                                  its four warps in a pair per m-tile (attn_inv_launch) */
+    int attn_kv_ef;            /* 1 unless PD_ATTN_KV_EF=0 at creation: the batch-invariant
+                                  attention loads K/V under an L2 evict-first policy */
     signed char attn_cluster_ok[2][17][5];   /* [hd 64][splits][rows / 16]: 1 such a cluster
                                   fits on this device, -1 not, 0 not asked yet */
     int mk_chain_old;          /* PD_MK_CHAIN=old at creation: markov_chain keeps its L2-streaming
@@ -265,6 +269,23 @@ static __device__ __forceinline__ void kern_cuda_cp_async16s(unsigned dst, const
 static __device__ __forceinline__ void kern_cuda_cp_async16(void *dst, const void *src, bool valid)
 {
     kern_cuda_cp_async16s((unsigned)__cvta_generic_to_shared(dst), src, valid);
+}
+
+/* kern_cuda_cp_async16 with an L2 cache policy (kern_cuda_l2_evict_first's) */
+static __device__ __forceinline__ void kern_cuda_cp_async16_pol(void *dst, const void *src, bool valid, uint64_t pol)
+{
+    int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(
+                     (unsigned)__cvta_generic_to_shared(dst)),
+                 "l"(src), "r"(n), "l"(pol));
+}
+
+/* an L2 policy under which the lines a load brings in go first (data streamed once) */
+static __device__ __forceinline__ uint64_t kern_cuda_l2_evict_first(void)
+{
+    uint64_t pol;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+    return pol;
 }
 
 /* 16 bytes from a shared-memory address (as __cvta_generic_to_shared makes it) */
