@@ -103,7 +103,7 @@ struct attn_params {
     unsigned *cnt;       /* attn_inv_kernel: arrival counter per CTA column (zero between launches) */
     int cluster;         /* attn_inv_kernel: the launch's splits form one thread-block cluster
                           * per CTA column, merged through distributed shared memory */
-    int coop;            /* attn_inv_kernel: a CTA of one m-tile spreads it over its four warps
+    int coop;            /* attn_inv_kernel: a CTA of one m-tile spreads it over all its warps
                           * (same bits; PD_ATTN_COOP=0 turns it off) */
     int spc;             /* attn_inv_kernel: key splits per CTA (grid.y = ceil(n_split / spc));
                           * 1 in a cluster */
@@ -1755,9 +1755,10 @@ static pd_status attn_inv_launch(kern_cuda_ctx *c, attn_params *p, int hd, int n
     /* a CTA of one m-tile of rows (decode: a sequence's GQA group) shared by all its warps
      * (coop) takes eight warps at head_dim 128: each forms one score n-tile and two output
      * n-tiles, so the kernel needs fewer registers a thread and an SM holds twice the warps
-     * (same operations per value, same bits; PD_ATTN_WARPS=4 keeps four). A CTA of two m-tiles (verify blocks of 8 at GQA 4 in large grids) has its four warps in
-     * two pairs, a pair per m-tile, instead of two warps working and two only loading
-     * (PD_ATTN_COOP2=0 keeps the latter). */
+     * (same operations per value, same bits; PD_ATTN_WARPS=4 keeps four). A CTA of two
+     * m-tiles (verify blocks of 8 at GQA 4 in large grids) has its four warps in two pairs, a
+     * pair per m-tile, instead of two warps working and two only loading (PD_ATTN_COOP2=0
+     * keeps the latter). */
     const int n_rows = p->qg * p->hb;
     const int nw = hd == 128 && c->attn_coop && c->attn_warps == 8 && n_rows <= 16 ? 8 : 4;
     const int coop2 = hd == 128 && c->attn_coop && c->attn_coop2 && n_rows > 16 && n_rows <= 32;
