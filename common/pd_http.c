@@ -21,6 +21,7 @@
 #include <event2/keyvalq_struct.h>
 
 #include "pd_log.h"
+#include "pd_tokenizer.h"
 
 #define MAX_ROUTES 32
 #define DEFAULT_MAX_BODY (8u << 20)
@@ -376,4 +377,33 @@ void pd_http_destroy(pd_http *h)
     for (int i = 0; i < h->n_routes; i++)
         free(h->routes[i].path);
     free(h);
+}
+
+char *pd_http_json_print(const cJSON *o)
+{
+    char *s = cJSON_PrintUnformatted(o);
+    if (s == NULL || strstr(s, PD_TEXT_NUL) == NULL)
+        return s;
+    /* cJSON copies bytes >= 0x80 as they are: each two-byte mark becomes six */
+    size_t n = strlen(s), marks = 0;
+    for (const char *p = s; (p = strstr(p, PD_TEXT_NUL)) != NULL; p += 2)
+        marks++;
+    char *o2 = malloc(n + 4 * marks + 1);
+    if (o2 == NULL) {
+        free(s);
+        return NULL;
+    }
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (i + 1 < n && s[i] == PD_TEXT_NUL[0] && s[i + 1] == PD_TEXT_NUL[1]) {
+            memcpy(o2 + k, "\\u0000", 6);
+            k += 6;
+            i++;
+        } else {
+            o2[k++] = s[i];
+        }
+    }
+    o2[k] = '\0';
+    free(s);
+    return o2;
 }

@@ -1018,6 +1018,43 @@ int pd_tokenizer_is_special(const pd_tokenizer *t, int32_t id)
 
 /* ---------- streaming detokenizer ---------- */
 
+char *pd_text_nul_mark(const char *s, size_t n)
+{
+    size_t nul = 0;
+    for (size_t i = 0; i < n; i++)
+        nul += s[i] == '\0';
+    char *o = malloc(n + nul + 1);
+    if (o == NULL)
+        return NULL;
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (s[i] == '\0') {
+            o[k++] = PD_TEXT_NUL[0];
+            o[k++] = PD_TEXT_NUL[1];
+        } else {
+            o[k++] = s[i];
+        }
+    }
+    o[k] = '\0';
+    return o;
+}
+
+size_t pd_text_nul_unmark(char *s, size_t n, int drop)
+{
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (i + 1 < n && s[i] == PD_TEXT_NUL[0] && s[i + 1] == PD_TEXT_NUL[1]) {
+            if (!drop)
+                s[k++] = '\0';
+            i++;
+        } else {
+            s[k++] = s[i];
+        }
+    }
+    s[k] = '\0';
+    return k;
+}
+
 struct pd_detok {
     const pd_tokenizer *t;
     int skip_special;
@@ -1053,16 +1090,13 @@ static pd_status detok_emit(pd_detok *d, const uint8_t *b, size_t blen, int fina
     d->n_pend = in.n - used;
     if (d->n_pend > 0)
         memcpy(d->pend, in.p + used, d->n_pend);
-    /* the text goes out as a C string: a NUL byte (the byte-0 token) is left out, so the text
-     * after it is not cut off */
-    size_t kept = 0;
-    for (size_t i = 0; i < txt.n; i++)
-        if (txt.p[i] != 0)
-            txt.p[kept++] = txt.p[i];
-    txt.n = kept;
-    txt.p[txt.n] = '\0';
+    /* the text goes out as a C string: a NUL byte (the byte-0 token) as PD_TEXT_NUL */
+    char *out = pd_text_nul_mark((const char *)txt.p, txt.n);
+    free(txt.p);
     free(in.p);
-    *text_out = (char *)txt.p;
+    if (out == NULL)
+        return pd_err_set(err, PD_ERR_NOMEM, "detok: out of memory");
+    *text_out = out;
     return PD_OK;
 err_nomem:
     free(in.p);

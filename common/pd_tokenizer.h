@@ -72,12 +72,23 @@ const uint8_t *pd_tokenizer_token_bytes(const pd_tokenizer *t, int32_t id, size_
 /* 1 when id is an added token marked "special": true, else 0. */
 int pd_tokenizer_is_special(const pd_tokenizer *t, int32_t id);
 
+/* Text that may hold NUL bytes (the byte-0 token) travels through the servers' C strings with
+ * each NUL written as the two bytes C0 80 ("modified UTF-8": an overlong form that valid UTF-8
+ * never holds, so it can only mean NUL). Replies turn it back: JSON as \u0000
+ * (pd_http_json_print), a terminal or file as the byte, gRPC (C strings again) leaves it out. */
+#define PD_TEXT_NUL "\xC0\x80"
+/* A malloc'd NUL-terminated copy of s[0..n) with each NUL byte as PD_TEXT_NUL; NULL when out of
+ * memory. */
+char *pd_text_nul_mark(const char *s, size_t n);
+/* In place: each PD_TEXT_NUL in s[0..n) becomes a NUL byte again (drop 0) or is removed (drop
+ * 1); returns the new length (s[len] = '\0'). */
+size_t pd_text_nul_unmark(char *s, size_t n, int drop);
+
 /* Streaming detokenizer: push ids one at a time, get back only complete UTF-8 text. An
  * incomplete trailing UTF-8 sequence is held back until a later id completes it; bytes that
  * can never become valid are replaced with U+FFFD as soon as that is known. The concatenation
- * of every push and the flush equals pd_tokenizer_decode of the same ids, less any NUL bytes
- * (the byte-0 token): the pieces are C strings, so those are left out and the text after them
- * kept.
+ * of every push and the flush equals pd_tokenizer_decode of the same ids with each NUL byte
+ * (the byte-0 token) as PD_TEXT_NUL: the pieces are C strings.
  * t is borrowed and must outlive the detokenizer. */
 pd_status pd_detok_create(const pd_tokenizer *t, pd_detok **out, pd_err *err);
 /* Drop special tokens from the stream (default: emit their content). */

@@ -26,6 +26,7 @@
 #include "pd_grammar.h"
 #include "pd_log.h"
 #include "pd_proto_version.h"
+#include "pd_tokenizer.h"
 #include "pd_verify_policy.h"
 #include "pd_wire.h"
 #include "pdspark.pb-c.h"
@@ -429,9 +430,20 @@ static size_t stop_safe(gen_ctx *c, int final, int *hit)
     return c->pend_len - keep;
 }
 
-static void gen_on_token(void *ud, const decode_chunk *ch)
+/* gRPC's strings are C strings: a NUL byte of the text (PD_TEXT_NUL) is left out. The text of
+ * t[0..*len) as it goes out; *own is a copy to free when one was made. */
+static const char *grpc_text(const char *t, size_t *len, char **own)
 {
-    gen_ctx *c = ud;
+    *own = NULL;
+    if (t == NULL || strstr(t, PD_TEXT_NUL) == NULL || (*own = malloc(*len + 1)) == NULL)
+        return t;
+    memcpy(*own, t, *len);
+    *len = pd_text_nul_unmark(*own, *len, 1);
+    return *own;
+}
+
+static void gen_on_token_text(gen_ctx *c, const decode_chunk *ch)
+{
     gen_group *g = c->g;
     Pdspark__GenerateChunk m = PDSPARK__GENERATE_CHUNK__INIT;
     m.version = PD_PROTO_VERSION;
@@ -518,9 +530,17 @@ static void gen_on_token(void *ud, const decode_chunk *ch)
     }
 }
 
-static void gen_on_done(void *ud, const decode_result *res)
+static void gen_on_token(void *ud, const decode_chunk *ch)
 {
-    gen_ctx *c = ud;
+    decode_chunk cc = *ch;
+    char *own = NULL;
+    cc.text = grpc_text(ch->text, &cc.text_len, &own);
+    gen_on_token_text(ud, &cc);
+    free(own);
+}
+
+static void gen_on_done_text(gen_ctx *c, const decode_result *res)
+{
     gen_group *g = c->g;
     pthread_mutex_lock(&g->mu);
     int stopped = c->stopped;
@@ -602,6 +622,15 @@ static void gen_on_done(void *ud, const decode_result *res)
     free(tail);
     group_choice_end(g, 1);
     group_unref(g, 1);
+}
+
+static void gen_on_done(void *ud, const decode_result *res)
+{
+    decode_result rr = *res;
+    char *own = NULL;
+    rr.text_tail = grpc_text(res->text_tail, &rr.text_tail_len, &own);
+    gen_on_done_text(ud, &rr);
+    free(own);
 }
 
 static void gen_rpc_done(void *arg, pd_rpc_call *call, bool cancelled)

@@ -380,7 +380,7 @@ static void h_chat(struct evhttp_request *req, void *ud)
 /* Sends o as a 200 JSON reply (frees it). */
 static void reply_json(struct evhttp_request *req, cJSON *o)
 {
-    char *s = cJSON_PrintUnformatted(o);
+    char *s = pd_http_json_print(o);
     cJSON_Delete(o);
     if (s == NULL) {
         decode_http_send_error(req, 500, NULL, "out of memory");
@@ -528,14 +528,21 @@ static void h_detokenize(struct evhttp_request *req, void *ud)
         ids[i] = (int32_t)it->valuedouble;
     }
     char *txt = NULL;
+    size_t txt_len = 0;
     pd_err err;
-    if (pd_tokenizer_decode(decode_server_tokenizer(dh->s), ids, (size_t)n, 0, &txt, NULL, &err) != PD_OK) {
+    if (pd_tokenizer_decode(decode_server_tokenizer(dh->s), ids, (size_t)n, 0, &txt, &txt_len, &err) != PD_OK) {
         decode_http_send_error(req, 400, "tokens", err.msg);
         goto out;
     }
-    cJSON *o = cJSON_CreateObject();
-    cJSON_AddStringToObject(o, "prompt", txt);
+    char *marked = pd_text_nul_mark(txt, txt_len);   /* a NUL byte: "\u0000" */
     free(txt);
+    if (marked == NULL) {
+        decode_http_send_error(req, 500, NULL, "out of memory");
+        goto out;
+    }
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "prompt", marked);
+    free(marked);
     reply_json(req, o);
 out:
     free(ids);

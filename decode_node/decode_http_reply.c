@@ -77,6 +77,8 @@ static cJSON *resp_base(const http_req *r, int chunk)
 /* A token's text for logprobs: its bytes as UTF-8, an incomplete sequence as U+FFFD (as the
  * tokenizer decodes one token); "" for an id the tokenizer does not know; with as_id (vLLM's
  * return_tokens_as_token_ids) "token_id:ID" instead. */
+static cJSON *string_n(const char *s, size_t n);
+
 static cJSON *tok_text(const pd_tokenizer *t, int32_t id, int as_id)
 {
     char *txt = NULL;
@@ -86,9 +88,10 @@ static cJSON *tok_text(const pd_tokenizer *t, int32_t id, int as_id)
         snprintf(b, sizeof(b), "token_id:%d", (int)id);
         return cJSON_CreateString(b);
     }
-    if (t == NULL || pd_tokenizer_decode(t, &id, 1, 0, &txt, NULL, &err) != PD_OK)
+    size_t len = 0;
+    if (t == NULL || pd_tokenizer_decode(t, &id, 1, 0, &txt, &len, &err) != PD_OK)
         return cJSON_CreateString("");
-    cJSON *j = cJSON_CreateString(txt);
+    cJSON *j = string_n(txt, len);   /* the byte-0 token: "\u0000" */
     free(txt);
     return j;
 }
@@ -216,11 +219,9 @@ static cJSON *prompt_logprobs_json(const http_choice *ch)
 
 static cJSON *string_n(const char *s, size_t n)
 {
-    char *t = malloc(n + 1);
+    char *t = pd_text_nul_mark(s, n);   /* an echoed prompt's NUL bytes too */
     if (t == NULL)
         return cJSON_CreateNull();
-    memcpy(t, s, n);
-    t[n] = '\0';
     cJSON *j = cJSON_CreateString(t);
     free(t);
     return j;
@@ -360,7 +361,7 @@ static void add_choice(cJSON *o, const http_choice *ch, const char *text, size_t
 
 static void sse_send(http_req *r, cJSON *o)
 {
-    char *s = cJSON_PrintUnformatted(o);
+    char *s = pd_http_json_print(o);
     cJSON_Delete(o);
     if (s == NULL || r->req == NULL) {
         free(s);
@@ -698,7 +699,7 @@ static void reply_end(http_req *r)
         /* chat: vLLM answers the prompt's once, beside the choices (they share the prompt) */
         if (r->chat && r->prompt_lp)
             cJSON_AddItemToObject(o, "prompt_logprobs", prompt_logprobs_json(&r->ch[0]));
-        char *s = cJSON_PrintUnformatted(o);
+        char *s = pd_http_json_print(o);
         cJSON_Delete(o);
         if (s != NULL) {
             pd_http_reply(r->req, 200, NULL, s, strlen(s));

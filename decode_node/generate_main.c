@@ -19,6 +19,7 @@
 #include "pd_engine.h"
 #include "pd_grammar.h"
 #include "pd_graph.h"
+#include "pd_http.h"
 #include "pd_log.h"
 #include "pd_model.h"
 #include "pd_tokenizer.h"
@@ -359,7 +360,7 @@ int main(int argc, char **argv)
                 continue;   /* the ending eos is not printed */
             if (pd_detok_push(detok, nt[i], &piece, &err) != PD_OK)
                 goto fail;
-            fputs(piece, stdout);
+            fwrite(piece, 1, pd_text_nul_unmark(piece, strlen(piece), 0), stdout);   /* NUL: the byte */
             fflush(stdout);
             free(piece);
         }
@@ -373,7 +374,7 @@ int main(int argc, char **argv)
         char *piece = NULL;
         if (pd_detok_flush(detok, &piece, &err) != PD_OK)
             goto fail;
-        fputs(piece, stdout);
+        fwrite(piece, 1, pd_text_nul_unmark(piece, strlen(piece), 0), stdout);
         fputc('\n', stdout);
         free(piece);
     }
@@ -397,7 +398,9 @@ int main(int argc, char **argv)
         cJSON *toks = cJSON_AddArrayToObject(o, "tokens");
         for (int i = 0; i < req->n_out; i++)
             cJSON_AddItemToArray(toks, cJSON_CreateNumber(req->out[i]));
-        cJSON_AddStringToObject(o, "text", text != NULL ? text : "");
+        char *marked = text != NULL ? pd_text_nul_mark(text, text_len) : NULL;   /* NUL: \u0000 */
+        cJSON_AddStringToObject(o, "text", marked != NULL ? marked : "");
+        free(marked);
         cJSON_AddNumberToObject(o, "rounds", req->n_rounds);
         cJSON *apr = cJSON_AddArrayToObject(o, "accepted_per_round");
         for (int i = 0; i < req->n_rounds; i++)
@@ -422,14 +425,17 @@ int main(int argc, char **argv)
         cJSON_AddStringToObject(o, "device", device);
         cJSON_AddStringToObject(o, "dtype", kern_dtype_name(be->weight_dtype));
         cJSON_AddStringToObject(o, "mode", dm != NULL ? "dspark" : "target-only");
-        char *s = cJSON_PrintUnformatted(o);
-        puts(s);
+        char *s = pd_http_json_print(o);
+        if (s != NULL)
+            puts(s);
         free(s);
         cJSON_Delete(o);
     } else {
         if (detok == NULL) {
-            if (text != NULL)
-                printf("%s\n", text);
+            if (text != NULL) {
+                fwrite(text, 1, text_len, stdout);   /* a NUL byte of the text included */
+                fputc('\n', stdout);
+            }
             else
                 for (int i = 0; i < req->n_out; i++)
                     printf("%d%c", req->out[i], i + 1 == req->n_out ? '\n' : ' ');

@@ -1145,6 +1145,52 @@ def test_special_tokens(bin_dir, node, prompt):
     log("skip_special_tokens: special tokens add no text by default (HTTP), when asked (gRPC)")
 
 
+NUL_ID = 188   # the byte-0 token ("\u0100" in the tokenizer's byte-level form)
+
+
+def test_nul_text(bin_dir, model, node, prompt):
+    """A NUL byte the model writes (the byte-0 token, forced by a logit bias) is "\\u0000" in
+    JSON replies: whole, streamed, chat, logprobs' token strings, /detokenize and pdspark-generate
+    --json; gRPC's strings are C strings, so there the text leaves it out (and keeps what follows)."""
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {str(NUL_ID): 100}, "logprobs": 1}
+    st, ct, raw = request(node, "POST", "/v1/completions", body)
+    r = json.loads(raw) if st == 200 else {}
+    check(st == 200 and r["choices"][0]["text"] == "\0" * 3 and b"\\u0000" in raw and b"\xc0" not in raw,
+          "NUL text: %s %r" % (st, raw[:300]))
+    lp = r.get("choices", [{}])[0].get("logprobs") or {}
+    check(lp.get("tokens", [None])[0] == "\0", "NUL logprobs token: %r" % lp.get("tokens"))
+    st2, text, events, done = read_stream(node, "/v1/completions", dict(body, stream=True), False)
+    check(st2 == 200 and done and text == "\0" * 3, "NUL streamed: %s %r" % (st2, text))
+    st3, r3 = post_json(node, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                       "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+                                                       "logit_bias": {str(NUL_ID): 100}})
+    check(st3 == 200 and r3["choices"][0]["message"]["content"] == "\0\0", "NUL chat: %s %s" % (st3, r3))
+    st4, r4 = post_json(node, "/detokenize", {"tokens": [NUL_ID, 87, NUL_ID]})
+    check(st4 == 200 and r4.get("prompt", "").count("\0") == 2 and len(r4["prompt"]) == 3,
+          "NUL /detokenize: %s %s" % (st4, r4))
+    out = subprocess.run([os.path.join(bin_dir, "pdspark-client"), "--server", node.grpc, "--prompt", prompt,
+                          "--max-new-tokens", "3", "--temperature", "0", "--ignore-eos", "--logit-bias",
+                          "%d:100" % NUL_ID, "--json"], capture_output=True, text=True, timeout=60)
+    got = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {}
+    check(got.get("text") == "" and got.get("completion_tokens", got.get("tokens_out", 3)) == 3,
+          "gRPC NUL text left out: %r" % (got or out.stderr[-300:]))
+    gen = subprocess.run([os.path.join(bin_dir, "pdspark-generate"), "--model", model, "--prompt", prompt,
+                          "--max-new-tokens", "3", "--temperature", "0", "--ignore-eos", "--logit-bias",
+                          "%d:100" % NUL_ID, "--json"] + DEV, capture_output=True, timeout=120)
+    line = gen.stdout.strip().splitlines()[-1] if gen.returncode == 0 and gen.stdout.strip() else b"{}"
+    check(json.loads(line).get("text") == "\0" * 3 and b"\\u0000" in line,
+          "pdspark-generate --json NUL text: %r" % (line[:200] or gen.stderr[-300:]))
+    for extra in ([], ["--stream"]):
+        plain = subprocess.run([os.path.join(bin_dir, "pdspark-generate"), "--model", model, "--prompt", prompt,
+                                "--max-new-tokens", "3", "--temperature", "0", "--ignore-eos", "--logit-bias",
+                                "%d:100" % NUL_ID] + extra + DEV, capture_output=True, timeout=120)
+        check(plain.returncode == 0 and plain.stdout.endswith(b"\0\0\0\n"),
+              "pdspark-generate %s writes the NUL bytes: %r" % (extra, plain.stdout[-40:]))
+    log("NUL bytes: \\u0000 in JSON (whole, streamed, chat, logprobs, /detokenize, pdspark-generate "
+        "--json), the bytes on pdspark-generate's stdout, left out over gRPC")
+
+
 def test_min_p(bin_dir, node, prompt):
     """min_p (vLLM's meaning): at 1 only the most likely token stays, so a sampled request writes
     the greedy text (HTTP and gRPC); a small min_p samples, reproducibly with a seed; out of
@@ -2264,6 +2310,7 @@ def main():
         test_penalties(bin_dir, model, draft, node, prompt, N, want)
         test_n(node, prompt)
         test_special_tokens(bin_dir, node, prompt)
+        test_nul_text(bin_dir, model, node, prompt)
         test_min_p(bin_dir, node, prompt)
         test_truncate(bin_dir, node, prompt)
         test_allowed_token_ids(bin_dir, model, draft, node, prompt)

@@ -145,9 +145,12 @@ static int test_stream_check(const pd_tokenizer *t, const int32_t *ids, size_t n
     char *full = NULL;
     size_t full_len = 0;
     TEST_CHECK(pd_tokenizer_decode(t, ids, n, skip_special, &full, &full_len, &err) == PD_OK);
-    TEST_CHECK_MSG(full != NULL && full_len == len && memcmp(full, all, len) == 0,
-                   "stream \"%s\" vs decode \"%s\"", all, full ? full : "(null)");
+    /* the stream writes each NUL byte as PD_TEXT_NUL */
+    char *marked = full != NULL ? pd_text_nul_mark(full, full_len) : NULL;
+    TEST_CHECK_MSG(marked != NULL && strlen(marked) == len && memcmp(marked, all, len) == 0,
+                   "stream \"%s\" vs decode \"%s\"", all, marked ? marked : "(null)");
     (void)bytes_in;
+    free(marked);
     free(full);
     free(all);
     pd_detok_destroy(d);
@@ -268,7 +271,7 @@ static void test_tokenizer_streaming(const pd_tokenizer *t)
     pd_detok_destroy(NULL);
 
     /* the byte-0 token ("Ā" in byte-level form): the whole decode keeps its NUL (with the
-     * length), the stream of C strings leaves it out and keeps the text after it */
+     * length), the stream of C strings writes it as PD_TEXT_NUL and keeps the text after it */
     int32_t nul = pd_tokenizer_token_to_id(t, "\xc4\x80");
     TEST_CHECK(nul >= 0);
     int32_t with_nul[] = {a, nul, a, nul, a};
@@ -284,8 +287,21 @@ static void test_tokenizer_streaming(const pd_tokenizer *t)
         strncat(streamed, s != NULL ? s : "", sizeof(streamed) - strlen(streamed) - 1);
         free(s);
     }
-    TEST_CHECK_MSG(strcmp(streamed, "aaa") == 0, "NUL tokens streamed as '%s'", streamed);
+    TEST_CHECK_MSG(strcmp(streamed, "a" PD_TEXT_NUL "a" PD_TEXT_NUL "a") == 0, "NUL tokens streamed as '%s'",
+                   streamed);
     pd_detok_destroy(d);
+    /* the marks turned back into bytes, or left out (gRPC) */
+    char back[16];
+    memcpy(back, streamed, strlen(streamed) + 1);
+    TEST_CHECK(pd_text_nul_unmark(back, strlen(back), 0) == 5 && memcmp(back, "a\0a\0a", 6) == 0);
+    memcpy(back, streamed, strlen(streamed) + 1);
+    TEST_CHECK(pd_text_nul_unmark(back, strlen(back), 1) == 3 && strcmp(back, "aaa") == 0);
+    /* a C0 alone, or at the end, is no mark */
+    char lone[] = "x\xC0y\xC0";
+    TEST_CHECK(pd_text_nul_unmark(lone, 4, 1) == 4 && strcmp(lone, "x\xC0y\xC0") == 0);
+    char *mk = pd_text_nul_mark("\0q\0", 3);
+    TEST_CHECK(mk != NULL && strcmp(mk, PD_TEXT_NUL "q" PD_TEXT_NUL) == 0);
+    free(mk);
 
     int32_t bad[] = {e2, a, f0};
     char *full = NULL;
