@@ -74,11 +74,20 @@ static cJSON *resp_base(const http_req *r, int chunk)
     return o;
 }
 
+/* A JSON string of s[0..n), its NUL bytes as PD_TEXT_NUL (pd_http_json_print writes \u0000) */
+static cJSON *string_n(const char *s, size_t n)
+{
+    char *t = pd_text_nul_mark(s, n);   /* an echoed prompt's NUL bytes too */
+    if (t == NULL)
+        return cJSON_CreateNull();
+    cJSON *j = cJSON_CreateString(t);
+    free(t);
+    return j;
+}
+
 /* A token's text for logprobs: its bytes as UTF-8, an incomplete sequence as U+FFFD (as the
  * tokenizer decodes one token); "" for an id the tokenizer does not know; with as_id (vLLM's
  * return_tokens_as_token_ids) "token_id:ID" instead. */
-static cJSON *string_n(const char *s, size_t n);
-
 static cJSON *tok_text(const pd_tokenizer *t, int32_t id, int as_id)
 {
     char *txt = NULL;
@@ -215,16 +224,6 @@ static cJSON *prompt_logprobs_json(const http_choice *ch)
         cJSON_AddItemToArray(a, d);
     }
     return a;
-}
-
-static cJSON *string_n(const char *s, size_t n)
-{
-    char *t = pd_text_nul_mark(s, n);   /* an echoed prompt's NUL bytes too */
-    if (t == NULL)
-        return cJSON_CreateNull();
-    cJSON *j = cJSON_CreateString(t);
-    free(t);
-    return j;
 }
 
 /* A new element of o's "choices" for choice ch, with its index. */
