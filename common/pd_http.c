@@ -20,6 +20,7 @@
 #include <event2/http.h>
 #include <event2/keyvalq_struct.h>
 
+#include "pd_buf.h"
 #include "pd_log.h"
 #include "pd_tokenizer.h"
 
@@ -384,26 +385,21 @@ char *pd_http_json_print(const cJSON *o)
     char *s = cJSON_PrintUnformatted(o);
     if (s == NULL || strstr(s, PD_TEXT_NUL) == NULL)
         return s;
-    /* cJSON copies bytes >= 0x80 as they are: each two-byte mark becomes six */
-    size_t n = strlen(s), marks = 0;
-    for (const char *p = s; (p = strstr(p, PD_TEXT_NUL)) != NULL; p += 2)
-        marks++;
-    char *o2 = malloc(n + 4 * marks + 1);
-    if (o2 == NULL) {
-        free(s);
+    /* cJSON copies bytes >= 0x80 as they are: each two-byte mark goes out as \u0000 */
+    char *out = NULL;
+    size_t len = 0, cap = 0;
+    const char *p = s, *m;
+    int bad = 0;
+    while (!bad && (m = strstr(p, PD_TEXT_NUL)) != NULL) {
+        bad = pd_buf_append(&out, &len, &cap, p, (size_t)(m - p)) != 0 ||
+              pd_buf_append(&out, &len, &cap, "\\u0000", 6) != 0;
+        p = m + 2;
+    }
+    bad = bad || pd_buf_append(&out, &len, &cap, p, strlen(p)) != 0;
+    free(s);
+    if (bad) {
+        free(out);
         return NULL;
     }
-    size_t k = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (i + 1 < n && s[i] == PD_TEXT_NUL[0] && s[i + 1] == PD_TEXT_NUL[1]) {
-            memcpy(o2 + k, "\\u0000", 6);
-            k += 6;
-            i++;
-        } else {
-            o2[k++] = s[i];
-        }
-    }
-    o2[k] = '\0';
-    free(s);
-    return o2;
+    return out;
 }

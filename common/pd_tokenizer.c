@@ -1090,13 +1090,19 @@ static pd_status detok_emit(pd_detok *d, const uint8_t *b, size_t blen, int fina
     d->n_pend = in.n - used;
     if (d->n_pend > 0)
         memcpy(d->pend, in.p + used, d->n_pend);
-    /* the text goes out as a C string: a NUL byte (the byte-0 token) as PD_TEXT_NUL */
-    char *out = pd_text_nul_mark((const char *)txt.p, txt.n);
-    free(txt.p);
+    txt.p[txt.n] = '\0';
     free(in.p);
-    if (out == NULL)
-        return pd_err_set(err, PD_ERR_NOMEM, "detok: out of memory");
-    *text_out = out;
+    /* the text goes out as a C string: a NUL byte (the byte-0 token) as PD_TEXT_NUL (a copy
+     * only then: a token's text rarely holds one) */
+    if (memchr(txt.p, 0, txt.n) != NULL) {
+        char *out = pd_text_nul_mark((const char *)txt.p, txt.n);
+        free(txt.p);
+        if (out == NULL)
+            return pd_err_set(err, PD_ERR_NOMEM, "detok: out of memory");
+        *text_out = out;
+        return PD_OK;
+    }
+    *text_out = (char *)txt.p;
     return PD_OK;
 err_nomem:
     free(in.p);
