@@ -11,6 +11,7 @@
 
 #include "pd_buf.h"
 #include "pd_cli.h"
+#include "pd_json.h"
 
 /* ---- a growing string ------------------------------------------------------------------------ */
 
@@ -89,7 +90,7 @@ static char *config_template(const char *model_dir)
     char path[4096];
     snprintf(path, sizeof(path), "%s/tokenizer_config.json", model_dir);
     char *cfg = read_text(path);
-    cJSON *j = cfg != NULL ? cJSON_Parse(cfg) : NULL;
+    cJSON *j = pd_json_parse_str(cfg, NULL);
     free(cfg);
     const cJSON *ct = cJSON_GetObjectItemCaseSensitive(j, "chat_template");
     if (cJSON_IsArray(ct)) {
@@ -494,7 +495,7 @@ static int render_calls(cbuf *o, const cJSON *calls, int i, int has_content, cha
          * "" is {} */
         cJSON *parsed = NULL;
         if (cJSON_IsString(args) && args->valuestring[0] != '\0') {
-            parsed = cJSON_Parse(args->valuestring);
+            parsed = pd_json_parse_str(args->valuestring, NULL);
             if (parsed == NULL) {
                 snprintf(msg, cap, "messages[%d].tool_calls[%d].function.arguments is not valid JSON", i, k);
                 return -1;
@@ -1019,7 +1020,7 @@ static int emit_call(pd_chat_parser *p, const char *text, size_t end, pd_chat_em
 {
     const char *body = text + p->call_at + sizeof(T_CALL) - 1;
     size_t bn = end - p->call_at - (sizeof(T_CALL) - 1) - (sizeof(T_CALL_END) - 1);
-    cJSON *j = cJSON_ParseWithLength(body, bn);
+    cJSON *j = pd_json_parse(body, bn, NULL);
     const cJSON *nm = cJSON_GetObjectItemCaseSensitive(j, "name");
     const cJSON *args = cJSON_GetObjectItemCaseSensitive(j, "arguments");
     if (args == NULL)
@@ -1080,7 +1081,7 @@ static int call_head(const char *s, size_t n, size_t *args_at, char **name)
             return 0;
         i += l;
     }
-    cJSON *nm = cJSON_ParseWithLength(s + name_at, name_end - name_at);
+    cJSON *nm = pd_json_parse(s + name_at, name_end - name_at, NULL);
     if (!cJSON_IsString(nm)) {
         cJSON_Delete(nm);
         return -1;

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "pd_grammar_internal.h"
+#include "pd_json.h"
 
 /* ---- JSON ---------------------------------------------------------------------------------- */
 
@@ -918,9 +919,10 @@ pd_status pd_grammar_json(const char *schema, size_t len, pd_grammar **out, pd_e
         if (len > PD_GRAMMAR_MAX_SPEC)
             return pd_err_set(err, PD_ERR_INVALID, "JSON schema of %zu bytes (at most %d)", len,
                               PD_GRAMMAR_MAX_SPEC);
-        doc = cJSON_ParseWithLength(schema, len);
+        size_t bad = 0;
+        doc = pd_json_parse(schema, len, &bad);
         if (doc == NULL)
-            return pd_err_set(err, PD_ERR_INVALID, "JSON schema: not valid JSON");
+            return pd_err_set(err, PD_ERR_INVALID, "JSON schema: not valid JSON (at byte %zu)", bad);
         j.root = doc;
         root = j_schema(&j, doc, "", 0);
     }
@@ -959,7 +961,7 @@ pd_status pd_grammar_tool_calls(const char *const *names, const char *const *sch
         if (schemas[i] == NULL) {
             j_value(&j);
             args = j.obj_any;
-        } else if ((doc = cJSON_Parse(schemas[i])) == NULL) {
+        } else if ((doc = pd_json_parse_str(schemas[i], NULL)) == NULL) {
             args = pd_gb_fail(&b, PD_ERR_INVALID, "JSON schema: not valid JSON");
         } else {
             j.root = doc;

@@ -15,6 +15,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "pd_json.h"
 #include "pd_log.h"
 
 #define CFG_MAX_BYTES ((size_t)16 * 1024 * 1024)
@@ -79,12 +80,12 @@ static pd_status load_json(const char *path, int optional, cJSON **out, pd_err *
     pd_status st = read_text(path, &text, err);
     if (st != PD_OK)
         return st;
-    const char *end = NULL;
-    cJSON *root = cJSON_ParseWithOpts(text, &end, 0);
+    size_t bad = 0;
+    cJSON *root = pd_json_parse_str(text, &bad);
     if (root == NULL) {
         /* line and column of the failure, so a hand-edited config is easy to fix */
         int line = 1, col = 1;
-        for (const char *q = text; end != NULL && q < end && *q; q++) {
+        for (const char *q = text; q < text + bad && *q; q++) {
             if (*q == '\n')
                 line++, col = 1;
             else

@@ -4,6 +4,7 @@
  * Not here: what tensors mean and their expected shapes (pd_model.c), dtype conversion (kern_*).
  * Threading: pd_st_open/pd_st_close on one thread; an open set is immutable, any thread reads. */
 #include "pd_safetensors.h"
+#include "pd_json.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -423,11 +424,10 @@ static pd_status open_index(pd_st_set *set, const char *dir, const char *index_p
     pd_status st = read_small_file(index_path, ST_MAX_INDEX_BYTES, &text, err);
     if (st != PD_OK)
         return st;
-    const char *end = NULL;
-    cJSON *root = cJSON_ParseWithOpts(text, &end, 0);
+    size_t bad = 0;
+    cJSON *root = pd_json_parse_str(text, &bad);
     if (root == NULL) {
-        st = pd_err_set(err, PD_ERR_INVALID, "%s: not valid JSON (near byte %zu)", index_path,
-                        end != NULL ? (size_t)(end - text) : (size_t)0);
+        st = pd_err_set(err, PD_ERR_INVALID, "%s: not valid JSON (near byte %zu)", index_path, bad);
         free(text);
         return st;
     }

@@ -10,6 +10,7 @@
  *       keeps its scratch (regex match data, BPE heap, word cache) in its own context, so
  *       calls from many threads need no lock. A pd_detok is single-threaded. */
 #include "pd_tokenizer_internal.h"
+#include "pd_json.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -862,10 +863,9 @@ pd_status pd_tokenizer_load(const char *path, pd_tokenizer **out, pd_err *err)
     size_t len = 0;
     if ((st = read_file(t->path, &data, &len, err)) != PD_OK)
         goto err_free_t;
-    cJSON *root = cJSON_ParseWithLength(data, len);
+    size_t off = 0;
+    cJSON *root = pd_json_parse(data, len, &off);
     if (root == NULL) {
-        const char *at = cJSON_GetErrorPtr();
-        size_t off = (at != NULL && at >= data && at <= data + len) ? (size_t)(at - data) : 0;
         st = pd_err_set(err, PD_ERR_INVALID, "tokenizer %s: invalid JSON near byte %zu", t->path,
                         off);
         free(data);

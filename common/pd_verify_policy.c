@@ -4,6 +4,7 @@
  *   tau * SPS(B) rises; early stop at the first drop.
  * Threading: pure. */
 #include "pd_verify_policy.h"
+#include "pd_json.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -62,7 +63,7 @@ pd_status pd_calib_load(const char *dir, pd_calib *out, pd_err *err)
     size_t n = fread(buf, 1, sizeof(buf) - 1, f);
     fclose(f);
     buf[n] = '\0';
-    cJSON *o = cJSON_Parse(buf);
+    cJSON *o = pd_json_parse_str(buf, NULL);
     cJSON *t = cJSON_GetObjectItem(o, "temperatures");
     if (o == NULL || !cJSON_IsArray(t) || cJSON_GetArraySize(t) < 1 || cJSON_GetArraySize(t) > PD_CALIB_MAX) {
         cJSON_Delete(o);
@@ -281,7 +282,7 @@ pd_status pd_sps_load(const char *path, const char *key, pd_sps *out, pd_err *er
         return pd_err_set(err, PD_ERR_INVALID, "%s: unreadable sps cache", path);
     }
     buf[len] = '\0';
-    cJSON *o = cJSON_Parse(buf);
+    cJSON *o = pd_json_parse_str(buf, NULL);
     free(buf);
     cJSON *k = cJSON_GetObjectItem(o, "key"), *a = cJSON_GetObjectItem(o, "step_seconds");
     if (o == NULL || !cJSON_IsString(k) || !cJSON_IsArray(a) || cJSON_GetArraySize(a) < 1) {

@@ -3,6 +3,7 @@
 
 #include <stdio.h>
 
+#include "pd_json.h"
 #include "pd_proto_version.h"
 
 void pd_wire_logprobs_out(const pd_token_logprobs *lps, const int32_t *ids, int n,
@@ -46,10 +47,13 @@ static const char *str_of(const char *s) { return s != NULL ? s : ""; }
  * JSON or, with array, not an array */
 static pd_status json_field(cJSON *o, const char *key, const char *text, int array, const char *what, pd_err *err)
 {
-    cJSON *v = cJSON_Parse(text);
-    if (v == NULL || (array && !cJSON_IsArray(v))) {
+    size_t bad = 0;
+    cJSON *v = pd_json_parse_str(text, &bad);
+    if (v == NULL)
+        return pd_err_set(err, PD_ERR_INVALID, "%s is not valid JSON (at byte %zu)", what, bad);
+    if (array && !cJSON_IsArray(v)) {
         cJSON_Delete(v);
-        return pd_err_set(err, PD_ERR_INVALID, "%s is not %s", what, array ? "a JSON array" : "valid JSON");
+        return pd_err_set(err, PD_ERR_INVALID, "%s is not a JSON array", what);
     }
     if (!cJSON_AddItemToObject(o, key, v)) {
         cJSON_Delete(v);

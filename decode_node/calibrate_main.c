@@ -16,6 +16,7 @@
 
 #include "pd_cli.h"
 #include "pd_engine.h"
+#include "pd_json.h"
 #include "pd_log.h"
 #include "pd_verify_policy.h"
 
@@ -37,7 +38,7 @@ static int load_prompts(const char *path, prompt **out, int *n_out)
     size_t cap = 0;
     while (getline(&line, &cap, f) > 0) {
         lineno++;
-        cJSON *o = cJSON_Parse(line);
+        cJSON *o = pd_json_parse_str(line, NULL);
         cJSON *ids = cJSON_GetObjectItem(o, "input_ids");
         if (!cJSON_IsArray(ids) || cJSON_GetArraySize(ids) < 1) {
             cJSON_Delete(o);

@@ -12,6 +12,7 @@
 
 #include "pd_buf.h"
 #include "pd_cli.h"
+#include "pd_json.h"
 #include "pd_proto_version.h"
 #include "pd_rpc.h"
 #include "pdspark.pb-c.h"
@@ -136,7 +137,7 @@ static int chat_from_file(chat_turns *t, const char *path)
         fprintf(stderr, PROG ": --messages: %s\n", err.msg);
         return -1;
     }
-    t->doc = cJSON_Parse(text);
+    t->doc = pd_json_parse_str(text, NULL);
     free(text);
     int n = cJSON_GetArraySize(t->doc);
     if (!cJSON_IsArray(t->doc) || n == 0) {

@@ -20,6 +20,7 @@
 #include "pd_chat.h"
 #include "pd_grammar.h"
 #include "pd_http.h"
+#include "pd_json.h"
 #include "pd_tokenizer.h"
 #include "pd_verify_policy.h"
 
@@ -856,11 +857,17 @@ cJSON *decode_http_json_body(struct evhttp_request *req)
                       "the request body is not valid UTF-8 (byte %zu)", valid);
         return NULL;
     }
-    cJSON *root = cJSON_ParseWithLength(body, blen);
+    size_t bad = 0;
+    cJSON *root = pd_json_parse(body, blen, &bad);
     free(body);
-    if (root == NULL || !cJSON_IsObject(root)) {
-        decode_http_send_error(req, 400, NULL, root == NULL ? "the request body is not valid JSON"
-                                                            : "the request body must be a JSON object");
+    if (root == NULL) {
+        char msg[96];
+        snprintf(msg, sizeof(msg), "the request body is not valid JSON (at byte %zu of %zu)", bad, blen);
+        decode_http_send_error(req, 400, NULL, msg);
+        return NULL;
+    }
+    if (!cJSON_IsObject(root)) {
+        decode_http_send_error(req, 400, NULL, "the request body must be a JSON object");
         cJSON_Delete(root);
         return NULL;
     }

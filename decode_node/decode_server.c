@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "pd_cli.h"
+#include "pd_json.h"
 #include "pd_log.h"
 #include "pd_loop.h"
 #include "pd_proto_version.h"
@@ -1062,7 +1063,7 @@ static pd_status load_gen_defaults(decode_gen_defaults *g, const char *model_dir
             return PD_OK;
         return pd_err_set(err, PD_ERR_IO, "--generation-config: cannot read %.300s", path);
     }
-    cJSON *j = cJSON_Parse(txt);
+    cJSON *j = pd_json_parse_str(txt, NULL);
     free(txt);
     if (!cJSON_IsObject(j)) {
         cJSON_Delete(j);

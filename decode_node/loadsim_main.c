@@ -18,6 +18,7 @@
 #include "pd_cli.h"
 #include "pd_engine.h"
 #include "pd_graph.h"
+#include "pd_json.h"
 #include "pd_log.h"
 #include "pd_model.h"
 #include "pd_verify_policy.h"
@@ -92,7 +93,7 @@ static int load_prompts(const char *path, prompt *p, int max)
     size_t cap = 0;
     int n = 0;
     while (n < max && getline(&line, &cap, f) > 0) {
-        cJSON *o = cJSON_Parse(line);
+        cJSON *o = pd_json_parse_str(line, NULL);
         cJSON *ids = cJSON_GetObjectItem(o, "input_ids");
         int k = cJSON_IsArray(ids) ? cJSON_GetArraySize(ids) : 0;
         if (k <= 0) {

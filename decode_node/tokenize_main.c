@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "pd_status.h"
+#include "pd_json.h"
 #include "pd_tokenizer.h"
 
 static const char USAGE[] =
@@ -83,7 +84,7 @@ static void print_json_string(const char *s, size_t n)
 /* --batch: returns 0, or 1 after printing one line on stderr. */
 static int encode_batch(const pd_tokenizer *tok, const char *in, size_t in_len, int parse_special)
 {
-    cJSON *arr = cJSON_ParseWithLength(in, in_len);
+    cJSON *arr = pd_json_parse(in, in_len, NULL);
     if (!cJSON_IsArray(arr)) {
         fprintf(stderr, "pdspark-tokenize: --batch: stdin is not a JSON array of strings\n");
         cJSON_Delete(arr);

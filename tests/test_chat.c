@@ -556,6 +556,9 @@ static void test_render_errors(void)
         { "[{\"role\": \"user\", \"content\": \"x\"}, {\"role\": \"assistant\", \"tool_calls\": "
           "[{\"function\": {\"name\": \"f\", \"arguments\": \"{}\"}}, {\"function\": {\"name\": \"f\", "
           "\"arguments\": \"{\\\"a\\\": \"}}]}]", "messages[1].tool_calls[1].function.arguments is not valid JSON" },
+        { "[{\"role\": \"user\", \"content\": \"x\"}, {\"role\": \"assistant\", \"tool_calls\": "
+          "[{\"function\": {\"name\": \"f\", \"arguments\": \"{} {}\"}}]}]",
+          "messages[1].tool_calls[0].function.arguments is not valid JSON" },
         { "[{\"role\": \"user\", \"content\": \"x\"}]", "continue_final_message needs the last message (messages[0])" },
         { "[{\"role\": \"assistant\", \"content\": \"x\"}]", "continue_final_message and add_generation_prompt cannot both" },
     };

@@ -493,6 +493,7 @@ static void test_schema(const pd_gvocab *v, const uint8_t **tb, const size_t *tl
         { "{\"type\":\"object\",\"properties\":{\"a\":{}},\"required\":[\"b\"]}", "'b'" },
         { "{\"$ref\":\"#/$defs/Missing\"}", "Missing" },
         { "{\"type\":", "not valid JSON" },
+        { "{\"type\":\"string\"} x", "not valid JSON (at byte 18)" },
         { "{\"type\":\"array\",\"maxItems\":1,\"minItems\":2}", "maxItems" },
         { "{\"type\":\"string\",\"maxLength\":100000}", "rules" },
         { "{\"allOf\":[{\"$ref\":\"#\"}]}", "matches no text" },

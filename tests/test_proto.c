@@ -4,11 +4,13 @@
  * staging pool fields (0 from a sender that has none), the version check helper, malformed bytes
  * failing to unpack, and GenerateRequest's chat (messages with tool calls and results, tools, tool_choice)
  * read as the HTTP API's chat body: the same tools and the same rendered prompt, and each
- * malformed field refused by name (pd_wire_chat_in). */
+ * malformed field refused by name (pd_wire_chat_in); pd_json_parse, which reads those fields
+ * (a whole text as one JSON value, trailing bytes refused at their offset). */
 #include <stdbool.h>
 #include <string.h>
 
 #include "pd_chat.h"
+#include "pd_json.h"
 #include "pd_proto_version.h"
 #include "pd_wire.h"
 #include "pdspark.pb-c.h"
@@ -431,7 +433,10 @@ static void test_chat_in(void)
         { "[" WEATHER, "", NULL, 0, PD_PROTO_VERSION, "tools_json is not valid JSON" },
         { "[" WEATHER "]", "{\"type\": \"function\"", NULL, 0, PD_PROTO_VERSION, "tool_choice is not valid JSON" },
         { "[" WEATHER "]", "", "{\"id\": 1}", 0, PD_PROTO_VERSION, "messages[2].tool_calls_json is not a JSON array" },
-        { "[" WEATHER "]", "", "[{\"id\"", 0, PD_PROTO_VERSION, "messages[2].tool_calls_json is not a JSON array" },
+        { "[" WEATHER "]", "", "[{\"id\"", 0, PD_PROTO_VERSION, "messages[2].tool_calls_json is not valid JSON (at byte 5)" },
+        /* one JSON value and nothing after it but whitespace */
+        { "[" WEATHER "] x", "", NULL, 0, PD_PROTO_VERSION, "tools_json is not valid JSON (at byte" },
+        { "[" WEATHER "]", "\"auto\"\"none\"", NULL, 0, PD_PROTO_VERSION, "tool_choice is not valid JSON (at byte 6)" },
         { "[" WEATHER "]", "", NULL, 3, PD_PROTO_VERSION, "parallel_tool_calls" },
         { "[" WEATHER "]", "", NULL, 0, PD_PROTO_VERSION + 1, "messages[4]: protocol version" },
     };
@@ -469,6 +474,36 @@ static void test_chat_in(void)
     cJSON_Delete(body);
 }
 
+/* pd_json_parse: one JSON value and nothing after it but JSON whitespace */
+static void test_json_whole(void)
+{
+    static const struct { const char *text; int ok; size_t bad_at; } cases[] = {
+        { "{\"a\": 1}", 1, 0 },
+        { " \t\r\n[1, 2]\n\n", 1, 0 },
+        { "\"s\"", 1, 0 },
+        { "{\"a\": 1} xyz", 0, 9 },
+        { "{\"a\": 1}}", 0, 8 },
+        { "1 2", 0, 2 },
+        { "[1, 2] \f", 0, 7 },   /* form feed is not JSON whitespace */
+        { "{\"a\": }", 0, 6 },
+        { "", 0, 0 },
+        { "   ", 0, 2 },
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        size_t bad = 12345;
+        cJSON *v = pd_json_parse_str(cases[i].text, &bad);
+        TEST_CHECK_MSG((v != NULL) == cases[i].ok && (cases[i].ok ? bad == 0 : bad == cases[i].bad_at),
+                       "'%s': %s at %zu, expected at %zu", cases[i].text, v != NULL ? "parsed" : "refused", bad,
+                       cases[i].bad_at);
+        cJSON_Delete(v);
+    }
+    /* a length shorter than the text: the bytes after it are not read */
+    cJSON *v = pd_json_parse("[7] trailing", 3, NULL);
+    TEST_CHECK(cJSON_IsArray(v) && cJSON_GetArraySize(v) == 1);
+    cJSON_Delete(v);
+    TEST_CHECK(pd_json_parse_str(NULL, NULL) == NULL);
+}
+
 int main(void)
 {
     test_version_fields();
@@ -478,5 +513,6 @@ int main(void)
     test_health_staging();
     test_version_check();
     test_chat_in();
+    test_json_whole();
     TEST_DONE();
 }

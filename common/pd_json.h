@@ -1,0 +1,25 @@
+/* pd_json.h - a whole text parsed as one JSON value. cJSON's parse functions stop after the first
+ * value and let whatever follows it pass ({"a": 1} xyz parses); every JSON input of the project
+ * (request bodies, JSON fields of gRPC requests, schemas, tool-call arguments, config and
+ * checkpoint files, JSON lines) goes through here so that trailing bytes other than whitespace
+ * are refused, and the caller learns the byte where the text went wrong. (A safetensors header,
+ * which may be padded with NUL bytes, checks its own tail: pd_safetensors.c.)
+ * Owns: nothing; the caller frees the result with cJSON_Delete.
+ * Threading: pure function (the failure position comes back through bad_at, not through
+ *   cJSON_GetErrorPtr's global). */
+#ifndef PD_JSON_H
+#define PD_JSON_H
+
+#include <stddef.h>
+
+#include <cjson/cJSON.h>
+
+/* s[0..n) as one JSON value followed by nothing but JSON whitespace (space, tab, CR, LF); NULL
+ * when it is not (or out of memory), with *bad_at (when not NULL) the offset of the first byte
+ * that does not fit: where cJSON gave up, or the first byte after the value. */
+cJSON *pd_json_parse(const char *s, size_t n, size_t *bad_at);
+
+/* pd_json_parse of a NUL-terminated text; NULL s gives NULL */
+cJSON *pd_json_parse_str(const char *s, size_t *bad_at);
+
+#endif
