@@ -152,6 +152,9 @@ typedef struct {
     float typical_p;                /* 0 or 1 = off; else in (0, 1) (pd_sample_params) */
     int top_k;                      /* 0 = off */
     uint64_t seed;
+    int seed_random;                /* 1: no seed was given (HTTP without "seed", gRPC seed 0):
+                                       decode_submit draws one, so that unseeded sampled requests
+                                       differ, as in vLLM and OpenAI; seed is then ignored */
     int max_new_tokens;             /* 0 = the rest of the context (decode_server_max_new) */
     int ignore_eos;
     int skip_special;               /* 1: special tokens (<|im_start|>, ...) add no text (vLLM's

@@ -773,6 +773,7 @@ static pd_status handle_generate(void *ud, const ProtobufCMessage *msg, pd_rpc_c
         dr.typical_p = sp->typical_p;
         dr.top_k = sp->top_k > (uint32_t)INT32_MAX ? -1 : (int)sp->top_k;
         dr.seed = sp->seed;
+        dr.seed_random = sp->seed == 0;   /* the proto's "0 = server picks" */
         dr.max_new_tokens = sp->max_new_tokens > (uint32_t)INT32_MAX ? -1 : (int)sp->max_new_tokens;
         dr.ignore_eos = sp->ignore_eos;
         dr.presence_penalty = sp->presence_penalty;

@@ -396,6 +396,7 @@ int decode_http_parse_common(const cJSON *root, int chat, decode_req *dr, req_op
         return -1;
     if (rc > 0)
         dr->seed = (uint64_t)ll;
+    dr->seed_random = rc == 0;   /* none given (or null): each request its own */
     *param = "verify";   /* extension: DSpark verification length policy of this request */
     const cJSON *vp = cJSON_GetObjectItemCaseSensitive(root, "verify");
     if (vp != NULL && !cJSON_IsNull(vp)) {

@@ -24,6 +24,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
+#include <time.h>
 
 #include "pd_cli.h"
 #include "pd_json.h"
@@ -769,6 +771,19 @@ static void *engine_thread(void *arg)
 /* ---------------------------------------------------------------------------------------------
  * API */
 
+/* The seed of a request that gave none: the kernel's random bytes, else the clock and a counter. */
+static uint64_t draw_seed(void)
+{
+    uint64_t v;
+    if (getrandom(&v, sizeof(v), GRND_NONBLOCK) == (ssize_t)sizeof(v))
+        return v;
+    static atomic_uint_fast64_t n;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return ((uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec) ^
+           (((uint64_t)atomic_fetch_add(&n, 1) + 1) * 0x9e3779b97f4a7c15ull);
+}
+
 pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn on_token,
                         decode_done_fn on_done, void *ud, decode_handle **out, pd_err *err)
 {
@@ -790,7 +805,7 @@ pd_status decode_submit(decode_server *s, const decode_req *req, decode_token_fn
         return pd_err_set(err, PD_ERR_INVALID, "top_k %d must be in 0..%d", req->top_k, s->vocab);
     pd_sample_params sp = { .temperature = req->temperature, .top_k = req->top_k,
                             .top_p = req->top_p > 0.0f ? req->top_p : 1.0f, .min_p = req->min_p,
-                            .typical_p = req->typical_p, .seed = req->seed };
+                            .typical_p = req->typical_p, .seed = req->seed_random ? draw_seed() : req->seed };
     pd_status pst = pd_sample_params_check(&sp, err);
     if (pst != PD_OK)
         return pst;

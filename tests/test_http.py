@@ -1671,6 +1671,17 @@ def test_n(node, prompt):
     check(st == 200 and b["usage"]["completion_tokens"] == 36 and
           all(len(c["logprobs"]["tokens"]) == 12 and c["finish_reason"] == "length" for c in ch),
           "n=3 usage and per-choice logprobs: %s" % b.get("usage"))
+    # without a seed every sampled request draws its own (vLLM, OpenAI); seed 0 is a seed
+    unseeded, zero = [], []
+    for _ in range(4):
+        st, b = post_json(node, "/v1/completions", {"prompt": prompt, "max_tokens": 16, "temperature": 1.0,
+                                                    "ignore_eos": True})
+        unseeded.append(b["choices"][0]["text"] if st == 200 else None)
+        st, b = post_json(node, "/v1/completions", {"prompt": prompt, "max_tokens": 16, "temperature": 1.0,
+                                                    "ignore_eos": True, "seed": 0})
+        zero.append(b["choices"][0]["text"] if st == 200 else None)
+    check(None not in unseeded and len(set(unseeded)) > 1, "unseeded sampled requests differ: %s" % unseeded)
+    check(None not in zero and len(set(zero)) == 1, "seed 0 repeats: %s" % zero)
     st, text, evs, done = read_stream(node, "/v1/completions", dict(body, stream=True), False)
     per = {}
     for e in evs:

@@ -668,6 +668,18 @@ static void test_services_bad_input(void)
                        "n 3 sampled, choice %d '%s' against seed %d alone: %s '%s'", i, ns.outs[i], 11 + i,
                        pd_status_str(si.st), si.out);
     }
+    /* seed 0 is the proto's "server picks": each request (and choice) draws its own */
+    char unseeded[4][sizeof(ns.out)];
+    int differ = 0, all_ok = 1;
+    for (int i = 0; i < 4; i++) {
+        gen_call su = { .max_new = 16, .top_p = 1.0f, .temperature = 1.0f, .text = "def fib(n):" };
+        gen_run(ch, &su);
+        all_ok &= su.st == PD_OK;
+        memcpy(unseeded[i], su.out, sizeof(su.out));
+        differ |= strcmp(unseeded[i], unseeded[0]) != 0;
+    }
+    TEST_CHECK_MSG(all_ok && differ, "seed 0, sampled: four requests gave '%s' '%s' '%s' '%s'", unseeded[0],
+                   unseeded[1], unseeded[2], unseeded[3]);
     ng.n = 17;
     gen_run(ch, &ng);
     expect(&ng, PD_ERR_INVALID, "n must be 1..16", "n 17");
