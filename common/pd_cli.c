@@ -350,10 +350,9 @@ int pd_cli_split_hostport(const char *addr, char *host, size_t host_len, char *p
     return 0;
 }
 
-int pd_cli_bad_flag(const char *prog, const char *arg, void (*usage)(FILE *))
+int pd_cli_bad_flag(const char *prog, const char *arg)
 {
-    fprintf(stderr, "%s: unknown or incomplete flag '%s'\n", prog, arg != NULL ? arg : "");
-    if (usage != NULL)
-        usage(stderr);
+    fprintf(stderr, "%s: unknown or incomplete flag '%s' (%s --help lists the flags)\n", prog,
+            arg != NULL ? arg : "", prog);
     return 2;
 }

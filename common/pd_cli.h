@@ -66,10 +66,10 @@ pd_status pd_cli_read_text(const char *path, char **out, pd_err *err);
 /* Whitespace-separated token ids from path ("-" = stdin) into a malloc'd array. Returns -1 with
  * a message on stderr on a bad file or value. */
 int pd_cli_read_ids(const char *prog, const char *path, int32_t **ids, int *n);
-/* getopt's answer to an unknown flag or one missing its value: prints "prog: unknown or
- * incomplete flag 'arg'" and then usage(stderr) (usage may be NULL); returns 2, the exit status
- * of a bad command line. */
-int pd_cli_bad_flag(const char *prog, const char *arg, void (*usage)(FILE *));
+/* getopt's answer to an unknown flag or one missing its value: prints the one line "prog:
+ * unknown or incomplete flag 'arg' (prog --help lists the flags)" (not the whole usage, which
+ * would scroll the error away); returns 2, the exit status of a bad command line. */
+int pd_cli_bad_flag(const char *prog, const char *arg);
 /* Split "HOST:PORT" or "[V6]:PORT" into host (without brackets) and port. Returns -1 when
  * there is no port or a part does not fit. */
 int pd_cli_split_hostport(const char *addr, char *host, size_t host_len, char *port,

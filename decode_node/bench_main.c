@@ -20,6 +20,7 @@
 #include <time.h>
 
 #include "kern_backend.h"
+#include "pd_cli.h"
 #include "pd_dspark.h"
 #include "pd_engine.h"
 #include "pd_kv.h"
@@ -1248,9 +1249,9 @@ static int parse_list(const char *s, int_list *out)
     return out->n > 0 ? 0 : -1;
 }
 
-static void usage(void)
+static void usage(FILE *f)
 {
-    fprintf(stderr,
+    fprintf(f,
             "usage: pdspark-bench (--model DIR [--draft DIR] | --synthetic qwen3-4b|qwen3-8b)\n"
             "                     [--device cuda|cpu] [--prefill 512,1024,...] [--batch 1,2,...,64]\n"
             "                     [--verify 2..16] [--kv N] [--e2e-prompt N] [--iters N] [--json]\n"
@@ -1275,10 +1276,18 @@ int main(int argc, char **argv)
             b.json = 1;
             continue;
         }
-        if (v == NULL) {
-            usage();
-            return 2;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            usage(stdout);
+            return 0;
         }
+        static const char *const with_value[] = { "--model", "--draft", "--synthetic", "--device", "--skip",
+                                                  "--prefill", "--batch", "--verify", "--kv", "--e2e-prompt",
+                                                  "--iters", "--invariant" };
+        int known = 0;
+        for (size_t k = 0; k < sizeof(with_value) / sizeof(with_value[0]); k++)
+            known |= !strcmp(a, with_value[k]);
+        if (!known || v == NULL)
+            return pd_cli_bad_flag("pdspark-bench", a);
         i++;
         if (!strcmp(a, "--model")) model_dir = v;
         else if (!strcmp(a, "--draft")) draft_dir = v;
@@ -1288,19 +1297,21 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--prefill")) bad = parse_list(v, &prefill);
         else if (!strcmp(a, "--batch")) bad = parse_list(v, &batches);
         else if (!strcmp(a, "--verify")) bad = parse_list(v, &verify);
-        else if (!strcmp(a, "--kv")) bad = (ctx = atoi(v)) < 16;
-        else if (!strcmp(a, "--e2e-prompt")) bad = (e2e_prompt = atoi(v)) < 1;
-        else if (!strcmp(a, "--iters")) bad = (b.iters = atoi(v)) < 1 || b.iters > 60;
-        else if (!strcmp(a, "--invariant")) bad = (invariant = atoi(v)) < 0 || invariant > 1;
-        else bad = 1;
+        else if (!strcmp(a, "--kv")) bad = pd_cli_parse_int("pdspark-bench", a, v, 16, 1 << 20, &ctx) != 0;
+        else if (!strcmp(a, "--e2e-prompt"))
+            bad = pd_cli_parse_int("pdspark-bench", a, v, 1, 1 << 20, &e2e_prompt) != 0;
+        else if (!strcmp(a, "--iters")) bad = pd_cli_parse_int("pdspark-bench", a, v, 1, 60, &b.iters) != 0;
+        else bad = pd_cli_parse_int("pdspark-bench", a, v, 0, 1, &invariant) != 0;   /* --invariant */
         if (bad) {
-            fprintf(stderr, "pdspark-bench: bad option %s %s\n", a, v);
-            usage();
+            if (!strcmp(a, "--prefill") || !strcmp(a, "--batch") || !strcmp(a, "--verify"))
+                fprintf(stderr, "pdspark-bench: %s: '%s' is not a list of positive numbers (a,b,... or a..b)\n",
+                        a, v);
             return 2;
         }
     }
     if ((model_dir == NULL) == (synth == NULL)) {
-        usage();
+        fprintf(stderr, "pdspark-bench: exactly one of --model DIR and --synthetic NAME is needed\n");
+        usage(stderr);
         return 2;
     }
     for (int i = 0; i < batches.n; i++)

@@ -93,7 +93,7 @@ int main(int argc, char **argv)
                    "temperatures, the rest measure the calibration error.\n");
             return 0;
         default:
-            return pd_cli_bad_flag("pdspark-calibrate", argv[optind - 1], NULL);
+            return pd_cli_bad_flag("pdspark-calibrate", argv[optind - 1]);
         }
     }
     if (model == NULL || draft == NULL || prompts_path == NULL) {

@@ -1188,8 +1188,6 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
     if ((st = pd_chat_template_load(s->model_dir, cfg->chat_template, &s->chat, &s->chat_ok, s->chat_why,
                                     sizeof(s->chat_why), err)) != PD_OK)
         goto err_destroy;
-    if (!s->chat_ok)
-        PD_LOG_WARN("decode", "%s", s->chat_why);
     if ((st = load_gen_defaults(&s->gen, s->model_dir, cfg->generation_config, err)) != PD_OK)
         goto err_destroy;
     kern_backend_config bc = { .name = s->device, .f32 = cfg->f32 };
@@ -1201,6 +1199,8 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
         goto err_destroy;
     if ((st = pd_tokenizer_load(s->model_dir, &s->tok, err)) != PD_OK)
         goto err_destroy;
+    if (!s->chat_ok)   /* after the checkpoint loaded: a missing model dir is the error, not this */
+        PD_LOG_WARN("decode", "%s", s->chat_why);
     if ((st = pd_gcache_create(64, &s->grammars, err)) != PD_OK)
         goto err_destroy;
     pd_engine_config ec = { .target = s->tm, .draft = s->dm, .page_size = cfg->page_size,

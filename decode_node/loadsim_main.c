@@ -291,7 +291,7 @@ int main(int argc, char **argv)
             break;
         case O_HELP: usage(stdout); return 0;
         default:
-            return pd_cli_bad_flag(PROG, argv[optind - 1], usage);
+            return pd_cli_bad_flag(PROG, argv[optind - 1]);
         }
         if (bad)
             return 2;

@@ -150,7 +150,7 @@ int main(int argc, char **argv)
         case O_DRAIN: bad = pd_cli_parse_int(PROG, "--drain-timeout-ms", optarg, 0, INT32_MAX, &drain_ms); break;
         case O_HELP: usage(stdout); return 0;
         default:
-            return pd_cli_bad_flag(PROG, argv[optind - 1], usage);
+            return pd_cli_bad_flag(PROG, argv[optind - 1]);
         }
         if (bad)
             return 2;

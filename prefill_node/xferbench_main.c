@@ -19,6 +19,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "pd_cli.h"
 #include "pd_xfer.h"
 
 #define PROG "pdspark-xferbench"
@@ -191,6 +192,7 @@ int main(int argc, char **argv)
         {"help", no_argument, 0, 'h'}, {0, 0, 0, 0},
     };
     int c;
+    opterr = 0;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (c) {
         case 'b': page_bytes = (size_t)strtoul(optarg, NULL, 10); break;
@@ -228,8 +230,7 @@ int main(int argc, char **argv)
                    "malloc'd and registered (as the nodes' pools are).\n");
             return 0;
         default:
-            fprintf(stderr, PROG ": unknown or incomplete flag\n");
-            return 2;
+            return pd_cli_bad_flag(PROG, argv[optind - 1]);
         }
     }
     if (page_bytes == 0 || n_pages <= 0 || iters <= 0 || window == 0) {

@@ -152,6 +152,18 @@ expect_fail "loadsim bad concurrency" "concurrency.*'0'" $ls --model "$T" --conc
 expect_fail "loadsim bad policy" "verify policy 'fast'" $ls --model "$T" --policies target,fast
 expect_fail "loadsim unknown flag" "unknown or incomplete flag '--bogus'" $ls --bogus
 
+# a bad flag gets one line naming it (the usage would scroll it away), exit 2
+for b in decode_node prefill_node pdspark-generate pdspark-client pdspark-loadsim pdspark-calibrate pdspark-bench \
+         pdspark-xferbench; do
+    [ -x "$bin/$b" ] || continue
+    "$bin/$b" --bogus >"$tmp/out" 2>"$tmp/err"
+    rc=$?
+    if [ $rc -eq 2 ] && [ "$(wc -l <"$tmp/err")" -eq 1 ] &&
+       grep -q "^$b: unknown or incomplete flag '--bogus' ($b --help lists the flags)$" "$tmp/err"; then
+        echo "ok   $b --bogus: $(cat "$tmp/err")"; ok
+    else bad "$b --bogus: exit $rc, stderr:"; cat "$tmp/err"; fi
+done
+
 # --chat: the prompt as a user message rendered by the checkpoint's template gives the tokens of
 # that ChatML text as the prompt; a non-ChatML --chat-template and --system without --chat refused
 chat_toks=$($gen --model "$T" --draft "$D" --chat --system "You write Python." --prompt "def add(a, b):" \
