@@ -20,9 +20,7 @@
 #include <event2/http.h>
 #include <event2/keyvalq_struct.h>
 
-#include "pd_buf.h"
 #include "pd_log.h"
-#include "pd_tokenizer.h"
 
 #define MAX_ROUTES 32
 #define DEFAULT_MAX_BODY (8u << 20)
@@ -378,28 +376,4 @@ void pd_http_destroy(pd_http *h)
     for (int i = 0; i < h->n_routes; i++)
         free(h->routes[i].path);
     free(h);
-}
-
-char *pd_http_json_print(const cJSON *o)
-{
-    char *s = cJSON_PrintUnformatted(o);
-    if (s == NULL || strstr(s, PD_TEXT_NUL) == NULL)
-        return s;
-    /* cJSON copies bytes >= 0x80 as they are: each two-byte mark goes out as \u0000 */
-    char *out = NULL;
-    size_t len = 0, cap = 0;
-    const char *p = s, *m;
-    int bad = 0;
-    while (!bad && (m = strstr(p, PD_TEXT_NUL)) != NULL) {
-        bad = pd_buf_append(&out, &len, &cap, p, (size_t)(m - p)) != 0 ||
-              pd_buf_append(&out, &len, &cap, "\\u0000", 6) != 0;
-        p = m + 2;
-    }
-    bad = bad || pd_buf_append(&out, &len, &cap, p, strlen(p)) != 0;
-    free(s);
-    if (bad) {
-        free(out);
-        return NULL;
-    }
-    return out;
 }

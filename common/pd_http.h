@@ -67,9 +67,5 @@ void pd_http_error(struct evhttp_request *req, int code, const char *type, const
                    const char *err_code, const char *fmt, ...) __attribute__((format(printf, 6, 7)));
 /* The request body as a malloc'd NUL-terminated copy (len in *len), NULL when out of memory. */
 char *pd_http_body(struct evhttp_request *req, size_t *len);
-struct cJSON;
-/* cJSON_PrintUnformatted of o with each PD_TEXT_NUL (pd_tokenizer.h: a NUL byte of generated
- * text) written as \u0000; malloc'd, NULL when out of memory. */
-char *pd_http_json_print(const struct cJSON *o);
 
 #endif

@@ -1,7 +1,11 @@
 /* pd_json.c - a whole text parsed as one JSON value (pd_json.h). */
 #include "pd_json.h"
 
+#include <stdlib.h>
 #include <string.h>
+
+#include "pd_buf.h"
+#include "pd_tokenizer.h"
 
 cJSON *pd_json_parse(const char *s, size_t n, size_t *bad_at)
 {
@@ -26,4 +30,28 @@ cJSON *pd_json_parse(const char *s, size_t n, size_t *bad_at)
 cJSON *pd_json_parse_str(const char *s, size_t *bad_at)
 {
     return pd_json_parse(s, s != NULL ? strlen(s) : 0, bad_at);
+}
+
+char *pd_json_print(const cJSON *o)
+{
+    char *s = cJSON_PrintUnformatted(o);
+    if (s == NULL || strstr(s, PD_TEXT_NUL) == NULL)
+        return s;
+    /* cJSON copies bytes >= 0x80 as they are: each two-byte mark goes out as \u0000 */
+    char *out = NULL;
+    size_t len = 0, cap = 0;
+    const char *p = s, *m;
+    int bad = 0;
+    while (!bad && (m = strstr(p, PD_TEXT_NUL)) != NULL) {
+        bad = pd_buf_append(&out, &len, &cap, p, (size_t)(m - p)) != 0 ||
+              pd_buf_append(&out, &len, &cap, "\\u0000", 6) != 0;
+        p = m + 2;
+    }
+    bad = bad || pd_buf_append(&out, &len, &cap, p, strlen(p)) != 0;
+    free(s);
+    if (bad) {
+        free(out);
+        return NULL;
+    }
+    return out;
 }

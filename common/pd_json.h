@@ -2,7 +2,8 @@
  * value and let whatever follows it pass ({"a": 1} xyz parses); every JSON input of the project
  * (request bodies, JSON fields of gRPC requests, schemas, tool-call arguments, config and
  * checkpoint files, JSON lines) goes through here so that trailing bytes other than whitespace
- * are refused, and the caller learns the byte where the text went wrong. (A safetensors header,
+ * are refused, and the caller learns the byte where the text went wrong. Replies and
+ * pdspark-generate --json print through pd_json_print, which writes a marked NUL byte as \u0000. (A safetensors header,
  * which may be padded with NUL bytes, checks its own tail: pd_safetensors.c.)
  * Owns: nothing; the caller frees the result with cJSON_Delete.
  * Threading: pure function (the failure position comes back through bad_at, not through
@@ -21,5 +22,9 @@ cJSON *pd_json_parse(const char *s, size_t n, size_t *bad_at);
 
 /* pd_json_parse of a NUL-terminated text; NULL s gives NULL */
 cJSON *pd_json_parse_str(const char *s, size_t *bad_at);
+
+/* cJSON_PrintUnformatted of o with each PD_TEXT_NUL (pd_tokenizer.h: a NUL byte of generated
+ * text) written as \u0000; malloc'd, NULL when out of memory. */
+char *pd_json_print(const cJSON *o);
 
 #endif

@@ -75,7 +75,7 @@ int pd_tokenizer_is_special(const pd_tokenizer *t, int32_t id);
 /* Text that may hold NUL bytes (the byte-0 token) travels through the servers' C strings with
  * each NUL written as the two bytes C0 80 ("modified UTF-8": an overlong form that valid UTF-8
  * never holds, so it can only mean NUL). Replies turn it back: JSON as \u0000
- * (pd_http_json_print), a terminal or file as the byte, gRPC (C strings again) leaves it out. */
+ * (pd_json_print), a terminal or file as the byte, gRPC (C strings again) leaves it out. */
 #define PD_TEXT_NUL "\xC0\x80"
 /* A malloc'd NUL-terminated copy of s[0..n) with each NUL byte as PD_TEXT_NUL; NULL when out of
  * memory. */

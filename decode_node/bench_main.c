@@ -1280,13 +1280,7 @@ int main(int argc, char **argv)
             usage(stdout);
             return 0;
         }
-        static const char *const with_value[] = { "--model", "--draft", "--synthetic", "--device", "--skip",
-                                                  "--prefill", "--batch", "--verify", "--kv", "--e2e-prompt",
-                                                  "--iters", "--invariant" };
-        int known = 0;
-        for (size_t k = 0; k < sizeof(with_value) / sizeof(with_value[0]); k++)
-            known |= !strcmp(a, with_value[k]);
-        if (!known || v == NULL)
+        if (v == NULL)   /* every other flag takes a value */
             return pd_cli_bad_flag("pdspark-bench", a);
         i++;
         if (!strcmp(a, "--model")) model_dir = v;
@@ -1301,7 +1295,8 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--e2e-prompt"))
             bad = pd_cli_parse_int("pdspark-bench", a, v, 1, 1 << 20, &e2e_prompt) != 0;
         else if (!strcmp(a, "--iters")) bad = pd_cli_parse_int("pdspark-bench", a, v, 1, 60, &b.iters) != 0;
-        else bad = pd_cli_parse_int("pdspark-bench", a, v, 0, 1, &invariant) != 0;   /* --invariant */
+        else if (!strcmp(a, "--invariant")) bad = pd_cli_parse_int("pdspark-bench", a, v, 0, 1, &invariant) != 0;
+        else return pd_cli_bad_flag("pdspark-bench", a);
         if (bad) {
             if (!strcmp(a, "--prefill") || !strcmp(a, "--batch") || !strcmp(a, "--verify"))
                 fprintf(stderr, "pdspark-bench: %s: '%s' is not a list of positive numbers (a,b,... or a..b)\n",

@@ -36,6 +36,7 @@
 #include "pd_chat.h"
 #include "pd_cli.h"
 #include "pd_http.h"
+#include "pd_json.h"
 #include "pd_log.h"
 #include "pd_tokenizer.h"
 
@@ -380,7 +381,7 @@ static void h_chat(struct evhttp_request *req, void *ud)
 /* Sends o as a 200 JSON reply (frees it). */
 static void reply_json(struct evhttp_request *req, cJSON *o)
 {
-    char *s = pd_http_json_print(o);
+    char *s = pd_json_print(o);
     cJSON_Delete(o);
     if (s == NULL) {
         decode_http_send_error(req, 500, NULL, "out of memory");

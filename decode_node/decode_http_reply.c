@@ -28,6 +28,7 @@
 #include "pd_buf.h"
 #include "pd_chat.h"
 #include "pd_http.h"
+#include "pd_json.h"
 #include "pd_log.h"
 #include "pd_tokenizer.h"
 
@@ -74,7 +75,7 @@ static cJSON *resp_base(const http_req *r, int chunk)
     return o;
 }
 
-/* A JSON string of s[0..n), its NUL bytes as PD_TEXT_NUL (pd_http_json_print writes \u0000) */
+/* A JSON string of s[0..n), its NUL bytes as PD_TEXT_NUL (pd_json_print writes \u0000) */
 static cJSON *string_n(const char *s, size_t n)
 {
     char *t = pd_text_nul_mark(s, n);   /* an echoed prompt's NUL bytes too */
@@ -360,7 +361,7 @@ static void add_choice(cJSON *o, const http_choice *ch, const char *text, size_t
 
 static void sse_send(http_req *r, cJSON *o)
 {
-    char *s = pd_http_json_print(o);
+    char *s = pd_json_print(o);
     cJSON_Delete(o);
     if (s == NULL || r->req == NULL) {
         free(s);
@@ -698,7 +699,7 @@ static void reply_end(http_req *r)
         /* chat: vLLM answers the prompt's once, beside the choices (they share the prompt) */
         if (r->chat && r->prompt_lp)
             cJSON_AddItemToObject(o, "prompt_logprobs", prompt_logprobs_json(&r->ch[0]));
-        char *s = pd_http_json_print(o);
+        char *s = pd_json_print(o);
         cJSON_Delete(o);
         if (s != NULL) {
             pd_http_reply(r->req, 200, NULL, s, strlen(s));

@@ -19,7 +19,7 @@
 #include "pd_engine.h"
 #include "pd_grammar.h"
 #include "pd_graph.h"
-#include "pd_http.h"
+#include "pd_json.h"
 #include "pd_log.h"
 #include "pd_model.h"
 #include "pd_tokenizer.h"
@@ -425,7 +425,7 @@ int main(int argc, char **argv)
         cJSON_AddStringToObject(o, "device", device);
         cJSON_AddStringToObject(o, "dtype", kern_dtype_name(be->weight_dtype));
         cJSON_AddStringToObject(o, "mode", dm != NULL ? "dspark" : "target-only");
-        char *s = pd_http_json_print(o);
+        char *s = pd_json_print(o);
         if (s != NULL)
             puts(s);
         free(s);
@@ -435,10 +435,10 @@ int main(int argc, char **argv)
             if (text != NULL) {
                 fwrite(text, 1, text_len, stdout);   /* a NUL byte of the text included */
                 fputc('\n', stdout);
-            }
-            else
+            } else {
                 for (int i = 0; i < req->n_out; i++)
                     printf("%d%c", req->out[i], i + 1 == req->n_out ? '\n' : ' ');
+            }
         }
         fprintf(stderr, "pdspark-generate: %d prompt tokens, %d generated (%s) in %.1f ms, %.1f tokens/s",
                 n_ids, req->n_out, pd_finish_reason_str(req->finish), ms, tps);
