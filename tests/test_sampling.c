@@ -5,7 +5,8 @@
  *    plain rewrite of transformers' TypicalLogitsWarper on the same rows; 1 is off, a tiny one
  *    keeps the most typical token alone, ties go by index, the mode can drop), the logarithm
  *    typical-p shares between backends against libm's, seeded reproducibility; the CPU
- *    backend's sampling ops (kern_probs, kern_sample) give bit for bit what pd_sample.c gives;
+ *    backend's sampling ops (kern_probs, kern_sample) give bit for bit what pd_sample.c gives,
+ *    and its row rule (no whole-row sort) bit for bit what a whole-row sort gives;
  *    kern_logprobs' rank on the backend under test is a brute-force count.
  * 2. kern_spec_verify on the backend under test, on synthetic distributions: the first
  *    committed token of a round is distributed as the target p, whatever the draft q, and the
@@ -15,11 +16,13 @@
  *    follows the target's distribution given the first, over many seeded runs (chi-square,
  *    fixed seeds), at temperature 1, with top-k / top-p, with min-p and with typical-p; the first
  *    token follows the prefill distribution.
- * Usage: test_sampling [--backend cpu|cuda]; cuda without a GPU exits 77 (skipped). */
+ * Usage: test_sampling [--backend cpu|cuda]; cuda without a GPU exits 77 (skipped).
+ *        test_sampling --perf-probs: the CPU row rule's time per row at Qwen3's vocabulary. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "kern_backend.h"
 #include "pd_engine.h"
@@ -431,6 +434,213 @@ static void test_sampling_cpu_ops(void)
     kern_backend_destroy(cpu);
 }
 
+/* The fixed-point rule of kern_backend.h in its first form, which sorted every row whole by
+ * (p descending, index ascending) before each cut: kern_probs_row_host now finds the same cuts
+ * with one quickselect and a bucketed sort of top-p's head, and must give these bits. */
+static const float *sorted_p;
+static int sorted_desc(const void *a, const void *b)
+{
+    int ia = *(const int32_t *)a, ib = *(const int32_t *)b;
+    if (sorted_p[ia] != sorted_p[ib])
+        return sorted_p[ia] < sorted_p[ib] ? 1 : -1;
+    return ia - ib;
+}
+static const double *sorted_score;
+static int sorted_score_asc(const void *a, const void *b)
+{
+    int ia = *(const int32_t *)a, ib = *(const int32_t *)b;
+    if (sorted_score[ia] != sorted_score[ib])
+        return sorted_score[ia] < sorted_score[ib] ? -1 : 1;
+    return ia - ib;
+}
+static uint64_t sorted_mass(float p)
+{
+    return (uint64_t)llrint(ldexp((double)p, 60));
+}
+
+static void probs_sorted(const float *x, int n, const kern_sample_cfg *c, float *p, int32_t *order, double *score)
+{
+    if (c->temperature < 1e-5f) {
+        int best = 0;
+        for (int i = 1; i < n; i++)
+            best = x[i] > x[best] ? i : best;
+        memset(p, 0, (size_t)n * sizeof(float));
+        p[best] = 1.0f;
+        return;
+    }
+    float mx = x[0];
+    for (int i = 1; i < n; i++)
+        mx = x[i] > mx ? x[i] : mx;
+    double sum = 0.0;
+    for (int i = 0; i < n; i++) {
+        double e = exp(((double)x[i] - mx) / c->temperature);
+        p[i] = (float)e;
+        sum += e;
+    }
+    for (int i = 0; i < n; i++)
+        p[i] = (float)(p[i] / sum);
+    const int k = c->top_k > 0 && c->top_k < n ? c->top_k : n;
+    const int use_p = c->top_p < 1.0f, use_m = c->min_p > 0.0f, use_t = c->typical_p > 0.0f && c->typical_p < 1.0f;
+    if (k == n && !use_p && !use_m && !use_t)
+        return;
+    for (int i = 0; i < n; i++)
+        order[i] = i;
+    sorted_p = p;
+    qsort(order, (size_t)n, sizeof(int32_t), sorted_desc);
+    int cand = n;
+    if (k < n)
+        for (cand = k; cand < n && p[order[cand]] == p[order[k - 1]]; cand++)
+            ;
+    if (use_m) {
+        const double thr = (double)c->min_p * (double)p[order[0]];
+        int m = 0;
+        while (m < cand && (double)p[order[m]] >= thr)
+            m++;
+        cand = m;
+    }
+    uint64_t mass = 0, kept, run = 0;
+    for (int i = 0; i < cand; i++)
+        mass += sorted_mass(p[order[i]]);
+    int keep = cand;
+    kept = mass;
+    if (use_p) {
+        const uint64_t target = (uint64_t)ceil((double)c->top_p * (double)mass);
+        for (int i = 0; i < cand; i++) {
+            run += sorted_mass(p[order[i]]);
+            if (run >= target) {
+                keep = i + 1;
+                kept = run;
+                break;
+            }
+        }
+    }
+    if (use_t) {
+        const double kd = ldexp((double)kept, -60);
+        long long hsum = 0;
+        for (int i = 0; i < keep; i++)
+            if (p[order[i]] > 0.0f)
+                hsum += kern_typical_term(p[order[i]], kd);
+        const double h = kern_typical_entropy(hsum);
+        for (int i = 0; i < keep; i++)
+            score[order[i]] = p[order[i]] > 0.0f ? kern_typical_score(p[order[i]], kd, h) : INFINITY;
+        sorted_score = score;
+        qsort(order, (size_t)keep, sizeof(int32_t), sorted_score_asc);
+        const uint64_t target = (uint64_t)ceil((double)c->typical_p * (double)kept);
+        run = 0;
+        for (int i = 0; i < keep; i++) {
+            run += sorted_mass(p[order[i]]);
+            if (run >= target) {
+                kept = run;
+                keep = i + 1;
+                break;
+            }
+        }
+    }
+    const double kept_d = ldexp((double)kept, -60);
+    for (int i = keep; i < n; i++)
+        p[order[i]] = 0.0f;
+    for (int i = 0; i < keep; i++)
+        p[order[i]] = (float)((double)p[order[i]] / kept_d);
+}
+
+/* kern_probs_row_host against the whole-row sort, bit for bit: rows of 1 to 5000 tokens
+ * (logits spread, tied on a grid, or mostly equal), every filter alone and together at random
+ * settings and at their edges (top_k 1 and n - 1, top_p just under 1, min_p 1) */
+static void test_sampling_probs_sorted(void)
+{
+    enum { NMAX = 5000, ROWS = 600 };
+    float *x = malloc(NMAX * sizeof(float)), *a = malloc(NMAX * sizeof(float)), *b = malloc(NMAX * sizeof(float));
+    int32_t *order = malloc(NMAX * sizeof(int32_t));
+    double *score = malloc(NMAX * sizeof(double));
+    pd_rng rng;
+    pd_rng_seed(&rng, 2026);
+    int same = 0, filtered = 0;
+    for (int r = 0; r < ROWS; r++) {
+        const int n = r < 40 ? 1 + r : 1 + (int)(pd_rng_uniform(&rng) * NMAX);
+        const int shape = r % 3;
+        for (int i = 0; i < n; i++) {
+            float v = (float)(pd_rng_uniform(&rng) * 12.0 - 6.0);
+            x[i] = shape == 0 ? v : shape == 1 ? (float)(int)(v * 2.0f) * 0.5f : (pd_rng_uniform(&rng) < 0.9 ? 1.0f : v);
+        }
+        kern_sample_cfg c = { .temperature = (float)(0.3 + pd_rng_uniform(&rng) * 1.7), .top_p = 1.0f };
+        const int f = (int)(pd_rng_uniform(&rng) * 16);   /* which filters: bits k, p, min-p, typical */
+        if (f & 1)
+            c.top_k = r % 7 == 0 ? 1 : r % 7 == 1 ? n - 1 : 1 + (int)(pd_rng_uniform(&rng) * n);
+        if (f & 2)
+            c.top_p = r % 5 == 0 ? 0.99999994f : (float)(0.05 + pd_rng_uniform(&rng) * 0.94);
+        if (f & 4)
+            c.min_p = r % 11 == 0 ? 1.0f : (float)(pd_rng_uniform(&rng) * 0.3);
+        if (f & 8)
+            c.typical_p = (float)(0.05 + pd_rng_uniform(&rng) * 0.9);
+        kern_probs_row_host(x, n, &c, a, order, score);
+        probs_sorted(x, n, &c, b, order, score);
+        int eq = memcmp(a, b, (size_t)n * sizeof(float)) == 0;
+        same += eq;
+        int kept = 0;
+        for (int i = 0; i < n; i++)
+            kept += a[i] > 0.0f;
+        filtered += kept < n;
+        if (!eq)
+            TEST_CHECK_MSG(0, "row %d (n %d, T %g, k %d, p %.8g, min_p %g, typical_p %g) differs from the whole-row sort",
+                           r, n, (double)c.temperature, c.top_k, (double)c.top_p, (double)c.min_p,
+                           (double)c.typical_p);
+    }
+    printf("kern_probs_row_host: %d of %d rows equal to the whole-row sort bit for bit (%d filtered)\n", same,
+           ROWS, filtered);
+    TEST_CHECK(same == ROWS && filtered > ROWS / 2);
+    free(x);
+    free(a);
+    free(b);
+    free(order);
+    free(score);
+}
+
+/* --perf-probs: kern_probs_row_host's time per row over Qwen3's vocabulary (151936 tokens,
+ * Gumbel-spread logits, fresh each run, best of 15), per filter, against the whole-row sort it
+ * replaced (probs_sorted); prints only (timings are not asserted: docs/BENCHMARKS.md holds
+ * them). */
+static double now_ms(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec * 1e3 + (double)t.tv_nsec * 1e-6;
+}
+
+static void perf_probs(void)
+{
+    enum { N = 151936, RUNS = 15 };
+    float *x = malloc(N * sizeof(float)), *p = malloc(N * sizeof(float));
+    int32_t *order = malloc(N * sizeof(int32_t));
+    double *score = malloc(N * sizeof(double));
+    const kern_sample_cfg cfgs[] = { { .temperature = 0.8f, .top_p = 0.95f },
+                                     { .temperature = 0.7f, .top_k = 50, .top_p = 1.0f },
+                                     { .temperature = 1.0f, .top_p = 1.0f, .min_p = 0.05f },
+                                     { .temperature = 1.0f, .top_p = 1.0f, .typical_p = 0.9f } };
+    const char *names[] = { "top_p 0.95", "top_k 50", "min_p 0.05", "typical_p 0.9" };
+    pd_rng rng;
+    pd_rng_seed(&rng, 7);
+    for (int c = 0; c < 4; c++) {
+        double best = 1e9, best_sorted = 1e9;
+        for (int r = 0; r < RUNS; r++) {
+            for (int i = 0; i < N; i++)
+                x[i] = (float)(-3.0 * log(-log(pd_rng_uniform(&rng) * (1.0 - 1e-12) + 1e-12)));
+            double t0 = now_ms();
+            kern_probs_row_host(x, N, &cfgs[c], p, order, score);
+            double t1 = now_ms();
+            probs_sorted(x, N, &cfgs[c], p, order, score);
+            double t2 = now_ms();
+            best = t1 - t0 < best ? t1 - t0 : best;
+            best_sorted = t2 - t1 < best_sorted ? t2 - t1 : best_sorted;
+        }
+        printf("%d tokens, %-13s: kern_probs_row_host %6.2f ms per row, the whole-row sort %6.2f ms (best of %d)\n",
+               N, names[c], best, best_sorted, RUNS);
+    }
+    free(x);
+    free(p);
+    free(order);
+    free(score);
+}
+
 /* kern_logprobs on the backend under test: each entry's rank against a brute-force count of the
  * row's logits at or above the token's (kern_backend.h: ties rank the token behind all of them,
  * -inf tokens rank last), and its logprob against a plain log_softmax in double. Rows with ties
@@ -779,8 +989,11 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--backend") == 0 && i + 1 < argc) {
             backend_name = argv[++i];
+        } else if (strcmp(argv[i], "--perf-probs") == 0) {
+            perf_probs();
+            return 0;
         } else {
-            fprintf(stderr, "usage: %s [--backend cpu|cuda]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--backend cpu|cuda] | --perf-probs\n", argv[0]);
             return 2;
         }
     }
@@ -793,6 +1006,7 @@ int main(int argc, char **argv)
     test_sampling_units();
     test_sampling_typical();
     test_sampling_cpu_ops();
+    test_sampling_probs_sorted();
     test_sampling_logprobs_rank();
     test_sampling_verify_op();
     pd_sample_params t1 = { .temperature = 1.0f, .top_p = 1.0f };

@@ -571,33 +571,106 @@ static pd_status cpu_markov_chain(kern_backend *be, const kern_markov_chain_args
 
 /* ---- sampling: the rules of pd_sample.c, row by row (see kern_backend.h) ------------------ */
 
-static int probs_desc(const void *a, const void *b, void *ctx)
-{
-    const float *base = ctx;
-    float pa = base[*(const int32_t *)a], pb = base[*(const int32_t *)b];
-    if (pa != pb)
-        return pa < pb ? 1 : -1;
-    return *(const int32_t *)a - *(const int32_t *)b;
-}
-
-/* a probability in integer units of 2^-60, rounded to the nearest (even on a tie) */
+/* a probability in integer units of 2^-60, rounded to the nearest (even on a tie); the
+ * product by 2^60 is exact (ldexp's value, without its call) */
 static uint64_t mass_fix(float p)
 {
-    return (uint64_t)llrint(ldexp((double)p, 60));
+    return (uint64_t)llrint((double)p * 0x1p60);
 }
 
-static int score_asc(const void *a, const void *b, void *ctx)
+/* The two orders the cuts take tokens in, both total (the index breaks ties): the candidates'
+ * (p descending) and typical-p's (score ascending). */
+typedef struct {
+    const float *p;
+    const double *score;
+    int by_score;
+} probs_order;
+
+static int probs_before(const probs_order *o, int32_t a, int32_t b)
 {
-    const double *score = ctx;
-    double sa = score[*(const int32_t *)a], sb = score[*(const int32_t *)b];
-    if (sa != sb)
-        return sa < sb ? -1 : 1;
-    return *(const int32_t *)a - *(const int32_t *)b;
+    if (o->by_score) {
+        const double sa = o->score[a], sb = o->score[b];
+        return sa < sb || (sa == sb && a < b);
+    }
+    const float pa = o->p[a], pb = o->p[b];
+    return pa > pb || (pa == pb && a < b);
 }
 
-/* typical-p over the tokens order[0..keep) of mass *kept (kern_backend.h): reorders them by
- * (score, index), returns how many of that order stay and sets *kept to their mass. score:
- * n doubles, indexed by token. */
+/* a token's weight in a prefix's sum: its mass, or 1 (a count) */
+static uint64_t probs_weight(const probs_order *o, int by_mass, int32_t t)
+{
+    return by_mass ? mass_fix(o->p[t]) : 1u;
+}
+
+/* Every cut keeps a prefix of an order: the shortest whose weights (masses, or 1 each) sum to
+ * target. Reorders t[0..n) so that t[0..m) is that prefix, t[m - 1] its last token, and returns
+ * m with the prefix's sum in *reached, without sorting: a quickselect whose Hoare partitions
+ * (around a median of three) keep the part where the running sum crosses target. total is the
+ * sum over all n; a target above it keeps all n. */
+static int select_prefix(int32_t *t, int n, uint64_t target, uint64_t total, const probs_order *o, int by_mass,
+                         uint64_t *reached)
+{
+    if (target > total) {
+        *reached = total;
+        return n;
+    }
+    if (target == 0) {   /* the order's first token reaches it */
+        int f = 0;
+        for (int i = 1; i < n; i++)
+            f = probs_before(o, t[i], t[f]) ? i : f;
+        const int32_t x = t[0];
+        t[0] = t[f];
+        t[f] = x;
+        *reached = probs_weight(o, by_mass, t[0]);
+        return 1;
+    }
+    /* invariant: t[0..lo) precede t[lo..hi] in the order, sum acc < target <= acc + sum(t[lo..hi]) */
+    uint64_t acc = 0;
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const int32_t a = t[lo], b = t[lo + (hi - lo) / 2], c = t[hi];
+        int32_t piv;
+        if (probs_before(o, a, b))
+            piv = probs_before(o, b, c) ? b : probs_before(o, a, c) ? c : a;
+        else
+            piv = probs_before(o, a, c) ? a : probs_before(o, b, c) ? c : b;
+        int i = lo, j = hi;
+        while (i <= j) {
+            while (probs_before(o, t[i], piv))
+                i++;
+            while (probs_before(o, piv, t[j]))
+                j--;
+            if (i <= j) {
+                const int32_t x = t[i];
+                t[i++] = t[j];
+                t[j--] = x;
+            }
+        }
+        /* t[lo..j] precede the pivot, t[i..hi] follow it, and t[j + 1] is the pivot if j + 1 < i */
+        uint64_t left = 0;
+        for (int q = lo; q <= j; q++)
+            left += probs_weight(o, by_mass, t[q]);
+        if (acc + left >= target) {
+            hi = j;
+            continue;
+        }
+        acc += left;
+        if (j + 1 < i) {
+            acc += probs_weight(o, by_mass, t[j + 1]);
+            if (acc >= target) {
+                *reached = acc;
+                return j + 2;
+            }
+        }
+        lo = i;
+    }
+    *reached = acc + probs_weight(o, by_mass, t[lo]);
+    return lo + 1;
+}
+
+/* typical-p over the tokens order[0..keep) of mass *kept (kern_backend.h): leaves the ones that
+ * stay (a prefix of the order by score) in order[0..m), returns m and sets *kept to their mass.
+ * score: n doubles, indexed by token. */
 static int typical_cut(const float *p, int32_t *order, int keep, float typical_p, uint64_t *kept,
                        double *score)
 {
@@ -611,19 +684,15 @@ static int typical_cut(const float *p, int32_t *order, int keep, float typical_p
         const float pi = p[order[i]];
         score[order[i]] = pi > 0.0f ? kern_typical_score(pi, kd, h) : INFINITY;
     }
-    qsort_r(order, (size_t)keep, sizeof(int32_t), score_asc, score);
     const uint64_t target = (uint64_t)ceil((double)typical_p * (double)*kept);
-    uint64_t run = 0;
-    for (int i = 0; i < keep; i++) {
-        run += mass_fix(p[order[i]]);
-        if (run >= target) {
-            *kept = run;
-            return i + 1;
-        }
-    }
-    return keep;   /* not reached: target <= *kept */
+    const probs_order o = { .p = p, .score = score, .by_score = 1 };
+    return select_prefix(order, keep, target, *kept, &o, 1, kept);
 }
 
+/* Each cut (top-k with the k-th's ties, min-p, top-p, typical-p) keeps a prefix of an order,
+ * i.e. a set, so no row is sorted: the k-th largest p comes from a quickselect, the candidates
+ * from one pass against it and min-p's bound, and top-p's and typical-p's prefixes from
+ * select_prefix. Masses are integers, so no sum depends on the order it is taken in. */
 void kern_probs_row_host(const float *x, int n, const kern_sample_cfg *c, float *p, int32_t *order,
                          double *score)
 {
@@ -646,54 +715,46 @@ void kern_probs_row_host(const float *x, int n, const kern_sample_cfg *c, float 
         p[i] = (float)e;
         sum += e;
     }
-    for (int i = 0; i < n; i++)
+    float pmax = 0.0f;
+    for (int i = 0; i < n; i++) {
         p[i] = (float)(p[i] / sum);
+        pmax = p[i] > pmax ? p[i] : pmax;
+    }
     const int k = c->top_k > 0 && c->top_k < n ? c->top_k : n;
     const int use_p = c->top_p < 1.0f, use_m = c->min_p > 0.0f;
     const int use_t = c->typical_p > 0.0f && c->typical_p < 1.0f;
     if (k == n && !use_p && !use_m && !use_t)
         return;
-    for (int i = 0; i < n; i++)
-        order[i] = i;
-    qsort_r(order, (size_t)n, sizeof(int32_t), probs_desc, p);
-    /* the candidates, a prefix of the order: min-p, then top-k with the k-th's ties */
-    int cand = n;
+    const probs_order by_p = { .p = p };
+    /* the candidates: p >= the k-th largest p (its ties stay), and p >= min_p * max(p) */
+    float pk = 0.0f;
     if (k < n) {
-        const float pk = p[order[k - 1]];
-        for (cand = k; cand < n && p[order[cand]] == pk; cand++)
-            ;
+        uint64_t got;
+        for (int i = 0; i < n; i++)
+            order[i] = i;
+        select_prefix(order, n, (uint64_t)k, (uint64_t)n, &by_p, 0, &got);
+        pk = p[order[k - 1]];
     }
-    if (use_m) {
-        const double thr = (double)c->min_p * (double)p[order[0]];
-        int m = 0;
-        while (m < cand && (double)p[order[m]] >= thr)
-            m++;
-        cand = m;
-    }
+    const double thr = use_m ? (double)c->min_p * (double)pmax : 0.0;
+    int cand = 0;
     uint64_t mass = 0;
-    for (int i = 0; i < cand; i++)
-        mass += mass_fix(p[order[i]]);
+    for (int i = 0; i < n; i++)
+        if ((k == n || p[i] >= pk) && (!use_m || (double)p[i] >= thr)) {
+            order[cand++] = i;
+            mass += mass_fix(p[i]);
+        }
     int keep = cand;
     uint64_t kept = mass;
-    if (use_p) {
-        const uint64_t target = (uint64_t)ceil((double)c->top_p * (double)mass);
-        uint64_t run = 0;
-        for (int i = 0; i < cand; i++) {
-            run += mass_fix(p[order[i]]);
-            if (run >= target) {
-                keep = i + 1;
-                kept = run;
-                break;
-            }
-        }
-    }
+    if (use_p)
+        keep = select_prefix(order, cand, (uint64_t)ceil((double)c->top_p * (double)mass), mass, &by_p, 1, &kept);
     if (use_t)
         keep = typical_cut(p, order, keep, c->typical_p, &kept, score);
+    /* the kept tokens renormalised, the others 0: kept values are marked by their sign first */
     const double kept_d = ldexp((double)kept, -60);
-    for (int i = keep; i < n; i++)
-        p[order[i]] = 0.0f;
     for (int i = 0; i < keep; i++)
-        p[order[i]] = (float)((double)p[order[i]] / kept_d);
+        p[order[i]] = -(float)((double)p[order[i]] / kept_d);
+    for (int i = 0; i < n; i++)
+        p[i] = p[i] < 0.0f ? -p[i] : 0.0f;
 }
 
 static pd_status cpu_probs(kern_backend *be, const kern_probs_args *a, pd_err *err)
