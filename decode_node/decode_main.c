@@ -26,7 +26,7 @@
 static void usage(FILE *f)
 {
     fprintf(f,
-            "usage: decode_node --model DIR --draft DIR --listen HOST:PORT\n"
+            "usage: decode_node --model DIR (--draft DIR | --no-draft) --listen HOST:PORT\n"
             "                   (--prefill HOST:PORT[,HOST:PORT...]|file:PATH [--prefill-refresh-ms N]\n"
             "                    | --colocated)\n"
             "                   [--device cpu|cuda] [--dtype bf16|f32] [--kv-pages N | --kv-memory-fraction F]\n"
@@ -43,6 +43,8 @@ static void usage(FILE *f)
             "                   [--generation-config auto|none|DIR]\n"
             "\n"
             "Serves pdspark.Generate (gRPC, server-streaming) with DSpark speculative decoding.\n"
+            "--no-draft (with --colocated) loads no drafter and decodes the target alone, one token\n"
+            "a step (what a server without speculative decoding does; every reply's tau is 1).\n"
             "--colocated runs the prefill in this process (--cp-size/--cp-strategy apply there; on\n"
             "cuda CP rank r runs on GPU r %% (visible GPUs) with its own copy of the target);\n"
             "--tp N (with --colocated) decodes tensor-parallel over N ranks (cpu: threads, cuda:\n"
@@ -133,9 +135,10 @@ int main(int argc, char **argv)
            O_QUEUE, O_QTMO, O_RTMO, O_XTMO, O_CP, O_CPS, O_LOG, O_HELP, O_HTTP, O_LOGFMT, O_DRAIN,
            O_VERIFY, O_THRESH, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_CHUNK, O_REFRESH, O_PREFIX,
            O_REASON, O_SERVED, O_APIKEY, O_CHATTMPL, O_LOCALPF, O_GENCFG, O_KVFRAC, O_SWAP,
-           O_STAGE, O_SPECOFF };
+           O_STAGE, O_SPECOFF, O_NODRAFT };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
+        {"no-draft", no_argument, 0, O_NODRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"prefill", required_argument, 0, O_PREFILL},
         {"colocated", no_argument, 0, O_COLO}, {"device", required_argument, 0, O_DEVICE},
         {"kv-pages", required_argument, 0, O_PAGES}, {"page-size", required_argument, 0, O_PAGE},
@@ -172,6 +175,7 @@ int main(int argc, char **argv)
         switch (c) {
         case O_MODEL: cfg.model_dir = optarg; break;
         case O_DRAFT: cfg.draft_dir = optarg; break;
+        case O_NODRAFT: cfg.no_draft = 1; break;
         case O_LISTEN: listen = optarg; break;
         case O_PREFILL: cfg.prefill = optarg; break;
         case O_COLO: colocated = 1; break;
@@ -275,8 +279,17 @@ int main(int argc, char **argv)
         fprintf(stderr, PROG ": give --kv-pages N or --kv-memory-fraction F, not both\n");
         return 2;
     }
-    if (cfg.model_dir == NULL || cfg.draft_dir == NULL || listen == NULL) {
-        fprintf(stderr, PROG ": --model DIR, --draft DIR and --listen HOST:PORT are required\n");
+    if (cfg.model_dir == NULL || (cfg.draft_dir == NULL && !cfg.no_draft) || listen == NULL) {
+        fprintf(stderr, PROG ": --model DIR, --draft DIR (or --no-draft) and --listen HOST:PORT are required\n");
+        return 2;
+    }
+    if (cfg.draft_dir != NULL && cfg.no_draft) {
+        fprintf(stderr, PROG ": --draft and --no-draft exclude each other\n");
+        return 2;
+    }
+    if (cfg.no_draft && !colocated) {
+        fprintf(stderr, PROG ": --no-draft needs --colocated (a decode node behind prefill nodes takes the "
+                        "drafter's payload they ship)\n");
         return 2;
     }
     if (colocated == (cfg.prefill != NULL)) {

@@ -1146,8 +1146,10 @@ int decode_server_reasoning(const decode_server *s)
 
 pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd_err *err)
 {
-    if (cfg->model_dir == NULL || cfg->draft_dir == NULL)
-        return pd_err_set(err, PD_ERR_INVALID, "decode server: --model and --draft are required");
+    if (cfg->model_dir == NULL || (cfg->draft_dir == NULL) != (cfg->no_draft != 0))
+        return pd_err_set(err, PD_ERR_INVALID, "decode server: --model and one of --draft or --no-draft are required");
+    if (cfg->no_draft && !cfg->colocated)
+        return pd_err_set(err, PD_ERR_INVALID, "decode server: --no-draft needs --colocated");
     if (!cfg->colocated && (cfg->prefill == NULL || cfg->prefill[0] == '\0'))
         return pd_err_set(err, PD_ERR_INVALID, "decode server: --prefill HOST:PORT or --colocated is required");
     decode_server *s = calloc(1, sizeof(*s));
@@ -1156,7 +1158,7 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
     pd_status st = PD_OK;
     s->cfg = *cfg;
     s->model_dir = strdup(cfg->model_dir);
-    s->draft_dir = strdup(cfg->draft_dir);
+    s->draft_dir = dup_or_null(cfg->draft_dir);
     s->device = strdup(cfg->device != NULL ? cfg->device : "cpu");
     s->prefill = dup_or_null(cfg->prefill);
     s->cfg.model_dir = s->model_dir;
@@ -1180,7 +1182,7 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
     atomic_init(&s->accepting, 0);
     atomic_init(&s->n_waiting, 0);
     atomic_init(&s->next_id, 1);
-    if (s->model_dir == NULL || s->draft_dir == NULL || s->device == NULL ||
+    if (s->model_dir == NULL || (cfg->draft_dir != NULL && s->draft_dir == NULL) || s->device == NULL ||
         (cfg->prefill != NULL && s->prefill == NULL)) {
         st = pd_err_set(err, PD_ERR_NOMEM, "decode config");
         goto err_destroy;
@@ -1195,7 +1197,7 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
         goto err_destroy;
     if ((st = pd_qwen3_load(s->be, s->model_dir, &s->tm, err)) != PD_OK)
         goto err_destroy;
-    if ((st = pd_dspark_load(s->be, s->draft_dir, s->tm, &s->dm, err)) != PD_OK)
+    if (s->draft_dir != NULL && (st = pd_dspark_load(s->be, s->draft_dir, s->tm, &s->dm, err)) != PD_OK)
         goto err_destroy;
     if ((st = pd_tokenizer_load(s->model_dir, &s->tok, err)) != PD_OK)
         goto err_destroy;
@@ -1214,7 +1216,7 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
     if (cfg->verify != NULL && (st = pd_verify_policy_parse(cfg->verify, &ec.verify_policy, err)) != PD_OK)
         goto err_destroy;
     pd_err cerr;
-    pd_status cs = pd_calib_load(s->draft_dir, &s->calib, &cerr);
+    pd_status cs = s->draft_dir != NULL ? pd_calib_load(s->draft_dir, &s->calib, &cerr) : PD_ERR_NOT_FOUND;
     if (cs == PD_OK)
         ec.calib = &s->calib;
     else if (cs != PD_ERR_NOT_FOUND)

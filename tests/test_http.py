@@ -67,7 +67,7 @@ class Node:
             env["PDSPARK_API_KEY"] = key
         self.errf = tempfile.TemporaryFile()
         self.p = subprocess.Popen(
-            [os.path.join(bin_dir, binary), "--model", model, "--draft", draft,
+            [os.path.join(bin_dir, binary), "--model", model, *(("--draft", draft) if draft else ("--no-draft",)),
              "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", *extra, *DEV],
             stdout=subprocess.PIPE, stderr=self.errf, env=env, text=True)
         self.grpc = self.http = None
@@ -2158,6 +2158,36 @@ def test_spec_disable(bin_dir, model, draft):
           "--speculative-disable-by-batch-size -1: rc %d, %s" % (r.returncode, r.stderr.strip()))
 
 
+def test_no_draft(bin_dir, model):
+    """decode_node --colocated --no-draft (no drafter loaded): greedy completions over HTTP and
+    gRPC equal pdspark-generate --no-draft's, every round commits one token (tau 1, block_size 0,
+    one round per token after the prefill's), and a sampled request is served."""
+    prompt = "def quicksort(xs):"
+    gen = subprocess.run([os.path.join(bin_dir, "pdspark-generate"), "--model", model, "--no-draft", "--prompt",
+                          prompt, "--max-new-tokens", "32", "--ignore-eos", "--json", *DEV],
+                         capture_output=True, text=True, timeout=120, env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+    if not check(gen.returncode == 0, "pdspark-generate --no-draft: " + gen.stderr[-300:]):
+        return
+    want = json.loads(gen.stdout.strip().splitlines()[-1])
+    node = Node(bin_dir, model, None, ("--colocated",))
+    try:
+        body = {"prompt": prompt, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+        st, b = post_json(node, "/v1/completions", body)
+        ok = st == 200 and b["choices"][0]["text"] == want["text"]
+        d = b.get("usage", {}).get("dspark", {}) if st == 200 else {}
+        check(ok and d.get("tau") == 1 and d.get("block_size") == 0 and
+              d.get("rounds") == b["usage"]["completion_tokens"] - 1,
+              "--no-draft completion: %s %s (pdspark-generate --no-draft: %r)" % (st, b, want["text"]))
+        g = grpc_generate(bin_dir, node, prompt, 32, ["--ignore-eos"])
+        check(g is not None and g.get("tokens") == want["tokens"],
+              "--no-draft gRPC tokens %s vs pdspark-generate's %s" % (g and g.get("tokens"), want["tokens"]))
+        st, b = post_json(node, "/v1/completions", dict(body, temperature=0.8, top_p=0.9, seed=3))
+        check(st == 200 and b["usage"]["completion_tokens"] == 32, "--no-draft sampled: %s %s" % (st, b))
+        log("decode_node --no-draft: the target alone, pdspark-generate --no-draft's text, tau 1")
+    finally:
+        node.stop()
+
+
 def test_tensor_parallel(bin_dir, model, draft):
     """decode_node --colocated --tp 2: the same greedy text as --tp 1 with scheduled verification
     (the verification lengths are decided on rank 0 only), and --tp without --colocated or with
@@ -2620,6 +2650,7 @@ def main():
         test_local_prefill(bin_dir, model, draft)
         test_generation_config(bin_dir, model, draft)
         test_spec_disable(bin_dir, model, draft)
+        test_no_draft(bin_dir, model)
     if FAILS == 0 and DEV:
         log("--tp 2 left out: it needs a GPU per rank (PD_HTTP_DEVICE)")
     elif FAILS == 0:
