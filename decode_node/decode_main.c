@@ -125,7 +125,7 @@ int main(int argc, char **argv)
     decode_config cfg;
     decode_config_default(&cfg);
     const char *listen = NULL;
-    int colocated = 0, refresh_given = 0;
+    int colocated = 0, refresh_given = 0, no_draft = 0;
     const char *http_addr = NULL;
     int reasoning = 0;
     const char *served_name = NULL, *chat_template = NULL, *generation_config = NULL;
@@ -175,7 +175,7 @@ int main(int argc, char **argv)
         switch (c) {
         case O_MODEL: cfg.model_dir = optarg; break;
         case O_DRAFT: cfg.draft_dir = optarg; break;
-        case O_NODRAFT: cfg.no_draft = 1; break;
+        case O_NODRAFT: no_draft = 1; break;
         case O_LISTEN: listen = optarg; break;
         case O_PREFILL: cfg.prefill = optarg; break;
         case O_COLO: colocated = 1; break;
@@ -279,15 +279,15 @@ int main(int argc, char **argv)
         fprintf(stderr, PROG ": give --kv-pages N or --kv-memory-fraction F, not both\n");
         return 2;
     }
-    if (cfg.model_dir == NULL || (cfg.draft_dir == NULL && !cfg.no_draft) || listen == NULL) {
+    if (cfg.model_dir == NULL || (cfg.draft_dir == NULL && !no_draft) || listen == NULL) {
         fprintf(stderr, PROG ": --model DIR, --draft DIR (or --no-draft) and --listen HOST:PORT are required\n");
         return 2;
     }
-    if (cfg.draft_dir != NULL && cfg.no_draft) {
+    if (cfg.draft_dir != NULL && no_draft) {
         fprintf(stderr, PROG ": --draft and --no-draft exclude each other\n");
         return 2;
     }
-    if (cfg.no_draft && !colocated) {
+    if (no_draft && !colocated) {
         fprintf(stderr, PROG ": --no-draft needs --colocated (a decode node behind prefill nodes takes the "
                         "drafter's payload they ship)\n");
         return 2;

@@ -1146,10 +1146,10 @@ int decode_server_reasoning(const decode_server *s)
 
 pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd_err *err)
 {
-    if (cfg->model_dir == NULL || (cfg->draft_dir == NULL) != (cfg->no_draft != 0))
-        return pd_err_set(err, PD_ERR_INVALID, "decode server: --model and one of --draft or --no-draft are required");
-    if (cfg->no_draft && !cfg->colocated)
-        return pd_err_set(err, PD_ERR_INVALID, "decode server: --no-draft needs --colocated");
+    if (cfg->model_dir == NULL)
+        return pd_err_set(err, PD_ERR_INVALID, "decode server: --model is required");
+    if (cfg->draft_dir == NULL && !cfg->colocated)
+        return pd_err_set(err, PD_ERR_INVALID, "decode server: --draft is required behind prefill nodes");
     if (!cfg->colocated && (cfg->prefill == NULL || cfg->prefill[0] == '\0'))
         return pd_err_set(err, PD_ERR_INVALID, "decode server: --prefill HOST:PORT or --colocated is required");
     decode_server *s = calloc(1, sizeof(*s));

@@ -32,13 +32,6 @@ static atomic_int thread_fail;
         }                                                                                    \
     } while (0)
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
-
 typedef struct {
     pd_comm *c;
     int rank;
@@ -212,7 +205,7 @@ static void *fail_main(void *p)
     fail_arg *a = p;
     unsigned char send[16] = { 0 }, recv[16 * 8];
     pd_err err;
-    double t0 = now_s();
+    double t0 = test_now_s();
     switch (a->mode) {
     case 0: a->st = pd_comm_all_gather(a->c, send, recv, 8, &err); break;
     case 1: a->st = pd_comm_all_gather(a->c, send, recv, 16, &err); break;
@@ -224,7 +217,7 @@ static void *fail_main(void *p)
         a->st = PD_OK;
         break;
     }
-    a->secs = now_s() - t0;
+    a->secs = test_now_s() - t0;
     return NULL;
 }
 
@@ -263,19 +256,19 @@ static void test_comm_local_timeout(void)
     fail_arg args[3];
     make_group(3, 200, &g, cs);
     int modes[2] = { 0, 0 };
-    double t0 = now_s();
+    double t0 = test_now_s();
     run_ranks(cs, args, modes, 2);
-    double dt = now_s() - t0;
+    double dt = test_now_s() - t0;
     TEST_CHECK(args[0].st == PD_ERR_TIMEOUT && args[1].st == PD_ERR_TIMEOUT);
     TEST_CHECK_MSG(dt >= 0.15 && dt < 5.0, "timeout took %.3f s", dt);
     /* the late rank finds the group broken at once, and so does any later call */
     pd_err err;
     unsigned char b[8] = { 0 }, rb[24];
-    t0 = now_s();
+    t0 = test_now_s();
     TEST_CHECK(pd_comm_all_gather(cs[2], b, rb, 8, &err) == PD_ERR_TIMEOUT);
     TEST_CHECK(strstr(err.msg, "broken") != NULL);
     TEST_CHECK(pd_comm_barrier(cs[0], &err) == PD_ERR_TIMEOUT);
-    TEST_CHECK(now_s() - t0 < 0.1);
+    TEST_CHECK(test_now_s() - t0 < 0.1);
     free_group(g, cs, 3);
 }
 
@@ -578,10 +571,10 @@ static void test_comm_nccl(int n)
         TEST_CHECK(pd_comm_nccl_id_create(&id, &err) == PD_OK);
         pd_comm_nccl_opts o = { .device = 0, .timeout_ms = 3000 };
         pd_comm *c = NULL;
-        double t0 = now_s();
+        double t0 = test_now_s();
         st = pd_comm_nccl_create(&id, 2, 0, &o, &c, &err);
         TEST_CHECK_MSG(st == PD_ERR_TIMEOUT, "%s: %s", pd_status_str(st), err.msg);
-        TEST_CHECK(now_s() - t0 < 30.0);
+        TEST_CHECK(test_now_s() - t0 < 30.0);
         pd_comm_destroy(st == PD_OK ? c : NULL);
     }
     TEST_CHECK(atomic_load(&thread_fail) == 0);

@@ -192,13 +192,6 @@ static int is_bf16(float f)
     return (u & 0xffffu) == 0;
 }   /* --perf line(s) of the current case, printed after its result */
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 typedef pd_status (*op_fn)(kern_backend *be, const void *args, pd_err *err);
 
 static int cmp_double(const void *a, const void *b)
@@ -219,12 +212,12 @@ static void perf_report(kern_backend *be, op_fn fn, const void *args, double byt
     kern_sync(be, &err);
     double t[5];
     for (int r = 0; r < 5; r++) {
-        double t0 = now_s();
+        double t0 = test_now_s();
         for (int i = 0; i < 20; i++)
             fn(be, args, &err);
         if (fatal_status(kern_sync(be, &err), &err, "perf sync"))
             return;
-        t[r] = (now_s() - t0) / 20.0;
+        t[r] = (test_now_s() - t0) / 20.0;
     }
     qsort(t, 5, sizeof(double), cmp_double);
     double s = t[2];
@@ -254,14 +247,14 @@ static void perf_graph(kern_backend *be, op_fn fn, const void *args, double byte
         return;
     double t[5];
     for (int r = -1; r < 5; r++) {
-        double t0 = now_s();
+        double t0 = test_now_s();
         if (fatal_status(kern_graph_launch(be, graph, &err), &err, "perf replay") ||
             fatal_status(kern_sync(be, &err), &err, "perf sync")) {
             kern_graph_free(be, graph);
             return;
         }
         if (r >= 0)
-            t[r] = (now_s() - t0) / CALLS;
+            t[r] = (test_now_s() - t0) / CALLS;
     }
     kern_graph_free(be, graph);
     qsort(t, 5, sizeof(double), cmp_double);
@@ -315,12 +308,12 @@ static void perf_linear_graph(kern_backend *be, const kern_linear_args *ag, doub
             exit(1);
         double t[5];
         for (int r = -1; r < 5; r++) {
-            double t0 = now_s();
+            double t0 = test_now_s();
             if (fatal_status(kern_graph_launch(be, graph, &err), &err, "perf replay") ||
                 fatal_status(kern_sync(be, &err), &err, "perf sync"))
                 exit(1);
             if (r >= 0)
-                t[r] = (now_s() - t0) / CALLS;
+                t[r] = (test_now_s() - t0) / CALLS;
         }
         kern_graph_free(be, graph);
         qsort(t, 5, sizeof(double), cmp_double);
@@ -1012,12 +1005,12 @@ static double spans_case(run_ctx *x, int pin)
         double t[4][5];   /* download one by one, download_spans, upload one by one (then a
                            * sync: uploads may return before landing), upload_spans */
         for (int r = 0; r < 6; r++) {
-            double t0 = now_s();
+            double t0 = test_now_s();
             for (int i = 0; i < np; i++)
                 kern_download(x->gpu->be, ps[i].dst, ps[i].src, pb, &err);
-            double t1 = now_s();
+            double t1 = test_now_s();
             kern_download_spans(x->gpu->be, ps, np, &err);
-            double t2 = now_s();
+            double t2 = test_now_s();
             /* the same pages back (sources now host, destinations the device slots) */
             for (int i = 0; i < np; i++) {
                 void *dv = (void *)ps[i].src;
@@ -1027,9 +1020,9 @@ static double spans_case(run_ctx *x, int pin)
             for (int i = 0; i < np; i++)
                 kern_upload(x->gpu->be, ps[i].dst, ps[i].src, pb, &err);
             kern_sync(x->gpu->be, &err);
-            double t3 = now_s();
+            double t3 = test_now_s();
             kern_upload_spans(x->gpu->be, ps, np, &err);
-            double t4 = now_s();
+            double t4 = test_now_s();
             for (int i = 0; i < np; i++) {
                 void *hv = (void *)ps[i].src;
                 ps[i].src = ps[i].dst;
@@ -1058,12 +1051,12 @@ static double spans_case(run_ctx *x, int pin)
              * cudaMemcpyAsync), median of 5 */
             double cl[2][5];
             for (int r = 0; r < 6; r++) {
-                double t0 = now_s();
+                double t0 = test_now_s();
                 kern_download(x->gpu->be, dst, d, dev_bytes, &err);
-                double t1 = now_s();
+                double t1 = test_now_s();
                 kern_upload(x->gpu->be, d, dst, dev_bytes, &err);
                 kern_sync(x->gpu->be, &err);
-                double t2 = now_s();
+                double t2 = test_now_s();
                 if (r > 0) {
                     cl[0][r - 1] = t1 - t0;
                     cl[1][r - 1] = t2 - t1;
@@ -3607,12 +3600,12 @@ int main(int argc, char **argv)
             continue;
         if (pass)
             strncat(name, " bf16-act", sizeof(name) - strlen(name) - 1);
-        double t0 = now_s();
+        double t0 = test_now_s();
         perf_note[0] = '\0';
         double e = fn(&x);
         int ok = e <= c->tol && e == e;
         printf("%s %-9s %-64s rel_l2 %.3e (tol %.0e) %.2fs\n", ok ? "ok  " : "FAIL", c->op, name, e,
-               c->tol, now_s() - t0);
+               c->tol, test_now_s() - t0);
         fputs(perf_note, stdout);
         fflush(stdout);
         TEST_CHECK_MSG(ok, "case %zu: %s %s: rel_l2 %.3e > %.0e", i, c->op, name, e, c->tol);

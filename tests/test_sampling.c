@@ -22,7 +22,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "kern_backend.h"
 #include "pd_engine.h"
@@ -599,13 +598,6 @@ static void test_sampling_probs_sorted(void)
  * Gumbel-spread logits, fresh each run, best of 15), per filter, against the whole-row sort it
  * replaced (probs_sorted); prints only (timings are not asserted: docs/BENCHMARKS.md holds
  * them). */
-static double now_ms(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec * 1e3 + (double)t.tv_nsec * 1e-6;
-}
-
 static void perf_probs(void)
 {
     enum { N = 151936, RUNS = 15 };
@@ -624,11 +616,11 @@ static void perf_probs(void)
         for (int r = 0; r < RUNS; r++) {
             for (int i = 0; i < N; i++)
                 x[i] = (float)(-3.0 * log(-log(pd_rng_uniform(&rng) * (1.0 - 1e-12) + 1e-12)));
-            double t0 = now_ms();
+            double t0 = test_now_ms();
             kern_probs_row_host(x, N, &cfgs[c], p, order, score);
-            double t1 = now_ms();
+            double t1 = test_now_ms();
             probs_sorted(x, N, &cfgs[c], p, order, score);
-            double t2 = now_ms();
+            double t2 = test_now_ms();
             best = t1 - t0 < best ? t1 - t0 : best;
             best_sorted = t2 - t1 < best_sorted ? t2 - t1 : best_sorted;
         }

@@ -50,13 +50,6 @@
 #define TARGET PD_MODELS "/tiny-code-qwen3"
 #define DRAFT PD_MODELS "/tiny-code-dspark"
 
-static double now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
-}
-
 typedef struct {
     pid_t pid;
     char addr[64];
@@ -82,10 +75,10 @@ static int node_start(char *const argv[], node *out)
     close(fds[1]);
     char buf[512];
     size_t len = 0;
-    double t0 = now_ms();
+    double t0 = test_now_ms();
     out->pid = pid;
     out->addr[0] = '\0';
-    while (now_ms() - t0 < 60000 && len + 1 < sizeof(buf)) {
+    while (test_now_ms() - t0 < 60000 && len + 1 < sizeof(buf)) {
         struct pollfd p = { .fd = fds[0], .events = POLLIN };
         if (poll(&p, 1, 200) <= 0)
             continue;
@@ -115,10 +108,10 @@ static void node_stop(node *n, int sig)
     if (n->pid <= 0)
         return;
     kill(n->pid, sig);
-    double t0 = now_ms();
+    double t0 = test_now_ms();
     int status;
     while (waitpid(n->pid, &status, WNOHANG) == 0) {
-        if (now_ms() - t0 > 30000) {
+        if (test_now_ms() - t0 > 30000) {
             kill(n->pid, SIGKILL);
             waitpid(n->pid, &status, 0);
             TEST_CHECK_MSG(0, "node %d did not stop within 30 s", (int)n->pid);
@@ -313,7 +306,7 @@ static void gen_run(pd_rpc_channel *ch, gen_call *g)
     g->plp_late = g->plp_bad = 0;
     pd_err err = {0};
     pd_rpc_stream *s = NULL;
-    double t0 = now_ms();
+    double t0 = test_now_ms();
     g->st = pd_rpc_stream_open(ch, "/pdspark.Generate/Generate", &rq.base,
                                &pdspark__generate_chunk__descriptor, 60000, &s, &err);
     while (g->st == PD_OK) {
@@ -349,7 +342,7 @@ static void gen_run(pd_rpc_channel *ch, gen_call *g)
             break;
         }
     }
-    g->ms = now_ms() - t0;
+    g->ms = test_now_ms() - t0;
     snprintf(g->msg, sizeof(g->msg), "%s", g->st == PD_OK ? "" : err.msg);
     pd_rpc_stream_close(s);
 }
@@ -381,10 +374,10 @@ static int health(pd_rpc_channel *ch, Pdspark__HealthReply *out)
 /* Wait (bounded) for the decode node's free pages to reach `want`. Returns the last value. */
 static int wait_free_pages(pd_rpc_channel *ch, uint32_t want, int ms)
 {
-    double t0 = now_ms();
+    double t0 = test_now_ms();
     Pdspark__HealthReply h = PDSPARK__HEALTH_REPLY__INIT;
     int last = -1;
-    while (now_ms() - t0 < ms) {
+    while (test_now_ms() - t0 < ms) {
         if (health(ch, &h) == 0) {
             last = (int)h.free_kv_pages;
             if (h.free_kv_pages == want && h.active_requests == 0)
@@ -1221,10 +1214,10 @@ static void *prefill_thread(void *arg)
 {
     prefill_call *c = arg;
     ProtobufCMessage *m = NULL;
-    double t0 = now_ms();
+    double t0 = test_now_ms();
     c->st = pd_rpc_unary(c->ch, "/pdspark.Prefill/Prefill", &c->rq->base, &pdspark__prefill_reply__descriptor,
                          60000, &m, &c->err);
-    c->ms = now_ms() - t0;
+    c->ms = test_now_ms() - t0;
     c->rep = (Pdspark__PrefillReply *)m;
     atomic_store(&c->returned, 1);
     return NULL;
@@ -1443,16 +1436,16 @@ static void test_services_transfer(void)
         usleep(1000000);
         TEST_CHECK_MSG(!atomic_load(&c3.returned), "a transfer into a stalled destination ended: %s %s",
                        pd_status_str(c3.st), c3.err.msg);
-        double t_kill = now_ms();
+        double t_kill = test_now_ms();
         kill(dying_pid, SIGKILL);
         waitpid(dying_pid, NULL, 0);
         pthread_join(th, NULL);
         TEST_CHECK_MSG(c3.st == PD_ERR_PEER && strstr(c3.err.msg, "kv transfer to the decode node failed") != NULL,
                        "dead destination: %s %s", pd_status_str(c3.st), c3.err.msg);
-        TEST_CHECK_MSG(now_ms() - t_kill < 20000, "dead destination answered %.0f ms after the kill",
-                       now_ms() - t_kill);
+        TEST_CHECK_MSG(test_now_ms() - t_kill < 20000, "dead destination answered %.0f ms after the kill",
+                       test_now_ms() - t_kill);
         printf("transfers: a destination killed mid-transfer: %s, %.0f ms after the kill\n",
-               pd_status_str(c3.st), now_ms() - t_kill);
+               pd_status_str(c3.st), test_now_ms() - t_kill);
         if (c3.rep != NULL)
             protobuf_c_message_free_unpacked(&c3.rep->base, NULL);
         kv.rkey.data = rkey;
@@ -1658,8 +1651,8 @@ static void test_services_lifecycle(void)
     }
     /* wait until both decode: their first tokens arrived (so their prefill is done; a slow
      * machine, e.g. under ASan beside other tests, may take seconds) */
-    double t0 = now_ms();
-    while (now_ms() - t0 < 30000) {
+    double t0 = test_now_ms();
+    while (test_now_ms() - t0 < 30000) {
         int all = 1;
         for (int i = 0; i < N_EARLY; i++)
             all &= atomic_load(&early[i].decoding);
@@ -1676,7 +1669,7 @@ static void test_services_lifecycle(void)
         pthread_create(&tl[i], NULL, gen_thread, &al[i]);
     }
     usleep(150000);
-    t_kill = now_ms();
+    t_kill = test_now_ms();
     node_stop(&pn, SIGKILL);
     int unavailable = 0;
     for (int i = 0; i < N_LATE; i++) {
@@ -1684,7 +1677,7 @@ static void test_services_lifecycle(void)
         TEST_CHECK_MSG(late[i].st == PD_OK || (late[i].st == PD_ERR_PEER && strstr(late[i].msg, "prefill") != NULL),
                        "late %d: %s %s", i, pd_status_str(late[i].st), late[i].msg);
         unavailable += late[i].st == PD_ERR_PEER;
-        TEST_CHECK_MSG(now_ms() - t_kill < 9000, "late %d ended %.0f ms after the kill", i, now_ms() - t_kill);
+        TEST_CHECK_MSG(test_now_ms() - t_kill < 9000, "late %d ended %.0f ms after the kill", i, test_now_ms() - t_kill);
         free(late[i].ids);
     }
     TEST_CHECK_MSG(unavailable >= 1, "no request saw the prefill node die");
@@ -1705,14 +1698,14 @@ static void test_services_lifecycle(void)
     TEST_CHECK(node_start(pargv2, &pn2) == 0);
     gen_call g3 = { .max_new = 16, .ignore_eos = 1, .top_p = 1.0f, .timeout_ms = 20000 };
     prompt_ids(&g3, 50, 6);
-    t0 = now_ms();
+    t0 = test_now_ms();
     do {
         g3.chunks = g3.tokens = 0;
         gen_run(ch, &g3);
         if (g3.st == PD_OK)
             break;
         usleep(200000);
-    } while (now_ms() - t0 < 15000);
+    } while (test_now_ms() - t0 < 15000);
     TEST_CHECK_MSG(g3.st == PD_OK && g3.tokens == 16, "after restart: %s %s", pd_status_str(g3.st), g3.msg);
 
     /* a prefill node that never answers (stopped): the request ends UNAVAILABLE within the
@@ -1756,12 +1749,12 @@ static void test_services_admission(void)
     pthread_t pa, pb;
     Pdspark__HealthReply h = PDSPARK__HEALTH_REPLY__INIT;
     pthread_create(&pa, NULL, gen_thread, &ta);
-    double t0 = now_ms();
-    while (now_ms() - t0 < 10000 && !(health(ch, &h) == 0 && h.active_requests == 1))
+    double t0 = test_now_ms();
+    while (test_now_ms() - t0 < 10000 && !(health(ch, &h) == 0 && h.active_requests == 1))
         usleep(5000);
     pthread_create(&pb, NULL, gen_thread, &tb);
-    t0 = now_ms();
-    while (now_ms() - t0 < 10000 && !(health(ch, &h) == 0 && h.queued_requests == 1))
+    t0 = test_now_ms();
+    while (test_now_ms() - t0 < 10000 && !(health(ch, &h) == 0 && h.queued_requests == 1))
         usleep(5000);
     TEST_CHECK_MSG(h.queued_requests == 1 && h.active_requests == 1, "%u active, %u queued",
                    h.active_requests, h.queued_requests);
@@ -1818,8 +1811,8 @@ static void preempt_case(const char *decode_addr, const char *what)
         free(g[i].ids);
     }
     Pdspark__HealthReply h = PDSPARK__HEALTH_REPLY__INIT;
-    double t0 = now_ms();
-    while (now_ms() - t0 < 5000 && !(health(ch, &h) == 0 && h.free_kv_pages == 24))
+    double t0 = test_now_ms();
+    while (test_now_ms() - t0 < 5000 && !(health(ch, &h) == 0 && h.free_kv_pages == 24))
         usleep(5000);
     TEST_CHECK_MSG(h.free_kv_pages == 24 && h.active_requests == 0, "%s: %u pages free of 24 afterwards",
                    what, h.free_kv_pages);

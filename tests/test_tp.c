@@ -43,13 +43,6 @@ static int max_new = 64;
 
 static const char *only;            /* --scenario: the CPU scenarios whose name holds it */
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
-
 typedef struct {
     const char *name;
     int with_draft;
@@ -170,7 +163,7 @@ static void test_tp_same_tokens(const int *tps, int n_tps, int explicit_tps)
         const scenario *sc = &scs[i];
         if (only != NULL && strstr(sc->name, only) == NULL)
             continue;
-        double t0 = now_s();
+        double t0 = test_now_s();
         /* tp 1 is never preempted, so a scenario that differs from the last reference only by
          * preempt has that reference's results */
         if (ref_of == NULL || !same_but_preempt(ref_of, sc)) {
@@ -179,7 +172,7 @@ static void test_tp_same_tokens(const int *tps, int n_tps, int explicit_tps)
             if (run_all(sc, 1, ref) != 0)
                 continue;
             ref_of = sc;
-            t1 = now_s() - t0;
+            t1 = test_now_s() - t0;
         }
         long tokens = 0, rounds = 0;
         int hist[33] = { 0 }, distinct = 0;
@@ -207,10 +200,10 @@ static void test_tp_same_tokens(const int *tps, int n_tps, int explicit_tps)
             if (tp > 2 && !sc->wide && !explicit_tps)
                 continue;
             memset(got, 0, sizeof(got));
-            t0 = now_s();
+            t0 = test_now_s();
             if (run_all(sc, tp, got) != 0)
                 continue;
-            double tt = now_s() - t0;
+            double tt = test_now_s() - t0;
             int same = 0, same_len = 0;
             for (int p = 0; p < N_PROMPTS; p++) {
                 int eq = got[p].n_out == ref[p].n_out &&
@@ -327,11 +320,11 @@ static void test_tp_rank_failure(int fail_cmd)
     pd_gen_params gp = { .sample = { .temperature = 0.0f, .top_p = 1.0f }, .max_new_tokens = 32 };
     pd_request *r = NULL;
     TEST_CHECK(pd_engine_add(e, 1, prompts[0].ids, prompts[0].n, &gp, &r, &err) == PD_OK);
-    double t0 = now_s();
+    double t0 = test_now_s();
     pd_status st = PD_OK;
     for (int i = 0; i < 10 && st == PD_OK; i++)
         st = pd_engine_step(e, &err);
-    double dt = now_s() - t0;
+    double dt = test_now_s() - t0;
     printf("rank 1 fails command %d: step -> %s \"%s\" after %.2f s\n", fail_cmd, pd_status_str(st),
            err.msg, dt);
     TEST_CHECK(st == PD_ERR_INTERNAL && strstr(err.msg, "rank 1") != NULL &&
@@ -339,11 +332,11 @@ static void test_tp_rank_failure(int fail_cmd)
     TEST_CHECK_MSG(dt < 10.0, "failure took %.2f s", dt);
     /* a new request's first forward finds the group broken at once */
     TEST_CHECK(pd_engine_add(e, 2, prompts[1].ids, prompts[1].n, &gp, &r, &err) == PD_OK);
-    t0 = now_s();
+    t0 = test_now_s();
     st = pd_engine_step(e, &err);
     TEST_CHECK_MSG(st == PD_ERR_PEER && strstr(err.msg, "broken") != NULL, "%s: %s",
                    pd_status_str(st), err.msg);
-    TEST_CHECK(now_s() - t0 < 1.0);
+    TEST_CHECK(test_now_s() - t0 < 1.0);
     pd_engine_destroy(e);
 }
 

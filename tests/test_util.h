@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 static int test_n_pass;
 static int test_n_fail;
@@ -69,6 +70,19 @@ static inline char *test_read_file(const char *path, size_t *len)
             *len = (size_t)n;
     }
     return p;
+}
+
+/* The monotonic clock in seconds, and in milliseconds. */
+static inline double test_now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static inline double test_now_ms(void)
+{
+    return test_now_s() * 1e3;
 }
 
 /* Relative L2 error ||a - b|| / max(||b||, tiny). */
