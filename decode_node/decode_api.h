@@ -49,8 +49,8 @@ typedef struct decode_handle decode_handle;
 
 typedef struct {
     const char *model_dir;          /* target checkpoint (+ tokenizer.json) */
-    const char *draft_dir;          /* DSpark checkpoint; NULL (colocated only): plain target
-                                     * decoding, no drafter (--no-draft) */
+    const char *draft_dir;          /* DSpark checkpoint; NULL: plain target decoding, no
+                                     * drafter (--no-draft; prefill nodes ship KV only) */
     const char *device;             /* "cpu" (default) or "cuda" */
     int f32;                        /* cuda: weights and KV cache in fp32 (--dtype f32; default
                                      * bf16); the cpu backend always is fp32 */

@@ -43,8 +43,9 @@ static void usage(FILE *f)
             "                   [--generation-config auto|none|DIR]\n"
             "\n"
             "Serves pdspark.Generate (gRPC, server-streaming) with DSpark speculative decoding.\n"
-            "--no-draft (with --colocated) loads no drafter and decodes the target alone, one token\n"
-            "a step (what a server without speculative decoding does; every reply's tau is 1).\n"
+            "--no-draft loads no drafter and decodes the target alone, one token a step (what a\n"
+            "server without speculative decoding does; every reply's tau is 1); behind prefill\n"
+            "nodes it asks them for the KV pages only (no drafter payload: they need no --draft).\n"
             "--colocated runs the prefill in this process (--cp-size/--cp-strategy apply there; on\n"
             "cuda CP rank r runs on GPU r %% (visible GPUs) with its own copy of the target);\n"
             "--tp N (with --colocated) decodes tensor-parallel over N ranks (cpu: threads, cuda:\n"
@@ -285,11 +286,6 @@ int main(int argc, char **argv)
     }
     if (cfg.draft_dir != NULL && no_draft) {
         fprintf(stderr, PROG ": --draft and --no-draft exclude each other\n");
-        return 2;
-    }
-    if (no_draft && !colocated) {
-        fprintf(stderr, PROG ": --no-draft needs --colocated (a decode node behind prefill nodes takes the "
-                        "drafter's payload they ship)\n");
         return 2;
     }
     if (colocated == (cfg.prefill != NULL)) {

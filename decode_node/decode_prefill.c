@@ -293,9 +293,10 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
     ax.length = pd_xfer_mem_len(s->aux_mem);
     Pdspark__AuxLayout al = PDSPARK__AUX_LAYOUT__INIT;
     al.version = PD_PROTO_VERSION;
-    al.mode = PDSPARK__AUX_MODE__AUX_MODE_RAW;
-    al.rows = (uint32_t)h->n_prompt;
-    al.row_bytes = (uint64_t)s->aux_dim * sizeof(float);
+    /* no drafter here (--no-draft): the KV pages only, no aux region offered */
+    al.mode = s->dm != NULL ? PDSPARK__AUX_MODE__AUX_MODE_RAW : PDSPARK__AUX_MODE__AUX_MODE_NONE;
+    al.rows = s->dm != NULL ? (uint32_t)h->n_prompt : 0;
+    al.row_bytes = s->dm != NULL ? (uint64_t)s->aux_dim * sizeof(float) : 0;
     Pdspark__Destination d = PDSPARK__DESTINATION__INIT;
     d.version = PD_PROTO_VERSION;
     d.worker_address.data = (uint8_t *)s->waddr;
@@ -303,7 +304,7 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
     d.n_page_ids = (size_t)np;
     d.page_ids = pages;
     d.kv_pool = &kv;
-    d.aux = &ax;
+    d.aux = s->dm != NULL ? &ax : NULL;
     d.page_layout = &pl;
     d.aux_layout = &al;
     d.aux_offset = (uint64_t)row * al.row_bytes;
@@ -488,8 +489,11 @@ static pd_status complete_external(decode_server *s, decode_handle *h, int32_t f
                                    Pdspark__AuxMode mode, const pd_token_logprobs *first_lp,
                                    pd_err *err)
 {
-    pd_aux_mode am;
-    switch (mode) {
+    pd_aux_mode am = PD_AUX_RAW;
+    if (s->dm == NULL && mode != PDSPARK__AUX_MODE__AUX_MODE_NONE)
+        return pd_err_set(err, PD_ERR_INVALID, "aux transfer mismatch: the prefill node shipped a drafter "
+                          "payload (aux mode %d) that this decode node (--no-draft) did not ask for", (int)mode);
+    switch (s->dm == NULL ? PDSPARK__AUX_MODE__AUX_MODE_RAW : mode) {
     case PDSPARK__AUX_MODE__AUX_MODE_RAW: am = PD_AUX_RAW; break;
     case PDSPARK__AUX_MODE__AUX_MODE_CTX: am = PD_AUX_CTX; break;
     case PDSPARK__AUX_MODE__AUX_MODE_DRAFT_KV: am = PD_AUX_DRAFT_KV; break;
@@ -505,8 +509,10 @@ static pd_status complete_external(decode_server *s, decode_handle *h, int32_t f
         st = upload_staged(s, h, pd_engine_draft_pool(s->eng), s->dkv_stage, &h->r->dkv, err);
     if (st != PD_OK)
         return st;
-    /* raw rows are [n, K*hidden]; ctx rows are [n, hidden], packed from the same first row */
-    const float *rows = am == PD_AUX_DRAFT_KV ? NULL : s->aux_arena + (size_t)h->aux_row * (size_t)s->aux_dim;
+    /* raw rows are [n, K*hidden]; ctx rows are [n, hidden], packed from the same first row; none
+     * without a drafter */
+    const float *rows = am == PD_AUX_DRAFT_KV || s->dm == NULL ? NULL
+                      : s->aux_arena + (size_t)h->aux_row * (size_t)s->aux_dim;
     return pd_engine_complete_prefill_mode(s->eng, h->r, first, am, rows, first_lp, err);
 }
 

@@ -1148,8 +1148,6 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
 {
     if (cfg->model_dir == NULL)
         return pd_err_set(err, PD_ERR_INVALID, "decode server: --model is required");
-    if (cfg->draft_dir == NULL && !cfg->colocated)
-        return pd_err_set(err, PD_ERR_INVALID, "decode server: --draft is required behind prefill nodes");
     if (!cfg->colocated && (cfg->prefill == NULL || cfg->prefill[0] == '\0'))
         return pd_err_set(err, PD_ERR_INVALID, "decode server: --prefill HOST:PORT or --colocated is required");
     decode_server *s = calloc(1, sizeof(*s));

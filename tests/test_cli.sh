@@ -207,8 +207,6 @@ if [ -x "$bin/decode_node" ] && [ -x "$bin/pdspark-client" ]; then
         --model "$T" --draft "$D" --listen 127.0.0.1:0 --colocated --http 127.0.0.1:0 --generation-config "$tmp/badgen"
     expect_fail "decode_node --generation-config missing" "cannot read" $bin/decode_node --model "$T" \
         --draft "$D" --listen 127.0.0.1:0 --colocated --http 127.0.0.1:0 --generation-config "$tmp/nogen"
-    expect_fail "decode_node --no-draft behind prefill nodes" "--no-draft needs --colocated" $bin/decode_node \
-        --model "$T" --no-draft --listen 127.0.0.1:0 --prefill 127.0.0.1:1
     expect_fail "decode_node --draft with --no-draft" "--draft and --no-draft exclude each other" \
         $bin/decode_node --model "$T" --draft "$D" --no-draft --listen 127.0.0.1:0 --colocated
     expect_fail "decode_node --max-local-prefill colocated" "max-local-prefill applies to --prefill only" \

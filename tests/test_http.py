@@ -67,7 +67,8 @@ class Node:
             env["PDSPARK_API_KEY"] = key
         self.errf = tempfile.TemporaryFile()
         self.p = subprocess.Popen(
-            [os.path.join(bin_dir, binary), "--model", model, *(("--draft", draft) if draft else ("--no-draft",)),
+            [os.path.join(bin_dir, binary), "--model", model,
+             *(("--draft", draft) if draft else ("--no-draft",) if binary == "decode_node" else ()),
              "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", *extra, *DEV],
             stdout=subprocess.PIPE, stderr=self.errf, env=env, text=True)
         self.grpc = self.http = None
@@ -2158,10 +2159,12 @@ def test_spec_disable(bin_dir, model, draft):
           "--speculative-disable-by-batch-size -1: rc %d, %s" % (r.returncode, r.stderr.strip()))
 
 
-def test_no_draft(bin_dir, model):
-    """decode_node --colocated --no-draft (no drafter loaded): greedy completions over HTTP and
-    gRPC equal pdspark-generate --no-draft's, every round commits one token (tau 1, block_size 0,
-    one round per token after the prefill's), and a sampled request is served."""
+def test_no_draft(bin_dir, model, draft):
+    """decode_node --no-draft (no drafter loaded), colocated and behind prefill nodes (one without
+    --draft, one with: either ships the KV pages only): greedy completions over HTTP and gRPC equal
+    pdspark-generate --no-draft's, every round commits one token (tau 1, block_size 0, one round
+    per token after the prefill's), and a sampled request gives the colocated node's text for its
+    seed."""
     prompt = "def quicksort(xs):"
     gen = subprocess.run([os.path.join(bin_dir, "pdspark-generate"), "--model", model, "--no-draft", "--prompt",
                           prompt, "--max-new-tokens", "32", "--ignore-eos", "--json", *DEV],
@@ -2169,23 +2172,46 @@ def test_no_draft(bin_dir, model):
     if not check(gen.returncode == 0, "pdspark-generate --no-draft: " + gen.stderr[-300:]):
         return
     want = json.loads(gen.stdout.strip().splitlines()[-1])
-    node = Node(bin_dir, model, None, ("--colocated",))
-    try:
-        body = {"prompt": prompt, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
-        st, b = post_json(node, "/v1/completions", body)
-        ok = st == 200 and b["choices"][0]["text"] == want["text"]
-        d = b.get("usage", {}).get("dspark", {}) if st == 200 else {}
-        check(ok and d.get("tau") == 1 and d.get("block_size") == 0 and
-              d.get("rounds") == b["usage"]["completion_tokens"] - 1,
-              "--no-draft completion: %s %s (pdspark-generate --no-draft: %r)" % (st, b, want["text"]))
-        g = grpc_generate(bin_dir, node, prompt, 32, ["--ignore-eos"])
-        check(g is not None and g.get("tokens") == want["tokens"],
-              "--no-draft gRPC tokens %s vs pdspark-generate's %s" % (g and g.get("tokens"), want["tokens"]))
-        st, b = post_json(node, "/v1/completions", dict(body, temperature=0.8, top_p=0.9, seed=3))
-        check(st == 200 and b["usage"]["completion_tokens"] == 32, "--no-draft sampled: %s %s" % (st, b))
-        log("decode_node --no-draft: the target alone, pdspark-generate --no-draft's text, tau 1")
-    finally:
-        node.stop()
+    body = {"prompt": prompt, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+    sampled = dict(body, temperature=0.8, top_p=0.9, seed=3)
+    colocated_sampled = None
+    cases = (("colocated", None), ("behind a prefill node without --draft", ()),
+             ("behind a prefill node with --draft", (draft,)))
+    for where, pf_draft in cases:
+        pf = node = None
+        try:
+            if pf_draft is None:
+                node = Node(bin_dir, model, None, ("--colocated",))
+            else:
+                pf = Node(bin_dir, model, pf_draft[0] if pf_draft else None, (), binary="prefill_node")
+                node = Node(bin_dir, model, None, ("--prefill", pf.grpc))
+            st, b = post_json(node, "/v1/completions", body)
+            ok = st == 200 and b["choices"][0]["text"] == want["text"]
+            d = b.get("usage", {}).get("dspark", {}) if st == 200 else {}
+            check(ok and d.get("tau") == 1 and d.get("block_size") == 0 and
+                  d.get("rounds") == b["usage"]["completion_tokens"] - 1,
+                  "--no-draft completion %s: %s %s (pdspark-generate --no-draft: %r)" %
+                  (where, st, b, want["text"]))
+            g = grpc_generate(bin_dir, node, prompt, 32, ["--ignore-eos"])
+            check(g is not None and g.get("tokens") == want["tokens"],
+                  "--no-draft gRPC tokens %s: %s vs pdspark-generate's %s" %
+                  (where, g and g.get("tokens"), want["tokens"]))
+            st, b = post_json(node, "/v1/completions", sampled)
+            check(st == 200 and b["usage"]["completion_tokens"] == 32, "--no-draft sampled %s: %s %s" %
+                  (where, st, b))
+            text = b["choices"][0]["text"] if st == 200 else None
+            if colocated_sampled is None:
+                colocated_sampled = text
+            else:
+                check(text == colocated_sampled, "--no-draft sampled %s: %r, colocated %r" %
+                      (where, text, colocated_sampled))
+            log("decode_node --no-draft %s: the target alone, pdspark-generate --no-draft's text, tau 1" % where)
+        except RuntimeError as e:
+            check(False, "--no-draft %s: %s" % (where, e))
+        finally:
+            for n in (node, pf):
+                if n is not None:
+                    n.stop()
 
 
 def test_tensor_parallel(bin_dir, model, draft):
@@ -2650,7 +2676,7 @@ def main():
         test_local_prefill(bin_dir, model, draft)
         test_generation_config(bin_dir, model, draft)
         test_spec_disable(bin_dir, model, draft)
-        test_no_draft(bin_dir, model)
+        test_no_draft(bin_dir, model, draft)
     if FAILS == 0 and DEV:
         log("--tp 2 left out: it needs a GPU per rank (PD_HTTP_DEVICE)")
     elif FAILS == 0:
