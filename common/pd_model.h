@@ -26,6 +26,8 @@ typedef struct {
     int head_dim;                 /* head_dim, or hidden_size / num_attention_heads */
     float rms_norm_eps;
     float rope_theta;             /* rope_parameters.rope_theta or rope_theta */
+    kern_rope_scaling rope_scaling;   /* rope_parameters / rope_scaling: default (zero), linear
+                                       * or yarn, with yarn's ramp and attention factor formed */
     int max_position_embeddings;
     int tie_word_embeddings;
     int attention_bias;           /* refused when true: Qwen3 has none */

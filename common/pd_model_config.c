@@ -222,9 +222,11 @@ static pd_status get_token_opt(const cJSON *o, const char *file, const char *key
     return st;
 }
 
-/* rope_type of a rope_parameters / rope_scaling object; NULL-safe. */
-static pd_status check_rope_obj(const cJSON *r, const char *file, const char *key, pd_err *err)
+/* The rope_type of a rope_parameters / rope_scaling object r ("type" in old configs; absent:
+ * default) into *type; unknown types are refused by name. NULL-safe. */
+static pd_status rope_type_of(const cJSON *r, const char *file, const char *key, int *type, pd_err *err)
 {
+    *type = KERN_ROPE_DEFAULT;
     if (r == NULL)
         return PD_OK;
     if (!cJSON_IsObject(r))
@@ -236,10 +238,127 @@ static pd_status check_rope_obj(const cJSON *r, const char *file, const char *ke
         return PD_OK;
     if (!cJSON_IsString(t))
         return pd_err_set(err, PD_ERR_INVALID, "%s: %s.rope_type is not a string", file, key);
-    if (strcmp(t->valuestring, "default") != 0)
+    if (strcmp(t->valuestring, "linear") == 0)
+        *type = KERN_ROPE_LINEAR;
+    else if (strcmp(t->valuestring, "yarn") == 0)
+        *type = KERN_ROPE_YARN;
+    else if (strcmp(t->valuestring, "default") != 0)
         return pd_err_set(err, PD_ERR_UNSUPPORTED,
-                          "%s: %s.rope_type %s is not supported (only default RoPE)", file, key,
+                          "%s: %s.rope_type %s is not supported (default, linear and yarn are)", file, key,
                           t->valuestring);
+    return PD_OK;
+}
+
+/* An optional number field of a rope object: *out = dflt when absent (or null, or 0 where
+ * zero_is_absent: Hugging Face reads beta_fast/beta_slow with "or") */
+static pd_status rope_num(const cJSON *r, const char *file, const char *key, const char *field, double dflt,
+                          int zero_is_absent, double *out, pd_err *err)
+{
+    const cJSON *j = jget(r, field);
+    *out = dflt;
+    if (j == NULL)
+        return PD_OK;
+    if (!cJSON_IsNumber(j) || !isfinite(j->valuedouble))
+        return pd_err_set(err, PD_ERR_INVALID, "%s: %s.%s must be a number", file, key, field);
+    if (!(zero_is_absent && j->valuedouble == 0.0))
+        *out = j->valuedouble;
+    return PD_OK;
+}
+
+/* YaRN's 0.1 * mscale * ln(scale) + 1 (1 at scale <= 1) */
+static double yarn_mscale(double scale, double mscale)
+{
+    return scale <= 1.0 ? 1.0 : 0.1 * mscale * log(scale) + 1.0;
+}
+
+/* Pair index at which a frequency makes n rotations over max_pos positions (YaRN) */
+static double yarn_correction_dim(double n, int dim, double base, double max_pos)
+{
+    return dim * log(max_pos / (n * 2.0 * 3.141592653589793)) / (2.0 * log(base));
+}
+
+/* The RoPE scaling of a config: the rope_parameters object (transformers 5) or rope_scaling
+ * (older) with a linear or yarn rope_type, its parameters formed as Hugging Face forms them
+ * (factor, attention_factor or mscale / mscale_all_dim, beta_fast 32, beta_slow 1,
+ * original_max_position_embeddings defaulting to max_position_embeddings, truncate); base is
+ * the rope_theta read. A linear or yarn scaling serves factor x the original context (vLLM's
+ * rule), so c->max_position_embeddings becomes that when it is larger. */
+static pd_status parse_rope_scaling(const cJSON *o, const char *file, double base, pd_qwen3_config *c, pd_err *err)
+{
+    const cJSON *rp = jget(o, "rope_parameters"), *rs = jget(o, "rope_scaling");
+    int tp, ts;
+    pd_status st;
+    if ((st = rope_type_of(rp, file, "rope_parameters", &tp, err)) != PD_OK ||
+        (st = rope_type_of(rs, file, "rope_scaling", &ts, err)) != PD_OK)
+        return st;
+    const cJSON *r = tp != KERN_ROPE_DEFAULT ? rp : rs;
+    const char *key = tp != KERN_ROPE_DEFAULT ? "rope_parameters" : "rope_scaling";
+    int type = tp != KERN_ROPE_DEFAULT ? tp : ts;
+    memset(&c->rope_scaling, 0, sizeof(c->rope_scaling));
+    if (type == KERN_ROPE_DEFAULT)
+        return PD_OK;
+    double prf, orig, factor;
+    if ((st = rope_num(r, file, key, "partial_rotary_factor", 1.0, 0, &prf, err)) != PD_OK ||
+        (st = rope_num(r, file, key, "original_max_position_embeddings", c->max_position_embeddings, 0, &orig,
+                       err)) != PD_OK ||
+        (st = rope_num(r, file, key, "factor", type == KERN_ROPE_YARN ? c->max_position_embeddings / orig : -1.0,
+                       0, &factor, err)) != PD_OK)
+        return st;
+    if (prf != 1.0)
+        return pd_err_set(err, PD_ERR_UNSUPPORTED, "%s: %s.partial_rotary_factor %g is not supported (1 only)",
+                          file, key, prf);
+    if (!(orig >= 1.0 && orig <= (double)(1 << 30)))
+        return pd_err_set(err, PD_ERR_INVALID, "%s: %s.original_max_position_embeddings %g must be in 1..%d", file,
+                          key, orig, 1 << 30);
+    if (factor < 0.0 && jget(r, "factor") == NULL)
+        return pd_err_set(err, PD_ERR_INVALID, "%s: %s.factor is missing (rope_type %s needs it)", file, key,
+                          type == KERN_ROPE_LINEAR ? "linear" : "yarn");
+    if (!(factor >= 1.0 && factor <= 1e6))
+        return pd_err_set(err, PD_ERR_INVALID, "%s: %s.factor %g must be in 1..1e6", file, key, factor);
+    kern_rope_scaling *sc = &c->rope_scaling;
+    sc->type = type;
+    sc->factor = (float)factor;
+    double served = (type == KERN_ROPE_YARN ? orig : (double)c->max_position_embeddings) * factor;
+    if (served > (double)c->max_position_embeddings)
+        c->max_position_embeddings = served < (double)(1 << 30) ? (int)served : 1 << 30;
+    if (type == KERN_ROPE_LINEAR)
+        return PD_OK;
+    double attn, mscale, mscale_all, beta_fast, beta_slow;
+    int truncate = 1;
+    if ((st = rope_num(r, file, key, "attention_factor", -1.0, 0, &attn, err)) != PD_OK ||
+        (st = rope_num(r, file, key, "mscale", 0.0, 0, &mscale, err)) != PD_OK ||
+        (st = rope_num(r, file, key, "mscale_all_dim", 0.0, 0, &mscale_all, err)) != PD_OK ||
+        (st = rope_num(r, file, key, "beta_fast", 32.0, 1, &beta_fast, err)) != PD_OK ||
+        (st = rope_num(r, file, key, "beta_slow", 1.0, 1, &beta_slow, err)) != PD_OK ||
+        (st = get_bool_opt(r, file, "truncate", 1, &truncate, err)) != PD_OK)
+        return st;
+    if (jget(r, "attention_factor") == NULL)
+        attn = mscale != 0.0 && mscale_all != 0.0 ? yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+                                                   : yarn_mscale(factor, 1.0);
+    if (!(attn > 0.0 && attn <= 1e6))
+        return pd_err_set(err, PD_ERR_INVALID, "%s: %s.attention_factor %g must be positive", file, key, attn);
+    if (!(beta_fast > 0.0 && beta_slow > 0.0))
+        return pd_err_set(err, PD_ERR_INVALID, "%s: %s.beta_fast %g and beta_slow %g must be positive", file, key,
+                          beta_fast, beta_slow);
+    if (!(base > 1.0))
+        return pd_err_set(err, PD_ERR_INVALID, "%s: rope_theta %g must be > 1 for yarn", file, base);
+    const int dim = c->head_dim;
+    double low = yarn_correction_dim(beta_fast, dim, base, orig);
+    double high = yarn_correction_dim(beta_slow, dim, base, orig);
+    if (truncate) {
+        low = floor(low);
+        high = ceil(high);
+    }
+    low = low > 0.0 ? low : 0.0;
+    high = high < dim - 1 ? high : dim - 1;
+    if (low == high)
+        high += 0.001;   /* as Hugging Face avoids the singularity */
+    if (!(high > low))
+        return pd_err_set(err, PD_ERR_INVALID, "%s: %s: beta_fast %g and beta_slow %g give an empty yarn ramp "
+                          "(pairs %g..%g)", file, key, beta_fast, beta_slow, low, high);
+    sc->low = (float)low;
+    sc->span = (float)(high - low);
+    sc->attn = (float)attn;
     return PD_OK;
 }
 
@@ -304,11 +423,11 @@ static pd_status parse_qwen3(const cJSON *o, const char *file, const char *want_
     if ((st = get_float_opt(o, file, "rms_norm_eps", 1e-6, &c->rms_norm_eps, err)) != PD_OK)
         return st;
 
-    /* transformers 5: rope_parameters {rope_theta, rope_type}; older: rope_theta + rope_scaling */
+    /* transformers 5: rope_parameters {rope_theta, rope_type, ...}; older: rope_theta +
+     * rope_scaling (parsed below, once max_position_embeddings is known) */
     const cJSON *rp = jget(o, "rope_parameters");
-    if ((st = check_rope_obj(rp, file, "rope_parameters", err)) != PD_OK ||
-        (st = check_rope_obj(jget(o, "rope_scaling"), file, "rope_scaling", err)) != PD_OK)
-        return st;
+    if (rp != NULL && !cJSON_IsObject(rp))
+        return pd_err_set(err, PD_ERR_INVALID, "%s: field rope_parameters is not an object", file);
     const cJSON *th = rp != NULL ? jget(rp, "rope_theta") : NULL;
     const char *th_key = "rope_parameters.rope_theta";
     if (th == NULL) {
@@ -316,15 +435,18 @@ static pd_status parse_qwen3(const cJSON *o, const char *file, const char *want_
         th_key = "rope_theta";
     }
     c->rope_theta = 10000.0f;   /* the Qwen3Config default */
+    double base = 10000.0;
     if (th != NULL) {
         if (!cJSON_IsNumber(th) || !((float)th->valuedouble > 0.0f) || !isfinite((float)th->valuedouble))
             return pd_err_set(err, PD_ERR_INVALID, "%s: field %s must be a positive number (as a float)",
                               file, th_key);
         c->rope_theta = (float)th->valuedouble;
+        base = th->valuedouble;
     }
 
     if ((st = get_int_opt(o, file, "max_position_embeddings", 1, big, 32768,
                           &c->max_position_embeddings, err)) != PD_OK ||
+        (st = parse_rope_scaling(o, file, base, c, err)) != PD_OK ||
         (st = get_bool_opt(o, file, "tie_word_embeddings", 0, &c->tie_word_embeddings, err)) !=
             PD_OK ||
         (st = get_bool_opt(o, file, "attention_bias", 0, &c->attention_bias, err)) != PD_OK)

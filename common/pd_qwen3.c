@@ -214,7 +214,7 @@ static pd_status layer_kv(pd_act *a, const pd_qwen3_config *cfg, const pd_layer_
             .k = a->k, .v = a->v, .ld_kv = a->kv_dim, .q_norm = lw->k_norm, .k_norm = lw->k_norm,
             .eps = cfg->rms_norm_eps, .n_tok = n_tok, .n_heads = 0,
             .n_kv_heads = cfg->num_key_value_heads, .head_dim = cfg->head_dim, .pos = a->pos,
-            .theta = cfg->rope_theta, .slot = a->slot,
+            .theta = cfg->rope_theta, .scaling = cfg->rope_scaling, .slot = a->slot,
         },
     };
     if (kv != NULL)
@@ -251,7 +251,8 @@ static kern_qkv_args qkv_args(pd_act *a, const pd_qwen3_config *cfg, const pd_la
             .q = a->q, .ld_q = a->q_dim, .k = a->k, .v = a->v, .ld_kv = a->kv_dim,
             .q_norm = lw->q_norm, .k_norm = lw->k_norm, .eps = cfg->rms_norm_eps, .n_tok = n_tok,
             .n_heads = cfg->num_attention_heads, .n_kv_heads = cfg->num_key_value_heads,
-            .head_dim = cfg->head_dim, .pos = a->pos, .theta = cfg->rope_theta, .slot = a->slot,
+            .head_dim = cfg->head_dim, .pos = a->pos, .theta = cfg->rope_theta,
+            .scaling = cfg->rope_scaling, .slot = a->slot,
         },
     };
     if (kv != NULL)

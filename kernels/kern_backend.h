@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kern_rope.h"
 #include "pd_status.h"
 
 typedef enum { KERN_DTYPE_F32 = 0, KERN_DTYPE_BF16, KERN_DTYPE_F16, KERN_DTYPE_I32 } kern_dtype;
@@ -94,6 +95,7 @@ typedef struct {
     int ld;
     const int32_t *pos;
     float theta;
+    kern_rope_scaling scaling;   /* zero: plain RoPE */
 } kern_rope_args;
 
 typedef enum { KERN_UNARY_SIGMOID = 0, KERN_UNARY_TANH, KERN_UNARY_SILU } kern_unary_op;
@@ -242,7 +244,7 @@ typedef struct {
 
 /* Qwen3 q/k post-processing of a QKV projection, per token t:
  *   every q head and k head: x = norm_w * rmsnorm(x) over head_dim (q_norm / k_norm, eps), then
- *   rotate-half RoPE at pos[t] (theta), both written back in place (q [n_tok, ld_q] stays the
+ *   rotate-half RoPE at pos[t] (theta, scaling), both written back in place (q [n_tok, ld_q] stays the
  *   attention's query rows, k [n_tok, ld_kv] the rows a context-parallel prefill gathers);
  *   if kv.k != NULL, k and v (v [n_tok, ld_kv], unchanged) are also stored at slot[t] of the
  *   paged cache as kern_kv_store does (a negative slot skips the token). n_heads may be 0 (k/v
@@ -262,6 +264,7 @@ typedef struct {
     int head_dim;
     const int32_t *pos;      /* [n_tok] */
     float theta;
+    kern_rope_scaling scaling;   /* zero: plain RoPE */
     kern_kv_layer kv;        /* kv.k == NULL: store nothing */
     const int32_t *slot;     /* [n_tok], needed when kv.k != NULL */
 } kern_qk_post_args;

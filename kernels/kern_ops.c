@@ -185,6 +185,17 @@ pd_status kern_matmul(kern_backend *be, const kern_matmul_args *a, pd_err *err)
     return be->ops->matmul(be, a, err);
 }
 
+/* A rope scaling the backends know, with usable parameters (kern_rope.h) */
+static int rope_scaling_ok(const kern_rope_scaling *sc)
+{
+    if (sc->type == KERN_ROPE_DEFAULT)
+        return 1;
+    if ((sc->type != KERN_ROPE_LINEAR && sc->type != KERN_ROPE_YARN) || !(sc->factor >= 1.0f) || !isfinite(sc->factor))
+        return 0;
+    return sc->type == KERN_ROPE_LINEAR ||
+           (sc->span > 0.0f && isfinite(sc->span) && isfinite(sc->low) && sc->attn > 0.0f && isfinite(sc->attn));
+}
+
 pd_status kern_rope(kern_backend *be, const kern_rope_args *a, pd_err *err)
 {
     if (a->n_tok == 0)
@@ -194,6 +205,8 @@ pd_status kern_rope(kern_backend *be, const kern_rope_args *a, pd_err *err)
           "rope: n_tok %d n_heads %d head_dim %d", a->n_tok, a->n_heads, a->head_dim);
     CHECK(a->ld >= a->n_heads * a->head_dim, "rope: ld %d", a->ld);
     CHECK(a->theta > 0.0f, "rope: theta %g", (double)a->theta);
+    CHECK(rope_scaling_ok(&a->scaling), "rope: scaling type %d factor %g span %g attn %g", a->scaling.type,
+          (double)a->scaling.factor, (double)a->scaling.span, (double)a->scaling.attn);
     return be->ops->rope(be, a, err);
 }
 
@@ -367,6 +380,8 @@ static pd_status qk_post_check(const kern_qk_post_args *a, pd_err *err)
           "qk_post: q_norm/k_norm size != head_dim %d", a->head_dim);
     CHECK(a->eps > 0.0f && a->theta > 0.0f, "qk_post: eps %g theta %g", (double)a->eps,
           (double)a->theta);
+    CHECK(rope_scaling_ok(&a->scaling), "qk_post: rope scaling type %d factor %g span %g attn %g",
+          a->scaling.type, (double)a->scaling.factor, (double)a->scaling.span, (double)a->scaling.attn);
     if (a->kv.k != NULL) {
         pd_status st = kv_layer_check(&a->kv, err);
         if (st != PD_OK)

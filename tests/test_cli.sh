@@ -66,6 +66,30 @@ a=$($gen --model "$T" --draft "$D" --prompt-ids "$tmp/ids.txt" --max-new-tokens 
 b=$($gen --model "$T" --no-draft --prompt-ids "$tmp/ids.txt" --max-new-tokens 20 --json 2>/dev/null | python3 -c "import json,sys;print(json.load(sys.stdin)['tokens'])")
 if [ -n "$a" ] && [ "$a" = "$b" ]; then ok; echo "ok   speculative == target-only ($a)"; else bad "speculative $a != target-only $b"; fi
 
+# RoPE scaling: a yarn rope_parameters (as Qwen3's model card adds for long contexts) serves
+# factor x original_max_position_embeddings positions, speculative == target-only under it, and it
+# reaches the model (its greedy tokens part from the plain model's)
+for v in plain256 yarn; do
+  mkdir -p "$tmp/$v" && ln -s "$(cd "$T" && pwd)"/* "$tmp/$v/" && rm "$tmp/$v/config.json"
+  python3 - "$T/config.json" "$tmp/$v/config.json" "$v" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+c["max_position_embeddings"] = 256
+if sys.argv[3] == "yarn":
+    c["rope_parameters"] = {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 8.0,
+                            "original_max_position_embeddings": 256}
+json.dump(c, open(sys.argv[2], "w"))
+PY
+done
+python3 -c "import random; random.seed(5); print(' '.join(str(random.randrange(100, 8000)) for _ in range(300)))" >"$tmp/ids300.txt"
+ya=$($gen --model "$tmp/yarn" --draft "$D" --prompt-ids "$tmp/ids.txt" --max-new-tokens 20 --json 2>/dev/null | python3 -c "import json,sys;print(json.load(sys.stdin)['tokens'])")
+yb=$($gen --model "$tmp/yarn" --no-draft --prompt-ids "$tmp/ids.txt" --max-new-tokens 20 --json 2>/dev/null | python3 -c "import json,sys;print(json.load(sys.stdin)['tokens'])")
+if [ -n "$ya" ] && [ "$ya" = "$yb" ] && [ "$ya" != "$a" ]; then ok; echo "ok   yarn: speculative == target-only ($ya), not the plain model's"; else bad "yarn: speculative $ya, target-only $yb, plain $a"; fi
+expect_fail "300-token prompt in a 256-position model" "context of 256" $gen --model "$tmp/plain256" --no-draft --prompt-ids "$tmp/ids300.txt" --max-new-tokens 4
+ya=$($gen --model "$tmp/yarn" --draft "$D" --prompt-ids "$tmp/ids300.txt" --max-new-tokens 8 --json 2>"$tmp/err" | python3 -c "import json,sys;print(json.load(sys.stdin)['tokens'])")
+yb=$($gen --model "$tmp/yarn" --no-draft --prompt-ids "$tmp/ids300.txt" --max-new-tokens 8 --json 2>/dev/null | python3 -c "import json,sys;print(json.load(sys.stdin)['tokens'])")
+if [ -n "$ya" ] && [ "$ya" = "$yb" ]; then ok; echo "ok   yarn serves 8 x 256 positions: a 300-token prompt, speculative == target-only"; else bad "yarn 300-token prompt: $ya vs $yb"; cat "$tmp/err"; fi
+
 expect_fail "missing model dir" "nope|no such|not found" $gen --model "$tmp/nope" --prompt hi
 mkdir -p "$tmp/noconf" && cp "$T"/*.safetensors "$tmp/noconf/"
 expect_fail "missing config.json" "config.json" $gen --model "$tmp/noconf" --prompt-ids "$tmp/ids.txt"

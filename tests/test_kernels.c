@@ -713,6 +713,20 @@ static double run_mlp(run_ctx *x)
     return e;
 }
 
+/* A RoPE scaling for the rope / qk_post cases: 0 none, 1 yarn as Qwen3's model card sets it up
+ * (factor 4 over 32768 positions, head_dim 128: pairs 23..40, attention factor 1 + 0.1 ln 4),
+ * 2 linear (factor 2) */
+static kern_rope_scaling case_scaling(int which)
+{
+    kern_rope_scaling sc = {0};
+    if (which == 1)
+        sc = (kern_rope_scaling){ .type = KERN_ROPE_YARN, .factor = 4.0f, .low = 23.0f, .span = 17.0f,
+                                  .attn = 1.13862944f };
+    else if (which == 2)
+        sc = (kern_rope_scaling){ .type = KERN_ROPE_LINEAR, .factor = 2.0f };
+    return sc;
+}
+
 static double run_rope(run_ctx *x)
 {
     const kcase *c = x->c;
@@ -728,6 +742,7 @@ static double run_rope(run_ctx *x)
     ac.head_dim = hd;
     ac.ld = ld;
     ac.theta = 1000000.0f;
+    ac.scaling = case_scaling(c->sub);   /* sub: the scaling */
     ag = ac;
     ac.pos = side_bytes(x->cpu, pos, (size_t)n_tok * sizeof(int32_t));
     ag.pos = side_bytes(x->gpu, pos, (size_t)n_tok * sizeof(int32_t));
@@ -1364,8 +1379,8 @@ static double run_kv_store(run_ctx *x)
     return e;
 }
 
-/* qk_post: c->rows tokens, heads/kv heads/head_dim, page size; c->sub = 1: also store into the
- * paged cache (one token gets slot -1). q/k compared by rel L2 against the tolerance; the caches
+/* qk_post: c->rows tokens, heads/kv heads/head_dim, page size; c->sub bit 0: also store into the
+ * paged cache (one token gets slot -1), bits 1-2: the RoPE scaling (case_scaling). q/k compared by rel L2 against the tolerance; the caches
  * (bf16 on CUDA, f32 on the CPU) by rel L2 over every value against 8e-3. */
 /* The k and v caches of the two sides agree to bf16 storage precision (rel_l2 <= 8e-3) */
 static int cache_same(run_ctx *x, const kern_kv_layer *kc, const kern_kv_layer *kg, size_t cache_n)
@@ -1426,6 +1441,7 @@ static double run_qk_post(run_ctx *x)
     ac.n_kv_heads = nkv;
     ac.head_dim = hd;
     ac.theta = 1000000.0f;
+    ac.scaling = case_scaling(c->sub >> 1);   /* sub: bit 0 stores into the cache, bits 1-2 the scaling */
     ag = ac;
     ac.q_norm = side_weight(x->cpu, qn, 1, hd);
     ag.q_norm = side_weight(x->gpu, qn, 1, hd);
@@ -2852,6 +2868,8 @@ static const kcase cases[] = {
     {"rope", 1, 0, 0, 0, 0, 0, 0, 32, 0, 128, 0, NULL, 1e-5, 0},
     {"rope", 77, 0, 3, 0, 0, 0, 0, 8, 0, 64, 0, NULL, 1e-5, 0},
     {"rope", 300, 0, 0, 0, 0, 0, 0, 40, 0, 128, 0, NULL, 1e-5, 0},
+    {"rope", 77, 0, 3, 0, 0, 0, 1, 8, 0, 128, 0, NULL, 1e-5, 0},   /* yarn */
+    {"rope", 9, 0, 0, 0, 0, 0, 2, 4, 0, 64, 0, NULL, 1e-5, 0},     /* linear */
     {"unary", 17, 1000, 3, 0, 0, 0, KERN_UNARY_SIGMOID, 0, 0, 0, 0, NULL, 1e-6, 0},
     {"unary", 5, 4099, 0, 0, 0, 0, KERN_UNARY_TANH, 0, 0, 0, 0, NULL, 1e-6, 0},
     {"unary", 64, 3000, 1, 0, 0, 0, KERN_UNARY_SILU, 0, 0, 0, 0, NULL, 1e-6, 0},
@@ -2923,6 +2941,8 @@ static const kcase cases[] = {
     {"qk_post", 1, 0, 0, 0, 0, 0, 1, 32, 8, 128, 16, NULL, 1e-5, 0},
     {"qk_post", 9, 0, 3, 0, 0, 0, 1, 16, 4, 64, 16, NULL, 1e-5, 0},
     {"qk_post", 77, 0, 0, 0, 0, 0, 0, 32, 8, 128, 64, NULL, 1e-5, 0},
+    {"qk_post", 9, 0, 3, 0, 0, 0, 3, 32, 8, 128, 16, NULL, 1e-5, 0},   /* yarn, stored */
+    {"qk_post", 33, 0, 0, 0, 0, 0, 4, 16, 4, 64, 16, NULL, 1e-5, 0},   /* linear */
     /* markov_step: rows n, V = n, R = k */
     {"markov_step", 1, 0, 0, 0, 151936, 64, 0, 0, 0, 0, 0, NULL, 1e-2, 0},
     {"markov_step", 3, 0, 5, 0, 1001, 64, 0, 0, 0, 0, 0, NULL, 1e-2, 0},
@@ -3161,10 +3181,12 @@ static void case_name(const kcase *c, char *buf, size_t n)
         snprintf(buf, n, "tok %d kv_heads %d hd %d page %d pad %d", c->rows, c->n_kv, c->hd,
                  c->page_size, c->pad);
     else if (strcmp(c->op, "rope") == 0)
-        snprintf(buf, n, "tok %d heads %d hd %d pad %d", c->rows, c->n_heads, c->hd, c->pad);
+        snprintf(buf, n, "tok %d heads %d hd %d pad %d%s", c->rows, c->n_heads, c->hd, c->pad,
+                 c->sub == 1 ? " yarn" : c->sub == 2 ? " linear" : "");
     else if (strcmp(c->op, "qk_post") == 0)
-        snprintf(buf, n, "tok %d heads %d/%d hd %d page %d pad %d%s", c->rows, c->n_heads, c->n_kv,
-                 c->hd, c->page_size, c->pad, c->sub & 1 ? " store" : "");
+        snprintf(buf, n, "tok %d heads %d/%d hd %d page %d pad %d%s%s", c->rows, c->n_heads, c->n_kv,
+                 c->hd, c->page_size, c->pad, c->sub & 1 ? " store" : "",
+                 c->sub >> 1 == 1 ? " yarn" : c->sub >> 1 == 2 ? " linear" : "");
     else if (strcmp(c->op, "markov_step") == 0)
         snprintf(buf, n, "rows %d V %d R %d pad %d", c->rows, c->n, c->k, c->pad);
     else if (strcmp(c->op, "markov_chain") == 0)

@@ -365,10 +365,8 @@ static void test_model_bad_configs(void)
         {"bias", {"attention_bias", "true"}, PD_ERR_UNSUPPORTED, "attention_bias", NULL},
         {"kvheads", {"num_key_value_heads", "3"}, PD_ERR_INVALID, "num_key_value_heads 3",
          "num_attention_heads 4"},
-        {"yarn", {"rope_parameters", "{\"rope_theta\": 10000, \"rope_type\": \"yarn\"}"},
-         PD_ERR_UNSUPPORTED, "yarn", NULL},
-        {"old-scaling", {"rope_scaling", "{\"type\": \"linear\", \"factor\": 2}"},
-         PD_ERR_UNSUPPORTED, "rope_scaling", "linear"},
+        {"old-scaling", {"rope_scaling", "{\"type\": \"longrope\", \"factor\": 2}"},
+         PD_ERR_UNSUPPORTED, "rope_scaling", "longrope"},
         {"sliding", {"use_sliding_window", "true"}, PD_ERR_UNSUPPORTED, "use_sliding_window",
          NULL},
         {"theta", {"rope_parameters", "{\"rope_theta\": -1}"}, PD_ERR_INVALID, "rope_theta",
@@ -382,6 +380,103 @@ static void test_model_bad_configs(void)
     /* a draft is not a target and vice versa */
     test_target_fail(DRAFT_DIR, PD_ERR_UNSUPPORTED, "Qwen3DSparkModel", "Qwen3ForCausalLM");
     test_draft_fail(TARGET_DIR, NULL, PD_ERR_UNSUPPORTED, "Qwen3ForCausalLM", "Qwen3DSparkModel");
+}
+
+/* RoPE scaling (yarn, linear) against tests/fixtures/rope/rope_cases.json: what Hugging Face
+ * forms of each config (make_rope_cases.py transcribes its float32 steps). The parsed ramp,
+ * attention factor and served context, every pair's inverse frequency and the cos/sin at a few
+ * positions must be those bits. */
+static void test_model_rope_scaling(void)
+{
+    size_t n = 0;
+    char *text = test_read_file(PD_FIXTURES "/rope/rope_cases.json", &n);
+    cJSON *root = text != NULL ? cJSON_Parse(text) : NULL;
+    free(text);
+    TEST_CHECK_MSG(cJSON_GetArraySize(root) >= 5, "rope_cases.json: %d cases", cJSON_GetArraySize(root));
+    int n_cases = 0, n_bits = 0;
+    for (const cJSON *cs = root != NULL ? root->child : NULL; cs != NULL; cs = cs->next) {
+        const char *name = cJSON_GetObjectItem(cs, "name")->valuestring;
+        test_edit ed[8];
+        int n_ed = 0;
+        for (const cJSON *e = cJSON_GetObjectItem(cs, "edits")->child; e != NULL && n_ed < 8; e = e->next, n_ed++) {
+            ed[n_ed].key = cJSON_GetArrayItem(e, 0)->valuestring;
+            ed[n_ed].value = cJSON_GetArrayItem(e, 1)->valuestring;
+        }
+        pd_qwen3_config c;
+        pd_err err;
+        pd_status st = pd_qwen3_config_load(test_variant(name, TARGET_DIR, ed, (size_t)n_ed), &c, &err);
+        TEST_CHECK_MSG(st == PD_OK, "%s: %s", name, err.msg);
+        if (st != PD_OK)
+            continue;
+        const kern_rope_scaling *sc = &c.rope_scaling;
+        int yarn = strcmp(cJSON_GetObjectItem(cs, "type")->valuestring, "yarn") == 0;
+        TEST_CHECK_MSG(sc->type == (yarn ? KERN_ROPE_YARN : KERN_ROPE_LINEAR) &&
+                           sc->factor == (float)cJSON_GetObjectItem(cs, "factor")->valuedouble &&
+                           c.max_position_embeddings == cJSON_GetObjectItem(cs, "max_position_embeddings")->valueint,
+                       "%s: type %d factor %g context %d", name, sc->type, (double)sc->factor,
+                       c.max_position_embeddings);
+        if (yarn)
+            TEST_CHECK_MSG(sc->low == (float)cJSON_GetObjectItem(cs, "low")->valuedouble &&
+                               sc->span == (float)cJSON_GetObjectItem(cs, "span")->valuedouble &&
+                               sc->attn == (float)cJSON_GetObjectItem(cs, "attn")->valuedouble,
+                           "%s: low %g span %g attn %.9g", name, (double)sc->low, (double)sc->span,
+                           (double)sc->attn);
+        const cJSON *inv = cJSON_GetObjectItem(cs, "inv_freq_bits"), *pos = cJSON_GetObjectItem(cs, "positions");
+        TEST_CHECK(cJSON_GetArraySize(inv) == c.head_dim / 2);
+        int bad = 0;
+        for (int i = 0; i < c.head_dim / 2 && i < cJSON_GetArraySize(inv); i++) {
+            float f = kern_rope_inv_freq(c.rope_theta, sc, i, c.head_dim);
+            uint32_t u;
+            memcpy(&u, &f, 4);
+            bad += u != (uint32_t)cJSON_GetArrayItem(inv, i)->valuedouble;
+            n_bits++;
+            for (int p = 0; p < cJSON_GetArraySize(pos); p++) {
+                const cJSON *row = cJSON_GetArrayItem(cJSON_GetObjectItem(cs, "cos_sin_bits"), p);
+                float co, si;
+                kern_rope_cs(cJSON_GetArrayItem(pos, p)->valueint, c.rope_theta, sc, i, c.head_dim, &co, &si);
+                uint32_t uc, us;
+                memcpy(&uc, &co, 4);
+                memcpy(&us, &si, 4);
+                bad += uc != (uint32_t)cJSON_GetArrayItem(row, 2 * i)->valuedouble;
+                bad += us != (uint32_t)cJSON_GetArrayItem(row, 2 * i + 1)->valuedouble;
+                n_bits += 2;
+            }
+        }
+        TEST_CHECK_MSG(bad == 0, "%s: %d inverse frequencies or cos/sin differ from the reference's bits", name, bad);
+        n_cases++;
+    }
+    cJSON_Delete(root);
+    printf("rope scaling: %d configs, %d values equal to the reference bits\n", n_cases, n_bits);
+
+    /* what Hugging Face refuses or would not read is refused by name */
+    static const struct {
+        const char *name;
+        test_edit ed;
+        pd_status want;
+        const char *n1, *n2;
+    } bad[] = {
+        {"rope-dynamic", {"rope_parameters", "{\"rope_theta\": 10000, \"rope_type\": \"dynamic\", \"factor\": 2}"},
+         PD_ERR_UNSUPPORTED, "dynamic", "not supported"},
+        {"rope-llama3", {"rope_scaling", "{\"rope_type\": \"llama3\", \"factor\": 8}"}, PD_ERR_UNSUPPORTED,
+         "llama3", NULL},
+        {"rope-factor", {"rope_parameters", "{\"rope_theta\": 10000, \"rope_type\": \"yarn\", \"factor\": 0.5}"},
+         PD_ERR_INVALID, "factor 0.5", NULL},
+        {"rope-nofactor", {"rope_scaling", "{\"type\": \"linear\"}"}, PD_ERR_INVALID, "factor is missing", "linear"},
+        {"rope-strfactor", {"rope_parameters", "{\"rope_theta\": 10000, \"rope_type\": \"yarn\", \"factor\": \"4\"}"},
+         PD_ERR_INVALID, "rope_parameters.factor", "number"},
+        {"rope-partial", {"rope_parameters", "{\"rope_theta\": 10000, \"rope_type\": \"yarn\", \"factor\": 4, "
+                                            "\"partial_rotary_factor\": 0.5}"},
+         PD_ERR_UNSUPPORTED, "partial_rotary_factor", NULL},
+        {"rope-attn", {"rope_parameters", "{\"rope_theta\": 10000, \"rope_type\": \"yarn\", \"factor\": 4, "
+                                         "\"attention_factor\": -1}"}, PD_ERR_INVALID, "attention_factor", NULL},
+        {"rope-notobj", {"rope_scaling", "[1]"}, PD_ERR_INVALID, "rope_scaling", "object"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        pd_qwen3_config c;
+        pd_err err;
+        pd_status st = pd_qwen3_config_load(test_variant(bad[i].name, TARGET_DIR, &bad[i].ed, 1), &c, &err);
+        test_check_msg(st, bad[i].want, &err, bad[i].name, bad[i].n1, bad[i].n2);
+    }
 }
 
 /* ---- weights ----------------------------------------------------------------------------- */
@@ -749,6 +844,7 @@ int main(void)
     pd_qwen3_model *target = NULL;
     test_model_configs();
     test_model_bad_configs();
+    test_model_rope_scaling();
     test_model_config_fuzz();
     test_model_target_and_drafts(&target);
     test_model_draft_own_embed(target);

@@ -262,12 +262,12 @@ static pd_status cpu_rope(kern_backend *be, const kern_rope_args *a, pd_err *err
     const int rnd = be->act_bf16;
     int half = a->head_dim / 2;
     for (int t = 0; t < a->n_tok; t++) {
-        double pos = (double)a->pos[t];
+        int pos = a->pos[t];
         for (int i = 0; i < half; i++) {
-            /* inv_freq as Hugging Face computes it: in float32 */
-            float inv_freq = (float)(1.0 / pow((double)a->theta, (double)(2 * i) / a->head_dim));
-            double ang = pos * (double)inv_freq;
-            float c = kern_act_round((float)cos(ang), rnd), s = kern_act_round((float)sin(ang), rnd);
+            float c, s;
+            kern_rope_cs(pos, a->theta, &a->scaling, i, a->head_dim, &c, &s);
+            c = kern_act_round(c, rnd);
+            s = kern_act_round(s, rnd);
             for (int h = 0; h < a->n_heads; h++) {
                 float *x = a->x + (size_t)t * a->ld + (size_t)h * a->head_dim;
                 float x1 = x[i], x2 = x[i + half];
@@ -523,9 +523,9 @@ static pd_status cpu_qk_post(kern_backend *be, const kern_qk_post_args *a, pd_er
             st = cpu_rmsnorm(be, &rk, err);
     }
     kern_rope_args pq = { .x = a->q, .n_tok = a->n_tok, .n_heads = a->n_heads, .head_dim = hd,
-                          .ld = a->ld_q, .pos = a->pos, .theta = a->theta };
+                          .ld = a->ld_q, .pos = a->pos, .theta = a->theta, .scaling = a->scaling };
     kern_rope_args pk = { .x = a->k, .n_tok = a->n_tok, .n_heads = a->n_kv_heads, .head_dim = hd,
-                          .ld = a->ld_kv, .pos = a->pos, .theta = a->theta };
+                          .ld = a->ld_kv, .pos = a->pos, .theta = a->theta, .scaling = a->scaling };
     if (st == PD_OK)
         st = cpu_rope(be, &pq, err);
     if (st == PD_OK)

@@ -370,18 +370,6 @@ static __device__ __forceinline__ float kern_cuda_rnd(float f, int rnd)
     return rnd ? __bfloat162float(__float2bfloat16_rn(f)) : f;
 }
 
-/* The RoPE cos/sin of pair i (head_dim hd) at position pos, as every CUDA RoPE forms them (the
- * CPU reference's way): an fp32 inverse frequency, then the angle and its sincos in double,
- * rounded to float */
-static __device__ __forceinline__ void kern_cuda_rope_cs(int32_t pos, float theta, int i, int hd, float *c,
-                                                         float *s)
-{
-    float inv_freq = (float)(1.0 / pow((double)theta, (double)(2 * i) / hd));
-    double sd, cd;
-    sincos((double)pos * (double)inv_freq, &sd, &cd);
-    *c = (float)cd;
-    *s = (float)sd;
-}
 
 /* One rotate-half pair of RoPE: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s). With rnd, as a bf16
  * model computes x cos + rotate_half(x) sin: cos/sin rounded, each product and sum rounded. */

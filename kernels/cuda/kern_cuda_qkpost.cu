@@ -6,7 +6,7 @@
  *   [q heads, k heads] at a time: the lane holds the rotate-half pairs (i, i + hd/2) for
  *   i = lane, lane + 32, ...; sum of squares over the head in fp32 (fixed
  *   order: lane partials, then a butterfly), x = w * (x * inv), RoPE with the angle formed as
- *   kern_cuda_rope.cu forms it (kern_cuda_rope_cs), written back in place;
+ *   kern_cuda_rope.cu forms it (kern_rope_cs), written back in place;
  *   a k-head warp also stores its k and v head into the paged cache at slot[t] (negative slot:
  *   skipped). Each token is processed on its own, so the op is batch-invariant.
  * Not here: shape checks (kern_ops.c); the unfused ops (kern_cuda_norm.cu, kern_cuda_rope.cu).
@@ -51,7 +51,7 @@ static __device__ __forceinline__ void rope_angles(const kern_qk_post_args &a, s
                                                    float *cs, float *sn)
 {
     for (int i = threadIdx.x; i < hd / 2; i += blockDim.x)
-        kern_cuda_rope_cs(a.pos[t], a.theta, i, hd, &cs[i], &sn[i]);
+        kern_rope_cs(a.pos[t], a.theta, &a.scaling, i, hd, &cs[i], &sn[i]);
     __syncthreads();
 }
 
