@@ -473,6 +473,15 @@ static pd_status parse_qwen3(const cJSON *o, const char *file, const char *want_
                                   "%s: layer_types[%d] is %s; only full_attention is supported",
                                   file, i, cJSON_IsString(e) ? e->valuestring : "not a string");
     }
+    /* a quantized checkpoint (fp8, AWQ, GPTQ, ...) stores weights this engine cannot read: say so
+     * before its tensors' dtypes do */
+    const cJSON *qc = jget(o, "quantization_config");
+    if (qc != NULL) {
+        const cJSON *qm = cJSON_IsObject(qc) ? jget(qc, "quant_method") : NULL;
+        return pd_err_set(err, PD_ERR_UNSUPPORTED,
+                          "%s: quantization_config (quant_method %s) is not supported: load the bf16, f16 or f32 "
+                          "checkpoint", file, cJSON_IsString(qm) ? qm->valuestring : "unknown");
+    }
     const cJSON *act = jget(o, "hidden_act");
     if (act != NULL && (!cJSON_IsString(act) || strcmp(act->valuestring, "silu") != 0))
         return pd_err_set(err, PD_ERR_UNSUPPORTED, "%s: hidden_act %s is not supported (silu only)",

@@ -372,6 +372,9 @@ static void test_model_bad_configs(void)
         {"theta", {"rope_parameters", "{\"rope_theta\": -1}"}, PD_ERR_INVALID, "rope_theta",
          NULL},
         {"eps", {"rms_norm_eps", "0"}, PD_ERR_INVALID, "rms_norm_eps", NULL},
+        {"fp8", {"quantization_config", "{\"quant_method\": \"fp8\", \"fmt\": \"e4m3\", "
+                                        "\"weight_block_size\": [128, 128]}"},
+         PD_ERR_UNSUPPORTED, "quantization_config", "fp8"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         dir = test_variant(cases[i].name, TARGET_DIR, &cases[i].ed, 1);
