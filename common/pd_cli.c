@@ -4,6 +4,10 @@
 #include "pd_cli.h"
 
 #include "pd_log.h"
+#include "pd_version.h"
+#ifdef PD_HAVE_NET
+#include "pd_proto_version.h"
+#endif
 
 #include <errno.h>
 #include <limits.h>
@@ -12,6 +16,41 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+const char *pd_cli_version(void)
+{
+    return PD_VERSION;
+}
+
+const char *pd_cli_commit(void)
+{
+    return PD_GIT_COMMIT;
+}
+
+void pd_cli_print_version(FILE *f, const char *prog)
+{
+#ifdef PD_HAVE_CUDA
+    const char *cuda = "on";
+#else
+    const char *cuda = "off";
+#endif
+#ifdef PD_HAVE_NET
+    fprintf(f, "%s (pdspark %s, commit %s; cuda %s, services on, protocol %u)\n", prog, PD_VERSION, PD_GIT_COMMIT,
+            cuda, (unsigned)PD_PROTO_VERSION);
+#else
+    fprintf(f, "%s (pdspark %s, commit %s; cuda %s, services off)\n", prog, PD_VERSION, PD_GIT_COMMIT, cuda);
+#endif
+}
+
+int pd_cli_version_flag(int argc, char **argv, const char *prog)
+{
+    for (int i = 1; i < argc && strcmp(argv[i], "--") != 0; i++)
+        if (strcmp(argv[i], "--version") == 0) {
+            pd_cli_print_version(stdout, prog);
+            return 1;
+        }
+    return 0;
+}
 
 double pd_cli_now_ms(void)
 {

@@ -16,6 +16,16 @@
 #include "pd_sample.h"
 #include "pd_status.h"
 
+/* The build: pdspark's version ("0.1.0"), the source commit it was built from ("unknown"
+ * outside a git checkout, "-dirty" with uncommitted changes), and the line every tool prints for
+ * --version ("PROG (pdspark V, commit C; cuda on|off, services on, protocol N)", or "services off"
+ * in a build without them). */
+const char *pd_cli_version(void);
+const char *pd_cli_commit(void);
+void pd_cli_print_version(FILE *f, const char *prog);
+/* 1 when argv has --version (before a "--"): the version line is then printed to stdout and the
+ * tool exits 0 whatever else it was given, as GNU tools do. */
+int pd_cli_version_flag(int argc, char **argv, const char *prog);
 /* Milliseconds of CLOCK_MONOTONIC. */
 double pd_cli_now_ms(void);
 /* A node's signals: SIGINT and SIGTERM blocked in the calling thread and every thread it starts

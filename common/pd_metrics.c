@@ -176,6 +176,16 @@ pd_metric *pd_metrics_gauge(pd_metrics *m, const char *name, const char *help, c
     return reg_locked(m, name, help, labels, PD_METRIC_GAUGE, NULL, 0);
 }
 
+void pd_metrics_build_info(pd_metrics *m, const char *version, const char *commit)
+{
+    char v[64], c[64], labels[200];
+    pd_metrics_label_escape(v, sizeof(v), version);
+    pd_metrics_label_escape(c, sizeof(c), commit);
+    snprintf(labels, sizeof(labels), "version=\"%s\",commit=\"%s\"", v, c);
+    pd_metric_set(pd_metrics_gauge(m, "pdspark_build_info", "The build serving: pdspark's version and the source commit "
+                                   "(always 1)", labels), 1.0);
+}
+
 pd_metric *pd_metrics_histogram(pd_metrics *m, const char *name, const char *help,
                                 const char *labels, const double *bounds, int n_bounds)
 {

@@ -60,6 +60,9 @@ void pd_metrics_on_collect(pd_metrics *m, void (*fn)(void *ud), void *ud);
  * NULL when out of memory. */
 char *pd_metrics_render(pd_metrics *m, size_t *len);
 
+/* The gauge pdspark_build_info{version="V",commit="C"} 1 (Prometheus' build-info convention). */
+void pd_metrics_build_info(pd_metrics *m, const char *version, const char *commit);
+
 /* Escape a label value (backslash, double quote, newline) into dst[cap]; truncates. */
 void pd_metrics_label_escape(char *dst, size_t cap, const char *src);
 

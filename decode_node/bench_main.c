@@ -1262,6 +1262,8 @@ static void usage(FILE *f)
 
 int main(int argc, char **argv)
 {
+    if (pd_cli_version_flag(argc, argv, "pdspark-bench"))
+        return 0;
     const char *model_dir = NULL, *draft_dir = NULL, *synth = NULL, *device = "cuda", *skip = "";
     int_list prefill, batches, verify;
     parse_list("512,1024,2048,4096,8192,16384,32768", &prefill);

@@ -66,6 +66,8 @@ static int load_prompts(const char *path, prompt **out, int *n_out)
 
 int main(int argc, char **argv)
 {
+    if (pd_cli_version_flag(argc, argv, "pdspark-calibrate"))
+        return 0;
     const char *model = NULL, *draft = NULL, *prompts_path = NULL, *out_path = NULL, *device = "cpu";
     int max_new = 128, concurrency = 8;
     double fit_fraction = 0.5;

@@ -455,6 +455,8 @@ static void report(choice *c, int index, int json, int logprobs, int prompt_logp
 
 int main(int argc, char **argv)
 {
+    if (pd_cli_version_flag(argc, argv, PROG))
+        return 0;
     const char *server = NULL, *prompt = NULL, *ids_path = NULL, *req_id = NULL, *system_text = NULL;
     const char *msgs_path = NULL, *tools_path = NULL, *tool_choice = NULL;
     int chat = 0, thinking = 0;   /* thinking: GenerateRequest.enable_thinking */

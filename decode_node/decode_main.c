@@ -123,6 +123,8 @@ static void usage(FILE *f)
 
 int main(int argc, char **argv)
 {
+    if (pd_cli_version_flag(argc, argv, PROG))
+        return 0;
     decode_config cfg;
     decode_config_default(&cfg);
     const char *listen = NULL;

@@ -14,6 +14,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "pd_cli.h"
 #include "pd_grammar.h"
 #include "pd_log.h"
 
@@ -245,6 +246,7 @@ pd_status decode_metrics_create(pd_metrics *reg, decode_metrics **out, pd_err *e
     m->obs.on_token = obs_token;
     m->obs.on_done = obs_done;
     m->obs.ud = m;
+    pd_metrics_build_info(reg, pd_cli_version(), pd_cli_commit());
     const char *rq = "pdspark_requests_total";
     m->req_ok = pd_metrics_counter(reg, rq, REQ_HELP, "outcome=\"ok\"");
     m->req_cancelled = pd_metrics_counter(reg, rq, REQ_HELP, "outcome=\"cancelled\"");

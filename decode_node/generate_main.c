@@ -96,6 +96,8 @@ static pd_status chat_prompt(const char *model_dir, const char *given, const cha
 
 int main(int argc, char **argv)
 {
+    if (pd_cli_version_flag(argc, argv, PROG))
+        return 0;
     const char *model_dir = NULL, *draft_dir = NULL, *prompt = NULL, *ids_path = NULL;
     const char *system_text = NULL, *chat_template = NULL;
     int chat = 0;

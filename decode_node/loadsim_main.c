@@ -214,6 +214,8 @@ out:
 
 int main(int argc, char **argv)
 {
+    if (pd_cli_version_flag(argc, argv, PROG))
+        return 0;
     const char *model_dir = NULL, *draft_dir = NULL, *synthetic = NULL, *device = "cpu";
     const char *prompts_path = NULL, *csv_path = NULL, *label = NULL;
     const char *policies = "target,full,threshold,scheduled";

@@ -12,8 +12,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "pd_status.h"
+#include "pd_cli.h"
 #include "pd_json.h"
+#include "pd_status.h"
 #include "pd_tokenizer.h"
 
 static const char USAGE[] =
@@ -174,6 +175,8 @@ static int parse_ids(const char *s, int32_t **ids_out, size_t *n_out)
 
 int main(int argc, char **argv)
 {
+    if (pd_cli_version_flag(argc, argv, "pdspark-tokenize"))
+        return 0;
     const char *path = NULL;
     int decode = 0, json = 0, no_special = 0, batch = 0;
     for (int i = 1; i < argc; i++) {

@@ -78,6 +78,8 @@ static int ready_cb(void *ud, char *why, size_t cap)
 
 int main(int argc, char **argv)
 {
+    if (pd_cli_version_flag(argc, argv, PROG))
+        return 0;
     prefill_config cfg;
     prefill_config_default(&cfg);
     const char *listen = NULL;

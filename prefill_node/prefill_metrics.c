@@ -9,6 +9,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "pd_cli.h"
+
 struct prefill_metrics {
     pd_metrics *reg;
     prefill_observer obs;
@@ -69,6 +71,7 @@ pd_status prefill_metrics_create(pd_metrics *reg, prefill_metrics **out, pd_err 
     pthread_mutex_init(&m->mu, NULL);
     m->obs.on_done = obs_done;
     m->obs.ud = m;
+    pd_metrics_build_info(reg, pd_cli_version(), pd_cli_commit());
     const char *rq = "pdspark_prefill_requests_total";
     m->req_ok = pd_metrics_counter(reg, rq, REQ_HELP, "outcome=\"ok\"");
     m->req_cancelled = pd_metrics_counter(reg, rq, REQ_HELP, "outcome=\"cancelled\"");

@@ -177,6 +177,8 @@ static double run_perftest(const char *tls, size_t msg, long iters, int port)
 
 int main(int argc, char **argv)
 {
+    if (pd_cli_version_flag(argc, argv, PROG))
+        return 0;
     size_t page_bytes = 8192;
     long n_pages = 4096, iters = 20;
     unsigned window = 64;

@@ -90,6 +90,21 @@ ya=$($gen --model "$tmp/yarn" --draft "$D" --prompt-ids "$tmp/ids300.txt" --max-
 yb=$($gen --model "$tmp/yarn" --no-draft --prompt-ids "$tmp/ids300.txt" --max-new-tokens 8 --json 2>/dev/null | python3 -c "import json,sys;print(json.load(sys.stdin)['tokens'])")
 if [ -n "$ya" ] && [ "$ya" = "$yb" ]; then ok; echo "ok   yarn serves 8 x 256 positions: a 300-token prompt, speculative == target-only"; else bad "yarn 300-token prompt: $ya vs $yb"; cat "$tmp/err"; fi
 
+# --version: every tool prints one line naming itself, pdspark's version and the commit (the same
+# for all), exits 0, and does nothing else (no model is needed)
+vers=
+for t in decode_node prefill_node pdspark-generate pdspark-client pdspark-bench pdspark-loadsim pdspark-calibrate \
+         pdspark-tokenize pdspark-xferbench; do
+  [ -x "$bin/$t" ] || continue
+  v=$("$bin/$t" --version --model /nonexistent 2>&1); rc=$?
+  if [ $rc -eq 0 ] && [[ "$v" =~ ^$t\ \(pdspark\ [0-9]+\.[0-9]+\.[0-9]+,\ commit\ ([0-9a-f]{12}(-dirty)?|unknown)\;\ cuda\ (on|off),\ services\ (on|off) ]]; then
+    vers="$vers ${BASH_REMATCH[1]}"
+  else
+    bad "$t --version: rc $rc: $v"
+  fi
+done
+if [ -n "$vers" ] && [ "$(echo $vers | tr ' ' '\n' | sort -u | wc -l)" = 1 ]; then ok; echo "ok   --version of every tool:$vers"; else bad "--version commits differ:$vers"; fi
+
 expect_fail "missing model dir" "nope|no such|not found" $gen --model "$tmp/nope" --prompt hi
 mkdir -p "$tmp/noconf" && cp "$T"/*.safetensors "$tmp/noconf/"
 expect_fail "missing config.json" "config.json" $gen --model "$tmp/noconf" --prompt-ids "$tmp/ids.txt"

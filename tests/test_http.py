@@ -1781,6 +1781,14 @@ def test_prefill_http(bin_dir, model, draft):
         check(sample(m, "pdspark_prefill_forward_seconds", "pdspark_prefill_forward_seconds_count") == 1,
               "prefill forward histogram")
         check(sample(m, "pdspark_prefill_kv_pages_total") > 0, "prefill kv gauge")
+        # both nodes name their build: pdspark_build_info{version, commit} 1, as --version says
+        ver = subprocess.run([os.path.join(bin_dir, "prefill_node"), "--version"], capture_output=True,
+                             text=True, timeout=30).stdout
+        vm = re.match(r"prefill_node \(pdspark (\S+), commit (\S+);", ver)
+        check(vm is not None, "prefill_node --version: %r" % ver)
+        for who, fams in (("prefill", m), ("decode", metrics(dn))):
+            check(vm is not None and sample(fams, "pdspark_build_info", version=vm.group(1), commit=vm.group(2)) == 1,
+                  "%s node pdspark_build_info %s (--version: %r)" % (who, fams.get("pdspark_build_info"), ver))
         # the decode node's split of that first token: admission, the Prefill call, its reply
         dm = metrics(dn)
         for part in ("queue", "prefill_call", "prefill_join"):
