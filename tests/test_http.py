@@ -1246,9 +1246,13 @@ def test_truncate(bin_dir, node, prompt):
     long_ids = (ids * (ctx // len(ids) + 2))[:ctx + 10]
     st, r = post_json(node, "/v1/completions", dict(body, prompt=long_ids, max_tokens=4))
     check(st == 400 and "context" in json.dumps(r), "a prompt over the context: %s %s" % (st, r))
-    st, r = post_json(node, "/v1/completions", dict(body, prompt=long_ids, max_tokens=4, truncate_prompt_tokens=-1))
-    check(st == 200 and r["usage"]["prompt_tokens"] == ctx - 4 and r["usage"]["completion_tokens"] == 4,
-          "truncate_prompt_tokens -1 over a context of %d: %s %s" % (ctx, st, r.get("usage", r)))
+    if os.environ.get("PD_HTTP_EXTRA", "1") == "0":
+        # scripts/tsan.sh: a whole context's prefill (14 s here) runs past any timeout instrumented
+        log("truncate_prompt_tokens -1 over the whole context left out (PD_HTTP_EXTRA=0)")
+    else:
+        st, r = post_json(node, "/v1/completions", dict(body, prompt=long_ids, max_tokens=4, truncate_prompt_tokens=-1))
+        check(st == 200 and r["usage"]["prompt_tokens"] == ctx - 4 and r["usage"]["completion_tokens"] == 4,
+              "truncate_prompt_tokens -1 over a context of %d: %s %s" % (ctx, st, r.get("usage", r)))
     # a text over the 64 bytes a context token that bound an untruncated prompt: tokenized whole
     # when truncation asks for its tail, refused (naming the option) when not
     line = "x = 1\n"
