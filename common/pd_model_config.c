@@ -294,15 +294,12 @@ static pd_status parse_rope_scaling(const cJSON *o, const char *file, double bas
     const cJSON *r = tp != KERN_ROPE_DEFAULT ? rp : rs;
     const char *key = tp != KERN_ROPE_DEFAULT ? "rope_parameters" : "rope_scaling";
     int type = tp != KERN_ROPE_DEFAULT ? tp : ts;
-    memset(&c->rope_scaling, 0, sizeof(c->rope_scaling));
-    if (type == KERN_ROPE_DEFAULT)
+    if (type == KERN_ROPE_DEFAULT)   /* c->rope_scaling stays zero */
         return PD_OK;
     double prf, orig, factor;
     if ((st = rope_num(r, file, key, "partial_rotary_factor", 1.0, 0, &prf, err)) != PD_OK ||
         (st = rope_num(r, file, key, "original_max_position_embeddings", c->max_position_embeddings, 0, &orig,
-                       err)) != PD_OK ||
-        (st = rope_num(r, file, key, "factor", type == KERN_ROPE_YARN ? c->max_position_embeddings / orig : -1.0,
-                       0, &factor, err)) != PD_OK)
+                       err)) != PD_OK)
         return st;
     if (prf != 1.0)
         return pd_err_set(err, PD_ERR_UNSUPPORTED, "%s: %s.partial_rotary_factor %g is not supported (1 only)",
@@ -310,9 +307,11 @@ static pd_status parse_rope_scaling(const cJSON *o, const char *file, double bas
     if (!(orig >= 1.0 && orig <= (double)(1 << 30)))
         return pd_err_set(err, PD_ERR_INVALID, "%s: %s.original_max_position_embeddings %g must be in 1..%d", file,
                           key, orig, 1 << 30);
-    if (factor < 0.0 && jget(r, "factor") == NULL)
-        return pd_err_set(err, PD_ERR_INVALID, "%s: %s.factor is missing (rope_type %s needs it)", file, key,
-                          type == KERN_ROPE_LINEAR ? "linear" : "yarn");
+    /* yarn without a factor: the context's growth over the original (transformers 5) */
+    if (type == KERN_ROPE_LINEAR && jget(r, "factor") == NULL)
+        return pd_err_set(err, PD_ERR_INVALID, "%s: %s.factor is missing (rope_type linear needs it)", file, key);
+    if ((st = rope_num(r, file, key, "factor", c->max_position_embeddings / orig, 0, &factor, err)) != PD_OK)
+        return st;
     if (!(factor >= 1.0 && factor <= 1e6))
         return pd_err_set(err, PD_ERR_INVALID, "%s: %s.factor %g must be in 1..1e6", file, key, factor);
     kern_rope_scaling *sc = &c->rope_scaling;

@@ -293,10 +293,12 @@ static pd_status send_prefill(decode_server *s, decode_handle *h, prefill_node *
     ax.length = pd_xfer_mem_len(s->aux_mem);
     Pdspark__AuxLayout al = PDSPARK__AUX_LAYOUT__INIT;
     al.version = PD_PROTO_VERSION;
-    /* no drafter here (--no-draft): the KV pages only, no aux region offered */
-    al.mode = s->dm != NULL ? PDSPARK__AUX_MODE__AUX_MODE_RAW : PDSPARK__AUX_MODE__AUX_MODE_NONE;
-    al.rows = s->dm != NULL ? (uint32_t)h->n_prompt : 0;
-    al.row_bytes = s->dm != NULL ? (uint64_t)s->aux_dim * sizeof(float) : 0;
+    al.mode = PDSPARK__AUX_MODE__AUX_MODE_NONE;   /* no drafter here (--no-draft): the KV pages only */
+    if (s->dm != NULL) {
+        al.mode = PDSPARK__AUX_MODE__AUX_MODE_RAW;
+        al.rows = (uint32_t)h->n_prompt;
+        al.row_bytes = (uint64_t)s->aux_dim * sizeof(float);
+    }
     Pdspark__Destination d = PDSPARK__DESTINATION__INIT;
     d.version = PD_PROTO_VERSION;
     d.worker_address.data = (uint8_t *)s->waddr;
@@ -489,11 +491,13 @@ static pd_status complete_external(decode_server *s, decode_handle *h, int32_t f
                                    Pdspark__AuxMode mode, const pd_token_logprobs *first_lp,
                                    pd_err *err)
 {
-    pd_aux_mode am = PD_AUX_RAW;
-    if (s->dm == NULL && mode != PDSPARK__AUX_MODE__AUX_MODE_NONE)
-        return pd_err_set(err, PD_ERR_INVALID, "aux transfer mismatch: the prefill node shipped a drafter "
-                          "payload (aux mode %d) that this decode node (--no-draft) did not ask for", (int)mode);
-    switch (s->dm == NULL ? PDSPARK__AUX_MODE__AUX_MODE_RAW : mode) {
+    pd_aux_mode am = PD_AUX_RAW;   /* without a drafter: no rows to take */
+    if (s->dm == NULL) {
+        if (mode != PDSPARK__AUX_MODE__AUX_MODE_NONE)
+            return pd_err_set(err, PD_ERR_INVALID, "aux transfer mismatch: the prefill node shipped a drafter "
+                              "payload (aux mode %d) that this decode node (--no-draft) did not ask for",
+                              (int)mode);
+    } else switch (mode) {
     case PDSPARK__AUX_MODE__AUX_MODE_RAW: am = PD_AUX_RAW; break;
     case PDSPARK__AUX_MODE__AUX_MODE_CTX: am = PD_AUX_CTX; break;
     case PDSPARK__AUX_MODE__AUX_MODE_DRAFT_KV: am = PD_AUX_DRAFT_KV; break;
@@ -511,7 +515,7 @@ static pd_status complete_external(decode_server *s, decode_handle *h, int32_t f
         return st;
     /* raw rows are [n, K*hidden]; ctx rows are [n, hidden], packed from the same first row; none
      * without a drafter */
-    const float *rows = am == PD_AUX_DRAFT_KV || s->dm == NULL ? NULL
+    const float *rows = s->dm == NULL || am == PD_AUX_DRAFT_KV ? NULL
                       : s->aux_arena + (size_t)h->aux_row * (size_t)s->aux_dim;
     return pd_engine_complete_prefill_mode(s->eng, h->r, first, am, rows, first_lp, err);
 }

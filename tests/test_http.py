@@ -2187,15 +2187,15 @@ def test_no_draft(bin_dir, model, draft):
     body = {"prompt": prompt, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
     sampled = dict(body, temperature=0.8, top_p=0.9, seed=3)
     colocated_sampled = None
-    cases = (("colocated", None), ("behind a prefill node without --draft", ()),
-             ("behind a prefill node with --draft", (draft,)))
-    for where, pf_draft in cases:
+    cases = (("colocated", False, None), ("behind a prefill node without --draft", True, None),
+             ("behind a prefill node with --draft", True, draft))
+    for where, behind, pf_draft in cases:
         pf = node = None
         try:
-            if pf_draft is None:
+            if not behind:
                 node = Node(bin_dir, model, None, ("--colocated",))
             else:
-                pf = Node(bin_dir, model, pf_draft[0] if pf_draft else None, (), binary="prefill_node")
+                pf = Node(bin_dir, model, pf_draft, (), binary="prefill_node")
                 node = Node(bin_dir, model, None, ("--prefill", pf.grpc))
             st, b = post_json(node, "/v1/completions", body)
             ok = st == 200 and b["choices"][0]["text"] == want["text"]
