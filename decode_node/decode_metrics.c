@@ -98,7 +98,8 @@ static void log_request(const decode_result *r, const char *outcome)
     cJSON_AddStringToObject(o, "level", "info");
     cJSON_AddStringToObject(o, "module", "request");
     cJSON_AddStringToObject(o, "msg", "request done");
-    cJSON_AddStringToObject(o, "id", r->request_id);
+    char id[256], error[1024];   /* what a client sent, as pd_log would print it */
+    cJSON_AddStringToObject(o, "id", pd_log_clean(id, sizeof(id), r->request_id));
     cJSON_AddStringToObject(o, "outcome", outcome);
     cJSON_AddStringToObject(o, "finish", pd_finish_reason_str(r->finish));
     cJSON_AddNumberToObject(o, "prompt_tokens", r->prompt_tokens);
@@ -115,7 +116,7 @@ static void log_request(const decode_result *r, const char *outcome)
         if (ms[i] >= 0)
             cJSON_AddNumberToObject(o, part[i], (double)(long)(ms[i] * 10.0 + 0.5) / 10.0);
     if (r->status != PD_OK)
-        cJSON_AddStringToObject(o, "error", r->error != NULL ? r->error : "");
+        cJSON_AddStringToObject(o, "error", pd_log_clean(error, sizeof(error), r->error != NULL ? r->error : ""));
     char *s = cJSON_PrintUnformatted(o);
     cJSON_Delete(o);
     if (s != NULL) {

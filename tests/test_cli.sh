@@ -284,7 +284,7 @@ def main():
     lines = read_lines(sys.argv[1])
     for i, line in enumerate(lines):'
     $bin/decode_node --model "$T" --draft "$D" --listen 127.0.0.1:0 --colocated --chunked-prefill-size 16 \
-        >"$tmp/chunk.out" 2>"$tmp/chunk.err" &
+        --log-format json >"$tmp/chunk.out" 2>"$tmp/chunk.err" &
     node=$!
     addr=$(wait_addr "$tmp/chunk.out")
     if [ -z "$addr" ]; then
@@ -304,8 +304,28 @@ PY
     else
         bad "chunked prefill: client or generate failed"; cat "$tmp/err"
     fi
+    # a gRPC request_id that would forge a log line (a newline, a terminal escape, a byte that is
+    # not UTF-8): the node's JSON log stays one valid object per line, the id escaped in it
+    if [ -n "$addr" ]; then
+        $bin/pdspark-client --server "$addr" --prompt "$prompt" --max-new-tokens 4 --json \
+            --request-id "$(printf 'evil\n{"level":"error","msg":"forged"}\033[2J\377')" >/dev/null 2>"$tmp/err" ||
+            { bad "log line: the client failed"; cat "$tmp/err"; }
+    fi
     kill $node 2>/dev/null
     wait $node 2>/dev/null
+    if [ -n "$addr" ]; then
+        if python3 - "$tmp/chunk.err" <<'PY'
+import json, re, sys
+lines = open(sys.argv[1], "rb").read().decode("utf-8").splitlines()   # strict: valid UTF-8 only
+# gRPC core's own lines (E1207 ...) are not pdspark's; every other line is one JSON object
+objs = [json.loads(l) for l in lines if not re.match(r"[EWID][0-9]{4} ", l)]
+assert not any(o.get("msg") == "forged" for o in objs), "a forged line"
+ids = [o["id"] for o in objs if o.get("module") == "request" and "evil" in o.get("id", "")]
+assert ids == ['evil\\n{"level":"error","msg":"forged"}\\x1b[2J\\xff'], ids
+PY
+        then echo "ok   a request_id with a newline, an escape and a non-UTF-8 byte: one valid JSON log line"; ok
+        else bad "log line: the JSON log of a hostile request_id"; cat "$tmp/chunk.err"; fi
+    fi
 fi
 
 # a port another node already serves is an error for both nodes (gRPC would otherwise share it)
