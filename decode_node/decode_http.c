@@ -17,6 +17,7 @@
  *   freed by the final send. */
 #include "decode_http.h"
 
+#include <ctype.h>
 #include <cjson/cJSON.h>
 #include <math.h>
 #include <pthread.h>
@@ -161,6 +162,29 @@ void decode_http_req_finish(http_req *r)
 /* ---------------------------------------------------------------------------------------------
  * Handlers */
 
+/* X-Request-Id (the tracing header of proxies and vLLM): 1..DECODE_HTTP_XRID_MAX bytes of
+ * A-Z a-z 0-9 . _ : - copied to xrid ("" without the header); -1 with a 400 sent when it is
+ * anything else (it becomes part of the reply's id and of the node's log lines). */
+static int request_id_header(struct evhttp_request *req, char *xrid)
+{
+    xrid[0] = '\0';
+    const char *h = evhttp_find_header(evhttp_request_get_input_headers(req), "X-Request-Id");
+    if (h == NULL)
+        return 0;
+    size_t n = strlen(h), i = 0;
+    while (i < n && (isalnum((unsigned char)h[i]) || strchr("._:-", h[i]) != NULL))
+        i++;
+    if (n == 0 || n > DECODE_HTTP_XRID_MAX || i < n) {
+        pd_http_error(req, 400, "invalid_request_error", NULL, "invalid_request_id",
+                      "the X-Request-Id header must be 1 to %d characters of A-Z a-z 0-9 . _ : - "
+                      "(this one is %zu bytes%s)", DECODE_HTTP_XRID_MAX, n,
+                      n > 0 && i < n ? ", with other characters" : "");
+        return -1;
+    }
+    memcpy(xrid, h, n + 1);
+    return 0;
+}
+
 static void handle_generate(struct evhttp_request *req, decode_http *dh, int chat)
 {
     if (atomic_load(&dh->draining)) {
@@ -169,6 +193,9 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
                       "the server is draining and accepts no new requests");
         return;
     }
+    char xrid[DECODE_HTTP_XRID_MAX + 1];
+    if (request_id_header(req, xrid) != 0)
+        return;
     const char *chat_why = NULL;
     const pd_chat_template *tmpl = decode_server_chat_template(dh->s, &chat_why);
     if (chat && tmpl == NULL) {
@@ -274,8 +301,12 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     }
     r->created = (long)time(NULL);
     unsigned long long seq = atomic_fetch_add(&dh->next_id, 1);
-    snprintf(r->id, sizeof(r->id), "%s-%llx%04llx", chat ? "chatcmpl" : "cmpl",
-             (unsigned long long)r->created, seq & 0xffffull);
+    memcpy(r->xrid, xrid, sizeof(r->xrid));
+    if (xrid[0] != '\0')
+        snprintf(r->id, sizeof(r->id), "%s-%s", chat ? "chatcmpl" : "cmpl", xrid);
+    else
+        snprintf(r->id, sizeof(r->id), "%s-%llx%04llx", chat ? "chatcmpl" : "cmpl",
+                 (unsigned long long)r->created, seq & 0xffffull);
     for (int i = 0; i < o.n_stop; i++) {
         r->stop[i] = o.stop[i];
         size_t l = strlen(o.stop[i]);

@@ -68,6 +68,8 @@ typedef struct http_choice {
     long accepted;
 } http_choice;
 
+#define DECODE_HTTP_XRID_MAX 48     /* X-Request-Id: the reply's id is "chatcmpl-" + it */
+
 typedef struct http_req {
     atomic_int refs;                 /* the HTTP side, and one per engine request */
     decode_http *dh;
@@ -75,6 +77,7 @@ typedef struct http_req {
     struct evhttp_connection *evcon; /* NULL once the client went away */
     int chat, stream, include_usage;
     char id[64];
+    char xrid[DECODE_HTTP_XRID_MAX + 1];   /* the client's X-Request-Id ("" without one) */
     long created;
     char *stop[MAX_STOP];
     int n_stop;

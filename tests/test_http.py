@@ -101,15 +101,18 @@ class Node:
                 self.p.wait()
 
 
-def request(node, method, path, body=None, raw=None, timeout=60):
+def request(node, method, path, body=None, raw=None, timeout=60, headers=None, reply_headers=None):
     c = http.client.HTTPConnection(*node.http, timeout=timeout * SCALE)
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     hdr = {"Content-Type": "application/json"} if data is not None else {}
     if getattr(node, "key", None) is not None:
         hdr["Authorization"] = "Bearer " + node.key
+    hdr.update(headers or {})
     c.request(method, path, body=data, headers=hdr)
     r = c.getresponse()
     out = r.read()
+    if reply_headers is not None:
+        reply_headers.update({k.lower(): v for k, v in r.getheaders()})
     c.close()
     return r.status, r.getheader("Content-Type") or "", out
 
@@ -125,10 +128,10 @@ def post_json(node, path, body):
 class Stream:
     """A streamed request read event by event (SSE over chunked HTTP)."""
 
-    def __init__(self, node, path, body):
+    def __init__(self, node, path, body, headers=None):
         self.c = http.client.HTTPConnection(*node.http, timeout=60 * SCALE)
         self.c.request("POST", path, body=json.dumps(body).encode(),
-                       headers={"Content-Type": "application/json"})
+                       headers=dict({"Content-Type": "application/json"}, **(headers or {})))
         self.r = self.c.getresponse()
         self.status = self.r.status
         self.ctype = self.r.getheader("Content-Type") or ""
@@ -1190,6 +1193,48 @@ def test_nul_text(bin_dir, model, node, prompt):
               "pdspark-generate %s writes the NUL bytes: %r" % (extra, plain.stdout[-40:]))
     log("NUL bytes: \\u0000 in JSON (whole, streamed, chat, logprobs, /detokenize, pdspark-generate "
         "--json), the bytes on pdspark-generate's stdout, left out over gRPC")
+
+
+def test_request_id(node, prompt):
+    """X-Request-Id: echoed, the reply's id made from it (completion, chat, streamed), one made
+    up and echoed without it, a bad one refused by name, and the node's log line carries it."""
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+    rh = {}
+    st, _, out = request(node, "POST", "/v1/completions", body, headers={"X-Request-Id": "trace-7.a:B_9"},
+                         reply_headers=rh)
+    check(st == 200 and json.loads(out)["id"] == "cmpl-trace-7.a:B_9" and rh.get("x-request-id") == "trace-7.a:B_9",
+          "X-Request-Id on a completion: %d %s %s" % (st, out[:120], rh.get("x-request-id")))
+    t_end = time.time() + 10 * SCALE
+    while "cmpl-trace-7.a:B_9" not in node.stderr() and time.time() < t_end:
+        time.sleep(0.05)
+    check("cmpl-trace-7.a:B_9" in node.stderr(), "the request's log line carries cmpl-trace-7.a:B_9")
+    rh = {}
+    st, _, out = request(node, "POST", "/v1/chat/completions",
+                         {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0},
+                         headers={"x-request-id": "c0ffee"}, reply_headers=rh)
+    check(st == 200 and json.loads(out)["id"] == "chatcmpl-c0ffee" and rh.get("x-request-id") == "c0ffee",
+          "x-request-id on a chat completion: %d %s" % (st, out[:120]))
+    rh = {}
+    st, _, out = request(node, "POST", "/v1/completions", body, reply_headers=rh)
+    rid = json.loads(out)["id"] if st == 200 else None
+    check(st == 200 and rid.startswith("cmpl-") and rh.get("x-request-id") == rid,
+          "no X-Request-Id: the reply's own id echoed (%s, %s)" % (rid, rh.get("x-request-id")))
+    s = Stream(node, "/v1/completions", dict(body, stream=True), headers={"X-Request-Id": "s-1"})
+    hdr = s.r.getheader("X-Request-Id")
+    ids = set()
+    while True:
+        d = s.next_event()
+        if d is None or d == "[DONE]":
+            break
+        ids.add(json.loads(d)["id"])
+    s.close()
+    check(s.status == 200 and hdr == "s-1" and ids == {"cmpl-s-1"}, "streamed: header %s, ids %s" % (hdr, ids))
+    for bad in ("x" * 49, "has space", "semi;colon", "caf\u00e9"):
+        st, _, out = request(node, "POST", "/v1/completions", body,
+                             raw=json.dumps(body).encode(), headers={"X-Request-Id": bad.encode("utf-8")})
+        err = json.loads(out).get("error", {}) if st == 400 else {}
+        check(st == 400 and err.get("code") == "invalid_request_id" and "X-Request-Id" in err.get("message", ""),
+              "bad X-Request-Id %r refused by name: %d %s" % (bad[:12], st, out[:160]))
 
 
 def test_min_p(bin_dir, node, prompt):
@@ -2391,6 +2436,7 @@ def main():
         test_special_tokens(bin_dir, node, prompt)
         test_nul_text(bin_dir, model, node, prompt)
         test_min_p(bin_dir, node, prompt)
+        test_request_id(node, prompt)
         test_truncate(bin_dir, node, prompt)
         test_allowed_token_ids(bin_dir, model, draft, node, prompt)
         test_bad_words(bin_dir, model, draft, node, prompt)
