@@ -301,12 +301,13 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     }
     r->created = (long)time(NULL);
     unsigned long long seq = atomic_fetch_add(&dh->next_id, 1);
+    snprintf(r->uid, sizeof(r->uid), "%s-%llx%04llx", chat ? "chatcmpl" : "cmpl",
+             (unsigned long long)r->created, seq & 0xffffull);
     memcpy(r->xrid, xrid, sizeof(r->xrid));
-    if (xrid[0] != '\0')
+    if (xrid[0] != '\0')   /* clients may repeat theirs: tool call ids come from uid */
         snprintf(r->id, sizeof(r->id), "%s-%s", chat ? "chatcmpl" : "cmpl", xrid);
     else
-        snprintf(r->id, sizeof(r->id), "%s-%llx%04llx", chat ? "chatcmpl" : "cmpl",
-                 (unsigned long long)r->created, seq & 0xffffull);
+        memcpy(r->id, r->uid, sizeof(r->id));
     for (int i = 0; i < o.n_stop; i++) {
         r->stop[i] = o.stop[i];
         size_t l = strlen(o.stop[i]);

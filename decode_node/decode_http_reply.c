@@ -264,7 +264,7 @@ static cJSON *tool_call_json(const http_choice *ch, const pd_chat_piece *p, int 
         cJSON_AddNumberToObject(tc, "index", p->index);
     if (p->first) {
         char id[PD_CHAT_CALL_ID_SIZE];
-        pd_chat_call_id(ch->r->id, ch->idx, p->index, id);
+        pd_chat_call_id(ch->r->uid, ch->idx, p->index, id);
         cJSON_AddStringToObject(tc, "id", id);
         cJSON_AddStringToObject(tc, "type", "function");
     }

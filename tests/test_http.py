@@ -1229,6 +1229,17 @@ def test_request_id(node, prompt):
         ids.add(json.loads(d)["id"])
     s.close()
     check(s.status == 200 and hdr == "s-1" and ids == {"cmpl-s-1"}, "streamed: header %s, ids %s" % (hdr, ids))
+    # a client that sends one id twice (a proxy's session id) still gets distinct tool call ids
+    tb = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 40, "temperature": 0,
+          "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
+              "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}}],
+          "tool_choice": "required"}
+    calls = []
+    for _ in range(2):
+        st, _, out = request(node, "POST", "/v1/chat/completions", tb, headers={"X-Request-Id": "same-id"})
+        tc = json.loads(out)["choices"][0]["message"].get("tool_calls") or [] if st == 200 else []
+        calls.append(tc[0]["id"] if tc else None)
+    check(None not in calls and calls[0] != calls[1], "one X-Request-Id twice: tool call ids %s" % calls)
     for bad in ("x" * 49, "has space", "semi;colon", "caf\u00e9"):
         st, _, out = request(node, "POST", "/v1/completions", body,
                              raw=json.dumps(body).encode(), headers={"X-Request-Id": bad.encode("utf-8")})
@@ -1528,6 +1539,15 @@ def fuzz_body(rng, prompt):
         for _ in range(rng.randint(1, 4)):
             b[rng.randrange(len(b))] = rng.randrange(256)
         raw = bytes(b)
+        # a changed byte in "max_tokens" leaves a chat request that still parses without a limit
+        # (the rest of the context: minutes on a busy CPU): give it the small one again
+        try:
+            mb = json.loads(raw)
+        except ValueError:
+            mb = None
+        if chat and isinstance(mb, dict) and "max_tokens" not in mb and "max_completion_tokens" not in mb:
+            mb["max_completion_tokens"] = 4
+            raw = json.dumps(mb).encode()
     return ("/v1/chat/completions" if chat else "/v1/completions"), raw
 
 
