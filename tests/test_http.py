@@ -1525,8 +1525,8 @@ def fuzz_body(rng, prompt):
             body.pop(k, None)
         else:
             body[k] = rng.choice(FUZZ_VALUES)
-    if chat and "max_tokens" not in body and "max_completion_tokens" not in body:
-        body["max_completion_tokens"] = 4   # the default is the rest of the context: long on a CPU
+    if chat and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_completion_tokens"] = 4   # absent or null: the rest of the context, long on a CPU
     for k, top in (("max_tokens", 8), ("max_completion_tokens", 8), ("n", 2), ("best_of", 2), ("min_tokens", 4)):
         if isinstance(body.get(k), int) and not isinstance(body.get(k), bool) and body[k] > top:
             body[k] = top
@@ -1545,7 +1545,7 @@ def fuzz_body(rng, prompt):
             mb = json.loads(raw)
         except ValueError:
             mb = None
-        if chat and isinstance(mb, dict) and "max_tokens" not in mb and "max_completion_tokens" not in mb:
+        if chat and isinstance(mb, dict) and mb.get("max_tokens") is None and mb.get("max_completion_tokens") is None:
             mb["max_completion_tokens"] = 4
             raw = json.dumps(mb).encode()
     return ("/v1/chat/completions" if chat else "/v1/completions"), raw
