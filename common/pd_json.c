@@ -19,6 +19,20 @@ cJSON *pd_json_parse(const char *s, size_t n, size_t *bad_at)
     if (v != NULL)
         while (at < n && (s[at] == ' ' || s[at] == '\t' || s[at] == '\n' || s[at] == '\r'))
             at++;
+    /* cJSON takes a raw control character (U+0000..U+001F) inside a string; JSON does not
+     * (RFC 8259 7: they must be escaped), nor do Python's json or a browser's JSON.parse */
+    for (size_t i = 0, in_str = 0; v != NULL && at == n && i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (!in_str) {
+            in_str = c == '"';
+        } else if (c == '\\') {
+            i++;
+        } else if (c == '"') {
+            in_str = 0;
+        } else if (c < 0x20) {
+            at = i;
+        }
+    }
     if (v != NULL && at == n)
         return v;
     cJSON_Delete(v);

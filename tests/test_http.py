@@ -2589,12 +2589,14 @@ def main():
         st, _, out = request(node, "POST", "/v1/completions", raw=b"x" * (9 << 20))
         check(st == 413 and is_error_shape(json.loads(out)), "413 %d %s" % (st, out[:200]))
         # one JSON value and nothing after it but whitespace (cJSON alone stops after the value)
-        for raw, at in ((b'{"prompt": "x", "max_tokens": 2} xyz', 33), (b'{"prompt": "x"}}', 15)):
+        # and no raw control character inside a string (RFC 8259: escaped only)
+        for raw, at in ((b'{"prompt": "x", "max_tokens": 2} xyz', 33), (b'{"prompt": "x"}}', 15),
+                        (b'{"prompt": "x\x04y", "max_tokens": 2}', 13), (b'{"prompt": "a\tb"}', 13)):
             st, _, out = request(node, "POST", "/v1/completions", raw=raw)
             b = json.loads(out)
             check(st == 400 and is_error_shape(b) and
                   ("not valid JSON (at byte %d of %d)" % (at, len(raw))) in b["error"]["message"],
-                  "trailing bytes refused: %r -> %d %s" % (raw, st, out[:200]))
+                  "trailing bytes or a raw control character refused: %r -> %d %s" % (raw, st, out[:200]))
         st, _, out = request(node, "POST", "/v1/completions", raw=b'{"prompt": "x", "max_tokens": 2}\r\n\t ')
         check(st == 200, "trailing whitespace accepted: %d %s" % (st, out[:200]))
         st, body = post_json(node, "/v1/completions", {"prompt": prompt, "max_tokens": N,

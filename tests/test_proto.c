@@ -488,6 +488,13 @@ static void test_json_whole(void)
         { "{\"a\": }", 0, 6 },
         { "", 0, 0 },
         { "   ", 0, 2 },
+        /* a control character inside a string must be escaped (RFC 8259 7) */
+        { "{\"pre\x04" "ence\": 1}", 0, 5 },
+        { "[\"a\tb\"]", 0, 3 },
+        { "[\"a\nb\"]", 0, 3 },
+        { "{\"a\": \"x\x1f\"}", 0, 8 },
+        { "[\"a\\tb\", \"\\\"\x7f\"]", 1, 0 },   /* escaped tab and quote, DEL: fine */
+        { "\t[\"a\"]\n", 1, 0 },                    /* whitespace outside strings: fine */
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         size_t bad = 12345;
