@@ -966,7 +966,7 @@ static void test_services_tools(void)
  * from the same request as chat messages (with tools). Every answer is a result
  * or an error the client caused (INVALID_ARGUMENT, a deadline, busy), never a dropped
  * connection or an internal error; the node then serves a normal request. PD_FUZZ_N sets the
- * count (default 600). */
+ * count (default 600), PD_FUZZ_SEED another sequence of mutations. */
 static void test_services_fuzz(void)
 {
     node dn = {0};
@@ -1036,7 +1036,8 @@ static void test_services_fuzz(void)
     protobuf_c_message_pack(&rc.base, base_c);
     const char *env = getenv("PD_FUZZ_N");
     int n = env != NULL ? atoi(env) : 600, sent = 0, counts[PD_ERR_INTERNAL + 1] = {0};
-    uint64_t x = 0x9e3779b97f4a7c15ull;
+    const char *seed = getenv("PD_FUZZ_SEED");   /* other mutations, by hand */
+    uint64_t x = seed != NULL ? strtoull(seed, NULL, 0) * 0x9e3779b97f4a7c15ull + 1 : 0x9e3779b97f4a7c15ull;
     for (int i = 0; i < n; i++) {
         const uint8_t *base = i % 2 ? base_c : base_t;
         size_t len = i % 2 ? len_c : len_t, used = len;
