@@ -196,6 +196,9 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     char xrid[DECODE_HTTP_XRID_MAX + 1];
     if (request_id_header(req, xrid) != 0)
         return;
+    if (xrid[0] != '\0')   /* every reply from here carries it, errors too (without it:
+                            * the reply's own id, decode_http_reply.c) */
+        evhttp_add_header(evhttp_request_get_output_headers(req), "X-Request-Id", xrid);
     const char *chat_why = NULL;
     const pd_chat_template *tmpl = decode_server_chat_template(dh->s, &chat_why);
     if (chat && tmpl == NULL) {

@@ -1229,6 +1229,29 @@ def test_request_id(node, prompt):
         ids.add(json.loads(d)["id"])
     s.close()
     check(s.status == 200 and hdr == "s-1" and ids == {"cmpl-s-1"}, "streamed: header %s, ids %s" % (hdr, ids))
+    # a request refused after the header was read still carries it back, once
+    c = http.client.HTTPConnection(*node.http, timeout=60 * SCALE)
+    c.request("POST", "/v1/completions", body=b'{"prompt": "x", "max_tokens": -3}',
+              headers={"Content-Type": "application/json", "X-Request-Id": "err-1"})
+    rr = c.getresponse()
+    rr.read()
+    c.close()
+    check(rr.status == 400 and rr.msg.get_all("X-Request-Id") == ["err-1"],
+          "a refused request echoes X-Request-Id once: %d %s" % (rr.status, rr.msg.get_all("X-Request-Id")))
+    c = http.client.HTTPConnection(*node.http, timeout=60 * SCALE)
+    c.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+              headers={"Content-Type": "application/json", "X-Request-Id": "once"})
+    rr = c.getresponse()
+    rr.read()
+    c.close()
+    check(rr.status == 200 and rr.msg.get_all("X-Request-Id") == ["once"],
+          "a served request echoes X-Request-Id once: %s" % rr.msg.get_all("X-Request-Id"))
+    s = Stream(node, "/v1/completions", dict(body, stream=True), headers={"X-Request-Id": "s-once"})
+    got = s.r.msg.get_all("X-Request-Id")
+    while s.next_event() not in (None, "[DONE]"):
+        pass
+    s.close()
+    check(got == ["s-once"], "a streamed request echoes X-Request-Id once: %s" % got)
     # a client that sends one id twice (a proxy's session id) still gets distinct tool call ids
     tb = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 40, "temperature": 0,
           "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
