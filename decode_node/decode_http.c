@@ -196,8 +196,7 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     char xrid[DECODE_HTTP_XRID_MAX + 1];
     if (request_id_header(req, xrid) != 0)
         return;
-    if (xrid[0] != '\0')   /* every reply from here carries it, errors too (without it:
-                            * the reply's own id, decode_http_reply.c) */
+    if (xrid[0] != '\0')   /* every reply from here carries it, errors too */
         evhttp_add_header(evhttp_request_get_output_headers(req), "X-Request-Id", xrid);
     const char *chat_why = NULL;
     const pd_chat_template *tmpl = decode_server_chat_template(dh->s, &chat_why);
@@ -306,11 +305,12 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     unsigned long long seq = atomic_fetch_add(&dh->next_id, 1);
     snprintf(r->uid, sizeof(r->uid), "%s-%llx%04llx", chat ? "chatcmpl" : "cmpl",
              (unsigned long long)r->created, seq & 0xffffull);
-    memcpy(r->xrid, xrid, sizeof(r->xrid));
-    if (xrid[0] != '\0')   /* clients may repeat theirs: tool call ids come from uid */
+    if (xrid[0] != '\0') {   /* clients may repeat theirs: tool call ids come from uid */
         snprintf(r->id, sizeof(r->id), "%s-%s", chat ? "chatcmpl" : "cmpl", xrid);
-    else
+    } else {
         memcpy(r->id, r->uid, sizeof(r->id));
+        evhttp_add_header(evhttp_request_get_output_headers(req), "X-Request-Id", r->id);
+    }
     for (int i = 0; i < o.n_stop; i++) {
         r->stop[i] = o.stop[i];
         size_t l = strlen(o.stop[i]);

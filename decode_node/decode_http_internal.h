@@ -78,7 +78,6 @@ typedef struct http_req {
     int chat, stream, include_usage;
     char id[64];                     /* the reply's id: the node's own, or from X-Request-Id */
     char uid[64];                    /* the node's own id, unique per request (tool call ids) */
-    char xrid[DECODE_HTTP_XRID_MAX + 1];   /* the client's X-Request-Id ("" without one) */
     long created;
     char *stop[MAX_STOP];
     int n_stop;

@@ -384,8 +384,6 @@ static void sse_start(http_req *r)
     struct evkeyvalq *oh = evhttp_request_get_output_headers(r->req);
     evhttp_add_header(oh, "Content-Type", "text/event-stream");
     evhttp_add_header(oh, "Cache-Control", "no-cache");
-    if (r->xrid[0] == '\0')   /* the client's came with the request's first reply header */
-        evhttp_add_header(oh, "X-Request-Id", r->id);
     evhttp_send_reply_start(r->req, 200, "OK");
     if (r->chat) {   /* the role chunk of every choice */
         cJSON *o = resp_base(r, 1);
@@ -704,8 +702,6 @@ static void reply_end(http_req *r)
         char *s = pd_json_print(o);
         cJSON_Delete(o);
         if (s != NULL) {
-            if (r->xrid[0] == '\0')
-                evhttp_add_header(evhttp_request_get_output_headers(r->req), "X-Request-Id", r->id);
             pd_http_reply(r->req, 200, NULL, s, strlen(s));
             free(s);
         } else {
