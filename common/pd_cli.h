@@ -31,6 +31,10 @@ double pd_cli_now_ms(void);
 /* A node's signals: SIGINT and SIGTERM blocked in the calling thread and every thread it starts
  * afterwards (the main thread takes them with sigwait on *set), SIGPIPE ignored. */
 void pd_cli_block_stop_signals(sigset_t *set);
+/* A node's descriptor limit: the soft limit raised to the hard one (containers often start a
+ * process at a soft 1024, which ~1000 idle HTTP clients use up). Returns the limit now in force
+ * (-1: unlimited or unknown). */
+long pd_cli_raise_fd_limit(void);
 /* Parse an integer flag value in lo..hi; prints "prog: flag: ..." to stderr and returns -1 on
  * a bad value. */
 int pd_cli_parse_i64(const char *prog, const char *flag, const char *s, int64_t lo, int64_t hi,

@@ -19,11 +19,16 @@
 #include <event2/event.h>
 #include <event2/http.h>
 #include <event2/keyvalq_struct.h>
+#include <event2/listener.h>
 
+#include "pd_cli.h"
 #include "pd_log.h"
 
 #define MAX_ROUTES 32
 #define DEFAULT_MAX_BODY (8u << 20)
+#define ACCEPT_PAUSE_MIN_MS 100              /* first pause after a failed accept() */
+#define ACCEPT_PAUSE_MAX_MS 1000             /* doubling up to this while it keeps failing */
+#define ACCEPT_LOG_EVERY_MS 10000            /* one warning per this, with the count between */
 
 typedef struct {
     pd_http *h;
@@ -43,6 +48,14 @@ struct pd_http {
     int started, stopped;
     route routes[MAX_ROUTES];
     int n_routes;
+    /* accept() failures (accept_error_cb): the listener pauses, a timer resumes it */
+    struct evconnlistener *lev;
+    pd_loop_timer *accept_timer;
+    uint64_t accept_pause_ms;
+    double accept_last_err_ms, accept_last_log_ms;
+    uint64_t accept_errors, accept_errors_logged;
+    pd_metric *m_accept_errors;
+    pd_http *next_listener;                  /* listener_link's list */
 };
 
 /* ---------------------------------------------------------------------------------------------
@@ -263,6 +276,71 @@ static int split_addr(const char *addr, char *host, size_t hcap, int *port)
     return 0;
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * Accept failures. accept() failing for want of descriptors (EMFILE, ENFILE) or memory leaves
+ * the connection in the listen backlog and the socket readable, and libevent 2.1 retries at
+ * once, forever: the HTTP thread spun at 100 % CPU and wrote a warning per try (1.5 M lines in
+ * 5 s under a 128-descriptor limit). The listener pauses instead, 100 ms at first, doubling to
+ * 1 s while the failures go on; the connections it has keep being served, the waiting ones are
+ * accepted once descriptors free up. One warning per 10 s with the count, and a counter. */
+
+static void accept_resume(void *arg)
+{
+    pd_http *h = arg;
+    evconnlistener_enable(h->lev);
+}
+
+/* libevent hands the error callback the listener's user data, which is evhttp's, so the
+ * servers whose listeners have one are found here by listener */
+static pthread_mutex_t listeners_mu = PTHREAD_MUTEX_INITIALIZER;
+static pd_http *listeners;                   /* linked through next_listener */
+
+static void listener_link(pd_http *h, int on)
+{
+    pthread_mutex_lock(&listeners_mu);
+    pd_http **pp = &listeners;
+    while (*pp != NULL && *pp != h)
+        pp = &(*pp)->next_listener;
+    if (on && *pp == NULL) {
+        h->next_listener = listeners;
+        listeners = h;
+    } else if (!on && *pp != NULL) {
+        *pp = h->next_listener;
+    }
+    pthread_mutex_unlock(&listeners_mu);
+}
+
+static void accept_error_cb(struct evconnlistener *lev, void *arg)
+{
+    (void)arg;
+    pd_http *h;
+    pthread_mutex_lock(&listeners_mu);
+    for (h = listeners; h != NULL && h->lev != lev; h = h->next_listener)
+        ;
+    pthread_mutex_unlock(&listeners_mu);
+    if (h == NULL)
+        return;
+    int e = EVUTIL_SOCKET_ERROR();
+    double now = pd_cli_now_ms();
+    h->accept_pause_ms = now - h->accept_last_err_ms > 5.0 * ACCEPT_PAUSE_MAX_MS ? ACCEPT_PAUSE_MIN_MS
+                       : h->accept_pause_ms * 2 > ACCEPT_PAUSE_MAX_MS ? ACCEPT_PAUSE_MAX_MS
+                       : h->accept_pause_ms * 2;
+    h->accept_last_err_ms = now;
+    h->accept_errors++;
+    pd_metric_inc(h->m_accept_errors);
+    evconnlistener_disable(lev);
+    pd_loop_timer_start(h->accept_timer, h->accept_pause_ms, false);
+    if (h->accept_last_log_ms == 0 || now - h->accept_last_log_ms >= ACCEPT_LOG_EVERY_MS) {
+        PD_LOG_WARN("http", "accept failed: %s (%llu failures since the last report); new "
+                    "connections wait in the listen backlog, retried every <= %d ms",
+                    evutil_socket_error_to_string(e),
+                    (unsigned long long)(h->accept_errors - h->accept_errors_logged),
+                    ACCEPT_PAUSE_MAX_MS);
+        h->accept_errors_logged = h->accept_errors;
+        h->accept_last_log_ms = now;
+    }
+}
+
 pd_status pd_http_create(const pd_http_config *cfg, pd_http **out, pd_err *err)
 {
     char host[128];
@@ -304,6 +382,15 @@ pd_status pd_http_create(const pd_http_config *cfg, pd_http **out, pd_err *err)
                         errno != 0 ? strerror(errno) : "no such address here");
         goto err_http;
     }
+    h->lev = evhttp_bound_socket_get_listener(bs);
+    if ((st = pd_loop_timer_create(h->loop, accept_resume, h, &h->accept_timer, err)) != PD_OK)
+        goto err_http;
+    listener_link(h, 1);
+    evconnlistener_set_error_cb(h->lev, accept_error_cb);
+    if (h->cfg.metrics != NULL)
+        h->m_accept_errors = pd_metrics_counter(h->cfg.metrics, "pdspark_http_accept_errors_total",
+                                                "accept() failures on the HTTP listener (descriptor "
+                                                "or memory limits; the listener pauses <= 1 s)", NULL);
     struct sockaddr_storage ss;
     socklen_t sl = sizeof(ss);
     if (getsockname(evhttp_bound_socket_get_fd(bs), (struct sockaddr *)&ss, &sl) == 0)
@@ -318,6 +405,8 @@ pd_status pd_http_create(const pd_http_config *cfg, pd_http **out, pd_err *err)
 err_routes:
     for (int i = 0; i < h->n_routes; i++)
         free(h->routes[i].path);
+    listener_link(h, 0);
+    pd_loop_timer_destroy(h->accept_timer);
 err_http:
     evhttp_free(h->http);
 err_loop:
@@ -371,6 +460,8 @@ void pd_http_destroy(pd_http *h)
     if (h == NULL)
         return;
     pd_http_stop(h);
+    listener_link(h, 0);
+    pd_loop_timer_destroy(h->accept_timer);
     evhttp_free(h->http);
     pd_loop_destroy(h->loop);
     for (int i = 0; i < h->n_routes; i++)

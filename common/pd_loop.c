@@ -84,8 +84,25 @@ static void loop_wake(pd_loop *l)
         PD_LOG_WARN("loop", "wake write: %s", strerror(errno));
 }
 
+/* libevent's own messages (a failed accept(), a bad event) go through the node's log, in its
+ * format (text or JSON), instead of libevent's "[warn] ..." lines on stderr */
+static void libevent_log(int severity, const char *msg)
+{
+    pd_log_level lvl = severity == EVENT_LOG_ERR ? PD_LOG_LEVEL_ERROR
+                     : severity == EVENT_LOG_WARN ? PD_LOG_LEVEL_WARN
+                     : severity == EVENT_LOG_MSG ? PD_LOG_LEVEL_INFO : PD_LOG_LEVEL_DEBUG;
+    PD_LOG_AT(lvl, "libevent", "%s", msg);
+}
+
+static void libevent_log_once(void)
+{
+    event_set_log_callback(libevent_log);
+}
+
 pd_status pd_loop_create(pd_loop **out, pd_err *err)
 {
+    static pthread_once_t log_once = PTHREAD_ONCE_INIT;
+    pthread_once(&log_once, libevent_log_once);
     pd_loop *l = calloc(1, sizeof(*l));
     if (l == NULL)
         return pd_err_set(err, PD_ERR_NOMEM, "loop: %zu bytes", sizeof(*l));

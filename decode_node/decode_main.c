@@ -330,6 +330,9 @@ int main(int argc, char **argv)
     /* block the stop signals in every thread; the main thread waits for them */
     sigset_t set;
     pd_cli_block_stop_signals(&set);
+    long nofile = pd_cli_raise_fd_limit();
+    if (nofile >= 0)
+        PD_LOG_DEBUG("decode", "descriptor limit %ld", nofile);
 
     pd_err err = {0};
     decode_server *s = NULL;

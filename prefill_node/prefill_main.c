@@ -171,6 +171,9 @@ int main(int argc, char **argv)
     }
     sigset_t set;
     pd_cli_block_stop_signals(&set);
+    long nofile = pd_cli_raise_fd_limit();
+    if (nofile >= 0)
+        PD_LOG_DEBUG("prefill", "descriptor limit %ld", nofile);
 
     pd_err err = {0};
     prefill_server *ps = NULL;

@@ -60,8 +60,13 @@ def log(msg):
 
 
 class Node:
-    def __init__(self, bin_dir, model, draft, extra=("--colocated",), binary="decode_node", key=None):
+    def __init__(self, bin_dir, model, draft, extra=("--colocated",), binary="decode_node", key=None,
+                 nofile=None):
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+        pre = None
+        if nofile is not None:   # the node's descriptor limits (soft, hard)
+            import resource
+            pre = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
         self.key = key   # sent as the bearer token by request()
         if key is not None:
             env["PDSPARK_API_KEY"] = key
@@ -70,7 +75,7 @@ class Node:
             [os.path.join(bin_dir, binary), "--model", model,
              *(("--draft", draft) if draft else ("--no-draft",) if binary == "decode_node" else ()),
              "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", *extra, *DEV],
-            stdout=subprocess.PIPE, stderr=self.errf, env=env, text=True)
+            stdout=subprocess.PIPE, stderr=self.errf, env=env, text=True, preexec_fn=pre)
         self.grpc = self.http = None
         deadline = time.time() + 60 * SCALE
         while time.time() < deadline and (self.grpc is None or self.http is None):
@@ -1722,6 +1727,70 @@ def test_generation_config(bin_dir, model, draft):
     log("--generation-config checked")
 
 
+def test_fd_exhaustion(bin_dir, model, draft):
+    """A node at its descriptor limit: connections past it wait in the listen backlog while the
+    HTTP listener pauses (libevent 2.1 retried accept() at once, forever: 100 % of a core and a
+    warning per try, 1.5 M log lines in 5 s), the connections it holds keep being served, and the
+    waiting ones are served once descriptors free up; one warning, pdspark_http_accept_errors_total
+    counts the failures."""
+    node = Node(bin_dir, model, draft, ("--colocated",), nofile=(64, 2048))
+    try:
+        lims = [l for l in open("/proc/%d/limits" % node.p.pid) if l.startswith("Max open files")]
+        check(lims and lims[0].split()[3:5] == ["2048", "2048"],
+              "the node raises its soft descriptor limit to the hard one: %s" % lims)
+    finally:
+        node.stop()
+    lim = 64     # soft = hard: the node cannot raise it
+    node = Node(bin_dir, model, draft, ("--colocated",), nofile=(lim, lim))
+    socks = []
+    try:
+        kept = http.client.HTTPConnection(*node.http, timeout=30)
+        kept.request("GET", "/health")
+        r = kept.getresponse()
+        check(r.status == 200, "kept connection /health: %d" % r.status)
+        r.read()
+        for _ in range(lim + 16):
+            socks.append(socket.create_connection(node.http, timeout=10))
+        time.sleep(1.0)
+
+        def cpu_s():
+            f = open("/proc/%d/stat" % node.p.pid).read().rsplit(")", 1)[1].split()
+            return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+        c0 = cpu_s()
+        time.sleep(2.0)
+        spent = cpu_s() - c0
+        check(spent < 0.5, "idle node at its descriptor limit spent %.2f s of CPU in 2 s" % spent)
+        kept.request("POST", "/v1/completions", json.dumps({"prompt": "def f(x):", "max_tokens": 4,
+                                                            "temperature": 0}),
+                     {"Content-Type": "application/json"})
+        r = kept.getresponse()
+        body = r.read()
+        check(r.status == 200 and len(json.loads(body)["choices"][0]["text"]) > 0,
+              "a held connection served at the limit: %d %s" % (r.status, body[:200]))
+        for s in socks:
+            s.close()
+        socks = []
+        st, deadline = 0, time.time() + 10 * SCALE
+        while st != 200 and time.time() < deadline:
+            try:
+                st = request(node, "GET", "/health", timeout=5)[0]
+            except OSError:
+                time.sleep(0.2)
+        check(st == 200, "a new connection served after descriptors freed up: %s" % st)
+        n = sample(metrics(node), "pdspark_http_accept_errors_total")
+        check(n is not None and n >= 1, "pdspark_http_accept_errors_total %s" % n)
+        err = node.stderr()
+        warns = err.count("accept failed")
+        check(1 <= warns <= 2 and "Too many open files" in err and err.count("\n") < 40,
+              "one warning, no flood: %d warnings, %d lines: %s" % (warns, err.count("\n"), err[-600:]))
+        kept.close()
+    finally:
+        for s in socks:
+            s.close()
+        node.stop()
+    log("descriptor limit checked")
+
+
 def test_chat_template(bin_dir, model, draft):
     """decode_node --chat-template: a template of one's own (here a file whose generation prompt
     comes after a default system turn) replaces the checkpoint's; a request's own chat_template
@@ -2778,6 +2847,7 @@ def main():
         test_chat_template(bin_dir, model, draft)
         test_local_prefill(bin_dir, model, draft)
         test_generation_config(bin_dir, model, draft)
+        test_fd_exhaustion(bin_dir, model, draft)
         test_spec_disable(bin_dir, model, draft)
         test_no_draft(bin_dir, model, draft)
     if FAILS == 0 and DEV:
