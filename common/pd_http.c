@@ -15,7 +15,11 @@
 #include <string.h>
 #include <sys/socket.h>
 
+#include <openssl/ssl.h>
+
 #include <event2/buffer.h>
+#include <event2/bufferevent.h>
+#include <event2/bufferevent_ssl.h>
 #include <event2/event.h>
 #include <event2/http.h>
 #include <event2/keyvalq_struct.h>
@@ -56,6 +60,7 @@ struct pd_http {
     uint64_t accept_errors, accept_errors_logged;
     pd_metric *m_accept_errors;
     pd_http *next_listener;                  /* listener_link's list */
+    SSL_CTX *ssl_ctx;                        /* HTTPS: every connection's TLS session */
 };
 
 /* ---------------------------------------------------------------------------------------------
@@ -341,6 +346,24 @@ static void accept_error_cb(struct evconnlistener *lev, void *arg)
     }
 }
 
+/* HTTPS: each accepted connection's bufferevent does the server side of TLS (evhttp sets the
+ * socket afterwards). A client that closes without close_notify is not an error. */
+static struct bufferevent *tls_bev(struct event_base *base, void *arg)
+{
+    pd_http *h = arg;
+    SSL *ssl = SSL_new(h->ssl_ctx);
+    if (ssl == NULL)
+        return NULL;
+    struct bufferevent *bev = bufferevent_openssl_socket_new(base, -1, ssl, BUFFEREVENT_SSL_ACCEPTING,
+                                                             BEV_OPT_CLOSE_ON_FREE);
+    if (bev == NULL) {
+        SSL_free(ssl);
+        return NULL;
+    }
+    bufferevent_openssl_set_allow_dirty_shutdown(bev, 1);
+    return bev;
+}
+
 pd_status pd_http_create(const pd_http_config *cfg, pd_http **out, pd_err *err)
 {
     char host[128];
@@ -352,6 +375,7 @@ pd_status pd_http_create(const pd_http_config *cfg, pd_http **out, pd_err *err)
     if (h == NULL)
         return pd_err_set(err, PD_ERR_NOMEM, "http server");
     h->cfg = *cfg;
+    h->cfg.tls = NULL;                       /* read below into ssl_ctx */
     if (h->cfg.max_body == 0)
         h->cfg.max_body = DEFAULT_MAX_BODY;
     snprintf(h->node, sizeof(h->node), "%s", cfg->node != NULL ? cfg->node : "node");
@@ -374,6 +398,13 @@ pd_status pd_http_create(const pd_http_config *cfg, pd_http **out, pd_err *err)
                                         EVHTTP_REQ_PUT | EVHTTP_REQ_DELETE | EVHTTP_REQ_OPTIONS |
                                         EVHTTP_REQ_PATCH);
     evhttp_set_gencb(h->http, notfound_cb, h);
+    if (cfg->tls != NULL && cfg->tls->cert_pem != NULL) {
+        if ((h->ssl_ctx = pd_tls_ssl_ctx(cfg->tls, err)) == NULL) {
+            st = pd_err_prefix(err, "http: TLS");
+            goto err_http;
+        }
+        evhttp_set_bevcb(h->http, tls_bev, h);
+    }
     errno = 0;
     struct evhttp_bound_socket *bs = evhttp_bind_socket_with_handle(h->http, host, (ev_uint16_t)port);
     if (bs == NULL) {
@@ -409,6 +440,7 @@ err_routes:
     pd_loop_timer_destroy(h->accept_timer);
 err_http:
     evhttp_free(h->http);
+    pd_tls_ssl_ctx_free(h->ssl_ctx);
 err_loop:
     pd_loop_destroy(h->loop);
 err_free:
@@ -463,6 +495,7 @@ void pd_http_destroy(pd_http *h)
     listener_link(h, 0);
     pd_loop_timer_destroy(h->accept_timer);
     evhttp_free(h->http);
+    pd_tls_ssl_ctx_free(h->ssl_ctx);
     pd_loop_destroy(h->loop);
     for (int i = 0; i < h->n_routes; i++)
         free(h->routes[i].path);

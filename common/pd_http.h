@@ -18,6 +18,7 @@
 #include "pd_loop.h"
 #include "pd_metrics.h"
 #include "pd_status.h"
+#include "pd_tls.h"
 
 struct evhttp_request;
 
@@ -34,13 +35,15 @@ typedef struct {
     pd_http_ready_fn ready;      /* NULL: ready whenever the process is up */
     void *ready_ud;
     size_t max_body;             /* request bodies above this get 413 (0 = 8 MiB) */
+    const pd_tls *tls;           /* NULL or no certificate: plain HTTP; else HTTPS only (TLS 1.2+)
+                                  * with its certificate and key (read at create) */
 } pd_http_config;
 
 enum { PD_HTTP_GET = 1, PD_HTTP_POST = 2 };   /* route method masks (HEAD follows GET) */
 
 /* Binds the socket (the port is known from here on) and prepares the ops routes; nothing is
- * served before pd_http_start. Errors: PD_ERR_INVALID (bad address), PD_ERR_IO (bind),
- * PD_ERR_NOMEM. */
+ * served before pd_http_start. Errors: PD_ERR_INVALID (bad address, a certificate OpenSSL
+ * refuses), PD_ERR_IO (bind), PD_ERR_NOMEM. */
 pd_status pd_http_create(const pd_http_config *cfg, pd_http **out, pd_err *err);
 /* Add a route before pd_http_start: an exact path (the query string is ignored), the methods it
  * takes (others get 405 with an Allow header). fn runs on the HTTP thread with the body already

@@ -27,6 +27,7 @@
 
 #include "pd_log.h"
 #include "pd_proto_version.h"
+#include "pd_tls.h"
 
 /* ---------------------------------------------------------------------------------------------
  * Status mapping: the only place */
@@ -123,6 +124,56 @@ static const grpc_channel_args *channel_args_make(rpc_args *r, bool server)
     r->args.num_args = n;
     r->args.args = r->a;
     return &r->args;
+}
+
+/* TLS (pd_rpc_set_tls): the PEM of every server and channel made afterwards */
+static pthread_mutex_t tls_mu = PTHREAD_MUTEX_INITIALIZER;
+static pd_tls tls_cfg;
+
+pd_status pd_rpc_set_tls(const pd_tls *t, pd_err *err)
+{
+    pd_tls c = {0};
+    if (t != NULL &&
+        ((t->cert_pem != NULL && (c.cert_pem = strdup(t->cert_pem)) == NULL) ||
+         (t->key_pem != NULL && (c.key_pem = strdup(t->key_pem)) == NULL) ||
+         (t->ca_pem != NULL && (c.ca_pem = strdup(t->ca_pem)) == NULL))) {
+        pd_tls_free(&c);
+        return pd_err_set(err, PD_ERR_NOMEM, "rpc: TLS settings");
+    }
+    pthread_mutex_lock(&tls_mu);
+    pd_tls old = tls_cfg;
+    tls_cfg = c;
+    pthread_mutex_unlock(&tls_mu);
+    pd_tls_free(&old);
+    return PD_OK;
+}
+
+/* A served certificate makes the server TLS-only (clients are not asked for certificates) */
+static grpc_server_credentials *server_creds(void)
+{
+    pthread_mutex_lock(&tls_mu);
+    grpc_server_credentials *c;
+    if (tls_cfg.cert_pem != NULL) {
+        grpc_ssl_pem_key_cert_pair pair = {tls_cfg.key_pem, tls_cfg.cert_pem};
+        c = grpc_ssl_server_credentials_create_ex(NULL, &pair, 1, GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE,
+                                                  NULL);
+    } else {
+        c = grpc_insecure_server_credentials_create();
+    }
+    pthread_mutex_unlock(&tls_mu);
+    return c;
+}
+
+/* Roots to trust make channels TLS: the server's certificate must chain to them and name the
+ * target's host */
+static grpc_channel_credentials *channel_creds(void)
+{
+    pthread_mutex_lock(&tls_mu);
+    grpc_channel_credentials *c = tls_cfg.ca_pem != NULL
+                                ? grpc_ssl_credentials_create_ex(tls_cfg.ca_pem, NULL, NULL, NULL)
+                                : grpc_insecure_credentials_create();
+    pthread_mutex_unlock(&tls_mu);
+    return c;
 }
 
 /* Pack msg into a new byte buffer (NULL on allocation failure). */
@@ -642,9 +693,10 @@ pd_status pd_rpc_server_create(const char *addr, const pd_rpc_method *m, size_t 
         goto err_free;
     }
     grpc_server_register_completion_queue(srv->server, srv->cq, NULL);
-    grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
-    srv->port = grpc_server_add_http2_port(srv->server, addr, creds);
-    grpc_server_credentials_release(creds);
+    grpc_server_credentials *creds = server_creds();
+    srv->port = creds != NULL ? grpc_server_add_http2_port(srv->server, addr, creds) : 0;
+    if (creds != NULL)
+        grpc_server_credentials_release(creds);
     if (srv->port <= 0) {
         st = pd_err_set(err, PD_ERR_IO, "rpc server: cannot listen on %s (port in use, or no such address here)", addr);
         goto err_free;
@@ -916,9 +968,10 @@ pd_status pd_rpc_channel_create(const char *target, pd_rpc_channel **out, pd_err
     pthread_cond_init(&ch->cv, NULL);
     grpc_init();
     rpc_args args;
-    grpc_channel_credentials *creds = grpc_insecure_credentials_create();
-    ch->ch = grpc_channel_create(target, creds, channel_args_make(&args, false));
-    grpc_channel_credentials_release(creds);
+    grpc_channel_credentials *creds = channel_creds();
+    ch->ch = creds != NULL ? grpc_channel_create(target, creds, channel_args_make(&args, false)) : NULL;
+    if (creds != NULL)
+        grpc_channel_credentials_release(creds);
     if (ch->ch == NULL) {
         pthread_mutex_destroy(&ch->mu);
         pthread_cond_destroy(&ch->cv);

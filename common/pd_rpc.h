@@ -34,6 +34,7 @@
 #include <protobuf-c/protobuf-c.h>
 
 #include "pd_status.h"
+#include "pd_tls.h"
 
 /* Requests larger than this are refused with INVALID_ARGUMENT (above twice this, gRPC itself
  * refuses them with RESOURCE_EXHAUSTED before they are read). */
@@ -88,6 +89,12 @@ typedef struct {
     pd_rpc_handler fn;
 } pd_rpc_method;
 
+/* TLS for the servers and channels made from here on (a node sets it once at start, from
+ * --tls-cert/--tls-key/--tls-ca, before it makes any): t's certificate and key make servers
+ * TLS-only, its roots make channels TLS; NULL fields (or t NULL) leave that side plaintext.
+ * The strings are copied. Errors: PD_ERR_NOMEM. */
+pd_status pd_rpc_set_tls(const pd_tls *t, pd_err *err);
+
 /* Start a server listening on addr ("HOST:PORT"; port 0 picks a free one, see
  * pd_rpc_server_port). The method table m[0..n) is borrowed and must outlive the server; ud is
  * passed to every handler. Calls to methods not in the table get UNIMPLEMENTED.
@@ -139,8 +146,9 @@ void pd_rpc_finish(pd_rpc_call *call, pd_status st, const char *msg);
 typedef struct pd_rpc_channel pd_rpc_channel;
 typedef struct pd_rpc_stream pd_rpc_stream;
 
-/* An insecure channel to target ("HOST:PORT"). Connects lazily. Errors: PD_ERR_NOMEM,
- * PD_ERR_INTERNAL. */
+/* A channel to target ("HOST:PORT"): TLS when pd_rpc_set_tls gave roots to trust (the server's
+ * certificate must chain to them and name HOST), plaintext otherwise. Connects lazily.
+ * Errors: PD_ERR_NOMEM, PD_ERR_INTERNAL. */
 pd_status pd_rpc_channel_create(const char *target, pd_rpc_channel **out, pd_err *err);
 /* Blocking calls and streams on the channel must be over; async calls still in flight are
  * cancelled and their callbacks run before this returns (so it must not be called from one).

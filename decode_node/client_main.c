@@ -15,6 +15,7 @@
 #include "pd_json.h"
 #include "pd_proto_version.h"
 #include "pd_rpc.h"
+#include "pd_tls.h"
 #include "pdspark.pb-c.h"
 
 #define PROG "pdspark-client"
@@ -40,13 +41,16 @@ static void usage(FILE *f)
             "                       | --grammar FILE] [--n N]\n"
             "                      [--tools FILE [--tool-choice auto|none|required|NAME]\n"
             "                       [--parallel-tool-calls on|off] [--stream-tool-arguments]]\n"
+            "                      [--tls-ca FILE]\n"
             "\n"
             "Streams one completion from a decode node. Text is printed as it arrives; --json\n"
             "prints instead one object at the end with the fields of pdspark-generate --json\n"
             "(tokens, text, rounds, accepted_per_round, tau, ...); --stream with --json prints\n"
             "both. --health prints the node's Health as JSON. --disconnect-after N drops the\n"
             "connection after N chunks (tests). --verify / --verify-threshold pick this request's\n"
-            "DSpark verification policy (default: the node's). --chat sends --prompt as a user\n"
+            "DSpark verification policy (default: the node's). --tls-ca FILE (PEM roots) talks\n"
+            "TLS to a node run with --tls-cert, verifying its certificate against them and the host\n"
+            "named in --server. --chat sends --prompt as a user\n"
             "message (after a --system message), --messages FILE a JSON array of OpenAI chat\n"
             "messages ({\"role\", \"content\"}, an assistant's \"tool_calls\" and\n"
             "\"reasoning_content\", a tool's \"tool_call_id\" and \"name\"); the node renders them with its chat template (the reply\n"
@@ -477,12 +481,12 @@ int main(int argc, char **argv)
     char *bad_words[64];        /* SamplingParams.bad_words (the server checks the count) */
     size_t n_bad_words = 0;
     pd_cli_guide guide = { 0 };
-    const char *verify = NULL;
+    const char *verify = NULL, *tls_ca = NULL;
     enum { O_SERVER = 256, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_IGNORE,
            O_TMO, O_RID, O_JSON, O_STREAM, O_DISC, O_HEALTH, O_STOP, O_VERIFY, O_VTHRESH, O_LOGPROBS,
            O_PRES, O_FREQ, O_REP, O_BIAS, O_ALLOWED, O_BADWORD, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_GRAMMAR, O_SKIPSP,
            O_MINP, O_TYPP, O_CHAT, O_SYSTEM, O_THINK, O_MSGS, O_N, O_MODELDEF, O_TOOLS, O_TOOLCH, O_PARTOOLS,
-           O_PROMPTLP, O_STREAMARGS, O_TRUNC, O_HELP };
+           O_PROMPTLP, O_STREAMARGS, O_TRUNC, O_TLSCA, O_HELP };
     static const struct option opts[] = {
         {"server", required_argument, 0, O_SERVER}, {"prompt", required_argument, 0, O_PROMPT},
         {"prompt-ids", required_argument, 0, O_IDS}, {"max-new-tokens", required_argument, 0, O_MAXNEW},
@@ -513,6 +517,7 @@ int main(int argc, char **argv)
         {"tools", required_argument, 0, O_TOOLS}, {"tool-choice", required_argument, 0, O_TOOLCH},
         {"parallel-tool-calls", required_argument, 0, O_PARTOOLS},
         {"stream-tool-arguments", no_argument, 0, O_STREAMARGS},
+        {"tls-ca", required_argument, 0, O_TLSCA},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0},
     };
     opterr = 0;
@@ -521,6 +526,7 @@ int main(int argc, char **argv)
         int bad = 0;
         switch (c) {
         case O_SERVER: server = optarg; break;
+        case O_TLSCA: tls_ca = optarg; break;
         case O_PROMPT: prompt = optarg; break;
         case O_IDS: ids_path = optarg; break;
         case O_MAXNEW:
@@ -645,6 +651,15 @@ int main(int argc, char **argv)
         stream = n_choices == 1;   /* several choices: each one's text when all have ended */
 
     pd_err err = {0};
+    pd_tls tls;
+    if (pd_tls_load(NULL, NULL, tls_ca, &tls, &err) != PD_OK) {
+        fprintf(stderr, PROG ": %s\n", err.msg);
+        return 2;
+    }
+    pd_status tst = pd_rpc_set_tls(&tls, &err);
+    pd_tls_free(&tls);
+    if (tst != PD_OK)
+        return fail(err.code, &err);
     pd_rpc_channel *ch = NULL;
     if (pd_rpc_channel_create(server, &ch, &err) != PD_OK)
         return fail(err.code, &err);

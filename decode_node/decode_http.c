@@ -646,7 +646,7 @@ pd_status decode_http_create(decode_server *s, const decode_http_config *cfg, de
     snprintf(model_path, sizeof(model_path), "/v1/models/%s", dh->model);
     pd_http_config hc = {
         .addr = cfg->addr, .node = "decode", .metrics = cfg->metrics,
-        .ready = ready_fn, .ready_ud = dh, .max_body = cfg->max_body,
+        .ready = ready_fn, .ready_ud = dh, .max_body = cfg->max_body, .tls = cfg->tls,
     };
     if ((st = pd_http_create(&hc, &dh->http, err)) != PD_OK)
         goto err_free;

@@ -20,6 +20,7 @@
 #include "decode_api.h"
 #include "pd_metrics.h"
 #include "pd_status.h"
+#include "pd_tls.h"
 
 typedef struct decode_http decode_http;
 typedef struct decode_metrics decode_metrics;
@@ -34,6 +35,7 @@ typedef struct {
     const char *api_key;           /* NULL/"": none; else the /v1 routes and /tokenize, /detokenize need
                                     * "Authorization: Bearer <key>" (/health, /ready, /metrics
                                     * stay open) */
+    const pd_tls *tls;             /* NULL or no certificate: HTTP; else HTTPS only */
 } decode_http_config;
 
 /* Reads the chat template, binds, starts the HTTP thread. s is borrowed and must outlive

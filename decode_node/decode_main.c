@@ -19,6 +19,8 @@
 #include "pd_cli.h"
 #include "pd_graph.h"
 #include "pd_log.h"
+#include "pd_rpc.h"
+#include "pd_tls.h"
 #include "pd_tp.h"
 
 #define PROG "decode_node"
@@ -41,6 +43,7 @@ static void usage(FILE *f)
             "                   [--reasoning-parser qwen3] [--served-model-name NAME] [--api-key KEY]\n"
             "                   [--chat-template FILE|TEXT] [--max-local-prefill N]\n"
             "                   [--generation-config auto|none|DIR]\n"
+            "                   [--tls-cert FILE --tls-key FILE] [--tls-ca FILE]\n"
             "\n"
             "Serves pdspark.Generate (gRPC, server-streaming) with DSpark speculative decoding.\n"
             "--no-draft loads no drafter and decodes the target alone, one token a step (what a\n"
@@ -79,6 +82,11 @@ static void usage(FILE *f)
             "SIGTERM drains: new requests are refused (HTTP 503, /ready 503), running ones\n"
             "finish for up to --drain-timeout-ms (default 30000), then the node exits 0.\n"
             "--log-format json writes every log line (and the per-request line) as JSON.\n"
+            "--tls-cert FILE --tls-key FILE (PEM: the certificate chain, leaf first, and its\n"
+            "unencrypted key) serve gRPC (--listen) and HTTP (--http) over TLS only; --tls-ca FILE\n"
+            "(PEM roots) makes this node's gRPC calls to --prefill nodes TLS, their certificates\n"
+            "verified against it and the host named in --prefill. The KV pages over UCX are not\n"
+            "encrypted (keep that network private).\n"
             "--speculative-disable-by-batch-size N (default 0 = never): decode rounds of more than N\n"
             "running requests draft nothing (plain decode steps; vLLM's disable_by_batch_size),\n"
             "where drafting costs more than it gains (docs/BENCHMARKS.md: from ~32 requests on an\n"
@@ -129,7 +137,7 @@ int main(int argc, char **argv)
     decode_config_default(&cfg);
     const char *listen = NULL;
     int colocated = 0, refresh_given = 0, no_draft = 0;
-    const char *http_addr = NULL;
+    const char *http_addr = NULL, *tls_cert = NULL, *tls_key = NULL, *tls_ca = NULL;
     int reasoning = 0;
     const char *served_name = NULL, *chat_template = NULL, *generation_config = NULL;
     const char *api_key = getenv("PDSPARK_API_KEY");
@@ -138,7 +146,7 @@ int main(int argc, char **argv)
            O_QUEUE, O_QTMO, O_RTMO, O_XTMO, O_CP, O_CPS, O_LOG, O_HELP, O_HTTP, O_LOGFMT, O_DRAIN,
            O_VERIFY, O_THRESH, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_CHUNK, O_REFRESH, O_PREFIX,
            O_REASON, O_SERVED, O_APIKEY, O_CHATTMPL, O_LOCALPF, O_GENCFG, O_KVFRAC, O_SWAP,
-           O_STAGE, O_SPECOFF, O_NODRAFT };
+           O_STAGE, O_SPECOFF, O_NODRAFT, O_TLSCERT, O_TLSKEY, O_TLSCA };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"no-draft", no_argument, 0, O_NODRAFT},
@@ -168,7 +176,9 @@ int main(int argc, char **argv)
         {"tp", required_argument, 0, O_TP}, {"dtype", required_argument, 0, O_DTYPE},
         {"log-level", required_argument, 0, O_LOG}, {"help", no_argument, 0, O_HELP},
         {"http", required_argument, 0, O_HTTP}, {"log-format", required_argument, 0, O_LOGFMT},
-        {"drain-timeout-ms", required_argument, 0, O_DRAIN}, {0, 0, 0, 0},
+        {"drain-timeout-ms", required_argument, 0, O_DRAIN},
+        {"tls-cert", required_argument, 0, O_TLSCERT}, {"tls-key", required_argument, 0, O_TLSKEY},
+        {"tls-ca", required_argument, 0, O_TLSCA}, {0, 0, 0, 0},
     };
     opterr = 0;
     int c;
@@ -242,6 +252,9 @@ int main(int argc, char **argv)
             break;
         }
         case O_HTTP: http_addr = optarg; break;
+        case O_TLSCERT: tls_cert = optarg; break;
+        case O_TLSKEY: tls_key = optarg; break;
+        case O_TLSCA: tls_ca = optarg; break;
         case O_APIKEY: api_key = optarg; break;
         case O_SERVED:
             if (optarg[0] == '\0' || strlen(optarg) > 255) {
@@ -335,6 +348,12 @@ int main(int argc, char **argv)
         PD_LOG_DEBUG("decode", "descriptor limit %ld", nofile);
 
     pd_err err = {0};
+    pd_tls tls;
+    if (pd_tls_load(tls_cert, tls_key, tls_ca, &tls, &err) != PD_OK || pd_rpc_set_tls(&tls, &err) != PD_OK) {
+        fprintf(stderr, PROG ": %s\n", err.msg);
+        pd_tls_free(&tls);
+        return 1;
+    }
     decode_server *s = NULL;
     pd_rpc_server *rpc = NULL;
     pd_metrics *reg = NULL;
@@ -365,12 +384,12 @@ int main(int argc, char **argv)
     printf("listening grpc %s%s%s:%d\n", is_v6 ? "[" : "", host, is_v6 ? "]" : "",
            pd_rpc_server_port(rpc));
     fflush(stdout);
-    PD_LOG_INFO("decode", "listening grpc %s port %d (%s)", host, pd_rpc_server_port(rpc),
-                decode_server_mode(s));
+    PD_LOG_INFO("decode", "listening grpc %s port %d (%s%s)", host, pd_rpc_server_port(rpc),
+                decode_server_mode(s), tls.cert_pem != NULL ? ", TLS" : "");
     if (http_addr != NULL) {
         decode_http_config hc = { .addr = http_addr, .model_dir = cfg.model_dir, .metrics = reg,
                                   .dm = dm, .model_name = served_name,
-                                  .api_key = api_key };
+                                  .api_key = api_key, .tls = &tls };
         if (decode_http_create(s, &hc, &http, &err) != PD_OK) {
             fprintf(stderr, PROG ": --http %s: %s\n", http_addr, err.msg);
             pd_rpc_server_destroy(rpc);
@@ -385,7 +404,8 @@ int main(int argc, char **argv)
         printf("listening http %s%s%s:%d\n", v6 ? "[" : "", hh, v6 ? "]" : "",
                decode_http_port(http));
         fflush(stdout);
-        PD_LOG_INFO("decode", "listening http %s port %d", hh, decode_http_port(http));
+        PD_LOG_INFO("decode", "listening http %s port %d%s", hh, decode_http_port(http),
+                    tls.cert_pem != NULL ? " (TLS)" : "");
     }
     int sig = 0;
     sigwait(&set, &sig);
@@ -430,5 +450,6 @@ int main(int argc, char **argv)
     decode_http_destroy(http);
     decode_metrics_destroy(dm);
     pd_metrics_destroy(reg);
+    pd_tls_free(&tls);
     return 0;
 }

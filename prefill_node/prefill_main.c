@@ -14,6 +14,8 @@
 #include "pd_http.h"
 #include "pd_cli.h"
 #include "pd_log.h"
+#include "pd_rpc.h"
+#include "pd_tls.h"
 #include "prefill_metrics.h"
 #include "prefill_server.h"
 
@@ -30,7 +32,7 @@ static void usage(FILE *f)
             "                    [--log-level error|warn|info|debug|trace] [--log-format text|json]\n"
             "                    [--http HOST:PORT]\n"
             "                    [--drain-timeout-ms N] [--fast-kernels] [--prefix-cache]\n"
-            "                    [--stage-memory GIB]\n"
+            "                    [--stage-memory GIB] [--tls-cert FILE --tls-key FILE]\n"
             "\n"
             "Serves pdspark.Prefill: batches queued prompts into engine steps (context-parallel\n"
             "over --cp-size ranks; on cuda rank r on GPU r %% (visible GPUs) with its own copy of\n"
@@ -47,6 +49,9 @@ static void usage(FILE *f)
             "that dies is then noticed only by --transfer-timeout-ms (default peer: at once).\n"
             "--http serves GET /health, /ready and /metrics (Prometheus text), printed as\n"
             "'listening http HOST:PORT'.\n"
+            "--tls-cert FILE --tls-key FILE (PEM: the certificate chain, leaf first, and its\n"
+            "unencrypted key) serve gRPC and --http over TLS only (decode nodes then need\n"
+            "--tls-ca); the KV pages over UCX are not encrypted (keep that network private).\n"
             "--kv-memory-fraction F (0 < F < 1): the KV pools take F of the GPU memory free once\n"
             "the models are loaded (cpu: of the host's available memory), instead of --kv-pages;\n"
             "with --cp-size > 1 every rank's pool on a device together (the fullest decides).\n"
@@ -83,12 +88,12 @@ int main(int argc, char **argv)
     prefill_config cfg;
     prefill_config_default(&cfg);
     const char *listen = NULL;
-    const char *http_addr = NULL;
+    const char *http_addr = NULL, *tls_cert = NULL, *tls_key = NULL;
     int drain_ms = 30000;
     int tmo = 0;
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_CP, O_CPS, O_DEVICE, O_MBT, O_PAGES, O_PAGE, O_XTMO,
            O_AUX, O_LOG, O_HELP, O_HTTP, O_XERR, O_DRAIN, O_DTYPE, O_FAST, O_LOGFMT,
-           O_PREFIX, O_KVFRAC, O_STAGEMEM };
+           O_PREFIX, O_KVFRAC, O_STAGEMEM, O_TLSCERT, O_TLSKEY };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"cp-size", required_argument, 0, O_CP},
@@ -103,6 +108,7 @@ int main(int argc, char **argv)
         {"xfer-err-mode", required_argument, 0, O_XERR}, {"fast-kernels", no_argument, 0, O_FAST},
         {"prefix-cache", no_argument, 0, O_PREFIX},
         {"log-format", required_argument, 0, O_LOGFMT},
+        {"tls-cert", required_argument, 0, O_TLSCERT}, {"tls-key", required_argument, 0, O_TLSKEY},
         {0, 0, 0, 0},
     };
     opterr = 0;
@@ -145,6 +151,8 @@ int main(int argc, char **argv)
             break;
         }
         case O_HTTP: http_addr = optarg; break;
+        case O_TLSCERT: tls_cert = optarg; break;
+        case O_TLSKEY: tls_key = optarg; break;
         case O_LOGFMT:
             if (pd_cli_parse_log_format(PROG, optarg) != 0)
                 return 2;
@@ -176,6 +184,12 @@ int main(int argc, char **argv)
         PD_LOG_DEBUG("prefill", "descriptor limit %ld", nofile);
 
     pd_err err = {0};
+    pd_tls tls;
+    if (pd_tls_load(tls_cert, tls_key, NULL, &tls, &err) != PD_OK || pd_rpc_set_tls(&tls, &err) != PD_OK) {
+        fprintf(stderr, PROG ": %s\n", err.msg);
+        pd_tls_free(&tls);
+        return 1;
+    }
     prefill_server *ps = NULL;
     pd_rpc_server *rpc = NULL;
     pd_metrics *reg = NULL;
@@ -206,7 +220,7 @@ int main(int argc, char **argv)
     if (http_addr != NULL) {
         /* ready = the model is loaded and the service listens, which holds from here on */
         pd_http_config hc = { .addr = http_addr, .node = "prefill", .metrics = reg,
-                              .ready = ready_cb, .ready_ud = ps };
+                              .ready = ready_cb, .ready_ud = ps, .tls = &tls };
         if (pd_http_create(&hc, &http, &err) != PD_OK || pd_http_start(http, &err) != PD_OK) {
             fprintf(stderr, PROG ": --http %s: %s\n", http_addr, err.msg);
             pd_http_destroy(http);
@@ -254,5 +268,6 @@ int main(int argc, char **argv)
     pd_http_destroy(http);
     prefill_metrics_destroy(pm);
     pd_metrics_destroy(reg);
+    pd_tls_free(&tls);
     return 0;
 }

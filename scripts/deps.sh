@@ -6,7 +6,7 @@ PD_DEB_PACKAGES=(
   build-essential cmake ninja-build pkg-config git
   libopenblas-dev libcjson-dev libpcre2-dev libutf8proc-dev
   libgrpc-dev libprotobuf-c-dev protobuf-c-compiler
-  libucx-dev ucx-utils libevent-dev
+  libucx-dev ucx-utils libevent-dev libssl-dev
   curl python3 python3-yaml
 )
 # node and npm only serve the tokenizer comparison test; a machine may have them from

@@ -1791,6 +1791,109 @@ def test_fd_exhaustion(bin_dir, model, draft):
     log("descriptor limit checked")
 
 
+def https(node, method, path, body=None, ca="ca.pem", host="127.0.0.1"):
+    """(status, body bytes) over TLS, the server verified against tests/fixtures/tls/CA"""
+    import ssl
+    ctx = ssl.create_default_context(cafile=os.path.join(FIXTURES, "tls", ca))
+    c = http.client.HTTPSConnection(host, node.http[1], timeout=60 * SCALE, context=ctx)
+    try:
+        c.request(method, path, json.dumps(body) if body is not None else None,
+                  {"Content-Type": "application/json"} if body is not None else {})
+        r = c.getresponse()
+        return r.status, r.read()
+    finally:
+        c.close()
+
+
+def test_tls(bin_dir, model, draft):
+    """--tls-cert/--tls-key serve gRPC and HTTP over TLS only, --tls-ca trusts a CA for the gRPC
+    client side (pdspark-client; a decode node's calls to prefill nodes): the answers equal the
+    plain node's, the wrong CA or plaintext is refused and the node keeps serving, bad files are
+    refused at start by name. tests/fixtures/tls: a test CA and a localhost/127.0.0.1 certificate."""
+    tls = os.path.join(FIXTURES, "tls")
+    serve = ("--tls-cert", os.path.join(tls, "server.pem"), "--tls-key", os.path.join(tls, "server.key"))
+    ca = ["--tls-ca", os.path.join(tls, "ca.pem")]
+    prompt, body = "def fib(n):", {"prompt": "def fib(n):", "max_tokens": 12, "temperature": 0}
+    plain = Node(bin_dir, model, draft, ("--colocated",))
+    try:
+        st, b = post_json(plain, "/v1/completions", body)
+        want = b["choices"][0]["text"] if st == 200 else None
+    finally:
+        plain.stop()
+    node = Node(bin_dir, model, draft, ("--colocated",) + serve)
+    try:
+        st, raw = https(node, "GET", "/health")
+        check(st == 200 and json.loads(raw)["status"] == "ok", "HTTPS /health: %s %s" % (st, raw))
+        st, raw = https(node, "POST", "/v1/completions", body, host="localhost")
+        check(st == 200 and json.loads(raw)["choices"][0]["text"] == want,
+              "HTTPS completion %s %s == plain %r" % (st, raw[:200], want))
+        st, raw = https(node, "POST", "/v1/completions", dict(body, stream=True))
+        text = "".join(json.loads(l[6:])["choices"][0]["text"] for l in raw.decode().split("\n")
+                       if l.startswith("data: {"))
+        check(st == 200 and raw.rstrip().endswith(b"data: [DONE]") and text == want,
+              "HTTPS stream %s %r == %r" % (st, text, want))
+        st, raw = https(node, "GET", "/metrics")
+        check(st == 200 and b"pdspark_requests_total" in raw, "HTTPS /metrics %s" % st)
+        try:
+            st = request(node, "GET", "/health", timeout=10)[0]
+        except (OSError, http.client.HTTPException) as e:
+            st = type(e).__name__
+        check(st != 200, "plain HTTP to the TLS port is not served: %s" % st)
+        try:
+            st = https(node, "GET", "/health", ca="other-ca.pem")[0]
+        except OSError as e:
+            st = str(e)
+        check("CERTIFICATE_VERIFY_FAILED" in str(st), "HTTPS with another CA refused: %s" % st)
+        g = grpc_generate(bin_dir, node, prompt, 12, ca)
+        check(g is not None and g["text"] == want, "gRPC over TLS %s == %r" % (g, want))
+        for extra, why in ((["--tls-ca", os.path.join(tls, "other-ca.pem")], "certificate verify failed"),
+                           ([], "")):
+            out = subprocess.run([os.path.join(bin_dir, "pdspark-client"), "--server", node.grpc, "--prompt",
+                                  prompt, "--max-new-tokens", "2", "--timeout-ms", "5000"] + extra,
+                                 capture_output=True, text=True, timeout=60)
+            check(out.returncode != 0 and "UNAVAILABLE" in out.stderr and why in out.stderr,
+                  "gRPC client %s refused: %d %s" % (extra or "in plaintext", out.returncode, out.stderr))
+        st, raw = https(node, "GET", "/health")
+        check(st == 200, "still serving after the refused clients: %s" % st)
+    finally:
+        node.stop()
+    # disaggregated: a TLS prefill node; a decode node that trusts its CA serves, one that
+    # does not fails its requests (UNAVAILABLE) and keeps running
+    pf = Node(bin_dir, model, draft, serve, binary="prefill_node")
+    try:
+        st, raw = https(pf, "GET", "/health")
+        check(st == 200, "prefill node HTTPS /health %s" % st)
+        dn = Node(bin_dir, model, draft, ["--prefill", pf.grpc, "--max-local-prefill", "0"] + ca)
+        try:
+            st, b = post_json(dn, "/v1/completions", body)
+            check(st == 200 and b["choices"][0]["text"] == want,
+                  "decode node -> TLS prefill node: %s %s" % (st, b))
+        finally:
+            dn.stop()
+        dn = Node(bin_dir, model, draft, ("--prefill", pf.grpc, "--transfer-timeout-ms", "5000"))
+        try:
+            st, b = post_json(dn, "/v1/completions", body)
+            check(st in (500, 503) and is_error_shape(b), "no --tls-ca: the request fails: %s %s" % (st, b))
+            st = request(dn, "GET", "/health")[0]
+            check(st == 200, "and the decode node keeps serving: %s" % st)
+        finally:
+            dn.stop()
+    finally:
+        pf.stop()
+    for args, want_err in (((serve[0], serve[1]), "--tls-cert without --tls-key"),
+                           ((serve[0], os.path.join(tls, "ca.pem"), serve[2], serve[3]),
+                            "does not match the certificate"),
+                           ((serve[0], os.path.join(tls, "server.key"), serve[2], serve[3]),
+                            "no PEM certificate"),
+                           (("--tls-ca", os.path.join(tls, "missing.pem")), "cannot read")):
+        out = subprocess.run([os.path.join(bin_dir, "decode_node"), "--model", model, "--draft", draft,
+                              "--listen", "127.0.0.1:0", "--colocated", *args],
+                             capture_output=True, text=True, timeout=60)
+        check(out.returncode != 0 and want_err in out.stderr, "bad TLS files %s: %d %s" %
+              (args, out.returncode, out.stderr))
+    log("TLS checked")
+
+
 def test_chat_template(bin_dir, model, draft):
     """decode_node --chat-template: a template of one's own (here a file whose generation prompt
     comes after a default system turn) replaces the checkpoint's; a request's own chat_template
@@ -2848,6 +2951,7 @@ def main():
         test_local_prefill(bin_dir, model, draft)
         test_generation_config(bin_dir, model, draft)
         test_fd_exhaustion(bin_dir, model, draft)
+        test_tls(bin_dir, model, draft)
         test_spec_disable(bin_dir, model, draft)
         test_no_draft(bin_dir, model, draft)
     if FAILS == 0 and DEV:
