@@ -136,7 +136,8 @@ pd_status pd_rpc_set_tls(const pd_tls *t, pd_err *err)
     if (t != NULL &&
         ((t->cert_pem != NULL && (c.cert_pem = strdup(t->cert_pem)) == NULL) ||
          (t->key_pem != NULL && (c.key_pem = strdup(t->key_pem)) == NULL) ||
-         (t->ca_pem != NULL && (c.ca_pem = strdup(t->ca_pem)) == NULL))) {
+         (t->ca_pem != NULL && (c.ca_pem = strdup(t->ca_pem)) == NULL) ||
+         (t->client_ca_pem != NULL && (c.client_ca_pem = strdup(t->client_ca_pem)) == NULL))) {
         pd_tls_free(&c);
         return pd_err_set(err, PD_ERR_NOMEM, "rpc: TLS settings");
     }
@@ -148,15 +149,19 @@ pd_status pd_rpc_set_tls(const pd_tls *t, pd_err *err)
     return PD_OK;
 }
 
-/* A served certificate makes the server TLS-only (clients are not asked for certificates) */
+/* A served certificate makes the server TLS-only; client roots make it require and verify
+ * client certificates (mutual TLS), else clients are not asked for one */
 static grpc_server_credentials *server_creds(void)
 {
     pthread_mutex_lock(&tls_mu);
     grpc_server_credentials *c;
     if (tls_cfg.cert_pem != NULL) {
         grpc_ssl_pem_key_cert_pair pair = {tls_cfg.key_pem, tls_cfg.cert_pem};
-        c = grpc_ssl_server_credentials_create_ex(NULL, &pair, 1, GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE,
-                                                  NULL);
+        c = grpc_ssl_server_credentials_create_ex(
+            tls_cfg.client_ca_pem, &pair, 1,
+            tls_cfg.client_ca_pem != NULL ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                                          : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE,
+            NULL);
     } else {
         c = grpc_insecure_server_credentials_create();
     }
@@ -165,12 +170,15 @@ static grpc_server_credentials *server_creds(void)
 }
 
 /* Roots to trust make channels TLS: the server's certificate must chain to them and name the
- * target's host */
+ * target's host; a certificate of this process's own is presented to servers that ask */
 static grpc_channel_credentials *channel_creds(void)
 {
     pthread_mutex_lock(&tls_mu);
+    grpc_ssl_pem_key_cert_pair pair = {tls_cfg.key_pem, tls_cfg.cert_pem};
     grpc_channel_credentials *c = tls_cfg.ca_pem != NULL
-                                ? grpc_ssl_credentials_create_ex(tls_cfg.ca_pem, NULL, NULL, NULL)
+                                ? grpc_ssl_credentials_create_ex(tls_cfg.ca_pem,
+                                                                 tls_cfg.cert_pem != NULL ? &pair : NULL,
+                                                                 NULL, NULL)
                                 : grpc_insecure_credentials_create();
     pthread_mutex_unlock(&tls_mu);
     return c;

@@ -90,9 +90,10 @@ typedef struct {
 } pd_rpc_method;
 
 /* TLS for the servers and channels made from here on (a node sets it once at start, from
- * --tls-cert/--tls-key/--tls-ca, before it makes any): t's certificate and key make servers
- * TLS-only, its roots make channels TLS; NULL fields (or t NULL) leave that side plaintext.
- * The strings are copied. Errors: PD_ERR_NOMEM. */
+ * --tls-cert/--tls-key/--tls-ca/--tls-client-ca, before it makes any): t's certificate and key
+ * make servers TLS-only (its client roots make them require client certificates), its roots
+ * make channels TLS (presenting the certificate, when there is one, to servers that ask); NULL
+ * fields (or t NULL) leave that side plaintext. The strings are copied. Errors: PD_ERR_NOMEM. */
 pd_status pd_rpc_set_tls(const pd_tls *t, pd_err *err);
 
 /* Start a server listening on addr ("HOST:PORT"; port 0 picks a free one, see

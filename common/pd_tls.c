@@ -45,10 +45,24 @@ static int count_certs(const char *pem, const char *what, const char *path, pd_e
     return n > 0 ? n : -1;
 }
 
+/* path's text into *pem, checked to hold certificates; flag names it in errors */
+static pd_status load_roots(const char *flag, const char *path, char **pem, pd_err *err)
+{
+    pd_status st = pd_cli_read_text(path, pem, err);
+    if (st != PD_OK)
+        return pd_err_prefix(err, "%s", flag);
+    if (count_certs(*pem, flag, path, err) < 0)
+        return err != NULL ? err->code : PD_ERR_INVALID;
+    return PD_OK;
+}
+
 pd_status pd_tls_load(const char *cert_path, const char *key_path, const char *ca_path,
-                      pd_tls *out, pd_err *err)
+                      const char *client_ca_path, pd_tls *out, pd_err *err)
 {
     memset(out, 0, sizeof(*out));
+    if (client_ca_path != NULL && cert_path == NULL)
+        return pd_err_set(err, PD_ERR_INVALID, "--tls-client-ca without --tls-cert/--tls-key: client "
+                          "certificates are asked for over TLS only");
     if ((cert_path == NULL) != (key_path == NULL))
         return pd_err_set(err, PD_ERR_INVALID, "%s without %s: a served certificate needs its key",
                           cert_path != NULL ? "--tls-cert" : "--tls-key",
@@ -73,15 +87,18 @@ pd_status pd_tls_load(const char *cert_path, const char *key_path, const char *c
         }
         pd_tls_ssl_ctx_free(ctx);
     }
-    if (ca_path != NULL) {
-        if ((st = pd_cli_read_text(ca_path, &out->ca_pem, err)) != PD_OK) {
-            pd_err_prefix(err, "--tls-ca");
-            goto fail;
-        }
-        if (count_certs(out->ca_pem, "--tls-ca", ca_path, err) < 0) {
+    if ((ca_path != NULL && (st = load_roots("--tls-ca", ca_path, &out->ca_pem, err)) != PD_OK) ||
+        (client_ca_path != NULL &&
+         (st = load_roots("--tls-client-ca", client_ca_path, &out->client_ca_pem, err)) != PD_OK))
+        goto fail;
+    if (out->client_ca_pem != NULL) {   /* OpenSSL takes the roots as the HTTP server will */
+        void *ctx = pd_tls_ssl_ctx(out, err);
+        if (ctx == NULL) {
             st = err != NULL ? err->code : PD_ERR_INVALID;
+            pd_err_prefix(err, "--tls-client-ca %s", client_ca_path);
             goto fail;
         }
+        pd_tls_ssl_ctx_free(ctx);
     }
     return PD_OK;
 fail:
@@ -96,6 +113,7 @@ void pd_tls_free(pd_tls *t)
     free(t->cert_pem);
     free(t->key_pem);
     free(t->ca_pem);
+    free(t->client_ca_pem);
     memset(t, 0, sizeof(*t));
 }
 
@@ -133,8 +151,28 @@ void *pd_tls_ssl_ctx(const pd_tls *t, pd_err *err)
         fail = "no private key (PEM, unencrypted)";
         goto out;
     }
-    if (SSL_CTX_use_PrivateKey(ctx, key) != 1 || SSL_CTX_check_private_key(ctx) != 1)
+    if (SSL_CTX_use_PrivateKey(ctx, key) != 1 || SSL_CTX_check_private_key(ctx) != 1) {
         fail = "the private key does not match the certificate";
+        goto out;
+    }
+    if (t->client_ca_pem != NULL) {
+        /* mutual TLS: a client without a certificate that chains to these roots is refused */
+        BIO *rb = BIO_new_mem_buf(t->client_ca_pem, -1);
+        X509_STORE *store = SSL_CTX_get_cert_store(ctx);
+        X509 *root;
+        int n = 0;
+        while (rb != NULL && (root = PEM_read_bio_X509(rb, NULL, NULL, NULL)) != NULL) {
+            n += X509_STORE_add_cert(store, root) == 1;
+            X509_free(root);
+        }
+        BIO_free(rb);
+        ERR_clear_error();
+        if (n == 0) {
+            fail = "client roots";
+            goto out;
+        }
+        SSL_CTX_set_verify(ctx, SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT, NULL);
+    }
 out:
     if (fail != NULL) {
         pd_err_set(err, ctx == NULL || cb == NULL || kb == NULL ? PD_ERR_NOMEM : PD_ERR_INVALID,

@@ -41,7 +41,7 @@ static void usage(FILE *f)
             "                       | --grammar FILE] [--n N]\n"
             "                      [--tools FILE [--tool-choice auto|none|required|NAME]\n"
             "                       [--parallel-tool-calls on|off] [--stream-tool-arguments]]\n"
-            "                      [--tls-ca FILE]\n"
+            "                      [--tls-ca FILE [--tls-cert FILE --tls-key FILE]]\n"
             "\n"
             "Streams one completion from a decode node. Text is printed as it arrives; --json\n"
             "prints instead one object at the end with the fields of pdspark-generate --json\n"
@@ -50,7 +50,8 @@ static void usage(FILE *f)
             "connection after N chunks (tests). --verify / --verify-threshold pick this request's\n"
             "DSpark verification policy (default: the node's). --tls-ca FILE (PEM roots) talks\n"
             "TLS to a node run with --tls-cert, verifying its certificate against them and the host\n"
-            "named in --server. --chat sends --prompt as a user\n"
+            "named in --server; --tls-cert/--tls-key present a client certificate to a node that\n"
+            "asks for one (--tls-client-ca). --chat sends --prompt as a user\n"
             "message (after a --system message), --messages FILE a JSON array of OpenAI chat\n"
             "messages ({\"role\", \"content\"}, an assistant's \"tool_calls\" and\n"
             "\"reasoning_content\", a tool's \"tool_call_id\" and \"name\"); the node renders them with its chat template (the reply\n"
@@ -481,12 +482,12 @@ int main(int argc, char **argv)
     char *bad_words[64];        /* SamplingParams.bad_words (the server checks the count) */
     size_t n_bad_words = 0;
     pd_cli_guide guide = { 0 };
-    const char *verify = NULL, *tls_ca = NULL;
+    const char *verify = NULL, *tls_ca = NULL, *tls_cert = NULL, *tls_key = NULL;
     enum { O_SERVER = 256, O_PROMPT, O_IDS, O_MAXNEW, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_IGNORE,
            O_TMO, O_RID, O_JSON, O_STREAM, O_DISC, O_HEALTH, O_STOP, O_VERIFY, O_VTHRESH, O_LOGPROBS,
            O_PRES, O_FREQ, O_REP, O_BIAS, O_ALLOWED, O_BADWORD, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_GRAMMAR, O_SKIPSP,
            O_MINP, O_TYPP, O_CHAT, O_SYSTEM, O_THINK, O_MSGS, O_N, O_MODELDEF, O_TOOLS, O_TOOLCH, O_PARTOOLS,
-           O_PROMPTLP, O_STREAMARGS, O_TRUNC, O_TLSCA, O_HELP };
+           O_PROMPTLP, O_STREAMARGS, O_TRUNC, O_TLSCA, O_TLSCERT, O_TLSKEY, O_HELP };
     static const struct option opts[] = {
         {"server", required_argument, 0, O_SERVER}, {"prompt", required_argument, 0, O_PROMPT},
         {"prompt-ids", required_argument, 0, O_IDS}, {"max-new-tokens", required_argument, 0, O_MAXNEW},
@@ -517,7 +518,8 @@ int main(int argc, char **argv)
         {"tools", required_argument, 0, O_TOOLS}, {"tool-choice", required_argument, 0, O_TOOLCH},
         {"parallel-tool-calls", required_argument, 0, O_PARTOOLS},
         {"stream-tool-arguments", no_argument, 0, O_STREAMARGS},
-        {"tls-ca", required_argument, 0, O_TLSCA},
+        {"tls-ca", required_argument, 0, O_TLSCA}, {"tls-cert", required_argument, 0, O_TLSCERT},
+        {"tls-key", required_argument, 0, O_TLSKEY},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0},
     };
     opterr = 0;
@@ -527,6 +529,8 @@ int main(int argc, char **argv)
         switch (c) {
         case O_SERVER: server = optarg; break;
         case O_TLSCA: tls_ca = optarg; break;
+        case O_TLSCERT: tls_cert = optarg; break;
+        case O_TLSKEY: tls_key = optarg; break;
         case O_PROMPT: prompt = optarg; break;
         case O_IDS: ids_path = optarg; break;
         case O_MAXNEW:
@@ -652,7 +656,11 @@ int main(int argc, char **argv)
 
     pd_err err = {0};
     pd_tls tls;
-    if (pd_tls_load(NULL, NULL, tls_ca, &tls, &err) != PD_OK) {
+    if ((tls_cert != NULL || tls_key != NULL) && tls_ca == NULL) {
+        fprintf(stderr, PROG ": --tls-cert/--tls-key present a client certificate over TLS: give --tls-ca too\n");
+        return 2;
+    }
+    if (pd_tls_load(tls_cert, tls_key, tls_ca, NULL, &tls, &err) != PD_OK) {
         fprintf(stderr, PROG ": %s\n", err.msg);
         return 2;
     }

@@ -43,7 +43,7 @@ static void usage(FILE *f)
             "                   [--reasoning-parser qwen3] [--served-model-name NAME] [--api-key KEY]\n"
             "                   [--chat-template FILE|TEXT] [--max-local-prefill N]\n"
             "                   [--generation-config auto|none|DIR]\n"
-            "                   [--tls-cert FILE --tls-key FILE] [--tls-ca FILE]\n"
+            "                   [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--tls-ca FILE]\n"
             "\n"
             "Serves pdspark.Generate (gRPC, server-streaming) with DSpark speculative decoding.\n"
             "--no-draft loads no drafter and decodes the target alone, one token a step (what a\n"
@@ -85,8 +85,10 @@ static void usage(FILE *f)
             "--tls-cert FILE --tls-key FILE (PEM: the certificate chain, leaf first, and its\n"
             "unencrypted key) serve gRPC (--listen) and HTTP (--http) over TLS only; --tls-ca FILE\n"
             "(PEM roots) makes this node's gRPC calls to --prefill nodes TLS, their certificates\n"
-            "verified against it and the host named in --prefill. The KV pages over UCX are not\n"
-            "encrypted (keep that network private).\n"
+            "verified against it and the host named in --prefill (presenting --tls-cert to prefill\n"
+            "nodes that ask for client certificates). --tls-client-ca FILE (PEM roots) requires\n"
+            "gRPC and HTTP clients to present a certificate that chains to them (mutual TLS).\n"
+            "The KV pages over UCX are not encrypted (keep that network private).\n"
             "--speculative-disable-by-batch-size N (default 0 = never): decode rounds of more than N\n"
             "running requests draft nothing (plain decode steps; vLLM's disable_by_batch_size),\n"
             "where drafting costs more than it gains (docs/BENCHMARKS.md: from ~32 requests on an\n"
@@ -137,7 +139,7 @@ int main(int argc, char **argv)
     decode_config_default(&cfg);
     const char *listen = NULL;
     int colocated = 0, refresh_given = 0, no_draft = 0;
-    const char *http_addr = NULL, *tls_cert = NULL, *tls_key = NULL, *tls_ca = NULL;
+    const char *http_addr = NULL, *tls_cert = NULL, *tls_key = NULL, *tls_ca = NULL, *tls_client_ca = NULL;
     int reasoning = 0;
     const char *served_name = NULL, *chat_template = NULL, *generation_config = NULL;
     const char *api_key = getenv("PDSPARK_API_KEY");
@@ -146,7 +148,7 @@ int main(int argc, char **argv)
            O_QUEUE, O_QTMO, O_RTMO, O_XTMO, O_CP, O_CPS, O_LOG, O_HELP, O_HTTP, O_LOGFMT, O_DRAIN,
            O_VERIFY, O_THRESH, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_CHUNK, O_REFRESH, O_PREFIX,
            O_REASON, O_SERVED, O_APIKEY, O_CHATTMPL, O_LOCALPF, O_GENCFG, O_KVFRAC, O_SWAP,
-           O_STAGE, O_SPECOFF, O_NODRAFT, O_TLSCERT, O_TLSKEY, O_TLSCA };
+           O_STAGE, O_SPECOFF, O_NODRAFT, O_TLSCERT, O_TLSKEY, O_TLSCA, O_TLSCCA };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"no-draft", no_argument, 0, O_NODRAFT},
@@ -178,7 +180,8 @@ int main(int argc, char **argv)
         {"http", required_argument, 0, O_HTTP}, {"log-format", required_argument, 0, O_LOGFMT},
         {"drain-timeout-ms", required_argument, 0, O_DRAIN},
         {"tls-cert", required_argument, 0, O_TLSCERT}, {"tls-key", required_argument, 0, O_TLSKEY},
-        {"tls-ca", required_argument, 0, O_TLSCA}, {0, 0, 0, 0},
+        {"tls-ca", required_argument, 0, O_TLSCA}, {"tls-client-ca", required_argument, 0, O_TLSCCA},
+        {0, 0, 0, 0},
     };
     opterr = 0;
     int c;
@@ -255,6 +258,7 @@ int main(int argc, char **argv)
         case O_TLSCERT: tls_cert = optarg; break;
         case O_TLSKEY: tls_key = optarg; break;
         case O_TLSCA: tls_ca = optarg; break;
+        case O_TLSCCA: tls_client_ca = optarg; break;
         case O_APIKEY: api_key = optarg; break;
         case O_SERVED:
             if (optarg[0] == '\0' || strlen(optarg) > 255) {
@@ -349,7 +353,7 @@ int main(int argc, char **argv)
 
     pd_err err = {0};
     pd_tls tls;
-    if (pd_tls_load(tls_cert, tls_key, tls_ca, &tls, &err) != PD_OK || pd_rpc_set_tls(&tls, &err) != PD_OK) {
+    if (pd_tls_load(tls_cert, tls_key, tls_ca, tls_client_ca, &tls, &err) != PD_OK || pd_rpc_set_tls(&tls, &err) != PD_OK) {
         fprintf(stderr, PROG ": %s\n", err.msg);
         pd_tls_free(&tls);
         return 1;

@@ -32,7 +32,8 @@ static void usage(FILE *f)
             "                    [--log-level error|warn|info|debug|trace] [--log-format text|json]\n"
             "                    [--http HOST:PORT]\n"
             "                    [--drain-timeout-ms N] [--fast-kernels] [--prefix-cache]\n"
-            "                    [--stage-memory GIB] [--tls-cert FILE --tls-key FILE]\n"
+            "                    [--stage-memory GIB]\n"
+            "                    [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]\n"
             "\n"
             "Serves pdspark.Prefill: batches queued prompts into engine steps (context-parallel\n"
             "over --cp-size ranks; on cuda rank r on GPU r %% (visible GPUs) with its own copy of\n"
@@ -51,7 +52,9 @@ static void usage(FILE *f)
             "'listening http HOST:PORT'.\n"
             "--tls-cert FILE --tls-key FILE (PEM: the certificate chain, leaf first, and its\n"
             "unencrypted key) serve gRPC and --http over TLS only (decode nodes then need\n"
-            "--tls-ca); the KV pages over UCX are not encrypted (keep that network private).\n"
+            "--tls-ca); --tls-client-ca FILE (PEM roots) requires clients (decode nodes: their\n"
+            "--tls-cert) to present a certificate that chains to them (mutual TLS). The KV pages\n"
+            "over UCX are not encrypted (keep that network private).\n"
             "--kv-memory-fraction F (0 < F < 1): the KV pools take F of the GPU memory free once\n"
             "the models are loaded (cpu: of the host's available memory), instead of --kv-pages;\n"
             "with --cp-size > 1 every rank's pool on a device together (the fullest decides).\n"
@@ -88,12 +91,12 @@ int main(int argc, char **argv)
     prefill_config cfg;
     prefill_config_default(&cfg);
     const char *listen = NULL;
-    const char *http_addr = NULL, *tls_cert = NULL, *tls_key = NULL;
+    const char *http_addr = NULL, *tls_cert = NULL, *tls_key = NULL, *tls_client_ca = NULL;
     int drain_ms = 30000;
     int tmo = 0;
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_CP, O_CPS, O_DEVICE, O_MBT, O_PAGES, O_PAGE, O_XTMO,
            O_AUX, O_LOG, O_HELP, O_HTTP, O_XERR, O_DRAIN, O_DTYPE, O_FAST, O_LOGFMT,
-           O_PREFIX, O_KVFRAC, O_STAGEMEM, O_TLSCERT, O_TLSKEY };
+           O_PREFIX, O_KVFRAC, O_STAGEMEM, O_TLSCERT, O_TLSKEY, O_TLSCCA };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"cp-size", required_argument, 0, O_CP},
@@ -109,7 +112,7 @@ int main(int argc, char **argv)
         {"prefix-cache", no_argument, 0, O_PREFIX},
         {"log-format", required_argument, 0, O_LOGFMT},
         {"tls-cert", required_argument, 0, O_TLSCERT}, {"tls-key", required_argument, 0, O_TLSKEY},
-        {0, 0, 0, 0},
+        {"tls-client-ca", required_argument, 0, O_TLSCCA}, {0, 0, 0, 0},
     };
     opterr = 0;
     int c;
@@ -153,6 +156,7 @@ int main(int argc, char **argv)
         case O_HTTP: http_addr = optarg; break;
         case O_TLSCERT: tls_cert = optarg; break;
         case O_TLSKEY: tls_key = optarg; break;
+        case O_TLSCCA: tls_client_ca = optarg; break;
         case O_LOGFMT:
             if (pd_cli_parse_log_format(PROG, optarg) != 0)
                 return 2;
@@ -185,7 +189,7 @@ int main(int argc, char **argv)
 
     pd_err err = {0};
     pd_tls tls;
-    if (pd_tls_load(tls_cert, tls_key, NULL, &tls, &err) != PD_OK || pd_rpc_set_tls(&tls, &err) != PD_OK) {
+    if (pd_tls_load(tls_cert, tls_key, NULL, tls_client_ca, &tls, &err) != PD_OK || pd_rpc_set_tls(&tls, &err) != PD_OK) {
         fprintf(stderr, PROG ": %s\n", err.msg);
         pd_tls_free(&tls);
         return 1;

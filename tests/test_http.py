@@ -1791,10 +1791,13 @@ def test_fd_exhaustion(bin_dir, model, draft):
     log("descriptor limit checked")
 
 
-def https(node, method, path, body=None, ca="ca.pem", host="127.0.0.1"):
-    """(status, body bytes) over TLS, the server verified against tests/fixtures/tls/CA"""
+def https(node, method, path, body=None, ca="ca.pem", host="127.0.0.1", client_cert=False):
+    """(status, body bytes) over TLS, the server verified against tests/fixtures/tls/CA;
+    client_cert: present the test certificate (mutual TLS)"""
     import ssl
     ctx = ssl.create_default_context(cafile=os.path.join(FIXTURES, "tls", ca))
+    if client_cert:
+        ctx.load_cert_chain(os.path.join(FIXTURES, "tls", "server.pem"), os.path.join(FIXTURES, "tls", "server.key"))
     c = http.client.HTTPSConnection(host, node.http[1], timeout=60 * SCALE, context=ctx)
     try:
         c.request(method, path, json.dumps(body) if body is not None else None,
@@ -1807,9 +1810,11 @@ def https(node, method, path, body=None, ca="ca.pem", host="127.0.0.1"):
 
 def test_tls(bin_dir, model, draft):
     """--tls-cert/--tls-key serve gRPC and HTTP over TLS only, --tls-ca trusts a CA for the gRPC
-    client side (pdspark-client; a decode node's calls to prefill nodes): the answers equal the
-    plain node's, the wrong CA or plaintext is refused and the node keeps serving, bad files are
-    refused at start by name. tests/fixtures/tls: a test CA and a localhost/127.0.0.1 certificate."""
+    client side (pdspark-client; a decode node's calls to prefill nodes), --tls-client-ca asks
+    clients for certificates (mutual TLS): the answers equal the plain node's, the wrong CA,
+    plaintext or a missing client certificate is refused and the node keeps serving, bad files
+    are refused at start by name. tests/fixtures/tls: a test CA and a localhost/127.0.0.1
+    certificate (server and client use)."""
     tls = os.path.join(FIXTURES, "tls")
     serve = ("--tls-cert", os.path.join(tls, "server.pem"), "--tls-key", os.path.join(tls, "server.key"))
     ca = ["--tls-ca", os.path.join(tls, "ca.pem")]
@@ -1857,35 +1862,56 @@ def test_tls(bin_dir, model, draft):
         check(st == 200, "still serving after the refused clients: %s" % st)
     finally:
         node.stop()
-    # disaggregated: a TLS prefill node; a decode node that trusts its CA serves, one that
-    # does not fails its requests (UNAVAILABLE) and keeps running
-    pf = Node(bin_dir, model, draft, serve, binary="prefill_node")
+    # disaggregated, mutual TLS: a prefill node that requires client certificates; a decode node
+    # that trusts its CA and presents its own certificate serves; one without a certificate, or
+    # without TLS, fails its requests (UNAVAILABLE) and keeps running
+    mutual = serve + ("--tls-client-ca", os.path.join(tls, "ca.pem"))
+    pf = Node(bin_dir, model, draft, mutual, binary="prefill_node")
     try:
-        st, raw = https(pf, "GET", "/health")
-        check(st == 200, "prefill node HTTPS /health %s" % st)
-        dn = Node(bin_dir, model, draft, ["--prefill", pf.grpc, "--max-local-prefill", "0"] + ca)
+        st, raw = https(pf, "GET", "/health", client_cert=True)
+        check(st == 200, "prefill node HTTPS /health with a client certificate: %s" % st)
         try:
-            st, b = post_json(dn, "/v1/completions", body)
-            check(st == 200 and b["choices"][0]["text"] == want,
-                  "decode node -> TLS prefill node: %s %s" % (st, b))
+            st = https(pf, "GET", "/health")[0]
+        except (OSError, http.client.HTTPException) as e:
+            st = type(e).__name__
+        check(st != 200, "prefill node HTTPS /health without a client certificate refused: %s" % st)
+        dn = Node(bin_dir, model, draft, ["--prefill", pf.grpc] + ca + list(serve))
+        try:   # its --tls-cert serves its own endpoints over TLS too
+            st, raw = https(dn, "POST", "/v1/completions", body)
+            check(st == 200 and json.loads(raw)["choices"][0]["text"] == want,
+                  "decode node -> mutual-TLS prefill node: %s %s" % (st, raw[:300]))
         finally:
             dn.stop()
-        dn = Node(bin_dir, model, draft, ("--prefill", pf.grpc, "--transfer-timeout-ms", "5000"))
-        try:
-            st, b = post_json(dn, "/v1/completions", body)
-            check(st in (500, 503) and is_error_shape(b), "no --tls-ca: the request fails: %s %s" % (st, b))
-            st = request(dn, "GET", "/health")[0]
-            check(st == 200, "and the decode node keeps serving: %s" % st)
-        finally:
-            dn.stop()
+        for extra, what in ((ca, "no client certificate"), ([], "no TLS")):
+            dn = Node(bin_dir, model, draft, ["--prefill", pf.grpc, "--transfer-timeout-ms", "5000"] + extra)
+            try:
+                st, b = post_json(dn, "/v1/completions", body)
+                check(st in (500, 503) and is_error_shape(b), "%s: the request fails: %s %s" % (what, st, b))
+                st = request(dn, "GET", "/health")[0]
+                check(st == 200, "%s: the decode node keeps serving: %s" % (what, st))
+            finally:
+                dn.stop()
     finally:
         pf.stop()
+    # pdspark-client against a decode node that requires client certificates
+    node = Node(bin_dir, model, draft, ("--colocated",) + mutual)
+    try:
+        g = grpc_generate(bin_dir, node, prompt, 12, ca + list(serve))
+        check(g is not None and g["text"] == want, "gRPC with a client certificate %s == %r" % (g, want))
+        out = subprocess.run([os.path.join(bin_dir, "pdspark-client"), "--server", node.grpc, "--prompt",
+                              prompt, "--max-new-tokens", "2", "--timeout-ms", "5000"] + ca,
+                             capture_output=True, text=True, timeout=60)
+        check(out.returncode != 0 and "UNAVAILABLE" in out.stderr,
+              "gRPC without a client certificate refused: %d %s" % (out.returncode, out.stderr))
+    finally:
+        node.stop()
     for args, want_err in (((serve[0], serve[1]), "--tls-cert without --tls-key"),
                            ((serve[0], os.path.join(tls, "ca.pem"), serve[2], serve[3]),
                             "does not match the certificate"),
                            ((serve[0], os.path.join(tls, "server.key"), serve[2], serve[3]),
                             "no PEM certificate"),
-                           (("--tls-ca", os.path.join(tls, "missing.pem")), "cannot read")):
+                           (("--tls-ca", os.path.join(tls, "missing.pem")), "cannot read"),
+                           (("--tls-client-ca", os.path.join(tls, "ca.pem")), "--tls-client-ca without")):
         out = subprocess.run([os.path.join(bin_dir, "decode_node"), "--model", model, "--draft", draft,
                               "--listen", "127.0.0.1:0", "--colocated", *args],
                              capture_output=True, text=True, timeout=60)
