@@ -93,8 +93,9 @@ typedef struct {
  * Keepalive pings from clients, which servers must accept at that rate (the default would
  * answer them with GOAWAY). Servers bind without SO_REUSEPORT (gRPC's default on Linux): a
  * second node started on a port already served must fail, not share its connections with the
- * first one. */
-static const grpc_channel_args *channel_args_make(rpc_args *r, bool server)
+ * first one. A client's tls_name (not NULL or "") is the name TLS checks the server's certificate
+ * against instead of the target's host. */
+static const grpc_channel_args *channel_args_make(rpc_args *r, bool server, const char *tls_name)
 {
     size_t n = 0;
     r->a[n].type = GRPC_ARG_INTEGER;
@@ -120,6 +121,11 @@ static const grpc_channel_args *channel_args_make(rpc_args *r, bool server)
         r->a[n].type = GRPC_ARG_INTEGER;
         r->a[n].key = (char *)GRPC_ARG_KEEPALIVE_TIMEOUT_MS;
         r->a[n++].value.integer = PD_RPC_KEEPALIVE_TIMEOUT_MS;
+        if (tls_name != NULL && tls_name[0] != '\0') {
+            r->a[n].type = GRPC_ARG_STRING;
+            r->a[n].key = (char *)GRPC_SSL_TARGET_NAME_OVERRIDE_ARG;
+            r->a[n++].value.string = (char *)tls_name;
+        }
     }
     r->args.num_args = n;
     r->args.args = r->a;
@@ -694,7 +700,7 @@ pd_status pd_rpc_server_create(const char *addr, const pd_rpc_method *m, size_t 
     srv->shutdown_tag = (rpc_tag){TAG_SHUTDOWN, NULL};
 
     rpc_args args;
-    srv->server = grpc_server_create(channel_args_make(&args, true), NULL);
+    srv->server = grpc_server_create(channel_args_make(&args, true, NULL), NULL);
     srv->cq = grpc_completion_queue_create_for_next(NULL);
     if (srv->server == NULL || srv->cq == NULL) {
         st = pd_err_set(err, PD_ERR_INTERNAL, "rpc server: grpc_server_create failed");
@@ -959,6 +965,12 @@ struct pd_rpc_pending {
 
 pd_status pd_rpc_channel_create(const char *target, pd_rpc_channel **out, pd_err *err)
 {
+    return pd_rpc_channel_create_as(target, NULL, out, err);
+}
+
+pd_status pd_rpc_channel_create_as(const char *target, const char *tls_name, pd_rpc_channel **out,
+                                   pd_err *err)
+{
     if (target == NULL || target[0] == '\0')
         return pd_err_set(err, PD_ERR_INVALID, "rpc channel: no target");
     long pn = addr_port(target);
@@ -977,7 +989,8 @@ pd_status pd_rpc_channel_create(const char *target, pd_rpc_channel **out, pd_err
     grpc_init();
     rpc_args args;
     grpc_channel_credentials *creds = channel_creds();
-    ch->ch = creds != NULL ? grpc_channel_create(target, creds, channel_args_make(&args, false)) : NULL;
+    const grpc_channel_args *cargs = channel_args_make(&args, false, tls_name);
+    ch->ch = creds != NULL ? grpc_channel_create(target, creds, cargs) : NULL;
     if (creds != NULL)
         grpc_channel_credentials_release(creds);
     if (ch->ch == NULL) {

@@ -151,6 +151,10 @@ typedef struct pd_rpc_stream pd_rpc_stream;
  * certificate must chain to them and name HOST), plaintext otherwise. Connects lazily.
  * Errors: PD_ERR_NOMEM, PD_ERR_INTERNAL. */
 pd_status pd_rpc_channel_create(const char *target, pd_rpc_channel **out, pd_err *err);
+/* The same, with TLS verifying the server's certificate against tls_name instead of target's
+ * host (NULL: target's host): a name resolved to addresses keeps the name it was given. */
+pd_status pd_rpc_channel_create_as(const char *target, const char *tls_name, pd_rpc_channel **out,
+                                   pd_err *err);
 /* Blocking calls and streams on the channel must be over; async calls still in flight are
  * cancelled and their callbacks run before this returns (so it must not be called from one).
  * NULL is a no-op. */

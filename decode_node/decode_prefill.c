@@ -103,7 +103,7 @@ static prefill_node *pick_node(decode_server *s)
         /* a fresh channel connects at once instead of waiting out gRPC's reconnect backoff */
         pd_rpc_channel *ch = NULL;
         pd_err err;
-        if (pd_rpc_channel_create(best->addr, &ch, &err) == PD_OK) {
+        if (pd_rpc_channel_create_as(best->addr, best->host, &ch, &err) == PD_OK) {
             pd_rpc_channel_destroy(best->ch);
             best->ch = ch;
             best->reset = 0;
@@ -678,8 +678,9 @@ static void on_reply_loop(void *arg)
 
 /* Every address of spec: "HOST:PORT[,HOST:PORT...]" or "file:PATH" (the same entries, separated
  * by commas or whitespace, '#' to the end of a line a comment; read again at every resolution),
- * each name as every address it resolves to, as "IP:PORT" / "[IP6]:PORT", without duplicates.
- * *out (malloc'd strings) may be empty. Errors: PD_ERR_INVALID (an entry that is not HOST:PORT:
+ * each name as every address it resolves to, as "IP:PORT" / "[IP6]:PORT", without duplicates;
+ * each string is followed, past its NUL, by the host name it came from (the name a TLS
+ * certificate must carry). *out (malloc'd strings) may be empty. Errors: PD_ERR_INVALID (an entry that is not HOST:PORT:
  * the command line is wrong), PD_ERR_PEER (a name that does not resolve, a file not readable:
  * may change), PD_ERR_NOMEM. */
 static pd_status resolve_spec(const char *spec, char ***out, int *n_out, pd_err *err)
@@ -728,12 +729,15 @@ static pd_status resolve_spec(const char *spec, char ***out, int *n_out, pd_err 
             if (dup)
                 continue;
             char **a = realloc(addrs, (size_t)(n + 1) * sizeof(*a));
-            if (a == NULL || (a[n] = strdup(name)) == NULL) {
+            size_t nl = strlen(name) + 1, hl = strlen(host) + 1;
+            if (a == NULL || (a[n] = malloc(nl + hl)) == NULL) {
                 if (a != NULL)
                     addrs = a;
                 st = pd_err_set(err, PD_ERR_NOMEM, "prefill nodes");
                 break;
             }
+            memcpy(a[n], name, nl);          /* "IP:PORT", then the name it came from */
+            memcpy(a[n] + nl, host, hl);
             addrs = a;
             n++;
         }
@@ -785,7 +789,8 @@ static pd_status apply_addrs(decode_server *s, char **addrs, int n, pd_err *err)
         }
         nd->s = s;
         snprintf(nd->addr, sizeof(nd->addr), "%s", addrs[k]);
-        if ((st = pd_rpc_channel_create(nd->addr, &nd->ch, err)) != PD_OK) {
+        snprintf(nd->host, sizeof(nd->host), "%s", addrs[k] + strlen(addrs[k]) + 1);
+        if ((st = pd_rpc_channel_create_as(nd->addr, nd->host, &nd->ch, err)) != PD_OK) {
             free(nd);
             break;
         }

@@ -35,6 +35,7 @@ typedef enum {
 typedef struct prefill_node {
     struct decode_server *s;
     char addr[160];
+    char host[128];          /* the name --prefill gave for addr: what its TLS certificate must name */
     pd_rpc_channel *ch;
     int inflight;            /* Prefill calls */
     int calls;               /* every call in flight on ch (Prefill + CancelPrefill) */

@@ -1893,6 +1893,27 @@ def test_tls(bin_dir, model, draft):
                 dn.stop()
     finally:
         pf.stop()
+    # a prefill node whose certificate names only "localhost": a decode node given --prefill
+    # localhost:PORT connects to the address the name resolves to and checks the certificate
+    # against the name (a name such as a Kubernetes Service resolves to pod addresses that no
+    # certificate lists)
+    if {a[4][0] for a in socket.getaddrinfo("localhost", 80, type=socket.SOCK_STREAM)} != {"127.0.0.1"}:
+        log("TLS name check left out: localhost resolves to more than 127.0.0.1 here")
+    else:
+        pf = Node(bin_dir, model, draft, ("--tls-cert", os.path.join(tls, "name-only.pem"), "--tls-key",
+                                          os.path.join(tls, "name-only.key")), binary="prefill_node")
+        try:
+            port = pf.grpc.rsplit(":", 1)[1]
+            for target, ok in (("localhost:" + port, True), ("127.0.0.1:" + port, False)):
+                dn = Node(bin_dir, model, draft, ["--prefill", target, "--transfer-timeout-ms", "5000"] + ca)
+                try:
+                    st, b = post_json(dn, "/v1/completions", body)
+                    check((st == 200 and b["choices"][0]["text"] == want) if ok else st in (500, 503),
+                          "--prefill %s, a certificate naming localhost only: %s %s" % (target, st, b))
+                finally:
+                    dn.stop()
+        finally:
+            pf.stop()
     # pdspark-client against a decode node that requires client certificates
     node = Node(bin_dir, model, draft, ("--colocated",) + mutual)
     try:
