@@ -101,12 +101,29 @@ typedef struct {
     float *part;                             /* tl_all 0: [warps][m][np] each split's sums */
 } sk_params;
 
+/* Weight loads bypass the L1 and carry the L2 fetch-size hint: the first 64-byte load of a row's
+ * 128-byte line asks the L2 for 256 bytes from DRAM (the lane group's next load and the next
+ * step's). A cache hint only: the bits are unchanged. PD_SK_L2_FETCH=0 builds the plain load, 128
+ * the 128-byte hint (H100: 1.6-2.4 % off the decode step, docs/BENCHMARKS.md 2026-12-07). */
+#ifndef PD_SK_L2_FETCH
+#define PD_SK_L2_FETCH 256
+#endif
 static __device__ __forceinline__ uint4 ld_stream(const __nv_bfloat16 *p)
 {
     uint4 v;
+#if PD_SK_L2_FETCH == 256
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+#elif PD_SK_L2_FETCH == 128
+    asm("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+#else
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
+#endif
     return v;
 }
 
