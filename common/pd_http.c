@@ -40,6 +40,7 @@ typedef struct {
     int methods;
     pd_http_handler fn;
     void *ud;
+    int open;            /* /health, /ready, /metrics: served without a client certificate */
 } route;
 
 struct pd_http {
@@ -61,6 +62,7 @@ struct pd_http {
     pd_metric *m_accept_errors;
     pd_http *next_listener;                  /* listener_link's list */
     SSL_CTX *ssl_ctx;                        /* HTTPS: every connection's TLS session */
+    int need_client_cert;                    /* mutual TLS on the routes that are not open */
 };
 
 /* ---------------------------------------------------------------------------------------------
@@ -145,6 +147,21 @@ static void allow_header(struct evhttp_request *req, int methods)
     evhttp_add_header(evhttp_request_get_output_headers(req), "Allow", allow);
 }
 
+/* The request came over TLS with a client certificate that verified (a presented one that does
+ * not verify fails the handshake: pd_tls_ssl_ctx) */
+static int has_client_cert(struct evhttp_request *req)
+{
+    struct evhttp_connection *c = evhttp_request_get_connection(req);
+    struct bufferevent *bev = c != NULL ? evhttp_connection_get_bufferevent(c) : NULL;
+    SSL *ssl = bev != NULL ? bufferevent_openssl_get_ssl(bev) : NULL;
+    if (ssl == NULL)
+        return 0;
+    X509 *peer = SSL_get1_peer_certificate(ssl);
+    int ok = peer != NULL && SSL_get_verify_result(ssl) == X509_V_OK;
+    X509_free(peer);
+    return ok;
+}
+
 static void route_cb(struct evhttp_request *req, void *arg)
 {
     route *r = arg;
@@ -155,6 +172,12 @@ static void route_cb(struct evhttp_request *req, void *arg)
         allow_header(req, r->methods);
         pd_http_error(req, 405, "invalid_request_error", NULL, "method_not_allowed",
                       "method not allowed on %s", r->path);
+        return;
+    }
+    if (r->h->need_client_cert && !r->open && !has_client_cert(req)) {
+        pd_http_error(req, 403, "invalid_request_error", NULL, "client_certificate_required",
+                      "a client certificate signed by the node's --tls-client-ca is required on %s",
+                      r->path);
         return;
     }
     size_t n = evbuffer_get_length(evhttp_request_get_input_buffer(req));
@@ -404,6 +427,7 @@ pd_status pd_http_create(const pd_http_config *cfg, pd_http **out, pd_err *err)
             goto err_http;
         }
         evhttp_set_bevcb(h->http, tls_bev, h);
+        h->need_client_cert = cfg->tls->client_ca_pem != NULL;
     }
     errno = 0;
     struct evhttp_bound_socket *bs = evhttp_bind_socket_with_handle(h->http, host, (ev_uint16_t)port);
@@ -431,6 +455,8 @@ pd_status pd_http_create(const pd_http_config *cfg, pd_http **out, pd_err *err)
         (st = pd_http_route(h, "/ready", PD_HTTP_GET, ready_cb, h, err)) != PD_OK ||
         (st = pd_http_route(h, "/metrics", PD_HTTP_GET, metrics_cb, h, err)) != PD_OK)
         goto err_routes;
+    for (int i = 0; i < h->n_routes; i++)
+        h->routes[i].open = 1;
     *out = h;
     return PD_OK;
 err_routes:

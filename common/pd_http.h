@@ -36,7 +36,9 @@ typedef struct {
     void *ready_ud;
     size_t max_body;             /* request bodies above this get 413 (0 = 8 MiB) */
     const pd_tls *tls;           /* NULL or no certificate: plain HTTP; else HTTPS only (TLS 1.2+)
-                                  * with its certificate and key (read at create) */
+                                  * with its certificate and key (read at create); with client
+                                  * roots, routes other than /health, /ready and /metrics answer
+                                  * 403 to a client without a certificate that chains to them */
 } pd_http_config;
 
 enum { PD_HTTP_GET = 1, PD_HTTP_POST = 2 };   /* route method masks (HEAD follows GET) */

@@ -29,7 +29,8 @@ pd_status pd_tls_load(const char *cert_path, const char *key_path, const char *c
                       const char *client_ca_path, pd_tls *out, pd_err *err);
 void pd_tls_free(pd_tls *t);                 /* NULL or zeroed: no-op */
 /* A TLS 1.2+ server context (SSL_CTX *) for t's certificate and key, for HTTP (with
- * client_ca_pem: clients must present a certificate that chains to it); NULL with *err
+ * client_ca_pem: a client certificate, when presented, must chain to it; pd_http refuses the
+ * connections that present none outside its ops routes); NULL with *err
  * set when OpenSSL refuses them (PD_ERR_INVALID) or t serves no certificate. The caller frees
  * it with pd_tls_ssl_ctx_free. */
 void *pd_tls_ssl_ctx(const pd_tls *t, pd_err *err);

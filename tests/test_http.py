@@ -1870,11 +1870,8 @@ def test_tls(bin_dir, model, draft):
     try:
         st, raw = https(pf, "GET", "/health", client_cert=True)
         check(st == 200, "prefill node HTTPS /health with a client certificate: %s" % st)
-        try:
-            st = https(pf, "GET", "/health")[0]
-        except (OSError, http.client.HTTPException) as e:
-            st = type(e).__name__
-        check(st != 200, "prefill node HTTPS /health without a client certificate refused: %s" % st)
+        st, raw = https(pf, "GET", "/metrics")
+        check(st == 200, "prefill node HTTPS /metrics without one (probes, scrapers): %s" % st)
         dn = Node(bin_dir, model, draft, ["--prefill", pf.grpc] + ca + list(serve))
         try:   # its --tls-cert serves its own endpoints over TLS too
             st, raw = https(dn, "POST", "/v1/completions", body)
@@ -1914,9 +1911,19 @@ def test_tls(bin_dir, model, draft):
                     dn.stop()
         finally:
             pf.stop()
-    # pdspark-client against a decode node that requires client certificates
+    # a decode node that requires client certificates: the API needs one (403 without), the
+    # ops routes do not; pdspark-client with and without one
     node = Node(bin_dir, model, draft, ("--colocated",) + mutual)
     try:
+        st, raw = https(node, "POST", "/v1/completions", body)
+        b = json.loads(raw) if raw else {}
+        check(st == 403 and is_error_shape(b) and b["error"]["code"] == "client_certificate_required",
+              "HTTPS API without a client certificate: %s %s" % (st, raw[:200]))
+        st, raw = https(node, "POST", "/v1/completions", body, client_cert=True)
+        check(st == 200 and json.loads(raw)["choices"][0]["text"] == want,
+              "HTTPS API with a client certificate: %s %s" % (st, raw[:200]))
+        check(all(https(node, "GET", p)[0] == 200 for p in ("/health", "/ready", "/metrics")),
+              "ops routes without a client certificate")
         g = grpc_generate(bin_dir, node, prompt, 12, ca + list(serve))
         check(g is not None and g["text"] == want, "gRPC with a client certificate %s == %r" % (g, want))
         out = subprocess.run([os.path.join(bin_dir, "pdspark-client"), "--server", node.grpc, "--prompt",
