@@ -1924,6 +1924,16 @@ def test_tls(bin_dir, model, draft):
               "HTTPS API with a client certificate: %s %s" % (st, raw[:200]))
         check(all(https(node, "GET", p)[0] == 200 for p in ("/health", "/ready", "/metrics")),
               "ops routes without a client certificate")
+        tmpd = tempfile.mkdtemp(prefix="pd_loadgen_tls_")
+        lg = subprocess.run([sys.executable, LOADGEN, "--url", "https://localhost:%d" % node.http[1],
+                             "--cacert", os.path.join(tls, "ca.pem"), "--cert", serve[1], "--key", serve[3],
+                             "--concurrency", "2", "--requests", "2", "--max-tokens", "4", "--ignore-eos",
+                             "--csv", os.path.join(tmpd, "l.csv"), "--svg", os.path.join(tmpd, "l.svg")],
+                            capture_output=True, text=True, timeout=120 * SCALE)
+        rows = list(csv.DictReader(open(os.path.join(tmpd, "l.csv")))) if lg.returncode == 0 else []
+        check(len(rows) == 1 and rows[0]["errors"] == "0" and rows[0]["requests"] == "2",
+              "pdspark-loadgen over mutual TLS: rc %d %s %s" % (lg.returncode, rows, lg.stderr[-300:]))
+        shutil.rmtree(tmpd, ignore_errors=True)
         g = grpc_generate(bin_dir, node, prompt, 12, ca + list(serve))
         check(g is not None and g["text"] == want, "gRPC with a client certificate %s == %r" % (g, want))
         out = subprocess.run([os.path.join(bin_dir, "pdspark-client"), "--server", node.grpc, "--prompt",
