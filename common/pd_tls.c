@@ -46,7 +46,7 @@ static int count_certs(const char *pem, const char *what, const char *path, pd_e
 }
 
 /* path's text into *pem, checked to hold certificates; flag names it in errors */
-static pd_status load_roots(const char *flag, const char *path, char **pem, pd_err *err)
+static pd_status load_certs(const char *flag, const char *path, char **pem, pd_err *err)
 {
     pd_status st = pd_cli_read_text(path, pem, err);
     if (st != PD_OK)
@@ -67,35 +67,23 @@ pd_status pd_tls_load(const char *cert_path, const char *key_path, const char *c
         return pd_err_set(err, PD_ERR_INVALID, "%s without %s: a served certificate needs its key",
                           cert_path != NULL ? "--tls-cert" : "--tls-key",
                           cert_path != NULL ? "--tls-key" : "--tls-cert");
-    pd_status st;
+    pd_status st = PD_OK;
+    if (key_path != NULL && (st = pd_cli_read_text(key_path, &out->key_pem, err)) != PD_OK) {
+        pd_err_prefix(err, "--tls-key");
+        goto fail;
+    }
+    if ((cert_path != NULL && (st = load_certs("--tls-cert", cert_path, &out->cert_pem, err)) != PD_OK) ||
+        (ca_path != NULL && (st = load_certs("--tls-ca", ca_path, &out->ca_pem, err)) != PD_OK) ||
+        (client_ca_path != NULL &&
+         (st = load_certs("--tls-client-ca", client_ca_path, &out->client_ca_pem, err)) != PD_OK))
+        goto fail;
     if (cert_path != NULL) {
-        if ((st = pd_cli_read_text(cert_path, &out->cert_pem, err)) != PD_OK ||
-            (st = pd_cli_read_text(key_path, &out->key_pem, err)) != PD_OK) {
-            pd_err_prefix(err, "%s", out->cert_pem == NULL ? "--tls-cert" : "--tls-key");
-            goto fail;
-        }
-        if (count_certs(out->cert_pem, "--tls-cert", cert_path, err) < 0) {
-            st = err != NULL ? err->code : PD_ERR_INVALID;
-            goto fail;
-        }
-        /* the key parses and belongs to the certificate: a context that takes both says so */
+        /* the key parses and belongs to the certificate (and the client roots load): the
+         * context the HTTP server will make takes them all */
         void *ctx = pd_tls_ssl_ctx(out, err);
         if (ctx == NULL) {
             st = err != NULL ? err->code : PD_ERR_INVALID;
             pd_err_prefix(err, "--tls-cert %s / --tls-key %s", cert_path, key_path);
-            goto fail;
-        }
-        pd_tls_ssl_ctx_free(ctx);
-    }
-    if ((ca_path != NULL && (st = load_roots("--tls-ca", ca_path, &out->ca_pem, err)) != PD_OK) ||
-        (client_ca_path != NULL &&
-         (st = load_roots("--tls-client-ca", client_ca_path, &out->client_ca_pem, err)) != PD_OK))
-        goto fail;
-    if (out->client_ca_pem != NULL) {   /* OpenSSL takes the roots as the HTTP server will */
-        void *ctx = pd_tls_ssl_ctx(out, err);
-        if (ctx == NULL) {
-            st = err != NULL ? err->code : PD_ERR_INVALID;
-            pd_err_prefix(err, "--tls-client-ca %s", client_ca_path);
             goto fail;
         }
         pd_tls_ssl_ctx_free(ctx);
