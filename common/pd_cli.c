@@ -11,6 +11,7 @@
 
 #include <errno.h>
 #include <limits.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -65,8 +66,39 @@ void pd_cli_block_stop_signals(sigset_t *set)
     sigemptyset(set);
     sigaddset(set, SIGINT);
     sigaddset(set, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, set, NULL);
+    sigset_t all = *set;
+    sigaddset(&all, SIGHUP);
+    pthread_sigmask(SIG_BLOCK, &all, NULL);
     signal(SIGPIPE, SIG_IGN);
+}
+
+int pd_cli_wait_stop(const sigset_t *stop, int64_t every_ms, void (*tick)(void *ud, int hup), void *ud)
+{
+    sigset_t w = *stop;
+    sigaddset(&w, SIGHUP);
+    double next = pd_cli_now_ms() + (double)every_ms;
+    for (;;) {
+        int sig = -1;
+        if (every_ms > 0) {
+            double left = next - pd_cli_now_ms();
+            if (left <= 0) {
+                if (tick != NULL)
+                    tick(ud, 0);
+                next = pd_cli_now_ms() + (double)every_ms;
+                continue;
+            }
+            struct timespec ts = { (time_t)(left / 1000.0), (long)(fmod(left, 1000.0) * 1e6) };
+            sig = sigtimedwait(&w, NULL, &ts);
+        } else if (sigwait(&w, &sig) != 0) {
+            sig = -1;
+        }
+        if (sig == SIGHUP) {
+            if (tick != NULL)
+                tick(ud, 1);
+        } else if (sig > 0) {
+            return sig;
+        }
+    }
 }
 
 long pd_cli_raise_fd_limit(void)

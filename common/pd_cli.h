@@ -28,9 +28,14 @@ void pd_cli_print_version(FILE *f, const char *prog);
 int pd_cli_version_flag(int argc, char **argv, const char *prog);
 /* Milliseconds of CLOCK_MONOTONIC. */
 double pd_cli_now_ms(void);
-/* A node's signals: SIGINT and SIGTERM blocked in the calling thread and every thread it starts
- * afterwards (the main thread takes them with sigwait on *set), SIGPIPE ignored. */
+/* A node's signals: SIGINT, SIGTERM and SIGHUP blocked in the calling thread and every thread
+ * it starts afterwards (the main thread takes them: pd_cli_wait_stop, or sigwait on *set, which
+ * holds the two stop signals), SIGPIPE ignored. */
 void pd_cli_block_stop_signals(sigset_t *set);
+/* A node's main thread until it is told to stop: returns the stop signal of *stop (SIGINT or
+ * SIGTERM) when it comes; meanwhile tick(ud, 1) runs at each SIGHUP and tick(ud, 0) every
+ * every_ms (0: never; tick NULL: nothing runs), on this thread. */
+int pd_cli_wait_stop(const sigset_t *stop, int64_t every_ms, void (*tick)(void *ud, int hup), void *ud);
 /* A node's descriptor limit: the soft limit raised to the hard one (containers often start a
  * process at a soft 1024, which ~1000 idle HTTP clients use up). Returns the limit now in force
  * (-1: unlimited or unknown). */

@@ -61,7 +61,9 @@ struct pd_http {
     uint64_t accept_errors, accept_errors_logged;
     pd_metric *m_accept_errors;
     pd_http *next_listener;                  /* listener_link's list */
-    SSL_CTX *ssl_ctx;                        /* HTTPS: every connection's TLS session */
+    SSL_CTX *ssl_ctx;                        /* HTTPS: every new connection's TLS session
+                                              * (tls_mu: pd_http_set_tls replaces it) */
+    pthread_mutex_t tls_mu;
     int need_client_cert;                    /* mutual TLS on the routes that are not open */
 };
 
@@ -374,7 +376,9 @@ static void accept_error_cb(struct evconnlistener *lev, void *arg)
 static struct bufferevent *tls_bev(struct event_base *base, void *arg)
 {
     pd_http *h = arg;
-    SSL *ssl = SSL_new(h->ssl_ctx);
+    pthread_mutex_lock(&h->tls_mu);
+    SSL *ssl = SSL_new(h->ssl_ctx);          /* holds its own reference to the context */
+    pthread_mutex_unlock(&h->tls_mu);
     if (ssl == NULL)
         return NULL;
     struct bufferevent *bev = bufferevent_openssl_socket_new(base, -1, ssl, BUFFEREVENT_SSL_ACCEPTING,
@@ -399,6 +403,7 @@ pd_status pd_http_create(const pd_http_config *cfg, pd_http **out, pd_err *err)
         return pd_err_set(err, PD_ERR_NOMEM, "http server");
     h->cfg = *cfg;
     h->cfg.tls = NULL;                       /* read below into ssl_ctx */
+    pthread_mutex_init(&h->tls_mu, NULL);
     if (h->cfg.max_body == 0)
         h->cfg.max_body = DEFAULT_MAX_BODY;
     snprintf(h->node, sizeof(h->node), "%s", cfg->node != NULL ? cfg->node : "node");
@@ -470,8 +475,27 @@ err_http:
 err_loop:
     pd_loop_destroy(h->loop);
 err_free:
+    pthread_mutex_destroy(&h->tls_mu);
     free(h);
     return st;
+}
+
+pd_status pd_http_set_tls(pd_http *h, const pd_tls *t, pd_err *err)
+{
+    pthread_mutex_lock(&h->tls_mu);
+    int https = h->ssl_ctx != NULL;
+    pthread_mutex_unlock(&h->tls_mu);
+    if (!https)
+        return PD_OK;
+    SSL_CTX *ctx = pd_tls_ssl_ctx(t, err);
+    if (ctx == NULL)
+        return pd_err_prefix(err, "http: TLS");
+    pthread_mutex_lock(&h->tls_mu);
+    SSL_CTX *old = h->ssl_ctx;
+    h->ssl_ctx = ctx;
+    pthread_mutex_unlock(&h->tls_mu);
+    pd_tls_ssl_ctx_free(old);                /* connections made with it keep their reference */
+    return PD_OK;
 }
 
 int pd_http_port(const pd_http *h)
@@ -522,6 +546,7 @@ void pd_http_destroy(pd_http *h)
     pd_loop_timer_destroy(h->accept_timer);
     evhttp_free(h->http);
     pd_tls_ssl_ctx_free(h->ssl_ctx);
+    pthread_mutex_destroy(&h->tls_mu);
     pd_loop_destroy(h->loop);
     for (int i = 0; i < h->n_routes; i++)
         free(h->routes[i].path);

@@ -54,6 +54,11 @@ pd_status pd_http_route(pd_http *h, const char *path, int methods, pd_http_handl
                         pd_err *err);
 int pd_http_port(const pd_http *h);
 pd_loop *pd_http_loop(pd_http *h);
+/* HTTPS: t's certificate and key (and client roots) for the connections accepted from here on
+ * (a reload of the files named at start; any thread); open connections keep theirs. A server
+ * that was made plain stays plain (PD_OK, nothing done). Errors: PD_ERR_INVALID (OpenSSL
+ * refuses them; the material in force stays), PD_ERR_NOMEM. */
+pd_status pd_http_set_tls(pd_http *h, const pd_tls *t, pd_err *err);
 /* Start the HTTP thread. Errors: PD_ERR_INTERNAL (thread). */
 pd_status pd_http_start(pd_http *h, pd_err *err);
 /* Stop the loop and join the thread: no handler or post runs after this returns; posts are

@@ -135,6 +135,7 @@ static const grpc_channel_args *channel_args_make(rpc_args *r, bool server, cons
 /* TLS (pd_rpc_set_tls): the PEM of every server and channel made afterwards */
 static pthread_mutex_t tls_mu = PTHREAD_MUTEX_INITIALIZER;
 static pd_tls tls_cfg;
+static unsigned tls_gen;          /* bumped by every pd_rpc_set_tls (under tls_mu) */
 
 pd_status pd_rpc_set_tls(const pd_tls *t, pd_err *err)
 {
@@ -150,36 +151,42 @@ pd_status pd_rpc_set_tls(const pd_tls *t, pd_err *err)
     pthread_mutex_lock(&tls_mu);
     pd_tls old = tls_cfg;
     tls_cfg = c;
+    tls_gen++;
     pthread_mutex_unlock(&tls_mu);
     pd_tls_free(&old);
     return PD_OK;
 }
 
+static grpc_ssl_certificate_config_reload_status server_cert_fetch(void *ud,
+                                                                   grpc_ssl_server_certificate_config **config);
+
 /* A served certificate makes the server TLS-only; client roots make it require and verify
- * client certificates (mutual TLS), else clients are not asked for one */
-static grpc_server_credentials *server_creds(void)
+ * client certificates (mutual TLS), else clients are not asked for one. gRPC asks
+ * server_cert_fetch for the material at every handshake, so a later pd_rpc_set_tls is in force
+ * for the connections that come after it (whether client certificates are asked for stays as
+ * it was at creation). */
+static grpc_server_credentials *server_creds(pd_rpc_server *srv)
 {
     pthread_mutex_lock(&tls_mu);
-    grpc_server_credentials *c;
-    if (tls_cfg.cert_pem != NULL) {
-        grpc_ssl_pem_key_cert_pair pair = {tls_cfg.key_pem, tls_cfg.cert_pem};
-        c = grpc_ssl_server_credentials_create_ex(
-            tls_cfg.client_ca_pem, &pair, 1,
-            tls_cfg.client_ca_pem != NULL ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
-                                          : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE,
-            NULL);
-    } else {
-        c = grpc_insecure_server_credentials_create();
-    }
+    int tls = tls_cfg.cert_pem != NULL;
+    grpc_ssl_client_certificate_request_type req =
+        tls_cfg.client_ca_pem != NULL ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                                      : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE;
     pthread_mutex_unlock(&tls_mu);
-    return c;
+    if (!tls)
+        return grpc_insecure_server_credentials_create();
+    grpc_ssl_server_credentials_options *o =
+        grpc_ssl_server_credentials_create_options_using_config_fetcher(req, server_cert_fetch, srv);
+    return o != NULL ? grpc_ssl_server_credentials_create_with_options(o) : NULL;
 }
 
 /* Roots to trust make channels TLS: the server's certificate must chain to them and name the
- * target's host; a certificate of this process's own is presented to servers that ask */
-static grpc_channel_credentials *channel_creds(void)
+ * target's host; a certificate of this process's own is presented to servers that ask. *gen:
+ * the pd_rpc_set_tls they come from. */
+static grpc_channel_credentials *channel_creds(unsigned *gen)
 {
     pthread_mutex_lock(&tls_mu);
+    *gen = tls_gen;
     grpc_ssl_pem_key_cert_pair pair = {tls_cfg.key_pem, tls_cfg.cert_pem};
     grpc_channel_credentials *c = tls_cfg.ca_pem != NULL
                                 ? grpc_ssl_credentials_create_ex(tls_cfg.ca_pem,
@@ -251,7 +258,36 @@ struct pd_rpc_server {
     rpc_tag shutdown_tag;
     bool shutting_down;        /* set before shutdown_and_notify; read on the poller */
     pthread_mutex_t mu;        /* guards shutting_down vs. re-posting request_call */
+    unsigned tls_gen;          /* the pd_rpc_set_tls gRPC has from server_cert_fetch (tls_mu) */
+    bool tls_fetched;
 };
+
+/* gRPC's question at each handshake (on its threads): the material of the newest
+ * pd_rpc_set_tls when this server has not had it yet */
+static grpc_ssl_certificate_config_reload_status server_cert_fetch(void *ud,
+                                                                   grpc_ssl_server_certificate_config **config)
+{
+    pd_rpc_server *srv = ud;
+    grpc_ssl_certificate_config_reload_status rs = GRPC_SSL_CERTIFICATE_CONFIG_RELOAD_UNCHANGED;
+    pthread_mutex_lock(&tls_mu);
+    if (!srv->tls_fetched || srv->tls_gen != tls_gen) {
+        rs = GRPC_SSL_CERTIFICATE_CONFIG_RELOAD_FAIL;   /* TLS taken away: the old stays */
+        if (tls_cfg.cert_pem != NULL) {
+            /* gRPC (1.51) asserts that a fetched config has client roots even where clients
+             * are not asked for certificates; there the served chain stands in, never used */
+            grpc_ssl_pem_key_cert_pair pair = {tls_cfg.key_pem, tls_cfg.cert_pem};
+            *config = grpc_ssl_server_certificate_config_create(
+                tls_cfg.client_ca_pem != NULL ? tls_cfg.client_ca_pem : tls_cfg.cert_pem, &pair, 1);
+            if (*config != NULL) {
+                rs = GRPC_SSL_CERTIFICATE_CONFIG_RELOAD_NEW;
+                srv->tls_gen = tls_gen;
+                srv->tls_fetched = true;
+            }
+        }
+    }
+    pthread_mutex_unlock(&tls_mu);
+    return rs;
+}
 
 struct pd_rpc_call {
     pd_rpc_server *srv;        /* used on the poller thread only, before the handler returns */
@@ -707,7 +743,7 @@ pd_status pd_rpc_server_create(const char *addr, const pd_rpc_method *m, size_t 
         goto err_free;
     }
     grpc_server_register_completion_queue(srv->server, srv->cq, NULL);
-    grpc_server_credentials *creds = server_creds();
+    grpc_server_credentials *creds = server_creds(srv);
     srv->port = creds != NULL ? grpc_server_add_http2_port(srv->server, addr, creds) : 0;
     if (creds != NULL)
         grpc_server_credentials_release(creds);
@@ -936,6 +972,7 @@ void pd_rpc_finish(pd_rpc_call *call, pd_status st, const char *msg)
 struct pd_rpc_channel {
     grpc_channel *ch;
     char *target;
+    unsigned tls_gen;              /* the pd_rpc_set_tls its credentials come from */
     /* Asynchronous calls: one CQ and its poller thread, started by the first async call. */
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -988,7 +1025,7 @@ pd_status pd_rpc_channel_create_as(const char *target, const char *tls_name, pd_
     pthread_cond_init(&ch->cv, NULL);
     grpc_init();
     rpc_args args;
-    grpc_channel_credentials *creds = channel_creds();
+    grpc_channel_credentials *creds = channel_creds(&ch->tls_gen);
     const grpc_channel_args *cargs = channel_args_make(&args, false, tls_name);
     ch->ch = creds != NULL ? grpc_channel_create(target, creds, cargs) : NULL;
     if (creds != NULL)
@@ -1007,6 +1044,14 @@ pd_status pd_rpc_channel_create_as(const char *target, const char *tls_name, pd_
 }
 
 static void cq_destroy_drained(grpc_completion_queue *cq);
+
+bool pd_rpc_channel_tls_current(const pd_rpc_channel *ch)
+{
+    pthread_mutex_lock(&tls_mu);
+    bool cur = ch->tls_gen == tls_gen;
+    pthread_mutex_unlock(&tls_mu);
+    return cur;
+}
 
 void pd_rpc_channel_destroy(pd_rpc_channel *ch)
 {

@@ -89,11 +89,14 @@ typedef struct {
     pd_rpc_handler fn;
 } pd_rpc_method;
 
-/* TLS for the servers and channels made from here on (a node sets it once at start, from
+/* TLS for the servers and channels made from here on (a node sets it at start, from
  * --tls-cert/--tls-key/--tls-ca/--tls-client-ca, before it makes any): t's certificate and key
  * make servers TLS-only (its client roots make them require client certificates), its roots
  * make channels TLS (presenting the certificate, when there is one, to servers that ask); NULL
- * fields (or t NULL) leave that side plaintext. The strings are copied. Errors: PD_ERR_NOMEM. */
+ * fields (or t NULL) leave that side plaintext. The strings are copied. Called again (a reload
+ * of the same files), servers made before serve the new certificate from their next handshake
+ * on (whether they ask for client certificates stays), and channels made before keep theirs:
+ * pd_rpc_channel_tls_current tells their owner to make them again. Errors: PD_ERR_NOMEM. */
 pd_status pd_rpc_set_tls(const pd_tls *t, pd_err *err);
 
 /* Start a server listening on addr ("HOST:PORT"; port 0 picks a free one, see
@@ -155,6 +158,8 @@ pd_status pd_rpc_channel_create(const char *target, pd_rpc_channel **out, pd_err
  * host (NULL: target's host): a name resolved to addresses keeps the name it was given. */
 pd_status pd_rpc_channel_create_as(const char *target, const char *tls_name, pd_rpc_channel **out,
                                    pd_err *err);
+/* False once pd_rpc_set_tls was called after ch was made (its credentials are the older ones). */
+bool pd_rpc_channel_tls_current(const pd_rpc_channel *ch);
 /* Blocking calls and streams on the channel must be over; async calls still in flight are
  * cancelled and their callbacks run before this returns (so it must not be called from one).
  * NULL is a no-op. */

@@ -1,8 +1,10 @@
-/* pd_tls.c - TLS files read and checked with OpenSSL, and the HTTP server's context (pd_tls.h). */
+/* pd_tls.c - TLS files read and checked with OpenSSL, the HTTP server's context, and a node's
+ * reloads of them (pd_tls.h). */
 #include "pd_tls.h"
 
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <openssl/bio.h>
 #include <openssl/err.h>
@@ -12,6 +14,7 @@
 #include <openssl/x509.h>
 
 #include "pd_cli.h"
+#include "pd_log.h"
 
 /* OpenSSL's most recent error as text, the queue cleared */
 static const char *ossl_reason(char *buf, size_t cap)
@@ -60,6 +63,7 @@ pd_status pd_tls_load(const char *cert_path, const char *key_path, const char *c
                       const char *client_ca_path, pd_tls *out, pd_err *err)
 {
     memset(out, 0, sizeof(*out));
+    const char *paths[4] = {cert_path, key_path, ca_path, client_ca_path};
     if (client_ca_path != NULL && cert_path == NULL)
         return pd_err_set(err, PD_ERR_INVALID, "--tls-client-ca without --tls-cert/--tls-key: client "
                           "certificates are asked for over TLS only");
@@ -68,6 +72,11 @@ pd_status pd_tls_load(const char *cert_path, const char *key_path, const char *c
                           cert_path != NULL ? "--tls-cert" : "--tls-key",
                           cert_path != NULL ? "--tls-key" : "--tls-cert");
     pd_status st = PD_OK;
+    for (int i = 0; i < 4; i++)
+        if (paths[i] != NULL && (out->path[i] = strdup(paths[i])) == NULL) {
+            st = pd_err_set(err, PD_ERR_NOMEM, "TLS file names");
+            goto fail;
+        }
     if (key_path != NULL && (st = pd_cli_read_text(key_path, &out->key_pem, err)) != PD_OK) {
         pd_err_prefix(err, "--tls-key");
         goto fail;
@@ -102,7 +111,42 @@ void pd_tls_free(pd_tls *t)
     free(t->key_pem);
     free(t->ca_pem);
     free(t->client_ca_pem);
+    for (int i = 0; i < 4; i++)
+        free(t->path[i]);
     memset(t, 0, sizeof(*t));
+}
+
+static int same_text(const char *a, const char *b)
+{
+    return (a == NULL && b == NULL) || (a != NULL && b != NULL && strcmp(a, b) == 0);
+}
+
+int pd_tls_reload(const pd_tls *t, pd_tls *next, pd_err *err)
+{
+    if (pd_tls_load(t->path[0], t->path[1], t->path[2], t->path[3], next, err) != PD_OK)
+        return -1;
+    if (same_text(t->cert_pem, next->cert_pem) && same_text(t->key_pem, next->key_pem) &&
+        same_text(t->ca_pem, next->ca_pem) && same_text(t->client_ca_pem, next->client_ca_pem)) {
+        pd_tls_free(next);
+        return 0;
+    }
+    return 1;
+}
+
+double pd_tls_not_after(const pd_tls *t)
+{
+    if (t->cert_pem == NULL)
+        return 0;
+    BIO *b = BIO_new_mem_buf(t->cert_pem, -1);
+    X509 *x = b != NULL ? PEM_read_bio_X509(b, NULL, NULL, NULL) : NULL;
+    struct tm tm;
+    double v = 0;
+    if (x != NULL && ASN1_TIME_to_tm(X509_get0_notAfter(x), &tm) == 1)
+        v = (double)timegm(&tm);
+    ERR_clear_error();
+    X509_free(x);
+    BIO_free(b);
+    return v;
 }
 
 void *pd_tls_ssl_ctx(const pd_tls *t, pd_err *err)
@@ -181,4 +225,73 @@ out:
 void pd_tls_ssl_ctx_free(void *ctx)
 {
     SSL_CTX_free(ctx);
+}
+
+void pd_tls_reloader_init(pd_tls_reloader *r, const char *node, pd_tls *t, pd_metrics *m,
+                          pd_tls_apply_fn apply, void *ud)
+{
+    memset(r, 0, sizeof(*r));
+    r->tls = t;
+    r->apply = apply;
+    r->ud = ud;
+    r->node = node;
+    if (m == NULL || (t->path[0] == NULL && t->path[2] == NULL))
+        return;
+    r->m_reloads = pd_metrics_counter(m, "pdspark_tls_reloads_total",
+                                      "TLS files read again and put in force after they changed "
+                                      "(SIGHUP or --tls-reload-interval)", NULL);
+    r->m_errors = pd_metrics_counter(m, "pdspark_tls_reload_errors_total",
+                                     "TLS reloads refused (unreadable or mismatched files; the "
+                                     "material in force stays)", NULL);
+    if (t->cert_pem != NULL) {
+        r->m_expiry = pd_metrics_gauge(m, "pdspark_tls_certificate_expiry_timestamp_seconds",
+                                       "End of validity (notAfter) of the served certificate, "
+                                       "Unix seconds", NULL);
+        pd_metric_set(r->m_expiry, pd_tls_not_after(t));
+    }
+}
+
+int pd_tls_reloader_check(pd_tls_reloader *r, int hup)
+{
+    if (r->tls->path[0] == NULL && r->tls->path[2] == NULL) {
+        if (hup)
+            PD_LOG_INFO(r->node, "SIGHUP: no TLS files to read again");
+        return 0;
+    }
+    pd_tls next;
+    pd_err err = {0};
+    int rc = pd_tls_reload(r->tls, &next, &err);
+    if (rc == 1 && r->apply(r->ud, &next, &err) != PD_OK) {
+        pd_tls_free(&next);
+        rc = -1;
+    }
+    if (rc < 0) {
+        pd_metric_inc(r->m_errors);
+        PD_LOG_WARN(r->node, "TLS reload%s refused, the files read before stay in force: %s",
+                    hup ? " (SIGHUP)" : "", err.msg);
+        return -1;
+    }
+    if (rc == 0) {
+        if (hup)
+            PD_LOG_INFO(r->node, "SIGHUP: the TLS files are unchanged");
+        return 0;
+    }
+    pd_tls_free(r->tls);
+    *r->tls = next;
+    pd_metric_inc(r->m_reloads);
+    double na = pd_tls_not_after(r->tls);
+    pd_metric_set(r->m_expiry, na);
+    char when[32] = "-";
+    time_t tt = (time_t)na;
+    struct tm tm;
+    if (na > 0 && gmtime_r(&tt, &tm) != NULL)
+        strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%SZ", &tm);
+    PD_LOG_INFO(r->node, "TLS files read again%s and in force for new connections (certificate "
+                "valid until %s)", hup ? " (SIGHUP)" : "", when);
+    return 1;
+}
+
+void pd_tls_reloader_tick(void *r, int hup)
+{
+    pd_tls_reloader_check(r, hup);
 }

@@ -674,6 +674,11 @@ int decode_http_port(const decode_http *h)
     return pd_http_port(h->http);
 }
 
+pd_status decode_http_set_tls(decode_http *h, const pd_tls *t, pd_err *err)
+{
+    return pd_http_set_tls(h->http, t, err);
+}
+
 void decode_http_drain(decode_http *h)
 {
     if (h != NULL)

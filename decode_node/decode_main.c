@@ -44,6 +44,7 @@ static void usage(FILE *f)
             "                   [--chat-template FILE|TEXT] [--max-local-prefill N]\n"
             "                   [--generation-config auto|none|DIR]\n"
             "                   [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--tls-ca FILE]\n"
+            "                   [--tls-reload-interval SECONDS]\n"
             "\n"
             "Serves pdspark.Generate (gRPC, server-streaming) with DSpark speculative decoding.\n"
             "--no-draft loads no drafter and decodes the target alone, one token a step (what a\n"
@@ -88,7 +89,10 @@ static void usage(FILE *f)
             "verified against it and the host named in --prefill (presenting --tls-cert to prefill\n"
             "nodes that ask for client certificates). --tls-client-ca FILE (PEM roots) requires\n"
             "gRPC and HTTP clients to present a certificate that chains to them (mutual TLS).\n"
-            "The KV pages over UCX are not encrypted (keep that network private).\n"
+            "The KV pages over UCX are not encrypted (keep that network private). The TLS files\n"
+            "are read again on SIGHUP and every --tls-reload-interval seconds (default 60, 0: on\n"
+            "SIGHUP only); changed files that pass the checks serve the connections made\n"
+            "afterwards, and calls to prefill nodes present them from their next idle moment.\n"
             "--speculative-disable-by-batch-size N (default 0 = never): decode rounds of more than N\n"
             "running requests draft nothing (plain decode steps; vLLM's disable_by_batch_size),\n"
             "where drafting costs more than it gains (docs/BENCHMARKS.md: from ~32 requests on an\n"
@@ -131,6 +135,19 @@ static void usage(FILE *f)
             "size with --prefix-cache, else 0 (never).\n");
 }
 
+/* A TLS reload (pd_tls_reloader): HTTPS first (the one that can refuse), then gRPC, whose
+ * prefill channels are made again once idle */
+typedef struct {
+    decode_http *http;
+} decode_tls_target;
+
+static pd_status apply_tls(void *ud, const pd_tls *t, pd_err *err)
+{
+    decode_tls_target *tt = ud;
+    pd_status st = tt->http != NULL ? decode_http_set_tls(tt->http, t, err) : PD_OK;
+    return st == PD_OK ? pd_rpc_set_tls(t, err) : st;
+}
+
 int main(int argc, char **argv)
 {
     if (pd_cli_version_flag(argc, argv, PROG))
@@ -144,11 +161,12 @@ int main(int argc, char **argv)
     const char *served_name = NULL, *chat_template = NULL, *generation_config = NULL;
     const char *api_key = getenv("PDSPARK_API_KEY");
     int64_t drain_ms = 30000;
+    int tls_reload_s = 60;
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_PREFILL, O_COLO, O_DEVICE, O_PAGES, O_PAGE, O_BATCH,
            O_QUEUE, O_QTMO, O_RTMO, O_XTMO, O_CP, O_CPS, O_LOG, O_HELP, O_HTTP, O_LOGFMT, O_DRAIN,
            O_VERIFY, O_THRESH, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_CHUNK, O_REFRESH, O_PREFIX,
            O_REASON, O_SERVED, O_APIKEY, O_CHATTMPL, O_LOCALPF, O_GENCFG, O_KVFRAC, O_SWAP,
-           O_STAGE, O_SPECOFF, O_NODRAFT, O_TLSCERT, O_TLSKEY, O_TLSCA, O_TLSCCA };
+           O_STAGE, O_SPECOFF, O_NODRAFT, O_TLSCERT, O_TLSKEY, O_TLSCA, O_TLSCCA, O_TLSRELOAD };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"no-draft", no_argument, 0, O_NODRAFT},
@@ -181,6 +199,7 @@ int main(int argc, char **argv)
         {"drain-timeout-ms", required_argument, 0, O_DRAIN},
         {"tls-cert", required_argument, 0, O_TLSCERT}, {"tls-key", required_argument, 0, O_TLSKEY},
         {"tls-ca", required_argument, 0, O_TLSCA}, {"tls-client-ca", required_argument, 0, O_TLSCCA},
+        {"tls-reload-interval", required_argument, 0, O_TLSRELOAD},
         {0, 0, 0, 0},
     };
     opterr = 0;
@@ -259,6 +278,9 @@ int main(int argc, char **argv)
         case O_TLSKEY: tls_key = optarg; break;
         case O_TLSCA: tls_ca = optarg; break;
         case O_TLSCCA: tls_client_ca = optarg; break;
+        case O_TLSRELOAD:
+            bad = pd_cli_parse_int(PROG, "--tls-reload-interval", optarg, 0, 86400 * 365, &tls_reload_s);
+            break;
         case O_APIKEY: api_key = optarg; break;
         case O_SERVED:
             if (optarg[0] == '\0' || strlen(optarg) > 255) {
@@ -411,8 +433,10 @@ int main(int argc, char **argv)
         PD_LOG_INFO("decode", "listening http %s port %d%s", hh, decode_http_port(http),
                     tls.cert_pem != NULL ? " (TLS)" : "");
     }
-    int sig = 0;
-    sigwait(&set, &sig);
+    decode_tls_target tt = { http };
+    pd_tls_reloader tr;
+    pd_tls_reloader_init(&tr, "decode", &tls, reg, apply_tls, &tt);
+    int sig = pd_cli_wait_stop(&set, (int64_t)tls_reload_s * 1000, pd_tls_reloader_tick, &tr);
     if (sig == SIGTERM) {
         /* graceful drain (Kubernetes sends SIGTERM first): refuse new work, let running
          * requests finish up to the timeout; a second signal stops at once */

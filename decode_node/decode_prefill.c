@@ -99,11 +99,15 @@ static prefill_node *pick_node(decode_server *s)
             best_up = up;
         }
     }
-    if (best != NULL && best->reset && best->calls == 0) {
-        /* a fresh channel connects at once instead of waiting out gRPC's reconnect backoff */
+    if (best != NULL && (best->reset || !pd_rpc_channel_tls_current(best->ch)) && best->calls == 0) {
+        /* a fresh channel connects at once instead of waiting out gRPC's reconnect backoff, and
+         * presents (and checks against) the TLS files read last */
         pd_rpc_channel *ch = NULL;
         pd_err err;
         if (pd_rpc_channel_create_as(best->addr, best->host, &ch, &err) == PD_OK) {
+            if (!best->reset)
+                PD_LOG_INFO("decode", "prefill node %s: a new channel with the TLS files read last",
+                            best->addr);
             pd_rpc_channel_destroy(best->ch);
             best->ch = ch;
             best->reset = 0;

@@ -40,7 +40,8 @@ typedef struct prefill_node {
     int inflight;            /* Prefill calls */
     int calls;               /* every call in flight on ch (Prefill + CancelPrefill) */
     double down_until;
-    int reset;               /* recreate the channel once idle (after a failure) */
+    int reset;               /* recreate the channel once idle (after a failure; also
+                              * done after a TLS reload) */
     int gone;                /* no longer among the addresses --prefill resolves to: not picked */
 } prefill_node;
 

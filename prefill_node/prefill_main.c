@@ -34,6 +34,7 @@ static void usage(FILE *f)
             "                    [--drain-timeout-ms N] [--fast-kernels] [--prefix-cache]\n"
             "                    [--stage-memory GIB]\n"
             "                    [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]\n"
+            "                    [--tls-reload-interval SECONDS]\n"
             "\n"
             "Serves pdspark.Prefill: batches queued prompts into engine steps (context-parallel\n"
             "over --cp-size ranks; on cuda rank r on GPU r %% (visible GPUs) with its own copy of\n"
@@ -54,7 +55,9 @@ static void usage(FILE *f)
             "unencrypted key) serve gRPC and --http over TLS only (decode nodes then need\n"
             "--tls-ca); --tls-client-ca FILE (PEM roots) requires clients (decode nodes: their\n"
             "--tls-cert) to present a certificate that chains to them (mutual TLS). The KV pages\n"
-            "over UCX are not encrypted (keep that network private).\n"
+            "over UCX are not encrypted (keep that network private). The TLS files are read\n"
+            "again on SIGHUP and every --tls-reload-interval seconds (default 60, 0: on SIGHUP\n"
+            "only); changed files that pass the checks serve the connections made afterwards.\n"
             "--kv-memory-fraction F (0 < F < 1): the KV pools take F of the GPU memory free once\n"
             "the models are loaded (cpu: of the host's available memory), instead of --kv-pages;\n"
             "with --cp-size > 1 every rank's pool on a device together (the fullest decides).\n"
@@ -72,6 +75,18 @@ static void usage(FILE *f)
             "SIGTERM drains: new Prefill calls get UNAVAILABLE and /ready 503 while queued and\n"
             "running prefills finish (at most --drain-timeout-ms, default 30000), then it exits 0.\n"
             "SIGINT stops at once.\n");
+}
+
+/* A TLS reload (pd_tls_reloader): HTTPS first (the one that can refuse), then gRPC */
+typedef struct {
+    pd_http *http;
+} prefill_tls_target;
+
+static pd_status apply_tls(void *ud, const pd_tls *t, pd_err *err)
+{
+    prefill_tls_target *tt = ud;
+    pd_status st = tt->http != NULL ? pd_http_set_tls(tt->http, t, err) : PD_OK;
+    return st == PD_OK ? pd_rpc_set_tls(t, err) : st;
 }
 
 /* /ready: 503 while draining */
@@ -93,10 +108,11 @@ int main(int argc, char **argv)
     const char *listen = NULL;
     const char *http_addr = NULL, *tls_cert = NULL, *tls_key = NULL, *tls_client_ca = NULL;
     int drain_ms = 30000;
+    int tls_reload_s = 60;
     int tmo = 0;
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_CP, O_CPS, O_DEVICE, O_MBT, O_PAGES, O_PAGE, O_XTMO,
            O_AUX, O_LOG, O_HELP, O_HTTP, O_XERR, O_DRAIN, O_DTYPE, O_FAST, O_LOGFMT,
-           O_PREFIX, O_KVFRAC, O_STAGEMEM, O_TLSCERT, O_TLSKEY, O_TLSCCA };
+           O_PREFIX, O_KVFRAC, O_STAGEMEM, O_TLSCERT, O_TLSKEY, O_TLSCCA, O_TLSRELOAD };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"listen", required_argument, 0, O_LISTEN}, {"cp-size", required_argument, 0, O_CP},
@@ -112,7 +128,8 @@ int main(int argc, char **argv)
         {"prefix-cache", no_argument, 0, O_PREFIX},
         {"log-format", required_argument, 0, O_LOGFMT},
         {"tls-cert", required_argument, 0, O_TLSCERT}, {"tls-key", required_argument, 0, O_TLSKEY},
-        {"tls-client-ca", required_argument, 0, O_TLSCCA}, {0, 0, 0, 0},
+        {"tls-client-ca", required_argument, 0, O_TLSCCA},
+        {"tls-reload-interval", required_argument, 0, O_TLSRELOAD}, {0, 0, 0, 0},
     };
     opterr = 0;
     int c;
@@ -157,6 +174,9 @@ int main(int argc, char **argv)
         case O_TLSCERT: tls_cert = optarg; break;
         case O_TLSKEY: tls_key = optarg; break;
         case O_TLSCCA: tls_client_ca = optarg; break;
+        case O_TLSRELOAD:
+            bad = pd_cli_parse_int(PROG, "--tls-reload-interval", optarg, 0, 86400 * 365, &tls_reload_s);
+            break;
         case O_LOGFMT:
             if (pd_cli_parse_log_format(PROG, optarg) != 0)
                 return 2;
@@ -240,8 +260,10 @@ int main(int argc, char **argv)
         printf("listening http %s:%d\n", host, pd_http_port(http));
         fflush(stdout);
     }
-    int sig = 0;
-    sigwait(&set, &sig);
+    prefill_tls_target tt = { http };
+    pd_tls_reloader tr;
+    pd_tls_reloader_init(&tr, "prefill", &tls, reg, apply_tls, &tt);
+    int sig = pd_cli_wait_stop(&set, (int64_t)tls_reload_s * 1000, pd_tls_reloader_tick, &tr);
     if (sig == SIGTERM) {
         /* Kubernetes sends SIGTERM before killing: refuse new work, let the rest finish */
         PD_LOG_INFO("prefill", "SIGTERM: draining (at most %d ms)", drain_ms);

@@ -1958,6 +1958,135 @@ def test_tls(bin_dir, model, draft):
     log("TLS checked")
 
 
+def tls_peer_der(port, alpn=None):
+    """The DER certificate a TLS server on 127.0.0.1:port presents (chained to the test CA; the
+    name is not checked: the two test certificates differ in it)"""
+    import ssl
+    ctx = ssl.create_default_context(cafile=os.path.join(FIXTURES, "tls", "ca.pem"))
+    ctx.check_hostname = False
+    if alpn:
+        ctx.set_alpn_protocols(alpn)
+    with socket.create_connection(("127.0.0.1", port), timeout=30 * SCALE) as raw:
+        with ctx.wrap_socket(raw, server_hostname="localhost") as t:
+            return t.getpeercert(binary_form=True)
+
+
+def tls_metric(node, name):
+    """A metric's value from the node's /metrics over HTTPS (an open route), None when absent"""
+    import ssl
+    ctx = ssl.create_default_context(cafile=os.path.join(FIXTURES, "tls", "ca.pem"))
+    ctx.check_hostname = False
+    c = http.client.HTTPSConnection("127.0.0.1", node.http[1], timeout=30 * SCALE, context=ctx)
+    try:
+        c.request("GET", "/metrics")
+        text = c.getresponse().read().decode()
+    finally:
+        c.close()
+    m = re.search(r"^%s (\S+)$" % re.escape(name), text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def test_tls_reload(bin_dir, model, draft):
+    """The TLS files are read again on SIGHUP and every --tls-reload-interval seconds (Kubernetes
+    rewrites a mounted Secret in place): a changed certificate serves the next HTTPS and gRPC
+    handshakes, a certificate whose key has not been replaced yet is refused and the old one
+    stays, new roots reach a decode node's calls to its prefill node, the expiry gauge follows."""
+    import ssl
+    tls = os.path.join(FIXTURES, "tls")
+    der = {n: ssl.PEM_cert_to_DER_cert(open(os.path.join(tls, n + ".pem")).read())
+           for n in ("server", "name-only")}
+    tmp = tempfile.TemporaryDirectory()
+
+    def put(name, src):   # replaced whole, as the kubelet swaps a Secret's files
+        shutil.copyfile(os.path.join(tls, src), os.path.join(tmp.name, name + ".new"))
+        os.replace(os.path.join(tmp.name, name + ".new"), os.path.join(tmp.name, name))
+
+    def wait_metric(node, name, value, secs=15):
+        end = time.time() + secs * SCALE
+        while time.time() < end:
+            if tls_metric(node, name) == value:
+                return True
+            time.sleep(0.1)
+        return False
+
+    f = lambda n: os.path.join(tmp.name, n)
+    body = {"prompt": "def fib(n):", "max_tokens": 6, "temperature": 0}
+    put("cert.pem", "name-only.pem")
+    put("key.pem", "name-only.key")
+    node = Node(bin_dir, model, draft, ("--colocated", "--tls-cert", f("cert.pem"), "--tls-key", f("key.pem"),
+                                        "--tls-reload-interval", "0"))
+    try:
+        port = int(node.grpc.rsplit(":", 1)[1])
+        check(tls_peer_der(node.http[1]) == der["name-only"] and tls_peer_der(port, ["h2"]) == der["name-only"],
+              "HTTPS and gRPC serve the certificate read at start")
+        try:
+            not_after = ssl.cert_time_to_seconds(ssl._ssl._test_decode_cert(os.path.join(tls, "server.pem"))["notAfter"])
+        except (AttributeError, KeyError, ValueError):
+            not_after = None
+        got = tls_metric(node, "pdspark_tls_certificate_expiry_timestamp_seconds")
+        check(got is not None and (not_after is None or got == not_after),
+              "expiry gauge %s == notAfter %s" % (got, not_after))
+        cli = [os.path.join(bin_dir, "pdspark-client"), "--server", "127.0.0.1:%d" % port, "--prompt", "def",
+               "--max-new-tokens", "2", "--timeout-ms", "5000", "--tls-ca", os.path.join(tls, "ca.pem")]
+        out = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+        check(out.returncode != 0, "gRPC to 127.0.0.1 refused by name before the reload: %s" % out.stderr[-200:])
+        put("cert.pem", "server.pem")          # the certificate is new, its key not yet
+        node.p.send_signal(signal.SIGHUP)
+        check(wait_metric(node, "pdspark_tls_reload_errors_total", 1), "a certificate without its key refused")
+        check(tls_peer_der(node.http[1]) == der["name-only"] and tls_peer_der(port, ["h2"]) == der["name-only"],
+              "the certificate read before stays in force")
+        st, raw = https(node, "POST", "/v1/completions", body, host="localhost")
+        check(st == 200, "serving after the refused reload: %s %s" % (st, raw[:200]))
+        put("key.pem", "server.key")
+        node.p.send_signal(signal.SIGHUP)
+        check(wait_metric(node, "pdspark_tls_reloads_total", 1), "the matching pair read again on SIGHUP")
+        check(tls_peer_der(node.http[1]) == der["server"] and tls_peer_der(port, ["h2"]) == der["server"],
+              "HTTPS and gRPC serve the new certificate")
+        out = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+        check(out.returncode == 0, "gRPC to 127.0.0.1 after the reload: %d %s" % (out.returncode, out.stderr[-200:]))
+        node.p.send_signal(signal.SIGHUP)       # unchanged: nothing counted
+        time.sleep(0.5)
+        check(tls_metric(node, "pdspark_tls_reloads_total") == 1 and
+              tls_metric(node, "pdspark_tls_reload_errors_total") == 1, "an unchanged SIGHUP counts nothing")
+        check(node.p.poll() is None and "TLS files read again (SIGHUP)" in node.stderr(), "reload logged")
+    finally:
+        node.stop()
+    # at an interval: a mutual-TLS prefill node and a decode node whose roots change under it
+    put("pf.pem", "server.pem")
+    put("pf.key", "server.key")
+    put("ca.pem", "ca.pem")
+    pf = Node(bin_dir, model, draft, ("--tls-cert", f("pf.pem"), "--tls-key", f("pf.key"), "--tls-client-ca",
+                                      os.path.join(tls, "ca.pem"), "--tls-reload-interval", "1"), binary="prefill_node")
+    try:
+        dn = Node(bin_dir, model, draft, ["--prefill", pf.grpc, "--transfer-timeout-ms", "5000", "--tls-ca", f("ca.pem"),
+                                          "--tls-cert", os.path.join(tls, "server.pem"), "--tls-key",
+                                          os.path.join(tls, "server.key"), "--tls-reload-interval", "1"])
+        try:
+            st, raw = https(dn, "POST", "/v1/completions", body)
+            check(st == 200, "decode -> prefill over mutual TLS: %s %s" % (st, raw[:200]))
+            put("ca.pem", "other-ca.pem")
+            check(wait_metric(dn, "pdspark_tls_reloads_total", 1), "the decode node's roots read again")
+            st, raw = https(dn, "POST", "/v1/completions", body)
+            check(st in (500, 503), "the prefill node no longer verifies against the new roots: %s %s" % (st, raw[:200]))
+            put("ca.pem", "ca.pem")
+            check(wait_metric(dn, "pdspark_tls_reloads_total", 2), "the decode node's roots read again, twice")
+            st, raw = https(dn, "POST", "/v1/completions", body)
+            check(st == 200, "decode -> prefill with the roots back: %s %s" % (st, raw[:200]))
+            check("a new channel with the TLS files read last" in dn.stderr(), "prefill channel made again")
+        finally:
+            dn.stop()
+        pport = int(pf.grpc.rsplit(":", 1)[1])
+        put("pf.pem", "name-only.pem")
+        put("pf.key", "name-only.key")
+        check(wait_metric(pf, "pdspark_tls_reloads_total", 1), "the prefill node's files read again at its interval")
+        check(tls_peer_der(pport, ["h2"]) == der["name-only"] and tls_peer_der(pf.http[1]) == der["name-only"],
+              "the prefill node serves the new certificate")
+    finally:
+        pf.stop()
+        tmp.cleanup()
+    log("TLS reload checked")
+
+
 def test_chat_template(bin_dir, model, draft):
     """decode_node --chat-template: a template of one's own (here a file whose generation prompt
     comes after a default system turn) replaces the checkpoint's; a request's own chat_template
@@ -3016,6 +3145,7 @@ def main():
         test_generation_config(bin_dir, model, draft)
         test_fd_exhaustion(bin_dir, model, draft)
         test_tls(bin_dir, model, draft)
+        test_tls_reload(bin_dir, model, draft)
         test_spec_disable(bin_dir, model, draft)
         test_no_draft(bin_dir, model, draft)
     if FAILS == 0 and DEV:
