@@ -33,6 +33,7 @@
 #include "decode_http_internal.h"
 #include "decode_http_parse.h"
 #include "decode_http_reply.h"
+#include "decode_http_responses.h"
 #include "decode_metrics.h"
 #include "pd_chat.h"
 #include "pd_cli.h"
@@ -108,6 +109,8 @@ static void req_contents_free(http_req *r)
     }
     for (int i = 0; i < r->n_stop; i++)
         free(r->stop[i]);
+    cJSON_Delete(r->resp_echo);
+    decode_http_resp_destroy(r->rs);
     free(r);
 }
 
@@ -185,8 +188,12 @@ static int request_id_header(struct evhttp_request *req, char *xrid)
     return 0;
 }
 
+/* chat: 0 /v1/completions, 1 /v1/chat/completions, 2 /v1/responses (read into the chat
+ * request it means) */
 static void handle_generate(struct evhttp_request *req, decode_http *dh, int chat)
 {
+    const int responses = chat == 2;
+    chat = chat != 0;
     if (atomic_load(&dh->draining)) {
         decode_metrics_refused(dh->dm, "draining");
         pd_http_error(req, 503, "service_unavailable", NULL, "draining",
@@ -201,11 +208,12 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     const char *chat_why = NULL;
     const pd_chat_template *tmpl = decode_server_chat_template(dh->s, &chat_why);
     if (chat && tmpl == NULL) {
-        pd_http_error(req, 400, "invalid_request_error", "messages", "chat_template_unsupported",
-                      "%s", chat_why);
+        pd_http_error(req, 400, "invalid_request_error", responses ? "input" : "messages",
+                      "chat_template_unsupported", "%s", chat_why);
         return;
     }
     cJSON *root = decode_http_json_body(req);
+    cJSON *echo = NULL;
     char msg[512] = "";
     const char *param = NULL;
     decode_req dr = {0};
@@ -220,6 +228,16 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     if (root == NULL) {
         decode_metrics_refused(dh->dm, "invalid");
         goto out;
+    }
+    if (responses) {
+        cJSON *c = decode_http_responses_request(root, &echo, &param, msg, sizeof(msg));
+        if (c == NULL) {
+            decode_metrics_refused(dh->dm, "invalid");
+            decode_http_send_error(req, 400, param, msg);
+            goto out;
+        }
+        cJSON_Delete(root);
+        root = c;
     }
     const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
     if (model != NULL && !cJSON_IsNull(model) && !cJSON_IsString(model)) {
@@ -239,7 +257,7 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     o.gd = decode_server_gen_defaults(dh->s);
     if (decode_http_parse_common(root, chat, &dr, &o, &param, msg, sizeof(msg)) != 0) {
         decode_metrics_refused(dh->dm, "invalid");
-        decode_http_send_error(req, 400, param, msg);
+        decode_http_send_error(req, 400, responses ? decode_http_responses_param(param) : param, msg);
         goto out;
     }
     if (chat) {
@@ -247,7 +265,8 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
             pd_chat_render(tmpl, cJSON_GetObjectItemCaseSensitive(root, "messages"), &tools, &copts,
                            &chat_text, &chat_len, msg, sizeof(msg)) != 0) {
             decode_metrics_refused(dh->dm, "invalid");
-            decode_http_send_error(req, 400, param != NULL ? param : "messages", msg);
+            param = param != NULL ? param : "messages";
+            decode_http_send_error(req, 400, responses ? decode_http_responses_param(param) : param, msg);
             goto out;
         }
         dr.prompt_text = chat_text;
@@ -273,12 +292,22 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     }
     r->req = req;
     r->chat = chat;
+    r->responses = responses;
+    if (responses) {
+        r->resp_echo = echo;
+        echo = NULL;
+        if ((r->rs = decode_http_resp_create()) == NULL) {
+            decode_http_send_error(req, 500, NULL, "out of memory");
+            req_contents_free(r);
+            goto out;
+        }
+    }
     /* parallel_tool_calls false: one call at most (the splitter drops what follows it) */
     r->tools = chat ? pd_chat_tools_mode(&tools) : 0;
     /* 1: the reply may open <think>; 2: the generation prompt opened it (the reply starts inside) */
     r->reasoning = chat && dh->reasoning ? pd_chat_reasoning_mode(tmpl, &copts) : 0;
     r->stream = o.stream;
-    for (int i = 0; r->stream && (r->tools || r->reasoning) && i < r->n_choice; i++)
+    for (int i = 0; r->stream && (r->tools || r->reasoning || responses) && i < r->n_choice; i++)
         if ((r->ch[i].cp = pd_chat_parser_create(r->tools, r->reasoning)) == NULL) {
             decode_http_send_error(req, 500, NULL, "out of memory");
             req_contents_free(r);
@@ -303,10 +332,10 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     }
     r->created = (long)time(NULL);
     unsigned long long seq = atomic_fetch_add(&dh->next_id, 1);
-    snprintf(r->uid, sizeof(r->uid), "%s-%llx%04llx", chat ? "chatcmpl" : "cmpl",
-             (unsigned long long)r->created, seq & 0xffffull);
+    const char *kind = responses ? "resp_" : chat ? "chatcmpl-" : "cmpl-";
+    snprintf(r->uid, sizeof(r->uid), "%s%llx%04llx", kind, (unsigned long long)r->created, seq & 0xffffull);
     if (xrid[0] != '\0') {   /* clients may repeat theirs: tool call ids come from uid */
-        snprintf(r->id, sizeof(r->id), "%s-%s", chat ? "chatcmpl" : "cmpl", xrid);
+        snprintf(r->id, sizeof(r->id), "%s%s", kind, xrid);
     } else {
         memcpy(r->id, r->uid, sizeof(r->id));
         evhttp_add_header(evhttp_request_get_output_headers(req), "X-Request-Id", r->id);
@@ -375,6 +404,7 @@ out:
     free(chat_text);
     pd_chat_tools_free(&tools);
     cJSON_Delete(root);
+    cJSON_Delete(echo);
 }
 
 /* --api-key: "Authorization: Bearer <key>" (the comparison takes the same time wherever the
@@ -411,6 +441,12 @@ static void h_chat(struct evhttp_request *req, void *ud)
 {
     if (authorized(req, ud))
         handle_generate(req, ud, 1);
+}
+
+static void h_responses(struct evhttp_request *req, void *ud)
+{
+    if (authorized(req, ud))
+        handle_generate(req, ud, 2);
 }
 
 /* Sends o as a 200 JSON reply (frees it). */
@@ -652,6 +688,7 @@ pd_status decode_http_create(decode_server *s, const decode_http_config *cfg, de
         goto err_free;
     if ((st = pd_http_route(dh->http, "/v1/completions", PD_HTTP_POST, h_completions, dh, err)) != PD_OK ||
         (st = pd_http_route(dh->http, "/v1/chat/completions", PD_HTTP_POST, h_chat, dh, err)) != PD_OK ||
+        (st = pd_http_route(dh->http, "/v1/responses", PD_HTTP_POST, h_responses, dh, err)) != PD_OK ||
         (st = pd_http_route(dh->http, "/v1/models", PD_HTTP_GET, h_models, dh, err)) != PD_OK ||
         (st = pd_http_route(dh->http, model_path, PD_HTTP_GET, h_model, dh, err)) != PD_OK ||
         (st = pd_http_route(dh->http, "/tokenize", PD_HTTP_POST, h_tokenize, dh, err)) != PD_OK ||

@@ -76,6 +76,9 @@ typedef struct http_req {
     struct evhttp_request *req;      /* NULL once the final reply was handed to evhttp */
     struct evhttp_connection *evcon; /* NULL once the client went away */
     int chat, stream, include_usage;
+    int responses;                   /* POST /v1/responses: a chat request answered as a Response */
+    struct cJSON *resp_echo;         /* ... the request's fields the response repeats */
+    struct resp_state *rs;           /* ... its output items (decode_http_responses.c) */
     char id[64];                     /* the reply's id: the node's own, or from X-Request-Id */
     char uid[64];                    /* the node's own id, unique per request (tool call ids) */
     long created;

@@ -25,6 +25,7 @@
 #include <event2/keyvalq_struct.h>
 
 #include "decode_http_internal.h"
+#include "decode_http_responses.h"
 #include "pd_buf.h"
 #include "pd_chat.h"
 #include "pd_http.h"
@@ -76,7 +77,7 @@ static cJSON *resp_base(const http_req *r, int chunk)
 }
 
 /* A JSON string of s[0..n), its NUL bytes as PD_TEXT_NUL (pd_json_print writes \u0000) */
-static cJSON *string_n(const char *s, size_t n)
+cJSON *decode_http_string_n(const char *s, size_t n)
 {
     char *t = pd_text_nul_mark(s, n);   /* an echoed prompt's NUL bytes too */
     if (t == NULL)
@@ -101,7 +102,7 @@ static cJSON *tok_text(const pd_tokenizer *t, int32_t id, int as_id)
     size_t len = 0;
     if (t == NULL || pd_tokenizer_decode(t, &id, 1, 0, &txt, &len, &err) != PD_OK)
         return cJSON_CreateString("");
-    cJSON *j = string_n(txt, len);   /* the byte-0 token: "\u0000" */
+    cJSON *j = decode_http_string_n(txt, len);   /* the byte-0 token: "\u0000" */
     free(txt);
     return j;
 }
@@ -270,8 +271,8 @@ static cJSON *tool_call_json(const http_choice *ch, const pd_chat_piece *p, int 
     }
     cJSON *fn = cJSON_AddObjectToObject(tc, "function");
     if (p->first)
-        cJSON_AddItemToObject(fn, "name", string_n(p->text, p->len));
-    cJSON_AddItemToObject(fn, "arguments", string_n(p->args, p->args_len));
+        cJSON_AddItemToObject(fn, "name", decode_http_string_n(p->text, p->len));
+    cJSON_AddItemToObject(fn, "arguments", decode_http_string_n(p->args, p->args_len));
     return tc;
 }
 
@@ -289,7 +290,7 @@ static void split_args_done(split_acc *a)
     cJSON *tc = cJSON_GetArrayItem(a->calls, cJSON_GetArraySize(a->calls) - 1);
     if (tc != NULL)
         cJSON_ReplaceItemInObjectCaseSensitive(cJSON_GetObjectItemCaseSensitive(tc, "function"), "arguments",
-                                               string_n(a->args != NULL ? a->args : "", a->al));
+                                               decode_http_string_n(a->args != NULL ? a->args : "", a->al));
     a->al = 0;
 }
 
@@ -319,7 +320,7 @@ static void add_choice(cJSON *o, const http_choice *ch, const char *text, size_t
     const http_req *r = ch->r;
     cJSON *c = choice_begin(o, ch);
     if (!r->chat) {
-        cJSON_AddItemToObject(c, "text", string_n(text != NULL ? text : "", text != NULL ? len : 0));
+        cJSON_AddItemToObject(c, "text", decode_http_string_n(text != NULL ? text : "", text != NULL ? len : 0));
     } else {
         cJSON *m = cJSON_AddObjectToObject(c, chunk ? "delta" : "message");
         if (role)
@@ -335,10 +336,10 @@ static void add_choice(cJSON *o, const http_choice *ch, const char *text, size_t
             if (a.cl == 0 && calls > 0)
                 cJSON_AddNullToObject(m, "content");
             else
-                cJSON_AddItemToObject(m, "content", string_n(a.content != NULL ? a.content : "", a.cl));
+                cJSON_AddItemToObject(m, "content", decode_http_string_n(a.content != NULL ? a.content : "", a.cl));
             if (r->reasoning) {
                 if (a.rl > 0)
-                    cJSON_AddItemToObject(m, "reasoning_content", string_n(a.reasoning, a.rl));
+                    cJSON_AddItemToObject(m, "reasoning_content", decode_http_string_n(a.reasoning, a.rl));
                 else
                     cJSON_AddNullToObject(m, "reasoning_content");
             }
@@ -353,7 +354,7 @@ static void add_choice(cJSON *o, const http_choice *ch, const char *text, size_t
             free(a.reasoning);
             free(a.args);
         } else if (text != NULL) {
-            cJSON_AddItemToObject(m, "content", string_n(text, len));
+            cJSON_AddItemToObject(m, "content", decode_http_string_n(text, len));
         }
     }
     choice_end(c, ch, finish, lp_from, lp_to);
@@ -385,7 +386,9 @@ static void sse_start(http_req *r)
     evhttp_add_header(oh, "Content-Type", "text/event-stream");
     evhttp_add_header(oh, "Cache-Control", "no-cache");
     evhttp_send_reply_start(r->req, 200, "OK");
-    if (r->chat) {   /* the role chunk of every choice */
+    if (r->responses) {
+        decode_http_resp_start(r);
+    } else if (r->chat) {   /* the role chunk of every choice */
         cJSON *o = resp_base(r, 1);
         for (int i = 0; i < r->n_choice; i++)
             add_choice(o, &r->ch[i], "", 0, 1, NULL, 1, -1, -1);
@@ -423,7 +426,7 @@ static void sse_piece(void *ud, const pd_chat_piece *p)
         cJSON_AddItemToArray(cJSON_AddArrayToObject(d, "tool_calls"), tool_call_json(ch, p, 1));
     else
         cJSON_AddItemToObject(d, p->kind == PD_CHAT_CONTENT ? "content" : "reasoning_content",
-                              string_n(p->text, p->len));
+                              decode_http_string_n(p->text, p->len));
     choice_end(c, ch, NULL, ch->lp_sent, to);
     ch->lp_sent = to;
     sse_send(ch->r, o);
@@ -494,7 +497,8 @@ static void emit_safe(http_choice *c, size_t safe, int final)
     if (r->stream && !r->gone) {
         sse_start(r);
         if (c->cp != NULL)
-            pd_chat_parser_feed(c->cp, c->gen != NULL ? c->gen : "", safe, final, sse_piece, c);
+            pd_chat_parser_feed(c->cp, c->gen != NULL ? c->gen : "", safe, final,
+                                r->responses ? decode_http_resp_piece : sse_piece, c);
         else
             sse_delta(c, safe);
     }
@@ -664,6 +668,12 @@ static void reply_end(http_req *r)
             evhttp_send_reply_end(r->req);
         else
             evhttp_send_error(r->req, 499, "client closed request");
+    } else if (r->responses) {
+        if (r->stream && (r->started || ok))
+            sse_start(r);
+        else
+            r->stream = 0;   /* failed before the stream began: a plain error reply */
+        decode_http_resp_end(r);
     } else if (r->stream && (r->started || ok)) {
         sse_start(r);
         if (ok && r->include_usage) {
@@ -754,7 +764,7 @@ static void msg_done(http_msg *m)
         c->finish = !c->stopped && m->finish == PD_FINISH_LENGTH ? "length" : "stop";
         if (c->cp != NULL && pd_chat_parser_calls(c->cp) > 0 && strcmp(c->finish, "stop") == 0)
             c->finish = "tool_calls";
-        if (r->stream && !r->gone) {
+        if (r->stream && !r->gone && !r->responses) {
             /* this choice's last event: its finish reason and the logprobs not sent yet (the
              * last choice's carries the usage of all, as with one choice) */
             sse_start(r);

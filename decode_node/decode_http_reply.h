@@ -12,12 +12,15 @@
 #include "pd_status.h"
 
 struct evhttp_request;
+typedef struct cJSON cJSON;
 
 /* The HTTP status of an error status (400 invalid, 429 busy, 503, 504, ...). */
 int decode_http_code_of(pd_status st);
 /* Answers req with an OpenAI error object: its message, the type of code and the field
  * (param, NULL: null). */
 void decode_http_send_error(struct evhttp_request *req, int code, const char *param, const char *msg);
+/* A JSON string of s[0..n), its NUL bytes kept (pd_json_print writes them as \u0000). */
+cJSON *decode_http_string_n(const char *s, size_t n);
 /* decode_submit's callbacks of one choice (ud: its http_choice): a chunk of tokens, and the
  * result (after which the choice's reference to its http_req is dropped). */
 void decode_http_cb_token(void *ud, const decode_chunk *c);

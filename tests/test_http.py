@@ -982,6 +982,175 @@ TOOL_BODY = {"messages": [{"role": "user", "content": "What is the weather in Pa
 TOOLS_REF = []   # the colocated node's forced call (the disaggregated test compares)
 
 
+def read_responses_stream(node, body):
+    """A streamed /v1/responses reply: (status, [(event name, data dict)]); every event one
+    'event:' line naming the data's type and one 'data:' line"""
+    s = Stream(node, "/v1/responses", dict(body, stream=True))
+    if s.status != 200:
+        out = s.r.read()
+        s.close()
+        return s.status, out.decode(errors="replace")
+    check(s.ctype.startswith("text/event-stream"), "responses stream content type %s" % s.ctype)
+    evs = []
+    while True:
+        while b"\n\n" not in s.buf:
+            chunk = s.r.read1(65536)
+            if not chunk:
+                break
+            s.buf += chunk
+        if b"\n\n" not in s.buf:
+            break
+        ev, s.buf = s.buf.split(b"\n\n", 1)
+        lines = ev.decode().split("\n")
+        ok = len(lines) == 2 and lines[0].startswith("event: ") and lines[1].startswith("data: ")
+        check(ok, "a Responses event is an event line and a data line: %r" % ev)
+        if ok:
+            d = json.loads(lines[1][6:])
+            check(d.get("type") == lines[0][7:], "event name %s == type %s" % (lines[0][7:], d.get("type")))
+            evs.append((lines[0][7:], d))
+    check(s.buf.strip() == b"", "nothing after the last event: %r" % s.buf[:100])
+    s.close()
+    return 200, evs
+
+
+def responses_output_text(resp):
+    return "".join(p["text"] for it in resp.get("output", []) if it["type"] == "message" for p in it["content"])
+
+
+def check_responses_stream(evs, whole, what):
+    """A stream's events against the same request's whole reply: sequence numbers 0, 1, ...; created
+    and in_progress first; every item added, grown by deltas that join to its text, done; the final
+    response's output equal to the whole reply's but for the ids"""
+    names = [n for n, _ in evs]
+    check([d["sequence_number"] for _, d in evs] == list(range(len(evs))), "%s: sequence numbers" % what)
+    check(names[:2] == ["response.created", "response.in_progress"] and
+          names[-1] in ("response.completed", "response.incomplete"), "%s: first and last events %s" % (what, names))
+    final = evs[-1][1]["response"] if evs else {}
+    strip = lambda items: [{k: v for k, v in it.items() if k not in ("id", "call_id")} for it in items]
+    check(strip(final.get("output", [])) == strip(whole.get("output", [])) and final.get("status") == whole.get("status"),
+          "%s: streamed output == whole: %s vs %s" % (what, final.get("output"), whole.get("output")))
+    for k, it in enumerate(final.get("output", [])):
+        added = [d for n, d in evs if n == "response.output_item.added" and d["output_index"] == k]
+        done = [d for n, d in evs if n == "response.output_item.done" and d["output_index"] == k]
+        deltas = "".join(d["delta"] for n, d in evs if n.endswith(".delta") and d["output_index"] == k)
+        want = it.get("arguments") if it["type"] == "function_call" else "".join(p["text"] for p in it["content"])
+        check(len(added) == 1 and len(done) == 1 and done[0]["item"] == it and deltas == want and
+              all(d["item_id"] == it["id"] for n, d in evs if n.endswith(".delta") and d["output_index"] == k),
+              "%s: item %d added, grown to its text, done: %r vs %r" % (what, k, deltas, want))
+
+
+def test_responses(node):
+    """POST /v1/responses (OpenAI's Responses API) runs as the chat request it means: a string input,
+    message items with instructions, a tool round (function_call and function_call_output items),
+    forced function calls, reasoning and text.format give the chat endpoint's text and calls; the
+    streamed events (typed, numbered, items added / grown / done) carry the same output; what is not
+    served (stored responses, images, built-in tools) is refused by name."""
+    chat = lambda body: post_json(node, "/v1/chat/completions", body)
+    resp = lambda body: post_json(node, "/v1/responses", body)
+    # a string input: the user's message
+    st, c = chat({"messages": [{"role": "user", "content": "def fib(n):"}], "max_tokens": 12, "temperature": 0})
+    st2, r = resp({"input": "def fib(n):", "max_output_tokens": 12, "temperature": 0})
+    check(st == 200 and st2 == 200 and r["object"] == "response" and r["id"].startswith("resp_") and
+          responses_output_text(r) == c["choices"][0]["message"]["content"] and
+          r["status"] == ("incomplete" if c["choices"][0]["finish_reason"] == "length" else "completed") and
+          r["usage"]["input_tokens"] == c["usage"]["prompt_tokens"] and
+          r["usage"]["output_tokens"] == c["usage"]["completion_tokens"] and r["max_output_tokens"] == 12,
+          "responses == chat: %s vs %s" % (r, c))
+    if r.get("status") == "incomplete":
+        check(r["incomplete_details"] == {"reason": "max_output_tokens"} and r["output"][-1]["status"] == "incomplete",
+              "incomplete at max_output_tokens: %s" % r)
+    st, evs = read_responses_stream(node, {"input": "def fib(n):", "max_output_tokens": 12, "temperature": 0})
+    if check(st == 200, "streamed response: %s" % (evs,)):
+        check_responses_stream(evs, r, "text")
+    # instructions and message items (developer, assistant output_text, text parts)
+    msgs = [{"role": "system", "content": "Answer in code."}, {"role": "user", "content": "def add(a, b):"},
+            {"role": "assistant", "content": "    return a + b"}, {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "and sub?"}]}]
+    items = [{"role": "user", "content": "def add(a, b):"},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "    return a + b"}]},
+             {"role": "developer", "content": "Be brief."},
+             {"role": "user", "content": [{"type": "input_text", "text": "and sub?"}]}]
+    st, c = chat({"messages": msgs, "max_tokens": 10, "temperature": 0})
+    st2, r = resp({"input": items, "instructions": "Answer in code.", "max_output_tokens": 10, "temperature": 0})
+    check(st == 200 and st2 == 200 and responses_output_text(r) == c["choices"][0]["message"]["content"] and
+          r["instructions"] == "Answer in code.", "message items == chat messages: %s vs %s" % (r, c))
+    # forced function calls, whole and streamed
+    tools = [{"type": "function", "name": t["function"]["name"], "description": t["function"].get("description"),
+              "parameters": t["function"]["parameters"]} for t in TOOL_BODY["tools"]]
+    st, c = chat(TOOL_BODY)
+    rb = {"input": TOOL_BODY["messages"][0]["content"], "tools": tools, "tool_choice": "required",
+          "parallel_tool_calls": False, "max_output_tokens": 64, "temperature": 0}
+    st2, r = resp(rb)
+    calls = [it for it in r.get("output", []) if it["type"] == "function_call"]
+    want = [t["function"] for t in c["choices"][0]["message"]["tool_calls"]] if st == 200 else None
+    check(st2 == 200 and [{"name": x["name"], "arguments": x["arguments"]} for x in calls] == want and
+          all(x["call_id"].startswith("call_") and x["status"] == "completed" for x in calls) and
+          r["tool_choice"] == "required" and r["tools"] == tools, "function_call items == tool_calls: %s vs %s" % (r, want))
+    st, evs = read_responses_stream(node, rb)
+    if check(st == 200, "streamed function call: %s" % (evs,)):
+        check_responses_stream(evs, r, "function call")
+        check(any(n == "response.function_call_arguments.delta" for n, _ in evs), "arguments streamed as deltas")
+    st2, r2 = resp(dict(rb, tool_choice={"type": "function", "name": tools[1]["name"]}))
+    check(st2 == 200 and [it.get("name") for it in r2["output"]] == [tools[1]["name"]],
+          "a named tool_choice: %s" % r2)
+    # a tool round: the call and its output as items == the chat history
+    if calls:
+        call = calls[0]
+        hist = [TOOL_BODY["messages"][0],
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": call["call_id"], "type": "function",
+                     "function": {"name": call["name"], "arguments": call["arguments"]}}]},
+                {"role": "tool", "tool_call_id": call["call_id"], "content": "sunny, 21 C"}]
+        st, c = chat({"messages": hist, "tools": TOOL_BODY["tools"], "max_tokens": 16, "temperature": 0})
+        st2, r = resp({"input": [TOOL_BODY["messages"][0], dict(call, type="function_call"),
+                                 {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny, 21 C"}],
+                       "tools": tools, "max_output_tokens": 16, "temperature": 0})
+        check(st == 200 and st2 == 200 and responses_output_text(r) == (c["choices"][0]["message"]["content"] or ""),
+              "a tool round as items == as chat messages: %s vs %s" % (r, c))
+    # reasoning (--reasoning-parser qwen3; forced <think> by a regex): a reasoning item, then the message
+    rq = {"input": "x", "max_output_tokens": 40, "temperature": 0, "guided_regex": "<think>\nab\n</think>\n\n[a-z]{1,3}"}
+    st, r = resp(rq)
+    out = r.get("output", [])
+    check(st == 200 and [it["type"] for it in out] == ["reasoning", "message"] and
+          out[0]["content"] == [{"type": "reasoning_text", "text": "ab"}] and
+          re.fullmatch("[a-z]{1,3}", responses_output_text(r)), "reasoning item, then the message: %s" % r)
+    st, evs = read_responses_stream(node, rq)
+    if check(st == 200, "streamed reasoning: %s" % (evs,)):
+        check_responses_stream(evs, r, "reasoning")
+    st, r = resp(dict(rq, reasoning={"effort": "none"}))
+    check(st == 200 and [it["type"] for it in r.get("output", [])] == ["message"] and
+          responses_output_text(r).startswith("<think>"), "reasoning.effort none: thinking off: %s" % r)
+    # text.format json_schema == chat's response_format
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+    st, c = chat({"messages": [{"role": "user", "content": "n?"}], "max_tokens": 24, "temperature": 0,
+                  "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}})
+    st2, r = resp({"input": "n?", "max_output_tokens": 24, "temperature": 0,
+                   "text": {"format": {"type": "json_schema", "name": "n", "schema": schema}}})
+    check(st == 200 and st2 == 200 and responses_output_text(r) == c["choices"][0]["message"]["content"] and
+          re.match(r'\{\s*"n": [0-9]', responses_output_text(r)), "text.format json_schema == response_format: %s" % r)
+    # refused by name, and the node serves on
+    bad = [({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+           ({"input": "x", "background": True}, "background"),
+           ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
+           ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
+           ({"input": [{"role": "tool", "content": "x"}]}, "input"),
+           ({"input": []}, "input"), ({}, "input"), ({"input": 5}, "input"),
+           ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
+           ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice"),
+           ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+           ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format"),
+           ({"input": "x", "instructions": 3}, "instructions"),
+           ({"input": "x", "temperature": "hot"}, "temperature"),
+           ({"input": "x", "model": "other"}, "model")]
+    for body, param in bad:
+        st, r = resp(body)
+        check(st in (400, 404) and is_error_shape(r) and r["error"]["param"] == param,
+              "responses %s refused naming %s: %s %s" % (body, param, st, r))
+    st, r = resp({"input": "def fib(n):", "max_output_tokens": 2})
+    check(st == 200 and r.get("status") in ("completed", "incomplete"), "serving after the refusals: %s" % r)
+    log("/v1/responses checked")
+
+
 def test_tools(node, fixtures):
     """Tool calling: the tools in the prompt as Qwen's template writes them (/tokenize equals the
     jinja2 render's tokens), tool_choice required / named forcing a call that comes back as
@@ -2852,6 +3021,7 @@ def main():
         test_fuzz(node, prompt, want)
         test_structured(bin_dir, node, "colocated")
         test_tools(node, FIXTURES)
+        test_responses(node)
         mg = metrics(node)
         gh, gm = sample(mg, "pdspark_grammar_cache_hits_total"), sample(mg, "pdspark_grammar_cache_misses_total")
         check(gh is not None and gm is not None and gh >= 3 and gm >= 5,
