@@ -261,6 +261,18 @@ cJSON *decode_http_responses_request(const cJSON *root, cJSON **echo, const char
         if (v != NULL && !cJSON_IsNull(v) && !cJSON_IsFalse(v))
             FAIL(refused[k].key, "%s", refused[k].why);
     }
+    const cJSON *tlp = cJSON_GetObjectItemCaseSensitive(root, "top_logprobs");
+    if (tlp != NULL && !cJSON_IsNull(tlp) && !(cJSON_IsNumber(tlp) && tlp->valuedouble == 0))
+        FAIL("top_logprobs", "'top_logprobs' is not offered on /v1/responses (chat completions' 'logprobs' is)");
+    const cJSON *inc = cJSON_GetObjectItemCaseSensitive(root, "include"), *e;
+    if (inc != NULL && !cJSON_IsNull(inc) && !cJSON_IsArray(inc))
+        FAIL("include", "'include' must be an array");
+    const cJSON *inc_list = cJSON_IsArray(inc) ? inc : NULL;
+    cJSON_ArrayForEach(e, inc_list) {
+        if (cJSON_IsString(e) && strcmp(e->valuestring, "message.output_text.logprobs") == 0)
+            FAIL("include", "'message.output_text.logprobs' is not offered on /v1/responses (chat completions' "
+                 "'logprobs' is)");
+    }
     const cJSON *ins = cJSON_GetObjectItemCaseSensitive(root, "instructions");
     if (ins != NULL && !cJSON_IsNull(ins) && !cJSON_IsString(ins))
         FAIL("instructions", "'instructions' must be a string");

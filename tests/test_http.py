@@ -1141,6 +1141,8 @@ def test_responses(node):
            ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format"),
            ({"input": "x", "instructions": 3}, "instructions"),
            ({"input": "x", "temperature": "hot"}, "temperature"),
+           ({"input": "x", "top_logprobs": 2}, "top_logprobs"),
+           ({"input": "x", "include": ["message.output_text.logprobs"]}, "include"),
            ({"input": "x", "model": "other"}, "model")]
     for body, param in bad:
         st, r = resp(body)
