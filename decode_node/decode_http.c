@@ -449,19 +449,6 @@ static void h_responses(struct evhttp_request *req, void *ud)
         handle_generate(req, ud, 2);
 }
 
-/* Sends o as a 200 JSON reply (frees it). */
-static void reply_json(struct evhttp_request *req, cJSON *o)
-{
-    char *s = pd_json_print(o);
-    cJSON_Delete(o);
-    if (s == NULL) {
-        decode_http_send_error(req, 500, NULL, "out of memory");
-        return;
-    }
-    pd_http_reply(req, 200, NULL, s, strlen(s));
-    free(s);
-}
-
 static cJSON *model_json(const decode_http *dh)
 {
     cJSON *m = cJSON_CreateObject();
@@ -481,7 +468,7 @@ static void h_models(struct evhttp_request *req, void *ud)
     cJSON *o = cJSON_CreateObject();
     cJSON_AddStringToObject(o, "object", "list");
     cJSON_AddItemToArray(cJSON_AddArrayToObject(o, "data"), model_json(dh));
-    reply_json(req, o);
+    decode_http_send_json(req, o);
 }
 
 /* GET /v1/models/{id} (OpenAI's retrieve): this node's model; any other id is the 404 of an
@@ -490,7 +477,7 @@ static void h_model(struct evhttp_request *req, void *ud)
 {
     decode_http *dh = ud;
     if (authorized(req, dh))
-        reply_json(req, model_json(dh));
+        decode_http_send_json(req, model_json(dh));
 }
 
 /* The JSON object of a POST body, or NULL after answering 400 / 401 / 404 (the key and the
@@ -565,7 +552,7 @@ static void h_tokenize(struct evhttp_request *req, void *ud)
     for (size_t i = 0; i < n; i++)
         cJSON_AddItemToArray(arr, cJSON_CreateNumber(ids[i]));
     free(ids);
-    reply_json(req, o);
+    decode_http_send_json(req, o);
 out:
     free(chat_text);
     pd_chat_tools_free(&tools);
@@ -615,7 +602,7 @@ static void h_detokenize(struct evhttp_request *req, void *ud)
     cJSON *o = cJSON_CreateObject();
     cJSON_AddStringToObject(o, "prompt", marked);
     free(marked);
-    reply_json(req, o);
+    decode_http_send_json(req, o);
 out:
     free(ids);
     cJSON_Delete(root);

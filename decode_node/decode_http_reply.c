@@ -62,6 +62,26 @@ void decode_http_send_error(struct evhttp_request *req, int code, const char *pa
     pd_http_error(req, code, err_type_of(code), param, NULL, "%s", msg);
 }
 
+void decode_http_send_json(struct evhttp_request *req, cJSON *o)
+{
+    char *s = pd_json_print(o);
+    cJSON_Delete(o);
+    if (s == NULL) {
+        decode_http_send_error(req, 500, NULL, "out of memory encoding the response");
+        return;
+    }
+    pd_http_reply(req, 200, NULL, s, strlen(s));
+    free(s);
+}
+
+void decode_http_send_failure(http_req *r)
+{
+    int code = decode_http_code_of(r->err_st);
+    if (r->err_st == PD_ERR_CANCELLED)
+        code = 503;   /* the server is stopping */
+    decode_http_send_error(r->req, code, NULL, r->err_msg[0] != '\0' ? r->err_msg : pd_status_str(r->err_st));
+}
+
 /* ---------------------------------------------------------------------------------------------
  * Responses */
 
@@ -709,19 +729,9 @@ static void reply_end(http_req *r)
         /* chat: vLLM answers the prompt's once, beside the choices (they share the prompt) */
         if (r->chat && r->prompt_lp)
             cJSON_AddItemToObject(o, "prompt_logprobs", prompt_logprobs_json(&r->ch[0]));
-        char *s = pd_json_print(o);
-        cJSON_Delete(o);
-        if (s != NULL) {
-            pd_http_reply(r->req, 200, NULL, s, strlen(s));
-            free(s);
-        } else {
-            decode_http_send_error(r->req, 500, NULL, "out of memory encoding the response");
-        }
+        decode_http_send_json(r->req, o);
     } else {
-        int code = decode_http_code_of(r->err_st);
-        if (r->err_st == PD_ERR_CANCELLED)
-            code = 503;   /* the server is stopping */
-        decode_http_send_error(r->req, code, NULL, r->err_msg[0] != '\0' ? r->err_msg : pd_status_str(r->err_st));
+        decode_http_send_failure(r);
     }
     decode_http_req_finish(r);
 }

@@ -19,6 +19,11 @@ int decode_http_code_of(pd_status st);
 /* Answers req with an OpenAI error object: its message, the type of code and the field
  * (param, NULL: null). */
 void decode_http_send_error(struct evhttp_request *req, int code, const char *param, const char *msg);
+/* A 200 reply with o's JSON (o freed; 500 when it cannot be printed). */
+void decode_http_send_json(struct evhttp_request *req, cJSON *o);
+/* r's failure (its first failed choice's status and message) as the error reply. */
+struct http_req;
+void decode_http_send_failure(struct http_req *r);
 /* A JSON string of s[0..n), its NUL bytes kept (pd_json_print writes them as \u0000). */
 cJSON *decode_http_string_n(const char *s, size_t n);
 /* decode_submit's callbacks of one choice (ud: its http_choice): a chunk of tokens, and the

@@ -763,20 +763,8 @@ void decode_http_resp_end(http_req *r)
         evhttp_send_reply_end(r->req);
         return;
     }
-    if (!ok) {
-        int code = decode_http_code_of(r->err_st);
-        if (r->err_st == PD_ERR_CANCELLED)
-            code = 503;
-        decode_http_send_error(r->req, code, NULL, r->err_msg[0] != '\0' ? r->err_msg : pd_status_str(r->err_st));
-        return;
-    }
-    cJSON *o = response_json(r, status, 1);
-    char *s = pd_json_print(o);
-    cJSON_Delete(o);
-    if (s != NULL) {
-        pd_http_reply(r->req, 200, NULL, s, strlen(s));
-        free(s);
-    } else {
-        decode_http_send_error(r->req, 500, NULL, "out of memory encoding the response");
-    }
+    if (!ok)
+        decode_http_send_failure(r);
+    else
+        decode_http_send_json(r->req, response_json(r, status, 1));
 }
