@@ -1,6 +1,8 @@
-/* pd_chat.c - chat prompts rendered as Qwen's ChatML templates write them, and the generated text
- * split back into content, reasoning and tool calls. See pd_chat.h. */
+/* pd_chat.c - chat prompts rendered as Qwen's ChatML templates write them (other templates through
+ * pd_jinja), and the generated text split back into content, reasoning and tool calls. See
+ * pd_chat.h. */
 #include "pd_chat.h"
+#include "pd_jinja.h"
 
 #include <ctype.h>
 #include <math.h>
@@ -107,42 +109,106 @@ static char *config_template(const char *model_dir)
     return t;
 }
 
+/* the checkpoint's bos_token / eos_token (tokenizer_config.json: a string or {"content": ...}) */
+static void special_tokens(const char *model_dir, pd_chat_template *out)
+{
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/tokenizer_config.json", model_dir);
+    char *cfg = read_text(path);
+    cJSON *j = pd_json_parse_str(cfg, NULL);
+    free(cfg);
+    static const char *const keys[2] = {"bos_token", "eos_token"};
+    for (int k = 0; k < 2; k++) {
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(j, keys[k]);
+        if (cJSON_IsObject(v))
+            v = cJSON_GetObjectItemCaseSensitive(v, "content");
+        if (cJSON_IsString(v))
+            snprintf(k == 0 ? out->bos : out->eos, sizeof(out->bos), "%s", v->valuestring);
+    }
+    cJSON_Delete(j);
+}
+
+/* t into *out: a ChatML-shaped template for the ChatML renderer, any other parsed by pd_jinja
+ * (-1 with why when it does not parse) */
+static int template_use(const char *t, pd_chat_template *out, char *why, size_t cap)
+{
+    char d[128], perr[256];
+    if (pd_chat_template_detect(t, out, d, sizeof(d)) == 0)
+        return 0;
+    memset(out, 0, sizeof(*out));
+    if ((out->jinja = pd_jinja_parse(t, perr, sizeof(perr))) == NULL) {
+        snprintf(why, cap, "the chat template does not parse as Jinja (%s)", perr);
+        return -1;
+    }
+    out->hermes_calls = strstr(t, "<tool_call>") != NULL;
+    return 0;
+}
+
+/* a Jinja template's generation prompt that opens <think> itself: the reply starts inside it */
+static void probe_open_think(pd_chat_template *tp)
+{
+    cJSON *ms = cJSON_CreateArray(), *m = cJSON_CreateObject();
+    cJSON_AddStringToObject(m, "role", "user");
+    cJSON_AddStringToObject(m, "content", "x");
+    cJSON_AddItemToArray(ms, m);
+    char *out = NULL, msg[256];
+    size_t len = 0;
+    if (pd_chat_render(tp, ms, NULL, NULL, &out, &len, msg, sizeof(msg)) == 0) {
+        while (len > 0 && (out[len - 1] == '\n' || out[len - 1] == ' '))
+            len--;
+        tp->open_think = len >= 7 && memcmp(out + len - 7, "<think>", 7) == 0;
+    }
+    free(out);
+    cJSON_Delete(ms);
+}
+
+void pd_chat_template_free(pd_chat_template *t)
+{
+    if (t == NULL)
+        return;
+    pd_jinja_free(t->jinja);
+    t->jinja = NULL;
+}
+
 pd_status pd_chat_template_load(const char *model_dir, const char *given, pd_chat_template *out, int *usable,
                                 char *why, size_t cap, pd_err *err)
 {
-    char d[128];
+    char d[384];
     *usable = 0;
+    memset(out, 0, sizeof(*out));
     if (given != NULL) {
         char *t = strstr(given, "{{") != NULL || strstr(given, "{%") != NULL ? strdup(given) : read_text(given);
         if (t == NULL)
             return pd_err_set(err, PD_ERR_IO, "--chat-template '%.200s': no such file (or give the template "
                               "text itself)", given);
-        int rc = pd_chat_template_detect(t, out, d, sizeof(d));
+        int rc = template_use(t, out, d, sizeof(d));
         free(t);
         if (rc != 0)
-            return pd_err_set(err, PD_ERR_INVALID, "--chat-template: %s; pdspark renders ChatML "
-                              "(<|im_start|>role ... <|im_end|>) templates only", d);
+            return pd_err_set(err, PD_ERR_INVALID, "--chat-template: %s", d);
         *usable = 1;
-        return PD_OK;
+    } else {
+        char path[4096];
+        snprintf(path, sizeof(path), "%s/chat_template.jinja", model_dir);
+        const char *from = "chat_template.jinja";
+        char *t = read_text(path);
+        if (t == NULL) {
+            t = config_template(model_dir);
+            from = "tokenizer_config.json";
+        }
+        if (t == NULL)
+            snprintf(why, cap, "chat is unavailable: the checkpoint ships no chat template "
+                     "(chat_template.jinja or tokenizer_config.json); send a prompt you format yourself");
+        else if (template_use(t, out, d, sizeof(d)) != 0)
+            snprintf(why, cap, "chat is unavailable: the checkpoint's chat template (%s): %s; send a prompt you "
+                     "format yourself or give --chat-template", from, d);
+        else
+            *usable = 1;
+        free(t);
     }
-    char path[4096];
-    snprintf(path, sizeof(path), "%s/chat_template.jinja", model_dir);
-    const char *from = "chat_template.jinja";
-    char *t = read_text(path);
-    if (t == NULL) {
-        t = config_template(model_dir);
-        from = "tokenizer_config.json";
+    if (*usable && out->jinja != NULL) {
+        special_tokens(model_dir, out);
+        probe_open_think(out);
     }
-    if (t == NULL)
-        snprintf(why, cap, "chat is unavailable: the checkpoint ships no chat template "
-                 "(chat_template.jinja or tokenizer_config.json); send a prompt you format yourself");
-    else if (pd_chat_template_detect(t, out, d, sizeof(d)) != 0)
-        snprintf(why, cap, "chat is unavailable: the checkpoint's chat template (%s) is not ChatML "
-                 "(<|im_start|>role ... <|im_end|>), the only format this server renders; send a "
-                 "prompt you format yourself", from);
-    else
-        *usable = 1;
-    free(t);
     return PD_OK;
 }
 
@@ -615,6 +681,110 @@ static int cut_after_final(const char *r, size_t *n, const char *f)
     return 0;
 }
 
+/* The messages as a template is handed them (as vLLM prepares them): developer as system, text
+ * parts joined into a string, tool-call arguments given as JSON text parsed into objects ("" or
+ * none: {}). NULL with msg. */
+static cJSON *jinja_messages(const cJSON *ms, char *msg, size_t cap)
+{
+    cJSON *out = cJSON_CreateArray();
+    cbuf text = {0};
+    int i = 0;
+    for (const cJSON *m = ms->child; m != NULL; m = m->next, i++) {
+        cJSON *c = cJSON_Duplicate(m, 1);
+        cJSON_AddItemToArray(out, c);
+        cJSON_ReplaceItemInObjectCaseSensitive(c, "role", cJSON_CreateString(role_of(m)));
+        const cJSON *content = cJSON_GetObjectItemCaseSensitive(m, "content");
+        if (content != NULL && !cJSON_IsNull(content)) {
+            if (content_of(m, i, 1, &text, msg, cap) != 0)
+                goto fail;
+            cJSON_ReplaceItemInObjectCaseSensitive(c, "content", cJSON_CreateString(text.p));
+        }
+        cJSON *calls = cJSON_GetObjectItemCaseSensitive(c, "tool_calls");
+        int k = 0;
+        for (cJSON *tc = cJSON_IsArray(calls) ? calls->child : NULL; tc != NULL; tc = tc->next, k++) {
+            cJSON *fn = cJSON_GetObjectItemCaseSensitive(tc, "function");
+            const cJSON *args = cJSON_GetObjectItemCaseSensitive(fn, "arguments");
+            if (!cJSON_IsObject(fn) || !cJSON_IsString(cJSON_GetObjectItemCaseSensitive(fn, "name")) ||
+                (args != NULL && !cJSON_IsNull(args) && !cJSON_IsString(args) && !cJSON_IsObject(args))) {
+                snprintf(msg, cap, "messages[%d].tool_calls[%d] needs function.name (a string) and "
+                         "function.arguments (a JSON text or an object)", i, k);
+                goto fail;
+            }
+            if (cJSON_IsObject(args))
+                continue;
+            cJSON *parsed = cJSON_IsString(args) && args->valuestring[0] != '\0'
+                          ? pd_json_parse_str(args->valuestring, NULL) : cJSON_CreateObject();
+            if (parsed == NULL) {
+                snprintf(msg, cap, "messages[%d].tool_calls[%d].function.arguments is not valid JSON", i, k);
+                goto fail;
+            }
+            if (args != NULL)
+                cJSON_ReplaceItemInObjectCaseSensitive(fn, "arguments", parsed);
+            else
+                cJSON_AddItemToObject(fn, "arguments", parsed);
+        }
+    }
+    free(text.p);
+    return out;
+fail:
+    free(text.p);
+    cJSON_Delete(out);
+    return NULL;
+}
+
+/* A template that is not ChatML, rendered by pd_jinja with what apply_chat_template gives it:
+ * messages, tools, add_generation_prompt, bos_token / eos_token, enable_thinking when asked */
+static int render_jinja(const pd_chat_template *tp, const cJSON *ms, const cJSON *tools, const pd_chat_opts *opt,
+                        char **out, size_t *out_len, char *msg, size_t cap)
+{
+    if (tools != NULL && !tp->hermes_calls) {
+        snprintf(msg, cap, "tools: this model's chat template writes tool calls in a format the server does not "
+                 "parse (it reads <tool_call> blocks); send the request without tools");
+        return -1;
+    }
+    if (opt->continue_final && opt->add_generation_prompt) {
+        snprintf(msg, cap, "continue_final_message and add_generation_prompt cannot both be true");
+        return -1;
+    }
+    int n = cJSON_GetArraySize(ms);
+    const cJSON *last = cJSON_GetArrayItem(ms, n - 1);
+    if (opt->continue_final && strcmp(role_of(last), "assistant") != 0) {
+        snprintf(msg, cap, "continue_final_message needs the last message (messages[%d]) to be the assistant's", n - 1);
+        return -1;
+    }
+    cJSON *prepared = jinja_messages(ms, msg, cap);
+    if (prepared == NULL)
+        return -1;
+    cJSON *ctx = cJSON_CreateObject();
+    cJSON_AddItemToObject(ctx, "messages", prepared);
+    if (tools != NULL)
+        cJSON_AddItemReferenceToObject(ctx, "tools", (cJSON *)tools);
+    cJSON_AddBoolToObject(ctx, "add_generation_prompt", opt->add_generation_prompt != 0);
+    if (tp->bos[0] != '\0')
+        cJSON_AddStringToObject(ctx, "bos_token", tp->bos);
+    if (tp->eos[0] != '\0')
+        cJSON_AddStringToObject(ctx, "eos_token", tp->eos);
+    if (opt->enable_thinking >= 0)
+        cJSON_AddBoolToObject(ctx, "enable_thinking", opt->enable_thinking != 0);
+    char err[384];
+    int rc = pd_jinja_render(tp->jinja, ctx, out, out_len, err, sizeof(err));
+    if (rc != 0) {
+        snprintf(msg, cap, "the chat template refused the messages: %s", err);
+    } else if (opt->continue_final) {
+        const cJSON *lc = cJSON_GetObjectItemCaseSensitive(cJSON_GetArrayItem(prepared, n - 1), "content");
+        if (cut_after_final(*out, out_len, cJSON_IsString(lc) ? lc->valuestring : "") != 0) {
+            snprintf(msg, cap, "continue_final_message: the text of messages[%d] is not in the rendered prompt", n - 1);
+            free(*out);
+            *out = NULL;
+            rc = -1;
+        } else {
+            (*out)[*out_len] = '\0';
+        }
+    }
+    cJSON_Delete(ctx);
+    return rc;
+}
+
 int pd_chat_render(const pd_chat_template *tp, const cJSON *ms, const pd_chat_tools *t, const pd_chat_opts *opt,
                    char **out, size_t *out_len, char *msg, size_t cap)
 {
@@ -650,6 +820,8 @@ int pd_chat_render(const pd_chat_template *tp, const cJSON *ms, const pd_chat_to
         }
     }
     const cJSON *tools = t != NULL && t->choice != PD_TOOLS_NONE ? t->list : NULL;
+    if (tp->jinja != NULL)
+        return render_jinja(tp, ms, tools, opt, out, out_len, msg, cap);
     const cJSON *first = ms->child;
     int first_system = strcmp(role_of(first), "system") == 0;
     if (cb_add(&o, "", 0) != 0)

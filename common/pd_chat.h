@@ -1,7 +1,8 @@
 /* pd_chat.h - chat completions' text, both ways.
  * Owns: the prompt of an OpenAI chat request (messages, tools, chat_template_kwargs) rendered
  *   as ChatML the way Qwen's chat templates write it (tools in <tools>, calls in <tool_call>,
- *   results in <tool_response>, Qwen3's <think> handling); the request's tools and tool_choice
+ *   results in <tool_response>, Qwen3's <think> handling), or, for a template of another shape,
+ *   by pd_jinja with what transformers' apply_chat_template hands a template; the request's tools and tool_choice
  *   (and the grammar that forces a call); the generated text split back into content,
  *   reasoning (<think>...</think>) and tool calls, piece by piece as it streams.
  * Not here: the HTTP request and response shapes (decode_node/decode_http_parse.c,
@@ -18,6 +19,8 @@
 #include "pd_grammar.h"
 #include "pd_status.h"
 
+struct pd_jinja;
+
 /* What the checkpoint's chat template does, as far as this renderer follows it. */
 typedef struct {
     int think;                     /* Qwen3: reasoning of earlier turns dropped, the last turns'
@@ -29,21 +32,31 @@ typedef struct {
     char default_system[1024];     /* the system turn written when the messages bring none
                                     * (Qwen2.5: "You are Qwen, created by Alibaba Cloud. ..."); ""
                                     * = none (Qwen3) */
+    /* A template that is not ChatML-shaped is rendered by pd_jinja (the Jinja2 subset) instead: */
+    struct pd_jinja *jinja;        /* its parse (NULL: the ChatML renderer) */
+    int hermes_calls;              /* it writes tool calls as <tool_call> blocks, the format the
+                                    * output parser reads (else requests with tools are refused) */
+    char bos[128], eos[128];       /* the checkpoint's bos_token / eos_token ("" = none) */
 } pd_chat_template;
 
-/* 0 and *out filled when tmpl is ChatML-shaped (<|im_start|>ROLE\n ... <|im_end|>), the only
- * shape this renderer writes; -1 with why otherwise. The default system prompt is the text of a
+/* 0 and *out filled when tmpl is ChatML-shaped (<|im_start|>ROLE\n ... <|im_end|>), the shape
+ * this renderer writes itself; -1 with why otherwise (pd_chat_template_load then parses it with
+ * pd_jinja). The default system prompt is the text of a
  * literal '<|im_start|>system\n...<|im_end|>\n' in the template. */
 int pd_chat_template_detect(const char *tmpl, pd_chat_template *out, char *why, size_t cap);
 
 /* The template chat requests are rendered by: `given` (--chat-template: a file, or the template
  * text itself when it holds '{{' or '{%'), else the checkpoint's (model_dir/chat_template.jinja,
- * else tokenizer_config.json's chat_template, the one named "default" of a list). PD_OK with
- * *usable 1 and *out filled, or *usable 0 and why (a sentence for the client: the checkpoint has
- * no template, or it is not ChatML). A `given` template that cannot be read or is not ChatML is
- * an error (PD_ERR_IO / PD_ERR_INVALID). */
+ * else tokenizer_config.json's chat_template, the one named "default" of a list). A ChatML-shaped
+ * template is rendered by this file's ChatML renderer; any other is parsed by pd_jinja (with the
+ * checkpoint's bos_token and eos_token, and whether its generation prompt opens <think>). PD_OK
+ * with *usable 1 and *out filled, or *usable 0 and why (a sentence for the client: the checkpoint
+ * has no template, or it does not parse). A `given` template that cannot be read or does not
+ * parse is an error (PD_ERR_IO / PD_ERR_INVALID). */
+/* (the template's Jinja parse is freed by pd_chat_template_free) */
 pd_status pd_chat_template_load(const char *model_dir, const char *given, pd_chat_template *out, int *usable,
                                 char *why, size_t cap, pd_err *err);
+void pd_chat_template_free(pd_chat_template *t);   /* NULL or zeroed: nothing */
 
 /* The request's tools. */
 enum { PD_TOOLS_NONE, PD_TOOLS_AUTO, PD_TOOLS_REQUIRED, PD_TOOLS_NAMED };
@@ -85,7 +98,11 @@ typedef struct {
 
 /* The prompt: messages (system/developer, user, assistant with content and/or tool_calls and
  * reasoning_content, tool) and tools (t may be NULL) rendered as ChatML, then (o) the assistant's
- * generation prompt or the last message left open. A call's arguments given as JSON text are
+ * generation prompt or the last message left open; with a Jinja template (tp->jinja), the
+ * template's render of the messages as vLLM prepares them (developer as system, text parts
+ * joined, arguments as objects) and of tools, add_generation_prompt, bos_token, eos_token and
+ * enable_thinking, cut after the last message's text for continue_final_message; tools with a
+ * template that writes no <tool_call> blocks are refused (the output parser reads those). A call's arguments given as JSON text are
  * parsed and written again as json.dumps writes them (as vLLM and SGLang hand them to the
  * template). *out is malloc'd. -1 with msg naming the message at fault. */
 int pd_chat_render(const pd_chat_template *tp, const cJSON *messages, const pd_chat_tools *t,

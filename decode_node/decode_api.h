@@ -128,7 +128,7 @@ void decode_server_destroy(decode_server *s);
 
 /* The chat template that HTTP chat requests and gRPC Generate's messages are rendered by; NULL
  * with *why (a sentence for the client) when chat is unavailable: the checkpoint has none, or it
- * is not ChatML. */
+ * does not parse as Jinja. */
 const pd_chat_template *decode_server_chat_template(const decode_server *s, const char **why);
 /* decode_config.reasoning */
 int decode_server_reasoning(const decode_server *s);

@@ -40,7 +40,7 @@ typedef struct {
 
 /* Reads the chat template, binds, starts the HTTP thread. s is borrowed and must outlive
  * decode_http_stop. Errors: PD_ERR_INVALID / PD_ERR_IO (address, bind; a --chat-template that
- * cannot be read or is not ChatML), PD_ERR_NOMEM. */
+ * cannot be read or does not parse), PD_ERR_NOMEM. */
 pd_status decode_http_create(decode_server *s, const decode_http_config *cfg, decode_http **out,
                              pd_err *err);
 int decode_http_port(const decode_http *h);

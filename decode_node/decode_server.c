@@ -1341,6 +1341,7 @@ void decode_server_destroy(decode_server *s)
     pthread_mutex_destroy(&s->stats_mu);
     pthread_mutex_destroy(&s->res_mu);
     pthread_cond_destroy(&s->res_cv);
+    pd_chat_template_free(&s->chat);
     free(s->model_dir);
     free(s->draft_dir);
     free(s->device);

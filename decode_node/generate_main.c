@@ -91,6 +91,7 @@ static pd_status chat_prompt(const char *model_dir, const char *given, const cha
     pd_chat_opts o = PD_CHAT_OPTS_DEFAULT;
     size_t len = 0;
     int rc = pd_chat_render_text(&t, roles + first, contents + first, 2 - first, &o, out, &len, why, sizeof(why));
+    pd_chat_template_free(&t);
     return rc == 0 ? PD_OK : pd_err_set(err, PD_ERR_INVALID, "--chat: %s", why);
 }
 

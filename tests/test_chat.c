@@ -12,7 +12,11 @@
  *   the text comes whole or a byte at a time, tags split across feeds held back, bad blocks kept
  *   as content; when each call's arguments are whole (pd_chat_parser_calls_done), call ids;
  * - pd_chat_template_load: chat_template.jinja, tokenizer_config.json (string and named list),
- *   none, not ChatML, and --chat-template given as text or a file. */
+ *   none, not ChatML, and --chat-template given as text or a file;
+ * - pd_jinja against jinja2's renders (tests/fixtures/jinja/jinja_cases.json, made by
+ *   make_jinja_cases.py): templates in the styles of chat templates and one through the
+ *   language's corners, outputs byte for byte and raise_exception's messages; the bundled
+ *   model's template rendering chat_cases.json's ChatML cases; syntax errors by line. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,6 +24,7 @@
 #include <unistd.h>
 
 #include "pd_chat.h"
+#include "pd_jinja.h"
 #include "test_util.h"
 
 /* what Qwen2.5-Instruct's chat template writes when the messages bring no system turn */
@@ -722,11 +727,27 @@ static void test_template_load(void)
     cJSON_Delete(cj);
     TEST_CHECK(pd_chat_template_load(dir, NULL, &t, &usable, why, sizeof(why), &err) == PD_OK);
     TEST_CHECK_MSG(usable == 1, "tokenizer_config.json list: %d '%s'", usable, why);
-    /* chat_template.jinja wins; not ChatML: unavailable, naming the file */
-    write_text(dir, "chat_template.jinja", "{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}");
+    /* chat_template.jinja wins; not ChatML: rendered by pd_jinja; one that does not parse:
+     * unavailable, naming the file and the line */
+    write_text(dir, "chat_template.jinja", "{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"
+                                           "{{ bos_token }}|{{ eos_token }}");
+    write_text(dir, "tokenizer_config.json", "{\"bos_token\": \"<s>\", \"eos_token\": {\"content\": \"</s>\"}}");
     TEST_CHECK(pd_chat_template_load(dir, NULL, &t, &usable, why, sizeof(why), &err) == PD_OK);
-    TEST_CHECK_MSG(usable == 0 && strstr(why, "chat_template.jinja") != NULL && strstr(why, "ChatML") != NULL,
+    TEST_CHECK_MSG(usable == 1 && t.jinja != NULL && strcmp(t.bos, "<s>") == 0 && strcmp(t.eos, "</s>") == 0,
                    "non-ChatML template: %d '%s'", usable, why);
+    cJSON *ms = cJSON_Parse("[{\"role\": \"user\", \"content\": [{\"type\": \"text\", \"text\": \"hi\"}]}]");
+    char *out = NULL, msg[256] = "";
+    size_t out_len = 0;
+    TEST_CHECK_MSG(pd_chat_render(&t, ms, NULL, NULL, &out, &out_len, msg, sizeof(msg)) == 0 && out != NULL &&
+                   strcmp(out, "[INST] hi [/INST]<s>|</s>") == 0, "rendered through Jinja: %s %s", out, msg);
+    free(out);
+    cJSON_Delete(ms);
+    pd_chat_template_free(&t);
+    write_text(dir, "chat_template.jinja", "a\n{% if x %}b");
+    TEST_CHECK(pd_chat_template_load(dir, NULL, &t, &usable, why, sizeof(why), &err) == PD_OK);
+    TEST_CHECK_MSG(usable == 0 && t.jinja == NULL && strstr(why, "chat_template.jinja") != NULL &&
+                   strstr(why, "does not parse") != NULL && strstr(why, "line 2") != NULL,
+                   "a template that does not parse: %d '%s'", usable, why);
     write_text(dir, "chat_template.jinja", chatml);
     TEST_CHECK(pd_chat_template_load(dir, NULL, &t, &usable, why, sizeof(why), &err) == PD_OK && usable == 1);
     /* --chat-template: text, a file, a missing file, not ChatML */
@@ -739,14 +760,227 @@ static void test_template_load(void)
     pd_status st = pd_chat_template_load(dir, path, &t, &usable, why, sizeof(why), &err);
     TEST_CHECK_MSG(st == PD_ERR_IO && strstr(err.msg, "no such file") != NULL, "missing file: %s", err.msg);
     st = pd_chat_template_load(dir, "[INST] {{ m }} [/INST]", &t, &usable, why, sizeof(why), &err);
-    TEST_CHECK_MSG(st == PD_ERR_INVALID && strstr(err.msg, "ChatML") != NULL, "given non-ChatML: %s", err.msg);
+    TEST_CHECK_MSG(st == PD_OK && usable == 1 && t.jinja != NULL, "given non-ChatML: %s", err.msg);
+    pd_chat_template_free(&t);
+    st = pd_chat_template_load(dir, "{% for m in messages %}", &t, &usable, why, sizeof(why), &err);
+    TEST_CHECK_MSG(st == PD_ERR_INVALID && strstr(err.msg, "does not parse") != NULL && t.jinja == NULL,
+                   "given, not parsing: %s", err.msg);
     remove_text(dir, "chat_template.jinja");
     remove_text(dir, "tokenizer_config.json");
     rmdir(dir);
 }
 
+static char *jinja_render(const char *src, const cJSON *ctx, char *err, size_t cap)
+{
+    pd_jinja *t = pd_jinja_parse(src, err, cap);
+    if (t == NULL)
+        return NULL;
+    char *out = NULL;
+    size_t len = 0;
+    int rc = pd_jinja_render(t, ctx, &out, &len, err, cap);
+    pd_jinja_free(t);
+    return rc == 0 ? out : NULL;
+}
+
+static void test_jinja_fixture(void)
+{
+    size_t len = 0;
+    char *txt = test_read_file(PD_FIXTURES "/jinja/jinja_cases.json", &len);
+    TEST_CHECK(txt != NULL);
+    cJSON *cases = txt != NULL ? cJSON_Parse(txt) : NULL;
+    free(txt);
+    TEST_CHECK(cJSON_IsArray(cases) && cJSON_GetArraySize(cases) >= 10);
+    int n = 0, errs = 0;
+    for (const cJSON *c = cases != NULL ? cases->child : NULL; c != NULL; c = c->next, n++) {
+        const char *name = cJSON_GetObjectItem(c, "name")->valuestring;
+        const cJSON *want = cJSON_GetObjectItem(c, "output"), *want_err = cJSON_GetObjectItem(c, "error");
+        char err[512] = "";
+        char *out = jinja_render(cJSON_GetObjectItem(c, "template")->valuestring, cJSON_GetObjectItem(c, "context"),
+                                 err, sizeof(err));
+        if (want != NULL) {
+            size_t at = 0;
+            while (out != NULL && out[at] != '\0' && out[at] == want->valuestring[at])
+                at++;
+            TEST_CHECK_MSG(out != NULL && strcmp(out, want->valuestring) == 0,
+                           "%s: %s (first difference at byte %zu: got '%.20s', want '%.20s')", name, err, at,
+                           out != NULL ? out + at : "(null)", want->valuestring + at);
+        } else {
+            errs++;
+            /* jinja2's own errors word themselves otherwise; raise_exception's message is the template's */
+            int raised = strstr(cJSON_GetObjectItem(c, "template")->valuestring, "raise_exception") != NULL &&
+                         strstr(want_err->valuestring, "list object") == NULL;
+            TEST_CHECK_MSG(out == NULL && err[0] != '\0' && (!raised || strcmp(err, want_err->valuestring) == 0),
+                           "%s: want the error '%s', got '%s' %s", name, want_err->valuestring, err,
+                           out != NULL ? out : "");
+        }
+        free(out);
+    }
+    printf("jinja: %d fixture cases (%d errors)\n", n, errs);
+    TEST_CHECK(errs >= 3);
+    cJSON_Delete(cases);
+}
+
+/* the bundled model's template through pd_chat's Jinja path gives jinja2's prompts of the ChatML
+ * cases (messages prepared as vLLM prepares them, continue_final_message cut as transformers cuts) */
+static void test_jinja_chatml(void)
+{
+    size_t len = 0;
+    char *tmpl = test_read_file(PD_MODELS "/tiny-code-qwen3/chat_template.jinja", &len);
+    char *txt = test_read_file(PD_FIXTURES "/chat/chat_cases.json", &len);
+    TEST_CHECK(tmpl != NULL && txt != NULL);
+    char err[512] = "";
+    pd_chat_template tp = { .jinja = tmpl != NULL ? pd_jinja_parse(tmpl, err, sizeof(err)) : NULL };
+    TEST_CHECK_MSG(tp.jinja != NULL, "the bundled template parses: %s", err);
+    cJSON *cases = txt != NULL ? cJSON_Parse(txt) : NULL;
+    int n = 0;
+    for (const cJSON *c = cases != NULL ? cases->child : NULL; c != NULL && tp.jinja != NULL; c = c->next) {
+        if (strcmp(cJSON_GetObjectItem(c, "template")->valuestring, "chatml") != 0)
+            continue;
+        const cJSON *kw = cJSON_GetObjectItem(c, "chat_template_kwargs");
+        const cJSON *cf = cJSON_GetObjectItem(kw, "continue_final_message");
+        const cJSON *gp = cJSON_GetObjectItem(kw, "add_generation_prompt");
+        pd_chat_opts co = { .enable_thinking = -1, .add_generation_prompt = gp == NULL ? !cJSON_IsTrue(cf) : cJSON_IsTrue(gp),
+                            .continue_final = cJSON_IsTrue(cf) };
+        char msg[256] = "";
+        char *out = NULL;
+        size_t out_len = 0;
+        int rc = pd_chat_render(&tp, cJSON_GetObjectItem(c, "messages"), NULL, &co, &out, &out_len, msg, sizeof(msg));
+        const char *want = cJSON_GetObjectItem(c, "prompt")->valuestring;
+        TEST_CHECK_MSG(rc == 0 && out != NULL && strcmp(out, want) == 0 && out_len == strlen(want),
+                       "%s: %s\n--- got\n%s\n--- want\n%s", cJSON_GetObjectItem(c, "name")->valuestring, msg,
+                       out != NULL ? out : "(null)", want);
+        free(out);
+        n++;
+    }
+    TEST_CHECK(n >= 3);
+    printf("jinja: the bundled template through pd_chat_render on %d ChatML cases\n", n);
+    pd_chat_template_free(&tp);
+    cJSON_Delete(cases);
+    free(txt);
+    free(tmpl);
+}
+
+/* mutated templates (bytes deleted, repeated, replaced by template syntax) parse and render or
+ * fail with a message; never more (ASan runs this) */
+static void test_jinja_fuzz(void)
+{
+    size_t len = 0;
+    char *txt = test_read_file(PD_FIXTURES "/jinja/jinja_cases.json", &len);
+    cJSON *cases = txt != NULL ? cJSON_Parse(txt) : NULL;
+    free(txt);
+    static const char *const bits[] = {"{{", "}}", "{%", "%}", "{#", "#}", "-", "(", ")", "[", "]", "'", "\"", "|",
+                                       ".", ",", ":", "=", "endfor", "endif", "else", "loop", "in", "not", "~",
+                                       "**", "//", "\\", "\n", " "};
+    uint64_t rng = 20261208;
+    int parsed = 0, rendered = 0, n = 0;
+    for (int it = 0; it < 3000 && cases != NULL; it++) {
+        const cJSON *c = cJSON_GetArrayItem(cases, it % cJSON_GetArraySize(cases));
+        const char *src = cJSON_GetObjectItem(c, "template")->valuestring;
+        size_t sl = strlen(src);
+        char *m = malloc(sl + 64);
+        memcpy(m, src, sl + 1);
+        for (int k = 0; k < 1 + (int)(it % 4); k++) {
+            rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+            size_t at = (size_t)(rng >> 33) % (strlen(m) + 1);
+            int op = (int)((rng >> 20) % 3);
+            size_t ml = strlen(m);
+            if (op == 0 && at < ml) {   /* delete up to 8 bytes */
+                size_t d = 1 + (size_t)((rng >> 8) % 8);
+                if (at + d > ml)
+                    d = ml - at;
+                memmove(m + at, m + at + d, ml - at - d + 1);
+            } else {                    /* insert a piece of syntax */
+                const char *b = bits[(rng >> 12) % (sizeof(bits) / sizeof(bits[0]))];
+                size_t bl = strlen(b);
+                if (ml + bl + 1 > sl + 64)
+                    continue;
+                memmove(m + at + bl, m + at, ml - at + 1);
+                memcpy(m + at, b, bl);
+            }
+        }
+        char err[256] = "";
+        pd_jinja *t = pd_jinja_parse(m, err, sizeof(err));
+        if (t != NULL) {
+            parsed++;
+            char *out = NULL;
+            size_t ol = 0;
+            if (pd_jinja_render(t, cJSON_GetObjectItem(c, "context"), &out, &ol, err, sizeof(err)) == 0) {
+                rendered++;
+                TEST_CHECK(out != NULL && strlen(out) <= ol);
+            } else {
+                TEST_CHECK_MSG(err[0] != '\0', "a failed render says why");
+            }
+            free(out);
+            pd_jinja_free(t);
+        } else {
+            TEST_CHECK_MSG(strncmp(err, "line ", 5) == 0, "a parse error names its line: %s", err);
+        }
+        free(m);
+        n++;
+    }
+    printf("jinja fuzz: %d mutated templates, %d parsed, %d rendered\n", n, parsed, rendered);
+    TEST_CHECK(n == 3000 && parsed > 100 && rendered > 50);
+    cJSON_Delete(cases);
+}
+
+static void test_jinja_errors(void)
+{
+    static const struct { const char *src, *want; } bad[] = {
+        {"a\n{% if x %}b", "line 2: {% if %} without {% endif %}"},
+        {"{% for x in y %}", "line 1: {% for %} without {% endfor %}"},
+        {"{{ x + }}", "line 1: unexpected"},
+        {"{% endif %}", "line 1: unexpected {% endif %}"},
+        {"{{ 'abc }}", "never ends"},
+        {"x {{ y", "never ends"},
+        {"{% include 'a' %}", "unknown statement 'include'"},
+        {"{# open", "never ends"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        char err[256] = "";
+        pd_jinja *t = pd_jinja_parse(bad[i].src, err, sizeof(err));
+        TEST_CHECK_MSG(t == NULL && strstr(err, bad[i].want) != NULL, "%s: want '%s', got '%s'", bad[i].src,
+                       bad[i].want, err);
+        pd_jinja_free(t);
+    }
+    /* nesting deep enough to exhaust a stack is refused at parse */
+    static const char *const deep[] = {"(", "- ", "not ", "[", "{% if x %}"};
+    for (size_t k = 0; k < sizeof(deep) / sizeof(deep[0]); k++) {
+        char *src = malloc(20000);
+        size_t o = (size_t)snprintf(src, 20000, "%s", k < 4 ? "{{ " : "");
+        for (int d = 0; d < 1000; d++)
+            o += (size_t)snprintf(src + o, 20000 - o, "%s", deep[k]);
+        snprintf(src + o, 20000 - o, "%s", k < 4 ? "1 }}" : "");
+        char err[256] = "";
+        pd_jinja *t = pd_jinja_parse(src, err, sizeof(err));
+        TEST_CHECK_MSG(t == NULL && strstr(err, "nested deeper") != NULL, "1000 x '%s': %s", deep[k], err);
+        pd_jinja_free(t);
+        free(src);
+    }
+    static const struct { const char *src, *want; } rbad[] = {
+        {"{{ x | nope }}", "no filter named 'nope'"},
+        {"{{ x is nope }}", "no test named 'nope'"},
+        {"{{ 1 + 'a' }}", "unsupported operand"},
+        {"{{ x.y }}", "undefined"},
+        {"{% set r = range(5000) %}{% for i in r %}{% for j in r %}{% endfor %}{% endfor %}", "too many steps"},
+        {"{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}", "MiB"},
+        {"{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "nest deeper"},
+        {"{{ 'a'.nope() }}", "no method 'nope'"},
+    };
+    for (size_t i = 0; i < sizeof(rbad) / sizeof(rbad[0]); i++) {
+        char err[256] = "";
+        char *out = jinja_render(rbad[i].src, NULL, err, sizeof(err));
+        TEST_CHECK_MSG(out == NULL && strstr(err, rbad[i].want) != NULL, "%s: want '%s', got '%s'", rbad[i].src,
+                       rbad[i].want, err);
+        free(out);
+    }
+}
+
 int main(void)
 {
+    test_jinja_fixture();
+    test_jinja_chatml();
+    test_jinja_errors();
+    test_jinja_fuzz();
     test_template_load();
     test_detect();
     test_render_fixture();

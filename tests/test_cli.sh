@@ -204,7 +204,8 @@ for b in decode_node prefill_node pdspark-generate pdspark-client pdspark-loadsi
 done
 
 # --chat: the prompt as a user message rendered by the checkpoint's template gives the tokens of
-# that ChatML text as the prompt; a non-ChatML --chat-template and --system without --chat refused
+# that ChatML text as the prompt; a --chat-template of another shape is rendered by the Jinja
+# subset (the same tokens as its text); one that does not parse and --system without --chat refused
 chat_toks=$($gen --model "$T" --draft "$D" --chat --system "You write Python." --prompt "def add(a, b):" \
     --max-new-tokens 12 --json 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin)["tokens"])')
 raw_toks=$($gen --model "$T" --draft "$D" --prompt $'<|im_start|>system\nYou write Python.<|im_end|>\n<|im_start|>user\ndef add(a, b):<|im_end|>\n<|im_start|>assistant\n' \
@@ -212,8 +213,16 @@ raw_toks=$($gen --model "$T" --draft "$D" --prompt $'<|im_start|>system\nYou wri
 if [ -n "$chat_toks" ] && [ "$chat_toks" = "$raw_toks" ]
 then echo "ok   pdspark-generate --chat equals its ChatML text as the prompt"; ok
 else bad "pdspark-generate --chat: '$chat_toks' vs '$raw_toks'"; fi
-expect_fail "generate --chat-template not ChatML" "renders ChatML" $gen --model "$T" --draft "$D" --chat \
-    --prompt hi --chat-template '[INST] {{ m }} [/INST]'
+inst_toks=$($gen --model "$T" --draft "$D" --chat --prompt "def add(a, b):" --max-new-tokens 12 --json \
+    --chat-template "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] | trim }} [/INST]{% endfor %}" 2>/dev/null |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["tokens"])')
+raw_toks=$($gen --model "$T" --draft "$D" --prompt '[INST] def add(a, b): [/INST]' --max-new-tokens 12 --json 2>/dev/null |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["tokens"])')
+if [ -n "$inst_toks" ] && [ "$inst_toks" = "$raw_toks" ]
+then echo "ok   pdspark-generate --chat with a Jinja template equals its text as the prompt"; ok
+else bad "pdspark-generate --chat with a Jinja template: '$inst_toks' vs '$raw_toks'"; fi
+expect_fail "generate --chat-template that does not parse" "does not parse as Jinja .line 1:" $gen --model "$T" \
+    --draft "$D" --chat --prompt hi --chat-template '{% for m in messages %}'
 expect_fail "generate --system without --chat" "need --chat" $gen --model "$T" --draft "$D" --prompt hi \
     --system x
 
@@ -236,8 +245,8 @@ if [ -x "$bin/decode_node" ] && [ -x "$bin/pdspark-client" ]; then
         --draft "$D" --listen 127.0.0.1:0 --colocated --chunked-prefill-size 0
     expect_fail "decode_node --chat-template missing" "no such file" $bin/decode_node --model "$T" \
         --draft "$D" --listen 127.0.0.1:0 --colocated --http 127.0.0.1:0 --chat-template "$tmp/nope.jinja"
-    expect_fail "decode_node --chat-template not ChatML" "renders ChatML" $bin/decode_node --model "$T" \
-        --draft "$D" --listen 127.0.0.1:0 --colocated --http 127.0.0.1:0 --chat-template '[INST] {{ m }} [/INST]'
+    expect_fail "decode_node --chat-template that does not parse" "does not parse as Jinja" $bin/decode_node \
+        --model "$T" --draft "$D" --listen 127.0.0.1:0 --colocated --http 127.0.0.1:0 --chat-template '{{ m + }}'
     mkdir -p "$tmp/badgen" && echo '{"top_p": 5}' > "$tmp/badgen/generation_config.json"
     expect_fail "decode_node --generation-config out of range" "top_p.*must be a number" $bin/decode_node \
         --model "$T" --draft "$D" --listen 127.0.0.1:0 --colocated --http 127.0.0.1:0 --generation-config "$tmp/badgen"

@@ -343,7 +343,7 @@ def chatml(messages):
 def test_grpc_chat(bin_dir, node, odd_node):
     """gRPC Generate's messages (pdspark-client --chat): the node renders them with its chat
     template, so the reply is the completion of that ChatML text; a node whose template is not
-    ChatML refuses them by name."""
+    ChatML renders them through the Jinja subset (the completion of that template's text)."""
     client = os.path.join(bin_dir, "pdspark-client")
     msgs = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
     st, b = post_json(node, "/v1/completions", {"prompt": chatml(msgs), "max_tokens": 12, "temperature": 0})
@@ -369,10 +369,15 @@ def test_grpc_chat(bin_dir, node, odd_node):
                          timeout=60)
     check(out.returncode == 2 and "not a JSON array" in out.stderr, "--messages not an array: %s" % out.stderr)
     shutil.rmtree(tmp, ignore_errors=True)
-    out = subprocess.run([client, "--server", odd_node.grpc, "--chat", "--prompt", "hi"],
+    st, b = post_json(odd_node, "/v1/completions", {"prompt": "[INST] def add(a, b): [/INST]", "max_tokens": 12,
+                                                    "temperature": 0})
+    want_odd = b["choices"][0]["text"] if st == 200 else None
+    out = subprocess.run([client, "--server", odd_node.grpc, "--chat", "--prompt", "def add(a, b):", "--max-new-tokens",
+                          "12", "--temperature", "0", "--skip-special-tokens", "--json"],
                          capture_output=True, text=True, timeout=60)
-    check(out.returncode == 1 and "ChatML" in out.stderr, "gRPC chat on a non-ChatML node: %d %s" %
-          (out.returncode, out.stderr))
+    got = json.loads(out.stdout.strip().splitlines()[-1])["text"] if out.returncode == 0 else None
+    check(want_odd is not None and got == want_odd, "gRPC chat on a Jinja-template node %r == completion of its "
+          "text %r (%s)" % (got, want_odd, out.stderr))
     out = subprocess.run([client, "--server", node.grpc, "--system", "x", "--prompt", "hi"],
                          capture_output=True, text=True, timeout=60)
     check(out.returncode == 2 and "--system needs --chat" in out.stderr,
@@ -2279,8 +2284,28 @@ def test_chat_template(bin_dir, model, draft):
         check(st == 400 and r["error"]["param"] == "chat_template", "per-request chat_template refused: %s" % r)
     finally:
         node.stop()
+    # a template of another shape (a reasoning model's markers, whose generation prompt opens
+    # <think>): the prompt jinja2 renders (tests/fixtures/jinja), the reply parsed from inside
+    # <think> on
+    case = [c for c in json.load(open(os.path.join(FIXTURES, "jinja", "jinja_cases.json"))) if c["name"] == "markers_3"][0]
+    with open(path, "w") as f:
+        f.write(case["template"])
+    node = Node(bin_dir, model, draft, ("--colocated", "--chat-template", path, "--reasoning-parser", "qwen3"))
+    try:
+        ctx = case["context"]
+        st, a = post_json(node, "/tokenize", {"messages": ctx["messages"]})
+        st2, b = post_json(node, "/tokenize", {"prompt": case["output"]})
+        check(st == 200 and st2 == 200 and a["tokens"] == b["tokens"], "a Jinja template's prompt == jinja2's: %s %s" % (a, b))
+        st, c = post_json(node, "/v1/completions", {"prompt": case["output"], "max_tokens": 16, "temperature": 0})
+        st2, r = post_json(node, "/v1/chat/completions", {"messages": ctx["messages"], "max_tokens": 16, "temperature": 0})
+        m = r["choices"][0]["message"] if st2 == 200 else {}
+        text = c["choices"][0]["text"] if st == 200 else None
+        check(text is not None and "</think>" not in text and m.get("reasoning_content") == text and not m.get("content"),
+              "the reply starts inside the template's <think>: %s vs %r" % (m, text))
+    finally:
+        node.stop()
         tmp.cleanup()
-    log("--chat-template checked")
+    log("--chat-template checked (ChatML and Jinja)")
 
 
 def test_n(node, prompt):
@@ -3167,10 +3192,15 @@ def main():
         test_grpc_n(bin_dir, node)
         test_grpc_tools(bin_dir, node)
 
-        # ---- chat refused for a non-ChatML checkpoint; completions still work there
-        st, body = post_json(odd_node, "/v1/chat/completions", {"messages": msgs, "max_tokens": 4})
-        check(st == 400 and is_error_shape(body) and "ChatML" in body["error"]["message"],
-              "non-ChatML chat: %d %s" % (st, body))
+        # ---- a checkpoint whose template is not ChatML: chat through the Jinja subset (the prompt
+        # is that template's text), tools refused when it writes no <tool_call> blocks; completions
+        st, a = post_json(odd_node, "/tokenize", {"messages": [{"role": "system", "content": "S"},
+                                                               {"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
+        st2, b = post_json(odd_node, "/tokenize", {"prompt": "[INST] S [/INST][INST] hi [/INST]"})
+        check(st == 200 and st2 == 200 and a["tokens"] == b["tokens"], "Jinja template chat prompt: %s %s" % (a, b))
+        st, body = post_json(odd_node, "/v1/chat/completions", {"messages": msgs, "max_tokens": 4, "tools": [WEATHER]})
+        check(st == 400 and is_error_shape(body) and "<tool_call>" in body["error"]["message"],
+              "tools with a template that writes no <tool_call> blocks: %d %s" % (st, body))
         st, body = post_json(odd_node, "/v1/completions", {"prompt": prompt, "max_tokens": 4,
                                                            "temperature": 0})
         check(st == 200 and body["choices"][0]["text"] == want[:len(body["choices"][0]["text"])],
