@@ -764,6 +764,16 @@ static int render_jinja(const pd_chat_template *tp, const cJSON *ms, const cJSON
         cJSON_AddStringToObject(ctx, "bos_token", tp->bos);
     if (tp->eos[0] != '\0')
         cJSON_AddStringToObject(ctx, "eos_token", tp->eos);
+    /* the request's chat_template_kwargs, but not over what the server sets */
+    static const char *const reserved[] = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                           "enable_thinking", NULL};
+    for (const cJSON *kv = cJSON_IsObject(opt->kwargs) ? opt->kwargs->child : NULL; kv != NULL; kv = kv->next) {
+        int taken = 0;
+        for (int k = 0; reserved[k] != NULL && !taken; k++)
+            taken = strcmp(kv->string, reserved[k]) == 0;
+        if (!taken)
+            cJSON_AddItemReferenceToObject(ctx, kv->string, (cJSON *)kv);
+    }
     if (opt->enable_thinking >= 0)
         cJSON_AddBoolToObject(ctx, "enable_thinking", opt->enable_thinking != 0);
     char err[384];

@@ -89,6 +89,9 @@ pd_status pd_chat_tools_grammar(const pd_chat_tools *t, pd_gcache *cache, pd_gra
 typedef struct {
     int enable_thinking;           /* chat_template_kwargs.enable_thinking: -1 unset, 0 or 1 */
     int add_generation_prompt;     /* the assistant's generation prompt after the messages */
+    const cJSON *kwargs;           /* chat_template_kwargs (borrowed; NULL: none): a Jinja
+                                    * template sees each member as a variable (the ChatML renderer
+                                    * reads enable_thinking only) */
     int continue_final;            /* continue_final_message: the prompt ends inside the last
                                     * (assistant) message, cut after its text as Hugging Face's
                                     * apply_chat_template cuts it */

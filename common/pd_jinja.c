@@ -881,30 +881,28 @@ static node *parse_not(parser *ps)
     return parse_compare(ps);
 }
 
-static node *parse_and(parser *ps)
+/* sub (word sub)*: and / or, left to right */
+static node *parse_chain(parser *ps, const char *word, nkind k, node *(*sub)(parser *))
 {
-    node *l = parse_not(ps);
-    while (is_name(ps, "and")) {
+    node *l = sub(ps);
+    while (is_name(ps, word)) {
         next_tok(ps);
-        node *x = mk(ps, E_AND, 2);
+        node *x = mk(ps, k, 2);
         x->c[0] = l;
-        x->c[1] = parse_not(ps);
+        x->c[1] = sub(ps);
         l = x;
     }
     return l;
 }
 
+static node *parse_and(parser *ps)
+{
+    return parse_chain(ps, "and", E_AND, parse_not);
+}
+
 static node *parse_or(parser *ps)
 {
-    node *l = parse_and(ps);
-    while (is_name(ps, "or")) {
-        next_tok(ps);
-        node *x = mk(ps, E_OR, 2);
-        x->c[0] = l;
-        x->c[1] = parse_and(ps);
-        l = x;
-    }
-    return l;
+    return parse_chain(ps, "or", E_OR, parse_and);
 }
 
 static node *parse_expr(parser *ps)

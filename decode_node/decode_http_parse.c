@@ -824,6 +824,7 @@ int decode_http_chat_setup(const cJSON *root, decode_req *dr, req_opts *o, pd_ch
         }
         if (cJSON_IsBool(et))
             co->enable_thinking = cJSON_IsTrue(et);
+        co->kwargs = kw;   /* a Jinja template sees them all */
     }
     if (dr != NULL) {
         pd_grammar *g = NULL;

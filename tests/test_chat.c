@@ -860,6 +860,29 @@ static void test_jinja_chatml(void)
     free(tmpl);
 }
 
+/* chat_template_kwargs reach a Jinja template as variables, but not over what the server sets */
+static void test_jinja_kwargs(void)
+{
+    char err[256] = "";
+    pd_chat_template tp = { .jinja = pd_jinja_parse("{{ greeting }} {{ messages[0].content }}{{ '!' if add_generation_prompt }}"
+                                                    "{{ enable_thinking is defined }}", err, sizeof(err)) };
+    cJSON *ms = cJSON_Parse("[{\"role\": \"user\", \"content\": \"hi\"}]");
+    cJSON *kw = cJSON_Parse("{\"greeting\": \"hey\", \"messages\": \"no\", \"add_generation_prompt\": false}");
+    pd_chat_opts co = PD_CHAT_OPTS_DEFAULT;
+    co.kwargs = kw;
+    char *out = NULL, msg[256] = "";
+    size_t len = 0;
+    TEST_CHECK_MSG(tp.jinja != NULL && pd_chat_render(&tp, ms, NULL, &co, &out, &len, msg, sizeof(msg)) == 0 &&
+                   strcmp(out, "hey hi!False") == 0, "kwargs: %s %s %s", err, msg, out != NULL ? out : "(null)");
+    free(out);
+    co.enable_thinking = 0;
+    TEST_CHECK(pd_chat_render(&tp, ms, NULL, &co, &out, &len, msg, sizeof(msg)) == 0 && strcmp(out, "hey hi!True") == 0);
+    free(out);
+    cJSON_Delete(kw);
+    cJSON_Delete(ms);
+    pd_chat_template_free(&tp);
+}
+
 /* mutated templates (bytes deleted, repeated, replaced by template syntax) parse and render or
  * fail with a message; never more (ASan runs this) */
 static void test_jinja_fuzz(void)
@@ -981,6 +1004,7 @@ int main(void)
     test_jinja_chatml();
     test_jinja_errors();
     test_jinja_fuzz();
+    test_jinja_kwargs();
     test_template_load();
     test_detect();
     test_render_fixture();
