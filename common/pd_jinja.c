@@ -111,7 +111,7 @@ static val V_TRUE_ = {.t = V_BOOL, .u.b = 1}, V_FALSE_ = {.t = V_BOOL, .u.b = 0}
 
 typedef enum {
     /* statements */
-    N_BODY, N_TEXT, N_OUT, N_IF, N_FOR, N_SET, N_SETBLOCK, N_MACRO, N_BREAK, N_CONTINUE,
+    N_BODY, N_TEXT, N_OUT, N_IF, N_FOR, N_SET, N_SETBLOCK, N_MACRO, N_BREAK, N_CONTINUE, N_FILTERBLOCK,
     /* expressions */
     E_LIT, E_NAME, E_ATTR, E_ITEM, E_SLICE, E_CALL, E_FILTER, E_TEST, E_BIN, E_NEG, E_POS, E_NOT,
     E_AND, E_OR, E_COND, E_LIST, E_TUPLE, E_DICT, E_KWARG
@@ -130,7 +130,7 @@ typedef struct node {
 /* children: N_BODY statements; N_OUT [expr]; N_IF [cond, then, else?]; N_FOR [target names
  * (E_NAME or E_TUPLE of names), iterable, body, else?, filter?]; N_SET [target (E_NAME / E_ATTR
  * / E_TUPLE), value]; N_SETBLOCK [target, body]; N_MACRO [body, params (E_NAME or E_KWARG with
- * default)...] with s = name; E_ATTR [obj] s = name; E_ITEM [obj, index]; E_SLICE [obj, a, b,
+ * default)...] with s = name; N_FILTERBLOCK [body, args...] s = filter; E_ATTR [obj] s = name; E_ITEM [obj, index]; E_SLICE [obj, a, b,
  * step] (NULL for absent); E_CALL [callee, args...]; E_FILTER [obj, args...] s = name; E_TEST
  * [obj, args...] s = name; E_BIN [l, r] s = op; E_AND / E_OR [l, r]; E_COND [then, cond, else?];
  * E_LIST / E_TUPLE items; E_DICT [k0, v0, k1, v1, ...]; E_KWARG [value] s = name. */
@@ -1127,6 +1127,22 @@ static node *parse_stmt_in(parser *ps, int *i)
         (*i)++;
         return x;
     }
+    if (strcmp(kw, "filter") == 0) {
+        node *x = mk(ps, N_FILTERBLOCK, 0);
+        int cap = 0;
+        push(ps, x, NULL, &cap);
+        x->s = take_name(ps);
+        if (is_op(ps, "("))
+            parse_args(ps, x, &cap);
+        end_piece(ps);
+        static const char *const stops[] = {"endfilter", NULL};
+        const char *stop = NULL;
+        x->c[0] = parse_body(ps, i, stops, &stop);
+        if (stop == NULL)
+            perr(ps, line, "{%% filter %%} without {%% endfilter %%}");
+        (*i)++;
+        return x;
+    }
     if (strcmp(kw, "generation") == 0) {
         /* transformers' assistant-mask marker: its content is rendered as it is */
         end_piece(ps);
@@ -1142,7 +1158,7 @@ static node *parse_stmt_in(parser *ps, int *i)
         end_piece(ps);
         return mk(ps, kw[0] == 'b' ? N_BREAK : N_CONTINUE, 0);
     }
-    perr(ps, line, "unknown statement '%s' (this renderer takes if, for, set, macro, break, continue, "
+    perr(ps, line, "unknown statement '%s' (this renderer takes if, for, set, macro, filter, break, continue, "
          "generation, raw)", kw);
 }
 
@@ -1173,7 +1189,7 @@ static node *parse_body(parser *ps, int *i, const char *const *stops, const char
                 return b;
             }
             static const char *const closers[] = {"endif", "endfor", "else", "elif", "endset", "endmacro",
-                                                   "endgeneration", "endraw", NULL};
+                                                   "endgeneration", "endraw", "endfilter", NULL};
             int c = piece_word(ps, *i, closers);
             if (c >= 0)
                 perr(ps, p->line, "unexpected {%% %s %%}", closers[c]);
@@ -1948,6 +1964,8 @@ static val *iter_list(rctx *c, val *v, const char *what)
     rerr(c, "%s: %s is not iterable", what, type_name(v));
 }
 
+static val *brace_format(rctx *c, val *fmt, val **a, int n, char **kn, val **kv, int nk);
+
 /* methods of strings, dicts and lists (the ones chat templates call) */
 static val *call_method(rctx *c, val *self, const char *m, val **a, int n, char **kn, val **kv, int nk)
 {
@@ -2005,6 +2023,8 @@ static val *call_method(rctx *c, val *self, const char *m, val **a, int n, char 
             }
             return sb_val(&o);
         }
+        if (strcmp(m, "format") == 0)
+            return brace_format(c, self, a, n, kn, kv, nk);
         if (strcmp(m, "splitlines") == 0) {
             val *l = vlist(c);
             size_t s0 = 0;
@@ -2054,7 +2074,8 @@ static int has_method(vtype t, const char *name)
 {
     static const char *const str_m[] = {"strip", "lstrip", "rstrip", "split", "rsplit", "startswith", "endswith",
                                         "lower", "upper", "title", "capitalize", "replace", "find", "count",
-                                        "index", "join", "splitlines", "isdigit", "isspace", "isalpha", NULL};
+                                        "index", "join", "splitlines", "isdigit", "isspace", "isalpha", "format",
+                                        NULL};
     static const char *const dict_m[] = {"items", "keys", "values", "get", NULL};
     static const char *const list_m[] = {"index", NULL};
     const char *const *m = t == V_STR ? str_m : t == V_DICT ? dict_m : t == V_LIST ? list_m : NULL;
@@ -2141,6 +2162,99 @@ static val *call_value(rctx *c, val *f, val **a, int n, char **kn, val **kv, int
 static val *apply_filter(rctx *c, const char *name, val *x, val **a, int n, char **kn, val **kv, int nk);
 static int apply_test(rctx *c, const char *name, val *x, val **a, int n);
 
+/* Python's "fmt" % args: %s %r %d %i %f (with a precision) %x %%; args a tuple or one value */
+static val *percent_format(rctx *c, val *fmt, val *args)
+{
+    int n = args->t == V_LIST && args->tuple ? args->u.l.n : 1, k = 0;
+    sbuf b = {.c = c};
+    for (size_t i = 0; i < fmt->u.s.n; i++) {
+        char ch = fmt->u.s.s[i];
+        if (ch != '%') {
+            sb_add(&b, &ch, 1);
+            continue;
+        }
+        size_t j = i + 1;
+        int prec = -1;
+        if (j < fmt->u.s.n && fmt->u.s.s[j] == '.') {
+            prec = 0;
+            for (j++; j < fmt->u.s.n && isdigit((unsigned char)fmt->u.s.s[j]); j++)
+                prec = prec * 10 + (fmt->u.s.s[j] - '0');
+        }
+        if (j >= fmt->u.s.n)
+            rerr(c, "%% format: incomplete format");
+        char conv = fmt->u.s.s[j];
+        i = j;
+        if (conv == '%') {
+            sb_add(&b, "%", 1);
+            continue;
+        }
+        if (k >= n)
+            rerr(c, "%% format: not enough arguments for format string");
+        val *a = args->t == V_LIST && args->tuple ? args->u.l.a[k] : args;
+        k++;
+        char nb[64];
+        if (conv == 's') {
+            str_into(c, &b, a);
+        } else if (conv == 'r') {
+            repr_into(c, &b, a);
+        } else if (conv == 'd' || conv == 'i' || conv == 'x') {
+            if (!is_num(a))
+                rerr(c, "%%%c format: a number is required, not %s", conv, type_name(a));
+            snprintf(nb, sizeof(nb), conv == 'x' ? "%llx" : "%lld", (long long)num(a));
+            sb_str(&b, nb);
+        } else if (conv == 'f') {
+            if (!is_num(a))
+                rerr(c, "%%f format: a number is required, not %s", type_name(a));
+            snprintf(nb, sizeof(nb), "%.*f", prec < 0 ? 6 : prec, num(a));
+            sb_str(&b, nb);
+        } else {
+            rerr(c, "%% format: unsupported format character '%c'", conv);
+        }
+    }
+    if (k < n)
+        rerr(c, "%% format: not all arguments converted during string formatting");
+    return sb_val(&b);
+}
+
+/* Python's str.format: {} / {N} / {name} fields (no format specs), {{ and }} */
+static val *brace_format(rctx *c, val *fmt, val **a, int n, char **kn, val **kv, int nk)
+{
+    sbuf b = {.c = c};
+    int next = 0;
+    for (size_t i = 0; i < fmt->u.s.n; i++) {
+        char ch = fmt->u.s.s[i];
+        if ((ch == '{' || ch == '}') && i + 1 < fmt->u.s.n && fmt->u.s.s[i + 1] == ch) {
+            sb_add(&b, &ch, 1);
+            i++;
+            continue;
+        }
+        if (ch != '{') {
+            sb_add(&b, &ch, 1);
+            continue;
+        }
+        const char *e = memchr(fmt->u.s.s + i, '}', fmt->u.s.n - i);
+        if (e == NULL)
+            rerr(c, "format: a '{' without its '}'");
+        size_t fl = (size_t)(e - (fmt->u.s.s + i)) - 1;
+        const char *f = fmt->u.s.s + i + 1;
+        val *v = NULL;
+        if (fl == 0) {
+            v = next < n ? a[next++] : NULL;
+        } else if (isdigit((unsigned char)f[0])) {
+            long idx = strtol(f, NULL, 10);
+            v = idx < n ? a[idx] : NULL;
+        } else {
+            char *name = astrndup(&c->a, f, fl);
+            v = arg(a, 0, kn, kv, nk, -1, name);
+        }
+        if (v == NULL)
+            rerr(c, "format: no value for the field '{%.*s}'", (int)fl, f);
+        str_into(c, &b, v);
+        i = (size_t)(e - fmt->u.s.s);
+    }
+    return sb_val(&b);
+}
+
 static val *arith(rctx *c, const char *op, val *l, val *r)
 {
     if (strcmp(op, "~") == 0) {
@@ -2171,6 +2285,8 @@ static val *arith(rctx *c, const char *op, val *l, val *r)
             sb_add(&b, s->u.s.s, s->u.s.n);
         return sb_val(&b);
     }
+    if (op[0] == '%' && l->t == V_STR)
+        return percent_format(c, l, r);
     if (!is_num(l) || !is_num(r))
         rerr(c, "unsupported operand types for %s: %s and %s", op, type_name(l), type_name(r));
     int ints = l->t != V_FLOAT && r->t != V_FLOAT;
@@ -2732,6 +2848,15 @@ static int apply_test(rctx *c, const char *t, val *x, val **a, int n)
 /* ---------------------------------------------------------------------------------------------
  * Statements */
 
+/* loop.cycle(a, b, ...): the argument the iteration's index picks, round robin */
+static val *loop_cycle(rctx *c, val *self, val **a, int n, char **kn, val **kv, int nk)
+{
+    (void)kn; (void)kv; (void)nk;
+    if (n == 0)
+        rerr(c, "loop.cycle: no values");
+    return a[self->u.i % n];
+}
+
 static void exec_for(rctx *c, const node *x)
 {
     val *seq = eval(c, x->c[1]);
@@ -2780,6 +2905,11 @@ static void exec_for(rctx *c, const node *x)
         dict_set(c, loop, "length", vint(c, n));
         dict_set(c, loop, "previtem", i > 0 ? items->u.l.a[i - 1] : &V_UNDEF_);
         dict_set(c, loop, "nextitem", i + 1 < n ? items->u.l.a[i + 1] : &V_UNDEF_);
+        val *cyc = mkval(&c->a, V_FUNC);
+        cyc->u.fn.fn = loop_cycle;
+        cyc->u.fn.self = vint(c, i);
+        cyc->u.fn.name = "cycle";
+        dict_set(c, loop, "cycle", cyc);
         bind(c, "loop", loop);
         exec_body(c, x->c[2]);
     next:
@@ -2826,6 +2956,16 @@ static void exec_body(rctx *c, const node *b)
             if (c->out != NULL)
                 c->out[mark] = '\0';
             assign(c, x->c[0], v);
+            break;
+        }
+        case N_FILTERBLOCK: {
+            size_t mark = c->len;
+            exec_body(c, x->c[0]);
+            val *v = mkstr(&c->a, c->out != NULL ? c->out + mark : "", c->len - mark);
+            c->len = mark;
+            argv_t a = eval_args(c, x, 1);
+            v = to_str(c, apply_filter(c, x->s, v, a.a, a.n, a.kn, a.kv, a.nk));
+            emit(c, v->u.s.s, v->u.s.n);
             break;
         }
         case N_MACRO: {
