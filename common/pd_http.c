@@ -41,6 +41,7 @@ typedef struct {
     pd_http_handler fn;
     void *ud;
     int open;            /* /health, /ready, /metrics: served without a client certificate */
+    size_t prefix;       /* a prefix route ("/x/" then "*"): the length of "/x/" (0: exact) */
 } route;
 
 struct pd_http {
@@ -146,6 +147,8 @@ static void allow_header(struct evhttp_request *req, int methods)
         strcat(allow, "GET, HEAD");
     if (methods & PD_HTTP_POST)
         strcat(allow, allow[0] != '\0' ? ", POST" : "POST");
+    if (methods & PD_HTTP_DELETE)
+        strcat(allow, allow[0] != '\0' ? ", DELETE" : "DELETE");
     evhttp_add_header(evhttp_request_get_output_headers(req), "Allow", allow);
 }
 
@@ -169,7 +172,8 @@ static void route_cb(struct evhttp_request *req, void *arg)
     route *r = arg;
     enum evhttp_cmd_type cmd = evhttp_request_get_command(req);
     int ok = ((r->methods & PD_HTTP_GET) && (cmd == EVHTTP_REQ_GET || cmd == EVHTTP_REQ_HEAD)) ||
-             ((r->methods & PD_HTTP_POST) && cmd == EVHTTP_REQ_POST);
+             ((r->methods & PD_HTTP_POST) && cmd == EVHTTP_REQ_POST) ||
+             ((r->methods & PD_HTTP_DELETE) && cmd == EVHTTP_REQ_DELETE);
     if (!ok) {
         allow_header(req, r->methods);
         pd_http_error(req, 405, "invalid_request_error", NULL, "method_not_allowed",
@@ -194,13 +198,20 @@ static void route_cb(struct evhttp_request *req, void *arg)
 
 static void notfound_cb(struct evhttp_request *req, void *arg)
 {
-    (void)arg;
+    pd_http *h = arg;
     const char *uri = evhttp_request_get_uri(req);
     char path[256];
     snprintf(path, sizeof(path), "%s", uri != NULL ? uri : "");
     char *q = strchr(path, '?');
     if (q != NULL)
         *q = '\0';
+    for (int i = 0; i < h->n_routes; i++) {   /* the prefix routes */
+        route *r = &h->routes[i];
+        if (r->prefix > 0 && strlen(path) > r->prefix && strncmp(path, r->path, r->prefix) == 0) {
+            route_cb(req, r);
+            return;
+        }
+    }
     enum evhttp_cmd_type cmd = evhttp_request_get_command(req);
     const char *m = cmd == EVHTTP_REQ_GET ? "GET" : cmd == EVHTTP_REQ_POST ? "POST"
                   : cmd == EVHTTP_REQ_HEAD ? "HEAD" : cmd == EVHTTP_REQ_PUT ? "PUT"
@@ -266,6 +277,12 @@ pd_status pd_http_route(pd_http *h, const char *path, int methods, pd_http_handl
     r->methods = methods;
     r->fn = fn;
     r->ud = ud;
+    size_t pl = strlen(path);
+    r->prefix = pl >= 2 && strcmp(path + pl - 2, "/*") == 0 ? pl - 1 : 0;
+    if (r->prefix > 0) {   /* a prefix route: served from notfound_cb */
+        h->n_routes++;
+        return PD_OK;
+    }
     if (evhttp_set_cb(h->http, path, route_cb, r) != 0) {
         free(r->path);
         r->path = NULL;

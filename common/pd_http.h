@@ -41,14 +41,16 @@ typedef struct {
                                   * 403 to a client without a certificate that chains to them */
 } pd_http_config;
 
-enum { PD_HTTP_GET = 1, PD_HTTP_POST = 2 };   /* route method masks (HEAD follows GET) */
+enum { PD_HTTP_GET = 1, PD_HTTP_POST = 2, PD_HTTP_DELETE = 4 };   /* route method masks (HEAD
+                                                                   * follows GET) */
 
 /* Binds the socket (the port is known from here on) and prepares the ops routes; nothing is
  * served before pd_http_start. Errors: PD_ERR_INVALID (bad address, a certificate OpenSSL
  * refuses), PD_ERR_IO (bind), PD_ERR_NOMEM. */
 pd_status pd_http_create(const pd_http_config *cfg, pd_http **out, pd_err *err);
-/* Add a route before pd_http_start: an exact path (the query string is ignored), the methods it
- * takes (others get 405 with an Allow header). fn runs on the HTTP thread with the body already
+/* Add a route before pd_http_start: an exact path (the query string is ignored), or a path
+ * ending in "/" + "*" for every path under it with at least one more character (the handler reads
+ * the rest from the URI), the methods it takes (others get 405 with an Allow header). fn runs on the HTTP thread with the body already
  * read and within max_body. ud is borrowed. Errors: PD_ERR_INVALID (path taken / started). */
 pd_status pd_http_route(pd_http *h, const char *path, int methods, pd_http_handler fn, void *ud,
                         pd_err *err);

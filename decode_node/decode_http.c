@@ -110,6 +110,7 @@ static void req_contents_free(http_req *r)
     for (int i = 0; i < r->n_stop; i++)
         free(r->stop[i]);
     cJSON_Delete(r->resp_echo);
+    cJSON_Delete(r->resp_conv);
     decode_http_resp_destroy(r->rs);
     free(r);
 }
@@ -213,7 +214,7 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
         return;
     }
     cJSON *root = decode_http_json_body(req);
-    cJSON *echo = NULL;
+    cJSON *echo = NULL, *conv = NULL;
     char msg[512] = "";
     const char *param = NULL;
     decode_req dr = {0};
@@ -230,10 +231,14 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
         goto out;
     }
     if (responses) {
-        cJSON *c = decode_http_responses_request(root, &echo, &param, msg, sizeof(msg));
+        int code = 400;
+        cJSON *c = decode_http_responses_request(root, dh->store, &echo, &conv, &code, &param, msg, sizeof(msg));
         if (c == NULL) {
             decode_metrics_refused(dh->dm, "invalid");
-            decode_http_send_error(req, 400, param, msg);
+            if (code == 404)
+                pd_http_error(req, 404, "invalid_request_error", param, "not_found", "%s", msg);
+            else
+                decode_http_send_error(req, code, param, msg);
             goto out;
         }
         cJSON_Delete(root);
@@ -295,7 +300,8 @@ static void handle_generate(struct evhttp_request *req, decode_http *dh, int cha
     r->responses = responses;
     if (responses) {
         r->resp_echo = echo;
-        echo = NULL;
+        r->resp_conv = conv;
+        echo = conv = NULL;
         if ((r->rs = decode_http_resp_create()) == NULL) {
             decode_http_send_error(req, 500, NULL, "out of memory");
             req_contents_free(r);
@@ -405,6 +411,7 @@ out:
     pd_chat_tools_free(&tools);
     cJSON_Delete(root);
     cJSON_Delete(echo);
+    cJSON_Delete(conv);
 }
 
 /* --api-key: "Authorization: Bearer <key>" (the comparison takes the same time wherever the
@@ -447,6 +454,14 @@ static void h_responses(struct evhttp_request *req, void *ud)
 {
     if (authorized(req, ud))
         handle_generate(req, ud, 2);
+}
+
+/* GET / DELETE /v1/responses/{id}: a stored response */
+static void h_response_id(struct evhttp_request *req, void *ud)
+{
+    decode_http *dh = ud;
+    if (authorized(req, ud))
+        decode_http_responses_stored(req, dh->store, evhttp_request_get_command(req) == EVHTTP_REQ_DELETE);
 }
 
 static cJSON *model_json(const decode_http *dh)
@@ -650,6 +665,7 @@ pd_status decode_http_create(decode_server *s, const decode_http_config *cfg, de
         return pd_err_set(err, PD_ERR_NOMEM, "http front end");
     }
     pthread_mutex_init(&dh->mu, NULL);
+    dh->store = decode_http_resp_store_create(cfg->responses_store_bytes);   /* NULL: none (or NOMEM) */
     atomic_init(&dh->draining, 0);
     atomic_init(&dh->inflight, 0);
     atomic_init(&dh->next_id, 1);
@@ -676,6 +692,8 @@ pd_status decode_http_create(decode_server *s, const decode_http_config *cfg, de
     if ((st = pd_http_route(dh->http, "/v1/completions", PD_HTTP_POST, h_completions, dh, err)) != PD_OK ||
         (st = pd_http_route(dh->http, "/v1/chat/completions", PD_HTTP_POST, h_chat, dh, err)) != PD_OK ||
         (st = pd_http_route(dh->http, "/v1/responses", PD_HTTP_POST, h_responses, dh, err)) != PD_OK ||
+        (st = pd_http_route(dh->http, "/v1/responses/*", PD_HTTP_GET | PD_HTTP_DELETE, h_response_id, dh,
+                            err)) != PD_OK ||
         (st = pd_http_route(dh->http, "/v1/models", PD_HTTP_GET, h_models, dh, err)) != PD_OK ||
         (st = pd_http_route(dh->http, model_path, PD_HTTP_GET, h_model, dh, err)) != PD_OK ||
         (st = pd_http_route(dh->http, "/tokenize", PD_HTTP_POST, h_tokenize, dh, err)) != PD_OK ||
@@ -687,6 +705,7 @@ pd_status decode_http_create(decode_server *s, const decode_http_config *cfg, de
 err_http:
     pd_http_destroy(dh->http);
 err_free:
+    decode_http_resp_store_destroy(dh->store);
     pthread_mutex_destroy(&dh->mu);
     free(dh->api_key);
     free(dh);
@@ -741,6 +760,7 @@ void decode_http_destroy(decode_http *h)
         req_contents_free(r);
     }
     pd_http_destroy(h->http);
+    decode_http_resp_store_destroy(h->store);
     pthread_mutex_destroy(&h->mu);
     free(h->api_key);
     free(h);

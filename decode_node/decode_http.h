@@ -36,6 +36,8 @@ typedef struct {
                                     * "Authorization: Bearer <key>" (/health, /ready, /metrics
                                     * stay open) */
     const pd_tls *tls;             /* NULL or no certificate: HTTP; else HTTPS only */
+    size_t responses_store_bytes;  /* /v1/responses kept in memory (previous_response_id, GET,
+                                    * DELETE); 0: none */
 } decode_http_config;
 
 /* Reads the chat template, binds, starts the HTTP thread. s is borrowed and must outlive

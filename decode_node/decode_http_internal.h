@@ -41,6 +41,7 @@ struct decode_http {
     int closing;                     /* destroy began: messages must not touch evhttp */
     pthread_mutex_t mu;              /* guards the live list */
     struct http_req *live;
+    struct resp_store *store;        /* stored Responses (HTTP thread only; NULL: none) */
 };
 
 #define MAX_N 16                     /* choices per prompt ("n") */
@@ -79,6 +80,8 @@ typedef struct http_req {
     int responses;                   /* POST /v1/responses: a chat request answered as a Response */
     struct cJSON *resp_echo;         /* ... the request's fields the response repeats */
     struct resp_state *rs;           /* ... its output items (decode_http_responses.c) */
+    struct cJSON *resp_conv;         /* ... its conversation, to store with it (NULL: not kept) */
+    int resp_stored;                 /* ... it was stored (store_put took resp_conv) */
     char id[64];                     /* the reply's id: the node's own, or from X-Request-Id */
     char uid[64];                    /* the node's own id, unique per request (tool call ids) */
     long created;

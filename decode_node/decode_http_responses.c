@@ -242,15 +242,19 @@ static cJSON *tools_of(const cJSON *tools, char *msg, size_t cap)
     return out;
 }
 
-cJSON *decode_http_responses_request(const cJSON *root, cJSON **echo, const char **param, char *msg,
-                                     size_t cap)
+typedef struct resp_stored resp_stored;
+static const resp_stored *store_find(const resp_store *s, const char *id);
+static const cJSON *stored_conv(const resp_stored *e);
+
+cJSON *decode_http_responses_request(const cJSON *root, resp_store *store, cJSON **echo, cJSON **conv,
+                                     int *code, const char **param, char *msg, size_t cap)
 {
     cJSON *c = cJSON_CreateObject(), *msgs = NULL;
     *echo = cJSON_CreateObject();
+    *conv = NULL;
+    *code = 400;
     msg[0] = '\0';
     static const struct { const char *key, *why; } refused[] = {
-        { "previous_response_id", "'previous_response_id' is not supported: this server stores no responses; "
-                                  "send the whole conversation in 'input'" },
         { "conversation", "'conversation' is not supported: this server stores no conversations; send the "
                           "whole conversation in 'input'" },
         { "background", "'background' responses are not supported (nothing is stored to poll)" },
@@ -276,6 +280,36 @@ cJSON *decode_http_responses_request(const cJSON *root, cJSON **echo, const char
     const cJSON *ins = cJSON_GetObjectItemCaseSensitive(root, "instructions");
     if (ins != NULL && !cJSON_IsNull(ins) && !cJSON_IsString(ins))
         FAIL("instructions", "'instructions' must be a string");
+    const cJSON *st = cJSON_GetObjectItemCaseSensitive(root, "store");
+    if (st != NULL && !cJSON_IsNull(st) && !cJSON_IsBool(st))
+        FAIL("store", "'store' must be a boolean");
+    /* the conversation: a stored response's (previous_response_id), then the input's messages;
+     * the instructions go in front of it for this response only, as OpenAI's do */
+    cJSON *cv = cJSON_AddArrayToObject(*echo, "");   /* held by echo until handed out */
+    const cJSON *prev = cJSON_GetObjectItemCaseSensitive(root, "previous_response_id");
+    if (prev != NULL && !cJSON_IsNull(prev)) {
+        if (!cJSON_IsString(prev))
+            FAIL("previous_response_id", "'previous_response_id' must be a string");
+        const resp_stored *ps = store != NULL ? store_find(store, prev->valuestring) : NULL;
+        if (ps == NULL) {
+            *code = 404;
+            FAIL("previous_response_id", store != NULL
+                 ? "previous response '%.80s' is not stored here (stored responses live in this node's memory: "
+                   "lost on restart, dropped oldest first past --responses-store-mb, not shared between replicas)"
+                 : "previous response '%.80s': this node stores no responses (--responses-store-mb 0); send the "
+                   "whole conversation in 'input'", prev->valuestring);
+        }
+        const cJSON *m;
+        cJSON_ArrayForEach(m, stored_conv(ps))
+            cJSON_AddItemToArray(cv, cJSON_Duplicate(m, 1));
+    }
+    const cJSON *input = cJSON_GetObjectItemCaseSensitive(root, "input");
+    if (input == NULL)
+        FAIL("input", "'input' is required");
+    if (input_messages(input, cv, msg, cap) != 0) {
+        *param = "input";
+        goto fail;
+    }
     msgs = cJSON_AddArrayToObject(c, "messages");
     if (cJSON_IsString(ins)) {
         cJSON *m = cJSON_CreateObject();
@@ -283,13 +317,14 @@ cJSON *decode_http_responses_request(const cJSON *root, cJSON **echo, const char
         cJSON_AddStringToObject(m, "content", ins->valuestring);
         cJSON_AddItemToArray(msgs, m);
     }
-    const cJSON *input = cJSON_GetObjectItemCaseSensitive(root, "input");
-    if (input == NULL)
-        FAIL("input", "'input' is required");
-    if (input_messages(input, msgs, msg, cap) != 0) {
-        *param = "input";
-        goto fail;
-    }
+    const cJSON *m;
+    cJSON_ArrayForEach(m, cv)
+        cJSON_AddItemToArray(msgs, cJSON_Duplicate(m, 1));
+    cJSON_DetachItemViaPointer(*echo, cv);
+    if (store != NULL && !cJSON_IsFalse(st))
+        *conv = cv;
+    else
+        cJSON_Delete(cv);
     /* the sampling fields and the rest, as chat names them (vLLM's extensions too) */
     static const char *const same[] = {"model", "temperature", "top_p", "stream", "user", "seed",
                                        "parallel_tool_calls", "top_k", "min_p", "repetition_penalty",
@@ -370,7 +405,7 @@ cJSON *decode_http_responses_request(const cJSON *root, cJSON **echo, const char
     /* what the response repeats */
     static const char *const echoed[] = {"instructions", "max_output_tokens", "temperature", "top_p",
                                          "tools", "tool_choice", "parallel_tool_calls", "text",
-                                         "reasoning", "metadata", "user", "store"};
+                                         "reasoning", "metadata", "user", "previous_response_id"};
     for (size_t k = 0; k < sizeof(echoed) / sizeof(echoed[0]); k++) {
         const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, echoed[k]);
         if (v != NULL)
@@ -380,7 +415,9 @@ cJSON *decode_http_responses_request(const cJSON *root, cJSON **echo, const char
 fail:
     cJSON_Delete(c);
     cJSON_Delete(*echo);
+    cJSON_Delete(*conv);
     *echo = NULL;
+    *conv = NULL;
     return NULL;
 }
 
@@ -395,6 +432,181 @@ const char *decode_http_responses_param(const char *chat_param)
         if (strcmp(chat_param, map[k][0]) == 0)
             return map[k][1];
     return chat_param;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Stored responses */
+
+struct resp_stored {
+    struct resp_stored *prev, *next;   /* oldest first */
+    char *id;
+    cJSON *conv;                       /* the conversation, this response's output last */
+    cJSON *resp;                       /* the response object */
+    size_t bytes;                      /* both as JSON text: what the budget counts */
+};
+
+struct resp_store {
+    resp_stored *head, *tail;
+    size_t bytes, cap;
+};
+
+resp_store *decode_http_resp_store_create(size_t cap_bytes)
+{
+    if (cap_bytes == 0)
+        return NULL;
+    resp_store *s = calloc(1, sizeof(*s));
+    if (s != NULL)
+        s->cap = cap_bytes;
+    return s;
+}
+
+static void store_unlink(resp_store *s, resp_stored *e)
+{
+    if (e->prev != NULL)
+        e->prev->next = e->next;
+    else
+        s->head = e->next;
+    if (e->next != NULL)
+        e->next->prev = e->prev;
+    else
+        s->tail = e->prev;
+    s->bytes -= e->bytes;
+    free(e->id);
+    cJSON_Delete(e->conv);
+    cJSON_Delete(e->resp);
+    free(e);
+}
+
+void decode_http_resp_store_destroy(resp_store *s)
+{
+    while (s != NULL && s->head != NULL)
+        store_unlink(s, s->head);
+    free(s);
+}
+
+static const cJSON *stored_conv(const resp_stored *e)
+{
+    return e->conv;
+}
+
+static const resp_stored *store_find(const resp_store *s, const char *id)
+{
+    for (resp_stored *e = s->tail; e != NULL; e = e->prev)   /* the newest first */
+        if (strcmp(e->id, id) == 0)
+            return e;
+    return NULL;
+}
+
+static size_t json_bytes(const cJSON *j)
+{
+    char *t = cJSON_PrintUnformatted(j);
+    size_t n = t != NULL ? strlen(t) : 0;
+    free(t);
+    return n;
+}
+
+/* conv and resp (taken) kept under id, the oldest dropped past the budget; one response larger
+ * than the whole budget is not kept */
+static void store_put(resp_store *s, const char *id, cJSON *conv, cJSON *resp)
+{
+    resp_stored *old = (resp_stored *)store_find(s, id);
+    if (old != NULL)   /* a client's repeated X-Request-Id: the newer wins */
+        store_unlink(s, old);
+    size_t bytes = json_bytes(conv) + json_bytes(resp) + strlen(id);
+    resp_stored *e = bytes <= s->cap ? calloc(1, sizeof(*e)) : NULL;
+    if (e == NULL || (e->id = strdup(id)) == NULL) {
+        free(e);
+        cJSON_Delete(conv);
+        cJSON_Delete(resp);
+        return;
+    }
+    e->conv = conv;
+    e->resp = resp;
+    e->bytes = bytes;
+    while (s->head != NULL && s->bytes + bytes > s->cap)
+        store_unlink(s, s->head);
+    e->prev = s->tail;
+    if (s->tail != NULL)
+        s->tail->next = e;
+    else
+        s->head = e;
+    s->tail = e;
+    s->bytes += bytes;
+}
+
+void decode_http_responses_stored(struct evhttp_request *req, resp_store *s, int del)
+{
+    const char *uri = evhttp_request_get_uri(req);
+    const char *id = uri != NULL ? strstr(uri, "/v1/responses/") : NULL;
+    char buf[128];
+    snprintf(buf, sizeof(buf), "%s", id != NULL ? id + strlen("/v1/responses/") : "");
+    buf[strcspn(buf, "?")] = '\0';
+    if (strchr(buf, '/') != NULL) {
+        pd_http_error(req, 404, "invalid_request_error", NULL, "not_found",
+                      "no route for %.120s (a stored response is read whole: GET /v1/responses/{id})", uri);
+        return;
+    }
+    resp_stored *e = s != NULL ? (resp_stored *)store_find(s, buf) : NULL;
+    if (e == NULL) {
+        pd_http_error(req, 404, "invalid_request_error", NULL, "not_found", "response '%.80s' is not stored here%s",
+                      buf, s == NULL ? " (this node stores no responses: --responses-store-mb 0)" : "");
+        return;
+    }
+    if (!del) {
+        decode_http_send_json(req, cJSON_Duplicate(e->resp, 1));
+        return;
+    }
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "id", e->id);
+    cJSON_AddStringToObject(o, "object", "response");
+    cJSON_AddTrueToObject(o, "deleted");
+    store_unlink(s, e);
+    decode_http_send_json(req, o);
+}
+
+/* the output items as the assistant turn a later request's conversation continues from */
+static cJSON *output_turn(const cJSON *items)
+{
+    cJSON *m = cJSON_CreateObject();
+    cJSON_AddStringToObject(m, "role", "assistant");
+    char *text = NULL, *reason = NULL;
+    size_t tl = 0, tc = 0, rl = 0, rc = 0;
+    cJSON *calls = NULL;
+    const cJSON *it;
+    cJSON_ArrayForEach(it, items) {
+        const char *ty = cJSON_GetObjectItemCaseSensitive(it, "type")->valuestring;
+        const cJSON *parts = cJSON_GetObjectItemCaseSensitive(it, "content"), *p;
+        if (strcmp(ty, "function_call") == 0) {
+            if (calls == NULL)
+                calls = cJSON_CreateArray();
+            cJSON *tcall = cJSON_CreateObject();
+            cJSON_AddItemToObject(tcall, "id", cJSON_Duplicate(cJSON_GetObjectItemCaseSensitive(it, "call_id"), 1));
+            cJSON_AddStringToObject(tcall, "type", "function");
+            cJSON *fn = cJSON_AddObjectToObject(tcall, "function");
+            cJSON_AddItemToObject(fn, "name", cJSON_Duplicate(cJSON_GetObjectItemCaseSensitive(it, "name"), 1));
+            cJSON_AddItemToObject(fn, "arguments", cJSON_Duplicate(cJSON_GetObjectItemCaseSensitive(it, "arguments"), 1));
+            cJSON_AddItemToArray(calls, tcall);
+            continue;
+        }
+        int reasoning = strcmp(ty, "reasoning") == 0;
+        cJSON_ArrayForEach(p, parts) {
+            const cJSON *t = cJSON_GetObjectItemCaseSensitive(p, "text");
+            if (cJSON_IsString(t))
+                pd_buf_append(reasoning ? &reason : &text, reasoning ? &rl : &tl, reasoning ? &rc : &tc,
+                              t->valuestring, strlen(t->valuestring));
+        }
+    }
+    if (text != NULL)
+        cJSON_AddStringToObject(m, "content", text);
+    else
+        cJSON_AddNullToObject(m, "content");
+    if (reason != NULL)
+        cJSON_AddStringToObject(m, "reasoning_content", reason);
+    if (calls != NULL)
+        cJSON_AddItemToObject(m, "tool_calls", calls);
+    free(text);
+    free(reason);
+    return m;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -709,8 +921,12 @@ static cJSON *response_json(const http_req *r, const char *status, int with_outp
         default: cJSON_AddNullToObject(o, dflt[k].key);
         }
     }
-    cJSON_AddNullToObject(o, "previous_response_id");
-    cJSON_AddFalseToObject(o, "store");   /* nothing is kept, whatever the request said */
+    const cJSON *prev = cJSON_GetObjectItemCaseSensitive(r->resp_echo, "previous_response_id");
+    if (cJSON_IsString(prev))
+        cJSON_AddStringToObject(o, "previous_response_id", prev->valuestring);
+    else
+        cJSON_AddNullToObject(o, "previous_response_id");
+    cJSON_AddBoolToObject(o, "store", r->resp_conv != NULL || r->resp_stored);   /* kept once it completes */
     cJSON_AddStringToObject(o, "truncation", "disabled");
     if (!with_output) {
         cJSON_AddNullToObject(o, "usage");
@@ -755,6 +971,16 @@ void decode_http_resp_end(http_req *r)
     close_item(r, 1);
     const char *status = !ok ? "failed" : c->finish != NULL && strcmp(c->finish, "length") == 0
                                           ? "incomplete" : "completed";
+    if (!ok) {   /* a failed response is not kept */
+        cJSON_Delete(r->resp_conv);
+        r->resp_conv = NULL;
+    }
+    if (r->resp_conv != NULL && r->dh->store != NULL) {
+        cJSON_AddItemToArray(r->resp_conv, output_turn(r->rs->items));
+        store_put(r->dh->store, r->id, r->resp_conv, response_json(r, status, 1));
+        r->resp_conv = NULL;   /* the store's now; the response still says store: true */
+        r->resp_stored = 1;
+    }
     if (r->stream) {
         cJSON *o = cJSON_CreateObject();
         cJSON_AddItemToObject(o, "response", response_json(r, status, 1));

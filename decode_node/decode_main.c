@@ -41,7 +41,7 @@ static void usage(FILE *f)
             "                   [--speculative-disable-by-batch-size N]\n"
             "                   [--graphs auto|off|pad] [--chunked-prefill-size N]\n"
             "                   [--reasoning-parser qwen3] [--served-model-name NAME] [--api-key KEY]\n"
-            "                   [--chat-template FILE|TEXT] [--max-local-prefill N]\n"
+            "                   [--chat-template FILE|TEXT] [--max-local-prefill N] [--responses-store-mb N]\n"
             "                   [--generation-config auto|none|DIR]\n"
             "                   [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--tls-ca FILE]\n"
             "                   [--tls-reload-interval SECONDS]\n"
@@ -76,6 +76,10 @@ static void usage(FILE *f)
             "--chat-template FILE (or the template text itself) replaces the checkpoint's chat\n"
             "template. ChatML-shaped templates are rendered as Qwen's are; any other is rendered\n"
             "by the server's Jinja2 subset (one that does not parse stops the node at start).\n"
+            "--responses-store-mb N (default 64; 0: none) keeps completed /v1/responses replies and\n"
+            "their conversations in this node's memory (oldest dropped first past N MiB) for\n"
+            "previous_response_id and GET/DELETE /v1/responses/{id}; lost on restart, not shared\n"
+            "between replicas (route a conversation to one node).\n"
             "--served-model-name sets the model id of /v1/models and the replies (default: the\n"
             "--model directory's name); a request naming another model gets 404.\n"
             "--api-key KEY (or the PDSPARK_API_KEY environment variable, which keeps it out of\n"
@@ -163,11 +167,12 @@ int main(int argc, char **argv)
     const char *api_key = getenv("PDSPARK_API_KEY");
     int64_t drain_ms = 30000;
     int tls_reload_s = 60;
+    int store_mb = 64;
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_PREFILL, O_COLO, O_DEVICE, O_PAGES, O_PAGE, O_BATCH,
            O_QUEUE, O_QTMO, O_RTMO, O_XTMO, O_CP, O_CPS, O_LOG, O_HELP, O_HTTP, O_LOGFMT, O_DRAIN,
            O_VERIFY, O_THRESH, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_CHUNK, O_REFRESH, O_PREFIX,
            O_REASON, O_SERVED, O_APIKEY, O_CHATTMPL, O_LOCALPF, O_GENCFG, O_KVFRAC, O_SWAP,
-           O_STAGE, O_SPECOFF, O_NODRAFT, O_TLSCERT, O_TLSKEY, O_TLSCA, O_TLSCCA, O_TLSRELOAD };
+           O_STAGE, O_SPECOFF, O_NODRAFT, O_TLSCERT, O_TLSKEY, O_TLSCA, O_TLSCCA, O_TLSRELOAD, O_RSTORE };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"no-draft", no_argument, 0, O_NODRAFT},
@@ -201,6 +206,7 @@ int main(int argc, char **argv)
         {"tls-cert", required_argument, 0, O_TLSCERT}, {"tls-key", required_argument, 0, O_TLSKEY},
         {"tls-ca", required_argument, 0, O_TLSCA}, {"tls-client-ca", required_argument, 0, O_TLSCCA},
         {"tls-reload-interval", required_argument, 0, O_TLSRELOAD},
+        {"responses-store-mb", required_argument, 0, O_RSTORE},
         {0, 0, 0, 0},
     };
     opterr = 0;
@@ -279,6 +285,7 @@ int main(int argc, char **argv)
         case O_TLSKEY: tls_key = optarg; break;
         case O_TLSCA: tls_ca = optarg; break;
         case O_TLSCCA: tls_client_ca = optarg; break;
+        case O_RSTORE: bad = pd_cli_parse_int(PROG, "--responses-store-mb", optarg, 0, 1 << 20, &store_mb); break;
         case O_TLSRELOAD:
             bad = pd_cli_parse_int(PROG, "--tls-reload-interval", optarg, 0, 86400 * 365, &tls_reload_s);
             break;
@@ -416,7 +423,8 @@ int main(int argc, char **argv)
     if (http_addr != NULL) {
         decode_http_config hc = { .addr = http_addr, .model_dir = cfg.model_dir, .metrics = reg,
                                   .dm = dm, .model_name = served_name,
-                                  .api_key = api_key, .tls = &tls };
+                                  .api_key = api_key, .tls = &tls,
+                                  .responses_store_bytes = (size_t)store_mb << 20 };
         if (decode_http_create(s, &hc, &http, &err) != PD_OK) {
             fprintf(stderr, PROG ": --http %s: %s\n", http_addr, err.msg);
             pd_rpc_server_destroy(rpc);

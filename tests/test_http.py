@@ -1048,8 +1048,9 @@ def test_responses(node):
     """POST /v1/responses (OpenAI's Responses API) runs as the chat request it means: a string input,
     message items with instructions, a tool round (function_call and function_call_output items),
     forced function calls, reasoning and text.format give the chat endpoint's text and calls; the
-    streamed events (typed, numbered, items added / grown / done) carry the same output; what is not
-    served (stored responses, images, built-in tools) is refused by name."""
+    streamed events (typed, numbered, items added / grown / done) carry the same output; stored
+    responses continue by previous_response_id as the whole history would, read back and deleted
+    by id; what is not served (images, built-in tools) is refused by name."""
     chat = lambda body: post_json(node, "/v1/chat/completions", body)
     resp = lambda body: post_json(node, "/v1/responses", body)
     # a string input: the user's message
@@ -1112,6 +1113,46 @@ def test_responses(node):
                        "tools": tools, "max_output_tokens": 16, "temperature": 0})
         check(st == 200 and st2 == 200 and responses_output_text(r) == (c["choices"][0]["message"]["content"] or ""),
               "a tool round as items == as chat messages: %s vs %s" % (r, c))
+    # stored responses: previous_response_id continues a conversation (the instructions are the
+    # request's own, not carried); GET and DELETE /v1/responses/{id}; store false keeps nothing
+    text_of = responses_output_text
+    st, r1 = resp({"input": "def fib(n):", "instructions": "Answer in code.", "max_output_tokens": 8, "temperature": 0})
+    st2, raw = request(node, "GET", "/v1/responses/" + r1.get("id", "x"))[::2]
+    check(st == 200 and r1["store"] is True and st2 == 200 and json.loads(raw) == r1, "stored and read back: %s" % raw[:300])
+    st, r2 = resp({"previous_response_id": r1["id"], "input": "and fact(n)?", "max_output_tokens": 8, "temperature": 0})
+    hist = [{"role": "user", "content": "def fib(n):"}, {"role": "assistant", "content": text_of(r1)},
+            {"role": "user", "content": "and fact(n)?"}]
+    st2, c = chat({"messages": hist, "max_tokens": 8, "temperature": 0})
+    check(st == 200 and st2 == 200 and text_of(r2) == c["choices"][0]["message"]["content"] and
+          r2["previous_response_id"] == r1["id"], "previous_response_id == the history as chat: %s vs %s" % (r2, c))
+    if calls:
+        st, ra = resp(rb)
+        call = [it for it in ra.get("output", []) if it["type"] == "function_call"][0] if st == 200 else {}
+        st, rz = resp({"previous_response_id": ra.get("id"), "tools": tools, "max_output_tokens": 16, "temperature": 0,
+                       "input": [{"type": "function_call_output", "call_id": call.get("call_id"), "output": "sunny, 21 C"}]})
+        hist = [TOOL_BODY["messages"][0],
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": call.get("call_id"), "type": "function",
+                     "function": {"name": call.get("name"), "arguments": call.get("arguments")}}]},
+                {"role": "tool", "tool_call_id": call.get("call_id"), "content": "sunny, 21 C"}]
+        st2, c = chat({"messages": hist, "tools": TOOL_BODY["tools"], "max_tokens": 16, "temperature": 0})
+        check(st == 200 and st2 == 200 and text_of(rz) == (c["choices"][0]["message"]["content"] or ""),
+              "a tool round by previous_response_id == as chat: %s vs %s" % (rz, c))
+    st, evs = read_responses_stream(node, {"input": "def fib(n):", "max_output_tokens": 6, "temperature": 0})
+    final = evs[-1][1]["response"] if st == 200 and evs else {}
+    st2, raw = request(node, "GET", "/v1/responses/" + final.get("id", "x"))[::2]
+    check(final.get("store") is True and st2 == 200 and json.loads(raw) == final, "a streamed response stored: %s" % raw[:200])
+    st, r5 = resp({"input": "x", "store": False, "max_output_tokens": 2})
+    st2 = request(node, "GET", "/v1/responses/" + r5.get("id", "x"))[0]
+    check(st == 200 and r5["store"] is False and st2 == 404, "store false: not kept (%s, GET %s)" % (r5.get("store"), st2))
+    st, b = request(node, "DELETE", "/v1/responses/" + r1["id"])[::2]
+    check(st == 200 and json.loads(b) == {"id": r1["id"], "object": "response", "deleted": True}, "DELETE: %s %s" % (st, b))
+    st = request(node, "GET", "/v1/responses/" + r1["id"])[0]
+    st2, r6 = resp({"previous_response_id": r1["id"], "input": "x"})
+    check(st == 404 and st2 == 404 and is_error_shape(r6) and r6["error"]["param"] == "previous_response_id",
+          "a deleted response: GET %s, previous_response_id %s %s" % (st, st2, r6))
+    st = request(node, "POST", "/v1/responses/" + r2["id"], {})[0]
+    check(st == 405, "POST /v1/responses/{id}: %s" % st)
     # reasoning (--reasoning-parser qwen3; forced <think> by a regex): a reasoning item, then the message
     rq = {"input": "x", "max_output_tokens": 40, "temperature": 0, "guided_regex": "<think>\nab\n</think>\n\n[a-z]{1,3}"}
     st, r = resp(rq)
@@ -1134,8 +1175,8 @@ def test_responses(node):
     check(st == 200 and st2 == 200 and responses_output_text(r) == c["choices"][0]["message"]["content"] and
           re.match(r'\{\s*"n": [0-9]', responses_output_text(r)), "text.format json_schema == response_format: %s" % r)
     # refused by name, and the node serves on
-    bad = [({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
-           ({"input": "x", "background": True}, "background"),
+    bad = [({"input": "x", "background": True}, "background"),
+           ({"input": "x", "store": "yes"}, "store"),
            ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
            ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
            ({"input": [{"role": "tool", "content": "x"}]}, "input"),
@@ -1156,6 +1197,33 @@ def test_responses(node):
     st, r = resp({"input": "def fib(n):", "max_output_tokens": 2})
     check(st == 200 and r.get("status") in ("completed", "incomplete"), "serving after the refusals: %s" % r)
     log("/v1/responses checked")
+
+
+def test_responses_store_off(bin_dir, model, draft):
+    """--responses-store-mb 0: nothing is kept (store false in every response; previous_response_id
+    and GET name the flag); a budget of 1 MiB drops the oldest responses first"""
+    node = Node(bin_dir, model, draft, ("--colocated", "--responses-store-mb", "0"))
+    try:
+        st, r = post_json(node, "/v1/responses", {"input": "def f():", "max_output_tokens": 2})
+        st2, r2 = post_json(node, "/v1/responses", {"input": "x", "previous_response_id": r.get("id", "x")})
+        st3, _, b = request(node, "GET", "/v1/responses/" + r.get("id", "x"))
+        check(st == 200 and r["store"] is False and st2 == 404 and "--responses-store-mb 0" in r2["error"]["message"]
+              and st3 == 404 and b"--responses-store-mb 0" in b, "no store: %s %s %s" % (r.get("store"), r2, b[:200]))
+    finally:
+        node.stop()
+    node = Node(bin_dir, model, draft, ("--colocated", "--responses-store-mb", "1"))
+    try:
+        pad = {"pad": "x" * 200000}   # ~200 KB a stored response (metadata is repeated): five fill the budget
+        ids = []
+        for i in range(8):
+            st, r = post_json(node, "/v1/responses", {"input": "def f%d():" % i, "metadata": pad, "max_output_tokens": 1})
+            ids.append(r.get("id") if st == 200 else None)
+        kept = [request(node, "GET", "/v1/responses/" + str(i))[0] == 200 for i in ids]
+        check(None not in ids and kept[-1] and not kept[0] and kept == sorted(kept),
+              "a 1 MiB budget keeps the newest, drops the oldest first: %s" % kept)
+    finally:
+        node.stop()
+    log("--responses-store-mb checked")
 
 
 def test_tools(node, fixtures):
@@ -3348,6 +3416,7 @@ def main():
         test_fd_exhaustion(bin_dir, model, draft)
         test_tls(bin_dir, model, draft)
         test_tls_reload(bin_dir, model, draft)
+        test_responses_store_off(bin_dir, model, draft)
         test_spec_disable(bin_dir, model, draft)
         test_no_draft(bin_dir, model, draft)
     if FAILS == 0 and DEV:
