@@ -650,6 +650,21 @@ static int ready_fn(void *ud, char *why, size_t cap)
 /* ---------------------------------------------------------------------------------------------
  * Lifetime */
 
+void decode_http_model_id(const char *model_dir, const char *served_name, char *out, size_t cap)
+{
+    if (served_name != NULL) {
+        snprintf(out, cap, "%s", served_name);
+        return;
+    }
+    char tmp[4096];
+    snprintf(tmp, sizeof(tmp), "%s", model_dir != NULL ? model_dir : "model");
+    size_t l = strlen(tmp);
+    while (l > 1 && tmp[l - 1] == '/')
+        tmp[--l] = '\0';
+    const char *base = strrchr(tmp, '/');
+    snprintf(out, cap, "%.255s", base != NULL ? base + 1 : tmp);
+}
+
 pd_status decode_http_create(decode_server *s, const decode_http_config *cfg, decode_http **out,
                              pd_err *err)
 {
@@ -669,17 +684,7 @@ pd_status decode_http_create(decode_server *s, const decode_http_config *cfg, de
     atomic_init(&dh->draining, 0);
     atomic_init(&dh->inflight, 0);
     atomic_init(&dh->next_id, 1);
-    if (cfg->model_name != NULL) {
-        snprintf(dh->model, sizeof(dh->model), "%s", cfg->model_name);
-    } else {
-        char tmp[4096];
-        snprintf(tmp, sizeof(tmp), "%s", cfg->model_dir != NULL ? cfg->model_dir : "model");
-        size_t l = strlen(tmp);
-        while (l > 1 && tmp[l - 1] == '/')
-            tmp[--l] = '\0';
-        const char *base = strrchr(tmp, '/');
-        snprintf(dh->model, sizeof(dh->model), "%.255s", base != NULL ? base + 1 : tmp);
-    }
+    decode_http_model_id(cfg->model_dir, cfg->model_name, dh->model, sizeof(dh->model));
     pd_status st;
     char model_path[300];
     snprintf(model_path, sizeof(model_path), "/v1/models/%s", dh->model);

@@ -46,6 +46,8 @@ typedef struct {
 pd_status decode_http_create(decode_server *s, const decode_http_config *cfg, decode_http **out,
                              pd_err *err);
 int decode_http_port(const decode_http *h);
+/* The model id the API answers with: served_name, else model_dir's last component. */
+void decode_http_model_id(const char *model_dir, const char *served_name, char *out, size_t cap);
 /* pd_http_set_tls on its server (a TLS reload; any thread). */
 pd_status decode_http_set_tls(decode_http *h, const pd_tls *t, pd_err *err);
 /* Stop admitting: /ready answers 503 and new generation requests get 503; requests already

@@ -42,6 +42,7 @@ static void usage(FILE *f)
             "                   [--graphs auto|off|pad] [--chunked-prefill-size N]\n"
             "                   [--reasoning-parser qwen3] [--served-model-name NAME] [--api-key KEY]\n"
             "                   [--chat-template FILE|TEXT] [--max-local-prefill N] [--responses-store-mb N]\n"
+            "                   [--vllm-metrics]\n"
             "                   [--generation-config auto|none|DIR]\n"
             "                   [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--tls-ca FILE]\n"
             "                   [--tls-reload-interval SECONDS]\n"
@@ -80,6 +81,10 @@ static void usage(FILE *f)
             "their conversations in this node's memory (oldest dropped first past N MiB) for\n"
             "previous_response_id and GET/DELETE /v1/responses/{id}; lost on restart, not shared\n"
             "between replicas (route a conversation to one node).\n"
+            "--vllm-metrics also exports vLLM's names of the series load balancers and dashboards\n"
+            "read (vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc,\n"
+            "token counters, TTFT and latency histograms; label model_name), as the Kubernetes\n"
+            "Gateway API inference extension scrapes them.\n"
             "--served-model-name sets the model id of /v1/models and the replies (default: the\n"
             "--model directory's name); a request naming another model gets 404.\n"
             "--api-key KEY (or the PDSPARK_API_KEY environment variable, which keeps it out of\n"
@@ -167,12 +172,12 @@ int main(int argc, char **argv)
     const char *api_key = getenv("PDSPARK_API_KEY");
     int64_t drain_ms = 30000;
     int tls_reload_s = 60;
-    int store_mb = 64;
+    int store_mb = 64, vllm_metrics = 0;
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_PREFILL, O_COLO, O_DEVICE, O_PAGES, O_PAGE, O_BATCH,
            O_QUEUE, O_QTMO, O_RTMO, O_XTMO, O_CP, O_CPS, O_LOG, O_HELP, O_HTTP, O_LOGFMT, O_DRAIN,
            O_VERIFY, O_THRESH, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_CHUNK, O_REFRESH, O_PREFIX,
            O_REASON, O_SERVED, O_APIKEY, O_CHATTMPL, O_LOCALPF, O_GENCFG, O_KVFRAC, O_SWAP,
-           O_STAGE, O_SPECOFF, O_NODRAFT, O_TLSCERT, O_TLSKEY, O_TLSCA, O_TLSCCA, O_TLSRELOAD, O_RSTORE };
+           O_STAGE, O_SPECOFF, O_NODRAFT, O_TLSCERT, O_TLSKEY, O_TLSCA, O_TLSCCA, O_TLSRELOAD, O_RSTORE, O_VLLMMET };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"no-draft", no_argument, 0, O_NODRAFT},
@@ -207,6 +212,7 @@ int main(int argc, char **argv)
         {"tls-ca", required_argument, 0, O_TLSCA}, {"tls-client-ca", required_argument, 0, O_TLSCCA},
         {"tls-reload-interval", required_argument, 0, O_TLSRELOAD},
         {"responses-store-mb", required_argument, 0, O_RSTORE},
+        {"vllm-metrics", no_argument, 0, O_VLLMMET},
         {0, 0, 0, 0},
     };
     opterr = 0;
@@ -285,6 +291,7 @@ int main(int argc, char **argv)
         case O_TLSKEY: tls_key = optarg; break;
         case O_TLSCA: tls_ca = optarg; break;
         case O_TLSCCA: tls_client_ca = optarg; break;
+        case O_VLLMMET: vllm_metrics = 1; break;
         case O_RSTORE: bad = pd_cli_parse_int(PROG, "--responses-store-mb", optarg, 0, 1 << 20, &store_mb); break;
         case O_TLSRELOAD:
             bad = pd_cli_parse_int(PROG, "--tls-reload-interval", optarg, 0, 86400 * 365, &tls_reload_s);
@@ -398,6 +405,11 @@ int main(int argc, char **argv)
         return 1;
     }
     cfg.observer = decode_metrics_observer(dm);
+    if (vllm_metrics) {
+        char model_id[256];
+        decode_http_model_id(cfg.model_dir, served_name, model_id, sizeof(model_id));
+        decode_metrics_vllm_names(dm, model_id);
+    }
     cfg.chat_template = chat_template;
     cfg.reasoning = reasoning;
     cfg.generation_config = generation_config;

@@ -45,6 +45,9 @@ struct decode_metrics {
               *draining_g;
     pd_metric *ttft, *itl, *e2e, *apr, *rounds_c, *accepted_c, *tau;
     pd_metric *queue, *pf_call, *pf_join;   /* the first token's parts */
+    /* vLLM's names (decode_metrics_vllm_names; NULL: not exported) */
+    pd_metric *v_running, *v_waiting, *v_kv, *v_kv_old, *v_preempt, *v_prompt, *v_gen, *v_stop, *v_length,
+              *v_ttft, *v_e2e;
 };
 
 /* ---------------------------------------------------------------------------------------------
@@ -154,13 +157,20 @@ static void obs_done(void *ud, const decode_result *r)
                  : r->status == PD_ERR_PEER ? m->req_peer : r->status == PD_ERR_INVALID ? m->req_invalid
                  : m->req_error;
     pd_metric_inc(c);
-    if (r->status == PD_OK)
+    if (r->status == PD_OK) {
         pd_metric_inc(r->finish == PD_FINISH_LENGTH ? m->fin_length : m->fin_stop);
+        pd_metric_inc(r->finish == PD_FINISH_LENGTH ? m->v_length : m->v_stop);
+        pd_metric_observe(m->v_e2e, r->time_ms / 1000.0);
+    }
     pd_metric_add(m->prompt_tokens, r->prompt_tokens);
+    pd_metric_add(m->v_prompt, r->prompt_tokens);
     pd_metric_add(m->cached_tokens, r->cached_tokens);
     pd_metric_add(m->gen_tokens, r->n_tokens);
-    if (r->n_tokens > 0)
+    pd_metric_add(m->v_gen, r->n_tokens);
+    if (r->n_tokens > 0) {
         pd_metric_observe(m->ttft, r->ttft_ms / 1000.0);
+        pd_metric_observe(m->v_ttft, r->ttft_ms / 1000.0);
+    }
     if (r->queue_ms >= 0)
         pd_metric_observe(m->queue, r->queue_ms / 1000.0);
     if (r->prefill_call_ms >= 0 && r->n_tokens > 0)
@@ -212,6 +222,12 @@ static void collect(void *ud)
         pd_metric_add(m->gcache_hits, (double)(hits - m->gc_hits_seen));
         pd_metric_add(m->gcache_misses, (double)(misses - m->gc_misses_seen));
         pd_metric_add(m->preempt, (double)(st.preemptions - m->preempt_seen));
+        pd_metric_add(m->v_preempt, (double)(st.preemptions - m->preempt_seen));
+        pd_metric_set(m->v_running, st.active_requests);
+        pd_metric_set(m->v_waiting, st.queued_requests);
+        double usage = st.total_kv_pages > 0 ? (double)st.pages_in_use / st.total_kv_pages : 0.0;
+        pd_metric_set(m->v_kv, usage);
+        pd_metric_set(m->v_kv_old, usage);
         m->preempt_seen = st.preemptions;
         pd_metric_set(m->swapped, st.swapped_requests);
         pd_metric_set(m->stage_used, st.staging_pages_used);
@@ -232,6 +248,39 @@ static void collect(void *ud)
 
 /* ---------------------------------------------------------------------------------------------
  * Lifetime */
+
+void decode_metrics_vllm_names(decode_metrics *m, const char *model)
+{
+    char esc[512], lab[600], fin[700];
+    pd_metrics_label_escape(esc, sizeof(esc), model);
+    snprintf(lab, sizeof(lab), "model_name=\"%s\"", esc);
+    pd_metrics *reg = m->reg;
+    m->v_running = pd_metrics_gauge(reg, "vllm:num_requests_running", "Requests running (pdspark_requests_running)",
+                                    lab);
+    m->v_waiting = pd_metrics_gauge(reg, "vllm:num_requests_waiting", "Requests waiting (pdspark_requests_queued)",
+                                    lab);
+    m->v_kv = pd_metrics_gauge(reg, "vllm:kv_cache_usage_perc", "KV pool usage, 0..1 (pdspark_kv_pages_used / "
+                               "pdspark_kv_pages_total)", lab);
+    m->v_kv_old = pd_metrics_gauge(reg, "vllm:gpu_cache_usage_perc", "KV pool usage, 0..1 (vLLM's older name)",
+                                   lab);
+    m->v_preempt = pd_metrics_counter(reg, "vllm:num_preemptions_total", "Preemptions (pdspark_preemptions_total)",
+                                      lab);
+    m->v_prompt = pd_metrics_counter(reg, "vllm:prompt_tokens_total", "Prompt tokens (pdspark_prompt_tokens_total)",
+                                     lab);
+    m->v_gen = pd_metrics_counter(reg, "vllm:generation_tokens_total",
+                                  "Generated tokens (pdspark_generation_tokens_total)", lab);
+    snprintf(fin, sizeof(fin), "%s,finished_reason=\"stop\"", lab);
+    m->v_stop = pd_metrics_counter(reg, "vllm:request_success_total", "Successful requests by finish reason", fin);
+    snprintf(fin, sizeof(fin), "%s,finished_reason=\"length\"", lab);
+    m->v_length = pd_metrics_counter(reg, "vllm:request_success_total", "Successful requests by finish reason", fin);
+    double b[16];
+    pd_metrics_exp_buckets(0.005, 2.0, 14, b);
+    m->v_ttft = pd_metrics_histogram(reg, "vllm:time_to_first_token_seconds",
+                                     "Time to first token (pdspark_time_to_first_token_seconds)", lab, b, 14);
+    m->v_e2e = pd_metrics_histogram(reg, "vllm:e2e_request_latency_seconds",
+                                    "End-to-end latency of successful requests (pdspark_request_duration_seconds)",
+                                    lab, b, 14);
+}
 
 #define REQ_HELP "Requests by outcome (ok, cancelled, timeout, busy, peer_error, invalid, " \
                  "draining, error)"

@@ -23,6 +23,14 @@ const decode_observer *decode_metrics_observer(decode_metrics *m);
  * decode_server_destroy while /metrics may still be scraped). */
 void decode_metrics_attach(decode_metrics *m, decode_server *s);
 void decode_metrics_set_draining(decode_metrics *m, int draining);
+/* Also export vLLM's names for the series load balancers read (the Kubernetes Gateway API
+ * inference extension, KEDA, vLLM dashboards), labelled model_name="model": vllm:num_requests_running,
+ * vllm:num_requests_waiting, vllm:kv_cache_usage_perc (and its older name
+ * vllm:gpu_cache_usage_perc), vllm:num_preemptions_total, vllm:prompt_tokens_total,
+ * vllm:generation_tokens_total, vllm:request_success_total{finished_reason},
+ * vllm:time_to_first_token_seconds, vllm:e2e_request_latency_seconds. Call from main before the
+ * server takes requests. */
+void decode_metrics_vllm_names(decode_metrics *m, const char *model);
 /* A request refused before it reached the engine: outcome "invalid", "draining", "busy", ... */
 void decode_metrics_refused(decode_metrics *m, const char *outcome);
 

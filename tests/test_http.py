@@ -1226,6 +1226,36 @@ def test_responses_store_off(bin_dir, model, draft):
     log("--responses-store-mb checked")
 
 
+def test_vllm_metrics(bin_dir, model, draft):
+    """--vllm-metrics: vLLM's names of the series load balancers read, labelled with the served
+    model, equal to pdspark's own (the strict parser checks the text)"""
+    node = Node(bin_dir, model, draft, ("--colocated", "--vllm-metrics", "--served-model-name", "m-1"))
+    try:
+        for mt in (4, 8):
+            post_json(node, "/v1/completions", {"prompt": "def f():", "max_tokens": mt, "temperature": 0})
+        f = metrics(node)
+        lab = {"model_name": "m-1"}
+        pairs = [("vllm:prompt_tokens_total", "pdspark_prompt_tokens_total"),
+                 ("vllm:generation_tokens_total", "pdspark_generation_tokens_total"),
+                 ("vllm:num_requests_running", "pdspark_requests_running"),
+                 ("vllm:num_requests_waiting", "pdspark_requests_queued")]
+        for v, p in pairs:
+            check(sample(f, v, **lab) is not None and sample(f, v, **lab) == sample(f, p), "%s == %s: %s %s" %
+                  (v, p, sample(f, v, **lab), sample(f, p)))
+        used, total = sample(f, "pdspark_kv_pages_used"), sample(f, "pdspark_kv_pages_total")
+        usage = sample(f, "vllm:kv_cache_usage_perc", **lab)
+        check(usage is not None and abs(usage - (used / total if total else 0)) < 1e-12 and
+              sample(f, "vllm:gpu_cache_usage_perc", **lab) == sample(f, "vllm:kv_cache_usage_perc", **lab),
+              "vllm:kv_cache_usage_perc %s" % sample(f, "vllm:kv_cache_usage_perc", **lab))
+        ok = sum(sample(f, "vllm:request_success_total", finished_reason=r, **lab) or 0 for r in ("stop", "length"))
+        check(ok == 2 and sample(f, "vllm:time_to_first_token_seconds", "vllm:time_to_first_token_seconds_count", **lab) == 2
+              and sample(f, "vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_count", **lab) == 2,
+              "vLLM's request counter and histograms: %s" % ok)
+    finally:
+        node.stop()
+    log("--vllm-metrics checked")
+
+
 def test_tools(node, fixtures):
     """Tool calling: the tools in the prompt as Qwen's template writes them (/tokenize equals the
     jinja2 render's tokens), tool_choice required / named forcing a call that comes back as
@@ -3417,6 +3447,7 @@ def main():
         test_tls(bin_dir, model, draft)
         test_tls_reload(bin_dir, model, draft)
         test_responses_store_off(bin_dir, model, draft)
+        test_vllm_metrics(bin_dir, model, draft)
         test_spec_disable(bin_dir, model, draft)
         test_no_draft(bin_dir, model, draft)
     if FAILS == 0 and DEV:
