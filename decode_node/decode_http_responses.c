@@ -23,6 +23,176 @@
 #include "pd_json.h"
 
 /* ---------------------------------------------------------------------------------------------
+ * Stored responses */
+
+typedef struct resp_stored {
+    struct resp_stored *prev, *next;   /* oldest first */
+    char *id;
+    cJSON *conv;                       /* the conversation, this response's output last */
+    cJSON *resp;                       /* the response object */
+    size_t bytes;                      /* both as JSON text: what the budget counts */
+} resp_stored;
+
+struct resp_store {
+    resp_stored *head, *tail;
+    size_t bytes, cap;
+};
+
+resp_store *decode_http_resp_store_create(size_t cap_bytes)
+{
+    if (cap_bytes == 0)
+        return NULL;
+    resp_store *s = calloc(1, sizeof(*s));
+    if (s != NULL)
+        s->cap = cap_bytes;
+    return s;
+}
+
+static void store_unlink(resp_store *s, resp_stored *e)
+{
+    if (e->prev != NULL)
+        e->prev->next = e->next;
+    else
+        s->head = e->next;
+    if (e->next != NULL)
+        e->next->prev = e->prev;
+    else
+        s->tail = e->prev;
+    s->bytes -= e->bytes;
+    free(e->id);
+    cJSON_Delete(e->conv);
+    cJSON_Delete(e->resp);
+    free(e);
+}
+
+void decode_http_resp_store_destroy(resp_store *s)
+{
+    while (s != NULL && s->head != NULL)
+        store_unlink(s, s->head);
+    free(s);
+}
+
+static const resp_stored *store_find(const resp_store *s, const char *id)
+{
+    for (resp_stored *e = s->tail; e != NULL; e = e->prev)   /* the newest first */
+        if (strcmp(e->id, id) == 0)
+            return e;
+    return NULL;
+}
+
+static size_t json_bytes(const cJSON *j)
+{
+    char *t = cJSON_PrintUnformatted(j);
+    size_t n = t != NULL ? strlen(t) : 0;
+    free(t);
+    return n;
+}
+
+/* conv and resp (taken) kept under id, the oldest dropped past the budget; one response larger
+ * than the whole budget is not kept */
+static void store_put(resp_store *s, const char *id, cJSON *conv, cJSON *resp)
+{
+    resp_stored *old = (resp_stored *)store_find(s, id);
+    if (old != NULL)   /* a client's repeated X-Request-Id: the newer wins */
+        store_unlink(s, old);
+    size_t bytes = json_bytes(conv) + json_bytes(resp) + strlen(id);
+    resp_stored *e = bytes <= s->cap ? calloc(1, sizeof(*e)) : NULL;
+    if (e == NULL || (e->id = strdup(id)) == NULL) {
+        free(e);
+        cJSON_Delete(conv);
+        cJSON_Delete(resp);
+        return;
+    }
+    e->conv = conv;
+    e->resp = resp;
+    e->bytes = bytes;
+    while (s->head != NULL && s->bytes + bytes > s->cap)
+        store_unlink(s, s->head);
+    e->prev = s->tail;
+    if (s->tail != NULL)
+        s->tail->next = e;
+    else
+        s->head = e;
+    s->tail = e;
+    s->bytes += bytes;
+}
+
+void decode_http_responses_stored(struct evhttp_request *req, resp_store *s, int del)
+{
+    const char *uri = evhttp_request_get_uri(req);
+    const char *id = uri != NULL ? strstr(uri, "/v1/responses/") : NULL;
+    char buf[128];
+    snprintf(buf, sizeof(buf), "%s", id != NULL ? id + strlen("/v1/responses/") : "");
+    buf[strcspn(buf, "?")] = '\0';
+    if (strchr(buf, '/') != NULL) {
+        pd_http_error(req, 404, "invalid_request_error", NULL, "not_found",
+                      "no route for %.120s (a stored response is read whole: GET /v1/responses/{id})", uri);
+        return;
+    }
+    resp_stored *e = s != NULL ? (resp_stored *)store_find(s, buf) : NULL;
+    if (e == NULL) {
+        pd_http_error(req, 404, "invalid_request_error", NULL, "not_found", "response '%.80s' is not stored here%s",
+                      buf, s == NULL ? " (this node stores no responses: --responses-store-mb 0)" : "");
+        return;
+    }
+    if (!del) {
+        decode_http_send_json(req, cJSON_Duplicate(e->resp, 1));
+        return;
+    }
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "id", e->id);
+    cJSON_AddStringToObject(o, "object", "response");
+    cJSON_AddTrueToObject(o, "deleted");
+    store_unlink(s, e);
+    decode_http_send_json(req, o);
+}
+
+/* the output items as the assistant turn a later request's conversation continues from */
+static cJSON *output_turn(const cJSON *items)
+{
+    cJSON *m = cJSON_CreateObject();
+    cJSON_AddStringToObject(m, "role", "assistant");
+    char *text = NULL, *reason = NULL;
+    size_t tl = 0, tc = 0, rl = 0, rc = 0;
+    cJSON *calls = NULL;
+    const cJSON *it;
+    cJSON_ArrayForEach(it, items) {
+        const char *ty = cJSON_GetObjectItemCaseSensitive(it, "type")->valuestring;
+        const cJSON *parts = cJSON_GetObjectItemCaseSensitive(it, "content"), *p;
+        if (strcmp(ty, "function_call") == 0) {
+            if (calls == NULL)
+                calls = cJSON_CreateArray();
+            cJSON *tcall = cJSON_CreateObject();
+            cJSON_AddItemToObject(tcall, "id", cJSON_Duplicate(cJSON_GetObjectItemCaseSensitive(it, "call_id"), 1));
+            cJSON_AddStringToObject(tcall, "type", "function");
+            cJSON *fn = cJSON_AddObjectToObject(tcall, "function");
+            cJSON_AddItemToObject(fn, "name", cJSON_Duplicate(cJSON_GetObjectItemCaseSensitive(it, "name"), 1));
+            cJSON_AddItemToObject(fn, "arguments", cJSON_Duplicate(cJSON_GetObjectItemCaseSensitive(it, "arguments"), 1));
+            cJSON_AddItemToArray(calls, tcall);
+            continue;
+        }
+        int reasoning = strcmp(ty, "reasoning") == 0;
+        cJSON_ArrayForEach(p, parts) {
+            const cJSON *t = cJSON_GetObjectItemCaseSensitive(p, "text");
+            if (cJSON_IsString(t))
+                pd_buf_append(reasoning ? &reason : &text, reasoning ? &rl : &tl, reasoning ? &rc : &tc,
+                              t->valuestring, strlen(t->valuestring));
+        }
+    }
+    if (text != NULL)
+        cJSON_AddStringToObject(m, "content", text);
+    else
+        cJSON_AddNullToObject(m, "content");
+    if (reason != NULL)
+        cJSON_AddStringToObject(m, "reasoning_content", reason);
+    if (calls != NULL)
+        cJSON_AddItemToObject(m, "tool_calls", calls);
+    free(text);
+    free(reason);
+    return m;
+}
+
+/* ---------------------------------------------------------------------------------------------
  * The request */
 
 /* Set msg and return NULL (the translator's error exit). */
@@ -242,10 +412,6 @@ static cJSON *tools_of(const cJSON *tools, char *msg, size_t cap)
     return out;
 }
 
-typedef struct resp_stored resp_stored;
-static const resp_stored *store_find(const resp_store *s, const char *id);
-static const cJSON *stored_conv(const resp_stored *e);
-
 cJSON *decode_http_responses_request(const cJSON *root, resp_store *store, cJSON **echo, cJSON **conv,
                                      int *code, const char **param, char *msg, size_t cap)
 {
@@ -300,7 +466,7 @@ cJSON *decode_http_responses_request(const cJSON *root, resp_store *store, cJSON
                    "whole conversation in 'input'", prev->valuestring);
         }
         const cJSON *m;
-        cJSON_ArrayForEach(m, stored_conv(ps))
+        cJSON_ArrayForEach(m, ps->conv)
             cJSON_AddItemToArray(cv, cJSON_Duplicate(m, 1));
     }
     const cJSON *input = cJSON_GetObjectItemCaseSensitive(root, "input");
@@ -432,181 +598,6 @@ const char *decode_http_responses_param(const char *chat_param)
         if (strcmp(chat_param, map[k][0]) == 0)
             return map[k][1];
     return chat_param;
-}
-
-/* ---------------------------------------------------------------------------------------------
- * Stored responses */
-
-struct resp_stored {
-    struct resp_stored *prev, *next;   /* oldest first */
-    char *id;
-    cJSON *conv;                       /* the conversation, this response's output last */
-    cJSON *resp;                       /* the response object */
-    size_t bytes;                      /* both as JSON text: what the budget counts */
-};
-
-struct resp_store {
-    resp_stored *head, *tail;
-    size_t bytes, cap;
-};
-
-resp_store *decode_http_resp_store_create(size_t cap_bytes)
-{
-    if (cap_bytes == 0)
-        return NULL;
-    resp_store *s = calloc(1, sizeof(*s));
-    if (s != NULL)
-        s->cap = cap_bytes;
-    return s;
-}
-
-static void store_unlink(resp_store *s, resp_stored *e)
-{
-    if (e->prev != NULL)
-        e->prev->next = e->next;
-    else
-        s->head = e->next;
-    if (e->next != NULL)
-        e->next->prev = e->prev;
-    else
-        s->tail = e->prev;
-    s->bytes -= e->bytes;
-    free(e->id);
-    cJSON_Delete(e->conv);
-    cJSON_Delete(e->resp);
-    free(e);
-}
-
-void decode_http_resp_store_destroy(resp_store *s)
-{
-    while (s != NULL && s->head != NULL)
-        store_unlink(s, s->head);
-    free(s);
-}
-
-static const cJSON *stored_conv(const resp_stored *e)
-{
-    return e->conv;
-}
-
-static const resp_stored *store_find(const resp_store *s, const char *id)
-{
-    for (resp_stored *e = s->tail; e != NULL; e = e->prev)   /* the newest first */
-        if (strcmp(e->id, id) == 0)
-            return e;
-    return NULL;
-}
-
-static size_t json_bytes(const cJSON *j)
-{
-    char *t = cJSON_PrintUnformatted(j);
-    size_t n = t != NULL ? strlen(t) : 0;
-    free(t);
-    return n;
-}
-
-/* conv and resp (taken) kept under id, the oldest dropped past the budget; one response larger
- * than the whole budget is not kept */
-static void store_put(resp_store *s, const char *id, cJSON *conv, cJSON *resp)
-{
-    resp_stored *old = (resp_stored *)store_find(s, id);
-    if (old != NULL)   /* a client's repeated X-Request-Id: the newer wins */
-        store_unlink(s, old);
-    size_t bytes = json_bytes(conv) + json_bytes(resp) + strlen(id);
-    resp_stored *e = bytes <= s->cap ? calloc(1, sizeof(*e)) : NULL;
-    if (e == NULL || (e->id = strdup(id)) == NULL) {
-        free(e);
-        cJSON_Delete(conv);
-        cJSON_Delete(resp);
-        return;
-    }
-    e->conv = conv;
-    e->resp = resp;
-    e->bytes = bytes;
-    while (s->head != NULL && s->bytes + bytes > s->cap)
-        store_unlink(s, s->head);
-    e->prev = s->tail;
-    if (s->tail != NULL)
-        s->tail->next = e;
-    else
-        s->head = e;
-    s->tail = e;
-    s->bytes += bytes;
-}
-
-void decode_http_responses_stored(struct evhttp_request *req, resp_store *s, int del)
-{
-    const char *uri = evhttp_request_get_uri(req);
-    const char *id = uri != NULL ? strstr(uri, "/v1/responses/") : NULL;
-    char buf[128];
-    snprintf(buf, sizeof(buf), "%s", id != NULL ? id + strlen("/v1/responses/") : "");
-    buf[strcspn(buf, "?")] = '\0';
-    if (strchr(buf, '/') != NULL) {
-        pd_http_error(req, 404, "invalid_request_error", NULL, "not_found",
-                      "no route for %.120s (a stored response is read whole: GET /v1/responses/{id})", uri);
-        return;
-    }
-    resp_stored *e = s != NULL ? (resp_stored *)store_find(s, buf) : NULL;
-    if (e == NULL) {
-        pd_http_error(req, 404, "invalid_request_error", NULL, "not_found", "response '%.80s' is not stored here%s",
-                      buf, s == NULL ? " (this node stores no responses: --responses-store-mb 0)" : "");
-        return;
-    }
-    if (!del) {
-        decode_http_send_json(req, cJSON_Duplicate(e->resp, 1));
-        return;
-    }
-    cJSON *o = cJSON_CreateObject();
-    cJSON_AddStringToObject(o, "id", e->id);
-    cJSON_AddStringToObject(o, "object", "response");
-    cJSON_AddTrueToObject(o, "deleted");
-    store_unlink(s, e);
-    decode_http_send_json(req, o);
-}
-
-/* the output items as the assistant turn a later request's conversation continues from */
-static cJSON *output_turn(const cJSON *items)
-{
-    cJSON *m = cJSON_CreateObject();
-    cJSON_AddStringToObject(m, "role", "assistant");
-    char *text = NULL, *reason = NULL;
-    size_t tl = 0, tc = 0, rl = 0, rc = 0;
-    cJSON *calls = NULL;
-    const cJSON *it;
-    cJSON_ArrayForEach(it, items) {
-        const char *ty = cJSON_GetObjectItemCaseSensitive(it, "type")->valuestring;
-        const cJSON *parts = cJSON_GetObjectItemCaseSensitive(it, "content"), *p;
-        if (strcmp(ty, "function_call") == 0) {
-            if (calls == NULL)
-                calls = cJSON_CreateArray();
-            cJSON *tcall = cJSON_CreateObject();
-            cJSON_AddItemToObject(tcall, "id", cJSON_Duplicate(cJSON_GetObjectItemCaseSensitive(it, "call_id"), 1));
-            cJSON_AddStringToObject(tcall, "type", "function");
-            cJSON *fn = cJSON_AddObjectToObject(tcall, "function");
-            cJSON_AddItemToObject(fn, "name", cJSON_Duplicate(cJSON_GetObjectItemCaseSensitive(it, "name"), 1));
-            cJSON_AddItemToObject(fn, "arguments", cJSON_Duplicate(cJSON_GetObjectItemCaseSensitive(it, "arguments"), 1));
-            cJSON_AddItemToArray(calls, tcall);
-            continue;
-        }
-        int reasoning = strcmp(ty, "reasoning") == 0;
-        cJSON_ArrayForEach(p, parts) {
-            const cJSON *t = cJSON_GetObjectItemCaseSensitive(p, "text");
-            if (cJSON_IsString(t))
-                pd_buf_append(reasoning ? &reason : &text, reasoning ? &rl : &tl, reasoning ? &rc : &tc,
-                              t->valuestring, strlen(t->valuestring));
-        }
-    }
-    if (text != NULL)
-        cJSON_AddStringToObject(m, "content", text);
-    else
-        cJSON_AddNullToObject(m, "content");
-    if (reason != NULL)
-        cJSON_AddStringToObject(m, "reasoning_content", reason);
-    if (calls != NULL)
-        cJSON_AddItemToObject(m, "tool_calls", calls);
-    free(text);
-    free(reason);
-    return m;
 }
 
 /* ---------------------------------------------------------------------------------------------
