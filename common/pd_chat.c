@@ -128,12 +128,12 @@ static void special_tokens(const char *model_dir, pd_chat_template *out)
     cJSON_Delete(j);
 }
 
-/* t into *out: a ChatML-shaped template for the ChatML renderer, any other parsed by pd_jinja
- * (-1 with why when it does not parse) */
-static int template_use(const char *t, pd_chat_template *out, char *why, size_t cap)
+/* t into *out: a ChatML-shaped template for the ChatML renderer (unless jinja), any other parsed
+ * by pd_jinja (-1 with why when it does not parse) */
+static int template_use(const char *t, int jinja, pd_chat_template *out, char *why, size_t cap)
 {
     char d[128], perr[256];
-    if (pd_chat_template_detect(t, out, d, sizeof(d)) == 0)
+    if (!jinja && pd_chat_template_detect(t, out, d, sizeof(d)) == 0)
         return 0;
     memset(out, 0, sizeof(*out));
     if ((out->jinja = pd_jinja_parse(t, perr, sizeof(perr))) == NULL) {
@@ -173,6 +173,12 @@ void pd_chat_template_free(pd_chat_template *t)
 pd_status pd_chat_template_load(const char *model_dir, const char *given, pd_chat_template *out, int *usable,
                                 char *why, size_t cap, pd_err *err)
 {
+    return pd_chat_template_open(model_dir, given, 0, out, usable, why, cap, err);
+}
+
+pd_status pd_chat_template_open(const char *model_dir, const char *given, int jinja, pd_chat_template *out,
+                                int *usable, char *why, size_t cap, pd_err *err)
+{
     char d[384];
     *usable = 0;
     memset(out, 0, sizeof(*out));
@@ -181,7 +187,7 @@ pd_status pd_chat_template_load(const char *model_dir, const char *given, pd_cha
         if (t == NULL)
             return pd_err_set(err, PD_ERR_IO, "--chat-template '%.200s': no such file (or give the template "
                               "text itself)", given);
-        int rc = template_use(t, out, d, sizeof(d));
+        int rc = template_use(t, jinja, out, d, sizeof(d));
         free(t);
         if (rc != 0)
             return pd_err_set(err, PD_ERR_INVALID, "--chat-template: %s", d);
@@ -198,7 +204,7 @@ pd_status pd_chat_template_load(const char *model_dir, const char *given, pd_cha
         if (t == NULL)
             snprintf(why, cap, "chat is unavailable: the checkpoint ships no chat template "
                      "(chat_template.jinja or tokenizer_config.json); send a prompt you format yourself");
-        else if (template_use(t, out, d, sizeof(d)) != 0)
+        else if (template_use(t, jinja, out, d, sizeof(d)) != 0)
             snprintf(why, cap, "chat is unavailable: the checkpoint's chat template (%s): %s; send a prompt you "
                      "format yourself or give --chat-template", from, d);
         else

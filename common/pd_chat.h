@@ -56,6 +56,11 @@ int pd_chat_template_detect(const char *tmpl, pd_chat_template *out, char *why, 
 /* (the template's Jinja parse is freed by pd_chat_template_free) */
 pd_status pd_chat_template_load(const char *model_dir, const char *given, pd_chat_template *out, int *usable,
                                 char *why, size_t cap, pd_err *err);
+/* The same; jinja: every template goes through pd_jinja, ChatML-shaped ones too (llama.cpp's
+ * --jinja: the checkpoint's template followed exactly rather than the ChatML renderer's Qwen
+ * rules). */
+pd_status pd_chat_template_open(const char *model_dir, const char *given, int jinja, pd_chat_template *out,
+                                int *usable, char *why, size_t cap, pd_err *err);
 void pd_chat_template_free(pd_chat_template *t);   /* NULL or zeroed: nothing */
 
 /* The request's tools. */

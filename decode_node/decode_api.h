@@ -94,6 +94,7 @@ typedef struct {
     int fast_kernels;               /* 1: fastest GPU kernels instead of batch-invariant ones */
     int spec_disable_batch;         /* --speculative-disable-by-batch-size (pd_engine_config's) */
     int graphs;                     /* pd_graph_mode (0 = auto: CUDA graphs where available) */
+    int jinja;                      /* --jinja: every chat template through the Jinja subset */
     const char *chat_template;      /* --chat-template: a template file, or the template itself
                                      * (text with "{{" or "{%"), instead of the checkpoint's; NULL:
                                      * the checkpoint's (pd_chat_template_load) */

@@ -41,7 +41,7 @@ static void usage(FILE *f)
             "                   [--speculative-disable-by-batch-size N]\n"
             "                   [--graphs auto|off|pad] [--chunked-prefill-size N]\n"
             "                   [--reasoning-parser qwen3] [--served-model-name NAME] [--api-key KEY]\n"
-            "                   [--chat-template FILE|TEXT] [--max-local-prefill N] [--responses-store-mb N]\n"
+            "                   [--chat-template FILE|TEXT] [--jinja] [--max-local-prefill N] [--responses-store-mb N]\n"
             "                   [--vllm-metrics]\n"
             "                   [--generation-config auto|none|DIR]\n"
             "                   [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--tls-ca FILE]\n"
@@ -76,7 +76,9 @@ static void usage(FILE *f)
             "keeps OpenAI's (temperature 1); DIR reads DIR/generation_config.json.\n"
             "--chat-template FILE (or the template text itself) replaces the checkpoint's chat\n"
             "template. ChatML-shaped templates are rendered as Qwen's are; any other is rendered\n"
-            "by the server's Jinja2 subset (one that does not parse stops the node at start).\n"
+            "by the server's Jinja2 subset (one that does not parse stops the node at start);\n"
+            "--jinja renders ChatML-shaped templates with it too (the template followed exactly\n"
+            "instead of the built-in rules of Qwen's ChatML).\n"
             "--responses-store-mb N (default 64; 0: none) keeps completed /v1/responses replies and\n"
             "their conversations in this node's memory (oldest dropped first past N MiB) for\n"
             "previous_response_id and GET/DELETE /v1/responses/{id}; lost on restart, not shared\n"
@@ -172,12 +174,12 @@ int main(int argc, char **argv)
     const char *api_key = getenv("PDSPARK_API_KEY");
     int64_t drain_ms = 30000;
     int tls_reload_s = 60;
-    int store_mb = 64, vllm_metrics = 0;
+    int store_mb = 64, vllm_metrics = 0, jinja = 0;
     enum { O_MODEL = 256, O_DRAFT, O_LISTEN, O_PREFILL, O_COLO, O_DEVICE, O_PAGES, O_PAGE, O_BATCH,
            O_QUEUE, O_QTMO, O_RTMO, O_XTMO, O_CP, O_CPS, O_LOG, O_HELP, O_HTTP, O_LOGFMT, O_DRAIN,
            O_VERIFY, O_THRESH, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_CHUNK, O_REFRESH, O_PREFIX,
            O_REASON, O_SERVED, O_APIKEY, O_CHATTMPL, O_LOCALPF, O_GENCFG, O_KVFRAC, O_SWAP,
-           O_STAGE, O_SPECOFF, O_NODRAFT, O_TLSCERT, O_TLSKEY, O_TLSCA, O_TLSCCA, O_TLSRELOAD, O_RSTORE, O_VLLMMET };
+           O_STAGE, O_SPECOFF, O_NODRAFT, O_TLSCERT, O_TLSKEY, O_TLSCA, O_TLSCCA, O_TLSRELOAD, O_RSTORE, O_VLLMMET, O_JINJA };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"no-draft", no_argument, 0, O_NODRAFT},
@@ -212,7 +214,7 @@ int main(int argc, char **argv)
         {"tls-ca", required_argument, 0, O_TLSCA}, {"tls-client-ca", required_argument, 0, O_TLSCCA},
         {"tls-reload-interval", required_argument, 0, O_TLSRELOAD},
         {"responses-store-mb", required_argument, 0, O_RSTORE},
-        {"vllm-metrics", no_argument, 0, O_VLLMMET},
+        {"vllm-metrics", no_argument, 0, O_VLLMMET}, {"jinja", no_argument, 0, O_JINJA},
         {0, 0, 0, 0},
     };
     opterr = 0;
@@ -292,6 +294,7 @@ int main(int argc, char **argv)
         case O_TLSCA: tls_ca = optarg; break;
         case O_TLSCCA: tls_client_ca = optarg; break;
         case O_VLLMMET: vllm_metrics = 1; break;
+        case O_JINJA: jinja = 1; break;
         case O_RSTORE: bad = pd_cli_parse_int(PROG, "--responses-store-mb", optarg, 0, 1 << 20, &store_mb); break;
         case O_TLSRELOAD:
             bad = pd_cli_parse_int(PROG, "--tls-reload-interval", optarg, 0, 86400 * 365, &tls_reload_s);
@@ -411,6 +414,7 @@ int main(int argc, char **argv)
         decode_metrics_vllm_names(dm, model_id);
     }
     cfg.chat_template = chat_template;
+    cfg.jinja = jinja;
     cfg.reasoning = reasoning;
     cfg.generation_config = generation_config;
     if (decode_server_create(&cfg, &s, &err) != PD_OK) {

@@ -1185,8 +1185,8 @@ pd_status decode_server_create(const decode_config *cfg, decode_server **out, pd
         st = pd_err_set(err, PD_ERR_NOMEM, "decode config");
         goto err_destroy;
     }
-    if ((st = pd_chat_template_load(s->model_dir, cfg->chat_template, &s->chat, &s->chat_ok, s->chat_why,
-                                    sizeof(s->chat_why), err)) != PD_OK)
+    if ((st = pd_chat_template_open(s->model_dir, cfg->chat_template, cfg->jinja, &s->chat, &s->chat_ok,
+                                    s->chat_why, sizeof(s->chat_why), err)) != PD_OK)
         goto err_destroy;
     if ((st = load_gen_defaults(&s->gen, s->model_dir, cfg->generation_config, err)) != PD_OK)
         goto err_destroy;

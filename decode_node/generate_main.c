@@ -32,7 +32,7 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: pdspark-generate --model DIR [--draft DIR | --no-draft]\n"
             "                        (--prompt TEXT | --prompt-ids FILE)\n"
-            "                        [--chat [--system TEXT] [--chat-template FILE|TEXT]]\n"
+            "                        [--chat [--system TEXT] [--chat-template FILE|TEXT] [--jinja]]\n"
             "                        [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
             "                        [--min-p P] [--typical-p P] [--seed S] [--block-size B]\n"
             "                        [--ignore-eos] [--json]\n"
@@ -51,7 +51,8 @@ static void usage(FILE *f)
             "prompt. --prompt-ids reads whitespace-separated token ids. --json prints one object:\n"
             "tokens, text, rounds, accepted_per_round, tau, prompt_tokens, time_ms and more.\n"
             "--chat makes --prompt a user message (after a --system one) rendered by the\n"
-            "checkpoint's chat template (or --chat-template), as decode_node renders chat requests.\n"
+            "checkpoint's chat template (or --chat-template), as decode_node renders chat requests;\n"
+            "--jinja renders it with the Jinja subset even when it is ChatML-shaped.\n"
             "--cp-size N > 1 runs the prefill context-parallel over N ranks (threads of this process;\n"
             "on cuda rank r runs on GPU r %% (visible GPUs) with its own copy of the target, NCCL\n"
             "when every rank has a GPU of its own), split by --cp-strategy (default\n"
@@ -75,13 +76,13 @@ static void usage(FILE *f)
 }
 
 /* --chat: [system,] user rendered by the checkpoint's chat template (or --chat-template) */
-static pd_status chat_prompt(const char *model_dir, const char *given, const char *system_text, const char *prompt,
-                             char **out, pd_err *err)
+static pd_status chat_prompt(const char *model_dir, const char *given, int jinja, const char *system_text,
+                             const char *prompt, char **out, pd_err *err)
 {
     pd_chat_template t;
     int usable = 0;
     char why[256];
-    pd_status st = pd_chat_template_load(model_dir, given, &t, &usable, why, sizeof(why), err);
+    pd_status st = pd_chat_template_open(model_dir, given, jinja, &t, &usable, why, sizeof(why), err);
     if (st != PD_OK)
         return st;
     if (!usable)
@@ -101,7 +102,7 @@ int main(int argc, char **argv)
         return 0;
     const char *model_dir = NULL, *draft_dir = NULL, *prompt = NULL, *ids_path = NULL;
     const char *system_text = NULL, *chat_template = NULL;
-    int chat = 0;
+    int chat = 0, jinja = 0;
     const char *device = "cpu";
     int no_draft = 0, json = 0, ignore_eos = 0, stream = 0, fast_kernels = 0;
     int max_new = 128, block = 0, page_size = 16, kv_pages = 0, seed = 0, top_k = 0, cp_size = 1;
@@ -120,7 +121,7 @@ int main(int argc, char **argv)
            O_SEED, O_BLOCK, O_JSON, O_IGNORE, O_DEVICE, O_PAGE, O_PAGES, O_STREAM, O_CP_SIZE,
            O_CP_STRATEGY, O_VERIFY, O_THRESHOLD, O_FAST, O_GRAPHS, O_TP, O_DTYPE, O_PRES, O_FREQ,
            O_REP, O_BIAS, O_MINTOK, O_JOBJ, O_JSCHEMA, O_CHOICE, O_REGEX, O_GRAMMAR, O_MINP, O_TYPP,
-           O_CHAT, O_SYSTEM, O_CHATTMPL, O_HELP };
+           O_CHAT, O_SYSTEM, O_CHATTMPL, O_HELP, O_JINJA };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"draft", required_argument, 0, O_DRAFT},
         {"no-draft", no_argument, 0, O_NO_DRAFT}, {"prompt", required_argument, 0, O_PROMPT},
@@ -129,7 +130,7 @@ int main(int argc, char **argv)
         {"top-p", required_argument, 0, O_TOPP}, {"seed", required_argument, 0, O_SEED},
         {"min-p", required_argument, 0, O_MINP}, {"typical-p", required_argument, 0, O_TYPP},
         {"chat", no_argument, 0, O_CHAT}, {"system", required_argument, 0, O_SYSTEM},
-        {"chat-template", required_argument, 0, O_CHATTMPL},
+        {"chat-template", required_argument, 0, O_CHATTMPL}, {"jinja", no_argument, 0, O_JINJA},
         {"block-size", required_argument, 0, O_BLOCK}, {"json", no_argument, 0, O_JSON},
         {"ignore-eos", no_argument, 0, O_IGNORE}, {"device", required_argument, 0, O_DEVICE},
         {"dtype", required_argument, 0, O_DTYPE},
@@ -160,6 +161,7 @@ int main(int argc, char **argv)
         case O_CHAT: chat = 1; break;
         case O_SYSTEM: system_text = optarg; break;
         case O_CHATTMPL: chat_template = optarg; break;
+        case O_JINJA: jinja = 1; break;
         case O_IDS: ids_path = optarg; break;
         case O_MAXNEW: bad = pd_cli_parse_int(PROG, "--max-new-tokens", optarg, 1, 1 << 20, &max_new); break;
         case O_TEMP: bad = pd_cli_parse_float(PROG, "--temperature", optarg, &temperature); break;
@@ -243,8 +245,8 @@ int main(int argc, char **argv)
         fprintf(stderr, "pdspark-generate: give exactly one of --prompt TEXT or --prompt-ids FILE\n");
         return 2;
     }
-    if ((system_text != NULL || chat_template != NULL) && !chat) {
-        fprintf(stderr, "pdspark-generate: --system and --chat-template need --chat\n");
+    if ((system_text != NULL || chat_template != NULL || jinja) && !chat) {
+        fprintf(stderr, "pdspark-generate: --system, --chat-template and --jinja need --chat\n");
         return 2;
     }
     if (chat && prompt == NULL) {
@@ -267,7 +269,7 @@ int main(int argc, char **argv)
     pd_detok *detok = NULL;
     pd_sps sps = {0};
 
-    if (chat && chat_prompt(model_dir, chat_template, system_text, prompt, &chat_text, &err) != PD_OK)
+    if (chat && chat_prompt(model_dir, chat_template, jinja, system_text, prompt, &chat_text, &err) != PD_OK)
         goto fail;
     kern_backend_config bc = { .name = device, .f32 = f32 };
     if (kern_backend_create(&bc, &be, &err) != PD_OK)

@@ -213,6 +213,11 @@ raw_toks=$($gen --model "$T" --draft "$D" --prompt $'<|im_start|>system\nYou wri
 if [ -n "$chat_toks" ] && [ "$chat_toks" = "$raw_toks" ]
 then echo "ok   pdspark-generate --chat equals its ChatML text as the prompt"; ok
 else bad "pdspark-generate --chat: '$chat_toks' vs '$raw_toks'"; fi
+jinja_toks=$($gen --model "$T" --draft "$D" --chat --jinja --system "You write Python." --prompt "def add(a, b):" \
+    --max-new-tokens 12 --json 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin)["tokens"])')
+if [ -n "$jinja_toks" ] && [ "$jinja_toks" = "$raw_toks" ]
+then echo "ok   pdspark-generate --chat --jinja: the bundled template through the Jinja subset, the same prompt"; ok
+else bad "pdspark-generate --chat --jinja: '$jinja_toks' vs '$raw_toks'"; fi
 inst_toks=$($gen --model "$T" --draft "$D" --chat --prompt "def add(a, b):" --max-new-tokens 12 --json \
     --chat-template "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] | trim }} [/INST]{% endfor %}" 2>/dev/null |
     python3 -c 'import json,sys; print(json.load(sys.stdin)["tokens"])')

@@ -2382,6 +2382,18 @@ def test_chat_template(bin_dir, model, draft):
         check(st == 400 and r["error"]["param"] == "chat_template", "per-request chat_template refused: %s" % r)
     finally:
         node.stop()
+    # --jinja: the bundled ChatML template through the Jinja subset gives the same prompts
+    node = Node(bin_dir, model, draft, ("--colocated", "--jinja"))
+    try:
+        msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "yo"}, {"role": "user", "content": [{"type": "text", "text": "more"}]}]
+        st, a = post_json(node, "/tokenize", {"messages": msgs})
+        st2, b = post_json(node, "/tokenize", {"prompt": "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                                                         "<|im_start|>assistant\nyo<|im_end|>\n<|im_start|>user\nmore"
+                                                         "<|im_end|>\n<|im_start|>assistant\n"})
+        check(st == 200 and st2 == 200 and a["tokens"] == b["tokens"], "--jinja: the ChatML prompt: %s %s" % (a, b))
+    finally:
+        node.stop()
     # a template of another shape (a reasoning model's markers, whose generation prompt opens
     # <think>): the prompt jinja2 renders (tests/fixtures/jinja), the reply parsed from inside
     # <think> on
