@@ -1542,9 +1542,17 @@ static val *to_str(rctx *c, const val *v)
     return sb_val(&b);
 }
 
-/* json.dumps(v, ensure_ascii=False) with indent (< 0: none) */
-static void json_into(rctx *c, sbuf *b, const val *v, int indent, int level)
+/* json.dumps's options: indent (< 0: none), separators, sort_keys */
+typedef struct {
+    int indent;
+    const char *item_sep, *key_sep;
+    int sort_keys;
+} json_opts;
+
+/* json.dumps(v, ensure_ascii=False, ...) */
+static void json_into(rctx *c, sbuf *b, const val *v, const json_opts *o, int level)
 {
+    const int indent = o->indent;
     char num[64];
     switch (v->t) {
     case V_UNDEF: case V_NONE: sb_str(b, "null"); return;
@@ -1587,9 +1595,19 @@ static void json_into(rctx *c, sbuf *b, const val *v, int indent, int level)
         sb_str(b, list ? "]" : "}");
         return;
     }
-    for (int i = 0; i < n; i++) {
-        if (i)
-            sb_str(b, indent >= 0 ? "," : ", ");
+    int *order = aalloc(&c->a, (size_t)n * sizeof(int));
+    for (int i = 0; i < n; i++)
+        order[i] = i;
+    for (int i = 1; !list && o->sort_keys && i < n; i++)   /* sort_keys: insertion sort by key */
+        for (int j = i; j > 0 && strcmp(v->u.d.k[order[j - 1]], v->u.d.k[order[j]]) > 0; j--) {
+            int t = order[j - 1];
+            order[j - 1] = order[j];
+            order[j] = t;
+        }
+    for (int x = 0; x < n; x++) {
+        int i = order[x];
+        if (x)
+            sb_str(b, o->item_sep);
         if (indent >= 0) {
             sb_str(b, "\n");
             for (int s = 0; s < indent * (level + 1); s++)
@@ -1597,10 +1615,10 @@ static void json_into(rctx *c, sbuf *b, const val *v, int indent, int level)
         }
         if (!list) {
             val k = {.t = V_STR, .u.s = {v->u.d.k[i], strlen(v->u.d.k[i])}};
-            json_into(c, b, &k, indent, level + 1);
-            sb_str(b, ": ");
+            json_into(c, b, &k, o, level + 1);
+            sb_str(b, o->key_sep);
         }
-        json_into(c, b, list ? v->u.l.a[i] : v->u.d.v[i], indent, level + 1);
+        json_into(c, b, list ? v->u.l.a[i] : v->u.d.v[i], o, level + 1);
     }
     if (indent >= 0) {
         sb_str(b, "\n");
@@ -2582,9 +2600,21 @@ static val *map_attr(rctx *c, val *x, const char *attr)
 static val *apply_filter(rctx *c, const char *f, val *x, val **a, int n, char **kn, val **kv, int nk)
 {
     if (strcmp(f, "tojson") == 0) {
-        val *ind = arg(a, n, kn, kv, nk, 0, "indent");
+        /* transformers' tojson: json.dumps(x, ensure_ascii=False, indent, separators, sort_keys) */
+        val *ind = arg(a, n, kn, kv, nk, 0, "indent"), *sep = arg(a, n, kn, kv, nk, -1, "separators");
+        val *sk = arg(a, n, kn, kv, nk, -1, "sort_keys");
+        json_opts o = {.indent = ind != NULL && ind->t != V_NONE ? (int)need_int(c, ind, "tojson's indent") : -1,
+                       .sort_keys = sk != NULL && truthy(sk)};
+        o.item_sep = o.indent >= 0 ? "," : ", ";
+        o.key_sep = ": ";
+        if (sep != NULL && sep->t != V_NONE) {
+            if (sep->t != V_LIST || sep->u.l.n != 2)
+                rerr(c, "tojson: separators must be a pair of strings");
+            o.item_sep = need_str(c, sep->u.l.a[0], "tojson's separators")->u.s.s;
+            o.key_sep = need_str(c, sep->u.l.a[1], "tojson's separators")->u.s.s;
+        }
         sbuf b = {.c = c};
-        json_into(c, &b, x, ind != NULL && ind->t != V_NONE ? (int)need_int(c, ind, "tojson's indent") : -1, 0);
+        json_into(c, &b, x, &o, 0);
         return sb_val(&b);
     }
     if (strcmp(f, "trim") == 0 || strcmp(f, "strip") == 0)
