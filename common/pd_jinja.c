@@ -7,6 +7,7 @@
 #include "pd_jinja.h"
 
 #include <ctype.h>
+#include <limits.h>
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -111,7 +112,7 @@ static val V_TRUE_ = {.t = V_BOOL, .u.b = 1}, V_FALSE_ = {.t = V_BOOL, .u.b = 0}
 
 typedef enum {
     /* statements */
-    N_BODY, N_TEXT, N_OUT, N_IF, N_FOR, N_SET, N_SETBLOCK, N_MACRO, N_BREAK, N_CONTINUE, N_FILTERBLOCK,
+    N_BODY, N_TEXT, N_OUT, N_IF, N_FOR, N_SET, N_SETBLOCK, N_MACRO, N_BREAK, N_CONTINUE, N_FILTERBLOCK, N_CALLBLOCK,
     /* expressions */
     E_LIT, E_NAME, E_ATTR, E_ITEM, E_SLICE, E_CALL, E_FILTER, E_TEST, E_BIN, E_NEG, E_POS, E_NOT,
     E_AND, E_OR, E_COND, E_LIST, E_TUPLE, E_DICT, E_KWARG
@@ -130,7 +131,8 @@ typedef struct node {
 /* children: N_BODY statements; N_OUT [expr]; N_IF [cond, then, else?]; N_FOR [target names
  * (E_NAME or E_TUPLE of names), iterable, body, else?, filter?]; N_SET [target (E_NAME / E_ATTR
  * / E_TUPLE), value]; N_SETBLOCK [target, body]; N_MACRO [body, params (E_NAME or E_KWARG with
- * default)...] with s = name; N_FILTERBLOCK [body, args...] s = filter; E_ATTR [obj] s = name; E_ITEM [obj, index]; E_SLICE [obj, a, b,
+ * default)...] with s = name; N_FILTERBLOCK [body, args...] s = filter; N_CALLBLOCK [the body as a
+ * parameterless N_MACRO named caller, the E_CALL of a macro]; E_ATTR [obj] s = name; E_ITEM [obj, index]; E_SLICE [obj, a, b,
  * step] (NULL for absent); E_CALL [callee, args...]; E_FILTER [obj, args...] s = name; E_TEST
  * [obj, args...] s = name; E_BIN [l, r] s = op; E_AND / E_OR [l, r]; E_COND [then, cond, else?];
  * E_LIST / E_TUPLE items; E_DICT [k0, v0, k1, v1, ...]; E_KWARG [value] s = name. */
@@ -1127,6 +1129,26 @@ static node *parse_stmt_in(parser *ps, int *i)
         (*i)++;
         return x;
     }
+    if (strcmp(kw, "call") == 0) {
+        /* {% call m(args) %}body{% endcall %}: m runs with caller() rendering the body */
+        node *x = mk(ps, N_CALLBLOCK, 2);
+        if (is_op(ps, "("))
+            perr(ps, ps->line, "call blocks with caller arguments are not supported");
+        x->c[1] = parse_expr(ps);
+        if (x->c[1]->k != E_CALL)
+            perr(ps, line, "{%% call %%} needs a macro call");
+        end_piece(ps);
+        static const char *const stops[] = {"endcall", NULL};
+        const char *stop = NULL;
+        node *m = mk(ps, N_MACRO, 1);
+        m->s = "caller";
+        m->c[0] = parse_body(ps, i, stops, &stop);
+        if (stop == NULL)
+            perr(ps, line, "{%% call %%} without {%% endcall %%}");
+        x->c[0] = m;
+        (*i)++;
+        return x;
+    }
     if (strcmp(kw, "filter") == 0) {
         node *x = mk(ps, N_FILTERBLOCK, 0);
         int cap = 0;
@@ -1158,8 +1180,8 @@ static node *parse_stmt_in(parser *ps, int *i)
         end_piece(ps);
         return mk(ps, kw[0] == 'b' ? N_BREAK : N_CONTINUE, 0);
     }
-    perr(ps, line, "unknown statement '%s' (this renderer takes if, for, set, macro, filter, break, continue, "
-         "generation, raw)", kw);
+    perr(ps, line, "unknown statement '%s' (this renderer takes if, for, set, macro, call, filter, break, "
+         "continue, generation, raw)", kw);
 }
 
 static node *parse_body(parser *ps, int *i, const char *const *stops, const char **stop)
@@ -1189,7 +1211,7 @@ static node *parse_body(parser *ps, int *i, const char *const *stops, const char
                 return b;
             }
             static const char *const closers[] = {"endif", "endfor", "else", "elif", "endset", "endmacro",
-                                                   "endgeneration", "endraw", "endfilter", NULL};
+                                                   "endgeneration", "endraw", "endfilter", "endcall", NULL};
             int c = piece_word(ps, *i, closers);
             if (c >= 0)
                 perr(ps, p->line, "unexpected {%% %s %%}", closers[c]);
@@ -1257,6 +1279,8 @@ struct rctx {
     long steps;
     int depth;
     int brk;                       /* 1 break, 2 continue: unwinding to the loop */
+    int vdepth;                    /* values printed inside each other (a namespace can hold
+                                    * itself: a cycle is an error, not a crash) */
 };
 
 static void rerr(rctx *c, const char *fmt, ...) __attribute__((format(printf, 2, 3), noreturn));
@@ -1479,7 +1503,17 @@ static void str_into(rctx *c, sbuf *b, const val *v)
     }
 }
 
+static void repr_inner(rctx *c, sbuf *b, const val *v);
+
 static void repr_into(rctx *c, sbuf *b, const val *v)
+{
+    if (++c->vdepth > MAX_DEPTH)
+        rerr(c, "a value nested deeper than %d (one that holds itself?)", MAX_DEPTH);
+    repr_inner(c, b, v);
+    c->vdepth--;
+}
+
+static void repr_inner(rctx *c, sbuf *b, const val *v)
 {
     if (v->t == V_STR) {
         int dq = memchr(v->u.s.s, '\'', v->u.s.n) != NULL && memchr(v->u.s.s, '"', v->u.s.n) == NULL;
@@ -1553,6 +1587,8 @@ typedef struct {
 static void json_into(rctx *c, sbuf *b, const val *v, const json_opts *o, int level)
 {
     const int indent = o->indent;
+    if (level > MAX_DEPTH)
+        rerr(c, "tojson: a value nested deeper than %d (one that holds itself?)", MAX_DEPTH);
     char num[64];
     switch (v->t) {
     case V_UNDEF: case V_NONE: sb_str(b, "null"); return;
@@ -1638,8 +1674,18 @@ static double num(const val *v)
     return v->t == V_FLOAT ? v->u.f : v->t == V_INT ? (double)v->u.i : (double)v->u.b;
 }
 
+static int equal_at(const val *a, const val *b, int depth);
+
 static int equal(const val *a, const val *b)
 {
+    return equal_at(a, b, 0);
+}
+
+/* (a value that holds itself compares unequal past MAX_DEPTH instead of recursing on) */
+static int equal_at(const val *a, const val *b, int depth)
+{
+    if (depth > MAX_DEPTH)
+        return a == b;
     if (is_num(a) && is_num(b))
         return num(a) == num(b);
     if ((a->t == V_NONE || a->t == V_UNDEF) && (b->t == V_NONE || b->t == V_UNDEF))
@@ -1652,7 +1698,7 @@ static int equal(const val *a, const val *b)
         if (a->u.l.n != b->u.l.n)
             return 0;
         for (int i = 0; i < a->u.l.n; i++)
-            if (!equal(a->u.l.a[i], b->u.l.a[i]))
+            if (!equal_at(a->u.l.a[i], b->u.l.a[i], depth + 1))
                 return 0;
         return 1;
     case V_DICT:
@@ -1660,7 +1706,7 @@ static int equal(const val *a, const val *b)
             return 0;
         for (int i = 0; i < a->u.d.n; i++) {
             const val *o = dict_get(b, a->u.d.k[i], strlen(a->u.d.k[i]));
-            if (o == NULL || !equal(a->u.d.v[i], o))
+            if (o == NULL || !equal_at(a->u.d.v[i], o, depth + 1))
                 return 0;
         }
         return 1;
@@ -2311,18 +2357,23 @@ static val *arith(rctx *c, const char *op, val *l, val *r)
     long long li = l->t == V_INT ? l->u.i : l->t == V_BOOL ? l->u.b : 0;
     long long ri = r->t == V_INT ? r->u.i : r->t == V_BOOL ? r->u.b : 0;
     double lf = num(l), rf = num(r);
+    long long res;   /* integers past 64 bits become floats (Python's are unbounded) */
     switch (op[0]) {
-    case '+': return ints ? vint(c, li + ri) : vfloat(c, lf + rf);
-    case '-': return ints ? vint(c, li - ri) : vfloat(c, lf - rf);
+    case '+': return ints && !__builtin_add_overflow(li, ri, &res) ? vint(c, res) : vfloat(c, lf + rf);
+    case '-': return ints && !__builtin_sub_overflow(li, ri, &res) ? vint(c, res) : vfloat(c, lf - rf);
     case '*':
-        if (op[1] == '*')
-            return ints && ri >= 0 ? vint(c, (long long)pow((double)li, (double)ri)) : vfloat(c, pow(lf, rf));
-        return ints ? vint(c, li * ri) : vfloat(c, lf * rf);
+        if (op[1] == '*') {
+            double p = pow(lf, rf);
+            return ints && ri >= 0 && fabs(p) < 9.2e18 ? vint(c, (long long)p) : vfloat(c, p);
+        }
+        return ints && !__builtin_mul_overflow(li, ri, &res) ? vint(c, res) : vfloat(c, lf * rf);
     case '/':
         if (rf == 0)
             rerr(c, "division by zero");
         if (op[1] == '/') {
             if (ints) {
+                if (li == LLONG_MIN && ri == -1)
+                    return vfloat(c, -(double)LLONG_MIN);
                 long long q = li / ri;
                 if ((li % ri != 0) && ((li < 0) != (ri < 0)))
                     q--;
@@ -2335,6 +2386,8 @@ static val *arith(rctx *c, const char *op, val *l, val *r)
         if (rf == 0)
             rerr(c, "modulo by zero");
         if (ints) {
+            if (ri == -1)
+                return vint(c, 0);
             long long m = li % ri;
             if (m != 0 && ((m < 0) != (ri < 0)))
                 m += ri;
@@ -2435,7 +2488,9 @@ static val *eval(rctx *c, const node *x)
             rerr(c, "line %d: bad operand type for unary %c: %s", x->line, x->k == E_NEG ? '-' : '+', type_name(v));
         if (x->k == E_POS)
             return v;
-        return v->t == V_FLOAT ? vfloat(c, -v->u.f) : vint(c, -(v->t == V_INT ? v->u.i : v->u.b));
+        if (v->t == V_FLOAT || (v->t == V_INT && v->u.i == LLONG_MIN))
+            return vfloat(c, -num(v));
+        return vint(c, -(v->t == V_INT ? v->u.i : v->u.b));
     }
     case E_NOT: return vbool(!truthy(eval(c, x->c[0])));
     case E_AND: {
@@ -2658,7 +2713,9 @@ static val *apply_filter(rctx *c, const char *f, val *x, val **a, int n, char **
     if (strcmp(f, "abs") == 0) {
         if (!is_num(x))
             rerr(c, "abs of %s", type_name(x));
-        return x->t == V_FLOAT ? vfloat(c, fabs(x->u.f)) : vint(c, llabs((long long)num(x)));
+        if (x->t == V_FLOAT || (x->t == V_INT && x->u.i == LLONG_MIN))
+            return vfloat(c, fabs(num(x)));
+        return vint(c, llabs((long long)num(x)));
     }
     if (strcmp(f, "round") == 0) {
         long long p = n > 0 ? need_int(c, a[0], "round's precision") : 0;
@@ -2862,8 +2919,11 @@ static int apply_test(rctx *c, const char *t, val *x, val **a, int n)
                 return 0;
         return 1;
     }
-    if (o == NULL && (strcmp(t, "eq") == 0 || strcmp(t, "equalto") == 0 || strcmp(t, "in") == 0))
-        rerr(c, "test '%s' needs an argument", t);
+    static const char *const two[] = {"eq", "equalto", "sameas", "==", "ne", "in", "lt", "lessthan", "gt",
+                                       "greaterthan", "le", "ge", NULL};
+    for (int k = 0; o == NULL && two[k] != NULL; k++)
+        if (strcmp(t, two[k]) == 0)
+            rerr(c, "test '%s' needs an argument", t);
     if (strcmp(t, "eq") == 0 || strcmp(t, "equalto") == 0 || strcmp(t, "sameas") == 0 || strcmp(t, "==") == 0)
         return equal(x, o);
     if (strcmp(t, "ne") == 0) return !equal(x, o);
@@ -2986,6 +3046,18 @@ static void exec_body(rctx *c, const node *b)
             if (c->out != NULL)
                 c->out[mark] = '\0';
             assign(c, x->c[0], v);
+            break;
+        }
+        case N_CALLBLOCK: {
+            frame *saved = c->top;
+            push_frame(c);
+            val *f = mkval(&c->a, V_FUNC);
+            f->u.fn.macro = x->c[0];
+            f->u.fn.name = "caller";
+            bind(c, "caller", f);
+            val *v = to_str(c, eval(c, x->c[1]));
+            c->top = saved;
+            emit(c, v->u.s.s, v->u.s.n);
             break;
         }
         case N_FILTERBLOCK: {

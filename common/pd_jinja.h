@@ -5,14 +5,16 @@
  *   loop-control extension; tojson as json.dumps writes it, not HTML-escaped).
  * The subset: if/elif/else, for (one or two targets, a filter condition, else, loop.* with
  *   loop.cycle), break/continue, set (names, namespace attributes, block set), macro and call of
- *   macros, filter blocks, generation blocks (rendered as plain content), raw; expressions with
+ *   macros, call blocks (caller() without arguments), filter blocks, generation blocks (rendered as plain content), raw; expressions with
  *   literals (strings, numbers, lists, tuples, dicts, true/false/none), attribute, subscript and
  *   slice access, arithmetic, ~, Python's % formatting of strings, comparisons, in / not in,
  *   and / or / not, the conditional expression, filters and tests by name, string / dict / list
  *   methods templates call (strip, split, startswith, format, items, get, ...), and the globals
  *   raise_exception, namespace, range, strftime_now, dict.
- *   Not there: template inheritance and includes, call blocks, autoescape, extensions other than
- *   loop controls; a name outside the subset is an error naming it, not a silent empty string.
+ *   Not there: template inheritance and includes, caller() arguments, autoescape, extensions other
+ *   than loop controls, integers past 64 bits (they become floats); a name outside the subset is
+ *   an error naming it, not a silent empty string; a value that holds itself (a namespace can) is
+ *   an error when printed, not a crash.
  * Not here: what a chat template is given (pd_chat.c).
  * Threading: a parsed template is immutable; renders of it may run on several threads. */
 #ifndef PD_JINJA_H

@@ -988,6 +988,8 @@ static void test_jinja_errors(void)
         {"{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}", "MiB"},
         {"{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "nest deeper"},
         {"{{ 'a'.nope() }}", "no method 'nope'"},
+        {"{% set ns = namespace(a=1) %}{% set ns.me = [ns] %}{{ ns }}", "holds itself"},
+        {"{% set ns = namespace(a=1) %}{% set ns.me = [ns] %}{{ ns | tojson }}", "holds itself"},
     };
     for (size_t i = 0; i < sizeof(rbad) / sizeof(rbad[0]); i++) {
         char err[256] = "";
