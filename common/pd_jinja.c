@@ -1263,9 +1263,7 @@ void pd_jinja_free(pd_jinja *t)
 
 typedef struct frame {
     struct frame *up;
-    const char **k;
-    val **v;
-    int n, cap;
+    val vars;                      /* a V_DICT: the scope's names */
 } frame;
 
 struct rctx {
@@ -1394,7 +1392,9 @@ static val *dict_get(const val *d, const char *k, size_t kn)
     return NULL;
 }
 
-static void dict_set(rctx *c, val *d, const char *k, val *x)
+/* d[k] = x; a new key is copied, or borrowed (copy 0: a name of the template's parse, which
+ * outlives the render) */
+static void dict_put(rctx *c, val *d, const char *k, val *x, int copy)
 {
     for (int i = 0; i < d->u.d.n; i++)
         if (strcmp(d->u.d.k[i], k) == 0) {
@@ -1413,8 +1413,13 @@ static void dict_set(rctx *c, val *d, const char *k, val *x)
         d->u.d.v = vs;
         d->u.d.cap = cap;
     }
-    d->u.d.k[d->u.d.n] = astrndup(&c->a, k, strlen(k));
+    d->u.d.k[d->u.d.n] = copy ? astrndup(&c->a, k, strlen(k)) : k;
     d->u.d.v[d->u.d.n++] = x;
+}
+
+static void dict_set(rctx *c, val *d, const char *k, val *x)
+{
+    dict_put(c, d, k, x, 1);
 }
 
 static val *from_json(rctx *c, const cJSON *j)
@@ -1757,40 +1762,24 @@ static int contains(rctx *c, const val *hay, const val *x)
 
 static val *lookup(rctx *c, const char *k)
 {
-    for (frame *f = c->top; f != NULL; f = f->up)
-        for (int i = f->n - 1; i >= 0; i--)
-            if (strcmp(f->k[i], k) == 0)
-                return f->v[i];
+    for (frame *f = c->top; f != NULL; f = f->up) {
+        val *v = dict_get(&f->vars, k, strlen(k));
+        if (v != NULL)
+            return v;
+    }
     return NULL;
 }
 
+/* k (borrowed: a name from the parse or an arena copy) bound in the innermost scope */
 static void bind(rctx *c, const char *k, val *v)
 {
-    frame *f = c->top;
-    for (int i = 0; i < f->n; i++)
-        if (strcmp(f->k[i], k) == 0) {
-            f->v[i] = v;
-            return;
-        }
-    if (f->n == f->cap) {
-        int cap = f->cap ? f->cap * 2 : 8;
-        const char **ks = aalloc(&c->a, (size_t)cap * sizeof(char *));
-        val **vs = aalloc(&c->a, (size_t)cap * sizeof(val *));
-        if (f->n) {
-            memcpy(ks, f->k, (size_t)f->n * sizeof(char *));
-            memcpy(vs, f->v, (size_t)f->n * sizeof(val *));
-        }
-        f->k = ks;
-        f->v = vs;
-        f->cap = cap;
-    }
-    f->k[f->n] = k;
-    f->v[f->n++] = v;
+    dict_put(c, &c->top->vars, k, v, 0);
 }
 
 static void push_frame(rctx *c)
 {
     frame *f = aalloc(&c->a, sizeof(frame));
+    f->vars.t = V_DICT;
     f->up = c->top;
     c->top = f;
 }
@@ -2526,6 +2515,18 @@ static val *eval(rctx *c, const node *x)
     }
 }
 
+/* body rendered into a string value instead of the output (macros, set and filter blocks) */
+static val *render_capture(rctx *c, const node *body)
+{
+    size_t mark = c->len;
+    exec_body(c, body);
+    val *v = mkstr(&c->a, c->out != NULL ? c->out + mark : "", c->len - mark);
+    c->len = mark;
+    if (c->out != NULL)
+        c->out[mark] = '\0';
+    return v;
+}
+
 /* a macro's call: its parameters bound in a scope of its own, its body rendered into a string */
 static val *call_macro(rctx *c, const node *m, val **a, int n, char **kn, val **kv, int nk)
 {
@@ -2540,12 +2541,7 @@ static val *call_macro(rctx *c, const node *m, val **a, int n, char **kn, val **
             v = p->k == E_KWARG ? eval(c, p->c[0]) : &V_UNDEF_;
         bind(c, p->s, v);
     }
-    size_t mark = c->len;
-    exec_body(c, m->c[0]);
-    val *r = mkstr(&c->a, c->out != NULL ? c->out + mark : "", c->len - mark);
-    c->len = mark;
-    if (c->out != NULL)
-        c->out[mark] = '\0';
+    val *r = render_capture(c, m->c[0]);
     c->top = saved;
     c->depth--;
     return r;
@@ -2978,7 +2974,7 @@ static void exec_for(rctx *c, const node *x)
     for (int i = 0; i < n; i++) {
         if (++c->steps > MAX_STEPS)
             rerr(c, "the template takes too many steps");
-        f->n = 0;   /* the iteration's names start afresh (sets do not outlive it) */
+        f->vars.u.d.n = 0;   /* the iteration's names start afresh (sets do not outlive it) */
         c->top = f;
         assign(c, x->c[0], items->u.l.a[i]);
         if (!x->neg) {   /* the body does not name "loop" */
@@ -3039,13 +3035,7 @@ static void exec_body(rctx *c, const node *b)
         case N_FOR: exec_for(c, x); break;
         case N_SET: assign(c, x->c[0], eval(c, x->c[1])); break;
         case N_SETBLOCK: {
-            size_t mark = c->len;
-            exec_body(c, x->c[1]);
-            val *v = mkstr(&c->a, c->out != NULL ? c->out + mark : "", c->len - mark);
-            c->len = mark;
-            if (c->out != NULL)
-                c->out[mark] = '\0';
-            assign(c, x->c[0], v);
+            assign(c, x->c[0], render_capture(c, x->c[1]));
             break;
         }
         case N_CALLBLOCK: {
@@ -3061,10 +3051,7 @@ static void exec_body(rctx *c, const node *b)
             break;
         }
         case N_FILTERBLOCK: {
-            size_t mark = c->len;
-            exec_body(c, x->c[0]);
-            val *v = mkstr(&c->a, c->out != NULL ? c->out + mark : "", c->len - mark);
-            c->len = mark;
+            val *v = render_capture(c, x->c[0]);
             argv_t a = eval_args(c, x, 1);
             v = to_str(c, apply_filter(c, x->s, v, a.a, a.n, a.kn, a.kv, a.nk));
             emit(c, v->u.s.s, v->u.s.n);

@@ -380,7 +380,7 @@ static void add_choice(cJSON *o, const http_choice *ch, const char *text, size_t
     choice_end(c, ch, finish, lp_from, lp_to);
 }
 
-static void sse_send(http_req *r, cJSON *o)
+void decode_http_sse_send(http_req *r, const char *event, cJSON *o)
 {
     char *s = pd_json_print(o);
     cJSON_Delete(o);
@@ -390,11 +390,18 @@ static void sse_send(http_req *r, cJSON *o)
     }
     struct evbuffer *b = evbuffer_new();
     if (b != NULL) {
+        if (event != NULL)
+            evbuffer_add_printf(b, "event: %s\n", event);
         evbuffer_add_printf(b, "data: %s\n\n", s);
         evhttp_send_reply_chunk(r->req, b);
         evbuffer_free(b);
     }
     free(s);
+}
+
+static void sse_send(http_req *r, cJSON *o)
+{
+    decode_http_sse_send(r, NULL, o);
 }
 
 static void sse_start(http_req *r)

@@ -19,6 +19,10 @@ int decode_http_code_of(pd_status st);
 /* Answers req with an OpenAI error object: its message, the type of code and the field
  * (param, NULL: null). */
 void decode_http_send_error(struct evhttp_request *req, int code, const char *param, const char *msg);
+/* One SSE event of r's stream: "event: NAME" when event is not NULL, then "data: " o's JSON
+ * (o freed; nothing is sent once the reply is gone). */
+struct http_req;
+void decode_http_sse_send(struct http_req *r, const char *event, cJSON *o);
 /* A 200 reply with o's JSON (o freed; 500 when it cannot be printed). */
 void decode_http_send_json(struct evhttp_request *req, cJSON *o);
 /* r's failure (its first failed choice's status and message) as the error reply. */

@@ -13,7 +13,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <event2/buffer.h>
 #include <event2/http.h>
 
 #include "decode_http_internal.h"
@@ -653,17 +652,7 @@ static void event(http_req *r, const char *type, cJSON *o)
         m = next;
     }
     cJSON_Delete(o);
-    char *s = pd_json_print(e);
-    cJSON_Delete(e);
-    if (s != NULL && r->req != NULL) {
-        struct evbuffer *b = evbuffer_new();
-        if (b != NULL) {
-            evbuffer_add_printf(b, "event: %s\ndata: %s\n\n", type, s);
-            evhttp_send_reply_chunk(r->req, b);
-            evbuffer_free(b);
-        }
-    }
-    free(s);
+    decode_http_sse_send(r, type, e);
 }
 
 static int streaming(const http_req *r)
@@ -676,6 +665,19 @@ static void item_id(const http_req *r, const char *prefix, int k, char *out, siz
 {
     const char *hex = strchr(r->uid, '_');
     snprintf(out, cap, "%s_%s%02x", prefix, hex != NULL ? hex + 1 : r->uid, k & 0xff);
+}
+
+/* the text part of a reasoning or message item */
+static cJSON *part_json(int kind, const char *text, size_t len)
+{
+    cJSON *p = cJSON_CreateObject();
+    cJSON_AddStringToObject(p, "type", kind == ITEM_REASONING ? "reasoning_text" : "output_text");
+    cJSON_AddItemToObject(p, "text", decode_http_string_n(text, len));
+    if (kind == ITEM_MESSAGE) {
+        cJSON_AddArrayToObject(p, "annotations");
+        cJSON_AddArrayToObject(p, "logprobs");
+    }
+    return p;
 }
 
 /* the open item's whole form (done: 1 completed, 2 incomplete: the output ended in it at
@@ -691,26 +693,16 @@ static cJSON *item_json(const http_req *r, int kind, int k, const char *text, si
         cJSON_AddStringToObject(it, "type", "reasoning");
         cJSON_AddArrayToObject(it, "summary");
         cJSON *parts = cJSON_AddArrayToObject(it, "content");
-        if (done) {
-            cJSON *p = cJSON_CreateObject();
-            cJSON_AddStringToObject(p, "type", "reasoning_text");
-            cJSON_AddItemToObject(p, "text", decode_http_string_n(text, len));
-            cJSON_AddItemToArray(parts, p);
-        }
+        if (done)
+            cJSON_AddItemToArray(parts, part_json(kind, text, len));
     } else if (kind == ITEM_MESSAGE) {
         item_id(r, "msg", k, id, sizeof(id));
         cJSON_AddStringToObject(it, "id", id);
         cJSON_AddStringToObject(it, "type", "message");
         cJSON_AddStringToObject(it, "role", "assistant");
         cJSON *parts = cJSON_AddArrayToObject(it, "content");
-        if (done) {
-            cJSON *p = cJSON_CreateObject();
-            cJSON_AddStringToObject(p, "type", "output_text");
-            cJSON_AddItemToObject(p, "text", decode_http_string_n(text, len));
-            cJSON_AddArrayToObject(p, "annotations");
-            cJSON_AddArrayToObject(p, "logprobs");
-            cJSON_AddItemToArray(parts, p);
-        }
+        if (done)
+            cJSON_AddItemToArray(parts, part_json(kind, text, len));
     } else {
         item_id(r, "fc", k, id, sizeof(id));
         char cid[PD_CHAT_CALL_ID_SIZE];
@@ -735,19 +727,6 @@ static cJSON *at(const cJSON *item, int k, int part)
     if (part)
         cJSON_AddNumberToObject(o, "content_index", 0);
     return o;
-}
-
-/* the text part of a reasoning or message item */
-static cJSON *part_json(int kind, const char *text, size_t len)
-{
-    cJSON *p = cJSON_CreateObject();
-    cJSON_AddStringToObject(p, "type", kind == ITEM_REASONING ? "reasoning_text" : "output_text");
-    cJSON_AddItemToObject(p, "text", decode_http_string_n(text, len));
-    if (kind == ITEM_MESSAGE) {
-        cJSON_AddArrayToObject(p, "annotations");
-        cJSON_AddArrayToObject(p, "logprobs");
-    }
-    return p;
 }
 
 /* The open item closed: its whole form replaces the in-progress one (streamed: the .done
